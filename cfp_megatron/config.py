@@ -1,0 +1,622 @@
+"""Structured configuration: one frozen, keyword-only dataclass per config group.
+
+The frozen specs here are the source of truth. Hydra cannot override fields of a frozen dataclass (OmegaConf marks
+such nodes read-only), so :func:`register_configs` stores a mutable twin of :class:`JobSpec` in Hydra's
+ConfigStore as the schema (``cfp_schema``); after composition :func:`job_from_config` turns the composed config
+into frozen specs, which runs every ``__post_init__`` check. Each check names the Hydra key, the value and the fix.
+Checks that need several groups at once (world size, heads vs TP, ...) live in
+:mod:`cfp_megatron.parallel_dims`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from cfp_megatron.errors import ConfigError, ConfigIssue
+
+
+class Precision(enum.Enum):
+    """Numeric format of parameters and activations."""
+
+    auto = "auto"
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Recompute(enum.Enum):
+    """Activation recomputation (Megatron's ``recompute_granularity``)."""
+
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class PositionEmbedding(enum.Enum):
+    """How token positions enter the model (Megatron's ``position_embedding_type``)."""
+
+    learned_absolute = "learned_absolute"
+    rope = "rope"
+    none = "none"
+
+
+class Normalization(enum.Enum):
+    """Layer normalisation kind."""
+
+    LayerNorm = "LayerNorm"
+    RMSNorm = "RMSNorm"
+
+
+class Activation(enum.Enum):
+    """MLP activation; ``swiglu`` is a gated linear unit with SiLU (LLaMA style)."""
+
+    gelu = "gelu"
+    swiglu = "swiglu"
+
+
+class AttentionKind(enum.Enum):
+    """Self-attention variant."""
+
+    standard = "standard"
+    """Multi-head or grouped-query attention (set ``num_query_groups`` for GQA)."""
+    mla = "mla"
+    """Multi-latent attention (DeepSeek-V2/V3), Megatron-Core's ``MLASelfAttention``."""
+
+
+class RouterScore(enum.Enum):
+    """MoE router score function."""
+
+    softmax = "softmax"
+    sigmoid = "sigmoid"
+
+
+class TokenDispatcher(enum.Enum):
+    """MoE token dispatcher (Megatron's ``moe_token_dispatcher_type``)."""
+
+    alltoall = "alltoall"
+    allgather = "allgather"
+
+
+class OptimizerKind(enum.Enum):
+    """Optimizer; both come from ``megatron.core.optimizer``."""
+
+    adam = "adam"
+    sgd = "sgd"
+
+
+class LRSchedule(enum.Enum):
+    """Learning-rate decay after warm-up (``megatron.core.optimizer_param_scheduler``)."""
+
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+class DataKind(enum.Enum):
+    """Where training tokens come from."""
+
+    synthetic = "synthetic"
+    """Deterministic generated sequences with learnable structure; needs no files."""
+    indexed = "indexed"
+    """Megatron's indexed dataset (``.bin``/``.idx``) read by ``megatron.core.datasets.GPTDataset``."""
+
+
+class TokenizerKind(enum.Enum):
+    """Tokenizer used by the indexed dataset and its preprocessing tool."""
+
+    byte = "byte"
+    """UTF-8 bytes (vocabulary 256 plus end-of-document); needs no files."""
+    huggingface = "huggingface"
+    """A local ``tokenizer.json`` read with the ``tokenizers`` package."""
+
+
+class Backend(enum.Enum):
+    """torch.distributed backend."""
+
+    auto = "auto"
+    """NCCL when CUDA is available, else gloo."""
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+def _issue(issues: list[ConfigIssue], ok: bool, key: str, value: object, problem: str, fix: str) -> None:
+    """Append an issue when ``ok`` is false."""
+    if not ok:
+        issues.append(ConfigIssue(key=key, value=value, problem=problem, fix=fix))
+
+
+def _positive(issues: list[ConfigIssue], prefix: str, obj: object, *names: str) -> None:
+    """Check that each named integer field is >= 1 (``None`` is allowed and means 'derive it')."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None:
+            _issue(issues, value >= 1, f"{prefix}.{name}", value, "must be a positive integer.",
+                   f"set {prefix}.{name} to 1 or more.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """The model's shape, in Megatron-Core's ``TransformerConfig`` vocabulary (Hydra group ``model``)."""
+
+    PREFIX: ClassVar[str] = "model"
+
+    name: str = "gpt_tiny"
+    """Name of the preset (the Hydra option that chose it)."""
+    num_layers: int = 4
+    """Number of transformer layers."""
+    hidden_size: int = 64
+    """Transformer hidden size."""
+    ffn_hidden_size: int | None = None
+    """Dense MLP hidden size; ``None`` means 4 x ``hidden_size``."""
+    num_attention_heads: int = 4
+    """Number of query heads."""
+    num_query_groups: int | None = None
+    """Number of key/value heads for grouped-query attention; ``None`` means one per query head (MHA)."""
+    kv_channels: int | None = None
+    """Per-head dimension; ``None`` means ``hidden_size / num_attention_heads``."""
+    vocab_size: int = 256
+    """Tokenizer vocabulary size before padding."""
+    make_vocab_size_divisible_by: int = 128
+    """The embedding is padded to a multiple of this. Unlike Megatron-LM it is not multiplied by TP, so the padded
+    vocabulary, and therefore the loss, is the same under every layout."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the position embedding supports."""
+    position_embedding: PositionEmbedding = PositionEmbedding.learned_absolute
+    """Learned absolute positions (GPT) or rotary (LLaMA)."""
+    rotary_base: float = 10000.0
+    """RoPE base frequency."""
+    normalization: Normalization = Normalization.LayerNorm
+    """LayerNorm (GPT) or RMSNorm (LLaMA)."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of the normalisation layers."""
+    activation: Activation = Activation.gelu
+    """MLP activation."""
+    add_bias_linear: bool = True
+    """Biases in linear layers (GPT yes, LLaMA no)."""
+    add_qkv_bias: bool = False
+    """Bias in the QKV projection only (Qwen style)."""
+    qk_layernorm: bool = False
+    """Normalise queries and keys per head."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output layer."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal initialisation."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention and MLP."""
+    attention_dropout: float = 0.0
+    """Dropout of attention probabilities."""
+    attention: AttentionKind = AttentionKind.standard
+    """Attention variant."""
+    q_lora_rank: int | None = None
+    """MLA: rank of the query down-projection; ``None`` means no query compression."""
+    kv_lora_rank: int = 512
+    """MLA: rank of the key/value down-projection."""
+    qk_head_dim: int = 128
+    """MLA: per-head query/key dimension without the rotary part."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA: per-head rotary dimension."""
+    v_head_dim: int = 128
+    """MLA: per-head value dimension."""
+    num_experts: int | None = None
+    """Routed experts per MoE layer; ``None`` means a dense model."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: int | None = None
+    """Hidden size of each routed expert; ``None`` means ``ffn_hidden_size``."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Total hidden size of the shared experts (DeepSeek); ``None`` means none."""
+    moe_first_dense_layers: int = 0
+    """The first this-many layers use a dense MLP instead of MoE (DeepSeek's ``first_k_dense_replace``)."""
+    moe_router_score: RouterScore = RouterScore.softmax
+    """Router score function."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing auxiliary loss coefficient (0 disables it)."""
+    moe_token_dispatcher: TokenDispatcher = TokenDispatcher.alltoall
+    """How tokens reach their experts across expert-parallel ranks."""
+
+    def __post_init__(self) -> None:
+        issues: list[ConfigIssue] = []
+        p = self.PREFIX
+        _positive(issues, p, self, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                  "num_query_groups", "kv_channels", "vocab_size", "make_vocab_size_divisible_by",
+                  "max_position_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                  "moe_shared_expert_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                  "qk_pos_emb_head_dim", "v_head_dim")
+        if self.num_query_groups and self.num_attention_heads >= 1:
+            _issue(issues, self.num_attention_heads % self.num_query_groups == 0, f"{p}.num_query_groups",
+                   self.num_query_groups,
+                   f"must divide model.num_attention_heads={self.num_attention_heads}.",
+                   "use a divisor of the number of heads (or null for multi-head attention).")
+        if self.kv_channels is None and self.attention is AttentionKind.standard and self.num_attention_heads >= 1:
+            _issue(issues, self.hidden_size % self.num_attention_heads == 0, f"{p}.hidden_size", self.hidden_size,
+                   f"is not divisible by model.num_attention_heads={self.num_attention_heads}.",
+                   "make hidden_size a multiple of the head count, or set model.kv_channels.")
+        _issue(issues, self.init_method_std > 0, f"{p}.init_method_std", self.init_method_std, "must be positive.",
+               "use e.g. 0.02.")
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            _issue(issues, 0.0 <= value < 1.0, f"{p}.{name}", value, "must be in [0, 1).", f"set {p}.{name}=0.0.")
+        if self.num_experts is not None and self.num_experts >= 1 and self.moe_router_topk >= 1:
+            _issue(issues, self.moe_router_topk <= self.num_experts, f"{p}.moe_router_topk", self.moe_router_topk,
+                   f"exceeds model.num_experts={self.num_experts}.", "route each token to at most num_experts.")
+            _issue(issues, 0 <= self.moe_first_dense_layers < self.num_layers, f"{p}.moe_first_dense_layers",
+                   self.moe_first_dense_layers, f"must be in [0, model.num_layers={self.num_layers}).",
+                   "leave at least one MoE layer, or set model.num_experts=null for a dense model.")
+        if self.num_experts is None:
+            _issue(issues, self.moe_shared_expert_intermediate_size is None,
+                   f"{p}.moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size,
+                   "shared experts need a MoE model.", "set model.num_experts, or set this to null.")
+        if self.attention is AttentionKind.mla:
+            _issue(issues, self.position_embedding is PositionEmbedding.rope, f"{p}.position_embedding",
+                   self.position_embedding.value, "multi-latent attention needs rotary embeddings.",
+                   "set model.position_embedding=rope.")
+        if issues:
+            raise ConfigError(issues)
+
+    @property
+    def ffn_size(self) -> int:
+        """Dense MLP hidden size after defaults."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads after defaults."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Vocabulary padded to ``make_vocab_size_divisible_by``."""
+        d = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // d) * d
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has MoE layers."""
+        return self.num_experts is not None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """The machines the job runs on (Hydra group ``cluster``). Figures are per GPU unless said otherwise."""
+
+    PREFIX: ClassVar[str] = "cluster"
+
+    name: str = "local"
+    """Preset name."""
+    nodes: int = 1
+    """Number of nodes."""
+    gpus_per_node: int | None = None
+    """Accelerators (or, on CPU, processes) per node; ``None`` means what torchrun started (LOCAL_WORLD_SIZE)."""
+    device_name: str = "cpu"
+    """Accelerator model, for reports."""
+    peak_tflops_bf16: float | None = None
+    """Dense bf16 peak in TFLOP/s; ``None`` means measure it at start-up (used for MFU)."""
+    peak_tflops_fp8: float | None = None
+    """Dense fp8 peak in TFLOP/s; ``None`` if the device has no fp8 tensor cores."""
+    peak_tflops_fp32: float | None = None
+    """fp32 peak in TFLOP/s (TF32 tensor cores where present); ``None`` means measure it."""
+    hbm_gib: float | None = None
+    """Device memory capacity in GiB; ``None`` means host memory is used (CPU)."""
+    hbm_bandwidth_gbps: float | None = None
+    """Device memory bandwidth in GB/s."""
+    intra_node_bandwidth_gbps: float | None = None
+    """Unidirectional bandwidth per GPU inside a node (NVLink/NVSwitch) in GB/s."""
+    intra_node_latency_us: float | None = None
+    """Latency of a small intra-node transfer in microseconds."""
+    inter_node_bandwidth_gbps: float | None = None
+    """Unidirectional network bandwidth per GPU between nodes (one NIC rail per GPU) in GB/s."""
+    inter_node_latency_us: float | None = None
+    """Latency of a small inter-node transfer in microseconds."""
+    backend: Backend = Backend.auto
+    """torch.distributed backend."""
+
+    def __post_init__(self) -> None:
+        issues: list[ConfigIssue] = []
+        _positive(issues, self.PREFIX, self, "nodes", "gpus_per_node")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and f.name != "nodes":
+                _issue(issues, value > 0, f"{self.PREFIX}.{f.name}", value, "must be positive.",
+                       f"set a positive figure, or null for {self.PREFIX}.{f.name}.")
+        if issues:
+            raise ConfigError(issues)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelSpec:
+    """How the model and batch are split across ranks (Hydra group ``parallel``). DP is what is left over."""
+
+    PREFIX: ClassVar[str] = "parallel"
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    sp: bool = False
+    """Sequence parallelism (shards LayerNorm/dropout activations along the sequence over the TP group)."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    vpp: int | None = None
+    """Virtual pipeline stages (model chunks) per pipeline rank for the interleaved 1F1B schedule; ``None`` = 1."""
+    cp: int = 1
+    """Context-parallel size (splits the sequence in attention)."""
+    ep: int = 1
+    """Expert-parallel size (MoE only)."""
+    etp: int | None = None
+    """Tensor-parallel size inside experts; ``None`` means 1 (Megatron's recommended default with EP)."""
+    distributed_optimizer: bool = False
+    """Shard optimizer states over data-parallel ranks (ZeRO-1, Megatron's distributed optimizer)."""
+    recompute: Recompute = Recompute.none
+    """Activation recomputation: none, selective (core attention), or full (every layer)."""
+    recompute_num_layers: int = 1
+    """With ``recompute=full``: layers per recomputed group (Megatron's uniform method)."""
+    overlap_grad_reduce: bool = False
+    """Overlap data-parallel gradient reduction with the backward pass."""
+    overlap_param_gather: bool = False
+    """With the distributed optimizer: overlap the parameter all-gather with the next forward."""
+    order: str = "tp-cp-ep-dp-pp"
+    """Megatron's rank order, fastest-varying first."""
+
+    def __post_init__(self) -> None:
+        issues: list[ConfigIssue] = []
+        p = self.PREFIX
+        _positive(issues, p, self, "tp", "pp", "vpp", "cp", "ep", "etp", "recompute_num_layers")
+        dims = self.order.split("-")
+        _issue(issues, sorted(dims) == sorted(["tp", "cp", "ep", "dp", "pp"]), f"{p}.order", self.order,
+               "must name tp, cp, ep, dp and pp once each, separated by '-'.", "use the default tp-cp-ep-dp-pp.")
+        if self.sp and self.tp == 1:
+            issues.append(ConfigIssue(key=f"{p}.sp", value=True, problem="sequence parallelism needs parallel.tp > 1.",
+                                      fix="set parallel.sp=false or parallel.tp to 2 or more."))
+        if self.overlap_param_gather and not self.distributed_optimizer:
+            issues.append(ConfigIssue(key=f"{p}.overlap_param_gather", value=True,
+                                      problem="overlapping the parameter all-gather needs the distributed optimizer.",
+                                      fix="set parallel.distributed_optimizer=true or parallel.overlap_param_gather"
+                                          "=false."))
+        if self.vpp is not None and self.vpp > 1 and self.pp == 1:
+            issues.append(ConfigIssue(key=f"{p}.vpp", value=self.vpp,
+                                      problem="virtual pipeline stages need parallel.pp > 1.",
+                                      fix="set parallel.vpp=null or parallel.pp to 2 or more."))
+        if issues:
+            raise ConfigError(issues)
+
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per pipeline rank (1 without interleaving)."""
+        return self.vpp or 1
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size after defaults."""
+        return self.etp or 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSpec:
+    """The training run (Hydra group ``train``)."""
+
+    PREFIX: ClassVar[str] = "train"
+
+    global_batch_size: int = 8
+    """Sequences per optimizer step, over all data-parallel ranks."""
+    micro_batch_size: int = 2
+    """Sequences per forward/backward pass on one rank."""
+    seq_length: int = 64
+    """Tokens per sequence."""
+    steps: int = 20
+    """Optimizer steps to train for (the total, counting steps done before a resume)."""
+    optimizer: OptimizerKind = OptimizerKind.adam
+    """Optimizer."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of decay."""
+    lr_schedule: LRSchedule = LRSchedule.cosine
+    """Decay style after warm-up."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    lr_decay_steps: int | None = None
+    """Steps over which the rate decays; ``None`` means ``steps``."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.95
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Gradient-norm clipping threshold (0 disables it)."""
+    precision: Precision = Precision.auto
+    """Parameter/activation precision; ``auto`` is bf16 on GPU and fp32 on CPU."""
+    seed: int = 1234
+    """Seed for initialisation and data."""
+    layout_independent_init: bool = True
+    """Initialise every weight from a generator keyed by its global name, so the same seed gives the same model
+    under every TP/PP/EP layout. Costs one full-size random tensor per weight at start-up; set false for very large
+    models to keep Megatron's per-rank initialisation."""
+    log_interval: int = 1
+    """Steps between log lines."""
+    save_interval: int = 0
+    """Steps between checkpoints; 0 saves only at the end. Needs ``checkpoint_dir``."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go; ``None`` disables checkpointing."""
+    resume: bool = False
+    """Continue from the latest checkpoint in ``checkpoint_dir`` (at its exact step)."""
+    metrics_file: str | None = None
+    """JSON-lines metrics written by rank 0; ``None`` means ``metrics.jsonl`` in the Hydra run directory."""
+
+    def __post_init__(self) -> None:
+        issues: list[ConfigIssue] = []
+        p = self.PREFIX
+        _positive(issues, p, self, "global_batch_size", "micro_batch_size", "seq_length", "log_interval",
+                  "lr_decay_steps")
+        for name in ("steps", "warmup_steps", "save_interval"):
+            value = getattr(self, name)
+            _issue(issues, value >= 0, f"{p}.{name}", value, "must not be negative.", f"set {p}.{name} to 0 or more.")
+        _issue(issues, self.lr > 0, f"{p}.lr", self.lr, "must be positive.", "use e.g. 3e-4.")
+        _issue(issues, 0 <= self.min_lr <= self.lr, f"{p}.min_lr", self.min_lr, f"must be in [0, train.lr={self.lr}].",
+               "lower train.min_lr.")
+        _issue(issues, self.clip_grad >= 0, f"{p}.clip_grad", self.clip_grad, "must not be negative.",
+               "use 0 to disable clipping.")
+        if self.resume:
+            _issue(issues, self.checkpoint_dir is not None, f"{p}.resume", True, "resuming needs a checkpoint directory.",
+                   "set train.checkpoint_dir to the directory the earlier run saved into.")
+        if self.save_interval > 0:
+            _issue(issues, self.checkpoint_dir is not None, f"{p}.save_interval", self.save_interval,
+                   "saving needs a checkpoint directory.", "set train.checkpoint_dir, or train.save_interval=0.")
+        if issues:
+            raise ConfigError(issues)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSpec:
+    """Training data (Hydra group ``data``)."""
+
+    PREFIX: ClassVar[str] = "data"
+
+    kind: DataKind = DataKind.synthetic
+    """Synthetic sequences or Megatron's indexed dataset."""
+    path: list[str] = field(default_factory=list)
+    """Indexed dataset prefixes (``prefix.bin``/``prefix.idx``), blended in proportion to their sizes."""
+    split: str = "100,0,0"
+    """Train/validation/test split of the indexed documents, as Megatron writes it."""
+    tokenizer: TokenizerKind = TokenizerKind.byte
+    """Tokenizer the dataset was preprocessed with."""
+    tokenizer_path: str | None = None
+    """``tokenizer.json`` for the ``huggingface`` tokenizer."""
+    cache_dir: str | None = None
+    """Where GPTDataset caches its index files; ``None`` means next to the data."""
+
+    def __post_init__(self) -> None:
+        issues: list[ConfigIssue] = []
+        p = self.PREFIX
+        if self.kind is DataKind.indexed:
+            _issue(issues, len(self.path) > 0, f"{p}.path", list(self.path), "the indexed dataset needs file prefixes.",
+                   "set data.path=[/data/corpus_text_document] (run python -m cfp_megatron.data.preprocess first).")
+        if self.tokenizer is TokenizerKind.huggingface:
+            _issue(issues, self.tokenizer_path is not None, f"{p}.tokenizer_path", self.tokenizer_path,
+                   "the huggingface tokenizer needs a tokenizer.json.", "set data.tokenizer_path=/path/tokenizer.json.")
+        parts = self.split.replace("/", ",").split(",")
+        ok = len(parts) == 3 and all(x.strip().replace(".", "", 1).isdigit() for x in parts)
+        _issue(issues, ok, f"{p}.split", self.split, "must be three comma-separated weights.", "use e.g. 98,1,1.")
+        if issues:
+            raise ConfigError(issues)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """Everything one training job needs, after Hydra composed it."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    """Model shape."""
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    """Machines."""
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    """Parallel layout."""
+    train: TrainSpec = field(default_factory=TrainSpec)
+    """Training run."""
+    data: DataSpec = field(default_factory=DataSpec)
+    """Training data."""
+
+
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(JobSpec)[f.name] for f in dataclasses.fields(JobSpec)}
+"""Config groups and the spec each one builds."""
+
+
+def _mutable_twin(cls: type, cache: dict[type, type]) -> type:
+    """A non-frozen copy of a (nested) frozen dataclass, used only as the Hydra schema."""
+    if cls in cache:
+        return cache[cls]
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for f in dataclasses.fields(cls):
+        ftype = hints[f.name]
+        if dataclasses.is_dataclass(ftype):
+            twin = _mutable_twin(ftype, cache)
+            fields.append((f.name, twin, field(default_factory=twin)))
+        elif f.default_factory is not dataclasses.MISSING:
+            fields.append((f.name, ftype, field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, ftype, field(default=f.default)))
+    twin = dataclasses.make_dataclass(f"{cls.__name__}Schema", fields, kw_only=True)
+    cache[cls] = twin
+    return twin
+
+
+JobSchema = _mutable_twin(JobSpec, {})
+"""Mutable twin of :class:`JobSpec`, stored in Hydra's ConfigStore as ``cfp_schema``."""
+
+
+def register_configs() -> None:
+    """Store the schema in Hydra's ConfigStore (``conf/config.yaml`` lists ``cfp_schema`` first in its defaults)
+    and register the ``cfp_run_id`` resolver used by ``hydra.run.dir``."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    from cfp_megatron.runtime.launch_env import run_id
+
+    ConfigStore.instance().store(name="cfp_schema", node=JobSchema)
+    if not OmegaConf.has_resolver("cfp_run_id"):
+        OmegaConf.register_new_resolver("cfp_run_id", run_id)
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return value
+
+
+def _build(cls: type, values: dict[str, Any]) -> Any:
+    """Construct a frozen spec from a mapping, converting strings to enums (runs ``__post_init__``)."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    prefix = getattr(cls, "PREFIX", cls.__name__)
+    if unknown:
+        raise ConfigError([ConfigIssue(key=f"{prefix}.{k}", value=values[k], problem="is not a known setting.",
+                                       fix=f"remove it; known keys are {sorted(known)}.") for k in unknown])
+    kwargs: dict[str, Any] = {}
+    for name, value in values.items():
+        ftype = hints[name]
+        if isinstance(ftype, type) and issubclass(ftype, enum.Enum) and not isinstance(value, ftype):
+            try:
+                value = ftype(value)
+            except ValueError:
+                raise ConfigError(ConfigIssue(key=f"{prefix}.{name}", value=value,
+                                              problem="is not an allowed value.",
+                                              fix=f"use one of {[m.value for m in ftype]}.")) from None
+        elif isinstance(value, list):
+            value = list(value)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def job_from_config(cfg: Any) -> JobSpec:
+    """Build frozen specs from a composed Hydra/OmegaConf config (or a plain dict).
+
+    Every section is built even when an earlier one fails, and all problems are raised together.
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig):
+        raw = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    else:
+        raw = _to_plain(cfg)
+    if not isinstance(raw, dict):
+        raise ConfigError(ConfigIssue(key="<root>", value=type(raw).__name__, problem="the config is not a mapping.",
+                                      fix="compose it with Hydra from conf/config.yaml."))
+    issues: list[ConfigIssue] = []
+    built: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        try:
+            built[name] = _build(cls, _to_plain(raw.get(name, {})))
+        except ConfigError as err:
+            issues.extend(err.issues)
+    extra = sorted(set(raw) - set(SECTIONS) - {"hydra"})
+    issues.extend(ConfigIssue(key=k, value=raw[k], problem="is not a known config group.",
+                              fix=f"remove it; groups are {sorted(SECTIONS)}.") for k in extra)
+    if issues:
+        raise ConfigError(issues)
+    return JobSpec(**built)

@@ -1,0 +1,48 @@
+"""Typed errors raised for bad user input.
+
+Every error names the Hydra key, the value it had and how to fix it, so a user can act on the message without
+reading code. Several problems found at once are reported together in one :class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfigIssue:
+    """One problem with one setting."""
+
+    key: str
+    """The Hydra key, e.g. ``parallel.tp``."""
+    value: object
+    """The value the key had."""
+    problem: str
+    """What is wrong, in one sentence."""
+    fix: str
+    """What to change."""
+
+    def __str__(self) -> str:
+        return f"{self.key}={self.value!r}: {self.problem} Fix: {self.fix}"
+
+
+class CfpError(Exception):
+    """Base class of all cfp-megatron errors."""
+
+
+class ConfigError(CfpError, ValueError):
+    """One or more settings are invalid; raised before any process group or device work starts."""
+
+    def __init__(self, issues: list[ConfigIssue] | ConfigIssue) -> None:
+        self.issues: list[ConfigIssue] = [issues] if isinstance(issues, ConfigIssue) else list(issues)
+        lines = [f"{len(self.issues)} invalid setting(s):"] + [f"  - {issue}" for issue in self.issues]
+        super().__init__("\n".join(lines))
+
+    @property
+    def keys(self) -> list[str]:
+        """The Hydra keys named by the issues, in order."""
+        return [issue.key for issue in self.issues]
+
+
+class CheckpointError(CfpError, RuntimeError):
+    """A checkpoint is missing, incomplete or would overwrite a user's work."""

@@ -1,0 +1,172 @@
+"""One validated object for the parallel sizes of a job (after torchtitan's ``ParallelDims``).
+
+:meth:`ParallelDims.build` checks everything that involves more than one config group (world size against the
+parallel sizes, heads against TP, layers against PP x VPP, experts against EP, batch against DP, sequence against
+CP/SP, options that do not go together) and raises one :class:`~cfp_megatron.errors.ConfigError` listing every
+problem. It is pure: it runs before any process group exists.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+
+from cfp_megatron.config import AttentionKind, JobSpec, PositionEmbedding, Recompute
+from cfp_megatron.errors import ConfigError, ConfigIssue
+
+
+def transformer_engine_available() -> bool:
+    """Whether Transformer Engine can be imported (it provides CP attention and fused kernels)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """The validated parallel layout of one job."""
+
+    world_size: int
+    """Total ranks."""
+    tp: int
+    """Tensor-parallel size."""
+    pp: int
+    """Pipeline-parallel size."""
+    vpp: int
+    """Model chunks per pipeline rank (1 = no interleaving)."""
+    cp: int
+    """Context-parallel size."""
+    ep: int
+    """Expert-parallel size."""
+    etp: int
+    """Expert tensor-parallel size."""
+    dp: int
+    """Data-parallel size (world / (tp x cp x pp))."""
+    expert_dp: int
+    """Data-parallel size of expert weights (world / (etp x ep x pp))."""
+    sp: bool
+    """Sequence parallelism on."""
+    num_microbatches: int
+    """Micro-batches per optimizer step on each data-parallel rank."""
+    order: str
+    """Megatron rank order string."""
+
+    @classmethod
+    def build(cls, job: JobSpec, world_size: int, *, te_available: bool | None = None) -> ParallelDims:
+        """Validate ``job`` for ``world_size`` ranks; raise one ConfigError naming every problem."""
+        m, p, t, c = job.model, job.parallel, job.train, job.cluster
+        te = transformer_engine_available() if te_available is None else te_available
+        issues: list[ConfigIssue] = []
+
+        def need(ok: bool, key: str, value: object, problem: str, fix: str) -> None:
+            if not ok:
+                issues.append(ConfigIssue(key=key, value=value, problem=problem, fix=fix))
+
+        vpp = p.virtual_stages
+        etp = p.expert_tp
+        model_parallel = p.tp * p.cp * p.pp
+        need(world_size % model_parallel == 0, "parallel.tp", p.tp,
+             f"world size {world_size} is not divisible by parallel.tp x parallel.cp x parallel.pp "
+             f"= {p.tp} x {p.cp} x {p.pp} = {model_parallel}.",
+             f"choose sizes whose product divides {world_size}, or start {model_parallel}*k ranks "
+             f"(torchrun --nproc_per_node).")
+        dp = max(world_size // model_parallel, 1)
+        if c.gpus_per_node is not None:
+            need(world_size == c.nodes * c.gpus_per_node, "cluster.nodes", c.nodes,
+                 f"cluster.nodes x cluster.gpus_per_node = {c.nodes} x {c.gpus_per_node} = "
+                 f"{c.nodes * c.gpus_per_node} but {world_size} ranks were started.",
+                 "start that many ranks, or set cluster.nodes/cluster.gpus_per_node to match torchrun.")
+
+        # Heads, hidden sizes and vocabulary against TP.
+        need(m.num_attention_heads % p.tp == 0, "parallel.tp", p.tp,
+             f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.tp={p.tp}.",
+             f"use a parallel.tp that divides {m.num_attention_heads}.")
+        if m.attention is AttentionKind.standard:
+            need(m.query_groups % p.tp == 0, "parallel.tp", p.tp,
+                 f"model.num_query_groups={m.query_groups} (key/value heads) is not divisible by parallel.tp={p.tp}.",
+                 f"use a parallel.tp that divides {m.query_groups}.")
+        need(m.ffn_size % p.tp == 0, "parallel.tp", p.tp,
+             f"model.ffn_hidden_size={m.ffn_size} is not divisible by parallel.tp={p.tp}.",
+             f"use a parallel.tp that divides {m.ffn_size}.")
+        need(m.padded_vocab_size % p.tp == 0, "parallel.tp", p.tp,
+             f"the padded vocabulary {m.padded_vocab_size} is not divisible by parallel.tp={p.tp}.",
+             "raise model.make_vocab_size_divisible_by to a multiple of parallel.tp.")
+
+        # Layers against PP x VPP.
+        need(m.num_layers % (p.pp * vpp) == 0, "parallel.pp", p.pp,
+             f"model.num_layers={m.num_layers} is not divisible by parallel.pp x parallel.vpp = {p.pp} x {vpp}.",
+             f"use a parallel.pp (and parallel.vpp) whose product divides {m.num_layers}.")
+
+        # Experts against EP.
+        if m.is_moe:
+            num_experts = m.num_experts or 1
+            need(num_experts % p.ep == 0, "parallel.ep", p.ep,
+                 f"model.num_experts={m.num_experts} is not divisible by parallel.ep={p.ep}.",
+                 f"use a parallel.ep that divides {m.num_experts}.")
+            expert_ffn = m.moe_ffn_hidden_size or m.ffn_size
+            need(expert_ffn % etp == 0, "parallel.etp", p.etp,
+                 f"the expert hidden size {expert_ffn} is not divisible by the expert TP size {etp}.",
+                 f"use a parallel.etp that divides {expert_ffn}.")
+            need(world_size % (etp * p.ep * p.pp) == 0, "parallel.ep", p.ep,
+                 f"world size {world_size} is not divisible by parallel.etp x parallel.ep x parallel.pp "
+                 f"= {etp} x {p.ep} x {p.pp}.", "choose expert sizes whose product with parallel.pp divides "
+                 "the world size.")
+        else:
+            need(p.ep == 1, "parallel.ep", p.ep, f"model {m.name} has no experts.",
+                 "set parallel.ep=1, or choose a MoE model (e.g. model=moe_tiny).")
+            need(p.etp is None or p.etp == 1, "parallel.etp", p.etp, f"model {m.name} has no experts.",
+                 "set parallel.etp=null.")
+        expert_dp = max(world_size // (etp * p.ep * p.pp), 1)
+
+        # Batch against DP.
+        per_step = t.micro_batch_size * dp
+        need(t.global_batch_size % per_step == 0, "train.global_batch_size", t.global_batch_size,
+             f"is not divisible by train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}"
+             f" = {per_step}.",
+             f"use a multiple of {per_step}, e.g. train.global_batch_size={per_step * max(1, t.global_batch_size // per_step)}.")
+        num_microbatches = max(t.global_batch_size // per_step, 1)
+        if vpp > 1:
+            need(num_microbatches % p.pp == 0, "train.global_batch_size", t.global_batch_size,
+                 f"the interleaved schedule needs the micro-batch count ({num_microbatches}) to be a multiple of "
+                 f"parallel.pp={p.pp}.",
+                 f"use train.global_batch_size={math.lcm(num_microbatches, p.pp) * per_step}.")
+
+        # Sequence against CP, TP with SP, and positions.
+        if p.cp > 1:
+            need(t.seq_length % (2 * p.cp) == 0, "train.seq_length", t.seq_length,
+                 f"context parallelism splits the sequence into 2 x parallel.cp = {2 * p.cp} chunks.",
+                 f"use a multiple of {2 * p.cp}.")
+            need(te, "parallel.cp", p.cp,
+                 "context parallelism needs Transformer Engine's attention (TEDotProductAttention); it is not "
+                 "installed, and Megatron-Core's local attention does not support CP.",
+                 "install transformer-engine (GPU only), or set parallel.cp=1.")
+        if p.sp:
+            need(t.seq_length % p.tp == 0, "train.seq_length", t.seq_length,
+                 f"sequence parallelism shards the sequence over parallel.tp={p.tp}.",
+                 f"use a multiple of {p.tp}, or set parallel.sp=false.")
+        elif p.tp > 1 and m.is_moe and p.ep > 1:
+            need(False, "parallel.sp", False, "Megatron-Core needs sequence parallelism for MoE with TP and EP.",
+                 "set parallel.sp=true.")
+        if m.position_embedding is PositionEmbedding.learned_absolute:
+            need(t.seq_length <= m.max_position_embeddings, "train.seq_length", t.seq_length,
+                 f"exceeds model.max_position_embeddings={m.max_position_embeddings}.",
+                 "shorten the sequence or raise model.max_position_embeddings.")
+
+        # Options that do not go together.
+        if p.recompute is Recompute.full:
+            layers_per_chunk = m.num_layers // max(p.pp * vpp, 1)
+            need(p.recompute_num_layers <= max(layers_per_chunk, 1), "parallel.recompute_num_layers",
+                 p.recompute_num_layers, f"exceeds the {layers_per_chunk} layers of each pipeline chunk.",
+                 f"use at most {layers_per_chunk}.")
+        if m.attention is AttentionKind.mla:
+            need(p.cp == 1, "parallel.cp", p.cp, "multi-latent attention does not support context parallelism.",
+                 "set parallel.cp=1.")
+
+        if issues:
+            raise ConfigError(issues)
+        return cls(world_size=world_size, tp=p.tp, pp=p.pp, vpp=vpp, cp=p.cp, ep=p.ep, etp=etp, dp=dp,
+                   expert_dp=expert_dp, sp=p.sp, num_microbatches=num_microbatches, order=p.order)
+
+    def describe(self) -> str:
+        """A one-line summary such as ``world=8 tp=2 pp=2 vpp=1 cp=1 ep=1 etp=1 dp=2 sp=True mb=4``."""
+        return (f"world={self.world_size} tp={self.tp} pp={self.pp} vpp={self.vpp} cp={self.cp} ep={self.ep} "
+                f"etp={self.etp} dp={self.dp} sp={self.sp} microbatches={self.num_microbatches}")

@@ -1,0 +1,1 @@
+"""Apply a parallel layout to Megatron-Core and train with it."""
