@@ -1,0 +1,1 @@
+"""Compatibility layers; the CPU one is installed only when CUDA is absent."""

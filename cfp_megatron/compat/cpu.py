@@ -1,0 +1,202 @@
+"""Run Megatron-Core on CPU with gloo: a thin layer that maps its CUDA-only calls to the CPU.
+
+Installed only when CUDA is absent (:func:`install_if_needed`). It changes no Megatron algorithm: it redirects
+device placement (``device="cuda"``, ``torch.cuda.current_device()``, ``Tensor.cuda``) to the CPU, makes CUDA
+streams/events no-ops, and backs Megatron's CUDA RNG tracker with the CPU generator (the one CPU dropout uses).
+MoE with expert parallelism needs the fixes in :mod:`cfp_megatron.compat.moe`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+_installed = False
+_mode: _CudaToCpuMode | None = None
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # Megatron passes torch.cuda.current_device() (an int) as a device.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrite ``device=`` arguments that name CUDA (or a bare device index) to the CPU."""
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func in (torch.Tensor.to, torch.Tensor.cuda) or getattr(func, "__name__", "") == "to":
+            args = tuple("cpu" if i > 0 and _is_cuda_device(a) else a for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+
+class _NoOpStream:
+    """Stands in for ``torch.cuda.Stream``: work on CPU is already ordered."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.device = torch.device("cpu")
+
+    def wait_stream(self, other: Any) -> None:
+        """No-op."""
+
+    def wait_event(self, event: Any) -> None:
+        """No-op."""
+
+    def record_event(self, event: Any = None) -> _NoOpEvent:
+        """Return a completed event."""
+        return event or _NoOpEvent()
+
+    def synchronize(self) -> None:
+        """No-op."""
+
+    def query(self) -> bool:
+        """Always complete."""
+        return True
+
+    def __enter__(self) -> _NoOpStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class _NoOpEvent:
+    """Stands in for ``torch.cuda.Event``; timings come from wall clock."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import time
+
+        self._time = time.perf_counter
+        self._t = 0.0
+
+    def record(self, stream: Any = None) -> None:
+        """Remember the wall-clock time."""
+        self._t = self._time()
+
+    def synchronize(self) -> None:
+        """No-op."""
+
+    def wait(self, stream: Any = None) -> None:
+        """No-op."""
+
+    def query(self) -> bool:
+        """Always complete."""
+        return True
+
+    def elapsed_time(self, end: _NoOpEvent) -> float:
+        """Milliseconds between two recorded events."""
+        return (end._t - self._t) * 1000.0
+
+
+def _cpu_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    torch.set_rng_state(state)
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0  # type: ignore[assignment]
+    cuda.set_device = lambda *a, **k: None  # type: ignore[assignment]
+    cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    cuda.empty_cache = lambda: None  # type: ignore[assignment]
+    cuda.Stream = _NoOpStream  # type: ignore[assignment,misc]
+    cuda.Event = _NoOpEvent  # type: ignore[assignment,misc]
+    default_stream = _NoOpStream()
+    cuda.current_stream = lambda *a, **k: default_stream  # type: ignore[assignment]
+    cuda.default_stream = lambda *a, **k: default_stream  # type: ignore[assignment]
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    cuda.get_rng_state = _cpu_rng_state  # type: ignore[assignment]
+    cuda.set_rng_state = _set_cpu_rng_state  # type: ignore[assignment]
+    cuda.random.get_rng_state = _cpu_rng_state  # type: ignore[assignment]
+    cuda.random.set_rng_state = _set_cpu_rng_state  # type: ignore[assignment]
+    # The "CUDA" generator is the CPU default generator; torch.manual_seed already seeds it and then calls
+    # cuda.manual_seed_all, which therefore must not recurse.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed)) and None  # type: ignore[assignment]
+    cuda.manual_seed_all = lambda seed: None  # type: ignore[assignment]
+    cuda.memory_allocated = lambda *a, **k: 0  # type: ignore[assignment]
+    cuda.max_memory_allocated = lambda *a, **k: 0  # type: ignore[assignment]
+    cuda.reset_peak_memory_stats = lambda *a, **k: None  # type: ignore[assignment]
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    # Megatron's optimizers check ``tensor.type() == 'torch.cuda.FloatTensor'``: CPU tensors stand in for CUDA ones.
+    original_type = torch.Tensor.type
+
+    def _type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = original_type(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(name, str) and name.startswith("torch.") and not name.startswith("torch.cuda.") \
+                and self.device.type == "cpu":
+            return "torch.cuda." + name[len("torch."):]
+        return name
+
+    torch.Tensor.type = _type  # type: ignore[method-assign]
+
+
+def _patch_megatron() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import torch_norm
+
+    mrandom._get_cuda_rng_state = _cpu_rng_state
+    mrandom._set_cuda_rng_state = _set_cpu_rng_state
+
+    # Without Apex/TE the local spec uses WrappedTorchNorm, which refuses sequence parallelism only because it does
+    # not tag its parameters. Tag them as Megatron's fused norms do, so finalize_model_grads all-reduces their
+    # gradients over the TP group (each TP rank saw a different part of the sequence).
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def _new(cls: type, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> torch.nn.Module:
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, eps, **kwargs)
+        import dataclasses
+
+        norm = original_new(cls, dataclasses.replace(config, sequence_parallel=False), hidden_size, eps, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = _new  # type: ignore[method-assign]
+
+
+def install_if_needed() -> bool:
+    """Install the CPU layer when CUDA is unavailable; return whether it is active. Idempotent."""
+    global _installed, _mode
+    if torch.cuda.is_available():
+        return False
+    if _installed:
+        return True
+    _patch_torch_cuda()
+    _patch_megatron()
+    _mode = _CudaToCpuMode()
+    _mode.__enter__()
+    _installed = True
+    from cfp_megatron.compat import moe
+
+    moe.install()
+    log.info("cfp_megatron.compat.cpu: CUDA absent; Megatron-Core CUDA calls mapped to CPU")
+    return True
+
+
+def cpu_only(fn: Callable) -> Callable:
+    """Decorator for test helpers: install the layer before ``fn`` runs."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        install_if_needed()
+        return fn(*args, **kwargs)
+
+    return wrapper

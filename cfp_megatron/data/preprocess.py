@@ -1,0 +1,258 @@
+"""Tokenize a text corpus into Megatron's indexed dataset format (``PREFIX.bin`` + ``PREFIX.idx``).
+
+Usage::
+
+    python -m cfp_megatron.data.preprocess --input corpus.jsonl --output-prefix data/corpus \\
+        [--tokenizer byte|huggingface --tokenizer-path tokenizer.json] [--json-key text] [--overwrite]
+
+The input is JSON lines (one object per line, text under ``--json-key``) when its name ends in ``.jsonl``,
+``.json`` or ``.ndjson``, otherwise plain text with one document per blank-line-separated paragraph (``--format``
+overrides the guess). Each document is tokenized, followed by the tokenizer's end-of-document id, and written with
+``megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder``. The files are written under temporary names and
+renamed at the end, so an interrupted run leaves no half-written dataset, and existing files are never replaced
+without ``--overwrite``. Train on the result with ``data.kind=indexed data.path=[PREFIX]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy
+import torch
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from cfp_megatron.config import TokenizerKind
+from cfp_megatron.data.tokenizer import ByteTokenizer, Tokenizer, make_tokenizer
+from cfp_megatron.errors import CfpError, ConfigError, ConfigIssue
+
+BATCH_DOCUMENTS = 1024
+"""Documents tokenized per batch."""
+
+
+class InputFormat(enum.Enum):
+    """How the input file is split into documents."""
+
+    auto = "auto"
+    """JSON lines for ``.jsonl``/``.json``/``.ndjson`` names, plain text otherwise."""
+    jsonl = "jsonl"
+    """One JSON object per line; the text is under the JSON key."""
+    text = "text"
+    """Plain text; documents are separated by one or more blank lines."""
+
+
+class DataFileExistsError(CfpError, FileExistsError):
+    """The output files exist and overwriting them was not asked for."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreprocessSummary:
+    """What one preprocessing run wrote."""
+
+    input_path: str
+    """The corpus read."""
+    output_prefix: str
+    """Prefix of the written files (the value for ``data.path``)."""
+    documents: int
+    """Documents written."""
+    empty_documents: int
+    """Documents skipped because they had no tokens."""
+    tokens: int
+    """Tokens written, end-of-document ids included."""
+    tokenizer: str
+    """Tokenizer kind."""
+    vocab_size: int
+    """Tokenizer vocabulary size (``model.vocab_size`` must be at least this)."""
+    dtype: str
+    """Token dtype in the ``.bin`` file."""
+
+    @property
+    def bin_path(self) -> str:
+        """The data file."""
+        return get_bin_path(self.output_prefix)
+
+    @property
+    def idx_path(self) -> str:
+        """The index file."""
+        return get_idx_path(self.output_prefix)
+
+    def render(self) -> str:
+        """A short human-readable summary."""
+        per_doc = self.tokens / self.documents if self.documents else 0.0
+        lines = [
+            f"read      {self.input_path}",
+            f"wrote     {self.bin_path} ({os.path.getsize(self.bin_path):,} bytes)",
+            f"          {self.idx_path} ({os.path.getsize(self.idx_path):,} bytes)",
+            f"documents {self.documents:,} (+{self.empty_documents:,} empty, skipped)",
+            f"tokens    {self.tokens:,} incl. end-of-document ({per_doc:.1f} per document), dtype {self.dtype}",
+            f"tokenizer {self.tokenizer}, vocabulary {self.vocab_size:,}",
+            f"train on  data.kind=indexed data.path=[{self.output_prefix}] data.tokenizer={self.tokenizer}",
+        ]
+        return "\n".join(lines)
+
+
+def _resolve_format(path: str, fmt: InputFormat) -> InputFormat:
+    if fmt is not InputFormat.auto:
+        return fmt
+    return InputFormat.jsonl if path.lower().endswith((".jsonl", ".json", ".ndjson")) else InputFormat.text
+
+
+def _lines(path: str) -> Iterator[tuple[int, str]]:
+    with open(path, "rb") as stream:
+        for number, raw in enumerate(stream, start=1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ConfigError(ConfigIssue(key="--input", value=f"{path}:{number}", problem=f"is not UTF-8 ({err}).",
+                                              fix="convert the file to UTF-8.")) from err
+
+
+def read_documents(path: str, *, fmt: InputFormat = InputFormat.auto, json_key: str = "text") -> Iterator[str]:
+    """The documents of ``path`` in file order (see the module docstring for the formats)."""
+    if not os.path.isfile(path):
+        raise ConfigError(ConfigIssue(key="--input", value=path, problem="the file does not exist.",
+                                      fix="pass a .jsonl file with a text field, or a .txt file."))
+    if _resolve_format(path, fmt) is InputFormat.jsonl:
+        for number, line in _lines(path):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError(ConfigIssue(key="--input", value=f"{path}:{number}",
+                                              problem=f"is not valid JSON ({err.msg}).",
+                                              fix="write one JSON object per line, or pass --format text.")) from err
+            text = record.get(json_key) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise ConfigError(ConfigIssue(key="--json-key", value=json_key,
+                                              problem=f"line {number} of {path} has no string field {json_key!r}.",
+                                              fix="pass the field that holds the text as --json-key."))
+            yield text
+        return
+    paragraph: list[str] = []
+    for _, line in _lines(path):
+        if line.strip():
+            paragraph.append(line)
+        elif paragraph:
+            yield "".join(paragraph).rstrip("\r\n")
+            paragraph = []
+    if paragraph:
+        yield "".join(paragraph).rstrip("\r\n")
+
+
+def _batches(documents: Iterator[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for doc in documents:
+        batch.append(doc)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _check_not_existing(output_prefix: str, overwrite: bool) -> None:
+    existing = [p for p in (get_bin_path(output_prefix), get_idx_path(output_prefix)) if os.path.exists(p)]
+    if existing and not overwrite:
+        raise DataFileExistsError(
+            f"--output-prefix={output_prefix!r}: {' and '.join(existing)} already exist(s); refusing to replace them. "
+            "Fix: choose another --output-prefix, or pass --overwrite to replace them."
+        )
+
+
+def preprocess(input_path: str, output_prefix: str, *, tokenizer: Tokenizer, json_key: str = "text",
+               fmt: InputFormat = InputFormat.auto, overwrite: bool = False) -> PreprocessSummary:
+    """Tokenize ``input_path`` with ``tokenizer`` and write ``output_prefix.bin``/``.idx``.
+
+    Raises :class:`DataFileExistsError` before reading anything when either file exists and ``overwrite`` is false,
+    and :class:`ConfigError` for unreadable input or a corpus without documents. The old files (if any) are replaced
+    only once the new ones are complete.
+    """
+    _check_not_existing(output_prefix, overwrite)
+    documents = read_documents(input_path, fmt=fmt, json_key=json_key)
+    parent = os.path.dirname(os.path.abspath(output_prefix))
+    os.makedirs(parent, exist_ok=True)
+    name = os.path.basename(output_prefix)
+    fd_bin, tmp_bin = tempfile.mkstemp(dir=parent, prefix=f".{name}.", suffix=".bin.tmp")
+    fd_idx, tmp_idx = tempfile.mkstemp(dir=parent, prefix=f".{name}.", suffix=".idx.tmp")
+    os.close(fd_bin)
+    os.close(fd_idx)
+    umask = os.umask(0)
+    os.umask(umask)
+    for tmp in (tmp_bin, tmp_idx):  # mkstemp makes 0600 files; give the dataset ordinary permissions
+        os.chmod(tmp, 0o666 & ~umask)
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    eod = tokenizer.eod
+    n_docs = n_empty = n_tokens = 0
+    console = Console(stderr=True)
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                        transient=True, disable=not console.is_terminal)
+    try:
+        with progress:
+            task = progress.add_task("tokenizing", total=None)
+            builder = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
+            for batch in _batches(documents, BATCH_DOCUMENTS):
+                for ids in tokenizer.tokenize_batch(batch):
+                    if not ids:
+                        n_empty += 1
+                        continue
+                    ids.append(eod)
+                    builder.add_document(torch.from_numpy(numpy.asarray(ids, dtype=numpy.int64)), [len(ids)])
+                    n_docs += 1
+                    n_tokens += len(ids)
+                progress.update(task, description=f"tokenizing: {n_docs:,} documents, {n_tokens:,} tokens")
+            builder.finalize(tmp_idx)
+        if n_docs == 0:
+            raise ConfigError(ConfigIssue(key="--input", value=input_path, problem="contains no non-empty documents.",
+                                          fix="check the file, --format and --json-key."))
+        _check_not_existing(output_prefix, overwrite)  # nothing appeared meanwhile
+        os.replace(tmp_bin, get_bin_path(output_prefix))
+        os.replace(tmp_idx, get_idx_path(output_prefix))
+    finally:
+        for tmp in (tmp_bin, tmp_idx):
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    kind = TokenizerKind.byte if isinstance(tokenizer, ByteTokenizer) else TokenizerKind.huggingface
+    return PreprocessSummary(input_path=input_path, output_prefix=output_prefix, documents=n_docs,
+                             empty_documents=n_empty, tokens=n_tokens, tokenizer=kind.value,
+                             vocab_size=tokenizer.vocab_size, dtype=numpy.dtype(dtype).name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+    parser = argparse.ArgumentParser(prog="python -m cfp_megatron.data.preprocess",
+                                     description="Tokenize a corpus into Megatron's indexed dataset (.bin/.idx).")
+    parser.add_argument("--input", required=True, help=".jsonl (one JSON object per line) or .txt (paragraphs)")
+    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--tokenizer", choices=[k.value for k in TokenizerKind], default=TokenizerKind.byte.value)
+    parser.add_argument("--tokenizer-path", default=None, help="tokenizer.json for --tokenizer huggingface")
+    parser.add_argument("--json-key", default="text", help="field holding the text in JSON lines (default: text)")
+    parser.add_argument("--format", choices=[f.value for f in InputFormat], default=InputFormat.auto.value)
+    parser.add_argument("--overwrite", action="store_true", help="replace existing PREFIX.bin/PREFIX.idx")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the tool; returns the exit status (0 on success, 2 on a user error)."""
+    args = build_parser().parse_args(argv)
+    try:
+        tokenizer = make_tokenizer(TokenizerKind(args.tokenizer), args.tokenizer_path, path_key="--tokenizer-path")
+        summary = preprocess(args.input, args.output_prefix, tokenizer=tokenizer, json_key=args.json_key,
+                             fmt=InputFormat(args.format), overwrite=args.overwrite)
+    except CfpError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(summary.render())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

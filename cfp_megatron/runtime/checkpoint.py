@@ -1,0 +1,136 @@
+"""Checkpoints with ``megatron.core.dist_checkpointing``: crash-safe saves, exact resume, any layout on load.
+
+Layout of ``train.checkpoint_dir``::
+
+    iter_0000010/        a complete dist_checkpointing checkpoint (model, optimizer, scheduler, step)
+    iter_0000020/
+    latest_checkpointed_iteration.txt   the newest complete step, replaced atomically
+
+A save writes into ``iter_XXXXXXX.partial`` and renames it only after every rank has finished; the ``latest`` file
+is replaced last with ``os.replace``. A crash mid-save therefore leaves the previous checkpoint and the ``latest``
+pointer intact (the stale ``.partial`` folder is removed by the next save). Weights are stored by their global keys,
+so a checkpoint saved under one TP/PP/VPP/EP layout loads under another; the optimizer uses Megatron's
+reshardable formats.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from cfp_megatron.errors import CheckpointError
+
+LATEST = "latest_checkpointed_iteration.txt"
+"""Name of the pointer file (as Megatron-LM names it)."""
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """Folder of the checkpoint at ``step``."""
+    return root / f"iter_{step:07d}"
+
+
+def latest_step(root: str | os.PathLike[str]) -> int | None:
+    """The newest complete checkpoint's step, or ``None`` when the folder holds none."""
+    pointer = Path(root) / LATEST
+    if not pointer.is_file():
+        return None
+    text = pointer.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{pointer} holds {text!r}, not a step number. Fix: restore the file or point "
+                              "train.checkpoint_dir at another folder.")
+    step = int(text)
+    if not step_dir(Path(root), step).is_dir():
+        raise CheckpointError(f"{pointer} names step {step} but {step_dir(Path(root), step)} is missing. Fix: "
+                              "restore that folder, or write the newest complete step into the pointer file.")
+    return step
+
+
+def check_before_start(root: str | None, *, resume: bool, restarted: bool) -> int | None:
+    """Decide, before any process group exists, which step a run starts from; never overwrite a user's work.
+
+    A fresh run (``train.resume=false``) refuses a folder that already holds checkpoints, unless torchrun
+    restarted this job's workers (then the checkpoints are this job's own and it continues from them).
+    """
+    if root is None:
+        return None
+    found = latest_step(root) if Path(root).exists() else None
+    if resume or restarted:
+        if resume and found is None:
+            raise CheckpointError(f"train.resume=true but train.checkpoint_dir={root!r} holds no complete "
+                                  f"checkpoint ({LATEST} is missing). Fix: point train.checkpoint_dir at the folder "
+                                  "an earlier run saved into, or set train.resume=false.")
+        return found
+    if found is not None:
+        raise CheckpointError(f"train.checkpoint_dir={root!r} already holds checkpoints (latest step {found}) and "
+                              "train.resume=false; starting afresh would overwrite them. Fix: set train.resume=true "
+                              "to continue, or choose another train.checkpoint_dir.")
+    return None
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def sharded_state(chunks: list[torch.nn.Module], optimizer: Any, *, is_loading: bool) -> dict[str, Any]:
+    """Model and optimizer state as ShardedTensors keyed globally (so any layout can read it)."""
+    model_state = {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    state: dict[str, Any] = {"model": model_state}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+    return state
+
+
+def save(root: str, step: int, chunks: list[torch.nn.Module], optimizer: Any, scheduler: Any,
+         extra: dict[str, Any]) -> Path:
+    """Save a complete checkpoint for ``step`` from every rank; return its folder."""
+    base = Path(root)
+    final = step_dir(base, step)
+    partial = final.with_name(final.name + ".partial")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        base.mkdir(parents=True, exist_ok=True)
+        for stale in base.glob("iter_*.partial"):
+            shutil.rmtree(stale, ignore_errors=True)
+        partial.mkdir()
+    _barrier()
+    state = sharded_state(chunks, optimizer, is_loading=False)
+    state["step"] = step
+    state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
+    state["extra"] = extra
+    dist_checkpointing.save(state, str(partial))
+    _barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        tmp = base / (LATEST + ".tmp")
+        with open(tmp, "w") as fh:
+            fh.write(f"{step}\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, base / LATEST)
+    _barrier()
+    return final
+
+
+def load(root: str, step: int, chunks: list[torch.nn.Module], optimizer: Any, scheduler: Any) -> dict[str, Any]:
+    """Load the checkpoint at ``step`` into this rank's chunks, optimizer and scheduler; return its extra state."""
+    folder = step_dir(Path(root), step)
+    state = sharded_state(chunks, optimizer, is_loading=True)
+    loaded = dist_checkpointing.load(state, str(folder))
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded["model"][f"chunk{i}"])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None and loaded.get("scheduler") is not None:
+        scheduler.load_state_dict(loaded["scheduler"])
+    if int(loaded["step"]) != step:
+        raise CheckpointError(f"{folder} holds step {loaded['step']}, expected {step}. Fix: check {LATEST}.")
+    return dict(loaded.get("extra") or {})

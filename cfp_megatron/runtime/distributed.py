@@ -1,0 +1,59 @@
+"""torch.distributed and Megatron-Core process groups for a validated layout."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from cfp_megatron.config import Backend, JobSpec
+from cfp_megatron.parallel_dims import ParallelDims
+from cfp_megatron.runtime.launch_env import LaunchEnv
+
+
+def resolve_backend(backend: Backend) -> str:
+    """NCCL with CUDA, gloo without."""
+    if backend is Backend.auto:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend.value
+
+
+def init_distributed(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, timeout_minutes: int = 10) -> None:
+    """Create the default process group (env:// from torchrun) and Megatron's model-parallel groups, then seed."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+    if not env.under_torchrun:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29511")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    if not dist.is_initialized():
+        kwargs = {}
+        if torch.cuda.is_available():
+            kwargs["device_id"] = torch.device("cuda", env.local_rank)
+        dist.init_process_group(backend=resolve_backend(job.cluster.backend),
+                                timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
+        context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.etp,
+        order=dims.order,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    # Megatron's RNG tracker: same seed on TP peers for replicated work, distinct where Megatron wants it.
+    torch.manual_seed(job.train.seed)
+    model_parallel_cuda_manual_seed(job.train.seed)
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's groups and the default process group."""
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

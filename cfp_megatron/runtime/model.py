@@ -1,0 +1,161 @@
+"""Build Megatron-Core ``GPTModel`` chunks for a job: ``TransformerConfig``, layer specs, virtual pipeline chunks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+from cfp_megatron.config import Activation, AttentionKind, JobSpec, Normalization, Precision, Recompute
+from cfp_megatron.parallel_dims import ParallelDims, transformer_engine_available
+
+
+def resolve_precision(precision: Precision, on_gpu: bool) -> Precision:
+    """``auto`` is bf16 on GPU and fp32 on CPU."""
+    if precision is Precision.auto:
+        return Precision.bf16 if on_gpu else Precision.fp32
+    return precision
+
+
+def params_dtype(precision: Precision) -> torch.dtype:
+    """Parameter dtype of the model for a resolved precision."""
+    return {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}[precision]
+
+
+def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> TransformerConfig:
+    """Megatron-Core's ``TransformerConfig`` (or ``MLATransformerConfig``) for ``job`` under ``dims``."""
+    m, p = job.model, job.parallel
+    precision = resolve_precision(job.train.precision, on_gpu)
+    dtype = params_dtype(precision)
+    kwargs: dict = dict(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.query_groups,
+        kv_channels=m.kv_channels,
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
+        context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.etp,
+        sequence_parallel=dims.sp,
+        normalization=m.normalization.value,
+        layernorm_epsilon=m.norm_epsilon,
+        gated_linear_unit=m.activation is Activation.swiglu,
+        activation_func=F.silu if m.activation is Activation.swiglu else F.gelu,
+        add_bias_linear=m.add_bias_linear,
+        add_qkv_bias=m.add_qkv_bias,
+        qk_layernorm=m.qk_layernorm,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=precision is Precision.bf16,
+        fp16=precision is Precision.fp16,
+        # Per-token loss: the step's loss is (sum of token losses) / (tokens in the global batch) under every layout.
+        calculate_per_token_loss=True,
+        # CPU initialisation builds full weights and splits them, so TP layouts start alike (and needs no CUDA).
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        # Fused kernels exist only with CUDA (and Apex/TE); Megatron falls back to PyTorch code otherwise.
+        bias_activation_fusion=on_gpu and m.add_bias_linear,
+        masked_softmax_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        deallocate_pipeline_outputs=True,
+        # gloo matches point-to-point messages by (peer, tag) in posting order, so the batched isend/irecv of the
+        # interleaved steady state can swap an activation and a gradient of equal shape; NCCL groups them safely.
+        batch_p2p_comm=on_gpu,
+        attention_backend=AttnBackend.auto if on_gpu else AttnBackend.local,
+    )
+    if p.recompute is Recompute.selective:
+        kwargs.update(recompute_granularity="selective")
+    elif p.recompute is Recompute.full:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=p.recompute_num_layers)
+    if m.is_moe:
+        freq: int | list[int] = 1
+        if m.moe_first_dense_layers:
+            freq = [0] * m.moe_first_dense_layers + [1] * (m.num_layers - m.moe_first_dense_layers)
+        kwargs.update(
+            num_moe_experts=m.num_experts,
+            moe_router_topk=m.moe_router_topk,
+            moe_ffn_hidden_size=m.moe_ffn_hidden_size or m.ffn_size,
+            moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+            moe_layer_freq=freq,
+            moe_router_score_function=m.moe_router_score.value,
+            moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+            moe_router_load_balancing_type="aux_loss" if m.moe_aux_loss_coeff > 0 else "none",
+            moe_token_dispatcher_type=m.moe_token_dispatcher.value,
+            moe_grouped_gemm=on_gpu and transformer_engine_available(),
+            moe_router_dtype="fp32",
+        )
+        if m.moe_router_score.value == "sigmoid":
+            kwargs.update(moe_router_enable_expert_bias=False)
+    if m.attention is AttentionKind.mla:
+        kwargs.update(q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_head_dim=m.qk_head_dim,
+                      qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
+                      rotary_base=m.rotary_base, rope_type="rope")
+        kwargs.pop("kv_channels")
+        return MLATransformerConfig(**kwargs)
+    return TransformerConfig(**kwargs)
+
+
+def build_model_chunks(job: JobSpec, config: TransformerConfig, dims: ParallelDims) -> list[GPTModel]:
+    """The GPTModel chunks this rank holds: one per virtual pipeline stage (``dims.vpp``)."""
+    m = job.model
+    use_te = transformer_engine_available() and torch.cuda.is_available()
+    chunks: list[GPTModel] = []
+    for vp_stage in range(dims.vpp):
+        vp = vp_stage if dims.vpp > 1 else None
+        layer_spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization=m.normalization.value, vp_stage=vp)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=m.padded_vocab_size,
+            max_sequence_length=m.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=m.tie_embeddings,
+            position_embedding_type=m.position_embedding.value,
+            rotary_base=int(m.rotary_base),
+            vp_stage=vp,
+        )
+        model.model_type = getattr(model, "model_type", None) or _encoder_or_decoder()
+        chunks.append(model)
+    if torch.cuda.is_available():
+        for model in chunks:
+            model.cuda(torch.cuda.current_device())
+    return chunks
+
+
+def _encoder_or_decoder():  # pragma: no cover - tiny helper for older releases without model_type
+    from megatron.core.enums import ModelType
+
+    return ModelType.encoder_or_decoder
+
+
+def count_parameters(chunks: list[torch.nn.Module]) -> int:
+    """Parameters held by this rank."""
+    return sum(p.numel() for c in chunks for p in c.parameters())
+
+
+def config_summary(config: TransformerConfig) -> dict:
+    """The config fields worth logging."""
+    keep = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+            "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+            "context_parallel_size", "expert_model_parallel_size", "sequence_parallel", "num_moe_experts",
+            "recompute_granularity", "bf16", "fp16")
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name in keep}

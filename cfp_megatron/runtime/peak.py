@@ -1,0 +1,36 @@
+"""Peak FLOP/s per rank for MFU: the cluster preset's figure, or a short matmul measurement on this machine."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from cfp_megatron.config import ClusterSpec, Precision
+
+
+def measure_matmul_tflops(dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.3) -> float:
+    """Achieved TFLOP/s of a square matmul on this rank's device, run for about ``seconds``."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    a @ b  # warm-up
+    if device == "cuda":
+        torch.cuda.synchronize()
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        n += 1
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 2.0 * size**3 * n / (time.perf_counter() - start) / 1e12
+
+
+def peak_tflops(cluster: ClusterSpec, precision: Precision) -> tuple[float, str]:
+    """Peak TFLOP/s per rank for ``precision`` and where the figure came from ('preset' or 'measured')."""
+    preset = {Precision.bf16: cluster.peak_tflops_bf16, Precision.fp16: cluster.peak_tflops_bf16,
+              Precision.fp32: cluster.peak_tflops_fp32}.get(precision)
+    if preset is not None:
+        return preset, "preset"
+    dtype = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(precision, torch.float32)
+    return measure_matmul_tflops(dtype), "measured"

@@ -1,0 +1,251 @@
+"""The training loop: Megatron DDP and optimizer, ``get_forward_backward_func`` schedules, logging, checkpoints."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_batch_on_this_cp_rank
+from rich.console import Console
+
+from cfp_megatron.config import JobSpec, Precision
+from cfp_megatron.parallel_dims import ParallelDims
+from cfp_megatron.runtime import checkpoint
+from cfp_megatron.runtime.flops import training_flops_per_token
+from cfp_megatron.runtime.init import layout_independent_init
+from cfp_megatron.runtime.launch_env import LaunchEnv
+from cfp_megatron.runtime.model import build_model_chunks, resolve_precision, transformer_config
+from cfp_megatron.runtime.peak import peak_tflops
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepMetrics:
+    """What one optimizer step did, as rank 0 logs it."""
+
+    step: int
+    """Optimizer steps completed (1-based)."""
+    loss: float
+    """Mean token loss over the global batch."""
+    lr: float
+    """Learning rate used for this step."""
+    grad_norm: float
+    """Gradient norm before clipping."""
+    step_time_s: float
+    """Wall-clock seconds of the step (forward, backward, optimizer)."""
+    tokens_per_s: float
+    """Trained tokens per second, whole job."""
+    tflops_per_rank: float
+    """Model TFLOP/s per rank."""
+    mfu: float
+    """Model FLOPs utilisation: ``tflops_per_rank`` / peak."""
+
+
+@dataclass(kw_only=True)
+class TrainState:
+    """The live objects of a training run on this rank."""
+
+    job: JobSpec
+    dims: ParallelDims
+    chunks: list[torch.nn.Module]
+    """Unwrapped GPTModel chunks (one per virtual stage)."""
+    ddp_chunks: list[DistributedDataParallel]
+    """The same chunks wrapped in Megatron DDP."""
+    optimizer: Any
+    scheduler: OptimizerParamScheduler
+    config: Any
+    step: int = 0
+    """Optimizer steps completed so far."""
+
+
+def build_training(job: JobSpec, dims: ParallelDims) -> TrainState:
+    """Model chunks, DDP, optimizer and LR schedule for this rank (process groups must exist)."""
+    on_gpu = torch.cuda.is_available()
+    precision = resolve_precision(job.train.precision, on_gpu)
+    config = transformer_config(job, dims, on_gpu=on_gpu)
+    chunks = build_model_chunks(job, config, dims)
+    if job.train.layout_independent_init:
+        layout_independent_init(chunks, config, job.train.seed)
+    p, t = job.parallel, job.train
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather,
+        use_distributed_optimizer=p.distributed_optimizer,
+        check_for_nan_in_grad=True,
+    )
+    ddp_chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                          disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+    opt_config = OptimizerConfig(
+        optimizer=t.optimizer.value, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
+        bf16=precision is Precision.bf16, fp16=precision is Precision.fp16, params_dtype=config.params_dtype,
+        use_distributed_optimizer=p.distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, ddp_chunks)
+    decay = max(t.lr_decay_steps or t.steps, t.warmup_steps + 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if t.warmup_steps else t.lr, max_lr=t.lr, min_lr=t.min_lr,
+        lr_warmup_steps=t.warmup_steps, lr_decay_steps=decay, lr_decay_style=t.lr_schedule.value,
+        start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=decay, wd_incr_style="constant",
+    )
+    config.no_sync_func = [c.no_sync for c in ddp_chunks] if len(ddp_chunks) > 1 else ddp_chunks[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    if p.overlap_param_gather:
+        config.param_sync_func = [c.start_param_sync for c in ddp_chunks]
+        if len(ddp_chunks) == 1:
+            config.param_sync_func = config.param_sync_func[0]
+    return TrainState(job=job, dims=dims, chunks=chunks, ddp_chunks=ddp_chunks, optimizer=optimizer,
+                      scheduler=scheduler, config=config)
+
+
+def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    losses = output.float().reshape(-1)
+    mask = loss_mask.float().reshape(-1)
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss.detach(), mask.sum().detach()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple:
+    batch = next(data_iterator)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    if parallel_state.get_context_parallel_world_size() > 1:
+        batch = get_batch_on_this_cp_rank(batch)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def _reduce_loss(reports: list[dict], state: TrainState) -> float:
+    """Mean token loss over the global batch, known on every rank."""
+    total = torch.zeros(2, dtype=torch.float64)
+    contributes = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+                   and parallel_state.get_tensor_model_parallel_rank() == 0)
+    if contributes:
+        for r in reports:
+            total += r["lm loss"].detach().to("cpu", torch.float64)
+    if torch.cuda.is_available():
+        total = total.cuda()
+    dist.all_reduce(total)
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def train_step(state: TrainState, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float, float]:
+    """One optimizer step over the given micro-batches; returns (loss, grad norm, learning rate)."""
+    job, dims = state.job, state.dims
+    for c in state.ddp_chunks:
+        c.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    iterators: Any = [iter(micro_batches) for _ in state.ddp_chunks]
+    reports = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=state.ddp_chunks,
+        num_microbatches=dims.num_microbatches,
+        seq_length=job.train.seq_length,
+        micro_batch_size=job.train.micro_batch_size,
+        forward_only=False,
+    )
+    lr = state.optimizer.param_groups[0]["lr"]
+    _, grad_norm, _ = state.optimizer.step()
+    state.scheduler.step(increment=1)
+    state.step += 1
+    return _reduce_loss(reports, state), float(grad_norm or 0.0), float(lr)
+
+
+class MetricsLog:
+    """Rank 0's log: readable lines on the console and one JSON object per line in ``metrics.jsonl``."""
+
+    def __init__(self, path: Path | None, enabled: bool) -> None:
+        self.enabled = enabled
+        self.console = Console(highlight=False)
+        self.path = path
+        if enabled and path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        """Write a non-step record (start, resume, checkpoint, end)."""
+        self._write({"event": kind, "time": time.time(), **fields})
+
+    def step(self, m: StepMetrics, total: int) -> None:
+        """Write one step's metrics and print its line."""
+        self._write({"event": "step", **asdict(m)})
+        if self.enabled:
+            self.console.print(
+                f"step {m.step:>5}/{total} | loss {m.loss:.4f} | lr {m.lr:.2e} | grad {m.grad_norm:.3f} | "
+                f"{m.step_time_s * 1000:.0f} ms | {m.tokens_per_s:,.0f} tok/s | "
+                f"{m.tflops_per_rank:.3f} TFLOP/s/rank | MFU {m.mfu * 100:.1f}%")
+
+    def _write(self, record: dict) -> None:
+        if self.enabled and self.path is not None:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+
+def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step: int | None,
+                 metrics_path: Path | None) -> list[StepMetrics]:
+    """Build everything, resume if asked, train to ``train.steps``, checkpoint; return rank 0's step metrics."""
+    from cfp_megatron.data.batches import build_micro_batches
+
+    t = job.train
+    log = MetricsLog(metrics_path, enabled=env.rank == 0)
+    state = build_training(job, dims)
+    if start_step is not None and t.checkpoint_dir is not None:
+        extra = checkpoint.load(t.checkpoint_dir, start_step, state.chunks, state.optimizer, state.scheduler)
+        state.step = start_step
+        log.event("resume", step=start_step, saved_under=extra.get("layout"), layout=dims.describe(),
+                  restart_count=env.restart_count)
+    precision = resolve_precision(t.precision, torch.cuda.is_available())
+    peak, peak_source = peak_tflops(job.cluster, precision)
+    flops_per_token = training_flops_per_token(job.model, t.seq_length)
+    tokens_per_step = t.global_batch_size * t.seq_length
+    log.event("start", layout=dims.describe(), model=job.model.name, steps=t.steps, start_step=state.step,
+              precision=precision.value, peak_tflops_per_rank=peak, peak_source=peak_source,
+              restart_count=env.restart_count)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    stream = build_micro_batches(job, dp_rank=dp_rank, dp_size=dims.dp, start_step=state.step)
+    history: list[StepMetrics] = []
+    last_saved = state.step if start_step is not None else None
+    while state.step < t.steps:
+        micro_batches = list(itertools.islice(stream, dims.num_microbatches))
+        if len(micro_batches) < dims.num_microbatches:
+            log.event("data_exhausted", step=state.step)
+            break
+        start = time.perf_counter()
+        loss, grad_norm, lr = train_step(state, micro_batches)
+        elapsed = time.perf_counter() - start
+        tflops = flops_per_token * tokens_per_step / elapsed / dims.world_size / 1e12
+        m = StepMetrics(step=state.step, loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=elapsed,
+                        tokens_per_s=tokens_per_step / elapsed, tflops_per_rank=tflops, mfu=tflops / peak)
+        history.append(m)
+        if state.step % t.log_interval == 0 or state.step == t.steps:
+            log.step(m, t.steps)
+        if t.checkpoint_dir and t.save_interval and state.step % t.save_interval == 0:
+            _save(state, log)
+            last_saved = state.step
+    if t.checkpoint_dir and last_saved != state.step:
+        _save(state, log)
+    log.event("end", step=state.step)
+    return history
+
+
+def _save(state: TrainState, log: MetricsLog) -> None:
+    assert state.job.train.checkpoint_dir is not None
+    folder = checkpoint.save(state.job.train.checkpoint_dir, state.step, state.chunks, state.optimizer,
+                             state.scheduler, {"layout": state.dims.describe(), "model": state.job.model.name})
+    log.event("checkpoint", step=state.step, path=str(folder))

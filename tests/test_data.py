@@ -1,0 +1,348 @@
+"""The data package: tokenizers, the preprocessing tool, and the micro-batch stream the runtime trains on.
+
+A small corpus is written to a temporary directory, turned into Megatron's indexed dataset by the preprocessing tool
+(in process, and once as ``python -m``), and read back through ``build_micro_batches``. The checks compare real
+content: the files hold exactly the documents' bytes plus end-of-document ids, every sample is a window of those
+documents, the union of the data-parallel ranks' micro-batches is the single-rank global batch, and a resumed stream
+equals the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy
+import pytest
+import torch
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+import cfp_megatron
+from cfp_megatron.config import DataKind, DataSpec, JobSpec, ModelSpec, TokenizerKind, TrainSpec, job_from_config
+from cfp_megatron.data import ByteTokenizer, build_micro_batches, micro_batch_sample_ids, num_microbatches
+from cfp_megatron.data.preprocess import DataFileExistsError, main, preprocess, read_documents
+from cfp_megatron.data.synthetic import MAX_STRIDE, MOTIF_LENGTHS
+from cfp_megatron.errors import ConfigError
+
+REPO_ROOT = Path(cfp_megatron.__file__).resolve().parent.parent
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+         "upsilon phi chi psi omega café naïve").split()
+FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def make_documents(n: int, seed: int = 0) -> list[str]:
+    """``n`` paragraphs of 5-60 words, some spanning two lines, with non-ASCII characters."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(5, 60))]
+        cut = rng.randint(1, len(words) - 1)
+        docs.append(" ".join(words[:cut]) + ("\n" if rng.random() < 0.3 else " ") + " ".join(words[cut:]))
+    return docs
+
+
+def write_text_corpus(path: Path, docs: list[str]) -> Path:
+    path.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def documents() -> list[str]:
+    return make_documents(40)
+
+
+@pytest.fixture
+def prefix(tmp_path: Path, documents: list[str]) -> str:
+    corpus = write_text_corpus(tmp_path / "corpus.txt", documents)
+    out = str(tmp_path / "data" / "corpus")
+    preprocess(str(corpus), out, tokenizer=ByteTokenizer())
+    return out
+
+
+def indexed_job(paths: list[str], tmp_path: Path, **train: int) -> JobSpec:
+    settings = {"global_batch_size": 8, "micro_batch_size": 2, "seq_length": 32, "steps": 6, "seed": 7}
+    settings.update(train)
+    return JobSpec(model=ModelSpec(vocab_size=257), train=TrainSpec(**settings),
+                   data=DataSpec(kind=DataKind.indexed, path=paths, cache_dir=str(tmp_path / "cache")))
+
+
+def synthetic_job(**train: int) -> JobSpec:
+    settings = {"global_batch_size": 8, "micro_batch_size": 2, "seq_length": 48, "steps": 6, "seed": 11}
+    settings.update(train)
+    return job_from_config({"model": {"vocab_size": 100}, "train": settings, "data": {"kind": "synthetic"}})
+
+
+def take(iterator, n: int) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for _ in range(n):
+        out.append(next(iterator))
+    return out
+
+
+def global_batches(job: JobSpec, dp_size: int, steps: int, start_step: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Per step, the micro-batches of all ``dp_size`` ranks put back in global sample-id order."""
+    n_micro = num_microbatches(job.train, dp_size)
+    per_rank = [take(build_micro_batches(job, dp_rank=r, dp_size=dp_size, start_step=start_step), steps * n_micro)
+                for r in range(dp_size)]
+    out = []
+    for s in range(steps):
+        # micro-batch j of rank r holds ids (j*dp_size + r)*MBS ... : j-major, rank-minor is id order
+        parts = [per_rank[r][s * n_micro + j] for j in range(n_micro) for r in range(dp_size)]
+        out.append({k: torch.cat([p[k] for p in parts]) for k in FIELDS})
+    return out
+
+
+def assert_batches_equal(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert torch.equal(x[k], y[k]), k
+
+
+# ---------------------------------------------------------------------------------------------------------- tokenizer
+
+
+def test_byte_tokenizer_matches_utf8_and_megatron_needs() -> None:
+    tok = ByteTokenizer()
+    text = "naïve café\n"
+    ids = tok.tokenize(text)
+    assert ids == list(text.encode("utf-8"))
+    assert tok.detokenize([*ids, tok.eod]) == text
+    assert (tok.vocab_size, tok.eod, tok.pad, tok.bos) == (257, 256, -1, None)
+    assert len(tok.vocab) == 257 and tok.vocab["<|endoftext|>"] == 256
+    json.dumps(tok.unique_identifiers)  # Megatron hashes it into cache file names
+
+
+# -------------------------------------------------------------------------------------------------------- preprocess
+
+
+def test_preprocess_writes_documents_with_eod(tmp_path: Path, documents: list[str], prefix: str) -> None:
+    dataset = IndexedDataset(prefix)
+    assert len(dataset) == len(documents)
+    for i, doc in enumerate(documents):
+        assert dataset[i].tolist() == [*doc.encode("utf-8"), 256]
+    assert dataset.index.dtype == numpy.uint16
+
+
+def test_read_documents_splits_paragraphs_on_blank_lines(tmp_path: Path) -> None:
+    path = tmp_path / "c.txt"
+    path.write_text("\n\none\ntwo\n\n\n  \nthree\n\nfour", encoding="utf-8")
+    assert list(read_documents(str(path))) == ["one\ntwo", "three", "four"]
+
+
+def test_preprocess_cli_reads_jsonl(tmp_path: Path) -> None:
+    docs = ["first document", "second, with ünïcode", "third\nhas two lines"]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"body": d, "id": i}) for i, d in enumerate(docs)) + "\n", encoding="utf-8")
+    out = tmp_path / "out" / "corpus"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-m", "cfp_megatron.data.preprocess", "--input", str(corpus), "--output-prefix", str(out),
+         "--json-key", "body"],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "documents 3" in result.stdout
+    assert f"data.path=[{out}]" in result.stdout
+    dataset = IndexedDataset(str(out))
+    assert [dataset[i].tolist() for i in range(len(dataset))] == [[*d.encode("utf-8"), 256] for d in docs]
+
+
+def test_preprocess_refuses_to_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    first = write_text_corpus(tmp_path / "a.txt", ["old one", "old two"])
+    second = write_text_corpus(tmp_path / "b.txt", ["new"])
+    out = str(tmp_path / "corpus")
+    preprocess(str(first), out, tokenizer=ByteTokenizer())
+    saved = {ext: Path(out + ext).read_bytes() for ext in (".bin", ".idx")}
+
+    with pytest.raises(DataFileExistsError, match="--overwrite"):
+        preprocess(str(second), out, tokenizer=ByteTokenizer())
+    assert main(["--input", str(second), "--output-prefix", out]) == 2
+    assert "refusing" in capsys.readouterr().err
+    assert {ext: Path(out + ext).read_bytes() for ext in (".bin", ".idx")} == saved
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "corpus.bin", "corpus.idx"]  # no temps
+
+    assert main(["--input", str(second), "--output-prefix", out, "--overwrite"]) == 0
+    dataset = IndexedDataset(out)
+    assert [dataset[i].tolist() for i in range(len(dataset))] == [[*b"new", 256]]
+
+
+def test_preprocess_missing_input_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        preprocess(str(tmp_path / "nope.jsonl"), str(tmp_path / "out"), tokenizer=ByteTokenizer())
+    assert err.value.keys == ["--input"]
+    assert not list(tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------------------------------------------- indexed data
+
+
+def test_indexed_batches_are_windows_of_the_documents(tmp_path: Path, documents: list[str], prefix: str) -> None:
+    job = indexed_job([prefix], tmp_path)
+    batches = take(build_micro_batches(job, dp_rank=0, dp_size=1), 4 * job.train.steps)
+    whole = [[*d.encode("utf-8"), 256] for d in documents]
+    stream = b"".join(bytes(d[:-1]) + b"\x00" for d in whole)  # documents separated by a byte absent from the text
+    seen = set()
+    for batch in batches:
+        for k, dtype in (("tokens", torch.int64), ("labels", torch.int64), ("loss_mask", torch.float32),
+                         ("position_ids", torch.int64)):
+            assert batch[k].shape == (2, 32) and batch[k].dtype == dtype, k
+        assert "attention_mask" not in batch
+        assert torch.equal(batch["labels"][:, :-1], batch["tokens"][:, 1:])
+        assert torch.equal(batch["loss_mask"], torch.ones(2, 32))
+        assert torch.equal(batch["position_ids"], torch.arange(32).expand(2, 32))
+        for row_tokens, row_labels in zip(batch["tokens"], batch["labels"], strict=True):
+            window = [*row_tokens.tolist(), int(row_labels[-1])]  # seq + 1 consecutive tokens
+            seen.add(tuple(window))
+            pieces = bytes(0 if t == 256 else t for t in window).split(b"\x00")
+            for j, piece in enumerate(pieces):
+                if 0 < j < len(pieces) - 1:  # between two EODs: a whole document
+                    assert (b"\x00" + piece + b"\x00") in (b"\x00" + stream)
+                else:
+                    assert piece in stream
+    assert len(seen) > len(batches)  # real, varied content
+
+
+@pytest.mark.parametrize("two_prefixes", [False, True])
+def test_indexed_dp_ranks_partition_the_global_batch(tmp_path: Path, prefix: str, two_prefixes: bool) -> None:
+    paths = [prefix]
+    if two_prefixes:
+        other = write_text_corpus(tmp_path / "other.txt", make_documents(25, seed=1))
+        paths.append(str(tmp_path / "data" / "other"))
+        preprocess(str(other), paths[1], tokenizer=ByteTokenizer())
+    job = indexed_job(paths, tmp_path)
+    reference = global_batches(job, dp_size=1, steps=4)
+    assert not torch.equal(reference[0]["tokens"], reference[1]["tokens"])
+    assert_batches_equal(global_batches(job, dp_size=2, steps=4), reference)
+    assert_batches_equal(global_batches(job, dp_size=4, steps=4), reference)
+
+
+def test_indexed_resume_equals_uninterrupted_stream(tmp_path: Path, prefix: str) -> None:
+    job = indexed_job([prefix], tmp_path)
+    full = list(build_micro_batches(job, dp_rank=1, dp_size=2))
+    n_micro = num_microbatches(job.train, 2)
+    assert len(full) >= job.train.steps * n_micro and len(full) % n_micro == 0  # whole steps, then it ends
+    resumed = list(build_micro_batches(job, dp_rank=1, dp_size=2, start_step=3))
+    assert_batches_equal(resumed, full[3 * n_micro:])
+
+
+def test_missing_data_path_names_the_key_and_the_fix(tmp_path: Path) -> None:
+    job = indexed_job([str(tmp_path / "absent" / "corpus")], tmp_path)
+    with pytest.raises(ConfigError) as err:
+        build_micro_batches(job, dp_rank=0, dp_size=1)  # raised at the call, not at the first next()
+    assert err.value.keys == ["data.path"]
+    assert "python -m cfp_megatron.data.preprocess" in str(err.value)
+    assert not (tmp_path / "cache").exists()  # nothing heavy happened
+
+
+def test_data_path_with_extension_suggests_the_prefix(tmp_path: Path, prefix: str) -> None:
+    job = indexed_job([prefix + ".bin"], tmp_path)
+    with pytest.raises(ConfigError, match="drop the extension") as err:
+        build_micro_batches(job, dp_rank=0, dp_size=1)
+    assert err.value.keys == ["data.path"]
+
+
+def test_tokenizer_must_fit_model_vocab(tmp_path: Path, prefix: str) -> None:
+    job = JobSpec(model=ModelSpec(vocab_size=256), train=TrainSpec(),
+                  data=DataSpec(kind=DataKind.indexed, path=[prefix]))
+    with pytest.raises(ConfigError) as err:
+        build_micro_batches(job, dp_rank=0, dp_size=1)
+    assert err.value.keys == ["model.vocab_size"]
+    assert "data.tokenizer=byte" in str(err.value) and "257" in str(err.value)
+
+
+def test_all_problems_reported_together(tmp_path: Path) -> None:
+    job = JobSpec(model=ModelSpec(vocab_size=256), train=TrainSpec(global_batch_size=6, micro_batch_size=2),
+                  data=DataSpec(kind=DataKind.indexed, path=[str(tmp_path / "x")]))
+    with pytest.raises(ConfigError) as err:
+        build_micro_batches(job, dp_rank=0, dp_size=2)
+    assert sorted(err.value.keys) == ["data.path", "model.vocab_size", "train.global_batch_size"]
+
+
+def test_huggingface_tokenizer_end_to_end(tmp_path: Path, documents: list[str]) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    hf = tokenizers.Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.train_from_iterator(documents, trainers.WordLevelTrainer(special_tokens=["[UNK]", "<pad>", "<|endoftext|>"]))
+    tok_path = tmp_path / "tokenizer.json"
+    hf.save(str(tok_path))
+    corpus = write_text_corpus(tmp_path / "corpus.txt", documents)
+    out = str(tmp_path / "hf")
+    assert main(["--input", str(corpus), "--output-prefix", out, "--tokenizer", "huggingface",
+                 "--tokenizer-path", str(tok_path)]) == 0
+    eod = hf.token_to_id("<|endoftext|>")
+    dataset = IndexedDataset(out)
+    assert dataset[0].tolist() == [*hf.encode(documents[0]).ids, eod]
+
+    vocab = hf.get_vocab_size()
+    data = DataSpec(kind=DataKind.indexed, path=[out], tokenizer=TokenizerKind.huggingface,
+                    tokenizer_path=str(tok_path), cache_dir=str(tmp_path / "cache"))
+    job = JobSpec(model=ModelSpec(vocab_size=vocab), train=TrainSpec(seq_length=16, steps=2), data=data)
+    batch = next(build_micro_batches(job, dp_rank=0, dp_size=1))
+    assert int(batch["tokens"].max()) < vocab
+    assert torch.equal(batch["labels"][:, :-1], batch["tokens"][:, 1:])
+
+    missing = JobSpec(model=ModelSpec(vocab_size=vocab), train=TrainSpec(),
+                      data=DataSpec(kind=DataKind.indexed, path=[out], tokenizer=TokenizerKind.huggingface,
+                                    tokenizer_path=str(tmp_path / "none.json")))
+    with pytest.raises(ConfigError) as err:
+        build_micro_batches(missing, dp_rank=0, dp_size=1)
+    assert err.value.keys == ["data.tokenizer_path"]
+
+
+# -------------------------------------------------------------------------------------------------- synthetic data
+
+
+def test_sample_ids_follow_megatron_pretraining_sampler() -> None:
+    ids = [list(micro_batch_sample_ids(1, j, dp_rank=r, dp_size=2, global_batch_size=8, micro_batch_size=2))
+           for j in range(2) for r in range(2)]
+    assert ids == [[8, 9], [10, 11], [12, 13], [14, 15]]
+
+
+def test_synthetic_is_layout_independent_and_resumable() -> None:
+    job = synthetic_job()
+    reference = global_batches(job, dp_size=1, steps=3)
+    assert_batches_equal(global_batches(job, dp_size=2, steps=3), reference)
+    assert_batches_equal(global_batches(job, dp_size=4, steps=3), reference)
+    assert_batches_equal(global_batches(job, dp_size=2, steps=2, start_step=1), reference[1:])
+    other_seed = global_batches(synthetic_job(seed=12), dp_size=1, steps=1)
+    assert not torch.equal(other_seed[0]["tokens"], reference[0]["tokens"])
+
+
+def test_synthetic_sequences_are_structured() -> None:
+    job = synthetic_job()
+    batches = take(build_micro_batches(job, dp_rank=0, dp_size=1), 12)
+    kinds = set()
+    distinct = {tuple(row.tolist()) for batch in batches for row in batch["tokens"]}
+    assert len(distinct) > 20  # 24 samples, each from its own generator
+    for batch in batches:
+        assert batch["tokens"].dtype == torch.int64 and batch["loss_mask"].dtype == torch.float32
+        assert torch.equal(batch["labels"][:, :-1], batch["tokens"][:, 1:])
+        assert int(batch["tokens"].min()) >= 0 and int(batch["tokens"].max()) < 100
+        for row_t, row_l in zip(batch["tokens"], batch["labels"], strict=True):
+            seq = torch.cat([row_t, row_l[-1:]])
+            stride = int((seq[1] - seq[0]) % 100)
+            if 1 <= stride <= MAX_STRIDE and torch.equal(torch.diff(seq) % 100, torch.full((48,), stride)):
+                kinds.add("progression")
+                continue
+            period = next(p for p in range(MOTIF_LENGTHS[0], MOTIF_LENGTHS[1] + 1)
+                          if torch.equal(seq[p:], seq[:-p]) or p == MOTIF_LENGTHS[1])
+            assert torch.equal(seq[period:], seq[:-period])
+            kinds.add("motif")
+    assert kinds == {"progression", "motif"}
+
+
+def test_batch_geometry_error_names_global_batch_size() -> None:
+    job = synthetic_job(global_batch_size=6, micro_batch_size=2)
+    with pytest.raises(ConfigError) as err:
+        build_micro_batches(job, dp_rank=0, dp_size=2)
+    assert err.value.keys == ["train.global_batch_size"]
+    with pytest.raises(ValueError, match="dp_rank=2"):
+        build_micro_batches(synthetic_job(), dp_rank=2, dp_size=2)
