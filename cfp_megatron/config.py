@@ -317,11 +317,12 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         issues: list[ConfigIssue] = []
         _positive(issues, self.PREFIX, self, "nodes", "gpus_per_node")
+        hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, float) and f.name != "nodes":
-                _issue(issues, value > 0, f"{self.PREFIX}.{f.name}", value, "must be positive.",
-                       f"set a positive figure, or null for {self.PREFIX}.{f.name}.")
+            if hints[f.name] == float | None and value is not None:
+                _issue(issues, isinstance(value, int | float) and value > 0, f"{self.PREFIX}.{f.name}", value,
+                       "must be positive.", f"set a positive figure, or null for {self.PREFIX}.{f.name}.")
         if issues:
             raise ConfigError(issues)
 
@@ -461,7 +462,8 @@ class TrainSpec:
         _issue(issues, self.clip_grad >= 0, f"{p}.clip_grad", self.clip_grad, "must not be negative.",
                "use 0 to disable clipping.")
         if self.resume:
-            _issue(issues, self.checkpoint_dir is not None, f"{p}.resume", True, "resuming needs a checkpoint directory.",
+            _issue(issues, self.checkpoint_dir is not None, f"{p}.resume", True,
+                   "resuming needs a checkpoint directory.",
                    "set train.checkpoint_dir to the directory the earlier run saved into.")
         if self.save_interval > 0:
             _issue(issues, self.checkpoint_dir is not None, f"{p}.save_interval", self.save_interval,
@@ -578,19 +580,27 @@ def _build(cls: type, values: dict[str, Any]) -> Any:
         raise ConfigError([ConfigIssue(key=f"{prefix}.{k}", value=values[k], problem="is not a known setting.",
                                        fix=f"remove it; known keys are {sorted(known)}.") for k in unknown])
     kwargs: dict[str, Any] = {}
+    issues: list[ConfigIssue] = []
+    defaults = {f.name: f for f in dataclasses.fields(cls)}
     for name, value in values.items():
         ftype = hints[name]
         if isinstance(ftype, type) and issubclass(ftype, enum.Enum) and not isinstance(value, ftype):
             try:
                 value = ftype(value)
             except ValueError:
-                raise ConfigError(ConfigIssue(key=f"{prefix}.{name}", value=value,
-                                              problem="is not an allowed value.",
-                                              fix=f"use one of {[m.value for m in ftype]}.")) from None
+                issues.append(ConfigIssue(key=f"{prefix}.{name}", value=value, problem="is not an allowed value.",
+                                          fix=f"use one of {[m.value for m in ftype]}."))
+                value = defaults[name].default  # keep checking the other fields
         elif isinstance(value, list):
             value = list(value)
         kwargs[name] = value
-    return cls(**kwargs)
+    try:
+        spec = cls(**kwargs)
+    except ConfigError as err:
+        raise ConfigError(issues + err.issues) from None
+    if issues:
+        raise ConfigError(issues)
+    return spec
 
 
 def job_from_config(cfg: Any) -> JobSpec:

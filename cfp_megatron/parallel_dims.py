@@ -106,6 +106,10 @@ class ParallelDims:
             need(expert_ffn % etp == 0, "parallel.etp", p.etp,
                  f"the expert hidden size {expert_ffn} is not divisible by the expert TP size {etp}.",
                  f"use a parallel.etp that divides {expert_ffn}.")
+            shared = m.moe_shared_expert_intermediate_size
+            need(shared is None or shared % p.tp == 0, "parallel.tp", p.tp,
+                 f"model.moe_shared_expert_intermediate_size={shared} is not divisible by parallel.tp={p.tp}.",
+                 f"use a parallel.tp that divides {shared}.")
             need(world_size % (etp * p.ep * p.pp) == 0, "parallel.ep", p.ep,
                  f"world size {world_size} is not divisible by parallel.etp x parallel.ep x parallel.pp "
                  f"= {etp} x {p.ep} x {p.pp}.", "choose expert sizes whose product with parallel.pp divides "
@@ -122,7 +126,8 @@ class ParallelDims:
         need(t.global_batch_size % per_step == 0, "train.global_batch_size", t.global_batch_size,
              f"is not divisible by train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}"
              f" = {per_step}.",
-             f"use a multiple of {per_step}, e.g. train.global_batch_size={per_step * max(1, t.global_batch_size // per_step)}.")
+             f"use a multiple of {per_step}, e.g. "
+             f"train.global_batch_size={per_step * max(1, t.global_batch_size // per_step)}.")
         num_microbatches = max(t.global_batch_size // per_step, 1)
         if vpp > 1:
             need(num_microbatches % p.pp == 0, "train.global_batch_size", t.global_batch_size,
@@ -140,9 +145,10 @@ class ParallelDims:
                  "installed, and Megatron-Core's local attention does not support CP.",
                  "install transformer-engine (GPU only), or set parallel.cp=1.")
         if p.sp:
-            need(t.seq_length % p.tp == 0, "train.seq_length", t.seq_length,
-                 f"sequence parallelism shards the sequence over parallel.tp={p.tp}.",
-                 f"use a multiple of {p.tp}, or set parallel.sp=false.")
+            need((t.seq_length // p.cp) % p.tp == 0, "train.seq_length", t.seq_length,
+                 f"sequence parallelism shards each context-parallel rank's {t.seq_length // p.cp} tokens over "
+                 f"parallel.tp={p.tp}.",
+                 f"use a multiple of {p.tp * p.cp}, or set parallel.sp=false.")
         elif p.tp > 1 and m.is_moe and p.ep > 1:
             need(False, "parallel.sp", False, "Megatron-Core needs sequence parallelism for MoE with TP and EP.",
                  "set parallel.sp=true.")

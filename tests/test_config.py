@@ -390,7 +390,8 @@ def test_world_size_not_divisible() -> None:
 def test_heads_not_divisible_by_tp() -> None:
     # MLA has no key/value groups, so the head count is the only attention check.
     err = build_errors(3, "model=deepseek_v3", "parallel.tp=3", "model.make_vocab_size_divisible_by=384")
-    assert err.keys == ["parallel.tp"]
+    assert set(err.keys) == {"parallel.tp"}
+    assert "model.moe_shared_expert_intermediate_size=2048 is not divisible by parallel.tp=3." in str(err)
     assert "model.num_attention_heads=128 is not divisible by parallel.tp=3." in str(err)
     assert "use a parallel.tp that divides 128." in str(err)
 
@@ -490,7 +491,8 @@ def test_mla_rejects_cp() -> None:
 def test_seq_vs_tp_with_sp() -> None:
     err = build_errors(2, "parallel.tp=2", "parallel.sp=true", "train.seq_length=63")
     assert err.keys == ["train.seq_length"]
-    assert "train.seq_length=63: sequence parallelism shards the sequence over parallel.tp=2." in str(err)
+    assert "train.seq_length=63: sequence parallelism shards each context-parallel rank's 63 tokens over " \
+           "parallel.tp=2." in str(err)
     assert "use a multiple of 2, or set parallel.sp=false." in str(err)
 
 
@@ -583,3 +585,19 @@ def test_spec_errors_on_a_real_preset() -> None:
     assert info.value.keys == ["model.num_query_groups", "model.moe_router_topk", "cluster.hbm_gib", "train.min_lr"]
     assert "exceeds model.num_experts=8." in str(info.value)
     assert "must divide model.num_attention_heads=32." in str(info.value)
+
+
+def test_seq_vs_tp_with_sp_counts_the_context_parallel_split() -> None:
+    # 12 tokens split over CP=2 leave 6 per rank, which do not split over TP=4 even though 12 does.
+    err = build_errors(8, "model.num_query_groups=4", "parallel.tp=4", "parallel.sp=true", "parallel.cp=2",
+                       "train.seq_length=12", "train.global_batch_size=2", "train.micro_batch_size=2",
+                       te_available=True)
+    assert err.keys == ["train.seq_length"]
+    assert "shards each context-parallel rank's 6 tokens over parallel.tp=4" in str(err)
+    assert "use a multiple of 8" in str(err)
+
+
+def test_shared_experts_vs_tp() -> None:
+    err = build_errors(4, "model=moe_tiny", "model.moe_shared_expert_intermediate_size=6", "parallel.tp=4",
+                       "parallel.sp=true")
+    assert "model.moe_shared_expert_intermediate_size=6 is not divisible by parallel.tp=4." in str(err)

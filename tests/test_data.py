@@ -23,9 +23,15 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 import cfp_megatron
 from cfp_megatron.config import DataKind, DataSpec, JobSpec, ModelSpec, TokenizerKind, TrainSpec, job_from_config
-from cfp_megatron.data import ByteTokenizer, build_micro_batches, micro_batch_sample_ids, num_microbatches
+from cfp_megatron.data import (
+    ByteTokenizer,
+    build_micro_batches,
+    build_tokenizer,
+    micro_batch_sample_ids,
+    num_microbatches,
+)
 from cfp_megatron.data.preprocess import DataFileExistsError, main, preprocess, read_documents
-from cfp_megatron.data.synthetic import MAX_STRIDE, MOTIF_LENGTHS
+from cfp_megatron.data.synthetic import MAX_STRIDE
 from cfp_megatron.errors import ConfigError
 
 REPO_ROOT = Path(cfp_megatron.__file__).resolve().parent.parent
@@ -208,6 +214,42 @@ def test_indexed_batches_are_windows_of_the_documents(tmp_path: Path, documents:
     assert len(seen) > len(batches)  # real, varied content
 
 
+def test_indexed_train_split_uses_only_its_documents(tmp_path: Path, documents: list[str], prefix: str) -> None:
+    job = indexed_job([prefix], tmp_path)
+    job = JobSpec(model=job.model, train=job.train, data=DataSpec(kind=DataKind.indexed, path=[prefix], split="50,49,1",
+                                                                  cache_dir=str(tmp_path / "cache")))
+    first_half = b"\x00".join(d.encode("utf-8") for d in documents[:20])
+    second_half_only = [d.encode("utf-8") for d in documents[20:] if d.encode("utf-8") not in first_half]
+    assert second_half_only
+    for batch in build_micro_batches(job, dp_rank=0, dp_size=1):  # whole stream; it ends
+        for row_tokens, row_labels in zip(batch["tokens"], batch["labels"], strict=True):
+            window = bytes(0 if t == 256 else t for t in [*row_tokens.tolist(), int(row_labels[-1])])
+            for piece in window.split(b"\x00"):
+                assert piece in first_half
+
+
+def test_empty_training_split_is_a_config_error_not_a_hang(tmp_path: Path) -> None:
+    out = str(tmp_path / "one")
+    preprocess(str(write_text_corpus(tmp_path / "one.txt", ["a single document"])), out, tokenizer=ByteTokenizer())
+    job = indexed_job([out], tmp_path)
+    data = DataSpec(kind=DataKind.indexed, path=[out], split="50,50,0", cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ConfigError) as err:
+        build_micro_batches(JobSpec(model=job.model, train=job.train, data=data), dp_rank=0, dp_size=1)
+    assert err.value.keys == ["data.split"]
+    # validation/test weights on a corpus too small to give them a document: only the training split is built
+    data = DataSpec(kind=DataKind.indexed, path=[out], split="98,1,1", cache_dir=str(tmp_path / "cache"))
+    batch = next(build_micro_batches(JobSpec(model=job.model, train=job.train, data=data), dp_rank=0, dp_size=1))
+    window = bytes(0 if t == 256 else t for t in batch["tokens"][0].tolist())
+    assert window in b"a single document\x00" * 4  # epochs of the one document, end-of-document ids between
+
+
+def test_corrupt_index_names_data_path(tmp_path: Path, prefix: str) -> None:
+    Path(prefix + ".idx").write_bytes(b"not an index")
+    with pytest.raises(ConfigError) as err:
+        build_micro_batches(indexed_job([prefix], tmp_path), dp_rank=0, dp_size=1)
+    assert err.value.keys == ["data.path"]
+
+
 @pytest.mark.parametrize("two_prefixes", [False, True])
 def test_indexed_dp_ranks_partition_the_global_batch(tmp_path: Path, prefix: str, two_prefixes: bool) -> None:
     paths = [prefix]
@@ -297,6 +339,17 @@ def test_huggingface_tokenizer_end_to_end(tmp_path: Path, documents: list[str]) 
     assert err.value.keys == ["data.tokenizer_path"]
 
 
+def test_huggingface_without_tokenizers_package_names_the_setting(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` fail
+    tok_path = tmp_path / "tokenizer.json"
+    tok_path.write_text("{}", encoding="utf-8")
+    data = DataSpec(tokenizer=TokenizerKind.huggingface, tokenizer_path=str(tok_path))
+    with pytest.raises(ConfigError, match="pip install tokenizers") as err:
+        build_tokenizer(data)
+    assert err.value.keys == ["data.tokenizer_path"]
+
+
 # -------------------------------------------------------------------------------------------------- synthetic data
 
 
@@ -319,24 +372,20 @@ def test_synthetic_is_layout_independent_and_resumable() -> None:
 def test_synthetic_sequences_are_structured() -> None:
     job = synthetic_job()
     batches = take(build_micro_batches(job, dp_rank=0, dp_size=1), 12)
-    kinds = set()
     distinct = {tuple(row.tolist()) for batch in batches for row in batch["tokens"]}
     assert len(distinct) > 20  # 24 samples, each from its own generator
+    strides = set()
     for batch in batches:
         assert batch["tokens"].dtype == torch.int64 and batch["loss_mask"].dtype == torch.float32
         assert torch.equal(batch["labels"][:, :-1], batch["tokens"][:, 1:])
-        assert int(batch["tokens"].min()) >= 0 and int(batch["tokens"].max()) < 100
+        assert int(batch["tokens"].min()) >= 0 and int(batch["tokens"].max()) < 100  # model.vocab_size=100
         for row_t, row_l in zip(batch["tokens"], batch["labels"], strict=True):
             seq = torch.cat([row_t, row_l[-1:]])
             stride = int((seq[1] - seq[0]) % 100)
-            if 1 <= stride <= MAX_STRIDE and torch.equal(torch.diff(seq) % 100, torch.full((48,), stride)):
-                kinds.add("progression")
-                continue
-            period = next(p for p in range(MOTIF_LENGTHS[0], MOTIF_LENGTHS[1] + 1)
-                          if torch.equal(seq[p:], seq[:-p]) or p == MOTIF_LENGTHS[1])
-            assert torch.equal(seq[period:], seq[:-period])
-            kinds.add("motif")
-    assert kinds == {"progression", "motif"}
+            assert 1 <= stride <= MAX_STRIDE
+            assert torch.equal(torch.diff(seq) % 100, torch.full((48,), stride))  # t_k = (a + b*k) mod V
+            strides.add(stride)
+    assert strides == set(range(1, MAX_STRIDE + 1))
 
 
 def test_batch_geometry_error_names_global_batch_size() -> None:
@@ -346,3 +395,45 @@ def test_batch_geometry_error_names_global_batch_size() -> None:
     assert err.value.keys == ["train.global_batch_size"]
     with pytest.raises(ValueError, match="dp_rank=2"):
         build_micro_batches(synthetic_job(), dp_rank=2, dp_size=2)
+
+
+# ------------------------------------------------------------------------------------------------ torch.distributed
+
+DIST_SCRIPT = '''
+import sys, torch, torch.distributed as dist
+from cfp_megatron.config import DataKind, DataSpec, JobSpec, ModelSpec, TrainSpec
+from cfp_megatron.data import build_micro_batches
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    paths, cache, out = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
+    job = JobSpec(model=ModelSpec(vocab_size=257),
+                  train=TrainSpec(global_batch_size=8, micro_batch_size=2, seq_length=32, steps=4, seed=7),
+                  data=DataSpec(kind=DataKind.indexed, path=paths, cache_dir=cache))
+    torch.save(list(build_micro_batches(job, dp_rank=rank, dp_size=world)), f"{out}.{rank}.pt")
+    dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+def test_indexed_build_under_torchrun_matches_single_process(tmp_path: Path, prefix: str) -> None:
+    """Two gloo ranks build the blend collectively (rank 0 first, then the cache); their union is the global batch."""
+    other = write_text_corpus(tmp_path / "other.txt", make_documents(25, seed=1))
+    paths = [prefix, str(tmp_path / "data" / "other")]
+    preprocess(str(other), paths[1], tokenizer=ByteTokenizer())
+    script = tmp_path / "run.py"
+    script.write_text(DIST_SCRIPT, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+         ",".join(paths), str(tmp_path / "dist_cache"), str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [torch.load(tmp_path / f"out.{r}.pt") for r in range(2)]
+    job = indexed_job(paths, tmp_path, steps=4)
+    reference = list(build_micro_batches(job, dp_rank=0, dp_size=1))
+    assert len(ranks[0]) == len(ranks[1]) == len(reference) // 2 == 8
+    regrouped = [ranks[r][2 * s + j] for s in range(4) for j in range(2) for r in range(2)]
+    assert_batches_equal(regrouped, reference)

@@ -9,7 +9,6 @@ MoE with expert parallelism needs the fixes in :mod:`cfp_megatron.compat.moe`.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -112,7 +111,10 @@ def _set_cpu_rng_state(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
 
 def _patch_torch_cuda() -> None:
     cuda = torch.cuda
-    cuda.current_device = lambda: 0  # type: ignore[assignment]
+    # Megatron mostly writes ``device=torch.cuda.current_device()``: answering with the CPU device keeps those calls
+    # right even where the TorchFunctionMode is not on the stack (code run inside an intercepted Python function,
+    # such as the nested torch.autograd.backward of activation recomputation).
+    cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     cuda.set_device = lambda *a, **k: None  # type: ignore[assignment]
     cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     cuda.empty_cache = lambda: None  # type: ignore[assignment]
@@ -139,8 +141,8 @@ def _patch_torch_cuda() -> None:
 
     def _type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         name = original_type(self, *args, **kwargs)
-        if not args and not kwargs and isinstance(name, str) and name.startswith("torch.") and not name.startswith("torch.cuda.") \
-                and self.device.type == "cpu":
+        plain = isinstance(name, str) and name.startswith("torch.") and not name.startswith("torch.cuda.")
+        if not args and not kwargs and plain and self.device.type == "cpu":
             return "torch.cuda." + name[len("torch."):]
         return name
 
@@ -189,14 +191,3 @@ def install_if_needed() -> bool:
     moe.install()
     log.info("cfp_megatron.compat.cpu: CUDA absent; Megatron-Core CUDA calls mapped to CPU")
     return True
-
-
-def cpu_only(fn: Callable) -> Callable:
-    """Decorator for test helpers: install the layer before ``fn`` runs."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        install_if_needed()
-        return fn(*args, **kwargs)
-
-    return wrapper

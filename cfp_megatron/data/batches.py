@@ -66,7 +66,7 @@ def build_samples(job: JobSpec) -> SampleSource:
     ``torch.distributed``: every rank must call it)."""
     if job.data.kind is DataKind.synthetic:
         return SyntheticSamples.from_job(job)
-    return build_indexed_samples(job, tokenizer=validate_indexed(job))
+    return build_indexed_samples(job, checked=validate_indexed(job))
 
 
 def _collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -111,7 +111,7 @@ def build_micro_batches(job: JobSpec, *, dp_rank: int, dp_size: int,
     issues = check_batch_geometry(job.train, dp_size)
     if job.data.kind is DataKind.indexed:
         try:
-            tokenizer = validate_indexed(job)
+            checked = validate_indexed(job)
         except ConfigError as err:
             raise ConfigError(issues + err.issues) from None
     if issues:
@@ -119,5 +119,5 @@ def build_micro_batches(job: JobSpec, *, dp_rank: int, dp_size: int,
     if job.data.kind is DataKind.synthetic:
         source: SampleSource = SyntheticSamples.from_job(job)
     else:
-        source = build_indexed_samples(job, tokenizer=tokenizer)
+        source = build_indexed_samples(job, checked=checked)
     return _stream(source, job.train, dp_rank=dp_rank, dp_size=dp_size, start_step=start_step)

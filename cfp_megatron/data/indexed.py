@@ -7,14 +7,16 @@ directory must be on a file system all ranks see. Without ``torch.distributed`` 
 
 Megatron caches the document/sample/shuffle indices as ``.npy`` files named by an MD5 of the dataset description
 (``<hash>-GPTDataset-train-*.npy``; a blend adds ``<hash>-BlendedDataset-train-*.npy``) in ``data.cache_dir``, or,
-when that is unset, in ``<prefix>/cache/GPTDataset_indices/`` next to the data. A second run with the same settings
-reuses them.
+when that is unset, in the directory ``<prefix>/cache/GPTDataset_indices/`` beside ``<prefix>.bin`` (a blend's own
+index is then rebuilt on every run, with a warning). A second run with the same settings reuses them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -64,22 +66,67 @@ def check_vocab(job: JobSpec, tokenizer: Tokenizer) -> list[ConfigIssue]:
     )]
 
 
-def _train_fraction(split: str) -> float:
-    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+def _train_bookends(split: str) -> tuple[float, float] | None:
+    """The training split's ``(begin, end)`` fraction of each dataset's documents, as Megatron computes it."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
 
-    return float(parse_and_normalize_split(split)[0])
+    weights = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    if not weights or weights[0] <= 0.0 or any(w < 0.0 for w in weights):
+        return None
+    return convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[0]
 
 
 def check_split(data: DataSpec) -> list[ConfigIssue]:
-    """An issue when ``data.split`` leaves no documents for training."""
-    try:
-        ok = _train_fraction(data.split) > 0.0
-    except (AssertionError, ZeroDivisionError, ValueError):
-        ok = False
-    if ok:
+    """An issue when ``data.split`` gives the training split no weight."""
+    if _train_bookends(data.split) is not None:
         return []
     return [ConfigIssue(key="data.split", value=data.split, problem="gives the training split no weight.",
                         fix="give the first (training) weight a positive value, e.g. 98,1,1.")]
+
+
+def train_split_tokens(prefix: str, split: str) -> int:
+    """Tokens in the training split of the indexed dataset at ``prefix`` (reads only the ``.idx`` file)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    bookends = _train_bookends(split)
+    if bookends is None:
+        return 0
+    try:
+        dataset = IndexedDataset(prefix, mmap=True)
+    except (AssertionError, ValueError, OSError, struct.error) as err:
+        raise ConfigError(ConfigIssue(key="data.path", value=prefix,
+                                      problem=f"is not a readable Megatron indexed dataset ({err!r}).",
+                                      fix=_preprocess_fix(prefix))) from err
+    # sequence_lengths is a view into the .idx memory map, which the dataset closes when it is collected: keep
+    # `dataset` alive until the sum is taken (reading the view afterwards crashes the interpreter).
+    lengths = dataset.sequence_lengths
+    n = lengths.shape[0]  # GPTDataset splits by sequence; one sequence per document here
+    begin, end = (int(round(f * float(n))) for f in bookends)
+    tokens = int(lengths[begin:end].sum(dtype="int64"))
+    del lengths, dataset
+    return tokens
+
+
+def check_train_tokens(data: DataSpec) -> tuple[list[ConfigIssue], list[int]]:
+    """Issues for prefixes whose training split is empty (Megatron 0.16.1 loops forever on one), and the training
+    tokens of each prefix."""
+    issues: list[ConfigIssue] = []
+    counts: list[int] = []
+    for prefix in data.path:
+        try:
+            count = train_split_tokens(prefix, data.split)
+        except ConfigError as err:
+            issues.extend(err.issues)
+            continue
+        counts.append(count)
+        if count == 0:
+            issues.append(ConfigIssue(
+                key="data.split", value=data.split, problem=f"leaves no training documents in {prefix}.",
+                fix="use more documents, or a larger first (training) weight, e.g. 100,0,0 for a tiny corpus."))
+    return issues, counts
 
 
 @contextlib.contextmanager
@@ -91,17 +138,6 @@ def _rank_zero_without_process_group() -> Iterator[None]:
         return
     with mock.patch.object(torch.distributed, "get_rank", lambda *args, **kwargs: 0):
         yield
-
-
-def _token_counts(prefixes: list[str]) -> list[int]:
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    counts = []
-    for prefix in prefixes:
-        dataset = IndexedDataset(prefix, mmap=True)
-        counts.append(int(dataset.sequence_lengths.sum(dtype="int64")))
-        del dataset
-    return counts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,11 +162,24 @@ class IndexedSamples:
         return {k: item[k] for k in SAMPLE_FIELDS}
 
 
-def validate_indexed(job: JobSpec) -> Tokenizer:
-    """Check files, split, tokenizer and vocabulary without building anything heavy; returns the tokenizer.
+@dataclass(frozen=True, kw_only=True)
+class IndexedCheck:
+    """What :func:`validate_indexed` found."""
 
-    Raises :class:`ConfigError` with every problem found."""
+    tokenizer: Tokenizer
+    """The tokenizer ``data.tokenizer`` names."""
+    train_tokens: list[int]
+    """Tokens in the training split of each ``data.path`` prefix (the blend weights)."""
+
+
+def validate_indexed(job: JobSpec) -> IndexedCheck:
+    """Check files, split, tokenizer and vocabulary, reading only the ``.idx`` files; raises :class:`ConfigError`
+    with every problem found."""
     issues = check_data_files(job.data) + check_split(job.data)
+    counts: list[int] = []
+    if not issues:
+        token_issues, counts = check_train_tokens(job.data)
+        issues.extend(token_issues)
     tokenizer: Tokenizer | None = None
     try:
         tokenizer = build_tokenizer(job.data)
@@ -140,34 +189,40 @@ def validate_indexed(job: JobSpec) -> Tokenizer:
         issues.extend(check_vocab(job, tokenizer))
     if issues or tokenizer is None:
         raise ConfigError(issues)
-    return tokenizer
+    return IndexedCheck(tokenizer=tokenizer, train_tokens=counts)
 
 
-def build_indexed_samples(job: JobSpec, *, tokenizer: Tokenizer | None = None) -> IndexedSamples:
-    """Build the training split of ``data.path`` with enough samples for ``train.steps`` steps.
+def build_indexed_samples(job: JobSpec, *, checked: IndexedCheck | None = None) -> IndexedSamples:
+    """Build the training split of ``data.path`` with enough samples for ``train.steps`` steps; ``checked`` is the
+    result of :func:`validate_indexed` when the caller already ran it.
 
-    Collective over the default process group when ``torch.distributed`` is initialised (see the module docstring).
+    Several prefixes are blended in proportion to the tokens of their training splits. Collective over the default
+    process group when ``torch.distributed`` is initialised (see the module docstring).
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-    if tokenizer is None:
-        tokenizer = validate_indexed(job)
+    if checked is None:
+        checked = validate_indexed(job)
     train, data = job.train, job.data
     prefixes = list(data.path)
-    weights = None if len(prefixes) == 1 else [float(c) for c in _token_counts(prefixes)]
+    weights = None if len(prefixes) == 1 else [float(c) for c in checked.train_tokens]
     config = GPTDatasetConfig(
         random_seed=train.seed,
         sequence_length=train.seq_length,
         blend=(prefixes, weights),
         split=data.split,
         path_to_cache=data.cache_dir,
-        tokenizer=tokenizer,
+        tokenizer=checked.tokenizer,
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
         create_attention_mask=False,
     )
+    # Only the training split is built: the validation and test fractions of data.split stay reserved (no document of
+    # theirs is trained on) but are not materialised. Besides saving work, this avoids a hang: megatron-core 0.16.1
+    # loops forever building a split with a positive weight and no documents, as small corpora give for e.g. 98,1,1.
+    config.split_matrix = [config.split_matrix[0], None, None]
     num_samples = max(train.steps, 1) * train.global_batch_size
     builder = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], lambda: True, config)
     with _rank_zero_without_process_group():
@@ -177,4 +232,4 @@ def build_indexed_samples(job: JobSpec, *, tokenizer: Tokenizer | None = None) -
                                       problem=f"leaves no training samples of train.seq_length={train.seq_length} "
                                               f"tokens in data.path={prefixes}.",
                                       fix="use more data, a larger training weight, or a shorter sequence."))
-    return IndexedSamples(dataset=train_ds, tokenizer=tokenizer)
+    return IndexedSamples(dataset=train_ds, tokenizer=checked.tokenizer)

@@ -1,11 +1,11 @@
 """Synthetic training samples: deterministic sequences with structure a tiny model learns in a few dozen steps.
 
-Sample ``i`` depends only on ``(seed, i)``: a NumPy generator seeded with ``SeedSequence([seed, i])`` picks one of two
-patterns over a vocabulary of ``V = min(model.vocab_size, 256)`` tokens:
-
-- an arithmetic progression ``t_k = (a + b*k) mod V`` with random start ``a`` and stride ``b`` in 1..4 (after two
-  tokens the rest is determined; even a bigram model cuts the loss from ln V to about ln 4);
-- a random motif of 2..8 tokens repeated to the sequence length (predictable after its first period: copying).
+Sample ``i`` depends only on ``(seed, i)``: a NumPy generator seeded with ``SeedSequence([seed, i])`` draws a start
+``a`` and a stride ``b`` in 1..2, and the sample is the progression ``t_k = (a + b*k) mod V`` over a vocabulary of
+``V = min(model.vocab_size, 256)`` tokens. After its first two tokens a sequence is determined, so the loss can fall
+from ln V towards 0; a 4-layer causal transformer of hidden size 64 (Adam, lr 1e-3, 8 x 64 tokens a step) goes from 5.8
+to 4.2 in 30 steps and to about 1.1 in 100. (Random repeated motifs, tried as well, barely train in 100 steps: copying
+needs induction heads, which a tiny model forms late.)
 """
 
 from __future__ import annotations
@@ -20,23 +20,16 @@ from cfp_megatron.config import JobSpec
 MAX_SYNTHETIC_VOCAB = 256
 """Synthetic tokens are below this (and below ``model.vocab_size``)."""
 
-MAX_STRIDE = 4
-"""Largest stride of the arithmetic-progression pattern."""
-
-MOTIF_LENGTHS = (2, 8)
-"""Shortest and longest repeated motif."""
+MAX_STRIDE = 2
+"""Largest stride of the progression."""
 
 
 def synthetic_tokens(seed: int, sample_id: int, length: int, vocab: int) -> numpy.ndarray:
     """``length`` int64 tokens of sample ``sample_id``, all in ``[0, vocab)``."""
     rng = numpy.random.Generator(numpy.random.PCG64(numpy.random.SeedSequence([seed % 2**64, sample_id])))
-    if rng.random() < 0.5:
-        start = int(rng.integers(vocab))
-        stride = int(rng.integers(1, MAX_STRIDE + 1))
-        return (start + stride * numpy.arange(length, dtype=numpy.int64)) % vocab
-    period = int(rng.integers(MOTIF_LENGTHS[0], MOTIF_LENGTHS[1] + 1))
-    motif = rng.integers(vocab, size=period, dtype=numpy.int64)
-    return numpy.resize(motif, length)
+    start = int(rng.integers(vocab))
+    stride = int(rng.integers(1, MAX_STRIDE + 1))
+    return (start + stride * numpy.arange(length, dtype=numpy.int64)) % vocab
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,11 +32,16 @@ def init_distributed(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, timeou
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
     if not dist.is_initialized():
-        kwargs = {}
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        kwargs: dict = {}
         if torch.cuda.is_available():
             kwargs["device_id"] = torch.device("cuda", env.local_rank)
-        dist.init_process_group(backend=resolve_backend(job.cluster.backend),
-                                timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
+        # torchrun's store outlives a worker restart, and process-group keys (Megatron creates dozens of groups)
+        # would then resolve to the dead workers' addresses; keep each attempt's keys apart.
+        store, rank, world = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+        store = dist.PrefixStore(f"/cfp/attempt_{env.restart_count}", store)
+        dist.init_process_group(backend=resolve_backend(job.cluster.backend), store=store, rank=rank,
+                                world_size=world, timeout=timeout, **kwargs)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,

@@ -12,7 +12,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from cfp_megatron.config import Activation, AttentionKind, JobSpec, Normalization, Precision, Recompute
+from cfp_megatron.config import Activation, AttentionKind, JobSpec, Precision, Recompute
 from cfp_megatron.parallel_dims import ParallelDims, transformer_engine_available
 
 

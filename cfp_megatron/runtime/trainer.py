@@ -27,7 +27,7 @@ from cfp_megatron.runtime import checkpoint
 from cfp_megatron.runtime.flops import training_flops_per_token
 from cfp_megatron.runtime.init import layout_independent_init
 from cfp_megatron.runtime.launch_env import LaunchEnv
-from cfp_megatron.runtime.model import build_model_chunks, resolve_precision, transformer_config
+from cfp_megatron.runtime.model import build_model_chunks, count_parameters, resolve_precision, transformer_config
 from cfp_megatron.runtime.peak import peak_tflops
 
 
@@ -179,8 +179,11 @@ class MetricsLog:
             path.parent.mkdir(parents=True, exist_ok=True)
 
     def event(self, kind: str, **fields: Any) -> None:
-        """Write a non-step record (start, resume, checkpoint, end)."""
+        """Write a non-step record (start, resume, checkpoint, end) and say it on the console."""
         self._write({"event": kind, "time": time.time(), **fields})
+        if self.enabled:
+            detail = " | ".join(f"{k} {v}" for k, v in fields.items() if v is not None)
+            self.console.print(f"[bold]{kind}[/] | {detail}", soft_wrap=True)
 
     def step(self, m: StepMetrics, total: int) -> None:
         """Write one step's metrics and print its line."""
@@ -189,7 +192,7 @@ class MetricsLog:
             self.console.print(
                 f"step {m.step:>5}/{total} | loss {m.loss:.4f} | lr {m.lr:.2e} | grad {m.grad_norm:.3f} | "
                 f"{m.step_time_s * 1000:.0f} ms | {m.tokens_per_s:,.0f} tok/s | "
-                f"{m.tflops_per_rank:.3f} TFLOP/s/rank | MFU {m.mfu * 100:.1f}%")
+                f"{m.tflops_per_rank:.3f} TFLOP/s/rank | MFU {m.mfu * 100:.1f}%", soft_wrap=True)
 
     def _write(self, record: dict) -> None:
         if self.enabled and self.path is not None:
@@ -214,9 +217,10 @@ def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step
     peak, peak_source = peak_tflops(job.cluster, precision)
     flops_per_token = training_flops_per_token(job.model, t.seq_length)
     tokens_per_step = t.global_batch_size * t.seq_length
-    log.event("start", layout=dims.describe(), model=job.model.name, steps=t.steps, start_step=state.step,
-              precision=precision.value, peak_tflops_per_rank=peak, peak_source=peak_source,
-              restart_count=env.restart_count)
+    log.event("start", model=job.model.name, layout=dims.describe(), params_on_rank0=count_parameters(state.chunks),
+              steps=t.steps, start_step=state.step, precision=precision.value,
+              peak_tflops_per_rank=round(peak, 3), peak_source=peak_source, restart_count=env.restart_count,
+              metrics=str(metrics_path) if metrics_path else None)
     dp_rank = parallel_state.get_data_parallel_rank()
     stream = build_micro_batches(job, dp_rank=dp_rank, dp_size=dims.dp, start_step=state.step)
     history: list[StepMetrics] = []
@@ -245,7 +249,6 @@ def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step
 
 
 def _save(state: TrainState, log: MetricsLog) -> None:
-    assert state.job.train.checkpoint_dir is not None
-    folder = checkpoint.save(state.job.train.checkpoint_dir, state.step, state.chunks, state.optimizer,
+    folder = checkpoint.save(str(state.job.train.checkpoint_dir), state.step, state.chunks, state.optimizer,
                              state.scheduler, {"layout": state.dims.describe(), "model": state.job.model.name})
     log.event("checkpoint", step=state.step, path=str(folder))
