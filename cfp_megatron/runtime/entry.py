@@ -8,9 +8,9 @@ from typing import Any
 
 from rich.console import Console
 
-from cfp_megatron.config import job_from_config
-from cfp_megatron.errors import CfpError
-from cfp_megatron.parallel_dims import ParallelDims
+from cfp_megatron.config import AttentionKind, DataKind, JobSpec, job_from_config
+from cfp_megatron.errors import CfpError, ConfigError, ConfigIssue
+from cfp_megatron.parallel_dims import ParallelDims, transformer_engine_available
 from cfp_megatron.runtime.launch_env import LaunchEnv
 
 
@@ -21,13 +21,44 @@ def hydra_run_dir() -> Path | None:
     return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
 
 
+def validate_job(job: JobSpec, world_size: int) -> ParallelDims:
+    """Every check that needs no process group: the layout, and the data files when data.kind=indexed.
+
+    Problems from both are raised together in one ConfigError.
+    """
+    issues: list[ConfigIssue] = []
+    dims: ParallelDims | None = None
+    try:
+        dims = ParallelDims.build(job, world_size)
+    except ConfigError as err:
+        issues.extend(err.issues)
+    if job.model.attention is AttentionKind.mla and not transformer_engine_available():
+        issues.append(ConfigIssue(
+            key="model.attention", value="mla",
+            problem="Megatron-Core's multi-latent attention runs only on Transformer Engine's DotProductAttention "
+                    "(its local attention has no separate key/value head sizes), and Transformer Engine is not "
+                    "installed.",
+            fix="install transformer-engine (GPU), or approximate MLA with multi-head attention: "
+                "model.attention=standard model.kv_channels=192."))
+    if job.data.kind is DataKind.indexed:
+        from cfp_megatron.data.indexed import validate_indexed
+
+        try:
+            validate_indexed(job)
+        except ConfigError as err:
+            issues.extend(err.issues)
+    if issues or dims is None:
+        raise ConfigError(issues)
+    return dims
+
+
 def train_from_config(cfg: Any) -> list:
     """Validate ``cfg`` completely before any process group exists, then train; return rank 0's step metrics."""
     from cfp_megatron.runtime import checkpoint
 
     env = LaunchEnv.read()
     job = job_from_config(cfg)
-    dims = ParallelDims.build(job, env.world_size)
+    dims = validate_job(job, env.world_size)
     start_step = checkpoint.check_before_start(job.train.checkpoint_dir, resume=job.train.resume,
                                                restarted=env.restart_count > 0)
     if job.train.metrics_file is not None:
@@ -55,5 +86,7 @@ def main_with_errors(cfg: Any) -> None:
         train_from_config(cfg)
     except CfpError as err:
         if LaunchEnv.read().rank == 0:
-            Console(stderr=True, highlight=False).print(f"[bold red]cfp-megatron: {type(err).__name__}[/]\n{err}")
+            console = Console(stderr=True, highlight=False, soft_wrap=True)
+            console.print(f"[bold red]cfp-megatron: {type(err).__name__}[/]")
+            console.print(str(err), markup=False)
         sys.exit(2)

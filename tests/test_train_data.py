@@ -1,0 +1,50 @@
+"""Training on Megatron's indexed dataset through the real entry point (torchrun, gloo)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cfp_megatron.data.preprocess import preprocess
+from cfp_megatron.data.tokenizer import ByteTokenizer
+from tests.launcher import run_train
+
+pytestmark = pytest.mark.slow
+
+TEXT = "\n\n".join(
+    f"Document {i}: the quick brown fox jumps over the lazy dog {i} times, then rests by the river bank."
+    for i in range(60)
+)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A small indexed dataset built from text at test time with the project's preprocessing."""
+    folder = tmp_path_factory.mktemp("corpus")
+    source = folder / "docs.txt"
+    source.write_text(TEXT)
+    prefix = str(folder / "docs")
+    preprocess(str(source), prefix, tokenizer=ByteTokenizer())
+    return prefix
+
+
+def test_indexed_data_trains_alike_on_one_and_two_ranks(corpus: str, tmp_path: Path) -> None:
+    common = ["data=indexed", f"data.path=[{corpus}]", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=3",
+              "train.warmup_steps=0", "train.seq_length=32", "train.precision=fp32"]
+    single = run_train(1, common, tmp_path / "one")
+    assert single.returncode == 0, single.output[-4000:]
+    double = run_train(2, [*common, "parallel.tp=2"], tmp_path / "two")
+    assert double.returncode == 0, double.output[-4000:]
+    assert sorted(single.losses) == [1, 2, 3]
+    for step, loss in single.losses.items():
+        assert double.losses[step] == pytest.approx(loss, abs=1e-4)
+
+
+def test_missing_indexed_data_is_reported_before_any_process_group(tmp_path: Path) -> None:
+    result = run_train(2, ["data=indexed", f"data.path=[{tmp_path / 'nope'}]", "parallel.tp=3"], tmp_path,
+                       timeout=300)
+    assert result.returncode != 0 and result.records == []
+    # One error names both the layout problem and the data problem, each with its fix.
+    assert "parallel.tp=3" in result.output
+    assert "data.path" in result.output and "cfp_megatron.data.preprocess" in result.output
