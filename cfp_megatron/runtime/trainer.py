@@ -20,6 +20,14 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from cfp_megatron.config import JobSpec, Precision
 from cfp_megatron.parallel_dims import ParallelDims
@@ -175,6 +183,10 @@ class MetricsLog:
         self.enabled = enabled
         self.console = Console(highlight=False)
         self.path = path
+        # A live bar on a terminal only; logs and pipes get the step lines alone.
+        self.progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=True,
+                                 disable=not (enabled and self.console.is_terminal))
         if enabled and path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -216,7 +228,6 @@ def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step
     precision = resolve_precision(t.precision, torch.cuda.is_available())
     peak, peak_source = peak_tflops(job.cluster, precision)
     flops_per_token = training_flops_per_token(job.model, t.seq_length)
-    tokens_per_step = t.global_batch_size * t.seq_length
     log.event("start", model=job.model.name, layout=dims.describe(), params_on_rank0=count_parameters(state.chunks),
               steps=t.steps, start_step=state.step, precision=precision.value,
               peak_tflops_per_rank=round(peak, 3), peak_source=peak_source, restart_count=env.restart_count,
@@ -225,27 +236,40 @@ def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step
     stream = build_micro_batches(job, dp_rank=dp_rank, dp_size=dims.dp, start_step=state.step)
     history: list[StepMetrics] = []
     last_saved = state.step if start_step is not None else None
-    while state.step < t.steps:
-        micro_batches = list(itertools.islice(stream, dims.num_microbatches))
-        if len(micro_batches) < dims.num_microbatches:
-            log.event("data_exhausted", step=state.step)
-            break
-        start = time.perf_counter()
-        loss, grad_norm, lr = train_step(state, micro_batches)
-        elapsed = time.perf_counter() - start
-        tflops = flops_per_token * tokens_per_step / elapsed / dims.world_size / 1e12
-        m = StepMetrics(step=state.step, loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=elapsed,
-                        tokens_per_s=tokens_per_step / elapsed, tflops_per_rank=tflops, mfu=tflops / peak)
-        history.append(m)
-        if state.step % t.log_interval == 0 or state.step == t.steps:
-            log.step(m, t.steps)
-        if t.checkpoint_dir and t.save_interval and state.step % t.save_interval == 0:
-            _save(state, log)
-            last_saved = state.step
+    with log.progress:
+        bar = log.progress.add_task("train", total=t.steps, completed=state.step)
+        while state.step < t.steps:
+            if not _train_one(state, stream, log, history, flops_per_token, peak):
+                break
+            log.progress.update(bar, completed=state.step)
+            if t.checkpoint_dir and t.save_interval and state.step % t.save_interval == 0:
+                _save(state, log)
+                last_saved = state.step
     if t.checkpoint_dir and last_saved != state.step:
         _save(state, log)
     log.event("end", step=state.step)
     return history
+
+
+def _train_one(state: TrainState, stream: Iterator[dict[str, torch.Tensor]], log: MetricsLog,
+               history: list[StepMetrics], flops_per_token: float, peak: float) -> bool:
+    """Train one step from ``stream`` and log it; False when the data ran out."""
+    t, dims = state.job.train, state.dims
+    tokens_per_step = t.global_batch_size * t.seq_length
+    micro_batches = list(itertools.islice(stream, dims.num_microbatches))
+    if len(micro_batches) < dims.num_microbatches:
+        log.event("data_exhausted", step=state.step)
+        return False
+    start = time.perf_counter()
+    loss, grad_norm, lr = train_step(state, micro_batches)
+    elapsed = time.perf_counter() - start
+    tflops = flops_per_token * tokens_per_step / elapsed / dims.world_size / 1e12
+    m = StepMetrics(step=state.step, loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=elapsed,
+                    tokens_per_s=tokens_per_step / elapsed, tflops_per_rank=tflops, mfu=tflops / peak)
+    history.append(m)
+    if state.step % t.log_interval == 0 or state.step == t.steps:
+        log.step(m, t.steps)
+    return True
 
 
 def _save(state: TrainState, log: MetricsLog) -> None:
