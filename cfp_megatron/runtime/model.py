@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -66,9 +67,10 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         # CPU initialisation builds full weights and splits them, so TP layouts start alike (and needs no CUDA).
         use_cpu_initialization=not on_gpu,
         perform_initialization=True,
-        # Fused kernels exist only with CUDA (and Apex/TE); Megatron falls back to PyTorch code otherwise.
+        # Fusions: the bias/activation and bias/dropout ones are TorchScript (CUDA only); the masked-softmax one is
+        # a compiled extension that only Apex or Megatron's own build provides.
         bias_activation_fusion=on_gpu and m.add_bias_linear,
-        masked_softmax_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None,
         bias_dropout_fusion=on_gpu,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,

@@ -66,14 +66,19 @@ class TrainState:
     """The live objects of a training run on this rank."""
 
     job: JobSpec
+    """The validated job."""
     dims: ParallelDims
+    """Its parallel layout."""
     chunks: list[torch.nn.Module]
     """Unwrapped GPTModel chunks (one per virtual stage)."""
     ddp_chunks: list[DistributedDataParallel]
     """The same chunks wrapped in Megatron DDP."""
     optimizer: Any
+    """Megatron's optimizer (``MegatronOptimizer`` or ``ChainedOptimizer`` with MoE)."""
     scheduler: OptimizerParamScheduler
+    """Learning-rate and weight-decay schedule."""
     config: Any
+    """The ``TransformerConfig`` the chunks were built with (carries the schedule hooks)."""
     step: int = 0
     """Optimizer steps completed so far."""
 
