@@ -36,7 +36,8 @@ def _split_sizes_as_lists() -> None:
 
     original = _AllToAll.forward
 
-    def forward(ctx, group, input, output_split_sizes, input_split_sizes):  # noqa: A002 - Megatron's signature
-        return original(ctx, group, input, _as_list(output_split_sizes), _as_list(input_split_sizes))
+    def forward(ctx, group, input, output_split_sizes, input_split_sizes, *rest, **kwargs):  # noqa: A002
+        # Megatron's signature; newer releases add arguments after the split sizes (e.g. use_nccl_stream).
+        return original(ctx, group, input, _as_list(output_split_sizes), _as_list(input_split_sizes), *rest, **kwargs)
 
     _AllToAll.forward = staticmethod(forward)

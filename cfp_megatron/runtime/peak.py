@@ -27,10 +27,14 @@ def measure_matmul_tflops(dtype: torch.dtype = torch.float32, size: int = 1024, 
 
 
 def peak_tflops(cluster: ClusterSpec, precision: Precision) -> tuple[float, str]:
-    """Peak TFLOP/s per rank for ``precision`` and where the figure came from ('preset' or 'measured')."""
+    """Peak TFLOP/s per rank for ``precision`` and where the figure came from ('preset' or 'measured ...')."""
     preset = {Precision.bf16: cluster.peak_tflops_bf16, Precision.fp16: cluster.peak_tflops_bf16,
               Precision.fp32: cluster.peak_tflops_fp32}.get(precision)
     if preset is not None:
         return preset, "preset"
+    if not torch.cuda.is_available():
+        # CPUs without native half-precision units emulate it far below their fp32 rate, and the model's own
+        # half-precision matmuls may take other paths; the fp32 matmul rate is the honest ceiling on a CPU.
+        return measure_matmul_tflops(torch.float32), "measured (fp32 matmul)"
     dtype = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(precision, torch.float32)
     return measure_matmul_tflops(dtype), "measured"

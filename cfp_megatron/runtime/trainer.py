@@ -18,6 +18,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_batch_on_this_cp_rank
 from rich.console import Console
 from rich.progress import (
@@ -50,7 +51,9 @@ class StepMetrics:
     lr: float
     """Learning rate used for this step."""
     grad_norm: float
-    """Gradient norm before clipping."""
+    """Gradient norm before clipping (0 when the update was skipped)."""
+    applied: bool
+    """False when the fp16 loss scaler found an overflow and skipped the update."""
     step_time_s: float
     """Wall-clock seconds of the step (forward, backward, optimizer)."""
     tokens_per_s: float
@@ -97,10 +100,14 @@ def build_training(job: JobSpec, dims: ParallelDims) -> TrainState:
         overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather,
         use_distributed_optimizer=p.distributed_optimizer,
-        check_for_nan_in_grad=True,
+        # fp16 relies on the dynamic loss scaler, whose first scales overflow on purpose and skip their steps.
+        check_for_nan_in_grad=precision is not Precision.fp16,
     )
+    # As Megatron-LM does: bf16/fp16 chunks run inside Float16Module, which casts the inputs of the first stage and
+    # the outputs of the last one.
+    compute = [Float16Module(config, c) if precision is not Precision.fp32 else c for c in chunks]
     ddp_chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
-                                          disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+                                          disable_bucketing=i > 0) for i, chunk in enumerate(compute)]
     opt_config = OptimizerConfig(
         optimizer=t.optimizer.value, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
         adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
@@ -158,8 +165,11 @@ def _reduce_loss(reports: list[dict], state: TrainState) -> float:
     return float(total[0] / total[1].clamp(min=1))
 
 
-def train_step(state: TrainState, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float, float]:
-    """One optimizer step over the given micro-batches; returns (loss, grad norm, learning rate)."""
+def train_step(state: TrainState, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float, float, bool]:
+    """One optimizer step over the given micro-batches; returns (loss, grad norm, learning rate, applied).
+
+    ``applied`` is False when fp16's loss scaler found an overflow and skipped the update.
+    """
     job, dims = state.job, state.dims
     for c in state.ddp_chunks:
         c.zero_grad_buffer()
@@ -175,10 +185,11 @@ def train_step(state: TrainState, micro_batches: list[dict[str, torch.Tensor]]) 
         forward_only=False,
     )
     lr = state.optimizer.param_groups[0]["lr"]
-    _, grad_norm, _ = state.optimizer.step()
-    state.scheduler.step(increment=1)
+    applied, grad_norm, _ = state.optimizer.step()
+    if applied:  # as Megatron-LM: a step skipped by the loss scaler does not advance the schedule
+        state.scheduler.step(increment=1)
     state.step += 1
-    return _reduce_loss(reports, state), float(grad_norm or 0.0), float(lr)
+    return _reduce_loss(reports, state), float(grad_norm or 0.0), float(lr), bool(applied)
 
 
 class MetricsLog:
@@ -207,7 +218,8 @@ class MetricsLog:
         self._write({"event": "step", **asdict(m)})
         if self.enabled:
             self.console.print(
-                f"step {m.step:>5}/{total} | loss {m.loss:.4f} | lr {m.lr:.2e} | grad {m.grad_norm:.3f} | "
+                f"step {m.step:>5}/{total} | loss {m.loss:.4f} | lr {m.lr:.2e} | "
+                f"{f'grad {m.grad_norm:.3f}' if m.applied else 'skipped (loss-scale overflow)'} | "
                 f"{m.step_time_s * 1000:.0f} ms | {m.tokens_per_s:,.0f} tok/s | "
                 f"{m.tflops_per_rank:.3f} TFLOP/s/rank | MFU {m.mfu * 100:.1f}%", soft_wrap=True)
 
@@ -234,7 +246,8 @@ def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step
     peak, peak_source = peak_tflops(job.cluster, precision)
     flops_per_token = training_flops_per_token(job.model, t.seq_length)
     log.event("start", model=job.model.name, layout=dims.describe(), params_on_rank0=count_parameters(state.chunks),
-              steps=t.steps, start_step=state.step, precision=precision.value,
+              steps=t.steps, start_step=state.step, precision=precision.value, backend=dist.get_backend(),
+              device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               peak_tflops_per_rank=round(peak, 3), peak_source=peak_source, restart_count=env.restart_count,
               metrics=str(metrics_path) if metrics_path else None)
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -266,10 +279,10 @@ def _train_one(state: TrainState, stream: Iterator[dict[str, torch.Tensor]], log
         log.event("data_exhausted", step=state.step)
         return False
     start = time.perf_counter()
-    loss, grad_norm, lr = train_step(state, micro_batches)
+    loss, grad_norm, lr, applied = train_step(state, micro_batches)
     elapsed = time.perf_counter() - start
     tflops = flops_per_token * tokens_per_step / elapsed / dims.world_size / 1e12
-    m = StepMetrics(step=state.step, loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=elapsed,
+    m = StepMetrics(step=state.step, loss=loss, lr=lr, grad_norm=grad_norm, applied=applied, step_time_s=elapsed,
                     tokens_per_s=tokens_per_step / elapsed, tflops_per_rank=tflops, mfu=tflops / peak)
     history.append(m)
     if state.step % t.log_interval == 0 or state.step == t.steps:
