@@ -3,13 +3,15 @@
 Installed only when CUDA is absent (:func:`install_if_needed`). It changes no Megatron algorithm: it redirects
 device placement (``device="cuda"``, ``torch.cuda.current_device()``, ``Tensor.cuda``) to the CPU, makes CUDA
 streams/events no-ops, and backs Megatron's CUDA RNG tracker with the CPU generator (the one CPU dropout uses).
-MoE with expert parallelism needs the fixes in :mod:`cfp_megatron.compat.moe`.
+MoE without Transformer Engine needs the fixes in :mod:`cfp_megatron.compat.moe` (on any device).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -77,14 +79,11 @@ class _NoOpEvent:
     """Stands in for ``torch.cuda.Event``; timings come from wall clock."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        import time
-
-        self._time = time.perf_counter
         self._t = 0.0
 
     def record(self, stream: Any = None) -> None:
         """Remember the wall-clock time."""
-        self._t = self._time()
+        self._t = time.perf_counter()
 
     def synchronize(self) -> None:
         """No-op."""
@@ -164,8 +163,6 @@ def _patch_megatron() -> None:
     def _new(cls: type, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> torch.nn.Module:
         if not config.sequence_parallel:
             return original_new(cls, config, hidden_size, eps, **kwargs)
-        import dataclasses
-
         norm = original_new(cls, dataclasses.replace(config, sequence_parallel=False), hidden_size, eps, **kwargs)
         for param in norm.parameters():
             param.sequence_parallel = True
@@ -186,8 +183,5 @@ def install_if_needed() -> bool:
     _mode = _CudaToCpuMode()
     _mode.__enter__()
     _installed = True
-    from cfp_megatron.compat import moe
-
-    moe.install()
     log.info("cfp_megatron.compat.cpu: CUDA absent; Megatron-Core CUDA calls mapped to CPU")
     return True

@@ -1,4 +1,4 @@
-"""Fixes Megatron-Core's MoE code needs without Transformer Engine (and, for two of them, on CPU with gloo).
+"""Fixes Megatron-Core's MoE code needs without Transformer Engine, on CPU and GPU alike.
 
 Each fix is a small adapter around a Megatron function; none changes the routing or expert computation.
 """

@@ -67,9 +67,12 @@ def train_from_config(cfg: Any) -> list:
         run_dir = hydra_run_dir()
         metrics_path = run_dir / "metrics.jsonl" if run_dir is not None else None
 
+    from cfp_megatron.compat import moe
     from cfp_megatron.compat.cpu import install_if_needed
 
     install_if_needed()
+    if job.model.is_moe and not transformer_engine_available():
+        moe.install()
     from cfp_megatron.runtime.distributed import destroy_distributed, init_distributed
     from cfp_megatron.runtime.trainer import run_training
 
