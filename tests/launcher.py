@@ -50,8 +50,8 @@ class RunResult:
 
 def torchrun_command(nproc: int, overrides: list[str], *, max_restarts: int = 0) -> list[str]:
     """The torchrun command line for ``nproc`` CPU ranks."""
-    # c10d rendezvous (what --standalone uses) keeps each restart's store keys apart; the static backend lets a
-    # restarted rank read its peer's address from the failed attempt.
+    # c10d rendezvous, as --standalone uses; the default static backend works too (checked by hand), since
+    # init_distributed keeps each restart's store keys apart.
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
             f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
             str(TRAIN), *overrides]
