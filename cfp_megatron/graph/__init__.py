@@ -1,0 +1,1 @@
+"""Operator graphs, partition propagation, ParallelBlocks and segments (CFP)."""
