@@ -1,0 +1,140 @@
+"""A disk cache of capture summaries, keyed by a hash of everything the capture depends on.
+
+Key: the model spec (or ``TransformerConfig`` fields), sequence length, micro-batch size, precision, the summary
+schema version and the torch and megatron-core versions. Value: :class:`~cfp_megatron.model.summary.CaptureSummary`
+JSON (per-kind counts and operator lists, not live ``OpGraph`` objects) under ``$CFP_CACHE_DIR/capture/`` (default
+``~/.cache/cfp-megatron/capture/``). Writes are atomic (temporary file + rename), so concurrent ranks never read a
+half-written entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import importlib.metadata
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cfp_megatron.config import JobSpec, Precision
+from cfp_megatron.model.summary import SCHEMA_VERSION, CaptureSummary
+
+CACHE_ENV = "CFP_CACHE_DIR"
+"""Environment variable overriding the cache root."""
+
+
+def cache_dir() -> Path:
+    """Where capture summaries live."""
+    root = os.environ.get(CACHE_ENV)
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "cfp-megatron"
+    return base / "capture"
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-stable form of config values (enums by value, callables and types by qualified name)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    if callable(value) or isinstance(value, type):
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+    return str(value)
+
+
+def _version(dist: str) -> str:
+    """An installed distribution's version, read without importing it (so a cache hit stays fast)."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def cache_key(inputs: dict[str, Any]) -> str:
+    """SHA-256 of ``inputs`` plus the schema and library versions."""
+    payload = {"inputs": _plain(inputs), "schema": SCHEMA_VERSION, "torch": _version("torch"),
+               "megatron": _version("megatron-core")}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def job_cache_inputs(job: JobSpec, *, seq_length: int, micro_batch_size: int,
+                     precision: Precision | None = None) -> dict[str, Any]:
+    """What a capture of ``job`` depends on."""
+    return {"model": job.model, "seq_length": seq_length, "micro_batch_size": micro_batch_size,
+            "precision": (precision or job.train.precision).value}
+
+
+def load(key: str) -> CaptureSummary | None:
+    """The cached summary for ``key``, or ``None`` (also for an unreadable entry)."""
+    path = cache_dir() / f"{key}.json"
+    try:
+        with path.open() as fh:
+            return CaptureSummary.from_json(json.load(fh))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store(key: str, summary: CaptureSummary) -> Path:
+    """Write ``summary`` under ``key``; return the file."""
+    directory = cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{key}.json"
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(summary.dumps())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def cached_summary(inputs: dict[str, Any], make: Callable[[], CaptureSummary], *,
+                   use_cache: bool = True) -> CaptureSummary:
+    """The summary stored under the key of ``inputs``, else ``make()`` (then stored)."""
+    key = cache_key(inputs)
+    if use_cache:
+        found = load(key)
+        if found is not None:
+            return found
+    summary = make()
+    store(key, summary)
+    return summary
+
+
+def capture_summary(job: JobSpec, *, seq_length: int | None = None, micro_batch_size: int = 1,
+                    precision: Precision | None = None, use_cache: bool = True) -> CaptureSummary:
+    """The capture summary of ``job``, from the cache when present, else captured (and stored)."""
+    seq = seq_length or job.train.seq_length
+
+    def make() -> CaptureSummary:
+        from cfp_megatron.model.capture import capture_job  # imports torch and Megatron: only on a miss
+
+        return capture_job(job, seq_length=seq, micro_batch_size=micro_batch_size, precision=precision).summary()
+
+    inputs = job_cache_inputs(job, seq_length=seq, micro_batch_size=micro_batch_size, precision=precision)
+    return cached_summary(inputs, make, use_cache=use_cache)
+
+
+def config_summary(config: Any, *, vocab_size: int, seq_length: int, micro_batch_size: int = 1,
+                   use_cache: bool = True, **kwargs: Any) -> CaptureSummary:
+    """:func:`~cfp_megatron.model.capture.capture_transformer_config`'s summary, cached by the config's fields."""
+    def make() -> CaptureSummary:
+        from cfp_megatron.model.capture import capture_transformer_config
+
+        return capture_transformer_config(config, vocab_size=vocab_size, seq_length=seq_length,
+                                          micro_batch_size=micro_batch_size, **kwargs).summary()
+
+    inputs = {"config": config, "vocab_size": vocab_size, "seq_length": seq_length,
+              "micro_batch_size": micro_batch_size, "kwargs": kwargs}
+    return cached_summary(inputs, make, use_cache=use_cache)
