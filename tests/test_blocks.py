@@ -1,0 +1,276 @@
+"""ParallelBlocks over recorded forward operators, and a communication-free candidate run on real gloo ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from cfp_megatron.graph.blocks import (
+    BlockCheck,
+    BlockError,
+    ParallelBlock,
+    blocks_to_json,
+    find_blocks,
+    forward_operators,
+    verify_blocks_on_gloo,
+    verify_on_gloo,
+)
+from cfp_megatron.graph.opgraph import OpGraph
+from cfp_megatron.graph.propagation import fake_mesh, parse_placements, placement_str, propagate
+from cfp_megatron.graph.record import record_step
+
+R, P = Replicate(), Partial()
+
+
+def _mlp(hidden: int = 16, ffn: int = 64, *, norm: bool = False) -> torch.nn.Module:
+    layers = [torch.nn.Linear(hidden, ffn), torch.nn.GELU(), torch.nn.Linear(ffn, hidden)]
+    return torch.nn.Sequential(*layers, *([torch.nn.LayerNorm(hidden)] if norm else []))
+
+
+def _record(build: Callable[[], torch.nn.Module] | None = None, shape: tuple[int, ...] = (4, 8, 16),
+            **kw) -> OpGraph:
+    with torch.device("meta"):
+        module = build() if build is not None else _mlp(**kw)
+        x = torch.randn(*shape, requires_grad=True)
+    return record_step(module, (x,), kind="mlp")
+
+
+def _whole(blocks: list[ParallelBlock], n: int) -> list[ParallelBlock]:
+    return [b for b in blocks if b.start == 0 and b.stop == n]
+
+
+def test_forward_operators_drop_the_loss():
+    graph = _record()
+    ops = forward_operators(graph)
+    assert ops and all(o.module != "Global" for o in ops)
+    assert ops[-1].name == "aten.view.default"
+
+
+def test_mlp_is_one_block_for_the_split_hidden_entry():
+    graph = _record()
+    n = len(forward_operators(graph))
+    with fake_mesh((4,), ("tp",)) as mesh:
+        blocks = find_blocks(graph, mesh)
+    (whole,) = _whole(blocks, n)
+    tp = whole.candidate((R,))
+    assert tp is not None and tp.verified and tp.maximal
+    assert tp.exit == (P,)
+    assert tp.params["0.weight"] == (Shard(0),) and tp.params["2.weight"] == (Shard(1),)
+    assert whole.entry == graph.inputs[0] and whole.exit == forward_operators(graph)[-1].outputs[0]
+    # entering with the hidden dimension split needs an all-reduce after the first linear (before GELU)
+    assert whole.candidate((Shard(2),)) is None
+    stopped = {s.entry: s for s in whole.stopped}
+    assert stopped[(Shard(2),)].collectives
+
+
+def test_blocks_break_where_a_collective_is_needed():
+    graph = _record(norm=True)
+    ops = forward_operators(graph)
+    ln = next(i for i, o in enumerate(ops) if o.name == "aten.native_layer_norm.default")
+    with fake_mesh((4,), ("tp",)) as mesh:
+        blocks = find_blocks(graph, mesh)
+    # the tensor-parallel entry crosses the MLP and stops at the norm (all-reduce of the partial sum)
+    tp_blocks = [b for b in blocks if b.start == 0 and b.candidate((R,)) is not None and b.candidate((R,)).maximal]
+    assert [b.stop for b in tp_blocks] == [ln]
+    assert tp_blocks[0].candidate((R,)).exit == (P,)
+    assert all(b.candidate((R,)) is None for b in blocks if b.start == 0 and b.stop > ln)
+    stop = next(s for s in _whole(blocks, len(ops))[0].stopped if s.entry == (R,))
+    assert stop.at == ops[ln].index and stop.collectives
+    # a new block starts at the norm: its entry is the MLP output, and there a replicated entry is free again
+    at_norm = [b for b in blocks if b.start == ln]
+    assert at_norm and at_norm[0].entry == ops[ln].inputs[0]
+    assert at_norm[0].candidate((R,)) is not None and at_norm[0].candidate((Shard(2),)) is None
+
+
+class _Layer(torch.nn.Module):
+    """A pre-norm transformer layer: RMSNorm, attention (SDPA), residual; RMSNorm, SwiGLU MLP, residual."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4, ffn: int = 64) -> None:
+        super().__init__()
+        self.heads = heads
+        self.n1, self.n2 = torch.nn.RMSNorm(hidden), torch.nn.RMSNorm(hidden)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(hidden, hidden, bias=False) for _ in range(4))
+        self.gate, self.up = torch.nn.Linear(hidden, ffn, bias=False), torch.nn.Linear(hidden, ffn, bias=False)
+        self.down = torch.nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        y = self.n1(x)
+        q, k, v = (m(y).view(b, t, self.heads, h // self.heads).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, h))
+        y = self.n2(x)
+        return x + self.down(torch.nn.functional.silu(self.gate(y)) * self.up(y))
+
+
+def test_transformer_layer_tensor_parallel_path():
+    graph = _record(_Layer, (2, 16, 32))
+    ops = forward_operators(graph)
+    n2 = next(i for i, o in enumerate(ops) if o.module.endswith("n2"))
+    with fake_mesh((2,), ("tp",)) as mesh:
+        start = time.perf_counter()
+        blocks = find_blocks(graph, mesh)
+        print(f"find_blocks, transformer layer, {len(ops)} ops, 2 ranks: {time.perf_counter() - start:.3f} s, "
+              f"{len(blocks)} blocks")
+    attention = next(b for b in blocks if b.start == 0 and b.stop == n2)
+    tp = attention.candidate((R,))
+    assert tp is not None and tp.maximal and tp.exit == (P,)
+    assert all(tp.params[f"{w}.weight"] == (Shard(0),) for w in "qkv") and tp.params["o.weight"] == (Shard(1),)
+    mlp = next(b for b in blocks if b.start == n2 and b.stop == len(ops))
+    tp = mlp.candidate((R,))
+    assert tp is not None and tp.maximal and tp.exit == (P,)
+    assert tp.params["gate.weight"] == tp.params["up.weight"] == (Shard(0),)
+    assert tp.params["down.weight"] == (Shard(1),)
+    # the whole layer is one block only for batch sharding (replicated weights: data parallel)
+    whole = [b for b in blocks if b.start == 0 and b.stop == len(ops)]
+    assert whole and whole[0].candidate((Shard(0),)) is not None and whole[0].candidate((R,)) is None
+
+
+def test_every_candidate_verified_by_an_independent_propagation():
+    graph = _record(norm=True)
+    ops = forward_operators(graph)
+    by_index = {o.index: o for o in ops}
+    with fake_mesh((2, 2), ("dp", "tp")) as mesh:
+        blocks = find_blocks(graph, mesh)
+        assert blocks
+        for block in blocks:
+            body = [by_index[i] for i in block.ops]
+            for cand in block.candidates:
+                prop = propagate(graph, body, {block.entry: cand.entry}, mesh, cand.params)
+                assert prop.comm_free, (block.index, placement_str(cand.entry))
+                assert prop.placements[block.exit] == cand.exit
+
+
+def test_2d_mesh_megatron_layout_among_candidates():
+    graph = _record()
+    n = len(forward_operators(graph))
+    with fake_mesh((2, 2), ("dp", "tp")) as mesh:
+        start = time.perf_counter()
+        blocks = find_blocks(graph, mesh)
+        print(f"find_blocks, 2x2 mesh, {n} ops: {time.perf_counter() - start:.3f} s, {len(blocks)} blocks")
+    (whole,) = _whole(blocks, n)
+    dp_tp = whole.candidate((Shard(0), R))
+    assert dp_tp is not None and dp_tp.exit == (Shard(0), P)
+    assert dp_tp.params["0.weight"] == (R, Shard(0)) and dp_tp.params["2.weight"] == (R, Shard(1))
+
+
+def test_json_form():
+    graph = _record()
+    with fake_mesh((4,), ("tp",)) as mesh:
+        blocks = find_blocks(graph, mesh)
+    data = json.loads(json.dumps(blocks_to_json(blocks)))
+    assert [d["index"] for d in data] == list(range(len(blocks)))
+    first = data[0]
+    assert {"start", "stop", "ops", "entry", "exit", "candidates", "stopped"} <= set(first)
+    for d, b in zip(data, blocks, strict=True):
+        assert [parse_placements(c["entry"]) for c in d["candidates"]] == [c.entry for c in b.candidates]
+
+
+def test_find_blocks_rejects_empty():
+    graph = _record()
+    with fake_mesh((2,), ("tp",)) as mesh:
+        with pytest.raises(BlockError):
+            find_blocks(graph, mesh, ops=())
+
+
+# ------------------------------------------------------------------------------------------------------- gloo
+
+
+def _build_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return _mlp()
+
+
+def _make_input() -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(4, 8, 16)
+
+
+@pytest.mark.slow
+def test_comm_free_candidates_run_with_zero_collectives_on_gloo():
+    graph = _record()
+    n = len(forward_operators(graph))
+    with fake_mesh((2,), ("tp",)) as mesh:
+        (whole,) = _whole(find_blocks(graph, mesh), n)
+    checked = 0
+    for entry in [(R,), (Shard(0),)]:
+        cand = whole.candidate(entry)
+        assert cand is not None
+        result = verify_on_gloo(_build_mlp, _make_input, entry, cand.params, world_size=2)
+        assert result.comm_free, result.collectives
+        assert result.max_abs_error < 1e-5
+        checked += 1
+    assert checked == 2
+
+
+@pytest.mark.slow
+def test_gloo_check_sees_a_needed_collective():
+    # hidden dimension split on entry with column-parallel first weight: DTensor must gather inside the block
+    result = verify_on_gloo(_build_mlp, _make_input, "S(2)", {"0.weight": "S(0)", "0.bias": "S(0)",
+                                                             "2.weight": "S(1)"}, world_size=2)
+    assert not result.comm_free
+    assert result.max_abs_error < 1e-5
+
+
+def _layer_graph() -> OpGraph:
+    return _record(_Layer, (2, 16, 32))
+
+
+@pytest.mark.slow
+def test_every_transformer_candidate_replayed_on_gloo_with_zero_collectives():
+    graph = _layer_graph()
+    ops = forward_operators(graph)
+    n2 = next(i for i, o in enumerate(ops) if o.module.endswith("n2"))
+    with fake_mesh((2,), ("tp",)) as mesh:
+        blocks = find_blocks(graph, mesh)
+    checks = [BlockCheck.of(b, c) for b in blocks for c in b.candidates]
+    # Megatron's tensor-parallel layout is among them: attention and MLP blocks entered replicated
+    assert any(c.start == 0 and c.stop == n2 and c.placements == "R" for c in checks)
+    assert any(c.start == n2 and c.stop == len(ops) and c.placements == "R" for c in checks)
+    start = time.perf_counter()
+    results = verify_blocks_on_gloo(_layer_graph, (2,), checks)
+    print(f"gloo replay of {len(checks)} candidates on 2 ranks: {time.perf_counter() - start:.1f} s")
+    assert len(results) == len(checks) > 10
+    for check, result in zip(checks, results, strict=True):
+        assert result.comm_free, (check, result.collectives, result.error)
+        assert result.relative_error < 1e-5, (check, result.max_abs_error, result.scale)  # float32, other sum order
+
+
+def _mlp_graph() -> OpGraph:
+    return _record()
+
+
+@pytest.mark.slow
+def test_2d_mesh_candidates_replayed_on_gloo():
+    graph = _mlp_graph()
+    with fake_mesh((2, 2), ("dp", "tp")) as mesh:
+        blocks = find_blocks(graph, mesh)
+    checks = [BlockCheck.of(b, c) for b in blocks if b.start == 0 for c in b.candidates if c.maximal]
+    assert any(c.placements == "R,R" for c in checks) and any(c.placements == "S(0),R" for c in checks)
+    results = verify_blocks_on_gloo(_mlp_graph, (2, 2), checks)
+    for check, result in zip(checks, results, strict=True):
+        assert result.comm_free, (check, result.collectives, result.error)
+        assert result.relative_error < 1e-5, (check, result.max_abs_error, result.scale)
+
+
+@pytest.mark.slow
+def test_block_replay_sees_collectives_of_a_non_candidate():
+    graph = _layer_graph()
+    ops = forward_operators(graph)
+    n2 = next(i for i, o in enumerate(ops) if o.module.endswith("n2"))
+    with fake_mesh((2,), ("tp",)) as mesh:
+        blocks = find_blocks(graph, mesh)
+    attention = next(b for b in blocks if b.start == 0 and b.stop == n2)
+    assert attention.candidate((Shard(2),)) is None  # the norm needs the whole hidden dimension
+    tp = attention.candidate((R,))
+    check = BlockCheck.of(attention, tp)
+    bad = dataclasses.replace(check, placements="S(2)")
+    (result,) = verify_blocks_on_gloo(_layer_graph, (2,), [bad])
+    assert not result.comm_free
+    assert result.collectives or result.error
