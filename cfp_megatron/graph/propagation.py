@@ -412,6 +412,9 @@ def propagate(graph: OpGraph, ops: Sequence[Operator], entry: Mapping[int, Place
     Tensors neither given, produced nor parameters (e.g. a mask fed in) are replicated. With ``stop_on_collective``
     the walk ends at the first operator that needs communication. ``cache`` (a dict, shared between calls on the
     same graph and mesh) saves replaying an operator under input placements already seen.
+
+    Past an operator that needed a collective the walk goes on as DTensor executes: the redistributed copy served that
+    operator only, later readers of the same tensor see its original placement again.
     """
     replayer = _Replayer(graph, mesh, cache)
     placements: dict[int, Placements] = {}
