@@ -28,6 +28,7 @@ unsupported and not communication-free.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -377,18 +378,49 @@ def _fallback(op: Operator, graph: OpGraph, given: dict[int, Placements], mesh: 
 
 
 class _Replayer:
-    """Runs :func:`propagate_op` with a cache keyed by operator and input placements."""
+    """Runs :func:`propagate_op` with a cache keyed by operator and input placements.
+
+    Operators that repeat with the same structure (the experts of a MoE layer, the heads of a loop) share one
+    replay: the second key is the operator's name and arguments with each tensor replaced by its shape, dtype,
+    placement and position of first use, and a hit is re-labelled with the operator's own tensor ids.
+    """
 
     def __init__(self, graph: OpGraph, mesh: DeviceMesh, cache: dict[Any, OpResult] | None) -> None:
         self.graph = graph
         self.mesh = mesh
-        self.cache: dict[Any, OpResult] = cache if cache is not None else {}
+        self.cache: dict[Any, Any] = cache if cache is not None else {}
+
+    def _signature(self, op: Operator, placements: Mapping[int, Placements]) -> str:
+        first: dict[int, int] = {}
+
+        def sig(x: Any) -> Any:
+            if isinstance(x, TensorRef):
+                t = self.graph.tensors[x.id]
+                return ("T", first.setdefault(x.id, len(first)), t.shape, t.dtype,
+                        placements.get(x.id, replicate(self.mesh)))
+            return x
+
+        outputs = tuple(first.setdefault(t, len(first) + 1000) for t in op.outputs)
+        return repr((op.name, tree_map(sig, (op.args, op.kwargs)), outputs))
 
     def run(self, op: Operator, placements: Mapping[int, Placements]) -> OpResult:
         key = (op.index, tuple(placements.get(t, replicate(self.mesh)) for t in op.inputs))
         hit = self.cache.get(key)
-        if hit is None:
-            hit = self.cache[key] = propagate_op(op, self.graph, placements, self.mesh)
+        if hit is not None:
+            return hit
+        signature = ("signature", self._signature(op, placements))
+        shared = self.cache.get(signature)
+        if shared is not None:
+            base, base_ids = shared
+            relabel = dict(zip(base_ids, op.inputs + op.outputs, strict=True))
+            hit = dataclasses.replace(
+                base, index=op.index, inputs={relabel[t]: p for t, p in base.inputs.items()},
+                outputs={relabel[t]: p for t, p in base.outputs.items()},
+                redistributed={relabel[t]: p for t, p in base.redistributed.items()})
+        else:
+            hit = propagate_op(op, self.graph, placements, self.mesh)
+            self.cache[signature] = (hit, op.inputs + op.outputs)
+        self.cache[key] = hit
         return hit
 
 
