@@ -94,6 +94,14 @@ class ModelCapture:
         return self.summary(with_graphs=with_graphs).to_json(with_graphs=with_graphs)
 
 
+def _first_positions(keys: list[Any]) -> dict[Any, int]:
+    """Position of the first occurrence of each distinct key, in order of first appearance."""
+    first: dict[Any, int] = {}
+    for i, key in enumerate(keys):
+        first.setdefault(key, i)
+    return first
+
+
 def _unique_names(names: list[str]) -> list[str]:
     """``dense, moe, dense`` -> ``dense, moe, dense_2`` (distinct kinds that would share a name)."""
     seen: dict[str, int] = {}
@@ -169,12 +177,8 @@ def capture_transformer_config(config: Any, *, vocab_size: int, seq_length: int,
     with megatron_meta_env():
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=normalization)
         specs = [local_mla_layer_spec(s) for s in block.layer_specs]
-        first_index: dict[str, int] = {}
-        spec_key = []
-        for i, spec in enumerate(specs):
-            key = repr(spec)
-            first_index.setdefault(key, i)
-            spec_key.append(key)
+        spec_key = [repr(spec) for spec in specs]
+        first_index = _first_positions(spec_key)
         # The embedding, rotary embedding and head of Megatron's GPTModel, with an empty decoder.
         with meta_device():
             shell = GPTModel(
@@ -211,12 +215,8 @@ def capture_model(model: torch.nn.Module, *, seq_length: int, micro_batch_size: 
     if decoder is None or getattr(model, "config", None) is None:
         raise CaptureError(f"{type(model).__name__} is not a Megatron GPTModel (it needs .config and .decoder).")
     with megatron_meta_env():
-        first: dict[tuple, int] = {}
-        keys = []
-        for i, layer in enumerate(layers):
-            key = layer_signature(layer)
-            first.setdefault(key, i)
-            keys.append(key)
+        keys = [layer_signature(layer) for layer in layers]
+        first = _first_positions(keys)
         names = dict(zip(first, _unique_names([layer_kind_name(layers[i]) for i in first.values()]), strict=True))
         rope = rotary_embedding(model, seq_length)
         graphs: dict[str, OpGraph] = {}
