@@ -98,14 +98,11 @@ def analyze(job: JobSpec, *, seq_length: int | None = None, micro_batch_size: in
     inputs = {**cache.job_cache_inputs(job, seq_length=seq, micro_batch_size=micro_batch_size),
               "analysis": "blocks-v1", "mesh": [list(mesh.shape), list(mesh.names)]}
     key = cache.cache_key(inputs)
-    path = cache.cache_dir().parent / "analysis" / f"{key}.json"
-    if use_cache and path.is_file():
-        return json.loads(path.read_text())
+    found = cache.load_json(key, section="analysis") if use_cache else None
+    if found is not None:
+        return found
     result = _analyze(job, mesh, seq, micro_batch_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(path)
+    cache.store_json(key, result, section="analysis")
     return result
 
 

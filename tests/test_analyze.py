@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -61,9 +62,8 @@ def test_mlp_column_then_row_is_one_block_for_the_split_hidden_entry(model: str)
 
 
 def test_a_deep_model_has_a_handful_of_segment_classes() -> None:
-    job = _job("gpt_tiny", tp=2)
-    job = job_from_config({"model": {**_plain(job.model), "num_layers": 24}, "parallel": {"tp": 2},
-                           "train": {"seq_length": 32}})
+    model = dataclasses.asdict(_job("gpt_tiny").model)
+    job = job_from_config({"model": {**model, "num_layers": 24}, "parallel": {"tp": 2}, "train": {"seq_length": 32}})
     result = analyze(job)
     assert result["segments"] == 26  # embedding, 24 layers, head
     assert len(result["classes"]) == 3
@@ -94,10 +94,3 @@ def test_command_line_reports_bad_settings(capsys: pytest.CaptureFixture[str]) -
     assert main(["model=llama_tiny", "parallel.tp=3", "cluster.gpus_per_node=8"]) == 2
     assert "parallel.tp=3" in capsys.readouterr().err
 
-
-def _plain(spec) -> dict:
-    import dataclasses
-    import enum
-
-    return {f.name: (getattr(spec, f.name).value if isinstance(getattr(spec, f.name), enum.Enum)
-                     else getattr(spec, f.name)) for f in dataclasses.fields(spec)}

@@ -12,37 +12,16 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+
+from cfp_megatron.compat.device_mode import DeviceRewriteMode
 
 log = logging.getLogger(__name__)
 
 _installed = False
-_mode: _CudaToCpuMode | None = None
-
-
-def _is_cuda_device(device: Any) -> bool:
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, str):
-        return device.startswith("cuda")
-    # Megatron passes torch.cuda.current_device() (an int) as a device.
-    return isinstance(device, int) and not isinstance(device, bool)
-
-
-class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrite ``device=`` arguments that name CUDA (or a bare device index) to the CPU."""
-
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
-            kwargs = {**kwargs, "device": "cpu"}
-        if func in (torch.Tensor.to, torch.Tensor.cuda) or getattr(func, "__name__", "") == "to":
-            args = tuple("cpu" if i > 0 and _is_cuda_device(a) else a for i, a in enumerate(args))
-        return func(*args, **kwargs)
+_mode: DeviceRewriteMode | None = None
 
 
 class _NoOpStream:
@@ -180,7 +159,7 @@ def install_if_needed() -> bool:
         return True
     _patch_torch_cuda()
     _patch_megatron()
-    _mode = _CudaToCpuMode()
+    _mode = DeviceRewriteMode(sources=("cuda",), target="cpu")
     _mode.__enter__()
     _installed = True
     log.info("cfp_megatron.compat.cpu: CUDA absent; Megatron-Core CUDA calls mapped to CPU")

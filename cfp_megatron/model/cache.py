@@ -28,10 +28,9 @@ CACHE_ENV = "CFP_CACHE_DIR"
 
 
 def cache_dir() -> Path:
-    """Where capture summaries live."""
+    """The cache root; each kind of entry has a section folder in it (``capture/``, ``analysis/``)."""
     root = os.environ.get(CACHE_ENV)
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "cfp-megatron"
-    return base / "capture"
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "cfp-megatron"
 
 
 def _plain(value: Any) -> Any:
@@ -73,30 +72,43 @@ def job_cache_inputs(job: JobSpec, *, seq_length: int, micro_batch_size: int,
             "precision": (precision or job.train.precision).value}
 
 
-def load(key: str) -> CaptureSummary | None:
-    """The cached summary for ``key``, or ``None`` (also for an unreadable entry)."""
-    path = cache_dir() / f"{key}.json"
+def load_json(key: str, *, section: str = "capture") -> Any | None:
+    """The JSON stored under ``key`` in ``section`` (``capture``, ``analysis``), or ``None`` (also when unreadable)."""
     try:
-        with path.open() as fh:
-            return CaptureSummary.from_json(json.load(fh))
-    except (OSError, ValueError, KeyError, TypeError):
+        with (cache_dir() / section / f"{key}.json").open() as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
         return None
 
 
-def store(key: str, summary: CaptureSummary) -> Path:
-    """Write ``summary`` under ``key``; return the file."""
-    directory = cache_dir()
+def store_json(key: str, data: Any, *, section: str = "capture") -> Path:
+    """Write ``data`` as JSON under ``key`` in ``section`` atomically (temporary file + rename); return the file."""
+    directory = cache_dir() / section
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{key}.json"
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as fh:
-            fh.write(summary.dumps())
+            json.dump(data, fh, separators=(",", ":"))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def load(key: str) -> CaptureSummary | None:
+    """The cached summary for ``key``, or ``None`` (also for an unreadable entry)."""
+    data = load_json(key)
+    try:
+        return CaptureSummary.from_json(data) if data is not None else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def store(key: str, summary: CaptureSummary) -> Path:
+    """Write ``summary`` under ``key``; return the file."""
+    return store_json(key, summary.to_json())
 
 
 def cached_summary(inputs: dict[str, Any], make: Callable[[], CaptureSummary], *,

@@ -63,21 +63,17 @@ class ModelCapture:
     @property
     def sequence(self) -> tuple[str, ...]:
         """The model as a sequence of kinds: embedding, each decoder layer, head (those captured)."""
-        pre = ("embedding",) if "embedding" in self.graphs else ()
-        post = ("head",) if "head" in self.graphs else ()
-        return pre + self.layer_kinds + post
+        return self.summary(with_graphs=False).sequence
 
     @property
     def total_params(self) -> int:
         """Parameters of the whole model."""
-        counts = self.counts
-        return sum(g.param_count * counts[k] for k, g in self.graphs.items()) - self.shared_params
+        return self.summary(with_graphs=False).total_params
 
     @property
     def total_flops(self) -> int:
         """FLOPs of one micro-batch's forward + backward through the whole model."""
-        counts = self.counts
-        return sum(g.flops * counts[k] for k, g in self.graphs.items())
+        return self.summary(with_graphs=False).total_flops
 
     def summary(self, *, with_graphs: bool = True) -> CaptureSummary:
         """The JSON-ready summary (what the cache stores)."""

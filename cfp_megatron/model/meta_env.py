@@ -9,33 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
+from cfp_megatron.compat.device_mode import DeviceRewriteMode
 from cfp_megatron.model.errors import CaptureError
-
-
-def _is_real_device(device: Any) -> bool:
-    if isinstance(device, torch.device):
-        return device.type in ("cpu", "cuda")
-    if isinstance(device, str):
-        return device.startswith(("cpu", "cuda"))
-    # Megatron passes torch.cuda.current_device() (an int on GPU) as a device.
-    return isinstance(device, int) and not isinstance(device, bool)
-
-
-class _MetaDeviceMode(TorchFunctionMode):
-    """Rewrite ``device=`` arguments naming the CPU or a GPU to ``meta`` (factory calls and ``Tensor.to``)."""
-
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if "device" in kwargs and _is_real_device(kwargs["device"]):
-            kwargs = {**kwargs, "device": "meta"}
-        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -51,7 +31,7 @@ def meta_device() -> Iterator[None]:
     saved = parallel_state._GLOBAL_MEMORY_BUFFER
     parallel_state._GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
     try:
-        with torch.device("meta"), _MetaDeviceMode():
+        with torch.device("meta"), DeviceRewriteMode(sources=("cpu", "cuda"), target="meta"):
             yield
     finally:
         parallel_state._GLOBAL_MEMORY_BUFFER = saved

@@ -8,7 +8,6 @@ for reports, and what :mod:`cfp_megatron.model.cache` stores. Re-capture when th
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,10 +91,6 @@ class CaptureSummary:
                 "shared_params": self.shared_params, "total_params": self.total_params,
                 "total_flops": self.total_flops,
                 "kinds": {name: k.to_json(with_graph=with_graphs) for name, k in self.kinds.items()}}
-
-    def dumps(self, *, with_graphs: bool = True) -> str:
-        """The JSON text."""
-        return json.dumps(self.to_json(with_graphs=with_graphs), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CaptureSummary:

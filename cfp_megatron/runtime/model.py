@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 
 import torch
@@ -135,7 +134,6 @@ def build_model_chunks(job: JobSpec, config: TransformerConfig, dims: ParallelDi
             rotary_base=int(m.rotary_base),
             vp_stage=vp,
         )
-        model.model_type = getattr(model, "model_type", None) or _encoder_or_decoder()
         chunks.append(model)
     if torch.cuda.is_available():
         for model in chunks:
@@ -143,21 +141,6 @@ def build_model_chunks(job: JobSpec, config: TransformerConfig, dims: ParallelDi
     return chunks
 
 
-def _encoder_or_decoder():  # pragma: no cover - tiny helper for older releases without model_type
-    from megatron.core.enums import ModelType
-
-    return ModelType.encoder_or_decoder
-
-
 def count_parameters(chunks: list[torch.nn.Module]) -> int:
     """Parameters held by this rank."""
     return sum(p.numel() for c in chunks for p in c.parameters())
-
-
-def config_summary(config: TransformerConfig) -> dict:
-    """The config fields worth logging."""
-    keep = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-            "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-            "context_parallel_size", "expert_model_parallel_size", "sequence_parallel", "num_moe_experts",
-            "recompute_granularity", "bf16", "fp16")
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name in keep}
