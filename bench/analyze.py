@@ -1,6 +1,8 @@
 """Capture + ParallelBlock analysis time of large presets, cold and cached, as a user runs it.
 
-Run: ``python bench/analyze.py [--models llama3_405b deepseek_v3] [--tp 8] [--seq 4096]``. Each case is a fresh
+Run: ``python bench/analyze.py [--models llama3_405b deepseek_v3] [--tp 8] [--seq 4096] [--nodes 1]``. With
+``--nodes 2`` the job spans two DGX H100 nodes, so the mesh is 2-D (dp x tp) (MoE models then also get EP = TP and
+sequence parallelism, as Megatron needs for MoE with TP and EP). Each case is a fresh
 ``python -m cfp_megatron.analyze`` process (imports included); "cold" uses an empty cache directory, "cached" runs
 the same command again. Prints figures, asserts nothing. Target: 10 s or less cold, 1 s with a cache.
 """
@@ -15,11 +17,19 @@ import sys
 import tempfile
 import time
 
+MOE = ("deepseek_v3", "mixtral_8x7b", "moe_tiny")
+"""Presets with experts."""
 
-def _run(model: str, tp: int, seq: int, cache: str, out: str) -> tuple[float, dict]:
+
+def _run(model: str, tp: int, seq: int, nodes: int, cache: str, out: str) -> tuple[float, dict]:
     env = {**os.environ, "CFP_CACHE_DIR": cache}
     cmd = [sys.executable, "-m", "cfp_megatron.analyze", f"model={model}", f"parallel.tp={tp}",
-           f"train.seq_length={seq}", "--json", out]
+           f"train.seq_length={seq}"]
+    if nodes > 1:
+        cmd += ["cluster=dgx_h100", f"cluster.nodes={nodes}"]
+        if model in MOE:
+            cmd += [f"parallel.ep={tp}", "parallel.sp=true"]
+    cmd += ["--json", out]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     elapsed = time.perf_counter() - start
@@ -34,14 +44,16 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["llama3_405b", "deepseek_v3"])
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--nodes", type=int, default=1, help="nodes of 8 GPUs; 2 or more gives a 2-D mesh")
     args = parser.parse_args()
+    print(f"mesh: {args.nodes * 8 // args.tp} x {args.tp} (dp x tp)" if args.nodes > 1 else f"mesh: tp={args.tp}")
     print(f"{'model':<14} {'cold s':>7} {'cached s':>9} {'capture s':>10} {'blocks s':>9} {'classes':>8} "
           f"{'segments':>9} {'blocks/class':>14}")
     for model in args.models:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "a.json")
-            cold, result = _run(model, args.tp, args.seq, tmp, out)
-            cached, _ = _run(model, args.tp, args.seq, tmp, out)
+            cold, result = _run(model, args.tp, args.seq, args.nodes, tmp, out)
+            cached, _ = _run(model, args.tp, args.seq, args.nodes, tmp, out)
         per_class = ",".join(str(len(c["blocks"])) for c in result["classes"])
         print(f"{model:<14} {cold:7.2f} {cached:9.2f} {result['seconds']['capture']:10.2f} "
               f"{result['seconds']['blocks']:9.2f} {len(result['classes']):8d} {result['segments']:9d} "

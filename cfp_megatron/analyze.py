@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cfp_megatron.config import JobSpec
+from cfp_megatron.config import Activation, JobSpec
 from cfp_megatron.errors import CfpError
 from cfp_megatron.parallel_dims import ParallelDims
 
@@ -32,12 +32,16 @@ ROW_PARALLEL = ("linear_proj", "linear_fc2")
 """Layers Megatron's TP splits along their input dimension: weight ``Shard(1)``, bias replicated."""
 
 
-def _megatron_tp_placement(name: str) -> str:
-    """What Megatron's TP does with the parameter ``name`` on the TP axis: ``S(0)``, ``S(1)`` or ``R``."""
+def _megatron_tp_placement(name: str, gated: bool) -> str:
+    """What Megatron's TP does with the parameter ``name`` on the TP axis: ``S(0)``, ``S(1)`` or ``R``.
+
+    With a gated MLP (SwiGLU) the fused ``linear_fc1`` holds ``[gate_r; up_r]`` on rank ``r``: the interleaved
+    ``S(0;2)`` (``_StridedShard(0, split_factor=2)``).
+    """
     layer, _, leaf = name.rpartition(".")
     layer = layer.rsplit(".", 1)[-1]
     if layer in COLUMN_PARALLEL and leaf in ("weight", "bias"):
-        return "S(0)"
+        return "S(0;2)" if gated and layer == "linear_fc1" else "S(0)"
     if layer in ROW_PARALLEL and leaf == "weight":
         return "S(1)"
     return "R"
@@ -66,12 +70,14 @@ def mesh_for(job: JobSpec) -> MeshSpec:
     return MeshSpec(shape=tuple(s for _, s in axes), names=tuple(n for n, _ in axes))
 
 
-def megatron_tp_candidates(block: Any, mesh: MeshSpec) -> list[Any]:
+def megatron_tp_candidates(block: Any, mesh: MeshSpec, *, gated: bool = False) -> list[Any]:
     """The block's candidates that are Megatron's own TP layout on the ``tp`` axis.
 
-    Column-parallel weights ``Shard(0)``, row-parallel ones ``Shard(1)``, every other weight replicated, on the
-    ``tp`` axis; the other axes may hold anything.
+    Column-parallel weights ``Shard(0)`` (a gated MLP's fused ``linear_fc1`` interleaved, ``S(0;2)``), row-parallel
+    ones ``Shard(1)``, every other weight replicated, on the ``tp`` axis; the other axes may hold anything.
     """
+    from cfp_megatron.graph.propagation import placement_str
+
     if "tp" not in mesh.names:
         return []
     axis = mesh.names.index("tp")
@@ -80,9 +86,7 @@ def megatron_tp_candidates(block: Any, mesh: MeshSpec) -> list[Any]:
         ok = bool(cand.params)
         for name, placements in cand.params.items():
             p = placements[axis]
-            want = _megatron_tp_placement(name)
-            got = "R" if p.is_replicate() else f"S({p.dim})" if p.is_shard() else "P"
-            ok = ok and got == want
+            ok = ok and placement_str((p,)) == _megatron_tp_placement(name, gated)
         if ok:
             found.append(cand)
     return found
@@ -96,7 +100,7 @@ def analyze(job: JobSpec, *, seq_length: int | None = None, micro_batch_size: in
     mesh = mesh_for(job)
     seq = seq_length or job.train.seq_length
     inputs = {**cache.job_cache_inputs(job, seq_length=seq, micro_batch_size=micro_batch_size),
-              "analysis": "blocks-v1", "mesh": [list(mesh.shape), list(mesh.names)]}
+              "analysis": "blocks-v2", "mesh": [list(mesh.shape), list(mesh.names)]}
     key = cache.cache_key(inputs)
     found = cache.load_json(key, section="analysis") if use_cache else None
     if found is not None:
@@ -119,11 +123,12 @@ def _analyze(job: JobSpec, mesh: MeshSpec, seq: int, micro_batch_size: int) -> d
         blocks = {kind: find_blocks(graph, device_mesh) for kind, graph in capture.graphs.items()}
     segmentation = segment_model(capture.sequence, blocks, capture.graphs)
     done = time.perf_counter()
+    gated = job.model.activation is Activation.swiglu
     classes = []
     for cls in segmentation.classes:
         data = cls.to_json()
         for block_json, block in zip(data["blocks"], cls.blocks, strict=True):
-            block_json["megatron_tp"] = [c.to_json() for c in megatron_tp_candidates(block, mesh)]
+            block_json["megatron_tp"] = [c.to_json() for c in megatron_tp_candidates(block, mesh, gated=gated)]
         classes.append(data)
     return {"model": job.model.name, "seq_length": seq, "micro_batch_size": micro_batch_size,
             "mesh": {"shape": list(mesh.shape), "names": list(mesh.names)},

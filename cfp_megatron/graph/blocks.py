@@ -49,6 +49,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from cfp_megatron.errors import CfpError
+from cfp_megatron.graph import strided_rules
 from cfp_megatron.graph.opgraph import Operator, OpGraph, Phase
 from cfp_megatron.graph.propagation import (
     OpResult,
@@ -349,7 +350,6 @@ def _gloo_rank(rank: int, world_size: int, tmp: str, build: Callable[[], torch.n
                make_input: Callable[[], torch.Tensor], spec: dict[str, Any]) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=rank,
@@ -363,9 +363,9 @@ def _gloo_rank(rank: int, world_size: int, tmp: str, build: Callable[[], torch.n
             owner_name, _, attr = name.rpartition(".")
             owner = module.get_submodule(owner_name)
             placements = parse_placements(spec["params"].get(name, "R"))
-            setattr(owner, attr, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, placements)))
-        dx = distribute_tensor(x, mesh, parse_placements(spec["entry"]))
-        with torch.no_grad(), CommDebugMode() as comm:
+            setattr(owner, attr, torch.nn.Parameter(strided_rules.distribute(p.detach(), mesh, placements)))
+        dx = strided_rules.distribute(x, mesh, parse_placements(spec["entry"]))
+        with torch.no_grad(), CommDebugMode() as comm, strided_rules.strided_costs():
             out = module(dx)
         collectives = {str(getattr(k, "__name__", k)).rsplit(".", 1)[-1]: int(v)
                        for k, v in comm.get_comm_counts().items() if v}
@@ -494,7 +494,7 @@ def _replay_rank(rank: int, world_size: int, tmp: str, build_graph: Callable[[],
                  mesh_shape: tuple[int, ...], checks: list[BlockCheck]) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.debug import CommDebugMode
 
     graph = build_graph()
@@ -520,7 +520,7 @@ def _replay_rank(rank: int, world_size: int, tmp: str, build_graph: Callable[[],
                     placements = entry
                 else:
                     placements = side.get(t, replicate(mesh))
-                sharded[t] = distribute_tensor(plain[t], mesh, placements)
+                sharded[t] = strided_rules.distribute(plain[t].clone(), mesh, placements)  # own storage: in-place ops
 
             def as_dtensor(t: torch.Tensor) -> Any:
                 return t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, replicate(mesh), run_check=False)
@@ -529,7 +529,7 @@ def _replay_rank(rank: int, world_size: int, tmp: str, build_graph: Callable[[],
             with torch.no_grad():
                 _replay(ops, plain, lambda t: t)
                 try:
-                    with comm:
+                    with comm, strided_rules.strided_costs():
                         _replay(ops, sharded, as_dtensor)
                 except Exception as exc:  # noqa: BLE001 - reported: DTensor refused an operator
                     reports.append({"collectives": {}, "max_abs_error": float("nan"), "scale": 1.0,

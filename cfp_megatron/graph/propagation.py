@@ -49,7 +49,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_flatten, tree_map
 
 from cfp_megatron.errors import CfpError
+from cfp_megatron.graph import strided_rules
 from cfp_megatron.graph.opgraph import Operator, OpGraph, TensorRef
+
+strided_rules.install()
 
 Placements = tuple[Placement, ...]
 """One placement per mesh axis."""
@@ -149,6 +152,22 @@ def candidate_placements(shape: Sequence[int], mesh: DeviceMesh) -> list[Placeme
         if all(s % w == 0 and (w == 1 or s >= w) for s, w in zip(shape, ways, strict=True)):
             found.append(tuple(combo))
     return sorted(found, key=lambda c: -sum(isinstance(p, Shard) for p in c))  # stable: keeps product order
+
+
+def strided_candidates(shape: Sequence[int], mesh: DeviceMesh, split_factors: Sequence[int] = (2,)) -> list[Placements]:
+    """Interleaved variants of :func:`candidate_placements`: a dimension sharded by exactly one mesh axis becomes
+    ``_StridedShard(d, split_factor=k)`` (split into ``k`` chunks, each chunk sharded), the layout of Megatron's
+    fused SwiGLU ``linear_fc1`` (``k = 2``: gate and up).
+    """
+    found = []
+    for combo in candidate_placements(shape, mesh):
+        for axis, p in enumerate(combo):
+            if type(p) is not Shard or sum(isinstance(q, Shard) and q.dim == p.dim for q in combo) != 1:
+                continue
+            for k in split_factors:
+                if shape[p.dim] % (k * mesh.size(axis)) == 0:
+                    found.append(combo[:axis] + (_StridedShard(p.dim, split_factor=k),) + combo[axis + 1:])
+    return found
 
 
 # ----------------------------------------------------------------------------------------------------- results
@@ -303,7 +322,7 @@ def propagate_op(op: Operator, graph: OpGraph, placements: Mapping[int, Placemen
     kwargs = tree_map(value, op.kwargs)
     comm = CommDebugMode()
     try:
-        with warnings.catch_warnings(), _quiet(), _watch() as watch, comm:
+        with warnings.catch_warnings(), _quiet(), _watch() as watch, strided_rules.strided_costs(), comm:
             warnings.simplefilter("ignore")
             out = op.op(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - DTensor raises several types for "no rule"
@@ -468,7 +487,7 @@ def propagate(graph: OpGraph, ops: Sequence[Operator], entry: Mapping[int, Place
         results[result.index] = result
         placements.update(result.outputs)
 
-    for op in ops:
+    for position, op in enumerate(ops):
         deferred = [t for t in op.inputs if t in roots]
         if not deferred:
             commit(replayer.run(op, placements))
@@ -480,7 +499,8 @@ def propagate(graph: OpGraph, ops: Sequence[Operator], entry: Mapping[int, Place
             continue
         else:
             chain = _ancestors(pending, set(deferred))
-            for r in _choose(graph, replayer, chain, op, deferred, roots, placements):
+            ahead = ops[position + 1:position + 1 + _LOOKAHEAD]
+            for r in _choose(graph, replayer, chain, op, deferred, roots, placements, ahead):
                 commit(r)
             done = {o.index for o in chain}
             pending = [p for p in pending if p.index not in done]
@@ -498,19 +518,31 @@ def propagate(graph: OpGraph, ops: Sequence[Operator], entry: Mapping[int, Place
     return Propagation(placements=placements, params=params, results=ordered)
 
 
+_LOOKAHEAD = 8
+"""Operators past a parameter decision that :func:`_choose` also replays to break ties between placements."""
+
+
 def _choose(graph: OpGraph, replayer: _Replayer, chain: list[Operator], op: Operator, deferred: list[int],
-            roots: Mapping[int, frozenset[int]], placements: dict[int, Placements]) -> list[OpResult]:
+            roots: Mapping[int, frozenset[int]], placements: dict[int, Placements],
+            ahead: Sequence[Operator] = ()) -> list[OpResult]:
     """Pick placements for the unfixed parameters ``op`` reads (through ``chain``); return the results to commit.
 
-    One parameter at a time, largest first, the ones not yet decided held Replicate: the first candidate that makes
-    ``chain`` + ``op`` communication-free wins, else the one with the fewest collectives (earliest on ties).
+    One parameter at a time, largest first, the ones not yet decided held Replicate: the first candidate of
+    :func:`candidate_placements` that makes ``chain`` + ``op`` communication-free without redistributing an
+    activation wins, else the one with the fewest collectives, then redistributions (earliest on ties).
+
+    Lookahead: when the winner makes the operators ``ahead`` (up to the first that reads another undecided
+    parameter) need a collective, the interleaved layouts (:func:`strided_candidates`) are tried too and one that
+    keeps them free replaces it. A column-parallel fused SwiGLU weight is free at its matmul in the plain and the
+    interleaved layout alike; only the chunk into gate and up after it tells them apart.
     """
     params = sorted((pid for pid in frozenset().union(*(roots[t] for t in deferred)) if pid not in placements),
                     key=lambda pid: (-graph.tensors[pid].numel, pid))
     chosen = {pid: replicate(replayer.mesh) for pid in params}
     activations = [t for t in op.inputs if t not in roots and t not in graph.params.values()]
+    undecided = set(roots)
 
-    def trial(choice: dict[int, Placements]) -> tuple[tuple[int, int], list[OpResult]]:
+    def trial(choice: dict[int, Placements]) -> tuple[tuple[int, int], int, list[OpResult]]:
         state = dict(placements)
         state.update(choice)
         out = []
@@ -518,16 +550,34 @@ def _choose(graph: OpGraph, replayer: _Replayer, chain: list[Operator], op: Oper
             r = replayer.run(o, state)
             state.update(r.outputs)
             out.append(r)
-        comm = sum(sum(r.collectives.values()) + (0 if r.supported else 1000) for r in out)
-        return (comm, sum(t in out[-1].redistributed for t in activations)), out
+        later = 0
+        if out[-1].comm_free:
+            for o in ahead:
+                if undecided.intersection(o.inputs):
+                    break
+                r = replayer.run(o, state)
+                state.update(r.outputs)
+                later += _cost(r)
+        return (sum(_cost(r) for r in out), sum(t in out[-1].redistributed for t in activations)), later, out
 
     best = trial(chosen)
     for pid in params:
-        for cand in candidate_placements(graph.tensors[pid].shape, replayer.mesh):
+        shape = graph.tensors[pid].shape
+        for cand in candidate_placements(shape, replayer.mesh):
             result = trial({**chosen, pid: cand})
             if result[0] == (0, 0) or result[0] < best[0]:
                 best, chosen[pid] = result, cand
             if result[0] == (0, 0):
                 break
+        if best[0] == (0, 0) and best[1]:
+            for cand in strided_candidates(shape, replayer.mesh):
+                result = trial({**chosen, pid: cand})
+                if result[0] == (0, 0) and not result[1]:
+                    best, chosen[pid] = result, cand
+                    break
     placements.update(chosen)
-    return best[1]
+    return best[2]
+
+
+def _cost(result: OpResult) -> int:
+    return sum(result.collectives.values()) + (0 if result.supported else 1000)
