@@ -447,12 +447,16 @@ class TrainSpec:
     """Continue from the latest checkpoint in ``checkpoint_dir`` (at its exact step)."""
     metrics_file: str | None = None
     """JSON-lines metrics written by rank 0; ``None`` means ``metrics.jsonl`` in the Hydra run directory."""
+    memory_step: int | None = None
+    """Measure every rank's tensor memory during this step (1-based; ``MemTracker`` on CPU and GPU, plus
+    ``torch.cuda.max_memory_allocated`` on GPU) and log it as a ``memory`` event; ``None`` measures nothing. Step 2 or
+    later includes the optimizer states."""
 
     def __post_init__(self) -> None:
         issues: list[ConfigIssue] = []
         p = self.PREFIX
         _positive(issues, p, self, "global_batch_size", "micro_batch_size", "seq_length", "log_interval",
-                  "lr_decay_steps")
+                  "lr_decay_steps", "memory_step")
         for name in ("steps", "warmup_steps", "save_interval"):
             value = getattr(self, name)
             _issue(issues, value >= 0, f"{p}.{name}", value, "must not be negative.", f"set {p}.{name} to 0 or more.")

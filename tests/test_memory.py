@@ -1,0 +1,48 @@
+"""Tensor memory of a training step, measured per rank (the reference the simulator's memory model is checked on)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.launcher import run_train
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["model=gpt_tiny", "train.steps=2", "train.memory_step=2", "train.global_batch_size=8",
+          "train.micro_batch_size=2", "train.seq_length=64"]
+
+
+def _memory(result) -> list[dict]:
+    (event,) = [r for r in result.records if r.get("event") == "memory"]
+    return event["ranks"]
+
+
+def _params(result) -> int:
+    (start,) = [r for r in result.records if r.get("event") == "start"]
+    return int(start["params_on_rank0"])
+
+
+def test_memory_breakdown_single_rank_and_tensor_parallel(tmp_path: Path) -> None:
+    single = run_train(1, COMMON, tmp_path / "one")
+    assert single.returncode == 0, single.output[-3000:]
+    (one,) = _memory(single)
+    params = _params(single)
+    fp32 = 4 * params
+    b = one["breakdown"]
+    assert b["parameters"] == fp32  # weights (+ no buffers in gpt_tiny)
+    assert b["gradients"] == fp32  # Megatron's contiguous main_grad buffer
+    assert 2 * fp32 <= b["optimizer"] <= 2 * fp32 + 4096  # Adam's two moments (+ step counters)
+    assert b["activations"] > 0
+    assert one["peak_bytes"] == sum(b.values())
+
+    tp = run_train(2, [*COMMON, "parallel.tp=2"], tmp_path / "tp2")
+    assert tp.returncode == 0, tp.output[-3000:]
+    ranks = _memory(tp)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        # TP halves the layer weights; embeddings are vocab-parallel, norms replicated: well under the single rank
+        assert r["breakdown"]["parameters"] == 4 * _params(tp)
+        assert r["breakdown"]["parameters"] < 0.6 * b["parameters"]
+        assert r["breakdown"]["activations"] < b["activations"]
