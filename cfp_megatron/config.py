@@ -311,12 +311,16 @@ class ClusterSpec:
     """Unidirectional network bandwidth per GPU between nodes (one NIC rail per GPU) in GB/s."""
     inter_node_latency_us: float | None = None
     """Latency of a small inter-node transfer in microseconds."""
+    rails_per_node: int | None = None
+    """Network rails (NICs, each on its own leaf switch) per node; on DGX systems one per GPU, so GPU ``i`` of
+    every node shares rail ``i`` and same-index GPUs talk across nodes without crossing the spine. ``None``: one
+    NIC per GPU assumed."""
     backend: Backend = Backend.auto
     """torch.distributed backend."""
 
     def __post_init__(self) -> None:
         issues: list[ConfigIssue] = []
-        _positive(issues, self.PREFIX, self, "nodes", "gpus_per_node")
+        _positive(issues, self.PREFIX, self, "nodes", "gpus_per_node", "rails_per_node")
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
