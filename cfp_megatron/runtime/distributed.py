@@ -22,15 +22,20 @@ def resolve_backend(backend: Backend) -> str:
     return backend.value
 
 
-def init_distributed(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, timeout_minutes: int = 10) -> None:
-    """Create the default process group (env:// from torchrun) and Megatron's model-parallel groups, then seed."""
+def prepare_device_and_env(env: LaunchEnv, *, port: int) -> None:
+    """Bind this rank's GPU (when there is one) and, outside torchrun, set up a one-process ``env://`` rendezvous."""
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
     if not env.under_torchrun:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29511")
+        os.environ.setdefault("MASTER_PORT", str(port))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
+
+
+def init_distributed(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, timeout_minutes: int = 10) -> None:
+    """Create the default process group (env:// from torchrun) and Megatron's model-parallel groups, then seed."""
+    prepare_device_and_env(env, port=29511)
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=timeout_minutes)
         kwargs: dict = {}

@@ -1,0 +1,90 @@
+"""``torchrun --nproc_per_node=N -m cfp_megatron.profile [overrides] [--budget S] [--force] [--export FILE]``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+from cfp_megatron.errors import CfpError
+
+_EXPECTED_ON_CPU = "Transformer Engine and Apex are not installed|Apex is not installed|full scope is deprecated"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Hydra overrides plus the profiler's own options."""
+    from cfp_megatron.profile.runner import DEFAULT_BUDGET_S
+
+    parser = argparse.ArgumentParser(prog="torchrun --nproc_per_node=N -m cfp_megatron.profile",
+                                     description="Profile the live cluster (collectives, GEMMs, segments) into "
+                                                 "the ProfileDB of its fingerprint.")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt_tiny cluster=local")
+    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds for the whole run")
+    parser.add_argument("--force", action="store_true", help="measure again even if the DB has the results")
+    parser.add_argument("--export", default=None, help="also write the DB to this file (never over an existing one)")
+    args = parser.parse_args(argv)
+    if args.budget <= 0:
+        parser.error(f"--budget={args.budget}: must be positive (seconds), e.g. --budget 60")
+    return args
+
+
+def compose_job(overrides: Sequence[str]):  # noqa: ANN201 - JobSpec, imported lazily
+    """The job from the project's Hydra config and ``overrides`` (as ``python -m cfp_megatron.analyze`` does)."""
+    from hydra import compose, initialize_config_dir
+
+    from cfp_megatron.config import job_from_config, register_configs
+
+    register_configs()
+    conf = Path(__file__).resolve().parent.parent.parent / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        cfg = compose("config", overrides=list(overrides))
+    return job_from_config(cfg)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Profile, print the summary and the DB path on rank 0; exit status 2 on a user error."""
+    warnings.filterwarnings("ignore", message=f".*({_EXPECTED_ON_CPU}).*")
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    args = parse_args(argv)
+    from rich.console import Console
+
+    from cfp_megatron.runtime.launch_env import LaunchEnv
+
+    env = LaunchEnv.read()
+    console = Console(stderr=False, highlight=False)
+    try:
+        job = compose_job(args.overrides)
+        from cfp_megatron.profile.progress import RoundProgress
+        from cfp_megatron.profile.runner import profile_job
+
+        with RoundProgress(enabled=env.rank == 0) as progress:
+            outcome = profile_job(job, env, budget_s=args.budget, force=args.force, progress=progress.update)
+        if env.rank == 0 and outcome.db is not None:
+            from cfp_megatron.profile.cluster import describe_cluster, measured_cluster
+            from cfp_megatron.profile.db import export_db
+            from cfp_megatron.profile.report import render
+
+            render(outcome.db, outcome.rounds, console=console)
+            for note in outcome.notes:
+                console.print(f"note: {note}", markup=False)
+            cluster = measured_cluster(job.cluster, outcome.db, gpus_per_node=outcome.db.fingerprint.gpus_per_node)
+            console.print(f"cluster {cluster.name} with measured figures: {describe_cluster(cluster)}", markup=False)
+            state = "reused (nothing measured)" if outcome.reused else f"profiled in {outcome.wall_s:.1f} s"
+            console.print(f"ProfileDB: {outcome.path} ({state})", markup=False)
+            if args.export:
+                console.print(f"exported: {export_db(outcome.db, args.export)}", markup=False)
+    except CfpError as err:
+        if env.rank == 0:
+            err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]cfp-megatron: {type(err).__name__}[/]")
+            err_console.print(str(err), markup=False)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

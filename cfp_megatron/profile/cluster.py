@@ -1,0 +1,60 @@
+"""A :class:`~cfp_megatron.config.ClusterSpec` with the figures profiling measured in place of the preset's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cfp_megatron.cluster.measured import Collective, CollectiveFit, Measurements, Span
+from cfp_megatron.config import ClusterSpec
+
+
+def link_fit(measured: Measurements, span: Span) -> CollectiveFit | None:
+    """The point-to-point fit that best describes one link of ``span``: send/recv between two ranks, else the
+    smallest group of that span that was measured."""
+    for size in (2, 4, 8, 16):
+        fit = measured.collective(Collective.send_recv, size, span)
+        if fit is not None:
+            return fit
+    return None
+
+
+def measured_cluster(spec: ClusterSpec, measured: Measurements, *, gpus_per_node: int | None = None) -> ClusterSpec:
+    """``spec`` with peak TFLOP/s (fp32, bf16), intra-node and inter-node bandwidth and latency replaced by what was
+    measured (figures not measured keep the spec's values); ``gpus_per_node`` fills an unset one."""
+    changes: dict[str, object] = {}
+    for field, dtype in (("peak_tflops_fp32", "fp32"), ("peak_tflops_bf16", "bf16")):
+        peak = measured.peak_tflops(dtype)
+        if peak is not None and peak > 0:
+            changes[field] = peak
+    for prefix, span in (("intra_node", Span.intra_node), ("inter_node", Span.inter_node)):
+        fit = link_fit(measured, span)
+        if fit is not None:
+            changes[f"{prefix}_bandwidth_gbps"] = fit.bandwidth_bytes_per_s / 1e9
+            changes[f"{prefix}_latency_us"] = fit.latency_s * 1e6
+    if spec.gpus_per_node is None and gpus_per_node is not None:
+        changes["gpus_per_node"] = gpus_per_node
+    return dataclasses.replace(spec, **changes)
+
+
+def measured_local_cluster(spec: ClusterSpec, *, world_size: int, backend: str | None = None) -> ClusterSpec:
+    """The cluster ``spec`` filled from the ProfileDB of this machine for a job of ``world_size`` ranks (the spec
+    unchanged when this machine has not been profiled with that many ranks)."""
+    from cfp_megatron.profile.db import load_db
+    from cfp_megatron.profile.fingerprint import current_fingerprint
+    from cfp_megatron.runtime.distributed import resolve_backend
+
+    fp = current_fingerprint(world_size=world_size, nodes=spec.nodes, backend=backend or resolve_backend(spec.backend))
+    db = load_db(fp)
+    if db is None:
+        return spec
+    return measured_cluster(spec, db, gpus_per_node=fp.gpus_per_node)
+
+
+def describe_cluster(spec: ClusterSpec) -> str:
+    """One line of the figures :func:`measured_cluster` fills."""
+    def fmt(value: float | None, unit: str) -> str:
+        return "not measured" if value is None else f"{value:.4g} {unit}"
+
+    return (f"peak fp32 {fmt(spec.peak_tflops_fp32, 'TFLOP/s')}, peak bf16 {fmt(spec.peak_tflops_bf16, 'TFLOP/s')}, "
+            f"intra-node {fmt(spec.intra_node_bandwidth_gbps, 'GB/s')} / {fmt(spec.intra_node_latency_us, 'us')}, "
+            f"inter-node {fmt(spec.inter_node_bandwidth_gbps, 'GB/s')} / {fmt(spec.inter_node_latency_us, 'us')}")

@@ -1,0 +1,163 @@
+"""Keeping every rank on the same profiling step: rank 0 decides from the budget, every rank learns the decision.
+
+After each step all ranks join one small all-reduce (MAX) of ``[stop, failed, values...]``: rank 0 alone writes
+``stop`` (its budget decision for the next step; the others write 0, so the reduction is a broadcast of rank 0's
+decision), every rank writes whether its step raised, and the step's measured values come back as the slowest
+rank's. So no rank ever waits on a collective the others skipped: they all run the same deterministic step list and
+all stop at the same step. A step that raises on one rank is seen by all at the next sync (and a collective that a
+failed peer never joins ends with the process group's timeout instead of hanging).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from cfp_megatron.profile.errors import ProfileError
+from cfp_megatron.profile.records import RoundRecord, RoundStatus
+
+FAULT_ENV = "CFP_PROFILE_FAULT"
+"""Test hook, comma-separated entries: ``<round>:fail[:<rank>]`` makes that round's first step raise on one rank
+(default: the last); ``<round>:slow`` makes its first step outlast the round's deadline on every rank."""
+SLOTS = 4
+"""Length of the sync tensor: stop, failed, and up to two measured values."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    """One unit of profiling work that every rank runs."""
+
+    label: str
+    """What it measures, for progress lines and failure reasons."""
+    run: Callable[[], Sequence[float]]
+    """Does the work; returns up to two figures (e.g. seconds) to reduce by maximum over ranks."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """A finished step and its figures, the slowest rank's."""
+
+    label: str
+    """The step's label."""
+    values: tuple[float, ...]
+    """The step's figures, reduced by maximum over ranks."""
+
+
+def control_device() -> torch.device:
+    """Where the sync tensor lives: the current CUDA device under NCCL, the CPU under gloo."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def sync(stop: bool, failed: bool, values: Sequence[float]) -> tuple[bool, bool, tuple[float, ...]]:
+    """One all-reduce (MAX) over the default group: rank 0's ``stop``, anyone's ``failed``, the slowest values."""
+    if len(values) > SLOTS - 2:
+        raise ProfileError(f"a step may report at most {SLOTS - 2} values; got {len(values)}.")
+    data = [1.0 if stop and dist.get_rank() == 0 else 0.0, 1.0 if failed else 0.0, *values]
+    data += [0.0] * (SLOTS - len(data))
+    tensor = torch.tensor(data, dtype=torch.float64, device=control_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    out = tensor.tolist()
+    return out[0] > 0, out[1] > 0, tuple(out[2:2 + len(values)])
+
+
+def first_reason(reason: str | None) -> str:
+    """The failure reasons of all ranks, joined (the ones that did not fail contribute nothing)."""
+    gathered: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, reason)
+    found = [f"rank {r}: {text}" for r, text in enumerate(gathered) if text]
+    return "; ".join(found) or "a rank failed without a message"
+
+
+def _injected_fault(round_name: str) -> tuple[str, int] | None:
+    for spec in os.environ.get(FAULT_ENV, "").split(","):
+        parts = spec.strip().split(":")
+        if len(parts) >= 2 and parts[0] == round_name:
+            return parts[1], int(parts[2]) if len(parts) > 2 else dist.get_world_size() - 1
+    return None
+
+
+def run_round(name: str, steps: Sequence[Step], *, seconds: float,
+              on_step: Callable[[int, int, str], None] | None = None) -> tuple[list[StepResult], RoundRecord]:
+    """Run ``steps`` on every rank until they are done, one fails, or rank 0's share of ``seconds`` runs out.
+
+    ``seconds`` is the round's share of the budget as rank 0 reckons it (other ranks' figure is ignored). Rank 0
+    stops before a step it expects to end past the deadline (its estimate: the step just done).
+    """
+    start = time.perf_counter()
+    rank = dist.get_rank()
+    deadline = start + seconds
+    # Every rank learns rank 0's share, so an injected slow step can outlast it everywhere.
+    _, _, (share,) = sync(False, False, [seconds if rank == 0 else 0.0])
+    fault = _injected_fault(name)
+    results: list[StepResult] = []
+    status, reason = RoundStatus.ok, ""
+    stop = share <= 0
+    for index, step in enumerate(steps):
+        if stop:
+            status, reason = RoundStatus.timeout, f"the round's {share:.1f} s share of the budget ran out"
+            break
+        if on_step is not None:
+            on_step(index, len(steps), step.label)
+        began = time.perf_counter()
+        failed, message, values = False, None, ()
+        try:
+            if fault is not None and index == 0:
+                kind, fault_rank = fault
+                if kind == "fail" and rank == fault_rank:
+                    raise ProfileError(f"injected failure ({FAULT_ENV}) in {step.label}")
+                if kind == "slow":
+                    time.sleep(share + 0.5)
+            values = tuple(float(v) for v in step.run())
+        except Exception as err:  # noqa: BLE001 - any failure of a step is recorded, never raised
+            failed, message = True, f"{step.label}: {type(err).__name__}: {err}"
+        # Rank 0's estimate of the next step: this one (steps grow slowly; a one-off slow first step, e.g. lazy
+        # initialisation, does not end the round).
+        last = time.perf_counter() - began
+        stop_next = time.perf_counter() + last > deadline
+        try:
+            stop, any_failed, values = sync(stop_next, failed, values if not failed else ())
+        except Exception as err:  # noqa: BLE001 - a broken group ends the round, never the job
+            status, reason = RoundStatus.failed, f"sync after {step.label}: {type(err).__name__}: {err}"
+            break
+        if any_failed:
+            status = RoundStatus.failed
+            try:
+                reason = first_reason(message)
+            except Exception:  # noqa: BLE001
+                reason = message or "another rank failed"
+            break
+        results.append(StepResult(label=step.label, values=values))
+    record = RoundRecord(name=name, status=status, reason=reason, steps_done=len(results), steps_planned=len(steps),
+                         seconds=round(time.perf_counter() - start, 3))
+    return results, record
+
+
+def timed(fn: Callable[[], object], *, repeats: int, warmup: int = 1, batches: int = 3,
+          group: dist.ProcessGroup | None = None) -> float:
+    """Seconds per call of ``fn``: the median over ``batches`` batches of the batch mean (``repeats`` calls each),
+    after ``warmup`` calls; the median keeps one batch hit by a noisy neighbour out. Timed as Megatron does on GPU:
+    CUDA events around the calls and a synchronize (on CPU the compat layer's events read the wall clock). Ranks of
+    ``group`` start each batch together (a barrier) when a group is given."""
+    for _ in range(warmup):
+        fn()
+    means = []
+    for _ in range(max(batches, 1)):
+        torch.cuda.synchronize()
+        if group is not None:
+            dist.barrier(group=group)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        means.append(start.elapsed_time(end) / 1000.0 / repeats)
+    return sorted(means)[len(means) // 2]

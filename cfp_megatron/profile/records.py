@@ -1,0 +1,154 @@
+"""What one profiling run measured, as plain frozen records (JSON round trip, no torch)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from cfp_megatron.cluster.measured import Collective, CollectiveFit, Span
+
+
+class RoundStatus(enum.Enum):
+    """How a profiling round ended."""
+
+    ok = "ok"
+    """Every planned step ran."""
+    timeout = "timeout"
+    """The round's share of the budget ran out; the steps done so far are kept."""
+    failed = "failed"
+    """A step raised on some rank; the steps done before it are kept."""
+    skipped = "skipped"
+    """Not run (nothing to do, or the budget was spent before it started)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundRecord:
+    """One profiling round (collectives, gemm, segments) of one run."""
+
+    name: str
+    """Round name."""
+    status: RoundStatus
+    """How it ended."""
+    reason: str = ""
+    """Why it did not end ``ok`` (the exception, the deadline)."""
+    steps_done: int = 0
+    """Steps that completed."""
+    steps_planned: int = 0
+    """Steps it would have run with no deadline."""
+    seconds: float = 0.0
+    """Wall time it took."""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return {"name": self.name, "status": self.status.value, "reason": self.reason, "steps_done": self.steps_done,
+                "steps_planned": self.steps_planned, "seconds": self.seconds}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RoundRecord:
+        """Parse :meth:`to_json`'s output."""
+        return cls(**{**data, "status": RoundStatus(data["status"])})
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveRecord:
+    """A collective's timings over one group pattern and the fit through them."""
+
+    fit: CollectiveFit
+    """``latency + bytes / bandwidth``."""
+    samples: tuple[tuple[int, float], ...]
+    """``(message bytes, seconds)`` per timed size: the slowest rank's mean over the repeats."""
+    pattern: str
+    """How the groups were laid out: ``contiguous`` (neighbouring ranks) or ``strided`` (one rank per block)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        f = self.fit
+        return {"op": f.op.value, "group_size": f.group_size, "span": f.span.value, "latency_s": f.latency_s,
+                "bandwidth_bytes_per_s": f.bandwidth_bytes_per_s, "points": f.points,
+                "max_rel_error": f.max_rel_error, "pattern": self.pattern,
+                "samples": [[b, s] for b, s in self.samples]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CollectiveRecord:
+        """Parse :meth:`to_json`'s output."""
+        fit = CollectiveFit(op=Collective(data["op"]), group_size=int(data["group_size"]), span=Span(data["span"]),
+                            latency_s=float(data["latency_s"]),
+                            bandwidth_bytes_per_s=float(data["bandwidth_bytes_per_s"]), points=int(data["points"]),
+                            max_rel_error=float(data["max_rel_error"]))
+        return cls(fit=fit, samples=tuple((int(b), float(s)) for b, s in data["samples"]), pattern=data["pattern"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemmRecord:
+    """Throughput of one ``(m x k) @ (k x n)`` matmul shape."""
+
+    m: int
+    """Rows of the left operand."""
+    n: int
+    """Columns of the right operand."""
+    k: int
+    """Inner dimension."""
+    dtype: str
+    """``fp32``, ``bf16`` or ``fp16``."""
+    tflops: float
+    """Achieved TFLOP/s (``2 m n k / seconds``), slowest rank."""
+    seconds: float
+    """Mean seconds per matmul, slowest rank."""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return {"m": self.m, "n": self.n, "k": self.k, "dtype": self.dtype, "tflops": self.tflops,
+                "seconds": self.seconds}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GemmRecord:
+        """Parse :meth:`to_json`'s output."""
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SegmentRecord:
+    """Forward and backward time of one segment class under one partition at one micro-batch size."""
+
+    model: str
+    """Key of the model shape, sequence length and precision it was measured for (:func:`model_key`)."""
+    model_name: str
+    """The model preset's name, for people."""
+    segment: str
+    """Segment class id in the analysis JSON for the ``tp<N>`` mesh."""
+    kind: str
+    """Layer kind: ``embedding``, ``dense``, ``moe``, ``head``."""
+    partition: str
+    """Canonical partition string (:func:`partition_name`): ``tp<N>``, Megatron's tensor-parallel layout over N
+    ranks, ``tp<N>-sp`` with sequence parallelism."""
+    tp: int
+    """Tensor-parallel size."""
+    micro_batch: int
+    """Sequences per micro-batch."""
+    seq_length: int
+    """Tokens per sequence."""
+    forward_s: float
+    """Seconds of the forward pass, slowest rank."""
+    backward_s: float
+    """Seconds of the backward pass, slowest rank."""
+    confirmed: bool
+    """The analysis found Megatron's TP layout among the class's candidate partitions."""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return {"model": self.model, "model_name": self.model_name, "segment": self.segment, "kind": self.kind,
+                "partition": self.partition, "tp": self.tp, "micro_batch": self.micro_batch,
+                "seq_length": self.seq_length, "forward_s": self.forward_s, "backward_s": self.backward_s,
+                "confirmed": self.confirmed}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SegmentRecord:
+        """Parse :meth:`to_json`'s output."""
+        return cls(**data)
+
+
+def partition_name(tp: int, *, sp: bool = False) -> str:
+    """Canonical string of Megatron's tensor-parallel layout over ``tp`` ranks: ``tp1``, ``tp2``, ...; with
+    sequence parallelism (activations outside the TP regions split along the sequence) ``tp2-sp``."""
+    return f"tp{int(tp)}" + ("-sp" if sp else "")

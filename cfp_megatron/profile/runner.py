@@ -1,0 +1,227 @@
+"""One profiling run under torchrun: decide what to measure, run the rounds within the budget, store the DB.
+
+Every rank calls :func:`profile_job`. Rank 0 reads the ProfileDB of this cluster's fingerprint, decides which rounds
+are missing (all with ``force``), runs the model analysis for the segment classes (before any process group: the
+analysis uses its own ``fake`` group), then broadcasts the plan; all ranks run the rounds in step
+(:mod:`cfp_megatron.profile.control`), and rank 0 merges the results into the DB and writes it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cfp_megatron.config import JobSpec
+from cfp_megatron.profile.control import StepResult, run_round
+from cfp_megatron.profile.db import ProfileDB, empty_db, load_db, store_db
+from cfp_megatron.profile.errors import ProfileDBError
+from cfp_megatron.profile.fingerprint import Fingerprint, current_fingerprint
+from cfp_megatron.profile.records import RoundRecord, RoundStatus
+from cfp_megatron.runtime.distributed import prepare_device_and_env
+from cfp_megatron.runtime.launch_env import LaunchEnv
+
+DEFAULT_BUDGET_S = 60.0
+"""Default time budget of a run, seconds (set-up, analysis and all rounds)."""
+ROUNDS = ("collectives", "gemm", "segments")
+"""Rounds in the order they run."""
+SHARES = {"collectives": 0.35, "gemm": 0.15, "segments": 0.5}
+"""Share of the remaining budget each round gets when it starts (what an earlier round leaves rolls over)."""
+
+ProgressFn = Callable[[str, int, int, str], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileOutcome:
+    """What one run did (complete on rank 0; other ranks get ``db=None``)."""
+
+    db: ProfileDB | None
+    """The DB after the run (rank 0)."""
+    path: Path | None
+    """Where it is stored (rank 0)."""
+    reused: bool
+    """Nothing was measured: the stored DB already had everything this job needs."""
+    rounds: tuple[RoundRecord, ...]
+    """Rounds of this run (analysis included)."""
+    notes: tuple[str, ...]
+    """Things a person should know (a stale DB replaced, TP sizes left out)."""
+    wall_s: float
+    """Wall time of the whole run on rank 0."""
+
+
+def init_profile_group(backend: str, env: LaunchEnv, timeout: datetime.timedelta) -> None:
+    """The default process group from torchrun's environment, with a short timeout so a lost peer ends a round
+    instead of hanging it (the same store handling as :func:`cfp_megatron.runtime.distributed.init_distributed`)."""
+    if dist.is_initialized():
+        return
+    prepare_device_and_env(env, port=29512)
+    kwargs: dict[str, Any] = {}
+    if torch.cuda.is_available():
+        kwargs["device_id"] = torch.device("cuda", env.local_rank)
+    # The rendezvous also waits for rank 0's analysis, which runs before any group exists: allow it longer.
+    store, rank, world = next(dist.rendezvous("env://", env.rank, env.world_size,
+                                              timeout=max(timeout, datetime.timedelta(minutes=10))))
+    store = dist.PrefixStore(f"/cfp-profile/attempt_{env.restart_count}", store)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
+
+
+def rounds_needed(db: ProfileDB | None, model: str, micro_batch_sizes: list[int], tps: list[int], *,
+                  force: bool) -> list[str]:
+    """Rounds to run: all with ``force``; otherwise those whose results the DB lacks for this job."""
+    if force or db is None:
+        return list(ROUNDS)
+    need = []
+    if not db.collectives:
+        need.append("collectives")
+    if not db.gemms:
+        need.append("gemm")
+    if not any(db.has_segments(model, tp, mbs) for tp in tps for mbs in micro_batch_sizes):
+        need.append("segments")
+    return need
+
+
+def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on_gpu: bool,
+                   started: float) -> dict[str, Any]:
+    from cfp_megatron.profile.segments import analysis_classes, micro_batches, model_key, segment_cases
+
+    notes: list[str] = []
+    try:
+        db = load_db(fp)
+    except ProfileDBError as err:
+        notes.append(f"the stored ProfileDB was not used and will be replaced: {err}")
+        db = None
+    key = model_key(job, on_gpu=on_gpu)
+    cases, skipped = segment_cases(job, world)
+    notes += [f"segments: left out {s}" for s in skipped]
+    tps = [c.tp for c in cases]
+    rounds = rounds_needed(db, key, micro_batches(job), tps, force=force)
+    classes: dict[int, dict[str, dict[str, Any]]] = {}
+    records: list[dict[str, Any]] = []
+    if "segments" in rounds:
+        began = time.perf_counter()
+        try:
+            for tp in tps:
+                classes[tp] = analysis_classes(job, tp)
+            status, reason = RoundStatus.ok, ""
+        except Exception as err:  # noqa: BLE001 - without class ids the kinds name the segments
+            status, reason = RoundStatus.failed, f"{type(err).__name__}: {err}"
+        records.append(RoundRecord(name="analysis", status=status, reason=reason, steps_done=len(classes),
+                                   steps_planned=len(tps), seconds=round(time.perf_counter() - began, 3)).to_json())
+    return {"rounds": rounds, "classes": classes, "notes": notes, "model_key": key, "records": records,
+            "db": db.to_json() if db is not None else None, "elapsed": time.perf_counter() - started}
+
+
+def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_BUDGET_S, force: bool = False,
+                progress: ProgressFn | None = None) -> ProfileOutcome:
+    """Profile the cluster ``job`` runs on (every rank calls this under torchrun); see the module docstring."""
+    from cfp_megatron.compat import moe
+    from cfp_megatron.compat.cpu import install_if_needed
+    from cfp_megatron.parallel_dims import transformer_engine_available
+    from cfp_megatron.runtime.distributed import resolve_backend
+
+    started = time.perf_counter()
+    install_if_needed()
+    if job.model.is_moe and not transformer_engine_available():
+        moe.install()
+    on_gpu = torch.cuda.is_available()
+    backend = resolve_backend(job.cluster.backend)
+    world = env.world_size
+    fp = current_fingerprint(world_size=world, nodes=job.cluster.nodes, backend=backend)
+    plan = _plan_on_rank0(job, fp, world, force=force, on_gpu=on_gpu, started=started) if env.rank == 0 else None
+    timeout = datetime.timedelta(seconds=max(60.0, 2.0 * budget_s))
+    init_profile_group(backend, env, timeout)
+    try:
+        box = [plan]
+        dist.broadcast_object_list(box, src=0)
+        plan = box[0]
+        rounds_done = [RoundRecord.from_json(r) for r in plan["records"]]
+        results = _run_rounds(job, plan, world=world, on_gpu=on_gpu, budget_s=budget_s, started=started,
+                              rank=env.rank, progress=progress)
+        rounds_done += [record for record, _ in results.values()]
+        db = path = None
+        if env.rank == 0:
+            db = ProfileDB.from_json(plan["db"]) if plan["db"] is not None else empty_db(fp)
+            if plan["rounds"]:
+                db = _merge(db, job, plan, results, rounds_done)
+                path = store_db(db)
+            else:
+                from cfp_megatron.profile.db import db_path
+
+                path = db_path(fp)
+        dist.barrier()
+    finally:
+        _teardown()
+    return ProfileOutcome(db=db, path=path, reused=not plan["rounds"], rounds=tuple(rounds_done),
+                          notes=tuple(plan["notes"]), wall_s=round(time.perf_counter() - started, 3))
+
+
+def _run_rounds(job: JobSpec, plan: dict[str, Any], *, world: int, on_gpu: bool, budget_s: float, started: float,
+                rank: int, progress: ProgressFn | None) -> dict[str, tuple[RoundRecord, Any]]:
+    from cfp_megatron.profile.collectives import collective_steps
+    from cfp_megatron.profile.gemm import gemm_steps
+    from cfp_megatron.profile.segments import micro_batches, model_kinds, segment_cases, segment_steps
+    from cfp_megatron.runtime.model import resolve_precision
+
+    precision = resolve_precision(job.train.precision, on_gpu).value
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    out: dict[str, tuple[RoundRecord, Any]] = {}
+    todo = list(plan["rounds"])
+    for name in todo:
+        if name == "collectives":
+            dtype = torch.float32 if not on_gpu else {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+                precision, torch.float32)
+            steps, meaning = collective_steps(world, job.cluster.nodes, on_gpu=on_gpu, dtype=dtype, device=device)
+        elif name == "gemm":
+            dtypes = ["fp32"] if not on_gpu else list(dict.fromkeys([precision, "fp32"]))
+            steps, meaning = gemm_steps(dtypes, on_gpu=on_gpu, device=device)
+        else:
+            cases, _ = segment_cases(job, world)
+            steps, meaning = segment_steps(cases, micro_batches(job), model_kinds(job), repeats=5 if on_gpu else 3)
+        remaining = [n for n in todo if n not in out]
+        left = budget_s - (time.perf_counter() - started)
+        share = max(left, 0.0) * SHARES[name] / sum(SHARES[n] for n in remaining)
+        callback = (lambda i, n, label, name=name: progress(name, i, n, label)) if progress and rank == 0 else None
+        results, record = run_round(name, steps, seconds=share, on_step=callback)
+        if progress is not None and rank == 0:
+            progress(name, record.steps_done, len(steps), record.status.value)
+        out[name] = (record, (results, meaning))
+    return out
+
+
+def _merge(db: ProfileDB, job: JobSpec, plan: dict[str, Any], results: dict[str, tuple[RoundRecord, Any]],
+           rounds_done: list[RoundRecord]) -> ProfileDB:
+    from cfp_megatron.profile.collectives import fit_results
+    from cfp_megatron.profile.gemm import gemm_records
+    from cfp_megatron.profile.segments import segment_records
+
+    collectives, gemms, segments = [], [], []
+    extra: list[RoundRecord] = []
+    for name, (_, (steps, meaning)) in results.items():
+        steps_done: list[StepResult] = steps
+        if name == "collectives":
+            collectives, missing = fit_results(steps_done, meaning)
+            if missing:
+                extra.append(RoundRecord(name="collective-fits", status=RoundStatus.failed,
+                                         reason=f"{len(missing)} fit(s) missing: " + "; ".join(missing[:4])))
+        elif name == "gemm":
+            gemms = gemm_records(steps_done, meaning)
+        else:
+            classes = {int(k): v for k, v in plan["classes"].items()}
+            segments = segment_records(steps_done, meaning, job=job, key=plan["model_key"], classes=classes)
+    rounds_done.extend(extra)
+    return db.merged(collectives=collectives, gemms=gemms, segments=segments, rounds=rounds_done)
+
+
+def _teardown() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

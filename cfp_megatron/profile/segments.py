@@ -1,0 +1,235 @@
+"""The segments round (CFP): forward and backward of each segment class of the model, on the live process groups,
+under each candidate tensor-parallel size that fits the world, at a few micro-batch sizes.
+
+The segments are the real Megatron-Core modules of a one-layer (or, for an MoE model with leading dense layers,
+two-layer) ``GPTModel`` built by :mod:`cfp_megatron.runtime.model` under Megatron's own TP layout: the embedding,
+each decoder-layer kind (``dense``, ``moe``) and the head (final norm, output layer, cross entropy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cfp_megatron.config import JobSpec, ParallelSpec
+from cfp_megatron.errors import ConfigError
+from cfp_megatron.parallel_dims import ParallelDims
+from cfp_megatron.profile.control import Step, StepResult
+from cfp_megatron.profile.records import SegmentRecord, partition_name
+
+KINDS_ORDER = ("embedding", "dense", "moe", "head")
+"""Segment kinds in model order."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SegmentCase:
+    """One tensor-parallel size to profile: the probe job (a short model) and its validated layout."""
+
+    tp: int
+    """Tensor-parallel size."""
+    job: JobSpec
+    """The job with one layer per decoder kind, ``parallel.tp = tp`` and a batch that fits."""
+    dims: ParallelDims
+    """Its layout over the whole world."""
+
+
+def model_key(job: JobSpec, *, on_gpu: bool) -> str:
+    """Key of what segment times depend on: model shape, sequence length, precision."""
+    from cfp_megatron.model.cache import _plain
+    from cfp_megatron.runtime.model import resolve_precision
+
+    payload = {"model": _plain(job.model), "seq_length": job.train.seq_length,
+               "precision": resolve_precision(job.train.precision, on_gpu).value}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def micro_batches(job: JobSpec) -> list[int]:
+    """Micro-batch sizes to time: 1, the job's, and twice the job's."""
+    mbs = job.train.micro_batch_size
+    return sorted({1, mbs, 2 * mbs})
+
+
+def probe_job(job: JobSpec, tp: int, world: int, micro_batch: int) -> JobSpec:
+    """``job`` cut to one layer per decoder kind under ``parallel.tp = tp`` (the rest data-parallel)."""
+    m = job.model
+    two = m.is_moe and m.moe_first_dense_layers > 0
+    model = dataclasses.replace(m, num_layers=2 if two else 1, moe_first_dense_layers=1 if two else 0)
+    dp = max(world // tp, 1)
+    train = dataclasses.replace(job.train, micro_batch_size=micro_batch, global_batch_size=micro_batch * dp,
+                                checkpoint_dir=None, resume=False, save_interval=0)
+    parallel = ParallelSpec(tp=tp, sp=needs_sequence_parallel(job, tp), order=job.parallel.order)
+    return dataclasses.replace(job, model=model, train=train, parallel=parallel)
+
+
+def needs_sequence_parallel(job: JobSpec, tp: int) -> bool:
+    """Megatron-Core requires sequence parallelism for MoE layers under tensor parallelism."""
+    return job.model.is_moe and tp > 1
+
+
+def segment_cases(job: JobSpec, world: int) -> tuple[list[SegmentCase], list[str]]:
+    """Every TP size dividing the world that the model allows, and why the others were left out."""
+    cases, skipped = [], []
+    biggest = max(micro_batches(job))
+    for tp in (t for t in range(1, world + 1) if world % t == 0):
+        probe = probe_job(job, tp, world, biggest)
+        try:
+            dims = ParallelDims.build(probe, world)
+        except ConfigError as err:
+            skipped.append(f"tp{tp}: " + "; ".join(str(i) for i in err.issues))
+            continue
+        cases.append(SegmentCase(tp=tp, job=probe, dims=dims))
+    return cases, skipped
+
+
+def analysis_classes(job: JobSpec, tp: int) -> dict[str, dict[str, Any]]:
+    """Per layer kind, its segment class id in the analysis of ``job`` on the ``tp<N>`` mesh and whether Megatron's
+    TP layout is among the class's candidates. Pure (the ``fake`` process group): call it before any real group."""
+    from cfp_megatron.analyze import analyze
+
+    cluster = dataclasses.replace(job.cluster, nodes=1, gpus_per_node=None)
+    parallel = ParallelSpec(tp=tp, order=job.parallel.order)
+    train = dataclasses.replace(job.train, global_batch_size=job.train.micro_batch_size, checkpoint_dir=None,
+                                resume=False, save_interval=0)
+    result = analyze(dataclasses.replace(job, cluster=cluster, parallel=parallel, train=train))
+    found: dict[str, dict[str, Any]] = {}
+    for cls in result["classes"]:
+        confirmed = tp == 1 or any(block["megatron_tp"] for block in cls["blocks"])
+        for kind in cls["kinds"]:
+            found[kind] = {"segment": cls["id"], "confirmed": confirmed}
+    return found
+
+
+class SegmentBench:
+    """The probe model of one case on this rank, and timed forward/backward of its parts."""
+
+    def __init__(self, case: SegmentCase, *, repeats: int) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        from cfp_megatron.model.megatron_layers import layer_kind_name
+        from cfp_megatron.runtime.model import build_model_chunks, transformer_config
+
+        d = case.dims
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=d.tp, pipeline_model_parallel_size=1, context_parallel_size=1,
+            expert_model_parallel_size=d.ep, expert_tensor_parallel_size=d.etp, order=d.order,
+            distributed_timeout_minutes=1)
+        torch.manual_seed(case.job.train.seed)
+        model_parallel_cuda_manual_seed(case.job.train.seed)
+        self.on_gpu = torch.cuda.is_available()
+        self.config = transformer_config(case.job, d, on_gpu=self.on_gpu)
+        (self.model,) = build_model_chunks(case.job, self.config, d)
+        self.case = case
+        self.repeats = repeats
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
+        self.layers = {layer_kind_name(layer): layer for layer in self.model.decoder.layers}
+
+    def _part(self, kind: str, micro_batch: int) -> tuple[Any, Any]:
+        """(forward function, gradient of its output) for one part at ``micro_batch``."""
+        model, seq = self.model, self.case.job.train.seq_length
+        vocab = self.case.job.model.padded_vocab_size
+        dtype = self.config.params_dtype
+        # Under sequence parallelism the layers and the head see this rank's slice of the sequence.
+        local_seq = seq // self.case.tp if self.config.sequence_parallel else seq
+        shape = (local_seq, micro_batch, self.config.hidden_size)
+        if kind == "embedding":
+            ids = torch.randint(0, vocab, (micro_batch, seq), device=self.device)
+            pos = torch.arange(seq, device=self.device).unsqueeze(0).expand(micro_batch, seq)
+            return (lambda: model.embedding(input_ids=ids, position_ids=pos)), torch.randn(shape, dtype=dtype,
+                                                                                           device=self.device)
+        x = torch.randn(shape, dtype=dtype, device=self.device, requires_grad=True)
+        if kind == "head":
+            labels = torch.randint(0, vocab, (micro_batch, seq), device=self.device)
+            tied = model.share_embeddings_and_output_weights
+
+            def head() -> torch.Tensor:
+                h = model.decoder.final_layernorm(x) if model.decoder.final_layernorm is not None else x
+                weight = model.shared_embedding_or_output_weight() if tied else None
+                logits, _ = model.output_layer(h, weight=weight)
+                return model.compute_language_model_loss(labels, logits)
+
+            return head, torch.ones(micro_batch, seq, dtype=torch.float32, device=self.device)
+        layer = self.layers[kind]
+        rope = model.rotary_pos_emb(seq) if getattr(model, "position_embedding_type", "") == "rope" else None
+
+        def decoder_layer() -> torch.Tensor:
+            out = layer(hidden_states=x, attention_mask=None, rotary_pos_emb=rope)
+            return out[0] if isinstance(out, tuple) else out
+
+        return decoder_layer, torch.randn(shape, dtype=dtype, device=self.device)
+
+    def time(self, kind: str, micro_batch: int) -> list[float]:
+        """Mean (forward, backward) seconds of ``kind`` at ``micro_batch``, CUDA events as on GPU (wall clock on CPU
+        through the compat layer)."""
+        forward, grad = self._part(kind, micro_batch)
+        out = forward()  # warm-up
+        out.backward(grad)
+        torch.cuda.synchronize()
+        fwd = bwd = 0.0
+        for _ in range(self.repeats):
+            e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            e0.record()
+            out = forward()
+            e1.record()
+            out.backward(grad)
+            e2.record()
+            torch.cuda.synchronize()
+            fwd += e0.elapsed_time(e1) / 1000.0
+            bwd += e1.elapsed_time(e2) / 1000.0
+        self.model.zero_grad(set_to_none=True)
+        return [fwd / self.repeats, bwd / self.repeats]
+
+
+def segment_steps(cases: Sequence[SegmentCase], micro_batch_sizes: Sequence[int], kinds: Sequence[str], *,
+                  repeats: int) -> tuple[list[Step], dict[str, tuple[int, int, str, bool]]]:
+    """Per case: build the probe model, then time each kind at each micro-batch size."""
+    holder: dict[int, SegmentBench] = {}
+    steps: list[Step] = []
+    meaning: dict[str, tuple[int, int, str, bool]] = {}
+    for case in cases:
+        def setup(case: SegmentCase = case) -> list[float]:
+            holder.clear()  # free the previous case's model first
+            holder[case.tp] = SegmentBench(case, repeats=repeats)
+            return []
+
+        name = partition_name(case.tp, sp=case.dims.sp)
+        steps.append(Step(label=f"build {name} model", run=setup))
+        for mbs in micro_batch_sizes:
+            for kind in kinds:
+                label = f"{kind} {name} mbs={mbs}"
+                steps.append(Step(label=label, run=lambda tp=case.tp, kind=kind, mbs=mbs: holder[tp].time(kind, mbs)))
+                meaning[label] = (case.tp, mbs, kind, case.dims.sp)
+    return steps, meaning
+
+
+def segment_records(results: Sequence[StepResult], meaning: dict[str, tuple[int, int, str, bool]], *, job: JobSpec,
+                    key: str, classes: dict[int, dict[str, dict[str, Any]]]) -> list[SegmentRecord]:
+    """Records of the finished timing steps; the class id comes from the analysis (the kind name without one)."""
+    rows = []
+    for res in results:
+        if res.label not in meaning:
+            continue
+        tp, mbs, kind, sp = meaning[res.label]
+        info = classes.get(tp, {}).get(kind, {"segment": kind, "confirmed": False})
+        rows.append(SegmentRecord(model=key, model_name=job.model.name, segment=info["segment"], kind=kind,
+                                  partition=partition_name(tp, sp=sp), tp=tp, micro_batch=mbs,
+                                  seq_length=job.train.seq_length, forward_s=res.values[0],
+                                  backward_s=res.values[1], confirmed=bool(info["confirmed"])))
+    return rows
+
+
+def model_kinds(job: JobSpec) -> list[str]:
+    """Segment kinds of ``job``'s model, in model order."""
+    m = job.model
+    layers = ["moe"] if m.is_moe else ["dense"]
+    if m.is_moe and m.moe_first_dense_layers > 0:
+        layers = ["dense", "moe"]
+    return ["embedding", *layers, "head"]

@@ -1,0 +1,69 @@
+"""Profiling under torchrun with gloo ranks: a real run fills the DB, a second run reuses it, and a round that fails
+or outlasts its deadline is recorded while the job still finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from cfp_megatron.cluster.measured import Collective
+from cfp_megatron.profile.control import FAULT_ENV
+from tests.launcher import REPO, free_port
+
+
+def run_profile(nproc: int, args: list[str], cache: Path, *, fault: str | None = None) -> subprocess.CompletedProcess:
+    """``torchrun -m cfp_megatron.profile`` with its cache under ``cache``."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CFP_CACHE_DIR": str(cache)}
+    env.pop(FAULT_ENV, None)
+    if fault:
+        env[FAULT_ENV] = fault
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+           "--max-restarts=0", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+           "-m", "cfp_megatron.profile", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+
+
+def only_db(cache: Path) -> dict:
+    files = sorted((cache / "profile").glob("*.json"))
+    assert len(files) == 1, files
+    return json.loads(files[0].read_text())
+
+
+def test_profile_fills_the_db_and_a_second_run_reuses_it(tmp_path) -> None:
+    cache = tmp_path / "cache"
+    first = run_profile(2, ["model=gpt_tiny", "cluster=local", "--budget", "12"], cache)
+    out = first.stdout + first.stderr
+    assert first.returncode == 0, out[-4000:]
+    db = only_db(cache)
+    assert db["fingerprint"]["device_count"] == 2 and db["fingerprint"]["backend"] == "gloo"
+    fits = {(c["op"], c["group_size"], c["span"]): c for c in db["collectives"]}
+    for op in Collective:
+        fit = fits[(op.value, 2, "intra_node")]
+        assert fit["latency_s"] > 0 and fit["bandwidth_bytes_per_s"] > 0 and fit["points"] >= 2, fit
+    assert db["gemms"] and all(g["tflops"] > 0 and g["dtype"] == "fp32" for g in db["gemms"])
+    kinds = {s["kind"] for s in db["segments"]}
+    assert {"embedding", "dense", "head"} <= kinds, kinds
+    assert all(s["forward_s"] > 0 and s["backward_s"] > 0 for s in db["segments"])
+    assert {s["partition"] for s in db["segments"]} <= {"tp1", "tp2"}
+    assert "ProfileDB:" in out and "Collectives" in out
+
+    second = run_profile(2, ["model=gpt_tiny", "--budget", "12"], cache)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
+    assert "reused (nothing measured)" in second.stdout
+    assert only_db(cache)["rounds"] == db["rounds"]  # nothing measured, nothing written
+
+
+def test_failed_and_slow_rounds_are_recorded_and_the_job_finishes(tmp_path) -> None:
+    cache = tmp_path / "cache"
+    proc = run_profile(2, ["model=gpt_tiny", "--budget", "12", "--force"], cache,
+                       fault="gemm:fail:1,segments:slow")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rounds = {r["name"]: r for r in only_db(cache)["rounds"]}
+    assert rounds["collectives"]["status"] == "ok"
+    assert rounds["gemm"]["status"] == "failed" and "rank 1" in rounds["gemm"]["reason"]
+    assert "injected failure" in rounds["gemm"]["reason"]
+    assert rounds["segments"]["status"] == "timeout" and "budget" in rounds["segments"]["reason"]
+    assert rounds["segments"]["steps_done"] < rounds["segments"]["steps_planned"]
