@@ -1,0 +1,233 @@
+"""Simulator accuracy against published runs, leave-one-source-out cross-validation, and simulator speed.
+
+    python bench/validate.py                 # figures with the shipped (fitted) efficiencies
+    python bench/validate.py --fit           # refit the efficiencies on the whole file and print them
+    python bench/validate.py --loso          # also leave-one-source-out: refit without each source, predict it
+
+Prints MAPE overall, per source, on the Korthikanti et al. Table 5 runs, leave-one-source-out MAPE, and
+``simulate()`` calls per second. The fit minimises MAPE per GPU generation with Nelder-Mead on log-parameters
+(scipy), from the same neutral starting point (``NEUTRAL``); it never looks at row ids or model names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cfp_megatron.errors import CfpError  # noqa: E402
+from cfp_megatron.sim.calibration import FITTED, GENERATION_FIELDS, Efficiency, generation  # noqa: E402
+from cfp_megatron.sim.simulate import simulate  # noqa: E402
+from cfp_megatron.validate import RowPlan, read_rows, row_plan  # noqa: E402
+
+DEFAULT_CSV = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "published_runs.csv"
+BOUNDS = {"gemm": (0.2, 0.98), "gemm_fp8": (0.15, 0.98), "attention": (0.05, 1.0), "memory": (0.2, 1.0),
+          "layer_overhead_s": (1e-6, 3e-3), "moe_token_elements": (1.0, 400.0),
+          "optimizer_bytes_per_param": (16.0, 200.0), "intra_node_comm": (0.2, 1.0), "inter_node_comm": (0.2, 1.0)}
+NEUTRAL = Efficiency(gemm=0.7, gemm_fp8=0.6, attention=0.4, memory=0.8, layer_overhead_s=1e-5,
+                     moe_token_elements=4.0, optimizer_bytes_per_param=34.0, intra_node_comm=0.8, inter_node_comm=0.8)
+"""Starting point of every fit: round, physically plausible shares (not the shipped values, so that
+leave-one-source-out never starts from constants that saw the left-out source)."""
+MIN_ROWS_FULL_FIT = 8
+"""A generation with fewer training rows only refits its GEMM efficiencies; the rest comes from the others."""
+
+
+def source_of(plan: RowPlan) -> str:
+    """Short source name: the first author or organisation of the row's ``source``."""
+    return plan.source.split(",")[0].split("(")[0].strip()[:40]
+
+
+def load(csv_path: Path) -> tuple[list[RowPlan], list[tuple[str, str]]]:
+    plans, skipped = [], []
+    for row in read_rows(csv_path):
+        try:
+            plans.append(row_plan(row))
+        except CfpError as err:
+            skipped.append((row.get("id", "?"), str(err)))
+    return plans, skipped
+
+
+def errors(plans: list[RowPlan], effs: dict[str, Efficiency]) -> list[float]:
+    out = []
+    for p in plans:
+        pred = simulate(p.job, options=p.options, efficiency=effs[generation(p.job.cluster)]).step_time_s
+        out.append(100.0 * (pred - p.measured_s) / p.measured_s)
+    return out
+
+
+def mape(errs: list[float]) -> float:
+    return sum(abs(e) for e in errs) / len(errs) if errs else math.nan
+
+
+def fit_generation(plans: list[RowPlan], start: Efficiency, names: list[str], effs: dict[str, Efficiency],
+                   gen: str, maxiter: int) -> Efficiency:
+    """Minimise MAPE over ``plans`` (all of generation ``gen``) by tuning ``names``."""
+    from scipy.optimize import minimize
+
+    def make(x) -> Efficiency:
+        vals = {}
+        for n, v in zip(names, x, strict=True):
+            lo, hi = BOUNDS[n]
+            vals[n] = min(max(math.exp(v), lo), hi)
+        return start.replace(**vals)
+
+    def objective(x) -> float:
+        trial = dict(effs)
+        trial[gen] = make(x)
+        return mape(errors(plans, trial))
+
+    x0 = [math.log(getattr(start, n)) for n in names]
+    res = minimize(objective, x0, method="Nelder-Mead", options={"maxiter": maxiter, "xatol": 1e-3, "fatol": 1e-3})
+    best = make(res.x)
+    return best.replace(**{n: float(f"{getattr(best, n):.3g}") for n in names})
+
+
+def fit(plans: list[RowPlan], base: dict[str, Efficiency], maxiter: int) -> dict[str, Efficiency]:
+    """Fit every generation that has rows, most rows first. A field a generation's rows cannot pin down (FP8 GEMMs
+    without FP8 rows, MoE routing without MoE rows, everything but the GEMM efficiencies with fewer than
+    ``MIN_ROWS_FULL_FIT`` rows) is taken from the generation that could fit it."""
+    effs = dict(base)
+    by_gen: dict[str, list[RowPlan]] = {}
+    for p in plans:
+        by_gen.setdefault(generation(p.job.cluster), []).append(p)
+    order = sorted(by_gen, key=lambda g: -len(by_gen[g]))
+    fitted_by: dict[str, str] = {}
+    for gen in order:
+        rows = by_gen[gen]
+        has = {"gemm": any(not p.options.fp8 for p in rows), "gemm_fp8": any(p.options.fp8 for p in rows),
+               "moe_token_elements": any(p.job.model.is_moe for p in rows)}
+        start = effs[gen]
+        if len(rows) >= MIN_ROWS_FULL_FIT:
+            names = [n for n in GENERATION_FIELDS if has.get(n, True)]
+        else:
+            names = [n for n in ("gemm", "gemm_fp8", "moe_token_elements") if has[n]]
+            donor = effs[order[0]]
+            start = donor.replace(**{n: getattr(start, n) for n in ("gemm", "gemm_fp8", "moe_token_elements")})
+        for n in names:
+            fitted_by.setdefault(n, gen)
+        effs[gen] = fit_generation(rows, start, names, effs, gen, maxiter) if names else start
+    for gen in effs:
+        if gen not in by_gen or gen == "other":
+            continue
+        shared = {n: getattr(effs[src], n) for n, src in fitted_by.items()
+                  if src != gen and n == "moe_token_elements" and not any(p.job.model.is_moe for p in by_gen[gen])}
+        effs[gen] = effs[gen].replace(**shared)
+    for gen in ("blackwell", "other"):
+        effs[gen] = effs["hopper"]
+    return effs
+
+
+def format_fitted(effs: dict[str, Efficiency]) -> str:
+    """The ``FITTED`` table as Python source for cfp_megatron/sim/calibration.py."""
+    lines = ["FITTED: dict[str, Efficiency] = {"]
+    for gen in ("ampere", "hopper"):
+        e = effs[gen]
+        parts = [f"{n}={float(f'{getattr(e, n):.3g}')!r}" for n in GENERATION_FIELDS]
+        body, line = [], f'    "{gen}": Efficiency('
+        for part in parts:
+            if len(line) + len(part) + 2 > 118:
+                body.append(line.rstrip())
+                line = " " * 25
+            line += part + ", "
+        body.append(line.rstrip(", ") + "),")
+        lines += body
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def search_speed() -> tuple[float, int]:
+    """simulate() calls per second over the (TP, PP, VPP, micro-batch, recompute) plans of LLaMA-3-70B on 1,024
+    H100s (128 DGX nodes), the kind of sweep the search runs; returns (calls/s, plans)."""
+    from cfp_megatron.config import job_from_config
+    from cfp_megatron.validate import load_preset
+
+    cluster = {**load_preset("dgx_h100"), "nodes": 128}
+    model = {"name": "llama3_70b", "num_layers": 80, "hidden_size": 8192, "ffn_hidden_size": 28672,
+             "num_attention_heads": 64, "num_query_groups": 8, "vocab_size": 128256, "activation": "swiglu",
+             "max_position_embeddings": 8192, "position_embedding": "rope", "normalization": "RMSNorm",
+             "add_bias_linear": False, "tie_embeddings": False}
+    jobs = []
+    for tp in (1, 2, 4, 8):
+        for pp in (1, 2, 4, 5, 8, 10, 16):
+            for vpp in (None, 2):
+                for mb in (1, 2, 4):
+                    for rc in ("none", "selective", "full"):
+                        if vpp and (pp == 1 or 80 % (pp * vpp)):
+                            continue
+                        cfg = {"model": model, "cluster": cluster,
+                               "parallel": {"tp": tp, "pp": pp, "vpp": vpp, "sp": tp > 1, "recompute": rc,
+                                            "distributed_optimizer": True, "overlap_grad_reduce": True},
+                               "train": {"global_batch_size": 2048, "micro_batch_size": mb, "seq_length": 8192}}
+                        try:
+                            job = job_from_config(cfg)
+                            simulate(job)
+                        except CfpError:
+                            continue
+                        jobs.append(job)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 2.0:
+        for job in jobs:
+            simulate(job)
+            n += 1
+    return n / (time.perf_counter() - t0), len(jobs)
+
+
+def speed(plans: list[RowPlan]) -> float:
+    """simulate() calls per second over the file's plans (each simulated once per round)."""
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 2.0:
+        for p in plans:
+            simulate(p.job, options=p.options)
+            n += 1
+    return n / (time.perf_counter() - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--csv", type=Path, default=DEFAULT_CSV)
+    ap.add_argument("--fit", action="store_true", help="refit the efficiencies on the whole file and print them")
+    ap.add_argument("--loso", action="store_true", help="leave-one-source-out cross-validation (refits; slow)")
+    ap.add_argument("--maxiter", type=int, default=400)
+    args = ap.parse_args()
+    plans, skipped = load(args.csv)
+    effs = dict(FITTED)
+    if args.fit:
+        effs = fit(plans, {g: NEUTRAL for g in FITTED}, args.maxiter)
+        print(format_fitted(effs))
+    errs = errors(plans, effs)
+    print(f"rows modelled {len(plans)}, not modelled {len(skipped)}")
+    print(f"MAPE overall: {mape(errs):.2f}% over {len(errs)} rows (max |error| {max(abs(e) for e in errs):.1f}%)")
+    sources = sorted({source_of(p) for p in plans})
+    for s in sources:
+        e = [x for p, x in zip(plans, errs, strict=True) if source_of(p) == s]
+        print(f"  {s:<42} {mape(e):6.2f}% over {len(e)} rows")
+    t5 = [x for p, x in zip(plans, errs, strict=True) if "Table 5" in _detail(p)]
+    t5_new = [x for p, x in zip(plans, errs, strict=True) if "Table 5" in _detail(p) and "present work" in _detail(p)]
+    print(f"Korthikanti Table 5, present work (SP + selective): {mape(t5_new):.2f}% over {len(t5_new)} rows")
+    print(f"Korthikanti Table 5, all end-to-end rows: {mape(t5):.2f}% over {len(t5)} rows")
+    if args.loso:
+        all_errs: list[float] = []
+        for s in sources:
+            train = [p for p in plans if source_of(p) != s]
+            test = [p for p in plans if source_of(p) == s]
+            effs_s = fit(train, {g: NEUTRAL for g in FITTED}, args.maxiter)
+            e = errors(test, effs_s)
+            all_errs += e
+            print(f"  leave out {s:<42} test MAPE {mape(e):6.2f}% over {len(e)} rows")
+        print(f"leave-one-source-out MAPE: {mape(all_errs):.2f}% over {len(all_errs)} rows")
+    print(f"simulate() calls per second, rows of the file (up to 65k pipeline passes each): {speed(plans):.0f}")
+    rate, count = search_speed()
+    print(f"simulate() calls per second, {count} LLaMA-3-70B plans on 1,024 H100s: {rate:.0f}")
+    return 0
+
+
+def _detail(plan: RowPlan) -> str:
+    return plan.source_detail
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Collective communication time: a measured fit where profiling produced one, else an alpha-beta ring model.
+
+:class:`CollectiveCosts` answers "how long does one ``op`` with a message of ``B`` bytes take over a group of ``g``
+ranks that puts ``k`` ranks on each node". The message is what one rank passes in, as
+:func:`~cfp_megatron.cluster.measured.ring_factor` defines it.
+
+* A :class:`~cfp_megatron.cluster.measured.CollectiveFit` from :class:`Measurements` for exactly that
+  (op, group size, span) wins.
+* Otherwise the ring model: ``steps x latency + ring_factor x bytes / (bandwidth x efficiency)`` with the latency and
+  per-GPU bandwidth of the :class:`~cfp_megatron.config.ClusterSpec` (NVLink inside a node, the NIC rail across
+  nodes) and a fitted efficiency (the share of the nominal bandwidth NCCL reaches).
+* A group that crosses nodes with several ranks per node is hierarchical, as NCCL runs it: all-reduce is an
+  intra-node reduce-scatter, an inter-node all-reduce of ``1/k`` of the message on every rail at once, and an
+  intra-node all-gather; all-gather and reduce-scatter likewise; all-to-all moves its intra- and inter-node shares at
+  the same time over their own links.
+
+Pure Python, no ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cfp_megatron.cluster.measured import Collective, Measurements, Span, ring_factor
+from cfp_megatron.config import ClusterSpec
+from cfp_megatron.errors import ConfigError, ConfigIssue
+
+_DEFAULT_INTRA_GBPS = 100.0
+_DEFAULT_INTER_GBPS = 12.5
+_DEFAULT_LATENCY_US = 10.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """One level of the network as the ring model sees it."""
+
+    latency_s: float
+    """Fixed cost of one ring step in seconds."""
+    bandwidth_bytes_per_s: float
+    """Effective unidirectional bytes per second per GPU (nominal x efficiency)."""
+
+
+def group_placement(size: int, stride: int, gpus_per_node: int) -> tuple[int, int]:
+    """``(ranks_per_node, nodes)`` of a process group of ``size`` ranks whose members are ``stride`` ranks apart
+    (the product of the faster-varying dimensions in Megatron's rank order), on nodes of ``gpus_per_node``."""
+    if size <= 1:
+        return 1, 1
+    g = max(gpus_per_node, 1)
+    if stride >= g:
+        return 1, size
+    per_node = max(1, min(size, g // stride))
+    return per_node, -(-size // per_node)
+
+
+class CollectiveCosts:
+    """Seconds of one collective call on a cluster, measured or modelled (see the module docstring)."""
+
+    def __init__(self, cluster: ClusterSpec, measurements: Measurements | None = None, *,
+                 intra_efficiency: float = 1.0, inter_efficiency: float = 1.0) -> None:
+        issues = []
+        for key, value in (("intra_efficiency", intra_efficiency), ("inter_efficiency", inter_efficiency)):
+            if not 0 < value <= 1.5:
+                issues.append(ConfigIssue(key=f"costs.{key}", value=value, problem="must be in (0, 1.5].",
+                                          fix="pass the share of nominal bandwidth NCCL reaches, e.g. 0.8."))
+        if issues:
+            raise ConfigError(issues)
+        self.cluster = cluster
+        self.measurements = measurements
+        self.gpus_per_node = cluster.gpus_per_node or 1
+        intra_bw = (cluster.intra_node_bandwidth_gbps or _DEFAULT_INTRA_GBPS) * 1e9 * intra_efficiency
+        inter_bw = (cluster.inter_node_bandwidth_gbps or _DEFAULT_INTER_GBPS) * 1e9 * inter_efficiency
+        self.intra = Link(latency_s=(cluster.intra_node_latency_us or _DEFAULT_LATENCY_US) * 1e-6,
+                          bandwidth_bytes_per_s=intra_bw)
+        self.inter = Link(latency_s=(cluster.inter_node_latency_us or _DEFAULT_LATENCY_US) * 1e-6,
+                          bandwidth_bytes_per_s=inter_bw)
+        self._cache: dict[tuple[Collective, int, Span], object] = {}
+
+    def _fit(self, op: Collective, size: int, span: Span):
+        key = (op, size, span)
+        if key not in self._cache:
+            self._cache[key] = self.measurements.collective(op, size, span) if self.measurements else None
+        return self._cache[key]
+
+    def flat(self, op: Collective, message_bytes: float, size: int, span: Span) -> float:
+        """One collective over a flat group on one network level (a measured fit if there is one)."""
+        if message_bytes <= 0 or (size <= 1 and op is not Collective.send_recv):
+            return 0.0
+        fit = self._fit(op, size, span)
+        if fit is not None:
+            return fit.seconds(message_bytes)
+        link = self.intra if span is Span.intra_node else self.inter
+        if op is Collective.send_recv:
+            steps = 1
+        elif op is Collective.all_reduce:
+            steps = 2 * (size - 1) if span is Span.intra_node else 2 * math.ceil(math.log2(size))
+        else:
+            steps = size - 1
+        return steps * link.latency_s + ring_factor(op, size) * message_bytes / link.bandwidth_bytes_per_s
+
+    def seconds(self, op: Collective, message_bytes: float, size: int, ranks_per_node: int | None = None) -> float:
+        """One collective over ``size`` ranks with ``ranks_per_node`` of them on each node (default: as many as fit,
+        i.e. a contiguous group)."""
+        if message_bytes <= 0 or (size <= 1 and op is not Collective.send_recv):
+            return 0.0
+        k = min(size, self.gpus_per_node) if ranks_per_node is None else max(1, min(ranks_per_node, size))
+        if op is Collective.send_recv:
+            return self.flat(op, message_bytes, 2, Span.intra_node if k > 1 else Span.inter_node)
+        if k >= size:
+            return self.flat(op, message_bytes, size, Span.intra_node)
+        measured = self._fit(op, size, Span.inter_node)
+        if measured is not None:
+            return measured.seconds(message_bytes)
+        nodes = -(-size // k)
+        if k == 1:
+            return self.flat(op, message_bytes, size, Span.inter_node)
+        if op is Collective.all_reduce:
+            return (self.flat(Collective.reduce_scatter, message_bytes, k, Span.intra_node)
+                    + self.flat(Collective.all_reduce, message_bytes / k, nodes, Span.inter_node)
+                    + self.flat(Collective.all_gather, message_bytes, k, Span.intra_node))
+        if op in (Collective.all_gather, Collective.reduce_scatter):
+            return (self.flat(op, message_bytes / k, nodes, Span.inter_node)
+                    + self.flat(op, message_bytes, k, Span.intra_node))
+        # all-to-all: the intra-node and inter-node shares move at once over their own links.
+        intra_bytes = message_bytes * (k - 1) / size
+        inter_bytes = message_bytes * (size - k) / size
+        return max(self.intra.latency_s * (k - 1) + intra_bytes / self.intra.bandwidth_bytes_per_s,
+                   self.inter.latency_s * (nodes - 1) + inter_bytes / self.inter.bandwidth_bytes_per_s)

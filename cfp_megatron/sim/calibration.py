@@ -1,0 +1,89 @@
+"""Fitted hardware efficiencies: the only tuned numbers of the simulator.
+
+A few global parameters per GPU generation (never per model, per run or per row): the share of the dense peak a
+large GEMM reaches, the same for FP8 GEMMs, the share of peak the attention core reaches (FLOPs counted as
+the kernel runs them: half of ``4 b s^2 h`` for causal fused attention, all of it unfused), the share of HBM
+bandwidth element-wise kernels reach, a fixed cost per layer and pass (kernel launches, small ops), and the share of
+nominal NVLink / network bandwidth NCCL reaches.
+
+How they were fitted: ``python bench/validate.py --fit`` minimises the mean absolute percentage error of the
+predicted step time over the rows of ``published_runs.csv`` whose GPU belongs to the generation (Nelder-Mead on the
+log of each parameter, from physically plausible starting points, with bounds), then rounds to three significant
+digits. The same script reports leave-one-source-out cross-validation: it refits without one source and predicts
+that source. Generations without calibration rows (Blackwell) reuse Hopper's shares of peak: the efficiencies are
+fractions of each device's own peak and bandwidth, which carry over between generations far better than absolute
+figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from cfp_megatron.config import ClusterSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class Efficiency:
+    """Achieved shares of the nominal figures of one GPU generation."""
+
+    gemm: float
+    """Share of the dense bf16/fp16 (or TF32 for fp32) peak a large GEMM reaches."""
+    gemm_fp8: float
+    """Share of the dense FP8 peak a large FP8 GEMM reaches (Transformer Engine, delayed scaling)."""
+    attention: float
+    """Share of the dense peak the attention core reaches (FLOPs as the kernel runs them)."""
+    memory: float
+    """Share of HBM bandwidth reached by memory-bound kernels (norms, activations, residuals, optimizer)."""
+    layer_overhead_s: float
+    """Fixed seconds per transformer layer and pass (forward or backward) on top of the kernels' work."""
+    moe_token_elements: float
+    """HBM traffic of MoE routing per routed token copy and pass, in units of the hidden size (permute, unpermute,
+    probability scaling, padding of the grouped GEMM inputs, router top-k)."""
+    optimizer_bytes_per_param: float
+    """HBM bytes moved per (local) parameter by the optimizer step: Adam update, gradient-norm and clipping,
+    zeroing gradient buffers, copying fp32 master weights back to the compute precision."""
+    intra_node_comm: float
+    """Share of nominal per-GPU NVLink bandwidth a collective reaches."""
+    inter_node_comm: float
+    """Share of nominal per-GPU network (NIC rail) bandwidth a collective reaches."""
+
+    def replace(self, **changes: float) -> Efficiency:
+        """A copy with some fields changed (used by the fitting script)."""
+        return dataclasses.replace(self, **changes)
+
+
+FITTED: dict[str, Efficiency] = {
+    "ampere": Efficiency(gemm=0.799, gemm_fp8=0.6, attention=0.357, memory=0.972, layer_overhead_s=1e-06,
+                         moe_token_elements=22.7, optimizer_bytes_per_param=122.0, intra_node_comm=0.806,
+                         inter_node_comm=0.75),
+    "hopper": Efficiency(gemm=0.562, gemm_fp8=0.558, attention=0.305, memory=0.779, layer_overhead_s=6.75e-06,
+                         moe_token_elements=22.7, optimizer_bytes_per_param=200.0, intra_node_comm=1.0,
+                         inter_node_comm=1.0),
+}
+"""Fitted efficiencies per GPU generation (see the module docstring for how)."""
+
+FITTED["blackwell"] = FITTED["hopper"]
+FITTED["other"] = FITTED["hopper"]
+
+GENERATION_FIELDS: tuple[str, ...] = ("gemm", "gemm_fp8", "attention", "memory", "layer_overhead_s",
+                                      "moe_token_elements", "optimizer_bytes_per_param", "intra_node_comm",
+                                      "inter_node_comm")
+"""Fields the fitting script may tune."""
+
+
+def generation(cluster: ClusterSpec) -> str:
+    """GPU generation of a cluster from its device name: ``ampere``, ``hopper``, ``blackwell`` or ``other``."""
+    name = cluster.device_name.upper()
+    if "A100" in name or "A800" in name or "A30" in name:
+        return "ampere"
+    if "H100" in name or "H200" in name or "H800" in name or "GH200" in name:
+        return "hopper"
+    if "B200" in name or "B100" in name or "GB200" in name or "B300" in name:
+        return "blackwell"
+    return "other"
+
+
+def efficiency_for(cluster: ClusterSpec) -> Efficiency:
+    """The fitted efficiencies that apply to ``cluster``."""
+    return FITTED[generation(cluster)]

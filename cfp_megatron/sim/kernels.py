@@ -1,0 +1,83 @@
+"""Time of single kernels on one GPU: GEMMs (roofline with fitted efficiency, or the measured GEMM table), the
+attention core, memory-bound element-wise work."""
+
+from __future__ import annotations
+
+from cfp_megatron.cluster.measured import Measurements
+from cfp_megatron.config import ClusterSpec, Precision
+from cfp_megatron.errors import ConfigError, ConfigIssue
+from cfp_megatron.sim.calibration import Efficiency
+
+_FALLBACK_PEAK_TFLOPS = 1.0
+_FALLBACK_HBM_GBPS = 50.0
+
+
+def dtype_name(precision: Precision) -> str:
+    """``"bf16"``, ``"fp16"`` or ``"fp32"`` for a training precision (``auto`` means bf16 for planning)."""
+    return {Precision.fp32: "fp32", Precision.fp16: "fp16"}.get(precision, "bf16")
+
+
+def bytes_per_element(precision: Precision) -> int:
+    """Bytes of one activation/weight element in the compute precision."""
+    return 4 if precision is Precision.fp32 else 2
+
+
+class KernelModel:
+    """Seconds of the kernels of one pass on one GPU."""
+
+    def __init__(self, cluster: ClusterSpec, efficiency: Efficiency, precision: Precision, *, fp8: bool,
+                 measurements: Measurements | None = None) -> None:
+        self.dtype = dtype_name(precision)
+        self.elem = bytes_per_element(precision)
+        self.eff = efficiency
+        self.measurements = measurements
+        measured_peak = measurements.peak_tflops(self.dtype) if measurements else None
+        if self.dtype == "fp32":
+            nominal = cluster.peak_tflops_fp32
+        else:
+            nominal = cluster.peak_tflops_bf16
+        if fp8 and cluster.peak_tflops_fp8 is None:
+            raise ConfigError(ConfigIssue(key="cluster.peak_tflops_fp8", value=None,
+                                          problem=f"FP8 was asked for but {cluster.device_name} has no FP8 peak.",
+                                          fix="run without FP8, or set cluster.peak_tflops_fp8."))
+        if measured_peak:
+            self.gemm_flops_per_s = measured_peak * 1e12
+            self.attn_flops_per_s = measured_peak * 1e12 * efficiency.attention / efficiency.gemm
+        else:
+            peak = (nominal or _FALLBACK_PEAK_TFLOPS) * 1e12
+            self.gemm_flops_per_s = peak * efficiency.gemm
+            self.attn_flops_per_s = peak * efficiency.attention
+        self.fp8 = fp8
+        self.fp8_flops_per_s = (cluster.peak_tflops_fp8 or 0.0) * 1e12 * efficiency.gemm_fp8
+        self.mem_bytes_per_s = (cluster.hbm_bandwidth_gbps or _FALLBACK_HBM_GBPS) * 1e9 * efficiency.memory
+        self._cache: dict[tuple[int, int, int, bool], float] = {}
+
+    def gemm(self, m: float, n: float, k: float, *, low_precision: bool = True) -> float:
+        """One ``(m x k) @ (k x n)`` GEMM: FLOPs at the achieved rate plus operand traffic at HBM speed (so small
+        or skinny GEMMs lose efficiency); a measured GEMM table wins."""
+        if m <= 0 or n <= 0 or k <= 0:
+            return 0.0
+        key = (int(m), int(n), int(k), low_precision)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        flops = 2.0 * m * n * k
+        use_fp8 = self.fp8 and low_precision
+        measured = (self.measurements.gemm_tflops(int(m), int(n), int(k), self.dtype)
+                    if self.measurements is not None and not use_fp8 else None)
+        if measured:
+            seconds = flops / (measured * 1e12)
+        else:
+            rate = self.fp8_flops_per_s if use_fp8 else self.gemm_flops_per_s
+            operand_bytes = (1 if use_fp8 else self.elem) * (m * k + k * n) + self.elem * m * n
+            seconds = flops / rate + operand_bytes / self.mem_bytes_per_s
+        self._cache[key] = seconds
+        return seconds
+
+    def attention(self, flops: float) -> float:
+        """The attention core (scores, softmax, weighted sum) of ``flops``."""
+        return flops / self.attn_flops_per_s
+
+    def memory(self, nbytes: float) -> float:
+        """Memory-bound work moving ``nbytes`` through HBM."""
+        return nbytes / self.mem_bytes_per_s

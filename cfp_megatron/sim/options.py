@@ -1,0 +1,37 @@
+"""Settings of a simulated run that the training specs do not carry (yet)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cfp_megatron.errors import ConfigError, ConfigIssue
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimOptions:
+    """What the simulator should assume beyond the :class:`~cfp_megatron.config.JobSpec`."""
+
+    fp8: bool = False
+    """Run the linear layers' GEMMs in FP8 (Transformer Engine); activations and weights stay in bf16."""
+    fsdp: bool = False
+    """Fully sharded data parallelism (ZeRO-3 / PyTorch FSDP FULL_SHARD): parameters, gradients and optimizer states
+    sharded over DP; each layer's parameters all-gathered before its forward and backward, gradients
+    reduce-scattered after its backward, prefetched so they overlap with the neighbouring layer's compute."""
+    flash_attention: bool = True
+    """The attention core is a fused kernel that stores no ``s x s`` scores (FlashAttention / cuDNN)."""
+    tp_comm_overlap: bool = False
+    """Overlap TP/SP all-gathers and reduce-scatters with the GEMMs next to them (Transformer Engine's userbuffers
+    ring exchange): only the first of ``tp`` chunks and what the GEMM cannot cover stay exposed."""
+    overlap_grad_reduce: bool | None = None
+    """Overlap the DP gradient reduction with the backward pass; ``None`` follows ``parallel.overlap_grad_reduce``."""
+    measured_layer_only: bool = False
+    """Time one forward and backward pass of the layers alone (no embedding, logits, optimizer or DP sync): for
+    layer-level measurements."""
+    max_schedule_ops: int = 200_000
+    """Largest pipeline schedule (ranks x micro-batches x chunks x 2) simulated event by event; larger ones use
+    the closed form of the same schedule (exact for equal stages)."""
+
+    def __post_init__(self) -> None:
+        if self.max_schedule_ops < 1:
+            raise ConfigError(ConfigIssue(key="sim.max_schedule_ops", value=self.max_schedule_ops,
+                                          problem="must be positive.", fix="use e.g. 200000."))

@@ -1,0 +1,134 @@
+"""What the simulator returns: step time and peak memory with breakdowns, and the simulated schedule."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+
+GIB = float(1 << 30)
+
+
+class EventKind(enum.Enum):
+    """Kinds of timed events in the simulated schedule."""
+
+    forward = "forward"
+    backward = "backward"
+    comm = "comm"
+    """Exposed collective communication (TP/SP, CP, EP, FSDP) inside a forward or backward pass."""
+    p2p = "p2p"
+    """Pipeline send/receive of activations or their gradients."""
+    dp_sync = "dp_sync"
+    """Data-parallel gradient reduction (and parameter all-gather) left exposed after the backward pass."""
+    optimizer = "optimizer"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """One timed interval on one pipeline rank."""
+
+    rank: int
+    """Pipeline stage (rank in the pipeline group) the event runs on."""
+    kind: EventKind
+    """What runs."""
+    start_s: float
+    """Start, seconds from the beginning of the step."""
+    end_s: float
+    """End, seconds from the beginning of the step."""
+    microbatch: int = -1
+    """Micro-batch index (``-1`` for per-step events)."""
+    chunk: int = 0
+    """Model chunk (virtual pipeline stage) on this rank."""
+
+    @property
+    def is_comm(self) -> bool:
+        """Whether the event is communication rather than compute."""
+        return self.kind in (EventKind.comm, EventKind.p2p, EventKind.dp_sync)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeBreakdown:
+    """Where the step time of the slowest pipeline rank goes; the fields add up to the step time."""
+
+    forward_compute_s: float
+    """Forward GEMMs, attention and element-wise kernels of every micro-batch."""
+    backward_compute_s: float
+    """Backward kernels of every micro-batch."""
+    recompute_s: float
+    """Forward work repeated in the backward pass (selective or full recomputation)."""
+    overhead_s: float
+    """Fixed per-layer costs (launches, small kernels)."""
+    tp_comm_s: float
+    """Tensor/sequence-parallel collectives (not overlapped)."""
+    cp_comm_s: float
+    """Context-parallel ring exchange left exposed after overlapping with attention."""
+    ep_comm_s: float
+    """Expert-parallel all-to-all (dispatch and combine)."""
+    fsdp_comm_s: float
+    """FSDP/ZeRO-3 parameter all-gather and gradient reduce-scatter left exposed."""
+    pp_bubble_s: float
+    """Pipeline bubble and pipeline send/receive waits: idle time of this rank inside the schedule."""
+    dp_comm_s: float
+    """Data-parallel gradient sync (and distributed-optimizer parameter all-gather) left exposed."""
+    optimizer_s: float
+    """Optimizer step."""
+
+    @property
+    def total_s(self) -> float:
+        """Sum of the components (equals the step time)."""
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def as_dict(self) -> dict[str, float]:
+        """Component name -> seconds."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    """Peak memory of one rank of the most loaded pipeline stage, in bytes."""
+
+    parameters: float
+    """Model weights held by the rank (compute precision), plus gathered FSDP layers."""
+    gradients: float
+    """Gradient buffers (fp32 main gradients under mixed precision)."""
+    optimizer_states: float
+    """fp32 master weights and Adam moments (sharded over DP with the distributed optimizer or FSDP)."""
+    activations: float
+    """Activations kept for backward by all in-flight micro-batches, plus the working set of the layer in flight."""
+    comm_buffers: float
+    """Communication buffers (DDP buckets, TP/SP gather buffers, logits)."""
+    stage: int
+    """The pipeline stage this breakdown is for."""
+
+    @property
+    def total(self) -> float:
+        """Peak bytes."""
+        return self.parameters + self.gradients + self.optimizer_states + self.activations + self.comm_buffers
+
+    @property
+    def total_gib(self) -> float:
+        """Peak GiB."""
+        return self.total / GIB
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """Predicted step time and memory of one plan."""
+
+    step_time_s: float
+    """Seconds per optimizer step."""
+    time: TimeBreakdown
+    """Step time by component, on the slowest pipeline rank."""
+    memory: MemoryBreakdown
+    """Peak memory by component, on the most loaded stage."""
+    bubble_fraction: float
+    """Idle share of the pipeline schedule (bubble / schedule length) on the slowest rank."""
+    tokens_per_s_per_gpu: float
+    """Trained tokens per second per GPU."""
+    model_tflops_per_gpu: float
+    """Model FLOPs (6N + attention, no recompute) per second per GPU, in TFLOP/s."""
+    num_microbatches: int
+    """Micro-batches per step on each data-parallel rank."""
+    fits: bool
+    """Whether the peak memory fits in the device memory (always true when the capacity is unknown)."""
+    events: tuple[Event, ...] = ()
+    """The simulated schedule (one list of timed events per pipeline rank, flattened), when it was built."""

@@ -1,0 +1,149 @@
+"""Pipeline schedules as timed events: 1F1B (PipeDream-Flush) and Megatron's interleaved 1F1B.
+
+Each pipeline rank gets the exact order of forward and backward passes Megatron-Core's schedules run (warm-up
+forwards, steady one-forward-one-backward, cool-down backwards; the interleaved schedule walks model chunks in groups
+of ``pp`` micro-batches). The passes are then timed as a dependency graph: a forward of global stage ``g`` waits for
+the forward of stage ``g-1`` plus the send/receive time, a backward waits for the backward of stage ``g+1`` plus the
+send/receive time, and every rank runs its passes one at a time in its order. The idle time left on a rank is its
+pipeline bubble.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cfp_megatron.errors import CfpError
+
+
+class ScheduleError(CfpError, RuntimeError):
+    """The schedule cannot be run (a dependency cycle): a bug in the order, never a user error."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Op:
+    """One timed pass in the schedule."""
+
+    rank: int
+    """Pipeline rank."""
+    forward: bool
+    """Forward (true) or backward pass."""
+    microbatch: int
+    """Micro-batch index."""
+    chunk: int
+    """Model chunk on this rank."""
+    start_s: float
+    """Start time."""
+    end_s: float
+    """End time."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleResult:
+    """Timing of one pipeline schedule."""
+
+    end_s: tuple[float, ...]
+    """Time each rank finishes its last pass."""
+    busy_s: tuple[float, ...]
+    """Time each rank spends in passes."""
+    ops: tuple[Op, ...]
+    """Every pass with its times (empty when the closed form was used)."""
+    simulated: bool
+    """Whether the schedule was run event by event (false: closed form)."""
+
+
+def rank_order(rank: int, pp: int, vpp: int, microbatches: int) -> list[tuple[bool, int, int]]:
+    """Megatron-Core's order of passes on one pipeline rank: ``(is_forward, microbatch, chunk)``."""
+    m = microbatches
+    if vpp == 1:
+        warm = min(pp - rank - 1, m)
+        order = [(True, i, 0) for i in range(warm)]
+        for i in range(m - warm):
+            order.append((True, warm + i, 0))
+            order.append((False, i, 0))
+        order.extend((False, i, 0) for i in range(m - warm, m))
+        return order
+    total = m * vpp
+    warm = total if m == pp else min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+
+    def fwd(k: int) -> tuple[bool, int, int]:
+        return True, (k // (pp * vpp)) * pp + k % pp, (k // pp) % vpp
+
+    def bwd(k: int) -> tuple[bool, int, int]:
+        return False, (k // (pp * vpp)) * pp + k % pp, vpp - 1 - (k // pp) % vpp
+
+    order = [fwd(k) for k in range(warm)]
+    for i in range(total - warm):
+        order.append(fwd(warm + i))
+        order.append(bwd(i))
+    order.extend(bwd(k) for k in range(total - warm, total))
+    return order
+
+
+def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2p_s: float, microbatches: int, *,
+                 keep_ops: bool = False, max_ops: int = 200_000) -> ScheduleResult:
+    """Time the schedule for per-rank, per-chunk pass durations ``forward_s[rank][chunk]`` (one micro-batch).
+
+    ``p2p_s`` is the send/receive time between consecutive stages. Schedules with more than ``max_ops`` passes
+    use the closed form ``(m - 1) x slowest rank + one micro-batch through every stage`` instead.
+    """
+    pp, vpp, m = len(forward_s), len(forward_s[0]), microbatches
+    n_ops = 2 * pp * vpp * m
+    busy = tuple(m * (sum(forward_s[r]) + sum(backward_s[r])) for r in range(pp))
+    if n_ops > max_ops and not keep_ops:
+        per_rank = [sum(forward_s[r]) + sum(backward_s[r]) for r in range(pp)]
+        slowest = max(per_rank)
+        # Steady state runs at the slowest rank's pace; filling and draining the pipeline adds every other rank's
+        # share of one micro-batch (1/vpp of it when interleaved) and the send/receive hops.
+        end = m * slowest + (sum(per_rank) - slowest) / vpp + 2 * (pp - 1) * p2p_s
+        return ScheduleResult(end_s=tuple(end for _ in range(pp)), busy_s=busy, ops=(), simulated=False)
+    stages = pp * vpp
+    fend = [[-1.0] * m for _ in range(stages)]
+    bend = [[-1.0] * m for _ in range(stages)]
+    orders = [rank_order(r, pp, vpp, m) for r in range(pp)]
+    ptr = [0] * pp
+    free = [0.0] * pp
+    ops: list[Op] = []
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r in range(pp):
+            order = orders[r]
+            i = ptr[r]
+            t = free[r]
+            fr, br = forward_s[r], backward_s[r]
+            while i < len(order):
+                is_fwd, mb, c = order[i]
+                g = c * pp + r
+                if is_fwd:
+                    if g == 0:
+                        ready = 0.0
+                    else:
+                        dep = fend[g - 1][mb]
+                        if dep < 0:
+                            break
+                        ready = dep + p2p_s
+                    start = t if t > ready else ready
+                    t = start + fr[c]
+                    fend[g][mb] = t
+                else:
+                    if g == stages - 1:
+                        ready = fend[g][mb]
+                    else:
+                        dep = bend[g + 1][mb]
+                        if dep < 0:
+                            break
+                        ready = dep + p2p_s
+                    start = t if t > ready else ready
+                    t = start + br[c]
+                    bend[g][mb] = t
+                if keep_ops:
+                    ops.append(Op(rank=r, forward=is_fwd, microbatch=mb, chunk=c, start_s=start, end_s=t))
+                i += 1
+            if i != ptr[r]:
+                remaining -= i - ptr[r]
+                ptr[r] = i
+                free[r] = t
+                progressed = True
+        if not progressed:
+            raise ScheduleError(f"pipeline schedule deadlocked (pp={pp}, vpp={vpp}, microbatches={m})")
+    return ScheduleResult(end_s=tuple(free), busy_s=busy, ops=tuple(ops), simulated=True)

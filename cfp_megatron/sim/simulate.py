@@ -1,0 +1,192 @@
+"""The simulator's entry point: :func:`simulate` predicts step time and peak memory of one plan.
+
+Step time = the pipeline schedule of per-stage, per-micro-batch passes (compute + exposed communication, see
+:mod:`cfp_megatron.sim.layer_cost`), timed event by event (:mod:`cfp_megatron.sim.schedule`), then the part of the
+data-parallel gradient sync that the last micro-batch's backward pass does not hide, then the optimizer step
+(memory-bound). The slowest pipeline rank sets the step time; its breakdown is reported.
+"""
+
+from __future__ import annotations
+
+from cfp_megatron.cluster.costs import CollectiveCosts
+from cfp_megatron.cluster.measured import Collective, Measurements
+from cfp_megatron.config import ClusterSpec, JobSpec
+from cfp_megatron.runtime.flops import training_flops_per_token
+from cfp_megatron.sim.calibration import Efficiency, efficiency_for
+from cfp_megatron.sim.kernels import KernelModel
+from cfp_megatron.sim.layer_cost import PassCost, embedding_cost, layer_cost, output_layer_cost
+from cfp_megatron.sim.layout import build_layout
+from cfp_megatron.sim.memory import stage_memory
+from cfp_megatron.sim.options import SimOptions
+from cfp_megatron.sim.prediction import GIB, Event, EventKind, Prediction, TimeBreakdown
+from cfp_megatron.sim.schedule import run_schedule
+
+_BUCKET_PARAMS = 40_000_000
+"""Megatron DDP's default gradient bucket size in parameters."""
+
+
+def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Measurements | None = None, *,
+             options: SimOptions | None = None, efficiency: Efficiency | None = None, world_size: int | None = None,
+             with_events: bool = False) -> Prediction:
+    """Predict the step time and peak memory of ``job`` on ``cluster`` (default: ``job.cluster``).
+
+    ``measurements`` (profiled collectives and GEMMs) win over the cluster's nominal figures; ``efficiency``
+    overrides the fitted efficiencies (for fitting); ``with_events`` keeps the timed schedule for timeline export.
+    Raises :class:`~cfp_megatron.errors.ConfigError` for a plan that cannot run.
+    """
+    cluster = cluster or job.cluster
+    if cluster is not job.cluster:
+        job = JobSpec(model=job.model, cluster=cluster, parallel=job.parallel, train=job.train, data=job.data)
+    options = options or SimOptions()
+    eff = efficiency or efficiency_for(cluster)
+    layout = build_layout(job, world_size)
+    d = layout.dims
+    costs = CollectiveCosts(cluster, measurements, intra_efficiency=eff.intra_node_comm,
+                            inter_efficiency=eff.inter_node_comm)
+    kernels = KernelModel(cluster, eff, job.train.precision, fp8=options.fp8, measurements=measurements)
+    m = job.model
+    dense = layer_cost(job, layout, kernels, costs, options, moe=False)
+    moe = layer_cost(job, layout, kernels, costs, options, moe=True) if m.is_moe else dense
+    first_dense = m.moe_first_dense_layers if m.is_moe else m.num_layers
+    if options.measured_layer_only:
+        emb = out = (PassCost(), PassCost())
+    else:
+        emb = embedding_cost(job, layout, kernels, costs)
+        out = output_layer_cost(job, layout, kernels, costs)
+
+    pp, vpp = d.pp, d.vpp
+    stages = pp * vpp
+    per_chunk = m.num_layers // stages
+    fwd: list[list[PassCost]] = []
+    bwd: list[list[PassCost]] = []
+    rec: list[list[PassCost]] = []
+    layer_params = [0.0] * pp
+    expert_params = [0.0] * pp
+    moe_layers = [0] * pp
+    for r in range(pp):
+        f_row, b_row, r_row = [], [], []
+        for c in range(vpp):
+            g = c * pp + r
+            lo = g * per_chunk
+            n_moe = max(0, min(lo + per_chunk, m.num_layers) - max(lo, first_dense))
+            n_dense = per_chunk - n_moe
+            f = dense.forward.scaled(n_dense).plus(moe.forward.scaled(n_moe))
+            b = dense.backward.scaled(n_dense).plus(moe.backward.scaled(n_moe))
+            x = dense.recompute.scaled(n_dense).plus(moe.recompute.scaled(n_moe))
+            layer_params[r] += n_dense * dense.params + n_moe * moe.params
+            expert_params[r] += n_moe * moe.expert_params
+            moe_layers[r] += n_moe
+            if g == 0:
+                f, b = f.plus(emb[0]), b.plus(emb[1])
+            if g == stages - 1:
+                f, b = f.plus(out[0]), b.plus(out[1])
+            f_row.append(f)
+            b_row.append(b)
+            r_row.append(x)
+        fwd.append(f_row)
+        bwd.append(b_row)
+        rec.append(r_row)
+    f_s = [[x.total_s for x in row] for row in fwd]
+    b_s = [[bwd[r][c].total_s + rec[r][c].total_s for c in range(vpp)] for r in range(pp)]
+    tokens = layout.micro_batch * layout.seq_length / d.cp
+    p2p_bytes = tokens * m.hidden_size * kernels.elem / d.tp
+    p2p = costs.seconds(Collective.send_recv, p2p_bytes, 2, 2 if layout.pp_intra_node else 1) if pp > 1 else 0.0
+    sched = run_schedule(f_s, b_s, p2p, d.num_microbatches, keep_ops=with_events, max_ops=options.max_schedule_ops)
+
+    # Data-parallel gradient sync and optimizer step, per pipeline rank.
+    dp_group = d.dp * d.cp
+    overlap = job.parallel.overlap_grad_reduce if options.overlap_grad_reduce is None else options.overlap_grad_reduce
+    dp_exposed, opt_s = [], []
+    for r in range(pp):
+        vocab = m.padded_vocab_size * m.hidden_size / d.tp
+        params = layer_params[r] + (vocab if r == 0 else 0.0) + (vocab if r == pp - 1 and pp > 1 else 0.0)
+        dense_p = params - expert_params[r]
+        if options.measured_layer_only:
+            dp_exposed.append(0.0)
+            opt_s.append(0.0)
+            continue
+        sync = gather = 0.0
+        if not options.fsdp:
+            if job.parallel.distributed_optimizer:
+                sync = (costs.seconds(Collective.reduce_scatter, dense_p * 4.0, dp_group, layout.dp_per_node)
+                        + costs.seconds(Collective.reduce_scatter, expert_params[r] * 4.0, d.expert_dp,
+                                        layout.edp_per_node))
+                gather = (costs.seconds(Collective.all_gather, dense_p * kernels.elem, dp_group, layout.dp_per_node)
+                          + costs.seconds(Collective.all_gather, expert_params[r] * kernels.elem, d.expert_dp,
+                                          layout.edp_per_node))
+            else:
+                sync = (costs.seconds(Collective.all_reduce, dense_p * 4.0, dp_group, layout.dp_per_node)
+                        + costs.seconds(Collective.all_reduce, expert_params[r] * 4.0, d.expert_dp,
+                                        layout.edp_per_node))
+        bucket_share = min(1.0, _BUCKET_PARAMS / max(params, 1.0))
+        if overlap:
+            window = sum(b_s[r])
+            sync = max(sync - window, sync * bucket_share)
+        if job.parallel.overlap_param_gather:
+            gather *= bucket_share
+        dp_exposed.append(sync + gather)
+        sharded = options.fsdp or job.parallel.distributed_optimizer
+        shard = (dense_p / dp_group + expert_params[r] / d.expert_dp) if sharded else params
+        opt_s.append(kernels.memory(shard * eff.optimizer_bytes_per_param))
+    finish = [sched.end_s[r] + dp_exposed[r] + opt_s[r] for r in range(pp)]
+    crit = max(range(pp), key=lambda r: finish[r])
+    step = finish[crit]
+
+    mb = d.num_microbatches
+    f_tot = PassCost()
+    b_tot = PassCost()
+    r_tot = PassCost()
+    for c in range(vpp):
+        f_tot, b_tot, r_tot = f_tot.plus(fwd[crit][c]), b_tot.plus(bwd[crit][c]), r_tot.plus(rec[crit][c])
+    busy = sched.busy_s[crit]
+    breakdown = TimeBreakdown(
+        forward_compute_s=mb * (f_tot.compute_s + f_tot.attention_core_s),
+        backward_compute_s=mb * (b_tot.compute_s + b_tot.attention_core_s),
+        recompute_s=mb * (r_tot.compute_s + r_tot.attention_core_s),
+        overhead_s=mb * (f_tot.overhead_s + b_tot.overhead_s + r_tot.overhead_s),
+        tp_comm_s=mb * (f_tot.tp_comm_s + b_tot.tp_comm_s + r_tot.tp_comm_s),
+        cp_comm_s=mb * (f_tot.cp_comm_s + b_tot.cp_comm_s + r_tot.cp_comm_s),
+        ep_comm_s=mb * (f_tot.ep_comm_s + b_tot.ep_comm_s + r_tot.ep_comm_s),
+        fsdp_comm_s=mb * (f_tot.fsdp_comm_s + b_tot.fsdp_comm_s + r_tot.fsdp_comm_s),
+        pp_bubble_s=max(0.0, sched.end_s[crit] - busy),
+        dp_comm_s=dp_exposed[crit], optimizer_s=opt_s[crit])
+
+    memories = [stage_memory(job, layout, options, rank=r, layer_params=layer_params[r],
+                             expert_params=expert_params[r], layers=m.num_layers // pp, moe_layers=moe_layers[r],
+                             first=r == 0 and not options.measured_layer_only,
+                             last=r == pp - 1 and not options.measured_layer_only) for r in range(pp)]
+    memory = max(memories, key=lambda x: x.total)
+    world = d.world_size
+    seqs = layout.micro_batch * mb * d.dp
+    tok_s = seqs * layout.seq_length / step / world
+    events = _events(sched, fwd, bwd, rec, dp_exposed, opt_s, finish, sched.end_s) if with_events else ()
+    return Prediction(step_time_s=step, time=breakdown, memory=memory,
+                      bubble_fraction=breakdown.pp_bubble_s / sched.end_s[crit] if sched.end_s[crit] else 0.0,
+                      tokens_per_s_per_gpu=tok_s,
+                      model_tflops_per_gpu=tok_s * training_flops_per_token(m, layout.seq_length) / 1e12,
+                      num_microbatches=mb,
+                      fits=cluster.hbm_gib is None or memory.total <= cluster.hbm_gib * GIB,
+                      events=events)
+
+
+def _events(sched, fwd, bwd, rec, dp_exposed, opt_s, finish, ends) -> tuple[Event, ...]:
+    """The schedule as events: each pass split into its compute and its exposed communication."""
+    out: list[Event] = []
+    for op in sched.ops:
+        if op.forward:
+            comm = fwd[op.rank][op.chunk].comm_s
+        else:
+            comm = bwd[op.rank][op.chunk].comm_s + rec[op.rank][op.chunk].comm_s
+        split = op.end_s - comm
+        kind = EventKind.forward if op.forward else EventKind.backward
+        out.append(Event(rank=op.rank, kind=kind, start_s=op.start_s, end_s=split, microbatch=op.microbatch,
+                         chunk=op.chunk))
+        if comm > 0:
+            out.append(Event(rank=op.rank, kind=EventKind.comm, start_s=split, end_s=op.end_s,
+                             microbatch=op.microbatch, chunk=op.chunk))
+    for r, end in enumerate(ends):
+        if dp_exposed[r] > 0:
+            out.append(Event(rank=r, kind=EventKind.dp_sync, start_s=end, end_s=end + dp_exposed[r]))
+        if opt_s[r] > 0:
+            out.append(Event(rank=r, kind=EventKind.optimizer, start_s=end + dp_exposed[r], end_s=finish[r]))
+    return tuple(out)

@@ -1,0 +1,184 @@
+"""The step-time and memory simulator: behaviour, not figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cfp_megatron.cluster.costs import CollectiveCosts, group_placement
+from cfp_megatron.cluster.measured import Collective, CollectiveFit, NothingMeasured, Span
+from cfp_megatron.config import job_from_config
+from cfp_megatron.errors import ConfigError
+from cfp_megatron.sim import SimOptions, simulate
+from cfp_megatron.sim.memory import in_flight
+from cfp_megatron.sim.timeline import chrome_trace, write_chrome_trace, write_png
+from cfp_megatron.validate import load_preset
+
+A100 = load_preset("dgx_a100")
+H100 = load_preset("dgx_h100")
+
+
+def job(nodes: int = 1, cluster: dict | None = None, model: dict | None = None, **parallel):
+    train = {"global_batch_size": parallel.pop("gbs", 32), "micro_batch_size": parallel.pop("mb", 1),
+             "seq_length": parallel.pop("seq", 2048), "precision": "bf16"}
+    base_model = {"name": "gpt_test", "num_layers": 16, "hidden_size": 4096, "num_attention_heads": 32,
+                  "vocab_size": 51200, "max_position_embeddings": 4096}
+    base_model.update(model or {})
+    return job_from_config({"model": base_model, "cluster": {**(cluster or A100), "nodes": nodes},
+                            "parallel": parallel, "train": train})
+
+
+def test_breakdown_adds_up_to_step_time() -> None:
+    pred = simulate(job(nodes=2, tp=2, pp=2, sp=True, distributed_optimizer=True, overlap_grad_reduce=True))
+    assert pred.time.total_s == pytest.approx(pred.step_time_s)
+    assert pred.step_time_s > 0 and pred.tokens_per_s_per_gpu > 0 and pred.model_tflops_per_gpu > 0
+    assert pred.time.tp_comm_s > 0 and pred.time.pp_bubble_s > 0
+
+
+def test_full_recompute_costs_an_extra_forward() -> None:
+    none = simulate(job(tp=8))
+    full = simulate(job(tp=8, recompute="full"))
+    sel = simulate(job(tp=8, recompute="selective"))
+    assert full.step_time_s > sel.step_time_s > none.step_time_s
+    # The recomputed work is the layers' forward (everything but the embedding and the logits).
+    assert 0.8 * none.time.forward_compute_s < full.time.recompute_s <= none.time.forward_compute_s
+    assert full.time.backward_compute_s == pytest.approx(none.time.backward_compute_s)
+
+
+def test_interleaving_shrinks_the_bubble() -> None:
+    plain = simulate(job(nodes=1, tp=1, pp=8, gbs=64))
+    inter = simulate(job(nodes=1, tp=1, pp=8, vpp=2, gbs=64))
+    assert inter.bubble_fraction < plain.bubble_fraction
+    assert inter.step_time_s < plain.step_time_s
+
+
+def test_more_microbatches_shrink_the_bubble() -> None:
+    small = simulate(job(nodes=1, pp=8, gbs=8))
+    large = simulate(job(nodes=1, pp=8, gbs=64))
+    assert large.bubble_fraction < small.bubble_fraction
+
+
+def test_memory_falls_with_tp_pp_and_distributed_optimizer() -> None:
+    base = simulate(job(nodes=1, gbs=64)).memory.total
+    assert simulate(job(nodes=1, tp=2, gbs=64)).memory.total < base
+    assert simulate(job(nodes=1, pp=2, gbs=64)).memory.total < base
+    dist = simulate(job(nodes=1, distributed_optimizer=True, gbs=64)).memory
+    assert dist.total < base
+    assert dist.optimizer_states == pytest.approx(simulate(job(nodes=1, gbs=64)).memory.optimizer_states / 8)
+
+
+def test_activation_memory_follows_recompute_and_sequence_parallel() -> None:
+    none = simulate(job(tp=8, mb=2, gbs=32), options=SimOptions(flash_attention=False)).memory.activations
+    sel = simulate(job(tp=8, mb=2, gbs=32, recompute="selective"),
+                   options=SimOptions(flash_attention=False)).memory.activations
+    full = simulate(job(tp=8, mb=2, gbs=32, recompute="full")).memory.activations
+    sp = simulate(job(tp=8, mb=2, gbs=32, sp=True, recompute="selective")).memory.activations
+    assert none > sel > sp > full
+
+
+def test_first_stage_holds_pp_microbatches() -> None:
+    assert in_flight(0, 4, 1, 16) == 4
+    assert in_flight(3, 4, 1, 16) == 1
+    assert in_flight(0, 4, 2, 16) > 4  # interleaving holds more chunk micro-batches on stage 0
+
+
+def test_fsdp_shards_model_states() -> None:
+    ddp = simulate(job(nodes=1, gbs=64)).memory
+    fsdp = simulate(job(nodes=1, gbs=64), options=SimOptions(fsdp=True)).memory
+    assert fsdp.parameters < ddp.parameters / 4 and fsdp.optimizer_states < ddp.optimizer_states / 4
+
+
+def test_fp8_is_faster_on_hopper_and_refused_without_fp8_peak() -> None:
+    bf16 = simulate(job(cluster=H100, tp=1, gbs=64))
+    fp8 = simulate(job(cluster=H100, tp=1, gbs=64), options=SimOptions(fp8=True))
+    assert fp8.step_time_s < bf16.step_time_s
+    with pytest.raises(ConfigError):
+        simulate(job(gbs=64), options=SimOptions(fp8=True))
+
+
+def test_moe_expert_parallel_and_context_parallel() -> None:
+    moe = {"num_experts": 8, "moe_router_topk": 2, "activation": "swiglu", "moe_ffn_hidden_size": 2048}
+    pred = simulate(job(cluster=H100, model=moe, ep=8, gbs=64))
+    assert pred.time.ep_comm_s > 0
+    cp = simulate(job(cluster=H100, cp=2, seq=8192, gbs=16, model={"max_position_embeddings": 8192}))
+    assert cp.step_time_s > 0 and cp.memory.activations > 0
+
+
+def test_invalid_plan_raises_config_error() -> None:
+    with pytest.raises(ConfigError):
+        simulate(job(tp=3))
+    with pytest.raises(ConfigError):
+        simulate(job(gbs=12))
+
+
+def test_measured_collective_wins_over_the_model() -> None:
+    class Slow(NothingMeasured):
+        def collective(self, op, group_size, span):
+            return CollectiveFit(op=op, group_size=group_size, span=span, latency_s=1e-3,
+                                 bandwidth_bytes_per_s=1e9)
+
+    fast = simulate(job(tp=8))
+    slow = simulate(job(tp=8), measurements=Slow())
+    assert slow.time.tp_comm_s > 5 * fast.time.tp_comm_s
+    assert fast.step_time_s == pytest.approx(simulate(job(tp=8), measurements=NothingMeasured()).step_time_s)
+
+
+def test_collective_costs() -> None:
+    from cfp_megatron.config import ClusterSpec
+
+    cluster = ClusterSpec(**{**A100, "nodes": 4})
+    costs = CollectiveCosts(cluster, intra_efficiency=0.8, inter_efficiency=0.8)
+    mb = 256e6
+    intra = costs.seconds(Collective.all_reduce, mb, 8)
+    across = costs.seconds(Collective.all_reduce, mb, 32)
+    spread = costs.seconds(Collective.all_reduce, mb, 4, ranks_per_node=1)
+    assert 0 < intra < across and intra < spread
+    assert costs.seconds(Collective.all_gather, mb, 8) == pytest.approx(
+        costs.seconds(Collective.reduce_scatter, mb, 8))
+    assert costs.seconds(Collective.all_reduce, mb, 1) == 0.0
+    assert group_placement(8, 1, 8) == (8, 1)
+    assert group_placement(4, 8, 8) == (1, 4)
+    assert group_placement(8, 2, 8) == (4, 2)
+    fit = CollectiveFit(op=Collective.all_gather, group_size=8, span=Span.intra_node, latency_s=0.0,
+                        bandwidth_bytes_per_s=1e10)
+
+    class One(NothingMeasured):
+        def collective(self, op, group_size, span):
+            return fit if (op, group_size, span) == (fit.op, fit.group_size, fit.span) else None
+
+    measured = CollectiveCosts(cluster, One())
+    assert measured.seconds(Collective.all_gather, mb, 8) == pytest.approx(mb / 1e10)
+    with pytest.raises(ConfigError):
+        CollectiveCosts(cluster, intra_efficiency=0.0)
+
+
+def test_timeline_exports(tmp_path) -> None:
+    pred = simulate(job(nodes=1, pp=4, vpp=2, gbs=8, tp=2), with_events=True)
+    trace = chrome_trace(pred)
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in slices} == {0, 1, 2, 3}
+    assert {e["cat"] for e in slices} == {"compute", "comm"}
+    assert sum(1 for e in slices if e["name"].startswith("F")) == 4 * 2 * pred.num_microbatches
+    path = write_chrome_trace(pred, tmp_path / "trace.json")
+    assert json.loads(path.read_text())["traceEvents"]
+    png = write_png(pred, tmp_path / "timeline.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ConfigError):
+        chrome_trace(simulate(job(nodes=1, pp=4, gbs=8)))
+
+
+def test_measured_gemm_table_wins_over_the_preset() -> None:
+    class SlowGemms(NothingMeasured):
+        def gemm_tflops(self, m, n, k, dtype):
+            return 10.0
+
+    preset = simulate(job(tp=8))
+    measured = simulate(job(tp=8), measurements=SlowGemms())
+    assert measured.time.forward_compute_s > 5 * preset.time.forward_compute_s
+
+
+def test_layer_only_measurement_has_no_step_costs() -> None:
+    pred = simulate(job(tp=8, mb=4, gbs=4), options=SimOptions(measured_layer_only=True))
+    assert pred.time.optimizer_s == 0 and pred.time.dp_comm_s == 0
+    assert pred.step_time_s < simulate(job(tp=8, mb=4, gbs=4)).step_time_s

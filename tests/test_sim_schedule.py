@@ -1,0 +1,59 @@
+"""Pipeline schedules: order, bubbles, closed form."""
+
+from __future__ import annotations
+
+import pytest
+
+from cfp_megatron.sim.schedule import rank_order, run_schedule
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (8, 8), (4, 1), (3, 7)])
+def test_1f1b_bubble_matches_formula(pp: int, m: int) -> None:
+    f, b = 1.0, 2.0
+    res = run_schedule([[f]] * pp, [[b]] * pp, 0.0, m)
+    assert res.simulated
+    end = max(res.end_s)
+    assert end == pytest.approx((m + pp - 1) * (f + b))
+    bubble = (end - res.busy_s[0]) / end
+    assert bubble == pytest.approx((pp - 1) / (m + pp - 1))
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(2, 2, 4), (4, 2, 8), (4, 3, 8), (4, 2, 4)])
+def test_interleaved_bubble_is_smaller(pp: int, vpp: int, m: int) -> None:
+    f, b = 1.0, 2.0
+    plain = max(run_schedule([[f]] * pp, [[b]] * pp, 0.0, m).end_s)
+    inter = run_schedule([[f / vpp] * vpp] * pp, [[b / vpp] * vpp] * pp, 0.0, m)
+    end = max(inter.end_s)
+    assert end < plain
+    # Megatron's interleaved bubble: (p - 1) / vpp micro-batch times.
+    assert end == pytest.approx((m + (pp - 1) / vpp) * (f + b))
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(4, 1, 8), (4, 2, 8), (3, 1, 5), (2, 3, 4)])
+def test_every_pass_runs_once_in_dependency_order(pp: int, vpp: int, m: int) -> None:
+    res = run_schedule([[1.0] * vpp] * pp, [[2.0] * vpp] * pp, 0.1, m, keep_ops=True)
+    assert len(res.ops) == 2 * pp * vpp * m
+    fend = {(op.chunk * pp + op.rank, op.microbatch): op.end_s for op in res.ops if op.forward}
+    for op in res.ops:
+        g = op.chunk * pp + op.rank
+        if op.forward and g > 0:
+            assert op.start_s >= fend[(g - 1, op.microbatch)] + 0.1 - 1e-9
+    for r in range(pp):
+        mine = sorted((op for op in res.ops if op.rank == r), key=lambda o: o.start_s)
+        assert all(a.end_s <= b.start_s + 1e-9 for a, b in zip(mine, mine[1:], strict=False))
+        assert len(rank_order(r, pp, vpp, m)) == 2 * vpp * m
+
+
+def test_p2p_lengthens_fill_and_drain() -> None:
+    base = max(run_schedule([[1.0]] * 4, [[2.0]] * 4, 0.0, 8).end_s)
+    slow = max(run_schedule([[1.0]] * 4, [[2.0]] * 4, 0.5, 8).end_s)
+    assert slow >= base + 2 * 3 * 0.5 - 1e-9
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(4, 1, 16), (8, 1, 32), (4, 2, 16)])
+def test_closed_form_matches_simulation_for_equal_stages(pp: int, vpp: int, m: int) -> None:
+    f, b = [[0.3] * vpp] * pp, [[0.7] * vpp] * pp
+    sim = max(run_schedule(f, b, 0.0, m).end_s)
+    closed = run_schedule(f, b, 0.0, m, max_ops=1)
+    assert not closed.simulated
+    assert max(closed.end_s) == pytest.approx(sim)

@@ -1,0 +1,72 @@
+"""``python -m cfp_megatron.validate`` against published runs."""
+
+from __future__ import annotations
+
+import csv
+import re
+from pathlib import Path
+
+import pytest
+
+from cfp_megatron.validate import main, predict_rows, read_rows, row_plan
+
+CSV = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "published_runs.csv"
+needs_csv = pytest.mark.skipif(not CSV.exists(), reason="shared/data/published_runs.csv is not here")
+
+
+def _final(out: str) -> tuple[float, int]:
+    last = out.strip().splitlines()[-1]
+    match = re.fullmatch(r"MAPE (\d+(?:\.\d+)?)% over (\d+) rows", last)
+    assert match, last
+    return float(match.group(1)), int(match.group(2))
+
+
+@needs_csv
+def test_cli_meets_the_accuracy_target_on_the_shipped_file(capsys) -> None:
+    assert main([str(CSV)]) == 0
+    out = capsys.readouterr().out
+    value, rows = _final(out)
+    assert rows >= 50
+    assert value <= 5.0
+    assert "not modelled" in out and "no measured step time" in out
+
+
+@needs_csv
+def test_korthikanti_table5_end_to_end_within_3_percent() -> None:
+    rows = [r for r in read_rows(CSV) if "Table 5" in r["source_detail"] and "present work" in r["source_detail"]]
+    assert len(rows) == 4
+    results, skipped = predict_rows(rows)
+    assert not skipped
+    mape = sum(abs(r.error_pct) for r in results) / len(results)
+    assert mape <= 3.0
+
+
+def test_unmodellable_rows_are_listed_with_a_reason(tmp_path, capsys) -> None:
+    fields = ["id", "source", "model", "layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "seq_len",
+              "gpu", "num_gpus", "tp", "pp", "dp", "micro_batch", "global_batch_seqs", "recompute", "precision",
+              "step_time_s", "derived_step_time_s"]
+    good = {"id": "1", "source": "x", "model": "GPT small", "layers": "24", "hidden": "2048", "ffn_hidden": "8192",
+            "heads": "16", "vocab": "51200", "seq_len": "2048", "gpu": "H100-SXM5-80GB", "num_gpus": "8", "tp": "1",
+            "pp": "1", "dp": "8", "micro_batch": "2", "global_batch_seqs": "256", "precision": "bf16",
+            "step_time_s": "1.0"}
+    rows = [good, {**good, "id": "2", "gpu": "MI300X"}, {**good, "id": "3", "step_time_s": ""},
+            {**good, "id": "4", "tp": "3"}]
+    path = tmp_path / "runs.csv"
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert _final(out)[1] == 1
+    assert "MI300X" in out and "no measured step time" in out and "does not multiply out" in out
+
+
+def test_row_defaults_are_documented_choices() -> None:
+    row = {"id": "9", "model": "m", "layers": "4", "hidden": "1024", "heads": "16", "seq_len": "1024",
+           "gpu": "A100-80GB", "num_gpus": "16", "tp": "2", "pp": "2", "global_batch_seqs": "64",
+           "derived_step_time_s": "2.0", "precision": "FP8", "zero_or_fsdp": "FSDP FULL_SHARD"}
+    plan = row_plan(row)
+    assert plan.job.model.vocab_size == 51200 and plan.job.model.ffn_size == 4096
+    assert plan.job.cluster.nodes == 2 and plan.options.fsdp and plan.options.fp8
+    assert plan.measured_s == 2.0
