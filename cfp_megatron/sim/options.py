@@ -27,6 +27,9 @@ class SimOptions:
     measured_layer_only: bool = False
     """Time one forward and backward pass of the layers alone (no embedding, logits, optimizer or DP sync): for
     layer-level measurements."""
+    use_measured_segments: bool = True
+    """Where the measurements hold profiled segment times for the plan's partition (CFP), use them for the layers,
+    embedding and head instead of the analytical cost (:mod:`cfp_megatron.sim.measured_segments`)."""
     max_schedule_ops: int = 200_000
     """Largest pipeline schedule (ranks x micro-batches x chunks x 2) simulated event by event; larger ones use
     the closed form of the same schedule (exact for equal stages)."""

@@ -16,6 +16,7 @@ from cfp_megatron.sim.calibration import Efficiency, efficiency_for
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layer_cost import PassCost, embedding_cost, layer_cost, output_layer_cost
 from cfp_megatron.sim.layout import build_layout
+from cfp_megatron.sim.measured_segments import apply_measured
 from cfp_megatron.sim.memory import stage_memory
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.prediction import GIB, Event, EventKind, Prediction, TimeBreakdown
@@ -53,6 +54,10 @@ def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Mea
     else:
         emb = embedding_cost(job, layout, kernels, costs)
         out = output_layer_cost(job, layout, kernels, costs)
+    if options.use_measured_segments:
+        dense, moe, emb_m, out_m, _ = apply_measured(job, measurements, layout.micro_batch, dense, moe, emb, out)
+        if not options.measured_layer_only:
+            emb, out = emb_m, out_m
 
     pp, vpp = d.pp, d.vpp
     stages = pp * vpp

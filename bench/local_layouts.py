@@ -1,0 +1,184 @@
+"""Every feasible (DP, TP, PP, micro-batch) layout of a small model on this machine: measured vs simulated.
+
+Run: ``python bench/local_layouts.py [--nproc 4] [--model gpt_tiny] [--steps 8] [--gbs 16] [--seq 64]``.
+
+1. Profiles the machine once (``torchrun -m cfp_megatron.profile``; reused from the ProfileDB when present).
+2. Trains every feasible layout of ``--model`` on ``--nproc`` gloo ranks with ``launch/train.py`` for ``--steps``
+   steps; the measured step time is the median of the steps after the first two (warm-up), the measured memory the
+   largest per-rank peak of ``train.memory_step=2``.
+3. Predicts each with :func:`cfp_megatron.sim.simulate` on the ``local`` cluster filled from the ProfileDB.
+
+Prints one line per layout, then the step-time MAPE, the Spearman rank correlation between measured and predicted
+step times, and the memory MAPE. Targets (issue C): MAPE 10% or less, Spearman 0.9 or more, memory within 10%.
+Asserts nothing; figures on a loaded machine are noisy, so run it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """One layout to run."""
+
+    tp: int
+    """Tensor-parallel size."""
+    pp: int
+    """Pipeline-parallel size."""
+    dp: int
+    """Data-parallel size."""
+    micro_batch: int
+    """Sequences per micro-batch."""
+
+    def overrides(self) -> list[str]:
+        """Hydra overrides for this layout."""
+        return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"train.micro_batch_size={self.micro_batch}"]
+
+    def __str__(self) -> str:
+        return f"dp{self.dp} tp{self.tp} pp{self.pp} mb{self.micro_batch}"
+
+
+def feasible_layouts(model: str, nproc: int, common: list[str]) -> list[Layout]:
+    """Layouts the project's own validation accepts (heads, layers, batch divisibility), in a stable order."""
+    from hydra import compose, initialize_config_dir
+
+    from cfp_megatron.config import job_from_config, register_configs
+    from cfp_megatron.errors import ConfigError
+    from cfp_megatron.parallel_dims import ParallelDims
+
+    register_configs()
+    found = []
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        for tp in (1, 2, 4, 8):
+            for pp in (1, 2, 4, 8):
+                if nproc % (tp * pp):
+                    continue
+                for mb in (1, 2, 4, 8):
+                    layout = Layout(tp=tp, pp=pp, dp=nproc // (tp * pp), micro_batch=mb)
+                    cfg = compose(config_name="config", overrides=[f"model={model}", *common, *layout.overrides()])
+                    try:
+                        ParallelDims.build(job_from_config(cfg), nproc)
+                    except ConfigError:
+                        continue
+                    found.append(layout)
+    return found
+
+
+def _torchrun(nproc: int, args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+def measure(layout: Layout, nproc: int, model: str, common: list[str], steps: int, env: dict[str, str],
+            work: Path) -> tuple[float, int]:
+    """Median step time (s) after warm-up and the largest per-rank tensor peak (bytes)."""
+    run = work / str(layout).replace(" ", "_")
+    run.mkdir(parents=True, exist_ok=True)
+    metrics = run / "metrics.jsonl"
+    args = [str(ROOT / "launch" / "train.py"), f"model={model}", *common, *layout.overrides(),
+            f"train.steps={steps}", "train.memory_step=2", f"train.metrics_file={metrics}",
+            f"hydra.run.dir={run / 'hydra'}"]
+    proc = _torchrun(nproc, args, run, env)
+    if proc.returncode != 0:
+        raise SystemExit(f"{layout}: training failed\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    times = [r["step_time_s"] for r in records if r.get("event") == "step" and r["step"] > 2]
+    memory = next(r for r in records if r.get("event") == "memory")
+    return statistics.median(times), int(memory["peak_bytes_max"])
+
+
+def predict(layout: Layout, nproc: int, model: str, common: list[str]) -> tuple[float, float]:
+    """Simulated step time (s) and peak memory (bytes) on the profiled local cluster."""
+    from hydra import compose, initialize_config_dir
+
+    from cfp_megatron.config import job_from_config, register_configs
+    from cfp_megatron.profile.cluster import measured_cluster
+    from cfp_megatron.profile.db import load_db
+    from cfp_megatron.profile.fingerprint import current_fingerprint
+    from cfp_megatron.profile.segments import model_key
+    from cfp_megatron.runtime.distributed import resolve_backend
+    from cfp_megatron.sim.simulate import simulate
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=[f"model={model}", *common, *layout.overrides()])
+    job = job_from_config(cfg)
+    fp = current_fingerprint(world_size=nproc, nodes=job.cluster.nodes, backend=resolve_backend(job.cluster.backend))
+    db = load_db(fp)
+    if db is None:
+        raise SystemExit("no ProfileDB for this machine and world size: the profiling step failed")
+    db = db.for_model(model_key(job, on_gpu=False))
+    cluster = measured_cluster(job.cluster, db, gpus_per_node=nproc)
+    prediction = simulate(job, cluster, db, world_size=nproc)
+    return prediction.step_time_s, prediction.memory.total
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (Pearson correlation of the ranks; ties get their average rank)."""
+    def ranks(x: list[float]) -> np.ndarray:
+        values = np.asarray(x, dtype=float)
+        order = values.argsort(kind="stable")
+        out = np.empty(len(values))
+        out[order] = np.arange(len(values), dtype=float)
+        for v in np.unique(values):
+            same = values == v
+            out[same] = out[same].mean()
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--model", default="gpt_tiny")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--gbs", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--budget", type=int, default=60, help="profiling budget in seconds")
+    args = parser.parse_args()
+    common = [f"train.global_batch_size={args.gbs}", f"train.seq_length={args.seq}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        profile = _torchrun(args.nproc, ["-m", "cfp_megatron.profile", f"model={args.model}", *common,
+                                         "--budget", str(args.budget)], work, env)
+        print(profile.stdout[-3000:])
+        if profile.returncode != 0:
+            raise SystemExit(f"profiling failed\n{profile.stderr[-4000:]}")
+        layouts = feasible_layouts(args.model, args.nproc, common)
+        print(f"{len(layouts)} feasible layouts of {args.model} on {args.nproc} ranks")
+        print(f"{'layout':<22} {'measured ms':>12} {'predicted ms':>13} {'error':>7} {'mem MiB':>8} "
+              f"{'pred MiB':>9} {'error':>7}")
+        measured, predicted, mem_measured, mem_predicted = [], [], [], []
+        for layout in layouts:
+            t, mem = measure(layout, args.nproc, args.model, common, args.steps, env, work)
+            pt, pmem = predict(layout, args.nproc, args.model, common)
+            measured.append(t)
+            predicted.append(pt)
+            mem_measured.append(mem)
+            mem_predicted.append(pmem)
+            print(f"{str(layout):<22} {t * 1e3:12.1f} {pt * 1e3:13.1f} {(pt - t) / t * 100:6.1f}% "
+                  f"{mem / 2**20:8.2f} {pmem / 2**20:9.2f} {(pmem - mem) / mem * 100:6.1f}%", flush=True)
+    mape = 100 * statistics.fmean(abs(p - m) / m for p, m in zip(predicted, measured, strict=True))
+    mem_mape = 100 * statistics.fmean(abs(p - m) / m for p, m in zip(mem_predicted, mem_measured, strict=True))
+    print(f"step time: MAPE {mape:.1f}% over {len(measured)} layouts, Spearman {spearman(measured, predicted):.3f}")
+    print(f"memory: MAPE {mem_mape:.1f}% over {len(measured)} layouts")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Per-layer pass times from profiled segments (CFP): where profiling timed a segment class under the plan's
+partition, its measured forward and backward seconds replace the analytical layer cost.
+
+A segment is timed as the real Megatron module (embedding, decoder layer of each kind, head) on the live
+tensor-parallel group, so the time includes its kernels, its TP/SP collectives and the framework's own per-layer
+overhead, which no FLOP count sees (it dominates small models and CPUs). Profiling times a few micro-batch sizes;
+other sizes are interpolated linearly between the two nearest measured sizes (extrapolated from the two largest or
+smallest), since a pass is a fixed cost plus a part proportional to the tokens.
+"""
+
+from __future__ import annotations
+
+from cfp_megatron.cluster.measured import Measurements
+from cfp_megatron.config import JobSpec
+from cfp_megatron.sim.layer_cost import LayerCost, PassCost
+
+KINDS = ("embedding", "dense", "moe", "head")
+"""Segment kinds profiling times (:mod:`cfp_megatron.profile.segments`)."""
+
+_PROBE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+"""Micro-batch sizes looked up when interpolating."""
+
+
+def partition_name(tp: int, sequence_parallel: bool) -> str:
+    """The canonical partition string profiling stores: ``tp<N>``, ``tp<N>-sp`` with sequence parallelism."""
+    return f"tp{tp}-sp" if sequence_parallel and tp > 1 else f"tp{tp}"
+
+
+def _points(measurements: Measurements, kind: str, partition: str) -> list[tuple[int, float, float]]:
+    found = []
+    for mb in _PROBE_SIZES:
+        hit = measurements.segment_seconds(kind, partition, mb)
+        if hit is not None:
+            found.append((mb, hit[0], hit[1]))
+    return found
+
+
+def measured_pass(measurements: Measurements, kind: str, partition: str,
+                  micro_batch: int) -> tuple[float, float] | None:
+    """(forward, backward) seconds of ``kind`` under ``partition`` at ``micro_batch``, measured or interpolated;
+    ``None`` when nothing was measured for that kind and partition."""
+    exact = measurements.segment_seconds(kind, partition, micro_batch)
+    if exact is not None:
+        return exact
+    points = _points(measurements, kind, partition)
+    if not points:
+        return None
+    if len(points) == 1:  # one size: scale the whole pass with the tokens
+        mb, f, b = points[0]
+        return f * micro_batch / mb, b * micro_batch / mb
+    below = [p for p in points if p[0] <= micro_batch]
+    above = [p for p in points if p[0] >= micro_batch]
+    if below and above:
+        lo, hi = below[-1], above[0]
+    elif above:
+        lo, hi = points[0], points[1]
+    else:
+        lo, hi = points[-2], points[-1]
+    share = (micro_batch - lo[0]) / (hi[0] - lo[0])
+    forward = lo[1] + share * (hi[1] - lo[1])
+    backward = lo[2] + share * (hi[2] - lo[2])
+    return max(forward, 0.0), max(backward, 0.0)
+
+
+def _as_pass(seconds: float) -> PassCost:
+    return PassCost(compute_s=seconds)
+
+
+def apply_measured(job: JobSpec, measurements: Measurements | None, micro_batch: int, dense: LayerCost,
+                   moe: LayerCost, emb: tuple[PassCost, PassCost], out: tuple[PassCost, PassCost]
+                   ) -> tuple[LayerCost, LayerCost, tuple[PassCost, PassCost], tuple[PassCost, PassCost], bool]:
+    """The layer costs with measured segments in place of the analytical ones where profiling has them.
+
+    Returns ``(dense, moe, embedding, head, used)``; ``used`` says whether any measurement was applied. The
+    recomputation cost keeps the analytical model's share of the forward pass (full recompute: the whole forward).
+    """
+    if measurements is None:
+        return dense, moe, emb, out, False
+    partition = partition_name(job.parallel.tp, job.parallel.sp)
+    used = False
+
+    def layer(kind: str, cost: LayerCost) -> LayerCost:
+        nonlocal used
+        hit = measured_pass(measurements, kind, partition, micro_batch)
+        if hit is None:
+            return cost
+        used = True
+        share = cost.recompute.total_s / cost.forward.total_s if cost.forward.total_s > 0 else 0.0
+        return LayerCost(forward=_as_pass(hit[0]), backward=_as_pass(hit[1]), recompute=_as_pass(share * hit[0]),
+                         params=cost.params, expert_params=cost.expert_params)
+
+    def ends(kind: str, cost: tuple[PassCost, PassCost]) -> tuple[PassCost, PassCost]:
+        nonlocal used
+        hit = measured_pass(measurements, kind, partition, micro_batch)
+        if hit is None:
+            return cost
+        used = True
+        return _as_pass(hit[0]), _as_pass(hit[1])
+
+    new_dense = layer("dense", dense)
+    new_moe = layer("moe", moe) if job.model.is_moe else new_dense
+    return new_dense, new_moe, ends("embedding", emb), ends("head", out), used
