@@ -149,7 +149,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--gbs", type=int, default=16)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--budget", type=int, default=60, help="profiling budget in seconds")
+    parser.add_argument("--budget", type=int, default=120, help="profiling budget in seconds (five rounds)")
     args = parser.parse_args()
     common = [f"train.global_batch_size={args.gbs}", f"train.seq_length={args.seq}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}

@@ -47,6 +47,8 @@ def test_profile_fills_the_db_and_a_second_run_reuses_it(tmp_path) -> None:
     kinds = {s["kind"] for s in db["segments"]}
     assert {"embedding", "dense", "head"} <= kinds, kinds
     assert all(s["forward_s"] > 0 and s["backward_s"] > 0 for s in db["segments"])
+    dense_memory = [s["activation_bytes"] for s in db["segments"] if s["kind"] == "dense"]
+    assert dense_memory and all(b is not None and b > 0 for b in dense_memory), dense_memory  # measured with times
     assert {s["partition"] for s in db["segments"]} <= {"tp1", "tp2"}
     assert "ProfileDB:" in out and "Collectives" in out
 

@@ -79,6 +79,89 @@ class CollectiveFit:
         return self.bandwidth_bytes_per_s * ring_factor(self.op, self.group_size)
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepOverheads:
+    """A training step as the runtime runs it, beyond the isolated segment times, under one partition at one
+    micro-batch size: measured on probe models trained with the runtime's own step
+    (:mod:`cfp_megatron.profile.overheads`)."""
+
+    partition: str
+    """Canonical partition string (``tp<N>``, ``tp<N>-sp``) the probes ran under."""
+    micro_batch: int
+    """Sequences per micro-batch."""
+    layer_s: float
+    """Forward plus backward seconds of one decoder layer per micro-batch inside the real schedule (the probes'
+    difference in one layer): with Megatron DDP's gradient hooks and the TP collectives as they run in training."""
+    per_microbatch_s: float
+    """Seconds per micro-batch beyond the layers, the embedding and the head: the forward-step function, the loss
+    function, the schedule's bookkeeping (one stage doing every part); never below zero."""
+    step_base_s: float
+    """Seconds per step outside the schedule that do not grow with the parameters: the grad-norm all-reduce over the
+    probe's model-parallel group (``tp`` ranks), the loss all-reduce over the world, zeroing, the LR schedule."""
+    step_per_param_s: float
+    """Seconds per step outside the schedule per parameter on the rank (optimizer update, grad copy and norm)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SegmentMemory:
+    """Tensor memory of one segment class's forward and backward pass for one micro-batch, counted as PyTorch's
+    ``MemTracker`` counts a training step's memory (measured by the profiling segments round)."""
+
+    activation_bytes: float
+    """Bytes one forward pass leaves alive for its backward (saved tensors, masks, its output), per micro-batch."""
+    transient_bytes: float
+    """How far the live bytes rise above that during the forward or the backward pass (transients, the input
+    gradient)."""
+    workspace_bytes: float = 0.0
+    """Persistent buffers the segment's first pass allocates and every later pass reuses (Megatron's global memory
+    buffer for the unfused attention scores), counted once per rank."""
+
+
+def interpolate_rows(points: list[tuple[float, tuple[float, ...]]], x: float, *,
+                     proportional: bool = True) -> tuple[float, ...]:
+    """Values at ``x`` from measured rows ``(x_i, values_i)`` (sorted by ``x_i``), each value linear in ``x``:
+    between the two nearest measured ``x_i``, extrapolated from the two smallest or largest, never below zero.
+    A single row scales its values with ``x`` (``proportional``: a pass proportional to the tokens) or stands for
+    every ``x``."""
+    if not points:
+        raise ValueError("interpolate_rows needs at least one measured row")
+    for xi, values in points:
+        if xi == x:
+            return values
+    if len(points) == 1:
+        xi, values = points[0]
+        return tuple(v * x / xi for v in values) if proportional else values
+    below = [p for p in points if p[0] <= x]
+    above = [p for p in points if p[0] >= x]
+    if below and above:
+        lo, hi = below[-1], above[0]
+    elif above:
+        lo, hi = points[0], points[1]
+    else:
+        lo, hi = points[-2], points[-1]
+    share = (x - lo[0]) / (hi[0] - lo[0])
+    return tuple(max(a + share * (b - a), 0.0) for a, b in zip(lo[1], hi[1], strict=True))
+
+
+def least_squares_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """``(intercept, slope)`` of the least-squares line through ``(x, y)`` points, both kept at zero or above (a
+    pass is a fixed cost plus a part that grows with the work): a falling fit becomes flat at the mean, a negative
+    intercept a line through the origin. One point (or one ``x``) gives a flat line at the mean."""
+    if not points:
+        return 0.0, 0.0
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    den = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / den if den > 0 else 0.0
+    if slope <= 0:
+        return my, 0.0
+    intercept = my - slope * mx
+    if intercept < 0:
+        return 0.0, max(sum(x * y for x, y in points) / sum(x * x for x, _ in points), 0.0)
+    return intercept, slope
+
+
 class Measurements(Protocol):
     """Read-only view of what profiling measured; every answer may be ``None`` (not measured)."""
 
@@ -100,6 +183,21 @@ class Measurements(Protocol):
         under one candidate partition (its canonical string) at micro-batch size ``micro_batch``."""
         ...
 
+    def step_overheads(self, partition: str, micro_batch: int) -> StepOverheads | None:
+        """A training step beyond the isolated segments under ``partition`` at ``micro_batch`` (``None`` if not
+        measured)."""
+        ...
+
+    def busy_slowdown(self) -> float | None:
+        """How much slower a pass runs with every rank of a node busy, as profiling timed it, than alone: ranks per
+        node over cores where the ranks share fewer cores (CPU); ``None`` where each rank has its own device."""
+        ...
+
+    def segment_memory(self, segment: str, partition: str, micro_batch: int) -> SegmentMemory | None:
+        """Measured tensor memory of one segment class (as :meth:`segment_seconds`) under ``partition`` at
+        ``micro_batch`` (median over ranks and repeats)."""
+        ...
+
 
 class NothingMeasured:
     """:class:`Measurements` for a preset cluster: nothing was measured."""
@@ -114,4 +212,13 @@ class NothingMeasured:
         return None
 
     def segment_seconds(self, segment: str, partition: str, micro_batch: int) -> tuple[float, float] | None:
+        return None
+
+    def step_overheads(self, partition: str, micro_batch: int) -> StepOverheads | None:
+        return None
+
+    def segment_memory(self, segment: str, partition: str, micro_batch: int) -> SegmentMemory | None:
+        return None
+
+    def busy_slowdown(self) -> float | None:
         return None

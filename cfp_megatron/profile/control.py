@@ -24,8 +24,8 @@ from cfp_megatron.profile.records import RoundRecord, RoundStatus
 FAULT_ENV = "CFP_PROFILE_FAULT"
 """Test hook, comma-separated entries: ``<round>:fail[:<rank>]`` makes that round's first step raise on one rank
 (default: the last); ``<round>:slow`` makes its first step outlast the round's deadline on every rank."""
-SLOTS = 4
-"""Length of the sync tensor: stop, failed, and up to two measured values."""
+SLOTS = 5
+"""Length of the sync tensor: stop, failed, and up to three measured values."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +35,7 @@ class Step:
     label: str
     """What it measures, for progress lines and failure reasons."""
     run: Callable[[], Sequence[float]]
-    """Does the work; returns up to two figures (e.g. seconds) to reduce by maximum over ranks."""
+    """Does the work; returns up to three figures (e.g. seconds) to reduce by maximum over ranks."""
 
 
 @dataclass(frozen=True, kw_only=True)

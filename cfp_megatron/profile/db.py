@@ -17,13 +17,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cfp_megatron.cluster.measured import Collective, CollectiveFit, Span
+from cfp_megatron.cluster.measured import (
+    Collective,
+    CollectiveFit,
+    SegmentMemory,
+    Span,
+    StepOverheads,
+    interpolate_rows,
+    least_squares_line,
+)
 from cfp_megatron.profile.errors import FingerprintMismatchError, ProfileDBError, SchemaVersionError
 from cfp_megatron.profile.fingerprint import Fingerprint
 from cfp_megatron.profile.gemm_table import interpolate_tflops
 from cfp_megatron.profile.records import (
     CollectiveRecord,
     GemmRecord,
+    OverheadRecord,
     RoundRecord,
     RoundStatus,
     SegmentRecord,
@@ -47,6 +56,8 @@ class ProfileDB:
     """GEMM throughput table."""
     segments: tuple[SegmentRecord, ...] = ()
     """Segment forward/backward times, for every model profiled on this cluster."""
+    overheads: tuple[OverheadRecord, ...] = ()
+    """Training-step costs beyond the segments (probe models per partition), for every model profiled here."""
     rounds: tuple[RoundRecord, ...] = ()
     """Every round of every run that wrote this DB, in order, with how it ended."""
     model: str | None = None
@@ -87,14 +98,100 @@ class ProfileDB:
                 return rec.forward_s, rec.backward_s
         return None
 
+    def segment_memory(self, segment: str, partition: str, micro_batch: int) -> SegmentMemory | None:
+        """Tensor memory of a segment class under ``partition`` at ``micro_batch`` (``segment`` as in
+        :meth:`segment_seconds`); ``None`` when not measured (also for records written before memory was)."""
+        models = {r.model for r in self.segments}
+        kind_model = self.model if self.model is not None else (next(iter(models)) if len(models) == 1 else None)
+        for rec in reversed(self.segments):  # the newest measurement wins
+            if rec.partition != partition or rec.micro_batch != micro_batch or rec.activation_bytes is None:
+                continue
+            if rec.segment == segment or (rec.kind == segment and rec.model == kind_model):
+                return SegmentMemory(activation_bytes=rec.activation_bytes,
+                                     transient_bytes=rec.transient_bytes or 0.0,
+                                     workspace_bytes=rec.workspace_bytes or 0.0)
+        return None
+
+    def step_overheads(self, partition: str, micro_batch: int) -> StepOverheads | None:
+        """A training step beyond the isolated segments under ``partition`` at ``micro_batch``, from the overheads
+        round's probes of the model chosen with :meth:`for_model` (or of the only model with probes in the DB).
+
+        Per measured micro-batch size: one layer = the difference of the two probes' schedules per micro-batch; the
+        rest of a micro-batch = the smaller probe's schedule per micro-batch minus its layers and the embedding and
+        head segments. Both as least-squares lines in the micro-batch size through three or more measured sizes;
+        with fewer, linear interpolation between the nearest two (extrapolation from the two nearest). Outside the
+        schedule: a line in the parameters per rank, one slope for all partitions. ``None`` when no pair of probes
+        ran under ``partition``.
+        """
+        models = {r.model for r in self.overheads}
+        model = self.model if self.model is not None else (next(iter(models)) if len(models) == 1 else None)
+        rows = [r for r in self.overheads if r.model == model and r.partition == partition]
+        by_mb: dict[int, dict[int, OverheadRecord]] = {}
+        for r in rows:
+            by_mb.setdefault(r.micro_batch, {})[r.layers] = r
+        points = []
+        for mb, probes in sorted(by_mb.items()):
+            emb = self.segment_seconds("embedding", partition, mb)
+            head = self.segment_seconds("head", partition, mb)
+            if len(probes) < 2 or emb is None or head is None:
+                continue
+            small, big = probes[min(probes)], probes[max(probes)]
+            s_small = small.schedule_s / small.microbatches
+            s_big = big.schedule_s / big.microbatches
+            layer = max((s_big - s_small) / (big.layers - small.layers), 0.0)
+            points.append((mb, layer, s_small - small.layers * layer - sum(emb) - sum(head)))  # noisy: any sign
+        if not points:
+            return None
+        if len(points) >= 3:  # noisy timings: the least-squares lines through every size
+            la, lb = least_squares_line([(mb, layer) for mb, layer, _ in points])
+            pa, pb = least_squares_line([(mb, extra) for mb, _, extra in points])
+            layer_s, per_micro = la + lb * micro_batch, pa + pb * micro_batch
+        else:
+            layer_s, per_micro = interpolate_rows([(mb, (layer, extra)) for mb, layer, extra in points],
+                                                  micro_batch, proportional=False)
+        per_micro = max(per_micro, 0.0)
+        per_param = self._step_per_param(model)
+        base = sum(r.rest_s - per_param * r.params for r in rows) / len(rows)
+        return StepOverheads(partition=partition, micro_batch=micro_batch, layer_s=layer_s,
+                             per_microbatch_s=per_micro, step_base_s=max(base, 0.0), step_per_param_s=per_param)
+
+    def busy_slowdown(self) -> float | None:
+        """Ranks per node over CPU cores where the ranks of a CPU-only cluster share fewer cores than there are ranks
+        (every round times with all ranks busy); ``None`` on accelerators or with a core per rank."""
+        fp = self.fingerprint
+        if fp.cuda is not None or not fp.cpu_cores or fp.gpus_per_node <= fp.cpu_cores:
+            return None
+        return fp.gpus_per_node / fp.cpu_cores
+
+    def _step_per_param(self, model: str | None) -> float:
+        """Seconds outside the schedule per parameter: one least-squares slope through every probe of ``model``,
+        each partition its own intercept (its grad-norm all-reduce); never below zero."""
+        by_partition: dict[str, list[tuple[int, float]]] = {}
+        for r in self.overheads:
+            if r.model == model:
+                by_partition.setdefault(r.partition, []).append((r.params, r.rest_s))
+        num = den = 0.0
+        for pts in by_partition.values():
+            mean_p = sum(p for p, _ in pts) / len(pts)
+            mean_s = sum(s for _, s in pts) / len(pts)
+            num += sum((p - mean_p) * (s - mean_s) for p, s in pts)
+            den += sum((p - mean_p) ** 2 for p, _ in pts)
+        return max(num / den, 0.0) if den > 0 else 0.0
+
     # ------------------------------------------------------------------------------------------------ queries
     def for_model(self, model: str) -> ProfileDB:
         """The same DB with kind names resolving against ``model`` (a :func:`model_key`)."""
         return dataclasses.replace(self, model=model)
 
+    def has_overheads(self, model: str, tp: int) -> bool:
+        """Whether the overheads round's probes of ``model`` under ``tp`` are stored."""
+        return any(r.model == model and r.tp == tp for r in self.overheads)
+
     def has_segments(self, model: str, tp: int, micro_batch: int) -> bool:
-        """Whether segment times of ``model`` under ``tp`` at ``micro_batch`` are stored."""
-        return any(r.model == model and r.tp == tp and r.micro_batch == micro_batch for r in self.segments)
+        """Whether segment times and memory of ``model`` under ``tp`` at ``micro_batch`` are stored (records from
+        before memory was measured do not count, so the next run measures them again)."""
+        return any(r.model == model and r.tp == tp and r.micro_batch == micro_batch and r.activation_bytes is not None
+                   for r in self.segments)
 
     def round_complete(self, name: str) -> bool:
         """Whether a round called ``name`` has ended ``ok`` in some run."""
@@ -102,7 +199,8 @@ class ProfileDB:
 
     # ---------------------------------------------------------------------------------------------- updates
     def merged(self, *, collectives: Iterable[CollectiveRecord] = (), gemms: Iterable[GemmRecord] = (),
-               segments: Iterable[SegmentRecord] = (), rounds: Iterable[RoundRecord] = ()) -> ProfileDB:
+               segments: Iterable[SegmentRecord] = (), rounds: Iterable[RoundRecord] = (),
+               overheads: Iterable[OverheadRecord] = ()) -> ProfileDB:
         """A new DB with these records added; a new record replaces an old one with the same key."""
         def merge(old: tuple, new: Iterable, key: Any) -> tuple:
             fresh = list(new)
@@ -115,6 +213,8 @@ class ProfileDB:
             gemms=merge(self.gemms, gemms, lambda r: (r.m, r.n, r.k, r.dtype)),
             segments=merge(self.segments, segments, lambda r: (r.model, r.segment, r.kind, r.partition,
                                                                r.micro_batch)),
+            overheads=merge(self.overheads, overheads, lambda r: (r.model, r.partition, r.layers,
+                                                                 r.micro_batch)),
             rounds=self.rounds + tuple(rounds))
 
     # ------------------------------------------------------------------------------------------------- JSON
@@ -123,7 +223,8 @@ class ProfileDB:
         return {"schema_version": self.schema_version, "fingerprint": self.fingerprint.to_json(),
                 "fingerprint_key": self.fingerprint.key,
                 "collectives": [r.to_json() for r in self.collectives], "gemms": [r.to_json() for r in self.gemms],
-                "segments": [r.to_json() for r in self.segments], "rounds": [r.to_json() for r in self.rounds]}
+                "segments": [r.to_json() for r in self.segments],
+                "overheads": [r.to_json() for r in self.overheads], "rounds": [r.to_json() for r in self.rounds]}
 
     @classmethod
     def from_json(cls, data: Any, *, source: object = "<json>") -> ProfileDB:
@@ -139,6 +240,7 @@ class ProfileDB:
                        collectives=tuple(CollectiveRecord.from_json(r) for r in data["collectives"]),
                        gemms=tuple(GemmRecord.from_json(r) for r in data["gemms"]),
                        segments=tuple(SegmentRecord.from_json(r) for r in data["segments"]),
+                       overheads=tuple(OverheadRecord.from_json(r) for r in data.get("overheads", [])),
                        rounds=tuple(RoundRecord.from_json(r) for r in data["rounds"]))
         except (KeyError, TypeError, ValueError) as err:
             raise ProfileDBError(f"{source}: malformed ProfileDB ({type(err).__name__}: {err}). "

@@ -109,7 +109,8 @@ class GemmRecord:
 
 @dataclass(frozen=True, kw_only=True)
 class SegmentRecord:
-    """Forward and backward time of one segment class under one partition at one micro-batch size."""
+    """Forward and backward time (and activation memory) of one segment class under one partition at one micro-batch
+    size."""
 
     model: str
     """Key of the model shape, sequence length and precision it was measured for (:func:`model_key`)."""
@@ -134,13 +135,23 @@ class SegmentRecord:
     """Seconds of the backward pass, slowest rank."""
     confirmed: bool
     """The analysis found Megatron's TP layout among the class's candidate partitions."""
+    activation_bytes: float | None = None
+    """Tensor bytes one forward pass leaves alive for its backward (saved tensors, masks, its output), median over
+    ranks and repeats; ``None`` in DBs written before it was measured."""
+    transient_bytes: float | None = None
+    """How far the live tensor bytes rise above ``activation_bytes`` during the forward or the backward pass (their
+    transients, the input gradient), median; ``None`` when not measured."""
+    workspace_bytes: float | None = None
+    """Persistent buffers the first pass allocates and later passes reuse (Megatron's global memory buffer), median;
+    ``None`` when not measured."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready form."""
         return {"model": self.model, "model_name": self.model_name, "segment": self.segment, "kind": self.kind,
                 "partition": self.partition, "tp": self.tp, "micro_batch": self.micro_batch,
                 "seq_length": self.seq_length, "forward_s": self.forward_s, "backward_s": self.backward_s,
-                "confirmed": self.confirmed}
+                "confirmed": self.confirmed, "activation_bytes": self.activation_bytes,
+                "transient_bytes": self.transient_bytes, "workspace_bytes": self.workspace_bytes}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SegmentRecord:
@@ -152,3 +163,40 @@ def partition_name(tp: int, *, sp: bool = False) -> str:
     """Canonical string of Megatron's tensor-parallel layout over ``tp`` ranks: ``tp1``, ``tp2``, ...; with
     sequence parallelism (activations outside the TP regions split along the sequence) ``tp2-sp``."""
     return f"tp{int(tp)}" + ("-sp" if sp else "")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverheadRecord:
+    """One probe model trained with the runtime's own step (:mod:`cfp_megatron.profile.overheads`) at one
+    micro-batch size: its schedule and the rest of its step, under one partition."""
+
+    model: str
+    """Key of the model shape, sequence length and precision (:func:`model_key`)."""
+    partition: str
+    """Canonical partition string (:func:`partition_name`)."""
+    tp: int
+    """Tensor-parallel size (the rest of the world data-parallel, no pipeline)."""
+    layers: int
+    """Decoder layers of the probe model."""
+    params: int
+    """Parameters on one rank of the probe (what its optimizer updates)."""
+    micro_batch: int
+    """Sequences per micro-batch."""
+    microbatches: int
+    """Micro-batches per timed step."""
+    schedule_s: float
+    """``forward_backward_func`` seconds of one step, the gradient finalisation taken out; median, slowest rank."""
+    rest_s: float
+    """The rest of the step: ``optimizer.step`` (grad norm, clipping, Adam), zeroing the gradient buffers, the loss
+    all-reduce, the LR schedule; median, slowest rank."""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return {"model": self.model, "partition": self.partition, "tp": self.tp, "layers": self.layers,
+                "params": self.params, "micro_batch": self.micro_batch, "microbatches": self.microbatches,
+                "schedule_s": self.schedule_s, "rest_s": self.rest_s}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> OverheadRecord:
+        """Parse :meth:`to_json`'s output."""
+        return cls(**data)

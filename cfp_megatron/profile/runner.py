@@ -29,9 +29,9 @@ from cfp_megatron.runtime.launch_env import LaunchEnv
 
 DEFAULT_BUDGET_S = 60.0
 """Default time budget of a run, seconds (set-up, analysis and all rounds)."""
-ROUNDS = ("collectives", "gemm", "segments")
+ROUNDS = ("collectives", "gemm", "segments", "overheads")
 """Rounds in the order they run."""
-SHARES = {"collectives": 0.35, "gemm": 0.15, "segments": 0.5}
+SHARES = {"collectives": 0.3, "gemm": 0.1, "segments": 0.35, "overheads": 0.25}
 """Share of the remaining budget each round gets when it starts (what an earlier round leaves rolls over)."""
 
 ProgressFn = Callable[[str, int, int, str], None]
@@ -83,6 +83,8 @@ def rounds_needed(db: ProfileDB | None, model: str, micro_batch_sizes: list[int]
         need.append("gemm")
     if not any(db.has_segments(model, tp, mbs) for tp in tps for mbs in micro_batch_sizes):
         need.append("segments")
+    if not any(db.has_overheads(model, tp) for tp in tps):
+        need.append("overheads")
     return need
 
 
@@ -103,7 +105,7 @@ def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on
     rounds = rounds_needed(db, key, micro_batches(job), tps, force=force)
     classes: dict[int, dict[str, dict[str, Any]]] = {}
     records: list[dict[str, Any]] = []
-    if "segments" in rounds:
+    if "segments" in rounds or "overheads" in rounds:
         began = time.perf_counter()
         try:
             for tp in tps:
@@ -165,6 +167,7 @@ def _run_rounds(job: JobSpec, plan: dict[str, Any], *, world: int, on_gpu: bool,
                 rank: int, progress: ProgressFn | None) -> dict[str, tuple[RoundRecord, Any]]:
     from cfp_megatron.profile.collectives import collective_steps
     from cfp_megatron.profile.gemm import gemm_steps
+    from cfp_megatron.profile.overheads import overhead_cases, overhead_steps
     from cfp_megatron.profile.segments import micro_batches, model_kinds, segment_cases, segment_steps
     from cfp_megatron.runtime.model import resolve_precision
 
@@ -180,9 +183,13 @@ def _run_rounds(job: JobSpec, plan: dict[str, Any], *, world: int, on_gpu: bool,
         elif name == "gemm":
             dtypes = ["fp32"] if not on_gpu else list(dict.fromkeys([precision, "fp32"]))
             steps, meaning = gemm_steps(dtypes, on_gpu=on_gpu, device=device)
+        elif name == "segments":
+            cases, _ = segment_cases(job, world)
+            steps, meaning = segment_steps(cases, micro_batches(job), model_kinds(job), repeats=5 if on_gpu else 7)
         else:
             cases, _ = segment_cases(job, world)
-            steps, meaning = segment_steps(cases, micro_batches(job), model_kinds(job), repeats=5 if on_gpu else 3)
+            steps, meaning = overhead_steps(overhead_cases(cases, world), micro_batches(job),
+                                            repeats=4)
         remaining = [n for n in todo if n not in out]
         left = budget_s - (time.perf_counter() - started)
         share = max(left, 0.0) * SHARES[name] / sum(SHARES[n] for n in remaining)
@@ -198,9 +205,10 @@ def _merge(db: ProfileDB, job: JobSpec, plan: dict[str, Any], results: dict[str,
            rounds_done: list[RoundRecord]) -> ProfileDB:
     from cfp_megatron.profile.collectives import fit_results
     from cfp_megatron.profile.gemm import gemm_records
+    from cfp_megatron.profile.overheads import overhead_records
     from cfp_megatron.profile.segments import segment_records
 
-    collectives, gemms, segments = [], [], []
+    collectives, gemms, segments, overheads = [], [], [], []
     extra: list[RoundRecord] = []
     for name, (_, (steps, meaning)) in results.items():
         steps_done: list[StepResult] = steps
@@ -211,11 +219,14 @@ def _merge(db: ProfileDB, job: JobSpec, plan: dict[str, Any], results: dict[str,
                                          reason=f"{len(missing)} fit(s) missing: " + "; ".join(missing[:4])))
         elif name == "gemm":
             gemms = gemm_records(steps_done, meaning)
+        elif name == "overheads":
+            overheads = overhead_records(steps_done, meaning, key=plan["model_key"])
         else:
             classes = {int(k): v for k, v in plan["classes"].items()}
             segments = segment_records(steps_done, meaning, job=job, key=plan["model_key"], classes=classes)
     rounds_done.extend(extra)
-    return db.merged(collectives=collectives, gemms=gemms, segments=segments, rounds=rounds_done)
+    return db.merged(collectives=collectives, gemms=gemms, segments=segments, rounds=rounds_done,
+                     overheads=overheads)
 
 
 def _teardown() -> None:

@@ -9,8 +9,10 @@ each decoder-layer kind (``dense``, ``moe``) and the head (final norm, output la
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,8 @@ from cfp_megatron.profile.records import SegmentRecord, partition_name
 
 KINDS_ORDER = ("embedding", "dense", "moe", "head")
 """Segment kinds in model order."""
+MEMORY_SUFFIX = " memory"
+"""Label suffix of a segment's memory step (next to its timing step of the same label without it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,10 +53,17 @@ def model_key(job: JobSpec, *, on_gpu: bool) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
+MAX_POW2_MICRO_BATCH = 8
+"""Powers of two up to this size (capped by the global batch) are timed besides the job's sizes: a pass's time is
+not linear in the micro-batch on a busy CPU, so the sizes a layout search tries are measured, not extrapolated."""
+
+
 def micro_batches(job: JobSpec) -> list[int]:
-    """Micro-batch sizes to time: 1, the job's, and twice the job's."""
+    """Micro-batch sizes to time: 1, the job's, twice the job's, and the powers of two up to
+    :data:`MAX_POW2_MICRO_BATCH` that fit the global batch."""
     mbs = job.train.micro_batch_size
-    return sorted({1, mbs, 2 * mbs})
+    cap = min(MAX_POW2_MICRO_BATCH, job.train.global_batch_size)
+    return sorted({1, mbs, 2 * mbs} | {2**k for k in range(cap.bit_length()) if 2**k <= cap})
 
 
 def probe_job(job: JobSpec, tp: int, world: int, micro_batch: int) -> JobSpec:
@@ -105,25 +116,37 @@ def analysis_classes(job: JobSpec, tp: int) -> dict[str, dict[str, Any]]:
     return found
 
 
+def _drop_grad(param: torch.Tensor) -> None:
+    """Megatron's DDP adds each ``.grad`` into its ``main_grad`` buffer and frees it; do the freeing here."""
+    param.grad = None
+
+
+def init_probe_groups(dims: ParallelDims, seed: int) -> None:
+    """Megatron's model-parallel groups for a probe (TP as ``dims`` says, no pipeline), replacing earlier ones, and
+    its seeds."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=1, context_parallel_size=1,
+        expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp, order=dims.order,
+        distributed_timeout_minutes=1)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
 class SegmentBench:
     """The probe model of one case on this rank, and timed forward/backward of its parts."""
 
     def __init__(self, case: SegmentCase, *, repeats: int) -> None:
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         from cfp_megatron.model.megatron_layers import layer_kind_name
         from cfp_megatron.runtime.model import build_model_chunks, transformer_config
 
         d = case.dims
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=d.tp, pipeline_model_parallel_size=1, context_parallel_size=1,
-            expert_model_parallel_size=d.ep, expert_tensor_parallel_size=d.etp, order=d.order,
-            distributed_timeout_minutes=1)
-        torch.manual_seed(case.job.train.seed)
-        model_parallel_cuda_manual_seed(case.job.train.seed)
+        init_probe_groups(d, case.job.train.seed)
         self.on_gpu = torch.cuda.is_available()
         self.config = transformer_config(case.job, d, on_gpu=self.on_gpu)
         (self.model,) = build_model_chunks(case.job, self.config, d)
@@ -167,13 +190,13 @@ class SegmentBench:
         return decoder_layer, torch.randn(shape, dtype=dtype, device=self.device)
 
     def time(self, kind: str, micro_batch: int) -> list[float]:
-        """Mean (forward, backward) seconds of ``kind`` at ``micro_batch``, CUDA events as on GPU (wall clock on CPU
-        through the compat layer)."""
+        """Median (forward, backward) seconds of ``kind`` at ``micro_batch`` over the repeats, CUDA events as on GPU
+        (wall clock on CPU through the compat layer); the median, since other ranks' work preempts a busy CPU."""
         forward, grad = self._part(kind, micro_batch)
         out = forward()  # warm-up
         out.backward(grad)
         torch.cuda.synchronize()
-        fwd = bwd = 0.0
+        fwd, bwd = [], []
         for _ in range(self.repeats):
             e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
             e0.record()
@@ -182,15 +205,78 @@ class SegmentBench:
             out.backward(grad)
             e2.record()
             torch.cuda.synchronize()
-            fwd += e0.elapsed_time(e1) / 1000.0
-            bwd += e1.elapsed_time(e2) / 1000.0
+            fwd.append(e0.elapsed_time(e1) / 1000.0)
+            bwd.append(e1.elapsed_time(e2) / 1000.0)
         self.model.zero_grad(set_to_none=True)
-        return [fwd / self.repeats, bwd / self.repeats]
+        return [statistics.median(fwd), statistics.median(bwd)]
+
+
+    def memory(self, kind: str, micro_batch: int, *, repeats: int = 3) -> list[float]:
+        """(activation, transient, workspace) bytes of ``kind`` at ``micro_batch`` (:meth:`memory_once`): the median
+        of ``repeats`` measurements on every rank of the world (all run the same step). A collective's buffer that
+        one pass still holds and the next does not moves single figures by a tensor now and then; the median does
+        not follow it (the round's maximum over ranks would)."""
+        found = torch.tensor([self.memory_once(kind, micro_batch) for _ in range(max(repeats, 1))],
+                             dtype=torch.float64)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            every = [torch.zeros_like(found) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(every, found)
+            found = torch.cat(every)
+        return [float(v) for v in found.sort(dim=0).values[(len(found) - 1) // 2]]
+
+    def memory_once(self, kind: str, micro_batch: int) -> list[float]:
+        """(activation, transient, workspace) bytes of ``kind`` at ``micro_batch``, counted as the training step's
+        memory is (:mod:`cfp_megatron.runtime.memory`, PyTorch's ``MemTracker``).
+
+        Two forward passes run under one tracker, then the second one's backward pass. Activation: what the second
+        forward pass leaves alive (saved tensors, masks, its output; not its input, which the part before it
+        created). Workspace: what the first pass kept beyond that, i.e. persistent buffers it allocated or first
+        touched (Megatron's global memory buffer, sized by the largest request so far: the sizes run in ascending
+        order). Transient: how far the live bytes rose above both passes' activations (the forward's and the
+        backward's transients, the input gradient; each parameter's gradient is freed once accumulated, as
+        Megatron's DDP does with ``main_grad``). This rank, one measurement."""
+        from cfp_megatron.runtime.memory import _tracker
+
+        forward, grad = self._part(kind, micro_batch)
+        # The part's inputs (created before, as the previous part's output would be) are not its activations.
+        inputs = [c.cell_contents for c in forward.__closure__ or () if isinstance(c.cell_contents, torch.Tensor)]
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.model.zero_grad(set_to_none=True)
+        hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in params]
+        tracker = _tracker()
+        tracker.track_external(self.model, grad, *inputs)
+
+        def total(which: str) -> int:
+            return int(tracker.get_tracker_snapshot(which).get(self.device, {}).get("Total", 0))
+
+        def settled() -> int:  # what a pass leaves once reference cycles (collectives', autograd's) are gone
+            gc.collect()
+            return total("current")
+
+        gc.freeze()  # objects from before stay out of the collections: each one scans only what the passes made
+        try:
+            with tracker:
+                base = settled()
+                first = forward()
+                middle = settled()
+                second = forward()
+                top = settled()
+                second.backward(grad)
+                del first, second
+            rise = total("peak") - top
+        finally:
+            gc.unfreeze()
+            for hook in hooks:
+                hook.remove()
+            self.model.zero_grad(set_to_none=True)
+        kept = top - middle
+        return [float(kept), float(max(rise, 0)), float(max(middle - base - kept, 0))]
 
 
 def segment_steps(cases: Sequence[SegmentCase], micro_batch_sizes: Sequence[int], kinds: Sequence[str], *,
                   repeats: int) -> tuple[list[Step], dict[str, tuple[int, int, str, bool]]]:
-    """Per case: build the probe model, then time each kind at each micro-batch size."""
+    """Per case: build the probe model, then time each kind at each micro-batch size and measure its memory (a
+    step labelled like the timing step plus :data:`MEMORY_SUFFIX`)."""
     holder: dict[int, SegmentBench] = {}
     steps: list[Step] = []
     meaning: dict[str, tuple[int, int, str, bool]] = {}
@@ -206,23 +292,32 @@ def segment_steps(cases: Sequence[SegmentCase], micro_batch_sizes: Sequence[int]
             for kind in kinds:
                 label = f"{kind} {name} mbs={mbs}"
                 steps.append(Step(label=label, run=lambda tp=case.tp, kind=kind, mbs=mbs: holder[tp].time(kind, mbs)))
+                steps.append(Step(label=label + MEMORY_SUFFIX,
+                                  run=lambda tp=case.tp, kind=kind, mbs=mbs: holder[tp].memory(kind, mbs)))
                 meaning[label] = (case.tp, mbs, kind, case.dims.sp)
     return steps, meaning
 
 
 def segment_records(results: Sequence[StepResult], meaning: dict[str, tuple[int, int, str, bool]], *, job: JobSpec,
                     key: str, classes: dict[int, dict[str, dict[str, Any]]]) -> list[SegmentRecord]:
-    """Records of the finished timing steps; the class id comes from the analysis (the kind name without one)."""
+    """Records of the finished timing steps, with their memory steps' figures where those finished too; the class id
+    comes from the analysis (the kind name without one)."""
+    memory = {res.label.removesuffix(MEMORY_SUFFIX): res.values for res in results
+              if res.label.endswith(MEMORY_SUFFIX) and len(res.values) == 3}
     rows = []
     for res in results:
         if res.label not in meaning:
             continue
+        mem = memory.get(res.label)
         tp, mbs, kind, sp = meaning[res.label]
         info = classes.get(tp, {}).get(kind, {"segment": kind, "confirmed": False})
         rows.append(SegmentRecord(model=key, model_name=job.model.name, segment=info["segment"], kind=kind,
                                   partition=partition_name(tp, sp=sp), tp=tp, micro_batch=mbs,
                                   seq_length=job.train.seq_length, forward_s=res.values[0],
-                                  backward_s=res.values[1], confirmed=bool(info["confirmed"])))
+                                  backward_s=res.values[1], confirmed=bool(info["confirmed"]),
+                                  activation_bytes=mem[0] if mem else None,
+                                  transient_bytes=mem[1] if mem else None,
+                                  workspace_bytes=mem[2] if mem else None))
     return rows
 
 

@@ -4,13 +4,13 @@ partition, its measured forward and backward seconds replace the analytical laye
 A segment is timed as the real Megatron module (embedding, decoder layer of each kind, head) on the live
 tensor-parallel group, so the time includes its kernels, its TP/SP collectives and the framework's own per-layer
 overhead, which no FLOP count sees (it dominates small models and CPUs). Profiling times a few micro-batch sizes;
-other sizes are interpolated linearly between the two nearest measured sizes (extrapolated from the two largest or
-smallest), since a pass is a fixed cost plus a part proportional to the tokens.
+a pass is a fixed cost plus a part proportional to the tokens, so with three or more sizes the least-squares line
+through them gives every size; with fewer, the sizes between are interpolated linearly.
 """
 
 from __future__ import annotations
 
-from cfp_megatron.cluster.measured import Measurements
+from cfp_megatron.cluster.measured import Measurements, interpolate_rows, least_squares_line
 from cfp_megatron.config import JobSpec
 from cfp_megatron.sim.layer_cost import LayerCost, PassCost
 
@@ -37,29 +37,25 @@ def _points(measurements: Measurements, kind: str, partition: str) -> list[tuple
 
 def measured_pass(measurements: Measurements, kind: str, partition: str,
                   micro_batch: int) -> tuple[float, float] | None:
-    """(forward, backward) seconds of ``kind`` under ``partition`` at ``micro_batch``, measured or interpolated;
-    ``None`` when nothing was measured for that kind and partition."""
+    """(forward, backward) seconds of ``kind`` under ``partition`` at ``micro_batch``; ``None`` when nothing was
+    measured for that kind and partition.
+
+    With three or more measured sizes: the least-squares line ``fixed + per-sequence x micro_batch`` through them
+    (each timing on a busy machine is noisy; the line uses every size). With fewer: the measured value, else linear
+    interpolation between the two nearest sizes (extrapolation from the two nearest).
+    """
+    points = _points(measurements, kind, partition)
+    if len(points) >= 3:
+        fa, fb = least_squares_line([(mb, f) for mb, f, _ in points])
+        ba, bb = least_squares_line([(mb, b) for mb, _, b in points])
+        return fa + fb * micro_batch, ba + bb * micro_batch
     exact = measurements.segment_seconds(kind, partition, micro_batch)
     if exact is not None:
         return exact
-    points = _points(measurements, kind, partition)
     if not points:
         return None
-    if len(points) == 1:  # one size: scale the whole pass with the tokens
-        mb, f, b = points[0]
-        return f * micro_batch / mb, b * micro_batch / mb
-    below = [p for p in points if p[0] <= micro_batch]
-    above = [p for p in points if p[0] >= micro_batch]
-    if below and above:
-        lo, hi = below[-1], above[0]
-    elif above:
-        lo, hi = points[0], points[1]
-    else:
-        lo, hi = points[-2], points[-1]
-    share = (micro_batch - lo[0]) / (hi[0] - lo[0])
-    forward = lo[1] + share * (hi[1] - lo[1])
-    backward = lo[2] + share * (hi[2] - lo[2])
-    return max(forward, 0.0), max(backward, 0.0)
+    forward, backward = interpolate_rows([(float(mb), (f, b)) for mb, f, b in points], micro_batch)
+    return forward, backward
 
 
 def _as_pass(seconds: float) -> PassCost:

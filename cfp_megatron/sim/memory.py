@@ -11,10 +11,44 @@ recomputation drops the ``a s`` terms; full recomputation keeps only each layer'
 
 from __future__ import annotations
 
-from cfp_megatron.config import Activation, JobSpec, OptimizerKind, Precision, Recompute
+from cfp_megatron.cluster.measured import Measurements, SegmentMemory
+from cfp_megatron.config import (
+    Activation,
+    JobSpec,
+    Normalization,
+    OptimizerKind,
+    PositionEmbedding,
+    Precision,
+    Recompute,
+)
 from cfp_megatron.sim.layout import Layout
+from cfp_megatron.sim.measured_memory import measured_memory, peak_activation_bytes, pipeline_buffers
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.prediction import MemoryBreakdown
+
+
+def element_bytes(job: JobSpec) -> int:
+    """Bytes of a weight or activation element: ``auto`` precision is fp32 on a CPU cluster (as the runtime
+    resolves it, :func:`cfp_megatron.runtime.model.resolve_precision`) and bf16 on GPUs."""
+    precision = job.train.precision
+    if precision is Precision.auto and job.cluster.device_name.strip().lower() == "cpu":
+        return 4
+    return 4 if precision is Precision.fp32 else 2
+
+
+def layer_extra_params(job: JobSpec, layout: Layout) -> float:
+    """Parameters of one dense layer on one rank that the layer cost's count leaves out: the linear layers' biases
+    (QKV and FC1 split over TP, the projection's and FC2's replicated) and, for RMSNorm, minus the norm biases the
+    count assumes (it counts two LayerNorms, ``4 h``)."""
+    m, t = job.model, layout.dims.tp
+    h = m.hidden_size
+    extra = 0.0 if m.normalization is Normalization.LayerNorm else -2.0 * h
+    if m.add_bias_linear and not m.is_moe:
+        head_dim = m.kv_channels or h // m.num_attention_heads
+        qkv = head_dim * (m.num_attention_heads + 2 * m.query_groups)
+        fc1 = m.ffn_size * (2 if m.activation is Activation.swiglu else 1)
+        extra += (qkv + fc1) / t + 2 * h
+    return extra
 
 
 def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *, moe: bool) -> tuple[float, float]:
@@ -59,15 +93,60 @@ def in_flight(rank: int, pp: int, vpp: int, microbatches: int) -> int:
     return min(warm + 1, total)
 
 
+def measured_activations(job: JobSpec, layout: Layout, measurements: Measurements | None, *, rank: int,
+                         layers: int, moe_layers: int, first: bool, last: bool) -> float | None:
+    """Activation bytes at the peak of pipeline rank ``rank`` from profiled segment memory
+    (:mod:`cfp_megatron.sim.measured_memory`), with the pipeline's point-to-point tensors; ``None`` when the
+    profile lacks a segment the stage runs under the plan's partition, or the plan recomputes or splits the
+    sequence over CP (profiling measures neither)."""
+    d = layout.dims
+    if measurements is None or job.parallel.recompute is not Recompute.none or d.cp > 1:
+        return None
+    partition = f"tp{d.tp}-sp" if d.sp and d.tp > 1 else f"tp{d.tp}"
+    kinds = ["dense", "moe"] if moe_layers else ["dense"]
+    if moe_layers == layers:
+        kinds = ["moe"]
+    found: dict[str, SegmentMemory] = {}
+    for kind in [*kinds, *(["embedding"] if first else []), *(["head"] if last else [])]:
+        hit = measured_memory(measurements, kind, partition, layout.micro_batch)
+        if hit is None:
+            return None
+        found[kind] = hit
+    chunk_layers = layers // d.vpp
+    chunk_moe = min(moe_layers // d.vpp, chunk_layers)
+    chunk = ([found["dense"]] * (chunk_layers - chunk_moe) if chunk_layers > chunk_moe else []) + (
+        [found["moe"]] * chunk_moe if chunk_moe else [])
+    in_chunks = in_flight(rank, d.pp, d.vpp, d.num_microbatches)
+    ends = ([found["embedding"]] if first else []) + ([found["head"]] if last else [])
+    if d.vpp == 1:
+        segments = ([found["embedding"]] if first else []) + chunk + ([found["head"]] if last else [])
+        activations = peak_activation_bytes(segments, in_chunks)
+    else:  # the embedding and the head sit in one chunk each: held by that chunk's share of the micro-batches
+        activations = peak_activation_bytes(chunk, in_chunks)
+        activations += -(-in_chunks // d.vpp) * sum(s.activation_bytes for s in ends)
+    elem = element_bytes(job)
+    hidden = layout.micro_batch * layout.seq_length * job.model.hidden_size * elem / (d.tp if d.sp else 1)
+    return activations + pipeline_buffers(hidden, pp=d.pp, first=first, last=last, in_flight=in_chunks,
+                                          microbatches=d.num_microbatches)
+
+
 def stage_memory(job: JobSpec, layout: Layout, options: SimOptions, *, rank: int, layer_params: float,
-                 expert_params: float, layers: int, moe_layers: int, first: bool, last: bool) -> MemoryBreakdown:
-    """Memory of one rank of pipeline stage ``rank`` holding ``layers`` layers (``moe_layers`` of them MoE)."""
+                 expert_params: float, layers: int, moe_layers: int, first: bool, last: bool,
+                 measurements: Measurements | None = None) -> MemoryBreakdown:
+    """Memory of one rank of pipeline stage ``rank`` holding ``layers`` layers (``moe_layers`` of them MoE).
+
+    With ``measurements`` that hold the stage's segments' memory under the plan's partition, the activations (and
+    the pipeline's buffers) come from them (:func:`measured_activations`) instead of the analytical model."""
     m, d, p = job.model, layout.dims, job.parallel
-    elem = 4 if job.train.precision is Precision.fp32 else 2
+    elem = element_bytes(job)
     vocab_params = m.padded_vocab_size * m.hidden_size / d.tp
-    params = layer_params
+    params = layer_params + layers * layer_extra_params(job, layout)
     if first:
         params += vocab_params
+        if m.position_embedding is PositionEmbedding.learned_absolute:
+            params += m.max_position_embeddings * m.hidden_size  # replicated over TP
+    if last:
+        params += m.hidden_size * (2 if m.normalization is Normalization.LayerNorm else 1)  # final norm
     if last and (d.pp > 1 or not m.tie_embeddings):
         params += vocab_params
     dense_params = params - expert_params
@@ -113,5 +192,9 @@ def stage_memory(job: JobSpec, layout: Layout, options: SimOptions, *, rank: int
     if options.fsdp and layers:
         per_layer = layer_params / layers
         buffers += 2 * per_layer * elem + per_layer * grad_per_param
+    measured = measured_activations(job, layout, measurements, rank=rank, layers=layers, moe_layers=moe_layers,
+                                    first=first, last=last) if not options.fsdp else None
+    if measured is not None:
+        activations, buffers = measured, 0.0
     return MemoryBreakdown(parameters=weights, gradients=grads, optimizer_states=optim, activations=activations,
                            comm_buffers=buffers, stage=rank)

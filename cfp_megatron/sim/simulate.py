@@ -8,19 +8,21 @@ data-parallel gradient sync that the last micro-batch's backward pass does not h
 
 from __future__ import annotations
 
+import dataclasses
+
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective, Measurements
 from cfp_megatron.config import ClusterSpec, JobSpec
 from cfp_megatron.runtime.flops import training_flops_per_token
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
 from cfp_megatron.sim.kernels import KernelModel
-from cfp_megatron.sim.layer_cost import PassCost, embedding_cost, layer_cost, output_layer_cost
+from cfp_megatron.sim.layer_cost import LayerCost, PassCost, embedding_cost, layer_cost, output_layer_cost
 from cfp_megatron.sim.layout import build_layout
-from cfp_megatron.sim.measured_segments import apply_measured
+from cfp_megatron.sim.measured_segments import apply_measured, partition_name
 from cfp_megatron.sim.memory import stage_memory
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.prediction import GIB, Event, EventKind, Prediction, TimeBreakdown
-from cfp_megatron.sim.schedule import run_schedule
+from cfp_megatron.sim.schedule import ScheduleResult, run_schedule
 
 _BUCKET_PARAMS = 40_000_000
 """Megatron DDP's default gradient bucket size in parameters."""
@@ -54,10 +56,20 @@ def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Mea
     else:
         emb = embedding_cost(job, layout, kernels, costs)
         out = output_layer_cost(job, layout, kernels, costs)
+    overheads = None
     if options.use_measured_segments:
         dense, moe, emb_m, out_m, _ = apply_measured(job, measurements, layout.micro_batch, dense, moe, emb, out)
         if not options.measured_layer_only:
             emb, out = emb_m, out_m
+            if measurements is not None and not m.is_moe:
+                overheads = measurements.step_overheads(partition_name(job.parallel.tp, job.parallel.sp),
+                                                        layout.micro_batch)
+    per_pass = PassCost()
+    if overheads is not None:
+        # The layer as it runs inside the training schedule, and the schedule's own cost per micro-batch on every
+        # stage's forward and backward call (measured on probe models, :mod:`cfp_megatron.profile.overheads`).
+        dense = moe = _in_schedule(dense, overheads.layer_s)
+        per_pass = PassCost(overhead_s=overheads.per_microbatch_s / 2)
 
     pp, vpp = d.pp, d.vpp
     stages = pp * vpp
@@ -85,8 +97,8 @@ def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Mea
                 f, b = f.plus(emb[0]), b.plus(emb[1])
             if g == stages - 1:
                 f, b = f.plus(out[0]), b.plus(out[1])
-            f_row.append(f)
-            b_row.append(b)
+            f_row.append(f.plus(per_pass))
+            b_row.append(b.plus(per_pass))
             r_row.append(x)
         fwd.append(f_row)
         bwd.append(b_row)
@@ -97,6 +109,9 @@ def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Mea
     p2p_bytes = tokens * m.hidden_size * kernels.elem / d.tp
     p2p = costs.seconds(Collective.send_recv, p2p_bytes, 2, 2 if layout.pp_intra_node else 1) if pp > 1 else 0.0
     sched = run_schedule(f_s, b_s, p2p, d.num_microbatches, keep_ops=with_events, max_ops=options.max_schedule_ops)
+    slowdown = measurements.busy_slowdown() if overheads is not None else None
+    if slowdown is not None and pp > 1:
+        sched = _shared_cores(sched, f_s, b_s, p2p, d.num_microbatches, slowdown, with_events, options)
 
     # Data-parallel gradient sync and optimizer step, per pipeline rank.
     dp_group = d.dp * d.cp
@@ -132,7 +147,11 @@ def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Mea
         dp_exposed.append(sync + gather)
         sharded = options.fsdp or job.parallel.distributed_optimizer
         shard = (dense_p / dp_group + expert_params[r] / d.expert_dp) if sharded else params
-        opt_s.append(kernels.memory(shard * eff.optimizer_bytes_per_param))
+        if overheads is None:
+            opt_s.append(kernels.memory(shard * eff.optimizer_bytes_per_param))
+            continue
+        dp_exposed[r] += _tied_embedding_sync(job, costs, vocab, r)
+        opt_s.append(overheads.step_base_s + overheads.step_per_param_s * shard + _grad_norm_extra(costs, d.tp, pp))
     finish = [sched.end_s[r] + dp_exposed[r] + opt_s[r] for r in range(pp)]
     crit = max(range(pp), key=lambda r: finish[r])
     step = finish[crit]
@@ -159,7 +178,10 @@ def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Mea
     memories = [stage_memory(job, layout, options, rank=r, layer_params=layer_params[r],
                              expert_params=expert_params[r], layers=m.num_layers // pp, moe_layers=moe_layers[r],
                              first=r == 0 and not options.measured_layer_only,
-                             last=r == pp - 1 and not options.measured_layer_only) for r in range(pp)]
+                             last=r == pp - 1 and not options.measured_layer_only,
+                             # measured segment memory (CFP), see cfp_megatron.sim.measured_memory
+                             measurements=measurements if options.use_measured_segments else None)
+                for r in range(pp)]
     memory = max(memories, key=lambda x: x.total)
     world = d.world_size
     seqs = layout.micro_batch * mb * d.dp
@@ -172,6 +194,50 @@ def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Mea
                       num_microbatches=mb,
                       fits=cluster.hbm_gib is None or memory.total <= cluster.hbm_gib * GIB,
                       events=events)
+
+
+def _shared_cores(sched: ScheduleResult, f_s: list[list[float]], b_s: list[list[float]], p2p: float,
+                  microbatches: int, slowdown: float, with_events: bool, options: SimOptions) -> ScheduleResult:
+    """The pipeline schedule where ranks share fewer cores than there are ranks (CPU). The pass times were measured
+    with every rank busy; a rank waiting in the pipeline's fill or drain leaves its core to the others. So the
+    schedule is bounded below by its dependencies at the speed of a rank alone (passes ``slowdown`` times faster)
+    and by the work of all ranks over the cores: the mean stage's busy time at the measured speed."""
+    alone = run_schedule([[x / slowdown for x in row] for row in f_s], [[x / slowdown for x in row] for row in b_s],
+                         p2p, microbatches, keep_ops=with_events, max_ops=options.max_schedule_ops)
+    work = sum(sched.busy_s) / len(sched.busy_s)
+    ends = tuple(max(end, work) for end in alone.end_s)
+    return dataclasses.replace(alone, end_s=ends, busy_s=sched.busy_s)
+
+
+def _in_schedule(cost: LayerCost, layer_s: float) -> LayerCost:
+    """``cost`` with its forward and backward (and recomputation) rescaled to ``layer_s`` seconds of forward plus
+    backward, keeping its forward-to-backward split."""
+    total = cost.forward.total_s + cost.backward.total_s
+    if total <= 0:
+        return cost
+    share = cost.forward.total_s / total
+    recompute = cost.recompute.total_s / cost.forward.total_s if cost.forward.total_s > 0 else 0.0
+    return LayerCost(forward=PassCost(compute_s=share * layer_s), backward=PassCost(compute_s=(1 - share) * layer_s),
+                     recompute=PassCost(compute_s=recompute * share * layer_s), params=cost.params,
+                     expert_params=cost.expert_params)
+
+
+def _tied_embedding_sync(job: JobSpec, costs: CollectiveCosts, vocab_params: float, rank: int) -> float:
+    """Megatron's all-reduce of the tied word-embedding gradient between the first and the last pipeline stage
+    (``finalize_model_grads``), on those two stages."""
+    pp = job.parallel.pp
+    if pp == 1 or not job.model.tie_embeddings or rank not in (0, pp - 1):
+        return 0.0
+    return costs.seconds(Collective.all_reduce, vocab_params * 4.0, 2)
+
+
+def _grad_norm_extra(costs: CollectiveCosts, tp: int, pp: int) -> float:
+    """The grad-norm all-reduce runs over the model-parallel group (``tp x pp`` ranks); the measured optimizer
+    step had ``tp``: the difference."""
+    if pp == 1:
+        return 0.0
+    return max(costs.seconds(Collective.all_reduce, 8.0, tp * pp)
+               - costs.seconds(Collective.all_reduce, 8.0, tp, tp), 0.0)
 
 
 def _events(sched, fwd, bwd, rec, dp_exposed, opt_s, finish, ends) -> tuple[Event, ...]:

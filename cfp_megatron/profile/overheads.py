@@ -1,0 +1,186 @@
+"""The overheads round: what a real training step costs beyond the segments' forward and backward passes.
+
+For each tensor-parallel size of the segments round, a probe model (one layer per decoder kind, then one more layer)
+is trained with the runtime's own pieces (:mod:`cfp_megatron.runtime.trainer`: Megatron DDP, optimizer with
+grad-norm clipping, ``get_forward_backward_func``, ``finalize_model_grads``, the loss all-reduce) on the live process
+groups, the rest of the world data-parallel, every rank busy as in training. Each step is split into the schedule
+call (the gradient finalisation, which the simulator models from the collective fits, taken out), ``optimizer.step``
+and the rest; the schedule is timed with one and with several micro-batches of one sequence. From these the ProfileDB
+derives the per-micro-batch cost of the schedule beyond the segments, the optimizer's fixed and per-parameter cost,
+and the step's other fixed costs (:meth:`cfp_megatron.profile.db.ProfileDB.step_overheads`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cfp_megatron.config import JobSpec
+from cfp_megatron.parallel_dims import ParallelDims
+from cfp_megatron.profile.control import Step, StepResult
+from cfp_megatron.profile.records import OverheadRecord, partition_name
+from cfp_megatron.profile.segments import SegmentCase, init_probe_groups
+
+MICROBATCHES = 4
+"""Micro-batches per timed step."""
+WARMUP = 1
+"""Untimed steps before each timed set (the first step after a build or at a new batch size runs slow)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverheadCase:
+    """One probe to train: a segment case's probe job with its own layers or one more."""
+
+    tp: int
+    """Tensor-parallel size."""
+    layers: int
+    """Decoder layers of the probe model."""
+    job: JobSpec
+    """The probe job: ``layers`` layers, :data:`MICROBATCHES` micro-batches of one sequence per step."""
+    dims: ParallelDims
+    """Its layout over the whole world."""
+
+
+def overhead_cases(cases: Sequence[SegmentCase], world: int) -> list[OverheadCase]:
+    """Per segment case, its probe with its own layers and with one more (the difference is one layer as it runs in
+    training; the parameters it adds give the optimizer's per-parameter cost)."""
+    found = []
+    for case in cases:
+        base = case.job.model.num_layers
+        dp = max(world // case.tp, 1)
+        train = dataclasses.replace(case.job.train, micro_batch_size=1, global_batch_size=MICROBATCHES * dp)
+        for layers in (base, base + 1):
+            model = dataclasses.replace(case.job.model, num_layers=layers)
+            job = dataclasses.replace(case.job, model=model, train=train)
+            found.append(OverheadCase(tp=case.tp, layers=layers, job=job, dims=ParallelDims.build(job, world)))
+    return found
+
+
+class OverheadBench:
+    """The probe's training state on this rank and its instrumented step."""
+
+    def __init__(self, case: OverheadCase, *, repeats: int) -> None:
+
+        from cfp_megatron.runtime.model import count_parameters
+        from cfp_megatron.runtime.trainer import build_training
+
+        d = case.dims
+        init_probe_groups(d, case.job.train.seed)
+        self.state = build_training(case.job, d)
+        self.finalize_s = 0.0
+        finalize = self.state.config.finalize_model_grads_func
+
+        def timed_finalize(*args: Any, **kwargs: Any) -> Any:
+            _sync()
+            began = time.perf_counter()
+            out = finalize(*args, **kwargs)
+            _sync()
+            self.finalize_s += time.perf_counter() - began
+            return out
+
+        self.state.config.finalize_model_grads_func = timed_finalize
+        self.params = count_parameters(self.state.chunks)
+        self.repeats = repeats
+        self.case = case
+
+    def _batches(self, micro_batch: int) -> list[dict[str, torch.Tensor]]:
+        from megatron.core import parallel_state
+
+        from cfp_megatron.data.batches import build_micro_batches
+
+        job, dp = self.case.job, self.case.dims.dp
+        train = dataclasses.replace(job.train, micro_batch_size=micro_batch,
+                                    global_batch_size=micro_batch * MICROBATCHES * dp)
+        stream = build_micro_batches(dataclasses.replace(job, train=train),
+                                     dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp)
+        return [next(stream) for _ in range(MICROBATCHES)]
+
+    def step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+        """One instrumented training step: (schedule without the gradient finalisation, the rest) in seconds."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from cfp_megatron.runtime.trainer import _forward_step, _reduce_loss
+
+        state, job = self.state, self.case.job
+        _sync()
+        t0 = time.perf_counter()
+        for c in state.ddp_chunks:
+            c.zero_grad_buffer()
+        state.optimizer.zero_grad()
+        _sync()
+        t1 = time.perf_counter()
+        self.finalize_s = 0.0
+        reports = get_forward_backward_func()(
+            forward_step_func=_forward_step, data_iterator=iter(batches), model=state.ddp_chunks,
+            num_microbatches=len(batches), seq_length=job.train.seq_length,
+            micro_batch_size=int(batches[0]["tokens"].shape[0]), forward_only=False)
+        _sync()
+        t2 = time.perf_counter()
+        state.optimizer.step()
+        state.scheduler.step(increment=1)
+        _reduce_loss(reports, state)
+        _sync()
+        t3 = time.perf_counter()
+        return t2 - t1 - self.finalize_s, (t1 - t0) + (t3 - t2)
+
+    def time(self, micro_batch: int) -> list[float]:
+        """Medians over the repeats (after :data:`WARMUP` untimed steps) of :meth:`step` at ``micro_batch``."""
+        batches = self._batches(micro_batch)
+        for _ in range(WARMUP):
+            self.step(batches)
+        runs = [self.step(batches) for _ in range(self.repeats)]
+        return [statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def overhead_steps(cases: Sequence[OverheadCase], micro_batch_sizes: Sequence[int], *, repeats: int
+                   ) -> tuple[list[Step], dict[str, tuple[str, int, int, int]]]:
+    """Per case: build the probe's training state (the step reports its parameters per rank), then time its step
+    at each micro-batch size. ``meaning`` maps a label to (partition, tp, layers, micro-batch; 0 for the build)."""
+    holder: dict[str, OverheadBench] = {}
+    steps: list[Step] = []
+    meaning: dict[str, tuple[str, int, int, int]] = {}
+    for case in cases:
+        name = partition_name(case.tp, sp=case.dims.sp)
+        tag = f"{name} L{case.layers}"
+
+        def setup(case: OverheadCase = case, tag: str = tag) -> list[float]:
+            holder.clear()  # free the previous probe first
+            holder[tag] = OverheadBench(case, repeats=repeats)
+            return [float(holder[tag].params)]
+
+        steps.append(Step(label=f"overheads build {tag}", run=setup))
+        meaning[f"overheads build {tag}"] = (name, case.tp, case.layers, 0)
+        for mbs in micro_batch_sizes:
+            label = f"overheads {tag} mbs={mbs}"
+            steps.append(Step(label=label, run=lambda tag=tag, mbs=mbs: holder[tag].time(mbs)))
+            meaning[label] = (name, case.tp, case.layers, mbs)
+    return steps, meaning
+
+
+def overhead_records(results: Sequence[StepResult], meaning: dict[str, tuple[str, int, int, int]], *,
+                     key: str) -> list[OverheadRecord]:
+    """Records of the finished timing steps of probes whose build finished."""
+    params: dict[tuple[str, int], int] = {}
+    rows = []
+    for res in results:
+        if res.label not in meaning or not res.values:
+            continue
+        name, tp, layers, mbs = meaning[res.label]
+        if mbs == 0:
+            params[(name, layers)] = int(res.values[0])
+        elif (name, layers) in params:
+            rows.append(OverheadRecord(model=key, partition=name, tp=tp, layers=layers,
+                                       params=params[(name, layers)], micro_batch=mbs, microbatches=MICROBATCHES,
+                                       schedule_s=res.values[0], rest_s=res.values[1]))
+    return rows

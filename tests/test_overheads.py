@@ -1,0 +1,141 @@
+"""The overheads round's records, what the ProfileDB derives from them, and how the simulator uses them (pure: no
+process group)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cfp_megatron.cluster.measured import NothingMeasured, StepOverheads
+from cfp_megatron.config import job_from_config
+from cfp_megatron.profile.db import ProfileDB
+from cfp_megatron.profile.fingerprint import Fingerprint
+from cfp_megatron.profile.records import OverheadRecord, SegmentRecord
+from cfp_megatron.profile.runner import rounds_needed
+from cfp_megatron.profile.segments import micro_batches
+from cfp_megatron.sim import SimOptions, simulate
+from cfp_megatron.validate import load_preset
+
+FP = Fingerprint(device_name="Test CPU", device_count=4, nodes=1, gpus_per_node=4, backend="gloo", torch="2.13.0",
+                 megatron_core="0.16.1", cpu_cores=2)
+EMB, HEAD, LAYER, EXTRA = 0.001, 0.002, 0.005, 0.0015
+"""Embedding and head segments (forward + backward), one layer in the schedule, the schedule's cost per micro-batch."""
+
+
+def _segments(partition: str = "tp1") -> list[SegmentRecord]:
+    rows = []
+    for mb in (1, 4):
+        for kind, total in (("embedding", EMB), ("dense", 0.002), ("head", HEAD)):
+            rows.append(SegmentRecord(model="m", model_name="gpt_tiny", segment=f"{kind}-id", kind=kind,
+                                      partition=partition, tp=1, micro_batch=mb, seq_length=64,
+                                      forward_s=mb * total / 2, backward_s=mb * total / 2, confirmed=True))
+    return rows
+
+
+def _probe(layers: int, mb: int, partition: str = "tp1", *, base: float = 0.004) -> OverheadRecord:
+    per_micro = mb * (EMB + HEAD + layers * LAYER) + EXTRA
+    params = 10_000 + layers * 5_000
+    return OverheadRecord(model="m", partition=partition, tp=1, layers=layers, params=params, micro_batch=mb,
+                          microbatches=4, schedule_s=4 * per_micro, rest_s=base + 1e-7 * params)
+
+
+def _db() -> ProfileDB:
+    probes = [_probe(layers, mb) for layers in (1, 2) for mb in (1, 4)]
+    probes += [_probe(layers, mb, "tp2", base=0.009) for layers in (1, 2) for mb in (1, 4)]
+    return ProfileDB(fingerprint=FP).merged(segments=_segments() + _segments("tp2"), overheads=probes)
+
+
+def test_db_derives_layer_schedule_and_step_costs() -> None:
+    ov = _db().step_overheads("tp1", 4)
+    assert ov is not None
+    assert ov.layer_s == pytest.approx(4 * LAYER)
+    assert ov.per_microbatch_s == pytest.approx(EXTRA)
+    assert ov.step_per_param_s == pytest.approx(1e-7)  # one slope for every partition
+    assert ov.step_base_s == pytest.approx(0.004)
+    assert _db().step_overheads("tp2", 1).step_base_s == pytest.approx(0.009)  # each partition its intercept
+    between = _db().step_overheads("tp1", 2)  # interpolated between the measured sizes 1 and 4
+    assert between.layer_s == pytest.approx(2 * LAYER)
+    assert _db().step_overheads("tp4", 1) is None
+    assert NothingMeasured().step_overheads("tp1", 1) is None
+
+
+def test_overheads_round_trip_and_old_files_load() -> None:
+    db = _db()
+    again = ProfileDB.from_json(db.to_json())
+    assert again.overheads == db.overheads
+    old = db.to_json()
+    del old["overheads"]  # written before the overheads round existed
+    assert ProfileDB.from_json(old).overheads == ()
+    newer = db.merged(overheads=[dataclasses.replace(_probe(1, 1), schedule_s=1.0)])
+    assert len(newer.overheads) == len(db.overheads)  # same key replaced
+    assert db.has_overheads("m", 1) and not db.has_overheads("m", 4)
+
+
+def test_rounds_needed_asks_for_missing_probes() -> None:
+    db = _db()
+    assert "overheads" not in rounds_needed(db, "m", [1], [1], force=False)
+    assert "overheads" not in rounds_needed(db, "m", [1], [1, 4], force=False)  # what a timed-out round kept
+    assert "overheads" in rounds_needed(db, "other", [1], [1], force=False)
+
+
+def test_micro_batch_sizes_cover_the_powers_of_two_the_search_tries() -> None:
+    assert micro_batches(_tiny(mb=2)) == [1, 2, 4, 8]
+    assert micro_batches(_tiny(mb=1, gbs=2)) == [1, 2]
+
+
+class _Measured(NothingMeasured):
+    """Segments and step overheads, as a profiled local cluster has them."""
+
+    def __init__(self, overheads: StepOverheads | None) -> None:
+        self.overheads = overheads
+
+    def segment_seconds(self, segment: str, partition: str, micro_batch: int) -> tuple[float, float] | None:
+        return {"embedding": (0.001, 0.001), "dense": (0.002, 0.004), "head": (0.002, 0.001)}.get(segment)
+
+    def step_overheads(self, partition: str, micro_batch: int) -> StepOverheads | None:
+        return self.overheads
+
+
+TINY = {"name": "gpt_tiny", "num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
+        "vocab_size": 257, "max_position_embeddings": 256}
+
+
+def _tiny(cluster: dict | None = None, **parallel):
+    train = {"global_batch_size": parallel.pop("gbs", 16), "micro_batch_size": parallel.pop("mb", 2),
+             "seq_length": 64}
+    return job_from_config({"model": TINY, "cluster": cluster or {**load_preset("local"), "gpus_per_node": 4},
+                            "parallel": parallel, "train": train})
+
+
+def test_simulator_uses_the_measured_step() -> None:
+    job = _tiny(tp=1, pp=1)
+    ov = StepOverheads(partition="tp1", micro_batch=2, layer_s=0.012, per_microbatch_s=0.003, step_base_s=0.005,
+                       step_per_param_s=1e-8)
+    plain = simulate(job, measurements=_Measured(None), world_size=4)
+    measured = simulate(job, measurements=_Measured(ov), world_size=4)
+    mbs = plain.num_microbatches
+    # each layer costs 12 ms instead of its 6 ms segment, plus 3 ms per micro-batch
+    assert measured.time.forward_compute_s + measured.time.backward_compute_s == pytest.approx(
+        plain.time.forward_compute_s + plain.time.backward_compute_s + mbs * 4 * 0.006)
+    assert measured.time.overhead_s == pytest.approx(plain.time.overhead_s + mbs * 0.003)
+    params = 4 * 12 * 64 * 64 + 4 * 13 * 64  # weights of the four layers (and their biases, norms), approximately
+    assert measured.time.optimizer_s > 0.005 + 1e-8 * params * 0.9
+    # off with use_measured_segments, and presets have nothing measured
+    off = simulate(job, measurements=_Measured(ov), world_size=4, options=SimOptions(use_measured_segments=False))
+    assert off.step_time_s == pytest.approx(simulate(job, world_size=4,
+                                                     options=SimOptions(use_measured_segments=False)).step_time_s)
+
+
+def test_pipeline_adds_the_tied_embedding_all_reduce() -> None:
+    ov = StepOverheads(partition="tp1", micro_batch=2, layer_s=0.006, per_microbatch_s=0.0, step_base_s=0.0,
+                       step_per_param_s=0.0)
+    with_pp = simulate(_tiny(tp=1, pp=2), measurements=_Measured(ov), world_size=4)
+    without = simulate(_tiny(tp=1, pp=2), measurements=_Measured(None), world_size=4)
+    assert with_pp.time.dp_comm_s > without.time.dp_comm_s
+
+
+def test_presets_are_untouched() -> None:
+    preset = _tiny(cluster={**load_preset("dgx_h100"), "gpus_per_node": 4})
+    assert simulate(preset, measurements=NothingMeasured(), world_size=4).step_time_s == pytest.approx(
+        simulate(preset, world_size=4).step_time_s)

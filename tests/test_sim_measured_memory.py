@@ -1,0 +1,138 @@
+"""Activation memory from profiled segments (CFP): interpolation, the stage's peak under the schedule, the pipeline's
+buffers, the ProfileDB round trip, and the static parts of the memory model. Pure: no process group."""
+
+from __future__ import annotations
+
+import pytest
+
+from cfp_megatron.cluster.measured import NothingMeasured, SegmentMemory
+from cfp_megatron.config import job_from_config
+from cfp_megatron.errors import ConfigError
+from cfp_megatron.profile.db import ProfileDB
+from cfp_megatron.profile.fingerprint import Fingerprint
+from cfp_megatron.profile.records import SegmentRecord
+from cfp_megatron.sim import simulate
+from cfp_megatron.sim.measured_memory import (
+    interpolate,
+    measured_memory,
+    peak_activation_bytes,
+    pipeline_buffers,
+)
+from cfp_megatron.sim.memory import in_flight
+from cfp_megatron.validate import load_preset
+
+FP = Fingerprint(device_name="Test CPU", device_count=4, nodes=1, gpus_per_node=4, backend="gloo", torch="2.13.0",
+                 megatron_core="0.16.1", cpu_cores=2)
+
+
+def mem(a: float, t: float = 0.0, w: float = 0.0) -> SegmentMemory:
+    return SegmentMemory(activation_bytes=a, transient_bytes=t, workspace_bytes=w)
+
+
+def test_interpolates_between_and_beyond_measured_sizes() -> None:
+    points = [(1, mem(100, 10, 4)), (4, mem(400, 40, 16))]
+    assert interpolate(points, 4) == points[1][1]
+    mid = interpolate(points, 2)
+    assert (mid.activation_bytes, mid.transient_bytes, mid.workspace_bytes) == pytest.approx((200, 20, 8))
+    far = interpolate(points, 8)  # extrapolated from the two largest
+    assert far.activation_bytes == pytest.approx(800)
+    one = interpolate([(2, mem(50, 6, 2))], 4)  # one size: proportional
+    assert (one.activation_bytes, one.transient_bytes, one.workspace_bytes) == pytest.approx((100, 12, 4))
+    falling = interpolate([(2, mem(10)), (4, mem(100))], 1)  # never below zero
+    assert falling.activation_bytes == 0.0
+    with pytest.raises(ConfigError):
+        interpolate([], 2)
+    with pytest.raises(ConfigError):
+        interpolate(points, 0)
+
+
+def test_peak_holds_all_in_flight_micro_batches_and_the_worst_transient() -> None:
+    emb, layer, head = mem(10, 50), mem(100, 30, 64), mem(40, 5)
+    # One micro-batch: the peak is at the head (10 + 2*100 + 40 + 5 = 255) vs the embedding (10 + 50), plus the
+    # workspace once.
+    assert peak_activation_bytes([emb, layer, layer, head], 1) == pytest.approx(255 + 64)
+    # Three in flight: two more full micro-batches (250 each).
+    assert peak_activation_bytes([emb, layer, layer, head], 3) == pytest.approx(2 * 250 + 255 + 64)
+    # A big transient early in the stage can set the peak.
+    assert peak_activation_bytes([mem(10, 1000), layer], 1) == pytest.approx(1010 + 64)
+    assert peak_activation_bytes([], 2) == 0.0
+    with pytest.raises(ConfigError):
+        peak_activation_bytes([layer], 0)
+
+
+def test_pipeline_buffers_follow_megatrons_schedule() -> None:
+    h = 8.0
+    assert pipeline_buffers(h, pp=1, first=True, last=True, in_flight=1, microbatches=4) == 0.0
+    # First stage: outputs freed after sending (deallocate_pipeline_outputs), one received output gradient.
+    assert pipeline_buffers(h, pp=4, first=True, last=False, in_flight=4, microbatches=8) == pytest.approx(-3 * h)
+    # Middle stage: received inputs replace the freed outputs; plus the output gradient.
+    assert pipeline_buffers(h, pp=4, first=False, last=False, in_flight=3, microbatches=8) == pytest.approx(h)
+    # Last stage: its received input and the previous micro-batch's input gradient.
+    assert pipeline_buffers(h, pp=4, first=False, last=True, in_flight=1, microbatches=8) == pytest.approx(2 * h)
+    assert pipeline_buffers(h, pp=4, first=False, last=True, in_flight=1, microbatches=1) == pytest.approx(h)
+
+
+def test_in_flight_micro_batches_of_1f1b() -> None:
+    assert [in_flight(r, 4, 1, 8) for r in range(4)] == [4, 3, 2, 1]
+    assert [in_flight(r, 4, 1, 2) for r in range(4)] == [2, 2, 2, 1]
+    assert in_flight(0, 1, 1, 8) == 1
+    assert in_flight(0, 4, 2, 8) > in_flight(0, 4, 1, 8)
+
+
+def _record(kind: str, mb: int, **memory: float) -> SegmentRecord:
+    return SegmentRecord(model="abc", model_name="gpt_tiny", segment=f"id-{kind}", kind=kind, partition="tp1", tp=1,
+                         micro_batch=mb, seq_length=64, forward_s=0.01, backward_s=0.02, confirmed=True, **memory)
+
+
+def test_segment_records_keep_memory_and_read_old_json() -> None:
+    new = _record("dense", 2, activation_bytes=2e5, transient_bytes=5e4, workspace_bytes=1e4)
+    assert SegmentRecord.from_json(new.to_json()) == new
+    old = new.to_json()
+    for key in ("activation_bytes", "transient_bytes", "workspace_bytes"):
+        del old[key]
+    assert SegmentRecord.from_json(old).activation_bytes is None  # written before memory was measured
+    db = ProfileDB(fingerprint=FP).merged(segments=[new, SegmentRecord.from_json({**old, "micro_batch": 4})])
+    db = ProfileDB.from_json(db.to_json())
+    assert db.segment_memory("dense", "tp1", 2) == mem(2e5, 5e4, 1e4)
+    assert db.segment_memory("id-dense", "tp1", 2) == mem(2e5, 5e4, 1e4)
+    assert db.segment_memory("dense", "tp1", 4) is None  # times only
+    assert db.has_segments("abc", 1, 2) and not db.has_segments("abc", 1, 4)
+    assert measured_memory(db, "dense", "tp1", 6).activation_bytes == pytest.approx(6e5)
+    assert measured_memory(db, "dense", "tp2", 2) is None
+    assert NothingMeasured().segment_memory("dense", "tp1", 2) is None
+
+
+def _tiny(**parallel: object):
+    model = {"name": "gpt_tiny", "num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 256,
+             "num_attention_heads": 4, "vocab_size": 257, "max_position_embeddings": 256}
+    train = {"global_batch_size": 16, "micro_batch_size": parallel.pop("mb", 1), "seq_length": 64}
+    return job_from_config({"model": model, "cluster": {**load_preset("local"), "gpus_per_node": 4},
+                            "parallel": parallel, "train": train})
+
+
+def test_static_memory_counts_every_parameter_in_the_runtime_precision() -> None:
+    # gpt_tiny (biases, learned positions, tied embeddings, vocabulary 257 padded to 384) in fp32 on CPU, as the
+    # runtime's MemTracker counts it: 241,024 parameters x 4 bytes; gradients 4 bytes; Adam 8 bytes.
+    whole = simulate(_tiny(), world_size=4).memory
+    assert whole.parameters == 241_024 * 4 and whole.gradients == 241_024 * 4
+    assert whole.optimizer_states == 241_024 * 8
+    last = simulate(_tiny(pp=4, mb=8), world_size=4).memory  # the analytical peak: the last stage
+    assert last.stage == 3 and last.parameters == 74_688 * 4  # a layer, the final norm, the output weights
+
+
+def test_measured_segments_replace_the_analytical_activations() -> None:
+    seg = [_record("embedding", 1, activation_bytes=1e3, transient_bytes=5e3),
+           _record("dense", 1, activation_bytes=3e5, transient_bytes=1e5, workspace_bytes=6e4),
+           _record("head", 1, activation_bytes=1e5, transient_bytes=1e5)]
+    db = ProfileDB(fingerprint=FP).merged(segments=seg).for_model("abc")
+    job = _tiny()
+    measured = simulate(job, measurements=db, world_size=4).memory
+    # PP=1: one micro-batch in flight; the peak is at the head's backward; the workspace once.
+    assert measured.activations == pytest.approx(1e3 + 4 * 3e5 + 1e5 + 1e5 + 6e4)
+    assert measured.comm_buffers == 0.0
+    analytical = simulate(job, world_size=4).memory
+    assert analytical.activations != measured.activations
+    assert measured.parameters == analytical.parameters
+    # Full recomputation was not profiled: the analytical model stands.
+    full = _tiny(recompute="full")
+    assert simulate(full, measurements=db, world_size=4).memory == simulate(full, world_size=4).memory
