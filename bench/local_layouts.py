@@ -105,23 +105,16 @@ def predict(layout: Layout, nproc: int, model: str, common: list[str]) -> tuple[
     from hydra import compose, initialize_config_dir
 
     from cfp_megatron.config import job_from_config, register_configs
-    from cfp_megatron.profile.cluster import measured_cluster
-    from cfp_megatron.profile.db import load_db
-    from cfp_megatron.profile.fingerprint import current_fingerprint
-    from cfp_megatron.profile.segments import model_key
-    from cfp_megatron.runtime.distributed import resolve_backend
+    from cfp_megatron.profile.cluster import local_measurements
     from cfp_megatron.sim.simulate import simulate
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=[f"model={model}", *common, *layout.overrides()])
     job = job_from_config(cfg)
-    fp = current_fingerprint(world_size=nproc, nodes=job.cluster.nodes, backend=resolve_backend(job.cluster.backend))
-    db = load_db(fp)
+    cluster, db = local_measurements(job, world_size=nproc)
     if db is None:
         raise SystemExit("no ProfileDB for this machine and world size: the profiling step failed")
-    db = db.for_model(model_key(job, on_gpu=False))
-    cluster = measured_cluster(job.cluster, db, gpus_per_node=nproc)
     prediction = simulate(job, cluster, db, world_size=nproc)
     return prediction.step_time_s, prediction.memory.total
 

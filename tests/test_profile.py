@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cfp_megatron.cluster.measured import Collective, Measurements, Span
+from cfp_megatron.cluster.measured import Collective, Measurements, Span, partition_name
 from cfp_megatron.config import ClusterSpec
 from cfp_megatron.profile.cluster import measured_cluster
 from cfp_megatron.profile.collectives import group_patterns
@@ -21,7 +21,6 @@ from cfp_megatron.profile.records import (
     RoundRecord,
     RoundStatus,
     SegmentRecord,
-    partition_name,
 )
 
 FP = Fingerprint(device_name="Test CPU", device_count=4, nodes=1, gpus_per_node=4, backend="gloo", torch="2.13.0",
@@ -147,3 +146,22 @@ def test_measured_cluster_replaces_figures() -> None:
     assert filled.intra_node_bandwidth_gbps == pytest.approx(fit.bandwidth_bytes_per_s / 1e9)
     assert filled.intra_node_latency_us == pytest.approx(fit.latency_s * 1e6)
     assert filled.inter_node_bandwidth_gbps is None and filled.gpus_per_node == 4
+
+
+def test_local_measurements_fill_the_job_cluster_from_this_machines_db(tmp_path, monkeypatch) -> None:
+    import dataclasses
+
+    from cfp_megatron.config import job_from_config
+    from cfp_megatron.profile.cluster import local_measurements
+    from cfp_megatron.profile.db import store_db
+    from cfp_megatron.profile.fingerprint import current_fingerprint
+
+    monkeypatch.setenv("CFP_CACHE_DIR", str(tmp_path))
+    job = job_from_config({"model": {"name": "gpt_tiny"}})
+    cluster, db = local_measurements(job, world_size=4, backend="gloo")
+    assert db is None and cluster == job.cluster  # not profiled: the preset as it is
+    here = current_fingerprint(world_size=4, nodes=1, backend="gloo")
+    store_db(dataclasses.replace(_db(), fingerprint=here))
+    cluster, db = local_measurements(job, world_size=4, backend="gloo")
+    assert db is not None and db.fingerprint == here
+    assert cluster.peak_tflops_fp32 == pytest.approx(1.024) and cluster.gpus_per_node == here.gpus_per_node

@@ -32,6 +32,13 @@ class Span(enum.Enum):
     """The group crosses nodes (InfiniBand/RoCE)."""
 
 
+def partition_name(tp: int, *, sp: bool = False) -> str:
+    """Canonical string of Megatron's tensor-parallel layout over ``tp`` ranks, the key profiling stores segments
+    under: ``tp1``, ``tp2``, ...; with sequence parallelism (activations outside the TP regions split along the
+    sequence, meaningful only with ``tp > 1``) ``tp2-sp``."""
+    return f"tp{int(tp)}" + ("-sp" if sp and tp > 1 else "")
+
+
 def ring_factor(op: Collective, group_size: int) -> float:
     """Bytes each rank moves per byte of message with the ring algorithm (NCCL's "bus bandwidth" factor).
 

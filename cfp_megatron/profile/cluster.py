@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from cfp_megatron.cluster.measured import Collective, CollectiveFit, Measurements, Span
-from cfp_megatron.config import ClusterSpec
+from cfp_megatron.config import ClusterSpec, JobSpec
+
+if TYPE_CHECKING:
+    from cfp_megatron.profile.db import ProfileDB
 
 
 def link_fit(measured: Measurements, span: Span) -> CollectiveFit | None:
@@ -36,18 +40,25 @@ def measured_cluster(spec: ClusterSpec, measured: Measurements, *, gpus_per_node
     return dataclasses.replace(spec, **changes)
 
 
-def measured_local_cluster(spec: ClusterSpec, *, world_size: int, backend: str | None = None) -> ClusterSpec:
-    """The cluster ``spec`` filled from the ProfileDB of this machine for a job of ``world_size`` ranks (the spec
-    unchanged when this machine has not been profiled with that many ranks)."""
+def local_measurements(job: JobSpec, *, world_size: int,
+                       backend: str | None = None) -> tuple[ClusterSpec, ProfileDB | None]:
+    """What this machine measured for ``job`` on ``world_size`` ranks: the job's cluster filled from its ProfileDB
+    and the DB itself, scoped to the job's model (segment kinds resolve against it); the cluster unchanged and
+    ``None`` when this machine has not been profiled with that many ranks."""
+    import torch
+
     from cfp_megatron.profile.db import load_db
     from cfp_megatron.profile.fingerprint import current_fingerprint
+    from cfp_megatron.profile.segments import model_key
     from cfp_megatron.runtime.distributed import resolve_backend
 
+    spec = job.cluster
     fp = current_fingerprint(world_size=world_size, nodes=spec.nodes, backend=backend or resolve_backend(spec.backend))
     db = load_db(fp)
     if db is None:
-        return spec
-    return measured_cluster(spec, db, gpus_per_node=fp.gpus_per_node)
+        return spec, None
+    db = db.for_model(model_key(job, on_gpu=torch.cuda.is_available()))
+    return measured_cluster(spec, db, gpus_per_node=fp.gpus_per_node), db
 
 
 def describe_cluster(spec: ClusterSpec) -> str:

@@ -34,7 +34,6 @@ from cfp_megatron.profile.records import (
     GemmRecord,
     OverheadRecord,
     RoundRecord,
-    RoundStatus,
     SegmentRecord,
 )
 
@@ -192,10 +191,6 @@ class ProfileDB:
         before memory was measured do not count, so the next run measures them again)."""
         return any(r.model == model and r.tp == tp and r.micro_batch == micro_batch and r.activation_bytes is not None
                    for r in self.segments)
-
-    def round_complete(self, name: str) -> bool:
-        """Whether a round called ``name`` has ended ``ok`` in some run."""
-        return any(r.name == name and r.status is RoundStatus.ok for r in self.rounds)
 
     # ---------------------------------------------------------------------------------------------- updates
     def merged(self, *, collectives: Iterable[CollectiveRecord] = (), gemms: Iterable[GemmRecord] = (),

@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
+from cfp_megatron.cluster.measured import partition_name
 from cfp_megatron.config import JobSpec
 from cfp_megatron.parallel_dims import ParallelDims
 from cfp_megatron.profile.control import Step, StepResult
-from cfp_megatron.profile.records import OverheadRecord, partition_name
+from cfp_megatron.profile.records import OverheadRecord
 from cfp_megatron.profile.segments import SegmentCase, init_probe_groups
 
 MICROBATCHES = 4

@@ -159,12 +159,6 @@ class SegmentRecord:
         return cls(**data)
 
 
-def partition_name(tp: int, *, sp: bool = False) -> str:
-    """Canonical string of Megatron's tensor-parallel layout over ``tp`` ranks: ``tp1``, ``tp2``, ...; with
-    sequence parallelism (activations outside the TP regions split along the sequence) ``tp2-sp``."""
-    return f"tp{int(tp)}" + ("-sp" if sp else "")
-
-
 @dataclass(frozen=True, kw_only=True)
 class OverheadRecord:
     """One probe model trained with the runtime's own step (:mod:`cfp_megatron.profile.overheads`) at one

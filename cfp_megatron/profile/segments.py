@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
+from cfp_megatron.cluster.measured import partition_name
 from cfp_megatron.config import JobSpec, ParallelSpec
 from cfp_megatron.errors import ConfigError
 from cfp_megatron.parallel_dims import ParallelDims
 from cfp_megatron.profile.control import Step, StepResult
-from cfp_megatron.profile.records import SegmentRecord, partition_name
+from cfp_megatron.profile.records import SegmentRecord
 
 KINDS_ORDER = ("embedding", "dense", "moe", "head")
 """Segment kinds in model order."""

@@ -10,7 +10,7 @@ through them gives every size; with fewer, the sizes between are interpolated li
 
 from __future__ import annotations
 
-from cfp_megatron.cluster.measured import Measurements, interpolate_rows, least_squares_line
+from cfp_megatron.cluster.measured import Measurements, interpolate_rows, least_squares_line, partition_name
 from cfp_megatron.config import JobSpec
 from cfp_megatron.sim.layer_cost import LayerCost, PassCost
 
@@ -19,11 +19,6 @@ KINDS = ("embedding", "dense", "moe", "head")
 
 _PROBE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 """Micro-batch sizes looked up when interpolating."""
-
-
-def partition_name(tp: int, sequence_parallel: bool) -> str:
-    """The canonical partition string profiling stores: ``tp<N>``, ``tp<N>-sp`` with sequence parallelism."""
-    return f"tp{tp}-sp" if sequence_parallel and tp > 1 else f"tp{tp}"
 
 
 def _points(measurements: Measurements, kind: str, partition: str) -> list[tuple[int, float, float]]:
@@ -64,35 +59,30 @@ def _as_pass(seconds: float) -> PassCost:
 
 def apply_measured(job: JobSpec, measurements: Measurements | None, micro_batch: int, dense: LayerCost,
                    moe: LayerCost, emb: tuple[PassCost, PassCost], out: tuple[PassCost, PassCost]
-                   ) -> tuple[LayerCost, LayerCost, tuple[PassCost, PassCost], tuple[PassCost, PassCost], bool]:
+                   ) -> tuple[LayerCost, LayerCost, tuple[PassCost, PassCost], tuple[PassCost, PassCost]]:
     """The layer costs with measured segments in place of the analytical ones where profiling has them.
 
-    Returns ``(dense, moe, embedding, head, used)``; ``used`` says whether any measurement was applied. The
+    Returns ``(dense, moe, embedding, head)``. The
     recomputation cost keeps the analytical model's share of the forward pass (full recompute: the whole forward).
     """
     if measurements is None:
-        return dense, moe, emb, out, False
-    partition = partition_name(job.parallel.tp, job.parallel.sp)
-    used = False
+        return dense, moe, emb, out
+    partition = partition_name(job.parallel.tp, sp=job.parallel.sp)
 
     def layer(kind: str, cost: LayerCost) -> LayerCost:
-        nonlocal used
         hit = measured_pass(measurements, kind, partition, micro_batch)
         if hit is None:
             return cost
-        used = True
         share = cost.recompute.total_s / cost.forward.total_s if cost.forward.total_s > 0 else 0.0
         return LayerCost(forward=_as_pass(hit[0]), backward=_as_pass(hit[1]), recompute=_as_pass(share * hit[0]),
                          params=cost.params, expert_params=cost.expert_params)
 
     def ends(kind: str, cost: tuple[PassCost, PassCost]) -> tuple[PassCost, PassCost]:
-        nonlocal used
         hit = measured_pass(measurements, kind, partition, micro_batch)
         if hit is None:
             return cost
-        used = True
         return _as_pass(hit[0]), _as_pass(hit[1])
 
     new_dense = layer("dense", dense)
     new_moe = layer("moe", moe) if job.model.is_moe else new_dense
-    return new_dense, new_moe, ends("embedding", emb), ends("head", out), used
+    return new_dense, new_moe, ends("embedding", emb), ends("head", out)

@@ -77,10 +77,6 @@ class TimeBreakdown:
         """Sum of the components (equals the step time)."""
         return sum(getattr(self, f.name) for f in fields(self))
 
-    def as_dict(self) -> dict[str, float]:
-        """Component name -> seconds."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryBreakdown:

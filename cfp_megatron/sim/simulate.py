@@ -11,14 +11,14 @@ from __future__ import annotations
 import dataclasses
 
 from cfp_megatron.cluster.costs import CollectiveCosts
-from cfp_megatron.cluster.measured import Collective, Measurements
+from cfp_megatron.cluster.measured import Collective, Measurements, partition_name
 from cfp_megatron.config import ClusterSpec, JobSpec
 from cfp_megatron.runtime.flops import training_flops_per_token
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layer_cost import LayerCost, PassCost, embedding_cost, layer_cost, output_layer_cost
 from cfp_megatron.sim.layout import build_layout
-from cfp_megatron.sim.measured_segments import apply_measured, partition_name
+from cfp_megatron.sim.measured_segments import apply_measured
 from cfp_megatron.sim.memory import stage_memory
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.prediction import GIB, Event, EventKind, Prediction, TimeBreakdown
@@ -58,11 +58,11 @@ def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Mea
         out = output_layer_cost(job, layout, kernels, costs)
     overheads = None
     if options.use_measured_segments:
-        dense, moe, emb_m, out_m, _ = apply_measured(job, measurements, layout.micro_batch, dense, moe, emb, out)
+        dense, moe, emb_m, out_m = apply_measured(job, measurements, layout.micro_batch, dense, moe, emb, out)
         if not options.measured_layer_only:
             emb, out = emb_m, out_m
             if measurements is not None and not m.is_moe:
-                overheads = measurements.step_overheads(partition_name(job.parallel.tp, job.parallel.sp),
+                overheads = measurements.step_overheads(partition_name(job.parallel.tp, sp=job.parallel.sp),
                                                         layout.micro_batch)
     per_pass = PassCost()
     if overheads is not None:
