@@ -36,6 +36,16 @@ class Recompute(enum.Enum):
     full = "full"
 
 
+class RecomputeMethod(enum.Enum):
+    """Which layers full recomputation covers (Megatron's ``recompute_method``)."""
+
+    uniform = "uniform"
+    """Every layer is recomputed, in groups of ``recompute_num_layers`` layers (each group keeps only its input)."""
+    block = "block"
+    """Only the first ``recompute_num_layers`` layers of each pipeline chunk (virtual stage) are recomputed; the
+    chunk's other layers keep their activations."""
+
+
 class PositionEmbedding(enum.Enum):
     """How token positions enter the model (Megatron's ``position_embedding_type``)."""
 
@@ -356,7 +366,11 @@ class ParallelSpec:
     recompute: Recompute = Recompute.none
     """Activation recomputation: none, selective (core attention), or full (every layer)."""
     recompute_num_layers: int = 1
-    """With ``recompute=full``: layers per recomputed group (Megatron's uniform method)."""
+    """With ``recompute=full``: layers per recomputed group (``uniform``), or recomputed layers per pipeline chunk
+    (``block``)."""
+    recompute_method: RecomputeMethod = RecomputeMethod.uniform
+    """With ``recompute=full``: ``uniform`` recomputes every layer, ``block`` only the first
+    ``recompute_num_layers`` layers of each pipeline chunk (the others keep their activations)."""
     overlap_grad_reduce: bool = False
     """Overlap data-parallel gradient reduction with the backward pass."""
     overlap_param_gather: bool = False
@@ -379,6 +393,11 @@ class ParallelSpec:
                                       problem="overlapping the parameter all-gather needs the distributed optimizer.",
                                       fix="set parallel.distributed_optimizer=true or parallel.overlap_param_gather"
                                           "=false."))
+        if self.recompute_method is RecomputeMethod.block and self.recompute is not Recompute.full:
+            issues.append(ConfigIssue(key=f"{p}.recompute_method", value=self.recompute_method.value,
+                                      problem="the block method chooses which layers full recomputation covers; it "
+                                              f"needs parallel.recompute=full (got {self.recompute.value}).",
+                                      fix="set parallel.recompute=full or parallel.recompute_method=uniform."))
         if self.vpp is not None and self.vpp > 1 and self.pp == 1:
             issues.append(ConfigIssue(key=f"{p}.vpp", value=self.vpp,
                                       problem="virtual pipeline stages need parallel.pp > 1.",
@@ -559,6 +578,17 @@ JobSchema = _mutable_twin(JobSpec, {})
 """Mutable twin of :class:`JobSpec`, stored in Hydra's ConfigStore as ``cfp_schema``."""
 
 
+def _root_schema() -> type:
+    """The schema of the whole composed config: :data:`JobSchema`'s groups plus the planner's optional ``cfp`` group
+    (``None`` unless a ``cfp`` option such as ``+cfp=auto`` is chosen)."""
+    from cfp_megatron.search.spec import CfpSpec
+
+    cfp = _mutable_twin(CfpSpec, {})
+    extra = [(f.name, f.type, field(default_factory=f.default_factory)) for f in dataclasses.fields(JobSchema)]
+    return dataclasses.make_dataclass("CfpRootSchema", [*extra, ("cfp", cfp | None, field(default=None))],
+                                      kw_only=True)
+
+
 def register_configs() -> None:
     """Store the schema in Hydra's ConfigStore (``conf/config.yaml`` lists ``cfp_schema`` first in its defaults)
     and register the ``cfp_run_id`` resolver used by ``hydra.run.dir``."""
@@ -567,7 +597,7 @@ def register_configs() -> None:
 
     from cfp_megatron.runtime.launch_env import run_id
 
-    ConfigStore.instance().store(name="cfp_schema", node=JobSchema)
+    ConfigStore.instance().store(name="cfp_schema", node=_root_schema())
     if not OmegaConf.has_resolver("cfp_run_id"):
         OmegaConf.register_new_resolver("cfp_run_id", run_id)
 
@@ -632,7 +662,7 @@ def job_from_config(cfg: Any) -> JobSpec:
             built[name] = _build(cls, _to_plain(raw.get(name, {})))
         except ConfigError as err:
             issues.extend(err.issues)
-    extra = sorted(set(raw) - set(SECTIONS) - {"hydra"})
+    extra = sorted(set(raw) - set(SECTIONS) - {"hydra", "cfp"})  # cfp: the planner's group (cfp_from_config)
     issues.extend(ConfigIssue(key=k, value=raw[k], problem="is not a known config group.",
                               fix=f"remove it; groups are {sorted(SECTIONS)}.") for k in extra)
     if issues:

@@ -158,7 +158,7 @@ class ParallelDims:
                  "shorten the sequence or raise model.max_position_embeddings.")
 
         # Options that do not go together.
-        if p.recompute is Recompute.full:
+        if p.recompute is Recompute.full:  # both methods: uniform's group and block's recomputed layers per chunk
             layers_per_chunk = m.num_layers // max(p.pp * vpp, 1)
             need(p.recompute_num_layers <= max(layers_per_chunk, 1), "parallel.recompute_num_layers",
                  p.recompute_num_layers, f"exceeds the {layers_per_chunk} layers of each pipeline chunk.",

@@ -22,6 +22,7 @@ from cfp_megatron.config import (
     ModelSpec,
     Normalization,
     PositionEmbedding,
+    RecomputeMethod,
     RouterScore,
     job_from_config,
     register_configs,
@@ -531,6 +532,39 @@ def test_recompute_layers_vs_chunk() -> None:
     err = build_errors(2, "parallel.pp=2", "parallel.recompute=full", "parallel.recompute_num_layers=3")
     assert err.keys == ["parallel.recompute_num_layers"]
     assert "exceeds the 2 layers of each pipeline chunk." in str(err)
+
+
+def test_block_recompute_needs_full() -> None:
+    for recompute in ("none", "selective"):
+        with pytest.raises(ConfigError) as info:
+            make_job(f"parallel.recompute={recompute}", "parallel.recompute_method=block")
+        assert info.value.keys == ["parallel.recompute_method"]
+        assert f"needs parallel.recompute=full (got {recompute})." in str(info.value)
+        assert "set parallel.recompute=full or parallel.recompute_method=uniform." in str(info.value)
+    job = make_job("parallel.recompute=full", "parallel.recompute_method=block", "parallel.recompute_num_layers=2")
+    assert job.parallel.recompute_method is RecomputeMethod.block
+    assert make_job().parallel.recompute_method is RecomputeMethod.uniform
+
+
+def test_block_recompute_layers_vs_chunk() -> None:
+    err = build_errors(2, "parallel.pp=2", "parallel.recompute=full", "parallel.recompute_method=block",
+                       "parallel.recompute_num_layers=3")
+    assert err.keys == ["parallel.recompute_num_layers"]
+    assert "exceeds the 2 layers of each pipeline chunk." in str(err)
+    ParallelDims.build(make_job("parallel.pp=2", "parallel.recompute=full", "parallel.recompute_method=block",
+                                "parallel.recompute_num_layers=2"), 2, te_available=False)
+
+
+def test_block_recompute_reaches_megatron() -> None:
+    from cfp_megatron.runtime.model import transformer_config
+
+    job = make_job("parallel.recompute=full", "parallel.recompute_method=block", "parallel.recompute_num_layers=2")
+    config = transformer_config(job, ParallelDims.build(job, 1, te_available=False), on_gpu=False)
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "block", 2)
+    uniform = make_job("parallel.recompute=full")
+    config = transformer_config(uniform, ParallelDims.build(uniform, 1, te_available=False), on_gpu=False)
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "uniform",
+                                                                                                    1)
 
 
 def test_many_problems_in_one_error() -> None:

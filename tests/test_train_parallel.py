@@ -54,6 +54,9 @@ LAYOUTS = [
     pytest.param("llama_tiny", 4, ["parallel.tp=2", "parallel.pp=2"], id="llama-tp2-pp2"),
     pytest.param("llama_tiny", 2, ["parallel.tp=2", "parallel.sp=true", "parallel.recompute=full"],
                  id="llama-tp2-sp-recompute"),
+    # Block recomputation: the first of each stage's 2 layers recomputed, the second keeps its activations.
+    pytest.param("gpt_tiny", 2, ["parallel.pp=2", "parallel.recompute=full", "parallel.recompute_method=block",
+                                 "parallel.recompute_num_layers=1"], id="gpt-pp2-recompute-block"),
     pytest.param("moe_tiny", 2, ["parallel.ep=2"], id="moe-ep2"),
 ]
 

@@ -1,13 +1,14 @@
 """The overheads round: what a real training step costs beyond the segments' forward and backward passes.
 
-For each tensor-parallel size of the segments round, a probe model (one layer per decoder kind, then one more layer)
-is trained with the runtime's own pieces (:mod:`cfp_megatron.runtime.trainer`: Megatron DDP, optimizer with
-grad-norm clipping, ``get_forward_backward_func``, ``finalize_model_grads``, the loss all-reduce) on the live process
-groups, the rest of the world data-parallel, every rank busy as in training. Each step is split into the schedule
-call (the gradient finalisation, which the simulator models from the collective fits, taken out), ``optimizer.step``
-and the rest; the schedule is timed with one and with several micro-batches of one sequence. From these the ProfileDB
-derives the per-micro-batch cost of the schedule beyond the segments, the optimizer's fixed and per-parameter cost,
-and the step's other fixed costs (:meth:`cfp_megatron.profile.db.ProfileDB.step_overheads`).
+For each tensor-parallel size of the segments round, a probe model (one layer per decoder kind, then up to
+:data:`EXTRA_LAYERS` more, never more than the model has) is trained with the runtime's own pieces
+(:mod:`cfp_megatron.runtime.trainer`: Megatron DDP, optimizer with grad-norm clipping, ``get_forward_backward_func``,
+``finalize_model_grads``, the loss all-reduce) on the live process groups, the rest of the world data-parallel, every
+rank busy as in training. Each step is split into the schedule call (the gradient finalisation, which the simulator
+models from the collective fits, taken out), ``optimizer.step`` and the rest; the schedule is timed with one and with
+several micro-batches of one sequence. From these the ProfileDB derives the per-micro-batch cost of the schedule
+beyond the segments, the optimizer's fixed and per-parameter cost, and the step's other fixed costs
+(:meth:`cfp_megatron.profile.db.ProfileDB.step_overheads`).
 """
 
 from __future__ import annotations
@@ -32,11 +33,14 @@ MICROBATCHES = 4
 """Micro-batches per timed step."""
 WARMUP = 1
 """Untimed steps before each timed set (the first step after a build or at a new batch size runs slow)."""
+EXTRA_LAYERS = 3
+"""Layers the larger probe adds (capped by the model's own layers): one layer's time is the difference of the two
+probes over the layers between them, so each added layer divides the timing noise of that difference."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class OverheadCase:
-    """One probe to train: a segment case's probe job with its own layers or one more."""
+    """One probe to train: a segment case's probe job with its own layers or a few more."""
 
     tp: int
     """Tensor-parallel size."""
@@ -48,15 +52,17 @@ class OverheadCase:
     """Its layout over the whole world."""
 
 
-def overhead_cases(cases: Sequence[SegmentCase], world: int) -> list[OverheadCase]:
-    """Per segment case, its probe with its own layers and with one more (the difference is one layer as it runs in
-    training; the parameters it adds give the optimizer's per-parameter cost)."""
+def overhead_cases(cases: Sequence[SegmentCase], world: int, model_layers: int) -> list[OverheadCase]:
+    """Per segment case, its probe with its own layers and with up to :data:`EXTRA_LAYERS` more, at most
+    ``model_layers`` (the difference is the layers as they run in training; the parameters they add give the
+    optimizer's per-parameter cost)."""
     found = []
     for case in cases:
         base = case.job.model.num_layers
+        extra = max(1, min(EXTRA_LAYERS, model_layers - base))
         dp = max(world // case.tp, 1)
         train = dataclasses.replace(case.job.train, micro_batch_size=1, global_batch_size=MICROBATCHES * dp)
-        for layers in (base, base + 1):
+        for layers in (base, base + extra):
             model = dataclasses.replace(case.job.model, num_layers=layers)
             job = dataclasses.replace(case.job, model=model, train=train)
             found.append(OverheadCase(tp=case.tp, layers=layers, job=job, dims=ParallelDims.build(job, world)))

@@ -188,7 +188,7 @@ def _run_rounds(job: JobSpec, plan: dict[str, Any], *, world: int, on_gpu: bool,
             steps, meaning = segment_steps(cases, micro_batches(job), model_kinds(job), repeats=5 if on_gpu else 7)
         else:
             cases, _ = segment_cases(job, world)
-            steps, meaning = overhead_steps(overhead_cases(cases, world), micro_batches(job),
+            steps, meaning = overhead_steps(overhead_cases(cases, world, job.model.num_layers), micro_batches(job),
                                             repeats=4)
         remaining = [n for n in todo if n not in out]
         left = budget_s - (time.perf_counter() - started)
@@ -230,9 +230,8 @@ def _merge(db: ProfileDB, job: JobSpec, plan: dict[str, Any], results: dict[str,
 
 
 def _teardown() -> None:
-    from megatron.core import parallel_state
+    from cfp_megatron.profile.segments import release_megatron_groups
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    release_megatron_groups()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -83,7 +83,8 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
     if p.recompute is Recompute.selective:
         kwargs.update(recompute_granularity="selective")
     elif p.recompute is Recompute.full:
-        kwargs.update(recompute_granularity="full", recompute_method="uniform",
+        # uniform: every layer, in groups of recompute_num_layers; block: the first recompute_num_layers of the chunk.
+        kwargs.update(recompute_granularity="full", recompute_method=p.recompute_method.value,
                       recompute_num_layers=p.recompute_num_layers)
     if m.is_moe:
         freq: int | list[int] = 1

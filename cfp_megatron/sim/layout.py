@@ -58,6 +58,12 @@ def build_layout(job: JobSpec, world_size: int | None = None) -> Layout:
     if gpn is None:
         gpn = max(world_size // max(c.nodes, 1), 1)
     dims = ParallelDims.build(job, world_size, te_available=True)
+    return place(job, dims, gpn)
+
+
+def place(job: JobSpec, dims: ParallelDims, gpus_per_node: int) -> Layout:
+    """Where the groups of ``dims`` (already validated, or taken as given) sit on nodes of ``gpus_per_node``."""
+    gpn = gpus_per_node
     dense = _strides(job.parallel.order, {"tp": dims.tp, "cp": dims.cp, "dp": dims.dp, "pp": dims.pp})
     expert = _strides(job.parallel.order, {"tp": dims.etp, "ep": dims.ep, "dp": dims.expert_dp, "pp": dims.pp})
     tp_k, _ = group_placement(dims.tp, dense["tp"], gpn)

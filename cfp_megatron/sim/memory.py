@@ -5,8 +5,9 @@ Activations per layer follow Korthikanti et al. (2022), Table 2, term by term, s
 only when dropout is on, fused attention (no ``s x s`` scores), TP with and without sequence parallelism, and CP
 (each rank keeps ``s / cp`` tokens). For GPT-style MHA with dropout this is ``s b h (34 + 5 a s / h)`` bytes without
 TP, ``s b h (10 + 24 / t + 5 a s / (h t))`` with TP, ``s b h / t (34 + 5 a s / h)`` with TP + SP; selective
-recomputation drops the ``a s`` terms; full recomputation keeps only each layer's input. Stage ``r`` of 1F1B holds
-``pp - r`` micro-batches; the interleaved schedule holds its warm-up count of model chunks plus one.
+recomputation drops the ``a s`` terms; full recomputation keeps only each layer's input (with the ``block`` method
+only for the first ``recompute_num_layers`` layers of each pipeline chunk; the others keep everything). Stage ``r``
+of 1F1B holds ``pp - r`` micro-batches; the interleaved schedule holds its warm-up count of model chunks plus one.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from cfp_megatron.config import (
     PositionEmbedding,
     Precision,
     Recompute,
+    RecomputeMethod,
 )
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.measured_memory import measured_memory, peak_activation_bytes, pipeline_buffers
@@ -51,8 +53,11 @@ def layer_extra_params(job: JobSpec, layout: Layout) -> float:
     return extra
 
 
-def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *, moe: bool) -> tuple[float, float]:
-    """(bytes kept for backward by one layer for one micro-batch, the same under full recomputation)."""
+def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *, moe: bool,
+                           recompute: Recompute | None = None) -> tuple[float, float]:
+    """(bytes kept for backward by one layer for one micro-batch, the same under full recomputation).
+
+    ``recompute`` overrides the plan's recomputation for this layer (``block`` leaves some layers unrecomputed)."""
     m, d = job.model, layout.dims
     t, sp = d.tp, d.sp
     tokens = layout.micro_batch * layout.seq_length / d.cp
@@ -67,7 +72,7 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
     per_token = (2 * h + 2 * h + 2 * h + 2 * h + 2 * hidden_mask * h) * rep
     # Split over TP: Q, K, V, attention output (projection input).
     per_token += (2 * q_width + 2 * kv_width + 2 * kv_width + 2 * q_width) / t
-    recompute = job.parallel.recompute
+    recompute = job.parallel.recompute if recompute is None else recompute
     if not options.flash_attention and recompute is Recompute.none:
         attn_mask = 1.0 if m.attention_dropout > 0 else 0.0
         per_token += heads * layout.seq_length * (2 + attn_mask + 2 * attn_mask) / t
@@ -91,6 +96,24 @@ def in_flight(rank: int, pp: int, vpp: int, microbatches: int) -> int:
         return min(pp - rank, microbatches)
     warm = total if microbatches == pp else min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
     return min(warm + 1, total)
+
+
+def recomputed_layers(job: JobSpec, layout: Layout, *, rank: int) -> tuple[int, int]:
+    """(dense, MoE) layers of pipeline rank ``rank``, over its chunks, that full recomputation covers: all of them
+    (``uniform``), or the first ``recompute_num_layers`` of each chunk (``block``; leading dense layers come first).
+    Zero without full recomputation."""
+    m, d, p = job.model, layout.dims, job.parallel
+    if p.recompute is not Recompute.full:
+        return 0, 0
+    per_chunk = m.num_layers // (d.pp * d.vpp)
+    first_dense = m.moe_first_dense_layers if m.is_moe else m.num_layers
+    n_rec = min(p.recompute_num_layers, per_chunk) if p.recompute_method is RecomputeMethod.block else per_chunk
+    dense = moe = 0
+    for c in range(d.vpp):
+        lo = (c * d.pp + rank) * per_chunk
+        n_moe = max(0, min(lo + n_rec, m.num_layers) - max(lo, first_dense))
+        dense, moe = dense + n_rec - n_moe, moe + n_moe
+    return dense, moe
 
 
 def measured_activations(job: JobSpec, layout: Layout, measurements: Measurements | None, *, rank: int,
@@ -174,7 +197,16 @@ def stage_memory(job: JobSpec, layout: Layout, options: SimOptions, *, rank: int
     dense_layers = layers - moe_layers
     chunk_mbs = in_flight(rank, d.pp, d.vpp, d.num_microbatches)
     per_mb_layers = chunk_mbs / d.vpp  # whole-rank micro-batches held
-    if p.recompute is Recompute.full:
+    if p.recompute is Recompute.full and p.recompute_method is RecomputeMethod.block:
+        # The recomputed layers keep their input; the others keep what they would without recomputation.
+        rec_dense, rec_moe = recomputed_layers(job, layout, rank=rank)
+        dense_kept = layer_activation_bytes(job, layout, options, moe=False, recompute=Recompute.none)[0]
+        moe_kept = (layer_activation_bytes(job, layout, options, moe=True, recompute=Recompute.none)[0]
+                    if moe_layers else 0.0)
+        kept = (rec_dense * dense_full + rec_moe * moe_full + (dense_layers - rec_dense) * dense_kept
+                + (moe_layers - rec_moe) * moe_kept)
+        working = max(dense_act, moe_act)
+    elif p.recompute is Recompute.full:
         kept = dense_layers * dense_full + moe_layers * moe_full
         working = max(dense_act, moe_act)
     else:

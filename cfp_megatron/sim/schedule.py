@@ -10,6 +10,7 @@ pipeline bubble.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from cfp_megatron.errors import CfpError
@@ -51,8 +52,10 @@ class ScheduleResult:
     """Whether the schedule was run event by event (false: closed form)."""
 
 
-def rank_order(rank: int, pp: int, vpp: int, microbatches: int) -> list[tuple[bool, int, int]]:
-    """Megatron-Core's order of passes on one pipeline rank: ``(is_forward, microbatch, chunk)``."""
+@functools.lru_cache(maxsize=4096)
+def rank_order(rank: int, pp: int, vpp: int, microbatches: int) -> tuple[tuple[bool, int, int], ...]:
+    """Megatron-Core's order of passes on one pipeline rank: ``(is_forward, microbatch, chunk)`` (cached: a search
+    times many plans with the same pipeline shape)."""
     m = microbatches
     if vpp == 1:
         warm = min(pp - rank - 1, m)
@@ -61,7 +64,7 @@ def rank_order(rank: int, pp: int, vpp: int, microbatches: int) -> list[tuple[bo
             order.append((True, warm + i, 0))
             order.append((False, i, 0))
         order.extend((False, i, 0) for i in range(m - warm, m))
-        return order
+        return tuple(order)
     total = m * vpp
     warm = total if m == pp else min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
 
@@ -76,7 +79,7 @@ def rank_order(rank: int, pp: int, vpp: int, microbatches: int) -> list[tuple[bo
         order.append(fwd(warm + i))
         order.append(bwd(i))
     order.extend(bwd(k) for k in range(total - warm, total))
-    return order
+    return tuple(order)
 
 
 def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2p_s: float, microbatches: int, *,

@@ -9,19 +9,20 @@ data-parallel gradient sync that the last micro-batch's backward pass does not h
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from cfp_megatron.cluster.costs import CollectiveCosts
-from cfp_megatron.cluster.measured import Collective, Measurements, partition_name
-from cfp_megatron.config import ClusterSpec, JobSpec
+from cfp_megatron.cluster.measured import Collective, Measurements
+from cfp_megatron.config import ClusterSpec, JobSpec, RecomputeMethod
 from cfp_megatron.runtime.flops import training_flops_per_token
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
 from cfp_megatron.sim.kernels import KernelModel
-from cfp_megatron.sim.layer_cost import LayerCost, PassCost, embedding_cost, layer_cost, output_layer_cost
-from cfp_megatron.sim.layout import build_layout
-from cfp_megatron.sim.measured_segments import apply_measured
+from cfp_megatron.sim.layer_cost import PassCost
+from cfp_megatron.sim.layout import Layout, build_layout
 from cfp_megatron.sim.memory import stage_memory
 from cfp_megatron.sim.options import SimOptions
-from cfp_megatron.sim.prediction import GIB, Event, EventKind, Prediction, TimeBreakdown
+from cfp_megatron.sim.pass_costs import CostCache, PassCosts, cost_key, pass_costs
+from cfp_megatron.sim.prediction import GIB, Event, EventKind, MemoryBreakdown, Prediction, TimeBreakdown
 from cfp_megatron.sim.schedule import ScheduleResult, run_schedule
 
 _BUCKET_PARAMS = 40_000_000
@@ -30,46 +31,38 @@ _BUCKET_PARAMS = 40_000_000
 
 def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Measurements | None = None, *,
              options: SimOptions | None = None, efficiency: Efficiency | None = None, world_size: int | None = None,
-             with_events: bool = False) -> Prediction:
+             with_events: bool = False, cache: CostCache | None = None) -> Prediction:
     """Predict the step time and peak memory of ``job`` on ``cluster`` (default: ``job.cluster``).
 
     ``measurements`` (profiled collectives and GEMMs) win over the cluster's nominal figures; ``efficiency``
-    overrides the fitted efficiencies (for fitting); ``with_events`` keeps the timed schedule for timeline export.
+    overrides the fitted efficiencies (for fitting); ``with_events`` keeps the timed schedule for timeline export;
+    ``cache`` shares pass costs and cost models between the plans of one search (:class:`CostCache`).
     Raises :class:`~cfp_megatron.errors.ConfigError` for a plan that cannot run.
     """
-    cluster = cluster or job.cluster
-    if cluster is not job.cluster:
-        job = JobSpec(model=job.model, cluster=cluster, parallel=job.parallel, train=job.train, data=job.data)
-    options = options or SimOptions()
-    eff = efficiency or efficiency_for(cluster)
-    layout = build_layout(job, world_size)
+    prediction = _simulate(job, cluster, measurements, options, efficiency, world_size, with_events, cache, None)
+    assert prediction is not None  # noqa: S101 - never None without prune_above
+    return prediction
+
+
+def simulate_unless_slower(job: JobSpec, prune_above: float, cluster: ClusterSpec | None = None,
+                           measurements: Measurements | None = None, *, options: SimOptions | None = None,
+                           world_size: int | None = None, cache: CostCache | None = None) -> Prediction | None:
+    """:func:`simulate`, or ``None`` when a lower bound on the step time computed before the pipeline schedule is
+    timed already exceeds ``prune_above`` seconds (a search's k-th best): the schedule is most of a simulation."""
+    return _simulate(job, cluster, measurements, options, None, world_size, False, cache, prune_above)
+
+
+def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measurements | None,
+              options: SimOptions | None, efficiency: Efficiency | None, world_size: int | None, with_events: bool,
+              cache: CostCache | None, prune_above: float | None) -> Prediction | None:
+    job, layout, options, eff, kernels, costs, parts = _prepare(job, cluster, measurements, options, efficiency,
+                                                                world_size, cache)
+    cluster = job.cluster
     d = layout.dims
-    costs = CollectiveCosts(cluster, measurements, intra_efficiency=eff.intra_node_comm,
-                            inter_efficiency=eff.inter_node_comm)
-    kernels = KernelModel(cluster, eff, job.train.precision, fp8=options.fp8, measurements=measurements)
     m = job.model
-    dense = layer_cost(job, layout, kernels, costs, options, moe=False)
-    moe = layer_cost(job, layout, kernels, costs, options, moe=True) if m.is_moe else dense
+    dense, moe, emb, out, per_pass, overheads = (parts.dense, parts.moe, parts.embedding, parts.head, parts.per_pass,
+                                                 parts.overheads)
     first_dense = m.moe_first_dense_layers if m.is_moe else m.num_layers
-    if options.measured_layer_only:
-        emb = out = (PassCost(), PassCost())
-    else:
-        emb = embedding_cost(job, layout, kernels, costs)
-        out = output_layer_cost(job, layout, kernels, costs)
-    overheads = None
-    if options.use_measured_segments:
-        dense, moe, emb_m, out_m = apply_measured(job, measurements, layout.micro_batch, dense, moe, emb, out)
-        if not options.measured_layer_only:
-            emb, out = emb_m, out_m
-            if measurements is not None and not m.is_moe:
-                overheads = measurements.step_overheads(partition_name(job.parallel.tp, sp=job.parallel.sp),
-                                                        layout.micro_batch)
-    per_pass = PassCost()
-    if overheads is not None:
-        # The layer as it runs inside the training schedule, and the schedule's own cost per micro-batch on every
-        # stage's forward and backward call (measured on probe models, :mod:`cfp_megatron.profile.overheads`).
-        dense = moe = _in_schedule(dense, overheads.layer_s)
-        per_pass = PassCost(overhead_s=overheads.per_microbatch_s / 2)
 
     pp, vpp = d.pp, d.vpp
     stages = pp * vpp
@@ -77,9 +70,8 @@ def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Mea
     fwd: list[list[PassCost]] = []
     bwd: list[list[PassCost]] = []
     rec: list[list[PassCost]] = []
-    layer_params = [0.0] * pp
-    expert_params = [0.0] * pp
-    moe_layers = [0] * pp
+    split = _stage_split(job, layout, parts)
+    layer_params, expert_params = split.layer_params, split.expert_params
     for r in range(pp):
         f_row, b_row, r_row = [], [], []
         for c in range(vpp):
@@ -89,10 +81,12 @@ def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Mea
             n_dense = per_chunk - n_moe
             f = dense.forward.scaled(n_dense).plus(moe.forward.scaled(n_moe))
             b = dense.backward.scaled(n_dense).plus(moe.backward.scaled(n_moe))
-            x = dense.recompute.scaled(n_dense).plus(moe.recompute.scaled(n_moe))
-            layer_params[r] += n_dense * dense.params + n_moe * moe.params
-            expert_params[r] += n_moe * moe.expert_params
-            moe_layers[r] += n_moe
+            # Recomputed layers: all (uniform), or the chunk's first recompute_num_layers (block; dense ones first).
+            n_rec = per_chunk
+            if job.parallel.recompute_method is RecomputeMethod.block:
+                n_rec = min(job.parallel.recompute_num_layers, per_chunk)
+            rec_moe = max(0, min(lo + n_rec, m.num_layers) - max(lo, first_dense))
+            x = dense.recompute.scaled(n_rec - rec_moe).plus(moe.recompute.scaled(rec_moe))
             if g == 0:
                 f, b = f.plus(emb[0]), b.plus(emb[1])
             if g == stages - 1:
@@ -108,11 +102,6 @@ def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Mea
     tokens = layout.micro_batch * layout.seq_length / d.cp
     p2p_bytes = tokens * m.hidden_size * kernels.elem / d.tp
     p2p = costs.seconds(Collective.send_recv, p2p_bytes, 2, 2 if layout.pp_intra_node else 1) if pp > 1 else 0.0
-    sched = run_schedule(f_s, b_s, p2p, d.num_microbatches, keep_ops=with_events, max_ops=options.max_schedule_ops)
-    slowdown = measurements.busy_slowdown() if overheads is not None else None
-    if slowdown is not None and pp > 1:
-        sched = _shared_cores(sched, f_s, b_s, p2p, d.num_microbatches, slowdown, with_events, options)
-
     # Data-parallel gradient sync and optimizer step, per pipeline rank.
     dp_group = d.dp * d.cp
     overlap = job.parallel.overlap_grad_reduce if options.overlap_grad_reduce is None else options.overlap_grad_reduce
@@ -152,6 +141,32 @@ def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Mea
             continue
         dp_exposed[r] += _tied_embedding_sync(job, costs, vocab, r)
         opt_s.append(overheads.step_base_s + overheads.step_per_param_s * shard + _grad_norm_extra(costs, d.tp, pp))
+    slowdown = measurements.busy_slowdown() if overheads is not None else None
+    shared = slowdown is not None and pp > 1
+    closed = 2 * pp * vpp * d.num_microbatches > options.max_schedule_ops and not with_events
+    if prune_above is not None and not closed:
+        # A lower bound on the step without timing the schedule (see cfp_megatron.search.search): each rank runs its
+        # passes one after another, after micro-batch 0 went forward through the stages before it and before the
+        # last micro-batch goes backward through them; with shared cores the mean rank's work bounds every rank.
+        busy = [d.num_microbatches * (sum(f_s[r]) + sum(b_s[r])) for r in range(pp)]
+        if shared:
+            ends = [sum(busy) / pp] * pp
+        else:
+            ends = [busy[r] + sum(f_s[q][0] + b_s[q][0] for q in range(r)) for r in range(pp)]
+        if max(ends[r] + dp_exposed[r] + opt_s[r] for r in range(pp)) > prune_above:
+            return None
+    if cache is not None and not with_events:  # plans that differ only outside the schedule (e.g. the optimizer)
+        skey = (tuple(map(tuple, f_s)), tuple(map(tuple, b_s)), p2p, d.num_microbatches)
+        sched = cache.schedules.get(skey)
+        if sched is None:
+            sched = cache.schedules[skey] = run_schedule(f_s, b_s, p2p, d.num_microbatches,
+                                                         max_ops=options.max_schedule_ops)
+    else:
+        sched = run_schedule(f_s, b_s, p2p, d.num_microbatches, keep_ops=with_events,
+                             max_ops=options.max_schedule_ops)
+    if shared:
+        sched = _shared_cores(sched, f_s, b_s, p2p, d.num_microbatches, slowdown, with_events, options)
+
     finish = [sched.end_s[r] + dp_exposed[r] + opt_s[r] for r in range(pp)]
     crit = max(range(pp), key=lambda r: finish[r])
     step = finish[crit]
@@ -175,14 +190,7 @@ def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Mea
         pp_bubble_s=max(0.0, sched.end_s[crit] - busy),
         dp_comm_s=dp_exposed[crit], optimizer_s=opt_s[crit])
 
-    memories = [stage_memory(job, layout, options, rank=r, layer_params=layer_params[r],
-                             expert_params=expert_params[r], layers=m.num_layers // pp, moe_layers=moe_layers[r],
-                             first=r == 0 and not options.measured_layer_only,
-                             last=r == pp - 1 and not options.measured_layer_only,
-                             # measured segment memory (CFP), see cfp_megatron.sim.measured_memory
-                             measurements=measurements if options.use_measured_segments else None)
-                for r in range(pp)]
-    memory = max(memories, key=lambda x: x.total)
+    memory = _peak_memory(job, layout, options, measurements, split)
     world = d.world_size
     seqs = layout.micro_batch * mb * d.dp
     tok_s = seqs * layout.seq_length / step / world
@@ -196,6 +204,103 @@ def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Mea
                       events=events)
 
 
+def _prepare(job: JobSpec, cluster: ClusterSpec | None, measurements: Measurements | None,
+             options: SimOptions | None, efficiency: Efficiency | None, world_size: int | None,
+             cache: CostCache | None) -> tuple[JobSpec, Layout, SimOptions, Efficiency, KernelModel, CollectiveCosts,
+                                               PassCosts]:
+    """The validated layout, the cost models and the pass costs of ``job`` (from ``cache`` where it has them)."""
+    cluster = cluster or job.cluster
+    if cluster is not job.cluster:
+        job = JobSpec(model=job.model, cluster=cluster, parallel=job.parallel, train=job.train, data=job.data)
+    options = options or SimOptions()
+    eff = efficiency or efficiency_for(cluster)
+    layout = build_layout(job, world_size)
+    signature = (id(cluster), id(measurements), options, eff, job.model, job.train.precision)
+    if cache is None or not cache.check(signature):
+        costs = CollectiveCosts(cluster, measurements, intra_efficiency=eff.intra_node_comm,
+                                inter_efficiency=eff.inter_node_comm)
+        kernels = KernelModel(cluster, eff, job.train.precision, fp8=options.fp8, measurements=measurements)
+        if cache is not None:
+            cache.kernels, cache.collectives = kernels, costs
+    else:
+        kernels, costs = cache.kernels, cache.collectives
+    if cache is None:
+        parts = pass_costs(job, layout, kernels, costs, options, measurements)
+    else:
+        key = cost_key(job, layout, options)
+        parts = cache.costs.get(key)
+        if parts is None:
+            parts = cache.costs[key] = pass_costs(job, layout, kernels, costs, options, measurements)
+    return job, layout, options, eff, kernels, costs, parts
+
+
+def prepare_costs(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Measurements | None = None, *,
+                  options: SimOptions | None = None, world_size: int | None = None,
+                  cache: CostCache | None = None) -> PassCosts:
+    """The per-micro-batch pass costs :func:`simulate` would use for ``job`` (validated; from ``cache`` where it
+    has them): what a search's lower bound is built from."""
+    return _prepare(job, cluster, measurements, options, None, world_size, cache)[-1]
+
+
+def predict_memory(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Measurements | None = None, *,
+                   options: SimOptions | None = None, world_size: int | None = None,
+                   cache: CostCache | None = None) -> MemoryBreakdown:
+    """Peak memory per rank of the most loaded pipeline stage of ``job``: what :func:`simulate` reports as
+    ``memory``, without timing the schedule (a search checks memory first)."""
+    job, layout, options, _, _, _, parts = _prepare(job, cluster, measurements, options, None, world_size, cache)
+    split = _stage_split(job, layout, parts)
+    return _peak_memory(job, layout, options, measurements, split)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _StageSplit:
+    """Parameters and MoE layers per pipeline rank."""
+
+    layer_params: list[float]
+    expert_params: list[float]
+    moe_layers: list[int]
+
+
+def _stage_split(job: JobSpec, layout: Layout, parts: PassCosts) -> _StageSplit:
+    m, d = job.model, layout.dims
+    first_dense = m.moe_first_dense_layers if m.is_moe else m.num_layers
+    per_chunk = m.num_layers // (d.pp * d.vpp)
+    layer_params = [0.0] * d.pp
+    expert_params = [0.0] * d.pp
+    moe_layers = [0] * d.pp
+    for r in range(d.pp):
+        for c in range(d.vpp):
+            lo = (c * d.pp + r) * per_chunk
+            n_moe = max(0, min(lo + per_chunk, m.num_layers) - max(lo, first_dense))
+            layer_params[r] += (per_chunk - n_moe) * parts.dense.params + n_moe * parts.moe.params
+            expert_params[r] += n_moe * parts.moe.expert_params
+            moe_layers[r] += n_moe
+    return _StageSplit(layer_params=layer_params, expert_params=expert_params, moe_layers=moe_layers)
+
+
+def _peak_memory(job: JobSpec, layout: Layout, options: SimOptions, measurements: Measurements | None,
+                 split: _StageSplit) -> MemoryBreakdown:
+    pp = layout.dims.pp
+    # Ranks with the same parameters hold no more in-flight micro-batches than a lower rank (in_flight falls with the
+    # rank), so only the lowest of each such set, the first and the last rank can hold the peak.
+    seen: set[tuple[float, float, int]] = set()
+    ranks = []
+    for r in range(pp):
+        sig = (split.layer_params[r], split.expert_params[r], split.moe_layers[r])
+        if r in (0, pp - 1) or sig not in seen:
+            ranks.append(r)
+        seen.add(sig)
+    memories = [stage_memory(job, layout, options, rank=r, layer_params=split.layer_params[r],
+                             expert_params=split.expert_params[r], layers=job.model.num_layers // pp,
+                             moe_layers=split.moe_layers[r],
+                             first=r == 0 and not options.measured_layer_only,
+                             last=r == pp - 1 and not options.measured_layer_only,
+                             # measured segment memory (CFP), see cfp_megatron.sim.measured_memory
+                             measurements=measurements if options.use_measured_segments else None)
+                for r in ranks]
+    return max(memories, key=lambda x: x.total)
+
+
 def _shared_cores(sched: ScheduleResult, f_s: list[list[float]], b_s: list[list[float]], p2p: float,
                   microbatches: int, slowdown: float, with_events: bool, options: SimOptions) -> ScheduleResult:
     """The pipeline schedule where ranks share fewer cores than there are ranks (CPU). The pass times were measured
@@ -207,19 +312,6 @@ def _shared_cores(sched: ScheduleResult, f_s: list[list[float]], b_s: list[list[
     work = sum(sched.busy_s) / len(sched.busy_s)
     ends = tuple(max(end, work) for end in alone.end_s)
     return dataclasses.replace(alone, end_s=ends, busy_s=sched.busy_s)
-
-
-def _in_schedule(cost: LayerCost, layer_s: float) -> LayerCost:
-    """``cost`` with its forward and backward (and recomputation) rescaled to ``layer_s`` seconds of forward plus
-    backward, keeping its forward-to-backward split."""
-    total = cost.forward.total_s + cost.backward.total_s
-    if total <= 0:
-        return cost
-    share = cost.forward.total_s / total
-    recompute = cost.recompute.total_s / cost.forward.total_s if cost.forward.total_s > 0 else 0.0
-    return LayerCost(forward=PassCost(compute_s=share * layer_s), backward=PassCost(compute_s=(1 - share) * layer_s),
-                     recompute=PassCost(compute_s=recompute * share * layer_s), params=cost.params,
-                     expert_params=cost.expert_params)
 
 
 def _tied_embedding_sync(job: JobSpec, costs: CollectiveCosts, vocab_params: float, rank: int) -> float:

@@ -1,0 +1,571 @@
+"""The Plan: the one artifact the planner hands to everything downstream.
+
+A :class:`Plan` fixes the parallel layout of one job (a :class:`~cfp_megatron.config.ParallelSpec`, the batch and the
+sequence length) for one model preset on one cluster shape, and carries the simulator's prediction for it and a
+fingerprint of the inputs it was computed from. It has three forms:
+
+- the **canonical string** (:meth:`Plan.canonical`), short, deterministic and readable, which parses back
+  (:meth:`Plan.parse`) and is what :meth:`Plan.plan_hash` hashes::
+
+      gpt3_175b@dgx_a100x128x8:tp=8,sp=1,pp=16,vpp=2,cp=1,ep=1,etp=1,dp=8,mb=1,gbs=1536,seq=2048,rc=none,rcn=1,
+      rcm=uniform,do=1,ogr=0,opg=0,order=tp-cp-ep-dp-pp,prec=bf16
+
+  (one line). The head is ``<model>@<cluster>x<nodes>x<gpus_per_node>``; then every ``ParallelSpec`` field under a
+  short name (``tp sp pp vpp cp ep etp``, the derived ``dp``, ``mb gbs seq``, then ``rc rcn rcm do ogr opg order``; a
+  field added to ParallelSpec later appears under its own name before ``prec``), then the precision. Booleans are 1/0,
+  enums their value, ``vpp``/``etp`` their effective size (``None`` means 1), another ``None`` is ``null``. The
+  prediction and the inputs' fingerprint are not part of it: a parsed plan has ``predicted=None`` and
+  ``inputs_fingerprint=""``, and two plans with the same layout have the same hash whatever they were computed from.
+- **plan.json** (:meth:`Plan.to_json`, :func:`save_plan`, :func:`load_plan`), versioned by :data:`SCHEMA_VERSION`,
+  with the canonical string and the hash stored next to the fields so that a hand edit is caught on load.
+- the exports in :mod:`cfp_megatron.plan.exports` (Megatron-LM arguments, a DeepSpeed config, the torchrun command).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import os
+import re
+import tempfile
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cfp_megatron.config import JobSpec, ParallelSpec, Precision
+from cfp_megatron.errors import ConfigError
+from cfp_megatron.plan.errors import PlanError
+
+SCHEMA_VERSION = 1
+"""Version of plan.json's layout; bump it when a field changes meaning or is removed."""
+
+PLAN_FILE_SETTING = "cfp.plan_file"
+"""The Hydra key that says where plan.json goes (named in errors about the file)."""
+
+_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
+"""Model and cluster preset names the canonical string can carry (no ``@``, ``:``, ``,``, ``=`` or spaces)."""
+
+_HEAD_FIELDS: tuple[str, ...] = ("tp", "sp", "pp", "vpp", "cp", "ep", "etp")
+"""ParallelSpec fields written before the derived ``dp`` and the batch, in this order."""
+
+_SHORT: dict[str, str] = {
+    "tp": "tp", "sp": "sp", "pp": "pp", "vpp": "vpp", "cp": "cp", "ep": "ep", "etp": "etp",
+    "recompute": "rc", "recompute_num_layers": "rcn", "recompute_method": "rcm", "distributed_optimizer": "do",
+    "overlap_grad_reduce": "ogr", "overlap_param_gather": "opg", "order": "order",
+}
+"""Short canonical key of each known ParallelSpec field, in canonical order; other fields use their own name."""
+
+_NONE_MEANS: dict[str, int] = {"vpp": 1, "etp": 1}
+"""ParallelSpec fields whose ``None`` means a size of 1: the canonical string writes 1, and a Plan stores ``None``."""
+
+_BATCH_KEYS: tuple[str, ...] = ("dp", "mb", "gbs", "seq")
+"""Keys written after the head fields: derived data-parallel size, micro-batch, global batch, sequence length."""
+
+_PRECISION_KEY = "prec"
+"""Key of the precision, written last."""
+
+_SEPARATORS = set(",=:@ \t\n")
+"""Characters a value in the canonical string must not contain."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanPrediction:
+    """What the simulator predicted for a plan (per optimizer step)."""
+
+    step_time_s: float
+    """Predicted time of one optimizer step in seconds."""
+    tokens_per_s_per_gpu: float
+    """Predicted training throughput per GPU in tokens per second."""
+    mfu: float | None
+    """Model FLOPs utilisation as a fraction of the cluster's peak (0..1); ``None`` when the peak is unknown."""
+    peak_memory_gib: float
+    """Predicted peak device memory of the most-loaded rank in GiB."""
+    bubble_fraction: float
+    """Share of the step the pipeline schedule leaves idle (0 without pipeline parallelism)."""
+    exposed_comm_s: float
+    """Communication time per step that is not hidden behind computation, in seconds."""
+
+    def to_json(self) -> dict[str, float | None]:
+        """The prediction as a JSON-ready mapping."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, d: Any) -> PlanPrediction:
+        """Rebuild from :meth:`to_json`'s mapping; raise :class:`PlanError` naming a missing, unknown or bad key."""
+        if not isinstance(d, dict):
+            raise PlanError(f"plan.json's prediction must be a mapping or null, not {type(d).__name__}.",
+                            fix="re-plan to write a fresh plan.json.")
+        names = [f.name for f in dataclasses.fields(cls)]
+        _check_keys(d, required=names, where="plan.json's prediction")
+        values: dict[str, float | None] = {}
+        for name in names:
+            value = d[name]
+            if value is None and name == "mfu":
+                values[name] = None
+            elif isinstance(value, int | float) and not isinstance(value, bool):
+                values[name] = float(value)
+            else:
+                raise PlanError(f"plan.json's prediction.{name}={value!r} is not a number.",
+                                fix="re-plan to write a fresh plan.json.")
+        return cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """One parallel layout for one model on one cluster shape, with its prediction.
+
+    ``parallel`` is stored normalised: ``vpp`` and ``etp`` of 1 become ``None`` (which means 1), so every plan has a
+    single form and ``Plan.parse(p.canonical()) == p`` up to ``predicted`` and ``inputs_fingerprint``.
+    """
+
+    schema_version: int = SCHEMA_VERSION
+    """Version of the plan.json layout this plan was written with."""
+    model: str
+    """Model preset name (``job.model.name``, the Hydra ``model`` option)."""
+    cluster: str
+    """Cluster preset name (``job.cluster.name``, the Hydra ``cluster`` option)."""
+    nodes: int
+    """Number of nodes."""
+    gpus_per_node: int
+    """Ranks (GPUs) per node; ``nodes x gpus_per_node`` is the world size."""
+    parallel: ParallelSpec
+    """The parallel layout; data parallelism is what is left: ``world / (tp x cp x pp)``."""
+    micro_batch_size: int
+    """Sequences per forward/backward pass on one rank."""
+    global_batch_size: int
+    """Sequences per optimizer step over all data-parallel ranks."""
+    seq_length: int
+    """Tokens per sequence."""
+    precision: str
+    """The TrainSpec precision value (``auto``, ``fp32``, ``bf16`` or ``fp16``)."""
+    predicted: PlanPrediction | None = None
+    """The simulator's prediction; ``None`` for a plan parsed from its canonical string or not simulated."""
+    inputs_fingerprint: str = ""
+    """A hash of what the plan was computed from (model, cluster, profile, search settings); ``""`` if unknown."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.parallel, ParallelSpec):
+            normal = {k: None for k, one in _NONE_MEANS.items() if getattr(self.parallel, k, None) == one}
+            if normal:
+                object.__setattr__(self, "parallel", dataclasses.replace(self.parallel, **normal))
+        problems = self._problems()
+        if problems:
+            raise PlanError("invalid plan: " + " ".join(problems),
+                            fix="build plans with Plan.from_job, Plan.parse or load_plan from a valid job.")
+
+    def _problems(self) -> list[str]:
+        """Every inconsistency of the plan's fields, one sentence each."""
+        out: list[str] = []
+        for name in ("model", "cluster"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not _NAME.match(value):
+                out.append(f"{name}={value!r} must be a preset name of letters, digits and _ . + -.")
+        for name in ("schema_version", "nodes", "gpus_per_node", "micro_batch_size", "global_batch_size",
+                     "seq_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                out.append(f"{name}={value!r} must be a positive integer.")
+        if not isinstance(self.parallel, ParallelSpec):
+            out.append(f"parallel must be a ParallelSpec, not {type(self.parallel).__name__}.")
+        if not isinstance(self.precision, str) or self.precision not in {p.value for p in Precision}:
+            out.append(f"precision={self.precision!r} must be one of {[p.value for p in Precision]}.")
+        if not isinstance(self.inputs_fingerprint, str) or _SEPARATORS & set(self.inputs_fingerprint):
+            out.append(f"inputs_fingerprint={self.inputs_fingerprint!r} must be a string without spaces or , = : @.")
+        if self.predicted is not None and not isinstance(self.predicted, PlanPrediction):
+            out.append(f"predicted must be a PlanPrediction or None, not {type(self.predicted).__name__}.")
+        if out:
+            return out
+        p, world = self.parallel, self.world_size
+        model_ranks = p.tp * p.cp * p.pp
+        if world % model_ranks:
+            out.append(f"world size {world} ({self.nodes} x {self.gpus_per_node}) is not divisible by "
+                       f"tp x cp x pp = {model_ranks}.")
+        expert_ranks = p.expert_tp * p.ep * p.pp
+        if world % expert_ranks:
+            out.append(f"world size {world} is not divisible by etp x ep x pp = {expert_ranks}.")
+        if not out and self.global_batch_size % (self.micro_batch_size * self.dp):
+            out.append(f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size x dp = "
+                       f"{self.micro_batch_size} x {self.dp}.")
+        return out
+
+    # ---------------------------------------------------------------------------------------------------- derived
+
+    @property
+    def world_size(self) -> int:
+        """Total ranks: ``nodes x gpus_per_node``."""
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: ``world / (tp x cp x pp)``."""
+        p = self.parallel
+        return self.world_size // (p.tp * p.cp * p.pp)
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per optimizer step on each data-parallel rank: ``gbs / (mb x dp)``."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    # ------------------------------------------------------------------------------------------------- building
+
+    @classmethod
+    def from_job(cls, job: JobSpec, *, world_size: int, prediction: PlanPrediction | None,
+                 inputs_fingerprint: str) -> Plan:
+        """The plan of ``job`` as it would run on ``world_size`` ranks.
+
+        ``gpus_per_node`` is ``job.cluster.gpus_per_node``, or ``world_size / nodes`` when the cluster leaves it to
+        torchrun; a world size that does not match the cluster raises :class:`PlanError`.
+        """
+        nodes = job.cluster.nodes
+        gpus = job.cluster.gpus_per_node
+        if gpus is None:
+            if world_size < 1 or world_size % nodes:
+                raise PlanError(f"world size {world_size} is not a positive multiple of cluster.nodes={nodes}.",
+                                fix="start the same number of ranks on every node.", setting="cluster.nodes")
+            gpus = world_size // nodes
+        if nodes * gpus != world_size:
+            raise PlanError(f"world size {world_size} differs from cluster.nodes x cluster.gpus_per_node = "
+                            f"{nodes} x {gpus} = {nodes * gpus}.",
+                            fix="plan for the cluster's size, or set cluster.nodes / cluster.gpus_per_node to match.",
+                            setting="cluster.gpus_per_node")
+        return cls(model=job.model.name, cluster=job.cluster.name, nodes=nodes, gpus_per_node=gpus,
+                   parallel=job.parallel, micro_batch_size=job.train.micro_batch_size,
+                   global_batch_size=job.train.global_batch_size, seq_length=job.train.seq_length,
+                   precision=job.train.precision.value, predicted=prediction, inputs_fingerprint=inputs_fingerprint)
+
+    def apply(self, job: JobSpec) -> JobSpec:
+        """``job`` with this plan's parallel spec, micro and global batch and sequence length (everything else,
+        precision included, stays as the job has it). Raises :class:`PlanError` if the plan is for another model."""
+        if job.model.name != self.model:
+            raise PlanError(f"the plan is for model {self.model!r} but the job's model is {job.model.name!r}.",
+                            fix=f"run with model={self.model}, or plan again for model={job.model.name}.",
+                            setting="model")
+        train = dataclasses.replace(job.train, micro_batch_size=self.micro_batch_size,
+                                    global_batch_size=self.global_batch_size, seq_length=self.seq_length)
+        return dataclasses.replace(job, parallel=self.parallel, train=train)
+
+    # ------------------------------------------------------------------------------------------ canonical string
+
+    def canonical(self) -> str:
+        """The short, deterministic string of the layout-defining fields (see the module docstring)."""
+        items: list[tuple[str, str]] = []
+        keys = _parallel_keys()
+        for name in keys:
+            if name in _HEAD_FIELDS:
+                items.append((keys[name], _encode(name, getattr(self.parallel, name))))
+        items += [("dp", str(self.dp)), ("mb", str(self.micro_batch_size)), ("gbs", str(self.global_batch_size)),
+                  ("seq", str(self.seq_length))]
+        for name in keys:
+            if name not in _HEAD_FIELDS:
+                items.append((keys[name], _encode(name, getattr(self.parallel, name))))
+        items.append((_PRECISION_KEY, self.precision))
+        body = ",".join(f"{k}={v}" for k, v in items)
+        return f"{self.model}@{self.cluster}x{self.nodes}x{self.gpus_per_node}:{body}"
+
+    @classmethod
+    def parse(cls, text: str) -> Plan:
+        """Rebuild a plan from :meth:`canonical`'s string (``predicted=None``, ``inputs_fingerprint=""``).
+
+        Raises :class:`PlanError` naming what is wrong: the head, a missing, unknown, repeated or unreadable key, a
+        layout ParallelSpec rejects, or a ``dp`` that does not follow from the world size.
+        """
+        if not isinstance(text, str):
+            raise PlanError(f"a plan string must be a str, not {type(text).__name__}.")
+        text = text.strip()
+        fmt = "<model>@<cluster>x<nodes>x<gpus_per_node>:key=value,..."
+        head, colon, body = text.partition(":")
+        if not colon:
+            raise PlanError(f"plan string {text!r} has no ':' between the head and the fields.",
+                            fix=f"write it as {fmt}.")
+        model, at, where = head.partition("@")
+        parts = where.rsplit("x", 2)
+        if not at or len(parts) != 3 or not all(x.isdigit() for x in parts[1:]):
+            raise PlanError(f"plan string head {head!r} is not <model>@<cluster>x<nodes>x<gpus_per_node>.",
+                            fix=f"write it as {fmt}, e.g. gpt3_175b@dgx_a100x128x8:...")
+        cluster, nodes, gpus = parts[0], int(parts[1]), int(parts[2])
+        values: dict[str, str] = {}
+        for item in body.split(","):
+            key, eq, value = item.partition("=")
+            if not eq or not key:
+                raise PlanError(f"plan string field {item!r} is not key=value.", fix=f"write it as {fmt}.")
+            if key in values:
+                raise PlanError(f"plan string repeats the key {key!r}.", fix="give every key once.")
+            values[key] = value
+        keys = _parallel_keys()
+        by_key = {short: name for name, short in keys.items()}
+        _check_keys(values, required=[*by_key, *_BATCH_KEYS, _PRECISION_KEY], where="the plan string")
+        hints = typing.get_type_hints(ParallelSpec)
+        parallel_values = {name: _decode(name, hints[name], values[short]) for short, name in by_key.items()}
+        ints = {k: _decode_int(k, values[k]) for k in _BATCH_KEYS}
+        try:
+            parallel = ParallelSpec(**parallel_values)
+        except ConfigError as err:
+            raise PlanError(f"the plan string's layout is invalid: {err}") from err
+        plan = cls(model=model, cluster=cluster, nodes=nodes, gpus_per_node=gpus, parallel=parallel,
+                   micro_batch_size=ints["mb"], global_batch_size=ints["gbs"], seq_length=ints["seq"],
+                   precision=values[_PRECISION_KEY])
+        if ints["dp"] != plan.dp:
+            raise PlanError(f"plan string says dp={ints['dp']} but world / (tp x cp x pp) = {plan.world_size} / "
+                            f"{plan.parallel.tp * plan.parallel.cp * plan.parallel.pp} = {plan.dp}.",
+                            fix=f"write dp={plan.dp} (data parallelism is what the other sizes leave).")
+        return plan
+
+    def plan_hash(self) -> str:
+        """First 16 hex digits of the SHA-256 of :meth:`canonical`."""
+        return hashlib.sha256(self.canonical().encode("utf-8")).hexdigest()[:16]
+
+    # ----------------------------------------------------------------------------------------------------- JSON
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as a JSON-ready mapping: version, canonical string, hash, fingerprint, prediction, the fields,
+        and (for people; ignored on load) the derived world size, dp and micro-batch count."""
+        return {
+            "schema_version": self.schema_version,
+            "canonical": self.canonical(),
+            "hash": self.plan_hash(),
+            "inputs_fingerprint": self.inputs_fingerprint,
+            "model": self.model,
+            "cluster": self.cluster,
+            "nodes": self.nodes,
+            "gpus_per_node": self.gpus_per_node,
+            "parallel": {f.name: _plain(getattr(self.parallel, f.name)) for f in dataclasses.fields(ParallelSpec)},
+            "micro_batch_size": self.micro_batch_size,
+            "global_batch_size": self.global_batch_size,
+            "seq_length": self.seq_length,
+            "precision": self.precision,
+            "prediction": None if self.predicted is None else self.predicted.to_json(),
+            "world_size": self.world_size,
+            "dp": self.dp,
+            "num_microbatches": self.num_microbatches,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> Plan:
+        """Rebuild a plan from :meth:`to_json`'s mapping.
+
+        Raises :class:`PlanError` when the schema version is missing or newer than this code reads, a key is
+        missing or unknown, a value is invalid, or the stored hash/canonical string differs from the fields (the
+        file was edited by hand).
+        """
+        if not isinstance(d, dict):
+            raise PlanError(f"plan.json must hold a JSON object, not {type(d).__name__}.",
+                            fix="re-plan to write a fresh plan.json.")
+        version = d.get("schema_version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise PlanError(f"plan.json has no valid schema_version (got {version!r}).",
+                            fix="re-plan to write a fresh plan.json.")
+        if version != SCHEMA_VERSION:
+            newer = version > SCHEMA_VERSION
+            raise PlanError(f"plan.json has schema_version {version}; this cfp-megatron reads version "
+                            f"{SCHEMA_VERSION}" + (" (the file was written by a newer cfp-megatron)." if newer
+                                                   else "."),
+                            fix="upgrade cfp-megatron to the version that wrote it, or re-plan with this one."
+                            if newer else "re-plan with this cfp-megatron to write a current plan.json.")
+        fields = ["model", "cluster", "nodes", "gpus_per_node", "parallel", "micro_batch_size", "global_batch_size",
+                  "seq_length", "precision"]
+        _check_keys(d, required=["schema_version", "canonical", "hash", *fields],
+                    optional=["inputs_fingerprint", "prediction", "world_size", "dp", "num_microbatches"],
+                    where="plan.json")
+        parallel = _parallel_from_json(d["parallel"])
+        prediction = d.get("prediction")
+        plan = cls(schema_version=version, model=d["model"], cluster=d["cluster"], nodes=d["nodes"],
+                   gpus_per_node=d["gpus_per_node"], parallel=parallel, micro_batch_size=d["micro_batch_size"],
+                   global_batch_size=d["global_batch_size"], seq_length=d["seq_length"], precision=d["precision"],
+                   predicted=None if prediction is None else PlanPrediction.from_json(prediction),
+                   inputs_fingerprint=d.get("inputs_fingerprint", ""))
+        stored, actual = d["hash"], plan.plan_hash()
+        if stored != actual or d["canonical"] != plan.canonical():
+            raise PlanError(f"plan.json was edited: hash mismatch (stored hash {stored!r}, canonical "
+                            f"{d['canonical']!r}; the fields give {actual!r}, {plan.canonical()!r}). A hand edit, "
+                            "or a file written by a cfp-megatron with other layout fields, causes this.",
+                            fix="re-plan to write a fresh plan.json, or pin the layout you want with cfp.<knob>=... "
+                                "or parallel.<knob>=... instead of editing the file.")
+        return plan
+
+
+# ------------------------------------------------------------------------------------------------------- files
+
+
+def save_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
+    """Write ``plan.to_json()`` to ``path`` atomically and return the path.
+
+    The JSON goes to a temporary file in the same folder first, then takes the final name in one step. An existing
+    file is never overwritten: :class:`PlanError` names ``cfp.plan_file``, the path and the fix.
+    """
+    target = Path(path)
+
+    def exists_error() -> PlanError:
+        return PlanError(f"{target} already exists; an existing plan file is never overwritten.",
+                         fix=f"choose another path with {PLAN_FILE_SETTING}=..., or remove {target} first.",
+                         setting=PLAN_FILE_SETTING)
+
+    if target.exists():
+        raise exists_error()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(plan.to_json(), indent=2) + "\n"
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, target)  # atomic, and fails if the name exists (no window for a concurrent writer)
+        except FileExistsError:
+            raise exists_error() from None
+        except OSError:  # the file system has no hard links: check, then rename
+            if target.exists():
+                raise exists_error() from None
+            os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """Read a plan written by :func:`save_plan`; :class:`PlanError` for a missing file, invalid JSON, or any
+    problem :meth:`Plan.from_json` finds."""
+    source = Path(path)
+    try:
+        text = source.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PlanError(f"plan file {source} does not exist.",
+                        fix="check the path, or plan first (+cfp=auto) to write one.") from None
+    except OSError as err:
+        raise PlanError(f"plan file {source} cannot be read: {err}.") from err
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise PlanError(f"plan file {source} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}.",
+                        fix="re-plan to write a fresh plan file.") from None
+    return Plan.from_json(data)
+
+
+# ----------------------------------------------------------------------------------------------------- helpers
+
+
+def _parallel_keys() -> dict[str, str]:
+    """ParallelSpec field name -> canonical key, in canonical order: known fields in :data:`_SHORT`'s order, then
+    fields added later under their own names (so a new field never breaks the round trip)."""
+    present = [f.name for f in dataclasses.fields(ParallelSpec)]
+    keys = {name: _SHORT[name] for name in _SHORT if name in present}
+    keys.update({name: name for name in present if name not in _SHORT})
+    reserved = {*_BATCH_KEYS, _PRECISION_KEY}
+    clashes = sorted(set(keys.values()) & reserved) + sorted(
+        {k for k in keys.values() if list(keys.values()).count(k) > 1})
+    if clashes:
+        raise PlanError(f"ParallelSpec fields give the canonical keys {clashes} twice.",
+                        fix="give the new field a distinct short name in cfp_megatron.plan.artifact._SHORT.")
+    return keys
+
+
+def _encode(name: str, value: Any) -> str:
+    """A ParallelSpec value as the canonical string writes it."""
+    if value is None:
+        return str(_NONE_MEANS[name]) if name in _NONE_MEANS else "null"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if not isinstance(value, int | float | str):
+        raise PlanError(f"parallel.{name}={value!r} has a type the canonical string cannot write.",
+                        fix="extend cfp_megatron.plan.artifact._encode/_decode for it.")
+    text = str(value)
+    if not text or _SEPARATORS & set(text) or text == "null":
+        raise PlanError(f"parallel.{name}={value!r} cannot be written in the canonical string (empty, 'null', or it "
+                        "contains one of , = : @ or a space).", fix=f"use a plainer value for parallel.{name}.")
+    return text
+
+
+def _decode(name: str, hint: Any, text: str) -> Any:
+    """Read one ParallelSpec value written by :func:`_encode`, by the field's type hint."""
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    kinds = [a for a in args if a is not type(None)] if args else [hint]
+    if optional and text == "null":
+        return None
+    if len(kinds) != 1:
+        raise PlanError(f"parallel.{name} has a type ({hint}) the canonical string cannot read.",
+                        fix="extend cfp_megatron.plan.artifact._decode for it.")
+    kind = kinds[0]
+    where = f"plan string value parallel.{name}={text!r}"
+    if kind is bool:
+        if text not in ("0", "1"):
+            raise PlanError(f"{where} must be 1 or 0.")
+        return text == "1"
+    if kind is int:
+        value: Any = _decode_int(name, text)
+    elif kind is float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise PlanError(f"{where} is not a number.") from None
+    elif kind is str:
+        value = text
+    elif isinstance(kind, type) and issubclass(kind, enum.Enum):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise PlanError(f"{where} is not one of {[m.value for m in kind]}.") from None
+    else:
+        raise PlanError(f"parallel.{name} has a type ({hint}) the canonical string cannot read.",
+                        fix="extend cfp_megatron.plan.artifact._decode for it.")
+    if optional and name in _NONE_MEANS and value == _NONE_MEANS[name]:
+        return None
+    return value
+
+
+def _decode_int(key: str, text: str) -> int:
+    """An integer field of the canonical string."""
+    if not re.fullmatch(r"-?\d+", text):
+        raise PlanError(f"plan string value {key}={text!r} is not an integer.")
+    return int(text)
+
+
+def _plain(value: Any) -> Any:
+    """A spec value as JSON writes it (enums by value)."""
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def _parallel_from_json(d: Any) -> ParallelSpec:
+    """ParallelSpec from plan.json's ``parallel`` mapping; fields missing from the file take their defaults."""
+    if not isinstance(d, dict):
+        raise PlanError(f"plan.json's parallel must be a mapping, not {type(d).__name__}.",
+                        fix="re-plan to write a fresh plan.json.")
+    hints = typing.get_type_hints(ParallelSpec)
+    _check_keys(d, required=[], optional=list(hints), where="plan.json's parallel")
+    values: dict[str, Any] = {}
+    for name, value in d.items():
+        hint = hints[name]
+        kinds = typing.get_args(hint) or (hint,)
+        for kind in kinds:
+            if isinstance(kind, type) and issubclass(kind, enum.Enum) and isinstance(value, str):
+                try:
+                    value = kind(value)
+                except ValueError:
+                    raise PlanError(f"plan.json's parallel.{name}={value!r} is not one of "
+                                    f"{[m.value for m in kind]}.", fix="re-plan to write a fresh plan.json.") from None
+        values[name] = value
+    try:
+        return ParallelSpec(**values)
+    except (ConfigError, TypeError) as err:
+        raise PlanError(f"plan.json's parallel layout is invalid: {err}",
+                        fix="re-plan to write a fresh plan.json.") from err
+
+
+def _check_keys(d: dict[str, Any], *, required: list[str], where: str, optional: list[str] | None = None) -> None:
+    """Raise :class:`PlanError` naming missing and unknown keys of ``d``."""
+    known = set(required) | set(optional or [])
+    missing = [k for k in required if k not in d]
+    unknown = sorted(k for k in d if k not in known)
+    problems = []
+    if missing:
+        problems.append(f"{where} lacks {missing}.")
+    if unknown:
+        problems.append(f"{where} has unknown keys {unknown} (known: {sorted(known)}).")
+    if problems:
+        raise PlanError(" ".join(problems), fix="write it with Plan.canonical()/save_plan, or re-plan.")

@@ -1,0 +1,165 @@
+"""A :class:`~cfp_megatron.plan.artifact.Plan` rendered for the tools that run it.
+
+- :func:`megatron_lm_args`: the arguments of Megatron-LM's ``pretrain_gpt.py`` that reproduce the layout (flag names
+  as in Megatron-LM's ``megatron/training/arguments.py``).
+- :func:`deepspeed_config`: the batch, ZeRO and precision part of a DeepSpeed JSON config. The layout (TP, PP, CP,
+  EP) is deliberately left out: DeepSpeed's config has no keys for it (it comes from the model's ``mpu``, i.e. the
+  Megatron arguments above), and every key in the returned dict is one DeepSpeed reads.
+- :func:`torchrun_command`: the exact shell command that trains the plan with this repository's ``launch/train.py``,
+  as Hydra overrides covering every ``ParallelSpec`` field.
+
+``auto`` precision means bf16 here (Megatron-LM and DeepSpeed runs are GPU runs, where the runtime resolves ``auto``
+to bf16); the torchrun command passes ``auto`` through so the runtime resolves it itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import shlex
+from typing import Any
+
+from cfp_megatron.config import ParallelSpec, Precision, Recompute
+from cfp_megatron.plan.artifact import Plan
+from cfp_megatron.plan.errors import PlanError
+
+RDZV_PORT = 29500
+"""Port of the c10d rendezvous endpoint in multi-node torchrun commands."""
+
+_MEGATRON_ORDERS: dict[str, list[str]] = {
+    "tp-cp-ep-dp-pp": [],
+    "tp-cp-ep-pp-dp": ["--use-tp-pp-dp-mapping"],
+}
+"""Rank orders Megatron-LM's arguments can express, and the flags that select them."""
+
+_MEGATRON_FIELDS = frozenset({"tp", "sp", "pp", "vpp", "cp", "ep", "etp", "distributed_optimizer", "recompute",
+                              "recompute_num_layers", "overlap_grad_reduce", "overlap_param_gather", "order",
+                              "recompute_method"})
+"""ParallelSpec fields :func:`megatron_lm_args` renders; another field set away from its default is refused rather
+than silently dropped."""
+
+
+def _precision(plan: Plan) -> Precision:
+    """The plan's precision with ``auto`` resolved to bf16 (GPU runs)."""
+    precision = Precision(plan.precision)
+    return Precision.bf16 if precision is Precision.auto else precision
+
+
+def megatron_lm_args(plan: Plan, *, num_layers: int | None = None) -> list[str]:
+    """Megatron-LM ``pretrain_gpt.py`` arguments that reproduce the plan's layout, batch and precision.
+
+    With interleaving (vpp > 1) and ``num_layers`` (the model's layer count) given, the chunking is written as
+    ``--num-layers-per-virtual-pipeline-stage``; without it as ``--num-virtual-stages-per-pipeline-rank``. Model
+    shape, data and optimizer arguments are not included. Raises :class:`PlanError` for what Megatron-LM's arguments
+    cannot express (a rank order other than tp-cp-ep-dp-pp / tp-cp-ep-pp-dp, layers that do not split evenly, a
+    ParallelSpec field this function does not know).
+    """
+    p = plan.parallel
+    defaults = ParallelSpec()
+    unknown = [f.name for f in dataclasses.fields(p)
+               if f.name not in _MEGATRON_FIELDS and getattr(p, f.name) != getattr(defaults, f.name)]
+    if unknown:
+        raise PlanError(f"megatron_lm_args cannot render parallel fields {unknown}.",
+                        fix="extend cfp_megatron.plan.exports.megatron_lm_args with their Megatron-LM flags.")
+    args = ["--tensor-model-parallel-size", str(p.tp)]
+    if p.sp:
+        args.append("--sequence-parallel")
+    args += ["--pipeline-model-parallel-size", str(p.pp)]
+    if p.virtual_stages > 1:
+        if num_layers is not None:
+            chunks = p.pp * p.virtual_stages
+            if num_layers < 1 or num_layers % chunks:
+                raise PlanError(f"num_layers={num_layers} does not split into pp x vpp = {p.pp} x "
+                                f"{p.virtual_stages} = {chunks} equal model chunks.",
+                                fix="pass the model's layer count, or plan a vpp that divides it.",
+                                setting="parallel.vpp")
+            args += ["--num-layers-per-virtual-pipeline-stage", str(num_layers // chunks)]
+        else:
+            args += ["--num-virtual-stages-per-pipeline-rank", str(p.virtual_stages)]
+    args += ["--context-parallel-size", str(p.cp),
+             "--expert-model-parallel-size", str(p.ep),
+             "--expert-tensor-parallel-size", str(p.expert_tp),  # explicit: Megatron-LM's default is the TP size
+             "--micro-batch-size", str(plan.micro_batch_size),
+             "--global-batch-size", str(plan.global_batch_size),
+             "--seq-length", str(plan.seq_length)]
+    if p.distributed_optimizer:
+        args.append("--use-distributed-optimizer")
+    if p.recompute is Recompute.selective:
+        args += ["--recompute-granularity", "selective"]
+    elif p.recompute is Recompute.full:
+        method = getattr(p, "recompute_method", None)
+        method = method.value if isinstance(method, enum.Enum) else (method or "uniform")
+        args += ["--recompute-granularity", "full", "--recompute-method", str(method),
+                 "--recompute-num-layers", str(p.recompute_num_layers)]
+    if p.overlap_grad_reduce:
+        args.append("--overlap-grad-reduce")
+    if p.overlap_param_gather:
+        args.append("--overlap-param-gather")
+    if p.order not in _MEGATRON_ORDERS:
+        raise PlanError(f"Megatron-LM's arguments cannot express the rank order {p.order!r}.",
+                        fix=f"use one of {sorted(_MEGATRON_ORDERS)}.", setting="parallel.order")
+    args += _MEGATRON_ORDERS[p.order]
+    precision = _precision(plan)
+    if precision is Precision.bf16:
+        args.append("--bf16")
+    elif precision is Precision.fp16:
+        args.append("--fp16")
+    return args
+
+
+def deepspeed_config(plan: Plan, *, gradient_clipping: float = 1.0) -> dict[str, Any]:
+    """The batch, ZeRO and precision keys of a DeepSpeed config for the plan.
+
+    ``train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp`` holds by construction
+    (dp = world / (tp x cp x pp), the data-parallel size DeepSpeed sees under model parallelism). ZeRO stage 1 with
+    the distributed optimizer, else 0. The parallel layout is not in the dict (see the module docstring).
+    """
+    if gradient_clipping < 0:
+        raise PlanError(f"gradient_clipping={gradient_clipping} must not be negative.",
+                        fix="use 0 to disable clipping.", setting="train.clip_grad")
+    precision = _precision(plan)
+    return {
+        "train_batch_size": plan.global_batch_size,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.num_microbatches,
+        "zero_optimization": {"stage": 1 if plan.parallel.distributed_optimizer else 0},
+        "bf16": {"enabled": precision is Precision.bf16},
+        "fp16": {"enabled": precision is Precision.fp16},
+        "gradient_clipping": float(gradient_clipping),
+    }
+
+
+def _hydra_value(value: Any) -> str:
+    """A value in Hydra's override syntax."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    return str(value)
+
+
+def hydra_overrides(plan: Plan) -> list[str]:
+    """The Hydra overrides of :func:`torchrun_command`: presets, cluster size, every ParallelSpec field, batch,
+    sequence length and precision."""
+    overrides = [f"model={plan.model}", f"cluster={plan.cluster}", f"cluster.nodes={plan.nodes}",
+                 f"cluster.gpus_per_node={plan.gpus_per_node}"]
+    overrides += [f"parallel.{f.name}={_hydra_value(getattr(plan.parallel, f.name))}"
+                  for f in dataclasses.fields(plan.parallel)]
+    overrides += [f"train.micro_batch_size={plan.micro_batch_size}",
+                  f"train.global_batch_size={plan.global_batch_size}",
+                  f"train.seq_length={plan.seq_length}", f"train.precision={plan.precision}"]
+    return overrides
+
+
+def torchrun_command(plan: Plan, *, script: str = "launch/train.py") -> str:
+    """The shell command that trains the plan: ``torchrun --nnodes=N --nproc_per_node=G [rendezvous] script
+    overrides...``. With more than one node it adds ``--rdzv_backend=c10d --rdzv_endpoint=$MASTER_ADDR:29500`` (run
+    the same command on every node with ``MASTER_ADDR`` set to the first node)."""
+    parts = ["torchrun", f"--nnodes={plan.nodes}", f"--nproc_per_node={plan.gpus_per_node}"]
+    if plan.nodes > 1:
+        parts += ["--rdzv_backend=c10d", f"--rdzv_endpoint=$MASTER_ADDR:{RDZV_PORT}"]
+    parts.append(shlex.quote(script))
+    parts += [shlex.quote(o) for o in hydra_overrides(plan)]
+    return " ".join(parts)

@@ -1,0 +1,131 @@
+"""``python -m cfp_megatron.plan [overrides...]``: plan a job offline (preflight) and write ``plan.json``.
+
+Composes the real Hydra configs with ``+cfp=auto`` and the overrides, e.g.::
+
+    python -m cfp_megatron.plan model=gpt3_175b cluster=dgx_a100 cluster.nodes=128 train.global_batch_size=1536
+
+searches the layouts of the job on ``cluster.nodes x cluster.gpus_per_node`` GPUs (``--world`` for the local cluster;
+without ``train.seq_length``, the model's context up to 8,192 tokens is planned), prints the top plans, why the best
+wins, what was ruled out, and writes ``plan.json`` (never over an existing file), the Megatron-LM arguments, a
+DeepSpeed config and the torchrun command that reproduces the plan. On the local cluster the ProfileDB of this machine
+(``python -m cfp_megatron.profile``) supplies measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from cfp_megatron.errors import CfpError
+
+CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"
+SEQ_CAP = 8192
+"""Longest sequence planned when ``train.seq_length`` is not given (the pre-training context of today's LLMs)."""
+
+
+def inputs_fingerprint(job: object, measurements_key: str | None) -> str:
+    """A hash of what a plan was computed from: the model, cluster and training specs and the measurements used."""
+    from cfp_megatron.model.cache import _plain
+
+    payload = {"model": _plain(job.model), "cluster": _plain(job.cluster), "train": _plain(job.train),
+               "measurements": measurements_key or "presets"}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cfp_megatron.plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides (model=..., cluster=..., cfp.tp=4, ...)")
+    parser.add_argument("--world", type=int, default=None, help="ranks (default: nodes x gpus_per_node)")
+    parser.add_argument("--out", default=None, help="folder for plan.json and exports (default: outputs/plans/)")
+    args = parser.parse_args(argv)
+    console = Console()
+    try:
+        return _run(args, console)
+    except CfpError as err:
+        console.print(f"[red]cfp-megatron: {type(err).__name__}[/red]\n{err}")
+        return 2
+
+
+def _run(args: argparse.Namespace, console: Console) -> int:
+    from hydra import compose, initialize_config_dir
+
+    from cfp_megatron.config import job_from_config, register_configs
+    from cfp_megatron.errors import ConfigError, ConfigIssue
+    from cfp_megatron.plan import Plan, PlanPrediction, deepspeed_config, megatron_lm_args, save_plan, torchrun_command
+    from cfp_megatron.runtime.peak import peak_tflops
+    from cfp_megatron.search.report import exposed_comm_s, mfu, print_result
+    from cfp_megatron.search.search import search
+    from cfp_megatron.search.spec import cfp_from_config
+
+    register_configs()
+    overrides = list(args.overrides)
+    if not any(o.lstrip("+").startswith("cfp=") for o in overrides):
+        overrides.insert(0, "+cfp=auto")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+        if not any(o.startswith("train.seq_length=") for o in overrides):
+            # The training default (64 tokens) is for the tiny CPU models; a preflight plans the model's own context.
+            seq = min(int(cfg.model.max_position_embeddings), SEQ_CAP)
+            console.print(f"train.seq_length not given: planning {seq} tokens per sequence (the model's context, "
+                          f"at most {SEQ_CAP}); pass train.seq_length=N to change it")
+            cfg = compose(config_name="config", overrides=[*overrides, f"train.seq_length={seq}"])
+    job, cfp = job_from_config(cfg), cfp_from_config(cfg)
+    c = job.cluster
+    world = args.world or (c.nodes * c.gpus_per_node if c.gpus_per_node else None)
+    if world is None:
+        raise ConfigError(ConfigIssue(key="--world", value=None, problem=f"cluster {c.name} does not say how many "
+                                      "GPUs a node has.", fix="pass --world N, or set cluster.gpus_per_node."))
+    measurements, cluster, key = None, c, None
+    if c.gpus_per_node is None or c.name == "local":
+        from cfp_megatron.profile.cluster import local_measurements
+
+        cluster, measurements = local_measurements(job, world_size=world)
+        key = measurements.fingerprint.key if measurements is not None else None
+    job = job if cluster is c else job.__class__(model=job.model, cluster=cluster, parallel=job.parallel,
+                                                   train=job.train, data=job.data)
+    console.print(f"planning {job.model.name} on {world} x {cluster.device_name} ({cluster.name}), global batch "
+                  f"{job.train.global_batch_size} x {job.train.seq_length} tokens"
+                  + ("" if measurements is None else f", measurements {key}"))
+    result = search(job, world, cfp, measurements=measurements)
+    peak = cluster.peak_tflops_bf16 if job.train.precision.value != "fp32" else cluster.peak_tflops_fp32
+    if peak is None:
+        try:
+            peak = peak_tflops(cluster, job.train.precision)[0]
+        except Exception:  # noqa: BLE001 - MFU is a nicety
+            peak = None
+    print_result(result, peak, console)
+    best = result.best
+    p = best.prediction
+    prediction = PlanPrediction(step_time_s=p.step_time_s, tokens_per_s_per_gpu=p.tokens_per_s_per_gpu,
+                                mfu=mfu(p, peak), peak_memory_gib=p.memory.total / 2**30,
+                                bubble_fraction=p.bubble_fraction, exposed_comm_s=exposed_comm_s(p))
+    plan = Plan.from_job(best.job, world_size=world, prediction=prediction,
+                         inputs_fingerprint=inputs_fingerprint(job, key))
+    out = Path(args.out or "outputs/plans") / f"{job.model.name}-{plan.plan_hash()}"
+    target = Path(cfp.plan_file) if cfp.plan_file else out / "plan.json"
+    if target.exists() and json.loads(target.read_text()).get("hash") == plan.plan_hash():
+        console.print(f"plan.json: {target} (the same plan is already saved there)")
+    else:
+        save_plan(plan, target)
+        console.print(f"plan.json: {target}")
+    exports = {"megatron_args.txt": " ".join(megatron_lm_args(plan, num_layers=job.model.num_layers)) + "\n",
+               "deepspeed_config.json": json.dumps(deepspeed_config(plan), indent=2) + "\n",
+               "torchrun.sh": torchrun_command(plan) + "\n"}
+    for name, text in exports.items():
+        path = target.parent / name
+        if not path.exists():
+            path.write_text(text)
+    console.print(f"plan {plan.canonical()}\nhash {plan.plan_hash()}")
+    console.print(f"reproduce with:\n  {torchrun_command(plan)}")
+    console.print(f"Megatron-LM: {exports['megatron_args.txt'].strip()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""What a search says to a person: the top plans, the families it ruled out and why, and why the best plan beats the
+runner-up, knob by knob (rich tables)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from cfp_megatron.search.search import Ranked, SearchResult
+from cfp_megatron.sim.prediction import GIB, Prediction
+
+_KNOBS = (("tp", "TP"), ("sp", "sequence parallel"), ("pp", "PP"), ("vpp", "virtual stages"), ("cp", "CP"),
+          ("ep", "EP"), ("etp", "expert TP"), ("micro_batch", "micro-batch"), ("recompute", "recompute"),
+          ("distributed_optimizer", "distributed optimizer"))
+
+
+def mfu(prediction: Prediction, peak_tflops: float | None) -> float | None:
+    """Model FLOPs utilisation (share of the dense peak) of a prediction."""
+    if not peak_tflops:
+        return None
+    return prediction.model_tflops_per_gpu / peak_tflops
+
+
+def exposed_comm_s(prediction: Prediction) -> float:
+    """Communication the step waits for: TP/SP, CP, EP and FSDP inside the passes plus the exposed DP sync."""
+    t = prediction.time
+    return t.tp_comm_s + t.cp_comm_s + t.ep_comm_s + t.fsdp_comm_s + t.dp_comm_s
+
+
+def ranking_table(result: SearchResult, peak_tflops: float | None) -> Table:
+    """The top plans."""
+    table = Table(title=f"Top {len(result.ranked)} of {result.space_size:,} layouts on {result.world} GPUs")
+    for col in ("#", "layout", "step s", "tokens/s/GPU", "MFU", "peak GiB", "bubble", "exposed comm s"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    for i, r in enumerate(result.ranked, 1):
+        p = r.prediction
+        u = mfu(p, peak_tflops)
+        table.add_row(str(i), r.candidate.describe(result.world), f"{p.step_time_s:.3f}",
+                      f"{p.tokens_per_s_per_gpu:,.0f}", f"{u:.1%}" if u is not None else "-",
+                      f"{p.memory.total / GIB:.1f}", f"{p.bubble_fraction:.1%}", f"{exposed_comm_s(p):.3f}")
+    return table
+
+
+def rejections_table(result: SearchResult, limit: int = 20) -> Table:
+    """Knob values and families ruled out, with why (the first ``limit``)."""
+    table = Table(title=f"Ruled out ({len(result.rejected)} values or families)")
+    table.add_column("value or family")
+    table.add_column("why")
+    for r in result.rejected[:limit]:
+        table.add_row(r.what, r.reason)
+    if len(result.rejected) > limit:
+        table.add_row("...", f"{len(result.rejected) - limit} more")
+    return table
+
+
+def explain(best: Ranked, runner_up: Ranked | None) -> list[str]:
+    """Why ``best`` beats ``runner_up``: the knobs that differ and the parts of the step and memory that moved."""
+    if runner_up is None:
+        return ["only one plan fits."]
+    a, b = best.candidate, runner_up.candidate
+    lines = []
+    for name, label in _KNOBS:
+        x, y = getattr(a, name), getattr(b, name)
+        if x != y:
+            lines.append(f"{label}: {_show(x)} (best) vs {_show(y)} (runner-up)")
+    pa, pb = best.prediction, runner_up.prediction
+    gap = pb.step_time_s - pa.step_time_s
+    lines.append(f"step time: {pa.step_time_s:.4f} s vs {pb.step_time_s:.4f} s ({gap / pb.step_time_s:.2%} faster)")
+    parts = (("compute (fwd+bwd)", lambda p: p.time.forward_compute_s + p.time.backward_compute_s),
+             ("recompute", lambda p: p.time.recompute_s), ("pipeline bubble", lambda p: p.time.pp_bubble_s),
+             ("TP/SP comm", lambda p: p.time.tp_comm_s), ("CP comm", lambda p: p.time.cp_comm_s),
+             ("EP comm", lambda p: p.time.ep_comm_s), ("DP sync (exposed)", lambda p: p.time.dp_comm_s),
+             ("optimizer", lambda p: p.time.optimizer_s), ("framework overhead", lambda p: p.time.overhead_s))
+    moved = sorted(((label, get(pa) - get(pb)) for label, get in parts), key=lambda kv: kv[1])
+    for label, delta in moved:
+        if abs(delta) >= 1e-4 * max(pb.step_time_s, 1e-12):
+            lines.append(f"  {label}: {delta:+.4f} s on the critical pipeline rank")
+    lines.append(f"peak memory: {pa.memory.total / GIB:.2f} GiB vs {pb.memory.total / GIB:.2f} GiB per GPU")
+    return lines
+
+
+def _show(v: object) -> str:
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    return str(v)
+
+
+def print_result(result: SearchResult, peak_tflops: float | None, console: Console | None = None) -> None:
+    """The ranking, the explanation and the rejections."""
+    console = console or Console()
+    console.print(ranking_table(result, peak_tflops))
+    if result.ranked:
+        console.print("[bold]Why the best plan wins over the runner-up[/bold]")
+        for line in explain(result.ranked[0], result.ranked[1] if len(result.ranked) > 1 else None):
+            console.print("  " + line)
+    console.print(rejections_table(result))
+    limit = f"{result.memory_limit_gib:.1f} GiB" if result.memory_limit_gib is not None else "no limit"
+    console.print(f"searched {result.space_size:,} layouts in {result.seconds:.2f} s: {result.simulated} simulated, "
+                  f"{result.memory_checked} memory-checked, {result.over_memory} over memory ({limit}), "
+                  f"{result.pruned:,} pruned by the step-time bound, {result.invalid} refused by validation")

@@ -1,0 +1,274 @@
+"""The layouts a search may choose: every combination of DP, TP, PP, virtual PP, CP, EP, expert TP, sequence
+parallelism, micro-batch, recompute and distributed optimizer that the model, the cluster and the runtime allow.
+
+Knobs are checked family by family (a TP size that does not divide the heads rules out every plan with it) so the
+reasons a search reports name whole families, and the combinations of what is left are enumerated in a fixed order.
+Only layouts the runtime executes are offered: Megatron-Core's own layers under its TP/SP/CP/EP splits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from cfp_megatron.config import AttentionKind, JobSpec, ParallelSpec, Recompute
+from cfp_megatron.search.spec import CfpSpec
+
+
+@dataclass(frozen=True, kw_only=True, order=True)
+class Candidate:
+    """One layout (DP is what the world leaves: ``world / (tp x cp x pp)``)."""
+
+    tp: int
+    """Tensor-parallel size."""
+    cp: int
+    """Context-parallel size."""
+    pp: int
+    """Pipeline-parallel size."""
+    ep: int
+    """Expert-parallel size (1 for dense models)."""
+    etp: int
+    """Expert tensor-parallel size (1 for dense models)."""
+    sp: bool
+    """Sequence parallelism."""
+    micro_batch: int
+    """Sequences per micro-batch."""
+    recompute: str
+    """Recompute granularity (a :class:`~cfp_megatron.config.Recompute` value)."""
+    vpp: int
+    """Model chunks per pipeline rank."""
+    distributed_optimizer: bool
+    """Megatron's distributed optimizer."""
+
+    def parallel(self, base: ParallelSpec) -> ParallelSpec:
+        """``base`` with this layout's sizes."""
+        return dataclasses.replace(base, tp=self.tp, sp=self.sp, pp=self.pp, vpp=self.vpp if self.vpp > 1 else None,
+                                   cp=self.cp, ep=self.ep, etp=self.etp if self.ep > 1 or self.etp > 1 else None,
+                                   distributed_optimizer=self.distributed_optimizer,
+                                   recompute=Recompute(self.recompute), recompute_num_layers=1,
+                                   overlap_param_gather=base.overlap_param_gather and self.distributed_optimizer)
+
+    def job(self, job: JobSpec) -> JobSpec:
+        """``job`` under this layout."""
+        train = dataclasses.replace(job.train, micro_batch_size=self.micro_batch)
+        return dataclasses.replace(job, parallel=self.parallel(job.parallel), train=train)
+
+    def describe(self, world: int) -> str:
+        """A short label such as ``dp8 tp8 sp pp16 vpp2 mb1 rc=none dopt``."""
+        dp = world // (self.tp * self.cp * self.pp)
+        parts = [f"dp{dp}", f"tp{self.tp}" + (" sp" if self.sp else ""), f"pp{self.pp}"]
+        parts += [f"vpp{self.vpp}"] if self.vpp > 1 else []
+        parts += [f"cp{self.cp}"] if self.cp > 1 else []
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts += [f"etp{self.etp}"] if self.etp > 1 else []
+        parts += [f"mb{self.micro_batch}", f"rc={self.recompute}"]
+        parts += ["dopt"] if self.distributed_optimizer else []
+        return " ".join(parts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """The model-parallel sizes a group of candidates shares (their process-group layout)."""
+
+    tp: int
+    """Tensor-parallel size."""
+    cp: int
+    """Context-parallel size."""
+    pp: int
+    """Pipeline-parallel size."""
+    ep: int
+    """Expert-parallel size."""
+    etp: int
+    """Expert tensor-parallel size."""
+
+    def dp(self, world: int) -> int:
+        """Data-parallel size."""
+        return world // (self.tp * self.cp * self.pp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rejection:
+    """A knob value, or a family, that no plan can use, and why."""
+
+    what: str
+    """The rejected value or family, e.g. ``tp=3`` or ``tp8 pp16 cp1``."""
+    reason: str
+    """Why, with the numbers."""
+    count: int = 0
+    """Plans it rules out (0 where the value never made a family)."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _allowed(cfp: CfpSpec, name: str, values: list, rejected: list[Rejection]) -> list:
+    allowed = cfp.allowed(name)
+    if allowed is None:
+        return values
+    keep = [v for v in values if v in allowed]
+    for v in allowed:
+        if v not in values:
+            rejected.append(Rejection(what=f"{name}={_value(v)}", reason="not valid for this model and world (see "
+                                      "the other reasons)"))
+    return keep
+
+
+def _value(v: object) -> str:
+    return str(getattr(v, "value", v)).lower()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Space:
+    """The families and knob values of one search, and what was ruled out on the way."""
+
+    world: int
+    """Ranks."""
+    families: tuple[Family, ...]
+    """Valid model-parallel families."""
+    rejected: tuple[Rejection, ...]
+    """Values and families ruled out, with reasons."""
+    job: JobSpec
+    """The job being planned."""
+    cfp: CfpSpec
+    """The planner's settings."""
+    te_available: bool
+    """Whether the target runs Transformer Engine (CP needs its attention)."""
+
+    def micro_batches(self, family: Family) -> list[int]:
+        """Micro-batch sizes that divide the family's per-rank batch."""
+        per_rank = self.job.train.global_batch_size // family.dp(self.world)
+        sizes = [mb for mb in _divisors(per_rank) if mb <= self.cfp.constraints.max_micro_batch]
+        allowed = self.cfp.allowed("micro_batch")
+        return [mb for mb in sizes if allowed is None or mb in allowed]
+
+    def sp_values(self, family: Family) -> list[bool]:
+        """Sequence-parallel settings valid for the family."""
+        m, seq = self.job.model, self.job.train.seq_length
+        if family.tp == 1:
+            values = [False]
+        else:
+            values = [True] if (seq // family.cp) % family.tp == 0 else []
+            if not (m.is_moe and family.ep > 1):  # Megatron-Core needs SP for MoE with TP and EP
+                values.append(False)
+        allowed = self.cfp.allowed("sp")
+        return [v for v in values if allowed is None or v in allowed]
+
+    def vpp_values(self, family: Family, microbatches: int) -> list[int]:
+        """Model chunks per pipeline rank: 1, and with PP the sizes that split each stage's layers evenly (the
+        interleaved schedule also needs the micro-batch count to be a multiple of PP)."""
+        if family.pp == 1:
+            values = [1]
+        else:
+            per_stage = self.job.model.num_layers // family.pp
+            values = [v for v in _divisors(per_stage) if v == 1 or microbatches % family.pp == 0]
+        allowed = self.cfp.allowed("vpp")
+        return [v for v in values if allowed is None or v in allowed]
+
+    def recompute_values(self) -> list[str]:
+        """Recompute granularities."""
+        allowed = self.cfp.allowed("recompute")
+        return [r.value for r in Recompute if allowed is None or r in allowed]
+
+    def dopt_values(self, family: Family) -> list[bool]:
+        """Distributed-optimizer settings (it changes nothing without data parallelism)."""
+        dp = family.dp(self.world)
+        edp = self.world // (family.etp * family.ep * family.pp)
+        values = [False, True] if dp > 1 or (self.job.model.is_moe and edp > 1) else [False]
+        allowed = self.cfp.allowed("distributed_optimizer")
+        return [v for v in values if allowed is None or v in allowed]
+
+    def candidates(self, family: Family) -> Iterator[Candidate]:
+        """Every candidate of ``family``, in a fixed order."""
+        dp = family.dp(self.world)
+        for mb in self.micro_batches(family):
+            microbatches = self.job.train.global_batch_size // (dp * mb)
+            for sp in self.sp_values(family):
+                for rc in self.recompute_values():
+                    for vpp in self.vpp_values(family, microbatches):
+                        for dopt in self.dopt_values(family):
+                            yield Candidate(tp=family.tp, cp=family.cp, pp=family.pp, ep=family.ep, etp=family.etp,
+                                            sp=sp, micro_batch=mb, recompute=rc, vpp=vpp, distributed_optimizer=dopt)
+
+    def size(self) -> int:
+        """Number of candidates."""
+        return sum(1 for f in self.families for _ in self.candidates(f))
+
+
+def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = True) -> Space:
+    """The families of ``job`` on ``world`` ranks under ``cfp``'s pins and sets, with every value ruled out and why."""
+    m, t, c = job.model, job.train, job.cluster
+    gpn = c.gpus_per_node or world
+    rejected: list[Rejection] = []
+
+    tps = []
+    for tp in _divisors(world):
+        why = []
+        if m.num_attention_heads % tp:
+            why.append(f"{m.num_attention_heads} attention heads are not divisible by it")
+        if m.attention is AttentionKind.standard and m.query_groups % tp:
+            why.append(f"{m.query_groups} key/value heads are not divisible by it")
+        if m.ffn_size % tp:
+            why.append(f"the FFN size {m.ffn_size} is not divisible by it")
+        if m.padded_vocab_size % tp:
+            why.append(f"the padded vocabulary {m.padded_vocab_size} is not divisible by it")
+        if cfp.constraints.tp_within_node and tp > gpn:
+            why.append(f"a TP group would span nodes of {gpn} GPUs (cfp.constraints.tp_within_node=true)")
+        if why:
+            rejected.append(Rejection(what=f"tp={tp}", reason="; ".join(why)))
+        else:
+            tps.append(tp)
+    tps = _allowed(cfp, "tp", tps, rejected)
+
+    cps = []
+    for cp in _divisors(world):
+        why = []
+        if cp > 1 and t.seq_length % (2 * cp):
+            why.append(f"the sequence {t.seq_length} does not split into 2 x {cp} chunks")
+        if cp > 1 and m.attention is AttentionKind.mla:
+            why.append("multi-latent attention does not support context parallelism")
+        if cp > 1 and not te_available:
+            why.append("context parallelism needs Transformer Engine's attention, which this target lacks")
+        if why:
+            rejected.append(Rejection(what=f"cp={cp}", reason="; ".join(why)))
+        else:
+            cps.append(cp)
+    cps = _allowed(cfp, "cp", cps, rejected)
+
+    pps = []
+    for pp in _divisors(world):
+        if m.num_layers % pp:
+            rejected.append(Rejection(what=f"pp={pp}", reason=f"{m.num_layers} layers do not split into {pp} stages"))
+        else:
+            pps.append(pp)
+    pps = _allowed(cfp, "pp", pps, rejected)
+
+    if m.is_moe:
+        experts = m.num_experts or 1
+        expert_ffn = m.moe_ffn_hidden_size or m.ffn_size
+        eps = _allowed(cfp, "ep", [e for e in _divisors(world) if experts % e == 0], rejected)
+        etps = _allowed(cfp, "etp", [e for e in _divisors(world) if expert_ffn % e == 0 and e <= gpn], rejected)
+    else:
+        eps, etps = [1], [1]
+
+    families = []
+    for tp in tps:
+        for cp in cps:
+            for pp in pps:
+                if world % (tp * cp * pp):
+                    continue
+                dp = world // (tp * cp * pp)
+                if t.global_batch_size % dp:
+                    rejected.append(Rejection(what=f"tp{tp} cp{cp} pp{pp}", reason=f"the global batch "
+                                              f"{t.global_batch_size} is not divisible by the DP size {dp}"))
+                    continue
+                for ep in eps:
+                    for etp in etps:
+                        if world % (etp * ep * pp):
+                            continue
+                        if m.is_moe and etp not in (1, tp) and cfp.allowed("etp") is None:
+                            continue  # by default expert TP is 1 or the dense TP (Megatron's usual choices)
+                        families.append(Family(tp=tp, cp=cp, pp=pp, ep=ep, etp=etp))
+    return Space(world=world, families=tuple(families), rejected=tuple(rejected), job=job, cfp=cfp,
+                 te_available=te_available)

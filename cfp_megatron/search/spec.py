@@ -1,0 +1,202 @@
+"""What the planner is asked (Hydra group ``cfp``): pinned knobs, allowed sets, memory headroom, how many plans.
+
+``+cfp=auto`` adds the group to a training job; ``cfp.tp=4`` pins a knob by hand, ``cfp.constraints.tp=[2,4]``
+allows a set, ``cfp.constraints.memory_headroom=0.15`` keeps 15% of each GPU's memory free. A pin wins over a set;
+a pin outside its set is an error.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+from cfp_megatron.config import Recompute, _build
+from cfp_megatron.errors import ConfigError, ConfigIssue
+
+
+class CfpMode(enum.Enum):
+    """What ``launch/train.py`` does with the planner."""
+
+    auto = "auto"
+    """Plan at launch (profile, search) and train with the best plan."""
+    manual = "manual"
+    """Train with ``parallel`` as given; the planner only predicts it."""
+    off = "off"
+    """The planner stays out of the way."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchConstraints:
+    """Sets of allowed values per knob (``None``: anything valid) and the search's global limits."""
+
+    PREFIX: ClassVar[str] = "cfp.constraints"
+
+    tp: list[int] | None = None
+    """Allowed tensor-parallel sizes."""
+    pp: list[int] | None = None
+    """Allowed pipeline-parallel sizes."""
+    vpp: list[int] | None = None
+    """Allowed model chunks per pipeline rank (1 = no interleaving)."""
+    cp: list[int] | None = None
+    """Allowed context-parallel sizes."""
+    ep: list[int] | None = None
+    """Allowed expert-parallel sizes (MoE)."""
+    etp: list[int] | None = None
+    """Allowed expert tensor-parallel sizes (MoE)."""
+    micro_batch: list[int] | None = None
+    """Allowed micro-batch sizes."""
+    sp: list[bool] | None = None
+    """Allowed sequence-parallel settings."""
+    recompute: list[Recompute] | None = None
+    """Allowed recompute granularities."""
+    distributed_optimizer: list[bool] | None = None
+    """Allowed distributed-optimizer settings."""
+    tp_within_node: bool = True
+    """Keep each TP group inside one node (TP's per-layer collectives are too slow across the network)."""
+    memory_headroom: float = 0.1
+    """Share of each GPU's memory the plan leaves free (allocator fragmentation, NCCL buffers, what the model of
+    memory misses): a plan fits when its predicted peak is at most ``(1 - memory_headroom)`` x HBM."""
+    max_micro_batch: int = 64
+    """Largest micro-batch size tried."""
+
+    def __post_init__(self) -> None:
+        issues: list[ConfigIssue] = []
+        p = self.PREFIX
+        for name in ("tp", "pp", "vpp", "cp", "ep", "etp", "micro_batch"):
+            values = getattr(self, name)
+            if values is not None and (not values or any(int(v) < 1 for v in values)):
+                issues.append(ConfigIssue(key=f"{p}.{name}", value=values, problem="must list positive sizes.",
+                                          fix=f"e.g. {p}.{name}=[1,2], or null for any."))
+        for name in ("sp", "recompute", "distributed_optimizer"):
+            values = getattr(self, name)
+            if values is not None and not values:
+                issues.append(ConfigIssue(key=f"{p}.{name}", value=values, problem="allows nothing.",
+                                          fix=f"list at least one value, or set {p}.{name}=null."))
+        if not 0.0 <= self.memory_headroom < 1.0:
+            issues.append(ConfigIssue(key=f"{p}.memory_headroom", value=self.memory_headroom,
+                                      problem="must be at least 0 and below 1 (a share of the GPU's memory).",
+                                      fix="use e.g. 0.1."))
+        if self.max_micro_batch < 1:
+            issues.append(ConfigIssue(key=f"{p}.max_micro_batch", value=self.max_micro_batch,
+                                      problem="must be positive.", fix="use e.g. 64."))
+        if issues:
+            raise ConfigError(issues)
+
+
+PINNABLE = ("tp", "pp", "vpp", "cp", "ep", "etp", "micro_batch", "sp", "recompute", "distributed_optimizer")
+"""Knobs ``cfp.<knob>=value`` can pin."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CfpSpec:
+    """The planner's settings (Hydra group ``cfp``)."""
+
+    PREFIX: ClassVar[str] = "cfp"
+
+    mode: CfpMode = CfpMode.auto
+    """auto: plan and train with the plan; manual: train ``parallel`` as given; off: no planner."""
+    tp: int | None = None
+    """Pin the tensor-parallel size."""
+    pp: int | None = None
+    """Pin the pipeline-parallel size."""
+    vpp: int | None = None
+    """Pin the model chunks per pipeline rank."""
+    cp: int | None = None
+    """Pin the context-parallel size."""
+    ep: int | None = None
+    """Pin the expert-parallel size."""
+    etp: int | None = None
+    """Pin the expert tensor-parallel size."""
+    micro_batch: int | None = None
+    """Pin the micro-batch size."""
+    sp: bool | None = None
+    """Pin sequence parallelism."""
+    recompute: Recompute | None = None
+    """Pin the recompute granularity."""
+    distributed_optimizer: bool | None = None
+    """Pin the distributed optimizer."""
+    constraints: SearchConstraints = field(default_factory=SearchConstraints)
+    """Allowed sets and global limits."""
+    top_k: int = 5
+    """Plans shown (and kept) in the ranking."""
+    plan_file: str | None = None
+    """Where ``plan.json`` is written (default: the run's output folder); an existing file is never overwritten."""
+
+    def __post_init__(self) -> None:
+        issues: list[ConfigIssue] = []
+        if self.top_k < 1:
+            issues.append(ConfigIssue(key="cfp.top_k", value=self.top_k, problem="must be positive.",
+                                      fix="use e.g. 5."))
+        for name in PINNABLE:
+            pin = getattr(self, name)
+            allowed = getattr(self.constraints, name)
+            if pin is None:
+                continue
+            if isinstance(pin, int) and not isinstance(pin, bool) and pin < 1:
+                issues.append(ConfigIssue(key=f"cfp.{name}", value=pin, problem="must be positive.",
+                                          fix=f"use a positive size, or cfp.{name}=null to search it."))
+            if allowed is not None and pin not in allowed:
+                issues.append(ConfigIssue(key=f"cfp.{name}", value=pin.value if isinstance(pin, enum.Enum) else pin,
+                                          problem=f"is outside cfp.constraints.{name}={_show(allowed)}.",
+                                          fix=f"pin a value from that set, or widen cfp.constraints.{name}."))
+        if issues:
+            raise ConfigError(issues)
+
+    def allowed(self, name: str) -> list[Any] | None:
+        """The values knob ``name`` may take: the pin alone, else the constraint's set, else ``None`` (any)."""
+        pin = getattr(self, name)
+        if pin is not None:
+            return [pin]
+        values = getattr(self.constraints, name)
+        return list(values) if values is not None else None
+
+    def pins(self) -> dict[str, Any]:
+        """The knobs pinned by hand."""
+        return {name: getattr(self, name) for name in PINNABLE if getattr(self, name) is not None}
+
+
+def _show(values: list[Any]) -> str:
+    return "[" + ",".join(str(v.value if isinstance(v, enum.Enum) else v).lower() for v in values) + "]"
+
+
+def cfp_from_config(cfg: Any) -> CfpSpec:
+    """The ``cfp`` group of a composed config; ``mode=off`` when no ``cfp`` option was chosen."""
+    from omegaconf import DictConfig, OmegaConf
+
+    raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg or {})
+    if raw.get("cfp") is None:
+        return CfpSpec(mode=CfpMode.off)
+    section = dict(raw["cfp"])
+    constraints = dict(section.pop("constraints", None) or {})
+    issues: list[ConfigIssue] = []
+    built_constraints = SearchConstraints()
+    try:
+        if "recompute" in constraints and constraints["recompute"] is not None:
+            constraints["recompute"] = [_recompute(v, "cfp.constraints.recompute") for v in constraints["recompute"]]
+        built_constraints = _build(SearchConstraints, constraints)
+    except ConfigError as err:
+        issues.extend(err.issues)
+    if section.get("recompute") is not None:
+        try:
+            section["recompute"] = _recompute(section["recompute"], "cfp.recompute")
+        except ConfigError as err:
+            issues.extend(err.issues)
+            section.pop("recompute")
+    known = {f.name for f in fields(CfpSpec)}
+    for key in sorted(set(section) - known):
+        issues.append(ConfigIssue(key=f"cfp.{key}", value=section.pop(key), problem="is not a known setting.",
+                                  fix=f"remove it; known keys are {sorted(known)}."))
+    if issues:
+        raise ConfigError(issues)
+    return _build(CfpSpec, {**section, "constraints": built_constraints})
+
+
+def _recompute(value: Any, key: str) -> Recompute:
+    if isinstance(value, Recompute):
+        return value
+    try:
+        return Recompute(str(value))
+    except ValueError:
+        raise ConfigError(ConfigIssue(key=key, value=value, problem="is not a recompute granularity.",
+                                      fix=f"use one of {[r.value for r in Recompute]}.")) from None

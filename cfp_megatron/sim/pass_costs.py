@@ -1,0 +1,132 @@
+"""What one micro-batch costs on one rank, per kind of layer, before the schedule arranges it.
+
+:func:`pass_costs` gathers the analytical layer costs (:mod:`cfp_megatron.sim.layer_cost`), replaces them with
+profiled segments where the measurements hold them (CFP, :mod:`cfp_megatron.sim.measured_segments`), and applies the
+measured in-schedule overheads. Plans of one search that agree on everything these costs read share one computation
+through a :class:`CostCache` (:func:`cost_key` names that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from cfp_megatron.cluster.costs import CollectiveCosts
+from cfp_megatron.cluster.measured import Measurements, StepOverheads, partition_name
+from cfp_megatron.config import JobSpec, Recompute
+from cfp_megatron.sim.kernels import KernelModel
+from cfp_megatron.sim.layer_cost import LayerCost, PassCost, embedding_cost, layer_cost, output_layer_cost
+from cfp_megatron.sim.layout import Layout
+from cfp_megatron.sim.measured_segments import apply_measured
+from cfp_megatron.sim.options import SimOptions
+from cfp_megatron.sim.schedule import ScheduleResult
+
+
+@dataclass(frozen=True, kw_only=True)
+class PassCosts:
+    """Per-micro-batch costs on one rank of each kind of layer of one plan."""
+
+    dense: LayerCost
+    """One dense decoder layer."""
+    moe: LayerCost
+    """One MoE decoder layer (the dense one for a dense model)."""
+    embedding: tuple[PassCost, PassCost]
+    """Forward and backward of the embedding (on the first stage)."""
+    head: tuple[PassCost, PassCost]
+    """Forward and backward of the final norm, output layer and loss (on the last stage)."""
+    per_pass: PassCost
+    """The schedule's own cost added to every stage's forward and to its backward call (measured; else zero)."""
+    overheads: StepOverheads | None
+    """The measured step overheads used, if any."""
+
+    def min_layer_s(self) -> float:
+        """Forward + backward + recomputation seconds of the cheaper layer kind (a bound's building block)."""
+        return min(_total(self.dense), _total(self.moe))
+
+
+def _total(cost: LayerCost) -> float:
+    return cost.forward.total_s + cost.backward.total_s + cost.recompute.total_s
+
+
+def cost_key(job: JobSpec, layout: Layout, options: SimOptions) -> tuple[Any, ...]:
+    """Everything of the plan that :func:`pass_costs` reads, for plans of one model on one cluster with one set of
+    options and measurements: equal keys, equal costs."""
+    return layout_cost_key(layout, job.parallel.recompute, options)
+
+
+def layout_cost_key(layout: Layout, recompute: Recompute, options: SimOptions) -> tuple[Any, ...]:
+    """:func:`cost_key` from the layout and the recompute choice alone."""
+    d = layout.dims
+    fsdp = (d.dp, layout.dp_per_node) if options.fsdp else ()
+    return (d.tp, d.sp, d.cp, d.ep, d.etp, layout.micro_batch, layout.seq_length, recompute, layout.tp_per_node,
+            layout.cp_per_node, layout.ep_per_node, layout.gpus_per_node, fsdp)
+
+
+@dataclass(kw_only=True)
+class CostCache:
+    """Pass costs and timed schedules shared by the plans of one search (one model, cluster, set of options and
+    measurements).
+
+    The first call fixes what the cache is for; a call for another model, cluster, precision, options or
+    measurements is a programming error and raises ``ValueError``."""
+
+    signature: tuple[Any, ...] | None = None
+    """What the cached costs are valid for."""
+    kernels: KernelModel | None = None
+    """The kernel model of that cluster and precision."""
+    collectives: CollectiveCosts | None = None
+    """The collective cost model of that cluster."""
+    costs: dict[tuple[Any, ...], PassCosts] = field(default_factory=dict)
+    """Pass costs by :func:`cost_key`."""
+    schedules: dict[tuple[Any, ...], ScheduleResult] = field(default_factory=dict)
+    """Timed pipeline schedules by their pass durations, send/receive time and micro-batch count."""
+
+    def check(self, signature: tuple[Any, ...]) -> bool:
+        """Whether the cache holds models for ``signature`` (taking it when empty)."""
+        if self.signature is None:
+            self.signature = signature
+            return False
+        if self.signature != signature:
+            raise ValueError("a CostCache serves one model, cluster, set of options and measurements")
+        return self.kernels is not None
+
+
+def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, options: SimOptions,
+               measurements: Measurements | None) -> PassCosts:
+    """The per-micro-batch costs of ``job`` under ``layout`` (see the module docstring)."""
+    m = job.model
+    dense = layer_cost(job, layout, kernels, costs, options, moe=False)
+    moe = layer_cost(job, layout, kernels, costs, options, moe=True) if m.is_moe else dense
+    if options.measured_layer_only:
+        emb = out = (PassCost(), PassCost())
+    else:
+        emb = embedding_cost(job, layout, kernels, costs)
+        out = output_layer_cost(job, layout, kernels, costs)
+    overheads = None
+    if options.use_measured_segments:
+        dense, moe, emb_m, out_m = apply_measured(job, measurements, layout.micro_batch, dense, moe, emb, out)
+        if not options.measured_layer_only:
+            emb, out = emb_m, out_m
+            if measurements is not None and not m.is_moe:
+                overheads = measurements.step_overheads(partition_name(job.parallel.tp, sp=job.parallel.sp),
+                                                        layout.micro_batch)
+    per_pass = PassCost()
+    if overheads is not None:
+        # The layer as it runs inside the training schedule, and the schedule's own cost per micro-batch on every
+        # stage's forward and backward call (measured on probe models, :mod:`cfp_megatron.profile.overheads`).
+        dense = moe = in_schedule(dense, overheads.layer_s)
+        per_pass = PassCost(overhead_s=overheads.per_microbatch_s / 2)
+    return PassCosts(dense=dense, moe=moe, embedding=emb, head=out, per_pass=per_pass, overheads=overheads)
+
+
+def in_schedule(cost: LayerCost, layer_s: float) -> LayerCost:
+    """``cost`` with its forward and backward (and recomputation) rescaled to ``layer_s`` seconds of forward plus
+    backward, keeping its forward-to-backward split."""
+    total = cost.forward.total_s + cost.backward.total_s
+    if total <= 0:
+        return cost
+    share = cost.forward.total_s / total
+    recompute = cost.recompute.total_s / cost.forward.total_s if cost.forward.total_s > 0 else 0.0
+    return LayerCost(forward=PassCost(compute_s=share * layer_s), backward=PassCost(compute_s=(1 - share) * layer_s),
+                     recompute=PassCost(compute_s=recompute * share * layer_s), params=cost.params,
+                     expert_params=cost.expert_params)

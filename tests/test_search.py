@@ -1,0 +1,170 @@
+"""The search (issue D): the bounded search returns exactly what an exhaustive one does on random small spaces, its
+bounds never exceed the simulated step, plans are the same in another process, pins and sets are obeyed, and the
+families it rules out come with their reasons. Jobs are composed from the real Hydra configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from cfp_megatron.config import JobSpec, Recompute, job_from_config, register_configs
+from cfp_megatron.errors import ConfigError
+from cfp_megatron.search.search import _bounds, search
+from cfp_megatron.search.space import build_space
+from cfp_megatron.search.spec import CfpMode, CfpSpec, SearchConstraints, cfp_from_config
+from cfp_megatron.sim.options import SimOptions
+from cfp_megatron.sim.pass_costs import CostCache
+from cfp_megatron.sim.simulate import simulate
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def compose_job(*overrides: str) -> tuple[JobSpec, CfpSpec]:
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+cfp=auto", *overrides])
+    return job_from_config(cfg), cfp_from_config(cfg)
+
+
+def _random_case(rng: random.Random) -> tuple[JobSpec, CfpSpec, int]:
+    layers = rng.choice([2, 4, 6, 8, 12])
+    heads = rng.choice([4, 8, 16])
+    hidden = heads * rng.choice([16, 32, 64])
+    cluster = rng.choice(["dgx_a100", "dgx_h100"])
+    gpn = rng.choice([2, 4, 8])
+    nodes = rng.choice([1, 2])
+    gbs = rng.choice([8, 16, 32, 64])
+    seq = rng.choice([128, 256, 512])
+    model = rng.choice(["gpt_tiny", "llama_tiny"])
+    hbm = rng.choice([0.02, 0.05, 0.2, 80.0])  # small capacities make memory bind
+    overrides = [f"model={model}", f"model.num_layers={layers}", f"model.num_attention_heads={heads}",
+                 f"model.hidden_size={hidden}", f"model.ffn_hidden_size={4 * hidden}", "model.num_query_groups=null",
+                 f"cluster={cluster}", f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpn}",
+                 f"cluster.hbm_gib={hbm}", f"train.global_batch_size={gbs}", f"train.seq_length={seq}",
+                 "model.max_position_embeddings=1024", f"cfp.top_k={rng.choice([1, 3, 5])}",
+                 f"cfp.constraints.memory_headroom={rng.choice([0.0, 0.1, 0.3])}",
+                 f"cfp.constraints.max_micro_batch={rng.choice([4, 64])}"]
+    job, cfp = compose_job(*overrides)
+    return job, cfp, nodes * gpn
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_bounded_search_equals_exhaustive(seed: int) -> None:
+    job, cfp, world = _random_case(random.Random(seed))
+    fast = search(job, world, cfp)
+    full = search(job, world, cfp, exhaustive=True)
+    assert [r.candidate for r in fast.ranked] == [r.candidate for r in full.ranked]
+    assert [r.prediction.step_time_s for r in fast.ranked] == [r.prediction.step_time_s for r in full.ranked]
+    assert fast.space_size == full.space_size
+    assert fast.simulated <= full.simulated
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bounds_never_exceed_the_simulated_step(seed: int) -> None:
+    job, cfp, world = _random_case(random.Random(100 + seed))
+    space = build_space(job, world, cfp)
+    order, _, _ = _bounds(space, job, job.cluster, None, SimOptions(), CostCache())
+    checked = 0
+    for bound, cand, weights in order[:: max(len(order) // 150, 1)]:
+        try:
+            p = simulate(cand.job(job), world_size=world)
+        except ConfigError:
+            continue
+        assert bound <= p.step_time_s * (1 + 1e-12)
+        assert weights <= p.memory.total * (1 + 1e-12)
+        checked += 1
+    assert checked > 0
+
+
+def test_search_on_a_profiled_cpu_cluster_equals_exhaustive() -> None:
+    """With measured segments and step overheads on a CPU with fewer cores than ranks (the shared-cores schedule)."""
+    from tests.test_overheads import _db
+
+    job, cfp = compose_job("model=gpt_tiny", "train.global_batch_size=16", "train.seq_length=64", "cfp.top_k=3")
+    db = _db()
+    fast = search(job, 4, cfp, measurements=db, te_available=False)
+    full = search(job, 4, cfp, measurements=db, te_available=False, exhaustive=True)
+    assert [r.candidate for r in fast.ranked] == [r.candidate for r in full.ranked]
+    assert fast.ranked
+
+
+def test_plans_are_the_same_in_another_process() -> None:
+    code = """
+import json
+from tests.test_search import compose_job
+from cfp_megatron.search.search import search
+job, cfp = compose_job("model=llama3_8b", "cluster=dgx_h100", "cluster.nodes=4", "train.global_batch_size=256",
+                       "train.seq_length=4096")
+r = search(job, 32, cfp)
+print(json.dumps([[r.candidate.describe(32), r.prediction.step_time_s] for r in r.ranked]))
+"""
+    root = Path(__file__).resolve().parent.parent
+    runs = [subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    first, second = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+    job, cfp = compose_job("model=llama3_8b", "cluster=dgx_h100", "cluster.nodes=4", "train.global_batch_size=256",
+                           "train.seq_length=4096")
+    here = [[r.candidate.describe(32), r.prediction.step_time_s] for r in search(job, 32, cfp).ranked]
+    assert first == second == here
+    assert len(here) == cfp.top_k
+
+
+def test_pins_and_sets_are_obeyed() -> None:
+    job, cfp = compose_job("model=llama3_8b", "cluster=dgx_h100", "cluster.nodes=4", "train.global_batch_size=256",
+                           "train.seq_length=4096", "cfp.tp=4", "cfp.constraints.pp=[1,2]",
+                           "cfp.constraints.recompute=[none,selective]", "cfp.top_k=8")
+    result = search(job, 32, cfp)
+    assert result.ranked
+    for r in result.ranked:
+        assert r.candidate.tp == 4 and r.candidate.pp in (1, 2)
+        assert r.candidate.recompute in ("none", "selective")
+        assert r.prediction.memory.total / 2**30 <= result.memory_limit_gib
+
+
+def test_pin_outside_its_set_and_bad_constraints_are_errors() -> None:
+    with pytest.raises(ConfigError, match=r"cfp\.tp=3: is outside cfp\.constraints\.tp=\[2,4\]"):
+        compose_job("cfp.tp=3", "cfp.constraints.tp=[2,4]")
+    with pytest.raises(ConfigError, match=r"cfp\.constraints\.memory_headroom"):
+        compose_job("cfp.constraints.memory_headroom=1.5")
+    assert cfp_from_config({}).mode is CfpMode.off
+
+
+def test_rejected_families_name_the_reason() -> None:
+    job, cfp = compose_job("model=gpt3_175b", "cluster=dgx_a100", "cluster.nodes=16", "train.global_batch_size=512",
+                           "train.seq_length=2048")
+    result = search(job, 128, cfp)
+    reasons = {r.what: r.reason for r in result.rejected}
+    assert "tp=16" in reasons and "span nodes" in reasons["tp=16"]
+    assert any(what.startswith("dp") and "GiB" in why for what, why in reasons.items())  # over memory
+    assert "pp=128" in reasons and "96 layers" in reasons["pp=128"]
+    best = result.best.prediction
+    assert best.memory.total / 2**30 <= result.memory_limit_gib
+
+
+def test_no_plan_fits_is_a_clear_error() -> None:
+    job, cfp = compose_job("model=gpt3_175b", "cluster=dgx_a100", "cluster.nodes=1", "train.global_batch_size=64",
+                           "train.seq_length=2048")
+    result = search(job, 8, cfp)
+    assert not result.ranked
+    with pytest.raises(ConfigError, match="GiB"):
+        _ = result.best
+
+
+def test_space_offers_only_what_the_runtime_runs() -> None:
+    job, _ = compose_job("model=moe_tiny")
+    cfp = CfpSpec(constraints=SearchConstraints(recompute=[Recompute.none]))
+    space = build_space(job, 4, cfp, te_available=False)
+    cands = [c for f in space.families for c in space.candidates(f)]
+    assert cands and all(c.cp == 1 for c in cands)  # no CP without Transformer Engine
+    assert all(c.sp for c in cands if c.tp > 1 and c.ep > 1)  # Megatron-Core needs SP for MoE with TP and EP
+    assert {c.ep for c in cands} > {1}
+    dense, _ = compose_job("model=gpt_tiny")
+    assert all(f.ep == 1 for f in build_space(dense, 4, cfp).families)
+    assert dataclasses.replace(cands[0], tp=1).parallel(job.parallel).tp == 1
