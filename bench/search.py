@@ -21,9 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
-from cfp_megatron.config import job_from_config, register_configs
+from cfp_megatron.config import compose_config, job_from_config
 from cfp_megatron.search.search import search
 from cfp_megatron.search.spec import CfpSpec, SearchConstraints, cfp_from_config
 from cfp_megatron.sim.prediction import GIB
@@ -41,11 +39,9 @@ CASES = (
 
 
 def speed() -> None:
-    register_configs()
     print(f"{'case':<28} {'layouts':>9} {'simulated':>9} {'seconds':>8} {'target':>7}  best plan")
     for name, overrides, target in CASES:
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-            cfg = compose(config_name="config", overrides=["+cfp=auto", *overrides])
+        cfg = compose_config(["+cfp=auto", *overrides])
         job, cfp = job_from_config(cfg), cfp_from_config(cfg)
         world = job.cluster.nodes * job.cluster.gpus_per_node
         times, result = [], None

@@ -124,17 +124,14 @@ def _analyze(job: JobSpec, mesh: MeshSpec, seq: int, micro_batch_size: int) -> d
     segmentation = segment_model(capture.sequence, blocks, capture.graphs)
     done = time.perf_counter()
     gated = job.model.activation is Activation.swiglu
-    classes = []
-    for cls in segmentation.classes:
-        data = cls.to_json()
-        for block_json, block in zip(data["blocks"], cls.blocks, strict=True):
+    data = segmentation.to_json()
+    for cls_json, cls in zip(data["classes"], segmentation.classes, strict=True):
+        for block_json, block in zip(cls_json["blocks"], cls.blocks, strict=True):
             block_json["megatron_tp"] = [c.to_json() for c in megatron_tp_candidates(block, mesh, gated=gated)]
-        classes.append(data)
     return {"model": job.model.name, "seq_length": seq, "micro_batch_size": micro_batch_size,
             "mesh": {"shape": list(mesh.shape), "names": list(mesh.names)},
             "params": capture.total_params, "flops_per_microbatch": capture.total_flops,
-            "segments": segmentation.segments, "classes": classes,
-            "runs": segmentation.to_json()["runs"],
+            "segments": segmentation.segments, "classes": data["classes"], "runs": data["runs"],
             "seconds": {"capture": round(captured - start, 3), "blocks": round(done - captured, 3)}}
 
 
@@ -191,16 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--no-cache", action="store_true")
     args = parser.parse_args(argv)
-    from hydra import compose, initialize_config_dir
+    from cfp_megatron.config import compose_job
 
-    from cfp_megatron.config import job_from_config, register_configs
-
-    register_configs()
-    conf = Path(__file__).resolve().parent.parent / "conf"
     try:
-        with initialize_config_dir(config_dir=str(conf), version_base=None):
-            cfg = compose("config", overrides=list(args.overrides))
-        job = job_from_config(cfg)
+        job = compose_job(args.overrides)
         result = analyze(job, micro_batch_size=args.micro_batch_size, use_cache=not args.no_cache)
     except CfpError as err:
         print(f"cfp-megatron: {type(err).__name__}\n{err}", file=sys.stderr)

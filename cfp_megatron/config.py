@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from cfp_megatron.errors import ConfigError, ConfigIssue
@@ -146,6 +148,13 @@ def _positive(issues: list[ConfigIssue], prefix: str, obj: object, *names: str) 
         if value is not None:
             _issue(issues, value >= 1, f"{prefix}.{name}", value, "must be a positive integer.",
                    f"set {prefix}.{name} to 1 or more.")
+
+
+def resolve_precision(precision: Precision, on_gpu: bool) -> Precision:
+    """``auto`` is bf16 on GPU and fp32 on CPU."""
+    if precision is Precision.auto:
+        return Precision.bf16 if on_gpu else Precision.fp32
+    return precision
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -473,7 +482,7 @@ class TrainSpec:
     memory_step: int | None = None
     """Measure every rank's tensor memory during this step (1-based; ``MemTracker`` on CPU and GPU, plus
     ``torch.cuda.max_memory_allocated`` on GPU) and log it as a ``memory`` event; ``None`` measures nothing. Step 2 or
-    later includes the optimizer states."""
+    later includes the optimizer states. The tracker's hooks slow that step: its logged time is no training figure."""
 
     def __post_init__(self) -> None:
         issues: list[ConfigIssue] = []
@@ -608,7 +617,7 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
-def _build(cls: type, values: dict[str, Any]) -> Any:
+def build_spec(cls: type, values: dict[str, Any]) -> Any:
     """Construct a frozen spec from a mapping, converting strings to enums (runs ``__post_init__``)."""
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
@@ -659,7 +668,7 @@ def job_from_config(cfg: Any) -> JobSpec:
     built: dict[str, Any] = {}
     for name, cls in SECTIONS.items():
         try:
-            built[name] = _build(cls, _to_plain(raw.get(name, {})))
+            built[name] = build_spec(cls, _to_plain(raw.get(name, {})))
         except ConfigError as err:
             issues.extend(err.issues)
     extra = sorted(set(raw) - set(SECTIONS) - {"hydra", "cfp"})  # cfp: the planner's group (cfp_from_config)
@@ -668,3 +677,22 @@ def job_from_config(cfg: Any) -> JobSpec:
     if issues:
         raise ConfigError(issues)
     return JobSpec(**built)
+
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+"""The project's Hydra config folder."""
+
+
+def compose_config(overrides: Sequence[str]) -> Any:
+    """The project's Hydra config composed with ``overrides`` (an OmegaConf ``DictConfig``), as the command-line
+    tools (``analyze``, ``profile``, ``plan``) and the tests compose it."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+def compose_job(overrides: Sequence[str]) -> JobSpec:
+    """The job of :func:`compose_config`."""
+    return job_from_config(compose_config(overrides))

@@ -254,13 +254,17 @@ def predict_rows(rows: list[dict], efficiencies=None) -> tuple[list[RowResult], 
     for row in rows:
         try:
             plan = row_plan(row, presets)
-            eff = efficiencies.get(generation(plan.job.cluster)) if efficiencies else None
-            pred = simulate(plan.job, options=plan.options, efficiency=eff)
         except CfpError as err:
             skipped.append((row, str(err).replace("\n", " ")))
             continue
         except (ValueError, ArithmeticError, KeyError, TypeError) as err:  # malformed row: list it, keep going
             skipped.append((row, f"{type(err).__name__}: {err}"))
+            continue
+        eff = efficiencies.get(generation(plan.job.cluster)) if efficiencies else None
+        try:
+            pred = simulate(plan.job, options=plan.options, efficiency=eff)
+        except CfpError as err:  # a layout the simulator refuses; a bug in the simulator is raised, not hidden
+            skipped.append((row, str(err).replace("\n", " ")))
             continue
         results.append(RowResult(plan=plan, predicted_s=pred.step_time_s, memory_gib=pred.memory.total_gib))
     return results, skipped

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from cfp_megatron import analyze as analyze_module
 from cfp_megatron.analyze import analyze, main
 from cfp_megatron.config import job_from_config
 
@@ -40,7 +41,6 @@ def test_megatron_tp_layout_is_a_candidate_of_every_layer(model: str) -> None:
         tp_blocks = [b for b in cls["blocks"] if b["megatron_tp"]]
         assert tp_blocks, cls["kinds"]
         assert any(c["entry"] == "R" and c["exit"].startswith("P") for b in tp_blocks for c in b["megatron_tp"])
-        assert all(c["verified"] for b in cls["blocks"] for c in b["candidates"])
 
 
 @pytest.mark.parametrize(("model", "fc1"), [("gpt_tiny", "S(0)"), ("llama_tiny", "S(0;2)")])
@@ -68,13 +68,17 @@ def test_a_deep_model_has_a_handful_of_segment_classes() -> None:
     assert layer["params"] * 24 < result["params"]
 
 
-def test_two_dimensional_mesh_and_cache(tmp_path: Path) -> None:
+def test_two_dimensional_mesh_and_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     job = job_from_config({"model": {"name": "gpt_tiny"}, "parallel": {"tp": 2},
                            "cluster": {"nodes": 1, "gpus_per_node": 4}, "train": {"seq_length": 32}})
     first = analyze(job)
     assert first["mesh"] == {"shape": [2, 2], "names": ["dp", "tp"]}
-    again = analyze(job)
-    assert again == first
+
+    def not_again(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the second analysis must come from the cache")
+
+    monkeypatch.setattr(analyze_module, "_analyze", not_again)
+    assert analyze(job) == first
 
 
 def test_command_line_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

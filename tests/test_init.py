@@ -35,7 +35,7 @@ def megatron_single_rank() -> Iterator[None]:
             os.environ[k] = v
 
 
-def _build(model: str, seed: int, layout_independent: bool) -> tuple[list[torch.nn.Module], object]:
+def build_spec(model: str, seed: int, layout_independent: bool) -> tuple[list[torch.nn.Module], object]:
     import yaml
 
     from cfp_megatron.runtime.init import layout_independent_init
@@ -59,10 +59,10 @@ def _params(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("model", ["llama_tiny", "moe_tiny"])
 def test_distribution_matches_megatron_and_seed_decides(model: str, megatron_single_rank: None) -> None:
-    megatron = _params(_build(model, 7, layout_independent=False)[0])
-    ours = _params(_build(model, 7, layout_independent=True)[0])
-    again = _params(_build(model, 7, layout_independent=True)[0])
-    other = _params(_build(model, 8, layout_independent=True)[0])
+    megatron = _params(build_spec(model, 7, layout_independent=False)[0])
+    ours = _params(build_spec(model, 7, layout_independent=True)[0])
+    again = _params(build_spec(model, 7, layout_independent=True)[0])
+    other = _params(build_spec(model, 8, layout_independent=True)[0])
     assert megatron.keys() == ours.keys()
     redrawn = 0
     for name, reference in megatron.items():

@@ -35,7 +35,6 @@ def test_memory_breakdown_single_rank_and_tensor_parallel(tmp_path: Path) -> Non
     assert b["gradients"] == fp32  # Megatron's contiguous main_grad buffer
     assert 2 * fp32 <= b["optimizer"] <= 2 * fp32 + 4096  # Adam's two moments (+ step counters)
     assert b["activations"] > 0
-    assert one["peak_bytes"] == sum(b.values())
 
     tp = run_train(2, [*COMMON, "parallel.tp=2"], tmp_path / "tp2")
     assert tp.returncode == 0, tp.output[-3000:]

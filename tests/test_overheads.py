@@ -139,3 +139,15 @@ def test_presets_are_untouched() -> None:
     preset = _tiny(cluster={**load_preset("dgx_h100"), "gpus_per_node": 4})
     assert simulate(preset, measurements=NothingMeasured(), world_size=4).step_time_s == pytest.approx(
         simulate(preset, world_size=4).step_time_s)
+
+
+def test_measured_segments_use_the_sizes_profiling_timed() -> None:
+    """Profiling times the job's own micro-batch (and twice it): a DB measured at 5 and 10 interpolates 7."""
+    from cfp_megatron.sim.measured_segments import measured_pass
+
+    rows = [SegmentRecord(model="m", model_name="gpt_tiny", segment="dense-id", kind="dense", partition="tp1", tp=1,
+                          micro_batch=mb, seq_length=64, forward_s=0.001 * mb, backward_s=0.002 * mb, confirmed=True)
+            for mb in (5, 10)]
+    db = ProfileDB(fingerprint=FP).merged(segments=rows)
+    assert db.segment_micro_batches("dense", "tp1") == (5, 10)
+    assert measured_pass(db, "dense", "tp1", 7) == pytest.approx((0.007, 0.014))

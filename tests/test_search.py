@@ -12,24 +12,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from cfp_megatron.config import JobSpec, Recompute, job_from_config, register_configs
+from cfp_megatron.config import JobSpec, Recompute, compose_config, job_from_config
 from cfp_megatron.errors import ConfigError
 from cfp_megatron.search.search import _bounds, search
 from cfp_megatron.search.space import build_space
 from cfp_megatron.search.spec import CfpMode, CfpSpec, SearchConstraints, cfp_from_config
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache
-from cfp_megatron.sim.simulate import simulate
-
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+from cfp_megatron.sim.simulate import prepare_costs, simulate, simulate_unless_slower
 
 
 def compose_job(*overrides: str) -> tuple[JobSpec, CfpSpec]:
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["+cfp=auto", *overrides])
+    cfg = compose_config(["+cfp=auto", *overrides])
     return job_from_config(cfg), cfp_from_config(cfg)
 
 
@@ -70,8 +65,9 @@ def test_bounded_search_equals_exhaustive(seed: int) -> None:
 def test_bounds_never_exceed_the_simulated_step(seed: int) -> None:
     job, cfp, world = _random_case(random.Random(100 + seed))
     space = build_space(job, world, cfp)
-    order, _, _ = _bounds(space, job, job.cluster, None, SimOptions(), CostCache())
+    order, _, _ = _bounds(space, job, None, SimOptions(), CostCache.for_job(job, None, SimOptions()))
     checked = 0
+    short = SimOptions(max_schedule_ops=40)  # large schedules: two shorter ones extrapolated
     for bound, cand, weights in order[:: max(len(order) // 150, 1)]:
         try:
             p = simulate(cand.job(job), world_size=world)
@@ -79,6 +75,11 @@ def test_bounds_never_exceed_the_simulated_step(seed: int) -> None:
             continue
         assert bound <= p.step_time_s * (1 + 1e-12)
         assert weights <= p.memory.total * (1 + 1e-12)
+        # the second bound, before the schedule is timed, never prunes a plan at its own step time
+        assert simulate_unless_slower(cand.job(job), p.step_time_s * (1 + 1e-12), world_size=world) is not None
+        extrapolated = simulate(cand.job(job), world_size=world, options=short).step_time_s
+        assert simulate_unless_slower(cand.job(job), extrapolated * (1 + 1e-12), world_size=world,
+                                      options=short) is not None
         checked += 1
     assert checked > 0
 
@@ -89,6 +90,8 @@ def test_search_on_a_profiled_cpu_cluster_equals_exhaustive() -> None:
 
     job, cfp = compose_job("model=gpt_tiny", "train.global_batch_size=16", "train.seq_length=64", "cfp.top_k=3")
     db = _db()
+    assert db.busy_slowdown() is not None  # 4 ranks on 2 cores: the shared-cores schedule and its bound apply
+    assert prepare_costs(job, None, db, world_size=4).overheads is not None  # measured segments and overheads
     fast = search(job, 4, cfp, measurements=db, te_available=False)
     full = search(job, 4, cfp, measurements=db, te_available=False, exhaustive=True)
     assert [r.candidate for r in fast.ranked] == [r.candidate for r in full.ranked]

@@ -137,9 +137,9 @@ def test_collective_costs() -> None:
     assert costs.seconds(Collective.all_gather, mb, 8) == pytest.approx(
         costs.seconds(Collective.reduce_scatter, mb, 8))
     assert costs.seconds(Collective.all_reduce, mb, 1) == 0.0
-    assert group_placement(8, 1, 8) == (8, 1)
-    assert group_placement(4, 8, 8) == (1, 4)
-    assert group_placement(8, 2, 8) == (4, 2)
+    assert group_placement(8, 1, 8) == 8
+    assert group_placement(4, 8, 8) == 1
+    assert group_placement(8, 2, 8) == 4
     fit = CollectiveFit(op=Collective.all_gather, group_size=8, span=Span.intra_node, latency_s=0.0,
                         bandwidth_bytes_per_s=1e10)
 

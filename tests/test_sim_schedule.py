@@ -50,10 +50,17 @@ def test_p2p_lengthens_fill_and_drain() -> None:
     assert slow >= base + 2 * 3 * 0.5 - 1e-9
 
 
-@pytest.mark.parametrize("pp,vpp,m", [(4, 1, 16), (8, 1, 32), (4, 2, 16)])
-def test_closed_form_matches_simulation_for_equal_stages(pp: int, vpp: int, m: int) -> None:
-    f, b = [[0.3] * vpp] * pp, [[0.7] * vpp] * pp
-    sim = max(run_schedule(f, b, 0.0, m).end_s)
-    closed = run_schedule(f, b, 0.0, m, max_ops=1)
-    assert not closed.simulated
-    assert max(closed.end_s) == pytest.approx(sim)
+@pytest.mark.parametrize("pp,vpp,m", [(4, 1, 64), (8, 1, 96), (4, 2, 64), (3, 1, 50)])
+@pytest.mark.parametrize("p2p", [0.0, 0.1])
+def test_extrapolated_schedule_matches_simulation(pp: int, vpp: int, m: int, p2p: float) -> None:
+    """Stages that differ only by the embedding (first) and the head (last), with and without send/receive time:
+    the extrapolation from two shorter schedules equals the full event-by-event timing on every rank."""
+    f = [[0.3] * vpp for _ in range(pp)]
+    b = [[0.7] * vpp for _ in range(pp)]
+    f[0][0] += 0.1
+    b[-1][-1] += 0.25
+    sim = run_schedule(f, b, p2p, m)
+    short = run_schedule(f, b, p2p, m, max_ops=1)
+    assert sim.simulated and not short.simulated
+    assert short.end_s == pytest.approx(sim.end_s, rel=1e-9)
+    assert short.busy_s == sim.busy_s

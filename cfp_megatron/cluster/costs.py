@@ -41,16 +41,15 @@ class Link:
     """Effective unidirectional bytes per second per GPU (nominal x efficiency)."""
 
 
-def group_placement(size: int, stride: int, gpus_per_node: int) -> tuple[int, int]:
-    """``(ranks_per_node, nodes)`` of a process group of ``size`` ranks whose members are ``stride`` ranks apart
-    (the product of the faster-varying dimensions in Megatron's rank order), on nodes of ``gpus_per_node``."""
+def group_placement(size: int, stride: int, gpus_per_node: int) -> int:
+    """Ranks per node of a process group of ``size`` ranks whose members are ``stride`` ranks apart (the product of
+    the faster-varying dimensions in Megatron's rank order), on nodes of ``gpus_per_node``."""
     if size <= 1:
-        return 1, 1
+        return 1
     g = max(gpus_per_node, 1)
     if stride >= g:
-        return 1, size
-    per_node = max(1, min(size, g // stride))
-    return per_node, -(-size // per_node)
+        return 1
+    return max(1, min(size, g // stride))
 
 
 class CollectiveCosts:

@@ -190,6 +190,10 @@ class Measurements(Protocol):
         under one candidate partition (its canonical string) at micro-batch size ``micro_batch``."""
         ...
 
+    def segment_micro_batches(self, segment: str, partition: str) -> tuple[int, ...]:
+        """The micro-batch sizes at which ``segment`` was measured under ``partition``, ascending."""
+        ...
+
     def step_overheads(self, partition: str, micro_batch: int) -> StepOverheads | None:
         """A training step beyond the isolated segments under ``partition`` at ``micro_batch`` (``None`` if not
         measured)."""
@@ -220,6 +224,9 @@ class NothingMeasured:
 
     def segment_seconds(self, segment: str, partition: str, micro_batch: int) -> tuple[float, float] | None:
         return None
+
+    def segment_micro_batches(self, segment: str, partition: str) -> tuple[int, ...]:
+        return ()
 
     def step_overheads(self, partition: str, micro_batch: int) -> StepOverheads | None:
         return None

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import tempfile
@@ -56,6 +57,7 @@ from cfp_megatron.graph.propagation import (
     Placements,
     Propagation,
     candidate_placements,
+    comm_counts,
     parse_placements,
     placement_str,
     propagate,
@@ -77,16 +79,13 @@ class BlockCandidate:
     """Partition of the block's exit activation (``Partial`` means a reduction is pending at the boundary)."""
     params: dict[str, Placements]
     """Placement inferred for each parameter the block reads, by name."""
-    verified: bool
-    """A second propagation through exactly the block's operators, parameters fixed, counted zero collectives."""
     maximal: bool = True
     """The entry partition needs a collective right after the block (or the operators end there); ``False`` when it
     would cross further, i.e. the block is a prefix of a longer one for this entry."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready form."""
-        return {"entry": placement_str(self.entry), "exit": placement_str(self.exit), "verified": self.verified,
-                "maximal": self.maximal,
+        return {"entry": placement_str(self.entry), "exit": placement_str(self.exit), "maximal": self.maximal,
                 "params": {k: placement_str(v) for k, v in self.params.items()}}
 
 
@@ -145,14 +144,6 @@ class ParallelBlock:
                 "exit_shape": list(self.exit_shape), "candidates": [c.to_json() for c in self.candidates],
                 "stopped": [{"entry": placement_str(s.entry), "at": s.at, "collectives": dict(s.collectives),
                              "error": s.error} for s in self.stopped]}
-
-
-def blocks_to_json(blocks: Sequence[ParallelBlock]) -> list[dict[str, Any]]:
-    """JSON-ready list of blocks."""
-    return [b.to_json() for b in blocks]
-
-
-# ------------------------------------------------------------------------------------------------- structure
 
 
 def forward_operators(graph: OpGraph) -> tuple[Operator, ...]:
@@ -225,7 +216,7 @@ def find_blocks(graph: OpGraph, mesh: DeviceMesh, *, ops: Sequence[Operator] | N
     return [dataclasses.replace(b, index=i) for i, b in enumerate(found)]
 
 
-def _reach(graph: OpGraph, rest: Sequence[Operator], run: Propagation, param_only: set[int]) -> int:
+def _reach(rest: Sequence[Operator], run: Propagation, param_only: set[int]) -> int:
     """Operators of ``rest`` crossed before the first collective, not ending on parameter-only operators."""
     position = {op.index: i for i, op in enumerate(rest)}
     stop = position[run.first_collective.index] if run.first_collective else len(rest)
@@ -242,7 +233,7 @@ def _blocks_at(graph: OpGraph, ops: Sequence[Operator], start: int, entry: int, 
     for cand in candidate_placements(graph.tensors[entry].shape, mesh):
         given = {entry: cand, **_side_inputs(graph, rest, entry, param_only, cand, mesh)}
         runs[cand] = propagate(graph, rest, given, mesh, stop_on_collective=True, cache=cache)
-    reach = {c: _reach(graph, rest, r, param_only) for c, r in runs.items()}
+    reach = {c: _reach(rest, r, param_only) for c, r in runs.items()}
     stops = sorted({r for r in reach.values() if r > 0}) or [1]
     blocks = []
     for stop in stops:
@@ -259,7 +250,7 @@ def _blocks_at(graph: OpGraph, ops: Sequence[Operator], start: int, entry: int, 
                                        error=first.error if first else None))
             else:
                 checked = _verify(graph, body, entry, exit_id, cand, run.params, param_only, mesh, cache)
-                if checked.verified:
+                if checked is not None:
                     candidates.append(dataclasses.replace(checked, maximal=reach[cand] == stop))
         blocks.append(ParallelBlock(
             index=0, start=start, stop=start + stop, ops=tuple(o.index for o in body),
@@ -271,12 +262,16 @@ def _blocks_at(graph: OpGraph, ops: Sequence[Operator], start: int, entry: int, 
 
 def _verify(graph: OpGraph, body: Sequence[Operator], entry: int, exit_id: int, cand: Placements,
             params: Mapping[str, Placements], param_only: set[int], mesh: DeviceMesh,
-            cache: dict[Any, OpResult]) -> BlockCandidate:
+            cache: dict[Any, OpResult]) -> BlockCandidate | None:
+    """The candidate, if a second propagation through exactly the block's operators (parameters fixed, the side
+    inputs placed as the block will see them) counts zero collectives; else ``None``."""
     read = {t for op in body for t in op.inputs}
     fixed = {name: p for name, p in params.items() if graph.params[name] in read}
     given = {entry: cand, **_side_inputs(graph, body, entry, param_only, cand, mesh)}
     run = propagate(graph, body, given, mesh, fixed, cache=cache)
-    return BlockCandidate(entry=cand, exit=run.placements.get(exit_id, cand), params=fixed, verified=run.comm_free)
+    if not run.comm_free:
+        return None
+    return BlockCandidate(entry=cand, exit=run.placements.get(exit_id, cand), params=fixed)
 
 
 # ----------------------------------------------------------------------------------------------- gloo check
@@ -367,8 +362,7 @@ def _gloo_rank(rank: int, world_size: int, tmp: str, build: Callable[[], torch.n
         dx = strided_rules.distribute(x, mesh, parse_placements(spec["entry"]))
         with torch.no_grad(), CommDebugMode() as comm, strided_rules.strided_costs():
             out = module(dx)
-        collectives = {str(getattr(k, "__name__", k)).rsplit(".", 1)[-1]: int(v)
-                       for k, v in comm.get_comm_counts().items() if v}
+        collectives = comm_counts(comm)
         with torch.no_grad():
             full = out.full_tensor()
         error = float((full - reference).abs().max())
@@ -417,9 +411,7 @@ def verify_blocks_on_gloo(build_graph: Callable[[], OpGraph], mesh_shape: tuple[
     """
     import torch.multiprocessing as mp
 
-    world_size = 1
-    for s in mesh_shape:
-        world_size *= s
+    world_size = math.prod(mesh_shape)
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_replay_rank, args=(world_size, tmp, build_graph, tuple(mesh_shape), list(checks)),
                  nprocs=world_size, join=True)
@@ -505,10 +497,10 @@ def _replay_rank(rank: int, world_size: int, tmp: str, build_graph: Callable[[],
         forward = forward_operators(graph)
         names = {pid: name for name, pid in graph.params.items()}
         reports = []
+        param_only = _param_only(graph, forward)
         for check in checks:
             ops = forward[check.start:check.stop]
             external = _external(ops)
-            param_only = _param_only(graph, forward)
             entry = parse_placements(check.placements)
             side = _side_inputs(graph, ops, check.entry, param_only, entry, mesh)
             plain = {t: _external_value(graph, t) for t in external}
@@ -536,8 +528,7 @@ def _replay_rank(rank: int, world_size: int, tmp: str, build_graph: Callable[[],
                                     "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"})
                     continue
                 full = sharded[check.exit].full_tensor()
-            collectives = {str(getattr(k, "__name__", k)).rsplit(".", 1)[-1]: int(v)
-                           for k, v in comm.get_comm_counts().items() if v}
+            collectives = comm_counts(comm)
             want = plain[check.exit].float()
             reports.append({"collectives": collectives, "error": None, "max_abs_error": _max_abs_error(full, want),
                             "scale": float(want.nan_to_num().abs().max()) if want.numel() else 0.0})

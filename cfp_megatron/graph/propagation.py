@@ -201,13 +201,6 @@ class OpResult:
         """Ran with zero collectives and a known rule."""
         return self.supported and not self.collectives
 
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready form."""
-        return {"index": self.index, "op": self.name, "comm_free": self.comm_free, "supported": self.supported,
-                "inputs": {str(k): placement_str(v) for k, v in self.inputs.items()},
-                "outputs": {str(k): placement_str(v) for k, v in self.outputs.items()},
-                "collectives": dict(self.collectives), "error": self.error,
-                "redistributed": {str(k): placement_str(v) for k, v in self.redistributed.items()}}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -287,8 +280,9 @@ def _quiet() -> Iterator[None]:
         _DROP.active = False
 
 
-def _comm_name(packet: Any) -> str:
-    return str(getattr(packet, "__name__", packet)).rsplit(".", 1)[-1]
+def comm_counts(comm: Any) -> dict[str, int]:
+    """The collectives a :class:`CommDebugMode` counted, by short name (``all_reduce``), zero counts left out."""
+    return {str(getattr(k, "__name__", k)).rsplit(".", 1)[-1]: int(v) for k, v in comm.get_comm_counts().items() if v}
 
 
 def _check_placements(tid: int, placements: Placements, mesh: DeviceMesh) -> None:
@@ -327,7 +321,7 @@ def propagate_op(op: Operator, graph: OpGraph, placements: Mapping[int, Placemen
             out = op.op(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - DTensor raises several types for "no rule"
         return _fallback(op, graph, given, mesh, args, kwargs, exc)
-    collectives = {_comm_name(k): int(v) for k, v in comm.get_comm_counts().items() if v}
+    collectives = comm_counts(comm)
     flat = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     outputs = {tid: (tuple(t.placements) if isinstance(t, DTensor) else replicate(mesh))
                for tid, t in zip(op.outputs, flat, strict=False)}

@@ -15,12 +15,12 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from cfp_megatron.config import JobSpec, Precision
+from cfp_megatron.files import write_atomic
 from cfp_megatron.model.summary import SCHEMA_VERSION, CaptureSummary
 
 CACHE_ENV = "CFP_CACHE_DIR"
@@ -33,16 +33,16 @@ def cache_dir() -> Path:
     return Path(root).expanduser() if root else Path.home() / ".cache" / "cfp-megatron"
 
 
-def _plain(value: Any) -> Any:
-    """A JSON-stable form of config values (enums by value, callables and types by qualified name)."""
+def json_plain(value: Any) -> Any:
+    """A JSON-stable form of config values and specs (enums by value, callables and types by qualified name)."""
     if isinstance(value, enum.Enum):
         return value.value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: json_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+        return {str(k): json_plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
     if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
+        return [json_plain(v) for v in value]
     if isinstance(value, str | int | float | bool) or value is None:
         return value
     if callable(value) or isinstance(value, type):
@@ -50,7 +50,7 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def _version(dist: str) -> str:
+def installed_version(dist: str) -> str:
     """An installed distribution's version, read without importing it (so a cache hit stays fast)."""
     try:
         return importlib.metadata.version(dist)
@@ -60,8 +60,8 @@ def _version(dist: str) -> str:
 
 def cache_key(inputs: dict[str, Any]) -> str:
     """SHA-256 of ``inputs`` plus the schema and library versions."""
-    payload = {"inputs": _plain(inputs), "schema": SCHEMA_VERSION, "torch": _version("torch"),
-               "megatron": _version("megatron-core")}
+    payload = {"inputs": json_plain(inputs), "schema": SCHEMA_VERSION, "torch": installed_version("torch"),
+               "megatron": installed_version("megatron-core")}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -83,18 +83,7 @@ def load_json(key: str, *, section: str = "capture") -> Any | None:
 
 def store_json(key: str, data: Any, *, section: str = "capture") -> Path:
     """Write ``data`` as JSON under ``key`` in ``section`` atomically (temporary file + rename); return the file."""
-    directory = cache_dir() / section
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{key}.json"
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, separators=(",", ":"))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomic(cache_dir() / section / f"{key}.json", json.dumps(data, separators=(",", ":")))
 
 
 def load(key: str) -> CaptureSummary | None:

@@ -113,8 +113,9 @@ def capture_job_config(job: JobSpec, *, precision: Precision | None = None) -> A
 
     ``precision`` defaults to the job's, resolved as on a GPU (``auto`` -> bf16).
     """
+    from cfp_megatron.config import resolve_precision
     from cfp_megatron.parallel_dims import ParallelDims
-    from cfp_megatron.runtime.model import params_dtype, resolve_precision, transformer_config
+    from cfp_megatron.runtime.model import params_dtype, transformer_config
 
     # One process, one stage: the job's own layout and cluster (checked elsewhere) do not change the layers' graphs.
     single = dataclasses.replace(job, parallel=ParallelSpec(), cluster=ClusterSpec(),

@@ -29,14 +29,15 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cfp_megatron.config import JobSpec, ParallelSpec, Precision
+from cfp_megatron.config import JobSpec, ParallelSpec, Precision, build_spec
 from cfp_megatron.errors import ConfigError
+from cfp_megatron.files import write_new
+from cfp_megatron.model.cache import json_plain
 from cfp_megatron.plan.errors import PlanError
 
 SCHEMA_VERSION = 1
@@ -331,7 +332,7 @@ class Plan:
             "cluster": self.cluster,
             "nodes": self.nodes,
             "gpus_per_node": self.gpus_per_node,
-            "parallel": {f.name: _plain(getattr(self.parallel, f.name)) for f in dataclasses.fields(ParallelSpec)},
+            "parallel": json_plain(self.parallel),
             "micro_batch_size": self.micro_batch_size,
             "global_batch_size": self.global_batch_size,
             "seq_length": self.seq_length,
@@ -390,40 +391,14 @@ class Plan:
 
 
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
-    """Write ``plan.to_json()`` to ``path`` atomically and return the path.
-
-    The JSON goes to a temporary file in the same folder first, then takes the final name in one step. An existing
-    file is never overwritten: :class:`PlanError` names ``cfp.plan_file``, the path and the fix.
-    """
-    target = Path(path)
-
-    def exists_error() -> PlanError:
-        return PlanError(f"{target} already exists; an existing plan file is never overwritten.",
-                         fix=f"choose another path with {PLAN_FILE_SETTING}=..., or remove {target} first.",
-                         setting=PLAN_FILE_SETTING)
-
-    if target.exists():
-        raise exists_error()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(plan.to_json(), indent=2) + "\n"
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    tmp = Path(tmp_name)
+    """Write ``plan.to_json()`` to ``path`` atomically and return the path. An existing file is never overwritten:
+    :class:`PlanError` names ``cfp.plan_file``, the path and the fix."""
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        try:
-            os.link(tmp, target)  # atomic, and fails if the name exists (no window for a concurrent writer)
-        except FileExistsError:
-            raise exists_error() from None
-        except OSError:  # the file system has no hard links: check, then rename
-            if target.exists():
-                raise exists_error() from None
-            os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return target
+        return write_new(path, json.dumps(plan.to_json(), indent=2) + "\n")
+    except FileExistsError:
+        raise PlanError(f"{path} already exists; an existing plan file is never overwritten.",
+                        fix=f"choose another path with {PLAN_FILE_SETTING}=..., or remove {path} first.",
+                        setting=PLAN_FILE_SETTING) from None
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:
@@ -526,32 +501,14 @@ def _decode_int(key: str, text: str) -> int:
     return int(text)
 
 
-def _plain(value: Any) -> Any:
-    """A spec value as JSON writes it (enums by value)."""
-    return value.value if isinstance(value, enum.Enum) else value
-
-
 def _parallel_from_json(d: Any) -> ParallelSpec:
-    """ParallelSpec from plan.json's ``parallel`` mapping; fields missing from the file take their defaults."""
+    """ParallelSpec from plan.json's ``parallel`` mapping (the config loader's own conversion: enums from their
+    values, unknown keys refused); fields missing from the file take their defaults."""
     if not isinstance(d, dict):
         raise PlanError(f"plan.json's parallel must be a mapping, not {type(d).__name__}.",
                         fix="re-plan to write a fresh plan.json.")
-    hints = typing.get_type_hints(ParallelSpec)
-    _check_keys(d, required=[], optional=list(hints), where="plan.json's parallel")
-    values: dict[str, Any] = {}
-    for name, value in d.items():
-        hint = hints[name]
-        kinds = typing.get_args(hint) or (hint,)
-        for kind in kinds:
-            if isinstance(kind, type) and issubclass(kind, enum.Enum) and isinstance(value, str):
-                try:
-                    value = kind(value)
-                except ValueError:
-                    raise PlanError(f"plan.json's parallel.{name}={value!r} is not one of "
-                                    f"{[m.value for m in kind]}.", fix="re-plan to write a fresh plan.json.") from None
-        values[name] = value
     try:
-        return ParallelSpec(**values)
+        return build_spec(ParallelSpec, d)
     except (ConfigError, TypeError) as err:
         raise PlanError(f"plan.json's parallel layout is invalid: {err}",
                         fix="re-plan to write a fresh plan.json.") from err

@@ -7,7 +7,6 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 
 from cfp_megatron.errors import CfpError
 
@@ -31,19 +30,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def compose_job(overrides: Sequence[str]):  # noqa: ANN201 - JobSpec, imported lazily
-    """The job from the project's Hydra config and ``overrides`` (as ``python -m cfp_megatron.analyze`` does)."""
-    from hydra import compose, initialize_config_dir
-
-    from cfp_megatron.config import job_from_config, register_configs
-
-    register_configs()
-    conf = Path(__file__).resolve().parent.parent.parent / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base=None):
-        cfg = compose("config", overrides=list(overrides))
-    return job_from_config(cfg)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Profile, print the summary and the DB path on rank 0; exit status 2 on a user error."""
     warnings.filterwarnings("ignore", message=f".*({_EXPECTED_ON_CPU}).*")
@@ -52,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from rich.console import Console
 
+    from cfp_megatron.config import compose_job
     from cfp_megatron.runtime.launch_env import LaunchEnv
 
     env = LaunchEnv.read()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -128,11 +128,12 @@ class CollectiveBench:
         raise ProfileError(f"unknown collective {op!r}")
 
 
-def collective_steps(world: int, nodes: int, *, on_gpu: bool, dtype: torch.dtype,
-                     device: torch.device) -> tuple[list[Step], dict[str, tuple[Collective, GroupPattern, int]]]:
+def collective_steps(world: int, nodes: int, *, on_gpu: bool, dtype: torch.dtype, device: torch.device
+                     ) -> tuple[list[Step], dict[str, tuple[Collective, GroupPattern, int]], Callable[[], None]]:
     """The round's steps (group set-up first, then the smallest and largest size of every collective on every
-    pattern, then the sizes between, so a short budget still yields a fit for each) and what each timing step
-    measures, by label."""
+    pattern, then the sizes between, so a short budget still yields a fit for each), what each timing step
+    measures, by label, and a function that destroys the groups the steps created (call it after the round: left
+    alive they would slow the later rounds)."""
     sizes = GPU_SIZES if on_gpu else CPU_SIZES
     patterns = group_patterns(world, nodes)
     benches: dict[int, CollectiveBench] = {}
@@ -158,7 +159,13 @@ def collective_steps(world: int, nodes: int, *, on_gpu: bool, dtype: torch.dtype
 
                 steps.append(Step(label=label, run=measure))
                 meaning[label] = (op, patterns[i], size_index)
-    return steps, meaning
+    def release() -> None:
+        for bench in benches.values():
+            if bench.group is not dist.group.WORLD:
+                dist.destroy_process_group(bench.group)
+        benches.clear()
+
+    return steps, meaning, release
 
 
 def fit_results(results: Sequence[StepResult],

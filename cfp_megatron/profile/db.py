@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +24,7 @@ from cfp_megatron.cluster.measured import (
     interpolate_rows,
     least_squares_line,
 )
+from cfp_megatron.files import write_atomic, write_new
 from cfp_megatron.profile.errors import FingerprintMismatchError, ProfileDBError, SchemaVersionError
 from cfp_megatron.profile.fingerprint import Fingerprint
 from cfp_megatron.profile.gemm_table import interpolate_tflops
@@ -82,30 +81,32 @@ class ProfileDB:
         values = [g.tflops for g in self.gemms if g.dtype == dtype]
         return max(values) if values else None
 
-    def segment_seconds(self, segment: str, partition: str, micro_batch: int) -> tuple[float, float] | None:
-        """(forward, backward) seconds of a segment class under ``partition`` (``tp<N>``) at ``micro_batch``.
-
-        ``segment`` is the class id of the analysis JSON, or a layer kind (``embedding``, ``dense``, ``moe``,
-        ``head``) of the model chosen with :meth:`for_model` (or of the only model in the DB).
-        """
+    def _segment_records(self, segment: str, partition: str) -> list[SegmentRecord]:
+        """Records of a segment class under ``partition``, newest first. ``segment`` is the class id of the analysis
+        JSON, or a layer kind (``embedding``, ``dense``, ``moe``, ``head``) of the model chosen with
+        :meth:`for_model` (or of the only model in the DB)."""
         models = {r.model for r in self.segments}
         kind_model = self.model if self.model is not None else (next(iter(models)) if len(models) == 1 else None)
-        for rec in reversed(self.segments):  # the newest measurement wins
-            if rec.partition != partition or rec.micro_batch != micro_batch:
-                continue
-            if rec.segment == segment or (rec.kind == segment and rec.model == kind_model):
+        return [rec for rec in reversed(self.segments) if rec.partition == partition
+                and (rec.segment == segment or (rec.kind == segment and rec.model == kind_model))]
+
+    def segment_seconds(self, segment: str, partition: str, micro_batch: int) -> tuple[float, float] | None:
+        """(forward, backward) seconds of a segment class under ``partition`` (``tp<N>``) at ``micro_batch``
+        (``segment`` as in :meth:`_segment_records`; the newest measurement wins)."""
+        for rec in self._segment_records(segment, partition):
+            if rec.micro_batch == micro_batch:
                 return rec.forward_s, rec.backward_s
         return None
 
+    def segment_micro_batches(self, segment: str, partition: str) -> tuple[int, ...]:
+        """The micro-batch sizes at which a segment class was timed under ``partition``, ascending."""
+        return tuple(sorted({rec.micro_batch for rec in self._segment_records(segment, partition)}))
+
     def segment_memory(self, segment: str, partition: str, micro_batch: int) -> SegmentMemory | None:
-        """Tensor memory of a segment class under ``partition`` at ``micro_batch`` (``segment`` as in
-        :meth:`segment_seconds`); ``None`` when not measured (also for records written before memory was)."""
-        models = {r.model for r in self.segments}
-        kind_model = self.model if self.model is not None else (next(iter(models)) if len(models) == 1 else None)
-        for rec in reversed(self.segments):  # the newest measurement wins
-            if rec.partition != partition or rec.micro_batch != micro_batch or rec.activation_bytes is None:
-                continue
-            if rec.segment == segment or (rec.kind == segment and rec.model == kind_model):
+        """Tensor memory of a segment class under ``partition`` at ``micro_batch``; ``None`` when not measured
+        (also for records written before memory was)."""
+        for rec in self._segment_records(segment, partition):
+            if rec.micro_batch == micro_batch and rec.activation_bytes is not None:
                 return SegmentMemory(activation_bytes=rec.activation_bytes,
                                      transient_bytes=rec.transient_bytes or 0.0,
                                      workspace_bytes=rec.workspace_bytes or 0.0)
@@ -276,39 +277,20 @@ def load_db(fingerprint: Fingerprint) -> ProfileDB | None:
     return read_db(path, expected=fingerprint)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def store_db(db: ProfileDB) -> Path:
     """Write ``db`` to its cache path atomically (the cache file of the same fingerprint is replaced); return it."""
     path = db_path(db.fingerprint)
-    _atomic_write(path, json.dumps(db.to_json(), indent=1))
-    return path
+    return write_atomic(path, json.dumps(db.to_json(), indent=1))
 
 
-def export_db(db: ProfileDB, path: str | Path, *, overwrite: bool = False) -> Path:
-    """Write a copy of ``db`` to a path the user chose; an existing file is kept unless ``overwrite``."""
-    path = Path(path)
-    if path.exists() and not overwrite:
+def export_db(db: ProfileDB, path: str | Path) -> Path:
+    """Write a copy of ``db`` to a path the user chose; never over an existing file."""
+    try:
+        return write_new(path, json.dumps(db.to_json(), indent=1))
+    except FileExistsError:
         raise ProfileDBError(f"{path}: exists; the ProfileDB is not written over a file you saved. "
-                             "Fix: choose another path or delete the file.")
-    _atomic_write(path, json.dumps(db.to_json(), indent=1))
-    return path
+                             "Fix: choose another path or delete the file.") from None
 
 
-def empty_db(fingerprint: Fingerprint) -> ProfileDB:
-    """A DB with nothing measured yet."""
-    return ProfileDB(fingerprint=fingerprint)
-
-
-__all__ = ["SCHEMA_VERSION", "ProfileDB", "db_path", "empty_db", "export_db", "load_db", "read_db",
+__all__ = ["SCHEMA_VERSION", "ProfileDB", "db_path", "export_db", "load_db", "read_db",
            "store_db"]

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.metadata
 import json
 import os
 import platform
 from dataclasses import dataclass
 from typing import Any
+
+from cfp_megatron.model.cache import installed_version
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,13 +57,6 @@ class Fingerprint:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "absent"
-
-
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo`` on Linux), else the platform's processor string."""
     try:
@@ -87,6 +81,6 @@ def current_fingerprint(*, world_size: int, nodes: int, backend: str) -> Fingerp
     return Fingerprint(
         device_name=torch.cuda.get_device_name() if on_gpu else cpu_model(),
         device_count=world_size, nodes=nodes, gpus_per_node=max(world_size // max(nodes, 1), 1), backend=backend,
-        torch=torch.__version__, megatron_core=_version("megatron-core"),
+        torch=torch.__version__, megatron_core=installed_version("megatron-core"),
         cuda=torch.version.cuda if on_gpu else None, nccl=nccl,
         cpu_cores=None if on_gpu else os.cpu_count())

@@ -129,8 +129,9 @@ class OverheadBench:
             micro_batch_size=int(batches[0]["tokens"].shape[0]), forward_only=False)
         _sync()
         t2 = time.perf_counter()
-        state.optimizer.step()
-        state.scheduler.step(increment=1)
+        applied, _, _ = state.optimizer.step()
+        if applied:  # as the runtime's train_step: a step skipped by the loss scaler does not advance the schedule
+            state.scheduler.step(increment=1)
         _reduce_loss(reports, state)
         _sync()
         t3 = time.perf_counter()

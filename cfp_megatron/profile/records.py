@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +19,6 @@ class RoundStatus(enum.Enum):
     """The round's share of the budget ran out; the steps done so far are kept."""
     failed = "failed"
     """A step raised on some rank; the steps done before it are kept."""
-    skipped = "skipped"
-    """Not run (nothing to do, or the budget was spent before it started)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,8 +40,7 @@ class RoundRecord:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready form."""
-        return {"name": self.name, "status": self.status.value, "reason": self.reason, "steps_done": self.steps_done,
-                "steps_planned": self.steps_planned, "seconds": self.seconds}
+        return {**dataclasses.asdict(self), "status": self.status.value}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RoundRecord:
@@ -98,8 +96,7 @@ class GemmRecord:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready form."""
-        return {"m": self.m, "n": self.n, "k": self.k, "dtype": self.dtype, "tflops": self.tflops,
-                "seconds": self.seconds}
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GemmRecord:
@@ -147,11 +144,7 @@ class SegmentRecord:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready form."""
-        return {"model": self.model, "model_name": self.model_name, "segment": self.segment, "kind": self.kind,
-                "partition": self.partition, "tp": self.tp, "micro_batch": self.micro_batch,
-                "seq_length": self.seq_length, "forward_s": self.forward_s, "backward_s": self.backward_s,
-                "confirmed": self.confirmed, "activation_bytes": self.activation_bytes,
-                "transient_bytes": self.transient_bytes, "workspace_bytes": self.workspace_bytes}
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SegmentRecord:
@@ -186,9 +179,7 @@ class OverheadRecord:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready form."""
-        return {"model": self.model, "partition": self.partition, "tp": self.tp, "layers": self.layers,
-                "params": self.params, "micro_batch": self.micro_batch, "microbatches": self.microbatches,
-                "schedule_s": self.schedule_s, "rest_s": self.rest_s}
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> OverheadRecord:

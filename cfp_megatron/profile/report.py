@@ -16,8 +16,7 @@ def _bytes(value: float) -> str:
     return f"{value:.0f} B"
 
 
-def render(db: ProfileDB, rounds: tuple[RoundRecord, ...], *, model: str | None = None,
-           console: Console | None = None) -> None:
+def render(db: ProfileDB, rounds: tuple[RoundRecord, ...], *, console: Console | None = None) -> None:
     """Print the fits, the GEMM table's peaks and best shapes, the segment times and the rounds of this run."""
     console = console or Console(highlight=False)
     if not console.is_terminal:
@@ -50,8 +49,7 @@ def render(db: ProfileDB, rounds: tuple[RoundRecord, ...], *, model: str | None 
     seg = Table(title="Segments: forward / backward per micro-batch (slowest rank)")
     for col in ("model", "kind", "class", "partition", "mbs", "seq", "forward (ms)", "backward (ms)", "TP confirmed"):
         seg.add_column(col)
-    rows = [s for s in db.segments if model is None or s.model == model]
-    for s in sorted(rows, key=lambda s: (s.model_name, s.tp, s.micro_batch, s.kind)):
+    for s in sorted(db.segments, key=lambda s: (s.model_name, s.tp, s.micro_batch, s.kind)):
         seg.add_row(s.model_name, s.kind, s.segment, s.partition, str(s.micro_batch), str(s.seq_length),
                     f"{s.forward_s * 1e3:.2f}", f"{s.backward_s * 1e3:.2f}", "yes" if s.confirmed else "no")
     console.print(seg)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from cfp_megatron.config import JobSpec
 from cfp_megatron.profile.control import StepResult, run_round
-from cfp_megatron.profile.db import ProfileDB, empty_db, load_db, store_db
+from cfp_megatron.profile.db import ProfileDB, load_db, store_db
 from cfp_megatron.profile.errors import ProfileDBError
 from cfp_megatron.profile.fingerprint import Fingerprint, current_fingerprint
 from cfp_megatron.profile.records import RoundRecord, RoundStatus
@@ -105,7 +105,7 @@ def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on
     rounds = rounds_needed(db, key, micro_batches(job), tps, force=force)
     classes: dict[int, dict[str, dict[str, Any]]] = {}
     records: list[dict[str, Any]] = []
-    if "segments" in rounds or "overheads" in rounds:
+    if "segments" in rounds:  # only the segments round names its records by the analysis' classes
         began = time.perf_counter()
         try:
             for tp in tps:
@@ -148,7 +148,7 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_BUDGE
         rounds_done += [record for record, _ in results.values()]
         db = path = None
         if env.rank == 0:
-            db = ProfileDB.from_json(plan["db"]) if plan["db"] is not None else empty_db(fp)
+            db = ProfileDB.from_json(plan["db"]) if plan["db"] is not None else ProfileDB(fingerprint=fp)
             if plan["rounds"]:
                 db = _merge(db, job, plan, results, rounds_done)
                 path = store_db(db)
@@ -165,29 +165,30 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_BUDGE
 
 def _run_rounds(job: JobSpec, plan: dict[str, Any], *, world: int, on_gpu: bool, budget_s: float, started: float,
                 rank: int, progress: ProgressFn | None) -> dict[str, tuple[RoundRecord, Any]]:
+    from cfp_megatron.config import resolve_precision
     from cfp_megatron.profile.collectives import collective_steps
     from cfp_megatron.profile.gemm import gemm_steps
     from cfp_megatron.profile.overheads import overhead_cases, overhead_steps
     from cfp_megatron.profile.segments import micro_batches, model_kinds, segment_cases, segment_steps
-    from cfp_megatron.runtime.model import resolve_precision
 
     precision = resolve_precision(job.train.precision, on_gpu).value
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     out: dict[str, tuple[RoundRecord, Any]] = {}
     todo = list(plan["rounds"])
+    cases, _ = segment_cases(job, world)
     for name in todo:
+        release = None
         if name == "collectives":
             dtype = torch.float32 if not on_gpu else {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
                 precision, torch.float32)
-            steps, meaning = collective_steps(world, job.cluster.nodes, on_gpu=on_gpu, dtype=dtype, device=device)
+            steps, meaning, release = collective_steps(world, job.cluster.nodes, on_gpu=on_gpu, dtype=dtype,
+                                                       device=device)
         elif name == "gemm":
             dtypes = ["fp32"] if not on_gpu else list(dict.fromkeys([precision, "fp32"]))
             steps, meaning = gemm_steps(dtypes, on_gpu=on_gpu, device=device)
         elif name == "segments":
-            cases, _ = segment_cases(job, world)
             steps, meaning = segment_steps(cases, micro_batches(job), model_kinds(job), repeats=5 if on_gpu else 7)
         else:
-            cases, _ = segment_cases(job, world)
             steps, meaning = overhead_steps(overhead_cases(cases, world, job.model.num_layers), micro_batches(job),
                                             repeats=4)
         remaining = [n for n in todo if n not in out]
@@ -195,6 +196,8 @@ def _run_rounds(job: JobSpec, plan: dict[str, Any], *, world: int, on_gpu: bool,
         share = max(left, 0.0) * SHARES[name] / sum(SHARES[n] for n in remaining)
         callback = (lambda i, n, label, name=name: progress(name, i, n, label)) if progress and rank == 0 else None
         results, record = run_round(name, steps, seconds=share, on_step=callback)
+        if release is not None:
+            release()
         if progress is not None and rank == 0:
             progress(name, record.steps_done, len(steps), record.status.value)
         out[name] = (record, (results, meaning))
@@ -230,8 +233,6 @@ def _merge(db: ProfileDB, job: JobSpec, plan: dict[str, Any], results: dict[str,
 
 
 def _teardown() -> None:
-    from cfp_megatron.profile.segments import release_megatron_groups
+    from cfp_megatron.runtime.distributed import destroy_distributed
 
-    release_megatron_groups()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    destroy_distributed()

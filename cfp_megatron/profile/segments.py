@@ -26,8 +26,6 @@ from cfp_megatron.parallel_dims import ParallelDims
 from cfp_megatron.profile.control import Step, StepResult
 from cfp_megatron.profile.records import SegmentRecord
 
-KINDS_ORDER = ("embedding", "dense", "moe", "head")
-"""Segment kinds in model order."""
 MEMORY_SUFFIX = " memory"
 """Label suffix of a segment's memory step (next to its timing step of the same label without it)."""
 
@@ -46,10 +44,10 @@ class SegmentCase:
 
 def model_key(job: JobSpec, *, on_gpu: bool) -> str:
     """Key of what segment times depend on: model shape, sequence length, precision."""
-    from cfp_megatron.model.cache import _plain
-    from cfp_megatron.runtime.model import resolve_precision
+    from cfp_megatron.config import resolve_precision
+    from cfp_megatron.model.cache import json_plain
 
-    payload = {"model": _plain(job.model), "seq_length": job.train.seq_length,
+    payload = {"model": json_plain(job.model), "seq_length": job.train.seq_length,
                "precision": resolve_precision(job.train.precision, on_gpu).value}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -122,36 +120,15 @@ def _drop_grad(param: torch.Tensor) -> None:
     param.grad = None
 
 
-def release_megatron_groups() -> None:
-    """Destroy Megatron's model-parallel groups, not only forget them.
-
-    ``destroy_model_parallel`` drops its references but destroys only the gloo copies; the other groups stay
-    registered with torch.distributed, each with its own threads and connections. A profiling run builds groups for
-    every probe (about ten times over): left alive they slowed the later probes' steps by a third on a CPU with fewer
-    cores than ranks. Destroying a group is local to the rank (no collective)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return
-    held: dict[int, dist.ProcessGroup] = {}
-    for name, value in vars(parallel_state).items():
-        if name.startswith("_") and "GROUP" in name and not name.endswith("_GLOO"):  # Megatron destroys the gloo ones
-            for group in value if isinstance(value, list | tuple) else (value,):
-                if isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD:
-                    held[id(group)] = group
-    parallel_state.destroy_model_parallel()
-    for group in held.values():
-        dist.destroy_process_group(group)
-
-
 def init_probe_groups(dims: ParallelDims, seed: int) -> None:
     """Megatron's model-parallel groups for a probe (TP as ``dims`` says, no pipeline), replacing earlier ones, and
     its seeds."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    release_megatron_groups()
+    from cfp_megatron.runtime.distributed import destroy_model_parallel_groups
+
+    destroy_model_parallel_groups()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=1, context_parallel_size=1,
         expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp, order=dims.order,

@@ -62,6 +62,23 @@ def init_distributed(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, timeou
     model_parallel_cuda_manual_seed(job.train.seed)
 
 
+def destroy_model_parallel_groups() -> None:
+    """Megatron's ``destroy_model_parallel``, and destroy the groups it only forgets.
+
+    ``destroy_model_parallel`` drops its references but destroys only its gloo copies; the other groups stay
+    registered with torch.distributed, each with its threads and connections (communicators under NCCL). Megatron
+    lists every group this rank joined in ``parallel_state._global_process_group_list``; those still registered are
+    destroyed here (a local operation, no collective). Needed where groups are rebuilt in one process (profiling
+    builds them for every probe: left alive they slowed the later probes by a third on a CPU with fewer cores than
+    ranks); at the end of a job ``dist.destroy_process_group()`` destroys every group anyway."""
+    groups = [g for g in (parallel_state._global_process_group_list or ()) if g is not None]
+    parallel_state.destroy_model_parallel()
+    registered = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}
+    for group in groups:
+        if group in registered:  # Megatron destroyed its gloo copies itself
+            dist.destroy_process_group(group)
+
+
 def destroy_distributed() -> None:
     """Tear down Megatron's groups and the default process group."""
     parallel_state.destroy_model_parallel()

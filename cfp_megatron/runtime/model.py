@@ -12,15 +12,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from cfp_megatron.config import Activation, AttentionKind, JobSpec, Precision, Recompute
+from cfp_megatron.config import Activation, AttentionKind, JobSpec, Precision, Recompute, resolve_precision
 from cfp_megatron.parallel_dims import ParallelDims, transformer_engine_available
-
-
-def resolve_precision(precision: Precision, on_gpu: bool) -> Precision:
-    """``auto`` is bf16 on GPU and fp32 on CPU."""
-    if precision is Precision.auto:
-        return Precision.bf16 if on_gpu else Precision.fp32
-    return precision
 
 
 def params_dtype(precision: Precision) -> torch.dtype:

@@ -30,14 +30,14 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from cfp_megatron.config import JobSpec, Precision
+from cfp_megatron.config import JobSpec, Precision, resolve_precision
 from cfp_megatron.parallel_dims import ParallelDims
 from cfp_megatron.runtime import checkpoint
 from cfp_megatron.runtime.flops import training_flops_per_token
 from cfp_megatron.runtime.init import layout_independent_init
 from cfp_megatron.runtime.launch_env import LaunchEnv
 from cfp_megatron.runtime.memory import measure_step
-from cfp_megatron.runtime.model import build_model_chunks, count_parameters, resolve_precision, transformer_config
+from cfp_megatron.runtime.model import build_model_chunks, count_parameters, transformer_config
 from cfp_megatron.runtime.peak import peak_tflops
 
 
@@ -280,17 +280,20 @@ def _train_one(state: TrainState, stream: Iterator[dict[str, torch.Tensor]], log
         log.event("data_exhausted", step=state.step)
         return False
     start = time.perf_counter()
+    report = None
     if t.memory_step is not None and state.step + 1 == t.memory_step:
+        # MemTracker's hooks slow this step itself; gathering and logging the report is kept out of its time.
         (loss, grad_norm, lr, applied), report = measure_step(
             lambda: train_step(state, micro_batches), chunks=state.ddp_chunks, optimizer=state.optimizer,
             rank=dist.get_rank(), step_number=state.step + 1)
+    else:
+        loss, grad_norm, lr, applied = train_step(state, micro_batches)
+    elapsed = time.perf_counter() - start
+    if report is not None:
         reports: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(reports, report.to_json())
         log.event("memory", step=state.step, ranks=reports,
                   peak_bytes_max=max(r["peak_bytes"] for r in reports))
-    else:
-        loss, grad_norm, lr, applied = train_step(state, micro_batches)
-    elapsed = time.perf_counter() - start
     tflops = flops_per_token * tokens_per_step / elapsed / dims.world_size / 1e12
     m = StepMetrics(step=state.step, loss=loss, lr=lr, grad_norm=grad_norm, applied=applied, step_time_s=elapsed,
                     tokens_per_s=tokens_per_step / elapsed, tflops_per_rank=tflops, mfu=tflops / peak)

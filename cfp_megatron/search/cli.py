@@ -14,6 +14,7 @@ DeepSpeed config and the torchrun command that reproduces the plan. On the local
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import sys
@@ -23,16 +24,15 @@ from rich.console import Console
 
 from cfp_megatron.errors import CfpError
 
-CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"
 SEQ_CAP = 8192
 """Longest sequence planned when ``train.seq_length`` is not given (the pre-training context of today's LLMs)."""
 
 
 def inputs_fingerprint(job: object, measurements_key: str | None) -> str:
     """A hash of what a plan was computed from: the model, cluster and training specs and the measurements used."""
-    from cfp_megatron.model.cache import _plain
+    from cfp_megatron.model.cache import json_plain
 
-    payload = {"model": _plain(job.model), "cluster": _plain(job.cluster), "train": _plain(job.train),
+    payload = {"model": json_plain(job.model), "cluster": json_plain(job.cluster), "train": json_plain(job.train),
                "measurements": measurements_key or "presets"}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -53,28 +53,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
-    from hydra import compose, initialize_config_dir
-
-    from cfp_megatron.config import job_from_config, register_configs
+    from cfp_megatron.config import Precision, compose_config, job_from_config
     from cfp_megatron.errors import ConfigError, ConfigIssue
     from cfp_megatron.plan import Plan, PlanPrediction, deepspeed_config, megatron_lm_args, save_plan, torchrun_command
-    from cfp_megatron.runtime.peak import peak_tflops
     from cfp_megatron.search.report import exposed_comm_s, mfu, print_result
     from cfp_megatron.search.search import search
     from cfp_megatron.search.spec import cfp_from_config
 
-    register_configs()
     overrides = list(args.overrides)
     if not any(o.lstrip("+").startswith("cfp=") for o in overrides):
         overrides.insert(0, "+cfp=auto")
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
-        if not any(o.startswith("train.seq_length=") for o in overrides):
-            # The training default (64 tokens) is for the tiny CPU models; a preflight plans the model's own context.
-            seq = min(int(cfg.model.max_position_embeddings), SEQ_CAP)
-            console.print(f"train.seq_length not given: planning {seq} tokens per sequence (the model's context, "
-                          f"at most {SEQ_CAP}); pass train.seq_length=N to change it")
-            cfg = compose(config_name="config", overrides=[*overrides, f"train.seq_length={seq}"])
+    cfg = compose_config(overrides)
+    if not any(o.startswith("train.seq_length=") for o in overrides):
+        # The training default (64 tokens) is for the tiny CPU models; a preflight plans the model's own context.
+        seq = min(int(cfg.model.max_position_embeddings), SEQ_CAP)
+        console.print(f"train.seq_length not given: planning {seq} tokens per sequence (the model's context, "
+                      f"at most {SEQ_CAP}); pass train.seq_length=N to change it")
+        cfg = compose_config([*overrides, f"train.seq_length={seq}"])
     job, cfp = job_from_config(cfg), cfp_from_config(cfg)
     c = job.cluster
     world = args.world or (c.nodes * c.gpus_per_node if c.gpus_per_node else None)
@@ -87,18 +82,13 @@ def _run(args: argparse.Namespace, console: Console) -> int:
 
         cluster, measurements = local_measurements(job, world_size=world)
         key = measurements.fingerprint.key if measurements is not None else None
-    job = job if cluster is c else job.__class__(model=job.model, cluster=cluster, parallel=job.parallel,
-                                                   train=job.train, data=job.data)
+    job = dataclasses.replace(job, cluster=cluster)
     console.print(f"planning {job.model.name} on {world} x {cluster.device_name} ({cluster.name}), global batch "
                   f"{job.train.global_batch_size} x {job.train.seq_length} tokens"
                   + ("" if measurements is None else f", measurements {key}"))
     result = search(job, world, cfp, measurements=measurements)
-    peak = cluster.peak_tflops_bf16 if job.train.precision.value != "fp32" else cluster.peak_tflops_fp32
-    if peak is None:
-        try:
-            peak = peak_tflops(cluster, job.train.precision)[0]
-        except Exception:  # noqa: BLE001 - MFU is a nicety
-            peak = None
+    # The target's peak (a preset's, or the one profiling measured); never a benchmark of the planning machine.
+    peak = cluster.peak_tflops_fp32 if job.train.precision is Precision.fp32 else cluster.peak_tflops_bf16
     print_result(result, peak, console)
     best = result.best
     p = best.prediction

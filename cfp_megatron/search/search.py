@@ -29,15 +29,15 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from cfp_megatron.cluster.measured import Measurements
-from cfp_megatron.config import ClusterSpec, JobSpec, OptimizerKind, Recompute
-from cfp_megatron.errors import ConfigError
+from cfp_megatron.config import JobSpec, OptimizerKind, Recompute
+from cfp_megatron.errors import ConfigError, ConfigIssue
 from cfp_megatron.parallel_dims import ParallelDims
 from cfp_megatron.search.space import Candidate, Family, Rejection, Space, build_space
 from cfp_megatron.search.spec import CfpSpec
 from cfp_megatron.sim.layout import place
 from cfp_megatron.sim.memory import element_bytes
 from cfp_megatron.sim.options import SimOptions
-from cfp_megatron.sim.pass_costs import CostCache, layout_cost_key
+from cfp_megatron.sim.pass_costs import CostCache, cost_key
 from cfp_megatron.sim.prediction import GIB, Prediction
 from cfp_megatron.sim.simulate import predict_memory, prepare_costs, simulate_unless_slower
 
@@ -83,42 +83,35 @@ class SearchResult:
 
     @property
     def best(self) -> Ranked:
-        """The fastest plan that fits; raises :class:`~cfp_megatron.errors.ConfigError` when none does."""
+        """The fastest plan that fits; raises :class:`~cfp_megatron.errors.ConfigError` naming what ruled the
+        layouts out (families that held plans first) when none does."""
         if not self.ranked:
-            raise ConfigError([*(_issue(r) for r in self.rejected[:8])] or _no_plan())
+            first = sorted(self.rejected, key=lambda r: r.count == 0)[:8]
+            raise ConfigError([ConfigIssue(key="cfp", value=r.what, problem=r.reason, fix=_NO_PLAN_FIX)
+                               for r in first] or [ConfigIssue(key="cfp", value="", problem="no layout is left.",
+                                                               fix=_NO_PLAN_FIX)])
         return self.ranked[0]
 
 
-def _issue(r: Rejection):  # noqa: ANN202 - ConfigIssue
-    from cfp_megatron.errors import ConfigIssue
-
-    return ConfigIssue(key="cfp", value=r.what, problem=r.reason,
-                       fix="relax cfp pins/constraints, raise cfp.constraints.memory_headroom's budget, or add GPUs.")
+_NO_PLAN_FIX = "relax the cfp pins and constraints, lower cfp.constraints.memory_headroom, or add GPUs."
 
 
-def _no_plan():  # noqa: ANN202 - list[ConfigIssue]
-    from cfp_megatron.errors import ConfigIssue
-
-    return [ConfigIssue(key="cfp", value="", problem="no layout satisfies the pins and constraints.",
-                        fix="relax cfp pins/constraints.")]
-
-
-def search(job: JobSpec, world: int, cfp: CfpSpec, *, cluster: ClusterSpec | None = None,
-           measurements: Measurements | None = None, options: SimOptions | None = None, te_available: bool = True,
+def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements | None = None,
+           options: SimOptions | None = None, te_available: bool = True,
            exhaustive: bool = False) -> SearchResult:
     """The ``cfp.top_k`` fastest layouts of ``job`` on ``world`` ranks that fit in memory (see the module docstring).
 
     ``exhaustive`` simulates every candidate that fits (no bound): the reference the bounded search is tested
     against."""
     started = time.perf_counter()
-    cluster = cluster or job.cluster
+    cluster = job.cluster
     options = options or SimOptions()
     space = build_space(job, world, cfp, te_available=te_available)
-    cache = CostCache()
+    cache = CostCache.for_job(job, measurements, options)
     limit = None
     if cluster.hbm_gib is not None:
         limit = cluster.hbm_gib * (1.0 - cfp.constraints.memory_headroom)
-    order, invalid_groups, size = _bounds(space, job, cluster, measurements, options, cache)
+    order, invalid_groups, size = _bounds(space, job, measurements, options, cache)
     k = cfp.top_k
     best: list[tuple[float, tuple, Ranked]] = []  # the k best so far, by (step time, candidate key)
     over: dict[Family, list[float]] = defaultdict(list)
@@ -185,7 +178,7 @@ def _family_label(f: Family, world: int) -> str:
     return label
 
 
-def _bounds(space: Space, job: JobSpec, cluster: ClusterSpec, measurements: Measurements | None,
+def _bounds(space: Space, job: JobSpec, measurements: Measurements | None,
             options: SimOptions, cache: CostCache) -> tuple[list[tuple[float, Candidate, float]], list[Rejection], int]:
     """Every candidate with its lower bound on step time and a lower bound on its memory per rank (the layers'
     weights, gradients and, unless sharded, optimizer states), in increasing (bound, candidate) order; the groups the
@@ -215,9 +208,9 @@ def _bounds(space: Space, job: JobSpec, cluster: ClusterSpec, measurements: Meas
                                     order=job.parallel.order)
                 layout = place(job, dims, gpn)
                 layout = dataclasses.replace(layout, micro_batch=cand.micro_batch)
-                key = layout_cost_key(layout, Recompute(cand.recompute), options)
+                key = cost_key(layout, Recompute(cand.recompute), options)
                 if key not in by_key:
-                    by_key[key] = _group_costs(cand, job, cluster, measurements, options, world, cache, refused)
+                    by_key[key] = _group_costs(cand, job, measurements, options, world, cache, refused)
                 group[gkey] = by_key[key]
             costs = group[gkey]
             if costs is None:
@@ -254,11 +247,11 @@ class _GroupCosts:
     """Whether the simulator may take the shared-cores schedule (CPU with fewer cores than ranks)."""
 
 
-def _group_costs(cand: Candidate, job: JobSpec, cluster: ClusterSpec, measurements: Measurements | None,
+def _group_costs(cand: Candidate, job: JobSpec, measurements: Measurements | None,
                  options: SimOptions, world: int, cache: CostCache, refused: list[Rejection]) -> _GroupCosts | None:
     rep = dataclasses.replace(cand, vpp=1, distributed_optimizer=False)
     try:
-        parts = prepare_costs(rep.job(job), cluster, measurements, options=options, world_size=world, cache=cache)
+        parts = prepare_costs(rep.job(job), job.cluster, measurements, options=options, world_size=world, cache=cache)
     except ConfigError as err:
         refused.append(Rejection(what=cand.describe(world).rsplit(" rc=", 1)[0],
                                  reason="; ".join(i.problem for i in err.issues)))

@@ -9,7 +9,7 @@ Only layouts the runtime executes are offered: Megatron-Core's own layers under 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from cfp_megatron.config import AttentionKind, JobSpec, ParallelSpec, Recompute
@@ -115,6 +115,20 @@ def _allowed(cfp: CfpSpec, name: str, values: list, rejected: list[Rejection]) -
     return keep
 
 
+def _screen(cfp: CfpSpec, name: str, values: list[int], reasons: Callable[[int], list[str]],
+            rejected: list[Rejection]) -> list[int]:
+    """The values of knob ``name`` with no reason against them, within the pins and sets; the others go to
+    ``rejected`` with their reasons."""
+    kept = []
+    for v in values:
+        why = reasons(v)
+        if why:
+            rejected.append(Rejection(what=f"{name}={v}", reason="; ".join(why)))
+        else:
+            kept.append(v)
+    return _allowed(cfp, name, kept, rejected)
+
+
 def _value(v: object) -> str:
     return str(getattr(v, "value", v)).lower()
 
@@ -133,8 +147,6 @@ class Space:
     """The job being planned."""
     cfp: CfpSpec
     """The planner's settings."""
-    te_available: bool
-    """Whether the target runs Transformer Engine (CP needs its attention)."""
 
     def micro_batches(self, family: Family) -> list[int]:
         """Micro-batch sizes that divide the family's per-rank batch."""
@@ -191,10 +203,6 @@ class Space:
                             yield Candidate(tp=family.tp, cp=family.cp, pp=family.pp, ep=family.ep, etp=family.etp,
                                             sp=sp, micro_batch=mb, recompute=rc, vpp=vpp, distributed_optimizer=dopt)
 
-    def size(self) -> int:
-        """Number of candidates."""
-        return sum(1 for f in self.families for _ in self.candidates(f))
-
 
 def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = True) -> Space:
     """The families of ``job`` on ``world`` ranks under ``cfp``'s pins and sets, with every value ruled out and why."""
@@ -202,47 +210,29 @@ def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = 
     gpn = c.gpus_per_node or world
     rejected: list[Rejection] = []
 
-    tps = []
-    for tp in _divisors(world):
-        why = []
-        if m.num_attention_heads % tp:
-            why.append(f"{m.num_attention_heads} attention heads are not divisible by it")
-        if m.attention is AttentionKind.standard and m.query_groups % tp:
-            why.append(f"{m.query_groups} key/value heads are not divisible by it")
-        if m.ffn_size % tp:
-            why.append(f"the FFN size {m.ffn_size} is not divisible by it")
-        if m.padded_vocab_size % tp:
-            why.append(f"the padded vocabulary {m.padded_vocab_size} is not divisible by it")
-        if cfp.constraints.tp_within_node and tp > gpn:
-            why.append(f"a TP group would span nodes of {gpn} GPUs (cfp.constraints.tp_within_node=true)")
-        if why:
-            rejected.append(Rejection(what=f"tp={tp}", reason="; ".join(why)))
-        else:
-            tps.append(tp)
-    tps = _allowed(cfp, "tp", tps, rejected)
+    def tp_reasons(tp: int) -> list[str]:
+        return [why for bad, why in (
+            (m.num_attention_heads % tp, f"{m.num_attention_heads} attention heads are not divisible by it"),
+            (m.attention is AttentionKind.standard and m.query_groups % tp,
+             f"{m.query_groups} key/value heads are not divisible by it"),
+            (m.ffn_size % tp, f"the FFN size {m.ffn_size} is not divisible by it"),
+            (m.padded_vocab_size % tp, f"the padded vocabulary {m.padded_vocab_size} is not divisible by it"),
+            (cfp.constraints.tp_within_node and tp > gpn,
+             f"a TP group would span nodes of {gpn} GPUs (cfp.constraints.tp_within_node=true)")) if bad]
 
-    cps = []
-    for cp in _divisors(world):
-        why = []
-        if cp > 1 and t.seq_length % (2 * cp):
-            why.append(f"the sequence {t.seq_length} does not split into 2 x {cp} chunks")
-        if cp > 1 and m.attention is AttentionKind.mla:
-            why.append("multi-latent attention does not support context parallelism")
-        if cp > 1 and not te_available:
-            why.append("context parallelism needs Transformer Engine's attention, which this target lacks")
-        if why:
-            rejected.append(Rejection(what=f"cp={cp}", reason="; ".join(why)))
-        else:
-            cps.append(cp)
-    cps = _allowed(cfp, "cp", cps, rejected)
+    def cp_reasons(cp: int) -> list[str]:
+        return [why for bad, why in (
+            (t.seq_length % (2 * cp), f"the sequence {t.seq_length} does not split into 2 x {cp} chunks"),
+            (m.attention is AttentionKind.mla, "multi-latent attention does not support context parallelism"),
+            (not te_available, "context parallelism needs Transformer Engine's attention, which this target lacks"),
+        ) if bad] if cp > 1 else []
 
-    pps = []
-    for pp in _divisors(world):
-        if m.num_layers % pp:
-            rejected.append(Rejection(what=f"pp={pp}", reason=f"{m.num_layers} layers do not split into {pp} stages"))
-        else:
-            pps.append(pp)
-    pps = _allowed(cfp, "pp", pps, rejected)
+    def pp_reasons(pp: int) -> list[str]:
+        return [f"{m.num_layers} layers do not split into {pp} stages"] if m.num_layers % pp else []
+
+    tps = _screen(cfp, "tp", _divisors(world), tp_reasons, rejected)
+    cps = _screen(cfp, "cp", _divisors(world), cp_reasons, rejected)
+    pps = _screen(cfp, "pp", _divisors(world), pp_reasons, rejected)
 
     if m.is_moe:
         experts = m.num_experts or 1
@@ -270,5 +260,4 @@ def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = 
                         if m.is_moe and etp not in (1, tp) and cfp.allowed("etp") is None:
                             continue  # by default expert TP is 1 or the dense TP (Megatron's usual choices)
                         families.append(Family(tp=tp, cp=cp, pp=pp, ep=ep, etp=etp))
-    return Space(world=world, families=tuple(families), rejected=tuple(rejected), job=job, cfp=cfp,
-                 te_available=te_available)
+    return Space(world=world, families=tuple(families), rejected=tuple(rejected), job=job, cfp=cfp)

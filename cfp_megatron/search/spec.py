@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from cfp_megatron.config import Recompute, _build
+from cfp_megatron.config import Recompute, build_spec
 from cfp_megatron.errors import ConfigError, ConfigIssue
 
 
@@ -151,10 +151,6 @@ class CfpSpec:
         values = getattr(self.constraints, name)
         return list(values) if values is not None else None
 
-    def pins(self) -> dict[str, Any]:
-        """The knobs pinned by hand."""
-        return {name: getattr(self, name) for name in PINNABLE if getattr(self, name) is not None}
-
 
 def _show(values: list[Any]) -> str:
     return "[" + ",".join(str(v.value if isinstance(v, enum.Enum) else v).lower() for v in values) + "]"
@@ -174,7 +170,7 @@ def cfp_from_config(cfg: Any) -> CfpSpec:
     try:
         if "recompute" in constraints and constraints["recompute"] is not None:
             constraints["recompute"] = [_recompute(v, "cfp.constraints.recompute") for v in constraints["recompute"]]
-        built_constraints = _build(SearchConstraints, constraints)
+        built_constraints = build_spec(SearchConstraints, constraints)
     except ConfigError as err:
         issues.extend(err.issues)
     if section.get("recompute") is not None:
@@ -189,7 +185,7 @@ def cfp_from_config(cfg: Any) -> CfpSpec:
                                   fix=f"remove it; known keys are {sorted(known)}."))
     if issues:
         raise ConfigError(issues)
-    return _build(CfpSpec, {**section, "constraints": built_constraints})
+    return build_spec(CfpSpec, {**section, "constraints": built_constraints})
 
 
 def _recompute(value: Any, key: str) -> Recompute:

@@ -4,7 +4,7 @@ attention core, memory-bound element-wise work."""
 from __future__ import annotations
 
 from cfp_megatron.cluster.measured import Measurements
-from cfp_megatron.config import ClusterSpec, Precision
+from cfp_megatron.config import ClusterSpec, Precision, resolve_precision
 from cfp_megatron.errors import ConfigError, ConfigIssue
 from cfp_megatron.sim.calibration import Efficiency
 
@@ -12,13 +12,19 @@ _FALLBACK_PEAK_TFLOPS = 1.0
 _FALLBACK_HBM_GBPS = 50.0
 
 
+def compute_precision(precision: Precision, cluster: ClusterSpec) -> Precision:
+    """The precision the runtime trains in on ``cluster``: ``auto`` is fp32 on a CPU cluster and bf16 on GPUs
+    (:func:`cfp_megatron.config.resolve_precision`)."""
+    return resolve_precision(precision, on_gpu=cluster.device_name.strip().lower() != "cpu")
+
+
 def dtype_name(precision: Precision) -> str:
-    """``"bf16"``, ``"fp16"`` or ``"fp32"`` for a training precision (``auto`` means bf16 for planning)."""
+    """``"bf16"``, ``"fp16"`` or ``"fp32"`` for a resolved training precision."""
     return {Precision.fp32: "fp32", Precision.fp16: "fp16"}.get(precision, "bf16")
 
 
 def bytes_per_element(precision: Precision) -> int:
-    """Bytes of one activation/weight element in the compute precision."""
+    """Bytes of one activation/weight element in a resolved compute precision."""
     return 4 if precision is Precision.fp32 else 2
 
 
@@ -27,6 +33,7 @@ class KernelModel:
 
     def __init__(self, cluster: ClusterSpec, efficiency: Efficiency, precision: Precision, *, fp8: bool,
                  measurements: Measurements | None = None) -> None:
+        precision = compute_precision(precision, cluster)
         self.dtype = dtype_name(precision)
         self.elem = bytes_per_element(precision)
         self.eff = efficiency

@@ -66,13 +66,13 @@ def place(job: JobSpec, dims: ParallelDims, gpus_per_node: int) -> Layout:
     gpn = gpus_per_node
     dense = _strides(job.parallel.order, {"tp": dims.tp, "cp": dims.cp, "dp": dims.dp, "pp": dims.pp})
     expert = _strides(job.parallel.order, {"tp": dims.etp, "ep": dims.ep, "dp": dims.expert_dp, "pp": dims.pp})
-    tp_k, _ = group_placement(dims.tp, dense["tp"], gpn)
-    cp_k, _ = group_placement(dims.cp, dense["cp"], gpn)
-    ep_k, _ = group_placement(dims.ep, expert["ep"], gpn)
+    tp_k = group_placement(dims.tp, dense["tp"], gpn)
+    cp_k = group_placement(dims.cp, dense["cp"], gpn)
+    ep_k = group_placement(dims.ep, expert["ep"], gpn)
     # Gradients of dense weights are reduced over DP x CP; with the standard order they form one strided block.
     dpcp_stride = min(dense["cp"], dense["dp"])
-    dp_k, _ = group_placement(dims.dp * dims.cp, dpcp_stride, gpn)
-    edp_k, _ = group_placement(dims.expert_dp, expert["dp"], gpn)
+    dp_k = group_placement(dims.dp * dims.cp, dpcp_stride, gpn)
+    edp_k = group_placement(dims.expert_dp, expert["dp"], gpn)
     return Layout(dims=dims, gpus_per_node=gpn, micro_batch=job.train.micro_batch_size,
                   seq_length=job.train.seq_length, tp_per_node=tp_k, cp_per_node=cp_k, ep_per_node=ep_k,
                   dp_per_node=dp_k, edp_per_node=edp_k, pp_intra_node=dense["pp"] < gpn and dims.pp > 1

@@ -22,9 +22,6 @@ from collections.abc import Sequence
 from cfp_megatron.cluster.measured import Measurements, SegmentMemory, interpolate_rows
 from cfp_megatron.errors import ConfigError, ConfigIssue
 
-PROBE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
-"""Micro-batch sizes looked up when interpolating."""
-
 
 def interpolate(points: Sequence[tuple[int, SegmentMemory]], micro_batch: int) -> SegmentMemory:
     """The memory at ``micro_batch`` from measured ``(micro-batch size, memory)`` points: linear between the two
@@ -48,7 +45,8 @@ def measured_memory(measurements: Measurements, kind: str, partition: str, micro
     exact = measurements.segment_memory(kind, partition, micro_batch)
     if exact is not None:
         return exact
-    points = [(mb, hit) for mb in PROBE_SIZES if (hit := measurements.segment_memory(kind, partition, mb)) is not None]
+    points = [(mb, hit) for mb in measurements.segment_micro_batches(kind, partition)
+              if (hit := measurements.segment_memory(kind, partition, mb)) is not None]
     return interpolate(points, micro_batch) if points else None
 
 

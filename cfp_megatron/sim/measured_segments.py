@@ -14,16 +14,10 @@ from cfp_megatron.cluster.measured import Measurements, interpolate_rows, least_
 from cfp_megatron.config import JobSpec
 from cfp_megatron.sim.layer_cost import LayerCost, PassCost
 
-KINDS = ("embedding", "dense", "moe", "head")
-"""Segment kinds profiling times (:mod:`cfp_megatron.profile.segments`)."""
-
-_PROBE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
-"""Micro-batch sizes looked up when interpolating."""
-
 
 def _points(measurements: Measurements, kind: str, partition: str) -> list[tuple[int, float, float]]:
     found = []
-    for mb in _PROBE_SIZES:
+    for mb in measurements.segment_micro_batches(kind, partition):
         hit = measurements.segment_seconds(kind, partition, mb)
         if hit is not None:
             found.append((mb, hit[0], hit[1]))

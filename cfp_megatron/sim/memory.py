@@ -12,17 +12,17 @@ of 1F1B holds ``pp - r`` micro-batches; the interleaved schedule holds its warm-
 
 from __future__ import annotations
 
-from cfp_megatron.cluster.measured import Measurements, SegmentMemory
+from cfp_megatron.cluster.measured import Measurements, SegmentMemory, partition_name
 from cfp_megatron.config import (
     Activation,
     JobSpec,
     Normalization,
     OptimizerKind,
     PositionEmbedding,
-    Precision,
     Recompute,
     RecomputeMethod,
 )
+from cfp_megatron.sim.kernels import bytes_per_element, compute_precision
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.measured_memory import measured_memory, peak_activation_bytes, pipeline_buffers
 from cfp_megatron.sim.options import SimOptions
@@ -30,12 +30,8 @@ from cfp_megatron.sim.prediction import MemoryBreakdown
 
 
 def element_bytes(job: JobSpec) -> int:
-    """Bytes of a weight or activation element: ``auto`` precision is fp32 on a CPU cluster (as the runtime
-    resolves it, :func:`cfp_megatron.runtime.model.resolve_precision`) and bf16 on GPUs."""
-    precision = job.train.precision
-    if precision is Precision.auto and job.cluster.device_name.strip().lower() == "cpu":
-        return 4
-    return 4 if precision is Precision.fp32 else 2
+    """Bytes of a weight or activation element in the precision the runtime trains ``job`` in on its cluster."""
+    return bytes_per_element(compute_precision(job.train.precision, job.cluster))
 
 
 def layer_extra_params(job: JobSpec, layout: Layout) -> float:
@@ -125,7 +121,7 @@ def measured_activations(job: JobSpec, layout: Layout, measurements: Measurement
     d = layout.dims
     if measurements is None or job.parallel.recompute is not Recompute.none or d.cp > 1:
         return None
-    partition = f"tp{d.tp}-sp" if d.sp and d.tp > 1 else f"tp{d.tp}"
+    partition = partition_name(d.tp, sp=d.sp)
     kinds = ["dense", "moe"] if moe_layers else ["dense"]
     if moe_layers == layers:
         kinds = ["moe"]

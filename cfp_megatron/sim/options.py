@@ -32,7 +32,7 @@ class SimOptions:
     embedding and head instead of the analytical cost (:mod:`cfp_megatron.sim.measured_segments`)."""
     max_schedule_ops: int = 200_000
     """Largest pipeline schedule (ranks x micro-batches x chunks x 2) simulated event by event; larger ones use
-    the closed form of the same schedule (exact for equal stages)."""
+    two shorter schedules extrapolated (:func:`cfp_megatron.sim.schedule.run_schedule`)."""
 
     def __post_init__(self) -> None:
         if self.max_schedule_ops < 1:

@@ -14,6 +14,7 @@ from typing import Any
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Measurements, StepOverheads, partition_name
 from cfp_megatron.config import JobSpec, Recompute
+from cfp_megatron.sim.calibration import Efficiency, efficiency_for
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layer_cost import LayerCost, PassCost, embedding_cost, layer_cost, output_layer_cost
 from cfp_megatron.sim.layout import Layout
@@ -48,14 +49,9 @@ def _total(cost: LayerCost) -> float:
     return cost.forward.total_s + cost.backward.total_s + cost.recompute.total_s
 
 
-def cost_key(job: JobSpec, layout: Layout, options: SimOptions) -> tuple[Any, ...]:
-    """Everything of the plan that :func:`pass_costs` reads, for plans of one model on one cluster with one set of
-    options and measurements: equal keys, equal costs."""
-    return layout_cost_key(layout, job.parallel.recompute, options)
-
-
-def layout_cost_key(layout: Layout, recompute: Recompute, options: SimOptions) -> tuple[Any, ...]:
-    """:func:`cost_key` from the layout and the recompute choice alone."""
+def cost_key(layout: Layout, recompute: Recompute, options: SimOptions) -> tuple[Any, ...]:
+    """Everything of a plan that :func:`pass_costs` reads (its layout and recompute choice), for plans of one model
+    on one cluster with one set of options and measurements: equal keys, equal costs."""
     d = layout.dims
     fsdp = (d.dp, layout.dp_per_node) if options.fsdp else ()
     return (d.tp, d.sp, d.cp, d.ep, d.etp, layout.micro_batch, layout.seq_length, recompute, layout.tp_per_node,
@@ -64,31 +60,44 @@ def layout_cost_key(layout: Layout, recompute: Recompute, options: SimOptions) -
 
 @dataclass(kw_only=True)
 class CostCache:
-    """Pass costs and timed schedules shared by the plans of one search (one model, cluster, set of options and
-    measurements).
+    """Cost models, pass costs and timed schedules shared by the plans of one search: one model, cluster,
+    precision, set of options and measurements (:meth:`for_job`); :func:`~cfp_megatron.sim.simulate.simulate`
+    refuses it for anything else."""
 
-    The first call fixes what the cache is for; a call for another model, cluster, precision, options or
-    measurements is a programming error and raises ``ValueError``."""
-
-    signature: tuple[Any, ...] | None = None
-    """What the cached costs are valid for."""
-    kernels: KernelModel | None = None
+    job: JobSpec
+    """A job of the search (its model, cluster and precision are what the cache serves)."""
+    measurements: Measurements | None
+    """The measurements used."""
+    options: SimOptions
+    """The simulator options used."""
+    efficiency: Efficiency
+    """The efficiencies used."""
+    kernels: KernelModel
     """The kernel model of that cluster and precision."""
-    collectives: CollectiveCosts | None = None
+    collectives: CollectiveCosts
     """The collective cost model of that cluster."""
     costs: dict[tuple[Any, ...], PassCosts] = field(default_factory=dict)
     """Pass costs by :func:`cost_key`."""
     schedules: dict[tuple[Any, ...], ScheduleResult] = field(default_factory=dict)
     """Timed pipeline schedules by their pass durations, send/receive time and micro-batch count."""
 
-    def check(self, signature: tuple[Any, ...]) -> bool:
-        """Whether the cache holds models for ``signature`` (taking it when empty)."""
-        if self.signature is None:
-            self.signature = signature
-            return False
-        if self.signature != signature:
-            raise ValueError("a CostCache serves one model, cluster, set of options and measurements")
-        return self.kernels is not None
+    @classmethod
+    def for_job(cls, job: JobSpec, measurements: Measurements | None, options: SimOptions,
+                efficiency: Efficiency | None = None) -> CostCache:
+        """An empty cache for the plans of ``job``'s model on its cluster."""
+        eff = efficiency or efficiency_for(job.cluster)
+        return cls(job=job, measurements=measurements, options=options, efficiency=eff,
+                   kernels=KernelModel(job.cluster, eff, job.train.precision, fp8=options.fp8,
+                                       measurements=measurements),
+                   collectives=CollectiveCosts(job.cluster, measurements, intra_efficiency=eff.intra_node_comm,
+                                               inter_efficiency=eff.inter_node_comm))
+
+    def serves(self, job: JobSpec, measurements: Measurements | None, options: SimOptions,
+               efficiency: Efficiency) -> bool:
+        """Whether ``job`` (under these measurements, options and efficiencies) is a plan this cache was made for."""
+        return (job.cluster is self.job.cluster or job.cluster == self.job.cluster) and job.model == self.job.model \
+            and job.train.precision is self.job.train.precision and measurements is self.measurements \
+            and options == self.options and efficiency == self.efficiency
 
 
 def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, options: SimOptions,

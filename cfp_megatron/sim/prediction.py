@@ -15,8 +15,6 @@ class EventKind(enum.Enum):
     backward = "backward"
     comm = "comm"
     """Exposed collective communication (TP/SP, CP, EP, FSDP) inside a forward or backward pass."""
-    p2p = "p2p"
-    """Pipeline send/receive of activations or their gradients."""
     dp_sync = "dp_sync"
     """Data-parallel gradient reduction (and parameter all-gather) left exposed after the backward pass."""
     optimizer = "optimizer"
@@ -42,7 +40,7 @@ class Event:
     @property
     def is_comm(self) -> bool:
         """Whether the event is communication rather than compute."""
-        return self.kind in (EventKind.comm, EventKind.p2p, EventKind.dp_sync)
+        return self.kind in (EventKind.comm, EventKind.dp_sync)
 
 
 @dataclass(frozen=True, kw_only=True)

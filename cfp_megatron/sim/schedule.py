@@ -82,23 +82,39 @@ def rank_order(rank: int, pp: int, vpp: int, microbatches: int) -> tuple[tuple[b
     return tuple(order)
 
 
+def dependency_floors(forward_s: list[list[float]], backward_s: list[list[float]],
+                      busy: tuple[float, ...]) -> list[float]:
+    """Times before which no schedule of these passes can end, per rank: rank ``r`` runs its passes (``busy``) one
+    after another, after micro-batch 0 went forward through the first chunks of the ranks before it; and rank 0's
+    last pass, the backward of the last micro-batch's first chunk, follows the last pass of every rank ``r``
+    and that micro-batch's backward through the ranks before it."""
+    pp = len(forward_s)
+    own = [busy[r] + sum(forward_s[q][0] for q in range(r)) for r in range(pp)]
+    chain = max(own[r] + sum(backward_s[q][0] for q in range(r)) for r in range(pp))
+    return [max(own[0], chain), *own[1:]]
+
+
 def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2p_s: float, microbatches: int, *,
                  keep_ops: bool = False, max_ops: int = 200_000) -> ScheduleResult:
     """Time the schedule for per-rank, per-chunk pass durations ``forward_s[rank][chunk]`` (one micro-batch).
 
-    ``p2p_s`` is the send/receive time between consecutive stages. Schedules with more than ``max_ops`` passes
-    use the closed form ``(m - 1) x slowest rank + one micro-batch through every stage`` instead.
+    ``p2p_s`` is the send/receive time between consecutive stages. Schedules with more than ``max_ops`` passes are
+    timed event by event with ``m0 = 4 pp + m mod pp`` and ``m0 + pp`` micro-batches and extrapolated linearly to
+    ``m`` (the steady state repeats every ``pp`` micro-batches: exact to rounding for stages that differ only by the
+    embedding and the head, within about 2% for arbitrary stages), never below :func:`dependency_floors`.
     """
     pp, vpp, m = len(forward_s), len(forward_s[0]), microbatches
     n_ops = 2 * pp * vpp * m
     busy = tuple(m * (sum(forward_s[r]) + sum(backward_s[r])) for r in range(pp))
-    if n_ops > max_ops and not keep_ops:
-        per_rank = [sum(forward_s[r]) + sum(backward_s[r]) for r in range(pp)]
-        slowest = max(per_rank)
-        # Steady state runs at the slowest rank's pace; filling and draining the pipeline adds every other rank's
-        # share of one micro-batch (1/vpp of it when interleaved) and the send/receive hops.
-        end = m * slowest + (sum(per_rank) - slowest) / vpp + 2 * (pp - 1) * p2p_s
-        return ScheduleResult(end_s=tuple(end for _ in range(pp)), busy_s=busy, ops=(), simulated=False)
+    m0 = 4 * pp + m % pp
+    if n_ops > max_ops and not keep_ops and m > m0 + pp:
+        short = run_schedule(forward_s, backward_s, p2p_s, m0, max_ops=n_ops)
+        longer = run_schedule(forward_s, backward_s, p2p_s, m0 + pp, max_ops=n_ops)
+        steps = (m - m0) / pp
+        floors = dependency_floors(forward_s, backward_s, busy)
+        ends = tuple(max(a + steps * (b - a), floor)
+                     for a, b, floor in zip(short.end_s, longer.end_s, floors, strict=True))
+        return ScheduleResult(end_s=ends, busy_s=busy, ops=(), simulated=False)
     stages = pp * vpp
     fend = [[-1.0] * m for _ in range(stages)]
     bend = [[-1.0] * m for _ in range(stages)]

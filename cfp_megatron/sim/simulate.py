@@ -9,6 +9,7 @@ data-parallel gradient sync that the last micro-batch's backward pass does not h
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 
 from cfp_megatron.cluster.costs import CollectiveCosts
@@ -23,7 +24,7 @@ from cfp_megatron.sim.memory import stage_memory
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache, PassCosts, cost_key, pass_costs
 from cfp_megatron.sim.prediction import GIB, Event, EventKind, MemoryBreakdown, Prediction, TimeBreakdown
-from cfp_megatron.sim.schedule import ScheduleResult, run_schedule
+from cfp_megatron.sim.schedule import ScheduleResult, dependency_floors, run_schedule
 
 _BUCKET_PARAMS = 40_000_000
 """Megatron DDP's default gradient bucket size in parameters."""
@@ -39,9 +40,8 @@ def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Mea
     ``cache`` shares pass costs and cost models between the plans of one search (:class:`CostCache`).
     Raises :class:`~cfp_megatron.errors.ConfigError` for a plan that cannot run.
     """
-    prediction = _simulate(job, cluster, measurements, options, efficiency, world_size, with_events, cache, None)
-    assert prediction is not None  # noqa: S101 - never None without prune_above
-    return prediction
+    return typing.cast(Prediction, _simulate(job, cluster, measurements, options, efficiency, world_size,
+                                             with_events, cache, None))  # None only with a prune_above
 
 
 def simulate_unless_slower(job: JobSpec, prune_above: float, cluster: ClusterSpec | None = None,
@@ -143,29 +143,27 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
         opt_s.append(overheads.step_base_s + overheads.step_per_param_s * shard + _grad_norm_extra(costs, d.tp, pp))
     slowdown = measurements.busy_slowdown() if overheads is not None else None
     shared = slowdown is not None and pp > 1
-    closed = 2 * pp * vpp * d.num_microbatches > options.max_schedule_ops and not with_events
-    if prune_above is not None and not closed:
-        # A lower bound on the step without timing the schedule (see cfp_megatron.search.search): each rank runs its
-        # passes one after another, after micro-batch 0 went forward through the stages before it and before the
-        # last micro-batch goes backward through them; with shared cores the mean rank's work bounds every rank.
-        busy = [d.num_microbatches * (sum(f_s[r]) + sum(b_s[r])) for r in range(pp)]
-        if shared:
-            ends = [sum(busy) / pp] * pp
-        else:
-            ends = [busy[r] + sum(f_s[q][0] + b_s[q][0] for q in range(r)) for r in range(pp)]
+    if prune_above is not None:
+        # A lower bound on the step without timing the schedule (cfp_megatron.search.search): no schedule ends before
+        # its dependencies allow (dependency_floors); with shared cores the mean rank's work bounds every rank.
+        busy = tuple(d.num_microbatches * (sum(f_s[r]) + sum(b_s[r])) for r in range(pp))
+        ends = [sum(busy) / pp] * pp if shared else dependency_floors(f_s, b_s, busy)
         if max(ends[r] + dp_exposed[r] + opt_s[r] for r in range(pp)) > prune_above:
             return None
+
+    def timed() -> ScheduleResult:
+        if shared:
+            return _shared_cores(f_s, b_s, p2p, d.num_microbatches, slowdown, with_events, options)
+        return run_schedule(f_s, b_s, p2p, d.num_microbatches, keep_ops=with_events,
+                            max_ops=options.max_schedule_ops)
+
     if cache is not None and not with_events:  # plans that differ only outside the schedule (e.g. the optimizer)
         skey = (tuple(map(tuple, f_s)), tuple(map(tuple, b_s)), p2p, d.num_microbatches)
         sched = cache.schedules.get(skey)
         if sched is None:
-            sched = cache.schedules[skey] = run_schedule(f_s, b_s, p2p, d.num_microbatches,
-                                                         max_ops=options.max_schedule_ops)
+            sched = cache.schedules[skey] = timed()
     else:
-        sched = run_schedule(f_s, b_s, p2p, d.num_microbatches, keep_ops=with_events,
-                             max_ops=options.max_schedule_ops)
-    if shared:
-        sched = _shared_cores(sched, f_s, b_s, p2p, d.num_microbatches, slowdown, with_events, options)
+        sched = timed()
 
     finish = [sched.end_s[r] + dp_exposed[r] + opt_s[r] for r in range(pp)]
     crit = max(range(pp), key=lambda r: finish[r])
@@ -215,22 +213,20 @@ def _prepare(job: JobSpec, cluster: ClusterSpec | None, measurements: Measuremen
     options = options or SimOptions()
     eff = efficiency or efficiency_for(cluster)
     layout = build_layout(job, world_size)
-    signature = (id(cluster), id(measurements), options, eff, job.model, job.train.precision)
-    if cache is None or not cache.check(signature):
+    if cache is None:
         costs = CollectiveCosts(cluster, measurements, intra_efficiency=eff.intra_node_comm,
                                 inter_efficiency=eff.inter_node_comm)
         kernels = KernelModel(cluster, eff, job.train.precision, fp8=options.fp8, measurements=measurements)
-        if cache is not None:
-            cache.kernels, cache.collectives = kernels, costs
-    else:
-        kernels, costs = cache.kernels, cache.collectives
-    if cache is None:
-        parts = pass_costs(job, layout, kernels, costs, options, measurements)
-    else:
-        key = cost_key(job, layout, options)
-        parts = cache.costs.get(key)
-        if parts is None:
-            parts = cache.costs[key] = pass_costs(job, layout, kernels, costs, options, measurements)
+        return job, layout, options, eff, kernels, costs, pass_costs(job, layout, kernels, costs, options,
+                                                                     measurements)
+    if not cache.serves(job, measurements, options, eff):
+        raise ValueError("a CostCache serves the plans of one model, cluster, precision, set of options and "
+                         "measurements (CostCache.for_job)")
+    kernels, costs = cache.kernels, cache.collectives
+    key = cost_key(layout, job.parallel.recompute, options)
+    parts = cache.costs.get(key)
+    if parts is None:
+        parts = cache.costs[key] = pass_costs(job, layout, kernels, costs, options, measurements)
     return job, layout, options, eff, kernels, costs, parts
 
 
@@ -301,17 +297,17 @@ def _peak_memory(job: JobSpec, layout: Layout, options: SimOptions, measurements
     return max(memories, key=lambda x: x.total)
 
 
-def _shared_cores(sched: ScheduleResult, f_s: list[list[float]], b_s: list[list[float]], p2p: float,
-                  microbatches: int, slowdown: float, with_events: bool, options: SimOptions) -> ScheduleResult:
+def _shared_cores(f_s: list[list[float]], b_s: list[list[float]], p2p: float, microbatches: int, slowdown: float,
+                  with_events: bool, options: SimOptions) -> ScheduleResult:
     """The pipeline schedule where ranks share fewer cores than there are ranks (CPU). The pass times were measured
     with every rank busy; a rank waiting in the pipeline's fill or drain leaves its core to the others. So the
     schedule is bounded below by its dependencies at the speed of a rank alone (passes ``slowdown`` times faster)
     and by the work of all ranks over the cores: the mean stage's busy time at the measured speed."""
     alone = run_schedule([[x / slowdown for x in row] for row in f_s], [[x / slowdown for x in row] for row in b_s],
                          p2p, microbatches, keep_ops=with_events, max_ops=options.max_schedule_ops)
-    work = sum(sched.busy_s) / len(sched.busy_s)
-    ends = tuple(max(end, work) for end in alone.end_s)
-    return dataclasses.replace(alone, end_s=ends, busy_s=sched.busy_s)
+    busy = tuple(microbatches * (sum(f) + sum(b)) for f, b in zip(f_s, b_s, strict=True))
+    work = sum(busy) / len(busy)
+    return dataclasses.replace(alone, end_s=tuple(max(end, work) for end in alone.end_s), busy_s=busy)
 
 
 def _tied_embedding_sync(job: JobSpec, costs: CollectiveCosts, vocab_params: float, rank: int) -> float:

@@ -13,9 +13,9 @@ from cfp_megatron.errors import ConfigError, ConfigIssue
 from cfp_megatron.sim.prediction import EventKind, Prediction
 
 _COLOURS = {EventKind.forward: "#4C72B0", EventKind.backward: "#55A868", EventKind.comm: "#C44E52",
-            EventKind.p2p: "#8172B2", EventKind.dp_sync: "#CCB974", EventKind.optimizer: "#64B5CD"}
+            EventKind.dp_sync: "#CCB974", EventKind.optimizer: "#64B5CD"}
 _CNAMES = {EventKind.forward: "thread_state_running", EventKind.backward: "good", EventKind.comm: "bad",
-           EventKind.p2p: "grey", EventKind.dp_sync: "yellow", EventKind.optimizer: "olive"}
+           EventKind.dp_sync: "yellow", EventKind.optimizer: "olive"}
 
 
 def _need_events(prediction: Prediction) -> None:
