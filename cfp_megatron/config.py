@@ -364,6 +364,12 @@ class ParallelSpec:
     """Pipeline-parallel size."""
     vpp: int | None = None
     """Virtual pipeline stages (model chunks) per pipeline rank for the interleaved 1F1B schedule; ``None`` = 1."""
+    first_stage_layers: int | None = None
+    """Decoder layers on the first pipeline stage (Megatron's ``num_layers_in_first_pipeline_stage``); ``None``:
+    as many as the other stages. The stages with no count of their own share the remaining layers evenly."""
+    last_stage_layers: int | None = None
+    """Decoder layers on the last pipeline stage (``num_layers_in_last_pipeline_stage``), which also holds the
+    output layer and loss; ``None``: as many as the other stages."""
     cp: int = 1
     """Context-parallel size (splits the sequence in attention)."""
     ep: int = 1
@@ -390,7 +396,8 @@ class ParallelSpec:
     def __post_init__(self) -> None:
         issues: list[ConfigIssue] = []
         p = self.PREFIX
-        _positive(issues, p, self, "tp", "pp", "vpp", "cp", "ep", "etp", "recompute_num_layers")
+        _positive(issues, p, self, "tp", "pp", "vpp", "cp", "ep", "etp", "recompute_num_layers", "first_stage_layers",
+                  "last_stage_layers")
         dims = self.order.split("-")
         _issue(issues, sorted(dims) == sorted(["tp", "cp", "ep", "dp", "pp"]), f"{p}.order", self.order,
                "must name tp, cp, ep, dp and pp once each, separated by '-'.", "use the default tp-cp-ep-dp-pp.")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from cfp_megatron.config import AttentionKind, JobSpec, PositionEmbedding, Recompute
 from cfp_megatron.errors import ConfigError, ConfigIssue
+from cfp_megatron.pipeline_split import split_issues, stage_counts
 
 
 def transformer_engine_available() -> bool:
@@ -91,10 +92,8 @@ class ParallelDims:
              f"the padded vocabulary {m.padded_vocab_size} is not divisible by parallel.tp={p.tp}.",
              "raise model.make_vocab_size_divisible_by to a multiple of parallel.tp.")
 
-        # Layers against PP x VPP.
-        need(m.num_layers % (p.pp * vpp) == 0, "parallel.pp", p.pp,
-             f"model.num_layers={m.num_layers} is not divisible by parallel.pp x parallel.vpp = {p.pp} x {vpp}.",
-             f"use a parallel.pp (and parallel.vpp) whose product divides {m.num_layers}.")
+        # Layers against PP x VPP (and the first/last stage's own counts).
+        issues += split_issues(m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers)
 
         # Experts against EP.
         if m.is_moe:
@@ -159,7 +158,9 @@ class ParallelDims:
 
         # Options that do not go together.
         if p.recompute is Recompute.full:  # both methods: uniform's group and block's recomputed layers per chunk
-            layers_per_chunk = m.num_layers // max(p.pp * vpp, 1)
+            per_stage = stage_counts(m.num_layers, p.pp, p.first_stage_layers, p.last_stage_layers) \
+                if not split_issues(m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers) else [0]
+            layers_per_chunk = max(per_stage) // vpp
             need(p.recompute_num_layers <= max(layers_per_chunk, 1), "parallel.recompute_num_layers",
                  p.recompute_num_layers, f"exceeds the {layers_per_chunk} layers of each pipeline chunk.",
                  f"use at most {layers_per_chunk}.")

@@ -422,10 +422,16 @@ def test_layers_vs_pp_times_vpp() -> None:
     err = build_errors(2, "parallel.pp=2", "parallel.vpp=3")
     assert err.keys == ["parallel.pp"]
     assert "model.num_layers=4 is not divisible by parallel.pp x parallel.vpp = 2 x 3." in str(err)
-    assert "use a parallel.pp (and parallel.vpp) whose product divides 4." in str(err)
+    assert "use a parallel.pp (and parallel.vpp) whose product divides 4, or give the first/last stage" in str(err)
     err = build_errors(2, "model=deepseek_v3", "parallel.pp=2")
     assert err.keys == ["parallel.pp"]
     assert "model.num_layers=61 is not divisible by parallel.pp x parallel.vpp = 2 x 1." in str(err)
+    # An uneven split that Megatron accepts is valid; one that leaves the middle stages uneven is named.
+    dims = ParallelDims.build(make_job("parallel.pp=2", "parallel.first_stage_layers=1"), 2, te_available=False)
+    assert dims.pp == 2
+    err = build_errors(4, "parallel.pp=4", "parallel.first_stage_layers=2")
+    assert err.keys == ["parallel.first_stage_layers"]
+    assert "2 of model.num_layers=4 layers remain for 3 middle stages" in str(err)
 
 
 def test_interleaved_schedule_needs_microbatches_multiple_of_pp() -> None:

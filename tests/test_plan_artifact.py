@@ -55,6 +55,11 @@ LAYOUTS: dict[str, tuple[tuple[str, ...], int]] = {
                                            "parallel.order=tp-cp-ep-pp-dp", "train.global_batch_size=32",
                                            "train.micro_batch_size=1", "train.seq_length=8192",
                                            "train.precision=fp16"), 64),
+    "llama405b_uneven_stages": (("model=llama3_405b", "cluster=dgx_h100", "cluster.nodes=64", "parallel.tp=8",
+                                 "parallel.sp=true", "parallel.pp=16", "parallel.first_stage_layers=7",
+                                 "parallel.last_stage_layers=7", "parallel.distributed_optimizer=true",
+                                 "train.global_batch_size=64", "train.micro_batch_size=1", "train.seq_length=8192",
+                                 "train.precision=bf16"), 512),
     "tiny_local_auto": (("model=gpt_tiny", "parallel.tp=2", "parallel.pp=2", "train.global_batch_size=8",
                          "train.micro_batch_size=2"), 4),
 }
@@ -94,7 +99,7 @@ def arg_value(args: list[str], flag: str) -> str:
 def test_canonical_format_of_the_gpt3_plan(plans: dict[str, Plan]) -> None:
     text = plans["gpt3_vpp_sp"].canonical()
     assert text.startswith("gpt3_175b@dgx_a100x128x8:tp=8,sp=1,pp=16,vpp=2,cp=1,ep=1,etp=1,dp=8,mb=1,gbs=1536,"
-                           "seq=2048,rc=none,rcn=1,")
+                           "seq=2048,ppf=null,ppl=null,rc=none,rcn=1,")
     assert text.endswith(",do=1,ogr=0,opg=0,order=tp-cp-ep-dp-pp,prec=bf16")
     assert " " not in text and "\n" not in text
 
@@ -114,7 +119,8 @@ def test_every_parallel_field_is_in_the_canonical_string(plans: dict[str, Plan])
     keys = [item.split("=")[0] for item in plans["gpt3_vpp_sp"].canonical().split(":", 1)[1].split(",")]
     assert len(keys) == len(set(keys))
     short = {"recompute": "rc", "recompute_num_layers": "rcn", "recompute_method": "rcm",
-             "distributed_optimizer": "do", "overlap_grad_reduce": "ogr", "overlap_param_gather": "opg"}
+             "distributed_optimizer": "do", "overlap_grad_reduce": "ogr", "overlap_param_gather": "opg",
+             "first_stage_layers": "ppf", "last_stage_layers": "ppl"}
     for f in dataclasses.fields(ParallelSpec):
         assert short.get(f.name, f.name) in keys, f.name
     assert {"dp", "mb", "gbs", "seq", "prec"} <= set(keys)
@@ -205,6 +211,7 @@ def _variants(plan: Plan) -> dict[str, Plan]:
         "recompute": par(recompute=Recompute.selective), "recompute_num_layers": par(recompute_num_layers=2),
         "overlap_grad_reduce": par(overlap_grad_reduce=True), "overlap_param_gather": par(overlap_param_gather=True),
         "order": par(order="tp-cp-ep-pp-dp"),
+        "first_stage_layers": par(first_stage_layers=1), "last_stage_layers": par(last_stage_layers=2),
         "micro_batch_size": dataclasses.replace(plan, micro_batch_size=2),
         "global_batch_size": dataclasses.replace(plan, global_batch_size=768),
         "seq_length": dataclasses.replace(plan, seq_length=4096),
@@ -406,6 +413,10 @@ def test_megatron_args_moe_recompute_order_precision(plans: dict[str, Plan]) -> 
     for flag in ("--overlap-grad-reduce", "--overlap-param-gather", "--use-tp-pp-dp-mapping", "--fp16"):
         assert llama.count(flag) == 1, flag
     assert "--bf16" not in llama
+    uneven = megatron_lm_args(plans["llama405b_uneven_stages"], num_layers=126)
+    assert arg_value(uneven, "--decoder-first-pipeline-num-layers") == "7"
+    assert arg_value(uneven, "--decoder-last-pipeline-num-layers") == "7"
+    assert "--decoder-first-pipeline-num-layers" not in llama
     assert "--bf16" in megatron_lm_args(plans["tiny_local_auto"])  # auto means bf16 for a Megatron-LM (GPU) run
     odd = dataclasses.replace(plans["tiny_local_auto"],
                               parallel=dataclasses.replace(plans["tiny_local_auto"].parallel, order="dp-tp-cp-ep-pp"))

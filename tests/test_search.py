@@ -15,8 +15,9 @@ import pytest
 
 from cfp_megatron.config import JobSpec, Recompute, compose_config, job_from_config
 from cfp_megatron.errors import ConfigError
+from cfp_megatron.parallel_dims import ParallelDims
 from cfp_megatron.search.search import _bounds, search
-from cfp_megatron.search.space import build_space
+from cfp_megatron.search.space import Candidate, build_space
 from cfp_megatron.search.spec import CfpMode, CfpSpec, SearchConstraints, cfp_from_config
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache
@@ -29,7 +30,7 @@ def compose_job(*overrides: str) -> tuple[JobSpec, CfpSpec]:
 
 
 def _random_case(rng: random.Random) -> tuple[JobSpec, CfpSpec, int]:
-    layers = rng.choice([2, 4, 6, 8, 12])
+    layers = rng.choice([2, 3, 4, 5, 6, 7, 8, 10, 12])  # odd counts: uneven pipeline splits
     heads = rng.choice([4, 8, 16])
     hidden = heads * rng.choice([16, 32, 64])
     cluster = rng.choice(["dgx_a100", "dgx_h100"])
@@ -68,7 +69,8 @@ def test_bounds_never_exceed_the_simulated_step(seed: int) -> None:
     order, _, _ = _bounds(space, job, None, SimOptions(), CostCache.for_job(job, None, SimOptions()))
     checked = 0
     short = SimOptions(max_schedule_ops=40)  # large schedules: two shorter ones extrapolated
-    for bound, cand, weights in order[:: max(len(order) // 150, 1)]:
+    for bound, key, weights in order[:: max(len(order) // 150, 1)]:
+        cand = Candidate.from_key(key)
         try:
             p = simulate(cand.job(job), world_size=world)
         except ConfigError:
@@ -171,3 +173,24 @@ def test_space_offers_only_what_the_runtime_runs() -> None:
     dense, _ = compose_job("model=gpt_tiny")
     assert all(f.ep == 1 for f in build_space(dense, 4, cfp).families)
     assert dataclasses.replace(cands[0], tp=1).parallel(job.parallel).tp == 1
+
+
+def test_uneven_pipeline_splits_are_megatrons_and_can_be_turned_off() -> None:
+    job, cfp = compose_job("model=llama3_405b", "cluster=dgx_h100", "cluster.nodes=64", "train.global_batch_size=512",
+                           "train.seq_length=8192")
+    space = build_space(job, 512, cfp)
+    fam = next(f for f in space.families if f.pp == 16 and f.tp == 8)
+    splits = space.pipeline_splits(fam, microbatches=32)
+    assert (1, 7, 7) in splits  # Llama 3's own: one layer fewer on the first and the last of 16 stages (126 layers)
+    assert all(v == 1 or (first % v == 0 and last % v == 0) for v, first, last in splits)
+    for vpp, first, last in splits:
+        cand = Candidate(tp=8, cp=1, pp=16, ep=1, etp=1, sp=True, micro_batch=1, recompute="none", vpp=vpp,
+                         distributed_optimizer=True, first_stage_layers=first, last_stage_layers=last)
+        dims = ParallelDims.build(cand.job(job), 512, te_available=True)  # Megatron's split rules hold
+        assert dims.pp == 16 and dims.vpp == vpp
+    even_only, cfp_even = compose_job("model=llama3_405b", "cluster=dgx_h100", "cluster.nodes=64",
+                                      "train.global_batch_size=512", "train.seq_length=8192",
+                                      "cfp.constraints.uneven_stages=false")
+    even_space = build_space(even_only, 512, cfp_even)
+    assert {f.pp for f in even_space.families} <= {1, 2}
+    assert "pp=16" in {r.what for r in even_space.rejected}

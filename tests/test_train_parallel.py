@@ -57,6 +57,7 @@ LAYOUTS = [
     # Block recomputation: the first of each stage's 2 layers recomputed, the second keeps its activations.
     pytest.param("gpt_tiny", 2, ["parallel.pp=2", "parallel.recompute=full", "parallel.recompute_method=block",
                                  "parallel.recompute_num_layers=1"], id="gpt-pp2-recompute-block"),
+    pytest.param("gpt_tiny", 2, ["parallel.pp=2", "parallel.first_stage_layers=1"], id="gpt-pp2-uneven-1-3"),
     pytest.param("moe_tiny", 2, ["parallel.ep=2"], id="moe-ep2"),
 ]
 
@@ -105,3 +106,19 @@ def test_context_parallel_without_transformer_engine_is_refused_before_any_group
     assert "parallel.cp=2" in result.output
     assert "Transformer Engine" in result.output
     assert result.records == []  # rejected before training (and before any process group) started
+
+
+def test_uneven_first_stage_holds_its_own_layer_count(tmp_path: Path) -> None:
+    """``parallel.first_stage_layers=1`` puts one of gpt_tiny's 4 layers on stage 0 (the even split puts 2): rank 0
+    holds the embedding and one layer, so twice its parameters less the even split's are the embedding's."""
+    from cfp_megatron.config import compose_job
+
+    runs = {}
+    for name, extra in (("even", []), ("uneven", ["parallel.first_stage_layers=1"])):
+        result = run_train(2, ["model=gpt_tiny", *COMMON, "parallel.pp=2", *extra], tmp_path / name)
+        assert result.returncode == 0, result.output[-4000:]
+        runs[name] = next(r for r in result.records if r["event"] == "start")["params_on_rank0"]
+    m = compose_job(["model=gpt_tiny"]).model
+    embedding = (m.padded_vocab_size + m.max_position_embeddings) * m.hidden_size
+    assert runs["uneven"] < runs["even"]
+    assert 2 * runs["uneven"] - runs["even"] == embedding

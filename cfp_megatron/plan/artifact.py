@@ -54,6 +54,7 @@ _HEAD_FIELDS: tuple[str, ...] = ("tp", "sp", "pp", "vpp", "cp", "ep", "etp")
 
 _SHORT: dict[str, str] = {
     "tp": "tp", "sp": "sp", "pp": "pp", "vpp": "vpp", "cp": "cp", "ep": "ep", "etp": "etp",
+    "first_stage_layers": "ppf", "last_stage_layers": "ppl",
     "recompute": "rc", "recompute_num_layers": "rcn", "recompute_method": "rcm", "distributed_optimizer": "do",
     "overlap_grad_reduce": "ogr", "overlap_param_gather": "opg", "order": "order",
 }

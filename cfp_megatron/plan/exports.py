@@ -34,7 +34,7 @@ _MEGATRON_ORDERS: dict[str, list[str]] = {
 
 _MEGATRON_FIELDS = frozenset({"tp", "sp", "pp", "vpp", "cp", "ep", "etp", "distributed_optimizer", "recompute",
                               "recompute_num_layers", "overlap_grad_reduce", "overlap_param_gather", "order",
-                              "recompute_method"})
+                              "recompute_method", "first_stage_layers", "last_stage_layers"})
 """ParallelSpec fields :func:`megatron_lm_args` renders; another field set away from its default is refused rather
 than silently dropped."""
 
@@ -49,7 +49,9 @@ def megatron_lm_args(plan: Plan, *, num_layers: int | None = None) -> list[str]:
     """Megatron-LM ``pretrain_gpt.py`` arguments that reproduce the plan's layout, batch and precision.
 
     With interleaving (vpp > 1) and ``num_layers`` (the model's layer count) given, the chunking is written as
-    ``--num-layers-per-virtual-pipeline-stage``; without it as ``--num-virtual-stages-per-pipeline-rank``. Model
+    ``--num-layers-per-virtual-pipeline-stage``; without it, or with a first/last stage of its own size
+    (``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``), as
+    ``--num-virtual-stages-per-pipeline-rank``. Model
     shape, data and optimizer arguments are not included. Raises :class:`PlanError` for what Megatron-LM's arguments
     cannot express (a rank order other than tp-cp-ep-dp-pp / tp-cp-ep-pp-dp, layers that do not split evenly, a
     ParallelSpec field this function does not know).
@@ -65,8 +67,13 @@ def megatron_lm_args(plan: Plan, *, num_layers: int | None = None) -> list[str]:
     if p.sp:
         args.append("--sequence-parallel")
     args += ["--pipeline-model-parallel-size", str(p.pp)]
+    uneven = p.pp > 1 and (p.first_stage_layers is not None or p.last_stage_layers is not None)
+    if uneven and p.first_stage_layers is not None:
+        args += ["--decoder-first-pipeline-num-layers", str(p.first_stage_layers)]
+    if uneven and p.last_stage_layers is not None:
+        args += ["--decoder-last-pipeline-num-layers", str(p.last_stage_layers)]
     if p.virtual_stages > 1:
-        if num_layers is not None:
+        if num_layers is not None and not uneven:
             chunks = p.pp * p.virtual_stages
             if num_layers < 1 or num_layers % chunks:
                 raise PlanError(f"num_layers={num_layers} does not split into pp x vpp = {p.pp} x "

@@ -36,6 +36,8 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
+        num_layers_in_first_pipeline_stage=p.first_stage_layers if dims.pp > 1 else None,
+        num_layers_in_last_pipeline_stage=p.last_stage_layers if dims.pp > 1 else None,
         context_parallel_size=dims.cp,
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.etp,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 import time
 from collections import defaultdict
@@ -32,6 +33,7 @@ from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.config import JobSpec, OptimizerKind, Recompute
 from cfp_megatron.errors import ConfigError, ConfigIssue
 from cfp_megatron.parallel_dims import ParallelDims
+from cfp_megatron.pipeline_split import chunk_layers, stage_counts
 from cfp_megatron.search.space import Candidate, Family, Rejection, Space, build_space
 from cfp_megatron.search.spec import CfpSpec
 from cfp_megatron.sim.layout import place
@@ -117,10 +119,11 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
     over: dict[Family, list[float]] = defaultdict(list)
     checked = simulated = over_memory = invalid = bounded = 0
     stop_at = len(order)
-    for i, (bound, cand, weights) in enumerate(order):
+    for i, (bound, key, weights) in enumerate(order):
         if not exhaustive and len(best) == k and bound > best[-1][0]:
             stop_at = i  # this and every later candidate is slower than the k-th best
             break
+        cand = Candidate.from_key(key)
         if limit is not None and weights / GIB > limit:  # its weights, gradients and optimizer states alone
             over_memory += 1
             over[_family(cand)].append(weights / GIB)
@@ -143,7 +146,7 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
             bounded += 1
             continue
         simulated += 1
-        entry = (prediction.step_time_s, _key(cand), Ranked(candidate=cand, job=cjob, prediction=prediction))
+        entry = (prediction.step_time_s, key, Ranked(candidate=cand, job=cjob, prediction=prediction))
         bisect.insort(best, entry, key=lambda e: e[:2])
         del best[k:]
     ranked = tuple(r for _, _, r in best)
@@ -156,10 +159,6 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
                         memory_checked=checked, over_memory=over_memory, invalid=invalid,
                         pruned=len(order) - stop_at + bounded, memory_limit_gib=limit,
                         seconds=time.perf_counter() - started, world=world)
-
-
-def _key(c: Candidate) -> tuple:
-    return (c.tp, c.cp, c.pp, c.ep, c.etp, c.sp, c.micro_batch, c.recompute, c.vpp, c.distributed_optimizer)
 
 
 def _family(c: Candidate) -> Family:
@@ -179,16 +178,19 @@ def _family_label(f: Family, world: int) -> str:
 
 
 def _bounds(space: Space, job: JobSpec, measurements: Measurements | None,
-            options: SimOptions, cache: CostCache) -> tuple[list[tuple[float, Candidate, float]], list[Rejection], int]:
-    """Every candidate with its lower bound on step time and a lower bound on its memory per rank (the layers'
-    weights, gradients and, unless sharded, optimizer states), in increasing (bound, candidate) order; the groups the
-    runtime's validation refuses; the number of candidates."""
+            options: SimOptions, cache: CostCache) -> tuple[list[tuple[float, tuple, float]], list[Rejection], int]:
+    """Every candidate (as its :meth:`~Candidate.key`) with its lower bound on step time and a lower bound on its
+    memory per rank (the weights, gradients and, unless sharded, optimizer states of the layers of the heaviest of
+    its pipeline ranks), in increasing (bound, key) order; the groups the runtime's validation refuses; the number of
+    candidates."""
     world = space.world
-    L = job.model.num_layers
+    m_spec = job.model
+    L = m_spec.num_layers
+    first_dense = m_spec.moe_first_dense_layers if m_spec.is_moe else None
     elem = element_bytes(job)
     opt_bytes = (4.0 if elem == 2 else 0.0) + (8.0 if job.train.optimizer is OptimizerKind.adam else 4.0)
     gbs = job.train.global_batch_size
-    out: list[tuple[float, Candidate, float]] = []
+    out: list[tuple[float, tuple, float]] = []
     refused: list[Rejection] = []
     by_key: dict[tuple, _GroupCosts | None] = {}
     gpn = job.cluster.gpus_per_node or world
@@ -196,37 +198,70 @@ def _bounds(space: Space, job: JobSpec, measurements: Measurements | None,
     for fam in space.families:
         dp = fam.dp(world)
         group: dict[tuple, _GroupCosts | None] = {}
-        for cand in space.candidates(fam):
+        last_shape: tuple | None = None
+        bound = params = 0.0
+        for key in space.keys(fam):
             size += 1
-            gkey = (cand.sp, cand.micro_batch, cand.recompute)
+            tp, cp, pp, ep, etp, sp, mb, rc, vpp, first_n, last_n, dopt = key
+            gkey = (sp, mb, rc)
             if gkey not in group:
                 # The pass costs depend on the layout only through cost_key: look them up without building and
                 # validating a job per group; compute (and validate) once per key.
-                dims = ParallelDims(world_size=world, tp=cand.tp, pp=cand.pp, vpp=1, cp=cand.cp, ep=cand.ep,
-                                    etp=cand.etp, dp=dp, expert_dp=max(world // (cand.etp * cand.ep * cand.pp), 1),
-                                    sp=cand.sp, num_microbatches=gbs // (dp * cand.micro_batch),
-                                    order=job.parallel.order)
-                layout = place(job, dims, gpn)
-                layout = dataclasses.replace(layout, micro_batch=cand.micro_batch)
-                key = cost_key(layout, Recompute(cand.recompute), options)
-                if key not in by_key:
-                    by_key[key] = _group_costs(cand, job, measurements, options, world, cache, refused)
-                group[gkey] = by_key[key]
+                dims = ParallelDims(world_size=world, tp=tp, pp=pp, vpp=1, cp=cp, ep=ep, etp=etp, dp=dp,
+                                    expert_dp=max(world // (etp * ep * pp), 1), sp=sp,
+                                    num_microbatches=gbs // (dp * mb), order=job.parallel.order)
+                layout = dataclasses.replace(place(job, dims, gpn), micro_batch=mb)
+                ckey = cost_key(layout, Recompute(rc), options)
+                if ckey not in by_key:
+                    by_key[ckey] = _group_costs(Candidate.from_key(key), job, measurements, options, world, cache,
+                                                refused)
+                group[gkey] = by_key[ckey]
             costs = group[gkey]
             if costs is None:
                 continue
-            m, pp = gbs // (dp * cand.micro_batch), cand.pp
-            chunk = L / (pp * cand.vpp) * costs.layer_s + 2 * costs.pass_s  # one chunk's passes, at least
-            if pp == 1:
-                bound = m * (chunk + costs.embedding_s + costs.head_s)
-            elif costs.shared_cores:
-                bound = m * (cand.vpp * chunk + (costs.embedding_s + costs.head_s) / pp)
-            else:
-                bound = m * (cand.vpp * chunk + costs.head_s) + (pp - 1) * chunk + costs.embedding_s
-            per_param = elem + 4.0 + (0.0 if cand.distributed_optimizer else opt_bytes)
-            out.append((bound, cand, 0.0 if options.fsdp else L / pp * costs.layer_params * per_param))
-    out.sort(key=lambda e: (e[0], _key(e[1])))
+            shape = (gkey, vpp, first_n, last_n)
+            if shape != last_shape:  # candidates that differ only in the optimizer share both bounds' layer terms
+                last_shape = shape
+                first, middle, last = _stage_layers(L, pp, first_n, last_n)
+                bound = _time_bound(costs, gbs // (dp * mb), pp, vpp, L, first, middle, last)
+                params = max(d * costs.dense_params + m * costs.moe_params
+                             for d, m in _rank_loads(L, pp, vpp, first_n, last_n, first_dense))
+            per_param = elem + 4.0 + (0.0 if dopt else opt_bytes)
+            out.append((bound, key, 0.0 if options.fsdp else params * per_param))
+    out.sort()
     return out, refused, size
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_loads(num_layers: int, pp: int, vpp: int, first: int, last: int,
+                first_dense: int | None) -> frozenset[tuple[int, int]]:
+    """The distinct (dense, MoE) layer counts of the pipeline ranks of a split."""
+    rows = chunk_layers(num_layers, pp, vpp, first or None, last or None, first_dense=first_dense)
+    return frozenset((sum(c.dense for c in row), sum(c.moe for c in row)) for row in rows)
+
+
+def _time_bound(costs: _GroupCosts, m: int, pp: int, vpp: int, num_layers: int, first: int, middle: int,
+                last: int) -> float:
+    """A lower bound on the step time of ``m`` micro-batches over ``pp`` stages of ``vpp`` chunks holding ``first``,
+    ``middle`` and ``last`` layers (see the module docstring)."""
+    def chunk(layers: int) -> float:  # one chunk's passes of a stage with ``layers`` layers, at least
+        return layers / vpp * costs.layer_s + 2 * costs.pass_s
+
+    if pp == 1:
+        return m * (chunk(num_layers) + costs.embedding_s + costs.head_s)
+    if costs.shared_cores:
+        return m * (num_layers / pp * costs.layer_s + 2 * vpp * costs.pass_s + (costs.embedding_s + costs.head_s) / pp)
+    # The first rank runs all its passes; a later rank also waits for micro-batch 0 to go forward through the stages
+    # before it and, after its last backward, for it to go back through them.
+    last_middle = m * vpp * chunk(middle) + chunk(first) + (pp - 3) * chunk(middle) + costs.embedding_s
+    return max(m * (vpp * chunk(first) + costs.embedding_s), last_middle if pp > 2 else 0.0,
+               m * (vpp * chunk(last) + costs.head_s) + chunk(first) + (pp - 2) * chunk(middle) + costs.embedding_s)
+
+
+def _stage_layers(num_layers: int, pp: int, first: int, last: int) -> tuple[int, int, int]:
+    """Layers of the first, a middle (the first's count when there are none) and the last pipeline stage."""
+    counts = stage_counts(num_layers, pp, first or None, last or None)
+    return counts[0], counts[1] if pp > 2 else counts[0], counts[-1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,8 +270,10 @@ class _GroupCosts:
 
     layer_s: float
     """Forward + backward + recompute seconds of the cheaper layer kind, per micro-batch."""
-    layer_params: float
-    """Parameters of one layer on a rank, at least."""
+    dense_params: float
+    """Parameters of one dense layer on a rank, at least."""
+    moe_params: float
+    """Parameters of one MoE layer on a rank (its experts' share included), at least."""
     pass_s: float
     """The schedule's cost per pass."""
     embedding_s: float
@@ -256,10 +293,11 @@ def _group_costs(cand: Candidate, job: JobSpec, measurements: Measurements | Non
         refused.append(Rejection(what=cand.describe(world).rsplit(" rc=", 1)[0],
                                  reason="; ".join(i.problem for i in err.issues)))
         return None
+    # the biases and norms the count leaves out add at least -2 h (cfp_megatron.sim.memory.layer_extra_params)
+    slack = 2.0 * job.model.hidden_size
     return _GroupCosts(
         layer_s=parts.min_layer_s(),
-        # the biases and norms the count leaves out add at least -2 h (cfp_megatron.sim.memory.layer_extra_params)
-        layer_params=max(min(parts.dense.params, parts.moe.params) - 2.0 * job.model.hidden_size, 0.0),
+        dense_params=max(parts.dense.params - slack, 0.0), moe_params=max(parts.moe.params - slack, 0.0),
         pass_s=parts.per_pass.total_s,
         embedding_s=sum(p.total_s for p in parts.embedding), head_s=sum(p.total_s for p in parts.head),
         shared_cores=measurements is not None and parts.overheads is not None

@@ -9,10 +9,12 @@ Only layouts the runtime executes are offered: Megatron-Core's own layers under 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from cfp_megatron.config import AttentionKind, JobSpec, ParallelSpec, Recompute
+from cfp_megatron.pipeline_split import split_issues, stage_counts
 from cfp_megatron.search.spec import CfpSpec
 
 
@@ -38,12 +40,27 @@ class Candidate:
     """Recompute granularity (a :class:`~cfp_megatron.config.Recompute` value)."""
     vpp: int
     """Model chunks per pipeline rank."""
+    first_stage_layers: int = 0
+    """Decoder layers on the first pipeline stage (0: as many as the middle stages)."""
+    last_stage_layers: int = 0
+    """Decoder layers on the last pipeline stage (0: as many as the middle stages)."""
     distributed_optimizer: bool
     """Megatron's distributed optimizer."""
+
+    def key(self) -> tuple:
+        """The fields in order (candidates sort by it; :meth:`from_key` inverts it)."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    @classmethod
+    def from_key(cls, key: tuple) -> Candidate:
+        """The candidate of :meth:`key`'s tuple."""
+        return cls(**dict(zip(_FIELDS, key, strict=True)))
 
     def parallel(self, base: ParallelSpec) -> ParallelSpec:
         """``base`` with this layout's sizes."""
         return dataclasses.replace(base, tp=self.tp, sp=self.sp, pp=self.pp, vpp=self.vpp if self.vpp > 1 else None,
+                                   first_stage_layers=self.first_stage_layers or None,
+                                   last_stage_layers=self.last_stage_layers or None,
                                    cp=self.cp, ep=self.ep, etp=self.etp if self.ep > 1 or self.etp > 1 else None,
                                    distributed_optimizer=self.distributed_optimizer,
                                    recompute=Recompute(self.recompute), recompute_num_layers=1,
@@ -55,16 +72,22 @@ class Candidate:
         return dataclasses.replace(job, parallel=self.parallel(job.parallel), train=train)
 
     def describe(self, world: int) -> str:
-        """A short label such as ``dp8 tp8 sp pp16 vpp2 mb1 rc=none dopt``."""
+        """A short label such as ``dp8 tp8 sp pp16 vpp2 mb1 rc=none dopt`` (``first7 last7``: layers of the first
+        and the last pipeline stage where they differ from the others)."""
         dp = world // (self.tp * self.cp * self.pp)
         parts = [f"dp{dp}", f"tp{self.tp}" + (" sp" if self.sp else ""), f"pp{self.pp}"]
         parts += [f"vpp{self.vpp}"] if self.vpp > 1 else []
+        parts += [f"first{self.first_stage_layers}"] if self.first_stage_layers else []
+        parts += [f"last{self.last_stage_layers}"] if self.last_stage_layers else []
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += [f"etp{self.etp}"] if self.etp > 1 else []
         parts += [f"mb{self.micro_batch}", f"rc={self.recompute}"]
         parts += ["dopt"] if self.distributed_optimizer else []
         return " ".join(parts)
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Candidate))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +120,35 @@ class Rejection:
     """Why, with the numbers."""
     count: int = 0
     """Plans it rules out (0 where the value never made a family)."""
+
+
+MAX_STAGE_DEFICIT = 2
+"""How many model chunks of layers fewer than a middle stage the first or the last pipeline stage may hold."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _pipeline_splits(num_layers: int, pp: int, interleave: bool) -> tuple[tuple[int, int, int], ...]:
+    """See :meth:`Space.pipeline_splits` (``interleave``: whether the micro-batch count allows vpp > 1)."""
+    if pp == 1:
+        return ((1, 0, 0),)
+    values = []
+    for vpp in range(1, (num_layers // pp if interleave else 1) + 1):
+        for a in range(MAX_STAGE_DEFICIT + 1):
+            for b in range(MAX_STAGE_DEFICIT + 1):
+                total = num_layers + (a + b) * vpp
+                if total % (pp * vpp):
+                    continue
+                middle = total // pp
+                first, last = (middle - a * vpp if a else None), (middle - b * vpp if b else None)
+                if split_issues(num_layers, pp, vpp, first, last):
+                    continue
+                counts = stage_counts(num_layers, pp, first, last)
+                # one entry per split: a stage with the middle stages' count is written as 0 (pp = 2: the last)
+                even = counts[1] if pp > 2 else counts[0]
+                split = (vpp, 0 if counts[0] == even else counts[0], 0 if counts[-1] == even else counts[-1])
+                if split not in values and not split_issues(num_layers, pp, vpp, split[1] or None, split[2] or None):
+                    values.append(split)
+    return tuple(values)
 
 
 def _divisors(n: int) -> list[int]:
@@ -167,16 +219,20 @@ class Space:
         allowed = self.cfp.allowed("sp")
         return [v for v in values if allowed is None or v in allowed]
 
-    def vpp_values(self, family: Family, microbatches: int) -> list[int]:
-        """Model chunks per pipeline rank: 1, and with PP the sizes that split each stage's layers evenly (the
-        interleaved schedule also needs the micro-batch count to be a multiple of PP)."""
-        if family.pp == 1:
-            values = [1]
-        else:
-            per_stage = self.job.model.num_layers // family.pp
-            values = [v for v in _divisors(per_stage) if v == 1 or microbatches % family.pp == 0]
+    def pipeline_splits(self, family: Family, microbatches: int) -> list[tuple[int, int, int]]:
+        """``(vpp, first_stage_layers, last_stage_layers)`` choices of the family (0: as the middle stages).
+
+        ``vpp`` is 1, or with PP a number of chunks every stage's layers split into (the interleaved schedule also
+        needs the micro-batch count to be a multiple of PP). Besides the even split, the first and the last stage
+        may each hold up to :data:`MAX_STAGE_DEFICIT` chunks of layers fewer than the middle stages (they also run
+        the embedding and the output layer and loss, and the first holds the most micro-batches in flight), where the
+        rest splits evenly: Megatron-Core's ``num_layers_in_first/last_pipeline_stage``. A decoder whose layer count
+        no PP size divides (Llama-3 405B's 126 layers over 16 stages) gets its only splits this way."""
+        values = _pipeline_splits(self.job.model.num_layers, family.pp, microbatches % family.pp == 0)
+        if not self.cfp.constraints.uneven_stages:
+            values = tuple(v for v in values if v[1:] == (0, 0))
         allowed = self.cfp.allowed("vpp")
-        return [v for v in values if allowed is None or v in allowed]
+        return [v for v in values if allowed is None or v[0] in allowed]
 
     def recompute_values(self) -> list[str]:
         """Recompute granularities."""
@@ -193,15 +249,23 @@ class Space:
 
     def candidates(self, family: Family) -> Iterator[Candidate]:
         """Every candidate of ``family``, in a fixed order."""
-        dp = family.dp(self.world)
-        for mb in self.micro_batches(family):
+        for key in self.keys(family):
+            yield Candidate.from_key(key)
+
+    def keys(self, family: Family) -> Iterator[tuple]:
+        """:meth:`candidates` as :meth:`Candidate.key` tuples (what a search sorts, without building objects)."""
+        f = family
+        dp = f.dp(self.world)
+        dopts = self.dopt_values(f)
+        recomputes = self.recompute_values()
+        for mb in self.micro_batches(f):
             microbatches = self.job.train.global_batch_size // (dp * mb)
-            for sp in self.sp_values(family):
-                for rc in self.recompute_values():
-                    for vpp in self.vpp_values(family, microbatches):
-                        for dopt in self.dopt_values(family):
-                            yield Candidate(tp=family.tp, cp=family.cp, pp=family.pp, ep=family.ep, etp=family.etp,
-                                            sp=sp, micro_batch=mb, recompute=rc, vpp=vpp, distributed_optimizer=dopt)
+            splits = self.pipeline_splits(f, microbatches)
+            for sp in self.sp_values(f):
+                for rc in recomputes:
+                    for vpp, first, last in splits:
+                        for dopt in dopts:
+                            yield (f.tp, f.cp, f.pp, f.ep, f.etp, sp, mb, rc, vpp, first, last, dopt)
 
 
 def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = True) -> Space:
@@ -228,7 +292,15 @@ def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = 
         ) if bad] if cp > 1 else []
 
     def pp_reasons(pp: int) -> list[str]:
-        return [f"{m.num_layers} layers do not split into {pp} stages"] if m.num_layers % pp else []
+        if m.num_layers < pp:
+            return [f"{m.num_layers} layers do not fill {pp} stages"]
+        if not cfp.constraints.uneven_stages and m.num_layers % pp:
+            return [f"{m.num_layers} layers do not split evenly into {pp} stages (cfp.constraints.uneven_stages="
+                    "false)"]
+        if not _pipeline_splits(m.num_layers, pp, False):
+            return [f"{m.num_layers} layers do not split into {pp} stages, evenly or with the first/last stage up "
+                    f"to {MAX_STAGE_DEFICIT} layers lighter"]
+        return []
 
     tps = _screen(cfp, "tp", _divisors(world), tp_reasons, rejected)
     cps = _screen(cfp, "cp", _divisors(world), cp_reasons, rejected)

@@ -59,6 +59,9 @@ class SearchConstraints:
     memory misses): a plan fits when its predicted peak is at most ``(1 - memory_headroom)`` x HBM."""
     max_micro_batch: int = 64
     """Largest micro-batch size tried."""
+    uneven_stages: bool = True
+    """Also try pipeline splits whose first and/or last stage holds fewer layers than the others (Megatron's
+    ``num_layers_in_first/last_pipeline_stage``); false keeps to even splits."""
 
     def __post_init__(self) -> None:
         issues: list[ConfigIssue] = []

@@ -22,6 +22,7 @@ from cfp_megatron.config import (
     Recompute,
     RecomputeMethod,
 )
+from cfp_megatron.pipeline_split import job_chunks
 from cfp_megatron.sim.kernels import bytes_per_element, compute_precision
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.measured_memory import measured_memory, peak_activation_bytes, pipeline_buffers
@@ -98,17 +99,14 @@ def recomputed_layers(job: JobSpec, layout: Layout, *, rank: int) -> tuple[int, 
     """(dense, MoE) layers of pipeline rank ``rank``, over its chunks, that full recomputation covers: all of them
     (``uniform``), or the first ``recompute_num_layers`` of each chunk (``block``; leading dense layers come first).
     Zero without full recomputation."""
-    m, d, p = job.model, layout.dims, job.parallel
+    p = job.parallel
     if p.recompute is not Recompute.full:
         return 0, 0
-    per_chunk = m.num_layers // (d.pp * d.vpp)
-    first_dense = m.moe_first_dense_layers if m.is_moe else m.num_layers
-    n_rec = min(p.recompute_num_layers, per_chunk) if p.recompute_method is RecomputeMethod.block else per_chunk
     dense = moe = 0
-    for c in range(d.vpp):
-        lo = (c * d.pp + rank) * per_chunk
-        n_moe = max(0, min(lo + n_rec, m.num_layers) - max(lo, first_dense))
-        dense, moe = dense + n_rec - n_moe, moe + n_moe
+    for chunk in job_chunks(job)[rank]:
+        n_rec = p.recompute_num_layers if p.recompute_method is RecomputeMethod.block else chunk.count
+        d_rec, m_rec = chunk.leading(n_rec)
+        dense, moe = dense + d_rec, moe + m_rec
     return dense, moe
 
 

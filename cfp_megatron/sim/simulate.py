@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective, Measurements
 from cfp_megatron.config import ClusterSpec, JobSpec, RecomputeMethod
+from cfp_megatron.pipeline_split import job_chunks
 from cfp_megatron.runtime.flops import training_flops_per_token
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
 from cfp_megatron.sim.kernels import KernelModel
@@ -62,11 +63,9 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
     m = job.model
     dense, moe, emb, out, per_pass, overheads = (parts.dense, parts.moe, parts.embedding, parts.head, parts.per_pass,
                                                  parts.overheads)
-    first_dense = m.moe_first_dense_layers if m.is_moe else m.num_layers
-
     pp, vpp = d.pp, d.vpp
     stages = pp * vpp
-    per_chunk = m.num_layers // stages
+    chunks = job_chunks(job)
     fwd: list[list[PassCost]] = []
     bwd: list[list[PassCost]] = []
     rec: list[list[PassCost]] = []
@@ -76,17 +75,15 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
         f_row, b_row, r_row = [], [], []
         for c in range(vpp):
             g = c * pp + r
-            lo = g * per_chunk
-            n_moe = max(0, min(lo + per_chunk, m.num_layers) - max(lo, first_dense))
-            n_dense = per_chunk - n_moe
-            f = dense.forward.scaled(n_dense).plus(moe.forward.scaled(n_moe))
-            b = dense.backward.scaled(n_dense).plus(moe.backward.scaled(n_moe))
+            chunk = chunks[r][c]
+            f = dense.forward.scaled(chunk.dense).plus(moe.forward.scaled(chunk.moe))
+            b = dense.backward.scaled(chunk.dense).plus(moe.backward.scaled(chunk.moe))
             # Recomputed layers: all (uniform), or the chunk's first recompute_num_layers (block; dense ones first).
-            n_rec = per_chunk
+            n_rec = chunk.count
             if job.parallel.recompute_method is RecomputeMethod.block:
-                n_rec = min(job.parallel.recompute_num_layers, per_chunk)
-            rec_moe = max(0, min(lo + n_rec, m.num_layers) - max(lo, first_dense))
-            x = dense.recompute.scaled(n_rec - rec_moe).plus(moe.recompute.scaled(rec_moe))
+                n_rec = job.parallel.recompute_num_layers
+            rec_dense, rec_moe = chunk.leading(n_rec)
+            x = dense.recompute.scaled(rec_dense).plus(moe.recompute.scaled(rec_moe))
             if g == 0:
                 f, b = f.plus(emb[0]), b.plus(emb[1])
             if g == stages - 1:
@@ -255,23 +252,22 @@ class _StageSplit:
     layer_params: list[float]
     expert_params: list[float]
     moe_layers: list[int]
+    layers: list[int]
 
 
 def _stage_split(job: JobSpec, layout: Layout, parts: PassCosts) -> _StageSplit:
-    m, d = job.model, layout.dims
-    first_dense = m.moe_first_dense_layers if m.is_moe else m.num_layers
-    per_chunk = m.num_layers // (d.pp * d.vpp)
+    d = layout.dims
     layer_params = [0.0] * d.pp
     expert_params = [0.0] * d.pp
     moe_layers = [0] * d.pp
-    for r in range(d.pp):
-        for c in range(d.vpp):
-            lo = (c * d.pp + r) * per_chunk
-            n_moe = max(0, min(lo + per_chunk, m.num_layers) - max(lo, first_dense))
-            layer_params[r] += (per_chunk - n_moe) * parts.dense.params + n_moe * parts.moe.params
-            expert_params[r] += n_moe * parts.moe.expert_params
-            moe_layers[r] += n_moe
-    return _StageSplit(layer_params=layer_params, expert_params=expert_params, moe_layers=moe_layers)
+    layers = [0] * d.pp
+    for r, row in enumerate(job_chunks(job)):
+        for chunk in row:
+            layer_params[r] += chunk.dense * parts.dense.params + chunk.moe * parts.moe.params
+            expert_params[r] += chunk.moe * parts.moe.expert_params
+            moe_layers[r] += chunk.moe
+            layers[r] += chunk.count
+    return _StageSplit(layer_params=layer_params, expert_params=expert_params, moe_layers=moe_layers, layers=layers)
 
 
 def _peak_memory(job: JobSpec, layout: Layout, options: SimOptions, measurements: Measurements | None,
@@ -279,15 +275,15 @@ def _peak_memory(job: JobSpec, layout: Layout, options: SimOptions, measurements
     pp = layout.dims.pp
     # Ranks with the same parameters hold no more in-flight micro-batches than a lower rank (in_flight falls with the
     # rank), so only the lowest of each such set, the first and the last rank can hold the peak.
-    seen: set[tuple[float, float, int]] = set()
+    seen: set[tuple[float, float, int, int]] = set()
     ranks = []
     for r in range(pp):
-        sig = (split.layer_params[r], split.expert_params[r], split.moe_layers[r])
+        sig = (split.layer_params[r], split.expert_params[r], split.moe_layers[r], split.layers[r])
         if r in (0, pp - 1) or sig not in seen:
             ranks.append(r)
         seen.add(sig)
     memories = [stage_memory(job, layout, options, rank=r, layer_params=split.layer_params[r],
-                             expert_params=split.expert_params[r], layers=job.model.num_layers // pp,
+                             expert_params=split.expert_params[r], layers=split.layers[r],
                              moe_layers=split.moe_layers[r],
                              first=r == 0 and not options.measured_layer_only,
                              last=r == pp - 1 and not options.measured_layer_only,

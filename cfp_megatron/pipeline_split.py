@@ -1,0 +1,137 @@
+"""Which decoder layers each pipeline rank and model chunk holds, as Megatron-Core builds them.
+
+Megatron splits the decoder evenly over ``pp x vpp`` chunks unless the first and/or last pipeline stage is given its
+own layer count (``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``, Megatron-LM's
+``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``); the other (middle) stages then
+share the rest evenly. Every stage's layers are split evenly over its ``vpp`` chunks, and chunk ``c`` of every rank
+comes before chunk ``c + 1`` of any rank. :func:`chunk_layers` reproduces ``get_transformer_layer_offset`` and
+``get_num_layers_to_build`` (the tests compare them); the simulator, the memory model and the search read it instead
+of dividing the layer count themselves.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from cfp_megatron.errors import ConfigIssue
+
+if TYPE_CHECKING:
+    from cfp_megatron.config import JobSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkLayers:
+    """The decoder layers of one model chunk on one pipeline rank."""
+
+    offset: int
+    """Index of the chunk's first layer in the whole decoder."""
+    count: int
+    """Layers in the chunk."""
+    moe: int
+    """Of those, MoE layers (the decoder's first ``moe_first_dense_layers`` are dense)."""
+
+    @property
+    def dense(self) -> int:
+        """Dense layers in the chunk."""
+        return self.count - self.moe
+
+    def leading(self, n: int) -> tuple[int, int]:
+        """(dense, MoE) layers among the chunk's first ``n`` (what block recomputation of ``n`` layers covers; a
+        chunk's dense layers come first, as the decoder's do)."""
+        n = min(n, self.count)
+        dense = min(n, self.dense)
+        return dense, n - dense
+
+
+def split_issues(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None,
+                 prefix: str = "parallel") -> list[ConfigIssue]:
+    """What is wrong with splitting ``num_layers`` layers over ``pp`` stages of ``vpp`` chunks with ``first`` /
+    ``last`` layers on the first / last stage (``None`` = like the others); Megatron-Core's own checks, as
+    :class:`~cfp_megatron.errors.ConfigIssue` values naming the setting and the fix."""
+    issues: list[ConfigIssue] = []
+    if first is None and last is None:
+        if num_layers % (pp * vpp):
+            issues.append(ConfigIssue(key=f"{prefix}.pp", value=pp, problem=f"model.num_layers={num_layers} is not "
+                                      f"divisible by parallel.pp x parallel.vpp = {pp} x {vpp}.",
+                                      fix=f"use a parallel.pp (and parallel.vpp) whose product divides {num_layers}, "
+                                          "or give the first/last stage its own count (parallel.first_stage_layers, "
+                                          "parallel.last_stage_layers)."))
+        return issues
+    if pp == 1:
+        return [ConfigIssue(key=f"{prefix}.first_stage_layers" if first is not None else f"{prefix}.last_stage_layers",
+                            value=first if first is not None else last,
+                            problem="a first/last stage layer count needs pipeline parallelism (parallel.pp > 1).",
+                            fix="set parallel.first_stage_layers=null and parallel.last_stage_layers=null.")]
+    rest, middle = num_layers, pp
+    for name, value in (("first_stage_layers", first), ("last_stage_layers", last)):
+        if value is None:
+            continue
+        rest, middle = rest - value, middle - 1
+        if value < 1:
+            issues.append(ConfigIssue(key=f"{prefix}.{name}", value=value, problem="a stage needs at least one "
+                                      "layer.", fix=f"set {prefix}.{name} to 1 or more, or null for an even split."))
+        elif value % vpp:
+            issues.append(ConfigIssue(key=f"{prefix}.{name}", value=value, problem=f"the stage's {value} layers do "
+                                      f"not split into parallel.vpp={vpp} model chunks.",
+                                      fix=f"use a multiple of {vpp}, or another parallel.vpp."))
+    if middle == 0 and vpp > 1:
+        issues.append(ConfigIssue(key=f"{prefix}.vpp", value=vpp, problem="with both the first and the last stage "
+                                  "given their own layer count and no stage between them, Megatron-Core cannot place "
+                                  "interleaved chunks (it divides by the number of middle stages).",
+                                  fix="set parallel.vpp=null, or leave parallel.last_stage_layers=null."))
+    if rest < 0 or bool(rest) != bool(middle) or (middle and rest % (middle * vpp)):
+        issues.append(ConfigIssue(
+            key=f"{prefix}.first_stage_layers" if first is not None else f"{prefix}.last_stage_layers",
+            value=first if first is not None else last,
+            problem=f"after the first/last stage ({first}/{last} layers), {rest} of model.num_layers={num_layers} "
+                    f"layers remain for {middle} middle stages of parallel.vpp={vpp} chunks each, which do not "
+                    "split evenly.",
+            fix=f"choose counts that leave a multiple of {max(middle, 1) * vpp} layers for the middle stages."))
+    return issues
+
+
+def stage_counts(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
+    """Decoder layers on each pipeline stage (the split must be valid, see :func:`split_issues`)."""
+    if first is None and last is None:
+        return [num_layers // pp] * pp
+    rest = num_layers - (first or 0) - (last or 0)
+    middle = pp - (first is not None) - (last is not None)
+    each = rest // middle if middle else 0
+    counts = [each] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
+@functools.lru_cache(maxsize=4096)
+def chunk_layers(num_layers: int, pp: int, vpp: int, first: int | None = None, last: int | None = None, *,
+                 first_dense: int | None = None) -> tuple[tuple[ChunkLayers, ...], ...]:
+    """``[rank][chunk]`` layers of the split (valid, see :func:`split_issues`); ``first_dense`` is the number of
+    leading dense layers of a MoE decoder (``None``: every layer dense)."""
+    per_stage = stage_counts(num_layers, pp, first, last)
+    per_chunk = [n // vpp for n in per_stage]
+    round_size = sum(per_chunk)  # layers in chunk c of all ranks together
+    dense_end = num_layers if first_dense is None else first_dense
+    out = []
+    for r in range(pp):
+        row = []
+        for c in range(vpp):
+            offset = c * round_size + sum(per_chunk[:r])
+            count = per_chunk[r]
+            moe = max(0, offset + count - max(offset, dense_end))
+            row.append(ChunkLayers(offset=offset, count=count, moe=min(moe, count)))
+        out.append(tuple(row))
+    return tuple(out)
+
+
+def job_chunks(job: JobSpec) -> tuple[tuple[ChunkLayers, ...], ...]:
+    """``[rank][chunk]`` layers of ``job``'s decoder under its pipeline sizes and first/last stage counts."""
+    m, p = job.model, job.parallel
+    first = p.first_stage_layers if p.pp > 1 else None
+    last = p.last_stage_layers if p.pp > 1 else None
+    return chunk_layers(m.num_layers, p.pp, p.virtual_stages, first, last,
+                        first_dense=m.moe_first_dense_layers if m.is_moe else None)
