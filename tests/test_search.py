@@ -194,3 +194,49 @@ def test_uneven_pipeline_splits_are_megatrons_and_can_be_turned_off() -> None:
     even_space = build_space(even_only, 512, cfp_even)
     assert {f.pp for f in even_space.families} <= {1, 2}
     assert "pp=16" in {r.what for r in even_space.rejected}
+
+
+@pytest.mark.parametrize("model", ["llama3_70b", "mixtral_8x7b"])
+def test_block_recompute_memory_falls_and_time_grows_with_its_layers(model: str) -> None:
+    """What makes the fewest block-recomputed layers that fit the fastest block plan (search._fewest_block_layers)."""
+    job, _ = compose_job(f"model={model}", "cluster=dgx_h100", "cluster.nodes=16", "train.global_batch_size=256",
+                         "train.seq_length=4096")
+    ep = 8 if model == "mixtral_8x7b" else 1
+    for pp, vpp in ((4, 1), (8, 2)):
+        cand = Candidate(tp=8, cp=1, pp=pp, ep=ep, etp=1, sp=True, micro_batch=1, recompute="block", vpp=vpp,
+                         distributed_optimizer=True)
+        per_chunk = job.model.num_layers // (pp * vpp)
+        runs = [simulate(dataclasses.replace(cand, recompute_layers=k).job(job), world_size=128)
+                for k in range(1, per_chunk + 1)]
+        memory = [p.memory.total for p in runs]
+        steps = [p.step_time_s for p in runs]
+        assert memory == sorted(memory, reverse=True) and memory[0] > memory[-1]
+        assert steps == sorted(steps) and steps[0] < steps[-1]
+
+
+def test_search_picks_the_fewest_block_layers_that_fit() -> None:
+    job, cfp = compose_job("model=gpt3_175b", "cluster=dgx_a100", "cluster.nodes=128", "train.global_batch_size=1536",
+                           "train.seq_length=2048", "cfp.tp=8", "cfp.pp=16", "cfp.vpp=1", "cfp.micro_batch=1",
+                           "cfp.sp=true", "cfp.distributed_optimizer=false", "cfp.constraints.recompute=[full]",
+                           "cfp.top_k=2")
+    result = search(job, 1024, cfp)
+    block = [r for r in result.ranked if r.candidate.recompute == "block"]
+    assert block, [r.candidate.describe(1024) for r in result.ranked]
+    best = block[0]
+    k = best.candidate.recompute_layers
+    assert best.job.parallel.recompute_num_layers == k and best.job.parallel.recompute_method.value == "block"
+    assert best.prediction.memory.total / 2**30 <= result.memory_limit_gib
+    if k > 1:  # one layer fewer does not fit
+        fewer = simulate(dataclasses.replace(best.candidate, recompute_layers=k - 1).job(job), world_size=1024)
+        assert fewer.memory.total / 2**30 > result.memory_limit_gib
+
+
+def test_search_counts_every_candidate_of_the_space() -> None:
+    job, cfp, world = _random_case(random.Random(3))
+    space = build_space(job, world, cfp)
+    keys = [k for f in space.families for k in space.keys(f)]
+    order, refused, size = _bounds(space, job, None, SimOptions(), CostCache.for_job(job, None, SimOptions()))
+    assert size == len(keys) == len(set(keys))
+    bounded = [k for _, k, _ in order]
+    assert len(bounded) == len(set(bounded)) and set(bounded) <= set(keys)
+    assert len(bounded) == len(keys) or refused  # only the groups the runtime refuses are left out

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=None, help="ranks (default: nodes x gpus_per_node)")
     parser.add_argument("--out", default=None, help="folder for plan.json and exports (default: outputs/plans/)")
     args = parser.parse_args(argv)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 150)  # wide tables in logs and pipes
     try:
         return _run(args, console)
     except CfpError as err:

@@ -2,21 +2,29 @@
 
 Every candidate gets a lower bound on its step time that costs a few arithmetic operations once the pass costs of its
 (TP, SP, CP, EP, micro-batch, recompute) group are known (:class:`~cfp_megatron.sim.pass_costs.CostCache`, one
-computation per group however many pipeline, interleaving and optimizer variants share it):
+computation per group however many pipeline splits, interleaving and optimizer variants share it). With ``m``
+micro-batches, ``v`` chunks per rank and a stage of ``n`` layers,
 
-    chunk = layers per model chunk x the cheaper layer's forward + backward + recompute + 2 x the per-pass cost
-    bound = micro-batches x (chunks per rank x chunk + head) + (pipeline ranks - 1) x chunk + embedding
+    chunk(n) = n / v x the cheaper layer's forward + backward + recompute + 2 x the per-pass cost
+    rank r   >= m x v x chunk(n_r) (+ m x embedding on the first, + m x head on the last)
+                + chunk(n_s) for every stage s before r (+ the embedding once)
 
-The last pipeline rank runs at least ``micro-batches x chunks`` such passes and the head's, one after another; it
-cannot start before micro-batch 0 went forward through the ``pp - 1`` stages before it (the first with the
-embedding), and after its last backward the same micro-batch still goes backward through them. The simulated step is
-the slowest rank's schedule plus its gradient sync and optimizer step, all non-negative, so the bound never exceeds
-it. (Without pipelining the one rank runs everything: ``micro-batches x (chunk + embedding + head)``. On a CPU with
-fewer cores than ranks the simulated schedule is bounded below by the mean rank's work only, which the bound then
-uses.) Candidates are visited in increasing bound; each is first checked for memory
-(cheap), then simulated; the visit stops at the first candidate whose bound exceeds the k-th best step time found,
-since every later one is provably slower. The result equals an exhaustive search's (tested on random spaces).
-Ties are broken by the candidate's field order, so the answer is the same in every process.
+A rank runs its ``m x v`` chunk passes one after another; a later rank cannot start before micro-batch 0 went
+forward through the stages before it, and after its last backward the same micro-batch still goes backward through
+them. The bound is the largest of the first, the last middle and the last rank's (the middle stages hold equal counts,
+so the last middle one bounds them all; a first/last stage of its own size is what ``n_r`` follows). The simulated
+step is the slowest rank's schedule plus its gradient sync and optimizer step, all non-negative, so the bound never
+exceeds it. Without pipelining the one rank runs everything; on a CPU with fewer cores than ranks the simulated
+schedule is bounded below by the mean rank's work only, which the bound then uses. Block recomputation (the fewest
+layers per chunk that fit, :func:`_fewest_block_layers`) counts one recomputed layer per chunk.
+
+Candidates are visited in increasing (bound, key) order from a queue that holds whole groups until their own bound
+(the lightest first and last stage over the group's splits) reaches its head; each candidate is first checked for
+memory (a bound from the heaviest rank's weights, gradients and optimizer states, then the memory model), then
+simulated unless a second bound with its exact passes, gradient sync and optimizer already exceeds the k-th best
+(:func:`~cfp_megatron.sim.simulate.simulate_unless_slower`). The visit stops at the first bound above the k-th best
+step time found, since every later candidate is provably slower. The result equals an exhaustive search's (tested on
+random spaces). Ties are broken by the candidate's key, so the answer is the same in every process.
 """
 
 from __future__ import annotations
@@ -24,23 +32,25 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import heapq
 import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.config import JobSpec, OptimizerKind, Recompute
 from cfp_megatron.errors import ConfigError, ConfigIssue
 from cfp_megatron.parallel_dims import ParallelDims
 from cfp_megatron.pipeline_split import chunk_layers, stage_counts
-from cfp_megatron.search.space import Candidate, Family, Rejection, Space, build_space
+from cfp_megatron.search.space import BLOCK, Candidate, Family, Rejection, Space, build_space, max_chunk_layers
 from cfp_megatron.search.spec import CfpSpec
 from cfp_megatron.sim.layout import place
 from cfp_megatron.sim.memory import element_bytes
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache, cost_key
-from cfp_megatron.sim.prediction import GIB, Prediction
+from cfp_megatron.sim.prediction import GIB, MemoryBreakdown, Prediction
 from cfp_megatron.sim.simulate import predict_memory, prepare_costs, simulate_unless_slower
 
 
@@ -113,27 +123,41 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
     limit = None
     if cluster.hbm_gib is not None:
         limit = cluster.hbm_gib * (1.0 - cfp.constraints.memory_headroom)
-    order, invalid_groups, size = _bounds(space, job, measurements, options, cache)
+    groups, invalid_groups, size = _groups(space, job, measurements, options, cache)
+    # Groups enter the queue with a bound below all their candidates' and are expanded when they reach its head, so
+    # candidates leave it in increasing (bound, key) order while most groups are never expanded.
+    queue: list[tuple[float, int, Any, float]] = [(g.bound, _GROUP, i, 0.0) for i, g in enumerate(groups)]
+    heapq.heapify(queue)
     k = cfp.top_k
     best: list[tuple[float, tuple, Ranked]] = []  # the k best so far, by (step time, candidate key)
     over: dict[Family, list[float]] = defaultdict(list)
-    checked = simulated = over_memory = invalid = bounded = 0
-    stop_at = len(order)
-    for i, (bound, key, weights) in enumerate(order):
+    checked = simulated = over_memory = invalid = bounded = visited = 0
+    while queue:
+        bound, kind, item, weights = heapq.heappop(queue)
         if not exhaustive and len(best) == k and bound > best[-1][0]:
-            stop_at = i  # this and every later candidate is slower than the k-th best
-            break
+            break  # this and every later candidate is slower than the k-th best
+        if kind == _GROUP:
+            for entry in _expand(groups[item], job, options):
+                heapq.heappush(queue, entry)
+            continue
+        visited += 1
+        key = item
         cand = Candidate.from_key(key)
         if limit is not None and weights / GIB > limit:  # its weights, gradients and optimizer states alone
             over_memory += 1
             over[_family(cand)].append(weights / GIB)
             continue
-        cjob = cand.job(job)
         try:
-            memory = predict_memory(cjob, cluster, measurements, options=options, world_size=world, cache=cache)
+            if cand.recompute == BLOCK:
+                cand, memory, tries = _fewest_block_layers(cand, job, limit, measurements, options, world, cache)
+                checked += tries - 1
+            else:
+                memory = predict_memory(cand.job(job), cluster, measurements, options=options, world_size=world,
+                                        cache=cache)
         except ConfigError:
             invalid += 1
             continue
+        cjob = cand.job(job)
         checked += 1
         if limit is not None and memory.total / GIB > limit:
             over_memory += 1
@@ -157,8 +181,40 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
                                          f"over the {limit:.1f} GiB allowed"))
     return SearchResult(ranked=ranked, rejected=tuple(rejected), space_size=size, simulated=simulated,
                         memory_checked=checked, over_memory=over_memory, invalid=invalid,
-                        pruned=len(order) - stop_at + bounded, memory_limit_gib=limit,
+                        pruned=size - visited + bounded, memory_limit_gib=limit,
                         seconds=time.perf_counter() - started, world=world)
+
+
+def _fewest_block_layers(cand: Candidate, job: JobSpec, limit: float | None, measurements: Measurements | None,
+                         options: SimOptions, world: int, cache: CostCache) -> tuple[Candidate, MemoryBreakdown, int]:
+    """``cand`` (``recompute=block``) with the fewest recomputed layers per chunk that fit in ``limit`` GiB (one
+    without a limit), below the largest chunk's layer count (that many is full recomputation, a candidate of its
+    own), its memory and the number of memory predictions made. Each recomputed layer keeps only its input, so memory
+    falls and the step time grows with the count (tests/test_search.py checks both): the fewest that fit is the
+    fastest block plan. Repeated layers are alike, so the count is found by bisection over one number, not per layer.
+    Where even the most does not fit, returns that count and its (over-limit) memory."""
+    m = job.model
+    hi = max_chunk_layers(m.num_layers, cand.pp, cand.vpp, cand.first_stage_layers, cand.last_stage_layers) - 1
+    tries = 0
+
+    def memory(k: int) -> MemoryBreakdown:
+        nonlocal tries
+        tries += 1
+        return predict_memory(dataclasses.replace(cand, recompute_layers=k).job(job), job.cluster, measurements,
+                              options=options, world_size=world, cache=cache)
+
+    lo, found = 1, memory(hi)
+    if limit is None or found.total / GIB > limit:
+        k = 1 if limit is None else hi
+        return dataclasses.replace(cand, recompute_layers=k), found if k == hi else memory(k), tries
+    while lo < hi:  # invariant: hi fits
+        mid = (lo + hi) // 2
+        at = memory(mid)
+        if at.total / GIB <= limit:
+            hi, found = mid, at
+        else:
+            lo = mid + 1
+    return dataclasses.replace(cand, recompute_layers=hi), found, tries
 
 
 def _family(c: Candidate) -> Family:
@@ -177,57 +233,128 @@ def _family_label(f: Family, world: int) -> str:
     return label
 
 
-def _bounds(space: Space, job: JobSpec, measurements: Measurements | None,
-            options: SimOptions, cache: CostCache) -> tuple[list[tuple[float, tuple, float]], list[Rejection], int]:
-    """Every candidate (as its :meth:`~Candidate.key`) with its lower bound on step time and a lower bound on its
-    memory per rank (the weights, gradients and, unless sharded, optimizer states of the layers of the heaviest of
-    its pipeline ranks), in increasing (bound, key) order; the groups the runtime's validation refuses; the number of
-    candidates."""
+_GROUP, _CANDIDATE = 0, 1
+"""Kinds of queue entries (a group sorts before its candidates of equal bound)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Group:
+    """Candidates that share a family, micro-batch, sequence parallelism and recompute choice (and so their pass
+    costs): the pipeline splits and optimizer settings are what is left to vary."""
+
+    bound: float
+    """A lower bound on the step time of each of them (the first or last rank's passes with the lightest split)."""
+    head: tuple
+    """``(tp, cp, pp, ep, etp, sp, micro_batch, recompute)``."""
+    microbatches: int
+    """Micro-batches per step."""
+    splits: tuple[tuple[int, int, int], ...]
+    """Their ``(vpp, first_stage_layers, last_stage_layers)`` choices."""
+    dopts: tuple[bool, ...]
+    """Their distributed-optimizer settings."""
+    costs: _GroupCosts
+    """Their pass costs' bound terms."""
+
+
+def _groups(space: Space, job: JobSpec, measurements: Measurements | None, options: SimOptions,
+            cache: CostCache) -> tuple[list[_Group], list[Rejection], int]:
+    """The candidate groups of ``space`` with their bounds, the groups the runtime's validation refuses, and the
+    number of candidates."""
     world = space.world
-    m_spec = job.model
-    L = m_spec.num_layers
-    first_dense = m_spec.moe_first_dense_layers if m_spec.is_moe else None
-    elem = element_bytes(job)
-    opt_bytes = (4.0 if elem == 2 else 0.0) + (8.0 if job.train.optimizer is OptimizerKind.adam else 4.0)
+    L = job.model.num_layers
     gbs = job.train.global_batch_size
-    out: list[tuple[float, tuple, float]] = []
+    out: list[_Group] = []
     refused: list[Rejection] = []
     by_key: dict[tuple, _GroupCosts | None] = {}
     gpn = job.cluster.gpus_per_node or world
     size = 0
     for fam in space.families:
         dp = fam.dp(world)
-        group: dict[tuple, _GroupCosts | None] = {}
-        last_shape: tuple | None = None
-        bound = params = 0.0
-        for key in space.keys(fam):
-            size += 1
-            tp, cp, pp, ep, etp, sp, mb, rc, vpp, first_n, last_n, dopt = key
-            gkey = (sp, mb, rc)
-            if gkey not in group:
+        tp, cp, pp, ep, etp = fam.tp, fam.cp, fam.pp, fam.ep, fam.etp
+        dopts = tuple(space.dopt_values(fam))
+        recomputes = space.recompute_values()
+        for mb in space.micro_batches(fam):
+            microbatches = gbs // (dp * mb)
+            all_splits = tuple(space.pipeline_splits(fam, microbatches))
+            block_splits = tuple(s for s in all_splits if max_chunk_layers(L, pp, *s) >= 2)  # as Space.keys
+            for sp in space.sp_values(fam):
                 # The pass costs depend on the layout only through cost_key: look them up without building and
                 # validating a job per group; compute (and validate) once per key.
                 dims = ParallelDims(world_size=world, tp=tp, pp=pp, vpp=1, cp=cp, ep=ep, etp=etp, dp=dp,
                                     expert_dp=max(world // (etp * ep * pp), 1), sp=sp,
-                                    num_microbatches=gbs // (dp * mb), order=job.parallel.order)
+                                    num_microbatches=microbatches, order=job.parallel.order)
                 layout = dataclasses.replace(place(job, dims, gpn), micro_batch=mb)
-                ckey = cost_key(layout, Recompute(rc), options)
-                if ckey not in by_key:
-                    by_key[ckey] = _group_costs(Candidate.from_key(key), job, measurements, options, world, cache,
-                                                refused)
-                group[gkey] = by_key[ckey]
-            costs = group[gkey]
-            if costs is None:
-                continue
-            shape = (gkey, vpp, first_n, last_n)
-            if shape != last_shape:  # candidates that differ only in the optimizer share both bounds' layer terms
-                last_shape = shape
-                first, middle, last = _stage_layers(L, pp, first_n, last_n)
-                bound = _time_bound(costs, gbs // (dp * mb), pp, vpp, L, first, middle, last)
-                params = max(d * costs.dense_params + m * costs.moe_params
-                             for d, m in _rank_loads(L, pp, vpp, first_n, last_n, first_dense))
-            per_param = elem + 4.0 + (0.0 if dopt else opt_bytes)
-            out.append((bound, key, 0.0 if options.fsdp else params * per_param))
+                for rc in recomputes:
+                    splits = block_splits if rc == BLOCK else all_splits
+                    size += len(splits) * len(dopts)
+                    if not splits:
+                        continue
+                    ckey = cost_key(layout, Recompute.full if rc == BLOCK else Recompute(rc), options)
+                    head = (tp, cp, pp, ep, etp, sp, mb, rc)
+                    if ckey not in by_key:
+                        by_key[ckey] = _group_costs(Candidate.from_key((*head, 1, 0, 0, False)), job, measurements,
+                                                    options, world, cache, refused)
+                    costs = by_key[ckey]
+                    if costs is None:
+                        continue
+                    layer_s, chunk_s = _layer_terms(costs, rc)
+                    ends = _lightest_ends(L, pp, splits)
+                    per_pass = chunk_s + 2 * costs.pass_s
+                    if pp == 1:
+                        bound = microbatches * (L * layer_s + per_pass + costs.embedding_s + costs.head_s)
+                    elif costs.shared_cores:
+                        bound = microbatches * (L / pp * layer_s + per_pass + (costs.embedding_s + costs.head_s) / pp)
+                    else:
+                        bound = microbatches * (max(ends[0] * layer_s + per_pass + costs.embedding_s,
+                                                    ends[1] * layer_s + per_pass + costs.head_s))
+                    out.append(_Group(bound=bound, head=head, microbatches=microbatches, splits=splits, dopts=dopts,
+                                      costs=costs))
+    return out, refused, size
+
+
+def _layer_terms(costs: _GroupCosts, recompute: str) -> tuple[float, float]:
+    """Seconds per layer and per chunk a bound counts: block recomputation recomputes at least one layer per chunk,
+    the others run forward and backward only."""
+    return (costs.fb_s, costs.recompute_s) if recompute == BLOCK else (costs.layer_s, 0.0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _lightest_ends(num_layers: int, pp: int, splits: tuple[tuple[int, int, int], ...]) -> tuple[int, int]:
+    """The fewest layers the first and the last pipeline stage hold over ``splits``."""
+    counts = [stage_counts(num_layers, pp, first or None, last or None) for _, first, last in splits]
+    return min(c[0] for c in counts), min(c[-1] for c in counts)
+
+
+def _expand(group: _Group, job: JobSpec, options: SimOptions) -> list[tuple[float, int, tuple, float]]:
+    """Queue entries of the group's candidates: ``(time bound, _CANDIDATE, key, memory bound)``; the memory bound
+    counts the weights, gradients and, unless sharded, optimizer states of the heaviest pipeline rank's layers."""
+    m = job.model
+    L = m.num_layers
+    first_dense = m.moe_first_dense_layers if m.is_moe else None
+    elem = element_bytes(job)
+    opt_bytes = (4.0 if elem == 2 else 0.0) + (8.0 if job.train.optimizer is OptimizerKind.adam else 4.0)
+    costs = group.costs
+    pp = group.head[2]
+    layer_s, chunk_s = _layer_terms(costs, group.head[7])
+    out = []
+    for vpp, first_n, last_n in group.splits:
+        first, middle, last = _stage_layers(L, pp, first_n, last_n)
+        bound = _time_bound(costs, layer_s, chunk_s, group.microbatches, pp, vpp, L, first, middle, last)
+        params = 0.0 if options.fsdp else max(d * costs.dense_params + n * costs.moe_params
+                                              for d, n in _rank_loads(L, pp, vpp, first_n, last_n, first_dense))
+        for dopt in group.dopts:
+            out.append((bound, _CANDIDATE, (*group.head, vpp, first_n, last_n, dopt),
+                        params * (elem + 4.0 + (0.0 if dopt else opt_bytes))))
+    return out
+
+
+def _bounds(space: Space, job: JobSpec, measurements: Measurements | None, options: SimOptions,
+            cache: CostCache) -> tuple[list[tuple[float, tuple, float]], list[Rejection], int]:
+    """Every candidate (as its :meth:`~Candidate.key`) with its lower bounds on step time and memory, in increasing
+    (bound, key) order; the groups the runtime's validation refuses; the number of candidates (what the search's
+    queue yields, all at once)."""
+    groups, refused, size = _groups(space, job, measurements, options, cache)
+    out = [(bound, key, weights) for g in groups for bound, _, key, weights in _expand(g, job, options)]
     out.sort()
     return out, refused, size
 
@@ -240,17 +367,19 @@ def _rank_loads(num_layers: int, pp: int, vpp: int, first: int, last: int,
     return frozenset((sum(c.dense for c in row), sum(c.moe for c in row)) for row in rows)
 
 
-def _time_bound(costs: _GroupCosts, m: int, pp: int, vpp: int, num_layers: int, first: int, middle: int,
-                last: int) -> float:
+def _time_bound(costs: _GroupCosts, layer_s: float, chunk_s: float, m: int, pp: int, vpp: int, num_layers: int,
+                first: int, middle: int, last: int) -> float:
     """A lower bound on the step time of ``m`` micro-batches over ``pp`` stages of ``vpp`` chunks holding ``first``,
-    ``middle`` and ``last`` layers (see the module docstring)."""
+    ``middle`` and ``last`` layers, each layer taking ``layer_s`` and each chunk ``chunk_s`` more (see the module
+    docstring)."""
     def chunk(layers: int) -> float:  # one chunk's passes of a stage with ``layers`` layers, at least
-        return layers / vpp * costs.layer_s + 2 * costs.pass_s
+        return layers / vpp * layer_s + chunk_s + 2 * costs.pass_s
 
     if pp == 1:
         return m * (chunk(num_layers) + costs.embedding_s + costs.head_s)
     if costs.shared_cores:
-        return m * (num_layers / pp * costs.layer_s + 2 * vpp * costs.pass_s + (costs.embedding_s + costs.head_s) / pp)
+        return m * (num_layers / pp * layer_s + vpp * (chunk_s + 2 * costs.pass_s)
+                    + (costs.embedding_s + costs.head_s) / pp)
     # The first rank runs all its passes; a later rank also waits for micro-batch 0 to go forward through the stages
     # before it and, after its last backward, for it to go back through them.
     last_middle = m * vpp * chunk(middle) + chunk(first) + (pp - 3) * chunk(middle) + costs.embedding_s
@@ -270,6 +399,10 @@ class _GroupCosts:
 
     layer_s: float
     """Forward + backward + recompute seconds of the cheaper layer kind, per micro-batch."""
+    fb_s: float
+    """Forward + backward seconds of the cheaper layer kind, per micro-batch."""
+    recompute_s: float
+    """Recompute seconds of the cheaper layer kind, per micro-batch."""
     dense_params: float
     """Parameters of one dense layer on a rank, at least."""
     moe_params: float
@@ -286,7 +419,8 @@ class _GroupCosts:
 
 def _group_costs(cand: Candidate, job: JobSpec, measurements: Measurements | None,
                  options: SimOptions, world: int, cache: CostCache, refused: list[Rejection]) -> _GroupCosts | None:
-    rep = dataclasses.replace(cand, vpp=1, distributed_optimizer=False)
+    rep = dataclasses.replace(cand, vpp=1, distributed_optimizer=False, first_stage_layers=0, last_stage_layers=0,
+                              recompute=Recompute.full.value if cand.recompute == BLOCK else cand.recompute)
     try:
         parts = prepare_costs(rep.job(job), job.cluster, measurements, options=options, world_size=world, cache=cache)
     except ConfigError as err:
@@ -295,8 +429,11 @@ def _group_costs(cand: Candidate, job: JobSpec, measurements: Measurements | Non
         return None
     # the biases and norms the count leaves out add at least -2 h (cfp_megatron.sim.memory.layer_extra_params)
     slack = 2.0 * job.model.hidden_size
+    kinds = (parts.dense, parts.moe)
     return _GroupCosts(
         layer_s=parts.min_layer_s(),
+        fb_s=min(c.forward.total_s + c.backward.total_s for c in kinds),
+        recompute_s=min(c.recompute.total_s for c in kinds),
         dense_params=max(parts.dense.params - slack, 0.0), moe_params=max(parts.moe.params - slack, 0.0),
         pass_s=parts.per_pass.total_s,
         embedding_s=sum(p.total_s for p in parts.embedding), head_s=sum(p.total_s for p in parts.head),

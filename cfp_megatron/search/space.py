@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from cfp_megatron.config import AttentionKind, JobSpec, ParallelSpec, Recompute
+from cfp_megatron.config import AttentionKind, JobSpec, ParallelSpec, Recompute, RecomputeMethod
 from cfp_megatron.pipeline_split import split_issues, stage_counts
 from cfp_megatron.search.spec import CfpSpec
 
@@ -37,7 +37,8 @@ class Candidate:
     micro_batch: int
     """Sequences per micro-batch."""
     recompute: str
-    """Recompute granularity (a :class:`~cfp_megatron.config.Recompute` value)."""
+    """Recompute granularity (a :class:`~cfp_megatron.config.Recompute` value), or ``block``: full recomputation of
+    the first ``recompute_layers`` layers of each pipeline chunk (Megatron's ``recompute_method=block``)."""
     vpp: int
     """Model chunks per pipeline rank."""
     first_stage_layers: int = 0
@@ -46,15 +47,19 @@ class Candidate:
     """Decoder layers on the last pipeline stage (0: as many as the middle stages)."""
     distributed_optimizer: bool
     """Megatron's distributed optimizer."""
+    recompute_layers: int = 0
+    """With ``recompute=block``: layers recomputed per chunk; the search sets it to the fewest that fit in memory
+    (0 until then)."""
 
     def key(self) -> tuple:
-        """The fields in order (candidates sort by it; :meth:`from_key` inverts it)."""
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        """The fields that place it in the space, in order (candidates sort by it; :meth:`from_key` inverts it);
+        ``recompute_layers``, which the search chooses, is not one of them."""
+        return tuple(getattr(self, name) for name in _KEY_FIELDS)
 
     @classmethod
     def from_key(cls, key: tuple) -> Candidate:
         """The candidate of :meth:`key`'s tuple."""
-        return cls(**dict(zip(_FIELDS, key, strict=True)))
+        return cls(**dict(zip(_KEY_FIELDS, key, strict=True)))
 
     def parallel(self, base: ParallelSpec) -> ParallelSpec:
         """``base`` with this layout's sizes."""
@@ -63,8 +68,15 @@ class Candidate:
                                    last_stage_layers=self.last_stage_layers or None,
                                    cp=self.cp, ep=self.ep, etp=self.etp if self.ep > 1 or self.etp > 1 else None,
                                    distributed_optimizer=self.distributed_optimizer,
-                                   recompute=Recompute(self.recompute), recompute_num_layers=1,
+                                   **self._recompute(),
                                    overlap_param_gather=base.overlap_param_gather and self.distributed_optimizer)
+
+    def _recompute(self) -> dict[str, object]:
+        if self.recompute == BLOCK:
+            return dict(recompute=Recompute.full, recompute_method=RecomputeMethod.block,
+                        recompute_num_layers=max(self.recompute_layers, 1))
+        return dict(recompute=Recompute(self.recompute), recompute_method=RecomputeMethod.uniform,
+                    recompute_num_layers=1)
 
     def job(self, job: JobSpec) -> JobSpec:
         """``job`` under this layout."""
@@ -82,12 +94,13 @@ class Candidate:
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += [f"etp{self.etp}"] if self.etp > 1 else []
-        parts += [f"mb{self.micro_batch}", f"rc={self.recompute}"]
+        rc = f"block{self.recompute_layers}" if self.recompute == BLOCK else self.recompute
+        parts += [f"mb{self.micro_batch}", f"rc={rc}"]
         parts += ["dopt"] if self.distributed_optimizer else []
         return " ".join(parts)
 
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(Candidate))
+_KEY_FIELDS = tuple(f.name for f in dataclasses.fields(Candidate) if f.name != "recompute_layers")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +135,9 @@ class Rejection:
     """Plans it rules out (0 where the value never made a family)."""
 
 
+BLOCK = "block"
+"""The candidate recompute value for full recomputation of only some layers per chunk (``recompute_method=block``)."""
+
 MAX_STAGE_DEFICIT = 2
 """How many model chunks of layers fewer than a middle stage the first or the last pipeline stage may hold."""
 
@@ -149,6 +165,12 @@ def _pipeline_splits(num_layers: int, pp: int, interleave: bool) -> tuple[tuple[
                 if split not in values and not split_issues(num_layers, pp, vpp, split[1] or None, split[2] or None):
                     values.append(split)
     return tuple(values)
+
+
+@functools.lru_cache(maxsize=4096)
+def max_chunk_layers(num_layers: int, pp: int, vpp: int, first: int, last: int) -> int:
+    """Layers of the largest model chunk of a split (``first``/``last`` 0: as the middle stages)."""
+    return max(stage_counts(num_layers, pp, first or None, last or None)) // vpp
 
 
 def _divisors(n: int) -> list[int]:
@@ -235,9 +257,13 @@ class Space:
         return [v for v in values if allowed is None or v[0] in allowed]
 
     def recompute_values(self) -> list[str]:
-        """Recompute granularities."""
+        """Recompute granularities, and ``block`` (full recomputation of the fewest layers per chunk that fit,
+        chosen by the search) where full recomputation is allowed and the model has layers to leave out."""
         allowed = self.cfp.allowed("recompute")
-        return [r.value for r in Recompute if allowed is None or r in allowed]
+        values = [r.value for r in Recompute if allowed is None or r in allowed]
+        if Recompute.full.value in values and self.job.model.num_layers > 1:
+            values.append(BLOCK)
+        return values
 
     def dopt_values(self, family: Family) -> list[bool]:
         """Distributed-optimizer settings (it changes nothing without data parallelism)."""
@@ -264,6 +290,8 @@ class Space:
             for sp in self.sp_values(f):
                 for rc in recomputes:
                     for vpp, first, last in splits:
+                        if rc == BLOCK and max_chunk_layers(self.job.model.num_layers, f.pp, vpp, first, last) < 2:
+                            continue  # every chunk has one layer: block recomputation is full recomputation
                         for dopt in dopts:
                             yield (f.tp, f.cp, f.pp, f.ep, f.etp, sp, mb, rc, vpp, first, last, dopt)
 
