@@ -1,6 +1,6 @@
 """Every feasible (DP, TP, PP, micro-batch) layout of a small model on this machine: measured vs simulated.
 
-Run: ``python bench/local_layouts.py [--nproc 4] [--model gpt_tiny] [--steps 8] [--gbs 16] [--seq 64]``.
+Run: ``python bench/local_layouts.py [--nproc 4] [--model gpt_tiny] [--steps 12] [--gbs 16] [--seq 64]``.
 
 1. Profiles the machine once (``torchrun -m cfp_megatron.profile``; reused from the ProfileDB when present).
 2. Trains every feasible layout of ``--model`` on ``--nproc`` gloo ranks with ``launch/train.py`` for ``--steps``
@@ -10,6 +10,8 @@ Run: ``python bench/local_layouts.py [--nproc 4] [--model gpt_tiny] [--steps 8] 
 
 Prints one line per layout, then the step-time MAPE, the Spearman rank correlation between measured and predicted
 step times, and the memory MAPE. Targets (issue C): MAPE 10% or less, Spearman 0.9 or more, memory within 10%.
+Then the layout the planner picks from the same ProfileDB within this space, and how much slower than the measured
+fastest it measured (issue E: 10% or less).
 Asserts nothing; figures on a loaded machine are noisy, so run it alone.
 """
 
@@ -119,6 +121,26 @@ def predict(layout: Layout, nproc: int, model: str, common: list[str]) -> tuple[
     return prediction.step_time_s, prediction.memory.total
 
 
+def chosen_layout(nproc: int, model: str, common: list[str]) -> Layout:
+    """The layout the planner picks (as ``+cfp=auto`` would, from the same ProfileDB) within this bench's space:
+    (DP, TP, PP, micro-batch), without interleaving, SP, recompute, the distributed optimizer or uneven stages."""
+    from cfp_megatron.config import compose_config, job_from_config
+    from cfp_megatron.profile.cluster import local_measurements
+    from cfp_megatron.search.search import search
+    from cfp_megatron.search.spec import cfp_from_config
+
+    space = ["cfp.constraints.vpp=[1]", "cfp.constraints.sp=[false]", "cfp.constraints.recompute=[none]",
+             "cfp.constraints.distributed_optimizer=[false]", "cfp.constraints.uneven_stages=false",
+             "cfp.constraints.cp=[1]", "cfp.top_k=1"]
+    cfg = compose_config(["+cfp=auto", f"model={model}", *common, *space])
+    job, cfp = job_from_config(cfg), cfp_from_config(cfg)
+    cluster, db = local_measurements(job, world_size=nproc)
+    import dataclasses
+
+    best = search(dataclasses.replace(job, cluster=cluster), nproc, cfp, measurements=db).best.candidate
+    return Layout(tp=best.tp, pp=best.pp, dp=nproc // (best.tp * best.pp), micro_batch=best.micro_batch)
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     """Spearman's rank correlation (Pearson correlation of the ranks; ties get their average rank)."""
     def ranks(x: list[float]) -> np.ndarray:
@@ -139,7 +161,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--model", default="gpt_tiny")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--gbs", type=int, default=16)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--budget", type=int, default=120, help="profiling budget in seconds (five rounds)")
@@ -167,6 +189,15 @@ def main() -> None:
             mem_predicted.append(pmem)
             print(f"{str(layout):<22} {t * 1e3:12.1f} {pt * 1e3:13.1f} {(pt - t) / t * 100:6.1f}% "
                   f"{mem / 2**20:8.2f} {pmem / 2**20:9.2f} {(pmem - mem) / mem * 100:6.1f}%", flush=True)
+        chosen = chosen_layout(args.nproc, args.model, common)
+    by_layout = {str(layout): t for layout, t in zip(layouts, measured, strict=True)}
+    fastest = min(by_layout, key=by_layout.__getitem__)
+    if str(chosen) in by_layout:
+        gap = by_layout[str(chosen)] / by_layout[fastest] - 1
+        print(f"planner's choice (issue E): {chosen}, measured {by_layout[str(chosen)] * 1e3:.1f} ms; measured best "
+              f"{fastest}, {by_layout[fastest] * 1e3:.1f} ms; the choice is {gap:.1%} slower (target 10% or less)")
+    else:
+        print(f"planner's choice {chosen} is not among the measured layouts")
     mape = 100 * statistics.fmean(abs(p - m) / m for p, m in zip(predicted, measured, strict=True))
     mem_mape = 100 * statistics.fmean(abs(p - m) / m for p, m in zip(mem_predicted, mem_measured, strict=True))
     print(f"step time: MAPE {mape:.1f}% over {len(measured)} layouts, Spearman {spearman(measured, predicted):.3f}")

@@ -58,11 +58,12 @@ def torchrun_command(nproc: int, overrides: list[str], *, max_restarts: int = 0)
 
 
 def run_train(nproc: int, overrides: list[str], workdir: Path, *, timeout: float = 600,
-              max_restarts: int = 0) -> RunResult:
-    """Run the training entry point and return its metrics; the run directory is ``workdir/run``."""
+              max_restarts: int = 0, run_dir: Path | None = None) -> RunResult:
+    """Run the training entry point and return its metrics; the run directory is ``run_dir`` (default
+    ``workdir/run``)."""
     workdir.mkdir(parents=True, exist_ok=True)
     metrics = workdir / "metrics.jsonl"
-    args = [*overrides, f"train.metrics_file={metrics}", f"hydra.run.dir={workdir / 'run'}"]
+    args = [*overrides, f"train.metrics_file={metrics}", f"hydra.run.dir={run_dir or workdir / 'run'}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(torchrun_command(nproc, args, max_restarts=max_restarts), cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=timeout)

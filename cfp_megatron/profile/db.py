@@ -32,6 +32,7 @@ from cfp_megatron.profile.records import (
     CollectiveRecord,
     GemmRecord,
     OverheadRecord,
+    PlanCheckRecord,
     RoundRecord,
     SegmentRecord,
 )
@@ -58,6 +59,8 @@ class ProfileDB:
     """Training-step costs beyond the segments (probe models per partition), for every model profiled here."""
     rounds: tuple[RoundRecord, ...] = ()
     """Every round of every run that wrote this DB, in order, with how it ended."""
+    plan_checks: tuple[PlanCheckRecord, ...] = ()
+    """Training runs' measured step time and memory against their plans' predictions, oldest first."""
     model: str | None = None
     """Model key that kind names (``dense``) resolve against in :meth:`segment_seconds`; see :meth:`for_model`."""
     schema_version: int = SCHEMA_VERSION
@@ -179,6 +182,16 @@ class ProfileDB:
         return max(num / den, 0.0) if den > 0 else 0.0
 
     # ------------------------------------------------------------------------------------------------ queries
+    def step_time_calibration(self, model: str | None = None) -> float | None:
+        """Median of measured over predicted step time of the training runs of ``model`` (default: this DB's
+        :meth:`for_model` key) checked against their plans; ``None`` without any."""
+        key = model or self.model
+        ratios = sorted(r.step_ratio for r in self.plan_checks if r.model == key and r.predicted_step_s > 0)
+        if not ratios:
+            return None
+        mid = len(ratios) // 2
+        return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+
     def for_model(self, model: str) -> ProfileDB:
         """The same DB with kind names resolving against ``model`` (a :func:`model_key`)."""
         return dataclasses.replace(self, model=model)
@@ -196,7 +209,8 @@ class ProfileDB:
     # ---------------------------------------------------------------------------------------------- updates
     def merged(self, *, collectives: Iterable[CollectiveRecord] = (), gemms: Iterable[GemmRecord] = (),
                segments: Iterable[SegmentRecord] = (), rounds: Iterable[RoundRecord] = (),
-               overheads: Iterable[OverheadRecord] = ()) -> ProfileDB:
+               overheads: Iterable[OverheadRecord] = (),
+               plan_checks: Iterable[PlanCheckRecord] = ()) -> ProfileDB:
         """A new DB with these records added; a new record replaces an old one with the same key."""
         def merge(old: tuple, new: Iterable, key: Any) -> tuple:
             fresh = list(new)
@@ -205,6 +219,7 @@ class ProfileDB:
 
         return dataclasses.replace(
             self,
+            plan_checks=(*self.plan_checks, *plan_checks),
             collectives=merge(self.collectives, collectives, lambda r: (r.fit.op, r.fit.group_size, r.fit.span)),
             gemms=merge(self.gemms, gemms, lambda r: (r.m, r.n, r.k, r.dtype)),
             segments=merge(self.segments, segments, lambda r: (r.model, r.segment, r.kind, r.partition,
@@ -220,7 +235,8 @@ class ProfileDB:
                 "fingerprint_key": self.fingerprint.key,
                 "collectives": [r.to_json() for r in self.collectives], "gemms": [r.to_json() for r in self.gemms],
                 "segments": [r.to_json() for r in self.segments],
-                "overheads": [r.to_json() for r in self.overheads], "rounds": [r.to_json() for r in self.rounds]}
+                "overheads": [r.to_json() for r in self.overheads], "rounds": [r.to_json() for r in self.rounds],
+                "plan_checks": [r.to_json() for r in self.plan_checks]}
 
     @classmethod
     def from_json(cls, data: Any, *, source: object = "<json>") -> ProfileDB:
@@ -237,7 +253,8 @@ class ProfileDB:
                        gemms=tuple(GemmRecord.from_json(r) for r in data["gemms"]),
                        segments=tuple(SegmentRecord.from_json(r) for r in data["segments"]),
                        overheads=tuple(OverheadRecord.from_json(r) for r in data.get("overheads", [])),
-                       rounds=tuple(RoundRecord.from_json(r) for r in data["rounds"]))
+                       rounds=tuple(RoundRecord.from_json(r) for r in data["rounds"]),
+                       plan_checks=tuple(PlanCheckRecord.from_json(r) for r in data.get("plan_checks", [])))
         except (KeyError, TypeError, ValueError) as err:
             raise ProfileDBError(f"{source}: malformed ProfileDB ({type(err).__name__}: {err}). "
                                  "Fix: profile again with --force.") from None

@@ -185,3 +185,39 @@ class OverheadRecord:
     def from_json(cls, data: dict[str, Any]) -> OverheadRecord:
         """Parse :meth:`to_json`'s output."""
         return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanCheckRecord:
+    """A training run's first steps measured against its plan's prediction (``+cfp=auto`` / ``+cfp=manual``)."""
+
+    model: str
+    """Key of the model shape, sequence length and precision (:func:`model_key`)."""
+    plan: str
+    """The plan's canonical string."""
+    steps: int
+    """Steps the measured step time is the median of."""
+    predicted_step_s: float
+    """Predicted seconds per optimizer step."""
+    measured_step_s: float
+    """Measured seconds per optimizer step (median)."""
+    predicted_peak_bytes: float | None
+    """Predicted peak memory of the most loaded rank."""
+    measured_peak_bytes: float | None
+    """Measured peak memory of the most loaded rank (``None`` when not measured)."""
+    time: float
+    """When (seconds since the epoch)."""
+
+    @property
+    def step_ratio(self) -> float:
+        """Measured over predicted step time."""
+        return self.measured_step_s / self.predicted_step_s
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PlanCheckRecord:
+        """Parse :meth:`to_json`'s output."""
+        return cls(**data)

@@ -120,8 +120,11 @@ def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on
 
 
 def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_BUDGET_S, force: bool = False,
-                progress: ProgressFn | None = None) -> ProfileOutcome:
-    """Profile the cluster ``job`` runs on (every rank calls this under torchrun); see the module docstring."""
+                progress: ProgressFn | None = None, keep_group: bool = False) -> ProfileOutcome:
+    """Profile the cluster ``job`` runs on (every rank calls this under torchrun); see the module docstring.
+
+    ``keep_group`` leaves the default process group up for the caller (planning at launch broadcasts its plan over
+    it), which then destroys it; otherwise it is destroyed here."""
     from cfp_megatron.compat import moe
     from cfp_megatron.compat.cpu import install_if_needed
     from cfp_megatron.parallel_dims import transformer_engine_available
@@ -157,7 +160,10 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_BUDGE
 
                 path = db_path(fp)
         dist.barrier()
-    finally:
+    except BaseException:
+        _teardown()
+        raise
+    if not keep_group:
         _teardown()
     return ProfileOutcome(db=db, path=path, reused=not plan["rounds"], rounds=tuple(rounds_done),
                           notes=tuple(plan["notes"]), wall_s=round(time.perf_counter() - started, 3))

@@ -78,12 +78,19 @@ def _barrier() -> None:
         dist.barrier()
 
 
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+"""How Megatron-Core's distributed optimizer lays out its state in a checkpoint (ignored by the others)."""
+
+
 def sharded_state(chunks: list[torch.nn.Module], optimizer: Any, *, is_loading: bool) -> dict[str, Any]:
     """Model and optimizer state as ShardedTensors keyed globally (so any layout can read it)."""
     model_state = {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
     state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+        # The distributed optimizer's state in its canonical per-parameter form, so a checkpoint resumes under any
+        # layout (Megatron-Core's default format keeps flattened ranges, which its own save path refuses on 0.16).
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading,
+                                                          metadata=OPTIMIZER_METADATA)
     return state
 
 
@@ -120,15 +127,39 @@ def save(root: str, step: int, chunks: list[torch.nn.Module], optimizer: Any, sc
     return final
 
 
+def _allocate_distributed_optimizer_state(optimizer: Any) -> None:
+    """Give a distributed optimizer that has not stepped yet its state tensors before a load: without Apex or
+    Transformer Engine, Megatron-Core reads the step count from them while it builds the state to load into (its own
+    Megatron-FSDP path does the same, with the same function). The values are replaced by the checkpoint's."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def saved_distributed_optimizer(root: str, step: int) -> bool:
+    """Whether the checkpoint at ``step`` holds Megatron's distributed optimizer's state (read from its common
+    state, without process groups). Megatron-Core 0.16 loads one optimizer kind's state only into the same kind."""
+    common = dist_checkpointing.load_common_state_dict(str(step_dir(Path(root), step)))
+    optimizer = common.get("optimizer") or {}
+    return isinstance(optimizer, dict) and "param_state_sharding_type" in optimizer
+
+
 def load(root: str, step: int, chunks: list[torch.nn.Module], optimizer: Any, scheduler: Any) -> dict[str, Any]:
     """Load the checkpoint at ``step`` into this rank's chunks, optimizer and scheduler; return its extra state."""
+    from cfp_megatron.compat import optimizer as optimizer_compat
+
+    optimizer_compat.install()
     folder = step_dir(Path(root), step)
+    _allocate_distributed_optimizer_state(optimizer)
     state = sharded_state(chunks, optimizer, is_loading=True)
     loaded = dist_checkpointing.load(state, str(folder))
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded["model"][f"chunk{i}"])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
+        optimizer_compat.unshare_steps(optimizer)
     if scheduler is not None and loaded.get("scheduler") is not None:
         scheduler.load_state_dict(loaded["scheduler"])
     if int(loaded["step"]) != step:

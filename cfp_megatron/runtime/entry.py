@@ -22,7 +22,7 @@ def hydra_run_dir() -> Path | None:
 
 
 def validate_job(job: JobSpec, world_size: int) -> ParallelDims:
-    """Every check that needs no process group: the layout, and the data files when data.kind=indexed.
+    """Every check that needs no process group: the layout, and what :func:`validate_rest` checks.
 
     Problems from both are raised together in one ConfigError.
     """
@@ -32,6 +32,22 @@ def validate_job(job: JobSpec, world_size: int) -> ParallelDims:
         dims = ParallelDims.build(job, world_size)
     except ConfigError as err:
         issues.extend(err.issues)
+    issues += _rest_issues(job)
+    if issues or dims is None:
+        raise ConfigError(issues)
+    return dims
+
+
+def validate_rest(job: JobSpec) -> None:
+    """The checks of :func:`validate_job` that do not involve the layout (a planned run's layout comes later): the
+    attention kind against Transformer Engine, and the data files when data.kind=indexed."""
+    issues = _rest_issues(job)
+    if issues:
+        raise ConfigError(issues)
+
+
+def _rest_issues(job: JobSpec) -> list[ConfigIssue]:
+    issues: list[ConfigIssue] = []
     if job.model.attention is AttentionKind.mla and not transformer_engine_available():
         issues.append(ConfigIssue(
             key="model.attention", value="mla",
@@ -47,24 +63,33 @@ def validate_job(job: JobSpec, world_size: int) -> ParallelDims:
             validate_indexed(job)
         except ConfigError as err:
             issues.extend(err.issues)
-    if issues or dims is None:
-        raise ConfigError(issues)
-    return dims
+    return issues
 
 
 def train_from_config(cfg: Any) -> list:
-    """Validate ``cfg`` completely before any process group exists, then train; return rank 0's step metrics."""
+    """Validate ``cfg`` completely before any process group exists, plan when the ``cfp`` group asks for it, then
+    train; return rank 0's step metrics."""
     from cfp_megatron.runtime import checkpoint
+    from cfp_megatron.search.spec import CfpMode, cfp_from_config
 
     env = LaunchEnv.read()
     job = job_from_config(cfg)
-    dims = validate_job(job, env.world_size)
+    cfp = cfp_from_config(cfg)
+    planned = cfp.mode is CfpMode.auto or (cfp.mode is CfpMode.manual and (cfp.plan_file or cfp.plan))
+    if planned:
+        validate_rest(job)  # the layout comes from the plan
+    else:
+        validate_job(job, env.world_size)
     start_step = checkpoint.check_before_start(job.train.checkpoint_dir, resume=job.train.resume,
                                                restarted=env.restart_count > 0)
+    saved_dopt = None
+    if start_step is not None and job.train.checkpoint_dir is not None:
+        saved_dopt = checkpoint.saved_distributed_optimizer(job.train.checkpoint_dir, start_step)
+        _keep_optimizer_kind(job, cfp, saved_dopt, bool(planned))
+    run_dir = hydra_run_dir()
     if job.train.metrics_file is not None:
         metrics_path: Path | None = Path(job.train.metrics_file)
     else:
-        run_dir = hydra_run_dir()
         metrics_path = run_dir / "metrics.jsonl" if run_dir is not None else None
 
     from cfp_megatron.compat import moe
@@ -73,14 +98,75 @@ def train_from_config(cfg: Any) -> list:
     install_if_needed()
     if job.model.is_moe and not transformer_engine_available():
         moe.install()
+    from cfp_megatron.runtime.launch_plan import resolve_launch_plan
+
+    console = Console(highlight=False, soft_wrap=True) if env.rank == 0 else None
+    launch = resolve_launch_plan(job, cfp, env, run_dir, console, optimizer_kind=saved_dopt)
+    check = None
+    if launch is not None:
+        job, check = _with_plan(launch, cfp, console)
+        if saved_dopt is not None and job.parallel.distributed_optimizer != saved_dopt:
+            _keep_optimizer_kind(job, cfp, saved_dopt, False)  # raises: the applied plan's kind differs
+    dims = validate_job(job, env.world_size)
     from cfp_megatron.runtime.distributed import destroy_distributed, init_distributed
     from cfp_megatron.runtime.trainer import run_training
 
     init_distributed(job, dims, env)
     try:
-        return run_training(job, dims, env, start_step=start_step, metrics_path=metrics_path)
+        return run_training(job, dims, env, start_step=start_step, metrics_path=metrics_path, check=check)
     finally:
         destroy_distributed()
+
+
+def _keep_optimizer_kind(job: JobSpec, cfp: Any, saved: bool, planned: bool) -> None:
+    """Raise a ConfigError (before any process group) when the optimizer kind asked for differs from the resumed
+    checkpoint's: ``parallel`` without a plan, a ``cfp.distributed_optimizer`` pin with ``auto`` (which otherwise
+    plans with the checkpoint's kind pinned); a plan applied by hand is checked once it is read."""
+    from cfp_megatron.search.spec import CfpMode
+
+    key, value = "parallel.distributed_optimizer", job.parallel.distributed_optimizer
+    if cfp.mode is CfpMode.auto:
+        if cfp.distributed_optimizer is None or cfp.distributed_optimizer == saved:
+            return
+        key, value = "cfp.distributed_optimizer", cfp.distributed_optimizer
+    elif planned or value == saved:
+        return
+    raise ConfigError(ConfigIssue(
+        key=key, value=value, problem=f"the checkpoint being resumed holds {'the distributed' if saved else 'a plain'} "
+        "optimizer's state, which Megatron-Core 0.16 loads only into the same kind of optimizer.",
+        fix=f"set {key}={str(saved).lower()}, or start from a fresh train.checkpoint_dir."))
+
+
+def _with_plan(launch: Any, cfp: Any, console: Console | None) -> tuple[JobSpec, Any]:
+    """The planned job (the memory measured on the checked step unless ``train.memory_step`` is set), the check of
+    its first steps, and the plan said on rank 0."""
+    import dataclasses
+
+    import torch
+
+    from cfp_megatron.profile.segments import model_key
+    from cfp_megatron.runtime.plan_check import PlanCheck
+
+    job, plan = launch.job, launch.plan
+    if console is not None:
+        where = f" ({launch.path})" if launch.path is not None else ""
+        console.print(f"cfp: {launch.source} plan {plan.canonical()}{where}", markup=False)
+        for i, line in enumerate(launch.ranked, 1):
+            console.print(f"cfp:   {i}. {line}", markup=False)
+        if plan.predicted is not None:
+            console.print(f"cfp: predicted {plan.predicted.step_time_s * 1e3:.1f} ms per step, "
+                          f"{plan.predicted.peak_memory_gib:.3f} GiB peak per rank", markup=False)
+    if plan.predicted is None or cfp.check_after_steps == 0:
+        return job, None
+    steps = cfp.check_after_steps
+    if steps > job.train.steps:
+        return job, None
+    if job.train.memory_step is None:
+        job = dataclasses.replace(job, train=dataclasses.replace(job.train, memory_step=steps))
+    check = PlanCheck(plan=plan.canonical(), model_key=model_key(job, on_gpu=torch.cuda.is_available()),
+                      after_steps=steps, predicted_step_s=plan.predicted.step_time_s,
+                      predicted_peak_bytes=plan.predicted.peak_memory_gib * 2**30)
+    return job, check
 
 
 def main_with_errors(cfg: Any) -> None:

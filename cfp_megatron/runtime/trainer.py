@@ -31,14 +31,16 @@ from rich.progress import (
 )
 
 from cfp_megatron.config import JobSpec, Precision, resolve_precision
+from cfp_megatron.errors import CfpError
 from cfp_megatron.parallel_dims import ParallelDims
-from cfp_megatron.runtime import checkpoint
+from cfp_megatron.runtime import checkpoint, plan_check
 from cfp_megatron.runtime.flops import training_flops_per_token
 from cfp_megatron.runtime.init import layout_independent_init
 from cfp_megatron.runtime.launch_env import LaunchEnv
 from cfp_megatron.runtime.memory import measure_step
 from cfp_megatron.runtime.model import build_model_chunks, count_parameters, transformer_config
 from cfp_megatron.runtime.peak import peak_tflops
+from cfp_megatron.runtime.plan_check import PlanCheck
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +65,8 @@ class StepMetrics:
     """Model TFLOP/s per rank."""
     mfu: float
     """Model FLOPs utilisation: ``tflops_per_rank`` / peak."""
+    peak_bytes_max: float | None = None
+    """Peak memory of the most loaded rank, on the step memory was measured (``train.memory_step``)."""
 
 
 @dataclass(kw_only=True)
@@ -231,8 +235,11 @@ class MetricsLog:
 
 
 def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step: int | None,
-                 metrics_path: Path | None) -> list[StepMetrics]:
-    """Build everything, resume if asked, train to ``train.steps``, checkpoint; return rank 0's step metrics."""
+                 metrics_path: Path | None, check: PlanCheck | None = None) -> list[StepMetrics]:
+    """Build everything, resume if asked, train to ``train.steps``, checkpoint; return rank 0's step metrics.
+
+    With ``check`` (a run with a plan), the first steps are compared with the plan's prediction
+    (:mod:`cfp_megatron.runtime.plan_check`)."""
     from cfp_megatron.data.batches import build_micro_batches
 
     t = job.train
@@ -261,6 +268,8 @@ def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step
             if not _train_one(state, stream, log, history, flops_per_token, peak):
                 break
             log.progress.update(bar, completed=state.step)
+            if check is not None and len(history) == check.after_steps:
+                _check_plan(check, history, log, job, env)
             if t.checkpoint_dir and t.save_interval and state.step % t.save_interval == 0:
                 _save(state, log)
                 last_saved = state.step
@@ -296,11 +305,36 @@ def _train_one(state: TrainState, stream: Iterator[dict[str, torch.Tensor]], log
                   peak_bytes_max=max(r["peak_bytes"] for r in reports))
     tflops = flops_per_token * tokens_per_step / elapsed / dims.world_size / 1e12
     m = StepMetrics(step=state.step, loss=loss, lr=lr, grad_norm=grad_norm, applied=applied, step_time_s=elapsed,
-                    tokens_per_s=tokens_per_step / elapsed, tflops_per_rank=tflops, mfu=tflops / peak)
+                    tokens_per_s=tokens_per_step / elapsed, tflops_per_rank=tflops, mfu=tflops / peak,
+                    peak_bytes_max=None if report is None else float(max(r["peak_bytes"] for r in reports)))
     history.append(m)
     if state.step % t.log_interval == 0 or state.step == t.steps:
         log.step(m, t.steps)
     return True
+
+
+def _check_plan(check: PlanCheck, history: list[StepMetrics], log: MetricsLog, job: JobSpec,
+                env: LaunchEnv) -> None:
+    """Log the plan check; rank 0 stores it in the ProfileDB (a failure to store is said, not raised)."""
+    record = plan_check.compare(check, history)
+    if record is None or env.rank != 0:
+        return
+    diff = plan_check.differences(record)
+    stored = None
+    try:
+        stored = plan_check.store(record, world_size=env.world_size, nodes=job.cluster.nodes,
+                                  backend=dist.get_backend())
+    except (OSError, CfpError) as err:
+        log.event("warning", message=f"the plan check was not stored in the ProfileDB: {err}")
+    log.event("plan_check", steps=record.steps, predicted_step_s=round(record.predicted_step_s, 6),
+              measured_step_s=round(record.measured_step_s, 6), step_time_diff=round(diff["step_time"], 4),
+              predicted_peak_gib=None if record.predicted_peak_bytes is None
+              else round(record.predicted_peak_bytes / 2**30, 4),
+              measured_peak_gib=None if record.measured_peak_bytes is None
+              else round(record.measured_peak_bytes / 2**30, 4),
+              memory_diff=None if diff["memory"] is None else round(diff["memory"], 4), stored=stored)
+    for warning in plan_check.warnings_for(record):
+        log.event("warning", message=warning)
 
 
 def _save(state: TrainState, log: MetricsLog) -> None:

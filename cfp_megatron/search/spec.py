@@ -21,7 +21,7 @@ class CfpMode(enum.Enum):
     auto = "auto"
     """Plan at launch (profile, search) and train with the best plan."""
     manual = "manual"
-    """Train with ``parallel`` as given; the planner only predicts it."""
+    """Train with a saved plan (``cfp.plan_file`` or the canonical string ``cfp.plan``), else ``parallel`` as given."""
     off = "off"
     """The planner stays out of the way."""
 
@@ -124,10 +124,26 @@ class CfpSpec:
     top_k: int = 5
     """Plans shown (and kept) in the ranking."""
     plan_file: str | None = None
-    """Where ``plan.json`` is written (default: the run's output folder); an existing file is never overwritten."""
+    """auto: where ``plan.json`` is also written (an existing file is never overwritten); manual: the plan to apply."""
+    plan: str | None = None
+    """manual: a plan's canonical string to apply (``python -m cfp_megatron.plan`` prints it)."""
+    profile_budget_s: float = 60.0
+    """auto: seconds the profiling rounds at launch may take (all of them together)."""
+    check_after_steps: int = 5
+    """auto/manual with a plan: after this many steps, compare the measured step time and memory with the
+    prediction (a warning beyond 10%) and store the comparison in the ProfileDB; 0 turns the check off."""
 
     def __post_init__(self) -> None:
         issues: list[ConfigIssue] = []
+        if self.profile_budget_s <= 0:
+            issues.append(ConfigIssue(key="cfp.profile_budget_s", value=self.profile_budget_s,
+                                      problem="must be positive (seconds).", fix="use e.g. 60."))
+        if self.check_after_steps < 0:
+            issues.append(ConfigIssue(key="cfp.check_after_steps", value=self.check_after_steps,
+                                      problem="must be 0 (off) or more.", fix="use e.g. 5."))
+        if self.plan is not None and self.plan_file is not None and self.mode is CfpMode.manual:
+            issues.append(ConfigIssue(key="cfp.plan", value=self.plan, problem="and cfp.plan_file are both set; "
+                                      "a run applies one plan.", fix="keep one of them."))
         if self.top_k < 1:
             issues.append(ConfigIssue(key="cfp.top_k", value=self.top_k, problem="must be positive.",
                                       fix="use e.g. 5."))

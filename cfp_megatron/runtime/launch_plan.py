@@ -1,0 +1,197 @@
+"""The plan a training launch runs with (``launch/train.py +cfp=auto`` or ``+cfp=manual``).
+
+``auto``: before any process group, the pins and sets are checked against the model and the world size (a
+contradiction is a :class:`~cfp_megatron.errors.ConfigError` naming the ``cfp`` keys); then every rank takes part in
+the profiling rounds (:func:`cfp_megatron.profile.runner.profile_job`, which reuses what the ProfileDB of this
+cluster already holds), rank 0 searches with the measurements (:func:`cfp_megatron.search.search.search`) and
+broadcasts the plan's canonical string and hash, and every rank parses the string and checks the hash. The plan is
+stored under the run directory, keyed by its inputs (model, training, cluster, world size, planner settings), so a
+torchrun restart (``TORCHELASTIC_RESTART_COUNT`` > 0) or a second launch into the same run directory reuses it without
+profiling or searching again, and a different world size plans again. ``manual``: the plan of ``cfp.plan_file`` or
+of the canonical string ``cfp.plan``; without either, ``parallel`` as given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cfp_megatron.config import JobSpec, Precision
+from cfp_megatron.errors import ConfigError, ConfigIssue
+from cfp_megatron.plan import Plan, PlanError, PlanPrediction, load_plan, save_plan
+from cfp_megatron.runtime.launch_env import LaunchEnv
+from cfp_megatron.search.spec import CfpMode, CfpSpec
+
+PLAN_DIR = "cfp"
+"""Folder of the run directory that holds the plans of its launches."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchPlan:
+    """The plan a launch trains with."""
+
+    plan: Plan
+    """The plan (with its prediction where one was made)."""
+    job: JobSpec
+    """The job under the plan."""
+    source: str
+    """``planned`` (profiled and searched now), ``cached`` (reused from the run directory), ``file`` or ``string``."""
+    path: Path | None
+    """Where the plan is stored (``None`` for a canonical string)."""
+    ranked: tuple[str, ...] = ()
+    """The search's top plans, one line each (``planned`` only)."""
+
+
+def plan_key(job: JobSpec, world: int, cfp: CfpSpec) -> str:
+    """What a launch's plan depends on: the model and cluster specs, the global batch, sequence length, precision
+    and optimizer, the world size and the planner's settings (not the parallel section, which the plan replaces,
+    nor the steps, learning rate, checkpoint and log settings)."""
+    from cfp_megatron.model.cache import json_plain
+
+    t = job.train
+    train = {"global_batch_size": t.global_batch_size, "seq_length": t.seq_length, "precision": t.precision.value,
+             "optimizer": t.optimizer.value}  # what the plan depends on; steps, LR, checkpoints and logs do not
+    payload = {"model": json_plain(job.model), "train": train, "cluster": json_plain(job.cluster),
+               "world": world, "cfp": json_plain(dataclasses.replace(cfp, plan_file=None, top_k=1,
+                                                                     check_after_steps=0))}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def check_constraints(job: JobSpec, world: int, cfp: CfpSpec) -> None:
+    """Raise a :class:`ConfigError` naming the ``cfp`` keys when the pins and sets leave no layout for ``job`` on
+    ``world`` ranks (before any process group or profiling)."""
+    from cfp_megatron.parallel_dims import transformer_engine_available
+    from cfp_megatron.search.space import build_space
+
+    space = build_space(job, world, cfp, te_available=transformer_engine_available())
+    if space.families:
+        return
+    asked = [name for name in ("tp", "pp", "cp", "ep", "etp") if cfp.allowed(name) is not None]
+    issues = [ConfigIssue(key=f"cfp.{name}" if getattr(cfp, name) is not None else f"cfp.constraints.{name}",
+                          value=v, problem=f"does not divide the world size {world}.",
+                          fix=f"use a divisor of {world}, or start another number of ranks.")
+              for name in asked for v in cfp.allowed(name) or [] if world % int(v)]
+    # the reasons about the knobs the pins and sets name first
+    rejected = sorted(space.rejected, key=lambda r: not any(r.what.startswith(f"{n}=") for n in asked))
+    issues += [ConfigIssue(key="cfp", value=r.what, problem=r.reason, fix="relax the pin or set that leads here.")
+               for r in rejected[:8]]
+    raise ConfigError([ConfigIssue(key="cfp", value={n: cfp.allowed(n) for n in asked} or "-",
+                                   problem=f"no layout of {job.model.name} on {world} ranks satisfies the pins and "
+                                           "sets (the reasons follow).",
+                                   fix="relax the cfp pins and cfp.constraints, or start another number of ranks."),
+                       *issues])
+
+
+def resolve_launch_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Path | None,
+                        console: Any = None, *, optimizer_kind: bool | None = None) -> LaunchPlan | None:
+    """The plan this launch trains with (see the module docstring), ``None`` to train ``job.parallel`` as given.
+    Every rank calls it; with ``auto`` they profile together. ``optimizer_kind`` (a resumed checkpoint's: whether it
+    holds the distributed optimizer) pins that knob: a stored plan with the other kind is not reused."""
+    if cfp.mode is CfpMode.off:
+        return None
+    world = env.world_size
+    if cfp.mode is CfpMode.manual:
+        if cfp.plan_file is not None:
+            plan, source, path = load_plan(cfp.plan_file), "file", Path(cfp.plan_file)
+        elif cfp.plan is not None:
+            plan, source, path = Plan.parse(cfp.plan), "string", None
+        else:
+            return None
+        return LaunchPlan(plan=plan, job=_apply(plan, job, world), source=source, path=path)
+    folder = (run_dir or Path("outputs")) / PLAN_DIR
+    for settings in (cfp, _pinned(cfp, optimizer_kind)):
+        cached = folder / f"plan-{plan_key(job, world, settings)}.json"
+        if cached.exists():
+            plan = load_plan(cached)
+            if optimizer_kind is None or plan.parallel.distributed_optimizer == optimizer_kind:
+                return LaunchPlan(plan=plan, job=_apply(plan, job, world), source="cached", path=cached)
+    cfp = _pinned(cfp, optimizer_kind)
+    check_constraints(job, world, cfp)
+    plan, ranked = _profile_and_search(job, cfp, env, console)
+    if env.rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not cached.exists():  # a concurrent launch into the same folder may have stored the same inputs' plan
+            save_plan(plan, cached)
+        if cfp.plan_file is not None:
+            save_plan(plan, cfp.plan_file)
+    return LaunchPlan(plan=plan, job=_apply(plan, job, world), source="planned", path=cached, ranked=ranked)
+
+
+def _pinned(cfp: CfpSpec, optimizer_kind: bool | None) -> CfpSpec:
+    if optimizer_kind is None:
+        return cfp
+    return dataclasses.replace(cfp, distributed_optimizer=optimizer_kind)
+
+
+def _apply(plan: Plan, job: JobSpec, world: int) -> JobSpec:
+    planned = plan.nodes * plan.gpus_per_node
+    if planned != world:
+        raise PlanError(f"the plan is for {planned} ranks ({plan.nodes} x {plan.gpus_per_node}) but {world} were "
+                        "started.", fix=f"start {planned} ranks, or plan again for {world} (+cfp=auto).",
+                        setting="cfp.plan_file")
+    return plan.apply(job)
+
+
+def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv,
+                        console: Any) -> tuple[Plan, tuple[str, ...]]:
+    import torch.distributed as dist
+
+    from cfp_megatron.profile.runner import profile_job
+    from cfp_megatron.runtime.distributed import destroy_distributed
+
+    outcome = profile_job(job, env, budget_s=cfp.profile_budget_s, keep_group=True)
+    try:
+        payload: dict[str, Any] | None = None
+        if env.rank == 0:
+            if console is not None:
+                state = "reused the ProfileDB" if outcome.reused else f"profiled in {outcome.wall_s:.1f} s"
+                console.print(f"cfp: {state} ({outcome.path})", markup=False)
+            try:
+                plan, ranked = _search_on_rank0(job, cfp, env.world_size)
+                payload = {"canonical": plan.canonical(), "hash": plan.plan_hash(),
+                           "plan": plan.to_json(), "ranked": list(ranked)}
+            except ConfigError as err:
+                payload = {"error": [dataclasses.asdict(i) for i in err.issues]}
+        box = [payload]
+        dist.broadcast_object_list(box, src=0)
+        payload = box[0]
+        assert payload is not None
+        if "error" in payload:
+            raise ConfigError([ConfigIssue(**i) for i in payload["error"]])
+        plan = Plan.from_json(payload["plan"])
+        parsed = Plan.parse(payload["canonical"])
+        if parsed.plan_hash() != payload["hash"] or plan.plan_hash() != payload["hash"]:
+            raise PlanError(f"rank {env.rank} received plan {payload['canonical']!r} whose hash "
+                            f"{parsed.plan_hash()} is not rank 0's {payload['hash']}.",
+                            fix="check that every rank runs the same cfp-megatron version.")
+        return plan, tuple(payload["ranked"])
+    finally:
+        destroy_distributed()
+
+
+def _search_on_rank0(job: JobSpec, cfp: CfpSpec, world: int) -> tuple[Plan, tuple[str, ...]]:
+    from cfp_megatron.profile.cluster import local_measurements
+    from cfp_megatron.search.cli import inputs_fingerprint
+    from cfp_megatron.search.report import exposed_comm_s, mfu
+    from cfp_megatron.search.search import search
+
+    cluster, measurements = local_measurements(job, world_size=world)
+    planned = dataclasses.replace(job, cluster=cluster)
+    result = search(planned, world, cfp, measurements=measurements)
+    best = result.best
+    p = best.prediction
+    peak = cluster.peak_tflops_fp32 if job.train.precision is Precision.fp32 else cluster.peak_tflops_bf16
+    prediction = PlanPrediction(step_time_s=p.step_time_s, tokens_per_s_per_gpu=p.tokens_per_s_per_gpu,
+                                mfu=mfu(p, peak), peak_memory_gib=p.memory.total / 2**30,
+                                bubble_fraction=p.bubble_fraction, exposed_comm_s=exposed_comm_s(p))
+    key = measurements.fingerprint.key if measurements is not None else None
+    # The plan carries the job's own cluster preset (the measured figures are inputs, kept in the fingerprint).
+    plan = Plan.from_job(dataclasses.replace(best.job, cluster=job.cluster), world_size=world, prediction=prediction,
+                         inputs_fingerprint=inputs_fingerprint(planned, key))
+    ranked = tuple(f"{r.candidate.describe(world)}: {r.prediction.step_time_s * 1e3:.1f} ms, "
+                   f"{r.prediction.memory.total / 2**30:.2f} GiB" for r in result.ranked)
+    return plan, ranked
