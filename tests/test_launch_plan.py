@@ -144,3 +144,107 @@ def test_manual_applies_a_plan_string(tmp_path: Path) -> None:
     wrong = run_train(2, ["+cfp=manual", f"cfp.plan='{plan.canonical()}'", "model=gpt_tiny", "train.steps=2"],
                       tmp_path / "wrong")
     assert wrong.returncode != 0 and "the plan is for 4 ranks" in wrong.output
+
+
+def test_plan_check_compares_and_calibrates() -> None:
+    from dataclasses import dataclass
+
+    from cfp_megatron.profile.db import ProfileDB
+    from cfp_megatron.profile.fingerprint import Fingerprint
+    from cfp_megatron.runtime.plan_check import PlanCheck, compare, differences, warnings_for
+
+    @dataclass
+    class Step:
+        step_time_s: float
+        peak_bytes_max: float | None = None
+
+    check = PlanCheck(plan="p", model_key="m", after_steps=4, predicted_step_s=0.1, calibration=1.0,
+                      predicted_peak_bytes=1000.0)
+    history = [Step(9.0), Step(0.12), Step(0.13), Step(5.0, peak_bytes_max=1010.0), Step(0.2)]
+    assert compare(check, history[:3]) is None
+    record = compare(check, history)
+    assert record is not None and record.steps == 2  # the warm-up step and the memory step are left out
+    assert record.measured_step_s == pytest.approx(0.125) and record.measured_peak_bytes == 1010.0
+    assert differences(record)["step_time"] == pytest.approx(0.25)
+    assert differences(record)["memory"] == pytest.approx(0.01)
+    assert len(warnings_for(record)) == 1 and "step time" in warnings_for(record)[0]
+    fp = Fingerprint.from_json(json.loads(json.dumps(_fingerprint_json())))
+    db = ProfileDB(fingerprint=fp).for_model("m").merged(plan_checks=[record])
+    assert db.step_time_calibration() == pytest.approx(1.25)
+    again = compare(PlanCheck(plan="p", model_key="m", after_steps=4, predicted_step_s=0.1, calibration=1.25,
+                              predicted_peak_bytes=None), history)
+    assert again is not None and differences(again)["step_time"] == pytest.approx(0.0)
+    assert db.merged(plan_checks=[again]).step_time_calibration() == pytest.approx(1.25)  # raw ratios: no compounding
+    assert ProfileDB.from_json(db.to_json()).plan_checks == db.plan_checks
+
+
+def _fingerprint_json() -> dict:
+    from cfp_megatron.profile.fingerprint import current_fingerprint
+
+    return current_fingerprint(world_size=4, nodes=1, backend="gloo").to_json()
+
+
+@pytest.mark.slow
+def test_two_agents_joined_by_c10d_plan_and_train_together(tmp_path: Path) -> None:
+    """``--nnodes=2``: two torchrun agents on this machine (2 ranks each) rendezvous on 127.0.0.1, profile, plan and
+    train as one 4-rank job of 2 nodes."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.launcher import TRAIN, free_port
+
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CFP_CACHE_DIR": str(tmp_path / "cache")}
+    common = ["+cfp=auto", "cluster.nodes=2", "model=gpt_tiny", "train.steps=4", "train.global_batch_size=16",
+              "cfp.profile_budget_s=40", f"train.metrics_file={tmp_path / 'metrics.jsonl'}"]
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+                                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-agents",
+                                str(TRAIN), *common], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [agent.communicate(timeout=900)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    joined = "\n".join(outputs)
+    assert "cfp: planned plan gpt_tiny@localx2x2:" in joined  # one plan for 2 nodes x 2 ranks
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    start = next(r for r in records if r["event"] == "start")
+    assert "world=4" in start["layout"]
+    losses = {r["step"]: r["loss"] for r in records if r["event"] == "step"}
+    assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1]
+
+
+@pytest.mark.slow
+def test_torchrun_restart_reuses_the_plan(planned: tuple[RunResult, Path, Path], tmp_path: Path) -> None:
+    """Rank 1 killed mid-run under ``--max-restarts=1``: the restarted workers (TORCHELASTIC_RESTART_COUNT=1) find
+    the plan in the run directory, neither profile nor search, and resume from the last checkpoint."""
+    import os
+    import signal
+    import subprocess
+
+    import psutil
+
+    from tests.launcher import torchrun_command
+    from tests.test_checkpoint import _wait_for_step
+
+    _, root, _ = planned
+    metrics, run_dir = tmp_path / "metrics.jsonl", tmp_path / "run"
+    overrides = ["+cfp=auto", *COMMON, "train.steps=10", "train.save_interval=2",
+                 f"train.checkpoint_dir={tmp_path / 'ck'}", f"train.metrics_file={metrics}", f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CFP_CACHE_DIR": str(root / "cache")}
+    proc = subprocess.Popen(torchrun_command(2, overrides, max_restarts=1), cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_step(metrics, 5, proc, timeout=600)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=False)
+                   if any("train.py" in part for part in p.cmdline())]
+        os.kill(workers[1].pid, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-4000:]
+    assert output.count("cfp: planned plan") == 1 and output.count("cfp: cached plan") == 1
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    resume = next(r for r in records if r["event"] == "resume")
+    assert resume["restart_count"] == 1 and resume["step"] >= 4
+    assert max(r["step"] for r in records if r["event"] == "step") == 10

@@ -198,7 +198,9 @@ class PlanCheckRecord:
     steps: int
     """Steps the measured step time is the median of."""
     predicted_step_s: float
-    """Predicted seconds per optimizer step."""
+    """Seconds per optimizer step the simulator predicted (before calibration)."""
+    calibration: float
+    """The factor the prediction was scaled by for the comparison (earlier runs' measured/predicted; 1 if none)."""
     measured_step_s: float
     """Measured seconds per optimizer step (median)."""
     predicted_peak_bytes: float | None
@@ -210,7 +212,7 @@ class PlanCheckRecord:
 
     @property
     def step_ratio(self) -> float:
-        """Measured over predicted step time."""
+        """Measured over the simulator's predicted step time (what calibration is the median of)."""
         return self.measured_step_s / self.predicted_step_s
 
     def to_json(self) -> dict[str, Any]:

@@ -154,7 +154,9 @@ def _with_plan(launch: Any, cfp: Any, console: Console | None) -> tuple[JobSpec,
         for i, line in enumerate(launch.ranked, 1):
             console.print(f"cfp:   {i}. {line}", markup=False)
         if plan.predicted is not None:
-            console.print(f"cfp: predicted {plan.predicted.step_time_s * 1e3:.1f} ms per step, "
+            calibrated = "" if launch.calibration == 1.0 else \
+                f" ({plan.predicted.step_time_s * launch.calibration * 1e3:.1f} ms calibrated by earlier runs)"
+            console.print(f"cfp: predicted {plan.predicted.step_time_s * 1e3:.1f} ms per step{calibrated}, "
                           f"{plan.predicted.peak_memory_gib:.3f} GiB peak per rank", markup=False)
     if plan.predicted is None or cfp.check_after_steps == 0:
         return job, None
@@ -164,7 +166,7 @@ def _with_plan(launch: Any, cfp: Any, console: Console | None) -> tuple[JobSpec,
     if job.train.memory_step is None:
         job = dataclasses.replace(job, train=dataclasses.replace(job.train, memory_step=steps))
     check = PlanCheck(plan=plan.canonical(), model_key=model_key(job, on_gpu=torch.cuda.is_available()),
-                      after_steps=steps, predicted_step_s=plan.predicted.step_time_s,
+                      after_steps=steps, predicted_step_s=plan.predicted.step_time_s, calibration=launch.calibration,
                       predicted_peak_bytes=plan.predicted.peak_memory_gib * 2**30)
     return job, check
 

@@ -44,6 +44,9 @@ class LaunchPlan:
     """Where the plan is stored (``None`` for a canonical string)."""
     ranked: tuple[str, ...] = ()
     """The search's top plans, one line each (``planned`` only)."""
+    calibration: float = 1.0
+    """Measured over predicted step time of earlier runs of this model on this cluster (median; 1 without any):
+    the factor the step time shown and checked is scaled by (``planned`` only)."""
 
 
 def plan_key(job: JobSpec, world: int, cfp: CfpSpec) -> str:
@@ -111,14 +114,15 @@ def resolve_launch_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Pat
                 return LaunchPlan(plan=plan, job=_apply(plan, job, world), source="cached", path=cached)
     cfp = _pinned(cfp, optimizer_kind)
     check_constraints(job, world, cfp)
-    plan, ranked = _profile_and_search(job, cfp, env, console)
+    plan, ranked, scale = _profile_and_search(job, cfp, env, console)
     if env.rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         if not cached.exists():  # a concurrent launch into the same folder may have stored the same inputs' plan
             save_plan(plan, cached)
         if cfp.plan_file is not None:
             save_plan(plan, cfp.plan_file)
-    return LaunchPlan(plan=plan, job=_apply(plan, job, world), source="planned", path=cached, ranked=ranked)
+    return LaunchPlan(plan=plan, job=_apply(plan, job, world), source="planned", path=cached, ranked=ranked,
+                      calibration=scale)
 
 
 def _pinned(cfp: CfpSpec, optimizer_kind: bool | None) -> CfpSpec:
@@ -137,7 +141,7 @@ def _apply(plan: Plan, job: JobSpec, world: int) -> JobSpec:
 
 
 def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv,
-                        console: Any) -> tuple[Plan, tuple[str, ...]]:
+                        console: Any) -> tuple[Plan, tuple[str, ...], float]:
     import torch.distributed as dist
 
     from cfp_megatron.profile.runner import profile_job
@@ -151,9 +155,9 @@ def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv,
                 state = "reused the ProfileDB" if outcome.reused else f"profiled in {outcome.wall_s:.1f} s"
                 console.print(f"cfp: {state} ({outcome.path})", markup=False)
             try:
-                plan, ranked = _search_on_rank0(job, cfp, env.world_size)
+                plan, ranked, scale = _search_on_rank0(job, cfp, env.world_size)
                 payload = {"canonical": plan.canonical(), "hash": plan.plan_hash(),
-                           "plan": plan.to_json(), "ranked": list(ranked)}
+                           "plan": plan.to_json(), "ranked": list(ranked), "calibration": scale}
             except ConfigError as err:
                 payload = {"error": [dataclasses.asdict(i) for i in err.issues]}
         box = [payload]
@@ -168,12 +172,12 @@ def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv,
             raise PlanError(f"rank {env.rank} received plan {payload['canonical']!r} whose hash "
                             f"{parsed.plan_hash()} is not rank 0's {payload['hash']}.",
                             fix="check that every rank runs the same cfp-megatron version.")
-        return plan, tuple(payload["ranked"])
+        return plan, tuple(payload["ranked"]), float(payload["calibration"])
     finally:
         destroy_distributed()
 
 
-def _search_on_rank0(job: JobSpec, cfp: CfpSpec, world: int) -> tuple[Plan, tuple[str, ...]]:
+def _search_on_rank0(job: JobSpec, cfp: CfpSpec, world: int) -> tuple[Plan, tuple[str, ...], float]:
     from cfp_megatron.profile.cluster import local_measurements
     from cfp_megatron.search.cli import inputs_fingerprint
     from cfp_megatron.search.report import exposed_comm_s, mfu
@@ -185,13 +189,20 @@ def _search_on_rank0(job: JobSpec, cfp: CfpSpec, world: int) -> tuple[Plan, tupl
     best = result.best
     p = best.prediction
     peak = cluster.peak_tflops_fp32 if job.train.precision is Precision.fp32 else cluster.peak_tflops_bf16
-    prediction = PlanPrediction(step_time_s=p.step_time_s, tokens_per_s_per_gpu=p.tokens_per_s_per_gpu,
-                                mfu=mfu(p, peak), peak_memory_gib=p.memory.total / 2**30,
-                                bubble_fraction=p.bubble_fraction, exposed_comm_s=exposed_comm_s(p))
+    # Earlier runs of this model on this cluster, checked against their plans, scale the step time shown and checked
+    # (the plan keeps the simulator's; the ranking does not change: the same factor applies to every candidate).
+    scale = (measurements.step_time_calibration() if measurements is not None else None) or 1.0
+    u = mfu(p, peak)
+    prediction = PlanPrediction(step_time_s=p.step_time_s, tokens_per_s_per_gpu=p.tokens_per_s_per_gpu, mfu=u,
+                                peak_memory_gib=p.memory.total / 2**30, bubble_fraction=p.bubble_fraction,
+                                exposed_comm_s=exposed_comm_s(p))
     key = measurements.fingerprint.key if measurements is not None else None
     # The plan carries the job's own cluster preset (the measured figures are inputs, kept in the fingerprint).
     plan = Plan.from_job(dataclasses.replace(best.job, cluster=job.cluster), world_size=world, prediction=prediction,
                          inputs_fingerprint=inputs_fingerprint(planned, key))
-    ranked = tuple(f"{r.candidate.describe(world)}: {r.prediction.step_time_s * 1e3:.1f} ms, "
-                   f"{r.prediction.memory.total / 2**30:.2f} GiB" for r in result.ranked)
-    return plan, ranked
+    ranked = tuple(f"{r.candidate.describe(world)}: {r.prediction.step_time_s * scale * 1e3:.1f} ms, "
+                   f"{r.prediction.memory.total / 2**30:.3f} GiB" for r in result.ranked)
+    if scale != 1.0:
+        ranked += (f"(step times scaled by {scale:.3f}, the median measured/predicted ratio of earlier runs of this "
+                   "model here)",)
+    return plan, ranked, scale

@@ -33,7 +33,9 @@ class PlanCheck:
     after_steps: int
     """Steps of this launch after which the comparison is made."""
     predicted_step_s: float
-    """Predicted seconds per step."""
+    """Seconds per step the simulator predicted."""
+    calibration: float
+    """Factor from earlier runs the prediction is scaled by for the comparison (1 without any)."""
     predicted_peak_bytes: float | None
     """Predicted peak memory of the most loaded rank."""
 
@@ -47,17 +49,19 @@ def compare(check: PlanCheck, history: Sequence[Any]) -> PlanCheckRecord | None:
     timed = [m.step_time_s for m in first[1:] if m.peak_bytes_max is None] or [m.step_time_s for m in first]
     peak = next((m.peak_bytes_max for m in first if m.peak_bytes_max is not None), None)
     return PlanCheckRecord(model=check.model_key, plan=check.plan, steps=len(timed),
-                           predicted_step_s=check.predicted_step_s, measured_step_s=statistics.median(timed),
+                           predicted_step_s=check.predicted_step_s, calibration=check.calibration,
+                           measured_step_s=statistics.median(timed),
                            predicted_peak_bytes=check.predicted_peak_bytes, measured_peak_bytes=peak,
                            time=time.time())
 
 
 def differences(record: PlanCheckRecord) -> dict[str, float | None]:
-    """Relative differences (measured / predicted - 1) of step time and peak memory."""
+    """Relative differences (measured / predicted - 1) of step time (against the calibrated prediction) and peak
+    memory."""
     memory = None
     if record.measured_peak_bytes is not None and record.predicted_peak_bytes:
         memory = record.measured_peak_bytes / record.predicted_peak_bytes - 1.0
-    return {"step_time": record.step_ratio - 1.0, "memory": memory}
+    return {"step_time": record.step_ratio / record.calibration - 1.0, "memory": memory}
 
 
 def warnings_for(record: PlanCheckRecord) -> list[str]:

@@ -327,6 +327,7 @@ def _check_plan(check: PlanCheck, history: list[StepMetrics], log: MetricsLog, j
     except (OSError, CfpError) as err:
         log.event("warning", message=f"the plan check was not stored in the ProfileDB: {err}")
     log.event("plan_check", steps=record.steps, predicted_step_s=round(record.predicted_step_s, 6),
+              calibration=round(record.calibration, 4),
               measured_step_s=round(record.measured_step_s, 6), step_time_diff=round(diff["step_time"], 4),
               predicted_peak_gib=None if record.predicted_peak_bytes is None
               else round(record.predicted_peak_bytes / 2**30, 4),
