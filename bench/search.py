@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from cfp_megatron.config import compose_config, job_from_config
-from cfp_megatron.search.search import search
+from cfp_megatron.search.search import Ranked, search
 from cfp_megatron.search.spec import CfpSpec, SearchConstraints, cfp_from_config
 from cfp_megatron.sim.prediction import GIB
 
@@ -70,8 +70,7 @@ def published(path: Path) -> None:
     print(f"\n{'row':>4} {'model':<22} {'GPUs':>6} {'published layout':<34} {'published s':>11} {'chosen s':>9} "
           f"{'ratio':>6}  chosen")
     ratios: list[float] = []
-    notes: list[str] = []
-    same_memory: list[float] = []
+    allowed: list[float] = []  # the ratio where the published layout is in the space, else the re-searched one
     for row in read_rows(path):
         try:
             rp = row_plan(row)
@@ -89,18 +88,15 @@ def published(path: Path) -> None:
             note = " (published TP spans nodes)"
         elif result.memory_limit_gib is not None and ref.memory.total / GIB > result.memory_limit_gib:
             note = f" (published needs {ref.memory.total / GIB:.0f} GiB > {result.memory_limit_gib:.0f})"
+        head = f"{rp.row_id:>4} {rp.model[:22]:<22} {world:>6} {rp.layout[:34]:<34} {ref.step_time_s:>11.3f}"
         if not result.ranked:
-            print(f"{rp.row_id:>4} {rp.model[:22]:<22} {world:>6} {rp.layout[:34]:<34} {ref.step_time_s:>11.3f} "
-                  f"{'-':>9} {'-':>6}  no plan fits{note}")
+            print(f"{head} {'-':>9} {'-':>6}  no plan fits{note}")
             continue
-        chosen = result.best
-        notes.append(note)
-        ratio = ref.step_time_s / chosen.prediction.step_time_s
+        ratio = _row(head, ref.step_time_s, result.best, world, note)
         ratios.append(ratio)
-        print(f"{rp.row_id:>4} {rp.model[:22]:<22} {world:>6} {rp.layout[:34]:<34} {ref.step_time_s:>11.3f} "
-              f"{chosen.prediction.step_time_s:>9.3f} {ratio:>6.3f}  {chosen.candidate.describe(world)}{note}",
-              flush=True)
-        if note:
+        if not note:
+            allowed.append(ratio)
+        else:
             # The same search where the published layout is allowed: as much memory as it is predicted to need (the
             # GPU's capacity raised to it where it is over), TP across nodes where it puts TP there.
             peak = ref.memory.total / GIB
@@ -111,24 +107,22 @@ def published(path: Path) -> None:
             same_cfp = CfpSpec(top_k=1, constraints=SearchConstraints(
                 memory_headroom=headroom, tp_within_node=job.parallel.tp <= job.cluster.gpus_per_node))
             same = search(dataclasses.replace(job, cluster=cluster), world, same_cfp, options=rp.options).best
-            same_ratio = ref.step_time_s / same.prediction.step_time_s
-            same_memory.append(same_ratio)
-            print(f"{'':>4} {'':<22} {'':>6} {'  same memory as published':<34} {'':>11} "
-                  f"{same.prediction.step_time_s:>9.3f} {same_ratio:>6.3f}  {same.candidate.describe(world)}",
-                  flush=True)
+            allowed.append(_row(f"{'':>4} {'':<22} {'':>6} {'  same memory as published':<34} {'':>11}",
+                                ref.step_time_s, same, world, ""))
     if ratios:
         below = sum(r < 1 - 1e-9 for r in ratios)
         print(f"ratio published/chosen over {len(ratios)} rows: min {min(ratios):.3f}, median "
               f"{statistics.median(ratios):.3f}, max {max(ratios):.3f}; rows where the chosen plan is slower: {below}")
-        every = [r if not n else m for r, n, m in zip(ratios, notes, _spread(notes, same_memory), strict=True)]
-        print(f"with the published layout's own memory (and TP placement) allowed: min {min(every):.3f}; rows where "
-              f"the chosen plan is slower: {sum(r < 1 - 1e-9 for r in every)}")
+        print(f"with the published layout's own memory (and TP placement) allowed: min {min(allowed):.3f}; rows "
+              f"where the chosen plan is slower: {sum(r < 1 - 1e-9 for r in allowed)}")
 
 
-def _spread(notes: list[str], values: list[float]) -> list[float]:
-    """``values`` (one per noted row) placed at the noted rows' positions (0 elsewhere)."""
-    it = iter(values)
-    return [next(it) if n else 0.0 for n in notes]
+def _row(head: str, published_s: float, chosen: Ranked, world: int, note: str) -> float:
+    """Print one row (``head``: the published layout's columns) and return published / chosen step time."""
+    ratio = published_s / chosen.prediction.step_time_s
+    print(f"{head} {chosen.prediction.step_time_s:>9.3f} {ratio:>6.3f}  {chosen.candidate.describe(world)}{note}",
+          flush=True)
+    return ratio
 
 
 def main() -> None:

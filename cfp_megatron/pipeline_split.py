@@ -15,10 +15,11 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from cfp_megatron.config import RecomputeMethod
 from cfp_megatron.errors import ConfigIssue
 
 if TYPE_CHECKING:
-    from cfp_megatron.config import JobSpec
+    from cfp_megatron.config import JobSpec, ParallelSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,11 +39,17 @@ class ChunkLayers:
         return self.count - self.moe
 
     def leading(self, n: int) -> tuple[int, int]:
-        """(dense, MoE) layers among the chunk's first ``n`` (what block recomputation of ``n`` layers covers; a
-        chunk's dense layers come first, as the decoder's do)."""
+        """(dense, MoE) layers among the chunk's first ``n`` (a chunk's dense layers come first, as the decoder's
+        do)."""
         n = min(n, self.count)
         dense = min(n, self.dense)
         return dense, n - dense
+
+    def recomputed(self, parallel: ParallelSpec) -> tuple[int, int]:
+        """(dense, MoE) layers of the chunk the plan's recomputation covers: all of them, or with the ``block``
+        method the first ``recompute_num_layers``."""
+        block = parallel.recompute_method is RecomputeMethod.block
+        return self.leading(parallel.recompute_num_layers if block else self.count)
 
 
 def split_issues(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None,

@@ -30,7 +30,7 @@ def test_contradictory_pins_are_refused_before_any_group() -> None:
     job, cfp = _compose("model=gpt_tiny", "cfp.tp=3")
     with pytest.raises(ConfigError, match="no layout of gpt_tiny on 4 ranks") as info:
         check_constraints(job, 4, cfp)
-    assert "cfp.tp=3: does not divide the world size 4" in str(info.value)
+    assert "cfp='tp=3': does not divide the world size 4" in str(info.value)
     job, cfp = _compose("model=gpt_tiny", "cfp.tp=8")
     with pytest.raises(ConfigError, match="no layout of gpt_tiny on 8 ranks") as info:
         check_constraints(job, 8, cfp)
@@ -150,7 +150,7 @@ def test_plan_check_compares_and_calibrates() -> None:
     from dataclasses import dataclass
 
     from cfp_megatron.profile.db import ProfileDB
-    from cfp_megatron.profile.fingerprint import Fingerprint
+    from cfp_megatron.profile.fingerprint import current_fingerprint
     from cfp_megatron.runtime.plan_check import PlanCheck, compare, differences, warnings_for
 
     @dataclass
@@ -168,7 +168,7 @@ def test_plan_check_compares_and_calibrates() -> None:
     assert differences(record)["step_time"] == pytest.approx(0.25)
     assert differences(record)["memory"] == pytest.approx(0.01)
     assert len(warnings_for(record)) == 1 and "step time" in warnings_for(record)[0]
-    fp = Fingerprint.from_json(json.loads(json.dumps(_fingerprint_json())))
+    fp = current_fingerprint(world_size=4, nodes=1, backend="gloo")
     db = ProfileDB(fingerprint=fp).for_model("m").merged(plan_checks=[record])
     assert db.step_time_calibration() == pytest.approx(1.25)
     again = compare(PlanCheck(plan="p", model_key="m", after_steps=4, predicted_step_s=0.1, calibration=1.25,
@@ -176,12 +176,6 @@ def test_plan_check_compares_and_calibrates() -> None:
     assert again is not None and differences(again)["step_time"] == pytest.approx(0.0)
     assert db.merged(plan_checks=[again]).step_time_calibration() == pytest.approx(1.25)  # raw ratios: no compounding
     assert ProfileDB.from_json(db.to_json()).plan_checks == db.plan_checks
-
-
-def _fingerprint_json() -> dict:
-    from cfp_megatron.profile.fingerprint import current_fingerprint
-
-    return current_fingerprint(world_size=4, nodes=1, backend="gloo").to_json()
 
 
 @pytest.mark.slow

@@ -16,12 +16,12 @@ import pytest
 from cfp_megatron.config import JobSpec, Recompute, compose_config, job_from_config
 from cfp_megatron.errors import ConfigError
 from cfp_megatron.parallel_dims import ParallelDims
-from cfp_megatron.search.search import _bounds, search
+from cfp_megatron.search.search import _bounds, _fewest_block_layers, search
 from cfp_megatron.search.space import Candidate, build_space
 from cfp_megatron.search.spec import CfpMode, CfpSpec, SearchConstraints, cfp_from_config
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache
-from cfp_megatron.sim.simulate import prepare_costs, simulate, simulate_unless_slower
+from cfp_megatron.sim.simulate import predict_memory, prepare_costs, simulate, simulate_unless_slower
 
 
 def compose_job(*overrides: str) -> tuple[JobSpec, CfpSpec]:
@@ -214,21 +214,26 @@ def test_block_recompute_memory_falls_and_time_grows_with_its_layers(model: str)
         assert steps == sorted(steps) and steps[0] < steps[-1]
 
 
-def test_search_picks_the_fewest_block_layers_that_fit() -> None:
-    job, cfp = compose_job("model=gpt3_175b", "cluster=dgx_a100", "cluster.nodes=128", "train.global_batch_size=1536",
-                           "train.seq_length=2048", "cfp.tp=8", "cfp.pp=16", "cfp.vpp=1", "cfp.micro_batch=1",
-                           "cfp.sp=true", "cfp.distributed_optimizer=false", "cfp.constraints.recompute=[full]",
-                           "cfp.top_k=2")
-    result = search(job, 1024, cfp)
-    block = [r for r in result.ranked if r.candidate.recompute == "block"]
-    assert block, [r.candidate.describe(1024) for r in result.ranked]
-    best = block[0]
-    k = best.candidate.recompute_layers
-    assert best.job.parallel.recompute_num_layers == k and best.job.parallel.recompute_method.value == "block"
-    assert best.prediction.memory.total / 2**30 <= result.memory_limit_gib
-    if k > 1:  # one layer fewer does not fit
-        fewer = simulate(dataclasses.replace(best.candidate, recompute_layers=k - 1).job(job), world_size=1024)
-        assert fewer.memory.total / 2**30 > result.memory_limit_gib
+@pytest.mark.parametrize(("pp", "vpp"), [(4, 1), (2, 2)])
+def test_fewest_block_layers_is_the_first_count_that_fits(pp: int, vpp: int) -> None:
+    """The bisection returns what a scan over every count returns, for limits at, between and outside the counts'
+    memories."""
+    job, _ = compose_job("model=llama3_70b", "cluster=dgx_h100", "cluster.nodes=16", "train.global_batch_size=256",
+                         "train.seq_length=4096")
+    cand = Candidate(tp=8, cp=1, pp=pp, ep=1, etp=1, sp=True, micro_batch=1, recompute="block", vpp=vpp,
+                     distributed_optimizer=True)
+    cache = CostCache.for_job(job, None, SimOptions())
+    counts = range(1, job.model.num_layers // (pp * vpp))  # below a whole chunk (that is full recomputation)
+    memory = {k: predict_memory(dataclasses.replace(cand, recompute_layers=k).job(job), world_size=128).total / 2**30
+              for k in counts}
+    values = sorted(memory.values())
+    limits = [values[0] - 1.0, values[0], (values[1] + values[2]) / 2, values[-1], values[-1] + 1.0]
+    for limit in limits:
+        found, breakdown, _ = _fewest_block_layers(cand, job, limit, None, SimOptions(), 128, cache)
+        fitting = [k for k in counts if memory[k] <= limit]
+        assert found.recompute_layers == (fitting[0] if fitting else counts[-1]), limit
+        assert breakdown.total / 2**30 == pytest.approx(memory[found.recompute_layers])
+    assert _fewest_block_layers(cand, job, None, None, SimOptions(), 128, cache)[0].recompute_layers == 1
 
 
 def test_search_counts_every_candidate_of_the_space() -> None:

@@ -66,17 +66,14 @@ def test_block_recomputes_the_leading_dense_layers_first() -> None:
 
 
 def test_recomputed_layers_per_rank() -> None:
-    from cfp_megatron.sim.layout import build_layout
-
     moe = {"num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 2048, "num_layers": 8,
            "moe_first_dense_layers": 3}
     plan = job(model=moe, tp=2, pp=2, vpp=2, gbs=32, recompute="full", recompute_method="block",
                recompute_num_layers=1)
-    layout = build_layout(plan)
     # Chunks of 2 layers: rank 0 holds layers 0-1 and 4-5, rank 1 holds 2-3 and 6-7; layers 0-2 are dense.
-    assert recomputed_layers(plan, layout, rank=0) == (1, 1)  # layers 0 (dense) and 4 (MoE)
-    assert recomputed_layers(plan, layout, rank=1) == (1, 1)  # layers 2 (dense) and 6 (MoE)
+    assert recomputed_layers(plan, rank=0) == (1, 1)  # layers 0 (dense) and 4 (MoE)
+    assert recomputed_layers(plan, rank=1) == (1, 1)  # layers 2 (dense) and 6 (MoE)
     uniform = job(model=moe, tp=2, pp=2, vpp=2, gbs=32, recompute="full")
-    assert recomputed_layers(uniform, layout, rank=0) == (2, 2)
-    assert recomputed_layers(uniform, layout, rank=1) == (1, 3)
-    assert recomputed_layers(job(model=moe, tp=2, pp=2, vpp=2, gbs=32), layout, rank=0) == (0, 0)
+    assert recomputed_layers(uniform, rank=0) == (2, 2)
+    assert recomputed_layers(uniform, rank=1) == (1, 3)
+    assert recomputed_layers(job(model=moe, tp=2, pp=2, vpp=2, gbs=32), rank=0) == (0, 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,11 +187,8 @@ class ProfileDB:
         """Median of measured over predicted step time of the training runs of ``model`` (default: this DB's
         :meth:`for_model` key) checked against their plans; ``None`` without any."""
         key = model or self.model
-        ratios = sorted(r.step_ratio for r in self.plan_checks if r.model == key and r.predicted_step_s > 0)
-        if not ratios:
-            return None
-        mid = len(ratios) // 2
-        return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+        ratios = [r.step_ratio for r in self.plan_checks if r.model == key and r.predicted_step_s > 0]
+        return statistics.median(ratios) if ratios else None
 
     def for_model(self, model: str) -> ProfileDB:
         """The same DB with kind names resolving against ``model`` (a :func:`model_key`)."""

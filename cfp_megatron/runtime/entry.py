@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -12,6 +12,11 @@ from cfp_megatron.config import AttentionKind, DataKind, JobSpec, job_from_confi
 from cfp_megatron.errors import CfpError, ConfigError, ConfigIssue
 from cfp_megatron.parallel_dims import ParallelDims, transformer_engine_available
 from cfp_megatron.runtime.launch_env import LaunchEnv
+
+if TYPE_CHECKING:
+    from cfp_megatron.runtime.launch_plan import LaunchPlan
+    from cfp_megatron.runtime.plan_check import PlanCheck
+    from cfp_megatron.search.spec import CfpSpec
 
 
 def hydra_run_dir() -> Path | None:
@@ -85,7 +90,10 @@ def train_from_config(cfg: Any) -> list:
     saved_dopt = None
     if start_step is not None and job.train.checkpoint_dir is not None:
         saved_dopt = checkpoint.saved_distributed_optimizer(job.train.checkpoint_dir, start_step)
-        _keep_optimizer_kind(job, cfp, saved_dopt, bool(planned))
+        if not planned:
+            _same_optimizer_kind("parallel.distributed_optimizer", job.parallel.distributed_optimizer, saved_dopt)
+        elif cfp.mode is CfpMode.auto and cfp.distributed_optimizer is not None:  # else auto pins the saved kind
+            _same_optimizer_kind("cfp.distributed_optimizer", cfp.distributed_optimizer, saved_dopt)
     run_dir = hydra_run_dir()
     if job.train.metrics_file is not None:
         metrics_path: Path | None = Path(job.train.metrics_file)
@@ -105,8 +113,9 @@ def train_from_config(cfg: Any) -> list:
     check = None
     if launch is not None:
         job, check = _with_plan(launch, cfp, console)
-        if saved_dopt is not None and job.parallel.distributed_optimizer != saved_dopt:
-            _keep_optimizer_kind(job, cfp, saved_dopt, False)  # raises: the applied plan's kind differs
+        if saved_dopt is not None:  # a plan applied by hand
+            _same_optimizer_kind("cfp.plan_file" if cfp.plan_file else "cfp.plan", job.parallel.distributed_optimizer,
+                                 saved_dopt)
     dims = validate_job(job, env.world_size)
     from cfp_megatron.runtime.distributed import destroy_distributed, init_distributed
     from cfp_megatron.runtime.trainer import run_training
@@ -118,26 +127,20 @@ def train_from_config(cfg: Any) -> list:
         destroy_distributed()
 
 
-def _keep_optimizer_kind(job: JobSpec, cfp: Any, saved: bool, planned: bool) -> None:
-    """Raise a ConfigError (before any process group) when the optimizer kind asked for differs from the resumed
-    checkpoint's: ``parallel`` without a plan, a ``cfp.distributed_optimizer`` pin with ``auto`` (which otherwise
-    plans with the checkpoint's kind pinned); a plan applied by hand is checked once it is read."""
-    from cfp_megatron.search.spec import CfpMode
-
-    key, value = "parallel.distributed_optimizer", job.parallel.distributed_optimizer
-    if cfp.mode is CfpMode.auto:
-        if cfp.distributed_optimizer is None or cfp.distributed_optimizer == saved:
-            return
-        key, value = "cfp.distributed_optimizer", cfp.distributed_optimizer
-    elif planned or value == saved:
+def _same_optimizer_kind(key: str, value: bool, saved: bool) -> None:
+    """Raise a ConfigError (before any process group) when ``key`` asks for another optimizer kind than the resumed
+    checkpoint holds."""
+    if value == saved:
         return
     raise ConfigError(ConfigIssue(
         key=key, value=value, problem=f"the checkpoint being resumed holds {'the distributed' if saved else 'a plain'} "
         "optimizer's state, which Megatron-Core 0.16 loads only into the same kind of optimizer.",
-        fix=f"set {key}={str(saved).lower()}, or start from a fresh train.checkpoint_dir."))
+        fix=(f"set {key}={str(saved).lower()}" if key.endswith("distributed_optimizer")
+             else f"apply a plan with the distributed optimizer {'on' if saved else 'off'}")
+        + ", or start from a fresh train.checkpoint_dir."))
 
 
-def _with_plan(launch: Any, cfp: Any, console: Console | None) -> tuple[JobSpec, Any]:
+def _with_plan(launch: LaunchPlan, cfp: CfpSpec, console: Console | None) -> tuple[JobSpec, PlanCheck | None]:
     """The planned job (the memory measured on the checked step unless ``train.memory_step`` is set), the check of
     its first steps, and the plan said on rank 0."""
     import dataclasses

@@ -4,7 +4,8 @@
 contradiction is a :class:`~cfp_megatron.errors.ConfigError` naming the ``cfp`` keys); then every rank takes part in
 the profiling rounds (:func:`cfp_megatron.profile.runner.profile_job`, which reuses what the ProfileDB of this
 cluster already holds), rank 0 searches with the measurements (:func:`cfp_megatron.search.search.search`) and
-broadcasts the plan's canonical string and hash, and every rank parses the string and checks the hash. The plan is
+broadcasts plan.json's content (canonical string, hash and fields), and every rank rebuilds the plan from the fields
+and checks that they give rank 0's string and hash. The plan is
 stored under the run directory, keyed by its inputs (model, training, cluster, world size, planner settings), so a
 torchrun restart (``TORCHELASTIC_RESTART_COUNT`` > 0) or a second launch into the same run directory reuses it without
 profiling or searching again, and a different world size plans again. ``manual``: the plan of ``cfp.plan_file`` or
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cfp_megatron.config import JobSpec, Precision
+from cfp_megatron.config import JobSpec
 from cfp_megatron.errors import ConfigError, ConfigIssue
-from cfp_megatron.plan import Plan, PlanError, PlanPrediction, load_plan, save_plan
+from cfp_megatron.plan import Plan, PlanError, load_plan, save_plan
 from cfp_megatron.runtime.launch_env import LaunchEnv
 from cfp_megatron.search.spec import CfpMode, CfpSpec
 
@@ -74,19 +75,14 @@ def check_constraints(job: JobSpec, world: int, cfp: CfpSpec) -> None:
     if space.families:
         return
     asked = [name for name in ("tp", "pp", "cp", "ep", "etp") if cfp.allowed(name) is not None]
-    issues = [ConfigIssue(key=f"cfp.{name}" if getattr(cfp, name) is not None else f"cfp.constraints.{name}",
-                          value=v, problem=f"does not divide the world size {world}.",
-                          fix=f"use a divisor of {world}, or start another number of ranks.")
-              for name in asked for v in cfp.allowed(name) or [] if world % int(v)]
     # the reasons about the knobs the pins and sets name first
     rejected = sorted(space.rejected, key=lambda r: not any(r.what.startswith(f"{n}=") for n in asked))
-    issues += [ConfigIssue(key="cfp", value=r.what, problem=r.reason, fix="relax the pin or set that leads here.")
-               for r in rejected[:8]]
     raise ConfigError([ConfigIssue(key="cfp", value={n: cfp.allowed(n) for n in asked} or "-",
                                    problem=f"no layout of {job.model.name} on {world} ranks satisfies the pins and "
                                            "sets (the reasons follow).",
                                    fix="relax the cfp pins and cfp.constraints, or start another number of ranks."),
-                       *issues])
+                       *[ConfigIssue(key="cfp", value=r.what, problem=r.reason,
+                                     fix="relax the pin or set that leads here.") for r in rejected[:8]]])
 
 
 def resolve_launch_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Path | None,
@@ -106,13 +102,15 @@ def resolve_launch_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Pat
             return None
         return LaunchPlan(plan=plan, job=_apply(plan, job, world), source=source, path=path)
     folder = (run_dir or Path("outputs")) / PLAN_DIR
-    for settings in (cfp, _pinned(cfp, optimizer_kind)):
-        cached = folder / f"plan-{plan_key(job, world, settings)}.json"
+    pinned = cfp if optimizer_kind is None else dataclasses.replace(cfp, distributed_optimizer=optimizer_kind)
+    # the plan of these inputs, else (resuming) the one planned with the checkpoint's optimizer kind pinned
+    paths = dict.fromkeys(folder / f"plan-{plan_key(job, world, c)}.json" for c in (cfp, pinned))
+    for cached in paths:
         if cached.exists():
             plan = load_plan(cached)
             if optimizer_kind is None or plan.parallel.distributed_optimizer == optimizer_kind:
                 return LaunchPlan(plan=plan, job=_apply(plan, job, world), source="cached", path=cached)
-    cfp = _pinned(cfp, optimizer_kind)
+    cfp = pinned
     check_constraints(job, world, cfp)
     plan, ranked, scale = _profile_and_search(job, cfp, env, console)
     if env.rank == 0:
@@ -123,12 +121,6 @@ def resolve_launch_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Pat
             save_plan(plan, cfp.plan_file)
     return LaunchPlan(plan=plan, job=_apply(plan, job, world), source="planned", path=cached, ranked=ranked,
                       calibration=scale)
-
-
-def _pinned(cfp: CfpSpec, optimizer_kind: bool | None) -> CfpSpec:
-    if optimizer_kind is None:
-        return cfp
-    return dataclasses.replace(cfp, distributed_optimizer=optimizer_kind)
 
 
 def _apply(plan: Plan, job: JobSpec, world: int) -> JobSpec:
@@ -156,23 +148,18 @@ def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv,
                 console.print(f"cfp: {state} ({outcome.path})", markup=False)
             try:
                 plan, ranked, scale = _search_on_rank0(job, cfp, env.world_size)
-                payload = {"canonical": plan.canonical(), "hash": plan.plan_hash(),
-                           "plan": plan.to_json(), "ranked": list(ranked), "calibration": scale}
+                payload = {"plan": plan.to_json(), "ranked": list(ranked), "calibration": scale}
             except ConfigError as err:
                 payload = {"error": [dataclasses.asdict(i) for i in err.issues]}
         box = [payload]
         dist.broadcast_object_list(box, src=0)
-        payload = box[0]
-        assert payload is not None
-        if "error" in payload:
-            raise ConfigError([ConfigIssue(**i) for i in payload["error"]])
-        plan = Plan.from_json(payload["plan"])
-        parsed = Plan.parse(payload["canonical"])
-        if parsed.plan_hash() != payload["hash"] or plan.plan_hash() != payload["hash"]:
-            raise PlanError(f"rank {env.rank} received plan {payload['canonical']!r} whose hash "
-                            f"{parsed.plan_hash()} is not rank 0's {payload['hash']}.",
-                            fix="check that every rank runs the same cfp-megatron version.")
-        return plan, tuple(payload["ranked"]), float(payload["calibration"])
+        received: dict[str, Any] = box[0] or {}
+        if "error" in received:
+            raise ConfigError([ConfigIssue(**i) for i in received["error"]])
+        # rank 0's canonical string and hash travel inside plan.json; from_json rebuilds the plan from its fields
+        # and raises a PlanError unless this rank gets the same string and hash from them
+        plan = Plan.from_json(received["plan"])
+        return plan, tuple(received["ranked"]), float(received["calibration"])
     finally:
         destroy_distributed()
 
@@ -180,25 +167,20 @@ def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv,
 def _search_on_rank0(job: JobSpec, cfp: CfpSpec, world: int) -> tuple[Plan, tuple[str, ...], float]:
     from cfp_megatron.profile.cluster import local_measurements
     from cfp_megatron.search.cli import inputs_fingerprint
-    from cfp_megatron.search.report import exposed_comm_s, mfu
+    from cfp_megatron.search.report import plan_prediction, target_peak_tflops
     from cfp_megatron.search.search import search
 
     cluster, measurements = local_measurements(job, world_size=world)
     planned = dataclasses.replace(job, cluster=cluster)
     result = search(planned, world, cfp, measurements=measurements)
     best = result.best
-    p = best.prediction
-    peak = cluster.peak_tflops_fp32 if job.train.precision is Precision.fp32 else cluster.peak_tflops_bf16
     # Earlier runs of this model on this cluster, checked against their plans, scale the step time shown and checked
     # (the plan keeps the simulator's; the ranking does not change: the same factor applies to every candidate).
     scale = (measurements.step_time_calibration() if measurements is not None else None) or 1.0
-    u = mfu(p, peak)
-    prediction = PlanPrediction(step_time_s=p.step_time_s, tokens_per_s_per_gpu=p.tokens_per_s_per_gpu, mfu=u,
-                                peak_memory_gib=p.memory.total / 2**30, bubble_fraction=p.bubble_fraction,
-                                exposed_comm_s=exposed_comm_s(p))
     key = measurements.fingerprint.key if measurements is not None else None
     # The plan carries the job's own cluster preset (the measured figures are inputs, kept in the fingerprint).
-    plan = Plan.from_job(dataclasses.replace(best.job, cluster=job.cluster), world_size=world, prediction=prediction,
+    plan = Plan.from_job(dataclasses.replace(best.job, cluster=job.cluster), world_size=world,
+                         prediction=plan_prediction(best.prediction, target_peak_tflops(planned)),
                          inputs_fingerprint=inputs_fingerprint(planned, key))
     ranked = tuple(f"{r.candidate.describe(world)}: {r.prediction.step_time_s * scale * 1e3:.1f} ms, "
                    f"{r.prediction.memory.total / 2**30:.3f} GiB" for r in result.ranked)

@@ -289,7 +289,7 @@ def _train_one(state: TrainState, stream: Iterator[dict[str, torch.Tensor]], log
         log.event("data_exhausted", step=state.step)
         return False
     start = time.perf_counter()
-    report = None
+    report, peak_bytes = None, None
     if t.memory_step is not None and state.step + 1 == t.memory_step:
         # MemTracker's hooks slow this step itself; gathering and logging the report is kept out of its time.
         (loss, grad_norm, lr, applied), report = measure_step(
@@ -301,12 +301,12 @@ def _train_one(state: TrainState, stream: Iterator[dict[str, torch.Tensor]], log
     if report is not None:
         reports: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(reports, report.to_json())
-        log.event("memory", step=state.step, ranks=reports,
-                  peak_bytes_max=max(r["peak_bytes"] for r in reports))
+        peak_bytes = float(max(r["peak_bytes"] for r in reports))
+        log.event("memory", step=state.step, ranks=reports, peak_bytes_max=peak_bytes)
     tflops = flops_per_token * tokens_per_step / elapsed / dims.world_size / 1e12
     m = StepMetrics(step=state.step, loss=loss, lr=lr, grad_norm=grad_norm, applied=applied, step_time_s=elapsed,
                     tokens_per_s=tokens_per_step / elapsed, tflops_per_rank=tflops, mfu=tflops / peak,
-                    peak_bytes_max=None if report is None else float(max(r["peak_bytes"] for r in reports)))
+                    peak_bytes_max=peak_bytes)
     history.append(m)
     if state.step % t.log_interval == 0 or state.step == t.steps:
         log.step(m, t.steps)
@@ -316,8 +316,10 @@ def _train_one(state: TrainState, stream: Iterator[dict[str, torch.Tensor]], log
 def _check_plan(check: PlanCheck, history: list[StepMetrics], log: MetricsLog, job: JobSpec,
                 env: LaunchEnv) -> None:
     """Log the plan check; rank 0 stores it in the ProfileDB (a failure to store is said, not raised)."""
+    if env.rank != 0:
+        return
     record = plan_check.compare(check, history)
-    if record is None or env.rank != 0:
+    if record is None:
         return
     diff = plan_check.differences(record)
     stored = None

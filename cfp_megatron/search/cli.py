@@ -53,10 +53,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
-    from cfp_megatron.config import Precision, compose_config, job_from_config
+    from cfp_megatron.config import compose_config, job_from_config
     from cfp_megatron.errors import ConfigError, ConfigIssue
-    from cfp_megatron.plan import Plan, PlanPrediction, deepspeed_config, megatron_lm_args, save_plan, torchrun_command
-    from cfp_megatron.search.report import exposed_comm_s, mfu, print_result
+    from cfp_megatron.plan import Plan, deepspeed_config, megatron_lm_args, save_plan, torchrun_command
+    from cfp_megatron.search.report import plan_prediction, print_result, target_peak_tflops
     from cfp_megatron.search.search import search
     from cfp_megatron.search.spec import cfp_from_config
 
@@ -87,15 +87,10 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                   f"{job.train.global_batch_size} x {job.train.seq_length} tokens"
                   + ("" if measurements is None else f", measurements {key}"))
     result = search(job, world, cfp, measurements=measurements)
-    # The target's peak (a preset's, or the one profiling measured); never a benchmark of the planning machine.
-    peak = cluster.peak_tflops_fp32 if job.train.precision is Precision.fp32 else cluster.peak_tflops_bf16
+    peak = target_peak_tflops(job)
     print_result(result, peak, console)
     best = result.best
-    p = best.prediction
-    prediction = PlanPrediction(step_time_s=p.step_time_s, tokens_per_s_per_gpu=p.tokens_per_s_per_gpu,
-                                mfu=mfu(p, peak), peak_memory_gib=p.memory.total / 2**30,
-                                bubble_fraction=p.bubble_fraction, exposed_comm_s=exposed_comm_s(p))
-    plan = Plan.from_job(best.job, world_size=world, prediction=prediction,
+    plan = Plan.from_job(best.job, world_size=world, prediction=plan_prediction(best.prediction, peak),
                          inputs_fingerprint=inputs_fingerprint(job, key))
     out = Path(args.out or "outputs/plans") / f"{job.model.name}-{plan.plan_hash()}"
     target = Path(cfp.plan_file) if cfp.plan_file else out / "plan.json"

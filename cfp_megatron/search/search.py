@@ -44,9 +44,18 @@ from cfp_megatron.config import JobSpec, OptimizerKind, Recompute
 from cfp_megatron.errors import ConfigError, ConfigIssue
 from cfp_megatron.parallel_dims import ParallelDims
 from cfp_megatron.pipeline_split import chunk_layers, stage_counts
-from cfp_megatron.search.space import BLOCK, Candidate, Family, Rejection, Space, build_space, max_chunk_layers
+from cfp_megatron.search.space import (
+    BLOCK,
+    Candidate,
+    Family,
+    Group,
+    Rejection,
+    Space,
+    build_space,
+    max_chunk_layers,
+)
 from cfp_megatron.search.spec import CfpSpec
-from cfp_megatron.sim.layout import place
+from cfp_megatron.sim.layout import Layout, place
 from cfp_megatron.sim.memory import element_bytes
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache, cost_key
@@ -124,6 +133,7 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
     if cluster.hbm_gib is not None:
         limit = cluster.hbm_gib * (1.0 - cfp.constraints.memory_headroom)
     groups, invalid_groups, size = _groups(space, job, measurements, options, cache)
+    param_bytes = _param_bytes(job)
     # Groups enter the queue with a bound below all their candidates' and are expanded when they reach its head, so
     # candidates leave it in increasing (bound, key) order while most groups are never expanded.
     queue: list[tuple[float, int, Any, float]] = [(g.bound, _GROUP, i, 0.0) for i, g in enumerate(groups)]
@@ -137,7 +147,7 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
         if not exhaustive and len(best) == k and bound > best[-1][0]:
             break  # this and every later candidate is slower than the k-th best
         if kind == _GROUP:
-            for entry in _expand(groups[item], job, options):
+            for entry in _expand(groups[item], job, options, param_bytes):
                 heapq.heappush(queue, entry)
             continue
         visited += 1
@@ -150,15 +160,14 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
         try:
             if cand.recompute == BLOCK:
                 cand, memory, tries = _fewest_block_layers(cand, job, limit, measurements, options, world, cache)
-                checked += tries - 1
+                cjob = cand.job(job)
             else:
-                memory = predict_memory(cand.job(job), cluster, measurements, options=options, world_size=world,
-                                        cache=cache)
+                cjob, tries = cand.job(job), 1
+                memory = predict_memory(cjob, cluster, measurements, options=options, world_size=world, cache=cache)
         except ConfigError:
             invalid += 1
             continue
-        cjob = cand.job(job)
-        checked += 1
+        checked += tries
         if limit is not None and memory.total / GIB > limit:
             over_memory += 1
             over[_family(cand)].append(memory.total / GIB)
@@ -175,7 +184,7 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
         del best[k:]
     ranked = tuple(r for _, _, r in best)
     rejected = list(space.rejected) + invalid_groups
-    for fam, sizes in sorted(over.items(), key=lambda kv: _family_key(kv[0])):
+    for fam, sizes in sorted(over.items()):
         rejected.append(Rejection(what=_family_label(fam, world), count=len(sizes),
                                   reason=f"{len(sizes)} plan(s) checked need {min(sizes):.1f} GiB or more per GPU, "
                                          f"over the {limit:.1f} GiB allowed"))
@@ -203,11 +212,10 @@ def _fewest_block_layers(cand: Candidate, job: JobSpec, limit: float | None, mea
         return predict_memory(dataclasses.replace(cand, recompute_layers=k).job(job), job.cluster, measurements,
                               options=options, world_size=world, cache=cache)
 
+    if limit is None:
+        return dataclasses.replace(cand, recompute_layers=1), memory(1), tries
     lo, found = 1, memory(hi)
-    if limit is None or found.total / GIB > limit:
-        k = 1 if limit is None else hi
-        return dataclasses.replace(cand, recompute_layers=k), found if k == hi else memory(k), tries
-    while lo < hi:  # invariant: hi fits
+    while lo < hi and found.total / GIB <= limit:  # invariant: hi fits
         mid = (lo + hi) // 2
         at = memory(mid)
         if at.total / GIB <= limit:
@@ -219,10 +227,6 @@ def _fewest_block_layers(cand: Candidate, job: JobSpec, limit: float | None, mea
 
 def _family(c: Candidate) -> Family:
     return Family(tp=c.tp, cp=c.cp, pp=c.pp, ep=c.ep, etp=c.etp)
-
-
-def _family_key(f: Family) -> tuple[int, ...]:
-    return (f.tp, f.cp, f.pp, f.ep, f.etp)
 
 
 def _family_label(f: Family, world: int) -> str:
@@ -238,77 +242,59 @@ _GROUP, _CANDIDATE = 0, 1
 
 
 @dataclass(frozen=True, kw_only=True)
-class _Group:
-    """Candidates that share a family, micro-batch, sequence parallelism and recompute choice (and so their pass
-    costs): the pipeline splits and optimizer settings are what is left to vary."""
+class _Bounded:
+    """A :class:`~cfp_megatron.search.space.Group` with its pass costs' bound terms and a lower bound on the step
+    time of each of its candidates (the first or last rank's passes with the group's lightest split)."""
 
-    bound: float
-    """A lower bound on the step time of each of them (the first or last rank's passes with the lightest split)."""
-    head: tuple
-    """``(tp, cp, pp, ep, etp, sp, micro_batch, recompute)``."""
-    microbatches: int
-    """Micro-batches per step."""
-    splits: tuple[tuple[int, int, int], ...]
-    """Their ``(vpp, first_stage_layers, last_stage_layers)`` choices."""
-    dopts: tuple[bool, ...]
-    """Their distributed-optimizer settings."""
+    group: Group
+    """The candidates."""
     costs: _GroupCosts
     """Their pass costs' bound terms."""
+    bound: float
+    """The group's bound."""
 
 
 def _groups(space: Space, job: JobSpec, measurements: Measurements | None, options: SimOptions,
-            cache: CostCache) -> tuple[list[_Group], list[Rejection], int]:
+            cache: CostCache) -> tuple[list[_Bounded], list[Rejection], int]:
     """The candidate groups of ``space`` with their bounds, the groups the runtime's validation refuses, and the
     number of candidates."""
     world = space.world
     L = job.model.num_layers
-    gbs = job.train.global_batch_size
-    out: list[_Group] = []
+    out: list[_Bounded] = []
     refused: list[Rejection] = []
     by_key: dict[tuple, _GroupCosts | None] = {}
     gpn = job.cluster.gpus_per_node or world
     size = 0
     for fam in space.families:
-        dp = fam.dp(world)
-        tp, cp, pp, ep, etp = fam.tp, fam.cp, fam.pp, fam.ep, fam.etp
-        dopts = tuple(space.dopt_values(fam))
-        recomputes = space.recompute_values()
-        for mb in space.micro_batches(fam):
-            microbatches = gbs // (dp * mb)
-            all_splits = tuple(space.pipeline_splits(fam, microbatches))
-            block_splits = tuple(s for s in all_splits if max_chunk_layers(L, pp, *s) >= 2)  # as Space.keys
-            for sp in space.sp_values(fam):
-                # The pass costs depend on the layout only through cost_key: look them up without building and
-                # validating a job per group; compute (and validate) once per key.
-                dims = ParallelDims(world_size=world, tp=tp, pp=pp, vpp=1, cp=cp, ep=ep, etp=etp, dp=dp,
+        layouts: dict[tuple[int, bool], Layout] = {}
+        for g in space.groups(fam):
+            size += g.size
+            if not g.size:
+                continue
+            tp, cp, pp, ep, etp, sp, mb, rc = g.head
+            # The pass costs depend on the layout only through cost_key: look them up without building and
+            # validating a job per group; compute (and validate) once per key.
+            if (mb, sp) not in layouts:
+                dims = ParallelDims(world_size=world, tp=tp, pp=pp, vpp=1, cp=cp, ep=ep, etp=etp, dp=fam.dp(world),
                                     expert_dp=max(world // (etp * ep * pp), 1), sp=sp,
-                                    num_microbatches=microbatches, order=job.parallel.order)
-                layout = dataclasses.replace(place(job, dims, gpn), micro_batch=mb)
-                for rc in recomputes:
-                    splits = block_splits if rc == BLOCK else all_splits
-                    size += len(splits) * len(dopts)
-                    if not splits:
-                        continue
-                    ckey = cost_key(layout, Recompute.full if rc == BLOCK else Recompute(rc), options)
-                    head = (tp, cp, pp, ep, etp, sp, mb, rc)
-                    if ckey not in by_key:
-                        by_key[ckey] = _group_costs(Candidate.from_key((*head, 1, 0, 0, False)), job, measurements,
-                                                    options, world, cache, refused)
-                    costs = by_key[ckey]
-                    if costs is None:
-                        continue
-                    layer_s, chunk_s = _layer_terms(costs, rc)
-                    ends = _lightest_ends(L, pp, splits)
-                    per_pass = chunk_s + 2 * costs.pass_s
-                    if pp == 1:
-                        bound = microbatches * (L * layer_s + per_pass + costs.embedding_s + costs.head_s)
-                    elif costs.shared_cores:
-                        bound = microbatches * (L / pp * layer_s + per_pass + (costs.embedding_s + costs.head_s) / pp)
-                    else:
-                        bound = microbatches * (max(ends[0] * layer_s + per_pass + costs.embedding_s,
-                                                    ends[1] * layer_s + per_pass + costs.head_s))
-                    out.append(_Group(bound=bound, head=head, microbatches=microbatches, splits=splits, dopts=dopts,
-                                      costs=costs))
+                                    num_microbatches=g.microbatches, order=job.parallel.order)
+                layouts[mb, sp] = dataclasses.replace(place(job, dims, gpn), micro_batch=mb)
+            ckey = cost_key(layouts[mb, sp], Recompute.full if rc == BLOCK else Recompute(rc), options)
+            if ckey not in by_key:
+                by_key[ckey] = _group_costs(Candidate.from_key((*g.head, 1, 0, 0, False)), job, measurements,
+                                            options, world, cache, refused)
+            costs = by_key[ckey]
+            if costs is None:
+                continue
+            layer_s, chunk_s = _layer_terms(costs, rc)
+            if pp == 1 or costs.shared_cores:  # the candidates' own bound at its lowest (one chunk per rank)
+                bound = _time_bound(costs, layer_s, chunk_s, g.microbatches, pp, 1, L, L, L, L)
+            else:
+                first, last = _lightest_ends(L, pp, g.splits)
+                per_pass = chunk_s + 2 * costs.pass_s
+                bound = g.microbatches * max(first * layer_s + per_pass + costs.embedding_s,
+                                             last * layer_s + per_pass + costs.head_s)
+            out.append(_Bounded(group=g, costs=costs, bound=bound))
     return out, refused, size
 
 
@@ -325,27 +311,34 @@ def _lightest_ends(num_layers: int, pp: int, splits: tuple[tuple[int, int, int],
     return min(c[0] for c in counts), min(c[-1] for c in counts)
 
 
-def _expand(group: _Group, job: JobSpec, options: SimOptions) -> list[tuple[float, int, tuple, float]]:
+def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions,
+            param_bytes: tuple[float, float]) -> list[tuple[float, int, tuple, float]]:
     """Queue entries of the group's candidates: ``(time bound, _CANDIDATE, key, memory bound)``; the memory bound
-    counts the weights, gradients and, unless sharded, optimizer states of the heaviest pipeline rank's layers."""
+    counts the weights, gradients and, unless sharded, optimizer states of the heaviest pipeline rank's layers
+    (``param_bytes``: bytes per parameter with and without the distributed optimizer, :func:`_param_bytes`)."""
     m = job.model
     L = m.num_layers
     first_dense = m.moe_first_dense_layers if m.is_moe else None
-    elem = element_bytes(job)
-    opt_bytes = (4.0 if elem == 2 else 0.0) + (8.0 if job.train.optimizer is OptimizerKind.adam else 4.0)
-    costs = group.costs
-    pp = group.head[2]
-    layer_s, chunk_s = _layer_terms(costs, group.head[7])
+    g, costs = bounded.group, bounded.costs
+    pp = g.head[2]
+    layer_s, chunk_s = _layer_terms(costs, g.head[7])
     out = []
-    for vpp, first_n, last_n in group.splits:
+    for vpp, first_n, last_n in g.splits:
         first, middle, last = _stage_layers(L, pp, first_n, last_n)
-        bound = _time_bound(costs, layer_s, chunk_s, group.microbatches, pp, vpp, L, first, middle, last)
+        bound = _time_bound(costs, layer_s, chunk_s, g.microbatches, pp, vpp, L, first, middle, last)
         params = 0.0 if options.fsdp else max(d * costs.dense_params + n * costs.moe_params
                                               for d, n in _rank_loads(L, pp, vpp, first_n, last_n, first_dense))
-        for dopt in group.dopts:
-            out.append((bound, _CANDIDATE, (*group.head, vpp, first_n, last_n, dopt),
-                        params * (elem + 4.0 + (0.0 if dopt else opt_bytes))))
+        out += [(bound, _CANDIDATE, (*g.head, vpp, first_n, last_n, dopt), params * param_bytes[not dopt])
+                for dopt in g.dopts]
     return out
+
+
+def _param_bytes(job: JobSpec) -> tuple[float, float]:
+    """Bytes per parameter a rank holds at least with the distributed optimizer (weights, fp32 gradients) and
+    without it (and the optimizer states)."""
+    elem = element_bytes(job)
+    opt_bytes = (4.0 if elem == 2 else 0.0) + (8.0 if job.train.optimizer is OptimizerKind.adam else 4.0)
+    return elem + 4.0, elem + 4.0 + opt_bytes
 
 
 def _bounds(space: Space, job: JobSpec, measurements: Measurements | None, options: SimOptions,
@@ -354,7 +347,8 @@ def _bounds(space: Space, job: JobSpec, measurements: Measurements | None, optio
     (bound, key) order; the groups the runtime's validation refuses; the number of candidates (what the search's
     queue yields, all at once)."""
     groups, refused, size = _groups(space, job, measurements, options, cache)
-    out = [(bound, key, weights) for g in groups for bound, _, key, weights in _expand(g, job, options)]
+    param_bytes = _param_bytes(job)
+    out = [(bound, key, weights) for g in groups for bound, _, key, weights in _expand(g, job, options, param_bytes)]
     out.sort()
     return out, refused, size
 

@@ -73,10 +73,10 @@ class Candidate:
 
     def _recompute(self) -> dict[str, object]:
         if self.recompute == BLOCK:
-            return dict(recompute=Recompute.full, recompute_method=RecomputeMethod.block,
-                        recompute_num_layers=max(self.recompute_layers, 1))
-        return dict(recompute=Recompute(self.recompute), recompute_method=RecomputeMethod.uniform,
-                    recompute_num_layers=1)
+            return {"recompute": Recompute.full, "recompute_method": RecomputeMethod.block,
+                    "recompute_num_layers": max(self.recompute_layers, 1)}
+        return {"recompute": Recompute(self.recompute), "recompute_method": RecomputeMethod.uniform,
+                "recompute_num_layers": 1}
 
     def job(self, job: JobSpec) -> JobSpec:
         """``job`` under this layout."""
@@ -103,7 +103,7 @@ class Candidate:
 _KEY_FIELDS = tuple(f.name for f in dataclasses.fields(Candidate) if f.name != "recompute_layers")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, order=True)
 class Family:
     """The model-parallel sizes a group of candidates shares (their process-group layout)."""
 
@@ -177,20 +177,27 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _allowed(cfp: CfpSpec, name: str, values: list, rejected: list[Rejection]) -> list:
+def _allowed(cfp: CfpSpec, name: str, values: list, rejected: list[Rejection], world: int) -> list:
+    """``values`` within the pin or set of knob ``name``; a pinned or allowed value that is not among them is
+    rejected with its reason (unless a reason against it is already there)."""
     allowed = cfp.allowed(name)
     if allowed is None:
         return values
     keep = [v for v in values if v in allowed]
+    said = {r.what for r in rejected}
     for v in allowed:
-        if v not in values:
-            rejected.append(Rejection(what=f"{name}={_value(v)}", reason="not valid for this model and world (see "
-                                      "the other reasons)"))
+        what = f"{name}={_value(v)}"
+        if v in values or what in said:
+            continue
+        sized = isinstance(v, int) and not isinstance(v, bool)
+        reason = (f"does not divide the world size {world}" if sized and world % v
+                  else "not valid for this model (see the other reasons)")
+        rejected.append(Rejection(what=what, reason=reason))
     return keep
 
 
 def _screen(cfp: CfpSpec, name: str, values: list[int], reasons: Callable[[int], list[str]],
-            rejected: list[Rejection]) -> list[int]:
+            rejected: list[Rejection], world: int) -> list[int]:
     """The values of knob ``name`` with no reason against them, within the pins and sets; the others go to
     ``rejected`` with their reasons."""
     kept = []
@@ -200,7 +207,7 @@ def _screen(cfp: CfpSpec, name: str, values: list[int], reasons: Callable[[int],
             rejected.append(Rejection(what=f"{name}={v}", reason="; ".join(why)))
         else:
             kept.append(v)
-    return _allowed(cfp, name, kept, rejected)
+    return _allowed(cfp, name, kept, rejected, world)
 
 
 def _value(v: object) -> str:
@@ -280,20 +287,47 @@ class Space:
 
     def keys(self, family: Family) -> Iterator[tuple]:
         """:meth:`candidates` as :meth:`Candidate.key` tuples (what a search sorts, without building objects)."""
+        for g in self.groups(family):
+            for vpp, first, last in g.splits:
+                for dopt in g.dopts:
+                    yield (*g.head, vpp, first, last, dopt)
+
+    def groups(self, family: Family) -> Iterator[Group]:
+        """The candidates of ``family`` by (micro-batch, SP, recompute), in :meth:`candidates`' order."""
         f = family
         dp = f.dp(self.world)
-        dopts = self.dopt_values(f)
+        dopts = tuple(self.dopt_values(f))
         recomputes = self.recompute_values()
+        num_layers = self.job.model.num_layers
         for mb in self.micro_batches(f):
             microbatches = self.job.train.global_batch_size // (dp * mb)
-            splits = self.pipeline_splits(f, microbatches)
+            splits = tuple(self.pipeline_splits(f, microbatches))
+            # where every chunk has one layer, block recomputation is full recomputation
+            block = tuple(s for s in splits if max_chunk_layers(num_layers, f.pp, *s) >= 2)
             for sp in self.sp_values(f):
                 for rc in recomputes:
-                    for vpp, first, last in splits:
-                        if rc == BLOCK and max_chunk_layers(self.job.model.num_layers, f.pp, vpp, first, last) < 2:
-                            continue  # every chunk has one layer: block recomputation is full recomputation
-                        for dopt in dopts:
-                            yield (f.tp, f.cp, f.pp, f.ep, f.etp, sp, mb, rc, vpp, first, last, dopt)
+                    yield Group(head=(f.tp, f.cp, f.pp, f.ep, f.etp, sp, mb, rc), microbatches=microbatches,
+                                splits=block if rc == BLOCK else splits, dopts=dopts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Group:
+    """Candidates of one family that share micro-batch, sequence parallelism and recompute (and so their pass
+    costs); the pipeline splits and optimizer settings are what varies."""
+
+    head: tuple
+    """``(tp, cp, pp, ep, etp, sp, micro_batch, recompute)``: the first fields of their keys."""
+    microbatches: int
+    """Micro-batches per step."""
+    splits: tuple[tuple[int, int, int], ...]
+    """Their ``(vpp, first_stage_layers, last_stage_layers)`` choices."""
+    dopts: tuple[bool, ...]
+    """Their distributed-optimizer settings."""
+
+    @property
+    def size(self) -> int:
+        """Candidates in the group."""
+        return len(self.splits) * len(self.dopts)
 
 
 def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = True) -> Space:
@@ -330,15 +364,16 @@ def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = 
                     f"to {MAX_STAGE_DEFICIT} layers lighter"]
         return []
 
-    tps = _screen(cfp, "tp", _divisors(world), tp_reasons, rejected)
-    cps = _screen(cfp, "cp", _divisors(world), cp_reasons, rejected)
-    pps = _screen(cfp, "pp", _divisors(world), pp_reasons, rejected)
+    tps = _screen(cfp, "tp", _divisors(world), tp_reasons, rejected, world)
+    cps = _screen(cfp, "cp", _divisors(world), cp_reasons, rejected, world)
+    pps = _screen(cfp, "pp", _divisors(world), pp_reasons, rejected, world)
 
     if m.is_moe:
         experts = m.num_experts or 1
         expert_ffn = m.moe_ffn_hidden_size or m.ffn_size
-        eps = _allowed(cfp, "ep", [e for e in _divisors(world) if experts % e == 0], rejected)
-        etps = _allowed(cfp, "etp", [e for e in _divisors(world) if expert_ffn % e == 0 and e <= gpn], rejected)
+        eps = _allowed(cfp, "ep", [e for e in _divisors(world) if experts % e == 0], rejected, world)
+        etps = _allowed(cfp, "etp", [e for e in _divisors(world) if expert_ffn % e == 0 and e <= gpn], rejected,
+                        world)
     else:
         eps, etps = [1], [1]
 

@@ -95,19 +95,15 @@ def in_flight(rank: int, pp: int, vpp: int, microbatches: int) -> int:
     return min(warm + 1, total)
 
 
-def recomputed_layers(job: JobSpec, layout: Layout, *, rank: int) -> tuple[int, int]:
+def recomputed_layers(job: JobSpec, *, rank: int) -> tuple[int, int]:
     """(dense, MoE) layers of pipeline rank ``rank``, over its chunks, that full recomputation covers: all of them
     (``uniform``), or the first ``recompute_num_layers`` of each chunk (``block``; leading dense layers come first).
     Zero without full recomputation."""
     p = job.parallel
     if p.recompute is not Recompute.full:
         return 0, 0
-    dense = moe = 0
-    for chunk in job_chunks(job)[rank]:
-        n_rec = p.recompute_num_layers if p.recompute_method is RecomputeMethod.block else chunk.count
-        d_rec, m_rec = chunk.leading(n_rec)
-        dense, moe = dense + d_rec, moe + m_rec
-    return dense, moe
+    per_chunk = [chunk.recomputed(p) for chunk in job_chunks(job)[rank]]
+    return sum(d for d, _ in per_chunk), sum(m for _, m in per_chunk)
 
 
 def measured_activations(job: JobSpec, layout: Layout, measurements: Measurements | None, *, rank: int,
@@ -193,7 +189,7 @@ def stage_memory(job: JobSpec, layout: Layout, options: SimOptions, *, rank: int
     per_mb_layers = chunk_mbs / d.vpp  # whole-rank micro-batches held
     if p.recompute is Recompute.full and p.recompute_method is RecomputeMethod.block:
         # The recomputed layers keep their input; the others keep what they would without recomputation.
-        rec_dense, rec_moe = recomputed_layers(job, layout, rank=rank)
+        rec_dense, rec_moe = recomputed_layers(job, rank=rank)
         dense_kept = layer_activation_bytes(job, layout, options, moe=False, recompute=Recompute.none)[0]
         moe_kept = (layer_activation_bytes(job, layout, options, moe=True, recompute=Recompute.none)[0]
                     if moe_layers else 0.0)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective, Measurements
-from cfp_megatron.config import ClusterSpec, JobSpec, RecomputeMethod
+from cfp_megatron.config import ClusterSpec, JobSpec
 from cfp_megatron.pipeline_split import job_chunks
 from cfp_megatron.runtime.flops import training_flops_per_token
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
@@ -79,10 +79,7 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
             f = dense.forward.scaled(chunk.dense).plus(moe.forward.scaled(chunk.moe))
             b = dense.backward.scaled(chunk.dense).plus(moe.backward.scaled(chunk.moe))
             # Recomputed layers: all (uniform), or the chunk's first recompute_num_layers (block; dense ones first).
-            n_rec = chunk.count
-            if job.parallel.recompute_method is RecomputeMethod.block:
-                n_rec = job.parallel.recompute_num_layers
-            rec_dense, rec_moe = chunk.leading(n_rec)
+            rec_dense, rec_moe = chunk.recomputed(job.parallel)
             x = dense.recompute.scaled(rec_dense).plus(moe.recompute.scaled(rec_moe))
             if g == 0:
                 f, b = f.plus(emb[0]), b.plus(emb[1])
