@@ -184,7 +184,4 @@ def _search_on_rank0(job: JobSpec, cfp: CfpSpec, world: int) -> tuple[Plan, tupl
                          inputs_fingerprint=inputs_fingerprint(planned, key))
     ranked = tuple(f"{r.candidate.describe(world)}: {r.prediction.step_time_s * scale * 1e3:.1f} ms, "
                    f"{r.prediction.memory.total / 2**30:.3f} GiB" for r in result.ranked)
-    if scale != 1.0:
-        ranked += (f"(step times scaled by {scale:.3f}, the median measured/predicted ratio of earlier runs of this "
-                   "model here)",)
     return plan, ranked, scale
