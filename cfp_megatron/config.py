@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,18 @@ class RecomputeMethod(enum.Enum):
     block = "block"
     """Only the first ``recompute_num_layers`` layers of each pipeline chunk (virtual stage) are recomputed; the
     chunk's other layers keep their activations."""
+
+
+class MlpPartition(enum.Enum):
+    """How the dense MLP's two linear layers are split over the tensor-parallel group."""
+
+    megatron = "megatron"
+    """Megatron-Core's column-parallel ``linear_fc1`` then row-parallel ``linear_fc2`` (an all-reduce of the output
+    in the forward pass and of the input gradient in the backward pass)."""
+    primepar = "primepar"
+    """PrimePar's spatial-temporal partition P_{2^k x 2^k} (:mod:`cfp_megatron.layers`): the TP group (4^k ranks) is
+    a 2^k x 2^k grid, every weight and activation block is held once, partial sums accumulate locally over 2^k ring
+    steps; the MLP's input is sliced from the replicated hidden states and its output all-gathered."""
 
 
 class PositionEmbedding(enum.Enum):
@@ -392,6 +405,9 @@ class ParallelSpec:
     """With the distributed optimizer: overlap the parameter all-gather with the next forward."""
     order: str = "tp-cp-ep-dp-pp"
     """Megatron's rank order, fastest-varying first."""
+    mlp: MlpPartition = MlpPartition.megatron
+    """Partition of the dense MLP over the TP group: Megatron's column/row split, or PrimePar's P_{2^k x 2^k} (needs
+    parallel.tp = 4, 16, 64, ... and no sequence parallelism)."""
 
     def __post_init__(self) -> None:
         issues: list[ConfigIssue] = []
@@ -414,6 +430,18 @@ class ParallelSpec:
                                       problem="the block method chooses which layers full recomputation covers; it "
                                               f"needs parallel.recompute=full (got {self.recompute.value}).",
                                       fix="set parallel.recompute=full or parallel.recompute_method=uniform."))
+        if self.mlp is MlpPartition.primepar:
+            side = math.isqrt(self.tp)
+            if self.tp < 4 or side * side != self.tp or side & (side - 1):
+                issues.append(ConfigIssue(key=f"{p}.mlp", value=self.mlp.value,
+                                          problem=f"PrimePar's P_{{2^k x 2^k}} needs a square grid of 4^k ranks as the "
+                                                  f"tensor-parallel group; parallel.tp={self.tp} is not 4, 16, 64, ...",
+                                          fix="set parallel.tp to 4 or 16, or parallel.mlp=megatron."))
+            if self.sp:
+                issues.append(ConfigIssue(key=f"{p}.mlp", value=self.mlp.value,
+                                          problem="the PrimePar MLP takes replicated hidden states; it does not run "
+                                                  "with sequence parallelism.",
+                                          fix="set parallel.sp=false or parallel.mlp=megatron."))
         if self.vpp is not None and self.vpp > 1 and self.pp == 1:
             issues.append(ConfigIssue(key=f"{p}.vpp", value=self.vpp,
                                       problem="virtual pipeline stages need parallel.pp > 1.",

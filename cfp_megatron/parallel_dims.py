@@ -12,7 +12,7 @@ import importlib.util
 import math
 from dataclasses import dataclass
 
-from cfp_megatron.config import AttentionKind, JobSpec, PositionEmbedding, Recompute
+from cfp_megatron.config import AttentionKind, JobSpec, MlpPartition, PositionEmbedding, Recompute
 from cfp_megatron.errors import ConfigError, ConfigIssue
 from cfp_megatron.pipeline_split import split_issues, stage_counts
 
@@ -91,6 +91,17 @@ class ParallelDims:
         need(m.padded_vocab_size % p.tp == 0, "parallel.tp", p.tp,
              f"the padded vocabulary {m.padded_vocab_size} is not divisible by parallel.tp={p.tp}.",
              "raise model.make_vocab_size_divisible_by to a multiple of parallel.tp.")
+
+        if p.mlp is MlpPartition.primepar:  # the 2^k x 2^k grid splits tokens, hidden and FFN sizes by its side
+            side = math.isqrt(p.tp)
+            need(not m.is_moe, "parallel.mlp", p.mlp.value,
+                 f"model {m.name} has MoE layers; the PrimePar MLP replaces the dense MLP only.",
+                 "set parallel.mlp=megatron.")
+            for key, size in (("model.hidden_size", m.hidden_size), ("model.ffn_hidden_size", m.ffn_size),
+                              ("train.micro_batch_size x train.seq_length", t.micro_batch_size * t.seq_length)):
+                need(size % side == 0, "parallel.mlp", p.mlp.value,
+                     f"the PrimePar grid of parallel.tp={p.tp} ranks splits {key}={size} into {side} blocks.",
+                     f"use sizes divisible by {side}, or parallel.mlp=megatron.")
 
         # Layers against PP x VPP (and the first/last stage's own counts).
         issues += split_issues(m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers)

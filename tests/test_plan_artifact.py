@@ -100,7 +100,7 @@ def test_canonical_format_of_the_gpt3_plan(plans: dict[str, Plan]) -> None:
     text = plans["gpt3_vpp_sp"].canonical()
     assert text.startswith("gpt3_175b@dgx_a100x128x8:tp=8,sp=1,pp=16,vpp=2,cp=1,ep=1,etp=1,dp=8,mb=1,gbs=1536,"
                            "seq=2048,ppf=null,ppl=null,rc=none,rcn=1,")
-    assert text.endswith(",do=1,ogr=0,opg=0,order=tp-cp-ep-dp-pp,prec=bf16")
+    assert text.endswith(",do=1,ogr=0,opg=0,order=tp-cp-ep-dp-pp,mlp=megatron,prec=bf16")
     assert " " not in text and "\n" not in text
 
 
