@@ -12,6 +12,8 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
+from cfp_megatron.config import MlpPartition
+
 
 class Collective(enum.Enum):
     """Collectives the search can produce."""
@@ -32,11 +34,13 @@ class Span(enum.Enum):
     """The group crosses nodes (InfiniBand/RoCE)."""
 
 
-def partition_name(tp: int, *, sp: bool = False) -> str:
-    """Canonical string of Megatron's tensor-parallel layout over ``tp`` ranks, the key profiling stores segments
-    under: ``tp1``, ``tp2``, ...; with sequence parallelism (activations outside the TP regions split along the
-    sequence, meaningful only with ``tp > 1``) ``tp2-sp``."""
-    return f"tp{int(tp)}" + ("-sp" if sp and tp > 1 else "")
+def partition_name(tp: int, *, sp: bool = False, mlp: MlpPartition = MlpPartition.megatron) -> str:
+    """Canonical string of the tensor-parallel layout over ``tp`` ranks, the key profiling stores segments under:
+    ``tp1``, ``tp2``, ...; with sequence parallelism (activations outside the TP regions split along the sequence,
+    meaningful only with ``tp > 1``) ``tp2-sp``; with PrimePar's MLP (``parallel.mlp=primepar``) ``tp4-primepar``
+    (only the decoder layers differ: the embedding and the head run Megatron's layout)."""
+    name = f"tp{int(tp)}" + ("-sp" if sp and tp > 1 else "")
+    return name + ("-primepar" if mlp is MlpPartition.primepar and tp > 1 else "")
 
 
 def ring_factor(op: Collective, group_size: int) -> float:

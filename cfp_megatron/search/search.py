@@ -39,8 +39,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from cfp_megatron.cluster.measured import Measurements
-from cfp_megatron.config import JobSpec, OptimizerKind, Recompute
+from cfp_megatron.cluster.measured import Measurements, partition_name
+from cfp_megatron.config import JobSpec, MlpPartition, OptimizerKind, Recompute
 from cfp_megatron.errors import ConfigError, ConfigIssue
 from cfp_megatron.parallel_dims import ParallelDims
 from cfp_megatron.pipeline_split import chunk_layers, stage_counts
@@ -128,6 +128,10 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
     cluster = job.cluster
     options = options or SimOptions()
     space = build_space(job, world, cfp, te_available=te_available)
+    if measurements is not None:  # PrimePar's MLP only where profiling timed its layer (see Space.primepar)
+        timed = frozenset(f.tp for f in space.families if measurements.segment_micro_batches(
+            "dense", partition_name(f.tp, mlp=MlpPartition.primepar)))
+        space = dataclasses.replace(space, primepar=timed)
     cache = CostCache.for_job(job, measurements, options)
     limit = None
     if cluster.hbm_gib is not None:
@@ -271,7 +275,7 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
             size += g.size
             if not g.size:
                 continue
-            tp, cp, pp, ep, etp, sp, mb, rc = g.head
+            tp, cp, pp, ep, etp, sp, mb, rc, mlp = g.head
             # The pass costs depend on the layout only through cost_key: look them up without building and
             # validating a job per group; compute (and validate) once per key.
             if (mb, sp) not in layouts:
@@ -279,7 +283,8 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
                                     expert_dp=max(world // (etp * ep * pp), 1), sp=sp,
                                     num_microbatches=g.microbatches, order=job.parallel.order)
                 layouts[mb, sp] = dataclasses.replace(place(job, dims, gpn), micro_batch=mb)
-            ckey = cost_key(layouts[mb, sp], Recompute.full if rc == BLOCK else Recompute(rc), options)
+            ckey = cost_key(layouts[mb, sp], Recompute.full if rc == BLOCK else Recompute(rc), options,
+                            MlpPartition(mlp))
             if ckey not in by_key:
                 by_key[ckey] = _group_costs(Candidate.from_key((*g.head, 1, 0, 0, False)), job, measurements,
                                             options, world, cache, refused)

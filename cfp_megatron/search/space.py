@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from cfp_megatron.config import AttentionKind, JobSpec, ParallelSpec, Recompute, RecomputeMethod
+from cfp_megatron.config import AttentionKind, JobSpec, MlpPartition, ParallelSpec, Recompute, RecomputeMethod
 from cfp_megatron.pipeline_split import split_issues, stage_counts
 from cfp_megatron.search.spec import CfpSpec
 
@@ -39,6 +40,8 @@ class Candidate:
     recompute: str
     """Recompute granularity (a :class:`~cfp_megatron.config.Recompute` value), or ``block``: full recomputation of
     the first ``recompute_layers`` layers of each pipeline chunk (Megatron's ``recompute_method=block``)."""
+    mlp: str = MlpPartition.megatron.value
+    """Partition of the dense MLP over the TP group (a :class:`~cfp_megatron.config.MlpPartition` value)."""
     vpp: int
     """Model chunks per pipeline rank."""
     first_stage_layers: int = 0
@@ -67,7 +70,7 @@ class Candidate:
                                    first_stage_layers=self.first_stage_layers or None,
                                    last_stage_layers=self.last_stage_layers or None,
                                    cp=self.cp, ep=self.ep, etp=self.etp if self.ep > 1 or self.etp > 1 else None,
-                                   distributed_optimizer=self.distributed_optimizer,
+                                   distributed_optimizer=self.distributed_optimizer, mlp=MlpPartition(self.mlp),
                                    **self._recompute(),
                                    overlap_param_gather=base.overlap_param_gather and self.distributed_optimizer)
 
@@ -95,6 +98,7 @@ class Candidate:
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += [f"etp{self.etp}"] if self.etp > 1 else []
         rc = f"block{self.recompute_layers}" if self.recompute == BLOCK else self.recompute
+        parts += ["primepar"] if self.mlp == MlpPartition.primepar.value else []
         parts += [f"mb{self.micro_batch}", f"rc={rc}"]
         parts += ["dopt"] if self.distributed_optimizer else []
         return " ".join(parts)
@@ -228,6 +232,10 @@ class Space:
     """The job being planned."""
     cfp: CfpSpec
     """The planner's settings."""
+    primepar: frozenset[int] | None = None
+    """TP sizes at which PrimePar's MLP may be offered; ``None``: wherever it runs (the analytical model has it).
+    With measurements, the sizes profiling timed it at: a plan is never compared on an analytical layer against
+    measured ones."""
 
     def micro_batches(self, family: Family) -> list[int]:
         """Micro-batch sizes that divide the family's per-rank batch."""
@@ -272,6 +280,22 @@ class Space:
             values.append(BLOCK)
         return values
 
+    def mlp_values(self, family: Family, sp: bool, micro_batch: int) -> list[str]:
+        """MLP partitions the runtime executes for the family: Megatron's always; PrimePar's
+        (:mod:`cfp_megatron.layers`) on a TP group of 4^k ranks without SP, for a dense model whose hidden and FFN
+        sizes and tokens per micro-batch the grid side divides, unless :attr:`primepar` says it was not profiled at
+        that TP size."""
+        m = self.job.model
+        values = [MlpPartition.megatron]
+        side = math.isqrt(family.tp)
+        if (family.tp >= 4 and side * side == family.tp and not side & (side - 1) and not sp and not m.is_moe
+                and not (m.hidden_size % side or m.ffn_size % side
+                         or micro_batch * self.job.train.seq_length % side)
+                and (self.primepar is None or family.tp in self.primepar)):
+            values.append(MlpPartition.primepar)
+        allowed = self.cfp.allowed("mlp")
+        return [v.value for v in values if allowed is None or v in allowed]
+
     def dopt_values(self, family: Family) -> list[bool]:
         """Distributed-optimizer settings (it changes nothing without data parallelism)."""
         dp = family.dp(self.world)
@@ -306,8 +330,9 @@ class Space:
             block = tuple(s for s in splits if max_chunk_layers(num_layers, f.pp, *s) >= 2)
             for sp in self.sp_values(f):
                 for rc in recomputes:
-                    yield Group(head=(f.tp, f.cp, f.pp, f.ep, f.etp, sp, mb, rc), microbatches=microbatches,
-                                splits=block if rc == BLOCK else splits, dopts=dopts)
+                    for mlp in self.mlp_values(f, sp, mb):
+                        yield Group(head=(f.tp, f.cp, f.pp, f.ep, f.etp, sp, mb, rc, mlp), microbatches=microbatches,
+                                    splits=block if rc == BLOCK else splits, dopts=dopts)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -316,7 +341,7 @@ class Group:
     costs); the pipeline splits and optimizer settings are what varies."""
 
     head: tuple
-    """``(tp, cp, pp, ep, etp, sp, micro_batch, recompute)``: the first fields of their keys."""
+    """``(tp, cp, pp, ep, etp, sp, micro_batch, recompute, mlp)``: the first fields of their keys."""
     microbatches: int
     """Micro-batches per step."""
     splits: tuple[tuple[int, int, int], ...]

@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from cfp_megatron.config import Recompute, build_spec
+from cfp_megatron.config import MlpPartition, Recompute, build_spec
 from cfp_megatron.errors import ConfigError, ConfigIssue
 
 
@@ -52,6 +52,8 @@ class SearchConstraints:
     """Allowed recompute granularities."""
     distributed_optimizer: list[bool] | None = None
     """Allowed distributed-optimizer settings."""
+    mlp: list[MlpPartition] | None = None
+    """Allowed partitions of the dense MLP (``megatron``, ``primepar``)."""
     tp_within_node: bool = True
     """Keep each TP group inside one node (TP's per-layer collectives are too slow across the network)."""
     memory_headroom: float = 0.1
@@ -87,7 +89,7 @@ class SearchConstraints:
             raise ConfigError(issues)
 
 
-PINNABLE = ("tp", "pp", "vpp", "cp", "ep", "etp", "micro_batch", "sp", "recompute", "distributed_optimizer")
+PINNABLE = ("tp", "pp", "vpp", "cp", "ep", "etp", "micro_batch", "sp", "recompute", "distributed_optimizer", "mlp")
 """Knobs ``cfp.<knob>=value`` can pin."""
 
 
@@ -119,6 +121,8 @@ class CfpSpec:
     """Pin the recompute granularity."""
     distributed_optimizer: bool | None = None
     """Pin the distributed optimizer."""
+    mlp: MlpPartition | None = None
+    """Pin the partition of the dense MLP."""
     constraints: SearchConstraints = field(default_factory=SearchConstraints)
     """Allowed sets and global limits."""
     top_k: int = 5

@@ -6,8 +6,9 @@ split over TP; the sequence over CP; tokens over EP. Collectives per layer: with
 (or two all-gathers and two reduce-scatters with sequence parallelism) for attention and for a dense MLP; with CP,
 the ring attention exchange of K and V (overlapped with the attention core, only the excess shows); with EP, the
 all-to-all dispatch and combine; with FSDP, the layer's parameter all-gather and gradient reduce-scatter
-(overlapped with the compute of the neighbouring layer). Backward is twice the forward GEMM work (2.5x for the fused
-attention core, which recomputes scores).
+(overlapped with the compute of the neighbouring layer). A PrimePar MLP (``parallel.mlp=primepar``) costs what
+:mod:`cfp_megatron.sim.primepar_cost` says instead of the split GEMMs and their all-reduces. Backward is twice
+the forward GEMM work (2.5x for the fused attention core, which recomputes scores).
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from dataclasses import dataclass
 
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
-from cfp_megatron.config import Activation, AttentionKind, JobSpec
+from cfp_megatron.config import Activation, AttentionKind, JobSpec, MlpPartition
 from cfp_megatron.runtime.flops import attention_params, mlp_params
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.options import SimOptions
+from cfp_megatron.sim.primepar_cost import PrimeParMlpCost, primepar_mlp_cost
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +126,7 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
     params = attn_params / t + 4 * h
     expert_params = 0.0
     ep_fwd = 0.0
+    primepar: PrimeParMlpCost | None = None
     if moe:
         fe = m.moe_ffn_hidden_size or m.ffn_size
         topk, n_exp = m.moe_router_topk, m.num_experts or 1
@@ -150,6 +153,11 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         split += (3 if gated else 2) * m.ffn_size / t
         params += mlp_params(m, m.ffn_size) / t
         tp_ops = 4
+        if p.mlp is MlpPartition.primepar and t > 1:  # the MLP's own GEMMs and communication (sim.primepar_cost)
+            primepar = primepar_mlp_cost(kernels, costs, tp=t, tp_per_node=layout.tp_per_node, tokens=tokens,
+                                         hidden=h, ffn=m.ffn_size, gated=gated)
+            mlp_gemm = primepar.forward_compute_s
+            tp_ops = 2  # attention's all-reduce per pass; the MLP adds its exposed ring and all-gather below
     elementwise = kernels.memory((rep + split) * tokens * e)
 
     # TP / SP collectives: per pass, tp_ops/2 all-reduces, or as many all-gathers plus reduce-scatters with SP.
@@ -186,14 +194,20 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         fsdp_fwd = max(0.0, gather - fwd_compute - core_fwd)
         fsdp_bwd = max(0.0, gather + scatter - bwd_compute - core_bwd)
 
+    if primepar is not None:
+        bwd_compute += primepar.backward_compute_s - 2.0 * primepar.forward_compute_s
+        tp_fwd, tp_bwd = tp_pass + primepar.forward_comm_s, tp_pass + primepar.backward_comm_s
+    else:
+        tp_fwd = tp_bwd = tp_pass
+
     overhead = kernels.eff.layer_overhead_s
-    forward = PassCost(compute_s=fwd_compute, attention_core_s=core_fwd, overhead_s=overhead, tp_comm_s=tp_pass,
+    forward = PassCost(compute_s=fwd_compute, attention_core_s=core_fwd, overhead_s=overhead, tp_comm_s=tp_fwd,
                        cp_comm_s=cp_fwd, ep_comm_s=ep_fwd, fsdp_comm_s=fsdp_fwd)
-    backward = PassCost(compute_s=bwd_compute, attention_core_s=core_bwd, overhead_s=overhead, tp_comm_s=tp_pass,
+    backward = PassCost(compute_s=bwd_compute, attention_core_s=core_bwd, overhead_s=overhead, tp_comm_s=tp_bwd,
                         cp_comm_s=cp_bwd, ep_comm_s=ep_fwd, fsdp_comm_s=fsdp_bwd)
     if p.recompute.value == "full":
         recompute = PassCost(compute_s=fwd_compute, attention_core_s=core_fwd, overhead_s=overhead,
-                             tp_comm_s=tp_pass, cp_comm_s=cp_fwd, ep_comm_s=ep_fwd)
+                             tp_comm_s=tp_fwd, cp_comm_s=cp_fwd, ep_comm_s=ep_fwd)
     elif p.recompute.value == "selective":
         recompute = PassCost(attention_core_s=core_fwd)
     else:

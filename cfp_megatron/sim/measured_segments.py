@@ -61,10 +61,11 @@ def apply_measured(job: JobSpec, measurements: Measurements | None, micro_batch:
     """
     if measurements is None:
         return dense, moe, emb, out
-    partition = partition_name(job.parallel.tp, sp=job.parallel.sp)
+    partition = partition_name(job.parallel.tp, sp=job.parallel.sp)  # the embedding and the head
+    layers = partition_name(job.parallel.tp, sp=job.parallel.sp, mlp=job.parallel.mlp)
 
     def layer(kind: str, cost: LayerCost) -> LayerCost:
-        hit = measured_pass(measurements, kind, partition, micro_batch)
+        hit = measured_pass(measurements, kind, layers, micro_batch)
         if hit is None:
             return cost
         share = cost.recompute.total_s / cost.forward.total_s if cost.forward.total_s > 0 else 0.0

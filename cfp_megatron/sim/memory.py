@@ -16,6 +16,7 @@ from cfp_megatron.cluster.measured import Measurements, SegmentMemory, partition
 from cfp_megatron.config import (
     Activation,
     JobSpec,
+    MlpPartition,
     Normalization,
     OptimizerKind,
     PositionEmbedding,
@@ -28,6 +29,7 @@ from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.measured_memory import measured_memory, peak_activation_bytes, pipeline_buffers
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.prediction import MemoryBreakdown
+from cfp_megatron.sim.primepar_cost import primepar_stash_saving, primepar_weight_copies
 
 
 def element_bytes(job: JobSpec) -> int:
@@ -82,6 +84,11 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
         per_token += (2 * shared * (2 if gated else 1) + 2 * shared) / t
     else:
         per_token += (2 * m.ffn_size * (2 if gated else 1) + 2 * m.ffn_size) / t
+        if job.parallel.mlp is MlpPartition.primepar and t > 1:
+            # fc1's input kept as one block of the grid, not replicated; the rotated weight blocks kept from the
+            # forward to the backward pass (cfp_megatron.sim.primepar_cost).
+            per_token -= primepar_stash_saving(tp=t, tokens=1.0, hidden=h, elem=2.0) * rep
+            per_token += primepar_weight_copies(tp=t, hidden=h, ffn=m.ffn_size, gated=gated, elem=2.0) / tokens
     full = tokens * h * 2 * rep
     return tokens * per_token, full
 
@@ -115,13 +122,15 @@ def measured_activations(job: JobSpec, layout: Layout, measurements: Measurement
     d = layout.dims
     if measurements is None or job.parallel.recompute is not Recompute.none or d.cp > 1:
         return None
-    partition = partition_name(d.tp, sp=d.sp)
+    partition = partition_name(d.tp, sp=d.sp)  # the embedding and the head
+    layer_partition = partition_name(d.tp, sp=d.sp, mlp=job.parallel.mlp)
     kinds = ["dense", "moe"] if moe_layers else ["dense"]
     if moe_layers == layers:
         kinds = ["moe"]
     found: dict[str, SegmentMemory] = {}
     for kind in [*kinds, *(["embedding"] if first else []), *(["head"] if last else [])]:
-        hit = measured_memory(measurements, kind, partition, layout.micro_batch)
+        where = partition if kind in ("embedding", "head") else layer_partition
+        hit = measured_memory(measurements, kind, where, layout.micro_batch)
         if hit is None:
             return None
         found[kind] = hit

@@ -13,7 +13,7 @@ from typing import Any
 
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Measurements, StepOverheads, partition_name
-from cfp_megatron.config import JobSpec, Recompute
+from cfp_megatron.config import JobSpec, MlpPartition, Recompute
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layer_cost import LayerCost, PassCost, embedding_cost, layer_cost, output_layer_cost
@@ -49,13 +49,14 @@ def _total(cost: LayerCost) -> float:
     return cost.forward.total_s + cost.backward.total_s + cost.recompute.total_s
 
 
-def cost_key(layout: Layout, recompute: Recompute, options: SimOptions) -> tuple[Any, ...]:
-    """Everything of a plan that :func:`pass_costs` reads (its layout and recompute choice), for plans of one model
-    on one cluster with one set of options and measurements: equal keys, equal costs."""
+def cost_key(layout: Layout, recompute: Recompute, options: SimOptions,
+             mlp: MlpPartition = MlpPartition.megatron) -> tuple[Any, ...]:
+    """Everything of a plan that :func:`pass_costs` reads (its layout, recompute choice and MLP partition), for plans
+    of one model on one cluster with one set of options and measurements: equal keys, equal costs."""
     d = layout.dims
     fsdp = (d.dp, layout.dp_per_node) if options.fsdp else ()
     return (d.tp, d.sp, d.cp, d.ep, d.etp, layout.micro_batch, layout.seq_length, recompute, layout.tp_per_node,
-            layout.cp_per_node, layout.ep_per_node, layout.gpus_per_node, fsdp)
+            layout.cp_per_node, layout.ep_per_node, layout.gpus_per_node, fsdp, mlp)
 
 
 @dataclass(kw_only=True)
@@ -117,8 +118,8 @@ def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         if not options.measured_layer_only:
             emb, out = emb_m, out_m
             if measurements is not None and not m.is_moe:
-                overheads = measurements.step_overheads(partition_name(job.parallel.tp, sp=job.parallel.sp),
-                                                        layout.micro_batch)
+                overheads = measurements.step_overheads(
+                    partition_name(job.parallel.tp, sp=job.parallel.sp, mlp=job.parallel.mlp), layout.micro_batch)
     per_pass = PassCost()
     if overheads is not None:
         # The layer as it runs inside the training schedule, and the schedule's own cost per micro-batch on every

@@ -217,7 +217,7 @@ def _prepare(job: JobSpec, cluster: ClusterSpec | None, measurements: Measuremen
         raise ValueError("a CostCache serves the plans of one model, cluster, precision, set of options and "
                          "measurements (CostCache.for_job)")
     kernels, costs = cache.kernels, cache.collectives
-    key = cost_key(layout, job.parallel.recompute, options)
+    key = cost_key(layout, job.parallel.recompute, options, job.parallel.mlp)
     parts = cache.costs.get(key)
     if parts is None:
         parts = cache.costs[key] = pass_costs(job, layout, kernels, costs, options, measurements)

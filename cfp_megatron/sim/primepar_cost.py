@@ -1,0 +1,102 @@
+"""Seconds and stashed bytes of a dense MLP under PrimePar's P_{2^k x 2^k} (:mod:`cfp_megatron.layers`), per
+micro-batch on one rank of the 4^k-rank tensor-parallel grid (side ``n = 2^k``).
+
+Each linear ``O[T, K] = I[T, N] @ W[N, K]`` runs three phases of ``n`` steps (NOTES.md 1.4-1.5). At every step but
+the last a rank multiplies one block pair while the ring brings the next one, so a step costs
+``max(GEMM, ring transfer)`` (Eq. 7 of the paper, its ``intraC`` without the all-reduce term, which is zero here):
+
+- Forward: ``(T/n x N/n) @ (N/n x K/n)``; the ring moves one I block and one W block.
+- Backward (dI): ``(T/n x K/n) @ (K/n x N/n)``; the ring moves one dO block and one W block; then dI goes one hop to
+  the input's layout (overlapped with the first weight-gradient GEMM).
+- Gradient (dW): ``(N/n x T/n) @ (T/n x K/n)``; the ring moves one I block and one dO block; at the last step the
+  partial dW block (fp32 gradient) arrives from the right neighbour, not overlapped.
+
+The MLP is ``fc1`` (``h -> ffn``, twice ``ffn`` wide for SwiGLU), the activation, one permutation of the activation
+block to ``fc2``'s start layout, and ``fc2`` (``ffn -> h``). Its input is sliced from the replicated hidden states
+and its output all-gathered over the grid (forward), the input gradient all-gathered (backward): one all-gather of
+the activation per pass where Megatron's column/row split all-reduces it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cfp_megatron.cluster.costs import CollectiveCosts
+from cfp_megatron.cluster.measured import Collective
+from cfp_megatron.sim.kernels import KernelModel
+
+GRAD_BYTES = 4.0
+"""Bytes per element of the partial weight gradient passed at the last gradient step (fp32 main gradients)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrimeParMlpCost:
+    """One micro-batch of the MLP on one rank of the grid."""
+
+    forward_compute_s: float
+    """GEMMs of the forward pass (both linears, every step)."""
+    forward_comm_s: float
+    """Forward communication left exposed: ring transfers beyond their step's GEMM, the permutation between the
+    linears, the output all-gather."""
+    backward_compute_s: float
+    """GEMMs of the backward pass (input and weight gradients of both linears)."""
+    backward_comm_s: float
+    """Backward communication left exposed (as forward, plus the un-overlapped weight-gradient hand-over and the
+    input-gradient all-gather)."""
+
+
+def grid_side(tp: int) -> int:
+    """``n = 2^k`` of a ``tp = 4^k`` grid."""
+    side = math.isqrt(tp)
+    if side * side != tp:
+        raise ValueError(f"a PrimePar grid needs 4^k ranks, got tp={tp}")
+    return side
+
+
+def _linear(kernels: KernelModel, costs: CollectiveCosts, n: int, tokens: float, n_in: float, k_out: float,
+            span: int) -> tuple[float, float, float, float]:
+    """(forward compute, forward exposed, backward compute, backward exposed) seconds of one P_{n x n} linear."""
+    e = kernels.elem
+    tb, nb, kb = tokens / n, n_in / n, k_out / n
+
+    def ring(nbytes: float) -> float:
+        return costs.seconds(Collective.send_recv, nbytes, 2, span)
+
+    def phase(gemm: float, transfer: float) -> tuple[float, float]:
+        """(compute, exposed) of ``n`` steps whose first ``n - 1`` overlap ``transfer`` with ``gemm``."""
+        return n * gemm, (n - 1) * max(transfer - gemm, 0.0)
+
+    f_c, f_x = phase(kernels.gemm(tb, kb, nb), ring((tb * nb + nb * kb) * e))
+    d_c, d_x = phase(kernels.gemm(tb, nb, kb), ring((tb * kb + nb * kb) * e))
+    g_gemm = kernels.gemm(nb, kb, tb)
+    g_c, g_x = phase(g_gemm, ring((tb * nb + tb * kb) * e))
+    realign_di = max(ring(tb * nb * e) - g_gemm, 0.0)
+    hand_over = ring(nb * kb * GRAD_BYTES)
+    return f_c, f_x, d_c + g_c, d_x + g_x + realign_di + hand_over
+
+
+def primepar_mlp_cost(kernels: KernelModel, costs: CollectiveCosts, *, tp: int, tp_per_node: int, tokens: float,
+                      hidden: int, ffn: int, gated: bool) -> PrimeParMlpCost:
+    """The MLP of ``tokens`` tokens (micro-batch x sequence / CP) on one rank of a ``tp``-rank grid."""
+    n = grid_side(tp)
+    span = 2 if tp_per_node >= tp else 1  # ring neighbours inside one node, or across nodes
+    fc1 = _linear(kernels, costs, n, tokens, hidden, ffn * (2 if gated else 1), span)
+    fc2 = _linear(kernels, costs, n, tokens, ffn, hidden, span)
+    e = kernels.elem
+    permute = costs.seconds(Collective.send_recv, tokens / n * ffn / n * e, 2, span)
+    gather = costs.seconds(Collective.all_gather, tokens * hidden * e, tp, tp_per_node)
+    return PrimeParMlpCost(forward_compute_s=fc1[0] + fc2[0], forward_comm_s=fc1[1] + fc2[1] + permute + gather,
+                           backward_compute_s=fc1[2] + fc2[2], backward_comm_s=fc1[3] + fc2[3] + permute + gather)
+
+
+def primepar_stash_saving(*, tp: int, tokens: float, hidden: int, elem: float) -> float:
+    """Activation bytes per layer the PrimePar MLP does not keep that Megatron's column/row split keeps: ``fc1``'s
+    input is stashed as one block of the grid (1/tp of it) instead of the whole replicated hidden state."""
+    return tokens * hidden * elem * (1.0 - 1.0 / tp)
+
+
+def primepar_weight_copies(*, tp: int, hidden: int, ffn: int, gated: bool, elem: float) -> float:
+    """Bytes of the rotated weight blocks each rank keeps between forward and backward (one block per linear,
+    :class:`~cfp_megatron.layers.primepar_linear.PrimeParLinear`'s ``keep_rotated_weight``)."""
+    return (hidden * ffn * (2 if gated else 1) + ffn * hidden) / tp * elem

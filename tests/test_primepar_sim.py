@@ -1,0 +1,73 @@
+"""PrimePar's MLP in the simulator and the search (issue F): its cost is the per-step max of GEMM and ring transfer,
+its memory keeps fc1's input as one block of the grid, and the search offers it only where the runtime runs it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cfp_megatron.config import MlpPartition, compose_config, job_from_config
+from cfp_megatron.errors import ConfigError
+from cfp_megatron.search.search import search
+from cfp_megatron.search.space import build_space
+from cfp_megatron.search.spec import cfp_from_config
+from cfp_megatron.sim.simulate import simulate
+
+BASE = ["model=llama3_8b", "cluster=dgx_h100", "cluster.nodes=1", "train.global_batch_size=64",
+        "train.seq_length=8192", "parallel.tp=4"]
+
+
+def _predict(*overrides: str):
+    job = job_from_config(compose_config([*BASE, *overrides]))
+    return simulate(job, job.cluster, None, world_size=8)
+
+
+def test_primepar_mlp_costs_its_ring_and_saves_fc1_input_memory() -> None:
+    megatron = _predict("parallel.mlp=megatron", "train.micro_batch_size=1")
+    primepar = _predict("parallel.mlp=primepar", "train.micro_batch_size=1")
+    # Same FLOPs split over the same 4 ranks: compute within the GEMM-efficiency difference of smaller blocks.
+    assert primepar.time.forward_compute_s == pytest.approx(megatron.time.forward_compute_s, rel=0.15)
+    # Without recomputation each layer keeps fc1's input as a quarter block instead of the replicated hidden state,
+    # but also keeps the rotated weight blocks between forward and backward.
+    m = job_from_config(compose_config(BASE)).model
+    tokens, layers = 8192, m.num_layers
+    saving = tokens * m.hidden_size * 2 * 0.75 * layers
+    copies = (m.hidden_size * m.ffn_size * 2 + m.ffn_size * m.hidden_size) / 4 * 2 * layers
+    diff = megatron.memory.activations - primepar.memory.activations
+    assert diff == pytest.approx(saving - copies, rel=1e-6)
+
+
+def test_ring_transfers_beyond_the_gemm_are_exposed() -> None:
+    """On a slow interconnect the weight blocks' ring transfer outlasts the step's GEMM and shows as TP time."""
+    fast = _predict("parallel.mlp=primepar", "train.micro_batch_size=1")
+    slow = _predict("parallel.mlp=primepar", "train.micro_batch_size=1", "cluster.intra_node_bandwidth_gbps=20")
+    assert slow.time.tp_comm_s > fast.time.tp_comm_s
+    assert slow.time.forward_compute_s == pytest.approx(fast.time.forward_compute_s)
+
+
+def test_space_offers_primepar_only_where_the_runtime_runs_it() -> None:
+    cfg = compose_config(["+cfp=auto", *BASE[:-1]])
+    job, cfp = job_from_config(cfg), cfp_from_config(cfg)
+    space = build_space(job, 8, cfp)
+    offered = {(f.tp, sp) for f in space.families for g in space.groups(f) for sp in [g.head[5]]
+               if g.head[8] == MlpPartition.primepar.value}
+    assert offered == {(4, False)}  # tp=4 (a 2x2 grid), never with SP; tp=2 and tp=8 are not 4^k
+    # Profiled clusters: only where profiling timed the PrimePar layer.
+    none = dataclasses.replace(space, primepar=frozenset())
+    assert not any(g.head[8] == MlpPartition.primepar.value for f in none.families for g in none.groups(f))
+
+
+def test_search_with_primepar_is_exactly_the_exhaustive_optimum() -> None:
+    cfg = compose_config(["+cfp=auto", *BASE[:-1], "cfp.tp=4", "cfp.constraints.recompute=[none,full]",
+                          "cfp.top_k=1000"])
+    job, cfp = job_from_config(cfg), cfp_from_config(cfg)
+    pruned, full = search(job, 8, cfp), search(job, 8, cfp, exhaustive=True)
+    assert [r.candidate for r in pruned.ranked] == [r.candidate for r in full.ranked]
+    # PrimePar candidates were simulated and ranked next to Megatron's.
+    assert {r.candidate.mlp for r in full.ranked} == {"megatron", "primepar"}
+
+
+def test_primepar_needs_a_square_tp_group_of_4k_ranks() -> None:
+    with pytest.raises(ConfigError, match="parallel.mlp"):
+        job_from_config(compose_config(["parallel.tp=2", "parallel.mlp=primepar"]))
