@@ -29,19 +29,26 @@ GRAD_RTOL = 1e-3
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]:
-    """Single-rank run of a model, computed once per module on first use."""
-    cache: dict[str, RunResult] = {}
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., RunResult]:
+    """Single-rank run of a model with optional ``model.*`` overrides, computed once per module on first use."""
+    cache: dict[tuple[str, ...], RunResult] = {}
 
-    def get(model: str) -> RunResult:
-        if model not in cache:
-            result = run_train(1, [f"model={model}", *COMMON], tmp_path_factory.mktemp(f"ref_{model}"))
+    def get(model: str, *model_overrides: str) -> RunResult:
+        key = (model, *model_overrides)
+        if key not in cache:
+            folder = tmp_path_factory.mktemp(f"ref_{model}")
+            result = run_train(1, [f"model={model}", *model_overrides, *COMMON], folder)
             assert result.returncode == 0, result.output[-4000:]
             assert sorted(result.losses) == list(range(1, STEPS + 1))
-            cache[model] = result
-        return cache[model]
+            cache[key] = result
+        return cache[key]
 
     return get
+
+
+def _model_overrides(overrides: list[str]) -> list[str]:
+    """The ``model.*`` overrides of a layout, which its single-rank reference must share."""
+    return [o for o in overrides if o.startswith("model.")]
 
 
 LAYOUTS = [
@@ -59,15 +66,20 @@ LAYOUTS = [
                                  "parallel.recompute_num_layers=1"], id="gpt-pp2-recompute-block"),
     pytest.param("gpt_tiny", 2, ["parallel.pp=2", "parallel.first_stage_layers=1"], id="gpt-pp2-uneven-1-3"),
     pytest.param("moe_tiny", 2, ["parallel.ep=2"], id="moe-ep2"),
+    # PrimePar's 2x2 square runs the dense MLP (GELU with biases; SwiGLU without). llama_tiny's 2 KV groups do not
+    # split over TP=4, so that case and its single-rank reference set model.num_query_groups=4.
+    pytest.param("gpt_tiny", 4, ["parallel.tp=4", "parallel.mlp=primepar"], id="gpt-tp4-primepar"),
+    pytest.param("llama_tiny", 4, ["parallel.tp=4", "parallel.mlp=primepar", "model.num_query_groups=4"],
+                 id="llama-tp4-primepar-swiglu"),
 ]
 
 
 @pytest.mark.parametrize(("model", "nproc", "overrides"), LAYOUTS)
 def test_layout_matches_single_rank(model: str, nproc: int, overrides: list[str], tmp_path: Path,
-                                    reference: Callable[[str], RunResult]) -> None:
+                                    reference: Callable[..., RunResult]) -> None:
     result = run_train(nproc, [f"model={model}", *COMMON, *overrides], tmp_path)
     assert result.returncode == 0, result.output[-4000:]
-    ref = reference(model)
+    ref = reference(model, *_model_overrides(overrides))
     assert sorted(result.losses) == list(range(1, STEPS + 1))
     for step, loss in ref.losses.items():
         assert result.losses[step] == pytest.approx(loss, abs=LOSS_ATOL), f"step {step}"
@@ -76,6 +88,48 @@ def test_layout_matches_single_rank(model: str, nproc: int, overrides: list[str]
     assert f"world={nproc}" in start["layout"]
     # The model learns: the loss after the last step is below the first (data have structure).
     assert result.losses[STEPS] < result.losses[1]
+
+
+def _mlp_weight_blocks(folder: Path, name: str) -> set[tuple[int, int]]:
+    """The (out, in) offsets of the blocks a checkpoint holds of every layer's ``mlp.<name>.weight``."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    chunks = FileSystemReader(str(folder)).read_metadata().state_dict_metadata[f"decoder.layers.mlp.{name}.weight"]
+    return {tuple(int(o) for o in chunk.offsets[-2:]) for chunk in chunks.chunks}
+
+
+@pytest.mark.parametrize(("model", "model_overrides"), [
+    pytest.param("gpt_tiny", [], id="gpt-biases"),
+    pytest.param("llama_tiny", ["model.num_query_groups=4"], id="llama-swiglu"),
+])
+def test_primepar_checkpoint_resumes_under_megatron_tp2_and_back(model: str, model_overrides: list[str],
+                                                                 tmp_path: Path,
+                                                                 reference: Callable[..., RunResult]) -> None:
+    """Steps 1-2 under TP=4 with the PrimePar MLP, step 3 under TP=2 with Megatron's MLP, step 4 under PrimePar
+    again: each resume reads the other layout's blocks (PrimePar's 2-D blocks, Megatron's column/row shards, the
+    gated fc1's gate and up halves, the replicated biases, Adam's moments) and the losses stay the reference's."""
+    ckpt = tmp_path / "ckpt"
+    common = [f"model={model}", *model_overrides, *(o for o in COMMON if not o.startswith("train.steps=")),
+              f"train.lr_decay_steps={STEPS}", f"train.checkpoint_dir={ckpt}"]  # the reference's schedule
+    primepar, resume = ["parallel.tp=4", "parallel.mlp=primepar"], ["train.resume=true"]
+    runs = [(4, 2, primepar), (2, 3, ["parallel.tp=2", *resume]), (4, 4, [*primepar, *resume])]  # (ranks, to step, ...)
+    ref = reference(model, *model_overrides)
+    done = 0
+    for nproc, last, overrides in runs:
+        result = run_train(nproc, [*common, f"train.steps={last}", *overrides], tmp_path / f"to_step{last}")
+        assert result.returncode == 0, result.output[-4000:]
+        assert sorted(result.losses) == list(range(done + 1, last + 1))
+        done = last
+        for s in result.losses:
+            assert result.losses[s] == pytest.approx(ref.losses[s], abs=LOSS_ATOL), f"step {s}"
+            assert result.grad_norms[s] == pytest.approx(ref.grad_norms[s], rel=GRAD_RTOL), f"step {s}"
+    # The PrimePar runs did save 2-D blocks: fc1 cut along its input (hidden) axis too, fc2 along its output axis,
+    # which Megatron's column/row-parallel layers never do.
+    blocks = _mlp_weight_blocks(ckpt / "iter_0000002", "linear_fc1")
+    assert len(blocks) == (8 if model == "llama_tiny" else 4)  # 4 ranks' blocks; SwiGLU: a gate and an up part each
+    assert len({i for _, i in blocks}) == 2
+    assert len({o for o, _ in _mlp_weight_blocks(ckpt / "iter_0000004", "linear_fc2")}) == 2
+    assert len({i for _, i in _mlp_weight_blocks(ckpt / "iter_0000003", "linear_fc1")}) == 1  # Megatron's TP=2
 
 
 def test_bf16_tensor_parallel_matches_bf16_single_rank(tmp_path: Path) -> None:

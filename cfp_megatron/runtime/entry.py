@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from cfp_megatron.config import AttentionKind, DataKind, JobSpec, MlpPartition, job_from_config
+from cfp_megatron.config import AttentionKind, DataKind, JobSpec, job_from_config
 from cfp_megatron.errors import CfpError, ConfigError, ConfigIssue
 from cfp_megatron.parallel_dims import ParallelDims, transformer_engine_available
 from cfp_megatron.runtime.launch_env import LaunchEnv
@@ -62,13 +61,6 @@ def _rest_issues(job: JobSpec) -> list[ConfigIssue]:
                     "installed.",
             fix="install transformer-engine (GPU), or approximate MLA with multi-head attention: "
                 "model.attention=standard model.kv_channels=192."))
-    if job.parallel.mlp is MlpPartition.primepar and importlib.util.find_spec(
-            "cfp_megatron.layers.primepar_mlp") is None:
-        issues.append(ConfigIssue(
-            key="parallel.mlp", value="primepar",
-            problem="this build has PrimePar's linear layer and its simulator and search entries, but not yet its "
-                    "Megatron-Core MLP (cfp_megatron.layers.primepar_mlp), so it cannot train with it.",
-            fix="set parallel.mlp=megatron (with +cfp=auto: cfp.constraints.mlp=[megatron])."))
     if job.data.kind is DataKind.indexed:
         from cfp_megatron.data.indexed import validate_indexed
 

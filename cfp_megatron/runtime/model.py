@@ -12,7 +12,16 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from cfp_megatron.config import Activation, AttentionKind, JobSpec, Precision, Recompute, resolve_precision
+from cfp_megatron.config import (
+    Activation,
+    AttentionKind,
+    JobSpec,
+    MlpPartition,
+    Precision,
+    Recompute,
+    resolve_precision,
+)
+from cfp_megatron.layers.primepar_mlp import with_primepar_mlp
 from cfp_megatron.parallel_dims import ParallelDims, transformer_engine_available
 
 
@@ -118,6 +127,8 @@ def build_model_chunks(job: JobSpec, config: TransformerConfig, dims: ParallelDi
         vp = vp_stage if dims.vpp > 1 else None
         layer_spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization=m.normalization.value, vp_stage=vp)
+        if job.parallel.mlp is MlpPartition.primepar:  # the dense MLP's fc1/fc2 on PrimePar's 2^k x 2^k square
+            layer_spec = with_primepar_mlp(layer_spec)
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
