@@ -71,3 +71,21 @@ def test_search_with_primepar_is_exactly_the_exhaustive_optimum() -> None:
 def test_primepar_needs_a_square_tp_group_of_4k_ranks() -> None:
     with pytest.raises(ConfigError, match="parallel.mlp"):
         job_from_config(compose_config(["parallel.tp=2", "parallel.mlp=primepar"]))
+
+
+def test_profiling_times_the_primepar_layer_next_to_megatrons() -> None:
+    """The segments round has a PrimePar case on the 4-rank TP group that times the decoder layer only (the
+    embedding and the head are Megatron's either way); the overheads round probes Megatron's cases alone."""
+    from cfp_megatron.profile.overheads import overhead_cases
+    from cfp_megatron.profile.segments import segment_cases, segment_steps
+
+    job = job_from_config(compose_config(["train.global_batch_size=16"]))
+    cases, _ = segment_cases(job, 4)
+    assert [c.partition for c in cases] == ["tp1", "tp2", "tp4", "tp4-primepar"]
+    primepar = cases[-1]
+    assert primepar.layers_only and primepar.job.parallel.mlp is MlpPartition.primepar
+    _, meaning = segment_steps([primepar], [1, 2], ["embedding", "dense", "head"], repeats=1)
+    assert {kind for _, _, kind, _ in meaning.values()} == {"dense"}
+    assert {name for *_, name in meaning.values()} == {"tp4-primepar"}
+    assert {c.tp for c in overhead_cases(cases, 4, job.model.num_layers)} == {1, 2, 4}
+    assert all(c.job.parallel.mlp is MlpPartition.megatron for c in overhead_cases(cases, 4, 4))

@@ -58,6 +58,8 @@ def overhead_cases(cases: Sequence[SegmentCase], world: int, model_layers: int) 
     optimizer's per-parameter cost)."""
     found = []
     for case in cases:
+        if case.layers_only:  # PrimePar's MLP: the simulator scales its Megatron twin's probes by the segments
+            continue
         base = case.job.model.num_layers
         extra = max(1, min(EXTRA_LAYERS, model_layers - base))
         dp = max(world // case.tp, 1)

@@ -101,7 +101,7 @@ def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on
     key = model_key(job, on_gpu=on_gpu)
     cases, skipped = segment_cases(job, world)
     notes += [f"segments: left out {s}" for s in skipped]
-    tps = [c.tp for c in cases]
+    tps = sorted({c.tp for c in cases})  # PrimePar's MLP is a second case of its TP size
     rounds = rounds_needed(db, key, micro_batches(job), tps, force=force)
     classes: dict[int, dict[str, dict[str, Any]]] = {}
     records: list[dict[str, Any]] = []

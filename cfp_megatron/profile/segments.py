@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import hashlib
 import json
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from cfp_megatron.cluster.measured import partition_name
-from cfp_megatron.config import JobSpec, ParallelSpec
+from cfp_megatron.config import JobSpec, MlpPartition, ParallelSpec
 from cfp_megatron.errors import ConfigError
 from cfp_megatron.parallel_dims import ParallelDims
 from cfp_megatron.profile.control import Step, StepResult
@@ -40,6 +41,17 @@ class SegmentCase:
     """The job with one layer per decoder kind, ``parallel.tp = tp`` and a batch that fits."""
     dims: ParallelDims
     """Its layout over the whole world."""
+
+    @property
+    def partition(self) -> str:
+        """The canonical partition string its records are stored under (``tp4``, ``tp2-sp``, ``tp4-primepar``)."""
+        return partition_name(self.tp, sp=self.dims.sp, mlp=self.job.parallel.mlp)
+
+    @property
+    def layers_only(self) -> bool:
+        """Whether only the decoder layers differ from the Megatron case of the same TP size (PrimePar's MLP), so
+        the embedding and the head are not timed again."""
+        return self.job.parallel.mlp is not MlpPartition.megatron
 
 
 def model_key(job: JobSpec, *, on_gpu: bool) -> str:
@@ -65,15 +77,17 @@ def micro_batches(job: JobSpec) -> list[int]:
     return sorted({1, mbs, 2 * mbs} | {2**k for k in range(cap.bit_length()) if 2**k <= cap})
 
 
-def probe_job(job: JobSpec, tp: int, world: int, micro_batch: int) -> JobSpec:
-    """``job`` cut to one layer per decoder kind under ``parallel.tp = tp`` (the rest data-parallel)."""
+def probe_job(job: JobSpec, tp: int, world: int, micro_batch: int,
+              mlp: MlpPartition = MlpPartition.megatron) -> JobSpec:
+    """``job`` cut to one layer per decoder kind under ``parallel.tp = tp`` (the rest data-parallel) and the MLP
+    partition ``mlp``."""
     m = job.model
     two = m.is_moe and m.moe_first_dense_layers > 0
     model = dataclasses.replace(m, num_layers=2 if two else 1, moe_first_dense_layers=1 if two else 0)
     dp = max(world // tp, 1)
     train = dataclasses.replace(job.train, micro_batch_size=micro_batch, global_batch_size=micro_batch * dp,
                                 checkpoint_dir=None, resume=False, save_interval=0)
-    parallel = ParallelSpec(tp=tp, sp=needs_sequence_parallel(job, tp), order=job.parallel.order)
+    parallel = ParallelSpec(tp=tp, sp=needs_sequence_parallel(job, tp), order=job.parallel.order, mlp=mlp)
     return dataclasses.replace(job, model=model, train=train, parallel=parallel)
 
 
@@ -83,17 +97,22 @@ def needs_sequence_parallel(job: JobSpec, tp: int) -> bool:
 
 
 def segment_cases(job: JobSpec, world: int) -> tuple[list[SegmentCase], list[str]]:
-    """Every TP size dividing the world that the model allows, and why the others were left out."""
+    """Every TP size dividing the world that the model allows (and, on TP groups of 4^k ranks, PrimePar's MLP:
+    :mod:`cfp_megatron.layers`), and why the others were left out."""
     cases, skipped = [], []
     biggest = max(micro_batches(job))
     for tp in (t for t in range(1, world + 1) if world % t == 0):
-        probe = probe_job(job, tp, world, biggest)
-        try:
-            dims = ParallelDims.build(probe, world)
-        except ConfigError as err:
-            skipped.append(f"tp{tp}: " + "; ".join(str(i) for i in err.issues))
-            continue
-        cases.append(SegmentCase(tp=tp, job=probe, dims=dims))
+        for mlp in MlpPartition:
+            side = math.isqrt(tp)
+            if mlp is MlpPartition.primepar and (tp < 4 or side * side != tp or side & (side - 1) or job.model.is_moe):
+                continue  # not a square grid of 4^k ranks, or no dense MLP to replace
+            probe = probe_job(job, tp, world, biggest, mlp)
+            try:
+                dims = ParallelDims.build(probe, world)
+            except ConfigError as err:
+                skipped.append(f"{partition_name(tp, mlp=mlp)}: " + "; ".join(str(i) for i in err.issues))
+                continue
+            cases.append(SegmentCase(tp=tp, job=probe, dims=dims))
     return cases, skipped
 
 
@@ -277,28 +296,30 @@ def segment_steps(cases: Sequence[SegmentCase], micro_batch_sizes: Sequence[int]
                   repeats: int) -> tuple[list[Step], dict[str, tuple[int, int, str, bool]]]:
     """Per case: build the probe model, then time each kind at each micro-batch size and measure its memory (a
     step labelled like the timing step plus :data:`MEMORY_SUFFIX`)."""
-    holder: dict[int, SegmentBench] = {}
+    holder: dict[str, SegmentBench] = {}
     steps: list[Step] = []
-    meaning: dict[str, tuple[int, int, str, bool]] = {}
+    meaning: dict[str, tuple[int, int, str, str]] = {}
     for case in cases:
-        def setup(case: SegmentCase = case) -> list[float]:
+        name = case.partition
+
+        def setup(case: SegmentCase = case, name: str = name) -> list[float]:
             holder.clear()  # free the previous case's model first
-            holder[case.tp] = SegmentBench(case, repeats=repeats)
+            holder[name] = SegmentBench(case, repeats=repeats)
             return []
 
-        name = partition_name(case.tp, sp=case.dims.sp)
         steps.append(Step(label=f"build {name} model", run=setup))
+        timed = [k for k in kinds if k not in ("embedding", "head")] if case.layers_only else list(kinds)
         for mbs in micro_batch_sizes:
-            for kind in kinds:
+            for kind in timed:
                 label = f"{kind} {name} mbs={mbs}"
-                steps.append(Step(label=label, run=lambda tp=case.tp, kind=kind, mbs=mbs: holder[tp].time(kind, mbs)))
+                steps.append(Step(label=label, run=lambda name=name, kind=kind, mbs=mbs: holder[name].time(kind, mbs)))
                 steps.append(Step(label=label + MEMORY_SUFFIX,
-                                  run=lambda tp=case.tp, kind=kind, mbs=mbs: holder[tp].memory(kind, mbs)))
-                meaning[label] = (case.tp, mbs, kind, case.dims.sp)
+                                  run=lambda name=name, kind=kind, mbs=mbs: holder[name].memory(kind, mbs)))
+                meaning[label] = (case.tp, mbs, kind, name)
     return steps, meaning
 
 
-def segment_records(results: Sequence[StepResult], meaning: dict[str, tuple[int, int, str, bool]], *, job: JobSpec,
+def segment_records(results: Sequence[StepResult], meaning: dict[str, tuple[int, int, str, str]], *, job: JobSpec,
                     key: str, classes: dict[int, dict[str, dict[str, Any]]]) -> list[SegmentRecord]:
     """Records of the finished timing steps, with their memory steps' figures where those finished too; the class id
     comes from the analysis (the kind name without one)."""
@@ -309,10 +330,10 @@ def segment_records(results: Sequence[StepResult], meaning: dict[str, tuple[int,
         if res.label not in meaning:
             continue
         mem = memory.get(res.label)
-        tp, mbs, kind, sp = meaning[res.label]
+        tp, mbs, kind, partition = meaning[res.label]
         info = classes.get(tp, {}).get(kind, {"segment": kind, "confirmed": False})
         rows.append(SegmentRecord(model=key, model_name=job.model.name, segment=info["segment"], kind=kind,
-                                  partition=partition_name(tp, sp=sp), tp=tp, micro_batch=mbs,
+                                  partition=partition, tp=tp, micro_batch=mbs,
                                   seq_length=job.train.seq_length, forward_s=res.values[0],
                                   backward_s=res.values[1], confirmed=bool(info["confirmed"]),
                                   activation_bytes=mem[0] if mem else None,

@@ -8,6 +8,7 @@ through a :class:`CostCache` (:func:`cost_key` names that).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,7 @@ from cfp_megatron.sim.calibration import Efficiency, efficiency_for
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layer_cost import LayerCost, PassCost, embedding_cost, layer_cost, output_layer_cost
 from cfp_megatron.sim.layout import Layout
-from cfp_megatron.sim.measured_segments import apply_measured
+from cfp_megatron.sim.measured_segments import apply_measured, measured_pass
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.schedule import ScheduleResult
 
@@ -118,8 +119,7 @@ def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         if not options.measured_layer_only:
             emb, out = emb_m, out_m
             if measurements is not None and not m.is_moe:
-                overheads = measurements.step_overheads(
-                    partition_name(job.parallel.tp, sp=job.parallel.sp, mlp=job.parallel.mlp), layout.micro_batch)
+                overheads = _step_overheads(job, measurements, layout.micro_batch)
     per_pass = PassCost()
     if overheads is not None:
         # The layer as it runs inside the training schedule, and the schedule's own cost per micro-batch on every
@@ -127,6 +127,23 @@ def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         dense = moe = in_schedule(dense, overheads.layer_s)
         per_pass = PassCost(overhead_s=overheads.per_microbatch_s / 2)
     return PassCosts(dense=dense, moe=moe, embedding=emb, head=out, per_pass=per_pass, overheads=overheads)
+
+
+def _step_overheads(job: JobSpec, measurements: Measurements, micro_batch: int) -> StepOverheads | None:
+    """The overheads round's figures for the plan's partition. PrimePar's MLP has no probes of its own (profiling
+    times its decoder layer only, :func:`cfp_megatron.profile.segments.segment_cases`): the Megatron partition of the
+    same TP size stands in, its in-schedule layer scaled by the ratio of the two measured layers."""
+    p = job.parallel
+    base = partition_name(p.tp, sp=p.sp)
+    overheads = measurements.step_overheads(base, micro_batch)
+    if overheads is None or p.mlp is MlpPartition.megatron:
+        return overheads
+    own = measured_pass(measurements, "dense", partition_name(p.tp, sp=p.sp, mlp=p.mlp), micro_batch)
+    twin = measured_pass(measurements, "dense", base, micro_batch)
+    if own is None or twin is None or sum(twin) <= 0:
+        return None
+    return dataclasses.replace(overheads, partition=partition_name(p.tp, sp=p.sp, mlp=p.mlp),
+                               layer_s=overheads.layer_s * sum(own) / sum(twin))
 
 
 def in_schedule(cost: LayerCost, layer_s: float) -> LayerCost:
