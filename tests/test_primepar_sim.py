@@ -89,3 +89,17 @@ def test_profiling_times_the_primepar_layer_next_to_megatrons() -> None:
     assert {name for *_, name in meaning.values()} == {"tp4-primepar"}
     assert {c.tp for c in overhead_cases(cases, 4, job.model.num_layers)} == {1, 2, 4}
     assert all(c.job.parallel.mlp is MlpPartition.megatron for c in overhead_cases(cases, 4, 4))
+
+
+def test_megatron_lm_arguments_refuse_a_primepar_plan_by_name() -> None:
+    from cfp_megatron.plan import Plan, megatron_lm_args
+    from cfp_megatron.plan.errors import PlanError
+
+    job = job_from_config(compose_config([*BASE, "parallel.mlp=primepar", "train.micro_batch_size=1"]))
+    plan = Plan.from_job(job, world_size=8, prediction=None, inputs_fingerprint="")
+    with pytest.raises(PlanError, match="parallel.mlp=primepar") as err:
+        megatron_lm_args(plan)
+    assert "torchrun" in str(err.value)
+    assert "--tensor-model-parallel-size" in megatron_lm_args(Plan.from_job(
+        job_from_config(compose_config([*BASE, "train.micro_batch_size=1"])), world_size=8, prediction=None,
+        inputs_fingerprint=""))

@@ -19,7 +19,7 @@ import enum
 import shlex
 from typing import Any
 
-from cfp_megatron.config import ParallelSpec, Precision, Recompute
+from cfp_megatron.config import MlpPartition, ParallelSpec, Precision, Recompute
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.plan.errors import PlanError
 
@@ -57,6 +57,11 @@ def megatron_lm_args(plan: Plan, *, num_layers: int | None = None) -> list[str]:
     ParallelSpec field this function does not know).
     """
     p = plan.parallel
+    if p.mlp is not MlpPartition.megatron:
+        raise PlanError(f"parallel.mlp={p.mlp.value}: Megatron-LM's pretrain_gpt.py has no PrimePar layers, so no "
+                        "arguments of its reproduce this plan.",
+                        fix="train it with the plan's torchrun command (launch/train.py builds PrimePar's MLP), or "
+                            "plan with cfp.constraints.mlp=[megatron] for Megatron-LM.", setting="parallel.mlp")
     defaults = ParallelSpec()
     unknown = [f.name for f in dataclasses.fields(p)
                if f.name not in _MEGATRON_FIELDS and getattr(p, f.name) != getattr(defaults, f.name)]

@@ -253,7 +253,8 @@ def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step
     precision = resolve_precision(t.precision, torch.cuda.is_available())
     peak, peak_source = peak_tflops(job.cluster, precision)
     flops_per_token = training_flops_per_token(job.model, t.seq_length)
-    log.event("start", model=job.model.name, layout=dims.describe(), params_on_rank0=count_parameters(state.chunks),
+    log.event("start", model=job.model.name, layout=dims.describe(), mlp=job.parallel.mlp.value,
+              params_on_rank0=count_parameters(state.chunks),
               steps=t.steps, start_step=state.step, precision=precision.value, backend=dist.get_backend(),
               device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               peak_tflops_per_rank=round(peak, 3), peak_source=peak_source, restart_count=env.restart_count,

@@ -56,6 +56,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     from cfp_megatron.config import compose_config, job_from_config
     from cfp_megatron.errors import ConfigError, ConfigIssue
     from cfp_megatron.plan import Plan, deepspeed_config, megatron_lm_args, save_plan, torchrun_command
+    from cfp_megatron.plan.errors import PlanError
     from cfp_megatron.search.report import plan_prediction, print_result, target_peak_tflops
     from cfp_megatron.search.search import search
     from cfp_megatron.search.spec import cfp_from_config
@@ -99,7 +100,11 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     else:
         save_plan(plan, target)
         console.print(f"plan.json: {target}")
-    exports = {"megatron_args.txt": " ".join(megatron_lm_args(plan, num_layers=job.model.num_layers)) + "\n",
+    try:
+        megatron_args = " ".join(megatron_lm_args(plan, num_layers=job.model.num_layers))
+    except PlanError as err:  # a plan only this plugin's runtime runs (PrimePar's MLP): say so in the file
+        megatron_args = f"# {err}"
+    exports = {"megatron_args.txt": megatron_args + "\n",
                "deepspeed_config.json": json.dumps(deepspeed_config(plan), indent=2) + "\n",
                "torchrun.sh": torchrun_command(plan) + "\n"}
     for name, text in exports.items():
@@ -108,7 +113,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
             path.write_text(text)
     console.print(f"plan {plan.canonical()}\nhash {plan.plan_hash()}")
     console.print(f"reproduce with:\n  {torchrun_command(plan)}")
-    console.print(f"Megatron-LM: {exports['megatron_args.txt'].strip()}")
+    console.print(f"Megatron-LM: {exports['megatron_args.txt'].strip()}", markup=False)
     return 0
 
 
