@@ -103,3 +103,20 @@ def test_megatron_lm_arguments_refuse_a_primepar_plan_by_name() -> None:
     assert "--tensor-model-parallel-size" in megatron_lm_args(Plan.from_job(
         job_from_config(compose_config([*BASE, "train.micro_batch_size=1"])), world_size=8, prediction=None,
         inputs_fingerprint=""))
+
+
+def test_cpu_ranks_pay_the_ring_beside_the_gemms() -> None:
+    """Accelerators overlap the ring with the GEMMs; CPU ranks run gloo's transfers on the same cores."""
+    from cfp_megatron.cluster.costs import CollectiveCosts
+    from cfp_megatron.sim.calibration import efficiency_for
+    from cfp_megatron.sim.kernels import KernelModel
+    from cfp_megatron.sim.primepar_cost import primepar_mlp_cost
+
+    job = job_from_config(compose_config([*BASE, "parallel.mlp=primepar", "train.micro_batch_size=1"]))
+    kernels = KernelModel(job.cluster, efficiency_for(job.cluster), job.train.precision, fp8=False)
+    costs = CollectiveCosts(job.cluster)
+    sizes = {"tp": 4, "tp_per_node": 8, "tokens": 8192.0, "hidden": 4096, "ffn": 14336, "gated": True}
+    gpu = primepar_mlp_cost(kernels, costs, **sizes)
+    cpu = primepar_mlp_cost(kernels, costs, **sizes, overlap=False)
+    assert cpu.forward_compute_s == gpu.forward_compute_s and cpu.backward_compute_s == gpu.backward_compute_s
+    assert cpu.forward_comm_s > gpu.forward_comm_s and cpu.backward_comm_s > gpu.backward_comm_s

@@ -71,8 +71,9 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         use_cpu_initialization=not on_gpu,
         perform_initialization=True,
         # Fusions: the bias/activation and bias/dropout ones are TorchScript (CUDA only); the masked-softmax one is
-        # a compiled extension that only Apex or Megatron's own build provides.
-        bias_activation_fusion=on_gpu and m.add_bias_linear,
+        # a compiled extension that only Apex or Megatron's own build provides. Megatron fuses GELU with a bias and
+        # SwiGLU with or without one (Megatron-LM's --swiglu default), not a bias-free GELU.
+        bias_activation_fusion=on_gpu and (m.add_bias_linear or m.activation is Activation.swiglu),
         masked_softmax_fusion=on_gpu and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None,
         bias_dropout_fusion=on_gpu,
         apply_rope_fusion=False,

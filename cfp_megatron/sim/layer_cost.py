@@ -22,7 +22,7 @@ from cfp_megatron.runtime.flops import attention_params, mlp_params
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.options import SimOptions
-from cfp_megatron.sim.primepar_cost import PrimeParMlpCost, primepar_mlp_cost
+from cfp_megatron.sim.primepar_cost import MlpCost, ffn_gemms, mlp_activation_elements, primepar_mlp_cost
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,10 +86,6 @@ class LayerCost:
     """The part of ``params`` that belongs to routed experts (reduced over the expert-DP group)."""
 
 
-def _ffn_gemms(k: KernelModel, tokens: float, h: int, ffn: float, gated: bool) -> float:
-    return k.gemm(tokens, ffn * (2 if gated else 1), h) + k.gemm(tokens, h, ffn)
-
-
 def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, options: SimOptions,
                *, moe: bool) -> LayerCost:
     """Cost of one dense (``moe=False``) or MoE layer of ``job`` under ``layout``."""
@@ -126,7 +122,7 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
     params = attn_params / t + 4 * h
     expert_params = 0.0
     ep_fwd = 0.0
-    primepar: PrimeParMlpCost | None = None
+    primepar: MlpCost | None = None
     if moe:
         fe = m.moe_ffn_hidden_size or m.ffn_size
         topk, n_exp = m.moe_router_topk, m.num_experts or 1
@@ -134,12 +130,12 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         routed = topk * tokens / t * etp  # token copies an expert rank processes (balanced routing)
         local_experts = n_exp / ep
         per_expert = routed / local_experts
-        mlp_gemm = local_experts * _ffn_gemms(kernels, per_expert, h, fe / etp, gated)
+        mlp_gemm = local_experts * ffn_gemms(kernels, per_expert, h, fe / etp, gated)
         mlp_gemm += kernels.gemm(tokens / (t if sp else 1), n_exp, h, low_precision=False)
         shared = m.moe_shared_expert_intermediate_size or 0
         if shared:
-            mlp_gemm += _ffn_gemms(kernels, tokens, h, shared / t, gated)
-            split += (3 if gated else 2) * shared / t
+            mlp_gemm += ffn_gemms(kernels, tokens, h, shared / t, gated)
+            split += mlp_activation_elements(tp=t, ffn=shared, gated=gated)
         split += routed / tokens * ((3 if gated else 2) * fe / etp + kernels.eff.moe_token_elements * h)
         expert_params = mlp_params(m, fe) * local_experts / etp
         params += expert_params + mlp_params(m, shared) / t + h * n_exp
@@ -149,13 +145,16 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
             ep_fwd += 2 * costs.seconds(Collective.all_gather, a2a_bytes * etp, etp, min(etp, layout.gpus_per_node))
         tp_ops = 2  # attention only; the experts talk over EP
     else:
-        mlp_gemm = _ffn_gemms(kernels, tokens, h, m.ffn_size / t, gated)
-        split += (3 if gated else 2) * m.ffn_size / t
+        # The split GEMMs and the activation as sim.primepar_cost.megatron_mlp_cost has them (its all-reduce is
+        # counted with attention's below).
+        mlp_gemm = ffn_gemms(kernels, tokens, h, m.ffn_size / t, gated)
+        split += mlp_activation_elements(tp=t, ffn=m.ffn_size, gated=gated)
         params += mlp_params(m, m.ffn_size) / t
         tp_ops = 4
         if p.mlp is MlpPartition.primepar and t > 1:  # the MLP's own GEMMs and communication (sim.primepar_cost)
             primepar = primepar_mlp_cost(kernels, costs, tp=t, tp_per_node=layout.tp_per_node, tokens=tokens,
-                                         hidden=h, ffn=m.ffn_size, gated=gated)
+                                         hidden=h, ffn=m.ffn_size, gated=gated,
+                                         overlap=job.cluster.device_name.strip().lower() != "cpu")
             mlp_gemm = primepar.forward_compute_s
             tp_ops = 2  # attention's all-reduce per pass; the MLP adds its exposed ring and all-gather below
     elementwise = kernels.memory((rep + split) * tokens * e)

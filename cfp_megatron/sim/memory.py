@@ -84,6 +84,9 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
         per_token += (2 * shared * (2 if gated else 1) + 2 * shared) / t
     else:
         per_token += (2 * m.ffn_size * (2 if gated else 1) + 2 * m.ffn_size) / t
+        if gated and job.cluster.device_name.strip().lower() == "cpu":
+            # Unfused SwiGLU (the fusion is CUDA-only): it also keeps SiLU's output and the linear half it multiplies.
+            per_token += 2 * 2 * m.ffn_size / t
         if job.parallel.mlp is MlpPartition.primepar and t > 1:
             # fc1's input kept as one block of the grid, not replicated; the rotated weight blocks kept from the
             # forward to the backward pass (cfp_megatron.sim.primepar_cost).

@@ -15,6 +15,9 @@ The MLP is ``fc1`` (``h -> ffn``, twice ``ffn`` wide for SwiGLU), the activation
 block to ``fc2``'s start layout, and ``fc2`` (``ffn -> h``). Its input is sliced from the replicated hidden states
 and its output all-gathered over the grid (forward), the input gradient all-gathered (backward): one all-gather of
 the activation per pass where Megatron's column/row split all-reduces it.
+
+:func:`megatron_mlp_cost` is the same MLP under Megatron's column/row split, as
+:mod:`cfp_megatron.sim.layer_cost` costs it (for comparisons such as ``bench/primepar_mlp.py``).
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ GRAD_BYTES = 4.0
 
 
 @dataclass(frozen=True, kw_only=True)
-class PrimeParMlpCost:
-    """One micro-batch of the MLP on one rank of the grid."""
+class MlpCost:
+    """One micro-batch of the MLP on one rank (of PrimePar's grid or of Megatron's TP group)."""
 
     forward_compute_s: float
     """GEMMs of the forward pass (both linears, every step)."""
@@ -45,6 +48,15 @@ class PrimeParMlpCost:
     """Backward communication left exposed (as forward, plus the un-overlapped weight-gradient hand-over and the
     input-gradient all-gather)."""
 
+    @property
+    def total_s(self) -> float:
+        """Forward plus backward seconds."""
+        return self.forward_compute_s + self.forward_comm_s + self.backward_compute_s + self.backward_comm_s
+
+
+PrimeParMlpCost = MlpCost
+"""The name :func:`primepar_mlp_cost`'s result had first."""
+
 
 def grid_side(tp: int) -> int:
     """``n = 2^k`` of a ``tp = 4^k`` grid."""
@@ -55,8 +67,9 @@ def grid_side(tp: int) -> int:
 
 
 def _linear(kernels: KernelModel, costs: CollectiveCosts, n: int, tokens: float, n_in: float, k_out: float,
-            span: int) -> tuple[float, float, float, float]:
-    """(forward compute, forward exposed, backward compute, backward exposed) seconds of one P_{n x n} linear."""
+            span: int, overlap: bool) -> tuple[float, float, float, float]:
+    """(forward compute, forward exposed, backward compute, backward exposed) seconds of one P_{n x n} linear;
+    without ``overlap`` every transfer is exposed."""
     e = kernels.elem
     tb, nb, kb = tokens / n, n_in / n, k_out / n
 
@@ -65,29 +78,69 @@ def _linear(kernels: KernelModel, costs: CollectiveCosts, n: int, tokens: float,
 
     def phase(gemm: float, transfer: float) -> tuple[float, float]:
         """(compute, exposed) of ``n`` steps whose first ``n - 1`` overlap ``transfer`` with ``gemm``."""
-        return n * gemm, (n - 1) * max(transfer - gemm, 0.0)
+        return n * gemm, (n - 1) * (max(transfer - gemm, 0.0) if overlap else transfer)
 
     f_c, f_x = phase(kernels.gemm(tb, kb, nb), ring((tb * nb + nb * kb) * e))
     d_c, d_x = phase(kernels.gemm(tb, nb, kb), ring((tb * kb + nb * kb) * e))
     g_gemm = kernels.gemm(nb, kb, tb)
     g_c, g_x = phase(g_gemm, ring((tb * nb + tb * kb) * e))
-    realign_di = max(ring(tb * nb * e) - g_gemm, 0.0)
+    realign_di = max(ring(tb * nb * e) - g_gemm, 0.0) if overlap else ring(tb * nb * e)
     hand_over = ring(nb * kb * GRAD_BYTES)
     return f_c, f_x, d_c + g_c, d_x + g_x + realign_di + hand_over
 
 
 def primepar_mlp_cost(kernels: KernelModel, costs: CollectiveCosts, *, tp: int, tp_per_node: int, tokens: float,
-                      hidden: int, ffn: int, gated: bool) -> PrimeParMlpCost:
-    """The MLP of ``tokens`` tokens (micro-batch x sequence / CP) on one rank of a ``tp``-rank grid."""
+                      hidden: int, ffn: int, gated: bool, overlap: bool = True) -> MlpCost:
+    """The MLP of ``tokens`` tokens (micro-batch x sequence / CP) on one rank of a ``tp``-rank grid: its GEMMs and
+    communication; the activation's element-wise work is not in it (:func:`mlp_activation_s`).
+
+    ``overlap``: the ring's transfers run beside the GEMMs (accelerators: the copy engines and NCCL's stream). CPU
+    ranks run both on their own cores (gloo's transfers are CPU work), so there each step costs GEMM plus transfer."""
     n = grid_side(tp)
     span = 2 if tp_per_node >= tp else 1  # ring neighbours inside one node, or across nodes
-    fc1 = _linear(kernels, costs, n, tokens, hidden, ffn * (2 if gated else 1), span)
-    fc2 = _linear(kernels, costs, n, tokens, ffn, hidden, span)
+    fc1 = _linear(kernels, costs, n, tokens, hidden, ffn * (2 if gated else 1), span, overlap)
+    fc2 = _linear(kernels, costs, n, tokens, ffn, hidden, span, overlap)
     e = kernels.elem
     permute = costs.seconds(Collective.send_recv, tokens / n * ffn / n * e, 2, span)
     gather = costs.seconds(Collective.all_gather, tokens * hidden * e, tp, tp_per_node)
-    return PrimeParMlpCost(forward_compute_s=fc1[0] + fc2[0], forward_comm_s=fc1[1] + fc2[1] + permute + gather,
-                           backward_compute_s=fc1[2] + fc2[2], backward_comm_s=fc1[3] + fc2[3] + permute + gather)
+    return MlpCost(forward_compute_s=fc1[0] + fc2[0], forward_comm_s=fc1[1] + fc2[1] + permute + gather,
+                   backward_compute_s=fc1[2] + fc2[2], backward_comm_s=fc1[3] + fc2[3] + permute + gather)
+
+
+def ffn_gemms(kernels: KernelModel, tokens: float, hidden: int, ffn: float, gated: bool) -> float:
+    """Forward GEMM seconds of one MLP's two linears on one rank under Megatron's split: fc1
+    ``[tokens, hidden] @ [hidden, ffn]`` (twice ``ffn`` wide for a gated unit) and fc2 ``[tokens, ffn] @ [ffn,
+    hidden]``, with ``ffn`` this rank's share (``ffn / tp``, or ``/ etp`` for experts)."""
+    return kernels.gemm(tokens, ffn * (2 if gated else 1), hidden) + kernels.gemm(tokens, hidden, ffn)
+
+
+def mlp_activation_elements(*, tp: int, ffn: int, gated: bool) -> float:
+    """Element-wise traffic of the MLP's activation per token and pass on one rank, in elements (read fc1's output
+    block, write the activation's; a gated unit reads two): the same under Megatron's split and PrimePar's grid,
+    both of which hold ``ffn / tp`` of each token's intermediate values."""
+    return (3 if gated else 2) * ffn / tp
+
+
+def mlp_activation_s(kernels: KernelModel, *, tp: int, tokens: float, ffn: int, gated: bool) -> float:
+    """Forward seconds of the activation's element-wise traffic (:func:`mlp_activation_elements`) for ``tokens``
+    tokens; the layer cost counts the backward pass twice this."""
+    return kernels.memory(mlp_activation_elements(tp=tp, ffn=ffn, gated=gated) * tokens * kernels.elem)
+
+
+def megatron_mlp_cost(kernels: KernelModel, costs: CollectiveCosts, *, tp: int, tp_per_node: int, tokens: float,
+                      hidden: int, ffn: int, gated: bool) -> MlpCost:
+    """The MLP of ``tokens`` tokens under Megatron's column/row split over ``tp`` ranks, as
+    :func:`~cfp_megatron.sim.layer_cost.layer_cost` costs a dense MLP without sequence parallelism or TP
+    communication overlap: the split GEMMs (:func:`ffn_gemms` with ``ffn / tp``) and the activation's element-wise
+    traffic (:func:`mlp_activation_s`), twice that backward; one all-reduce of the ``[tokens, hidden]`` activation
+    per pass (fc2's output forward, fc1's input gradient backward). Unlike :func:`primepar_mlp_cost`, the
+    activation's element-wise work is included: add :func:`mlp_activation_s` (and twice it backward) to that one
+    to compare the two."""
+    forward = ffn_gemms(kernels, tokens, hidden, ffn / tp, gated) + mlp_activation_s(kernels, tp=tp, tokens=tokens,
+                                                                                     ffn=ffn, gated=gated)
+    reduce = costs.seconds(Collective.all_reduce, tokens * hidden * kernels.elem, tp, tp_per_node)
+    return MlpCost(forward_compute_s=forward, forward_comm_s=reduce, backward_compute_s=2.0 * forward,
+                   backward_comm_s=reduce)
 
 
 def primepar_stash_saving(*, tp: int, tokens: float, hidden: int, elem: float) -> float:
