@@ -140,17 +140,40 @@ class OverheadBench:
         return t2 - t1 - self.finalize_s, (t1 - t0) + (t3 - t2)
 
     def time(self, micro_batch: int) -> list[float]:
-        """Medians over the repeats (after :data:`WARMUP` untimed steps) of :meth:`step` at ``micro_batch``."""
+        """Medians over the repeats (after :data:`WARMUP` untimed steps) of :meth:`step` at ``micro_batch``, each
+        repeat started together on every rank and taken from its slowest rank.
+
+        A training step lasts as long as its slowest rank, and which rank is slowest changes from step to step
+        where ranks share cores (CPU): the median over steps of the slowest rank is longer than the slowest rank's
+        median, and the former is what a step costs."""
         batches = self._batches(micro_batch)
         for _ in range(WARMUP):
             self.step(batches)
-        runs = [self.step(batches) for _ in range(self.repeats)]
+        runs = []
+        for _ in range(self.repeats):
+            _barrier()
+            runs.append(_slowest(self.step(batches)))
         return [statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)]
 
 
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def _barrier() -> None:
+    """Every rank starts the next timed step together (the steps of a real run are joined by their collectives)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _slowest(values: tuple[float, ...]) -> tuple[float, ...]:
+    """``values`` of the slowest rank, element-wise (the maximum over the world)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return values
+    found = torch.tensor(values, dtype=torch.float64)
+    torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+    return tuple(float(v) for v in found)
 
 
 def overhead_steps(cases: Sequence[OverheadCase], micro_batch_sizes: Sequence[int], *, repeats: int
