@@ -349,6 +349,8 @@ def predict(job: Any, shape: Shape, kernels: Any, costs: Any) -> Predicted:
     # The stash as memory.layer_activation_bytes counts the MLP: its input (replicated), fc1's output and the
     # activation's output (split over TP); PrimePar keeps one block of the input and its rotated weight blocks.
     stash = shape.tokens * (m.hidden_size + (m.ffn_size * (2 if shape.gated else 1) + m.ffn_size) / tp) * elem
+    if shape.gated and job.cluster.device_name.strip().lower() == "cpu":  # unfused SwiGLU: SiLU's output, the half
+        stash += shape.tokens * 2 * m.ffn_size / tp * elem
     if primepar:
         stash -= primepar_stash_saving(tp=tp, tokens=shape.tokens, hidden=m.hidden_size, elem=elem)
         stash += primepar_weight_copies(tp=tp, hidden=m.hidden_size, ffn=m.ffn_size, gated=shape.gated, elem=elem)

@@ -401,6 +401,26 @@ def _scenario(name: str, rank: int, world: int) -> dict[str, float]:
         errors["dW"] = float((gather_weight(layer.weight.grad, grid) - wr.grad).abs().max())
         size = 6 // grid.size
         errors["db"] = float((layer.bias.grad - br.grad[grid.col * size:(grid.col + 1) * size]).abs().max())
+    elif name == "tp":  # {N, P_2x2} (the paper's Fig. 9 fc2 on 8 GPUs): Megatron's row-parallel split of N across
+        # two squares (the TP axis: each square holds half of N and of W's rows, the partial outputs all-reduced
+        # across squares, as RowParallelLinear does), P_2x2 inside each square
+        grid = new_grids(1, world_size=world, rank=rank)
+        tp_axis = new_replica_groups(1, world_size=world, rank=rank)
+        square = rank // 4
+        gen = torch.Generator().manual_seed(5)
+        x, w, g = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((8, 12), (12, 6), (8, 6)))
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        ((xr @ wr) * g).sum().backward()
+        half = slice(6 * square, 6 * (square + 1))
+        layer = PrimeParLinear.from_dense(w[half], grid)
+        xb = input_block(x[:, half], grid).clone().requires_grad_()
+        out = layer(xb)
+        dist.all_reduce(out, group=tp_axis)  # the row-parallel reduction over the TP axis (forward value)
+        errors["O"] = float((out - output_block(x @ w, grid)).abs().max())
+        # Backward of an all-reduce on the TP axis is the identity: each square gets the whole output gradient.
+        layer(xb).mul(output_block(g, grid)).sum().backward()
+        errors["dW"] = float((gather_weight(layer.weight.grad, grid) - wr.grad[half]).abs().max())
+        errors["dI"] = float((xb.grad - input_block(xr.grad[:, half], grid)).abs().max())
     return errors
 
 
@@ -458,4 +478,13 @@ def test_two_k1_squares_as_data_parallel_replicas_match_the_whole_batch(tmp_path
     the whole batch's average loss on one rank."""
     reports = _run(tmp_path, "dp", 8)
     assert set(reports[0]) == {"dW", "db"}
+    _assert_exact(reports)
+
+
+@pytest.mark.slow
+def test_p2x2_composes_with_megatrons_row_parallel_tp_on_another_axis(tmp_path: Path) -> None:
+    """8 ranks = 2 squares on a TP axis that splits N as Megatron's row-parallel linear does ({N, P_2x2}, the paper's
+    Fig. 9 example): output (all-reduced over the TP axis), input and weight gradients equal x @ W on one rank."""
+    reports = _run(tmp_path, "tp", 8)
+    assert set(reports[0]) == {"O", "dW", "dI"}
     _assert_exact(reports)
