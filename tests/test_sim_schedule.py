@@ -64,3 +64,21 @@ def test_extrapolated_schedule_matches_simulation(pp: int, vpp: int, m: int, p2p
     assert sim.simulated and not short.simulated
     assert short.end_s == pytest.approx(sim.end_s, rel=1e-9)
     assert short.busy_s == sim.busy_s
+
+
+def test_shared_cores_count_each_stages_exchanges_per_micro_batch_and_chunk() -> None:
+    """On shared cores the mean stage's timeline (passes plus two blocking exchanges per micro-batch and chunk)
+    bounds the schedule; without exchanges (p2p 0) it is the mean busy time, and the dependency chain at a lone
+    rank's speed bounds it from below too."""
+    import importlib
+
+    from cfp_megatron.sim.options import SimOptions
+
+    shared_cores = importlib.import_module("cfp_megatron.sim.simulate")._shared_cores
+    f_s, b_s = [[1.0, 1.0], [1.0, 1.0]], [[2.0, 2.0], [2.0, 2.0]]  # pp 2, vpp 2
+    m, p2p, slowdown = 8, 0.25, 2.0
+    quiet = shared_cores(f_s, b_s, 0.0, m, slowdown, False, SimOptions())
+    assert max(quiet.end_s) == pytest.approx(m * 6.0)
+    loaded = shared_cores(f_s, b_s, p2p, m, slowdown, False, SimOptions())
+    assert max(loaded.end_s) == pytest.approx(m * 6.0 + 2 * m * 2 * p2p)
+    assert loaded.busy_s == quiet.busy_s

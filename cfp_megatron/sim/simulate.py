@@ -295,11 +295,16 @@ def _shared_cores(f_s: list[list[float]], b_s: list[list[float]], p2p: float, mi
     """The pipeline schedule where ranks share fewer cores than there are ranks (CPU). The pass times were measured
     with every rank busy; a rank waiting in the pipeline's fill or drain leaves its core to the others. So the
     schedule is bounded below by its dependencies at the speed of a rank alone (passes ``slowdown`` times faster)
-    and by the work of all ranks over the cores: the mean stage's busy time at the measured speed."""
+    and by the mean stage's own timeline: its passes at the measured speed plus, per micro-batch and model chunk,
+    its two blocking exchanges with the neighbouring stages (the forward's and the backward's), each a send/receive
+    as the collectives round timed it with every rank busy. A rank blocked in an exchange gives its core away but
+    waits for its neighbour to be scheduled again, so on shared cores the exchanges are not hidden behind other
+    stages' work as they are behind a GPU's."""
     alone = run_schedule([[x / slowdown for x in row] for row in f_s], [[x / slowdown for x in row] for row in b_s],
                          p2p, microbatches, keep_ops=with_events, max_ops=options.max_schedule_ops)
     busy = tuple(microbatches * (sum(f) + sum(b)) for f, b in zip(f_s, b_s, strict=True))
-    work = sum(busy) / len(busy)
+    exchanges = tuple(2 * microbatches * len(f) * p2p for f in f_s)
+    work = (sum(busy) + sum(exchanges)) / len(busy)
     return dataclasses.replace(alone, end_s=tuple(max(end, work) for end in alone.end_s), busy_s=busy)
 
 
