@@ -335,7 +335,7 @@ def predict(job: Any, shape: Shape, kernels: Any, costs: Any) -> Predicted:
              "ffn": m.ffn_size, "gated": shape.gated}
     primepar = job.parallel.mlp is MlpPartition.primepar
     if primepar:
-        cost = primepar_mlp_cost(kernels, costs, **sizes, overlap=job.cluster.device_name.strip().lower() != "cpu")
+        cost = primepar_mlp_cost(kernels, costs, **sizes, overlap=not job.cluster.on_cpu)
         act = mlp_activation_s(kernels, tp=tp, tokens=shape.tokens, ffn=m.ffn_size, gated=shape.gated)
         cost = dataclasses.replace(cost, forward_compute_s=cost.forward_compute_s + act,
                                    backward_compute_s=cost.backward_compute_s + 2.0 * act)
@@ -349,7 +349,7 @@ def predict(job: Any, shape: Shape, kernels: Any, costs: Any) -> Predicted:
     # The stash as memory.layer_activation_bytes counts the MLP: its input (replicated), fc1's output and the
     # activation's output (split over TP); PrimePar keeps one block of the input and its rotated weight blocks.
     stash = shape.tokens * (m.hidden_size + (m.ffn_size * (2 if shape.gated else 1) + m.ffn_size) / tp) * elem
-    if shape.gated and job.cluster.device_name.strip().lower() == "cpu":  # unfused SwiGLU: SiLU's output, the half
+    if shape.gated and job.cluster.on_cpu:  # unfused SwiGLU: SiLU's output, the half
         stash += shape.tokens * 2 * m.ffn_size / tp * elem
     if primepar:
         stash -= primepar_stash_saving(tp=tp, tokens=shape.tokens, hidden=m.hidden_size, elem=elem)

@@ -61,6 +61,13 @@ class MlpPartition(enum.Enum):
     steps; the MLP's input is sliced from the replicated hidden states and its output all-gathered."""
 
 
+def primepar_grid_side(tp: int) -> int | None:
+    """The side 2^k of PrimePar's square grid on a tensor-parallel group of ``tp = 4^k`` ranks (k >= 1); ``None``
+    for any other size."""
+    side = math.isqrt(tp)
+    return side if tp >= 4 and side * side == tp and not side & (side - 1) else None
+
+
 class PositionEmbedding(enum.Enum):
     """How token positions enter the model (Megatron's ``position_embedding_type``)."""
 
@@ -350,6 +357,12 @@ class ClusterSpec:
     backend: Backend = Backend.auto
     """torch.distributed backend."""
 
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the ranks are CPU processes (``device_name: cpu``): no fused CUDA kernels, and transfers are work
+        on the same cores as the compute."""
+        return self.device_name.strip().lower() == "cpu"
+
     def __post_init__(self) -> None:
         issues: list[ConfigIssue] = []
         _positive(issues, self.PREFIX, self, "nodes", "gpus_per_node", "rails_per_node")
@@ -431,8 +444,7 @@ class ParallelSpec:
                                               f"needs parallel.recompute=full (got {self.recompute.value}).",
                                       fix="set parallel.recompute=full or parallel.recompute_method=uniform."))
         if self.mlp is MlpPartition.primepar:
-            side = math.isqrt(self.tp)
-            if self.tp < 4 or side * side != self.tp or side & (side - 1):
+            if primepar_grid_side(self.tp) is None:
                 issues.append(ConfigIssue(key=f"{p}.mlp", value=self.mlp.value,
                                           problem=f"PrimePar's P_{{2^k x 2^k}} needs a square grid of 4^k ranks as the "
                                                   f"tensor-parallel group; parallel.tp={self.tp} is not 4, 16, 64, ...",

@@ -12,7 +12,15 @@ import importlib.util
 import math
 from dataclasses import dataclass
 
-from cfp_megatron.config import AttentionKind, JobSpec, MlpPartition, PositionEmbedding, Recompute
+from cfp_megatron.config import (
+    AttentionKind,
+    JobSpec,
+    MlpPartition,
+    ModelSpec,
+    PositionEmbedding,
+    Recompute,
+    primepar_grid_side,
+)
 from cfp_megatron.errors import ConfigError, ConfigIssue
 from cfp_megatron.pipeline_split import split_issues, stage_counts
 
@@ -20,6 +28,25 @@ from cfp_megatron.pipeline_split import split_issues, stage_counts
 def transformer_engine_available() -> bool:
     """Whether Transformer Engine can be imported (it provides CP attention and fused kernels)."""
     return importlib.util.find_spec("transformer_engine") is not None
+
+
+def primepar_misfits(model: ModelSpec, tp: int, tokens: int) -> list[tuple[str, str]]:
+    """(problem, fix) for each way ``model`` does not fit PrimePar's MLP on a grid of ``tp`` ranks with ``tokens``
+    tokens per micro-batch (the grid splits tokens, hidden and FFN sizes by its side); the grid itself is checked by
+    :class:`~cfp_megatron.config.ParallelSpec` (a ``tp`` that is not 4^k gives no more problems here)."""
+    side = primepar_grid_side(tp)
+    if side is None:
+        return []
+    found = []
+    if model.is_moe:
+        found.append((f"model {model.name} has MoE layers; the PrimePar MLP replaces the dense MLP only.",
+                      "set parallel.mlp=megatron."))
+    for key, size in (("model.hidden_size", model.hidden_size), ("model.ffn_hidden_size", model.ffn_size),
+                      ("train.micro_batch_size x train.seq_length", tokens)):
+        if size % side:
+            found.append((f"the PrimePar grid of parallel.tp={tp} ranks splits {key}={size} into {side} blocks.",
+                          f"use sizes divisible by {side}, or parallel.mlp=megatron."))
+    return found
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,16 +119,9 @@ class ParallelDims:
              f"the padded vocabulary {m.padded_vocab_size} is not divisible by parallel.tp={p.tp}.",
              "raise model.make_vocab_size_divisible_by to a multiple of parallel.tp.")
 
-        if p.mlp is MlpPartition.primepar:  # the 2^k x 2^k grid splits tokens, hidden and FFN sizes by its side
-            side = math.isqrt(p.tp)
-            need(not m.is_moe, "parallel.mlp", p.mlp.value,
-                 f"model {m.name} has MoE layers; the PrimePar MLP replaces the dense MLP only.",
-                 "set parallel.mlp=megatron.")
-            for key, size in (("model.hidden_size", m.hidden_size), ("model.ffn_hidden_size", m.ffn_size),
-                              ("train.micro_batch_size x train.seq_length", t.micro_batch_size * t.seq_length)):
-                need(size % side == 0, "parallel.mlp", p.mlp.value,
-                     f"the PrimePar grid of parallel.tp={p.tp} ranks splits {key}={size} into {side} blocks.",
-                     f"use sizes divisible by {side}, or parallel.mlp=megatron.")
+        if p.mlp is MlpPartition.primepar:
+            for problem, fix in primepar_misfits(m, p.tp, t.micro_batch_size * t.seq_length):
+                need(False, "parallel.mlp", p.mlp.value, problem, fix)
 
         # Layers against PP x VPP (and the first/last stage's own counts).
         issues += split_issues(m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers)

@@ -12,7 +12,6 @@ import dataclasses
 import gc
 import hashlib
 import json
-import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 
 from cfp_megatron.cluster.measured import partition_name
-from cfp_megatron.config import JobSpec, MlpPartition, ParallelSpec
+from cfp_megatron.config import JobSpec, MlpPartition, ParallelSpec, primepar_grid_side
 from cfp_megatron.errors import ConfigError
 from cfp_megatron.parallel_dims import ParallelDims
 from cfp_megatron.profile.control import Step, StepResult
@@ -103,8 +102,7 @@ def segment_cases(job: JobSpec, world: int) -> tuple[list[SegmentCase], list[str
     biggest = max(micro_batches(job))
     for tp in (t for t in range(1, world + 1) if world % t == 0):
         for mlp in MlpPartition:
-            side = math.isqrt(tp)
-            if mlp is MlpPartition.primepar and (tp < 4 or side * side != tp or side & (side - 1) or job.model.is_moe):
+            if mlp is MlpPartition.primepar and (primepar_grid_side(tp) is None or job.model.is_moe):
                 continue  # not a square grid of 4^k ranks, or no dense MLP to replace
             probe = probe_job(job, tp, world, biggest, mlp)
             try:

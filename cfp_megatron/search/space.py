@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from cfp_megatron.config import AttentionKind, JobSpec, MlpPartition, ParallelSpec, Recompute, RecomputeMethod
+from cfp_megatron.config import (
+    AttentionKind,
+    JobSpec,
+    MlpPartition,
+    ParallelSpec,
+    Recompute,
+    RecomputeMethod,
+    primepar_grid_side,
+)
+from cfp_megatron.parallel_dims import primepar_misfits
 from cfp_megatron.pipeline_split import split_issues, stage_counts
 from cfp_megatron.search.spec import CfpSpec
 
@@ -285,12 +293,9 @@ class Space:
         (:mod:`cfp_megatron.layers`) on a TP group of 4^k ranks without SP, for a dense model whose hidden and FFN
         sizes and tokens per micro-batch the grid side divides, unless :attr:`primepar` says it was not profiled at
         that TP size."""
-        m = self.job.model
         values = [MlpPartition.megatron]
-        side = math.isqrt(family.tp)
-        if (family.tp >= 4 and side * side == family.tp and not side & (side - 1) and not sp and not m.is_moe
-                and not (m.hidden_size % side or m.ffn_size % side
-                         or micro_batch * self.job.train.seq_length % side)
+        if (primepar_grid_side(family.tp) is not None and not sp
+                and not primepar_misfits(self.job.model, family.tp, micro_batch * self.job.train.seq_length)
                 and (self.primepar is None or family.tp in self.primepar)):
             values.append(MlpPartition.primepar)
         allowed = self.cfp.allowed("mlp")

@@ -15,7 +15,7 @@ _FALLBACK_HBM_GBPS = 50.0
 def compute_precision(precision: Precision, cluster: ClusterSpec) -> Precision:
     """The precision the runtime trains in on ``cluster``: ``auto`` is fp32 on a CPU cluster and bf16 on GPUs
     (:func:`cfp_megatron.config.resolve_precision`)."""
-    return resolve_precision(precision, on_gpu=cluster.device_name.strip().lower() != "cpu")
+    return resolve_precision(precision, on_gpu=not cluster.on_cpu)
 
 
 def dtype_name(precision: Precision) -> str:

@@ -84,7 +84,7 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
         per_token += (2 * shared * (2 if gated else 1) + 2 * shared) / t
     else:
         per_token += (2 * m.ffn_size * (2 if gated else 1) + 2 * m.ffn_size) / t
-        if gated and job.cluster.device_name.strip().lower() == "cpu":
+        if gated and job.cluster.on_cpu:
             # Unfused SwiGLU (the fusion is CUDA-only): it also keeps SiLU's output and the linear half it multiplies.
             per_token += 2 * 2 * m.ffn_size / t
         if job.parallel.mlp is MlpPartition.primepar and t > 1:

@@ -22,11 +22,11 @@ the activation per pass where Megatron's column/row split all-reduces it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
+from cfp_megatron.config import primepar_grid_side
 from cfp_megatron.sim.kernels import KernelModel
 
 GRAD_BYTES = 4.0
@@ -52,18 +52,6 @@ class MlpCost:
     def total_s(self) -> float:
         """Forward plus backward seconds."""
         return self.forward_compute_s + self.forward_comm_s + self.backward_compute_s + self.backward_comm_s
-
-
-PrimeParMlpCost = MlpCost
-"""The name :func:`primepar_mlp_cost`'s result had first."""
-
-
-def grid_side(tp: int) -> int:
-    """``n = 2^k`` of a ``tp = 4^k`` grid."""
-    side = math.isqrt(tp)
-    if side * side != tp:
-        raise ValueError(f"a PrimePar grid needs 4^k ranks, got tp={tp}")
-    return side
 
 
 def _linear(kernels: KernelModel, costs: CollectiveCosts, n: int, tokens: float, n_in: float, k_out: float,
@@ -96,7 +84,9 @@ def primepar_mlp_cost(kernels: KernelModel, costs: CollectiveCosts, *, tp: int, 
 
     ``overlap``: the ring's transfers run beside the GEMMs (accelerators: the copy engines and NCCL's stream). CPU
     ranks run both on their own cores (gloo's transfers are CPU work), so there each step costs GEMM plus transfer."""
-    n = grid_side(tp)
+    n = primepar_grid_side(tp)
+    if n is None:
+        raise ValueError(f"a PrimePar grid needs 4^k ranks, got tp={tp}")
     span = 2 if tp_per_node >= tp else 1  # ring neighbours inside one node, or across nodes
     fc1 = _linear(kernels, costs, n, tokens, hidden, ffn * (2 if gated else 1), span, overlap)
     fc2 = _linear(kernels, costs, n, tokens, ffn, hidden, span, overlap)
