@@ -33,6 +33,7 @@ consecutive ranks instead.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -250,6 +251,7 @@ def _next(operand: Operand, offset: tuple[int, int], phase: Phase, step: int) ->
                         note="Table 1")
 
 
+@functools.cache  # pure; every layer call asks for each step's transfers
 def ring_transfers(phase: Phase, *, k: int, step: int) -> tuple[RingTransfer, ...]:
     """The ring transfers that overlap compute step ``step`` of ``phase`` (the paper's Table 1; offsets are the
     sender's position relative to the receiver (r, c)).
@@ -303,6 +305,7 @@ EXTRA_TRANSFERS = (GRAD_INPUT_REALIGN, WEIGHT_FETCH, GRAD_OUTPUT_SHIFT)
 """The names of the transfers this implementation adds, for :func:`extra_transfer`."""
 
 
+@functools.cache
 def extra_transfer(name: str, *, k: int) -> RingTransfer:
     """One of the transfers this implementation adds to Table 1 (see :data:`EXTRA_TRANSFERS`), for a 2^k square."""
     last = check_k(k) - 1

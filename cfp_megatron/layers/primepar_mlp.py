@@ -68,6 +68,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, mak
 from megatron.core.utils import get_pg_rank, get_tensor_model_parallel_group_if_none
 from torch import nn
 
+from cfp_megatron.config import primepar_grid_side
 from cfp_megatron.layers.errors import PrimeParError
 from cfp_megatron.layers.primepar_grid import PrimeParGrid, grid_position, square_ranks
 from cfp_megatron.layers.primepar_linear import (
@@ -101,10 +102,11 @@ def tensor_parallel_grid(tp_group: dist.ProcessGroup | None) -> PrimeParGrid:
                             fix="initialise torch.distributed and Megatron's parallel_state (or pass tp_group).",
                             setting="tp_group")
     size, index = tp_group.size(), tp_group.rank()
-    k = (size.bit_length() - 1) // 2
-    if k < 1 or 4 ** k != size:
+    side = primepar_grid_side(size)
+    if side is None:
         raise PrimeParError(f"the PrimePar MLP needs a tensor-parallel group of 4^k ranks (k >= 1), got {size}.",
                             fix="set parallel.tp to 4 or 16, or parallel.mlp=megatron.", setting="parallel.tp")
+    k = side.bit_length() - 1
     ranks = tuple(tuple(dist.get_global_rank(tp_group, i) for i in row) for row in square_ranks(k))
     row, col = grid_position(index, k=k)
     return PrimeParGrid(k=k, row=row, col=col, ranks=ranks, group=tp_group)
