@@ -637,11 +637,14 @@ JobSchema = _mutable_twin(JobSpec, {})
 def _root_schema() -> type:
     """The schema of the whole composed config: :data:`JobSchema`'s groups plus the planner's optional ``cfp`` group
     (``None`` unless a ``cfp`` option such as ``+cfp=auto`` is chosen)."""
+    from cfp_megatron.backends.deepspeed.spec import BackendSpec
     from cfp_megatron.search.spec import CfpSpec
 
     cfp = _mutable_twin(CfpSpec, {})
+    backend = _mutable_twin(BackendSpec, {})
     extra = [(f.name, f.type, field(default_factory=f.default_factory)) for f in dataclasses.fields(JobSchema)]
-    return dataclasses.make_dataclass("CfpRootSchema", [*extra, ("cfp", cfp | None, field(default=None))],
+    return dataclasses.make_dataclass("CfpRootSchema", [*extra, ("cfp", cfp | None, field(default=None)),
+                                                        ("backend", backend, field(default_factory=backend))],
                                       kw_only=True)
 
 
@@ -718,7 +721,8 @@ def job_from_config(cfg: Any) -> JobSpec:
             built[name] = build_spec(cls, _to_plain(raw.get(name, {})))
         except ConfigError as err:
             issues.extend(err.issues)
-    extra = sorted(set(raw) - set(SECTIONS) - {"hydra", "cfp"})  # cfp: the planner's group (cfp_from_config)
+    # cfp: the planner's group (cfp_from_config); backend: the training engine's (backend_from_config)
+    extra = sorted(set(raw) - set(SECTIONS) - {"hydra", "cfp", "backend"})
     issues.extend(ConfigIssue(key=k, value=raw[k], problem="is not a known config group.",
                               fix=f"remove it; groups are {sorted(SECTIONS)}.") for k in extra)
     if issues:

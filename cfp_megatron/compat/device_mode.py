@@ -35,6 +35,24 @@ class DeviceRewriteMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func is torch.Tensor.backward:
+            # A mode is off while its handler runs, and ``loss.backward()`` (as DeepSpeed's engine calls it) runs the
+            # whole backward pass, recomputed forwards included, inside the handler. Run it with the mode on, through
+            # the autograd engine's own entry point, as Megatron's schedules call it (``custom_backward``).
+            tensor, *rest = args
+            bound = dict(zip(("gradient", "retain_graph", "create_graph", "inputs"), rest, strict=False), **kwargs)
+            gradient = bound.get("gradient")
+            if gradient is None:
+                gradient = torch.ones_like(tensor)
+            create = bool(bound.get("create_graph", False))
+            retain = bound.get("retain_graph")
+            inputs = bound.get("inputs")
+            inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+            with self:
+                torch.autograd.Variable._execution_engine.run_backward(
+                    (tensor,), (gradient,), create if retain is None else bool(retain), create, inputs,
+                    allow_unreachable=True, accumulate_grad=True)
+            return None
         if "device" in kwargs and self._moves(kwargs["device"]):
             kwargs = {**kwargs, "device": self.target}
         if func in (torch.Tensor.to, torch.Tensor.cuda):

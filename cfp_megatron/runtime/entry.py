@@ -73,9 +73,17 @@ def _rest_issues(job: JobSpec) -> list[ConfigIssue]:
 
 def train_from_config(cfg: Any) -> list:
     """Validate ``cfg`` completely before any process group exists, plan when the ``cfp`` group asks for it, then
-    train; return rank 0's step metrics."""
+    train; return rank 0's step metrics. ``backend=deepspeed`` hands the job to
+    :mod:`cfp_megatron.backends.deepspeed.entry`."""
+    from cfp_megatron.backends.deepspeed.spec import backend_from_config
     from cfp_megatron.runtime import checkpoint
     from cfp_megatron.search.spec import CfpMode, cfp_from_config
+
+    backend = backend_from_config(cfg)
+    if backend.is_deepspeed:
+        from cfp_megatron.backends.deepspeed.entry import train_from_config as train_deepspeed
+
+        return train_deepspeed(cfg, backend)
 
     env = LaunchEnv.read()
     job = job_from_config(cfg)

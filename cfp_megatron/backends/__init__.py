@@ -1,0 +1,1 @@
+"""Training backends other than Megatron-Core's own loop (``backend=deepspeed``)."""

@@ -1,0 +1,156 @@
+"""``launch/train.py backend=deepspeed``: from the composed config to a DeepSpeed run.
+
+Everything is checked before any process group exists: the layout (DeepSpeed's data parallelism spans every rank, so
+``parallel`` must have no model parallelism), the ``backend`` knobs, the batch against the world size. Then the plan:
+
+- ``+cfp=auto``: every rank takes part in the profiling rounds (the same ProfileDB as the Megatron backend), rank 0
+  searches the ZeRO space (:func:`cfp_megatron.backends.deepspeed.search.search_zero`) and broadcasts the plan, and
+  every rank checks its canonical string and hash;
+- ``+cfp=manual cfp.plan=...`` (or ``cfp.plan_file=zero_plan.json``): that plan;
+- no ``cfp`` group: the ``backend`` knobs as given (unset ones take DeepSpeed's defaults: stage 0, no checkpointing,
+  no offload) with ``train.micro_batch_size``.
+
+Rank 0 writes ``ds_config.json`` and ``zero_plan.json`` into the run directory (never over a different file), and
+every rank trains with that config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from cfp_megatron.backends.deepspeed.spec import BackendSpec
+from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, ds_config, write_ds_config
+from cfp_megatron.config import JobSpec, ParallelSpec, resolve_precision
+from cfp_megatron.errors import ConfigError, ConfigIssue
+from cfp_megatron.runtime.launch_env import LaunchEnv
+from cfp_megatron.search.spec import CfpMode, CfpSpec
+
+_MODEL_PARALLEL = ("tp", "pp", "cp", "ep")
+
+
+def check_layout(job: JobSpec, cfp: CfpSpec) -> None:
+    """Raise a ConfigError when ``parallel`` or the ``cfp`` pins ask for model parallelism DeepSpeed's data-parallel
+    ZeRO does not do here."""
+    p, default = job.parallel, ParallelSpec()
+    issues = [ConfigIssue(key=f"parallel.{name}", value=getattr(p, name),
+                          problem="the DeepSpeed backend trains data parallel (ZeRO over every rank) without model "
+                                  "parallelism.",
+                          fix=f"remove parallel.{name}, or train with backend=megatron.")
+              for name in (*_MODEL_PARALLEL, "sp", "vpp", "mlp", "first_stage_layers", "last_stage_layers")
+              if getattr(p, name) != getattr(default, name)]
+    for name in (*_MODEL_PARALLEL, "vpp", "etp"):
+        allowed = cfp.allowed(name) if cfp.mode is not CfpMode.off else None
+        if allowed is not None and allowed != [1]:
+            issues.append(ConfigIssue(key=f"cfp.{name}", value=allowed,
+                                      problem="the DeepSpeed backend plans ZeRO data parallelism only.",
+                                      fix=f"remove cfp.{name}, or plan with backend=megatron."))
+    if job.model.is_moe:
+        issues.append(ConfigIssue(key="model", value=job.model.name,
+                                  problem="MoE models need expert parallelism, which the DeepSpeed backend does not "
+                                          "configure.", fix="train MoE models with backend=megatron."))
+    if issues:
+        raise ConfigError(issues)
+
+
+def manual_plan(job: JobSpec, backend: BackendSpec, world: int, *, on_gpu: bool) -> ZeroPlan:
+    """The plan of the ``backend`` knobs as given (unset: stage 0, no checkpointing, no offload) and
+    ``train.micro_batch_size``."""
+    pins = backend.pins()
+    return _plan_or_config_error(lambda: ZeroPlan.from_job(
+        job, world=world, zero_stage=pins.get("zero_stage", 0),
+        micro_batch=pins.get("micro_batch", job.train.micro_batch_size),
+        activation_checkpointing=bool(pins.get("activation_checkpointing", False)),
+        offload_optimizer=bool(pins.get("offload_optimizer", False)),
+        offload_param=bool(pins.get("offload_param", False)), bucket_elements=backend.bucket_elements,
+        precision=resolve_precision(job.train.precision, on_gpu)), "backend")
+
+
+def _plan_or_config_error(build: Any, key: str) -> ZeroPlan:
+    from cfp_megatron.plan import PlanError
+
+    try:
+        return build()
+    except PlanError as err:
+        raise ConfigError(ConfigIssue(key=err.setting or key, value="-", problem=err.problem,
+                                      fix=err.fix or "see the problem.")) from None
+
+
+def train_from_config(cfg: Any, backend: BackendSpec) -> list:
+    """Validate, plan (see the module docstring), write ds_config.json, train; rank 0's step metrics."""
+    import torch
+
+    from cfp_megatron.compat.cpu import install_if_needed
+    from cfp_megatron.config import job_from_config
+    from cfp_megatron.parallel_dims import ParallelDims
+    from cfp_megatron.runtime.entry import hydra_run_dir, validate_rest
+    from cfp_megatron.search.spec import cfp_from_config
+
+    env = LaunchEnv.read()
+    job = job_from_config(cfg)
+    cfp = cfp_from_config(cfg)
+    check_layout(job, cfp)
+    validate_rest(job)
+    on_gpu = torch.cuda.is_available()
+    run_dir = hydra_run_dir()
+    resume = _check_checkpoint_dir(job)
+    console = Console(highlight=False, soft_wrap=True) if env.rank == 0 else None
+    install_if_needed()
+    check = None
+    if cfp.mode is CfpMode.auto:
+        from cfp_megatron.backends.deepspeed.launch import planned
+
+        plan, check = planned(job, cfp, backend, env, console, on_gpu=on_gpu)
+    elif cfp.mode is CfpMode.manual and (cfp.plan or cfp.plan_file):
+        plan = _plan_or_config_error(
+            (lambda: ZeroPlan.parse(cfp.plan)) if cfp.plan else
+            (lambda: ZeroPlan.from_json(json.loads(Path(str(cfp.plan_file)).read_text()))), "cfp.plan")
+    else:
+        plan = manual_plan(job, backend, env.world_size, on_gpu=on_gpu)
+    if plan.dp != env.world_size:
+        raise ConfigError(ConfigIssue(key="cfp.plan", value=plan.canonical(),
+                                      problem=f"the plan is for {plan.dp} ranks but {env.world_size} were started.",
+                                      fix=f"start {plan.dp} ranks, or plan again (+cfp=auto)."))
+    job = dataclasses.replace(job, train=dataclasses.replace(job.train, micro_batch_size=plan.micro_batch_size))
+    config = ds_config(plan, job, base=backend.base_config())
+    folder = run_dir or Path("outputs")
+    if env.rank == 0:
+        written = write_ds_config(config, folder / "ds_config.json")
+        write_ds_config(plan.to_json(), folder / "zero_plan.json")
+        if console is not None:
+            console.print(f"cfp: DeepSpeed plan {plan.describe()} ({plan.canonical()}); config {written}",
+                          markup=False)
+    from cfp_megatron.backends.deepspeed.trainer import run_training
+    from cfp_megatron.runtime.distributed import destroy_distributed, init_distributed
+
+    dims = ParallelDims.build(dataclasses.replace(job, parallel=ParallelSpec()), env.world_size)
+    metrics = job.train.metrics_file
+    metrics_path = Path(metrics) if metrics else (run_dir / "metrics.jsonl" if run_dir is not None else None)
+    init_distributed(job, dims, env)
+    try:
+        return run_training(job, plan, config, dims, env, metrics_path=metrics_path, check=check, resume=resume)
+    finally:
+        destroy_distributed()
+
+
+def _check_checkpoint_dir(job: JobSpec) -> bool:
+    """Whether to resume: ``train.resume`` with a DeepSpeed checkpoint (its ``latest`` file) there. A folder
+    holding a checkpoint without ``train.resume`` is refused rather than written over."""
+    t = job.train
+    if t.checkpoint_dir is None:
+        if t.resume:
+            raise ConfigError(ConfigIssue(key="train.resume", value=True, problem="there is no train.checkpoint_dir.",
+                                          fix="set train.checkpoint_dir, or train.resume=false."))
+        return False
+    latest = Path(t.checkpoint_dir) / "latest"
+    if t.resume:
+        return latest.exists()
+    if latest.exists():
+        raise ConfigError(ConfigIssue(key="train.checkpoint_dir", value=t.checkpoint_dir,
+                                      problem="holds a DeepSpeed checkpoint, which this run would write over.",
+                                      fix="set train.resume=true to continue it, or choose another folder."))
+    return False

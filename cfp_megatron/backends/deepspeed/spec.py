@@ -1,0 +1,154 @@
+"""The ``backend`` config group: which engine trains (``backend=megatron`` or ``backend=deepspeed``) and the
+DeepSpeed knobs a user pins by hand (``backend.zero_stage=2``); ``null`` leaves a knob to the planner under
+``+cfp=auto`` (and to DeepSpeed's default without it)."""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from cfp_megatron.config import build_spec
+from cfp_megatron.errors import ConfigError, ConfigIssue
+
+
+class BackendKind(enum.Enum):
+    """The engine that trains."""
+
+    megatron = "megatron"
+    """Megatron-Core's DDP, optimizer and pipeline schedules (:mod:`cfp_megatron.runtime.trainer`)."""
+    deepspeed = "deepspeed"
+    """``deepspeed.initialize`` with a planned ZeRO configuration (:mod:`cfp_megatron.backends.deepspeed.trainer`)."""
+
+
+ZERO_STAGES = (0, 1, 2, 3)
+"""ZeRO stages: 0 plain data parallelism, 1 optimizer states, 2 and gradients, 3 and parameters partitioned."""
+
+PLANNED_KEYS = ("zero_stage", "micro_batch", "activation_checkpointing", "offload_optimizer", "offload_param")
+"""The knobs the DeepSpeed planner chooses."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendSpec:
+    """The ``backend`` group."""
+
+    PREFIX: ClassVar[str] = "backend"
+
+    name: BackendKind = BackendKind.megatron
+    """Which engine trains."""
+    zero_stage: int | None = None
+    """DeepSpeed ZeRO stage 0-3; ``None``: planned under ``+cfp=auto``, else 0."""
+    activation_checkpointing: bool | None = None
+    """Recompute each transformer layer in the backward pass (keeps only layer inputs); ``None``: planned, else
+    off."""
+    offload_optimizer: bool | None = None
+    """ZeRO-Offload: optimizer states (and the fp32 gradient partition) live in host memory and the optimizer step
+    runs on the CPU (DeepSpeedCPUAdam); stages 1-3. ``None``: planned, else off."""
+    offload_param: bool | None = None
+    """ZeRO-Infinity's parameter offload to host memory, fetched per layer; stage 3 only. ``None``: planned, else
+    off."""
+    bucket_elements: int = 50_000_000
+    """Elements per ZeRO reduce/all-gather bucket (``reduce_bucket_size``, ``allgather_bucket_size``,
+    ``stage3_prefetch_bucket_size``); DeepSpeed's own default (5e8) holds 1-2 GB of buffers per GPU."""
+    config_file: str | None = None
+    """A DeepSpeed config to start from (read, never written): its keys are kept; values ``"auto"`` are planned,
+    concrete ZeRO stage, micro-batch and offload values pin those knobs."""
+
+    def __post_init__(self) -> None:
+        issues: list[ConfigIssue] = []
+        if self.zero_stage is not None and self.zero_stage not in ZERO_STAGES:
+            issues.append(ConfigIssue(key="backend.zero_stage", value=self.zero_stage,
+                                      problem="is not a ZeRO stage.", fix="use 0, 1, 2 or 3 (or null to plan it)."))
+        if self.offload_param and self.zero_stage is not None and self.zero_stage != 3:
+            issues.append(ConfigIssue(key="backend.offload_param", value=True,
+                                      problem=f"parameter offload needs ZeRO stage 3, not {self.zero_stage}.",
+                                      fix="set backend.zero_stage=3, or backend.offload_param=false."))
+        if self.offload_optimizer and self.zero_stage == 0:
+            issues.append(ConfigIssue(key="backend.offload_optimizer", value=True,
+                                      problem="optimizer offload needs a ZeRO stage of 1 or more.",
+                                      fix="set backend.zero_stage=1 (or 2, 3), or backend.offload_optimizer=false."))
+        if self.bucket_elements < 1:
+            issues.append(ConfigIssue(key="backend.bucket_elements", value=self.bucket_elements,
+                                      problem="must be positive.", fix="use e.g. 50000000."))
+        if self.name is BackendKind.megatron:
+            for key in ("zero_stage", "activation_checkpointing", "offload_optimizer", "offload_param",
+                        "config_file"):
+                if getattr(self, key) is not None:
+                    issues.append(ConfigIssue(key=f"backend.{key}", value=getattr(self, key),
+                                              problem="is a DeepSpeed setting, and the Megatron backend trains.",
+                                              fix="add backend=deepspeed, or remove the setting."))
+        if self.config_file is not None and not Path(self.config_file).is_file():
+            issues.append(ConfigIssue(key="backend.config_file", value=self.config_file,
+                                      problem="is not a file.", fix="give the path of a DeepSpeed JSON config."))
+        if issues:
+            raise ConfigError(issues)
+
+    @property
+    def is_deepspeed(self) -> bool:
+        """Whether DeepSpeed trains."""
+        return self.name is BackendKind.deepspeed
+
+    def base_config(self) -> dict[str, Any]:
+        """The user's DeepSpeed config (``config_file``), or an empty one."""
+        if self.config_file is None:
+            return {}
+        try:
+            data = json.loads(Path(self.config_file).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError(ConfigIssue(key="backend.config_file", value=self.config_file,
+                                          problem=f"cannot be read as JSON ({err}).",
+                                          fix="give the path of a DeepSpeed JSON config.")) from None
+        if not isinstance(data, dict):
+            raise ConfigError(ConfigIssue(key="backend.config_file", value=self.config_file,
+                                          problem="does not hold a JSON object.",
+                                          fix="give the path of a DeepSpeed JSON config."))
+        return data
+
+    def pins(self) -> dict[str, Any]:
+        """The knobs fixed by hand: this group's non-null values, then concrete values of ``config_file`` (a value
+        ``"auto"`` there is left to the planner). Keys are those of :data:`PLANNED_KEYS`."""
+        base = self.base_config()
+        zero = base.get("zero_optimization") or {}
+        from_file = {
+            "zero_stage": zero.get("stage"),
+            "micro_batch": base.get("train_micro_batch_size_per_gpu"),
+            "offload_optimizer": _offload(zero.get("offload_optimizer")),
+            "offload_param": _offload(zero.get("offload_param")),
+            "activation_checkpointing": None,
+        }
+        pins = {k: v for k, v in from_file.items() if v is not None and v != "auto"}
+        for key in PLANNED_KEYS:
+            value = getattr(self, key, None)
+            if value is not None:
+                if key in pins and pins[key] != value:
+                    raise ConfigError(ConfigIssue(
+                        key=f"backend.{key}", value=value,
+                        problem=f"contradicts backend.config_file, which sets {pins[key]!r}.",
+                        fix="remove one of the two, or set the file's value to \"auto\"."))
+                pins[key] = value
+        return pins
+
+
+def _offload(section: Any) -> bool | str | None:
+    """A ``zero_optimization.offload_*`` section as a pin: True for a CPU/NVMe device, False for ``none``."""
+    if section is None:
+        return None
+    if section == "auto":
+        return "auto"
+    device = section.get("device") if isinstance(section, dict) else None
+    if device in (None, "auto"):
+        return None if device is None else "auto"
+    return device != "none"
+
+
+def backend_from_config(cfg: Any) -> BackendSpec:
+    """The ``backend`` group of a composed config (the Megatron backend when the group is absent)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg or {})
+    section = raw.get("backend")
+    if section is None:
+        return BackendSpec()
+    return build_spec(BackendSpec, dict(section))

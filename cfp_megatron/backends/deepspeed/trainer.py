@@ -1,0 +1,150 @@
+"""Train a Megatron-Core GPT model with ``deepspeed.initialize`` under a :class:`ZeroPlan`.
+
+The model is Megatron-Core's ``GPTModel`` built as the Megatron backend builds it (no model parallelism: Megatron's
+groups have size 1, DeepSpeed's data parallelism spans every rank), with Megatron's full per-layer recomputation where
+the plan checkpoints activations. DeepSpeed owns the rest: ZeRO partitioning, gradient accumulation (``backward`` and
+``step`` per micro-batch; the optimizer steps at the accumulation boundary), clipping, the optimizer and the LR
+schedule of ``ds_config.json``, and checkpoints (``engine.save_checkpoint``). The loss of a micro-batch is its mean
+token loss; DeepSpeed averages over accumulation steps and data-parallel ranks, so a step's loss is the global batch's
+mean token loss, as the Megatron backend reports it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, model_job
+from cfp_megatron.config import JobSpec, Precision
+from cfp_megatron.parallel_dims import ParallelDims
+from cfp_megatron.runtime.launch_env import LaunchEnv
+from cfp_megatron.runtime.plan_check import PlanCheck
+from cfp_megatron.runtime.trainer import MetricsLog, StepMetrics, _check_plan
+
+
+def import_deepspeed() -> Any:
+    """``deepspeed``, on the CPU accelerator when there is no GPU (set before the import, as DeepSpeed reads it
+    then)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    return deepspeed
+
+
+def build_engine(job: JobSpec, plan: ZeroPlan, config: dict[str, Any], dims: ParallelDims) -> tuple[Any, Any]:
+    """The model (Megatron-Core GPTModel) and the DeepSpeed engine around it. Process groups must exist."""
+    deepspeed = import_deepspeed()
+    from cfp_megatron.runtime.init import layout_independent_init
+    from cfp_megatron.runtime.model import build_model_chunks, transformer_config
+
+    on_gpu = torch.cuda.is_available()
+    mjob = model_job(plan, job)
+    mconfig = transformer_config(mjob, dims, on_gpu=on_gpu)
+    # DeepSpeed casts the module to bf16/fp16 itself (config "bf16"/"fp16"); build it in fp32 like a user's model.
+    (model,) = build_model_chunks(mjob, mconfig, dims)
+    if job.train.layout_independent_init:
+        layout_independent_init([model], mconfig, job.train.seed)
+    if plan.zero_stage == 3 and model.share_embeddings_and_output_weights and model.post_process:
+        # The output layer multiplies by the embedding's weight, which ZeRO-3 gathers only for the module that owns
+        # it: register it with the output layer too (as Megatron-DeepSpeed does for tied embeddings).
+        deepspeed.zero.register_external_parameter(model.output_layer, model.shared_embedding_or_output_weight())
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                          if p.requires_grad], config=config)
+    return model, engine
+
+
+def _micro_loss(engine: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    device = engine.device
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    losses = engine(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    mask = batch["loss_mask"].float()
+    return (losses.float() * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def train_step(engine: Any, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float, float]:
+    """One optimizer step (backward and step per micro-batch; DeepSpeed steps at the accumulation boundary);
+    returns (global mean loss, gradient norm, learning rate used)."""
+    lr = float(engine.get_lr()[0])
+    total = torch.zeros((), dtype=torch.float64)
+    for batch in micro_batches:
+        loss = _micro_loss(engine, batch)
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().to("cpu", torch.float64)
+    if not engine.is_gradient_accumulation_boundary() and engine.global_steps == 0:
+        raise RuntimeError("DeepSpeed did not reach its accumulation boundary: micro-batches do not match the plan.")
+    mean = total / len(micro_batches)
+    if torch.cuda.is_available():
+        mean = mean.cuda()
+    dist.all_reduce(mean)
+    norm = engine.get_global_grad_norm()
+    return float(mean) / dist.get_world_size(), float(norm or 0.0), lr
+
+
+def run_training(job: JobSpec, plan: ZeroPlan, config: dict[str, Any], dims: ParallelDims, env: LaunchEnv, *,
+                 metrics_path: Path | None, check: PlanCheck | None = None,
+                 resume: bool = False) -> list[StepMetrics]:
+    """Build the engine, resume from ``train.checkpoint_dir`` when asked, train to ``train.steps``, save; return
+    rank 0's step metrics."""
+    from cfp_megatron.data.batches import build_micro_batches
+    from cfp_megatron.runtime.flops import training_flops_per_token
+    from cfp_megatron.runtime.peak import peak_tflops
+
+    t = job.train
+    log = MetricsLog(metrics_path, enabled=env.rank == 0)
+    model, engine = build_engine(job, plan, config, dims)
+    step = 0
+    if resume and t.checkpoint_dir is not None:
+        path, _ = engine.load_checkpoint(t.checkpoint_dir)
+        step = engine.global_steps
+        log.event("resume", step=step, path=path)
+    precision = Precision(plan.precision)
+    peak, peak_source = peak_tflops(job.cluster, precision)
+    flops_per_token = training_flops_per_token(job.model, t.seq_length)
+    log.event("start", model=job.model.name, backend="deepspeed", plan=plan.describe(),
+              params_on_rank0=sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
+              steps=t.steps, start_step=step, precision=plan.precision, comm=dist.get_backend(),
+              device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              peak_tflops_per_rank=round(peak, 3), peak_source=peak_source, restart_count=env.restart_count,
+              metrics=str(metrics_path) if metrics_path else None)
+    stream = build_micro_batches(job, dp_rank=env.rank, dp_size=env.world_size, start_step=step)
+    tokens_per_step = t.global_batch_size * t.seq_length
+    history: list[StepMetrics] = []
+    ga = plan.gradient_accumulation_steps
+    last_saved = step if resume else None
+    while step < t.steps:
+        micro_batches = list(itertools.islice(stream, ga))
+        if len(micro_batches) < ga:
+            log.event("data_exhausted", step=step)
+            break
+        start = time.perf_counter()
+        loss, grad_norm, lr = train_step(engine, micro_batches)
+        elapsed = time.perf_counter() - start
+        step += 1
+        tflops = flops_per_token * tokens_per_step / elapsed / env.world_size / 1e12
+        m = StepMetrics(step=step, loss=loss, lr=lr, grad_norm=grad_norm, applied=True, step_time_s=elapsed,
+                        tokens_per_s=tokens_per_step / elapsed, tflops_per_rank=tflops, mfu=tflops / peak)
+        history.append(m)
+        if step % t.log_interval == 0 or step == t.steps:
+            log.step(m, t.steps)
+        if check is not None and len(history) == check.after_steps:
+            _check_plan(check, history, log, job, env)
+        if t.checkpoint_dir and t.save_interval and step % t.save_interval == 0:
+            _save(engine, t.checkpoint_dir, step, plan, log)
+            last_saved = step
+    if t.checkpoint_dir and last_saved != step:
+        _save(engine, t.checkpoint_dir, step, plan, log)
+    log.event("end", step=step)
+    return history
+
+
+def _save(engine: Any, folder: str, step: int, plan: ZeroPlan, log: MetricsLog) -> None:
+    engine.save_checkpoint(folder, tag=f"global_step{step}", client_state={"plan": plan.canonical()})
+    log.event("checkpoint", step=step, path=str(Path(folder) / f"global_step{step}"))
