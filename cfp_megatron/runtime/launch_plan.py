@@ -134,34 +134,45 @@ def _apply(plan: Plan, job: JobSpec, world: int) -> JobSpec:
 
 def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv,
                         console: Any) -> tuple[Plan, tuple[str, ...], float]:
-    import torch.distributed as dist
 
     from cfp_megatron.profile.runner import profile_job
     from cfp_megatron.runtime.distributed import destroy_distributed
 
     outcome = profile_job(job, env, budget_s=cfp.profile_budget_s, keep_group=True)
     try:
-        payload: dict[str, Any] | None = None
-        if env.rank == 0:
-            if console is not None:
-                state = "reused the ProfileDB" if outcome.reused else f"profiled in {outcome.wall_s:.1f} s"
-                console.print(f"cfp: {state} ({outcome.path})", markup=False)
-            try:
-                plan, ranked, scale = _search_on_rank0(job, cfp, env.world_size)
-                payload = {"plan": plan.to_json(), "ranked": list(ranked), "calibration": scale}
-            except ConfigError as err:
-                payload = {"error": [dataclasses.asdict(i) for i in err.issues]}
-        box = [payload]
-        dist.broadcast_object_list(box, src=0)
-        received: dict[str, Any] = box[0] or {}
-        if "error" in received:
-            raise ConfigError([ConfigIssue(**i) for i in received["error"]])
+        def search() -> dict[str, Any]:
+            plan, ranked, scale = _search_on_rank0(job, cfp, env.world_size)
+            return {"plan": plan.to_json(), "ranked": list(ranked), "calibration": scale}
+
+        received = searched_on_rank0(search, outcome, env, console)
         # rank 0's canonical string and hash travel inside plan.json; from_json rebuilds the plan from its fields
         # and raises a PlanError unless this rank gets the same string and hash from them
         plan = Plan.from_json(received["plan"])
         return plan, tuple(received["ranked"]), float(received["calibration"])
     finally:
         destroy_distributed()
+
+
+def searched_on_rank0(search: Any, outcome: Any, env: LaunchEnv, console: Any) -> dict[str, Any]:
+    """Say how profiling went and run ``search`` (returning a JSON-ready payload) on rank 0, then give its payload
+    to every rank; a :class:`ConfigError` on rank 0 is raised on every rank."""
+    import torch.distributed as dist
+
+    payload: dict[str, Any] | None = None
+    if env.rank == 0:
+        if console is not None:
+            state = "reused the ProfileDB" if outcome.reused else f"profiled in {outcome.wall_s:.1f} s"
+            console.print(f"cfp: {state} ({outcome.path})", markup=False)
+        try:
+            payload = search()
+        except ConfigError as err:
+            payload = {"error": [dataclasses.asdict(i) for i in err.issues]}
+    box = [payload]
+    dist.broadcast_object_list(box, src=0)
+    received: dict[str, Any] = box[0] or {}
+    if "error" in received:
+        raise ConfigError([ConfigIssue(**i) for i in received["error"]])
+    return received
 
 
 def _search_on_rank0(job: JobSpec, cfp: CfpSpec, world: int) -> tuple[Plan, tuple[str, ...], float]:

@@ -244,8 +244,10 @@ def _scheduler(job: JobSpec) -> dict[str, Any]:
     t = job.train
     decay = max(t.lr_decay_steps or t.steps, t.warmup_steps + 1)
     if t.lr_schedule is LRSchedule.cosine:
+        # DeepSpeed's cosine schedule needs a warm-up step: without warm-up it is one step at the full rate.
         return {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": decay, "warmup_num_steps": t.warmup_steps, "warmup_min_ratio": 0.0,
+            "total_num_steps": decay, "warmup_num_steps": max(t.warmup_steps, 1),
+            "warmup_min_ratio": 0.0 if t.warmup_steps else 1.0,
             "warmup_type": "linear", "cos_min_ratio": t.min_lr / t.lr if t.lr else 0.0}}
     if t.lr_schedule is LRSchedule.linear:
         return {"type": "WarmupDecayLR", "params": {

@@ -1,0 +1,142 @@
+"""The DeepSpeed engine's own costs on the live cluster: one profiling round of the DeepSpeed backend.
+
+The model's passes come from the segment profiles (CFP); what DeepSpeed adds around them (ZeRO's gradient
+reductions and parameter gathers with their hooks and bucket copies, the optimizer step over fp32 partitions, the
+parameter all-gather after it) depends on the stage and the parameter count, not on the micro-batch. So for each ZeRO
+stage the real engine is built around the real model at micro-batch 1 and timed with one and with two micro-batches
+per step (the slowest rank of each step, median over a few steps):
+
+- ``per_microbatch_s`` = T(2) - T(1) - C: what a micro-batch costs beyond its passes (C, the simulator's pass time at
+  micro-batch 1);
+- ``per_step_s`` = 2 T(1) - T(2): what a step costs once (the optimizer and what follows it).
+
+The figures are kept as JSON next to the ProfileDB (``$CFP_CACHE_DIR/profile/<fingerprint>-deepspeed-<model>.json``)
+and reused by the next launch on the same hardware and software.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cfp_megatron.config import JobSpec, Precision
+
+PROBE_SCHEMA_VERSION = 1
+"""Version of the probe file's layout."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageProbe:
+    """One ZeRO stage timed at micro-batch 1."""
+
+    stage: int
+    """ZeRO stage."""
+    one_s: float
+    """Step time with one micro-batch per step (slowest rank, median)."""
+    two_s: float
+    """Step time with two micro-batches per step."""
+
+    @property
+    def per_step_s(self) -> float:
+        """Cost paid once per step beyond the passes: ``2 T(1) - T(2)`` (not below 0)."""
+        return max(2.0 * self.one_s - self.two_s, 0.0)
+
+    def per_microbatch_s(self, pass_s: float) -> float:
+        """Cost per micro-batch beyond its passes, given the passes' time ``pass_s`` at micro-batch 1."""
+        return max(self.two_s - self.one_s - pass_s, 0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineProbes:
+    """The engine probes of one model on one cluster."""
+
+    model: str
+    """The model key (:func:`cfp_megatron.profile.segments.model_key`)."""
+    world: int
+    """Ranks the probes ran on."""
+    stages: dict[int, StageProbe]
+    """By ZeRO stage."""
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"schema_version": PROBE_SCHEMA_VERSION, "model": self.model, "world": self.world,
+                "stages": [dataclasses.asdict(s) for s in self.stages.values()]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EngineProbes | None:
+        """Rebuild, or ``None`` for another schema version."""
+        if data.get("schema_version") != PROBE_SCHEMA_VERSION:
+            return None
+        stages = {int(s["stage"]): StageProbe(**s) for s in data["stages"]}
+        return cls(model=data["model"], world=int(data["world"]), stages=stages)
+
+
+def probe_path(fingerprint_key: str, model: str) -> Path:
+    """Where the probes of ``model`` on the cluster of ``fingerprint_key`` are kept."""
+    from cfp_megatron.model.cache import cache_dir
+
+    return cache_dir() / "profile" / f"{fingerprint_key}-deepspeed-{model.replace('/', '_')}.json"
+
+
+def load_probes(path: Path, world: int) -> EngineProbes | None:
+    """The stored probes at ``path`` for ``world`` ranks, or ``None``."""
+    try:
+        probes = EngineProbes.from_json(json.loads(path.read_text()))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return None
+    return probes if probes is not None and probes.world == world else None
+
+
+def run_probes(job: JobSpec, *, world: int, model: str, steps: int = 6, budget_s: float = 30.0) -> EngineProbes:
+    """Time every ZeRO stage's engine (every rank calls this; process groups must exist). Stages not reached within
+    ``budget_s`` are left out (the simulator's analytical terms stand in)."""
+    import torch
+    import torch.distributed as dist
+
+    from cfp_megatron.backends.deepspeed.trainer import build_engine, train_step
+    from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, ds_config
+    from cfp_megatron.config import resolve_precision
+    from cfp_megatron.data.batches import build_micro_batches
+    from cfp_megatron.parallel_dims import ParallelDims
+
+    on_gpu = torch.cuda.is_available()
+    dims = ParallelDims.build(dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, tp=1, pp=1)),
+                              world)
+    began = time.perf_counter()
+    found: dict[int, StageProbe] = {}
+    for stage in (0, 1, 2, 3):
+        times: list[float] = []
+        for accumulation in (1, 2):
+            train = dataclasses.replace(job.train, global_batch_size=world * accumulation, micro_batch_size=1,
+                                        warmup_steps=0)
+            pjob = dataclasses.replace(job, train=train)
+            plan = ZeroPlan.from_job(pjob, world=world, zero_stage=stage, micro_batch=1,
+                                     activation_checkpointing=False, offload_optimizer=False, offload_param=False,
+                                     bucket_elements=50_000_000,
+                                     precision=resolve_precision(Precision(job.train.precision), on_gpu))
+            _, engine = build_engine(pjob, plan, ds_config(plan, pjob), dims)
+            stream = build_micro_batches(pjob, dp_rank=dist.get_rank(), dp_size=world)
+            samples = []
+            for _ in range(steps + 1):
+                batch = [next(stream) for _ in range(accumulation)]
+                dist.barrier()
+                start = time.perf_counter()
+                train_step(engine, batch)
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                if on_gpu:
+                    elapsed = elapsed.cuda()
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                samples.append(float(elapsed))
+            engine.destroy()
+            times.append(statistics.median(samples[1:]))
+        found[stage] = StageProbe(stage=stage, one_s=times[0], two_s=times[1])
+        over = torch.tensor([float(time.perf_counter() - began > budget_s)])
+        dist.all_reduce(over, op=dist.ReduceOp.MAX)
+        if over.item() > 0:
+            break
+    return EngineProbes(model=model, world=world, stages=found)

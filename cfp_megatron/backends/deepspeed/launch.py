@@ -1,0 +1,113 @@
+"""``backend=deepspeed +cfp=auto``: profile with every rank, search the DeepSpeed space on rank 0, broadcast the plan,
+check it on every rank. The profiling rounds are the Megatron backend's (collectives, GEMMs, segments under each
+partition and micro-batch, overheads) and share its ProfileDB, so a cluster profiled once serves both backends."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes, load_probes, probe_path, run_probes
+from cfp_megatron.backends.deepspeed.spec import BackendSpec
+from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan
+from cfp_megatron.config import JobSpec
+from cfp_megatron.errors import ConfigError, ConfigIssue
+from cfp_megatron.plan import PlanError
+from cfp_megatron.runtime.launch_env import LaunchEnv
+from cfp_megatron.runtime.plan_check import PlanCheck
+from cfp_megatron.search.spec import CfpSpec
+
+
+def planned(job: JobSpec, cfp: CfpSpec, backend: BackendSpec, env: LaunchEnv, console: Any, *,
+            on_gpu: bool) -> tuple[ZeroPlan, PlanCheck | None]:
+    """The plan every rank trains with, and the check of its first steps (``cfp.check_after_steps``)."""
+
+    from cfp_megatron.profile.runner import profile_job
+    from cfp_megatron.profile.segments import model_key
+    from cfp_megatron.runtime.distributed import destroy_model_parallel_groups
+    from cfp_megatron.runtime.launch_plan import searched_on_rank0
+
+    began = time.perf_counter()
+    outcome = profile_job(job, env, budget_s=cfp.profile_budget_s, keep_group=True)
+    destroy_model_parallel_groups()  # the profiling rounds' last Megatron groups; training makes its own
+    # The default process group stays up for training: DeepSpeed's communication layer keeps the group it first
+    # saw (during the probes), so it must not be replaced.
+    probes = _engine_probes(job, env, outcome.path, console, on_gpu=on_gpu)
+    received = searched_on_rank0(
+        lambda: _search_on_rank0(job, cfp, backend, env.world_size, console, probes, on_gpu=on_gpu), outcome, env,
+        console)
+    plan = ZeroPlan.from_json(received["plan"])  # checks the canonical string and hash on this rank
+    if console is not None:
+        console.print(f"cfp: planned in {time.perf_counter() - began:.1f} s (profiling {outcome.wall_s:.1f} s)",
+                      markup=False)
+    if plan.predicted is None or cfp.check_after_steps == 0 or cfp.check_after_steps > job.train.steps:
+        return plan, None
+    # kept apart from the Megatron backend's checks, which calibrate Megatron plans (ProfileDB.step_time_calibration)
+    check = PlanCheck(plan=plan.canonical(), model_key=f"{model_key(job, on_gpu=on_gpu)}+deepspeed",
+                      after_steps=cfp.check_after_steps,
+                      predicted_step_s=plan.predicted.step_time_s, calibration=1.0,
+                      predicted_peak_bytes=None)
+    return plan, check
+
+
+def _engine_probes(job: JobSpec, env: LaunchEnv, db_path: Any, console: Any, *,
+                   on_gpu: bool) -> EngineProbes | None:
+    """The DeepSpeed engine probes of this model here: stored ones, else measured now with every rank (rank 0
+    decides and stores; the others get ``None``, as only rank 0 searches)."""
+    import torch.distributed as dist
+
+    from cfp_megatron.config import ParallelSpec
+    from cfp_megatron.parallel_dims import ParallelDims
+    from cfp_megatron.profile.segments import model_key
+    from cfp_megatron.runtime.distributed import destroy_model_parallel_groups, init_distributed
+
+    key = model_key(job, on_gpu=on_gpu)
+    world = env.world_size
+    stored = path = None
+    if env.rank == 0 and db_path is not None:
+        path = probe_path(Path(db_path).stem, key)
+        stored = load_probes(path, world)
+    box = [stored is not None or db_path is None if env.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        return stored
+    began = time.perf_counter()
+    dims = ParallelDims.build(dataclasses.replace(job, parallel=ParallelSpec()), world)
+    init_distributed(job, dims, env)  # Megatron's groups (all of size 1 but DP) and its RNG tracker
+    try:
+        probes = run_probes(job, world=world, model=key)
+    finally:
+        destroy_model_parallel_groups()
+    if env.rank == 0 and path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(probes.to_json(), indent=1) + "\n")
+        if console is not None:
+            console.print(f"cfp: probed the DeepSpeed engine (stages {sorted(probes.stages)}) in "
+                          f"{time.perf_counter() - began:.1f} s ({path})", markup=False)
+    return probes
+
+
+def _search_on_rank0(job: JobSpec, cfp: CfpSpec, backend: BackendSpec, world: int, console: Any,
+                     probes: EngineProbes | None, *, on_gpu: bool) -> dict[str, Any]:
+    from cfp_megatron.backends.deepspeed.search import ranking_table, search_zero
+    from cfp_megatron.profile.cluster import local_measurements
+
+    cluster, measurements = local_measurements(job, world_size=world)
+    started = time.perf_counter()
+    result = search_zero(dataclasses.replace(job, cluster=cluster), world, cfp, backend, measurements=measurements,
+                         probes=probes, on_gpu=on_gpu)
+    searched = time.perf_counter() - started
+    best = dataclasses.replace(result.best.plan, cluster=job.cluster.name)
+    if console is not None:
+        console.print(ranking_table(result))
+        console.print(f"cfp: searched {result.evaluated} DeepSpeed plans in {searched * 1e3:.0f} ms", markup=False)
+        for what, why in result.rejected:
+            console.print(f"cfp:   left out {what}: {why}", markup=False)
+    try:
+        return {"plan": best.to_json()}
+    except PlanError as err:  # pragma: no cover - a plan the search built is valid
+        raise ConfigError(ConfigIssue(key="cfp", value=best.describe(), problem=err.problem,
+                                      fix=err.fix or "-")) from None

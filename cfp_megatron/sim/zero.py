@@ -1,0 +1,242 @@
+"""Step time and memory of a DeepSpeed ZeRO plan (:class:`~cfp_megatron.backends.deepspeed.zero_plan.ZeroPlan`).
+
+The model's passes are the Megatron simulator's for the same model without model parallelism (DeepSpeed's data
+parallelism spans every rank; :func:`~cfp_megatron.backends.deepspeed.zero_plan.model_job`), with full per-layer
+recomputation where the plan checkpoints activations: profiled segment times where the ProfileDB has them (CFP),
+else the analytical kernels. What ZeRO changes is modelled on top, from DeepSpeed's engine:
+
+- **Gradient reduction.** Stage 0 all-reduces every gradient at the accumulation boundary; stage 1 reduces to the
+  partition owners there (a reduce-scatter's volume); stages 2 and 3 reduce-scatter in every micro-batch's backward
+  pass (``overlap_comm`` lets it overlap the backward on GPUs). Stages 1 and 2 all-gather the updated parameters after
+  the step; stage 3 keeps them partitioned and instead all-gathers each layer's parameters before its forward, its
+  backward and its recomputation, in every micro-batch (prefetched on GPUs, so only what compute does not cover is
+  exposed). Each collective is one call per bucket (stage 3: one per module fetch), so small models pay latency.
+- **Offload.** ZeRO-Offload moves the fp32 gradient partition to the host and the updated parameters back in every
+  step and runs Adam on the host (memory-bound at the host's bandwidth); parameter offload (stage 3) copies each
+  gathered partition from the host in every fetch. On CPU ranks host and device memory are the same: the copies cost
+  a memory copy.
+- **Memory per rank.** Weights in compute precision, gradients (fp32 accumulation) and Adam's states with fp32
+  master weights (DeepSpeed keeps fp32 partitions even for fp32 models), each divided by the data-parallel size
+  where the stage partitions it; plus ZeRO's buckets, stage 3's live gathered parameters, and the activations of one
+  micro-batch (the Megatron memory model; measured segment memory where profiled).
+
+CPU ranks share cores: nothing overlaps there (gloo's collectives are CPU work), so every term adds up.
+
+Where the DeepSpeed engine was probed on the live cluster (:mod:`cfp_megatron.backends.deepspeed.engine_probe`), its
+measured costs per micro-batch and per step replace the analytical reduction, gather and optimizer terms of that
+stage (stage 3 with checkpointing adds the analytical gather of the recomputation; offload stays analytical).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes
+from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, model_job
+from cfp_megatron.cluster.costs import CollectiveCosts
+from cfp_megatron.cluster.measured import Collective, Measurements
+from cfp_megatron.config import ClusterSpec, JobSpec
+from cfp_megatron.runtime.flops import training_flops_per_token
+from cfp_megatron.sim.calibration import efficiency_for
+from cfp_megatron.sim.layout import build_layout
+from cfp_megatron.sim.options import SimOptions
+from cfp_megatron.sim.pass_costs import CostCache
+from cfp_megatron.sim.prediction import GIB, MemoryBreakdown
+from cfp_megatron.sim.simulate import simulate
+
+HOST_LINK_GBPS = 25.0
+"""Host-device copy bandwidth per GPU in GB/s where the cluster spec gives none (PCIe Gen4 x16, achieved)."""
+
+HOST_MEMORY_GBPS = 40.0
+"""Host memory bandwidth available to one rank's CPU Adam step in GB/s where nothing better is known."""
+
+ADAM_HOST_BYTES_PER_PARAM = 32.0
+"""Bytes CPU Adam moves per parameter: fp32 weight, gradient and two moments read, three written, a compute-
+precision copy written."""
+
+MODULE_FETCHES_PER_LAYER = 4
+"""ZeRO-3 parameter fetches per transformer layer and pass: the QKV, attention-output, FC1 and FC2 linears (norms and
+biases below the persistence threshold stay whole)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroTimeBreakdown:
+    """Where a ZeRO step's time goes; the fields add up to the step time."""
+
+    compute_s: float
+    """Forward, backward and recomputation of every micro-batch, with their fixed overheads."""
+    grad_reduce_s: float
+    """Gradient all-reduce (stage 0) or reduce-scatter (1-3) left exposed."""
+    param_gather_s: float
+    """Parameter all-gathers left exposed: after the step (stages 1-2), per layer fetch (stage 3)."""
+    offload_s: float
+    """Host-device copies left exposed (offload)."""
+    optimizer_s: float
+    """The optimizer step (on the host with optimizer offload)."""
+    engine_s: float = 0.0
+    """The DeepSpeed engine's measured costs beyond the passes (probed stages: reductions, gathers, hooks and the
+    optimizer step together)."""
+
+    @property
+    def total_s(self) -> float:
+        """Their sum: the step time."""
+        return (self.compute_s + self.grad_reduce_s + self.param_gather_s + self.offload_s + self.optimizer_s
+                + self.engine_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroPredictionResult:
+    """The simulator's answer for one ZeRO plan."""
+
+    step_time_s: float
+    """Seconds per optimizer step."""
+    time: ZeroTimeBreakdown
+    """Step time by component."""
+    memory: MemoryBreakdown
+    """Peak device memory per rank by component (``comm_buffers`` holds ZeRO's buckets and stage 3's gathered
+    parameters)."""
+    host_bytes: float
+    """Host memory per rank that offload uses (fp32 partitions, optimizer states, offloaded parameters)."""
+    tokens_per_s_per_gpu: float
+    """Trained tokens per second per GPU."""
+    model_tflops_per_gpu: float
+    """Model FLOP/s per GPU in TFLOP/s."""
+    fits: bool
+    """Whether the peak fits the device memory (always true when the capacity is unknown)."""
+
+
+def simulate_zero(job: JobSpec, plan: ZeroPlan, measurements: Measurements | None = None, *,
+                  cluster: ClusterSpec | None = None, cache: CostCache | None = None,
+                  probes: EngineProbes | None = None) -> ZeroPredictionResult:
+    """Predict one step of ``plan`` for ``job`` (see the module docstring). ``cache`` shares pass costs between the
+    plans of one search (made for the job of :func:`model_job`); ``probes`` are the engine's measured costs."""
+    cluster = cluster or job.cluster
+    world = plan.dp
+    mjob = model_job(plan, job)
+    base = simulate(mjob, cluster, measurements, world_size=world, options=SimOptions(overlap_grad_reduce=False),
+                    cache=cache)
+    layout = build_layout(mjob if cluster is job.cluster else _with_cluster(mjob, cluster), world)
+    eff = cache.efficiency if cache is not None else efficiency_for(cluster)
+    costs = cache.collectives if cache is not None else CollectiveCosts(
+        cluster, measurements, intra_efficiency=eff.intra_node_comm, inter_efficiency=eff.inter_node_comm)
+    elem = 2.0 if plan.precision in ("bf16", "fp16") else 4.0
+    on_cpu = cluster.on_cpu
+    t = base.time
+    compute = t.forward_compute_s + t.backward_compute_s + t.recompute_s + t.overhead_s
+    backward = t.backward_compute_s + t.recompute_s
+    mb = plan.gradient_accumulation_steps
+    params = base.memory.parameters / elem  # every parameter on the rank (no model parallelism)
+    layers = job.model.num_layers
+    dp, per_node = world, layout.dp_per_node
+    bucket = float(plan.bucket_elements)
+    grad_bytes = elem  # DeepSpeed reduces gradients in their own dtype
+
+    def calls(op: Collective, total_bytes: float, count: float) -> float:
+        """``count`` equal calls of ``op`` moving ``total_bytes`` together."""
+        if count <= 0 or total_bytes <= 0:
+            return 0.0
+        return count * costs.seconds(op, total_bytes / count, dp, per_node)
+
+    buckets = max(1.0, math.ceil(params / bucket))
+    reduce_s = gather_s = offload_s = 0.0
+    if plan.zero_stage == 0:
+        reduce_s = calls(Collective.all_reduce, params * grad_bytes, buckets)
+    elif plan.zero_stage == 1:
+        reduce_s = calls(Collective.reduce_scatter, params * grad_bytes, buckets)
+        gather_s = calls(Collective.all_gather, params * elem, buckets)
+    elif plan.zero_stage == 2:
+        per_mb = calls(Collective.reduce_scatter, params * grad_bytes, buckets)
+        reduce_s = mb * (per_mb if on_cpu else max(per_mb - backward / mb, per_mb / buckets))
+        gather_s = calls(Collective.all_gather, params * elem, buckets)
+    else:
+        passes = 3 if plan.activation_checkpointing else 2
+        fetches = layers * MODULE_FETCHES_PER_LAYER + 2  # and the embedding, the output layer
+        gather_mb = passes * calls(Collective.all_gather, params * elem, fetches)
+        reduce_mb = calls(Collective.reduce_scatter, params * grad_bytes, buckets)
+        if plan.offload_param:
+            offload_mb = passes * _host_copy(params * elem / dp, cluster)
+        else:
+            offload_mb = 0.0
+        if on_cpu:
+            gather_s, reduce_s, offload_s = mb * gather_mb, mb * reduce_mb, mb * offload_mb
+        else:  # prefetched: exposed only where the micro-batch's compute does not cover it, and the first fetch
+            covered = compute / mb
+            comm = gather_mb + reduce_mb + offload_mb
+            exposed = max(comm - covered, comm / fetches)
+            share = exposed / comm if comm > 0 else 0.0
+            gather_s, reduce_s, offload_s = mb * gather_mb * share, mb * reduce_mb * share, mb * offload_mb * share
+    optimizer_s = t.optimizer_s
+    if plan.offload_optimizer:
+        shard = params / dp
+        optimizer_s = shard * ADAM_HOST_BYTES_PER_PARAM / (HOST_MEMORY_GBPS * 1e9)
+        offload_s += _host_copy(shard * 4.0, cluster) + _host_copy(shard * elem, cluster)
+    probe = probes.stages.get(plan.zero_stage) if probes is not None else None
+    engine_s = 0.0
+    if probe is not None:
+        one = dataclasses.replace(plan, micro_batch_size=1, activation_checkpointing=False,
+                                  global_batch_size=plan.dp, predicted=None)
+        t1 = simulate(model_job(one, job), cluster, measurements, world_size=world,
+                      options=SimOptions(overlap_grad_reduce=False), cache=cache).time
+        pass_s = t1.forward_compute_s + t1.backward_compute_s + t1.overhead_s
+        engine_s = mb * probe.per_microbatch_s(pass_s) + probe.per_step_s
+        extra = gather_s / 3 if plan.zero_stage == 3 and plan.activation_checkpointing else 0.0
+        reduce_s, gather_s, optimizer_s = 0.0, extra, (optimizer_s if plan.offload_optimizer else 0.0)
+    time = ZeroTimeBreakdown(compute_s=compute, grad_reduce_s=reduce_s, param_gather_s=gather_s,
+                             offload_s=offload_s, optimizer_s=optimizer_s, engine_s=engine_s)
+    memory, host = _memory(plan, base.memory, params, elem, layers)
+    step = time.total_s
+    tok = plan.global_batch_size * plan.seq_length / step / world
+    return ZeroPredictionResult(step_time_s=step, time=time, memory=memory, host_bytes=host,
+                                tokens_per_s_per_gpu=tok,
+                                model_tflops_per_gpu=tok * training_flops_per_token(job.model, plan.seq_length) / 1e12,
+                                fits=cluster.hbm_gib is None or memory.total <= cluster.hbm_gib * GIB)
+
+
+def _with_cluster(job: JobSpec, cluster: ClusterSpec) -> JobSpec:
+    return dataclasses.replace(job, cluster=cluster)
+
+
+def _host_copy(nbytes: float, cluster: ClusterSpec) -> float:
+    """Seconds to copy ``nbytes`` between host and device memory (a memory copy on CPU ranks)."""
+    if cluster.on_cpu:
+        return nbytes / (HOST_MEMORY_GBPS * 1e9)
+    return nbytes / (HOST_LINK_GBPS * 1e9)
+
+
+def _memory(plan: ZeroPlan, base: MemoryBreakdown, params: float, elem: float,
+            layers: int) -> tuple[MemoryBreakdown, float]:
+    """Device memory per rank and host memory per rank under ``plan`` (module docstring)."""
+    dp = plan.dp
+    stage = plan.zero_stage
+    adam = 12.0  # fp32 master copy and two moments (a ZeRO optimizer keeps the master copy even for fp32 models)
+    bucket = min(float(plan.bucket_elements), params)
+    weights = params * elem
+    if stage == 0:
+        grads = params * (4.0 if elem == 4.0 else elem + 4.0)
+        optim = params * (8.0 if elem == 4.0 else adam)
+        buffers = 0.0
+    else:
+        optim = params * adam / dp
+        if stage == 1:
+            grads = params * elem + params * 4.0 / dp
+            buffers = bucket * elem
+        else:
+            grads = params * 4.0 / dp + (params * elem / dp if stage == 3 else 0.0)
+            buffers = 2 * bucket * elem  # the reduction bucket and the gradient partition it lands in
+        if stage == 3:
+            weights = params * elem / dp
+            live = min(2.0 * float(plan.bucket_elements), 2.0 * params / max(layers, 1) + bucket)
+            buffers += live * elem
+    host = 0.0
+    if plan.offload_optimizer:
+        host += optim + params * 4.0 / dp
+        grads -= params * 4.0 / dp
+        optim = 0.0
+    if plan.offload_param:
+        host += weights
+        weights = 0.0
+    memory = MemoryBreakdown(parameters=weights, gradients=max(grads, 0.0), optimizer_states=optim,
+                             activations=base.activations, comm_buffers=base.comm_buffers + buffers, stage=0)
+    return memory, host

@@ -1,0 +1,187 @@
+"""The DeepSpeed backend's planning side (issue G), without processes: the backend group, ZeroPlan's canonical
+string and file, ds_config.json, the ZeRO simulator and the search."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes, StageProbe
+from cfp_megatron.backends.deepspeed.entry import check_layout, manual_plan
+from cfp_megatron.backends.deepspeed.search import search_zero
+from cfp_megatron.backends.deepspeed.spec import BackendSpec, backend_from_config
+from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, ds_config, write_ds_config
+from cfp_megatron.config import Precision, compose_config, compose_job, job_from_config
+from cfp_megatron.errors import ConfigError
+from cfp_megatron.plan import PlanError
+from cfp_megatron.search.spec import cfp_from_config
+from cfp_megatron.sim.prediction import GIB
+from cfp_megatron.sim.zero import simulate_zero
+
+
+def _plan(job, world: int, **knobs) -> ZeroPlan:
+    values = {"zero_stage": 0, "micro_batch": 1, "activation_checkpointing": False, "offload_optimizer": False,
+              "offload_param": False, "bucket_elements": 50_000_000, "precision": Precision.bf16, **knobs}
+    return ZeroPlan.from_job(job, world=world, **values)
+
+
+def test_backend_group_composes_and_validates() -> None:
+    spec = backend_from_config(compose_config(["backend=deepspeed", "backend.zero_stage=2"]))
+    assert spec.is_deepspeed and spec.zero_stage == 2
+    assert not backend_from_config(compose_config([])).is_deepspeed
+    job_from_config(compose_config(["backend=deepspeed"]))  # the group is not a JobSpec section
+    with pytest.raises(ConfigError, match="backend.zero_stage=5"):
+        backend_from_config(compose_config(["backend=deepspeed", "backend.zero_stage=5"]))
+    with pytest.raises(ConfigError, match="backend.offload_param=True: parameter offload needs ZeRO stage 3"):
+        backend_from_config(compose_config(["backend=deepspeed", "backend.zero_stage=2",
+                                            "backend.offload_param=true"]))
+    with pytest.raises(ConfigError, match="is a DeepSpeed setting"):
+        backend_from_config(compose_config(["backend.zero_stage=1"]))
+
+
+def test_config_file_values_pin_and_auto_is_planned(tmp_path: Path) -> None:
+    user = tmp_path / "my_ds.json"
+    text = json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": "auto"},
+                       "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": True})
+    user.write_text(text)
+    spec = BackendSpec(name=backend_from_config({}).name.__class__("deepspeed"), config_file=str(user))
+    assert spec.pins() == {"zero_stage": 3}
+    with pytest.raises(ConfigError, match="contradicts backend.config_file"):
+        dataclasses.replace(spec, zero_stage=1).pins()
+    job = compose_job(["model=gpt_tiny"])
+    plan = _plan(job, 4, zero_stage=3, micro_batch=2)
+    config = ds_config(plan, job, base=spec.base_config())
+    assert config["wall_clock_breakdown"] is True  # the user's keys are kept
+    assert config["zero_optimization"]["stage"] == 3 and config["train_micro_batch_size_per_gpu"] == 2
+    assert config["zero_optimization"]["offload_optimizer"] == {"device": "none"}
+    assert user.read_text() == text  # read, never written
+
+
+def test_ds_config_batch_identity_and_sections() -> None:
+    job = compose_job(["model=gpt_tiny", "train.global_batch_size=32"])
+    for stage in range(4):
+        plan = _plan(job, 4, zero_stage=stage, micro_batch=2, offload_optimizer=stage > 0,
+                     offload_param=stage == 3)
+        config = ds_config(plan, job)
+        assert config["train_batch_size"] == (config["train_micro_batch_size_per_gpu"]
+                                               * config["gradient_accumulation_steps"] * 4) == 32
+        zero = config["zero_optimization"]
+        assert zero["stage"] == stage
+        assert ("offload_param" in zero) == (stage == 3)
+        assert zero["offload_optimizer"]["device"] == ("cpu" if stage else "none")
+        assert config["bf16"]["enabled"] and config["optimizer"]["type"] == "AdamW"
+    assert config["scheduler"]["type"] == "WarmupCosineLR"
+
+
+def test_write_ds_config_never_overwrites(tmp_path: Path) -> None:
+    target = tmp_path / "ds_config.json"
+    assert write_ds_config({"a": 1}, target) == target
+    assert write_ds_config({"a": 1}, target) == target  # same content: reused
+    other = write_ds_config({"a": 2}, target)
+    assert other != target and json.loads(target.read_text()) == {"a": 1} and json.loads(other.read_text()) == {"a": 2}
+
+
+def test_canonical_string_round_trips_and_edits_are_caught() -> None:
+    job = compose_job(["model=gpt_tiny", "train.global_batch_size=32"])
+    plan = _plan(job, 4, zero_stage=3, micro_batch=4, activation_checkpointing=True, offload_param=True)
+    assert ZeroPlan.parse(plan.canonical()) == plan
+    assert ZeroPlan.from_json(plan.to_json()) == plan
+    data = plan.to_json()
+    data["plan"]["micro_batch_size"] = 2
+    with pytest.raises(PlanError, match="do not give its canonical string"):
+        ZeroPlan.from_json(data)
+    with pytest.raises(PlanError, match="dp=3 and ga=2 do not follow"):
+        ZeroPlan.parse(plan.canonical().replace("dp=4", "dp=3"))
+    with pytest.raises(PlanError, match="not a multiple of micro-batch 3"):
+        _plan(job, 4, micro_batch=3)
+    with pytest.raises(PlanError, match="optimizer offload needs ZeRO stage 1-3"):
+        _plan(job, 4, offload_optimizer=True)
+
+
+def test_layout_with_model_parallelism_is_refused() -> None:
+    cfg = compose_config(["backend=deepspeed", "parallel.tp=2", "+cfp=auto", "cfp.pp=2"])
+    with pytest.raises(ConfigError) as info:
+        check_layout(job_from_config(cfg), cfp_from_config(cfg))
+    assert info.value.keys == ["parallel.tp", "cfp.pp"]
+
+
+def test_manual_plan_defaults_and_bad_batch() -> None:
+    cfg = compose_config(["backend=deepspeed", "backend.zero_stage=2", "train.micro_batch_size=2"])
+    plan = manual_plan(job_from_config(cfg), backend_from_config(cfg), 2, on_gpu=False)
+    assert (plan.zero_stage, plan.micro_batch_size, plan.gradient_accumulation_steps, plan.precision) == \
+        (2, 2, 2, "fp32")
+    cfg = compose_config(["backend=deepspeed", "train.micro_batch_size=3"])
+    with pytest.raises(ConfigError, match="train.global_batch_size"):
+        manual_plan(job_from_config(cfg), backend_from_config(cfg), 2, on_gpu=False)
+
+
+def _a100_job(model: str, nodes: int = 1):
+    return compose_job([f"model={model}", "cluster=dgx_a100", f"cluster.nodes={nodes}",
+                        "train.global_batch_size=64", "train.seq_length=2048", "train.precision=bf16"])
+
+
+def test_zero_memory_falls_with_the_stage_and_offload_moves_it_to_the_host() -> None:
+    job = _a100_job("llama3_8b")
+    totals = []
+    for stage in range(4):
+        result = simulate_zero(job, _plan(job, 8, zero_stage=stage))
+        m = result.memory
+        totals.append(m.parameters + m.gradients + m.optimizer_states)
+    assert totals[0] > totals[1] > totals[2] > totals[3]
+    # ZeRO-0 in bf16: 2 (weights) + 6 (bf16 and fp32 gradients) + 12 (fp32 master, Adam) bytes per parameter
+    params = simulate_zero(job, _plan(job, 8)).memory.parameters / 2
+    assert totals[0] == pytest.approx(20 * params)
+    plain = simulate_zero(job, _plan(job, 8, zero_stage=3))
+    off = simulate_zero(job, _plan(job, 8, zero_stage=3, offload_optimizer=True, offload_param=True))
+    assert off.memory.total < plain.memory.total and off.host_bytes > 0 and off.memory.optimizer_states == 0
+    assert off.time.offload_s > 0
+    ckpt = simulate_zero(job, _plan(job, 8, zero_stage=3, activation_checkpointing=True))
+    assert ckpt.memory.activations < plain.memory.activations
+    assert ckpt.time.compute_s > plain.time.compute_s and ckpt.time.param_gather_s > plain.time.param_gather_s
+    # On GPUs ZeRO-3's gathers are prefetched behind the layers' compute: only a part is exposed.
+    assert plain.time.param_gather_s < simulate_zero(job, _plan(job, 8, zero_stage=1)).time.param_gather_s
+    # On CPU ranks nothing overlaps: ZeRO-3 moves parameters in every micro-batch, ZeRO-2 reduces in every
+    # micro-batch, ZeRO-1 once per step.
+    cpu = compose_job(["model=gpt_tiny", "train.global_batch_size=32"])
+    s1, s2, s3 = (simulate_zero(cpu, _plan(cpu, 4, zero_stage=s, precision=Precision.fp32)).time for s in (1, 2, 3))
+    assert s3.param_gather_s > s1.param_gather_s and s2.grad_reduce_s > s1.grad_reduce_s
+
+
+def test_search_fits_the_memory_and_respects_pins() -> None:
+    job = _a100_job("llama3_8b")
+    cfg = compose_config(["+cfp=auto", "backend=deepspeed"])
+    cfp, backend = cfp_from_config(cfg), backend_from_config(cfg)
+    result = search_zero(job, 8, cfp, backend, on_gpu=True)
+    limit = 80 * GIB * 0.9
+    assert all(r.result.memory.total <= limit for r in result.ranked)
+    assert result.best.plan.zero_stage != 0  # 8B parameters x 20 bytes do not fit in 80 GB without ZeRO
+    assert any(what.startswith("zero0") for what, _ in result.rejected)
+    times = [r.result.step_time_s for r in result.ranked]
+    assert times == sorted(times)
+    assert search_zero(job, 8, cfp, backend, on_gpu=True).best.plan == result.best.plan  # deterministic
+    pinned = search_zero(job, 8, cfp, dataclasses.replace(backend, zero_stage=3, offload_optimizer=True),
+                         on_gpu=True)
+    assert all(r.plan.zero_stage == 3 and r.plan.offload_optimizer for r in pinned.ranked)
+    with pytest.raises(ConfigError, match="no DeepSpeed plan of llama3_8b on 8 ranks fits"):
+        search_zero(job, 8, cfp, dataclasses.replace(backend, zero_stage=0), on_gpu=True)
+
+
+def test_search_on_cpu_leaves_offload_out_and_uses_engine_probes() -> None:
+    job = compose_job(["model=gpt_tiny", "train.global_batch_size=32"])
+    cfg = compose_config(["+cfp=auto", "backend=deepspeed"])
+    cfp, backend = cfp_from_config(cfg), backend_from_config(cfg)
+    result = search_zero(job, 4, cfp, backend)
+    assert not any(r.plan.offload_optimizer or r.plan.offload_param for r in result.ranked)
+    assert any(what == "offload" for what, _ in result.rejected)
+    # measured engine costs replace the analytical terms: a costly ZeRO-0 step moves the choice away from it
+    probes = EngineProbes(model="m", world=4, stages={
+        0: StageProbe(stage=0, one_s=1.0, two_s=1.1), 1: StageProbe(stage=1, one_s=0.05, two_s=0.09),
+        2: StageProbe(stage=2, one_s=0.06, two_s=0.10), 3: StageProbe(stage=3, one_s=0.2, two_s=0.4)})
+    probed = search_zero(job, 4, cfp, backend, probes=probes)
+    assert probed.best.plan.zero_stage == 1
+    zero0 = simulate_zero(job, _plan(job, 4, precision=Precision.fp32, micro_batch=8), probes=probes)
+    assert zero0.time.engine_s == pytest.approx(probes.stages[0].per_step_s + 0.0, abs=0.2)
+    assert zero0.time.grad_reduce_s == 0 and zero0.time.optimizer_s == 0

@@ -1,0 +1,84 @@
+"""``launch/train.py backend=deepspeed`` on gloo ranks (issue G): each ZeRO stage chosen by a plan trains with the
+single-rank reference's losses; ``+cfp=auto`` profiles, probes the engine, plans and trains."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.launcher import RunResult, run_train
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed extra")]
+
+COMMON = ["backend=deepspeed", "model=gpt_tiny", "train.global_batch_size=8", "train.seq_length=64",
+          "train.steps=4", "train.precision=fp32", "train.warmup_steps=0"]
+
+
+def _losses(result: RunResult) -> list[float]:
+    assert result.returncode == 0, result.output[-4000:]
+    return [result.losses[s] for s in sorted(result.losses)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """One rank, ZeRO stage 0, the whole batch as one micro-batch."""
+    work = tmp_path_factory.mktemp("ds_reference")
+    return _losses(run_train(1, [*COMMON, "backend.zero_stage=0", "train.micro_batch_size=8"], work))
+
+
+@pytest.mark.parametrize(("ranks", "plan"), [
+    (2, "zero=1,dp=2,mb=2,ga=2,gbs=8,seq=64,ckpt=0,oopt=0,oparam=0,bucket=50000000,prec=fp32"),
+    (2, "zero=2,dp=2,mb=4,ga=1,gbs=8,seq=64,ckpt=1,oopt=0,oparam=0,bucket=50000000,prec=fp32"),
+    (4, "zero=3,dp=4,mb=1,ga=2,gbs=8,seq=64,ckpt=1,oopt=0,oparam=0,bucket=50000000,prec=fp32"),
+])
+def test_each_zero_stage_of_a_plan_trains_with_the_reference_loss(tmp_path: Path, reference: list[float],
+                                                                   ranks: int, plan: str) -> None:
+    canonical = f"gpt_tiny@localx1x{ranks}:{plan}"
+    result = run_train(ranks, [*COMMON, "+cfp=manual", f"cfp.plan='{canonical}'"], tmp_path)
+    losses = _losses(result)
+    assert losses == pytest.approx(reference, rel=1e-5, abs=1e-5)
+    assert losses[-1] < losses[0]
+    config = json.loads((tmp_path / "run" / "ds_config.json").read_text())
+    stage = int(plan.split(",")[0].split("=")[1])
+    assert config["zero_optimization"]["stage"] == stage
+    assert json.loads((tmp_path / "run" / "zero_plan.json").read_text())["canonical"] == canonical
+    start = next(r for r in result.records if r.get("event") == "start")
+    assert start["backend"] == "deepspeed" and start["plan"].startswith(f"zero{stage}")
+
+
+def test_auto_plans_with_engine_probes_and_trains(tmp_path: Path, reference: list[float],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CFP_CACHE_DIR", str(tmp_path / "cache"))
+    result = run_train(2, [*COMMON, "+cfp=auto", "cfp.profile_budget_s=60", "cfp.check_after_steps=2"], tmp_path)
+    losses = _losses(result)
+    assert losses == pytest.approx(reference, rel=1e-5, abs=1e-5)
+    assert "cfp: probed the DeepSpeed engine (stages [0, 1, 2, 3])" in result.output
+    plan = json.loads((tmp_path / "run" / "zero_plan.json").read_text())
+    assert plan["predicted"]["step_time_s"] > 0
+    checks = [r for r in result.records if r.get("event") == "plan_check"]
+    assert checks and checks[0]["predicted_step_s"] == pytest.approx(plan["predicted"]["step_time_s"], rel=1e-3)
+    probes = list((tmp_path / "cache" / "profile").glob("*-deepspeed-*.json"))
+    assert len(probes) == 1
+    assert os.path.getsize(probes[0]) > 0
+
+
+def test_checkpoint_folder_is_not_written_over(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    first = run_train(2, [*COMMON, "backend.zero_stage=1", f"train.checkpoint_dir={folder}"], tmp_path / "a")
+    _losses(first)
+    assert (folder / "latest").read_text().strip() == "global_step4"
+    again = run_train(2, [*COMMON, "backend.zero_stage=1", f"train.checkpoint_dir={folder}"], tmp_path / "b")
+    assert again.returncode != 0 and "holds a DeepSpeed checkpoint" in again.output
+    resumed = run_train(2, [*COMMON, "backend.zero_stage=1", f"train.checkpoint_dir={folder}", "train.resume=true",
+                            "train.steps=6"], tmp_path / "c")
+    assert sorted(_losses_by_step(resumed)) == [5, 6]
+
+
+def _losses_by_step(result: RunResult) -> dict[int, float]:
+    assert result.returncode == 0, result.output[-4000:]
+    return result.losses
