@@ -13,8 +13,8 @@ is given, so our time includes profiling the machine from scratch.
    ``launch/train.py backend=deepspeed`` for ``--steps`` steps; measured step time = median of the steps after the
    first two. Its time spent choosing is the wall time of those launches.
 3. Our choice measured the same way (when the grid does not hold it: it may checkpoint activations), each grid
-   plan's prediction from the same ProfileDB, the step-time MAPE and Spearman correlation of the predictions, and
-   how much slower than the grid's measured best our choice measured.
+   plan's prediction from the same ProfileDB and engine probes, the step-time MAPE and Spearman correlation of the
+   predictions, and how much slower than the grid's measured best our choice measured.
 
 Asserts nothing; figures on a loaded machine are noisy.
 """
@@ -112,7 +112,12 @@ def main() -> None:
     from cfp_megatron.sim.zero import simulate_zero
 
     job = compose_job([f"model={args.model}", f"train.global_batch_size={args.gbs}", f"train.seq_length={args.seq}"])
+    from cfp_megatron.backends.deepspeed.engine_probe import load_probes
+    from cfp_megatron.model.cache import cache_dir
+
     cluster, measurements = local_measurements(job, world_size=args.nproc)
+    found = sorted((cache_dir() / "profile").glob("*-deepspeed-*.json"))
+    probes = load_probes(found[-1], args.nproc) if found else None  # what the planner used
     job = job.__class__(model=job.model, cluster=cluster, parallel=job.parallel, train=job.train, data=job.data)
     print(f"\n{'plan':<24}{'measured ms':>12}{'predicted ms':>14}{'error':>9}")
     errors, pairs = [], []
@@ -120,7 +125,7 @@ def main() -> None:
         p = ZeroPlan.from_job(job, world=args.nproc, zero_stage=stage, micro_batch=mb, activation_checkpointing=ckpt,
                               offload_optimizer=False, offload_param=False, bucket_elements=50_000_000,
                               precision=Precision.fp32)
-        predicted = simulate_zero(job, p, measurements).step_time_s
+        predicted = simulate_zero(job, p, measurements, probes=probes).step_time_s
         err = predicted / value - 1
         errors.append(abs(err))
         pairs.append((value, predicted))
