@@ -106,20 +106,21 @@ def main() -> None:
 
     # 3. predictions from the same ProfileDB
     os.environ.update({k: v for k, v in env.items() if k == "CFP_CACHE_DIR"})
+    from cfp_megatron.backends.deepspeed.engine_probe import load_probes, probe_path
     from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan
     from cfp_megatron.config import Precision, compose_job
     from cfp_megatron.profile.cluster import local_measurements
+    from cfp_megatron.profile.segments import model_key
     from cfp_megatron.sim.zero import simulate_zero
 
     job = compose_job([f"model={args.model}", f"train.global_batch_size={args.gbs}", f"train.seq_length={args.seq}"])
-    from cfp_megatron.backends.deepspeed.engine_probe import load_probes
-    from cfp_megatron.model.cache import cache_dir
-
     cluster, measurements = local_measurements(job, world_size=args.nproc)
-    found = sorted((cache_dir() / "profile").glob("*-deepspeed-*.json"))
-    probes = load_probes(found[-1], args.nproc) if found else None  # what the planner used
+    # the probes the planner used: stored next to this ProfileDB under the model's key
+    probes = (load_probes(probe_path(measurements.fingerprint.key, model_key(job, on_gpu=False)), args.nproc)
+              if measurements is not None else None)
     job = job.__class__(model=job.model, cluster=cluster, parallel=job.parallel, train=job.train, data=job.data)
-    print(f"\n{'plan':<24}{'measured ms':>12}{'predicted ms':>14}{'error':>9}")
+    print(f"\npredicted with {'the engine probes' if probes is not None else 'no engine probes (analytical)'}")
+    print(f"{'plan':<24}{'measured ms':>12}{'predicted ms':>14}{'error':>9}")
     errors, pairs = [], []
     for (stage, mb, ckpt), value in sorted(measured.items()):
         p = ZeroPlan.from_job(job, world=args.nproc, zero_stage=stage, micro_batch=mb, activation_checkpointing=ckpt,

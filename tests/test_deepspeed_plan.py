@@ -12,8 +12,8 @@ import pytest
 from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes, StageProbe
 from cfp_megatron.backends.deepspeed.entry import check_layout, manual_plan
 from cfp_megatron.backends.deepspeed.search import search_zero
-from cfp_megatron.backends.deepspeed.spec import BackendSpec, backend_from_config
-from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, ds_config, write_ds_config
+from cfp_megatron.backends.deepspeed.spec import BackendKind, BackendSpec, backend_from_config
+from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, ds_config, write_json_file
 from cfp_megatron.config import Precision, compose_config, compose_job, job_from_config
 from cfp_megatron.errors import ConfigError
 from cfp_megatron.plan import PlanError
@@ -47,7 +47,7 @@ def test_config_file_values_pin_and_auto_is_planned(tmp_path: Path) -> None:
     text = json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": "auto"},
                        "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": True})
     user.write_text(text)
-    spec = BackendSpec(name=backend_from_config({}).name.__class__("deepspeed"), config_file=str(user))
+    spec = BackendSpec(name=BackendKind.deepspeed, config_file=str(user))
     assert spec.pins() == {"zero_stage": 3}
     with pytest.raises(ConfigError, match="contradicts backend.config_file"):
         dataclasses.replace(spec, zero_stage=1).pins()
@@ -76,11 +76,11 @@ def test_ds_config_batch_identity_and_sections() -> None:
     assert config["scheduler"]["type"] == "WarmupCosineLR"
 
 
-def test_write_ds_config_never_overwrites(tmp_path: Path) -> None:
+def test_write_json_file_never_overwrites(tmp_path: Path) -> None:
     target = tmp_path / "ds_config.json"
-    assert write_ds_config({"a": 1}, target) == target
-    assert write_ds_config({"a": 1}, target) == target  # same content: reused
-    other = write_ds_config({"a": 2}, target)
+    assert write_json_file({"a": 1}, target) == target
+    assert write_json_file({"a": 1}, target) == target  # same content: reused
+    other = write_json_file({"a": 2}, target)
     assert other != target and json.loads(target.read_text()) == {"a": 1} and json.loads(other.read_text()) == {"a": 2}
 
 
@@ -182,6 +182,11 @@ def test_search_on_cpu_leaves_offload_out_and_uses_engine_probes() -> None:
         2: StageProbe(stage=2, one_s=0.06, two_s=0.10), 3: StageProbe(stage=3, one_s=0.2, two_s=0.4)})
     probed = search_zero(job, 4, cfp, backend, probes=probes)
     assert probed.best.plan.zero_stage == 1
+    # one micro-batch per step (mb 8): the per-step cost 2 x 1.0 - 1.1 = 0.9 s and one micro-batch's extra cost,
+    # 1.1 - 1.0 less the passes at micro-batch 1
     zero0 = simulate_zero(job, _plan(job, 4, precision=Precision.fp32, micro_batch=8), probes=probes)
-    assert zero0.time.engine_s == pytest.approx(probes.stages[0].per_step_s + 0.0, abs=0.2)
+    one = _plan(job, 4, precision=Precision.fp32, micro_batch=1)
+    pass_s = simulate_zero(job, one).time.compute_s / one.gradient_accumulation_steps  # passes of one micro-batch
+    assert zero0.time.engine_s == pytest.approx(0.9 + max(0.1 - pass_s, 0.0), rel=0.05)
     assert zero0.time.grad_reduce_s == 0 and zero0.time.optimizer_s == 0
+    assert zero0.step_time_s == pytest.approx(zero0.time.compute_s + zero0.time.engine_s)

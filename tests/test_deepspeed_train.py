@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
 
+from cfp_megatron.backends.deepspeed.engine_probe import load_probes
 from tests.launcher import RunResult, run_train
 
 pytestmark = [pytest.mark.slow,
@@ -62,9 +62,11 @@ def test_auto_plans_with_engine_probes_and_trains(tmp_path: Path, reference: lis
     assert plan["predicted"]["step_time_s"] > 0
     checks = [r for r in result.records if r.get("event") == "plan_check"]
     assert checks and checks[0]["predicted_step_s"] == pytest.approx(plan["predicted"]["step_time_s"], rel=1e-3)
-    probes = list((tmp_path / "cache" / "profile").glob("*-deepspeed-*.json"))
-    assert len(probes) == 1
-    assert os.path.getsize(probes[0]) > 0
+    stored = list((tmp_path / "cache" / "profile").glob("*-deepspeed-*.json"))
+    assert len(stored) == 1
+    probes = load_probes(stored[0], 2)
+    assert probes is not None and sorted(probes.stages) == [0, 1, 2, 3]
+    assert all(0 < p.one_s < p.two_s for p in probes.stages.values())  # two micro-batches take longer than one
 
 
 def test_checkpoint_folder_is_not_written_over(tmp_path: Path) -> None:

@@ -33,25 +33,31 @@ class DeviceRewriteMode(TorchFunctionMode):
     def _moves(self, device: Any) -> bool:
         return device_type_of(device) in self.sources
 
+    def _backward(self, tensors: Any, grads: Any, retain: bool | None, create: bool, inputs: Any) -> None:
+        """``torch.autograd.backward`` with this mode on (scalar outputs get a gradient of one, as there)."""
+        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        if grads is None:
+            grads = (None,) * len(tensors)
+        grads = (grads,) if isinstance(grads, torch.Tensor) else tuple(grads)
+        grads = tuple(torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads, strict=True))
+        inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        with self:
+            torch.autograd.Variable._execution_engine.run_backward(
+                tensors, grads, create if retain is None else bool(retain), create, inputs,
+                allow_unreachable=True, accumulate_grad=True)
+
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch.Tensor.backward:
+        if func is torch.Tensor.backward or func is torch.autograd.backward:
             # A mode is off while its handler runs, and ``loss.backward()`` (as DeepSpeed's engine calls it) runs the
             # whole backward pass, recomputed forwards included, inside the handler. Run it with the mode on, through
             # the autograd engine's own entry point, as Megatron's schedules call it (``custom_backward``).
-            tensor, *rest = args
-            bound = dict(zip(("gradient", "retain_graph", "create_graph", "inputs"), rest, strict=False), **kwargs)
-            gradient = bound.get("gradient")
-            if gradient is None:
-                gradient = torch.ones_like(tensor)
-            create = bool(bound.get("create_graph", False))
-            retain = bound.get("retain_graph")
-            inputs = bound.get("inputs")
-            inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-            with self:
-                torch.autograd.Variable._execution_engine.run_backward(
-                    (tensor,), (gradient,), create if retain is None else bool(retain), create, inputs,
-                    allow_unreachable=True, accumulate_grad=True)
+            names = (("gradient", "retain_graph", "create_graph", "inputs") if func is torch.Tensor.backward else
+                     ("grad_tensors", "retain_graph", "create_graph", "grad_variables", "inputs"))
+            first, *rest = args
+            bound = dict(zip(names, rest, strict=False), **kwargs)
+            self._backward(first, bound.get("gradient", bound.get("grad_tensors")), bound.get("retain_graph"),
+                           bool(bound.get("create_graph", False)), bound.get("inputs"))
             return None
         if "device" in kwargs and self._moves(kwargs["device"]):
             kwargs = {**kwargs, "device": self.target}

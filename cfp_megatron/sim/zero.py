@@ -35,11 +35,9 @@ from dataclasses import dataclass
 
 from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes
 from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, model_job
-from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective, Measurements
 from cfp_megatron.config import ClusterSpec, JobSpec
 from cfp_megatron.runtime.flops import training_flops_per_token
-from cfp_megatron.sim.calibration import efficiency_for
 from cfp_megatron.sim.layout import build_layout
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache
@@ -55,6 +53,10 @@ HOST_MEMORY_GBPS = 40.0
 ADAM_HOST_BYTES_PER_PARAM = 32.0
 """Bytes CPU Adam moves per parameter: fp32 weight, gradient and two moments read, three written, a compute-
 precision copy written."""
+
+ZERO_SIM_OPTIONS = SimOptions(overlap_grad_reduce=False)
+"""The Megatron simulator's options for a ZeRO plan's passes (its own DP terms are replaced here); a
+:class:`CostCache` for :func:`simulate_zero` is made with them."""
 
 MODULE_FETCHES_PER_LAYER = 4
 """ZeRO-3 parameter fetches per transformer layer and pass: the QKV, attention-output, FC1 and FC2 linears (norms and
@@ -114,13 +116,11 @@ def simulate_zero(job: JobSpec, plan: ZeroPlan, measurements: Measurements | Non
     plans of one search (made for the job of :func:`model_job`); ``probes`` are the engine's measured costs."""
     cluster = cluster or job.cluster
     world = plan.dp
-    mjob = model_job(plan, job)
-    base = simulate(mjob, cluster, measurements, world_size=world, options=SimOptions(overlap_grad_reduce=False),
-                    cache=cache)
-    layout = build_layout(mjob if cluster is job.cluster else _with_cluster(mjob, cluster), world)
-    eff = cache.efficiency if cache is not None else efficiency_for(cluster)
-    costs = cache.collectives if cache is not None else CollectiveCosts(
-        cluster, measurements, intra_efficiency=eff.intra_node_comm, inter_efficiency=eff.inter_node_comm)
+    mjob = dataclasses.replace(model_job(plan, job), cluster=cluster)
+    cache = cache or CostCache.for_job(mjob, measurements, ZERO_SIM_OPTIONS)
+    base = simulate(mjob, cluster, measurements, world_size=world, options=ZERO_SIM_OPTIONS, cache=cache)
+    layout = build_layout(mjob, world)
+    costs = cache.collectives
     elem = 2.0 if plan.precision in ("bf16", "fp16") else 4.0
     on_cpu = cluster.on_cpu
     t = base.time
@@ -177,8 +177,8 @@ def simulate_zero(job: JobSpec, plan: ZeroPlan, measurements: Measurements | Non
     if probe is not None:
         one = dataclasses.replace(plan, micro_batch_size=1, activation_checkpointing=False,
                                   global_batch_size=plan.dp, predicted=None)
-        t1 = simulate(model_job(one, job), cluster, measurements, world_size=world,
-                      options=SimOptions(overlap_grad_reduce=False), cache=cache).time
+        t1 = simulate(dataclasses.replace(model_job(one, job), cluster=cluster), cluster, measurements,
+                      world_size=world, options=ZERO_SIM_OPTIONS, cache=cache).time
         pass_s = t1.forward_compute_s + t1.backward_compute_s + t1.overhead_s
         engine_s = mb * probe.per_microbatch_s(pass_s) + probe.per_step_s
         extra = gather_s / 3 if plan.zero_stage == 3 and plan.activation_checkpointing else 0.0
@@ -192,10 +192,6 @@ def simulate_zero(job: JobSpec, plan: ZeroPlan, measurements: Measurements | Non
                                 tokens_per_s_per_gpu=tok,
                                 model_tflops_per_gpu=tok * training_flops_per_token(job.model, plan.seq_length) / 1e12,
                                 fits=cluster.hbm_gib is None or memory.total <= cluster.hbm_gib * GIB)
-
-
-def _with_cluster(job: JobSpec, cluster: ClusterSpec) -> JobSpec:
-    return dataclasses.replace(job, cluster=cluster)
 
 
 def _host_copy(nbytes: float, cluster: ClusterSpec) -> float:

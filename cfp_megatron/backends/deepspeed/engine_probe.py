@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cfp_megatron.config import JobSpec, Precision
+from cfp_megatron.config import JobSpec
+from cfp_megatron.parallel_dims import ParallelDims
 
 PROBE_SCHEMA_VERSION = 1
 """Version of the probe file's layout."""
@@ -92,9 +93,11 @@ def load_probes(path: Path, world: int) -> EngineProbes | None:
     return probes if probes is not None and probes.world == world else None
 
 
-def run_probes(job: JobSpec, *, world: int, model: str, steps: int = 6, budget_s: float = 30.0) -> EngineProbes:
-    """Time every ZeRO stage's engine (every rank calls this; process groups must exist). Stages not reached within
-    ``budget_s`` are left out (the simulator's analytical terms stand in)."""
+def run_probes(job: JobSpec, dims: ParallelDims, *, model: str, steps: int = 6,
+               budget_s: float = 30.0) -> EngineProbes:
+    """Time every ZeRO stage's engine (every rank calls this; process groups for ``dims``, data parallel over every
+    rank, must exist). Stages not reached within ``budget_s`` are left out (the simulator's analytical terms stand
+    in)."""
     import torch
     import torch.distributed as dist
 
@@ -102,11 +105,9 @@ def run_probes(job: JobSpec, *, world: int, model: str, steps: int = 6, budget_s
     from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, ds_config
     from cfp_megatron.config import resolve_precision
     from cfp_megatron.data.batches import build_micro_batches
-    from cfp_megatron.parallel_dims import ParallelDims
 
     on_gpu = torch.cuda.is_available()
-    dims = ParallelDims.build(dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, tp=1, pp=1)),
-                              world)
+    world = dims.world_size
     began = time.perf_counter()
     found: dict[int, StageProbe] = {}
     for stage in (0, 1, 2, 3):
@@ -118,7 +119,7 @@ def run_probes(job: JobSpec, *, world: int, model: str, steps: int = 6, budget_s
             plan = ZeroPlan.from_job(pjob, world=world, zero_stage=stage, micro_batch=1,
                                      activation_checkpointing=False, offload_optimizer=False, offload_param=False,
                                      bucket_elements=50_000_000,
-                                     precision=resolve_precision(Precision(job.train.precision), on_gpu))
+                                     precision=resolve_precision(job.train.precision, on_gpu))
             _, engine = build_engine(pjob, plan, ds_config(plan, pjob), dims)
             stream = build_micro_batches(pjob, dp_rank=dist.get_rank(), dp_size=world)
             samples = []

@@ -24,7 +24,7 @@ from typing import Any
 from rich.console import Console
 
 from cfp_megatron.backends.deepspeed.spec import BackendSpec
-from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, ds_config, write_ds_config
+from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, ds_config, write_json_file
 from cfp_megatron.config import JobSpec, ParallelSpec, resolve_precision
 from cfp_megatron.errors import ConfigError, ConfigIssue
 from cfp_megatron.runtime.launch_env import LaunchEnv
@@ -78,6 +78,9 @@ def _plan_or_config_error(build: Any, key: str) -> ZeroPlan:
     except PlanError as err:
         raise ConfigError(ConfigIssue(key=err.setting or key, value="-", problem=err.problem,
                                       fix=err.fix or "see the problem.")) from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(ConfigIssue(key=key, value="-", problem=f"the plan file cannot be read ({err}).",
+                                      fix="give the zero_plan.json a DeepSpeed launch wrote.")) from None
 
 
 def train_from_config(cfg: Any, backend: BackendSpec) -> list:
@@ -108,7 +111,8 @@ def train_from_config(cfg: Any, backend: BackendSpec) -> list:
     elif cfp.mode is CfpMode.manual and (cfp.plan or cfp.plan_file):
         plan = _plan_or_config_error(
             (lambda: ZeroPlan.parse(cfp.plan)) if cfp.plan else
-            (lambda: ZeroPlan.from_json(json.loads(Path(str(cfp.plan_file)).read_text()))), "cfp.plan")
+            (lambda: ZeroPlan.from_json(json.loads(Path(str(cfp.plan_file)).read_text()))),
+            "cfp.plan" if cfp.plan else "cfp.plan_file")
     else:
         plan = manual_plan(job, backend, env.world_size, on_gpu=on_gpu)
     if plan.dp != env.world_size:
@@ -119,8 +123,8 @@ def train_from_config(cfg: Any, backend: BackendSpec) -> list:
     config = ds_config(plan, job, base=backend.base_config())
     folder = run_dir or Path("outputs")
     if env.rank == 0:
-        written = write_ds_config(config, folder / "ds_config.json")
-        write_ds_config(plan.to_json(), folder / "zero_plan.json")
+        written = write_json_file(config, folder / "ds_config.json")
+        write_json_file(plan.to_json(), folder / "zero_plan.json")
         if console is not None:
             console.print(f"cfp: DeepSpeed plan {plan.describe()} ({plan.canonical()}); config {written}",
                           markup=False)

@@ -7,15 +7,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes, load_probes, probe_path, run_probes
 from cfp_megatron.backends.deepspeed.spec import BackendSpec
 from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan
 from cfp_megatron.config import JobSpec
-from cfp_megatron.errors import ConfigError, ConfigIssue
-from cfp_megatron.plan import PlanError
 from cfp_megatron.runtime.launch_env import LaunchEnv
 from cfp_megatron.runtime.plan_check import PlanCheck
 from cfp_megatron.search.spec import CfpSpec
@@ -35,7 +32,8 @@ def planned(job: JobSpec, cfp: CfpSpec, backend: BackendSpec, env: LaunchEnv, co
     destroy_model_parallel_groups()  # the profiling rounds' last Megatron groups; training makes its own
     # The default process group stays up for training: DeepSpeed's communication layer keeps the group it first
     # saw (during the probes), so it must not be replaced.
-    probes = _engine_probes(job, env, outcome.path, console, on_gpu=on_gpu)
+    probes = _engine_probes(job, env, outcome.db.fingerprint.key if outcome.db is not None else None, console,
+                            on_gpu=on_gpu)
     received = searched_on_rank0(
         lambda: _search_on_rank0(job, cfp, backend, env.world_size, console, probes, on_gpu=on_gpu), outcome, env,
         console)
@@ -53,10 +51,11 @@ def planned(job: JobSpec, cfp: CfpSpec, backend: BackendSpec, env: LaunchEnv, co
     return plan, check
 
 
-def _engine_probes(job: JobSpec, env: LaunchEnv, db_path: Any, console: Any, *,
+def _engine_probes(job: JobSpec, env: LaunchEnv, fingerprint: str | None, console: Any, *,
                    on_gpu: bool) -> EngineProbes | None:
-    """The DeepSpeed engine probes of this model here: stored ones, else measured now with every rank (rank 0
-    decides and stores; the others get ``None``, as only rank 0 searches)."""
+    """The DeepSpeed engine probes of this model on the cluster of ``fingerprint`` (rank 0's ProfileDB; ``None`` on
+    the other ranks): stored ones, else measured now with every rank. Rank 0 decides and stores; only its answer
+    is used (only rank 0 searches)."""
     import torch.distributed as dist
 
     from cfp_megatron.config import ParallelSpec
@@ -67,18 +66,18 @@ def _engine_probes(job: JobSpec, env: LaunchEnv, db_path: Any, console: Any, *,
     key = model_key(job, on_gpu=on_gpu)
     world = env.world_size
     stored = path = None
-    if env.rank == 0 and db_path is not None:
-        path = probe_path(Path(db_path).stem, key)
+    if fingerprint is not None:
+        path = probe_path(fingerprint, key)
         stored = load_probes(path, world)
-    box = [stored is not None or db_path is None if env.rank == 0 else None]
+    box = [stored is None]  # rank 0's answer counts
     dist.broadcast_object_list(box, src=0)
-    if box[0]:
+    if not box[0]:
         return stored
     began = time.perf_counter()
     dims = ParallelDims.build(dataclasses.replace(job, parallel=ParallelSpec()), world)
     init_distributed(job, dims, env)  # Megatron's groups (all of size 1 but DP) and its RNG tracker
     try:
-        probes = run_probes(job, world=world, model=key)
+        probes = run_probes(job, dims, model=key)
     finally:
         destroy_model_parallel_groups()
     if env.rank == 0 and path is not None:
@@ -106,8 +105,4 @@ def _search_on_rank0(job: JobSpec, cfp: CfpSpec, backend: BackendSpec, world: in
         console.print(f"cfp: searched {result.evaluated} DeepSpeed plans in {searched * 1e3:.0f} ms", markup=False)
         for what, why in result.rejected:
             console.print(f"cfp:   left out {what}: {why}", markup=False)
-    try:
-        return {"plan": best.to_json()}
-    except PlanError as err:  # pragma: no cover - a plan the search built is valid
-        raise ConfigError(ConfigIssue(key="cfp", value=best.describe(), problem=err.problem,
-                                      fix=err.fix or "-")) from None
+    return {"plan": best.to_json()}

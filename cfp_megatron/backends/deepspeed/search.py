@@ -21,10 +21,9 @@ from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.config import JobSpec, resolve_precision
 from cfp_megatron.errors import ConfigError, ConfigIssue
 from cfp_megatron.search.spec import CfpSpec
-from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache
 from cfp_megatron.sim.prediction import GIB
-from cfp_megatron.sim.zero import ZeroPredictionResult, simulate_zero
+from cfp_megatron.sim.zero import ZERO_SIM_OPTIONS, ZeroPredictionResult, simulate_zero
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,10 +53,9 @@ class ZeroSearchResult:
         return self.ranked[0]
 
 
-def _options(name: str, pin: object, values: list) -> list:
-    if pin is None:
-        return values
-    return [pin]
+def _options(pin: object, values: list) -> list:
+    """``[pin]``, or every value when nothing is pinned."""
+    return values if pin is None else [pin]
 
 
 def search_zero(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *,
@@ -95,16 +93,16 @@ def search_zero(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *,
     if job.cluster.on_cpu and ("offload_optimizer" not in pins or "offload_param" not in pins):
         rejected.append(("offload", "on CPU ranks host and device memory are the same memory; pin "
                                     "backend.offload_optimizer/offload_param to run it anyway"))
-    stages = _options("zero_stage", pins.get("zero_stage"), [0, 1, 2, 3])
-    ckpts = _options("activation_checkpointing", pins.get("activation_checkpointing"), [False, True])
-    oopts = _options("offload_optimizer", pins.get("offload_optimizer"), offload_choices)
-    oparams = _options("offload_param", pins.get("offload_param"), offload_choices)
+    stages = _options(pins.get("zero_stage"), [0, 1, 2, 3])
+    ckpts = _options(pins.get("activation_checkpointing"), [False, True])
+    oopts = _options(pins.get("offload_optimizer"), offload_choices)
+    oparams = _options(pins.get("offload_param"), offload_choices)
     headroom = cfp.constraints.memory_headroom
     limit = None if job.cluster.hbm_gib is None else job.cluster.hbm_gib * GIB * (1.0 - headroom)
     cache: CostCache | None = None
     found: list[ZeroRanked] = []
     evaluated = 0
-    too_big: dict[str, float] = {}
+    too_big: dict[int, float] = {}  # the smallest peak of each ZeRO stage's plans over the limit
     for stage, mb, ckpt, oopt, oparam in itertools.product(stages, micro, ckpts, oopts, oparams):
         if oparam and stage != 3:
             continue
@@ -114,17 +112,17 @@ def search_zero(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *,
                                  offload_optimizer=oopt, offload_param=oparam,
                                  bucket_elements=backend.bucket_elements, precision=precision)
         if cache is None:
-            cache = CostCache.for_job(model_job(plan, job), measurements, SimOptions(overlap_grad_reduce=False))
+            cache = CostCache.for_job(model_job(plan, job), measurements, ZERO_SIM_OPTIONS)
         result = simulate_zero(job, plan, measurements, cache=cache, probes=probes)
         evaluated += 1
         if limit is not None and result.memory.total > limit:
-            label = f"zero{stage}" + (" ckpt" if ckpt else "") + (" offload" if oopt or oparam else "")
-            too_big[label] = min(too_big.get(label, float("inf")), result.memory.total)
+            too_big[stage] = min(too_big.get(stage, float("inf")), result.memory.total)
             continue
         found.append(ZeroRanked(plan=dataclasses.replace(plan, predicted=_prediction(result, job)), result=result))
-    for label, smallest in sorted(too_big.items()):
-        if not any(r.plan.describe().startswith(label.split()[0]) for r in found):
-            rejected.append((label, f"needs at least {smallest / GIB:.1f} GiB per GPU, over "
+    fitting = {r.plan.zero_stage for r in found}
+    for stage, smallest in sorted(too_big.items()):
+        if stage not in fitting:
+            rejected.append((f"zero{stage}", f"needs at least {smallest / GIB:.1f} GiB per GPU, over "
                                     f"{limit / GIB if limit else 0:.1f} GiB ({job.cluster.hbm_gib} GiB less "
                                     f"{headroom:.0%} headroom)"))
     if not found:

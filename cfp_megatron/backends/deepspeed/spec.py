@@ -119,8 +119,8 @@ class BackendSpec:
             "activation_checkpointing": None,
         }
         pins = {k: v for k, v in from_file.items() if v is not None and v != "auto"}
-        for key in PLANNED_KEYS:
-            value = getattr(self, key, None)
+        for key in ("zero_stage", "activation_checkpointing", "offload_optimizer", "offload_param"):
+            value = getattr(self, key)  # the micro-batch is pinned by cfp.micro_batch, not in this group
             if value is not None:
                 if key in pins and pins[key] != value:
                     raise ConfigError(ConfigIssue(

@@ -68,24 +68,27 @@ def _micro_loss(engine: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (losses.float() * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def train_step(engine: Any, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float, float]:
+def train_step(engine: Any, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float, float, bool]:
     """One optimizer step (backward and step per micro-batch; DeepSpeed steps at the accumulation boundary);
-    returns (global mean loss, gradient norm, learning rate used)."""
+    returns (global mean loss, gradient norm, learning rate used, whether the update was applied: fp16's loss
+    scaler skips it on an overflow)."""
     lr = float(engine.get_lr()[0])
+    before = engine.global_steps
     total = torch.zeros((), dtype=torch.float64)
     for batch in micro_batches:
         loss = _micro_loss(engine, batch)
         engine.backward(loss)
         engine.step()
         total += loss.detach().to("cpu", torch.float64)
-    if not engine.is_gradient_accumulation_boundary() and engine.global_steps == 0:
-        raise RuntimeError("DeepSpeed did not reach its accumulation boundary: micro-batches do not match the plan.")
+    if engine.global_steps != before + 1:
+        raise RuntimeError(f"{len(micro_batches)} micro-batches made {engine.global_steps - before} DeepSpeed "
+                           "optimizer steps, not one: the micro-batches do not match ds_config's accumulation.")
     mean = total / len(micro_batches)
     if torch.cuda.is_available():
         mean = mean.cuda()
     dist.all_reduce(mean)
     norm = engine.get_global_grad_norm()
-    return float(mean) / dist.get_world_size(), float(norm or 0.0), lr
+    return float(mean) / dist.get_world_size(), float(norm or 0.0), lr, bool(engine.was_step_applied())
 
 
 def run_training(job: JobSpec, plan: ZeroPlan, config: dict[str, Any], dims: ParallelDims, env: LaunchEnv, *,
@@ -125,11 +128,11 @@ def run_training(job: JobSpec, plan: ZeroPlan, config: dict[str, Any], dims: Par
             log.event("data_exhausted", step=step)
             break
         start = time.perf_counter()
-        loss, grad_norm, lr = train_step(engine, micro_batches)
+        loss, grad_norm, lr, applied = train_step(engine, micro_batches)
         elapsed = time.perf_counter() - start
         step += 1
         tflops = flops_per_token * tokens_per_step / elapsed / env.world_size / 1e12
-        m = StepMetrics(step=step, loss=loss, lr=lr, grad_norm=grad_norm, applied=True, step_time_s=elapsed,
+        m = StepMetrics(step=step, loss=loss, lr=lr, grad_norm=grad_norm, applied=applied, step_time_s=elapsed,
                         tokens_per_s=tokens_per_step / elapsed, tflops_per_rank=tflops, mfu=tflops / peak)
         history.append(m)
         if step % t.log_interval == 0 or step == t.steps:

@@ -257,8 +257,9 @@ def _scheduler(job: JobSpec) -> dict[str, Any]:
                                            "warmup_max_lr": t.lr, "warmup_type": "linear"}}
 
 
-def write_ds_config(config: dict[str, Any], path: Path) -> Path:
-    """Write ``config`` as JSON to ``path`` and return where it went. A file already there is never overwritten:
+def write_json_file(config: dict[str, Any], path: Path) -> Path:
+    """Write ``config`` (ds_config.json, zero_plan.json) as JSON to ``path`` and return where it went. A file
+    already there is never overwritten:
     one with the same content is reused, otherwise ``<stem>-<hash><suffix>`` next to it is written."""
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"
     path = Path(path)
