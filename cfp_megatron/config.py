@@ -416,6 +416,11 @@ class ParallelSpec:
     """Overlap data-parallel gradient reduction with the backward pass."""
     overlap_param_gather: bool = False
     """With the distributed optimizer: overlap the parameter all-gather with the next forward."""
+    grad_reduce_in_fp32: bool = True
+    """Accumulate and reduce gradients in fp32 (Megatron-Core's ``DistributedDataParallelConfig.grad_reduce_in_fp32``;
+    Megatron-LM always does so for bf16). ``false`` keeps the gradient buffers and their data-parallel reduction in
+    the compute precision, as NeMo's performance recipes do (``grad_reduce_in_fp32=False``, NeMo 1's
+    ``optim.grad_sync_dtype=bf16``): with bf16, half the gradient memory and data-parallel traffic."""
     order: str = "tp-cp-ep-dp-pp"
     """Megatron's rank order, fastest-varying first."""
     mlp: MlpPartition = MlpPartition.megatron

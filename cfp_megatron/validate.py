@@ -20,6 +20,9 @@ Defaults for fields a row leaves blank (documented, the same for every row):
 * ``global_batch_seqs`` blank with one layer: a layer-level measurement (one forward and backward of the layer
   alone, no embedding, logits, optimizer or gradient sync).
 * MLP: SwiGLU when ``ffn_hidden`` is not 4 x hidden or the model is MoE, else GELU (with dropout 0.1).
+* Gradients: accumulated and reduced in fp32 (Megatron-LM forces it for bf16; Megatron-Bridge's recipes keep it),
+  except for NeMo rows: NeMo's performance runs keep the gradient buffers and their reduction in bf16 (NeMo 1's
+  launcher scripts pass ``optim.grad_sync_dtype=bf16``, NeMo 2's performance recipes ``grad_reduce_in_fp32=False``).
 * ``framework`` naming Megatron-LM from before 2023: unfused attention (no FlashAttention) and no overlap of the
   gradient all-reduce with backward, as those versions ran; every other framework: fused attention, overlap on.
   NeMo / Megatron-Core / Megatron-Bridge: TP communication overlapped with the GEMMs (their performance recipes turn
@@ -190,6 +193,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None) -> RowPlan:
     framework = (row.get("framework") or "").lower()
     legacy = year is not None and int(year.group(1)) < 2023 and "megatron" in framework
     modern = not legacy and any(name in framework for name in ("nemo", "megatron-core", "megatron-bridge"))
+    nemo = framework.startswith("nemo")  # NeMo itself, not Megatron-Bridge (which keeps fp32 gradients)
     sharding = (row.get("zero_or_fsdp") or "").lower()
     fsdp = "fsdp" in sharding or "zero-3" in sharding or "zero3" in sharding
     dist_opt = "distributed optimizer" in sharding or "zero-1" in sharding or (not sharding and modern)
@@ -219,7 +223,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None) -> RowPlan:
         "model": model, "cluster": cluster,
         "parallel": {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "vpp": vp if vp > 1 else None, "sp": sp,
                      "recompute": recompute, "distributed_optimizer": dist_opt, "overlap_grad_reduce": not legacy,
-                     "recompute_num_layers": 1},
+                     "recompute_num_layers": 1, "grad_reduce_in_fp32": not nemo},
         "train": {"global_batch_size": gbs, "micro_batch_size": micro, "seq_length": seq, "precision": precision},
     }
     try:

@@ -45,3 +45,22 @@ def test_memory_breakdown_single_rank_and_tensor_parallel(tmp_path: Path) -> Non
         assert r["breakdown"]["parameters"] == 4 * _params(tp)
         assert r["breakdown"]["parameters"] < 0.6 * b["parameters"]
         assert r["breakdown"]["activations"] < b["activations"]
+
+
+def test_bf16_gradients_without_fp32_reduction_halve_the_gradient_buffer(tmp_path: Path) -> None:
+    """``parallel.grad_reduce_in_fp32=false`` reaches Megatron's DDP: its main_grad buffer is bf16, as the memory
+    model predicts (and with the default, fp32)."""
+    from cfp_megatron.config import compose_job
+    from cfp_megatron.sim.simulate import predict_memory
+
+    overrides = [*COMMON, "train.precision=bf16"]
+    for fp32_grads in (False, True):
+        flag = f"parallel.grad_reduce_in_fp32={str(fp32_grads).lower()}"
+        run = run_train(1, [*overrides, flag], tmp_path / f"fp32_grads_{fp32_grads}")
+        assert run.returncode == 0, run.output[-3000:]
+        (one,) = _memory(run)
+        params = _params(run)
+        assert one["breakdown"]["parameters"] == 2 * params
+        assert one["breakdown"]["gradients"] == (4 if fp32_grads else 2) * params
+        predicted = predict_memory(compose_job([*overrides, flag]), world_size=1)
+        assert predicted.gradients == one["breakdown"]["gradients"]

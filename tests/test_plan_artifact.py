@@ -100,7 +100,7 @@ def test_canonical_format_of_the_gpt3_plan(plans: dict[str, Plan]) -> None:
     text = plans["gpt3_vpp_sp"].canonical()
     assert text.startswith("gpt3_175b@dgx_a100x128x8:tp=8,sp=1,pp=16,vpp=2,cp=1,ep=1,etp=1,dp=8,mb=1,gbs=1536,"
                            "seq=2048,ppf=null,ppl=null,rc=none,rcn=1,")
-    assert text.endswith(",do=1,ogr=0,opg=0,order=tp-cp-ep-dp-pp,mlp=megatron,prec=bf16")
+    assert text.endswith(",do=1,ogr=0,opg=0,gf32=1,order=tp-cp-ep-dp-pp,mlp=megatron,prec=bf16")
     assert " " not in text and "\n" not in text
 
 
@@ -120,7 +120,7 @@ def test_every_parallel_field_is_in_the_canonical_string(plans: dict[str, Plan])
     assert len(keys) == len(set(keys))
     short = {"recompute": "rc", "recompute_num_layers": "rcn", "recompute_method": "rcm",
              "distributed_optimizer": "do", "overlap_grad_reduce": "ogr", "overlap_param_gather": "opg",
-             "first_stage_layers": "ppf", "last_stage_layers": "ppl"}
+             "first_stage_layers": "ppf", "last_stage_layers": "ppl", "grad_reduce_in_fp32": "gf32"}
     for f in dataclasses.fields(ParallelSpec):
         assert short.get(f.name, f.name) in keys, f.name
     assert {"dp", "mb", "gbs", "seq", "prec"} <= set(keys)
@@ -422,6 +422,23 @@ def test_megatron_args_moe_recompute_order_precision(plans: dict[str, Plan]) -> 
                               parallel=dataclasses.replace(plans["tiny_local_auto"].parallel, order="dp-tp-cp-ep-pp"))
     with pytest.raises(PlanError, match="cannot express the rank order 'dp-tp-cp-ep-pp'"):
         megatron_lm_args(odd)
+
+
+def test_megatron_args_gradient_precision(plans: dict[str, Plan]) -> None:
+    """fp16 with the default fp32 gradient reduction asks Megatron-LM for it; bf16 gets it from Megatron-LM itself,
+    which cannot keep bf16 gradients, so that plan is refused with the setting named."""
+    fp16 = plans["llama70b_cp_selective_pp_dp_order"]
+    assert "--accumulate-allreduce-grads-in-fp32" in megatron_lm_args(fp16, num_layers=80)
+    fp16_grads = dataclasses.replace(fp16, parallel=dataclasses.replace(fp16.parallel, grad_reduce_in_fp32=False))
+    assert "--accumulate-allreduce-grads-in-fp32" not in megatron_lm_args(fp16_grads, num_layers=80)
+    bf16 = plans["gpt3_vpp_sp"]
+    assert "--accumulate-allreduce-grads-in-fp32" not in megatron_lm_args(bf16, num_layers=96)
+    bf16_grads = dataclasses.replace(bf16, parallel=dataclasses.replace(bf16.parallel, grad_reduce_in_fp32=False))
+    with pytest.raises(PlanError, match="grad_reduce_in_fp32=false with bf16") as err:
+        megatron_lm_args(bf16_grads, num_layers=96)
+    assert err.value.setting == "parallel.grad_reduce_in_fp32"
+    text = bf16_grads.canonical()
+    assert ",gf32=0," in text and Plan.parse(text).parallel.grad_reduce_in_fp32 is False
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))

@@ -34,7 +34,8 @@ _MEGATRON_ORDERS: dict[str, list[str]] = {
 
 _MEGATRON_FIELDS = frozenset({"tp", "sp", "pp", "vpp", "cp", "ep", "etp", "distributed_optimizer", "recompute",
                               "recompute_num_layers", "overlap_grad_reduce", "overlap_param_gather", "order",
-                              "recompute_method", "first_stage_layers", "last_stage_layers"})
+                              "recompute_method", "first_stage_layers", "last_stage_layers",
+                              "grad_reduce_in_fp32"})
 """ParallelSpec fields :func:`megatron_lm_args` renders; another field set away from its default is refused rather
 than silently dropped."""
 
@@ -113,9 +114,17 @@ def megatron_lm_args(plan: Plan, *, num_layers: int | None = None) -> list[str]:
     args += _MEGATRON_ORDERS[p.order]
     precision = _precision(plan)
     if precision is Precision.bf16:
+        if not p.grad_reduce_in_fp32:
+            raise PlanError("parallel.grad_reduce_in_fp32=false with bf16: Megatron-LM's arguments cannot express it "
+                            "(pretrain_gpt.py always accumulates and reduces bf16 gradients in fp32).",
+                            fix="train it with the plan's torchrun command (launch/train.py passes it to Megatron-"
+                                "Core's DistributedDataParallelConfig), or plan with parallel.grad_reduce_in_fp32="
+                                "true for Megatron-LM.", setting="parallel.grad_reduce_in_fp32")
         args.append("--bf16")
     elif precision is Precision.fp16:
         args.append("--fp16")
+        if p.grad_reduce_in_fp32:
+            args.append("--accumulate-allreduce-grads-in-fp32")
     return args
 
 

@@ -101,7 +101,7 @@ def build_training(job: JobSpec, dims: ParallelDims) -> TrainState:
         layout_independent_init(chunks, config, job.train.seed)
     p, t = job.parallel, job.train
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=p.grad_reduce_in_fp32,
         overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather,
         use_distributed_optimizer=p.distributed_optimizer,

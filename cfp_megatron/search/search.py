@@ -55,6 +55,7 @@ from cfp_megatron.search.space import (
     max_chunk_layers,
 )
 from cfp_megatron.search.spec import CfpSpec
+from cfp_megatron.sim.kernels import grad_element_bytes
 from cfp_megatron.sim.layout import Layout, place
 from cfp_megatron.sim.memory import element_bytes
 from cfp_megatron.sim.options import SimOptions
@@ -339,11 +340,12 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions,
 
 
 def _param_bytes(job: JobSpec) -> tuple[float, float]:
-    """Bytes per parameter a rank holds at least with the distributed optimizer (weights, fp32 gradients) and
+    """Bytes per parameter a rank holds at least with the distributed optimizer (weights, gradients) and
     without it (and the optimizer states)."""
     elem = element_bytes(job)
+    grad = grad_element_bytes(job)
     opt_bytes = (4.0 if elem == 2 else 0.0) + (8.0 if job.train.optimizer is OptimizerKind.adam else 4.0)
-    return elem + 4.0, elem + 4.0 + opt_bytes
+    return elem + grad, elem + grad + opt_bytes
 
 
 def _bounds(space: Space, job: JobSpec, measurements: Measurements | None, options: SimOptions,

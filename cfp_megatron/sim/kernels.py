@@ -4,7 +4,7 @@ attention core, memory-bound element-wise work."""
 from __future__ import annotations
 
 from cfp_megatron.cluster.measured import Measurements
-from cfp_megatron.config import ClusterSpec, Precision, resolve_precision
+from cfp_megatron.config import ClusterSpec, JobSpec, Precision, resolve_precision
 from cfp_megatron.errors import ConfigError, ConfigIssue
 from cfp_megatron.sim.calibration import Efficiency
 
@@ -26,6 +26,17 @@ def dtype_name(precision: Precision) -> str:
 def bytes_per_element(precision: Precision) -> int:
     """Bytes of one activation/weight element in a resolved compute precision."""
     return 4 if precision is Precision.fp32 else 2
+
+
+def element_bytes(job: JobSpec) -> int:
+    """Bytes of a weight or activation element in the precision the runtime trains ``job`` in on its cluster."""
+    return bytes_per_element(compute_precision(job.train.precision, job.cluster))
+
+
+def grad_element_bytes(job: JobSpec) -> float:
+    """Bytes of a gradient element in Megatron's gradient buffers and their data-parallel reduction: fp32 with
+    ``parallel.grad_reduce_in_fp32`` (the default), else the compute precision's."""
+    return 4.0 if job.parallel.grad_reduce_in_fp32 else float(element_bytes(job))
 
 
 class KernelModel:

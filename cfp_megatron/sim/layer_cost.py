@@ -19,7 +19,7 @@ from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
 from cfp_megatron.config import Activation, AttentionKind, JobSpec, MlpPartition
 from cfp_megatron.runtime.flops import attention_params, mlp_params
-from cfp_megatron.sim.kernels import KernelModel
+from cfp_megatron.sim.kernels import KernelModel, grad_element_bytes
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.primepar_cost import MlpCost, ffn_gemms, mlp_activation_elements, primepar_mlp_cost
@@ -189,7 +189,8 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
     if options.fsdp and d.dp > 1:
         shard = params * e
         gather = costs.seconds(Collective.all_gather, shard, d.dp * d.cp, layout.dp_per_node)
-        scatter = costs.seconds(Collective.reduce_scatter, params * 4.0, d.dp * d.cp, layout.dp_per_node)
+        scatter = costs.seconds(Collective.reduce_scatter, params * grad_element_bytes(job), d.dp * d.cp,
+                                layout.dp_per_node)
         fsdp_fwd = max(0.0, gather - fwd_compute - core_fwd)
         fsdp_bwd = max(0.0, gather + scatter - bwd_compute - core_bwd)
 

@@ -24,17 +24,12 @@ from cfp_megatron.config import (
     RecomputeMethod,
 )
 from cfp_megatron.pipeline_split import job_chunks
-from cfp_megatron.sim.kernels import bytes_per_element, compute_precision
+from cfp_megatron.sim.kernels import element_bytes, grad_element_bytes
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.measured_memory import measured_memory, peak_activation_bytes, pipeline_buffers
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.prediction import MemoryBreakdown
 from cfp_megatron.sim.primepar_cost import primepar_stash_saving, primepar_weight_copies
-
-
-def element_bytes(job: JobSpec) -> int:
-    """Bytes of a weight or activation element in the precision the runtime trains ``job`` in on its cluster."""
-    return bytes_per_element(compute_precision(job.train.precision, job.cluster))
 
 
 def layer_extra_params(job: JobSpec, layout: Layout) -> float:
@@ -178,7 +173,7 @@ def stage_memory(job: JobSpec, layout: Layout, options: SimOptions, *, rank: int
     mixed = elem == 2
     adam = job.train.optimizer is OptimizerKind.adam
     opt_per_param = (4.0 if mixed else 0.0) + (8.0 if adam else 4.0)
-    grad_per_param = 4.0
+    grad_per_param = grad_element_bytes(job)
     dp_group = d.dp * d.cp
     if options.fsdp:
         weights = params * elem / dp_group

@@ -18,7 +18,7 @@ from cfp_megatron.config import ClusterSpec, JobSpec
 from cfp_megatron.pipeline_split import job_chunks
 from cfp_megatron.runtime.flops import training_flops_per_token
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
-from cfp_megatron.sim.kernels import KernelModel
+from cfp_megatron.sim.kernels import KernelModel, grad_element_bytes
 from cfp_megatron.sim.layer_cost import PassCost
 from cfp_megatron.sim.layout import Layout, build_layout
 from cfp_megatron.sim.memory import stage_memory
@@ -100,6 +100,7 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
     dp_group = d.dp * d.cp
     overlap = job.parallel.overlap_grad_reduce if options.overlap_grad_reduce is None else options.overlap_grad_reduce
     dp_exposed, opt_s = [], []
+    grad_b = grad_element_bytes(job)
     for r in range(pp):
         vocab = m.padded_vocab_size * m.hidden_size / d.tp
         params = layer_params[r] + (vocab if r == 0 else 0.0) + (vocab if r == pp - 1 and pp > 1 else 0.0)
@@ -111,15 +112,15 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
         sync = gather = 0.0
         if not options.fsdp:
             if job.parallel.distributed_optimizer:
-                sync = (costs.seconds(Collective.reduce_scatter, dense_p * 4.0, dp_group, layout.dp_per_node)
-                        + costs.seconds(Collective.reduce_scatter, expert_params[r] * 4.0, d.expert_dp,
+                sync = (costs.seconds(Collective.reduce_scatter, dense_p * grad_b, dp_group, layout.dp_per_node)
+                        + costs.seconds(Collective.reduce_scatter, expert_params[r] * grad_b, d.expert_dp,
                                         layout.edp_per_node))
                 gather = (costs.seconds(Collective.all_gather, dense_p * kernels.elem, dp_group, layout.dp_per_node)
                           + costs.seconds(Collective.all_gather, expert_params[r] * kernels.elem, d.expert_dp,
                                           layout.edp_per_node))
             else:
-                sync = (costs.seconds(Collective.all_reduce, dense_p * 4.0, dp_group, layout.dp_per_node)
-                        + costs.seconds(Collective.all_reduce, expert_params[r] * 4.0, d.expert_dp,
+                sync = (costs.seconds(Collective.all_reduce, dense_p * grad_b, dp_group, layout.dp_per_node)
+                        + costs.seconds(Collective.all_reduce, expert_params[r] * grad_b, d.expert_dp,
                                         layout.edp_per_node))
         bucket_share = min(1.0, _BUCKET_PARAMS / max(params, 1.0))
         if overlap:
@@ -314,7 +315,7 @@ def _tied_embedding_sync(job: JobSpec, costs: CollectiveCosts, vocab_params: flo
     pp = job.parallel.pp
     if pp == 1 or not job.model.tie_embeddings or rank not in (0, pp - 1):
         return 0.0
-    return costs.seconds(Collective.all_reduce, vocab_params * 4.0, 2)
+    return costs.seconds(Collective.all_reduce, vocab_params * grad_element_bytes(job), 2)
 
 
 def _grad_norm_extra(costs: CollectiveCosts, tp: int, pp: int) -> float:
