@@ -1,4 +1,5 @@
-"""A model handed to deepspeed.initialize through the hook is captured, and DeepSpeed then trains it."""
+"""A model handed to deepspeed.initialize through the hook is captured, planned where its config says "auto", and
+DeepSpeed then trains it."""
 
 from __future__ import annotations
 
@@ -16,16 +17,60 @@ from tests.launcher import free_port
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed extra")]
 
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "deepspeed_hook_run.py"
+
+
+def _env(rank: int, world: int, port: int) -> dict[str, str]:
+    return {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _start(args: list[str], rank: int, world: int, port: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(SCRIPT), *args], env=_env(rank, world, port),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _result(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
 
 def test_deepspeed_initialize_hook_captures_then_trains_with_zero1() -> None:
-    script = Path(__file__).resolve().parent / "scripts" / "deepspeed_hook_run.py"
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = _result(_start([], 0, 1, free_port()))
     # One block kind (4 identical residual blocks: LayerNorm 64 + Linear 32x32+32) and the rest recorded once.
     assert result["kinds"]["block"] == 64 + 32 * 32 + 32
     assert result["sequence"].count("block") == 4
     assert result["zero_stage"] == 1
     assert result["losses"][-1] < result["losses"][0]
+
+
+def test_hook_plans_auto_config_on_two_ranks_and_trains_like_one_rank(tmp_path: Path) -> None:
+    """Two gloo ranks plan "auto" stage, micro-batch and accumulation (then a config pinning stage 2) and train with
+    the losses of a single-rank ZeRO-0 run of the same model, seed and global batch."""
+    port = free_port()
+    ranks = [_start(["planned", str(tmp_path)], rank, 2, port) for rank in range(2)]
+    reference = _start(["reference"], 0, 1, free_port())
+    results = [_result(p) for p in ranks]
+    ref = _result(reference)
+    assert ref["planned"] is False  # a config without "auto" passes through unplanned
+    for phase in ("auto", "pinned"):
+        plans = [r[phase] for r in results]
+        assert plans[0]["canonical"] == plans[1]["canonical"]  # one plan, broadcast from rank 0
+        for key in ("stage", "mb", "ga", "train_batch_size"):
+            assert plans[0][key] == plans[1][key]
+        p = plans[0]
+        assert p["train_batch_size"] == 8 and p["mb"] * p["ga"] * 2 == 8 and p["stage"] in (0, 1, 2, 3)
+        assert f"zero={p['stage']},dp=2,mb={p['mb']},ga={p['ga']},gbs=8" in p["canonical"]
+        assert p["weights_unchanged"] in (True, None)  # None: ZeRO-3 partitioned them before the check
+        for rank_losses in (r[phase]["losses"] for r in results):
+            assert rank_losses == pytest.approx(ref["losses"], abs=1e-5)
+    assert results[1]["pinned"]["stage"] == 2  # the config's concrete stage pins the search
+    written = Path(results[0]["auto"]["written"])
+    assert written == tmp_path / "ds_config.json" and results[1]["auto"]["written"] is None
+    config = json.loads(written.read_text())
+    p = results[0]["auto"]
+    assert (config["zero_optimization"]["stage"], config["train_micro_batch_size_per_gpu"],
+            config["gradient_accumulation_steps"]) == (p["stage"], p["mb"], p["ga"])
+    assert config["optimizer"]["type"] == "AdamW"  # the user's other keys are kept

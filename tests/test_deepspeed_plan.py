@@ -7,19 +7,21 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes, StageProbe
+from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes, StageProbe, load_probes
 from cfp_megatron.backends.deepspeed.entry import check_layout, manual_plan
 from cfp_megatron.backends.deepspeed.search import search_zero
 from cfp_megatron.backends.deepspeed.spec import BackendKind, BackendSpec, backend_from_config
-from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, ds_config, write_json_file
+from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, ds_config, model_job, write_json_file
 from cfp_megatron.config import Precision, compose_config, compose_job, job_from_config
 from cfp_megatron.errors import ConfigError
 from cfp_megatron.plan import PlanError
 from cfp_megatron.search.spec import cfp_from_config
+from cfp_megatron.sim.pass_costs import CostCache
 from cfp_megatron.sim.prediction import GIB
-from cfp_megatron.sim.zero import simulate_zero
+from cfp_megatron.sim.zero import ZERO_SIM_OPTIONS, megatron_passes, simulate_zero
 
 
 def _plan(job, world: int, **knobs) -> ZeroPlan:
@@ -178,15 +180,50 @@ def test_search_on_cpu_leaves_offload_out_and_uses_engine_probes() -> None:
     assert any(what == "offload" for what, _ in result.rejected)
     # measured engine costs replace the analytical terms: a costly ZeRO-0 step moves the choice away from it
     probes = EngineProbes(model="m", world=4, stages={
-        0: StageProbe(stage=0, one_s=1.0, two_s=1.1), 1: StageProbe(stage=1, one_s=0.05, two_s=0.09),
-        2: StageProbe(stage=2, one_s=0.06, two_s=0.10), 3: StageProbe(stage=3, one_s=0.2, two_s=0.4)})
+        0: StageProbe(stage=0, points=((1, 1.0), (2, 1.1), (4, 1.3))),
+        1: StageProbe(stage=1, points=((1, 0.05), (2, 0.09), (4, 0.17))),
+        2: StageProbe(stage=2, points=((1, 0.06), (2, 0.10), (4, 0.18))),
+        3: StageProbe(stage=3, points=((1, 0.2), (2, 0.4), (4, 0.8)))})
     probed = search_zero(job, 4, cfp, backend, probes=probes)
     assert probed.best.plan.zero_stage == 1
-    # one micro-batch per step (mb 8): the per-step cost 2 x 1.0 - 1.1 = 0.9 s and one micro-batch's extra cost,
-    # 1.1 - 1.0 less the passes at micro-batch 1
+    # one micro-batch per step (mb 8): the line through ZeRO-0's points is 0.9 s + 0.1 s per micro-batch, so the
+    # per-step cost is 0.9 s and one micro-batch's extra cost 0.1 s less the passes at micro-batch 1
     zero0 = simulate_zero(job, _plan(job, 4, precision=Precision.fp32, micro_batch=8), probes=probes)
     one = _plan(job, 4, precision=Precision.fp32, micro_batch=1)
     pass_s = simulate_zero(job, one).time.compute_s / one.gradient_accumulation_steps  # passes of one micro-batch
     assert zero0.time.engine_s == pytest.approx(0.9 + max(0.1 - pass_s, 0.0), rel=0.05)
     assert zero0.time.grad_reduce_s == 0 and zero0.time.optimizer_s == 0
     assert zero0.step_time_s == pytest.approx(zero0.time.compute_s + zero0.time.engine_s)
+
+
+def test_engine_probe_line_and_its_json_round_trip(tmp_path: Path) -> None:
+    """The per-step and per-micro-batch costs are the least-squares line through the probe's points; the file keeps
+    the points and reads back; a file of the old layout is ignored (re-probed), not misread."""
+    probe = StageProbe(stage=2, points=((1, 0.30), (2, 0.52), (4, 0.88)))
+    slope, intercept = np.polyfit([1, 2, 4], [0.30, 0.52, 0.88], 1)
+    assert probe.per_microbatch_s(0.05) == pytest.approx(slope - 0.05)
+    assert probe.per_step_s == pytest.approx(intercept)
+    assert probe.per_microbatch_s(1.0) == 0.0
+    probes = EngineProbes(model="m", world=4, stages={2: probe})
+    path = tmp_path / "probes.json"
+    path.write_text(json.dumps(probes.to_json()))
+    assert load_probes(path, 4) == probes
+    assert load_probes(path, 2) is None  # another world size
+    path.write_text(json.dumps({"schema_version": 1, "model": "m", "world": 4,
+                                "stages": [{"stage": 2, "one_s": 0.3, "two_s": 0.5}]}))
+    assert load_probes(path, 4) is None
+
+
+def test_engine_probes_are_measured_beyond_one_micro_batch_of_passes() -> None:
+    """The passes the probes' per-micro-batch cost is taken beyond are one micro-batch's (model_job follows the
+    plan's global batch; it once kept the job's, so this was the whole step's passes and the per-micro-batch cost
+    came out 0)."""
+    job = compose_job(["model=gpt_tiny", "train.global_batch_size=32"])
+    plan = _plan(job, 4, precision=Precision.fp32, micro_batch=1)
+    assert plan.gradient_accumulation_steps == 8
+    one = dataclasses.replace(plan, global_batch_size=4, predicted=None)
+    assert model_job(one, job).train.global_batch_size == 4
+    cache = CostCache.for_job(model_job(plan, job), None, ZERO_SIM_OPTIONS)
+    passes = megatron_passes(job, plan, None, cluster=job.cluster, cache=cache, single_pass=True)
+    whole = passes.forward_s + passes.backward_s + passes.overhead_s
+    assert passes.single_pass_s == pytest.approx(whole / 8, rel=0.05)

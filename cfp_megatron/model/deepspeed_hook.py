@@ -5,17 +5,25 @@ module types and parameter shapes are one kind. On a meta copy of the model, one
 meta) finds each block's input; then one block of each kind is recorded, and the rest of the model (``rest``:
 embeddings, final norm, head, loss) is recorded with every block replaced by a pass-through. The model is the
 sequence ``rest`` (once), then the kind of each block.
+
+:func:`initialize` wraps ``deepspeed.initialize``: it captures the model and, when the DeepSpeed config holds
+``"auto"`` values, plans them for this model on the live ranks
+(:mod:`cfp_megatron.backends.deepspeed.hook_plan`) before DeepSpeed builds its engine.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
+from cfp_megatron.errors import ConfigError, ConfigIssue
 from cfp_megatron.graph.opgraph import OpGraph
 from cfp_megatron.graph.record import record_step
 from cfp_megatron.model.capture import ModelCapture, _unique_names
@@ -128,11 +136,42 @@ def _batch(inputs: tuple) -> int:
 
 
 def initialize(*, model: torch.nn.Module, example_input: Any, name: str | None = None,
-               loss_fn: Callable[[Any], torch.Tensor] | None = None, **kwargs: Any) -> Any:
-    """Capture ``model`` (attached as ``model.cfp_capture``), then return ``deepspeed.initialize(model=model, ...)``.
+               loss_fn: Callable[[Any], torch.Tensor] | None = None, output_dir: str | Path | None = None,
+               **kwargs: Any) -> Any:
+    """``deepspeed.initialize(model=model, **kwargs)`` with the DeepSpeed config planned for this model.
 
-    Raises :class:`DeepSpeedUnavailable` after capturing when DeepSpeed is not installed.
+    ``model`` is captured first (attached as ``model.cfp_capture``). When the config (``config=``, a dict or a JSON
+    path, read and never written; or ``config_params=``, or ``args.deepspeed_config``) holds ``"auto"`` for
+    ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``, ``zero_optimization.stage`` or an offload
+    device, the hook plans them (:mod:`cfp_megatron.backends.deepspeed.hook_plan`): it measures the model's forward
+    and backward on ``example_input`` re-batched to 1, 2 and 4 sequences on every rank (weights untouched), fits
+    the collectives (or reads the ProfileDB), simulates every ZeRO stage x micro-batch x offload the config's
+    concrete values leave with :func:`cfp_megatron.sim.zero.zero_step`, and hands DeepSpeed the fastest plan's
+    config (rank 0 plans and broadcasts; the plan is attached as ``model.cfp_plan``, and written as
+    ``output_dir/ds_config.json`` on rank 0 when ``output_dir`` is given). Activation checkpointing is not planned
+    (DeepSpeed cannot switch it on for a plain module). ``loss_fn`` maps the model's output to a scalar loss for the
+    capture and the measurements (default: the sum of its first output). A config without ``"auto"`` passes through
+    unplanned.
+
+    Raises a :class:`~cfp_megatron.errors.ConfigError` naming the key, its value and the fix for a config that
+    cannot be planned (checked before the capture and before any engine), and :class:`DeepSpeedUnavailable` after
+    capturing when DeepSpeed is not installed.
     """
+    from cfp_megatron.backends.deepspeed.hook_config import load_config, plan_request
+
+    raw = kwargs.get("config", kwargs.get("config_params"))
+    args = kwargs.get("args")
+    if raw is None and getattr(args, "deepspeed_config", None) is not None:
+        raw = args.deepspeed_config
+    request = None
+    if raw is not None:
+        request = plan_request(load_config(raw), _world_size())
+    for key in ("mpu", "mesh_param"):
+        if request is not None and kwargs.get(key) is not None:
+            raise ConfigError(ConfigIssue(key=key, value=type(kwargs[key]).__name__,
+                                          problem="the hook plans data parallelism over every rank, and model "
+                                                  "parallelism changes the data-parallel size.",
+                                          fix=f'pin the config\'s "auto" values, or leave out {key}.'))
     capture = capture_deepspeed_model(model, example_input, name=name, loss_fn=loss_fn)
     object.__setattr__(model, "cfp_capture", capture)
     if importlib.util.find_spec("deepspeed") is None:
@@ -140,4 +179,39 @@ def initialize(*, model: torch.nn.Module, example_input: Any, name: str | None =
                                    "deepspeed (pip install deepspeed) to build the engine.")
     import deepspeed
 
+    if request is None:
+        return deepspeed.initialize(model=model, **kwargs)
+    from deepspeed import comm
+    from deepspeed.accelerator import get_accelerator
+
+    from cfp_megatron.backends.deepspeed.hook_plan import flops_per_token, plan_model
+
+    # as deepspeed.initialize itself starts the process group (a no-op when it is up)
+    comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                          distributed_port=kwargs.get("distributed_port", 29500),
+                          dist_init_required=kwargs.get("dist_init_required"))
+    console = None
+    if comm.get_rank() == 0:
+        from rich.console import Console
+
+        console = Console(highlight=False, soft_wrap=True)
+    planned = plan_model(model, example_input, request, name=capture.model, seq_length=capture.seq_length,
+                         layers=len(capture.layer_kinds),
+                         flops_per_token=flops_per_token(capture.total_flops, capture.micro_batch_size,
+                                                         capture.seq_length),
+                         loss_fn=loss_fn, output_dir=output_dir, console=console)
+    object.__setattr__(model, "cfp_plan", planned)
+    kwargs.pop("config_params", None)
+    kwargs["config"] = planned.config
+    if getattr(args, "deepspeed_config", None) is not None:
+        args = copy.copy(args)
+        args.deepspeed_config = None  # DeepSpeed refuses a config given twice
+        kwargs["args"] = args
     return deepspeed.initialize(model=model, **kwargs)
+
+
+def _world_size() -> int:
+    """Ranks of the job: the process group's, else the launcher's ``WORLD_SIZE`` (1 without one)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))

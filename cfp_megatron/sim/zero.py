@@ -1,9 +1,13 @@
 """Step time and memory of a DeepSpeed ZeRO plan (:class:`~cfp_megatron.backends.deepspeed.zero_plan.ZeroPlan`).
 
-The model's passes are the Megatron simulator's for the same model without model parallelism (DeepSpeed's data
-parallelism spans every rank; :func:`~cfp_megatron.backends.deepspeed.zero_plan.model_job`), with full per-layer
-recomputation where the plan checkpoints activations: profiled segment times where the ProfileDB has them (CFP),
-else the analytical kernels. What ZeRO changes is modelled on top, from DeepSpeed's engine:
+The model's passes (:class:`ZeroPasses`) come from one of two sources. For a Megatron-Core model
+(``backend=deepspeed``, :func:`simulate_zero`) they are the Megatron simulator's for the same model without model
+parallelism (DeepSpeed's data parallelism spans every rank;
+:func:`~cfp_megatron.backends.deepspeed.zero_plan.model_job`), with full per-layer recomputation where the plan
+checkpoints activations: profiled segment times where the ProfileDB has them (CFP), else the analytical kernels. For
+a user's own model handed to ``deepspeed.initialize`` (:mod:`cfp_megatron.backends.deepspeed.hook_plan`) they are
+measured on the live ranks. What ZeRO changes is modelled on top by :func:`zero_step`, the same for both, from
+DeepSpeed's engine:
 
 - **Gradient reduction.** Stage 0 all-reduces every gradient at the accumulation boundary; stage 1 reduces to the
   partition owners there (a reduce-scatter's volume); stages 2 and 3 reduce-scatter in every micro-batch's backward
@@ -33,8 +37,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes
+from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes, StageProbe
 from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, model_job
+from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective, Measurements
 from cfp_megatron.config import ClusterSpec, JobSpec
 from cfp_megatron.runtime.flops import training_flops_per_token
@@ -109,27 +114,99 @@ class ZeroPredictionResult:
     """Whether the peak fits the device memory (always true when the capacity is unknown)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class ZeroPasses:
+    """The model's side of one ZeRO plan, as the ZeRO terms of :func:`zero_step` read it: its passes, size and
+    activations. Two sources: the Megatron simulator for a Megatron-Core model (:func:`megatron_passes`, the
+    ``backend=deepspeed`` path) and the live measurements of a user's own model
+    (:mod:`cfp_megatron.backends.deepspeed.hook_plan`, the ``deepspeed.initialize`` hook). Times are for the plan's
+    whole step (every micro-batch of it), so the ZeRO terms stay exactly what they were before the split."""
+
+    forward_s: float
+    """Forward seconds of every micro-batch of one step, compute only."""
+    backward_s: float
+    """Backward seconds of every micro-batch of one step (the recomputation not included)."""
+    recompute_s: float
+    """Recomputation seconds (activation checkpointing) of every micro-batch of one step."""
+    overhead_s: float
+    """Fixed seconds per step around the passes (the schedule's own cost per micro-batch, summed)."""
+    optimizer_s: float
+    """The optimizer step on the device, over what the plan leaves on each rank (its partition from stage 1)."""
+    params: float
+    """Parameters on each rank before ZeRO partitions them (the whole model: no model parallelism)."""
+    layers: int
+    """Repeated blocks (transformer layers); stage 3's live gathered parameters are one block's."""
+    fetches: int
+    """ZeRO-3 parameter fetches (all-gather calls) per pass over the model."""
+    activation_bytes: float
+    """Peak activation memory of one micro-batch (saved for the backward pass, plus the working set)."""
+    comm_buffers_bytes: float = 0.0
+    """Communication buffers the passes hold beyond ZeRO's own (logits, gather buffers)."""
+    flops_per_token: float
+    """Model FLOPs (forward and backward, no recomputation) per trained token, for the MFU figure."""
+    single_pass_s: float | None = None
+    """Forward, backward and overhead seconds of one micro-batch of one sample without checkpointing: what the
+    engine probes' per-micro-batch cost is measured beyond (``None``: not needed, no probes)."""
+
+    @property
+    def compute_s(self) -> float:
+        """Forward, backward, recomputation and overhead of the step."""
+        return self.forward_s + self.backward_s + self.recompute_s + self.overhead_s
+
+
+def megatron_passes(job: JobSpec, plan: ZeroPlan, measurements: Measurements | None, *, cluster: ClusterSpec,
+                    cache: CostCache, single_pass: bool = False) -> ZeroPasses:
+    """The passes of ``job``'s Megatron-Core model under ``plan`` from the Megatron simulator (module docstring);
+    ``single_pass`` adds :attr:`ZeroPasses.single_pass_s` (one more simulation, for the engine probes)."""
+    world = plan.dp
+    mjob = dataclasses.replace(model_job(plan, job), cluster=cluster)
+    base = simulate(mjob, cluster, measurements, world_size=world, options=ZERO_SIM_OPTIONS, cache=cache)
+    t = base.time
+    elem = _element_bytes(plan)
+    single = None
+    if single_pass:
+        one = dataclasses.replace(plan, micro_batch_size=1, activation_checkpointing=False,
+                                  global_batch_size=plan.dp, predicted=None)
+        t1 = simulate(dataclasses.replace(model_job(one, job), cluster=cluster), cluster, measurements,
+                      world_size=world, options=ZERO_SIM_OPTIONS, cache=cache).time
+        single = t1.forward_compute_s + t1.backward_compute_s + t1.overhead_s
+    layers = job.model.num_layers
+    return ZeroPasses(forward_s=t.forward_compute_s, backward_s=t.backward_compute_s, recompute_s=t.recompute_s,
+                      overhead_s=t.overhead_s, optimizer_s=t.optimizer_s,
+                      params=base.memory.parameters / elem,  # every parameter on the rank (no model parallelism)
+                      layers=layers, fetches=layers * MODULE_FETCHES_PER_LAYER + 2,  # and the embedding, the head
+                      activation_bytes=base.memory.activations, comm_buffers_bytes=base.memory.comm_buffers,
+                      flops_per_token=training_flops_per_token(job.model, plan.seq_length), single_pass_s=single)
+
+
 def simulate_zero(job: JobSpec, plan: ZeroPlan, measurements: Measurements | None = None, *,
                   cluster: ClusterSpec | None = None, cache: CostCache | None = None,
                   probes: EngineProbes | None = None) -> ZeroPredictionResult:
     """Predict one step of ``plan`` for ``job`` (see the module docstring). ``cache`` shares pass costs between the
     plans of one search (made for the job of :func:`model_job`); ``probes`` are the engine's measured costs."""
     cluster = cluster or job.cluster
-    world = plan.dp
     mjob = dataclasses.replace(model_job(plan, job), cluster=cluster)
     cache = cache or CostCache.for_job(mjob, measurements, ZERO_SIM_OPTIONS)
-    base = simulate(mjob, cluster, measurements, world_size=world, options=ZERO_SIM_OPTIONS, cache=cache)
-    layout = build_layout(mjob, world)
-    costs = cache.collectives
-    elem = 2.0 if plan.precision in ("bf16", "fp16") else 4.0
+    probe = probes.stages.get(plan.zero_stage) if probes is not None else None
+    passes = megatron_passes(job, plan, measurements, cluster=cluster, cache=cache, single_pass=probe is not None)
+    layout = build_layout(mjob, plan.dp)
+    return zero_step(plan, passes, cache.collectives, cluster, dp_per_node=layout.dp_per_node, probe=probe)
+
+
+def zero_step(plan: ZeroPlan, passes: ZeroPasses, costs: CollectiveCosts, cluster: ClusterSpec, *,
+              dp_per_node: int, probe: StageProbe | None = None) -> ZeroPredictionResult:
+    """One step of ``plan`` given the model's ``passes``: ZeRO's reductions, gathers, offload, optimizer and memory
+    on top (module docstring). ``costs`` prices the collectives over the ``plan.dp`` ranks, ``dp_per_node`` of them
+    on each node; ``probe`` is the engine's measured cost of this stage."""
+    world = plan.dp
+    elem = _element_bytes(plan)
     on_cpu = cluster.on_cpu
-    t = base.time
-    compute = t.forward_compute_s + t.backward_compute_s + t.recompute_s + t.overhead_s
-    backward = t.backward_compute_s + t.recompute_s
+    compute = passes.compute_s
+    backward = passes.backward_s + passes.recompute_s
     mb = plan.gradient_accumulation_steps
-    params = base.memory.parameters / elem  # every parameter on the rank (no model parallelism)
-    layers = job.model.num_layers
-    dp, per_node = world, layout.dp_per_node
+    params = passes.params
+    layers = passes.layers
+    dp, per_node = world, dp_per_node
     bucket = float(plan.bucket_elements)
     grad_bytes = elem  # DeepSpeed reduces gradients in their own dtype
 
@@ -151,12 +228,12 @@ def simulate_zero(job: JobSpec, plan: ZeroPlan, measurements: Measurements | Non
         reduce_s = mb * (per_mb if on_cpu else max(per_mb - backward / mb, per_mb / buckets))
         gather_s = calls(Collective.all_gather, params * elem, buckets)
     else:
-        passes = 3 if plan.activation_checkpointing else 2
-        fetches = layers * MODULE_FETCHES_PER_LAYER + 2  # and the embedding, the output layer
-        gather_mb = passes * calls(Collective.all_gather, params * elem, fetches)
+        passes_per_mb = 3 if plan.activation_checkpointing else 2
+        fetches = passes.fetches
+        gather_mb = passes_per_mb * calls(Collective.all_gather, params * elem, fetches)
         reduce_mb = calls(Collective.reduce_scatter, params * grad_bytes, buckets)
         if plan.offload_param:
-            offload_mb = passes * _host_copy(params * elem / dp, cluster)
+            offload_mb = passes_per_mb * _host_copy(params * elem / dp, cluster)
         else:
             offload_mb = 0.0
         if on_cpu:
@@ -164,34 +241,34 @@ def simulate_zero(job: JobSpec, plan: ZeroPlan, measurements: Measurements | Non
         else:  # prefetched: exposed only where the micro-batch's compute does not cover it, and the first fetch
             covered = compute / mb
             comm = gather_mb + reduce_mb + offload_mb
-            exposed = max(comm - covered, comm / fetches)
+            exposed = max(comm - covered, comm / max(fetches, 1))
             share = exposed / comm if comm > 0 else 0.0
             gather_s, reduce_s, offload_s = mb * gather_mb * share, mb * reduce_mb * share, mb * offload_mb * share
-    optimizer_s = t.optimizer_s
+    optimizer_s = passes.optimizer_s
     if plan.offload_optimizer:
         shard = params / dp
         optimizer_s = shard * ADAM_HOST_BYTES_PER_PARAM / (HOST_MEMORY_GBPS * 1e9)
         offload_s += _host_copy(shard * 4.0, cluster) + _host_copy(shard * elem, cluster)
-    probe = probes.stages.get(plan.zero_stage) if probes is not None else None
     engine_s = 0.0
     if probe is not None:
-        one = dataclasses.replace(plan, micro_batch_size=1, activation_checkpointing=False,
-                                  global_batch_size=plan.dp, predicted=None)
-        t1 = simulate(dataclasses.replace(model_job(one, job), cluster=cluster), cluster, measurements,
-                      world_size=world, options=ZERO_SIM_OPTIONS, cache=cache).time
-        pass_s = t1.forward_compute_s + t1.backward_compute_s + t1.overhead_s
-        engine_s = mb * probe.per_microbatch_s(pass_s) + probe.per_step_s
+        if passes.single_pass_s is None:
+            raise ValueError("zero_step with an engine probe needs ZeroPasses.single_pass_s")
+        engine_s = mb * probe.per_microbatch_s(passes.single_pass_s) + probe.per_step_s
         extra = gather_s / 3 if plan.zero_stage == 3 and plan.activation_checkpointing else 0.0
         reduce_s, gather_s, optimizer_s = 0.0, extra, (optimizer_s if plan.offload_optimizer else 0.0)
     time = ZeroTimeBreakdown(compute_s=compute, grad_reduce_s=reduce_s, param_gather_s=gather_s,
                              offload_s=offload_s, optimizer_s=optimizer_s, engine_s=engine_s)
-    memory, host = _memory(plan, base.memory, params, elem, layers)
+    memory, host = _memory(plan, passes, elem, layers)
     step = time.total_s
     tok = plan.global_batch_size * plan.seq_length / step / world
     return ZeroPredictionResult(step_time_s=step, time=time, memory=memory, host_bytes=host,
-                                tokens_per_s_per_gpu=tok,
-                                model_tflops_per_gpu=tok * training_flops_per_token(job.model, plan.seq_length) / 1e12,
+                                tokens_per_s_per_gpu=tok, model_tflops_per_gpu=tok * passes.flops_per_token / 1e12,
                                 fits=cluster.hbm_gib is None or memory.total <= cluster.hbm_gib * GIB)
+
+
+def _element_bytes(plan: ZeroPlan) -> float:
+    """Bytes per parameter in the plan's compute precision."""
+    return 2.0 if plan.precision in ("bf16", "fp16") else 4.0
 
 
 def _host_copy(nbytes: float, cluster: ClusterSpec) -> float:
@@ -201,9 +278,9 @@ def _host_copy(nbytes: float, cluster: ClusterSpec) -> float:
     return nbytes / (HOST_LINK_GBPS * 1e9)
 
 
-def _memory(plan: ZeroPlan, base: MemoryBreakdown, params: float, elem: float,
-            layers: int) -> tuple[MemoryBreakdown, float]:
+def _memory(plan: ZeroPlan, passes: ZeroPasses, elem: float, layers: int) -> tuple[MemoryBreakdown, float]:
     """Device memory per rank and host memory per rank under ``plan`` (module docstring)."""
+    params = passes.params
     dp = plan.dp
     stage = plan.zero_stage
     adam = 12.0  # fp32 master copy and two moments (a ZeRO optimizer keeps the master copy even for fp32 models)
@@ -234,5 +311,6 @@ def _memory(plan: ZeroPlan, base: MemoryBreakdown, params: float, elem: float,
         host += weights
         weights = 0.0
     memory = MemoryBreakdown(parameters=weights, gradients=max(grads, 0.0), optimizer_states=optim,
-                             activations=base.activations, comm_buffers=base.comm_buffers + buffers, stage=0)
+                             activations=passes.activation_bytes,
+                             comm_buffers=passes.comm_buffers_bytes + buffers, stage=0)
     return memory, host

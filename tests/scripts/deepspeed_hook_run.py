@@ -1,17 +1,32 @@
-"""Train a small plain-PyTorch model through cfp_megatron's deepspeed.initialize hook (ZeRO-1, CPU, gloo).
+"""Train a small plain-PyTorch model through cfp_megatron's deepspeed.initialize hook (CPU, gloo).
 
-Run by tests/test_deepspeed_hook.py in its own process (DeepSpeed sets process-wide state). Prints one JSON line.
+Run by tests/test_deepspeed_hook.py in its own processes (DeepSpeed sets process-wide state). Prints one JSON line.
+
+- no argument: ZeRO-1 from a concrete config (nothing planned), 5 steps;
+- ``planned OUTPUT_DIR``: on every rank of a gloo job, the hook plans a config with ``"auto"`` stage, micro-batch and
+  accumulation, then one with the stage pinned to 2; each trains :data:`STEPS` steps of the global batch;
+- ``reference``: one rank, ZeRO-0, the whole global batch in one micro-batch (nothing planned).
 """
 
 import json
 import os
+import sys
+import time
 
 import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from cfp_megatron.model.deepspeed_hook import initialize  # noqa: E402
+
+GLOBAL_BATCH = 8
+"""Sequences per optimizer step."""
+STEPS = 3
+"""Optimizer steps per run."""
+SEQ = 8
+"""Tokens per sequence."""
 
 
 class Block(torch.nn.Module):
@@ -42,9 +57,79 @@ class Net(torch.nn.Module):
         return self.out(x)
 
 
-def main() -> None:
+def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, 100), ids.reshape(-1))
+
+
+def _config(**values: object) -> dict:
+    """A DeepSpeed config with torch's AdamW (as the backend's ds_config has it) and ``values``."""
+    return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}, "steps_per_print": 10**9,
+            **values}
+
+
+def _train(engine: object) -> list[float]:
+    """:data:`STEPS` steps over the same global batches on any number of ranks; the mean loss of each step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mb, steps = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    per_rank = GLOBAL_BATCH // world
+    losses = []
+    for step in range(STEPS):
+        batch = torch.randint(0, 100, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(100 + step))
+        total = torch.zeros(())
+        for k in range(steps):
+            ids = batch[rank * per_rank + k * mb: rank * per_rank + (k + 1) * mb]
+            loss = _loss(engine(ids), ids)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach() / steps
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    return losses
+
+
+def _planned(example: torch.Tensor, config: dict, output_dir: str | None) -> dict:
     torch.manual_seed(0)
+    model = Net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    began = time.perf_counter()
+    engine, _, _, _ = initialize(model=model, example_input=example, config=config, output_dir=output_dir,
+                                 model_parameters=model.parameters(), loss_fn=lambda out: out.logsumexp(-1).mean())
+    hooked = time.perf_counter() - began
+    plan = model.cfp_plan
+    unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items()) \
+        if engine.zero_optimization_stage() < 3 else None  # ZeRO-3 has partitioned the weights by now
+    result = {"canonical": plan.plan.canonical(), "stage": engine.zero_optimization_stage(),
+              "mb": engine.train_micro_batch_size_per_gpu(), "ga": engine.gradient_accumulation_steps(),
+              "train_batch_size": engine.train_batch_size(), "planning_s": plan.planning_s, "hook_s": hooked,
+              "collectives": plan.collectives, "written": str(plan.written) if plan.written else None,
+              "weights_unchanged": unchanged, "losses": _train(engine)}
+    engine.destroy()
+    return result
+
+
+def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
+    mode = sys.argv[1] if len(sys.argv) > 1 else "zero1"
+    if mode == "planned":
+        example = torch.randint(0, 100, (2, SEQ))
+        auto = _planned(example, _config(train_batch_size=GLOBAL_BATCH, train_micro_batch_size_per_gpu="auto",
+                                         gradient_accumulation_steps="auto",
+                                         zero_optimization={"stage": "auto"}), sys.argv[2])
+        pinned = _planned(example, _config(train_batch_size=GLOBAL_BATCH, train_micro_batch_size_per_gpu="auto",
+                                           zero_optimization={"stage": 2}), None)
+        print(json.dumps({"rank": dist.get_rank(), "auto": auto, "pinned": pinned}))
+        return
+    if mode == "reference":
+        torch.manual_seed(0)
+        model = Net()
+        engine, _, _, _ = initialize(model=model, example_input=torch.randint(0, 100, (2, SEQ)),
+                                     model_parameters=model.parameters(),
+                                     config=_config(train_batch_size=GLOBAL_BATCH,
+                                                    train_micro_batch_size_per_gpu=GLOBAL_BATCH,
+                                                    gradient_accumulation_steps=1, zero_optimization={"stage": 0}))
+        print(json.dumps({"losses": _train(engine), "planned": hasattr(model, "cfp_plan")}))
+        return
+    torch.manual_seed(0)
     model = Net()
     ids = torch.randint(0, 100, (2, 8))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -3,15 +3,19 @@
 The model's passes come from the segment profiles (CFP); what DeepSpeed adds around them (ZeRO's gradient
 reductions and parameter gathers with their hooks and bucket copies, the optimizer step over fp32 partitions, the
 parameter all-gather after it) depends on the stage and the parameter count, not on the micro-batch. So for each ZeRO
-stage the real engine is built around the real model at micro-batch 1 and timed with one and with two micro-batches
-per step (the slowest rank of each step, median over a few steps):
+stage the real engine is built once around the real model at micro-batch 1 and timed with
+:data:`ACCUMULATIONS` micro-batches per step, switched between steps with DeepSpeed's ``set_train_batch_size`` and
+taken in turn (1, 2, 4, 1, 2, 4, ...), so that a slow spell of the machine falls on every point alike. Each point is
+the median over rounds of the step's slowest rank. The least-squares line ``T(n) = a + b n`` through the points gives
 
-- ``per_microbatch_s`` = T(2) - T(1) - C: what a micro-batch costs beyond its passes (C, the simulator's pass time at
-  micro-batch 1);
-- ``per_step_s`` = 2 T(1) - T(2): what a step costs once (the optimizer and what follows it).
+- ``per_step_s`` = ``a``: what a step costs once (the optimizer and what follows it);
+- ``per_microbatch_s`` = ``b - C``: what a micro-batch costs beyond its passes (C, the simulator's pass time at
+  micro-batch 1).
 
-The figures are kept as JSON next to the ProfileDB (``$CFP_CACHE_DIR/profile/<fingerprint>-deepspeed-<model>.json``)
-and reused by the next launch on the same hardware and software.
+(Two points, ``2 T(1) - T(2)`` and ``T(2) - T(1)``, made the per-step cost a difference of two noisy step times; three
+points in turn fit it with a third of that difference's variance.) The figures are kept as JSON next to the ProfileDB
+(``$CFP_CACHE_DIR/profile/<fingerprint>-deepspeed-<model>.json``) and reused by the next launch on the same hardware
+and software.
 """
 
 from __future__ import annotations
@@ -27,29 +31,41 @@ from typing import Any
 from cfp_megatron.config import JobSpec
 from cfp_megatron.parallel_dims import ParallelDims
 
-PROBE_SCHEMA_VERSION = 1
-"""Version of the probe file's layout."""
+PROBE_SCHEMA_VERSION = 2
+"""Version of the probe file's layout (2: the points of the accumulation line)."""
+
+ACCUMULATIONS: tuple[int, ...] = (1, 2, 4)
+"""Micro-batches per step the probes time, in turn."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class StageProbe:
-    """One ZeRO stage timed at micro-batch 1."""
+    """One ZeRO stage timed at micro-batch 1 with several micro-batches per step."""
 
     stage: int
     """ZeRO stage."""
-    one_s: float
-    """Step time with one micro-batch per step (slowest rank, median)."""
-    two_s: float
-    """Step time with two micro-batches per step."""
+    points: tuple[tuple[int, float], ...]
+    """(micro-batches per step, step time in seconds: the median over rounds of the slowest rank), by count."""
+
+    def line(self) -> tuple[float, float]:
+        """``(a, b)`` of the least-squares line ``T(n) = a + b n`` through :attr:`points` (both at zero or above)."""
+        from cfp_megatron.cluster.measured import least_squares_line
+
+        return least_squares_line([(float(n), t) for n, t in self.points])
 
     @property
     def per_step_s(self) -> float:
-        """Cost paid once per step beyond the passes: ``2 T(1) - T(2)`` (not below 0)."""
-        return max(2.0 * self.one_s - self.two_s, 0.0)
+        """Cost paid once per step beyond the passes: the line's intercept."""
+        return self.line()[0]
 
     def per_microbatch_s(self, pass_s: float) -> float:
-        """Cost per micro-batch beyond its passes, given the passes' time ``pass_s`` at micro-batch 1."""
-        return max(self.two_s - self.one_s - pass_s, 0.0)
+        """Cost per micro-batch beyond its passes, given the passes' time ``pass_s`` at micro-batch 1: the line's
+        slope less ``pass_s`` (not below 0)."""
+        return max(self.line()[1] - pass_s, 0.0)
+
+    def seconds(self, accumulation: int) -> float | None:
+        """The measured step time with ``accumulation`` micro-batches per step, if that point was timed."""
+        return dict(self.points).get(accumulation)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,14 +82,16 @@ class EngineProbes:
     def to_json(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {"schema_version": PROBE_SCHEMA_VERSION, "model": self.model, "world": self.world,
-                "stages": [dataclasses.asdict(s) for s in self.stages.values()]}
+                "stages": [{"stage": s.stage, "points": [list(p) for p in s.points]} for s in self.stages.values()]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> EngineProbes | None:
         """Rebuild, or ``None`` for another schema version."""
         if data.get("schema_version") != PROBE_SCHEMA_VERSION:
             return None
-        stages = {int(s["stage"]): StageProbe(**s) for s in data["stages"]}
+        stages = {int(s["stage"]): StageProbe(stage=int(s["stage"]),
+                                              points=tuple((int(n), float(t)) for n, t in s["points"]))
+                  for s in data["stages"]}
         return cls(model=data["model"], world=int(data["world"]), stages=stages)
 
 
@@ -93,11 +111,11 @@ def load_probes(path: Path, world: int) -> EngineProbes | None:
     return probes if probes is not None and probes.world == world else None
 
 
-def run_probes(job: JobSpec, dims: ParallelDims, *, model: str, steps: int = 6,
+def run_probes(job: JobSpec, dims: ParallelDims, *, model: str, rounds: int = 5,
                budget_s: float = 30.0) -> EngineProbes:
     """Time every ZeRO stage's engine (every rank calls this; process groups for ``dims``, data parallel over every
-    rank, must exist). Stages not reached within ``budget_s`` are left out (the simulator's analytical terms stand
-    in)."""
+    rank, must exist): ``rounds`` timed rounds (after one untimed) of one step per count in :data:`ACCUMULATIONS`.
+    Stages not reached within ``budget_s`` are left out (the simulator's analytical terms stand in)."""
     import torch
     import torch.distributed as dist
 
@@ -111,19 +129,17 @@ def run_probes(job: JobSpec, dims: ParallelDims, *, model: str, steps: int = 6,
     began = time.perf_counter()
     found: dict[int, StageProbe] = {}
     for stage in (0, 1, 2, 3):
-        times: list[float] = []
-        for accumulation in (1, 2):
-            train = dataclasses.replace(job.train, global_batch_size=world * accumulation, micro_batch_size=1,
-                                        warmup_steps=0)
-            pjob = dataclasses.replace(job, train=train)
-            plan = ZeroPlan.from_job(pjob, world=world, zero_stage=stage, micro_batch=1,
-                                     activation_checkpointing=False, offload_optimizer=False, offload_param=False,
-                                     bucket_elements=50_000_000,
-                                     precision=resolve_precision(job.train.precision, on_gpu))
-            _, engine = build_engine(pjob, plan, ds_config(plan, pjob), dims)
-            stream = build_micro_batches(pjob, dp_rank=dist.get_rank(), dp_size=world)
-            samples = []
-            for _ in range(steps + 1):
+        train = dataclasses.replace(job.train, global_batch_size=world, micro_batch_size=1, warmup_steps=0)
+        pjob = dataclasses.replace(job, train=train)
+        plan = ZeroPlan.from_job(pjob, world=world, zero_stage=stage, micro_batch=1, activation_checkpointing=False,
+                                 offload_optimizer=False, offload_param=False, bucket_elements=50_000_000,
+                                 precision=resolve_precision(job.train.precision, on_gpu))
+        _, engine = build_engine(pjob, plan, ds_config(plan, pjob), dims)
+        stream = build_micro_batches(pjob, dp_rank=dist.get_rank(), dp_size=world)
+        samples: dict[int, list[float]] = {n: [] for n in ACCUMULATIONS}
+        for round_ in range(rounds + 1):
+            for accumulation in ACCUMULATIONS:
+                engine.set_train_batch_size(world * accumulation)
                 batch = [next(stream) for _ in range(accumulation)]
                 dist.barrier()
                 start = time.perf_counter()
@@ -132,10 +148,10 @@ def run_probes(job: JobSpec, dims: ParallelDims, *, model: str, steps: int = 6,
                 if on_gpu:
                     elapsed = elapsed.cuda()
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                samples.append(float(elapsed))
-            engine.destroy()
-            times.append(statistics.median(samples[1:]))
-        found[stage] = StageProbe(stage=stage, one_s=times[0], two_s=times[1])
+                if round_ > 0:  # the first round warms up every count
+                    samples[accumulation].append(float(elapsed))
+        engine.destroy()
+        found[stage] = StageProbe(stage=stage, points=tuple((n, statistics.median(samples[n])) for n in ACCUMULATIONS))
         over = torch.tensor([float(time.perf_counter() - began > budget_s)])
         dist.all_reduce(over, op=dist.ReduceOp.MAX)
         if over.item() > 0:

@@ -4,13 +4,16 @@ plans), so the search is exhaustive and exact. Pins come from the ``backend`` gr
 concrete values in ``backend.config_file``) and ``cfp.micro_batch``; ``cfp.constraints.micro_batch`` limits the
 micro-batch sizes and ``cfp.constraints.memory_headroom`` the memory. Offload is tried on GPU clusters only (on CPU
 ranks host and device memory are one) unless pinned. Ties break by the canonical string, so every rank and every run
-gets the same plan."""
+gets the same plan. The enumeration (:func:`zero_candidates`) and the ranking (:func:`rank_zero_plans`) are shared with
+the ``deepspeed.initialize`` hook's search over measured passes (:mod:`cfp_megatron.backends.deepspeed.hook_plan`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from rich.table import Table
 
@@ -24,6 +27,9 @@ from cfp_megatron.search.spec import CfpSpec
 from cfp_megatron.sim.pass_costs import CostCache
 from cfp_megatron.sim.prediction import GIB
 from cfp_megatron.sim.zero import ZERO_SIM_OPTIONS, ZeroPredictionResult, simulate_zero
+
+ZeroKnobs = tuple[int, int, bool, bool, bool]
+"""One candidate's knobs: ZeRO stage, micro-batch, activation checkpointing, optimizer offload, parameter offload."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,7 +78,6 @@ def search_zero(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *,
         pins["micro_batch"] = cfp.micro_batch
     t = job.train
     precision = resolve_precision(t.precision, on_gpu or not job.cluster.on_cpu)
-    rejected: list[tuple[str, str]] = []
     if t.global_batch_size % world:
         raise ConfigError(ConfigIssue(key="train.global_batch_size", value=t.global_batch_size,
                                       problem=f"is not a multiple of the {world} data-parallel ranks.",
@@ -89,57 +94,88 @@ def search_zero(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *,
                                                   f"(train.global_batch_size={t.global_batch_size} over {world}).",
                                           fix=f"use a divisor of {per_rank}."))
         micro = [m]
-    offload_choices = [False] if job.cluster.on_cpu else [False, True]
-    if job.cluster.on_cpu and ("offload_optimizer" not in pins or "offload_param" not in pins):
-        rejected.append(("offload", "on CPU ranks host and device memory are the same memory; pin "
-                                    "backend.offload_optimizer/offload_param to run it anyway"))
+    candidates, rejected = zero_candidates(pins, micro, on_cpu=job.cluster.on_cpu,
+                                           offload_pins="backend.offload_optimizer/offload_param")
+    cache: list[CostCache] = []
+
+    def plan_of(knobs: ZeroKnobs) -> ZeroPlan:
+        stage, mb, ckpt, oopt, oparam = knobs
+        return ZeroPlan.from_job(job, world=world, zero_stage=stage, micro_batch=mb, activation_checkpointing=ckpt,
+                                 offload_optimizer=oopt, offload_param=oparam,
+                                 bucket_elements=backend.bucket_elements, precision=precision)
+
+    def evaluate(plan: ZeroPlan) -> ZeroPredictionResult:
+        if not cache:
+            cache.append(CostCache.for_job(model_job(plan, job), measurements, ZERO_SIM_OPTIONS))
+        return simulate_zero(job, plan, measurements, cache=cache[0], probes=probes)
+
+    from cfp_megatron.search.report import target_peak_tflops
+
+    return rank_zero_plans(candidates, plan_of, evaluate, hbm_gib=job.cluster.hbm_gib,
+                           headroom=cfp.constraints.memory_headroom, peak_tflops=target_peak_tflops(job),
+                           top_k=cfp.top_k, rejected=rejected, subject=f"{job.model.name} on {world} ranks",
+                           key="backend", pins=pins)
+
+
+def zero_candidates(pins: dict[str, Any], micro: list[int], *, on_cpu: bool,
+                    offload_pins: str) -> tuple[list[ZeroKnobs], list[tuple[str, str]]]:
+    """Every (stage, micro-batch, checkpointing, optimizer offload, parameter offload) the ``pins`` (keys of
+    :data:`~cfp_megatron.backends.deepspeed.spec.PLANNED_KEYS`) and the ``micro`` sizes leave, in a fixed order;
+    and what was left out, with why. Offload is left out on CPU ranks unless pinned (``offload_pins`` names the
+    settings that pin it)."""
+    offload_choices = [False] if on_cpu else [False, True]
+    rejected: list[tuple[str, str]] = []
+    if on_cpu and ("offload_optimizer" not in pins or "offload_param" not in pins):
+        rejected.append(("offload", f"on CPU ranks host and device memory are the same memory; pin "
+                                    f"{offload_pins} to run it anyway"))
     stages = _options(pins.get("zero_stage"), [0, 1, 2, 3])
     ckpts = _options(pins.get("activation_checkpointing"), [False, True])
     oopts = _options(pins.get("offload_optimizer"), offload_choices)
     oparams = _options(pins.get("offload_param"), offload_choices)
-    headroom = cfp.constraints.memory_headroom
-    limit = None if job.cluster.hbm_gib is None else job.cluster.hbm_gib * GIB * (1.0 - headroom)
-    cache: CostCache | None = None
+    candidates = [(stage, mb, ckpt, oopt, oparam)
+                  for stage, mb, ckpt, oopt, oparam in itertools.product(stages, micro, ckpts, oopts, oparams)
+                  if not (oparam and stage != 3) and not (oopt and stage == 0)]
+    return candidates, rejected
+
+
+def rank_zero_plans(candidates: list[ZeroKnobs], plan_of: Callable[[ZeroKnobs], ZeroPlan],
+                    evaluate: Callable[[ZeroPlan], ZeroPredictionResult], *, hbm_gib: float | None,
+                    headroom: float, peak_tflops: float | None, top_k: int, rejected: list[tuple[str, str]],
+                    subject: str, key: str, pins: dict[str, Any]) -> ZeroSearchResult:
+    """Simulate every candidate (``plan_of`` builds its plan, ``evaluate`` simulates it), drop those over the
+    memory limit (``hbm_gib`` GiB less ``headroom``; none when ``hbm_gib`` is ``None``), and rank the rest by step
+    time, ties broken by the canonical string. Raises a :class:`ConfigError` under ``key`` naming ``subject`` and
+    the reasons when nothing is left."""
+    limit = None if hbm_gib is None else hbm_gib * GIB * (1.0 - headroom)
     found: list[ZeroRanked] = []
     evaluated = 0
     too_big: dict[int, float] = {}  # the smallest peak of each ZeRO stage's plans over the limit
-    for stage, mb, ckpt, oopt, oparam in itertools.product(stages, micro, ckpts, oopts, oparams):
-        if oparam and stage != 3:
-            continue
-        if oopt and stage == 0:
-            continue
-        plan = ZeroPlan.from_job(job, world=world, zero_stage=stage, micro_batch=mb, activation_checkpointing=ckpt,
-                                 offload_optimizer=oopt, offload_param=oparam,
-                                 bucket_elements=backend.bucket_elements, precision=precision)
-        if cache is None:
-            cache = CostCache.for_job(model_job(plan, job), measurements, ZERO_SIM_OPTIONS)
-        result = simulate_zero(job, plan, measurements, cache=cache, probes=probes)
+    for knobs in candidates:
+        plan = plan_of(knobs)
+        result = evaluate(plan)
         evaluated += 1
         if limit is not None and result.memory.total > limit:
-            too_big[stage] = min(too_big.get(stage, float("inf")), result.memory.total)
+            too_big[plan.zero_stage] = min(too_big.get(plan.zero_stage, float("inf")), result.memory.total)
             continue
-        found.append(ZeroRanked(plan=dataclasses.replace(plan, predicted=_prediction(result, job)), result=result))
+        found.append(ZeroRanked(plan=dataclasses.replace(plan, predicted=_prediction(result, peak_tflops)),
+                                result=result))
     fitting = {r.plan.zero_stage for r in found}
     for stage, smallest in sorted(too_big.items()):
         if stage not in fitting:
             rejected.append((f"zero{stage}", f"needs at least {smallest / GIB:.1f} GiB per GPU, over "
-                                    f"{limit / GIB if limit else 0:.1f} GiB ({job.cluster.hbm_gib} GiB less "
+                                    f"{limit / GIB if limit else 0:.1f} GiB ({hbm_gib} GiB less "
                                     f"{headroom:.0%} headroom)"))
     if not found:
-        raise ConfigError([ConfigIssue(key="backend", value=pins or "-",
-                                       problem=f"no DeepSpeed plan of {job.model.name} on {world} ranks fits "
-                                               f"(the reasons follow).",
+        raise ConfigError([ConfigIssue(key=key, value=pins or "-",
+                                       problem=f"no DeepSpeed plan of {subject} fits (the reasons follow).",
                                        fix="relax the pins, allow offload, lower the micro-batch or add ranks."),
-                           *[ConfigIssue(key="backend", value=what, problem=why, fix="see the problem.")
+                           *[ConfigIssue(key=key, value=what, problem=why, fix="see the problem.")
                              for what, why in rejected]])
     found.sort(key=lambda r: (r.result.step_time_s, r.plan.canonical()))
-    return ZeroSearchResult(ranked=tuple(found[:cfp.top_k]), evaluated=evaluated, rejected=tuple(rejected))
+    return ZeroSearchResult(ranked=tuple(found[:top_k]), evaluated=evaluated, rejected=tuple(rejected))
 
 
-def _prediction(result: ZeroPredictionResult, job: JobSpec) -> ZeroPrediction:
-    from cfp_megatron.search.report import target_peak_tflops
-
-    peak = target_peak_tflops(job)
+def _prediction(result: ZeroPredictionResult, peak: float | None) -> ZeroPrediction:
     t = result.time
     return ZeroPrediction(step_time_s=result.step_time_s, peak_memory_gib=result.memory.total / GIB,
                           tokens_per_s_per_gpu=result.tokens_per_s_per_gpu,

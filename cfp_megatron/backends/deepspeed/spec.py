@@ -109,16 +109,7 @@ class BackendSpec:
     def pins(self) -> dict[str, Any]:
         """The knobs fixed by hand: this group's non-null values, then concrete values of ``config_file`` (a value
         ``"auto"`` there is left to the planner). Keys are those of :data:`PLANNED_KEYS`."""
-        base = self.base_config()
-        zero = base.get("zero_optimization") or {}
-        from_file = {
-            "zero_stage": zero.get("stage"),
-            "micro_batch": base.get("train_micro_batch_size_per_gpu"),
-            "offload_optimizer": _offload(zero.get("offload_optimizer")),
-            "offload_param": _offload(zero.get("offload_param")),
-            "activation_checkpointing": None,
-        }
-        pins = {k: v for k, v in from_file.items() if v is not None and v != "auto"}
+        pins = config_pins(self.base_config())
         for key in ("zero_stage", "activation_checkpointing", "offload_optimizer", "offload_param"):
             value = getattr(self, key)  # the micro-batch is pinned by cfp.micro_batch, not in this group
             if value is not None:
@@ -129,6 +120,27 @@ class BackendSpec:
                         fix="remove one of the two, or set the file's value to \"auto\"."))
                 pins[key] = value
         return pins
+
+
+def config_settings(base: dict[str, Any]) -> dict[str, Any]:
+    """How a DeepSpeed config sets the planned knobs (keys of :data:`PLANNED_KEYS`): a concrete value, ``"auto"``,
+    or ``None`` where it says nothing (activation checkpointing has no key of its own: always ``None``)."""
+    zero = base.get("zero_optimization") or {}
+    if not isinstance(zero, dict):
+        zero = {}
+    return {
+        "zero_stage": zero.get("stage"),
+        "micro_batch": base.get("train_micro_batch_size_per_gpu"),
+        "offload_optimizer": _offload(zero.get("offload_optimizer")),
+        "offload_param": _offload(zero.get("offload_param")),
+        "activation_checkpointing": None,
+    }
+
+
+def config_pins(base: dict[str, Any]) -> dict[str, Any]:
+    """The knobs a DeepSpeed config fixes: its concrete values of :func:`config_settings` (``"auto"`` and absent
+    keys are left to the planner)."""
+    return {k: v for k, v in config_settings(base).items() if v is not None and v != "auto"}
 
 
 def _offload(section: Any) -> bool | str | None:

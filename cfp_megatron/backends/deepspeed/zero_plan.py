@@ -278,11 +278,12 @@ def write_json_file(config: dict[str, Any], path: Path) -> Path:
 
 def model_job(plan: ZeroPlan, job: JobSpec) -> JobSpec:
     """``job`` as the Megatron-Core model under ``plan`` is built and simulated: no model parallelism (DeepSpeed's
-    data parallelism spans every rank), the plan's micro-batch, and full per-layer recomputation where the plan
-    checkpoints activations."""
+    data parallelism spans every rank), the plan's micro-batch and global batch, and full per-layer recomputation
+    where the plan checkpoints activations."""
     from cfp_megatron.config import ParallelSpec, Recompute
 
     parallel = ParallelSpec(recompute=Recompute.full if plan.activation_checkpointing else Recompute.none,
                             recompute_num_layers=1, distributed_optimizer=plan.zero_stage >= 1)
-    train = dataclasses.replace(job.train, micro_batch_size=plan.micro_batch_size, precision=Precision(plan.precision))
+    train = dataclasses.replace(job.train, micro_batch_size=plan.micro_batch_size,
+                                global_batch_size=plan.global_batch_size, precision=Precision(plan.precision))
     return dataclasses.replace(job, parallel=parallel, train=train)

@@ -1,0 +1,325 @@
+"""What the ``deepspeed.initialize`` hook measures of a user's model on the live ranks
+(:mod:`cfp_megatron.backends.deepspeed.hook_plan`): its passes and the activation bytes they save at a few
+micro-batches, an optimizer step's cost per parameter, and the world group's collectives (from the ProfileDB, else
+a quick fit now). The model's weights, gradients, buffers, modes and the RNG states are left as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cfp_megatron.cluster.measured import (
+    Collective,
+    CollectiveFit,
+    Measurements,
+    NothingMeasured,
+    Span,
+    least_squares_line,
+)
+from cfp_megatron.config import ClusterSpec
+from cfp_megatron.sim.prediction import GIB
+
+MEASURED_MICRO_BATCHES = (1, 2, 4)
+"""Micro-batch sizes the passes are timed at."""
+
+
+ADAM_PROXY_ELEMENTS = 1 << 22
+"""Elements of the flat tensor the optimizer step is timed on."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasuredPasses:
+    """The user's model measured on the live ranks (the slowest rank's figures)."""
+
+    forward: tuple[float, float]
+    """Forward seconds per micro-batch as (fixed, per sample): the least-squares line."""
+    backward: tuple[float, float]
+    """Backward seconds per micro-batch as (fixed, per sample)."""
+    activations: tuple[float, float]
+    """Bytes saved for the backward pass per micro-batch as (fixed, per sample)."""
+    optimizer_s_per_param: float
+    """Seconds of one AdamW step per parameter."""
+    params: int
+    """Parameters of the model."""
+    points: tuple[tuple[int, float, float, float], ...]
+    """What the lines were fitted to: (micro-batch, forward s, backward s, saved bytes)."""
+    wall_s: float
+    """Seconds the measurement took on this rank."""
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if _distributed() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _slowest(values: list[float]) -> list[float]:
+    """``values`` all-reduced with MAX over the ranks (unchanged in one process)."""
+    import torch.distributed as dist
+
+    if not _distributed() or dist.get_world_size() == 1:
+        return values
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    tensor = torch.tensor(values, dtype=torch.float64, device=on)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [float(v) for v in tensor.cpu()]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rebatch(example_input: Any, size: int, device: torch.device) -> tuple[Any, ...]:
+    """``example_input`` (a tensor or a tuple) with every tensor of the example's batch size sliced or repeated along
+    dim 0 to ``size`` and moved to ``device``."""
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    inputs = example_input if isinstance(example_input, tuple) else (example_input,)
+    tensors = [x for x in tree_flatten(inputs)[0] if isinstance(x, torch.Tensor) and x.dim() >= 1]
+    batch = int(tensors[0].shape[0]) if tensors else None
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if batch is not None and x.dim() >= 1 and x.shape[0] == batch:
+            reps = -(-size // batch)
+            x = (x.repeat(reps, *([1] * (x.dim() - 1))) if reps > 1 else x)[:size]
+        return x.to(device)
+
+    return tuple(tree_map(one, inputs))
+
+
+def _loss(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
+    """``loss_fn(out)``, or the capture's default: the sum of the first output."""
+    if loss_fn is not None:
+        return loss_fn(out)
+    first = out[0] if isinstance(out, tuple | list) else out
+    return first.float().sum()
+
+
+@contextlib.contextmanager
+def _model_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Put back the model's gradients, buffers, train/eval mode and the RNG states after the block."""
+    grads = [(p, p.grad) for p in model.parameters()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    modes = [(m, m.training) for m in model.modules()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, g in grads:
+            p.grad = g
+        for m, training in modes:
+            m.training = training
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _saved_bytes(model: torch.nn.Module, run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
+    """Run the forward ``run`` counting the bytes autograd saves for the backward pass (each storage once, the
+    model's parameters left out); its loss and the count."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor without storage (a subclass): not counted
+            return t
+        ptr = storage.data_ptr()
+        if ptr not in params and ptr != 0:
+            seen[ptr] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = run()
+    return loss, float(sum(seen.values()))
+
+
+def _adam_seconds_per_param(params: int, device: torch.device, repeats: int) -> float:
+    """Seconds per parameter of one AdamW step, timed on a flat fp32 tensor of the model's size (at most
+    :data:`ADAM_PROXY_ELEMENTS`; median after a warm-up)."""
+    n = max(min(params, ADAM_PROXY_ELEMENTS), 1)
+    weight = torch.zeros(n, device=device, requires_grad=True)
+    weight.grad = torch.full((n,), 1e-3, device=device)
+    opt = torch.optim.AdamW([weight], lr=1e-3)
+    opt.step()
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        opt.step()
+        _sync(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) / n
+
+
+def measure_passes(model: torch.nn.Module, example_input: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                   sizes: tuple[int, ...] = MEASURED_MICRO_BATCHES, repeats: int = 5,
+                   warmup: int = 2) -> MeasuredPasses:
+    """Time ``model``'s forward and backward at micro-batch ``sizes`` (``warmup`` untimed passes, then the median of
+    ``repeats``) and count the bytes it saves for the backward pass (module docstring, steps 1-3). Every rank calls
+    this when a process group is up; the figures are the slowest rank's. The model's weights, gradients, buffers and
+    the RNG states are as before."""
+    began = time.perf_counter()
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    rows: list[float] = []
+    saved: list[float] = []
+    with _model_kept(model):
+        model.train()
+        for size in sizes:
+            inputs = rebatch(example_input, size, device)
+            model.zero_grad(set_to_none=True)
+            loss, nbytes = _saved_bytes(model, lambda inputs=inputs: _loss(model(*inputs), loss_fn))
+            loss.backward()  # the first warm-up pass
+            saved.append(nbytes)
+            for _ in range(warmup - 1):
+                model.zero_grad(set_to_none=True)
+                _loss(model(*inputs), loss_fn).backward()
+            forward, backward = [], []
+            for _ in range(repeats):
+                model.zero_grad(set_to_none=True)
+                _barrier()
+                _sync(device)
+                start = time.perf_counter()
+                loss = _loss(model(*inputs), loss_fn)
+                _sync(device)
+                middle = time.perf_counter()
+                loss.backward()
+                _sync(device)
+                forward.append(middle - start)
+                backward.append(time.perf_counter() - middle)
+            rows += [statistics.median(forward), statistics.median(backward)]
+        model.zero_grad(set_to_none=True)
+    _barrier()
+    params = sum(p.numel() for p in model.parameters())
+    optimizer = _adam_seconds_per_param(params, device, repeats)
+    slowest = _slowest([*rows, *saved, optimizer])
+    n = len(sizes)
+    fwd, bwd = slowest[0:2 * n:2], slowest[1:2 * n:2]
+    nbytes = slowest[2 * n:3 * n]
+    points = tuple((s, f, b, m) for s, f, b, m in zip(sizes, fwd, bwd, nbytes, strict=True))
+    return MeasuredPasses(forward=least_squares_line([(s, f) for s, f, _, _ in points]),
+                          backward=least_squares_line([(s, b) for s, _, b, _ in points]),
+                          activations=least_squares_line([(s, m) for s, _, _, m in points]),
+                          optimizer_s_per_param=slowest[3 * n], params=params,
+                          points=points, wall_s=time.perf_counter() - began)
+
+
+class _CollectiveFits(NothingMeasured):
+    """:class:`Measurements` holding only collective fits measured now."""
+
+    def __init__(self, fits: dict[tuple[Collective, int, Span], CollectiveFit]) -> None:
+        self.fits = fits
+
+    def collective(self, op: Collective, group_size: int, span: Span) -> CollectiveFit | None:
+        return self.fits.get((op, group_size, span))
+
+
+@contextlib.contextmanager
+def _wall_clock_events() -> Iterator[None]:
+    """Without CUDA, let :func:`cfp_megatron.profile.control.timed` time with the wall clock for the block (the CPU
+    layer's events), leaving ``torch.cuda`` as it was afterwards."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from cfp_megatron.compat.cpu import _NoOpEvent
+
+    saved = torch.cuda.synchronize, torch.cuda.Event
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.Event = _NoOpEvent  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.Event = saved  # type: ignore[assignment,misc]
+
+
+def quick_collective_fits(world: int, span: Span) -> dict[tuple[Collective, int, Span], CollectiveFit]:
+    """All-reduce, reduce-scatter and all-gather on the world group at three message sizes, fitted (every rank
+    calls this)."""
+    import torch.distributed as dist
+
+    from cfp_megatron.profile.collectives import CPU_SIZES, GPU_SIZES, CollectiveBench, GroupPattern, repeats_for
+    from cfp_megatron.profile.control import timed
+    from cfp_megatron.profile.fit import fit_collective
+
+    on_gpu = torch.cuda.is_available()
+    sizes = (GPU_SIZES[0], GPU_SIZES[3], GPU_SIZES[6]) if on_gpu else (CPU_SIZES[0], CPU_SIZES[3], CPU_SIZES[5])
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    pattern = GroupPattern(size=world, span=span, layout="contiguous", groups=(tuple(range(world)),))
+    bench = CollectiveBench(pattern, torch.float32, device)
+    fits = {}
+    with _wall_clock_events():
+        for op in (Collective.all_reduce, Collective.reduce_scatter, Collective.all_gather):
+            points = []
+            for size in sizes:
+                actual, fn = bench.call(op, size)
+                points.append((actual, timed(fn, repeats=repeats_for(size, on_gpu=on_gpu), warmup=2,
+                                             group=dist.group.WORLD)))
+            fits[(op, world, span)] = fit_collective(op, world, span, points)
+    return fits
+
+
+def live_cluster(world: int, local_world: int) -> tuple[ClusterSpec, Measurements | None, str]:
+    """This machine as a :class:`ClusterSpec` (its GPU's memory, or none on CPU), the collective measurements for
+    the world group and where they came from (module docstring, step 4). Every rank calls this; rank 0's answer is
+    the one used."""
+    import torch.distributed as dist
+
+    from cfp_megatron.config import Backend
+    from cfp_megatron.profile.cluster import measured_cluster
+    from cfp_megatron.profile.db import load_db
+    from cfp_megatron.profile.fingerprint import current_fingerprint
+    from cfp_megatron.runtime.distributed import resolve_backend
+
+    per_node = max(min(local_world, world), 1)
+    nodes = max(world // per_node, 1)
+    on_gpu = torch.cuda.is_available()
+    spec = ClusterSpec(name="local", nodes=nodes, gpus_per_node=per_node,
+                       device_name=torch.cuda.get_device_name() if on_gpu else "cpu",
+                       hbm_gib=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
+                       if on_gpu else None)
+    if world == 1:
+        return spec, None, "none needed (one rank)"
+    span = Span.intra_node if nodes == 1 else Span.inter_node
+    db = None
+    try:
+        db = load_db(current_fingerprint(world_size=world, nodes=nodes, backend=resolve_backend(Backend.auto)))
+    except Exception:  # noqa: BLE001 - an unreadable or outdated ProfileDB is measured around, not fatal
+        db = None
+    usable = db is not None and all(db.collective(op, world, span) is not None for op in
+                                    (Collective.all_reduce, Collective.reduce_scatter, Collective.all_gather))
+    box = [usable]
+    dist.broadcast_object_list(box, src=0)  # rank 0's answer decides whether every rank measures
+    if box[0] and db is not None:
+        from cfp_megatron.profile.db import db_path
+
+        return measured_cluster(spec, db, gpus_per_node=per_node), db, f"ProfileDB {db_path(db.fingerprint)}"
+    began = time.perf_counter()
+    fits = quick_collective_fits(world, span)
+    return spec, _CollectiveFits(fits), (f"measured now: all-reduce, reduce-scatter, all-gather on {world} ranks at "
+                                         f"3 sizes in {time.perf_counter() - began:.2f} s")
+
+
+# -- the search ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,223 @@
+"""Plan the DeepSpeed config of a user's own model inside ``deepspeed.initialize`` (the hook of
+:mod:`cfp_megatron.model.deepspeed_hook`), instead of DeepSpeed's autotuner.
+
+What the user's config (a dict or a JSON path; read, never written) leaves as ``"auto"`` is planned:
+``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``, ``zero_optimization.stage`` and the devices of
+``zero_optimization.offload_optimizer`` / ``offload_param``, with ``train_batch_size`` the global batch. A concrete
+value pins its knob; a knob the config does not mention keeps DeepSpeed's default (stage 0, no offload; micro-batch
+and accumulation derived from ``train_batch_size``). Activation checkpointing is not planned: DeepSpeed cannot
+switch it on for a plain ``nn.Module`` (the model must call ``deepspeed.checkpointing`` itself), so the hook's space
+leaves it out and its plans never recompute.
+
+How (every rank takes part; rank 0 searches and broadcasts, so every rank gets the same plan):
+
+1. **Passes, measured on the live ranks.** The model itself (no copy) runs forward and backward on the example input
+   re-batched along dim 0 to micro-batches of 1, 2 and 4 sequences: two warm-up passes, then the median of 5 timed
+   repeats, every rank at once (a barrier before each), the slowest rank's medians (an all-reduce). A least-squares
+   line (fixed + per-sample seconds) through them gives the forward and the backward at any micro-batch. Gradients are
+   put back as they were (no optimizer step), and the model's buffers and the RNG states are restored, so the
+   user's weights and the training that follows are untouched.
+2. **Activations, measured.** The bytes the forward pass saves for the backward pass (``saved_tensors_hooks``, each
+   storage once, the parameters left out) at the same micro-batches, fitted the same way. The capture's graphs hold no
+   saved-tensor figures, so this is measured, not read from them.
+3. **Optimizer.** One AdamW step timed on a flat fp32 tensor (up to 4M elements) and scaled per parameter: a proxy
+   for the optimizer over each rank's partition (the user's own optimizer is not run).
+4. **Collectives.** The ProfileDB of this machine in ``$CFP_CACHE_DIR`` where it holds fits for the world group
+   (``python -m cfp_megatron.profile`` or a ``+cfp=auto`` launch writes one), else a quick fit now: all-reduce,
+   reduce-scatter and all-gather on the world group at three message sizes (the profiling round's own benchmark and
+   fit, :mod:`cfp_megatron.profile.collectives`).
+5. **Search.** Every stage x micro-batch x offload the pins leave (offload only on GPU ranks unless pinned), each
+   simulated by :func:`cfp_megatron.sim.zero.zero_step` (the ZeRO terms the ``backend=deepspeed`` path uses) with
+   the measured passes (:class:`~cfp_megatron.sim.zero.ZeroPasses`); on GPUs plans over the device's memory less
+   the headroom are dropped; the fastest wins, ties broken by the canonical string.
+
+Left out: the ``backend=deepspeed`` path's engine probes (DeepSpeed's own costs around the passes are the analytical
+ZeRO terms here, not measured); micro-batches above 4 come from the fitted line; the passes run in the model's own
+dtype (a ``bf16`` config with an fp32 model is timed in fp32); the whole model must fit one device to be measured
+(a model built under ``deepspeed.zero.Init`` is refused).
+"""
+
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cfp_megatron.backends.deepspeed.hook_config import (
+    HookRequest,
+    filled_config,
+)
+from cfp_megatron.backends.deepspeed.hook_measure import MeasuredPasses, live_cluster, measure_passes
+from cfp_megatron.backends.deepspeed.search import (
+    ZeroKnobs,
+    ZeroSearchResult,
+    rank_zero_plans,
+    ranking_table,
+    zero_candidates,
+)
+from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, write_json_file
+from cfp_megatron.cluster.costs import CollectiveCosts
+from cfp_megatron.cluster.measured import (
+    Measurements,
+)
+from cfp_megatron.config import ClusterSpec
+from cfp_megatron.errors import ConfigError, ConfigIssue
+from cfp_megatron.sim.zero import ZeroPasses, ZeroPredictionResult, zero_step
+
+MEMORY_HEADROOM = 0.1
+"""Share of a GPU's memory left free (as ``cfp.constraints.memory_headroom``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HookPlan:
+    """What the hook planned: the plan, the filled config and where the figures came from."""
+
+    plan: ZeroPlan
+    """The chosen plan (rank 0's, checked by canonical string and hash on every rank)."""
+    config: dict[str, Any]
+    """The user's config with the ``"auto"`` values filled; what ``deepspeed.initialize`` gets."""
+    measured: MeasuredPasses
+    """The model's measured passes."""
+    collectives: str
+    """Where the collective costs came from (the ProfileDB's path, or the quick fit)."""
+    planning_s: float
+    """Seconds from the start of the measurements to the broadcast plan."""
+    written: Path | None = None
+    """``ds_config.json`` written on rank 0 into ``output_dir``, if one was given."""
+
+
+# -- the config ----------------------------------------------------------------------------------------------------
+
+
+def zero_fetches(model: torch.nn.Module, threshold: int) -> int:
+    """ZeRO-3's parameter fetches per pass: modules holding a parameter of more than ``threshold`` elements
+    (smaller ones stay whole on every rank)."""
+    return sum(1 for m in model.modules() if any(p.numel() > threshold for p in m.parameters(recurse=False)))
+
+
+def hook_passes(measured: MeasuredPasses, plan: ZeroPlan, *, layers: int, fetches: int,
+                flops_per_token: float) -> ZeroPasses:
+    """The measured passes as the ZeRO terms read them for ``plan``: the fitted lines at its micro-batch, times its
+    accumulation steps; no recomputation (module docstring)."""
+    mb, steps = plan.micro_batch_size, plan.gradient_accumulation_steps
+    (f0, f1), (b0, b1), (a0, a1) = measured.forward, measured.backward, measured.activations
+    shard = plan.dp if plan.zero_stage >= 1 else 1
+    return ZeroPasses(forward_s=steps * (f0 + f1 * mb), backward_s=steps * (b0 + b1 * mb), recompute_s=0.0,
+                      overhead_s=0.0, optimizer_s=measured.optimizer_s_per_param * measured.params / shard,
+                      params=float(measured.params), layers=max(layers, 1), fetches=fetches,
+                      activation_bytes=a0 + a1 * mb, flops_per_token=flops_per_token)
+
+
+# -- the cluster ---------------------------------------------------------------------------------------------------
+
+
+def model_name(name: str) -> str:
+    """``name`` as the canonical string allows it (letters, digits, ``_.+-``)."""
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", name) or "model"
+
+
+def search_hook(request: HookRequest, measured: MeasuredPasses, cluster: ClusterSpec,
+                measurements: Measurements | None, *, name: str, seq_length: int, layers: int, fetches: int,
+                flops_per_token: float, local_world: int, headroom: float = MEMORY_HEADROOM,
+                top_k: int = 5) -> ZeroSearchResult:
+    """Every plan the request's pins leave, simulated with the measured passes and ranked (module docstring,
+    step 5). Pure: no process-group calls."""
+    from cfp_megatron.sim.calibration import efficiency_for
+
+    eff = efficiency_for(cluster)
+    costs = CollectiveCosts(cluster, measurements, intra_efficiency=eff.intra_node_comm,
+                            inter_efficiency=eff.inter_node_comm)
+    world = request.world
+    per_node = max(min(local_world, world), 1)
+    candidates, rejected = zero_candidates(
+        request.pins, list(request.micro_batches), on_cpu=cluster.on_cpu,
+        offload_pins='config.zero_optimization.offload_optimizer/offload_param (device "cpu")')
+
+    def plan_of(knobs: ZeroKnobs) -> ZeroPlan:
+        stage, mb, ckpt, oopt, oparam = knobs
+        return ZeroPlan(model=model_name(name), cluster=cluster.name, nodes=max(world // per_node, 1),
+                        gpus_per_node=per_node, zero_stage=stage, micro_batch_size=mb,
+                        global_batch_size=request.global_batch, seq_length=seq_length,
+                        activation_checkpointing=ckpt, offload_optimizer=oopt, offload_param=oparam,
+                        bucket_elements=request.bucket_elements, precision=request.precision)
+
+    def evaluate(plan: ZeroPlan) -> ZeroPredictionResult:
+        passes = hook_passes(measured, plan, layers=layers, fetches=fetches, flops_per_token=flops_per_token)
+        return zero_step(plan, passes, costs, cluster, dp_per_node=per_node)
+
+    return rank_zero_plans(candidates, plan_of, evaluate, hbm_gib=cluster.hbm_gib, headroom=headroom,
+                           peak_tflops=None, top_k=top_k, rejected=rejected, subject=f"{name} on {world} ranks",
+                           key="config", pins={k: v for k, v in request.pins.items()
+                                               if k != "activation_checkpointing"})
+
+
+def plan_model(model: torch.nn.Module, example_input: Any, request: HookRequest, *, name: str, seq_length: int,
+               layers: int, flops_per_token: float, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+               output_dir: str | Path | None = None, console: Any = None) -> HookPlan:
+    """Measure, search on rank 0, broadcast, fill the config (module docstring); every rank of the initialised
+    process group calls this. Rank 0 prints the ranking to ``console`` and writes ``ds_config.json`` into
+    ``output_dir`` when one is given (never over another file)."""
+    import torch.distributed as dist
+
+    from cfp_megatron.runtime.launch_env import LaunchEnv
+    from cfp_megatron.runtime.launch_plan import searched_on_rank0
+
+    began = time.perf_counter()
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise ConfigError(ConfigIssue(key="config.zero_optimization.stage", value="auto",
+                                      problem="the model was built under deepspeed.zero.Init, so its parameters are "
+                                              "already partitioned and the hook cannot run it to measure it.",
+                                      fix="build the model without zero.Init, or pin the config's values."))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != request.world:
+        raise ConfigError(ConfigIssue(key="WORLD_SIZE", value=world,
+                                      problem=f"the process group has {world} ranks, the config was checked for "
+                                              f"{request.world}.", fix="set WORLD_SIZE as the launcher does."))
+    env = LaunchEnv.read()
+    env = LaunchEnv(rank=rank, world_size=world, local_rank=env.local_rank,
+                    local_world_size=min(env.local_world_size, world), restart_count=env.restart_count,
+                    under_torchrun=env.under_torchrun)
+    first = next(iter(model.parameters()), None)
+    if torch.cuda.is_available() and first is not None and first.device.type == "cpu":
+        model.to(torch.device("cuda", torch.cuda.current_device()))  # where DeepSpeed's engine puts it
+    measured = measure_passes(model, example_input, loss_fn=loss_fn)
+    cluster, measurements, source = live_cluster(world, env.local_world_size)
+    fetches = zero_fetches(model, request.persistence_threshold)
+
+    def search() -> dict[str, Any]:
+        started = time.perf_counter()
+        result = search_hook(request, measured, cluster, measurements, name=name, seq_length=seq_length,
+                             layers=layers, fetches=fetches, flops_per_token=flops_per_token,
+                             local_world=env.local_world_size)
+        if console is not None:
+            console.print(ranking_table(result))
+            console.print(f"cfp: searched {result.evaluated} DeepSpeed plans of {name} in "
+                          f"{(time.perf_counter() - started) * 1e3:.0f} ms; collectives: {source}", markup=False)
+            for what, why in result.rejected:
+                console.print(f"cfp:   left out {what}: {why}", markup=False)
+        return {"plan": result.best.plan.to_json()}
+
+    received = searched_on_rank0(search, None, env, None)
+    plan = ZeroPlan.from_json(received["plan"])  # checks the canonical string and hash on this rank
+    config = filled_config(request, plan)
+    written = None
+    if output_dir is not None and rank == 0:
+        written = write_json_file(config, Path(output_dir) / "ds_config.json")
+    planning = time.perf_counter() - began
+    if console is not None:
+        console.print(f"cfp: planned {plan.describe()} ({plan.canonical()}) in {planning:.2f} s (measuring "
+                      f"{measured.wall_s:.2f} s)" + (f"; config {written}" if written else ""), markup=False)
+    return HookPlan(plan=plan, config=config, measured=measured, collectives=source, planning_s=planning,
+                    written=written)
+
+
+def flops_per_token(total_flops: float, micro_batch: int, seq_length: int) -> float:
+    """FLOPs per token of a capture's forward and backward (``total_flops`` at ``micro_batch`` x ``seq_length``)."""
+    return total_flops / max(micro_batch * seq_length, 1) if math.isfinite(total_flops) else 0.0

@@ -1,0 +1,137 @@
+"""The deepspeed.initialize hook's planning without processes: reading a user's config (pins, "auto", bad input),
+filling it, measuring a model without changing it, the search over measured passes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cfp_megatron.backends.deepspeed.hook_config import filled_config, plan_request
+from cfp_megatron.backends.deepspeed.hook_measure import MeasuredPasses, measure_passes
+from cfp_megatron.backends.deepspeed.hook_plan import search_hook
+from cfp_megatron.config import ClusterSpec
+from cfp_megatron.errors import ConfigError
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 16),
+                                                               torch.nn.Dropout(0.1)) for _ in range(2)])
+        self.norm = torch.nn.BatchNorm1d(8)  # a buffer the measurements must not move
+        self.out = torch.nn.Linear(16, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.out(self.norm(x))
+
+
+def _auto(**values: object) -> dict:
+    return {"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": "auto"},
+            **values}
+
+
+@pytest.mark.parametrize(("config", "world", "key", "text"), [
+    ({"train_micro_batch_size_per_gpu": "auto"}, 2, "config.train_batch_size", "global batch is needed"),
+    (_auto(train_batch_size=7), 2, "config.train_batch_size", "not a multiple of the 2"),
+    (_auto(zero_optimization={"stage": 1, "offload_param": {"device": "cpu"}}), 2,
+     "config.zero_optimization.offload_param", "needs ZeRO stage 3"),
+    (_auto(zero_optimization={"offload_optimizer": {"device": "cpu"}}), 2,
+     "config.zero_optimization.offload_optimizer", "needs ZeRO stage 1-3"),
+    (_auto(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=3), 2,
+     "config.gradient_accumulation_steps", "contradicts train_batch_size=16"),
+    (_auto(train_micro_batch_size_per_gpu=3), 2, "config.train_micro_batch_size_per_gpu", "does not divide the 8"),
+    (_auto(zero_optimization={"stage": 4}), 2, "config.zero_optimization.stage", "is not a ZeRO stage"),
+    (_auto(gradient_clipping="auto"), 2, "config.gradient_clipping", "not a setting the cfp hook plans"),
+])
+def test_bad_config_is_refused_naming_key_value_and_fix(config: dict, world: int, key: str, text: str) -> None:
+    with pytest.raises(ConfigError, match=text) as info:
+        plan_request(config, world)
+    assert key in info.value.keys and "Fix:" in str(info.value)
+
+
+def test_bad_config_is_refused_before_capture_or_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cfp_megatron.model.deepspeed_hook import initialize
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    user = tmp_path / "ds.json"
+    text = json.dumps(_auto(train_batch_size=9))
+    user.write_text(text)
+    model = _Net()
+    with pytest.raises(ConfigError, match=r"config.train_batch_size=9: is not a multiple of the 2"):
+        initialize(model=model, example_input=torch.zeros(2, 8, dtype=torch.long), config=str(user))
+    assert not hasattr(model, "cfp_capture") and user.read_text() == text  # nothing captured, the file unwritten
+
+
+def test_pins_auto_and_defaults() -> None:
+    assert plan_request({"train_batch_size": 16, "zero_optimization": {"stage": 2}}, 2) is None
+    request = plan_request(_auto(zero_optimization={"stage": 3, "offload_param": {"device": "auto"}}), 2)
+    assert request is not None
+    assert request.micro_batches == (1, 2, 4, 8) and request.global_batch == 16
+    assert request.pins == {"activation_checkpointing": False, "zero_stage": 3, "offload_optimizer": False}
+    assert set(request.planned) == {"train_micro_batch_size_per_gpu", "zero_optimization.offload_param.device"}
+    # accumulation pinned: the micro-batch follows; no train_batch_size but both pinned: the batch follows
+    pinned = plan_request(_auto(gradient_accumulation_steps=4), 2)
+    assert pinned is not None and pinned.micro_batches == (2,)
+    derived = plan_request({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+                            "zero_optimization": {"stage": "auto"}}, 2)
+    assert derived is not None and derived.global_batch == 12 and derived.pins["micro_batch"] == 2
+
+
+def _measured() -> MeasuredPasses:
+    return MeasuredPasses(forward=(1e-3, 1e-4), backward=(2e-3, 2e-4), activations=(0.0, 1e6),
+                          optimizer_s_per_param=1e-8, params=10_000_000, points=(), wall_s=0.0)
+
+
+def test_search_over_measured_passes_keeps_pins_and_fills_the_config() -> None:
+    request = plan_request(_auto(zero_optimization={"stage": "auto", "offload_optimizer": "auto",
+                                                    "offload_param": {"device": "auto", "pin_memory": True}}),
+                           2)
+    assert request is not None
+    cpu = ClusterSpec(name="local", nodes=1, gpus_per_node=2)
+    result = search_hook(request, _measured(), cpu, None, name="my model", seq_length=8, layers=2, fetches=6,
+                         flops_per_token=1e6, local_world=2)
+    assert result.evaluated == 4 * 4  # stages x micro-batches; offload left out on CPU ranks
+    assert any(what == "offload" for what, _ in result.rejected)
+    times = [r.result.step_time_s for r in result.ranked]
+    assert times == sorted(times)
+    best = result.best.plan
+    assert best.model == "my_model" and not best.activation_checkpointing
+    config = filled_config(request, best)
+    zero = config["zero_optimization"]
+    assert config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * 2 == 16
+    assert zero["stage"] == best.zero_stage and zero["offload_optimizer"] == {"device": "none"}
+    assert ("offload_param" in zero) == (best.zero_stage == 3)
+    # on a GPU cluster a plan over its memory is left out: 10M parameters at ZeRO-0 need 160 MB of states
+    gpu = ClusterSpec(name="local", nodes=1, gpus_per_node=2, device_name="H100", hbm_gib=0.15)
+    pinned = plan_request(_auto(zero_optimization={"stage": 0}), 2)
+    assert pinned is not None
+    with pytest.raises(ConfigError, match="no DeepSpeed plan of m on 2 ranks fits"):
+        search_hook(pinned, _measured(), gpu, None, name="m", seq_length=8, layers=2, fetches=6,
+                    flops_per_token=1e6, local_world=2)
+    fitting = search_hook(request, _measured(), gpu, None, name="m", seq_length=8, layers=2, fetches=6,
+                          flops_per_token=1e6, local_world=2)
+    assert fitting.best.plan.zero_stage != 0 and fitting.best.result.memory.total <= 0.15 * 2**30 * 0.9
+
+
+def test_measuring_leaves_the_model_as_it_was() -> None:
+    torch.manual_seed(0)
+    model = _Net().eval()
+    ids = torch.randint(0, 50, (3, 8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    measured = measure_passes(model, ids, repeats=2, warmup=1)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state()) and not model.training
+    assert all(p.grad is None for p in model.parameters())
+    assert [p[0] for p in measured.points] == [1, 2, 4] and measured.params == sum(
+        p.numel() for p in model.parameters())
+    # the saved activations grow with the micro-batch
+    assert measured.activations[1] > 0 and measured.points[2][3] > measured.points[0][3]
+    assert measured.forward[0] + measured.forward[1] > 0 and measured.optimizer_s_per_param > 0
