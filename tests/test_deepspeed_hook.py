@@ -32,9 +32,10 @@ def _start(args: list[str], rank: int, world: int, port: int) -> subprocess.Pope
 
 
 def _result(proc: subprocess.Popen) -> dict:
+    """The process's JSON line, with what it printed before under ``"printed"``."""
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
+    return {**json.loads(out.strip().splitlines()[-1]), "printed": out}
 
 
 def test_deepspeed_initialize_hook_captures_then_trains_with_zero1() -> None:
@@ -47,8 +48,9 @@ def test_deepspeed_initialize_hook_captures_then_trains_with_zero1() -> None:
 
 
 def test_hook_plans_auto_config_on_two_ranks_and_trains_like_one_rank(tmp_path: Path) -> None:
-    """Two gloo ranks plan "auto" stage, micro-batch and accumulation (then a config pinning stage 2) and train with
-    the losses of a single-rank ZeRO-0 run of the same model, seed and global batch."""
+    """Two gloo ranks plan "auto" stage, micro-batch and accumulation (then a config pinning stage 2), probing the
+    engine of every stage the search may choose around copies of the model, and train with the losses of a
+    single-rank ZeRO-0 run of the same model, seed and global batch."""
     port = free_port()
     ranks = [_start(["planned", str(tmp_path)], rank, 2, port) for rank in range(2)]
     reference = _start(["reference"], 0, 1, free_port())
@@ -67,6 +69,7 @@ def test_hook_plans_auto_config_on_two_ranks_and_trains_like_one_rank(tmp_path: 
         for rank_losses in (r[phase]["losses"] for r in results):
             assert rank_losses == pytest.approx(ref["losses"], abs=1e-5)
     assert results[1]["pinned"]["stage"] == 2  # the config's concrete stage pins the search
+    _check_probes(results)
     written = Path(results[0]["auto"]["written"])
     assert written == tmp_path / "ds_config.json" and results[1]["auto"]["written"] is None
     config = json.loads(written.read_text())
@@ -74,3 +77,22 @@ def test_hook_plans_auto_config_on_two_ranks_and_trains_like_one_rank(tmp_path: 
     assert (config["zero_optimization"]["stage"], config["train_micro_batch_size_per_gpu"],
             config["gradient_accumulation_steps"]) == (p["stage"], p["mb"], p["ga"])
     assert config["optimizer"]["type"] == "AdamW"  # the user's other keys are kept
+
+
+def _check_probes(results: list[dict]) -> None:
+    """The engine probes: every stage unpinned, the pinned one only; the same points on both ranks (the slowest
+    rank's), a step of 4 micro-batches slower than one; each probe engine built around a copy, and the user's engine
+    built last, with the user's weights and RNG state as they were before the hook; the copies freed afterwards."""
+    assert "cfp: probed the DeepSpeed engine (stages [0, 1, 2, 3]) in" in results[0]["printed"]
+    assert "cfp: probed the DeepSpeed engine (stages [2]) in" in results[0]["printed"]
+    for phase, stages in (("auto", [0, 1, 2, 3]), ("pinned", [2])):
+        assert results[0][phase]["probes"] == results[1][phase]["probes"]
+        for result in (r[phase] for r in results):
+            assert result["probed"] == stages and result["probe_s"] > 0
+            for stage in stages:
+                points = dict(result["probes"][str(stage)])
+                assert sorted(points) == [1, 2, 4] and points[4] > points[1], (stage, points)
+            calls = result["initialize_calls"]
+            assert [c["user_model"] for c in calls] == [False] * len(stages) + [True]
+            assert all(c["weights_unchanged"] and c["rng_unchanged"] for c in calls), calls
+            assert result["probe_copies_alive"] == 0

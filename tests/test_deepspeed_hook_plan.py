@@ -1,5 +1,6 @@
 """The deepspeed.initialize hook's planning without processes: reading a user's config (pins, "auto", bad input),
-filling it, measuring a model without changing it, the search over measured passes."""
+filling it, measuring a model without changing it, the search over measured passes and engine probes, the probes'
+config, stages, model copy and timing loop."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cfp_megatron.backends.deepspeed.hook_config import filled_config, plan_request
-from cfp_megatron.backends.deepspeed.hook_measure import MeasuredPasses, measure_passes
-from cfp_megatron.backends.deepspeed.hook_plan import search_hook
+from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes, StageProbe, probe_stages
+from cfp_megatron.backends.deepspeed.hook_config import PROBE_OPTIMIZER, filled_config, plan_request, probe_config
+from cfp_megatron.backends.deepspeed.hook_measure import MeasuredPasses, measure_passes, model_copy
+from cfp_megatron.backends.deepspeed.hook_plan import probe_stage_list, search_hook
 from cfp_megatron.config import ClusterSpec
 from cfp_megatron.errors import ConfigError
 
@@ -135,3 +137,120 @@ def test_measuring_leaves_the_model_as_it_was() -> None:
     # the saved activations grow with the micro-batch
     assert measured.activations[1] > 0 and measured.points[2][3] > measured.points[0][3]
     assert measured.forward[0] + measured.forward[1] > 0 and measured.optimizer_s_per_param > 0
+
+
+def _probe(stage: int, one: float, slope: float) -> StageProbe:
+    return StageProbe(stage=stage, points=tuple((n, one + slope * (n - 1)) for n in (1, 2, 4)))
+
+
+def test_search_uses_the_engine_probes() -> None:
+    """A probed stage's reduction, gather and optimizer terms are the probe's line: the step time follows it and
+    the choice moves to the stage the probes find cheapest."""
+    request = plan_request(_auto(), 2)
+    assert request is not None
+    cpu = ClusterSpec(name="local", nodes=1, gpus_per_node=2)
+    kwargs = {"name": "m", "seq_length": 8, "layers": 2, "fetches": 6, "flops_per_token": 1e6, "local_world": 2}
+    plain = search_hook(request, _measured(), cpu, None, **kwargs)
+    assert all(r.result.time.engine_s == 0 for r in plain.ranked)
+    costly = next(s for s in (0, 1, 2, 3) if s != plain.best.plan.zero_stage)
+    probes = EngineProbes(model="m", world=2, stages={
+        s: _probe(s, 0.05 if s == costly else 5.0, 0.02 if s == costly else 1.0) for s in (0, 1, 2, 3)})
+    probed = search_hook(request, _measured(), cpu, None, probes=probes, **kwargs)
+    best = probed.best
+    assert best.plan.zero_stage == costly and best.result.time.engine_s > 0
+    single = 1e-3 + 1e-4 + 2e-3 + 2e-4  # forward + backward lines at micro-batch 1
+    probe = probes.stages[costly]
+    assert best.result.time.engine_s == pytest.approx(
+        best.plan.gradient_accumulation_steps * probe.per_microbatch_s(single) + probe.per_step_s)
+    assert best.result.time.grad_reduce_s == 0 and best.result.time.optimizer_s == 0
+
+
+def test_probe_config_and_stages() -> None:
+    user = _auto(tensorboard={"enabled": True}, bf16={"enabled": True}, gradient_clipping=1.0,
+                 zero_optimization={"stage": "auto", "offload_optimizer": {"device": "auto"}, "overlap_comm": True})
+    request = plan_request(user, 2)
+    assert request is not None
+    config = probe_config(request, 3)
+    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"],
+            config["gradient_accumulation_steps"]) == (2, 1, 1)
+    assert config["zero_optimization"] == {"stage": 3, "overlap_comm": True}  # no offload
+    assert "tensorboard" not in config and config["bf16"] == {"enabled": True} and config["gradient_clipping"] == 1.0
+    assert config["optimizer"] == PROBE_OPTIMIZER
+    assert request.config == user  # the request's copy is unchanged
+    own = plan_request(_auto(optimizer={"type": "SGD", "params": {"lr": 0.1}}), 2)
+    assert own is not None and probe_config(own, 0)["optimizer"] == {"type": "SGD", "params": {"lr": 0.1}}
+    # the stages to probe: the pinned one; every stage on CPU; on a GPU those whose probe fits its memory
+    kwargs = {"seq_length": 8, "layers": 2, "fetches": 6, "local_world": 2}
+    cpu = ClusterSpec(name="local", nodes=1, gpus_per_node=2)
+    assert probe_stage_list(request, _measured(), cpu, **kwargs) == (0, 1, 2, 3)
+    pinned = plan_request(_auto(zero_optimization={"stage": 2}), 2)
+    assert pinned is not None and probe_stage_list(pinned, _measured(), cpu, **kwargs) == (2,)
+    gpu = ClusterSpec(name="local", nodes=1, gpus_per_node=2, device_name="H100", hbm_gib=0.15)
+    small = plan_request(_auto(zero_optimization={"stage": "auto", "reduce_bucket_size": 1_000_000}), 2)
+    assert small is not None  # 10M parameters: 160 MB of ZeRO-0 states
+    assert probe_stage_list(small, _measured(), gpu, **kwargs) == (2, 3)
+
+
+def test_probe_budget_is_checked_before_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cfp_megatron.model.deepspeed_hook import initialize
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = _Net()
+    with pytest.raises(ConfigError, match=r"probe_budget_s=-1: is not a number of seconds"):
+        initialize(model=model, example_input=torch.zeros(2, 8, dtype=torch.long), config=_auto(), probe_budget_s=-1)
+    assert not hasattr(model, "cfp_capture")
+
+
+def test_model_copy_leaves_the_model_alone() -> None:
+    model = _Net().eval()
+    object.__setattr__(model, "cfp_capture", object())
+    model.out.weight.grad = torch.ones_like(model.out.weight)
+    twin = model_copy(model)
+    assert twin.training and not model.training and all(p.grad is None for p in twin.parameters())
+    assert model.out.weight.grad is not None and twin.cfp_capture is model.cfp_capture  # shared, not copied
+    assert all(a is not b and torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+
+
+class _FakeEngine:
+    """Records what the timing loop asks of an engine."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def set_train_batch_size(self, size: int) -> None:
+        self.log.append(("batch", size))
+
+    def destroy(self) -> None:
+        self.log.append(("destroy",))
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_probe_timing_loop_takes_the_counts_in_turn_and_keeps_to_the_budget() -> None:
+    """The loop shared by the backend's probes and the hook's: after a warm-up round, the counts in turn; the
+    median per count; a budget of 0 stops after the first stage, whose engine is destroyed."""
+    log: list = []
+
+    def build(stage: int):
+        log.append(("build", stage))
+
+        def step(n: int):
+            log.append(("prepare", n))
+            return lambda: log.append(("run", n))
+        return _FakeEngine(log), step
+
+    found = probe_stages((1, 3), build, world=2, rounds=2, budget_s=0.0)
+    assert list(found) == [1] and [n for n, _ in found[1].points] == [1, 2, 4]
+    assert all(t >= 0 for _, t in found[1].points)
+    one_round = [e for n in (1, 2, 4) for e in (("batch", 2 * n), ("prepare", n), ("run", n))]
+    assert log == [("build", 1), *one_round * 3, ("destroy",)]
+    both = probe_stages((1, 3), build, world=2, rounds=1, budget_s=60.0)
+    assert list(both) == [1, 3]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from cfp_megatron.backends.deepspeed.hook_measure import DEFAULT_PROBE_BUDGET_S
 from cfp_megatron.errors import ConfigError, ConfigIssue
 from cfp_megatron.graph.opgraph import OpGraph
 from cfp_megatron.graph.record import record_step
@@ -137,7 +139,7 @@ def _batch(inputs: tuple) -> int:
 
 def initialize(*, model: torch.nn.Module, example_input: Any, name: str | None = None,
                loss_fn: Callable[[Any], torch.Tensor] | None = None, output_dir: str | Path | None = None,
-               **kwargs: Any) -> Any:
+               probe_budget_s: float = DEFAULT_PROBE_BUDGET_S, **kwargs: Any) -> Any:
     """``deepspeed.initialize(model=model, **kwargs)`` with the DeepSpeed config planned for this model.
 
     ``model`` is captured first (attached as ``model.cfp_capture``). When the config (``config=``, a dict or a JSON
@@ -145,7 +147,9 @@ def initialize(*, model: torch.nn.Module, example_input: Any, name: str | None =
     ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``, ``zero_optimization.stage`` or an offload
     device, the hook plans them (:mod:`cfp_megatron.backends.deepspeed.hook_plan`): it measures the model's forward
     and backward on ``example_input`` re-batched to 1, 2 and 4 sequences on every rank (weights untouched), fits
-    the collectives (or reads the ProfileDB), simulates every ZeRO stage x micro-batch x offload the config's
+    the collectives (or reads the ProfileDB), probes DeepSpeed's engine for each ZeRO stage it may choose around a
+    deep copy of the model within ``probe_budget_s`` seconds (0: no probes; the stages not reached keep the
+    analytical ZeRO terms), simulates every ZeRO stage x micro-batch x offload the config's
     concrete values leave with :func:`cfp_megatron.sim.zero.zero_step`, and hands DeepSpeed the fastest plan's
     config (rank 0 plans and broadcasts; the plan is attached as ``model.cfp_plan``, and written as
     ``output_dir/ds_config.json`` on rank 0 when ``output_dir`` is given). Activation checkpointing is not planned
@@ -154,8 +158,10 @@ def initialize(*, model: torch.nn.Module, example_input: Any, name: str | None =
     unplanned.
 
     Raises a :class:`~cfp_megatron.errors.ConfigError` naming the key, its value and the fix for a config that
-    cannot be planned (checked before the capture and before any engine), and :class:`DeepSpeedUnavailable` after
-    capturing when DeepSpeed is not installed.
+    cannot be planned or a bad ``probe_budget_s`` (checked before the capture and before any engine),
+    :class:`DeepSpeedUnavailable` after capturing when DeepSpeed is not installed, and an
+    :class:`~cfp_megatron.backends.deepspeed.hook_measure.EngineProbeError` when the model cannot be copied or its
+    probe engine cannot be built.
     """
     from cfp_megatron.backends.deepspeed.hook_config import load_config, plan_request
 
@@ -166,6 +172,7 @@ def initialize(*, model: torch.nn.Module, example_input: Any, name: str | None =
     request = None
     if raw is not None:
         request = plan_request(load_config(raw), _world_size())
+    _check_budget(probe_budget_s)
     for key in ("mpu", "mesh_param"):
         if request is not None and kwargs.get(key) is not None:
             raise ConfigError(ConfigIssue(key=key, value=type(kwargs[key]).__name__,
@@ -199,7 +206,7 @@ def initialize(*, model: torch.nn.Module, example_input: Any, name: str | None =
                          layers=len(capture.layer_kinds),
                          flops_per_token=flops_per_token(capture.total_flops, capture.micro_batch_size,
                                                          capture.seq_length),
-                         loss_fn=loss_fn, output_dir=output_dir, console=console)
+                         loss_fn=loss_fn, output_dir=output_dir, console=console, probe_budget_s=probe_budget_s)
     object.__setattr__(model, "cfp_plan", planned)
     kwargs.pop("config_params", None)
     kwargs["config"] = planned.config
@@ -208,6 +215,15 @@ def initialize(*, model: torch.nn.Module, example_input: Any, name: str | None =
         args.deepspeed_config = None  # DeepSpeed refuses a config given twice
         kwargs["args"] = args
     return deepspeed.initialize(model=model, **kwargs)
+
+
+def _check_budget(probe_budget_s: Any) -> None:
+    """A :class:`ConfigError` unless ``probe_budget_s`` is a finite number of seconds at 0 or above."""
+    ok = isinstance(probe_budget_s, int | float) and not isinstance(probe_budget_s, bool)
+    if not ok or not math.isfinite(probe_budget_s) or probe_budget_s < 0:
+        raise ConfigError(ConfigIssue(key="probe_budget_s", value=probe_budget_s,
+                                      problem="is not a number of seconds at 0 or above.",
+                                      fix="give the seconds the engine probes may take, or 0 to plan without them."))
 
 
 def _world_size() -> int:

@@ -4,14 +4,18 @@ Run by tests/test_deepspeed_hook.py in its own processes (DeepSpeed sets process
 
 - no argument: ZeRO-1 from a concrete config (nothing planned), 5 steps;
 - ``planned OUTPUT_DIR``: on every rank of a gloo job, the hook plans a config with ``"auto"`` stage, micro-batch and
-  accumulation, then one with the stage pinned to 2; each trains :data:`STEPS` steps of the global batch;
+  accumulation (probing every stage's engine), then one with the stage pinned to 2 (probing that stage); each trains
+  :data:`STEPS` steps of the global batch; every ``deepspeed.initialize`` call is recorded (on the user's model or
+  a copy, the user's weights and RNG state unchanged at that point);
 - ``reference``: one rank, ZeRO-0, the whole global batch in one micro-batch (nothing planned).
 """
 
+import gc
 import json
 import os
 import sys
 import time
+import weakref
 
 import torch
 
@@ -25,7 +29,7 @@ GLOBAL_BATCH = 8
 """Sequences per optimizer step."""
 STEPS = 3
 """Optimizer steps per run."""
-SEQ = 8
+SEQ = 512
 """Tokens per sequence."""
 
 
@@ -87,22 +91,48 @@ def _train(engine: object) -> list[float]:
     return losses
 
 
+def _same(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
 def _planned(example: torch.Tensor, config: dict, output_dir: str | None) -> dict:
     torch.manual_seed(0)
     model = Net()
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    calls: list[dict] = []  # every deepspeed.initialize: the probes' (around copies), then the user's engine
+    copies: list[weakref.ref] = []
+    real = deepspeed.initialize
+
+    def spy(*, model: torch.nn.Module, **kwargs: object) -> object:
+        calls.append({"user_model": model is user, "weights_unchanged": _same(user, before),
+                      "rng_unchanged": torch.equal(rng, torch.get_rng_state())})
+        if model is not user:
+            copies.append(weakref.ref(model))
+        return real(model=model, **kwargs)
+
+    user = model
+    deepspeed.initialize = spy
     began = time.perf_counter()
-    engine, _, _, _ = initialize(model=model, example_input=example, config=config, output_dir=output_dir,
-                                 model_parameters=model.parameters(), loss_fn=lambda out: out.logsumexp(-1).mean())
+    try:
+        engine, _, _, _ = initialize(model=model, example_input=example, config=config, output_dir=output_dir,
+                                     model_parameters=model.parameters(),
+                                     loss_fn=lambda out: out.logsumexp(-1).mean())
+    finally:
+        deepspeed.initialize = real
     hooked = time.perf_counter() - began
+    gc.collect()
+    alive = sum(c() is not None for c in copies)  # the probes' copies and engines are freed (ZeRO-3's too)
     plan = model.cfp_plan
-    unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items()) \
-        if engine.zero_optimization_stage() < 3 else None  # ZeRO-3 has partitioned the weights by now
+    unchanged = _same(model, before) if engine.zero_optimization_stage() < 3 else None  # ZeRO-3 partitioned them
+    probes = plan.probes.stages.values() if plan.probes is not None else ()
     result = {"canonical": plan.plan.canonical(), "stage": engine.zero_optimization_stage(),
               "mb": engine.train_micro_batch_size_per_gpu(), "ga": engine.gradient_accumulation_steps(),
               "train_batch_size": engine.train_batch_size(), "planning_s": plan.planning_s, "hook_s": hooked,
               "collectives": plan.collectives, "written": str(plan.written) if plan.written else None,
-              "weights_unchanged": unchanged, "losses": _train(engine)}
+              "weights_unchanged": unchanged, "probed": list(plan.probed_stages), "probe_s": plan.probe_s,
+              "probes": {str(p.stage): [list(point) for point in p.points] for p in probes},
+              "initialize_calls": calls, "probe_copies_alive": alive, "losses": _train(engine)}
     engine.destroy()
     return result
 
@@ -150,3 +180,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Skip the interpreter's teardown: a native thread left by DeepSpeed or gloo aborts it at times ("terminate called
+    # without an active exception", exit -6, after the result was printed; seen before the engine probes too).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -16,6 +16,9 @@ the median over rounds of the step's slowest rank. The least-squares line ``T(n)
 points in turn fit it with a third of that difference's variance.) The figures are kept as JSON next to the ProfileDB
 (``$CFP_CACHE_DIR/profile/<fingerprint>-deepspeed-<model>.json``) and reused by the next launch on the same hardware
 and software.
+
+The timing (:func:`probe_stages` over :func:`time_accumulations`) is shared with the ``deepspeed.initialize`` hook,
+which probes a user's own model the same way (:func:`cfp_megatron.backends.deepspeed.hook_measure.probe_engines`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import dataclasses
 import json
 import statistics
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,6 +115,94 @@ def load_probes(path: Path, world: int) -> EngineProbes | None:
     return probes if probes is not None and probes.world == world else None
 
 
+StepCall = Callable[[int], Callable[[], object]]
+"""Given ``n``, prepares one optimizer step of ``n`` micro-batches on this rank (its data) and returns the call that
+runs it, the part that is timed."""
+
+EngineBuilder = Callable[[int], tuple[Any, StepCall]]
+"""Given a ZeRO stage, builds the DeepSpeed engine at micro-batch 1 and returns it with its :data:`StepCall`."""
+
+
+def time_accumulations(engine: Any, step: StepCall, *, world: int, rounds: int) -> tuple[tuple[int, float], ...]:
+    """The points of a :class:`StageProbe` for a ready ``engine`` (every rank calls this): ``rounds`` timed rounds
+    (after one untimed) of one step per count in :data:`ACCUMULATIONS`, in turn, switched with
+    ``set_train_batch_size``; each step timed between a barrier and its end, the slowest rank's time (an
+    all-reduce), the median over rounds per count."""
+    import torch
+    import torch.distributed as dist
+
+    on_gpu = torch.cuda.is_available()
+    samples: dict[int, list[float]] = {n: [] for n in ACCUMULATIONS}
+    for round_ in range(rounds + 1):
+        for accumulation in ACCUMULATIONS:
+            engine.set_train_batch_size(world * accumulation)
+            run = step(accumulation)
+            dist.barrier()
+            start = time.perf_counter()
+            run()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            if on_gpu:
+                elapsed = elapsed.cuda()
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if round_ > 0:  # the first round warms up every count
+                samples[accumulation].append(float(elapsed))
+    return tuple((n, statistics.median(samples[n])) for n in ACCUMULATIONS)
+
+
+def release_engine(engine: Any) -> None:
+    """Destroy ``engine`` and drop what DeepSpeed's ZeRO-3 keeps of it in module globals (0.19: its modules on
+    ``parameter_offload.FWD_MODULE_STACK``, entries of the parameter coordinator's class-level release cache), which
+    would otherwise keep the engine, its model and optimizer states alive after it is gone."""
+    engine.destroy()
+    module = getattr(engine, "module", None)
+    try:
+        from deepspeed.runtime.zero import parameter_offload
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+    except ImportError:
+        return
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    if isinstance(stack, list) and module is not None:
+        ours = {id(m) for m in module.modules()}
+        stack[:] = [m for m in stack if id(m) not in ours]
+    cached = getattr(PartitionedParameterCoordinator, "_PartitionedParameterCoordinator__params_to_release", None)
+    for cell in getattr(cached, "__closure__", None) or ():  # the lru_cache inside DeepSpeed's NVTX wrapper
+        clear = getattr(cell.cell_contents, "cache_clear", None)
+        if callable(clear):
+            clear()  # a cache: the live engines' entries are recomputed on their next use
+
+
+def _probe_stage(stage: int, build: EngineBuilder, *, world: int, rounds: int) -> StageProbe:
+    """One stage's probe: its engine built, timed and released (its memory is freed on return)."""
+    engine, step = build(stage)
+    points = time_accumulations(engine, step, world=world, rounds=rounds)
+    release_engine(engine)
+    return StageProbe(stage=stage, points=points)
+
+
+def probe_stages(stages: Iterable[int], build: EngineBuilder, *, world: int, rounds: int,
+                 budget_s: float) -> dict[int, StageProbe]:
+    """Probe each of ``stages`` in order with the engines of ``build`` (every rank calls this), stopping once
+    ``budget_s`` has passed on any rank (at least one stage is probed); the engines' memory is freed between
+    stages."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    began = time.perf_counter()
+    found: dict[int, StageProbe] = {}
+    for stage in stages:
+        found[stage] = _probe_stage(stage, build, world=world, rounds=rounds)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        over = torch.tensor([float(time.perf_counter() - began > budget_s)])
+        dist.all_reduce(over, op=dist.ReduceOp.MAX)
+        if over.item() > 0:
+            break
+    return found
+
+
 def run_probes(job: JobSpec, dims: ParallelDims, *, model: str, rounds: int = 5,
                budget_s: float = 30.0) -> EngineProbes:
     """Time every ZeRO stage's engine (every rank calls this; process groups for ``dims``, data parallel over every
@@ -126,9 +218,8 @@ def run_probes(job: JobSpec, dims: ParallelDims, *, model: str, rounds: int = 5,
 
     on_gpu = torch.cuda.is_available()
     world = dims.world_size
-    began = time.perf_counter()
-    found: dict[int, StageProbe] = {}
-    for stage in (0, 1, 2, 3):
+
+    def build(stage: int) -> tuple[Any, StepCall]:
         train = dataclasses.replace(job.train, global_batch_size=world, micro_batch_size=1, warmup_steps=0)
         pjob = dataclasses.replace(job, train=train)
         plan = ZeroPlan.from_job(pjob, world=world, zero_stage=stage, micro_batch=1, activation_checkpointing=False,
@@ -136,24 +227,12 @@ def run_probes(job: JobSpec, dims: ParallelDims, *, model: str, rounds: int = 5,
                                  precision=resolve_precision(job.train.precision, on_gpu))
         _, engine = build_engine(pjob, plan, ds_config(plan, pjob), dims)
         stream = build_micro_batches(pjob, dp_rank=dist.get_rank(), dp_size=world)
-        samples: dict[int, list[float]] = {n: [] for n in ACCUMULATIONS}
-        for round_ in range(rounds + 1):
-            for accumulation in ACCUMULATIONS:
-                engine.set_train_batch_size(world * accumulation)
-                batch = [next(stream) for _ in range(accumulation)]
-                dist.barrier()
-                start = time.perf_counter()
-                train_step(engine, batch)
-                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                if on_gpu:
-                    elapsed = elapsed.cuda()
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                if round_ > 0:  # the first round warms up every count
-                    samples[accumulation].append(float(elapsed))
-        engine.destroy()
-        found[stage] = StageProbe(stage=stage, points=tuple((n, statistics.median(samples[n])) for n in ACCUMULATIONS))
-        over = torch.tensor([float(time.perf_counter() - began > budget_s)])
-        dist.all_reduce(over, op=dist.ReduceOp.MAX)
-        if over.item() > 0:
-            break
+
+        def step(accumulation: int) -> Callable[[], object]:
+            batch = [next(stream) for _ in range(accumulation)]
+            return lambda: train_step(engine, batch)
+
+        return engine, step
+
+    found = probe_stages((0, 1, 2, 3), build, world=world, rounds=rounds, budget_s=budget_s)
     return EngineProbes(model=model, world=world, stages=found)

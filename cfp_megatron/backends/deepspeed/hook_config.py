@@ -31,6 +31,14 @@ DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
 """DeepSpeed's default ``reduce_bucket_size`` (used where the config sets none)."""
 
 
+PROBE_OPTIMIZER: dict[str, Any] = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
+"""The engine probes' optimizer where the user's config names none (the user's own optimizer object, if any, is
+bound to the user's parameters): torch's AdamW, which needs no compiled DeepSpeed op."""
+
+PROBE_LEFT_OUT = ("tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler", "comms_logger", "autotuning",
+                  "wall_clock_breakdown")
+"""Keys of the user's config the engine probes leave out: monitors and profilers would write its logs or print."""
+
 _PLANNED_PATHS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                   "zero_optimization.stage", "zero_optimization.offload_optimizer",
                   "zero_optimization.offload_optimizer.device", "zero_optimization.offload_param",
@@ -246,4 +254,16 @@ def filled_config(request: HookRequest, plan: ZeroPlan) -> dict[str, Any]:
     return config
 
 
-# -- measuring the model -------------------------------------------------------------------------------------------
+def probe_config(request: HookRequest, stage: int) -> dict[str, Any]:
+    """The config of the engine probe of ZeRO ``stage``: the user's (its precision and other keys kept, monitors
+    and profilers left out, :data:`PROBE_LEFT_OUT`) at micro-batch 1 and one accumulation step, without offload,
+    with the user's optimizer section or :data:`PROBE_OPTIMIZER`."""
+    config = {k: copy.deepcopy(v) for k, v in request.config.items() if k not in PROBE_LEFT_OUT}
+    config.update(train_batch_size=request.world, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
+                  steps_per_print=10**9)
+    zero = {k: v for k, v in (config.get("zero_optimization") or {}).items()
+            if k not in ("offload_optimizer", "offload_param")}
+    zero["stage"] = stage
+    config["zero_optimization"] = zero
+    config.setdefault("optimizer", copy.deepcopy(PROBE_OPTIMIZER))
+    return config

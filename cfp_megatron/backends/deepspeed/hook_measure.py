@@ -7,14 +7,18 @@ a quick fit now). The model's weights, gradients, buffers, modes and the RNG sta
 from __future__ import annotations
 
 import contextlib
+import copy
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
+from cfp_megatron.backends.deepspeed.engine_probe import EngineBuilder, EngineProbes, StepCall, probe_stages
+from cfp_megatron.backends.deepspeed.hook_config import HookRequest, probe_config
 from cfp_megatron.cluster.measured import (
     Collective,
     CollectiveFit,
@@ -24,7 +28,14 @@ from cfp_megatron.cluster.measured import (
     least_squares_line,
 )
 from cfp_megatron.config import ClusterSpec
+from cfp_megatron.errors import CfpError
 from cfp_megatron.sim.prediction import GIB
+
+DEFAULT_PROBE_BUDGET_S = 30.0
+"""Seconds the engine probes may take by default (0 turns them off)."""
+
+PROBE_ROUNDS = 5
+"""Timed rounds of each engine probe (after one untimed), as the ``backend=deepspeed`` path takes them."""
 
 MEASURED_MICRO_BATCHES = (1, 2, 4)
 """Micro-batch sizes the passes are timed at."""
@@ -87,7 +98,7 @@ def _sync(device: torch.device) -> None:
 def rebatch(example_input: Any, size: int, device: torch.device) -> tuple[Any, ...]:
     """``example_input`` (a tensor or a tuple) with every tensor of the example's batch size sliced or repeated along
     dim 0 to ``size`` and moved to ``device``."""
-    from torch.utils._pytree import tree_flatten, tree_map
+    from torch.utils._pytree import tree_flatten
 
     inputs = example_input if isinstance(example_input, tuple) else (example_input,)
     tensors = [x for x in tree_flatten(inputs)[0] if isinstance(x, torch.Tensor) and x.dim() >= 1]
@@ -113,15 +124,27 @@ def _loss(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tens
 
 
 @contextlib.contextmanager
+def rng_kept() -> Iterator[None]:
+    """Put back the CPU and CUDA RNG states after the block."""
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+@contextlib.contextmanager
 def _model_kept(model: torch.nn.Module) -> Iterator[None]:
     """Put back the model's gradients, buffers, train/eval mode and the RNG states after the block."""
     grads = [(p, p.grad) for p in model.parameters()]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     modes = [(m, m.training) for m in model.modules()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
-        yield
+        with rng_kept():
+            yield
     finally:
         with torch.no_grad():
             for b, saved in buffers:
@@ -130,9 +153,6 @@ def _model_kept(model: torch.nn.Module) -> Iterator[None]:
             p.grad = g
         for m, training in modes:
             m.training = training
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
 
 
 def _saved_bytes(model: torch.nn.Module, run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
@@ -225,6 +245,76 @@ def measure_passes(model: torch.nn.Module, example_input: Any, *, loss_fn: Calla
                           activations=least_squares_line([(s, m) for s, _, _, m in points]),
                           optimizer_s_per_param=slowest[3 * n], params=params,
                           points=points, wall_s=time.perf_counter() - began)
+
+
+class EngineProbeError(CfpError, RuntimeError):
+    """An engine probe of the user's model failed: its copy, or DeepSpeed's engine around the copy."""
+
+
+def model_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` for an engine probe, in training mode and without gradients; the hook's own
+    attributes on it (``cfp_*``) are shared, not copied. ``model`` is only read."""
+    memo: dict[int, Any] = {id(v): v for k, v in vars(model).items() if k.startswith("cfp_")}
+    try:
+        twin = copy.deepcopy(model, memo)
+    except (TypeError, RuntimeError, copy.Error) as err:
+        raise EngineProbeError(f"{type(model).__name__} cannot be deep-copied for the engine probes ({err}); pass "
+                               "probe_budget_s=0 to plan without them.") from err
+    twin.train()
+    twin.zero_grad(set_to_none=True)
+    return twin
+
+
+def probe_inputs(example_input: Any, device: torch.device, precision: str) -> tuple[Any, ...]:
+    """``example_input`` re-batched to one sample on ``device``, its floating-point tensors in the engine's
+    ``precision`` (DeepSpeed casts the module, not its inputs)."""
+    inputs = rebatch(example_input, 1, device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if dtype is None:
+        return inputs
+    return tuple(tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+                          inputs))
+
+
+def _engine_builder(model: torch.nn.Module, example_input: Any, request: HookRequest,
+                    loss_fn: Callable[[Any], torch.Tensor] | None) -> EngineBuilder:
+    """Builds, for a ZeRO stage, DeepSpeed's engine around a copy of ``model`` (:func:`probe_config`) and the call
+    that runs a step of ``n`` micro-batches of one sample."""
+    def build(stage: int) -> tuple[Any, StepCall]:
+        import deepspeed
+
+        twin = model_copy(model)
+        try:
+            engine, _, _, _ = deepspeed.initialize(model=twin, config=probe_config(request, stage),
+                                                   model_parameters=[p for p in twin.parameters() if p.requires_grad])
+        except Exception as err:
+            raise EngineProbeError(f"DeepSpeed's engine for the ZeRO-{stage} probe could not be built ({err}); "
+                                   "pass probe_budget_s=0 to plan without the probes.") from err
+        inputs = probe_inputs(example_input, engine.device, request.precision)
+
+        def step(accumulation: int) -> Callable[[], object]:
+            def run() -> None:
+                for _ in range(accumulation):
+                    engine.backward(_loss(engine(*inputs), loss_fn))
+                    engine.step()
+            return run
+
+        return engine, step
+
+    return build
+
+
+def probe_engines(model: torch.nn.Module, example_input: Any, request: HookRequest, stages: Iterable[int], *,
+                  name: str, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                  budget_s: float = DEFAULT_PROBE_BUDGET_S, rounds: int = PROBE_ROUNDS) -> EngineProbes:
+    """The engine probes of ``model`` for ZeRO ``stages`` (every rank calls this), as the ``backend=deepspeed``
+    path takes them (:func:`~cfp_megatron.backends.deepspeed.engine_probe.probe_stages`): per stage, DeepSpeed's
+    engine around a copy of the model at micro-batch 1, timed at 1, 2 and 4 micro-batches per step in turn, then
+    destroyed; stages not reached within ``budget_s`` are left out. The model and the RNG states are as before."""
+    with rng_kept():
+        found = probe_stages(stages, _engine_builder(model, example_input, request, loss_fn), world=request.world,
+                             rounds=rounds, budget_s=budget_s)
+    return EngineProbes(model=name, world=request.world, stages=found)
 
 
 class _CollectiveFits(NothingMeasured):
