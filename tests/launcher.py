@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -69,3 +70,65 @@ def run_train(nproc: int, overrides: list[str], workdir: Path, *, timeout: float
                           capture_output=True, text=True, timeout=timeout)
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     return RunResult(returncode=proc.returncode, output=proc.stdout + proc.stderr, records=records)
+
+
+def _step_reached(metrics: Path, step: int) -> bool:
+    if not metrics.exists():
+        return False
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return any(r.get("event") == "step" and r["step"] >= step for r in records)
+
+
+def run_killing_a_rank(nproc: int, overrides: list[str], workdir: Path, *, metrics: Path, kill_at_step: int,
+                       env: dict[str, str], timeout: float = 600) -> tuple[int, str]:
+    """Run torchrun with ``--max-restarts=1``, SIGKILL local rank 1 once ``metrics`` shows ``kill_at_step``, and
+    wait for torchrun to end; returns (its exit code, its output).
+
+    torchrun runs in a session of its own and writes to a file, not a pipe: a child the killed rank leaves behind
+    (Inductor's compile workers outlive a SIGKILLed parent) would hold a pipe open and block reading it until the
+    timeout; the whole session is killed at the end, so no such orphan outlives the test."""
+    import signal
+    import time
+
+    import psutil
+
+    log = workdir / "torchrun.log"
+    left_behind: list = []
+    with log.open("w") as out:
+        proc = subprocess.Popen(torchrun_command(nproc, overrides, max_restarts=1), cwd=workdir, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not _step_reached(metrics, kill_at_step):
+            if proc.poll() is not None:
+                raise AssertionError(f"torchrun ended early with {proc.returncode}: {log.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"step {kill_at_step} not reached in {timeout} s")
+            time.sleep(0.2)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=False)
+                   if any("train.py" in part for part in p.cmdline())]
+        if len(workers) != nproc:
+            raise AssertionError(f"expected {nproc} workers, found {workers}")
+        left_behind = workers[1].children(recursive=True)
+        os.kill(workers[1].pid, signal.SIGKILL)
+        returncode = proc.wait(timeout=timeout)
+    finally:
+        for child in [*left_behind, *_session_members(proc.pid)]:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return returncode, log.read_text()
+
+
+def _session_members(sid: int) -> list:
+    """Live processes of session ``sid`` (what torchrun started, orphans included)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(process.pid) == sid:
+                found.append(process)
+    return found

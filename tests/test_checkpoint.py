@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from cfp_megatron.errors import CheckpointError
 from cfp_megatron.runtime import checkpoint
-from tests.launcher import run_train, torchrun_command
+from tests.launcher import run_killing_a_rank, run_train
 
 STEPS = 6
 COMMON = ["train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_length=64", "train.warmup_steps=0",
@@ -109,17 +105,6 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"torchrun ended early with {proc.returncode}")
-        if metrics.exists() and any(r.get("event") == "step" and r["step"] >= step for r in _records(metrics)):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"step {step} not reached in {timeout} s")
-
-
 @pytest.mark.slow
 def test_killed_rank_restarts_and_resumes_from_last_checkpoint(tmp_path: Path) -> None:
     steps = 10
@@ -132,20 +117,9 @@ def test_killed_rank_restarts_and_resumes_from_last_checkpoint(tmp_path: Path) -
     overrides = [*common, "train.save_interval=2", f"train.checkpoint_dir={ckpt}", f"train.metrics_file={metrics}",
                  f"hydra.run.dir={tmp_path / 'job' / 'run'}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(torchrun_command(2, overrides, max_restarts=1), cwd=tmp_path / "job", env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        _wait_for_step(metrics, 5, proc, timeout=300)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=False)
-                   if any("train.py" in part for part in p.cmdline())]
-        assert len(workers) == 2, workers
-        os.kill(workers[1].pid, signal.SIGKILL)  # rank 1 dies mid-run
-        output, _ = proc.communicate(timeout=600)
-        (tmp_path / "torchrun.log").write_text(output)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, output[-4000:]
+    returncode, output = run_killing_a_rank(2, overrides, tmp_path / "job", metrics=metrics, kill_at_step=5, env=env,
+                                            timeout=600)  # rank 1 dies mid-run
+    assert returncode == 0, output[-4000:]
 
     records = _records(metrics)
     resume = [r for r in records if r["event"] == "resume"]

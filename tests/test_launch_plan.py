@@ -212,31 +212,16 @@ def test_torchrun_restart_reuses_the_plan(planned: tuple[RunResult, Path, Path],
     """Rank 1 killed mid-run under ``--max-restarts=1``: the restarted workers (TORCHELASTIC_RESTART_COUNT=1) find
     the plan in the run directory, neither profile nor search, and resume from the last checkpoint."""
     import os
-    import signal
-    import subprocess
 
-    import psutil
-
-    from tests.launcher import torchrun_command
-    from tests.test_checkpoint import _wait_for_step
+    from tests.launcher import run_killing_a_rank
 
     _, root, _ = planned
     metrics, run_dir = tmp_path / "metrics.jsonl", tmp_path / "run"
     overrides = ["+cfp=auto", *COMMON, "train.steps=10", "train.save_interval=2",
                  f"train.checkpoint_dir={tmp_path / 'ck'}", f"train.metrics_file={metrics}", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CFP_CACHE_DIR": str(root / "cache")}
-    proc = subprocess.Popen(torchrun_command(2, overrides, max_restarts=1), cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        _wait_for_step(metrics, 5, proc, timeout=600)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=False)
-                   if any("train.py" in part for part in p.cmdline())]
-        os.kill(workers[1].pid, signal.SIGKILL)
-        output, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, output[-4000:]
+    returncode, output = run_killing_a_rank(2, overrides, tmp_path, metrics=metrics, kill_at_step=5, env=env)
+    assert returncode == 0, output[-4000:]
     assert output.count("cfp: planned plan") == 1 and output.count("cfp: cached plan") == 1
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     resume = next(r for r in records if r["event"] == "resume")
