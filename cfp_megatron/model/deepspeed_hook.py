@@ -163,7 +163,8 @@ def initialize(*, model: torch.nn.Module, example_input: Any, name: str | None =
     :class:`~cfp_megatron.backends.deepspeed.hook_measure.EngineProbeError` when the model cannot be copied or its
     probe engine cannot be built.
     """
-    from cfp_megatron.backends.deepspeed.hook_config import load_config, plan_request
+    from cfp_megatron.backends.deepspeed.hook_config import plan_request
+    from cfp_megatron.backends.deepspeed.spec import load_config
 
     raw = kwargs.get("config", kwargs.get("config_params"))
     args = kwargs.get("args")

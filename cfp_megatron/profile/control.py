@@ -55,6 +55,22 @@ def control_device() -> torch.device:
     return torch.device("cpu")
 
 
+def barrier() -> None:
+    """Every rank of the default group waits for the others (nothing in one process): timed work starts together."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def slowest(values: Sequence[float]) -> tuple[float, ...]:
+    """``values`` reduced by maximum over the default group, element-wise (the slowest rank's figures; unchanged in
+    one process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return tuple(float(v) for v in values)
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=control_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tuple(float(v) for v in tensor.tolist())
+
+
 def sync(stop: bool, failed: bool, values: Sequence[float]) -> tuple[bool, bool, tuple[float, ...]]:
     """One all-reduce (MAX) over the default group: rank 0's ``stop``, anyone's ``failed``, the slowest values."""
     if len(values) > SLOTS - 2:
@@ -143,21 +159,31 @@ def timed(fn: Callable[[], object], *, repeats: int, warmup: int = 1, batches: i
           group: dist.ProcessGroup | None = None) -> float:
     """Seconds per call of ``fn``: the median over ``batches`` batches of the batch mean (``repeats`` calls each),
     after ``warmup`` calls; the median keeps one batch hit by a noisy neighbour out. Timed as Megatron does on GPU:
-    CUDA events around the calls and a synchronize (on CPU the compat layer's events read the wall clock). Ranks of
+    CUDA events around the calls and a synchronize; without CUDA, the wall clock (so it needs no CPU layer: the
+    ``deepspeed.initialize`` hook calls it in a user's process). Ranks of
     ``group`` start each batch together (a barrier) when a group is given."""
     for _ in range(warmup):
         fn()
+    on_gpu = torch.cuda.is_available()
     means = []
     for _ in range(max(batches, 1)):
-        torch.cuda.synchronize()
+        if on_gpu:
+            torch.cuda.synchronize()
         if group is not None:
             dist.barrier(group=group)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        means.append(start.elapsed_time(end) / 1000.0 / repeats)
+        if on_gpu:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            seconds = start.elapsed_time(end) / 1000.0
+        else:
+            began = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            seconds = time.perf_counter() - began
+        means.append(seconds / repeats)
     return sorted(means)[len(means) // 2]

@@ -25,7 +25,7 @@ import torch
 from cfp_megatron.cluster.measured import partition_name
 from cfp_megatron.config import JobSpec
 from cfp_megatron.parallel_dims import ParallelDims
-from cfp_megatron.profile.control import Step, StepResult
+from cfp_megatron.profile.control import Step, StepResult, barrier, slowest
 from cfp_megatron.profile.records import OverheadRecord
 from cfp_megatron.profile.segments import SegmentCase, init_probe_groups
 
@@ -151,29 +151,14 @@ class OverheadBench:
             self.step(batches)
         runs = []
         for _ in range(self.repeats):
-            _barrier()
-            runs.append(_slowest(self.step(batches)))
+            barrier()
+            runs.append(slowest(self.step(batches)))
         return [statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)]
 
 
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def _barrier() -> None:
-    """Every rank starts the next timed step together (the steps of a real run are joined by their collectives)."""
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-
-
-def _slowest(values: tuple[float, ...]) -> tuple[float, ...]:
-    """``values`` of the slowest rank, element-wise (the maximum over the world)."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return values
-    found = torch.tensor(values, dtype=torch.float64)
-    torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
-    return tuple(float(v) for v in found)
 
 
 def overhead_steps(cases: Sequence[OverheadCase], micro_batch_sizes: Sequence[int], *, repeats: int

@@ -14,7 +14,7 @@ from typing import Any
 
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Measurements, StepOverheads, partition_name
-from cfp_megatron.config import JobSpec, MlpPartition, Recompute
+from cfp_megatron.config import ClusterSpec, JobSpec, MlpPartition, Recompute
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layer_cost import LayerCost, PassCost, embedding_cost, layer_cost, output_layer_cost
@@ -22,6 +22,15 @@ from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.measured_segments import apply_measured, measured_pass
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.schedule import ScheduleResult
+
+
+def collective_costs(cluster: ClusterSpec, measurements: Measurements | None,
+                     efficiency: Efficiency | None = None) -> CollectiveCosts:
+    """The collectives of ``cluster``: measured fits where ``measurements`` has them, else the links at the shares
+    of nominal bandwidth ``efficiency`` (the cluster generation's fitted one by default) gives."""
+    eff = efficiency or efficiency_for(cluster)
+    return CollectiveCosts(cluster, measurements, intra_efficiency=eff.intra_node_comm,
+                           inter_efficiency=eff.inter_node_comm)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,8 +100,7 @@ class CostCache:
         return cls(job=job, measurements=measurements, options=options, efficiency=eff,
                    kernels=KernelModel(job.cluster, eff, job.train.precision, fp8=options.fp8,
                                        measurements=measurements),
-                   collectives=CollectiveCosts(job.cluster, measurements, intra_efficiency=eff.intra_node_comm,
-                                               inter_efficiency=eff.inter_node_comm))
+                   collectives=collective_costs(job.cluster, measurements, eff))
 
     def serves(self, job: JobSpec, measurements: Measurements | None, options: SimOptions,
                efficiency: Efficiency) -> bool:

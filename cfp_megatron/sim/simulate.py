@@ -23,7 +23,7 @@ from cfp_megatron.sim.layer_cost import PassCost
 from cfp_megatron.sim.layout import Layout, build_layout
 from cfp_megatron.sim.memory import stage_memory
 from cfp_megatron.sim.options import SimOptions
-from cfp_megatron.sim.pass_costs import CostCache, PassCosts, cost_key, pass_costs
+from cfp_megatron.sim.pass_costs import CostCache, PassCosts, collective_costs, cost_key, pass_costs
 from cfp_megatron.sim.prediction import GIB, Event, EventKind, MemoryBreakdown, Prediction, TimeBreakdown
 from cfp_megatron.sim.schedule import ScheduleResult, dependency_floors, run_schedule
 
@@ -209,8 +209,7 @@ def _prepare(job: JobSpec, cluster: ClusterSpec | None, measurements: Measuremen
     eff = efficiency or efficiency_for(cluster)
     layout = build_layout(job, world_size)
     if cache is None:
-        costs = CollectiveCosts(cluster, measurements, intra_efficiency=eff.intra_node_comm,
-                                inter_efficiency=eff.inter_node_comm)
+        costs = collective_costs(cluster, measurements, eff)
         kernels = KernelModel(cluster, eff, job.train.precision, fp8=options.fp8, measurements=measurements)
         return job, layout, options, eff, kernels, costs, pass_costs(job, layout, kernels, costs, options,
                                                                      measurements)

@@ -180,8 +180,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Skip the interpreter's teardown: a native thread left by DeepSpeed or gloo aborts it at times ("terminate called
-    # without an active exception", exit -6, after the result was printed; seen before the engine probes too).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # As a training script ends: the process group destroyed before the interpreter's teardown, which otherwise
+    # meets gloo's threads still running ("terminate called without an active exception", exit -6).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -128,24 +128,19 @@ def time_accumulations(engine: Any, step: StepCall, *, world: int, rounds: int) 
     (after one untimed) of one step per count in :data:`ACCUMULATIONS`, in turn, switched with
     ``set_train_batch_size``; each step timed between a barrier and its end, the slowest rank's time (an
     all-reduce), the median over rounds per count."""
-    import torch
-    import torch.distributed as dist
+    from cfp_megatron.profile.control import barrier, slowest
 
-    on_gpu = torch.cuda.is_available()
     samples: dict[int, list[float]] = {n: [] for n in ACCUMULATIONS}
     for round_ in range(rounds + 1):
         for accumulation in ACCUMULATIONS:
             engine.set_train_batch_size(world * accumulation)
             run = step(accumulation)
-            dist.barrier()
+            barrier()
             start = time.perf_counter()
             run()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            if on_gpu:
-                elapsed = elapsed.cuda()
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            (elapsed,) = slowest([time.perf_counter() - start])
             if round_ > 0:  # the first round warms up every count
-                samples[accumulation].append(float(elapsed))
+                samples[accumulation].append(elapsed)
     return tuple((n, statistics.median(samples[n])) for n in ACCUMULATIONS)
 
 
@@ -187,7 +182,8 @@ def probe_stages(stages: Iterable[int], build: EngineBuilder, *, world: int, rou
     import gc
 
     import torch
-    import torch.distributed as dist
+
+    from cfp_megatron.profile.control import slowest
 
     began = time.perf_counter()
     found: dict[int, StageProbe] = {}
@@ -196,9 +192,7 @@ def probe_stages(stages: Iterable[int], build: EngineBuilder, *, world: int, rou
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        over = torch.tensor([float(time.perf_counter() - began > budget_s)])
-        dist.all_reduce(over, op=dist.ReduceOp.MAX)
-        if over.item() > 0:
+        if slowest([time.perf_counter() - began])[0] > budget_s:  # every rank stops after the same stage
             break
     return found
 

@@ -10,11 +10,8 @@ fix, raised before anything is built.
 
 from __future__ import annotations
 
-import base64
 import copy
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from cfp_megatron.backends.deepspeed.spec import config_settings
@@ -68,26 +65,6 @@ class HookRequest:
     """``zero_optimization.reduce_bucket_size`` (DeepSpeed's default where unset)."""
     persistence_threshold: int
     """``zero_optimization.stage3_param_persistence_threshold`` (DeepSpeed's default where unset)."""
-
-
-def load_config(config: dict[str, Any] | str | Path) -> dict[str, Any]:
-    """A copy of ``config`` (a dict), or the JSON object at its path (read, never written), or, as DeepSpeed
-    accepts it, a base64-encoded JSON string."""
-    if isinstance(config, dict):
-        return copy.deepcopy(config)
-    encoded = isinstance(config, str) and not Path(config).exists()
-    try:
-        text = base64.urlsafe_b64decode(config).decode("utf-8") if encoded else Path(config).read_text()
-        data = json.loads(text)
-    except (OSError, ValueError) as err:  # JSONDecodeError, binascii.Error and UnicodeDecodeError are ValueErrors
-        problem = ("is not a file, nor a base64-encoded JSON config." if encoded
-                   else f"cannot be read as JSON ({err}).")
-        raise ConfigError(ConfigIssue(key="config", value=str(config), problem=problem,
-                                      fix="give a DeepSpeed config dict or the path of a JSON file.")) from None
-    if not isinstance(data, dict):
-        raise ConfigError(ConfigIssue(key="config", value=str(config), problem="does not hold a JSON object.",
-                                      fix="give a DeepSpeed config dict or the path of a JSON file."))
-    return data
 
 
 def auto_paths(config: Any, prefix: str = "") -> list[str]:

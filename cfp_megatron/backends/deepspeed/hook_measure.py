@@ -29,6 +29,7 @@ from cfp_megatron.cluster.measured import (
 )
 from cfp_megatron.config import ClusterSpec
 from cfp_megatron.errors import CfpError
+from cfp_megatron.profile.control import barrier, slowest
 from cfp_megatron.sim.prediction import GIB
 
 DEFAULT_PROBE_BUDGET_S = 30.0
@@ -63,31 +64,6 @@ class MeasuredPasses:
     """What the lines were fitted to: (micro-batch, forward s, backward s, saved bytes)."""
     wall_s: float
     """Seconds the measurement took on this rank."""
-
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if _distributed() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _slowest(values: list[float]) -> list[float]:
-    """``values`` all-reduced with MAX over the ranks (unchanged in one process)."""
-    import torch.distributed as dist
-
-    if not _distributed() or dist.get_world_size() == 1:
-        return values
-    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    tensor = torch.tensor(values, dtype=torch.float64, device=on)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return [float(v) for v in tensor.cpu()]
 
 
 def _sync(device: torch.device) -> None:
@@ -220,7 +196,7 @@ def measure_passes(model: torch.nn.Module, example_input: Any, *, loss_fn: Calla
             forward, backward = [], []
             for _ in range(repeats):
                 model.zero_grad(set_to_none=True)
-                _barrier()
+                barrier()
                 _sync(device)
                 start = time.perf_counter()
                 loss = _loss(model(*inputs), loss_fn)
@@ -232,18 +208,18 @@ def measure_passes(model: torch.nn.Module, example_input: Any, *, loss_fn: Calla
                 backward.append(time.perf_counter() - middle)
             rows += [statistics.median(forward), statistics.median(backward)]
         model.zero_grad(set_to_none=True)
-    _barrier()
+    barrier()
     params = sum(p.numel() for p in model.parameters())
     optimizer = _adam_seconds_per_param(params, device, repeats)
-    slowest = _slowest([*rows, *saved, optimizer])
+    slowest_figures = slowest([*rows, *saved, optimizer])
     n = len(sizes)
-    fwd, bwd = slowest[0:2 * n:2], slowest[1:2 * n:2]
-    nbytes = slowest[2 * n:3 * n]
+    fwd, bwd = slowest_figures[0:2 * n:2], slowest_figures[1:2 * n:2]
+    nbytes = slowest_figures[2 * n:3 * n]
     points = tuple((s, f, b, m) for s, f, b, m in zip(sizes, fwd, bwd, nbytes, strict=True))
     return MeasuredPasses(forward=least_squares_line([(s, f) for s, f, _, _ in points]),
                           backward=least_squares_line([(s, b) for s, _, b, _ in points]),
                           activations=least_squares_line([(s, m) for s, _, _, m in points]),
-                          optimizer_s_per_param=slowest[3 * n], params=params,
+                          optimizer_s_per_param=slowest_figures[3 * n], params=params,
                           points=points, wall_s=time.perf_counter() - began)
 
 
@@ -327,24 +303,6 @@ class _CollectiveFits(NothingMeasured):
         return self.fits.get((op, group_size, span))
 
 
-@contextlib.contextmanager
-def _wall_clock_events() -> Iterator[None]:
-    """Without CUDA, let :func:`cfp_megatron.profile.control.timed` time with the wall clock for the block (the CPU
-    layer's events), leaving ``torch.cuda`` as it was afterwards."""
-    if torch.cuda.is_available():
-        yield
-        return
-    from cfp_megatron.compat.cpu import _NoOpEvent
-
-    saved = torch.cuda.synchronize, torch.cuda.Event
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    torch.cuda.Event = _NoOpEvent  # type: ignore[assignment,misc]
-    try:
-        yield
-    finally:
-        torch.cuda.synchronize, torch.cuda.Event = saved  # type: ignore[assignment,misc]
-
-
 def quick_collective_fits(world: int, span: Span) -> dict[tuple[Collective, int, Span], CollectiveFit]:
     """All-reduce, reduce-scatter and all-gather on the world group at three message sizes, fitted (every rank
     calls this)."""
@@ -360,14 +318,13 @@ def quick_collective_fits(world: int, span: Span) -> dict[tuple[Collective, int,
     pattern = GroupPattern(size=world, span=span, layout="contiguous", groups=(tuple(range(world)),))
     bench = CollectiveBench(pattern, torch.float32, device)
     fits = {}
-    with _wall_clock_events():
-        for op in (Collective.all_reduce, Collective.reduce_scatter, Collective.all_gather):
-            points = []
-            for size in sizes:
-                actual, fn = bench.call(op, size)
-                points.append((actual, timed(fn, repeats=repeats_for(size, on_gpu=on_gpu), warmup=2,
-                                             group=dist.group.WORLD)))
-            fits[(op, world, span)] = fit_collective(op, world, span, points)
+    for op in (Collective.all_reduce, Collective.reduce_scatter, Collective.all_gather):
+        points = []
+        for size in sizes:
+            actual, fn = bench.call(op, size)
+            points.append((actual, timed(fn, repeats=repeats_for(size, on_gpu=on_gpu), warmup=2,
+                                         group=dist.group.WORLD)))
+        fits[(op, world, span)] = fit_collective(op, world, span, points)
     return fits
 
 

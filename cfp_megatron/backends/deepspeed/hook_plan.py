@@ -63,10 +63,7 @@ from typing import Any
 import torch
 
 from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes
-from cfp_megatron.backends.deepspeed.hook_config import (
-    HookRequest,
-    filled_config,
-)
+from cfp_megatron.backends.deepspeed.hook_config import HookRequest, filled_config
 from cfp_megatron.backends.deepspeed.hook_measure import (
     DEFAULT_PROBE_BUDGET_S,
     MeasuredPasses,
@@ -82,12 +79,10 @@ from cfp_megatron.backends.deepspeed.search import (
     zero_candidates,
 )
 from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, write_json_file
-from cfp_megatron.cluster.costs import CollectiveCosts
-from cfp_megatron.cluster.measured import (
-    Measurements,
-)
+from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.config import ClusterSpec
 from cfp_megatron.errors import ConfigError, ConfigIssue
+from cfp_megatron.sim.pass_costs import collective_costs
 from cfp_megatron.sim.prediction import GIB
 from cfp_megatron.sim.zero import ZeroPasses, ZeroPredictionResult, zero_step
 
@@ -167,14 +162,6 @@ def hook_zero_plan(request: HookRequest, cluster: ClusterSpec, knobs: ZeroKnobs,
                     precision=request.precision)
 
 
-def _collective_costs(cluster: ClusterSpec, measurements: Measurements | None) -> CollectiveCosts:
-    from cfp_megatron.sim.calibration import efficiency_for
-
-    eff = efficiency_for(cluster)
-    return CollectiveCosts(cluster, measurements, intra_efficiency=eff.intra_node_comm,
-                           inter_efficiency=eff.inter_node_comm)
-
-
 def search_hook(request: HookRequest, measured: MeasuredPasses, cluster: ClusterSpec,
                 measurements: Measurements | None, *, name: str, seq_length: int, layers: int, fetches: int,
                 flops_per_token: float, local_world: int, headroom: float = MEMORY_HEADROOM, top_k: int = 5,
@@ -182,7 +169,7 @@ def search_hook(request: HookRequest, measured: MeasuredPasses, cluster: Cluster
     """Every plan the request's pins leave, simulated with the measured passes and, where ``probes`` has the
     plan's stage, the engine's measured costs, and ranked (module docstring, step 6). Pure: no process-group
     calls."""
-    costs = _collective_costs(cluster, measurements)
+    costs = collective_costs(cluster, measurements)
     world = request.world
     per_node = max(min(local_world, world), 1)
     candidates, rejected = zero_candidates(
@@ -211,7 +198,7 @@ def probe_stage_list(request: HookRequest, measured: MeasuredPasses, cluster: Cl
     stages = (int(pinned),) if pinned is not None else (0, 1, 2, 3)
     if cluster.hbm_gib is None:
         return stages
-    costs = _collective_costs(cluster, None)
+    costs = collective_costs(cluster, None)
     per_node = max(min(local_world, request.world), 1)
     limit = cluster.hbm_gib * GIB * (1.0 - headroom)
 

@@ -4,6 +4,8 @@ DeepSpeed knobs a user pins by hand (``backend.zero_stage=2``); ``null`` leaves 
 
 from __future__ import annotations
 
+import base64
+import copy
 import enum
 import json
 from dataclasses import dataclass
@@ -92,19 +94,7 @@ class BackendSpec:
 
     def base_config(self) -> dict[str, Any]:
         """The user's DeepSpeed config (``config_file``), or an empty one."""
-        if self.config_file is None:
-            return {}
-        try:
-            data = json.loads(Path(self.config_file).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ConfigError(ConfigIssue(key="backend.config_file", value=self.config_file,
-                                          problem=f"cannot be read as JSON ({err}).",
-                                          fix="give the path of a DeepSpeed JSON config.")) from None
-        if not isinstance(data, dict):
-            raise ConfigError(ConfigIssue(key="backend.config_file", value=self.config_file,
-                                          problem="does not hold a JSON object.",
-                                          fix="give the path of a DeepSpeed JSON config."))
-        return data
+        return {} if self.config_file is None else load_config(self.config_file, key="backend.config_file")
 
     def pins(self) -> dict[str, Any]:
         """The knobs fixed by hand: this group's non-null values, then concrete values of ``config_file`` (a value
@@ -120,6 +110,26 @@ class BackendSpec:
                         fix="remove one of the two, or set the file's value to \"auto\"."))
                 pins[key] = value
         return pins
+
+
+def load_config(config: dict[str, Any] | str | Path, *, key: str = "config") -> dict[str, Any]:
+    """A copy of ``config`` (a dict), or the JSON object at its path (read, never written), or, as DeepSpeed
+    accepts it, a base64-encoded JSON string; a :class:`ConfigError` under ``key`` for anything else."""
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    encoded = isinstance(config, str) and not Path(config).exists()
+    try:
+        text = base64.urlsafe_b64decode(config).decode("utf-8") if encoded else Path(config).read_text()
+        data = json.loads(text)
+    except (OSError, ValueError) as err:  # JSONDecodeError, binascii.Error and UnicodeDecodeError are ValueErrors
+        problem = ("is not a file, nor a base64-encoded JSON config." if encoded
+                   else f"cannot be read as JSON ({err}).")
+        raise ConfigError(ConfigIssue(key=key, value=str(config), problem=problem,
+                                      fix="give a DeepSpeed config dict or the path of a JSON file.")) from None
+    if not isinstance(data, dict):
+        raise ConfigError(ConfigIssue(key=key, value=str(config), problem="does not hold a JSON object.",
+                                      fix="give a DeepSpeed config dict or the path of a JSON file."))
+    return data
 
 
 def config_settings(base: dict[str, Any]) -> dict[str, Any]:
