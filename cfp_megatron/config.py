@@ -58,7 +58,8 @@ class MlpPartition(enum.Enum):
     primepar = "primepar"
     """PrimePar's spatial-temporal partition P_{2^k x 2^k} (:mod:`cfp_megatron.layers`): the TP group (4^k ranks) is
     a 2^k x 2^k grid, every weight and activation block is held once, partial sums accumulate locally over 2^k ring
-    steps; the MLP's input is sliced from the replicated hidden states and its output all-gathered."""
+    steps; the MLP's input is sliced from the replicated hidden states (all-gathered from the sequence shards first
+    under sequence parallelism) and its output all-gathered (then cut to this rank's sequence shard under it)."""
 
 
 def primepar_grid_side(tp: int) -> int | None:
@@ -425,7 +426,7 @@ class ParallelSpec:
     """Megatron's rank order, fastest-varying first."""
     mlp: MlpPartition = MlpPartition.megatron
     """Partition of the dense MLP over the TP group: Megatron's column/row split, or PrimePar's P_{2^k x 2^k} (needs
-    parallel.tp = 4, 16, 64, ... and no sequence parallelism)."""
+    parallel.tp = 4, 16, 64, ...; with sequence parallelism it all-gathers its input's sequence shards first)."""
 
     def __post_init__(self) -> None:
         issues: list[ConfigIssue] = []
@@ -454,11 +455,6 @@ class ParallelSpec:
                                           problem=f"PrimePar's P_{{2^k x 2^k}} needs a square grid of 4^k ranks as the "
                                                   f"tensor-parallel group; parallel.tp={self.tp} is not 4, 16, 64, ...",
                                           fix="set parallel.tp to 4 or 16, or parallel.mlp=megatron."))
-            if self.sp:
-                issues.append(ConfigIssue(key=f"{p}.mlp", value=self.mlp.value,
-                                          problem="the PrimePar MLP takes replicated hidden states; it does not run "
-                                                  "with sequence parallelism.",
-                                          fix="set parallel.sp=false or parallel.mlp=megatron."))
         if self.vpp is not None and self.vpp > 1 and self.pp == 1:
             issues.append(ConfigIssue(key=f"{p}.vpp", value=self.vpp,
                                       problem="virtual pipeline stages need parallel.pp > 1.",

@@ -503,6 +503,16 @@ def test_seq_vs_tp_with_sp() -> None:
     assert "use a multiple of 2, or set parallel.sp=false." in str(err)
 
 
+def test_primepar_mlp_runs_with_sp() -> None:
+    """The PrimePar MLP gathers its input's sequence shards itself, so sequence parallelism is accepted with it; the
+    sequence must still split over the TP group."""
+    dims = ParallelDims.build(make_job("parallel.tp=4", "parallel.sp=true", "parallel.mlp=primepar"), 4)
+    assert dims.tp == 4 and dims.sp
+    err = build_errors(4, "parallel.tp=4", "parallel.sp=true", "parallel.mlp=primepar", "train.seq_length=66")
+    assert err.keys == ["train.seq_length"]
+    assert "use a multiple of 4, or set parallel.sp=false." in str(err)
+
+
 def test_seq_vs_learned_positions() -> None:
     err = build_errors(1, "model=gpt3_175b", "train.seq_length=4096")
     assert err.keys == ["train.seq_length"]

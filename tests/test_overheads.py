@@ -121,6 +121,9 @@ def test_simulator_uses_the_measured_step() -> None:
     assert measured.time.overhead_s == pytest.approx(plain.time.overhead_s + mbs * 0.003)
     params = 4 * 12 * 64 * 64 + 4 * 13 * 64  # weights of the four layers (and their biases, norms), approximately
     assert measured.time.optimizer_s > 0.005 + 1e-8 * params * 0.9
+    # the embedding and head run 2 ms faster per micro-batch in the schedule than alone (their 6 ms scaled)
+    faster = simulate(job, measurements=_Measured(dataclasses.replace(ov, ends_s=-0.002)), world_size=4)
+    assert faster.step_time_s == pytest.approx(measured.step_time_s - mbs * 0.002)
     # off with use_measured_segments, and presets have nothing measured
     off = simulate(job, measurements=_Measured(ov), world_size=4, options=SimOptions(use_measured_segments=False))
     assert off.step_time_s == pytest.approx(simulate(job, world_size=4,
@@ -151,3 +154,28 @@ def test_measured_segments_use_the_sizes_profiling_timed() -> None:
     db = ProfileDB(fingerprint=FP).merged(segments=rows)
     assert db.segment_micro_batches("dense", "tp1") == (5, 10)
     assert measured_pass(db, "dense", "tp1", 7) == pytest.approx((0.007, 0.014))
+
+
+def test_a_rest_falling_below_zero_goes_to_the_embedding_and_head() -> None:
+    """Where the probes' schedule beyond their layers falls short of the isolated embedding and head (here by
+    1 ms per sequence past 1.5 ms), the line through the sizes keeps its sign: the schedule's own cost per
+    micro-batch stays at zero or above and the shortfall comes off the embedding and head, so the probe's own
+    micro-batch is reproduced, and a stage without them is not charged a negative cost."""
+    sizes = (1, 2, 4)
+
+    def rest(mb: int) -> float:
+        return EXTRA - 0.001 * mb
+
+    segments = [SegmentRecord(model="m", model_name="gpt_tiny", segment=f"{kind}-id", kind=kind, partition="tp1",
+                              tp=1, micro_batch=mb, seq_length=64, forward_s=mb * total / 2,
+                              backward_s=mb * total / 2, confirmed=True)
+                for mb in sizes for kind, total in (("embedding", EMB), ("dense", 0.002), ("head", HEAD))]
+    probes = [OverheadRecord(model="m", partition="tp1", tp=1, layers=layers, params=10_000, micro_batch=mb,
+                             microbatches=4, schedule_s=4 * (mb * (EMB + HEAD + layers * LAYER) + rest(mb)),
+                             rest_s=0.004) for layers in (1, 3) for mb in sizes]
+    db = ProfileDB(fingerprint=FP).merged(segments=segments, overheads=probes)
+    low, high = db.step_overheads("tp1", 1), db.step_overheads("tp1", 4)
+    assert low.per_microbatch_s == pytest.approx(rest(1)) and low.ends_s == 0.0
+    assert high.per_microbatch_s == 0.0 and high.ends_s == pytest.approx(rest(4))
+    assert 4 * (EMB + HEAD) + high.ends_s + 3 * high.layer_s + high.per_microbatch_s == pytest.approx(
+        4 * (EMB + HEAD + 3 * LAYER) + rest(4))

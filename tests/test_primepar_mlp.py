@@ -3,7 +3,9 @@ square made of Megatron's TP group). The reference is Megatron's ``MLP`` with ``
 ``RowParallelLinear`` on a one-rank group (the dense layer, same activation code: fused or not), with the same
 weights; every rank compares its blocks in float64. Also checked: each rank's ``sharded_state_dict`` entries hold
 exactly the reference's values at their global offsets, the main replicas cover every element once over the square,
-and gradient-norm clipping counts every parameter element once."""
+and gradient-norm clipping counts every parameter element once. Under sequence parallelism each rank feeds its
+sequence shard and compares its shard of the output and of the input gradient, and fc2's bias gradient after the
+TP all-reduce that Megatron's finalize_model_grads gives parameters marked ``sequence_parallel``."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from tests.launcher import free_port
 
 S, B, H, FFN = 3, 2, 8, 12
 """Sequence 3 x micro-batch 2: 6 tokens, 3 per row of the square (a block that is not whole sequence positions)."""
+S_SP = 4
+"""The sequence under sequence parallelism: one position (2 tokens) per TP rank, 4 tokens per row of the square."""
 
 CASES = {  # name: (gated, bias, bias_activation_fusion)
     "gelu_bias": (False, True, False),
@@ -62,7 +66,20 @@ def _check_sharded_state(mlp: torch.nn.Module, reference: torch.nn.Module, *, si
     return error, entries
 
 
-def _case(name: str, single: object) -> tuple[dict[str, float], list]:
+def _sp_finalize(module: torch.nn.Module, group: object) -> None:
+    """What Megatron's finalize_model_grads does under sequence parallelism: sum the gradients of the parameters
+    marked ``sequence_parallel`` over the TP group."""
+    for p in module.parameters():
+        if getattr(p, "sequence_parallel", False) and p.grad is not None:
+            torch.distributed.all_reduce(p.grad, group=group)
+
+
+def _sp_chunk(full: torch.Tensor, group: object) -> torch.Tensor:
+    """This TP rank's sequence shard of a [s, ...] tensor."""
+    return torch.chunk(full, group.size())[group.rank()]
+
+
+def _case(name: str, single: object, *, sp: bool = False) -> tuple[dict[str, float], list]:
     import torch.nn.functional as F
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
@@ -75,8 +92,9 @@ def _case(name: str, single: object) -> tuple[dict[str, float], list]:
     config = TransformerConfig(num_layers=1, hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=4,
                                tensor_model_parallel_size=4, add_bias_linear=bias, gated_linear_unit=gated,
                                activation_func=F.silu if gated else F.gelu, bias_activation_fusion=fusion,
-                               use_cpu_initialization=True, params_dtype=torch.float64)
-    reference = MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                               use_cpu_initialization=True, params_dtype=torch.float64, sequence_parallel=sp)
+    reference = MLP(dataclasses.replace(config, sequence_parallel=False),
+                    MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
                     ffn_hidden_size=FFN, tp_group=single)
     mlp = PrimeParMLP(config, MLPSubmodules(linear_fc1=PrimeParColumnLinear, linear_fc2=PrimeParRowLinear),
                       ffn_hidden_size=FFN)
@@ -90,29 +108,42 @@ def _case(name: str, single: object) -> tuple[dict[str, float], list]:
         if bias:
             fc1.bias.copy_(fc1.local_block(reference.linear_fc1.bias))
             fc2.bias.copy_(reference.linear_fc2.bias)
-    x = torch.randn(S, B, H, generator=gen, dtype=torch.float64)
-    grad = torch.randn(S, B, H, generator=gen, dtype=torch.float64)
+    seq = S_SP if sp else S
+    x = torch.randn(seq, B, H, generator=gen, dtype=torch.float64)
+    grad = torch.randn(seq, B, H, generator=gen, dtype=torch.float64)
 
-    def run(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inp = x.clone().requires_grad_()
         out, out_bias = module(inp)
-        out = out + out_bias if out_bias is not None else out
+        out = out + out_bias if out_bias is not None else out  # as TransformerLayer's bias-dropout-add
         (out * grad).sum().backward()
         return out.detach(), inp.grad
 
-    (out, dx), (ref_out, ref_dx) = run(mlp), run(reference)
+    (ref_out, ref_dx) = run(reference, x, grad)
+    if sp:  # each rank: its sequence shard in and out, then finalize_model_grads' TP sum of the SP parameters
+        tp = fc1.tp_group
+        out, dx = run(mlp, _sp_chunk(x, tp), _sp_chunk(grad, tp))
+        ref_out, ref_dx = _sp_chunk(ref_out, tp), _sp_chunk(ref_dx, tp)
+        _sp_finalize(mlp, tp)
+    else:
+        out, dx = run(mlp, x, grad)
     errors = {"out": _max_error(out, ref_out), "dx": _max_error(dx, ref_dx),
               "fc1.dW": _max_error(fc1.weight.grad, fc1.local_block(reference.linear_fc1.weight.grad)),
               "fc2.dW": _max_error(fc2.weight.grad, fc2.local_block(reference.linear_fc2.weight.grad))}
     if bias:
         errors["fc1.db"] = _max_error(fc1.bias.grad, fc1.local_block(reference.linear_fc1.bias.grad))
         errors["fc2.db"] = _max_error(fc2.bias.grad, reference.linear_fc2.bias.grad)
+        # Only fc2's bias is added to sequence shards; fc1's is summed over all tokens by primepar_linear.
+        errors["sp_marks"] = float(getattr(fc2.bias, "sequence_parallel", None) is not sp
+                                   or getattr(fc1.bias, "sequence_parallel", False))
     # Clipping's count: every element of the MLP once over the square.
     counted = torch.tensor([float(sum(p.numel() for p in mlp.parameters()
                                       if param_is_not_tensor_parallel_duplicate(p, tp_group=fc1.tp_group)))])
     torch.distributed.all_reduce(counted, group=fc1.tp_group)
     errors["clip_count"] = abs(float(counted) - sum(p.numel() for p in reference.parameters()))
-    entries = []
+    entries: list = []
+    if sp:  # the checkpoint entries do not depend on sequence parallelism
+        return errors, entries
     for singleton in (False, True):
         errors[f"sharded_singleton={singleton}"], found = _check_sharded_state(mlp, reference, singleton=singleton)
         entries.append(found)
@@ -157,6 +188,42 @@ def _standalone_layers(single: object) -> dict[str, float]:
     return errors
 
 
+def _standalone_row_sp(single: object) -> dict[str, float]:
+    """fc2 on its own under sequence parallelism with ``skip_bias_add=False``: the bias added inside, to this rank's
+    sequence shard of the output; its gradient after the TP sum equals the reference's."""
+    from megatron.core.tensor_parallel import RowParallelLinear
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from cfp_megatron.layers.primepar_linear import output_block
+    from cfp_megatron.layers.primepar_mlp import PrimeParRowLinear
+
+    config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4, tensor_model_parallel_size=4,
+                               use_cpu_initialization=True, params_dtype=torch.float64, sequence_parallel=True)
+    init = config.init_method
+    ours = PrimeParRowLinear(FFN, H, config=config, init_method=init, bias=True, input_is_parallel=True,
+                             skip_bias_add=False)
+    theirs = RowParallelLinear(FFN, H, config=dataclasses.replace(config, sequence_parallel=False), init_method=init,
+                               bias=True, input_is_parallel=True, skip_bias_add=False, tp_group=single)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        ours.weight.copy_(ours.local_block(theirs.weight))
+        ours.bias.copy_(theirs.bias)
+    x = torch.randn(S_SP * B, FFN, generator=gen, dtype=torch.float64)
+    grad = torch.randn(S_SP * B, H, generator=gen, dtype=torch.float64)
+    ref_out, _ = theirs(x)
+    (ref_out * grad).sum().backward()
+    tp = ours.tp_group
+    out, out_bias = ours(output_block(x, ours.grid))
+    (out * _sp_chunk(grad, tp)).sum().backward()
+    _sp_finalize(ours, tp)
+    return {"row_sp.out": _max_error(out, _sp_chunk(ref_out.detach(), tp)),
+            "row_sp.bias_returned": float(out_bias is not None),
+            "row_sp.dW": _max_error(ours.weight.grad, ours.local_block(theirs.weight.grad)),
+            "row_sp.db": _max_error(ours.bias.grad, theirs.bias.grad)}
+
+
 def _rank(rank: int, world: int, port: int, tmp: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -176,7 +243,11 @@ def _rank(rank: int, world: int, port: int, tmp: str) -> None:
             gathered: list = [None] * world
             dist.all_gather_object(gathered, entries)
             report[f"{name}.entries"] = gathered
+        for name in CASES:
+            errors, _ = _case(name, singles[rank], sp=True)
+            report.update({f"sp.{name}.{k}": v for k, v in errors.items()})
         report.update(_standalone_layers(singles[rank]))
+        report.update(_standalone_row_sp(singles[rank]))
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(report))
         dist.barrier()
     finally:
@@ -266,6 +337,27 @@ def test_mlp_matches_megatrons_dense_mlp(name: str, reports: list[dict]) -> None
         errors = {k.removeprefix(f"{name}."): v for k, v in report.items() if k.startswith(f"{name}.")}
         errors.pop("entries")
         assert {"out", "dx", "fc1.dW", "fc2.dW", "clip_count"} <= set(errors), errors
+        assert all(v < 1e-12 for v in errors.values()), (rank, errors)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_mlp_under_sequence_parallelism_matches_megatrons_dense_mlp(name: str, reports: list[dict]) -> None:
+    """Under sequence parallelism each rank's output and input-gradient shards equal the dense MLP's, the weight
+    and bias gradients too (fc2's bias once finalize_model_grads has summed it over TP: it is marked
+    ``sequence_parallel``, fc1's is not); clipping still counts each element once."""
+    for rank, report in enumerate(reports):
+        errors = {k.removeprefix(f"sp.{name}."): v for k, v in report.items() if k.startswith(f"sp.{name}.")}
+        assert {"out", "dx", "fc1.dW", "fc2.dW", "clip_count"} <= set(errors), errors
+        assert not CASES[name][1] or {"fc1.db", "fc2.db", "sp_marks"} <= set(errors), errors
+        assert all(v < 1e-12 for v in errors.values()), (rank, errors)
+
+
+@pytest.mark.slow
+def test_standalone_row_layer_under_sequence_parallelism_adds_its_bias_to_the_shard(reports: list[dict]) -> None:
+    for rank, report in enumerate(reports):
+        errors = {k: v for k, v in report.items() if k.startswith("row_sp.")}
+        assert set(errors) == {"row_sp.out", "row_sp.bias_returned", "row_sp.dW", "row_sp.db"}
         assert all(v < 1e-12 for v in errors.values()), (rank, errors)
 
 

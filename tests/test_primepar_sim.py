@@ -38,6 +38,34 @@ def test_primepar_mlp_costs_its_ring_and_saves_fc1_input_memory() -> None:
     assert diff == pytest.approx(saving - copies, rel=1e-6)
 
 
+def test_primepar_under_sp_pays_the_resharding_and_saves_no_input_memory() -> None:
+    """Under SP the grid's replicated input and output are resharded from and to the sequence split: one more
+    all-gather of the activation per pass than without SP; fc1's input is a 1/tp chunk under Megatron's SP split
+    too, so only the rotated weight blocks tell the two apart in memory."""
+    from cfp_megatron.cluster.costs import CollectiveCosts
+    from cfp_megatron.cluster.measured import Collective
+    from cfp_megatron.sim.calibration import efficiency_for
+    from cfp_megatron.sim.kernels import KernelModel
+    from cfp_megatron.sim.primepar_cost import primepar_mlp_cost
+
+    job = job_from_config(compose_config(BASE))
+    m, cluster = job.model, job.cluster
+    kernels = KernelModel(cluster, efficiency_for(cluster), job.train.precision, fp8=False)
+    costs = CollectiveCosts(cluster)
+    args = {"tp": 4, "tp_per_node": 8, "tokens": 8192.0, "hidden": m.hidden_size, "ffn": m.ffn_size, "gated": True}
+    plain, split = primepar_mlp_cost(kernels, costs, **args), primepar_mlp_cost(kernels, costs, sp=True, **args)
+    gather = costs.seconds(Collective.all_gather, 8192.0 * m.hidden_size * kernels.elem, 4, 8)
+    assert gather > 0
+    assert split.forward_comm_s == pytest.approx(plain.forward_comm_s + gather)
+    assert split.backward_comm_s == pytest.approx(plain.backward_comm_s + gather)
+    assert split.forward_compute_s == plain.forward_compute_s
+    megatron = _predict("parallel.sp=true", "parallel.mlp=megatron", "train.micro_batch_size=1")
+    primepar = _predict("parallel.sp=true", "parallel.mlp=primepar", "train.micro_batch_size=1")
+    copies = (m.hidden_size * m.ffn_size * 2 + m.ffn_size * m.hidden_size) / 4 * 2 * m.num_layers
+    assert primepar.memory.activations - megatron.memory.activations == pytest.approx(copies, rel=1e-6)
+    assert primepar.time.tp_comm_s > megatron.time.tp_comm_s  # the grid's ring and its all-gathers
+
+
 def test_ring_transfers_beyond_the_gemm_are_exposed() -> None:
     """On a slow interconnect the weight blocks' ring transfer outlasts the step's GEMM and shows as TP time."""
     fast = _predict("parallel.mlp=primepar", "train.micro_batch_size=1")
@@ -52,7 +80,7 @@ def test_space_offers_primepar_only_where_the_runtime_runs_it() -> None:
     space = build_space(job, 8, cfp)
     offered = {(f.tp, sp) for f in space.families for g in space.groups(f) for sp in [g.head[5]]
                if g.head[8] == MlpPartition.primepar.value}
-    assert offered == {(4, False)}  # tp=4 (a 2x2 grid), never with SP; tp=2 and tp=8 are not 4^k
+    assert offered == {(4, False), (4, True)}  # tp=4 (a 2x2 grid), with or without SP; tp=2 and 8 are not 4^k
     # Profiled clusters: only where profiling timed the PrimePar layer.
     none = dataclasses.replace(space, primepar=frozenset())
     assert not any(g.head[8] == MlpPartition.primepar.value for f in none.families for g in none.groups(f))

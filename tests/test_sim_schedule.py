@@ -82,3 +82,7 @@ def test_shared_cores_count_each_stages_exchanges_per_micro_batch_and_chunk() ->
     loaded = shared_cores(f_s, b_s, p2p, m, slowdown, False, SimOptions())
     assert max(loaded.end_s) == pytest.approx(m * 6.0 + 2 * m * 2 * p2p)
     assert loaded.busy_s == quiet.busy_s
+    # One micro-batch over 4 stages: the fill and drain at a lone rank's speed bind, and a lone pair of ranks
+    # exchanges at that speed too: 4 forwards (0.5) + 4 backwards (1.0) + 6 exchanges (0.5) on the first stage.
+    lone = shared_cores([[1.0]] * 4, [[2.0]] * 4, 1.0, 1, 2.0, False, SimOptions())
+    assert lone.end_s[0] == pytest.approx(4 * 0.5 + 4 * 1.0 + 6 * 0.5)

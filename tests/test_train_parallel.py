@@ -71,6 +71,12 @@ LAYOUTS = [
     pytest.param("gpt_tiny", 4, ["parallel.tp=4", "parallel.mlp=primepar"], id="gpt-tp4-primepar"),
     pytest.param("llama_tiny", 4, ["parallel.tp=4", "parallel.mlp=primepar", "model.num_query_groups=4"],
                  id="llama-tp4-primepar-swiglu"),
+    # Under sequence parallelism the MLP all-gathers its input's sequence shards and keeps its output's; fc2's bias
+    # (gpt_tiny) is added to the shard and its gradient summed over TP by finalize_model_grads.
+    pytest.param("gpt_tiny", 4, ["parallel.tp=4", "parallel.sp=true", "parallel.mlp=primepar"],
+                 id="gpt-tp4-sp-primepar"),
+    pytest.param("llama_tiny", 4, ["parallel.tp=4", "parallel.sp=true", "parallel.mlp=primepar",
+                                   "model.num_query_groups=4"], id="llama-tp4-sp-primepar-swiglu"),
 ]
 
 

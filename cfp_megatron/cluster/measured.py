@@ -106,6 +106,11 @@ class StepOverheads:
     per_microbatch_s: float
     """Seconds per micro-batch beyond the layers, the embedding and the head: the forward-step function, the loss
     function, the schedule's bookkeeping (one stage doing every part); never below zero."""
+    ends_s: float = 0.0
+    """Seconds per micro-batch by which the embedding and the head together run faster inside the schedule than
+    the segments round timed them alone (zero or below; never more than their isolated time): where the probes'
+    schedule beyond their layers falls short of the isolated embedding and head, the difference is theirs, not a
+    negative cost of every stage's passes."""
     step_base_s: float
     """Seconds per step outside the schedule that do not grow with the parameters: the grad-norm all-reduce over the
     probe's model-parallel group (``tp`` ranks), the loss all-reduce over the world, zeroing, the LR schedule."""

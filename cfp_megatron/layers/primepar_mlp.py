@@ -19,11 +19,34 @@ the paper's Algorithm 1). With n = 2^k, tokens = s*b (the flattened [s, b] of th
                     block of the (replicated) gradient, no communication. The bias is a replicated [h] vector added
                     after the gather, as RowParallelLinear adds its own.
 
-fc1 flattens its input to [tokens, h] and fc2 returns [tokens, h]; :class:`PrimeParMLP` (Megatron's ``MLP`` with two
-differences, see there) puts the [s, b] leading shape back. Between its replicated input and output every tensor of
-the MLP is split n x n: nothing is replicated but fc1's bias (block c on the n ranks of column c; with
-``skip_bias_add`` its gradient still comes from primepar_linear's Gradient phase, see :class:`_ZeroCarryingGrad`)
-and fc2's bias (on every rank).
+Under Megatron's sequence parallelism (``parallel.sp=true``, t = n^2 = the TP size) the hidden state around the MLP
+is cut along the sequence, [s/t, b, h] per TP rank, and the two ends change (everything between stays as above)::
+
+    fc1   input     sequence shards [s/t, b, h] all-gathered to the replicated [s, b, h] (Megatron's
+                    gather_from_sequence_parallel_region, as ColumnParallelLinear under SP), then sliced as above;
+                    backward: the dI all-gather above already leaves the full, identical input gradient on every
+                    rank, so each rank keeps its own sequence chunk of it (a split, no communication; NOT Megatron's
+                    reduce-scatter, which would sum t identical copies)
+    fc2   output    after the all-gather, each rank keeps its sequence chunk [s/t * b, h] of the replicated
+                    [tokens, h] (scatter_to_sequence_parallel_region: a split, no communication); backward: the
+                    chunks' gradients are all-gathered to the replicated [tokens, h] first, then each rank takes its
+                    block as above. The bias is added to the chunk (by the caller with ``skip_bias_add``), so each
+                    rank's bias gradient sums its own tokens; ``bias.sequence_parallel`` makes Megatron's
+                    finalize_model_grads all-reduce it over the TP group, as for RowParallelLinear's bias under SP.
+
+So per pass the MLP all-gathers a [tokens, h] activation twice under SP (forward: fc1's input and fc2's output;
+backward: fc2's output gradient and fc1's input gradient), once without (forward: fc2's output; backward: fc1's
+input gradient), each rank contributing [tokens/t, h]; plus, under SP with a bias, one all-reduce of fc2's [h] bias
+gradient per step. Megatron's MLP under SP instead all-gathers fc1's input and reduce-scatters fc2's output
+forward, and backward all-gathers fc2's output gradient and fc1's input again (for its weight gradient) and
+reduce-scatters fc1's input gradient.
+
+fc1 flattens its input to [tokens, h] and fc2 returns [tokens, h] ([tokens/t, h], its sequence chunk, under SP);
+:class:`PrimeParMLP` (Megatron's ``MLP`` with two differences, see there) gives it the leading shape of the MLP's
+input back, [s, b] or [s/t, b]. Between the replicated hidden state and the output every tensor of the MLP is split
+n x n: nothing is replicated but fc1's bias (block c on the n ranks of column c; with ``skip_bias_add`` its
+gradient still comes from primepar_linear's Gradient phase, see :class:`_ZeroCarryingGrad`) and fc2's bias (on
+every rank).
 
 Parameters are stored in Megatron's orientation, [out_features, in_features] (the transpose of the notes' W[N, K]):
 rank (r, c) holds rows (out) block c and columns (in) block r+c (mod n). A gated (SwiGLU) fc1 has out_features =
@@ -35,16 +58,17 @@ layout-independent initialisation and ``dist_checkpointing`` see the same tensor
 checkpoint saved under PrimePar loads under any other layout and back.
 
 Gradients are complete on every rank when backward ends (the fc1 bias copies of a column are bit-identical, fc2's
-replicated bias gets the same gradient on every TP rank as RowParallelLinear's), so Megatron's DDP only has to
-average over data-parallel replicas, as it does. Gradient-norm clipping counts each element once over the TP group:
+replicated bias gets the same gradient on every TP rank as RowParallelLinear's; under SP its per-rank partial sums
+are all-reduced over TP by finalize_model_grads, as RowParallelLinear's), so Megatron's DDP only has to average
+over data-parallel replicas, as it does. Gradient-norm clipping counts each element once over the TP group:
 weight blocks are tensor-parallel (``tensor_model_parallel=True``), the fc1 bias only on row 0 of each column, the
 fc2 bias only on TP rank 0 (Megatron's ``param_is_not_tensor_parallel_duplicate``).
 
-Not supported (refused with :class:`~cfp_megatron.layers.errors.PrimeParError`): sequence parallelism (the input
-must be the replicated hidden state), MoE experts, ``gradient_accumulation_fusion``, Transformer Engine's fused MLP
-(``TEFusedMLP``). The weights carry ``partition_dim=-1`` (cut on both axes), so tools that reshard along one TP
-dimension (Muon's TP mode, inference weight refit) do not apply. Storing Megatron's orientation costs one transposed
-copy of the weight block per forward (primepar_linear takes W[N, K]).
+Not supported (refused with :class:`~cfp_megatron.layers.errors.PrimeParError`): MoE experts,
+``gradient_accumulation_fusion``, Transformer Engine's fused MLP (``TEFusedMLP``). The weights carry
+``partition_dim=-1`` (cut on both axes), so tools that reshard along one TP dimension (Muon's TP mode, inference
+weight refit) do not apply. Storing Megatron's orientation costs one transposed copy of the weight block per forward
+(primepar_linear takes W[N, K]).
 """
 
 from __future__ import annotations
@@ -58,6 +82,10 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ReplicaId, ShardedStateDict, ShardedTensor, ShardedTensorFactory
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -69,7 +97,7 @@ from megatron.core.utils import get_pg_rank, get_tensor_model_parallel_group_if_
 from torch import nn
 
 from cfp_megatron.config import primepar_grid_side
-from cfp_megatron.layers.errors import PrimeParError
+from cfp_megatron.layers.errors import PrimeParError, PrimeParShapeError
 from cfp_megatron.layers.primepar_grid import PrimeParGrid, grid_position, square_ranks
 from cfp_megatron.layers.primepar_linear import (
     bias_block,
@@ -216,7 +244,7 @@ class _PrimeParLinearBase(nn.Module):
                  bias: bool, skip_bias_add: bool, is_expert: bool, tp_group: dist.ProcessGroup | None, stride: int,
                  gated: bool) -> None:
         super().__init__()
-        _refuse({"is_expert=True (MoE experts)": is_expert, "sequence parallelism": config.sequence_parallel,
+        _refuse({"is_expert=True (MoE experts)": is_expert,
                  "gradient_accumulation_fusion=True": config.gradient_accumulation_fusion})
         self.input_size: int = input_size
         """in_features (N), full width."""
@@ -232,6 +260,9 @@ class _PrimeParLinearBase(nn.Module):
         """This rank's position in the square."""
         self.tp_group: dist.ProcessGroup = self.grid.group
         """The tensor-parallel group the square is made of."""
+        self.sequence_parallel: bool = bool(config.sequence_parallel)
+        """Megatron's sequence parallelism: the MLP's input and output are sequence shards over the TP group (fc1
+        gathers them, fc2 keeps its chunk; see the module docstring)."""
         halves = 2 if gated else 1
         out_local = halves * block_size(output_size // halves, self.grid,
                                         dim="ffn_hidden_size" if gated else "out_features (K)")
@@ -336,8 +367,9 @@ class _PrimeParLinearBase(nn.Module):
 
 
 class PrimeParColumnLinear(_PrimeParLinearBase):
-    """MLP's ``linear_fc1`` slot (ColumnParallelLinear's interface): replicated [..., in] in, this rank's block
-    (tokens r, out block c), shape [tokens/n, out/n], out (see the module docstring).
+    """MLP's ``linear_fc1`` slot (ColumnParallelLinear's interface): replicated [..., in] in (under sequence
+    parallelism this rank's sequence shard [s/t, ..., in], all-gathered first), this rank's block (tokens r, out
+    block c), shape [tokens/n, out/n], out (see the module docstring).
 
     The bias (if any) is block c of [out], the same on the n ranks of column c: ``replica_id`` row r in checkpoints,
     ``tensor_model_parallel`` only on row 0 (counted once by gradient clipping); primepar_linear gives its copies
@@ -366,10 +398,13 @@ class PrimeParColumnLinear(_PrimeParLinearBase):
 
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[..., in] replicated -> (output block [tokens/n, out/n], bias block or None), as ColumnParallelLinear
-        without ``gather_output``."""
+        """[..., in] replicated (under SP: [s/t, ..., in], this rank's sequence shard) -> (output block
+        [tokens/n, out/n], bias block or None), as ColumnParallelLinear without ``gather_output``."""
         _refuse({"a weight passed to forward()": weight is not None,
                  "runtime_gather_output=True": bool(runtime_gather_output)})
+        if self.sequence_parallel:  # backward: a split, since PrimePar's dI is already complete on every rank
+            input_ = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=False,
+                                                          group=self.tp_group)
         block = _InputBlock.apply(input_.reshape(-1, input_.shape[-1]), self.grid)
         if self.bias is None:
             return self._gemm(block, None), None
@@ -386,10 +421,13 @@ class PrimeParColumnLinear(_PrimeParLinearBase):
 
 class PrimeParRowLinear(_PrimeParLinearBase):
     """MLP's ``linear_fc2`` slot (RowParallelLinear's interface): fc1's output block after the activation,
-    (tokens r, in block c), in; the replicated [tokens, out] out (see the module docstring).
+    (tokens r, in block c), in; the replicated [tokens, out] out, or under sequence parallelism this rank's sequence
+    chunk of it, [tokens/t, out] (see the module docstring).
 
-    The bias (if any) is the full [out] vector on every rank, added after the gather as RowParallelLinear does, with
-    Megatron's replicated checkpoint entry and no ``tensor_model_parallel`` (counted on TP rank 0 by clipping).
+    The bias (if any) is the full [out] vector on every rank, added after the gather (and the sequence split) as
+    RowParallelLinear does, with Megatron's replicated checkpoint entry and no ``tensor_model_parallel`` (counted on
+    TP rank 0 by clipping). Under sequence parallelism it carries ``sequence_parallel=True`` as RowParallelLinear's:
+    each rank adds it to its own tokens only, and finalize_model_grads all-reduces its gradient over the TP group.
     """
 
     replicated_bias = True
@@ -404,14 +442,24 @@ class PrimeParRowLinear(_PrimeParLinearBase):
                          skip_bias_add=skip_bias_add, is_expert=is_expert, tp_group=tp_group, stride=stride,
                          gated=False)
         if self.bias is not None:
-            self.bias.sequence_parallel = False
+            self.bias.sequence_parallel = self.sequence_parallel
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(tokens r, in block c) block -> (replicated [tokens, out], bias or None), as RowParallelLinear."""
+        """(tokens r, in block c) block -> (replicated [tokens, out], or under SP this rank's sequence chunk
+        [tokens/t, out], bias or None), as RowParallelLinear."""
         block = input_.reshape(-1, input_.shape[-1])
         if self.grid.row % self.grid.size:
             block = _Skew.apply(block, self.grid)
         output = _GatherOutput.apply(self._gemm(block, None), self.grid)
+        if self.sequence_parallel:
+            # The tokens are the flattened [s, b]: the t equal row ranges are the t sequence chunks [s/t, b].
+            ranks = self.tp_group.size()
+            if output.shape[0] % ranks:
+                raise PrimeParShapeError(dim="tokens", value=int(output.shape[0]),
+                                         problem=f"sequence parallelism splits the tokens over the {ranks} "
+                                                 "tensor-parallel ranks, which do not divide them.",
+                                         fix=f"use a sequence length divisible by {ranks}, or parallel.sp=false.")
+            output = scatter_to_sequence_parallel_region(output, group=self.tp_group)
         if self.skip_bias_add or self.bias is None:
             return output, self.bias
         return output + self.bias, None
@@ -421,13 +469,14 @@ class PrimeParRowLinear(_PrimeParLinearBase):
 
 class PrimeParMLP(MLP):
     """Megatron-Core's ``MLP`` with :class:`PrimeParColumnLinear` / :class:`PrimeParRowLinear` as fc1 / fc2, and two
-    differences: the output gets the [s, b] leading shape of the input back (fc2 returns flattened tokens), and
+    differences: the output gets the leading shape of the input back (fc2 returns flattened tokens: [s*b, h], or
+    under sequence parallelism this rank's chunk [s/t*b, h] for an input [s/t, b, h]), and
     ``sharded_state_dict`` takes fc1's entries as they are (MLP's SwiGLU factory splits only axis 0 and would drop
     the 2-D offsets; fc1 splits its gate and up halves itself)."""
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None,
                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """As ``MLP.forward``, output shaped like ``hidden_states`` ([s, b, h])."""
+        """As ``MLP.forward``, output shaped like ``hidden_states`` ([s, b, h], or [s/t, b, h] under SP)."""
         _refuse({"per_token_scale (MoE experts)": per_token_scale is not None})
         output, bias = super().forward(hidden_states, **kwargs)
         return output.view(*hidden_states.shape[:-1], output.shape[-1]), bias

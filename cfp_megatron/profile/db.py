@@ -122,8 +122,11 @@ class ProfileDB:
 
         Per measured micro-batch size: one layer = the difference of the two probes' schedules per micro-batch; the
         rest of a micro-batch = the smaller probe's schedule per micro-batch minus its layers and the embedding and
-        head segments. Both as least-squares lines in the micro-batch size through three or more measured sizes;
-        with fewer, linear interpolation between the nearest two (extrapolation from the two nearest). Outside the
+        head segments. Both as least-squares lines in the micro-batch size through three or more measured sizes
+        (the layer's kept at zero or above; the rest's free, since it may fall with the size); with fewer, linear
+        interpolation between the nearest two (extrapolation from the two nearest). A rest above zero is the
+        schedule's cost per micro-batch on every stage; one below zero is the embedding and head running faster in
+        the schedule than alone (:attr:`~cfp_megatron.cluster.measured.StepOverheads.ends_s`). Outside the
         schedule: a line in the parameters per rank, one slope for all partitions. ``None`` when no pair of probes
         ran under ``partition``.
         """
@@ -134,12 +137,14 @@ class ProfileDB:
         for r in rows:
             by_mb.setdefault(r.micro_batch, {})[r.layers] = r
         points = []
+        ends: dict[int, float] = {}
         for mb, probes in sorted(by_mb.items()):
             emb = self.segment_seconds("embedding", partition, mb)
             head = self.segment_seconds("head", partition, mb)
             if len(probes) < 2 or emb is None or head is None:
                 continue
             small, big = probes[min(probes)], probes[max(probes)]
+            ends[mb] = sum(emb) + sum(head)
             s_small = small.schedule_s / small.microbatches
             s_big = big.schedule_s / big.microbatches
             layer = max((s_big - s_small) / (big.layers - small.layers), 0.0)
@@ -148,16 +153,19 @@ class ProfileDB:
             return None
         if len(points) >= 3:  # noisy timings: the least-squares lines through every size
             la, lb = least_squares_line([(mb, layer) for mb, layer, _ in points])
-            pa, pb = least_squares_line([(mb, extra) for mb, _, extra in points])
+            pa, pb = _free_line([(mb, extra) for mb, _, extra in points])
             layer_s, per_micro = la + lb * micro_batch, pa + pb * micro_batch
         else:
             layer_s, per_micro = interpolate_rows([(mb, (layer, extra)) for mb, layer, extra in points],
                                                   micro_batch, proportional=False)
+        (isolated,) = interpolate_rows(sorted((mb, (s,)) for mb, s in ends.items()), micro_batch, proportional=False)
+        ends_s = max(min(per_micro, 0.0), -max(isolated, 0.0))
         per_micro = max(per_micro, 0.0)
         per_param = self._step_per_param(model)
         base = sum(r.rest_s - per_param * r.params for r in rows) / len(rows)
         return StepOverheads(partition=partition, micro_batch=micro_batch, layer_s=layer_s,
-                             per_microbatch_s=per_micro, step_base_s=max(base, 0.0), step_per_param_s=per_param)
+                             per_microbatch_s=per_micro, ends_s=ends_s, step_base_s=max(base, 0.0),
+                             step_per_param_s=per_param)
 
     def busy_slowdown(self) -> float | None:
         """Ranks per node over CPU cores where the ranks of a CPU-only cluster share fewer cores than there are ranks
@@ -309,3 +317,14 @@ def export_db(db: ProfileDB, path: str | Path) -> Path:
 
 __all__ = ["SCHEMA_VERSION", "ProfileDB", "db_path", "export_db", "load_db", "read_db",
            "store_db"]
+
+
+def _free_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """``(intercept, slope)`` of the ordinary least-squares line through ``(x, y)`` points, either sign (one ``x``:
+    flat at the mean)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    den = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / den if den > 0 else 0.0
+    return my - slope * mx, slope

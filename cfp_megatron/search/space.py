@@ -288,13 +288,14 @@ class Space:
             values.append(BLOCK)
         return values
 
-    def mlp_values(self, family: Family, sp: bool, micro_batch: int) -> list[str]:
+    def mlp_values(self, family: Family, micro_batch: int) -> list[str]:
         """MLP partitions the runtime executes for the family: Megatron's always; PrimePar's
-        (:mod:`cfp_megatron.layers`) on a TP group of 4^k ranks without SP, for a dense model whose hidden and FFN
+        (:mod:`cfp_megatron.layers`) on a TP group of 4^k ranks (with or without SP: under SP it reshards the
+        sequence-split boundary to and from its replicated input and output), for a dense model whose hidden and FFN
         sizes and tokens per micro-batch the grid side divides, unless :attr:`primepar` says it was not profiled at
         that TP size."""
         values = [MlpPartition.megatron]
-        if (primepar_grid_side(family.tp) is not None and not sp
+        if (primepar_grid_side(family.tp) is not None
                 and not primepar_misfits(self.job.model, family.tp, micro_batch * self.job.train.seq_length)
                 and (self.primepar is None or family.tp in self.primepar)):
             values.append(MlpPartition.primepar)
@@ -335,7 +336,7 @@ class Space:
             block = tuple(s for s in splits if max_chunk_layers(num_layers, f.pp, *s) >= 2)
             for sp in self.sp_values(f):
                 for rc in recomputes:
-                    for mlp in self.mlp_values(f, sp, mb):
+                    for mlp in self.mlp_values(f, mb):
                         yield Group(head=(f.tp, f.cp, f.pp, f.ep, f.etp, sp, mb, rc, mlp), microbatches=microbatches,
                                     splits=block if rc == BLOCK else splits, dopts=dopts)
 

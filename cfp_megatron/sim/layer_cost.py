@@ -154,7 +154,7 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         if p.mlp is MlpPartition.primepar and t > 1:  # the MLP's own GEMMs and communication (sim.primepar_cost)
             primepar = primepar_mlp_cost(kernels, costs, tp=t, tp_per_node=layout.tp_per_node, tokens=tokens,
                                          hidden=h, ffn=m.ffn_size, gated=gated,
-                                         overlap=not job.cluster.on_cpu)
+                                         overlap=not job.cluster.on_cpu, sp=sp)
             mlp_gemm = primepar.forward_compute_s
             tp_ops = 2  # attention's all-reduce per pass; the MLP adds its exposed ring and all-gather below
     elementwise = kernels.memory((rep + split) * tokens * e)

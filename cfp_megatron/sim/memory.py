@@ -85,7 +85,7 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
         if job.parallel.mlp is MlpPartition.primepar and t > 1:
             # fc1's input kept as one block of the grid, not replicated; the rotated weight blocks kept from the
             # forward to the backward pass (cfp_megatron.sim.primepar_cost).
-            per_token -= primepar_stash_saving(tp=t, tokens=1.0, hidden=h, elem=2.0) * rep
+            per_token -= primepar_stash_saving(tp=t, tokens=1.0, hidden=h, elem=2.0, sp=sp)
             per_token += primepar_weight_copies(tp=t, hidden=h, ffn=m.ffn_size, gated=gated, elem=2.0) / tokens
     full = tokens * h * 2 * rep
     return tokens * per_token, full

@@ -134,6 +134,7 @@ def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         # stage's forward and backward call (measured on probe models, :mod:`cfp_megatron.profile.overheads`).
         dense = moe = in_schedule(dense, overheads.layer_s)
         per_pass = PassCost(overhead_s=overheads.per_microbatch_s / 2)
+        emb, out = _ends_in_schedule(emb, out, overheads.ends_s)
     return PassCosts(dense=dense, moe=moe, embedding=emb, head=out, per_pass=per_pass, overheads=overheads)
 
 
@@ -152,6 +153,17 @@ def _step_overheads(job: JobSpec, measurements: Measurements, micro_batch: int) 
         return None
     return dataclasses.replace(overheads, partition=partition_name(p.tp, sp=p.sp, mlp=p.mlp),
                                layer_s=overheads.layer_s * sum(own) / sum(twin))
+
+
+def _ends_in_schedule(emb: tuple[PassCost, PassCost], out: tuple[PassCost, PassCost], ends_s: float
+                      ) -> tuple[tuple[PassCost, PassCost], tuple[PassCost, PassCost]]:
+    """The embedding's and the head's (forward, backward) scaled together by the share ``ends_s`` (zero or below,
+    :attr:`~cfp_megatron.cluster.measured.StepOverheads.ends_s`) takes off their isolated time."""
+    total = sum(p.total_s for p in (*emb, *out))
+    if ends_s >= 0 or total <= 0:
+        return emb, out
+    keep = max(1.0 + ends_s / total, 0.0)
+    return (emb[0].scaled(keep), emb[1].scaled(keep)), (out[0].scaled(keep), out[1].scaled(keep))
 
 
 def in_schedule(cost: LayerCost, layer_s: float) -> LayerCost:

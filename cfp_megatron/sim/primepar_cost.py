@@ -16,6 +16,12 @@ block to ``fc2``'s start layout, and ``fc2`` (``ffn -> h``). Its input is sliced
 and its output all-gathered over the grid (forward), the input gradient all-gathered (backward): one all-gather of
 the activation per pass where Megatron's column/row split all-reduces it.
 
+Under sequence parallelism the hidden state at the MLP's boundary is split along the sequence over the TP group, and
+the grid needs it replicated: the input is all-gathered (forward; backward each rank keeps its sequence chunk of the
+gradient) and the replicated output cut back to this rank's chunk (forward; backward the output gradient
+all-gathered). That resharding adds one all-gather of the activation per pass, where Megatron's SP split has an
+all-gather and a reduce-scatter per pass.
+
 :func:`megatron_mlp_cost` is the same MLP under Megatron's column/row split, as
 :mod:`cfp_megatron.sim.layer_cost` costs it (for comparisons such as ``bench/primepar_mlp.py``).
 """
@@ -78,9 +84,11 @@ def _linear(kernels: KernelModel, costs: CollectiveCosts, n: int, tokens: float,
 
 
 def primepar_mlp_cost(kernels: KernelModel, costs: CollectiveCosts, *, tp: int, tp_per_node: int, tokens: float,
-                      hidden: int, ffn: int, gated: bool, overlap: bool = True) -> MlpCost:
+                      hidden: int, ffn: int, gated: bool, overlap: bool = True, sp: bool = False) -> MlpCost:
     """The MLP of ``tokens`` tokens (micro-batch x sequence / CP) on one rank of a ``tp``-rank grid: its GEMMs and
-    communication; the activation's element-wise work is not in it (:func:`mlp_activation_s`).
+    communication; the activation's element-wise work is not in it (:func:`mlp_activation_s`). ``sp``: the boundary
+    is split along the sequence, and the resharding to and from the grid's replicated input and output adds one
+    all-gather per pass (see the module docstring).
 
     ``overlap``: the ring's transfers run beside the GEMMs (accelerators: the copy engines and NCCL's stream). CPU
     ranks run both on their own cores (gloo's transfers are CPU work), so there each step costs GEMM plus transfer."""
@@ -93,8 +101,10 @@ def primepar_mlp_cost(kernels: KernelModel, costs: CollectiveCosts, *, tp: int, 
     e = kernels.elem
     permute = costs.seconds(Collective.send_recv, tokens / n * ffn / n * e, 2, span)
     gather = costs.seconds(Collective.all_gather, tokens * hidden * e, tp, tp_per_node)
-    return MlpCost(forward_compute_s=fc1[0] + fc2[0], forward_comm_s=fc1[1] + fc2[1] + permute + gather,
-                   backward_compute_s=fc1[2] + fc2[2], backward_comm_s=fc1[3] + fc2[3] + permute + gather)
+    reshard = gather if sp else 0.0
+    return MlpCost(forward_compute_s=fc1[0] + fc2[0], forward_comm_s=fc1[1] + fc2[1] + permute + gather + reshard,
+                   backward_compute_s=fc1[2] + fc2[2],
+                   backward_comm_s=fc1[3] + fc2[3] + permute + gather + reshard)
 
 
 def ffn_gemms(kernels: KernelModel, tokens: float, hidden: int, ffn: float, gated: bool) -> float:
@@ -133,10 +143,11 @@ def megatron_mlp_cost(kernels: KernelModel, costs: CollectiveCosts, *, tp: int, 
                    backward_comm_s=reduce)
 
 
-def primepar_stash_saving(*, tp: int, tokens: float, hidden: int, elem: float) -> float:
+def primepar_stash_saving(*, tp: int, tokens: float, hidden: int, elem: float, sp: bool = False) -> float:
     """Activation bytes per layer the PrimePar MLP does not keep that Megatron's column/row split keeps: ``fc1``'s
-    input is stashed as one block of the grid (1/tp of it) instead of the whole replicated hidden state."""
-    return tokens * hidden * elem * (1.0 - 1.0 / tp)
+    input is stashed as one block of the grid (1/tp of it) instead of the whole replicated hidden state. Under
+    sequence parallelism Megatron keeps its 1/tp sequence chunk instead: no saving."""
+    return 0.0 if sp else tokens * hidden * elem * (1.0 - 1.0 / tp)
 
 
 def primepar_weight_copies(*, tp: int, hidden: int, ffn: int, gated: bool, elem: float) -> float:

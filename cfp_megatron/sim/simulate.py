@@ -294,14 +294,15 @@ def _shared_cores(f_s: list[list[float]], b_s: list[list[float]], p2p: float, mi
                   with_events: bool, options: SimOptions) -> ScheduleResult:
     """The pipeline schedule where ranks share fewer cores than there are ranks (CPU). The pass times were measured
     with every rank busy; a rank waiting in the pipeline's fill or drain leaves its core to the others. So the
-    schedule is bounded below by its dependencies at the speed of a rank alone (passes ``slowdown`` times faster)
-    and by the mean stage's own timeline: its passes at the measured speed plus, per micro-batch and model chunk,
-    its two blocking exchanges with the neighbouring stages (the forward's and the backward's), each a send/receive
-    as the collectives round timed it with every rank busy. A rank blocked in an exchange gives its core away but
+    schedule is bounded below by its dependencies at the speed of a rank alone (its passes and its exchanges with
+    a neighbour, both timed with every rank busy, ``slowdown`` times faster) and by the mean stage's own timeline:
+    its passes at the measured speed plus, per micro-batch and model chunk, its two blocking exchanges with the
+    neighbouring stages (the forward's and the backward's), each a send/receive as the collectives round timed it
+    with every rank busy. A rank blocked in an exchange gives its core away but
     waits for its neighbour to be scheduled again, so on shared cores the exchanges are not hidden behind other
     stages' work as they are behind a GPU's."""
     alone = run_schedule([[x / slowdown for x in row] for row in f_s], [[x / slowdown for x in row] for row in b_s],
-                         p2p, microbatches, keep_ops=with_events, max_ops=options.max_schedule_ops)
+                         p2p / slowdown, microbatches, keep_ops=with_events, max_ops=options.max_schedule_ops)
     busy = tuple(microbatches * (sum(f) + sum(b)) for f, b in zip(f_s, b_s, strict=True))
     exchanges = tuple(2 * microbatches * len(f) * p2p for f in f_s)
     work = (sum(busy) + sum(exchanges)) / len(busy)
