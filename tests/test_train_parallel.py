@@ -72,11 +72,11 @@ LAYOUTS = [
     pytest.param("llama_tiny", 4, ["parallel.tp=4", "parallel.mlp=primepar", "model.num_query_groups=4"],
                  id="llama-tp4-primepar-swiglu"),
     # Under sequence parallelism the MLP all-gathers its input's sequence shards and keeps its output's; fc2's bias
-    # (gpt_tiny) is added to the shard and its gradient summed over TP by finalize_model_grads.
+    # (gpt_tiny) is added to the shard and its gradient summed over TP by finalize_model_grads. (SwiGLU under SP is
+    # checked in float64 by tests/test_primepar_mlp.py; its llama_tiny training run is left out of the default
+    # suite for time.)
     pytest.param("gpt_tiny", 4, ["parallel.tp=4", "parallel.sp=true", "parallel.mlp=primepar"],
                  id="gpt-tp4-sp-primepar"),
-    pytest.param("llama_tiny", 4, ["parallel.tp=4", "parallel.sp=true", "parallel.mlp=primepar",
-                                   "model.num_query_groups=4"], id="llama-tp4-sp-primepar-swiglu"),
 ]
 
 

@@ -332,8 +332,13 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions,
     for vpp, first_n, last_n in g.splits:
         first, middle, last = _stage_layers(L, pp, first_n, last_n)
         bound = _time_bound(costs, layer_s, chunk_s, g.microbatches, pp, vpp, L, first, middle, last)
-        params = 0.0 if options.fsdp else max(d * costs.dense_params + n * costs.moe_params
-                                              for d, n in _rank_loads(L, pp, vpp, first_n, last_n, first_dense))
+        if options.fsdp:
+            params = 0.0
+        elif first_dense is None and not m.is_moe:  # dense layers only: the rank with the most
+            params = _most_dense(L, pp, vpp, first_n, last_n) * costs.dense_params
+        else:
+            params = max(d * costs.dense_params + n * costs.moe_params
+                         for d, n in _rank_loads(L, pp, vpp, first_n, last_n, first_dense))
         out += [(bound, _CANDIDATE, (*g.head, vpp, first_n, last_n, dopt), params * param_bytes[not dopt])
                 for dopt in g.dopts]
     return out
@@ -361,6 +366,12 @@ def _bounds(space: Space, job: JobSpec, measurements: Measurements | None, optio
 
 
 @functools.lru_cache(maxsize=4096)
+def _most_dense(num_layers: int, pp: int, vpp: int, first: int, last: int) -> int:
+    """The most layers a pipeline rank of a split holds (a dense model)."""
+    return max(d for d, _ in _rank_loads(num_layers, pp, vpp, first, last, None))
+
+
+@functools.lru_cache(maxsize=4096)
 def _rank_loads(num_layers: int, pp: int, vpp: int, first: int, last: int,
                 first_dense: int | None) -> frozenset[tuple[int, int]]:
     """The distinct (dense, MoE) layer counts of the pipeline ranks of a split."""
@@ -373,21 +384,23 @@ def _time_bound(costs: _GroupCosts, layer_s: float, chunk_s: float, m: int, pp: 
     """A lower bound on the step time of ``m`` micro-batches over ``pp`` stages of ``vpp`` chunks holding ``first``,
     ``middle`` and ``last`` layers, each layer taking ``layer_s`` and each chunk ``chunk_s`` more (see the module
     docstring)."""
-    def chunk(layers: int) -> float:  # one chunk's passes of a stage with ``layers`` layers, at least
-        return layers / vpp * layer_s + chunk_s + 2 * costs.pass_s
-
+    # One chunk's passes of a stage with n layers, at least: n * per_layer + per_chunk (inlined: the search calls
+    # this for every split of every group it expands).
+    per_layer, per_chunk = layer_s / vpp, chunk_s + 2 * costs.pass_s
     if pp == 1:
-        return m * (chunk(num_layers) + costs.embedding_s + costs.head_s)
+        return m * (num_layers * per_layer + per_chunk + costs.embedding_s + costs.head_s)
     if costs.shared_cores:
-        return m * (num_layers / pp * layer_s + vpp * (chunk_s + 2 * costs.pass_s)
-                    + (costs.embedding_s + costs.head_s) / pp)
+        return m * (num_layers / pp * layer_s + vpp * per_chunk + (costs.embedding_s + costs.head_s) / pp)
     # The first rank runs all its passes; a later rank also waits for micro-batch 0 to go forward through the stages
     # before it and, after its last backward, for it to go back through them.
-    last_middle = m * vpp * chunk(middle) + chunk(first) + (pp - 3) * chunk(middle) + costs.embedding_s
-    return max(m * (vpp * chunk(first) + costs.embedding_s), last_middle if pp > 2 else 0.0,
-               m * (vpp * chunk(last) + costs.head_s) + chunk(first) + (pp - 2) * chunk(middle) + costs.embedding_s)
+    c_first, c_middle = first * per_layer + per_chunk, middle * per_layer + per_chunk
+    last_middle = m * vpp * c_middle + c_first + (pp - 3) * c_middle + costs.embedding_s if pp > 2 else 0.0
+    return max(m * (vpp * c_first + costs.embedding_s), last_middle,
+               m * (vpp * (last * per_layer + per_chunk) + costs.head_s) + c_first + (pp - 2) * c_middle
+               + costs.embedding_s)
 
 
+@functools.lru_cache(maxsize=8192)
 def _stage_layers(num_layers: int, pp: int, first: int, last: int) -> tuple[int, int, int]:
     """Layers of the first, a middle (the first's count when there are none) and the last pipeline stage."""
     counts = stage_counts(num_layers, pp, first or None, last or None)
