@@ -63,7 +63,6 @@ def test_primepar_under_sp_pays_the_resharding_and_saves_no_input_memory() -> No
     primepar = _predict("parallel.sp=true", "parallel.mlp=primepar", "train.micro_batch_size=1")
     copies = (m.hidden_size * m.ffn_size * 2 + m.ffn_size * m.hidden_size) / 4 * 2 * m.num_layers
     assert primepar.memory.activations - megatron.memory.activations == pytest.approx(copies, rel=1e-6)
-    assert primepar.time.tp_comm_s > megatron.time.tp_comm_s  # the grid's ring and its all-gathers
 
 
 def test_ring_transfers_beyond_the_gemm_are_exposed() -> None:

@@ -159,10 +159,9 @@ def interpolate_rows(points: list[tuple[float, tuple[float, ...]]], x: float, *,
     return tuple(max(a + share * (b - a), 0.0) for a, b in zip(lo[1], hi[1], strict=True))
 
 
-def least_squares_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """``(intercept, slope)`` of the least-squares line through ``(x, y)`` points, both kept at zero or above (a
-    pass is a fixed cost plus a part that grows with the work): a falling fit becomes flat at the mean, a negative
-    intercept a line through the origin. One point (or one ``x``) gives a flat line at the mean."""
+def free_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """``(intercept, slope)`` of the ordinary least-squares line through ``(x, y)`` points, either sign; one point
+    (or one ``x``) gives a flat line at the mean, none the zero line."""
     if not points:
         return 0.0, 0.0
     n = len(points)
@@ -170,9 +169,16 @@ def least_squares_line(points: list[tuple[float, float]]) -> tuple[float, float]
     my = sum(y for _, y in points) / n
     den = sum((x - mx) ** 2 for x, _ in points)
     slope = sum((x - mx) * (y - my) for x, y in points) / den if den > 0 else 0.0
+    return my - slope * mx, slope
+
+
+def least_squares_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """``(intercept, slope)`` of the least-squares line through ``(x, y)`` points (:func:`free_line`), both kept at
+    zero or above (a pass is a fixed cost plus a part that grows with the work): a falling fit becomes flat at the
+    mean, a negative intercept a line through the origin."""
+    intercept, slope = free_line(points)
     if slope <= 0:
-        return my, 0.0
-    intercept = my - slope * mx
+        return (sum(y for _, y in points) / len(points) if points else 0.0), 0.0
     if intercept < 0:
         return 0.0, max(sum(x * y for x, y in points) / sum(x * x for x, _ in points), 0.0)
     return intercept, slope

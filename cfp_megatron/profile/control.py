@@ -76,10 +76,8 @@ def sync(stop: bool, failed: bool, values: Sequence[float]) -> tuple[bool, bool,
     if len(values) > SLOTS - 2:
         raise ProfileError(f"a step may report at most {SLOTS - 2} values; got {len(values)}.")
     data = [1.0 if stop and dist.get_rank() == 0 else 0.0, 1.0 if failed else 0.0, *values]
-    data += [0.0] * (SLOTS - len(data))
-    tensor = torch.tensor(data, dtype=torch.float64, device=control_device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    out = tensor.tolist()
+    data += [0.0] * (SLOTS - len(data))  # the same length on every rank (a failed step reports no values)
+    out = slowest(data)
     return out[0] > 0, out[1] > 0, tuple(out[2:2 + len(values)])
 
 

@@ -22,6 +22,7 @@ from cfp_megatron.cluster.measured import (
     SegmentMemory,
     Span,
     StepOverheads,
+    free_line,
     interpolate_rows,
     least_squares_line,
 )
@@ -153,7 +154,7 @@ class ProfileDB:
             return None
         if len(points) >= 3:  # noisy timings: the least-squares lines through every size
             la, lb = least_squares_line([(mb, layer) for mb, layer, _ in points])
-            pa, pb = _free_line([(mb, extra) for mb, _, extra in points])
+            pa, pb = free_line([(mb, extra) for mb, _, extra in points])
             layer_s, per_micro = la + lb * micro_batch, pa + pb * micro_batch
         else:
             layer_s, per_micro = interpolate_rows([(mb, (layer, extra)) for mb, layer, extra in points],
@@ -318,13 +319,3 @@ def export_db(db: ProfileDB, path: str | Path) -> Path:
 __all__ = ["SCHEMA_VERSION", "ProfileDB", "db_path", "export_db", "load_db", "read_db",
            "store_db"]
 
-
-def _free_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """``(intercept, slope)`` of the ordinary least-squares line through ``(x, y)`` points, either sign (one ``x``:
-    flat at the mean)."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    den = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / den if den > 0 else 0.0
-    return my - slope * mx, slope

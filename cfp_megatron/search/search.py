@@ -332,13 +332,8 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions,
     for vpp, first_n, last_n in g.splits:
         first, middle, last = _stage_layers(L, pp, first_n, last_n)
         bound = _time_bound(costs, layer_s, chunk_s, g.microbatches, pp, vpp, L, first, middle, last)
-        if options.fsdp:
-            params = 0.0
-        elif first_dense is None and not m.is_moe:  # dense layers only: the rank with the most
-            params = _most_dense(L, pp, vpp, first_n, last_n) * costs.dense_params
-        else:
-            params = max(d * costs.dense_params + n * costs.moe_params
-                         for d, n in _rank_loads(L, pp, vpp, first_n, last_n, first_dense))
+        params = 0.0 if options.fsdp else max(d * costs.dense_params + n * costs.moe_params
+                                              for d, n in _rank_loads(L, pp, vpp, first_n, last_n, first_dense))
         out += [(bound, _CANDIDATE, (*g.head, vpp, first_n, last_n, dopt), params * param_bytes[not dopt])
                 for dopt in g.dopts]
     return out
@@ -366,17 +361,14 @@ def _bounds(space: Space, job: JobSpec, measurements: Measurements | None, optio
 
 
 @functools.lru_cache(maxsize=4096)
-def _most_dense(num_layers: int, pp: int, vpp: int, first: int, last: int) -> int:
-    """The most layers a pipeline rank of a split holds (a dense model)."""
-    return max(d for d, _ in _rank_loads(num_layers, pp, vpp, first, last, None))
-
-
-@functools.lru_cache(maxsize=4096)
 def _rank_loads(num_layers: int, pp: int, vpp: int, first: int, last: int,
-                first_dense: int | None) -> frozenset[tuple[int, int]]:
-    """The distinct (dense, MoE) layer counts of the pipeline ranks of a split."""
+                first_dense: int | None) -> tuple[tuple[int, int], ...]:
+    """The (dense, MoE) layer counts of the pipeline ranks of a split that no other rank's count exceeds in both
+    (a weighted sum with weights at zero or above, as the memory bound takes, is largest at one of them: a dense
+    model has a single one, its heaviest rank)."""
     rows = chunk_layers(num_layers, pp, vpp, first or None, last or None, first_dense=first_dense)
-    return frozenset((sum(c.dense for c in row), sum(c.moe for c in row)) for row in rows)
+    loads = {(sum(c.dense for c in row), sum(c.moe for c in row)) for row in rows}
+    return tuple(sorted(a for a in loads if not any(b != a and b[0] >= a[0] and b[1] >= a[1] for b in loads)))
 
 
 def _time_bound(costs: _GroupCosts, layer_s: float, chunk_s: float, m: int, pp: int, vpp: int, num_layers: int,
