@@ -130,6 +130,22 @@ def test_simulator_uses_the_measured_step() -> None:
                                                      options=SimOptions(use_measured_segments=False)).step_time_s)
 
 
+def test_the_schedule_cost_per_micro_batch_falls_on_the_pipeline_ends() -> None:
+    """The probes' cost per micro-batch beyond the segments is charged to the stages with the embedding and the
+    head: over four stages the step grows by about the micro-batches times it, not by (micro-batches + 3) times
+    it as it would if every stage paid it."""
+    job = _tiny(tp=1, pp=4)
+    ov = StepOverheads(partition="tp1", micro_batch=2, layer_s=0.006, per_microbatch_s=0.0, step_base_s=0.0,
+                       step_per_param_s=0.0)
+    extra = 0.010
+    base = simulate(job, measurements=_Measured(ov), world_size=4)
+    more = simulate(job, measurements=_Measured(dataclasses.replace(ov, per_microbatch_s=extra)), world_size=4)
+    m = base.num_microbatches
+    grown = more.step_time_s - base.step_time_s
+    assert m * extra - 1e-9 <= grown <= (m + 1) * extra + 1e-9 < (m + 3) * extra
+    assert more.time.overhead_s == pytest.approx(m * extra)  # the critical (an end) stage's share
+
+
 def test_pipeline_adds_the_tied_embedding_all_reduce() -> None:
     ov = StepOverheads(partition="tp1", micro_batch=2, layer_s=0.006, per_microbatch_s=0.0, step_base_s=0.0,
                        step_per_param_s=0.0)

@@ -100,6 +100,31 @@ def test_search_on_a_profiled_cpu_cluster_equals_exhaustive() -> None:
     assert fast.ranked
 
 
+@pytest.mark.parametrize("cores", [2, 4])
+def test_bounds_hold_with_measured_overheads(cores: int) -> None:
+    """With measured segments and a schedule cost per micro-batch on the pipeline's end stages: on a CPU with fewer
+    cores than ranks (the shared-cores bound) and with a core per rank (the dependency bound, interleaving too)."""
+    from tests.test_overheads import _db
+
+    job, cfp = compose_job("model=gpt_tiny", "train.global_batch_size=16", "train.seq_length=64", "cfp.top_k=3")
+    db = _db()
+    db = dataclasses.replace(db, fingerprint=dataclasses.replace(db.fingerprint, cpu_cores=cores))
+    assert (db.busy_slowdown() is not None) == (cores < 4)
+    assert prepare_costs(job, None, db, world_size=4).per_pass.total_s > 0
+    space = build_space(job, 4, cfp, te_available=False)
+    order, _, _ = _bounds(space, job, db, SimOptions(), CostCache.for_job(job, db, SimOptions()))
+    checked = 0
+    for bound, key, _ in order:
+        cand = Candidate.from_key(key)
+        try:
+            p = simulate(cand.job(job), measurements=db, world_size=4)
+        except ConfigError:
+            continue
+        assert bound <= p.step_time_s * (1 + 1e-12), cand.describe(4)
+        checked += 1
+    assert checked > 10 and any(Candidate.from_key(k).pp == 4 for _, k, _ in order)
+
+
 def test_plans_are_the_same_in_another_process() -> None:
     code = """
 import json

@@ -105,7 +105,8 @@ class StepOverheads:
     difference in one layer): with Megatron DDP's gradient hooks and the TP collectives as they run in training."""
     per_microbatch_s: float
     """Seconds per micro-batch beyond the layers, the embedding and the head: the forward-step function, the loss
-    function, the schedule's bookkeeping (one stage doing every part); never below zero."""
+    function, the schedule's bookkeeping (one stage doing every part); never below zero. The simulator charges it to
+    the pipeline stages that hold the embedding or the head."""
     ends_s: float = 0.0
     """Seconds per micro-batch by which the embedding and the head together run faster inside the schedule than
     the segments round timed them alone (zero or below; never more than their isolated time): where the probes'

@@ -126,10 +126,10 @@ class ProfileDB:
         head segments. Both as least-squares lines in the micro-batch size through three or more measured sizes
         (the layer's kept at zero or above; the rest's free, since it may fall with the size); with fewer, linear
         interpolation between the nearest two (extrapolation from the two nearest). A rest above zero is the
-        schedule's cost per micro-batch on every stage; one below zero is the embedding and head running faster in
-        the schedule than alone (:attr:`~cfp_megatron.cluster.measured.StepOverheads.ends_s`). Outside the
-        schedule: a line in the parameters per rank, one slope for all partitions. ``None`` when no pair of probes
-        ran under ``partition``.
+        schedule's cost per micro-batch (on the stages with the embedding or the head); one below zero is the
+        embedding and head running faster in the schedule than alone
+        (:attr:`~cfp_megatron.cluster.measured.StepOverheads.ends_s`). Outside the schedule: a line in the
+        parameters per rank, one slope for all partitions. ``None`` when no pair of probes ran under ``partition``.
         """
         models = {r.model for r in self.overheads}
         model = self.model if self.model is not None else (next(iter(models)) if len(models) == 1 else None)

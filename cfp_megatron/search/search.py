@@ -5,9 +5,9 @@ Every candidate gets a lower bound on its step time that costs a few arithmetic 
 computation per group however many pipeline splits, interleaving and optimizer variants share it). With ``m``
 micro-batches, ``v`` chunks per rank and a stage of ``n`` layers,
 
-    chunk(n) = n / v x the cheaper layer's forward + backward + recompute + 2 x the per-pass cost
-    rank r   >= m x v x chunk(n_r) (+ m x embedding on the first, + m x head on the last)
-                + chunk(n_s) for every stage s before r (+ the embedding once)
+    chunk(n) = n / v x the cheaper layer's forward + backward + recompute
+    rank r   >= m x v x chunk(n_r) (+ m x (embedding + 2 x per-pass cost) on the first, + m x (head + 2 x per-pass
+                cost) on the last) + chunk(n_s) for every stage s before r (+ the embedding and 2 x per-pass once)
 
 A rank runs its ``m x v`` chunk passes one after another; a later rank cannot start before micro-batch 0 went
 forward through the stages before it, and after its last backward the same micro-batch still goes backward through
@@ -376,20 +376,22 @@ def _time_bound(costs: _GroupCosts, layer_s: float, chunk_s: float, m: int, pp: 
     """A lower bound on the step time of ``m`` micro-batches over ``pp`` stages of ``vpp`` chunks holding ``first``,
     ``middle`` and ``last`` layers, each layer taking ``layer_s`` and each chunk ``chunk_s`` more (see the module
     docstring)."""
-    # One chunk's passes of a stage with n layers, at least: n * per_layer + per_chunk (inlined: the search calls
-    # this for every split of every group it expands).
-    per_layer, per_chunk = layer_s / vpp, chunk_s + 2 * costs.pass_s
+    # One chunk's passes of a stage with n layers, at least: n * per_layer + chunk_s, and the per-pass cost on the
+    # first stage's first chunk and the last stage's last (inlined: the search calls this for every split of every
+    # group it expands).
+    per_layer, ends = layer_s / vpp, 2 * costs.pass_s
     if pp == 1:
-        return m * (num_layers * per_layer + per_chunk + costs.embedding_s + costs.head_s)
+        return m * (num_layers * per_layer + chunk_s + ends + costs.embedding_s + costs.head_s)
     if costs.shared_cores:
-        return m * (num_layers / pp * layer_s + vpp * per_chunk + (costs.embedding_s + costs.head_s) / pp)
+        return m * (num_layers / pp * layer_s + vpp * chunk_s + (costs.embedding_s + costs.head_s + 2 * ends) / pp)
     # The first rank runs all its passes; a later rank also waits for micro-batch 0 to go forward through the stages
     # before it and, after its last backward, for it to go back through them.
-    c_first, c_middle = first * per_layer + per_chunk, middle * per_layer + per_chunk
-    last_middle = m * vpp * c_middle + c_first + (pp - 3) * c_middle + costs.embedding_s if pp > 2 else 0.0
-    return max(m * (vpp * c_first + costs.embedding_s), last_middle,
-               m * (vpp * (last * per_layer + per_chunk) + costs.head_s) + c_first + (pp - 2) * c_middle
-               + costs.embedding_s)
+    c_first, c_middle = first * per_layer + chunk_s, middle * per_layer + chunk_s
+    first_s = costs.embedding_s + ends  # the first chunk's extra per micro-batch
+    last_middle = m * vpp * c_middle + c_first + (pp - 3) * c_middle + first_s if pp > 2 else 0.0
+    return max(m * (vpp * c_first + first_s), last_middle,
+               m * (vpp * (last * per_layer + chunk_s) + costs.head_s + ends) + c_first + (pp - 2) * c_middle
+               + first_s)
 
 
 @functools.lru_cache(maxsize=8192)

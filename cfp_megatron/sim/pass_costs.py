@@ -46,7 +46,8 @@ class PassCosts:
     head: tuple[PassCost, PassCost]
     """Forward and backward of the final norm, output layer and loss (on the last stage)."""
     per_pass: PassCost
-    """The schedule's own cost added to every stage's forward and to its backward call (measured; else zero)."""
+    """The schedule's own cost added to the forward and to the backward call of the stages that hold the embedding
+    or the head (measured; else zero)."""
     overheads: StepOverheads | None
     """The measured step overheads used, if any."""
 
@@ -130,8 +131,12 @@ def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
                 overheads = _step_overheads(job, measurements, layout.micro_batch)
     per_pass = PassCost()
     if overheads is not None:
-        # The layer as it runs inside the training schedule, and the schedule's own cost per micro-batch on every
-        # stage's forward and backward call (measured on probe models, :mod:`cfp_megatron.profile.overheads`).
+        # The layer as it runs inside the training schedule, and the schedule's own cost per micro-batch beyond the
+        # segments (measured on probe models, :mod:`cfp_megatron.profile.overheads`), on the forward and backward
+        # call of the stages that hold the embedding or the head. The probes run without pipelining, so they cannot
+        # say which stage pays it; the local bench's pipelined layouts (bench/local_layouts.py) agree with the ends
+        # paying it (PP=4, one sequence per micro-batch, medians over six profiles and six measured runs: +13% when
+        # every stage pays it, -3% when the ends do).
         dense = moe = in_schedule(dense, overheads.layer_s)
         per_pass = PassCost(overhead_s=overheads.per_microbatch_s / 2)
         emb, out = _ends_in_schedule(emb, out, overheads.ends_s)

@@ -85,8 +85,12 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
                 f, b = f.plus(emb[0]), b.plus(emb[1])
             if g == stages - 1:
                 f, b = f.plus(out[0]), b.plus(out[1])
-            f_row.append(f.plus(per_pass))
-            b_row.append(b.plus(per_pass))
+            if g == 0 or g == stages - 1:
+                # The schedule's cost per micro-batch beyond the segments (StepOverheads.per_microbatch_s), paid by
+                # the stages that feed the batch in and compute the loss (cfp_megatron.sim.pass_costs).
+                f, b = f.plus(per_pass), b.plus(per_pass)
+            f_row.append(f)
+            b_row.append(b)
             r_row.append(x)
         fwd.append(f_row)
         bwd.append(b_row)
