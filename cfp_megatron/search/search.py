@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import gc
 import heapq
 import math
 import time
@@ -124,7 +125,20 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
     """The ``cfp.top_k`` fastest layouts of ``job`` on ``world`` ranks that fit in memory (see the module docstring).
 
     ``exhaustive`` simulates every candidate that fits (no bound): the reference the bounded search is tested
-    against."""
+    against. Python's cyclic garbage collector is paused while it runs: the search allocates hundreds of thousands
+    of short-lived tuples and few cycles, and the collector's passes over them cost 10-15% of its time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _search(job, world, cfp, measurements=measurements, options=options, te_available=te_available,
+                       exhaustive=exhaustive)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements | None, options: SimOptions | None,
+            te_available: bool, exhaustive: bool) -> SearchResult:
     started = time.perf_counter()
     cluster = job.cluster
     options = options or SimOptions()
@@ -152,7 +166,9 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
         if not exhaustive and len(best) == k and bound > best[-1][0]:
             break  # this and every later candidate is slower than the k-th best
         if kind == _GROUP:
-            for entry in _expand(groups[item], job, options, param_bytes):
+            # Candidates bounded above the k-th best so far are never visited (the k-th best only falls).
+            cut = best[-1][0] if len(best) == k and not exhaustive else math.inf
+            for entry in _expand(groups[item], job, options, param_bytes, cut):
                 heapq.heappush(queue, entry)
             continue
         visited += 1
@@ -270,8 +286,10 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
     by_key: dict[tuple, _GroupCosts | None] = {}
     gpn = job.cluster.gpus_per_node or world
     size = 0
+    recomputes = {rc.value: rc for rc in Recompute} | {BLOCK: Recompute.full}
+    mlps = {p.value: p for p in MlpPartition}
     for fam in space.families:
-        layouts: dict[tuple[int, bool], Layout] = {}
+        placed: Layout | None = None
         for g in space.groups(fam):
             size += g.size
             if not g.size:
@@ -279,13 +297,12 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
             tp, cp, pp, ep, etp, sp, mb, rc, mlp = g.head
             # The pass costs depend on the layout only through cost_key: look them up without building and
             # validating a job per group; compute (and validate) once per key.
-            if (mb, sp) not in layouts:
+            if placed is None:  # where the family's groups sit on nodes (not moved by SP or the micro-batch)
                 dims = ParallelDims(world_size=world, tp=tp, pp=pp, vpp=1, cp=cp, ep=ep, etp=etp, dp=fam.dp(world),
                                     expert_dp=max(world // (etp * ep * pp), 1), sp=sp,
                                     num_microbatches=g.microbatches, order=job.parallel.order)
-                layouts[mb, sp] = dataclasses.replace(place(job, dims, gpn), micro_batch=mb)
-            ckey = cost_key(layouts[mb, sp], Recompute.full if rc == BLOCK else Recompute(rc), options,
-                            MlpPartition(mlp))
+                placed = place(job, dims, gpn)
+            ckey = cost_key(placed, recomputes[rc], options, mlps[mlp], sp=sp, micro_batch=mb)
             if ckey not in by_key:
                 by_key[ckey] = _group_costs(Candidate.from_key((*g.head, 1, 0, 0, False)), job, measurements,
                                             options, world, cache, refused)
@@ -317,11 +334,12 @@ def _lightest_ends(num_layers: int, pp: int, splits: tuple[tuple[int, int, int],
     return min(c[0] for c in counts), min(c[-1] for c in counts)
 
 
-def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions,
-            param_bytes: tuple[float, float]) -> list[tuple[float, int, tuple, float]]:
-    """Queue entries of the group's candidates: ``(time bound, _CANDIDATE, key, memory bound)``; the memory bound
-    counts the weights, gradients and, unless sharded, optimizer states of the heaviest pipeline rank's layers
-    (``param_bytes``: bytes per parameter with and without the distributed optimizer, :func:`_param_bytes`)."""
+def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: tuple[float, float],
+            cut: float = math.inf) -> list[tuple[float, int, tuple, float]]:
+    """Queue entries of the group's candidates whose time bound is ``cut`` or less: ``(time bound, _CANDIDATE, key,
+    memory bound)``; the memory bound counts the weights, gradients and, unless sharded, optimizer states of the
+    heaviest pipeline rank's layers (``param_bytes``: bytes per parameter with and without the distributed optimizer,
+    :func:`_param_bytes`)."""
     m = job.model
     L = m.num_layers
     first_dense = m.moe_first_dense_layers if m.is_moe else None
@@ -332,6 +350,8 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions,
     for vpp, first_n, last_n in g.splits:
         first, middle, last = _stage_layers(L, pp, first_n, last_n)
         bound = _time_bound(costs, layer_s, chunk_s, g.microbatches, pp, vpp, L, first, middle, last)
+        if bound > cut:
+            continue
         params = 0.0 if options.fsdp else max(d * costs.dense_params + n * costs.moe_params
                                               for d, n in _rank_loads(L, pp, vpp, first_n, last_n, first_dense))
         out += [(bound, _CANDIDATE, (*g.head, vpp, first_n, last_n, dopt), params * param_bytes[not dopt])

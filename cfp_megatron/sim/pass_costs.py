@@ -61,13 +61,17 @@ def _total(cost: LayerCost) -> float:
 
 
 def cost_key(layout: Layout, recompute: Recompute, options: SimOptions,
-             mlp: MlpPartition = MlpPartition.megatron) -> tuple[Any, ...]:
+             mlp: MlpPartition = MlpPartition.megatron, *, sp: bool | None = None,
+             micro_batch: int | None = None) -> tuple[Any, ...]:
     """Everything of a plan that :func:`pass_costs` reads (its layout, recompute choice and MLP partition), for plans
-    of one model on one cluster with one set of options and measurements: equal keys, equal costs."""
+    of one model on one cluster with one set of options and measurements: equal keys, equal costs. ``sp`` and
+    ``micro_batch`` stand in for the layout's own (they do not move groups between nodes: a search places a family
+    once for all of them)."""
     d = layout.dims
     fsdp = (d.dp, layout.dp_per_node) if options.fsdp else ()
-    return (d.tp, d.sp, d.cp, d.ep, d.etp, layout.micro_batch, layout.seq_length, recompute, layout.tp_per_node,
-            layout.cp_per_node, layout.ep_per_node, layout.gpus_per_node, fsdp, mlp)
+    return (d.tp, d.sp if sp is None else sp, d.cp, d.ep, d.etp,
+            layout.micro_batch if micro_batch is None else micro_batch, layout.seq_length, recompute,
+            layout.tp_per_node, layout.cp_per_node, layout.ep_per_node, layout.gpus_per_node, fsdp, mlp)
 
 
 @dataclass(kw_only=True)
