@@ -97,6 +97,23 @@ def test_fp8_is_faster_on_hopper_and_refused_without_fp8_peak() -> None:
         simulate(job(gbs=64), options=SimOptions(fp8=True))
 
 
+def test_fp8_keeps_the_linear_layers_inputs_in_one_byte() -> None:
+    """Transformer Engine's FP8 linear layers keep the FP8 copies of their inputs: per token and layer, the QKV, the
+    projection, fc1 and fc2 inputs lose one byte an element (h, h, h and the FFN width, split over TP under SP);
+    PrimePar's MLP runs in bf16, so there only attention's two inputs shrink."""
+    from cfp_megatron.sim.layout import build_layout
+    from cfp_megatron.sim.memory import layer_activation_bytes
+
+    h, ffn, t, mb, seq = 4096, 4 * 4096, 4, 2, 2048
+    tokens = mb * seq
+    for mlp, saved in (("megatron", (3 * h + ffn) / t), ("primepar", 2 * h / t)):
+        j = job(cluster=H100, tp=t, sp=True, mb=mb, gbs=32, mlp=mlp)
+        layout = build_layout(j)
+        bf16 = layer_activation_bytes(j, layout, SimOptions(), moe=False)[0]
+        fp8 = layer_activation_bytes(j, layout, SimOptions(fp8=True), moe=False)[0]
+        assert bf16 - fp8 == pytest.approx(tokens * saved)
+
+
 def test_moe_expert_parallel_and_context_parallel() -> None:
     moe = {"num_experts": 8, "moe_router_topk": 2, "activation": "swiglu", "moe_ffn_hidden_size": 2048}
     pred = simulate(job(cluster=H100, model=moe, ep=8, gbs=64))

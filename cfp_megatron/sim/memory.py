@@ -87,6 +87,18 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
             # forward to the backward pass (cfp_megatron.sim.primepar_cost).
             per_token -= primepar_stash_saving(tp=t, tokens=1.0, hidden=h, elem=2.0, sp=sp)
             per_token += primepar_weight_copies(tp=t, hidden=h, ffn=m.ffn_size, gated=gated, elem=2.0) / tokens
+    if options.fp8:
+        # Transformer Engine's FP8 linear layers keep the FP8 copy of their input for the weight gradient: one byte
+        # instead of two for the QKV input (its fused norm's output) and the projection's input; for a dense MLP
+        # run by TE, fc1's (its fused norm's output) and fc2's; for MoE, the experts' inputs per routed copy (the
+        # router reads the norm's output in bf16) and the shared expert's fc2 input. PrimePar's MLP runs in bf16.
+        per_token -= h * rep + q_width / t
+        if moe:
+            fe = m.moe_ffn_hidden_size or m.ffn_size
+            per_token -= m.moe_router_topk * d.etp / t * (h + fe / d.etp)
+            per_token -= (m.moe_shared_expert_intermediate_size or 0) / t
+        elif not (job.parallel.mlp is MlpPartition.primepar and t > 1):
+            per_token -= h * rep + m.ffn_size / t
     full = tokens * h * 2 * rep
     return tokens * per_token, full
 
