@@ -318,4 +318,3 @@ def export_db(db: ProfileDB, path: str | Path) -> Path:
 
 __all__ = ["SCHEMA_VERSION", "ProfileDB", "db_path", "export_db", "load_db", "read_db",
            "store_db"]
-

@@ -2,12 +2,13 @@
 
 Activations per layer follow Korthikanti et al. (2022), Table 2, term by term, so the same formula covers GQA
 (smaller K and V), SwiGLU (a wider first MLP output), MoE (routed token copies through expert MLPs), dropout masks
-only when dropout is on, fused attention (no ``s x s`` scores), TP with and without sequence parallelism, and CP
-(each rank keeps ``s / cp`` tokens). For GPT-style MHA with dropout this is ``s b h (34 + 5 a s / h)`` bytes without
-TP, ``s b h (10 + 24 / t + 5 a s / (h t))`` with TP, ``s b h / t (34 + 5 a s / h)`` with TP + SP; selective
-recomputation drops the ``a s`` terms; full recomputation keeps only each layer's input (with the ``block`` method
-only for the first ``recompute_num_layers`` layers of each pipeline chunk; the others keep everything). Stage ``r``
-of 1F1B holds ``pp - r`` micro-batches; the interleaved schedule holds its warm-up count of model chunks plus one.
+only when dropout is on, fused attention (no ``s x s`` scores), TP with and without sequence parallelism, CP (each
+rank keeps ``s / cp`` tokens) and FP8 (the linear layers' saved inputs are one-byte copies). For GPT-style MHA with
+dropout this is ``s b h (34 + 5 a s / h)`` bytes without TP, ``s b h (10 + 24 / t + 5 a s / (h t))`` with TP, ``s b h
+/ t (34 + 5 a s / h)`` with TP + SP; selective recomputation drops the ``a s`` terms; full recomputation keeps only
+each layer's input (with the ``block`` method only for the first ``recompute_num_layers`` layers of each pipeline
+chunk; the others keep everything). Stage ``r`` of 1F1B holds ``pp - r`` micro-batches; the interleaved schedule
+holds its warm-up count of model chunks plus one.
 """
 
 from __future__ import annotations
@@ -62,10 +63,15 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
     kv_width = m.query_groups * head_dim
     rep = 1.0 / t if sp else 1.0
     hidden_mask = 1.0 if m.hidden_dropout > 0 else 0.0
+    primepar = not moe and job.parallel.mlp is MlpPartition.primepar and t > 1
+    # Bytes per element of an input a linear layer keeps for its weight gradient: Transformer Engine's FP8 layers
+    # keep the one-byte FP8 copy their forward GEMM read (PrimePar's MLP and the MoE router run in bf16).
+    lin = 1.0 if options.fp8 else 2.0
+    mlp_in = 2.0 if moe or primepar else lin  # a dense TE fc1 keeps its fused norm's output; the router reads bf16
     # Replicated over TP unless SP: two norm inputs, QKV input, MLP input, two dropout masks.
-    per_token = (2 * h + 2 * h + 2 * h + 2 * h + 2 * hidden_mask * h) * rep
+    per_token = (2 * h + 2 * h + lin * h + mlp_in * h + 2 * hidden_mask * h) * rep
     # Split over TP: Q, K, V, attention output (projection input).
-    per_token += (2 * q_width + 2 * kv_width + 2 * kv_width + 2 * q_width) / t
+    per_token += (2 * q_width + 2 * kv_width + 2 * kv_width + lin * q_width) / t
     recompute = job.parallel.recompute if recompute is None else recompute
     if not options.flash_attention and recompute is Recompute.none:
         attn_mask = 1.0 if m.attention_dropout > 0 else 0.0
@@ -74,31 +80,20 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
     if moe:
         fe = m.moe_ffn_hidden_size or m.ffn_size
         routed = m.moe_router_topk * d.etp / t  # token copies per local token
-        per_token += routed * (2 * h + 2 * fe * (2 if gated else 1) / d.etp + 2 * fe / d.etp)
+        per_token += routed * (lin * h + 2 * fe * (2 if gated else 1) / d.etp + lin * fe / d.etp)
         shared = m.moe_shared_expert_intermediate_size or 0
-        per_token += (2 * shared * (2 if gated else 1) + 2 * shared) / t
+        per_token += (2 * shared * (2 if gated else 1) + lin * shared) / t
     else:
-        per_token += (2 * m.ffn_size * (2 if gated else 1) + 2 * m.ffn_size) / t
+        fc2_in = 2.0 if primepar else lin
+        per_token += (2 * m.ffn_size * (2 if gated else 1) + fc2_in * m.ffn_size) / t
         if gated and job.cluster.on_cpu:
             # Unfused SwiGLU (the fusion is CUDA-only): it also keeps SiLU's output and the linear half it multiplies.
             per_token += 2 * 2 * m.ffn_size / t
-        if job.parallel.mlp is MlpPartition.primepar and t > 1:
+        if primepar:
             # fc1's input kept as one block of the grid, not replicated; the rotated weight blocks kept from the
             # forward to the backward pass (cfp_megatron.sim.primepar_cost).
             per_token -= primepar_stash_saving(tp=t, tokens=1.0, hidden=h, elem=2.0, sp=sp)
             per_token += primepar_weight_copies(tp=t, hidden=h, ffn=m.ffn_size, gated=gated, elem=2.0) / tokens
-    if options.fp8:
-        # Transformer Engine's FP8 linear layers keep the FP8 copy of their input for the weight gradient: one byte
-        # instead of two for the QKV input (its fused norm's output) and the projection's input; for a dense MLP
-        # run by TE, fc1's (its fused norm's output) and fc2's; for MoE, the experts' inputs per routed copy (the
-        # router reads the norm's output in bf16) and the shared expert's fc2 input. PrimePar's MLP runs in bf16.
-        per_token -= h * rep + q_width / t
-        if moe:
-            fe = m.moe_ffn_hidden_size or m.ffn_size
-            per_token -= m.moe_router_topk * d.etp / t * (h + fe / d.etp)
-            per_token -= (m.moe_shared_expert_intermediate_size or 0) / t
-        elif not (job.parallel.mlp is MlpPartition.primepar and t > 1):
-            per_token -= h * rep + m.ffn_size / t
     full = tokens * h * 2 * rep
     return tokens * per_token, full
 
