@@ -427,12 +427,16 @@ class ParallelSpec:
     mlp: MlpPartition = MlpPartition.megatron
     """Partition of the dense MLP over the TP group: Megatron's column/row split, or PrimePar's P_{2^k x 2^k} (needs
     parallel.tp = 4, 16, 64, ...; with sequence parallelism it all-gathers its input's sequence shards first)."""
+    primepar_layers: int | None = None
+    """With ``mlp=primepar``: only the first ``primepar_layers`` layers of each pipeline chunk run PrimePar's MLP,
+    the others Megatron's column/row split (as ``recompute_method=block`` counts recomputed layers); ``None``: every
+    layer. The planner sets it to the most PrimePar layers that fit in memory when all of them do not."""
 
     def __post_init__(self) -> None:
         issues: list[ConfigIssue] = []
         p = self.PREFIX
         _positive(issues, p, self, "tp", "pp", "vpp", "cp", "ep", "etp", "recompute_num_layers", "first_stage_layers",
-                  "last_stage_layers")
+                  "last_stage_layers", "primepar_layers")
         dims = self.order.split("-")
         _issue(issues, sorted(dims) == sorted(["tp", "cp", "ep", "dp", "pp"]), f"{p}.order", self.order,
                "must name tp, cp, ep, dp and pp once each, separated by '-'.", "use the default tp-cp-ep-dp-pp.")
@@ -455,6 +459,17 @@ class ParallelSpec:
                                           problem=f"PrimePar's P_{{2^k x 2^k}} needs a square grid of 4^k ranks as the "
                                                   f"tensor-parallel group; parallel.tp={self.tp} is not 4, 16, 64, ...",
                                           fix="set parallel.tp to 4 or 16, or parallel.mlp=megatron."))
+        if self.primepar_layers is not None and self.mlp is not MlpPartition.primepar:
+            issues.append(ConfigIssue(key=f"{p}.primepar_layers", value=self.primepar_layers,
+                                      problem="it counts the layers of each pipeline chunk that run PrimePar's MLP; "
+                                              f"parallel.mlp={self.mlp.value} runs none.",
+                                      fix="set parallel.mlp=primepar or parallel.primepar_layers=null."))
+        if self.primepar_layers is not None and self.recompute_method is RecomputeMethod.block:
+            issues.append(ConfigIssue(key=f"{p}.primepar_layers", value=self.primepar_layers,
+                                      problem="PrimePar on only some layers of each chunk is not combined with "
+                                              "block recomputation (parallel.recompute_method=block).",
+                                      fix="set parallel.primepar_layers=null (every layer PrimePar) or "
+                                          "parallel.recompute_method=uniform."))
         if self.vpp is not None and self.vpp > 1 and self.pp == 1:
             issues.append(ConfigIssue(key=f"{p}.vpp", value=self.vpp,
                                       problem="virtual pipeline stages need parallel.pp > 1.",

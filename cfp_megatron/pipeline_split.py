@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cfp_megatron.config import RecomputeMethod
+from cfp_megatron.config import MlpPartition, RecomputeMethod
 from cfp_megatron.errors import ConfigIssue
 
 if TYPE_CHECKING:
@@ -50,6 +50,14 @@ class ChunkLayers:
         method the first ``recompute_num_layers``."""
         block = parallel.recompute_method is RecomputeMethod.block
         return self.leading(parallel.recompute_num_layers if block else self.count)
+
+    def primepar(self, parallel: ParallelSpec) -> int:
+        """Dense layers of the chunk whose MLP runs PrimePar: none under Megatron's partition, else the first
+        ``primepar_layers`` (every one by default; the runtime's :func:`~cfp_megatron.layers.primepar_mlp.
+        with_primepar_mlp`)."""
+        if parallel.mlp is not MlpPartition.primepar:
+            return 0
+        return self.leading(self.count if parallel.primepar_layers is None else parallel.primepar_layers)[0]
 
 
 def split_issues(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None,

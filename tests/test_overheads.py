@@ -195,3 +195,24 @@ def test_a_rest_falling_below_zero_goes_to_the_embedding_and_head() -> None:
     assert high.per_microbatch_s == 0.0 and high.ends_s == pytest.approx(rest(4))
     assert 4 * (EMB + HEAD) + high.ends_s + 3 * high.layer_s + high.per_microbatch_s == pytest.approx(
         4 * (EMB + HEAD + 3 * LAYER) + rest(4))
+
+
+def test_the_per_token_losss_token_count_collectives_are_counted() -> None:
+    """Under the per-token loss Megatron's finalize_model_grads broadcasts the step's token count over the pipeline
+    group and all-reduces it over DP x CP; the probes time finalize_model_grads out of their schedule, so the
+    simulator adds both (one number each: their latency) on a profiled cluster."""
+    from cfp_megatron.sim.layout import build_layout
+    from cfp_megatron.sim.pass_costs import collective_costs
+    from cfp_megatron.sim.simulate import _token_count_sync
+
+    ov = StepOverheads(partition="tp1", micro_batch=2, layer_s=0.006, per_microbatch_s=0.0, step_base_s=0.0,
+                       step_per_param_s=0.0)
+    dp4, dp2_pp2, tp4 = _tiny(tp=1, pp=1), _tiny(tp=1, pp=2), _tiny(tp=4, pp=1)
+    costs = collective_costs(dp4.cluster, _Measured(ov))
+    reduce4 = _token_count_sync(costs, build_layout(dp4, 4))
+    assert reduce4 > 0
+    assert _token_count_sync(costs, build_layout(tp4, 4)) == 0.0  # one data-parallel rank, one stage: nothing
+    assert _token_count_sync(costs, build_layout(dp2_pp2, 4)) > _token_count_sync(costs, build_layout(
+        _tiny(tp=2, pp=1), 4))  # the pipeline's broadcast on top of the DP=2 all-reduce
+    measured = simulate(dp4, measurements=_Measured(ov), world_size=4)
+    assert measured.time.dp_comm_s >= reduce4

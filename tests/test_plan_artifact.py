@@ -100,7 +100,7 @@ def test_canonical_format_of_the_gpt3_plan(plans: dict[str, Plan]) -> None:
     text = plans["gpt3_vpp_sp"].canonical()
     assert text.startswith("gpt3_175b@dgx_a100x128x8:tp=8,sp=1,pp=16,vpp=2,cp=1,ep=1,etp=1,dp=8,mb=1,gbs=1536,"
                            "seq=2048,ppf=null,ppl=null,rc=none,rcn=1,")
-    assert text.endswith(",do=1,ogr=0,opg=0,gf32=1,order=tp-cp-ep-dp-pp,mlp=megatron,prec=bf16")
+    assert text.endswith(",do=1,ogr=0,opg=0,gf32=1,order=tp-cp-ep-dp-pp,mlp=megatron,mlpn=null,prec=bf16")
     assert " " not in text and "\n" not in text
 
 
@@ -120,7 +120,8 @@ def test_every_parallel_field_is_in_the_canonical_string(plans: dict[str, Plan])
     assert len(keys) == len(set(keys))
     short = {"recompute": "rc", "recompute_num_layers": "rcn", "recompute_method": "rcm",
              "distributed_optimizer": "do", "overlap_grad_reduce": "ogr", "overlap_param_gather": "opg",
-             "first_stage_layers": "ppf", "last_stage_layers": "ppl", "grad_reduce_in_fp32": "gf32"}
+             "first_stage_layers": "ppf", "last_stage_layers": "ppl", "grad_reduce_in_fp32": "gf32",
+             "primepar_layers": "mlpn"}
     for f in dataclasses.fields(ParallelSpec):
         assert short.get(f.name, f.name) in keys, f.name
     assert {"dp", "mb", "gbs", "seq", "prec"} <= set(keys)

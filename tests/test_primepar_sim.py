@@ -147,3 +147,127 @@ def test_cpu_ranks_pay_the_ring_beside_the_gemms() -> None:
     cpu = primepar_mlp_cost(kernels, costs, **sizes, overlap=False)
     assert cpu.forward_compute_s == gpu.forward_compute_s and cpu.backward_compute_s == gpu.backward_compute_s
     assert cpu.forward_comm_s > gpu.forward_comm_s and cpu.backward_comm_s > gpu.backward_comm_s
+
+
+# PrimePar on some layers of each chunk (parallel.primepar_layers): the search's count against every count simulated.
+MIXED = ["model=llama3_8b", "cluster=dgx_h100", "cluster.nodes=1", "train.global_batch_size=64",
+         "train.seq_length=8192"]
+PINS = ["cfp.tp=4", "cfp.pp=1", "cfp.cp=1", "cfp.recompute=none", "cfp.distributed_optimizer=false",
+        "cfp.mlp=primepar", "cfp.constraints.memory_headroom=0", "cfp.top_k=1000"]
+
+
+def _mixed_job(hbm_gib: float, *overrides: str):
+    cfg = compose_config(["+cfp=auto", *MIXED, f"cluster.hbm_gib={hbm_gib}", *PINS, *overrides])
+    return job_from_config(cfg), cfp_from_config(cfg)
+
+
+def _every_count(job, sp: bool, mb: int, measurements=None) -> dict[int, tuple[float, float]]:
+    """(step seconds, peak GiB) of the layout with PrimePar on the first n layers, for every n (0: Megatron's)."""
+    from cfp_megatron.sim.prediction import GIB
+
+    out = {}
+    for n in range(job.model.num_layers + 1):
+        parallel = dataclasses.replace(job.parallel, tp=4, sp=sp, mlp=MlpPartition.primepar if n else
+                                       MlpPartition.megatron, primepar_layers=n or None)
+        train = dataclasses.replace(job.train, micro_batch_size=mb)
+        p = simulate(dataclasses.replace(job, parallel=parallel, train=train), measurements=measurements,
+                     world_size=8)
+        out[n] = (p.step_time_s, p.memory.total / GIB)
+    return out
+
+
+def test_simulated_time_and_memory_follow_the_count_of_primepar_layers() -> None:
+    """Each PrimePar layer adds its difference from Megatron's to the step and, with one micro-batch in flight, to
+    the peak: halfway is half of each (Llama-3 8B, TP=4, 4 x 8K tokens: PrimePar's fc1 input saving outweighs its
+    rotated weight blocks, and its ring makes it the slower)."""
+    job, _ = _mixed_job(200)
+    every = _every_count(job, sp=False, mb=4)
+    (t0, m0), (t16, m16), (t32, m32) = every[0], every[16], every[32]
+    assert t0 < t16 < t32 and m0 > m16 > m32
+    assert t16 - t0 == pytest.approx((t32 - t0) / 2, rel=0.02)
+    assert m16 - m0 == pytest.approx((m32 - m0) / 2, rel=1e-6)
+
+
+def test_a_slower_primepar_layer_is_not_mixed_in() -> None:
+    """PrimePar's layer is the slower and the smaller here: the fewest PrimePar layers that fit would beat every
+    layer PrimePar's, but their bound is Megatron's layer, which the PrimePar group's bound is not; the search keeps
+    the candidate whole (every layer PrimePar's), as the exhaustive search does."""
+    probe, _ = _mixed_job(200)
+    every = _every_count(probe, sp=False, mb=4)
+    limit = (every[0][1] + every[32][1]) / 2  # between Megatron's peak and every layer PrimePar's
+    job, cfp = _mixed_job(limit, "cfp.sp=false", "cfp.micro_batch=4")
+    found = search(job, 8, cfp)
+    assert [r.candidate.primepar_layers for r in found.ranked] == [0]
+    assert found.ranked[0].prediction.step_time_s == pytest.approx(every[32][0])
+    assert [r.candidate for r in search(job, 8, cfp, exhaustive=True).ranked] == [found.ranked[0].candidate]
+
+
+def _faster_primepar_db(job):
+    """A ProfileDB whose PrimePar decoder layer (TP=4; profiling times it without SP) was timed 20% faster than
+    Megatron's."""
+    from cfp_megatron.cluster.measured import partition_name
+    from cfp_megatron.profile.db import ProfileDB
+    from cfp_megatron.profile.fingerprint import Fingerprint
+    from cfp_megatron.profile.records import SegmentRecord
+
+    fp = Fingerprint(device_name="Test GPU", device_count=8, nodes=1, gpus_per_node=8, backend="nccl",
+                     torch="2.13.0", megatron_core="0.16.1", cpu_cores=16)
+    rows = []
+    for mb in (1, 2):
+        for kind, partition, seconds in (("embedding", "tp4", 0.002), ("head", "tp4", 0.004), ("dense", "tp4", 0.010),
+                                         ("dense", partition_name(4, mlp=MlpPartition.primepar), 0.008)):
+            rows.append(SegmentRecord(model="m", model_name=job.model.name, segment=f"{kind}-id", kind=kind,
+                                      partition=partition, tp=4, micro_batch=mb, seq_length=job.train.seq_length,
+                                      forward_s=mb * seconds / 3, backward_s=mb * seconds * 2 / 3, confirmed=True))
+    return ProfileDB(fingerprint=fp).merged(segments=rows)
+
+
+def test_search_takes_the_most_primepar_layers_that_fit_where_every_layer_does_not() -> None:
+    """Where profiling timed PrimePar's layer the faster and it keeps more (one 8K sequence: its rotated weight
+    blocks outweigh its fc1 input saving), the fastest plan of the layout that fits is the most PrimePar layers per
+    chunk the memory allows."""
+    probe, _ = _mixed_job(200)
+    db = _faster_primepar_db(probe)
+    every = _every_count(probe, sp=False, mb=1, measurements=db)
+    assert every[32][0] < every[0][0] and every[32][1] > every[0][1]
+    limit = (every[0][1] + every[32][1]) / 2
+    job, cfp = _mixed_job(limit, "cfp.sp=false", "cfp.micro_batch=1")
+    best = min((t, n) for n, (t, m) in every.items() if m <= limit)[1]
+    assert 0 < best < 32
+    found = search(job, 8, cfp, measurements=db)
+    assert [r.candidate.primepar_layers for r in found.ranked] == [best]
+    assert found.ranked[0].prediction.step_time_s == pytest.approx(every[best][0])
+    assert [r.candidate for r in search(job, 8, cfp, measurements=db, exhaustive=True).ranked] == [
+        found.ranked[0].candidate]
+    assert f"primepar{best} " in found.ranked[0].candidate.describe(8)
+    from cfp_megatron.plan import Plan  # the count travels in the plan: canonical string and back
+
+    plan = Plan.from_job(found.ranked[0].job, world_size=8, prediction=None, inputs_fingerprint="")
+    assert f",mlp=primepar,mlpn={best}," in plan.canonical()
+    assert Plan.parse(plan.canonical()).parallel.primepar_layers == best
+
+
+def test_primepar_layers_need_primepar_and_no_block_recompute() -> None:
+    with pytest.raises(ConfigError, match="parallel.primepar_layers"):
+        job_from_config(compose_config(["parallel.tp=4", "parallel.primepar_layers=1"]))
+    with pytest.raises(ConfigError, match="parallel.primepar_layers"):
+        job_from_config(compose_config(["parallel.tp=4", "parallel.mlp=primepar", "parallel.primepar_layers=1",
+                                        "parallel.recompute=full", "parallel.recompute_method=block"]))
+
+
+def test_measured_memory_counts_each_layer_under_its_own_partition() -> None:
+    """With profiled segment memory, the layers beyond parallel.primepar_layers hold what Megatron's layer was
+    measured to keep, the others PrimePar's: the activations move by one layer's difference per layer."""
+    from cfp_megatron.sim.prediction import GIB
+
+    probe, _ = _mixed_job(200)
+    rows = []
+    base = _faster_primepar_db(probe)
+    for r in base.segments:
+        keep = 3e8 if r.partition.endswith("primepar") else 2e8
+        rows.append(dataclasses.replace(r, activation_bytes=r.micro_batch * keep, transient_bytes=0.0,
+                                        workspace_bytes=0.0))
+    db = dataclasses.replace(base, segments=()).merged(segments=rows)
+    every = _every_count(probe, sp=False, mb=1, measurements=db)
+    steps = [every[n][1] - every[n - 1][1] for n in (1, 2, 17, 32)]
+    assert steps == pytest.approx([1e8 / GIB] * 4, rel=1e-6)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from cfp_megatron.parallel_dims import transformer_engine_available
+from cfp_megatron.runtime import checkpoint
 from tests.launcher import RunResult, run_train
 
 pytestmark = pytest.mark.slow
@@ -77,6 +78,10 @@ LAYOUTS = [
     # suite for time.)
     pytest.param("gpt_tiny", 4, ["parallel.tp=4", "parallel.sp=true", "parallel.mlp=primepar"],
                  id="gpt-tp4-sp-primepar"),
+    # PrimePar on the first of the four layers only (parallel.primepar_layers, what the planner picks when every
+    # layer's PrimePar MLP does not fit): layers 1-3 keep Megatron's split; under SP their boundaries differ.
+    pytest.param("gpt_tiny", 4, ["parallel.tp=4", "parallel.sp=true", "parallel.mlp=primepar",
+                                 "parallel.primepar_layers=1"], id="gpt-tp4-sp-primepar-first1"),
 ]
 
 
@@ -98,27 +103,47 @@ def test_layout_matches_single_rank(model: str, nproc: int, overrides: list[str]
 
 def _mlp_weight_blocks(folder: Path, name: str) -> set[tuple[int, int]]:
     """The (out, in) offsets of the blocks a checkpoint holds of every layer's ``mlp.<name>.weight``."""
+    return {offsets for layer in _layer_blocks(folder, name).values() for offsets in layer}
+
+
+def _layer_blocks(folder: Path, name: str) -> dict[int, set[tuple[int, int]]]:
+    """Per decoder layer, the (out, in) offsets of the blocks a checkpoint holds of ``mlp.<name>.weight`` (each
+    layer under its own keys, ``decoder.layers.<i>.``)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    chunks = FileSystemReader(str(folder)).read_metadata().state_dict_metadata[f"decoder.layers.mlp.{name}.weight"]
-    return {tuple(int(o) for o in chunk.offsets[-2:]) for chunk in chunks.chunks}
+    found: dict[int, set[tuple[int, int]]] = {}
+    for key, meta in FileSystemReader(str(folder)).read_metadata().state_dict_metadata.items():
+        parts = key.split(".")
+        if key.endswith(f".mlp.{name}.weight") and parts[:2] == ["decoder", "layers"] and parts[2].isdigit():
+            found[int(parts[2])] = {tuple(int(o) for o in chunk.offsets[-2:]) for chunk in meta.chunks}
+    return dict(sorted(found.items()))
 
 
-@pytest.mark.parametrize(("model", "model_overrides"), [
-    pytest.param("gpt_tiny", [], id="gpt-biases"),
-    pytest.param("llama_tiny", ["model.num_query_groups=4"], id="llama-swiglu"),
+def _fc1_input_splits(folder: Path) -> dict[int, int]:
+    """Per decoder layer, the number of distinct offsets along fc1's input (hidden) axis a checkpoint holds: 2 for
+    PrimePar's 2x2 blocks, 1 for Megatron's column split."""
+    return {layer: len({i for _, i in blocks}) for layer, blocks in _layer_blocks(folder, "linear_fc1").items()}
+
+
+@pytest.mark.parametrize(("model", "model_overrides", "middle"), [
+    # the middle run: PrimePar on the first layer only (parallel.primepar_layers=1), on 4 ranks
+    pytest.param("gpt_tiny", [], "mixed", id="gpt-biases"),
+    pytest.param("llama_tiny", ["model.num_query_groups=4"], "tp2", id="llama-swiglu"),
 ])
-def test_primepar_checkpoint_resumes_under_megatron_tp2_and_back(model: str, model_overrides: list[str],
+def test_primepar_checkpoint_resumes_under_megatron_tp2_and_back(model: str, model_overrides: list[str], middle: str,
                                                                  tmp_path: Path,
                                                                  reference: Callable[..., RunResult]) -> None:
-    """Steps 1-2 under TP=4 with the PrimePar MLP, step 3 under TP=2 with Megatron's MLP, step 4 under PrimePar
+    """Steps 1-2 under TP=4 with the PrimePar MLP, step 3 under TP=2 with Megatron's MLP (llama_tiny) or under
+    TP=4 with PrimePar's MLP on the first layer and Megatron's on the other three (gpt_tiny), step 4 under PrimePar
     again: each resume reads the other layout's blocks (PrimePar's 2-D blocks, Megatron's column/row shards, the
     gated fc1's gate and up halves, the replicated biases, Adam's moments) and the losses stay the reference's."""
     ckpt = tmp_path / "ckpt"
     common = [f"model={model}", *model_overrides, *(o for o in COMMON if not o.startswith("train.steps=")),
               f"train.lr_decay_steps={STEPS}", f"train.checkpoint_dir={ckpt}"]  # the reference's schedule
     primepar, resume = ["parallel.tp=4", "parallel.mlp=primepar"], ["train.resume=true"]
-    runs = [(4, 2, primepar), (2, 3, ["parallel.tp=2", *resume]), (4, 4, [*primepar, *resume])]  # (ranks, to step, ...)
+    between = (4, [*primepar, "parallel.primepar_layers=1", *resume]) if middle == "mixed" else (
+        2, ["parallel.tp=2", *resume])
+    runs = [(4, 2, primepar), (between[0], 3, between[1]), (4, 4, [*primepar, *resume])]  # (ranks, to step, ...)
     ref = reference(model, *model_overrides)
     done = 0
     for nproc, last, overrides in runs:
@@ -135,7 +160,10 @@ def test_primepar_checkpoint_resumes_under_megatron_tp2_and_back(model: str, mod
     assert len(blocks) == (8 if model == "llama_tiny" else 4)  # 4 ranks' blocks; SwiGLU: a gate and an up part each
     assert len({i for _, i in blocks}) == 2
     assert len({o for o, _ in _mlp_weight_blocks(ckpt / "iter_0000004", "linear_fc2")}) == 2
-    assert len({i for _, i in _mlp_weight_blocks(ckpt / "iter_0000003", "linear_fc1")}) == 1  # Megatron's TP=2
+    # Step 3: Megatron's TP=2 column split on both layers, or PrimePar's blocks on the first layer only.
+    assert _fc1_input_splits(ckpt / "iter_0000003") == {0: 2 if middle == "mixed" else 1, 1: 1, 2: 1, 3: 1}
+    assert _fc1_input_splits(ckpt / "iter_0000004") == {0: 2, 1: 2, 2: 2, 3: 2}
+    assert checkpoint.saved_per_layer(ckpt / "iter_0000004")  # each layer under its own keys
 
 
 def test_bf16_tensor_parallel_matches_bf16_single_rank(tmp_path: Path) -> None:

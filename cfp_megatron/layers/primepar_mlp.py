@@ -509,6 +509,9 @@ def _primepar_layer(spec: ModuleSpec, layer_norm: Any) -> ModuleSpec:
     return dataclasses.replace(spec, submodules=dataclasses.replace(sub, **changes))
 
 
-def with_primepar_mlp(block: TransformerBlockSubmodules) -> TransformerBlockSubmodules:
-    """Megatron's block spec with every layer's dense MLP run by PrimePar (everything else kept)."""
-    return dataclasses.replace(block, layer_specs=[_primepar_layer(s, block.layer_norm) for s in block.layer_specs])
+def with_primepar_mlp(block: TransformerBlockSubmodules, first: int | None = None) -> TransformerBlockSubmodules:
+    """Megatron's block spec (one pipeline chunk's layers) with the dense MLP of its first ``first`` layers (``None``:
+    every layer) run by PrimePar, everything else kept (``parallel.primepar_layers``)."""
+    n = len(block.layer_specs) if first is None else first
+    return dataclasses.replace(block, layer_specs=[_primepar_layer(s, block.layer_norm) if i < n else s
+                                                   for i, s in enumerate(block.layer_specs)])

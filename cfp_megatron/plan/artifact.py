@@ -8,11 +8,11 @@ fingerprint of the inputs it was computed from. It has three forms:
   (:meth:`Plan.parse`) and is what :meth:`Plan.plan_hash` hashes::
 
       gpt3_175b@dgx_a100x128x8:tp=8,sp=1,pp=16,vpp=2,cp=1,ep=1,etp=1,dp=8,mb=1,gbs=1536,seq=2048,rc=none,rcn=1,
-      rcm=uniform,do=1,ogr=0,opg=0,gf32=1,order=tp-cp-ep-dp-pp,mlp=megatron,prec=bf16
+      rcm=uniform,do=1,ogr=0,opg=0,gf32=1,order=tp-cp-ep-dp-pp,mlp=megatron,mlpn=null,prec=bf16
 
   (one line). The head is ``<model>@<cluster>x<nodes>x<gpus_per_node>``; then every ``ParallelSpec`` field under a
   short name (``tp sp pp vpp cp ep etp``, the derived ``dp``, ``mb gbs seq``, then ``rc rcn rcm do ogr opg gf32 order
-  mlp``; a field added to ParallelSpec later appears under its own name before ``prec``), then the precision.
+  mlp mlpn``; a field added to ParallelSpec later appears under its own name before ``prec``), then the precision.
   Booleans are 1/0, enums their value, ``vpp``/``etp`` their effective size (``None`` means 1), another ``None`` is
   ``null``. The prediction and the inputs' fingerprint are not part of it: a parsed plan has ``predicted=None`` and
   ``inputs_fingerprint=""``, and two plans with the same layout have the same hash whatever they were computed from.
@@ -57,7 +57,7 @@ _SHORT: dict[str, str] = {
     "first_stage_layers": "ppf", "last_stage_layers": "ppl",
     "recompute": "rc", "recompute_num_layers": "rcn", "recompute_method": "rcm", "distributed_optimizer": "do",
     "overlap_grad_reduce": "ogr", "overlap_param_gather": "opg",
-    "grad_reduce_in_fp32": "gf32", "order": "order", "mlp": "mlp",
+    "grad_reduce_in_fp32": "gf32", "order": "order", "mlp": "mlp", "primepar_layers": "mlpn",
 }
 """Short canonical key of each known ParallelSpec field, in canonical order; other fields use their own name."""
 

@@ -16,6 +16,7 @@ reshardable formats.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -82,9 +83,16 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 """How Megatron-Core's distributed optimizer lays out its state in a checkpoint (ignored by the others)."""
 
 
-def sharded_state(chunks: list[torch.nn.Module], optimizer: Any, *, is_loading: bool) -> dict[str, Any]:
-    """Model and optimizer state as ShardedTensors keyed globally (so any layout can read it)."""
-    model_state = {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+def sharded_state(chunks: list[torch.nn.Module], optimizer: Any, *, is_loading: bool,
+                  per_layer: bool = True) -> dict[str, Any]:
+    """Model and optimizer state as ShardedTensors keyed globally (so any layout can read it).
+
+    ``per_layer``: each decoder layer under its own keys (``decoder.layers.<i>.``, Megatron-Core's
+    ``non_homogeneous_layers``), so layers sharded differently (PrimePar's 2-D blocks on some layers, Megatron's
+    column/row split on the others: ``parallel.primepar_layers``) live in one checkpoint; ``False`` stacks every
+    layer's tensor along a leading layer axis (``decoder.layers.``), the form checkpoints had before."""
+    meta = {"non_homogeneous_layers": per_layer}
+    model_state = {f"chunk{i}": chunk.sharded_state_dict(metadata=meta) for i, chunk in enumerate(chunks)}
     state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
         # The distributed optimizer's state in its canonical per-parameter form, so a checkpoint resumes under any
@@ -146,14 +154,30 @@ def saved_distributed_optimizer(root: str, step: int) -> bool:
     return isinstance(optimizer, dict) and "param_state_sharding_type" in optimizer
 
 
-def load(root: str, step: int, chunks: list[torch.nn.Module], optimizer: Any, scheduler: Any) -> dict[str, Any]:
-    """Load the checkpoint at ``step`` into this rank's chunks, optimizer and scheduler; return its extra state."""
+def saved_per_layer(folder: Path) -> bool:
+    """Whether the checkpoint in ``folder`` keys each decoder layer on its own (``decoder.layers.<i>.``) rather than
+    stacking them (``decoder.layers.``); read from its metadata, without process groups."""
+    keys = dist_checkpointing.load_tensors_metadata(str(folder)).keys()
+    stacked = re.compile(r"(^|\.)decoder\.layers\.(?!\d)")
+    return not any(stacked.search(k) for k in keys)
+
+
+def load(root: str, step: int, chunks: list[torch.nn.Module], optimizer: Any, scheduler: Any, *,
+         heterogeneous: bool = False) -> dict[str, Any]:
+    """Load the checkpoint at ``step`` into this rank's chunks, optimizer and scheduler; return its extra state.
+    ``heterogeneous``: the model's layers are split differently (it reads per-layer checkpoints only)."""
     from cfp_megatron.compat import optimizer as optimizer_compat
 
     optimizer_compat.install()
     folder = step_dir(Path(root), step)
+    per_layer = saved_per_layer(folder)
+    if not per_layer and heterogeneous:
+        raise CheckpointError(f"{folder} stacks every decoder layer's tensors along one layer axis (a checkpoint "
+                              "written before layers were keyed one by one), which a model whose layers are split "
+                              "differently cannot read (parallel.primepar_layers). Fix: resume it under a layout with "
+                              "parallel.primepar_layers=null, train one step and save, then switch.")
     _allocate_distributed_optimizer_state(optimizer)
-    state = sharded_state(chunks, optimizer, is_loading=True)
+    state = sharded_state(chunks, optimizer, is_loading=True, per_layer=per_layer)
     loaded = dist_checkpointing.load(state, str(folder))
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded["model"][f"chunk{i}"])

@@ -129,7 +129,7 @@ def build_model_chunks(job: JobSpec, config: TransformerConfig, dims: ParallelDi
         layer_spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization=m.normalization.value, vp_stage=vp)
         if job.parallel.mlp is MlpPartition.primepar:  # the dense MLP's fc1/fc2 on PrimePar's 2^k x 2^k square
-            layer_spec = with_primepar_mlp(layer_spec)
+            layer_spec = with_primepar_mlp(layer_spec, job.parallel.primepar_layers)
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,

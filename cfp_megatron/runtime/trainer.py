@@ -246,7 +246,8 @@ def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step
     log = MetricsLog(metrics_path, enabled=env.rank == 0)
     state = build_training(job, dims)
     if start_step is not None and t.checkpoint_dir is not None:
-        extra = checkpoint.load(t.checkpoint_dir, start_step, state.chunks, state.optimizer, state.scheduler)
+        extra = checkpoint.load(t.checkpoint_dir, start_step, state.chunks, state.optimizer, state.scheduler,
+                                heterogeneous=job.parallel.primepar_layers is not None)
         state.step = start_step
         log.event("resume", step=start_step, saved_under=extra.get("layout"), layout=dims.describe(),
                   restart_count=env.restart_count)
@@ -254,6 +255,7 @@ def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step
     peak, peak_source = peak_tflops(job.cluster, precision)
     flops_per_token = training_flops_per_token(job.model, t.seq_length)
     log.event("start", model=job.model.name, layout=dims.describe(), mlp=job.parallel.mlp.value,
+              primepar_layers=job.parallel.primepar_layers,
               params_on_rank0=count_parameters(state.chunks),
               steps=t.steps, start_step=state.step, precision=precision.value, backend=dist.get_backend(),
               device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

@@ -15,7 +15,8 @@ from cfp_megatron.sim.prediction import GIB, Prediction
 _KNOBS = (("tp", "TP"), ("sp", "sequence parallel"), ("pp", "PP"), ("vpp", "virtual stages"), ("cp", "CP"),
           ("first_stage_layers", "first stage layers (0: even)"), ("last_stage_layers", "last stage layers (0: even)"),
           ("ep", "EP"), ("etp", "expert TP"), ("micro_batch", "micro-batch"), ("recompute", "recompute"),
-          ("recompute_layers", "block-recomputed layers per chunk"), ("distributed_optimizer", "distributed optimizer"))
+          ("recompute_layers", "block-recomputed layers per chunk"), ("mlp", "MLP partition"),
+          ("primepar_layers", "PrimePar layers per chunk (0: all)"), ("distributed_optimizer", "distributed optimizer"))
 
 
 def mfu(prediction: Prediction, peak_tflops: float | None) -> float | None:

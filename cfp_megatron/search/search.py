@@ -57,6 +57,7 @@ from cfp_megatron.search.space import (
 )
 from cfp_megatron.search.spec import CfpSpec
 from cfp_megatron.sim.kernels import grad_element_bytes
+from cfp_megatron.sim.layer_cost import LayerCost
 from cfp_megatron.sim.layout import Layout, place
 from cfp_megatron.sim.memory import element_bytes
 from cfp_megatron.sim.options import SimOptions
@@ -185,6 +186,10 @@ def _search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurement
             else:
                 cjob, tries = cand.job(job), 1
                 memory = predict_memory(cjob, cluster, measurements, options=options, world_size=world, cache=cache)
+                if cand.mlp == MlpPartition.primepar.value and limit is not None:
+                    cand, memory, more = _primepar_layers(cand, memory, job, limit, measurements, options, world,
+                                                          cache)
+                    cjob, tries = cand.job(job), tries + more
         except ConfigError:
             invalid += 1
             continue
@@ -244,6 +249,56 @@ def _fewest_block_layers(cand: Candidate, job: JobSpec, limit: float | None, mea
         else:
             lo = mid + 1
     return dataclasses.replace(cand, recompute_layers=hi), found, tries
+
+
+def _primepar_layers(cand: Candidate, every: MemoryBreakdown, job: JobSpec, limit: float,
+                     measurements: Measurements | None, options: SimOptions, world: int,
+                     cache: CostCache) -> tuple[Candidate, MemoryBreakdown, int]:
+    """``cand`` (``mlp=primepar``, ``every``: its memory with every layer PrimePar's) with the number of layers per
+    chunk that run PrimePar's MLP, the others Megatron's (``parallel.primepar_layers``), its memory and the number
+    of memory predictions made.
+
+    This is the dynamic programme over the chain of a chunk's dense MLP segments, each PrimePar's or Megatron's,
+    with repeated layers solved once: the layers are alike, and neither choice costs the neighbours anything (under
+    SP the resharding to and from Megatron's sequence split is part of PrimePar's segment, whatever its neighbour
+    runs), so a chain's time and memory are a count of PrimePar layers times one layer's difference, and the
+    optimum is a count, not an arrangement. Where PrimePar's layer is the faster and every layer's does not fit,
+    memory grows with the count and the fastest plan that fits is the most PrimePar layers that do, found by
+    bisection; its step is at least every layer PrimePar's, so the group's bound holds. Otherwise the candidate is
+    left as it is (a slower PrimePar layer that saves memory would need the fewest PrimePar layers that fit, whose
+    bound is Megatron's layer: not offered, see the README)."""
+    hi = max_chunk_layers(job.model.num_layers, cand.pp, cand.vpp, cand.first_stage_layers, cand.last_stage_layers)
+    if hi < 2 or every.total / GIB <= limit:
+        return cand, every, 0
+    own = prepare_costs(cand.job(job), job.cluster, measurements, options=options, world_size=world, cache=cache)
+    twin = prepare_costs(dataclasses.replace(cand, mlp=MlpPartition.megatron.value).job(job), job.cluster,
+                         measurements, options=options, world_size=world, cache=cache)
+    if _layer_total(own.dense) >= _layer_total(twin.dense):
+        return cand, every, 0
+    tries = 0
+
+    def memory(n: int) -> MemoryBreakdown:
+        nonlocal tries
+        tries += 1
+        return predict_memory(dataclasses.replace(cand, primepar_layers=n).job(job), job.cluster, measurements,
+                              options=options, world_size=world, cache=cache)
+
+    first = memory(1)
+    if first.total / GIB > limit:
+        return cand, first, tries
+    lo, top, found = 1, hi - 1, first  # invariant: lo fits
+    while lo < top:
+        mid = (lo + top + 1) // 2
+        at = memory(mid)
+        if at.total / GIB <= limit:
+            lo, found = mid, at
+        else:
+            top = mid - 1
+    return dataclasses.replace(cand, primepar_layers=lo), found, tries
+
+
+def _layer_total(cost: LayerCost) -> float:
+    return cost.forward.total_s + cost.backward.total_s + cost.recompute.total_s
 
 
 def _family(c: Candidate) -> Family:
@@ -457,12 +512,15 @@ def _group_costs(cand: Candidate, job: JobSpec, measurements: Measurements | Non
         return None
     # the biases and norms the count leaves out add at least -2 h (cfp_megatron.sim.memory.layer_extra_params)
     slack = 2.0 * job.model.hidden_size
+    # A PrimePar candidate runs Megatron's MLP on some layers only where PrimePar's layer is the faster
+    # (_primepar_layers): the plan's own dense layer still bounds it.
     kinds = (parts.dense, parts.moe)
     return _GroupCosts(
         layer_s=parts.min_layer_s(),
         fb_s=min(c.forward.total_s + c.backward.total_s for c in kinds),
         recompute_s=min(c.recompute.total_s for c in kinds),
-        dense_params=max(parts.dense.params - slack, 0.0), moe_params=max(parts.moe.params - slack, 0.0),
+        dense_params=max(parts.dense.params - slack, 0.0),
+        moe_params=max(parts.moe.params - slack, 0.0),
         pass_s=parts.per_pass.total_s,
         embedding_s=sum(p.total_s for p in parts.embedding), head_s=sum(p.total_s for p in parts.head),
         shared_cores=measurements is not None and parts.overheads is not None

@@ -61,10 +61,14 @@ class Candidate:
     recompute_layers: int = 0
     """With ``recompute=block``: layers recomputed per chunk; the search sets it to the fewest that fit in memory
     (0 until then)."""
+    primepar_layers: int = 0
+    """With ``mlp=primepar``: layers per chunk whose MLP runs PrimePar, the others Megatron's (0: every layer); the
+    search sets it where a count fits in memory and every layer does not (or fits where Megatron's does not, and
+    PrimePar's layer is the slower)."""
 
     def key(self) -> tuple:
         """The fields that place it in the space, in order (candidates sort by it; :meth:`from_key` inverts it);
-        ``recompute_layers``, which the search chooses, is not one of them."""
+        ``recompute_layers`` and ``primepar_layers``, which the search chooses, are not among them."""
         return tuple(getattr(self, name) for name in _KEY_FIELDS)
 
     @classmethod
@@ -79,6 +83,7 @@ class Candidate:
                                    last_stage_layers=self.last_stage_layers or None,
                                    cp=self.cp, ep=self.ep, etp=self.etp if self.ep > 1 or self.etp > 1 else None,
                                    distributed_optimizer=self.distributed_optimizer, mlp=MlpPartition(self.mlp),
+                                   primepar_layers=self.primepar_layers or None,
                                    **self._recompute(),
                                    overlap_param_gather=base.overlap_param_gather and self.distributed_optimizer)
 
@@ -106,13 +111,14 @@ class Candidate:
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += [f"etp{self.etp}"] if self.etp > 1 else []
         rc = f"block{self.recompute_layers}" if self.recompute == BLOCK else self.recompute
-        parts += ["primepar"] if self.mlp == MlpPartition.primepar.value else []
+        parts += [f"primepar{self.primepar_layers or ''}"] if self.mlp == MlpPartition.primepar.value else []
         parts += [f"mb{self.micro_batch}", f"rc={rc}"]
         parts += ["dopt"] if self.distributed_optimizer else []
         return " ".join(parts)
 
 
-_KEY_FIELDS = tuple(f.name for f in dataclasses.fields(Candidate) if f.name != "recompute_layers")
+_KEY_FIELDS = tuple(f.name for f in dataclasses.fields(Candidate) if f.name not in ("recompute_layers",
+                                                                                     "primepar_layers"))
 
 
 @dataclass(frozen=True, kw_only=True, order=True)

@@ -13,6 +13,8 @@ holds its warm-up count of model chunks plus one.
 
 from __future__ import annotations
 
+import dataclasses
+
 from cfp_megatron.cluster.measured import Measurements, SegmentMemory, partition_name
 from cfp_megatron.config import (
     Activation,
@@ -118,6 +120,22 @@ def recomputed_layers(job: JobSpec, *, rank: int) -> tuple[int, int]:
     return sum(d for d, _ in per_chunk), sum(m for _, m in per_chunk)
 
 
+def primepar_split(job: JobSpec, *, rank: int) -> tuple[int, JobSpec | None]:
+    """(dense layers of pipeline rank ``rank`` that run the plan's MLP partition, the plan with Megatron's partition
+    for the others): with ``parallel.primepar_layers`` below a chunk's dense layers, those beyond it keep Megatron's
+    split; otherwise every dense layer runs the plan's partition and the second value is ``None``."""
+    p = job.parallel
+    chunks = job_chunks(job)[rank]
+    dense = sum(c.dense for c in chunks)
+    if p.mlp is not MlpPartition.primepar:
+        return dense, None
+    prime = sum(c.primepar(p) for c in chunks)
+    if prime == dense:
+        return dense, None
+    return prime, dataclasses.replace(job, parallel=dataclasses.replace(p, mlp=MlpPartition.megatron,
+                                                                        primepar_layers=None))
+
+
 def measured_activations(job: JobSpec, layout: Layout, measurements: Measurements | None, *, rank: int,
                          layers: int, moe_layers: int, first: bool, last: bool) -> float | None:
     """Activation bytes at the peak of pipeline rank ``rank`` from profiled segment memory
@@ -129,19 +147,24 @@ def measured_activations(job: JobSpec, layout: Layout, measurements: Measurement
         return None
     partition = partition_name(d.tp, sp=d.sp)  # the embedding and the head
     layer_partition = partition_name(d.tp, sp=d.sp, mlp=job.parallel.mlp)
+    own, twin = primepar_split(job, rank=rank)
     kinds = ["dense", "moe"] if moe_layers else ["dense"]
     if moe_layers == layers:
         kinds = ["moe"]
     found: dict[str, SegmentMemory] = {}
-    for kind in [*kinds, *(["embedding"] if first else []), *(["head"] if last else [])]:
-        where = partition if kind in ("embedding", "head") else layer_partition
-        hit = measured_memory(measurements, kind, where, layout.micro_batch)
+    for kind in [*kinds, *(["megatron"] if twin else []), *(["embedding"] if first else []),
+                 *(["head"] if last else [])]:
+        where = {"embedding": partition, "head": partition, "megatron": partition}.get(kind, layer_partition)
+        hit = measured_memory(measurements, "dense" if kind == "megatron" else kind, where, layout.micro_batch)
         if hit is None:
             return None
         found[kind] = hit
     chunk_layers = layers // d.vpp
     chunk_moe = min(moe_layers // d.vpp, chunk_layers)
-    chunk = ([found["dense"]] * (chunk_layers - chunk_moe) if chunk_layers > chunk_moe else []) + (
+    # The dense layers of each chunk run the plan's partition, or its first primepar_layers do (the rest Megatron's).
+    chunk_own = own // d.vpp if twin else chunk_layers - chunk_moe
+    rest = chunk_layers - chunk_moe - chunk_own
+    chunk = ([found["dense"]] * chunk_own if chunk_own else []) + ([found["megatron"]] * rest if rest else []) + (
         [found["moe"]] * chunk_moe if chunk_moe else [])
     in_chunks = in_flight(rank, d.pp, d.vpp, d.num_microbatches)
     ends = ([found["embedding"]] if first else []) + ([found["head"]] if last else [])
@@ -194,6 +217,9 @@ def stage_memory(job: JobSpec, layout: Layout, options: SimOptions, *, rank: int
         else:
             optim = params * opt_per_param
     dense_act, dense_full = layer_activation_bytes(job, layout, options, moe=False)
+    # Dense layers beyond parallel.primepar_layers keep Megatron's MLP partition, and its activations.
+    own, twin = primepar_split(job, rank=rank) if p.mlp is MlpPartition.primepar else (layers - moe_layers, None)
+    mega_act, mega_full = layer_activation_bytes(twin, layout, options, moe=False) if twin else (0.0, 0.0)
     if moe_layers:
         moe_act, moe_full = layer_activation_bytes(job, layout, options, moe=True)
     else:
@@ -211,10 +237,10 @@ def stage_memory(job: JobSpec, layout: Layout, options: SimOptions, *, rank: int
                 + (moe_layers - rec_moe) * moe_kept)
         working = max(dense_act, moe_act)
     elif p.recompute is Recompute.full:
-        kept = dense_layers * dense_full + moe_layers * moe_full
-        working = max(dense_act, moe_act)
+        kept = own * dense_full + (dense_layers - own) * mega_full + moe_layers * moe_full
+        working = max(dense_act, mega_act, moe_act)
     else:
-        kept = dense_layers * dense_act + moe_layers * moe_act
+        kept = own * dense_act + (dense_layers - own) * mega_act + moe_layers * moe_act
         working = 0.0
     tokens = layout.micro_batch * layout.seq_length / d.cp
     activations = kept * per_mb_layers + working

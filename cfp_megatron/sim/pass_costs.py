@@ -38,7 +38,10 @@ class PassCosts:
     """Per-micro-batch costs on one rank of each kind of layer of one plan."""
 
     dense: LayerCost
-    """One dense decoder layer."""
+    """One dense decoder layer (its MLP under the plan's partition)."""
+    megatron_dense: LayerCost | None
+    """One dense decoder layer with Megatron's MLP partition where the plan leaves layers to it beyond
+    ``parallel.primepar_layers`` (``None`` where every dense layer runs :attr:`dense`)."""
     moe: LayerCost
     """One MoE decoder layer (the dense one for a dense model)."""
     embedding: tuple[PassCost, PassCost]
@@ -118,6 +121,27 @@ class CostCache:
 def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, options: SimOptions,
                measurements: Measurements | None) -> PassCosts:
     """The per-micro-batch costs of ``job`` under ``layout`` (see the module docstring)."""
+    own = _pass_costs(job, layout, kernels, costs, options, measurements)
+    if job.parallel.primepar_layers is None:
+        return own
+    return with_megatron_layer(own, _pass_costs(megatron_twin(job), layout, kernels, costs, options, measurements))
+
+
+def megatron_twin(job: JobSpec) -> JobSpec:
+    """``job`` with Megatron's MLP partition on every layer."""
+    return dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, mlp=MlpPartition.megatron,
+                                                                 primepar_layers=None))
+
+
+def with_megatron_layer(own: PassCosts, twin: PassCosts) -> PassCosts:
+    """``own`` (a PrimePar plan's costs) with :attr:`PassCosts.megatron_dense` from ``twin`` (its Megatron twin's):
+    the dense layers a plan with PrimePar on only some layers leaves to Megatron's split (any count of either: their
+    costs do not depend on each other, the resharding under SP being part of PrimePar's)."""
+    return dataclasses.replace(own, megatron_dense=twin.dense)
+
+
+def _pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, options: SimOptions,
+                measurements: Measurements | None) -> PassCosts:
     m = job.model
     dense = layer_cost(job, layout, kernels, costs, options, moe=False)
     moe = layer_cost(job, layout, kernels, costs, options, moe=True) if m.is_moe else dense
@@ -144,7 +168,8 @@ def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         dense = moe = in_schedule(dense, overheads.layer_s)
         per_pass = PassCost(overhead_s=overheads.per_microbatch_s / 2)
         emb, out = _ends_in_schedule(emb, out, overheads.ends_s)
-    return PassCosts(dense=dense, moe=moe, embedding=emb, head=out, per_pass=per_pass, overheads=overheads)
+    return PassCosts(dense=dense, megatron_dense=None, moe=moe, embedding=emb, head=out, per_pass=per_pass,
+                     overheads=overheads)
 
 
 def _step_overheads(job: JobSpec, measurements: Measurements, micro_batch: int) -> StepOverheads | None:

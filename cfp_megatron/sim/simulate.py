@@ -23,7 +23,15 @@ from cfp_megatron.sim.layer_cost import PassCost
 from cfp_megatron.sim.layout import Layout, build_layout
 from cfp_megatron.sim.memory import stage_memory
 from cfp_megatron.sim.options import SimOptions
-from cfp_megatron.sim.pass_costs import CostCache, PassCosts, collective_costs, cost_key, pass_costs
+from cfp_megatron.sim.pass_costs import (
+    CostCache,
+    PassCosts,
+    collective_costs,
+    cost_key,
+    megatron_twin,
+    pass_costs,
+    with_megatron_layer,
+)
 from cfp_megatron.sim.prediction import GIB, Event, EventKind, MemoryBreakdown, Prediction, TimeBreakdown
 from cfp_megatron.sim.schedule import ScheduleResult, dependency_floors, run_schedule
 
@@ -61,8 +69,9 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
     cluster = job.cluster
     d = layout.dims
     m = job.model
-    dense, moe, emb, out, per_pass, overheads = (parts.dense, parts.moe, parts.embedding, parts.head, parts.per_pass,
-                                                 parts.overheads)
+    dense, moe, emb, out = parts.dense, parts.moe, parts.embedding, parts.head
+    mega = parts.megatron_dense or dense  # the dense layers beyond parallel.primepar_layers
+    per_pass, overheads = parts.per_pass, parts.overheads
     pp, vpp = d.pp, d.vpp
     stages = pp * vpp
     chunks = job_chunks(job)
@@ -76,11 +85,18 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
         for c in range(vpp):
             g = c * pp + r
             chunk = chunks[r][c]
-            f = dense.forward.scaled(chunk.dense).plus(moe.forward.scaled(chunk.moe))
-            b = dense.backward.scaled(chunk.dense).plus(moe.backward.scaled(chunk.moe))
+            # The chunk's first dense layers run the plan's MLP partition, any beyond parallel.primepar_layers
+            # Megatron's (the same layer when the plan's is Megatron's).
+            prime = chunk.primepar(job.parallel)
+            f = dense.forward.scaled(prime).plus(mega.forward.scaled(chunk.dense - prime)).plus(
+                moe.forward.scaled(chunk.moe))
+            b = dense.backward.scaled(prime).plus(mega.backward.scaled(chunk.dense - prime)).plus(
+                moe.backward.scaled(chunk.moe))
             # Recomputed layers: all (uniform), or the chunk's first recompute_num_layers (block; dense ones first).
             rec_dense, rec_moe = chunk.recomputed(job.parallel)
-            x = dense.recompute.scaled(rec_dense).plus(moe.recompute.scaled(rec_moe))
+            rec_prime = min(rec_dense, prime)
+            x = dense.recompute.scaled(rec_prime).plus(mega.recompute.scaled(rec_dense - rec_prime)).plus(
+                moe.recompute.scaled(rec_moe))
             if g == 0:
                 f, b = f.plus(emb[0]), b.plus(emb[1])
             if g == stages - 1:
@@ -138,7 +154,7 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
         if overheads is None:
             opt_s.append(kernels.memory(shard * eff.optimizer_bytes_per_param))
             continue
-        dp_exposed[r] += _tied_embedding_sync(job, costs, vocab, r)
+        dp_exposed[r] += _tied_embedding_sync(job, costs, vocab, r) + _token_count_sync(costs, layout)
         opt_s.append(overheads.step_base_s + overheads.step_per_param_s * shard + _grad_norm_extra(costs, d.tp, pp))
     slowdown = measurements.busy_slowdown() if overheads is not None else None
     shared = slowdown is not None and pp > 1
@@ -225,6 +241,9 @@ def _prepare(job: JobSpec, cluster: ClusterSpec | None, measurements: Measuremen
     parts = cache.costs.get(key)
     if parts is None:
         parts = cache.costs[key] = pass_costs(job, layout, kernels, costs, options, measurements)
+    if job.parallel.primepar_layers is not None and parts.megatron_dense is None:  # its Megatron twin's, cached too
+        twin = _prepare(megatron_twin(job), cluster, measurements, options, efficiency, world_size, cache)[-1]
+        parts = cache.costs[key] = with_megatron_layer(parts, twin)
     return job, layout, options, eff, kernels, costs, parts
 
 
@@ -264,7 +283,10 @@ def _stage_split(job: JobSpec, layout: Layout, parts: PassCosts) -> _StageSplit:
     layers = [0] * d.pp
     for r, row in enumerate(job_chunks(job)):
         for chunk in row:
-            layer_params[r] += chunk.dense * parts.dense.params + chunk.moe * parts.moe.params
+            prime = chunk.primepar(job.parallel)
+            mega = parts.megatron_dense or parts.dense
+            layer_params[r] += (prime * parts.dense.params + (chunk.dense - prime) * mega.params
+                                + chunk.moe * parts.moe.params)
             expert_params[r] += chunk.moe * parts.moe.expert_params
             moe_layers[r] += chunk.moe
             layers[r] += chunk.count
@@ -320,6 +342,19 @@ def _tied_embedding_sync(job: JobSpec, costs: CollectiveCosts, vocab_params: flo
     if pp == 1 or not job.model.tie_embeddings or rank not in (0, pp - 1):
         return 0.0
     return costs.seconds(Collective.all_reduce, vocab_params * grad_element_bytes(job), 2)
+
+
+def _token_count_sync(costs: CollectiveCosts, layout: Layout) -> float:
+    """The rest of Megatron's ``finalize_model_grads`` under the runtime's per-token loss
+    (``calculate_per_token_loss``): the step's token count broadcast from the last pipeline stage over the pipeline
+    group, then all-reduced over DP x CP, on every rank. Both carry one number, so they cost their latency; a
+    broadcast is costed as the all-gather over the same group (the nearest measured collective). The overheads
+    probes time ``finalize_model_grads`` out of their schedule (:mod:`cfp_megatron.profile.overheads`), so only
+    this term counts them."""
+    d = layout.dims
+    bcast = (costs.seconds(Collective.all_gather, 4.0 * d.pp, d.pp, d.pp if layout.pp_intra_node else 1)
+             if d.pp > 1 else 0.0)
+    return bcast + costs.seconds(Collective.all_reduce, 4.0, d.dp * d.cp, layout.dp_per_node)
 
 
 def _grad_norm_extra(costs: CollectiveCosts, tp: int, pp: int) -> float:
