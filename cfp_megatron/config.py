@@ -430,7 +430,8 @@ class ParallelSpec:
     primepar_layers: int | None = None
     """With ``mlp=primepar``: only the first ``primepar_layers`` layers of each pipeline chunk run PrimePar's MLP,
     the others Megatron's column/row split (as ``recompute_method=block`` counts recomputed layers); ``None``: every
-    layer. The planner sets it to the most PrimePar layers that fit in memory when all of them do not."""
+    layer. The planner sets it to the most PrimePar layers that fit in memory where all of them do not and PrimePar's
+    layer is the faster."""
 
     def __post_init__(self) -> None:
         issues: list[ConfigIssue] = []

@@ -37,6 +37,7 @@ import heapq
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,12 +58,12 @@ from cfp_megatron.search.space import (
 )
 from cfp_megatron.search.spec import CfpSpec
 from cfp_megatron.sim.kernels import grad_element_bytes
-from cfp_megatron.sim.layer_cost import LayerCost
 from cfp_megatron.sim.layout import Layout, place
 from cfp_megatron.sim.memory import element_bytes
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache, cost_key
 from cfp_megatron.sim.prediction import GIB, MemoryBreakdown, Prediction
+from cfp_megatron.sim.primepar_cost import megatron_twin
 from cfp_megatron.sim.simulate import predict_memory, prepare_costs, simulate_unless_slower
 
 
@@ -187,8 +188,8 @@ def _search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurement
                 cjob, tries = cand.job(job), 1
                 memory = predict_memory(cjob, cluster, measurements, options=options, world_size=world, cache=cache)
                 if cand.mlp == MlpPartition.primepar.value and limit is not None:
-                    cand, memory, more = _primepar_layers(cand, memory, job, limit, measurements, options, world,
-                                                          cache)
+                    cand, memory, more = _primepar_layers(cand, cjob, memory, job, limit, measurements, options,
+                                                          world, cache)
                     cjob, tries = cand.job(job), tries + more
         except ConfigError:
             invalid += 1
@@ -240,23 +241,35 @@ def _fewest_block_layers(cand: Candidate, job: JobSpec, limit: float | None, mea
 
     if limit is None:
         return dataclasses.replace(cand, recompute_layers=1), memory(1), tries
-    lo, found = 1, memory(hi)
-    while lo < hi and found.total / GIB <= limit:  # invariant: hi fits
-        mid = (lo + hi) // 2
-        at = memory(mid)
-        if at.total / GIB <= limit:
-            hi, found = mid, at
-        else:
-            lo = mid + 1
+    found = memory(hi)
+    if found.total / GIB <= limit:
+        hi, found = _furthest_fitting(hi, found, 1, memory, limit)
     return dataclasses.replace(cand, recompute_layers=hi), found, tries
 
 
-def _primepar_layers(cand: Candidate, every: MemoryBreakdown, job: JobSpec, limit: float,
+def _furthest_fitting(fits_at: int, found: MemoryBreakdown, toward: int, memory: Callable[[int], MemoryBreakdown],
+                      limit: float) -> tuple[int, MemoryBreakdown]:
+    """The count from ``fits_at`` (which fits: ``found`` is its memory) to ``toward`` furthest from ``fits_at``
+    whose memory fits in ``limit`` GiB, and that memory, by bisection: memory grows from ``fits_at`` toward
+    ``toward``, so the counts that fit run from ``fits_at`` to a boundary."""
+    step = 1 if toward > fits_at else -1
+    good, far = fits_at, toward
+    while good != far:
+        mid = (good + far + (step > 0)) // 2  # strictly past good, at most as far as far
+        at = memory(mid)
+        if at.total / GIB <= limit:
+            good, found = mid, at
+        else:
+            far = mid - step
+    return good, found
+
+
+def _primepar_layers(cand: Candidate, cjob: JobSpec, every: MemoryBreakdown, job: JobSpec, limit: float,
                      measurements: Measurements | None, options: SimOptions, world: int,
                      cache: CostCache) -> tuple[Candidate, MemoryBreakdown, int]:
-    """``cand`` (``mlp=primepar``, ``every``: its memory with every layer PrimePar's) with the number of layers per
-    chunk that run PrimePar's MLP, the others Megatron's (``parallel.primepar_layers``), its memory and the number
-    of memory predictions made.
+    """``cand`` (``mlp=primepar``, ``cjob`` its job, ``every``: its memory with every layer PrimePar's) with the
+    number of layers per chunk that run PrimePar's MLP, the others Megatron's (``parallel.primepar_layers``), its
+    memory and the number of memory predictions made.
 
     This is the dynamic programme over the chain of a chunk's dense MLP segments, each PrimePar's or Megatron's,
     with repeated layers solved once: the layers are alike, and neither choice costs the neighbours anything (under
@@ -270,10 +283,10 @@ def _primepar_layers(cand: Candidate, every: MemoryBreakdown, job: JobSpec, limi
     hi = max_chunk_layers(job.model.num_layers, cand.pp, cand.vpp, cand.first_stage_layers, cand.last_stage_layers)
     if hi < 2 or every.total / GIB <= limit:
         return cand, every, 0
-    own = prepare_costs(cand.job(job), job.cluster, measurements, options=options, world_size=world, cache=cache)
-    twin = prepare_costs(dataclasses.replace(cand, mlp=MlpPartition.megatron.value).job(job), job.cluster,
-                         measurements, options=options, world_size=world, cache=cache)
-    if _layer_total(own.dense) >= _layer_total(twin.dense):
+    own = prepare_costs(cjob, job.cluster, measurements, options=options, world_size=world, cache=cache)
+    twin = prepare_costs(megatron_twin(cjob), job.cluster, measurements, options=options, world_size=world,
+                         cache=cache)
+    if own.dense.total_s >= twin.dense.total_s:
         return cand, every, 0
     tries = 0
 
@@ -286,19 +299,8 @@ def _primepar_layers(cand: Candidate, every: MemoryBreakdown, job: JobSpec, limi
     first = memory(1)
     if first.total / GIB > limit:
         return cand, first, tries
-    lo, top, found = 1, hi - 1, first  # invariant: lo fits
-    while lo < top:
-        mid = (lo + top + 1) // 2
-        at = memory(mid)
-        if at.total / GIB <= limit:
-            lo, found = mid, at
-        else:
-            top = mid - 1
-    return dataclasses.replace(cand, primepar_layers=lo), found, tries
-
-
-def _layer_total(cost: LayerCost) -> float:
-    return cost.forward.total_s + cost.backward.total_s + cost.recompute.total_s
+    most, found = _furthest_fitting(1, first, hi - 1, memory, limit)
+    return dataclasses.replace(cand, primepar_layers=most), found, tries
 
 
 def _family(c: Candidate) -> Family:

@@ -63,8 +63,8 @@ class Candidate:
     (0 until then)."""
     primepar_layers: int = 0
     """With ``mlp=primepar``: layers per chunk whose MLP runs PrimePar, the others Megatron's (0: every layer); the
-    search sets it where a count fits in memory and every layer does not (or fits where Megatron's does not, and
-    PrimePar's layer is the slower)."""
+    search sets it to the most that fit in memory where every layer's does not and PrimePar's layer is the
+    faster."""
 
     def key(self) -> tuple:
         """The fields that place it in the space, in order (candidates sort by it; :meth:`from_key` inverts it);

@@ -85,6 +85,11 @@ class LayerCost:
     expert_params: float
     """The part of ``params`` that belongs to routed experts (reduced over the expert-DP group)."""
 
+    @property
+    def total_s(self) -> float:
+        """Forward + backward + recomputation seconds."""
+        return self.forward.total_s + self.backward.total_s + self.recompute.total_s
+
 
 def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, options: SimOptions,
                *, moe: bool) -> LayerCost:

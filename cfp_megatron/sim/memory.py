@@ -13,8 +13,6 @@ holds its warm-up count of model chunks plus one.
 
 from __future__ import annotations
 
-import dataclasses
-
 from cfp_megatron.cluster.measured import Measurements, SegmentMemory, partition_name
 from cfp_megatron.config import (
     Activation,
@@ -32,7 +30,7 @@ from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.measured_memory import measured_memory, peak_activation_bytes, pipeline_buffers
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.prediction import MemoryBreakdown
-from cfp_megatron.sim.primepar_cost import primepar_stash_saving, primepar_weight_copies
+from cfp_megatron.sim.primepar_cost import megatron_twin, primepar_stash_saving, primepar_weight_copies
 
 
 def layer_extra_params(job: JobSpec, layout: Layout) -> float:
@@ -120,20 +118,16 @@ def recomputed_layers(job: JobSpec, *, rank: int) -> tuple[int, int]:
     return sum(d for d, _ in per_chunk), sum(m for _, m in per_chunk)
 
 
-def primepar_split(job: JobSpec, *, rank: int) -> tuple[int, JobSpec | None]:
-    """(dense layers of pipeline rank ``rank`` that run the plan's MLP partition, the plan with Megatron's partition
-    for the others): with ``parallel.primepar_layers`` below a chunk's dense layers, those beyond it keep Megatron's
-    split; otherwise every dense layer runs the plan's partition and the second value is ``None``."""
+def primepar_split(job: JobSpec, *, rank: int) -> tuple[int, JobSpec] | None:
+    """(dense layers of pipeline rank ``rank`` that run PrimePar's MLP, the plan with Megatron's partition that the
+    others run) where ``parallel.primepar_layers`` leaves some of its dense layers to Megatron's split; ``None``
+    where every dense layer runs the plan's partition."""
     p = job.parallel
+    if p.primepar_layers is None:
+        return None
     chunks = job_chunks(job)[rank]
-    dense = sum(c.dense for c in chunks)
-    if p.mlp is not MlpPartition.primepar:
-        return dense, None
     prime = sum(c.primepar(p) for c in chunks)
-    if prime == dense:
-        return dense, None
-    return prime, dataclasses.replace(job, parallel=dataclasses.replace(p, mlp=MlpPartition.megatron,
-                                                                        primepar_layers=None))
+    return (prime, megatron_twin(job)) if prime < sum(c.dense for c in chunks) else None
 
 
 def measured_activations(job: JobSpec, layout: Layout, measurements: Measurements | None, *, rank: int,
@@ -147,12 +141,12 @@ def measured_activations(job: JobSpec, layout: Layout, measurements: Measurement
         return None
     partition = partition_name(d.tp, sp=d.sp)  # the embedding and the head
     layer_partition = partition_name(d.tp, sp=d.sp, mlp=job.parallel.mlp)
-    own, twin = primepar_split(job, rank=rank)
+    split = primepar_split(job, rank=rank)
     kinds = ["dense", "moe"] if moe_layers else ["dense"]
     if moe_layers == layers:
         kinds = ["moe"]
     found: dict[str, SegmentMemory] = {}
-    for kind in [*kinds, *(["megatron"] if twin else []), *(["embedding"] if first else []),
+    for kind in [*kinds, *(["megatron"] if split else []), *(["embedding"] if first else []),
                  *(["head"] if last else [])]:
         where = {"embedding": partition, "head": partition, "megatron": partition}.get(kind, layer_partition)
         hit = measured_memory(measurements, "dense" if kind == "megatron" else kind, where, layout.micro_batch)
@@ -162,7 +156,7 @@ def measured_activations(job: JobSpec, layout: Layout, measurements: Measurement
     chunk_layers = layers // d.vpp
     chunk_moe = min(moe_layers // d.vpp, chunk_layers)
     # The dense layers of each chunk run the plan's partition, or its first primepar_layers do (the rest Megatron's).
-    chunk_own = own // d.vpp if twin else chunk_layers - chunk_moe
+    chunk_own = split[0] // d.vpp if split else chunk_layers - chunk_moe
     rest = chunk_layers - chunk_moe - chunk_own
     chunk = ([found["dense"]] * chunk_own if chunk_own else []) + ([found["megatron"]] * rest if rest else []) + (
         [found["moe"]] * chunk_moe if chunk_moe else [])
@@ -218,8 +212,9 @@ def stage_memory(job: JobSpec, layout: Layout, options: SimOptions, *, rank: int
             optim = params * opt_per_param
     dense_act, dense_full = layer_activation_bytes(job, layout, options, moe=False)
     # Dense layers beyond parallel.primepar_layers keep Megatron's MLP partition, and its activations.
-    own, twin = primepar_split(job, rank=rank) if p.mlp is MlpPartition.primepar else (layers - moe_layers, None)
-    mega_act, mega_full = layer_activation_bytes(twin, layout, options, moe=False) if twin else (0.0, 0.0)
+    split = primepar_split(job, rank=rank)
+    own = split[0] if split else layers - moe_layers
+    mega_act, mega_full = layer_activation_bytes(split[1], layout, options, moe=False) if split else (0.0, 0.0)
     if moe_layers:
         moe_act, moe_full = layer_activation_bytes(job, layout, options, moe=True)
     else:

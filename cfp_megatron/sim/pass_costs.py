@@ -41,7 +41,8 @@ class PassCosts:
     """One dense decoder layer (its MLP under the plan's partition)."""
     megatron_dense: LayerCost | None
     """One dense decoder layer with Megatron's MLP partition where the plan leaves layers to it beyond
-    ``parallel.primepar_layers`` (``None`` where every dense layer runs :attr:`dense`)."""
+    ``parallel.primepar_layers`` (``None`` where every dense layer runs :attr:`dense`; see
+    :func:`~cfp_megatron.sim.primepar_cost.megatron_twin`)."""
     moe: LayerCost
     """One MoE decoder layer (the dense one for a dense model)."""
     embedding: tuple[PassCost, PassCost]
@@ -56,11 +57,7 @@ class PassCosts:
 
     def min_layer_s(self) -> float:
         """Forward + backward + recomputation seconds of the cheaper layer kind (a bound's building block)."""
-        return min(_total(self.dense), _total(self.moe))
-
-
-def _total(cost: LayerCost) -> float:
-    return cost.forward.total_s + cost.backward.total_s + cost.recompute.total_s
+        return min(self.dense.total_s, self.moe.total_s)
 
 
 def cost_key(layout: Layout, recompute: Recompute, options: SimOptions,
@@ -120,28 +117,8 @@ class CostCache:
 
 def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, options: SimOptions,
                measurements: Measurements | None) -> PassCosts:
-    """The per-micro-batch costs of ``job`` under ``layout`` (see the module docstring)."""
-    own = _pass_costs(job, layout, kernels, costs, options, measurements)
-    if job.parallel.primepar_layers is None:
-        return own
-    return with_megatron_layer(own, _pass_costs(megatron_twin(job), layout, kernels, costs, options, measurements))
-
-
-def megatron_twin(job: JobSpec) -> JobSpec:
-    """``job`` with Megatron's MLP partition on every layer."""
-    return dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, mlp=MlpPartition.megatron,
-                                                                 primepar_layers=None))
-
-
-def with_megatron_layer(own: PassCosts, twin: PassCosts) -> PassCosts:
-    """``own`` (a PrimePar plan's costs) with :attr:`PassCosts.megatron_dense` from ``twin`` (its Megatron twin's):
-    the dense layers a plan with PrimePar on only some layers leaves to Megatron's split (any count of either: their
-    costs do not depend on each other, the resharding under SP being part of PrimePar's)."""
-    return dataclasses.replace(own, megatron_dense=twin.dense)
-
-
-def _pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, options: SimOptions,
-                measurements: Measurements | None) -> PassCosts:
+    """The per-micro-batch costs of ``job`` under ``layout`` (see the module docstring), without
+    :attr:`PassCosts.megatron_dense` (the simulator adds its Megatron twin's dense layer where the plan needs it)."""
     m = job.model
     dense = layer_cost(job, layout, kernels, costs, options, moe=False)
     moe = layer_cost(job, layout, kernels, costs, options, moe=True) if m.is_moe else dense

@@ -28,11 +28,12 @@ all-gather and a reduce-scatter per pass.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
-from cfp_megatron.config import primepar_grid_side
+from cfp_megatron.config import JobSpec, MlpPartition, primepar_grid_side
 from cfp_megatron.sim.kernels import KernelModel
 
 GRAD_BYTES = 4.0
@@ -154,3 +155,11 @@ def primepar_weight_copies(*, tp: int, hidden: int, ffn: int, gated: bool, elem:
     """Bytes of the rotated weight blocks each rank keeps between forward and backward (one block per linear,
     :class:`~cfp_megatron.layers.primepar_linear.PrimeParLinear`'s ``keep_rotated_weight``)."""
     return (hidden * ffn * (2 if gated else 1) + ffn * hidden) / tp * elem
+
+
+def megatron_twin(job: JobSpec) -> JobSpec:
+    """``job`` with Megatron's MLP partition on every layer: what the dense layers beyond ``parallel.primepar_layers``
+    of a plan with PrimePar on some layers only run (their costs and memory do not depend on their neighbours': under
+    SP the resharding is part of PrimePar's segment)."""
+    return dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, mlp=MlpPartition.megatron,
+                                                                 primepar_layers=None))

@@ -23,16 +23,9 @@ from cfp_megatron.sim.layer_cost import PassCost
 from cfp_megatron.sim.layout import Layout, build_layout
 from cfp_megatron.sim.memory import stage_memory
 from cfp_megatron.sim.options import SimOptions
-from cfp_megatron.sim.pass_costs import (
-    CostCache,
-    PassCosts,
-    collective_costs,
-    cost_key,
-    megatron_twin,
-    pass_costs,
-    with_megatron_layer,
-)
+from cfp_megatron.sim.pass_costs import CostCache, PassCosts, collective_costs, cost_key, pass_costs
 from cfp_megatron.sim.prediction import GIB, Event, EventKind, MemoryBreakdown, Prediction, TimeBreakdown
+from cfp_megatron.sim.primepar_cost import megatron_twin
 from cfp_megatron.sim.schedule import ScheduleResult, dependency_floors, run_schedule
 
 _BUCKET_PARAMS = 40_000_000
@@ -231,19 +224,23 @@ def _prepare(job: JobSpec, cluster: ClusterSpec | None, measurements: Measuremen
     if cache is None:
         costs = collective_costs(cluster, measurements, eff)
         kernels = KernelModel(cluster, eff, job.train.precision, fp8=options.fp8, measurements=measurements)
-        return job, layout, options, eff, kernels, costs, pass_costs(job, layout, kernels, costs, options,
-                                                                     measurements)
-    if not cache.serves(job, measurements, options, eff):
+    elif not cache.serves(job, measurements, options, eff):
         raise ValueError("a CostCache serves the plans of one model, cluster, precision, set of options and "
                          "measurements (CostCache.for_job)")
-    kernels, costs = cache.kernels, cache.collectives
-    key = cost_key(layout, job.parallel.recompute, options, job.parallel.mlp)
-    parts = cache.costs.get(key)
-    if parts is None:
-        parts = cache.costs[key] = pass_costs(job, layout, kernels, costs, options, measurements)
-    if job.parallel.primepar_layers is not None and parts.megatron_dense is None:  # its Megatron twin's, cached too
-        twin = _prepare(megatron_twin(job), cluster, measurements, options, efficiency, world_size, cache)[-1]
-        parts = cache.costs[key] = with_megatron_layer(parts, twin)
+    else:
+        kernels, costs = cache.kernels, cache.collectives
+
+    def costs_of(plan: JobSpec) -> PassCosts:
+        if cache is None:
+            return pass_costs(plan, layout, kernels, costs, options, measurements)
+        key = cost_key(layout, plan.parallel.recompute, options, plan.parallel.mlp)
+        if key not in cache.costs:
+            cache.costs[key] = pass_costs(plan, layout, kernels, costs, options, measurements)
+        return cache.costs[key]
+
+    parts = costs_of(job)
+    if job.parallel.primepar_layers is not None:  # the dense layers beyond it run its Megatron twin's
+        parts = dataclasses.replace(parts, megatron_dense=costs_of(megatron_twin(job)).dense)
     return job, layout, options, eff, kernels, costs, parts
 
 
@@ -281,10 +278,10 @@ def _stage_split(job: JobSpec, layout: Layout, parts: PassCosts) -> _StageSplit:
     expert_params = [0.0] * d.pp
     moe_layers = [0] * d.pp
     layers = [0] * d.pp
+    mega = parts.megatron_dense or parts.dense  # the dense layers beyond parallel.primepar_layers
     for r, row in enumerate(job_chunks(job)):
         for chunk in row:
             prime = chunk.primepar(job.parallel)
-            mega = parts.megatron_dense or parts.dense
             layer_params[r] += (prime * parts.dense.params + (chunk.dense - prime) * mega.params
                                 + chunk.moe * parts.moe.params)
             expert_params[r] += chunk.moe * parts.moe.expert_params
