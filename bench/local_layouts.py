@@ -1,12 +1,19 @@
 """Every feasible (DP, TP, PP, micro-batch) layout of a small model on this machine: measured vs simulated.
 
-Run: ``python bench/local_layouts.py [--nproc 4] [--model gpt_tiny] [--steps 12] [--gbs 16] [--seq 64]``.
+Run: ``python bench/local_layouts.py [--nproc 4] [--model gpt_tiny] [--steps 12] [--gbs 16] [--seq 64] [--passes 2]``.
 
-1. Profiles the machine once (``torchrun -m cfp_megatron.profile``; reused from the ProfileDB when present).
-2. Trains every feasible layout of ``--model`` on ``--nproc`` gloo ranks with ``launch/train.py`` for ``--steps``
-   steps; the measured step time is the median of the steps after the first two (warm-up), the measured memory the
+1. Trains every feasible layout of ``--model`` on ``--nproc`` gloo ranks with ``launch/train.py`` for ``--steps``
+   steps; a pass's step time is the median of the steps after the first two (warm-up), the measured memory the
    largest per-rank peak of ``train.memory_step=2``.
-3. Predicts each with :func:`cfp_megatron.sim.simulate` on the ``local`` cluster filled from the ProfileDB.
+2. Profiles the machine once (``torchrun -m cfp_megatron.profile``; reused from the ProfileDB when present).
+3. Trains every layout again, in the reverse order (``--passes 2``, the default). A layout's measured step time is
+   the mean of its two passes. This machine's speed drifts by 10-30% within a run (a shared virtual machine):
+   with one pass after the profile, the layouts run last were measured on a different machine from the one the
+   profile timed, and the drift landed on whole layout families (the order runs TP=1 first, TP=4 last). With the
+   profile between two passes in opposite orders, a drift linear in time cancels in every layout's mean, and the
+   pass-to-pass ratio printed for each layout shows how much the machine moved. ``--passes 1`` profiles first and
+   measures once.
+4. Predicts each with :func:`cfp_megatron.sim.simulate` on the ``local`` cluster filled from the ProfileDB.
 
 Prints one line per layout, then the step-time MAPE, the Spearman rank correlation between measured and predicted
 step times, and the memory MAPE. Targets (issue C): MAPE 10% or less, Spearman 0.9 or more, memory within 10%.
@@ -102,6 +109,17 @@ def measure(layout: Layout, nproc: int, model: str, common: list[str], steps: in
     return statistics.median(times), int(memory["peak_bytes_max"])
 
 
+def _measure_pass(layouts: list[Layout], args: argparse.Namespace, common: list[str], env: dict[str, str],
+                  work: Path, name: str) -> dict[str, tuple[float, int]]:
+    """One pass over ``layouts`` in the given order: (median step time, peak bytes) by layout, each printed."""
+    found = {}
+    for layout in layouts:
+        t, mem = measure(layout, args.nproc, args.model, common, args.steps, env, work / name.replace(" ", "_"))
+        found[str(layout)] = (t, mem)
+        print(f"{name}: {str(layout):<22} {t * 1e3:10.1f} ms {mem / 2**20:8.2f} MiB", flush=True)
+    return found
+
+
 def predict(layout: Layout, nproc: int, model: str, common: list[str]) -> tuple[float, float]:
     """Simulated step time (s) and peak memory (bytes) on the profiled local cluster."""
     from hydra import compose, initialize_config_dir
@@ -165,29 +183,39 @@ def main() -> None:
     parser.add_argument("--gbs", type=int, default=16)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--budget", type=int, default=120, help="profiling budget in seconds (five rounds)")
+    parser.add_argument("--passes", type=int, choices=(1, 2), default=2,
+                        help="2: measure every layout before and after the profile, in opposite orders; 1: after")
     args = parser.parse_args()
     common = [f"train.global_batch_size={args.gbs}", f"train.seq_length={args.seq}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        layouts = feasible_layouts(args.model, args.nproc, common)
+        print(f"{len(layouts)} feasible layouts of {args.model} on {args.nproc} ranks", flush=True)
+        passes: list[dict[str, tuple[float, int]]] = []
+        if args.passes == 2:
+            passes.append(_measure_pass(layouts, args, common, env, work, "pass 1"))
         profile = _torchrun(args.nproc, ["-m", "cfp_megatron.profile", f"model={args.model}", *common,
                                          "--budget", str(args.budget)], work, env)
         print(profile.stdout[-3000:])
         if profile.returncode != 0:
             raise SystemExit(f"profiling failed\n{profile.stderr[-4000:]}")
-        layouts = feasible_layouts(args.model, args.nproc, common)
-        print(f"{len(layouts)} feasible layouts of {args.model} on {args.nproc} ranks")
-        print(f"{'layout':<22} {'measured ms':>12} {'predicted ms':>13} {'error':>7} {'mem MiB':>8} "
+        passes.append(_measure_pass(layouts[::-1] if args.passes == 2 else layouts, args, common, env, work,
+                                    f"pass {len(passes) + 1}"))
+        print(f"{'layout':<22} {'pass 2/1':>8} {'measured ms':>12} {'predicted ms':>13} {'error':>7} {'mem MiB':>8} "
               f"{'pred MiB':>9} {'error':>7}")
         measured, predicted, mem_measured, mem_predicted = [], [], [], []
         for layout in layouts:
-            t, mem = measure(layout, args.nproc, args.model, common, args.steps, env, work)
+            runs = [found[str(layout)] for found in passes]
+            t = statistics.fmean(time for time, _ in runs)
+            mem = max(peak for _, peak in runs)
+            drift = f"{runs[-1][0] / runs[0][0]:8.2f}" if len(runs) > 1 else f"{'-':>8}"
             pt, pmem = predict(layout, args.nproc, args.model, common)
             measured.append(t)
             predicted.append(pt)
             mem_measured.append(mem)
             mem_predicted.append(pmem)
-            print(f"{str(layout):<22} {t * 1e3:12.1f} {pt * 1e3:13.1f} {(pt - t) / t * 100:6.1f}% "
+            print(f"{str(layout):<22} {drift} {t * 1e3:12.1f} {pt * 1e3:13.1f} {(pt - t) / t * 100:6.1f}% "
                   f"{mem / 2**20:8.2f} {pmem / 2**20:9.2f} {(pmem - mem) / mem * 100:6.1f}%", flush=True)
         chosen = chosen_layout(args.nproc, args.model, common)
     by_layout = {str(layout): t for layout, t in zip(layouts, measured, strict=True)}
