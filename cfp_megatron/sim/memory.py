@@ -130,14 +130,38 @@ def primepar_split(job: JobSpec, *, rank: int) -> tuple[int, JobSpec] | None:
     return (prime, megatron_twin(job)) if prime < sum(c.dense for c in chunks) else None
 
 
+def recomputed_units(job: JobSpec, chunk: list[SegmentMemory], hidden_bytes: float) -> list[SegmentMemory]:
+    """A pipeline chunk's measured layers (in model order) as full recomputation runs them: Megatron checkpoints
+    groups of ``recompute_num_layers`` layers (``uniform``) or each of the first ``recompute_num_layers`` layers
+    (``block``). A checkpointed unit keeps only its output (the next unit's saved input, ``hidden_bytes``) between
+    its forward and its backward pass; in the backward pass it runs its layers' forward again, so on top of what it
+    keeps the live bytes rise by every layer's kept activations but that output, plus the largest transient. Layers
+    outside the units are unchanged, and so is every layer without full recomputation."""
+    p = job.parallel
+    if p.recompute is not Recompute.full or not chunk:
+        return chunk
+
+    def unit(layers: list[SegmentMemory]) -> SegmentMemory:
+        kept = sum(x.activation_bytes for x in layers)
+        return SegmentMemory(activation_bytes=hidden_bytes,
+                             transient_bytes=max(kept - hidden_bytes, 0.0) + max(x.transient_bytes for x in layers),
+                             workspace_bytes=max(x.workspace_bytes for x in layers))
+
+    k = max(p.recompute_num_layers, 1)
+    if p.recompute_method is RecomputeMethod.block:
+        return [unit([x]) for x in chunk[:k]] + chunk[k:]
+    return [unit(chunk[i:i + k]) for i in range(0, len(chunk), k)]
+
+
 def measured_activations(job: JobSpec, layout: Layout, measurements: Measurements | None, *, rank: int,
                          layers: int, moe_layers: int, first: bool, last: bool) -> float | None:
     """Activation bytes at the peak of pipeline rank ``rank`` from profiled segment memory
     (:mod:`cfp_megatron.sim.measured_memory`), with the pipeline's point-to-point tensors; ``None`` when the
-    profile lacks a segment the stage runs under the plan's partition, or the plan recomputes or splits the
-    sequence over CP (profiling measures neither)."""
+    profile lacks a segment the stage runs under the plan's partition, or the plan recomputes selectively or splits
+    the sequence over CP (profiling measures neither). Under full recomputation each recomputed unit keeps only its
+    output (:func:`recomputed_units`)."""
     d = layout.dims
-    if measurements is None or job.parallel.recompute is not Recompute.none or d.cp > 1:
+    if measurements is None or job.parallel.recompute is Recompute.selective or d.cp > 1:
         return None
     partition = partition_name(d.tp, sp=d.sp)  # the embedding and the head
     layer_partition = partition_name(d.tp, sp=d.sp, mlp=job.parallel.mlp)
@@ -160,6 +184,9 @@ def measured_activations(job: JobSpec, layout: Layout, measurements: Measurement
     rest = chunk_layers - chunk_moe - chunk_own
     chunk = ([found["dense"]] * chunk_own if chunk_own else []) + ([found["megatron"]] * rest if rest else []) + (
         [found["moe"]] * chunk_moe if chunk_moe else [])
+    elem = element_bytes(job)
+    hidden = layout.micro_batch * layout.seq_length * job.model.hidden_size * elem / (d.tp if d.sp else 1)
+    chunk = recomputed_units(job, chunk, hidden)
     in_chunks = in_flight(rank, d.pp, d.vpp, d.num_microbatches)
     ends = ([found["embedding"]] if first else []) + ([found["head"]] if last else [])
     if d.vpp == 1:
@@ -168,8 +195,6 @@ def measured_activations(job: JobSpec, layout: Layout, measurements: Measurement
     else:  # the embedding and the head sit in one chunk each: held by that chunk's share of the micro-batches
         activations = peak_activation_bytes(chunk, in_chunks)
         activations += -(-in_chunks // d.vpp) * sum(s.activation_bytes for s in ends)
-    elem = element_bytes(job)
-    hidden = layout.micro_batch * layout.seq_length * job.model.hidden_size * elem / (d.tp if d.sp else 1)
     return activations + pipeline_buffers(hidden, pp=d.pp, first=first, last=last, in_flight=in_chunks,
                                           microbatches=d.num_microbatches)
 
