@@ -20,6 +20,7 @@ check; ``bench/local_layouts.py`` covers CPU memory on 4 ranks). Asserts nothing
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -58,14 +59,16 @@ def overrides(args: argparse.Namespace, recompute: str, micro_batch: int, layers
     return out
 
 
-def predicted_bytes(case: list[str]) -> float:
-    """The simulator's peak memory of the one-rank job ``case``, on its cluster (measured when ``local``)."""
+@functools.cache
+def predicted_bytes(case: tuple[str, ...]) -> float:
+    """The simulator's peak memory of the one-rank job ``case``, on its cluster (measured when ``local``); cached,
+    so the case the layer fit settled on is not predicted again."""
     import dataclasses
 
     from cfp_megatron.config import compose_config, job_from_config
     from cfp_megatron.sim.simulate import simulate
 
-    job = job_from_config(compose_config(case))
+    job = job_from_config(compose_config(list(case)))
     db = None
     if job.cluster.name == "local":
         from cfp_megatron.profile.cluster import local_measurements
@@ -85,7 +88,7 @@ def fitting_layers(args: argparse.Namespace, recompute: str, micro_batch: int, c
     lo, hi = 0, most
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if predicted_bytes(overrides(args, recompute, micro_batch, mid)) <= args.fill * capacity:
+        if predicted_bytes(tuple(overrides(args, recompute, micro_batch, mid))) <= args.fill * capacity:
             lo = mid
         else:
             hi = mid - 1
@@ -146,7 +149,7 @@ def main() -> None:
                 if layers is None and on_gpu:
                     layers = fitting_layers(args, recompute, mb, capacity)
                 case = overrides(args, recompute, mb, layers)
-                pred = predicted_bytes(case)
+                pred = predicted_bytes(tuple(case))
                 event = measure(case, f"{recompute}_mb{mb}", work, env)
                 tracked = float(event["peak_bytes_max"])
                 tracked_err.append((pred - tracked) / tracked)

@@ -231,20 +231,42 @@ def _fewest_block_layers(cand: Candidate, job: JobSpec, limit: float | None, mea
     Where even the most does not fit, returns that count and its (over-limit) memory."""
     m = job.model
     hi = max_chunk_layers(m.num_layers, cand.pp, cand.vpp, cand.first_stage_layers, cand.last_stage_layers) - 1
-    tries = 0
-
-    def memory(k: int) -> MemoryBreakdown:
-        nonlocal tries
-        tries += 1
-        return predict_memory(dataclasses.replace(cand, recompute_layers=k).job(job), job.cluster, measurements,
-                              options=options, world_size=world, cache=cache)
-
+    memory = _CountedMemory(cand, "recompute_layers", job, measurements, options, world, cache)
     if limit is None:
-        return dataclasses.replace(cand, recompute_layers=1), memory(1), tries
+        return dataclasses.replace(cand, recompute_layers=1), memory(1), memory.tries
     found = memory(hi)
     if found.total / GIB <= limit:
         hi, found = _furthest_fitting(hi, found, 1, memory, limit)
-    return dataclasses.replace(cand, recompute_layers=hi), found, tries
+    return dataclasses.replace(cand, recompute_layers=hi), found, memory.tries
+
+
+@dataclass
+class _CountedMemory:
+    """The predicted memory of ``cand`` with its count field ``field`` (``recompute_layers``, ``primepar_layers``)
+    set to the argument, counting the predictions made (``tries``) for the search's statistics."""
+
+    cand: Candidate
+    """The candidate whose count is varied."""
+    field: str
+    """The :class:`Candidate` field that holds the count."""
+    job: JobSpec
+    """The searched job."""
+    measurements: Measurements | None
+    """The profile the search predicts from."""
+    options: SimOptions
+    """The simulator's options."""
+    world: int
+    """Ranks."""
+    cache: CostCache
+    """The search's cost cache."""
+    tries: int = 0
+    """Predictions made so far."""
+
+    def __call__(self, count: int) -> MemoryBreakdown:
+        self.tries += 1
+        plan = dataclasses.replace(self.cand, **{self.field: count}).job(self.job)
+        return predict_memory(plan, self.job.cluster, self.measurements, options=self.options, world_size=self.world,
+                              cache=self.cache)
 
 
 def _furthest_fitting(fits_at: int, found: MemoryBreakdown, toward: int, memory: Callable[[int], MemoryBreakdown],
@@ -288,19 +310,12 @@ def _primepar_layers(cand: Candidate, cjob: JobSpec, every: MemoryBreakdown, job
                          cache=cache)
     if own.dense.total_s >= twin.dense.total_s:
         return cand, every, 0
-    tries = 0
-
-    def memory(n: int) -> MemoryBreakdown:
-        nonlocal tries
-        tries += 1
-        return predict_memory(dataclasses.replace(cand, primepar_layers=n).job(job), job.cluster, measurements,
-                              options=options, world_size=world, cache=cache)
-
+    memory = _CountedMemory(cand, "primepar_layers", job, measurements, options, world, cache)
     first = memory(1)
     if first.total / GIB > limit:
-        return cand, first, tries
+        return cand, first, memory.tries
     most, found = _furthest_fitting(1, first, hi - 1, memory, limit)
-    return dataclasses.replace(cand, primepar_layers=most), found, tries
+    return dataclasses.replace(cand, primepar_layers=most), found, memory.tries
 
 
 def _family(c: Candidate) -> Family:

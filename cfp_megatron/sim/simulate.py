@@ -114,6 +114,7 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
     overlap = job.parallel.overlap_grad_reduce if options.overlap_grad_reduce is None else options.overlap_grad_reduce
     dp_exposed, opt_s = [], []
     grad_b = grad_element_bytes(job)
+    token_count_s = _token_count_sync(costs, layout) if overheads is not None else 0.0  # the same on every rank
     for r in range(pp):
         vocab = m.padded_vocab_size * m.hidden_size / d.tp
         params = layer_params[r] + (vocab if r == 0 else 0.0) + (vocab if r == pp - 1 and pp > 1 else 0.0)
@@ -147,7 +148,7 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
         if overheads is None:
             opt_s.append(kernels.memory(shard * eff.optimizer_bytes_per_param))
             continue
-        dp_exposed[r] += _tied_embedding_sync(job, costs, vocab, r) + _token_count_sync(costs, layout)
+        dp_exposed[r] += _tied_embedding_sync(job, costs, vocab, r) + token_count_s
         opt_s.append(overheads.step_base_s + overheads.step_per_param_s * shard + _grad_norm_extra(costs, d.tp, pp))
     slowdown = measurements.busy_slowdown() if overheads is not None else None
     shared = slowdown is not None and pp > 1
