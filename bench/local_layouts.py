@@ -1,6 +1,7 @@
 """Every feasible (DP, TP, PP, micro-batch) layout of a small model on this machine: measured vs simulated.
 
-Run: ``python bench/local_layouts.py [--nproc 4] [--model gpt_tiny] [--steps 12] [--gbs 16] [--seq 64] [--passes 2]``.
+Run: ``python bench/local_layouts.py [--nproc 4] [--model gpt_tiny] [--steps 12] [--gbs 16] [--seq 64] [--passes 2]
+[--recompute none]``.
 
 1. Trains every feasible layout of ``--model`` on ``--nproc`` gloo ranks with ``launch/train.py`` for ``--steps``
    steps; a pass's step time is the median of the steps after the first two (warm-up), the measured memory the
@@ -15,10 +16,12 @@ Run: ``python bench/local_layouts.py [--nproc 4] [--model gpt_tiny] [--steps 12]
    measures once.
 4. Predicts each with :func:`cfp_megatron.sim.simulate` on the ``local`` cluster filled from the ProfileDB.
 
-Prints one line per layout, then the step-time MAPE, the Spearman rank correlation between measured and predicted
-step times, and the memory MAPE. Targets (issue C): MAPE 10% or less, Spearman 0.9 or more, memory within 10%.
-Then the layout the planner picks from the same ProfileDB within this space, and how much slower than the measured
-fastest it measured (issue E: 10% or less).
+``--recompute selective`` or ``full`` runs every layout under that recomputation (issue C's memory check under
+each recompute choice; full: uniform, one layer per checkpointed unit). Prints one line per layout, then the
+step-time MAPE, the Spearman rank correlation between measured and predicted step times, and the memory MAPE.
+Targets (issue C): MAPE 10% or less, Spearman 0.9 or more, memory within 10%. Then the layout the planner picks
+from the same ProfileDB within this space, and how much slower than the measured fastest it measured (issue E: 10%
+or less).
 Asserts nothing; figures on a loaded machine are noisy, so run it alone.
 """
 
@@ -139,15 +142,16 @@ def predict(layout: Layout, nproc: int, model: str, common: list[str]) -> tuple[
     return prediction.step_time_s, prediction.memory.total
 
 
-def chosen_layout(nproc: int, model: str, common: list[str]) -> Layout:
+def chosen_layout(nproc: int, model: str, common: list[str], recompute: str = "none") -> Layout:
     """The layout the planner picks (as ``+cfp=auto`` would, from the same ProfileDB) within this bench's space:
-    (DP, TP, PP, micro-batch), without interleaving, SP, recompute, the distributed optimizer or uneven stages."""
+    (DP, TP, PP, micro-batch) under the bench's ``recompute``, without interleaving, SP, the distributed optimizer or
+    uneven stages."""
     from cfp_megatron.config import compose_config, job_from_config
     from cfp_megatron.profile.cluster import local_measurements
     from cfp_megatron.search.search import search
     from cfp_megatron.search.spec import cfp_from_config
 
-    space = ["cfp.constraints.vpp=[1]", "cfp.constraints.sp=[false]", "cfp.constraints.recompute=[none]",
+    space = ["cfp.constraints.vpp=[1]", "cfp.constraints.sp=[false]", f"cfp.constraints.recompute=[{recompute}]",
              "cfp.constraints.distributed_optimizer=[false]", "cfp.constraints.uneven_stages=false",
              "cfp.constraints.cp=[1]", "cfp.top_k=1"]
     cfg = compose_config(["+cfp=auto", f"model={model}", *common, *space])
@@ -182,11 +186,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--gbs", type=int, default=16)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--budget", type=int, default=120, help="profiling budget in seconds (five rounds)")
+    parser.add_argument("--budget", type=int, default=120, help="profiling budget in seconds (all rounds)")
     parser.add_argument("--passes", type=int, choices=(1, 2), default=2,
                         help="2: measure every layout before and after the profile, in opposite orders; 1: after")
+    parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                        help="every layout's recomputation (full: uniform, one layer per checkpointed unit)")
     args = parser.parse_args()
-    common = [f"train.global_batch_size={args.gbs}", f"train.seq_length={args.seq}"]
+    common = [f"train.global_batch_size={args.gbs}", f"train.seq_length={args.seq}",
+              f"parallel.recompute={args.recompute}"]
+    if args.recompute == "full":
+        common += ["parallel.recompute_method=uniform", "parallel.recompute_num_layers=1"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -217,7 +226,7 @@ def main() -> None:
             mem_predicted.append(pmem)
             print(f"{str(layout):<22} {drift} {t * 1e3:12.1f} {pt * 1e3:13.1f} {(pt - t) / t * 100:6.1f}% "
                   f"{mem / 2**20:8.2f} {pmem / 2**20:9.2f} {(pmem - mem) / mem * 100:6.1f}%", flush=True)
-        chosen = chosen_layout(args.nproc, args.model, common)
+        chosen = chosen_layout(args.nproc, args.model, common, args.recompute)
     by_layout = {str(layout): t for layout, t in zip(layouts, measured, strict=True)}
     fastest = min(by_layout, key=by_layout.__getitem__)
     if str(chosen) in by_layout:

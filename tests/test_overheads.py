@@ -80,6 +80,22 @@ def test_rounds_needed_asks_for_missing_probes() -> None:
     assert "overheads" in rounds_needed(db, "other", [1], [1], force=False)
 
 
+def test_rounds_needed_asks_for_the_selective_layers_on_their_own() -> None:
+    """A DB with the plain segments' memory still lacks the layers under selective recomputation: only the last
+    round runs again; once they are stored, neither."""
+    def dense(partition: str) -> SegmentRecord:
+        return SegmentRecord(model="m", model_name="gpt_tiny", segment="dense-id", kind="dense", partition=partition,
+                             tp=1, micro_batch=1, seq_length=64, forward_s=0.001, backward_s=0.002, confirmed=True,
+                             activation_bytes=1e5, transient_bytes=1e4, workspace_bytes=0.0)
+
+    plain = _db().merged(segments=[dense("tp1")])
+    need = rounds_needed(plain, "m", [1], [1], force=False)
+    assert "selective" in need and "segments" not in need
+    both = plain.merged(segments=[dense("tp1-selective")])
+    assert not {"segments", "selective"} & set(rounds_needed(both, "m", [1], [1], force=False))
+    assert not both.has_segments("m", 1, 2, selective=True)
+
+
 def test_micro_batch_sizes_cover_the_powers_of_two_the_search_tries() -> None:
     assert micro_batches(_tiny(mb=2)) == [1, 2, 4, 8]
     assert micro_batches(_tiny(mb=1, gbs=2)) == [1, 2]

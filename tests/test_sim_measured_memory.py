@@ -3,6 +3,8 @@ buffers, the ProfileDB round trip, and the static parts of the memory model. Pur
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cfp_megatron.cluster.measured import NothingMeasured, SegmentMemory
@@ -146,6 +148,13 @@ def test_measured_segments_replace_the_analytical_activations() -> None:
     block = simulate(_tiny(recompute="full", recompute_method="block", recompute_num_layers=1), measurements=db,
                      world_size=4).memory
     assert block.activations == pytest.approx(1e3 + hidden + 3 * 3e5 + 1e5 + 1e5 + 6e4)
-    # Selective recomputation was not profiled: the analytical model stands.
+    # Selective recomputation reads the decoder layer profiled under it (tp1-selective), the embedding and the head
+    # as profiled without it; with no such record the analytical model stands.
     selective = _tiny(recompute="selective")
     assert simulate(selective, measurements=db, world_size=4).memory == simulate(selective, world_size=4).memory
+    checkpointed = dataclasses.replace(_record("dense", 1, activation_bytes=2e5, transient_bytes=1.5e5,
+                                               workspace_bytes=6e4), partition="tp1-selective")
+    with_selective = ProfileDB(fingerprint=FP).merged(segments=[*seg, checkpointed]).for_model("abc")
+    assert simulate(selective, measurements=with_selective, world_size=4).memory.activations == pytest.approx(
+        1e3 + 4 * 2e5 + 1e5 + 1e5 + 6e4)
+    assert simulate(job, measurements=with_selective, world_size=4).memory == measured  # no recomputation: tp1

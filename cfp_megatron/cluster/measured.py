@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
-from cfp_megatron.config import MlpPartition
+from cfp_megatron.config import MlpPartition, Recompute
 
 
 class Collective(enum.Enum):
@@ -34,13 +34,22 @@ class Span(enum.Enum):
     """The group crosses nodes (InfiniBand/RoCE)."""
 
 
-def partition_name(tp: int, *, sp: bool = False, mlp: MlpPartition = MlpPartition.megatron) -> str:
+SELECTIVE_SUFFIX = "-selective"
+"""Ending of the partition names of decoder layers profiled under selective recomputation."""
+
+
+def partition_name(tp: int, *, sp: bool = False, mlp: MlpPartition = MlpPartition.megatron,
+                   recompute: Recompute = Recompute.none) -> str:
     """Canonical string of the tensor-parallel layout over ``tp`` ranks, the key profiling stores segments under:
     ``tp1``, ``tp2``, ...; with sequence parallelism (activations outside the TP regions split along the sequence,
     meaningful only with ``tp > 1``) ``tp2-sp``; with PrimePar's MLP (``parallel.mlp=primepar``) ``tp4-primepar``
-    (only the decoder layers differ: the embedding and the head run Megatron's layout)."""
+    (only the decoder layers differ: the embedding and the head run Megatron's layout); a decoder layer under
+    selective recomputation (Megatron checkpoints its core attention, which changes what the layer keeps for its
+    backward pass) ``tp1-selective``, ``tp2-sp-selective``. Full recomputation has no name of its own: its
+    checkpointed layers run as they do without it (:func:`cfp_megatron.sim.memory.recomputed_units`)."""
     name = f"tp{int(tp)}" + ("-sp" if sp and tp > 1 else "")
-    return name + ("-primepar" if mlp is MlpPartition.primepar and tp > 1 else "")
+    name += "-primepar" if mlp is MlpPartition.primepar and tp > 1 else ""
+    return name + (SELECTIVE_SUFFIX if recompute is Recompute.selective else "")
 
 
 def ring_factor(op: Collective, group_size: int) -> float:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cfp_megatron.cluster.measured import (
+    SELECTIVE_SUFFIX,
     Collective,
     CollectiveFit,
     SegmentMemory,
@@ -207,11 +208,12 @@ class ProfileDB:
         """Whether the overheads round's probes of ``model`` under ``tp`` are stored."""
         return any(r.model == model and r.tp == tp for r in self.overheads)
 
-    def has_segments(self, model: str, tp: int, micro_batch: int) -> bool:
+    def has_segments(self, model: str, tp: int, micro_batch: int, *, selective: bool = False) -> bool:
         """Whether segment times and memory of ``model`` under ``tp`` at ``micro_batch`` are stored (records from
-        before memory was measured do not count, so the next run measures them again)."""
+        before memory was measured do not count, so the next run measures them again); with ``selective``, those
+        of its decoder layers under selective recomputation (partitions ``...-selective``)."""
         return any(r.model == model and r.tp == tp and r.micro_batch == micro_batch and r.activation_bytes is not None
-                   for r in self.segments)
+                   and r.partition.endswith(SELECTIVE_SUFFIX) == selective for r in self.segments)
 
     # ---------------------------------------------------------------------------------------------- updates
     def merged(self, *, collectives: Iterable[CollectiveRecord] = (), gemms: Iterable[GemmRecord] = (),

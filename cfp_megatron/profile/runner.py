@@ -29,10 +29,13 @@ from cfp_megatron.runtime.launch_env import LaunchEnv
 
 DEFAULT_BUDGET_S = 60.0
 """Default time budget of a run, seconds (set-up, analysis and all rounds)."""
-ROUNDS = ("collectives", "gemm", "segments", "overheads")
-"""Rounds in the order they run."""
+ROUNDS = ("collectives", "gemm", "segments", "overheads", "selective")
+"""Rounds in the order they run. ``selective``: the decoder layers of the segments round again under selective
+recomputation (their memory then differs; :func:`cfp_megatron.profile.segments.segment_cases`), last, so a short
+budget drops it before anything the step-time prediction reads."""
 SHARES = {"collectives": 0.3, "gemm": 0.1, "segments": 0.35, "overheads": 0.25}
-"""Share of the remaining budget each round gets when it starts (what an earlier round leaves rolls over)."""
+"""Share of the remaining budget each round gets when it starts (what an earlier round leaves rolls over). A round
+without a share (``selective``) runs on what the others leave."""
 
 ProgressFn = Callable[[str, int, int, str], None]
 
@@ -85,6 +88,8 @@ def rounds_needed(db: ProfileDB | None, model: str, micro_batch_sizes: list[int]
         need.append("segments")
     if not any(db.has_overheads(model, tp) for tp in tps):
         need.append("overheads")
+    if not any(db.has_segments(model, tp, mbs, selective=True) for tp in tps for mbs in micro_batch_sizes):
+        need.append("selective")
     return need
 
 
@@ -105,7 +110,7 @@ def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on
     rounds = rounds_needed(db, key, micro_batches(job), tps, force=force)
     classes: dict[int, dict[str, dict[str, Any]]] = {}
     records: list[dict[str, Any]] = []
-    if "segments" in rounds:  # only the segments round names its records by the analysis' classes
+    if {"segments", "selective"} & set(rounds):  # only these rounds name their records by the analysis' classes
         began = time.perf_counter()
         try:
             for tp in tps:
@@ -171,7 +176,7 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_BUDGE
 
 def _run_rounds(job: JobSpec, plan: dict[str, Any], *, world: int, on_gpu: bool, budget_s: float, started: float,
                 rank: int, progress: ProgressFn | None) -> dict[str, tuple[RoundRecord, Any]]:
-    from cfp_megatron.config import resolve_precision
+    from cfp_megatron.config import Recompute, resolve_precision
     from cfp_megatron.profile.collectives import collective_steps
     from cfp_megatron.profile.gemm import gemm_steps
     from cfp_megatron.profile.overheads import overhead_cases, overhead_steps
@@ -192,14 +197,17 @@ def _run_rounds(job: JobSpec, plan: dict[str, Any], *, world: int, on_gpu: bool,
         elif name == "gemm":
             dtypes = ["fp32"] if not on_gpu else list(dict.fromkeys([precision, "fp32"]))
             steps, meaning = gemm_steps(dtypes, on_gpu=on_gpu, device=device)
-        elif name == "segments":
-            steps, meaning = segment_steps(cases, micro_batches(job), model_kinds(job), repeats=5 if on_gpu else 7)
+        elif name in ("segments", "selective"):
+            run = cases if name == "segments" else segment_cases(job, world, Recompute.selective)[0]
+            steps, meaning = segment_steps(run, micro_batches(job), model_kinds(job), repeats=5 if on_gpu else 7)
         else:
             steps, meaning = overhead_steps(overhead_cases(cases, world, job.model.num_layers), micro_batches(job),
                                             repeats=4)
         remaining = [n for n in todo if n not in out]
         left = budget_s - (time.perf_counter() - started)
-        share = max(left, 0.0) * SHARES[name] / sum(SHARES[n] for n in remaining)
+        share = max(left, 0.0)
+        if name in SHARES:
+            share *= SHARES[name] / sum(SHARES[n] for n in remaining if n in SHARES)
         callback = (lambda i, n, label, name=name: progress(name, i, n, label)) if progress and rank == 0 else None
         results, record = run_round(name, steps, seconds=share, on_step=callback)
         if release is not None:
@@ -230,9 +238,9 @@ def _merge(db: ProfileDB, job: JobSpec, plan: dict[str, Any], results: dict[str,
             gemms = gemm_records(steps_done, meaning)
         elif name == "overheads":
             overheads = overhead_records(steps_done, meaning, key=plan["model_key"])
-        else:
+        else:  # segments, selective
             classes = {int(k): v for k, v in plan["classes"].items()}
-            segments = segment_records(steps_done, meaning, job=job, key=plan["model_key"], classes=classes)
+            segments += segment_records(steps_done, meaning, job=job, key=plan["model_key"], classes=classes)
     rounds_done.extend(extra)
     return db.merged(collectives=collectives, gemms=gemms, segments=segments, rounds=rounds_done,
                      overheads=overheads)

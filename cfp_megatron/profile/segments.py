@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from cfp_megatron.cluster.measured import partition_name
-from cfp_megatron.config import JobSpec, MlpPartition, ParallelSpec, primepar_grid_side
+from cfp_megatron.config import JobSpec, MlpPartition, ParallelSpec, Recompute, primepar_grid_side
 from cfp_megatron.errors import ConfigError
 from cfp_megatron.parallel_dims import ParallelDims
 from cfp_megatron.profile.control import Step, StepResult
@@ -43,14 +43,17 @@ class SegmentCase:
 
     @property
     def partition(self) -> str:
-        """The canonical partition string its records are stored under (``tp4``, ``tp2-sp``, ``tp4-primepar``)."""
-        return partition_name(self.tp, sp=self.dims.sp, mlp=self.job.parallel.mlp)
+        """The canonical partition string its records are stored under (``tp4``, ``tp2-sp``, ``tp4-primepar``,
+        ``tp2-selective``)."""
+        p = self.job.parallel
+        return partition_name(self.tp, sp=self.dims.sp, mlp=p.mlp, recompute=p.recompute)
 
     @property
     def layers_only(self) -> bool:
-        """Whether only the decoder layers differ from the Megatron case of the same TP size (PrimePar's MLP), so
-        the embedding and the head are not timed again."""
-        return self.job.parallel.mlp is not MlpPartition.megatron
+        """Whether only the decoder layers differ from the Megatron case of the same TP size (PrimePar's MLP, or
+        selective recomputation), so the embedding and the head are not timed again."""
+        p = self.job.parallel
+        return p.mlp is not MlpPartition.megatron or p.recompute is not Recompute.none
 
 
 def model_key(job: JobSpec, *, on_gpu: bool) -> str:
@@ -77,16 +80,17 @@ def micro_batches(job: JobSpec) -> list[int]:
 
 
 def probe_job(job: JobSpec, tp: int, world: int, micro_batch: int,
-              mlp: MlpPartition = MlpPartition.megatron) -> JobSpec:
-    """``job`` cut to one layer per decoder kind under ``parallel.tp = tp`` (the rest data-parallel) and the MLP
-    partition ``mlp``."""
+              mlp: MlpPartition = MlpPartition.megatron, recompute: Recompute = Recompute.none) -> JobSpec:
+    """``job`` cut to one layer per decoder kind under ``parallel.tp = tp`` (the rest data-parallel), the MLP
+    partition ``mlp`` and the recomputation ``recompute`` (none or selective)."""
     m = job.model
     two = m.is_moe and m.moe_first_dense_layers > 0
     model = dataclasses.replace(m, num_layers=2 if two else 1, moe_first_dense_layers=1 if two else 0)
     dp = max(world // tp, 1)
     train = dataclasses.replace(job.train, micro_batch_size=micro_batch, global_batch_size=micro_batch * dp,
                                 checkpoint_dir=None, resume=False, save_interval=0)
-    parallel = ParallelSpec(tp=tp, sp=needs_sequence_parallel(job, tp), order=job.parallel.order, mlp=mlp)
+    parallel = ParallelSpec(tp=tp, sp=needs_sequence_parallel(job, tp), order=job.parallel.order, mlp=mlp,
+                          recompute=recompute)
     return dataclasses.replace(job, model=model, train=train, parallel=parallel)
 
 
@@ -95,20 +99,23 @@ def needs_sequence_parallel(job: JobSpec, tp: int) -> bool:
     return job.model.is_moe and tp > 1
 
 
-def segment_cases(job: JobSpec, world: int) -> tuple[list[SegmentCase], list[str]]:
+def segment_cases(job: JobSpec, world: int,
+                  recompute: Recompute = Recompute.none) -> tuple[list[SegmentCase], list[str]]:
     """Every TP size dividing the world that the model allows (and, on TP groups of 4^k ranks, PrimePar's MLP:
-    :mod:`cfp_megatron.layers`), and why the others were left out."""
+    :mod:`cfp_megatron.layers`), under ``recompute`` (``selective``: the same layers checkpointing their core
+    attention, which changes what they keep for the backward pass), and why the others were left out."""
     cases, skipped = [], []
     biggest = max(micro_batches(job))
     for tp in (t for t in range(1, world + 1) if world % t == 0):
         for mlp in MlpPartition:
             if mlp is MlpPartition.primepar and (primepar_grid_side(tp) is None or job.model.is_moe):
                 continue  # not a square grid of 4^k ranks, or no dense MLP to replace
-            probe = probe_job(job, tp, world, biggest, mlp)
+            probe = probe_job(job, tp, world, biggest, mlp, recompute)
             try:
                 dims = ParallelDims.build(probe, world)
             except ConfigError as err:
-                skipped.append(f"{partition_name(tp, mlp=mlp)}: " + "; ".join(str(i) for i in err.issues))
+                skipped.append(f"{partition_name(tp, mlp=mlp, recompute=recompute)}: "
+                               + "; ".join(str(i) for i in err.issues))
                 continue
             cases.append(SegmentCase(tp=tp, job=probe, dims=dims))
     return cases, skipped

@@ -157,14 +157,17 @@ def measured_activations(job: JobSpec, layout: Layout, measurements: Measurement
                          layers: int, moe_layers: int, first: bool, last: bool) -> float | None:
     """Activation bytes at the peak of pipeline rank ``rank`` from profiled segment memory
     (:mod:`cfp_megatron.sim.measured_memory`), with the pipeline's point-to-point tensors; ``None`` when the
-    profile lacks a segment the stage runs under the plan's partition, or the plan recomputes selectively or splits
-    the sequence over CP (profiling measures neither). Under full recomputation each recomputed unit keeps only its
-    output (:func:`recomputed_units`)."""
+    profile lacks a segment the stage runs under the plan's partition, or the plan splits the sequence over CP
+    (profiling does not measure it). Under selective recomputation the decoder layers' figures are those profiled
+    under it (``tp2-selective``: the checkpointed core attention keeps only its inputs, and runs again in the
+    backward pass); under full recomputation each recomputed unit keeps only its output (:func:`recomputed_units`)."""
     d = layout.dims
-    if measurements is None or job.parallel.recompute is Recompute.selective or d.cp > 1:
+    if measurements is None or d.cp > 1:
         return None
+    selective = Recompute.selective if job.parallel.recompute is Recompute.selective else Recompute.none
     partition = partition_name(d.tp, sp=d.sp)  # the embedding and the head
-    layer_partition = partition_name(d.tp, sp=d.sp, mlp=job.parallel.mlp)
+    layer_partition = partition_name(d.tp, sp=d.sp, mlp=job.parallel.mlp, recompute=selective)
+    megatron_partition = partition_name(d.tp, sp=d.sp, recompute=selective)  # layers past primepar_layers
     split = primepar_split(job, rank=rank)
     kinds = ["dense", "moe"] if moe_layers else ["dense"]
     if moe_layers == layers:
@@ -172,7 +175,7 @@ def measured_activations(job: JobSpec, layout: Layout, measurements: Measurement
     found: dict[str, SegmentMemory] = {}
     for kind in [*kinds, *(["megatron"] if split else []), *(["embedding"] if first else []),
                  *(["head"] if last else [])]:
-        where = {"embedding": partition, "head": partition, "megatron": partition}.get(kind, layer_partition)
+        where = {"embedding": partition, "head": partition, "megatron": megatron_partition}.get(kind, layer_partition)
         hit = measured_memory(measurements, "dense" if kind == "megatron" else kind, where, layout.micro_batch)
         if hit is None:
             return None
