@@ -147,6 +147,39 @@ def test_simulator_uses_the_measured_step() -> None:
                                                      options=SimOptions(use_measured_segments=False)).step_time_s)
 
 
+class _Checkpointed(_Measured):
+    """As :class:`_Measured`, with the dense layer also timed under selective recomputation (``tp1-selective``) at
+    three sizes: 25% slower than the plain layer at two of them, seven times as slow at the third (one slow timing
+    on a busy machine)."""
+
+    def segment_seconds(self, segment: str, partition: str, micro_batch: int) -> tuple[float, float] | None:
+        if not partition.endswith("-selective"):
+            return super().segment_seconds(segment, partition, micro_batch)
+        if segment != "dense":
+            return None
+        return (0.02, 0.02) if micro_batch == 4 else (0.002, 0.0055)
+
+    def segment_micro_batches(self, segment: str, partition: str) -> tuple[int, ...]:
+        return (1, 2, 4) if segment == "dense" else ()
+
+
+def test_selective_recomputation_costs_what_the_profiled_checkpointed_layer_adds() -> None:
+    """Under selective recomputation each layer's recomputation costs the median share the selective round's layer
+    took beyond the plain one (25%: the slow third size passed over), of the layer as it runs in the schedule
+    (12 ms there against its 6 ms segment: 3 ms per layer and micro-batch); without that round's layer, the
+    analytical attention core's share of the forward pass, as before."""
+    ov = StepOverheads(partition="tp1", micro_batch=2, layer_s=0.012, per_microbatch_s=0.003, step_base_s=0.005,
+                       step_per_param_s=1e-8)
+    plain = simulate(_tiny(tp=1, pp=1), measurements=_Checkpointed(ov), world_size=4)
+    selective = simulate(_tiny(tp=1, pp=1, recompute="selective"), measurements=_Checkpointed(ov), world_size=4)
+    mbs = selective.num_microbatches
+    assert plain.time.recompute_s == 0.0
+    assert selective.time.recompute_s == pytest.approx(mbs * 4 * 0.25 * 0.012)
+    assert selective.step_time_s == pytest.approx(plain.step_time_s + mbs * 4 * 0.25 * 0.012)
+    unprofiled = simulate(_tiny(tp=1, pp=1, recompute="selective"), measurements=_Measured(ov), world_size=4)
+    assert 0.0 < unprofiled.time.recompute_s < 0.1 * selective.time.recompute_s
+
+
 def test_the_schedule_cost_per_micro_batch_falls_on_the_pipeline_ends() -> None:
     """The probes' cost per micro-batch beyond the segments is charged to the stages with the embedding and the
     head: over four stages the step grows by about the micro-batches times it, not by (micro-batches + 3) times

@@ -10,8 +10,10 @@ through them gives every size; with fewer, the sizes between are interpolated li
 
 from __future__ import annotations
 
+import statistics
+
 from cfp_megatron.cluster.measured import Measurements, interpolate_rows, least_squares_line, partition_name
-from cfp_megatron.config import JobSpec
+from cfp_megatron.config import JobSpec, Recompute
 from cfp_megatron.sim.layer_cost import LayerCost, PassCost
 
 
@@ -47,6 +49,25 @@ def measured_pass(measurements: Measurements, kind: str, partition: str,
     return forward, backward
 
 
+def selective_share(measurements: Measurements, kind: str, plain: str, selective: str) -> float | None:
+    """What a ``kind`` layer's forward plus backward takes beyond the plain partition ``plain`` when it checkpoints
+    its core attention (the selective round's partition ``selective``, e.g. ``tp2-selective``), as a share of the
+    plain layer's time: the median over the micro-batch sizes both rounds timed of ``selective / plain - 1``, never
+    below zero; ``None`` when no size was timed under both.
+
+    A share per size and their median, not the difference of two fitted lines: each size is one timing on a busy
+    machine, and one slow size (a CPU timing a third of the others) would tilt both lines; the median of the
+    shares passes over it."""
+    shares = []
+    for mb in set(measurements.segment_micro_batches(kind, plain)) & set(
+            measurements.segment_micro_batches(kind, selective)):
+        base, checkpointed = (measurements.segment_seconds(kind, plain, mb),
+                              measurements.segment_seconds(kind, selective, mb))
+        if base is not None and checkpointed is not None and sum(base) > 0:
+            shares.append(sum(checkpointed) / sum(base) - 1.0)
+    return max(statistics.median(shares), 0.0) if shares else None
+
+
 def _as_pass(seconds: float) -> PassCost:
     return PassCost(compute_s=seconds)
 
@@ -56,20 +77,31 @@ def apply_measured(job: JobSpec, measurements: Measurements | None, micro_batch:
                    ) -> tuple[LayerCost, LayerCost, tuple[PassCost, PassCost], tuple[PassCost, PassCost]]:
     """The layer costs with measured segments in place of the analytical ones where profiling has them.
 
-    Returns ``(dense, moe, embedding, head)``. The
-    recomputation cost keeps the analytical model's share of the forward pass (full recompute: the whole forward).
+    Returns ``(dense, moe, embedding, head)``. Under selective recomputation, where the selective round measured
+    the layer (partition ``tp<N>-selective``), the recomputation costs the share of the plain layer's forward and
+    backward that the checkpointed layer took beyond it (:func:`selective_share`): the checkpointed core attention
+    run again, and the checkpoint's own bookkeeping (RNG states, a nested backward), which on a small model or a
+    CPU outweighs the attention's FLOPs. Otherwise, and under full recomputation, it keeps the analytical model's
+    share of the measured forward pass (full recompute: the whole forward).
     """
     if measurements is None:
         return dense, moe, emb, out
-    partition = partition_name(job.parallel.tp, sp=job.parallel.sp)  # the embedding and the head
-    layers = partition_name(job.parallel.tp, sp=job.parallel.sp, mlp=job.parallel.mlp)
+    p = job.parallel
+    partition = partition_name(p.tp, sp=p.sp)  # the embedding and the head
+    layers = partition_name(p.tp, sp=p.sp, mlp=p.mlp)
+    checkpointed = partition_name(p.tp, sp=p.sp, mlp=p.mlp, recompute=Recompute.selective)
 
     def layer(kind: str, cost: LayerCost) -> LayerCost:
         hit = measured_pass(measurements, kind, layers, micro_batch)
         if hit is None:
             return cost
-        share = cost.recompute.total_s / cost.forward.total_s if cost.forward.total_s > 0 else 0.0
-        return LayerCost(forward=_as_pass(hit[0]), backward=_as_pass(hit[1]), recompute=_as_pass(share * hit[0]),
+        share = selective_share(measurements, kind, layers, checkpointed) \
+            if p.recompute is Recompute.selective else None
+        if share is not None:
+            extra = share * sum(hit)
+        else:
+            extra = hit[0] * (cost.recompute.total_s / cost.forward.total_s if cost.forward.total_s > 0 else 0.0)
+        return LayerCost(forward=_as_pass(hit[0]), backward=_as_pass(hit[1]), recompute=_as_pass(extra),
                          params=cost.params, expert_params=cost.expert_params)
 
     def ends(kind: str, cost: tuple[PassCost, PassCost]) -> tuple[PassCost, PassCost]:
