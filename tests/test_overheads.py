@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from cfp_megatron.cluster.measured import NothingMeasured, StepOverheads
-from cfp_megatron.config import job_from_config
+from cfp_megatron.config import Recompute, job_from_config
 from cfp_megatron.profile.db import ProfileDB
 from cfp_megatron.profile.fingerprint import Fingerprint
 from cfp_megatron.profile.records import OverheadRecord, SegmentRecord
@@ -80,9 +80,9 @@ def test_rounds_needed_asks_for_missing_probes() -> None:
     assert "overheads" in rounds_needed(db, "other", [1], [1], force=False)
 
 
-def test_rounds_needed_asks_for_the_selective_layers_on_their_own() -> None:
-    """A DB with the plain segments' memory still lacks the layers under selective recomputation: only the last
-    round runs again; once they are stored, neither."""
+def test_rounds_needed_asks_for_the_recomputed_layers_on_their_own() -> None:
+    """A DB with the plain segments' memory still lacks the layers under selective and full recomputation: only the
+    last round runs again, also where only one of them is stored; once both are, neither."""
     def dense(partition: str) -> SegmentRecord:
         return SegmentRecord(model="m", model_name="gpt_tiny", segment="dense-id", kind="dense", partition=partition,
                              tp=1, micro_batch=1, seq_length=64, forward_s=0.001, backward_s=0.002, confirmed=True,
@@ -90,10 +90,13 @@ def test_rounds_needed_asks_for_the_selective_layers_on_their_own() -> None:
 
     plain = _db().merged(segments=[dense("tp1")])
     need = rounds_needed(plain, "m", [1], [1], force=False)
-    assert "selective" in need and "segments" not in need
-    both = plain.merged(segments=[dense("tp1-selective")])
-    assert not {"segments", "selective"} & set(rounds_needed(both, "m", [1], [1], force=False))
-    assert not both.has_segments("m", 1, 2, selective=True)
+    assert "recompute" in need and "segments" not in need
+    selective = plain.merged(segments=[dense("tp1-selective")])  # a DB written before the full layer was profiled
+    assert "recompute" in rounds_needed(selective, "m", [1], [1], force=False)
+    both = selective.merged(segments=[dense("tp1-full")])
+    assert not {"segments", "recompute"} & set(rounds_needed(both, "m", [1], [1], force=False))
+    assert both.has_segments("m", 1, 1, recompute=Recompute.full)
+    assert not both.has_segments("m", 1, 2, recompute=Recompute.selective)
 
 
 def test_micro_batch_sizes_cover_the_powers_of_two_the_search_tries() -> None:
@@ -148,12 +151,12 @@ def test_simulator_uses_the_measured_step() -> None:
 
 
 class _Checkpointed(_Measured):
-    """As :class:`_Measured`, with the dense layer also timed under selective recomputation (``tp1-selective``) at
-    three sizes: 25% slower than the plain layer at two of them, seven times as slow at the third (one slow timing
-    on a busy machine)."""
+    """As :class:`_Measured`, with the dense layer also timed under recomputation (``tp1-selective``,
+    ``tp1-full``) at three sizes: 25% slower than the plain layer at two of them, seven times as slow at the third
+    (one slow timing on a busy machine)."""
 
     def segment_seconds(self, segment: str, partition: str, micro_batch: int) -> tuple[float, float] | None:
-        if not partition.endswith("-selective"):
+        if not partition.endswith(("-selective", "-full")):
             return super().segment_seconds(segment, partition, micro_batch)
         if segment != "dense":
             return None
@@ -163,21 +166,43 @@ class _Checkpointed(_Measured):
         return (1, 2, 4) if segment == "dense" else ()
 
 
-def test_selective_recomputation_costs_what_the_profiled_checkpointed_layer_adds() -> None:
-    """Under selective recomputation each layer's recomputation costs the median share the selective round's layer
-    took beyond the plain one (25%: the slow third size passed over), of the layer as it runs in the schedule
-    (12 ms there against its 6 ms segment: 3 ms per layer and micro-batch); without that round's layer, the
-    analytical attention core's share of the forward pass, as before."""
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputation_costs_what_the_profiled_checkpointed_layer_adds(recompute: str) -> None:
+    """Under recomputation each layer's recomputation costs the median share the recompute round's layer took
+    beyond the plain one (25%: the slow third size passed over), of the layer as it runs in the schedule (12 ms
+    there against its 6 ms segment: 3 ms per layer and micro-batch); without that round's layer, the analytical
+    share of the forward pass (selective: the attention core's, a sliver; full: the whole forward, 4 ms)."""
     ov = StepOverheads(partition="tp1", micro_batch=2, layer_s=0.012, per_microbatch_s=0.003, step_base_s=0.005,
                        step_per_param_s=1e-8)
     plain = simulate(_tiny(tp=1, pp=1), measurements=_Checkpointed(ov), world_size=4)
-    selective = simulate(_tiny(tp=1, pp=1, recompute="selective"), measurements=_Checkpointed(ov), world_size=4)
-    mbs = selective.num_microbatches
+    again = simulate(_tiny(tp=1, pp=1, recompute=recompute), measurements=_Checkpointed(ov), world_size=4)
+    mbs = again.num_microbatches
     assert plain.time.recompute_s == 0.0
-    assert selective.time.recompute_s == pytest.approx(mbs * 4 * 0.25 * 0.012)
-    assert selective.step_time_s == pytest.approx(plain.step_time_s + mbs * 4 * 0.25 * 0.012)
-    unprofiled = simulate(_tiny(tp=1, pp=1, recompute="selective"), measurements=_Measured(ov), world_size=4)
-    assert 0.0 < unprofiled.time.recompute_s < 0.1 * selective.time.recompute_s
+    assert again.time.recompute_s == pytest.approx(mbs * 4 * 0.25 * 0.012)
+    assert again.step_time_s == pytest.approx(plain.step_time_s + mbs * 4 * 0.25 * 0.012)
+    unprofiled = simulate(_tiny(tp=1, pp=1, recompute=recompute), measurements=_Measured(ov), world_size=4)
+    if recompute == "selective":
+        assert 0.0 < unprofiled.time.recompute_s < 0.1 * again.time.recompute_s
+    else:  # the forward's third of the 12 ms layer (its 2 ms of the 6 ms segment)
+        assert unprofiled.time.recompute_s == pytest.approx(mbs * 4 * 0.004)
+
+
+class _Alternated(_Checkpointed):
+    """As :class:`_Checkpointed`, with the plain layer timed again alternately with the recomputed one at each size:
+    5 ms there, against the segments round's 6 ms (the machine's speed drifted between the rounds)."""
+
+    def segment_baseline_seconds(self, segment: str, partition: str, micro_batch: int) -> float | None:
+        return 0.005 if segment == "dense" and partition.endswith(("-selective", "-full")) else None
+
+
+def test_the_share_is_taken_against_the_plain_layer_timed_beside_it() -> None:
+    """The recompute round's own plain timing of each size, not the segments round's, is the base of the share:
+    7.5 ms over 5 ms is 50% (25% against the segments round's 6 ms); the seven-fold size still passed over."""
+    from cfp_megatron.sim.measured_segments import recompute_share
+
+    assert recompute_share(_Checkpointed(None), "dense", "tp1", "tp1-full") == pytest.approx(0.25)
+    assert recompute_share(_Alternated(None), "dense", "tp1", "tp1-full") == pytest.approx(0.5)
+    assert recompute_share(NothingMeasured(), "dense", "tp1", "tp1-full") is None
 
 
 def test_the_schedule_cost_per_micro_batch_falls_on_the_pipeline_ends() -> None:

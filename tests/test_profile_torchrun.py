@@ -49,16 +49,17 @@ def test_profile_fills_the_db_and_a_second_run_reuses_it(tmp_path) -> None:
     assert all(s["forward_s"] > 0 and s["backward_s"] > 0 for s in db["segments"])
     dense_memory = [s["activation_bytes"] for s in db["segments"] if s["kind"] == "dense"]
     assert dense_memory and all(b is not None and b > 0 for b in dense_memory), dense_memory  # measured with times
-    assert {s["partition"] for s in db["segments"]} <= {"tp1", "tp2", "tp1-selective", "tp2-selective"}
+    assert {s["partition"] for s in db["segments"]} <= {"tp1", "tp2", "tp1-selective", "tp2-selective", "tp1-full",
+                                                         "tp2-full"}
     assert "ProfileDB:" in out and "Collectives" in out
 
-    # The selective round runs on what the others leave of 12 s; where it did not finish, the next run measures it
-    # alone (and the analysis its records are named by); a run after that measures nothing.
-    if not any(s["partition"].endswith("-selective") for s in db["segments"]):
+    # The recompute round runs on what the others leave of 12 s; where it did not reach both recomputations, the
+    # next run measures it alone (and the analysis its records are named by); a run after that measures nothing.
+    if not all(any(s["partition"].endswith(suffix) for s in db["segments"]) for suffix in ("-selective", "-full")):
         again = run_profile(2, ["model=gpt_tiny", "--budget", "12"], cache)
         assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
         new = only_db(cache)["rounds"][len(db["rounds"]):]
-        assert {r["name"] for r in new} == {"analysis", "selective"}, new
+        assert {r["name"] for r in new} == {"analysis", "recompute"}, new
         db = only_db(cache)
     second = run_profile(2, ["model=gpt_tiny", "--budget", "12"], cache)
     assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
@@ -66,11 +67,13 @@ def test_profile_fills_the_db_and_a_second_run_reuses_it(tmp_path) -> None:
     assert only_db(cache)["rounds"] == db["rounds"]  # nothing measured, nothing written
 
 
-def test_selective_recomputation_is_profiled_as_its_own_partition(tmp_path) -> None:
-    """The last round (``selective``) measures the decoder layer again under selective recomputation (the layer
+def test_recomputation_is_profiled_as_its_own_partitions(tmp_path) -> None:
+    """The last round (``recompute``) measures the decoder layer again under selective recomputation (the layer
     built with Megatron's ``recompute_granularity="selective"``): its checkpointed core attention keeps neither the
     attention scores nor the softmax for the backward pass, so the layer keeps fewer bytes than without
-    recomputation at every micro-batch size, and the recomputation in its backward pass raises its transient."""
+    recomputation at every micro-batch size, and the recomputation in its backward pass raises its transient. And
+    checkpointed whole, as full recomputation runs it (Megatron's ``tensor_parallel.checkpoint``): the layer keeps
+    its input only, so its output is all it leaves alive, less than under selective recomputation."""
     cache = tmp_path / "cache"
     run = run_profile(1, ["model=gpt_tiny", "cluster=local", "train.seq_length=64", "--budget", "120"], cache)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
@@ -81,10 +84,13 @@ def test_selective_recomputation_is_profiled_as_its_own_partition(tmp_path) -> N
         plain, selective = dense[("tp1", mb)], dense[("tp1-selective", mb)]
         assert selective["activation_bytes"] < plain["activation_bytes"], (mb, plain, selective)
         assert selective["transient_bytes"] > plain["transient_bytes"], (mb, plain, selective)
+        full = dense[("tp1-full", mb)]
+        assert full["activation_bytes"] < selective["activation_bytes"], (mb, selective, full)
+        assert full["forward_s"] > 0 and full["backward_s"] > 0
     embedding_partitions = {s["partition"] for s in only_db(cache)["segments"] if s["kind"] != "dense"}
     assert embedding_partitions == {"tp1"}  # the embedding and the head are not profiled again
     rounds = {r["name"]: r for r in only_db(cache)["rounds"]}
-    assert rounds["selective"]["status"] == "ok" and rounds["selective"]["steps_done"] > 0
+    assert rounds["recompute"]["status"] == "ok" and rounds["recompute"]["steps_done"] > 0
 
 
 def test_failed_and_slow_rounds_are_recorded_and_the_job_finishes(tmp_path) -> None:

@@ -34,8 +34,8 @@ class Span(enum.Enum):
     """The group crosses nodes (InfiniBand/RoCE)."""
 
 
-SELECTIVE_SUFFIX = "-selective"
-"""Ending of the partition names of decoder layers profiled under selective recomputation."""
+RECOMPUTE_SUFFIXES = {Recompute.selective: "-selective", Recompute.full: "-full"}
+"""Ending of the partition names of decoder layers profiled under selective or full recomputation."""
 
 
 def partition_name(tp: int, *, sp: bool = False, mlp: MlpPartition = MlpPartition.megatron,
@@ -45,11 +45,18 @@ def partition_name(tp: int, *, sp: bool = False, mlp: MlpPartition = MlpPartitio
     meaningful only with ``tp > 1``) ``tp2-sp``; with PrimePar's MLP (``parallel.mlp=primepar``) ``tp4-primepar``
     (only the decoder layers differ: the embedding and the head run Megatron's layout); a decoder layer under
     selective recomputation (Megatron checkpoints its core attention, which changes what the layer keeps for its
-    backward pass) ``tp1-selective``, ``tp2-sp-selective``. Full recomputation has no name of its own: its
-    checkpointed layers run as they do without it (:func:`cfp_megatron.sim.memory.recomputed_units`)."""
+    backward pass) ``tp1-selective``, ``tp2-sp-selective``; a decoder layer checkpointed whole, as full
+    recomputation runs it (its forward without autograd, then again with it in the backward pass) ``tp1-full``.
+    Full recomputation's memory is read from the plain partition (:func:`cfp_megatron.sim.memory.recomputed_units`),
+    only its time from ``-full``."""
     name = f"tp{int(tp)}" + ("-sp" if sp and tp > 1 else "")
     name += "-primepar" if mlp is MlpPartition.primepar and tp > 1 else ""
-    return name + (SELECTIVE_SUFFIX if recompute is Recompute.selective else "")
+    return name + RECOMPUTE_SUFFIXES.get(recompute, "")
+
+
+def partition_recompute(name: str) -> Recompute:
+    """The recomputation a partition name (:func:`partition_name`) was profiled under."""
+    return next((r for r, suffix in RECOMPUTE_SUFFIXES.items() if name.endswith(suffix)), Recompute.none)
 
 
 def ring_factor(op: Collective, group_size: int) -> float:
@@ -229,6 +236,11 @@ class Measurements(Protocol):
         node over cores where the ranks share fewer cores (CPU); ``None`` where each rank has its own device."""
         ...
 
+    def segment_baseline_seconds(self, segment: str, partition: str, micro_batch: int) -> float | None:
+        """For a partition under recomputation (``tp2-selective``, ``tp2-full``): forward plus backward seconds of
+        the same layer without it, timed alternately with the recomputed one (``None`` if not measured)."""
+        ...
+
     def segment_memory(self, segment: str, partition: str, micro_batch: int) -> SegmentMemory | None:
         """Measured tensor memory of one segment class (as :meth:`segment_seconds`) under ``partition`` at
         ``micro_batch`` (median over ranks and repeats)."""
@@ -252,6 +264,9 @@ class NothingMeasured:
 
     def segment_micro_batches(self, segment: str, partition: str) -> tuple[int, ...]:
         return ()
+
+    def segment_baseline_seconds(self, segment: str, partition: str, micro_batch: int) -> float | None:
+        return None
 
     def step_overheads(self, partition: str, micro_batch: int) -> StepOverheads | None:
         return None

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from cfp_megatron.cluster.measured import (
-    SELECTIVE_SUFFIX,
     Collective,
     CollectiveFit,
     SegmentMemory,
@@ -26,7 +25,9 @@ from cfp_megatron.cluster.measured import (
     free_line,
     interpolate_rows,
     least_squares_line,
+    partition_recompute,
 )
+from cfp_megatron.config import Recompute
 from cfp_megatron.files import write_atomic, write_new
 from cfp_megatron.profile.errors import FingerprintMismatchError, ProfileDBError, SchemaVersionError
 from cfp_megatron.profile.fingerprint import Fingerprint
@@ -102,6 +103,14 @@ class ProfileDB:
         for rec in self._segment_records(segment, partition):
             if rec.micro_batch == micro_batch:
                 return rec.forward_s, rec.backward_s
+        return None
+
+    def segment_baseline_seconds(self, segment: str, partition: str, micro_batch: int) -> float | None:
+        """The recomputed layer's alternately timed plain forward plus backward
+        (:attr:`~cfp_megatron.profile.records.SegmentRecord.baseline_s`), newest measurement."""
+        for rec in self._segment_records(segment, partition):
+            if rec.micro_batch == micro_batch:
+                return rec.baseline_s
         return None
 
     def segment_micro_batches(self, segment: str, partition: str) -> tuple[int, ...]:
@@ -208,12 +217,13 @@ class ProfileDB:
         """Whether the overheads round's probes of ``model`` under ``tp`` are stored."""
         return any(r.model == model and r.tp == tp for r in self.overheads)
 
-    def has_segments(self, model: str, tp: int, micro_batch: int, *, selective: bool = False) -> bool:
+    def has_segments(self, model: str, tp: int, micro_batch: int, *,
+                     recompute: Recompute = Recompute.none) -> bool:
         """Whether segment times and memory of ``model`` under ``tp`` at ``micro_batch`` are stored (records from
-        before memory was measured do not count, so the next run measures them again); with ``selective``, those
-        of its decoder layers under selective recomputation (partitions ``...-selective``)."""
+        before memory was measured do not count, so the next run measures them again); with ``recompute``
+        selective or full, those of its decoder layers under it (partitions ``...-selective``, ``...-full``)."""
         return any(r.model == model and r.tp == tp and r.micro_batch == micro_batch and r.activation_bytes is not None
-                   and r.partition.endswith(SELECTIVE_SUFFIX) == selective for r in self.segments)
+                   and partition_recompute(r.partition) is recompute for r in self.segments)
 
     # ---------------------------------------------------------------------------------------------- updates
     def merged(self, *, collectives: Iterable[CollectiveRecord] = (), gemms: Iterable[GemmRecord] = (),

@@ -141,6 +141,10 @@ class SegmentRecord:
     workspace_bytes: float | None = None
     """Persistent buffers the first pass allocates and later passes reuse (Megatron's global memory buffer), median;
     ``None`` when not measured."""
+    baseline_s: float | None = None
+    """Under recomputation (partitions ``...-selective``, ``...-full``): forward plus backward seconds of the same
+    layer without it, timed alternately with this one in the same round, slowest rank, so a drift of the machine's
+    speed between rounds does not enter what recomputation adds; ``None`` otherwise and in older DBs."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready form."""

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cfp_megatron.config import JobSpec
+from cfp_megatron.config import JobSpec, Recompute
 from cfp_megatron.profile.control import StepResult, run_round
 from cfp_megatron.profile.db import ProfileDB, load_db, store_db
 from cfp_megatron.profile.errors import ProfileDBError
@@ -29,13 +29,14 @@ from cfp_megatron.runtime.launch_env import LaunchEnv
 
 DEFAULT_BUDGET_S = 60.0
 """Default time budget of a run, seconds (set-up, analysis and all rounds)."""
-ROUNDS = ("collectives", "gemm", "segments", "overheads", "selective")
-"""Rounds in the order they run. ``selective``: the decoder layers of the segments round again under selective
-recomputation (their memory then differs; :func:`cfp_megatron.profile.segments.segment_cases`), last, so a short
-budget drops it before anything the step-time prediction reads."""
+ROUNDS = ("collectives", "gemm", "segments", "overheads", "recompute")
+"""Rounds in the order they run. ``recompute``: the decoder layers of the segments round again under selective
+recomputation (their memory then differs) and checkpointed whole as full recomputation runs them (their time then
+differs; :func:`cfp_megatron.profile.segments.segment_cases`), last, so a short budget drops it before anything a
+plan without recomputation reads."""
 SHARES = {"collectives": 0.3, "gemm": 0.1, "segments": 0.35, "overheads": 0.25}
 """Share of the remaining budget each round gets when it starts (what an earlier round leaves rolls over). A round
-without a share (``selective``) runs on what the others leave."""
+without a share (``recompute``) runs on what the others leave."""
 
 ProgressFn = Callable[[str, int, int, str], None]
 
@@ -88,8 +89,9 @@ def rounds_needed(db: ProfileDB | None, model: str, micro_batch_sizes: list[int]
         need.append("segments")
     if not any(db.has_overheads(model, tp) for tp in tps):
         need.append("overheads")
-    if not any(db.has_segments(model, tp, mbs, selective=True) for tp in tps for mbs in micro_batch_sizes):
-        need.append("selective")
+    if not all(any(db.has_segments(model, tp, mbs, recompute=rc) for tp in tps for mbs in micro_batch_sizes)
+               for rc in (Recompute.selective, Recompute.full)):
+        need.append("recompute")
     return need
 
 
@@ -110,7 +112,7 @@ def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on
     rounds = rounds_needed(db, key, micro_batches(job), tps, force=force)
     classes: dict[int, dict[str, dict[str, Any]]] = {}
     records: list[dict[str, Any]] = []
-    if {"segments", "selective"} & set(rounds):  # only these rounds name their records by the analysis' classes
+    if {"segments", "recompute"} & set(rounds):  # only these rounds name their records by the analysis' classes
         began = time.perf_counter()
         try:
             for tp in tps:
@@ -176,7 +178,7 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_BUDGE
 
 def _run_rounds(job: JobSpec, plan: dict[str, Any], *, world: int, on_gpu: bool, budget_s: float, started: float,
                 rank: int, progress: ProgressFn | None) -> dict[str, tuple[RoundRecord, Any]]:
-    from cfp_megatron.config import Recompute, resolve_precision
+    from cfp_megatron.config import resolve_precision
     from cfp_megatron.profile.collectives import collective_steps
     from cfp_megatron.profile.gemm import gemm_steps
     from cfp_megatron.profile.overheads import overhead_cases, overhead_steps
@@ -197,8 +199,9 @@ def _run_rounds(job: JobSpec, plan: dict[str, Any], *, world: int, on_gpu: bool,
         elif name == "gemm":
             dtypes = ["fp32"] if not on_gpu else list(dict.fromkeys([precision, "fp32"]))
             steps, meaning = gemm_steps(dtypes, on_gpu=on_gpu, device=device)
-        elif name in ("segments", "selective"):
-            run = cases if name == "segments" else segment_cases(job, world, Recompute.selective)[0]
+        elif name in ("segments", "recompute"):
+            run = cases if name == "segments" else [case for rc in (Recompute.selective, Recompute.full)
+                                                    for case in segment_cases(job, world, rc)[0]]
             steps, meaning = segment_steps(run, micro_batches(job), model_kinds(job), repeats=5 if on_gpu else 7)
         else:
             steps, meaning = overhead_steps(overhead_cases(cases, world, job.model.num_layers), micro_batches(job),
@@ -238,7 +241,7 @@ def _merge(db: ProfileDB, job: JobSpec, plan: dict[str, Any], results: dict[str,
             gemms = gemm_records(steps_done, meaning)
         elif name == "overheads":
             overheads = overhead_records(steps_done, meaning, key=plan["model_key"])
-        else:  # segments, selective
+        else:  # segments, recompute
             classes = {int(k): v for k, v in plan["classes"].items()}
             segments += segment_records(steps_done, meaning, job=job, key=plan["model_key"], classes=classes)
     rounds_done.extend(extra)

@@ -44,14 +44,14 @@ class SegmentCase:
     @property
     def partition(self) -> str:
         """The canonical partition string its records are stored under (``tp4``, ``tp2-sp``, ``tp4-primepar``,
-        ``tp2-selective``)."""
+        ``tp2-selective``, ``tp2-full``)."""
         p = self.job.parallel
         return partition_name(self.tp, sp=self.dims.sp, mlp=p.mlp, recompute=p.recompute)
 
     @property
     def layers_only(self) -> bool:
         """Whether only the decoder layers differ from the Megatron case of the same TP size (PrimePar's MLP, or
-        selective recomputation), so the embedding and the head are not timed again."""
+        recomputation), so the embedding and the head are not timed again."""
         p = self.job.parallel
         return p.mlp is not MlpPartition.megatron or p.recompute is not Recompute.none
 
@@ -82,7 +82,8 @@ def micro_batches(job: JobSpec) -> list[int]:
 def probe_job(job: JobSpec, tp: int, world: int, micro_batch: int,
               mlp: MlpPartition = MlpPartition.megatron, recompute: Recompute = Recompute.none) -> JobSpec:
     """``job`` cut to one layer per decoder kind under ``parallel.tp = tp`` (the rest data-parallel), the MLP
-    partition ``mlp`` and the recomputation ``recompute`` (none or selective)."""
+    partition ``mlp`` and the recomputation ``recompute`` (full: each layer checkpointed on its own, Megatron's
+    ``uniform`` method with one layer per group)."""
     m = job.model
     two = m.is_moe and m.moe_first_dense_layers > 0
     model = dataclasses.replace(m, num_layers=2 if two else 1, moe_first_dense_layers=1 if two else 0)
@@ -103,7 +104,8 @@ def segment_cases(job: JobSpec, world: int,
                   recompute: Recompute = Recompute.none) -> tuple[list[SegmentCase], list[str]]:
     """Every TP size dividing the world that the model allows (and, on TP groups of 4^k ranks, PrimePar's MLP:
     :mod:`cfp_megatron.layers`), under ``recompute`` (``selective``: the same layers checkpointing their core
-    attention, which changes what they keep for the backward pass), and why the others were left out."""
+    attention, which changes what they keep for the backward pass; ``full``: each layer checkpointed whole, which
+    changes what its passes cost), and why the others were left out."""
     cases, skipped = [], []
     biggest = max(micro_batches(job))
     for tp in (t for t in range(1, world + 1) if world % t == 0):
@@ -178,9 +180,19 @@ class SegmentBench:
         self.repeats = repeats
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
         self.layers = {layer_kind_name(layer): layer for layer in self.model.decoder.layers}
+        self.plain_layers = self.layers
+        """The layers timed alternately with recomputed ones: the same modules under full recomputation (called
+        without the checkpoint around them), a twin built without recomputation under selective (Megatron sets
+        core attention's checkpointing when it builds the layer)."""
+        if case.job.parallel.recompute is Recompute.selective:
+            plain = dataclasses.replace(case.job, parallel=dataclasses.replace(case.job.parallel,
+                                                                               recompute=Recompute.none))
+            (twin,) = build_model_chunks(plain, transformer_config(plain, d, on_gpu=self.on_gpu), d)
+            self.plain_layers = {layer_kind_name(layer): layer for layer in twin.decoder.layers}
 
-    def _part(self, kind: str, micro_batch: int) -> tuple[Any, Any]:
-        """(forward function, gradient of its output) for one part at ``micro_batch``."""
+    def _part(self, kind: str, micro_batch: int, *, plain: bool = False) -> tuple[Any, Any]:
+        """(forward function, gradient of its output) for one part at ``micro_batch``; with ``plain``, a decoder
+        layer without recomputation (:attr:`plain_layers`)."""
         model, seq = self.model, self.case.job.train.seq_length
         vocab = self.case.job.model.padded_vocab_size
         dtype = self.config.params_dtype
@@ -204,36 +216,51 @@ class SegmentBench:
                 return model.compute_language_model_loss(labels, logits)
 
             return head, torch.ones(micro_batch, seq, dtype=torch.float32, device=self.device)
-        layer = self.layers[kind]
+        layer = (self.plain_layers if plain else self.layers)[kind]
         rope = model.rotary_pos_emb(seq) if getattr(model, "position_embedding_type", "") == "rope" else None
 
-        def decoder_layer() -> torch.Tensor:
-            out = layer(hidden_states=x, attention_mask=None, rotary_pos_emb=rope)
+        def decoder_layer(hidden: torch.Tensor) -> torch.Tensor:
+            out = layer(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope)
             return out[0] if isinstance(out, tuple) else out
 
-        return decoder_layer, torch.randn(shape, dtype=dtype, device=self.device)
+        grad = torch.randn(shape, dtype=dtype, device=self.device)
+        if self.config.recompute_granularity == "full" and not plain:
+            # As Megatron's TransformerBlock runs a layer under full recomputation (uniform, one layer a group).
+            from megatron.core import tensor_parallel
+
+            return (lambda: tensor_parallel.checkpoint(decoder_layer, self.config.distribute_saved_activations,
+                                                       x)), grad
+        return (lambda: decoder_layer(x)), grad
 
     def time(self, kind: str, micro_batch: int) -> list[float]:
         """Median (forward, backward) seconds of ``kind`` at ``micro_batch`` over the repeats, CUDA events as on GPU
-        (wall clock on CPU through the compat layer); the median, since other ranks' work preempts a busy CPU."""
-        forward, grad = self._part(kind, micro_batch)
-        out = forward()  # warm-up
-        out.backward(grad)
-        torch.cuda.synchronize()
-        fwd, bwd = [], []
-        for _ in range(self.repeats):
-            e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-            e0.record()
-            out = forward()
-            e1.record()
-            out.backward(grad)
-            e2.record()
-            torch.cuda.synchronize()
-            fwd.append(e0.elapsed_time(e1) / 1000.0)
-            bwd.append(e1.elapsed_time(e2) / 1000.0)
-        self.model.zero_grad(set_to_none=True)
-        return [statistics.median(fwd), statistics.median(bwd)]
+        (wall clock on CPU through the compat layer); the median, since other ranks' work preempts a busy CPU.
 
+        Under recomputation a third figure, the median forward plus backward of the same layer without it, timed
+        alternately with the recomputed one (:attr:`~cfp_megatron.profile.records.SegmentRecord.baseline_s`)."""
+        parts = [self._part(kind, micro_batch)]
+        if self.case.job.parallel.recompute is not Recompute.none and kind not in ("embedding", "head"):
+            parts.append(self._part(kind, micro_batch, plain=True))
+        for forward, grad in parts:  # warm-up
+            forward().backward(grad)
+        torch.cuda.synchronize()
+        timed: list[list[tuple[float, float]]] = [[] for _ in parts]
+        for _ in range(self.repeats):
+            for (forward, grad), found in zip(parts, timed, strict=True):
+                e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+                e0.record()
+                out = forward()
+                e1.record()
+                out.backward(grad)
+                e2.record()
+                torch.cuda.synchronize()
+                found.append((e0.elapsed_time(e1) / 1000.0, e1.elapsed_time(e2) / 1000.0))
+        self.model.zero_grad(set_to_none=True)
+        for layer in self.plain_layers.values():
+            layer.zero_grad(set_to_none=True)
+        fwd, bwd = zip(*timed[0], strict=True)
+        result = [statistics.median(fwd), statistics.median(bwd)]
+        return result + [statistics.median(f + b for f, b in found) for found in timed[1:]]
 
     def memory(self, kind: str, micro_batch: int, *, repeats: int = 3) -> list[float]:
         """(activation, transient, workspace) bytes of ``kind`` at ``micro_batch`` (:meth:`memory_once`): the median
@@ -343,7 +370,8 @@ def segment_records(results: Sequence[StepResult], meaning: dict[str, tuple[int,
                                   backward_s=res.values[1], confirmed=bool(info["confirmed"]),
                                   activation_bytes=mem[0] if mem else None,
                                   transient_bytes=mem[1] if mem else None,
-                                  workspace_bytes=mem[2] if mem else None))
+                                  workspace_bytes=mem[2] if mem else None,
+                                  baseline_s=res.values[2] if len(res.values) > 2 else None))
     return rows
 
 

@@ -49,22 +49,26 @@ def measured_pass(measurements: Measurements, kind: str, partition: str,
     return forward, backward
 
 
-def selective_share(measurements: Measurements, kind: str, plain: str, selective: str) -> float | None:
-    """What a ``kind`` layer's forward plus backward takes beyond the plain partition ``plain`` when it checkpoints
-    its core attention (the selective round's partition ``selective``, e.g. ``tp2-selective``), as a share of the
-    plain layer's time: the median over the micro-batch sizes both rounds timed of ``selective / plain - 1``, never
-    below zero; ``None`` when no size was timed under both.
+def recompute_share(measurements: Measurements, kind: str, plain: str, checkpointed: str) -> float | None:
+    """What a ``kind`` layer's forward plus backward takes beyond the plain partition ``plain`` under recomputation
+    (the recompute round's partition ``checkpointed``: ``tp2-selective``, its core attention checkpointed;
+    ``tp2-full``, the layer checkpointed whole), as a share of the plain layer's time: the median over the
+    micro-batch sizes timed under both of ``checkpointed / plain - 1``, never below zero; ``None`` when no size was.
 
-    A share per size and their median, not the difference of two fitted lines: each size is one timing on a busy
-    machine, and one slow size (a CPU timing a third of the others) would tilt both lines; the median of the
-    shares passes over it."""
+    The plain time of a size is the one the recompute round took alternately with the checkpointed layer
+    (:meth:`~cfp_megatron.cluster.measured.Measurements.segment_baseline_seconds`) where it has one, else the
+    segments round's, a minute or more earlier on a machine whose speed drifts. A share per size and their
+    median, not the difference of two fitted lines: each size is one timing on a busy machine, and one slow size
+    would tilt both lines; the median of the shares passes over it."""
     shares = []
-    for mb in set(measurements.segment_micro_batches(kind, plain)) & set(
-            measurements.segment_micro_batches(kind, selective)):
-        base, checkpointed = (measurements.segment_seconds(kind, plain, mb),
-                              measurements.segment_seconds(kind, selective, mb))
-        if base is not None and checkpointed is not None and sum(base) > 0:
-            shares.append(sum(checkpointed) / sum(base) - 1.0)
+    for mb in measurements.segment_micro_batches(kind, checkpointed):
+        again = measurements.segment_seconds(kind, checkpointed, mb)
+        base = measurements.segment_baseline_seconds(kind, checkpointed, mb)
+        if base is None:
+            base_pair = measurements.segment_seconds(kind, plain, mb)
+            base = sum(base_pair) if base_pair is not None else None
+        if again is not None and base is not None and base > 0:
+            shares.append(sum(again) / base - 1.0)
     return max(statistics.median(shares), 0.0) if shares else None
 
 
@@ -77,26 +81,27 @@ def apply_measured(job: JobSpec, measurements: Measurements | None, micro_batch:
                    ) -> tuple[LayerCost, LayerCost, tuple[PassCost, PassCost], tuple[PassCost, PassCost]]:
     """The layer costs with measured segments in place of the analytical ones where profiling has them.
 
-    Returns ``(dense, moe, embedding, head)``. Under selective recomputation, where the selective round measured
-    the layer (partition ``tp<N>-selective``), the recomputation costs the share of the plain layer's forward and
-    backward that the checkpointed layer took beyond it (:func:`selective_share`): the checkpointed core attention
-    run again, and the checkpoint's own bookkeeping (RNG states, a nested backward), which on a small model or a
-    CPU outweighs the attention's FLOPs. Otherwise, and under full recomputation, it keeps the analytical model's
-    share of the measured forward pass (full recompute: the whole forward).
+    Returns ``(dense, moe, embedding, head)``. Under recomputation, where the recompute round measured the layer
+    (partition ``tp<N>-selective`` or ``tp<N>-full``), a recomputed layer's recomputation costs the share of the
+    plain layer's forward and backward that the checkpointed layer took beyond it (:func:`recompute_share`):
+    selective, the core attention run again and the checkpoint's own bookkeeping (RNG states, a nested backward),
+    which on a small model or a CPU outweighs the attention's FLOPs; full, the forward run again less what the
+    first forward saves by running without autograd. Otherwise the analytical model's share of the measured
+    forward pass (full: the whole forward; selective: the attention core's).
     """
     if measurements is None:
         return dense, moe, emb, out
     p = job.parallel
     partition = partition_name(p.tp, sp=p.sp)  # the embedding and the head
     layers = partition_name(p.tp, sp=p.sp, mlp=p.mlp)
-    checkpointed = partition_name(p.tp, sp=p.sp, mlp=p.mlp, recompute=Recompute.selective)
+    checkpointed = partition_name(p.tp, sp=p.sp, mlp=p.mlp, recompute=p.recompute)
 
     def layer(kind: str, cost: LayerCost) -> LayerCost:
         hit = measured_pass(measurements, kind, layers, micro_batch)
         if hit is None:
             return cost
-        share = selective_share(measurements, kind, layers, checkpointed) \
-            if p.recompute is Recompute.selective else None
+        share = recompute_share(measurements, kind, layers, checkpointed) \
+            if p.recompute is not Recompute.none else None
         if share is not None:
             extra = share * sum(hit)
         else:
