@@ -186,12 +186,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--gbs", type=int, default=16)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--budget", type=int, default=120, help="profiling budget in seconds (all rounds)")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="profiling budget in seconds, all rounds (default 120; 180 with --recompute, whose "
+                             "round runs on what the others leave)")
     parser.add_argument("--passes", type=int, choices=(1, 2), default=2,
                         help="2: measure every layout before and after the profile, in opposite orders; 1: after")
     parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
                         help="every layout's recomputation (full: uniform, one layer per checkpointed unit)")
     args = parser.parse_args()
+    if args.budget is None:
+        args.budget = 120 if args.recompute == "none" else 180
     common = [f"train.global_batch_size={args.gbs}", f"train.seq_length={args.seq}",
               f"parallel.recompute={args.recompute}"]
     if args.recompute == "full":
