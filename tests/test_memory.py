@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.launcher import run_train
 
@@ -22,6 +25,33 @@ def _memory(result) -> list[dict]:
 def _params(result) -> int:
     (start,) = [r for r in result.records if r.get("event") == "start"]
     return int(start["params_on_rank0"])
+
+
+def test_tracker_frees_leaf_inputs_and_their_gradients() -> None:
+    """A module's leaf input (as a later pipeline stage receives its input: ``requires_grad``, no graph behind it)
+    and its gradient are freed once the micro-batch's backward pass is done, under the step's tracker as without it.
+    ``ModTracker``'s backward hooks held them in a reference cycle through C++, and a pipeline's last stage measured
+    every micro-batch's input and input gradient at once (dp1 tp2 pp2 mb1 of gpt_tiny, 16 micro-batches: 475,136
+    bytes, +29% on that stage)."""
+    from cfp_megatron.runtime.memory import _tracker
+
+    layer = torch.nn.Linear(64, 64)
+    tracker = _tracker()
+    tracker.track_external(layer)
+    inputs = []
+    with tracker:
+        before = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+        for _ in range(4):
+            x = torch.randn(32, 64, requires_grad=True)
+            layer(x).sum().backward()
+            assert x.grad is not None
+            inputs.append(weakref.ref(x))
+            del x
+        layer.zero_grad(set_to_none=True)
+        gc.collect()
+        left = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"] - before
+    assert all(ref() is None for ref in inputs)
+    assert left < 32 * 64 * 4  # not even one input is left
 
 
 def test_memory_breakdown_single_rank_and_tensor_parallel(tmp_path: Path) -> None:

@@ -84,6 +84,28 @@ def _tracker() -> Any:
     import weakref
 
     from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    class ForwardModTracker(ModTracker):
+        """``ModTracker`` that follows modules through forward passes only (whether the backward pass runs it reads
+        from the autograd engine, as ``ModTracker`` does).
+
+        ``ModTracker`` follows the backward pass with a multi-grad hook on each module's inputs and outputs. On a
+        leaf input, such as the tensor a pipeline stage receives (``requires_grad``, handed to the decoder), the
+        hook's closure holds the leaf's ``AccumulateGrad`` node, which holds the leaf, which holds the hook: a
+        reference cycle through C++ that the garbage collector cannot see, so every received input and its gradient
+        stay alive (on the last stage of two, at 16 micro-batches a step, 31 such tensors by its last backward
+        pass). The memory measured would then be the tracker's, not the training's."""
+
+        def _fw_pre_hook(self, mod: torch.nn.Module, input: Any) -> None:
+            self._get_append_fn(weakref.ref(mod), self._get_mod_name(mod), False)()
+            if self._user_pre_fw_hook is not None:
+                self._user_pre_fw_hook(mod, input)
+
+        def _fw_post_hook(self, mod: torch.nn.Module, input: Any, output: Any) -> None:
+            if self._user_post_fw_hook is not None:
+                self._user_post_fw_hook(mod, input, output)
+            self._get_pop_fn(weakref.ref(mod), self._get_mod_name(mod), False)()
 
     class StepMemTracker(MemTracker):
         """``MemTracker`` for a whole training step of Megatron: the peak and its breakdown only.
@@ -105,6 +127,7 @@ def _tracker() -> Any:
 
         def __init__(self) -> None:
             super().__init__()
+            self._mod_tracker = ForwardModTracker()
             self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
         def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:

@@ -135,8 +135,10 @@ def recomputed_units(job: JobSpec, chunk: list[SegmentMemory], hidden_bytes: flo
     groups of ``recompute_num_layers`` layers (``uniform``) or each of the first ``recompute_num_layers`` layers
     (``block``). A checkpointed unit keeps only its output (the next unit's saved input, ``hidden_bytes``) between
     its forward and its backward pass; in the backward pass it runs its layers' forward again, so on top of what it
-    keeps the live bytes rise by every layer's kept activations but that output, plus the largest transient. Layers
-    outside the units are unchanged, and so is every layer without full recomputation."""
+    keeps the live bytes rise by every layer's kept activations, its output made anew among them, plus the largest
+    transient (the recompute round's ``tp<N>-full`` layer, one per unit, measured exactly that at every micro-batch
+    size of gpt_tiny; without the new output the unit came out one hidden tensor low). Layers outside the units are
+    unchanged, and so is every layer without full recomputation."""
     p = job.parallel
     if p.recompute is not Recompute.full or not chunk:
         return chunk
@@ -144,7 +146,7 @@ def recomputed_units(job: JobSpec, chunk: list[SegmentMemory], hidden_bytes: flo
     def unit(layers: list[SegmentMemory]) -> SegmentMemory:
         kept = sum(x.activation_bytes for x in layers)
         return SegmentMemory(activation_bytes=hidden_bytes,
-                             transient_bytes=max(kept - hidden_bytes, 0.0) + max(x.transient_bytes for x in layers),
+                             transient_bytes=kept + max(x.transient_bytes for x in layers),
                              workspace_bytes=max(x.workspace_bytes for x in layers))
 
     k = max(p.recompute_num_layers, 1)
