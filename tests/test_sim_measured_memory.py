@@ -138,13 +138,20 @@ def test_measured_segments_replace_the_analytical_activations() -> None:
     # Full recomputation (uniform, one layer per unit): each layer keeps only its output (mb 1 x seq 64 x hidden 64,
     # fp32) and runs its forward again in the backward pass; the peak is the last layer's backward: the embedding's
     # bytes, four layers' outputs (the last one's the input of the head), the layer's own activations made anew (its
-    # output among them) and transient, the workspace.
+    # output among them) and transient, the workspace, and the head's gradient of the tied word embeddings (384 x 64,
+    # fp32), which autograd holds until the embedding's backward pass adds its own.
     hidden = 64 * 64 * 4
+    tied = 384 * 64 * 4
     full = simulate(_tiny(recompute="full"), measurements=db, world_size=4).memory
-    assert full.activations == pytest.approx(1e3 + 4 * hidden + 3e5 + 1e5 + 6e4)
+    assert full.activations == pytest.approx(1e3 + 4 * hidden + 3e5 + 1e5 + tied + 6e4)
     # Two layers per unit keep two outputs fewer; the second unit's backward holds both its layers again.
     pairs = simulate(_tiny(recompute="full", recompute_num_layers=2), measurements=db, world_size=4).memory
-    assert pairs.activations == pytest.approx(1e3 + 2 * hidden + 2 * 3e5 + 1e5 + 6e4)
+    assert pairs.activations == pytest.approx(1e3 + 2 * hidden + 2 * 3e5 + 1e5 + tied + 6e4)
+    # Untied, the head's weight gradient is accumulated (and freed) in the head's backward pass.
+    untied = dataclasses.replace(_tiny(recompute="full"), model=dataclasses.replace(_tiny().model,
+                                                                                   tie_embeddings=False))
+    assert simulate(untied, measurements=db, world_size=4).memory.activations == pytest.approx(
+        1e3 + 4 * hidden + 3e5 + 1e5 + 6e4)
     # The block method recomputes the first layer only; the other three keep their activations.
     block = simulate(_tiny(recompute="full", recompute_method="block", recompute_num_layers=1), measurements=db,
                      world_size=4).memory
@@ -156,6 +163,7 @@ def test_measured_segments_replace_the_analytical_activations() -> None:
     checkpointed = dataclasses.replace(_record("dense", 1, activation_bytes=2e5, transient_bytes=1.5e5,
                                                workspace_bytes=6e4), partition="tp1-selective")
     with_selective = ProfileDB(fingerprint=FP).merged(segments=[*seg, checkpointed]).for_model("abc")
+    # Its peak: the last layer's backward pass (its larger transient, and the tied embeddings' head gradient).
     assert simulate(selective, measurements=with_selective, world_size=4).memory.activations == pytest.approx(
-        1e3 + 4 * 2e5 + 1e5 + 1e5 + 6e4)
+        1e3 + 4 * 2e5 + 1.5e5 + tied + 6e4)
     assert simulate(job, measurements=with_selective, world_size=4).memory == measured  # no recomputation: tp1

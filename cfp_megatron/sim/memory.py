@@ -13,6 +13,8 @@ holds its warm-up count of model chunks plus one.
 
 from __future__ import annotations
 
+import dataclasses
+
 from cfp_megatron.cluster.measured import Measurements, SegmentMemory, partition_name
 from cfp_megatron.config import (
     Activation,
@@ -192,6 +194,13 @@ def measured_activations(job: JobSpec, layout: Layout, measurements: Measurement
     elem = element_bytes(job)
     hidden = layout.micro_batch * layout.seq_length * job.model.hidden_size * elem / (d.tp if d.sp else 1)
     chunk = recomputed_units(job, chunk, hidden)
+    if first and last and job.model.tie_embeddings and chunk:
+        # One weight serves the embedding and the head: autograd sums its two gradients before accumulating them, so
+        # the head's weight gradient (freed at once in the head's probe) stays alive through every decoder layer's
+        # backward pass, until the embedding's. It decides the peak under full recomputation, whose peak is a
+        # layer's backward pass.
+        tied = job.model.padded_vocab_size * job.model.hidden_size / d.tp * elem
+        chunk = [dataclasses.replace(x, transient_bytes=x.transient_bytes + tied) for x in chunk]
     in_chunks = in_flight(rank, d.pp, d.vpp, d.num_microbatches)
     ends = ([found["embedding"]] if first else []) + ([found["head"]] if last else [])
     if d.vpp == 1:
