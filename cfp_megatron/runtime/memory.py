@@ -98,11 +98,15 @@ def _tracker() -> Any:
         pass). The memory measured would then be the tracker's, not the training's."""
 
         def _fw_pre_hook(self, mod: torch.nn.Module, input: Any) -> None:
+            if torch._dynamo.eval_frame._is_in_optimized_module():  # as ModTracker: compiled modules are not followed
+                return
             self._get_append_fn(weakref.ref(mod), self._get_mod_name(mod), False)()
             if self._user_pre_fw_hook is not None:
                 self._user_pre_fw_hook(mod, input)
 
         def _fw_post_hook(self, mod: torch.nn.Module, input: Any, output: Any) -> None:
+            if torch._dynamo.eval_frame._is_in_optimized_module():
+                return
             if self._user_post_fw_hook is not None:
                 self._user_post_fw_hook(mod, input, output)
             self._get_pop_fn(weakref.ref(mod), self._get_mod_name(mod), False)()

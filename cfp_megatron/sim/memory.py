@@ -138,8 +138,9 @@ def recomputed_units(job: JobSpec, chunk: list[SegmentMemory], hidden_bytes: flo
     (``block``). A checkpointed unit keeps only its output (the next unit's saved input, ``hidden_bytes``) between
     its forward and its backward pass; in the backward pass it runs its layers' forward again, so on top of what it
     keeps the live bytes rise by every layer's kept activations, its output made anew among them, plus the largest
-    transient (the recompute round's ``tp<N>-full`` layer, one per unit, measured exactly that at every micro-batch
-    size of gpt_tiny; without the new output the unit came out one hidden tensor low). Layers outside the units are
+    transient (the recompute round's ``tp<N>-full`` layer, one per unit, measured exactly that for gpt_tiny at
+    every TP size and micro-batch size it ran, 16 records; without the new output a unit came out one hidden tensor
+    low). Layers outside the units are
     unchanged, and so is every layer without full recomputation."""
     p = job.parallel
     if p.recompute is not Recompute.full or not chunk:
