@@ -22,7 +22,7 @@ def _one(model: str, seq: int, mbs: int) -> None:
     t0 = time.perf_counter()
     import yaml
 
-    from cfp_megatron.config import job_from_config
+    from cfp_megatron.base.config import job_from_config
     from cfp_megatron.model import cache
 
     with open(ROOT / "conf" / "model" / f"{model}.yaml") as fh:

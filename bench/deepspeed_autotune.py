@@ -106,12 +106,13 @@ def main() -> None:
 
     # 3. predictions from the same ProfileDB
     os.environ.update({k: v for k, v in env.items() if k == "CFP_CACHE_DIR"})
+    from cfp_megatron.backends.deepspeed.costs import simulate_zero
     from cfp_megatron.backends.deepspeed.engine_probe import load_probes, probe_path
     from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan
-    from cfp_megatron.config import Precision, compose_job
+    from cfp_megatron.base.compose import compose_job
+    from cfp_megatron.base.config import Precision
     from cfp_megatron.profile.cluster import local_measurements
-    from cfp_megatron.profile.segments import model_key
-    from cfp_megatron.sim.zero import simulate_zero
+    from cfp_megatron.profile.fingerprint import model_key
 
     job = compose_job([f"model={args.model}", f"train.global_batch_size={args.gbs}", f"train.seq_length={args.seq}"])
     cluster, measurements = local_measurements(job, world_size=args.nproc)

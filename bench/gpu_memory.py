@@ -6,7 +6,7 @@ Run on a machine with a GPU: ``python bench/gpu_memory.py [--model llama3_8b] [-
 For each recompute choice and micro-batch size it trains a model on one rank (``torchrun --nproc_per_node=1
 launch/train.py``, NCCL, bf16, two micro-batches per step, 3 steps, ``train.memory_step=2``) and prints the
 simulator's predicted peak against ``torch.cuda.max_memory_allocated`` over step 2 and against the tensor tracker's
-peak (``cfp_megatron.runtime.memory``), then the MAPE of each. On a GPU the model is ``--model`` with as many layers
+peak (``cfp_megatron.engine.memory``), then the MAPE of each. On a GPU the model is ``--model`` with as many layers
 as keep the predicted peak within ``--fill`` of the GPU's memory (``--layers`` pins the count), so it fills a good
 part of the device; the prediction is the simulator's on the vendor preset of the GPU (``--cluster auto``: H100 ->
 ``dgx_h100``, H200 -> ``h200``, A100 -> ``dgx_a100``, B200 -> ``b200``), the analytical memory model the preflight
@@ -65,7 +65,8 @@ def predicted_bytes(case: tuple[str, ...]) -> float:
     so the case the layer fit settled on is not predicted again."""
     import dataclasses
 
-    from cfp_megatron.config import compose_config, job_from_config
+    from cfp_megatron.base.compose import compose_config
+    from cfp_megatron.base.config import job_from_config
     from cfp_megatron.sim.simulate import simulate
 
     job = job_from_config(compose_config(list(case)))
@@ -82,7 +83,7 @@ def predicted_bytes(case: tuple[str, ...]) -> float:
 
 def fitting_layers(args: argparse.Namespace, recompute: str, micro_batch: int, capacity: float) -> int:
     """The most layers (1 .. the model's own) whose predicted peak stays within ``--fill`` of ``capacity``."""
-    from cfp_megatron.config import compose_config
+    from cfp_megatron.base.compose import compose_config
 
     most = int(compose_config([f"model={args.model}"]).model.num_layers)
     lo, hi = 0, most

@@ -67,9 +67,10 @@ def feasible_layouts(model: str, nproc: int, common: list[str]) -> list[Layout]:
     """Layouts the project's own validation accepts (heads, layers, batch divisibility), in a stable order."""
     from hydra import compose, initialize_config_dir
 
-    from cfp_megatron.config import job_from_config, register_configs
-    from cfp_megatron.errors import ConfigError
-    from cfp_megatron.parallel_dims import ParallelDims
+    from cfp_megatron.base.compose import register_configs
+    from cfp_megatron.base.config import job_from_config
+    from cfp_megatron.base.errors import ConfigError
+    from cfp_megatron.base.parallel_dims import ParallelDims
 
     register_configs()
     found = []
@@ -127,7 +128,8 @@ def predict(layout: Layout, nproc: int, model: str, common: list[str]) -> tuple[
     """Simulated step time (s) and peak memory (bytes) on the profiled local cluster."""
     from hydra import compose, initialize_config_dir
 
-    from cfp_megatron.config import job_from_config, register_configs
+    from cfp_megatron.base.compose import register_configs
+    from cfp_megatron.base.config import job_from_config
     from cfp_megatron.profile.cluster import local_measurements
     from cfp_megatron.sim.simulate import simulate
 
@@ -146,10 +148,11 @@ def chosen_layout(nproc: int, model: str, common: list[str], recompute: str = "n
     """The layout the planner picks (as ``+cfp=auto`` would, from the same ProfileDB) within this bench's space:
     (DP, TP, PP, micro-batch) under the bench's ``recompute``, without interleaving, SP, the distributed optimizer or
     uneven stages."""
-    from cfp_megatron.config import compose_config, job_from_config
+    from cfp_megatron.base.cfp_spec import cfp_from_config
+    from cfp_megatron.base.compose import compose_config
+    from cfp_megatron.base.config import job_from_config
     from cfp_megatron.profile.cluster import local_measurements
     from cfp_megatron.search.search import search
-    from cfp_megatron.search.spec import cfp_from_config
 
     space = ["cfp.constraints.vpp=[1]", "cfp.constraints.sp=[false]", f"cfp.constraints.recompute=[{recompute}]",
              "cfp.constraints.distributed_optimizer=[false]", "cfp.constraints.uneven_stages=false",

@@ -11,7 +11,7 @@ Run: ``python bench/primepar_mlp.py [--repeats 10] [--warmup 2] [--no-swiglu] [-
    state does) and a fixed output gradient: ``--warmup`` untimed runs, then ``--repeats`` timed ones, each rank's
    time reduced with MAX (a TP group's step is as slow as its slowest rank), the median of those.
 3. Measures the peak tensor memory of one forward + backward per rank with PyTorch's ``MemTracker``, as the training
-   step's memory is measured (:mod:`cfp_megatron.runtime.memory`): the MLP's parameters, their gradients, what the
+   step's memory is measured (:mod:`cfp_megatron.engine.memory`): the MLP's parameters, their gradients, what the
    forward pass keeps for backward ("stash": the tensors it leaves alive beyond its output, as
    ``SegmentBench.memory_once`` counts activations) and the transients; the input is made inside the measured region
    as a copy of a leaf, so it lives only as long as the MLP keeps it (as a norm's output would). Three measurements
@@ -115,15 +115,15 @@ def default_shapes(swiglu: bool) -> list[Shape]:
 
 def _build_mlp(job: Any, tp_group: Any) -> torch.nn.Module:
     """Megatron-Core's MLP of ``job``'s layer spec (PrimePar's under ``parallel.mlp=primepar``), as the runtime
-    builds it (:mod:`cfp_megatron.runtime.model`), on ``tp_group``."""
+    builds it (:mod:`cfp_megatron.engine.model`), on ``tp_group``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.spec_utils import build_module
 
-    from cfp_megatron.config import MlpPartition
+    from cfp_megatron.base.config import MlpPartition
+    from cfp_megatron.base.parallel_dims import ParallelDims
     from cfp_megatron.layers.primepar_mlp import with_primepar_mlp
-    from cfp_megatron.parallel_dims import ParallelDims
-    from cfp_megatron.runtime.model import transformer_config
+    from cfp_megatron.model.megatron_config import transformer_config
 
     config = transformer_config(job, ParallelDims.build(job, WORLD), on_gpu=False)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
@@ -173,10 +173,10 @@ def _memory(mlp: torch.nn.Module, leaf: torch.Tensor, grad: torch.Tensor) -> tup
     """(peak, stash, parameter) bytes of one forward + backward on this rank under ``MemTracker``: the peak counts
     the parameters (tracked as external), their gradients and everything the passes allocate; the stash is what the
     forward pass leaves alive besides its output."""
-    from cfp_megatron.runtime.memory import _tracker
+    from cfp_megatron.engine.memory import tensor_tracker
 
     _clear(mlp, leaf)
-    tracker = _tracker()
+    tracker = tensor_tracker()
     tracker.track_external(mlp)
     device = torch.device("cpu")
 
@@ -318,8 +318,8 @@ def local_cost_models(job: Any, *, profile: bool) -> tuple[Any, Any, str] | None
 
 def predict(job: Any, shape: Shape, kernels: Any, costs: Any) -> Predicted:
     """The simulator's time and memory of the MLP of ``job`` on one rank (see the module docstring)."""
-    from cfp_megatron.config import MlpPartition
-    from cfp_megatron.runtime.flops import mlp_params
+    from cfp_megatron.base.config import MlpPartition
+    from cfp_megatron.base.flops import mlp_params
     from cfp_megatron.sim.layout import build_layout
     from cfp_megatron.sim.primepar_cost import (
         megatron_mlp_cost,
@@ -465,7 +465,7 @@ def main() -> None:
     args = parser.parse_args()
     start = time.perf_counter()
 
-    from cfp_megatron.config import compose_job
+    from cfp_megatron.base.compose import compose_job
 
     shapes = default_shapes(args.swiglu)
     jobs = {str(s): {mlp: compose_job(s.overrides(mlp)) for mlp in PARTITIONS} for s in shapes}

@@ -24,9 +24,10 @@ import statistics
 import time
 from pathlib import Path
 
-from cfp_megatron.config import compose_config, job_from_config
+from cfp_megatron.base.cfp_spec import CfpSpec, SearchConstraints, cfp_from_config
+from cfp_megatron.base.compose import compose_config
+from cfp_megatron.base.config import job_from_config
 from cfp_megatron.search.search import Ranked, search
-from cfp_megatron.search.spec import CfpSpec, SearchConstraints, cfp_from_config
 from cfp_megatron.sim.prediction import GIB
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cfp_megatron.errors import CfpError  # noqa: E402
+from cfp_megatron.base.errors import CfpError  # noqa: E402
 from cfp_megatron.sim.calibration import FITTED, GENERATION_FIELDS, Efficiency, generation  # noqa: E402
 from cfp_megatron.sim.simulate import simulate  # noqa: E402
 from cfp_megatron.validate import RowPlan, read_rows, row_plan  # noqa: E402
@@ -142,7 +142,7 @@ def format_fitted(effs: dict[str, Efficiency]) -> str:
 def search_speed() -> tuple[float, int]:
     """simulate() calls per second over the (TP, PP, VPP, micro-batch, recompute) plans of LLaMA-3-70B on 1,024
     H100s (128 DGX nodes), the kind of sweep the search runs; returns (calls/s, plans)."""
-    from cfp_megatron.config import job_from_config
+    from cfp_megatron.base.config import job_from_config
     from cfp_megatron.validate import load_preset
 
     cluster = {**load_preset("dgx_h100"), "nodes": 128}

@@ -41,9 +41,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cfp_megatron.config import JobSpec, job_from_config
-from cfp_megatron.errors import CfpError
+from cfp_megatron.base.config import JobSpec, job_from_config
+from cfp_megatron.base.errors import CfpError
+from cfp_megatron.sim.calibration import generation
 from cfp_megatron.sim.options import SimOptions
+from cfp_megatron.sim.simulate import simulate
 
 CONF_CLUSTER = Path(__file__).resolve().parent.parent / "conf" / "cluster"
 DEFAULT_VOCAB = 51200
@@ -250,9 +252,6 @@ def predict_rows(rows: list[dict], efficiencies=None) -> tuple[list[RowResult], 
 
     ``efficiencies`` maps a GPU generation to :class:`~cfp_megatron.sim.calibration.Efficiency` to override the
     fitted ones (used by the fitting script)."""
-    from cfp_megatron.sim.calibration import generation
-    from cfp_megatron.sim.simulate import simulate
-
     presets: dict[str, dict] = {}
     results, skipped = [], []
     for row in rows:

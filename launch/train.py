@@ -21,8 +21,8 @@ warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distribu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cfp_megatron.config import register_configs  # noqa: E402
-from cfp_megatron.runtime.entry import main_with_errors  # noqa: E402
+from cfp_megatron.base.compose import register_configs  # noqa: E402
+from cfp_megatron.planner.entry import main_with_errors  # noqa: E402
 
 register_configs()
 

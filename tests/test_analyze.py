@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from cfp_megatron import analyze as analyze_module
-from cfp_megatron.analyze import analyze, main
-from cfp_megatron.config import job_from_config
+from cfp_megatron.analyze import main
+from cfp_megatron.base.config import job_from_config
+from cfp_megatron.model import analysis as analyze_module
+from cfp_megatron.model.analysis import analyze
 
 
 @pytest.fixture(autouse=True)

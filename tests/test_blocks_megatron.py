@@ -16,7 +16,7 @@ def _graph(model: str, kind: str) -> OpGraph:
 
     import yaml
 
-    from cfp_megatron.config import Precision, job_from_config
+    from cfp_megatron.base.config import Precision, job_from_config
     from cfp_megatron.model.capture import capture_job
 
     conf = Path(__file__).resolve().parent.parent / "conf" / "model" / f"{model}.yaml"

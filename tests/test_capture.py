@@ -12,18 +12,19 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from cfp_megatron.config import JobSpec, job_from_config
+from cfp_megatron.backends.deepspeed.hook import DeepSpeedUnavailable, capture_deepspeed_model, initialize
+from cfp_megatron.base.config import JobSpec, job_from_config
+from cfp_megatron.base.files import CACHE_ENV
+from cfp_megatron.base.flops import attention_params, mlp_params
 from cfp_megatron.graph.opgraph import OpGraph, Phase
 from cfp_megatron.model import cache as capture_cache
 from cfp_megatron.model import megatron_layers
 from cfp_megatron.model.capture import ModelCapture, capture_job, capture_model, parameters_on_meta
-from cfp_megatron.model.deepspeed_hook import DeepSpeedUnavailable, capture_deepspeed_model, initialize
 from cfp_megatron.model.errors import CaptureError
 from cfp_megatron.model.hooks import capture_model_provider, wrap_model_provider
 from cfp_megatron.model.meta_env import megatron_meta_env
 from cfp_megatron.model.moe_meta import BalancedMetaDispatcher
 from cfp_megatron.model.summary import CaptureSummary
-from cfp_megatron.runtime.flops import attention_params, mlp_params
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "conf", "model")
 
@@ -58,14 +59,14 @@ def no_process_group() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv(capture_cache.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
 
 
 def real_cpu_model(job: JobSpec) -> torch.nn.Module:
     """The same model built for real (fp32 weights on the CPU), single stage."""
+    from cfp_megatron.base.parallel_dims import ParallelDims
+    from cfp_megatron.engine.model import build_model_chunks
     from cfp_megatron.model.capture import capture_job_config
-    from cfp_megatron.parallel_dims import ParallelDims
-    from cfp_megatron.runtime.model import build_model_chunks
 
     config = dataclasses.replace(capture_job_config(job), perform_initialization=True)
     from cfp_megatron.model.mla import local_mla_layer_spec
@@ -79,7 +80,7 @@ def real_cpu_model(job: JobSpec) -> torch.nn.Module:
         block = original(*args, **kwargs)
         return dataclasses.replace(block, layer_specs=[local_mla_layer_spec(s) for s in block.layer_specs])
 
-    import cfp_megatron.runtime.model as runtime_model
+    import cfp_megatron.engine.model as runtime_model
 
     runtime_model.get_gpt_decoder_block_spec = patched
     try:

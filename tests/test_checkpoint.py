@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cfp_megatron.errors import CheckpointError
-from cfp_megatron.runtime import checkpoint
+from cfp_megatron.base.errors import CheckpointError
+from cfp_megatron.engine import checkpoint
 from tests.launcher import run_killing_a_rank, run_train
 
 STEPS = 6

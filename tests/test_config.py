@@ -14,7 +14,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import DictConfig
 
-from cfp_megatron.config import (
+from cfp_megatron.base.compose import register_configs
+from cfp_megatron.base.config import (
     Activation,
     AttentionKind,
     Backend,
@@ -25,10 +26,9 @@ from cfp_megatron.config import (
     RecomputeMethod,
     RouterScore,
     job_from_config,
-    register_configs,
 )
-from cfp_megatron.errors import ConfigError
-from cfp_megatron.parallel_dims import ParallelDims
+from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.base.parallel_dims import ParallelDims
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 MODEL_PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
@@ -572,7 +572,7 @@ def test_block_recompute_layers_vs_chunk() -> None:
 
 
 def test_block_recompute_reaches_megatron() -> None:
-    from cfp_megatron.runtime.model import transformer_config
+    from cfp_megatron.model.megatron_config import transformer_config
 
     job = make_job("parallel.recompute=full", "parallel.recompute_method=block", "parallel.recompute_num_layers=2")
     config = transformer_config(job, ParallelDims.build(job, 1, te_available=False), on_gpu=False)

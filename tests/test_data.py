@@ -22,7 +22,8 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 import cfp_megatron
-from cfp_megatron.config import DataKind, DataSpec, JobSpec, ModelSpec, TokenizerKind, TrainSpec, job_from_config
+from cfp_megatron.base.config import DataKind, DataSpec, JobSpec, ModelSpec, TokenizerKind, TrainSpec, job_from_config
+from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.data import (
     ByteTokenizer,
     build_micro_batches,
@@ -32,7 +33,6 @@ from cfp_megatron.data import (
 )
 from cfp_megatron.data.preprocess import DataFileExistsError, main, preprocess, read_documents
 from cfp_megatron.data.synthetic import MAX_STRIDE
-from cfp_megatron.errors import ConfigError
 
 REPO_ROOT = Path(cfp_megatron.__file__).resolve().parent.parent
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
@@ -401,7 +401,7 @@ def test_batch_geometry_error_names_global_batch_size() -> None:
 
 DIST_SCRIPT = '''
 import sys, torch, torch.distributed as dist
-from cfp_megatron.config import DataKind, DataSpec, JobSpec, ModelSpec, TrainSpec
+from cfp_megatron.base.config import DataKind, DataSpec, JobSpec, ModelSpec, TrainSpec
 from cfp_megatron.data import build_micro_batches
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes, StageProb
 from cfp_megatron.backends.deepspeed.hook_config import PROBE_OPTIMIZER, filled_config, plan_request, probe_config
 from cfp_megatron.backends.deepspeed.hook_measure import MeasuredPasses, measure_passes, model_copy
 from cfp_megatron.backends.deepspeed.hook_plan import probe_stage_list, search_hook
-from cfp_megatron.config import ClusterSpec
-from cfp_megatron.errors import ConfigError
+from cfp_megatron.base.config import ClusterSpec
+from cfp_megatron.base.errors import ConfigError
 
 
 class _Net(torch.nn.Module):
@@ -59,7 +59,7 @@ def test_bad_config_is_refused_naming_key_value_and_fix(config: dict, world: int
 
 
 def test_bad_config_is_refused_before_capture_or_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from cfp_megatron.model.deepspeed_hook import initialize
+    from cfp_megatron.backends.deepspeed.hook import initialize
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     user = tmp_path / "ds.json"
@@ -192,7 +192,7 @@ def test_probe_config_and_stages() -> None:
 
 
 def test_probe_budget_is_checked_before_capture(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cfp_megatron.model.deepspeed_hook import initialize
+    from cfp_megatron.backends.deepspeed.hook import initialize
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     model = _Net()

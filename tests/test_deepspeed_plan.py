@@ -10,18 +10,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cfp_megatron.backends.deepspeed.costs import ZERO_SIM_OPTIONS, megatron_passes, simulate_zero
 from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes, StageProbe, load_probes
-from cfp_megatron.backends.deepspeed.entry import check_layout, manual_plan
 from cfp_megatron.backends.deepspeed.search import search_zero
-from cfp_megatron.backends.deepspeed.spec import BackendKind, BackendSpec, backend_from_config
 from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, ds_config, model_job, write_json_file
-from cfp_megatron.config import Precision, compose_config, compose_job, job_from_config
-from cfp_megatron.errors import ConfigError
+from cfp_megatron.base.backend_spec import BackendKind, BackendSpec, backend_from_config
+from cfp_megatron.base.cfp_spec import cfp_from_config
+from cfp_megatron.base.compose import compose_config, compose_job
+from cfp_megatron.base.config import Precision, job_from_config
+from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.plan import PlanError
-from cfp_megatron.search.spec import cfp_from_config
+from cfp_megatron.planner.deepspeed_entry import check_layout, manual_plan
 from cfp_megatron.sim.pass_costs import CostCache
 from cfp_megatron.sim.prediction import GIB
-from cfp_megatron.sim.zero import ZERO_SIM_OPTIONS, megatron_passes, simulate_zero
 
 
 def _plan(job, world: int, **knobs) -> ZeroPlan:

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from cfp_megatron.compat.cpu import install_if_needed
-from cfp_megatron.runtime.distributed import destroy_model_parallel_groups
+from cfp_megatron.engine.distributed import destroy_model_parallel_groups
 
 
 def test_rebuilt_megatron_groups_are_destroyed(tmp_path) -> None:

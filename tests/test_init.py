@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from cfp_megatron.config import job_from_config
-from cfp_megatron.parallel_dims import ParallelDims
-from cfp_megatron.runtime.launch_env import LaunchEnv
+from cfp_megatron.base.config import job_from_config
+from cfp_megatron.base.launch_env import LaunchEnv
+from cfp_megatron.base.parallel_dims import ParallelDims
 from tests.launcher import free_port
 
 
@@ -18,7 +18,7 @@ from tests.launcher import free_port
 def megatron_single_rank() -> Iterator[None]:
     """Megatron's process groups for world size 1; torn down so later tests see no process group."""
     from cfp_megatron.compat.cpu import install_if_needed
-    from cfp_megatron.runtime.distributed import destroy_distributed, init_distributed
+    from cfp_megatron.engine.distributed import destroy_distributed, init_distributed
 
     install_if_needed()
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
@@ -38,8 +38,9 @@ def megatron_single_rank() -> Iterator[None]:
 def build_spec(model: str, seed: int, layout_independent: bool) -> tuple[list[torch.nn.Module], object]:
     import yaml
 
-    from cfp_megatron.runtime.init import layout_independent_init
-    from cfp_megatron.runtime.model import build_model_chunks, transformer_config
+    from cfp_megatron.engine.init import layout_independent_init
+    from cfp_megatron.engine.model import build_model_chunks
+    from cfp_megatron.model.megatron_config import transformer_config
 
     conf = os.path.join(os.path.dirname(__file__), "..", "conf", "model", f"{model}.yaml")
     with open(conf) as fh:

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from cfp_megatron.config import compose_config, job_from_config
-from cfp_megatron.errors import ConfigError
+from cfp_megatron.base.cfp_spec import cfp_from_config
+from cfp_megatron.base.compose import compose_config
+from cfp_megatron.base.config import job_from_config
+from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.plan import Plan, load_plan
-from cfp_megatron.runtime.launch_plan import check_constraints, plan_key
-from cfp_megatron.search.spec import cfp_from_config
+from cfp_megatron.planner.launch_plan import check_constraints, plan_key
 from tests.launcher import RunResult, run_train
 
 COMMON = ["model=gpt_tiny", "train.global_batch_size=16", "train.seq_length=64", "train.warmup_steps=0",
@@ -117,7 +118,7 @@ def test_two_ranks_plan_again_and_resume(planned: tuple[RunResult, Path, Path],
     import shutil
 
     shutil.copytree(root / "ckpt", ckpt)  # the 4-rank runs' checkpoints, resumed under a 2-rank plan
-    from cfp_megatron.runtime import checkpoint
+    from cfp_megatron.engine import checkpoint
 
     saved = checkpoint.latest_step(ckpt)
     result = run_train(2, ["+cfp=auto", *COMMON, f"train.steps={saved + 2}", f"train.checkpoint_dir={ckpt}",
@@ -149,9 +150,9 @@ def test_manual_applies_a_plan_string(tmp_path: Path) -> None:
 def test_plan_check_compares_and_calibrates() -> None:
     from dataclasses import dataclass
 
+    from cfp_megatron.plan.check import PlanCheck, compare, differences, warnings_for
     from cfp_megatron.profile.db import ProfileDB
     from cfp_megatron.profile.fingerprint import current_fingerprint
-    from cfp_megatron.runtime.plan_check import PlanCheck, compare, differences, warnings_for
 
     @dataclass
     class Step:

@@ -33,10 +33,10 @@ def test_tracker_frees_leaf_inputs_and_their_gradients() -> None:
     ``ModTracker``'s backward hooks held them in a reference cycle through C++, and a pipeline's last stage measured
     every micro-batch's input and input gradient at once (dp1 tp2 pp2 mb1 of gpt_tiny, 16 micro-batches: 475,136
     bytes, +29% on that stage)."""
-    from cfp_megatron.runtime.memory import _tracker
+    from cfp_megatron.engine.memory import tensor_tracker
 
     layer = torch.nn.Linear(64, 64)
-    tracker = _tracker()
+    tracker = tensor_tracker()
     tracker.track_external(layer)
     inputs = []
     with tracker:
@@ -80,7 +80,7 @@ def test_memory_breakdown_single_rank_and_tensor_parallel(tmp_path: Path) -> Non
 def test_bf16_gradients_without_fp32_reduction_halve_the_gradient_buffer(tmp_path: Path) -> None:
     """``parallel.grad_reduce_in_fp32=false`` reaches Megatron's DDP: its main_grad buffer is bf16, as the memory
     model predicts (and with the default, fp32)."""
-    from cfp_megatron.config import compose_job
+    from cfp_megatron.base.compose import compose_job
     from cfp_megatron.sim.simulate import predict_memory
 
     overrides = [*COMMON, "train.precision=bf16"]

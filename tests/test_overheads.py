@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from cfp_megatron.base.config import Recompute, job_from_config
 from cfp_megatron.cluster.measured import NothingMeasured, StepOverheads
-from cfp_megatron.config import Recompute, job_from_config
 from cfp_megatron.profile.db import ProfileDB
 from cfp_megatron.profile.fingerprint import Fingerprint
 from cfp_megatron.profile.records import OverheadRecord, SegmentRecord

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from cfp_megatron.pipeline_split import chunk_layers, split_issues, stage_counts
+from cfp_megatron.base.pipeline_split import chunk_layers, split_issues, stage_counts
 
 
 def _megatron(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None) -> list[list[tuple[int, int]]]:

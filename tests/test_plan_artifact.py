@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from cfp_megatron.config import JobSpec, ParallelSpec, Recompute, job_from_config, register_configs
+from cfp_megatron.base.compose import register_configs
+from cfp_megatron.base.config import JobSpec, ParallelSpec, Recompute, job_from_config
 from cfp_megatron.plan import (
     PLAN_FILE_SETTING,
     SCHEMA_VERSION,

@@ -7,11 +7,12 @@ import dataclasses
 
 import pytest
 
-from cfp_megatron.config import MlpPartition, compose_config, job_from_config
-from cfp_megatron.errors import ConfigError
+from cfp_megatron.base.cfp_spec import cfp_from_config
+from cfp_megatron.base.compose import compose_config
+from cfp_megatron.base.config import MlpPartition, job_from_config
+from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.search.search import search
 from cfp_megatron.search.space import build_space
-from cfp_megatron.search.spec import cfp_from_config
 from cfp_megatron.sim.simulate import simulate
 
 BASE = ["model=llama3_8b", "cluster=dgx_h100", "cluster.nodes=1", "train.global_batch_size=64",

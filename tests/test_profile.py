@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from cfp_megatron.base.config import ClusterSpec
 from cfp_megatron.cluster.measured import Collective, Span, partition_name
-from cfp_megatron.config import ClusterSpec
 from cfp_megatron.profile.cluster import measured_cluster
 from cfp_megatron.profile.collectives import group_patterns
 from cfp_megatron.profile.db import SCHEMA_VERSION, ProfileDB, db_path, export_db, load_db, read_db, store_db
@@ -148,7 +148,7 @@ def test_measured_cluster_replaces_figures() -> None:
 def test_local_measurements_fill_the_job_cluster_from_this_machines_db(tmp_path, monkeypatch) -> None:
     import dataclasses
 
-    from cfp_megatron.config import job_from_config
+    from cfp_megatron.base.config import job_from_config
     from cfp_megatron.profile.cluster import local_measurements
     from cfp_megatron.profile.db import store_db
     from cfp_megatron.profile.fingerprint import current_fingerprint

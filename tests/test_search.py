@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from cfp_megatron.config import JobSpec, Recompute, compose_config, job_from_config
-from cfp_megatron.errors import ConfigError
-from cfp_megatron.parallel_dims import ParallelDims
+from cfp_megatron.base.cfp_spec import CfpMode, CfpSpec, SearchConstraints, cfp_from_config
+from cfp_megatron.base.compose import compose_config
+from cfp_megatron.base.config import JobSpec, Recompute, job_from_config
+from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.search.search import _bounds, _fewest_block_layers, search
 from cfp_megatron.search.space import Candidate, build_space
-from cfp_megatron.search.spec import CfpMode, CfpSpec, SearchConstraints, cfp_from_config
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache
 from cfp_megatron.sim.simulate import predict_memory, prepare_costs, simulate, simulate_unless_slower

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from cfp_megatron.base.config import job_from_config
+from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.cluster.costs import CollectiveCosts, group_placement
 from cfp_megatron.cluster.measured import Collective, CollectiveFit, NothingMeasured, Span
-from cfp_megatron.config import job_from_config
-from cfp_megatron.errors import ConfigError
 from cfp_megatron.sim import SimOptions, simulate
 from cfp_megatron.sim.memory import in_flight
 from cfp_megatron.sim.timeline import chrome_trace, write_chrome_trace, write_png
@@ -142,7 +142,7 @@ def test_measured_collective_wins_over_the_model() -> None:
 
 
 def test_collective_costs() -> None:
-    from cfp_megatron.config import ClusterSpec
+    from cfp_megatron.base.config import ClusterSpec
 
     cluster = ClusterSpec(**{**A100, "nodes": 4})
     costs = CollectiveCosts(cluster, intra_efficiency=0.8, inter_efficiency=0.8)

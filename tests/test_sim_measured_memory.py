@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
+from cfp_megatron.base.config import job_from_config
+from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.cluster.measured import NothingMeasured, SegmentMemory
-from cfp_megatron.config import job_from_config
-from cfp_megatron.errors import ConfigError
 from cfp_megatron.profile.db import ProfileDB
 from cfp_megatron.profile.fingerprint import Fingerprint
 from cfp_megatron.profile.records import SegmentRecord

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from cfp_megatron.parallel_dims import transformer_engine_available
-from cfp_megatron.runtime import checkpoint
+from cfp_megatron.base.parallel_dims import transformer_engine_available
+from cfp_megatron.engine import checkpoint
 from tests.launcher import RunResult, run_train
 
 pytestmark = pytest.mark.slow
@@ -199,7 +199,7 @@ def test_context_parallel_without_transformer_engine_is_refused_before_any_group
 def test_uneven_first_stage_holds_its_own_layer_count(tmp_path: Path) -> None:
     """``parallel.first_stage_layers=1`` puts one of gpt_tiny's 4 layers on stage 0 (the even split puts 2): rank 0
     holds the embedding and one layer, so twice its parameters less the even split's are the embedding's."""
-    from cfp_megatron.config import compose_job
+    from cfp_megatron.base.compose import compose_job
 
     runs = {}
     for name, extra in (("even", []), ("uneven", ["parallel.first_stage_layers=1"])):

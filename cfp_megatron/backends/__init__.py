@@ -1,1 +1,2 @@
-"""Training backends other than Megatron-Core's own loop (``backend=deepspeed``)."""
+"""Training backends: Megatron-Core's own loop (:mod:`.megatron`) and DeepSpeed (:mod:`.deepspeed`,
+``backend=deepspeed``)."""

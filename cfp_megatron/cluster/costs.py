@@ -7,7 +7,7 @@ ranks that puts ``k`` ranks on each node". The message is what one rank passes i
 * A :class:`~cfp_megatron.cluster.measured.CollectiveFit` from :class:`Measurements` for exactly that
   (op, group size, span) wins.
 * Otherwise the ring model: ``steps x latency + ring_factor x bytes / (bandwidth x efficiency)`` with the latency and
-  per-GPU bandwidth of the :class:`~cfp_megatron.config.ClusterSpec` (NVLink inside a node, the NIC rail across
+  per-GPU bandwidth of the :class:`~cfp_megatron.base.config.ClusterSpec` (NVLink inside a node, the NIC rail across
   nodes) and a fitted efficiency (the share of the nominal bandwidth NCCL reaches).
 * A group that crosses nodes with several ranks per node is hierarchical, as NCCL runs it: all-reduce is an
   intra-node reduce-scatter, an inter-node all-reduce of ``1/k`` of the message on every rail at once, and an
@@ -22,9 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from cfp_megatron.base.config import ClusterSpec
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.cluster.measured import Collective, Measurements, Span, ring_factor
-from cfp_megatron.config import ClusterSpec
-from cfp_megatron.errors import ConfigError, ConfigIssue
 
 _DEFAULT_INTRA_GBPS = 100.0
 _DEFAULT_INTER_GBPS = 12.5

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
-from cfp_megatron.config import MlpPartition, Recompute
+from cfp_megatron.base.config import MlpPartition, Recompute
 
 
 class Collective(enum.Enum):

@@ -13,10 +13,10 @@ from typing import Protocol
 
 import torch
 
-from cfp_megatron.config import DataKind, JobSpec, TrainSpec
+from cfp_megatron.base.config import DataKind, JobSpec, TrainSpec
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.data.indexed import SAMPLE_FIELDS, build_indexed_samples, validate_indexed
 from cfp_megatron.data.synthetic import SyntheticSamples
-from cfp_megatron.errors import ConfigError, ConfigIssue
 
 
 class SampleSource(Protocol):

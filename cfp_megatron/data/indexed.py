@@ -24,9 +24,9 @@ from unittest import mock
 
 import torch
 
-from cfp_megatron.config import DataSpec, JobSpec
+from cfp_megatron.base.config import DataSpec, JobSpec
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.data.tokenizer import Tokenizer, build_tokenizer
-from cfp_megatron.errors import ConfigError, ConfigIssue
 
 SAMPLE_FIELDS: tuple[str, ...] = ("tokens", "labels", "loss_mask", "position_ids")
 """The per-sample tensors the training step consumes."""

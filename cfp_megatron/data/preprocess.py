@@ -30,9 +30,9 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder,
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from cfp_megatron.config import TokenizerKind
+from cfp_megatron.base.config import TokenizerKind
+from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
 from cfp_megatron.data.tokenizer import ByteTokenizer, Tokenizer, make_tokenizer
-from cfp_megatron.errors import CfpError, ConfigError, ConfigIssue
 
 BATCH_DOCUMENTS = 1024
 """Documents tokenized per batch."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy
 import torch
 
-from cfp_megatron.config import JobSpec
+from cfp_megatron.base.config import JobSpec
 
 MAX_SYNTHETIC_VOCAB = 256
 """Synthetic tokens are below this (and below ``model.vocab_size``)."""

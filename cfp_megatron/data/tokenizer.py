@@ -21,8 +21,8 @@ from typing import Any
 
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-from cfp_megatron.config import DataSpec, TokenizerKind
-from cfp_megatron.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.config import DataSpec, TokenizerKind
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 
 NO_PAD_ID = -1
 """Pad id for vocabularies without a dedicated pad token: Megatron's ``_PAD_TOKEN_ID``, never present in the data."""

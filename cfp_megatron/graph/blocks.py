@@ -49,9 +49,9 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from cfp_megatron.errors import CfpError
+from cfp_megatron.base.errors import CfpError
 from cfp_megatron.graph import strided_rules
-from cfp_megatron.graph.opgraph import Operator, OpGraph, Phase
+from cfp_megatron.graph.opgraph import Operator, OpGraph, Phase, TensorRef
 from cfp_megatron.graph.propagation import (
     OpResult,
     Placements,
@@ -465,8 +465,6 @@ def _max_abs_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def _replay(ops: Sequence[Operator], values: dict[int, Any], wrap: Callable[[torch.Tensor], Any]) -> None:
     """Run ``ops`` on ``values`` (tensor id -> tensor), storing their outputs; meta devices become CPU."""
     from torch.utils._pytree import tree_flatten, tree_map
-
-    from cfp_megatron.graph.opgraph import TensorRef
 
     def arg(x: Any) -> Any:
         if isinstance(x, TensorRef):

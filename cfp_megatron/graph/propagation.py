@@ -48,7 +48,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_flatten, tree_map
 
-from cfp_megatron.errors import CfpError
+from cfp_megatron.base.errors import CfpError
 from cfp_megatron.graph import strided_rules
 from cfp_megatron.graph.opgraph import Operator, OpGraph, TensorRef
 

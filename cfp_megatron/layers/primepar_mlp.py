@@ -96,7 +96,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, mak
 from megatron.core.utils import get_pg_rank, get_tensor_model_parallel_group_if_none
 from torch import nn
 
-from cfp_megatron.config import primepar_grid_side
+from cfp_megatron.base.config import primepar_grid_side
 from cfp_megatron.layers.errors import PrimeParError, PrimeParShapeError
 from cfp_megatron.layers.primepar_grid import PrimeParGrid, grid_position, square_ranks
 from cfp_megatron.layers.primepar_linear import (

@@ -3,5 +3,5 @@ distinct kind, recorded into operator graphs (:mod:`cfp_megatron.graph.opgraph`)
 
 Entry points: :func:`~cfp_megatron.model.capture.capture_job`, :func:`~cfp_megatron.model.capture.capture_model`,
 :func:`~cfp_megatron.model.capture.capture_transformer_config`, :func:`~cfp_megatron.model.cache.capture_summary`
-(cached), the hooks in :mod:`cfp_megatron.model.hooks` and :mod:`cfp_megatron.model.deepspeed_hook`.
+(cached), the hooks in :mod:`cfp_megatron.model.hooks` and :mod:`cfp_megatron.backends.deepspeed.hook`.
 """

@@ -9,53 +9,16 @@ half-written entry.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import hashlib
-import importlib.metadata
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cfp_megatron.config import JobSpec, Precision
-from cfp_megatron.files import write_atomic
+from cfp_megatron.base.config import JobSpec, Precision
+from cfp_megatron.base.files import cache_dir, write_atomic
+from cfp_megatron.base.jsonio import installed_version, json_plain
 from cfp_megatron.model.summary import SCHEMA_VERSION, CaptureSummary
-
-CACHE_ENV = "CFP_CACHE_DIR"
-"""Environment variable overriding the cache root."""
-
-
-def cache_dir() -> Path:
-    """The cache root; each kind of entry has a section folder in it (``capture/``, ``analysis/``)."""
-    root = os.environ.get(CACHE_ENV)
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "cfp-megatron"
-
-
-def json_plain(value: Any) -> Any:
-    """A JSON-stable form of config values and specs (enums by value, callables and types by qualified name)."""
-    if isinstance(value, enum.Enum):
-        return value.value
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: json_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {str(k): json_plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(value, list | tuple):
-        return [json_plain(v) for v in value]
-    if isinstance(value, str | int | float | bool) or value is None:
-        return value
-    if callable(value) or isinstance(value, type):
-        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
-    return str(value)
-
-
-def installed_version(dist: str) -> str:
-    """An installed distribution's version, read without importing it (so a cache hit stays fast)."""
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "absent"
 
 
 def cache_key(inputs: dict[str, Any]) -> str:
@@ -116,11 +79,12 @@ def cached_summary(inputs: dict[str, Any], make: Callable[[], CaptureSummary], *
 def capture_summary(job: JobSpec, *, seq_length: int | None = None, micro_batch_size: int = 1,
                     precision: Precision | None = None, use_cache: bool = True) -> CaptureSummary:
     """The capture summary of ``job``, from the cache when present, else captured (and stored)."""
+
+    from cfp_megatron.model.capture import capture_job
+
     seq = seq_length or job.train.seq_length
 
     def make() -> CaptureSummary:
-        from cfp_megatron.model.capture import capture_job  # imports torch and Megatron: only on a miss
-
         return capture_job(job, seq_length=seq, micro_batch_size=micro_batch_size, precision=precision).summary()
 
     inputs = job_cache_inputs(job, seq_length=seq, micro_batch_size=micro_batch_size, precision=precision)
@@ -130,9 +94,10 @@ def capture_summary(job: JobSpec, *, seq_length: int | None = None, micro_batch_
 def config_summary(config: Any, *, vocab_size: int, seq_length: int, micro_batch_size: int = 1,
                    use_cache: bool = True, **kwargs: Any) -> CaptureSummary:
     """:func:`~cfp_megatron.model.capture.capture_transformer_config`'s summary, cached by the config's fields."""
-    def make() -> CaptureSummary:
-        from cfp_megatron.model.capture import capture_transformer_config
 
+    from cfp_megatron.model.capture import capture_transformer_config
+
+    def make() -> CaptureSummary:
         return capture_transformer_config(config, vocab_size=vocab_size, seq_length=seq_length,
                                           micro_batch_size=micro_batch_size, **kwargs).summary()
 

@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 
-from cfp_megatron.config import ClusterSpec, JobSpec, ParallelSpec, Precision, TrainSpec
+from cfp_megatron.base.config import ClusterSpec, JobSpec, ParallelSpec, Precision, TrainSpec, resolve_precision
+from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.graph.opgraph import OpGraph, Phase
 from cfp_megatron.model.errors import CaptureError
+from cfp_megatron.model.megatron_config import params_dtype, transformer_config
 from cfp_megatron.model.megatron_layers import (
     layer_kind_name,
     layer_signature,
@@ -113,10 +115,6 @@ def capture_job_config(job: JobSpec, *, precision: Precision | None = None) -> A
 
     ``precision`` defaults to the job's, resolved as on a GPU (``auto`` -> bf16).
     """
-    from cfp_megatron.config import resolve_precision
-    from cfp_megatron.parallel_dims import ParallelDims
-    from cfp_megatron.runtime.model import params_dtype, transformer_config
-
     # One process, one stage: the job's own layout and cluster (checked elsewhere) do not change the layers' graphs.
     single = dataclasses.replace(job, parallel=ParallelSpec(), cluster=ClusterSpec(),
                                  train=TrainSpec(precision=job.train.precision))

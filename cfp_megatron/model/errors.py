@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cfp_megatron.errors import CfpError
+from cfp_megatron.base.errors import CfpError
 
 
 class CaptureError(CfpError, RuntimeError):

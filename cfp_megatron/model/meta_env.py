@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from cfp_megatron.compat import cpu, moe
 from cfp_megatron.compat.device_mode import DeviceRewriteMode
 from cfp_megatron.model.errors import CaptureError
 
@@ -65,8 +66,6 @@ def megatron_meta_env(seed: int = 1234) -> Iterator[bool]:
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from cfp_megatron.compat import cpu, moe
 
     cpu.install_if_needed()
     moe.install()

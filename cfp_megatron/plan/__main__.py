@@ -1,7 +1,7 @@
-"""``python -m cfp_megatron.plan``: preflight planning (see :mod:`cfp_megatron.search.cli`)."""
+"""``python -m cfp_megatron.plan``: preflight planning (see :mod:`cfp_megatron.planner.plan_cli`)."""
 
 import sys
 
-from cfp_megatron.search.cli import main
+from cfp_megatron.planner.plan_cli import main
 
 sys.exit(main())

@@ -1,7 +1,7 @@
 """The Plan: the one artifact the planner hands to everything downstream.
 
-A :class:`Plan` fixes the parallel layout of one job (a :class:`~cfp_megatron.config.ParallelSpec`, the batch and the
-sequence length) for one model preset on one cluster shape, and carries the simulator's prediction for it and a
+A :class:`Plan` fixes the parallel layout of one job (a :class:`~cfp_megatron.base.config.ParallelSpec`, the batch and
+the sequence length) for one model preset on one cluster shape, and carries the simulator's prediction for it and a
 fingerprint of the inputs it was computed from. It has three forms:
 
 - the **canonical string** (:meth:`Plan.canonical`), short, deterministic and readable, which parses back
@@ -34,11 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cfp_megatron.config import JobSpec, ParallelSpec, Precision, build_spec
-from cfp_megatron.errors import ConfigError
-from cfp_megatron.files import write_new
-from cfp_megatron.model.cache import json_plain
+from cfp_megatron.base.config import JobSpec, ParallelSpec, Precision, build_spec
+from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.base.files import write_new
+from cfp_megatron.base.jsonio import json_plain
 from cfp_megatron.plan.errors import PlanError
+from cfp_megatron.sim.prediction import GIB, Prediction, exposed_comm_s, mfu
 
 SCHEMA_VERSION = 1
 """Version of plan.json's layout; bump it when a field changes meaning or is removed."""
@@ -94,6 +95,13 @@ class PlanPrediction:
     def to_json(self) -> dict[str, float | None]:
         """The prediction as a JSON-ready mapping."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def of(cls, prediction: Prediction, peak_tflops: float | None) -> PlanPrediction:
+        """What plan.json keeps of a simulator prediction (MFU against ``peak_tflops``, TFLOP/s per GPU)."""
+        return cls(step_time_s=prediction.step_time_s, tokens_per_s_per_gpu=prediction.tokens_per_s_per_gpu,
+                   mfu=mfu(prediction, peak_tflops), peak_memory_gib=prediction.memory.total / GIB,
+                   bubble_fraction=prediction.bubble_fraction, exposed_comm_s=exposed_comm_s(prediction))
 
     @classmethod
     def from_json(cls, d: Any) -> PlanPrediction:

@@ -19,7 +19,7 @@ import enum
 import shlex
 from typing import Any
 
-from cfp_megatron.config import MlpPartition, ParallelSpec, Precision, Recompute
+from cfp_megatron.base.config import MlpPartition, ParallelSpec, Precision, Recompute
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.plan.errors import PlanError
 

@@ -8,20 +8,26 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from cfp_megatron.errors import CfpError
+from cfp_megatron.base.cfp_spec import DEFAULT_PROFILE_BUDGET_S
+from cfp_megatron.base.compose import compose_job
+from cfp_megatron.base.errors import CfpError
+from cfp_megatron.base.launch_env import LaunchEnv
+from cfp_megatron.profile.cluster import describe_cluster, measured_cluster
+from cfp_megatron.profile.db import export_db
+from cfp_megatron.profile.progress import RoundProgress
+from cfp_megatron.profile.report import render
 
 _EXPECTED_ON_CPU = "Transformer Engine and Apex are not installed|Apex is not installed|full scope is deprecated"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Hydra overrides plus the profiler's own options."""
-    from cfp_megatron.profile.runner import DEFAULT_BUDGET_S
 
     parser = argparse.ArgumentParser(prog="torchrun --nproc_per_node=N -m cfp_megatron.profile",
                                      description="Profile the live cluster (collectives, GEMMs, segments) into "
                                                  "the ProfileDB of its fingerprint.")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt_tiny cluster=local")
-    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds for the whole run")
+    parser.add_argument("--budget", type=float, default=DEFAULT_PROFILE_BUDGET_S, help="seconds for the whole run")
     parser.add_argument("--force", action="store_true", help="measure again even if the DB has the results")
     parser.add_argument("--export", default=None, help="also write the DB to this file (never over an existing one)")
     args = parser.parse_args(argv)
@@ -32,29 +38,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Profile, print the summary and the DB path on rank 0; exit status 2 on a user error."""
+
+    from cfp_megatron.profile.runner import profile_job
+
     warnings.filterwarnings("ignore", message=f".*({_EXPECTED_ON_CPU}).*")
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     args = parse_args(argv)
     from rich.console import Console
 
-    from cfp_megatron.config import compose_job
-    from cfp_megatron.runtime.launch_env import LaunchEnv
-
     env = LaunchEnv.read()
     console = Console(stderr=False, highlight=False)
     try:
         job = compose_job(args.overrides)
-        from cfp_megatron.profile.progress import RoundProgress
-        from cfp_megatron.profile.runner import profile_job
 
         with RoundProgress(enabled=env.rank == 0) as progress:
             outcome = profile_job(job, env, budget_s=args.budget, force=args.force, progress=progress.update)
         if env.rank == 0 and outcome.db is not None:
-            from cfp_megatron.profile.cluster import describe_cluster, measured_cluster
-            from cfp_megatron.profile.db import export_db
-            from cfp_megatron.profile.report import render
-
             render(outcome.db, outcome.rounds, console=console)
             for note in outcome.notes:
                 console.print(f"note: {note}", markup=False)

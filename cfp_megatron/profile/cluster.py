@@ -1,12 +1,14 @@
-"""A :class:`~cfp_megatron.config.ClusterSpec` with the figures profiling measured in place of the preset's."""
+"""A :class:`~cfp_megatron.base.config.ClusterSpec` with the figures profiling measured in place of the preset's."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING
 
+from cfp_megatron.base.config import ClusterSpec, JobSpec
 from cfp_megatron.cluster.measured import Collective, CollectiveFit, Measurements, Span
-from cfp_megatron.config import ClusterSpec, JobSpec
+from cfp_megatron.profile.db import load_db
+from cfp_megatron.profile.fingerprint import current_fingerprint, model_key
 
 if TYPE_CHECKING:
     from cfp_megatron.profile.db import ProfileDB
@@ -45,12 +47,10 @@ def local_measurements(job: JobSpec, *, world_size: int,
     """What this machine measured for ``job`` on ``world_size`` ranks: the job's cluster filled from its ProfileDB
     and the DB itself, scoped to the job's model (segment kinds resolve against it); the cluster unchanged and
     ``None`` when this machine has not been profiled with that many ranks."""
+
     import torch
 
-    from cfp_megatron.profile.db import load_db
-    from cfp_megatron.profile.fingerprint import current_fingerprint
-    from cfp_megatron.profile.segments import model_key
-    from cfp_megatron.runtime.distributed import resolve_backend
+    from cfp_megatron.engine.distributed import resolve_backend
 
     spec = job.cluster
     fp = current_fingerprint(world_size=world_size, nodes=spec.nodes, backend=backend or resolve_backend(spec.backend))

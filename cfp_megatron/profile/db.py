@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cfp_megatron.base.config import Recompute
+from cfp_megatron.base.files import cache_dir, write_atomic, write_new
 from cfp_megatron.cluster.measured import (
     Collective,
     CollectiveFit,
@@ -27,8 +29,6 @@ from cfp_megatron.cluster.measured import (
     least_squares_line,
     partition_recompute,
 )
-from cfp_megatron.config import Recompute
-from cfp_megatron.files import write_atomic, write_new
 from cfp_megatron.profile.errors import FingerprintMismatchError, ProfileDBError, SchemaVersionError
 from cfp_megatron.profile.fingerprint import Fingerprint
 from cfp_megatron.profile.gemm_table import interpolate_tflops
@@ -282,8 +282,6 @@ class ProfileDB:
 # --------------------------------------------------------------------------------------------------- storage
 def db_path(fingerprint: Fingerprint) -> Path:
     """Where the DB of ``fingerprint`` lives: ``$CFP_CACHE_DIR/profile/<key>.json``."""
-    from cfp_megatron.model.cache import cache_dir
-
     return cache_dir() / SECTION / f"{fingerprint.key}.json"
 
 

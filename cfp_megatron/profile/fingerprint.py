@@ -14,7 +14,8 @@ import platform
 from dataclasses import dataclass
 from typing import Any
 
-from cfp_megatron.model.cache import installed_version
+from cfp_megatron.base.config import JobSpec, resolve_precision
+from cfp_megatron.base.jsonio import installed_version, json_plain
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,3 +85,10 @@ def current_fingerprint(*, world_size: int, nodes: int, backend: str) -> Fingerp
         torch=torch.__version__, megatron_core=installed_version("megatron-core"),
         cuda=torch.version.cuda if on_gpu else None, nccl=nccl,
         cpu_cores=None if on_gpu else os.cpu_count())
+
+
+def model_key(job: JobSpec, *, on_gpu: bool) -> str:
+    """Key of what segment times depend on: model shape, sequence length, precision."""
+    payload = {"model": json_plain(job.model), "seq_length": job.train.seq_length,
+               "precision": resolve_precision(job.train.precision, on_gpu).value}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,8 +1,8 @@
 """The overheads round: what a real training step costs beyond the segments' forward and backward passes.
 
 For each tensor-parallel size of the segments round, a probe model (one layer per decoder kind, then up to
-:data:`EXTRA_LAYERS` more, never more than the model has) is trained with the runtime's own pieces
-(:mod:`cfp_megatron.runtime.trainer`: Megatron DDP, optimizer with grad-norm clipping, ``get_forward_backward_func``,
+:data:`EXTRA_LAYERS` more, never more than the model has) is trained with the engine's own training step
+(:mod:`cfp_megatron.engine.step`: Megatron DDP, optimizer with grad-norm clipping, ``get_forward_backward_func``,
 ``finalize_model_grads``, the loss all-reduce) on the live process groups, the rest of the world data-parallel, every
 rank busy as in training. Each step is split into the schedule call (the gradient finalisation, which the simulator
 models from the collective fits, taken out), ``optimizer.step`` and the rest; the schedule is timed with one and with
@@ -22,9 +22,12 @@ from typing import Any
 
 import torch
 
+from cfp_megatron.base.config import JobSpec
+from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.cluster.measured import partition_name
-from cfp_megatron.config import JobSpec
-from cfp_megatron.parallel_dims import ParallelDims
+from cfp_megatron.data.batches import build_micro_batches
+from cfp_megatron.engine.model import count_parameters
+from cfp_megatron.engine.step import build_training, forward_step, reduce_loss
 from cfp_megatron.profile.control import Step, StepResult, barrier, slowest
 from cfp_megatron.profile.records import OverheadRecord
 from cfp_megatron.profile.segments import SegmentCase, init_probe_groups
@@ -76,9 +79,6 @@ class OverheadBench:
 
     def __init__(self, case: OverheadCase, *, repeats: int) -> None:
 
-        from cfp_megatron.runtime.model import count_parameters
-        from cfp_megatron.runtime.trainer import build_training
-
         d = case.dims
         init_probe_groups(d, case.job.train.seed)
         self.state = build_training(case.job, d)
@@ -101,8 +101,6 @@ class OverheadBench:
     def _batches(self, micro_batch: int) -> list[dict[str, torch.Tensor]]:
         from megatron.core import parallel_state
 
-        from cfp_megatron.data.batches import build_micro_batches
-
         job, dp = self.case.job, self.case.dims.dp
         train = dataclasses.replace(job.train, micro_batch_size=micro_batch,
                                     global_batch_size=micro_batch * MICROBATCHES * dp)
@@ -114,8 +112,6 @@ class OverheadBench:
         """One instrumented training step: (schedule without the gradient finalisation, the rest) in seconds."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from cfp_megatron.runtime.trainer import _forward_step, _reduce_loss
-
         state, job = self.state, self.case.job
         _sync()
         t0 = time.perf_counter()
@@ -126,7 +122,7 @@ class OverheadBench:
         t1 = time.perf_counter()
         self.finalize_s = 0.0
         reports = get_forward_backward_func()(
-            forward_step_func=_forward_step, data_iterator=iter(batches), model=state.ddp_chunks,
+            forward_step_func=forward_step, data_iterator=iter(batches), model=state.ddp_chunks,
             num_microbatches=len(batches), seq_length=job.train.seq_length,
             micro_batch_size=int(batches[0]["tokens"].shape[0]), forward_only=False)
         _sync()
@@ -134,7 +130,7 @@ class OverheadBench:
         applied, _, _ = state.optimizer.step()
         if applied:  # as the runtime's train_step: a step skipped by the loss scaler does not advance the schedule
             state.scheduler.step(increment=1)
-        _reduce_loss(reports, state)
+        reduce_loss(reports, state)
         _sync()
         t3 = time.perf_counter()
         return t2 - t1 - self.finalize_s, (t1 - t0) + (t3 - t2)

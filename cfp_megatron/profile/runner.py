@@ -18,17 +18,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cfp_megatron.config import JobSpec, Recompute
+from cfp_megatron.base.cfp_spec import DEFAULT_PROFILE_BUDGET_S
+from cfp_megatron.base.config import JobSpec, Recompute, resolve_precision
+from cfp_megatron.base.launch_env import LaunchEnv
+from cfp_megatron.base.parallel_dims import transformer_engine_available
+from cfp_megatron.compat import moe
+from cfp_megatron.compat.cpu import install_if_needed
+from cfp_megatron.engine.distributed import destroy_distributed, prepare_device_and_env, resolve_backend
+from cfp_megatron.profile.collectives import collective_steps, fit_results
 from cfp_megatron.profile.control import StepResult, run_round
-from cfp_megatron.profile.db import ProfileDB, load_db, store_db
+from cfp_megatron.profile.db import ProfileDB, db_path, load_db, store_db
 from cfp_megatron.profile.errors import ProfileDBError
-from cfp_megatron.profile.fingerprint import Fingerprint, current_fingerprint
+from cfp_megatron.profile.fingerprint import Fingerprint, current_fingerprint, model_key
+from cfp_megatron.profile.gemm import gemm_records, gemm_steps
+from cfp_megatron.profile.overheads import overhead_cases, overhead_records, overhead_steps
 from cfp_megatron.profile.records import RoundRecord, RoundStatus
-from cfp_megatron.runtime.distributed import prepare_device_and_env
-from cfp_megatron.runtime.launch_env import LaunchEnv
+from cfp_megatron.profile.segments import (
+    analysis_classes,
+    micro_batches,
+    model_kinds,
+    segment_cases,
+    segment_records,
+    segment_steps,
+)
 
-DEFAULT_BUDGET_S = 60.0
-"""Default time budget of a run, seconds (set-up, analysis and all rounds)."""
 ROUNDS = ("collectives", "gemm", "segments", "overheads", "recompute")
 """Rounds in the order they run. ``recompute``: the decoder layers of the segments round again under selective
 recomputation (their memory then differs) and checkpointed whole as full recomputation runs them (their time then
@@ -61,7 +74,7 @@ class ProfileOutcome:
 
 def init_profile_group(backend: str, env: LaunchEnv, timeout: datetime.timedelta) -> None:
     """The default process group from torchrun's environment, with a short timeout so a lost peer ends a round
-    instead of hanging it (the same store handling as :func:`cfp_megatron.runtime.distributed.init_distributed`)."""
+    instead of hanging it (the same store handling as :func:`cfp_megatron.engine.distributed.init_distributed`)."""
     if dist.is_initialized():
         return
     prepare_device_and_env(env, port=29512)
@@ -97,8 +110,6 @@ def rounds_needed(db: ProfileDB | None, model: str, micro_batch_sizes: list[int]
 
 def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on_gpu: bool,
                    started: float) -> dict[str, Any]:
-    from cfp_megatron.profile.segments import analysis_classes, micro_batches, model_key, segment_cases
-
     notes: list[str] = []
     try:
         db = load_db(fp)
@@ -126,17 +137,12 @@ def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on
             "db": db.to_json() if db is not None else None, "elapsed": time.perf_counter() - started}
 
 
-def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_BUDGET_S, force: bool = False,
+def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFILE_BUDGET_S, force: bool = False,
                 progress: ProgressFn | None = None, keep_group: bool = False) -> ProfileOutcome:
     """Profile the cluster ``job`` runs on (every rank calls this under torchrun); see the module docstring.
 
     ``keep_group`` leaves the default process group up for the caller (planning at launch broadcasts its plan over
     it), which then destroys it; otherwise it is destroyed here."""
-    from cfp_megatron.compat import moe
-    from cfp_megatron.compat.cpu import install_if_needed
-    from cfp_megatron.parallel_dims import transformer_engine_available
-    from cfp_megatron.runtime.distributed import resolve_backend
-
     started = time.perf_counter()
     install_if_needed()
     if job.model.is_moe and not transformer_engine_available():
@@ -163,8 +169,6 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_BUDGE
                 db = _merge(db, job, plan, results, rounds_done)
                 path = store_db(db)
             else:
-                from cfp_megatron.profile.db import db_path
-
                 path = db_path(fp)
         dist.barrier()
     except BaseException:
@@ -178,12 +182,6 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_BUDGE
 
 def _run_rounds(job: JobSpec, plan: dict[str, Any], *, world: int, on_gpu: bool, budget_s: float, started: float,
                 rank: int, progress: ProgressFn | None) -> dict[str, tuple[RoundRecord, Any]]:
-    from cfp_megatron.config import resolve_precision
-    from cfp_megatron.profile.collectives import collective_steps
-    from cfp_megatron.profile.gemm import gemm_steps
-    from cfp_megatron.profile.overheads import overhead_cases, overhead_steps
-    from cfp_megatron.profile.segments import micro_batches, model_kinds, segment_cases, segment_steps
-
     precision = resolve_precision(job.train.precision, on_gpu).value
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     out: dict[str, tuple[RoundRecord, Any]] = {}
@@ -223,11 +221,6 @@ def _run_rounds(job: JobSpec, plan: dict[str, Any], *, world: int, on_gpu: bool,
 
 def _merge(db: ProfileDB, job: JobSpec, plan: dict[str, Any], results: dict[str, tuple[RoundRecord, Any]],
            rounds_done: list[RoundRecord]) -> ProfileDB:
-    from cfp_megatron.profile.collectives import fit_results
-    from cfp_megatron.profile.gemm import gemm_records
-    from cfp_megatron.profile.overheads import overhead_records
-    from cfp_megatron.profile.segments import segment_records
-
     collectives, gemms, segments, overheads = [], [], [], []
     extra: list[RoundRecord] = []
     for name, (_, (steps, meaning)) in results.items():
@@ -250,6 +243,4 @@ def _merge(db: ProfileDB, job: JobSpec, plan: dict[str, Any], results: dict[str,
 
 
 def _teardown() -> None:
-    from cfp_megatron.runtime.distributed import destroy_distributed
-
     destroy_distributed()

@@ -2,7 +2,7 @@
 under each candidate tensor-parallel size that fits the world, at a few micro-batch sizes.
 
 The segments are the real Megatron-Core modules of a one-layer (or, for an MoE model with leading dense layers,
-two-layer) ``GPTModel`` built by :mod:`cfp_megatron.runtime.model` under Megatron's own TP layout: the embedding,
+two-layer) ``GPTModel`` built by :mod:`cfp_megatron.engine.model` under Megatron's own TP layout: the embedding,
 each decoder-layer kind (``dense``, ``moe``) and the head (final norm, output layer, cross entropy).
 """
 
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import hashlib
-import json
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,10 +17,22 @@ from typing import Any
 
 import torch
 
+from cfp_megatron.base.config import (
+    JobSpec,
+    MlpPartition,
+    ParallelSpec,
+    Recompute,
+    primepar_grid_side,
+)
+from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.cluster.measured import partition_name
-from cfp_megatron.config import JobSpec, MlpPartition, ParallelSpec, Recompute, primepar_grid_side
-from cfp_megatron.errors import ConfigError
-from cfp_megatron.parallel_dims import ParallelDims
+from cfp_megatron.engine.distributed import destroy_model_parallel_groups
+from cfp_megatron.engine.memory import tensor_tracker
+from cfp_megatron.engine.model import build_model_chunks
+from cfp_megatron.model.analysis import analyze
+from cfp_megatron.model.megatron_config import transformer_config
+from cfp_megatron.model.megatron_layers import layer_kind_name
 from cfp_megatron.profile.control import Step, StepResult
 from cfp_megatron.profile.records import SegmentRecord
 
@@ -54,16 +64,6 @@ class SegmentCase:
         recomputation), so the embedding and the head are not timed again."""
         p = self.job.parallel
         return p.mlp is not MlpPartition.megatron or p.recompute is not Recompute.none
-
-
-def model_key(job: JobSpec, *, on_gpu: bool) -> str:
-    """Key of what segment times depend on: model shape, sequence length, precision."""
-    from cfp_megatron.config import resolve_precision
-    from cfp_megatron.model.cache import json_plain
-
-    payload = {"model": json_plain(job.model), "seq_length": job.train.seq_length,
-               "precision": resolve_precision(job.train.precision, on_gpu).value}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
 MAX_POW2_MICRO_BATCH = 8
@@ -126,8 +126,6 @@ def segment_cases(job: JobSpec, world: int,
 def analysis_classes(job: JobSpec, tp: int) -> dict[str, dict[str, Any]]:
     """Per layer kind, its segment class id in the analysis of ``job`` on the ``tp<N>`` mesh and whether Megatron's
     TP layout is among the class's candidates. Pure (the ``fake`` process group): call it before any real group."""
-    from cfp_megatron.analyze import analyze
-
     cluster = dataclasses.replace(job.cluster, nodes=1, gpus_per_node=None)
     parallel = ParallelSpec(tp=tp, order=job.parallel.order)
     train = dataclasses.replace(job.train, global_batch_size=job.train.micro_batch_size, checkpoint_dir=None,
@@ -152,8 +150,6 @@ def init_probe_groups(dims: ParallelDims, seed: int) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from cfp_megatron.runtime.distributed import destroy_model_parallel_groups
-
     destroy_model_parallel_groups()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=1, context_parallel_size=1,
@@ -167,9 +163,6 @@ class SegmentBench:
     """The probe model of one case on this rank, and timed forward/backward of its parts."""
 
     def __init__(self, case: SegmentCase, *, repeats: int) -> None:
-
-        from cfp_megatron.model.megatron_layers import layer_kind_name
-        from cfp_megatron.runtime.model import build_model_chunks, transformer_config
 
         d = case.dims
         init_probe_groups(d, case.job.train.seed)
@@ -277,7 +270,7 @@ class SegmentBench:
 
     def memory_once(self, kind: str, micro_batch: int) -> list[float]:
         """(activation, transient, workspace) bytes of ``kind`` at ``micro_batch``, counted as the training step's
-        memory is (:mod:`cfp_megatron.runtime.memory`, PyTorch's ``MemTracker``).
+        memory is (:mod:`cfp_megatron.engine.memory`, PyTorch's ``MemTracker``).
 
         Two forward passes run under one tracker, then the second one's backward pass. Activation: what the second
         forward pass leaves alive (saved tensors, masks, its output; not its input, which the part before it
@@ -286,15 +279,13 @@ class SegmentBench:
         order). Transient: how far the live bytes rose above both passes' activations (the forward's and the
         backward's transients, the input gradient; each parameter's gradient is freed once accumulated, as
         Megatron's DDP does with ``main_grad``). This rank, one measurement."""
-        from cfp_megatron.runtime.memory import _tracker
-
         forward, grad = self._part(kind, micro_batch)
         # The part's inputs (created before, as the previous part's output would be) are not its activations.
         inputs = [c.cell_contents for c in forward.__closure__ or () if isinstance(c.cell_contents, torch.Tensor)]
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.model.zero_grad(set_to_none=True)
         hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in params]
-        tracker = _tracker()
+        tracker = tensor_tracker()
         tracker.track_external(self.model, grad, *inputs)
 
         def total(which: str) -> int:

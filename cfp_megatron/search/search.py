@@ -41,11 +41,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cfp_megatron.base.cfp_spec import CfpSpec
+from cfp_megatron.base.config import JobSpec, MlpPartition, OptimizerKind, Recompute
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.parallel_dims import ParallelDims
+from cfp_megatron.base.pipeline_split import chunk_layers, stage_counts
 from cfp_megatron.cluster.measured import Measurements, partition_name
-from cfp_megatron.config import JobSpec, MlpPartition, OptimizerKind, Recompute
-from cfp_megatron.errors import ConfigError, ConfigIssue
-from cfp_megatron.parallel_dims import ParallelDims
-from cfp_megatron.pipeline_split import chunk_layers, stage_counts
 from cfp_megatron.search.space import (
     BLOCK,
     Candidate,
@@ -56,7 +57,6 @@ from cfp_megatron.search.space import (
     build_space,
     max_chunk_layers,
 )
-from cfp_megatron.search.spec import CfpSpec
 from cfp_megatron.sim.kernels import grad_element_bytes
 from cfp_megatron.sim.layout import Layout, place
 from cfp_megatron.sim.memory import element_bytes
@@ -108,7 +108,7 @@ class SearchResult:
 
     @property
     def best(self) -> Ranked:
-        """The fastest plan that fits; raises :class:`~cfp_megatron.errors.ConfigError` naming what ruled the
+        """The fastest plan that fits; raises :class:`~cfp_megatron.base.errors.ConfigError` naming what ruled the
         layouts out (families that held plans first) when none does."""
         if not self.ranked:
             first = sorted(self.rejected, key=lambda r: r.count == 0)[:8]

@@ -13,7 +13,8 @@ import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from cfp_megatron.config import (
+from cfp_megatron.base.cfp_spec import CfpSpec
+from cfp_megatron.base.config import (
     AttentionKind,
     JobSpec,
     MlpPartition,
@@ -22,9 +23,8 @@ from cfp_megatron.config import (
     RecomputeMethod,
     primepar_grid_side,
 )
-from cfp_megatron.parallel_dims import primepar_misfits
-from cfp_megatron.pipeline_split import split_issues, stage_counts
-from cfp_megatron.search.spec import CfpSpec
+from cfp_megatron.base.parallel_dims import primepar_misfits
+from cfp_megatron.base.pipeline_split import split_issues, stage_counts
 
 
 @dataclass(frozen=True, kw_only=True, order=True)
@@ -46,10 +46,10 @@ class Candidate:
     micro_batch: int
     """Sequences per micro-batch."""
     recompute: str
-    """Recompute granularity (a :class:`~cfp_megatron.config.Recompute` value), or ``block``: full recomputation of
+    """Recompute granularity (a :class:`~cfp_megatron.base.config.Recompute` value), or ``block``: full recomputation of
     the first ``recompute_layers`` layers of each pipeline chunk (Megatron's ``recompute_method=block``)."""
     mlp: str = MlpPartition.megatron.value
-    """Partition of the dense MLP over the TP group (a :class:`~cfp_megatron.config.MlpPartition` value)."""
+    """Partition of the dense MLP over the TP group (a :class:`~cfp_megatron.base.config.MlpPartition` value)."""
     vpp: int
     """Model chunks per pipeline rank."""
     first_stage_layers: int = 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from cfp_megatron.config import ClusterSpec
+from cfp_megatron.base.config import ClusterSpec
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,9 +3,9 @@ attention core, memory-bound element-wise work."""
 
 from __future__ import annotations
 
+from cfp_megatron.base.config import ClusterSpec, JobSpec, Precision, resolve_precision
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.cluster.measured import Measurements
-from cfp_megatron.config import ClusterSpec, JobSpec, Precision, resolve_precision
-from cfp_megatron.errors import ConfigError, ConfigIssue
 from cfp_megatron.sim.calibration import Efficiency
 
 _FALLBACK_PEAK_TFLOPS = 1.0
@@ -14,8 +14,15 @@ _FALLBACK_HBM_GBPS = 50.0
 
 def compute_precision(precision: Precision, cluster: ClusterSpec) -> Precision:
     """The precision the runtime trains in on ``cluster``: ``auto`` is fp32 on a CPU cluster and bf16 on GPUs
-    (:func:`cfp_megatron.config.resolve_precision`)."""
+    (:func:`cfp_megatron.base.config.resolve_precision`)."""
     return resolve_precision(precision, on_gpu=not cluster.on_cpu)
+
+
+def target_peak_tflops(job: JobSpec) -> float | None:
+    """The peak TFLOP/s of the job's cluster in the precision it trains in (a preset's, or what profiling measured;
+    never a benchmark of the planning machine)."""
+    c = job.cluster
+    return c.peak_tflops_fp32 if compute_precision(job.train.precision, c) is Precision.fp32 else c.peak_tflops_bf16
 
 
 def dtype_name(precision: Precision) -> str:

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cfp_megatron.base.config import Activation, AttentionKind, JobSpec, MlpPartition
+from cfp_megatron.base.flops import attention_params, mlp_params
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
-from cfp_megatron.config import Activation, AttentionKind, JobSpec, MlpPartition
-from cfp_megatron.runtime.flops import attention_params, mlp_params
 from cfp_megatron.sim.kernels import KernelModel, grad_element_bytes
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.options import SimOptions

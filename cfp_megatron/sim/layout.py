@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cfp_megatron.base.config import JobSpec
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.cluster.costs import group_placement
-from cfp_megatron.config import JobSpec
-from cfp_megatron.errors import ConfigError, ConfigIssue
-from cfp_megatron.parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True, kw_only=True)

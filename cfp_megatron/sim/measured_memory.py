@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.cluster.measured import Measurements, SegmentMemory, interpolate_rows
-from cfp_megatron.errors import ConfigError, ConfigIssue
 
 
 def interpolate(points: Sequence[tuple[int, SegmentMemory]], micro_batch: int) -> SegmentMemory:

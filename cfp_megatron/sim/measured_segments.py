@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import statistics
 
+from cfp_megatron.base.config import JobSpec, Recompute
 from cfp_megatron.cluster.measured import Measurements, interpolate_rows, least_squares_line, partition_name
-from cfp_megatron.config import JobSpec, Recompute
 from cfp_megatron.sim.layer_cost import LayerCost, PassCost
 
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cfp_megatron.cluster.measured import Measurements, SegmentMemory, partition_name
-from cfp_megatron.config import (
+from cfp_megatron.base.config import (
     Activation,
     JobSpec,
     MlpPartition,
@@ -26,7 +25,8 @@ from cfp_megatron.config import (
     Recompute,
     RecomputeMethod,
 )
-from cfp_megatron.pipeline_split import job_chunks
+from cfp_megatron.base.pipeline_split import job_chunks
+from cfp_megatron.cluster.measured import Measurements, SegmentMemory, partition_name
 from cfp_megatron.sim.kernels import element_bytes, grad_element_bytes
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.measured_memory import measured_memory, peak_activation_bytes, pipeline_buffers

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cfp_megatron.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 
 
 @dataclass(frozen=True, kw_only=True)
 class SimOptions:
-    """What the simulator should assume beyond the :class:`~cfp_megatron.config.JobSpec`."""
+    """What the simulator should assume beyond the :class:`~cfp_megatron.base.config.JobSpec`."""
 
     fp8: bool = False
     """Run the linear layers' GEMMs in FP8 (Transformer Engine): weights stay in bf16, and the inputs the linear

@@ -12,9 +12,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from cfp_megatron.base.config import ClusterSpec, JobSpec, MlpPartition, Recompute
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Measurements, StepOverheads, partition_name
-from cfp_megatron.config import ClusterSpec, JobSpec, MlpPartition, Recompute
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layer_cost import LayerCost, PassCost, embedding_cost, layer_cost, output_layer_cost

@@ -126,3 +126,16 @@ class Prediction:
     """Whether the peak memory fits in the device memory (always true when the capacity is unknown)."""
     events: tuple[Event, ...] = ()
     """The simulated schedule (one list of timed events per pipeline rank, flattened), when it was built."""
+
+
+def mfu(prediction: Prediction, peak_tflops: float | None) -> float | None:
+    """Model FLOPs utilisation (share of the dense peak) of a prediction; ``None`` without a peak."""
+    if not peak_tflops:
+        return None
+    return prediction.model_tflops_per_gpu / peak_tflops
+
+
+def exposed_comm_s(prediction: Prediction) -> float:
+    """Communication the step waits for: TP/SP, CP, EP and FSDP inside the passes plus the exposed DP sync."""
+    t = prediction.time
+    return t.tp_comm_s + t.cp_comm_s + t.ep_comm_s + t.fsdp_comm_s + t.dp_comm_s

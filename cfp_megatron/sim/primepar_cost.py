@@ -31,9 +31,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from cfp_megatron.base.config import JobSpec, MlpPartition, primepar_grid_side
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
-from cfp_megatron.config import JobSpec, MlpPartition, primepar_grid_side
 from cfp_megatron.sim.kernels import KernelModel
 
 GRAD_BYTES = 4.0

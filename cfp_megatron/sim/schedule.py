@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from cfp_megatron.errors import CfpError
+from cfp_megatron.base.errors import CfpError
 
 
 class ScheduleError(CfpError, RuntimeError):

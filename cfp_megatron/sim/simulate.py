@@ -12,11 +12,11 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
+from cfp_megatron.base.config import ClusterSpec, JobSpec
+from cfp_megatron.base.flops import training_flops_per_token
+from cfp_megatron.base.pipeline_split import job_chunks
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective, Measurements
-from cfp_megatron.config import ClusterSpec, JobSpec
-from cfp_megatron.pipeline_split import job_chunks
-from cfp_megatron.runtime.flops import training_flops_per_token
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
 from cfp_megatron.sim.kernels import KernelModel, grad_element_bytes
 from cfp_megatron.sim.layer_cost import PassCost
@@ -40,7 +40,7 @@ def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Mea
     ``measurements`` (profiled collectives and GEMMs) win over the cluster's nominal figures; ``efficiency``
     overrides the fitted efficiencies (for fitting); ``with_events`` keeps the timed schedule for timeline export;
     ``cache`` shares pass costs and cost models between the plans of one search (:class:`CostCache`).
-    Raises :class:`~cfp_megatron.errors.ConfigError` for a plan that cannot run.
+    Raises :class:`~cfp_megatron.base.errors.ConfigError` for a plan that cannot run.
     """
     return typing.cast(Prediction, _simulate(job, cluster, measurements, options, efficiency, world_size,
                                              with_events, cache, None))  # None only with a prune_above

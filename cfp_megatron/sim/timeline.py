@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cfp_megatron.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.sim.prediction import EventKind, Prediction
 
 _COLOURS = {EventKind.forward: "#4C72B0", EventKind.backward: "#55A868", EventKind.comm: "#C44E52",

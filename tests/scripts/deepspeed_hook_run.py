@@ -23,7 +23,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from cfp_megatron.model.deepspeed_hook import initialize  # noqa: E402
+from cfp_megatron.backends.deepspeed.hook import initialize  # noqa: E402
 
 GLOBAL_BATCH = 8
 """Sequences per optimizer step."""

@@ -32,8 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cfp_megatron.config import JobSpec
-from cfp_megatron.parallel_dims import ParallelDims
+from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, ds_config
+from cfp_megatron.base.config import JobSpec, resolve_precision
+from cfp_megatron.base.files import cache_dir
+from cfp_megatron.base.parallel_dims import ParallelDims
+from cfp_megatron.cluster.measured import least_squares_line
 
 PROBE_SCHEMA_VERSION = 2
 """Version of the probe file's layout (2: the points of the accumulation line)."""
@@ -53,8 +56,6 @@ class StageProbe:
 
     def line(self) -> tuple[float, float]:
         """``(a, b)`` of the least-squares line ``T(n) = a + b n`` through :attr:`points` (both at zero or above)."""
-        from cfp_megatron.cluster.measured import least_squares_line
-
         return least_squares_line([(float(n), t) for n, t in self.points])
 
     @property
@@ -77,7 +78,7 @@ class EngineProbes:
     """The engine probes of one model on one cluster."""
 
     model: str
-    """The model key (:func:`cfp_megatron.profile.segments.model_key`)."""
+    """The model key (:func:`cfp_megatron.profile.fingerprint.model_key`)."""
     world: int
     """Ranks the probes ran on."""
     stages: dict[int, StageProbe]
@@ -101,8 +102,6 @@ class EngineProbes:
 
 def probe_path(fingerprint_key: str, model: str) -> Path:
     """Where the probes of ``model`` on the cluster of ``fingerprint_key`` are kept."""
-    from cfp_megatron.model.cache import cache_dir
-
     return cache_dir() / "profile" / f"{fingerprint_key}-deepspeed-{model.replace('/', '_')}.json"
 
 
@@ -128,6 +127,7 @@ def time_accumulations(engine: Any, step: StepCall, *, world: int, rounds: int) 
     (after one untimed) of one step per count in :data:`ACCUMULATIONS`, in turn, switched with
     ``set_train_batch_size``; each step timed between a barrier and its end, the slowest rank's time (an
     all-reduce), the median over rounds per count."""
+
     from cfp_megatron.profile.control import barrier, slowest
 
     samples: dict[int, list[float]] = {n: [] for n in ACCUMULATIONS}
@@ -179,6 +179,7 @@ def probe_stages(stages: Iterable[int], build: EngineBuilder, *, world: int, rou
     """Probe each of ``stages`` in order with the engines of ``build`` (every rank calls this), stopping once
     ``budget_s`` has passed on any rank (at least one stage is probed); the engines' memory is freed between
     stages."""
+
     import gc
 
     import torch
@@ -202,12 +203,11 @@ def run_probes(job: JobSpec, dims: ParallelDims, *, model: str, rounds: int = 5,
     """Time every ZeRO stage's engine (every rank calls this; process groups for ``dims``, data parallel over every
     rank, must exist): ``rounds`` timed rounds (after one untimed) of one step per count in :data:`ACCUMULATIONS`.
     Stages not reached within ``budget_s`` are left out (the simulator's analytical terms stand in)."""
+
     import torch
     import torch.distributed as dist
 
     from cfp_megatron.backends.deepspeed.trainer import build_engine, train_step
-    from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, ds_config
-    from cfp_megatron.config import resolve_precision
     from cfp_megatron.data.batches import build_micro_batches
 
     on_gpu = torch.cuda.is_available()

@@ -4,7 +4,7 @@
 A dict or a JSON path, read and never written. What it leaves as ``"auto"`` is planned
 (``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``, ``zero_optimization.stage`` and the offload
 devices, with ``train_batch_size`` the global batch); a concrete value pins its knob; a knob it does not mention keeps
-DeepSpeed's default. Bad values are a :class:`~cfp_megatron.errors.ConfigError` naming the key, the value and the
+DeepSpeed's default. Bad values are a :class:`~cfp_megatron.base.errors.ConfigError` naming the key, the value and the
 fix, raised before anything is built.
 """
 
@@ -14,9 +14,9 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from cfp_megatron.backends.deepspeed.spec import config_settings
 from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan
-from cfp_megatron.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.backend_spec import config_settings
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 
 MAX_MICRO_BATCH = 64
 """Largest micro-batch the search tries (as ``cfp.constraints.max_micro_batch``)."""
@@ -55,7 +55,7 @@ class HookRequest:
     micro_batches: tuple[int, ...]
     """Micro-batch sizes to try, ascending."""
     pins: dict[str, Any]
-    """Fixed knobs, keys of :data:`~cfp_megatron.backends.deepspeed.spec.PLANNED_KEYS` (activation checkpointing
+    """Fixed knobs, keys of :data:`~cfp_megatron.base.backend_spec.PLANNED_KEYS` (activation checkpointing
     always ``False``)."""
     planned: tuple[str, ...]
     """The config keys that said ``"auto"``."""

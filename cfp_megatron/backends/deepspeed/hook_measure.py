@@ -12,13 +12,15 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_map
 
-from cfp_megatron.backends.deepspeed.engine_probe import EngineBuilder, EngineProbes, StepCall, probe_stages
+from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes, probe_stages
 from cfp_megatron.backends.deepspeed.hook_config import HookRequest, probe_config
+from cfp_megatron.base.config import Backend, ClusterSpec
+from cfp_megatron.base.errors import CfpError
 from cfp_megatron.cluster.measured import (
     Collective,
     CollectiveFit,
@@ -27,10 +29,17 @@ from cfp_megatron.cluster.measured import (
     Span,
     least_squares_line,
 )
-from cfp_megatron.config import ClusterSpec
-from cfp_megatron.errors import CfpError
-from cfp_megatron.profile.control import barrier, slowest
+from cfp_megatron.engine.distributed import resolve_backend
+from cfp_megatron.profile.cluster import measured_cluster
+from cfp_megatron.profile.collectives import CPU_SIZES, GPU_SIZES, CollectiveBench, GroupPattern, repeats_for
+from cfp_megatron.profile.control import barrier, slowest, timed
+from cfp_megatron.profile.db import db_path, load_db
+from cfp_megatron.profile.fingerprint import current_fingerprint
+from cfp_megatron.profile.fit import fit_collective
 from cfp_megatron.sim.prediction import GIB
+
+if TYPE_CHECKING:
+    from cfp_megatron.backends.deepspeed.engine_probe import EngineBuilder, EngineProbes, StepCall
 
 DEFAULT_PROBE_BUDGET_S = 30.0
 """Seconds the engine probes may take by default (0 turns them off)."""
@@ -177,6 +186,7 @@ def measure_passes(model: torch.nn.Module, example_input: Any, *, loss_fn: Calla
     ``repeats``) and count the bytes it saves for the backward pass (module docstring, steps 1-3). Every rank calls
     this when a process group is up; the figures are the slowest rank's. The model's weights, gradients, buffers and
     the RNG states are as before."""
+
     began = time.perf_counter()
     first = next(iter(model.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
@@ -287,6 +297,7 @@ def probe_engines(model: torch.nn.Module, example_input: Any, request: HookReque
     path takes them (:func:`~cfp_megatron.backends.deepspeed.engine_probe.probe_stages`): per stage, DeepSpeed's
     engine around a copy of the model at micro-batch 1, timed at 1, 2 and 4 micro-batches per step in turn, then
     destroyed; stages not reached within ``budget_s`` are left out. The model and the RNG states are as before."""
+
     with rng_kept():
         found = probe_stages(stages, _engine_builder(model, example_input, request, loss_fn), world=request.world,
                              rounds=rounds, budget_s=budget_s)
@@ -306,11 +317,8 @@ class _CollectiveFits(NothingMeasured):
 def quick_collective_fits(world: int, span: Span) -> dict[tuple[Collective, int, Span], CollectiveFit]:
     """All-reduce, reduce-scatter and all-gather on the world group at three message sizes, fitted (every rank
     calls this)."""
-    import torch.distributed as dist
 
-    from cfp_megatron.profile.collectives import CPU_SIZES, GPU_SIZES, CollectiveBench, GroupPattern, repeats_for
-    from cfp_megatron.profile.control import timed
-    from cfp_megatron.profile.fit import fit_collective
+    import torch.distributed as dist
 
     on_gpu = torch.cuda.is_available()
     sizes = (GPU_SIZES[0], GPU_SIZES[3], GPU_SIZES[6]) if on_gpu else (CPU_SIZES[0], CPU_SIZES[3], CPU_SIZES[5])
@@ -332,13 +340,8 @@ def live_cluster(world: int, local_world: int) -> tuple[ClusterSpec, Measurement
     """This machine as a :class:`ClusterSpec` (its GPU's memory, or none on CPU), the collective measurements for
     the world group and where they came from (module docstring, step 4). Every rank calls this; rank 0's answer is
     the one used."""
-    import torch.distributed as dist
 
-    from cfp_megatron.config import Backend
-    from cfp_megatron.profile.cluster import measured_cluster
-    from cfp_megatron.profile.db import load_db
-    from cfp_megatron.profile.fingerprint import current_fingerprint
-    from cfp_megatron.runtime.distributed import resolve_backend
+    import torch.distributed as dist
 
     per_node = max(min(local_world, world), 1)
     nodes = max(world // per_node, 1)
@@ -360,8 +363,6 @@ def live_cluster(world: int, local_world: int) -> tuple[ClusterSpec, Measurement
     box = [usable]
     dist.broadcast_object_list(box, src=0)  # rank 0's answer decides whether every rank measures
     if box[0] and db is not None:
-        from cfp_megatron.profile.db import db_path
-
         return measured_cluster(spec, db, gpus_per_node=per_node), db, f"ProfileDB {db_path(db.fingerprint)}"
     began = time.perf_counter()
     fits = quick_collective_fits(world, span)

@@ -1,5 +1,5 @@
 """Plan the DeepSpeed config of a user's own model inside ``deepspeed.initialize`` (the hook of
-:mod:`cfp_megatron.model.deepspeed_hook`), instead of DeepSpeed's autotuner.
+:mod:`cfp_megatron.backends.deepspeed.hook`), instead of DeepSpeed's autotuner.
 
 What the user's config (a dict or a JSON path; read, never written) leaves as ``"auto"`` is planned:
 ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``, ``zero_optimization.stage`` and the devices of
@@ -34,14 +34,15 @@ How (every rank takes part; rank 0 searches and broadcasts, so every rank gets t
    at micro-batch 1 without offload, its optimizer section or torch's AdamW; monitors left out) and timed at 1, 2
    and 4 micro-batches of the example's first sample per step, in turn, the slowest rank's median of 5 rounds;
    then destroyed and its memory freed. The line through the points gives the engine's cost per step and per
-   micro-batch beyond the measured passes at micro-batch 1 (:attr:`~cfp_megatron.sim.zero.ZeroPasses.single_pass_s`).
-   Stages not reached within the budget keep the analytical terms. The user's model, its weights and the RNG
-   states are untouched: the engine ``deepspeed.initialize`` builds afterwards is the first around the model.
+   micro-batch beyond the measured passes at micro-batch 1
+   (:attr:`~cfp_megatron.backends.deepspeed.costs.ZeroPasses.single_pass_s`). Stages not reached within the budget keep
+   the analytical terms. The user's model, its weights and the RNG states are untouched: the engine
+   ``deepspeed.initialize`` builds afterwards is the first around the model.
 6. **Search.** Every stage x micro-batch x offload the pins leave (offload only on GPU ranks unless pinned), each
-   simulated by :func:`cfp_megatron.sim.zero.zero_step` (the ZeRO terms the ``backend=deepspeed`` path uses) with
-   the measured passes (:class:`~cfp_megatron.sim.zero.ZeroPasses`) and the stage's probe, which replaces the
-   analytical reduction, gather and optimizer terms; on GPUs plans over the device's memory less the headroom are
-   dropped; the fastest wins, ties broken by the canonical string.
+   simulated by :func:`cfp_megatron.backends.deepspeed.costs.zero_step` (the ZeRO terms the ``backend=deepspeed`` path
+   uses) with the measured passes (:class:`~cfp_megatron.backends.deepspeed.costs.ZeroPasses`) and the stage's probe,
+   which replaces the analytical reduction, gather and optimizer terms; on GPUs plans over the device's memory less the
+   headroom are dropped; the fastest wins, ties broken by the canonical string.
 
 Left out: micro-batches above 4 come from the fitted line; the passes run in the model's own dtype (a ``bf16``
 config with an fp32 model is timed in fp32, while its probes run in bf16); the probes are not cached (each
@@ -58,33 +59,33 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes
+from cfp_megatron.backends.deepspeed.costs import ZeroPasses, zero_step
 from cfp_megatron.backends.deepspeed.hook_config import HookRequest, filled_config
 from cfp_megatron.backends.deepspeed.hook_measure import (
     DEFAULT_PROBE_BUDGET_S,
-    MeasuredPasses,
     live_cluster,
     measure_passes,
     probe_engines,
 )
-from cfp_megatron.backends.deepspeed.search import (
-    ZeroKnobs,
-    ZeroSearchResult,
-    rank_zero_plans,
-    ranking_table,
-    zero_candidates,
-)
+from cfp_megatron.backends.deepspeed.search import rank_zero_plans, ranking_table, zero_candidates
 from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, write_json_file
+from cfp_megatron.base.config import ClusterSpec
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.cluster.measured import Measurements
-from cfp_megatron.config import ClusterSpec
-from cfp_megatron.errors import ConfigError, ConfigIssue
+from cfp_megatron.engine.distributed import searched_on_rank0
 from cfp_megatron.sim.pass_costs import collective_costs
 from cfp_megatron.sim.prediction import GIB
-from cfp_megatron.sim.zero import ZeroPasses, ZeroPredictionResult, zero_step
+
+if TYPE_CHECKING:
+    from cfp_megatron.backends.deepspeed.costs import ZeroPasses, ZeroPredictionResult
+    from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes
+    from cfp_megatron.backends.deepspeed.hook_measure import MeasuredPasses
+    from cfp_megatron.backends.deepspeed.search import ZeroKnobs, ZeroSearchResult
 
 MEMORY_HEADROOM = 0.1
 """Share of a GPU's memory left free (as ``cfp.constraints.memory_headroom``)."""
@@ -131,6 +132,7 @@ def hook_passes(measured: MeasuredPasses, plan: ZeroPlan, *, layers: int, fetche
     """The measured passes as the ZeRO terms read them for ``plan``: the fitted lines at its micro-batch, times its
     accumulation steps; no recomputation; one micro-batch of one sample as the engine probes' reference (module
     docstring)."""
+
     mb, steps = plan.micro_batch_size, plan.gradient_accumulation_steps
     (f0, f1), (b0, b1), (a0, a1) = measured.forward, measured.backward, measured.activations
     shard = plan.dp if plan.zero_stage >= 1 else 1
@@ -169,6 +171,7 @@ def search_hook(request: HookRequest, measured: MeasuredPasses, cluster: Cluster
     """Every plan the request's pins leave, simulated with the measured passes and, where ``probes`` has the
     plan's stage, the engine's measured costs, and ranked (module docstring, step 6). Pure: no process-group
     calls."""
+
     costs = collective_costs(cluster, measurements)
     world = request.world
     per_node = max(min(local_world, world), 1)
@@ -194,6 +197,7 @@ def probe_stage_list(request: HookRequest, measured: MeasuredPasses, cluster: Cl
                      layers: int, fetches: int, local_world: int, headroom: float = MEMORY_HEADROOM) -> tuple[int, ...]:
     """The ZeRO stages to probe (module docstring, step 5): the pinned stage, else every stage; on GPUs only those
     whose probe (micro-batch 1, no offload) the memory model fits within the device less ``headroom``. Pure."""
+
     pinned = request.pins.get("zero_stage")
     stages = (int(pinned),) if pinned is not None else (0, 1, 2, 3)
     if cluster.hbm_gib is None:
@@ -221,11 +225,9 @@ def _refuse_partitioned(model: torch.nn.Module) -> None:
 
 
 def _launch_env(request: HookRequest) -> Any:
-    """This rank's :class:`~cfp_megatron.runtime.launch_env.LaunchEnv` on the initialised process group, checked
+    """This rank's :class:`~cfp_megatron.base.launch_env.LaunchEnv` on the initialised process group, checked
     against the request's world size."""
     import torch.distributed as dist
-
-    from cfp_megatron.runtime.launch_env import LaunchEnv
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != request.world:
@@ -243,6 +245,7 @@ def _hook_probes(model: torch.nn.Module, example_input: Any, request: HookReques
                  console: Any) -> tuple[EngineProbes | None, float]:
     """The engine probes of rank 0's ``stages`` (module docstring, step 5; every rank calls this) and their
     seconds; none when ``budget_s`` is 0 or no stage is left. Rank 0 prints what it probed to ``console``."""
+
     import torch.distributed as dist
 
     if budget_s <= 0:
@@ -267,7 +270,6 @@ def plan_model(model: torch.nn.Module, example_input: Any, request: HookRequest,
     """Measure, probe the engine within ``probe_budget_s`` (0: not), search on rank 0, broadcast, fill the config
     (module docstring); every rank of the initialised process group calls this. Rank 0 prints the ranking to
     ``console`` and writes ``ds_config.json`` into ``output_dir`` when one is given (never over another file)."""
-    from cfp_megatron.runtime.launch_plan import searched_on_rank0
 
     began = time.perf_counter()
     _refuse_partitioned(model)

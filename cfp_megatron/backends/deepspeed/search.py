@@ -1,11 +1,12 @@
 """Search the DeepSpeed space: ZeRO stage x micro-batch x activation checkpointing x optimizer offload x parameter
-offload, every candidate simulated (:func:`cfp_megatron.sim.zero.simulate_zero`); the space is small (a few hundred
-plans), so the search is exhaustive and exact. Pins come from the ``backend`` group (``backend.zero_stage=2``, or
-concrete values in ``backend.config_file``) and ``cfp.micro_batch``; ``cfp.constraints.micro_batch`` limits the
-micro-batch sizes and ``cfp.constraints.memory_headroom`` the memory. Offload is tried on GPU clusters only (on CPU
-ranks host and device memory are one) unless pinned. Ties break by the canonical string, so every rank and every run
-gets the same plan. The enumeration (:func:`zero_candidates`) and the ranking (:func:`rank_zero_plans`) are shared with
-the ``deepspeed.initialize`` hook's search over measured passes (:mod:`cfp_megatron.backends.deepspeed.hook_plan`)."""
+offload, every candidate simulated (:func:`cfp_megatron.backends.deepspeed.costs.simulate_zero`); the space is small (a
+few hundred plans), so the search is exhaustive and exact. Pins come from the ``backend`` group
+(``backend.zero_stage=2``, or concrete values in ``backend.config_file``) and ``cfp.micro_batch``;
+``cfp.constraints.micro_batch`` limits the micro-batch sizes and ``cfp.constraints.memory_headroom`` the memory.
+Offload is tried on GPU clusters only (on CPU ranks host and device memory are one) unless pinned. Ties break by the
+canonical string, so every rank and every run gets the same plan. The enumeration (:func:`zero_candidates`) and the
+ranking (:func:`rank_zero_plans`) are shared with the ``deepspeed.initialize`` hook's search over measured passes
+(:mod:`cfp_megatron.backends.deepspeed.hook_plan`)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,24 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes
-from cfp_megatron.backends.deepspeed.spec import BackendSpec
+from cfp_megatron.backends.deepspeed.costs import ZERO_SIM_OPTIONS, simulate_zero
 from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, ZeroPrediction, model_job
+from cfp_megatron.base.backend_spec import BackendSpec
+from cfp_megatron.base.cfp_spec import CfpSpec
+from cfp_megatron.base.config import JobSpec, resolve_precision
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.cluster.measured import Measurements
-from cfp_megatron.config import JobSpec, resolve_precision
-from cfp_megatron.errors import ConfigError, ConfigIssue
-from cfp_megatron.search.spec import CfpSpec
+from cfp_megatron.sim.kernels import target_peak_tflops
 from cfp_megatron.sim.pass_costs import CostCache
 from cfp_megatron.sim.prediction import GIB
-from cfp_megatron.sim.zero import ZERO_SIM_OPTIONS, ZeroPredictionResult, simulate_zero
+
+if TYPE_CHECKING:
+    from cfp_megatron.backends.deepspeed.costs import ZeroPredictionResult
+    from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes
 
 ZeroKnobs = tuple[int, int, bool, bool, bool]
 """One candidate's knobs: ZeRO stage, micro-batch, activation checkpointing, optimizer offload, parameter offload."""
@@ -69,6 +74,7 @@ def search_zero(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *,
                 on_gpu: bool = False) -> ZeroSearchResult:
     """The top ``cfp.top_k`` DeepSpeed plans for ``job`` on ``world`` ranks (module docstring), with the engine's
     measured costs where ``probes`` has them. Raises a :class:`ConfigError` naming the pins when nothing is left."""
+
     pins = backend.pins()
     if cfp.micro_batch is not None:
         if "micro_batch" in pins and pins["micro_batch"] != cfp.micro_batch:
@@ -109,8 +115,6 @@ def search_zero(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *,
             cache.append(CostCache.for_job(model_job(plan, job), measurements, ZERO_SIM_OPTIONS))
         return simulate_zero(job, plan, measurements, cache=cache[0], probes=probes)
 
-    from cfp_megatron.search.report import target_peak_tflops
-
     return rank_zero_plans(candidates, plan_of, evaluate, hbm_gib=job.cluster.hbm_gib,
                            headroom=cfp.constraints.memory_headroom, peak_tflops=target_peak_tflops(job),
                            top_k=cfp.top_k, rejected=rejected, subject=f"{job.model.name} on {world} ranks",
@@ -120,7 +124,7 @@ def search_zero(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *,
 def zero_candidates(pins: dict[str, Any], micro: list[int], *, on_cpu: bool,
                     offload_pins: str) -> tuple[list[ZeroKnobs], list[tuple[str, str]]]:
     """Every (stage, micro-batch, checkpointing, optimizer offload, parameter offload) the ``pins`` (keys of
-    :data:`~cfp_megatron.backends.deepspeed.spec.PLANNED_KEYS`) and the ``micro`` sizes leave, in a fixed order;
+    :data:`~cfp_megatron.base.backend_spec.PLANNED_KEYS`) and the ``micro`` sizes leave, in a fixed order;
     and what was left out, with why. Offload is left out on CPU ranks unless pinned (``offload_pins`` names the
     settings that pin it)."""
     offload_choices = [False] if on_cpu else [False, True]

@@ -21,11 +21,17 @@ import torch
 import torch.distributed as dist
 
 from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, model_job
-from cfp_megatron.config import JobSpec, Precision
-from cfp_megatron.parallel_dims import ParallelDims
-from cfp_megatron.runtime.launch_env import LaunchEnv
-from cfp_megatron.runtime.plan_check import PlanCheck
-from cfp_megatron.runtime.trainer import MetricsLog, StepMetrics, _check_plan
+from cfp_megatron.base.config import JobSpec, Precision
+from cfp_megatron.base.flops import training_flops_per_token
+from cfp_megatron.base.launch_env import LaunchEnv
+from cfp_megatron.base.parallel_dims import ParallelDims
+from cfp_megatron.data.batches import build_micro_batches
+from cfp_megatron.engine.init import layout_independent_init
+from cfp_megatron.engine.metrics import MetricsLog, StepMetrics
+from cfp_megatron.engine.model import build_model_chunks
+from cfp_megatron.engine.peak import peak_tflops
+from cfp_megatron.model.megatron_config import transformer_config
+from cfp_megatron.plan.check import PlanCheck, log_plan_check
 
 
 def import_deepspeed() -> Any:
@@ -41,8 +47,6 @@ def import_deepspeed() -> Any:
 def build_engine(job: JobSpec, plan: ZeroPlan, config: dict[str, Any], dims: ParallelDims) -> tuple[Any, Any]:
     """The model (Megatron-Core GPTModel) and the DeepSpeed engine around it. Process groups must exist."""
     deepspeed = import_deepspeed()
-    from cfp_megatron.runtime.init import layout_independent_init
-    from cfp_megatron.runtime.model import build_model_chunks, transformer_config
 
     on_gpu = torch.cuda.is_available()
     mjob = model_job(plan, job)
@@ -96,10 +100,6 @@ def run_training(job: JobSpec, plan: ZeroPlan, config: dict[str, Any], dims: Par
                  resume: bool = False) -> list[StepMetrics]:
     """Build the engine, resume from ``train.checkpoint_dir`` when asked, train to ``train.steps``, save; return
     rank 0's step metrics."""
-    from cfp_megatron.data.batches import build_micro_batches
-    from cfp_megatron.runtime.flops import training_flops_per_token
-    from cfp_megatron.runtime.peak import peak_tflops
-
     t = job.train
     log = MetricsLog(metrics_path, enabled=env.rank == 0)
     model, engine = build_engine(job, plan, config, dims)
@@ -138,7 +138,7 @@ def run_training(job: JobSpec, plan: ZeroPlan, config: dict[str, Any], dims: Par
         if step % t.log_interval == 0 or step == t.steps:
             log.step(m, t.steps)
         if check is not None and len(history) == check.after_steps:
-            _check_plan(check, history, log, job, env)
+            log_plan_check(check, history, log, job, env, backend=dist.get_backend())
         if t.checkpoint_dir and t.save_interval and step % t.save_interval == 0:
             _save(engine, t.checkpoint_dir, step, plan, log)
             last_saved = step

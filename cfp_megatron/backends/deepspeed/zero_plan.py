@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cfp_megatron.config import JobSpec, LRSchedule, OptimizerKind, Precision
-from cfp_megatron.files import write_new
+from cfp_megatron.base.config import JobSpec, LRSchedule, OptimizerKind, ParallelSpec, Precision, Recompute
+from cfp_megatron.base.files import write_new
 from cfp_megatron.plan.errors import PlanError
 
 ZERO_SCHEMA_VERSION = 1
@@ -280,8 +280,6 @@ def model_job(plan: ZeroPlan, job: JobSpec) -> JobSpec:
     """``job`` as the Megatron-Core model under ``plan`` is built and simulated: no model parallelism (DeepSpeed's
     data parallelism spans every rank), the plan's micro-batch and global batch, and full per-layer recomputation
     where the plan checkpoints activations."""
-    from cfp_megatron.config import ParallelSpec, Recompute
-
     parallel = ParallelSpec(recompute=Recompute.full if plan.activation_checkpointing else Recompute.none,
                             recompute_num_layers=1, distributed_optimizer=plan.zero_stage >= 1)
     train = dataclasses.replace(job.train, micro_batch_size=plan.micro_batch_size,

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from cfp_megatron.config import Backend, JobSpec
-from cfp_megatron.parallel_dims import ParallelDims
-from cfp_megatron.runtime.launch_env import LaunchEnv
+from cfp_megatron.base.config import Backend, JobSpec
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.launch_env import LaunchEnv
+from cfp_megatron.base.parallel_dims import ParallelDims
 
 
 def resolve_backend(backend: Backend) -> str:
@@ -89,3 +92,23 @@ def destroy_distributed() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def searched_on_rank0(search: Any, outcome: Any, env: LaunchEnv, console: Any) -> dict[str, Any]:
+    """Say how profiling went and run ``search`` (returning a JSON-ready payload) on rank 0, then give its payload
+    to every rank; a :class:`ConfigError` on rank 0 is raised on every rank."""
+    payload: dict[str, Any] | None = None
+    if env.rank == 0:
+        if console is not None:
+            state = "reused the ProfileDB" if outcome.reused else f"profiled in {outcome.wall_s:.1f} s"
+            console.print(f"cfp: {state} ({outcome.path})", markup=False)
+        try:
+            payload = search()
+        except ConfigError as err:
+            payload = {"error": [dataclasses.asdict(i) for i in err.issues]}
+    box = [payload]
+    dist.broadcast_object_list(box, src=0)
+    received: dict[str, Any] = box[0] or {}
+    if "error" in received:
+        raise ConfigError([ConfigIssue(**i) for i in received["error"]])
+    return received

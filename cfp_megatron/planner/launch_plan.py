@@ -1,8 +1,8 @@
 """The plan a training launch runs with (``launch/train.py +cfp=auto`` or ``+cfp=manual``).
 
 ``auto``: before any process group, the pins and sets are checked against the model and the world size (a
-contradiction is a :class:`~cfp_megatron.errors.ConfigError` naming the ``cfp`` keys); then every rank takes part in
-the profiling rounds (:func:`cfp_megatron.profile.runner.profile_job`, which reuses what the ProfileDB of this
+contradiction is a :class:`~cfp_megatron.base.errors.ConfigError` naming the ``cfp`` keys); then every rank takes part
+in the profiling rounds (:func:`cfp_megatron.profile.runner.profile_job`, which reuses what the ProfileDB of this
 cluster already holds), rank 0 searches with the measurements (:func:`cfp_megatron.search.search.search`) and
 broadcasts plan.json's content (canonical string, hash and fields), and every rank rebuilds the plan from the fields
 and checks that they give rank 0's string and hash. The plan is
@@ -21,11 +21,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cfp_megatron.config import JobSpec
-from cfp_megatron.errors import ConfigError, ConfigIssue
-from cfp_megatron.plan import Plan, PlanError, load_plan, save_plan
-from cfp_megatron.runtime.launch_env import LaunchEnv
-from cfp_megatron.search.spec import CfpMode, CfpSpec
+from cfp_megatron.base.cfp_spec import CfpMode, CfpSpec
+from cfp_megatron.base.config import JobSpec
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.jsonio import json_plain
+from cfp_megatron.base.launch_env import LaunchEnv
+from cfp_megatron.base.parallel_dims import transformer_engine_available
+from cfp_megatron.plan import Plan, PlanError, PlanPrediction, load_plan, save_plan
+from cfp_megatron.planner.plan_cli import inputs_fingerprint
+from cfp_megatron.profile.cluster import local_measurements
+from cfp_megatron.search.search import search
+from cfp_megatron.search.space import build_space
+from cfp_megatron.sim.kernels import target_peak_tflops
 
 PLAN_DIR = "cfp"
 """Folder of the run directory that holds the plans of its launches."""
@@ -54,8 +61,6 @@ def plan_key(job: JobSpec, world: int, cfp: CfpSpec) -> str:
     """What a launch's plan depends on: the model and cluster specs, the global batch, sequence length, precision
     and optimizer, the world size and the planner's settings (not the parallel section, which the plan replaces,
     nor the steps, learning rate, checkpoint and log settings)."""
-    from cfp_megatron.model.cache import json_plain
-
     t = job.train
     train = {"global_batch_size": t.global_batch_size, "seq_length": t.seq_length, "precision": t.precision.value,
              "optimizer": t.optimizer.value}  # what the plan depends on; steps, LR, checkpoints and logs do not
@@ -68,9 +73,6 @@ def plan_key(job: JobSpec, world: int, cfp: CfpSpec) -> str:
 def check_constraints(job: JobSpec, world: int, cfp: CfpSpec) -> None:
     """Raise a :class:`ConfigError` naming the ``cfp`` keys when the pins and sets leave no layout for ``job`` on
     ``world`` ranks (before any process group or profiling)."""
-    from cfp_megatron.parallel_dims import transformer_engine_available
-    from cfp_megatron.search.space import build_space
-
     space = build_space(job, world, cfp, te_available=transformer_engine_available())
     if space.families:
         return
@@ -134,9 +136,8 @@ def _apply(plan: Plan, job: JobSpec, world: int) -> JobSpec:
 
 def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv,
                         console: Any) -> tuple[Plan, tuple[str, ...], float]:
-
+    from cfp_megatron.engine.distributed import destroy_distributed, searched_on_rank0
     from cfp_megatron.profile.runner import profile_job
-    from cfp_megatron.runtime.distributed import destroy_distributed
 
     outcome = profile_job(job, env, budget_s=cfp.profile_budget_s, keep_group=True)
     try:
@@ -153,34 +154,7 @@ def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv,
         destroy_distributed()
 
 
-def searched_on_rank0(search: Any, outcome: Any, env: LaunchEnv, console: Any) -> dict[str, Any]:
-    """Say how profiling went and run ``search`` (returning a JSON-ready payload) on rank 0, then give its payload
-    to every rank; a :class:`ConfigError` on rank 0 is raised on every rank."""
-    import torch.distributed as dist
-
-    payload: dict[str, Any] | None = None
-    if env.rank == 0:
-        if console is not None:
-            state = "reused the ProfileDB" if outcome.reused else f"profiled in {outcome.wall_s:.1f} s"
-            console.print(f"cfp: {state} ({outcome.path})", markup=False)
-        try:
-            payload = search()
-        except ConfigError as err:
-            payload = {"error": [dataclasses.asdict(i) for i in err.issues]}
-    box = [payload]
-    dist.broadcast_object_list(box, src=0)
-    received: dict[str, Any] = box[0] or {}
-    if "error" in received:
-        raise ConfigError([ConfigIssue(**i) for i in received["error"]])
-    return received
-
-
 def _search_on_rank0(job: JobSpec, cfp: CfpSpec, world: int) -> tuple[Plan, tuple[str, ...], float]:
-    from cfp_megatron.profile.cluster import local_measurements
-    from cfp_megatron.search.cli import inputs_fingerprint
-    from cfp_megatron.search.report import plan_prediction, target_peak_tflops
-    from cfp_megatron.search.search import search
-
     cluster, measurements = local_measurements(job, world_size=world)
     planned = dataclasses.replace(job, cluster=cluster)
     result = search(planned, world, cfp, measurements=measurements)
@@ -191,7 +165,7 @@ def _search_on_rank0(job: JobSpec, cfp: CfpSpec, world: int) -> tuple[Plan, tupl
     key = measurements.fingerprint.key if measurements is not None else None
     # The plan carries the job's own cluster preset (the measured figures are inputs, kept in the fingerprint).
     plan = Plan.from_job(dataclasses.replace(best.job, cluster=job.cluster), world_size=world,
-                         prediction=plan_prediction(best.prediction, target_peak_tflops(planned)),
+                         prediction=PlanPrediction.of(best.prediction, target_peak_tflops(planned)),
                          inputs_fingerprint=inputs_fingerprint(planned, key))
     ranked = tuple(f"{r.candidate.describe(world)}: {r.prediction.step_time_s * scale * 1e3:.1f} ms, "
                    f"{r.prediction.memory.total / 2**30:.3f} GiB" for r in result.ranked)

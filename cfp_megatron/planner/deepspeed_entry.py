@@ -23,12 +23,16 @@ from typing import Any
 
 from rich.console import Console
 
-from cfp_megatron.backends.deepspeed.spec import BackendSpec
 from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, ds_config, write_json_file
-from cfp_megatron.config import JobSpec, ParallelSpec, resolve_precision
-from cfp_megatron.errors import ConfigError, ConfigIssue
-from cfp_megatron.runtime.launch_env import LaunchEnv
-from cfp_megatron.search.spec import CfpMode, CfpSpec
+from cfp_megatron.base.backend_spec import BackendSpec
+from cfp_megatron.base.cfp_spec import CfpMode, CfpSpec, cfp_from_config
+from cfp_megatron.base.config import JobSpec, ParallelSpec, job_from_config, resolve_precision
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.launch_env import LaunchEnv
+from cfp_megatron.base.parallel_dims import ParallelDims
+from cfp_megatron.plan import PlanError
+from cfp_megatron.planner.deepspeed_launch import planned
+from cfp_megatron.planner.job_checks import hydra_run_dir, validate_rest
 
 _MODEL_PARALLEL = ("tp", "pp", "cp", "ep")
 
@@ -71,8 +75,6 @@ def manual_plan(job: JobSpec, backend: BackendSpec, world: int, *, on_gpu: bool)
 
 
 def _plan_or_config_error(build: Any, key: str) -> ZeroPlan:
-    from cfp_megatron.plan import PlanError
-
     try:
         return build()
     except PlanError as err:
@@ -85,13 +87,12 @@ def _plan_or_config_error(build: Any, key: str) -> ZeroPlan:
 
 def train_from_config(cfg: Any, backend: BackendSpec) -> list:
     """Validate, plan (see the module docstring), write ds_config.json, train; rank 0's step metrics."""
+
     import torch
 
+    from cfp_megatron.backends.deepspeed.trainer import run_training
     from cfp_megatron.compat.cpu import install_if_needed
-    from cfp_megatron.config import job_from_config
-    from cfp_megatron.parallel_dims import ParallelDims
-    from cfp_megatron.runtime.entry import hydra_run_dir, validate_rest
-    from cfp_megatron.search.spec import cfp_from_config
+    from cfp_megatron.engine.distributed import destroy_distributed, init_distributed
 
     env = LaunchEnv.read()
     job = job_from_config(cfg)
@@ -105,8 +106,6 @@ def train_from_config(cfg: Any, backend: BackendSpec) -> list:
     install_if_needed()
     check = None
     if cfp.mode is CfpMode.auto:
-        from cfp_megatron.backends.deepspeed.launch import planned
-
         plan, check = planned(job, cfp, backend, env, console, on_gpu=on_gpu)
     elif cfp.mode is CfpMode.manual and (cfp.plan or cfp.plan_file):
         plan = _plan_or_config_error(
@@ -128,8 +127,6 @@ def train_from_config(cfg: Any, backend: BackendSpec) -> list:
         if console is not None:
             console.print(f"cfp: DeepSpeed plan {plan.describe()} ({plan.canonical()}); config {written}",
                           markup=False)
-    from cfp_megatron.backends.deepspeed.trainer import run_training
-    from cfp_megatron.runtime.distributed import destroy_distributed, init_distributed
 
     dims = ParallelDims.build(dataclasses.replace(job, parallel=ParallelSpec()), env.world_size)
     metrics = job.train.metrics_file

@@ -2,7 +2,7 @@
 
 :meth:`ParallelDims.build` checks everything that involves more than one config group (world size against the
 parallel sizes, heads against TP, layers against PP x VPP, experts against EP, batch against DP, sequence against
-CP/SP, options that do not go together) and raises one :class:`~cfp_megatron.errors.ConfigError` listing every
+CP/SP, options that do not go together) and raises one :class:`~cfp_megatron.base.errors.ConfigError` listing every
 problem. It is pure: it runs before any process group exists.
 """
 
@@ -12,7 +12,7 @@ import importlib.util
 import math
 from dataclasses import dataclass
 
-from cfp_megatron.config import (
+from cfp_megatron.base.config import (
     AttentionKind,
     JobSpec,
     MlpPartition,
@@ -21,8 +21,8 @@ from cfp_megatron.config import (
     Recompute,
     primepar_grid_side,
 )
-from cfp_megatron.errors import ConfigError, ConfigIssue
-from cfp_megatron.pipeline_split import split_issues, stage_counts
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.pipeline_split import split_issues, stage_counts
 
 
 def transformer_engine_available() -> bool:
@@ -33,7 +33,7 @@ def transformer_engine_available() -> bool:
 def primepar_misfits(model: ModelSpec, tp: int, tokens: int) -> list[tuple[str, str]]:
     """(problem, fix) for each way ``model`` does not fit PrimePar's MLP on a grid of ``tp`` ranks with ``tokens``
     tokens per micro-batch (the grid splits tokens, hidden and FFN sizes by its side); the grid itself is checked by
-    :class:`~cfp_megatron.config.ParallelSpec` (a ``tp`` that is not 4^k gives no more problems here)."""
+    :class:`~cfp_megatron.base.config.ParallelSpec` (a ``tp`` that is not 4^k gives no more problems here)."""
     side = primepar_grid_side(tp)
     if side is None:
         return []

@@ -22,7 +22,17 @@ from pathlib import Path
 
 from rich.console import Console
 
-from cfp_megatron.errors import CfpError
+from cfp_megatron.base.cfp_spec import cfp_from_config
+from cfp_megatron.base.compose import compose_config
+from cfp_megatron.base.config import job_from_config
+from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
+from cfp_megatron.base.jsonio import json_plain
+from cfp_megatron.plan import Plan, PlanPrediction, deepspeed_config, megatron_lm_args, save_plan, torchrun_command
+from cfp_megatron.plan.errors import PlanError
+from cfp_megatron.planner.report import print_result
+from cfp_megatron.profile.cluster import local_measurements
+from cfp_megatron.search.search import search
+from cfp_megatron.sim.kernels import target_peak_tflops
 
 SEQ_CAP = 8192
 """Longest sequence planned when ``train.seq_length`` is not given (the pre-training context of today's LLMs)."""
@@ -30,8 +40,6 @@ SEQ_CAP = 8192
 
 def inputs_fingerprint(job: object, measurements_key: str | None) -> str:
     """A hash of what a plan was computed from: the model, cluster and training specs and the measurements used."""
-    from cfp_megatron.model.cache import json_plain
-
     payload = {"model": json_plain(job.model), "cluster": json_plain(job.cluster), "train": json_plain(job.train),
                "measurements": measurements_key or "presets"}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -53,14 +61,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
-    from cfp_megatron.config import compose_config, job_from_config
-    from cfp_megatron.errors import ConfigError, ConfigIssue
-    from cfp_megatron.plan import Plan, deepspeed_config, megatron_lm_args, save_plan, torchrun_command
-    from cfp_megatron.plan.errors import PlanError
-    from cfp_megatron.search.report import plan_prediction, print_result, target_peak_tflops
-    from cfp_megatron.search.search import search
-    from cfp_megatron.search.spec import cfp_from_config
-
     overrides = list(args.overrides)
     if not any(o.lstrip("+").startswith("cfp=") for o in overrides):
         overrides.insert(0, "+cfp=auto")
@@ -79,8 +79,6 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                                       "GPUs a node has.", fix="pass --world N, or set cluster.gpus_per_node."))
     measurements, cluster, key = None, c, None
     if c.gpus_per_node is None or c.name == "local":
-        from cfp_megatron.profile.cluster import local_measurements
-
         cluster, measurements = local_measurements(job, world_size=world)
         key = measurements.fingerprint.key if measurements is not None else None
     job = dataclasses.replace(job, cluster=cluster)
@@ -91,7 +89,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     peak = target_peak_tflops(job)
     print_result(result, peak, console)
     best = result.best
-    plan = Plan.from_job(best.job, world_size=world, prediction=plan_prediction(best.prediction, peak),
+    plan = Plan.from_job(best.job, world_size=world, prediction=PlanPrediction.of(best.prediction, peak),
                          inputs_fingerprint=inputs_fingerprint(job, key))
     out = Path(args.out or "outputs/plans") / f"{job.model.name}-{plan.plan_hash()}"
     target = Path(cfp.plan_file) if cfp.plan_file else out / "plan.json"

@@ -80,7 +80,7 @@ def _fp32_main_params(optimizer: Any) -> list[torch.Tensor]:
     return found
 
 
-def _tracker() -> Any:
+def tensor_tracker() -> Any:
     import weakref
 
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -164,7 +164,7 @@ def measure_step(step: Callable[[], T], *, chunks: Iterable[torch.nn.Module], op
     registered as external so the peak includes them.
     """
     chunks = list(chunks)
-    tracker = _tracker()
+    tracker = tensor_tracker()
     tracker.track_external(*chunks, *_torch_optimizers(optimizer))
     tracker.track_external(*_grad_buffers(chunks))
     main_params = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()

@@ -24,8 +24,11 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from cfp_megatron.backends.deepspeed.hook_config import plan_request
 from cfp_megatron.backends.deepspeed.hook_measure import DEFAULT_PROBE_BUDGET_S
-from cfp_megatron.errors import ConfigError, ConfigIssue
+from cfp_megatron.backends.deepspeed.hook_plan import flops_per_token, plan_model
+from cfp_megatron.base.backend_spec import load_config
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.graph.opgraph import OpGraph
 from cfp_megatron.graph.record import record_step
 from cfp_megatron.model.capture import ModelCapture, _unique_names
@@ -150,22 +153,19 @@ def initialize(*, model: torch.nn.Module, example_input: Any, name: str | None =
     the collectives (or reads the ProfileDB), probes DeepSpeed's engine for each ZeRO stage it may choose around a
     deep copy of the model within ``probe_budget_s`` seconds (0: no probes; the stages not reached keep the
     analytical ZeRO terms), simulates every ZeRO stage x micro-batch x offload the config's
-    concrete values leave with :func:`cfp_megatron.sim.zero.zero_step`, and hands DeepSpeed the fastest plan's
-    config (rank 0 plans and broadcasts; the plan is attached as ``model.cfp_plan``, and written as
+    concrete values leave with :func:`cfp_megatron.backends.deepspeed.costs.zero_step`, and hands DeepSpeed the fastest
+    plan's config (rank 0 plans and broadcasts; the plan is attached as ``model.cfp_plan``, and written as
     ``output_dir/ds_config.json`` on rank 0 when ``output_dir`` is given). Activation checkpointing is not planned
     (DeepSpeed cannot switch it on for a plain module). ``loss_fn`` maps the model's output to a scalar loss for the
     capture and the measurements (default: the sum of its first output). A config without ``"auto"`` passes through
     unplanned.
 
-    Raises a :class:`~cfp_megatron.errors.ConfigError` naming the key, its value and the fix for a config that
+    Raises a :class:`~cfp_megatron.base.errors.ConfigError` naming the key, its value and the fix for a config that
     cannot be planned or a bad ``probe_budget_s`` (checked before the capture and before any engine),
     :class:`DeepSpeedUnavailable` after capturing when DeepSpeed is not installed, and an
     :class:`~cfp_megatron.backends.deepspeed.hook_measure.EngineProbeError` when the model cannot be copied or its
     probe engine cannot be built.
     """
-    from cfp_megatron.backends.deepspeed.hook_config import plan_request
-    from cfp_megatron.backends.deepspeed.spec import load_config
-
     raw = kwargs.get("config", kwargs.get("config_params"))
     args = kwargs.get("args")
     if raw is None and getattr(args, "deepspeed_config", None) is not None:
@@ -191,8 +191,6 @@ def initialize(*, model: torch.nn.Module, example_input: Any, name: str | None =
         return deepspeed.initialize(model=model, **kwargs)
     from deepspeed import comm
     from deepspeed.accelerator import get_accelerator
-
-    from cfp_megatron.backends.deepspeed.hook_plan import flops_per_token, plan_model
 
     # as deepspeed.initialize itself starts the process group (a no-op when it is up)
     comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),

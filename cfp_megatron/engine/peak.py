@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from cfp_megatron.config import ClusterSpec, Precision
+from cfp_megatron.base.config import ClusterSpec, Precision
 
 
 def measure_matmul_tflops(dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.3) -> float:

@@ -51,3 +51,13 @@ def write_new(path: str | os.PathLike[str], text: str) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return target
+
+
+CACHE_ENV = "CFP_CACHE_DIR"
+"""Environment variable overriding the cache root."""
+
+
+def cache_dir() -> Path:
+    """The cache root; each kind of entry has a section folder in it (``capture/``, ``analysis/``)."""
+    root = os.environ.get(CACHE_ENV)
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "cfp-megatron"

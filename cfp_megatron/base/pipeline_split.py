@@ -15,11 +15,11 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cfp_megatron.config import MlpPartition, RecomputeMethod
-from cfp_megatron.errors import ConfigIssue
+from cfp_megatron.base.config import MlpPartition, RecomputeMethod
+from cfp_megatron.base.errors import ConfigIssue
 
 if TYPE_CHECKING:
-    from cfp_megatron.config import JobSpec, ParallelSpec
+    from cfp_megatron.base.config import JobSpec, ParallelSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +64,7 @@ def split_issues(num_layers: int, pp: int, vpp: int, first: int | None, last: in
                  prefix: str = "parallel") -> list[ConfigIssue]:
     """What is wrong with splitting ``num_layers`` layers over ``pp`` stages of ``vpp`` chunks with ``first`` /
     ``last`` layers on the first / last stage (``None`` = like the others); Megatron-Core's own checks, as
-    :class:`~cfp_megatron.errors.ConfigIssue` values naming the setting and the fix."""
+    :class:`~cfp_megatron.base.errors.ConfigIssue` values naming the setting and the fix."""
     issues: list[ConfigIssue] = []
     if first is None and last is None:
         if num_layers % (pp * vpp):

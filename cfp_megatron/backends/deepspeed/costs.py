@@ -36,18 +36,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes, StageProbe
 from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, model_job
+from cfp_megatron.base.config import ClusterSpec, JobSpec
+from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective, Measurements
-from cfp_megatron.config import ClusterSpec, JobSpec
-from cfp_megatron.runtime.flops import training_flops_per_token
 from cfp_megatron.sim.layout import build_layout
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache
 from cfp_megatron.sim.prediction import GIB, MemoryBreakdown
 from cfp_megatron.sim.simulate import simulate
+
+if TYPE_CHECKING:
+    from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes, StageProbe
 
 HOST_LINK_GBPS = 25.0
 """Host-device copy bandwidth per GPU in GB/s where the cluster spec gives none (PCIe Gen4 x16, achieved)."""

@@ -7,25 +7,31 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes, load_probes, probe_path, run_probes
-from cfp_megatron.backends.deepspeed.spec import BackendSpec
+from cfp_megatron.backends.deepspeed.engine_probe import load_probes, probe_path, run_probes
+from cfp_megatron.backends.deepspeed.search import ranking_table, search_zero
 from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan
-from cfp_megatron.config import JobSpec
-from cfp_megatron.runtime.launch_env import LaunchEnv
-from cfp_megatron.runtime.plan_check import PlanCheck
-from cfp_megatron.search.spec import CfpSpec
+from cfp_megatron.base.backend_spec import BackendSpec
+from cfp_megatron.base.cfp_spec import CfpSpec
+from cfp_megatron.base.config import JobSpec, ParallelSpec
+from cfp_megatron.base.launch_env import LaunchEnv
+from cfp_megatron.base.parallel_dims import ParallelDims
+from cfp_megatron.plan.check import PlanCheck
+from cfp_megatron.profile.cluster import local_measurements
+from cfp_megatron.profile.fingerprint import model_key
+
+if TYPE_CHECKING:
+    from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes
+    from cfp_megatron.plan.check import PlanCheck
 
 
 def planned(job: JobSpec, cfp: CfpSpec, backend: BackendSpec, env: LaunchEnv, console: Any, *,
             on_gpu: bool) -> tuple[ZeroPlan, PlanCheck | None]:
     """The plan every rank trains with, and the check of its first steps (``cfp.check_after_steps``)."""
 
+    from cfp_megatron.engine.distributed import destroy_model_parallel_groups, searched_on_rank0
     from cfp_megatron.profile.runner import profile_job
-    from cfp_megatron.profile.segments import model_key
-    from cfp_megatron.runtime.distributed import destroy_model_parallel_groups
-    from cfp_megatron.runtime.launch_plan import searched_on_rank0
 
     began = time.perf_counter()
     outcome = profile_job(job, env, budget_s=cfp.profile_budget_s, keep_group=True)
@@ -56,12 +62,10 @@ def _engine_probes(job: JobSpec, env: LaunchEnv, fingerprint: str | None, consol
     """The DeepSpeed engine probes of this model on the cluster of ``fingerprint`` (rank 0's ProfileDB; ``None`` on
     the other ranks): stored ones, else measured now with every rank. Rank 0 decides and stores; only its answer
     is used (only rank 0 searches)."""
+
     import torch.distributed as dist
 
-    from cfp_megatron.config import ParallelSpec
-    from cfp_megatron.parallel_dims import ParallelDims
-    from cfp_megatron.profile.segments import model_key
-    from cfp_megatron.runtime.distributed import destroy_model_parallel_groups, init_distributed
+    from cfp_megatron.engine.distributed import destroy_model_parallel_groups, init_distributed
 
     key = model_key(job, on_gpu=on_gpu)
     world = env.world_size
@@ -91,9 +95,6 @@ def _engine_probes(job: JobSpec, env: LaunchEnv, fingerprint: str | None, consol
 
 def _search_on_rank0(job: JobSpec, cfp: CfpSpec, backend: BackendSpec, world: int, console: Any,
                      probes: EngineProbes | None, *, on_gpu: bool) -> dict[str, Any]:
-    from cfp_megatron.backends.deepspeed.search import ranking_table, search_zero
-    from cfp_megatron.profile.cluster import local_measurements
-
     cluster, measurements = local_measurements(job, world_size=world)
     started = time.perf_counter()
     result = search_zero(dataclasses.replace(job, cluster=cluster), world, cfp, backend, measurements=measurements,

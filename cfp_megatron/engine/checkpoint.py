@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from cfp_megatron.errors import CheckpointError
+from cfp_megatron.base.errors import CheckpointError
+from cfp_megatron.compat import optimizer as optimizer_compat
 
 LATEST = "latest_checkpointed_iteration.txt"
 """Name of the pointer file (as Megatron-LM names it)."""
@@ -166,8 +167,6 @@ def load(root: str, step: int, chunks: list[torch.nn.Module], optimizer: Any, sc
          heterogeneous: bool = False) -> dict[str, Any]:
     """Load the checkpoint at ``step`` into this rank's chunks, optimizer and scheduler; return its extra state.
     ``heterogeneous``: the model's layers are split differently (it reads per-layer checkpoints only)."""
-    from cfp_megatron.compat import optimizer as optimizer_compat
-
     optimizer_compat.install()
     folder = step_dir(Path(root), step)
     per_layer = saved_per_layer(folder)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cfp_megatron.config import Activation, AttentionKind, ModelSpec
+from cfp_megatron.base.config import Activation, AttentionKind, ModelSpec
 
 
 def attention_params(m: ModelSpec) -> int:

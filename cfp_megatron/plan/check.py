@@ -16,6 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cfp_megatron.base.config import JobSpec
+from cfp_megatron.base.errors import CfpError
+from cfp_megatron.base.launch_env import LaunchEnv
+from cfp_megatron.engine.metrics import MetricsLog, StepMetrics
+from cfp_megatron.profile.db import ProfileDB, load_db, store_db
+from cfp_megatron.profile.fingerprint import current_fingerprint
 from cfp_megatron.profile.records import PlanCheckRecord
 
 TOLERANCE = 0.10
@@ -29,7 +35,7 @@ class PlanCheck:
     plan: str
     """The plan's canonical string."""
     model_key: str
-    """The ProfileDB's key of the model (:func:`~cfp_megatron.profile.segments.model_key`)."""
+    """The ProfileDB's key of the model (:func:`~cfp_megatron.profile.fingerprint.model_key`)."""
     after_steps: int
     """Steps of this launch after which the comparison is made."""
     predicted_step_s: float
@@ -41,7 +47,7 @@ class PlanCheck:
 
 
 def compare(check: PlanCheck, history: Sequence[Any]) -> PlanCheckRecord | None:
-    """The comparison once ``history`` (this launch's :class:`~cfp_megatron.runtime.trainer.StepMetrics`) holds
+    """The comparison once ``history`` (this launch's :class:`~cfp_megatron.engine.metrics.StepMetrics`) holds
     ``check.after_steps`` steps; ``None`` before."""
     if len(history) < check.after_steps or check.after_steps < 1:
         return None
@@ -76,9 +82,33 @@ def warnings_for(record: PlanCheckRecord) -> list[str]:
 
 def store(record: PlanCheckRecord, *, world_size: int, nodes: int, backend: str) -> str:
     """Add ``record`` to this cluster's ProfileDB (created if the cluster was never profiled); return its path."""
-    from cfp_megatron.profile.db import ProfileDB, load_db, store_db
-    from cfp_megatron.profile.fingerprint import current_fingerprint
-
     fp = current_fingerprint(world_size=world_size, nodes=nodes, backend=backend)
     db = load_db(fp) or ProfileDB(fingerprint=fp)
     return str(store_db(db.merged(plan_checks=[record])))
+
+
+def log_plan_check(check: PlanCheck, history: list[StepMetrics], log: MetricsLog, job: JobSpec, env: LaunchEnv, *,
+                   backend: str) -> None:
+    """Log the plan check; rank 0 stores it in the ProfileDB of the cluster ``job`` runs on with the
+    torch.distributed ``backend`` (a failure to store is said, not raised)."""
+    if env.rank != 0:
+        return
+    record = compare(check, history)
+    if record is None:
+        return
+    diff = differences(record)
+    stored = None
+    try:
+        stored = store(record, world_size=env.world_size, nodes=job.cluster.nodes, backend=backend)
+    except (OSError, CfpError) as err:
+        log.event("warning", message=f"the plan check was not stored in the ProfileDB: {err}")
+    log.event("plan_check", steps=record.steps, predicted_step_s=round(record.predicted_step_s, 6),
+              calibration=round(record.calibration, 4),
+              measured_step_s=round(record.measured_step_s, 6), step_time_diff=round(diff["step_time"], 4),
+              predicted_peak_gib=None if record.predicted_peak_bytes is None
+              else round(record.predicted_peak_bytes / 2**30, 4),
+              measured_peak_gib=None if record.measured_peak_bytes is None
+              else round(record.measured_peak_bytes / 2**30, 4),
+              memory_diff=None if diff["memory"] is None else round(diff["memory"], 4), stored=stored)
+    for warning in warnings_for(record):
+        log.event("warning", message=warning)

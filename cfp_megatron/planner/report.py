@@ -6,44 +6,14 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from cfp_megatron.config import JobSpec, Precision
-from cfp_megatron.plan import PlanPrediction
 from cfp_megatron.search.search import Ranked, SearchResult
-from cfp_megatron.sim.kernels import compute_precision
-from cfp_megatron.sim.prediction import GIB, Prediction
+from cfp_megatron.sim.prediction import GIB, exposed_comm_s, mfu
 
 _KNOBS = (("tp", "TP"), ("sp", "sequence parallel"), ("pp", "PP"), ("vpp", "virtual stages"), ("cp", "CP"),
           ("first_stage_layers", "first stage layers (0: even)"), ("last_stage_layers", "last stage layers (0: even)"),
           ("ep", "EP"), ("etp", "expert TP"), ("micro_batch", "micro-batch"), ("recompute", "recompute"),
           ("recompute_layers", "block-recomputed layers per chunk"), ("mlp", "MLP partition"),
           ("primepar_layers", "PrimePar layers per chunk (0: all)"), ("distributed_optimizer", "distributed optimizer"))
-
-
-def mfu(prediction: Prediction, peak_tflops: float | None) -> float | None:
-    """Model FLOPs utilisation (share of the dense peak) of a prediction."""
-    if not peak_tflops:
-        return None
-    return prediction.model_tflops_per_gpu / peak_tflops
-
-
-def target_peak_tflops(job: JobSpec) -> float | None:
-    """The peak TFLOP/s of the job's cluster in the precision it trains in (a preset's, or what profiling measured;
-    never a benchmark of the planning machine)."""
-    c = job.cluster
-    return c.peak_tflops_fp32 if compute_precision(job.train.precision, c) is Precision.fp32 else c.peak_tflops_bf16
-
-
-def plan_prediction(prediction: Prediction, peak_tflops: float | None) -> PlanPrediction:
-    """What plan.json keeps of a prediction."""
-    return PlanPrediction(step_time_s=prediction.step_time_s, tokens_per_s_per_gpu=prediction.tokens_per_s_per_gpu,
-                          mfu=mfu(prediction, peak_tflops), peak_memory_gib=prediction.memory.total / GIB,
-                          bubble_fraction=prediction.bubble_fraction, exposed_comm_s=exposed_comm_s(prediction))
-
-
-def exposed_comm_s(prediction: Prediction) -> float:
-    """Communication the step waits for: TP/SP, CP, EP and FSDP inside the passes plus the exposed DP sync."""
-    t = prediction.time
-    return t.tp_comm_s + t.cp_comm_s + t.ep_comm_s + t.fsdp_comm_s + t.dp_comm_s
 
 
 def ranking_table(result: SearchResult, peak_tflops: float | None) -> Table:

@@ -11,8 +11,11 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from cfp_megatron.config import MlpPartition, Recompute, build_spec
-from cfp_megatron.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.config import MlpPartition, Recompute, build_spec
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
+
+DEFAULT_PROFILE_BUDGET_S = 60.0
+"""Seconds one profiling run may take (``cfp.profile_budget_s``, ``--budget``)."""
 
 
 class CfpMode(enum.Enum):
@@ -131,7 +134,7 @@ class CfpSpec:
     """auto: where ``plan.json`` is also written (an existing file is never overwritten); manual: the plan to apply."""
     plan: str | None = None
     """manual: a plan's canonical string to apply (``python -m cfp_megatron.plan`` prints it)."""
-    profile_budget_s: float = 60.0
+    profile_budget_s: float = DEFAULT_PROFILE_BUDGET_S
     """auto: seconds the profiling rounds at launch may take (all of them together)."""
     check_after_steps: int = 5
     """auto/manual with a plan: after this many steps, compare the measured step time and memory with the

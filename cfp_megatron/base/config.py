@@ -5,7 +5,7 @@ such nodes read-only), so :func:`register_configs` stores a mutable twin of :cla
 ConfigStore as the schema (``cfp_schema``); after composition :func:`job_from_config` turns the composed config
 into frozen specs, which runs every ``__post_init__`` check. Each check names the Hydra key, the value and the fix.
 Checks that need several groups at once (world size, heads vs TP, ...) live in
-:mod:`cfp_megatron.parallel_dims`.
+:mod:`cfp_megatron.base.parallel_dims`.
 """
 
 from __future__ import annotations
@@ -14,12 +14,10 @@ import dataclasses
 import enum
 import math
 import typing
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
-from cfp_megatron.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 
 
 class Precision(enum.Enum):
@@ -627,7 +625,7 @@ SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(JobSpec)[f.name] for 
 """Config groups and the spec each one builds."""
 
 
-def _mutable_twin(cls: type, cache: dict[type, type]) -> type:
+def mutable_twin(cls: type, cache: dict[type, type]) -> type:
     """A non-frozen copy of a (nested) frozen dataclass, used only as the Hydra schema."""
     if cls in cache:
         return cache[cls]
@@ -636,7 +634,7 @@ def _mutable_twin(cls: type, cache: dict[type, type]) -> type:
     for f in dataclasses.fields(cls):
         ftype = hints[f.name]
         if dataclasses.is_dataclass(ftype):
-            twin = _mutable_twin(ftype, cache)
+            twin = mutable_twin(ftype, cache)
             fields.append((f.name, twin, field(default_factory=twin)))
         elif f.default_factory is not dataclasses.MISSING:
             fields.append((f.name, ftype, field(default_factory=f.default_factory)))
@@ -647,35 +645,8 @@ def _mutable_twin(cls: type, cache: dict[type, type]) -> type:
     return twin
 
 
-JobSchema = _mutable_twin(JobSpec, {})
+JobSchema = mutable_twin(JobSpec, {})
 """Mutable twin of :class:`JobSpec`, stored in Hydra's ConfigStore as ``cfp_schema``."""
-
-
-def _root_schema() -> type:
-    """The schema of the whole composed config: :data:`JobSchema`'s groups plus the planner's optional ``cfp`` group
-    (``None`` unless a ``cfp`` option such as ``+cfp=auto`` is chosen)."""
-    from cfp_megatron.backends.deepspeed.spec import BackendSpec
-    from cfp_megatron.search.spec import CfpSpec
-
-    cfp = _mutable_twin(CfpSpec, {})
-    backend = _mutable_twin(BackendSpec, {})
-    extra = [(f.name, f.type, field(default_factory=f.default_factory)) for f in dataclasses.fields(JobSchema)]
-    return dataclasses.make_dataclass("CfpRootSchema", [*extra, ("cfp", cfp | None, field(default=None)),
-                                                        ("backend", backend, field(default_factory=backend))],
-                                      kw_only=True)
-
-
-def register_configs() -> None:
-    """Store the schema in Hydra's ConfigStore (``conf/config.yaml`` lists ``cfp_schema`` first in its defaults)
-    and register the ``cfp_run_id`` resolver used by ``hydra.run.dir``."""
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
-
-    from cfp_megatron.runtime.launch_env import run_id
-
-    ConfigStore.instance().store(name="cfp_schema", node=_root_schema())
-    if not OmegaConf.has_resolver("cfp_run_id"):
-        OmegaConf.register_new_resolver("cfp_run_id", run_id)
 
 
 def _to_plain(value: Any) -> Any:
@@ -745,22 +716,3 @@ def job_from_config(cfg: Any) -> JobSpec:
     if issues:
         raise ConfigError(issues)
     return JobSpec(**built)
-
-
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-"""The project's Hydra config folder."""
-
-
-def compose_config(overrides: Sequence[str]) -> Any:
-    """The project's Hydra config composed with ``overrides`` (an OmegaConf ``DictConfig``), as the command-line
-    tools (``analyze``, ``profile``, ``plan``) and the tests compose it."""
-    from hydra import compose, initialize_config_dir
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose("config", overrides=list(overrides))
-
-
-def compose_job(overrides: Sequence[str]) -> JobSpec:
-    """The job of :func:`compose_config`."""
-    return job_from_config(compose_config(overrides))

@@ -8,81 +8,37 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from cfp_megatron.config import AttentionKind, DataKind, JobSpec, job_from_config
-from cfp_megatron.errors import CfpError, ConfigError, ConfigIssue
-from cfp_megatron.parallel_dims import ParallelDims, transformer_engine_available
-from cfp_megatron.runtime.launch_env import LaunchEnv
+from cfp_megatron.base.backend_spec import backend_from_config
+from cfp_megatron.base.cfp_spec import CfpMode, cfp_from_config
+from cfp_megatron.base.config import JobSpec, job_from_config
+from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
+from cfp_megatron.base.launch_env import LaunchEnv
+from cfp_megatron.base.parallel_dims import transformer_engine_available
+from cfp_megatron.compat import moe
+from cfp_megatron.plan.check import PlanCheck
+from cfp_megatron.planner.deepspeed_entry import train_from_config as train_deepspeed
+from cfp_megatron.planner.job_checks import hydra_run_dir, validate_job, validate_rest
+from cfp_megatron.planner.launch_plan import resolve_launch_plan
+from cfp_megatron.profile.fingerprint import model_key
 
 if TYPE_CHECKING:
-    from cfp_megatron.runtime.launch_plan import LaunchPlan
-    from cfp_megatron.runtime.plan_check import PlanCheck
-    from cfp_megatron.search.spec import CfpSpec
-
-
-def hydra_run_dir() -> Path | None:
-    """The Hydra run directory when called inside a Hydra app."""
-    from hydra.core.hydra_config import HydraConfig
-
-    return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
-
-
-def validate_job(job: JobSpec, world_size: int) -> ParallelDims:
-    """Every check that needs no process group: the layout, and what :func:`validate_rest` checks.
-
-    Problems from both are raised together in one ConfigError.
-    """
-    issues: list[ConfigIssue] = []
-    dims: ParallelDims | None = None
-    try:
-        dims = ParallelDims.build(job, world_size)
-    except ConfigError as err:
-        issues.extend(err.issues)
-    issues += _rest_issues(job)
-    if issues or dims is None:
-        raise ConfigError(issues)
-    return dims
-
-
-def validate_rest(job: JobSpec) -> None:
-    """The checks of :func:`validate_job` that do not involve the layout (a planned run's layout comes later): the
-    attention kind against Transformer Engine, and the data files when data.kind=indexed."""
-    issues = _rest_issues(job)
-    if issues:
-        raise ConfigError(issues)
-
-
-def _rest_issues(job: JobSpec) -> list[ConfigIssue]:
-    issues: list[ConfigIssue] = []
-    if job.model.attention is AttentionKind.mla and not transformer_engine_available():
-        issues.append(ConfigIssue(
-            key="model.attention", value="mla",
-            problem="Megatron-Core's multi-latent attention runs only on Transformer Engine's DotProductAttention "
-                    "(its local attention has no separate key/value head sizes), and Transformer Engine is not "
-                    "installed.",
-            fix="install transformer-engine (GPU), or approximate MLA with multi-head attention: "
-                "model.attention=standard model.kv_channels=192."))
-    if job.data.kind is DataKind.indexed:
-        from cfp_megatron.data.indexed import validate_indexed
-
-        try:
-            validate_indexed(job)
-        except ConfigError as err:
-            issues.extend(err.issues)
-    return issues
+    from cfp_megatron.base.cfp_spec import CfpSpec
+    from cfp_megatron.plan.check import PlanCheck
+    from cfp_megatron.planner.launch_plan import LaunchPlan
 
 
 def train_from_config(cfg: Any) -> list:
     """Validate ``cfg`` completely before any process group exists, plan when the ``cfp`` group asks for it, then
     train; return rank 0's step metrics. ``backend=deepspeed`` hands the job to
-    :mod:`cfp_megatron.backends.deepspeed.entry`."""
-    from cfp_megatron.backends.deepspeed.spec import backend_from_config
-    from cfp_megatron.runtime import checkpoint
-    from cfp_megatron.search.spec import CfpMode, cfp_from_config
+    :mod:`cfp_megatron.planner.deepspeed_entry`."""
+
+    from cfp_megatron.backends.megatron.trainer import run_training
+    from cfp_megatron.compat.cpu import install_if_needed
+    from cfp_megatron.engine import checkpoint
+    from cfp_megatron.engine.distributed import destroy_distributed, init_distributed
 
     backend = backend_from_config(cfg)
     if backend.is_deepspeed:
-        from cfp_megatron.backends.deepspeed.entry import train_from_config as train_deepspeed
-
         return train_deepspeed(cfg, backend)
 
     env = LaunchEnv.read()
@@ -108,13 +64,9 @@ def train_from_config(cfg: Any) -> list:
     else:
         metrics_path = run_dir / "metrics.jsonl" if run_dir is not None else None
 
-    from cfp_megatron.compat import moe
-    from cfp_megatron.compat.cpu import install_if_needed
-
     install_if_needed()
     if job.model.is_moe and not transformer_engine_available():
         moe.install()
-    from cfp_megatron.runtime.launch_plan import resolve_launch_plan
 
     console = Console(highlight=False, soft_wrap=True) if env.rank == 0 else None
     launch = resolve_launch_plan(job, cfp, env, run_dir, console, optimizer_kind=saved_dopt)
@@ -125,8 +77,6 @@ def train_from_config(cfg: Any) -> list:
             _same_optimizer_kind("cfp.plan_file" if cfp.plan_file else "cfp.plan", job.parallel.distributed_optimizer,
                                  saved_dopt)
     dims = validate_job(job, env.world_size)
-    from cfp_megatron.runtime.distributed import destroy_distributed, init_distributed
-    from cfp_megatron.runtime.trainer import run_training
 
     init_distributed(job, dims, env)
     try:
@@ -151,12 +101,10 @@ def _same_optimizer_kind(key: str, value: bool, saved: bool) -> None:
 def _with_plan(launch: LaunchPlan, cfp: CfpSpec, console: Console | None) -> tuple[JobSpec, PlanCheck | None]:
     """The planned job (the memory measured on the checked step unless ``train.memory_step`` is set), the check of
     its first steps, and the plan said on rank 0."""
+
     import dataclasses
 
     import torch
-
-    from cfp_megatron.profile.segments import model_key
-    from cfp_megatron.runtime.plan_check import PlanCheck
 
     job, plan = launch.job, launch.plan
     if console is not None:

@@ -1,4 +1,5 @@
-"""Build Megatron-Core ``GPTModel`` chunks for a job: ``TransformerConfig``, layer specs, virtual pipeline chunks."""
+"""A job as Megatron-Core's ``TransformerConfig``: the model's shape, its parallel sizes, precision, recomputation,
+MoE and MLA settings, and the fusions this machine can run (used by capture on the meta device and by the engine)."""
 
 from __future__ import annotations
 
@@ -6,23 +7,18 @@ import importlib.util
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from cfp_megatron.config import (
+from cfp_megatron.base.config import (
     Activation,
     AttentionKind,
     JobSpec,
-    MlpPartition,
     Precision,
     Recompute,
     resolve_precision,
 )
-from cfp_megatron.layers.primepar_mlp import with_primepar_mlp
-from cfp_megatron.parallel_dims import ParallelDims, transformer_engine_available
+from cfp_megatron.base.parallel_dims import ParallelDims, transformer_engine_available
 
 
 def params_dtype(precision: Precision) -> torch.dtype:
@@ -117,38 +113,3 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         kwargs.pop("kv_channels")
         return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
-
-
-def build_model_chunks(job: JobSpec, config: TransformerConfig, dims: ParallelDims) -> list[GPTModel]:
-    """The GPTModel chunks this rank holds: one per virtual pipeline stage (``dims.vpp``)."""
-    m = job.model
-    use_te = transformer_engine_available() and torch.cuda.is_available()
-    chunks: list[GPTModel] = []
-    for vp_stage in range(dims.vpp):
-        vp = vp_stage if dims.vpp > 1 else None
-        layer_spec = get_gpt_decoder_block_spec(
-            config, use_transformer_engine=use_te, normalization=m.normalization.value, vp_stage=vp)
-        if job.parallel.mlp is MlpPartition.primepar:  # the dense MLP's fc1/fc2 on PrimePar's 2^k x 2^k square
-            layer_spec = with_primepar_mlp(layer_spec, job.parallel.primepar_layers)
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=layer_spec,
-            vocab_size=m.padded_vocab_size,
-            max_sequence_length=m.max_position_embeddings,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            share_embeddings_and_output_weights=m.tie_embeddings,
-            position_embedding_type=m.position_embedding.value,
-            rotary_base=int(m.rotary_base),
-            vp_stage=vp,
-        )
-        chunks.append(model)
-    if torch.cuda.is_available():
-        for model in chunks:
-            model.cuda(torch.cuda.current_device())
-    return chunks
-
-
-def count_parameters(chunks: list[torch.nn.Module]) -> int:
-    """Parameters held by this rank."""
-    return sum(p.numel() for c in chunks for p in c.parameters())

@@ -12,15 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from cfp_megatron.config import build_spec
-from cfp_megatron.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.config import build_spec
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 
 
 class BackendKind(enum.Enum):
     """The engine that trains."""
 
     megatron = "megatron"
-    """Megatron-Core's DDP, optimizer and pipeline schedules (:mod:`cfp_megatron.runtime.trainer`)."""
+    """Megatron-Core's DDP, optimizer and pipeline schedules (:mod:`cfp_megatron.backends.megatron.trainer`)."""
     deepspeed = "deepspeed"
     """``deepspeed.initialize`` with a planned ZeRO configuration (:mod:`cfp_megatron.backends.deepspeed.trainer`)."""
 

@@ -1,0 +1,156 @@
+"""One training step on Megatron-Core: the model chunks wrapped in Megatron DDP, its optimizer and LR schedule, the
+forward step and loss of the pipeline schedules, and one optimizer step (used by the trainer and the overheads
+probe)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import get_batch_on_this_cp_rank
+
+from cfp_megatron.base.config import JobSpec, Precision, resolve_precision
+from cfp_megatron.base.parallel_dims import ParallelDims
+from cfp_megatron.engine.init import layout_independent_init
+from cfp_megatron.engine.model import build_model_chunks
+from cfp_megatron.model.megatron_config import transformer_config
+
+
+@dataclass(kw_only=True)
+class TrainState:
+    """The live objects of a training run on this rank."""
+
+    job: JobSpec
+    """The validated job."""
+    dims: ParallelDims
+    """Its parallel layout."""
+    chunks: list[torch.nn.Module]
+    """Unwrapped GPTModel chunks (one per virtual stage)."""
+    ddp_chunks: list[DistributedDataParallel]
+    """The same chunks wrapped in Megatron DDP."""
+    optimizer: Any
+    """Megatron's optimizer (``MegatronOptimizer`` or ``ChainedOptimizer`` with MoE)."""
+    scheduler: OptimizerParamScheduler
+    """Learning-rate and weight-decay schedule."""
+    config: Any
+    """The ``TransformerConfig`` the chunks were built with (carries the schedule hooks)."""
+    step: int = 0
+    """Optimizer steps completed so far."""
+
+
+def build_training(job: JobSpec, dims: ParallelDims) -> TrainState:
+    """Model chunks, DDP, optimizer and LR schedule for this rank (process groups must exist)."""
+    on_gpu = torch.cuda.is_available()
+    precision = resolve_precision(job.train.precision, on_gpu)
+    config = transformer_config(job, dims, on_gpu=on_gpu)
+    chunks = build_model_chunks(job, config, dims)
+    if job.train.layout_independent_init:
+        layout_independent_init(chunks, config, job.train.seed)
+    p, t = job.parallel, job.train
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=p.grad_reduce_in_fp32,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather,
+        use_distributed_optimizer=p.distributed_optimizer,
+        # fp16 relies on the dynamic loss scaler, whose first scales overflow on purpose and skip their steps.
+        check_for_nan_in_grad=precision is not Precision.fp16,
+    )
+    # As Megatron-LM does: bf16/fp16 chunks run inside Float16Module, which casts the inputs of the first stage and
+    # the outputs of the last one.
+    compute = [Float16Module(config, c) if precision is not Precision.fp32 else c for c in chunks]
+    ddp_chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                          disable_bucketing=i > 0) for i, chunk in enumerate(compute)]
+    opt_config = OptimizerConfig(
+        optimizer=t.optimizer.value, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
+        bf16=precision is Precision.bf16, fp16=precision is Precision.fp16, params_dtype=config.params_dtype,
+        use_distributed_optimizer=p.distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, ddp_chunks)
+    decay = max(t.lr_decay_steps or t.steps, t.warmup_steps + 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if t.warmup_steps else t.lr, max_lr=t.lr, min_lr=t.min_lr,
+        lr_warmup_steps=t.warmup_steps, lr_decay_steps=decay, lr_decay_style=t.lr_schedule.value,
+        start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=decay, wd_incr_style="constant",
+    )
+    config.no_sync_func = [c.no_sync for c in ddp_chunks] if len(ddp_chunks) > 1 else ddp_chunks[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    if p.overlap_param_gather:
+        config.param_sync_func = [c.start_param_sync for c in ddp_chunks]
+        if len(ddp_chunks) == 1:
+            config.param_sync_func = config.param_sync_func[0]
+    return TrainState(job=job, dims=dims, chunks=chunks, ddp_chunks=ddp_chunks, optimizer=optimizer,
+                      scheduler=scheduler, config=config)
+
+
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Summed token loss of one micro-batch, its token count, and the (loss, tokens) pair to report."""
+    losses = output.float().reshape(-1)
+    mask = loss_mask.float().reshape(-1)
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss.detach(), mask.sum().detach()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple:
+    """Megatron's ``forward_step_func``: the next micro-batch through ``model`` (this CP rank's part of it)."""
+    batch = next(data_iterator)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    if parallel_state.get_context_parallel_world_size() > 1:
+        batch = get_batch_on_this_cp_rank(batch)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def reduce_loss(reports: list[dict], state: TrainState) -> float:
+    """Mean token loss over the global batch, known on every rank."""
+    total = torch.zeros(2, dtype=torch.float64)
+    contributes = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+                   and parallel_state.get_tensor_model_parallel_rank() == 0)
+    if contributes:
+        for r in reports:
+            total += r["lm loss"].detach().to("cpu", torch.float64)
+    if torch.cuda.is_available():
+        total = total.cuda()
+    dist.all_reduce(total)
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def train_step(state: TrainState, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float, float, bool]:
+    """One optimizer step over the given micro-batches; returns (loss, grad norm, learning rate, applied).
+
+    ``applied`` is False when fp16's loss scaler found an overflow and skipped the update.
+    """
+    job, dims = state.job, state.dims
+    for c in state.ddp_chunks:
+        c.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    iterators: Any = [iter(micro_batches) for _ in state.ddp_chunks]
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=state.ddp_chunks,
+        num_microbatches=dims.num_microbatches,
+        seq_length=job.train.seq_length,
+        micro_batch_size=job.train.micro_batch_size,
+        forward_only=False,
+    )
+    lr = state.optimizer.param_groups[0]["lr"]
+    applied, grad_norm, _ = state.optimizer.step()
+    if applied:  # as Megatron-LM: a step skipped by the loss scaler does not advance the schedule
+        state.scheduler.step(increment=1)
+    state.step += 1
+    return reduce_loss(reports, state), float(grad_norm or 0.0), float(lr), bool(applied)

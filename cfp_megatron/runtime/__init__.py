@@ -1,1 +1,0 @@
-"""Apply a parallel layout to Megatron-Core and train with it."""
