@@ -43,6 +43,7 @@ from pathlib import Path
 
 from cfp_megatron.base.config import JobSpec, job_from_config
 from cfp_megatron.base.errors import CfpError
+from cfp_megatron.base.parallel_dims import data_parallel_size
 from cfp_megatron.sim.calibration import generation
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.simulate import simulate
@@ -155,7 +156,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None) -> RowPlan:
     tp, pp, cp = _int(row, "tp", 1), _int(row, "pp", 1), _int(row, "cp", 1)
     if not row.get("tp", "").strip() or not row.get("pp", "").strip():
         raise RowError("the layout (tp, pp) is not stated")
-    dp = _int(row, "dp") or gpus // (tp * pp * cp)
+    dp = _int(row, "dp") or data_parallel_size(gpus, tp, cp, pp)
     if tp * pp * cp * dp != gpus:
         raise RowError(f"tp x pp x cp x dp = {tp}x{pp}x{cp}x{dp} does not multiply out to {gpus} GPUs")
     per_node = cluster["gpus_per_node"]

@@ -375,57 +375,86 @@ class ClusterSpec:
             raise ConfigError(issues)
 
 
+@dataclass(frozen=True)
+class LayoutKey:
+    """How one field of :class:`ParallelSpec` appears outside the config: in a plan's canonical string and in the
+    Megatron-LM arguments (the plan, its exports and the search read these, so a new field is declared once)."""
+
+    key: str
+    """Its key in the plan's canonical string."""
+    megatron: str | None
+    """Its Megatron-LM flag (a switch for a bool, else followed by the value); ``""``: rendered by
+    :func:`~cfp_megatron.plan.exports.megatron_lm_args` itself; ``None``: Megatron-LM has none (a value away from
+    the default cannot be exported)."""
+    head: bool
+    """Written before the derived data-parallel size and the batch in the canonical string (the parallel sizes)."""
+    none_means: int | None
+    """The size ``None`` stands for (``vpp``, ``etp``: 1); the canonical string writes it."""
+
+
+def layout_field(default: Any, *, key: str, megatron: str | None = "", head: bool = False,
+                 none_means: int | None = None) -> Any:
+    """A :class:`ParallelSpec` field with its :class:`LayoutKey` (``dataclasses.field`` metadata ``layout``)."""
+    return field(default=default, metadata={"layout": LayoutKey(key=key, megatron=megatron, head=head,
+                                                                 none_means=none_means)})
+
+
+def layout_keys() -> dict[str, LayoutKey]:
+    """ParallelSpec field name -> its :class:`LayoutKey`, in declaration order (the canonical string's order)."""
+    return {f.name: f.metadata["layout"] for f in dataclasses.fields(ParallelSpec)}
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelSpec:
     """How the model and batch are split across ranks (Hydra group ``parallel``). DP is what is left over."""
 
     PREFIX: ClassVar[str] = "parallel"
 
-    tp: int = 1
+    tp: int = layout_field(1, key="tp", megatron="--tensor-model-parallel-size", head=True)
     """Tensor-parallel size."""
-    sp: bool = False
+    sp: bool = layout_field(False, key="sp", megatron="--sequence-parallel", head=True)
     """Sequence parallelism (shards LayerNorm/dropout activations along the sequence over the TP group)."""
-    pp: int = 1
+    pp: int = layout_field(1, key="pp", megatron="--pipeline-model-parallel-size", head=True)
     """Pipeline-parallel size."""
-    vpp: int | None = None
+    vpp: int | None = layout_field(None, key="vpp", head=True, none_means=1)
     """Virtual pipeline stages (model chunks) per pipeline rank for the interleaved 1F1B schedule; ``None`` = 1."""
-    first_stage_layers: int | None = None
+    cp: int = layout_field(1, key="cp", megatron="--context-parallel-size", head=True)
+    """Context-parallel size (splits the sequence in attention)."""
+    ep: int = layout_field(1, key="ep", megatron="--expert-model-parallel-size", head=True)
+    """Expert-parallel size (MoE only)."""
+    etp: int | None = layout_field(None, key="etp", megatron="--expert-tensor-parallel-size", head=True, none_means=1)
+    """Tensor-parallel size inside experts; ``None`` means 1 (Megatron's recommended default with EP)."""
+    first_stage_layers: int | None = layout_field(None, key="ppf")
     """Decoder layers on the first pipeline stage (Megatron's ``num_layers_in_first_pipeline_stage``); ``None``:
     as many as the other stages. The stages with no count of their own share the remaining layers evenly."""
-    last_stage_layers: int | None = None
+    last_stage_layers: int | None = layout_field(None, key="ppl")
     """Decoder layers on the last pipeline stage (``num_layers_in_last_pipeline_stage``), which also holds the
     output layer and loss; ``None``: as many as the other stages."""
-    cp: int = 1
-    """Context-parallel size (splits the sequence in attention)."""
-    ep: int = 1
-    """Expert-parallel size (MoE only)."""
-    etp: int | None = None
-    """Tensor-parallel size inside experts; ``None`` means 1 (Megatron's recommended default with EP)."""
-    distributed_optimizer: bool = False
-    """Shard optimizer states over data-parallel ranks (ZeRO-1, Megatron's distributed optimizer)."""
-    recompute: Recompute = Recompute.none
+    recompute: Recompute = layout_field(Recompute.none, key="rc")
     """Activation recomputation: none, selective (core attention), or full (every layer)."""
-    recompute_num_layers: int = 1
+    recompute_num_layers: int = layout_field(1, key="rcn")
     """With ``recompute=full``: layers per recomputed group (``uniform``), or recomputed layers per pipeline chunk
     (``block``)."""
-    recompute_method: RecomputeMethod = RecomputeMethod.uniform
+    recompute_method: RecomputeMethod = layout_field(RecomputeMethod.uniform, key="rcm")
     """With ``recompute=full``: ``uniform`` recomputes every layer, ``block`` only the first
     ``recompute_num_layers`` layers of each pipeline chunk (the others keep their activations)."""
-    overlap_grad_reduce: bool = False
+    distributed_optimizer: bool = layout_field(False, key="do", megatron="--use-distributed-optimizer")
+    """Shard optimizer states over data-parallel ranks (ZeRO-1, Megatron's distributed optimizer)."""
+    overlap_grad_reduce: bool = layout_field(False, key="ogr", megatron="--overlap-grad-reduce")
     """Overlap data-parallel gradient reduction with the backward pass."""
-    overlap_param_gather: bool = False
+    overlap_param_gather: bool = layout_field(False, key="opg", megatron="--overlap-param-gather")
     """With the distributed optimizer: overlap the parameter all-gather with the next forward."""
-    grad_reduce_in_fp32: bool = True
+    grad_reduce_in_fp32: bool = layout_field(True, key="gf32")
     """Accumulate and reduce gradients in fp32 (Megatron-Core's ``DistributedDataParallelConfig.grad_reduce_in_fp32``;
     Megatron-LM always does so for bf16). ``false`` keeps the gradient buffers and their data-parallel reduction in
     the compute precision, as NeMo's performance recipes do (``grad_reduce_in_fp32=False``, NeMo 1's
     ``optim.grad_sync_dtype=bf16``): with bf16, half the gradient memory and data-parallel traffic."""
-    order: str = "tp-cp-ep-dp-pp"
+    order: str = layout_field("tp-cp-ep-dp-pp", key="order")
     """Megatron's rank order, fastest-varying first."""
-    mlp: MlpPartition = MlpPartition.megatron
+    mlp: MlpPartition = layout_field(MlpPartition.megatron, key="mlp", megatron=None)
     """Partition of the dense MLP over the TP group: Megatron's column/row split, or PrimePar's P_{2^k x 2^k} (needs
     parallel.tp = 4, 16, 64, ...; with sequence parallelism it all-gathers its input's sequence shards first)."""
-    primepar_layers: int | None = None
+    primepar_layers: int | None = layout_field(None, key="mlpn", megatron=None)
     """With ``mlp=primepar``: only the first ``primepar_layers`` layers of each pipeline chunk run PrimePar's MLP,
     the others Megatron's column/row split (as ``recompute_method=block`` counts recomputed layers); ``None``: every
     layer. The planner sets it to the most PrimePar layers that fit in memory where all of them do not and PrimePar's

@@ -17,6 +17,7 @@ from cfp_megatron.base.config import (
     JobSpec,
     MlpPartition,
     ModelSpec,
+    ParallelSpec,
     PositionEmbedding,
     Recompute,
     primepar_grid_side,
@@ -49,34 +50,77 @@ def primepar_misfits(model: ModelSpec, tp: int, tokens: int) -> list[tuple[str, 
     return found
 
 
+def data_parallel_size(world_size: int, tp: int, cp: int, pp: int) -> int:
+    """Data-parallel size of dense weights: what the world leaves, ``world / (tp x cp x pp)`` (at least 1)."""
+    return max(world_size // (tp * cp * pp), 1)
+
+
+def expert_data_parallel_size(world_size: int, etp: int, ep: int, pp: int) -> int:
+    """Data-parallel size of expert weights: ``world / (etp x ep x pp)`` (at least 1)."""
+    return max(world_size // (etp * ep * pp), 1)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
-    """The validated parallel layout of one job."""
+    """A job's parallel layout (:class:`~cfp_megatron.base.config.ParallelSpec`) on a world of ranks, with the sizes
+    derived from it: data-parallel sizes and micro-batches per step. :meth:`build` validates it against the job."""
 
+    parallel: ParallelSpec
+    """The layout's degrees and options."""
     world_size: int
     """Total ranks."""
-    tp: int
-    """Tensor-parallel size."""
-    pp: int
-    """Pipeline-parallel size."""
-    vpp: int
-    """Model chunks per pipeline rank (1 = no interleaving)."""
-    cp: int
-    """Context-parallel size."""
-    ep: int
-    """Expert-parallel size."""
-    etp: int
-    """Expert tensor-parallel size."""
-    dp: int
-    """Data-parallel size (world / (tp x cp x pp))."""
-    expert_dp: int
-    """Data-parallel size of expert weights (world / (etp x ep x pp))."""
-    sp: bool
-    """Sequence parallelism on."""
     num_microbatches: int
     """Micro-batches per optimizer step on each data-parallel rank."""
-    order: str
-    """Megatron rank order string."""
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel size."""
+        return self.parallel.tp
+
+    @property
+    def pp(self) -> int:
+        """Pipeline-parallel size."""
+        return self.parallel.pp
+
+    @property
+    def vpp(self) -> int:
+        """Model chunks per pipeline rank (1 = no interleaving)."""
+        return self.parallel.virtual_stages
+
+    @property
+    def cp(self) -> int:
+        """Context-parallel size."""
+        return self.parallel.cp
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel size."""
+        return self.parallel.ep
+
+    @property
+    def etp(self) -> int:
+        """Expert tensor-parallel size."""
+        return self.parallel.expert_tp
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism on."""
+        return self.parallel.sp
+
+    @property
+    def order(self) -> str:
+        """Megatron rank order string."""
+        return self.parallel.order
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size (:func:`data_parallel_size`)."""
+        return data_parallel_size(self.world_size, self.tp, self.cp, self.pp)
+
+    @property
+    def expert_dp(self) -> int:
+        """Data-parallel size of expert weights (:func:`expert_data_parallel_size`)."""
+        return expert_data_parallel_size(self.world_size, self.etp, self.ep, self.pp)
 
     @classmethod
     def build(cls, job: JobSpec, world_size: int, *, te_available: bool | None = None) -> ParallelDims:
@@ -97,7 +141,7 @@ class ParallelDims:
              f"= {p.tp} x {p.cp} x {p.pp} = {model_parallel}.",
              f"choose sizes whose product divides {world_size}, or start {model_parallel}*k ranks "
              f"(torchrun --nproc_per_node).")
-        dp = max(world_size // model_parallel, 1)
+        dp = data_parallel_size(world_size, p.tp, p.cp, p.pp)
         if c.gpus_per_node is not None:
             need(world_size == c.nodes * c.gpus_per_node, "cluster.nodes", c.nodes,
                  f"cluster.nodes x cluster.gpus_per_node = {c.nodes} x {c.gpus_per_node} = "
@@ -149,7 +193,6 @@ class ParallelDims:
                  "set parallel.ep=1, or choose a MoE model (e.g. model=moe_tiny).")
             need(p.etp is None or p.etp == 1, "parallel.etp", p.etp, f"model {m.name} has no experts.",
                  "set parallel.etp=null.")
-        expert_dp = max(world_size // (etp * p.ep * p.pp), 1)
 
         # Batch against DP.
         per_step = t.micro_batch_size * dp
@@ -201,8 +244,7 @@ class ParallelDims:
 
         if issues:
             raise ConfigError(issues)
-        return cls(world_size=world_size, tp=p.tp, pp=p.pp, vpp=vpp, cp=p.cp, ep=p.ep, etp=etp, dp=dp,
-                   expert_dp=expert_dp, sp=p.sp, num_microbatches=num_microbatches, order=p.order)
+        return cls(parallel=p, world_size=world_size, num_microbatches=num_microbatches)
 
     def describe(self) -> str:
         """A one-line summary such as ``world=8 tp=2 pp=2 vpp=1 cp=1 ep=1 etp=1 dp=2 sp=True mb=4``."""

@@ -34,10 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cfp_megatron.base.config import JobSpec, ParallelSpec, Precision, build_spec
+from cfp_megatron.base.config import JobSpec, ParallelSpec, Precision, build_spec, layout_keys
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.base.files import write_new
 from cfp_megatron.base.jsonio import json_plain
+from cfp_megatron.base.parallel_dims import data_parallel_size
 from cfp_megatron.plan.errors import PlanError
 from cfp_megatron.sim.prediction import GIB, Prediction, exposed_comm_s, mfu
 
@@ -49,21 +50,6 @@ PLAN_FILE_SETTING = "cfp.plan_file"
 
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
 """Model and cluster preset names the canonical string can carry (no ``@``, ``:``, ``,``, ``=`` or spaces)."""
-
-_HEAD_FIELDS: tuple[str, ...] = ("tp", "sp", "pp", "vpp", "cp", "ep", "etp")
-"""ParallelSpec fields written before the derived ``dp`` and the batch, in this order."""
-
-_SHORT: dict[str, str] = {
-    "tp": "tp", "sp": "sp", "pp": "pp", "vpp": "vpp", "cp": "cp", "ep": "ep", "etp": "etp",
-    "first_stage_layers": "ppf", "last_stage_layers": "ppl",
-    "recompute": "rc", "recompute_num_layers": "rcn", "recompute_method": "rcm", "distributed_optimizer": "do",
-    "overlap_grad_reduce": "ogr", "overlap_param_gather": "opg",
-    "grad_reduce_in_fp32": "gf32", "order": "order", "mlp": "mlp", "primepar_layers": "mlpn",
-}
-"""Short canonical key of each known ParallelSpec field, in canonical order; other fields use their own name."""
-
-_NONE_MEANS: dict[str, int] = {"vpp": 1, "etp": 1}
-"""ParallelSpec fields whose ``None`` means a size of 1: the canonical string writes 1, and a Plan stores ``None``."""
 
 _BATCH_KEYS: tuple[str, ...] = ("dp", "mb", "gbs", "seq")
 """Keys written after the head fields: derived data-parallel size, micro-batch, global batch, sequence length."""
@@ -159,7 +145,8 @@ class Plan:
 
     def __post_init__(self) -> None:
         if isinstance(self.parallel, ParallelSpec):
-            normal = {k: None for k, one in _NONE_MEANS.items() if getattr(self.parallel, k, None) == one}
+            normal = {k: None for k, lk in layout_keys().items()
+                      if lk.none_means is not None and getattr(self.parallel, k) == lk.none_means}
             if normal:
                 object.__setattr__(self, "parallel", dataclasses.replace(self.parallel, **normal))
         problems = self._problems()
@@ -213,7 +200,7 @@ class Plan:
     def dp(self) -> int:
         """Data-parallel size: ``world / (tp x cp x pp)``."""
         p = self.parallel
-        return self.world_size // (p.tp * p.cp * p.pp)
+        return data_parallel_size(self.world_size, p.tp, p.cp, p.pp)
 
     @property
     def num_microbatches(self) -> int:
@@ -264,13 +251,13 @@ class Plan:
         """The short, deterministic string of the layout-defining fields (see the module docstring)."""
         items: list[tuple[str, str]] = []
         keys = _parallel_keys()
-        for name in keys:
-            if name in _HEAD_FIELDS:
+        for name, lk in layout_keys().items():
+            if lk.head:
                 items.append((keys[name], _encode(name, getattr(self.parallel, name))))
         items += [("dp", str(self.dp)), ("mb", str(self.micro_batch_size)), ("gbs", str(self.global_batch_size)),
                   ("seq", str(self.seq_length))]
-        for name in keys:
-            if name not in _HEAD_FIELDS:
+        for name, lk in layout_keys().items():
+            if not lk.head:
                 items.append((keys[name], _encode(name, getattr(self.parallel, name))))
         items.append((_PRECISION_KEY, self.precision))
         body = ",".join(f"{k}={v}" for k, v in items)
@@ -434,24 +421,23 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
 
 
 def _parallel_keys() -> dict[str, str]:
-    """ParallelSpec field name -> canonical key, in canonical order: known fields in :data:`_SHORT`'s order, then
-    fields added later under their own names (so a new field never breaks the round trip)."""
-    present = [f.name for f in dataclasses.fields(ParallelSpec)]
-    keys = {name: _SHORT[name] for name in _SHORT if name in present}
-    keys.update({name: name for name in present if name not in _SHORT})
+    """ParallelSpec field name -> canonical key (:class:`~cfp_megatron.base.config.LayoutKey`), in canonical order;
+    a key given twice, or one the batch or precision use, is a :class:`PlanError`."""
+    keys = {name: lk.key for name, lk in layout_keys().items()}
     reserved = {*_BATCH_KEYS, _PRECISION_KEY}
     clashes = sorted(set(keys.values()) & reserved) + sorted(
         {k for k in keys.values() if list(keys.values()).count(k) > 1})
     if clashes:
         raise PlanError(f"ParallelSpec fields give the canonical keys {clashes} twice.",
-                        fix="give the new field a distinct short name in cfp_megatron.plan.artifact._SHORT.")
+                        fix="give the new field a distinct key in its layout_field(key=...).")
     return keys
 
 
 def _encode(name: str, value: Any) -> str:
     """A ParallelSpec value as the canonical string writes it."""
     if value is None:
-        return str(_NONE_MEANS[name]) if name in _NONE_MEANS else "null"
+        one = layout_keys()[name].none_means
+        return "null" if one is None else str(one)
     if isinstance(value, bool):
         return "1" if value else "0"
     if isinstance(value, enum.Enum):
@@ -499,7 +485,7 @@ def _decode(name: str, hint: Any, text: str) -> Any:
     else:
         raise PlanError(f"parallel.{name} has a type ({hint}) the canonical string cannot read.",
                         fix="extend cfp_megatron.plan.artifact._decode for it.")
-    if optional and name in _NONE_MEANS and value == _NONE_MEANS[name]:
+    if optional and value == layout_keys()[name].none_means:
         return None
     return value
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import shlex
+from collections.abc import Callable
 from typing import Any
 
-from cfp_megatron.base.config import MlpPartition, ParallelSpec, Precision, Recompute
+from cfp_megatron.base.config import MlpPartition, ParallelSpec, Precision, Recompute, layout_keys
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.plan.errors import PlanError
 
@@ -32,14 +33,6 @@ _MEGATRON_ORDERS: dict[str, list[str]] = {
 }
 """Rank orders Megatron-LM's arguments can express, and the flags that select them."""
 
-_MEGATRON_FIELDS = frozenset({"tp", "sp", "pp", "vpp", "cp", "ep", "etp", "distributed_optimizer", "recompute",
-                              "recompute_num_layers", "overlap_grad_reduce", "overlap_param_gather", "order",
-                              "recompute_method", "first_stage_layers", "last_stage_layers",
-                              "grad_reduce_in_fp32"})
-"""ParallelSpec fields :func:`megatron_lm_args` renders; another field set away from its default is refused rather
-than silently dropped."""
-
-
 def _precision(plan: Plan) -> Precision:
     """The plan's precision with ``auto`` resolved to bf16 (GPU runs)."""
     precision = Precision(plan.precision)
@@ -49,13 +42,14 @@ def _precision(plan: Plan) -> Precision:
 def megatron_lm_args(plan: Plan, *, num_layers: int | None = None) -> list[str]:
     """Megatron-LM ``pretrain_gpt.py`` arguments that reproduce the plan's layout, batch and precision.
 
-    With interleaving (vpp > 1) and ``num_layers`` (the model's layer count) given, the chunking is written as
-    ``--num-layers-per-virtual-pipeline-stage``; without it, or with a first/last stage of its own size
-    (``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``), as
-    ``--num-virtual-stages-per-pipeline-rank``. Model
-    shape, data and optimizer arguments are not included. Raises :class:`PlanError` for what Megatron-LM's arguments
-    cannot express (a rank order other than tp-cp-ep-dp-pp / tp-cp-ep-pp-dp, layers that do not split evenly, a
-    ParallelSpec field this function does not know).
+    Each ParallelSpec field with a Megatron-LM flag in its :class:`~cfp_megatron.base.config.LayoutKey` is written
+    from it (a switch for a bool, else the flag and the value); the pipeline split, recomputation, rank order and
+    gradient precision by the rules below. With interleaving (vpp > 1) and ``num_layers`` (the model's layer count)
+    given, the chunking is written as ``--num-layers-per-virtual-pipeline-stage``; without it, or with a first/last
+    stage of its own size (``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``), as
+    ``--num-virtual-stages-per-pipeline-rank``. Model shape, data and optimizer arguments are not included. Raises
+    :class:`PlanError` for what Megatron-LM's arguments cannot express (PrimePar layers, a rank order other than
+    tp-cp-ep-dp-pp / tp-cp-ep-pp-dp, layers that do not split evenly).
     """
     p = plan.parallel
     if p.mlp is not MlpPartition.megatron:
@@ -64,15 +58,28 @@ def megatron_lm_args(plan: Plan, *, num_layers: int | None = None) -> list[str]:
                         fix="train it with the plan's torchrun command (launch/train.py builds PrimePar's MLP), or "
                             "plan with cfp.constraints.mlp=[megatron] for Megatron-LM.", setting="parallel.mlp")
     defaults = ParallelSpec()
-    unknown = [f.name for f in dataclasses.fields(p)
-               if f.name not in _MEGATRON_FIELDS and getattr(p, f.name) != getattr(defaults, f.name)]
-    if unknown:
-        raise PlanError(f"megatron_lm_args cannot render parallel fields {unknown}.",
-                        fix="extend cfp_megatron.plan.exports.megatron_lm_args with their Megatron-LM flags.")
-    args = ["--tensor-model-parallel-size", str(p.tp)]
-    if p.sp:
-        args.append("--sequence-parallel")
-    args += ["--pipeline-model-parallel-size", str(p.pp)]
+    args: list[str] = []
+    for name, lk in layout_keys().items():
+        value = getattr(p, name)
+        if lk.megatron is None:
+            if value != getattr(defaults, name):
+                raise PlanError(f"Megatron-LM has no argument for parallel.{name}={value!r}.",
+                                fix="train it with the plan's torchrun command.", setting=f"parallel.{name}")
+        elif lk.megatron == "":
+            args += _MEGATRON_RULES[name](plan, num_layers)
+        elif isinstance(value, bool):
+            args += [lk.megatron] if value else []
+        else:  # explicit sizes (Megatron-LM's default expert TP is the TP size)
+            args += [lk.megatron, str(lk.none_means if value is None else value)]
+    args += ["--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size),
+             "--seq-length", str(plan.seq_length)]
+    return args + _precision_args(plan)
+
+
+def _pipeline_split_args(plan: Plan, num_layers: int | None) -> list[str]:
+    """The first/last stage's layers and the interleaving (see :func:`megatron_lm_args`)."""
+    p = plan.parallel
+    args: list[str] = []
     uneven = p.pp > 1 and (p.first_stage_layers is not None or p.last_stage_layers is not None)
     if uneven and p.first_stage_layers is not None:
         args += ["--decoder-first-pipeline-num-layers", str(p.first_stage_layers)]
@@ -89,30 +96,32 @@ def megatron_lm_args(plan: Plan, *, num_layers: int | None = None) -> list[str]:
             args += ["--num-layers-per-virtual-pipeline-stage", str(num_layers // chunks)]
         else:
             args += ["--num-virtual-stages-per-pipeline-rank", str(p.virtual_stages)]
-    args += ["--context-parallel-size", str(p.cp),
-             "--expert-model-parallel-size", str(p.ep),
-             "--expert-tensor-parallel-size", str(p.expert_tp),  # explicit: Megatron-LM's default is the TP size
-             "--micro-batch-size", str(plan.micro_batch_size),
-             "--global-batch-size", str(plan.global_batch_size),
-             "--seq-length", str(plan.seq_length)]
-    if p.distributed_optimizer:
-        args.append("--use-distributed-optimizer")
+    return args
+
+
+def _recompute_args(plan: Plan, num_layers: int | None) -> list[str]:
+    """Recompute granularity, method and layer count."""
+    p = plan.parallel
     if p.recompute is Recompute.selective:
-        args += ["--recompute-granularity", "selective"]
-    elif p.recompute is Recompute.full:
-        method = getattr(p, "recompute_method", None)
-        method = method.value if isinstance(method, enum.Enum) else (method or "uniform")
-        args += ["--recompute-granularity", "full", "--recompute-method", str(method),
-                 "--recompute-num-layers", str(p.recompute_num_layers)]
-    if p.overlap_grad_reduce:
-        args.append("--overlap-grad-reduce")
-    if p.overlap_param_gather:
-        args.append("--overlap-param-gather")
-    if p.order not in _MEGATRON_ORDERS:
-        raise PlanError(f"Megatron-LM's arguments cannot express the rank order {p.order!r}.",
+        return ["--recompute-granularity", "selective"]
+    if p.recompute is Recompute.full:
+        return ["--recompute-granularity", "full", "--recompute-method", p.recompute_method.value,
+                "--recompute-num-layers", str(p.recompute_num_layers)]
+    return []
+
+
+def _order_args(plan: Plan, num_layers: int | None) -> list[str]:
+    """The flag that selects the plan's rank order."""
+    order = plan.parallel.order
+    if order not in _MEGATRON_ORDERS:
+        raise PlanError(f"Megatron-LM's arguments cannot express the rank order {order!r}.",
                         fix=f"use one of {sorted(_MEGATRON_ORDERS)}.", setting="parallel.order")
-    args += _MEGATRON_ORDERS[p.order]
-    precision = _precision(plan)
+    return _MEGATRON_ORDERS[order]
+
+
+def _precision_args(plan: Plan) -> list[str]:
+    """``--bf16`` / ``--fp16`` and, for fp16, fp32 gradient reduction (bf16 always reduces in fp32)."""
+    p, precision = plan.parallel, _precision(plan)
     if precision is Precision.bf16:
         if not p.grad_reduce_in_fp32:
             raise PlanError("parallel.grad_reduce_in_fp32=false with bf16: Megatron-LM's arguments cannot express it "
@@ -120,12 +129,23 @@ def megatron_lm_args(plan: Plan, *, num_layers: int | None = None) -> list[str]:
                             fix="train it with the plan's torchrun command (launch/train.py passes it to Megatron-"
                                 "Core's DistributedDataParallelConfig), or plan with parallel.grad_reduce_in_fp32="
                                 "true for Megatron-LM.", setting="parallel.grad_reduce_in_fp32")
-        args.append("--bf16")
-    elif precision is Precision.fp16:
-        args.append("--fp16")
-        if p.grad_reduce_in_fp32:
-            args.append("--accumulate-allreduce-grads-in-fp32")
-    return args
+        return ["--bf16"]
+    if precision is Precision.fp16:
+        return ["--fp16"] + (["--accumulate-allreduce-grads-in-fp32"] if p.grad_reduce_in_fp32 else [])
+    return []
+
+
+_MEGATRON_RULES: dict[str, Callable[[Plan, int | None], list[str]]] = {
+    "vpp": _pipeline_split_args,
+    "first_stage_layers": lambda plan, num_layers: [],  # written with vpp (the split decides how vpp is written)
+    "last_stage_layers": lambda plan, num_layers: [],
+    "recompute": _recompute_args,
+    "recompute_num_layers": lambda plan, num_layers: [],  # written with recompute
+    "recompute_method": lambda plan, num_layers: [],
+    "order": _order_args,
+    "grad_reduce_in_fp32": lambda plan, num_layers: [],  # written with the precision
+}
+"""How the ParallelSpec fields whose LayoutKey says ``megatron=""`` become Megatron-LM arguments."""
 
 
 def deepspeed_config(plan: Plan, *, gradient_clipping: float = 1.0) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cfp_megatron.base.cfp_spec import CfpSpec
-from cfp_megatron.base.config import JobSpec, MlpPartition, OptimizerKind, Recompute
+from cfp_megatron.base.config import JobSpec, MlpPartition, OptimizerKind, ParallelSpec, Recompute
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.base.pipeline_split import chunk_layers, stage_counts
@@ -366,26 +366,26 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
             size += g.size
             if not g.size:
                 continue
-            tp, cp, pp, ep, etp, sp, mb, rc, mlp = g.head
+            h = g.head
             # The pass costs depend on the layout only through cost_key: look them up without building and
             # validating a job per group; compute (and validate) once per key.
             if placed is None:  # where the family's groups sit on nodes (not moved by SP or the micro-batch)
-                dims = ParallelDims(world_size=world, tp=tp, pp=pp, vpp=1, cp=cp, ep=ep, etp=etp, dp=fam.dp(world),
-                                    expert_dp=max(world // (etp * ep * pp), 1), sp=sp,
-                                    num_microbatches=g.microbatches, order=job.parallel.order)
+                family = ParallelSpec(tp=h.tp, pp=h.pp, cp=h.cp, ep=h.ep, etp=h.etp, sp=h.sp,
+                                      order=job.parallel.order)
+                dims = ParallelDims(parallel=family, world_size=world, num_microbatches=g.microbatches)
                 placed = place(job, dims, gpn)
-            ckey = cost_key(placed, recomputes[rc], options, mlps[mlp], sp=sp, micro_batch=mb)
+            ckey = cost_key(placed, recomputes[h.recompute], options, mlps[h.mlp], sp=h.sp, micro_batch=h.micro_batch)
             if ckey not in by_key:
                 by_key[ckey] = _group_costs(Candidate.from_key((*g.head, 1, 0, 0, False)), job, measurements,
                                             options, world, cache, refused)
             costs = by_key[ckey]
             if costs is None:
                 continue
-            layer_s, chunk_s = _layer_terms(costs, rc)
-            if pp == 1 or costs.shared_cores:  # the candidates' own bound at its lowest (one chunk per rank)
-                bound = _time_bound(costs, layer_s, chunk_s, g.microbatches, pp, 1, L, L, L, L)
+            layer_s, chunk_s = _layer_terms(costs, h.recompute)
+            if h.pp == 1 or costs.shared_cores:  # the candidates' own bound at its lowest (one chunk per rank)
+                bound = _time_bound(costs, layer_s, chunk_s, g.microbatches, h.pp, 1, L, L, L, L)
             else:
-                first, last = _lightest_ends(L, pp, g.splits)
+                first, last = _lightest_ends(L, h.pp, g.splits)
                 per_pass = chunk_s + 2 * costs.pass_s
                 bound = g.microbatches * max(first * layer_s + per_pass + costs.embedding_s,
                                              last * layer_s + per_pass + costs.head_s)
@@ -416,8 +416,8 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: t
     L = m.num_layers
     first_dense = m.moe_first_dense_layers if m.is_moe else None
     g, costs = bounded.group, bounded.costs
-    pp = g.head[2]
-    layer_s, chunk_s = _layer_terms(costs, g.head[7])
+    pp = g.head.pp
+    layer_s, chunk_s = _layer_terms(costs, g.head.recompute)
     out = []
     for vpp, first_n, last_n in g.splits:
         first, middle, last = _stage_layers(L, pp, first_n, last_n)

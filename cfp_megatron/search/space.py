@@ -12,6 +12,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import (
@@ -23,7 +24,7 @@ from cfp_megatron.base.config import (
     RecomputeMethod,
     primepar_grid_side,
 )
-from cfp_megatron.base.parallel_dims import primepar_misfits
+from cfp_megatron.base.parallel_dims import data_parallel_size, expert_data_parallel_size, primepar_misfits
 from cfp_megatron.base.pipeline_split import split_issues, stage_counts
 
 
@@ -102,7 +103,7 @@ class Candidate:
     def describe(self, world: int) -> str:
         """A short label such as ``dp8 tp8 sp pp16 vpp2 mb1 rc=none dopt`` (``first7 last7``: layers of the first
         and the last pipeline stage where they differ from the others)."""
-        dp = world // (self.tp * self.cp * self.pp)
+        dp = data_parallel_size(world, self.tp, self.cp, self.pp)
         parts = [f"dp{dp}", f"tp{self.tp}" + (" sp" if self.sp else ""), f"pp{self.pp}"]
         parts += [f"vpp{self.vpp}"] if self.vpp > 1 else []
         parts += [f"first{self.first_stage_layers}"] if self.first_stage_layers else []
@@ -119,6 +120,7 @@ class Candidate:
 
 _KEY_FIELDS = tuple(f.name for f in dataclasses.fields(Candidate) if f.name not in ("recompute_layers",
                                                                                      "primepar_layers"))
+
 
 
 @dataclass(frozen=True, kw_only=True, order=True)
@@ -138,7 +140,7 @@ class Family:
 
     def dp(self, world: int) -> int:
         """Data-parallel size."""
-        return world // (self.tp * self.cp * self.pp)
+        return data_parallel_size(world, self.tp, self.cp, self.pp)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -311,7 +313,7 @@ class Space:
     def dopt_values(self, family: Family) -> list[bool]:
         """Distributed-optimizer settings (it changes nothing without data parallelism)."""
         dp = family.dp(self.world)
-        edp = self.world // (family.etp * family.ep * family.pp)
+        edp = expert_data_parallel_size(self.world, family.etp, family.ep, family.pp)
         values = [False, True] if dp > 1 or (self.job.model.is_moe and edp > 1) else [False]
         allowed = self.cfp.allowed("distributed_optimizer")
         return [v for v in values if allowed is None or v in allowed]
@@ -343,8 +345,34 @@ class Space:
             for sp in self.sp_values(f):
                 for rc in recomputes:
                     for mlp in self.mlp_values(f, mb):
-                        yield Group(head=(f.tp, f.cp, f.pp, f.ep, f.etp, sp, mb, rc, mlp), microbatches=microbatches,
+                        head = GroupHead(tp=f.tp, cp=f.cp, pp=f.pp, ep=f.ep, etp=f.etp, sp=sp, micro_batch=mb,
+                                         recompute=rc, mlp=mlp)
+                        yield Group(head=head, microbatches=microbatches,
                                     splits=block if rc == BLOCK else splits, dopts=dopts)
+
+
+class GroupHead(NamedTuple):
+    """What the candidates of one :class:`Group` share: the first fields of their :meth:`Candidate.key`, by the
+    names of :class:`Candidate`'s fields."""
+
+    tp: int
+    """Tensor-parallel size."""
+    cp: int
+    """Context-parallel size."""
+    pp: int
+    """Pipeline-parallel size."""
+    ep: int
+    """Expert-parallel size."""
+    etp: int
+    """Expert tensor-parallel size."""
+    sp: bool
+    """Sequence parallelism."""
+    micro_batch: int
+    """Sequences per micro-batch."""
+    recompute: str
+    """Recompute value (a :class:`~cfp_megatron.base.config.Recompute` value or ``block``)."""
+    mlp: str
+    """MLP partition value."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -352,8 +380,8 @@ class Group:
     """Candidates of one family that share micro-batch, sequence parallelism and recompute (and so their pass
     costs); the pipeline splits and optimizer settings are what varies."""
 
-    head: tuple
-    """``(tp, cp, pp, ep, etp, sp, micro_batch, recompute, mlp)``: the first fields of their keys."""
+    head: GroupHead
+    """What its candidates share."""
     microbatches: int
     """Micro-batches per step."""
     splits: tuple[tuple[int, int, int], ...]
@@ -420,7 +448,7 @@ def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = 
             for pp in pps:
                 if world % (tp * cp * pp):
                     continue
-                dp = world // (tp * cp * pp)
+                dp = data_parallel_size(world, tp, cp, pp)
                 if t.global_batch_size % dp:
                     rejected.append(Rejection(what=f"tp{tp} cp{cp} pp{pp}", reason=f"the global batch "
                                               f"{t.global_batch_size} is not divisible by the DP size {dp}"))
