@@ -62,6 +62,14 @@ def render(result: dict[str, Any]) -> None:
             table.add_row(f"{b['start']}:{b['stop']}", str(len(b["ops"])), modules, str(b["entry_shape"]),
                           cands + (f" (+{more})" if more > 0 else ""), "yes" if b["megatron_tp"] else "")
         console.print(table)
+    options = Table(title="Partition options handed to the search (verified: the block the propagation found)")
+    for col in ("part", "option", "splits by", "selected by", "block", "communication per pass", "verified"):
+        options.add_column(col, overflow="fold")
+    shown = {True: "yes", False: "NO", None: "not analysed"}
+    for o in result["options"]:
+        options.add_row(o["part"], o["name"], o["knob"], o["choice"] or "(default)", o["block"], o["communication"],
+                        shown[o["verified"]])
+    console.print(options)
     runs = " ".join(f"{r['class']}x{r['count']}" for r in result["runs"])
     console.print(f"runs: {runs}")
     console.print(f"capture {result['seconds']['capture']} s, blocks {result['seconds']['blocks']} s")

@@ -156,7 +156,8 @@ class ParallelDims:
             need(m.query_groups % p.tp == 0, "parallel.tp", p.tp,
                  f"model.num_query_groups={m.query_groups} (key/value heads) is not divisible by parallel.tp={p.tp}.",
                  f"use a parallel.tp that divides {m.query_groups}.")
-        need(m.ffn_size % p.tp == 0, "parallel.tp", p.tp,
+        has_dense_mlp = not m.is_moe or m.moe_first_dense_layers > 0
+        need(not has_dense_mlp or m.ffn_size % p.tp == 0, "parallel.tp", p.tp,
              f"model.ffn_hidden_size={m.ffn_size} is not divisible by parallel.tp={p.tp}.",
              f"use a parallel.tp that divides {m.ffn_size}.")
         need(m.padded_vocab_size % p.tp == 0, "parallel.tp", p.tp,

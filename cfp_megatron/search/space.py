@@ -16,16 +16,15 @@ from typing import NamedTuple
 
 from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import (
-    AttentionKind,
     JobSpec,
     MlpPartition,
     ParallelSpec,
     Recompute,
     RecomputeMethod,
-    primepar_grid_side,
 )
-from cfp_megatron.base.parallel_dims import data_parallel_size, expert_data_parallel_size, primepar_misfits
+from cfp_megatron.base.parallel_dims import data_parallel_size, expert_data_parallel_size
 from cfp_megatron.base.pipeline_split import split_issues, stage_counts
+from cfp_megatron.model.options import PartitionOption, SizeContext, choice_fits, model_options, size_reasons
 
 
 @dataclass(frozen=True, kw_only=True, order=True)
@@ -248,6 +247,8 @@ class Space:
     """The job being planned."""
     cfp: CfpSpec
     """The planner's settings."""
+    options: tuple[PartitionOption, ...] = ()
+    """The model's partition options (:func:`~cfp_megatron.model.options.model_options`)."""
     primepar: frozenset[int] | None = None
     """TP sizes at which PrimePar's MLP may be offered; ``None``: wherever it runs (the analytical model has it).
     With measurements, the sizes profiling timed it at: a plan is never compared on an analytical layer against
@@ -303,8 +304,8 @@ class Space:
         sizes and tokens per micro-batch the grid side divides, unless :attr:`primepar` says it was not profiled at
         that TP size."""
         values = [MlpPartition.megatron]
-        if (primepar_grid_side(family.tp) is not None
-                and not primepar_misfits(self.job.model, family.tp, micro_batch * self.job.train.seq_length)
+        context = SizeContext(seq_length=self.job.train.seq_length, micro_batch=micro_batch)
+        if (choice_fits(self.options, "mlp", MlpPartition.primepar.value, self.job.model, family.tp, context)
                 and (self.primepar is None or family.tp in self.primepar)):
             values.append(MlpPartition.primepar)
         allowed = self.cfp.allowed("mlp")
@@ -401,22 +402,19 @@ def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = 
     gpn = c.gpus_per_node or world
     rejected: list[Rejection] = []
 
+    options = model_options(m)
+    sizes_only = SizeContext(seq_length=t.seq_length, micro_batch=1)
+
     def tp_reasons(tp: int) -> list[str]:
-        return [why for bad, why in (
-            (m.num_attention_heads % tp, f"{m.num_attention_heads} attention heads are not divisible by it"),
-            (m.attention is AttentionKind.standard and m.query_groups % tp,
-             f"{m.query_groups} key/value heads are not divisible by it"),
-            (m.ffn_size % tp, f"the FFN size {m.ffn_size} is not divisible by it"),
-            (m.padded_vocab_size % tp, f"the padded vocabulary {m.padded_vocab_size} is not divisible by it"),
-            (cfp.constraints.tp_within_node and tp > gpn,
-             f"a TP group would span nodes of {gpn} GPUs (cfp.constraints.tp_within_node=true)")) if bad]
+        return size_reasons(options, "tp", m, tp, sizes_only) + (
+            [f"a TP group would span nodes of {gpn} GPUs (cfp.constraints.tp_within_node=true)"]
+            if cfp.constraints.tp_within_node and tp > gpn else [])
 
     def cp_reasons(cp: int) -> list[str]:
-        return [why for bad, why in (
-            (t.seq_length % (2 * cp), f"the sequence {t.seq_length} does not split into 2 x {cp} chunks"),
-            (m.attention is AttentionKind.mla, "multi-latent attention does not support context parallelism"),
-            (not te_available, "context parallelism needs Transformer Engine's attention, which this target lacks"),
-        ) if bad] if cp > 1 else []
+        why = size_reasons(options, "cp", m, cp, sizes_only)
+        if cp > 1 and not te_available:
+            why.append("context parallelism needs Transformer Engine's attention, which this target lacks")
+        return why
 
     def pp_reasons(pp: int) -> list[str]:
         if m.num_layers < pp:
@@ -434,11 +432,11 @@ def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = 
     pps = _screen(cfp, "pp", _divisors(world), pp_reasons, rejected, world)
 
     if m.is_moe:
-        experts = m.num_experts or 1
-        expert_ffn = m.moe_ffn_hidden_size or m.ffn_size
-        eps = _allowed(cfp, "ep", [e for e in _divisors(world) if experts % e == 0], rejected, world)
-        etps = _allowed(cfp, "etp", [e for e in _divisors(world) if expert_ffn % e == 0 and e <= gpn], rejected,
-                        world)
+        eps = _allowed(cfp, "ep", [e for e in _divisors(world) if not size_reasons(options, "ep", m, e, sizes_only)],
+                       rejected, world)
+        etps = _allowed(cfp, "etp", [e for e in _divisors(world)
+                                     if not size_reasons(options, "etp", m, e, sizes_only) and e <= gpn],
+                        rejected, world)
     else:
         eps, etps = [1], [1]
 
@@ -460,4 +458,5 @@ def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = 
                         if m.is_moe and etp not in (1, tp) and cfp.allowed("etp") is None:
                             continue  # by default expert TP is 1 or the dense TP (Megatron's usual choices)
                         families.append(Family(tp=tp, cp=cp, pp=pp, ep=ep, etp=etp))
-    return Space(world=world, families=tuple(families), rejected=tuple(rejected), job=job, cfp=cfp)
+    return Space(world=world, families=tuple(families), rejected=tuple(rejected), job=job, cfp=cfp,
+                 options=options)

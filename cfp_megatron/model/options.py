@@ -1,0 +1,200 @@
+"""The partition options of each layer kind: how a part of the model (embedding, attention, dense MLP, MoE experts,
+output layer) may be split over a parallel dimension, what the split asks of the model's sizes, and what it costs
+in communication.
+
+These are what the search offers (:mod:`cfp_megatron.search.space` reads them; a new layer kind brings its options
+here, not into the search). The CFP analysis checks them: :func:`verified_options` marks an option verified where
+the propagation found its ParallelBlock, Megatron's own split of the block's weights, with no collective inside
+(:func:`cfp_megatron.model.analysis.analyze`; ``python -m cfp_megatron.analyze`` prints them). Options on a
+dimension the analysed mesh lacks (CP, EP, PrimePar's grid), and the embedding's vocabulary split, stay
+unchecked there, and say so.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from cfp_megatron.base.config import AttentionKind, MlpPartition, ModelSpec, primepar_grid_side
+from cfp_megatron.base.parallel_dims import primepar_misfits
+
+
+class LayerPart(enum.Enum):
+    """A part of a transformer that has partition options of its own."""
+
+    embedding = "embedding"
+    attention = "attention"
+    mlp = "mlp"
+    moe = "moe"
+    head = "head"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SizeContext:
+    """What an option's size checks read besides the model."""
+
+    seq_length: int
+    """Tokens per sequence."""
+    micro_batch: int
+    """Sequences per micro-batch (1 where the check is per size only)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartitionOption:
+    """One way to split one part of the model over one parallel dimension."""
+
+    part: LayerPart
+    """The part it splits."""
+    name: str
+    """A short name, e.g. ``head-split`` or ``megatron-1d``."""
+    knob: str
+    """The ParallelSpec size it splits by (``tp``, ``cp``, ``ep``, ``etp``)."""
+    choice: tuple[str, str] | None
+    """``None`` for the part's default partition (its checks rule sizes out); else the ParallelSpec field and value
+    that select this alternative (``("mlp", "primepar")``), offered where its checks pass."""
+    block: str
+    """The ParallelBlock it is, as the analysis writes placements: entry -> exit, weights."""
+    communication: str
+    """What it costs per micro-batch pass, in collectives over the ``knob`` group."""
+    modules: frozenset[str]
+    """Leaf module names a block must hold for the analysis to verify the option (empty: not analysable)."""
+    checks: Callable[[ModelSpec, int, SizeContext], list[str]]
+    """Reasons a size (of ``knob``) does not fit the model (empty: it fits)."""
+
+    def reasons(self, model: ModelSpec, size: int, context: SizeContext) -> list[str]:
+        """Why ``size`` does not fit ``model`` under this option (empty: it does). A default partition fits a size of
+        1 (nothing is split); an alternative is checked at every size (PrimePar's grid needs 4^k ranks)."""
+        return self.checks(model, size, context) if size > 1 or self.choice is not None else []
+
+
+def _divides(what: str, value: int | None) -> Callable[[ModelSpec, int, SizeContext], list[str]]:
+    def check(model: ModelSpec, size: int, context: SizeContext) -> list[str]:
+        return [f"{what.format(value=value)} not divisible by it"] if value is not None and value % size else []
+    return check
+
+
+def _all(*checks: Callable[[ModelSpec, int, SizeContext], list[str]]) -> Callable[[ModelSpec, int, SizeContext],
+                                                                                    list[str]]:
+    def check(model: ModelSpec, size: int, context: SizeContext) -> list[str]:
+        return [why for c in checks for why in c(model, size, context)]
+    return check
+
+
+def _context_chunks(model: ModelSpec, size: int, context: SizeContext) -> list[str]:
+    seq = context.seq_length
+    return [f"the sequence {seq} does not split into 2 x {size} chunks"] if seq % (2 * size) else []
+
+
+def _primepar_grid(model: ModelSpec, size: int, context: SizeContext) -> list[str]:
+    if primepar_grid_side(size) is None:
+        return [f"PrimePar's grid needs 4^k ranks, not {size}"]
+    return [problem for problem, _ in primepar_misfits(model, size, context.micro_batch * context.seq_length)]
+
+
+def model_options(model: ModelSpec) -> tuple[PartitionOption, ...]:
+    """The partition options of ``model``'s parts, in model order (embedding, attention, MLP or experts, head)."""
+    vocab = model.padded_vocab_size
+    options = [PartitionOption(
+        part=LayerPart.embedding, name="vocab-split", knob="tp", choice=None,
+        block="tokens R -> hidden P, word_embeddings S(0)",
+        communication="all-reduce of the hidden states forward (reduce-scatter under SP)",
+        modules=frozenset(),  # the analysis' Megatron TP test keeps the embedding replicated: not checked there
+        checks=_divides(f"the padded vocabulary {vocab} is", vocab))]
+    heads = [_divides(f"{model.num_attention_heads} attention heads are", model.num_attention_heads)]
+    if model.attention is AttentionKind.standard:
+        heads.append(_divides(f"{model.query_groups} key/value heads are", model.query_groups))
+    options.append(PartitionOption(
+        part=LayerPart.attention, name="head-split", knob="tp", choice=None,
+        block="hidden R -> hidden P, linear_qkv S(0), linear_proj S(1)",
+        communication="all-reduce of the output forward and of the input gradient backward (under SP: all-gather "
+                      "in, reduce-scatter out)",
+        modules=frozenset({"linear_qkv", "linear_proj"}) if model.attention is AttentionKind.standard
+        else frozenset({"linear_proj"}), checks=_all(*heads)))
+    if model.attention is AttentionKind.standard:  # Megatron-Core's MLA has no context parallelism
+        options.append(PartitionOption(
+            part=LayerPart.attention, name="context-split", knob="cp", choice=None,
+            block="sequence S(seq) -> S(seq), keys and values passed around the ring (2 x cp load-balanced chunks)",
+            communication="key/value ring exchange (send/recv) forward and backward, overlapped with attention",
+            modules=frozenset(), checks=_context_chunks))
+    dense = not model.is_moe or model.moe_first_dense_layers > 0
+    if dense:
+        options.append(PartitionOption(
+            part=LayerPart.mlp, name="megatron-1d", knob="tp", choice=None,
+            block="hidden R -> hidden P, linear_fc1 S(0), linear_fc2 S(1)",
+            communication="all-reduce of the output forward and of the input gradient backward (under SP: "
+                          "all-gather in, reduce-scatter out)",
+            modules=frozenset({"linear_fc1", "linear_fc2"}),
+            checks=_divides(f"the FFN size {model.ffn_size} is", model.ffn_size)))
+    if not model.is_moe:
+        options.append(PartitionOption(
+            part=LayerPart.mlp, name="primepar-2d", knob="tp", choice=("mlp", MlpPartition.primepar.value),
+            block="hidden R -> hidden R on a 2^k x 2^k grid, every weight and activation block held once",
+            communication="ring send/recv of weight and partial-sum blocks over 2^k steps (overlapped), an "
+                          "all-gather of the output",
+            modules=frozenset(), checks=_primepar_grid))
+    if model.is_moe:
+        expert_ffn = model.moe_ffn_hidden_size or model.ffn_size
+        options += [
+            PartitionOption(part=LayerPart.moe, name="expert-split", knob="ep", choice=None,
+                            block="tokens routed to the ranks holding their experts",
+                            communication="token dispatch and combine (all-to-all, or all-gather) forward and "
+                                          "backward",
+                            modules=frozenset(),
+                            checks=_divides(f"model.num_experts={model.num_experts} is", model.num_experts or 1)),
+            PartitionOption(part=LayerPart.moe, name="expert-tensor-split", knob="etp", choice=None,
+                            block="each expert's fc1 S(0), fc2 S(1)",
+                            communication="all-reduce (reduce-scatter) of each expert's output over the expert TP "
+                                          "group",
+                            modules=frozenset(),
+                            checks=_divides(f"the expert FFN size {expert_ffn} is", expert_ffn))]
+    options.append(PartitionOption(
+        part=LayerPart.head, name="vocab-split", knob="tp", choice=None,
+        block="hidden R -> logits S(vocab), output_layer S(0)",
+        communication="the cross-entropy's max and sum all-reduced over the vocabulary shards",
+        modules=frozenset({"output_layer"}),
+        checks=_divides(f"the padded vocabulary {vocab} is", vocab)))
+    return tuple(options)
+
+
+def size_reasons(options: Iterable[PartitionOption], knob: str, model: ModelSpec, size: int,
+                 context: SizeContext) -> list[str]:
+    """Why ``size`` of ``knob`` does not fit the model: the reasons of every part whose default partition it fails,
+    once each; a size above 1 of a knob no part splits by is refused with why."""
+    defaults = [o for o in options if o.knob == knob and o.choice is None]
+    if size > 1 and not defaults:
+        return [_UNSPLIT.get((knob, model.attention), f"no part of model {model.name} splits over {knob}")]
+    return list(dict.fromkeys(why for option in defaults for why in option.reasons(model, size, context)))
+
+
+_UNSPLIT: dict[tuple[str, AttentionKind], str] = {
+    ("cp", AttentionKind.mla): "multi-latent attention does not support context parallelism",
+}
+"""Why a knob splits nothing, where a layer kind is known to lack it."""
+
+
+def choice_fits(options: Iterable[PartitionOption], field: str, value: str, model: ModelSpec, size: int,
+                context: SizeContext) -> bool:
+    """Whether an alternative partition (``field=value``, e.g. ``mlp=primepar``) fits at ``size`` of its knob."""
+    found = [o for o in options if o.choice == (field, value)]
+    return bool(found) and all(not o.reasons(model, size, context) for o in found)
+
+
+def verified_options(options: Iterable[PartitionOption], classes: list[dict[str, Any]], *,
+                     tp: int) -> list[dict[str, Any]]:
+    """The options as JSON, each with ``verified``: True where a block of the analysed classes holds the option's
+    modules and has Megatron's TP split among its communication-free candidates, False where such a block was
+    analysed without it, ``None`` where the option is not analysable on the analysis' mesh (its ``tp`` axis has
+    ``tp`` ranks; 1 analyses no split)."""
+    out = []
+    for option in options:
+        verified: bool | None = None
+        if option.modules and option.knob == "tp" and tp > 1:
+            held = [b for c in classes for b in c["blocks"]
+                    if option.modules <= {m.rsplit(".", 1)[-1] for m in b["modules"]}]
+            verified = any(b["megatron_tp"] for b in held) if held else None
+        out.append({"part": option.part.value, "name": option.name, "knob": option.knob,
+                    "choice": "=".join(option.choice) if option.choice else None, "block": option.block,
+                    "communication": option.communication, "verified": verified})
+    return out
