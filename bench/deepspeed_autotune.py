@@ -77,8 +77,9 @@ def main() -> None:
                      work / "ours")
     planned = re.search(r"cfp: planned in ([0-9.]+) s", out)
     choose_s = float(planned.group(1)) if planned else float("nan")
-    ours = json.loads((work / "ours" / "zero_plan.json").read_text())
-    plan = ours["plan"]
+    ours = json.loads((work / "ours" / "plan.json").read_text())
+    plan = {**ours["zero"], "zero_stage": ours["zero"]["stage"], "micro_batch_size": ours["micro_batch_size"],
+            "activation_checkpointing": ours["parallel"]["recompute"] == "full"}
     print(f"ours: {ours['canonical']}\n  chose in {choose_s:.1f} s (launch to plan; whole launch with one step "
           f"{wall:.1f} s)")
 
@@ -108,7 +109,7 @@ def main() -> None:
     os.environ.update({k: v for k, v in env.items() if k == "CFP_CACHE_DIR"})
     from cfp_megatron.backends.deepspeed.costs import simulate_zero
     from cfp_megatron.backends.deepspeed.engine_probe import load_probes, probe_path
-    from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan
+    from cfp_megatron.backends.deepspeed.zero_plan import zero_plan
     from cfp_megatron.base.compose import compose_job
     from cfp_megatron.base.config import Precision
     from cfp_megatron.profile.cluster import local_measurements
@@ -124,7 +125,7 @@ def main() -> None:
     print(f"{'plan':<24}{'measured ms':>12}{'predicted ms':>14}{'error':>9}")
     errors, pairs = [], []
     for (stage, mb, ckpt), value in sorted(measured.items()):
-        p = ZeroPlan.from_job(job, world=args.nproc, zero_stage=stage, micro_batch=mb, activation_checkpointing=ckpt,
+        p = zero_plan(job, world=args.nproc, zero_stage=stage, micro_batch=mb, activation_checkpointing=ckpt,
                               offload_optimizer=False, offload_param=False, bucket_elements=50_000_000,
                               precision=Precision.fp32)
         predicted = simulate_zero(job, p, measurements, probes=probes).step_time_s

@@ -1,4 +1,4 @@
-"""The DeepSpeed backend's planning side (issue G), without processes: the backend group, ZeroPlan's canonical
+"""The DeepSpeed backend's planning side (issue G), without processes: the backend group, Plan's canonical
 string and file, ds_config.json, the ZeRO simulator and the search."""
 
 from __future__ import annotations
@@ -13,22 +13,22 @@ import pytest
 from cfp_megatron.backends.deepspeed.costs import ZERO_SIM_OPTIONS, megatron_passes, simulate_zero
 from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes, StageProbe, load_probes
 from cfp_megatron.backends.deepspeed.search import search_zero
-from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, ds_config, model_job, write_json_file
+from cfp_megatron.backends.deepspeed.zero_plan import ds_config, model_job, write_json_file, zero_plan
 from cfp_megatron.base.backend_spec import BackendKind, BackendSpec, backend_from_config
 from cfp_megatron.base.cfp_spec import cfp_from_config
 from cfp_megatron.base.compose import compose_config, compose_job
 from cfp_megatron.base.config import Precision, job_from_config
 from cfp_megatron.base.errors import ConfigError
-from cfp_megatron.plan import PlanError
+from cfp_megatron.plan import Plan, PlanError, deepspeed_config, hydra_overrides, megatron_lm_args, torchrun_command
 from cfp_megatron.planner.deepspeed_entry import check_layout, manual_plan
 from cfp_megatron.sim.pass_costs import CostCache
 from cfp_megatron.sim.prediction import GIB
 
 
-def _plan(job, world: int, **knobs) -> ZeroPlan:
+def _plan(job, world: int, **knobs) -> Plan:
     values = {"zero_stage": 0, "micro_batch": 1, "activation_checkpointing": False, "offload_optimizer": False,
               "offload_param": False, "bucket_elements": 50_000_000, "precision": Precision.bf16, **knobs}
-    return ZeroPlan.from_job(job, world=world, **values)
+    return zero_plan(job, world=world, **values)
 
 
 def test_backend_group_composes_and_validates() -> None:
@@ -90,18 +90,35 @@ def test_write_json_file_never_overwrites(tmp_path: Path) -> None:
 def test_canonical_string_round_trips_and_edits_are_caught() -> None:
     job = compose_job(["model=gpt_tiny", "train.global_batch_size=32"])
     plan = _plan(job, 4, zero_stage=3, micro_batch=4, activation_checkpointing=True, offload_param=True)
-    assert ZeroPlan.parse(plan.canonical()) == plan
-    assert ZeroPlan.from_json(plan.to_json()) == plan
+    assert Plan.parse(plan.canonical()) == plan
+    assert Plan.from_json(plan.to_json()) == plan
+    assert plan.backend.value == "deepspeed" and plan.canonical().endswith(
+        "prec=bf16,backend=deepspeed,zero=3,oopt=0,oparam=1,bucket=50000000")
     data = plan.to_json()
-    data["plan"]["micro_batch_size"] = 2
-    with pytest.raises(PlanError, match="do not give its canonical string"):
-        ZeroPlan.from_json(data)
-    with pytest.raises(PlanError, match="dp=3 and ga=2 do not follow"):
-        ZeroPlan.parse(plan.canonical().replace("dp=4", "dp=3"))
+    data["micro_batch_size"] = 2
+    with pytest.raises(PlanError, match="hash mismatch"):
+        Plan.from_json(data)
+    with pytest.raises(PlanError, match="says dp=3"):
+        Plan.parse(plan.canonical().replace("dp=4", "dp=3"))
     with pytest.raises(PlanError, match="not a multiple of micro-batch 3"):
         _plan(job, 4, micro_batch=3)
-    with pytest.raises(PlanError, match="optimizer offload needs ZeRO stage 1-3"):
+    with pytest.raises(ConfigError, match="optimizer offload needs a ZeRO stage of 1 or more"):
         _plan(job, 4, offload_optimizer=True)
+
+
+def test_deepspeed_plans_written_before_they_were_plans_still_load() -> None:
+    legacy = "gpt_tiny@localx1x4:zero=2,dp=4,mb=2,ga=1,gbs=8,seq=64,ckpt=1,oopt=1,oparam=0,bucket=1000,prec=fp32"
+    plan = Plan.parse(legacy)
+    assert (plan.zero_stage, plan.micro_batch_size, plan.activation_checkpointing, plan.offload_optimizer,
+            plan.bucket_elements, plan.precision) == (2, 2, True, True, 1000, "fp32")
+    assert plan.parallel.distributed_optimizer and plan.dp == 4 and plan.num_microbatches == 1
+    old_json = {"schema_version": 1, "canonical": legacy, "hash": "-", "plan": {"zero_stage": 2},
+                "predicted": {"step_time_s": 0.5, "peak_memory_gib": 1.0, "tokens_per_s_per_gpu": 10.0, "mfu": None,
+                              "exposed_comm_s": 0.1}}
+    loaded = Plan.from_json(old_json)
+    assert loaded.canonical() == plan.canonical() and loaded.predicted.step_time_s == 0.5
+    with pytest.raises(PlanError, match="dp=3 and ga=1 do not follow"):
+        Plan.parse(legacy.replace("dp=4", "dp=3"))
 
 
 def test_layout_with_model_parallelism_is_refused() -> None:
@@ -119,6 +136,25 @@ def test_manual_plan_defaults_and_bad_batch() -> None:
     cfg = compose_config(["backend=deepspeed", "train.micro_batch_size=3"])
     with pytest.raises(ConfigError, match="train.global_batch_size"):
         manual_plan(job_from_config(cfg), backend_from_config(cfg), 2, on_gpu=False)
+
+
+def test_a_deepspeed_plan_exports_like_any_plan() -> None:
+    """One artifact: the torchrun command's overrides give back the same plan, the DeepSpeed config carries its
+    ZeRO options, and Megatron-LM's arguments refuse it by name."""
+    job = compose_job(["model=gpt_tiny", "train.global_batch_size=16"])
+    plan = _plan(job, 2, zero_stage=3, micro_batch=2, activation_checkpointing=True, offload_param=True,
+                 offload_optimizer=True, precision=Precision.fp32)
+    command = torchrun_command(plan)
+    assert "backend=deepspeed" in command and "backend.zero_stage=3" in command and "parallel." not in command
+    overrides = [o for o in hydra_overrides(plan) if not o.startswith(("cluster.", "train.precision"))]
+    cfg = compose_config(overrides)
+    again = manual_plan(job_from_config(cfg), backend_from_config(cfg), 2, on_gpu=False)
+    assert again.canonical() == plan.canonical()
+    zero = deepspeed_config(plan)["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_param"]["device"] == zero["offload_optimizer"]["device"] == "cpu"
+    assert ds_config(plan, job)["zero_optimization"] == zero
+    with pytest.raises(PlanError, match="deepspeed plan"):
+        megatron_lm_args(plan)
 
 
 def _a100_job(model: str, nodes: int = 1):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from cfp_megatron.backends.deepspeed.engine_probe import load_probes
+from cfp_megatron.plan import Plan
 from tests.launcher import RunResult, run_train
 
 pytestmark = [pytest.mark.slow,
@@ -46,7 +47,8 @@ def test_each_zero_stage_of_a_plan_trains_with_the_reference_loss(tmp_path: Path
     config = json.loads((tmp_path / "run" / "ds_config.json").read_text())
     stage = int(plan.split(",")[0].split("=")[1])
     assert config["zero_optimization"]["stage"] == stage
-    assert json.loads((tmp_path / "run" / "zero_plan.json").read_text())["canonical"] == canonical
+    # the DeepSpeed plan string of earlier runs is read, and plan.json holds it in the one Plan form
+    assert json.loads((tmp_path / "run" / "plan.json").read_text())["canonical"] == Plan.parse(canonical).canonical()
     start = next(r for r in result.records if r.get("event") == "start")
     assert start["backend"] == "deepspeed" and start["plan"].startswith(f"zero{stage}")
 
@@ -58,10 +60,10 @@ def test_auto_plans_with_engine_probes_and_trains(tmp_path: Path, reference: lis
     losses = _losses(result)
     assert losses == pytest.approx(reference, rel=1e-5, abs=1e-5)
     assert "cfp: probed the DeepSpeed engine (stages [0, 1, 2, 3])" in result.output
-    plan = json.loads((tmp_path / "run" / "zero_plan.json").read_text())
-    assert plan["predicted"]["step_time_s"] > 0
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["backend"] == "deepspeed" and plan["prediction"]["step_time_s"] > 0
     checks = [r for r in result.records if r.get("event") == "plan_check"]
-    assert checks and checks[0]["predicted_step_s"] == pytest.approx(plan["predicted"]["step_time_s"], rel=1e-3)
+    assert checks and checks[0]["predicted_step_s"] == pytest.approx(plan["prediction"]["step_time_s"], rel=1e-3)
     stored = list((tmp_path / "cache" / "profile").glob("*-deepspeed-*.json"))
     assert len(stored) == 1
     probes = load_probes(stored[0], 2)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import enum
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from cfp_megatron.base.config import build_spec
+from cfp_megatron.base.config import LayoutKey, build_spec, layout_field
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 
 
@@ -30,6 +31,47 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 PLANNED_KEYS = ("zero_stage", "micro_batch", "activation_checkpointing", "offload_optimizer", "offload_param")
 """The knobs the DeepSpeed planner chooses."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroSpec:
+    """The ZeRO options of a DeepSpeed plan: the part of its layout the ``parallel`` group does not hold (the plan's
+    ParallelSpec keeps data parallelism over every rank, activation checkpointing as ``recompute=full`` and ZeRO's
+    sharded optimizer as ``distributed_optimizer``). Each field's :class:`~cfp_megatron.base.config.LayoutKey`
+    gives its key in the plan's canonical string."""
+
+    stage: int = layout_field(0, key="zero", megatron=None)
+    """ZeRO stage 0-3."""
+    offload_optimizer: bool = layout_field(False, key="oopt", megatron=None)
+    """Optimizer states and the step on the host (ZeRO-Offload); stages 1-3."""
+    offload_param: bool = layout_field(False, key="oparam", megatron=None)
+    """Parameters on the host, fetched per layer; stage 3."""
+    bucket_elements: int = layout_field(50_000_000, key="bucket", megatron=None)
+    """Elements per reduce/all-gather/prefetch bucket."""
+
+    def __post_init__(self) -> None:
+        issues: list[ConfigIssue] = []
+        if self.stage not in ZERO_STAGES:
+            issues.append(ConfigIssue(key="backend.zero_stage", value=self.stage, problem="is not a ZeRO stage.",
+                                      fix="use 0, 1, 2 or 3."))
+        if self.offload_param and self.stage != 3:
+            issues.append(ConfigIssue(key="backend.offload_param", value=True,
+                                      problem=f"parameter offload needs ZeRO stage 3, not {self.stage}.",
+                                      fix="use zero stage 3, or no parameter offload."))
+        if self.offload_optimizer and self.stage == 0:
+            issues.append(ConfigIssue(key="backend.offload_optimizer", value=True,
+                                      problem="optimizer offload needs a ZeRO stage of 1 or more.",
+                                      fix="use zero stage 1-3, or no optimizer offload."))
+        if self.bucket_elements < 1:
+            issues.append(ConfigIssue(key="backend.bucket_elements", value=self.bucket_elements,
+                                      problem="must be positive.", fix="use e.g. 50000000."))
+        if issues:
+            raise ConfigError(issues)
+
+
+def zero_keys() -> dict[str, LayoutKey]:
+    """ZeroSpec field name -> its LayoutKey, in declaration order (the canonical string's order)."""
+    return {f.name: f.metadata["layout"] for f in dataclasses.fields(ZeroSpec)}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cfp_megatron.base.config import JobSpec, ParallelSpec, Precision, build_spec, layout_keys
+from cfp_megatron.base.backend_spec import BackendKind, ZeroSpec, zero_keys
+from cfp_megatron.base.config import JobSpec, ParallelSpec, Precision, Recompute, build_spec, layout_keys
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.base.files import write_new
 from cfp_megatron.base.jsonio import json_plain
@@ -55,7 +56,10 @@ _BATCH_KEYS: tuple[str, ...] = ("dp", "mb", "gbs", "seq")
 """Keys written after the head fields: derived data-parallel size, micro-batch, global batch, sequence length."""
 
 _PRECISION_KEY = "prec"
-"""Key of the precision, written last."""
+"""Key of the precision, written last in a Megatron plan's string."""
+
+_BACKEND_KEY = "backend"
+"""Key of the backend, written after the precision in a DeepSpeed plan's string, before its ZeRO options."""
 
 _SEPARATORS = set(",=:@ \t\n")
 """Characters a value in the canonical string must not contain."""
@@ -138,6 +142,10 @@ class Plan:
     """Tokens per sequence."""
     precision: str
     """The TrainSpec precision value (``auto``, ``fp32``, ``bf16`` or ``fp16``)."""
+    backend: BackendKind = BackendKind.megatron
+    """The engine that trains the plan."""
+    zero: ZeroSpec | None = None
+    """With ``backend=deepspeed``: the ZeRO options (``None`` for Megatron plans)."""
     predicted: PlanPrediction | None = None
     """The simulator's prediction; ``None`` for a plan parsed from its canonical string or not simulated."""
     inputs_fingerprint: str = ""
@@ -174,6 +182,7 @@ class Plan:
             out.append(f"inputs_fingerprint={self.inputs_fingerprint!r} must be a string without spaces or , = : @.")
         if self.predicted is not None and not isinstance(self.predicted, PlanPrediction):
             out.append(f"predicted must be a PlanPrediction or None, not {type(self.predicted).__name__}.")
+        out += self._backend_problems()
         if out:
             return out
         p, world = self.parallel, self.world_size
@@ -187,6 +196,28 @@ class Plan:
         if not out and self.global_batch_size % (self.micro_batch_size * self.dp):
             out.append(f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size x dp = "
                        f"{self.micro_batch_size} x {self.dp}.")
+        return out
+
+    def _backend_problems(self) -> list[str]:
+        """What the backend asks of the other fields: a DeepSpeed plan is data parallel over every rank, with ZeRO
+        options, its sharded optimizer from stage 1 and activation checkpointing as full recomputation."""
+        if not isinstance(self.backend, BackendKind):
+            return [f"backend={self.backend!r} must be one of {[b.value for b in BackendKind]}."]
+        if self.backend is BackendKind.megatron:
+            return [] if self.zero is None else ["a Megatron plan has no ZeRO options (zero must be None)."]
+        if not isinstance(self.zero, ZeroSpec):
+            return ["a DeepSpeed plan needs its ZeRO options (zero)."]
+        p, out = self.parallel, []
+        if not isinstance(p, ParallelSpec):
+            return out
+        split = {k: getattr(p, k) for k in ("tp", "pp", "cp", "ep") if getattr(p, k) != 1}
+        if split or p.sp or p.virtual_stages > 1:
+            out.append(f"a DeepSpeed plan is data parallel over every rank, not {split or 'sp/vpp'}.")
+        if p.distributed_optimizer != (self.zero.stage >= 1):
+            out.append(f"ZeRO stage {self.zero.stage} shards the optimizer states iff it is 1 or more "
+                       f"(distributed_optimizer={p.distributed_optimizer}).")
+        if p.recompute is Recompute.selective:
+            out.append("DeepSpeed's activation checkpointing recomputes whole layers (recompute=full), not selective.")
         return out
 
     # ---------------------------------------------------------------------------------------------------- derived
@@ -206,6 +237,50 @@ class Plan:
     def num_microbatches(self) -> int:
         """Micro-batches per optimizer step on each data-parallel rank: ``gbs / (mb x dp)``."""
         return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """DeepSpeed's name for :attr:`num_microbatches`."""
+        return self.num_microbatches
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage: the DeepSpeed plan's, or 1 for Megatron's distributed optimizer (else 0)."""
+        return self.zero.stage if self.zero is not None else int(self.parallel.distributed_optimizer)
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Whether every layer is recomputed in the backward pass (``recompute=full``)."""
+        return self.parallel.recompute is Recompute.full
+
+    @property
+    def offload_optimizer(self) -> bool:
+        """Optimizer states on the host (DeepSpeed's ZeRO-Offload)."""
+        return self.zero is not None and self.zero.offload_optimizer
+
+    @property
+    def offload_param(self) -> bool:
+        """Parameters on the host (DeepSpeed's ZeRO-3 offload)."""
+        return self.zero is not None and self.zero.offload_param
+
+    @property
+    def bucket_elements(self) -> int:
+        """Elements per ZeRO bucket (DeepSpeed plans; DeepSpeed's planner default otherwise)."""
+        return (self.zero or ZeroSpec()).bucket_elements
+
+    def describe(self) -> str:
+        """A short label: ``zero2 mb2 ga1 ckpt offload=opt`` for a DeepSpeed plan, ``dp2 tp2 pp2 mb4`` (and what
+        differs from the defaults) for a Megatron one."""
+        p = self.parallel
+        if self.backend is BackendKind.deepspeed:
+            offload = "+".join(n for n, on in (("opt", self.offload_optimizer), ("param", self.offload_param)) if on)
+            return (f"zero{self.zero_stage} mb{self.micro_batch_size} ga{self.num_microbatches}"
+                    f"{' ckpt' if self.activation_checkpointing else ''}{f' offload={offload}' if offload else ''}")
+        parts = [f"dp{self.dp}", f"tp{p.tp}" + (" sp" if p.sp else ""), f"pp{p.pp}"]
+        parts += [f"vpp{p.virtual_stages}"] if p.virtual_stages > 1 else []
+        parts += [f"{k}{getattr(p, k)}" for k in ("cp", "ep") if getattr(p, k) > 1]
+        parts += [f"mb{self.micro_batch_size}", f"rc={p.recompute.value}"]
+        return " ".join(parts + (["dopt"] if p.distributed_optimizer else []))
 
     # ------------------------------------------------------------------------------------------------- building
 
@@ -234,6 +309,22 @@ class Plan:
                    global_batch_size=job.train.global_batch_size, seq_length=job.train.seq_length,
                    precision=job.train.precision.value, predicted=prediction, inputs_fingerprint=inputs_fingerprint)
 
+    @classmethod
+    def for_deepspeed(cls, job: JobSpec, *, world: int, zero: ZeroSpec, micro_batch: int,
+                      activation_checkpointing: bool, precision: Precision,
+                      predicted: PlanPrediction | None = None) -> Plan:
+        """The DeepSpeed plan of ``job`` on ``world`` data-parallel ranks with the given ZeRO options, micro-batch,
+        activation checkpointing and (resolved) precision; the nodes follow from the cluster's GPUs per node (or
+        torchrun's world on one node)."""
+        gpn = job.cluster.gpus_per_node or max(world // max(job.cluster.nodes, 1), 1)
+        nodes = max(world // gpn, 1)
+        parallel = ParallelSpec(recompute=Recompute.full if activation_checkpointing else Recompute.none,
+                                distributed_optimizer=zero.stage >= 1)
+        return cls(model=job.model.name, cluster=job.cluster.name, nodes=nodes, gpus_per_node=world // nodes,
+                   parallel=parallel, micro_batch_size=micro_batch, global_batch_size=job.train.global_batch_size,
+                   seq_length=job.train.seq_length, precision=precision.value, backend=BackendKind.deepspeed,
+                   zero=zero, predicted=predicted)
+
     def apply(self, job: JobSpec) -> JobSpec:
         """``job`` with this plan's parallel spec, micro and global batch and sequence length (everything else,
         precision included, stays as the job has it). Raises :class:`PlanError` if the plan is for another model."""
@@ -260,6 +351,9 @@ class Plan:
             if not lk.head:
                 items.append((keys[name], _encode(name, getattr(self.parallel, name))))
         items.append((_PRECISION_KEY, self.precision))
+        if self.zero is not None:  # a Megatron plan's string ends here (its hash predates the DeepSpeed plans)
+            items.append((_BACKEND_KEY, self.backend.value))
+            items += [(lk.key, _encode(name, getattr(self.zero, name))) for name, lk in zero_keys().items()]
         body = ",".join(f"{k}={v}" for k, v in items)
         return f"{self.model}@{self.cluster}x{self.nodes}x{self.gpus_per_node}:{body}"
 
@@ -284,6 +378,8 @@ class Plan:
             raise PlanError(f"plan string head {head!r} is not <model>@<cluster>x<nodes>x<gpus_per_node>.",
                             fix=f"write it as {fmt}, e.g. gpt3_175b@dgx_a100x128x8:...")
         cluster, nodes, gpus = parts[0], int(parts[1]), int(parts[2])
+        if body.startswith("zero="):  # a DeepSpeed plan string written before plans were one artifact
+            return _legacy_deepspeed(model, cluster, nodes, gpus, _legacy_fields(body))
         values: dict[str, str] = {}
         for item in body.split(","):
             key, eq, value = item.partition("=")
@@ -294,7 +390,22 @@ class Plan:
             values[key] = value
         keys = _parallel_keys()
         by_key = {short: name for name, short in keys.items()}
-        _check_keys(values, required=[*by_key, *_BATCH_KEYS, _PRECISION_KEY], where="the plan string")
+        zero_by_key = {lk.key: name for name, lk in zero_keys().items()}
+        deepspeed = values.get(_BACKEND_KEY) == BackendKind.deepspeed.value
+        _check_keys(values, required=[*by_key, *_BATCH_KEYS, _PRECISION_KEY,
+                                      *([_BACKEND_KEY, *zero_by_key] if deepspeed else [])],
+                    optional=[_BACKEND_KEY], where="the plan string")
+        zero = None
+        if deepspeed:
+            zero_hints = typing.get_type_hints(ZeroSpec)
+            try:
+                zero = ZeroSpec(**{name: _decode(name, zero_hints[name], values[key])
+                                   for key, name in zero_by_key.items()})
+            except ConfigError as err:
+                raise PlanError(f"the plan string's ZeRO options are invalid: {err}") from err
+        elif _BACKEND_KEY in values and values[_BACKEND_KEY] != BackendKind.megatron.value:
+            raise PlanError(f"plan string backend={values[_BACKEND_KEY]!r} is not one of "
+                            f"{[b.value for b in BackendKind]}.")
         hints = typing.get_type_hints(ParallelSpec)
         parallel_values = {name: _decode(name, hints[name], values[short]) for short, name in by_key.items()}
         ints = {k: _decode_int(k, values[k]) for k in _BATCH_KEYS}
@@ -304,7 +415,8 @@ class Plan:
             raise PlanError(f"the plan string's layout is invalid: {err}") from err
         plan = cls(model=model, cluster=cluster, nodes=nodes, gpus_per_node=gpus, parallel=parallel,
                    micro_batch_size=ints["mb"], global_batch_size=ints["gbs"], seq_length=ints["seq"],
-                   precision=values[_PRECISION_KEY])
+                   precision=values[_PRECISION_KEY], backend=BackendKind.deepspeed if deepspeed
+                   else BackendKind.megatron, zero=zero)
         if ints["dp"] != plan.dp:
             raise PlanError(f"plan string says dp={ints['dp']} but world / (tp x cp x pp) = {plan.world_size} / "
                             f"{plan.parallel.tp * plan.parallel.cp * plan.parallel.pp} = {plan.dp}.",
@@ -334,6 +446,8 @@ class Plan:
             "global_batch_size": self.global_batch_size,
             "seq_length": self.seq_length,
             "precision": self.precision,
+            "backend": self.backend.value,
+            "zero": None if self.zero is None else json_plain(self.zero),
             "prediction": None if self.predicted is None else self.predicted.to_json(),
             "world_size": self.world_size,
             "dp": self.dp,
@@ -351,6 +465,11 @@ class Plan:
         if not isinstance(d, dict):
             raise PlanError(f"plan.json must hold a JSON object, not {type(d).__name__}.",
                             fix="re-plan to write a fresh plan.json.")
+        if isinstance(d.get("plan"), dict) and "zero_stage" in d["plan"]:  # an earlier DeepSpeed run's zero_plan.json
+            plan = cls.parse(str(d.get("canonical", "")))
+            predicted = d.get("predicted")
+            return plan if predicted is None else dataclasses.replace(
+                plan, predicted=PlanPrediction.from_json({"bubble_fraction": 0.0, **predicted}))
         version = d.get("schema_version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise PlanError(f"plan.json has no valid schema_version (got {version!r}).",
@@ -365,13 +484,20 @@ class Plan:
         fields = ["model", "cluster", "nodes", "gpus_per_node", "parallel", "micro_batch_size", "global_batch_size",
                   "seq_length", "precision"]
         _check_keys(d, required=["schema_version", "canonical", "hash", *fields],
-                    optional=["inputs_fingerprint", "prediction", "world_size", "dp", "num_microbatches"],
-                    where="plan.json")
+                    optional=["inputs_fingerprint", "prediction", "world_size", "dp", "num_microbatches",
+                              "backend", "zero"], where="plan.json")
         parallel = _parallel_from_json(d["parallel"])
+        try:
+            backend = BackendKind(d.get("backend", BackendKind.megatron.value))
+            zero = None if d.get("zero") is None else build_spec(ZeroSpec, d["zero"])
+        except (ConfigError, TypeError, ValueError) as err:
+            raise PlanError(f"plan.json's backend or ZeRO options are invalid: {err}",
+                            fix="re-plan to write a fresh plan.json.") from err
         prediction = d.get("prediction")
         plan = cls(schema_version=version, model=d["model"], cluster=d["cluster"], nodes=d["nodes"],
                    gpus_per_node=d["gpus_per_node"], parallel=parallel, micro_batch_size=d["micro_batch_size"],
                    global_batch_size=d["global_batch_size"], seq_length=d["seq_length"], precision=d["precision"],
+                   backend=backend, zero=zero,
                    predicted=None if prediction is None else PlanPrediction.from_json(prediction),
                    inputs_fingerprint=d.get("inputs_fingerprint", ""))
         stored, actual = d["hash"], plan.plan_hash()
@@ -418,6 +544,38 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
 
 
 # ----------------------------------------------------------------------------------------------------- helpers
+
+_LEGACY_DEEPSPEED_KEYS = ("zero", "dp", "mb", "ga", "gbs", "seq", "ckpt", "oopt", "oparam", "bucket", "prec")
+"""The keys of a DeepSpeed plan string from before DeepSpeed plans were Plans (``zero=2,dp=4,...,prec=fp32``)."""
+
+
+def _legacy_fields(body: str) -> dict[str, str]:
+    fields = dict(part.partition("=")[::2] for part in body.split(","))
+    if sorted(fields) != sorted(_LEGACY_DEEPSPEED_KEYS):
+        raise PlanError(f"the DeepSpeed plan string {body!r} does not have the keys {list(_LEGACY_DEEPSPEED_KEYS)}.",
+                        fix="re-plan (+cfp=auto) to get a current plan string.", setting="cfp.plan")
+    return fields
+
+
+def _legacy_deepspeed(model: str, cluster: str, nodes: int, gpus: int, fields: dict[str, str]) -> Plan:
+    """The Plan of an earlier DeepSpeed plan string (its canonical string, and so its hash, is the current form)."""
+    try:
+        ints = {k: int(v) for k, v in fields.items() if k != "prec"}
+        zero = ZeroSpec(stage=ints["zero"], offload_optimizer=bool(ints["oopt"]), offload_param=bool(ints["oparam"]),
+                        bucket_elements=ints["bucket"])
+    except (ValueError, ConfigError) as err:
+        raise PlanError(f"the DeepSpeed plan string's values are invalid: {err}", setting="cfp.plan") from err
+    parallel = ParallelSpec(recompute=Recompute.full if ints["ckpt"] else Recompute.none,
+                            distributed_optimizer=zero.stage >= 1)
+    plan = Plan(model=model, cluster=cluster, nodes=nodes, gpus_per_node=gpus, parallel=parallel,
+                micro_batch_size=ints["mb"], global_batch_size=ints["gbs"], seq_length=ints["seq"],
+                precision=fields["prec"], backend=BackendKind.deepspeed, zero=zero)
+    if plan.dp != ints["dp"] or plan.num_microbatches != ints["ga"]:
+        raise PlanError(f"dp={ints['dp']} and ga={ints['ga']} do not follow from the string's sizes "
+                        f"(dp={plan.dp}, ga={plan.num_microbatches}).", fix="re-plan, or correct the string.",
+                        setting="cfp.plan")
+    return plan
+
 
 
 def _parallel_keys() -> dict[str, str]:

@@ -52,6 +52,10 @@ def megatron_lm_args(plan: Plan, *, num_layers: int | None = None) -> list[str]:
     tp-cp-ep-dp-pp / tp-cp-ep-pp-dp, layers that do not split evenly).
     """
     p = plan.parallel
+    if plan.zero is not None:
+        raise PlanError(f"the plan is a {plan.backend.value} plan ({plan.describe()}); Megatron-LM's arguments do "
+                        "not configure DeepSpeed's ZeRO.", fix="use its DeepSpeed config (deepspeed_config) and "
+                        "torchrun command instead.", setting="backend")
     if p.mlp is not MlpPartition.megatron:
         raise PlanError(f"parallel.mlp={p.mlp.value}: Megatron-LM's pretrain_gpt.py has no PrimePar layers, so no "
                         "arguments of its reproduce this plan.",
@@ -152,8 +156,9 @@ def deepspeed_config(plan: Plan, *, gradient_clipping: float = 1.0) -> dict[str,
     """The batch, ZeRO and precision keys of a DeepSpeed config for the plan.
 
     ``train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp`` holds by construction
-    (dp = world / (tp x cp x pp), the data-parallel size DeepSpeed sees under model parallelism). ZeRO stage 1 with
-    the distributed optimizer, else 0. The parallel layout is not in the dict (see the module docstring).
+    (dp = world / (tp x cp x pp), the data-parallel size DeepSpeed sees under model parallelism). A DeepSpeed plan
+    gives its ZeRO stage, buckets and offload; a Megatron plan ZeRO stage 1 with the distributed optimizer, else 0.
+    The parallel layout is not in the dict (see the module docstring).
     """
     if gradient_clipping < 0:
         raise PlanError(f"gradient_clipping={gradient_clipping} must not be negative.",
@@ -163,11 +168,29 @@ def deepspeed_config(plan: Plan, *, gradient_clipping: float = 1.0) -> dict[str,
         "train_batch_size": plan.global_batch_size,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.num_microbatches,
-        "zero_optimization": {"stage": 1 if plan.parallel.distributed_optimizer else 0},
+        "zero_optimization": _zero_section(plan),
         "bf16": {"enabled": precision is Precision.bf16},
         "fp16": {"enabled": precision is Precision.fp16},
         "gradient_clipping": float(gradient_clipping),
     }
+
+
+def _zero_section(plan: Plan) -> dict[str, Any]:
+    """``zero_optimization``: the stage, and for a DeepSpeed plan its buckets, overlap and offload devices."""
+    stage = plan.zero_stage
+    if plan.zero is None:
+        return {"stage": stage}
+    bucket = plan.bucket_elements
+    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                            "overlap_comm": stage >= 2, "contiguous_gradients": stage >= 2}
+    if stage == 3:
+        zero.update({"stage3_prefetch_bucket_size": bucket, "stage3_max_live_parameters": bucket * 2,
+                     "stage3_param_persistence_threshold": 10_000,
+                     "offload_param": {"device": "cpu", "pin_memory": True} if plan.offload_param
+                     else {"device": "none"}})
+    zero["offload_optimizer"] = ({"device": "cpu", "pin_memory": True} if plan.offload_optimizer
+                                 else {"device": "none"})
+    return zero
 
 
 def _hydra_value(value: Any) -> str:
@@ -186,8 +209,15 @@ def hydra_overrides(plan: Plan) -> list[str]:
     sequence length and precision."""
     overrides = [f"model={plan.model}", f"cluster={plan.cluster}", f"cluster.nodes={plan.nodes}",
                  f"cluster.gpus_per_node={plan.gpus_per_node}"]
-    overrides += [f"parallel.{f.name}={_hydra_value(getattr(plan.parallel, f.name))}"
-                  for f in dataclasses.fields(plan.parallel)]
+    if plan.zero is not None:  # DeepSpeed trains data parallel: its knobs are the backend group's
+        overrides += [f"backend={plan.backend.value}", f"backend.zero_stage={plan.zero_stage}",
+                      f"backend.activation_checkpointing={_hydra_value(plan.activation_checkpointing)}",
+                      f"backend.offload_optimizer={_hydra_value(plan.offload_optimizer)}",
+                      f"backend.offload_param={_hydra_value(plan.offload_param)}",
+                      f"backend.bucket_elements={plan.bucket_elements}"]
+    else:
+        overrides += [f"parallel.{f.name}={_hydra_value(getattr(plan.parallel, f.name))}"
+                      for f in dataclasses.fields(plan.parallel)]
     overrides += [f"train.micro_batch_size={plan.micro_batch_size}",
                   f"train.global_batch_size={plan.global_batch_size}",
                   f"train.seq_length={plan.seq_length}", f"train.precision={plan.precision}"]

@@ -6,11 +6,12 @@ Everything is checked before any process group exists: the layout (DeepSpeed's d
 - ``+cfp=auto``: every rank takes part in the profiling rounds (the same ProfileDB as the Megatron backend), rank 0
   searches the ZeRO space (:func:`cfp_megatron.backends.deepspeed.search.search_zero`) and broadcasts the plan, and
   every rank checks its canonical string and hash;
-- ``+cfp=manual cfp.plan=...`` (or ``cfp.plan_file=zero_plan.json``): that plan;
+- ``+cfp=manual cfp.plan=...`` (or ``cfp.plan_file=plan.json``): that plan (an earlier run's ``zero_plan.json``
+  or DeepSpeed plan string is read too);
 - no ``cfp`` group: the ``backend`` knobs as given (unset ones take DeepSpeed's defaults: stage 0, no checkpointing,
   no offload) with ``train.micro_batch_size``.
 
-Rank 0 writes ``ds_config.json`` and ``zero_plan.json`` into the run directory (never over a different file), and
+Rank 0 writes ``ds_config.json`` and ``plan.json`` into the run directory (never over a different file), and
 every rank trains with that config.
 """
 
@@ -23,14 +24,14 @@ from typing import Any
 
 from rich.console import Console
 
-from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, ds_config, write_json_file
+from cfp_megatron.backends.deepspeed.zero_plan import ds_config, write_json_file, zero_plan
 from cfp_megatron.base.backend_spec import BackendSpec
 from cfp_megatron.base.cfp_spec import CfpMode, CfpSpec, cfp_from_config
 from cfp_megatron.base.config import JobSpec, ParallelSpec, job_from_config, resolve_precision
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import LaunchEnv
-from cfp_megatron.base.parallel_dims import ParallelDims
-from cfp_megatron.plan import PlanError
+from cfp_megatron.plan import Plan, PlanError
+from cfp_megatron.planner.backends import backend_for
 from cfp_megatron.planner.deepspeed_launch import planned
 from cfp_megatron.planner.job_checks import hydra_run_dir, validate_rest
 
@@ -61,11 +62,11 @@ def check_layout(job: JobSpec, cfp: CfpSpec) -> None:
         raise ConfigError(issues)
 
 
-def manual_plan(job: JobSpec, backend: BackendSpec, world: int, *, on_gpu: bool) -> ZeroPlan:
+def manual_plan(job: JobSpec, backend: BackendSpec, world: int, *, on_gpu: bool) -> Plan:
     """The plan of the ``backend`` knobs as given (unset: stage 0, no checkpointing, no offload) and
     ``train.micro_batch_size``."""
     pins = backend.pins()
-    return _plan_or_config_error(lambda: ZeroPlan.from_job(
+    return _plan_or_config_error(lambda: zero_plan(
         job, world=world, zero_stage=pins.get("zero_stage", 0),
         micro_batch=pins.get("micro_batch", job.train.micro_batch_size),
         activation_checkpointing=bool(pins.get("activation_checkpointing", False)),
@@ -74,7 +75,7 @@ def manual_plan(job: JobSpec, backend: BackendSpec, world: int, *, on_gpu: bool)
         precision=resolve_precision(job.train.precision, on_gpu)), "backend")
 
 
-def _plan_or_config_error(build: Any, key: str) -> ZeroPlan:
+def _plan_or_config_error(build: Any, key: str) -> Plan:
     try:
         return build()
     except PlanError as err:
@@ -82,7 +83,7 @@ def _plan_or_config_error(build: Any, key: str) -> ZeroPlan:
                                       fix=err.fix or "see the problem.")) from None
     except (OSError, json.JSONDecodeError) as err:
         raise ConfigError(ConfigIssue(key=key, value="-", problem=f"the plan file cannot be read ({err}).",
-                                      fix="give the zero_plan.json a DeepSpeed launch wrote.")) from None
+                                      fix="give the plan.json a DeepSpeed launch wrote.")) from None
 
 
 def train_from_config(cfg: Any, backend: BackendSpec) -> list:
@@ -90,9 +91,7 @@ def train_from_config(cfg: Any, backend: BackendSpec) -> list:
 
     import torch
 
-    from cfp_megatron.backends.deepspeed.trainer import run_training
     from cfp_megatron.compat.cpu import install_if_needed
-    from cfp_megatron.engine.distributed import destroy_distributed, init_distributed
 
     env = LaunchEnv.read()
     job = job_from_config(cfg)
@@ -109,8 +108,8 @@ def train_from_config(cfg: Any, backend: BackendSpec) -> list:
         plan, check = planned(job, cfp, backend, env, console, on_gpu=on_gpu)
     elif cfp.mode is CfpMode.manual and (cfp.plan or cfp.plan_file):
         plan = _plan_or_config_error(
-            (lambda: ZeroPlan.parse(cfp.plan)) if cfp.plan else
-            (lambda: ZeroPlan.from_json(json.loads(Path(str(cfp.plan_file)).read_text()))),
+            (lambda: Plan.parse(cfp.plan)) if cfp.plan else
+            (lambda: Plan.from_json(json.loads(Path(str(cfp.plan_file)).read_text()))),
             "cfp.plan" if cfp.plan else "cfp.plan_file")
     else:
         plan = manual_plan(job, backend, env.world_size, on_gpu=on_gpu)
@@ -123,19 +122,15 @@ def train_from_config(cfg: Any, backend: BackendSpec) -> list:
     folder = run_dir or Path("outputs")
     if env.rank == 0:
         written = write_json_file(config, folder / "ds_config.json")
-        write_json_file(plan.to_json(), folder / "zero_plan.json")
+        write_json_file(plan.to_json(), folder / "plan.json")
         if console is not None:
             console.print(f"cfp: DeepSpeed plan {plan.describe()} ({plan.canonical()}); config {written}",
                           markup=False)
 
-    dims = ParallelDims.build(dataclasses.replace(job, parallel=ParallelSpec()), env.world_size)
     metrics = job.train.metrics_file
     metrics_path = Path(metrics) if metrics else (run_dir / "metrics.jsonl" if run_dir is not None else None)
-    init_distributed(job, dims, env)
-    try:
-        return run_training(job, plan, config, dims, env, metrics_path=metrics_path, check=check, resume=resume)
-    finally:
-        destroy_distributed()
+    return backend_for(backend.name).train(job, plan, env, backend, metrics_path=metrics_path, check=check,
+                                           resume=resume)
 
 
 def _check_checkpoint_dir(job: JobSpec) -> bool:

@@ -9,14 +9,14 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
+from cfp_megatron.backends.deepspeed.backend import DeepSpeedBackend
 from cfp_megatron.backends.deepspeed.engine_probe import load_probes, probe_path, run_probes
-from cfp_megatron.backends.deepspeed.search import ranking_table, search_zero
-from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan
 from cfp_megatron.base.backend_spec import BackendSpec
 from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import JobSpec, ParallelSpec
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import ParallelDims
+from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.plan.check import PlanCheck
 from cfp_megatron.profile.cluster import local_measurements
 from cfp_megatron.profile.fingerprint import model_key
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 
 def planned(job: JobSpec, cfp: CfpSpec, backend: BackendSpec, env: LaunchEnv, console: Any, *,
-            on_gpu: bool) -> tuple[ZeroPlan, PlanCheck | None]:
+            on_gpu: bool) -> tuple[Plan, PlanCheck | None]:
     """The plan every rank trains with, and the check of its first steps (``cfp.check_after_steps``)."""
 
     from cfp_megatron.engine.distributed import destroy_model_parallel_groups, searched_on_rank0
@@ -43,7 +43,7 @@ def planned(job: JobSpec, cfp: CfpSpec, backend: BackendSpec, env: LaunchEnv, co
     received = searched_on_rank0(
         lambda: _search_on_rank0(job, cfp, backend, env.world_size, console, probes, on_gpu=on_gpu), outcome, env,
         console)
-    plan = ZeroPlan.from_json(received["plan"])  # checks the canonical string and hash on this rank
+    plan = Plan.from_json(received["plan"])  # checks the canonical string and hash on this rank
     if console is not None:
         console.print(f"cfp: planned in {time.perf_counter() - began:.1f} s (profiling {outcome.wall_s:.1f} s)",
                       markup=False)
@@ -97,13 +97,11 @@ def _search_on_rank0(job: JobSpec, cfp: CfpSpec, backend: BackendSpec, world: in
                      probes: EngineProbes | None, *, on_gpu: bool) -> dict[str, Any]:
     cluster, measurements = local_measurements(job, world_size=world)
     started = time.perf_counter()
-    result = search_zero(dataclasses.replace(job, cluster=cluster), world, cfp, backend, measurements=measurements,
-                         probes=probes, on_gpu=on_gpu)
+    found = DeepSpeedBackend(probes=probes).search(dataclasses.replace(job, cluster=cluster), world, cfp, backend,
+                                                   measurements=measurements, inputs_fingerprint="", on_gpu=on_gpu)
     searched = time.perf_counter() - started
-    best = dataclasses.replace(result.best.plan, cluster=job.cluster.name)
+    best = dataclasses.replace(found.best, cluster=job.cluster.name)
     if console is not None:
-        console.print(ranking_table(result))
-        console.print(f"cfp: searched {result.evaluated} DeepSpeed plans in {searched * 1e3:.0f} ms", markup=False)
-        for what, why in result.rejected:
-            console.print(f"cfp:   left out {what}: {why}", markup=False)
+        found.report(console)
+        console.print(f"cfp: searched {found.searched} DeepSpeed plans in {searched * 1e3:.0f} ms", markup=False)
     return {"plan": best.to_json()}

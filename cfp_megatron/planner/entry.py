@@ -16,6 +16,7 @@ from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import transformer_engine_available
 from cfp_megatron.compat import moe
 from cfp_megatron.plan.check import PlanCheck
+from cfp_megatron.planner.backends import backend_for
 from cfp_megatron.planner.deepspeed_entry import train_from_config as train_deepspeed
 from cfp_megatron.planner.job_checks import hydra_run_dir, validate_job, validate_rest
 from cfp_megatron.planner.launch_plan import resolve_launch_plan
@@ -32,10 +33,8 @@ def train_from_config(cfg: Any) -> list:
     train; return rank 0's step metrics. ``backend=deepspeed`` hands the job to
     :mod:`cfp_megatron.planner.deepspeed_entry`."""
 
-    from cfp_megatron.backends.megatron.trainer import run_training
     from cfp_megatron.compat.cpu import install_if_needed
     from cfp_megatron.engine import checkpoint
-    from cfp_megatron.engine.distributed import destroy_distributed, init_distributed
 
     backend = backend_from_config(cfg)
     if backend.is_deepspeed:
@@ -76,13 +75,9 @@ def train_from_config(cfg: Any) -> list:
         if saved_dopt is not None:  # a plan applied by hand
             _same_optimizer_kind("cfp.plan_file" if cfp.plan_file else "cfp.plan", job.parallel.distributed_optimizer,
                                  saved_dopt)
-    dims = validate_job(job, env.world_size)
-
-    init_distributed(job, dims, env)
-    try:
-        return run_training(job, dims, env, start_step=start_step, metrics_path=metrics_path, check=check)
-    finally:
-        destroy_distributed()
+    validate_job(job, env.world_size)
+    return backend_for(backend.name).train(job, None, env, backend, metrics_path=metrics_path, check=check,
+                                           resume=start_step)
 
 
 def _same_optimizer_kind(key: str, value: bool, saved: bool) -> None:

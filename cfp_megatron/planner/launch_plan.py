@@ -21,18 +21,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cfp_megatron.backends.megatron.backend import MegatronBackend
+from cfp_megatron.base.backend_spec import BackendSpec
 from cfp_megatron.base.cfp_spec import CfpMode, CfpSpec
 from cfp_megatron.base.config import JobSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.jsonio import json_plain
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import transformer_engine_available
-from cfp_megatron.plan import Plan, PlanError, PlanPrediction, load_plan, save_plan
+from cfp_megatron.plan import Plan, PlanError, load_plan, save_plan
 from cfp_megatron.planner.plan_cli import inputs_fingerprint
 from cfp_megatron.profile.cluster import local_measurements
-from cfp_megatron.search.search import search
 from cfp_megatron.search.space import build_space
-from cfp_megatron.sim.kernels import target_peak_tflops
 
 PLAN_DIR = "cfp"
 """Folder of the run directory that holds the plans of its launches."""
@@ -157,16 +157,14 @@ def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv,
 def _search_on_rank0(job: JobSpec, cfp: CfpSpec, world: int) -> tuple[Plan, tuple[str, ...], float]:
     cluster, measurements = local_measurements(job, world_size=world)
     planned = dataclasses.replace(job, cluster=cluster)
-    result = search(planned, world, cfp, measurements=measurements)
-    best = result.best
+    key = measurements.fingerprint.key if measurements is not None else None
+    found = MegatronBackend().search(planned, world, cfp, BackendSpec(), measurements=measurements,
+                                     inputs_fingerprint=inputs_fingerprint(planned, key), on_gpu=False)
     # Earlier runs of this model on this cluster, checked against their plans, scale the step time shown and checked
     # (the plan keeps the simulator's; the ranking does not change: the same factor applies to every candidate).
     scale = (measurements.step_time_calibration() if measurements is not None else None) or 1.0
-    key = measurements.fingerprint.key if measurements is not None else None
     # The plan carries the job's own cluster preset (the measured figures are inputs, kept in the fingerprint).
-    plan = Plan.from_job(dataclasses.replace(best.job, cluster=job.cluster), world_size=world,
-                         prediction=PlanPrediction.of(best.prediction, target_peak_tflops(planned)),
-                         inputs_fingerprint=inputs_fingerprint(planned, key))
-    ranked = tuple(f"{r.candidate.describe(world)}: {r.prediction.step_time_s * scale * 1e3:.1f} ms, "
-                   f"{r.prediction.memory.total / 2**30:.3f} GiB" for r in result.ranked)
+    plan = dataclasses.replace(found.best, cluster=job.cluster.name)
+    ranked = tuple(f"{label}: {p.predicted.step_time_s * scale * 1e3:.1f} ms, {p.predicted.peak_memory_gib:.3f} GiB"
+                   for label, p in zip(found.labels, found.plans, strict=True) if p.predicted is not None)
     return plan, ranked, scale

@@ -4,11 +4,11 @@ Composes the real Hydra configs with ``+cfp=auto`` and the overrides, e.g.::
 
     python -m cfp_megatron.plan model=gpt3_175b cluster=dgx_a100 cluster.nodes=128 train.global_batch_size=1536
 
-searches the layouts of the job on ``cluster.nodes x cluster.gpus_per_node`` GPUs (``--world`` for the local cluster;
-without ``train.seq_length``, the model's context up to 8,192 tokens is planned), prints the top plans, why the best
-wins, what was ruled out, and writes ``plan.json`` (never over an existing file), the Megatron-LM arguments, a
-DeepSpeed config and the torchrun command that reproduces the plan. On the local cluster the ProfileDB of this machine
-(``python -m cfp_megatron.profile``) supplies measurements.
+searches the plans of the job's backend (``backend=deepspeed``: ZeRO; else Megatron-Core's layouts) on ``cluster.nodes
+x cluster.gpus_per_node`` GPUs (``--world`` for the local cluster; without ``train.seq_length``, the model's context up
+to 8,192 tokens is planned), prints the top plans, why the best wins, what was ruled out, and writes ``plan.json``
+(never over an existing file), the Megatron-LM arguments, a DeepSpeed config and the torchrun command that reproduces
+the plan. On the local cluster the ProfileDB of this machine (``python -m cfp_megatron.profile``) supplies measurements.
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ from pathlib import Path
 
 from rich.console import Console
 
+from cfp_megatron.backends.deepspeed.zero_plan import ds_config
+from cfp_megatron.base.backend_spec import backend_from_config
 from cfp_megatron.base.cfp_spec import cfp_from_config
 from cfp_megatron.base.compose import compose_config
 from cfp_megatron.base.config import job_from_config
 from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
 from cfp_megatron.base.jsonio import json_plain
-from cfp_megatron.plan import Plan, PlanPrediction, deepspeed_config, megatron_lm_args, save_plan, torchrun_command
+from cfp_megatron.plan import deepspeed_config, megatron_lm_args, save_plan, torchrun_command
 from cfp_megatron.plan.errors import PlanError
-from cfp_megatron.planner.report import print_result
+from cfp_megatron.planner.backends import backend_for
 from cfp_megatron.profile.cluster import local_measurements
-from cfp_megatron.search.search import search
-from cfp_megatron.sim.kernels import target_peak_tflops
 
 SEQ_CAP = 8192
 """Longest sequence planned when ``train.seq_length`` is not given (the pre-training context of today's LLMs)."""
@@ -85,12 +85,12 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     console.print(f"planning {job.model.name} on {world} x {cluster.device_name} ({cluster.name}), global batch "
                   f"{job.train.global_batch_size} x {job.train.seq_length} tokens"
                   + ("" if measurements is None else f", measurements {key}"))
-    result = search(job, world, cfp, measurements=measurements)
-    peak = target_peak_tflops(job)
-    print_result(result, peak, console)
-    best = result.best
-    plan = Plan.from_job(best.job, world_size=world, prediction=PlanPrediction.of(best.prediction, peak),
-                         inputs_fingerprint=inputs_fingerprint(job, key))
+    backend = backend_from_config(cfg)
+    found = backend_for(backend.name).search(job, world, cfp, backend, measurements=measurements,
+                                             inputs_fingerprint=inputs_fingerprint(job, key),
+                                             on_gpu=not cluster.on_cpu)
+    found.report(console)
+    plan = dataclasses.replace(found.best, cluster=job.cluster.name)
     out = Path(args.out or "outputs/plans") / f"{job.model.name}-{plan.plan_hash()}"
     target = Path(cfp.plan_file) if cfp.plan_file else out / "plan.json"
     if target.exists() and json.loads(target.read_text()).get("hash") == plan.plan_hash():
@@ -100,10 +100,11 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         console.print(f"plan.json: {target}")
     try:
         megatron_args = " ".join(megatron_lm_args(plan, num_layers=job.model.num_layers))
-    except PlanError as err:  # a plan only this plugin's runtime runs (PrimePar's MLP): say so in the file
+    except PlanError as err:  # a plan Megatron-LM cannot run (PrimePar's MLP, DeepSpeed's ZeRO): say so in the file
         megatron_args = f"# {err}"
+    ds_json = ds_config(plan, job, base=backend.base_config()) if plan.zero is not None else deepspeed_config(plan)
     exports = {"megatron_args.txt": megatron_args + "\n",
-               "deepspeed_config.json": json.dumps(deepspeed_config(plan), indent=2) + "\n",
+               "deepspeed_config.json": json.dumps(ds_json, indent=2) + "\n",
                "torchrun.sh": torchrun_command(plan) + "\n"}
     for name, text in exports.items():
         path = target.parent / name

@@ -29,17 +29,12 @@ random spaces). Ties are broken by the candidate's key, so the answer is the sam
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
-import gc
-import heapq
 import math
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import JobSpec, MlpPartition, OptimizerKind, ParallelSpec, Recompute
@@ -47,6 +42,7 @@ from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.base.pipeline_split import chunk_layers, stage_counts
 from cfp_megatron.cluster.measured import Measurements, partition_name
+from cfp_megatron.search import driver
 from cfp_megatron.search.space import (
     BLOCK,
     Candidate,
@@ -124,101 +120,114 @@ _NO_PLAN_FIX = "relax the cfp pins and constraints, lower cfp.constraints.memory
 def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements | None = None,
            options: SimOptions | None = None, te_available: bool = True,
            exhaustive: bool = False) -> SearchResult:
-    """The ``cfp.top_k`` fastest layouts of ``job`` on ``world`` ranks that fit in memory (see the module docstring).
+    """The ``cfp.top_k`` fastest layouts of ``job`` on ``world`` ranks that fit in memory (see the module docstring),
+    searched by the one driver (:func:`cfp_megatron.search.driver.run`) over :class:`MegatronSpace`.
 
     ``exhaustive`` simulates every candidate that fits (no bound): the reference the bounded search is tested
-    against. Python's cyclic garbage collector is paused while it runs: the search allocates hundreds of thousands
-    of short-lived tuples and few cycles, and the collector's passes over them cost 10-15% of its time."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return _search(job, world, cfp, measurements=measurements, options=options, te_available=te_available,
-                       exhaustive=exhaustive)
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements | None, options: SimOptions | None,
-            te_available: bool, exhaustive: bool) -> SearchResult:
+    against."""
     started = time.perf_counter()
-    cluster = job.cluster
-    options = options or SimOptions()
-    space = build_space(job, world, cfp, te_available=te_available)
-    if measurements is not None:  # PrimePar's MLP only where profiling timed its layer (see Space.primepar)
-        timed = frozenset(f.tp for f in space.families if measurements.segment_micro_batches(
-            "dense", partition_name(f.tp, mlp=MlpPartition.primepar)))
-        space = dataclasses.replace(space, primepar=timed)
-    cache = CostCache.for_job(job, measurements, options)
-    limit = None
-    if cluster.hbm_gib is not None:
-        limit = cluster.hbm_gib * (1.0 - cfp.constraints.memory_headroom)
-    groups, invalid_groups, size = _groups(space, job, measurements, options, cache)
-    param_bytes = _param_bytes(job)
-    # Groups enter the queue with a bound below all their candidates' and are expanded when they reach its head, so
-    # candidates leave it in increasing (bound, key) order while most groups are never expanded.
-    queue: list[tuple[float, int, Any, float]] = [(g.bound, _GROUP, i, 0.0) for i, g in enumerate(groups)]
-    heapq.heapify(queue)
-    k = cfp.top_k
-    best: list[tuple[float, tuple, Ranked]] = []  # the k best so far, by (step time, candidate key)
-    over: dict[Family, list[float]] = defaultdict(list)
-    checked = simulated = over_memory = invalid = bounded = visited = 0
-    while queue:
-        bound, kind, item, weights = heapq.heappop(queue)
-        if not exhaustive and len(best) == k and bound > best[-1][0]:
-            break  # this and every later candidate is slower than the k-th best
-        if kind == _GROUP:
-            # Candidates bounded above the k-th best so far are never visited (the k-th best only falls).
-            cut = best[-1][0] if len(best) == k and not exhaustive else math.inf
-            for entry in _expand(groups[item], job, options, param_bytes, cut):
-                heapq.heappush(queue, entry)
-            continue
-        visited += 1
-        key = item
-        cand = Candidate.from_key(key)
-        if limit is not None and weights / GIB > limit:  # its weights, gradients and optimizer states alone
-            over_memory += 1
-            over[_family(cand)].append(weights / GIB)
-            continue
+    with driver.gc_paused():
+        space = MegatronSpace.build(job, world, cfp, measurements=measurements, options=options,
+                                    te_available=te_available)
+        found = driver.run(space, cfp.top_k, exhaustive=exhaustive)
+    rejected = list(space.space.rejected) + space.invalid_groups
+    for fam, sizes in sorted(found.over.items()):
+        rejected.append(Rejection(what=_family_label(fam, world), count=len(sizes),
+                                  reason=f"{len(sizes)} plan(s) checked need {min(sizes):.1f} GiB or more per GPU, "
+                                         f"over the {space.limit:.1f} GiB allowed"))
+    return SearchResult(ranked=tuple(r.result for r in found.ranked), rejected=tuple(rejected),
+                        space_size=space.size, simulated=found.simulated, memory_checked=found.checked,
+                        over_memory=found.over_memory, invalid=found.refused,
+                        pruned=space.size - found.visited + found.slower, memory_limit_gib=space.limit,
+                        seconds=time.perf_counter() - started, world=world)
+
+
+@dataclass(kw_only=True)
+class MegatronSpace:
+    """The Megatron backend's layouts as the driver searches them (:class:`cfp_megatron.search.driver.SearchSpace`):
+    groups of candidates that share their pass costs, bounded; each candidate checked for memory, then simulated."""
+
+    job: JobSpec
+    """The searched job."""
+    world: int
+    """Ranks."""
+    space: Space
+    """The families and knob values."""
+    measurements: Measurements | None
+    """The profile the search predicts from."""
+    options: SimOptions
+    """The simulator's options."""
+    cache: CostCache
+    """Pass costs shared by the candidates."""
+    limit: float | None
+    """Peak memory a plan may predict per GPU in GiB (HBM less the headroom); ``None`` without a known capacity."""
+    groups: list[_Bounded]
+    """The bounded groups."""
+    invalid_groups: list[Rejection]
+    """Groups the runtime's validation refused."""
+    size: int
+    """Candidates in the space."""
+    param_bytes: tuple[float, float]
+    """Bytes per parameter with and without the distributed optimizer (:func:`_param_bytes`)."""
+
+    @classmethod
+    def build(cls, job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements | None,
+              options: SimOptions | None, te_available: bool) -> MegatronSpace:
+        """The space of ``job`` on ``world`` ranks under ``cfp``, its groups bounded."""
+        options = options or SimOptions()
+        space = build_space(job, world, cfp, te_available=te_available)
+        if measurements is not None:  # PrimePar's MLP only where profiling timed its layer (see Space.primepar)
+            timed = frozenset(f.tp for f in space.families if measurements.segment_micro_batches(
+                "dense", partition_name(f.tp, mlp=MlpPartition.primepar)))
+            space = dataclasses.replace(space, primepar=timed)
+        cache = CostCache.for_job(job, measurements, options)
+        limit = None
+        if job.cluster.hbm_gib is not None:
+            limit = job.cluster.hbm_gib * (1.0 - cfp.constraints.memory_headroom)
+        groups, invalid_groups, size = _groups(space, job, measurements, options, cache)
+        return cls(job=job, world=world, space=space, measurements=measurements, options=options, cache=cache,
+                   limit=limit, groups=groups, invalid_groups=invalid_groups, size=size,
+                   param_bytes=_param_bytes(job))
+
+    def entries(self) -> list[driver.Entry]:
+        """Every group, at its bound: groups are expanded when they reach the queue's head, so most never are."""
+        return [(g.bound, driver.GROUP, i, 0.0) for i, g in enumerate(self.groups)]
+
+    def expand(self, item: int, cut: float) -> list[driver.Entry]:
+        """The group's candidates bounded at ``cut`` or less, with their weights' bytes (:func:`_expand`)."""
+        return _expand(self.groups[item], self.job, self.options, self.param_bytes, cut)
+
+    def evaluate(self, item: tuple, extra: float, kth: float) -> driver.Outcome:
+        """The candidate of key ``item`` (``extra``: its heaviest rank's weights in bytes): its weights, its memory
+        (block recomputation and PrimePar's layer count chosen to fit), then the simulator unless slower than
+        ``kth`` seconds."""
+        job, limit = self.job, self.limit
+        cand = Candidate.from_key(item)
+        if limit is not None and extra / GIB > limit:  # its weights, gradients and optimizer states alone
+            return driver.OverMemory(label=_family(cand), gib=extra / GIB, checked=0)
         try:
             if cand.recompute == BLOCK:
-                cand, memory, tries = _fewest_block_layers(cand, job, limit, measurements, options, world, cache)
+                cand, memory, tries = _fewest_block_layers(cand, job, limit, self.measurements, self.options,
+                                                           self.world, self.cache)
                 cjob = cand.job(job)
             else:
                 cjob, tries = cand.job(job), 1
-                memory = predict_memory(cjob, cluster, measurements, options=options, world_size=world, cache=cache)
+                memory = predict_memory(cjob, job.cluster, self.measurements, options=self.options,
+                                        world_size=self.world, cache=self.cache)
                 if cand.mlp == MlpPartition.primepar.value and limit is not None:
-                    cand, memory, more = _primepar_layers(cand, cjob, memory, job, limit, measurements, options,
-                                                          world, cache)
+                    cand, memory, more = _primepar_layers(cand, cjob, memory, job, limit, self.measurements,
+                                                          self.options, self.world, self.cache)
                     cjob, tries = cand.job(job), tries + more
         except ConfigError:
-            invalid += 1
-            continue
-        checked += tries
+            return driver.Refused()
         if limit is not None and memory.total / GIB > limit:
-            over_memory += 1
-            over[_family(cand)].append(memory.total / GIB)
-            continue
-        kth = best[-1][0] if len(best) == k and not exhaustive else math.inf
-        prediction = simulate_unless_slower(cjob, kth, cluster, measurements, options=options, world_size=world,
-                                            cache=cache)
+            return driver.OverMemory(label=_family(cand), gib=memory.total / GIB, checked=tries)
+        prediction = simulate_unless_slower(cjob, kth, job.cluster, self.measurements, options=self.options,
+                                            world_size=self.world, cache=self.cache)
         if prediction is None:  # its bound with the exact passes, gradient sync and optimizer exceeds the k-th best
-            bounded += 1
-            continue
-        simulated += 1
-        entry = (prediction.step_time_s, key, Ranked(candidate=cand, job=cjob, prediction=prediction))
-        bisect.insort(best, entry, key=lambda e: e[:2])
-        del best[k:]
-    ranked = tuple(r for _, _, r in best)
-    rejected = list(space.rejected) + invalid_groups
-    for fam, sizes in sorted(over.items()):
-        rejected.append(Rejection(what=_family_label(fam, world), count=len(sizes),
-                                  reason=f"{len(sizes)} plan(s) checked need {min(sizes):.1f} GiB or more per GPU, "
-                                         f"over the {limit:.1f} GiB allowed"))
-    return SearchResult(ranked=ranked, rejected=tuple(rejected), space_size=size, simulated=simulated,
-                        memory_checked=checked, over_memory=over_memory, invalid=invalid,
-                        pruned=size - visited + bounded, memory_limit_gib=limit,
-                        seconds=time.perf_counter() - started, world=world)
+            return driver.Slower(checked=tries)
+        return driver.Ranked(step_time_s=prediction.step_time_s, tie=item, checked=tries,
+                             result=Ranked(candidate=cand, job=cjob, prediction=prediction))
 
 
 def _fewest_block_layers(cand: Candidate, job: JobSpec, limit: float | None, measurements: Measurements | None,
@@ -330,10 +339,6 @@ def _family_label(f: Family, world: int) -> str:
     return label
 
 
-_GROUP, _CANDIDATE = 0, 1
-"""Kinds of queue entries (a group sorts before its candidates of equal bound)."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class _Bounded:
     """A :class:`~cfp_megatron.search.space.Group` with its pass costs' bound terms and a lower bound on the step
@@ -408,7 +413,7 @@ def _lightest_ends(num_layers: int, pp: int, splits: tuple[tuple[int, int, int],
 
 def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: tuple[float, float],
             cut: float = math.inf) -> list[tuple[float, int, tuple, float]]:
-    """Queue entries of the group's candidates whose time bound is ``cut`` or less: ``(time bound, _CANDIDATE, key,
+    """Queue entries of the group's candidates whose time bound is ``cut`` or less: ``(time bound, CANDIDATE, key,
     memory bound)``; the memory bound counts the weights, gradients and, unless sharded, optimizer states of the
     heaviest pipeline rank's layers (``param_bytes``: bytes per parameter with and without the distributed optimizer,
     :func:`_param_bytes`)."""
@@ -426,7 +431,7 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: t
             continue
         params = 0.0 if options.fsdp else max(d * costs.dense_params + n * costs.moe_params
                                               for d, n in _rank_loads(L, pp, vpp, first_n, last_n, first_dense))
-        out += [(bound, _CANDIDATE, (*g.head, vpp, first_n, last_n, dopt), params * param_bytes[not dopt])
+        out += [(bound, driver.CANDIDATE, (*g.head, vpp, first_n, last_n, dopt), params * param_bytes[not dopt])
                 for dopt in g.dopts]
     return out
 

@@ -1,4 +1,4 @@
-"""Step time and memory of a DeepSpeed ZeRO plan (:class:`~cfp_megatron.backends.deepspeed.zero_plan.ZeroPlan`).
+"""Step time and memory of a DeepSpeed ZeRO plan (DeepSpeed :class:`~cfp_megatron.plan.artifact.Plan`).
 
 The model's passes (:class:`ZeroPasses`) come from one of two sources. For a Megatron-Core model
 (``backend=deepspeed``, :func:`simulate_zero`) they are the Megatron simulator's for the same model without model
@@ -38,11 +38,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, model_job
-from cfp_megatron.base.config import ClusterSpec, JobSpec
+from cfp_megatron.backends.deepspeed.zero_plan import model_job
+from cfp_megatron.base.config import ClusterSpec, JobSpec, Recompute
 from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective, Measurements
+from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.sim.layout import build_layout
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache
@@ -157,7 +158,7 @@ class ZeroPasses:
         return self.forward_s + self.backward_s + self.recompute_s + self.overhead_s
 
 
-def megatron_passes(job: JobSpec, plan: ZeroPlan, measurements: Measurements | None, *, cluster: ClusterSpec,
+def megatron_passes(job: JobSpec, plan: Plan, measurements: Measurements | None, *, cluster: ClusterSpec,
                     cache: CostCache, single_pass: bool = False) -> ZeroPasses:
     """The passes of ``job``'s Megatron-Core model under ``plan`` from the Megatron simulator (module docstring);
     ``single_pass`` adds :attr:`ZeroPasses.single_pass_s` (one more simulation, for the engine probes)."""
@@ -168,8 +169,8 @@ def megatron_passes(job: JobSpec, plan: ZeroPlan, measurements: Measurements | N
     elem = _element_bytes(plan)
     single = None
     if single_pass:
-        one = dataclasses.replace(plan, micro_batch_size=1, activation_checkpointing=False,
-                                  global_batch_size=plan.dp, predicted=None)
+        one = dataclasses.replace(plan, micro_batch_size=1, global_batch_size=plan.dp, predicted=None,
+                                  parallel=dataclasses.replace(plan.parallel, recompute=Recompute.none))
         t1 = simulate(dataclasses.replace(model_job(one, job), cluster=cluster), cluster, measurements,
                       world_size=world, options=ZERO_SIM_OPTIONS, cache=cache).time
         single = t1.forward_compute_s + t1.backward_compute_s + t1.overhead_s
@@ -182,7 +183,7 @@ def megatron_passes(job: JobSpec, plan: ZeroPlan, measurements: Measurements | N
                       flops_per_token=training_flops_per_token(job.model, plan.seq_length), single_pass_s=single)
 
 
-def simulate_zero(job: JobSpec, plan: ZeroPlan, measurements: Measurements | None = None, *,
+def simulate_zero(job: JobSpec, plan: Plan, measurements: Measurements | None = None, *,
                   cluster: ClusterSpec | None = None, cache: CostCache | None = None,
                   probes: EngineProbes | None = None) -> ZeroPredictionResult:
     """Predict one step of ``plan`` for ``job`` (see the module docstring). ``cache`` shares pass costs between the
@@ -196,7 +197,7 @@ def simulate_zero(job: JobSpec, plan: ZeroPlan, measurements: Measurements | Non
     return zero_step(plan, passes, cache.collectives, cluster, dp_per_node=layout.dp_per_node, probe=probe)
 
 
-def zero_step(plan: ZeroPlan, passes: ZeroPasses, costs: CollectiveCosts, cluster: ClusterSpec, *,
+def zero_step(plan: Plan, passes: ZeroPasses, costs: CollectiveCosts, cluster: ClusterSpec, *,
               dp_per_node: int, probe: StageProbe | None = None) -> ZeroPredictionResult:
     """One step of ``plan`` given the model's ``passes``: ZeRO's reductions, gathers, offload, optimizer and memory
     on top (module docstring). ``costs`` prices the collectives over the ``plan.dp`` ranks, ``dp_per_node`` of them
@@ -269,7 +270,7 @@ def zero_step(plan: ZeroPlan, passes: ZeroPasses, costs: CollectiveCosts, cluste
                                 fits=cluster.hbm_gib is None or memory.total <= cluster.hbm_gib * GIB)
 
 
-def _element_bytes(plan: ZeroPlan) -> float:
+def _element_bytes(plan: Plan) -> float:
     """Bytes per parameter in the plan's compute precision."""
     return 2.0 if plan.precision in ("bf16", "fp16") else 4.0
 
@@ -281,7 +282,7 @@ def _host_copy(nbytes: float, cluster: ClusterSpec) -> float:
     return nbytes / (HOST_LINK_GBPS * 1e9)
 
 
-def _memory(plan: ZeroPlan, passes: ZeroPasses, elem: float, layers: int) -> tuple[MemoryBreakdown, float]:
+def _memory(plan: Plan, passes: ZeroPasses, elem: float, layers: int) -> tuple[MemoryBreakdown, float]:
     """Device memory per rank and host memory per rank under ``plan`` (module docstring)."""
     params = passes.params
     dp = plan.dp

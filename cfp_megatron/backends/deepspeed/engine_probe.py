@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, ds_config
+from cfp_megatron.backends.deepspeed.zero_plan import ds_config, zero_plan
 from cfp_megatron.base.config import JobSpec, resolve_precision
 from cfp_megatron.base.files import cache_dir
 from cfp_megatron.base.parallel_dims import ParallelDims
@@ -216,7 +216,7 @@ def run_probes(job: JobSpec, dims: ParallelDims, *, model: str, rounds: int = 5,
     def build(stage: int) -> tuple[Any, StepCall]:
         train = dataclasses.replace(job.train, global_batch_size=world, micro_batch_size=1, warmup_steps=0)
         pjob = dataclasses.replace(job, train=train)
-        plan = ZeroPlan.from_job(pjob, world=world, zero_stage=stage, micro_batch=1, activation_checkpointing=False,
+        plan = zero_plan(pjob, world=world, zero_stage=stage, micro_batch=1, activation_checkpointing=False,
                                  offload_optimizer=False, offload_param=False, bucket_elements=50_000_000,
                                  precision=resolve_precision(job.train.precision, on_gpu))
         _, engine = build_engine(pjob, plan, ds_config(plan, pjob), dims)

@@ -14,9 +14,9 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan
 from cfp_megatron.base.backend_spec import config_settings
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.plan.artifact import Plan
 
 MAX_MICRO_BATCH = 64
 """Largest micro-batch the search tries (as ``cfp.constraints.max_micro_batch``)."""
@@ -206,7 +206,7 @@ def _batch_sizes(batch: dict[str, int | str | None], world: int) -> tuple[int, l
     return tbs, [m for m in range(1, min(per_rank, MAX_MICRO_BATCH) + 1) if per_rank % m == 0]
 
 
-def filled_config(request: HookRequest, plan: ZeroPlan) -> dict[str, Any]:
+def filled_config(request: HookRequest, plan: Plan) -> dict[str, Any]:
     """The user's config with the plan's values in place of ``"auto"`` (other keys kept; the batch keys set so
     that ``train_batch_size = micro-batch x accumulation x ranks``)."""
     config = copy.deepcopy(request.config)

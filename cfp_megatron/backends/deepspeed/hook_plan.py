@@ -72,12 +72,14 @@ from cfp_megatron.backends.deepspeed.hook_measure import (
     probe_engines,
 )
 from cfp_megatron.backends.deepspeed.search import rank_zero_plans, ranking_table, zero_candidates
-from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, write_json_file
-from cfp_megatron.base.config import ClusterSpec
+from cfp_megatron.backends.deepspeed.zero_plan import write_json_file
+from cfp_megatron.base.backend_spec import BackendKind, ZeroSpec
+from cfp_megatron.base.config import ClusterSpec, ParallelSpec, Recompute
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.engine.distributed import searched_on_rank0
+from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.sim.pass_costs import collective_costs
 from cfp_megatron.sim.prediction import GIB
 
@@ -95,7 +97,7 @@ MEMORY_HEADROOM = 0.1
 class HookPlan:
     """What the hook planned: the plan, the filled config and where the figures came from."""
 
-    plan: ZeroPlan
+    plan: Plan
     """The chosen plan (rank 0's, checked by canonical string and hash on every rank)."""
     config: dict[str, Any]
     """The user's config with the ``"auto"`` values filled; what ``deepspeed.initialize`` gets."""
@@ -127,7 +129,7 @@ def zero_fetches(model: torch.nn.Module, threshold: int) -> int:
     return sum(1 for m in model.modules() if any(p.numel() > threshold for p in m.parameters(recurse=False)))
 
 
-def hook_passes(measured: MeasuredPasses, plan: ZeroPlan, *, layers: int, fetches: int,
+def hook_passes(measured: MeasuredPasses, plan: Plan, *, layers: int, fetches: int,
                 flops_per_token: float) -> ZeroPasses:
     """The measured passes as the ZeRO terms read them for ``plan``: the fitted lines at its micro-batch, times its
     accumulation steps; no recomputation; one micro-batch of one sample as the engine probes' reference (module
@@ -152,16 +154,17 @@ def model_name(name: str) -> str:
 
 
 def hook_zero_plan(request: HookRequest, cluster: ClusterSpec, knobs: ZeroKnobs, *, name: str, seq_length: int,
-                   local_world: int) -> ZeroPlan:
+                   local_world: int) -> Plan:
     """The plan of one candidate's ``knobs`` for the request on ``cluster``."""
     stage, mb, ckpt, oopt, oparam = knobs
     world = request.world
     per_node = max(min(local_world, world), 1)
-    return ZeroPlan(model=model_name(name), cluster=cluster.name, nodes=max(world // per_node, 1),
-                    gpus_per_node=per_node, zero_stage=stage, micro_batch_size=mb,
-                    global_batch_size=request.global_batch, seq_length=seq_length, activation_checkpointing=ckpt,
-                    offload_optimizer=oopt, offload_param=oparam, bucket_elements=request.bucket_elements,
-                    precision=request.precision)
+    zero = ZeroSpec(stage=stage, offload_optimizer=oopt, offload_param=oparam,
+                    bucket_elements=request.bucket_elements)
+    parallel = ParallelSpec(recompute=Recompute.full if ckpt else Recompute.none, distributed_optimizer=stage >= 1)
+    return Plan(model=model_name(name), cluster=cluster.name, nodes=max(world // per_node, 1),
+                gpus_per_node=per_node, parallel=parallel, micro_batch_size=mb, global_batch_size=request.global_batch,
+                seq_length=seq_length, precision=request.precision, backend=BackendKind.deepspeed, zero=zero)
 
 
 def search_hook(request: HookRequest, measured: MeasuredPasses, cluster: ClusterSpec,
@@ -179,10 +182,10 @@ def search_hook(request: HookRequest, measured: MeasuredPasses, cluster: Cluster
         request.pins, list(request.micro_batches), on_cpu=cluster.on_cpu,
         offload_pins='config.zero_optimization.offload_optimizer/offload_param (device "cpu")')
 
-    def plan_of(knobs: ZeroKnobs) -> ZeroPlan:
+    def plan_of(knobs: ZeroKnobs) -> Plan:
         return hook_zero_plan(request, cluster, knobs, name=name, seq_length=seq_length, local_world=local_world)
 
-    def evaluate(plan: ZeroPlan) -> ZeroPredictionResult:
+    def evaluate(plan: Plan) -> ZeroPredictionResult:
         passes = hook_passes(measured, plan, layers=layers, fetches=fetches, flops_per_token=flops_per_token)
         probe = probes.stages.get(plan.zero_stage) if probes is not None else None
         return zero_step(plan, passes, costs, cluster, dp_per_node=per_node, probe=probe)
@@ -299,7 +302,7 @@ def plan_model(model: torch.nn.Module, example_input: Any, request: HookRequest,
         return {"plan": result.best.plan.to_json()}
 
     received = searched_on_rank0(search, None, env, None)
-    plan = ZeroPlan.from_json(received["plan"])  # checks the canonical string and hash on this rank
+    plan = Plan.from_json(received["plan"])  # checks the canonical string and hash on this rank
     config = filled_config(request, plan)
     written = None
     if output_dir is not None and env.rank == 0:

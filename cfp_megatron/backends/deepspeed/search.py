@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING, Any
 from rich.table import Table
 
 from cfp_megatron.backends.deepspeed.costs import ZERO_SIM_OPTIONS, simulate_zero
-from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, ZeroPrediction, model_job
+from cfp_megatron.backends.deepspeed.zero_plan import model_job, zero_plan
 from cfp_megatron.base.backend_spec import BackendSpec
 from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import JobSpec, resolve_precision
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.cluster.measured import Measurements
+from cfp_megatron.plan.artifact import Plan, PlanPrediction
+from cfp_megatron.search import driver
 from cfp_megatron.sim.kernels import target_peak_tflops
 from cfp_megatron.sim.pass_costs import CostCache
 from cfp_megatron.sim.prediction import GIB
@@ -41,7 +43,7 @@ ZeroKnobs = tuple[int, int, bool, bool, bool]
 class ZeroRanked:
     """A simulated plan."""
 
-    plan: ZeroPlan
+    plan: Plan
     """The plan, its prediction attached."""
     result: ZeroPredictionResult
     """The simulator's answer with breakdowns."""
@@ -104,13 +106,13 @@ def search_zero(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *,
                                            offload_pins="backend.offload_optimizer/offload_param")
     cache: list[CostCache] = []
 
-    def plan_of(knobs: ZeroKnobs) -> ZeroPlan:
+    def plan_of(knobs: ZeroKnobs) -> Plan:
         stage, mb, ckpt, oopt, oparam = knobs
-        return ZeroPlan.from_job(job, world=world, zero_stage=stage, micro_batch=mb, activation_checkpointing=ckpt,
+        return zero_plan(job, world=world, zero_stage=stage, micro_batch=mb, activation_checkpointing=ckpt,
                                  offload_optimizer=oopt, offload_param=oparam,
                                  bucket_elements=backend.bucket_elements, precision=precision)
 
-    def evaluate(plan: ZeroPlan) -> ZeroPredictionResult:
+    def evaluate(plan: Plan) -> ZeroPredictionResult:
         if not cache:
             cache.append(CostCache.for_job(model_job(plan, job), measurements, ZERO_SIM_OPTIONS))
         return simulate_zero(job, plan, measurements, cache=cache[0], probes=probes)
@@ -142,8 +144,8 @@ def zero_candidates(pins: dict[str, Any], micro: list[int], *, on_cpu: bool,
     return candidates, rejected
 
 
-def rank_zero_plans(candidates: list[ZeroKnobs], plan_of: Callable[[ZeroKnobs], ZeroPlan],
-                    evaluate: Callable[[ZeroPlan], ZeroPredictionResult], *, hbm_gib: float | None,
+def rank_zero_plans(candidates: list[ZeroKnobs], plan_of: Callable[[ZeroKnobs], Plan],
+                    evaluate: Callable[[Plan], ZeroPredictionResult], *, hbm_gib: float | None,
                     headroom: float, peak_tflops: float | None, top_k: int, rejected: list[tuple[str, str]],
                     subject: str, key: str, pins: dict[str, Any]) -> ZeroSearchResult:
     """Simulate every candidate (``plan_of`` builds its plan, ``evaluate`` simulates it), drop those over the
@@ -151,37 +153,67 @@ def rank_zero_plans(candidates: list[ZeroKnobs], plan_of: Callable[[ZeroKnobs], 
     time, ties broken by the canonical string. Raises a :class:`ConfigError` under ``key`` naming ``subject`` and
     the reasons when nothing is left."""
     limit = None if hbm_gib is None else hbm_gib * GIB * (1.0 - headroom)
-    found: list[ZeroRanked] = []
-    evaluated = 0
-    too_big: dict[int, float] = {}  # the smallest peak of each ZeRO stage's plans over the limit
-    for knobs in candidates:
-        plan = plan_of(knobs)
-        result = evaluate(plan)
-        evaluated += 1
-        if limit is not None and result.memory.total > limit:
-            too_big[plan.zero_stage] = min(too_big.get(plan.zero_stage, float("inf")), result.memory.total)
-            continue
-        found.append(ZeroRanked(plan=dataclasses.replace(plan, predicted=_prediction(result, peak_tflops)),
-                                result=result))
-    fitting = {r.plan.zero_stage for r in found}
-    for stage, smallest in sorted(too_big.items()):
-        if stage not in fitting:
-            rejected.append((f"zero{stage}", f"needs at least {smallest / GIB:.1f} GiB per GPU, over "
+    space = _ZeroSpace(candidates=candidates, plan_of=plan_of, simulate=evaluate, limit=limit,
+                       peak_tflops=peak_tflops)
+    found = driver.run(space, top_k)
+    for stage, peaks in sorted(found.over.items()):
+        if stage not in space.fitting_stages:
+            rejected.append((f"zero{stage}", f"needs at least {min(peaks):.1f} GiB per GPU, over "
                                     f"{limit / GIB if limit else 0:.1f} GiB ({hbm_gib} GiB less "
                                     f"{headroom:.0%} headroom)"))
-    if not found:
+    if not found.ranked:
         raise ConfigError([ConfigIssue(key=key, value=pins or "-",
                                        problem=f"no DeepSpeed plan of {subject} fits (the reasons follow).",
                                        fix="relax the pins, allow offload, lower the micro-batch or add ranks."),
                            *[ConfigIssue(key=key, value=what, problem=why, fix="see the problem.")
                              for what, why in rejected]])
-    found.sort(key=lambda r: (r.result.step_time_s, r.plan.canonical()))
-    return ZeroSearchResult(ranked=tuple(found[:top_k]), evaluated=evaluated, rejected=tuple(rejected))
+    return ZeroSearchResult(ranked=tuple(r.result for r in found.ranked), evaluated=found.visited,
+                            rejected=tuple(rejected))
 
 
-def _prediction(result: ZeroPredictionResult, peak: float | None) -> ZeroPrediction:
+@dataclass(kw_only=True)
+class _ZeroSpace:
+    """The DeepSpeed plans as the one driver searches them (:class:`cfp_megatron.search.driver.SearchSpace`): a few
+    hundred candidates, no bound, every one simulated."""
+
+    candidates: list[ZeroKnobs]
+    """The knobs to try, in order."""
+    plan_of: Callable[[ZeroKnobs], Plan]
+    """The plan of a candidate's knobs."""
+    simulate: Callable[[Plan], ZeroPredictionResult]
+    """The simulator."""
+    limit: float | None
+    """Bytes a plan may take per GPU (``None``: no limit)."""
+    peak_tflops: float | None
+    """The cluster's peak, for the plans' MFU."""
+    fitting_stages: set[int] = dataclasses.field(default_factory=set)
+    """ZeRO stages with a plan that fits (filled while the driver evaluates)."""
+
+    def entries(self) -> list[driver.Entry]:
+        """Every candidate, unbounded."""
+        return [(0.0, driver.CANDIDATE, i, knobs) for i, knobs in enumerate(self.candidates)]
+
+    def expand(self, item: int, cut: float) -> list[driver.Entry]:
+        """No groups: nothing to expand."""
+        return []
+
+    def evaluate(self, item: int, extra: ZeroKnobs, kth: float) -> driver.Outcome:
+        """Simulate the plan of the knobs ``extra``; over the limit, or ranked by its step time and canonical
+        string."""
+        plan = self.plan_of(extra)
+        result = self.simulate(plan)
+        if self.limit is not None and result.memory.total > self.limit:
+            return driver.OverMemory(label=plan.zero_stage, gib=result.memory.total / GIB)
+        self.fitting_stages.add(plan.zero_stage)
+        ranked = ZeroRanked(plan=dataclasses.replace(plan, predicted=_prediction(result, self.peak_tflops)),
+                            result=result)
+        return driver.Ranked(step_time_s=result.step_time_s, tie=plan.canonical(), result=ranked)
+
+
+def _prediction(result: ZeroPredictionResult, peak: float | None) -> PlanPrediction:
     t = result.time
-    return ZeroPrediction(step_time_s=result.step_time_s, peak_memory_gib=result.memory.total / GIB,
+    return PlanPrediction(bubble_fraction=0.0, step_time_s=result.step_time_s,
+                          peak_memory_gib=result.memory.total / GIB,
                           tokens_per_s_per_gpu=result.tokens_per_s_per_gpu,
                           mfu=result.model_tflops_per_gpu / peak if peak else None,
                           exposed_comm_s=t.grad_reduce_s + t.param_gather_s + t.offload_s)

@@ -1,4 +1,5 @@
-"""Train a Megatron-Core GPT model with ``deepspeed.initialize`` under a :class:`ZeroPlan`.
+"""Train a Megatron-Core GPT model with ``deepspeed.initialize`` under a DeepSpeed plan
+(:class:`~cfp_megatron.plan.artifact.Plan` with ``backend=deepspeed``).
 
 The model is Megatron-Core's ``GPTModel`` built as the Megatron backend builds it (no model parallelism: Megatron's
 groups have size 1, DeepSpeed's data parallelism spans every rank), with Megatron's full per-layer recomputation where
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cfp_megatron.backends.deepspeed.zero_plan import ZeroPlan, model_job
+from cfp_megatron.backends.deepspeed.zero_plan import model_job
 from cfp_megatron.base.config import JobSpec, Precision
 from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.base.launch_env import LaunchEnv
@@ -31,6 +32,7 @@ from cfp_megatron.engine.metrics import MetricsLog, StepMetrics
 from cfp_megatron.engine.model import build_model_chunks
 from cfp_megatron.engine.peak import peak_tflops
 from cfp_megatron.model.megatron_config import transformer_config
+from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.plan.check import PlanCheck, log_plan_check
 
 
@@ -44,7 +46,7 @@ def import_deepspeed() -> Any:
     return deepspeed
 
 
-def build_engine(job: JobSpec, plan: ZeroPlan, config: dict[str, Any], dims: ParallelDims) -> tuple[Any, Any]:
+def build_engine(job: JobSpec, plan: Plan, config: dict[str, Any], dims: ParallelDims) -> tuple[Any, Any]:
     """The model (Megatron-Core GPTModel) and the DeepSpeed engine around it. Process groups must exist."""
     deepspeed = import_deepspeed()
 
@@ -95,7 +97,7 @@ def train_step(engine: Any, micro_batches: list[dict[str, torch.Tensor]]) -> tup
     return float(mean) / dist.get_world_size(), float(norm or 0.0), lr, bool(engine.was_step_applied())
 
 
-def run_training(job: JobSpec, plan: ZeroPlan, config: dict[str, Any], dims: ParallelDims, env: LaunchEnv, *,
+def run_training(job: JobSpec, plan: Plan, config: dict[str, Any], dims: ParallelDims, env: LaunchEnv, *,
                  metrics_path: Path | None, check: PlanCheck | None = None,
                  resume: bool = False) -> list[StepMetrics]:
     """Build the engine, resume from ``train.checkpoint_dir`` when asked, train to ``train.steps``, save; return
@@ -148,6 +150,6 @@ def run_training(job: JobSpec, plan: ZeroPlan, config: dict[str, Any], dims: Par
     return history
 
 
-def _save(engine: Any, folder: str, step: int, plan: ZeroPlan, log: MetricsLog) -> None:
+def _save(engine: Any, folder: str, step: int, plan: Plan, log: MetricsLog) -> None:
     engine.save_checkpoint(folder, tag=f"global_step{step}", client_state={"plan": plan.canonical()})
     log.event("checkpoint", step=step, path=str(Path(folder) / f"global_step{step}"))

@@ -1,0 +1,57 @@
+"""The Megatron-Core backend behind the planner's protocol (:class:`~cfp_megatron.backends.protocol.TrainingBackend`):
+the layouts of :mod:`cfp_megatron.search` (TP, SP, PP, virtual PP, CP, EP, recompute, PrimePar, distributed
+optimizer) on the simulator's costs, and Megatron's own training loop (:mod:`.trainer`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from cfp_megatron.backends.megatron.report import print_result
+from cfp_megatron.backends.protocol import PlannedSearch
+from cfp_megatron.base.backend_spec import BackendKind, BackendSpec
+from cfp_megatron.base.cfp_spec import CfpSpec
+from cfp_megatron.base.config import JobSpec
+from cfp_megatron.base.launch_env import LaunchEnv
+from cfp_megatron.base.parallel_dims import ParallelDims
+from cfp_megatron.cluster.measured import Measurements
+from cfp_megatron.plan.artifact import Plan, PlanPrediction
+from cfp_megatron.plan.check import PlanCheck
+from cfp_megatron.search.search import search
+from cfp_megatron.sim.kernels import target_peak_tflops
+
+
+class MegatronBackend:
+    """Megatron-Core trains: DDP, its optimizer and pipeline schedules under the planned layout."""
+
+    kind = BackendKind.megatron
+    """The ``backend`` group's name of it."""
+
+    def search(self, job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *,
+               measurements: Measurements | None, inputs_fingerprint: str, on_gpu: bool) -> PlannedSearch:
+        """Branch and bound over the layouts (:func:`cfp_megatron.search.search.search`); each ranked layout as a
+        Plan of the job's own cluster preset, its prediction's MFU against the cluster's peak."""
+        result = search(job, world, cfp, measurements=measurements)
+        peak = target_peak_tflops(job)
+        plans = tuple(Plan.from_job(r.job, world_size=world, prediction=PlanPrediction.of(r.prediction, peak),
+                                    inputs_fingerprint=inputs_fingerprint) for r in result.ranked)
+        return PlannedSearch(plans=plans, labels=tuple(r.candidate.describe(world) for r in result.ranked),
+                             searched=result.space_size, rejected=tuple((r.what, r.reason) for r in result.rejected),
+                             seconds=result.seconds, report=lambda console: print_result(result, peak, console))
+
+    def train(self, job: JobSpec, plan: Plan | None, env: LaunchEnv, backend: BackendSpec, *,
+              metrics_path: Path | None, check: PlanCheck | None, resume: Any) -> list[Any]:
+        """Megatron's process groups for the job's layout (``plan`` applied to it, where there is one), then its
+        training loop from the checkpoint step ``resume`` (``None``: from the start)."""
+        from cfp_megatron.backends.megatron.trainer import run_training
+        from cfp_megatron.engine.distributed import destroy_distributed, init_distributed
+
+        planned = plan.apply(job) if plan is not None else job
+        dims = ParallelDims.build(planned, env.world_size)
+        init_distributed(planned, dims, env)
+        try:
+            return run_training(planned, dims, env, start_step=resume, metrics_path=metrics_path, check=check)
+        finally:
+            destroy_distributed()
+
+
