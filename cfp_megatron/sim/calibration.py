@@ -1,18 +1,6 @@
-"""Fitted hardware efficiencies: the only tuned numbers of the simulator.
-
-A few global parameters per GPU generation (never per model, per run or per row): the share of the dense peak a
-large GEMM reaches, the same for FP8 GEMMs, the share of peak the attention core reaches (FLOPs counted as
-the kernel runs them: half of ``4 b s^2 h`` for causal fused attention, all of it unfused), the share of HBM
-bandwidth element-wise kernels reach, a fixed cost per layer and pass (kernel launches, small ops), and the share of
-nominal NVLink / network bandwidth NCCL reaches.
-
-How they were fitted: ``python bench/validate.py --fit`` minimises the mean absolute percentage error of the
-predicted step time over the rows of ``published_runs.csv`` whose GPU belongs to the generation (Nelder-Mead on the
-log of each parameter, from physically plausible starting points, with bounds), then rounds to three significant
-digits. The same script reports leave-one-source-out cross-validation: it refits without one source and predicts
-that source. Generations without calibration rows (Blackwell) reuse Hopper's shares of peak: the efficiencies are
-fractions of each device's own peak and bandwidth, which carry over between generations far better than absolute
-figures.
+"""Fitted hardware efficiencies: the only tuned numbers of the simulator, a few shares of nominal figures per GPU
+generation (never per model, per run or per row). What they are and how they were fitted: docs/simulator.md,
+"calibration.py".
 """
 
 from __future__ import annotations
@@ -61,7 +49,7 @@ FITTED: dict[str, Efficiency] = {
                          moe_token_elements=22.7, optimizer_bytes_per_param=200.0, intra_node_comm=1.0,
                          inter_node_comm=1.0),
 }
-"""Fitted efficiencies per GPU generation (see the module docstring for how)."""
+"""Fitted efficiencies per GPU generation (how: docs/simulator.md, "calibration.py")."""
 
 FITTED["blackwell"] = FITTED["hopper"]
 FITTED["other"] = FITTED["hopper"]
@@ -85,5 +73,5 @@ def generation(cluster: ClusterSpec) -> str:
 
 
 def efficiency_for(cluster: ClusterSpec) -> Efficiency:
-    """The fitted efficiencies that apply to ``cluster``."""
+    """The fitted efficiencies that apply to ``cluster`` (its generation's, :func:`generation`)."""
     return FITTED[generation(cluster)]

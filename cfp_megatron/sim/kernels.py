@@ -1,5 +1,5 @@
-"""Time of single kernels on one GPU: GEMMs (roofline with fitted efficiency, or the measured GEMM table), the
-attention core, memory-bound element-wise work."""
+"""Time of single kernels on one GPU (seconds): GEMMs (roofline with fitted efficiency, or the measured GEMM table),
+the attention core, memory-bound element-wise work; and the element sizes (bytes) of a job's precision."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.sim.calibration import Efficiency
 
 _FALLBACK_PEAK_TFLOPS = 1.0
+"""Peak TFLOP/s assumed for a cluster that states none."""
 _FALLBACK_HBM_GBPS = 50.0
+"""Memory bandwidth in GB/s assumed for a cluster that states none."""
 
 
 def compute_precision(precision: Precision, cluster: ClusterSpec) -> Precision:
@@ -20,9 +22,11 @@ def compute_precision(precision: Precision, cluster: ClusterSpec) -> Precision:
 
 def target_peak_tflops(job: JobSpec) -> float | None:
     """The peak TFLOP/s of the job's cluster in the precision it trains in (a preset's, or what profiling measured;
-    never a benchmark of the planning machine)."""
-    c = job.cluster
-    return c.peak_tflops_fp32 if compute_precision(job.train.precision, c) is Precision.fp32 else c.peak_tflops_bf16
+    never a benchmark of the planning machine); ``None`` where the cluster states none."""
+    cluster = job.cluster
+    if compute_precision(job.train.precision, cluster) is Precision.fp32:
+        return cluster.peak_tflops_fp32
+    return cluster.peak_tflops_bf16
 
 
 def dtype_name(precision: Precision) -> str:
@@ -51,6 +55,9 @@ class KernelModel:
 
     def __init__(self, cluster: ClusterSpec, efficiency: Efficiency, precision: Precision, *, fp8: bool,
                  measurements: Measurements | None = None) -> None:
+        """Rates of ``cluster`` in ``precision`` (resolved by :func:`compute_precision`) at the achieved shares
+        ``efficiency``; ``fp8`` runs the linear layers' GEMMs in FP8; measured peaks and GEMMs in ``measurements``
+        win over the nominal figures. Raises :class:`ConfigError` for FP8 on a cluster without an FP8 peak."""
         precision = compute_precision(precision, cluster)
         self.dtype = dtype_name(precision)
         self.elem = bytes_per_element(precision)
@@ -78,8 +85,9 @@ class KernelModel:
         self._cache: dict[tuple[int, int, int, bool], float] = {}
 
     def gemm(self, m: float, n: float, k: float, *, low_precision: bool = True) -> float:
-        """One ``(m x k) @ (k x n)`` GEMM: FLOPs at the achieved rate plus operand traffic at HBM speed (so small
-        or skinny GEMMs lose efficiency); a measured GEMM table wins."""
+        """Seconds of one ``(m x k) @ (k x n)`` GEMM: FLOPs at the achieved rate plus operand traffic at HBM speed
+        (so small or skinny GEMMs lose efficiency); a measured GEMM table wins. ``low_precision=False`` keeps it out
+        of FP8 (the MoE router)."""
         if m <= 0 or n <= 0 or k <= 0:
             return 0.0
         key = (int(m), int(n), int(k), low_precision)
@@ -100,9 +108,9 @@ class KernelModel:
         return seconds
 
     def attention(self, flops: float) -> float:
-        """The attention core (scores, softmax, weighted sum) of ``flops``."""
+        """Seconds of the attention core (scores, softmax, weighted sum) of ``flops`` FLOPs."""
         return flops / self.attn_flops_per_s
 
     def memory(self, nbytes: float) -> float:
-        """Memory-bound work moving ``nbytes`` through HBM."""
+        """Seconds of memory-bound work moving ``nbytes`` bytes through HBM."""
         return nbytes / self.mem_bytes_per_s

@@ -1,4 +1,5 @@
-"""The parallel layout the simulator works on: validated sizes plus where each process group's ranks sit."""
+"""The parallel layout the simulator works on: validated sizes plus where each process group's ranks sit (ranks of
+each group per node)."""
 
 from __future__ import annotations
 
@@ -37,43 +38,45 @@ class Layout:
 
 
 def _strides(order: str, sizes: dict[str, int]) -> dict[str, int]:
-    stride, out = 1, {}
+    """Rank stride of each group in ``sizes`` under Megatron's rank order ``order`` (e.g. ``"tp-cp-ep-dp-pp"``,
+    fastest-varying first)."""
+    stride, strides = 1, {}
     for name in order.split("-"):
         if name in sizes:
-            out[name] = stride
+            strides[name] = stride
             stride *= sizes[name]
-    return out
+    return strides
 
 
 def build_layout(job: JobSpec, world_size: int | None = None) -> Layout:
-    """Validate ``job`` on its cluster (``world_size`` defaults to nodes x GPUs per node) and place its groups."""
-    c = job.cluster
-    gpn = c.gpus_per_node
+    """Validate ``job`` on its cluster (``world_size`` defaults to nodes x GPUs per node) and place its groups.
+    Raises :class:`ConfigError` for a plan that does not fit the world size or a cluster without a world size."""
+    cluster = job.cluster
+    gpus_per_node = cluster.gpus_per_node
     if world_size is None:
-        if gpn is None:
+        if gpus_per_node is None:
             raise ConfigError(ConfigIssue(key="cluster.gpus_per_node", value=None,
                                           problem="the simulator needs the world size.",
                                           fix="set cluster.gpus_per_node, or pass world_size to simulate()."))
-        world_size = c.nodes * gpn
-    if gpn is None:
-        gpn = max(world_size // max(c.nodes, 1), 1)
+        world_size = cluster.nodes * gpus_per_node
+    if gpus_per_node is None:
+        gpus_per_node = max(world_size // max(cluster.nodes, 1), 1)
     dims = ParallelDims.build(job, world_size, te_available=True)
-    return place(job, dims, gpn)
+    return place(job, dims, gpus_per_node)
 
 
 def place(job: JobSpec, dims: ParallelDims, gpus_per_node: int) -> Layout:
     """Where the groups of ``dims`` (already validated, or taken as given) sit on nodes of ``gpus_per_node``."""
-    gpn = gpus_per_node
     dense = _strides(job.parallel.order, {"tp": dims.tp, "cp": dims.cp, "dp": dims.dp, "pp": dims.pp})
     expert = _strides(job.parallel.order, {"tp": dims.etp, "ep": dims.ep, "dp": dims.expert_dp, "pp": dims.pp})
-    tp_k = group_placement(dims.tp, dense["tp"], gpn)
-    cp_k = group_placement(dims.cp, dense["cp"], gpn)
-    ep_k = group_placement(dims.ep, expert["ep"], gpn)
+    tp_per_node = group_placement(dims.tp, dense["tp"], gpus_per_node)
+    cp_per_node = group_placement(dims.cp, dense["cp"], gpus_per_node)
+    ep_per_node = group_placement(dims.ep, expert["ep"], gpus_per_node)
     # Gradients of dense weights are reduced over DP x CP; with the standard order they form one strided block.
     dpcp_stride = min(dense["cp"], dense["dp"])
-    dp_k = group_placement(dims.dp * dims.cp, dpcp_stride, gpn)
-    edp_k = group_placement(dims.expert_dp, expert["dp"], gpn)
-    return Layout(dims=dims, gpus_per_node=gpn, micro_batch=job.train.micro_batch_size,
-                  seq_length=job.train.seq_length, tp_per_node=tp_k, cp_per_node=cp_k, ep_per_node=ep_k,
-                  dp_per_node=dp_k, edp_per_node=edp_k, pp_intra_node=dense["pp"] < gpn and dims.pp > 1
-                  and dense["pp"] * 2 <= gpn)
+    dp_per_node = group_placement(dims.dp * dims.cp, dpcp_stride, gpus_per_node)
+    edp_per_node = group_placement(dims.expert_dp, expert["dp"], gpus_per_node)
+    return Layout(dims=dims, gpus_per_node=gpus_per_node, micro_batch=job.train.micro_batch_size,
+                  seq_length=job.train.seq_length, tp_per_node=tp_per_node, cp_per_node=cp_per_node,
+                  ep_per_node=ep_per_node, dp_per_node=dp_per_node, edp_per_node=edp_per_node,
+                  pp_intra_node=dense["pp"] < gpus_per_node and dims.pp > 1 and dense["pp"] * 2 <= gpus_per_node)

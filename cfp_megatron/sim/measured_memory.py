@@ -1,18 +1,7 @@
-"""Activation memory per rank from profiled segments (CFP): where profiling measured the tensor memory of each
-segment class under the plan's partition, the stage's activations come from those measurements and the pipeline
-schedule instead of the analytical (Korthikanti) formulas.
-
-Profiling measures, per segment and micro-batch size, as PyTorch's ``MemTracker`` counts a training step
-(:meth:`cfp_megatron.profile.segments.SegmentBench.memory`): the bytes one forward pass keeps for its backward, how far
-the live bytes rise above that while the segment runs (forward or backward transients), and persistent workspace
-buffers counted once per rank. Other micro-batch sizes are interpolated linearly between the two nearest measured
-sizes (extrapolated from the two largest or smallest), as :mod:`cfp_megatron.sim.measured_segments` does for times.
-
-A stage's peak (``in_flight`` micro-batches held, per :func:`cfp_megatron.sim.memory.in_flight`): every in-flight
-micro-batch keeps all its segments' activations, except that the micro-batch being processed has only run the
-segments up to the one at the peak (the forward pass has not run the rest yet; the backward pass has freed them), so
-the peak is ``(n - 1) K + max_i (K_1 + ... + K_i + T_i)`` over the stage's segments ``i`` in model order, plus the
-workspace and the pipeline's point-to-point tensors (:func:`pipeline_buffers`).
+"""Activation memory per rank (bytes) from profiled segments (CFP): where profiling measured the tensor memory of
+each segment class under the plan's partition, the stage's activations come from those measurements and the pipeline
+schedule instead of the analytical (Korthikanti) formulas. What is measured and how the peak is composed:
+docs/simulator.md, "measured_memory.py".
 """
 
 from __future__ import annotations
@@ -30,58 +19,55 @@ def interpolate(points: Sequence[tuple[int, SegmentMemory]], micro_batch: int) -
     if micro_batch < 1:
         raise ConfigError(ConfigIssue(key="train.micro_batch_size", value=micro_batch, problem="must be 1 or more.",
                                       fix="use a positive micro-batch size."))
-    ordered = sorted(points, key=lambda p: p[0])
+    ordered = sorted(points, key=lambda point: point[0])
     if not ordered:
         raise ConfigError(ConfigIssue(key="measurements", value=None, problem="no segment memory measured.",
                                       fix="profile the cluster (python -m cfp_megatron.profile)."))
-    rows = [(float(mb), (m.activation_bytes, m.transient_bytes, m.workspace_bytes)) for mb, m in ordered]
+    rows = [(float(size), (memory.activation_bytes, memory.transient_bytes, memory.workspace_bytes))
+            for size, memory in ordered]
     activation, transient, workspace = interpolate_rows(rows, micro_batch)
     return SegmentMemory(activation_bytes=activation, transient_bytes=transient, workspace_bytes=workspace)
 
 
 def measured_memory(measurements: Measurements, kind: str, partition: str, micro_batch: int) -> SegmentMemory | None:
-    """Memory of segment ``kind`` under ``partition`` at ``micro_batch``, measured or interpolated; ``None`` when
-    nothing was measured for that kind and partition."""
+    """Memory (bytes) of segment ``kind`` under ``partition`` at ``micro_batch`` sequences, measured or interpolated;
+    ``None`` when nothing was measured for that kind and partition."""
     exact = measurements.segment_memory(kind, partition, micro_batch)
     if exact is not None:
         return exact
-    points = [(mb, hit) for mb in measurements.segment_micro_batches(kind, partition)
-              if (hit := measurements.segment_memory(kind, partition, mb)) is not None]
+    points = [(size, hit) for size in measurements.segment_micro_batches(kind, partition)
+              if (hit := measurements.segment_memory(kind, partition, size)) is not None]
     return interpolate(points, micro_batch) if points else None
 
 
 def peak_activation_bytes(segments: Sequence[SegmentMemory], in_flight: int) -> float:
     """Peak activation bytes of a stage that runs ``segments`` (in model order) per micro-batch and holds
-    ``in_flight`` micro-batches at its peak: ``(n - 1) K + max_i (K_1 + ... + K_i + T_i)`` plus the largest
+    ``in_flight`` micro-batches (``n``) at its peak: ``(n - 1) K + max_i (K_1 + ... + K_i + T_i)``, with ``K_i`` the
+    bytes segment ``i`` keeps for backward, ``K`` their sum and ``T_i`` its transient bytes, plus the largest
     workspace (shared: one buffer per rank). Raises :class:`ConfigError` for ``in_flight`` below 1."""
     if in_flight < 1:
         raise ConfigError(ConfigIssue(key="in_flight", value=in_flight, problem="must be 1 or more.",
                                       fix="pass the in-flight micro-batches of the schedule."))
     if not segments:
         return 0.0
-    kept = sum(s.activation_bytes for s in segments)
-    running = 0.0
-    top = 0.0
-    for seg in segments:
-        running += seg.activation_bytes
-        top = max(top, running + seg.transient_bytes)
-    return (in_flight - 1) * kept + top + max(s.workspace_bytes for s in segments)
+    kept = sum(segment.activation_bytes for segment in segments)
+    running = 0.0  # K_1 + ... + K_i
+    current_peak = 0.0  # max over the segments so far of running + T_i
+    for segment in segments:
+        running += segment.activation_bytes
+        current_peak = max(current_peak, running + segment.transient_bytes)
+    return (in_flight - 1) * kept + current_peak + max(segment.workspace_bytes for segment in segments)
 
 
 def pipeline_buffers(hidden_bytes: float, *, pp: int, first: bool, last: bool, in_flight: int,
                      microbatches: int) -> float:
-    """Point-to-point tensors of Megatron's pipeline schedule alive at the stage's peak, in units of the tensor
-    passed between stages (``hidden_bytes``, one micro-batch's hidden states on this rank).
-
-    Every stage after the first holds its received input per in-flight micro-batch (the probe's segments did not
-    create their input); every stage before the last frees each sent output (``deallocate_pipeline_outputs``, which
-    the runtime sets), so the output its last segment counted is gone, and holds the received output gradient during
-    the backward pass; the last stage in steady 1F1B (more than one micro-batch) still holds the previous
-    micro-batch's input gradient (the schedule's ``input_tensor_grad``) while the next runs.
-    """
+    """Bytes of the point-to-point tensors of Megatron's pipeline schedule alive at the stage's peak, counted in
+    units of the tensor passed between stages (``hidden_bytes``, one micro-batch's hidden states on this rank), for
+    a stage of ``pp`` that is the ``first`` or ``last`` and holds ``in_flight`` of ``microbatches`` micro-batches
+    (which tensors: docs/simulator.md, "Pipeline buffers")."""
     if pp <= 1:
         return 0.0
-    units = 0.0
+    units = 0.0  # tensors of hidden_bytes each
     if not first:
         units += in_flight
     if not last:

@@ -1,11 +1,6 @@
-"""Per-layer pass times from profiled segments (CFP): where profiling timed a segment class under the plan's
-partition, its measured forward and backward seconds replace the analytical layer cost.
-
-A segment is timed as the real Megatron module (embedding, decoder layer of each kind, head) on the live
-tensor-parallel group, so the time includes its kernels, its TP/SP collectives and the framework's own per-layer
-overhead, which no FLOP count sees (it dominates small models and CPUs). Profiling times a few micro-batch sizes;
-a pass is a fixed cost plus a part proportional to the tokens, so with three or more sizes the least-squares line
-through them gives every size; with fewer, the sizes between are interpolated linearly.
+"""Per-layer pass times (seconds) from profiled segments (CFP): where profiling timed a segment class under the plan's
+partition, its measured forward and backward seconds replace the analytical layer cost. What a segment's time holds
+and how sizes between the measured ones are filled in: docs/simulator.md, "measured_segments.py".
 """
 
 from __future__ import annotations
@@ -18,95 +13,91 @@ from cfp_megatron.sim.layer_cost import LayerCost, PassCost
 
 
 def _points(measurements: Measurements, kind: str, partition: str) -> list[tuple[int, float, float]]:
+    """``(micro-batch size, forward seconds, backward seconds)`` of every size timed for ``kind`` under
+    ``partition``."""
     found = []
-    for mb in measurements.segment_micro_batches(kind, partition):
-        hit = measurements.segment_seconds(kind, partition, mb)
+    for size in measurements.segment_micro_batches(kind, partition):
+        hit = measurements.segment_seconds(kind, partition, size)
         if hit is not None:
-            found.append((mb, hit[0], hit[1]))
+            found.append((size, hit[0], hit[1]))
     return found
 
 
 def measured_pass(measurements: Measurements, kind: str, partition: str,
                   micro_batch: int) -> tuple[float, float] | None:
-    """(forward, backward) seconds of ``kind`` under ``partition`` at ``micro_batch``; ``None`` when nothing was
-    measured for that kind and partition.
+    """(forward, backward) seconds of ``kind`` under ``partition`` at ``micro_batch`` sequences; ``None`` when nothing
+    was measured for that kind and partition.
 
-    With three or more measured sizes: the least-squares line ``fixed + per-sequence x micro_batch`` through them
-    (each timing on a busy machine is noisy; the line uses every size). With fewer: the measured value, else linear
-    interpolation between the two nearest sizes (extrapolation from the two nearest).
+    With three or more measured sizes: the least-squares line ``fixed + per-sequence x micro_batch`` through them.
+    With fewer: the measured value, else linear interpolation between the two nearest sizes (extrapolation from the
+    two nearest). Why: docs/simulator.md, "measured_segments.py".
     """
     points = _points(measurements, kind, partition)
     if len(points) >= 3:
-        fa, fb = least_squares_line([(mb, f) for mb, f, _ in points])
-        ba, bb = least_squares_line([(mb, b) for mb, _, b in points])
-        return fa + fb * micro_batch, ba + bb * micro_batch
+        fwd_fixed, fwd_per_seq = least_squares_line([(size, forward) for size, forward, _ in points])
+        bwd_fixed, bwd_per_seq = least_squares_line([(size, backward) for size, _, backward in points])
+        return fwd_fixed + fwd_per_seq * micro_batch, bwd_fixed + bwd_per_seq * micro_batch
     exact = measurements.segment_seconds(kind, partition, micro_batch)
     if exact is not None:
         return exact
     if not points:
         return None
-    forward, backward = interpolate_rows([(float(mb), (f, b)) for mb, f, b in points], micro_batch)
+    forward, backward = interpolate_rows([(float(size), (fwd, bwd)) for size, fwd, bwd in points], micro_batch)
     return forward, backward
 
 
 def recompute_share(measurements: Measurements, kind: str, plain: str, checkpointed: str) -> float | None:
     """What a ``kind`` layer's forward plus backward takes beyond the plain partition ``plain`` under recomputation
     (the recompute round's partition ``checkpointed``: ``tp2-selective``, its core attention checkpointed;
-    ``tp2-full``, the layer checkpointed whole), as a share of the plain layer's time: the median over the
-    micro-batch sizes timed under both of ``checkpointed / plain - 1``, never below zero; ``None`` when no size was.
-
-    The plain time of a size is the one the recompute round took alternately with the checkpointed layer
-    (:meth:`~cfp_megatron.cluster.measured.Measurements.segment_baseline_seconds`) where it has one, else the
-    segments round's, a minute or more earlier on a machine whose speed drifts. A share per size and their
-    median, not the difference of two fitted lines: each size is one timing on a busy machine, and one slow size
-    would tilt both lines; the median of the shares passes over it."""
+    ``tp2-full``, the layer checkpointed whole), as a share of the plain layer's time (dimensionless): the median over
+    the micro-batch sizes timed under both of ``checkpointed / plain - 1``, never below zero; ``None`` when no size
+    was. Which plain time and why a median: docs/simulator.md, "Recompute share"."""
     shares = []
-    for mb in measurements.segment_micro_batches(kind, checkpointed):
-        again = measurements.segment_seconds(kind, checkpointed, mb)
-        base = measurements.segment_baseline_seconds(kind, checkpointed, mb)
-        if base is None:
-            base_pair = measurements.segment_seconds(kind, plain, mb)
-            base = sum(base_pair) if base_pair is not None else None
-        if again is not None and base is not None and base > 0:
-            shares.append(sum(again) / base - 1.0)
+    for size in measurements.segment_micro_batches(kind, checkpointed):
+        checkpointed_pair = measurements.segment_seconds(kind, checkpointed, size)
+        plain_s = measurements.segment_baseline_seconds(kind, checkpointed, size)
+        if plain_s is None:
+            plain_pair = measurements.segment_seconds(kind, plain, size)
+            plain_s = sum(plain_pair) if plain_pair is not None else None
+        if checkpointed_pair is not None and plain_s is not None and plain_s > 0:
+            shares.append(sum(checkpointed_pair) / plain_s - 1.0)
     return max(statistics.median(shares), 0.0) if shares else None
 
 
 def _as_pass(seconds: float) -> PassCost:
+    """A pass of ``seconds`` compute."""
     return PassCost(compute_s=seconds)
 
 
 def apply_measured(job: JobSpec, measurements: Measurements | None, micro_batch: int, dense: LayerCost,
                    moe: LayerCost, emb: tuple[PassCost, PassCost], out: tuple[PassCost, PassCost]
                    ) -> tuple[LayerCost, LayerCost, tuple[PassCost, PassCost], tuple[PassCost, PassCost]]:
-    """The layer costs with measured segments in place of the analytical ones where profiling has them.
+    """The layer costs (seconds per micro-batch of ``micro_batch`` sequences) with measured segments in place of the
+    analytical ``dense``, ``moe``, embedding ``emb`` and head ``out`` where profiling has them.
 
-    Returns ``(dense, moe, embedding, head)``. Under recomputation, where the recompute round measured the layer
-    (partition ``tp<N>-selective`` or ``tp<N>-full``), a recomputed layer's recomputation costs the share of the
-    plain layer's forward and backward that the checkpointed layer took beyond it (:func:`recompute_share`):
-    selective, the core attention run again and the checkpoint's own bookkeeping (RNG states, a nested backward),
-    which on a small model or a CPU outweighs the attention's FLOPs; full, the forward run again less what the
-    first forward saves by running without autograd. Otherwise the analytical model's share of the measured
-    forward pass (full: the whole forward; selective: the attention core's).
+    Returns ``(dense, moe, embedding, head)``. A recomputed layer's recomputation costs the measured share
+    (:func:`recompute_share`) where the recompute round measured it, else the analytical model's share of the
+    measured forward pass (docs/simulator.md, "Recompute share").
     """
     if measurements is None:
         return dense, moe, emb, out
-    p = job.parallel
-    partition = partition_name(p.tp, sp=p.sp)  # the embedding and the head
-    layers = partition_name(p.tp, sp=p.sp, mlp=p.mlp)
-    checkpointed = partition_name(p.tp, sp=p.sp, mlp=p.mlp, recompute=p.recompute)
+    parallel = job.parallel
+    partition = partition_name(parallel.tp, sp=parallel.sp)  # the embedding and the head
+    layer_partition = partition_name(parallel.tp, sp=parallel.sp, mlp=parallel.mlp)
+    checkpointed = partition_name(parallel.tp, sp=parallel.sp, mlp=parallel.mlp, recompute=parallel.recompute)
 
     def layer(kind: str, cost: LayerCost) -> LayerCost:
-        hit = measured_pass(measurements, kind, layers, micro_batch)
+        hit = measured_pass(measurements, kind, layer_partition, micro_batch)
         if hit is None:
             return cost
-        share = recompute_share(measurements, kind, layers, checkpointed) \
-            if p.recompute is not Recompute.none else None
+        share = recompute_share(measurements, kind, layer_partition, checkpointed) \
+            if parallel.recompute is not Recompute.none else None
         if share is not None:
-            extra = share * sum(hit)
+            recompute_s = share * sum(hit)
         else:
-            extra = hit[0] * (cost.recompute.total_s / cost.forward.total_s if cost.forward.total_s > 0 else 0.0)
-        return LayerCost(forward=_as_pass(hit[0]), backward=_as_pass(hit[1]), recompute=_as_pass(extra),
+            recompute_s = hit[0] * (cost.recompute.total_s / cost.forward.total_s if cost.forward.total_s > 0
+                                    else 0.0)
+        return LayerCost(forward=_as_pass(hit[0]), backward=_as_pass(hit[1]), recompute=_as_pass(recompute_s),
                          params=cost.params, expert_params=cost.expert_params)
 
     def ends(kind: str, cost: tuple[PassCost, PassCost]) -> tuple[PassCost, PassCost]:

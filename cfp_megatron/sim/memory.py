@@ -1,14 +1,6 @@
-"""Peak memory per rank: weights, gradients, optimizer states, activations of the in-flight micro-batches.
-
-Activations per layer follow Korthikanti et al. (2022), Table 2, term by term, so the same formula covers GQA
-(smaller K and V), SwiGLU (a wider first MLP output), MoE (routed token copies through expert MLPs), dropout masks
-only when dropout is on, fused attention (no ``s x s`` scores), TP with and without sequence parallelism, CP (each
-rank keeps ``s / cp`` tokens) and FP8 (the linear layers' saved inputs are one-byte copies). For GPT-style MHA with
-dropout this is ``s b h (34 + 5 a s / h)`` bytes without TP, ``s b h (10 + 24 / t + 5 a s / (h t))`` with TP, ``s b h
-/ t (34 + 5 a s / h)`` with TP + SP; selective recomputation drops the ``a s`` terms; full recomputation keeps only
-each layer's input (with the ``block`` method only for the first ``recompute_num_layers`` layers of each pipeline
-chunk; the others keep everything). Stage ``r`` of 1F1B holds ``pp - r`` micro-batches; the interleaved schedule
-holds its warm-up count of model chunks plus one.
+"""Peak memory per rank (bytes): weights, gradients, optimizer states, activations of the in-flight micro-batches.
+The activation model (Korthikanti et al. 2022, term by term) and the in-flight counts: docs/simulator.md,
+"memory.py".
 """
 
 from __future__ import annotations
@@ -39,123 +31,125 @@ def layer_extra_params(job: JobSpec, layout: Layout) -> float:
     """Parameters of one dense layer on one rank that the layer cost's count leaves out: the linear layers' biases
     (QKV and FC1 split over TP, the projection's and FC2's replicated) and, for RMSNorm, minus the norm biases the
     count assumes (it counts two LayerNorms, ``4 h``)."""
-    m, t = job.model, layout.dims.tp
-    h = m.hidden_size
-    extra = 0.0 if m.normalization is Normalization.LayerNorm else -2.0 * h
-    if m.add_bias_linear and not m.is_moe:
-        head_dim = m.kv_channels or h // m.num_attention_heads
-        qkv = head_dim * (m.num_attention_heads + 2 * m.query_groups)
-        fc1 = m.ffn_size * (2 if m.activation is Activation.swiglu else 1)
-        extra += (qkv + fc1) / t + 2 * h
+    model, tp = job.model, layout.dims.tp
+    hidden = model.hidden_size
+    extra = 0.0 if model.normalization is Normalization.LayerNorm else -2.0 * hidden
+    if model.add_bias_linear and not model.is_moe:
+        head_dim = model.kv_channels or hidden // model.num_attention_heads
+        qkv_width = head_dim * (model.num_attention_heads + 2 * model.query_groups)
+        fc1_width = model.ffn_size * (2 if model.activation is Activation.swiglu else 1)
+        extra += (qkv_width + fc1_width) / tp + 2 * hidden
     return extra
 
 
 def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *, moe: bool,
                            recompute: Recompute | None = None) -> tuple[float, float]:
-    """(bytes kept for backward by one layer for one micro-batch, the same under full recomputation).
+    """(bytes kept for backward by one layer for one micro-batch on one rank, the same under full recomputation).
 
     ``recompute`` overrides the plan's recomputation for this layer (``block`` leaves some layers unrecomputed)."""
-    m, d = job.model, layout.dims
-    t, sp = d.tp, d.sp
-    tokens = layout.micro_batch * layout.seq_length / d.cp
-    h = m.hidden_size
-    heads = m.num_attention_heads
-    head_dim = m.kv_channels or h // heads
+    model, dims = job.model, layout.dims
+    tp, sp = dims.tp, dims.sp
+    tokens = layout.micro_batch * layout.seq_length / dims.cp
+    hidden = model.hidden_size
+    heads = model.num_attention_heads
+    head_dim = model.kv_channels or hidden // heads
     q_width = heads * head_dim
-    kv_width = m.query_groups * head_dim
-    rep = 1.0 / t if sp else 1.0
-    hidden_mask = 1.0 if m.hidden_dropout > 0 else 0.0
-    primepar = not moe and job.parallel.mlp is MlpPartition.primepar and t > 1
+    kv_width = model.query_groups * head_dim
+    replicated_share = 1.0 / tp if sp else 1.0  # of the tensors replicated over TP unless SP
+    hidden_mask = 1.0 if model.hidden_dropout > 0 else 0.0
+    primepar = not moe and job.parallel.mlp is MlpPartition.primepar and tp > 1
     # Bytes per element of an input a linear layer keeps for its weight gradient: Transformer Engine's FP8 layers
     # keep the one-byte FP8 copy their forward GEMM read (PrimePar's MLP and the MoE router run in bf16).
-    lin = 1.0 if options.fp8 else 2.0
-    mlp_in = 2.0 if moe or primepar else lin  # a dense TE fc1 keeps its fused norm's output; the router reads bf16
+    linear_input_bytes = 1.0 if options.fp8 else 2.0
+    # A dense TE fc1 keeps its fused norm's output; the router reads bf16.
+    mlp_input_bytes = 2.0 if moe or primepar else linear_input_bytes
     # Replicated over TP unless SP: two norm inputs, QKV input, MLP input, two dropout masks.
-    per_token = (2 * h + 2 * h + lin * h + mlp_in * h + 2 * hidden_mask * h) * rep
+    per_token = (2 * hidden + 2 * hidden + linear_input_bytes * hidden + mlp_input_bytes * hidden
+                 + 2 * hidden_mask * hidden) * replicated_share
     # Split over TP: Q, K, V, attention output (projection input).
-    per_token += (2 * q_width + 2 * kv_width + 2 * kv_width + lin * q_width) / t
+    per_token += (2 * q_width + 2 * kv_width + 2 * kv_width + linear_input_bytes * q_width) / tp
     recompute = job.parallel.recompute if recompute is None else recompute
     if not options.flash_attention and recompute is Recompute.none:
-        attn_mask = 1.0 if m.attention_dropout > 0 else 0.0
-        per_token += heads * layout.seq_length * (2 + attn_mask + 2 * attn_mask) / t
-    gated = m.activation is Activation.swiglu
+        attn_mask = 1.0 if model.attention_dropout > 0 else 0.0
+        per_token += heads * layout.seq_length * (2 + attn_mask + 2 * attn_mask) / tp
+    gated = model.activation is Activation.swiglu
     if moe:
-        fe = m.moe_ffn_hidden_size or m.ffn_size
-        routed = m.moe_router_topk * d.etp / t  # token copies per local token
-        per_token += routed * (lin * h + 2 * fe * (2 if gated else 1) / d.etp + lin * fe / d.etp)
-        shared = m.moe_shared_expert_intermediate_size or 0
-        per_token += (2 * shared * (2 if gated else 1) + lin * shared) / t
+        expert_ffn = model.moe_ffn_hidden_size or model.ffn_size
+        routed = model.moe_router_topk * dims.etp / tp  # token copies per local token
+        per_token += routed * (linear_input_bytes * hidden + 2 * expert_ffn * (2 if gated else 1) / dims.etp
+                               + linear_input_bytes * expert_ffn / dims.etp)
+        shared_ffn = model.moe_shared_expert_intermediate_size or 0
+        per_token += (2 * shared_ffn * (2 if gated else 1) + linear_input_bytes * shared_ffn) / tp
     else:
-        fc2_in = 2.0 if primepar else lin
-        per_token += (2 * m.ffn_size * (2 if gated else 1) + fc2_in * m.ffn_size) / t
+        fc2_input_bytes = 2.0 if primepar else linear_input_bytes
+        per_token += (2 * model.ffn_size * (2 if gated else 1) + fc2_input_bytes * model.ffn_size) / tp
         if gated and job.cluster.on_cpu:
             # Unfused SwiGLU (the fusion is CUDA-only): it also keeps SiLU's output and the linear half it multiplies.
-            per_token += 2 * 2 * m.ffn_size / t
+            per_token += 2 * 2 * model.ffn_size / tp
         if primepar:
             # fc1's input kept as one block of the grid, not replicated; the rotated weight blocks kept from the
             # forward to the backward pass (cfp_megatron.sim.primepar_cost).
-            per_token -= primepar_stash_saving(tp=t, tokens=1.0, hidden=h, elem=2.0, sp=sp)
-            per_token += primepar_weight_copies(tp=t, hidden=h, ffn=m.ffn_size, gated=gated, elem=2.0) / tokens
-    full = tokens * h * 2 * rep
-    return tokens * per_token, full
+            per_token -= primepar_stash_saving(tp=tp, tokens=1.0, hidden=hidden, elem=2.0, sp=sp)
+            per_token += primepar_weight_copies(tp=tp, hidden=hidden, ffn=model.ffn_size, gated=gated,
+                                                elem=2.0) / tokens
+    full_recompute_bytes = tokens * hidden * 2 * replicated_share  # the layer's input only
+    return tokens * per_token, full_recompute_bytes
 
 
 def in_flight(rank: int, pp: int, vpp: int, microbatches: int) -> int:
-    """Model-chunk micro-batches whose activations rank ``rank`` holds at its peak."""
+    """Model-chunk micro-batches whose activations pipeline rank ``rank`` (of ``pp``, with ``vpp`` chunks each)
+    holds at its peak over a step of ``microbatches`` micro-batches."""
     total = microbatches * vpp
     if vpp == 1:
         return min(pp - rank, microbatches)
-    warm = total if microbatches == pp else min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
-    return min(warm + 1, total)
+    warmup = total if microbatches == pp else min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+    return min(warmup + 1, total)
 
 
 def recomputed_layers(job: JobSpec, *, rank: int) -> tuple[int, int]:
     """(dense, MoE) layers of pipeline rank ``rank``, over its chunks, that full recomputation covers: all of them
     (``uniform``), or the first ``recompute_num_layers`` of each chunk (``block``; leading dense layers come first).
     Zero without full recomputation."""
-    p = job.parallel
-    if p.recompute is not Recompute.full:
+    parallel = job.parallel
+    if parallel.recompute is not Recompute.full:
         return 0, 0
-    per_chunk = [chunk.recomputed(p) for chunk in job_chunks(job)[rank]]
-    return sum(d for d, _ in per_chunk), sum(m for _, m in per_chunk)
+    per_chunk = [chunk.recomputed(parallel) for chunk in job_chunks(job)[rank]]
+    return sum(dense for dense, _ in per_chunk), sum(moe for _, moe in per_chunk)
 
 
 def primepar_split(job: JobSpec, *, rank: int) -> tuple[int, JobSpec] | None:
     """(dense layers of pipeline rank ``rank`` that run PrimePar's MLP, the plan with Megatron's partition that the
     others run) where ``parallel.primepar_layers`` leaves some of its dense layers to Megatron's split; ``None``
     where every dense layer runs the plan's partition."""
-    p = job.parallel
-    if p.primepar_layers is None:
+    parallel = job.parallel
+    if parallel.primepar_layers is None:
         return None
     chunks = job_chunks(job)[rank]
-    prime = sum(c.primepar(p) for c in chunks)
-    return (prime, megatron_twin(job)) if prime < sum(c.dense for c in chunks) else None
+    primepar_layers = sum(chunk.primepar(parallel) for chunk in chunks)
+    return (primepar_layers, megatron_twin(job)) if primepar_layers < sum(chunk.dense for chunk in chunks) else None
 
 
 def recomputed_units(job: JobSpec, chunk: list[SegmentMemory], hidden_bytes: float) -> list[SegmentMemory]:
     """A pipeline chunk's measured layers (in model order) as full recomputation runs them: Megatron checkpoints
     groups of ``recompute_num_layers`` layers (``uniform``) or each of the first ``recompute_num_layers`` layers
-    (``block``). A checkpointed unit keeps only its output (the next unit's saved input, ``hidden_bytes``) between
-    its forward and its backward pass; in the backward pass it runs its layers' forward again, so on top of what it
-    keeps the live bytes rise by every layer's kept activations, its output made anew among them, plus the largest
-    transient (the recompute round's ``tp<N>-full`` layer, one per unit, measured exactly that for gpt_tiny at
-    every TP size and micro-batch size it ran, 16 records; without the new output a unit came out one hidden tensor
-    low). Layers outside the units are
-    unchanged, and so is every layer without full recomputation."""
-    p = job.parallel
-    if p.recompute is not Recompute.full or not chunk:
+    (``block``). A checkpointed unit keeps only its output (``hidden_bytes``, the next unit's saved input) between
+    its passes, and its backward pass adds the recomputed layers' activations and the largest transient
+    (docs/simulator.md, "Recomputed units"). Other layers, and every layer without full recomputation, are
+    returned unchanged."""
+    parallel = job.parallel
+    if parallel.recompute is not Recompute.full or not chunk:
         return chunk
 
     def unit(layers: list[SegmentMemory]) -> SegmentMemory:
-        kept = sum(x.activation_bytes for x in layers)
+        kept = sum(layer.activation_bytes for layer in layers)
         return SegmentMemory(activation_bytes=hidden_bytes,
-                             transient_bytes=kept + max(x.transient_bytes for x in layers),
-                             workspace_bytes=max(x.workspace_bytes for x in layers))
+                             transient_bytes=kept + max(layer.transient_bytes for layer in layers),
+                             workspace_bytes=max(layer.workspace_bytes for layer in layers))
 
-    k = max(p.recompute_num_layers, 1)
-    if p.recompute_method is RecomputeMethod.block:
-        return [unit([x]) for x in chunk[:k]] + chunk[k:]
-    return [unit(chunk[i:i + k]) for i in range(0, len(chunk), k)]
+    unit_layers = max(parallel.recompute_num_layers, 1)
+    if parallel.recompute_method is RecomputeMethod.block:
+        return [unit([layer]) for layer in chunk[:unit_layers]] + chunk[unit_layers:]
+    return [unit(chunk[start:start + unit_layers]) for start in range(0, len(chunk), unit_layers)]
 
 
 def measured_activations(job: JobSpec, layout: Layout, measurements: Measurements | None, *, rank: int,
@@ -163,16 +157,15 @@ def measured_activations(job: JobSpec, layout: Layout, measurements: Measurement
     """Activation bytes at the peak of pipeline rank ``rank`` from profiled segment memory
     (:mod:`cfp_megatron.sim.measured_memory`), with the pipeline's point-to-point tensors; ``None`` when the
     profile lacks a segment the stage runs under the plan's partition, or the plan splits the sequence over CP
-    (profiling does not measure it). Under selective recomputation the decoder layers' figures are those profiled
-    under it (``tp2-selective``: the checkpointed core attention keeps only its inputs, and runs again in the
-    backward pass); under full recomputation each recomputed unit keeps only its output (:func:`recomputed_units`)."""
-    d = layout.dims
-    if measurements is None or d.cp > 1:
+    (profiling does not measure it). Which profiled partitions stand for recomputation: docs/simulator.md,
+    "Measured activations"."""
+    dims = layout.dims
+    if measurements is None or dims.cp > 1:
         return None
     selective = Recompute.selective if job.parallel.recompute is Recompute.selective else Recompute.none
-    partition = partition_name(d.tp, sp=d.sp)  # the embedding and the head
-    layer_partition = partition_name(d.tp, sp=d.sp, mlp=job.parallel.mlp, recompute=selective)
-    megatron_partition = partition_name(d.tp, sp=d.sp, recompute=selective)  # layers past primepar_layers
+    partition = partition_name(dims.tp, sp=dims.sp)  # the embedding and the head
+    layer_partition = partition_name(dims.tp, sp=dims.sp, mlp=job.parallel.mlp, recompute=selective)
+    megatron_partition = partition_name(dims.tp, sp=dims.sp, recompute=selective)  # layers past primepar_layers
     split = primepar_split(job, rank=rank)
     kinds = ["dense", "moe"] if moe_layers else ["dense"]
     if moe_layers == layers:
@@ -185,84 +178,86 @@ def measured_activations(job: JobSpec, layout: Layout, measurements: Measurement
         if hit is None:
             return None
         found[kind] = hit
-    chunk_layers = layers // d.vpp
-    chunk_moe = min(moe_layers // d.vpp, chunk_layers)
+    chunk_layers = layers // dims.vpp
+    chunk_moe = min(moe_layers // dims.vpp, chunk_layers)
     # The dense layers of each chunk run the plan's partition, or its first primepar_layers do (the rest Megatron's).
-    chunk_own = split[0] // d.vpp if split else chunk_layers - chunk_moe
+    chunk_own = split[0] // dims.vpp if split else chunk_layers - chunk_moe
     rest = chunk_layers - chunk_moe - chunk_own
     chunk = ([found["dense"]] * chunk_own if chunk_own else []) + ([found["megatron"]] * rest if rest else []) + (
         [found["moe"]] * chunk_moe if chunk_moe else [])
-    elem = element_bytes(job)
-    hidden = layout.micro_batch * layout.seq_length * job.model.hidden_size * elem / (d.tp if d.sp else 1)
-    chunk = recomputed_units(job, chunk, hidden)
+    elem_bytes = element_bytes(job)
+    hidden_bytes = (layout.micro_batch * layout.seq_length * job.model.hidden_size * elem_bytes
+                    / (dims.tp if dims.sp else 1))
+    chunk = recomputed_units(job, chunk, hidden_bytes)
     if first and last and job.model.tie_embeddings and chunk:
-        # One weight serves the embedding and the head: autograd sums its two gradients before accumulating them, so
-        # the head's weight gradient (freed at once in the head's probe) stays alive through every decoder layer's
-        # backward pass, until the embedding's. It decides the peak under full recomputation, whose peak is a
-        # layer's backward pass.
-        tied = job.model.padded_vocab_size * job.model.hidden_size / d.tp * elem
-        chunk = [dataclasses.replace(x, transient_bytes=x.transient_bytes + tied) for x in chunk]
-    in_chunks = in_flight(rank, d.pp, d.vpp, d.num_microbatches)
+        # One weight serves the embedding and the head: the head's weight gradient stays alive through every decoder
+        # layer's backward pass (docs/simulator.md, "Measured activations").
+        tied_bytes = job.model.padded_vocab_size * job.model.hidden_size / dims.tp * elem_bytes
+        chunk = [dataclasses.replace(layer, transient_bytes=layer.transient_bytes + tied_bytes) for layer in chunk]
+    in_chunks = in_flight(rank, dims.pp, dims.vpp, dims.num_microbatches)
     ends = ([found["embedding"]] if first else []) + ([found["head"]] if last else [])
-    if d.vpp == 1:
+    if dims.vpp == 1:
         segments = ([found["embedding"]] if first else []) + chunk + ([found["head"]] if last else [])
         activations = peak_activation_bytes(segments, in_chunks)
     else:  # the embedding and the head sit in one chunk each: held by that chunk's share of the micro-batches
         activations = peak_activation_bytes(chunk, in_chunks)
-        activations += -(-in_chunks // d.vpp) * sum(s.activation_bytes for s in ends)
-    return activations + pipeline_buffers(hidden, pp=d.pp, first=first, last=last, in_flight=in_chunks,
-                                          microbatches=d.num_microbatches)
+        activations += -(-in_chunks // dims.vpp) * sum(segment.activation_bytes for segment in ends)
+    return activations + pipeline_buffers(hidden_bytes, pp=dims.pp, first=first, last=last, in_flight=in_chunks,
+                                          microbatches=dims.num_microbatches)
 
 
 def stage_memory(job: JobSpec, layout: Layout, options: SimOptions, *, rank: int, layer_params: float,
                  expert_params: float, layers: int, moe_layers: int, first: bool, last: bool,
                  measurements: Measurements | None = None) -> MemoryBreakdown:
-    """Memory of one rank of pipeline stage ``rank`` holding ``layers`` layers (``moe_layers`` of them MoE).
+    """Memory (bytes) of one rank of pipeline stage ``rank`` holding ``layers`` layers (``moe_layers`` of them MoE)
+    with ``layer_params`` decoder-layer parameters on the rank (``expert_params`` of them routed experts'); ``first``
+    and ``last`` add the embedding and the head.
 
     With ``measurements`` that hold the stage's segments' memory under the plan's partition, the activations (and
     the pipeline's buffers) come from them (:func:`measured_activations`) instead of the analytical model."""
-    m, d, p = job.model, layout.dims, job.parallel
-    elem = element_bytes(job)
-    vocab_params = m.padded_vocab_size * m.hidden_size / d.tp
+    model, dims, parallel = job.model, layout.dims, job.parallel
+    elem_bytes = element_bytes(job)
+    vocab_params = model.padded_vocab_size * model.hidden_size / dims.tp
     params = layer_params + layers * layer_extra_params(job, layout)
     if first:
         params += vocab_params
-        if m.position_embedding is PositionEmbedding.learned_absolute:
-            params += m.max_position_embeddings * m.hidden_size  # replicated over TP
+        if model.position_embedding is PositionEmbedding.learned_absolute:
+            params += model.max_position_embeddings * model.hidden_size  # replicated over TP
     if last:
-        params += m.hidden_size * (2 if m.normalization is Normalization.LayerNorm else 1)  # final norm
-    if last and (d.pp > 1 or not m.tie_embeddings):
+        params += model.hidden_size * (2 if model.normalization is Normalization.LayerNorm else 1)  # final norm
+    if last and (dims.pp > 1 or not model.tie_embeddings):
         params += vocab_params
     dense_params = params - expert_params
-    mixed = elem == 2
+    mixed = elem_bytes == 2
     adam = job.train.optimizer is OptimizerKind.adam
     opt_per_param = (4.0 if mixed else 0.0) + (8.0 if adam else 4.0)
     grad_per_param = grad_element_bytes(job)
-    dp_group = d.dp * d.cp
+    dp_cp_size = dims.dp * dims.cp
     if options.fsdp:
-        weights = params * elem / dp_group
-        grads = params * grad_per_param / dp_group
-        optim = params * opt_per_param / dp_group
+        weights = params * elem_bytes / dp_cp_size
+        grads = params * grad_per_param / dp_cp_size
+        optimizer = params * opt_per_param / dp_cp_size
     else:
-        weights = params * elem
+        weights = params * elem_bytes
         grads = params * grad_per_param
-        if p.distributed_optimizer:
-            optim = dense_params * opt_per_param / dp_group + expert_params * opt_per_param / d.expert_dp
+        if parallel.distributed_optimizer:
+            optimizer = dense_params * opt_per_param / dp_cp_size + expert_params * opt_per_param / dims.expert_dp
         else:
-            optim = params * opt_per_param
+            optimizer = params * opt_per_param
     dense_act, dense_full = layer_activation_bytes(job, layout, options, moe=False)
     # Dense layers beyond parallel.primepar_layers keep Megatron's MLP partition, and its activations.
     split = primepar_split(job, rank=rank)
-    own = split[0] if split else layers - moe_layers
-    mega_act, mega_full = layer_activation_bytes(split[1], layout, options, moe=False) if split else (0.0, 0.0)
+    plan_dense = split[0] if split else layers - moe_layers  # dense layers under the plan's own MLP partition
+    megatron_act, megatron_full = (layer_activation_bytes(split[1], layout, options, moe=False) if split
+                                   else (0.0, 0.0))
     if moe_layers:
         moe_act, moe_full = layer_activation_bytes(job, layout, options, moe=True)
     else:
         moe_act = moe_full = 0.0
     dense_layers = layers - moe_layers
-    chunk_mbs = in_flight(rank, d.pp, d.vpp, d.num_microbatches)
-    per_mb_layers = chunk_mbs / d.vpp  # whole-rank micro-batches held
-    if p.recompute is Recompute.full and p.recompute_method is RecomputeMethod.block:
+    chunk_microbatches = in_flight(rank, dims.pp, dims.vpp, dims.num_microbatches)
+    held_microbatches = chunk_microbatches / dims.vpp  # whole-rank micro-batches held
+    if parallel.recompute is Recompute.full and parallel.recompute_method is RecomputeMethod.block:
         # The recomputed layers keep their input; the others keep what they would without recomputation.
         rec_dense, rec_moe = recomputed_layers(job, rank=rank)
         dense_kept = layer_activation_bytes(job, layout, options, moe=False, recompute=Recompute.none)[0]
@@ -271,27 +266,27 @@ def stage_memory(job: JobSpec, layout: Layout, options: SimOptions, *, rank: int
         kept = (rec_dense * dense_full + rec_moe * moe_full + (dense_layers - rec_dense) * dense_kept
                 + (moe_layers - rec_moe) * moe_kept)
         working = max(dense_act, moe_act)
-    elif p.recompute is Recompute.full:
-        kept = own * dense_full + (dense_layers - own) * mega_full + moe_layers * moe_full
-        working = max(dense_act, mega_act, moe_act)
+    elif parallel.recompute is Recompute.full:
+        kept = plan_dense * dense_full + (dense_layers - plan_dense) * megatron_full + moe_layers * moe_full
+        working = max(dense_act, megatron_act, moe_act)
     else:
-        kept = own * dense_act + (dense_layers - own) * mega_act + moe_layers * moe_act
+        kept = plan_dense * dense_act + (dense_layers - plan_dense) * megatron_act + moe_layers * moe_act
         working = 0.0
-    tokens = layout.micro_batch * layout.seq_length / d.cp
-    activations = kept * per_mb_layers + working
+    tokens = layout.micro_batch * layout.seq_length / dims.cp
+    activations = kept * held_microbatches + working
     if last:
-        activations += 2 * tokens * m.padded_vocab_size / d.tp * 4.0  # fp32 logits and their gradient
+        activations += 2 * tokens * model.padded_vocab_size / dims.tp * 4.0  # fp32 logits and their gradient
     buffers = 0.0
-    if d.tp > 1:
-        buffers += 2 * tokens * m.hidden_size * elem
-    if d.pp > 1:
-        buffers += 2 * tokens * m.hidden_size * elem / (d.tp if d.sp else 1)
+    if dims.tp > 1:
+        buffers += 2 * tokens * model.hidden_size * elem_bytes
+    if dims.pp > 1:
+        buffers += 2 * tokens * model.hidden_size * elem_bytes / (dims.tp if dims.sp else 1)
     if options.fsdp and layers:
         per_layer = layer_params / layers
-        buffers += 2 * per_layer * elem + per_layer * grad_per_param
+        buffers += 2 * per_layer * elem_bytes + per_layer * grad_per_param
     measured = measured_activations(job, layout, measurements, rank=rank, layers=layers, moe_layers=moe_layers,
                                     first=first, last=last) if not options.fsdp else None
     if measured is not None:
         activations, buffers = measured, 0.0
-    return MemoryBreakdown(parameters=weights, gradients=grads, optimizer_states=optim, activations=activations,
+    return MemoryBreakdown(parameters=weights, gradients=grads, optimizer_states=optimizer, activations=activations,
                            comm_buffers=buffers, stage=rank)

@@ -36,6 +36,7 @@ class SimOptions:
     two shorter schedules extrapolated (:func:`cfp_megatron.sim.schedule.run_schedule`)."""
 
     def __post_init__(self) -> None:
+        """Raises :class:`ConfigError` for a ``max_schedule_ops`` below 1."""
         if self.max_schedule_ops < 1:
             raise ConfigError(ConfigIssue(key="sim.max_schedule_ops", value=self.max_schedule_ops,
                                           problem="must be positive.", fix="use e.g. 200000."))

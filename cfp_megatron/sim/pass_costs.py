@@ -1,9 +1,9 @@
-"""What one micro-batch costs on one rank, per kind of layer, before the schedule arranges it.
+"""What one micro-batch costs on one rank (seconds), per kind of layer, before the schedule arranges it.
 
 :func:`pass_costs` gathers the analytical layer costs (:mod:`cfp_megatron.sim.layer_cost`), replaces them with
 profiled segments where the measurements hold them (CFP, :mod:`cfp_megatron.sim.measured_segments`), and applies the
-measured in-schedule overheads. Plans of one search that agree on everything these costs read share one computation
-through a :class:`CostCache` (:func:`cost_key` names that).
+measured in-schedule overheads (docs/simulator.md, "pass_costs.py"). Plans of one search that agree on everything
+these costs read share one computation through a :class:`CostCache` (:func:`cost_key` names that).
 """
 
 from __future__ import annotations
@@ -26,16 +26,17 @@ from cfp_megatron.sim.schedule import ScheduleResult
 
 def collective_costs(cluster: ClusterSpec, measurements: Measurements | None,
                      efficiency: Efficiency | None = None) -> CollectiveCosts:
-    """The collectives of ``cluster``: measured fits where ``measurements`` has them, else the links at the shares
-    of nominal bandwidth ``efficiency`` (the cluster generation's fitted one by default) gives."""
-    eff = efficiency or efficiency_for(cluster)
-    return CollectiveCosts(cluster, measurements, intra_efficiency=eff.intra_node_comm,
-                           inter_efficiency=eff.inter_node_comm)
+    """The collective cost model (seconds per collective) of ``cluster``: measured fits where ``measurements`` has
+    them, else the links at the shares of nominal bandwidth ``efficiency`` (the cluster generation's fitted one by
+    default) gives."""
+    efficiency = efficiency or efficiency_for(cluster)
+    return CollectiveCosts(cluster, measurements, intra_efficiency=efficiency.intra_node_comm,
+                           inter_efficiency=efficiency.inter_node_comm)
 
 
 @dataclass(frozen=True, kw_only=True)
 class PassCosts:
-    """Per-micro-batch costs on one rank of each kind of layer of one plan."""
+    """Per-micro-batch costs (seconds) on one rank of each kind of layer of one plan."""
 
     dense: LayerCost
     """One dense decoder layer (its MLP under the plan's partition)."""
@@ -64,12 +65,12 @@ def cost_key(layout: Layout, recompute: Recompute, options: SimOptions,
              mlp: MlpPartition = MlpPartition.megatron, *, sp: bool | None = None,
              micro_batch: int | None = None) -> tuple[Any, ...]:
     """Everything of a plan that :func:`pass_costs` reads (its layout, recompute choice and MLP partition), for plans
-    of one model on one cluster with one set of options and measurements: equal keys, equal costs. ``sp`` and
-    ``micro_batch`` stand in for the layout's own (they do not move groups between nodes: a search places a family
-    once for all of them)."""
-    d = layout.dims
-    fsdp = (d.dp, layout.dp_per_node) if options.fsdp else ()
-    return (d.tp, d.sp if sp is None else sp, d.cp, d.ep, d.etp,
+    of one model on one cluster with one set of options and measurements, as a hashable tuple: equal keys, equal
+    costs. ``sp`` and ``micro_batch`` stand in for the layout's own (they do not move groups between nodes: a search
+    places a family once for all of them)."""
+    dims = layout.dims
+    fsdp = (dims.dp, layout.dp_per_node) if options.fsdp else ()
+    return (dims.tp, dims.sp if sp is None else sp, dims.cp, dims.ep, dims.etp,
             layout.micro_batch if micro_batch is None else micro_batch, layout.seq_length, recompute,
             layout.tp_per_node, layout.cp_per_node, layout.ep_per_node, layout.gpus_per_node, fsdp, mlp)
 
@@ -101,11 +102,11 @@ class CostCache:
     def for_job(cls, job: JobSpec, measurements: Measurements | None, options: SimOptions,
                 efficiency: Efficiency | None = None) -> CostCache:
         """An empty cache for the plans of ``job``'s model on its cluster."""
-        eff = efficiency or efficiency_for(job.cluster)
-        return cls(job=job, measurements=measurements, options=options, efficiency=eff,
-                   kernels=KernelModel(job.cluster, eff, job.train.precision, fp8=options.fp8,
+        efficiency = efficiency or efficiency_for(job.cluster)
+        return cls(job=job, measurements=measurements, options=options, efficiency=efficiency,
+                   kernels=KernelModel(job.cluster, efficiency, job.train.precision, fp8=options.fp8,
                                        measurements=measurements),
-                   collectives=collective_costs(job.cluster, measurements, eff))
+                   collectives=collective_costs(job.cluster, measurements, efficiency))
 
     def serves(self, job: JobSpec, measurements: Measurements | None, options: SimOptions,
                efficiency: Efficiency) -> bool:
@@ -117,74 +118,75 @@ class CostCache:
 
 def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, options: SimOptions,
                measurements: Measurements | None) -> PassCosts:
-    """The per-micro-batch costs of ``job`` under ``layout`` (see the module docstring), without
-    :attr:`PassCosts.megatron_dense` (the simulator adds its Megatron twin's dense layer where the plan needs it)."""
-    m = job.model
+    """The per-micro-batch costs (seconds) of ``job`` under ``layout`` on one rank (see the module docstring),
+    computed with ``kernels`` and the collective model ``costs``, without :attr:`PassCosts.megatron_dense` (the
+    simulator adds its Megatron twin's dense layer where the plan needs it)."""
+    model = job.model
     dense = layer_cost(job, layout, kernels, costs, options, moe=False)
-    moe = layer_cost(job, layout, kernels, costs, options, moe=True) if m.is_moe else dense
+    moe = layer_cost(job, layout, kernels, costs, options, moe=True) if model.is_moe else dense
     if options.measured_layer_only:
-        emb = out = (PassCost(), PassCost())
+        embedding = head = (PassCost(), PassCost())
     else:
-        emb = embedding_cost(job, layout, kernels, costs)
-        out = output_layer_cost(job, layout, kernels, costs)
+        embedding = embedding_cost(job, layout, kernels, costs)
+        head = output_layer_cost(job, layout, kernels, costs)
     overheads = None
     if options.use_measured_segments:
-        dense, moe, emb_m, out_m = apply_measured(job, measurements, layout.micro_batch, dense, moe, emb, out)
+        dense, moe, measured_embedding, measured_head = apply_measured(job, measurements, layout.micro_batch, dense,
+                                                                       moe, embedding, head)
         if not options.measured_layer_only:
-            emb, out = emb_m, out_m
-            if measurements is not None and not m.is_moe:
+            embedding, head = measured_embedding, measured_head
+            if measurements is not None and not model.is_moe:
                 overheads = _step_overheads(job, measurements, layout.micro_batch)
     per_pass = PassCost()
     if overheads is not None:
         # The layer as it runs inside the training schedule, and the schedule's own cost per micro-batch beyond the
-        # segments (measured on probe models, :mod:`cfp_megatron.profile.overheads`), on the forward and backward
-        # call of the stages that hold the embedding or the head. The probes run without pipelining, so they cannot
-        # say which stage pays it; the local bench's pipelined layouts (bench/local_layouts.py) agree with the ends
-        # paying it (PP=4, one sequence per micro-batch, medians over six profiles and six measured runs: +13% when
-        # every stage pays it, -3% when the ends do).
+        # segments, on the forward and backward call of the stages that hold the embedding or the head (why the
+        # ends pay it: docs/simulator.md, "In-schedule overheads").
         dense = moe = in_schedule(dense, overheads.layer_s)
         per_pass = PassCost(overhead_s=overheads.per_microbatch_s / 2)
-        emb, out = _ends_in_schedule(emb, out, overheads.ends_s)
-    return PassCosts(dense=dense, megatron_dense=None, moe=moe, embedding=emb, head=out, per_pass=per_pass,
+        embedding, head = _ends_in_schedule(embedding, head, overheads.ends_s)
+    return PassCosts(dense=dense, megatron_dense=None, moe=moe, embedding=embedding, head=head, per_pass=per_pass,
                      overheads=overheads)
 
 
 def _step_overheads(job: JobSpec, measurements: Measurements, micro_batch: int) -> StepOverheads | None:
-    """The overheads round's figures for the plan's partition. PrimePar's MLP has no probes of its own (profiling
-    times its decoder layer only, :func:`cfp_megatron.profile.segments.segment_cases`): the Megatron partition of the
-    same TP size stands in, its in-schedule layer scaled by the ratio of the two measured layers."""
-    p = job.parallel
-    base = partition_name(p.tp, sp=p.sp)
+    """The overheads round's figures for the plan's partition at ``micro_batch`` sequences; ``None`` where they
+    cannot be had. A PrimePar MLP borrows its Megatron twin's (docs/simulator.md, "In-schedule overheads")."""
+    parallel = job.parallel
+    base = partition_name(parallel.tp, sp=parallel.sp)
     overheads = measurements.step_overheads(base, micro_batch)
-    if overheads is None or p.mlp is MlpPartition.megatron:
+    if overheads is None or parallel.mlp is MlpPartition.megatron:
         return overheads
-    own = measured_pass(measurements, "dense", partition_name(p.tp, sp=p.sp, mlp=p.mlp), micro_batch)
+    own = measured_pass(measurements, "dense", partition_name(parallel.tp, sp=parallel.sp, mlp=parallel.mlp),
+                        micro_batch)
     twin = measured_pass(measurements, "dense", base, micro_batch)
     if own is None or twin is None or sum(twin) <= 0:
         return None
-    return dataclasses.replace(overheads, partition=partition_name(p.tp, sp=p.sp, mlp=p.mlp),
+    return dataclasses.replace(overheads, partition=partition_name(parallel.tp, sp=parallel.sp, mlp=parallel.mlp),
                                layer_s=overheads.layer_s * sum(own) / sum(twin))
 
 
 def _ends_in_schedule(emb: tuple[PassCost, PassCost], out: tuple[PassCost, PassCost], ends_s: float
                       ) -> tuple[tuple[PassCost, PassCost], tuple[PassCost, PassCost]]:
-    """The embedding's and the head's (forward, backward) scaled together by the share ``ends_s`` (zero or below,
-    :attr:`~cfp_megatron.cluster.measured.StepOverheads.ends_s`) takes off their isolated time."""
-    total = sum(p.total_s for p in (*emb, *out))
-    if ends_s >= 0 or total <= 0:
+    """The embedding's and the head's (forward, backward) scaled together by the share ``ends_s`` seconds (zero or
+    below, :attr:`~cfp_megatron.cluster.measured.StepOverheads.ends_s`) takes off their isolated time."""
+    total_s = sum(cost.total_s for cost in (*emb, *out))
+    if ends_s >= 0 or total_s <= 0:
         return emb, out
-    keep = max(1.0 + ends_s / total, 0.0)
-    return (emb[0].scaled(keep), emb[1].scaled(keep)), (out[0].scaled(keep), out[1].scaled(keep))
+    keep_share = max(1.0 + ends_s / total_s, 0.0)
+    return ((emb[0].scaled(keep_share), emb[1].scaled(keep_share)),
+            (out[0].scaled(keep_share), out[1].scaled(keep_share)))
 
 
 def in_schedule(cost: LayerCost, layer_s: float) -> LayerCost:
     """``cost`` with its forward and backward (and recomputation) rescaled to ``layer_s`` seconds of forward plus
     backward, keeping its forward-to-backward split."""
-    total = cost.forward.total_s + cost.backward.total_s
-    if total <= 0:
+    total_s = cost.forward.total_s + cost.backward.total_s
+    if total_s <= 0:
         return cost
-    share = cost.forward.total_s / total
-    recompute = cost.recompute.total_s / cost.forward.total_s if cost.forward.total_s > 0 else 0.0
-    return LayerCost(forward=PassCost(compute_s=share * layer_s), backward=PassCost(compute_s=(1 - share) * layer_s),
-                     recompute=PassCost(compute_s=recompute * share * layer_s), params=cost.params,
+    forward_share = cost.forward.total_s / total_s
+    recompute_ratio = cost.recompute.total_s / cost.forward.total_s if cost.forward.total_s > 0 else 0.0
+    return LayerCost(forward=PassCost(compute_s=forward_share * layer_s),
+                     backward=PassCost(compute_s=(1 - forward_share) * layer_s),
+                     recompute=PassCost(compute_s=recompute_ratio * forward_share * layer_s), params=cost.params,
                      expert_params=cost.expert_params)

@@ -6,18 +6,22 @@ import enum
 from dataclasses import dataclass, fields
 
 GIB = float(1 << 30)
+"""Bytes in a GiB."""
 
 
 class EventKind(enum.Enum):
     """Kinds of timed events in the simulated schedule."""
 
     forward = "forward"
+    """A forward pass's compute."""
     backward = "backward"
+    """A backward pass's compute (with its recomputation)."""
     comm = "comm"
     """Exposed collective communication (TP/SP, CP, EP, FSDP) inside a forward or backward pass."""
     dp_sync = "dp_sync"
     """Data-parallel gradient reduction (and parameter all-gather) left exposed after the backward pass."""
     optimizer = "optimizer"
+    """The optimizer step."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,7 +49,7 @@ class Event:
 
 @dataclass(frozen=True, kw_only=True)
 class TimeBreakdown:
-    """Where the step time of the slowest pipeline rank goes; the fields add up to the step time."""
+    """Where the step time of the slowest pipeline rank goes, in seconds; the fields add up to the step time."""
 
     forward_compute_s: float
     """Forward GEMMs, attention and element-wise kernels of every micro-batch."""
@@ -73,7 +77,7 @@ class TimeBreakdown:
     @property
     def total_s(self) -> float:
         """Sum of the components (equals the step time)."""
-        return sum(getattr(self, f.name) for f in fields(self))
+        return sum(getattr(self, field.name) for field in fields(self))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,13 +133,15 @@ class Prediction:
 
 
 def mfu(prediction: Prediction, peak_tflops: float | None) -> float | None:
-    """Model FLOPs utilisation (share of the dense peak) of a prediction; ``None`` without a peak."""
+    """Model FLOPs utilisation (share of the dense peak ``peak_tflops``, in TFLOP/s) of a prediction; ``None``
+    without a peak."""
     if not peak_tflops:
         return None
     return prediction.model_tflops_per_gpu / peak_tflops
 
 
 def exposed_comm_s(prediction: Prediction) -> float:
-    """Communication the step waits for: TP/SP, CP, EP and FSDP inside the passes plus the exposed DP sync."""
-    t = prediction.time
-    return t.tp_comm_s + t.cp_comm_s + t.ep_comm_s + t.fsdp_comm_s + t.dp_comm_s
+    """Seconds of communication the step waits for: TP/SP, CP, EP and FSDP inside the passes plus the exposed DP
+    sync."""
+    time = prediction.time
+    return time.tp_comm_s + time.cp_comm_s + time.ep_comm_s + time.fsdp_comm_s + time.dp_comm_s

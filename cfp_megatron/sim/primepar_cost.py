@@ -1,29 +1,7 @@
 """Seconds and stashed bytes of a dense MLP under PrimePar's P_{2^k x 2^k} (:mod:`cfp_megatron.layers`), per
-micro-batch on one rank of the 4^k-rank tensor-parallel grid (side ``n = 2^k``).
-
-Each linear ``O[T, K] = I[T, N] @ W[N, K]`` runs three phases of ``n`` steps (NOTES.md 1.4-1.5). At every step but
-the last a rank multiplies one block pair while the ring brings the next one, so a step costs
-``max(GEMM, ring transfer)`` (Eq. 7 of the paper, its ``intraC`` without the all-reduce term, which is zero here):
-
-- Forward: ``(T/n x N/n) @ (N/n x K/n)``; the ring moves one I block and one W block.
-- Backward (dI): ``(T/n x K/n) @ (K/n x N/n)``; the ring moves one dO block and one W block; then dI goes one hop to
-  the input's layout (overlapped with the first weight-gradient GEMM).
-- Gradient (dW): ``(N/n x T/n) @ (T/n x K/n)``; the ring moves one I block and one dO block; at the last step the
-  partial dW block (fp32 gradient) arrives from the right neighbour, not overlapped.
-
-The MLP is ``fc1`` (``h -> ffn``, twice ``ffn`` wide for SwiGLU), the activation, one permutation of the activation
-block to ``fc2``'s start layout, and ``fc2`` (``ffn -> h``). Its input is sliced from the replicated hidden states
-and its output all-gathered over the grid (forward), the input gradient all-gathered (backward): one all-gather of
-the activation per pass where Megatron's column/row split all-reduces it.
-
-Under sequence parallelism the hidden state at the MLP's boundary is split along the sequence over the TP group, and
-the grid needs it replicated: the input is all-gathered (forward; backward each rank keeps its sequence chunk of the
-gradient) and the replicated output cut back to this rank's chunk (forward; backward the output gradient
-all-gathered). That resharding adds one all-gather of the activation per pass, where Megatron's SP split has an
-all-gather and a reduce-scatter per pass.
-
-:func:`megatron_mlp_cost` is the same MLP under Megatron's column/row split, as
-:mod:`cfp_megatron.sim.layer_cost` costs it (for comparisons such as ``bench/primepar_mlp.py``).
+micro-batch on one rank of the 4^k-rank tensor-parallel grid (side ``n = 2^k``), and the same MLP under Megatron's
+column/row split for comparison. The three phases, their overlap and the resharding under sequence parallelism:
+docs/simulator.md, "primepar_cost.py".
 """
 
 from __future__ import annotations
@@ -42,7 +20,7 @@ GRAD_BYTES = 4.0
 
 @dataclass(frozen=True, kw_only=True)
 class MlpCost:
-    """One micro-batch of the MLP on one rank (of PrimePar's grid or of Megatron's TP group)."""
+    """Seconds of one micro-batch of the MLP on one rank (of PrimePar's grid or of Megatron's TP group)."""
 
     forward_compute_s: float
     """GEMMs of the forward pass (both linears, every step)."""
@@ -63,49 +41,57 @@ class MlpCost:
 
 def _linear(kernels: KernelModel, costs: CollectiveCosts, n: int, tokens: float, n_in: float, k_out: float,
             span: int, overlap: bool) -> tuple[float, float, float, float]:
-    """(forward compute, forward exposed, backward compute, backward exposed) seconds of one P_{n x n} linear;
+    """(forward compute, forward exposed, backward compute, backward exposed) seconds of one P_{n x n} linear
+    ``[tokens, n_in] @ [n_in, k_out]`` (grid side ``n``; ``span`` 2 where ring neighbours share a node, else 1);
     without ``overlap`` every transfer is exposed."""
-    e = kernels.elem
-    tb, nb, kb = tokens / n, n_in / n, k_out / n
+    elem_bytes = kernels.elem
+    # One rank's block of the tokens, of the input features and of the output features.
+    token_block, in_block, out_block = tokens / n, n_in / n, k_out / n
 
     def ring(nbytes: float) -> float:
+        """Seconds of one ring hop of ``nbytes`` bytes."""
         return costs.seconds(Collective.send_recv, nbytes, 2, span)
 
     def phase(gemm: float, transfer: float) -> tuple[float, float]:
         """(compute, exposed) of ``n`` steps whose first ``n - 1`` overlap ``transfer`` with ``gemm``."""
         return n * gemm, (n - 1) * (max(transfer - gemm, 0.0) if overlap else transfer)
 
-    f_c, f_x = phase(kernels.gemm(tb, kb, nb), ring((tb * nb + nb * kb) * e))
-    d_c, d_x = phase(kernels.gemm(tb, nb, kb), ring((tb * kb + nb * kb) * e))
-    g_gemm = kernels.gemm(nb, kb, tb)
-    g_c, g_x = phase(g_gemm, ring((tb * nb + tb * kb) * e))
-    realign_di = max(ring(tb * nb * e) - g_gemm, 0.0) if overlap else ring(tb * nb * e)
-    hand_over = ring(nb * kb * GRAD_BYTES)
-    return f_c, f_x, d_c + g_c, d_x + g_x + realign_di + hand_over
+    fwd_compute, fwd_exposed = phase(kernels.gemm(token_block, out_block, in_block),
+                                     ring((token_block * in_block + in_block * out_block) * elem_bytes))
+    dgrad_compute, dgrad_exposed = phase(kernels.gemm(token_block, in_block, out_block),
+                                         ring((token_block * out_block + in_block * out_block) * elem_bytes))
+    wgrad_gemm = kernels.gemm(in_block, out_block, token_block)
+    wgrad_compute, wgrad_exposed = phase(wgrad_gemm,
+                                         ring((token_block * in_block + token_block * out_block) * elem_bytes))
+    realign_di = (max(ring(token_block * in_block * elem_bytes) - wgrad_gemm, 0.0) if overlap
+                  else ring(token_block * in_block * elem_bytes))
+    hand_over = ring(in_block * out_block * GRAD_BYTES)
+    return (fwd_compute, fwd_exposed, dgrad_compute + wgrad_compute,
+            dgrad_exposed + wgrad_exposed + realign_di + hand_over)
 
 
 def primepar_mlp_cost(kernels: KernelModel, costs: CollectiveCosts, *, tp: int, tp_per_node: int, tokens: float,
                       hidden: int, ffn: int, gated: bool, overlap: bool = True, sp: bool = False) -> MlpCost:
-    """The MLP of ``tokens`` tokens (micro-batch x sequence / CP) on one rank of a ``tp``-rank grid: its GEMMs and
+    """Seconds of the MLP of ``tokens`` tokens (micro-batch x sequence / CP) on one rank of a ``tp``-rank grid
+    (``tp_per_node`` of them on one node; ``hidden`` and ``ffn`` widths, ``gated`` for SwiGLU): its GEMMs and
     communication; the activation's element-wise work is not in it (:func:`mlp_activation_s`). ``sp``: the boundary
-    is split along the sequence, and the resharding to and from the grid's replicated input and output adds one
-    all-gather per pass (see the module docstring).
-
-    ``overlap``: the ring's transfers run beside the GEMMs (accelerators: the copy engines and NCCL's stream). CPU
-    ranks run both on their own cores (gloo's transfers are CPU work), so there each step costs GEMM plus transfer."""
-    n = primepar_grid_side(tp)
-    if n is None:
+    is split along the sequence, and the resharding adds one all-gather per pass. ``overlap``: the ring's transfers
+    run beside the GEMMs (false on CPU ranks; docs/simulator.md, "primepar_cost.py"). Raises :class:`ValueError`
+    unless ``tp`` is a power of 4."""
+    side = primepar_grid_side(tp)
+    if side is None:
         raise ValueError(f"a PrimePar grid needs 4^k ranks, got tp={tp}")
     span = 2 if tp_per_node >= tp else 1  # ring neighbours inside one node, or across nodes
-    fc1 = _linear(kernels, costs, n, tokens, hidden, ffn * (2 if gated else 1), span, overlap)
-    fc2 = _linear(kernels, costs, n, tokens, ffn, hidden, span, overlap)
-    e = kernels.elem
-    permute = costs.seconds(Collective.send_recv, tokens / n * ffn / n * e, 2, span)
-    gather = costs.seconds(Collective.all_gather, tokens * hidden * e, tp, tp_per_node)
-    reshard = gather if sp else 0.0
-    return MlpCost(forward_compute_s=fc1[0] + fc2[0], forward_comm_s=fc1[1] + fc2[1] + permute + gather + reshard,
+    fc1 = _linear(kernels, costs, side, tokens, hidden, ffn * (2 if gated else 1), span, overlap)
+    fc2 = _linear(kernels, costs, side, tokens, ffn, hidden, span, overlap)
+    elem_bytes = kernels.elem
+    permute_s = costs.seconds(Collective.send_recv, tokens / side * ffn / side * elem_bytes, 2, span)
+    gather_s = costs.seconds(Collective.all_gather, tokens * hidden * elem_bytes, tp, tp_per_node)
+    reshard_s = gather_s if sp else 0.0
+    return MlpCost(forward_compute_s=fc1[0] + fc2[0],
+                   forward_comm_s=fc1[1] + fc2[1] + permute_s + gather_s + reshard_s,
                    backward_compute_s=fc1[2] + fc2[2],
-                   backward_comm_s=fc1[3] + fc2[3] + permute + gather + reshard)
+                   backward_comm_s=fc1[3] + fc2[3] + permute_s + gather_s + reshard_s)
 
 
 def ffn_gemms(kernels: KernelModel, tokens: float, hidden: int, ffn: float, gated: bool) -> float:
@@ -130,30 +116,30 @@ def mlp_activation_s(kernels: KernelModel, *, tp: int, tokens: float, ffn: int, 
 
 def megatron_mlp_cost(kernels: KernelModel, costs: CollectiveCosts, *, tp: int, tp_per_node: int, tokens: float,
                       hidden: int, ffn: int, gated: bool) -> MlpCost:
-    """The MLP of ``tokens`` tokens under Megatron's column/row split over ``tp`` ranks, as
+    """Seconds of the MLP of ``tokens`` tokens under Megatron's column/row split over ``tp`` ranks, as
     :func:`~cfp_megatron.sim.layer_cost.layer_cost` costs a dense MLP without sequence parallelism or TP
-    communication overlap: the split GEMMs (:func:`ffn_gemms` with ``ffn / tp``) and the activation's element-wise
-    traffic (:func:`mlp_activation_s`), twice that backward; one all-reduce of the ``[tokens, hidden]`` activation
-    per pass (fc2's output forward, fc1's input gradient backward). Unlike :func:`primepar_mlp_cost`, the
-    activation's element-wise work is included: add :func:`mlp_activation_s` (and twice it backward) to that one
-    to compare the two."""
-    forward = ffn_gemms(kernels, tokens, hidden, ffn / tp, gated) + mlp_activation_s(kernels, tp=tp, tokens=tokens,
-                                                                                     ffn=ffn, gated=gated)
-    reduce = costs.seconds(Collective.all_reduce, tokens * hidden * kernels.elem, tp, tp_per_node)
-    return MlpCost(forward_compute_s=forward, forward_comm_s=reduce, backward_compute_s=2.0 * forward,
-                   backward_comm_s=reduce)
+    communication overlap: split GEMMs and activation traffic, twice that backward, one all-reduce of the
+    ``[tokens, hidden]`` activation per pass. It includes the activation's element-wise work, which
+    :func:`primepar_mlp_cost` leaves out (how to compare the two: docs/simulator.md, "primepar_cost.py")."""
+    forward_s = ffn_gemms(kernels, tokens, hidden, ffn / tp, gated) + mlp_activation_s(kernels, tp=tp, tokens=tokens,
+                                                                                       ffn=ffn, gated=gated)
+    reduce_s = costs.seconds(Collective.all_reduce, tokens * hidden * kernels.elem, tp, tp_per_node)
+    return MlpCost(forward_compute_s=forward_s, forward_comm_s=reduce_s, backward_compute_s=2.0 * forward_s,
+                   backward_comm_s=reduce_s)
 
 
 def primepar_stash_saving(*, tp: int, tokens: float, hidden: int, elem: float, sp: bool = False) -> float:
-    """Activation bytes per layer the PrimePar MLP does not keep that Megatron's column/row split keeps: ``fc1``'s
-    input is stashed as one block of the grid (1/tp of it) instead of the whole replicated hidden state. Under
-    sequence parallelism Megatron keeps its 1/tp sequence chunk instead: no saving."""
+    """Activation bytes per layer (for ``tokens`` tokens of ``elem`` bytes per element) the PrimePar MLP does not
+    keep that Megatron's column/row split keeps: ``fc1``'s input is stashed as one block of the grid (1/tp of it)
+    instead of the whole replicated hidden state. Under sequence parallelism Megatron keeps its 1/tp sequence chunk
+    instead: no saving."""
     return 0.0 if sp else tokens * hidden * elem * (1.0 - 1.0 / tp)
 
 
 def primepar_weight_copies(*, tp: int, hidden: int, ffn: int, gated: bool, elem: float) -> float:
     """Bytes of the rotated weight blocks each rank keeps between forward and backward (one block per linear,
-    :class:`~cfp_megatron.layers.primepar_linear.PrimeParLinear`'s ``keep_rotated_weight``)."""
+    :class:`~cfp_megatron.layers.primepar_linear.PrimeParLinear`'s ``keep_rotated_weight``), at ``elem`` bytes per
+    element."""
     return (hidden * ffn * (2 if gated else 1) + ffn * hidden) / tp * elem
 
 

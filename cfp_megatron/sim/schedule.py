@@ -1,12 +1,5 @@
-"""Pipeline schedules as timed events: 1F1B (PipeDream-Flush) and Megatron's interleaved 1F1B.
-
-Each pipeline rank gets the exact order of forward and backward passes Megatron-Core's schedules run (warm-up
-forwards, steady one-forward-one-backward, cool-down backwards; the interleaved schedule walks model chunks in groups
-of ``pp`` micro-batches). The passes are then timed as a dependency graph: a forward of global stage ``g`` waits for
-the forward of stage ``g-1`` plus the send/receive time, a backward waits for the backward of stage ``g+1`` plus the
-send/receive time, and every rank runs its passes one at a time in its order. The idle time left on a rank is its
-pipeline bubble.
-"""
+"""Pipeline schedules as timed events: 1F1B (PipeDream-Flush) and Megatron's interleaved 1F1B, each rank's passes
+in Megatron-Core's order, timed as a dependency graph (docs/simulator.md, "schedule.py")."""
 
 from __future__ import annotations
 
@@ -33,9 +26,9 @@ class Op:
     chunk: int
     """Model chunk on this rank."""
     start_s: float
-    """Start time."""
+    """Start time, seconds from the step's start."""
     end_s: float
-    """End time."""
+    """End time, seconds from the step's start."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,9 +36,9 @@ class ScheduleResult:
     """Timing of one pipeline schedule."""
 
     end_s: tuple[float, ...]
-    """Time each rank finishes its last pass."""
+    """Time each rank finishes its last pass, seconds."""
     busy_s: tuple[float, ...]
-    """Time each rank spends in passes."""
+    """Time each rank spends in passes, seconds."""
     ops: tuple[Op, ...]
     """Every pass with its times (empty when the closed form was used)."""
     simulated: bool
@@ -54,115 +47,117 @@ class ScheduleResult:
 
 @functools.lru_cache(maxsize=4096)
 def rank_order(rank: int, pp: int, vpp: int, microbatches: int) -> tuple[tuple[bool, int, int], ...]:
-    """Megatron-Core's order of passes on one pipeline rank: ``(is_forward, microbatch, chunk)`` (cached: a search
-    times many plans with the same pipeline shape)."""
-    m = microbatches
+    """Megatron-Core's order of passes on pipeline rank ``rank`` of ``pp`` with ``vpp`` model chunks and
+    ``microbatches`` micro-batches: ``(is_forward, microbatch, chunk)`` per pass (cached: a search times many plans
+    with the same pipeline shape)."""
     if vpp == 1:
-        warm = min(pp - rank - 1, m)
-        order = [(True, i, 0) for i in range(warm)]
-        for i in range(m - warm):
-            order.append((True, warm + i, 0))
-            order.append((False, i, 0))
-        order.extend((False, i, 0) for i in range(m - warm, m))
+        warmup = min(pp - rank - 1, microbatches)
+        order = [(True, index, 0) for index in range(warmup)]
+        for index in range(microbatches - warmup):
+            order.append((True, warmup + index, 0))
+            order.append((False, index, 0))
+        order.extend((False, index, 0) for index in range(microbatches - warmup, microbatches))
         return tuple(order)
-    total = m * vpp
-    warm = total if m == pp else min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+    total = microbatches * vpp  # (micro-batch, chunk) passes in each direction
+    warmup = total if microbatches == pp else min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
 
-    def fwd(k: int) -> tuple[bool, int, int]:
-        return True, (k // (pp * vpp)) * pp + k % pp, (k // pp) % vpp
+    # The n-th forward (backward) of the rank: chunks advance every pp micro-batches, in groups of pp x vpp.
+    def fwd(nth: int) -> tuple[bool, int, int]:
+        return True, (nth // (pp * vpp)) * pp + nth % pp, (nth // pp) % vpp
 
-    def bwd(k: int) -> tuple[bool, int, int]:
-        return False, (k // (pp * vpp)) * pp + k % pp, vpp - 1 - (k // pp) % vpp
+    def bwd(nth: int) -> tuple[bool, int, int]:
+        return False, (nth // (pp * vpp)) * pp + nth % pp, vpp - 1 - (nth // pp) % vpp
 
-    order = [fwd(k) for k in range(warm)]
-    for i in range(total - warm):
-        order.append(fwd(warm + i))
-        order.append(bwd(i))
-    order.extend(bwd(k) for k in range(total - warm, total))
+    order = [fwd(nth) for nth in range(warmup)]
+    for index in range(total - warmup):
+        order.append(fwd(warmup + index))
+        order.append(bwd(index))
+    order.extend(bwd(nth) for nth in range(total - warmup, total))
     return tuple(order)
 
 
 def dependency_floors(forward_s: list[list[float]], backward_s: list[list[float]],
                       busy: tuple[float, ...]) -> list[float]:
-    """Times before which no schedule of these passes can end, per rank: rank ``r`` runs its passes (``busy``) one
-    after another, after micro-batch 0 went forward through the first chunks of the ranks before it; and rank 0's
-    last pass, the backward of the last micro-batch's first chunk, follows the last pass of every rank ``r``
-    and that micro-batch's backward through the ranks before it."""
+    """Seconds before which no schedule of these passes can end, per rank, from the pass seconds
+    ``forward_s[rank][chunk]``, ``backward_s[rank][chunk]`` and each rank's total ``busy`` seconds
+    (docs/simulator.md, "Dependency floors")."""
     pp = len(forward_s)
-    own = [busy[r] + sum(forward_s[q][0] for q in range(r)) for r in range(pp)]
-    chain = max(own[r] + sum(backward_s[q][0] for q in range(r)) for r in range(pp))
+    own = [busy[rank] + sum(forward_s[earlier][0] for earlier in range(rank)) for rank in range(pp)]
+    chain = max(own[rank] + sum(backward_s[earlier][0] for earlier in range(rank)) for rank in range(pp))
     return [max(own[0], chain), *own[1:]]
 
 
 def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2p_s: float, microbatches: int, *,
                  keep_ops: bool = False, max_ops: int = 200_000) -> ScheduleResult:
-    """Time the schedule for per-rank, per-chunk pass durations ``forward_s[rank][chunk]`` (one micro-batch).
+    """Time the schedule for per-rank, per-chunk pass durations ``forward_s[rank][chunk]`` and
+    ``backward_s[rank][chunk]`` (seconds, one micro-batch) over ``microbatches`` micro-batches.
 
-    ``p2p_s`` is the send/receive time between consecutive stages. Schedules with more than ``max_ops`` passes are
-    timed event by event with ``m0 = 4 pp + m mod pp`` and ``m0 + pp`` micro-batches and extrapolated linearly to
-    ``m`` (the steady state repeats every ``pp`` micro-batches: exact to rounding for stages that differ only by the
-    embedding and the head, within about 2% for arbitrary stages), never below :func:`dependency_floors`.
+    ``p2p_s`` is the send/receive time (seconds) between consecutive stages; ``keep_ops`` keeps every timed pass.
+    Schedules with more than ``max_ops`` passes are extrapolated from two shorter ones (docs/simulator.md,
+    "Long schedules"). Raises :class:`ScheduleError` on a deadlock.
     """
-    pp, vpp, m = len(forward_s), len(forward_s[0]), microbatches
-    n_ops = 2 * pp * vpp * m
-    busy = tuple(m * (sum(forward_s[r]) + sum(backward_s[r])) for r in range(pp))
-    m0 = 4 * pp + m % pp
-    if n_ops > max_ops and not keep_ops and m > m0 + pp:
-        short = run_schedule(forward_s, backward_s, p2p_s, m0, max_ops=n_ops)
-        longer = run_schedule(forward_s, backward_s, p2p_s, m0 + pp, max_ops=n_ops)
-        steps = (m - m0) / pp
+    pp, vpp = len(forward_s), len(forward_s[0])
+    num_ops = 2 * pp * vpp * microbatches
+    busy = tuple(microbatches * (sum(forward_s[rank]) + sum(backward_s[rank])) for rank in range(pp))
+    short_microbatches = 4 * pp + microbatches % pp
+    if num_ops > max_ops and not keep_ops and microbatches > short_microbatches + pp:
+        short = run_schedule(forward_s, backward_s, p2p_s, short_microbatches, max_ops=num_ops)
+        longer = run_schedule(forward_s, backward_s, p2p_s, short_microbatches + pp, max_ops=num_ops)
+        steps = (microbatches - short_microbatches) / pp
         floors = dependency_floors(forward_s, backward_s, busy)
-        ends = tuple(max(a + steps * (b - a), floor)
-                     for a, b, floor in zip(short.end_s, longer.end_s, floors, strict=True))
+        ends = tuple(max(short_end + steps * (longer_end - short_end), floor)
+                     for short_end, longer_end, floor in zip(short.end_s, longer.end_s, floors, strict=True))
         return ScheduleResult(end_s=ends, busy_s=busy, ops=(), simulated=False)
-    stages = pp * vpp
-    fend = [[-1.0] * m for _ in range(stages)]
-    bend = [[-1.0] * m for _ in range(stages)]
-    orders = [rank_order(r, pp, vpp, m) for r in range(pp)]
-    ptr = [0] * pp
-    free = [0.0] * pp
+    num_stages = pp * vpp
+    # End of each pass per global stage and micro-batch (-1: not run yet).
+    forward_end = [[-1.0] * microbatches for _ in range(num_stages)]
+    backward_end = [[-1.0] * microbatches for _ in range(num_stages)]
+    orders = [rank_order(rank, pp, vpp, microbatches) for rank in range(pp)]
+    next_pass = [0] * pp  # index in its order of each rank's next pass
+    free_s = [0.0] * pp  # when each rank finished its last timed pass
     ops: list[Op] = []
-    remaining = sum(len(o) for o in orders)
+    remaining = sum(len(order) for order in orders)
     while remaining:
         progressed = False
-        for r in range(pp):
-            order = orders[r]
-            i = ptr[r]
-            t = free[r]
-            fr, br = forward_s[r], backward_s[r]
-            while i < len(order):
-                is_fwd, mb, c = order[i]
-                g = c * pp + r
+        for rank in range(pp):
+            order = orders[rank]
+            index = next_pass[rank]
+            clock_s = free_s[rank]
+            rank_forward_s, rank_backward_s = forward_s[rank], backward_s[rank]
+            while index < len(order):
+                is_fwd, microbatch, chunk = order[index]
+                stage = chunk * pp + rank
                 if is_fwd:
-                    if g == 0:
-                        ready = 0.0
+                    if stage == 0:
+                        ready_s = 0.0
                     else:
-                        dep = fend[g - 1][mb]
-                        if dep < 0:
+                        dep_end_s = forward_end[stage - 1][microbatch]
+                        if dep_end_s < 0:
                             break
-                        ready = dep + p2p_s
-                    start = t if t > ready else ready
-                    t = start + fr[c]
-                    fend[g][mb] = t
+                        ready_s = dep_end_s + p2p_s
+                    start_s = clock_s if clock_s > ready_s else ready_s
+                    clock_s = start_s + rank_forward_s[chunk]
+                    forward_end[stage][microbatch] = clock_s
                 else:
-                    if g == stages - 1:
-                        ready = fend[g][mb]
+                    if stage == num_stages - 1:
+                        ready_s = forward_end[stage][microbatch]
                     else:
-                        dep = bend[g + 1][mb]
-                        if dep < 0:
+                        dep_end_s = backward_end[stage + 1][microbatch]
+                        if dep_end_s < 0:
                             break
-                        ready = dep + p2p_s
-                    start = t if t > ready else ready
-                    t = start + br[c]
-                    bend[g][mb] = t
+                        ready_s = dep_end_s + p2p_s
+                    start_s = clock_s if clock_s > ready_s else ready_s
+                    clock_s = start_s + rank_backward_s[chunk]
+                    backward_end[stage][microbatch] = clock_s
                 if keep_ops:
-                    ops.append(Op(rank=r, forward=is_fwd, microbatch=mb, chunk=c, start_s=start, end_s=t))
-                i += 1
-            if i != ptr[r]:
-                remaining -= i - ptr[r]
-                ptr[r] = i
-                free[r] = t
+                    ops.append(Op(rank=rank, forward=is_fwd, microbatch=microbatch, chunk=chunk, start_s=start_s,
+                                  end_s=clock_s))
+                index += 1
+            if index != next_pass[rank]:
+                remaining -= index - next_pass[rank]
+                next_pass[rank] = index
+                free_s[rank] = clock_s
                 progressed = True
         if not progressed:
-            raise ScheduleError(f"pipeline schedule deadlocked (pp={pp}, vpp={vpp}, microbatches={m})")
-    return ScheduleResult(end_s=tuple(free), busy_s=busy, ops=tuple(ops), simulated=True)
+            raise ScheduleError(f"pipeline schedule deadlocked (pp={pp}, vpp={vpp}, microbatches={microbatches})")
+    return ScheduleResult(end_s=tuple(free_s), busy_s=busy, ops=tuple(ops), simulated=True)

@@ -1,10 +1,5 @@
-"""The simulator's entry point: :func:`simulate` predicts step time and peak memory of one plan.
-
-Step time = the pipeline schedule of per-stage, per-micro-batch passes (compute + exposed communication, see
-:mod:`cfp_megatron.sim.layer_cost`), timed event by event (:mod:`cfp_megatron.sim.schedule`), then the part of the
-data-parallel gradient sync that the last micro-batch's backward pass does not hide, then the optimizer step
-(memory-bound). The slowest pipeline rank sets the step time; its breakdown is reported.
-"""
+"""The simulator's entry point: :func:`simulate` predicts the step time (seconds) and peak memory (bytes per rank)
+of one plan. How the step time is composed: docs/simulator.md, "simulate.py"."""
 
 from __future__ import annotations
 
@@ -35,11 +30,13 @@ _BUCKET_PARAMS = 40_000_000
 def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Measurements | None = None, *,
              options: SimOptions | None = None, efficiency: Efficiency | None = None, world_size: int | None = None,
              with_events: bool = False, cache: CostCache | None = None) -> Prediction:
-    """Predict the step time and peak memory of ``job`` on ``cluster`` (default: ``job.cluster``).
+    """Predict the step time (seconds) and peak memory (bytes per rank) of ``job`` on ``cluster`` (default:
+    ``job.cluster``).
 
     ``measurements`` (profiled collectives and GEMMs) win over the cluster's nominal figures; ``efficiency``
-    overrides the fitted efficiencies (for fitting); ``with_events`` keeps the timed schedule for timeline export;
-    ``cache`` shares pass costs and cost models between the plans of one search (:class:`CostCache`).
+    overrides the fitted efficiencies (for fitting); ``world_size`` defaults to nodes x GPUs per node;
+    ``with_events`` keeps the timed schedule for timeline export; ``cache`` shares pass costs and cost models
+    between the plans of one search (:class:`CostCache`). Returns a :class:`Prediction`.
     Raises :class:`~cfp_megatron.base.errors.ConfigError` for a plan that cannot run.
     """
     return typing.cast(Prediction, _simulate(job, cluster, measurements, options, efficiency, world_size,
@@ -50,163 +47,177 @@ def simulate_unless_slower(job: JobSpec, prune_above: float, cluster: ClusterSpe
                            measurements: Measurements | None = None, *, options: SimOptions | None = None,
                            world_size: int | None = None, cache: CostCache | None = None) -> Prediction | None:
     """:func:`simulate`, or ``None`` when a lower bound on the step time computed before the pipeline schedule is
-    timed already exceeds ``prune_above`` seconds (a search's k-th best): the schedule is most of a simulation."""
+    timed already exceeds ``prune_above`` seconds (a search's k-th best): the schedule is most of a simulation
+    (docs/simulator.md, "Pruning bound")."""
     return _simulate(job, cluster, measurements, options, None, world_size, False, cache, prune_above)
 
 
 def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measurements | None,
               options: SimOptions | None, efficiency: Efficiency | None, world_size: int | None, with_events: bool,
               cache: CostCache | None, prune_above: float | None) -> Prediction | None:
-    job, layout, options, eff, kernels, costs, parts = _prepare(job, cluster, measurements, options, efficiency,
-                                                                world_size, cache)
+    """:func:`simulate` and :func:`simulate_unless_slower` (``None`` only when ``prune_above`` prunes the plan)."""
+    job, layout, options, efficiency, kernels, costs, parts = _prepare(job, cluster, measurements, options,
+                                                                       efficiency, world_size, cache)
     cluster = job.cluster
-    d = layout.dims
-    m = job.model
-    dense, moe, emb, out = parts.dense, parts.moe, parts.embedding, parts.head
-    mega = parts.megatron_dense or dense  # the dense layers beyond parallel.primepar_layers
+    dims = layout.dims
+    model = job.model
+    dense, moe, embedding, head = parts.dense, parts.moe, parts.embedding, parts.head
+    megatron_dense = parts.megatron_dense or dense  # the dense layers beyond parallel.primepar_layers
     per_pass, overheads = parts.per_pass, parts.overheads
-    pp, vpp = d.pp, d.vpp
-    stages = pp * vpp
+    pp, vpp = dims.pp, dims.vpp
+    num_stages = pp * vpp
     chunks = job_chunks(job)
-    fwd: list[list[PassCost]] = []
-    bwd: list[list[PassCost]] = []
-    rec: list[list[PassCost]] = []
+    # Per pipeline rank and model chunk: one micro-batch's forward, backward and recomputation costs.
+    forward_costs: list[list[PassCost]] = []
+    backward_costs: list[list[PassCost]] = []
+    recompute_costs: list[list[PassCost]] = []
     split = _stage_split(job, layout, parts)
     layer_params, expert_params = split.layer_params, split.expert_params
-    for r in range(pp):
-        f_row, b_row, r_row = [], [], []
-        for c in range(vpp):
-            g = c * pp + r
-            chunk = chunks[r][c]
+    for rank in range(pp):
+        fwd_row, bwd_row, rec_row = [], [], []
+        for chunk_index in range(vpp):
+            stage = chunk_index * pp + rank  # global (virtual) pipeline stage
+            chunk = chunks[rank][chunk_index]
             # The chunk's first dense layers run the plan's MLP partition, any beyond parallel.primepar_layers
             # Megatron's (the same layer when the plan's is Megatron's).
-            prime = chunk.primepar(job.parallel)
-            f = dense.forward.scaled(prime).plus(mega.forward.scaled(chunk.dense - prime)).plus(
-                moe.forward.scaled(chunk.moe))
-            b = dense.backward.scaled(prime).plus(mega.backward.scaled(chunk.dense - prime)).plus(
-                moe.backward.scaled(chunk.moe))
+            primepar_layers = chunk.primepar(job.parallel)
+            fwd_cost = dense.forward.scaled(primepar_layers).plus(
+                megatron_dense.forward.scaled(chunk.dense - primepar_layers)).plus(moe.forward.scaled(chunk.moe))
+            bwd_cost = dense.backward.scaled(primepar_layers).plus(
+                megatron_dense.backward.scaled(chunk.dense - primepar_layers)).plus(moe.backward.scaled(chunk.moe))
             # Recomputed layers: all (uniform), or the chunk's first recompute_num_layers (block; dense ones first).
             rec_dense, rec_moe = chunk.recomputed(job.parallel)
-            rec_prime = min(rec_dense, prime)
-            x = dense.recompute.scaled(rec_prime).plus(mega.recompute.scaled(rec_dense - rec_prime)).plus(
-                moe.recompute.scaled(rec_moe))
-            if g == 0:
-                f, b = f.plus(emb[0]), b.plus(emb[1])
-            if g == stages - 1:
-                f, b = f.plus(out[0]), b.plus(out[1])
-            if g == 0 or g == stages - 1:
+            rec_primepar = min(rec_dense, primepar_layers)
+            rec_cost = dense.recompute.scaled(rec_primepar).plus(
+                megatron_dense.recompute.scaled(rec_dense - rec_primepar)).plus(moe.recompute.scaled(rec_moe))
+            if stage == 0:
+                fwd_cost, bwd_cost = fwd_cost.plus(embedding[0]), bwd_cost.plus(embedding[1])
+            if stage == num_stages - 1:
+                fwd_cost, bwd_cost = fwd_cost.plus(head[0]), bwd_cost.plus(head[1])
+            if stage == 0 or stage == num_stages - 1:
                 # The schedule's cost per micro-batch beyond the segments (StepOverheads.per_microbatch_s), paid by
                 # the stages that feed the batch in and compute the loss (cfp_megatron.sim.pass_costs).
-                f, b = f.plus(per_pass), b.plus(per_pass)
-            f_row.append(f)
-            b_row.append(b)
-            r_row.append(x)
-        fwd.append(f_row)
-        bwd.append(b_row)
-        rec.append(r_row)
-    f_s = [[x.total_s for x in row] for row in fwd]
-    b_s = [[bwd[r][c].total_s + rec[r][c].total_s for c in range(vpp)] for r in range(pp)]
-    tokens = layout.micro_batch * layout.seq_length / d.cp
-    p2p_bytes = tokens * m.hidden_size * kernels.elem / d.tp
-    p2p = costs.seconds(Collective.send_recv, p2p_bytes, 2, 2 if layout.pp_intra_node else 1) if pp > 1 else 0.0
+                fwd_cost, bwd_cost = fwd_cost.plus(per_pass), bwd_cost.plus(per_pass)
+            fwd_row.append(fwd_cost)
+            bwd_row.append(bwd_cost)
+            rec_row.append(rec_cost)
+        forward_costs.append(fwd_row)
+        backward_costs.append(bwd_row)
+        recompute_costs.append(rec_row)
+    forward_s = [[cost.total_s for cost in row] for row in forward_costs]
+    backward_s = [[backward_costs[rank][chunk_index].total_s + recompute_costs[rank][chunk_index].total_s
+                   for chunk_index in range(vpp)] for rank in range(pp)]
+    tokens = layout.micro_batch * layout.seq_length / dims.cp
+    p2p_bytes = tokens * model.hidden_size * kernels.elem / dims.tp
+    p2p_s = (costs.seconds(Collective.send_recv, p2p_bytes, 2, 2 if layout.pp_intra_node else 1) if pp > 1
+             else 0.0)
     # Data-parallel gradient sync and optimizer step, per pipeline rank.
-    dp_group = d.dp * d.cp
+    dp_cp_size = dims.dp * dims.cp
     overlap = job.parallel.overlap_grad_reduce if options.overlap_grad_reduce is None else options.overlap_grad_reduce
     dp_exposed, opt_s = [], []
-    grad_b = grad_element_bytes(job)
+    grad_bytes = grad_element_bytes(job)
     token_count_s = _token_count_sync(costs, layout) if overheads is not None else 0.0  # the same on every rank
-    for r in range(pp):
-        vocab = m.padded_vocab_size * m.hidden_size / d.tp
-        params = layer_params[r] + (vocab if r == 0 else 0.0) + (vocab if r == pp - 1 and pp > 1 else 0.0)
-        dense_p = params - expert_params[r]
+    for rank in range(pp):
+        vocab_params = model.padded_vocab_size * model.hidden_size / dims.tp
+        stage_params = (layer_params[rank] + (vocab_params if rank == 0 else 0.0)
+                        + (vocab_params if rank == pp - 1 and pp > 1 else 0.0))
+        dense_params = stage_params - expert_params[rank]
         if options.measured_layer_only:
             dp_exposed.append(0.0)
             opt_s.append(0.0)
             continue
-        sync = gather = 0.0
+        sync_s = gather_s = 0.0
         if not options.fsdp:
             if job.parallel.distributed_optimizer:
-                sync = (costs.seconds(Collective.reduce_scatter, dense_p * grad_b, dp_group, layout.dp_per_node)
-                        + costs.seconds(Collective.reduce_scatter, expert_params[r] * grad_b, d.expert_dp,
-                                        layout.edp_per_node))
-                gather = (costs.seconds(Collective.all_gather, dense_p * kernels.elem, dp_group, layout.dp_per_node)
-                          + costs.seconds(Collective.all_gather, expert_params[r] * kernels.elem, d.expert_dp,
-                                          layout.edp_per_node))
+                sync_s = (costs.seconds(Collective.reduce_scatter, dense_params * grad_bytes, dp_cp_size,
+                                        layout.dp_per_node)
+                          + costs.seconds(Collective.reduce_scatter, expert_params[rank] * grad_bytes,
+                                          dims.expert_dp, layout.edp_per_node))
+                gather_s = (costs.seconds(Collective.all_gather, dense_params * kernels.elem, dp_cp_size,
+                                          layout.dp_per_node)
+                            + costs.seconds(Collective.all_gather, expert_params[rank] * kernels.elem,
+                                            dims.expert_dp, layout.edp_per_node))
             else:
-                sync = (costs.seconds(Collective.all_reduce, dense_p * grad_b, dp_group, layout.dp_per_node)
-                        + costs.seconds(Collective.all_reduce, expert_params[r] * grad_b, d.expert_dp,
-                                        layout.edp_per_node))
-        bucket_share = min(1.0, _BUCKET_PARAMS / max(params, 1.0))
+                sync_s = (costs.seconds(Collective.all_reduce, dense_params * grad_bytes, dp_cp_size,
+                                        layout.dp_per_node)
+                          + costs.seconds(Collective.all_reduce, expert_params[rank] * grad_bytes, dims.expert_dp,
+                                          layout.edp_per_node))
+        bucket_share = min(1.0, _BUCKET_PARAMS / max(stage_params, 1.0))
         if overlap:
-            window = sum(b_s[r])
-            sync = max(sync - window, sync * bucket_share)
+            backward_window_s = sum(backward_s[rank])
+            sync_s = max(sync_s - backward_window_s, sync_s * bucket_share)
         if job.parallel.overlap_param_gather:
-            gather *= bucket_share
-        dp_exposed.append(sync + gather)
+            gather_s *= bucket_share
+        dp_exposed.append(sync_s + gather_s)
         sharded = options.fsdp or job.parallel.distributed_optimizer
-        shard = (dense_p / dp_group + expert_params[r] / d.expert_dp) if sharded else params
+        shard_params = (dense_params / dp_cp_size + expert_params[rank] / dims.expert_dp) if sharded else stage_params
         if overheads is None:
-            opt_s.append(kernels.memory(shard * eff.optimizer_bytes_per_param))
+            opt_s.append(kernels.memory(shard_params * efficiency.optimizer_bytes_per_param))
             continue
-        dp_exposed[r] += _tied_embedding_sync(job, costs, vocab, r) + token_count_s
-        opt_s.append(overheads.step_base_s + overheads.step_per_param_s * shard + _grad_norm_extra(costs, d.tp, pp))
+        dp_exposed[rank] += _tied_embedding_sync(job, costs, vocab_params, rank) + token_count_s
+        opt_s.append(overheads.step_base_s + overheads.step_per_param_s * shard_params
+                     + _grad_norm_extra(costs, dims.tp, pp))
     slowdown = measurements.busy_slowdown() if overheads is not None else None
-    shared = slowdown is not None and pp > 1
+    shared_cores = slowdown is not None and pp > 1
     if prune_above is not None:
         # A lower bound on the step without timing the schedule (cfp_megatron.search.search): no schedule ends before
         # its dependencies allow (dependency_floors); with shared cores the mean rank's work bounds every rank.
-        busy = tuple(d.num_microbatches * (sum(f_s[r]) + sum(b_s[r])) for r in range(pp))
-        ends = [sum(busy) / pp] * pp if shared else dependency_floors(f_s, b_s, busy)
-        if max(ends[r] + dp_exposed[r] + opt_s[r] for r in range(pp)) > prune_above:
+        busy_s = tuple(dims.num_microbatches * (sum(forward_s[rank]) + sum(backward_s[rank])) for rank in range(pp))
+        floors_s = [sum(busy_s) / pp] * pp if shared_cores else dependency_floors(forward_s, backward_s, busy_s)
+        if max(floors_s[rank] + dp_exposed[rank] + opt_s[rank] for rank in range(pp)) > prune_above:
             return None
 
     def timed() -> ScheduleResult:
-        if shared:
-            return _shared_cores(f_s, b_s, p2p, d.num_microbatches, slowdown, with_events, options)
-        return run_schedule(f_s, b_s, p2p, d.num_microbatches, keep_ops=with_events,
+        if shared_cores:
+            return _shared_cores(forward_s, backward_s, p2p_s, dims.num_microbatches, slowdown, with_events, options)
+        return run_schedule(forward_s, backward_s, p2p_s, dims.num_microbatches, keep_ops=with_events,
                             max_ops=options.max_schedule_ops)
 
     if cache is not None and not with_events:  # plans that differ only outside the schedule (e.g. the optimizer)
-        skey = (tuple(map(tuple, f_s)), tuple(map(tuple, b_s)), p2p, d.num_microbatches)
-        sched = cache.schedules.get(skey)
-        if sched is None:
-            sched = cache.schedules[skey] = timed()
+        schedule_key = (tuple(map(tuple, forward_s)), tuple(map(tuple, backward_s)), p2p_s, dims.num_microbatches)
+        schedule = cache.schedules.get(schedule_key)
+        if schedule is None:
+            schedule = cache.schedules[schedule_key] = timed()
     else:
-        sched = timed()
+        schedule = timed()
 
-    finish = [sched.end_s[r] + dp_exposed[r] + opt_s[r] for r in range(pp)]
-    crit = max(range(pp), key=lambda r: finish[r])
-    step = finish[crit]
+    finish_s = [schedule.end_s[rank] + dp_exposed[rank] + opt_s[rank] for rank in range(pp)]
+    critical_rank = max(range(pp), key=lambda rank: finish_s[rank])
+    step_s = finish_s[critical_rank]
 
-    mb = d.num_microbatches
-    f_tot = PassCost()
-    b_tot = PassCost()
-    r_tot = PassCost()
-    for c in range(vpp):
-        f_tot, b_tot, r_tot = f_tot.plus(fwd[crit][c]), b_tot.plus(bwd[crit][c]), r_tot.plus(rec[crit][c])
-    busy = sched.busy_s[crit]
+    num_microbatches = dims.num_microbatches
+    fwd_total = PassCost()
+    bwd_total = PassCost()
+    rec_total = PassCost()
+    for chunk_index in range(vpp):
+        fwd_total, bwd_total, rec_total = (fwd_total.plus(forward_costs[critical_rank][chunk_index]),
+                                           bwd_total.plus(backward_costs[critical_rank][chunk_index]),
+                                           rec_total.plus(recompute_costs[critical_rank][chunk_index]))
+    busy_s = schedule.busy_s[critical_rank]
     breakdown = TimeBreakdown(
-        forward_compute_s=mb * (f_tot.compute_s + f_tot.attention_core_s),
-        backward_compute_s=mb * (b_tot.compute_s + b_tot.attention_core_s),
-        recompute_s=mb * (r_tot.compute_s + r_tot.attention_core_s),
-        overhead_s=mb * (f_tot.overhead_s + b_tot.overhead_s + r_tot.overhead_s),
-        tp_comm_s=mb * (f_tot.tp_comm_s + b_tot.tp_comm_s + r_tot.tp_comm_s),
-        cp_comm_s=mb * (f_tot.cp_comm_s + b_tot.cp_comm_s + r_tot.cp_comm_s),
-        ep_comm_s=mb * (f_tot.ep_comm_s + b_tot.ep_comm_s + r_tot.ep_comm_s),
-        fsdp_comm_s=mb * (f_tot.fsdp_comm_s + b_tot.fsdp_comm_s + r_tot.fsdp_comm_s),
-        pp_bubble_s=max(0.0, sched.end_s[crit] - busy),
-        dp_comm_s=dp_exposed[crit], optimizer_s=opt_s[crit])
+        forward_compute_s=num_microbatches * (fwd_total.compute_s + fwd_total.attention_core_s),
+        backward_compute_s=num_microbatches * (bwd_total.compute_s + bwd_total.attention_core_s),
+        recompute_s=num_microbatches * (rec_total.compute_s + rec_total.attention_core_s),
+        overhead_s=num_microbatches * (fwd_total.overhead_s + bwd_total.overhead_s + rec_total.overhead_s),
+        tp_comm_s=num_microbatches * (fwd_total.tp_comm_s + bwd_total.tp_comm_s + rec_total.tp_comm_s),
+        cp_comm_s=num_microbatches * (fwd_total.cp_comm_s + bwd_total.cp_comm_s + rec_total.cp_comm_s),
+        ep_comm_s=num_microbatches * (fwd_total.ep_comm_s + bwd_total.ep_comm_s + rec_total.ep_comm_s),
+        fsdp_comm_s=num_microbatches * (fwd_total.fsdp_comm_s + bwd_total.fsdp_comm_s + rec_total.fsdp_comm_s),
+        pp_bubble_s=max(0.0, schedule.end_s[critical_rank] - busy_s),
+        dp_comm_s=dp_exposed[critical_rank], optimizer_s=opt_s[critical_rank])
 
     memory = _peak_memory(job, layout, options, measurements, split)
-    world = d.world_size
-    seqs = layout.micro_batch * mb * d.dp
-    tok_s = seqs * layout.seq_length / step / world
-    events = _events(sched, fwd, bwd, rec, dp_exposed, opt_s, finish, sched.end_s) if with_events else ()
-    return Prediction(step_time_s=step, time=breakdown, memory=memory,
-                      bubble_fraction=breakdown.pp_bubble_s / sched.end_s[crit] if sched.end_s[crit] else 0.0,
-                      tokens_per_s_per_gpu=tok_s,
-                      model_tflops_per_gpu=tok_s * training_flops_per_token(m, layout.seq_length) / 1e12,
-                      num_microbatches=mb,
+    world = dims.world_size
+    sequences = layout.micro_batch * num_microbatches * dims.dp
+    tokens_per_s = sequences * layout.seq_length / step_s / world
+    events = (_events(schedule, forward_costs, backward_costs, recompute_costs, dp_exposed, opt_s, finish_s,
+                      schedule.end_s) if with_events else ())
+    schedule_end_s = schedule.end_s[critical_rank]
+    return Prediction(step_time_s=step_s, time=breakdown, memory=memory,
+                      bubble_fraction=breakdown.pp_bubble_s / schedule_end_s if schedule_end_s else 0.0,
+                      tokens_per_s_per_gpu=tokens_per_s,
+                      model_tflops_per_gpu=tokens_per_s * training_flops_per_token(model, layout.seq_length) / 1e12,
+                      num_microbatches=num_microbatches,
                       fits=cluster.hbm_gib is None or memory.total <= cluster.hbm_gib * GIB,
                       events=events)
 
@@ -220,12 +231,12 @@ def _prepare(job: JobSpec, cluster: ClusterSpec | None, measurements: Measuremen
     if cluster is not job.cluster:
         job = JobSpec(model=job.model, cluster=cluster, parallel=job.parallel, train=job.train, data=job.data)
     options = options or SimOptions()
-    eff = efficiency or efficiency_for(cluster)
+    efficiency = efficiency or efficiency_for(cluster)
     layout = build_layout(job, world_size)
     if cache is None:
-        costs = collective_costs(cluster, measurements, eff)
-        kernels = KernelModel(cluster, eff, job.train.precision, fp8=options.fp8, measurements=measurements)
-    elif not cache.serves(job, measurements, options, eff):
+        costs = collective_costs(cluster, measurements, efficiency)
+        kernels = KernelModel(cluster, efficiency, job.train.precision, fp8=options.fp8, measurements=measurements)
+    elif not cache.serves(job, measurements, options, efficiency):
         raise ValueError("a CostCache serves the plans of one model, cluster, precision, set of options and "
                          "measurements (CostCache.for_job)")
     else:
@@ -242,21 +253,21 @@ def _prepare(job: JobSpec, cluster: ClusterSpec | None, measurements: Measuremen
     parts = costs_of(job)
     if job.parallel.primepar_layers is not None:  # the dense layers beyond it run its Megatron twin's
         parts = dataclasses.replace(parts, megatron_dense=costs_of(megatron_twin(job)).dense)
-    return job, layout, options, eff, kernels, costs, parts
+    return job, layout, options, efficiency, kernels, costs, parts
 
 
 def prepare_costs(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Measurements | None = None, *,
                   options: SimOptions | None = None, world_size: int | None = None,
                   cache: CostCache | None = None) -> PassCosts:
-    """The per-micro-batch pass costs :func:`simulate` would use for ``job`` (validated; from ``cache`` where it
-    has them): what a search's lower bound is built from."""
+    """The per-micro-batch pass costs (seconds per layer kind) :func:`simulate` would use for ``job`` (validated;
+    from ``cache`` where it has them): what a search's lower bound is built from."""
     return _prepare(job, cluster, measurements, options, None, world_size, cache)[-1]
 
 
 def predict_memory(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Measurements | None = None, *,
                    options: SimOptions | None = None, world_size: int | None = None,
                    cache: CostCache | None = None) -> MemoryBreakdown:
-    """Peak memory per rank of the most loaded pipeline stage of ``job``: what :func:`simulate` reports as
+    """Peak memory per rank (bytes) of the most loaded pipeline stage of ``job``: what :func:`simulate` reports as
     ``memory``, without timing the schedule (a search checks memory first)."""
     job, layout, options, _, _, _, parts = _prepare(job, cluster, measurements, options, None, world_size, cache)
     split = _stage_split(job, layout, parts)
@@ -274,68 +285,68 @@ class _StageSplit:
 
 
 def _stage_split(job: JobSpec, layout: Layout, parts: PassCosts) -> _StageSplit:
-    d = layout.dims
-    layer_params = [0.0] * d.pp
-    expert_params = [0.0] * d.pp
-    moe_layers = [0] * d.pp
-    layers = [0] * d.pp
-    mega = parts.megatron_dense or parts.dense  # the dense layers beyond parallel.primepar_layers
-    for r, row in enumerate(job_chunks(job)):
-        for chunk in row:
-            prime = chunk.primepar(job.parallel)
-            layer_params[r] += (prime * parts.dense.params + (chunk.dense - prime) * mega.params
-                                + chunk.moe * parts.moe.params)
-            expert_params[r] += chunk.moe * parts.moe.expert_params
-            moe_layers[r] += chunk.moe
-            layers[r] += chunk.count
+    """Per pipeline rank: decoder-layer parameters on one rank, the routed experts' share of them, MoE layers and
+    layers, over the rank's model chunks."""
+    dims = layout.dims
+    layer_params = [0.0] * dims.pp
+    expert_params = [0.0] * dims.pp
+    moe_layers = [0] * dims.pp
+    layers = [0] * dims.pp
+    megatron_dense = parts.megatron_dense or parts.dense  # the dense layers beyond parallel.primepar_layers
+    for rank, rank_chunks in enumerate(job_chunks(job)):
+        for chunk in rank_chunks:
+            primepar_layers = chunk.primepar(job.parallel)
+            layer_params[rank] += (primepar_layers * parts.dense.params
+                                   + (chunk.dense - primepar_layers) * megatron_dense.params
+                                   + chunk.moe * parts.moe.params)
+            expert_params[rank] += chunk.moe * parts.moe.expert_params
+            moe_layers[rank] += chunk.moe
+            layers[rank] += chunk.count
     return _StageSplit(layer_params=layer_params, expert_params=expert_params, moe_layers=moe_layers, layers=layers)
 
 
 def _peak_memory(job: JobSpec, layout: Layout, options: SimOptions, measurements: Measurements | None,
                  split: _StageSplit) -> MemoryBreakdown:
+    """The largest :func:`~cfp_megatron.sim.memory.stage_memory` over the pipeline ranks that can hold the peak."""
     pp = layout.dims.pp
     # Ranks with the same parameters hold no more in-flight micro-batches than a lower rank (in_flight falls with the
     # rank), so only the lowest of each such set, the first and the last rank can hold the peak.
     seen: set[tuple[float, float, int, int]] = set()
     ranks = []
-    for r in range(pp):
-        sig = (split.layer_params[r], split.expert_params[r], split.moe_layers[r], split.layers[r])
-        if r in (0, pp - 1) or sig not in seen:
-            ranks.append(r)
-        seen.add(sig)
-    memories = [stage_memory(job, layout, options, rank=r, layer_params=split.layer_params[r],
-                             expert_params=split.expert_params[r], layers=split.layers[r],
-                             moe_layers=split.moe_layers[r],
-                             first=r == 0 and not options.measured_layer_only,
-                             last=r == pp - 1 and not options.measured_layer_only,
+    for rank in range(pp):
+        signature = (split.layer_params[rank], split.expert_params[rank], split.moe_layers[rank], split.layers[rank])
+        if rank in (0, pp - 1) or signature not in seen:
+            ranks.append(rank)
+        seen.add(signature)
+    memories = [stage_memory(job, layout, options, rank=rank, layer_params=split.layer_params[rank],
+                             expert_params=split.expert_params[rank], layers=split.layers[rank],
+                             moe_layers=split.moe_layers[rank],
+                             first=rank == 0 and not options.measured_layer_only,
+                             last=rank == pp - 1 and not options.measured_layer_only,
                              # measured segment memory (CFP), see cfp_megatron.sim.measured_memory
                              measurements=measurements if options.use_measured_segments else None)
-                for r in ranks]
-    return max(memories, key=lambda x: x.total)
+                for rank in ranks]
+    return max(memories, key=lambda breakdown: breakdown.total)
 
 
 def _shared_cores(f_s: list[list[float]], b_s: list[list[float]], p2p: float, microbatches: int, slowdown: float,
                   with_events: bool, options: SimOptions) -> ScheduleResult:
-    """The pipeline schedule where ranks share fewer cores than there are ranks (CPU). The pass times were measured
-    with every rank busy; a rank waiting in the pipeline's fill or drain leaves its core to the others. So the
-    schedule is bounded below by its dependencies at the speed of a rank alone (its passes and its exchanges with
-    a neighbour, both timed with every rank busy, ``slowdown`` times faster) and by the mean stage's own timeline:
-    its passes at the measured speed plus, per micro-batch and model chunk, its two blocking exchanges with the
-    neighbouring stages (the forward's and the backward's), each a send/receive as the collectives round timed it
-    with every rank busy. A rank blocked in an exchange gives its core away but
-    waits for its neighbour to be scheduled again, so on shared cores the exchanges are not hidden behind other
-    stages' work as they are behind a GPU's."""
-    alone = run_schedule([[x / slowdown for x in row] for row in f_s], [[x / slowdown for x in row] for row in b_s],
+    """The pipeline schedule where ranks share fewer cores than there are ranks (CPU): ``f_s`` and ``b_s`` are
+    forward and backward seconds per rank and chunk, ``p2p`` the send/receive seconds, ``slowdown`` how much slower
+    a rank runs with every rank busy than alone. Why it is bounded the way it is: docs/simulator.md,
+    "Shared cores"."""
+    alone = run_schedule([[seconds / slowdown for seconds in row] for row in f_s],
+                         [[seconds / slowdown for seconds in row] for row in b_s],
                          p2p / slowdown, microbatches, keep_ops=with_events, max_ops=options.max_schedule_ops)
-    busy = tuple(microbatches * (sum(f) + sum(b)) for f, b in zip(f_s, b_s, strict=True))
-    exchanges = tuple(2 * microbatches * len(f) * p2p for f in f_s)
-    work = (sum(busy) + sum(exchanges)) / len(busy)
-    return dataclasses.replace(alone, end_s=tuple(max(end, work) for end in alone.end_s), busy_s=busy)
+    busy_s = tuple(microbatches * (sum(fwd_row) + sum(bwd_row)) for fwd_row, bwd_row in zip(f_s, b_s, strict=True))
+    exchanges_s = tuple(2 * microbatches * len(fwd_row) * p2p for fwd_row in f_s)
+    mean_work_s = (sum(busy_s) + sum(exchanges_s)) / len(busy_s)
+    return dataclasses.replace(alone, end_s=tuple(max(end_s, mean_work_s) for end_s in alone.end_s), busy_s=busy_s)
 
 
 def _tied_embedding_sync(job: JobSpec, costs: CollectiveCosts, vocab_params: float, rank: int) -> float:
-    """Megatron's all-reduce of the tied word-embedding gradient between the first and the last pipeline stage
-    (``finalize_model_grads``), on those two stages."""
+    """Seconds of Megatron's all-reduce of the tied word-embedding gradient between the first and the last pipeline
+    stage (``finalize_model_grads``), on those two stages; zero elsewhere."""
     pp = job.parallel.pp
     if pp == 1 or not job.model.tie_embeddings or rank not in (0, pp - 1):
         return 0.0
@@ -343,45 +354,45 @@ def _tied_embedding_sync(job: JobSpec, costs: CollectiveCosts, vocab_params: flo
 
 
 def _token_count_sync(costs: CollectiveCosts, layout: Layout) -> float:
-    """The rest of Megatron's ``finalize_model_grads`` under the runtime's per-token loss
-    (``calculate_per_token_loss``): the step's token count broadcast from the last pipeline stage over the pipeline
-    group, then all-reduced over DP x CP, on every rank. Both carry one number, so they cost their latency; a
-    broadcast is costed as the all-gather over the same group (the nearest measured collective). The overheads
-    probes time ``finalize_model_grads`` out of their schedule (:mod:`cfp_megatron.profile.overheads`), so only
-    this term counts them."""
-    d = layout.dims
-    bcast = (costs.seconds(Collective.all_gather, 4.0 * d.pp, d.pp, d.pp if layout.pp_intra_node else 1)
-             if d.pp > 1 else 0.0)
-    return bcast + costs.seconds(Collective.all_reduce, 4.0, d.dp * d.cp, layout.dp_per_node)
+    """Seconds of the rest of Megatron's ``finalize_model_grads`` under the per-token loss: the token count's
+    broadcast over the pipeline group and all-reduce over DP x CP, on every rank (docs/simulator.md,
+    "Gradient sync and optimizer step")."""
+    dims = layout.dims
+    broadcast_s = (costs.seconds(Collective.all_gather, 4.0 * dims.pp, dims.pp, dims.pp if layout.pp_intra_node else 1)
+                   if dims.pp > 1 else 0.0)
+    return broadcast_s + costs.seconds(Collective.all_reduce, 4.0, dims.dp * dims.cp, layout.dp_per_node)
 
 
 def _grad_norm_extra(costs: CollectiveCosts, tp: int, pp: int) -> float:
-    """The grad-norm all-reduce runs over the model-parallel group (``tp x pp`` ranks); the measured optimizer
-    step had ``tp``: the difference."""
+    """Seconds the grad-norm all-reduce over the model-parallel group (``tp x pp`` ranks) takes beyond the one over
+    ``tp`` ranks that the measured optimizer step had."""
     if pp == 1:
         return 0.0
     return max(costs.seconds(Collective.all_reduce, 8.0, tp * pp)
                - costs.seconds(Collective.all_reduce, 8.0, tp, tp), 0.0)
 
 
-def _events(sched, fwd, bwd, rec, dp_exposed, opt_s, finish, ends) -> tuple[Event, ...]:
-    """The schedule as events: each pass split into its compute and its exposed communication."""
-    out: list[Event] = []
-    for op in sched.ops:
+def _events(schedule, forward_costs, backward_costs, recompute_costs, dp_exposed, opt_s, finish_s,
+            ends_s) -> tuple[Event, ...]:
+    """The schedule as events (seconds from the step's start): each pass split into its compute and its exposed
+    communication, then each rank's exposed DP sync and optimizer step."""
+    events: list[Event] = []
+    for op in schedule.ops:
         if op.forward:
-            comm = fwd[op.rank][op.chunk].comm_s
+            comm_s = forward_costs[op.rank][op.chunk].comm_s
         else:
-            comm = bwd[op.rank][op.chunk].comm_s + rec[op.rank][op.chunk].comm_s
-        split = op.end_s - comm
+            comm_s = backward_costs[op.rank][op.chunk].comm_s + recompute_costs[op.rank][op.chunk].comm_s
+        compute_end_s = op.end_s - comm_s
         kind = EventKind.forward if op.forward else EventKind.backward
-        out.append(Event(rank=op.rank, kind=kind, start_s=op.start_s, end_s=split, microbatch=op.microbatch,
-                         chunk=op.chunk))
-        if comm > 0:
-            out.append(Event(rank=op.rank, kind=EventKind.comm, start_s=split, end_s=op.end_s,
-                             microbatch=op.microbatch, chunk=op.chunk))
-    for r, end in enumerate(ends):
-        if dp_exposed[r] > 0:
-            out.append(Event(rank=r, kind=EventKind.dp_sync, start_s=end, end_s=end + dp_exposed[r]))
-        if opt_s[r] > 0:
-            out.append(Event(rank=r, kind=EventKind.optimizer, start_s=end + dp_exposed[r], end_s=finish[r]))
-    return tuple(out)
+        events.append(Event(rank=op.rank, kind=kind, start_s=op.start_s, end_s=compute_end_s,
+                            microbatch=op.microbatch, chunk=op.chunk))
+        if comm_s > 0:
+            events.append(Event(rank=op.rank, kind=EventKind.comm, start_s=compute_end_s, end_s=op.end_s,
+                                microbatch=op.microbatch, chunk=op.chunk))
+    for rank, end_s in enumerate(ends_s):
+        if dp_exposed[rank] > 0:
+            events.append(Event(rank=rank, kind=EventKind.dp_sync, start_s=end_s, end_s=end_s + dp_exposed[rank]))
+        if opt_s[rank] > 0:
+            events.append(Event(rank=rank, kind=EventKind.optimizer, start_s=end_s + dp_exposed[rank],
+                                end_s=finish_s[rank]))
+    return tuple(events)

@@ -19,6 +19,7 @@ _CNAMES = {EventKind.forward: "thread_state_running", EventKind.backward: "good"
 
 
 def _need_events(prediction: Prediction) -> None:
+    """Raise :class:`ConfigError` unless ``prediction`` carries its schedule."""
     if not prediction.events:
         raise ConfigError(ConfigIssue(key="simulate.with_events", value=False,
                                       problem="the prediction carries no schedule.",
@@ -29,33 +30,34 @@ def chrome_trace(prediction: Prediction) -> dict:
     """The schedule as a Chrome trace-event dict (``traceEvents``, times in microseconds)."""
     _need_events(prediction)
     trace: list[dict] = []
-    ranks = sorted({e.rank for e in prediction.events})
-    for r in ranks:
-        trace.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"pipeline stage {r}"}})
-        trace.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 0, "args": {"name": "compute"}})
-        trace.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 1, "args": {"name": "communication"}})
-    for e in prediction.events:
-        if e.kind in (EventKind.forward, EventKind.backward):
-            name = f"{'F' if e.kind is EventKind.forward else 'B'}{e.microbatch}.c{e.chunk}"
+    ranks = sorted({event.rank for event in prediction.events})
+    for rank in ranks:
+        trace.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"pipeline stage {rank}"}})
+        trace.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": "compute"}})
+        trace.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": 1, "args": {"name": "communication"}})
+    for event in prediction.events:
+        if event.kind in (EventKind.forward, EventKind.backward):
+            name = f"{'F' if event.kind is EventKind.forward else 'B'}{event.microbatch}.c{event.chunk}"
         else:
-            name = e.kind.value
-        trace.append({"ph": "X", "name": name, "cat": "comm" if e.is_comm else "compute", "pid": e.rank,
-                      "tid": 1 if e.is_comm else 0, "ts": e.start_s * 1e6, "dur": (e.end_s - e.start_s) * 1e6,
-                      "cname": _CNAMES[e.kind],
-                      "args": {"kind": e.kind.value, "microbatch": e.microbatch, "chunk": e.chunk}})
+            name = event.kind.value
+        trace.append({"ph": "X", "name": name, "cat": "comm" if event.is_comm else "compute", "pid": event.rank,
+                      "tid": 1 if event.is_comm else 0, "ts": event.start_s * 1e6,
+                      "dur": (event.end_s - event.start_s) * 1e6, "cname": _CNAMES[event.kind],
+                      "args": {"kind": event.kind.value, "microbatch": event.microbatch, "chunk": event.chunk}})
     return {"traceEvents": trace, "displayTimeUnit": "ms",
             "otherData": {"step_time_s": prediction.step_time_s, "bubble_fraction": prediction.bubble_fraction}}
 
 
 def write_chrome_trace(prediction: Prediction, path: str | Path) -> Path:
-    """Write :func:`chrome_trace` to ``path`` (JSON)."""
+    """Write :func:`chrome_trace` to ``path`` (JSON); returns the path."""
     path = Path(path)
     path.write_text(json.dumps(chrome_trace(prediction)))
     return path
 
 
 def write_png(prediction: Prediction, path: str | Path, *, title: str = "") -> Path:
-    """Draw the schedule as a Gantt chart (one row per stage: compute above, communication below) to ``path``."""
+    """Draw the schedule as a Gantt chart (one row per stage: compute above, communication below; seconds on the x
+    axis) to ``path`` (PNG); returns the path."""
     _need_events(prediction)
     import matplotlib
 
@@ -63,20 +65,20 @@ def write_png(prediction: Prediction, path: str | Path, *, title: str = "") -> P
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    ranks = sorted({e.rank for e in prediction.events})
+    ranks = sorted({event.rank for event in prediction.events})
     fig, ax = plt.subplots(figsize=(14, 0.6 * len(ranks) + 1.5))
-    for e in prediction.events:
-        y = ranks.index(e.rank)
-        offset = 0.22 if e.is_comm else -0.12
-        height = 0.18 if e.is_comm else 0.5
-        ax.broken_barh([(e.start_s, e.end_s - e.start_s)], (y + offset, height), facecolors=_COLOURS[e.kind],
-                       edgecolor="white", linewidth=0.3)
-    ax.set_yticks(range(len(ranks)), [f"stage {r}" for r in ranks])
+    for event in prediction.events:
+        row = ranks.index(event.rank)
+        offset = 0.22 if event.is_comm else -0.12
+        height = 0.18 if event.is_comm else 0.5
+        ax.broken_barh([(event.start_s, event.end_s - event.start_s)], (row + offset, height),
+                       facecolors=_COLOURS[event.kind], edgecolor="white", linewidth=0.3)
+    ax.set_yticks(range(len(ranks)), [f"stage {rank}" for rank in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
     ax.set_title(title or f"simulated step {prediction.step_time_s:.3f} s, bubble {prediction.bubble_fraction:.1%}")
-    present = {e.kind for e in prediction.events}
-    handles = [Patch(color=c, label=k.value) for k, c in _COLOURS.items() if k in present]
+    present = {event.kind for event in prediction.events}
+    handles = [Patch(color=colour, label=kind.value) for kind, colour in _COLOURS.items() if kind in present]
     ax.legend(handles=handles, loc="upper center", fontsize=7, ncol=6,
               bbox_to_anchor=(0.5, -0.12 - 0.3 / len(ranks)), frameon=False)
     fig.tight_layout()
