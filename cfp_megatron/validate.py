@@ -1,10 +1,11 @@
-"""``python -m cfp_megatron.validate FILE.csv``: predict published training runs and report the error.
+"""``python -m cfp_megatron.validate FILE.csv [FILE.csv ...]``: predict published training runs and report the error.
 
 Reads rows of the schema of ``shared/data/published_runs.csv`` (one measured run per row: model shape, GPUs, parallel
 layout, measured step time), builds the plan of each row, simulates it on the hardware preset of its GPU, and prints
 one line per row (id, model, layout, measured, predicted step time, error, predicted peak memory), the rows it cannot
-model with the reason, and ``MAPE <x>% over <n> rows``. The measured step time is ``step_time_s``, else
-``derived_step_time_s``, else global batch x sequence / (``tokens_per_s_per_gpu`` x GPUs).
+model with the reason, the coverage (rows modelled of the rows with a step time), the MAPE and largest error per
+class (dense, MoE, CP, FSDP; GPU generation), and last ``MAPE <x>% over <n> rows``. The measured step time is
+``step_time_s``, else ``derived_step_time_s``, else global batch x sequence / (``tokens_per_s_per_gpu`` x GPUs).
 
 Defaults for fields a row leaves blank (documented, the same for every row):
 
@@ -279,11 +280,38 @@ def mape(results: list[RowResult]) -> float:
     return sum(abs(r.error_pct) for r in results) / len(results) if results else math.nan
 
 
+def row_classes(row: dict) -> tuple[str, ...]:
+    """The classes a row's error is reported under: ``MoE`` or ``dense``, and ``CP`` (context parallel) and ``FSDP``
+    (fully sharded data parallel) where they apply."""
+    moe = (row.get("arch_type") or "").strip().lower() == "moe" or bool((row.get("moe_experts") or "").strip())
+    classes = ["MoE" if moe else "dense"]
+    if (_int(row, "cp", 1) or 1) > 1:
+        classes.append("CP")
+    if re.search(r"fsdp|zero-?3", row.get("zero_or_fsdp") or "", re.IGNORECASE):
+        classes.append("FSDP")
+    return tuple(classes)
+
+
+def has_step_time(row: dict) -> bool:
+    """Whether a row measured a step time (``step_time_s``, ``derived_step_time_s`` or ``tokens_per_s_per_gpu``)."""
+    return any((row.get(k) or "").strip() for k in ("step_time_s", "derived_step_time_s", "tokens_per_s_per_gpu"))
+
+
+def class_errors(results: list[RowResult], rows_by_id: dict[str, dict]) -> dict[str, list[float]]:
+    """Absolute percentage errors by class: each row's :func:`row_classes` and its GPU generation."""
+    by_class: dict[str, list[float]] = {}
+    for r in results:
+        row = rows_by_id.get(r.plan.row_id, {})
+        for name in (*row_classes(row), f"GPU {generation(r.plan.job.cluster)}"):
+            by_class.setdefault(name, []).append(abs(r.error_pct))
+    return by_class
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cfp_megatron.validate", description=__doc__.splitlines()[0])
-    parser.add_argument("csv", help="runs in the schema of shared/data/published_runs.csv")
+    parser.add_argument("csv", nargs="+", help="runs in the schema of shared/data/published_runs.csv")
     args = parser.parse_args(argv)
-    rows = read_rows(args.csv)
+    rows = [row for path in args.csv for row in read_rows(path)]
     results, skipped = predict_rows(rows)
     print(f"{'id':>5}  {'model':<28} {'layout':<52} {'measured s':>11} {'predicted s':>11} {'error':>8} "
           f"{'mem GiB':>8}")
@@ -295,6 +323,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nnot modelled ({len(skipped)} rows):")
         for row, reason in skipped:
             print(f"  {row.get('id', '?'):>5}  {row.get('model', '')[:28]:<28} {reason}")
+    timed = [row for row in rows if has_step_time(row)]
+    print(f"\ncoverage: {len(results)} of {len(timed)} rows with a step time modelled")
+    print(f"{'class':<12} {'rows':>5} {'MAPE':>7} {'max error':>10}")
+    for name, errors in sorted(class_errors(results, {row.get("id", ""): row for row in rows}).items()):
+        print(f"{name:<12} {len(errors):>5} {sum(errors) / len(errors):>6.2f}% {max(errors):>9.1f}%")
     print(f"\nMAPE {mape(results):.2f}% over {len(results)} rows")
     return 0
 

@@ -75,3 +75,27 @@ def test_row_defaults_are_documented_choices() -> None:
     assert not nemo.job.parallel.grad_reduce_in_fp32 and nemo.job.parallel.distributed_optimizer
     bridge = row_plan({**row, "framework": "Megatron-Bridge / NeMo 25.09", "zero_or_fsdp": ""})
     assert bridge.job.parallel.grad_reduce_in_fp32
+
+
+def test_rows_are_classed_by_what_they_exercise() -> None:
+    from cfp_megatron.validate import row_classes
+
+    assert row_classes({"arch_type": "dense", "cp": "1"}) == ("dense",)
+    assert row_classes({"arch_type": "moe", "cp": "2", "zero_or_fsdp": "FSDP"}) == ("MoE", "CP", "FSDP")
+    assert row_classes({"moe_experts": "8", "zero_or_fsdp": "ZeRO-3"}) == ("MoE", "FSDP")
+
+
+MOE_CSV = CSV.with_name("published_runs_moe.csv")
+
+
+@pytest.mark.skipif(not MOE_CSV.exists(), reason="shared/data/published_runs_moe.csv is not here")
+def test_both_files_report_coverage_and_each_class(capsys) -> None:
+    assert main([str(CSV), str(MOE_CSV)]) == 0
+    out = capsys.readouterr().out
+    timed = sum(1 for path in (CSV, MOE_CSV) for row in read_rows(path)
+                if any((row.get(k) or "").strip() for k in ("step_time_s", "derived_step_time_s",
+                                                             "tokens_per_s_per_gpu")))
+    _, modelled = _final(out)
+    assert f"coverage: {modelled} of {timed} rows with a step time modelled" in out
+    classes = dict(re.findall(r"^(dense|MoE|CP|FSDP)\s+(\d+)\s", out, re.MULTILINE))
+    assert int(classes["dense"]) + int(classes["MoE"]) == modelled and int(classes["MoE"]) > 0
