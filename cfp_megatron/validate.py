@@ -28,6 +28,9 @@ Defaults for fields a row leaves blank (documented, the same for every row):
   gradient all-reduce with backward, as those versions ran; every other framework: fused attention, overlap on.
   NeMo / Megatron-Core / Megatron-Bridge: TP communication overlapped with the GEMMs (their performance recipes turn
   ``tp_comm_overlap`` on).
+* A decoder whose layers do not split into ``pp x vp`` chunks while its layers plus two do: the embedding and the
+  loss counted as layers of the split (``account_for_embedding/loss_in_pipeline_split``, as Megatron-Bridge's recipes
+  run Qwen3-235B's 94 layers over 8 x 4 chunks).
 * GPUs that are not A100/H100/H200/B200, rows without a measured step time, and rows whose layout does not
   multiply out are listed as not modelled, with the reason.
 """
@@ -221,22 +224,28 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None) -> RowPlan:
     if experts:
         topk = _int(row, "moe_topk", 2)
         model.update(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=_int(row, "moe_expert_ffn"))
-    if vp > 1 and layers % (pp * vp):
-        raise RowError(f"{layers} layers do not split into pp x vp = {pp} x {vp} chunks")
+    # Megatron-Bridge's recipes count the embedding and the loss as layers of the pipeline split where the decoder
+    # alone does not split (Qwen3-235B's 94 layers over 8 x 4 chunks: 96 units, 3 per chunk).
+    counted = pp > 1 and layers % (pp * vp) != 0 and (layers + 2) % (pp * vp) == 0
+    if vp > 1 and layers % (pp * vp) and not counted:
+        raise RowError(f"{layers} layers do not split into pp x vp = {pp} x {vp} chunks, nor with the embedding and "
+                       "the loss counted as layers")
     cfg = {
         "model": model, "cluster": cluster,
         "parallel": {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "vpp": vp if vp > 1 else None, "sp": sp,
                      "recompute": recompute, "distributed_optimizer": dist_opt, "overlap_grad_reduce": not legacy,
-                     "recompute_num_layers": 1, "grad_reduce_in_fp32": not nemo},
+                     "recompute_num_layers": 1, "grad_reduce_in_fp32": not nemo,
+                     "account_for_embedding_in_pipeline_split": counted,
+                     "account_for_loss_in_pipeline_split": counted},
         "train": {"global_batch_size": gbs, "micro_batch_size": micro, "seq_length": seq, "precision": precision},
     }
     try:
         job = job_from_config(cfg)
     except CfpError as err:
         raise RowError(f"invalid plan: {err}") from None
-    layout = f"tp{tp} pp{pp} dp{dp}" + (f" cp{cp}" if cp > 1 else "") + (f" ep{ep}" if ep > 1 else "") + (
-        f" vp{vp}" if vp > 1 else "") + (" sp" if sp else "") + f" mb{micro} gbs{gbs} {recompute}" + (
-        " fp8" if fp8 else "") + (" fsdp" if fsdp else "")
+    layout = f"tp{tp} pp{pp} dp{dp}" + (f" cp{cp}" if cp > 1 else "") + (f" ep{ep}" if ep > 1 else "")
+    layout += (f" vp{vp}" if vp > 1 else "") + (" emb+loss" if counted else "") + (" sp" if sp else "")
+    layout += f" mb{micro} gbs{gbs} {recompute}" + (" fp8" if fp8 else "") + (" fsdp" if fsdp else "")
     options = SimOptions(fp8=fp8, fsdp=fsdp, measured_layer_only=layer_only, flash_attention=not legacy,
                          tp_comm_overlap=modern)
     return RowPlan(row_id=rid, source=row.get("source", ""), source_detail=row.get("source_detail", ""),

@@ -10,7 +10,8 @@ import torch
 from cfp_megatron.base.pipeline_split import chunk_layers, split_issues, stage_counts
 
 
-def _megatron(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None) -> list[list[tuple[int, int]]]:
+def _megatron(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None, *, embedding: bool = False,
+              loss: bool = False) -> list[list[tuple[int, int]]]:
     pytest.importorskip("megatron.core")
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -19,7 +20,9 @@ def _megatron(num_layers: int, pp: int, vpp: int, first: int | None, last: int |
     config = TransformerConfig(num_layers=num_layers, hidden_size=64, num_attention_heads=4,
                                pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
                                virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-                               num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
+                               num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
+                               account_for_embedding_in_pipeline_split=embedding,
+                               account_for_loss_in_pipeline_split=loss)
     return [[(get_transformer_layer_offset(config, vp_stage=c if vpp > 1 else None, pp_rank=r),
               get_num_layers_to_build(config, vp_stage=c if vpp > 1 else None, pp_rank=r)) for c in range(vpp)]
             for r in range(pp)]
@@ -50,6 +53,21 @@ def test_split_matches_megatron(split: tuple[int, int, int, int | None, int | No
     assert sum(c.count for row in ours for c in row) == num_layers
     assert sorted(c.offset for row in ours for c in row) == sorted({c.offset for row in ours for c in row})
     assert [sum(c.count for c in row) for row in ours] == stage_counts(num_layers, pp, first, last)
+
+
+@pytest.mark.parametrize(("num_layers", "pp", "vpp", "embedding", "loss"), [
+    (94, 8, 4, True, True),  # Qwen3-235B as Megatron-Bridge runs it: 96 units, 3 per chunk
+    (6, 2, 1, True, True), (6, 2, 2, True, True), (7, 4, 2, True, False), (7, 2, 1, False, True),
+    (30, 4, 2, True, True), (63, 8, 1, True, False)])
+def test_embedding_and_loss_counted_in_the_split_match_megatron(num_layers: int, pp: int, vpp: int, embedding: bool,
+                                                                loss: bool) -> None:
+    assert not split_issues(num_layers, pp, vpp, None, None, embedding=embedding, loss=loss)
+    ours = chunk_layers(num_layers, pp, vpp, embedding=embedding, loss=loss)
+    assert [[(c.offset, c.count) for c in row] for row in ours] == _megatron(num_layers, pp, vpp, None, None,
+                                                                            embedding=embedding, loss=loss)
+    assert sum(c.count for row in ours for c in row) == num_layers
+    assert [sum(c.count for c in row) for row in ours] == stage_counts(num_layers, pp, embedding=embedding, loss=loss)
+    assert split_issues(num_layers + 1, pp, vpp, None, None, embedding=embedding, loss=loss)[0].key == "parallel.pp"
 
 
 def test_moe_layers_follow_the_leading_dense_ones() -> None:

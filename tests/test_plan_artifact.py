@@ -124,8 +124,26 @@ def test_every_parallel_field_is_in_the_canonical_string(plans: dict[str, Plan])
              "first_stage_layers": "ppf", "last_stage_layers": "ppl", "grad_reduce_in_fp32": "gf32",
              "primepar_layers": "mlpn"}
     for f in dataclasses.fields(ParallelSpec):
+        if f.metadata["layout"].optional:  # written only away from its default: old plans keep their hashes
+            assert f.metadata["layout"].key not in keys, f.name
+            continue
         assert short.get(f.name, f.name) in keys, f.name
     assert {"dp", "mb", "gbs", "seq", "prec"} <= set(keys)
+
+
+def test_a_field_added_later_keeps_old_plans_and_round_trips() -> None:
+    """The embedding/loss accounting fields came after plans were saved: a default one leaves the string (and the
+    hash) as before; a set one is written, parsed back, and exported as Megatron-LM's flag."""
+    job = make_job("model=llama_tiny", "parallel.pp=2")
+    plain = Plan.from_job(job, world_size=2, prediction=None, inputs_fingerprint="")
+    assert "ppemb" not in plain.canonical() and "pploss" not in plain.canonical()
+    counted = Plan.from_job(make_job("model=llama_tiny", "parallel.pp=2",
+                                     "parallel.account_for_embedding_in_pipeline_split=true",
+                                     "parallel.account_for_loss_in_pipeline_split=true", "model.num_layers=6"),
+                            world_size=2, prediction=None, inputs_fingerprint="")
+    assert ",ppemb=1,pploss=1," in counted.canonical() and Plan.parse(counted.canonical()) == counted
+    args = megatron_lm_args(counted)
+    assert "--account-for-embedding-in-pipeline-split" in args and "--account-for-loss-in-pipeline-split" in args
 
 
 def test_vpp_and_etp_of_one_are_the_same_plan_as_none() -> None:

@@ -66,6 +66,11 @@ LAYOUTS = [
     pytest.param("gpt_tiny", 2, ["parallel.pp=2", "parallel.recompute=full", "parallel.recompute_method=block",
                                  "parallel.recompute_num_layers=1"], id="gpt-pp2-recompute-block"),
     pytest.param("gpt_tiny", 2, ["parallel.pp=2", "parallel.first_stage_layers=1"], id="gpt-pp2-uneven-1-3"),
+    # The embedding and the loss counted as layers of the split (6 + 2 units over 2 x 2 chunks of 2): the first
+    # chunk of rank 0 holds layer 0, the last chunk of rank 1 layer 5, the others two layers each.
+    pytest.param("gpt_tiny", 2, ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=6",
+                                 "parallel.account_for_embedding_in_pipeline_split=true",
+                                 "parallel.account_for_loss_in_pipeline_split=true"], id="gpt-pp2-vpp2-emb-loss-split"),
     pytest.param("moe_tiny", 2, ["parallel.ep=2"], id="moe-ep2"),
     # PrimePar's 2x2 square runs the dense MLP (GELU with biases; SwiGLU without). llama_tiny's 2 KV groups do not
     # split over TP=4, so that case and its single-rank reference set model.num_query_groups=4.

@@ -390,13 +390,16 @@ class LayoutKey:
     """Written before the derived data-parallel size and the batch in the canonical string (the parallel sizes)."""
     none_means: int | None
     """The size ``None`` stands for (``vpp``, ``etp``: 1); the canonical string writes it."""
+    optional: bool = False
+    """Written in the canonical string only away from its default (a field added after plans were saved: their
+    strings, and so their hashes, stay as they were)."""
 
 
 def layout_field(default: Any, *, key: str, megatron: str | None = "", head: bool = False,
-                 none_means: int | None = None) -> Any:
+                 none_means: int | None = None, optional: bool = False) -> Any:
     """A :class:`ParallelSpec` field with its :class:`LayoutKey` (``dataclasses.field`` metadata ``layout``)."""
     return field(default=default, metadata={"layout": LayoutKey(key=key, megatron=megatron, head=head,
-                                                                 none_means=none_means)})
+                                                                 none_means=none_means, optional=optional)})
 
 
 def layout_keys() -> dict[str, LayoutKey]:
@@ -430,6 +433,15 @@ class ParallelSpec:
     last_stage_layers: int | None = layout_field(None, key="ppl")
     """Decoder layers on the last pipeline stage (``num_layers_in_last_pipeline_stage``), which also holds the
     output layer and loss; ``None``: as many as the other stages."""
+    account_for_embedding_in_pipeline_split: bool = layout_field(
+        False, key="ppemb", megatron="--account-for-embedding-in-pipeline-split", optional=True)
+    """Count the embedding as one layer of the pipeline split (Megatron-Core's
+    ``account_for_embedding_in_pipeline_split``): the decoder's layers plus one split evenly over ``pp x vpp``
+    chunks, the first chunk of the first stage holding one decoder layer fewer."""
+    account_for_loss_in_pipeline_split: bool = layout_field(
+        False, key="pploss", megatron="--account-for-loss-in-pipeline-split", optional=True)
+    """Count the output layer and loss as one layer of the pipeline split (``account_for_loss_in_pipeline_split``):
+    the last chunk of the last stage holds one decoder layer fewer."""
     recompute: Recompute = layout_field(Recompute.none, key="rc")
     """Activation recomputation: none, selective (core attention), or full (every layer)."""
     recompute_num_layers: int = layout_field(1, key="rcn")
@@ -498,6 +510,18 @@ class ParallelSpec:
                                               "block recomputation (parallel.recompute_method=block).",
                                       fix="set parallel.primepar_layers=null (every layer PrimePar) or "
                                           "parallel.recompute_method=uniform."))
+        accounted = [name for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+                     if getattr(self, name)]
+        if accounted and (self.first_stage_layers is not None or self.last_stage_layers is not None):
+            issues.append(ConfigIssue(key=f"{p}.{accounted[0]}", value=True,
+                                      problem="Megatron-Core does not count the embedding or loss in the split "
+                                              "together with a first/last stage layer count of its own.",
+                                      fix="set parallel.first_stage_layers=null and parallel.last_stage_layers=null, "
+                                          f"or parallel.{accounted[0]}=false."))
+        if accounted and self.pp == 1:
+            issues.append(ConfigIssue(key=f"{p}.{accounted[0]}", value=True,
+                                      problem="counting the embedding or loss as a layer splits pipeline stages; "
+                                              "parallel.pp=1 has one.", fix="set parallel.pp to 2 or more."))
         if self.vpp is not None and self.vpp > 1 and self.pp == 1:
             issues.append(ConfigIssue(key=f"{p}.vpp", value=self.vpp,
                                       problem="virtual pipeline stages need parallel.pp > 1.",

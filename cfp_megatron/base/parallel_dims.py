@@ -169,7 +169,9 @@ class ParallelDims:
                 need(False, "parallel.mlp", p.mlp.value, problem, fix)
 
         # Layers against PP x VPP (and the first/last stage's own counts).
-        issues += split_issues(m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers)
+        accounted = {"embedding": p.account_for_embedding_in_pipeline_split and p.pp > 1,
+                     "loss": p.account_for_loss_in_pipeline_split and p.pp > 1}
+        issues += split_issues(m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers, **accounted)
 
         # Experts against EP.
         if m.is_moe:
@@ -233,8 +235,9 @@ class ParallelDims:
 
         # Options that do not go together.
         if p.recompute is Recompute.full:  # both methods: uniform's group and block's recomputed layers per chunk
-            per_stage = stage_counts(m.num_layers, p.pp, p.first_stage_layers, p.last_stage_layers) \
-                if not split_issues(m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers) else [0]
+            per_stage = stage_counts(m.num_layers, p.pp, p.first_stage_layers, p.last_stage_layers, **accounted) \
+                if not split_issues(m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers,
+                                    **accounted) else [0]
             layers_per_chunk = max(per_stage) // vpp
             need(p.recompute_num_layers <= max(layers_per_chunk, 1), "parallel.recompute_num_layers",
                  p.recompute_num_layers, f"exceeds the {layers_per_chunk} layers of each pipeline chunk.",

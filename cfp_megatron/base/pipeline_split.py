@@ -3,8 +3,11 @@
 Megatron splits the decoder evenly over ``pp x vpp`` chunks unless the first and/or last pipeline stage is given its
 own layer count (``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``, Megatron-LM's
 ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``); the other (middle) stages then
-share the rest evenly. Every stage's layers are split evenly over its ``vpp`` chunks, and chunk ``c`` of every rank
-comes before chunk ``c + 1`` of any rank. :func:`chunk_layers` reproduces ``get_transformer_layer_offset`` and
+share the rest evenly; or unless the embedding and/or the loss count as one layer of the split
+(``account_for_embedding_in_pipeline_split`` / ``account_for_loss_in_pipeline_split``): the decoder's layers plus
+those split evenly, the first chunk of the first stage (the last chunk of the last stage) holding one decoder layer
+fewer. Every stage's layers are split evenly over its ``vpp`` chunks, and chunk ``c`` of every rank comes before chunk
+``c + 1`` of any rank. :func:`chunk_layers` reproduces ``get_transformer_layer_offset`` and
 ``get_num_layers_to_build`` (the tests compare them); the simulator, the memory model and the search read it instead
 of dividing the layer count themselves.
 """
@@ -61,11 +64,23 @@ class ChunkLayers:
 
 
 def split_issues(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None,
-                 prefix: str = "parallel") -> list[ConfigIssue]:
+                 prefix: str = "parallel", *, embedding: bool = False, loss: bool = False) -> list[ConfigIssue]:
     """What is wrong with splitting ``num_layers`` layers over ``pp`` stages of ``vpp`` chunks with ``first`` /
-    ``last`` layers on the first / last stage (``None`` = like the others); Megatron-Core's own checks, as
+    ``last`` layers on the first / last stage (``None`` = like the others), the embedding and/or the loss counted as
+    a layer (``embedding``, ``loss``); Megatron-Core's own checks, as
     :class:`~cfp_megatron.base.errors.ConfigIssue` values naming the setting and the fix."""
     issues: list[ConfigIssue] = []
+    if embedding or loss:
+        units = num_layers + embedding + loss
+        counted = " and ".join(name for name, on in (("embedding", embedding), ("loss", loss)) if on)
+        if units % (pp * vpp):
+            issues.append(ConfigIssue(
+                key=f"{prefix}.pp", value=pp,
+                problem=f"model.num_layers={num_layers} plus the {counted} counted in the split ({units}) is not "
+                        f"divisible by parallel.pp x parallel.vpp = {pp} x {vpp}.",
+                fix="use a parallel.pp (and parallel.vpp) whose product divides it, or count the embedding/loss "
+                    "otherwise (parallel.account_for_*_in_pipeline_split)."))
+        return issues
     if first is None and last is None:
         if num_layers % (pp * vpp):
             issues.append(ConfigIssue(key=f"{prefix}.pp", value=pp, problem=f"model.num_layers={num_layers} is not "
@@ -107,8 +122,14 @@ def split_issues(num_layers: int, pp: int, vpp: int, first: int | None, last: in
     return issues
 
 
-def stage_counts(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
+def stage_counts(num_layers: int, pp: int, first: int | None = None, last: int | None = None, *,
+                 embedding: bool = False, loss: bool = False) -> list[int]:
     """Decoder layers on each pipeline stage (the split must be valid, see :func:`split_issues`)."""
+    if embedding or loss:
+        counts = [(num_layers + embedding + loss) // pp] * pp
+        counts[0] -= embedding
+        counts[-1] -= loss
+        return counts
     if first is None and last is None:
         return [num_layers // pp] * pp
     rest = num_layers - (first or 0) - (last or 0)
@@ -124,19 +145,26 @@ def stage_counts(num_layers: int, pp: int, first: int | None = None, last: int |
 
 @functools.lru_cache(maxsize=4096)
 def chunk_layers(num_layers: int, pp: int, vpp: int, first: int | None = None, last: int | None = None, *,
-                 first_dense: int | None = None) -> tuple[tuple[ChunkLayers, ...], ...]:
+                 first_dense: int | None = None, embedding: bool = False,
+                 loss: bool = False) -> tuple[tuple[ChunkLayers, ...], ...]:
     """``[rank][chunk]`` layers of the split (valid, see :func:`split_issues`); ``first_dense`` is the number of
-    leading dense layers of a MoE decoder (``None``: every layer dense)."""
-    per_stage = stage_counts(num_layers, pp, first, last)
-    per_chunk = [n // vpp for n in per_stage]
-    round_size = sum(per_chunk)  # layers in chunk c of all ranks together
+    leading dense layers of a MoE decoder (``None``: every layer dense); ``embedding`` / ``loss``: counted as a layer
+    of the first chunk of the first stage / the last chunk of the last stage."""
+    if embedding or loss:
+        per_chunk = [(num_layers + embedding + loss) // (pp * vpp)] * pp
+        embedding_units = int(embedding)
+    else:
+        per_chunk = [n // vpp for n in stage_counts(num_layers, pp, first, last)]
+        embedding_units = 0
+    round_size = sum(per_chunk)  # layers (and counted embedding/loss) in chunk c of all ranks together
     dense_end = num_layers if first_dense is None else first_dense
     out = []
     for r in range(pp):
         row = []
         for c in range(vpp):
-            offset = c * round_size + sum(per_chunk[:r])
-            count = per_chunk[r]
+            is_first, is_last = (r, c) == (0, 0), (r, c) == (pp - 1, vpp - 1)
+            offset = c * round_size + sum(per_chunk[:r]) - (0 if is_first else embedding_units)
+            count = per_chunk[r] - (embedding and is_first) - (loss and is_last)
             moe = max(0, offset + count - max(offset, dense_end))
             row.append(ChunkLayers(offset=offset, count=count, moe=min(moe, count)))
         out.append(tuple(row))
@@ -144,9 +172,12 @@ def chunk_layers(num_layers: int, pp: int, vpp: int, first: int | None = None, l
 
 
 def job_chunks(job: JobSpec) -> tuple[tuple[ChunkLayers, ...], ...]:
-    """``[rank][chunk]`` layers of ``job``'s decoder under its pipeline sizes and first/last stage counts."""
+    """``[rank][chunk]`` layers of ``job``'s decoder under its pipeline sizes, first/last stage counts and the
+    embedding/loss counted in the split."""
     m, p = job.model, job.parallel
     first = p.first_stage_layers if p.pp > 1 else None
     last = p.last_stage_layers if p.pp > 1 else None
     return chunk_layers(m.num_layers, p.pp, p.virtual_stages, first, last,
-                        first_dense=m.moe_first_dense_layers if m.is_moe else None)
+                        first_dense=m.moe_first_dense_layers if m.is_moe else None,
+                        embedding=p.account_for_embedding_in_pipeline_split and p.pp > 1,
+                        loss=p.account_for_loss_in_pipeline_split and p.pp > 1)

@@ -43,6 +43,8 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
         num_layers_in_first_pipeline_stage=p.first_stage_layers if dims.pp > 1 else None,
         num_layers_in_last_pipeline_stage=p.last_stage_layers if dims.pp > 1 else None,
+        account_for_embedding_in_pipeline_split=p.account_for_embedding_in_pipeline_split and dims.pp > 1,
+        account_for_loss_in_pipeline_split=p.account_for_loss_in_pipeline_split and dims.pp > 1,
         context_parallel_size=dims.cp,
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.etp,

@@ -347,7 +347,10 @@ class Plan:
                 items.append((keys[name], _encode(name, getattr(self.parallel, name))))
         items += [("dp", str(self.dp)), ("mb", str(self.micro_batch_size)), ("gbs", str(self.global_batch_size)),
                   ("seq", str(self.seq_length))]
+        defaults = ParallelSpec()
         for name, lk in layout_keys().items():
+            if lk.optional and getattr(self.parallel, name) == getattr(defaults, name):
+                continue
             if not lk.head:
                 items.append((keys[name], _encode(name, getattr(self.parallel, name))))
         items.append((_PRECISION_KEY, self.precision))
@@ -392,9 +395,10 @@ class Plan:
         by_key = {short: name for name, short in keys.items()}
         zero_by_key = {lk.key: name for name, lk in zero_keys().items()}
         deepspeed = values.get(_BACKEND_KEY) == BackendKind.deepspeed.value
-        _check_keys(values, required=[*by_key, *_BATCH_KEYS, _PRECISION_KEY,
+        optional = {lk.key for lk in layout_keys().values() if lk.optional}
+        _check_keys(values, required=[*(k for k in by_key if k not in optional), *_BATCH_KEYS, _PRECISION_KEY,
                                       *([_BACKEND_KEY, *zero_by_key] if deepspeed else [])],
-                    optional=[_BACKEND_KEY], where="the plan string")
+                    optional=[_BACKEND_KEY, *optional], where="the plan string")
         zero = None
         if deepspeed:
             zero_hints = typing.get_type_hints(ZeroSpec)
@@ -407,7 +411,8 @@ class Plan:
             raise PlanError(f"plan string backend={values[_BACKEND_KEY]!r} is not one of "
                             f"{[b.value for b in BackendKind]}.")
         hints = typing.get_type_hints(ParallelSpec)
-        parallel_values = {name: _decode(name, hints[name], values[short]) for short, name in by_key.items()}
+        parallel_values = {name: _decode(name, hints[name], values[short]) for short, name in by_key.items()
+                           if short in values}
         ints = {k: _decode_int(k, values[k]) for k in _BATCH_KEYS}
         try:
             parallel = ParallelSpec(**parallel_values)

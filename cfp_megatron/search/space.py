@@ -81,6 +81,8 @@ class Candidate:
         return dataclasses.replace(base, tp=self.tp, sp=self.sp, pp=self.pp, vpp=self.vpp if self.vpp > 1 else None,
                                    first_stage_layers=self.first_stage_layers or None,
                                    last_stage_layers=self.last_stage_layers or None,
+                                   account_for_embedding_in_pipeline_split=False,  # not offered by the search yet
+                                   account_for_loss_in_pipeline_split=False,
                                    cp=self.cp, ep=self.ep, etp=self.etp if self.ep > 1 or self.etp > 1 else None,
                                    distributed_optimizer=self.distributed_optimizer, mlp=MlpPartition(self.mlp),
                                    primepar_layers=self.primepar_layers or None,

@@ -178,8 +178,11 @@ def measured_activations(job: JobSpec, layout: Layout, measurements: Measurement
         if hit is None:
             return None
         found[kind] = hit
-    chunk_layers = layers // dims.vpp
-    chunk_moe = min(moe_layers // dims.vpp, chunk_layers)
+    # The rank's largest chunk stands for each of its chunks (they differ where the embedding or the loss is counted
+    # in the pipeline split, or a first/last stage count leaves a remainder: the largest bounds the peak).
+    largest = max(job_chunks(job)[rank], key=lambda chunk: (chunk.count, chunk.moe))
+    chunk_layers = largest.count if layers else 0
+    chunk_moe = min(largest.moe, chunk_layers)
     # The dense layers of each chunk run the plan's partition, or its first primepar_layers do (the rest Megatron's).
     chunk_own = split[0] // dims.vpp if split else chunk_layers - chunk_moe
     rest = chunk_layers - chunk_moe - chunk_own
