@@ -65,6 +65,7 @@ def cache_dir(tmp_path, monkeypatch) -> None:
 def real_cpu_model(job: JobSpec) -> torch.nn.Module:
     """The same model built for real (fp32 weights on the CPU), single stage."""
     from cfp_megatron.base.parallel_dims import ParallelDims
+    from cfp_megatron.engine.distributed import model_groups
     from cfp_megatron.engine.model import build_model_chunks
     from cfp_megatron.model.capture import capture_job_config
 
@@ -84,7 +85,7 @@ def real_cpu_model(job: JobSpec) -> torch.nn.Module:
 
     runtime_model.get_gpt_decoder_block_spec = patched
     try:
-        (model,) = build_model_chunks(job, config, dims)
+        (model,) = build_model_chunks(job, config, dims, model_groups())
     finally:
         runtime_model.get_gpt_decoder_block_spec = original
     return model

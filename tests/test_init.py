@@ -38,6 +38,7 @@ def megatron_single_rank() -> Iterator[None]:
 def build_spec(model: str, seed: int, layout_independent: bool) -> tuple[list[torch.nn.Module], object]:
     import yaml
 
+    from cfp_megatron.engine.distributed import model_groups
     from cfp_megatron.engine.init import layout_independent_init
     from cfp_megatron.engine.model import build_model_chunks
     from cfp_megatron.model.megatron_config import transformer_config
@@ -48,7 +49,7 @@ def build_spec(model: str, seed: int, layout_independent: bool) -> tuple[list[to
     dims = ParallelDims.build(job, 1)
     config = transformer_config(job, dims, on_gpu=False)
     torch.manual_seed(seed)
-    chunks = build_model_chunks(job, config, dims)
+    chunks = build_model_chunks(job, config, dims, model_groups())
     if layout_independent:
         layout_independent_init(chunks, config, seed)
     return chunks, config

@@ -47,19 +47,29 @@ def test_profile_fills_the_db_and_a_second_run_reuses_it(tmp_path) -> None:
     kinds = {s["kind"] for s in db["segments"]}
     assert {"embedding", "dense", "head"} <= kinds, kinds
     assert all(s["forward_s"] > 0 and s["backward_s"] > 0 for s in db["segments"])
+    # Each timing step is followed by its memory step: a round the budget cut may leave only the last timing
+    # without its memory (a loaded machine gets that far in 12 s or not); a round that ended leaves none.
+    segments_round = next(r for r in db["rounds"] if r["name"] == "segments")
+    unmeasured = [s for s in db["segments"] if s["activation_bytes"] is None and not s["partition"].endswith(
+        ("-selective", "-full"))]
+    assert len(unmeasured) <= (0 if segments_round["status"] == "ok" else 1), (segments_round, unmeasured)
     dense_memory = [s["activation_bytes"] for s in db["segments"] if s["kind"] == "dense"]
-    assert dense_memory and all(b is not None and b > 0 for b in dense_memory), dense_memory  # measured with times
+    assert any(b is not None and b > 0 for b in dense_memory), dense_memory  # measured with times
     assert {s["partition"] for s in db["segments"]} <= {"tp1", "tp2", "tp1-selective", "tp2-selective", "tp1-full",
                                                          "tp2-full"}
     assert "ProfileDB:" in out and "Collectives" in out
 
-    # The recompute round runs on what the others leave of 12 s; where it did not reach both recomputations, the
-    # next run measures it alone (and the analysis its records are named by); a run after that measures nothing.
-    if not all(any(s["partition"].endswith(suffix) for s in db["segments"]) for suffix in ("-selective", "-full")):
-        again = run_profile(2, ["model=gpt_tiny", "--budget", "12"], cache)
+    # The first run's 12 s leave rounds unfinished (the recompute round, which runs on what the others leave; on a
+    # loaded machine others too): the next run measures those alone (and the analysis its records are named by),
+    # here with the time to finish them; a run after that measures nothing.
+    unfinished = {r["name"] for r in db["rounds"] if r["status"] != "ok"} - {"analysis"}
+    if unfinished or not all(any(s["partition"].endswith(suffix) for s in db["segments"])
+                             for suffix in ("-selective", "-full")):
+        again = run_profile(2, ["model=gpt_tiny", "--budget", "90"], cache)
         assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
         new = only_db(cache)["rounds"][len(db["rounds"]):]
-        assert {r["name"] for r in new} == {"analysis", "recompute"}, new
+        assert new and {r["name"] for r in new} <= {"analysis", "recompute"} | unfinished, new
+        assert all(r["status"] == "ok" for r in new), new
         db = only_db(cache)
     second = run_profile(2, ["model=gpt_tiny", "--budget", "12"], cache)
     assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]

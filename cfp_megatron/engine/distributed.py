@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from cfp_megatron.base.config import Backend, JobSpec
@@ -64,6 +65,12 @@ def init_distributed(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, timeou
     # Megatron's RNG tracker: same seed on TP peers for replicated work, distinct where Megatron wants it.
     torch.manual_seed(job.train.seed)
     model_parallel_cuda_manual_seed(job.train.seed)
+
+
+def model_groups() -> ProcessGroupCollection:
+    """The process groups :func:`init_distributed` made (Megatron-Core's own, read once from ``parallel_state``),
+    as the collection the model, DDP, the optimizer and the schedules are given."""
+    return ProcessGroupCollection.use_mpu_process_groups()
 
 
 def destroy_model_parallel_groups() -> None:

@@ -7,6 +7,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from cfp_megatron.base.config import JobSpec, MlpPartition
@@ -14,8 +15,10 @@ from cfp_megatron.base.parallel_dims import ParallelDims, transformer_engine_ava
 from cfp_megatron.layers.primepar_mlp import with_primepar_mlp
 
 
-def build_model_chunks(job: JobSpec, config: TransformerConfig, dims: ParallelDims) -> list[GPTModel]:
-    """The GPTModel chunks this rank holds: one per virtual pipeline stage (``dims.vpp``)."""
+def build_model_chunks(job: JobSpec, config: TransformerConfig, dims: ParallelDims,
+                       groups: ProcessGroupCollection) -> list[GPTModel]:
+    """The GPTModel chunks this rank holds: one per virtual pipeline stage (``dims.vpp``), on ``groups``
+    (:func:`~cfp_megatron.engine.distributed.model_groups`)."""
     m = job.model
     use_te = transformer_engine_available() and torch.cuda.is_available()
     chunks: list[GPTModel] = []
@@ -36,6 +39,7 @@ def build_model_chunks(job: JobSpec, config: TransformerConfig, dims: ParallelDi
             position_embedding_type=m.position_embedding.value,
             rotary_base=int(m.rotary_base),
             vp_stage=vp,
+            pg_collection=groups,
         )
         chunks.append(model)
     if torch.cuda.is_available():

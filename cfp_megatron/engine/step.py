@@ -16,11 +16,14 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 from cfp_megatron.base.config import JobSpec, Precision, resolve_precision
 from cfp_megatron.base.parallel_dims import ParallelDims
+from cfp_megatron.engine.distributed import model_groups
 from cfp_megatron.engine.init import layout_independent_init
 from cfp_megatron.engine.model import build_model_chunks
 from cfp_megatron.model.megatron_config import transformer_config
@@ -44,16 +47,22 @@ class TrainState:
     """Learning-rate and weight-decay schedule."""
     config: Any
     """The ``TransformerConfig`` the chunks were built with (carries the schedule hooks)."""
+    groups: ProcessGroupCollection
+    """The process groups the model, DDP and the schedules run on (passed to each; the optimizer reads the same
+    groups from Megatron's globals, see :func:`build_training`)."""
     step: int = 0
     """Optimizer steps completed so far."""
 
 
-def build_training(job: JobSpec, dims: ParallelDims) -> TrainState:
-    """Model chunks, DDP, optimizer and LR schedule for this rank (process groups must exist)."""
+def build_training(job: JobSpec, dims: ParallelDims, groups: ProcessGroupCollection | None = None) -> TrainState:
+    """Model chunks, DDP, optimizer and LR schedule for this rank on ``groups`` (default: the groups
+    :func:`~cfp_megatron.engine.distributed.init_distributed` made, :func:`~cfp_megatron.engine.distributed.
+    model_groups`)."""
+    groups = groups or model_groups()
     on_gpu = torch.cuda.is_available()
     precision = resolve_precision(job.train.precision, on_gpu)
     config = transformer_config(job, dims, on_gpu=on_gpu)
-    chunks = build_model_chunks(job, config, dims)
+    chunks = build_model_chunks(job, config, dims, groups)
     if job.train.layout_independent_init:
         layout_independent_init(chunks, config, job.train.seed)
     p, t = job.parallel, job.train
@@ -69,13 +78,16 @@ def build_training(job: JobSpec, dims: ParallelDims) -> TrainState:
     # the outputs of the last one.
     compute = [Float16Module(config, c) if precision is not Precision.fp32 else c for c in chunks]
     ddp_chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
-                                          disable_bucketing=i > 0) for i, chunk in enumerate(compute)]
+                                          disable_bucketing=i > 0, pg_collection=groups)
+                  for i, chunk in enumerate(compute)]
     opt_config = OptimizerConfig(
         optimizer=t.optimizer.value, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
         adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
         bf16=precision is Precision.bf16, fp16=precision is Precision.fp16, params_dtype=config.params_dtype,
         use_distributed_optimizer=p.distributed_optimizer,
     )
+    # The optimizer reads Megatron's global groups: given explicit ones, Megatron-Core 0.16 refuses the gloo groups its
+    # distributed optimizer gathers checkpoint state over (get_megatron_optimizer's use_gloo_process_groups).
     optimizer = get_megatron_optimizer(opt_config, ddp_chunks)
     decay = max(t.lr_decay_steps or t.steps, t.warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
@@ -91,7 +103,7 @@ def build_training(job: JobSpec, dims: ParallelDims) -> TrainState:
         if len(ddp_chunks) == 1:
             config.param_sync_func = config.param_sync_func[0]
     return TrainState(job=job, dims=dims, chunks=chunks, ddp_chunks=ddp_chunks, optimizer=optimizer,
-                      scheduler=scheduler, config=config)
+                      scheduler=scheduler, config=config, groups=groups)
 
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -129,6 +141,19 @@ def reduce_loss(reports: list[dict], state: TrainState) -> float:
     return float(total[0] / total[1].clamp(min=1))
 
 
+def forward_backward(state: TrainState, data: Any, num_microbatches: int, micro_batch_size: int) -> list[dict]:
+    """Forward and backward of ``num_microbatches`` micro-batches from ``data`` (an iterator, or one per model chunk)
+    through Megatron's schedule for the layout, on the state's process groups; the loss reports."""
+    dims = state.dims
+    groups: dict[str, Any] = {"pg_collection": state.groups}
+    if dims.pp > 1:  # the pipelined schedules take the point-to-point communicator with the groups
+        groups["p2p_communicator"] = P2PCommunicator(pp_group=state.groups.pp, config=state.config)
+    return get_forward_backward_func(pp_size=dims.pp, vp_size=dims.vpp if dims.vpp > 1 else None)(
+        forward_step_func=forward_step, data_iterator=data, model=state.ddp_chunks,
+        num_microbatches=num_microbatches, seq_length=state.job.train.seq_length,
+        micro_batch_size=micro_batch_size, forward_only=False, **groups)
+
+
 def train_step(state: TrainState, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float, float, bool]:
     """One optimizer step over the given micro-batches; returns (loss, grad norm, learning rate, applied).
 
@@ -139,15 +164,8 @@ def train_step(state: TrainState, micro_batches: list[dict[str, torch.Tensor]]) 
         c.zero_grad_buffer()
     state.optimizer.zero_grad()
     iterators: Any = [iter(micro_batches) for _ in state.ddp_chunks]
-    reports = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iterators if len(iterators) > 1 else iterators[0],
-        model=state.ddp_chunks,
-        num_microbatches=dims.num_microbatches,
-        seq_length=job.train.seq_length,
-        micro_batch_size=job.train.micro_batch_size,
-        forward_only=False,
-    )
+    reports = forward_backward(state, iterators if len(iterators) > 1 else iterators[0], dims.num_microbatches,
+                           job.train.micro_batch_size)
     lr = state.optimizer.param_groups[0]["lr"]
     applied, grad_norm, _ = state.optimizer.step()
     if applied:  # as Megatron-LM: a step skipped by the loss scaler does not advance the schedule

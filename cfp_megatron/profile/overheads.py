@@ -27,7 +27,7 @@ from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.cluster.measured import partition_name
 from cfp_megatron.data.batches import build_micro_batches
 from cfp_megatron.engine.model import count_parameters
-from cfp_megatron.engine.step import build_training, forward_step, reduce_loss
+from cfp_megatron.engine.step import build_training, forward_backward, reduce_loss
 from cfp_megatron.profile.control import Step, StepResult, barrier, slowest
 from cfp_megatron.profile.records import OverheadRecord
 from cfp_megatron.profile.segments import SegmentCase, init_probe_groups
@@ -110,9 +110,7 @@ class OverheadBench:
 
     def step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
         """One instrumented training step: (schedule without the gradient finalisation, the rest) in seconds."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        state, job = self.state, self.case.job
+        state = self.state
         _sync()
         t0 = time.perf_counter()
         for c in state.ddp_chunks:
@@ -121,10 +119,7 @@ class OverheadBench:
         _sync()
         t1 = time.perf_counter()
         self.finalize_s = 0.0
-        reports = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(batches), model=state.ddp_chunks,
-            num_microbatches=len(batches), seq_length=job.train.seq_length,
-            micro_batch_size=int(batches[0]["tokens"].shape[0]), forward_only=False)
+        reports = forward_backward(state, iter(batches), len(batches), int(batches[0]["tokens"].shape[0]))
         _sync()
         t2 = time.perf_counter()
         applied, _, _ = state.optimizer.step()

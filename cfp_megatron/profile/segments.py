@@ -27,7 +27,7 @@ from cfp_megatron.base.config import (
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.cluster.measured import partition_name
-from cfp_megatron.engine.distributed import destroy_model_parallel_groups
+from cfp_megatron.engine.distributed import destroy_model_parallel_groups, model_groups
 from cfp_megatron.engine.memory import tensor_tracker
 from cfp_megatron.engine.model import build_model_chunks
 from cfp_megatron.model.analysis import analyze
@@ -168,7 +168,7 @@ class SegmentBench:
         init_probe_groups(d, case.job.train.seed)
         self.on_gpu = torch.cuda.is_available()
         self.config = transformer_config(case.job, d, on_gpu=self.on_gpu)
-        (self.model,) = build_model_chunks(case.job, self.config, d)
+        (self.model,) = build_model_chunks(case.job, self.config, d, model_groups())
         self.case = case
         self.repeats = repeats
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
@@ -180,7 +180,7 @@ class SegmentBench:
         if case.job.parallel.recompute is Recompute.selective:
             plain = dataclasses.replace(case.job, parallel=dataclasses.replace(case.job.parallel,
                                                                                recompute=Recompute.none))
-            (twin,) = build_model_chunks(plain, transformer_config(plain, d, on_gpu=self.on_gpu), d)
+            (twin,) = build_model_chunks(plain, transformer_config(plain, d, on_gpu=self.on_gpu), d, model_groups())
             self.plain_layers = {layer_kind_name(layer): layer for layer in twin.decoder.layers}
 
     def _part(self, kind: str, micro_batch: int, *, plain: bool = False) -> tuple[Any, Any]:

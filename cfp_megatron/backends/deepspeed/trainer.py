@@ -27,6 +27,7 @@ from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.data.batches import build_micro_batches
+from cfp_megatron.engine.distributed import model_groups
 from cfp_megatron.engine.init import layout_independent_init
 from cfp_megatron.engine.metrics import MetricsLog, StepMetrics
 from cfp_megatron.engine.model import build_model_chunks
@@ -54,7 +55,7 @@ def build_engine(job: JobSpec, plan: Plan, config: dict[str, Any], dims: Paralle
     mjob = model_job(plan, job)
     mconfig = transformer_config(mjob, dims, on_gpu=on_gpu)
     # DeepSpeed casts the module to bf16/fp16 itself (config "bf16"/"fp16"); build it in fp32 like a user's model.
-    (model,) = build_model_chunks(mjob, mconfig, dims)
+    (model,) = build_model_chunks(mjob, mconfig, dims, model_groups())
     if job.train.layout_independent_init:
         layout_independent_init([model], mconfig, job.train.seed)
     if plan.zero_stage == 3 and model.share_embeddings_and_output_weights and model.post_process:
