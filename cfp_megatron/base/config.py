@@ -511,7 +511,8 @@ class ParallelSpec:
                                       fix="set parallel.primepar_layers=null (every layer PrimePar) or "
                                           "parallel.recompute_method=uniform."))
         accounted = [name for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
-                     if getattr(self, name)]
+                     if getattr(self, name)] if (self.account_for_embedding_in_pipeline_split
+                                                 or self.account_for_loss_in_pipeline_split) else []
         if accounted and (self.first_stage_layers is not None or self.last_stage_layers is not None):
             issues.append(ConfigIssue(key=f"{p}.{accounted[0]}", value=True,
                                       problem="Megatron-Core does not count the embedding or loss in the split "

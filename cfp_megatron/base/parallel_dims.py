@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cfp_megatron.base.config import (
     AttentionKind,
@@ -72,55 +72,34 @@ class ParallelDims:
     num_microbatches: int
     """Micro-batches per optimizer step on each data-parallel rank."""
 
-    @property
-    def tp(self) -> int:
-        """Tensor-parallel size."""
-        return self.parallel.tp
+    tp: int = field(init=False)
+    """Tensor-parallel size (derived from ``parallel``, as every field below)."""
+    pp: int = field(init=False)
+    """Pipeline-parallel size."""
+    vpp: int = field(init=False)
+    """Model chunks per pipeline rank (1 = no interleaving)."""
+    cp: int = field(init=False)
+    """Context-parallel size."""
+    ep: int = field(init=False)
+    """Expert-parallel size."""
+    etp: int = field(init=False)
+    """Expert tensor-parallel size."""
+    sp: bool = field(init=False)
+    """Sequence parallelism on."""
+    order: str = field(init=False)
+    """Megatron rank order string."""
+    dp: int = field(init=False)
+    """Data-parallel size (:func:`data_parallel_size`)."""
+    expert_dp: int = field(init=False)
+    """Data-parallel size of expert weights (:func:`expert_data_parallel_size`)."""
 
-    @property
-    def pp(self) -> int:
-        """Pipeline-parallel size."""
-        return self.parallel.pp
-
-    @property
-    def vpp(self) -> int:
-        """Model chunks per pipeline rank (1 = no interleaving)."""
-        return self.parallel.virtual_stages
-
-    @property
-    def cp(self) -> int:
-        """Context-parallel size."""
-        return self.parallel.cp
-
-    @property
-    def ep(self) -> int:
-        """Expert-parallel size."""
-        return self.parallel.ep
-
-    @property
-    def etp(self) -> int:
-        """Expert tensor-parallel size."""
-        return self.parallel.expert_tp
-
-    @property
-    def sp(self) -> bool:
-        """Sequence parallelism on."""
-        return self.parallel.sp
-
-    @property
-    def order(self) -> str:
-        """Megatron rank order string."""
-        return self.parallel.order
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel size (:func:`data_parallel_size`)."""
-        return data_parallel_size(self.world_size, self.tp, self.cp, self.pp)
-
-    @property
-    def expert_dp(self) -> int:
-        """Data-parallel size of expert weights (:func:`expert_data_parallel_size`)."""
-        return expert_data_parallel_size(self.world_size, self.etp, self.ep, self.pp)
+    def __post_init__(self) -> None:
+        # Read once here: the simulator and the search read these sizes hundreds of thousands of times.
+        p = self.parallel
+        etp = p.etp or 1
+        self.__dict__.update(tp=p.tp, pp=p.pp, vpp=p.vpp or 1, cp=p.cp, ep=p.ep, etp=etp, sp=p.sp, order=p.order,
+                             dp=data_parallel_size(self.world_size, p.tp, p.cp, p.pp),
+                             expert_dp=expert_data_parallel_size(self.world_size, etp, p.ep, p.pp))
 
     @classmethod
     def build(cls, job: JobSpec, world_size: int, *, te_available: bool | None = None) -> ParallelDims:

@@ -19,7 +19,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 GROUP, CANDIDATE = 0, 1
 """Kinds of queue entries (a group sorts before the candidates of equal bound)."""
@@ -29,9 +29,8 @@ Entry = tuple[float, int, Any, Any]
 :meth:`SearchSpace.evaluate` (the Megatron space: the bytes of the heaviest rank's weights)."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class Ranked:
-    """A candidate that fits, simulated."""
+class Ranked(NamedTuple):
+    """A candidate that fits, simulated (the outcomes are tuples: a search makes one per visited candidate)."""
 
     step_time_s: float
     """Its simulated step time in seconds (what the ranking sorts by)."""
@@ -43,8 +42,7 @@ class Ranked:
     """Memory predictions it took."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class OverMemory:
+class OverMemory(NamedTuple):
     """A candidate over the memory limit."""
 
     label: Any
@@ -55,13 +53,11 @@ class OverMemory:
     """Memory predictions it took (0 where its weights alone were over)."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class Refused:
+class Refused(NamedTuple):
     """A candidate the runtime's validation refuses."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class Slower:
+class Slower(NamedTuple):
     """A candidate fits but a bound with its exact costs already exceeds the k-th best step time."""
 
     checked: int = 1
@@ -122,12 +118,14 @@ def gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused inside: a search allocates hundreds of thousands of short-lived
     tuples and few cycles, and the collector's passes over them cost 10-15% of its time."""
     enabled = gc.isenabled()
+    if not enabled:  # paused already (a search inside another's pause)
+        yield
+        return
     gc.disable()
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        gc.enable()
 
 
 def _run(space: SearchSpace, k: int, exhaustive: bool) -> DriverResult:
@@ -135,9 +133,9 @@ def _run(space: SearchSpace, k: int, exhaustive: bool) -> DriverResult:
     heapq.heapify(queue)
     out = DriverResult()
     best: list[tuple[float, Any, Ranked]] = []  # the k best so far, by (step time, tie)
+    kth = math.inf  # the k-th best step time so far (infinite until there are k, and when exhaustive)
     while queue:
         bound, kind, item, extra = heapq.heappop(queue)
-        kth = best[-1][0] if len(best) == k and not exhaustive else math.inf
         if bound > kth:
             break  # this and every later candidate is slower than the k-th best
         if kind == GROUP:  # candidates bounded above the k-th best so far are never queued (the k-th only falls)
@@ -160,5 +158,7 @@ def _run(space: SearchSpace, k: int, exhaustive: bool) -> DriverResult:
             out.simulated += 1
             bisect.insort(best, (outcome.step_time_s, outcome.tie, outcome), key=lambda e: e[:2])
             del best[k:]
+            if len(best) == k and not exhaustive:
+                kth = best[-1][0]
     out.ranked = [r for _, _, r in best]
     return out

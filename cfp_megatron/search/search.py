@@ -45,12 +45,14 @@ from cfp_megatron.cluster.measured import Measurements, partition_name
 from cfp_megatron.search import driver
 from cfp_megatron.search.space import (
     BLOCK,
+    FAMILY_FIELDS,
     Candidate,
     Family,
     Group,
     Rejection,
     Space,
     build_space,
+    family_of_key,
     max_chunk_layers,
 )
 from cfp_megatron.sim.kernels import grad_element_bytes
@@ -61,6 +63,9 @@ from cfp_megatron.sim.pass_costs import CostCache, cost_key
 from cfp_megatron.sim.prediction import GIB, MemoryBreakdown, Prediction
 from cfp_megatron.sim.primepar_cost import megatron_twin
 from cfp_megatron.sim.simulate import predict_memory, prepare_costs, simulate_unless_slower
+
+_CANDIDATE, _OverMemory, _FAMILY_KEY = driver.CANDIDATE, driver.OverMemory, len(FAMILY_FIELDS)
+"""The driver's candidate entry kind and over-memory outcome (local names: the search makes hundreds of thousands)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,8 +136,8 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
                                     te_available=te_available)
         found = driver.run(space, cfp.top_k, exhaustive=exhaustive)
     rejected = list(space.space.rejected) + space.invalid_groups
-    for fam, sizes in sorted(found.over.items()):
-        rejected.append(Rejection(what=_family_label(fam, world), count=len(sizes),
+    for prefix, sizes in sorted(found.over.items()):  # by family, in Family's order
+        rejected.append(Rejection(what=_family_label(Family.of_prefix(prefix), world), count=len(sizes),
                                   reason=f"{len(sizes)} plan(s) checked need {min(sizes):.1f} GiB or more per GPU, "
                                          f"over the {space.limit:.1f} GiB allowed"))
     return SearchResult(ranked=tuple(r.result for r in found.ranked), rejected=tuple(rejected),
@@ -202,9 +207,9 @@ class MegatronSpace:
         (block recomputation and PrimePar's layer count chosen to fit), then the simulator unless slower than
         ``kth`` seconds."""
         job, limit = self.job, self.limit
-        cand = Candidate.from_key(item)
         if limit is not None and extra / GIB > limit:  # its weights, gradients and optimizer states alone
-            return driver.OverMemory(label=_family(cand), gib=extra / GIB, checked=0)
+            return _OverMemory(item[:_FAMILY_KEY], extra / GIB, 0)  # family_of_key, inlined
+        cand = Candidate.from_key(item)
         try:
             if cand.recompute == BLOCK:
                 cand, memory, tries = _fewest_block_layers(cand, job, limit, self.measurements, self.options,
@@ -221,7 +226,7 @@ class MegatronSpace:
         except ConfigError:
             return driver.Refused()
         if limit is not None and memory.total / GIB > limit:
-            return driver.OverMemory(label=_family(cand), gib=memory.total / GIB, checked=tries)
+            return _OverMemory(family_of_key(item), memory.total / GIB, tries)
         prediction = simulate_unless_slower(cjob, kth, job.cluster, self.measurements, options=self.options,
                                             world_size=self.world, cache=self.cache)
         if prediction is None:  # its bound with the exact passes, gradient sync and optimizer exceeds the k-th best
@@ -327,10 +332,6 @@ def _primepar_layers(cand: Candidate, cjob: JobSpec, every: MemoryBreakdown, job
     return dataclasses.replace(cand, primepar_layers=most), found, memory.tries
 
 
-def _family(c: Candidate) -> Family:
-    return Family(tp=c.tp, cp=c.cp, pp=c.pp, ep=c.ep, etp=c.etp)
-
-
 def _family_label(f: Family, world: int) -> str:
     label = f"dp{f.dp(world)} tp{f.tp} pp{f.pp}"
     label += f" cp{f.cp}" if f.cp > 1 else ""
@@ -372,6 +373,7 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
             if not g.size:
                 continue
             h = g.head
+            pp, recompute = h.pp, h.recompute
             # The pass costs depend on the layout only through cost_key: look them up without building and
             # validating a job per group; compute (and validate) once per key.
             if placed is None:  # where the family's groups sit on nodes (not moved by SP or the micro-batch)
@@ -379,18 +381,18 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
                                       order=job.parallel.order)
                 dims = ParallelDims(parallel=family, world_size=world, num_microbatches=g.microbatches)
                 placed = place(job, dims, gpn)
-            ckey = cost_key(placed, recomputes[h.recompute], options, mlps[h.mlp], sp=h.sp, micro_batch=h.micro_batch)
+            ckey = cost_key(placed, recomputes[recompute], options, mlps[h.mlp], sp=h.sp, micro_batch=h.micro_batch)
             if ckey not in by_key:
-                by_key[ckey] = _group_costs(Candidate.from_key((*g.head, 1, 0, 0, False)), job, measurements,
+                by_key[ckey] = _group_costs(Candidate.from_key(g.head + (1, 0, 0, False)), job, measurements,
                                             options, world, cache, refused)
             costs = by_key[ckey]
             if costs is None:
                 continue
-            layer_s, chunk_s = _layer_terms(costs, h.recompute)
-            if h.pp == 1 or costs.shared_cores:  # the candidates' own bound at its lowest (one chunk per rank)
-                bound = _time_bound(costs, layer_s, chunk_s, g.microbatches, h.pp, 1, L, L, L, L)
+            layer_s, chunk_s = _layer_terms(costs, recompute)
+            if pp == 1 or costs.shared_cores:  # the candidates' own bound at its lowest (one chunk per rank)
+                bound = _time_bound(costs, layer_s, chunk_s, g.microbatches, pp, 1, L, L, L, L)
             else:
-                first, last = _lightest_ends(L, h.pp, g.splits)
+                first, last = _lightest_ends(L, pp, g.splits)
                 per_pass = chunk_s + 2 * costs.pass_s
                 bound = g.microbatches * max(first * layer_s + per_pass + costs.embedding_s,
                                              last * layer_s + per_pass + costs.head_s)
@@ -431,7 +433,7 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: t
             continue
         params = 0.0 if options.fsdp else max(d * costs.dense_params + n * costs.moe_params
                                               for d, n in _rank_loads(L, pp, vpp, first_n, last_n, first_dense))
-        out += [(bound, driver.CANDIDATE, (*g.head, vpp, first_n, last_n, dopt), params * param_bytes[not dopt])
+        out += [(bound, _CANDIDATE, g.head + (vpp, first_n, last_n, dopt), params * param_bytes[not dopt])
                 for dopt in g.dopts]
     return out
 

@@ -139,9 +139,24 @@ class Family:
     etp: int
     """Expert tensor-parallel size."""
 
+    @classmethod
+    def of_prefix(cls, prefix: tuple) -> Family:
+        """The family of :func:`family_of_key`'s prefix."""
+        return cls(**dict(zip(FAMILY_FIELDS, prefix, strict=True)))
+
     def dp(self, world: int) -> int:
         """Data-parallel size."""
         return data_parallel_size(world, self.tp, self.cp, self.pp)
+
+
+FAMILY_FIELDS = tuple(f.name for f in dataclasses.fields(Family))
+"""The fields of a :class:`Family`: the first fields of every :meth:`Candidate.key`, in that order."""
+
+
+def family_of_key(key: tuple) -> tuple:
+    """The family part of a candidate key (its first :data:`FAMILY_FIELDS`), a cheap label for what the search
+    reports by family; :meth:`Family.of_prefix` makes it a Family."""
+    return key[:len(FAMILY_FIELDS)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -251,6 +266,8 @@ class Space:
     """The planner's settings."""
     options: tuple[PartitionOption, ...] = ()
     """The model's partition options (:func:`~cfp_megatron.model.options.model_options`)."""
+    choices: dict[tuple[int, int], bool] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    """Whether PrimePar's MLP fits, by (TP size, micro-batch), filled as the search asks."""
     primepar: frozenset[int] | None = None
     """TP sizes at which PrimePar's MLP may be offered; ``None``: wherever it runs (the analytical model has it).
     With measurements, the sizes profiling timed it at: a plan is never compared on an analytical layer against
@@ -306,9 +323,12 @@ class Space:
         sizes and tokens per micro-batch the grid side divides, unless :attr:`primepar` says it was not profiled at
         that TP size."""
         values = [MlpPartition.megatron]
-        context = SizeContext(seq_length=self.job.train.seq_length, micro_batch=micro_batch)
-        if (choice_fits(self.options, "mlp", MlpPartition.primepar.value, self.job.model, family.tp, context)
-                and (self.primepar is None or family.tp in self.primepar)):
+        key = (family.tp, micro_batch)
+        if key not in self.choices:  # asked for every family and micro-batch: answered once per TP and size
+            context = SizeContext(seq_length=self.job.train.seq_length, micro_batch=micro_batch)
+            self.choices[key] = choice_fits(self.options, "mlp", MlpPartition.primepar.value, self.job.model,
+                                            family.tp, context)
+        if self.choices[key] and (self.primepar is None or family.tp in self.primepar):
             values.append(MlpPartition.primepar)
         allowed = self.cfp.allowed("mlp")
         return [v.value for v in values if allowed is None or v in allowed]
@@ -331,7 +351,7 @@ class Space:
         for g in self.groups(family):
             for vpp, first, last in g.splits:
                 for dopt in g.dopts:
-                    yield (*g.head, vpp, first, last, dopt)
+                    yield g.head + (vpp, first, last, dopt)
 
     def groups(self, family: Family) -> Iterator[Group]:
         """The candidates of ``family`` by (micro-batch, SP, recompute), in :meth:`candidates`' order."""
@@ -348,8 +368,7 @@ class Space:
             for sp in self.sp_values(f):
                 for rc in recomputes:
                     for mlp in self.mlp_values(f, mb):
-                        head = GroupHead(tp=f.tp, cp=f.cp, pp=f.pp, ep=f.ep, etp=f.etp, sp=sp, micro_batch=mb,
-                                         recompute=rc, mlp=mlp)
+                        head = tuple.__new__(GroupHead, (f.tp, f.cp, f.pp, f.ep, f.etp, sp, mb, rc, mlp))
                         yield Group(head=head, microbatches=microbatches,
                                     splits=block if rc == BLOCK else splits, dopts=dopts)
 
