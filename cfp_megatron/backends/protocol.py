@@ -63,8 +63,8 @@ class TrainingBackend(Protocol):
         ``measurements`` where profiling made them), each plan carrying ``inputs_fingerprint``."""
         ...
 
-    def train(self, job: JobSpec, plan: Plan, env: LaunchEnv, backend: BackendSpec, *, metrics_path: Path | None,
-              check: PlanCheck | None, resume: Any) -> list[Any]:
-        """Set up the process groups for ``plan``, train ``job`` with it (from ``resume``: the backend's resume
-        point), tear the groups down; rank 0's step metrics."""
+    def train(self, job: JobSpec, plan: Plan | None, env: LaunchEnv, backend: BackendSpec, *,
+              metrics_path: Path | None, check: PlanCheck | None, resume: Any) -> list[Any]:
+        """Set up the process groups for ``plan`` (``None``: ``job`` as it is, where a backend allows it), train
+        ``job`` with it (from ``resume``: the backend's resume point), tear the groups down; rank 0's step metrics."""
         ...

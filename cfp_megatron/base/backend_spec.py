@@ -50,23 +50,31 @@ class ZeroSpec:
     """Elements per reduce/all-gather/prefetch bucket."""
 
     def __post_init__(self) -> None:
-        issues: list[ConfigIssue] = []
-        if self.stage not in ZERO_STAGES:
-            issues.append(ConfigIssue(key="backend.zero_stage", value=self.stage, problem="is not a ZeRO stage.",
-                                      fix="use 0, 1, 2 or 3."))
-        if self.offload_param and self.stage != 3:
-            issues.append(ConfigIssue(key="backend.offload_param", value=True,
-                                      problem=f"parameter offload needs ZeRO stage 3, not {self.stage}.",
-                                      fix="use zero stage 3, or no parameter offload."))
-        if self.offload_optimizer and self.stage == 0:
-            issues.append(ConfigIssue(key="backend.offload_optimizer", value=True,
-                                      problem="optimizer offload needs a ZeRO stage of 1 or more.",
-                                      fix="use zero stage 1-3, or no optimizer offload."))
-        if self.bucket_elements < 1:
-            issues.append(ConfigIssue(key="backend.bucket_elements", value=self.bucket_elements,
-                                      problem="must be positive.", fix="use e.g. 50000000."))
+        issues = zero_issues(self.stage, self.offload_optimizer, self.offload_param, self.bucket_elements)
         if issues:
             raise ConfigError(issues)
+
+
+def zero_issues(stage: int | None, offload_optimizer: bool | None, offload_param: bool | None,
+                bucket_elements: int) -> list[ConfigIssue]:
+    """What does not go together among ZeRO options (``None``: left to the planner), named by their ``backend``
+    keys: a stage outside 0-3, parameter offload without stage 3, optimizer offload at stage 0, no bucket."""
+    issues: list[ConfigIssue] = []
+    if stage is not None and stage not in ZERO_STAGES:
+        issues.append(ConfigIssue(key="backend.zero_stage", value=stage, problem="is not a ZeRO stage.",
+                                  fix="use 0, 1, 2 or 3 (or null to plan it)."))
+    if offload_param and stage is not None and stage != 3:
+        issues.append(ConfigIssue(key="backend.offload_param", value=True,
+                                  problem=f"parameter offload needs ZeRO stage 3, not {stage}.",
+                                  fix="set backend.zero_stage=3, or backend.offload_param=false."))
+    if offload_optimizer and stage == 0:
+        issues.append(ConfigIssue(key="backend.offload_optimizer", value=True,
+                                  problem="optimizer offload needs a ZeRO stage of 1 or more.",
+                                  fix="set backend.zero_stage=1 (or 2, 3), or backend.offload_optimizer=false."))
+    if bucket_elements < 1:
+        issues.append(ConfigIssue(key="backend.bucket_elements", value=bucket_elements,
+                                  problem="must be positive.", fix="use e.g. 50000000."))
+    return issues
 
 
 def zero_keys() -> dict[str, LayoutKey]:
@@ -101,21 +109,7 @@ class BackendSpec:
     concrete ZeRO stage, micro-batch and offload values pin those knobs."""
 
     def __post_init__(self) -> None:
-        issues: list[ConfigIssue] = []
-        if self.zero_stage is not None and self.zero_stage not in ZERO_STAGES:
-            issues.append(ConfigIssue(key="backend.zero_stage", value=self.zero_stage,
-                                      problem="is not a ZeRO stage.", fix="use 0, 1, 2 or 3 (or null to plan it)."))
-        if self.offload_param and self.zero_stage is not None and self.zero_stage != 3:
-            issues.append(ConfigIssue(key="backend.offload_param", value=True,
-                                      problem=f"parameter offload needs ZeRO stage 3, not {self.zero_stage}.",
-                                      fix="set backend.zero_stage=3, or backend.offload_param=false."))
-        if self.offload_optimizer and self.zero_stage == 0:
-            issues.append(ConfigIssue(key="backend.offload_optimizer", value=True,
-                                      problem="optimizer offload needs a ZeRO stage of 1 or more.",
-                                      fix="set backend.zero_stage=1 (or 2, 3), or backend.offload_optimizer=false."))
-        if self.bucket_elements < 1:
-            issues.append(ConfigIssue(key="backend.bucket_elements", value=self.bucket_elements,
-                                      problem="must be positive.", fix="use e.g. 50000000."))
+        issues = zero_issues(self.zero_stage, self.offload_optimizer, self.offload_param, self.bucket_elements)
         if self.name is BackendKind.megatron:
             for key in ("zero_stage", "activation_checkpointing", "offload_optimizer", "offload_param",
                         "config_file"):

@@ -24,6 +24,7 @@ from typing import Any
 
 from rich.console import Console
 
+from cfp_megatron.backends.deepspeed.backend import DeepSpeedBackend
 from cfp_megatron.backends.deepspeed.zero_plan import ds_config, write_json_file, zero_plan
 from cfp_megatron.base.backend_spec import BackendSpec
 from cfp_megatron.base.cfp_spec import CfpMode, CfpSpec, cfp_from_config
@@ -31,7 +32,6 @@ from cfp_megatron.base.config import JobSpec, ParallelSpec, job_from_config, res
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.plan import Plan, PlanError
-from cfp_megatron.planner.backends import backend_for
 from cfp_megatron.planner.deepspeed_launch import planned
 from cfp_megatron.planner.job_checks import hydra_run_dir, validate_rest
 
@@ -129,8 +129,8 @@ def train_from_config(cfg: Any, backend: BackendSpec) -> list:
 
     metrics = job.train.metrics_file
     metrics_path = Path(metrics) if metrics else (run_dir / "metrics.jsonl" if run_dir is not None else None)
-    return backend_for(backend.name).train(job, plan, env, backend, metrics_path=metrics_path, check=check,
-                                           resume=resume)
+    return DeepSpeedBackend(config=config).train(job, plan, env, backend, metrics_path=metrics_path, check=check,
+                                                 resume=resume)
 
 
 def _check_checkpoint_dir(job: JobSpec) -> bool:

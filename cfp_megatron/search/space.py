@@ -373,28 +373,9 @@ class Space:
                                     splits=block if rc == BLOCK else splits, dopts=dopts)
 
 
-class GroupHead(NamedTuple):
-    """What the candidates of one :class:`Group` share: the first fields of their :meth:`Candidate.key`, by the
-    names of :class:`Candidate`'s fields."""
-
-    tp: int
-    """Tensor-parallel size."""
-    cp: int
-    """Context-parallel size."""
-    pp: int
-    """Pipeline-parallel size."""
-    ep: int
-    """Expert-parallel size."""
-    etp: int
-    """Expert tensor-parallel size."""
-    sp: bool
-    """Sequence parallelism."""
-    micro_batch: int
-    """Sequences per micro-batch."""
-    recompute: str
-    """Recompute value (a :class:`~cfp_megatron.base.config.Recompute` value or ``block``)."""
-    mlp: str
-    """MLP partition value."""
+GroupHead = NamedTuple("GroupHead", [(name, Candidate.__annotations__[name]) for name in _KEY_FIELDS[:9]])
+"""What the candidates of one :class:`Group` share: the first nine fields of their :meth:`Candidate.key` (tp, cp,
+pp, ep, etp, sp, micro_batch, recompute, mlp), by :class:`Candidate`'s field names."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,6 +31,8 @@ class DeepSpeedBackend:
 
     probes: EngineProbes | None = None
     """The engine's measured costs per ZeRO stage (:mod:`.engine_probe`), where a launch probed them."""
+    config: dict[str, Any] | None = None
+    """The DeepSpeed config to train with, where the launch built (and wrote) it already; else built from the plan."""
     kind = BackendKind.deepspeed
     """The ``backend`` group's name of it."""
 
@@ -59,7 +61,7 @@ class DeepSpeedBackend:
 
         if plan is None:
             raise TypeError("the DeepSpeed backend trains a plan")
-        config = ds_config(plan, job, base=backend.base_config())
+        config = self.config if self.config is not None else ds_config(plan, job, base=backend.base_config())
         dims = ParallelDims.build(dataclasses.replace(job, parallel=ParallelSpec()), env.world_size)
         init_distributed(job, dims, env)
         try:
