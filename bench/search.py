@@ -1,6 +1,6 @@
 """Search speed and quality (issue D).
 
-Run: ``python bench/search.py [--published ../shared/data/published_runs.csv] [--skip-speed]``.
+Run: ``python bench/search.py [--published FILE.csv ...] [--skip-speed]`` (both shared files by default).
 
 1. Speed, on one core (the process is pinned to CPU 0): the full space of
    GPT-3 175B on 1,024 A100 (gbs 1,536 x 2,048), Llama-3 405B on 16,384 H100 (gbs 2,048 x 8,192) and DeepSeek-V3
@@ -8,11 +8,13 @@ Run: ``python bench/search.py [--published ../shared/data/published_runs.csv] [-
    three) and the plan found. Targets: 1 s, 5 s, 5 s.
 2. Quality: for every published layout the validator can model (``python -m cfp_megatron.validate``), searches the
    same model on the same GPUs with the same global batch, sequence, precision and simulator options, and prints the
-   published layout's predicted step time over the chosen plan's (a ratio of 1 or more: the search finds a plan at
-   least as fast as the published one by the same simulator). The published layout is outside the search's space
-   where it puts TP across nodes or does not fit the memory limit (HBM less the headroom); those rows say so, and
-   under each the search is run again allowing what the published layout uses (its predicted peak memory, the GPU's
-   capacity raised to it where the simulator puts it above; TP across nodes), with that ratio.
+   published layout's predicted step time over the chosen plan's (the predicted speed-up, 1 or more: the search finds
+   a plan at least as fast as the published one by the same simulator) with the chosen plan's error band. The
+   published layout is outside the search's space where it puts TP across nodes or does not fit the memory limit
+   (HBM less the headroom); those rows say so, and under each the search is run again allowing what the published
+   layout uses (its predicted peak memory, the GPU's capacity raised to it where the simulator puts it above; TP
+   across nodes), with that ratio. Last, the chosen plans that are exotic (CP at 8k tokens or fewer, EP across
+   nodes) with the two parts of the step they save most on.
 """
 
 from __future__ import annotations
@@ -64,15 +66,41 @@ def speed() -> None:
               flush=True)
 
 
-def published(path: Path) -> None:
+def exotic(job, world: int) -> list[str]:
+    """What makes a plan unusual among published layouts: context parallelism at a short context, or an expert group
+    that leaves the node (NVLink domain)."""
+    from cfp_megatron.sim.layout import build_layout
+
+    layout = build_layout(job, world)
+    dims, reasons = layout.dims, []
+    if dims.cp > 1 and job.train.seq_length <= 8192:
+        reasons.append(f"CP={dims.cp} at {job.train.seq_length} tokens")
+    if dims.ep > 1 and layout.ep_per_node < dims.ep:
+        reasons.append(f"EP={dims.ep} across {dims.ep // max(layout.ep_per_node, 1)} nodes")
+    return reasons
+
+
+def why(chosen, reference) -> str:
+    """The two parts of the step the chosen plan saves most on against the published layout's prediction."""
+    parts = (("compute", lambda p: p.time.forward_compute_s + p.time.backward_compute_s + p.time.recompute_s),
+             ("bubble", lambda p: p.time.pp_bubble_s), ("TP comm", lambda p: p.time.tp_comm_s),
+             ("CP comm", lambda p: p.time.cp_comm_s), ("EP comm", lambda p: p.time.ep_comm_s),
+             ("DP sync", lambda p: p.time.dp_comm_s), ("optimizer", lambda p: p.time.optimizer_s))
+    saved = sorted(((get(reference) - get(chosen.prediction), label) for label, get in parts), reverse=True)
+    return ", ".join(f"{label} -{delta:.2f} s" for delta, label in saved[:2] if delta > 0)
+
+
+def published(paths: list[Path]) -> None:
     from cfp_megatron.sim.simulate import simulate
+    from cfp_megatron.sim.uncertainty import error_band
     from cfp_megatron.validate import RowError, read_rows, row_plan
 
     print(f"\n{'row':>4} {'model':<22} {'GPUs':>6} {'published layout':<34} {'published s':>11} {'chosen s':>9} "
-          f"{'ratio':>6}  chosen")
+          f"{'speed-up':>8} {'± err':>6}  chosen")
     ratios: list[float] = []
     allowed: list[float] = []  # the ratio where the published layout is in the space, else the re-searched one
-    for row in read_rows(path):
+    unusual: list[str] = []
+    for row in (row for path in paths for row in read_rows(path)):
         try:
             rp = row_plan(row)
         except RowError:
@@ -93,8 +121,13 @@ def published(path: Path) -> None:
         if not result.ranked:
             print(f"{head} {'-':>9} {'-':>6}  no plan fits{note}")
             continue
-        ratio = _row(head, ref.step_time_s, result.best, world, note)
+        band = error_band(result.best.job)
+        ratio = _row(head, ref.step_time_s, result.best, world, note, band.pct if band else None)
         ratios.append(ratio)
+        reasons = exotic(result.best.job, world)
+        if reasons:
+            unusual.append(f"{rp.row_id:>4} {rp.model[:22]:<22} {'; '.join(reasons)}: x{ratio:.3f}, "
+                           f"{why(result.best, ref)}")
         if not note:
             allowed.append(ratio)
         else:
@@ -109,26 +142,33 @@ def published(path: Path) -> None:
                 memory_headroom=headroom, tp_within_node=job.parallel.tp <= job.cluster.gpus_per_node))
             same = search(dataclasses.replace(job, cluster=cluster), world, same_cfp, options=rp.options).best
             allowed.append(_row(f"{'':>4} {'':<22} {'':>6} {'  same memory as published':<34} {'':>11}",
-                                ref.step_time_s, same, world, ""))
+                                ref.step_time_s, same, world, "", band.pct if band else None))
     if ratios:
         below = sum(r < 1 - 1e-9 for r in ratios)
         print(f"ratio published/chosen over {len(ratios)} rows: min {min(ratios):.3f}, median "
               f"{statistics.median(ratios):.3f}, max {max(ratios):.3f}; rows where the chosen plan is slower: {below}")
         print(f"with the published layout's own memory (and TP placement) allowed: min {min(allowed):.3f}; rows "
               f"where the chosen plan is slower: {sum(r < 1 - 1e-9 for r in allowed)}")
+        print(f"exotic chosen plans (CP at <= 8k tokens, EP across nodes): {len(unusual)} of {len(ratios)}")
+        for line in unusual:
+            print("  " + line)
 
 
-def _row(head: str, published_s: float, chosen: Ranked, world: int, note: str) -> float:
-    """Print one row (``head``: the published layout's columns) and return published / chosen step time."""
+def _row(head: str, published_s: float, chosen: Ranked, world: int, note: str, band: float | None) -> float:
+    """Print one row (``head``: the published layout's columns; ``band``: the chosen plan's error band, percent)
+    and return the predicted speed-up, published / chosen step time."""
     ratio = published_s / chosen.prediction.step_time_s
-    print(f"{head} {chosen.prediction.step_time_s:>9.3f} {ratio:>6.3f}  {chosen.candidate.describe(world)}{note}",
-          flush=True)
+    shown = f"{band:.0f}%" if band is not None else "-"
+    print(f"{head} {chosen.prediction.step_time_s:>9.3f} {ratio:>8.3f} {shown:>6}  "
+          f"{chosen.candidate.describe(world)}{note}", flush=True)
     return ratio
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--published", default=str(ROOT.parent / "shared" / "data" / "published_runs.csv"))
+    data = ROOT.parent / "shared" / "data"
+    parser.add_argument("--published", nargs="*", default=[str(data / "published_runs.csv"),
+                                                           str(data / "published_runs_moe.csv")])
     parser.add_argument("--skip-speed", action="store_true")
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
@@ -137,8 +177,9 @@ def main() -> None:
         t = time.perf_counter()
         speed()
         print(f"(speed cases in {time.perf_counter() - t:.1f} s)")
-    if args.published and Path(args.published).exists():
-        published(Path(args.published))
+    paths = [Path(p) for p in args.published if Path(p).exists()]
+    if paths:
+        published(paths)
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def fit(plans: list[RowPlan], base: dict[str, Efficiency], maxiter: int) -> dict
         shared = {n: getattr(effs[src], n) for n, src in fitted_by.items()
                   if src != gen and n == "moe_token_elements" and not any(p.job.model.is_moe for p in by_gen[gen])}
         effs[gen] = effs[gen].replace(**shared)
-    for gen in ("blackwell", "other"):
+    for gen in ("blackwell", "cdna3", "cdna4", "other"):  # no calibration rows: Hopper's shares (calibration.py)
         effs[gen] = effs["hopper"]
     return effs
 

@@ -31,6 +31,18 @@ Defaults for fields a row leaves blank (documented, the same for every row):
 * A decoder whose layers do not split into ``pp x vp`` chunks while its layers plus two do: the embedding and the
   loss counted as layers of the split (``account_for_embedding/loss_in_pipeline_split``, as Megatron-Bridge's recipes
   run Qwen3-235B's 94 layers over 8 x 4 chunks).
+* A decoder that splits into ``pp x vp`` chunks neither alone nor with two more layers: Megatron-Core's per-stage
+  layout (``pipeline_model_parallel_layout``) that counts the embedding, each multi-token-prediction (MTP) layer and
+  the loss as one layer each and spreads them as evenly as possible over the chunks, the MTP layers with the loss
+  (:func:`~cfp_megatron.base.pipeline_layout.balanced_layout` with ``ends_counted``): the layout Megatron-Bridge's
+  DeepSeek-V3 performance recipe for 1,024 H100s at TP=2 x PP=8 x VP=4 x EP=64 writes, ``Et|(tt|)*30mL``
+  (``set_deepseek_v3_pipeline_model_parallel_layout(cfg.model, "Et|(tt|)*30mL")``; its library recipes'
+  ``layout_map`` has no PP=8 x VP=4 entry).
+* DeepSeek-V3 rows of NeMo / Megatron-Bridge: one MTP layer (``mtp_num_layers=1``, those recipes' setting; the
+  layout above places it).
+* ``tp``, ``pp`` blank where ``dp`` is given (SC21's Table 2 states only the model-parallel size): TP as wide as a
+  node allows where it divides that size and the heads, PP the rest (:func:`unstated_split`); the layout column
+  marks such rows with ``?``.
 * GPUs that are not A100/H100/H200/B200, rows without a measured step time, and rows whose layout does not
   multiply out are listed as not modelled, with the reason.
 """
@@ -39,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import re
 import sys
@@ -47,10 +60,14 @@ from pathlib import Path
 
 from cfp_megatron.base.config import JobSpec, job_from_config
 from cfp_megatron.base.errors import CfpError
+from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.base.parallel_dims import data_parallel_size
+from cfp_megatron.base.pipeline_layout import balanced_layout
 from cfp_megatron.sim.calibration import generation
+from cfp_megatron.sim.kernels import target_peak_tflops
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.simulate import simulate
+from cfp_megatron.sim.uncertainty import BAND_QUANTILE, quantile
 
 CONF_CLUSTER = Path(__file__).resolve().parent.parent / "conf" / "cluster"
 DEFAULT_VOCAB = 51200
@@ -101,12 +118,20 @@ class RowResult:
 
 
 def gpu_preset(gpu: str) -> str:
-    """Cluster preset for a row's ``gpu`` column."""
+    """Cluster preset for a row's ``gpu`` column; the more specific names are tried first (GB300 before B300, H100 NVL
+    before H100, H200 before H20, A100-40GB before A100), so an "A100" or "H100" of unstated variant stays the
+    80 GB SXM preset."""
     g = gpu.upper()
-    for key, preset in (("A100", "dgx_a100"), ("H100", "dgx_h100"), ("H200", "h200"), ("B200", "b200")):
-        if key in g:
+    rules = ((r"GB300", "gb300_nvl72"), (r"GB200", "gb200_nvl72"), (r"B300", "b300"), (r"B200", "b200"),
+             (r"MI355", "mi355x"), (r"MI325", "mi325x"), (r"MI300X", "mi300x"),
+             (r"H100\W*NVL|H100.*\bNVL\b", "h100_nvl"), (r"H100", "dgx_h100"), (r"H200", "h200"),
+             (r"H800", "h800"), (r"H20(?!\d)", "h20"),
+             (r"A100\W*(SXM\d?\W*|PCIE\W*)?40\s*G", "dgx_a100_40gb"), (r"A100", "dgx_a100"))
+    for pattern, preset in rules:
+        if re.search(pattern, g):
             return preset
-    raise RowError(f"GPU {gpu!r} has no hardware preset (known: A100, H100, H200, B200)")
+    raise RowError(f"GPU {gpu!r} has no hardware preset (known: A100-80GB, A100-40GB, H100 SXM, H100 NVL, H200, "
+                   "H800, H20, B200, B300, GB200, GB300, MI300X, MI325X, MI355X)")
 
 
 def load_preset(name: str) -> dict:
@@ -141,8 +166,9 @@ def _yes(raw: str) -> bool | None:
     return raw.startswith(("y", "true", "on", "1"))
 
 
-def row_plan(row: dict, presets: dict[str, dict] | None = None) -> RowPlan:
-    """Build the plan of one CSV row, or raise :class:`RowError` with the reason it cannot be modelled."""
+def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[int, int] | None = None) -> RowPlan:
+    """Build the plan of one CSV row, or raise :class:`RowError` with the reason it cannot be modelled; ``split``:
+    the (tp, pp) to model a row that states only its data-parallel size (:func:`unstated_split`)."""
     rid = row.get("id", "?")
     measured = _float(row, "step_time_s") or _float(row, "derived_step_time_s")
     preset_name = gpu_preset(row.get("gpu", ""))
@@ -158,7 +184,9 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None) -> RowPlan:
     if not (layers and hidden and heads and seq):
         raise RowError("the model shape (layers, hidden, heads, seq_len) is incomplete")
     tp, pp, cp = _int(row, "tp", 1), _int(row, "pp", 1), _int(row, "cp", 1)
-    if not row.get("tp", "").strip() or not row.get("pp", "").strip():
+    if split is not None:
+        tp, pp = split
+    elif not row.get("tp", "").strip() or not row.get("pp", "").strip():
         raise RowError("the layout (tp, pp) is not stated")
     dp = _int(row, "dp") or data_parallel_size(gpus, tp, cp, pp)
     if tp * pp * cp * dp != gpus:
@@ -227,29 +255,51 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None) -> RowPlan:
     # Megatron-Bridge's recipes count the embedding and the loss as layers of the pipeline split where the decoder
     # alone does not split (Qwen3-235B's 94 layers over 8 x 4 chunks: 96 units, 3 per chunk).
     counted = pp > 1 and layers % (pp * vp) != 0 and (layers + 2) % (pp * vp) == 0
-    if vp > 1 and layers % (pp * vp) and not counted:
-        raise RowError(f"{layers} layers do not split into pp x vp = {pp} x {vp} chunks, nor with the embedding and "
-                       "the loss counted as layers")
+    # Megatron-Bridge's DeepSeek-V3 recipes train one multi-token-prediction layer.
+    mtp = 1 if modern and re.search(r"deepseek[ _-]?v3", row.get("model") or "", re.IGNORECASE) else 0
+    model["mtp_num_layers"] = mtp
+    # Where neither splits, a per-stage layout as Megatron-Bridge writes DeepSeek-V3's at PP=8 x VP=4
+    # (Et|(tt|)*30mL): the embedding, the MTP layers and the loss each counted as a layer, spread evenly.
+    stages = (balanced_layout(layers, pp, vp, mtp_layers=mtp, ends_counted=True)
+              if pp > 1 and layers % (pp * vp) and not counted else None)
     cfg = {
         "model": model, "cluster": cluster,
         "parallel": {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "vpp": vp if vp > 1 else None, "sp": sp,
                      "recompute": recompute, "distributed_optimizer": dist_opt, "overlap_grad_reduce": not legacy,
+                     "tp_comm_overlap": modern and sp,
                      "recompute_num_layers": 1, "grad_reduce_in_fp32": not nemo,
                      "account_for_embedding_in_pipeline_split": counted,
-                     "account_for_loss_in_pipeline_split": counted},
+                     "account_for_loss_in_pipeline_split": counted, "pipeline_model_parallel_layout": stages},
         "train": {"global_batch_size": gbs, "micro_batch_size": micro, "seq_length": seq, "precision": precision},
     }
     try:
         job = job_from_config(cfg)
     except CfpError as err:
         raise RowError(f"invalid plan: {err}") from None
-    layout = f"tp{tp} pp{pp} dp{dp}" + (f" cp{cp}" if cp > 1 else "") + (f" ep{ep}" if ep > 1 else "")
-    layout += (f" vp{vp}" if vp > 1 else "") + (" emb+loss" if counted else "") + (" sp" if sp else "")
+    layout = f"tp{tp} pp{pp} dp{dp}" + ("?" if split is not None else "")
+    layout += (f" cp{cp}" if cp > 1 else "") + (f" ep{ep}" if ep > 1 else "")
+    layout += (f" vp{vp}" if vp > 1 else "") + (" emb+loss" if counted else "") + (f" {stages}" if stages else "")
+    layout += " sp" if sp else ""
     layout += f" mb{micro} gbs{gbs} {recompute}" + (" fp8" if fp8 else "") + (" fsdp" if fsdp else "")
-    options = SimOptions(fp8=fp8, fsdp=fsdp, measured_layer_only=layer_only, flash_attention=not legacy,
-                         tp_comm_overlap=modern)
+    options = SimOptions(fp8=fp8, fsdp=fsdp, measured_layer_only=layer_only, flash_attention=not legacy)
     return RowPlan(row_id=rid, source=row.get("source", ""), source_detail=row.get("source_detail", ""),
                    model=row.get("model", ""), layout=layout, job=job, options=options, measured_s=measured)
+
+
+def unstated_split(row: dict, presets: dict[str, dict]) -> tuple[int, int]:
+    """The (tp, pp) of a row that states its GPUs and data-parallel size but not how the model-parallel ranks divide
+    into TP and PP (SC21's Table 2): TP as wide as a node allows where it divides the model-parallel size and the
+    heads (the same source's Table 1 runs every model above 8B at TP = 8, one node), PP the rest. Raises
+    :class:`RowError` where the row states too little to know the model-parallel size."""
+    gpus, dp, cp = _int(row, "num_gpus"), _int(row, "dp"), _int(row, "cp", 1) or 1
+    heads = _int(row, "heads")
+    if not (gpus and dp and heads) or gpus % (dp * cp):
+        raise RowError("the layout (tp, pp) is not stated, nor the data-parallel size it leaves")
+    model_parallel = gpus // (dp * cp)
+    preset = gpu_preset(row.get("gpu", ""))
+    per_node = presets.setdefault(preset, load_preset(preset))["gpus_per_node"]
+    tp = max(t for t in range(1, per_node + 1) if model_parallel % t == 0 and heads % t == 0)
+    return tp, model_parallel // tp
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -267,7 +317,8 @@ def predict_rows(rows: list[dict], efficiencies=None) -> tuple[list[RowResult], 
     results, skipped = [], []
     for row in rows:
         try:
-            plan = row_plan(row, presets)
+            stated = bool((row.get("tp") or "").strip() and (row.get("pp") or "").strip())
+            plan = row_plan(row, presets, split=None if stated else unstated_split(row, presets))
         except CfpError as err:
             skipped.append((row, str(err).replace("\n", " ")))
             continue
@@ -316,9 +367,39 @@ def class_errors(results: list[RowResult], rows_by_id: dict[str, dict]) -> dict[
     return by_class
 
 
+def uncertainty_table(results: list[RowResult], rows_by_id: dict[str, dict]) -> dict:
+    """What :mod:`cfp_megatron.sim.uncertainty` stores: per class the rows, MAPE and band (the
+    :data:`~cfp_megatron.sim.uncertainty.BAND_QUANTILE` quantile of the absolute errors), the same over all rows, and
+    per GPU generation and model kind the best MFU a measured run reached (against the dense bf16 peak, model FLOPs
+    as the planner counts them; layer-only and FP8 rows left out)."""
+
+    def summary(errors: list[float]) -> dict:
+        return {"rows": len(errors), "mape": round(sum(errors) / len(errors), 3),
+                "pct": round(quantile(errors, BAND_QUANTILE), 3)}
+
+    classes = {name: summary(errors) for name, errors in sorted(class_errors(results, rows_by_id).items())}
+    best: dict[str, dict] = {}
+    for r in results:
+        job, plan = r.plan.job, r.plan
+        peak = target_peak_tflops(job)
+        if plan.options.measured_layer_only or plan.options.fp8 or not peak:
+            continue  # FP8 runs do more per second than the bf16 peak the planner's MFU is counted against
+        world = job.cluster.nodes * (job.cluster.gpus_per_node or 1)
+        tokens_per_s = job.train.global_batch_size * job.train.seq_length / plan.measured_s / world
+        measured = tokens_per_s * training_flops_per_token(job.model, job.train.seq_length) / (peak * 1e12)
+        key = f"{generation(job.cluster)} {'MoE' if job.model.is_moe else 'dense'}"
+        if key not in best or measured > best[key]["mfu"]:
+            best[key] = {"mfu": round(measured, 4), "row": f"{plan.row_id} {plan.model}".strip()}
+    everything = [abs(r.error_pct) for r in results]
+    return {"quantile": BAND_QUANTILE, "classes": classes, "all": summary(everything) if everything else None,
+            "best_mfu": dict(sorted(best.items()))}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cfp_megatron.validate", description=__doc__.splitlines()[0])
     parser.add_argument("csv", nargs="+", help="runs in the schema of shared/data/published_runs.csv")
+    parser.add_argument("--bands", metavar="FILE", help="also write the error bands and best published MFU the "
+                        "planner reports with (cfp_megatron/sim/error_bands.json) to FILE")
     args = parser.parse_args(argv)
     rows = [row for path in args.csv for row in read_rows(path)]
     results, skipped = predict_rows(rows)
@@ -337,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'class':<12} {'rows':>5} {'MAPE':>7} {'max error':>10}")
     for name, errors in sorted(class_errors(results, {row.get("id", ""): row for row in rows}).items()):
         print(f"{name:<12} {len(errors):>5} {sum(errors) / len(errors):>6.2f}% {max(errors):>9.1f}%")
+    if args.bands:
+        table = uncertainty_table(results, {row.get("id", ""): row for row in rows})
+        Path(args.bands).write_text(json.dumps(table, indent=1) + "\n")
+        print(f"\nerror bands ({BAND_QUANTILE:.0%} of each class's rows inside) written to {args.bands}")
     print(f"\nMAPE {mape(results):.2f}% over {len(results)} rows")
     return 0
 

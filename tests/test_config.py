@@ -191,7 +191,7 @@ def test_cluster_preset_builds(name: str) -> None:
 @pytest.mark.parametrize("name", [n for n in CLUSTER_PRESETS if n != "local"])
 def test_gpu_cluster_presets_are_complete(name: str) -> None:
     c = make_job(f"cluster={name}").cluster
-    assert c.gpus_per_node == 8
+    assert c.gpus_per_node in (4, 8)  # 4: a compute tray of an NVL72 rack
     for figure in ("peak_tflops_bf16", "peak_tflops_fp32", "hbm_gib", "hbm_bandwidth_gbps",
                    "intra_node_bandwidth_gbps", "intra_node_latency_us", "inter_node_bandwidth_gbps",
                    "inter_node_latency_us"):
@@ -651,3 +651,61 @@ def test_shared_experts_vs_tp() -> None:
     err = build_errors(4, "model=moe_tiny", "model.moe_shared_expert_intermediate_size=6", "parallel.tp=4",
                        "parallel.sp=true")
     assert "model.moe_shared_expert_intermediate_size=6 is not divisible by parallel.tp=4." in str(err)
+
+
+def _layout_errors(*overrides: str) -> ConfigError:
+    """The ConfigError that composing and building the specs raises (ParallelSpec's own checks)."""
+    with pytest.raises(ConfigError) as info:
+        make_job(*overrides)
+    return info.value
+
+
+@pytest.mark.parametrize(("overrides", "problem"), [
+    (["parallel.pp=2", "parallel.pipeline_model_parallel_layout=Et*3|tX"], "cannot parse it: 'X'"),
+    (["parallel.pp=2", "parallel.pipeline_model_parallel_layout=Et*4L"], "it has 1 stages; parallel.pp x parallel.vpp"
+                                                                         " = 2 x 1 = 2"),
+    (["parallel.pp=2", "parallel.vpp=2", "parallel.pipeline_model_parallel_layout=Et*3|tL"], "= 2 x 2 = 4"),
+    (["parallel.pp=2", "parallel.pipeline_model_parallel_layout=tE|ttL"], "embedding (E) once, first"),
+    (["parallel.pp=2", "parallel.pipeline_model_parallel_layout=EtLt|tt"], "loss (L) once, last"),
+    (["parallel.pp=2", "parallel.pipeline_model_parallel_layout=Etm|tttL"], "before the first MTP layer"),
+    (["parallel.pp=2", "parallel.vpp=2", "parallel.pipeline_model_parallel_layout=Et|tm|tt|L"],
+     "Megatron-Core builds them only in a rank's last chunk"),
+    (["parallel.pp=2", "parallel.first_stage_layers=3", "parallel.pipeline_model_parallel_layout=Et*3|tL"],
+     "a per-stage layout or parallel.first_stage_layers, not both"),
+    (["parallel.pp=2", "parallel.account_for_loss_in_pipeline_split=true",
+      "parallel.pipeline_model_parallel_layout=Et*3|tL"], "or parallel.account_for_loss_in_pipeline_split, not both"),
+    (["parallel.pipeline_model_parallel_layout=Et*4L"], "parallel.pp=1 has one"),
+])
+def test_pipeline_layout_is_checked_before_any_group(overrides: list[str], problem: str) -> None:
+    err = _layout_errors(*overrides)
+    assert "parallel.pipeline_model_parallel_layout" in err.keys
+    assert problem in str(err) and "Fix:" in str(err)
+
+
+def test_pipeline_layout_layer_counts_against_the_model() -> None:
+    dims = ParallelDims.build(make_job("parallel.pp=2", "parallel.pipeline_model_parallel_layout=Et*3|tL"), 2,
+                              te_available=False)
+    assert dims.pp == 2 and dims.vpp == 1
+    err = build_errors(2, "parallel.pp=2", "parallel.pipeline_model_parallel_layout=Et*2|tL")
+    assert err.keys == ["parallel.pipeline_model_parallel_layout"]
+    assert "it places 3 decoder layers (t); model.num_layers=4." in str(err)
+    err = build_errors(2, "parallel.pp=2", "model.mtp_num_layers=1", "parallel.pipeline_model_parallel_layout=Et*3|tL")
+    assert "it places 0 MTP layers (m); model.mtp_num_layers=1." in str(err)
+    # With MTP and no layout, Megatron puts the MTP layer with the loss: valid.
+    assert ParallelDims.build(make_job("parallel.pp=2", "model.mtp_num_layers=1"), 2, te_available=False).pp == 2
+    with pytest.raises(ConfigError, match=r"model\.mtp_num_layers=-1: must not be negative"):
+        make_job("model.mtp_num_layers=-1")
+    # Block recomputation counts a layout's largest chunk (three layers on rank 0).
+    assert ParallelDims.build(make_job("parallel.pp=2", "parallel.pipeline_model_parallel_layout=Et*3|tL",
+                                       "parallel.recompute=full", "parallel.recompute_method=block",
+                                       "parallel.recompute_num_layers=3"), 2, te_available=False).pp == 2
+
+
+def test_mtp_is_planned_but_refused_for_training() -> None:
+    from cfp_megatron.planner.job_checks import validate_job
+
+    with pytest.raises(ConfigError) as info:
+        validate_job(make_job("parallel.pp=2", "model.mtp_num_layers=1",
+                              "parallel.pipeline_model_parallel_layout=Et*3|tmL"), 2)
+    assert info.value.keys == ["model.mtp_num_layers"]
+    assert "set model.mtp_num_layers=0 to train" in str(info.value)

@@ -148,6 +148,7 @@ def test_manual_applies_a_plan_string(tmp_path: Path) -> None:
 
 
 def test_plan_check_compares_and_calibrates() -> None:
+    import dataclasses
     from dataclasses import dataclass
 
     from cfp_megatron.plan.check import PlanCheck, compare, differences, warnings_for
@@ -170,11 +171,13 @@ def test_plan_check_compares_and_calibrates() -> None:
     assert differences(record)["memory"] == pytest.approx(0.01)
     assert len(warnings_for(record)) == 1 and "step time" in warnings_for(record)[0]
     fp = current_fingerprint(world_size=4, nodes=1, backend="gloo")
-    db = ProfileDB(fingerprint=fp).for_model("m").merged(plan_checks=[record])
+    db = ProfileDB(fingerprint=fp).for_model("m")
+    db = db.merged(plan_checks=[dataclasses.replace(record, profile_id=db.profile_id())])
     assert db.step_time_calibration() == pytest.approx(1.25)
     again = compare(PlanCheck(plan="p", model_key="m", after_steps=4, predicted_step_s=0.1, calibration=1.25,
                               predicted_peak_bytes=None), history)
     assert again is not None and differences(again)["step_time"] == pytest.approx(0.0)
+    again = dataclasses.replace(again, profile_id=db.profile_id())
     assert db.merged(plan_checks=[again]).step_time_calibration() == pytest.approx(1.25)  # raw ratios: no compounding
     assert ProfileDB.from_json(db.to_json()).plan_checks == db.plan_checks
 

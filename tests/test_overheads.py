@@ -12,7 +12,7 @@ from cfp_megatron.base.config import Recompute, job_from_config
 from cfp_megatron.cluster.measured import NothingMeasured, StepOverheads
 from cfp_megatron.profile.db import ProfileDB
 from cfp_megatron.profile.fingerprint import Fingerprint
-from cfp_megatron.profile.records import OverheadRecord, SegmentRecord
+from cfp_megatron.profile.records import OverheadRecord, SegmentRecord, overhead_entry, segment_entry
 from cfp_megatron.profile.runner import rounds_needed
 from cfp_megatron.profile.segments import micro_batches
 from cfp_megatron.sim import SimOptions, simulate
@@ -75,9 +75,13 @@ def test_overheads_round_trip_and_old_files_load() -> None:
 
 def test_rounds_needed_asks_for_missing_probes() -> None:
     db = _db()
-    assert "overheads" not in rounds_needed(db, "m", [1], [1], force=False)
-    assert "overheads" not in rounds_needed(db, "m", [1], [1, 4], force=False)  # what a timed-out round kept
-    assert "overheads" in rounds_needed(db, "other", [1], [1], force=False)
+    one = {"overheads": [overhead_entry("tp1", layers, 1) for layers in (1, 2)]}
+    assert "overheads" not in rounds_needed(db, "m", one, force=False)
+    more = {"overheads": [*one["overheads"], overhead_entry("tp4", 1, 1), overhead_entry("tp4", 2, 1)]}
+    # what a timed-out round kept is reused; only the probes it did not reach are measured
+    assert rounds_needed(db, "m", more, force=False)["overheads"] == more["overheads"][2:]
+    assert rounds_needed(db, "other", one, force=False)["overheads"] == one["overheads"]
+    assert rounds_needed(db, "m", one, force=True)["overheads"] == one["overheads"]
 
 
 def test_rounds_needed_asks_for_the_recomputed_layers_on_their_own() -> None:
@@ -88,13 +92,15 @@ def test_rounds_needed_asks_for_the_recomputed_layers_on_their_own() -> None:
                              tp=1, micro_batch=1, seq_length=64, forward_s=0.001, backward_s=0.002, confirmed=True,
                              activation_bytes=1e5, transient_bytes=1e4, workspace_bytes=0.0)
 
+    planned = {"segments": [segment_entry("dense", "tp1", 1)],
+               "recompute": [segment_entry("dense", "tp1-selective", 1), segment_entry("dense", "tp1-full", 1)]}
     plain = _db().merged(segments=[dense("tp1")])
-    need = rounds_needed(plain, "m", [1], [1], force=False)
+    need = rounds_needed(plain, "m", planned, force=False)
     assert "recompute" in need and "segments" not in need
     selective = plain.merged(segments=[dense("tp1-selective")])  # a DB written before the full layer was profiled
-    assert "recompute" in rounds_needed(selective, "m", [1], [1], force=False)
+    assert rounds_needed(selective, "m", planned, force=False)["recompute"] == [segment_entry("dense", "tp1-full", 1)]
     both = selective.merged(segments=[dense("tp1-full")])
-    assert not {"segments", "recompute"} & set(rounds_needed(both, "m", [1], [1], force=False))
+    assert not {"segments", "recompute"} & set(rounds_needed(both, "m", planned, force=False))
     assert both.has_segments("m", 1, 1, recompute=Recompute.full)
     assert not both.has_segments("m", 1, 2, recompute=Recompute.selective)
 

@@ -146,6 +146,44 @@ def test_a_field_added_later_keeps_old_plans_and_round_trips() -> None:
     assert "--account-for-embedding-in-pipeline-split" in args and "--account-for-loss-in-pipeline-split" in args
 
 
+def test_pipeline_layout_round_trips_and_exports() -> None:
+    """The per-stage layout is an optional key (a plan without one keeps its string and hash): written with its
+    groups and repeats, parsed back, exported as Megatron-LM's --pipeline-model-parallel-layout (without the
+    interleaving flags, which Megatron-LM refuses beside it: the stage count gives the virtual size) and as a quoted
+    torchrun override that Hydra reads back to the same plan."""
+    plain = Plan.from_job(make_job("model=gpt_tiny", "parallel.pp=2", "parallel.vpp=2", "train.global_batch_size=8"),
+                          world_size=2, prediction=None, inputs_fingerprint="")
+    assert "pplayout" not in plain.canonical()
+    overrides = ("model=gpt_tiny", "model.num_layers=5", "parallel.pp=2", "parallel.vpp=2", "train.global_batch_size=8")
+    plan = Plan.from_job(make_job(*overrides, "parallel.pipeline_model_parallel_layout='Ett|(t|)*2tL'"), world_size=2,
+                         prediction=None, inputs_fingerprint="")
+    assert ",pplayout=Ett|(t|)*2tL," in plan.canonical() and Plan.parse(plan.canonical()) == plan
+    assert "layout=Ett|(t|)*2tL" in plan.describe()
+    args = megatron_lm_args(plan, num_layers=5)
+    assert args[args.index("--pipeline-model-parallel-layout") + 1] == "Ett|(t|)*2tL"
+    assert not {"--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage"} & set(args)
+    command = shlex.split(torchrun_command(plan))
+    assert 'parallel.pipeline_model_parallel_layout="Ett|(t|)*2tL"' in command
+    again = Plan.from_job(make_job("model=gpt_tiny", "model.num_layers=5",
+                                   *(a for a in command if a.startswith(("parallel.", "train."))),
+                                   "cluster.gpus_per_node=2"), world_size=2, prediction=None, inputs_fingerprint="")
+    assert again.canonical() == plan.canonical()
+
+
+def test_moe_overlaps_round_trip_and_export() -> None:
+    """The expert all-to-all and shared-expert overlaps are optional keys: written only when on, parsed back,
+    exported as Megatron-LM's flags and as torchrun overrides."""
+    common = ("model=moe_tiny", "cluster=dgx_h100", "cluster.nodes=1", "parallel.ep=4", "train.global_batch_size=16")
+    plain = Plan.from_job(make_job(*common), world_size=8, prediction=None, inputs_fingerprint="")
+    assert "a2ao" not in plain.canonical()
+    overlap = Plan.from_job(make_job(*common, "parallel.moe_a2a_overlap=true"), world_size=8, prediction=None,
+                            inputs_fingerprint="")
+    assert ",a2ao=1," in overlap.canonical() and Plan.parse(overlap.canonical()) == overlap
+    assert overlap.plan_hash() != plain.plan_hash()
+    assert "--overlap-moe-expert-parallel-comm" in megatron_lm_args(overlap)
+    assert "parallel.moe_a2a_overlap=true" in torchrun_command(overlap)
+
+
 def test_vpp_and_etp_of_one_are_the_same_plan_as_none() -> None:
     job = make_job("model=gpt_tiny", "parallel.pp=2", "parallel.vpp=1", "parallel.etp=1")
     plan = Plan.from_job(job, world_size=2, prediction=None, inputs_fingerprint="")

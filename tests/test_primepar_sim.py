@@ -109,13 +109,14 @@ def test_profiling_times_the_primepar_layer_next_to_megatrons() -> None:
 
     job = job_from_config(compose_config(["train.global_batch_size=16"]))
     cases, _ = segment_cases(job, 4)
-    assert [c.partition for c in cases] == ["tp1", "tp2", "tp4", "tp4-primepar"]
+    assert [c.partition for c in cases] == ["tp1", "tp2", "tp2-sp", "tp4", "tp4-sp", "tp4-primepar"]
     primepar = cases[-1]
     assert primepar.layers_only and primepar.job.parallel.mlp is MlpPartition.primepar
     _, meaning = segment_steps([primepar], [1, 2], ["embedding", "dense", "head"], repeats=1)
     assert {kind for _, _, kind, _ in meaning.values()} == {"dense"}
     assert {name for *_, name in meaning.values()} == {"tp4-primepar"}
     assert {c.tp for c in overhead_cases(cases, 4, job.model.num_layers)} == {1, 2, 4}
+    assert {c.dims.sp for c in overhead_cases(cases, 4, job.model.num_layers) if c.tp > 1} == {False, True}
     assert all(c.job.parallel.mlp is MlpPartition.megatron for c in overhead_cases(cases, 4, 4))
 
 
@@ -158,7 +159,8 @@ PINS = ["cfp.tp=4", "cfp.pp=1", "cfp.cp=1", "cfp.recompute=none", "cfp.distribut
 
 
 def _mixed_job(hbm_gib: float, *overrides: str):
-    cfg = compose_config(["+cfp=auto", *MIXED, f"cluster.hbm_gib={hbm_gib}", *PINS, *overrides])
+    # The GPU overlaps off: _every_count simulates the layouts as parallel gives them.
+    cfg = compose_config(["+cfp=auto", *MIXED, f"cluster.hbm_gib={hbm_gib}", *PINS, "cfp.overlap=false", *overrides])
     return job_from_config(cfg), cfp_from_config(cfg)
 
 

@@ -63,6 +63,70 @@ def test_bounded_search_equals_exhaustive(seed: int) -> None:
     assert fast.simulated <= full.simulated
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_bounded_search_equals_exhaustive_for_moe_with_a2a_overlap(seed: int) -> None:
+    """MoE on GPUs: the search turns the expert all-to-all overlap on where it fits (small capacities make its
+    extra micro-batch bind), and its bound still never prunes the best plans."""
+    rng = random.Random(500 + seed)
+    gpn, nodes = rng.choice([4, 8]), rng.choice([1, 2])
+    job, cfp = compose_job("model=moe_tiny", f"model.num_layers={rng.choice([2, 4, 6])}", "cluster=dgx_h100",
+                           f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpn}",
+                           f"cluster.hbm_gib={rng.choice([0.03, 0.1, 80.0])}",
+                           f"train.global_batch_size={rng.choice([16, 32, 64])}", "train.seq_length=256",
+                           f"cfp.ep={rng.choice([2, 4])}", f"cfp.top_k={rng.choice([1, 3, 5])}",
+                           "cfp.constraints.max_micro_batch=4")
+    world = nodes * gpn
+    fast = search(job, world, cfp)
+    full = search(job, world, cfp, exhaustive=True)
+    assert [r.candidate for r in fast.ranked] == [r.candidate for r in full.ranked]
+    assert [r.prediction.step_time_s for r in fast.ranked] == [r.prediction.step_time_s for r in full.ranked]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bounds_hold_for_moe_with_dense_layers_mtp_and_balanced_splits(seed: int) -> None:
+    """The bounds that count a rank's dense and MoE layers apart, the first rank's activations and the balanced
+    layouts: never above the simulated step and memory (MTP layers included), and the bounded search returns the
+    exhaustive one's plans."""
+    rng = random.Random(900 + seed)
+    gpn = rng.choice([4, 8])
+    job, cfp = compose_job("model=moe_tiny", f"model.num_layers={rng.choice([5, 7, 9])}",
+                           "model.moe_first_dense_layers=1", f"model.mtp_num_layers={rng.choice([0, 1])}",
+                           "cluster=dgx_h100", "cluster.nodes=1",
+                           f"cluster.gpus_per_node={gpn}", f"cluster.hbm_gib={rng.choice([0.03, 0.1, 80.0])}",
+                           "train.global_batch_size=32", "train.seq_length=256", f"cfp.top_k={rng.choice([1, 3])}",
+                           "cfp.constraints.max_micro_batch=4")
+    space = build_space(job, gpn, cfp)
+    order, _, _ = _bounds(space, job, None, SimOptions(), CostCache.for_job(job, None, SimOptions()))
+    assert any(Candidate.from_key(key).balanced for _, key, _ in order)
+    checked = 0
+    for bound, key, weights in order[:: max(len(order) // 120, 1)]:
+        try:
+            p = simulate(Candidate.from_key(key).job(job), world_size=gpn)
+        except ConfigError:
+            continue
+        assert bound <= p.step_time_s * (1 + 1e-12)
+        assert weights <= p.memory.total * (1 + 1e-12)
+        checked += 1
+    assert checked > 0
+    fast = search(job, gpn, cfp)
+    full = search(job, gpn, cfp, exhaustive=True)
+    assert [r.candidate for r in fast.ranked] == [r.candidate for r in full.ranked]
+
+
+def test_search_overlaps_the_expert_all_to_all_where_megatron_runs_it() -> None:
+    common = ("model=moe_tiny", "cluster=dgx_h100", "cluster.nodes=2", "train.global_batch_size=64",
+              "train.seq_length=256", "cfp.ep=4", "cfp.top_k=20")
+    job, cfp = compose_job(*common)
+    ranked = search(job, 16, cfp).ranked
+    assert any(r.candidate.a2a_overlap for r in ranked)
+    for r in ranked:  # Megatron-Core's conditions, and the plan carries it
+        assert r.job.parallel.moe_a2a_overlap == r.candidate.a2a_overlap
+        if r.candidate.a2a_overlap:
+            assert r.candidate.recompute != "full" and (r.candidate.pp == 1 or r.candidate.vpp > 1)
+    never, never_cfp = compose_job(*common, "cfp.overlap=false")
+    assert not any(r.candidate.a2a_overlap for r in search(never, 16, never_cfp).ranked)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_bounds_never_exceed_the_simulated_step(seed: int) -> None:
     job, cfp, world = _random_case(random.Random(100 + seed))
@@ -207,13 +271,18 @@ def test_uneven_pipeline_splits_are_megatrons_and_can_be_turned_off() -> None:
     space = build_space(job, 512, cfp)
     fam = next(f for f in space.families if f.pp == 16 and f.tp == 8)
     splits = space.pipeline_splits(fam, microbatches=32)
-    assert (1, 7, 7) in splits  # Llama 3's own: one layer fewer on the first and the last of 16 stages (126 layers)
-    assert all(v == 1 or (first % v == 0 and last % v == 0) for v, first, last in splits)
-    for vpp, first, last in splits:
+    assert (1, 7, 7, False) in splits  # Llama 3's own: one layer fewer on the first and last of 16 stages (126 layers)
+    # The most chunks (7 per rank, 112 in all), which no first/last split gives: the balanced layout (14 chunks of 2
+    # layers, then 98 of 1); not at 3 chunks per rank (only one chunk per rank and the most are offered)
+    assert (7, 0, 0, True) in splits and (3, 0, 0, True) not in splits
+    assert all(v == 1 or (first % v == 0 and last % v == 0) for v, first, last, _ in splits)
+    for vpp, first, last, balanced in splits:
         cand = Candidate(tp=8, cp=1, pp=16, ep=1, etp=1, sp=True, micro_batch=1, recompute="none", vpp=vpp,
-                         distributed_optimizer=True, first_stage_layers=first, last_stage_layers=last)
+                         distributed_optimizer=True, first_stage_layers=first, last_stage_layers=last,
+                         balanced=balanced)
         dims = ParallelDims.build(cand.job(job), 512, te_available=True)  # Megatron's split rules hold
         assert dims.pp == 16 and dims.vpp == vpp
+        assert balanced == (cand.job(job).parallel.pipeline_model_parallel_layout is not None)
     even_only, cfp_even = compose_job("model=llama3_405b", "cluster=dgx_h100", "cluster.nodes=64",
                                       "train.global_batch_size=512", "train.seq_length=8192",
                                       "cfp.constraints.uneven_stages=false")
@@ -271,3 +340,39 @@ def test_search_counts_every_candidate_of_the_space() -> None:
     bounded = [k for _, k, _ in order]
     assert len(bounded) == len(set(bounded)) and set(bounded) <= set(keys)
     assert len(bounded) == len(keys) or refused  # only the groups the runtime refuses are left out
+
+
+def test_gpu_plans_carry_the_overlaps_nvidia_runs_and_cpu_plans_do_not() -> None:
+    from cfp_megatron.plan.artifact import Plan
+    from cfp_megatron.plan.exports import megatron_lm_args
+
+    common = ("model=llama_tiny", "train.global_batch_size=32", "train.seq_length=256", "cfp.top_k=10")
+    job, cfp = compose_job(*common, "cluster=dgx_h100", "cluster.nodes=2", "cfp.tp=2", "cfp.sp=true")
+    ranked = search(job, 16, cfp).ranked
+    assert ranked and all(r.job.parallel.overlap_grad_reduce and r.job.parallel.tp_comm_overlap for r in ranked)
+    assert all(r.job.parallel.overlap_param_gather == r.job.parallel.distributed_optimizer for r in ranked)
+    args = megatron_lm_args(Plan.from_job(ranked[0].job, world_size=16, prediction=None, inputs_fingerprint=""))
+    assert {"--overlap-grad-reduce", "--tp-comm-overlap"} <= set(args)
+    off, off_cfp = compose_job(*common, "cluster=dgx_h100", "cluster.nodes=2", "cfp.tp=2", "cfp.sp=true",
+                               "cfp.overlap=false")
+    assert not any(r.job.parallel.overlap_grad_reduce or r.job.parallel.tp_comm_overlap
+                   for r in search(off, 16, off_cfp).ranked)
+    cpu, cpu_cfp = compose_job(*common, "cluster=local", "cluster.gpus_per_node=4")
+    assert not any(r.job.parallel.overlap_grad_reduce or r.job.parallel.tp_comm_overlap
+                   for r in search(cpu, 4, cpu_cfp, te_available=False).ranked)
+
+
+def test_tp_overlap_is_left_off_where_its_buffers_do_not_fit() -> None:
+    common = ("model=llama_tiny", "cluster=dgx_h100", "cluster.nodes=1", "train.global_batch_size=8",
+              "train.seq_length=1024", "cfp.tp=2", "cfp.sp=true", "cfp.micro_batch=1", "cfp.recompute=none",
+              "cfp.distributed_optimizer=true", "cfp.constraints.memory_headroom=0.0")
+    roomy, cfp = compose_job(*common)
+    best = search(roomy, 8, cfp).ranked[0]
+    assert best.candidate.tp_overlap
+    # A capacity between the plan's memory without and with the userbuffers.
+    without = predict_memory(dataclasses.replace(best.candidate, tp_overlap=False).job(roomy), roomy.cluster,
+                             world_size=8).total
+    limit = (without + best.prediction.memory.total) / 2 / 2 ** 30
+    tight, tight_cfp = compose_job(*common, f"cluster.hbm_gib={limit}")
+    ranked = search(tight, 8, tight_cfp).ranked
+    assert ranked and not ranked[0].candidate.tp_overlap and ranked[0].job.parallel.overlap_grad_reduce

@@ -199,3 +199,42 @@ def test_layer_only_measurement_has_no_step_costs() -> None:
     pred = simulate(job(tp=8, mb=4, gbs=4), options=SimOptions(measured_layer_only=True))
     assert pred.time.optimizer_s == 0 and pred.time.dp_comm_s == 0
     assert pred.step_time_s < simulate(job(tp=8, mb=4, gbs=4)).step_time_s
+
+
+def test_tp_comm_overlap_hides_tp_communication_and_holds_buffers() -> None:
+    plain = simulate(job(cluster=H100, tp=8, sp=True))
+    overlap = simulate(job(cluster=H100, tp=8, sp=True, tp_comm_overlap=True))
+    assert overlap.time.tp_comm_s < plain.time.tp_comm_s
+    assert overlap.memory.comm_buffers > plain.memory.comm_buffers
+    with pytest.raises(ConfigError, match="parallel.tp_comm_overlap"):
+        simulate(job(cluster=H100, tp=8, tp_comm_overlap=True))  # needs sequence parallelism
+    with pytest.raises(ConfigError, match="parallel.tp_comm_overlap"):
+        simulate(job(cluster={"name": "local", "device_name": "cpu", "gpus_per_node": 8}, tp=8, sp=True,
+                     tp_comm_overlap=True))
+
+
+def _rank_busy_s(pred, rank: int) -> float:
+    return sum(e.end_s - e.start_s for e in pred.events if e.rank == rank and e.kind.value in ("forward", "backward",
+                                                                                                 "comm"))
+
+
+def test_a_layout_puts_the_layers_and_the_mtp_layer_where_it_says() -> None:
+    """A per-stage layout moves decoder layers between ranks; an MTP layer costs a decoder layer, its projection
+    and another pass of the head, on the rank whose chunk holds the ``m`` (the head pass on the loss rank), and its
+    rank holds its weights and an embedding table of its own."""
+    common = {"nodes": 1, "pp": 2, "vpp": 2, "tp": 1, "gbs": 8, "seq": 1024}
+    model = {"num_layers": 8, "hidden_size": 1024, "num_attention_heads": 8}
+    even = simulate(job(**common, model=model), with_events=True)
+    moved = simulate(job(**common, model=model, pipeline_model_parallel_layout="Ettt|t|ttt|tL"), with_events=True)
+    assert _rank_busy_s(moved, 0) > _rank_busy_s(even, 0) and _rank_busy_s(moved, 1) < _rank_busy_s(even, 1)
+    model = {**model, "num_layers": 6}
+    mtp = {**model, "mtp_num_layers": 1}
+    with_loss = simulate(job(**common, model=mtp, pipeline_model_parallel_layout="Ett|tt|tt|mL"), with_events=True)
+    on_rank0 = simulate(job(**common, model=mtp, pipeline_model_parallel_layout="Ett|tt|ttm|L"), with_events=True)
+    plain = simulate(job(**common, model=model, pipeline_model_parallel_layout="Ett|tt|tt|L"), with_events=True)
+    assert _rank_busy_s(with_loss, 0) == pytest.approx(_rank_busy_s(plain, 0))
+    assert _rank_busy_s(with_loss, 1) > _rank_busy_s(plain, 1)
+    assert _rank_busy_s(on_rank0, 0) > _rank_busy_s(plain, 0)
+    assert _rank_busy_s(on_rank0, 1) > _rank_busy_s(plain, 1)  # the MTP head and loss stay with the loss
+    assert _rank_busy_s(on_rank0, 1) < _rank_busy_s(with_loss, 1)
+    assert with_loss.memory.total > plain.memory.total

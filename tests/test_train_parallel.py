@@ -71,6 +71,20 @@ LAYOUTS = [
     pytest.param("gpt_tiny", 2, ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=6",
                                  "parallel.account_for_embedding_in_pipeline_split=true",
                                  "parallel.account_for_loss_in_pipeline_split=true"], id="gpt-pp2-vpp2-emb-loss-split"),
+    # Megatron-Core's per-stage layout (parallel.pipeline_model_parallel_layout): three of gpt_tiny's four layers
+    # with the embedding on rank 0, one with the loss on rank 1.
+    pytest.param("gpt_tiny", 2, ["parallel.pp=2", "parallel.pipeline_model_parallel_layout=Et*3|tL"],
+                 id="gpt-pp2-layout-3-1"),
+    # Interleaved under a layout, in virtual-pipeline order: rank 0 holds chunks Et and tt, rank 1 t and the loss
+    # alone (a chunk without decoder layers, as DeepSeek-V3's layouts end).
+    pytest.param("gpt_tiny", 2, ["parallel.pp=2", "parallel.vpp=2",
+                                 "parallel.pipeline_model_parallel_layout=Et|t|tt|L"],
+                 id="gpt-pp2-vpp2-layout-empty-last"),
+    # A remainder split: 5 layers over 2 x 2 chunks as the balanced layout spreads them (Megatron-DeepSpeed's
+    # uniform partition: the first chunk holds the extra layer), pipeline_split.balanced_layout(5, 2, 2).
+    pytest.param("gpt_tiny", 2, ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=5",
+                                 "parallel.pipeline_model_parallel_layout='Ett|(t|)*2tL'"],
+                 id="gpt-pp2-vpp2-balanced-5"),
     pytest.param("moe_tiny", 2, ["parallel.ep=2"], id="moe-ep2"),
     # PrimePar's 2x2 square runs the dense MLP (GELU with biases; SwiGLU without). llama_tiny's 2 KV groups do not
     # split over TP=4, so that case and its single-rank reference set model.num_query_groups=4.
@@ -102,8 +116,28 @@ def test_layout_matches_single_rank(model: str, nproc: int, overrides: list[str]
         assert result.grad_norms[step] == pytest.approx(ref.grad_norms[step], rel=GRAD_RTOL), f"step {step}"
     start = next(r for r in result.records if r["event"] == "start")
     assert f"world={nproc}" in start["layout"]
+    layout = next((o.split("=", 1)[1].strip("'") for o in overrides
+                   if o.startswith("parallel.pipeline_model_parallel_layout=")), None)
+    if layout is not None:  # rank 0 builds the embedding and the decoder layers the layout gives its chunks
+        _check_rank0_holds_its_layout_layers(model, overrides, layout, start["params_on_rank0"], ref)
     # The model learns: the loss after the last step is below the first (data have structure).
     assert result.losses[STEPS] < result.losses[1]
+
+
+def _check_rank0_holds_its_layout_layers(model: str, overrides: list[str], layout: str, params_on_rank0: int,
+                                         ref: RunResult) -> None:
+    """Rank 0's parameters are the embedding's and those of as many decoder layers as the layout gives rank 0's
+    chunks (gpt_tiny: tied embeddings, LayerNorm; the single-rank reference holds every layer and the final
+    norm)."""
+    from cfp_megatron.base.compose import compose_job
+    from cfp_megatron.base.pipeline_split import stage_counts
+
+    m = compose_job([f"model={model}", *_model_overrides(overrides)]).model
+    pp = int(next(o.split("=")[1] for o in overrides if o.startswith("parallel.pp=")))
+    embedding = (m.padded_vocab_size + m.max_position_embeddings) * m.hidden_size
+    total = next(r for r in ref.records if r["event"] == "start")["params_on_rank0"]
+    per_layer = (total - embedding - 2 * m.hidden_size) / m.num_layers
+    assert params_on_rank0 == embedding + stage_counts(m.num_layers, pp, layout=layout)[0] * per_layer
 
 
 def _mlp_weight_blocks(folder: Path, name: str) -> set[tuple[int, int]]:
@@ -169,6 +203,28 @@ def test_primepar_checkpoint_resumes_under_megatron_tp2_and_back(model: str, mod
     assert _fc1_input_splits(ckpt / "iter_0000003") == {0: 2 if middle == "mixed" else 1, 1: 1, 2: 1, 3: 1}
     assert _fc1_input_splits(ckpt / "iter_0000004") == {0: 2, 1: 2, 2: 2, 3: 2}
     assert checkpoint.saved_per_layer(ckpt / "iter_0000004")  # each layer under its own keys
+
+
+def test_layout_checkpoint_resumes_under_another_layout(tmp_path: Path, reference: Callable[..., RunResult]) -> None:
+    """Steps 1-2 under the layout Et*3|tL (rank 0 saves layers 0-2, rank 1 layer 3), steps 3-4 interleaved under
+    Et|t|tt|L (rank 0 holds layers 0, 2 and 3): each decoder layer is keyed by its global number
+    (``decoder.layers.<i>.``), so the other split reads it, and the losses stay the reference's."""
+    ckpt = tmp_path / "ckpt"
+    common = ["model=gpt_tiny", *(o for o in COMMON if not o.startswith("train.steps=")),
+              f"train.lr_decay_steps={STEPS}", f"train.checkpoint_dir={ckpt}", "parallel.pp=2"]
+    runs = [(2, ["parallel.pipeline_model_parallel_layout=Et*3|tL"]),
+            (4, ["parallel.vpp=2", "parallel.pipeline_model_parallel_layout=Et|t|tt|L", "train.resume=true"])]
+    ref = reference("gpt_tiny")
+    done = 0
+    for last, overrides in runs:
+        result = run_train(2, [*common, f"train.steps={last}", *overrides], tmp_path / f"to_step{last}")
+        assert result.returncode == 0, result.output[-4000:]
+        assert sorted(result.losses) == list(range(done + 1, last + 1))
+        done = last
+        for step in result.losses:
+            assert result.losses[step] == pytest.approx(ref.losses[step], abs=LOSS_ATOL), f"step {step}"
+            assert result.grad_norms[step] == pytest.approx(ref.grad_norms[step], rel=GRAD_RTOL), f"step {step}"
+    assert checkpoint.saved_per_layer(ckpt / "iter_0000004")
 
 
 def test_bf16_tensor_parallel_matches_bf16_single_rank(tmp_path: Path) -> None:

@@ -26,9 +26,17 @@ def test_cli_meets_the_accuracy_target_on_the_shipped_file(capsys) -> None:
     assert main([str(CSV)]) == 0
     out = capsys.readouterr().out
     value, rows = _final(out)
-    assert rows == 59  # every modellable row of the shipped file: a row that stops being modelled is a regression
-    assert value <= 5.0
+    # every modellable row of the shipped file (DeepSeek-V3's row 73 through its per-stage layout): a row that stops
+    # being modelled is a regression
+    assert rows == 66
+    # The dense rows (62, the calibrated class) keep the 5% target; the four MoE rows (DeepSeek-V3 +33.5%, the MoE
+    # cost model's open gap, docs/validation.md) put the whole file at 5.2%: a regression beyond 5.5% fails.
+    dense = re.search(r"^dense\s+(\d+)\s+(\d+\.\d+)%", out, re.MULTILINE)
+    assert dense and int(dense.group(1)) == 62 and float(dense.group(2)) <= 5.0
+    assert value <= 5.5
     assert "not modelled" in out and "no measured step time" in out
+    # SC21's Table 2 states the model-parallel size only: modelled at TP = one node, PP the rest.
+    assert re.search(r"^\s+11\s+GPT 174.6B\s+tp8 pp12 dp4\?", out, re.MULTILINE)
 
 
 @needs_csv
@@ -49,7 +57,7 @@ def test_unmodellable_rows_are_listed_with_a_reason(tmp_path, capsys) -> None:
             "heads": "16", "vocab": "51200", "seq_len": "2048", "gpu": "H100-SXM5-80GB", "num_gpus": "8", "tp": "1",
             "pp": "1", "dp": "8", "micro_batch": "2", "global_batch_seqs": "256", "precision": "bf16",
             "step_time_s": "1.0"}
-    rows = [good, {**good, "id": "2", "gpu": "MI300X"}, {**good, "id": "3", "step_time_s": ""},
+    rows = [good, {**good, "id": "2", "gpu": "V100-SXM2-32GB"}, {**good, "id": "3", "step_time_s": ""},
             {**good, "id": "4", "tp": "3"}]
     path = tmp_path / "runs.csv"
     with open(path, "w", newline="") as fh:
@@ -59,7 +67,7 @@ def test_unmodellable_rows_are_listed_with_a_reason(tmp_path, capsys) -> None:
     assert main([str(path)]) == 0
     out = capsys.readouterr().out
     assert _final(out)[1] == 1
-    assert "MI300X" in out and "no measured step time" in out and "does not multiply out" in out
+    assert "V100-SXM2-32GB" in out and "no measured step time" in out and "does not multiply out" in out
 
 
 def test_row_defaults_are_documented_choices() -> None:
@@ -99,3 +107,15 @@ def test_both_files_report_coverage_and_each_class(capsys) -> None:
     assert f"coverage: {modelled} of {timed} rows with a step time modelled" in out
     classes = dict(re.findall(r"^(dense|MoE|CP|FSDP)\s+(\d+)\s", out, re.MULTILINE))
     assert int(classes["dense"]) + int(classes["MoE"]) == modelled and int(classes["MoE"]) > 0
+
+
+@needs_csv
+def test_deepseek_v3_runs_as_megatron_bridge_lays_it_out() -> None:
+    """Row 73 (61 layers over PP=8 x VP=4, which neither the layers nor the layers plus two divide): the per-stage
+    layout Megatron-Bridge's DeepSeek-V3 performance recipe sets, with the recipe's one MTP layer."""
+    row = next(r for r in read_rows(CSV) if r["id"] == "73")
+    plan = row_plan(row)
+    assert plan.job.parallel.pipeline_model_parallel_layout == "Et|(tt|)*30mL"
+    assert plan.job.model.mtp_num_layers == 1 and "Et|(tt|)*30mL" in plan.layout
+    qwen = next(r for r in read_rows(CSV) if r["id"] == "75")  # 94 + 2 over 8 x 4: the embedding and loss counted
+    assert row_plan(qwen).job.parallel.pipeline_model_parallel_layout is None

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from cfp_megatron.base.config import MlpPartition, Recompute, build_spec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 
-DEFAULT_PROFILE_BUDGET_S = 60.0
+DEFAULT_PROFILE_BUDGET_S = 240.0
 """Seconds one profiling run may take (``cfp.profile_budget_s``, ``--budget``)."""
 
 
@@ -58,7 +58,8 @@ class SearchConstraints:
     mlp: list[MlpPartition] | None = None
     """Allowed partitions of the dense MLP (``megatron``, ``primepar``)."""
     tp_within_node: bool = True
-    """Keep each TP group inside one node (TP's per-layer collectives are too slow across the network)."""
+    """Keep each TP group inside one NVLink domain: a node, or ``cluster.nvlink_domain_size`` GPUs (72 on an NVL72
+    rack). TP's per-layer collectives are too slow across the network."""
     memory_headroom: float = 0.1
     """Share of each GPU's memory the plan leaves free (allocator fragmentation, NCCL buffers, what the model of
     memory misses): a plan fits when its predicted peak is at most ``(1 - memory_headroom)`` x HBM."""
@@ -126,6 +127,12 @@ class CfpSpec:
     """Pin the distributed optimizer."""
     mlp: MlpPartition | None = None
     """Pin the partition of the dense MLP."""
+    overlap: bool | None = None
+    """The communication overlaps NVIDIA's recipes run on GPUs: data-parallel gradient reduce and parameter gather
+    (``parallel.overlap_grad_reduce`` / ``overlap_param_gather``), Transformer Engine's TP overlap
+    (``parallel.tp_comm_overlap``) and the expert all-to-all overlap (``parallel.moe_a2a_overlap``). ``null``: on
+    for GPU clusters, the last two where Megatron-Core runs them and their memory fits, off on CPU; ``false``: as
+    ``parallel`` says; ``true``: on wherever they run, whatever their memory."""
     constraints: SearchConstraints = field(default_factory=SearchConstraints)
     """Allowed sets and global limits."""
     top_k: int = 5

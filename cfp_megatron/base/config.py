@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.pipeline_layout import layout_issues
 
 
 class Precision(enum.Enum):
@@ -35,6 +36,20 @@ class Recompute(enum.Enum):
     none = "none"
     selective = "selective"
     full = "full"
+
+
+class CpCommType(enum.Enum):
+    """How context-parallel attention exchanges keys and values (Megatron-Core's ``cp_comm_type``, Transformer
+    Engine's implementations)."""
+
+    p2p = "p2p"
+    """A ring of point-to-point K/V exchanges, each step overlapped with one block of attention."""
+    all_gather = "all_gather"
+    """All-gather every rank's K/V before attention (reduce-scatter their gradients after)."""
+    a2a = "a2a"
+    """All-to-all from sequence to head sharding around attention (DeepSpeed-Ulysses); heads split over CP."""
+    a2a_p2p = "a2a+p2p"
+    """All-to-all inside a node, a point-to-point ring across nodes (hierarchical)."""
 
 
 class RecomputeMethod(enum.Enum):
@@ -109,7 +124,12 @@ class TokenDispatcher(enum.Enum):
     """MoE token dispatcher (Megatron's ``moe_token_dispatcher_type``)."""
 
     alltoall = "alltoall"
+    """All-to-all of the routed token copies over the EP group (NCCL)."""
     allgather = "allgather"
+    """All-gather of the EP group's tokens, each rank keeping its experts' (reduce-scatter on the way back)."""
+    flex = "flex"
+    """DeepEP's fused dispatch/combine kernels (GPU only, needs DeepEP): one copy of a token per destination node
+    over the network, forwarded over NVLink inside it."""
 
 
 class OptimizerKind(enum.Enum):
@@ -151,7 +171,21 @@ class Backend(enum.Enum):
     auto = "auto"
     """NCCL when CUDA is available, else gloo."""
     nccl = "nccl"
+    """NCCL; on ROCm builds of torch the same backend name runs RCCL (AMD Instinct)."""
     gloo = "gloo"
+
+
+class Network(enum.Enum):
+    """Scale-out fabric between NVLink domains (``cluster.network``)."""
+
+    infiniband = "infiniband"
+    """InfiniBand (NDR 400 Gb/s, XDR 800 Gb/s per port)."""
+    roce = "roce"
+    """RDMA over Converged Ethernet (Spectrum-X, Broadcom, AMD Pollara NICs)."""
+    omnipath = "omnipath"
+    """Intel/Cornelis Omni-Path (100 Gb/s OPA100, 400 Gb/s CN5000)."""
+    ethernet = "ethernet"
+    """Plain Ethernet without RDMA (NCCL's socket transport)."""
 
 
 def _issue(issues: list[ConfigIssue], ok: bool, key: str, value: object, problem: str, fix: str) -> None:
@@ -255,6 +289,12 @@ class ModelSpec:
     """Load-balancing auxiliary loss coefficient (0 disables it)."""
     moe_token_dispatcher: TokenDispatcher = TokenDispatcher.alltoall
     """How tokens reach their experts across expert-parallel ranks."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction layers (DeepSeek-V3's MTP, Megatron-Core's ``mtp_num_layers``); 0: none. Each one
+    predicts one token further with one more decoder layer of the model's last layer kind, fed by a projection
+    (``2h -> h``) of the normed embedding of the shifted tokens next to the normed hidden state, and adds another
+    pass of the output layer and loss on the last pipeline stage. Planned and validated; the runtime does not build
+    them (see ``cfp_megatron.planner.job_checks``)."""
 
     def __post_init__(self) -> None:
         issues: list[ConfigIssue] = []
@@ -288,6 +328,8 @@ class ModelSpec:
             _issue(issues, self.moe_shared_expert_intermediate_size is None,
                    f"{p}.moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size,
                    "shared experts need a MoE model.", "set model.num_experts, or set this to null.")
+        _issue(issues, self.mtp_num_layers >= 0, f"{p}.mtp_num_layers", self.mtp_num_layers,
+               "must not be negative.", f"set {p}.mtp_num_layers=0 (no MTP) or more.")
         if self.attention is AttentionKind.mla:
             _issue(issues, self.position_embedding is PositionEmbedding.rope, f"{p}.position_embedding",
                    self.position_embedding.value, "multi-latent attention needs rotary embeddings.",
@@ -352,7 +394,35 @@ class ClusterSpec:
     rails_per_node: int | None = None
     """Network rails (NICs, each on its own leaf switch) per node; on DGX systems one per GPU, so GPU ``i`` of
     every node shares rail ``i`` and same-index GPUs talk across nodes without crossing the spine. ``None``: one
-    NIC per GPU assumed."""
+    NIC per GPU assumed. ``nics_per_node``, when set, replaces it (see :attr:`rails`)."""
+    nvlink_domain_size: int | None = None
+    """GPUs that share the scale-up fabric (NVLink/NVSwitch, AMD Infinity Fabric): a group inside one domain talks
+    at the ``intra_node_*`` figures, a group that spans domains over the network (``inter_node_*``). ``None``: one
+    node (``gpus_per_node``). 72 on an NVL72 rack (18 trays of 4 GPUs: TP/EP/CP groups of up to 72 ranks stay on
+    NVLink); 2 on H100 NVL cards bridged in pairs. A multiple of ``gpus_per_node`` (whole nodes share it) or a
+    divisor of it (several domains in a node). Memory and the world size stay per node."""
+    network: Network | None = None
+    """Scale-out fabric between domains (``infiniband``, ``roce``, ``omnipath``, ``ethernet``): recorded for
+    reports; the cost model reads the bandwidth and latency figures, not the kind."""
+    nics_per_node: int | None = None
+    """Network links (NIC ports of the GPU fabric) per node. With ``nic_gbps``, or alone (keeping the preset's link
+    speed), it sets the per-GPU network bandwidth and the rails, and wins over ``inter_node_bandwidth_gbps`` and
+    ``rails_per_node`` (see :attr:`network_bandwidth_gbps`). ``None``: the preset's figures."""
+    nic_gbps: float | None = None
+    """Line rate of one network link in Gb/s (200 HDR, 400 NDR/400GbE, 800 XDR/ConnectX-8). With
+    ``nics_per_node``, or alone (keeping the preset's link count, ``rails_per_node``), it sets the per-GPU network
+    bandwidth and wins over ``inter_node_bandwidth_gbps``. ``None``: the preset's figure."""
+    max_sm_clock_mhz: float | None = None
+    """Maximum (boost) SM clock in MHz: the clock the peak TFLOP/s figures are quoted at."""
+    sm_clock_mhz: float | None = None
+    """SM clock the GPUs are held at (``nvidia-smi -lgc``, ``rocm-smi --setsclk``) in MHz; the compute peaks scale by
+    ``sm_clock_mhz / max_sm_clock_mhz`` (HBM and link bandwidth do not). ``None``: the maximum clock. Needs
+    ``max_sm_clock_mhz``."""
+    tdp_w: float | None = None
+    """Board power (TDP/TBP) in watts the peak figures are quoted at."""
+    power_limit_w: float | None = None
+    """Power cap in watts (``nvidia-smi -pl``); the compute peaks scale by the clock it sustains, approximated as
+    ``(power_limit_w / tdp_w) ** (1/3)`` at most 1 (see :attr:`clock_scale`). ``None``: no cap. Needs ``tdp_w``."""
     backend: Backend = Backend.auto
     """torch.distributed backend."""
 
@@ -362,15 +432,108 @@ class ClusterSpec:
         on the same cores as the compute."""
         return self.device_name.strip().lower() == "cpu"
 
+    def domain_size(self, gpus_per_node: int | None = None) -> int:
+        """GPUs per scale-up (NVLink) domain: ``nvlink_domain_size``, else one node of ``gpus_per_node`` (the node
+        size in use; default this cluster's, else 1). The cost model's fast link is "same domain", not "same node"."""
+        return self.nvlink_domain_size or gpus_per_node or self.gpus_per_node or 1
+
+    @property
+    def rails(self) -> int | None:
+        """Network rails per node: ``nics_per_node``, else ``rails_per_node``, else one per GPU (``None`` when the
+        cluster leaves the GPU count to torchrun)."""
+        return self.nics_per_node or self.rails_per_node or self.gpus_per_node
+
+    @property
+    def network_bandwidth_gbps(self) -> float | None:
+        """Unidirectional network bandwidth per GPU between domains in GB/s, as the cost model reads it.
+
+        Without ``nics_per_node`` and ``nic_gbps`` it is ``inter_node_bandwidth_gbps``. With either, the NIC fields
+        win: ``links x Gb/s per link / 8 / gpus_per_node``, where a missing ``nics_per_node`` is the preset's link
+        count (:attr:`rails`) and a missing ``nic_gbps`` the preset's per-link speed
+        (``inter_node_bandwidth_gbps x gpus_per_node / rails_per_node``)."""
+        if self.nics_per_node is None and self.nic_gbps is None:
+            return self.inter_node_bandwidth_gbps
+        gpus = self.gpus_per_node
+        preset_links = self.rails_per_node or gpus
+        if gpus is None or preset_links is None:
+            return self.inter_node_bandwidth_gbps  # refused by __post_init__; kept total for dataclasses.replace
+        if self.nic_gbps is not None:
+            per_link = self.nic_gbps / 8.0
+        elif self.inter_node_bandwidth_gbps is not None:
+            per_link = self.inter_node_bandwidth_gbps * gpus / preset_links
+        else:
+            return None
+        return (self.nics_per_node or preset_links) * per_link / gpus
+
+    @property
+    def clock_scale(self) -> float:
+        """Share of the quoted peak FLOP/s the GPUs run at: ``sm_clock_mhz / max_sm_clock_mhz`` for a held clock and
+        ``(power_limit_w / tdp_w) ** (1/3)`` for a power cap (the smaller of the two where both are set), at most 1.
+
+        The power cap's clock is an approximation: on the DVFS curve voltage rises roughly with frequency, so dynamic
+        power goes as ``f x V^2 ~ f^3`` and a cap ``P`` sustains about ``f_max x (P / TDP)^(1/3)``; static (leakage)
+        power and memory power are ignored, so deep caps are estimated optimistically. A measured peak (ProfileDB)
+        already ran at the real clock and is used as measured."""
+        scale = 1.0
+        if self.sm_clock_mhz is not None and self.max_sm_clock_mhz:
+            scale = min(scale, self.sm_clock_mhz / self.max_sm_clock_mhz)
+        if self.power_limit_w is not None and self.tdp_w:
+            scale = min(scale, (self.power_limit_w / self.tdp_w) ** (1.0 / 3.0))
+        return scale
+
+    def clocked_peak_tflops(self, dtype: str) -> float | None:
+        """Dense peak TFLOP/s of ``dtype`` (``fp32``, ``bf16``, ``fp16`` or ``fp8``) at the clock the GPUs run at:
+        the preset's figure x :attr:`clock_scale`; ``None`` where the preset states none. The simulator's one place
+        where peaks are read (MFU stays against the quoted peak)."""
+        nominal = {"fp32": self.peak_tflops_fp32, "bf16": self.peak_tflops_bf16, "fp16": self.peak_tflops_bf16,
+                   "fp8": self.peak_tflops_fp8}[dtype]
+        return None if nominal is None else nominal * self.clock_scale
+
     def __post_init__(self) -> None:
         issues: list[ConfigIssue] = []
-        _positive(issues, self.PREFIX, self, "nodes", "gpus_per_node", "rails_per_node")
+        p = self.PREFIX
+        _positive(issues, p, self, "nodes", "gpus_per_node", "rails_per_node", "nvlink_domain_size", "nics_per_node")
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if hints[f.name] == float | None and value is not None:
-                _issue(issues, isinstance(value, int | float) and value > 0, f"{self.PREFIX}.{f.name}", value,
-                       "must be positive.", f"set a positive figure, or null for {self.PREFIX}.{f.name}.")
+                _issue(issues, isinstance(value, int | float) and value > 0, f"{p}.{f.name}", value,
+                       "must be positive.", f"set a positive figure, or null for {p}.{f.name}.")
+        if issues:
+            raise ConfigError(issues)
+        gpus, domain = self.gpus_per_node, self.nvlink_domain_size
+        if domain is not None and gpus is not None:
+            _issue(issues, domain % gpus == 0 or gpus % domain == 0, f"{p}.nvlink_domain_size", domain,
+                   f"must be a multiple of {p}.gpus_per_node={gpus} (whole nodes share the fabric, e.g. 72 = 18 trays "
+                   f"x 4 on an NVL72 rack) or divide it (several domains in a node, e.g. 2 for NVLink-bridged pairs).",
+                   f"set {p}.nvlink_domain_size to a multiple or a divisor of {gpus}, or null for one node.")
+        for key in ("nics_per_node", "nic_gbps"):
+            if getattr(self, key) is not None and gpus is None:
+                issues.append(ConfigIssue(key=f"{p}.{key}", value=getattr(self, key),
+                                          problem=f"the per-GPU network bandwidth needs {p}.gpus_per_node.",
+                                          fix=f"set {p}.gpus_per_node, or {p}.{key}=null."))
+        if (self.nics_per_node is not None and self.nic_gbps is None and gpus is not None
+                and self.inter_node_bandwidth_gbps is None):
+            issues.append(ConfigIssue(key=f"{p}.nics_per_node", value=self.nics_per_node,
+                                      problem=f"without {p}.nic_gbps the link speed comes from "
+                                              f"{p}.inter_node_bandwidth_gbps, which is not set.",
+                                      fix=f"set {p}.nic_gbps (Gb/s per link, e.g. 400)."))
+        if self.sm_clock_mhz is not None:
+            if self.max_sm_clock_mhz is None:
+                issues.append(ConfigIssue(key=f"{p}.sm_clock_mhz", value=self.sm_clock_mhz,
+                                          problem=f"scaling the peaks needs the clock they are quoted at "
+                                                  f"({p}.max_sm_clock_mhz), which this preset does not state.",
+                                          fix=f"set {p}.max_sm_clock_mhz too, or use {p}.power_limit_w."))
+            elif self.sm_clock_mhz > self.max_sm_clock_mhz:
+                issues.append(ConfigIssue(key=f"{p}.sm_clock_mhz", value=self.sm_clock_mhz,
+                                          problem=f"is above the maximum clock {p}.max_sm_clock_mhz="
+                                                  f"{self.max_sm_clock_mhz:g} the peaks are quoted at.",
+                                          fix=f"set {p}.sm_clock_mhz to at most {self.max_sm_clock_mhz:g}, or null."))
+        if self.power_limit_w is not None and self.tdp_w is None:
+            issues.append(ConfigIssue(key=f"{p}.power_limit_w", value=self.power_limit_w,
+                                      problem=f"scaling the peaks needs the board power they are quoted at "
+                                              f"({p}.tdp_w), which this preset does not state.",
+                                      fix=f"set {p}.tdp_w too, or {p}.power_limit_w=null."))
         if issues:
             raise ConfigError(issues)
 
@@ -423,6 +586,9 @@ class ParallelSpec:
     """Virtual pipeline stages (model chunks) per pipeline rank for the interleaved 1F1B schedule; ``None`` = 1."""
     cp: int = layout_field(1, key="cp", megatron="--context-parallel-size", head=True)
     """Context-parallel size (splits the sequence in attention)."""
+    cp_comm_type: CpCommType = layout_field(CpCommType.p2p, key="cpc", megatron="--cp-comm-type", optional=True)
+    """With parallel.cp > 1: how attention exchanges keys and values over the CP group (``p2p`` ring, ``all_gather``,
+    ``a2a``, ``a2a+p2p``; Transformer Engine's implementations)."""
     ep: int = layout_field(1, key="ep", megatron="--expert-model-parallel-size", head=True)
     """Expert-parallel size (MoE only)."""
     etp: int | None = layout_field(None, key="etp", megatron="--expert-tensor-parallel-size", head=True, none_means=1)
@@ -442,6 +608,15 @@ class ParallelSpec:
         False, key="pploss", megatron="--account-for-loss-in-pipeline-split", optional=True)
     """Count the output layer and loss as one layer of the pipeline split (``account_for_loss_in_pipeline_split``):
     the last chunk of the last stage holds one decoder layer fewer."""
+    pipeline_model_parallel_layout: str | None = layout_field(
+        None, key="pplayout", megatron="--pipeline-model-parallel-layout", optional=True)
+    """Megatron-Core's per-stage layout (``pipeline_model_parallel_layout``): what each of the ``pp x vpp`` model
+    chunks holds, stages separated by ``|`` in virtual-pipeline order, ``E`` the embedding, ``t`` a decoder layer,
+    ``m`` an MTP layer, ``L`` the loss, ``x*N`` / ``(...)*N`` repeats, e.g. ``Et*3|t*1L`` (pp=2: three layers with
+    the embedding, one with the loss) or DeepSeek-V3's ``Et|(tt|)*30mL`` (pp=8, vpp=4). ``None``: the split the
+    other fields give. Excludes ``first_stage_layers``, ``last_stage_layers`` and the ``account_for_*`` fields;
+    commas (cosmetic in Megatron's syntax) are not accepted, since the plan string separates its fields with them
+    (:mod:`cfp_megatron.base.pipeline_layout`)."""
     recompute: Recompute = layout_field(Recompute.none, key="rc")
     """Activation recomputation: none, selective (core attention), or full (every layer)."""
     recompute_num_layers: int = layout_field(1, key="rcn")
@@ -456,6 +631,19 @@ class ParallelSpec:
     """Overlap data-parallel gradient reduction with the backward pass."""
     overlap_param_gather: bool = layout_field(False, key="opg", megatron="--overlap-param-gather")
     """With the distributed optimizer: overlap the parameter all-gather with the next forward."""
+    tp_comm_overlap: bool = layout_field(False, key="tpco", megatron="--tp-comm-overlap", optional=True)
+    """Overlap the TP/SP all-gathers and reduce-scatters with the GEMMs beside them (Transformer Engine's
+    userbuffers, Megatron-Core's ``tp_comm_overlap``): needs sequence parallelism, a GPU and Transformer Engine; its
+    buffers hold a few ``[tokens, hidden]`` activations."""
+    moe_a2a_overlap: bool = layout_field(False, key="a2ao", megatron="--overlap-moe-expert-parallel-comm",
+                                         optional=True)
+    """Overlap the expert all-to-all of one micro-batch with the computation of another (Megatron-Core's
+    ``overlap_moe_expert_parallel_comm``, the combined 1F1B schedule: one more micro-batch in flight). Needs EP > 1,
+    the alltoall or flex dispatcher, an interleaved schedule when parallel.pp > 1, no full recomputation, and a GPU."""
+    moe_shared_expert_overlap: bool = layout_field(False, key="seo", megatron="--moe-shared-expert-overlap",
+                                                   optional=True)
+    """Run the shared expert beside the token dispatch and combine (Megatron-Core's ``moe_shared_expert_overlap``;
+    alltoall or flex dispatcher, not together with ``moe_a2a_overlap``)."""
     grad_reduce_in_fp32: bool = layout_field(True, key="gf32")
     """Accumulate and reduce gradients in fp32 (Megatron-Core's ``DistributedDataParallelConfig.grad_reduce_in_fp32``;
     Megatron-LM always does so for bf16). ``false`` keeps the gradient buffers and their data-parallel reduction in
@@ -523,12 +711,62 @@ class ParallelSpec:
             issues.append(ConfigIssue(key=f"{p}.{accounted[0]}", value=True,
                                       problem="counting the embedding or loss as a layer splits pipeline stages; "
                                               "parallel.pp=1 has one.", fix="set parallel.pp to 2 or more."))
+        if self.pipeline_model_parallel_layout is not None:
+            issues += self._layout_issues()
         if self.vpp is not None and self.vpp > 1 and self.pp == 1:
             issues.append(ConfigIssue(key=f"{p}.vpp", value=self.vpp,
                                       problem="virtual pipeline stages need parallel.pp > 1.",
                                       fix="set parallel.vpp=null or parallel.pp to 2 or more."))
+        if self.tp_comm_overlap and not self.sp:
+            issues.append(ConfigIssue(key=f"{p}.tp_comm_overlap", value=True,
+                                      problem="Transformer Engine overlaps TP communication only under sequence "
+                                              "parallelism.", fix="set parallel.sp=true (with parallel.tp > 1), or "
+                                                                  "parallel.tp_comm_overlap=false."))
+        if self.moe_a2a_overlap:
+            if self.moe_shared_expert_overlap:
+                issues.append(ConfigIssue(key=f"{p}.moe_shared_expert_overlap", value=True,
+                                          problem="Megatron-Core does not overlap the shared expert when the expert "
+                                                  "all-to-all overlaps another micro-batch (parallel.moe_a2a_overlap).",
+                                          fix="set one of parallel.moe_shared_expert_overlap / "
+                                              "parallel.moe_a2a_overlap to false."))
+            if self.recompute is Recompute.full:
+                issues.append(ConfigIssue(key=f"{p}.moe_a2a_overlap", value=True,
+                                          problem="the combined 1F1B schedule does not run with full recomputation.",
+                                          fix="set parallel.recompute to none or selective, or "
+                                              "parallel.moe_a2a_overlap=false."))
+            if self.pp > 1 and (self.vpp or 1) == 1:
+                issues.append(ConfigIssue(key=f"{p}.moe_a2a_overlap", value=True,
+                                          problem="with pipeline parallelism, Megatron-Core overlaps the expert "
+                                                  "all-to-all only under the interleaved schedule.",
+                                          fix="set parallel.vpp to 2 or more, or parallel.moe_a2a_overlap=false."))
         if issues:
             raise ConfigError(issues)
+
+    def _layout_issues(self) -> list[ConfigIssue]:
+        """What is wrong with ``pipeline_model_parallel_layout`` before the model is known: the other split fields
+        it excludes, commas, and what :func:`~cfp_megatron.base.pipeline_layout.layout_issues` finds."""
+        key, layout = f"{self.PREFIX}.pipeline_model_parallel_layout", self.pipeline_model_parallel_layout
+        issues: list[ConfigIssue] = []
+        others = [name for name in ("first_stage_layers", "last_stage_layers",
+                                    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+                  if getattr(self, name) not in (None, False)]
+        if others:
+            issues.append(ConfigIssue(key=key, value=layout, problem=f"Megatron-Core takes a per-stage layout or "
+                                      f"parallel.{others[0]}, not both (the layout says where every layer sits).",
+                                      fix=f"set parallel.{others[0]} back to its default, or "
+                                          f"parallel.pipeline_model_parallel_layout=null."))
+        if not isinstance(layout, str) or not layout or set(layout) & set(", \t\n=:@"):
+            issues.append(ConfigIssue(key=key, value=layout, problem="must be a non-empty layout string without "
+                                      "commas, spaces or = : @ (the plan string separates its fields with them; "
+                                      "Megatron-Core ignores commas).", fix="drop the commas and spaces, e.g. "
+                                      "Et*3|(tt|)*29m|L."))
+            return issues
+        if self.pp == 1:
+            issues.append(ConfigIssue(key=key, value=layout, problem="a layout places layers on pipeline stages; "
+                                      "parallel.pp=1 has one.", fix="set parallel.pp to 2 or more, or "
+                                      "parallel.pipeline_model_parallel_layout=null."))
+            return issues
+        return issues + layout_issues(layout, self.pp, self.virtual_stages, key)
 
     @property
     def virtual_stages(self) -> int:
@@ -723,6 +961,9 @@ def build_spec(cls: type, values: dict[str, Any]) -> Any:
     defaults = {f.name: f for f in dataclasses.fields(cls)}
     for name, value in values.items():
         ftype = hints[name]
+        optional = [a for a in typing.get_args(ftype) if a is not type(None)]
+        if value is not None and type(None) in typing.get_args(ftype) and len(optional) == 1:
+            ftype = optional[0]  # an optional enum (cluster.network) converts like a plain one
         if isinstance(ftype, type) and issubclass(ftype, enum.Enum) and not isinstance(value, ftype):
             try:
                 value = ftype(value)

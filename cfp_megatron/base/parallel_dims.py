@@ -14,16 +14,19 @@ from dataclasses import dataclass, field
 
 from cfp_megatron.base.config import (
     AttentionKind,
+    CpCommType,
     JobSpec,
     MlpPartition,
     ModelSpec,
     ParallelSpec,
     PositionEmbedding,
     Recompute,
+    TokenDispatcher,
     primepar_grid_side,
 )
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
-from cfp_megatron.base.pipeline_split import split_issues, stage_counts
+from cfp_megatron.base.pipeline_layout import layout_stages
+from cfp_megatron.base.pipeline_split import chunk_layers, max_chunk_count, split_issues
 
 
 def transformer_engine_available() -> bool:
@@ -150,7 +153,9 @@ class ParallelDims:
         # Layers against PP x VPP (and the first/last stage's own counts).
         accounted = {"embedding": p.account_for_embedding_in_pipeline_split and p.pp > 1,
                      "loss": p.account_for_loss_in_pipeline_split and p.pp > 1}
-        issues += split_issues(m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers, **accounted)
+        layout = {"layout": p.pipeline_model_parallel_layout if p.pp > 1 else None, "mtp": m.mtp_num_layers}
+        issues += split_issues(m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers, **accounted,
+                               **layout)
 
         # Experts against EP.
         if m.is_moe:
@@ -170,7 +175,28 @@ class ParallelDims:
                  f"world size {world_size} is not divisible by parallel.etp x parallel.ep x parallel.pp "
                  f"= {etp} x {p.ep} x {p.pp}.", "choose expert sizes whose product with parallel.pp divides "
                  "the world size.")
+            overlaps = [name for name in ("moe_a2a_overlap", "moe_shared_expert_overlap") if getattr(p, name)]
+            for name in overlaps:
+                need(m.moe_token_dispatcher is not TokenDispatcher.allgather, f"parallel.{name}", True,
+                     "Megatron-Core overlaps expert communication only with the alltoall or flex dispatcher "
+                     f"(model.moe_token_dispatcher={m.moe_token_dispatcher.value}).",
+                     f"set model.moe_token_dispatcher=alltoall, or parallel.{name}=false.")
+            need(not p.moe_a2a_overlap or p.ep > 1, "parallel.moe_a2a_overlap", True,
+                 "there is no expert all-to-all to overlap without expert parallelism (parallel.ep=1).",
+                 "set parallel.ep to 2 or more, or parallel.moe_a2a_overlap=false.")
+            need(not p.moe_shared_expert_overlap or m.moe_shared_expert_intermediate_size,
+                 "parallel.moe_shared_expert_overlap", True, f"model {m.name} has no shared expert.",
+                 "set parallel.moe_shared_expert_overlap=false.")
+            need(not p.moe_a2a_overlap or not c.on_cpu, "parallel.moe_a2a_overlap", True,
+                 "the combined 1F1B schedule runs on CUDA streams in bf16/fp16; this cluster is CPU.",
+                 "plan it for a GPU cluster (cluster=dgx_h100 ...), or set parallel.moe_a2a_overlap=false.")
+            need(m.moe_token_dispatcher is not TokenDispatcher.flex or not c.on_cpu, "model.moe_token_dispatcher",
+                 "flex", "the flex dispatcher runs DeepEP's CUDA kernels; this cluster is CPU.",
+                 "plan it for a GPU cluster, or set model.moe_token_dispatcher=alltoall.")
         else:
+            need(not (p.moe_a2a_overlap or p.moe_shared_expert_overlap), "parallel.moe_a2a_overlap", True,
+                 f"model {m.name} has no experts.", "set parallel.moe_a2a_overlap=false and "
+                 "parallel.moe_shared_expert_overlap=false.")
             need(p.ep == 1, "parallel.ep", p.ep, f"model {m.name} has no experts.",
                  "set parallel.ep=1, or choose a MoE model (e.g. model=moe_tiny).")
             need(p.etp is None or p.etp == 1, "parallel.etp", p.etp, f"model {m.name} has no experts.",
@@ -199,6 +225,21 @@ class ParallelDims:
                  "context parallelism needs Transformer Engine's attention (TEDotProductAttention); it is not "
                  "installed, and Megatron-Core's local attention does not support CP.",
                  "install transformer-engine (GPU only), or set parallel.cp=1.")
+            if p.cp_comm_type in (CpCommType.a2a, CpCommType.a2a_p2p):
+                a2a_size = p.cp if p.cp_comm_type is CpCommType.a2a else _cp_inner(
+                    p.cp, p.tp, c.domain_size(c.gpus_per_node or world_size))
+                heads_per_rank = m.num_attention_heads // p.tp
+                groups_per_rank = m.query_groups // p.tp if m.attention is AttentionKind.standard else heads_per_rank
+                need(heads_per_rank % a2a_size == 0 and groups_per_rank % a2a_size == 0, "parallel.cp_comm_type",
+                     p.cp_comm_type.value,
+                     f"the all-to-all splits each TP rank's {heads_per_rank} heads and {groups_per_rank} key/value "
+                     f"groups over {a2a_size} CP ranks.",
+                     "use parallel.cp_comm_type=p2p (or all_gather), or a parallel.cp that divides them.")
+        if p.tp_comm_overlap:
+            need(not c.on_cpu and te, "parallel.tp_comm_overlap", True,
+                 "Transformer Engine's userbuffers overlap TP communication on GPUs; "
+                 + ("this cluster is CPU." if c.on_cpu else "Transformer Engine is not installed."),
+                 "plan it for a GPU cluster with transformer-engine installed, or set parallel.tp_comm_overlap=false.")
         if p.sp:
             need((t.seq_length // p.cp) % p.tp == 0, "train.seq_length", t.seq_length,
                  f"sequence parallelism shards each context-parallel rank's {t.seq_length // p.cp} tokens over "
@@ -214,10 +255,12 @@ class ParallelDims:
 
         # Options that do not go together.
         if p.recompute is Recompute.full:  # both methods: uniform's group and block's recomputed layers per chunk
-            per_stage = stage_counts(m.num_layers, p.pp, p.first_stage_layers, p.last_stage_layers, **accounted) \
-                if not split_issues(m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers,
-                                    **accounted) else [0]
-            layers_per_chunk = max(per_stage) // vpp
+            valid = not split_issues(m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers,
+                                     **accounted, **layout) and not (layout["layout"] and len(
+                                         layout_stages(layout["layout"])) != p.pp * vpp)
+            layers_per_chunk = max_chunk_count(chunk_layers(
+                m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers, **accounted,
+                layout=layout["layout"])) if valid else 0
             need(p.recompute_num_layers <= max(layers_per_chunk, 1), "parallel.recompute_num_layers",
                  p.recompute_num_layers, f"exceeds the {layers_per_chunk} layers of each pipeline chunk.",
                  f"use at most {layers_per_chunk}.")
@@ -233,3 +276,19 @@ class ParallelDims:
         """A one-line summary such as ``world=8 tp=2 pp=2 vpp=1 cp=1 ep=1 etp=1 dp=2 sp=True mb=4``."""
         return (f"world={self.world_size} tp={self.tp} pp={self.pp} vpp={self.vpp} cp={self.cp} ep={self.ep} "
                 f"etp={self.etp} dp={self.dp} sp={self.sp} microbatches={self.num_microbatches}")
+
+
+def hierarchical_cp_sizes(job: JobSpec, dims: ParallelDims) -> list[int] | None:
+    """Megatron-Core's ``hierarchical_context_parallel_sizes`` for ``parallel.cp_comm_type=a2a+p2p``: the CP ranks
+    inside an NVLink domain (all-to-all), then the domains they span (point-to-point ring); ``None`` for the other
+    types. The domain is ``cluster.nvlink_domain_size`` GPUs, else a node (the whole world where the node size is
+    unset), the TP ranks varying fastest."""
+    if dims.cp <= 1 or job.parallel.cp_comm_type is not CpCommType.a2a_p2p:
+        return None
+    inner = _cp_inner(dims.cp, dims.tp, job.cluster.domain_size(job.cluster.gpus_per_node or dims.world_size))
+    return [inner, dims.cp // inner]
+
+
+def _cp_inner(cp: int, tp: int, domain: int) -> int:
+    """CP ranks inside one NVLink domain of ``domain`` GPUs when TP varies fastest."""
+    return math.gcd(cp, max(domain // tp, 1))

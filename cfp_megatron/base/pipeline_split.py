@@ -7,9 +7,12 @@ share the rest evenly; or unless the embedding and/or the loss count as one laye
 (``account_for_embedding_in_pipeline_split`` / ``account_for_loss_in_pipeline_split``): the decoder's layers plus
 those split evenly, the first chunk of the first stage (the last chunk of the last stage) holding one decoder layer
 fewer. Every stage's layers are split evenly over its ``vpp`` chunks, and chunk ``c`` of every rank comes before chunk
-``c + 1`` of any rank. :func:`chunk_layers` reproduces ``get_transformer_layer_offset`` and
-``get_num_layers_to_build`` (the tests compare them); the simulator, the memory model and the search read it instead
-of dividing the layer count themselves.
+``c + 1`` of any rank. Or a per-stage layout string says what each chunk holds (``pipeline_model_parallel_layout``,
+:mod:`cfp_megatron.base.pipeline_layout`): the decoder layers, and where the embedding, the loss and any
+multi-token-prediction (MTP) layers sit. :func:`chunk_layers` reproduces ``get_transformer_layer_offset`` and
+``get_num_layers_to_build`` (the tests compare them) and says which chunk holds the embedding, the loss and the MTP
+layers; the simulator, the memory model and the search read it instead of dividing the layer count themselves or
+assuming the ends.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from cfp_megatron.base.config import MlpPartition, RecomputeMethod
 from cfp_megatron.base.errors import ConfigIssue
+from cfp_megatron.base.pipeline_layout import DECODER, EMBEDDING, LOSS, MTP, layout_count_issues, layout_stages
 
 if TYPE_CHECKING:
     from cfp_megatron.base.config import JobSpec, ParallelSpec
@@ -35,6 +39,13 @@ class ChunkLayers:
     """Layers in the chunk."""
     moe: int
     """Of those, MoE layers (the decoder's first ``moe_first_dense_layers`` are dense)."""
+    embedding: bool = False
+    """Whether the chunk holds the input embedding (Megatron-Core builds it on the first chunk of the first stage)."""
+    loss: bool = False
+    """Whether the chunk holds the final norm, the output layer and the loss (the last chunk of the last stage)."""
+    mtp: int = 0
+    """Multi-token-prediction layers in the chunk (the last chunk of the last stage without a layout, else where the
+    layout's ``m`` sit)."""
 
     @property
     def dense(self) -> int:
@@ -64,12 +75,16 @@ class ChunkLayers:
 
 
 def split_issues(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None,
-                 prefix: str = "parallel", *, embedding: bool = False, loss: bool = False) -> list[ConfigIssue]:
+                 prefix: str = "parallel", *, embedding: bool = False, loss: bool = False, layout: str | None = None,
+                 mtp: int = 0) -> list[ConfigIssue]:
     """What is wrong with splitting ``num_layers`` layers over ``pp`` stages of ``vpp`` chunks with ``first`` /
     ``last`` layers on the first / last stage (``None`` = like the others), the embedding and/or the loss counted as
-    a layer (``embedding``, ``loss``); Megatron-Core's own checks, as
-    :class:`~cfp_megatron.base.errors.ConfigIssue` values naming the setting and the fix."""
+    a layer (``embedding``, ``loss``), or by a per-stage ``layout`` (whose syntax and stages
+    :class:`~cfp_megatron.base.config.ParallelSpec` checked) for a model with ``mtp`` MTP layers; Megatron-Core's own
+    checks, as :class:`~cfp_megatron.base.errors.ConfigIssue` values naming the setting and the fix."""
     issues: list[ConfigIssue] = []
+    if layout is not None:
+        return layout_count_issues(layout, num_layers, mtp, f"{prefix}.pipeline_model_parallel_layout")
     if embedding or loss:
         units = num_layers + embedding + loss
         counted = " and ".join(name for name, on in (("embedding", embedding), ("loss", loss)) if on)
@@ -123,8 +138,11 @@ def split_issues(num_layers: int, pp: int, vpp: int, first: int | None, last: in
 
 
 def stage_counts(num_layers: int, pp: int, first: int | None = None, last: int | None = None, *,
-                 embedding: bool = False, loss: bool = False) -> list[int]:
+                 embedding: bool = False, loss: bool = False, layout: str | None = None) -> list[int]:
     """Decoder layers on each pipeline stage (the split must be valid, see :func:`split_issues`)."""
+    if layout is not None:
+        stages = layout_stages(layout)
+        return [sum(stage.count(DECODER) for stage in stages[rank::pp]) for rank in range(pp)]
     if embedding or loss:
         counts = [(num_layers + embedding + loss) // pp] * pp
         counts[0] -= embedding
@@ -145,11 +163,30 @@ def stage_counts(num_layers: int, pp: int, first: int | None = None, last: int |
 
 @functools.lru_cache(maxsize=4096)
 def chunk_layers(num_layers: int, pp: int, vpp: int, first: int | None = None, last: int | None = None, *,
-                 first_dense: int | None = None, embedding: bool = False,
-                 loss: bool = False) -> tuple[tuple[ChunkLayers, ...], ...]:
+                 first_dense: int | None = None, embedding: bool = False, loss: bool = False,
+                 layout: str | None = None, mtp: int = 0) -> tuple[tuple[ChunkLayers, ...], ...]:
     """``[rank][chunk]`` layers of the split (valid, see :func:`split_issues`); ``first_dense`` is the number of
     leading dense layers of a MoE decoder (``None``: every layer dense); ``embedding`` / ``loss``: counted as a layer
-    of the first chunk of the first stage / the last chunk of the last stage."""
+    of the first chunk of the first stage / the last chunk of the last stage; ``layout``: a per-stage layout string
+    says what each chunk holds instead (chunk ``c`` of rank ``r`` is its stage ``c x pp + r``); ``mtp``: the
+    model's MTP layers, on the last chunk of the last stage unless the layout places them."""
+    dense_end = num_layers if first_dense is None else first_dense
+    if layout is not None:
+        stages = layout_stages(layout)
+        before = [0]  # decoder layers in the stages before each stage
+        for stage in stages:
+            before.append(before[-1] + stage.count(DECODER))
+        rows = []
+        for r in range(pp):
+            row = []
+            for c in range(vpp):
+                stage = stages[c * pp + r]
+                offset, count = before[c * pp + r], stage.count(DECODER)
+                moe = max(0, offset + count - max(offset, dense_end))
+                row.append(ChunkLayers(offset=offset, count=count, moe=min(moe, count), embedding=EMBEDDING in stage,
+                                       loss=LOSS in stage, mtp=stage.count(MTP)))
+            rows.append(tuple(row))
+        return tuple(rows)
     if embedding or loss:
         per_chunk = [(num_layers + embedding + loss) // (pp * vpp)] * pp
         embedding_units = int(embedding)
@@ -157,7 +194,6 @@ def chunk_layers(num_layers: int, pp: int, vpp: int, first: int | None = None, l
         per_chunk = [n // vpp for n in stage_counts(num_layers, pp, first, last)]
         embedding_units = 0
     round_size = sum(per_chunk)  # layers (and counted embedding/loss) in chunk c of all ranks together
-    dense_end = num_layers if first_dense is None else first_dense
     out = []
     for r in range(pp):
         row = []
@@ -166,18 +202,25 @@ def chunk_layers(num_layers: int, pp: int, vpp: int, first: int | None = None, l
             offset = c * round_size + sum(per_chunk[:r]) - (0 if is_first else embedding_units)
             count = per_chunk[r] - (embedding and is_first) - (loss and is_last)
             moe = max(0, offset + count - max(offset, dense_end))
-            row.append(ChunkLayers(offset=offset, count=count, moe=min(moe, count)))
+            row.append(ChunkLayers(offset=offset, count=count, moe=min(moe, count), embedding=is_first, loss=is_last,
+                                   mtp=mtp if is_last else 0))
         out.append(tuple(row))
     return tuple(out)
 
 
 def job_chunks(job: JobSpec) -> tuple[tuple[ChunkLayers, ...], ...]:
-    """``[rank][chunk]`` layers of ``job``'s decoder under its pipeline sizes, first/last stage counts and the
-    embedding/loss counted in the split."""
+    """``[rank][chunk]`` layers of ``job``'s decoder under its pipeline sizes, first/last stage counts, the
+    embedding/loss counted in the split or its per-stage layout, with where its embedding, loss and MTP layers sit."""
     m, p = job.model, job.parallel
     first = p.first_stage_layers if p.pp > 1 else None
     last = p.last_stage_layers if p.pp > 1 else None
     return chunk_layers(m.num_layers, p.pp, p.virtual_stages, first, last,
                         first_dense=m.moe_first_dense_layers if m.is_moe else None,
                         embedding=p.account_for_embedding_in_pipeline_split and p.pp > 1,
-                        loss=p.account_for_loss_in_pipeline_split and p.pp > 1)
+                        loss=p.account_for_loss_in_pipeline_split and p.pp > 1,
+                        layout=p.pipeline_model_parallel_layout if p.pp > 1 else None, mtp=m.mtp_num_layers)
+
+
+def max_chunk_count(chunks: tuple[tuple[ChunkLayers, ...], ...]) -> int:
+    """Decoder layers of the largest model chunk of a split."""
+    return max(chunk.count for row in chunks for chunk in row)

@@ -7,18 +7,23 @@ ranks that puts ``k`` ranks on each node". The message is what one rank passes i
 * A :class:`~cfp_megatron.cluster.measured.CollectiveFit` from :class:`Measurements` for exactly that
   (op, group size, span) wins.
 * Otherwise the ring model: ``steps x latency + ring_factor x bytes / (bandwidth x efficiency)`` with the latency and
-  per-GPU bandwidth of the :class:`~cfp_megatron.base.config.ClusterSpec` (NVLink inside a node, the NIC rail across
-  nodes) and a fitted efficiency (the share of the nominal bandwidth NCCL reaches).
-* A group that crosses nodes with several ranks per node is hierarchical, as NCCL runs it: all-reduce is an
-  intra-node reduce-scatter, an inter-node all-reduce of ``1/k`` of the message on every rail at once, and an
-  intra-node all-gather; all-gather and reduce-scatter likewise; all-to-all moves its intra- and inter-node shares at
-  the same time over their own links.
+  per-GPU bandwidth of the :class:`~cfp_megatron.base.config.ClusterSpec` (NVLink inside an NVLink domain, the NIC
+  rail across domains) and a fitted efficiency (the share of the nominal bandwidth NCCL reaches).
+* "Node" in this module means the scale-up (NVLink) domain: one node unless ``cluster.nvlink_domain_size`` says
+  otherwise (72 GPUs on an NVL72 rack, so a TP=16 or EP=64 group there is priced at NVLink speed; 2 on H100 NVL
+  cards bridged in pairs). ``ranks_per_node`` is the group's ranks in one domain; the measured fits' ``intra_node``
+  span is the fast link.
+* A group that crosses domains with several ranks per domain is hierarchical, as NCCL runs it: all-reduce is an
+  intra-domain reduce-scatter, an inter-domain all-reduce of ``1/k`` of the message on every rail at once, and an
+  intra-domain all-gather; all-gather and reduce-scatter likewise; all-to-all moves its intra- and inter-domain
+  shares at the same time over their own links.
 
 Pure Python, no ``torch.distributed``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -41,15 +46,45 @@ class Link:
     """Effective unidirectional bytes per second per GPU (nominal x efficiency)."""
 
 
-def group_placement(size: int, stride: int, gpus_per_node: int) -> int:
-    """Ranks per node of a process group of ``size`` ranks whose members are ``stride`` ranks apart (the product of
-    the faster-varying dimensions in Megatron's rank order), on nodes of ``gpus_per_node``."""
+def group_placement(size: int, stride: int, domain_size: int, *, world_size: int | None = None) -> int:
+    """Ranks per NVLink domain (a node, unless ``cluster.nvlink_domain_size`` says otherwise) of a process group of
+    ``size`` ranks whose members are ``stride`` ranks apart (the product of the faster-varying dimensions in
+    Megatron's rank order), on domains of ``domain_size`` GPUs.
+
+    Without ``world_size`` the groups are taken as aligned to the domains (``domain_size // stride`` per domain),
+    which holds for power-of-two groups on 8-GPU nodes. With it, the groups of that many ranks are counted: where
+    they do not tile the domains (groups of 16 ranks on two 72-GPU racks), some group straddles two domains, and the
+    answer is the smallest share of one domain any group has (that group is the slowest, and the others wait for
+    it); aligned groups get the same answer either way."""
     if size <= 1:
         return 1
-    g = max(gpus_per_node, 1)
+    g = max(domain_size, 1)
     if stride >= g:
         return 1
-    return max(1, min(size, g // stride))
+    if world_size is None:
+        return max(1, min(size, g // stride))
+    return _smallest_share(size, stride, g, world_size)
+
+
+@functools.lru_cache(maxsize=1024)
+def _smallest_share(size: int, stride: int, domain: int, world: int) -> int:
+    """Fewest members one domain of ``domain`` consecutive ranks holds of a group it holds any of, over the groups
+    of ``size`` ranks ``stride`` apart in a world of ``world`` ranks (group bases ``j x size x stride + o``,
+    ``o < stride``)."""
+    span = size * stride
+    smallest = size
+    for block_start in range(0, world, span):
+        for offset in range(stride):
+            first = block_start + offset
+            last = min(first + (size - 1) * stride, first + (world - 1 - first) // stride * stride)
+            first_domain, last_domain = first // domain, last // domain
+            if first_domain == last_domain:
+                continue
+            head = -(-((first_domain + 1) * domain - first) // stride)
+            tail = (last - last_domain * domain) // stride + 1
+            middle = domain // stride if last_domain - first_domain > 1 else size
+            smallest = min(smallest, head, tail, middle)
+    return max(smallest, 1)
 
 
 class CollectiveCosts:
@@ -67,8 +102,10 @@ class CollectiveCosts:
         self.cluster = cluster
         self.measurements = measurements
         self.gpus_per_node = cluster.gpus_per_node or 1
+        # GPUs that share the fast link: the NVLink domain, a node unless cluster.nvlink_domain_size says otherwise.
+        self.domain_size = cluster.domain_size(self.gpus_per_node)
         intra_bw = (cluster.intra_node_bandwidth_gbps or _DEFAULT_INTRA_GBPS) * 1e9 * intra_efficiency
-        inter_bw = (cluster.inter_node_bandwidth_gbps or _DEFAULT_INTER_GBPS) * 1e9 * inter_efficiency
+        inter_bw = (cluster.network_bandwidth_gbps or _DEFAULT_INTER_GBPS) * 1e9 * inter_efficiency
         self.intra = Link(latency_s=(cluster.intra_node_latency_us or _DEFAULT_LATENCY_US) * 1e-6,
                           bandwidth_bytes_per_s=intra_bw)
         self.inter = Link(latency_s=(cluster.inter_node_latency_us or _DEFAULT_LATENCY_US) * 1e-6,
@@ -98,11 +135,11 @@ class CollectiveCosts:
         return steps * link.latency_s + ring_factor(op, size) * message_bytes / link.bandwidth_bytes_per_s
 
     def seconds(self, op: Collective, message_bytes: float, size: int, ranks_per_node: int | None = None) -> float:
-        """One collective over ``size`` ranks with ``ranks_per_node`` of them on each node (default: as many as fit,
-        i.e. a contiguous group)."""
+        """One collective over ``size`` ranks with ``ranks_per_node`` of them in each NVLink domain (a node unless
+        ``cluster.nvlink_domain_size`` says otherwise; default: as many as fit, i.e. a contiguous group)."""
         if message_bytes <= 0 or (size <= 1 and op is not Collective.send_recv):
             return 0.0
-        k = min(size, self.gpus_per_node) if ranks_per_node is None else max(1, min(ranks_per_node, size))
+        k = min(size, self.domain_size) if ranks_per_node is None else max(1, min(ranks_per_node, size))
         if op is Collective.send_recv:
             return self.flat(op, message_bytes, 2, Span.intra_node if k > 1 else Span.inter_node)
         if k >= size:

@@ -54,6 +54,23 @@ def partition_name(tp: int, *, sp: bool = False, mlp: MlpPartition = MlpPartitio
     return name + RECOMPUTE_SUFFIXES.get(recompute, "")
 
 
+def unmeasured_partitions(measurements: Measurements | None, *, tp: int, sp: bool, mlp: MlpPartition,
+                          recompute: Recompute, layer_kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """What a layout under ``tp`` / ``sp`` / ``mlp`` / ``recompute`` reads from the profile that ``measurements``
+    lack, as ``<kind> <partition>`` (``dense tp2-sp``): the embedding and head under the plain partition, each decoder
+    kind of ``layer_kinds`` (``dense``, ``moe``) under the layer partition and, with recomputation, under the
+    recomputed one. The simulator prices these by the analytical model. Empty without measurements (a preflight
+    prices everything that way)."""
+    if measurements is None or isinstance(measurements, NothingMeasured):
+        return ()
+    plain = partition_name(tp, sp=sp)
+    layer = partition_name(tp, sp=sp, mlp=mlp)
+    wanted = [("embedding", plain), *((k, layer) for k in layer_kinds), ("head", plain)]
+    if recompute is not Recompute.none:
+        wanted += [(k, partition_name(tp, sp=sp, mlp=mlp, recompute=recompute)) for k in layer_kinds]
+    return tuple(f"{kind} {part}" for kind, part in wanted if not measurements.segment_micro_batches(kind, part))
+
+
 def partition_recompute(name: str) -> Recompute:
     """The recomputation a partition name (:func:`partition_name`) was profiled under."""
     return next((r for r, suffix in RECOMPUTE_SUFFIXES.items() if name.endswith(suffix)), Recompute.none)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import gc
+import inspect
 import os
 from typing import Any
 
@@ -17,7 +18,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from cfp_megatron.base.config import Backend, JobSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import LaunchEnv
-from cfp_megatron.base.parallel_dims import ParallelDims
+from cfp_megatron.base.parallel_dims import ParallelDims, hierarchical_cp_sizes
 
 
 def resolve_backend(backend: Backend) -> str:
@@ -57,14 +58,33 @@ def init_distributed(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, timeou
         pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
         context_parallel_size=dims.cp,
+        hierarchical_context_parallel_sizes=hierarchical_cp_sizes(job, dims),
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.etp,
         order=dims.order,
         distributed_timeout_minutes=timeout_minutes,
     )
+    if job.parallel.tp_comm_overlap:
+        initialize_tp_communicators(job, dims)
     # Megatron's RNG tracker: same seed on TP peers for replicated work, distinct where Megatron wants it.
     torch.manual_seed(job.train.seed)
     model_parallel_cuda_manual_seed(job.train.seed)
+
+
+def initialize_tp_communicators(job: JobSpec, dims: ParallelDims) -> None:
+    """Transformer Engine's userbuffers for ``parallel.tp_comm_overlap``, as Megatron-LM's training setup creates
+    them (``_initialize_tp_communicators``): one buffer shape, a micro-batch's tokens on a CP rank by the hidden
+    size, over the TP group; TE's default overlap method for each GEMM. GPU and Transformer Engine only (the plan's
+    checks refuse it elsewhere)."""
+    from transformer_engine.pytorch import module as te_module  # GPU only; checked before any group starts
+
+    shape = [job.train.seq_length * job.train.micro_batch_size // dims.cp, job.model.hidden_size]
+    parameters = inspect.signature(te_module.base.initialize_ub).parameters
+    if "quantization_modes" in parameters:  # Transformer Engine 2.7 and later
+        modes = [te_module.base.UserBufferQuantizationMode.NONE]
+        te_module.base.initialize_ub(shape=shape, tp_size=dims.tp, quantization_modes=modes)
+    else:
+        te_module.base.initialize_ub(shape=shape, tp_size=dims.tp, use_fp8=False)
 
 
 def model_groups() -> ProcessGroupCollection:

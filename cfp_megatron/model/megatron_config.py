@@ -18,7 +18,7 @@ from cfp_megatron.base.config import (
     Recompute,
     resolve_precision,
 )
-from cfp_megatron.base.parallel_dims import ParallelDims, transformer_engine_available
+from cfp_megatron.base.parallel_dims import ParallelDims, hierarchical_cp_sizes, transformer_engine_available
 
 
 def params_dtype(precision: Precision) -> torch.dtype:
@@ -45,10 +45,15 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         num_layers_in_last_pipeline_stage=p.last_stage_layers if dims.pp > 1 else None,
         account_for_embedding_in_pipeline_split=p.account_for_embedding_in_pipeline_split and dims.pp > 1,
         account_for_loss_in_pipeline_split=p.account_for_loss_in_pipeline_split and dims.pp > 1,
+        # A per-stage layout (Megatron-Core parses it; the embedding and loss stay on the first and last chunk).
+        pipeline_model_parallel_layout=p.pipeline_model_parallel_layout if dims.pp > 1 else None,
         context_parallel_size=dims.cp,
+        cp_comm_type=p.cp_comm_type.value if dims.cp > 1 else None,
+        hierarchical_context_parallel_sizes=hierarchical_cp_sizes(job, dims),
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.etp,
         sequence_parallel=dims.sp,
+        tp_comm_overlap=p.tp_comm_overlap,
         normalization=m.normalization.value,
         layernorm_epsilon=m.norm_epsilon,
         gated_linear_unit=m.activation is Activation.swiglu,
@@ -80,7 +85,10 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         deallocate_pipeline_outputs=True,
         # gloo matches point-to-point messages by (peer, tag) in posting order, so the batched isend/irecv of the
         # interleaved steady state can swap an activation and a gradient of equal shape; NCCL groups them safely.
-        batch_p2p_comm=on_gpu,
+        # On GPUs the interleaved schedule overlaps its sends and receives with computation, as Megatron-LM does by
+        # default (--overlap-p2p-communication; the simulator times a transfer as a delay between dependent passes).
+        batch_p2p_comm=on_gpu and dims.vpp == 1,
+        overlap_p2p_comm=on_gpu and dims.vpp > 1,
         attention_backend=AttnBackend.auto if on_gpu else AttnBackend.local,
     )
     if p.recompute is Recompute.selective:
@@ -105,6 +113,8 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
             moe_token_dispatcher_type=m.moe_token_dispatcher.value,
             moe_grouped_gemm=on_gpu and transformer_engine_available(),
             moe_router_dtype="fp32",
+            moe_shared_expert_overlap=p.moe_shared_expert_overlap,
+            overlap_moe_expert_parallel_comm=p.moe_a2a_overlap,
         )
         if m.moe_router_score.value == "sigmoid":
             kwargs.update(moe_router_enable_expert_bias=False)

@@ -42,6 +42,7 @@ from cfp_megatron.base.jsonio import json_plain
 from cfp_megatron.base.parallel_dims import data_parallel_size
 from cfp_megatron.plan.errors import PlanError
 from cfp_megatron.sim.prediction import GIB, Prediction, exposed_comm_s, mfu
+from cfp_megatron.sim.uncertainty import ErrorBand
 
 SCHEMA_VERSION = 1
 """Version of plan.json's layout; bump it when a field changes meaning or is removed."""
@@ -81,17 +82,27 @@ class PlanPrediction:
     """Share of the step the pipeline schedule leaves idle (0 without pipeline parallelism)."""
     exposed_comm_s: float
     """Communication time per step that is not hidden behind computation, in seconds."""
+    error_band_pct: float | None = None
+    """How far the step time may be off, in percent: the error that 80% of published runs of the plan's class stay
+    within (:func:`~cfp_megatron.sim.uncertainty.error_band`); ``None`` where no band is known."""
+    analytical: tuple[str, ...] = ()
+    """What the prediction reads that the profile did not measure (``dense tp2-sp``), priced by the analytical
+    model instead; empty when all was measured (or nothing was: a preflight without a profile)."""
 
-    def to_json(self) -> dict[str, float | None]:
+    def to_json(self) -> dict[str, Any]:
         """The prediction as a JSON-ready mapping."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**out, "analytical": list(self.analytical)}
 
     @classmethod
-    def of(cls, prediction: Prediction, peak_tflops: float | None) -> PlanPrediction:
-        """What plan.json keeps of a simulator prediction (MFU against ``peak_tflops``, TFLOP/s per GPU)."""
+    def of(cls, prediction: Prediction, peak_tflops: float | None,
+           band: ErrorBand | None = None, analytical: tuple[str, ...] = ()) -> PlanPrediction:
+        """What plan.json keeps of a simulator prediction (MFU against ``peak_tflops``, TFLOP/s per GPU) and its
+        error ``band``."""
         return cls(step_time_s=prediction.step_time_s, tokens_per_s_per_gpu=prediction.tokens_per_s_per_gpu,
                    mfu=mfu(prediction, peak_tflops), peak_memory_gib=prediction.memory.total / GIB,
-                   bubble_fraction=prediction.bubble_fraction, exposed_comm_s=exposed_comm_s(prediction))
+                   bubble_fraction=prediction.bubble_fraction, exposed_comm_s=exposed_comm_s(prediction),
+                   error_band_pct=band.pct if band is not None else None, analytical=tuple(analytical))
 
     @classmethod
     def from_json(cls, d: Any) -> PlanPrediction:
@@ -100,11 +111,18 @@ class PlanPrediction:
             raise PlanError(f"plan.json's prediction must be a mapping or null, not {type(d).__name__}.",
                             fix="re-plan to write a fresh plan.json.")
         names = [f.name for f in dataclasses.fields(cls)]
-        _check_keys(d, required=names, where="plan.json's prediction")
-        values: dict[str, float | None] = {}
+        later = ["error_band_pct", "analytical"]  # added after plans were saved: an earlier plan.json has none
+        _check_keys(d, required=[n for n in names if n not in later], where="plan.json's prediction", optional=later)
+        values: dict[str, Any] = {}
         for name in names:
-            value = d[name]
-            if value is None and name == "mfu":
+            value = d.get(name)
+            if name == "analytical":
+                if not isinstance(value, list | type(None)) or not all(isinstance(v, str) for v in value or []):
+                    raise PlanError(f"plan.json's prediction.analytical={value!r} is not a list of strings.",
+                                    fix="re-plan to write a fresh plan.json.")
+                values[name] = tuple(value or ())
+                continue
+            if value is None and name in ("mfu", *later):
                 values[name] = None
             elif isinstance(value, int | float) and not isinstance(value, bool):
                 values[name] = float(value)
@@ -278,6 +296,7 @@ class Plan:
                     f"{' ckpt' if self.activation_checkpointing else ''}{f' offload={offload}' if offload else ''}")
         parts = [f"dp{self.dp}", f"tp{p.tp}" + (" sp" if p.sp else ""), f"pp{p.pp}"]
         parts += [f"vpp{p.virtual_stages}"] if p.virtual_stages > 1 else []
+        parts += [f"layout={p.pipeline_model_parallel_layout}"] if p.pipeline_model_parallel_layout else []
         parts += [f"{k}{getattr(p, k)}" for k in ("cp", "ep") if getattr(p, k) > 1]
         parts += [f"mb{self.micro_batch_size}", f"rc={p.recompute.value}"]
         return " ".join(parts + (["dopt"] if p.distributed_optimizer else []))

@@ -10,6 +10,9 @@ without the step memory was measured on (its hooks slow it); the measured memory
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -20,7 +23,7 @@ from cfp_megatron.base.config import JobSpec
 from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.engine.metrics import MetricsLog, StepMetrics
-from cfp_megatron.profile.db import ProfileDB, load_db, store_db
+from cfp_megatron.profile.db import ProfileDB, StepCalibration, load_db, store_db
 from cfp_megatron.profile.fingerprint import current_fingerprint
 from cfp_megatron.profile.records import PlanCheckRecord
 
@@ -44,11 +47,48 @@ class PlanCheck:
     """Factor from earlier runs the prediction is scaled by for the comparison (1 without any)."""
     predicted_peak_bytes: float | None
     """Predicted peak memory of the most loaded rank."""
+    analytical: tuple[str, ...] = ()
+    """What the prediction read that the profile had not measured, priced by the analytical model
+    (:attr:`~cfp_megatron.plan.artifact.PlanPrediction.analytical`)."""
 
 
-def compare(check: PlanCheck, history: Sequence[Any]) -> PlanCheckRecord | None:
+SAMPLE_S = 0.5
+"""Seconds rank 0 samples the machine's CPU use for :func:`other_load`, while the job's other ranks wait for it."""
+
+
+def _cpu_times() -> tuple[float, float] | None:
+    """(idle, total) jiffies of all CPUs from ``/proc/stat``; ``None`` off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return fields[3] + (fields[4] if len(fields) > 4 else 0.0), sum(fields)
+
+
+def other_load(ranks_here: int, *, sample_s: float = SAMPLE_S) -> float | None:
+    """Share of this machine's CPUs busy with work other than this job, 0..1 per core: on Linux, rank 0 samples the
+    CPUs' busy time for ``sample_s`` while it idles (the job's other ranks soon wait for it in a collective);
+    elsewhere the 1-minute load average less the ``ranks_here`` ranks of the job, over the cores. ``None`` where
+    neither is known."""
+    cores = os.cpu_count() or 1
+    before = _cpu_times()
+    if before is not None:
+        time.sleep(sample_s)
+        after = _cpu_times()
+        if after is not None and after[1] > before[1]:
+            return max(1.0 - (after[0] - before[0]) / (after[1] - before[1]), 0.0)
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    return max(load - ranks_here, 0.0) / cores
+
+
+def compare(check: PlanCheck, history: Sequence[Any], *, load: float | None = None) -> PlanCheckRecord | None:
     """The comparison once ``history`` (this launch's :class:`~cfp_megatron.engine.metrics.StepMetrics`) holds
-    ``check.after_steps`` steps; ``None`` before."""
+    ``check.after_steps`` steps; ``None`` before. ``load``: :func:`other_load` while they ran (kept, with the timed
+    steps' spread, to tell a busy machine)."""
     if len(history) < check.after_steps or check.after_steps < 1:
         return None
     first = list(history[:check.after_steps])
@@ -58,7 +98,9 @@ def compare(check: PlanCheck, history: Sequence[Any]) -> PlanCheckRecord | None:
                            predicted_step_s=check.predicted_step_s, calibration=check.calibration,
                            measured_step_s=statistics.median(timed),
                            predicted_peak_bytes=check.predicted_peak_bytes, measured_peak_bytes=peak,
-                           time=time.time())
+                           time=time.time(), other_load=load,
+                           repeat_spread=(max(timed) - min(timed)) / statistics.median(timed)
+                           if len(timed) > 1 and statistics.median(timed) > 0 else None)
 
 
 def differences(record: PlanCheckRecord) -> dict[str, float | None]:
@@ -70,21 +112,46 @@ def differences(record: PlanCheckRecord) -> dict[str, float | None]:
     return {"step_time": record.step_ratio / record.calibration - 1.0, "memory": memory}
 
 
-def warnings_for(record: PlanCheckRecord) -> list[str]:
-    """A sentence per quantity whose measurement differs from the prediction by more than :data:`TOLERANCE`."""
+def warnings_for(record: PlanCheckRecord, calibration: StepCalibration | None = None) -> list[str]:
+    """A sentence per quantity whose measurement differs from the prediction by more than :data:`TOLERANCE`, saying
+    what happens with it: the step time calibrates the next plans of this layout family on this profile (unless
+    the machine was busy, or the run is an outlier of ``calibration``, the one that includes it); memory is not
+    calibrated."""
     out = []
-    for name, diff in differences(record).items():
-        if diff is not None and abs(diff) > TOLERANCE:
-            out.append(f"measured {name.replace('_', ' ')} differs from the plan's prediction by {diff:+.1%} "
-                       f"(more than {TOLERANCE:.0%}); the next plan on this cluster is calibrated with it")
+    diffs = differences(record)
+    step, memory = diffs["step_time"], diffs["memory"]
+    if step is not None and abs(step) > TOLERANCE:
+        said = f"measured step time differs from the plan's prediction by {step:+.1%} (more than {TOLERANCE:.0%})"
+        if record.busy is not None:
+            what = f"the machine was busy ({record.busy}): recorded, but it does not calibrate the next plan"
+        elif calibration is not None and calibration.ratio is not None and any(
+                math.isclose(record.step_ratio, u) for u in calibration.untrusted):
+            what = (f"far from the other runs' ratio {calibration.ratio:.2f}: recorded as an outlier, it does not "
+                    "calibrate the next plan")
+        elif calibration is not None and calibration.ratio is not None:
+            what = (f"the next plan of this layout family on this profile is scaled by {calibration.ratio:.2f}, the "
+                    f"median of {calibration.runs} run(s) (spread {calibration.spread:.0%}); a new profile starts "
+                    "afresh")
+        else:
+            what = "recorded; the next plan's step time is not calibrated by it"
+        out.append(f"{said}; {what}")
+    if memory is not None and abs(memory) > TOLERANCE:
+        out.append(f"measured memory differs from the plan's prediction by {memory:+.1%} (more than {TOLERANCE:.0%}); "
+                   "recorded, but memory predictions are not calibrated: the next plan's memory is predicted the "
+                   "same way")
     return out
 
 
-def store(record: PlanCheckRecord, *, world_size: int, nodes: int, backend: str) -> str:
-    """Add ``record`` to this cluster's ProfileDB (created if the cluster was never profiled); return its path."""
+def store(record: PlanCheckRecord, *, world_size: int, nodes: int, backend: str
+          ) -> tuple[str, PlanCheckRecord, StepCalibration | None]:
+    """Add ``record`` to this cluster's ProfileDB (created if the cluster was never profiled), stamped with the
+    profile it was checked against; return the path, the stored record and the calibration its layout family has
+    now."""
     fp = current_fingerprint(world_size=world_size, nodes=nodes, backend=backend)
-    db = load_db(fp) or ProfileDB(fingerprint=fp)
-    return str(store_db(db.merged(plan_checks=[record])))
+    db = (load_db(fp) or ProfileDB(fingerprint=fp)).for_model(record.model)
+    record = dataclasses.replace(record, profile_id=db.profile_id())
+    db = db.merged(plan_checks=[record])
+    return str(store_db(db)), record, db.calibration(plan=record.plan)
 
 
 def log_plan_check(check: PlanCheck, history: list[StepMetrics], log: MetricsLog, job: JobSpec, env: LaunchEnv, *,
@@ -93,13 +160,14 @@ def log_plan_check(check: PlanCheck, history: list[StepMetrics], log: MetricsLog
     torch.distributed ``backend`` (a failure to store is said, not raised)."""
     if env.rank != 0:
         return
-    record = compare(check, history)
+    record = compare(check, history, load=other_load(env.local_world_size))
     if record is None:
         return
     diff = differences(record)
-    stored = None
+    stored, calibration = None, None
     try:
-        stored = store(record, world_size=env.world_size, nodes=job.cluster.nodes, backend=backend)
+        stored, record, calibration = store(record, world_size=env.world_size, nodes=job.cluster.nodes,
+                                            backend=backend)
     except (OSError, CfpError) as err:
         log.event("warning", message=f"the plan check was not stored in the ProfileDB: {err}")
     log.event("plan_check", steps=record.steps, predicted_step_s=round(record.predicted_step_s, 6),
@@ -109,6 +177,12 @@ def log_plan_check(check: PlanCheck, history: list[StepMetrics], log: MetricsLog
               else round(record.predicted_peak_bytes / 2**30, 4),
               measured_peak_gib=None if record.measured_peak_bytes is None
               else round(record.measured_peak_bytes / 2**30, 4),
-              memory_diff=None if diff["memory"] is None else round(diff["memory"], 4), stored=stored)
-    for warning in warnings_for(record):
+              memory_diff=None if diff["memory"] is None else round(diff["memory"], 4), stored=stored,
+              other_load=None if record.other_load is None else round(record.other_load, 3),
+              repeat_spread=None if record.repeat_spread is None else round(record.repeat_spread, 3),
+              busy=record.busy, analytical=list(check.analytical) or None)
+    for warning in warnings_for(record, calibration):
+        if check.analytical:
+            warning += (f" (the prediction priced {', '.join(check.analytical)} by the analytical model: the profile "
+                        "had not measured them)")
         log.event("warning", message=warning)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import shlex
 from collections.abc import Callable
 from typing import Any
@@ -73,6 +74,10 @@ def megatron_lm_args(plan: Plan, *, num_layers: int | None = None) -> list[str]:
             args += _MEGATRON_RULES[name](plan, num_layers)
         elif isinstance(value, bool):
             args += [lk.megatron] if value else []
+        elif lk.optional and value == getattr(defaults, name):
+            continue  # an option added later, at its default: Megatron-LM's own default
+        elif isinstance(value, enum.Enum):
+            args += [lk.megatron, str(value.value)]
         else:  # explicit sizes (Megatron-LM's default expert TP is the TP size)
             args += [lk.megatron, str(lk.none_means if value is None else value)]
     args += ["--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size),
@@ -81,8 +86,12 @@ def megatron_lm_args(plan: Plan, *, num_layers: int | None = None) -> list[str]:
 
 
 def _pipeline_split_args(plan: Plan, num_layers: int | None) -> list[str]:
-    """The first/last stage's layers and the interleaving (see :func:`megatron_lm_args`)."""
+    """The first/last stage's layers and the interleaving (see :func:`megatron_lm_args`); nothing with a per-stage
+    layout (``--pipeline-model-parallel-layout``, written from its LayoutKey), from whose stage count Megatron-LM
+    derives the virtual pipeline size and beside which it refuses the interleaving flags."""
     p = plan.parallel
+    if p.pipeline_model_parallel_layout is not None:
+        return []
     args: list[str] = []
     uneven = p.pp > 1 and (p.first_stage_layers is not None or p.last_stage_layers is not None)
     if uneven and p.first_stage_layers is not None:
@@ -193,14 +202,20 @@ def _zero_section(plan: Plan) -> dict[str, Any]:
     return zero
 
 
+_HYDRA_QUOTED = re.compile(r"[()\[\]{}',=\"\\\s]")
+"""Characters Hydra's override grammar reads only inside a quoted value (a pipeline layout's groups, ``(tt|)*30``)."""
+
+
 def _hydra_value(value: Any) -> str:
-    """A value in Hydra's override syntax."""
+    """A value in Hydra's override syntax (a string with parentheses or other grammar characters double-quoted)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, enum.Enum):
         return str(value.value)
+    if isinstance(value, str) and _HYDRA_QUOTED.search(value):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return str(value)
 
 

@@ -109,12 +109,15 @@ def _with_plan(launch: LaunchPlan, cfp: CfpSpec, console: Console | None) -> tup
             console.print(f"cfp:   {i}. {line}", markup=False)
         if launch.ranked and launch.calibration != 1.0:
             console.print(f"cfp:   (step times scaled by {launch.calibration:.3f}, the median measured/predicted ratio "
-                          "of earlier runs of this model here)", markup=False)
+                          "of earlier runs of this layout family on this profile)", markup=False)
         if plan.predicted is not None:
             calibrated = "" if launch.calibration == 1.0 else \
                 f" ({plan.predicted.step_time_s * launch.calibration * 1e3:.1f} ms calibrated by earlier runs)"
             console.print(f"cfp: predicted {plan.predicted.step_time_s * 1e3:.1f} ms per step{calibrated}, "
                           f"{plan.predicted.peak_memory_gib:.3f} GiB peak per rank", markup=False)
+            if plan.predicted.analytical:
+                console.print(f"cfp: the prediction prices {', '.join(plan.predicted.analytical)} by the analytical "
+                              "model: the profile has not measured them", markup=False)
     if plan.predicted is None or cfp.check_after_steps == 0:
         return job, None
     steps = cfp.check_after_steps
@@ -124,7 +127,8 @@ def _with_plan(launch: LaunchPlan, cfp: CfpSpec, console: Console | None) -> tup
         job = dataclasses.replace(job, train=dataclasses.replace(job.train, memory_step=steps))
     check = PlanCheck(plan=plan.canonical(), model_key=model_key(job, on_gpu=torch.cuda.is_available()),
                       after_steps=steps, predicted_step_s=plan.predicted.step_time_s, calibration=launch.calibration,
-                      predicted_peak_bytes=plan.predicted.peak_memory_gib * 2**30)
+                      predicted_peak_bytes=plan.predicted.peak_memory_gib * 2**30,
+                      analytical=plan.predicted.analytical)
     return job, check
 
 

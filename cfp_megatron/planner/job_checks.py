@@ -54,6 +54,14 @@ def _rest_issues(job: JobSpec) -> list[ConfigIssue]:
                     "installed.",
             fix="install transformer-engine (GPU), or approximate MLA with multi-head attention: "
                 "model.attention=standard model.kv_channels=192."))
+    if job.model.mtp_num_layers:
+        issues.append(ConfigIssue(
+            key="model.mtp_num_layers", value=job.model.mtp_num_layers,
+            problem="the runtime does not build Megatron-Core's multi-token-prediction block yet (its passes run "
+                    "on CPU, but its chunk placement, the embedding it shares with the first stage over the "
+                    "pipeline and its loss are not wired and checked against the single-rank reference); the "
+                    "planner, the simulator and the validator price it, so plan with it but train without.",
+            fix="set model.mtp_num_layers=0 to train (and drop the m's from parallel.pipeline_model_parallel_layout)."))
     if job.data.kind is DataKind.indexed:
         try:
             validate_indexed(job)

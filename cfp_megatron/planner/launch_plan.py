@@ -32,6 +32,7 @@ from cfp_megatron.base.parallel_dims import transformer_engine_available
 from cfp_megatron.plan import Plan, PlanError, load_plan, save_plan
 from cfp_megatron.planner.plan_cli import inputs_fingerprint
 from cfp_megatron.profile.cluster import local_measurements
+from cfp_megatron.profile.progress import RoundProgress
 from cfp_megatron.search.space import build_space
 
 PLAN_DIR = "cfp"
@@ -139,7 +140,13 @@ def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv,
     from cfp_megatron.engine.distributed import destroy_distributed, searched_on_rank0
     from cfp_megatron.profile.runner import profile_job
 
-    outcome = profile_job(job, env, budget_s=cfp.profile_budget_s, keep_group=True)
+    with RoundProgress(enabled=env.rank == 0 and console is not None) as progress:
+        outcome = profile_job(job, env, budget_s=cfp.profile_budget_s, keep_group=True,
+                              progress=progress.update if env.rank == 0 and console is not None else None)
+    if env.rank == 0 and console is not None:
+        for line in coverage_lines(outcome, cfp.profile_budget_s, env.world_size,
+                                   [f"model={job.model.name}", f"cluster={job.cluster.name}"]):
+            console.print(f"cfp: {line}", markup=False)
     try:
         def search() -> dict[str, Any]:
             plan, ranked, scale = _search_on_rank0(job, cfp, env.world_size)
@@ -160,11 +167,33 @@ def _search_on_rank0(job: JobSpec, cfp: CfpSpec, world: int) -> tuple[Plan, tupl
     key = measurements.fingerprint.key if measurements is not None else None
     found = MegatronBackend().search(planned, world, cfp, BackendSpec(), measurements=measurements,
                                      inputs_fingerprint=inputs_fingerprint(planned, key), on_gpu=False)
-    # Earlier runs of this model on this cluster, checked against their plans, scale the step time shown and checked
-    # (the plan keeps the simulator's; the ranking does not change: the same factor applies to every candidate).
-    scale = (measurements.step_time_calibration() if measurements is not None else None) or 1.0
+    # Earlier runs of this model on this profile, checked against plans of the same layout family, scale the step
+    # time shown and checked (the plan keeps the simulator's; the ranking does not change).
+    def scale_of(p: Plan) -> float:
+        found = measurements.step_time_calibration(plan=p.canonical()) if measurements is not None else None
+        return found or 1.0
+
     # The plan carries the job's own cluster preset (the measured figures are inputs, kept in the fingerprint).
     plan = dataclasses.replace(found.best, cluster=job.cluster.name)
-    ranked = tuple(f"{label}: {p.predicted.step_time_s * scale * 1e3:.1f} ms, {p.predicted.peak_memory_gib:.3f} GiB"
+    ranked = tuple(f"{label}: {p.predicted.step_time_s * scale_of(p) * 1e3:.1f} ms, "
+                   f"{p.predicted.peak_memory_gib:.3f} GiB"
+                   + (f" [analytical: {', '.join(p.predicted.analytical)} not measured]" if p.predicted.analytical
+                      else "")
                    for label, p in zip(found.labels, found.plans, strict=True) if p.predicted is not None)
-    return plan, ranked, scale
+    return plan, ranked, scale_of(found.best)
+
+
+def coverage_lines(outcome: Any, budget_s: float, world: int, overrides: list[str]) -> list[str]:
+    """What profiling measured, reused, cut off per round, and (when partial) what is missing and how to complete
+    it (``outcome``: :class:`~cfp_megatron.profile.runner.ProfileOutcome` on rank 0)."""
+    from cfp_megatron.profile.runner import completion_hint
+
+    parts = []
+    for r in outcome.coverage:
+        total = len(r.measured) + len(r.missing) + r.reused
+        state = "timed out" if r.status.value == "timeout" else r.status.value if r.status.value != "ok" else ""
+        said = f"{r.name} {total - len(r.missing)}/{total}"
+        said += f" ({len(r.measured)} measured, {r.reused} reused" + (f", {state}" if state else "") + ")"
+        parts.append(said)
+    lines = [f"profile (budget {budget_s:.0f} s): " + "; ".join(parts)] if parts else []
+    return lines + completion_hint(outcome, overrides, world=world)

@@ -39,7 +39,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Profile, print the summary and the DB path on rank 0; exit status 2 on a user error."""
 
-    from cfp_megatron.profile.runner import profile_job
+    from cfp_megatron.profile.runner import completion_hint, profile_job
 
     warnings.filterwarnings("ignore", message=f".*({_EXPECTED_ON_CPU}).*")
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
@@ -55,9 +55,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         with RoundProgress(enabled=env.rank == 0) as progress:
             outcome = profile_job(job, env, budget_s=args.budget, force=args.force, progress=progress.update)
         if env.rank == 0 and outcome.db is not None:
-            render(outcome.db, outcome.rounds, console=console)
+            ran = {r.name for r in outcome.rounds}
+            render(outcome.db, (*outcome.rounds, *(r for r in outcome.coverage if r.name not in ran)),
+                   console=console)
             for note in outcome.notes:
                 console.print(f"note: {note}", markup=False)
+            for line in completion_hint(outcome, args.overrides, env.world_size):
+                console.print(f"note: {line}", markup=False)
             cluster = measured_cluster(job.cluster, outcome.db, gpus_per_node=outcome.db.fingerprint.gpus_per_node)
             console.print(f"cluster {cluster.name} with measured figures: {describe_cluster(cluster)}", markup=False)
             state = "reused (nothing measured)" if outcome.reused else f"profiled in {outcome.wall_s:.1f} s"

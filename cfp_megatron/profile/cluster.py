@@ -26,17 +26,25 @@ def link_fit(measured: Measurements, span: Span) -> CollectiveFit | None:
 
 def measured_cluster(spec: ClusterSpec, measured: Measurements, *, gpus_per_node: int | None = None) -> ClusterSpec:
     """``spec`` with peak TFLOP/s (fp32, bf16), intra-node and inter-node bandwidth and latency replaced by what was
-    measured (figures not measured keep the spec's values); ``gpus_per_node`` fills an unset one."""
+    measured (figures not measured keep the spec's values); ``gpus_per_node`` fills an unset one.
+
+    A measured peak ran at the clock the GPUs really had: once one is filled in, the spec's clock or power limit is
+    applied to the unmeasured fp8 peak here and then dropped, so nothing is scaled twice. A measured network link
+    likewise replaces a NIC override (``nics_per_node``, ``nic_gbps``)."""
     changes: dict[str, object] = {}
     for field, dtype in (("peak_tflops_fp32", "fp32"), ("peak_tflops_bf16", "bf16")):
         peak = measured.peak_tflops(dtype)
         if peak is not None and peak > 0:
             changes[field] = peak
+    if changes and spec.clock_scale < 1.0:
+        changes.update(peak_tflops_fp8=spec.clocked_peak_tflops("fp8"), sm_clock_mhz=None, power_limit_w=None)
     for prefix, span in (("intra_node", Span.intra_node), ("inter_node", Span.inter_node)):
         fit = link_fit(measured, span)
         if fit is not None:
             changes[f"{prefix}_bandwidth_gbps"] = fit.bandwidth_bytes_per_s / 1e9
             changes[f"{prefix}_latency_us"] = fit.latency_s * 1e6
+            if span is Span.inter_node:
+                changes.update(nics_per_node=None, nic_gbps=None)
     if spec.gpus_per_node is None and gpus_per_node is not None:
         changes["gpus_per_node"] = gpus_per_node
     return dataclasses.replace(spec, **changes)
@@ -68,4 +76,4 @@ def describe_cluster(spec: ClusterSpec) -> str:
 
     return (f"peak fp32 {fmt(spec.peak_tflops_fp32, 'TFLOP/s')}, peak bf16 {fmt(spec.peak_tflops_bf16, 'TFLOP/s')}, "
             f"intra-node {fmt(spec.intra_node_bandwidth_gbps, 'GB/s')} / {fmt(spec.intra_node_latency_us, 'us')}, "
-            f"inter-node {fmt(spec.inter_node_bandwidth_gbps, 'GB/s')} / {fmt(spec.inter_node_latency_us, 'us')}")
+            f"inter-node {fmt(spec.network_bandwidth_gbps, 'GB/s')} / {fmt(spec.inter_node_latency_us, 'us')}")

@@ -12,7 +12,7 @@ from cfp_megatron.cluster.measured import Collective, Span
 from cfp_megatron.profile.control import Step, StepResult, timed
 from cfp_megatron.profile.errors import ProfileError
 from cfp_megatron.profile.fit import fit_collective
-from cfp_megatron.profile.records import CollectiveRecord
+from cfp_megatron.profile.records import CollectiveRecord, collective_entry
 
 CPU_SIZES = tuple(4 << (2 * i) for i in range(5, 11))
 """Message bytes timed under gloo: 4 KiB ... 4 MiB (x4 apart)."""
@@ -128,6 +128,10 @@ class CollectiveBench:
         raise ProfileError(f"unknown collective {op!r}")
 
 
+def _setup_label(pattern: GroupPattern) -> str:
+    return f"groups of {pattern.size} ({pattern.span.value}, {pattern.layout})"
+
+
 def collective_steps(world: int, nodes: int, *, on_gpu: bool, dtype: torch.dtype, device: torch.device
                      ) -> tuple[list[Step], dict[str, tuple[Collective, GroupPattern, int]], Callable[[], None]]:
     """The round's steps (group set-up first, then the smallest and largest size of every collective on every
@@ -144,12 +148,12 @@ def collective_steps(world: int, nodes: int, *, on_gpu: bool, dtype: torch.dtype
             benches[i] = CollectiveBench(pattern, dtype, device)
             return []
 
-        steps.append(Step(label=f"groups of {pattern.size} ({pattern.span.value}, {pattern.layout})", run=setup))
+        steps.append(Step(label=_setup_label(pattern), run=setup))
     order = [sizes[0], sizes[-1], *sizes[1:-1]]
     for size_index, size in enumerate(order):
         for i, pattern in enumerate(patterns):
             for op in Collective:
-                label = f"{op.value} g={pattern.size} {pattern.span.value} {size} B"
+                label = collective_entry(op, pattern.size, pattern.span, size)
 
                 def measure(i: int = i, op: Collective = op, size: int = size) -> list[float]:
                     bench = benches[i]
@@ -157,7 +161,7 @@ def collective_steps(world: int, nodes: int, *, on_gpu: bool, dtype: torch.dtype
                     seconds = timed(fn, repeats=repeats_for(size, on_gpu=on_gpu), warmup=2, group=bench.group)
                     return [seconds, float(actual)]
 
-                steps.append(Step(label=label, run=measure))
+                steps.append(Step(label=label, run=measure, entry=label, needs=_setup_label(pattern)))
                 meaning[label] = (op, patterns[i], size_index)
     def release() -> None:
         for bench in benches.values():
@@ -169,10 +173,14 @@ def collective_steps(world: int, nodes: int, *, on_gpu: bool, dtype: torch.dtype
 
 
 def fit_results(results: Sequence[StepResult],
-                meaning: dict[str, tuple[Collective, GroupPattern, int]]) -> tuple[list[CollectiveRecord], list[str]]:
-    """One fit per (collective, pattern) with two or more sizes timed; and what could not be fitted, with why."""
+                meaning: dict[str, tuple[Collective, GroupPattern, int]],
+                prior: Sequence[CollectiveRecord] = ()) -> tuple[list[CollectiveRecord], list[str]]:
+    """One fit per (collective, pattern) with two or more sizes timed (with the samples of ``prior`` records of an
+    earlier run that measured the other sizes); and what could not be fitted, with why."""
     samples: dict[tuple[Collective, int, Span], list[tuple[int, float]]] = {}
-    layouts: dict[tuple[Collective, int, Span], str] = {}
+    for rec in prior:
+        samples.setdefault((rec.fit.op, rec.fit.group_size, rec.fit.span), []).extend(rec.samples)
+    layouts = {(rec.fit.op, rec.fit.group_size, rec.fit.span): rec.pattern for rec in prior}
     for res in results:
         if res.label not in meaning:
             continue

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +36,20 @@ class Step:
     """What it measures, for progress lines and failure reasons."""
     run: Callable[[], Sequence[float]]
     """Does the work; returns up to three figures (e.g. seconds) to reduce by maximum over ranks."""
+    entry: str | None = None
+    """The round's entry this step measures (:class:`~cfp_megatron.profile.records.RoundRecord`'s ``measured`` and
+    ``missing``; several steps may share one); ``None`` for a set-up step."""
+    needs: str | None = None
+    """Label of the set-up step this step needs (run before it whenever it runs); ``None`` for none."""
+
+
+def select_steps(steps: Sequence[Step], entries: Iterable[str]) -> list[Step]:
+    """The steps of ``entries`` in their order, with the set-up steps they need (a completed profile's round
+    gets none; a partial one only what is missing)."""
+    wanted = set(entries)
+    kept = [s for s in steps if s.entry is not None and s.entry in wanted]
+    needed = {s.needs for s in kept if s.needs is not None}
+    return [s for s in steps if (s.entry is not None and s.entry in wanted) or (s.entry is None and s.label in needed)]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,9 +9,11 @@ rename). The DB implements :class:`~cfp_megatron.cluster.measured.Measurements`,
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,10 @@ from cfp_megatron.profile.records import (
     PlanCheckRecord,
     RoundRecord,
     SegmentRecord,
+    collective_entry_key,
+    gemm_entry,
+    overhead_entry,
+    segment_entry,
 )
 
 SCHEMA_VERSION = 1
@@ -202,12 +208,59 @@ class ProfileDB:
         return max(num / den, 0.0) if den > 0 else 0.0
 
     # ------------------------------------------------------------------------------------------------ queries
-    def step_time_calibration(self, model: str | None = None) -> float | None:
-        """Median of measured over predicted step time of the training runs of ``model`` (default: this DB's
-        :meth:`for_model` key) checked against their plans; ``None`` without any."""
+    def step_time_calibration(self, model: str | None = None, *, plan: str | None = None) -> float | None:
+        """The ratio of :meth:`calibration` (``None`` without a trusted run)."""
+        found = self.calibration(model, plan=plan)
+        return found.ratio if found is not None else None
+
+    def profile_id(self, model: str | None = None) -> str:
+        """Identity of the profile ``model``'s predictions read (default: this DB's :meth:`for_model` key): a hash of
+        the collective fits, the GEMM table and the model's segments and probes. Any new measurement makes a new
+        profile, whose plan checks start afresh."""
         key = model or self.model
-        ratios = [r.step_ratio for r in self.plan_checks if r.model == key and r.predicted_step_s > 0]
-        return statistics.median(ratios) if ratios else None
+        payload = {"collectives": [r.to_json() for r in self.collectives], "gemms": [r.to_json() for r in self.gemms],
+                   "segments": [r.to_json() for r in self.segments if r.model == key],
+                   "overheads": [r.to_json() for r in self.overheads if r.model == key]}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+    def calibration(self, model: str | None = None, *, plan: str | None = None) -> StepCalibration | None:
+        """Measured over predicted step time of the training runs of ``model`` (default: this DB's :meth:`for_model`
+        key) checked against plans read from this very profile (:meth:`profile_id`) and, with ``plan`` (a canonical
+        string), of its layout family (:func:`layout_family`): the median over the runs, where a run on a busy
+        machine (:attr:`PlanCheckRecord.busy`) or far outside the others (:func:`robust_ratio`) is recorded but not
+        trusted. ``None`` without any run."""
+        key = model or self.model
+        current = self.profile_id(key)
+        family = layout_family(plan) if plan is not None else None
+        checks = [r for r in self.plan_checks if r.model == key and r.predicted_step_s > 0
+                  and r.profile_id == current and (family is None or layout_family(r.plan) == family)]
+        if not checks:
+            return None
+        busy = [r.step_ratio for r in checks if r.busy is not None]
+        return robust_ratio([r.step_ratio for r in checks if r.busy is None], busy=busy)
+
+    def missing_entries(self, round_name: str, model: str, planned: Sequence[str]) -> list[str]:
+        """The entries of ``planned`` (a round's entries for a job, in the order the round runs them) this DB lacks:
+        GEMM shapes, segment timings with their memory, probes (``model``'s) are read off the records themselves
+        (so a DB written before rounds recorded their entries is completed too); a collective's size counts once
+        its fit exists and a run recorded it as measured (in a DB whose runs recorded none, once its fit
+        exists)."""
+        if round_name == "collectives":
+            fitted = {(r.fit.op.value, r.fit.group_size, r.fit.span.value) for r in self.collectives}
+            recorded = [r for r in self.rounds if r.name == "collectives" and r.measured]
+            done = {e for r in recorded for e in r.measured}
+            return [e for e in planned if collective_entry_key(e) not in fitted or (recorded and e not in done)]
+        if round_name == "gemm":
+            have = {gemm_entry(g.m, g.n, g.k, g.dtype) for g in self.gemms}
+        elif round_name in ("segments", "recompute"):
+            have = {segment_entry(r.kind, r.partition, r.micro_batch) for r in self.segments
+                    if r.model == model and r.activation_bytes is not None}
+        elif round_name == "overheads":
+            have = {overhead_entry(r.partition, r.layers, r.micro_batch) for r in self.overheads if r.model == model}
+        else:
+            raise ProfileDBError(f"unknown profiling round {round_name!r}. Fix: one of collectives, gemm, segments, "
+                                 "overheads, recompute.")
+        return [e for e in planned if e not in have]
 
     def for_model(self, model: str) -> ProfileDB:
         """The same DB with kind names resolving against ``model`` (a :func:`model_key`)."""
@@ -279,6 +332,61 @@ class ProfileDB:
                                  "Fix: profile again with --force.") from None
 
 
+# ----------------------------------------------------------------------------------------------- calibration
+OUTLIER_FACTOR = 1.5
+"""A run whose ratio is this factor or more off the others' median (and beyond 3 robust deviations) is an outlier."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCalibration:
+    """Measured over predicted step time of earlier runs: what the next plan's step time is scaled by."""
+
+    ratio: float | None
+    """Median over the trusted runs; ``None`` when no run is trusted (all on a busy machine)."""
+    runs: int
+    """Trusted runs the median is over."""
+    spread: float
+    """(Largest - smallest) / median of the trusted ratios; 0 with one run."""
+    untrusted: tuple[float, ...] = ()
+    """Ratios recorded but left out: outliers far from the rest, runs on a busy machine."""
+
+
+def robust_ratio(ratios: Sequence[float], *, busy: Sequence[float] = ()) -> StepCalibration:
+    """The median of ``ratios`` (oldest first) with a run far outside the rest left out: with three or more, one
+    whose log-ratio is more than max(3 robust standard deviations (1.4826 x MAD), log :data:`OUTLIER_FACTOR`) from
+    the median; with two that disagree by :data:`OUTLIER_FACTOR` or more, the later one (the earlier stands until a
+    third run decides). ``busy``: ratios of runs on a busy machine, only recorded."""
+    logs = [math.log(r) for r in ratios if r > 0]
+    trusted, outliers = list(logs), []
+    if len(logs) == 2 and abs(logs[1] - logs[0]) >= math.log(OUTLIER_FACTOR):
+        trusted, outliers = [logs[0]], [logs[1]]
+    elif len(logs) >= 3:
+        mid = statistics.median(logs)
+        mad = statistics.median(abs(x - mid) for x in logs)
+        limit = max(3 * 1.4826 * mad, math.log(OUTLIER_FACTOR))
+        trusted = [x for x in logs if abs(x - mid) <= limit]
+        outliers = [x for x in logs if abs(x - mid) > limit]
+    if not trusted:
+        return StepCalibration(ratio=None, runs=0, spread=0.0, untrusted=(*map(math.exp, outliers), *busy))
+    values = [math.exp(x) for x in trusted]
+    ratio = statistics.median(values)
+    return StepCalibration(ratio=ratio, runs=len(values), spread=(max(values) - min(values)) / ratio,
+                           untrusted=(*map(math.exp, outliers), *busy))
+
+
+FAMILY_KEYS = ("tp", "sp", "pp", "vpp", "cp", "ep", "rc")
+"""Fields of a plan's canonical string that make its layout family: runs of one family calibrate its plans."""
+
+
+def layout_family(plan: str) -> str:
+    """The layout family of a plan's canonical string (``tp=1,sp=0,pp=2,vpp=1,cp=1,ep=1,rc=none``): its parallel
+    sizes and recomputation, not its micro-batch or optimizer; the string itself when it has no fields."""
+    _, _, fields = plan.partition(":")
+    pairs = dict(part.split("=", 1) for part in fields.split(",") if "=" in part)
+    found = [f"{k}={pairs[k]}" for k in FAMILY_KEYS if k in pairs]
+    return ",".join(found) if found else plan
+
+
 # --------------------------------------------------------------------------------------------------- storage
 def db_path(fingerprint: Fingerprint) -> Path:
     """Where the DB of ``fingerprint`` lives: ``$CFP_CACHE_DIR/profile/<key>.json``."""
@@ -326,5 +434,5 @@ def export_db(db: ProfileDB, path: str | Path) -> Path:
                              "Fix: choose another path or delete the file.") from None
 
 
-__all__ = ["SCHEMA_VERSION", "ProfileDB", "db_path", "export_db", "load_db", "read_db",
-           "store_db"]
+__all__ = ["SCHEMA_VERSION", "ProfileDB", "StepCalibration", "db_path", "export_db", "layout_family", "load_db",
+           "read_db", "robust_ratio", "store_db"]

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from cfp_megatron.profile.control import Step, StepResult, timed
-from cfp_megatron.profile.records import GemmRecord
+from cfp_megatron.profile.records import GemmRecord, gemm_entry
 
 CPU_DIMS = (64, 256, 1024)
 """m, n and k values timed on CPU."""
@@ -39,14 +39,14 @@ def gemm_steps(dtypes: Sequence[str], *, on_gpu: bool, device: torch.device) -> 
     meaning: dict[str, tuple] = {}
     for dtype in dtypes:
         for m, n, k in gemm_shapes(dims):
-            label = f"gemm {dtype} {m}x{n}x{k}"
+            label = gemm_entry(m, n, k, dtype)
 
             def measure(m: int = m, n: int = n, k: int = k, dtype: str = dtype) -> list[float]:
                 a = torch.randn(m, k, dtype=DTYPES[dtype], device=device)
                 b = torch.randn(k, n, dtype=DTYPES[dtype], device=device)
                 return [timed(lambda: torch.matmul(a, b), repeats=repeats_for(m, n, k, on_gpu=on_gpu), warmup=1)]
 
-            steps.append(Step(label=label, run=measure))
+            steps.append(Step(label=label, run=measure, entry=label))
             meaning[label] = (m, n, k, dtype)
     return steps, meaning
 

@@ -29,7 +29,7 @@ from cfp_megatron.data.batches import build_micro_batches
 from cfp_megatron.engine.model import count_parameters
 from cfp_megatron.engine.step import build_training, forward_backward, reduce_loss
 from cfp_megatron.profile.control import Step, StepResult, barrier, slowest
-from cfp_megatron.profile.records import OverheadRecord
+from cfp_megatron.profile.records import OverheadRecord, overhead_entry
 from cfp_megatron.profile.segments import SegmentCase, init_probe_groups
 
 MICROBATCHES = 4
@@ -171,8 +171,9 @@ def overhead_steps(cases: Sequence[OverheadCase], micro_batch_sizes: Sequence[in
         steps.append(Step(label=f"overheads build {tag}", run=setup))
         meaning[f"overheads build {tag}"] = (name, case.tp, case.layers, 0)
         for mbs in micro_batch_sizes:
-            label = f"overheads {tag} mbs={mbs}"
-            steps.append(Step(label=label, run=lambda tag=tag, mbs=mbs: holder[tag].time(mbs)))
+            label = overhead_entry(name, case.layers, mbs)
+            steps.append(Step(label=label, run=lambda tag=tag, mbs=mbs: holder[tag].time(mbs), entry=label,
+                              needs=f"overheads build {tag}"))
             meaning[label] = (name, case.tp, case.layers, mbs)
     return steps, meaning
 

@@ -37,15 +37,60 @@ class RoundRecord:
     """Steps it would have run with no deadline."""
     seconds: float = 0.0
     """Wall time it took."""
+    model: str = ""
+    """Model key the round's entries belong to (:func:`~cfp_megatron.profile.fingerprint.model_key`; ``""`` for the
+    rounds of the cluster itself: collectives, gemm) and older records."""
+    measured: tuple[str, ...] = ()
+    """Entries (:func:`gemm_entry`, :func:`segment_entry`, ...) this run measured; empty in older records."""
+    missing: tuple[str, ...] = ()
+    """Entries the profile still lacks for the job after this run (a later run or ``python -m
+    cfp_megatron.profile`` measures only these); empty when complete and in older records."""
+    reused: int = 0
+    """Entries the DB already held, not measured again."""
+
+    @property
+    def complete(self) -> bool:
+        """Nothing of the round is missing for the job."""
+        return not self.missing
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready form."""
-        return {**dataclasses.asdict(self), "status": self.status.value}
+        return {**dataclasses.asdict(self), "status": self.status.value, "measured": list(self.measured),
+                "missing": list(self.missing)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RoundRecord:
-        """Parse :meth:`to_json`'s output."""
-        return cls(**{**data, "status": RoundStatus(data["status"])})
+        """Parse :meth:`to_json`'s output (records written before ``model``, ``measured``, ``missing`` and
+        ``reused`` existed load with their defaults)."""
+        return cls(**{**data, "status": RoundStatus(data["status"]),
+                      "measured": tuple(data.get("measured", ())), "missing": tuple(data.get("missing", ()))})
+
+
+def gemm_entry(m: int, n: int, k: int, dtype: str) -> str:
+    """The gemm round's entry (and step label) of one matmul shape."""
+    return f"gemm {dtype} {m}x{n}x{k}"
+
+
+def collective_entry(op: Collective, group_size: int, span: Span, message_bytes: int) -> str:
+    """The collectives round's entry (and step label) of one collective, group pattern and message size."""
+    return f"{op.value} g={group_size} {span.value} {message_bytes} B"
+
+
+def collective_entry_key(entry: str) -> tuple[str, int, str]:
+    """``(op, group size, span)`` of a :func:`collective_entry` (its fit's key, as values)."""
+    op, size, span = entry.split()[:3]
+    return op, int(size.removeprefix("g=")), span
+
+
+def segment_entry(kind: str, partition: str, micro_batch: int) -> str:
+    """The segments (or recompute) round's entry of one layer kind under one partition at one micro-batch size:
+    its timing and memory steps."""
+    return f"{kind} {partition} mbs={micro_batch}"
+
+
+def overhead_entry(partition: str, layers: int, micro_batch: int) -> str:
+    """The overheads round's entry of one probe at one micro-batch size."""
+    return f"overheads {partition} L{layers} mbs={micro_batch}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,6 +236,12 @@ class OverheadRecord:
         return cls(**data)
 
 
+BUSY_OTHER_LOAD = 0.25
+"""Share of the cores busy with other work above which a plan check's machine counts as busy."""
+BUSY_REPEAT_SPREAD = 0.5
+"""(Slowest - fastest) / median of the timed steps above which a plan check's machine counts as busy."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanCheckRecord:
     """A training run's first steps measured against its plan's prediction (``+cfp=auto`` / ``+cfp=manual``)."""
@@ -213,11 +264,31 @@ class PlanCheckRecord:
     """Measured peak memory of the most loaded rank (``None`` when not measured)."""
     time: float
     """When (seconds since the epoch)."""
+    profile_id: str | None = None
+    """The profile the prediction was measured against (:meth:`~cfp_megatron.profile.db.ProfileDB.profile_id`): a
+    new profile of the model starts its calibration fresh; ``None`` in records written before it was kept (these
+    calibrate nothing)."""
+    other_load: float | None = None
+    """Share of the machine's cores busy with other work than this job right after the checked steps, 0..1
+    (:func:`cfp_megatron.plan.check.other_load`); ``None`` where not known."""
+    repeat_spread: float | None = None
+    """Spread of the timed steps: (slowest - fastest) / median; ``None`` with fewer than two."""
 
     @property
     def step_ratio(self) -> float:
         """Measured over the simulator's predicted step time (what calibration is the median of)."""
         return self.measured_step_s / self.predicted_step_s
+
+    @property
+    def busy(self) -> str | None:
+        """Why the machine looked busy while the steps were timed (other work on more than
+        :data:`BUSY_OTHER_LOAD` of the cores, or step times more than :data:`BUSY_REPEAT_SPREAD` apart), so the run
+        is recorded but does not calibrate; ``None`` when it looked quiet."""
+        if self.other_load is not None and self.other_load > BUSY_OTHER_LOAD:
+            return f"other work used {self.other_load:.0%} of the cores"
+        if self.repeat_spread is not None and self.repeat_spread > BUSY_REPEAT_SPREAD:
+            return f"the timed steps were {self.repeat_spread:.0%} apart"
+        return None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready form."""

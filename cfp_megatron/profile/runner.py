@@ -1,16 +1,18 @@
 """One profiling run under torchrun: decide what to measure, run the rounds within the budget, store the DB.
 
-Every rank calls :func:`profile_job`. Rank 0 reads the ProfileDB of this cluster's fingerprint, decides which rounds
-are missing (all with ``force``), runs the model analysis for the segment classes (before any process group: the
-analysis uses its own ``fake`` group), then broadcasts the plan; all ranks run the rounds in step
-(:mod:`cfp_megatron.profile.control`), and rank 0 merges the results into the DB and writes it.
+Every rank calls :func:`profile_job`. Rank 0 reads the ProfileDB of this cluster's fingerprint, decides which entries
+of which rounds are missing (:func:`rounds_needed`; all with ``force``), runs the model analysis for the segment
+classes (before any process group: the analysis uses its own ``fake`` group), then broadcasts the plan; all ranks run
+the missing entries' steps in step (:mod:`cfp_megatron.profile.control`), and rank 0 merges the results into the DB,
+with each round's measured and missing entries, and writes it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,13 +28,13 @@ from cfp_megatron.compat import moe
 from cfp_megatron.compat.cpu import install_if_needed
 from cfp_megatron.engine.distributed import destroy_distributed, prepare_device_and_env, resolve_backend
 from cfp_megatron.profile.collectives import collective_steps, fit_results
-from cfp_megatron.profile.control import StepResult, run_round
+from cfp_megatron.profile.control import Step, StepResult, run_round, select_steps
 from cfp_megatron.profile.db import ProfileDB, db_path, load_db, store_db
-from cfp_megatron.profile.errors import ProfileDBError
+from cfp_megatron.profile.errors import ProfileDBError, ProfileError
 from cfp_megatron.profile.fingerprint import Fingerprint, current_fingerprint, model_key
 from cfp_megatron.profile.gemm import gemm_records, gemm_steps
 from cfp_megatron.profile.overheads import overhead_cases, overhead_records, overhead_steps
-from cfp_megatron.profile.records import RoundRecord, RoundStatus
+from cfp_megatron.profile.records import RoundRecord, RoundStatus, collective_entry_key
 from cfp_megatron.profile.segments import (
     analysis_classes,
     micro_batches,
@@ -70,6 +72,14 @@ class ProfileOutcome:
     """Things a person should know (a stale DB replaced, TP sizes left out)."""
     wall_s: float
     """Wall time of the whole run on rank 0."""
+    coverage: tuple[RoundRecord, ...] = ()
+    """Per round of :data:`ROUNDS` (rank 0): the entries this run measured, how many it reused, which the profile
+    still lacks for this job (a round that did not run: everything reused)."""
+
+    @property
+    def incomplete(self) -> tuple[RoundRecord, ...]:
+        """The rounds whose profile for this job is partial (their ``missing`` entries are not measured)."""
+        return tuple(r for r in self.coverage if r.missing)
 
 
 def init_profile_group(backend: str, env: LaunchEnv, timeout: datetime.timedelta) -> None:
@@ -88,23 +98,49 @@ def init_profile_group(backend: str, env: LaunchEnv, timeout: datetime.timedelta
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
 
 
-def rounds_needed(db: ProfileDB | None, model: str, micro_batch_sizes: list[int], tps: list[int], *,
-                  force: bool) -> list[str]:
-    """Rounds to run: all with ``force``; otherwise those whose results the DB lacks for this job."""
-    if force or db is None:
-        return list(ROUNDS)
-    need = []
-    if not db.collectives:
-        need.append("collectives")
-    if not db.gemms:
-        need.append("gemm")
-    if not any(db.has_segments(model, tp, mbs) for tp in tps for mbs in micro_batch_sizes):
-        need.append("segments")
-    if not any(db.has_overheads(model, tp) for tp in tps):
-        need.append("overheads")
-    if not all(any(db.has_segments(model, tp, mbs, recompute=rc) for tp in tps for mbs in micro_batch_sizes)
-               for rc in (Recompute.selective, Recompute.full)):
-        need.append("recompute")
+def round_steps(name: str, job: JobSpec, world: int, *, on_gpu: bool, device: torch.device
+                ) -> tuple[list[Step], Any, Callable[[], None] | None]:
+    """One round's steps for ``job`` on ``world`` ranks (nothing runs: closures), what each measures by label, and
+    what to release after the round (the collectives' groups)."""
+    precision = resolve_precision(job.train.precision, on_gpu).value
+    if name == "collectives":
+        dtype = torch.float32 if not on_gpu else {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+            precision, torch.float32)
+        return collective_steps(world, job.cluster.nodes, on_gpu=on_gpu, dtype=dtype, device=device)
+    if name == "gemm":
+        dtypes = ["fp32"] if not on_gpu else list(dict.fromkeys([precision, "fp32"]))
+        return (*gemm_steps(dtypes, on_gpu=on_gpu, device=device), None)
+    cases, _ = segment_cases(job, world)
+    if name in ("segments", "recompute"):
+        run = cases if name == "segments" else [case for rc in (Recompute.selective, Recompute.full)
+                                                for case in segment_cases(job, world, rc)[0]]
+        return (*segment_steps(run, micro_batches(job), model_kinds(job), repeats=5 if on_gpu else 7), None)
+    if name == "overheads":
+        return (*overhead_steps(overhead_cases(cases, world, job.model.num_layers), micro_batches(job),
+                                repeats=4), None)
+    raise ProfileError(f"unknown profiling round {name!r}; one of {', '.join(ROUNDS)}.")
+
+
+def round_entries(job: JobSpec, world: int, *, on_gpu: bool) -> dict[str, list[str]]:
+    """Every round's entries for ``job`` on ``world`` ranks, in the order the round measures them."""
+    out = {}
+    for name in ROUNDS:
+        steps, _, _ = round_steps(name, job, world, on_gpu=on_gpu, device=torch.device("cpu"))
+        out[name] = list(dict.fromkeys(s.entry for s in steps if s.entry is not None))
+    return out
+
+
+def rounds_needed(db: ProfileDB | None, model: str, planned: Mapping[str, Sequence[str]], *,
+                  force: bool) -> dict[str, list[str]]:
+    """Per round to run (in :data:`ROUNDS` order), the entries it measures: with ``force`` or without a DB every
+    planned entry; otherwise only those the DB lacks (:meth:`ProfileDB.missing_entries`), so a round cut off by
+    the budget is completed by the next run. A round with nothing missing is left out."""
+    need: dict[str, list[str]] = {}
+    for name in ROUNDS:
+        entries = list(planned.get(name, ()))
+        missing = entries if force or db is None else db.missing_entries(name, model, entries)
+        if missing:
+            need[name] = missing
     return need
 
 
@@ -120,7 +156,8 @@ def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on
     cases, skipped = segment_cases(job, world)
     notes += [f"segments: left out {s}" for s in skipped]
     tps = sorted({c.tp for c in cases})  # PrimePar's MLP is a second case of its TP size
-    rounds = rounds_needed(db, key, micro_batches(job), tps, force=force)
+    planned = round_entries(job, world, on_gpu=on_gpu)
+    rounds = rounds_needed(db, key, planned, force=force)
     classes: dict[int, dict[str, dict[str, Any]]] = {}
     records: list[dict[str, Any]] = []
     if {"segments", "recompute"} & set(rounds):  # only these rounds name their records by the analysis' classes
@@ -133,8 +170,9 @@ def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on
             status, reason = RoundStatus.failed, f"{type(err).__name__}: {err}"
         records.append(RoundRecord(name="analysis", status=status, reason=reason, steps_done=len(classes),
                                    steps_planned=len(tps), seconds=round(time.perf_counter() - began, 3)).to_json())
-    return {"rounds": rounds, "classes": classes, "notes": notes, "model_key": key, "records": records,
-            "db": db.to_json() if db is not None else None, "elapsed": time.perf_counter() - started}
+    return {"rounds": rounds, "planned": planned, "force": force, "classes": classes, "notes": notes,
+            "model_key": key, "records": records, "db": db.to_json() if db is not None else None,
+            "elapsed": time.perf_counter() - started}
 
 
 def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFILE_BUDGET_S, force: bool = False,
@@ -163,6 +201,7 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFI
                               rank=env.rank, progress=progress)
         rounds_done += [record for record, _ in results.values()]
         db = path = None
+        coverage: tuple[RoundRecord, ...] = ()
         if env.rank == 0:
             db = ProfileDB.from_json(plan["db"]) if plan["db"] is not None else ProfileDB(fingerprint=fp)
             if plan["rounds"]:
@@ -170,6 +209,7 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFI
                 path = store_db(db)
             else:
                 path = db_path(fp)
+            coverage = _coverage(plan, rounds_done)
         dist.barrier()
     except BaseException:
         _teardown()
@@ -177,44 +217,54 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFI
     if not keep_group:
         _teardown()
     return ProfileOutcome(db=db, path=path, reused=not plan["rounds"], rounds=tuple(rounds_done),
-                          notes=tuple(plan["notes"]), wall_s=round(time.perf_counter() - started, 3))
+                          notes=tuple(plan["notes"]), wall_s=round(time.perf_counter() - started, 3),
+                          coverage=coverage)
+
+
+def _coverage(plan: dict[str, Any], rounds_done: list[RoundRecord]) -> tuple[RoundRecord, ...]:
+    """Per round: this run's record (with its entries), or one saying everything was reused."""
+    ran = {r.name: r for r in rounds_done if r.name in plan["rounds"]}
+    return tuple(ran.get(name) or RoundRecord(name=name, status=RoundStatus.ok, reused=len(plan["planned"][name]))
+                 for name in ROUNDS)
+
+
+def completion_hint(outcome: ProfileOutcome, overrides: Sequence[str] = (), world: int | None = None) -> list[str]:
+    """Lines that say what the profile lacks and how to complete it (none when it is complete)."""
+    if not outcome.incomplete:
+        return []
+    parts = ", ".join(f"{r.name} {len(r.missing)} of {len(r.missing) + r.reused + len(r.measured)} missing"
+                      f" (e.g. {r.missing[0]})" for r in outcome.incomplete)
+    nproc = world if world is not None else "N"
+    args = " ".join(overrides)
+    return [f"the profile is partial: {parts}; plans that read these are priced by the analytical model",
+            f"complete it (measures only what is missing; add the job's other overrides): torchrun "
+            f"--nproc_per_node={nproc} -m cfp_megatron.profile{' ' + args if args else ''} --budget 600, or launch "
+            "again (each launch measures what is missing within cfp.profile_budget_s)"]
 
 
 def _run_rounds(job: JobSpec, plan: dict[str, Any], *, world: int, on_gpu: bool, budget_s: float, started: float,
                 rank: int, progress: ProgressFn | None) -> dict[str, tuple[RoundRecord, Any]]:
-    precision = resolve_precision(job.train.precision, on_gpu).value
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     out: dict[str, tuple[RoundRecord, Any]] = {}
     todo = list(plan["rounds"])
-    cases, _ = segment_cases(job, world)
     for name in todo:
-        release = None
-        if name == "collectives":
-            dtype = torch.float32 if not on_gpu else {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
-                precision, torch.float32)
-            steps, meaning, release = collective_steps(world, job.cluster.nodes, on_gpu=on_gpu, dtype=dtype,
-                                                       device=device)
-        elif name == "gemm":
-            dtypes = ["fp32"] if not on_gpu else list(dict.fromkeys([precision, "fp32"]))
-            steps, meaning = gemm_steps(dtypes, on_gpu=on_gpu, device=device)
-        elif name in ("segments", "recompute"):
-            run = cases if name == "segments" else [case for rc in (Recompute.selective, Recompute.full)
-                                                    for case in segment_cases(job, world, rc)[0]]
-            steps, meaning = segment_steps(run, micro_batches(job), model_kinds(job), repeats=5 if on_gpu else 7)
-        else:
-            steps, meaning = overhead_steps(overhead_cases(cases, world, job.model.num_layers), micro_batches(job),
-                                            repeats=4)
+        steps, meaning, release = round_steps(name, job, world, on_gpu=on_gpu, device=device)
+        steps = select_steps(steps, plan["rounds"][name])  # only what the profile lacks
         remaining = [n for n in todo if n not in out]
         left = budget_s - (time.perf_counter() - started)
         share = max(left, 0.0)
         if name in SHARES:
             share *= SHARES[name] / sum(SHARES[n] for n in remaining if n in SHARES)
-        callback = (lambda i, n, label, name=name: progress(name, i, n, label)) if progress and rank == 0 else None
+        reused = len(plan["planned"][name]) - len(plan["rounds"][name])
+        note = f"{share:.0f} of {budget_s:.0f} s" + (f", {reused} reused" if reused else "")
+        callback = ((lambda i, n, label, name=name, note=note: progress(name, i, n, f"{label} [{note}]"))
+                    if progress and rank == 0 else None)
         results, record = run_round(name, steps, seconds=share, on_step=callback)
         if release is not None:
             release()
         if progress is not None and rank == 0:
-            progress(name, record.steps_done, len(steps), record.status.value)
+            status = "timed out" if record.status is RoundStatus.timeout else record.status.value
+            progress(name, record.steps_done, len(steps), f"{status} in {record.seconds:.1f} s [{note}]")
         out[name] = (record, (results, meaning))
     return out
 
@@ -226,7 +276,7 @@ def _merge(db: ProfileDB, job: JobSpec, plan: dict[str, Any], results: dict[str,
     for name, (_, (steps, meaning)) in results.items():
         steps_done: list[StepResult] = steps
         if name == "collectives":
-            collectives, missing = fit_results(steps_done, meaning)
+            collectives, missing = fit_results(steps_done, meaning, () if plan["force"] else db.collectives)
             if missing:
                 extra.append(RoundRecord(name="collective-fits", status=RoundStatus.failed,
                                          reason=f"{len(missing)} fit(s) missing: " + "; ".join(missing[:4])))
@@ -237,9 +287,30 @@ def _merge(db: ProfileDB, job: JobSpec, plan: dict[str, Any], results: dict[str,
         else:  # segments, recompute
             classes = {int(k): v for k, v in plan["classes"].items()}
             segments += segment_records(steps_done, meaning, job=job, key=plan["model_key"], classes=classes)
+    merged = db.merged(collectives=collectives, gemms=gemms, segments=segments, overheads=overheads)
+    # each round's record says which of its entries this run measured and which the profile still lacks
+    key = plan["model_key"]
+    fitted = {(r.fit.op.value, r.fit.group_size, r.fit.span.value) for r in merged.collectives}
+    ran = [i for i, r in enumerate(rounds_done) if r.name in plan["rounds"]]
+    for i in ran:
+        name = rounds_done[i].name
+        asked = plan["rounds"][name]
+        if name == "collectives":  # a size counts once its step finished and its collective's fit exists
+            done = {r.label for r in results[name][1][0]}
+            measured = [e for e in asked if e in done and collective_entry_key(e) in fitted]
+        else:  # read off the records themselves
+            lacking = set(merged.missing_entries(name, key, asked))
+            measured = [e for e in asked if e not in lacking]
+        rounds_done[i] = dataclasses.replace(rounds_done[i], model="" if name in ("collectives", "gemm") else key,
+                                             measured=tuple(measured),
+                                             reused=len(plan["planned"][name]) - len(asked))
+    recorded = merged.merged(rounds=rounds_done)
+    for i in ran:
+        name = rounds_done[i].name
+        rounds_done[i] = dataclasses.replace(
+            rounds_done[i], missing=tuple(recorded.missing_entries(name, key, plan["planned"][name])))
     rounds_done.extend(extra)
-    return db.merged(collectives=collectives, gemms=gemms, segments=segments, rounds=rounds_done,
-                     overheads=overheads)
+    return merged.merged(rounds=rounds_done)
 
 
 def _teardown() -> None:

@@ -34,7 +34,7 @@ from cfp_megatron.model.analysis import analyze
 from cfp_megatron.model.megatron_config import transformer_config
 from cfp_megatron.model.megatron_layers import layer_kind_name
 from cfp_megatron.profile.control import Step, StepResult
-from cfp_megatron.profile.records import SegmentRecord
+from cfp_megatron.profile.records import SegmentRecord, segment_entry
 
 MEMORY_SUFFIX = " memory"
 """Label suffix of a segment's memory step (next to its timing step of the same label without it)."""
@@ -80,18 +80,20 @@ def micro_batches(job: JobSpec) -> list[int]:
 
 
 def probe_job(job: JobSpec, tp: int, world: int, micro_batch: int,
-              mlp: MlpPartition = MlpPartition.megatron, recompute: Recompute = Recompute.none) -> JobSpec:
+              mlp: MlpPartition = MlpPartition.megatron, recompute: Recompute = Recompute.none, *,
+              sp: bool | None = None) -> JobSpec:
     """``job`` cut to one layer per decoder kind under ``parallel.tp = tp`` (the rest data-parallel), the MLP
     partition ``mlp`` and the recomputation ``recompute`` (full: each layer checkpointed on its own, Megatron's
-    ``uniform`` method with one layer per group)."""
+    ``uniform`` method with one layer per group); sequence parallelism ``sp`` (default: only where Megatron-Core
+    requires it, :func:`needs_sequence_parallel`)."""
     m = job.model
     two = m.is_moe and m.moe_first_dense_layers > 0
     model = dataclasses.replace(m, num_layers=2 if two else 1, moe_first_dense_layers=1 if two else 0)
     dp = max(world // tp, 1)
     train = dataclasses.replace(job.train, micro_batch_size=micro_batch, global_batch_size=micro_batch * dp,
                                 checkpoint_dir=None, resume=False, save_interval=0)
-    parallel = ParallelSpec(tp=tp, sp=needs_sequence_parallel(job, tp), order=job.parallel.order, mlp=mlp,
-                          recompute=recompute)
+    parallel = ParallelSpec(tp=tp, sp=needs_sequence_parallel(job, tp) if sp is None else sp,
+                            order=job.parallel.order, mlp=mlp, recompute=recompute)
     return dataclasses.replace(job, model=model, train=train, parallel=parallel)
 
 
@@ -112,14 +114,17 @@ def segment_cases(job: JobSpec, world: int,
         for mlp in MlpPartition:
             if mlp is MlpPartition.primepar and (primepar_grid_side(tp) is None or job.model.is_moe):
                 continue  # not a square grid of 4^k ranks, or no dense MLP to replace
-            probe = probe_job(job, tp, world, biggest, mlp, recompute)
-            try:
-                dims = ParallelDims.build(probe, world)
-            except ConfigError as err:
-                skipped.append(f"{partition_name(tp, mlp=mlp, recompute=recompute)}: "
-                               + "; ".join(str(i) for i in err.issues))
-                continue
-            cases.append(SegmentCase(tp=tp, job=probe, dims=dims))
+            # a dense model's Megatron layout also with sequence parallelism (the search tries both)
+            sps = (False, True) if tp > 1 and mlp is MlpPartition.megatron and not job.model.is_moe else (None,)
+            for sp in sps:
+                probe = probe_job(job, tp, world, biggest, mlp, recompute, sp=sp)
+                try:
+                    dims = ParallelDims.build(probe, world)
+                except ConfigError as err:
+                    skipped.append(f"{partition_name(tp, sp=bool(sp), mlp=mlp, recompute=recompute)}: "
+                                   + "; ".join(str(i) for i in err.issues))
+                    continue
+                cases.append(SegmentCase(tp=tp, job=probe, dims=dims))
     return cases, skipped
 
 
@@ -330,14 +335,17 @@ def segment_steps(cases: Sequence[SegmentCase], micro_batch_sizes: Sequence[int]
             holder[name] = SegmentBench(case, repeats=repeats)
             return []
 
-        steps.append(Step(label=f"build {name} model", run=setup))
+        build = f"build {name} model"
+        steps.append(Step(label=build, run=setup))
         timed = [k for k in kinds if k not in ("embedding", "head")] if case.layers_only else list(kinds)
         for mbs in micro_batch_sizes:
             for kind in timed:
-                label = f"{kind} {name} mbs={mbs}"
-                steps.append(Step(label=label, run=lambda name=name, kind=kind, mbs=mbs: holder[name].time(kind, mbs)))
+                label = segment_entry(kind, name, mbs)
+                steps.append(Step(label=label, run=lambda name=name, kind=kind, mbs=mbs: holder[name].time(kind, mbs),
+                                  entry=label, needs=build))
                 steps.append(Step(label=label + MEMORY_SUFFIX,
-                                  run=lambda name=name, kind=kind, mbs=mbs: holder[name].memory(kind, mbs)))
+                                  run=lambda name=name, kind=kind, mbs=mbs: holder[name].memory(kind, mbs),
+                                  entry=label, needs=build))
                 meaning[label] = (case.tp, mbs, kind, name)
     return steps, meaning
 

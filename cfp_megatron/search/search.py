@@ -12,7 +12,11 @@ micro-batches, ``v`` chunks per rank and a stage of ``n`` layers,
 A rank runs its ``m x v`` chunk passes one after another; a later rank cannot start before micro-batch 0 went
 forward through the stages before it, and after its last backward the same micro-batch still goes backward through
 them. The bound is the largest of the first, the last middle and the last rank's (the middle stages hold equal counts,
-so the last middle one bounds them all; a first/last stage of its own size is what ``n_r`` follows). The simulated
+so the last middle one bounds them all; a first/last stage of its own size is what ``n_r`` follows; a balanced
+layout's stages hold fewer layers the later they come and each rank's first chunk at least its mean, so its lightest
+middle stage stands for them). The first and the last rank's own passes also count their dense and MoE layers at
+each kind's cost (``m x (dense_r x dense + moe_r x MoE)``), where that is more than their count at the cheaper
+kind's (a DeepSeek-V3 stage is mostly MoE layers, its first three dense). The simulated
 step is the slowest rank's schedule plus its gradient sync and optimizer step, all non-negative, so the bound never
 exceeds it. Without pipelining the one rank runs everything; on a CPU with fewer cores than ranks the simulated
 schedule is bounded below by the mean rank's work only, which the bound then uses. Block recomputation (the fewest
@@ -20,7 +24,8 @@ layers per chunk that fit, :func:`_fewest_block_layers`) counts one recomputed l
 
 Candidates are visited in increasing (bound, key) order from a queue that holds whole groups until their own bound
 (the lightest first and last stage over the group's splits) reaches its head; each candidate is first checked for
-memory (a bound from the heaviest rank's weights, gradients and optimizer states, then the memory model), then
+memory (a bound from the heaviest rank's weights, gradients and optimizer states, or the first rank's with the
+activations its in-flight micro-batches keep at least, then the memory model), then
 simulated unless a second bound with its exact passes, gradient sync and optimizer already exceeds the k-th best
 (:func:`~cfp_megatron.sim.simulate.simulate_unless_slower`). The visit stops at the first bound above the k-th best
 step time found, since every later candidate is provably slower. The result equals an exhaustive search's (tested on
@@ -40,8 +45,9 @@ from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import JobSpec, MlpPartition, OptimizerKind, ParallelSpec, Recompute
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import ParallelDims
-from cfp_megatron.base.pipeline_split import chunk_layers, stage_counts
-from cfp_megatron.cluster.measured import Measurements, partition_name
+from cfp_megatron.base.pipeline_layout import balanced_layout
+from cfp_megatron.base.pipeline_split import chunk_layers
+from cfp_megatron.cluster.measured import Measurements, partition_name, unmeasured_partitions
 from cfp_megatron.search import driver
 from cfp_megatron.search.space import (
     BLOCK,
@@ -49,15 +55,18 @@ from cfp_megatron.search.space import (
     Candidate,
     Family,
     Group,
+    GroupHead,
     Rejection,
     Space,
     build_space,
     family_of_key,
     max_chunk_layers,
+    split_stage_counts,
 )
 from cfp_megatron.sim.kernels import grad_element_bytes
 from cfp_megatron.sim.layout import Layout, place
-from cfp_megatron.sim.memory import element_bytes
+from cfp_megatron.sim.memory import element_bytes, in_flight, layer_activation_bytes
+from cfp_megatron.sim.moe_cost import COMM_SM_SHARE
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache, cost_key
 from cfp_megatron.sim.prediction import GIB, MemoryBreakdown, Prediction
@@ -78,6 +87,9 @@ class Ranked:
     """The job under that layout."""
     prediction: Prediction
     """The simulator's prediction."""
+    unmeasured: tuple[str, ...] = ()
+    """What its prediction reads that the profile lacks (``dense tp2-sp``), priced by the analytical model instead
+    (:func:`~cfp_megatron.cluster.measured.unmeasured_partitions`); empty when all measured or without a profile."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,10 +214,32 @@ class MegatronSpace:
         """The group's candidates bounded at ``cut`` or less, with their weights' bytes (:func:`_expand`)."""
         return _expand(self.groups[item], self.job, self.options, self.param_bytes, cut)
 
+    def _overlaps(self, cand: Candidate, cjob: JobSpec, memory: MemoryBreakdown) -> tuple[
+            Candidate, JobSpec, MemoryBreakdown, int]:
+        """``cand`` with the GPU communication overlaps on (:attr:`Space.gpu_overlap`): the data-parallel ones
+        always, the TP and expert ones most first where their memory fits (whatever it is under ``cfp.overlap=true``);
+        its job, memory, and the memory predictions it took."""
+        space, job, limit = self.space, self.job, self.limit
+        if not space.gpu_overlap:
+            return cand, cjob, memory, 0
+        cand = dataclasses.replace(cand, dp_overlap=True)
+        cjob, tries = cand.job(job), 0
+        for tp, a2a in _overlap_choices(space, cand):
+            trial = dataclasses.replace(cand, tp_overlap=tp, a2a_overlap=a2a)
+            tjob = trial.job(job)
+            if (tp, a2a) == (False, False):
+                return trial, tjob, memory, tries  # the overlaps without a memory cost: as predicted already
+            tmemory = predict_memory(tjob, job.cluster, self.measurements, options=self.options,
+                                     world_size=self.world, cache=self.cache)
+            tries += 1
+            if limit is None or tmemory.total / GIB <= limit or space.cfp.overlap:
+                return trial, tjob, tmemory, tries
+        return cand, cjob, memory, tries
+
     def evaluate(self, item: tuple, extra: float, kth: float) -> driver.Outcome:
         """The candidate of key ``item`` (``extra``: its heaviest rank's weights in bytes): its weights, its memory
-        (block recomputation and PrimePar's layer count chosen to fit), then the simulator unless slower than
-        ``kth`` seconds."""
+        (block recomputation and PrimePar's layer count chosen to fit, then the overlaps that fit on top), then the
+        simulator unless slower than ``kth`` seconds."""
         job, limit = self.job, self.limit
         if limit is not None and extra / GIB > limit:  # its weights, gradients and optimizer states alone
             return _OverMemory(item[:_FAMILY_KEY], extra / GIB, 0)  # family_of_key, inlined
@@ -223,6 +257,9 @@ class MegatronSpace:
                     cand, memory, more = _primepar_layers(cand, cjob, memory, job, limit, self.measurements,
                                                           self.options, self.world, self.cache)
                     cjob, tries = cand.job(job), tries + more
+            # After the counts above: the overlaps' buffers go on top of the memory they chose.
+            cand, cjob, memory, more = self._overlaps(cand, cjob, memory)
+            tries += more
         except ConfigError:
             return driver.Refused()
         if limit is not None and memory.total / GIB > limit:
@@ -232,7 +269,23 @@ class MegatronSpace:
         if prediction is None:  # its bound with the exact passes, gradient sync and optimizer exceeds the k-th best
             return driver.Slower(checked=tries)
         return driver.Ranked(step_time_s=prediction.step_time_s, tie=item, checked=tries,
-                             result=Ranked(candidate=cand, job=cjob, prediction=prediction))
+                             result=Ranked(candidate=cand, job=cjob, prediction=prediction,
+                                           unmeasured=_unmeasured(cjob, self.measurements)))
+
+
+def _unmeasured(job: JobSpec, measurements: Measurements | None) -> tuple[str, ...]:
+    """What ``job``'s layout reads that the profile lacks (:class:`Ranked`'s ``unmeasured``)."""
+    m, p = job.model, job.parallel
+    kinds = ("dense", "moe") if m.is_moe and m.moe_first_dense_layers > 0 else ("moe",) if m.is_moe else ("dense",)
+    return unmeasured_partitions(measurements, tp=p.tp, sp=p.sp, mlp=p.mlp, recompute=p.recompute, layer_kinds=kinds)
+
+
+def _overlap_choices(space: Space, cand: Candidate) -> list[tuple[bool, bool]]:
+    """(TP overlap, expert all-to-all overlap) settings to try for ``cand``, most overlapped first: each is never
+    slower in the simulator, and each costs memory (buffers, a micro-batch in flight)."""
+    tp = space.tp_overlap(tp=cand.tp, sp=cand.sp)
+    a2a = space.a2a_overlap(ep=cand.ep, pp=cand.pp, vpp=cand.vpp, recompute=cand.recompute)
+    return [(t, a) for t in ((True, False) if tp else (False,)) for a in ((True, False) if a2a else (False,))]
 
 
 def _fewest_block_layers(cand: Candidate, job: JobSpec, limit: float | None, measurements: Measurements | None,
@@ -244,7 +297,8 @@ def _fewest_block_layers(cand: Candidate, job: JobSpec, limit: float | None, mea
     fastest block plan. Repeated layers are alike, so the count is found by bisection over one number, not per layer.
     Where even the most does not fit, returns that count and its (over-limit) memory."""
     m = job.model
-    hi = max_chunk_layers(m.num_layers, cand.pp, cand.vpp, cand.first_stage_layers, cand.last_stage_layers) - 1
+    hi = max_chunk_layers(m.num_layers, cand.pp, cand.vpp, cand.first_stage_layers, cand.last_stage_layers,
+                          cand.balanced) - 1
     memory = _CountedMemory(cand, "recompute_layers", job, measurements, options, world, cache)
     if limit is None:
         return dataclasses.replace(cand, recompute_layers=1), memory(1), memory.tries
@@ -316,7 +370,8 @@ def _primepar_layers(cand: Candidate, cjob: JobSpec, every: MemoryBreakdown, job
     bisection; its step is at least every layer PrimePar's, so the group's bound holds. Otherwise the candidate is
     left as it is (a slower PrimePar layer that saves memory would need the fewest PrimePar layers that fit, whose
     bound is Megatron's layer: not offered, see the README)."""
-    hi = max_chunk_layers(job.model.num_layers, cand.pp, cand.vpp, cand.first_stage_layers, cand.last_stage_layers)
+    hi = max_chunk_layers(job.model.num_layers, cand.pp, cand.vpp, cand.first_stage_layers, cand.last_stage_layers,
+                          cand.balanced)
     if hi < 2 or every.total / GIB <= limit:
         return cand, every, 0
     own = prepare_costs(cjob, job.cluster, measurements, options=options, world_size=world, cache=cache)
@@ -351,6 +406,33 @@ class _Bounded:
     """Their pass costs' bound terms."""
     bound: float
     """The group's bound."""
+    kept: _KeptBytes | None = None
+    """Activation bytes one decoder layer keeps per micro-batch on a rank, at least (:func:`_layer_kept_bytes`),
+    computed when the group is first expanded; ``None``: not counted."""
+
+
+@dataclass(kw_only=True)
+class _KeptBytes:
+    """:func:`_layer_kept_bytes` of the groups that share what a layer's activations depend on, computed once, when
+    the first of them is expanded (most groups never are)."""
+
+    head: GroupHead
+    """The first such group's head."""
+    placed: Layout
+    """Where its family sits."""
+    job: JobSpec
+    """The searched job."""
+    measurements: Measurements | None
+    """The profile the search predicts from."""
+    options: SimOptions
+    """The simulator's options."""
+    value: float | None = None
+    """The bytes, once computed."""
+
+    def __call__(self) -> float:
+        if self.value is None:
+            self.value = _layer_kept_bytes(self.head, self.placed, self.job, self.measurements, self.options)
+        return self.value
 
 
 def _groups(space: Space, job: JobSpec, measurements: Measurements | None, options: SimOptions,
@@ -362,6 +444,7 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
     out: list[_Bounded] = []
     refused: list[Rejection] = []
     by_key: dict[tuple, _GroupCosts | None] = {}
+    kept: dict[tuple, _KeptBytes] = {}
     gpn = job.cluster.gpus_per_node or world
     size = 0
     recomputes = {rc.value: rc for rc in Recompute} | {BLOCK: Recompute.full}
@@ -382,12 +465,19 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
                 dims = ParallelDims(parallel=family, world_size=world, num_microbatches=g.microbatches)
                 placed = place(job, dims, gpn)
             ckey = cost_key(placed, recomputes[recompute], options, mlps[h.mlp], sp=h.sp, micro_batch=h.micro_batch)
+            overlaps = (space.tp_overlap(tp=h.tp, sp=h.sp),
+                        space.a2a_overlap(ep=h.ep, pp=pp, vpp=None, recompute=recompute))
+            ckey += overlaps
             if ckey not in by_key:
-                by_key[ckey] = _group_costs(Candidate.from_key(g.head + (1, 0, 0, False)), job, measurements,
-                                            options, world, cache, refused)
+                by_key[ckey] = _group_costs(Candidate.from_key(g.head + (1, 0, 0, False, False)), job, measurements,
+                                            options, world, cache, refused, may_overlap=overlaps)
             costs = by_key[ckey]
             if costs is None:
                 continue
+            # what a layer's activations depend on (fewer distinct values than the pass costs' keys)
+            akey = (h.tp, h.sp, h.cp, h.etp, h.micro_batch, recompute, h.mlp)
+            if akey not in kept:
+                kept[akey] = _KeptBytes(head=h, placed=placed, job=job, measurements=measurements, options=options)
             layer_s, chunk_s = _layer_terms(costs, recompute)
             if pp == 1 or costs.shared_cores:  # the candidates' own bound at its lowest (one chunk per rank)
                 bound = _time_bound(costs, layer_s, chunk_s, g.microbatches, pp, 1, L, L, L, L)
@@ -396,7 +486,7 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
                 per_pass = chunk_s + 2 * costs.pass_s
                 bound = g.microbatches * max(first * layer_s + per_pass + costs.embedding_s,
                                              last * layer_s + per_pass + costs.head_s)
-            out.append(_Bounded(group=g, costs=costs, bound=bound))
+            out.append(_Bounded(group=g, costs=costs, bound=bound, kept=kept[akey]))
     return out, refused, size
 
 
@@ -407,9 +497,9 @@ def _layer_terms(costs: _GroupCosts, recompute: str) -> tuple[float, float]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _lightest_ends(num_layers: int, pp: int, splits: tuple[tuple[int, int, int], ...]) -> tuple[int, int]:
+def _lightest_ends(num_layers: int, pp: int, splits: tuple[tuple[int, int, int, bool], ...]) -> tuple[int, int]:
     """The fewest layers the first and the last pipeline stage hold over ``splits``."""
-    counts = [stage_counts(num_layers, pp, first or None, last or None) for _, first, last in splits]
+    counts = [split_stage_counts(num_layers, pp, *split) for split in splits]
     return min(c[0] for c in counts), min(c[-1] for c in counts)
 
 
@@ -418,7 +508,8 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: t
     """Queue entries of the group's candidates whose time bound is ``cut`` or less: ``(time bound, CANDIDATE, key,
     memory bound)``; the memory bound counts the weights, gradients and, unless sharded, optimizer states of the
     heaviest pipeline rank's layers (``param_bytes``: bytes per parameter with and without the distributed optimizer,
-    :func:`_param_bytes`)."""
+    :func:`_param_bytes`), or those of the first rank's layers with the activations its in-flight micro-batches
+    keep at least (:attr:`_Bounded.kept` per layer), whichever is more."""
     m = job.model
     L = m.num_layers
     first_dense = m.moe_first_dense_layers if m.is_moe else None
@@ -426,14 +517,23 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: t
     pp = g.head.pp
     layer_s, chunk_s = _layer_terms(costs, g.head.recompute)
     out = []
-    for vpp, first_n, last_n in g.splits:
-        first, middle, last = _stage_layers(L, pp, first_n, last_n)
-        bound = _time_bound(costs, layer_s, chunk_s, g.microbatches, pp, vpp, L, first, middle, last)
+    kind_s = costs.kind_fb_s if g.head.recompute == BLOCK else costs.kind_s
+    kept_bytes = -1.0  # computed for the first candidate the cut leaves
+    for split in g.splits:
+        vpp = split[0]
+        first, middle, last, dense_0, moe_0, dense_n, moe_n, loads = _split_facts(L, pp, split, first_dense)
+        bound = _time_bound(costs, layer_s, chunk_s, g.microbatches, pp, vpp, L, first, middle, last,
+                            dense_0 * kind_s[0] + moe_0 * kind_s[1], dense_n * kind_s[0] + moe_n * kind_s[1])
         if bound > cut:
             continue
-        params = 0.0 if options.fsdp else max(d * costs.dense_params + n * costs.moe_params
-                                              for d, n in _rank_loads(L, pp, vpp, first_n, last_n, first_dense))
-        out += [(bound, _CANDIDATE, g.head + (vpp, first_n, last_n, dopt), params * param_bytes[not dopt])
+        if kept_bytes < 0:
+            kept_bytes = bounded.kept() if bounded.kept is not None else 0.0
+        params = 0.0 if options.fsdp else max(d * costs.dense_params + n * costs.moe_params for d, n in loads)
+        # The first rank: its layers' weights and the activations of the micro-batches it holds (stage_memory).
+        first_params = 0.0 if options.fsdp else dense_0 * costs.dense_params + moe_0 * costs.moe_params
+        activations = kept_bytes * (dense_0 + moe_0) * in_flight(0, pp, vpp, g.microbatches) / vpp
+        out += [(bound, _CANDIDATE, g.head + split + (dopt,),
+                 max(params * param_bytes[not dopt], first_params * param_bytes[not dopt] + activations))
                 for dopt in g.dopts]
     return out
 
@@ -460,21 +560,71 @@ def _bounds(space: Space, job: JobSpec, measurements: Measurements | None, optio
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_loads(num_layers: int, pp: int, vpp: int, first: int, last: int,
+def _rank_loads(num_layers: int, pp: int, vpp: int, first: int, last: int, balanced: bool,
                 first_dense: int | None) -> tuple[tuple[int, int], ...]:
     """The (dense, MoE) layer counts of the pipeline ranks of a split that no other rank's count exceeds in both
     (a weighted sum with weights at zero or above, as the memory bound takes, is largest at one of them: a dense
     model has a single one, its heaviest rank)."""
-    rows = chunk_layers(num_layers, pp, vpp, first or None, last or None, first_dense=first_dense)
+    rows = chunk_layers(num_layers, pp, vpp, first or None, last or None, first_dense=first_dense,
+                        layout=balanced_layout(num_layers, pp, vpp) if balanced else None)
     loads = {(sum(c.dense for c in row), sum(c.moe for c in row)) for row in rows}
     return tuple(sorted(a for a in loads if not any(b != a and b[0] >= a[0] and b[1] >= a[1] for b in loads)))
 
 
+@functools.lru_cache(maxsize=8192)
+def _split_facts(num_layers: int, pp: int, split: tuple[int, int, int, bool],
+                 first_dense: int | None) -> tuple[int, int, int, int, int, int, int, tuple[tuple[int, int], ...]]:
+    """What :func:`_expand` reads of a split, in one lookup: the first, lightest middle and last stage's layers
+    (:func:`_stage_layers`), the first and the last rank's (dense, MoE) layers (:func:`_end_rank_loads`) and the
+    ranks' loads (:func:`_rank_loads`)."""
+    (dense_0, moe_0), (dense_n, moe_n) = _end_rank_loads(num_layers, pp, *split, first_dense)
+    return (*_stage_layers(num_layers, pp, *split), dense_0, moe_0, dense_n, moe_n,
+            _rank_loads(num_layers, pp, *split, first_dense))
+
+
+@functools.lru_cache(maxsize=4096)
+def _end_rank_loads(num_layers: int, pp: int, vpp: int, first: int, last: int, balanced: bool,
+                    first_dense: int | None) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The (dense, MoE) layer counts of the first and of the last pipeline rank of a split."""
+    rows = chunk_layers(num_layers, pp, vpp, first or None, last or None, first_dense=first_dense,
+                        layout=balanced_layout(num_layers, pp, vpp) if balanced else None)
+    return ((sum(c.dense for c in rows[0]), sum(c.moe for c in rows[0])),
+            (sum(c.dense for c in rows[-1]), sum(c.moe for c in rows[-1])))
+
+
+def _layer_kept_bytes(head: GroupHead, placed: Layout, job: JobSpec, measurements: Measurements | None,
+                      options: SimOptions) -> float:
+    """Activation bytes one decoder layer keeps for its backward pass, per micro-batch on one rank, at least, for
+    the group of ``head`` (its family placed as ``placed``): the lighter layer kind (and under PrimePar also
+    Megatron's MLP, which layers beyond ``primepar_layers`` run) under the group's recomputation (block
+    recomputation: a recomputed layer's input), as :func:`~cfp_megatron.sim.memory.layer_activation_bytes` counts
+    it. Zero where measured segment memory may replace the model's activations (it is no bound on those)."""
+    if measurements is not None and options.use_measured_segments:
+        return 0.0
+    recompute = Recompute.full if head.recompute == BLOCK else Recompute(head.recompute)
+    try:
+        spec = ParallelSpec(tp=head.tp, sp=head.sp, pp=head.pp, cp=head.cp, ep=head.ep, etp=head.etp,
+                            recompute=recompute, mlp=MlpPartition(head.mlp), order=job.parallel.order)
+    except ConfigError:
+        return 0.0
+    # Only the sizes the activations read (TP, SP, CP, expert TP, micro-batch): no world or split needed.
+    layout = dataclasses.replace(placed, micro_batch=head.micro_batch,
+                                 dims=ParallelDims(parallel=spec, world_size=placed.dims.world_size,
+                                                   num_microbatches=placed.dims.num_microbatches))
+    plan = dataclasses.replace(job, parallel=spec)
+    index = 1 if recompute is Recompute.full else 0  # (kept without, kept with full recomputation)
+    plans = [plan, megatron_twin(plan)] if spec.mlp is MlpPartition.primepar else [plan]
+    kinds = (False, True) if job.model.is_moe else (False,)
+    return min(layer_activation_bytes(p, layout, options, moe=moe)[index] for p in plans for moe in kinds)
+
+
 def _time_bound(costs: _GroupCosts, layer_s: float, chunk_s: float, m: int, pp: int, vpp: int, num_layers: int,
-                first: int, middle: int, last: int) -> float:
+                first: int, middle: int, last: int, first_busy_s: float = 0.0, last_busy_s: float = 0.0) -> float:
     """A lower bound on the step time of ``m`` micro-batches over ``pp`` stages of ``vpp`` chunks holding ``first``,
     ``middle`` and ``last`` layers, each layer taking ``layer_s`` and each chunk ``chunk_s`` more (see the module
-    docstring)."""
+    docstring); ``first_busy_s`` / ``last_busy_s``: what the first / last stage's layers take per micro-batch at
+    least by their kinds (a dense layer is cheaper than a MoE one), where more than ``first`` / ``last`` x
+    ``layer_s``."""
     # One chunk's passes of a stage with n layers, at least: n * per_layer + chunk_s, and the per-pass cost on the
     # first stage's first chunk and the last stage's last (inlined: the search calls this for every split of every
     # group it expands).
@@ -488,16 +638,19 @@ def _time_bound(costs: _GroupCosts, layer_s: float, chunk_s: float, m: int, pp: 
     c_first, c_middle = first * per_layer + chunk_s, middle * per_layer + chunk_s
     first_s = costs.embedding_s + ends  # the first chunk's extra per micro-batch
     last_middle = m * vpp * c_middle + c_first + (pp - 3) * c_middle + first_s if pp > 2 else 0.0
-    return max(m * (vpp * c_first + first_s), last_middle,
-               m * (vpp * (last * per_layer + chunk_s) + costs.head_s + ends) + c_first + (pp - 2) * c_middle
-               + first_s)
+    first_busy = max(vpp * c_first, first_busy_s + vpp * chunk_s)
+    last_busy = max(vpp * (last * per_layer + chunk_s), last_busy_s + vpp * chunk_s)
+    return max(m * (first_busy + first_s), last_middle,
+               m * (last_busy + costs.head_s + ends) + c_first + (pp - 2) * c_middle + first_s)
 
 
 @functools.lru_cache(maxsize=8192)
-def _stage_layers(num_layers: int, pp: int, first: int, last: int) -> tuple[int, int, int]:
-    """Layers of the first, a middle (the first's count when there are none) and the last pipeline stage."""
-    counts = stage_counts(num_layers, pp, first or None, last or None)
-    return counts[0], counts[1] if pp > 2 else counts[0], counts[-1]
+def _stage_layers(num_layers: int, pp: int, vpp: int, first: int, last: int, balanced: bool) -> tuple[int, int, int]:
+    """Layers of the first, the lightest middle (the first's count when there are none) and the last pipeline stage
+    of a split. A balanced split's stages hold fewer layers the later they come and each rank's first chunk at
+    least its mean, so its lightest middle stage bounds the ones before it as an even split's middle does."""
+    counts = split_stage_counts(num_layers, pp, vpp, first, last, balanced)
+    return counts[0], min(counts[1:-1]) if pp > 2 else counts[0], counts[-1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -522,11 +675,22 @@ class _GroupCosts:
     """Head forward + backward per micro-batch."""
     shared_cores: bool
     """Whether the simulator may take the shared-cores schedule (CPU with fewer cores than ranks)."""
+    kind_s: tuple[float, float] = (0.0, 0.0)
+    """:attr:`layer_s` of each layer kind (dense, MoE): a rank's layers cost at least their counts times these."""
+    kind_fb_s: tuple[float, float] = (0.0, 0.0)
+    """:attr:`fb_s` of each layer kind (dense, MoE)."""
 
 
-def _group_costs(cand: Candidate, job: JobSpec, measurements: Measurements | None,
-                 options: SimOptions, world: int, cache: CostCache, refused: list[Rejection]) -> _GroupCosts | None:
+def _group_costs(cand: Candidate, job: JobSpec, measurements: Measurements | None, options: SimOptions, world: int,
+                 cache: CostCache, refused: list[Rejection], *,
+                 may_overlap: tuple[bool, bool] = (False, False)) -> _GroupCosts | None:
+    """The costs a group's bound counts, from its representative ``cand`` (no overlaps); ``may_overlap``: whether
+    its candidates may overlap their TP communication (which leaves at least ``1 / tp`` of it) and their expert
+    all-to-all (at least :data:`~cfp_megatron.sim.moe_cost.COMM_SM_SHARE` of it)."""
+    # A valid split for the pass costs (they do not depend on the split): the even one, or the balanced one where
+    # the stages do not divide the layers.
     rep = dataclasses.replace(cand, vpp=1, distributed_optimizer=False, first_stage_layers=0, last_stage_layers=0,
+                              balanced=job.model.num_layers % cand.pp != 0,
                               recompute=Recompute.full.value if cand.recompute == BLOCK else cand.recompute)
     try:
         parts = prepare_costs(rep.job(job), job.cluster, measurements, options=options, world_size=world, cache=cache)
@@ -539,13 +703,25 @@ def _group_costs(cand: Candidate, job: JobSpec, measurements: Measurements | Non
     # A PrimePar candidate runs Megatron's MLP on some layers only where PrimePar's layer is the faster
     # (_primepar_layers): the plan's own dense layer still bounds it.
     kinds = (parts.dense, parts.moe)
+    # What the overlaps a group's candidates may turn on can hide, per kind, of its forward + backward and of its
+    # recomputation: TP overlap leaves at least 1 / tp of the TP communication, the expert overlap its SM share.
+    hideable, hideable_rec = [0.0, 0.0], [0.0, 0.0]
+    tp_overlap, a2a_overlap = may_overlap
+    if tp_overlap:
+        for i, kind in enumerate(kinds):
+            hideable[i] += (1.0 - 1.0 / cand.tp) * (kind.forward.tp_comm_s + kind.backward.tp_comm_s)
+            hideable_rec[i] += (1.0 - 1.0 / cand.tp) * kind.recompute.tp_comm_s
+    if a2a_overlap:
+        hideable[1] += (1.0 - COMM_SM_SHARE) * (parts.moe.forward.ep_comm_s + parts.moe.backward.ep_comm_s)
     return _GroupCosts(
-        layer_s=parts.min_layer_s(),
-        fb_s=min(c.forward.total_s + c.backward.total_s for c in kinds),
-        recompute_s=min(c.recompute.total_s for c in kinds),
+        layer_s=min(c.total_s - h - r for c, h, r in zip(kinds, hideable, hideable_rec, strict=True)),
+        fb_s=min(c.forward.total_s + c.backward.total_s - h for c, h in zip(kinds, hideable, strict=True)),
+        recompute_s=min(c.recompute.total_s - r for c, r in zip(kinds, hideable_rec, strict=True)),
         dense_params=max(parts.dense.params - slack, 0.0),
         moe_params=max(parts.moe.params - slack, 0.0),
         pass_s=parts.per_pass.total_s,
         embedding_s=sum(p.total_s for p in parts.embedding), head_s=sum(p.total_s for p in parts.head),
         shared_cores=measurements is not None and parts.overheads is not None
-        and measurements.busy_slowdown() is not None)
+        and measurements.busy_slowdown() is not None,
+        kind_s=tuple(c.total_s - h - r for c, h, r in zip(kinds, hideable, hideable_rec, strict=True)),
+        kind_fb_s=tuple(c.forward.total_s + c.backward.total_s - h for c, h in zip(kinds, hideable, strict=True)))

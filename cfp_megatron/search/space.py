@@ -18,13 +18,19 @@ from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import (
     JobSpec,
     MlpPartition,
+    ModelSpec,
     ParallelSpec,
+    Precision,
     Recompute,
     RecomputeMethod,
+    TokenDispatcher,
+    resolve_precision,
 )
 from cfp_megatron.base.parallel_dims import data_parallel_size, expert_data_parallel_size
+from cfp_megatron.base.pipeline_layout import balanced_layout
 from cfp_megatron.base.pipeline_split import split_issues, stage_counts
 from cfp_megatron.model.options import PartitionOption, SizeContext, choice_fits, model_options, size_reasons
+from cfp_megatron.sim.calibration import generation
 
 
 @dataclass(frozen=True, kw_only=True, order=True)
@@ -56,6 +62,11 @@ class Candidate:
     """Decoder layers on the first pipeline stage (0: as many as the middle stages)."""
     last_stage_layers: int = 0
     """Decoder layers on the last pipeline stage (0: as many as the middle stages)."""
+    balanced: bool = False
+    """The decoder spread as evenly as possible over the ``pp x vpp`` model chunks, the first ones holding a layer
+    more (Megatron-DeepSpeed's uniform partition with a remainder), run as Megatron-Core's per-stage layout
+    (:func:`~cfp_megatron.base.pipeline_layout.balanced_layout`, ``parallel.pipeline_model_parallel_layout``): a
+    split whose layers the chunks do not divide. ``first_stage_layers`` and ``last_stage_layers`` are then 0."""
     distributed_optimizer: bool
     """Megatron's distributed optimizer."""
     recompute_layers: int = 0
@@ -65,6 +76,16 @@ class Candidate:
     """With ``mlp=primepar``: layers per chunk whose MLP runs PrimePar, the others Megatron's (0: every layer); the
     search sets it to the most that fit in memory where every layer's does not and PrimePar's layer is the
     faster."""
+    dp_overlap: bool = False
+    """Overlap the data-parallel gradient reduce and (with the distributed optimizer) parameter gather with the
+    passes (``parallel.overlap_grad_reduce`` / ``overlap_param_gather``): on for GPU clusters
+    (:attr:`Space.gpu_overlap`)."""
+    tp_overlap: bool = False
+    """Transformer Engine's TP communication overlap (``parallel.tp_comm_overlap``); the search turns it on where it
+    runs (:meth:`Space.tp_overlap`) and its buffers fit in memory."""
+    a2a_overlap: bool = False
+    """Overlap the expert all-to-all with another micro-batch (``parallel.moe_a2a_overlap``); the search turns it on
+    where Megatron-Core runs it (:meth:`Space.a2a_overlap`) and its extra micro-batch in flight fits in memory."""
 
     def key(self) -> tuple:
         """The fields that place it in the space, in order (candidates sort by it; :meth:`from_key` inverts it);
@@ -76,18 +97,30 @@ class Candidate:
         """The candidate of :meth:`key`'s tuple."""
         return cls(**dict(zip(_KEY_FIELDS, key, strict=True)))
 
-    def parallel(self, base: ParallelSpec) -> ParallelSpec:
-        """``base`` with this layout's sizes."""
+    def layout(self, model: ModelSpec) -> str | None:
+        """The per-stage layout string of a balanced split of ``model`` (``None`` for the others)."""
+        if not self.balanced:
+            return None
+        return balanced_layout(model.num_layers, self.pp, self.vpp, mtp_layers=model.mtp_num_layers)
+
+    def parallel(self, base: ParallelSpec, *, layout: str | None = None) -> ParallelSpec:
+        """``base`` with this layout's sizes (``layout``: its :meth:`layout` string, which a balanced split needs)."""
+        if self.balanced and layout is None:
+            raise ValueError("a balanced split's ParallelSpec needs its layout string (Candidate.layout(model))")
         return dataclasses.replace(base, tp=self.tp, sp=self.sp, pp=self.pp, vpp=self.vpp if self.vpp > 1 else None,
                                    first_stage_layers=self.first_stage_layers or None,
                                    last_stage_layers=self.last_stage_layers or None,
                                    account_for_embedding_in_pipeline_split=False,  # not offered by the search yet
                                    account_for_loss_in_pipeline_split=False,
+                                   pipeline_model_parallel_layout=layout,
                                    cp=self.cp, ep=self.ep, etp=self.etp if self.ep > 1 or self.etp > 1 else None,
                                    distributed_optimizer=self.distributed_optimizer, mlp=MlpPartition(self.mlp),
                                    primepar_layers=self.primepar_layers or None,
+                                   moe_a2a_overlap=self.a2a_overlap, tp_comm_overlap=self.tp_overlap,
+                                   overlap_grad_reduce=base.overlap_grad_reduce or self.dp_overlap,
                                    **self._recompute(),
-                                   overlap_param_gather=base.overlap_param_gather and self.distributed_optimizer)
+                                   overlap_param_gather=(base.overlap_param_gather or self.dp_overlap)
+                                   and self.distributed_optimizer)
 
     def _recompute(self) -> dict[str, object]:
         if self.recompute == BLOCK:
@@ -99,7 +132,8 @@ class Candidate:
     def job(self, job: JobSpec) -> JobSpec:
         """``job`` under this layout."""
         train = dataclasses.replace(job.train, micro_batch_size=self.micro_batch)
-        return dataclasses.replace(job, parallel=self.parallel(job.parallel), train=train)
+        return dataclasses.replace(job, parallel=self.parallel(job.parallel, layout=self.layout(job.model)),
+                                   train=train)
 
     def describe(self, world: int) -> str:
         """A short label such as ``dp8 tp8 sp pp16 vpp2 mb1 rc=none dopt`` (``first7 last7``: layers of the first
@@ -109,6 +143,7 @@ class Candidate:
         parts += [f"vpp{self.vpp}"] if self.vpp > 1 else []
         parts += [f"first{self.first_stage_layers}"] if self.first_stage_layers else []
         parts += [f"last{self.last_stage_layers}"] if self.last_stage_layers else []
+        parts += ["balanced"] if self.balanced else []
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += [f"etp{self.etp}"] if self.etp > 1 else []
@@ -116,11 +151,14 @@ class Candidate:
         parts += [f"primepar{self.primepar_layers or ''}"] if self.mlp == MlpPartition.primepar.value else []
         parts += [f"mb{self.micro_batch}", f"rc={rc}"]
         parts += ["dopt"] if self.distributed_optimizer else []
+        parts += ["tpco"] if self.tp_overlap else []
+        parts += ["a2ao"] if self.a2a_overlap else []
         return " ".join(parts)
 
 
 _KEY_FIELDS = tuple(f.name for f in dataclasses.fields(Candidate) if f.name not in ("recompute_layers",
-                                                                                     "primepar_layers"))
+                                                                                     "primepar_layers", "dp_overlap",
+                                                                                     "tp_overlap", "a2a_overlap"))
 
 
 
@@ -179,12 +217,13 @@ MAX_STAGE_DEFICIT = 2
 
 
 @functools.lru_cache(maxsize=4096)
-def _pipeline_splits(num_layers: int, pp: int, interleave: bool) -> tuple[tuple[int, int, int], ...]:
+def _pipeline_splits(num_layers: int, pp: int, interleave: bool) -> tuple[tuple[int, int, int, bool], ...]:
     """See :meth:`Space.pipeline_splits` (``interleave``: whether the micro-batch count allows vpp > 1)."""
     if pp == 1:
-        return ((1, 0, 0),)
-    values = []
+        return ((1, 0, 0, False),)
+    values: list[tuple[int, int, int, bool]] = []
     for vpp in range(1, (num_layers // pp if interleave else 1) + 1):
+        found = len(values)
         for a in range(MAX_STAGE_DEFICIT + 1):
             for b in range(MAX_STAGE_DEFICIT + 1):
                 total = num_layers + (a + b) * vpp
@@ -197,16 +236,30 @@ def _pipeline_splits(num_layers: int, pp: int, interleave: bool) -> tuple[tuple[
                 counts = stage_counts(num_layers, pp, first, last)
                 # one entry per split: a stage with the middle stages' count is written as 0 (pp = 2: the last)
                 even = counts[1] if pp > 2 else counts[0]
-                split = (vpp, 0 if counts[0] == even else counts[0], 0 if counts[-1] == even else counts[-1])
+                split = (vpp, 0 if counts[0] == even else counts[0], 0 if counts[-1] == even else counts[-1], False)
                 if split not in values and not split_issues(num_layers, pp, vpp, split[1] or None, split[2] or None):
                     values.append(split)
+        if len(values) == found and vpp in (1, num_layers // pp):  # no even or first/last split: the balanced layout
+            values.append((vpp, 0, 0, True))
     return tuple(values)
 
 
 @functools.lru_cache(maxsize=4096)
-def max_chunk_layers(num_layers: int, pp: int, vpp: int, first: int, last: int) -> int:
-    """Layers of the largest model chunk of a split (``first``/``last`` 0: as the middle stages)."""
+def max_chunk_layers(num_layers: int, pp: int, vpp: int, first: int, last: int, balanced: bool = False) -> int:
+    """Layers of the largest model chunk of a split (``first``/``last`` 0: as the middle stages; ``balanced``: the
+    balanced layout, whose first chunks hold the most)."""
+    if balanced:
+        return -(-num_layers // (pp * vpp))
     return max(stage_counts(num_layers, pp, first or None, last or None)) // vpp
+
+
+@functools.lru_cache(maxsize=8192)
+def split_stage_counts(num_layers: int, pp: int, vpp: int, first: int, last: int,
+                       balanced: bool = False) -> tuple[int, ...]:
+    """Decoder layers on each pipeline stage of a split (``first``/``last`` 0: as the middle stages)."""
+    if balanced:
+        return tuple(stage_counts(num_layers, pp, layout=balanced_layout(num_layers, pp, vpp)))
+    return tuple(stage_counts(num_layers, pp, first or None, last or None))
 
 
 def _divisors(n: int) -> list[int]:
@@ -268,10 +321,39 @@ class Space:
     """The model's partition options (:func:`~cfp_megatron.model.options.model_options`)."""
     choices: dict[tuple[int, int], bool] = dataclasses.field(default_factory=dict, compare=False, repr=False)
     """Whether PrimePar's MLP fits, by (TP size, micro-batch), filled as the search asks."""
+    te_available: bool = True
+    """Whether Transformer Engine runs the plan (preflight planning for GPUs assumes it)."""
     primepar: frozenset[int] | None = None
     """TP sizes at which PrimePar's MLP may be offered; ``None``: wherever it runs (the analytical model has it).
     With measurements, the sizes profiling timed it at: a plan is never compared on an analytical layer against
     measured ones."""
+
+    @property
+    def gpu_overlap(self) -> bool:
+        """Whether the search turns on the communication overlaps NVIDIA's recipes run: a GPU cluster, and
+        ``cfp.overlap`` not false."""
+        return self.cfp.overlap is not False and not self.job.cluster.on_cpu
+
+    def tp_overlap(self, *, tp: int, sp: bool) -> bool:
+        """Whether a candidate may overlap its TP communication (Transformer Engine's userbuffers): TP > 1 with
+        sequence parallelism, Transformer Engine (or a preflight that assumes it) on Hopper or later (its
+        comm-GEMM overlap targets them; NVIDIA's recipes turn it on there), and :attr:`gpu_overlap`."""
+        return (self.gpu_overlap and tp > 1 and sp and self.te_available
+                and generation(self.job.cluster) in ("hopper", "blackwell"))
+
+    def a2a_overlap(self, *, ep: int, pp: int, vpp: int | None, recompute: str) -> bool:
+        """Whether a candidate may overlap its expert all-to-all with another micro-batch: a MoE model with EP > 1
+        and the alltoall or flex dispatcher in bf16/fp16, no full recomputation, the interleaved schedule when
+        pipelined (``vpp=None``: some chunk count may be), and :attr:`gpu_overlap`."""
+        job = self.job
+        model = job.model
+        if not self.gpu_overlap or not model.is_moe or ep <= 1:
+            return False
+        if model.moe_token_dispatcher is TokenDispatcher.allgather or job.parallel.moe_shared_expert_overlap:
+            return False
+        if resolve_precision(job.train.precision, on_gpu=True) is Precision.fp32:
+            return False
+        return recompute in (Recompute.none.value, Recompute.selective.value) and (pp == 1 or vpp != 1)
 
     def micro_batches(self, family: Family) -> list[int]:
         """Micro-batch sizes that divide the family's per-rank batch."""
@@ -292,18 +374,24 @@ class Space:
         allowed = self.cfp.allowed("sp")
         return [v for v in values if allowed is None or v in allowed]
 
-    def pipeline_splits(self, family: Family, microbatches: int) -> list[tuple[int, int, int]]:
-        """``(vpp, first_stage_layers, last_stage_layers)`` choices of the family (0: as the middle stages).
+    def pipeline_splits(self, family: Family, microbatches: int) -> list[tuple[int, int, int, bool]]:
+        """``(vpp, first_stage_layers, last_stage_layers, balanced)`` choices of the family (0: as the middle
+        stages).
 
         ``vpp`` is 1, or with PP a number of chunks every stage's layers split into (the interleaved schedule also
         needs the micro-batch count to be a multiple of PP). Besides the even split, the first and the last stage
         may each hold up to :data:`MAX_STAGE_DEFICIT` chunks of layers fewer than the middle stages (they also run
         the embedding and the output layer and loss, and the first holds the most micro-batches in flight), where the
         rest splits evenly: Megatron-Core's ``num_layers_in_first/last_pipeline_stage``. A decoder whose layer count
-        no PP size divides (Llama-3 405B's 126 layers over 16 stages) gets its only splits this way."""
+        no PP size divides (Llama-3 405B's 126 layers over 16 stages) gets such splits. Where neither gives ``pp x
+        vpp`` chunks, the balanced layout spreads the layers as evenly as possible over them (``balanced``,
+        Megatron-DeepSpeed's uniform partition with a remainder, run as Megatron-Core's per-stage layout), with one
+        chunk per rank and with the most (``num_layers // pp``, one or two layers each, where the interleaved
+        schedule's bubble is smallest); the chunk counts between are left out to keep the search fast (each would be
+        a candidate of every group)."""
         values = _pipeline_splits(self.job.model.num_layers, family.pp, microbatches % family.pp == 0)
         if not self.cfp.constraints.uneven_stages:
-            values = tuple(v for v in values if v[1:] == (0, 0))
+            values = tuple(v for v in values if v[1:] == (0, 0, False))
         allowed = self.cfp.allowed("vpp")
         return [v for v in values if allowed is None or v[0] in allowed]
 
@@ -349,9 +437,9 @@ class Space:
     def keys(self, family: Family) -> Iterator[tuple]:
         """:meth:`candidates` as :meth:`Candidate.key` tuples (what a search sorts, without building objects)."""
         for g in self.groups(family):
-            for vpp, first, last in g.splits:
+            for split in g.splits:
                 for dopt in g.dopts:
-                    yield g.head + (vpp, first, last, dopt)
+                    yield g.head + split + (dopt,)
 
     def groups(self, family: Family) -> Iterator[Group]:
         """The candidates of ``family`` by (micro-batch, SP, recompute), in :meth:`candidates`' order."""
@@ -387,8 +475,8 @@ class Group:
     """What its candidates share."""
     microbatches: int
     """Micro-batches per step."""
-    splits: tuple[tuple[int, int, int], ...]
-    """Their ``(vpp, first_stage_layers, last_stage_layers)`` choices."""
+    splits: tuple[tuple[int, int, int, bool], ...]
+    """Their ``(vpp, first_stage_layers, last_stage_layers, balanced)`` choices."""
     dopts: tuple[bool, ...]
     """Their distributed-optimizer settings."""
 
@@ -402,6 +490,8 @@ def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = 
     """The families of ``job`` on ``world`` ranks under ``cfp``'s pins and sets, with every value ruled out and why."""
     m, t, c = job.model, job.train, job.cluster
     gpn = c.gpus_per_node or world
+    domain = c.domain_size(gpn)  # the NVLink domain: a node unless cluster.nvlink_domain_size says otherwise
+    where = f"nodes of {gpn} GPUs" if domain == gpn else f"NVLink domains of {domain} GPUs"
     rejected: list[Rejection] = []
 
     options = model_options(m)
@@ -409,8 +499,8 @@ def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = 
 
     def tp_reasons(tp: int) -> list[str]:
         return size_reasons(options, "tp", m, tp, sizes_only) + (
-            [f"a TP group would span nodes of {gpn} GPUs (cfp.constraints.tp_within_node=true)"]
-            if cfp.constraints.tp_within_node and tp > gpn else [])
+            [f"a TP group would span {where} (cfp.constraints.tp_within_node=true)"]
+            if cfp.constraints.tp_within_node and tp > domain else [])
 
     def cp_reasons(cp: int) -> list[str]:
         why = size_reasons(options, "cp", m, cp, sizes_only)
@@ -437,7 +527,7 @@ def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = 
         eps = _allowed(cfp, "ep", [e for e in _divisors(world) if not size_reasons(options, "ep", m, e, sizes_only)],
                        rejected, world)
         etps = _allowed(cfp, "etp", [e for e in _divisors(world)
-                                     if not size_reasons(options, "etp", m, e, sizes_only) and e <= gpn],
+                                     if not size_reasons(options, "etp", m, e, sizes_only) and e <= domain],
                         rejected, world)
     else:
         eps, etps = [1], [1]
@@ -461,4 +551,5 @@ def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = 
                             continue  # by default expert TP is 1 or the dense TP (Megatron's usual choices)
                         families.append(Family(tp=tp, cp=cp, pp=pp, ep=ep, etp=etp))
     return Space(world=world, families=tuple(families), rejected=tuple(rejected), job=job, cfp=cfp,
+                 te_available=te_available,
                  options=options)

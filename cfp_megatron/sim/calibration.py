@@ -53,6 +53,11 @@ FITTED: dict[str, Efficiency] = {
 
 FITTED["blackwell"] = FITTED["hopper"]
 FITTED["other"] = FITTED["hopper"]
+# AMD Instinct (RCCL): no calibration rows either. CDNA 3 (MI300X, MI325X) and CDNA 4 (MI355X) are generations of their
+# own so that rows can be fitted to them later; until then they reuse Hopper's shares of peak and bandwidth, an
+# assumption (ROCm's GEMM and attention kernels and RCCL over Infinity Fabric may reach other shares).
+FITTED["cdna3"] = FITTED["hopper"]
+FITTED["cdna4"] = FITTED["hopper"]
 
 GENERATION_FIELDS: tuple[str, ...] = ("gemm", "gemm_fp8", "attention", "memory", "layer_overhead_s",
                                       "moe_token_elements", "optimizer_bytes_per_param", "intra_node_comm",
@@ -61,14 +66,20 @@ GENERATION_FIELDS: tuple[str, ...] = ("gemm", "gemm_fp8", "attention", "memory",
 
 
 def generation(cluster: ClusterSpec) -> str:
-    """GPU generation of a cluster from its device name: ``ampere``, ``hopper``, ``blackwell`` or ``other``."""
+    """GPU generation of a cluster from its device name: ``ampere`` (A100 40/80 GB, A800, A30), ``hopper`` (H100
+    SXM/NVL, H200, H800, H20, GH200), ``blackwell`` (B100, B200, B300, GB200, GB300), ``cdna3`` (MI300X, MI325X),
+    ``cdna4`` (MI350X, MI355X) or ``other``."""
     name = cluster.device_name.upper()
     if "A100" in name or "A800" in name or "A30" in name:
         return "ampere"
-    if "H100" in name or "H200" in name or "H800" in name or "GH200" in name:
+    if "H100" in name or "H20" in name or "H800" in name:  # "H20" also matches H200 and GH200
         return "hopper"
-    if "B200" in name or "B100" in name or "GB200" in name or "B300" in name:
+    if "B200" in name or "B100" in name or "B300" in name:  # also GB200, GB300
         return "blackwell"
+    if "MI300" in name or "MI325" in name:
+        return "cdna3"
+    if "MI350" in name or "MI355" in name:
+        return "cdna4"
     return "other"
 
 

@@ -22,7 +22,8 @@ def compute_precision(precision: Precision, cluster: ClusterSpec) -> Precision:
 
 def target_peak_tflops(job: JobSpec) -> float | None:
     """The peak TFLOP/s of the job's cluster in the precision it trains in (a preset's, or what profiling measured;
-    never a benchmark of the planning machine); ``None`` where the cluster states none."""
+    never a benchmark of the planning machine); ``None`` where the cluster states none. The quoted peak, not scaled
+    by ``cluster.sm_clock_mhz`` / ``cluster.power_limit_w``: MFU of a capped GPU counts what the cap costs."""
     cluster = job.cluster
     if compute_precision(job.train.precision, cluster) is Precision.fp32:
         return cluster.peak_tflops_fp32
@@ -57,17 +58,17 @@ class KernelModel:
                  measurements: Measurements | None = None) -> None:
         """Rates of ``cluster`` in ``precision`` (resolved by :func:`compute_precision`) at the achieved shares
         ``efficiency``; ``fp8`` runs the linear layers' GEMMs in FP8; measured peaks and GEMMs in ``measurements``
-        win over the nominal figures. Raises :class:`ConfigError` for FP8 on a cluster without an FP8 peak."""
+        win over the nominal figures, which are scaled to the clock the GPUs run at
+        (:meth:`~cfp_megatron.base.config.ClusterSpec.clocked_peak_tflops`). Raises :class:`ConfigError` for FP8 on
+        a cluster without an FP8 peak."""
         precision = compute_precision(precision, cluster)
         self.dtype = dtype_name(precision)
         self.elem = bytes_per_element(precision)
         self.eff = efficiency
         self.measurements = measurements
         measured_peak = measurements.peak_tflops(self.dtype) if measurements else None
-        if self.dtype == "fp32":
-            nominal = cluster.peak_tflops_fp32
-        else:
-            nominal = cluster.peak_tflops_bf16
+        # The peaks at the clock the GPUs run at (cluster.sm_clock_mhz / cluster.power_limit_w scale them).
+        nominal = cluster.clocked_peak_tflops("fp32" if self.dtype == "fp32" else "bf16")
         if fp8 and cluster.peak_tflops_fp8 is None:
             raise ConfigError(ConfigIssue(key="cluster.peak_tflops_fp8", value=None,
                                           problem=f"FP8 was asked for but {cluster.device_name} has no FP8 peak.",
@@ -80,7 +81,7 @@ class KernelModel:
             self.gemm_flops_per_s = peak * efficiency.gemm
             self.attn_flops_per_s = peak * efficiency.attention
         self.fp8 = fp8
-        self.fp8_flops_per_s = (cluster.peak_tflops_fp8 or 0.0) * 1e12 * efficiency.gemm_fp8
+        self.fp8_flops_per_s = (cluster.clocked_peak_tflops("fp8") or 0.0) * 1e12 * efficiency.gemm_fp8
         self.mem_bytes_per_s = (cluster.hbm_bandwidth_gbps or _FALLBACK_HBM_GBPS) * 1e9 * efficiency.memory
         self._cache: dict[tuple[int, int, int, bool], float] = {}
 

@@ -11,8 +11,10 @@ from cfp_megatron.base.config import Activation, AttentionKind, JobSpec, MlpPart
 from cfp_megatron.base.flops import attention_params, mlp_params
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
+from cfp_megatron.sim.cp_cost import chunk_slowdown, cp_cost
 from cfp_megatron.sim.kernels import KernelModel, grad_element_bytes
 from cfp_megatron.sim.layout import Layout
+from cfp_megatron.sim.moe_cost import MoeCost, moe_block_cost, overlapped
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.primepar_cost import MlpCost, ffn_gemms, mlp_activation_elements, primepar_mlp_cost
 
@@ -111,7 +113,8 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
     # Fused (flash) kernels skip the masked upper triangle of causal attention; unfused ones compute all of it.
     core_flops = 4.0 * micro_batch * (seq_length / cp) * seq_length * head_dims / tp * (
         0.5 if options.flash_attention else 1.0)
-    core_fwd = kernels.attention(core_flops)
+    # A CP rank's kernel runs on blocks of seq / (2 cp) queries, where it reaches less of its throughput.
+    core_fwd = kernels.attention(core_flops) * chunk_slowdown(seq_length, cp)
     core_bwd = core_fwd * (2.5 if options.flash_attention else 2.0)
 
     # Element-wise traffic per token, in elements: norms, residuals, bias/dropout (replicated unless SP),
@@ -122,29 +125,14 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         split_elements += 4.0 * model.num_attention_heads * seq_length / tp  # scores written, softmaxed, read back
     params = attn_params / tp + 4 * hidden
     expert_params = 0.0
-    ep_fwd = 0.0
     primepar: MlpCost | None = None
+    moe_block = None
     if moe:
-        expert_ffn = model.moe_ffn_hidden_size or model.ffn_size
-        topk, num_experts = model.moe_router_topk, model.num_experts or 1
-        etp, ep = dims.etp, dims.ep
-        routed = topk * tokens / tp * etp  # token copies an expert rank processes (balanced routing)
-        local_experts = num_experts / ep
-        per_expert = routed / local_experts
-        mlp_gemm = local_experts * ffn_gemms(kernels, per_expert, hidden, expert_ffn / etp, gated)
-        mlp_gemm += kernels.gemm(tokens / (tp if sp else 1), num_experts, hidden, low_precision=False)
-        shared_ffn = model.moe_shared_expert_intermediate_size or 0
-        if shared_ffn:
-            mlp_gemm += ffn_gemms(kernels, tokens, hidden, shared_ffn / tp, gated)
-            split_elements += mlp_activation_elements(tp=tp, ffn=shared_ffn, gated=gated)
-        split_elements += routed / tokens * ((3 if gated else 2) * expert_ffn / etp
-                                             + kernels.eff.moe_token_elements * hidden)
-        expert_params = mlp_params(model, expert_ffn) * local_experts / etp
-        params += expert_params + mlp_params(model, shared_ffn) / tp + hidden * num_experts
-        a2a_bytes = topk * tokens / tp * hidden * elem_bytes
-        ep_fwd = 2 * costs.seconds(Collective.all_to_all, a2a_bytes, ep, layout.ep_per_node)
-        if etp > 1:
-            ep_fwd += 2 * costs.seconds(Collective.all_gather, a2a_bytes * etp, etp, min(etp, layout.gpus_per_node))
+        moe_block = moe_block_cost(job, layout, kernels, costs, imbalance=options.moe_routing_imbalance)
+        mlp_gemm = moe_block.gemm_s
+        split_elements += moe_block.elements_per_token
+        expert_params = moe_block.expert_params
+        params += moe_block.params
         tp_ops = 2  # attention only; the experts talk over EP
     else:
         # The split GEMMs and the activation as sim.primepar_cost.megatron_mlp_cost has them (its all-reduce is
@@ -171,18 +159,14 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
             tp_pass = (tp_ops // 2) * costs.seconds(Collective.all_reduce, act_bytes, tp, layout.tp_per_node)
     else:
         tp_pass = 0.0
-    if tp_pass and options.tp_comm_overlap:
+    if tp_pass and (options.tp_comm_overlap or parallel.tp_comm_overlap):
         covered_s = attn_gemm + (mlp_gemm if tp_ops == 4 else 0.0)
         tp_pass = max(tp_pass - covered_s, 0.0) + tp_pass / tp
 
-    # Context parallelism: cp-1 ring steps of this rank's K and V, overlapped with the attention core.
-    if cp > 1:
-        kv_bytes = micro_batch * (seq_length / cp) * kv_width / tp * elem_bytes
-        ring_step_s = costs.seconds(Collective.send_recv, kv_bytes, 2, min(layout.cp_per_node, 2))
-        cp_fwd = max(0.0, (cp - 1) * ring_step_s - core_fwd * (cp - 1) / cp)
-        cp_bwd = max(0.0, 2 * (cp - 1) * ring_step_s - core_bwd * (cp - 1) / cp)
-    else:
-        cp_fwd = cp_bwd = 0.0
+    # Context parallelism: the K/V exchange of the plan's CP type, what the attention core does not hide.
+    cp_exchange = cp_cost(job, layout, costs, elem_bytes=elem_bytes, q_width=head_dims, kv_width=kv_width,
+                          core_fwd_s=core_fwd, core_bwd_s=core_bwd)
+    cp_fwd, cp_bwd = cp_exchange.forward_s, cp_exchange.backward_s
 
     # FSDP: gather the layer's weights before forward and backward, scatter its gradients after backward.
     fsdp_fwd = fsdp_bwd = 0.0
@@ -196,6 +180,11 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         fsdp_fwd = max(0.0, gather_s - fwd_compute - core_fwd)
         fsdp_bwd = max(0.0, gather_s + scatter_s - bwd_compute - core_bwd)
 
+    ep_fwd = ep_bwd = 0.0
+    if moe_block is not None:
+        ep_fwd, ep_bwd = _expert_comm(job, moe_block, fwd_window_s=fwd_compute + core_fwd,
+                                      bwd_window_s=bwd_compute + core_bwd)
+
     if primepar is not None:
         bwd_compute += primepar.backward_compute_s - 2.0 * primepar.forward_compute_s
         tp_fwd, tp_bwd = tp_pass + primepar.forward_comm_s, tp_pass + primepar.backward_comm_s
@@ -206,7 +195,7 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
     forward = PassCost(compute_s=fwd_compute, attention_core_s=core_fwd, overhead_s=overhead, tp_comm_s=tp_fwd,
                        cp_comm_s=cp_fwd, ep_comm_s=ep_fwd, fsdp_comm_s=fsdp_fwd)
     backward = PassCost(compute_s=bwd_compute, attention_core_s=core_bwd, overhead_s=overhead, tp_comm_s=tp_bwd,
-                        cp_comm_s=cp_bwd, ep_comm_s=ep_fwd, fsdp_comm_s=fsdp_bwd)
+                        cp_comm_s=cp_bwd, ep_comm_s=ep_bwd, fsdp_comm_s=fsdp_bwd)
     if parallel.recompute.value == "full":
         recompute = PassCost(compute_s=fwd_compute, attention_core_s=core_fwd, overhead_s=overhead,
                              tp_comm_s=tp_fwd, cp_comm_s=cp_fwd, ep_comm_s=ep_fwd)
@@ -216,6 +205,23 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         recompute = PassCost()
     return LayerCost(forward=forward, backward=backward, recompute=recompute, params=params,
                      expert_params=expert_params)
+
+
+def _expert_comm(job: JobSpec, block: MoeCost, *, fwd_window_s: float, bwd_window_s: float) -> tuple[float, float]:
+    """(forward, backward) seconds of the expert dispatch and combine left on the critical path, with the SM share
+    the hidden part takes from the computation it overlaps: ``moe_a2a_overlap`` hides a forward pass's all-to-all
+    behind another micro-batch's backward computation (``bwd_window_s``) and a backward pass's behind a forward
+    (``fwd_window_s``); ``moe_shared_expert_overlap`` hides it behind the shared expert (twice as long backward)."""
+    parallel = job.parallel
+    if parallel.moe_a2a_overlap:
+        windows = (bwd_window_s, fwd_window_s)
+    elif parallel.moe_shared_expert_overlap:
+        windows = (block.shared_gemm_s, 2.0 * block.shared_gemm_s)
+    else:
+        return block.dispatch_s, block.dispatch_s
+    fwd = overlapped(block.dispatch_s, windows[0])
+    bwd = overlapped(block.dispatch_s, windows[1])
+    return fwd[0] + fwd[1], bwd[0] + bwd[1]
 
 
 def output_layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts) -> tuple[
@@ -247,3 +253,24 @@ def embedding_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
         reduce_s = costs.seconds(collective, hidden_bytes, dims.tp, layout.tp_per_node)
     return PassCost(compute_s=kernels.memory(3 * hidden_bytes), tp_comm_s=reduce_s), PassCost(
         compute_s=kernels.memory(3 * hidden_bytes) + kernels.memory(hidden_bytes * 2))
+
+
+def mtp_projection_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts) -> tuple[
+        PassCost, PassCost, float]:
+    """(forward, backward) seconds of what one multi-token-prediction layer runs besides its decoder layer, for one
+    micro-batch on one rank, and those parts' parameters on one rank: the embedding of the shifted tokens
+    (:func:`embedding_cost`), the two norms of it and of the hidden state and the one after the layer, the
+    projection of their concatenation (``2h -> h``, column-parallel, then gathered over TP: Megatron-Core's
+    ``MultiTokenPredictionLayer``)."""
+    model, dims = job.model, layout.dims
+    tokens = layout.micro_batch * layout.seq_length / dims.cp
+    hidden = model.hidden_size
+    hidden_bytes = tokens * hidden * kernels.elem
+    embed_fwd, embed_bwd = embedding_cost(job, layout, kernels, costs)
+    proj_s = kernels.gemm(tokens, hidden / dims.tp, 2 * hidden)
+    norms_s = kernels.memory(3 * 2 * hidden_bytes)  # three norms, each reading and writing the hidden state
+    gather_s = (costs.seconds(Collective.all_gather, hidden_bytes, dims.tp, layout.tp_per_node) if dims.tp > 1
+                else 0.0)
+    params = 2 * hidden * hidden / dims.tp + 3 * hidden
+    return (embed_fwd.plus(PassCost(compute_s=proj_s + norms_s, tp_comm_s=gather_s)),
+            embed_bwd.plus(PassCost(compute_s=2 * proj_s + 2 * norms_s, tp_comm_s=gather_s)), params)

@@ -1,5 +1,6 @@
 """The parallel layout the simulator works on: validated sizes plus where each process group's ranks sit (ranks of
-each group per node)."""
+each group per NVLink domain: a node, unless ``cluster.nvlink_domain_size`` makes the fast link wider, e.g. a 72-GPU
+NVL72 rack, or narrower, e.g. NVLink-bridged pairs)."""
 
 from __future__ import annotations
 
@@ -13,28 +14,32 @@ from cfp_megatron.cluster.costs import group_placement
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """Sizes of one plan and the placement (ranks per node) of each of its groups."""
+    """Sizes of one plan and the placement (ranks per NVLink domain) of each of its groups. The ``*_per_node``
+    fields count ranks per domain, the unit the cost model's fast link spans; a domain is a node unless
+    ``cluster.nvlink_domain_size`` says otherwise."""
 
     dims: ParallelDims
     """The validated sizes (DP derived, micro-batch count)."""
     gpus_per_node: int
     """GPUs per node."""
+    domain_size: int
+    """GPUs per NVLink (scale-up) domain: ``cluster.nvlink_domain_size``, else ``gpus_per_node``."""
     micro_batch: int
     """Sequences per micro-batch."""
     seq_length: int
     """Tokens per sequence (before context parallelism splits it)."""
     tp_per_node: int
-    """Ranks of a TP group on one node."""
+    """Ranks of a TP group in one NVLink domain."""
     cp_per_node: int
-    """Ranks of a CP group on one node."""
+    """Ranks of a CP group in one NVLink domain."""
     ep_per_node: int
-    """Ranks of an EP group on one node."""
+    """Ranks of an EP group in one NVLink domain."""
     dp_per_node: int
-    """Ranks of the gradient-reduction group (DP x CP) on one node."""
+    """Ranks of the gradient-reduction group (DP x CP) in one NVLink domain."""
     edp_per_node: int
-    """Ranks of the expert-gradient reduction group on one node."""
+    """Ranks of the expert-gradient reduction group in one NVLink domain."""
     pp_intra_node: bool
-    """Whether neighbouring pipeline stages share a node."""
+    """Whether neighbouring pipeline stages share an NVLink domain."""
 
 
 def _strides(order: str, sizes: dict[str, int]) -> dict[str, int]:
@@ -66,17 +71,27 @@ def build_layout(job: JobSpec, world_size: int | None = None) -> Layout:
 
 
 def place(job: JobSpec, dims: ParallelDims, gpus_per_node: int) -> Layout:
-    """Where the groups of ``dims`` (already validated, or taken as given) sit on nodes of ``gpus_per_node``."""
+    """Where the groups of ``dims`` (already validated, or taken as given) sit on the NVLink domains of a cluster
+    with nodes of ``gpus_per_node`` (a domain is a node unless ``cluster.nvlink_domain_size`` says otherwise).
+
+    A domain of several nodes (an NVL72 rack) need not be a multiple of a group's span: there the groups are counted
+    over the world, and a group that straddles two racks gets its smaller share (``group_placement``)."""
+    domain = job.cluster.domain_size(gpus_per_node)
+    world = dims.world_size if domain != gpus_per_node else None
+
+    def per_domain(size: int, stride: int) -> int:
+        return group_placement(size, stride, domain, world_size=world)
+
     dense = _strides(job.parallel.order, {"tp": dims.tp, "cp": dims.cp, "dp": dims.dp, "pp": dims.pp})
     expert = _strides(job.parallel.order, {"tp": dims.etp, "ep": dims.ep, "dp": dims.expert_dp, "pp": dims.pp})
-    tp_per_node = group_placement(dims.tp, dense["tp"], gpus_per_node)
-    cp_per_node = group_placement(dims.cp, dense["cp"], gpus_per_node)
-    ep_per_node = group_placement(dims.ep, expert["ep"], gpus_per_node)
+    tp_per_node = per_domain(dims.tp, dense["tp"])
+    cp_per_node = per_domain(dims.cp, dense["cp"])
+    ep_per_node = per_domain(dims.ep, expert["ep"])
     # Gradients of dense weights are reduced over DP x CP; with the standard order they form one strided block.
     dpcp_stride = min(dense["cp"], dense["dp"])
-    dp_per_node = group_placement(dims.dp * dims.cp, dpcp_stride, gpus_per_node)
-    edp_per_node = group_placement(dims.expert_dp, expert["dp"], gpus_per_node)
-    return Layout(dims=dims, gpus_per_node=gpus_per_node, micro_batch=job.train.micro_batch_size,
+    dp_per_node = per_domain(dims.dp * dims.cp, dpcp_stride)
+    edp_per_node = per_domain(dims.expert_dp, expert["dp"])
+    return Layout(dims=dims, gpus_per_node=gpus_per_node, domain_size=domain, micro_batch=job.train.micro_batch_size,
                   seq_length=job.train.seq_length, tp_per_node=tp_per_node, cp_per_node=cp_per_node,
                   ep_per_node=ep_per_node, dp_per_node=dp_per_node, edp_per_node=edp_per_node,
-                  pp_intra_node=dense["pp"] < gpus_per_node and dims.pp > 1 and dense["pp"] * 2 <= gpus_per_node)
+                  pp_intra_node=dense["pp"] < domain and dims.pp > 1 and dense["pp"] * 2 <= domain)

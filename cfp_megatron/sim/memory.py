@@ -19,6 +19,7 @@ from cfp_megatron.base.config import (
 )
 from cfp_megatron.base.pipeline_split import job_chunks
 from cfp_megatron.cluster.measured import Measurements, SegmentMemory, partition_name
+from cfp_megatron.sim.cp_cost import cp_buffer_bytes
 from cfp_megatron.sim.kernels import element_bytes, grad_element_bytes
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.measured_memory import measured_memory, peak_activation_bytes, pipeline_buffers
@@ -75,7 +76,8 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
     gated = model.activation is Activation.swiglu
     if moe:
         expert_ffn = model.moe_ffn_hidden_size or model.ffn_size
-        routed = model.moe_router_topk * dims.etp / tp  # token copies per local token
+        # Token copies per local token on the busiest expert rank.
+        routed = model.moe_router_topk * dims.etp / tp * options.moe_routing_imbalance
         per_token += routed * (linear_input_bytes * hidden + 2 * expert_ffn * (2 if gated else 1) / dims.etp
                                + linear_input_bytes * expert_ffn / dims.etp)
         shared_ffn = model.moe_shared_expert_intermediate_size or 0
@@ -211,10 +213,12 @@ def measured_activations(job: JobSpec, layout: Layout, measurements: Measurement
 
 def stage_memory(job: JobSpec, layout: Layout, options: SimOptions, *, rank: int, layer_params: float,
                  expert_params: float, layers: int, moe_layers: int, first: bool, last: bool,
-                 measurements: Measurements | None = None) -> MemoryBreakdown:
+                 measurements: Measurements | None = None, mtp: int = 0) -> MemoryBreakdown:
     """Memory (bytes) of one rank of pipeline stage ``rank`` holding ``layers`` layers (``moe_layers`` of them MoE)
     with ``layer_params`` decoder-layer parameters on the rank (``expert_params`` of them routed experts'); ``first``
-    and ``last`` add the embedding and the head.
+    and ``last`` add the embedding and the head (the head's logits once more per MTP layer of the model); ``mtp``:
+    the rank's MTP layers (counted among ``layers``), which embed the shifted tokens with a table of their own where
+    the rank has none (docs/simulator.md, "Multi-token prediction").
 
     With ``measurements`` that hold the stage's segments' memory under the plan's partition, the activations (and
     the pipeline's buffers) come from them (:func:`measured_activations`) instead of the analytical model."""
@@ -230,6 +234,8 @@ def stage_memory(job: JobSpec, layout: Layout, options: SimOptions, *, rank: int
         params += model.hidden_size * (2 if model.normalization is Normalization.LayerNorm else 1)  # final norm
     if last and (dims.pp > 1 or not model.tie_embeddings):
         params += vocab_params
+    if mtp and not first and not (last and model.tie_embeddings):
+        params += vocab_params  # the MTP block's embedding (the loss rank's output weight where they are tied)
     dense_params = params - expert_params
     mixed = elem_bytes == 2
     adam = job.train.optimizer is OptimizerKind.adam
@@ -259,6 +265,8 @@ def stage_memory(job: JobSpec, layout: Layout, options: SimOptions, *, rank: int
         moe_act = moe_full = 0.0
     dense_layers = layers - moe_layers
     chunk_microbatches = in_flight(rank, dims.pp, dims.vpp, dims.num_microbatches)
+    if parallel.moe_a2a_overlap and moe_layers:  # the combined 1F1B schedule runs one more micro-batch ahead
+        chunk_microbatches = min(chunk_microbatches + 1, dims.num_microbatches * dims.vpp)
     held_microbatches = chunk_microbatches / dims.vpp  # whole-rank micro-batches held
     if parallel.recompute is Recompute.full and parallel.recompute_method is RecomputeMethod.block:
         # The recomputed layers keep their input; the others keep what they would without recomputation.
@@ -277,18 +285,32 @@ def stage_memory(job: JobSpec, layout: Layout, options: SimOptions, *, rank: int
         working = 0.0
     tokens = layout.micro_batch * layout.seq_length / dims.cp
     activations = kept * held_microbatches + working
-    if last:
-        activations += 2 * tokens * model.padded_vocab_size / dims.tp * 4.0  # fp32 logits and their gradient
+    if last:  # fp32 logits and their gradient, of the main head and of each MTP layer's
+        activations += 2 * tokens * model.padded_vocab_size / dims.tp * 4.0 * (1 + model.mtp_num_layers)
     buffers = 0.0
     if dims.tp > 1:
         buffers += 2 * tokens * model.hidden_size * elem_bytes
+    if parallel.tp_comm_overlap or options.tp_comm_overlap:
+        # Transformer Engine's userbuffers: about four [tokens, hidden] buffers (the all-gathered inputs of the QKV
+        # and FC1 GEMMs, the reduce-scattered outputs of the projection and FC2), allocated once.
+        buffers += 4 * tokens * model.hidden_size * elem_bytes
     if dims.pp > 1:
         buffers += 2 * tokens * model.hidden_size * elem_bytes / (dims.tp if dims.sp else 1)
+    if dims.cp > 1:
+        head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
+        buffers += cp_buffer_bytes(job, layout, elem_bytes=elem_bytes,
+                                   q_width=model.num_attention_heads * head_dim,
+                                   kv_width=2 * model.query_groups * head_dim)
+    if moe_layers and dims.ep > 1:
+        # The permuted token copies before and after the all-to-all (send and receive buffers) of one layer.
+        buffers += (2 * model.moe_router_topk * tokens / dims.tp * model.hidden_size * elem_bytes
+                    * options.moe_routing_imbalance)
     if options.fsdp and layers:
         per_layer = layer_params / layers
         buffers += 2 * per_layer * elem_bytes + per_layer * grad_per_param
+    # Profiling measures no MTP layer: a rank that holds one keeps the analytical activations.
     measured = measured_activations(job, layout, measurements, rank=rank, layers=layers, moe_layers=moe_layers,
-                                    first=first, last=last) if not options.fsdp else None
+                                    first=first, last=last) if not options.fsdp and not mtp else None
     if measured is not None:
         activations, buffers = measured, 0.0
     return MemoryBreakdown(parameters=weights, gradients=grads, optimizer_states=optimizer, activations=activations,

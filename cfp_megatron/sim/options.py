@@ -31,12 +31,20 @@ class SimOptions:
     use_measured_segments: bool = True
     """Where the measurements hold profiled segment times for the plan's partition (CFP), use them for the layers,
     embedding and head instead of the analytical cost (:mod:`cfp_megatron.sim.measured_segments`)."""
+    moe_routing_imbalance: float = 1.0
+    """Routed tokens the busiest expert rank receives, as a multiple of the balanced share: its expert GEMMs and its
+    all-to-all grow by that factor. 1.0 is forced or perfect balance (NVIDIA's MoE benchmarks force it); training
+    with an auxiliary balancing loss typically stays within 1.1-1.3 of it after the first steps."""
     max_schedule_ops: int = 200_000
     """Largest pipeline schedule (ranks x micro-batches x chunks x 2) simulated event by event; larger ones use
     two shorter schedules extrapolated (:func:`cfp_megatron.sim.schedule.run_schedule`)."""
 
     def __post_init__(self) -> None:
         """Raises :class:`ConfigError` for a ``max_schedule_ops`` below 1."""
+        if not 1.0 <= self.moe_routing_imbalance <= 64.0:
+            raise ConfigError(ConfigIssue(key="sim.moe_routing_imbalance", value=self.moe_routing_imbalance,
+                                          problem="must be between 1 (balanced) and 64.",
+                                          fix="use 1.0 for forced balance, e.g. 1.2 for aux-loss balancing."))
         if self.max_schedule_ops < 1:
             raise ConfigError(ConfigIssue(key="sim.max_schedule_ops", value=self.max_schedule_ops,
                                           problem="must be positive.", fix="use e.g. 200000."))

@@ -12,12 +12,19 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from cfp_megatron.base.config import ClusterSpec, JobSpec, MlpPartition, Recompute
+from cfp_megatron.base.config import ClusterSpec, JobSpec, MlpPartition, ParallelSpec, Recompute
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Measurements, StepOverheads, partition_name
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
 from cfp_megatron.sim.kernels import KernelModel
-from cfp_megatron.sim.layer_cost import LayerCost, PassCost, embedding_cost, layer_cost, output_layer_cost
+from cfp_megatron.sim.layer_cost import (
+    LayerCost,
+    PassCost,
+    embedding_cost,
+    layer_cost,
+    mtp_projection_cost,
+    output_layer_cost,
+)
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.measured_segments import apply_measured, measured_pass
 from cfp_megatron.sim.options import SimOptions
@@ -55,24 +62,38 @@ class PassCosts:
     or the head (measured; else zero)."""
     overheads: StepOverheads | None
     """The measured step overheads used, if any."""
+    mtp_projection: tuple[PassCost, PassCost] = (PassCost(), PassCost())
+    """Forward and backward of what one multi-token-prediction layer runs besides its decoder layer (a layer of
+    :attr:`moe`'s kind, the model's last): the shifted tokens' embedding, three norms and the ``2h -> h``
+    projection (:func:`~cfp_megatron.sim.layer_cost.mtp_projection_cost`); zero without MTP. Its output head and
+    loss are another :attr:`head` on the chunk that holds the loss."""
+    mtp_projection_params: float = 0.0
+    """Parameters of those parts on one rank (the projection and the norms; the embedding table is counted where
+    the chunk holds one)."""
 
     def min_layer_s(self) -> float:
         """Forward + backward + recomputation seconds of the cheaper layer kind (a bound's building block)."""
         return min(self.dense.total_s, self.moe.total_s)
 
 
+def comm_options(parallel: ParallelSpec) -> tuple[Any, ...]:
+    """The plan's communication options the layer costs read (CP exchange type, expert and TP overlaps)."""
+    return (parallel.cp_comm_type, parallel.tp_comm_overlap, parallel.moe_a2a_overlap,
+            parallel.moe_shared_expert_overlap)
+
+
 def cost_key(layout: Layout, recompute: Recompute, options: SimOptions,
              mlp: MlpPartition = MlpPartition.megatron, *, sp: bool | None = None,
-             micro_batch: int | None = None) -> tuple[Any, ...]:
-    """Everything of a plan that :func:`pass_costs` reads (its layout, recompute choice and MLP partition), for plans
-    of one model on one cluster with one set of options and measurements, as a hashable tuple: equal keys, equal
-    costs. ``sp`` and ``micro_batch`` stand in for the layout's own (they do not move groups between nodes: a search
-    places a family once for all of them)."""
+             micro_batch: int | None = None, comm: tuple[Any, ...] = ()) -> tuple[Any, ...]:
+    """Everything of a plan that :func:`pass_costs` reads (its layout, recompute choice, MLP partition and
+    communication options, :func:`comm_options`), for plans of one model on one cluster with one set of options and
+    measurements, as a hashable tuple: equal keys, equal costs. ``sp`` and ``micro_batch`` stand in for the layout's
+    own (they do not move groups between nodes: a search places a family once for all of them)."""
     dims = layout.dims
     fsdp = (dims.dp, layout.dp_per_node) if options.fsdp else ()
     return (dims.tp, dims.sp if sp is None else sp, dims.cp, dims.ep, dims.etp,
             layout.micro_batch if micro_batch is None else micro_batch, layout.seq_length, recompute,
-            layout.tp_per_node, layout.cp_per_node, layout.ep_per_node, layout.gpus_per_node, fsdp, mlp)
+            layout.tp_per_node, layout.cp_per_node, layout.ep_per_node, layout.domain_size, fsdp, mlp, comm)
 
 
 @dataclass(kw_only=True)
@@ -145,8 +166,11 @@ def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         dense = moe = in_schedule(dense, overheads.layer_s)
         per_pass = PassCost(overhead_s=overheads.per_microbatch_s / 2)
         embedding, head = _ends_in_schedule(embedding, head, overheads.ends_s)
+    mtp = (PassCost(), PassCost(), 0.0)
+    if model.mtp_num_layers and not options.measured_layer_only:
+        mtp = mtp_projection_cost(job, layout, kernels, costs)
     return PassCosts(dense=dense, megatron_dense=None, moe=moe, embedding=embedding, head=head, per_pass=per_pass,
-                     overheads=overheads)
+                     overheads=overheads, mtp_projection=mtp[:2], mtp_projection_params=mtp[2])
 
 
 def _step_overheads(job: JobSpec, measurements: Measurements, micro_batch: int) -> StepOverheads | None:

@@ -18,7 +18,7 @@ from cfp_megatron.sim.layer_cost import PassCost
 from cfp_megatron.sim.layout import Layout, build_layout
 from cfp_megatron.sim.memory import stage_memory
 from cfp_megatron.sim.options import SimOptions
-from cfp_megatron.sim.pass_costs import CostCache, PassCosts, collective_costs, cost_key, pass_costs
+from cfp_megatron.sim.pass_costs import CostCache, PassCosts, collective_costs, comm_options, cost_key, pass_costs
 from cfp_megatron.sim.prediction import GIB, Event, EventKind, MemoryBreakdown, Prediction, TimeBreakdown
 from cfp_megatron.sim.primepar_cost import megatron_twin
 from cfp_megatron.sim.schedule import ScheduleResult, dependency_floors, run_schedule
@@ -65,42 +65,57 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
     megatron_dense = parts.megatron_dense or dense  # the dense layers beyond parallel.primepar_layers
     per_pass, overheads = parts.per_pass, parts.overheads
     pp, vpp = dims.pp, dims.vpp
-    num_stages = pp * vpp
     chunks = job_chunks(job)
+    heads = 1 + model.mtp_num_layers  # the loss chunk runs the output layer and loss once more per MTP layer
     # Per pipeline rank and model chunk: one micro-batch's forward, backward and recomputation costs.
     forward_costs: list[list[PassCost]] = []
     backward_costs: list[list[PassCost]] = []
     recompute_costs: list[list[PassCost]] = []
     split = _stage_split(job, layout, parts)
     layer_params, expert_params = split.layer_params, split.expert_params
+    chunk_costs: dict[tuple, tuple[PassCost, PassCost, PassCost]] = {}  # chunks that hold the same cost the same
     for rank in range(pp):
         fwd_row, bwd_row, rec_row = [], [], []
         for chunk_index in range(vpp):
-            stage = chunk_index * pp + rank  # global (virtual) pipeline stage
             chunk = chunks[rank][chunk_index]
             # The chunk's first dense layers run the plan's MLP partition, any beyond parallel.primepar_layers
             # Megatron's (the same layer when the plan's is Megatron's).
             primepar_layers = chunk.primepar(job.parallel)
-            fwd_cost = dense.forward.scaled(primepar_layers).plus(
-                megatron_dense.forward.scaled(chunk.dense - primepar_layers)).plus(moe.forward.scaled(chunk.moe))
-            bwd_cost = dense.backward.scaled(primepar_layers).plus(
-                megatron_dense.backward.scaled(chunk.dense - primepar_layers)).plus(moe.backward.scaled(chunk.moe))
             # Recomputed layers: all (uniform), or the chunk's first recompute_num_layers (block; dense ones first).
             rec_dense, rec_moe = chunk.recomputed(job.parallel)
-            rec_primepar = min(rec_dense, primepar_layers)
-            rec_cost = dense.recompute.scaled(rec_primepar).plus(
-                megatron_dense.recompute.scaled(rec_dense - rec_primepar)).plus(moe.recompute.scaled(rec_moe))
-            if stage == 0:
-                fwd_cost, bwd_cost = fwd_cost.plus(embedding[0]), bwd_cost.plus(embedding[1])
-            if stage == num_stages - 1:
-                fwd_cost, bwd_cost = fwd_cost.plus(head[0]), bwd_cost.plus(head[1])
-            if stage == 0 or stage == num_stages - 1:
-                # The schedule's cost per micro-batch beyond the segments (StepOverheads.per_microbatch_s), paid by
-                # the stages that feed the batch in and compute the loss (cfp_megatron.sim.pass_costs).
-                fwd_cost, bwd_cost = fwd_cost.plus(per_pass), bwd_cost.plus(per_pass)
-            fwd_row.append(fwd_cost)
-            bwd_row.append(bwd_cost)
-            rec_row.append(rec_cost)
+            signature = (chunk.dense, chunk.moe, primepar_layers, rec_dense, rec_moe, chunk.mtp, chunk.embedding,
+                         chunk.loss)
+            found = chunk_costs.get(signature)
+            if found is None:
+                fwd_cost = dense.forward.scaled(primepar_layers).plus(
+                    megatron_dense.forward.scaled(chunk.dense - primepar_layers)).plus(moe.forward.scaled(chunk.moe))
+                bwd_cost = dense.backward.scaled(primepar_layers).plus(
+                    megatron_dense.backward.scaled(chunk.dense - primepar_layers)).plus(
+                    moe.backward.scaled(chunk.moe))
+                rec_primepar = min(rec_dense, primepar_layers)
+                rec_cost = dense.recompute.scaled(rec_primepar).plus(
+                    megatron_dense.recompute.scaled(rec_dense - rec_primepar)).plus(moe.recompute.scaled(rec_moe))
+                if chunk.mtp:
+                    # Each MTP layer: a decoder layer of the model's last kind (recomputed as the chunk's layers
+                    # are) and its embedding, norms and projection (docs/simulator.md, "Multi-token prediction").
+                    mtp_fwd, mtp_bwd = parts.mtp_projection
+                    fwd_cost = fwd_cost.plus(moe.forward.plus(mtp_fwd).scaled(chunk.mtp))
+                    bwd_cost = bwd_cost.plus(moe.backward.plus(mtp_bwd).scaled(chunk.mtp))
+                    rec_cost = rec_cost.plus(moe.recompute.scaled(chunk.mtp))
+                # The embedding and the head where the split puts them (the first and the last chunk, also under a
+                # per-stage layout: Megatron-Core requires it).
+                if chunk.embedding:
+                    fwd_cost, bwd_cost = fwd_cost.plus(embedding[0]), bwd_cost.plus(embedding[1])
+                if chunk.loss:
+                    fwd_cost, bwd_cost = fwd_cost.plus(head[0].scaled(heads)), bwd_cost.plus(head[1].scaled(heads))
+                if chunk.embedding or chunk.loss:
+                    # The schedule's cost per micro-batch beyond the segments (StepOverheads.per_microbatch_s), paid
+                    # by the stages that feed the batch in and compute the loss (cfp_megatron.sim.pass_costs).
+                    fwd_cost, bwd_cost = fwd_cost.plus(per_pass), bwd_cost.plus(per_pass)
+                found = chunk_costs[signature] = (fwd_cost, bwd_cost, rec_cost)
+            fwd_row.append(found[0])
+            bwd_row.append(found[1])
+            rec_row.append(found[2])
         forward_costs.append(fwd_row)
         backward_costs.append(bwd_row)
         recompute_costs.append(rec_row)
@@ -119,8 +134,7 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
     token_count_s = _token_count_sync(costs, layout) if overheads is not None else 0.0  # the same on every rank
     for rank in range(pp):
         vocab_params = model.padded_vocab_size * model.hidden_size / dims.tp
-        stage_params = (layer_params[rank] + (vocab_params if rank == 0 else 0.0)
-                        + (vocab_params if rank == pp - 1 and pp > 1 else 0.0))
+        stage_params = layer_params[rank] + split.vocab_tables[rank] * vocab_params
         dense_params = stage_params - expert_params[rank]
         if options.measured_layer_only:
             dp_exposed.append(0.0)
@@ -245,7 +259,8 @@ def _prepare(job: JobSpec, cluster: ClusterSpec | None, measurements: Measuremen
     def costs_of(plan: JobSpec) -> PassCosts:
         if cache is None:
             return pass_costs(plan, layout, kernels, costs, options, measurements)
-        key = cost_key(layout, plan.parallel.recompute, options, plan.parallel.mlp)
+        key = cost_key(layout, plan.parallel.recompute, options, plan.parallel.mlp,
+                       comm=comm_options(plan.parallel))
         if key not in cache.costs:
             cache.costs[key] = pass_costs(plan, layout, kernels, costs, options, measurements)
         return cache.costs[key]
@@ -282,27 +297,51 @@ class _StageSplit:
     expert_params: list[float]
     moe_layers: list[int]
     layers: list[int]
+    """Decoder layers, and MTP layers counted as layers of their kind."""
+    embedding: list[bool]
+    """Whether the rank holds the input embedding."""
+    loss: list[bool]
+    """Whether the rank holds the output layer and loss."""
+    mtp: list[int]
+    """MTP layers on the rank."""
+    vocab_tables: list[int]
+    """Vocabulary-sized weights on the rank the gradient sync counts: the embedding's, the output layer's where the
+    pipeline has more than one stage, and the one an MTP layer on another rank builds (Megatron-Core embeds the
+    shifted tokens there; the loss rank's output weight serves it where the embeddings are tied)."""
 
 
 def _stage_split(job: JobSpec, layout: Layout, parts: PassCosts) -> _StageSplit:
-    """Per pipeline rank: decoder-layer parameters on one rank, the routed experts' share of them, MoE layers and
-    layers, over the rank's model chunks."""
+    """Per pipeline rank: decoder-layer parameters on one rank (MTP layers' included), the routed experts' share of
+    them, MoE layers and layers, over the rank's model chunks, and what the rank holds of the embedding, the loss and
+    the MTP layers."""
     dims = layout.dims
-    layer_params = [0.0] * dims.pp
-    expert_params = [0.0] * dims.pp
-    moe_layers = [0] * dims.pp
-    layers = [0] * dims.pp
+    pp = dims.pp
+    layer_params = [0.0] * pp
+    expert_params = [0.0] * pp
+    moe_layers = [0] * pp
+    layers = [0] * pp
+    mtp = [0] * pp
     megatron_dense = parts.megatron_dense or parts.dense  # the dense layers beyond parallel.primepar_layers
-    for rank, rank_chunks in enumerate(job_chunks(job)):
+    mtp_moe = int(job.model.is_moe)  # an MTP layer is of the model's last layer kind
+    chunks = job_chunks(job)
+    for rank, rank_chunks in enumerate(chunks):
         for chunk in rank_chunks:
             primepar_layers = chunk.primepar(job.parallel)
             layer_params[rank] += (primepar_layers * parts.dense.params
                                    + (chunk.dense - primepar_layers) * megatron_dense.params
-                                   + chunk.moe * parts.moe.params)
-            expert_params[rank] += chunk.moe * parts.moe.expert_params
-            moe_layers[rank] += chunk.moe
-            layers[rank] += chunk.count
-    return _StageSplit(layer_params=layer_params, expert_params=expert_params, moe_layers=moe_layers, layers=layers)
+                                   + chunk.moe * parts.moe.params
+                                   + chunk.mtp * (parts.moe.params + parts.mtp_projection_params))
+            expert_params[rank] += (chunk.moe + chunk.mtp * mtp_moe) * parts.moe.expert_params
+            moe_layers[rank] += chunk.moe + chunk.mtp * mtp_moe
+            layers[rank] += chunk.count + chunk.mtp
+            mtp[rank] += chunk.mtp
+    embedding = [any(chunk.embedding for chunk in row) for row in chunks]
+    loss = [any(chunk.loss for chunk in row) for row in chunks]
+    tied = job.model.tie_embeddings
+    vocab_tables = [int(embedding[rank]) + int(loss[rank] and pp > 1)
+                    + int(bool(mtp[rank]) and not embedding[rank] and not (loss[rank] and tied)) for rank in range(pp)]
+    return _StageSplit(layer_params=layer_params, expert_params=expert_params, moe_layers=moe_layers, layers=layers,
+                       embedding=embedding, loss=loss, mtp=mtp, vocab_tables=vocab_tables)
 
 
 def _peak_memory(job: JobSpec, layout: Layout, options: SimOptions, measurements: Measurements | None,
@@ -321,8 +360,8 @@ def _peak_memory(job: JobSpec, layout: Layout, options: SimOptions, measurements
     memories = [stage_memory(job, layout, options, rank=rank, layer_params=split.layer_params[rank],
                              expert_params=split.expert_params[rank], layers=split.layers[rank],
                              moe_layers=split.moe_layers[rank],
-                             first=rank == 0 and not options.measured_layer_only,
-                             last=rank == pp - 1 and not options.measured_layer_only,
+                             first=split.embedding[rank] and not options.measured_layer_only,
+                             last=split.loss[rank] and not options.measured_layer_only, mtp=split.mtp[rank],
                              # measured segment memory (CFP), see cfp_megatron.sim.measured_memory
                              measurements=measurements if options.use_measured_segments else None)
                 for rank in ranks]

@@ -19,6 +19,7 @@ from cfp_megatron.plan.artifact import Plan, PlanPrediction
 from cfp_megatron.plan.check import PlanCheck
 from cfp_megatron.search.search import search
 from cfp_megatron.sim.kernels import target_peak_tflops
+from cfp_megatron.sim.uncertainty import error_band
 
 
 class MegatronBackend:
@@ -33,7 +34,9 @@ class MegatronBackend:
         Plan of the job's own cluster preset, its prediction's MFU against the cluster's peak."""
         result = search(job, world, cfp, measurements=measurements)
         peak = target_peak_tflops(job)
-        plans = tuple(Plan.from_job(r.job, world_size=world, prediction=PlanPrediction.of(r.prediction, peak),
+        plans = tuple(Plan.from_job(r.job, world_size=world, prediction=PlanPrediction.of(r.prediction, peak,
+                                                                                      error_band(r.job),
+                                                                                      r.unmeasured),
                                     inputs_fingerprint=inputs_fingerprint) for r in result.ranked)
         return PlannedSearch(plans=plans, labels=tuple(r.candidate.describe(world) for r in result.ranked),
                              searched=result.space_size, rejected=tuple((r.what, r.reason) for r in result.rejected),

@@ -8,9 +8,11 @@ from rich.table import Table
 
 from cfp_megatron.search.search import Ranked, SearchResult
 from cfp_megatron.sim.prediction import GIB, exposed_comm_s, mfu
+from cfp_megatron.sim.uncertainty import BAND_QUANTILE, best_published_mfu, error_band
 
 _KNOBS = (("tp", "TP"), ("sp", "sequence parallel"), ("pp", "PP"), ("vpp", "virtual stages"), ("cp", "CP"),
           ("first_stage_layers", "first stage layers (0: even)"), ("last_stage_layers", "last stage layers (0: even)"),
+          ("balanced", "balanced per-stage layout"),
           ("ep", "EP"), ("etp", "expert TP"), ("micro_batch", "micro-batch"), ("recompute", "recompute"),
           ("recompute_layers", "block-recomputed layers per chunk"), ("mlp", "MLP partition"),
           ("primepar_layers", "PrimePar layers per chunk (0: all)"), ("distributed_optimizer", "distributed optimizer"))
@@ -19,15 +21,51 @@ _KNOBS = (("tp", "TP"), ("sp", "sequence parallel"), ("pp", "PP"), ("vpp", "virt
 def ranking_table(result: SearchResult, peak_tflops: float | None) -> Table:
     """The top plans."""
     table = Table(title=f"Top {len(result.ranked)} of {result.space_size:,} layouts on {result.world} GPUs")
-    for col in ("#", "layout", "step s", "tokens/s/GPU", "MFU", "peak GiB", "bubble", "exposed comm s"):
+    for col in ("#", "layout", "step s", "± err", "tokens/s/GPU", "MFU", "peak GiB", "bubble", "exposed comm s"):
         table.add_column(col, justify="left" if col == "layout" else "right")
     for i, r in enumerate(result.ranked, 1):
         p = r.prediction
         u = mfu(p, peak_tflops)
-        table.add_row(str(i), r.candidate.describe(result.world), f"{p.step_time_s:.3f}",
-                      f"{p.tokens_per_s_per_gpu:,.0f}", f"{u:.1%}" if u is not None else "-",
-                      f"{p.memory.total / GIB:.1f}", f"{p.bubble_fraction:.1%}", f"{exposed_comm_s(p):.3f}")
+        band = error_band(r.job)
+        layout = r.candidate.describe(result.world) + (" [analytical]" if r.unmeasured else "")
+        table.add_row(str(i), layout, f"{p.step_time_s:.3f}",
+                      f"{band.pct:.0f}%" if band else "-", f"{p.tokens_per_s_per_gpu:,.0f}",
+                      f"{u:.1%}" if u is not None else "-", f"{p.memory.total / GIB:.1f}", f"{p.bubble_fraction:.1%}",
+                      f"{exposed_comm_s(p):.3f}")
     return table
+
+
+def trust_notes(result: SearchResult, peak_tflops: float | None) -> list[str]:
+    """What a person should know before trusting the ranking: the best plan's error band and where it comes from,
+    whether the runner-up is inside it, and a predicted MFU above the best published run of its class."""
+    if not result.ranked:
+        return []
+    best = result.ranked[0]
+    band = error_band(best.job)
+    notes = []
+    if band is not None:
+        where = ", ".join(band.classes)
+        notes.append(f"error band ±{band.pct:.0f}%: {BAND_QUANTILE:.0%} of published runs of its class ({where}) "
+                     f"were predicted that close (python -m cfp_megatron.validate, {band.rows} rows)"
+                     + (f"; no published run covers {', '.join(band.untested)}" if band.untested else ""))
+        if len(result.ranked) > 1:
+            runner_up = result.ranked[1].prediction.step_time_s
+            margin = (runner_up - best.prediction.step_time_s) / runner_up * 100
+            if margin < band.pct:
+                notes.append(f"the best plan's margin over the runner-up ({margin:.2f}%) is inside that band: the "
+                             "runner-up may be as fast; measure both if it matters")
+    marked = [i for i, r in enumerate(result.ranked, 1) if r.unmeasured]
+    if marked:
+        notes.append(f"[analytical] (plan {', '.join(map(str, marked))}): the profile lacks "
+                     f"{', '.join(dict.fromkeys(u for r in result.ranked for u in r.unmeasured))}, priced by the "
+                     "analytical model instead; complete the profile (torchrun ... -m cfp_megatron.profile) to "
+                     "measure them")
+    predicted = mfu(best.prediction, peak_tflops)
+    published = best_published_mfu(best.job)
+    if predicted is not None and published is not None and predicted > published.mfu:
+        notes.append(f"predicted MFU {predicted:.1%} is above the best published run of this GPU and model kind "
+                     f"({published.mfu:.1%}, run {published.row}): the prediction is likely optimistic")
+    return notes
 
 
 def rejections_table(result: SearchResult, limit: int = 20) -> Table:
@@ -82,6 +120,11 @@ def print_result(result: SearchResult, peak_tflops: float | None, console: Conso
         console.print("[bold]Why the best plan wins over the runner-up[/bold]")
         for line in explain(result.ranked[0], result.ranked[1] if len(result.ranked) > 1 else None):
             console.print("  " + line)
+        notes = trust_notes(result, peak_tflops)
+        if notes:
+            console.print("[bold]How far to trust it[/bold]")
+            for line in notes:
+                console.print("  " + line)
     console.print(rejections_table(result))
     limit = f"{result.memory_limit_gib:.1f} GiB" if result.memory_limit_gib is not None else "no limit"
     console.print(f"searched {result.space_size:,} layouts in {result.seconds:.2f} s: {result.simulated} simulated, "

@@ -1,0 +1,141 @@
+"""Seconds and parameters of one MoE block (router, token dispatch, routed experts, shared expert) for one
+micro-batch on one rank, as Megatron-Core runs it. How each term is modelled and where its figures come from:
+docs/simulator.md, "moe_cost.py".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cfp_megatron.base.config import JobSpec, TokenDispatcher
+from cfp_megatron.base.flops import mlp_params
+from cfp_megatron.cluster.costs import CollectiveCosts
+from cfp_megatron.cluster.measured import Collective
+from cfp_megatron.sim.kernels import KernelModel
+from cfp_megatron.sim.layout import Layout
+from cfp_megatron.sim.primepar_cost import ffn_gemms, mlp_activation_elements
+
+DEEPEP_INTRA_SHARE = 0.77
+"""Share of the nominal per-direction NVLink bandwidth DeepEP's normal (training) kernels reach inside a node:
+153-158 GB/s for dispatch/combine at EP8 on H800, whose NVLink is 200 GB/s per direction (DeepEP's README,
+"Normal kernels with NVLink and RDMA forwarding")."""
+DEEPEP_INTER_SHARE = 0.9
+"""Share of the NIC bandwidth DeepEP's normal kernels reach across nodes, counted on de-duplicated tokens (one copy
+per destination node, forwarded over NVLink inside it): 43-58 GB/s at EP16-EP64 on 400 Gb/s (50 GB/s) CX7 rails
+(DeepEP's README); 0.9 is the middle of that range."""
+COMM_SM_SHARE = 0.15
+"""Share of the GPU's streaming multiprocessors a communication kernel occupies while it overlaps with computation
+(DeepSeek-V3 report, section 3.2.2: 20 of the H800's 132 SMs for the all-to-all): overlapped computation runs that
+much slower for as long as the communication lasts."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeCost:
+    """One MoE block's work for one micro-batch on one rank (forward pass; the layer cost derives the backward)."""
+
+    gemm_s: float
+    """Forward GEMM seconds: routed experts (each at its own token count), the router, the shared expert."""
+    shared_gemm_s: float
+    """Of ``gemm_s``, the shared expert's (what ``moe_shared_expert_overlap`` runs beside the dispatch)."""
+    elements_per_token: float
+    """Element-wise HBM traffic per local token and pass, in elements: permute/unpermute, probability scaling,
+    padding, the experts' and shared expert's activations."""
+    dispatch_s: float
+    """Communication of one pass (dispatch and combine), seconds, before any overlap."""
+    params: float
+    """Parameters on one rank: local experts, shared expert, router."""
+    expert_params: float
+    """Of ``params``, the routed experts' (reduced over the expert-data-parallel group)."""
+
+
+def expected_remote_nodes(topk: int, nodes: int) -> float:
+    """Expected number of other nodes a token's ``topk`` routed copies land on when its experts are spread
+    uniformly over ``nodes`` nodes (DeepEP sends one copy per destination node): ``(n - 1) (1 - (1 - 1/n)^k)``."""
+    if nodes <= 1:
+        return 0.0
+    return (nodes - 1) * (1.0 - (1.0 - 1.0 / nodes) ** topk)
+
+
+def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, *,
+                   imbalance: float = 1.0) -> MoeCost:
+    """Cost of ``job``'s MoE block under ``layout``: the rank holding the busiest experts processes ``imbalance``
+    times the balanced share of routed tokens (1.0: forced or perfect balance)."""
+    model, dims = job.model, layout.dims
+    tp, etp, ep, sp = dims.tp, dims.etp, dims.ep, dims.sp
+    hidden = model.hidden_size
+    gated = model.activation.value == "swiglu"
+    tokens = layout.micro_batch * layout.seq_length / dims.cp  # one micro-batch's tokens on one CP rank
+    local_tokens = tokens / tp if sp else tokens  # what enters the block on this rank
+    expert_ffn = model.moe_ffn_hidden_size or model.ffn_size
+    topk, num_experts = model.moe_router_topk, model.num_experts or 1
+    local_experts = num_experts / ep
+    # Routed token copies one expert rank processes: its EP group's tokens x top-k / EP, over the ETP group's
+    # tokens (each ETP rank computes its slice of every copy) -- balanced, times the busiest rank's imbalance.
+    routed = topk * tokens / tp * etp * imbalance
+    per_expert = routed / local_experts
+    gemm_s = local_experts * ffn_gemms(kernels, per_expert, hidden, expert_ffn / etp, gated)
+    gemm_s += kernels.gemm(local_tokens, num_experts, hidden, low_precision=False)  # router (fp32 logits)
+    elements = routed / tokens * (mlp_activation_elements(tp=etp, ffn=expert_ffn, gated=gated)
+                                  + kernels.eff.moe_token_elements * hidden)
+    shared_ffn = model.moe_shared_expert_intermediate_size or 0
+    shared_s = 0.0
+    if shared_ffn:
+        shared_s = ffn_gemms(kernels, tokens, hidden, shared_ffn / tp, gated)
+        elements += mlp_activation_elements(tp=tp, ffn=shared_ffn, gated=gated)
+    gemm_s += shared_s
+    expert_params = mlp_params(model, expert_ffn) * local_experts / etp
+    params = expert_params + mlp_params(model, shared_ffn) / tp + hidden * num_experts
+    return MoeCost(gemm_s=gemm_s, shared_gemm_s=shared_s, elements_per_token=elements,
+                   dispatch_s=_dispatch_s(job, layout, kernels, costs, routed=routed / etp,
+                                          local_tokens=local_tokens),
+                   params=params, expert_params=expert_params)
+
+
+def _dispatch_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, *, routed: float,
+                local_tokens: float) -> float:
+    """Seconds of one pass's token dispatch and combine on one rank under the model's dispatcher. ``routed``: the
+    token copies this rank sends (and receives) over the EP group; ``local_tokens``: the tokens entering the block."""
+    model, dims = job.model, layout.dims
+    hidden, elem = model.hidden_size, kernels.elem
+    ep, etp = dims.ep, dims.etp
+    seconds = 0.0
+    if etp > 1:  # the expert-TP group gathers the tokens its experts split, and scatters their outputs back
+        gathered = routed * hidden * elem * etp  # the all-gather's output, the reduce-scatter's input
+        seconds += (costs.seconds(Collective.all_gather, gathered, etp, min(etp, layout.domain_size))
+                    + costs.seconds(Collective.reduce_scatter, gathered, etp, min(etp, layout.domain_size)))
+    if ep <= 1:
+        return seconds
+    dispatcher = model.moe_token_dispatcher
+    if dispatcher is TokenDispatcher.allgather:
+        # Every rank gathers the EP group's tokens, keeps those of its experts, and reduce-scatters the outputs.
+        gathered = local_tokens * hidden * elem * ep  # the all-gather's output, the reduce-scatter's input
+        return seconds + (costs.seconds(Collective.all_gather, gathered, ep, layout.ep_per_node)
+                          + costs.seconds(Collective.reduce_scatter, gathered, ep, layout.ep_per_node))
+    a2a_bytes = routed * hidden * elem
+    if dispatcher is TokenDispatcher.flex:
+        return seconds + 2 * _deepep_s(costs, layout, a2a_bytes, local_tokens * hidden * elem,
+                                       topk=model.moe_router_topk)
+    # alltoall: every routed copy crosses the group (a token going to two experts of one rank is sent twice).
+    return seconds + 2 * costs.seconds(Collective.all_to_all, a2a_bytes, ep, layout.ep_per_node)
+
+
+def _deepep_s(costs: CollectiveCosts, layout: Layout, routed_bytes: float, token_bytes: float, *,
+              topk: int) -> float:
+    """One DeepEP dispatch (or combine): the NVLink part carries the routed copies for this node's experts, the
+    RDMA part one copy of each token per other node it goes to, both at DeepEP's measured shares."""
+    ep, per_node = layout.dims.ep, max(layout.ep_per_node, 1)
+    nodes = max(1, ep // per_node)
+    intra_bytes = routed_bytes * (per_node - 1) / ep
+    intra_s = intra_bytes / (costs.intra.bandwidth_bytes_per_s * DEEPEP_INTRA_SHARE) + costs.intra.latency_s
+    if nodes <= 1:
+        return intra_s
+    inter_bytes = token_bytes * expected_remote_nodes(topk, nodes)
+    inter_s = inter_bytes / (costs.inter.bandwidth_bytes_per_s * DEEPEP_INTER_SHARE) + costs.inter.latency_s
+    return max(intra_s, inter_s)
+
+
+def overlapped(comm_s: float, window_s: float) -> tuple[float, float]:
+    """(communication left exposed, computation slowdown) when ``comm_s`` of communication runs beside
+    ``window_s`` of computation: the computation loses :data:`COMM_SM_SHARE` of its speed while they overlap."""
+    hidden = min(comm_s, window_s)
+    return comm_s - hidden, hidden * COMM_SM_SHARE

@@ -1,0 +1,158 @@
+"""Complete profiles (issue J): every round records which of its entries it measured and which are missing, and the
+next run measures only the missing ones until the profile is complete. Pure: the rounds' real step lists (closures,
+nothing runs), with made-up figures for the steps a cut-off round would have finished (no process group)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cfp_megatron.base.compose import compose_job
+from cfp_megatron.base.config import JobSpec
+from cfp_megatron.profile.control import Step, StepResult, select_steps
+from cfp_megatron.profile.db import ProfileDB
+from cfp_megatron.profile.fingerprint import Fingerprint, model_key
+from cfp_megatron.profile.records import RoundRecord, RoundStatus
+from cfp_megatron.profile.runner import ROUNDS, _coverage, _merge, round_entries, round_steps, rounds_needed
+from cfp_megatron.profile.segments import MEMORY_SUFFIX
+
+FP = Fingerprint(device_name="Test CPU", device_count=4, nodes=1, gpus_per_node=4, backend="gloo", torch="2.13.0",
+                 megatron_core="0.16.1", cpu_cores=2)
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def job() -> JobSpec:
+    return compose_job(["model=gpt_tiny", "cluster=local"])
+
+
+def _values(label: str) -> tuple[float, ...]:
+    """Figures a finished step reports (shapes as the real steps return them)."""
+    if label.startswith(("groups of", "build ")):
+        return ()
+    if label.startswith("overheads build"):
+        return (10_000.0,)
+    if label.startswith("overheads "):
+        return (0.01, 0.001)
+    if label.startswith("gemm "):
+        return (1e-3,)
+    if label.endswith(MEMORY_SUFFIX):
+        return (1e5, 1e4, 0.0)
+    if " B" in label and "g=" in label:  # a collective: seconds, actual bytes
+        size = float(label.split()[-2])
+        return (1e-4 + size * 1e-9, size)
+    return (1e-3, 2e-3)
+
+
+def _run(db: ProfileDB | None, job: JobSpec, *, share: float) -> tuple[ProfileDB, tuple[RoundRecord, ...]]:
+    """One profiling run in which every round finishes the first ``share`` of its (selected) steps and then runs
+    out of time, as :func:`cfp_megatron.profile.control.run_round` leaves a round cut off by the budget."""
+    key = model_key(job, on_gpu=False)
+    planned = round_entries(job, WORLD, on_gpu=False)
+    plan: dict[str, Any] = {"rounds": rounds_needed(db, key, planned, force=False), "planned": planned,
+                            "force": False, "classes": {}, "model_key": key}
+    results: dict[str, tuple[RoundRecord, Any]] = {}
+    done: list[RoundRecord] = []
+    for name, entries in plan["rounds"].items():
+        steps, meaning, _ = round_steps(name, job, WORLD, on_gpu=False, device=None)  # type: ignore[arg-type]
+        steps = select_steps(steps, entries)
+        cut = len(steps) if share >= 1 else max(int(len(steps) * share), 1)
+        finished = [StepResult(label=s.label, values=_values(s.label)) for s in steps[:cut]]
+        status = RoundStatus.ok if cut == len(steps) else RoundStatus.timeout
+        record = RoundRecord(name=name, status=status, steps_done=cut, steps_planned=len(steps))
+        results[name] = (record, (finished, meaning))
+        done.append(record)
+    merged = _merge(db or ProfileDB(fingerprint=FP), job, plan, results, done)
+    return ProfileDB.from_json(merged.to_json()), _coverage(plan, done)  # through JSON, as stored
+
+
+def test_select_steps_keeps_the_set_up_steps_of_what_it_keeps() -> None:
+    steps = [Step(label="build a", run=list), Step(label="x", run=list, entry="x", needs="build a"),
+             Step(label="x memory", run=list, entry="x", needs="build a"),
+             Step(label="build b", run=list), Step(label="y", run=list, entry="y", needs="build b")]
+    assert [s.label for s in select_steps(steps, ["y"])] == ["build b", "y"]
+    assert [s.label for s in select_steps(steps, ["x"])] == ["build a", "x", "x memory"]
+    assert select_steps(steps, []) == []
+
+
+def test_a_profile_cut_off_in_every_round_is_completed_by_the_next_runs(job: JobSpec) -> None:
+    planned = round_entries(job, WORLD, on_gpu=False)
+    assert all(planned[name] for name in ROUNDS)
+    db, coverage = _run(None, job, share=0.5)
+    key = model_key(job, on_gpu=False)
+    need = rounds_needed(db, key, planned, force=False)
+    assert set(need) == set(ROUNDS)  # every round was cut off
+    by_name = {r.name: r for r in coverage}
+    for name in ROUNDS:
+        record = by_name[name]
+        assert record.status is RoundStatus.timeout and record.measured and record.missing
+        # the DB says which entries each round measured and which are missing, and they add up to the job's
+        assert set(record.measured) | set(record.missing) == set(planned[name])
+        assert not set(record.measured) & set(record.missing)
+        assert list(record.missing) == need[name]
+        stored = [r for r in db.rounds if r.name == name][-1]
+        assert stored.missing == record.missing and stored.model == ("" if name in ("collectives", "gemm") else key)
+    # the next run measures only what is missing, and reuses the rest
+    db2, coverage2 = _run(db, job, share=1.0)
+    for record in coverage2:
+        assert record.complete and set(record.measured) == set(need[record.name])
+        assert record.reused == len(planned[record.name]) - len(need[record.name])
+    assert rounds_needed(db2, key, planned, force=False) == {}
+    assert rounds_needed(db2, key, planned, force=True).keys() == set(ROUNDS)
+    # a third run measures nothing and says everything was reused
+    db3, coverage3 = _run(db2, job, share=1.0)
+    assert all(r.reused == len(planned[r.name]) and not r.measured for r in coverage3)
+
+
+def test_a_run_cut_off_again_keeps_going_from_where_it_stopped(job: JobSpec) -> None:
+    db, _ = _run(None, job, share=0.3)
+    key = model_key(job, on_gpu=False)
+    planned = round_entries(job, WORLD, on_gpu=False)
+    before = {n: len(m) for n, m in rounds_needed(db, key, planned, force=False).items()}
+    db, _ = _run(db, job, share=0.5)
+    after = {n: len(m) for n, m in rounds_needed(db, key, planned, force=False).items()}
+    assert all(after.get(n, 0) < before[n] for n in before)  # every round moved on
+
+
+def test_collective_fits_use_the_sizes_of_both_runs(job: JobSpec) -> None:
+    db, _ = _run(None, job, share=0.5)
+    first = {(r.fit.op, r.fit.group_size, r.fit.span): len(r.samples) for r in db.collectives}
+    db2, _ = _run(db, job, share=1.0)
+    second = {(r.fit.op, r.fit.group_size, r.fit.span): len(r.samples) for r in db2.collectives}
+    assert second.keys() >= first.keys()
+    assert all(second[k] >= first[k] for k in first) and sum(second.values()) > sum(first.values())
+
+
+def test_older_db_files_load_and_are_read_off_their_records(job: JobSpec) -> None:
+    """A DB written before rounds recorded their entries: its round records load, and what it holds counts."""
+    db, _ = _run(None, job, share=1.0)
+    old = db.to_json()
+    for r in old["rounds"]:
+        for field in ("model", "measured", "missing", "reused"):
+            r.pop(field, None)
+    legacy = ProfileDB.from_json(old)
+    assert all(r.measured == () and r.missing == () for r in legacy.rounds)
+    key = model_key(job, on_gpu=False)
+    # every fit exists, so the collectives count as measured; the rest is read off the records
+    assert rounds_needed(legacy, key, round_entries(job, WORLD, on_gpu=False), force=False) == {}
+    partial = ProfileDB.from_json({**old, "segments": old["segments"][: len(old["segments"]) // 2]})
+    need = set(rounds_needed(partial, key, round_entries(job, WORLD, on_gpu=False), force=False))
+    assert need and need <= {"segments", "recompute"}
+
+
+def test_the_launch_says_what_is_missing_and_how_to_complete_it(job: JobSpec) -> None:
+    from cfp_megatron.planner.launch_plan import coverage_lines
+    from cfp_megatron.profile.runner import ProfileOutcome
+
+    _, coverage = _run(None, job, share=0.5)
+    partial = ProfileOutcome(db=None, path=None, reused=False, rounds=(), notes=(), wall_s=1.0, coverage=coverage)
+    first, *hint = coverage_lines(partial, 240, WORLD, ["model=gpt_tiny"])
+    assert "timed out" in first and all(name in first for name in ROUNDS)
+    assert hint and "partial" in hint[0] and "recompute" in hint[0]
+    assert "-m cfp_megatron.profile model=gpt_tiny" in hint[1]
+    db, _ = _run(None, job, share=1.0)
+    _, complete = _run(db, job, share=1.0)
+    done = ProfileOutcome(db=None, path=None, reused=True, rounds=(), notes=(), wall_s=1.0, coverage=complete)
+    (line,) = coverage_lines(done, 240, WORLD, [])
+    assert "reused" in line and "timed out" not in line

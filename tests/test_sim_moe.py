@@ -1,0 +1,112 @@
+"""The MoE block's cost and memory: dispatchers, overlap, imbalance, and the checks before any group starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from cfp_megatron.base.config import job_from_config
+from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.sim import SimOptions, simulate
+from cfp_megatron.sim.moe_cost import COMM_SM_SHARE, expected_remote_nodes
+from cfp_megatron.sim.pass_costs import CostCache
+from cfp_megatron.validate import load_preset
+
+H100 = load_preset("dgx_h100")
+MOE = {"name": "moe_test", "num_layers": 8, "hidden_size": 4096, "num_attention_heads": 32, "vocab_size": 51200,
+       "max_position_embeddings": 4096, "activation": "swiglu", "num_experts": 64, "moe_router_topk": 8,
+       "moe_ffn_hidden_size": 1536, "add_bias_linear": False}
+
+
+def job(nodes: int = 4, model: dict | None = None, cluster: dict | None = None, **parallel):
+    train = {"global_batch_size": parallel.pop("gbs", 64), "micro_batch_size": 1, "seq_length": 4096,
+             "precision": "bf16"}
+    return job_from_config({"model": {**MOE, **(model or {})}, "cluster": {**(cluster or H100), "nodes": nodes},
+                            "parallel": parallel, "train": train})
+
+
+def test_expected_remote_nodes() -> None:
+    assert expected_remote_nodes(8, 1) == 0.0
+    assert expected_remote_nodes(1, 4) == pytest.approx(0.75)  # one copy, on another node 3 times in 4
+    assert expected_remote_nodes(8, 2) == pytest.approx(1 - 0.5 ** 8)
+    assert expected_remote_nodes(64, 4) == pytest.approx(3.0, rel=1e-6)  # every other node
+
+
+def test_deepep_sends_one_copy_per_node_and_is_cheaper_across_nodes() -> None:
+    a2a = simulate(job(ep=32))
+    flex = simulate(job(ep=32, model={"moe_token_dispatcher": "flex"}))
+    # Top-8 over 4 nodes: at most 3 remote copies of a token instead of about 7 routed ones.
+    assert flex.time.ep_comm_s < 0.6 * a2a.time.ep_comm_s
+    assert flex.time.forward_compute_s == pytest.approx(a2a.time.forward_compute_s)
+
+
+def test_expert_groups_inside_a_node_talk_faster_than_across() -> None:
+    inside = simulate(job(ep=8))  # EP varies fastest after TP: one node
+    across = simulate(job(ep=8, order="tp-cp-dp-ep-pp"))  # EP ranks 4 apart: two per node
+    assert 0 < inside.time.ep_comm_s < across.time.ep_comm_s
+    assert inside.time.forward_compute_s == pytest.approx(across.time.forward_compute_s)
+
+
+def test_a2a_overlap_hides_the_all_to_all_and_costs_a_micro_batch_of_memory() -> None:
+    plain = simulate(job(nodes=8, ep=32, pp=2, vpp=2, gbs=512))
+    overlap = simulate(job(nodes=8, ep=32, pp=2, vpp=2, gbs=512, moe_a2a_overlap=True))
+    assert overlap.time.ep_comm_s < plain.time.ep_comm_s
+    assert overlap.step_time_s < plain.step_time_s
+    # What is hidden still takes its share of the SMs.
+    assert overlap.time.ep_comm_s >= COMM_SM_SHARE * 0.5 * plain.time.ep_comm_s
+    assert overlap.memory.activations > plain.memory.activations
+
+
+def test_shared_expert_overlap_hides_at_most_the_shared_expert() -> None:
+    shared = {"moe_shared_expert_intermediate_size": 4096}
+    plain = simulate(job(ep=32, model=shared))
+    overlap = simulate(job(ep=32, model=shared, moe_shared_expert_overlap=True))
+    assert overlap.time.ep_comm_s < plain.time.ep_comm_s
+    assert overlap.time.forward_compute_s == pytest.approx(plain.time.forward_compute_s)
+
+
+def test_routing_imbalance_slows_the_step_and_grows_memory() -> None:
+    balanced = simulate(job(ep=8))
+    skewed = simulate(job(ep=8), options=SimOptions(moe_routing_imbalance=1.3))
+    assert skewed.step_time_s > balanced.step_time_s
+    assert skewed.time.ep_comm_s == pytest.approx(1.3 * balanced.time.ep_comm_s, rel=0.05)
+    assert skewed.memory.activations > balanced.memory.activations
+    with pytest.raises(ConfigError, match="sim.moe_routing_imbalance"):
+        SimOptions(moe_routing_imbalance=0.5)
+
+
+def test_allgather_dispatcher_moves_every_token_to_every_rank() -> None:
+    top2 = {"moe_router_topk": 2}
+    a2a = simulate(job(nodes=1, ep=8, model=top2))
+    allgather = simulate(job(nodes=1, ep=8, model={**top2, "moe_token_dispatcher": "allgather"}))
+    # Top-2: the all-to-all moves two copies of each token, the all-gather all eight ranks' tokens.
+    assert allgather.time.ep_comm_s > 2 * a2a.time.ep_comm_s
+
+
+@pytest.mark.parametrize(("parallel", "model", "key"), [
+    ({"ep": 8, "pp": 2, "moe_a2a_overlap": True}, {}, "parallel.moe_a2a_overlap"),
+    ({"ep": 8, "moe_a2a_overlap": True, "recompute": "full"}, {}, "parallel.moe_a2a_overlap"),
+    ({"ep": 1, "moe_a2a_overlap": True}, {}, "parallel.moe_a2a_overlap"),
+    ({"ep": 8, "moe_a2a_overlap": True}, {"moe_token_dispatcher": "allgather"}, "parallel.moe_a2a_overlap"),
+    ({"ep": 8, "moe_shared_expert_overlap": True}, {}, "parallel.moe_shared_expert_overlap"),
+    ({"ep": 8, "moe_a2a_overlap": True, "moe_shared_expert_overlap": True},
+     {"moe_shared_expert_intermediate_size": 1024}, "parallel.moe_shared_expert_overlap"),
+])
+def test_overlap_options_megatron_refuses_are_refused_by_name(parallel: dict, model: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        simulate(job(model=model, **parallel))
+
+
+def test_gpu_only_moe_options_are_refused_on_a_cpu_cluster() -> None:
+    cpu = {"name": "local", "device_name": "cpu", "gpus_per_node": 8}
+    with pytest.raises(ConfigError, match="parallel.moe_a2a_overlap"):
+        simulate(job(nodes=1, cluster=cpu, ep=8, moe_a2a_overlap=True))
+    with pytest.raises(ConfigError, match="model.moe_token_dispatcher"):
+        simulate(job(nodes=1, cluster=cpu, ep=8, model={"moe_token_dispatcher": "flex"}))
+
+
+def test_a_shared_cost_cache_keeps_overlapped_and_plain_plans_apart() -> None:
+    plain = job(nodes=8, ep=32, pp=2, vpp=2, gbs=512)
+    overlap = job(nodes=8, ep=32, pp=2, vpp=2, gbs=512, moe_a2a_overlap=True)
+    cache = CostCache.for_job(plain, None, SimOptions())
+    simulate(plain, cache=cache)
+    assert simulate(overlap, cache=cache).step_time_s == simulate(overlap).step_time_s
