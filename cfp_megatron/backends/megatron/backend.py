@@ -13,7 +13,7 @@ from cfp_megatron.base.backend_spec import BackendKind, BackendSpec
 from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import JobSpec
 from cfp_megatron.base.launch_env import LaunchEnv
-from cfp_megatron.base.parallel_dims import ParallelDims
+from cfp_megatron.base.parallel_dims import ParallelDims, transformer_engine_available
 from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.plan.artifact import Plan, PlanPrediction
 from cfp_megatron.plan.check import PlanCheck
@@ -32,7 +32,10 @@ class MegatronBackend:
                measurements: Measurements | None, inputs_fingerprint: str, on_gpu: bool) -> PlannedSearch:
         """Branch and bound over the layouts (:func:`cfp_megatron.search.search.search`); each ranked layout as a
         Plan of the job's own cluster preset, its prediction's MFU against the cluster's peak."""
-        result = search(job, world, cfp, measurements=measurements)
+        # Planning on this machine (a profile was measured here) knows whether Transformer Engine is there; a
+        # preflight plan for a GPU cluster assumes it, as NVIDIA's containers ship it.
+        te = transformer_engine_available() if measurements is not None else True
+        result = search(job, world, cfp, measurements=measurements, te_available=te)
         peak = target_peak_tflops(job)
         plans = tuple(Plan.from_job(r.job, world_size=world, prediction=PlanPrediction.of(r.prediction, peak,
                                                                                       error_band(r.job),
