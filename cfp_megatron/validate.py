@@ -152,11 +152,18 @@ def _int(row: dict, key: str, default: int | None = None) -> int | None:
 
 
 def _float(row: dict, key: str) -> float | None:
+    """A measured figure of the row: ``None`` where blank; :class:`RowError` naming the column where it is not a
+    finite positive number (a negative, zero, NaN or text step time never enters the MAPE)."""
     raw = (row.get(key) or "").strip()
-    try:
-        return float(raw) if raw else None
-    except ValueError:
+    if not raw:
         return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise RowError(f"column {key} is not a number: {raw!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise RowError(f"column {key} must be a finite positive number, not {raw!r}")
+    return value
 
 
 def _yes(raw: str) -> bool | None:
@@ -302,10 +309,34 @@ def unstated_split(row: dict, presets: dict[str, dict]) -> tuple[int, int]:
     return tp, model_parallel // tp
 
 
+REQUIRED_COLUMNS = ("layers", "hidden", "heads", "seq_len", "gpu", "num_gpus")
+"""Columns without which no row of a file can be modelled."""
+
+
+class InputFileError(CfpError, ValueError):
+    """A file ``validate`` cannot read as runs; the message names the file and the fix."""
+
+
 def read_rows(path: str | Path) -> list[dict]:
-    """Rows of a CSV file as dicts."""
-    with open(path, newline="") as fh:
-        return list(csv.DictReader(fh))
+    """Rows of a CSV file as dicts. Raises :class:`InputFileError` for a file that is missing, a directory, not
+    text, empty, or without the columns a run needs (:data:`REQUIRED_COLUMNS`)."""
+    path = Path(path)
+    fix = "pass a CSV file in the schema of shared/data/published_runs.csv."
+    if not path.is_file():
+        raise InputFileError(f"{path}: {'is a directory' if path.is_dir() else 'no such file'}; {fix}")
+    try:
+        with open(path, newline="", encoding="utf-8") as fh:
+            reader = csv.DictReader(fh)
+            rows = list(reader)
+            columns = reader.fieldnames or []
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise InputFileError(f"{path}: not a readable CSV text file ({err}); {fix}") from None
+    missing = [name for name in REQUIRED_COLUMNS if name not in columns]
+    if missing:
+        raise InputFileError(f"{path}: no column {', '.join(missing)}; {fix}")
+    if not rows:
+        raise InputFileError(f"{path}: a header and no rows; {fix}")
+    return rows
 
 
 def predict_rows(rows: list[dict], efficiencies=None) -> tuple[list[RowResult], list[tuple[dict, str]]]:
@@ -401,7 +432,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bands", metavar="FILE", help="also write the error bands and best published MFU the "
                         "planner reports with (cfp_megatron/sim/error_bands.json) to FILE")
     args = parser.parse_args(argv)
-    rows = [row for path in args.csv for row in read_rows(path)]
+    try:
+        rows = [row for path in args.csv for row in read_rows(path)]
+    except InputFileError as err:
+        print(f"validate: {err}", file=sys.stderr)
+        return 2
     results, skipped = predict_rows(rows)
     print(f"{'id':>5}  {'model':<28} {'layout':<52} {'measured s':>11} {'predicted s':>11} {'error':>8} "
           f"{'mem GiB':>8}")
@@ -422,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
         table = uncertainty_table(results, {row.get("id", ""): row for row in rows})
         Path(args.bands).write_text(json.dumps(table, indent=1) + "\n")
         print(f"\nerror bands ({BAND_QUANTILE:.0%} of each class's rows inside) written to {args.bands}")
+    if not results:
+        print("\nno row could be modelled (each is listed above with its reason): no MAPE", file=sys.stderr)
+        return 1
     print(f"\nMAPE {mape(results):.2f}% over {len(results)} rows")
     return 0
 

@@ -119,3 +119,41 @@ def test_deepseek_v3_runs_as_megatron_bridge_lays_it_out() -> None:
     assert plan.job.model.mtp_num_layers == 1 and "Et|(tt|)*30mL" in plan.layout
     qwen = next(r for r in read_rows(CSV) if r["id"] == "75")  # 94 + 2 over 8 x 4: the embedding and loss counted
     assert row_plan(qwen).job.parallel.pipeline_model_parallel_layout is None
+
+
+def test_unreadable_inputs_are_refused_by_name(tmp_path: Path, capsys) -> None:
+    header_only = tmp_path / "header.csv"
+    header_only.write_text("id,layers,hidden,heads,seq_len,gpu,num_gpus\n")
+    no_columns = tmp_path / "columns.csv"
+    no_columns.write_text("id,layers\n1,2\n")
+    binary = tmp_path / "binary.csv"
+    binary.write_bytes(bytes(range(128, 256)))
+    for path, says in ((tmp_path / "missing.csv", "no such file"), (tmp_path, "is a directory"),
+                       (binary, "not a readable CSV"), (header_only, "a header and no rows"),
+                       (no_columns, "no column hidden, heads, seq_len, gpu, num_gpus")):
+        assert main([str(path)]) == 2
+        err = capsys.readouterr().err
+        assert str(path) in err and says in err and "published_runs.csv" in err
+
+
+def test_bad_step_times_are_listed_not_averaged(tmp_path: Path, capsys) -> None:
+    fields = ["id", "model", "layers", "hidden", "heads", "seq_len", "gpu", "num_gpus", "tp", "pp", "dp",
+              "micro_batch", "global_batch_seqs", "step_time_s"]
+    good = {"id": "1", "model": "m", "layers": "24", "hidden": "2048", "heads": "16", "seq_len": "2048",
+            "gpu": "H100-SXM5-80GB", "num_gpus": "8", "tp": "1", "pp": "1", "dp": "8", "micro_batch": "2",
+            "global_batch_seqs": "256", "step_time_s": "1.0"}
+    path = tmp_path / "runs.csv"
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows([{**good, "id": "2", "step_time_s": "-1.5"}, {**good, "id": "3", "step_time_s": "nan"},
+                          {**good, "id": "4", "step_time_s": "fast"}])
+    assert main([str(path)]) == 1  # nothing modelled: no MAPE printed
+    out, err = capsys.readouterr()
+    assert "must be a finite positive number, not '-1.5'" in out and "not 'nan'" in out
+    assert "step_time_s is not a number: 'fast'" in out and "nan" not in out.split('coverage')[1]
+    assert "% over" not in out and "no row could be modelled" in err
+    with open(path, "a", newline="") as fh:
+        csv.DictWriter(fh, fieldnames=fields).writerow(good)
+    assert main([str(path)]) == 0
+    assert _final(capsys.readouterr().out)[1] == 1
