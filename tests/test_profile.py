@@ -162,30 +162,3 @@ def test_local_measurements_fill_the_job_cluster_from_this_machines_db(tmp_path,
     cluster, db = local_measurements(job, world_size=4, backend="gloo")
     assert db is not None and db.fingerprint == here
     assert cluster.peak_tflops_fp32 == pytest.approx(1.024) and cluster.gpus_per_node == here.gpus_per_node
-
-
-@pytest.mark.parametrize(("records", "field", "value"), [
-    ("segments", "forward_s", float("nan")), ("segments", "backward_s", -0.001), ("segments", "forward_s", 0.0),
-    ("overheads", "rest_s", -1.0), ("overheads", "schedule_s", float("inf")),
-])
-def test_a_profile_with_figures_out_of_range_is_refused_by_name(records: str, field: str, value: float) -> None:
-    """NaN, infinite or negative timings in a ProfileDB file would change the plan: loading names the field."""
-    from tests.test_overheads import _db
-
-    data = json.loads(json.dumps(_db().to_json()))
-    assert data[records]
-    data[records][0][field] = value
-    with pytest.raises(ProfileDBError, match=rf"{field}=.*not a finite .* Fix: profile again"):
-        ProfileDB.from_json(data, source="bad.json")
-
-
-def test_gemm_and_collective_records_refuse_figures_out_of_range() -> None:
-    from cfp_megatron.cluster.measured import CollectiveFit
-    from cfp_megatron.profile.records import CollectiveRecord, GemmRecord
-
-    with pytest.raises(ValueError, match="tflops=inf"):
-        GemmRecord(m=64, n=64, k=64, dtype="fp32", tflops=float("inf"), seconds=1e-5)
-    fit = CollectiveFit(op=Collective.all_reduce, group_size=2, span=Span.intra_node, latency_s=1e-5,
-                        bandwidth_bytes_per_s=0.0, points=3, max_rel_error=0.1)
-    with pytest.raises(ValueError, match="bandwidth_bytes_per_s=0.0"):
-        CollectiveRecord(fit=fit, samples=((1024, 1e-4),), pattern="contiguous")

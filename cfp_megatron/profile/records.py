@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,19 +93,6 @@ def overhead_entry(partition: str, layers: int, micro_batch: int) -> str:
     return f"overheads {partition} L{layers} mbs={micro_batch}"
 
 
-def _check_figures(record: object, *, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = ()) -> None:
-    """Raise ``ValueError`` naming the first measured figure of ``record`` that is not a finite number above zero
-    (``positive``) or at least zero (``non_negative``); ``None`` passes (not measured)."""
-    for names, floor in ((positive, "positive"), (non_negative, "non-negative")):
-        for name in names:
-            value = getattr(record, name)
-            if value is None:
-                continue
-            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or (
-                    value <= 0 if floor == "positive" else value < 0):
-                raise ValueError(f"{type(record).__name__}.{name}={value!r} is not a finite {floor} number")
-
-
 @dataclass(frozen=True, kw_only=True)
 class CollectiveRecord:
     """A collective's timings over one group pattern and the fit through them."""
@@ -117,13 +103,6 @@ class CollectiveRecord:
     """``(message bytes, seconds)`` per timed size: the slowest rank's mean over the repeats."""
     pattern: str
     """How the groups were laid out: ``contiguous`` (neighbouring ranks) or ``strided`` (one rank per block)."""
-
-    def __post_init__(self) -> None:
-        """Raises ``ValueError`` for a fit or sample that is not a finite number in range."""
-        _check_figures(self.fit, positive=("bandwidth_bytes_per_s",), non_negative=("latency_s",))
-        for size, seconds in self.samples:
-            if not (size > 0 and math.isfinite(seconds) and seconds > 0):
-                raise ValueError(f"CollectiveRecord sample ({size}, {seconds!r}) is not a positive size and time")
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready form."""
@@ -159,10 +138,6 @@ class GemmRecord:
     """Achieved TFLOP/s (``2 m n k / seconds``), slowest rank."""
     seconds: float
     """Mean seconds per matmul, slowest rank."""
-
-    def __post_init__(self) -> None:
-        """Raises ``ValueError`` for a throughput or time that is not a finite positive number."""
-        _check_figures(self, positive=("tflops", "seconds"))
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready form."""
@@ -216,11 +191,6 @@ class SegmentRecord:
     layer without it, timed alternately with this one in the same round, slowest rank, so a drift of the machine's
     speed between rounds does not enter what recomputation adds; ``None`` otherwise and in older DBs."""
 
-    def __post_init__(self) -> None:
-        """Raises ``ValueError`` for a time or byte count that is not a finite number in range."""
-        _check_figures(self, positive=("forward_s", "backward_s", "baseline_s"),
-                       non_negative=("activation_bytes", "transient_bytes", "workspace_bytes"))
-
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready form."""
         return dataclasses.asdict(self)
@@ -255,10 +225,6 @@ class OverheadRecord:
     rest_s: float
     """The rest of the step: ``optimizer.step`` (grad norm, clipping, Adam), zeroing the gradient buffers, the loss
     all-reduce, the LR schedule; median, slowest rank."""
-
-    def __post_init__(self) -> None:
-        """Raises ``ValueError`` for a time that is not a finite number in range."""
-        _check_figures(self, positive=("schedule_s",), non_negative=("rest_s",))
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready form."""
