@@ -304,7 +304,9 @@ def unstated_split(row: dict, presets: dict[str, dict]) -> tuple[int, int]:
         raise RowError("the layout (tp, pp) is not stated, nor the data-parallel size it leaves")
     model_parallel = gpus // (dp * cp)
     preset = gpu_preset(row.get("gpu", ""))
-    per_node = presets.setdefault(preset, load_preset(preset))["gpus_per_node"]
+    if preset not in presets:
+        presets[preset] = load_preset(preset)
+    per_node = presets[preset]["gpus_per_node"]
     tp = max(t for t in range(1, per_node + 1) if model_parallel % t == 0 and heads % t == 0)
     return tp, model_parallel // tp
 

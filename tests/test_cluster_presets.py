@@ -12,11 +12,8 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
-from omegaconf import DictConfig
 
-from cfp_megatron.base.compose import register_configs
 from cfp_megatron.base.config import Backend, ClusterSpec, JobSpec, Network, ParallelSpec, job_from_config
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.base.parallel_dims import ParallelDims
@@ -28,6 +25,7 @@ from cfp_megatron.sim.calibration import FITTED, efficiency_for, generation
 from cfp_megatron.sim.kernels import KernelModel, target_peak_tflops
 from cfp_megatron.sim.layout import build_layout, place
 from cfp_megatron.validate import gpu_preset
+from tests.test_config import _schema, compose_cfg, make_job  # noqa: F401  (_schema: the schema fixture)
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 CLUSTER_PRESETS = sorted(p.stem for p in (CONF_DIR / "cluster").glob("*.yaml"))
@@ -35,21 +33,6 @@ GPU_PRESETS = [n for n in CLUSTER_PRESETS if n != "local"]
 NEW_PRESETS = ["gb200_nvl72", "gb300_nvl72", "b300", "h800", "h20", "dgx_a100_40gb", "h100_nvl", "mi300x", "mi325x",
                "mi355x"]
 GIB = 1 << 30
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _schema() -> None:
-    register_configs()
-
-
-def compose_cfg(*overrides: str) -> DictConfig:
-    """Compose conf/config.yaml with command-line style overrides (as tests/test_config.py does)."""
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
-
-
-def make_job(*overrides: str) -> JobSpec:
-    return job_from_config(compose_cfg(*overrides))
 
 
 def cluster(*overrides: str) -> ClusterSpec:

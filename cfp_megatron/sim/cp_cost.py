@@ -50,12 +50,10 @@ def cp_cost(job: JobSpec, layout: Layout, costs: CollectiveCosts, *, elem_bytes:
     values) columns per token of the whole layer, split over TP here; ``core_fwd_s`` / ``core_bwd_s`` the attention
     core's seconds on this rank, which the ring overlaps with."""
     dims = layout.dims
-    cp, tp = dims.cp, dims.tp
+    cp = dims.cp
     if cp <= 1:
         return CpCost(forward_s=0.0, backward_s=0.0)
-    local_tokens = layout.micro_batch * layout.seq_length / cp
-    kv_bytes = local_tokens * kv_width / tp * elem_bytes  # this rank's K and V
-    q_bytes = local_tokens * q_width / tp * elem_bytes
+    q_bytes, kv_bytes = _local_bytes(layout, elem_bytes=elem_bytes, q_width=q_width, kv_width=kv_width)
     kind = job.parallel.cp_comm_type
     if kind is CpCommType.a2a:
         return _a2a(costs, cp, layout.cp_per_node, q_bytes, kv_bytes)
@@ -72,6 +70,12 @@ def cp_cost(job: JobSpec, layout: Layout, costs: CollectiveCosts, *, elem_bytes:
         ring = _ring(costs, outer, 1, kv_bytes * inner, core_fwd_s, core_bwd_s)
         return CpCost(forward_s=a2a.forward_s + ring.forward_s, backward_s=a2a.backward_s + ring.backward_s)
     return _ring(costs, cp, layout.cp_per_node, kv_bytes, core_fwd_s, core_bwd_s)
+
+
+def _local_bytes(layout: Layout, *, elem_bytes: int, q_width: float, kv_width: float) -> tuple[float, float]:
+    """(queries, keys + values) bytes of one micro-batch on one CP and TP rank."""
+    tokens = layout.micro_batch * layout.seq_length / layout.dims.cp
+    return tokens * q_width / layout.dims.tp * elem_bytes, tokens * kv_width / layout.dims.tp * elem_bytes
 
 
 def _ring(costs: CollectiveCosts, ring: int, per_node: int, kv_bytes: float, core_fwd_s: float,
@@ -104,9 +108,7 @@ def cp_buffer_bytes(job: JobSpec, layout: Layout, *, elem_bytes: int, q_width: f
     dims = layout.dims
     if dims.cp <= 1:
         return 0.0
-    local_tokens = layout.micro_batch * layout.seq_length / dims.cp
-    kv_bytes = local_tokens * kv_width / dims.tp * elem_bytes
-    q_bytes = local_tokens * q_width / dims.tp * elem_bytes
+    q_bytes, kv_bytes = _local_bytes(layout, elem_bytes=elem_bytes, q_width=q_width, kv_width=kv_width)
     kind = job.parallel.cp_comm_type
     if kind is CpCommType.all_gather:
         return kv_bytes * dims.cp

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cfp_megatron.base.config import JobSpec, TokenDispatcher
+from cfp_megatron.base.config import Activation, JobSpec, TokenDispatcher
 from cfp_megatron.base.flops import mlp_params
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
@@ -63,7 +63,7 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     model, dims = job.model, layout.dims
     tp, etp, ep, sp = dims.tp, dims.etp, dims.ep, dims.sp
     hidden = model.hidden_size
-    gated = model.activation.value == "swiglu"
+    gated = model.activation is Activation.swiglu
     tokens = layout.micro_batch * layout.seq_length / dims.cp  # one micro-batch's tokens on one CP rank
     local_tokens = tokens / tp if sp else tokens  # what enters the block on this rank
     expert_ffn = model.moe_ffn_hidden_size or model.ffn_size
