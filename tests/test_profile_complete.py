@@ -156,3 +156,34 @@ def test_the_launch_says_what_is_missing_and_how_to_complete_it(job: JobSpec) ->
     done = ProfileOutcome(db=None, path=None, reused=True, rounds=(), notes=(), wall_s=1.0, coverage=complete)
     (line,) = coverage_lines(done, 240, WORLD, [])
     assert "reused" in line and "timed out" not in line
+
+
+def test_rounds_measure_first_the_partitions_the_search_ranks_best(job: JobSpec) -> None:
+    """Planning at launch passes the partitions of the layouts an analytical search ranks best; the segments,
+    overheads and recompute rounds then measure those first (one probe build per partition), and still measure
+    every entry they were asked for, once."""
+    from cfp_megatron.base.cfp_spec import CfpSpec
+    from cfp_megatron.planner.launch_plan import profile_priority
+    from cfp_megatron.profile.control import grouped_steps
+    from cfp_megatron.profile.runner import prioritized
+
+    priority = profile_priority(job, CfpSpec(), WORLD)
+    assert priority, "the analytical search found no plan for the default model"
+    best_partition, best_mbs = priority[0].split()
+    planned = round_entries(job, WORLD, on_gpu=False)
+    for name in ("segments", "overheads"):
+        ordered = prioritized(planned[name], priority)
+        assert sorted(ordered) == sorted(planned[name])
+        steps, _, _ = round_steps(name, job, WORLD, on_gpu=False, device=None)  # type: ignore[arg-type]
+        run = grouped_steps(steps, ordered)
+        assert {s.entry for s in run if s.entry} == set(planned[name])
+        assert run[0].entry is None  # the probe of the best partition is built first ...
+        first = run[1].entry or ""
+        assert best_partition in first.split() and best_mbs in first.split(), (name, first, priority)
+        builds = [s.label for s in run if s.entry is None]
+        assert len(builds) == len(set(builds))  # ... and every probe once
+    # an order the search asks for moves a later partition to the front
+    other = next(e for e in planned["segments"] if best_partition not in e.split()).split()[1]
+    moved = prioritized(planned["segments"], (f"{other} mbs=8",))
+    assert moved[0].split()[1:] == [other, "mbs=8"]
+    assert prioritized(planned["segments"], ()) == planned["segments"]

@@ -24,11 +24,12 @@ from typing import Any
 from cfp_megatron.backends.megatron.backend import MegatronBackend
 from cfp_megatron.base.backend_spec import BackendSpec
 from cfp_megatron.base.cfp_spec import CfpMode, CfpSpec
-from cfp_megatron.base.config import JobSpec
-from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.config import JobSpec, Recompute
+from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
 from cfp_megatron.base.jsonio import json_plain
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import transformer_engine_available
+from cfp_megatron.cluster.measured import partition_name
 from cfp_megatron.plan import Plan, PlanError, load_plan, save_plan
 from cfp_megatron.planner.plan_cli import inputs_fingerprint
 from cfp_megatron.profile.cluster import local_measurements
@@ -140,8 +141,9 @@ def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv,
     from cfp_megatron.engine.distributed import destroy_distributed, searched_on_rank0
     from cfp_megatron.profile.runner import profile_job
 
+    priority = profile_priority(job, cfp, env.world_size) if env.rank == 0 else ()
     with RoundProgress(enabled=env.rank == 0 and console is not None) as progress:
-        outcome = profile_job(job, env, budget_s=cfp.profile_budget_s, keep_group=True,
+        outcome = profile_job(job, env, budget_s=cfp.profile_budget_s, keep_group=True, priority=priority,
                               progress=progress.update if env.rank == 0 and console is not None else None)
     if env.rank == 0 and console is not None:
         for line in coverage_lines(outcome, cfp.profile_budget_s, env.world_size,
@@ -159,6 +161,32 @@ def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv,
         return plan, tuple(received["ranked"]), float(received["calibration"])
     finally:
         destroy_distributed()
+
+
+def profile_priority(job: JobSpec, cfp: CfpSpec, world: int) -> tuple[str, ...]:
+    """What profiling should measure first for this job: the partitions and micro-batch sizes (``tp2-sp mbs=4``) of
+    the layouts a search ranks best before this run's rounds (on the stored profile where one exists, else on the
+    analytical model), best first, with each plan's recomputed partition after its plain one. Empty when that search
+    finds nothing (profiling then keeps its own order)."""
+    try:
+        cluster, measurements = local_measurements(job, world_size=world)
+        found = MegatronBackend().search(dataclasses.replace(job, cluster=cluster), world,
+                                         dataclasses.replace(cfp, top_k=max(cfp.top_k, PRIORITY_PLANS)), BackendSpec(),
+                                         measurements=measurements, inputs_fingerprint="", on_gpu=False)
+    except CfpError:
+        return ()
+    out: dict[str, None] = {}
+    for plan in found.plans:
+        p, mbs = plan.parallel, plan.micro_batch_size
+        out[f"{partition_name(p.tp, sp=p.sp)} mbs={mbs}"] = None  # the embedding, the head and the overheads
+        out[f"{partition_name(p.tp, sp=p.sp, mlp=p.mlp)} mbs={mbs}"] = None  # the decoder layers
+        if p.recompute is not Recompute.none:
+            out[f"{partition_name(p.tp, sp=p.sp, mlp=p.mlp, recompute=p.recompute)} mbs={mbs}"] = None
+    return tuple(out)
+
+
+PRIORITY_PLANS = 8
+"""Plans of the search before profiling whose partitions are measured first."""
 
 
 def _search_on_rank0(job: JobSpec, cfp: CfpSpec, world: int) -> tuple[Plan, tuple[str, ...], float]:

@@ -52,6 +52,25 @@ def select_steps(steps: Sequence[Step], entries: Iterable[str]) -> list[Step]:
     return [s for s in steps if (s.entry is not None and s.entry in wanted) or (s.entry is None and s.label in needed)]
 
 
+def grouped_steps(steps: Sequence[Step], entries: Sequence[str]) -> list[Step]:
+    """The steps of ``entries`` with the set-up steps they need, in ``entries``' order as far as set-up allows: the
+    steps that share a set-up step run together after it (a set-up frees the previous one's model), the groups in the
+    order of the earliest entry each holds, and within a group in ``entries``' order. For rounds whose set-up holds
+    one probe at a time (segments, overheads, recompute), so the entries a search needs first are measured first."""
+    rank = {entry: i for i, entry in enumerate(dict.fromkeys(entries))}
+    setups = {s.label: s for s in steps if s.entry is None}
+    groups: dict[str | None, list[Step]] = {}
+    for step in steps:
+        if step.entry is not None and step.entry in rank:
+            groups.setdefault(step.needs, []).append(step)
+    out: list[Step] = []
+    for needs, group in sorted(groups.items(), key=lambda kv: min(rank[s.entry or ""] for s in kv[1])):
+        if needs is not None and needs in setups:
+            out.append(setups[needs])
+        out += sorted(group, key=lambda s: rank[s.entry or ""])  # stable: an entry's timing step before its memory
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepResult:
     """A finished step and its figures, the slowest rank's."""

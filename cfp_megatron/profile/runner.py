@@ -28,7 +28,7 @@ from cfp_megatron.compat import moe
 from cfp_megatron.compat.cpu import install_if_needed
 from cfp_megatron.engine.distributed import destroy_distributed, prepare_device_and_env, resolve_backend
 from cfp_megatron.profile.collectives import collective_steps, fit_results
-from cfp_megatron.profile.control import Step, StepResult, run_round, select_steps
+from cfp_megatron.profile.control import Step, StepResult, grouped_steps, run_round, select_steps
 from cfp_megatron.profile.db import ProfileDB, db_path, load_db, store_db
 from cfp_megatron.profile.errors import ProfileDBError, ProfileError
 from cfp_megatron.profile.fingerprint import Fingerprint, current_fingerprint, model_key
@@ -52,6 +52,11 @@ plan without recomputation reads."""
 SHARES = {"collectives": 0.3, "gemm": 0.1, "segments": 0.35, "overheads": 0.25}
 """Share of the remaining budget each round gets when it starts (what an earlier round leaves rolls over). A round
 without a share (``recompute``) runs on what the others leave."""
+
+ORDERED_ROUNDS = ("segments", "overheads", "recompute")
+"""Rounds whose entries are measured in the order the search needs them (:func:`prioritized`): their steps build one
+probe per partition, so any order of partitions costs the same. The collectives keep their own order (the smallest
+and largest size of every pattern first, so a short budget still fits each) and the GEMMs are cheap."""
 
 ProgressFn = Callable[[str, int, int, str], None]
 
@@ -144,8 +149,24 @@ def rounds_needed(db: ProfileDB | None, model: str, planned: Mapping[str, Sequen
     return need
 
 
+def prioritized(entries: Sequence[str], priority: Sequence[str]) -> list[str]:
+    """``entries`` in the order ``priority`` asks for: ``priority`` lists partitions at micro-batch sizes, most
+    needed first (``tp2-sp mbs=4``, from the layouts a search ranks best). The entries naming both words of an item
+    come first, in the items' order; then those naming only an item's partition (another micro-batch size), in the
+    order of their partition's first item; the rest keep their order after all of them."""
+    items = [tuple(item.split()) for item in priority]
+
+    def rank(entry: str) -> float:
+        words = set(entry.split())
+        exact = (i for i, item in enumerate(items) if item and set(item) <= words)
+        partition = (len(items) + i for i, item in enumerate(items) if item and item[0] in words)
+        return min(exact, default=min(partition, default=float("inf")))
+
+    return sorted(entries, key=rank)  # stable
+
+
 def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on_gpu: bool,
-                   started: float) -> dict[str, Any]:
+                   started: float, priority: Sequence[str] = ()) -> dict[str, Any]:
     notes: list[str] = []
     try:
         db = load_db(fp)
@@ -158,6 +179,8 @@ def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on
     tps = sorted({c.tp for c in cases})  # PrimePar's MLP is a second case of its TP size
     planned = round_entries(job, world, on_gpu=on_gpu)
     rounds = rounds_needed(db, key, planned, force=force)
+    rounds = {name: prioritized(entries, priority) if name in ORDERED_ROUNDS else entries
+              for name, entries in rounds.items()}
     classes: dict[int, dict[str, dict[str, Any]]] = {}
     records: list[dict[str, Any]] = []
     if {"segments", "recompute"} & set(rounds):  # only these rounds name their records by the analysis' classes
@@ -176,8 +199,12 @@ def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on
 
 
 def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFILE_BUDGET_S, force: bool = False,
-                progress: ProgressFn | None = None, keep_group: bool = False) -> ProfileOutcome:
+                progress: ProgressFn | None = None, keep_group: bool = False,
+                priority: Sequence[str] = ()) -> ProfileOutcome:
     """Profile the cluster ``job`` runs on (every rank calls this under torchrun); see the module docstring.
+
+    ``priority`` (rank 0's is used): partitions at micro-batch sizes to measure first (:func:`prioritized`), the
+    layouts a search ranks best; planning at launch passes them so a budget cut leaves what the plan can do without.
 
     ``keep_group`` leaves the default process group up for the caller (planning at launch broadcasts its plan over
     it), which then destroys it; otherwise it is destroyed here."""
@@ -189,7 +216,8 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFI
     backend = resolve_backend(job.cluster.backend)
     world = env.world_size
     fp = current_fingerprint(world_size=world, nodes=job.cluster.nodes, backend=backend)
-    plan = _plan_on_rank0(job, fp, world, force=force, on_gpu=on_gpu, started=started) if env.rank == 0 else None
+    plan = (_plan_on_rank0(job, fp, world, force=force, on_gpu=on_gpu, started=started, priority=priority)
+            if env.rank == 0 else None)
     timeout = datetime.timedelta(seconds=max(60.0, 2.0 * budget_s))
     init_profile_group(backend, env, timeout)
     try:
@@ -205,8 +233,9 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFI
         if env.rank == 0:
             db = ProfileDB.from_json(plan["db"]) if plan["db"] is not None else ProfileDB(fingerprint=fp)
             if plan["rounds"]:
+                base = db  # as read at the start: only what this run adds is merged into the DB on disk now
                 db = _merge(db, job, plan, results, rounds_done)
-                path = store_db(db)
+                path = store_db(db, base=base)
             else:
                 path = db_path(fp)
             coverage = _coverage(plan, rounds_done)
@@ -249,7 +278,9 @@ def _run_rounds(job: JobSpec, plan: dict[str, Any], *, world: int, on_gpu: bool,
     todo = list(plan["rounds"])
     for name in todo:
         steps, meaning, release = round_steps(name, job, world, on_gpu=on_gpu, device=device)
-        steps = select_steps(steps, plan["rounds"][name])  # only what the profile lacks
+        # only what the profile lacks, the entries the search needs first where the round's set-up allows
+        pick = grouped_steps if name in ORDERED_ROUNDS else select_steps
+        steps = pick(steps, plan["rounds"][name])
         remaining = [n for n in todo if n not in out]
         left = budget_s - (time.perf_counter() - started)
         share = max(left, 0.0)

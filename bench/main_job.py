@@ -1,0 +1,101 @@
+"""The README's main job, several times from an empty cache: is the profile complete, and does the plan check hold?
+
+    python bench/main_job.py                 # 3 runs of `torchrun --nproc_per_node=4 launch/train.py +cfp=auto`
+    python bench/main_job.py --runs 3 --nproc 4 -- train.steps=20
+
+Each run uses one fresh ``CFP_CACHE_DIR`` (shared by the runs, empty before the first) and its own Hydra run
+directory. Per run it prints the wall time, what the profile measured, reused and still missed (the launch's
+``cfp: profile`` line), the plan, and the plan check (predicted vs measured step time and peak memory, from the run's
+``metrics.jsonl``), with the load average before the run: a busy machine makes the plan check's step time
+meaningless, and the check says so itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def one_run(i: int, cache: Path, out: Path, nproc: int, overrides: list[str], timeout: float) -> dict[str, object]:
+    """Run the main job once; what it printed and logged."""
+    run_dir = out / f"run{i}"
+    env = dict(os.environ, CFP_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")
+    cmd = ["torchrun", f"--nproc_per_node={nproc}", "launch/train.py", "+cfp=auto", f"hydra.run.dir={run_dir}",
+           *overrides]
+    load = os.getloadavg()[0]
+    began = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    wall = time.perf_counter() - began
+    text = proc.stdout + proc.stderr
+    (out / f"run{i}.log").write_text(text)
+    profile = next((line.split("cfp: ", 1)[1] for line in text.splitlines() if "cfp: profile (budget" in line), "")
+    plan = next((line.split("cfp: ", 1)[1] for line in text.splitlines()
+                 if re.match(r"cfp: (plan|chose|planned)", line)), "")
+    check: dict[str, object] = {}
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("event") == "plan_check":
+                check = record
+    return {"rc": proc.returncode, "wall_s": wall, "load": load, "profile": profile, "plan": plan, "check": check}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument("--keep", type=Path, default=None, help="folder for the cache, run dirs and logs (default: a "
+                        "temporary one, removed at the end)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides after --")
+    args = parser.parse_args()
+    console = Console()
+    with tempfile.TemporaryDirectory(prefix="cfp-main-job-") as tmp:
+        out = args.keep or Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        cache = out / "cache"
+        console.print(f"{datetime.date.today()} {platform.node()} {os.cpu_count()} cores, empty cache {cache}")
+        rows = []
+        for i in range(1, args.runs + 1):
+            row = one_run(i, cache, out, args.nproc, args.overrides, args.timeout)
+            rows.append(row)
+            console.print(f"run {i}: rc {row['rc']}, {row['wall_s']:.1f} s, load {row['load']:.1f}; "
+                          f"{row['profile'] or 'no profile line'}", markup=False)
+        table = Table(title="main job from an empty cache")
+        for col in ("run", "rc", "wall s", "load", "profile", "pred ms", "meas ms", "step diff", "pred MiB",
+                    "meas MiB", "mem diff", "busy"):
+            table.add_column(col)
+        for i, row in enumerate(rows, 1):
+            c = row["check"] if isinstance(row["check"], dict) else {}
+            counts = re.findall(r"(\d+)/(\d+)", str(row["profile"]))
+            complete = ("complete" if counts and all(a == b for a, b in counts) else "partial" if counts
+                        else "?")
+            table.add_row(str(i), str(row["rc"]), f"{row['wall_s']:.1f}", f"{row['load']:.1f}", complete,
+                          *(("-",) * 7 if not c else (
+                              f"{float(c['predicted_step_s']) * float(c.get('calibration', 1.0)) * 1e3:.1f}",
+                              f"{float(c['measured_step_s']) * 1e3:.1f}", f"{float(c['step_time_diff']):+.1%}",
+                              f"{float(c['predicted_peak_gib']) * 1024:.2f}",
+                              f"{float(c['measured_peak_gib']) * 1024:.2f}", f"{float(c['memory_diff']):+.1%}",
+                              str(c.get("busy") or "no"))))
+        console.print(table)
+        console.print(f"logs: {out}" if args.keep else "logs removed (use --keep DIR to keep them)")
+    return 0 if all(r["rc"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
