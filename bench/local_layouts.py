@@ -1,7 +1,8 @@
 """Every feasible (DP, TP, PP, micro-batch) layout of a small model on this machine: measured vs simulated.
 
 Run: ``python bench/local_layouts.py [--nproc 4] [--model gpt_tiny] [--steps 12] [--gbs 16] [--seq 64] [--passes 2]
-[--recompute none]``.
+[--recompute none] [--markdown docs/figures/local_layouts.md]`` (``--markdown``: also the figures as a snippet for
+the docs, with the date and machine).
 
 1. Trains every feasible layout of ``--model`` on ``--nproc`` gloo ranks with ``launch/train.py`` for ``--steps``
    steps; a pass's step time is the median of the steps after the first two (warm-up), the measured memory the
@@ -16,11 +17,11 @@ Run: ``python bench/local_layouts.py [--nproc 4] [--model gpt_tiny] [--steps 12]
    measures once.
 4. Predicts each with :func:`cfp_megatron.sim.simulate` on the ``local`` cluster filled from the ProfileDB.
 
-``--recompute selective`` or ``full`` runs every layout under that recomputation (issue C's memory check under
-each recompute choice; full: uniform, one layer per checkpointed unit). Prints one line per layout, then the
+``--recompute selective`` or ``full`` runs every layout under that recomputation (the memory check under each
+recompute choice; full: uniform, one layer per checkpointed unit). Prints one line per layout, then the
 step-time MAPE, the Spearman rank correlation between measured and predicted step times, and the memory MAPE.
-Targets (issue C): MAPE 10% or less, Spearman 0.9 or more, memory within 10%. Then the layout the planner picks
-from the same ProfileDB within this space, and how much slower than the measured fastest it measured (issue E: 10%
+Targets: MAPE 10% or less, Spearman 0.9 or more, memory within 10%. Then the layout the planner picks
+from the same ProfileDB within this space, and how much slower than the measured fastest it measured (target: 10%
 or less).
 Asserts nothing; figures on a loaded machine are noisy, so run it alone.
 """
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import snippet
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -196,7 +198,11 @@ def main() -> None:
                         help="2: measure every layout before and after the profile, in opposite orders; 1: after")
     parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
                         help="every layout's recomputation (full: uniform, one layer per checkpointed unit)")
+    parser.add_argument("--markdown", type=snippet.check_path, metavar="FILE.md",
+                        help="also write the figures as a Markdown snippet (docs/figures/local_layouts.md)")
     args = parser.parse_args()
+    first_line = snippet.header()
+    cells: list[list[str]] = []
     if args.budget is None:
         args.budget = 120 if args.recompute == "none" else 180
     common = [f"train.global_batch_size={args.gbs}", f"train.seq_length={args.seq}",
@@ -233,19 +239,32 @@ def main() -> None:
             mem_predicted.append(pmem)
             print(f"{str(layout):<22} {drift} {t * 1e3:12.1f} {pt * 1e3:13.1f} {(pt - t) / t * 100:6.1f}% "
                   f"{mem / 2**20:8.2f} {pmem / 2**20:9.2f} {(pmem - mem) / mem * 100:6.1f}%", flush=True)
+            cells.append([str(layout), drift.strip(), f"{t * 1e3:.1f}", f"{pt * 1e3:.1f}", f"{(pt - t) / t:+.1%}",
+                          f"{mem / 2**20:.2f}", f"{pmem / 2**20:.2f}", f"{(pmem - mem) / mem:+.1%}"])
         chosen = chosen_layout(args.nproc, args.model, common, args.recompute)
     by_layout = {str(layout): t for layout, t in zip(layouts, measured, strict=True)}
     fastest = min(by_layout, key=by_layout.__getitem__)
     if str(chosen) in by_layout:
         gap = by_layout[str(chosen)] / by_layout[fastest] - 1
-        print(f"planner's choice (issue E): {chosen}, measured {by_layout[str(chosen)] * 1e3:.1f} ms; measured best "
-              f"{fastest}, {by_layout[fastest] * 1e3:.1f} ms; the choice is {gap:.1%} slower (target 10% or less)")
+        choice = (f"The planner's choice: {chosen}, measured {by_layout[str(chosen)] * 1e3:.1f} ms; measured best "
+                  f"{fastest}, {by_layout[fastest] * 1e3:.1f} ms; the choice is {gap:.1%} slower (target 10% or less).")
     else:
-        print(f"planner's choice {chosen} is not among the measured layouts")
+        choice = f"The planner's choice {chosen} is not among the measured layouts."
+    print(choice)
     mape = 100 * statistics.fmean(abs(p - m) / m for p, m in zip(predicted, measured, strict=True))
     mem_mape = 100 * statistics.fmean(abs(p - m) / m for p, m in zip(mem_predicted, mem_measured, strict=True))
     print(f"step time: MAPE {mape:.1f}% over {len(measured)} layouts, Spearman {spearman(measured, predicted):.3f}")
     print(f"memory: MAPE {mem_mape:.1f}% over {len(measured)} layouts")
+    if args.markdown:
+        rho = spearman(measured, predicted)
+        lines = [f"Every feasible (DP, TP, PP, micro-batch) layout of `{args.model}` on {args.nproc} gloo ranks "
+                 f"(global batch {args.gbs}, seq {args.seq}, recompute {args.recompute}, {args.steps} steps, "
+                 f"{args.passes} pass{'es' if args.passes > 1 else ''}, profiling budget {args.budget} s), measured "
+                 f"against the prediction from a fresh profile: **step-time MAPE {mape:.1f}% over {len(measured)} "
+                 f"layouts, Spearman {rho:.3f}; memory MAPE {mem_mape:.1f}%.** {choice}", "",
+                 *snippet.table(["layout", "pass 2/1", "measured ms", "predicted ms", "error", "memory MiB",
+                                 "predicted MiB", "error"], cells, "lrrrrrrr")]
+        snippet.write(args.markdown, first_line, lines)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python bench/main_job.py                 # 3 runs of `torchrun --nproc_per_node=4 launch/train.py +cfp=auto`
     python bench/main_job.py --runs 3 --nproc 4 -- train.steps=20
+    python bench/main_job.py --markdown docs/figures/main_job.md   # also the table as a snippet for the docs
 
 Each run uses one fresh ``CFP_CACHE_DIR`` (shared by the runs, empty before the first) and its own Hydra run
 directory. Per run it prints the wall time, what the profile measured, reused and still missed (the launch's
@@ -18,12 +19,14 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import snippet
 from rich.console import Console
 from rich.table import Table
 
@@ -62,8 +65,11 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--keep", type=Path, default=None, help="folder for the cache, run dirs and logs (default: a "
                         "temporary one, removed at the end)")
+    parser.add_argument("--markdown", type=snippet.check_path, metavar="FILE.md",
+                        help="also write the table as a Markdown snippet for the docs (docs/figures/main_job.md)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides after --")
     args = parser.parse_args()
+    first_line = snippet.header()
     console = Console()
     with tempfile.TemporaryDirectory(prefix="cfp-main-job-") as tmp:
         out = args.keep or Path(tmp)
@@ -77,22 +83,35 @@ def main() -> int:
             console.print(f"run {i}: rc {row['rc']}, {row['wall_s']:.1f} s, load {row['load']:.1f}; "
                           f"{row['profile'] or 'no profile line'}", markup=False)
         table = Table(title="main job from an empty cache")
-        for col in ("run", "rc", "wall s", "load", "profile", "pred ms", "meas ms", "step diff", "pred MiB",
-                    "meas MiB", "mem diff", "busy"):
+        columns = ("run", "rc", "wall s", "load", "profile", "pred ms", "meas ms", "step diff", "pred MiB",
+                   "meas MiB", "mem diff", "busy")
+        for col in columns:
             table.add_column(col)
+        cells: list[list[str]] = []
         for i, row in enumerate(rows, 1):
             c = row["check"] if isinstance(row["check"], dict) else {}
             counts = re.findall(r"(\d+)/(\d+)", str(row["profile"]))
             complete = ("complete" if counts and all(a == b for a, b in counts) else "partial" if counts
                         else "?")
-            table.add_row(str(i), str(row["rc"]), f"{row['wall_s']:.1f}", f"{row['load']:.1f}", complete,
+            cells.append([str(i), str(row["rc"]), f"{row['wall_s']:.1f}", f"{row['load']:.1f}", complete,
                           *(("-",) * 7 if not c else (
                               f"{float(c['predicted_step_s']) * float(c.get('calibration', 1.0)) * 1e3:.1f}",
                               f"{float(c['measured_step_s']) * 1e3:.1f}", f"{float(c['step_time_diff']):+.1%}",
                               f"{float(c['predicted_peak_gib']) * 1024:.2f}",
                               f"{float(c['measured_peak_gib']) * 1024:.2f}", f"{float(c['memory_diff']):+.1%}",
-                              str(c.get("busy") or "no"))))
+                              str(c.get("busy") or "no")))])
+            table.add_row(*cells[-1])
         console.print(table)
+        if args.markdown:
+            launch = shlex.join(["torchrun", f"--nproc_per_node={args.nproc}", "launch/train.py", "+cfp=auto",
+                                 *args.overrides])
+            lines = [f"`{launch}` {args.runs} times from one empty cache (`CFP_CACHE_DIR`, shared by the runs): "
+                     "wall time of each run with the load average before it, whether the profile was complete, and "
+                     "the plan check (predicted against measured step time and peak memory).", "",
+                     *snippet.table(list(columns), cells, "rrrrlrrrrrrl"), "",
+                     *(f"- run {i}: {row['profile'] or 'no profile line'}; {row['plan'] or 'no plan line'}"
+                       for i, row in enumerate(rows, 1))]
+            snippet.write(args.markdown, first_line, lines)
         console.print(f"logs: {out}" if args.keep else "logs removed (use --keep DIR to keep them)")
     return 0 if all(r["rc"] == 0 for r in rows) else 1
 

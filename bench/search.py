@@ -1,6 +1,7 @@
-"""Search speed and quality (issue D).
+"""Search speed and quality.
 
-Run: ``python bench/search.py [--published FILE.csv ...] [--skip-speed]`` (both shared files by default).
+Run: ``python bench/search.py [--published FILE.csv ...] [--skip-speed] [--markdown docs/figures/search.md]`` (both
+shared files by default; ``--markdown`` also writes the figures as a snippet for the docs, with the date and machine).
 
 1. Speed, on one core (the process is pinned to CPU 0): the full space of
    GPT-3 175B on 1,024 A100 (gbs 1,536 x 2,048), Llama-3 405B on 16,384 H100 (gbs 2,048 x 8,192) and DeepSeek-V3
@@ -26,6 +27,8 @@ import statistics
 import time
 from pathlib import Path
 
+import snippet
+
 from cfp_megatron.base.cfp_spec import CfpSpec, SearchConstraints, cfp_from_config
 from cfp_megatron.base.compose import compose_config
 from cfp_megatron.base.config import job_from_config
@@ -44,7 +47,9 @@ CASES = (
 )
 
 
-def speed() -> None:
+def speed() -> list[list[str]]:
+    """Time the search on each of :data:`CASES`; returns the rows of the docs' table."""
+    rows: list[list[str]] = []
     print(f"{'case':<28} {'layouts':>9} {'simulated':>9} {'seconds':>8} {'target':>7}  best plan")
     for name, overrides, target in CASES:
         cfg = compose_config(["+cfp=auto", *overrides])
@@ -64,6 +69,10 @@ def speed() -> None:
                      f"{pps[:6]}...)")
         print(f"{name:<28} {result.space_size:>9,} {result.simulated:>9} {min(times):>8.3f} {target:>7.1f}  {found}",
               flush=True)
+        batch = f"gbs {job.train.global_batch_size:,} x {job.train.seq_length:,}"
+        rows.append([f"{name}, {batch}", f"{result.space_size:,}", str(result.simulated), f"{min(times):.3f}",
+                     f"{target:g}", found])
+    return rows
 
 
 def exotic(job, world: int) -> list[str]:
@@ -90,7 +99,8 @@ def why(chosen, reference) -> str:
     return ", ".join(f"{label} -{delta:.2f} s" for delta, label in saved[:2] if delta > 0)
 
 
-def published(paths: list[Path]) -> None:
+def published(paths: list[Path]) -> list[str]:
+    """Search each published layout's job; returns the summary as Markdown lines (none without a modelled row)."""
     from cfp_megatron.sim.simulate import simulate
     from cfp_megatron.sim.uncertainty import error_band
     from cfp_megatron.validate import RowError, read_rows, row_plan
@@ -152,6 +162,14 @@ def published(paths: list[Path]) -> None:
         print(f"exotic chosen plans (CP at <= 8k tokens, EP across nodes): {len(unusual)} of {len(ratios)}")
         for line in unusual:
             print("  " + line)
+        slower = sum(r < 1 - 1e-9 for r in allowed)
+        return [f"Over {len(ratios)} published layouts of {', '.join(f'`{p.name}`' for p in paths)}, the published "
+                f"layout's predicted step time over the chosen plan's: min {min(ratios):.3f}, median "
+                f"{statistics.median(ratios):.3f}, max {max(ratios):.3f}; the chosen plan is predicted slower in "
+                f"{below} row{'s' if below != 1 else ''}. With the published layout's own memory (and TP placement) "
+                f"allowed: min {min(allowed):.3f}, slower in {slower or 'none'}. Exotic chosen plans (CP at 8k "
+                f"tokens or fewer, EP across nodes): {len(unusual)} of {len(ratios)}."]
+    return []
 
 
 def _row(head: str, published_s: float, chosen: Ranked, world: int, note: str, band: float | None) -> float:
@@ -170,16 +188,25 @@ def main() -> None:
     parser.add_argument("--published", nargs="*", default=[str(data / "published_runs.csv"),
                                                            str(data / "published_runs_moe.csv")])
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--markdown", type=snippet.check_path, metavar="FILE.md",
+                        help="also write the figures as a Markdown snippet for the docs (docs/figures/search.md)")
     args = parser.parse_args()
+    first_line = snippet.header()
+    lines: list[str] = []
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core
     if not args.skip_speed:
         t = time.perf_counter()
-        speed()
+        rows = speed()
         print(f"(speed cases in {time.perf_counter() - t:.1f} s)")
+        lines += ["Search speed (the search alone, pinned to one core, best of three):", "",
+                  *snippet.table(["case", "layouts", "simulated", "seconds", "target s",
+                                  "best plan (predicted step, peak per GPU)"], rows, "lrrrrl"), ""]
     paths = [Path(p) for p in args.published if Path(p).exists()]
     if paths:
-        published(paths)
+        lines += published(paths)
+    if args.markdown:
+        snippet.write(args.markdown, first_line, lines)
 
 
 if __name__ == "__main__":

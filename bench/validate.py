@@ -3,10 +3,14 @@
     python bench/validate.py                 # figures with the shipped (fitted) efficiencies
     python bench/validate.py --fit           # refit the efficiencies on the whole file and print them
     python bench/validate.py --loso          # also leave-one-source-out: refit without each source, predict it
+    python bench/validate.py --markdown docs/figures/validate.md   # also the figures as a snippet for the docs
 
 Prints MAPE overall, per source, on the Korthikanti et al. Table 5 runs, leave-one-source-out MAPE, and
-``simulate()`` calls per second. The fit minimises MAPE per GPU generation with Nelder-Mead on log-parameters
-(scipy), from the same neutral starting point (``NEUTRAL``); it never looks at row ids or model names.
+``simulate()`` calls per second. With ``--markdown`` it also writes those figures, and the per-class MAPE that
+``python -m cfp_megatron.validate`` prints over ``--classes`` files (both shared files by default), as a Markdown
+snippet whose first line gives the command, the date and the machine. The fit minimises MAPE per GPU generation
+with Nelder-Mead on log-parameters (scipy), from the same neutral starting point (``NEUTRAL``); it never looks at row
+ids or model names.
 """
 
 from __future__ import annotations
@@ -19,10 +23,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import snippet  # noqa: E402
+
 from cfp_megatron.base.errors import CfpError  # noqa: E402
 from cfp_megatron.sim.calibration import FITTED, GENERATION_FIELDS, Efficiency, generation  # noqa: E402
 from cfp_megatron.sim.simulate import simulate  # noqa: E402
-from cfp_megatron.validate import RowPlan, read_rows, row_plan  # noqa: E402
+from cfp_megatron.validate import (  # noqa: E402
+    RowPlan,
+    class_errors,
+    has_step_time,
+    predict_rows,
+    read_rows,
+    row_plan,
+)
+from cfp_megatron.validate import mape as row_mape  # noqa: E402
 
 DEFAULT_CSV = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "published_runs.csv"
 BOUNDS = {"gemm": (0.2, 0.98), "gemm_fp8": (0.15, 0.98), "attention": (0.05, 1.0), "memory": (0.2, 1.0),
@@ -168,22 +182,52 @@ def search_speed() -> tuple[float, int]:
                         except CfpError:
                             continue
                         jobs.append(job)
-    n, t0 = 0, time.perf_counter()
+    n, t0, cpu0 = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - t0 < 2.0:
         for job in jobs:
             simulate(job)
             n += 1
-    return n / (time.perf_counter() - t0), len(jobs)
+    return n / (time.process_time() - cpu0), len(jobs)  # per CPU second: other work on the machine does not count
 
 
 def speed(plans: list[RowPlan]) -> float:
-    """simulate() calls per second over the file's plans (each simulated once per round)."""
-    n, t0 = 0, time.perf_counter()
+    """simulate() calls per CPU second over the file's plans (each simulated once per round)."""
+    n, t0, cpu0 = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - t0 < 2.0:
         for p in plans:
             simulate(p.job, options=p.options)
             n += 1
-    return n / (time.perf_counter() - t0)
+    return n / (time.process_time() - cpu0)
+
+
+def class_lines(paths: list[Path]) -> list[str]:
+    """Coverage and per-class MAPE over ``paths`` as ``python -m cfp_megatron.validate`` computes them, as Markdown;
+    then each file alone where there are several."""
+    rows = [row for path in paths for row in read_rows(path)]
+    results, _ = predict_rows(rows)
+    errs_all = [abs(r.error_pct) for r in results]
+    table = [["all", str(len(results)), f"{row_mape(results):.2f}%", f"{max(errs_all):.1f}%"]]
+    for name, errs in sorted(class_errors(results, {row.get("id", ""): row for row in rows}).items()):
+        table.append([name, str(len(errs)), f"{sum(errs) / len(errs):.2f}%", f"{max(errs):.1f}%"])
+    files = " ".join(_shown(p) for p in paths)
+    lines = [f"Step-time error per class, `python -m cfp_megatron.validate {files}`: "
+             f"{len(results)} of {sum(has_step_time(r) for r in rows)} rows with a step time modelled.", "",
+             *snippet.table(["class", "rows", "MAPE", "max error"], table), ""]
+    if len(paths) > 1:
+        for path in paths:
+            alone, _ = predict_rows(read_rows(path))
+            lines.append(f"- `{path.name}` alone: MAPE {row_mape(alone):.2f}% over {len(alone)} rows.")
+        lines.append("")
+    return lines
+
+
+def _shown(path: Path) -> str:
+    """``path`` as the docs write it: relative to the repository root where it can be (``../shared/...``)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        return str(Path("..") / path.resolve().relative_to(root.parent))
+    except ValueError:
+        return str(path)
 
 
 def main() -> int:
@@ -192,7 +236,12 @@ def main() -> int:
     ap.add_argument("--fit", action="store_true", help="refit the efficiencies on the whole file and print them")
     ap.add_argument("--loso", action="store_true", help="leave-one-source-out cross-validation (refits; slow)")
     ap.add_argument("--maxiter", type=int, default=400)
+    ap.add_argument("--markdown", type=snippet.check_path, metavar="FILE.md",
+                    help="also write the figures as a Markdown snippet for the docs (docs/figures/validate.md)")
+    ap.add_argument("--classes", type=Path, nargs="+", default=[DEFAULT_CSV, DEFAULT_CSV.with_name(
+                    "published_runs_moe.csv")], metavar="FILE.csv", help="files of the snippet's per-class table")
     args = ap.parse_args()
+    first_line = snippet.header()
     plans, skipped = load(args.csv)
     effs = dict(FITTED)
     if args.fit:
@@ -202,26 +251,47 @@ def main() -> int:
     print(f"rows modelled {len(plans)}, not modelled {len(skipped)}")
     print(f"MAPE overall: {mape(errs):.2f}% over {len(errs)} rows (max |error| {max(abs(e) for e in errs):.1f}%)")
     sources = sorted({source_of(p) for p in plans})
+    per_source: list[list[str]] = []
     for s in sources:
         e = [x for p, x in zip(plans, errs, strict=True) if source_of(p) == s]
         print(f"  {s:<42} {mape(e):6.2f}% over {len(e)} rows")
+        full = next(p.source for p in plans if source_of(p) == s).split(",")[0].split("(")[0].strip()
+        per_source.append([full, str(len(e)), f"{mape(e):.2f}%", "", ""])
     t5 = [x for p, x in zip(plans, errs, strict=True) if "Table 5" in _detail(p)]
     t5_new = [x for p, x in zip(plans, errs, strict=True) if "Table 5" in _detail(p) and "present work" in _detail(p)]
     print(f"Korthikanti Table 5, present work (SP + selective): {mape(t5_new):.2f}% over {len(t5_new)} rows")
     print(f"Korthikanti Table 5, all end-to-end rows: {mape(t5):.2f}% over {len(t5)} rows")
+    loso = ""
     if args.loso:
         all_errs: list[float] = []
-        for s in sources:
+        for i, s in enumerate(sources):
             train = [p for p in plans if source_of(p) != s]
             test = [p for p in plans if source_of(p) == s]
             effs_s = fit(train, {g: NEUTRAL for g in FITTED}, args.maxiter)
             e = errors(test, effs_s)
             all_errs += e
             print(f"  leave out {s:<42} test MAPE {mape(e):6.2f}% over {len(e)} rows")
+            per_source[i][3:] = [f"{mape(e):.2f}%", str(len(e))]
         print(f"leave-one-source-out MAPE: {mape(all_errs):.2f}% over {len(all_errs)} rows")
-    print(f"simulate() calls per second, rows of the file (up to 65k pipeline passes each): {speed(plans):.0f}")
+        loso = (f" Leave-one-source-out (refit without the source from the neutral starting point, predict it): "
+                f"MAPE {mape(all_errs):.2f}% over {len(all_errs)} rows.")
+    file_rate = speed(plans)
+    print(f"simulate() calls per second, rows of the file (up to 65k pipeline passes each): {file_rate:.0f}")
     rate, count = search_speed()
     print(f"simulate() calls per second, {count} LLaMA-3-70B plans on 1,024 H100s: {rate:.0f}")
+    if args.markdown:
+        efficiencies = "refitted on the whole file (`--fit`)" if args.fit else "the shipped efficiencies"
+        columns = ["source", "rows", "MAPE", "left out: MAPE", "rows"] if args.loso else ["source", "rows", "MAPE"]
+        lines = [*class_lines(args.classes),
+                 f"`{args.csv.name}` with {efficiencies}, the {len(plans)} rows that state their layout: MAPE "
+                 f"{mape(errs):.2f}% (largest error {max(abs(e) for e in errs):.1f}%); Korthikanti et al. Table 5, "
+                 f"the four end-to-end runs (SP + selective recompute) {mape(t5_new):.2f}%, all {len(t5)} "
+                 f"end-to-end rows {mape(t5):.2f}%.{loso}",
+                 "", *snippet.table(columns, [row[:len(columns)] for row in per_source]), "",
+                 f"`simulate()` runs {rate:,.0f} times per CPU second for {count} LLaMA-3-70B plans on 1,024 "
+                 f"H100s (TP, PP, VPP, micro-batch, recompute) and {file_rate:,.0f} times per CPU second over the "
+                 f"file's rows (up to 65k pipeline passes each)."]
+        snippet.write(args.markdown, first_line, lines)
     return 0
 
 

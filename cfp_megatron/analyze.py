@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from cfp_megatron.base.compose import compose_job
+from cfp_megatron.base.config import MAX_GLOBAL_BATCH
+from cfp_megatron.base.config_help import config_help
 from cfp_megatron.base.errors import CfpError
-from cfp_megatron.model.analysis import analyze
+from cfp_megatron.compat.quiet import quiet_expected_warnings, say_once
 
 
 def _human(value: float, unit: str) -> str:
@@ -80,12 +82,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m cfp_megatron.analyze", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m cfp_megatron.analyze", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=config_help())
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=llama3_8b parallel.tp=8")
     parser.add_argument("--json", dest="json_path", default=None, help="where to write the JSON result")
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--no-cache", action="store_true")
     args = parser.parse_args(argv)
+    if not 1 <= args.micro_batch_size <= MAX_GLOBAL_BATCH:
+        parser.error(f"--micro-batch-size={args.micro_batch_size}: must be in [1, {MAX_GLOBAL_BATCH}] sequences, "
+                     "e.g. --micro-batch-size 1")
+    if args.json_path is not None and Path(args.json_path).is_dir():
+        parser.error(f"--json={args.json_path}: is a folder; name the JSON file to write, e.g. "
+                     f"--json {Path(args.json_path) / 'analysis.json'}")
+    say_once(quiet_expected_warnings(distributed=False))
+    # Imported here, after the filters: Megatron-Core warns at import about absent Transformer Engine/Apex.
+    from cfp_megatron.model.analysis import analyze
+
     try:
         job = compose_job(args.overrides)
         result = analyze(job, micro_batch_size=args.micro_batch_size, use_cache=not args.no_cache)
@@ -94,8 +107,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     render(result)
     out = Path(args.json_path or f"outputs/analyze/{job.model.name}-{'x'.join(map(str, result['mesh']['shape']))}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+    except OSError as err:
+        print(f"cfp-megatron: cannot write the JSON result to {out} ({err.strerror or err}). Fix: pass --json "
+              "with a path in a writable folder.", file=sys.stderr)
+        return 2
     print(f"JSON: {out}")
     return 0
 

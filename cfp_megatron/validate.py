@@ -428,12 +428,107 @@ def uncertainty_table(results: list[RowResult], rows_by_id: dict[str, dict]) -> 
             "best_mfu": dict(sorted(best.items()))}
 
 
+PLOT_BAND = 0.10
+"""Relative error band the ``--plot`` scatter shades around y = x."""
+
+_PLOT_STYLES = (("#4C72B0", "o"), ("#DD8452", "s"), ("#55A868", "^"), ("#C44E52", "D"), ("#8172B3", "v"),
+                ("#937860", "P"), ("#DA8BC3", "X"), ("#8C8C8C", "*"))
+"""Colour and marker of each class in the ``--plot`` scatter, in the order the classes sort."""
+
+
+def plot_class(row: dict) -> str:
+    """The one class a row is drawn under in the ``--plot`` scatter: its :func:`row_classes` joined (``MoE + CP``),
+    CP named for what it serves (long context)."""
+    return " + ".join("CP (long context)" if name == "CP" else name for name in row_classes(row))
+
+
+def check_plot_path(path: str) -> str | None:
+    """Why ``--plot`` cannot write ``path`` (a PNG, a new file in an existing folder), ``None`` when it can."""
+    target = Path(path)
+    if target.suffix.lower() != ".png":
+        return f"--plot {path}: the picture is a PNG; name a file ending in .png"
+    if target.is_dir():
+        return f"--plot {path}: is a directory; name a .png file in it"
+    if not target.parent.is_dir():
+        return f"--plot {path}: folder {target.parent} does not exist; create it or name a .png file in another"
+    if target.exists():
+        return f"--plot {path}: the file exists and is never overwritten; remove it or name another .png file"
+    return None
+
+
+def write_plot(results: list[RowResult], rows_by_id: dict[str, dict], path: str | Path) -> Path:
+    """Draw predicted against measured step time (seconds, log axes), a colour and marker per :func:`plot_class`
+    with its rows and MAPE in the legend, the line y = x and the ±:data:`PLOT_BAND` band, to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[str, list[RowResult]] = {}
+    for r in results:
+        groups.setdefault(plot_class(rows_by_id.get(r.plan.row_id, {})), []).append(r)
+    fig, ax = plt.subplots(figsize=(8.5, 7.5))
+    values = [v for r in results for v in (r.plan.measured_s, r.predicted_s)]
+    low, high = min(values) / 1.6, max(values) * 1.6
+    line = [low, high]
+    ax.fill_between(line, [v * (1 - PLOT_BAND) for v in line], [v * (1 + PLOT_BAND) for v in line],
+                    color="#DDDDDD", label=f"within ±{PLOT_BAND:.0%}", zorder=0)
+    ax.plot(line, line, color="#555555", linewidth=1, label="predicted = measured", zorder=1)
+    ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), item[0]))
+    for index, (name, members) in enumerate(ordered):
+        colour, marker = _PLOT_STYLES[index % len(_PLOT_STYLES)]
+        ax.scatter([r.plan.measured_s for r in members], [r.predicted_s for r in members], s=42, color=colour,
+                   marker=marker, edgecolor="black", linewidth=0.4, alpha=0.85, zorder=2,
+                   label=f"{name}: {len(members)} rows, MAPE {mape(members):.1f}%")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(low, high)
+    ax.set_ylim(low, high)
+    ax.set_aspect("equal")
+    ax.set_xlabel("measured step time (s)")
+    ax.set_ylabel("predicted step time (s)")
+    ax.set_title(f"predicted vs measured step time: MAPE {mape(results):.1f}% over {len(results)} rows", fontsize=11)
+    ax.grid(which="major", color="#E5E5E5", linewidth=0.6)
+    ax.legend(loc="upper left", fontsize=8.5, framealpha=0.9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def check_bands_path(path: str) -> str | None:
+    """Why ``--bands FILE`` cannot be written (``None`` when it can): a folder, or an existing file that is not an
+    error-band table this command wrote (replacing one of those is what ``--bands`` is for; anything else is kept)."""
+    target = Path(path)
+    if target.is_dir():
+        return f"--bands {path}: is a folder. Fix: name a .json file."
+    if not target.exists():
+        return None if target.parent.is_dir() else (f"--bands {path}: the folder {target.parent} does not exist. "
+                                                     "Fix: create it or name another file.")
+    try:
+        old = json.loads(target.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        old = None
+    if isinstance(old, dict) and {"quantile", "classes"} <= set(old):
+        return None
+    return (f"--bands {path}: exists and is not an error-band table written by --bands; it is left as it is. "
+            "Fix: name a new file, or remove that one first.")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cfp_megatron.validate", description=__doc__.splitlines()[0])
     parser.add_argument("csv", nargs="+", help="runs in the schema of shared/data/published_runs.csv")
     parser.add_argument("--bands", metavar="FILE", help="also write the error bands and best published MFU the "
                         "planner reports with (cfp_megatron/sim/error_bands.json) to FILE")
+    parser.add_argument("--plot", metavar="FILE.png", help="also draw predicted vs measured step time per row "
+                        "(log axes, a colour per class with its MAPE, y = x and a +-10%% band) to FILE.png, a new file")
     args = parser.parse_args(argv)
+    problem = check_plot_path(args.plot) if args.plot else None
+    problem = problem or (check_bands_path(args.bands) if args.bands else None)
+    if problem:
+        print(f"validate: {problem}", file=sys.stderr)
+        return 2
     try:
         rows = [row for path in args.csv for row in read_rows(path)]
     except InputFileError as err:
@@ -462,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     if not results:
         print("\nno row could be modelled (each is listed above with its reason): no MAPE", file=sys.stderr)
         return 1
+    if args.plot:
+        drawn = write_plot(results, {row.get("id", ""): row for row in rows}, args.plot)
+        print(f"\npredicted vs measured step time drawn to {drawn}")
     print(f"\nMAPE {mape(results):.2f}% over {len(results)} rows")
     return 0
 

@@ -13,16 +13,18 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-# Megatron-Core warns at import that Transformer Engine/Apex are absent and that it falls back to PyTorch code;
-# that is the expected state on CPU, so say it once in the README instead of eight times per rank.
-_EXPECTED_ON_CPU = "Transformer Engine and Apex are not installed|Apex is not installed|full scope is deprecated"
-warnings.filterwarnings("ignore", message=f".*({_EXPECTED_ON_CPU}).*")
 warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+# Megatron-Core warns at import, per module and rank, that Transformer Engine/Apex are absent: filter exactly those
+# before it is imported and say it once (rank 0) in one line (cfp_megatron.compat.quiet).
+from cfp_megatron.compat.quiet import quiet_expected_warnings, say_once  # noqa: E402
+
+_EXPECTED_NOTE = quiet_expected_warnings()
+
 from cfp_megatron.base.compose import register_configs  # noqa: E402
-from cfp_megatron.planner.entry import main_with_errors  # noqa: E402
+from cfp_megatron.planner.entry import check_run_dir_arg, main_with_errors  # noqa: E402
 
 register_configs()
 
@@ -36,7 +38,9 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     # Megatron's TP/SP overlap relies on one CUDA work queue (as its own launch scripts set); harmless on CPU.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    say_once(_EXPECTED_NOTE)
     # Every rank composes the same config; only rank 0 writes Hydra's files into the shared run directory.
     if os.environ.get("RANK", "0") != "0":
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    check_run_dir_arg(sys.argv[1:])  # a run directory that cannot be written: a clean error, not Hydra's traceback
     main()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cfp_megatron.base.errors import CheckpointError
-from cfp_megatron.engine import checkpoint
+from cfp_megatron.engine import checkpoint, manifest
 from tests.launcher import run_killing_a_rank, run_train
 
 STEPS = 6
@@ -20,6 +20,7 @@ LOSS_ATOL = 1e-4
 
 def _fake_checkpoint(root: Path, step: int) -> None:
     checkpoint.step_dir(root, step).mkdir(parents=True)
+    manifest.write_manifest(checkpoint.step_dir(root, step))  # an empty but verified checkpoint
     (root / checkpoint.LATEST).write_text(f"{step}\n")
 
 

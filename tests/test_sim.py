@@ -175,7 +175,7 @@ def test_timeline_exports(tmp_path) -> None:
     trace = chrome_trace(pred)
     slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in slices} == {0, 1, 2, 3}
-    assert {e["cat"] for e in slices} == {"compute", "comm"}
+    assert {e["cat"] for e in slices} == {"compute", "comm", "idle"}
     assert sum(1 for e in slices if e["name"].startswith("F")) == 4 * 2 * pred.num_microbatches
     path = write_chrome_trace(pred, tmp_path / "trace.json")
     assert json.loads(path.read_text())["traceEvents"]

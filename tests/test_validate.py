@@ -157,3 +157,19 @@ def test_bad_step_times_are_listed_not_averaged(tmp_path: Path, capsys) -> None:
         csv.DictWriter(fh, fieldnames=fields).writerow(good)
     assert main([str(path)]) == 0
     assert _final(capsys.readouterr().out)[1] == 1
+
+
+def test_bands_never_overwrite_a_file_it_did_not_write(tmp_path: Path, capsys) -> None:
+    """``--bands FILE`` replaces an error-band table (regenerating the shipped one is its use) but refuses any other
+    existing file, and a folder, before predicting anything; the file is left as it was."""
+    from cfp_megatron.validate import check_bands_path
+
+    mine = tmp_path / "notes.json"
+    mine.write_text('{"my": "notes"}\n')
+    assert main([str(CSV), "--bands", str(mine)]) == 2
+    assert "--bands" in capsys.readouterr().err and mine.read_text() == '{"my": "notes"}\n'
+    assert "folder" in (check_bands_path(str(tmp_path)) or "")
+    table = tmp_path / "bands.json"
+    table.write_text('{"quantile": 0.8, "classes": {}}\n')
+    assert check_bands_path(str(table)) is None
+    assert check_bands_path(str(tmp_path / "new.json")) is None

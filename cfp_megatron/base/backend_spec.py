@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from cfp_megatron.base.config import LayoutKey, build_spec, layout_field
+from cfp_megatron.base.config import LayoutKey, build_spec, layout_field, plain_config
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 
 
@@ -203,9 +203,9 @@ def _offload(section: Any) -> bool | str | None:
 
 def backend_from_config(cfg: Any) -> BackendSpec:
     """The ``backend`` group of a composed config (the Megatron backend when the group is absent)."""
-    from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig
 
-    raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg or {})
+    raw = plain_config(cfg) if isinstance(cfg, DictConfig) else dict(cfg or {})
     section = raw.get("backend")
     if section is None:
         return BackendSpec()

@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from cfp_megatron.base.config import MlpPartition, Recompute, build_spec
+from cfp_megatron.base.config import MlpPartition, Recompute, build_spec, plain_config
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 
 DEFAULT_PROFILE_BUDGET_S = 240.0
@@ -191,9 +191,9 @@ def _show(values: list[Any]) -> str:
 
 def cfp_from_config(cfg: Any) -> CfpSpec:
     """The ``cfp`` group of a composed config; ``mode=off`` when no ``cfp`` option was chosen."""
-    from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig
 
-    raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg or {})
+    raw = plain_config(cfg) if isinstance(cfg, DictConfig) else dict(cfg or {})
     if raw.get("cfp") is None:
         return CfpSpec(mode=CfpMode.off)
     section = dict(raw["cfp"])

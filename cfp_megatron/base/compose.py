@@ -8,6 +8,7 @@ planner's ``cfp`` group (:mod:`cfp_megatron.base.cfp_spec`) and the ``backend`` 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from dataclasses import field
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 from cfp_megatron.base.backend_spec import BackendSpec
 from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import JobSchema, JobSpec, job_from_config, mutable_twin
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import run_id
 
 
@@ -47,12 +49,99 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 def compose_config(overrides: Sequence[str]) -> Any:
     """The project's Hydra config composed with ``overrides`` (an OmegaConf ``DictConfig``), as the command-line
-    tools (``analyze``, ``profile``, ``plan``) and the tests compose it."""
+    tools (``analyze``, ``profile``, ``plan``) and the tests compose it. Hydra's errors (an unknown group option or
+    key, a value of the wrong type, an override it cannot parse) come back as one :class:`ConfigError` naming the
+    key, the value and the choices (:func:`hydra_config_error`)."""
     from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose("config", overrides=list(overrides))
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return compose("config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as err:
+        raise hydra_config_error(err, overrides) from None
+
+
+def group_options(group: str) -> list[str]:
+    """The options of config group ``group`` (the ``conf/<group>/*.yaml`` names), sorted."""
+    return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _known_keys(key: str) -> list[str] | None:
+    """The settings next to ``key`` in the schema (the fields of its parent group), or ``None`` if unknown."""
+    node: Any = _root_schema()
+    for part in key.split(".")[:-1]:
+        hints = {f.name: f.type for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
+        node = hints.get(part)
+        args = [a for a in getattr(node, "__args__", ()) if a is not type(None)]
+        node = args[0] if args else node
+        if node is None or not dataclasses.is_dataclass(node):
+            return None
+    return sorted(f.name for f in dataclasses.fields(node))
+
+
+def _override_value(key: str, overrides: Sequence[str]) -> object:
+    """The value ``overrides`` gave ``key`` (the last one; the whole override where it set a key below ``key``), or
+    ``None``."""
+    found: object = None
+    for override in overrides:
+        name, sep, value = override.lstrip("+~").partition("=")
+        if sep and name == key:
+            found = value
+        elif sep and name.startswith(f"{key}."):
+            found = override
+    return found
+
+
+def hydra_config_error(err: Exception, overrides: Sequence[str]) -> ConfigError:
+    """One :class:`ConfigError` for an error Hydra or OmegaConf raised while composing ``overrides``: the key, the
+    value the user gave, what is wrong and the choices (the group's options, the group's keys, the enum's values)."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    cause = err.__cause__ if isinstance(err.__cause__, Exception) else err
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if isinstance(err, MissingConfigException):
+        missing = err.missing_cfg_file or ""
+        group, _, option = missing.rpartition("/")
+        if group and (CONF_DIR / group).is_dir():
+            options = group_options(group)
+            return ConfigError(ConfigIssue(key=group, value=option, problem=f"is not an option of config group "
+                                           f"'{group}'.", fix=f"use one of {options}, e.g. {group}={options[0]}."))
+        return ConfigError(ConfigIssue(key="<config>", value=missing or None, problem=first,
+                                       fix=f"choose an option from {CONF_DIR}."))
+    if isinstance(err, OverrideParseException):
+        bad = [o for o in overrides if o.count("[") != o.count("]") or o.count("'") % 2 or o.count('"') % 2
+               or "=" not in o]
+        return ConfigError(ConfigIssue(key="<override>", value=bad[0] if bad else " ".join(overrides),
+                                       problem=f"Hydra cannot parse it ({first}).",
+                                       fix="write each override as key=value; quote a value with brackets, commas or "
+                                           "spaces, e.g. 'data.path=[a,b]'."))
+    full_key = getattr(cause, "full_key", None) or ""
+    if isinstance(cause, ConfigKeyError | ConfigAttributeError) and full_key:
+        known = _known_keys(full_key)
+        parent = full_key.rpartition(".")[0] or "the config"
+        fix = (f"remove it or fix the spelling; the keys of {parent} are {known}." if known is not None
+               else "remove it or fix the spelling (python -m cfp_megatron.analyze --help lists the groups).")
+        return ConfigError(ConfigIssue(key=full_key, value=_override_value(full_key, overrides),
+                                       problem="is not a known setting.", fix=fix))
+    if isinstance(cause, ValidationError) and full_key:
+        msg = str(getattr(cause, "msg", "") or cause).strip().splitlines()[0]
+        choices = re.search(r"expected one of \[(.*)\]", msg)
+        target = re.search(r"converted to (\w+)", msg)
+        if choices:
+            fix = f"use one of [{choices.group(1)}]."
+        elif target:
+            fix = f"give {full_key} a value of type {target.group(1).lower()} (e.g. {full_key}=1)."
+        else:
+            fix = f"give {full_key} a value of the type its default has."
+        return ConfigError(ConfigIssue(key=full_key, value=_override_value(full_key, overrides), problem=f"{msg}.",
+                                       fix=fix))
+    return ConfigError(ConfigIssue(key=full_key or "<override>", value=_override_value(full_key, overrides)
+                                   if full_key else " ".join(overrides), problem=f"Hydra refused it: {first}",
+                                   fix="check the override's spelling and type (see docs/configuration.md)."))
 
 
 def compose_job(overrides: Sequence[str]) -> JobSpec:

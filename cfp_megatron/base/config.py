@@ -203,6 +203,55 @@ def _positive(issues: list[ConfigIssue], prefix: str, obj: object, *names: str) 
                    f"set {prefix}.{name} to 1 or more.")
 
 
+MAX_WORLD_SIZE = 2**20
+"""Most ranks (GPUs) a job or plan may have: 1,048,576, ten times the largest clusters built (about 100k GPUs); the
+published runs in ``shared/data`` use at most 6,144. Beyond it the planner's search runs for minutes to hours."""
+MAX_GPUS_PER_NODE = 1024
+"""Most GPUs (or CPU processes) per node: NVL72/NVL576 racks are one NVLink domain, but a node stays 4 to 8 GPUs."""
+MAX_LAYERS = 4096
+"""Most transformer layers (largest published: 128); 200,000 layers exhaust host memory while capturing the model."""
+MAX_HIDDEN = 2**18
+"""Largest hidden, head, rank or per-expert size (262,144; largest published hidden 25,600, FFN 102,400)."""
+MAX_FFN = 2**20
+"""Largest MLP hidden size (1,048,576)."""
+MAX_HEADS = 4096
+"""Most attention heads (largest published: 160)."""
+MAX_VOCAB = 2**24
+"""Largest vocabulary (16,777,216; today's largest are about 256k)."""
+MAX_SEQUENCE = 2**24
+"""Longest sequence and position embedding (16,777,216 tokens; the longest contexts trained today are about 10M)."""
+MAX_EXPERTS = 2**16
+"""Most routed experts per MoE layer (65,536; largest published 256)."""
+MAX_GLOBAL_BATCH = 2**20
+"""Most sequences per optimizer step (1,048,576; largest published 8,192, Llama 3 405B's 16M-token batch is 2,048 x
+8,192)."""
+MAX_MICROBATCHES = 2**16
+"""Most micro-batches one data-parallel rank runs per step (65,536; published runs accumulate at most 128): more is
+a typo, and the step would run for hours."""
+MAX_STEPS = 10**9
+"""Most optimizer steps (and warm-up, decay, log and save intervals): a 15T-token run is about a million steps."""
+MAX_SEED = 2**32 - 1
+"""Largest seed: Megatron's GPTDataset seeds ``numpy.random.RandomState``, which takes 32-bit seeds."""
+
+
+def _at_most(issues: list[ConfigIssue], prefix: str, obj: object, limit: int, what: str, *names: str) -> None:
+    """Check that each named integer field is at most ``limit`` (``None`` is allowed); ``what`` says why."""
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, int) and value > limit:
+            _issue(issues, False, f"{prefix}.{name}", value, f"exceeds {limit:,}, far beyond {what}.",
+                   f"set {prefix}.{name} to at most {limit} (see docs/configuration.md, 'Bounds').")
+
+
+def _finite(issues: list[ConfigIssue], prefix: str, obj: object, *names: str) -> None:
+    """Check that each named float field is a finite number (not NaN or infinite)."""
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, int | float) and not math.isfinite(value):
+            _issue(issues, False, f"{prefix}.{name}", value, "must be a finite number.",
+                   f"set {prefix}.{name} to a real number (its default is a good start).")
+
+
 def resolve_precision(precision: Precision, on_gpu: bool) -> Precision:
     """``auto`` is bf16 on GPU and fp32 on CPU."""
     if precision is Precision.auto:
@@ -304,6 +353,28 @@ class ModelSpec:
                   "max_position_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
                   "moe_shared_expert_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
                   "qk_pos_emb_head_dim", "v_head_dim")
+        published = "the largest published models"
+        _at_most(issues, p, self, MAX_LAYERS, f"{published} (128 layers)", "num_layers", "mtp_num_layers",
+                 "moe_first_dense_layers")
+        _at_most(issues, p, self, MAX_HIDDEN, f"{published} (hidden 25,600)", "hidden_size", "kv_channels",
+                 "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+        _at_most(issues, p, self, MAX_FFN, f"{published} (FFN 102,400)", "ffn_hidden_size", "moe_ffn_hidden_size",
+                 "moe_shared_expert_intermediate_size")
+        _at_most(issues, p, self, MAX_HEADS, f"{published} (160 heads)", "num_attention_heads", "num_query_groups")
+        _at_most(issues, p, self, MAX_VOCAB, "today's vocabularies (about 256k)", "vocab_size",
+                 "make_vocab_size_divisible_by")
+        _at_most(issues, p, self, MAX_SEQUENCE, "today's longest contexts (about 10M tokens)",
+                 "max_position_embeddings")
+        _at_most(issues, p, self, MAX_EXPERTS, f"{published} (256 experts)", "num_experts", "moe_router_topk")
+        _finite(issues, p, self, "rotary_base", "norm_epsilon", "init_method_std", "hidden_dropout",
+                "attention_dropout", "moe_aux_loss_coeff")
+        _issue(issues, not math.isfinite(self.rotary_base) or self.rotary_base > 0, f"{p}.rotary_base",
+               self.rotary_base, "must be positive.", "use e.g. 10000 (500000 for LLaMA 3).")
+        _issue(issues, not math.isfinite(self.norm_epsilon) or self.norm_epsilon > 0, f"{p}.norm_epsilon",
+               self.norm_epsilon, "must be positive.", "use e.g. 1e-5.")
+        _issue(issues, not math.isfinite(self.moe_aux_loss_coeff) or self.moe_aux_loss_coeff >= 0,
+               f"{p}.moe_aux_loss_coeff", self.moe_aux_loss_coeff, "must not be negative.",
+               "use 0 (off) or e.g. 1e-2.")
         if self.num_query_groups and self.num_attention_heads >= 1:
             _issue(issues, self.num_attention_heads % self.num_query_groups == 0, f"{p}.num_query_groups",
                    self.num_query_groups,
@@ -493,12 +564,23 @@ class ClusterSpec:
         issues: list[ConfigIssue] = []
         p = self.PREFIX
         _positive(issues, p, self, "nodes", "gpus_per_node", "rails_per_node", "nvlink_domain_size", "nics_per_node")
+        _at_most(issues, p, self, MAX_WORLD_SIZE, "the largest clusters built (about 100k GPUs)", "nodes",
+                 "nvlink_domain_size")
+        _at_most(issues, p, self, MAX_GPUS_PER_NODE, "any node built (4 to 8 GPUs)", "gpus_per_node",
+                 "rails_per_node", "nics_per_node")
+        if (isinstance(self.gpus_per_node, int) and 1 <= self.nodes <= MAX_WORLD_SIZE
+                and 1 <= self.gpus_per_node <= MAX_GPUS_PER_NODE):
+            world = self.nodes * self.gpus_per_node
+            _issue(issues, world <= MAX_WORLD_SIZE, f"{p}.nodes", self.nodes,
+                   f"cluster.nodes x cluster.gpus_per_node = {world:,} GPUs exceeds {MAX_WORLD_SIZE:,}, ten times the "
+                   "largest clusters built (the planner's search would run for hours).",
+                   f"set {p}.nodes to at most {MAX_WORLD_SIZE // self.gpus_per_node}.")
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if hints[f.name] == float | None and value is not None:
-                _issue(issues, isinstance(value, int | float) and value > 0, f"{p}.{f.name}", value,
-                       "must be positive.", f"set a positive figure, or null for {p}.{f.name}.")
+                _issue(issues, isinstance(value, int | float) and value > 0 and math.isfinite(value), f"{p}.{f.name}",
+                       value, "must be positive and finite.", f"set a positive figure, or null for {p}.{f.name}.")
         if issues:
             raise ConfigError(issues)
         gpus, domain = self.gpus_per_node, self.nvlink_domain_size
@@ -665,6 +747,10 @@ class ParallelSpec:
         p = self.PREFIX
         _positive(issues, p, self, "tp", "pp", "vpp", "cp", "ep", "etp", "recompute_num_layers", "first_stage_layers",
                   "last_stage_layers", "primepar_layers")
+        _at_most(issues, p, self, MAX_WORLD_SIZE, "the largest clusters built (about 100k GPUs)", "tp", "pp", "cp",
+                 "ep", "etp")
+        _at_most(issues, p, self, MAX_LAYERS, "the layers of the largest published models (128)", "vpp",
+                 "recompute_num_layers", "first_stage_layers", "last_stage_layers", "primepar_layers")
         dims = self.order.split("-")
         _issue(issues, sorted(dims) == sorted(["tp", "cp", "ep", "dp", "pp"]), f"{p}.order", self.order,
                "must name tp, cp, ep, dp and pp once each, separated by '-'.", "use the default tp-cp-ep-dp-pp.")
@@ -831,6 +917,9 @@ class TrainSpec:
     """Where checkpoints go; ``None`` disables checkpointing."""
     resume: bool = False
     """Continue from the latest checkpoint in ``checkpoint_dir`` (at its exact step)."""
+    trust_unverified_checkpoint: bool = False
+    """Resume from a checkpoint folder without a manifest (saved by an older version): its files are unpickled
+    unchecked, so only for folders you or your own job wrote (``docs/checkpoints.md``)."""
     metrics_file: str | None = None
     """JSON-lines metrics written by rank 0; ``None`` means ``metrics.jsonl`` in the Hydra run directory."""
     memory_step: int | None = None
@@ -846,6 +935,26 @@ class TrainSpec:
         for name in ("steps", "warmup_steps", "save_interval"):
             value = getattr(self, name)
             _issue(issues, value >= 0, f"{p}.{name}", value, "must not be negative.", f"set {p}.{name} to 0 or more.")
+        _at_most(issues, p, self, MAX_GLOBAL_BATCH, "the largest published batches (8,192 sequences)",
+                 "global_batch_size", "micro_batch_size")
+        _at_most(issues, p, self, MAX_SEQUENCE, "today's longest contexts (about 10M tokens)", "seq_length")
+        _at_most(issues, p, self, MAX_STEPS, "any training run (a 15T-token run is about a million steps)", "steps",
+                 "warmup_steps", "lr_decay_steps", "log_interval", "save_interval")
+        _issue(issues, 0 <= self.seed <= MAX_SEED, f"{p}.seed", self.seed,
+               f"must be in [0, {MAX_SEED}] (Megatron's dataset seeds numpy with 32 bits).", "use e.g. 1234.")
+        if self.memory_step is not None and self.memory_step >= 1:
+            _issue(issues, self.memory_step <= self.steps, f"{p}.memory_step", self.memory_step,
+                   f"is after the last step (train.steps={self.steps}), so nothing would be measured.",
+                   f"set {p}.memory_step to at most {self.steps}, or null to measure nothing.")
+        _finite(issues, p, self, "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")
+        _issue(issues, not math.isfinite(self.weight_decay) or self.weight_decay >= 0, f"{p}.weight_decay",
+               self.weight_decay, "must not be negative.", "use 0 (off) or e.g. 0.01.")
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            _issue(issues, not math.isfinite(value) or 0 <= value < 1, f"{p}.{name}", value, "must be in [0, 1).",
+                   "use e.g. 0.9 (beta1) and 0.95 (beta2).")
+        _issue(issues, not math.isfinite(self.adam_eps) or self.adam_eps > 0, f"{p}.adam_eps", self.adam_eps,
+               "must be positive.", "use e.g. 1e-8.")
         _issue(issues, self.lr > 0, f"{p}.lr", self.lr, "must be positive.", "use e.g. 3e-4.")
         _issue(issues, 0 <= self.min_lr <= self.lr, f"{p}.min_lr", self.min_lr, f"must be in [0, train.lr={self.lr}].",
                "lower train.min_lr.")
@@ -983,17 +1092,34 @@ def build_spec(cls: type, values: dict[str, Any]) -> Any:
     return spec
 
 
+def plain_config(cfg: Any) -> Any:
+    """A composed OmegaConf config as plain containers, every interpolation resolved (other objects as
+    :func:`_to_plain` gives them); an interpolation that does not resolve or a missing value (``???``) is a
+    :class:`ConfigError` naming the key."""
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not isinstance(cfg, DictConfig):
+        return _to_plain(cfg)
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "<config>"
+        value: Any = OmegaConf.to_container(cfg, resolve=False)
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        raise ConfigError(ConfigIssue(key=key, value=value,
+                                      problem=f"cannot be resolved ({str(err).strip().splitlines()[0]}).",
+                                      fix="give it a plain value, or an interpolation ${...} of a key that "
+                                          "exists.")) from None
+
+
 def job_from_config(cfg: Any) -> JobSpec:
     """Build frozen specs from a composed Hydra/OmegaConf config (or a plain dict).
 
     Every section is built even when an earlier one fails, and all problems are raised together.
     """
-    from omegaconf import DictConfig, OmegaConf
-
-    if isinstance(cfg, DictConfig):
-        raw = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    else:
-        raw = _to_plain(cfg)
+    raw = plain_config(cfg)
     if not isinstance(raw, dict):
         raise ConfigError(ConfigIssue(key="<root>", value=type(raw).__name__, problem="the config is not a mapping.",
                                       fix="compose it with Hydra from conf/config.yaml."))

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 
 from cfp_megatron.base.config import (
+    MAX_MICROBATCHES,
+    MAX_WORLD_SIZE,
     AttentionKind,
     CpCommType,
     JobSpec,
@@ -115,6 +117,11 @@ class ParallelDims:
             if not ok:
                 issues.append(ConfigIssue(key=key, value=value, problem=problem, fix=fix))
 
+        if not 1 <= world_size <= MAX_WORLD_SIZE:
+            raise ConfigError(ConfigIssue(key="world size", value=world_size,
+                                          problem=f"must be in [1, {MAX_WORLD_SIZE:,}] ranks.",
+                                          fix="start fewer ranks (torchrun --nnodes/--nproc_per_node), or pass a "
+                                              "smaller --world."))
         vpp = p.virtual_stages
         etp = p.expert_tp
         model_parallel = p.tp * p.cp * p.pp
@@ -210,6 +217,12 @@ class ParallelDims:
              f"use a multiple of {per_step}, e.g. "
              f"train.global_batch_size={per_step * max(1, t.global_batch_size // per_step)}.")
         num_microbatches = max(t.global_batch_size // per_step, 1)
+        need(num_microbatches <= MAX_MICROBATCHES, "train.global_batch_size", t.global_batch_size,
+             f"means {num_microbatches:,} micro-batches per step on each data-parallel rank (train.global_batch_size "
+             f"/ (train.micro_batch_size x data-parallel size {dp})), more than {MAX_MICROBATCHES:,}: one step would "
+             "run for hours (published runs accumulate at most 128).",
+             f"set train.global_batch_size to at most {MAX_MICROBATCHES * per_step}, or raise "
+             "train.micro_batch_size or the data-parallel size.")
         if vpp > 1:
             need(num_microbatches % p.pp == 0, "train.global_batch_size", t.global_batch_size,
                  f"the interleaved schedule needs the micro-batch count ({num_microbatches}) to be a multiple of "

@@ -56,3 +56,24 @@ def unshare_steps(optimizer: Any) -> None:
                 if id(step) in seen:
                     state["step"] = step.clone()
                 seen.add(id(state["step"]))
+
+
+def retain_shard_grads(optimizer: Any) -> int:
+    """Mark the fp32 parameter shards of Megatron's distributed optimizer as tensors whose ``.grad`` is meant to be
+    read; return how many were marked.
+
+    For fp32 parameters (CPU runs, ``train.precision=fp32``) Megatron-Core 0.16 hands PyTorch's optimizer views of
+    the parameters (``param.view(-1)[start:end]``, not detached: non-leaf tensors) and assigns their ``.grad`` itself
+    every step; its ``zero_grad`` reads that ``.grad`` before the first assignment, which PyTorch reports as a
+    likely mistake ("The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"). ``retain_grad``
+    says it is intended; autograd never reaches these views (the forward pass uses the parameters themselves), so
+    nothing else changes.
+    """
+    marked = 0
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        for group in getattr(opt, "shard_fp32_groups", None) or []:
+            for shard in group:
+                if shard.requires_grad and not shard.is_leaf and not shard.retains_grad:
+                    shard.retain_grad()
+                    marked += 1
+    return marked

@@ -17,6 +17,7 @@ import contextlib
 import os
 import re
 import struct
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,11 @@ SAMPLE_FIELDS: tuple[str, ...] = ("tokens", "labels", "loss_mask", "position_ids
 def _preprocess_fix(prefix: str) -> str:
     return (f"run python -m cfp_megatron.data.preprocess --input CORPUS.jsonl --output-prefix {prefix} "
             "(or point data.path at an existing prefix: the path without .bin/.idx).")
+
+
+def _rebuild_fix(prefix: str) -> str:
+    return (f"copy {prefix}.bin again, or re-run preprocessing: python -m cfp_megatron.data.preprocess --input "
+            f"CORPUS.jsonl --output-prefix {prefix} --overwrite.")
 
 
 def check_data_files(data: DataSpec) -> list[ConfigIssue]:
@@ -87,6 +93,26 @@ def check_split(data: DataSpec) -> list[ConfigIssue]:
                         fix="give the first (training) weight a positive value, e.g. 98,1,1.")]
 
 
+@contextlib.contextmanager
+def _quiet_partial_dataset() -> Iterator[None]:
+    """Silence the ``AttributeError`` that megatron-core 0.16.1's ``IndexedDataset.__del__`` (and its readers')
+    raise for a dataset whose constructor failed: Python prints it as "Exception ignored ... Traceback" after the
+    clear error. Any other unraisable exception still reaches the previous hook."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        owner = getattr(unraisable.object, "__qualname__", "")
+        if isinstance(unraisable.exc_value, AttributeError) and owner.endswith("__del__"):
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
 def train_split_tokens(prefix: str, split: str) -> int:
     """Tokens in the training split of the indexed dataset at ``prefix`` (reads only the ``.idx`` file)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -94,20 +120,45 @@ def train_split_tokens(prefix: str, split: str) -> int:
     bookends = _train_bookends(split)
     if bookends is None:
         return 0
-    try:
-        dataset = IndexedDataset(prefix, mmap=True)
-    except (AssertionError, ValueError, OSError, struct.error) as err:
+    if os.path.getsize(f"{prefix}.bin") == 0:
+        raise ConfigError(ConfigIssue(key="data.path", value=prefix, problem=f"{prefix}.bin is empty.",
+                                      fix=_rebuild_fix(prefix)))
+    failure = None
+    with _quiet_partial_dataset():
+        try:
+            dataset = IndexedDataset(prefix, mmap=True)
+        except (AssertionError, ValueError, OSError, struct.error) as err:
+            failure = repr(err)
+        # the half-built dataset is collected here, when the except clause drops its traceback
+    if failure is not None:
         raise ConfigError(ConfigIssue(key="data.path", value=prefix,
-                                      problem=f"is not a readable Megatron indexed dataset ({err!r}).",
-                                      fix=_preprocess_fix(prefix))) from err
+                                      problem=f"is not a readable Megatron indexed dataset ({failure}).",
+                                      fix=_preprocess_fix(prefix)))
     # sequence_lengths is a view into the .idx memory map, which the dataset closes when it is collected: keep
     # `dataset` alive until the sum is taken (reading the view afterwards crashes the interpreter).
     lengths = dataset.sequence_lengths
     n = lengths.shape[0]  # GPTDataset splits by sequence; one sequence per document here
     begin, end = (int(round(f * float(n))) for f in bookends)
     tokens = int(lengths[begin:end].sum(dtype="int64"))
+    expected = _expected_bin_bytes(dataset)
     del lengths, dataset
+    actual = os.path.getsize(f"{prefix}.bin")
+    if actual < expected:  # a copy cut short: Megatron would fail on the first sample past the end, mid-training
+        raise ConfigError(ConfigIssue(key="data.path", value=prefix,
+                                      problem=f"{prefix}.bin holds {actual:,} bytes but {prefix}.idx indexes "
+                                              f"{expected:,} (the .bin is truncated: an interrupted copy or "
+                                              "preprocessing run).",
+                                      fix=_rebuild_fix(prefix)))
     return tokens
+
+
+def _expected_bin_bytes(dataset: Any) -> int:
+    """Bytes the ``.bin`` must hold for every sequence the ``.idx`` of ``dataset`` (an ``IndexedDataset``) lists."""
+    index = dataset.index
+    if index.sequence_count == 0:
+        return 0
+    last = index.sequence_count - 1
+    return int(index.sequence_pointers[last]) + int(index.sequence_lengths[last]) * int(index.dtype_size)
 
 
 def check_train_tokens(data: DataSpec) -> tuple[list[ConfigIssue], list[int]]:

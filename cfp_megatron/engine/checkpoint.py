@@ -8,7 +8,9 @@ Layout of ``train.checkpoint_dir``::
 
 A save writes into ``iter_XXXXXXX.partial`` and renames it only after every rank has finished; the ``latest`` file
 is replaced last with ``os.replace``. A crash mid-save therefore leaves the previous checkpoint and the ``latest``
-pointer intact (the stale ``.partial`` folder is removed by the next save). Weights are stored by their global keys,
+pointer intact (the stale ``.partial`` folder is removed by the next save). Before the rename, rank 0 writes the
+folder's manifest (:mod:`.manifest`); a resume verifies it before anything in the folder is unpickled.
+Weights are stored by their global keys,
 so a checkpoint saved under one TP/PP/VPP/EP layout loads under another; the optimizer uses Megatron's
 reshardable formats.
 """
@@ -16,6 +18,7 @@ reshardable formats.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -27,6 +30,7 @@ from megatron.core import dist_checkpointing
 
 from cfp_megatron.base.errors import CheckpointError
 from cfp_megatron.compat import optimizer as optimizer_compat
+from cfp_megatron.engine import manifest, save_workers
 
 LATEST = "latest_checkpointed_iteration.txt"
 """Name of the pointer file (as Megatron-LM names it)."""
@@ -53,11 +57,38 @@ def latest_step(root: str | os.PathLike[str]) -> int | None:
     return step
 
 
-def check_before_start(root: str | None, *, resume: bool, restarted: bool) -> int | None:
+def recovery_fix(root: Path, folder: Path, pointer: Path, pattern: str, write: str) -> str:
+    """The ``Fix:`` of a checkpoint that fails verification: the previous step folder under ``root`` (``pattern``
+    captures the step; ``write`` formats what goes into ``pointer``), or a fresh run."""
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if p != folder and p.is_dir()
+                   and (m := re.fullmatch(pattern, p.name))) if root.is_dir() else []
+    current = re.fullmatch(pattern, folder.name)
+    earlier = [(s, p) for s, p in steps if current is None or s < int(current.group(1))]
+    fresh = "start afresh with train.resume=false and a new train.checkpoint_dir"
+    if not earlier:
+        return f"Fix: restore the folder from a copy, or {fresh} (no earlier checkpoint is in {root})."
+    step, previous = earlier[-1]
+    return (f"Fix: resume from the previous checkpoint, {previous}, instead (write {write.format(step)!r} into "
+            f"{pointer}; it is verified in turn), or {fresh}.")
+
+
+def verify_step(root: str | os.PathLike[str], step: int, *, trust_unverified: bool) -> bool:
+    """Verify the checkpoint at ``step`` against its manifest before anything in it is loaded
+    (:func:`.manifest.verify`); returns whether a manifest was there."""
+    base = Path(root)
+    folder = step_dir(base, step)
+    fix = recovery_fix(base, folder, base / LATEST, r"iter_(\d{7})", "{}")
+    return manifest.verify(folder, trust_unverified=trust_unverified, fix=fix)
+
+
+def check_before_start(root: str | None, *, resume: bool, restarted: bool,
+                       trust_unverified: bool = False) -> int | None:
     """Decide, before any process group exists, which step a run starts from; never overwrite a user's work.
 
     A fresh run (``train.resume=false``) refuses a folder that already holds checkpoints, unless torchrun
-    restarted this job's workers (then the checkpoints are this job's own and it continues from them).
+    restarted this job's workers (then the checkpoints are this job's own and it continues from them). The
+    checkpoint to resume is verified against its manifest here, before anything unpickles it
+    (``trust_unverified``: accept one without a manifest).
     """
     if root is None:
         return None
@@ -67,6 +98,8 @@ def check_before_start(root: str | None, *, resume: bool, restarted: bool) -> in
             raise CheckpointError(f"train.resume=true but train.checkpoint_dir={root!r} holds no complete "
                                   f"checkpoint ({LATEST} is missing). Fix: point train.checkpoint_dir at the folder "
                                   "an earlier run saved into, or set train.resume=false.")
+        if found is not None:
+            verify_step(root, found, trust_unverified=trust_unverified)
         return found
     if found is not None:
         raise CheckpointError(f"train.checkpoint_dir={root!r} already holds checkpoints (latest step {found}) and "
@@ -120,18 +153,11 @@ def save(root: str, step: int, chunks: list[torch.nn.Module], optimizer: Any, sc
     state["step"] = step
     state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
     state["extra"] = extra
-    dist_checkpointing.save(state, str(partial))
+    with save_workers.tied_to_this_process():
+        dist_checkpointing.save(state, str(partial))
     _barrier()
     if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        tmp = base / (LATEST + ".tmp")
-        with open(tmp, "w") as fh:
-            fh.write(f"{step}\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, base / LATEST)
+        manifest.publish(partial, final, base / LATEST, f"{step}\n")
     _barrier()
     return final
 
@@ -147,10 +173,24 @@ def _allocate_distributed_optimizer_state(optimizer: Any) -> None:
             opt._init_optimizer_states_with_dummy_values()
 
 
+_READ_ERRORS = (OSError, EOFError, RuntimeError, ValueError, KeyError, AttributeError, pickle.UnpicklingError)
+"""What reading a damaged checkpoint raises; reached only by a folder loaded unverified
+(``train.trust_unverified_checkpoint``) or changed after its check."""
+
+
+def _unreadable(folder: Path, err: BaseException) -> CheckpointError:
+    fix = recovery_fix(folder.parent, folder, folder.parent / LATEST, r"iter_(\d{7})", "{}")
+    return CheckpointError(f"{folder} cannot be read ({type(err).__name__}: {str(err)[:300]}). {fix}")
+
+
 def saved_distributed_optimizer(root: str, step: int) -> bool:
     """Whether the checkpoint at ``step`` holds Megatron's distributed optimizer's state (read from its common
     state, without process groups). Megatron-Core 0.16 loads one optimizer kind's state only into the same kind."""
-    common = dist_checkpointing.load_common_state_dict(str(step_dir(Path(root), step)))
+    folder = step_dir(Path(root), step)
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(folder))
+    except _READ_ERRORS as err:
+        raise _unreadable(folder, err) from err
     optimizer = common.get("optimizer") or {}
     return isinstance(optimizer, dict) and "param_state_sharding_type" in optimizer
 
@@ -158,7 +198,10 @@ def saved_distributed_optimizer(root: str, step: int) -> bool:
 def saved_per_layer(folder: Path) -> bool:
     """Whether the checkpoint in ``folder`` keys each decoder layer on its own (``decoder.layers.<i>.``) rather than
     stacking them (``decoder.layers.``); read from its metadata, without process groups."""
-    keys = dist_checkpointing.load_tensors_metadata(str(folder)).keys()
+    try:
+        keys = dist_checkpointing.load_tensors_metadata(str(folder)).keys()
+    except _READ_ERRORS as err:
+        raise _unreadable(folder, err) from err
     stacked = re.compile(r"(^|\.)decoder\.layers\.(?!\d)")
     return not any(stacked.search(k) for k in keys)
 
@@ -177,7 +220,10 @@ def load(root: str, step: int, chunks: list[torch.nn.Module], optimizer: Any, sc
                               "parallel.primepar_layers=null, train one step and save, then switch.")
     _allocate_distributed_optimizer_state(optimizer)
     state = sharded_state(chunks, optimizer, is_loading=True, per_layer=per_layer)
-    loaded = dist_checkpointing.load(state, str(folder))
+    try:
+        loaded = dist_checkpointing.load(state, str(folder))
+    except _READ_ERRORS as err:
+        raise _unreadable(folder, err) from err
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded["model"][f"chunk{i}"])
     if optimizer is not None:

@@ -18,6 +18,69 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+ONE_LINE_WIDTH = 160
+"""A record whose ``key value`` pairs fit in this many characters is printed on one line."""
+
+
+def record_lines(kind: str, fields: dict[str, Any]) -> list[str]:
+    """A record as console lines: ``kind | key value | ...`` when it is short and flat, else ``kind`` then one aligned
+    ``key  value`` line per field and, for a list of mappings (the memory record's ranks), an aligned table. Byte
+    counts (keys naming ``bytes`` and a memory ``breakdown``) are shown in KiB/MiB/GiB; ``None`` values are left
+    out."""
+    shown = {k: v for k, v in fields.items() if v is not None}
+    flat = all(not isinstance(v, (dict, list, tuple)) for v in shown.values())
+    line = " | ".join([kind, *(f"{k} {_value(k, v)}" for k, v in shown.items())])
+    if flat and (len(line) <= ONE_LINE_WIDTH or len(shown) <= 1):
+        return [line]
+    scalars = {k: v for k, v in shown.items() if not isinstance(v, (dict, list, tuple))}
+    width = max((len(k) for k in shown), default=0)
+    lines = [kind, *(f"  {k:<{width}}  {_value(k, v)}" for k, v in scalars.items())]
+    for key, value in shown.items():
+        if isinstance(value, dict):
+            lines.append(f"  {key}")
+            inner = max((len(k) for k in value), default=0)
+            bytes_ = _is_bytes(key)
+            lines += [f"    {k:<{inner}}  {_value(k, v, bytes_)}" for k, v in value.items() if v is not None]
+        elif isinstance(value, (list, tuple)):
+            if value and all(isinstance(v, dict) for v in value):
+                lines.append(f"  {key}")
+                lines += ["    " + row for row in _table(value, scalars)]
+            else:
+                lines.append(f"  {key:<{width}}  {', '.join(str(v) for v in value)}")
+    return lines
+
+
+def _is_bytes(key: str) -> bool:
+    return "bytes" in key or key == "breakdown"
+
+
+def _value(key: str, value: Any, in_bytes: bool = False) -> str:
+    if (in_bytes or _is_bytes(key)) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if abs(value) >= scale:
+                return f"{value / scale:.2f} {unit}"
+        return f"{value:.0f} B"
+    return str(value)
+
+
+def _table(rows: list[dict[str, Any]], header: dict[str, Any]) -> list[str]:
+    """Aligned columns for a list of flat or one-level nested mappings; a column whose values are all ``None``, or
+    all equal to the record's own field of that name, is left out."""
+    flat_rows: list[dict[str, str]] = []
+    for row in rows:
+        cells: dict[str, str] = {}
+        for k, v in row.items():
+            if isinstance(v, dict):
+                cells.update({kk: _value(kk, vv, _is_bytes(k)) for kk, vv in v.items() if vv is not None})
+            elif v is not None and not (k in header and header[k] == v):
+                cells[k] = _value(k, v)
+        flat_rows.append(cells)
+    columns = list(dict.fromkeys(k for cells in flat_rows for k in cells))
+    widths = {c: max(len(c), *(len(cells.get(c, "")) for cells in flat_rows)) for c in columns}
+    lines = ["  ".join(f"{c:<{widths[c]}}" for c in columns).rstrip()]
+    lines += ["  ".join(f"{cells.get(c, ''):<{widths[c]}}" for c in columns).rstrip() for cells in flat_rows]
+    return lines
+
 
 @dataclass(frozen=True, kw_only=True)
 class StepMetrics:
@@ -63,8 +126,8 @@ class MetricsLog:
         """Write a non-step record (start, resume, checkpoint, end) and say it on the console."""
         self._write({"event": kind, "time": time.time(), **fields})
         if self.enabled:
-            detail = " | ".join(f"{k} {v}" for k, v in fields.items() if v is not None)
-            self.console.print(f"[bold]{kind}[/] | {detail}", soft_wrap=True)
+            for line in record_lines(kind, fields):
+                self.console.print(line, markup=False, soft_wrap=True)
 
     def step(self, m: StepMetrics, total: int) -> None:
         """Write one step's metrics and print its line."""

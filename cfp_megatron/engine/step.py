@@ -23,6 +23,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 
 from cfp_megatron.base.config import JobSpec, Precision, resolve_precision
 from cfp_megatron.base.parallel_dims import ParallelDims
+from cfp_megatron.compat.optimizer import retain_shard_grads
 from cfp_megatron.engine.distributed import model_groups
 from cfp_megatron.engine.init import layout_independent_init
 from cfp_megatron.engine.model import build_model_chunks
@@ -89,6 +90,7 @@ def build_training(job: JobSpec, dims: ParallelDims, groups: ProcessGroupCollect
     # The optimizer reads Megatron's global groups: given explicit ones, Megatron-Core 0.16 refuses the gloo groups its
     # distributed optimizer gathers checkpoint state over (get_megatron_optimizer's use_gloo_process_groups).
     optimizer = get_megatron_optimizer(opt_config, ddp_chunks)
+    retain_shard_grads(optimizer)  # fp32 shards are non-leaf views whose .grad Megatron assigns (compat.optimizer)
     decay = max(t.lr_decay_steps or t.steps, t.warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if t.warmup_steps else t.lr, max_lr=t.lr, min_lr=t.min_lr,

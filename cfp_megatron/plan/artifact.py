@@ -17,7 +17,8 @@ fingerprint of the inputs it was computed from. It has three forms:
   ``null``. The prediction and the inputs' fingerprint are not part of it: a parsed plan has ``predicted=None`` and
   ``inputs_fingerprint=""``, and two plans with the same layout have the same hash whatever they were computed from.
 - **plan.json** (:meth:`Plan.to_json`, :func:`save_plan`, :func:`load_plan`), versioned by :data:`SCHEMA_VERSION`,
-  with the canonical string and the hash stored next to the fields so that a hand edit is caught on load.
+  with the canonical string and the hash stored next to the fields, and a hash of the whole content (prediction and
+  fingerprint included, :func:`content_hash`), so that a hand edit is caught on load.
 - the exports in :mod:`cfp_megatron.plan.exports` (Megatron-LM arguments, a DeepSpeed config, the torchrun command).
 """
 
@@ -27,6 +28,7 @@ import dataclasses
 import enum
 import hashlib
 import json
+import math
 import os
 import re
 import typing
@@ -64,6 +66,18 @@ _BACKEND_KEY = "backend"
 
 _SEPARATORS = set(",=:@ \t\n")
 """Characters a value in the canonical string must not contain."""
+
+
+_PREDICTION_RANGES: dict[str, tuple[str, Any]] = {
+    "step_time_s": ("a finite number above zero", lambda v: math.isfinite(v) and v > 0),
+    "tokens_per_s_per_gpu": ("a finite number above zero", lambda v: math.isfinite(v) and v > 0),
+    "mfu": ("a finite number at or above zero", lambda v: math.isfinite(v) and v >= 0),
+    "peak_memory_gib": ("a finite number above zero", lambda v: math.isfinite(v) and v > 0),
+    "bubble_fraction": ("a fraction from 0 up to (not including) 1", lambda v: 0 <= v < 1),
+    "exposed_comm_s": ("a finite number at or above zero", lambda v: math.isfinite(v) and v >= 0),
+    "error_band_pct": ("a finite number at or above zero", lambda v: math.isfinite(v) and v >= 0),
+}
+"""The range of each number of a stored prediction (what it must be, as said in the error, and the test)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +143,9 @@ class PlanPrediction:
             else:
                 raise PlanError(f"plan.json's prediction.{name}={value!r} is not a number.",
                                 fix="re-plan to write a fresh plan.json.")
+            if values[name] is not None and not _PREDICTION_RANGES[name][1](values[name]):
+                raise PlanError(f"plan.json's prediction.{name}={value!r} is not {_PREDICTION_RANGES[name][0]}; "
+                                "the simulator never predicts it.", fix="re-plan to write a fresh plan.json.")
         return cls(**values)
 
 
@@ -168,6 +185,9 @@ class Plan:
     """The simulator's prediction; ``None`` for a plan parsed from its canonical string or not simulated."""
     inputs_fingerprint: str = ""
     """A hash of what the plan was computed from (model, cluster, profile, search settings); ``""`` if unknown."""
+    requires: tuple[str, ...] = ()
+    """What running the plan needs beyond Megatron-Core on PyTorch (Transformer Engine for context parallelism...,
+    :func:`cfp_megatron.plan.requirements.plan_requirements`); not part of the canonical string or the hash."""
 
     def __post_init__(self) -> None:
         if isinstance(self.parallel, ParallelSpec):
@@ -455,8 +475,9 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         """The plan as a JSON-ready mapping: version, canonical string, hash, fingerprint, prediction, the fields,
-        and (for people; ignored on load) the derived world size, dp and micro-batch count."""
-        return {
+        (for people; ignored on load) the derived world size, dp and micro-batch count, and the
+        :func:`content_hash` of all of them."""
+        out = {
             "schema_version": self.schema_version,
             "canonical": self.canonical(),
             "hash": self.plan_hash(),
@@ -477,6 +498,9 @@ class Plan:
             "dp": self.dp,
             "num_microbatches": self.num_microbatches,
         }
+        if self.requires:  # written only when there is something, so plans without requirements keep their files
+            out["requires"] = list(self.requires)
+        return {**out, CONTENT_HASH_KEY: content_hash(out)}
 
     @classmethod
     def from_json(cls, d: Any) -> Plan:
@@ -509,7 +533,7 @@ class Plan:
                   "seq_length", "precision"]
         _check_keys(d, required=["schema_version", "canonical", "hash", *fields],
                     optional=["inputs_fingerprint", "prediction", "world_size", "dp", "num_microbatches",
-                              "backend", "zero"], where="plan.json")
+                              "backend", "zero", CONTENT_HASH_KEY, "requires"], where="plan.json")
         parallel = _parallel_from_json(d["parallel"])
         try:
             backend = BackendKind(d.get("backend", BackendKind.megatron.value))
@@ -523,7 +547,8 @@ class Plan:
                    global_batch_size=d["global_batch_size"], seq_length=d["seq_length"], precision=d["precision"],
                    backend=backend, zero=zero,
                    predicted=None if prediction is None else PlanPrediction.from_json(prediction),
-                   inputs_fingerprint=d.get("inputs_fingerprint", ""))
+                   inputs_fingerprint=d.get("inputs_fingerprint", ""),
+                   requires=tuple(str(r) for r in d.get("requires") or ()))
         stored, actual = d["hash"], plan.plan_hash()
         if stored != actual or d["canonical"] != plan.canonical():
             raise PlanError(f"plan.json was edited: hash mismatch (stored hash {stored!r}, canonical "
@@ -531,10 +556,31 @@ class Plan:
                             "or a file written by a cfp-megatron with other layout fields, causes this.",
                             fix="re-plan to write a fresh plan.json, or pin the layout you want with cfp.<knob>=... "
                                 "or parallel.<knob>=... instead of editing the file.")
+        # Written since the prediction is hashed too; a file from before has none and is read with its prediction
+        # range-checked only (docs/plan.md).
+        if CONTENT_HASH_KEY in d:
+            stored = d[CONTENT_HASH_KEY]
+            actual = content_hash({k: v for k, v in d.items() if k != CONTENT_HASH_KEY})
+            if stored != actual:
+                raise PlanError(f"plan.json was edited: content hash mismatch (the fields, prediction and "
+                                f"fingerprint give {CONTENT_HASH_KEY} {actual!r}, the file stores {stored!r}). A "
+                                "hand edit or a damaged file causes this.",
+                                fix="re-plan to write a fresh plan.json, or pin the layout you want with "
+                                    "cfp.<knob>=... or parallel.<knob>=... instead of editing the file.")
         return plan
 
 
 # ------------------------------------------------------------------------------------------------------- files
+
+CONTENT_HASH_KEY = "content_hash"
+"""plan.json's key of :func:`content_hash` (absent in files written before predictions were hashed)."""
+
+
+def content_hash(content: dict[str, Any]) -> str:
+    """First 16 hex digits of the SHA-256 of ``content`` (plan.json's mapping without :data:`CONTENT_HASH_KEY`) as
+    sorted, compact JSON: every field, the prediction and the inputs' fingerprint, so an edit of any is caught."""
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
@@ -557,14 +603,28 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     except FileNotFoundError:
         raise PlanError(f"plan file {source} does not exist.",
                         fix="check the path, or plan first (+cfp=auto) to write one.") from None
+    except IsADirectoryError:
+        raise PlanError(f"plan file {source} is a directory.", fix="point at the plan.json inside it.") from None
+    except UnicodeDecodeError as err:
+        raise PlanError(f"plan file {source} is not a plan.json: not UTF-8 text (byte {err.start} is "
+                        f"{err.object[err.start:err.start + 1]!r}); a binary or damaged file.",
+                        fix="point at a plan.json the planner wrote, or re-plan to write a fresh one.") from None
     except OSError as err:
-        raise PlanError(f"plan file {source} cannot be read: {err}.") from err
+        raise PlanError(f"plan file {source} cannot be read: {err.strerror or err}.",
+                        fix="check the file's permissions.") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise PlanError(f"plan file {source} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}.",
-                        fix="re-plan to write a fresh plan file.") from None
-    return Plan.from_json(data)
+        end = "; it stops before the closing '}' (truncated?)" if text.strip() and not text.rstrip().endswith("}") \
+            else ""
+        raise PlanError(f"plan file {source} is not valid JSON: {err.msg} at line {err.lineno} column "
+                        f"{err.colno}{end}.", fix="re-plan to write a fresh plan file.") from None
+    try:
+        return Plan.from_json(data)
+    except PlanError as err:
+        if str(source) in str(err):
+            raise
+        raise PlanError(f"plan file {source}: {err.problem}", fix=err.fix, setting=err.setting) from None
 
 
 # ----------------------------------------------------------------------------------------------------- helpers

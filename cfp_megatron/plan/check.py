@@ -23,9 +23,13 @@ from cfp_megatron.base.config import JobSpec
 from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.engine.metrics import MetricsLog, StepMetrics
-from cfp_megatron.profile.db import ProfileDB, StepCalibration, load_db, store_db
+from cfp_megatron.plan.plots import free_path, write_check_png
+from cfp_megatron.profile.cluster import local_measurements
+from cfp_megatron.profile.db import ProfileDB, StepCalibration, update_db
 from cfp_megatron.profile.fingerprint import current_fingerprint
 from cfp_megatron.profile.records import PlanCheckRecord
+from cfp_megatron.sim.prediction import Prediction
+from cfp_megatron.sim.simulate import simulate
 
 TOLERANCE = 0.10
 """Relative difference between measured and predicted beyond which a run warns."""
@@ -50,6 +54,53 @@ class PlanCheck:
     analytical: tuple[str, ...] = ()
     """What the prediction read that the profile had not measured, priced by the analytical model
     (:attr:`~cfp_megatron.plan.artifact.PlanPrediction.analytical`)."""
+    time_parts: tuple[tuple[str, float], ...] = ()
+    """The predicted step time by part (name, seconds; :func:`breakdown`), drawn stacked beside the measured step;
+    empty where not known (the picture then shows the predicted total)."""
+    memory_parts: tuple[tuple[str, float], ...] = ()
+    """The predicted peak memory by part (name, bytes; :func:`breakdown`)."""
+    breakdown_note: str = ""
+    """Why the parts are missing, said on the picture (empty when they are there or nobody asked)."""
+    plot_file: str | None = None
+    """Where rank 0 draws the comparison (PNG, :func:`~cfp_megatron.plan.plots.write_check_png`; the next free
+    ``-2``, ``-3`` name where a file is there); ``None``: not drawn."""
+
+
+BREAKDOWN_MATCH = 0.02
+"""Largest relative difference between the plan's predicted step time and a new simulation of it for which the new
+simulation's breakdown is drawn as the plan's (the profile may have changed since the plan was made)."""
+
+
+def breakdown(prediction: Prediction) -> tuple[tuple[tuple[str, float], ...], tuple[tuple[str, float], ...]]:
+    """A prediction's step time by part (seconds: forward, backward with recompute, per-layer overhead, exposed
+    TP/CP/EP/FSDP communication, pipeline bubble, DP sync, optimizer; they add up to the step time) and peak memory
+    by part (bytes), the parts that are not zero."""
+    t, m = prediction.time, prediction.memory
+    time_parts = (("forward", t.forward_compute_s), ("backward", t.backward_compute_s + t.recompute_s),
+                  ("per-layer overhead", t.overhead_s),
+                  ("TP/CP/EP/FSDP comm", t.tp_comm_s + t.cp_comm_s + t.ep_comm_s + t.fsdp_comm_s),
+                  ("pipeline bubble", t.pp_bubble_s), ("DP sync", t.dp_comm_s), ("optimizer", t.optimizer_s))
+    memory_parts = (("parameters", m.parameters), ("gradients", m.gradients), ("optimizer states", m.optimizer_states),
+                    ("activations", m.activations), ("comm buffers", m.comm_buffers))
+    return (tuple((n, v) for n, v in time_parts if v > 0), tuple((n, v) for n, v in memory_parts if v > 0))
+
+
+def with_breakdown(check: PlanCheck, job: JobSpec, world: int, plot_file: str | None) -> PlanCheck:
+    """``check`` drawn to ``plot_file``, with the predicted breakdown of ``job`` (the planned job) on ``world`` ranks
+    of this machine: simulated again with this cluster's profile, kept where its step time is within
+    :data:`BREAKDOWN_MATCH` of the plan's (else ``breakdown_note`` says why it is missing). Never raises for it."""
+    check = dataclasses.replace(check, plot_file=plot_file)
+    try:
+        cluster, measurements = local_measurements(job, world_size=world)
+        prediction = simulate(dataclasses.replace(job, cluster=cluster), cluster, measurements, world_size=world)
+    except (CfpError, OSError, ValueError) as err:
+        return dataclasses.replace(check, breakdown_note=f"no predicted breakdown: simulating again failed ({err})")
+    if abs(prediction.step_time_s / check.predicted_step_s - 1.0) > BREAKDOWN_MATCH:
+        return dataclasses.replace(check, breakdown_note=(
+            f"no predicted breakdown: simulated again now the step takes {prediction.step_time_s * 1e3:.4g} ms, not "
+            f"the plan's {check.predicted_step_s * 1e3:.4g} ms (the profile changed since the plan was made)"))
+    time_parts, memory_parts = breakdown(prediction)
+    return dataclasses.replace(check, time_parts=time_parts, memory_parts=memory_parts)
 
 
 SAMPLE_S = 0.5
@@ -146,12 +197,17 @@ def store(record: PlanCheckRecord, *, world_size: int, nodes: int, backend: str
           ) -> tuple[str, PlanCheckRecord, StepCalibration | None]:
     """Add ``record`` to this cluster's ProfileDB (created if the cluster was never profiled), stamped with the
     profile it was checked against; return the path, the stored record and the calibration its layout family has
-    now."""
+    now. Read, stamped and written under the DB's lock (:func:`~cfp_megatron.profile.db.update_db`), so a
+    concurrent job's records and checks are kept."""
     fp = current_fingerprint(world_size=world_size, nodes=nodes, backend=backend)
-    db = (load_db(fp) or ProfileDB(fingerprint=fp)).for_model(record.model)
-    record = dataclasses.replace(record, profile_id=db.profile_id())
-    db = db.merged(plan_checks=[record])
-    return str(store_db(db)), record, db.calibration(plan=record.plan)
+
+    def add(current: ProfileDB | None) -> ProfileDB:
+        db = (current or ProfileDB(fingerprint=fp)).for_model(record.model)
+        return db.merged(plan_checks=[dataclasses.replace(record, profile_id=db.profile_id())])
+
+    path, db = update_db(fp, add)
+    stored = db.plan_checks[-1]
+    return str(path), stored, db.calibration(plan=stored.plan)
 
 
 def log_plan_check(check: PlanCheck, history: list[StepMetrics], log: MetricsLog, job: JobSpec, env: LaunchEnv, *,
@@ -186,3 +242,12 @@ def log_plan_check(check: PlanCheck, history: list[StepMetrics], log: MetricsLog
             warning += (f" (the prediction priced {', '.join(check.analytical)} by the analytical model: the profile "
                         "had not measured them)")
         log.event("warning", message=warning)
+    if check.plot_file is not None:
+        try:
+            path = write_check_png(record, free_path(check.plot_file), time_parts=check.time_parts,
+                                   memory_parts=check.memory_parts, note=check.breakdown_note,
+                                   title=f"plan check after {check.after_steps} steps: {check.plan.split(':')[0]}")
+        except (OSError, ValueError, RuntimeError) as err:  # a picture never stops training
+            log.event("warning", message=f"the plan check's picture was not drawn: {err}")
+        else:
+            log.event("plan_check_plot", path=str(path))

@@ -16,13 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
+import json
+import os
 import re
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from cfp_megatron.base.config import MlpPartition, ParallelSpec, Precision, Recompute, layout_keys
-from cfp_megatron.plan.artifact import Plan
+from cfp_megatron.base.files import write_atomic
+from cfp_megatron.plan.artifact import PLAN_FILE_SETTING, Plan
 from cfp_megatron.plan.errors import PlanError
 
 RDZV_PORT = 29500
@@ -249,3 +254,76 @@ def torchrun_command(plan: Plan, *, script: str = "launch/train.py") -> str:
     parts.append(shlex.quote(script))
     parts += [shlex.quote(o) for o in hydra_overrides(plan)]
     return " ".join(parts)
+
+
+EXPORTS_MANIFEST = ".cfp-exports.json"
+"""File beside the exports recording what cfp-megatron wrote there (name -> content digests): an export it lists
+unchanged is its own and is replaced by the next plan's; any other file of an export's name is never written over."""
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _written_before(folder: Path) -> dict[str, list[str]]:
+    """The :data:`EXPORTS_MANIFEST` of ``folder`` (export name -> digests of what cfp-megatron wrote); empty when
+    there is none or it cannot be read (then no file there counts as cfp-megatron's)."""
+    try:
+        files = json.loads((folder / EXPORTS_MANIFEST).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    if not isinstance(files, dict):
+        return {}
+    return {name: [d for d in digests if isinstance(d, str)] for name, digests in files.items()
+            if isinstance(name, str) and isinstance(digests, list)}
+
+
+def check_exports(folder: str | os.PathLike[str], texts: Mapping[str, str]) -> None:
+    """Raise :class:`PlanError` naming every file of ``folder`` that writing ``texts`` (export file name ->
+    content) would overwrite although cfp-megatron did not write it there (a file of yours, an export of an older
+    cfp-megatron, one edited since); exports of an earlier plan that it did write, and files with the very content,
+    pass."""
+    where = Path(folder)
+    before = _written_before(where)
+    clashes = []
+    for name, text in texts.items():
+        path = where / name
+        if path.is_dir():
+            clashes.append(f"{path} is a folder")
+            continue
+        if not path.exists():
+            continue
+        try:
+            current = path.read_bytes()
+        except OSError as err:
+            clashes.append(f"{path} cannot be read ({err.strerror or err})")
+            continue
+        if current != text.encode("utf-8") and _digest(current) not in before.get(name, ()):
+            clashes.append(f"{path} differs from this plan's and was not written by cfp-megatron for an earlier "
+                           "plan (or was edited since)")
+    if clashes:
+        raise PlanError(f"the plan's exports ({', '.join(texts)}) are written beside the plan file, and "
+                        + "; ".join(clashes) + ": writing them would lose what is there.",
+                        fix=f"move those files away, or write the plan into another folder ({PLAN_FILE_SETTING}="
+                            "<folder>/plan.json, or --out).", setting=PLAN_FILE_SETTING)
+
+
+def write_exports(folder: str | os.PathLike[str], texts: Mapping[str, str], *, plan: Plan) -> list[Path]:
+    """Write the exports ``texts`` (file name -> content) of ``plan`` into ``folder`` together: each one replaces
+    the export of an earlier plan there (none stays beside a new plan.json), and :data:`EXPORTS_MANIFEST` records
+    them; nothing is written when :func:`check_exports` refuses a file there. Returns the paths written."""
+    where = Path(folder)
+    check_exports(where, texts)
+    before = _written_before(where)
+    new = {name: _digest(text.encode("utf-8")) for name, text in texts.items()}
+
+    def manifest(files: Mapping[str, list[str]]) -> str:
+        return json.dumps({"plan": plan.canonical(), "hash": plan.plan_hash(), "files": dict(files)}, indent=1)
+
+    # The manifest names the old and the new contents while the files are replaced, so an interrupted write leaves
+    # every file recognised as cfp-megatron's; then only the new ones.
+    write_atomic(where / EXPORTS_MANIFEST, manifest({**before, **{n: sorted({*before.get(n, ()), d})
+                                                                   for n, d in new.items()}}))
+    paths = [write_atomic(where / name, text) for name, text in texts.items()]
+    write_atomic(where / EXPORTS_MANIFEST, manifest({**before, **{n: [d] for n, d in new.items()}}))
+    return paths

@@ -30,10 +30,12 @@ from cfp_megatron.base.backend_spec import BackendSpec
 from cfp_megatron.base.cfp_spec import CfpMode, CfpSpec, cfp_from_config
 from cfp_megatron.base.config import JobSpec, ParallelSpec, job_from_config, resolve_precision
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.files import check_write_locations
 from cfp_megatron.base.launch_env import LaunchEnv
-from cfp_megatron.plan import Plan, PlanError
+from cfp_megatron.plan import Plan, PlanError, load_plan
 from cfp_megatron.planner.deepspeed_launch import planned
 from cfp_megatron.planner.job_checks import hydra_run_dir, validate_rest
+from cfp_megatron.planner.launch_plan import write_locations
 
 _MODEL_PARALLEL = ("tp", "pp", "cp", "ep")
 
@@ -100,7 +102,8 @@ def train_from_config(cfg: Any, backend: BackendSpec) -> list:
     validate_rest(job)
     on_gpu = torch.cuda.is_available()
     run_dir = hydra_run_dir()
-    resume = _check_checkpoint_dir(job)
+    resume = _check_checkpoint_dir(job, restarted=env.restart_count > 0)
+    check_write_locations(write_locations(job, cfp, run_dir))  # before profiling, training and the first save
     console = Console(highlight=False, soft_wrap=True) if env.rank == 0 else None
     install_if_needed()
     check = None
@@ -109,7 +112,7 @@ def train_from_config(cfg: Any, backend: BackendSpec) -> list:
     elif cfp.mode is CfpMode.manual and (cfp.plan or cfp.plan_file):
         plan = _plan_or_config_error(
             (lambda: Plan.parse(cfp.plan)) if cfp.plan else
-            (lambda: Plan.from_json(json.loads(Path(str(cfp.plan_file)).read_text()))),
+            (lambda: load_plan(str(cfp.plan_file))),
             "cfp.plan" if cfp.plan else "cfp.plan_file")
     else:
         plan = manual_plan(job, backend, env.world_size, on_gpu=on_gpu)
@@ -133,20 +136,15 @@ def train_from_config(cfg: Any, backend: BackendSpec) -> list:
                                                  resume=resume)
 
 
-def _check_checkpoint_dir(job: JobSpec) -> bool:
-    """Whether to resume: ``train.resume`` with a DeepSpeed checkpoint (its ``latest`` file) there. A folder
-    holding a checkpoint without ``train.resume`` is refused rather than written over."""
+def _check_checkpoint_dir(job: JobSpec, *, restarted: bool) -> bool:
+    """Whether to resume, as the Megatron backend decides it (:func:`.checkpoint.check_before_start`):
+    ``train.resume`` needs a complete checkpoint there; a folder holding one is refused rather than written over
+    unless torchrun restarted this job (``restarted``: its own checkpoints); the checkpoint is verified."""
+    from cfp_megatron.backends.deepspeed import checkpoint as ds_checkpoint  # torch: a launch only
+
     t = job.train
-    if t.checkpoint_dir is None:
-        if t.resume:
-            raise ConfigError(ConfigIssue(key="train.resume", value=True, problem="there is no train.checkpoint_dir.",
-                                          fix="set train.checkpoint_dir, or train.resume=false."))
-        return False
-    latest = Path(t.checkpoint_dir) / "latest"
-    if t.resume:
-        return latest.exists()
-    if latest.exists():
-        raise ConfigError(ConfigIssue(key="train.checkpoint_dir", value=t.checkpoint_dir,
-                                      problem="holds a DeepSpeed checkpoint, which this run would write over.",
-                                      fix="set train.resume=true to continue it, or choose another folder."))
-    return False
+    if t.checkpoint_dir is None and t.resume:
+        raise ConfigError(ConfigIssue(key="train.resume", value=True, problem="there is no train.checkpoint_dir.",
+                                      fix="set train.checkpoint_dir, or train.resume=false."))
+    return ds_checkpoint.check_before_start(t.checkpoint_dir, resume=t.resume, restarted=restarted,
+                                            trust_unverified=t.trust_unverified_checkpoint)

@@ -12,14 +12,16 @@ from cfp_megatron.base.backend_spec import backend_from_config
 from cfp_megatron.base.cfp_spec import CfpMode, cfp_from_config
 from cfp_megatron.base.config import JobSpec, job_from_config
 from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
+from cfp_megatron.base.files import WriteLocation, check_write_locations
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import transformer_engine_available
 from cfp_megatron.compat import moe
-from cfp_megatron.plan.check import PlanCheck
+from cfp_megatron.plan.check import PlanCheck, with_breakdown
 from cfp_megatron.planner.backends import backend_for
 from cfp_megatron.planner.deepspeed_entry import train_from_config as train_deepspeed
 from cfp_megatron.planner.job_checks import hydra_run_dir, validate_job, validate_rest
-from cfp_megatron.planner.launch_plan import resolve_launch_plan
+from cfp_megatron.planner.launch_plan import resolve_launch_plan, write_locations
+from cfp_megatron.planner.rank_errors import report_error
 from cfp_megatron.profile.fingerprint import model_key
 
 if TYPE_CHECKING:
@@ -49,7 +51,8 @@ def train_from_config(cfg: Any) -> list:
     else:
         validate_job(job, env.world_size)
     start_step = checkpoint.check_before_start(job.train.checkpoint_dir, resume=job.train.resume,
-                                               restarted=env.restart_count > 0)
+                                               restarted=env.restart_count > 0,
+                                               trust_unverified=job.train.trust_unverified_checkpoint)
     saved_dopt = None
     if start_step is not None and job.train.checkpoint_dir is not None:
         saved_dopt = checkpoint.saved_distributed_optimizer(job.train.checkpoint_dir, start_step)
@@ -62,6 +65,7 @@ def train_from_config(cfg: Any) -> list:
         metrics_path: Path | None = Path(job.train.metrics_file)
     else:
         metrics_path = run_dir / "metrics.jsonl" if run_dir is not None else None
+    check_write_locations(write_locations(job, cfp, run_dir))  # before profiling, training and the first save
 
     install_if_needed()
     if job.model.is_moe and not transformer_engine_available():
@@ -72,6 +76,8 @@ def train_from_config(cfg: Any) -> list:
     check = None
     if launch is not None:
         job, check = _with_plan(launch, cfp, console)
+        if check is not None and console is not None and run_dir is not None:  # rank 0 draws the check's picture
+            check = with_breakdown(check, job, env.world_size, str(run_dir / "plan_check.png"))
         if saved_dopt is not None:  # a plan applied by hand
             _same_optimizer_kind("cfp.plan_file" if cfp.plan_file else "cfp.plan", job.parallel.distributed_optimizer,
                                  saved_dopt)
@@ -132,13 +138,31 @@ def _with_plan(launch: LaunchPlan, cfp: CfpSpec, console: Console | None) -> tup
     return job, check
 
 
+RUN_DIR_KEY = "hydra.run.dir"
+"""The Hydra key of the run directory (conf/config.yaml: ``outputs/${cfp_run_id:}``)."""
+
+
+def check_run_dir_arg(argv: list[str]) -> None:
+    """Before Hydra starts (it creates the run directory and writes its files there, with a traceback when it
+    cannot): report a ``hydra.run.dir`` override, or the default ``outputs/``, that cannot be written in one clean
+    message and exit with status 2. Its part before the first ``${`` interpolation is checked (created when
+    missing, a temporary file written and removed)."""
+    value = next((a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith(f"{RUN_DIR_KEY}=")), None)
+    static = "outputs/" if value is None else value.split("${", 1)[0]
+    folder = Path(static or ".") if value is None or "${" not in value or static.endswith("/") \
+        else Path(static).parent
+    try:
+        check_write_locations([WriteLocation(key=RUN_DIR_KEY, path=folder, folder=True)])
+    except ConfigError as err:
+        report_error(err, LaunchEnv.read())
+        sys.exit(2)
+
+
 def main_with_errors(cfg: Any) -> None:
-    """Run :func:`train_from_config`; report user errors in one clean message (rank 0) and exit with status 2."""
+    """Run :func:`train_from_config`; report a user error in one clean message per node and exit with status 2, on
+    every rank only once the message is on stderr (:func:`~cfp_megatron.planner.rank_errors.report_error`)."""
     try:
         train_from_config(cfg)
     except CfpError as err:
-        if LaunchEnv.read().rank == 0:
-            console = Console(stderr=True, highlight=False, soft_wrap=True)
-            console.print(f"[bold red]cfp-megatron: {type(err).__name__}[/]")
-            console.print(str(err), markup=False)
+        report_error(err, LaunchEnv.read())
         sys.exit(2)

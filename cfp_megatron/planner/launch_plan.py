@@ -26,6 +26,7 @@ from cfp_megatron.base.backend_spec import BackendSpec
 from cfp_megatron.base.cfp_spec import CfpMode, CfpSpec
 from cfp_megatron.base.config import JobSpec, Recompute
 from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
+from cfp_megatron.base.files import CACHE_ENV, WriteLocation, cache_dir, check_write_locations
 from cfp_megatron.base.jsonio import json_plain
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import transformer_engine_available
@@ -72,6 +73,33 @@ def plan_key(job: JobSpec, world: int, cfp: CfpSpec) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def metrics_location(job: JobSpec, run_dir: Path | None) -> WriteLocation | None:
+    """Where rank 0's metrics go: ``train.metrics_file``, else ``metrics.jsonl`` in the Hydra run directory."""
+    if job.train.metrics_file is not None:
+        return WriteLocation(key="train.metrics_file", path=Path(job.train.metrics_file), folder=False)
+    if run_dir is None:
+        return None
+    return WriteLocation(key="hydra.run.dir", path=run_dir / "metrics.jsonl", folder=False)
+
+
+def write_locations(job: JobSpec, cfp: CfpSpec, run_dir: Path | None) -> list[WriteLocation]:
+    """Every place a training launch writes to, by the setting that chose it: the checkpoint folder, the metrics
+    file, the run directory (its plans, DeepSpeed's config), and with ``+cfp=auto`` the profile cache. Checked with
+    :func:`~cfp_megatron.base.files.check_write_locations` before any process group (``cfp.plan_file`` once a plan
+    is to be written: :func:`resolve_launch_plan`)."""
+    found = []
+    if job.train.checkpoint_dir is not None:
+        found.append(WriteLocation(key="train.checkpoint_dir", path=Path(job.train.checkpoint_dir), folder=True))
+    metrics = metrics_location(job, run_dir)
+    if metrics is not None:
+        found.append(metrics)
+    if run_dir is not None or cfp.mode is CfpMode.auto:
+        found.append(WriteLocation(key="hydra.run.dir", path=run_dir or Path("outputs"), folder=True))
+    if cfp.mode is CfpMode.auto:
+        found.append(WriteLocation(key=f"{CACHE_ENV} (environment variable)", path=cache_dir(), folder=True))
+    return found
+
+
 def check_constraints(job: JobSpec, world: int, cfp: CfpSpec) -> None:
     """Raise a :class:`ConfigError` naming the ``cfp`` keys when the pins and sets leave no layout for ``job`` on
     ``world`` ranks (before any process group or profiling)."""
@@ -115,6 +143,8 @@ def resolve_launch_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Pat
             if optimizer_kind is None or plan.parallel.distributed_optimizer == optimizer_kind:
                 return LaunchPlan(plan=plan, job=_apply(plan, job, world), source="cached", path=cached)
     cfp = pinned
+    if cfp.plan_file is not None:  # refused now rather than after the profiling budget
+        check_write_locations([WriteLocation(key="cfp.plan_file", path=Path(cfp.plan_file), folder=False, new=True)])
     check_constraints(job, world, cfp)
     plan, ranked, scale = _profile_and_search(job, cfp, env, console)
     if env.rank == 0:

@@ -26,12 +26,18 @@ from cfp_megatron.backends.deepspeed.zero_plan import ds_config
 from cfp_megatron.base.backend_spec import backend_from_config
 from cfp_megatron.base.cfp_spec import cfp_from_config
 from cfp_megatron.base.compose import compose_config
-from cfp_megatron.base.config import job_from_config
+from cfp_megatron.base.config import MAX_WORLD_SIZE, job_from_config
+from cfp_megatron.base.config_help import config_help
 from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
+from cfp_megatron.base.files import WriteLocation, check_write_locations
 from cfp_megatron.base.jsonio import json_plain
-from cfp_megatron.plan import deepspeed_config, megatron_lm_args, save_plan, torchrun_command
+from cfp_megatron.plan import deepspeed_config, load_plan, megatron_lm_args, save_plan, torchrun_command
 from cfp_megatron.plan.errors import PlanError
+from cfp_megatron.plan.exports import check_exports, write_exports
+from cfp_megatron.plan.requirements import plan_requirements
 from cfp_megatron.planner.backends import backend_for
+from cfp_megatron.planner.pictures import write_plan_pictures
+from cfp_megatron.planner.preflight import default_lines, defaults_used
 from cfp_megatron.profile.cluster import local_measurements
 
 SEQ_CAP = 8192
@@ -47,7 +53,7 @@ def inputs_fingerprint(job: object, measurements_key: str | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cfp_megatron.plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=config_help())
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (model=..., cluster=..., cfp.tp=4, ...)")
     parser.add_argument("--world", type=int, default=None, help="ranks (default: nodes x gpus_per_node)")
     parser.add_argument("--out", default=None, help="folder for plan.json and exports (default: outputs/plans/)")
@@ -62,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, console: Console) -> int:
     overrides = list(args.overrides)
+    if args.world is not None and not 1 <= args.world <= MAX_WORLD_SIZE:
+        raise ConfigError(ConfigIssue(key="--world", value=args.world, problem=f"must be in [1, {MAX_WORLD_SIZE:,}] "
+                                      "ranks (ten times the largest clusters built).", fix="pass a smaller --world."))
     if not any(o.lstrip("+").startswith("cfp=") for o in overrides):
         overrides.insert(0, "+cfp=auto")
     cfg = compose_config(overrides)
@@ -72,6 +81,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                       f"at most {SEQ_CAP}); pass train.seq_length=N to change it")
         cfg = compose_config([*overrides, f"train.seq_length={seq}"])
     job, cfp = job_from_config(cfg), cfp_from_config(cfg)
+    check_write_locations([WriteLocation(key="cfp.plan_file", path=Path(cfp.plan_file), folder=False) if cfp.plan_file
+                           else WriteLocation(key="--out", path=Path(args.out or "outputs/plans"), folder=True)])
     c = job.cluster
     world = args.world or (c.nodes * c.gpus_per_node if c.gpus_per_node else None)
     if world is None:
@@ -85,19 +96,18 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     console.print(f"planning {job.model.name} on {world} x {cluster.device_name} ({cluster.name}), global batch "
                   f"{job.train.global_batch_size} x {job.train.seq_length} tokens"
                   + ("" if measurements is None else f", measurements {key}"))
+    for line in default_lines(defaults_used(args.overrides, cfg, world=world, on_gpu=not cluster.on_cpu)):
+        console.print(line, markup=False, soft_wrap=True)
     backend = backend_from_config(cfg)
     found = backend_for(backend.name).search(job, world, cfp, backend, measurements=measurements,
                                              inputs_fingerprint=inputs_fingerprint(job, key),
                                              on_gpu=not cluster.on_cpu)
     found.report(console)
-    plan = dataclasses.replace(found.best, cluster=job.cluster.name)
+    plan = dataclasses.replace(found.best, cluster=job.cluster.name, requires=plan_requirements(found.best, job.model))
+    if plan.requires:
+        console.print("the plan needs:\n" + "\n".join(f"  {r}" for r in plan.requires), markup=False, soft_wrap=True)
     out = Path(args.out or "outputs/plans") / f"{job.model.name}-{plan.plan_hash()}"
     target = Path(cfp.plan_file) if cfp.plan_file else out / "plan.json"
-    if target.exists() and json.loads(target.read_text()).get("hash") == plan.plan_hash():
-        console.print(f"plan.json: {target} (the same plan is already saved there)")
-    else:
-        save_plan(plan, target)
-        console.print(f"plan.json: {target}")
     try:
         megatron_args = " ".join(megatron_lm_args(plan, num_layers=job.model.num_layers))
     except PlanError as err:  # a plan Megatron-LM cannot run (PrimePar's MLP, DeepSpeed's ZeRO): say so in the file
@@ -106,13 +116,18 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     exports = {"megatron_args.txt": megatron_args + "\n",
                "deepspeed_config.json": json.dumps(ds_json, indent=2) + "\n",
                "torchrun.sh": torchrun_command(plan) + "\n"}
-    for name, text in exports.items():
-        path = target.parent / name
-        if not path.exists():
-            path.write_text(text)
+    check_exports(target.parent, exports)  # before plan.json: nothing is written beside a file it would overwrite
+    if target.exists() and load_plan(target).plan_hash() == plan.plan_hash():
+        console.print(f"plan.json: {target} (the same plan is already saved there)")
+    else:
+        save_plan(plan, target)
+        console.print(f"plan.json: {target}")
+    write_exports(target.parent, exports, plan=plan)  # all together, replacing an earlier plan's
     console.print(f"plan {plan.canonical()}\nhash {plan.plan_hash()}")
     console.print(f"reproduce with:\n  {torchrun_command(plan)}")
     console.print(f"Megatron-LM: {exports['megatron_args.txt'].strip()}", markup=False)
+    for line in write_plan_pictures(plan, job, world, measurements, target.parent):
+        console.print(line, markup=False, soft_wrap=True)
     return 0
 
 

@@ -7,17 +7,19 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 from cfp_megatron.base.cfp_spec import DEFAULT_PROFILE_BUDGET_S
 from cfp_megatron.base.compose import compose_job
+from cfp_megatron.base.config_help import config_help
 from cfp_megatron.base.errors import CfpError
+from cfp_megatron.base.files import CACHE_ENV, WriteLocation, cache_dir, check_write_locations
 from cfp_megatron.base.launch_env import LaunchEnv
+from cfp_megatron.compat.quiet import quiet_expected_warnings, say_once
 from cfp_megatron.profile.cluster import describe_cluster, measured_cluster
 from cfp_megatron.profile.db import export_db
 from cfp_megatron.profile.progress import RoundProgress
 from cfp_megatron.profile.report import render
-
-_EXPECTED_ON_CPU = "Transformer Engine and Apex are not installed|Apex is not installed|full scope is deprecated"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -25,7 +27,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
     parser = argparse.ArgumentParser(prog="torchrun --nproc_per_node=N -m cfp_megatron.profile",
                                      description="Profile the live cluster (collectives, GEMMs, segments) into "
-                                                 "the ProfileDB of its fingerprint.")
+                                                 "the ProfileDB of its fingerprint.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=config_help())
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt_tiny cluster=local")
     parser.add_argument("--budget", type=float, default=DEFAULT_PROFILE_BUDGET_S, help="seconds for the whole run")
     parser.add_argument("--force", action="store_true", help="measure again even if the DB has the results")
@@ -39,18 +42,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Profile, print the summary and the DB path on rank 0; exit status 2 on a user error."""
 
+    note = quiet_expected_warnings()  # before Megatron-Core is imported (by the runner)
     from cfp_megatron.profile.runner import completion_hint, profile_job
 
-    warnings.filterwarnings("ignore", message=f".*({_EXPECTED_ON_CPU}).*")
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     args = parse_args(argv)
+    say_once(note)
     from rich.console import Console
 
     env = LaunchEnv.read()
     console = Console(stderr=False, highlight=False)
     try:
         job = compose_job(args.overrides)
+        # where the ProfileDB (and --export) go, refused now rather than after the whole budget
+        check_write_locations([WriteLocation(key=f"{CACHE_ENV} (environment variable)", path=cache_dir() / "profile",
+                                             folder=True),
+                               *([WriteLocation(key="--export", path=Path(args.export), folder=False, new=True)]
+                                 if args.export else [])])
 
         with RoundProgress(enabled=env.rank == 0) as progress:
             outcome = profile_job(job, env, budget_s=args.budget, force=args.force, progress=progress.update)

@@ -3,7 +3,9 @@
 One file per fingerprint under ``$CFP_CACHE_DIR/profile/<fingerprint key>.json``; a run on the same hardware and
 software finds it by its key and reuses it, a run with another fingerprint never opens it (another key), and a file
 whose stored fingerprint or schema does not match is refused with a typed error. Writes are atomic (temporary file +
-rename). The DB implements :class:`~cfp_megatron.cluster.measured.Measurements`, the simulator's only view of it.
+rename) and merge this job's additions into the file as it is then, under a lock file (:func:`store_db`,
+:func:`update_db`), so concurrent jobs sharing the cache keep each other's entries. The DB implements
+:class:`~cfp_megatron.cluster.measured.Measurements`, the simulator's only view of it.
 """
 
 from __future__ import annotations
@@ -13,13 +15,18 @@ import hashlib
 import json
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock, Timeout
+
 from cfp_megatron.base.config import Recompute
-from cfp_megatron.base.files import cache_dir, write_atomic, write_new
+from cfp_megatron.base.files import CACHE_ENV, cache_dir, write_atomic, write_new
 from cfp_megatron.cluster.measured import (
     Collective,
     CollectiveFit,
@@ -31,7 +38,12 @@ from cfp_megatron.cluster.measured import (
     least_squares_line,
     partition_recompute,
 )
-from cfp_megatron.profile.errors import FingerprintMismatchError, ProfileDBError, SchemaVersionError
+from cfp_megatron.profile.errors import (
+    FingerprintMismatchError,
+    ProfileDBError,
+    ProfileFigureError,
+    SchemaVersionError,
+)
 from cfp_megatron.profile.fingerprint import Fingerprint
 from cfp_megatron.profile.gemm_table import interpolate_tflops
 from cfp_megatron.profile.records import (
@@ -321,15 +333,59 @@ class ProfileDB:
             raise SchemaVersionError(source, version, SCHEMA_VERSION)
         try:
             return cls(fingerprint=Fingerprint.from_json(data["fingerprint"]),
-                       collectives=tuple(CollectiveRecord.from_json(r) for r in data["collectives"]),
-                       gemms=tuple(GemmRecord.from_json(r) for r in data["gemms"]),
-                       segments=tuple(SegmentRecord.from_json(r) for r in data["segments"]),
-                       overheads=tuple(OverheadRecord.from_json(r) for r in data.get("overheads", [])),
-                       rounds=tuple(RoundRecord.from_json(r) for r in data["rounds"]),
-                       plan_checks=tuple(PlanCheckRecord.from_json(r) for r in data.get("plan_checks", [])))
+                       collectives=_records(CollectiveRecord, "collectives", data["collectives"], source),
+                       gemms=_records(GemmRecord, "gemms", data["gemms"], source),
+                       segments=_records(SegmentRecord, "segments", data["segments"], source),
+                       overheads=_records(OverheadRecord, "overheads", data.get("overheads", []), source),
+                       rounds=_records(RoundRecord, "rounds", data["rounds"], source),
+                       plan_checks=_records(PlanCheckRecord, "plan_checks", data.get("plan_checks", []), source))
+        except ProfileFigureError:
+            raise
         except (KeyError, TypeError, ValueError) as err:
             raise ProfileDBError(f"{source}: malformed ProfileDB ({type(err).__name__}: {err}). "
-                                 "Fix: profile again with --force.") from None
+                                 f"Fix: {REPROFILE_FIX}") from None
+
+
+REPROFILE_FIX = ("profile this cluster again with `torchrun --nproc_per_node=N -m cfp_megatron.profile <overrides> "
+                 "--force`, or delete the file (the next +cfp=auto launch profiles afresh).")
+"""The fix of a ProfileDB file that cannot be used as it is."""
+
+
+def _record_label(section: str, data: Any) -> str:
+    """A record's entry (``dense tp2 mbs=4``, ``gemm fp32 64x64x64``) for an error message, where it can be read."""
+    try:
+        if section == "collectives":
+            return f"{data['op']} g={data['group_size']} {data['span']}"
+        if section == "gemms":
+            return gemm_entry(data["m"], data["n"], data["k"], data["dtype"])
+        if section == "segments":
+            return segment_entry(data["kind"], data["partition"], data["micro_batch"])
+        if section == "overheads":
+            return overhead_entry(data["partition"], data["layers"], data["micro_batch"])
+        if section == "rounds":
+            return f"round {data['name']}"
+        if section == "plan_checks":
+            return f"plan {data['plan']}"
+    except (KeyError, TypeError):
+        pass
+    return ""
+
+
+def _records(kind: Any, section: str, rows: Any, source: object) -> tuple:
+    """``kind.from_json`` of every row of ``section``; a number out of range is a :class:`ProfileFigureError` naming
+    the file, the record (section, index, entry), the field, the value, its range and the fix."""
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            out.append(kind.from_json(row))
+        except ProfileFigureError as err:
+            label = _record_label(section, row)
+            record = f"{section}[{i}]" + (f" ({label})" if label else "")
+            raise ProfileFigureError(
+                f"{source}: {record}: {err.field}={err.value!r} is not {err.expected}; a measurement never gives "
+                f"it, and the planner would read it. Fix: {REPROFILE_FIX}", record=record, field=err.field,
+                value=err.value, expected=err.expected) from None
+    return tuple(out)
 
 
 # ----------------------------------------------------------------------------------------------- calibration
@@ -419,10 +475,94 @@ def load_db(fingerprint: Fingerprint) -> ProfileDB | None:
     return read_db(path, expected=fingerprint)
 
 
-def store_db(db: ProfileDB) -> Path:
-    """Write ``db`` to its cache path atomically (the cache file of the same fingerprint is replaced); return it."""
-    path = db_path(db.fingerprint)
-    return write_atomic(path, json.dumps(db.to_json(), indent=1))
+LOCK_TIMEOUT_S = 120.0
+"""How long a write waits for another job's write of the same DB (held for a read, a merge and a rename: well under
+a second on a local disk); the wait is said on stderr when it starts."""
+_SECTIONS = ("collectives", "gemms", "segments", "overheads", "rounds", "plan_checks")
+
+
+def lock_path(path: str | Path) -> Path:
+    """The lock file that serialises writers of the DB at ``path``: ``<key>.json.lock`` beside it (kept, empty)."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.lock")
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold ``path``'s lock file (``flock``: released by the kernel when a holder dies, so it never goes stale)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ProfileDBError(f"{path.parent}: the ProfileDB folder cannot be created ({err.strerror or err}); "
+                             f"nothing was written. Fix: point {CACHE_ENV} at a folder you can write "
+                             "(it is created if missing).") from None
+    lock = FileLock(lock_path(path), timeout=LOCK_TIMEOUT_S)
+    try:
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:  # another job is storing: say so, then wait for it
+            print(f"cfp: waiting for another job's write of {path} (lock {lock_path(path)}; at most "
+                  f"{LOCK_TIMEOUT_S:.0f} s)", file=sys.stderr, flush=True)
+            lock.acquire()
+    except Timeout:
+        raise ProfileDBError(f"{path}: another job held its lock {lock_path(path)} for {LOCK_TIMEOUT_S:.0f} s; "
+                             "nothing was written. Fix: wait for that job to finish storing and run again (on a "
+                             "network file system, check that it supports flock).") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def update_db(fingerprint: Fingerprint, change: Callable[[ProfileDB | None], ProfileDB], *,
+              replace_unreadable: bool = False) -> tuple[Path, ProfileDB]:
+    """Read-modify-write the stored DB of ``fingerprint`` under its lock: ``change`` gets the DB on disk now
+    (``None`` when there is none) and returns the DB to write atomically; return the path and that DB. A stored file
+    that cannot be used raises :class:`ProfileDBError`, or with ``replace_unreadable`` counts as absent."""
+    path = db_path(fingerprint)
+    with _locked(path):
+        try:
+            current = load_db(fingerprint)
+        except ProfileDBError:
+            if not replace_unreadable:
+                raise
+            current = None
+        db = change(current)
+        write_atomic(path, json.dumps(db.to_json(), indent=1))
+    return path, db
+
+
+def _added(db: ProfileDB, base: ProfileDB | None, current: ProfileDB) -> dict[str, list[Any]]:
+    """Per section, the records of ``db`` that ``base`` lacks (counted with repeats) and ``current`` lacks."""
+    def key(record: Any) -> str:
+        return json.dumps(record.to_json(), sort_keys=True)
+
+    out: dict[str, list[Any]] = {}
+    for name in _SECTIONS:
+        seen = Counter(key(r) for r in getattr(base, name)) if base is not None else Counter()
+        stored = {key(r) for r in getattr(current, name)}
+        fresh = []
+        for record in getattr(db, name):
+            k = key(record)
+            if seen[k] > 0:
+                seen[k] -= 1
+            elif k not in stored:
+                fresh.append(record)
+        out[name] = fresh
+    return out
+
+
+def store_db(db: ProfileDB, *, base: ProfileDB | None = None) -> Path:
+    """Add this job's records to the DB stored now and return its path: those of ``db`` that ``base`` (the DB as the
+    job read it; without it, every record) lacks are merged (:meth:`ProfileDB.merged`) into the file read under its
+    lock, so concurrent jobs sharing the cache keep each other's entries; written atomically. A stored file that
+    cannot be used is replaced."""
+    def add(current: ProfileDB | None) -> ProfileDB:
+        start = current if current is not None else ProfileDB(fingerprint=db.fingerprint)
+        return start.merged(**_added(db, base, start))
+
+    path, _ = update_db(db.fingerprint, add, replace_unreadable=True)
+    return path
 
 
 def export_db(db: ProfileDB, path: str | Path) -> Path:
@@ -435,4 +575,4 @@ def export_db(db: ProfileDB, path: str | Path) -> Path:
 
 
 __all__ = ["SCHEMA_VERSION", "ProfileDB", "StepCalibration", "db_path", "export_db", "layout_family", "load_db",
-           "read_db", "robust_ratio", "store_db"]
+           "lock_path", "read_db", "robust_ratio", "store_db", "update_db"]

@@ -14,6 +14,23 @@ class ProfileDBError(CfpError, ValueError):
     would overwrite a user's file."""
 
 
+class ProfileFigureError(ProfileDBError):
+    """A number of a ProfileDB record is not one a measurement can give (NaN, infinite, negative where only zero or
+    more is real, zero where only a positive value is, not a number): the file names it, the record, the field, the
+    value and the range, and the fix."""
+
+    def __init__(self, message: str, *, record: str, field: str, value: object, expected: str) -> None:
+        self.record: str = record
+        """The record it is in (``segments[3] dense tp2 mbs=1``)."""
+        self.field: str = field
+        """The field (``forward_s``)."""
+        self.value: object = value
+        """The value found."""
+        self.expected: str = expected
+        """The range the field has (``a finite number above zero``)."""
+        super().__init__(message)
+
+
 class SchemaVersionError(ProfileDBError):
     """The file was written with another ProfileDB schema version."""
 

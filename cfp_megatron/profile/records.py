@@ -4,10 +4,37 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from cfp_megatron.cluster.measured import Collective, CollectiveFit, Span
+from cfp_megatron.profile.errors import ProfileFigureError
+
+_RANGES: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "positive": ("a finite number above zero", lambda v: math.isfinite(v) and v > 0),
+    "non_negative": ("a finite number at or above zero", lambda v: math.isfinite(v) and v >= 0),
+    "finite": ("a finite number", math.isfinite),
+    "count": ("a whole number at or above one", lambda v: isinstance(v, int) and v >= 1),
+    "tally": ("a whole number at or above zero", lambda v: isinstance(v, int) and v >= 0),
+}
+"""The ranges a record's numbers can really have: what each one accepts, as said in the error, and the test."""
+
+
+def check_figures(data: Mapping[str, Any], ranges: Mapping[str, str], *, nullable: Collection[str] = ()) -> None:
+    """Raise :class:`ProfileFigureError` for the first field of a record's JSON ``data`` whose value is not a number
+    in its range (``ranges``: field -> a key of :data:`_RANGES`); a field listed in ``nullable`` may be ``None``
+    (not measured), an absent field is left to the record's constructor. The error names the field and value;
+    :meth:`ProfileDB.from_json <cfp_megatron.profile.db.ProfileDB.from_json>` adds the file and the record."""
+    for field, kind in ranges.items():
+        if field not in data or (data[field] is None and field in nullable):
+            continue
+        value = data[field]
+        expected, test = _RANGES[kind]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not test(value):
+            raise ProfileFigureError(f"{field}={value!r} is not {expected}", record="", field=field, value=value,
+                                     expected=expected)
 
 
 class RoundStatus(enum.Enum):
@@ -61,7 +88,9 @@ class RoundRecord:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RoundRecord:
         """Parse :meth:`to_json`'s output (records written before ``model``, ``measured``, ``missing`` and
-        ``reused`` existed load with their defaults)."""
+        ``reused`` existed load with their defaults); :class:`ProfileFigureError` for a count or time out of range."""
+        check_figures(data, {"steps_done": "tally", "steps_planned": "tally", "seconds": "non_negative",
+                             "reused": "tally"})
         return cls(**{**data, "status": RoundStatus(data["status"]),
                       "measured": tuple(data.get("measured", ())), "missing": tuple(data.get("missing", ()))})
 
@@ -114,7 +143,17 @@ class CollectiveRecord:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CollectiveRecord:
-        """Parse :meth:`to_json`'s output."""
+        """Parse :meth:`to_json`'s output; :class:`ProfileFigureError` for a figure out of range: the fit's latency
+        (clamped at or above zero when fitted), bandwidth (above zero), a sample's size (above zero) and time (at or
+        above zero)."""
+        check_figures(data, {"group_size": "count", "latency_s": "non_negative", "bandwidth_bytes_per_s": "positive",
+                             "points": "tally", "max_rel_error": "non_negative"})
+        for i, sample in enumerate(data.get("samples") or ()):
+            if not isinstance(sample, list | tuple) or len(sample) != 2:
+                raise ProfileFigureError(f"samples[{i}]={sample!r} is not a [bytes, seconds] pair", record="",
+                                         field=f"samples[{i}]", value=sample, expected="a [bytes, seconds] pair")
+            check_figures({f"samples[{i}] bytes": sample[0], f"samples[{i}] seconds": sample[1]},
+                          {f"samples[{i}] bytes": "count", f"samples[{i}] seconds": "non_negative"})
         fit = CollectiveFit(op=Collective(data["op"]), group_size=int(data["group_size"]), span=Span(data["span"]),
                             latency_s=float(data["latency_s"]),
                             bandwidth_bytes_per_s=float(data["bandwidth_bytes_per_s"]), points=int(data["points"]),
@@ -145,7 +184,9 @@ class GemmRecord:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GemmRecord:
-        """Parse :meth:`to_json`'s output."""
+        """Parse :meth:`to_json`'s output; :class:`ProfileFigureError` for a shape, throughput or time out of
+        range."""
+        check_figures(data, {"m": "count", "n": "count", "k": "count", "tflops": "positive", "seconds": "positive"})
         return cls(**data)
 
 
@@ -197,7 +238,13 @@ class SegmentRecord:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SegmentRecord:
-        """Parse :meth:`to_json`'s output."""
+        """Parse :meth:`to_json`'s output; :class:`ProfileFigureError` for a size, time or byte count out of the
+        range a measurement gives (times above zero; transient and workspace bytes at or above zero, being clamped
+        there; activation bytes any finite number, being a difference of live bytes)."""
+        check_figures(data, {"tp": "count", "micro_batch": "count", "seq_length": "count", "forward_s": "positive",
+                             "backward_s": "positive", "baseline_s": "positive", "activation_bytes": "finite",
+                             "transient_bytes": "non_negative", "workspace_bytes": "non_negative"},
+                      nullable=("baseline_s", "activation_bytes", "transient_bytes", "workspace_bytes"))
         return cls(**data)
 
 
@@ -232,7 +279,10 @@ class OverheadRecord:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> OverheadRecord:
-        """Parse :meth:`to_json`'s output."""
+        """Parse :meth:`to_json`'s output; :class:`ProfileFigureError` for a size or time out of range (the
+        schedule above zero, the rest at or above zero)."""
+        check_figures(data, {"tp": "count", "layers": "count", "params": "count", "micro_batch": "count",
+                             "microbatches": "count", "schedule_s": "positive", "rest_s": "non_negative"})
         return cls(**data)
 
 
@@ -296,5 +346,11 @@ class PlanCheckRecord:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PlanCheckRecord:
-        """Parse :meth:`to_json`'s output."""
+        """Parse :meth:`to_json`'s output; :class:`ProfileFigureError` for a figure out of range (the measured step
+        time and the calibration above zero; the rest at or above zero)."""
+        check_figures(data, {"steps": "tally", "predicted_step_s": "non_negative", "calibration": "positive",
+                             "measured_step_s": "positive", "predicted_peak_bytes": "non_negative",
+                             "measured_peak_bytes": "non_negative", "time": "non_negative",
+                             "other_load": "non_negative", "repeat_spread": "non_negative"},
+                      nullable=("predicted_peak_bytes", "measured_peak_bytes", "other_load", "repeat_spread"))
         return cls(**data)

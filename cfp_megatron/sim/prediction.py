@@ -40,6 +40,9 @@ class Event:
     """Micro-batch index (``-1`` for per-step events)."""
     chunk: int = 0
     """Model chunk (virtual pipeline stage) on this rank."""
+    collectives: tuple[tuple[str, float], ...] = ()
+    """For a ``comm`` event: its seconds per kind of collective (``tp``, ``cp``, ``ep``, ``fsdp``), in the order they
+    are drawn, adding up to the event's length; empty where the split is not known."""
 
     @property
     def is_comm(self) -> bool:

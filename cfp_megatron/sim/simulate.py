@@ -417,17 +417,23 @@ def _events(schedule, forward_costs, backward_costs, recompute_costs, dp_exposed
     communication, then each rank's exposed DP sync and optimizer step."""
     events: list[Event] = []
     for op in schedule.ops:
-        if op.forward:
-            comm_s = forward_costs[op.rank][op.chunk].comm_s
-        else:
-            comm_s = backward_costs[op.rank][op.chunk].comm_s + recompute_costs[op.rank][op.chunk].comm_s
+        costs = ((forward_costs[op.rank][op.chunk],) if op.forward
+                 else (backward_costs[op.rank][op.chunk], recompute_costs[op.rank][op.chunk]))
+        # the pass as timed (shorter than its costs where a lone rank on shared cores ran it), split in their shares
+        total_s = sum(cost.total_s for cost in costs)
+        scale = (op.end_s - op.start_s) / total_s if total_s > 0 else 1.0
+        comm_s = scale * sum(cost.comm_s for cost in costs)
+        collectives = tuple((name, scale * seconds) for name, seconds in (
+            ("tp", sum(cost.tp_comm_s for cost in costs)), ("cp", sum(cost.cp_comm_s for cost in costs)),
+            ("ep", sum(cost.ep_comm_s for cost in costs)), ("fsdp", sum(cost.fsdp_comm_s for cost in costs)))
+            if seconds > 0)
         compute_end_s = op.end_s - comm_s
         kind = EventKind.forward if op.forward else EventKind.backward
         events.append(Event(rank=op.rank, kind=kind, start_s=op.start_s, end_s=compute_end_s,
                             microbatch=op.microbatch, chunk=op.chunk))
         if comm_s > 0:
             events.append(Event(rank=op.rank, kind=EventKind.comm, start_s=compute_end_s, end_s=op.end_s,
-                                microbatch=op.microbatch, chunk=op.chunk))
+                                microbatch=op.microbatch, chunk=op.chunk, collectives=collectives))
     for rank, end_s in enumerate(ends_s):
         if dp_exposed[rank] > 0:
             events.append(Event(rank=rank, kind=EventKind.dp_sync, start_s=end_s, end_s=end_s + dp_exposed[rank]))

@@ -1,21 +1,80 @@
-"""Export the simulated schedule: Chrome trace JSON (opens in Perfetto / chrome://tracing) and a PNG timeline.
+"""Export the simulated schedule: Chrome trace JSON (opens in Perfetto's UI, ui.perfetto.dev, or chrome://tracing)
+and a PNG timeline.
 
-One process per pipeline rank (stage), with two threads: compute (forward/backward passes, optimizer) and
-communication (exposed TP/CP/EP/FSDP collectives, data-parallel sync).
+One process per pipeline rank (stage), with a thread (lane) each for compute (forward and backward passes, the
+optimizer step), each kind of exposed communication the plan has (TP, CP, EP, FSDP inside the passes; the DP gradient
+sync after them) and idle time (pipeline bubble and p2p waits inside the schedule, then the wait for the slowest
+stage). Large schedules are capped: the trace keeps whole ranks up to :data:`MAX_TRACE_EVENTS` events, the PNG draws
+at most :data:`MAX_PNG_RANKS` ranks and merges slices narrower than a pixel; both say what they left out
+(docs/simulator.md, "Timeline pictures").
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.sim.prediction import EventKind, Prediction
 
-_COLOURS = {EventKind.forward: "#4C72B0", EventKind.backward: "#55A868", EventKind.comm: "#C44E52",
-            EventKind.dp_sync: "#CCB974", EventKind.optimizer: "#64B5CD"}
-_CNAMES = {EventKind.forward: "thread_state_running", EventKind.backward: "good", EventKind.comm: "bad",
-           EventKind.dp_sync: "yellow", EventKind.optimizer: "olive"}
+LANES: tuple[str, ...] = ("compute", "TP comm", "CP comm", "EP comm", "FSDP comm", "comm", "DP comm", "idle")
+"""Lanes of a pipeline rank, top to bottom (thread ids in the trace are their indices); ``comm`` holds exposed
+communication whose split by collective is not known."""
+
+_COLLECTIVE_LANE = {"tp": "TP comm", "cp": "CP comm", "ep": "EP comm", "fsdp": "FSDP comm"}
+"""Lane of each kind of collective in :attr:`~cfp_megatron.sim.prediction.Event.collectives`."""
+
+MAX_TRACE_EVENTS = 300_000
+"""Most slices a trace keeps (about 60 MB of JSON); beyond it, whole pipeline ranks are left out."""
+
+MAX_PNG_RANKS = 8
+"""Most pipeline ranks the PNG draws (the first, the last, the slowest and evenly spaced others)."""
+
+MAX_PNG_PASSES = 240
+"""Most passes on a rank the PNG draws one by one; beyond, each lane is drawn as :data:`_COLUMNS` columns coloured by
+what takes most of each column's time, shaded by how much of it is taken (a pass would be narrower than a few
+pixels)."""
+
+_COLUMNS = 1500
+"""Columns across the step in the PNG (about its width in pixels); slices of a lane closer than one column are
+merged."""
+
+# What each slice is drawn as: its label in the legend, its colour in the PNG, its reserved colour in chrome://tracing.
+_STYLE = {"forward": ("forward", "#4C72B0", "thread_state_running"),
+          "backward": ("backward (with recompute)", "#55A868", "good"),
+          "optimizer": ("optimizer step", "#8172B3", "olive"),
+          "tp": ("TP/SP collectives", "#C44E52", "bad"),
+          "cp": ("CP ring exchange", "#DD8452", "terrible"),
+          "ep": ("EP all-to-all", "#937860", "rail_response"),
+          "fsdp": ("FSDP gather/scatter", "#DA8BC3", "rail_animation"),
+          "comm": ("communication", "#C44E52", "bad"),
+          "dp_sync": ("DP gradient sync", "#CCB974", "yellow"),
+          "bubble": ("pipeline bubble / p2p wait", "#B0B0B0", "grey"),
+          "wait": ("waits for the slowest stage", "#F6D9A8", "white")}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Slice:
+    """One interval on one lane of one pipeline rank, as drawn."""
+
+    rank: int
+    """Pipeline rank."""
+    lane: str
+    """One of :data:`LANES`."""
+    style: str
+    """What it is (a key of the styles: ``forward``, ``tp``, ``bubble``, ...)."""
+    name: str
+    """Its label in the trace (``F3.c0``: forward of micro-batch 3, chunk 0)."""
+    start_s: float
+    """Start, seconds from the step's start."""
+    end_s: float
+    """End, seconds from the step's start."""
+    microbatch: int = -1
+    """Micro-batch (``-1`` for per-step slices)."""
+    chunk: int = 0
+    """Model chunk on the rank."""
 
 
 def _need_events(prediction: Prediction) -> None:
@@ -26,63 +85,232 @@ def _need_events(prediction: Prediction) -> None:
                                       fix="call simulate(..., with_events=True) before exporting a timeline."))
 
 
-def chrome_trace(prediction: Prediction) -> dict:
-    """The schedule as a Chrome trace-event dict (``traceEvents``, times in microseconds)."""
+def slices(prediction: Prediction) -> list[Slice]:
+    """Every slice of the schedule on its lane, the idle gaps of each rank included (up to the step time)."""
     _need_events(prediction)
-    trace: list[dict] = []
-    ranks = sorted({event.rank for event in prediction.events})
-    for rank in ranks:
-        trace.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"pipeline stage {rank}"}})
-        trace.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": "compute"}})
-        trace.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": 1, "args": {"name": "communication"}})
+    out: list[Slice] = []
     for event in prediction.events:
-        if event.kind in (EventKind.forward, EventKind.backward):
-            name = f"{'F' if event.kind is EventKind.forward else 'B'}{event.microbatch}.c{event.chunk}"
-        else:
-            name = event.kind.value
-        trace.append({"ph": "X", "name": name, "cat": "comm" if event.is_comm else "compute", "pid": event.rank,
-                      "tid": 1 if event.is_comm else 0, "ts": event.start_s * 1e6,
-                      "dur": (event.end_s - event.start_s) * 1e6, "cname": _CNAMES[event.kind],
-                      "args": {"kind": event.kind.value, "microbatch": event.microbatch, "chunk": event.chunk}})
+        kind = event.kind
+        if kind in (EventKind.forward, EventKind.backward):
+            name = f"{'F' if kind is EventKind.forward else 'B'}{event.microbatch}.c{event.chunk}"
+            out.append(Slice(rank=event.rank, lane="compute", style=kind.value, name=name, start_s=event.start_s,
+                             end_s=event.end_s, microbatch=event.microbatch, chunk=event.chunk))
+        elif kind is EventKind.optimizer:
+            out.append(Slice(rank=event.rank, lane="compute", style="optimizer", name="optimizer",
+                             start_s=event.start_s, end_s=event.end_s))
+        elif kind is EventKind.dp_sync:
+            out.append(Slice(rank=event.rank, lane="DP comm", style="dp_sync", name="DP sync", start_s=event.start_s,
+                             end_s=event.end_s))
+        else:  # exposed communication inside a pass, split by collective where the simulator says how
+            parts = event.collectives or (("comm", event.end_s - event.start_s),)
+            start_s = event.start_s
+            for collective, seconds in parts:
+                lane = _COLLECTIVE_LANE.get(collective, "comm")
+                out.append(Slice(rank=event.rank, lane=lane, style=collective if lane != "comm" else "comm",
+                                 name=f"{collective.upper() if lane != 'comm' else 'comm'} mb{event.microbatch}",
+                                 start_s=start_s, end_s=start_s + seconds, microbatch=event.microbatch,
+                                 chunk=event.chunk))
+                start_s += seconds
+    return out + _idle(out, prediction.step_time_s)
+
+
+def _idle(busy: list[Slice], step_s: float) -> list[Slice]:
+    """Each rank's gaps between its slices (``bubble``) and after its last one up to ``step_s`` (``wait``)."""
+    by_rank: dict[int, list[tuple[float, float]]] = {}
+    for piece in busy:
+        by_rank.setdefault(piece.rank, []).append((piece.start_s, piece.end_s))
+    tolerance = step_s * 1e-9
+    out = []
+    for rank, spans in sorted(by_rank.items()):
+        clock = 0.0
+        for start_s, end_s in sorted(spans):
+            if start_s > clock + tolerance:
+                out.append(Slice(rank=rank, lane="idle", style="bubble", name="bubble", start_s=clock, end_s=start_s))
+            clock = max(clock, end_s)
+        if step_s > clock + tolerance:
+            out.append(Slice(rank=rank, lane="idle", style="wait", name="wait", start_s=clock, end_s=step_s))
+    return out
+
+
+def _critical_rank(pieces: Sequence[Slice]) -> int:
+    """The rank whose last busy slice ends last (the one that sets the step time)."""
+    return max((p for p in pieces if p.lane != "idle"), key=lambda p: (p.end_s, -p.rank)).rank
+
+
+def shown_ranks(ranks: Sequence[int], critical: int, limit: int) -> list[int]:
+    """At most ``limit`` of ``ranks`` (sorted): the first, the last, ``critical`` and evenly spaced others."""
+    ranks = sorted(ranks)
+    if len(ranks) <= limit:
+        return ranks
+    keep = {ranks[0], ranks[-1], critical}
+    step = (len(ranks) - 1) / max(limit - 1, 1)
+    for index in range(limit):
+        if len(keep) >= limit:
+            break
+        keep.add(ranks[round(index * step)])
+    return sorted(keep)[:max(limit, 3)]
+
+
+def _lanes(pieces: Sequence[Slice]) -> list[str]:
+    """The lanes drawn: compute and idle always, the communication lanes that hold a slice."""
+    used = {p.lane for p in pieces}
+    return [lane for lane in LANES if lane in used or lane in ("compute", "idle")]
+
+
+def chrome_trace(prediction: Prediction, *, title: str = "", max_events: int = MAX_TRACE_EVENTS) -> dict:
+    """The schedule as a Chrome trace-event dict (``traceEvents``, times in microseconds): a process per pipeline rank,
+    a thread per lane (:data:`LANES`). Over ``max_events`` slices, whole ranks are left out (the first, the last and
+    the slowest kept) and ``otherData.note`` says which."""
+    pieces = slices(prediction)
+    ranks = sorted({p.rank for p in pieces})
+    critical = _critical_rank(pieces)
+    keep = ranks
+    if len(pieces) > max_events:
+        per_rank = len(pieces) / len(ranks)
+        keep = shown_ranks(ranks, critical, max(int(max_events // per_rank), 1))
+    kept = set(keep)
+    pieces = [p for p in pieces if p.rank in kept]
+    note = "" if keep == ranks else (f"{len(keep)} of {len(ranks)} pipeline ranks kept ({_ranks_text(keep)}): the "
+                                     f"whole schedule has more than {max_events:,} slices")
+    lanes = _lanes(pieces)
+    trace: list[dict] = []
+    for rank in keep:
+        label = f"pipeline stage {rank}" + (" (slowest)" if rank == critical and len(ranks) > 1 else "")
+        trace.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": label}})
+        trace.append({"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}})
+        for lane in lanes:
+            tid = LANES.index(lane)
+            trace.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": lane}})
+            trace.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid,
+                          "args": {"sort_index": tid}})
+    for p in pieces:
+        category = "idle" if p.lane == "idle" else "compute" if p.lane == "compute" else "comm"
+        trace.append({"ph": "X", "name": p.name, "cat": category, "pid": p.rank, "tid": LANES.index(p.lane),
+                      "ts": p.start_s * 1e6, "dur": (p.end_s - p.start_s) * 1e6, "cname": _STYLE[p.style][2],
+                      "args": {"kind": p.style, "microbatch": p.microbatch, "chunk": p.chunk}})
     return {"traceEvents": trace, "displayTimeUnit": "ms",
-            "otherData": {"step_time_s": prediction.step_time_s, "bubble_fraction": prediction.bubble_fraction}}
+            "otherData": {"title": title, "step_time_s": prediction.step_time_s,
+                          "bubble_fraction": prediction.bubble_fraction,
+                          "num_microbatches": prediction.num_microbatches, "pipeline_ranks": len(ranks),
+                          "slowest_rank": critical, "note": note}}
 
 
-def write_chrome_trace(prediction: Prediction, path: str | Path) -> Path:
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return ", ".join(str(rank) for rank in ranks)
+
+
+def write_chrome_trace(prediction: Prediction, path: str | Path, *, title: str = "",
+                       max_events: int = MAX_TRACE_EVENTS) -> Path:
     """Write :func:`chrome_trace` to ``path`` (JSON); returns the path."""
     path = Path(path)
-    path.write_text(json.dumps(chrome_trace(prediction)))
+    path.write_text(json.dumps(chrome_trace(prediction, title=title, max_events=max_events)))
     return path
 
 
-def write_png(prediction: Prediction, path: str | Path, *, title: str = "") -> Path:
-    """Draw the schedule as a Gantt chart (one row per stage: compute above, communication below; seconds on the x
-    axis) to ``path`` (PNG); returns the path."""
-    _need_events(prediction)
+def _merged(spans: list[tuple[float, float]], gap: float) -> list[tuple[float, float]]:
+    """``spans`` (sorted) with those less than ``gap`` apart joined: what a pixel can show."""
+    out: list[list[float]] = []
+    for start, end in spans:
+        if out and start - out[-1][1] < gap:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(start, end - start) for start, end in out]
+
+
+def _draw_columns(ax: object, pieces: Sequence[Slice], rows: dict[tuple[int, str], float], step_s: float,
+                  scale: float) -> None:
+    """Draw each lane as :data:`_COLUMNS` columns: the colour of the style that takes most of a column's time, its
+    opacity from the share of the column the lane is busy (at least a quarter where anything runs)."""
+    import numpy as np
+    from matplotlib.colors import to_rgb
+
+    styles = list(_STYLE)
+    width = step_s / _COLUMNS
+    busy = np.zeros((len(rows), len(styles), _COLUMNS))
+    index = {key: position for position, key in enumerate(rows)}
+    for p in pieces:
+        row, style = index[(p.rank, p.lane)], styles.index(p.style)
+        first, last = int(p.start_s / width), min(int(p.end_s / width), _COLUMNS - 1)
+        for column in range(first, last + 1):
+            overlap = min(p.end_s, (column + 1) * width) - max(p.start_s, column * width)
+            if overlap > 0:
+                busy[row, style, column] += overlap
+    colours = np.array([to_rgb(_STYLE[style][1]) for style in styles])
+    share = np.clip(busy.sum(axis=1) / width, 0.0, 1.0)
+    image = np.zeros((len(rows), _COLUMNS, 4))
+    image[..., :3] = colours[busy.argmax(axis=1)]
+    image[..., 3] = np.where(share > 0, 0.25 + 0.75 * share, 0.0)
+    for key, position in index.items():
+        row = rows[key]
+        ax.imshow(image[position:position + 1], extent=(0, step_s * scale, row + 0.4, row - 0.4), aspect="auto",
+                  interpolation="nearest")
+
+
+def write_png(prediction: Prediction, path: str | Path, *, title: str = "", max_ranks: int = MAX_PNG_RANKS,
+              metadata: dict[str, str] | None = None) -> Path:
+    """Draw the schedule as a timeline to ``path`` (PNG, with the text chunks ``metadata``; returns the path): per
+    pipeline rank a row each for compute, the communication the plan exposes and idle time, time since the step's
+    start on the x axis. At most ``max_ranks`` ranks are drawn (the picture says which)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    ranks = sorted({event.rank for event in prediction.events})
-    fig, ax = plt.subplots(figsize=(14, 0.6 * len(ranks) + 1.5))
-    for event in prediction.events:
-        row = ranks.index(event.rank)
-        offset = 0.22 if event.is_comm else -0.12
-        height = 0.18 if event.is_comm else 0.5
-        ax.broken_barh([(event.start_s, event.end_s - event.start_s)], (row + offset, height),
-                       facecolors=_COLOURS[event.kind], edgecolor="white", linewidth=0.3)
-    ax.set_yticks(range(len(ranks)), [f"stage {rank}" for rank in ranks])
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds")
-    ax.set_title(title or f"simulated step {prediction.step_time_s:.3f} s, bubble {prediction.bubble_fraction:.1%}")
-    present = {event.kind for event in prediction.events}
-    handles = [Patch(color=colour, label=kind.value) for kind, colour in _COLOURS.items() if kind in present]
-    ax.legend(handles=handles, loc="upper center", fontsize=7, ncol=6,
-              bbox_to_anchor=(0.5, -0.12 - 0.3 / len(ranks)), frameon=False)
-    fig.tight_layout()
+    pieces = slices(prediction)
+    ranks = sorted({p.rank for p in pieces})
+    critical = _critical_rank(pieces)
+    keep = shown_ranks(ranks, critical, max_ranks)
+    kept = set(keep)
+    pieces = [p for p in pieces if p.rank in kept]
+    lanes = _lanes(pieces)
+    step_s = prediction.step_time_s
+    unit, scale = ("ms", 1e3) if step_s < 2 else ("s", 1.0)
+    rows = {(rank, lane): index * (len(lanes) + 0.6) + position
+            for index, rank in enumerate(keep) for position, lane in enumerate(lanes)}
+    total_rows = len(keep) * (len(lanes) + 0.6)
+    passes = sum(1 for p in pieces if p.rank == critical and p.style in ("forward", "backward"))
+    dense = passes > MAX_PNG_PASSES
+    height = 1.6 + 0.21 * total_rows + 0.15 * (keep != ranks) + 0.15 * dense
+    fig, ax = plt.subplots(figsize=(15, height))
+    if dense:
+        _draw_columns(ax, pieces, rows, step_s, scale)
+    else:
+        spans: dict[tuple[int, str, str], list[tuple[float, float]]] = {}
+        for p in pieces:
+            spans.setdefault((p.rank, p.lane, p.style), []).append((p.start_s * scale, p.end_s * scale))
+        for (rank, lane, style), intervals in spans.items():
+            ax.broken_barh(_merged(sorted(intervals), step_s * scale / _COLUMNS), (rows[(rank, lane)] - 0.4, 0.8),
+                           facecolors=_STYLE[style][1], edgecolor="white" if lane == "compute" else "none",
+                           linewidth=0.4)
+    ticks = sorted(rows.items(), key=lambda item: item[1])
+    ax.set_yticks([row for _, row in ticks],
+                  [f"stage {rank}" + ("*" if rank == critical and len(ranks) > 1 else "") + f"  {lane}"
+                   if lane == "compute" else lane for (rank, lane), row in ticks], fontsize=8)
+    for index in range(1, len(keep)):
+        ax.axhline(index * (len(lanes) + 0.6) - 0.8, color="#888888", linewidth=0.6)
+    ax.set_ylim(total_rows - 0.4, -0.8)
+    ax.set_xlim(0, step_s * scale * 1.005)
+    ax.set_xlabel(f"time since the step's start ({unit})")
+    ax.grid(axis="x", color="#DDDDDD", linewidth=0.5)
+    ax.set_axisbelow(True)
+    header = title or "simulated training step"
+    facts = (f"step {step_s * scale:.4g} {unit}, {prediction.num_microbatches} micro-batches, bubble "
+             f"{prediction.bubble_fraction:.1%} of the schedule on the slowest stage"
+             + (" (marked *)" if len(ranks) > 1 else ""))
+    if dense:
+        facts += (f"\n{passes} passes per stage: each column shows what takes most of its time on the lane, "
+                  "fainter where the lane is partly idle")
+    if keep != ranks:
+        facts += f"\nshowing {len(keep)} of {len(ranks)} pipeline stages ({_ranks_text(keep)}); the trace has all"
+    ax.set_title(f"{header}\n{facts}", fontsize=10, loc="left")
+    present = {p.style for p in pieces}
+    handles = [Patch(color=colour, label=label) for style, (label, colour, _) in _STYLE.items() if style in present]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, 0.0))
+    fig.tight_layout(rect=(0, 0.3 / height, 1, 1))
     path = Path(path)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata=metadata)
     plt.close(fig)
     return path

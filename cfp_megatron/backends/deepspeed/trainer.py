@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cfp_megatron.backends.deepspeed import checkpoint
 from cfp_megatron.backends.deepspeed.zero_plan import model_job
 from cfp_megatron.base.config import JobSpec, Precision
 from cfp_megatron.base.flops import training_flops_per_token
@@ -82,9 +83,12 @@ def train_step(engine: Any, micro_batches: list[dict[str, torch.Tensor]]) -> tup
     lr = float(engine.get_lr()[0])
     before = engine.global_steps
     total = torch.zeros((), dtype=torch.float64)
-    for batch in micro_batches:
+    own_norm = None
+    for i, batch in enumerate(micro_batches):
         loss = _micro_loss(engine, batch)
         engine.backward(loss)
+        if i == len(micro_batches) - 1 and engine.zero_optimization_stage() == 0:
+            own_norm = _module_grad_norm(engine)  # DeepSpeed keeps no norm at stage 0; step() clears the grads
         engine.step()
         total += loss.detach().to("cpu", torch.float64)
     if engine.global_steps != before + 1:
@@ -95,7 +99,19 @@ def train_step(engine: Any, micro_batches: list[dict[str, torch.Tensor]]) -> tup
         mean = mean.cuda()
     dist.all_reduce(mean)
     norm = engine.get_global_grad_norm()
+    if norm is None or (own_norm is not None and float(norm) == 0.0):
+        norm = own_norm
     return float(mean) / dist.get_world_size(), float(norm or 0.0), lr, bool(engine.was_step_applied())
+
+
+def _module_grad_norm(engine: Any) -> float | None:
+    """The global L2 norm of the module's gradients before clipping, read after the accumulation boundary's backward
+    (at ZeRO stage 0 DeepSpeed has all-reduced them over data parallelism then, so every rank holds the same full
+    gradients and no further reduction is needed; ``None`` when the optimizer keeps its own gradient copies)."""
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    if not grads:
+        return None
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
 
 
 def run_training(job: JobSpec, plan: Plan, config: dict[str, Any], dims: ParallelDims, env: LaunchEnv, *,
@@ -108,9 +124,8 @@ def run_training(job: JobSpec, plan: Plan, config: dict[str, Any], dims: Paralle
     model, engine = build_engine(job, plan, config, dims)
     step = 0
     if resume and t.checkpoint_dir is not None:
-        path, _ = engine.load_checkpoint(t.checkpoint_dir)
-        step = engine.global_steps
-        log.event("resume", step=step, path=path)
+        path, step = checkpoint.load(engine, t.checkpoint_dir, trust_unverified=t.trust_unverified_checkpoint)
+        log.event("resume", step=step, path=path, restart_count=env.restart_count)
     precision = Precision(plan.precision)
     peak, peak_source = peak_tflops(job.cluster, precision)
     flops_per_token = training_flops_per_token(job.model, t.seq_length)
@@ -152,5 +167,5 @@ def run_training(job: JobSpec, plan: Plan, config: dict[str, Any], dims: Paralle
 
 
 def _save(engine: Any, folder: str, step: int, plan: Plan, log: MetricsLog) -> None:
-    engine.save_checkpoint(folder, tag=f"global_step{step}", client_state={"plan": plan.canonical()})
-    log.event("checkpoint", step=step, path=str(Path(folder) / f"global_step{step}"))
+    saved = checkpoint.save(engine, folder, step, client_state={"plan": plan.canonical()})
+    log.event("checkpoint", step=step, path=str(saved))

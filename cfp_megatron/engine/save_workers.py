@@ -1,0 +1,77 @@
+"""Keep Megatron's checkpoint-writer processes from outliving the rank that started them.
+
+``dist_checkpointing.save`` (torch_dist format, synchronous or asynchronous) writes through Megatron's
+``FileSystemWriterAsync``: it forks one writer per bucket, and the first save starts a ``multiprocessing`` Manager
+(a *spawned* interpreter that re-imports the launch script: ~350 MB) whose queue collects the writers' results.
+When the rank is killed (SIGKILL, OOM killer, torchrun tearing a failed job down), nothing stops that Manager: it is
+reparented to init and lives on. Here the Manager is started by us with ``PR_SET_PDEATHSIG`` (Linux: the kernel
+sends SIGKILL when its parent dies) and every child forked during a save gets the same, so a kill of the rank ends
+its writers too. A clean exit shuts the Manager down as before (multiprocessing's finalizer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1
+_state: dict[str, Any] = {"active": False, "hooked": False, "manager": None, "parent": None}
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a child process: ask the kernel for SIGKILL when the parent dies; exit now if it died already."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _before_fork() -> None:
+    _state["parent"] = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    if _state["active"] and _state["parent"] is not None:
+        die_with_parent(_state["parent"])
+
+
+def _results_queue() -> Any:
+    """A Manager queue whose server process dies with this one (the queue Megatron's writers report to)."""
+    if _state["manager"] is None:
+        from multiprocessing.managers import SyncManager
+
+        manager = SyncManager(ctx=mp.get_context("spawn"))
+        manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+        _state["manager"] = manager
+        _state["queue"] = manager.Queue()
+    return _state["queue"]
+
+
+@contextlib.contextmanager
+def tied_to_this_process() -> Iterator[None]:
+    """Around ``dist_checkpointing.save``: the writers it forks and the Manager it uses die with this process.
+    Only from the main thread on Linux (the parent-death signal follows the thread that forked); elsewhere a no-op."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not _state["hooked"]:
+        os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+        _state["hooked"] = True
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = _results_queue()
+    _state["active"] = True
+    try:
+        yield
+    finally:
+        _state["active"] = False

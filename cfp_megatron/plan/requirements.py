@@ -1,0 +1,36 @@
+"""What running a plan needs beyond Megatron-Core on PyTorch: the packages and hardware its layout and model use.
+
+The preflight prints them and writes them to plan.json (``requires``), so that a plan made on a laptop for a GPU
+cluster says up front that, for example, its context parallelism runs only on Transformer Engine's attention.
+"""
+
+from __future__ import annotations
+
+from cfp_megatron.base.backend_spec import BackendKind
+from cfp_megatron.base.config import AttentionKind, MlpPartition, ModelSpec, TokenDispatcher
+from cfp_megatron.plan.artifact import Plan
+
+
+def plan_requirements(plan: Plan, model: ModelSpec) -> tuple[str, ...]:
+    """One line per requirement of ``plan`` on ``model``: what is needed, then (after a colon) the setting that needs
+    it; empty when plain Megatron-Core on PyTorch runs it."""
+    p, needs = plan.parallel, []
+    if plan.backend is BackendKind.deepspeed:
+        needs.append("DeepSpeed: backend=deepspeed (pip install cfp-megatron[deepspeed])")
+    if p.cp > 1:
+        needs.append(f"Transformer Engine: parallel.cp={p.cp} (context parallelism runs on Transformer Engine's "
+                     "attention)")
+    if p.tp_comm_overlap:
+        needs.append("Transformer Engine and a GPU: parallel.tp_comm_overlap=true (userbuffers overlap of the TP "
+                     "communication)")
+    if model.attention is AttentionKind.mla:
+        needs.append("Transformer Engine: model.attention=mla (Megatron-Core runs multi-latent attention only on "
+                     "Transformer Engine's attention)")
+    if model.is_moe and model.moe_token_dispatcher is TokenDispatcher.flex:
+        needs.append("DeepEP and a GPU: model.moe_token_dispatcher=flex (DeepEP's dispatch/combine kernels)")
+    if p.moe_a2a_overlap:
+        needs.append("a GPU: parallel.moe_a2a_overlap=true (the expert all-to-all overlap runs on CUDA streams)")
+    if p.mlp is MlpPartition.primepar:
+        needs.append("cfp-megatron's trainer (launch/train.py): parallel.mlp=primepar (Megatron-LM's scripts have "
+                     "no PrimePar MLP)")
+    return tuple(needs)

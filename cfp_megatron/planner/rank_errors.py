@@ -1,0 +1,95 @@
+"""Saying a user error (a :class:`~cfp_megatron.base.errors.CfpError`) once per node, on every rank's way out.
+
+Every rank finds the same config error before any process group exists, and torchrun stops the other ranks as soon
+as the first one exits: a rank that exits before the message is out may get the printing rank killed. So the first
+rank of each node (local rank 0) prints the message, flushes stderr, writes it to its torchrun error file (torchrun
+then shows it as the root cause in its closing summary) and leaves a marker in the attempt's log folder; the other
+ranks wait for that marker (at most :data:`WAIT_S`) before exiting, and print the message themselves, prefixed with
+their rank, when it does not come (the error hit only them, or no marker folder exists). See
+docs/configuration.md ("When a setting is wrong").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from rich.console import Console
+
+from cfp_megatron.base.errors import CfpError
+from cfp_megatron.base.files import write_atomic
+from cfp_megatron.base.launch_env import LaunchEnv
+
+WAIT_S = 30.0
+"""How long a rank other than its node's first waits for that rank to have printed the message."""
+POLL_S = 0.05
+"""How often a waiting rank looks for the marker."""
+MARKER = "cfp-error-printed"
+"""File the printing rank writes into torchrun's attempt log folder once the message is on stderr."""
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+"""Where torchrun reads a worker's error (``<log dir>/<run>/attempt_<n>/<local rank>/error.json``)."""
+
+
+def marker_path() -> Path | None:
+    """The marker of this torchrun attempt on this node: beside the local ranks' error-file folders (one folder per
+    launch and attempt, made by torchrun); ``None`` without torchrun's error file."""
+    error_file = os.environ.get(ERROR_FILE_ENV, "")
+    if not error_file or error_file == os.devnull:
+        return None
+    return Path(error_file).parent.parent / MARKER
+
+
+def error_text(err: CfpError, rank: int | None = None) -> tuple[str, str]:
+    """The title (with ``[rank N]`` for a rank other than 0) and the body of the message for ``err``."""
+    where = f" [rank {rank}]" if rank else ""
+    return f"cfp-megatron: {type(err).__name__}{where}", str(err)
+
+
+def report_error(err: CfpError, env: LaunchEnv | None = None, *, stream: TextIO | None = None) -> bool:
+    """Say ``err`` as described in the module docstring; return whether this rank printed it. Returns only once the
+    message is on ``stream`` (default ``sys.stderr``, flushed) or the node's first rank has marked it printed."""
+    env = env if env is not None else LaunchEnv.read()
+    found = time.time()
+    marker = marker_path()
+    if env.under_torchrun and env.local_rank != 0 and marker is not None and _wait_for(marker, WAIT_S):
+        return False
+    title, body = error_text(err, env.rank)
+    out = stream if stream is not None else sys.stderr
+    console = Console(file=out, highlight=False, soft_wrap=True)
+    console.print(title, style="bold red", markup=False)
+    console.print(body, markup=False)
+    out.flush()
+    _write_error_file(f"{title}\n{body}", found)
+    if env.local_rank == 0 and marker is not None:
+        with contextlib.suppress(OSError):  # else the waiting ranks print it themselves after WAIT_S
+            write_atomic(marker, f"{env.rank}\n")
+    return True
+
+
+def _wait_for(marker: Path, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not marker.exists():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
+def _write_error_file(text: str, found: float) -> None:
+    """Write ``text`` to torchrun's error file in the layout its ``ProcessFailure`` reads (the ``py_callstack`` is
+    what its summary shows); nothing without one."""
+    path = os.environ.get(ERROR_FILE_ENV, "")
+    if not path or path == os.devnull:
+        return
+    data = {"message": {"message": text.splitlines()[0], "extraInfo": {"py_callstack": text,
+                                                                        "timestamp": str(int(found))}}}
+    with contextlib.suppress(OSError):  # the message is on stderr already
+        write_atomic(path, json.dumps(data))
+
+
+__all__ = ["WAIT_S", "error_text", "marker_path", "report_error"]
