@@ -47,11 +47,11 @@ def planned(job: JobSpec, cfp: CfpSpec, backend: BackendSpec, env: LaunchEnv, co
     if console is not None:
         console.print(f"cfp: planned in {time.perf_counter() - began:.1f} s (profiling {outcome.wall_s:.1f} s)",
                       markup=False)
-    if plan.predicted is None or cfp.check_after_steps == 0 or cfp.check_after_steps > job.train.steps:
+    if plan.predicted is None or cfp.check_after_steps == 0:
         return plan, None
     # kept apart from the Megatron backend's checks, which calibrate Megatron plans (ProfileDB.step_time_calibration)
     check = PlanCheck(plan=plan.canonical(), model_key=f"{model_key(job, on_gpu=on_gpu)}+deepspeed",
-                      after_steps=cfp.check_after_steps,
+                      after_steps=min(cfp.check_after_steps, job.train.steps),  # a shorter run: its last step
                       predicted_step_s=plan.predicted.step_time_s, calibration=1.0,
                       predicted_peak_bytes=None)
     return plan, check

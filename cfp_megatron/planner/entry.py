@@ -126,9 +126,7 @@ def _with_plan(launch: LaunchPlan, cfp: CfpSpec, console: Console | None) -> tup
                               "model: the profile has not measured them", markup=False)
     if plan.predicted is None or cfp.check_after_steps == 0:
         return job, None
-    steps = cfp.check_after_steps
-    if steps > job.train.steps:
-        return job, None
+    steps = min(cfp.check_after_steps, job.train.steps)  # a shorter run is checked at its last step
     if job.train.memory_step is None:
         job = dataclasses.replace(job, train=dataclasses.replace(job.train, memory_step=steps))
     check = PlanCheck(plan=plan.canonical(), model_key=model_key(job, on_gpu=torch.cuda.is_available()),
