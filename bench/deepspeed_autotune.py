@@ -1,8 +1,9 @@
 """Our DeepSpeed plan against the grid DeepSpeed's autotuner would run, on this machine (CPU, gloo).
 
-Run: ``python bench/deepspeed_autotune.py [--nproc 4] [--model gpt_tiny] [--gbs 32] [--seq 64] [--steps 10]``
-(alone on an idle machine; about 5 minutes). ``CFP_CACHE_DIR`` is pointed at an empty folder unless ``--reuse-profile``
-is given, so our time includes profiling the machine from scratch.
+Run: ``python bench/deepspeed_autotune.py [--nproc 4] [--model gpt_tiny] [--gbs 32] [--seq 64] [--steps 10]
+[--markdown docs/figures/deepspeed_autotune.md]`` (alone on an idle machine; about 5 minutes; ``--markdown`` also
+writes what it printed as a snippet for the docs, with the date and machine). ``CFP_CACHE_DIR`` is pointed at an
+empty folder unless ``--reuse-profile`` is given, so our time includes profiling the machine from scratch.
 
 1. **Ours.** ``launch/train.py backend=deepspeed +cfp=auto train.steps=1``: profiles, searches the DeepSpeed space
    (ZeRO stage x micro-batch x activation checkpointing; offload is not tried on CPU ranks) and prints how long
@@ -22,6 +23,8 @@ Asserts nothing; figures on a loaded machine are noisy.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
@@ -33,6 +36,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import snippet
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,7 +67,36 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--reuse-profile", action="store_true", help="keep CFP_CACHE_DIR (a stored ProfileDB)")
+    parser.add_argument("--markdown", type=snippet.check_path, metavar="FILE.md",
+                        help="also write what this prints as a docs snippet (command, date and machine first)")
     args = parser.parse_args()
+    first_line = snippet.header()
+    printed = _Tee(sys.stdout)
+    with contextlib.redirect_stdout(printed):
+        _bench(args)
+    if args.markdown:
+        snippet.write(args.markdown, first_line, ["```text", *printed.text().strip("\n").splitlines(), "```"])
+
+
+class _Tee(io.TextIOBase):
+    """Writes through to ``stream`` and keeps a copy."""
+
+    def __init__(self, stream: io.TextIOBase) -> None:
+        self.stream, self.copy = stream, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        return self.copy.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def text(self) -> str:
+        """Everything written so far."""
+        return self.copy.getvalue()
+
+
+def _bench(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="cfp-ds-bench-"))
     env = {**os.environ, "CFP_CACHE_DIR": os.environ.get("CFP_CACHE_DIR", "") if args.reuse_profile else
            str(work / "cache"), "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}

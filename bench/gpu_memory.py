@@ -1,4 +1,4 @@
-"""Predicted peak memory per rank against what one rank allocates while it trains (issue C's memory check).
+"""Predicted peak memory per rank against what one rank allocates while it trains.
 
 Run on a machine with a GPU: ``python bench/gpu_memory.py [--model llama3_8b] [--seq 4096] [--fill 0.6]
 [--recompute none selective full] [--micro-batches 1 2] [--cluster auto]``.

@@ -1,4 +1,4 @@
-"""PrimePar's P_{2x2} MLP against Megatron's TP=4 MLP on 4 gloo ranks: measured and simulated (issue F).
+"""PrimePar's P_{2x2} MLP against Megatron's TP=4 MLP on 4 gloo ranks: measured and simulated.
 
 Run: ``python bench/primepar_mlp.py [--repeats 10] [--warmup 2] [--no-swiglu] [--profile] [--json out.json]``.
 

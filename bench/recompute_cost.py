@@ -1,4 +1,4 @@
-"""What recomputation costs in step time on this machine, measured against the simulator (issue C).
+"""What recomputation costs in step time on this machine, measured against the simulator.
 
 Run: ``python bench/recompute_cost.py [--recompute selective] [--nproc 4] [--steps 12] [--gbs 16] [--seq 64]
 [--layouts dp4-tp1-pp1-mb4 dp2-tp1-pp2-mb8 ...]``.

@@ -1,4 +1,4 @@
-"""Checkpoint integrity (issue K): every save writes a manifest, a resume verifies it before anything is unpickled,
+"""Checkpoint integrity: every save writes a manifest, a resume verifies it before anything is unpickled,
 and each kind of damage is one CheckpointError naming the file (quick, in-process); the drills run the real trainer
 under torchrun against planted pickles, zeroed and truncated shards, and a kill of a rank that saved."""
 

@@ -1,4 +1,4 @@
-"""The DeepSpeed backend's planning side (issue G), without processes: the backend group, Plan's canonical
+"""The DeepSpeed backend's planning side, without processes: the backend group, Plan's canonical
 string and file, ds_config.json, the ZeRO simulator and the search."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DeepSpeed restart parity with the Megatron backend (issue K): a torchrun restart resumes from the newest complete
+"""DeepSpeed restart parity with the Megatron backend: a torchrun restart resumes from the newest complete
 checkpoint, ``train.resume=true`` on an empty folder is a CheckpointError, the gradient norm is logged at ZeRO stage 0,
 and DeepSpeed's pickles are verified (manifest) and loaded weights-only. All drills: several torchrun runs each."""
 

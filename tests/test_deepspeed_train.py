@@ -1,4 +1,4 @@
-"""``launch/train.py backend=deepspeed`` on gloo ranks (issue G): each ZeRO stage chosen by a plan trains with the
+"""``launch/train.py backend=deepspeed`` on gloo ranks: each ZeRO stage chosen by a plan trains with the
 single-rank reference's losses; ``+cfp=auto`` profiles, probes the engine, plans and trains."""
 
 from __future__ import annotations

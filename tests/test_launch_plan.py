@@ -1,4 +1,4 @@
-"""``launch/train.py +cfp=auto`` / ``+cfp=manual`` (issue E): plan at launch on 4 gloo ranks, train with the plan,
+"""``launch/train.py +cfp=auto`` / ``+cfp=manual``: plan at launch on 4 gloo ranks, train with the plan,
 check the first steps against the prediction; reuse the plan on a second launch into the same run directory; plan
 again on 2 ranks and resume the checkpoint under the new plan; apply a saved plan by hand; refuse contradictory
 constraints before any process group."""

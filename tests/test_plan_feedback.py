@@ -1,4 +1,4 @@
-"""Feedback that cannot poison and plans that say what was not measured (issue J): the measured/predicted ratio is a
+"""Feedback that cannot poison and plans that say what was not measured: the measured/predicted ratio is a
 robust median tied to its profile and layout family, a busy machine and an outlier run are recorded but not trusted,
 memory is never said to be calibrated; a plan whose partitions were not measured is marked. Pure (no process
 group)."""

@@ -1,4 +1,4 @@
-"""PrimePar's MLP in the simulator and the search (issue F): its cost is the per-step max of GEMM and ring transfer,
+"""PrimePar's MLP in the simulator and the search: its cost is the per-step max of GEMM and ring transfer,
 its memory keeps fc1's input as one block of the grid, and the search offers it only where the runtime runs it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Complete profiles (issue J): every round records which of its entries it measured and which are missing, and the
+"""Complete profiles: every round records which of its entries it measured and which are missing, and the
 next run measures only the missing ones until the profile is complete. Pure: the rounds' real step lists (closures,
 nothing runs), with made-up figures for the steps a cut-off round would have finished (no process group)."""
 

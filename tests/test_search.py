@@ -1,4 +1,4 @@
-"""The search (issue D): the bounded search returns exactly what an exhaustive one does on random small spaces, its
+"""The search: the bounded search returns exactly what an exhaustive one does on random small spaces, its
 bounds never exceed the simulated step, plans are the same in another process, pins and sets are obeyed, and the
 families it rules out come with their reasons. Jobs are composed from the real Hydra configs."""
 

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -97,16 +98,31 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+SAVE_FAULT_ENV = "CFP_SAVE_FAULT"
+"""Fault-drill hook: ``<phase>:<folder name>`` (``manifest:iter_0000004``) SIGKILLs the publishing rank inside that
+save, in a torchrun job's first attempt only: ``manifest`` (every rank's files written, no manifest yet), ``rename``
+(manifest written, folder not renamed) or ``pointer`` (renamed, pointer not updated)."""
+
+
+def _fault_point(phase: str, final: Path) -> None:
+    if (os.environ.get(SAVE_FAULT_ENV) == f"{phase}:{final.name}"
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def publish(partial: Path, final: Path, pointer: Path, text: str) -> None:
     """Make the save in ``partial`` the newest complete checkpoint (rank 0, after every rank wrote its part): its
     manifest, then the rename of the folder to ``final``, then ``text`` written into the ``pointer`` file (``latest``)
     through a temporary file and a rename, each synced to disk; a kill at any point leaves the previous checkpoint
     and its pointer as they were."""
+    _fault_point("manifest", final)
     write_manifest(partial)
+    _fault_point("rename", final)
     if final.exists():
         shutil.rmtree(final)
     os.replace(partial, final)
     fsync_dir(final.parent)
+    _fault_point("pointer", final)
     tmp = pointer.with_name(pointer.name + ".tmp")
     with open(tmp, "w") as fh:
         fh.write(text)
