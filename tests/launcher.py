@@ -122,6 +122,21 @@ def run_killing_a_rank(nproc: int, overrides: list[str], workdir: Path, *, metri
     return returncode, log.read_text()
 
 
+def run_with_a_rank_killed(nproc: int, overrides: list[str], workdir: Path, *, kill_at_step: int,
+                           save_interval: int = 2, timeout: float = 600) -> tuple[int, str, list[dict], Path]:
+    """:func:`run_killing_a_rank` of a job that checkpoints every ``save_interval`` steps into ``workdir/ckpt``:
+    (torchrun's exit code, its output, rank 0's metrics records, the checkpoint folder)."""
+    ckpt, metrics = workdir / "ckpt", workdir / "job" / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True)
+    args = [*overrides, f"train.save_interval={save_interval}", f"train.checkpoint_dir={ckpt}",
+            f"train.metrics_file={metrics}", f"hydra.run.dir={workdir / 'job' / 'run'}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    returncode, output = run_killing_a_rank(nproc, args, workdir / "job", metrics=metrics, kill_at_step=kill_at_step,
+                                            env=env, timeout=timeout)
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return returncode, output, records, ckpt
+
+
 def _session_members(sid: int) -> list:
     """Live processes of session ``sid`` (what torchrun started, orphans included)."""
     import psutil

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
 
 from cfp_megatron.base.errors import CheckpointError
 from cfp_megatron.engine import checkpoint, manifest
-from tests.launcher import run_killing_a_rank, run_train
+from tests.launcher import run_train, run_with_a_rank_killed
 
 STEPS = 6
 COMMON = ["train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_length=64", "train.warmup_steps=0",
@@ -102,10 +100,6 @@ def test_save_under_tp2_pp2_resume_under_other_layouts(tmp_path: Path) -> None:
     assert checkpoint.latest_step(ckpt) == STEPS
 
 
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 @pytest.mark.slow
 def test_killed_rank_restarts_and_resumes_from_last_checkpoint(tmp_path: Path) -> None:
     steps = 10
@@ -113,16 +107,9 @@ def test_killed_rank_restarts_and_resumes_from_last_checkpoint(tmp_path: Path) -
     reference = run_train(1, common, tmp_path / "ref")
     assert reference.returncode == 0, reference.output[-4000:]
 
-    ckpt, metrics = tmp_path / "ckpt", tmp_path / "job" / "metrics.jsonl"
-    metrics.parent.mkdir(parents=True)
-    overrides = [*common, "train.save_interval=2", f"train.checkpoint_dir={ckpt}", f"train.metrics_file={metrics}",
-                 f"hydra.run.dir={tmp_path / 'job' / 'run'}"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    returncode, output = run_killing_a_rank(2, overrides, tmp_path / "job", metrics=metrics, kill_at_step=5, env=env,
-                                            timeout=600)  # rank 1 dies mid-run
+    returncode, output, records, ckpt = run_with_a_rank_killed(2, common, tmp_path, kill_at_step=5)  # rank 1 dies
     assert returncode == 0, output[-4000:]
 
-    records = _records(metrics)
     resume = [r for r in records if r["event"] == "resume"]
     assert len(resume) == 1 and resume[0]["restart_count"] == 1
     resumed_at = resume[0]["step"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from cfp_megatron.base.config import Backend, ClusterSpec, JobSpec, Network, ParallelSpec, job_from_config
+from cfp_megatron.base.config import ClusterSpec, JobSpec, Network, ParallelSpec, job_from_config
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.cluster.costs import CollectiveCosts, group_placement
@@ -23,7 +23,7 @@ from cfp_megatron.profile.cluster import measured_cluster
 from cfp_megatron.sim import simulate
 from cfp_megatron.sim.calibration import FITTED, efficiency_for, generation
 from cfp_megatron.sim.kernels import KernelModel, target_peak_tflops
-from cfp_megatron.sim.layout import build_layout, place
+from cfp_megatron.sim.layout import place
 from cfp_megatron.validate import gpu_preset
 from tests.test_config import _schema, compose_cfg, make_job  # noqa: F401  (_schema: the schema fixture)
 
@@ -53,19 +53,6 @@ def big_job(preset: str, *overrides: str) -> JobSpec:
 
 def test_every_asked_for_preset_exists() -> None:
     assert not [n for n in NEW_PRESETS if n not in CLUSTER_PRESETS]
-
-
-@pytest.mark.parametrize("name", CLUSTER_PRESETS)
-def test_preset_composes_and_validates(name: str) -> None:
-    c = cluster(f"cluster={name}")
-    assert c.name == name
-    assert c.backend is Backend.auto
-    if c.gpus_per_node is None:
-        return
-    world = c.nodes * c.gpus_per_node
-    job = make_job(f"cluster={name}", f"train.global_batch_size={2 * world}")
-    assert ParallelDims.build(job, world, te_available=False).dp == world
-    assert build_layout(job).domain_size == c.domain_size()
 
 
 @pytest.mark.parametrize("name", GPU_PRESETS)

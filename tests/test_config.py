@@ -29,6 +29,7 @@ from cfp_megatron.base.config import (
 )
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.base.parallel_dims import ParallelDims
+from cfp_megatron.sim.layout import build_layout
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 MODEL_PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
@@ -186,6 +187,7 @@ def test_cluster_preset_builds(name: str) -> None:
     world = c.nodes * c.gpus_per_node
     job = make_job(f"cluster={name}", f"train.global_batch_size={2 * world}")
     assert ParallelDims.build(job, world, te_available=False).dp == world
+    assert build_layout(job).domain_size == c.domain_size()  # the NVLink domain the simulator places in
 
 
 @pytest.mark.parametrize("name", [n for n in CLUSTER_PRESETS if n != "local"])

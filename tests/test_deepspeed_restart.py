@@ -5,8 +5,6 @@ and DeepSpeed's pickles are verified (manifest) and loaded weights-only. All dri
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import pickle
 import re
 import shutil
@@ -15,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cfp_megatron.engine import manifest
-from tests.launcher import run_killing_a_rank, run_train
+from tests.launcher import run_train, run_with_a_rank_killed
 
 pytestmark = [pytest.mark.drill,
               pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed extra")]
@@ -39,15 +37,9 @@ def test_restarted_workers_resume_their_own_checkpoint(tmp_path: Path) -> None:
     common = [*COMMON, "backend.zero_stage=1", f"train.steps={steps}"]
     reference = run_train(2, common, tmp_path / "ref")
     assert reference.returncode == 0, reference.output[-4000:]
-    ckpt, metrics = tmp_path / "ckpt", tmp_path / "job" / "metrics.jsonl"
-    metrics.parent.mkdir(parents=True)
-    overrides = [*common, "train.save_interval=2", f"train.checkpoint_dir={ckpt}", f"train.metrics_file={metrics}",
-                 f"hydra.run.dir={tmp_path / 'job' / 'run'}"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    returncode, output = run_killing_a_rank(2, overrides, tmp_path / "job", metrics=metrics, kill_at_step=5, env=env)
+    returncode, output, records, ckpt = run_with_a_rank_killed(2, common, tmp_path, kill_at_step=5)
     assert returncode == 0, output[-4000:]
     assert "would write over" not in output
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     resume = [r for r in records if r["event"] == "resume"]
     assert len(resume) == 1 and resume[0]["restart_count"] == 1
     assert resume[0]["step"] >= 4 and resume[0]["step"] % 2 == 0

@@ -171,9 +171,9 @@ def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv,
     from cfp_megatron.engine.distributed import destroy_distributed, searched_on_rank0
     from cfp_megatron.profile.runner import profile_job
 
-    priority = profile_priority(job, cfp, env.world_size) if env.rank == 0 else ()
     with RoundProgress(enabled=env.rank == 0 and console is not None) as progress:
-        outcome = profile_job(job, env, budget_s=cfp.profile_budget_s, keep_group=True, priority=priority,
+        outcome = profile_job(job, env, budget_s=cfp.profile_budget_s, keep_group=True,
+                              priority=lambda: profile_priority(job, cfp, env.world_size),
                               progress=progress.update if env.rank == 0 and console is not None else None)
     if env.rank == 0 and console is not None:
         for line in coverage_lines(outcome, cfp.profile_budget_s, env.world_size,

@@ -166,7 +166,7 @@ def prioritized(entries: Sequence[str], priority: Sequence[str]) -> list[str]:
 
 
 def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on_gpu: bool,
-                   started: float, priority: Sequence[str] = ()) -> dict[str, Any]:
+                   started: float, priority: Callable[[], Sequence[str]] | None = None) -> dict[str, Any]:
     notes: list[str] = []
     try:
         db = load_db(fp)
@@ -179,8 +179,10 @@ def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on
     tps = sorted({c.tp for c in cases})  # PrimePar's MLP is a second case of its TP size
     planned = round_entries(job, world, on_gpu=on_gpu)
     rounds = rounds_needed(db, key, planned, force=force)
-    rounds = {name: prioritized(entries, priority) if name in ORDERED_ROUNDS else entries
-              for name, entries in rounds.items()}
+    if priority is not None and set(rounds) & set(ORDERED_ROUNDS):  # asked only when those rounds measure
+        order = priority()
+        rounds = {name: prioritized(entries, order) if name in ORDERED_ROUNDS else entries
+                  for name, entries in rounds.items()}
     classes: dict[int, dict[str, dict[str, Any]]] = {}
     records: list[dict[str, Any]] = []
     if {"segments", "recompute"} & set(rounds):  # only these rounds name their records by the analysis' classes
@@ -200,11 +202,12 @@ def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on
 
 def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFILE_BUDGET_S, force: bool = False,
                 progress: ProgressFn | None = None, keep_group: bool = False,
-                priority: Sequence[str] = ()) -> ProfileOutcome:
+                priority: Callable[[], Sequence[str]] | None = None) -> ProfileOutcome:
     """Profile the cluster ``job`` runs on (every rank calls this under torchrun); see the module docstring.
 
-    ``priority`` (rank 0's is used): partitions at micro-batch sizes to measure first (:func:`prioritized`), the
-    layouts a search ranks best; planning at launch passes them so a budget cut leaves what the plan can do without.
+    ``priority`` (rank 0 calls it, only when a segments, overheads or recompute entry is missing): the partitions
+    at micro-batch sizes to measure first (:func:`prioritized`), the layouts a search ranks best; planning at launch
+    passes it so a budget cut leaves what the plan can do without.
 
     ``keep_group`` leaves the default process group up for the caller (planning at launch broadcasts its plan over
     it), which then destroys it; otherwise it is destroyed here."""
