@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from cfp_megatron.base.config import Recompute, job_from_config
-from cfp_megatron.cluster.measured import NothingMeasured, StepOverheads
+from cfp_megatron.cluster.measured import Collective, NothingMeasured, StepOverheads
 from cfp_megatron.profile.db import ProfileDB
 from cfp_megatron.profile.fingerprint import Fingerprint
 from cfp_megatron.profile.records import OverheadRecord, SegmentRecord, overhead_entry, segment_entry
@@ -38,7 +38,7 @@ def _probe(layers: int, mb: int, partition: str = "tp1", *, base: float = 0.004)
     per_micro = mb * (EMB + HEAD + layers * LAYER) + EXTRA
     params = 10_000 + layers * 5_000
     return OverheadRecord(model="m", partition=partition, tp=1, layers=layers, params=params, micro_batch=mb,
-                          microbatches=4, schedule_s=4 * per_micro, rest_s=base + 1e-7 * params)
+                          microbatches=4, schedule_s=4 * per_micro, rest_s=base + 1e-7 * params, finalize_s=0.003)
 
 
 def _db() -> ProfileDB:
@@ -82,6 +82,8 @@ def test_rounds_needed_asks_for_missing_probes() -> None:
     assert rounds_needed(db, "m", more, force=False)["overheads"] == more["overheads"][2:]
     assert rounds_needed(db, "other", one, force=False)["overheads"] == one["overheads"]
     assert rounds_needed(db, "m", one, force=True)["overheads"] == one["overheads"]
+    untimed = db.merged(overheads=[dataclasses.replace(_probe(1, 1), finalize_s=None)])  # written before it was timed
+    assert rounds_needed(untimed, "m", one, force=False)["overheads"] == one["overheads"][:1]
 
 
 def test_rounds_needed_asks_for_the_recomputed_layers_on_their_own() -> None:
@@ -300,3 +302,25 @@ def test_the_per_token_losss_token_count_collectives_are_counted(monkeypatch: py
     without = simulate(dp4, measurements=_Measured(ov), world_size=4)
     assert measured.step_time_s - without.step_time_s == pytest.approx(reduce4)  # on the step, once
     assert measured.time.dp_comm_s - without.time.dp_comm_s == pytest.approx(reduce4)
+
+
+def test_the_gradient_finalisation_is_scaled_as_the_probes_timed_it() -> None:
+    """The probes time finalize_model_grads inside their steps: twice what the collective fits give for the same
+    messages doubles the plan's gradient sync; without timed probes it is the fits' alone."""
+    from cfp_megatron.sim.pass_costs import collective_costs
+    from cfp_megatron.sim.simulate import _finalize_share
+
+    job = _tiny(tp=1, pp=1)
+    ov = StepOverheads(partition="tp1", micro_batch=2, layer_s=0.006, per_microbatch_s=0.0, step_base_s=0.0,
+                       step_per_param_s=0.0, probe_dp=4)
+    costs = collective_costs(job.cluster, _Measured(ov))
+    modelled = [costs.seconds(Collective.all_reduce, p * 4.0, 4, 4) + costs.seconds(Collective.all_reduce, 4.0, 4, 4)
+                for p in (20_000.0, 40_000.0)]
+    timed = dataclasses.replace(ov, finalize_samples=((20_000.0, 2 * modelled[0]), (40_000.0, 2 * modelled[1])))
+    assert _finalize_share(job, costs, timed) == pytest.approx(2.0)
+    assert _finalize_share(job, costs, ov) == 1.0
+    assert _finalize_share(job, costs, dataclasses.replace(timed, probe_dp=1)) == 1.0  # no DP group: nothing to say
+    base = simulate(job, measurements=_Measured(ov), world_size=4).time.dp_comm_s
+    doubled = simulate(job, measurements=_Measured(timed), world_size=4).time.dp_comm_s
+    assert base > 0 and doubled == pytest.approx(2 * base)
+

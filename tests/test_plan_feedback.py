@@ -103,6 +103,19 @@ def test_the_warning_promises_only_what_happens() -> None:
     assert "+46.2%" in memory and "not calibrated" in memory and "calibrated with it" not in memory
 
 
+def test_a_ratio_within_the_tolerance_leaves_the_prediction_alone() -> None:
+    """Runs of one plan on a shared machine spread by about the check's 10%: a median ratio inside it would only
+    chase that noise, so it scales nothing, and a run that warned says so."""
+    db = _db()
+    close = db.merged(plan_checks=[_check(db, 0.95), _check(db, 1.12)])
+    assert close.calibration(plan=PLAN).ratio == pytest.approx(1.035)
+    assert close.step_time_calibration(plan=PLAN) is None
+    (step,) = warnings_for(_check(db, 1.12), close.calibration(plan=PLAN))
+    assert "+12.0%" in step and "within 10%" in step and "not scaled" in step
+    far = db.merged(plan_checks=[_check(db, 1.08), _check(db, 1.16)])
+    assert far.step_time_calibration(plan=PLAN) == pytest.approx(1.12)
+
+
 def test_a_plan_on_unmeasured_partitions_is_marked() -> None:
     db = _db()
     kinds = ("dense",)

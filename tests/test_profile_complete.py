@@ -34,7 +34,7 @@ def _values(label: str) -> tuple[float, ...]:
     if label.startswith("overheads build"):
         return (10_000.0,)
     if label.startswith("overheads "):
-        return (0.01, 0.001)
+        return (0.01, 0.001, 0.002)
     if label.startswith("gemm "):
         return (1e-3,)
     if label.endswith(MEMORY_SUFFIX):

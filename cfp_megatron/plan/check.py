@@ -27,12 +27,13 @@ from cfp_megatron.plan.plots import free_path, write_check_png
 from cfp_megatron.profile.cluster import local_measurements
 from cfp_megatron.profile.db import ProfileDB, StepCalibration, update_db
 from cfp_megatron.profile.fingerprint import current_fingerprint
-from cfp_megatron.profile.records import PlanCheckRecord
+from cfp_megatron.profile.records import STEP_TOLERANCE, PlanCheckRecord
 from cfp_megatron.sim.prediction import Prediction
 from cfp_megatron.sim.simulate import simulate
 
-TOLERANCE = 0.10
-"""Relative difference between measured and predicted beyond which a run warns."""
+TOLERANCE = STEP_TOLERANCE
+"""Relative difference between measured and predicted beyond which a run warns (and within which a median ratio of
+runs does not scale the next plan)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,6 +180,9 @@ def warnings_for(record: PlanCheckRecord, calibration: StepCalibration | None = 
                 math.isclose(record.step_ratio, u) for u in calibration.untrusted):
             what = (f"far from the other runs' ratio {calibration.ratio:.2f}: recorded as an outlier, it does not "
                     "calibrate the next plan")
+        elif calibration is not None and calibration.ratio is not None and abs(calibration.ratio - 1) <= TOLERANCE:
+            what = (f"the median of {calibration.runs} run(s), {calibration.ratio:.2f}, is within {TOLERANCE:.0%} of "
+                    "the prediction: the next plan is not scaled")
         elif calibration is not None and calibration.ratio is not None:
             what = (f"the next plan of this layout family on this profile is scaled by {calibration.ratio:.2f}, the "
                     f"median of {calibration.runs} run(s) (spread {calibration.spread:.0%}); a new profile starts "

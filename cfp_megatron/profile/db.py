@@ -47,6 +47,7 @@ from cfp_megatron.profile.errors import (
 from cfp_megatron.profile.fingerprint import Fingerprint
 from cfp_megatron.profile.gemm_table import interpolate_tflops
 from cfp_megatron.profile.records import (
+    STEP_TOLERANCE,
     CollectiveRecord,
     GemmRecord,
     OverheadRecord,
@@ -157,7 +158,8 @@ class ProfileDB:
         schedule's cost per micro-batch (on the stages with the embedding or the head); one below zero is the
         embedding and head running faster in the schedule than alone
         (:attr:`~cfp_megatron.cluster.measured.StepOverheads.ends_s`). Outside the schedule: a line in the
-        parameters per rank, one slope for all partitions. ``None`` when no pair of probes ran under ``partition``.
+        parameters per rank, one slope for all partitions. The gradient finalisation as the probes timed it inside
+        their steps, by their parameters. ``None`` when no pair of probes ran under ``partition``.
         """
         models = {r.model for r in self.overheads}
         model = self.model if self.model is not None else (next(iter(models)) if len(models) == 1 else None)
@@ -192,9 +194,13 @@ class ProfileDB:
         per_micro = max(per_micro, 0.0)
         per_param = self._step_per_param(model)
         base = sum(r.rest_s - per_param * r.params for r in rows) / len(rows)
+        fp = self.fingerprint
         return StepOverheads(partition=partition, micro_batch=micro_batch, layer_s=layer_s,
                              per_microbatch_s=per_micro, ends_s=ends_s, step_base_s=max(base, 0.0),
-                             step_per_param_s=per_param)
+                             step_per_param_s=per_param,
+                             finalize_samples=tuple((float(r.params), r.finalize_s) for r in rows
+                                                    if r.finalize_s is not None),
+                             probe_dp=max(fp.nodes * fp.gpus_per_node // max(rows[0].tp, 1), 1))
 
     def busy_slowdown(self) -> float | None:
         """Ranks per node over CPU cores where the ranks of a CPU-only cluster share fewer cores than there are ranks
@@ -221,9 +227,12 @@ class ProfileDB:
 
     # ------------------------------------------------------------------------------------------------ queries
     def step_time_calibration(self, model: str | None = None, *, plan: str | None = None) -> float | None:
-        """The ratio of :meth:`calibration` (``None`` without a trusted run)."""
+        """The ratio of :meth:`calibration`; ``None`` without a trusted run, or where it is within
+        :data:`~cfp_megatron.profile.records.STEP_TOLERANCE` of 1 (the prediction stands)."""
         found = self.calibration(model, plan=plan)
-        return found.ratio if found is not None else None
+        if found is None or found.ratio is None or abs(found.ratio - 1.0) <= STEP_TOLERANCE:
+            return None
+        return found.ratio
 
     def profile_id(self, model: str | None = None) -> str:
         """Identity of the profile ``model``'s predictions read (default: this DB's :meth:`for_model` key): a hash of
@@ -253,7 +262,8 @@ class ProfileDB:
 
     def missing_entries(self, round_name: str, model: str, planned: Sequence[str]) -> list[str]:
         """The entries of ``planned`` (a round's entries for a job, in the order the round runs them) this DB lacks:
-        GEMM shapes, segment timings with their memory, probes (``model``'s) are read off the records themselves
+        GEMM shapes, segment timings with their memory, probes with their gradient finalisation (``model``'s) are
+        read off the records themselves
         (so a DB written before rounds recorded their entries is completed too); a collective's size counts once
         its fit exists and a run recorded it as measured (in a DB whose runs recorded none, once its fit
         exists)."""
@@ -268,7 +278,8 @@ class ProfileDB:
             have = {segment_entry(r.kind, r.partition, r.micro_batch) for r in self.segments
                     if r.model == model and r.activation_bytes is not None}
         elif round_name == "overheads":
-            have = {overhead_entry(r.partition, r.layers, r.micro_batch) for r in self.overheads if r.model == model}
+            have = {overhead_entry(r.partition, r.layers, r.micro_batch) for r in self.overheads
+                    if r.model == model and r.finalize_s is not None}  # earlier probes did not time it: again
         else:
             raise ProfileDBError(f"unknown profiling round {round_name!r}. Fix: one of collectives, gemm, segments, "
                                  "overheads, recompute.")

@@ -5,10 +5,10 @@ For each tensor-parallel size of the segments round, a probe model (one layer pe
 (:mod:`cfp_megatron.engine.step`: Megatron DDP, optimizer with grad-norm clipping, ``get_forward_backward_func``,
 ``finalize_model_grads``, the loss all-reduce) on the live process groups, the rest of the world data-parallel, every
 rank busy as in training. Each step is split into the schedule call (the gradient finalisation, which the simulator
-models from the collective fits, taken out), ``optimizer.step`` and the rest; the schedule is timed with one and with
-several micro-batches of one sequence. From these the ProfileDB derives the per-micro-batch cost of the schedule
-beyond the segments, the optimizer's fixed and per-parameter cost, and the step's other fixed costs
-(:meth:`cfp_megatron.profile.db.ProfileDB.step_overheads`).
+models from the collective fits, taken out and recorded on its own), ``optimizer.step`` and the rest; the schedule is
+timed with one and with several micro-batches of one sequence. From these the ProfileDB derives the per-micro-batch
+cost of the schedule beyond the segments, the optimizer's fixed and per-parameter cost, the step's other fixed costs
+and the gradient finalisation as it runs inside a step (:meth:`cfp_megatron.profile.db.ProfileDB.step_overheads`).
 """
 
 from __future__ import annotations
@@ -108,8 +108,9 @@ class OverheadBench:
                                      dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp)
         return [next(stream) for _ in range(MICROBATCHES)]
 
-    def step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
-        """One instrumented training step: (schedule without the gradient finalisation, the rest) in seconds."""
+    def step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[float, float, float]:
+        """One instrumented training step: (schedule without the gradient finalisation, the rest, the schedule with
+        it) in seconds."""
         state = self.state
         _sync()
         t0 = time.perf_counter()
@@ -128,11 +129,13 @@ class OverheadBench:
         reduce_loss(reports, state)
         _sync()
         t3 = time.perf_counter()
-        return t2 - t1 - self.finalize_s, (t1 - t0) + (t3 - t2)
+        return t2 - t1 - self.finalize_s, (t1 - t0) + (t3 - t2), t2 - t1
 
     def time(self, micro_batch: int) -> list[float]:
         """Medians over the repeats (after :data:`WARMUP` untimed steps) of :meth:`step` at ``micro_batch``, each
-        repeat started together on every rank and taken from its slowest rank.
+        repeat started together on every rank and taken from its slowest rank: the schedule without the gradient
+        finalisation, the rest, and the finalisation as the slowest rank pays it (the slowest whole schedule less
+        the slowest schedule without it: a rank that arrives early waits for the others inside it).
 
         A training step lasts as long as its slowest rank, and which rank is slowest changes from step to step
         where ranks share cores (CPU): the median over steps of the slowest rank is longer than the slowest rank's
@@ -144,7 +147,8 @@ class OverheadBench:
         for _ in range(self.repeats):
             barrier()
             runs.append(slowest(self.step(batches)))
-        return [statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)]
+        return [statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
+                statistics.median(max(r[2] - r[0], 0.0) for r in runs)]
 
 
 def _sync() -> None:
@@ -192,5 +196,6 @@ def overhead_records(results: Sequence[StepResult], meaning: dict[str, tuple[str
         elif (name, layers) in params:
             rows.append(OverheadRecord(model=key, partition=name, tp=tp, layers=layers,
                                        params=params[(name, layers)], micro_batch=mbs, microbatches=MICROBATCHES,
-                                       schedule_s=res.values[0], rest_s=res.values[1]))
+                                       schedule_s=res.values[0], rest_s=res.values[1],
+                                       finalize_s=res.values[2] if len(res.values) > 2 else None))
     return rows

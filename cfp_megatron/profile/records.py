@@ -272,6 +272,10 @@ class OverheadRecord:
     rest_s: float
     """The rest of the step: ``optimizer.step`` (grad norm, clipping, Adam), zeroing the gradient buffers, the loss
     all-reduce, the LR schedule; median, slowest rank."""
+    finalize_s: float | None = None
+    """The step's gradient finalisation (``finalize_model_grads``: the data-parallel gradient reduction, the token
+    count's all-reduce) as the slowest rank pays it inside the step (the slowest whole schedule less the slowest
+    schedule without it); median over the repeats. ``None`` in files written before it was recorded."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready form."""
@@ -282,10 +286,15 @@ class OverheadRecord:
         """Parse :meth:`to_json`'s output; :class:`ProfileFigureError` for a size or time out of range (the
         schedule above zero, the rest at or above zero)."""
         check_figures(data, {"tp": "count", "layers": "count", "params": "count", "micro_batch": "count",
-                             "microbatches": "count", "schedule_s": "positive", "rest_s": "non_negative"})
+                             "microbatches": "count", "schedule_s": "positive", "rest_s": "non_negative",
+                             "finalize_s": "non_negative"}, nullable=("finalize_s",))
         return cls(**data)
 
 
+STEP_TOLERANCE = 0.10
+"""Relative difference between a run's measured and predicted step time within which the prediction stands: the plan
+check warns beyond it, and a median measured/predicted ratio inside it leaves the next predictions unscaled (runs of
+one plan on a shared CPU machine spread by about as much, so a scale taken from inside it would chase noise)."""
 BUSY_OTHER_LOAD = 0.25
 """Share of the cores busy with other work above which a plan check's machine counts as busy."""
 BUSY_REPEAT_SPREAD = 0.5

@@ -4,6 +4,7 @@ of one plan. How the step time is composed: docs/simulator.md, "simulate.py"."""
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import typing
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ from cfp_megatron.base.config import ClusterSpec, JobSpec
 from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.base.pipeline_split import job_chunks
 from cfp_megatron.cluster.costs import CollectiveCosts
-from cfp_megatron.cluster.measured import Collective, Measurements
+from cfp_megatron.cluster.measured import Collective, Measurements, StepOverheads
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
 from cfp_megatron.sim.kernels import KernelModel, grad_element_bytes
 from cfp_megatron.sim.layer_cost import PassCost
@@ -132,6 +133,10 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
     dp_exposed, opt_s = [], []
     grad_bytes = grad_element_bytes(job)
     token_count_s = _token_count_sync(costs, layout) if overheads is not None else 0.0  # the same on every rank
+    # The gradient finalisation as the overheads probes timed it inside a step, over what the collective fits say
+    # (1 without probes): collectives in a training step wait for the other ranks and share the cores.
+    finalize_share = _finalize_share(job, costs, overheads) if overheads is not None else 1.0
+    token_count_s *= finalize_share
     for rank in range(pp):
         vocab_params = model.padded_vocab_size * model.hidden_size / dims.tp
         stage_params = layer_params[rank] + split.vocab_tables[rank] * vocab_params
@@ -156,6 +161,7 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
                                         layout.dp_per_node)
                           + costs.seconds(Collective.all_reduce, expert_params[rank] * grad_bytes, dims.expert_dp,
                                           layout.edp_per_node))
+        sync_s *= finalize_share
         bucket_share = min(1.0, _BUCKET_PARAMS / max(stage_params, 1.0))
         if overlap:
             backward_window_s = sum(backward_s[rank])
@@ -168,9 +174,9 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
         if overheads is None:
             opt_s.append(kernels.memory(shard_params * efficiency.optimizer_bytes_per_param))
             continue
-        dp_exposed[rank] += _tied_embedding_sync(job, costs, vocab_params, rank) + token_count_s
+        dp_exposed[rank] += _tied_embedding_sync(job, costs, vocab_params, rank) * finalize_share + token_count_s
         opt_s.append(overheads.step_base_s + overheads.step_per_param_s * shard_params
-                     + _grad_norm_extra(costs, dims.tp, pp))
+                     + _grad_norm_extra(costs, dims.tp, pp, dims.world_size if sharded and not options.fsdp else None))
     slowdown = measurements.busy_slowdown() if overheads is not None else None
     shared_cores = slowdown is not None and pp > 1
     if prune_above is not None:
@@ -402,12 +408,29 @@ def _token_count_sync(costs: CollectiveCosts, layout: Layout) -> float:
     return broadcast_s + costs.seconds(Collective.all_reduce, 4.0, dims.dp * dims.cp, layout.dp_per_node)
 
 
-def _grad_norm_extra(costs: CollectiveCosts, tp: int, pp: int) -> float:
-    """Seconds the grad-norm all-reduce over the model-parallel group (``tp x pp`` ranks) takes beyond the one over
-    ``tp`` ranks that the measured optimizer step had."""
-    if pp == 1:
+def _finalize_share(job: JobSpec, costs: CollectiveCosts, overheads: StepOverheads) -> float:
+    """The median over the overheads probes of their gradient finalisation as timed inside a training step over
+    what the collective fits give for it (the gradient all-reduce and the token count's, over the probes'
+    data-parallel group); 1 without timed probes (docs/simulator.md, "Gradient sync and optimizer step")."""
+    dp = overheads.probe_dp
+    per_node = min(dp, job.cluster.gpus_per_node or dp)
+    ratios = []
+    for params, measured_s in overheads.finalize_samples:
+        modelled_s = (costs.seconds(Collective.all_reduce, params * grad_element_bytes(job), dp, per_node)
+                      + costs.seconds(Collective.all_reduce, 4.0, dp, per_node))
+        if dp > 1 and modelled_s > 0:
+            ratios.append(measured_s / modelled_s)
+    return statistics.median(ratios) if ratios else 1.0
+
+
+def _grad_norm_extra(costs: CollectiveCosts, tp: int, pp: int, world: int | None = None) -> float:
+    """Seconds the grad-norm all-reduce takes beyond the one over ``tp`` ranks that the measured optimizer step had:
+    Megatron reduces the norm over the model-parallel group (``tp x pp`` ranks), and under the distributed optimizer
+    (``world``) over every rank of the optimizer instance, its gradients being sharded over data parallelism too."""
+    group = world if world is not None else tp * pp
+    if group <= tp:
         return 0.0
-    return max(costs.seconds(Collective.all_reduce, 8.0, tp * pp)
+    return max(costs.seconds(Collective.all_reduce, 8.0, group)
                - costs.seconds(Collective.all_reduce, 8.0, tp, tp), 0.0)
 
 
