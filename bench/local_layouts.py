@@ -1,4 +1,5 @@
-"""Every feasible (DP, TP, PP, micro-batch) layout of a small model on this machine: measured vs simulated.
+"""Every feasible (DP, TP, PP, micro-batch; EP for a MoE model) layout of a small model on this machine: measured vs
+simulated.
 
 Run: ``python bench/local_layouts.py [--nproc 4] [--model gpt_tiny] [--steps 12] [--gbs 16] [--seq 64] [--passes 2]
 [--recompute none] [--markdown docs/figures/local_layouts.md]`` (``--markdown``: also the figures as a snippet for
@@ -56,17 +57,24 @@ class Layout:
     """Data-parallel size."""
     micro_batch: int
     """Sequences per micro-batch."""
+    ep: int = 1
+    """Expert-parallel size (MoE models)."""
+    sp: bool = False
+    """Sequence parallelism (Megatron-Core requires it for MoE layers under TP)."""
 
     def overrides(self) -> list[str]:
         """Hydra overrides for this layout."""
-        return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"train.micro_batch_size={self.micro_batch}"]
+        return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.ep={self.ep}",
+                f"parallel.sp={str(self.sp).lower()}", f"train.micro_batch_size={self.micro_batch}"]
 
     def __str__(self) -> str:
-        return f"dp{self.dp} tp{self.tp} pp{self.pp} mb{self.micro_batch}"
+        return (f"dp{self.dp} tp{self.tp} pp{self.pp}" + (f" ep{self.ep}" if self.ep > 1 else "")
+                + (" sp" if self.sp else "") + f" mb{self.micro_batch}")
 
 
 def feasible_layouts(model: str, nproc: int, common: list[str]) -> list[Layout]:
-    """Layouts the project's own validation accepts (heads, layers, batch divisibility), in a stable order."""
+    """Layouts the project's own validation accepts (heads, layers, batch divisibility), in a stable order; for a
+    MoE model also every expert-parallel size, with sequence parallelism under TP (Megatron-Core requires it)."""
     from hydra import compose, initialize_config_dir
 
     from cfp_megatron.base.compose import register_configs
@@ -77,18 +85,22 @@ def feasible_layouts(model: str, nproc: int, common: list[str]) -> list[Layout]:
     register_configs()
     found = []
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        moe = job_from_config(compose(config_name="config", overrides=[f"model={model}", *common])).model.is_moe
         for tp in (1, 2, 4, 8):
             for pp in (1, 2, 4, 8):
                 if nproc % (tp * pp):
                     continue
-                for mb in (1, 2, 4, 8):
-                    layout = Layout(tp=tp, pp=pp, dp=nproc // (tp * pp), micro_batch=mb)
-                    cfg = compose(config_name="config", overrides=[f"model={model}", *common, *layout.overrides()])
-                    try:
-                        ParallelDims.build(job_from_config(cfg), nproc)
-                    except ConfigError:
-                        continue
-                    found.append(layout)
+                for ep in (1, 2, 4, 8) if moe else (1,):
+                    for mb in (1, 2, 4, 8):
+                        layout = Layout(tp=tp, pp=pp, dp=nproc // (tp * pp), micro_batch=mb, ep=ep,
+                                        sp=moe and tp > 1)
+                        cfg = compose(config_name="config",
+                                      overrides=[f"model={model}", *common, *layout.overrides()])
+                        try:
+                            ParallelDims.build(job_from_config(cfg), nproc)
+                        except ConfigError:
+                            continue
+                        found.append(layout)
     return found
 
 
@@ -148,15 +160,17 @@ def predict(layout: Layout, nproc: int, model: str, common: list[str]) -> tuple[
 
 def chosen_layout(nproc: int, model: str, common: list[str], recompute: str = "none") -> Layout:
     """The layout the planner picks (as ``+cfp=auto`` would, from the same ProfileDB) within this bench's space:
-    (DP, TP, PP, micro-batch) under the bench's ``recompute``, without interleaving, SP, the distributed optimizer or
-    uneven stages."""
+    (DP, TP, PP, EP, micro-batch) under the bench's ``recompute``, without interleaving, the distributed optimizer
+    or uneven stages; SP only where Megatron-Core requires it (MoE under TP)."""
     from cfp_megatron.base.cfp_spec import cfp_from_config
     from cfp_megatron.base.compose import compose_config
     from cfp_megatron.base.config import job_from_config
     from cfp_megatron.profile.cluster import local_measurements
     from cfp_megatron.search.search import search
 
-    space = ["cfp.constraints.vpp=[1]", "cfp.constraints.sp=[false]", f"cfp.constraints.recompute=[{recompute}]",
+    moe = job_from_config(compose_config([f"model={model}", *common])).model.is_moe
+    space = ["cfp.constraints.vpp=[1]", f"cfp.constraints.recompute=[{recompute}]",
+             *([] if moe else ["cfp.constraints.sp=[false]", "cfp.constraints.ep=[1]"]),
              "cfp.constraints.distributed_optimizer=[false]", "cfp.constraints.uneven_stages=false",
              "cfp.constraints.cp=[1]", "cfp.top_k=1"]
     cfg = compose_config(["+cfp=auto", f"model={model}", *common, *space])
@@ -165,7 +179,8 @@ def chosen_layout(nproc: int, model: str, common: list[str], recompute: str = "n
     import dataclasses
 
     best = search(dataclasses.replace(job, cluster=cluster), nproc, cfp, measurements=db).best.candidate
-    return Layout(tp=best.tp, pp=best.pp, dp=nproc // (best.tp * best.pp), micro_batch=best.micro_batch)
+    return Layout(tp=best.tp, pp=best.pp, dp=nproc // (best.tp * best.pp), micro_batch=best.micro_batch, ep=best.ep,
+                  sp=best.sp)
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -257,7 +272,8 @@ def main() -> None:
     print(f"memory: MAPE {mem_mape:.1f}% over {len(measured)} layouts")
     if args.markdown:
         rho = spearman(measured, predicted)
-        lines = [f"Every feasible (DP, TP, PP, micro-batch) layout of `{args.model}` on {args.nproc} gloo ranks "
+        dims = "DP, TP, PP, EP" if any(x.ep > 1 for x in layouts) else "DP, TP, PP"
+        lines = [f"Every feasible ({dims}, micro-batch) layout of `{args.model}` on {args.nproc} gloo ranks "
                  f"(global batch {args.gbs}, seq {args.seq}, recompute {args.recompute}, {args.steps} steps, "
                  f"{args.passes} pass{'es' if args.passes > 1 else ''}, profiling budget {args.budget} s), measured "
                  f"against the prediction from a fresh profile: **step-time MAPE {mape:.1f}% over {len(measured)} "
