@@ -9,10 +9,16 @@ import sys
 import pytest
 
 from cfp_megatron.base.config import Recompute, job_from_config
-from cfp_megatron.cluster.measured import Collective, NothingMeasured, StepOverheads
+from cfp_megatron.cluster.measured import Collective, CollectiveFit, NothingMeasured, Span, StepOverheads
 from cfp_megatron.profile.db import ProfileDB
 from cfp_megatron.profile.fingerprint import Fingerprint
-from cfp_megatron.profile.records import OverheadRecord, SegmentRecord, overhead_entry, segment_entry
+from cfp_megatron.profile.records import (
+    CollectiveRecord,
+    OverheadRecord,
+    SegmentRecord,
+    overhead_entry,
+    segment_entry,
+)
 from cfp_megatron.profile.runner import rounds_needed
 from cfp_megatron.profile.segments import micro_batches
 from cfp_megatron.sim import SimOptions, simulate
@@ -305,22 +311,24 @@ def test_the_per_token_losss_token_count_collectives_are_counted(monkeypatch: py
 
 
 def test_the_gradient_finalisation_is_scaled_as_the_probes_timed_it() -> None:
-    """The probes time finalize_model_grads inside their steps: twice what the collective fits give for the same
-    messages doubles the plan's gradient sync; without timed probes it is the fits' alone."""
-    from cfp_megatron.sim.pass_costs import collective_costs
-    from cfp_megatron.sim.simulate import _finalize_share
+    """The probes time finalize_model_grads inside their steps: twice what the DB's all-reduce fit gives for the same
+    messages (their fp32 gradients and the token count over DP=4) is a share of 2, which doubles the plan's gradient
+    sync; without timed probes or without a fit the share is 1."""
+    fit = CollectiveFit(op=Collective.all_reduce, group_size=4, span=Span.intra_node, latency_s=1e-3,
+                        bandwidth_bytes_per_s=1e8)
+    timed = [dataclasses.replace(r, finalize_s=2 * (fit.seconds(4.0 * r.params) + fit.seconds(4.0)))
+             for r in _db().overheads]
+    with_fit = _db().merged(collectives=[CollectiveRecord(fit=fit, samples=(), pattern="contiguous")])
+    assert with_fit.merged(overheads=timed).step_overheads("tp1", 4).finalize_share == pytest.approx(2.0)
+    assert _db().merged(overheads=timed).step_overheads("tp1", 4).finalize_share == 1.0  # no fit to compare with
+    untimed = [dataclasses.replace(r, finalize_s=None) for r in _db().overheads]
+    assert with_fit.merged(overheads=untimed).step_overheads("tp1", 4).finalize_share == 1.0
 
     job = _tiny(tp=1, pp=1)
     ov = StepOverheads(partition="tp1", micro_batch=2, layer_s=0.006, per_microbatch_s=0.0, step_base_s=0.0,
-                       step_per_param_s=0.0, probe_dp=4)
-    costs = collective_costs(job.cluster, _Measured(ov))
-    modelled = [costs.seconds(Collective.all_reduce, p * 4.0, 4, 4) + costs.seconds(Collective.all_reduce, 4.0, 4, 4)
-                for p in (20_000.0, 40_000.0)]
-    timed = dataclasses.replace(ov, finalize_samples=((20_000.0, 2 * modelled[0]), (40_000.0, 2 * modelled[1])))
-    assert _finalize_share(job, costs, timed) == pytest.approx(2.0)
-    assert _finalize_share(job, costs, ov) == 1.0
-    assert _finalize_share(job, costs, dataclasses.replace(timed, probe_dp=1)) == 1.0  # no DP group: nothing to say
+                       step_per_param_s=0.0)
     base = simulate(job, measurements=_Measured(ov), world_size=4).time.dp_comm_s
-    doubled = simulate(job, measurements=_Measured(timed), world_size=4).time.dp_comm_s
+    doubled = simulate(job, measurements=_Measured(dataclasses.replace(ov, finalize_share=2.0)),
+                       world_size=4).time.dp_comm_s
     assert base > 0 and doubled == pytest.approx(2 * base)
 

@@ -150,11 +150,10 @@ class StepOverheads:
     probe's model-parallel group (``tp`` ranks), the loss all-reduce over the world, zeroing, the LR schedule."""
     step_per_param_s: float
     """Seconds per step outside the schedule per parameter on the rank (optimizer update, grad copy and norm)."""
-    finalize_samples: tuple[tuple[float, float], ...] = ()
-    """(parameters on the rank, seconds) of the gradient finalisation as the probes timed it inside their training
-    steps, with every rank busy; empty in profiles from before it was recorded."""
-    probe_dp: int = 1
-    """Data-parallel size the probes ran at (the world over ``tp``)."""
+    finalize_share: float = 1.0
+    """The gradient finalisation as the probes timed it inside their training steps, every rank busy, over what the
+    collective fits give for the same messages: how much more the step's collectives cost than the collectives round
+    timed alone (1 in profiles from before it was recorded)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -180,7 +180,7 @@ def warnings_for(record: PlanCheckRecord, calibration: StepCalibration | None = 
                 math.isclose(record.step_ratio, u) for u in calibration.untrusted):
             what = (f"far from the other runs' ratio {calibration.ratio:.2f}: recorded as an outlier, it does not "
                     "calibrate the next plan")
-        elif calibration is not None and calibration.ratio is not None and abs(calibration.ratio - 1) <= TOLERANCE:
+        elif calibration is not None and calibration.ratio is not None and not calibration.scales:
             what = (f"the median of {calibration.runs} run(s), {calibration.ratio:.2f}, is within {TOLERANCE:.0%} of "
                     "the prediction: the next plan is not scaled")
         elif calibration is not None and calibration.ratio is not None:

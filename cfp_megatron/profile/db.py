@@ -194,13 +194,22 @@ class ProfileDB:
         per_micro = max(per_micro, 0.0)
         per_param = self._step_per_param(model)
         base = sum(r.rest_s - per_param * r.params for r in rows) / len(rows)
-        fp = self.fingerprint
         return StepOverheads(partition=partition, micro_batch=micro_batch, layer_s=layer_s,
                              per_microbatch_s=per_micro, ends_s=ends_s, step_base_s=max(base, 0.0),
-                             step_per_param_s=per_param,
-                             finalize_samples=tuple((float(r.params), r.finalize_s) for r in rows
-                                                    if r.finalize_s is not None),
-                             probe_dp=max(fp.nodes * fp.gpus_per_node // max(rows[0].tp, 1), 1))
+                             step_per_param_s=per_param, finalize_share=self._finalize_share(rows))
+
+    def _finalize_share(self, rows: Sequence[OverheadRecord]) -> float:
+        """The median over ``rows`` (one partition's probes) of the gradient finalisation they timed inside their
+        steps over what this DB's all-reduce fit gives for it over their data-parallel group (the fp32 gradients,
+        as the probes reduce them, and the token count); 1 without timed probes, data parallelism or a fit."""
+        fp = self.fingerprint
+        dp = fp.nodes * fp.gpus_per_node // max(rows[0].tp, 1)
+        fit = self.collective(Collective.all_reduce, dp, Span.intra_node if fp.nodes == 1 else Span.inter_node)
+        if fit is None or dp < 2:
+            return 1.0
+        ratios = [r.finalize_s / (fit.seconds(4.0 * r.params) + fit.seconds(4.0)) for r in rows
+                  if r.finalize_s is not None]
+        return statistics.median(ratios) if ratios else 1.0
 
     def busy_slowdown(self) -> float | None:
         """Ranks per node over CPU cores where the ranks of a CPU-only cluster share fewer cores than there are ranks
@@ -230,9 +239,7 @@ class ProfileDB:
         """The ratio of :meth:`calibration`; ``None`` without a trusted run, or where it is within
         :data:`~cfp_megatron.profile.records.STEP_TOLERANCE` of 1 (the prediction stands)."""
         found = self.calibration(model, plan=plan)
-        if found is None or found.ratio is None or abs(found.ratio - 1.0) <= STEP_TOLERANCE:
-            return None
-        return found.ratio
+        return found.ratio if found is not None and found.scales else None
 
     def profile_id(self, model: str | None = None) -> str:
         """Identity of the profile ``model``'s predictions read (default: this DB's :meth:`for_model` key): a hash of
@@ -416,6 +423,12 @@ class StepCalibration:
     """(Largest - smallest) / median of the trusted ratios; 0 with one run."""
     untrusted: tuple[float, ...] = ()
     """Ratios recorded but left out: outliers far from the rest, runs on a busy machine."""
+
+    @property
+    def scales(self) -> bool:
+        """Whether the next plan is scaled by :attr:`ratio`: a trusted ratio more than
+        :data:`~cfp_megatron.profile.records.STEP_TOLERANCE` from 1 (within it the prediction stands)."""
+        return self.ratio is not None and abs(self.ratio - 1.0) > STEP_TOLERANCE
 
 
 def robust_ratio(ratios: Sequence[float], *, busy: Sequence[float] = ()) -> StepCalibration:

@@ -4,7 +4,6 @@ of one plan. How the step time is composed: docs/simulator.md, "simulate.py"."""
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import typing
 from dataclasses import dataclass
 
@@ -12,7 +11,7 @@ from cfp_megatron.base.config import ClusterSpec, JobSpec
 from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.base.pipeline_split import job_chunks
 from cfp_megatron.cluster.costs import CollectiveCosts
-from cfp_megatron.cluster.measured import Collective, Measurements, StepOverheads
+from cfp_megatron.cluster.measured import Collective, Measurements
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
 from cfp_megatron.sim.kernels import KernelModel, grad_element_bytes
 from cfp_megatron.sim.layer_cost import PassCost
@@ -135,7 +134,7 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
     token_count_s = _token_count_sync(costs, layout) if overheads is not None else 0.0  # the same on every rank
     # The gradient finalisation as the overheads probes timed it inside a step, over what the collective fits say
     # (1 without probes): collectives in a training step wait for the other ranks and share the cores.
-    finalize_share = _finalize_share(job, costs, overheads) if overheads is not None else 1.0
+    finalize_share = overheads.finalize_share if overheads is not None else 1.0
     token_count_s *= finalize_share
     for rank in range(pp):
         vocab_params = model.padded_vocab_size * model.hidden_size / dims.tp
@@ -406,21 +405,6 @@ def _token_count_sync(costs: CollectiveCosts, layout: Layout) -> float:
     broadcast_s = (costs.seconds(Collective.all_gather, 4.0 * dims.pp, dims.pp, dims.pp if layout.pp_intra_node else 1)
                    if dims.pp > 1 else 0.0)
     return broadcast_s + costs.seconds(Collective.all_reduce, 4.0, dims.dp * dims.cp, layout.dp_per_node)
-
-
-def _finalize_share(job: JobSpec, costs: CollectiveCosts, overheads: StepOverheads) -> float:
-    """The median over the overheads probes of their gradient finalisation as timed inside a training step over
-    what the collective fits give for it (the gradient all-reduce and the token count's, over the probes'
-    data-parallel group); 1 without timed probes (docs/simulator.md, "Gradient sync and optimizer step")."""
-    dp = overheads.probe_dp
-    per_node = min(dp, job.cluster.gpus_per_node or dp)
-    ratios = []
-    for params, measured_s in overheads.finalize_samples:
-        modelled_s = (costs.seconds(Collective.all_reduce, params * grad_element_bytes(job), dp, per_node)
-                      + costs.seconds(Collective.all_reduce, 4.0, dp, per_node))
-        if dp > 1 and modelled_s > 0:
-            ratios.append(measured_s / modelled_s)
-    return statistics.median(ratios) if ratios else 1.0
 
 
 def _grad_norm_extra(costs: CollectiveCosts, tp: int, pp: int, world: int | None = None) -> float:
