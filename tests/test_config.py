@@ -703,11 +703,24 @@ def test_pipeline_layout_layer_counts_against_the_model() -> None:
                                        "parallel.recompute_num_layers=3"), 2, te_available=False).pp == 2
 
 
-def test_mtp_is_planned_but_refused_for_training() -> None:
+def test_mtp_trains_beside_the_loss_and_refuses_what_megatron_core_cannot_run() -> None:
     from cfp_megatron.planner.job_checks import validate_job
 
+    # The MTP layer with the loss (as Megatron-Core places it without a layout, or as mL in one): accepted.
+    rope = ["model=llama_tiny", "model.mtp_num_layers=1", "parallel.pp=2"]
+    assert validate_job(make_job(*rope), 2).pp == 2
+    assert validate_job(make_job(*rope, "parallel.vpp=2", "parallel.pipeline_model_parallel_layout=Et|t|tt|mL"),
+                        2).vpp == 2
+    assert validate_job(make_job("model.mtp_num_layers=1"), 1).pp == 1  # learned positions without pipelining
+    # A standalone MTP stage (m without the L): planned, not trained.
     with pytest.raises(ConfigError) as info:
-        validate_job(make_job("parallel.pp=2", "model.mtp_num_layers=1",
-                              "parallel.pipeline_model_parallel_layout=Et*3|tmL"), 2)
-    assert info.value.keys == ["model.mtp_num_layers"]
-    assert "set model.mtp_num_layers=0 to train" in str(info.value)
+        validate_job(make_job(*rope, "parallel.vpp=2", "parallel.pipeline_model_parallel_layout=Et|t|ttm|L"), 2)
+    assert info.value.keys == ["parallel.pipeline_model_parallel_layout"]
+    assert "write the m's in the last stage" in str(info.value)
+    # Learned positions under pipelining: the MTP stage's copy of the position table is never synced.
+    with pytest.raises(ConfigError) as info:
+        validate_job(make_job("model.mtp_num_layers=1", "parallel.pp=2"), 2)
+    assert info.value.keys == ["model.position_embedding"]
+    assert "model.position_embedding=rope" in str(info.value)
+    with pytest.raises(ConfigError, match=r"model\.mtp_loss_scaling_factor=-0\.1: must not be negative"):
+        make_job("model.mtp_loss_scaling_factor=-0.1")

@@ -86,6 +86,14 @@ LAYOUTS = [
                                  "parallel.pipeline_model_parallel_layout='Ett|(t|)*2tL'"],
                  id="gpt-pp2-vpp2-balanced-5"),
     pytest.param("moe_tiny", 2, ["parallel.ep=2"], id="moe-ep2"),
+    # Multi-token prediction (DeepSeek-V3's MTP, Megatron-Core's block) interleaved under a layout that ends in a
+    # chunk holding the MTP layer and the loss alone (mL), with tied embeddings: the MTP chunk computes its
+    # logits with its copy of the word embedding, whose gradient joins the first stage's. The MTP loss at full
+    # weight (Megatron's default is 0.1) so that a wrong MTP gradient shows in the grad norm.
+    pytest.param("llama_tiny", 2, ["parallel.pp=2", "parallel.vpp=2",
+                                   "parallel.pipeline_model_parallel_layout=Et|t|tt|mL", "model.mtp_num_layers=1",
+                                   "model.tie_embeddings=true", "model.mtp_loss_scaling_factor=1.0"],
+                 id="llama-pp2-vpp2-mtp-tied"),
     # PrimePar's 2x2 square runs the dense MLP (GELU with biases; SwiGLU without). llama_tiny's 2 KV groups do not
     # split over TP=4, so that case and its single-rank reference set model.num_query_groups=4.
     pytest.param("gpt_tiny", 4, ["parallel.tp=4", "parallel.mlp=primepar"], id="gpt-tp4-primepar"),
@@ -118,8 +126,13 @@ def test_layout_matches_single_rank(model: str, nproc: int, overrides: list[str]
     assert f"world={nproc}" in start["layout"]
     layout = next((o.split("=", 1)[1].strip("'") for o in overrides
                    if o.startswith("parallel.pipeline_model_parallel_layout=")), None)
-    if layout is not None:  # rank 0 builds the embedding and the decoder layers the layout gives its chunks
+    if layout is not None and model == "gpt_tiny":  # rank 0 builds the embedding and its layout's layers
         _check_rank0_holds_its_layout_layers(model, overrides, layout, start["params_on_rank0"], ref)
+    if any(o.startswith("model.mtp_num_layers=") for o in overrides):
+        # The MTP loss did train: without it every step's gradient differs (the reported loss is the language
+        # model's alone).
+        plain = reference(model, *(o for o in _model_overrides(overrides) if not o.startswith("model.mtp_")))
+        assert all(abs(result.grad_norms[s] / plain.grad_norms[s] - 1) > 0.05 for s in range(1, STEPS + 1))
     # The model learns: the loss after the last step is below the first (data have structure).
     assert result.losses[STEPS] < result.losses[1]
 
@@ -138,6 +151,21 @@ def _check_rank0_holds_its_layout_layers(model: str, overrides: list[str], layou
     total = next(r for r in ref.records if r["event"] == "start")["params_on_rank0"]
     per_layer = (total - embedding - 2 * m.hidden_size) / m.num_layers
     assert params_on_rank0 == embedding + stage_counts(m.num_layers, pp, layout=layout)[0] * per_layer
+
+
+def _train_in_turns(runs: list[tuple[int, int, list[str]]], common: list[str], ref: RunResult,
+                    tmp_path: Path) -> None:
+    """Train on from where the last run stopped, each run ``(ranks, to step, overrides)`` on ``common``: each
+    trains the steps after the previous one's, with the reference's loss and gradient norm at every step."""
+    done = 0
+    for nproc, last, overrides in runs:
+        result = run_train(nproc, [*common, f"train.steps={last}", *overrides], tmp_path / f"to_step{last}")
+        assert result.returncode == 0, result.output[-4000:]
+        assert sorted(result.losses) == list(range(done + 1, last + 1))
+        done = last
+        for step in result.losses:
+            assert result.losses[step] == pytest.approx(ref.losses[step], abs=LOSS_ATOL), f"step {step}"
+            assert result.grad_norms[step] == pytest.approx(ref.grad_norms[step], rel=GRAD_RTOL), f"step {step}"
 
 
 def _mlp_weight_blocks(folder: Path, name: str) -> set[tuple[int, int]]:
@@ -186,15 +214,7 @@ def test_primepar_checkpoint_resumes_under_megatron_tp2_and_back(model: str, mod
         2, ["parallel.tp=2", *resume])
     runs = [(4, 2, primepar), (between[0], 3, between[1]), (4, 4, [*primepar, *resume])]  # (ranks, to step, ...)
     ref = reference(model, *model_overrides)
-    done = 0
-    for nproc, last, overrides in runs:
-        result = run_train(nproc, [*common, f"train.steps={last}", *overrides], tmp_path / f"to_step{last}")
-        assert result.returncode == 0, result.output[-4000:]
-        assert sorted(result.losses) == list(range(done + 1, last + 1))
-        done = last
-        for s in result.losses:
-            assert result.losses[s] == pytest.approx(ref.losses[s], abs=LOSS_ATOL), f"step {s}"
-            assert result.grad_norms[s] == pytest.approx(ref.grad_norms[s], rel=GRAD_RTOL), f"step {s}"
+    _train_in_turns(runs, common, ref, tmp_path)
     # The PrimePar runs did save 2-D blocks: fc1 cut along its input (hidden) axis too, fc2 along its output axis,
     # which Megatron's column/row-parallel layers never do.
     blocks = _mlp_weight_blocks(ckpt / "iter_0000002", "linear_fc1")
@@ -214,19 +234,26 @@ def test_layout_checkpoint_resumes_under_another_layout(tmp_path: Path, referenc
     ckpt = tmp_path / "ckpt"
     common = ["model=gpt_tiny", *(o for o in COMMON if not o.startswith("train.steps=")),
               f"train.lr_decay_steps={STEPS}", f"train.checkpoint_dir={ckpt}", "parallel.pp=2"]
-    runs = [(2, ["parallel.pipeline_model_parallel_layout=Et*3|tL"]),
-            (4, ["parallel.vpp=2", "parallel.pipeline_model_parallel_layout=Et|t|tt|L", "train.resume=true"])]
+    runs = [(2, 2, ["parallel.pipeline_model_parallel_layout=Et*3|tL"]),
+            (2, 4, ["parallel.vpp=2", "parallel.pipeline_model_parallel_layout=Et|t|tt|L", "train.resume=true"])]
     ref = reference("gpt_tiny")
-    done = 0
-    for last, overrides in runs:
-        result = run_train(2, [*common, f"train.steps={last}", *overrides], tmp_path / f"to_step{last}")
-        assert result.returncode == 0, result.output[-4000:]
-        assert sorted(result.losses) == list(range(done + 1, last + 1))
-        done = last
-        for step in result.losses:
-            assert result.losses[step] == pytest.approx(ref.losses[step], abs=LOSS_ATOL), f"step {step}"
-            assert result.grad_norms[step] == pytest.approx(ref.grad_norms[step], rel=GRAD_RTOL), f"step {step}"
+    _train_in_turns(runs, common, ref, tmp_path)
     assert checkpoint.saved_per_layer(ckpt / "iter_0000004")
+
+
+def test_mtp_checkpoint_resumes_without_pipelining(tmp_path: Path, reference: Callable[..., RunResult]) -> None:
+    """Steps 1-2 with the MTP layer in the last chunk of an interleaved layout (its word-embedding copy tied to
+    the first stage's and used as its output weight), steps 3-4 on one rank: the MTP layer and the embedding are
+    keyed as Megatron-Core keys them, so one rank reads them, and the losses stay the reference's."""
+    ckpt = tmp_path / "ckpt"
+    model = ["model=llama_tiny", "model.mtp_num_layers=1", "model.tie_embeddings=true",
+             "model.mtp_loss_scaling_factor=1.0"]
+    common = [*model, *(o for o in COMMON if not o.startswith("train.steps=")), f"train.lr_decay_steps={STEPS}",
+              f"train.checkpoint_dir={ckpt}"]
+    runs = [(2, 2, ["parallel.pp=2", "parallel.vpp=2", "parallel.pipeline_model_parallel_layout=Et|t|tt|mL"]),
+            (1, 4, ["train.resume=true"])]
+    ref = reference("llama_tiny", *model[1:])  # the reference of the llama-pp2-vpp2-mtp-tied layout
+    _train_in_turns(runs, common, ref, tmp_path)
 
 
 def test_bf16_tensor_parallel_matches_bf16_single_rank(tmp_path: Path) -> None:

@@ -342,8 +342,12 @@ class ModelSpec:
     """Multi-token prediction layers (DeepSeek-V3's MTP, Megatron-Core's ``mtp_num_layers``); 0: none. Each one
     predicts one token further with one more decoder layer of the model's last layer kind, fed by a projection
     (``2h -> h``) of the normed embedding of the shifted tokens next to the normed hidden state, and adds another
-    pass of the output layer and loss on the last pipeline stage. Planned and validated; the runtime does not build
-    them (see ``cfp_megatron.planner.job_checks``)."""
+    pass of the output layer and loss on the chunk that holds the loss. Megatron-Core builds them in the last chunk
+    of the last pipeline rank, or where ``parallel.pipeline_model_parallel_layout`` puts its ``m``."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the MTP losses (their mean over the MTP layers) added to the language-model loss's gradient
+    (Megatron-Core's ``mtp_loss_scaling_factor``; DeepSeek-V3 trained with 0.3, then 0.1). The reported loss is the
+    language model's alone."""
 
     def __post_init__(self) -> None:
         issues: list[ConfigIssue] = []
@@ -401,6 +405,9 @@ class ModelSpec:
                    "shared experts need a MoE model.", "set model.num_experts, or set this to null.")
         _issue(issues, self.mtp_num_layers >= 0, f"{p}.mtp_num_layers", self.mtp_num_layers,
                "must not be negative.", f"set {p}.mtp_num_layers=0 (no MTP) or more.")
+        _issue(issues, self.mtp_loss_scaling_factor >= 0.0, f"{p}.mtp_loss_scaling_factor",
+               self.mtp_loss_scaling_factor, "must not be negative.",
+               f"set {p}.mtp_loss_scaling_factor=0.1 (Megatron-Core's default).")
         if self.attention is AttentionKind.mla:
             _issue(issues, self.position_embedding is PositionEmbedding.rope, f"{p}.position_embedding",
                    self.position_embedding.value, "multi-latent attention needs rotary embeddings.",

@@ -20,6 +20,7 @@ import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight")
 """Key suffixes Megatron initialises with ``output_layer_init_method`` (scaled by 1/sqrt(2 L))."""
@@ -33,7 +34,8 @@ def _seed_for(seed: int, key: str, index: tuple[int, ...]) -> int:
 def _sharded_tensors(model: torch.nn.Module) -> list[ShardedTensor]:
     """The model's ShardedTensors, with factories (e.g. SwiGLU's fused fc1) expanded into their parts."""
     out: list[ShardedTensor] = []
-    for value in nested_values(model.sharded_state_dict()):
+    # Megatron-Core's GPTModel reads the DP x CP group from the metadata where it ties an MTP stage's embedding copy.
+    for value in nested_values(model.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))):
         if isinstance(value, ShardedTensorFactory):
             out.extend(v for v in nested_values(value.build()) if isinstance(v, ShardedTensor))
         elif isinstance(value, ShardedTensor):

@@ -125,7 +125,9 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     if parallel_state.get_context_parallel_world_size() > 1:
         batch = get_batch_on_this_cp_rank(batch)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    # The loss mask reaches the model for its MTP losses (the main loss is masked in loss_func).
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                   loss_mask=batch["loss_mask"])
     return output, partial(loss_func, batch["loss_mask"])
 
 

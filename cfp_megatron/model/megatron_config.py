@@ -47,6 +47,10 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         account_for_loss_in_pipeline_split=p.account_for_loss_in_pipeline_split and dims.pp > 1,
         # A per-stage layout (Megatron-Core parses it; the embedding and loss stay on the first and last chunk).
         pipeline_model_parallel_layout=p.pipeline_model_parallel_layout if dims.pp > 1 else None,
+        # Multi-token prediction: Megatron-Core builds the MTP block on the chunk the layout (or, without one, the
+        # last pipeline stage) gives it and adds its loss through MTPLossAutoScaler.
+        mtp_num_layers=m.mtp_num_layers or None,
+        mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
         context_parallel_size=dims.cp,
         cp_comm_type=p.cp_comm_type.value if dims.cp > 1 else None,
         hierarchical_context_parallel_sizes=hierarchical_cp_sizes(job, dims),

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cfp_megatron.base.config import AttentionKind, DataKind, JobSpec
+from cfp_megatron.base.config import AttentionKind, DataKind, JobSpec, PositionEmbedding
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import ParallelDims, transformer_engine_available
+from cfp_megatron.base.pipeline_layout import MTP, layout_stages
 
 
 def hydra_run_dir() -> Path | None:
@@ -29,6 +30,8 @@ def validate_job(job: JobSpec, world_size: int) -> ParallelDims:
     except ConfigError as err:
         issues.extend(err.issues)
     issues += _rest_issues(job)
+    if dims is not None:
+        issues += _mtp_stage_issues(job, dims)
     if issues or dims is None:
         raise ConfigError(issues)
     return dims
@@ -40,6 +43,33 @@ def validate_rest(job: JobSpec) -> None:
     issues = _rest_issues(job)
     if issues:
         raise ConfigError(issues)
+
+
+def _mtp_stage_issues(job: JobSpec, dims: ParallelDims) -> list[ConfigIssue]:
+    """What the runtime refuses of MTP layers under pipelining. Megatron-Core (0.16) builds an embedding copy in
+    the MTP layers' chunk; with learned absolute positions, the copy's position table is neither tied to the first
+    stage's in checkpoints (their save fails its sharding check) nor synced with it (the position-embedding group is
+    the first stage alone). A standalone MTP stage (MTP layers in a stage without the loss) is Megatron-Core's too
+    (it then exchanges tensor shapes before each transfer), but on gloo that exchange hung in our runs; the runtime
+    trains the MTP layers in the stage that holds the loss, where Megatron-Core puts them without a layout."""
+    m, layout = job.model, job.parallel.pipeline_model_parallel_layout
+    if not m.mtp_num_layers or dims.pp == 1:
+        return []
+    issues: list[ConfigIssue] = []
+    if m.position_embedding is PositionEmbedding.learned_absolute:
+        issues.append(ConfigIssue(
+            key="model.position_embedding", value=m.position_embedding.value,
+            problem=f"model.mtp_num_layers={m.mtp_num_layers} with parallel.pp={dims.pp}: the MTP layers' stage "
+                    "keeps its own copy of the learned position table, which Megatron-Core neither syncs nor "
+                    "checkpoints with the first stage's.",
+            fix="use rotary positions (model.position_embedding=rope, as MTP models do), or parallel.pp=1."))
+    if layout is not None and MTP not in layout_stages(layout)[-1]:
+        issues.append(ConfigIssue(
+            key="parallel.pipeline_model_parallel_layout", value=layout,
+            problem="its MTP layers (m) sit in a stage without the loss (L); this runtime trains them only in the "
+                    "last stage, beside the loss (a standalone MTP stage is planned and simulated, not trained).",
+            fix="write the m's in the last stage, before the L (e.g. ...|tt|mL)."))
+    return issues
 
 
 def _rest_issues(job: JobSpec) -> list[ConfigIssue]:
@@ -54,14 +84,6 @@ def _rest_issues(job: JobSpec) -> list[ConfigIssue]:
                     "installed.",
             fix="install transformer-engine (GPU), or approximate MLA with multi-head attention: "
                 "model.attention=standard model.kv_channels=192."))
-    if job.model.mtp_num_layers:
-        issues.append(ConfigIssue(
-            key="model.mtp_num_layers", value=job.model.mtp_num_layers,
-            problem="the runtime does not build Megatron-Core's multi-token-prediction block yet (its passes run "
-                    "on CPU, but its chunk placement, the embedding it shares with the first stage over the "
-                    "pipeline and its loss are not wired and checked against the single-rank reference); the "
-                    "planner, the simulator and the validator price it, so plan with it but train without.",
-            fix="set model.mtp_num_layers=0 to train (and drop the m's from parallel.pipeline_model_parallel_layout)."))
     if job.data.kind is DataKind.indexed:
         try:
             validate_indexed(job)

@@ -89,6 +89,8 @@ def current_fingerprint(*, world_size: int, nodes: int, backend: str) -> Fingerp
 
 def model_key(job: JobSpec, *, on_gpu: bool) -> str:
     """Key of what segment times depend on: model shape, sequence length, precision."""
-    payload = {"model": json_plain(job.model), "seq_length": job.train.seq_length,
+    model = json_plain(job.model)
+    model.pop("mtp_loss_scaling_factor")  # a loss weight times nothing (and profiles from before it keep their key)
+    payload = {"model": model, "seq_length": job.train.seq_length,
                "precision": resolve_precision(job.train.precision, on_gpu).value}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
