@@ -332,3 +332,39 @@ def test_the_gradient_finalisation_is_scaled_as_the_probes_timed_it() -> None:
                        world_size=4).time.dp_comm_s
     assert base > 0 and doubled == pytest.approx(2 * base)
 
+
+
+class _MeasuredMoe(_Measured):
+    """:class:`_Measured` for a MoE model: its decoder layers are ``moe`` segments (timed without EP)."""
+
+    def segment_seconds(self, segment: str, partition: str, micro_batch: int) -> tuple[float, float] | None:
+        return super().segment_seconds("dense" if segment == "moe" else segment, partition, micro_batch)
+
+
+def test_a_moe_model_uses_the_measured_step_with_its_expert_exchange_beside_it() -> None:
+    """A MoE model of one layer kind runs its layers at the probes' in-schedule time, as a dense model does; with
+    EP the token exchange (which the probes, without EP, did not run) is added from the model, on top of the same
+    measured layer; a model with dense layers first (two kinds, one probe time) keeps its segments."""
+    moe = {**TINY, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 128, "add_bias_linear": False}
+
+    def job(ep: int = 1, **model):
+        return job_from_config({"model": {**moe, **model}, "cluster": {**load_preset("local"), "gpus_per_node": 4},
+                                "parallel": {"ep": ep}, "train": {"global_batch_size": 16, "micro_batch_size": 2,
+                                                                  "seq_length": 64}})
+
+    ov = StepOverheads(partition="tp1", micro_batch=2, layer_s=0.012, per_microbatch_s=0.003, step_base_s=0.005,
+                       step_per_param_s=1e-8)
+    plain = simulate(job(), measurements=_MeasuredMoe(None), world_size=4)
+    measured = simulate(job(), measurements=_MeasuredMoe(ov), world_size=4)
+    mbs = plain.num_microbatches
+    assert measured.time.forward_compute_s + measured.time.backward_compute_s == pytest.approx(
+        plain.time.forward_compute_s + plain.time.backward_compute_s + mbs * 4 * 0.006)
+    assert measured.time.ep_comm_s == 0
+    ep2 = simulate(job(ep=2), measurements=_MeasuredMoe(ov), world_size=4)
+    assert ep2.time.forward_compute_s == pytest.approx(measured.time.forward_compute_s)
+    assert ep2.time.ep_comm_s > 0
+    assert ep2.time.ep_comm_s == pytest.approx(simulate(job(ep=2), measurements=_MeasuredMoe(None),
+                                                        world_size=4).time.ep_comm_s)
+    mixed = {"moe_first_dense_layers": 1}
+    assert simulate(job(**mixed), measurements=_MeasuredMoe(ov), world_size=4).step_time_s == pytest.approx(
+        simulate(job(**mixed), measurements=_MeasuredMoe(None), world_size=4).step_time_s)

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from cfp_megatron.base.config import job_from_config
+from cfp_megatron.base.config import JobSpec, job_from_config
 from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.cluster.measured import Collective
 from cfp_megatron.sim import SimOptions, simulate
-from cfp_megatron.sim.moe_cost import COMM_SM_SHARE, expected_remote_nodes
-from cfp_megatron.sim.pass_costs import CostCache
+from cfp_megatron.sim.calibration import efficiency_for
+from cfp_megatron.sim.kernels import KernelModel
+from cfp_megatron.sim.layer_cost import LayerCost, layer_cost
+from cfp_megatron.sim.layout import build_layout
+from cfp_megatron.sim.moe_cost import COMM_SM_SHARE, MoeCost, expected_remote_nodes, moe_block_cost
+from cfp_megatron.sim.pass_costs import CostCache, collective_costs
 from cfp_megatron.validate import load_preset
 
 H100 = load_preset("dgx_h100")
@@ -110,3 +115,28 @@ def test_a_shared_cost_cache_keeps_overlapped_and_plain_plans_apart() -> None:
     cache = CostCache.for_job(plain, None, SimOptions())
     simulate(plain, cache=cache)
     assert simulate(overlap, cache=cache).step_time_s == simulate(overlap).step_time_s
+
+
+def test_the_alltoall_dispatcher_exchanges_counts_and_probabilities_too() -> None:
+    """Megatron-Core's alltoall dispatcher all-gathers the per-expert token counts over the expert TP x EP group
+    before each forward dispatch, and sends each routed copy's probability in an all-to-all of its own: with EP both
+    cost (on the critical path: the count exchange is not overlapped); without EP, or with DeepEP, neither."""
+    def costs(j: JobSpec) -> tuple[MoeCost, LayerCost]:
+        eff = efficiency_for(j.cluster)
+        layout = build_layout(j, 4 * 8)
+        kernels = KernelModel(j.cluster, eff, j.train.precision, fp8=False)
+        comm = collective_costs(j.cluster, None, eff)
+        return (moe_block_cost(j, layout, kernels, comm),
+                layer_cost(j, layout, kernels, comm, SimOptions(), moe=True))
+
+    (a2a, layer), (flex, _), (none, _) = costs(job(ep=8)), costs(job(ep=8, model={"moe_token_dispatcher": "flex"})), \
+        costs(job())
+    assert a2a.metadata_s > 0 and flex.metadata_s == 0 and none.metadata_s == 0 and none.dispatch_s == 0
+    # On the forward pass only, beside the dispatch and combine both passes run.
+    assert layer.forward.ep_comm_s - layer.backward.ep_comm_s == pytest.approx(a2a.metadata_s)
+    assert layer.backward.ep_comm_s == pytest.approx(a2a.dispatch_s)
+    # The probabilities' all-to-all: with the tokens' two, three all-to-alls of the routed copies a pass.
+    cluster = job(ep=8).cluster
+    tokens_only = 2 * collective_costs(cluster, None, efficiency_for(cluster)).seconds(
+        Collective.all_to_all, 4096 * 8 * 4096 * 2.0, 8, 8)
+    assert a2a.dispatch_s > tokens_only

@@ -208,20 +208,21 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
 
 
 def _expert_comm(job: JobSpec, block: MoeCost, *, fwd_window_s: float, bwd_window_s: float) -> tuple[float, float]:
-    """(forward, backward) seconds of the expert dispatch and combine left on the critical path, with the SM share
-    the hidden part takes from the computation it overlaps: ``moe_a2a_overlap`` hides a forward pass's all-to-all
-    behind another micro-batch's backward computation (``bwd_window_s``) and a backward pass's behind a forward
-    (``fwd_window_s``); ``moe_shared_expert_overlap`` hides it behind the shared expert (twice as long backward)."""
+    """(forward, backward) seconds of the expert dispatch and combine left on the critical path (the forward's count
+    exchange always), with the SM share the hidden part takes from the computation it overlaps: ``moe_a2a_overlap``
+    hides a forward pass's all-to-all behind another micro-batch's backward computation (``bwd_window_s``) and a
+    backward pass's behind a forward (``fwd_window_s``); ``moe_shared_expert_overlap`` hides it behind the shared
+    expert (twice as long backward)."""
     parallel = job.parallel
     if parallel.moe_a2a_overlap:
         windows = (bwd_window_s, fwd_window_s)
     elif parallel.moe_shared_expert_overlap:
         windows = (block.shared_gemm_s, 2.0 * block.shared_gemm_s)
     else:
-        return block.dispatch_s, block.dispatch_s
+        return block.metadata_s + block.dispatch_s, block.dispatch_s
     fwd = overlapped(block.dispatch_s, windows[0])
     bwd = overlapped(block.dispatch_s, windows[1])
-    return fwd[0] + fwd[1], bwd[0] + bwd[1]
+    return block.metadata_s + fwd[0] + fwd[1], bwd[0] + bwd[1]
 
 
 def output_layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts) -> tuple[

@@ -42,10 +42,20 @@ class MoeCost:
     padding, the experts' and shared expert's activations."""
     dispatch_s: float
     """Communication of one pass (dispatch and combine), seconds, before any overlap."""
+    metadata_s: float = 0.0
+    """The forward pass's exchange of per-expert token counts before the dispatch (the alltoall dispatcher, with
+    EP or expert TP): an all-gather of one count per expert over the expert TP x EP group, which the dispatch waits
+    for (no overlap)."""
     params: float
     """Parameters on one rank: local experts, shared expert, router."""
     expert_params: float
     """Of ``params``, the routed experts' (reduced over the expert-data-parallel group)."""
+
+
+PROB_BYTES = 4.0
+"""Bytes of one routed copy's probability (the router's fp32 probabilities, ``moe_router_dtype=fp32``)."""
+COUNT_BYTES = 8.0
+"""Bytes of one token count (int64) in the dispatcher's count exchange."""
 
 
 def expected_remote_nodes(topk: int, nodes: int) -> float:
@@ -88,6 +98,7 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     return MoeCost(gemm_s=gemm_s, shared_gemm_s=shared_s, elements_per_token=elements,
                    dispatch_s=_dispatch_s(job, layout, kernels, costs, routed=routed / etp,
                                           local_tokens=local_tokens),
+                   metadata_s=_metadata_s(job, layout, costs),
                    params=params, expert_params=expert_params)
 
 
@@ -115,8 +126,23 @@ def _dispatch_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Colle
     if dispatcher is TokenDispatcher.flex:
         return seconds + 2 * _deepep_s(costs, layout, a2a_bytes, local_tokens * hidden * elem,
                                        topk=model.moe_router_topk)
-    # alltoall: every routed copy crosses the group (a token going to two experts of one rank is sent twice).
-    return seconds + 2 * costs.seconds(Collective.all_to_all, a2a_bytes, ep, layout.ep_per_node)
+    # alltoall: every routed copy crosses the group (a token going to two experts of one rank is sent twice), in
+    # the dispatch and in the combine; the dispatch sends each copy's routing probability too (fp32, its own
+    # all-to-all in Megatron-Core's MoEAlltoAllTokenDispatcher.token_dispatch, and in the backward pass its gradient).
+    return seconds + 2 * costs.seconds(Collective.all_to_all, a2a_bytes, ep, layout.ep_per_node) \
+        + costs.seconds(Collective.all_to_all, routed * PROB_BYTES, ep, layout.ep_per_node)
+
+
+def _metadata_s(job: JobSpec, layout: Layout, costs: CollectiveCosts) -> float:
+    """Seconds of the alltoall dispatcher's count exchange in one forward pass (:attr:`MoeCost.metadata_s`):
+    Megatron-Core's ``MoEAlltoAllTokenDispatcher.preprocess`` all-gathers each rank's token count per expert
+    (int64) over the expert TP x EP group to size its all-to-alls."""
+    dims = layout.dims
+    group = dims.ep * dims.etp
+    if job.model.moe_token_dispatcher is not TokenDispatcher.alltoall or group <= 1:
+        return 0.0
+    counts = (job.model.num_experts or 0) * COUNT_BYTES * group  # the all-gather's output
+    return costs.seconds(Collective.all_gather, counts, group, min(group, layout.ep_per_node * dims.etp))
 
 
 def _deepep_s(costs: CollectiveCosts, layout: Layout, routed_bytes: float, token_bytes: float, *,

@@ -156,14 +156,16 @@ def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
                                                                        moe, embedding, head)
         if not options.measured_layer_only:
             embedding, head = measured_embedding, measured_head
-            if measurements is not None and not model.is_moe:
+            if measurements is not None and not (model.is_moe and model.moe_first_dense_layers):
+                # one decoder layer kind (a dense model, or a MoE model without dense layers): the probes' layer
                 overheads = _step_overheads(job, measurements, layout.micro_batch)
     per_pass = PassCost()
     if overheads is not None:
         # The layer as it runs inside the training schedule, and the schedule's own cost per micro-batch beyond the
         # segments, on the forward and backward call of the stages that hold the embedding or the head (why the
         # ends pay it: docs/simulator.md, "In-schedule overheads").
-        dense = moe = in_schedule(dense, overheads.layer_s)
+        dense = in_schedule(dense, overheads.layer_s)
+        moe = in_schedule(moe, overheads.layer_s) if model.is_moe else dense
         per_pass = PassCost(overhead_s=overheads.per_microbatch_s / 2)
         embedding, head = _ends_in_schedule(embedding, head, overheads.ends_s)
     mtp = (PassCost(), PassCost(), 0.0)
@@ -204,13 +206,15 @@ def _ends_in_schedule(emb: tuple[PassCost, PassCost], out: tuple[PassCost, PassC
 
 def in_schedule(cost: LayerCost, layer_s: float) -> LayerCost:
     """``cost`` with its forward and backward (and recomputation) rescaled to ``layer_s`` seconds of forward plus
-    backward, keeping its forward-to-backward split."""
-    total_s = cost.forward.total_s + cost.backward.total_s
-    if total_s <= 0:
+    backward, keeping its forward-to-backward split; its expert token exchange, which the probes (no expert
+    parallelism) did not run, is kept beside it."""
+    fwd, bwd, rec = (p.total_s - p.ep_comm_s for p in (cost.forward, cost.backward, cost.recompute))
+    if fwd + bwd <= 0:
         return cost
-    forward_share = cost.forward.total_s / total_s
-    recompute_ratio = cost.recompute.total_s / cost.forward.total_s if cost.forward.total_s > 0 else 0.0
-    return LayerCost(forward=PassCost(compute_s=forward_share * layer_s),
-                     backward=PassCost(compute_s=(1 - forward_share) * layer_s),
-                     recompute=PassCost(compute_s=recompute_ratio * forward_share * layer_s), params=cost.params,
-                     expert_params=cost.expert_params)
+    forward_share = fwd / (fwd + bwd)
+    recompute_ratio = rec / fwd if fwd > 0 else 0.0
+    return LayerCost(forward=PassCost(compute_s=forward_share * layer_s, ep_comm_s=cost.forward.ep_comm_s),
+                     backward=PassCost(compute_s=(1 - forward_share) * layer_s, ep_comm_s=cost.backward.ep_comm_s),
+                     recompute=PassCost(compute_s=recompute_ratio * forward_share * layer_s,
+                                        ep_comm_s=cost.recompute.ep_comm_s),
+                     params=cost.params, expert_params=cost.expert_params)
