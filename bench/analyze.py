@@ -3,7 +3,7 @@
 Run: ``python bench/analyze.py [--models llama3_405b deepseek_v3] [--tp 8] [--seq 4096] [--nodes 1]
 [--markdown docs/figures/analyze.md]`` (``--markdown``: also the figures as a snippet for the docs). With
 ``--nodes 2`` the job spans two DGX H100 nodes, so the mesh is 2-D (dp x tp) (MoE models then also get EP = TP and
-sequence parallelism, as Megatron needs for MoE with TP and EP). Each case is a fresh
+sequence parallelism, as Megatron needs for MoE with TP). Each case is a fresh
 ``python -m cfp_megatron.analyze`` process (imports included); "cold" uses an empty cache directory, "cached" runs
 the same command again. Prints figures, asserts nothing. Target: 10 s or less cold, 1 s with a cache.
 """

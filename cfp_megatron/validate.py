@@ -13,7 +13,7 @@ Defaults for fields a row leaves blank (documented, the same for every row):
 * ``dp``: GPUs / (TP x PP x CP); ``cp``, ``ep``, ``vp``, ``micro_batch``: 1; ``global_batch_seqs``: micro-batch x
   DP x ``grad_accum`` when that is given.
 * ``sequence_parallel``: on with TP for NeMo / Megatron-Core / Megatron-Bridge (their recipes' default) and where
-  Megatron-Core requires it (MoE with TP and EP), else off.
+  Megatron-Core requires it (MoE with TP), else off.
 * ``recompute``: none. ``precision``: bf16 (``fp16`` when the row says fp16; FP8 GEMMs when it says FP8).
 * ``zero_or_fsdp``: blank means Megatron's distributed optimizer for NeMo / Megatron-Core / Megatron-Bridge (their
   default) and plain data parallelism otherwise; "distributed optimizer" turns it on; "FSDP"/"ZeRO-3" models fully
@@ -241,7 +241,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     dist_opt = "distributed optimizer" in sharding or "zero-1" in sharding or (not sharding and modern)
     sp = _yes(row.get("sequence_parallel") or "")
     if sp is None:
-        sp = modern or bool(experts and ep > 1)
+        sp = modern or bool(experts)
     sp = sp and tp > 1
     ffn = _int(row, "ffn_hidden")
     kv = _int(row, "kv_heads")

@@ -258,9 +258,9 @@ class ParallelDims:
                  f"sequence parallelism shards each context-parallel rank's {t.seq_length // p.cp} tokens over "
                  f"parallel.tp={p.tp}.",
                  f"use a multiple of {p.tp * p.cp}, or set parallel.sp=false.")
-        elif p.tp > 1 and m.is_moe and p.ep > 1:
-            need(False, "parallel.sp", False, "Megatron-Core needs sequence parallelism for MoE with TP and EP.",
-                 "set parallel.sp=true.")
+        elif p.tp > 1 and m.is_moe:
+            need(False, "parallel.sp", False, "Megatron-Core needs sequence parallelism for MoE with TP (its "
+                 "MoELayer refuses to train under TP without it).", "set parallel.sp=true.")
         if m.position_embedding is PositionEmbedding.learned_absolute:
             need(t.seq_length <= m.max_position_embeddings, "train.seq_length", t.seq_length,
                  f"exceeds model.max_position_embeddings={m.max_position_embeddings}.",

@@ -98,7 +98,8 @@ def probe_job(job: JobSpec, tp: int, world: int, micro_batch: int,
 
 
 def needs_sequence_parallel(job: JobSpec, tp: int) -> bool:
-    """Megatron-Core requires sequence parallelism for MoE layers under tensor parallelism."""
+    """Megatron-Core requires sequence parallelism for MoE layers under tensor parallelism (its ``MoELayer``
+    refuses to train without it)."""
     return job.model.is_moe and tp > 1
 
 

@@ -369,7 +369,7 @@ class Space:
             values = [False]
         else:
             values = [True] if (seq // family.cp) % family.tp == 0 else []
-            if not (m.is_moe and family.ep > 1):  # Megatron-Core needs SP for MoE with TP and EP
+            if not m.is_moe:  # Megatron-Core's MoELayer refuses to train under TP without SP
                 values.append(False)
         allowed = self.cfp.allowed("sp")
         return [v for v in values if allowed is None or v in allowed]
