@@ -20,7 +20,8 @@ Defaults for fields a row leaves blank (documented, the same for every row):
   sharded data parallelism.
 * ``global_batch_seqs`` blank with one layer: a layer-level measurement (one forward and backward of the layer
   alone, no embedding, logits, optimizer or gradient sync).
-* MLP: SwiGLU when ``ffn_hidden`` is not 4 x hidden or the model is MoE, else GELU (with dropout 0.1).
+* MLP: SwiGLU when ``ffn_hidden`` is not 4 x hidden or the model is MoE, else GELU (with dropout 0.1); positions
+  rotary with SwiGLU (the LLaMA-family convention), learned with GELU (GPT-3's).
 * Gradients: accumulated and reduced in fp32 (Megatron-LM forces it for bf16; Megatron-Bridge's recipes keep it),
   except for NeMo rows: NeMo's performance runs keep the gradient buffers and their reduction in bf16 (NeMo 1's
   launcher scripts pass ``optim.grad_sync_dtype=bf16``, NeMo 2's performance recipes ``grad_reduce_in_fp32=False``).
@@ -252,6 +253,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         "num_attention_heads": heads, "num_query_groups": kv, "vocab_size": vocab,
         "make_vocab_size_divisible_by": 128 * tp, "max_position_embeddings": max(seq, 4096),
         "activation": "swiglu" if swiglu else "gelu", "tie_embeddings": False,
+        "position_embedding": "rope" if swiglu else "learned_absolute",
         "hidden_dropout": 0.0 if swiglu else 0.1, "attention_dropout": 0.0 if swiglu else 0.1,
     }
     if heads and hidden % heads:

@@ -393,7 +393,7 @@ def test_world_size_not_divisible() -> None:
 def test_heads_not_divisible_by_tp() -> None:
     # MLA has no key/value groups, so the head count is the only attention check.
     err = build_errors(3, "model=deepseek_v3", "parallel.tp=3", "model.make_vocab_size_divisible_by=384")
-    assert set(err.keys) == {"parallel.tp"}
+    assert set(err.keys) == {"parallel.tp", "parallel.sp"}  # and a MoE model under TP needs SP
     assert "model.moe_shared_expert_intermediate_size=2048 is not divisible by parallel.tp=3." in str(err)
     assert "model.num_attention_heads=128 is not divisible by parallel.tp=3." in str(err)
     assert "use a parallel.tp that divides 128." in str(err)
@@ -697,7 +697,8 @@ def test_pipeline_layout_layer_counts_against_the_model() -> None:
     err = build_errors(2, "parallel.pp=2", "model.mtp_num_layers=1", "parallel.pipeline_model_parallel_layout=Et*3|tL")
     assert "it places 0 MTP layers (m); model.mtp_num_layers=1." in str(err)
     # With MTP and no layout, Megatron puts the MTP layer with the loss: valid.
-    assert ParallelDims.build(make_job("parallel.pp=2", "model.mtp_num_layers=1"), 2, te_available=False).pp == 2
+    assert ParallelDims.build(make_job("parallel.pp=2", "model.mtp_num_layers=1", "model.position_embedding=rope"), 2,
+                              te_available=False).pp == 2
     with pytest.raises(ConfigError, match=r"model\.mtp_num_layers=-1: must not be negative"):
         make_job("model.mtp_num_layers=-1")
     # Block recomputation counts a layout's largest chunk (three layers on rank 0).

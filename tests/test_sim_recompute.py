@@ -54,14 +54,14 @@ def test_block_lies_between_none_and_uniform_full(flash: bool) -> None:
 def test_block_recomputes_the_leading_dense_layers_first() -> None:
     moe = {"num_experts": 8, "moe_router_topk": 2, "activation": "swiglu", "moe_ffn_hidden_size": 2048,
            "num_layers": 4, "moe_first_dense_layers": 1}
-    preds = [simulate(job(model=moe, tp=8, gbs=8, **({"recompute": "full", "recompute_method": "block",
+    preds = [simulate(job(model=moe, tp=8, sp=True, gbs=8, **({"recompute": "full", "recompute_method": "block",
                                                       "recompute_num_layers": n} if n else {})))
              for n in range(5)]
     rec = [p.time.recompute_s for p in preds]
     dense, moe_layer = rec[1] - rec[0], rec[2] - rec[1]
     assert rec[3] - rec[2] == pytest.approx(moe_layer) and rec[4] - rec[3] == pytest.approx(moe_layer)
     assert dense != pytest.approx(moe_layer)  # the first recomputed layer is the dense one
-    uniform = simulate(job(model=moe, tp=8, gbs=8, recompute="full"))
+    uniform = simulate(job(model=moe, tp=8, sp=True, gbs=8, recompute="full"))
     assert rec[4] == pytest.approx(uniform.time.recompute_s)
 
 

@@ -262,6 +262,13 @@ class ParallelDims:
             need(False, "parallel.sp", False, "Megatron-Core needs sequence parallelism for MoE with TP (its "
                  "MoELayer refuses to train under TP without it).", "set parallel.sp=true.")
         if m.position_embedding is PositionEmbedding.learned_absolute:
+            # Megatron-Core (0.16) builds an embedding copy in the MTP layers' chunk whose position table is neither
+            # synced (the position-embedding group is the first stage alone) nor checkpointed with the first stage's.
+            need(not (m.mtp_num_layers and p.pp > 1), "model.position_embedding", m.position_embedding.value,
+                 f"model.mtp_num_layers={m.mtp_num_layers} with parallel.pp={p.pp}: the MTP layers' stage keeps its "
+                 "own copy of the learned position table, which Megatron-Core neither syncs nor checkpoints with the "
+                 "first stage's.", "use rotary positions (model.position_embedding=rope, as MTP models do), or "
+                 "parallel.pp=1.")
             need(t.seq_length <= m.max_position_embeddings, "train.seq_length", t.seq_length,
                  f"exceeds model.max_position_embeddings={m.max_position_embeddings}.",
                  "shorten the sequence or raise model.max_position_embeddings.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cfp_megatron.base.config import AttentionKind, DataKind, JobSpec, PositionEmbedding
+from cfp_megatron.base.config import AttentionKind, DataKind, JobSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import ParallelDims, transformer_engine_available
 from cfp_megatron.base.pipeline_layout import MTP, layout_stages
@@ -46,30 +46,19 @@ def validate_rest(job: JobSpec) -> None:
 
 
 def _mtp_stage_issues(job: JobSpec, dims: ParallelDims) -> list[ConfigIssue]:
-    """What the runtime refuses of MTP layers under pipelining. Megatron-Core (0.16) builds an embedding copy in
-    the MTP layers' chunk; with learned absolute positions, the copy's position table is neither tied to the first
-    stage's in checkpoints (their save fails its sharding check) nor synced with it (the position-embedding group is
-    the first stage alone). A standalone MTP stage (MTP layers in a stage without the loss) is Megatron-Core's too
-    (it then exchanges tensor shapes before each transfer), but on gloo that exchange hung in our runs; the runtime
-    trains the MTP layers in the stage that holds the loss, where Megatron-Core puts them without a layout."""
-    m, layout = job.model, job.parallel.pipeline_model_parallel_layout
-    if not m.mtp_num_layers or dims.pp == 1:
+    """MTP layers in a stage without the loss: Megatron-Core runs such a standalone MTP stage (it then exchanges
+    tensor shapes before each transfer), but on gloo that exchange hung in our runs, and the embedding copy of an MTP
+    chunk that shares a rank with the first stage has no gradient sync in Megatron-Core 0.16; the runtime trains the
+    MTP layers in the stage that holds the loss, where Megatron-Core puts them without a layout. (Learned positions
+    under pipelining, which MTP cannot train with either, are refused by the layout checks, for plans too.)"""
+    layout = job.parallel.pipeline_model_parallel_layout
+    if not job.model.mtp_num_layers or dims.pp == 1 or layout is None or MTP in layout_stages(layout)[-1]:
         return []
-    issues: list[ConfigIssue] = []
-    if m.position_embedding is PositionEmbedding.learned_absolute:
-        issues.append(ConfigIssue(
-            key="model.position_embedding", value=m.position_embedding.value,
-            problem=f"model.mtp_num_layers={m.mtp_num_layers} with parallel.pp={dims.pp}: the MTP layers' stage "
-                    "keeps its own copy of the learned position table, which Megatron-Core neither syncs nor "
-                    "checkpoints with the first stage's.",
-            fix="use rotary positions (model.position_embedding=rope, as MTP models do), or parallel.pp=1."))
-    if layout is not None and MTP not in layout_stages(layout)[-1]:
-        issues.append(ConfigIssue(
-            key="parallel.pipeline_model_parallel_layout", value=layout,
-            problem="its MTP layers (m) sit in a stage without the loss (L); this runtime trains them only in the "
-                    "last stage, beside the loss (a standalone MTP stage is planned and simulated, not trained).",
-            fix="write the m's in the last stage, before the L (e.g. ...|tt|mL)."))
-    return issues
+    return [ConfigIssue(
+        key="parallel.pipeline_model_parallel_layout", value=layout,
+        problem="its MTP layers (m) sit in a stage without the loss (L); this runtime trains them only in the last "
+                "stage, beside the loss (a standalone MTP stage is planned and simulated, not trained).",
+        fix="write the m's in the last stage, before the L (e.g. ...|tt|mL).")]
 
 
 def _rest_issues(job: JobSpec) -> list[ConfigIssue]:

@@ -133,7 +133,7 @@ def analysis_classes(job: JobSpec, tp: int) -> dict[str, dict[str, Any]]:
     """Per layer kind, its segment class id in the analysis of ``job`` on the ``tp<N>`` mesh and whether Megatron's
     TP layout is among the class's candidates. Pure (the ``fake`` process group): call it before any real group."""
     cluster = dataclasses.replace(job.cluster, nodes=1, gpus_per_node=None)
-    parallel = ParallelSpec(tp=tp, order=job.parallel.order)
+    parallel = ParallelSpec(tp=tp, sp=needs_sequence_parallel(job, tp), order=job.parallel.order)
     train = dataclasses.replace(job.train, global_batch_size=job.train.micro_batch_size, checkpoint_dir=None,
                                 resume=False, save_interval=0)
     result = analyze(dataclasses.replace(job, cluster=cluster, parallel=parallel, train=train))
