@@ -228,7 +228,7 @@ def test_a_layout_puts_the_layers_and_the_mtp_layer_where_it_says() -> None:
     moved = simulate(job(**common, model=model, pipeline_model_parallel_layout="Ettt|t|ttt|tL"), with_events=True)
     assert _rank_busy_s(moved, 0) > _rank_busy_s(even, 0) and _rank_busy_s(moved, 1) < _rank_busy_s(even, 1)
     model = {**model, "num_layers": 6}
-    mtp = {**model, "mtp_num_layers": 1}
+    mtp = {**model, "mtp_num_layers": 1, "position_embedding": "rope"}  # MTP under PP needs rotary positions
     with_loss = simulate(job(**common, model=mtp, pipeline_model_parallel_layout="Ett|tt|tt|mL"), with_events=True)
     on_rank0 = simulate(job(**common, model=mtp, pipeline_model_parallel_layout="Ett|tt|ttm|L"), with_events=True)
     plain = simulate(job(**common, model=model, pipeline_model_parallel_layout="Ett|tt|tt|L"), with_events=True)
