@@ -30,6 +30,7 @@ Asserts nothing; figures on a loaded machine are noisy, so run it alone.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -86,21 +87,17 @@ def feasible_layouts(model: str, nproc: int, common: list[str]) -> list[Layout]:
     found = []
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         moe = job_from_config(compose(config_name="config", overrides=[f"model={model}", *common])).model.is_moe
-        for tp in (1, 2, 4, 8):
-            for pp in (1, 2, 4, 8):
-                if nproc % (tp * pp):
-                    continue
-                for ep in (1, 2, 4, 8) if moe else (1,):
-                    for mb in (1, 2, 4, 8):
-                        layout = Layout(tp=tp, pp=pp, dp=nproc // (tp * pp), micro_batch=mb, ep=ep,
-                                        sp=moe and tp > 1)
-                        cfg = compose(config_name="config",
-                                      overrides=[f"model={model}", *common, *layout.overrides()])
-                        try:
-                            ParallelDims.build(job_from_config(cfg), nproc)
-                        except ConfigError:
-                            continue
-                        found.append(layout)
+        sizes = (1, 2, 4, 8)
+        for tp, pp, ep, mb in itertools.product(sizes, sizes, sizes if moe else (1,), sizes):
+            if nproc % (tp * pp):
+                continue
+            layout = Layout(tp=tp, pp=pp, dp=nproc // (tp * pp), micro_batch=mb, ep=ep, sp=moe and tp > 1)
+            cfg = compose(config_name="config", overrides=[f"model={model}", *common, *layout.overrides()])
+            try:
+                ParallelDims.build(job_from_config(cfg), nproc)
+            except ConfigError:
+                continue
+            found.append(layout)
     return found
 
 

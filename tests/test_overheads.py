@@ -347,10 +347,10 @@ def test_a_moe_model_uses_the_measured_step_with_its_expert_exchange_beside_it()
     measured layer; a model with dense layers first (two kinds, one probe time) keeps its segments."""
     moe = {**TINY, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 128, "add_bias_linear": False}
 
-    def job(ep: int = 1, **model):
+    def job(ep: int = 1, etp: int = 1, **model):
         return job_from_config({"model": {**moe, **model}, "cluster": {**load_preset("local"), "gpus_per_node": 4},
-                                "parallel": {"ep": ep}, "train": {"global_batch_size": 16, "micro_batch_size": 2,
-                                                                  "seq_length": 64}})
+                                "parallel": {"ep": ep, "etp": etp},
+                                "train": {"global_batch_size": 16, "micro_batch_size": 2, "seq_length": 64}})
 
     ov = StepOverheads(partition="tp1", micro_batch=2, layer_s=0.012, per_microbatch_s=0.003, step_base_s=0.005,
                        step_per_param_s=1e-8)
@@ -365,6 +365,8 @@ def test_a_moe_model_uses_the_measured_step_with_its_expert_exchange_beside_it()
     assert ep2.time.ep_comm_s > 0
     assert ep2.time.ep_comm_s == pytest.approx(simulate(job(ep=2), measurements=_MeasuredMoe(None),
                                                         world_size=4).time.ep_comm_s)
+    # Expert TP without EP: its gathers and the count exchange are none of the probes' time either.
+    assert simulate(job(etp=2), measurements=_MeasuredMoe(ov), world_size=4).time.ep_comm_s > 0
     mixed = {"moe_first_dense_layers": 1}
     assert simulate(job(**mixed), measurements=_MeasuredMoe(ov), world_size=4).step_time_s == pytest.approx(
         simulate(job(**mixed), measurements=_MeasuredMoe(None), world_size=4).step_time_s)

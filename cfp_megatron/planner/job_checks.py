@@ -48,7 +48,8 @@ def validate_rest(job: JobSpec) -> None:
 def _mtp_stage_issues(job: JobSpec, dims: ParallelDims) -> list[ConfigIssue]:
     """MTP layers in a stage without the loss: Megatron-Core runs such a standalone MTP stage (it then exchanges
     tensor shapes before each transfer), but on gloo that exchange hung in our runs, and the embedding copy of an MTP
-    chunk that shares a rank with the first stage has no gradient sync in Megatron-Core 0.16; the runtime trains the
+    chunk that shares a rank with the first stage has no gradient sync in Megatron-Core 0.16 (by its code:
+    ``finalize_model_grads`` reduces one embedding per rank); the runtime trains the
     MTP layers in the stage that holds the loss, where Megatron-Core puts them without a layout. (Learned positions
     under pipelining, which MTP cannot train with either, are refused by the layout checks, for plans too.)"""
     layout = job.parallel.pipeline_model_parallel_layout

@@ -97,15 +97,12 @@ def apply_measured(job: JobSpec, measurements: Measurements | None, micro_batch:
         else:
             recompute_s = hit[0] * (cost.recompute.total_s / cost.forward.total_s if cost.forward.total_s > 0
                                     else 0.0)
-        forward, backward, recompute = _as_pass(hit[0]), _as_pass(hit[1]), _as_pass(recompute_s)
-        if kind == "moe" and parallel.ep > 1:
-            # The segments round times MoE layers with every expert on the rank (no expert parallelism): the
-            # token exchange of the plan's EP group is none of it, so it is added from the model (collective fits).
-            forward = forward.plus(PassCost(ep_comm_s=cost.forward.ep_comm_s))
-            backward = backward.plus(PassCost(ep_comm_s=cost.backward.ep_comm_s))
-            recompute = recompute.plus(PassCost(ep_comm_s=cost.recompute.ep_comm_s))
-        return LayerCost(forward=forward, backward=backward, recompute=recompute, params=cost.params,
-                         expert_params=cost.expert_params)
+        # The segments round times MoE layers with every expert on the rank (EP = expert TP = 1): the plan's expert
+        # token exchange (none for a dense layer) is none of the measured time, so it stays the model's.
+        return LayerCost(forward=PassCost(compute_s=hit[0], ep_comm_s=cost.forward.ep_comm_s),
+                         backward=PassCost(compute_s=hit[1], ep_comm_s=cost.backward.ep_comm_s),
+                         recompute=PassCost(compute_s=recompute_s, ep_comm_s=cost.recompute.ep_comm_s),
+                         params=cost.params, expert_params=cost.expert_params)
 
     def ends(kind: str, cost: tuple[PassCost, PassCost]) -> tuple[PassCost, PassCost]:
         hit = measured_pass(measurements, kind, partition, micro_batch)
