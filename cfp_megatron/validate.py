@@ -41,6 +41,11 @@ Defaults for fields a row leaves blank (documented, the same for every row):
   ``layout_map`` has no PP=8 x VP=4 entry).
 * DeepSeek-V3 rows of NeMo / Megatron-Bridge: one MTP layer (``mtp_num_layers=1``, those recipes' setting; the
   layout above places it).
+* MoE: the alltoall dispatcher without overlap, except for Megatron-Bridge rows of 26.x containers that ran one
+  of its H100 presets (same model, GPUs, TP, PP, VP, EP, global batch): that preset's dispatcher (HybridEP for
+  Qwen3-30B-A3B, modelled as DeepEP's ``flex``), expert all-to-all overlap (on for Qwen3-235B-A22B) and TP
+  overlap (off for Qwen3-235B-A22B) (:data:`MEGATRON_BRIDGE_MOE_RECIPES`); the layout column shows ``flex`` /
+  ``a2ao``.
 * ``tp``, ``pp`` blank where ``dp`` is given (SC21's Table 2 states only the model-parallel size): TP as wide as a
   node allows where it divides that size and the heads, PP the rest (:func:`unstated_split`); the layout column
   marks such rows with ``?``.
@@ -77,6 +82,56 @@ DEFAULT_VOCAB = 51200
 
 class RowError(CfpError, ValueError):
     """A row cannot be modelled; the message says why."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeRecipe:
+    """The communication settings of one Megatron-Bridge MoE performance preset, for the rows that ran it."""
+
+    model: str
+    """Regular expression the row's ``model`` matches (case-insensitive)."""
+    preset: str
+    """Hardware preset of the row's GPU."""
+    layout: tuple[int, int, int, int, int, int]
+    """(GPUs, TP, PP, VP, EP, global batch) of the preset: a row with another layout ran another configuration."""
+    dispatcher: str
+    """``model.moe_token_dispatcher``: ``flex`` where the preset sets ``moe_token_dispatcher_type="flex"`` (HybridEP
+    or DeepEP, modelled as DeepEP), else ``alltoall``."""
+    a2a_overlap: bool
+    """``parallel.moe_a2a_overlap`` (the preset's ``moe_a2a_overlap``)."""
+    tp_comm_overlap: bool
+    """``parallel.tp_comm_overlap`` (the preset's ``CommOverlapConfig(tp_comm_overlap=...)``)."""
+
+
+MEGATRON_BRIDGE_MOE_RECIPES = (
+    MoeRecipe(model=r"qwen3.?235b", preset="dgx_h100", layout=(256, 2, 8, 4, 32, 8192), dispatcher="alltoall",
+              a2a_overlap=True, tp_comm_overlap=False),
+    MoeRecipe(model=r"qwen3.?30b", preset="dgx_h100", layout=(16, 1, 1, 1, 16, 1024), dispatcher="flex",
+              a2a_overlap=False, tp_comm_overlap=True),
+)
+"""Megatron-Bridge's H100 performance presets of Qwen3-235B-A22B (its "V2", global batch 8,192) and Qwen3-30B-A3B
+(``scripts/performance/configs/qwen/qwen3_workload_base_configs.py`` and ``qwen3_llm_pretrain.py``, the files that
+replaced ``configs/qwen3/workload_base_configs.py``, whose H100 presets ran 235B at global batch 2,048 without the
+all-to-all overlap and 30B at PP=2 x VP=12). The other H100 MoE presets are not listed: GPT-OSS 120B's keeps the
+defaults; DeepSeek-V3's recomputes its MLA up-projections and MLPs, which the simulator does not model."""
+FIRST_PRESET_CONTAINER = (26, 1)
+"""Rows from NeMo containers before 26.x ran the earlier preset files: :data:`MEGATRON_BRIDGE_MOE_RECIPES`
+applies to rows of 26.x containers on."""
+
+
+def moe_recipe(row: dict, preset: str, layout: tuple[int, int, int, int, int, int]) -> MoeRecipe | None:
+    """The Megatron-Bridge MoE preset a row ran, or None: a Megatron-Bridge row from a container of
+    :data:`FIRST_PRESET_CONTAINER` or later whose model, GPU and layout are those of a preset."""
+    if "megatron-bridge" not in (row.get("framework") or "").lower():
+        return None
+    container = re.search(r"\b(\d\d)\.(\d\d)", row.get("source_detail") or row.get("framework") or "")
+    if container is None or (int(container.group(1)), int(container.group(2))) < FIRST_PRESET_CONTAINER:
+        return None
+    for recipe in MEGATRON_BRIDGE_MOE_RECIPES:
+        if (recipe.preset == preset and recipe.layout == layout
+                and re.search(recipe.model, row.get("model") or "", re.IGNORECASE)):
+            return recipe
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,9 +313,11 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     }
     if heads and hidden % heads:
         model["kv_channels"] = 128
+    recipe = moe_recipe(row, preset_name, (gpus, tp, pp, vp, ep, gbs or 0)) if experts else None
     if experts:
         topk = _int(row, "moe_topk", 2)
-        model.update(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=_int(row, "moe_expert_ffn"))
+        model.update(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=_int(row, "moe_expert_ffn"),
+                     moe_token_dispatcher=recipe.dispatcher if recipe else "alltoall")
     # Megatron-Bridge's recipes count the embedding and the loss as layers of the pipeline split where the decoder
     # alone does not split (Qwen3-235B's 94 layers over 8 x 4 chunks: 96 units, 3 per chunk).
     counted = pp > 1 and layers % (pp * vp) != 0 and (layers + 2) % (pp * vp) == 0
@@ -275,7 +332,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         "model": model, "cluster": cluster,
         "parallel": {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "vpp": vp if vp > 1 else None, "sp": sp,
                      "recompute": recompute, "distributed_optimizer": dist_opt, "overlap_grad_reduce": not legacy,
-                     "tp_comm_overlap": modern and sp,
+                     "tp_comm_overlap": (recipe.tp_comm_overlap if recipe else modern) and sp,
+                     "moe_a2a_overlap": bool(recipe and recipe.a2a_overlap),
                      "recompute_num_layers": 1, "grad_reduce_in_fp32": not nemo,
                      "account_for_embedding_in_pipeline_split": counted,
                      "account_for_loss_in_pipeline_split": counted, "pipeline_model_parallel_layout": stages},
@@ -289,6 +347,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     layout += (f" cp{cp}" if cp > 1 else "") + (f" ep{ep}" if ep > 1 else "")
     layout += (f" vp{vp}" if vp > 1 else "") + (" emb+loss" if counted else "") + (f" {stages}" if stages else "")
     layout += " sp" if sp else ""
+    if recipe:
+        layout += (" flex" if recipe.dispatcher == "flex" else "") + (" a2ao" if recipe.a2a_overlap else "")
     layout += f" mb{micro} gbs{gbs} {recompute}" + (" fp8" if fp8 else "") + (" fsdp" if fsdp else "")
     options = SimOptions(fp8=fp8, fsdp=fsdp, measured_layer_only=layer_only, flash_attention=not legacy)
     return RowPlan(row_id=rid, source=row.get("source", ""), source_detail=row.get("source_detail", ""),

@@ -12,7 +12,7 @@ from cfp_megatron.sim.calibration import efficiency_for
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layer_cost import LayerCost, layer_cost
 from cfp_megatron.sim.layout import build_layout
-from cfp_megatron.sim.moe_cost import COMM_SM_SHARE, MoeCost, expected_remote_nodes, moe_block_cost
+from cfp_megatron.sim.moe_cost import COMM_SM_SHARE, MoeCost, expected_remote_nodes, moe_block_cost, overlapped
 from cfp_megatron.sim.pass_costs import CostCache, collective_costs
 from cfp_megatron.validate import load_preset
 
@@ -59,6 +59,37 @@ def test_a2a_overlap_hides_the_all_to_all_and_costs_a_micro_batch_of_memory() ->
     # What is hidden still takes its share of the SMs.
     assert overlap.time.ep_comm_s >= COMM_SM_SHARE * 0.5 * plain.time.ep_comm_s
     assert overlap.memory.activations > plain.memory.activations
+
+
+def test_a2a_overlap_pairs_each_exchange_with_one_computation_as_megatron_core_schedules_it() -> None:
+    """Megatron-Core's combined 1F1B layer schedule runs each communication of one micro-batch beside one
+    computation of another: backward combine | forward attention, forward dispatch | backward experts, backward
+    dispatch | forward experts, forward combine | backward attention. A combine longer than the attention's forward
+    is not hidden by the experts' computation after it, as a whole-layer window would have it."""
+    j = job(nodes=8, ep=32, pp=2, vpp=2, gbs=512, moe_a2a_overlap=True)
+    eff = efficiency_for(j.cluster)
+    layout = build_layout(j, 64)
+    kernels = KernelModel(j.cluster, eff, j.train.precision, fp8=False)
+    comm = collective_costs(j.cluster, None, eff)
+    block = moe_block_cost(j, layout, kernels, comm)
+    layer = layer_cost(j, layout, kernels, comm, SimOptions(), moe=True)
+    routed = 4096 * 8 / 1  # one micro-batch's tokens to their top-8 experts, no TP
+    assert block.combine_s == pytest.approx(comm.seconds(Collective.all_to_all, routed * 4096 * 2.0, 32, 8))
+    dispatch = block.dispatch_s - block.combine_s  # the tokens' all-to-all and their probabilities'
+    experts_fwd = block.gemm_s + kernels.memory(block.elements_per_token * 4096 * 2.0)
+    attention_fwd = layer.forward.compute_s + layer.forward.attention_core_s - experts_fwd
+    attention_bwd = layer.backward.compute_s + layer.backward.attention_core_s - 2 * experts_fwd
+
+    def exposed(comm_s: float, window_s: float) -> float:
+        return sum(overlapped(comm_s, window_s))
+
+    assert layer.forward.ep_comm_s == pytest.approx(block.metadata_s + exposed(dispatch, 2 * experts_fwd)
+                                                    + exposed(block.combine_s, attention_bwd))
+    assert layer.backward.ep_comm_s == pytest.approx(exposed(block.combine_s, attention_fwd)
+                                                     + exposed(dispatch, experts_fwd))
+    assert block.combine_s > attention_fwd  # here the backward combine outlasts the attention beside it
+    whole_layer = exposed(block.dispatch_s, layer.forward.compute_s + layer.forward.attention_core_s)
+    assert whole_layer < layer.backward.ep_comm_s < block.dispatch_s
 
 
 def test_shared_expert_overlap_hides_at_most_the_shared_expert() -> None:

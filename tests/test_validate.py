@@ -121,6 +121,27 @@ def test_deepseek_v3_runs_as_megatron_bridge_lays_it_out() -> None:
     assert row_plan(qwen).job.parallel.pipeline_model_parallel_layout is None
 
 
+@needs_csv
+def test_megatron_bridge_moe_rows_run_the_preset_of_their_container_and_layout() -> None:
+    """A 26.x Megatron-Bridge row with the layout of an H100 preset takes its MoE settings; the same row from a 25.x
+    container, or with another global batch, ran an earlier configuration and keeps the defaults."""
+    base = next(r for r in read_rows(CSV) if r["id"] == "75")  # Qwen3-235B, TP2 PP8 VP4 EP32 on 256 H100s
+    row = {**base, "framework": "Megatron-Bridge / NeMo 26.02", "source_detail": "26.02 NeMo container",
+           "global_batch_seqs": "8192"}
+    preset = row_plan(row).job
+    assert preset.parallel.moe_a2a_overlap and not preset.parallel.tp_comm_overlap
+    assert preset.model.moe_token_dispatcher.value == "alltoall"
+    for other in ({"source_detail": "25.11 NeMo container", "framework": "Megatron-Bridge / NeMo 25.11"},
+                  {"global_batch_seqs": "2048"}, {"framework": "NeMo 26.02"}):
+        plain = row_plan({**row, **other}).job
+        assert not plain.parallel.moe_a2a_overlap and plain.parallel.tp_comm_overlap
+    small = {**row, "model": "Qwen3_30B_a3B", "num_gpus": "16", "tp": "1", "pp": "1", "vp": "", "ep": "16",
+             "dp": "", "global_batch_seqs": "1024", "layers": "48", "hidden": "2048", "heads": "32",
+             "moe_expert_ffn": "768"}
+    flex = row_plan(small).job
+    assert flex.model.moe_token_dispatcher.value == "flex" and not flex.parallel.moe_a2a_overlap
+
+
 def test_unreadable_inputs_are_refused_by_name(tmp_path: Path, capsys) -> None:
     header_only = tmp_path / "header.csv"
     header_only.write_text("id,layers,hidden,heads,seq_len,gpu,num_gpus\n")

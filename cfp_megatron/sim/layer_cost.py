@@ -182,8 +182,12 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
 
     ep_fwd = ep_bwd = 0.0
     if moe_block is not None:
-        ep_fwd, ep_bwd = _expert_comm(job, moe_block, fwd_window_s=fwd_compute + core_fwd,
-                                      bwd_window_s=bwd_compute + core_bwd)
+        # The experts' share of the layer's computation (their GEMMs and element-wise traffic); the rest is the
+        # attention side (attention, norms, router): the two windows moe_a2a_overlap hides the exchange behind.
+        mlp_fwd = mlp_gemm + kernels.memory(moe_block.elements_per_token * tokens * elem_bytes)
+        ep_fwd, ep_bwd = _expert_comm(job, moe_block, attention_s=(fwd_compute + core_fwd - mlp_fwd,
+                                                                   bwd_compute + core_bwd - 2.0 * mlp_fwd),
+                                      experts_s=(mlp_fwd, 2.0 * mlp_fwd))
 
     if primepar is not None:
         bwd_compute += primepar.backward_compute_s - 2.0 * primepar.forward_compute_s
@@ -207,22 +211,28 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
                      expert_params=expert_params)
 
 
-def _expert_comm(job: JobSpec, block: MoeCost, *, fwd_window_s: float, bwd_window_s: float) -> tuple[float, float]:
+def _expert_comm(job: JobSpec, block: MoeCost, *, attention_s: tuple[float, float],
+                 experts_s: tuple[float, float]) -> tuple[float, float]:
     """(forward, backward) seconds of the expert dispatch and combine left on the critical path (the forward's count
-    exchange always), with the SM share the hidden part takes from the computation it overlaps: ``moe_a2a_overlap``
-    hides a forward pass's all-to-all behind another micro-batch's backward computation (``bwd_window_s``) and a
-    backward pass's behind a forward (``fwd_window_s``); ``moe_shared_expert_overlap`` hides it behind the shared
-    expert (twice as long backward)."""
+    exchange always), with the SM share the hidden part takes from the computation it overlaps. ``attention_s`` and
+    ``experts_s``: (forward, backward) seconds of the layer's attention side and of its experts.
+
+    ``moe_a2a_overlap`` runs Megatron-Core's combined 1F1B layer schedule (``TransformerLayerSchedulePlan.run``):
+    each communication of one micro-batch beside one computation of another, pair by pair -- the backward combine
+    beside the forward attention, the forward dispatch beside the backward experts, the backward dispatch beside
+    the forward experts, the forward combine beside the backward attention. ``moe_shared_expert_overlap`` hides the
+    exchange behind the shared expert (twice as long backward)."""
     parallel = job.parallel
+    dispatch = block.dispatch_s - block.combine_s
     if parallel.moe_a2a_overlap:
-        windows = (bwd_window_s, fwd_window_s)
+        fwd = [overlapped(dispatch, experts_s[1]), overlapped(block.combine_s, attention_s[1])]
+        bwd = [overlapped(block.combine_s, attention_s[0]), overlapped(dispatch, experts_s[0])]
     elif parallel.moe_shared_expert_overlap:
-        windows = (block.shared_gemm_s, 2.0 * block.shared_gemm_s)
+        fwd = [overlapped(block.dispatch_s, block.shared_gemm_s)]
+        bwd = [overlapped(block.dispatch_s, 2.0 * block.shared_gemm_s)]
     else:
         return block.metadata_s + block.dispatch_s, block.dispatch_s
-    fwd = overlapped(block.dispatch_s, windows[0])
-    bwd = overlapped(block.dispatch_s, windows[1])
-    return block.metadata_s + fwd[0] + fwd[1], bwd[0] + bwd[1]
+    return block.metadata_s + sum(a + b for a, b in fwd), sum(a + b for a, b in bwd)
 
 
 def output_layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts) -> tuple[

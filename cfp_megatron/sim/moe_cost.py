@@ -42,6 +42,9 @@ class MoeCost:
     padding, the experts' and shared expert's activations."""
     dispatch_s: float
     """Communication of one pass (dispatch and combine), seconds, before any overlap."""
+    combine_s: float = 0.0
+    """Of ``dispatch_s``, the combine's part (the outputs' way back; in the backward pass, the gradient's way out):
+    what ``moe_a2a_overlap`` hides behind attention, the dispatch's part behind the experts."""
     metadata_s: float = 0.0
     """The forward pass's exchange of per-expert token counts before the dispatch (the alltoall dispatcher, with
     EP or expert TP): an all-gather of one count per expert over the expert TP x EP group, which the dispatch waits
@@ -95,42 +98,46 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     gemm_s += shared_s
     expert_params = mlp_params(model, expert_ffn) * local_experts / etp
     params = expert_params + mlp_params(model, shared_ffn) / tp + hidden * num_experts
+    dispatch_s, combine_s = _dispatch_s(job, layout, kernels, costs, routed=routed / etp, local_tokens=local_tokens)
     return MoeCost(gemm_s=gemm_s, shared_gemm_s=shared_s, elements_per_token=elements,
-                   dispatch_s=_dispatch_s(job, layout, kernels, costs, routed=routed / etp,
-                                          local_tokens=local_tokens),
+                   dispatch_s=dispatch_s, combine_s=combine_s,
                    metadata_s=_metadata_s(job, layout, costs),
                    params=params, expert_params=expert_params)
 
 
 def _dispatch_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, *, routed: float,
-                local_tokens: float) -> float:
-    """Seconds of one pass's token dispatch and combine on one rank under the model's dispatcher. ``routed``: the
-    token copies this rank sends (and receives) over the EP group; ``local_tokens``: the tokens entering the block."""
+                local_tokens: float) -> tuple[float, float]:
+    """(dispatch and combine, of which the combine) seconds of one pass's token exchange on one rank under the
+    model's dispatcher. ``routed``: the token copies this rank sends (and receives) over the EP group;
+    ``local_tokens``: the tokens entering the block."""
     model, dims = job.model, layout.dims
     hidden, elem = model.hidden_size, kernels.elem
     ep, etp = dims.ep, dims.etp
-    seconds = 0.0
+    dispatch = combine = 0.0
     if etp > 1:  # the expert-TP group gathers the tokens its experts split, and scatters their outputs back
         gathered = routed * hidden * elem * etp  # the all-gather's output, the reduce-scatter's input
-        seconds += (costs.seconds(Collective.all_gather, gathered, etp, min(etp, layout.domain_size))
-                    + costs.seconds(Collective.reduce_scatter, gathered, etp, min(etp, layout.domain_size)))
-    if ep <= 1:
-        return seconds
-    dispatcher = model.moe_token_dispatcher
-    if dispatcher is TokenDispatcher.allgather:
-        # Every rank gathers the EP group's tokens, keeps those of its experts, and reduce-scatters the outputs.
-        gathered = local_tokens * hidden * elem * ep  # the all-gather's output, the reduce-scatter's input
-        return seconds + (costs.seconds(Collective.all_gather, gathered, ep, layout.ep_per_node)
-                          + costs.seconds(Collective.reduce_scatter, gathered, ep, layout.ep_per_node))
-    a2a_bytes = routed * hidden * elem
-    if dispatcher is TokenDispatcher.flex:
-        return seconds + 2 * _deepep_s(costs, layout, a2a_bytes, local_tokens * hidden * elem,
-                                       topk=model.moe_router_topk)
-    # alltoall: every routed copy crosses the group (a token going to two experts of one rank is sent twice), in
-    # the dispatch and in the combine; the dispatch sends each copy's routing probability too (fp32, its own
-    # all-to-all in Megatron-Core's MoEAlltoAllTokenDispatcher.token_dispatch, and in the backward pass its gradient).
-    return seconds + 2 * costs.seconds(Collective.all_to_all, a2a_bytes, ep, layout.ep_per_node) \
-        + costs.seconds(Collective.all_to_all, routed * PROB_BYTES, ep, layout.ep_per_node)
+        dispatch += costs.seconds(Collective.all_gather, gathered, etp, min(etp, layout.domain_size))
+        combine += costs.seconds(Collective.reduce_scatter, gathered, etp, min(etp, layout.domain_size))
+    if ep > 1:
+        dispatcher = model.moe_token_dispatcher
+        a2a_bytes = routed * hidden * elem
+        if dispatcher is TokenDispatcher.allgather:
+            # Every rank gathers the EP group's tokens, keeps those of its experts, and reduce-scatters the outputs.
+            gathered = local_tokens * hidden * elem * ep  # the all-gather's output, the reduce-scatter's input
+            dispatch += costs.seconds(Collective.all_gather, gathered, ep, layout.ep_per_node)
+            combine += costs.seconds(Collective.reduce_scatter, gathered, ep, layout.ep_per_node)
+        elif dispatcher is TokenDispatcher.flex:
+            one_way = _deepep_s(costs, layout, a2a_bytes, local_tokens * hidden * elem, topk=model.moe_router_topk)
+            dispatch, combine = dispatch + one_way, combine + one_way
+        else:
+            # alltoall: every routed copy crosses the group (a token going to two experts of one rank is sent
+            # twice), in the dispatch and in the combine; the dispatch sends each copy's routing probability too
+            # (fp32, its own all-to-all in Megatron-Core's MoEAlltoAllTokenDispatcher.token_dispatch, and in the
+            # backward pass its gradient).
+            one_way = costs.seconds(Collective.all_to_all, a2a_bytes, ep, layout.ep_per_node)
+            dispatch += one_way + costs.seconds(Collective.all_to_all, routed * PROB_BYTES, ep, layout.ep_per_node)
+            combine += one_way
+    return dispatch + combine, combine
 
 
 def _metadata_s(job: JobSpec, layout: Layout, costs: CollectiveCosts) -> float:
