@@ -180,6 +180,16 @@ def test_plan_check_compares_and_calibrates() -> None:
     again = dataclasses.replace(again, profile_id=db.profile_id())
     assert db.merged(plan_checks=[again]).step_time_calibration() == pytest.approx(1.25)  # raw ratios: no compounding
     assert ProfileDB.from_json(db.to_json()).plan_checks == db.plan_checks
+    # The warm-up steps of a fresh process are not timed; a run too short for them times the steps after the first.
+    slow_start = [Step(9.0), Step(0.5), Step(0.5), Step(0.1), Step(0.1), Step(0.12), Step(0.1, peak_bytes_max=1.0)]
+    warm = PlanCheck(plan="p", model_key="m", after_steps=7, warmup_steps=3, predicted_step_s=0.1, calibration=1.0,
+                     predicted_peak_bytes=None)
+    record = compare(warm, slow_start)
+    assert record is not None and record.steps == 3 and record.measured_step_s == pytest.approx(0.1)
+    record = compare(dataclasses.replace(warm, warmup_steps=1), slow_start)
+    assert record is not None and record.steps == 5 and record.measured_step_s == pytest.approx(0.12)
+    short = compare(dataclasses.replace(warm, after_steps=3), slow_start)
+    assert short is not None and short.steps == 2 and short.measured_step_s == pytest.approx(0.5)
 
 
 @pytest.mark.slow

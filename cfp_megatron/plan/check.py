@@ -1,11 +1,11 @@
 """After the first steps of a run with a plan: the measured step time and memory against the plan's prediction.
 
-The measured step time is the median of the first ``cfp.check_after_steps`` steps without the first (warm-up) and
-without the step memory was measured on (its hooks slow it); the measured memory is that step's peak over the ranks
-(``train.memory_step``, which a planned run sets to the last checked step unless it is set). A difference beyond
-:data:`TOLERANCE` is a warning. Rank 0 stores the comparison in the ProfileDB of this cluster
-(:class:`~cfp_megatron.profile.records.PlanCheckRecord`), where the next plan's search reads it
-(:meth:`~cfp_megatron.profile.db.ProfileDB.step_time_calibration`).
+The measured step time is the median of the first ``cfp.check_after_steps`` steps without the
+``cfp.check_warmup_steps`` first and without the step memory was measured on (its hooks slow it); the measured
+memory is that step's peak over the ranks (``train.memory_step``, which a planned run sets to the last checked step
+unless it is set). A difference beyond :data:`TOLERANCE` is a warning. Rank 0 stores the comparison in the
+ProfileDB of this cluster (:class:`~cfp_megatron.profile.records.PlanCheckRecord`), where the next plan's search
+reads it (:meth:`~cfp_megatron.profile.db.ProfileDB.step_time_calibration`).
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ class PlanCheck:
     """Factor from earlier runs the prediction is scaled by for the comparison (1 without any)."""
     predicted_peak_bytes: float | None
     """Predicted peak memory of the most loaded rank."""
+    warmup_steps: int = 1
+    """The first steps not timed (``cfp.check_warmup_steps``); where fewer than one step would be left, only the
+    first is left out."""
     analytical: tuple[str, ...] = ()
     """What the prediction read that the profile had not measured, priced by the analytical model
     (:attr:`~cfp_megatron.plan.artifact.PlanPrediction.analytical`)."""
@@ -144,7 +147,8 @@ def compare(check: PlanCheck, history: Sequence[Any], *, load: float | None = No
     if len(history) < check.after_steps or check.after_steps < 1:
         return None
     first = list(history[:check.after_steps])
-    timed = [m.step_time_s for m in first[1:] if m.peak_bytes_max is None] or [m.step_time_s for m in first]
+    timed = ([m.step_time_s for m in first[max(check.warmup_steps, 1):] if m.peak_bytes_max is None]
+             or [m.step_time_s for m in first[1:] if m.peak_bytes_max is None] or [m.step_time_s for m in first])
     peak = next((m.peak_bytes_max for m in first if m.peak_bytes_max is not None), None)
     return PlanCheckRecord(model=check.model_key, plan=check.plan, steps=len(timed),
                            predicted_step_s=check.predicted_step_s, calibration=check.calibration,

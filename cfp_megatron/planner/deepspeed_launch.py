@@ -52,6 +52,7 @@ def planned(job: JobSpec, cfp: CfpSpec, backend: BackendSpec, env: LaunchEnv, co
     # kept apart from the Megatron backend's checks, which calibrate Megatron plans (ProfileDB.step_time_calibration)
     check = PlanCheck(plan=plan.canonical(), model_key=f"{model_key(job, on_gpu=on_gpu)}+deepspeed",
                       after_steps=min(cfp.check_after_steps, job.train.steps),  # a shorter run: its last step
+                      warmup_steps=cfp.check_warmup_steps,
                       predicted_step_s=plan.predicted.step_time_s, calibration=1.0,
                       predicted_peak_bytes=None)
     return plan, check

@@ -130,7 +130,8 @@ def _with_plan(launch: LaunchPlan, cfp: CfpSpec, console: Console | None) -> tup
     if job.train.memory_step is None:
         job = dataclasses.replace(job, train=dataclasses.replace(job.train, memory_step=steps))
     check = PlanCheck(plan=plan.canonical(), model_key=model_key(job, on_gpu=torch.cuda.is_available()),
-                      after_steps=steps, predicted_step_s=plan.predicted.step_time_s, calibration=launch.calibration,
+                      after_steps=steps, warmup_steps=cfp.check_warmup_steps,
+                      predicted_step_s=plan.predicted.step_time_s, calibration=launch.calibration,
                       predicted_peak_bytes=plan.predicted.peak_memory_gib * 2**30,
                       analytical=plan.predicted.analytical)
     return job, check
