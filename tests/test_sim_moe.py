@@ -92,6 +92,27 @@ def test_a2a_overlap_pairs_each_exchange_with_one_computation_as_megatron_core_s
     assert whole_layer < layer.backward.ep_comm_s < block.dispatch_s
 
 
+def test_a2a_overlap_leaves_the_unpaired_passes_exchange_exposed() -> None:
+    """Without pipelining the combined schedule runs the first forward and the last backward alone: over the step,
+    one micro-batch's worth of each pass pays its exchange as if nothing overlapped it."""
+    j = job(nodes=8, ep=32, gbs=256, moe_a2a_overlap=True)
+    plain_j = job(nodes=8, ep=32, gbs=256)
+    eff = efficiency_for(j.cluster)
+    layout = build_layout(j, 64)
+    kernels = KernelModel(j.cluster, eff, j.train.precision, fp8=False)
+    comm = collective_costs(j.cluster, None, eff)
+    paired = layer_cost(j, layout, kernels, comm, SimOptions(), moe=True)
+    lone = layer_cost(plain_j, layout, kernels, comm, SimOptions(), moe=True)
+    assert lone.forward.ep_comm_s > paired.forward.ep_comm_s
+    pred = simulate(j)
+    microbatches, layers = pred.num_microbatches, 8
+    assert microbatches > 1
+    paired_s = microbatches * layers * (paired.forward.ep_comm_s + paired.backward.ep_comm_s)
+    alone_s = layers * (lone.forward.ep_comm_s - paired.forward.ep_comm_s
+                        + lone.backward.ep_comm_s - paired.backward.ep_comm_s)
+    assert pred.time.ep_comm_s == pytest.approx(paired_s + alone_s)
+
+
 def test_shared_expert_overlap_hides_at_most_the_shared_expert() -> None:
     shared = {"moe_shared_expert_intermediate_size": 4096}
     plain = simulate(job(ep=32, model=shared))
