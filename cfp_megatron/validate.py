@@ -316,8 +316,9 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     recipe = moe_recipe(row, preset_name, (gpus, tp, pp, vp, ep, gbs or 0)) if experts else None
     if experts:
         topk = _int(row, "moe_topk", 2)
-        model.update(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=_int(row, "moe_expert_ffn"),
-                     moe_token_dispatcher=recipe.dispatcher if recipe else "alltoall")
+        model.update(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=_int(row, "moe_expert_ffn"))
+    if recipe:
+        model["moe_token_dispatcher"] = recipe.dispatcher
     # Megatron-Bridge's recipes count the embedding and the loss as layers of the pipeline split where the decoder
     # alone does not split (Qwen3-235B's 94 layers over 8 x 4 chunks: 96 units, 3 per chunk).
     counted = pp > 1 and layers % (pp * vp) != 0 and (layers + 2) % (pp * vp) == 0

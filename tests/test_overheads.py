@@ -333,7 +333,6 @@ def test_the_gradient_finalisation_is_scaled_as_the_probes_timed_it() -> None:
     assert base > 0 and doubled == pytest.approx(2 * base)
 
 
-
 class _MeasuredMoe(_Measured):
     """:class:`_Measured` for a MoE model: its decoder layers are ``moe`` segments (timed without EP)."""
 

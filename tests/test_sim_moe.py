@@ -6,12 +6,13 @@ import pytest
 
 from cfp_megatron.base.config import JobSpec, job_from_config
 from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
 from cfp_megatron.sim import SimOptions, simulate
 from cfp_megatron.sim.calibration import efficiency_for
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layer_cost import LayerCost, layer_cost
-from cfp_megatron.sim.layout import build_layout
+from cfp_megatron.sim.layout import Layout, build_layout
 from cfp_megatron.sim.moe_cost import COMM_SM_SHARE, MoeCost, expected_remote_nodes, moe_block_cost, overlapped
 from cfp_megatron.sim.pass_costs import CostCache, collective_costs
 from cfp_megatron.validate import load_preset
@@ -27,6 +28,13 @@ def job(nodes: int = 4, model: dict | None = None, cluster: dict | None = None, 
              "precision": "bf16"}
     return job_from_config({"model": {**MOE, **(model or {})}, "cluster": {**(cluster or H100), "nodes": nodes},
                             "parallel": parallel, "train": train})
+
+
+def models(j: JobSpec, world: int) -> tuple[Layout, KernelModel, CollectiveCosts]:
+    """The layout of ``j`` on ``world`` GPUs, and the kernel and collective models of its preset."""
+    eff = efficiency_for(j.cluster)
+    return (build_layout(j, world), KernelModel(j.cluster, eff, j.train.precision, fp8=False),
+            collective_costs(j.cluster, None, eff))
 
 
 def test_expected_remote_nodes() -> None:
@@ -67,10 +75,7 @@ def test_a2a_overlap_pairs_each_exchange_with_one_computation_as_megatron_core_s
     dispatch | forward experts, forward combine | backward attention. A combine longer than the attention's forward
     is not hidden by the experts' computation after it, as a whole-layer window would have it."""
     j = job(nodes=8, ep=32, pp=2, vpp=2, gbs=512, moe_a2a_overlap=True)
-    eff = efficiency_for(j.cluster)
-    layout = build_layout(j, 64)
-    kernels = KernelModel(j.cluster, eff, j.train.precision, fp8=False)
-    comm = collective_costs(j.cluster, None, eff)
+    layout, kernels, comm = models(j, 64)
     block = moe_block_cost(j, layout, kernels, comm)
     layer = layer_cost(j, layout, kernels, comm, SimOptions(), moe=True)
     routed = 4096 * 8 / 1  # one micro-batch's tokens to their top-8 experts, no TP
@@ -97,13 +102,11 @@ def test_a2a_overlap_leaves_the_unpaired_passes_exchange_exposed() -> None:
     one micro-batch's worth of each pass pays its exchange as if nothing overlapped it."""
     j = job(nodes=8, ep=32, gbs=256, moe_a2a_overlap=True)
     plain_j = job(nodes=8, ep=32, gbs=256)
-    eff = efficiency_for(j.cluster)
-    layout = build_layout(j, 64)
-    kernels = KernelModel(j.cluster, eff, j.train.precision, fp8=False)
-    comm = collective_costs(j.cluster, None, eff)
+    layout, kernels, comm = models(j, 64)
     paired = layer_cost(j, layout, kernels, comm, SimOptions(), moe=True)
     lone = layer_cost(plain_j, layout, kernels, comm, SimOptions(), moe=True)
     assert lone.forward.ep_comm_s > paired.forward.ep_comm_s
+    assert paired.ep_alone_s == pytest.approx((lone.forward.ep_comm_s, lone.backward.ep_comm_s))
     pred = simulate(j)
     microbatches, layers = pred.num_microbatches, 8
     assert microbatches > 1
@@ -174,10 +177,7 @@ def test_the_alltoall_dispatcher_exchanges_counts_and_probabilities_too() -> Non
     before each forward dispatch, and sends each routed copy's probability (fp32) in an all-to-all of its own: with
     EP both cost; without EP, or with DeepEP, neither."""
     def costs(j: JobSpec) -> tuple[MoeCost, LayerCost]:
-        eff = efficiency_for(j.cluster)
-        layout = build_layout(j, 4 * 8)
-        kernels = KernelModel(j.cluster, eff, j.train.precision, fp8=False)
-        comm = collective_costs(j.cluster, None, eff)
+        layout, kernels, comm = models(j, 4 * 8)
         return (moe_block_cost(j, layout, kernels, comm),
                 layer_cost(j, layout, kernels, comm, SimOptions(), moe=True))
 
@@ -188,8 +188,7 @@ def test_the_alltoall_dispatcher_exchanges_counts_and_probabilities_too() -> Non
     assert layer.forward.ep_comm_s - layer.backward.ep_comm_s == pytest.approx(a2a.metadata_s)
     assert layer.backward.ep_comm_s == pytest.approx(a2a.dispatch_s)
     # The probabilities' all-to-all: with the tokens' two, three all-to-alls of the routed copies a pass.
-    cluster = job(ep=8).cluster
-    comm = collective_costs(cluster, None, efficiency_for(cluster))
+    _, _, comm = models(job(ep=8), 4 * 8)
     routed = 4096 * 8  # one micro-batch's tokens, each to its top-8 experts (balanced routing)
     assert a2a.dispatch_s == pytest.approx(2 * comm.seconds(Collective.all_to_all, routed * 4096 * 2.0, 8, 8)
                                            + comm.seconds(Collective.all_to_all, routed * 4.0, 8, 8))

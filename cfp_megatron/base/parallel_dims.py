@@ -55,6 +55,12 @@ def primepar_misfits(model: ModelSpec, tp: int, tokens: int) -> list[tuple[str, 
     return found
 
 
+def sequence_parallel_required(model: ModelSpec, tp: int) -> bool:
+    """Whether Megatron-Core requires sequence parallelism for ``model`` under ``tp``-way tensor parallelism: a MoE
+    model under TP, with or without EP (its ``MoELayer`` refuses to train without it)."""
+    return model.is_moe and tp > 1
+
+
 def data_parallel_size(world_size: int, tp: int, cp: int, pp: int) -> int:
     """Data-parallel size of dense weights: what the world leaves, ``world / (tp x cp x pp)`` (at least 1)."""
     return max(world_size // (tp * cp * pp), 1)
@@ -258,7 +264,7 @@ class ParallelDims:
                  f"sequence parallelism shards each context-parallel rank's {t.seq_length // p.cp} tokens over "
                  f"parallel.tp={p.tp}.",
                  f"use a multiple of {p.tp * p.cp}, or set parallel.sp=false.")
-        elif p.tp > 1 and m.is_moe:
+        elif sequence_parallel_required(m, p.tp):
             need(False, "parallel.sp", False, "Megatron-Core needs sequence parallelism for MoE with TP (its "
                  "MoELayer refuses to train under TP without it).", "set parallel.sp=true.")
         if m.position_embedding is PositionEmbedding.learned_absolute:

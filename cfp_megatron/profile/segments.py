@@ -25,7 +25,7 @@ from cfp_megatron.base.config import (
     primepar_grid_side,
 )
 from cfp_megatron.base.errors import ConfigError
-from cfp_megatron.base.parallel_dims import ParallelDims
+from cfp_megatron.base.parallel_dims import ParallelDims, sequence_parallel_required
 from cfp_megatron.cluster.measured import partition_name
 from cfp_megatron.engine.distributed import destroy_model_parallel_groups, model_groups
 from cfp_megatron.engine.memory import tensor_tracker
@@ -85,22 +85,16 @@ def probe_job(job: JobSpec, tp: int, world: int, micro_batch: int,
     """``job`` cut to one layer per decoder kind under ``parallel.tp = tp`` (the rest data-parallel), the MLP
     partition ``mlp`` and the recomputation ``recompute`` (full: each layer checkpointed on its own, Megatron's
     ``uniform`` method with one layer per group); sequence parallelism ``sp`` (default: only where Megatron-Core
-    requires it, :func:`needs_sequence_parallel`)."""
+    requires it, :func:`~cfp_megatron.base.parallel_dims.sequence_parallel_required`)."""
     m = job.model
     two = m.is_moe and m.moe_first_dense_layers > 0
     model = dataclasses.replace(m, num_layers=2 if two else 1, moe_first_dense_layers=1 if two else 0)
     dp = max(world // tp, 1)
     train = dataclasses.replace(job.train, micro_batch_size=micro_batch, global_batch_size=micro_batch * dp,
                                 checkpoint_dir=None, resume=False, save_interval=0)
-    parallel = ParallelSpec(tp=tp, sp=needs_sequence_parallel(job, tp) if sp is None else sp,
+    parallel = ParallelSpec(tp=tp, sp=sequence_parallel_required(job.model, tp) if sp is None else sp,
                             order=job.parallel.order, mlp=mlp, recompute=recompute)
     return dataclasses.replace(job, model=model, train=train, parallel=parallel)
-
-
-def needs_sequence_parallel(job: JobSpec, tp: int) -> bool:
-    """Megatron-Core requires sequence parallelism for MoE layers under tensor parallelism (its ``MoELayer``
-    refuses to train without it)."""
-    return job.model.is_moe and tp > 1
 
 
 def segment_cases(job: JobSpec, world: int,
@@ -133,7 +127,7 @@ def analysis_classes(job: JobSpec, tp: int) -> dict[str, dict[str, Any]]:
     """Per layer kind, its segment class id in the analysis of ``job`` on the ``tp<N>`` mesh and whether Megatron's
     TP layout is among the class's candidates. Pure (the ``fake`` process group): call it before any real group."""
     cluster = dataclasses.replace(job.cluster, nodes=1, gpus_per_node=None)
-    parallel = ParallelSpec(tp=tp, sp=needs_sequence_parallel(job, tp), order=job.parallel.order)
+    parallel = ParallelSpec(tp=tp, sp=sequence_parallel_required(job.model, tp), order=job.parallel.order)
     train = dataclasses.replace(job.train, global_batch_size=job.train.micro_batch_size, checkpoint_dir=None,
                                 resume=False, save_interval=0)
     result = analyze(dataclasses.replace(job, cluster=cluster, parallel=parallel, train=train))

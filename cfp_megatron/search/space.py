@@ -26,7 +26,11 @@ from cfp_megatron.base.config import (
     TokenDispatcher,
     resolve_precision,
 )
-from cfp_megatron.base.parallel_dims import data_parallel_size, expert_data_parallel_size
+from cfp_megatron.base.parallel_dims import (
+    data_parallel_size,
+    expert_data_parallel_size,
+    sequence_parallel_required,
+)
 from cfp_megatron.base.pipeline_layout import balanced_layout
 from cfp_megatron.base.pipeline_split import split_issues, stage_counts
 from cfp_megatron.model.options import PartitionOption, SizeContext, choice_fits, model_options, size_reasons
@@ -369,7 +373,7 @@ class Space:
             values = [False]
         else:
             values = [True] if (seq // family.cp) % family.tp == 0 else []
-            if not m.is_moe:  # Megatron-Core's MoELayer refuses to train under TP without SP
+            if not sequence_parallel_required(m, family.tp):
                 values.append(False)
         allowed = self.cfp.allowed("sp")
         return [v for v in values if allowed is None or v in allowed]

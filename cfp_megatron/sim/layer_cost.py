@@ -79,6 +79,9 @@ class LayerCost:
     """Parameters of this layer held by one rank (before any DP sharding)."""
     expert_params: float
     """The part of ``params`` that belongs to routed experts (reduced over the expert-DP group)."""
+    ep_alone_s: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) seconds of the expert token exchange a pass pays with nothing beside it to hide it
+    (what its ``ep_comm_s`` would be without ``moe_a2a_overlap``): the combined 1F1B schedule's unpaired passes."""
 
     @property
     def total_s(self) -> float:
@@ -181,7 +184,9 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         fsdp_bwd = max(0.0, gather_s + scatter_s - bwd_compute - core_bwd)
 
     ep_fwd = ep_bwd = 0.0
+    ep_alone = (0.0, 0.0)
     if moe_block is not None:
+        ep_alone = (moe_block.metadata_s + moe_block.dispatch_s, moe_block.dispatch_s)
         # The experts' share of the layer's computation (their GEMMs and element-wise traffic); the rest is the
         # attention side (attention, norms, router): the two windows moe_a2a_overlap hides the exchange behind.
         mlp_fwd = mlp_gemm + kernels.memory(moe_block.elements_per_token * tokens * elem_bytes)
@@ -208,7 +213,7 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
     else:
         recompute = PassCost()
     return LayerCost(forward=forward, backward=backward, recompute=recompute, params=params,
-                     expert_params=expert_params)
+                     expert_params=expert_params, ep_alone_s=ep_alone)
 
 
 def _expert_comm(job: JobSpec, block: MoeCost, *, attention_s: tuple[float, float],
@@ -230,7 +235,7 @@ def _expert_comm(job: JobSpec, block: MoeCost, *, attention_s: tuple[float, floa
     elif parallel.moe_shared_expert_overlap:
         fwd = [overlapped(block.dispatch_s, block.shared_gemm_s)]
         bwd = [overlapped(block.dispatch_s, 2.0 * block.shared_gemm_s)]
-    else:
+    else:  # nothing beside it: LayerCost.ep_alone_s
         return block.metadata_s + block.dispatch_s, block.dispatch_s
     return block.metadata_s + sum(a + b for a, b in fwd), sum(a + b for a, b in bwd)
 

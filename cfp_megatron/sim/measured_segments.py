@@ -102,7 +102,7 @@ def apply_measured(job: JobSpec, measurements: Measurements | None, micro_batch:
         return LayerCost(forward=PassCost(compute_s=hit[0], ep_comm_s=cost.forward.ep_comm_s),
                          backward=PassCost(compute_s=hit[1], ep_comm_s=cost.backward.ep_comm_s),
                          recompute=PassCost(compute_s=recompute_s, ep_comm_s=cost.recompute.ep_comm_s),
-                         params=cost.params, expert_params=cost.expert_params)
+                         params=cost.params, expert_params=cost.expert_params, ep_alone_s=cost.ep_alone_s)
 
     def ends(kind: str, cost: tuple[PassCost, PassCost]) -> tuple[PassCost, PassCost]:
         hit = measured_pass(measurements, kind, partition, micro_batch)

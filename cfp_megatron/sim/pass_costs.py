@@ -217,4 +217,4 @@ def in_schedule(cost: LayerCost, layer_s: float) -> LayerCost:
                      backward=PassCost(compute_s=(1 - forward_share) * layer_s, ep_comm_s=cost.backward.ep_comm_s),
                      recompute=PassCost(compute_s=recompute_ratio * forward_share * layer_s,
                                         ep_comm_s=cost.recompute.ep_comm_s),
-                     params=cost.params, expert_params=cost.expert_params)
+                     params=cost.params, expert_params=cost.expert_params, ep_alone_s=cost.ep_alone_s)

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 
 from cfp_megatron.base.config import ClusterSpec, JobSpec
 from cfp_megatron.base.flops import training_flops_per_token
-from cfp_megatron.base.pipeline_split import job_chunks
+from cfp_megatron.base.parallel_dims import ParallelDims
+from cfp_megatron.base.pipeline_split import ChunkLayers, job_chunks
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective, Measurements
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
 from cfp_megatron.sim.kernels import KernelModel, grad_element_bytes
-from cfp_megatron.sim.layer_cost import PassCost, layer_cost
+from cfp_megatron.sim.layer_cost import LayerCost, PassCost
 from cfp_megatron.sim.layout import Layout, build_layout
 from cfp_megatron.sim.memory import stage_memory
 from cfp_megatron.sim.options import SimOptions
@@ -120,8 +121,7 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
         backward_costs.append(bwd_row)
         recompute_costs.append(rec_row)
     if job.parallel.moe_a2a_overlap and model.is_moe:
-        forward_costs, backward_costs = _unpaired_exchange(job, layout, kernels, costs, options, chunks,
-                                                           forward_costs, backward_costs)
+        forward_costs, backward_costs = _unpaired_exchange(moe, dims, chunks, forward_costs, backward_costs)
     forward_s = [[cost.total_s for cost in row] for row in forward_costs]
     backward_s = [[backward_costs[rank][chunk_index].total_s + recompute_costs[rank][chunk_index].total_s
                    for chunk_index in range(vpp)] for rank in range(pp)]
@@ -453,22 +453,18 @@ def _events(schedule, forward_costs, backward_costs, recompute_costs, dp_exposed
     return tuple(events)
 
 
-def _unpaired_exchange(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts,
-                       options: SimOptions, chunks: list, forward_costs: list[list[PassCost]],
+def _unpaired_exchange(moe: LayerCost, dims: ParallelDims, chunks: tuple[tuple[ChunkLayers, ...], ...],
+                       forward_costs: list[list[PassCost]],
                        backward_costs: list[list[PassCost]]) -> tuple[list[list[PassCost]], list[list[PassCost]]]:
     """Under ``moe_a2a_overlap``, the passes Megatron-Core's combined 1F1B schedule cannot pair: the forwards before
     a rank's first backward (the warm-up, one more than the plain schedule's: the micro-batch the overlap keeps in
-    flight) and as many cool-down backwards after its last forward run their expert exchange alone. Each rank's
-    chunk passes carry that share of the exchange's unhidden cost (the layer's exchange without the overlap less
-    with it), spread over its passes (docs/simulator.md, "moe_cost.py")."""
-    no_overlap = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, moe_a2a_overlap=False))
-    lone = layer_cost(no_overlap, layout, kernels, costs, options, moe=True)
-    paired = layer_cost(job, layout, kernels, costs, options, moe=True)
-    extra_fwd = max(lone.forward.ep_comm_s - paired.forward.ep_comm_s, 0.0)
-    extra_bwd = max(lone.backward.ep_comm_s - paired.backward.ep_comm_s, 0.0)
+    flight) and as many cool-down backwards after its last forward run their expert exchange alone
+    (:attr:`LayerCost.ep_alone_s` instead of ``ep_comm_s``). Each rank's chunk passes carry that share of the
+    difference, spread over its passes (docs/simulator.md, "moe_cost.py")."""
+    extra_fwd = max(moe.ep_alone_s[0] - moe.forward.ep_comm_s, 0.0)
+    extra_bwd = max(moe.ep_alone_s[1] - moe.backward.ep_comm_s, 0.0)
     if extra_fwd <= 0 and extra_bwd <= 0:
         return forward_costs, backward_costs
-    dims = layout.dims
     passes = dims.num_microbatches * dims.vpp  # each direction, per rank
     new_fwd, new_bwd = [], []
     for rank in range(dims.pp):
@@ -477,11 +473,8 @@ def _unpaired_exchange(job: JobSpec, layout: Layout, kernels: KernelModel, costs
         # which the combined schedule runs alone too (its extra micro-batch in flight).
         unpaired = next((i for i, (is_forward, _, _) in enumerate(order) if not is_forward), len(order))
         share = min(unpaired, passes) / passes
-        fwd_row, bwd_row = [], []
-        for chunk_index, chunk in enumerate(chunks[rank]):
-            layers = chunk.moe + chunk.mtp
-            fwd_row.append(forward_costs[rank][chunk_index].plus(PassCost(ep_comm_s=share * layers * extra_fwd)))
-            bwd_row.append(backward_costs[rank][chunk_index].plus(PassCost(ep_comm_s=share * layers * extra_bwd)))
-        new_fwd.append(fwd_row)
-        new_bwd.append(bwd_row)
+        new_fwd.append([cost.plus(PassCost(ep_comm_s=share * (chunk.moe + chunk.mtp) * extra_fwd))
+                        for cost, chunk in zip(forward_costs[rank], chunks[rank], strict=True)])
+        new_bwd.append([cost.plus(PassCost(ep_comm_s=share * (chunk.moe + chunk.mtp) * extra_bwd))
+                        for cost, chunk in zip(backward_costs[rank], chunks[rank], strict=True)])
     return new_fwd, new_bwd
