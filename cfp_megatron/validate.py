@@ -41,11 +41,15 @@ Defaults for fields a row leaves blank (documented, the same for every row):
   ``layout_map`` has no PP=8 x VP=4 entry).
 * DeepSeek-V3 rows of NeMo / Megatron-Bridge: one MTP layer (``mtp_num_layers=1``, those recipes' setting; the
   layout above places it).
-* MoE: the alltoall dispatcher without overlap, except for Megatron-Bridge rows of 26.x containers that ran one
-  of its H100 presets (same model, GPUs, TP, PP, VP, EP, global batch): that preset's dispatcher (HybridEP for
-  Qwen3-30B-A3B, modelled as DeepEP's ``flex``), expert all-to-all overlap (on for Qwen3-235B-A22B) and TP
-  overlap (off for Qwen3-235B-A22B) (:data:`MEGATRON_BRIDGE_MOE_RECIPES`); the layout column shows ``flex`` /
-  ``a2ao``.
+* MoE: the alltoall dispatcher without overlap, except for Megatron-Bridge rows that ran one of its H100 presets
+  (same container range, model, GPUs, TP, PP, VP, EP, global batch): that preset's dispatcher (HybridEP or DeepEP,
+  modelled as DeepEP's ``flex``), expert all-to-all overlap, TP overlap and gradient-reduce overlap
+  (:data:`MEGATRON_BRIDGE_MOE_RECIPES`: Qwen3-235B-A22B and Qwen3-30B-A3B from 26.x, DeepSeek-V3 in 25.x and 26.x);
+  the layout column shows ``flex`` / ``a2ao``.
+* MoE rows whose shape (layers, hidden, heads, vocabulary, experts, top-k, expert FFN) is that of a model preset in
+  ``conf/model``: that preset's attention (multi-head latent attention and its ranks), shared expert, dense first
+  layers and router score, which no column states (:func:`preset_architecture`; DeepSeek-V3, whose rows name them
+  in ``arch_source``); the layout column shows ``as <preset>``.
 * ``tp``, ``pp`` blank where ``dp`` is given (SC21's Table 2 states only the model-parallel size): TP as wide as a
   node allows where it divides that size and the heads, PP the rest (:func:`unstated_split`); the layout column
   marks such rows with ``?``.
@@ -76,6 +80,7 @@ from cfp_megatron.sim.simulate import simulate
 from cfp_megatron.sim.uncertainty import BAND_QUANTILE, quantile
 
 CONF_CLUSTER = Path(__file__).resolve().parent.parent / "conf" / "cluster"
+CONF_MODEL = CONF_CLUSTER.parent / "model"
 DEFAULT_VOCAB = 51200
 """Vocabulary used when a row leaves it blank."""
 
@@ -94,6 +99,8 @@ class MoeRecipe:
     """Hardware preset of the row's GPU."""
     layout: tuple[int, int, int, int, int, int]
     """(GPUs, TP, PP, VP, EP, global batch) of the preset: a row with another layout ran another configuration."""
+    containers: tuple[tuple[int, int], tuple[int, int] | None]
+    """First and last NeMo container (year, month) whose preset files set this; ``None``: up to now."""
     dispatcher: str
     """``model.moe_token_dispatcher``: ``flex`` where the preset sets ``moe_token_dispatcher_type="flex"`` (HybridEP
     or DeepEP, modelled as DeepEP), else ``alltoall``."""
@@ -101,37 +108,78 @@ class MoeRecipe:
     """``parallel.moe_a2a_overlap`` (the preset's ``moe_a2a_overlap``)."""
     tp_comm_overlap: bool
     """``parallel.tp_comm_overlap`` (the preset's ``CommOverlapConfig(tp_comm_overlap=...)``)."""
+    overlap_grad_reduce: bool = True
+    """``parallel.overlap_grad_reduce`` (the preset's ``comm_overlap.overlap_grad_reduce``)."""
 
 
 MEGATRON_BRIDGE_MOE_RECIPES = (
-    MoeRecipe(model=r"qwen3.?235b", preset="dgx_h100", layout=(256, 2, 8, 4, 32, 8192), dispatcher="alltoall",
-              a2a_overlap=True, tp_comm_overlap=False),
-    MoeRecipe(model=r"qwen3.?30b", preset="dgx_h100", layout=(16, 1, 1, 1, 16, 1024), dispatcher="flex",
-              a2a_overlap=False, tp_comm_overlap=True),
+    MoeRecipe(model=r"qwen3.?235b", preset="dgx_h100", layout=(256, 2, 8, 4, 32, 8192), containers=((26, 1), None),
+              dispatcher="alltoall", a2a_overlap=True, tp_comm_overlap=False),
+    MoeRecipe(model=r"qwen3.?30b", preset="dgx_h100", layout=(16, 1, 1, 1, 16, 1024), containers=((26, 1), None),
+              dispatcher="flex", a2a_overlap=False, tp_comm_overlap=True),
+    MoeRecipe(model=r"deepseek.?v3", preset="dgx_h100", layout=(1024, 2, 8, 4, 64, 8192),
+              containers=((25, 1), (25, 12)), dispatcher="flex", a2a_overlap=True, tp_comm_overlap=True,
+              overlap_grad_reduce=False),
+    MoeRecipe(model=r"deepseek.?v3", preset="dgx_h100", layout=(1024, 2, 8, 4, 64, 8192),
+              containers=((26, 1), None), dispatcher="flex", a2a_overlap=False, tp_comm_overlap=True,
+              overlap_grad_reduce=False),
 )
-"""Megatron-Bridge's H100 performance presets of Qwen3-235B-A22B (its "V2", global batch 8,192) and Qwen3-30B-A3B
-(``scripts/performance/configs/qwen/qwen3_workload_base_configs.py`` and ``qwen3_llm_pretrain.py``, the files that
-replaced ``configs/qwen3/workload_base_configs.py``, whose H100 presets ran 235B at global batch 2,048 without the
-all-to-all overlap and 30B at PP=2 x VP=12). The other H100 MoE presets are not listed: GPT-OSS 120B's keeps the
-defaults; DeepSeek-V3's recomputes its MLA up-projections and MLPs, which the simulator does not model."""
-FIRST_PRESET_CONTAINER = (26, 1)
-"""Rows from NeMo containers before 26.x ran the earlier preset files: :data:`MEGATRON_BRIDGE_MOE_RECIPES`
-applies to rows of 26.x containers on."""
+"""Megatron-Bridge's H100 MoE performance presets, from its ``scripts/performance/configs/``:
+
+* Qwen3-235B-A22B ("V2", global batch 8,192) and Qwen3-30B-A3B, 26.x: ``qwen/qwen3_workload_base_configs.py`` and
+  ``qwen/qwen3_llm_pretrain.py``, the files that replaced ``qwen3/workload_base_configs.py``, whose H100 presets ran
+  235B at global batch 2,048 without the all-to-all overlap and 30B at PP=2 x VP=12 (the 25.x rows keep the
+  defaults).
+* DeepSeek-V3 on 1,024 H100s, 25.x: ``deepseek/deepseek_llm_pretrain.py`` (every stored version of its
+  ``deepseek_v3_h100_1024gpus_*_config``): ``enable_deepep=True``, the all-to-all overlap
+  (``set_moe_a2a_overlap_overrides``, earlier ``set_moe_a2a_1f1b_overrides``), ``overlap_grad_reduce=False``.
+* DeepSeek-V3 on 1,024 H100s, 26.x: ``deepseek/deepseek_workload_base_configs.py`` (``..._H100_V1``): HybridEP
+  without the all-to-all overlap; its llm_pretrain file keeps ``overlap_grad_reduce=False``.
+
+Not modelled: the DeepSeek-V3 presets' selective recomputation of the MLA up-projections and the dense MLPs
+(``recompute_modules=["mla_up_proj", "mlp"]``; by the FLOP count about 3% of the step on row 73); GPT-OSS 120B's
+preset keeps the defaults."""
 
 
 def moe_recipe(row: dict, preset: str, layout: tuple[int, int, int, int, int, int]) -> MoeRecipe | None:
-    """The Megatron-Bridge MoE preset a row ran, or None: a Megatron-Bridge row from a container of
-    :data:`FIRST_PRESET_CONTAINER` or later whose model, GPU and layout are those of a preset."""
+    """The Megatron-Bridge MoE preset a row ran, or None: a Megatron-Bridge row whose container, model, GPU and
+    layout are those of a preset (:data:`MEGATRON_BRIDGE_MOE_RECIPES`)."""
     if "megatron-bridge" not in (row.get("framework") or "").lower():
         return None
-    container = re.search(r"\b(\d\d)\.(\d\d)", row.get("source_detail") or row.get("framework") or "")
-    if container is None or (int(container.group(1)), int(container.group(2))) < FIRST_PRESET_CONTAINER:
+    found = re.search(r"\b(\d\d)\.(\d\d)", row.get("source_detail") or row.get("framework") or "")
+    if found is None:
         return None
+    container = (int(found.group(1)), int(found.group(2)))
     for recipe in MEGATRON_BRIDGE_MOE_RECIPES:
-        if (recipe.preset == preset and recipe.layout == layout
+        first, last = recipe.containers
+        if (recipe.preset == preset and recipe.layout == layout and first <= container
+                and (last is None or container <= last)
                 and re.search(recipe.model, row.get("model") or "", re.IGNORECASE)):
             return recipe
     return None
+
+
+ARCHITECTURE_FIELDS = ("attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+                       "moe_shared_expert_intermediate_size", "moe_first_dense_layers", "moe_router_score")
+"""Model fields the CSV schema has no column for, taken from a model preset of the same shape
+(:func:`preset_architecture`)."""
+SHAPE_FIELDS = (("layers", "num_layers"), ("hidden", "hidden_size"), ("heads", "num_attention_heads"),
+                ("vocab", "vocab_size"), ("moe_experts", "num_experts"), ("moe_topk", "moe_router_topk"),
+                ("moe_expert_ffn", "moe_ffn_hidden_size"))
+"""(CSV column, model preset key) pairs that must all be equal for a preset's architecture to apply."""
+
+
+def preset_architecture(row: dict) -> tuple[str, dict]:
+    """The name and :data:`ARCHITECTURE_FIELDS` of the model preset (``conf/model``) whose shape
+    (:data:`SHAPE_FIELDS`) is the row's, or ``("", {})``: DeepSeek-V3's multi-head latent attention, shared expert,
+    dense first layers and sigmoid router, which its rows name in ``arch_source`` but no column states."""
+    from omegaconf import OmegaConf
+
+    for path in sorted(CONF_MODEL.glob("*.yaml")):
+        preset = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        if all(_int(row, column) == preset.get(key) for column, key in SHAPE_FIELDS):
+            return path.stem, {key: preset[key] for key in ARCHITECTURE_FIELDS if key in preset}
+    return "", {}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -317,6 +365,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     if experts:
         topk = _int(row, "moe_topk", 2)
         model.update(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=_int(row, "moe_expert_ffn"))
+    architecture, fields = preset_architecture(row) if experts else ("", {})
+    model.update(fields)
     if recipe:
         model["moe_token_dispatcher"] = recipe.dispatcher
     # Megatron-Bridge's recipes count the embedding and the loss as layers of the pipeline split where the decoder
@@ -332,7 +382,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     cfg = {
         "model": model, "cluster": cluster,
         "parallel": {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "vpp": vp if vp > 1 else None, "sp": sp,
-                     "recompute": recompute, "distributed_optimizer": dist_opt, "overlap_grad_reduce": not legacy,
+                     "recompute": recompute, "distributed_optimizer": dist_opt,
+                     "overlap_grad_reduce": not legacy and (recipe is None or recipe.overlap_grad_reduce),
                      "tp_comm_overlap": (recipe.tp_comm_overlap if recipe else modern) and sp,
                      "moe_a2a_overlap": bool(recipe and recipe.a2a_overlap),
                      "recompute_num_layers": 1, "grad_reduce_in_fp32": not nemo,
@@ -348,6 +399,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     layout += (f" cp{cp}" if cp > 1 else "") + (f" ep{ep}" if ep > 1 else "")
     layout += (f" vp{vp}" if vp > 1 else "") + (" emb+loss" if counted else "") + (f" {stages}" if stages else "")
     layout += " sp" if sp else ""
+    layout += f" as {architecture}" if architecture else ""
     if recipe:
         layout += (" flex" if recipe.dispatcher == "flex" else "") + (" a2ao" if recipe.a2a_overlap else "")
     layout += f" mb{micro} gbs{gbs} {recompute}" + (" fp8" if fp8 else "") + (" fsdp" if fsdp else "")
