@@ -172,13 +172,35 @@ def test_nvl72_layout_keeps_tp_and_ep_groups_on_nvlink() -> None:
 
 
 def test_a_group_straddling_two_racks_gets_its_smaller_share() -> None:
-    two_racks = big_job("gb200_nvl72", "cluster.nodes=36")  # 144 GPUs: TP groups of 16 do not tile a 72-GPU rack
+    # Full racks (Slurm segments of 18 trays): TP groups of 16 do not tile a 72-GPU rack.
+    two_racks = big_job("gb200_nvl72", "cluster.nodes=36", "cluster.nvlink_segment_nodes=18")  # 144 GPUs
     assert place(two_racks, _dims(144, tp=16), 4).tp_per_node == 8  # ranks 64..79: 8 in each rack
     assert place(two_racks, _dims(144, tp=8), 4).tp_per_node == 8  # 8 divides 72: every group inside a rack
     assert group_placement(16, 1, 72, world_size=64) == 16
     # Aligned groups: the same answer counted or not (8-GPU nodes, powers of two).
     for size, stride in ((8, 1), (4, 8), (8, 2), (16, 1), (2, 4)):
         assert group_placement(size, stride, 8) == group_placement(size, stride, 8, world_size=512)
+
+
+def test_a_job_over_several_racks_runs_in_segments_of_16_trays_by_default() -> None:
+    """NVIDIA's placement for jobs of 128 GPUs and more (Slurm's --segment=16): 64 consecutive ranks per rack, so
+    groups of 16 or 64 stay on NVLink; a job that fits one rack runs in it; the segment is a setting."""
+    two_racks = big_job("gb200_nvl72", "cluster.nodes=36")  # 144 GPUs
+    assert place(two_racks, _dims(144, tp=16), 4).tp_per_node == 16
+    assert place(two_racks, _dims(144, tp=16), 4).domain_size == 64
+    four = big_job("gb200_nvl72", "cluster.nodes=64")  # 256 GPUs: four segments of 64
+    assert place(four, _dims(256, ep=64), 4).ep_per_node == 64
+    assert place(four, _dims(256, ep=128), 4).ep_per_node == 64
+    assert four.cluster.domain_size(4, 256) == 64 and four.cluster.domain_size(4, 72) == 72
+    assert four.cluster.domain_size(4) == 72  # no job size: the rack
+    packed = dataclasses.replace(four.cluster, nvlink_segment_nodes=18)
+    assert packed.domain_size(4, 256) == 72
+    assert big_job("dgx_h100", "cluster.nodes=32").cluster.domain_size(8, 256) == 8  # a node: no segments
+    slow = simulate(big_job("gb200_nvl72", "cluster.nodes=64", "cluster.nvlink_segment_nodes=18", "parallel.tp=16",
+                            "parallel.sp=true", "train.global_batch_size=64"))
+    fast = simulate(big_job("gb200_nvl72", "cluster.nodes=64", "parallel.tp=16", "parallel.sp=true",
+                            "train.global_batch_size=64"))
+    assert fast.time.tp_comm_s < slow.time.tp_comm_s
 
 
 def test_nvlink_bridged_pairs_are_a_domain_smaller_than_a_node() -> None:
@@ -317,6 +339,9 @@ def test_measured_peak_is_not_scaled_twice() -> None:
     (("cluster=gb200_nvl72", "cluster.nvlink_domain_size=6"), "cluster.nvlink_domain_size",
      "must be a multiple of cluster.gpus_per_node=4"),
     (("cluster=dgx_h100", "cluster.nvlink_domain_size=0"), "cluster.nvlink_domain_size", "positive integer"),
+    (("cluster=gb200_nvl72", "cluster.nvlink_segment_nodes=20"), "cluster.nvlink_segment_nodes",
+     "do not fit one NVLink domain of cluster.nvlink_domain_size=72"),
+    (("cluster=gb200_nvl72", "cluster.nvlink_segment_nodes=0"), "cluster.nvlink_segment_nodes", "positive integer"),
     (("cluster=dgx_h100", "cluster.sm_clock_mhz=2500"), "cluster.sm_clock_mhz", "above the maximum clock"),
     (("cluster=b200", "cluster.sm_clock_mhz=1500"), "cluster.sm_clock_mhz", "cluster.max_sm_clock_mhz"),
     (("cluster=dgx_h100", "cluster.power_limit_w=0"), "cluster.power_limit_w", "must be positive"),

@@ -479,6 +479,12 @@ class ClusterSpec:
     node (``gpus_per_node``). 72 on an NVL72 rack (18 trays of 4 GPUs: TP/EP/CP groups of up to 72 ranks stay on
     NVLink); 2 on H100 NVL cards bridged in pairs. A multiple of ``gpus_per_node`` (whole nodes share it) or a
     divisor of it (several domains in a node). Memory and the world size stay per node."""
+    nvlink_segment_nodes: int | None = None
+    """Nodes of a job that spans several multi-node NVLink domains placed together in one domain (Slurm's
+    ``--segment`` under its topology/block plugin): each domain then holds that many nodes of consecutive ranks,
+    and groups are priced on domains of ``nvlink_segment_nodes x gpus_per_node`` GPUs. ``None``: the largest power of
+    two that fits a domain (16 trays = 64 GPUs on an NVL72 rack), the segment NVIDIA recommends for jobs of 128 GPUs
+    and more; a job that fits one domain runs in one. Unused where the domain is a node or smaller."""
     network: Network | None = None
     """Scale-out fabric between domains (``infiniband``, ``roce``, ``omnipath``, ``ethernet``): recorded for
     reports; the cost model reads the bandwidth and latency figures, not the kind."""
@@ -510,10 +516,18 @@ class ClusterSpec:
         on the same cores as the compute."""
         return self.device_name.strip().lower() == "cpu"
 
-    def domain_size(self, gpus_per_node: int | None = None) -> int:
+    def domain_size(self, gpus_per_node: int | None = None, world_size: int | None = None) -> int:
         """GPUs per scale-up (NVLink) domain: ``nvlink_domain_size``, else one node of ``gpus_per_node`` (the node
-        size in use; default this cluster's, else 1). The cost model's fast link is "same domain", not "same node"."""
-        return self.nvlink_domain_size or gpus_per_node or self.gpus_per_node or 1
+        size in use; default this cluster's, else 1). The cost model's fast link is "same domain", not "same node".
+
+        With ``world_size``, the GPUs of that job per domain: a job larger than one multi-node domain is placed in
+        segments of ``nvlink_segment_nodes`` nodes (:attr:`nvlink_segment_nodes`), one per domain."""
+        node = gpus_per_node or self.gpus_per_node or 1
+        domain = self.nvlink_domain_size or node
+        if world_size is None or domain <= node or world_size <= domain:
+            return domain
+        segment = self.nvlink_segment_nodes or 1 << ((domain // node).bit_length() - 1)
+        return min(segment * node, domain)
 
     @property
     def rails(self) -> int | None:
@@ -570,7 +584,8 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         issues: list[ConfigIssue] = []
         p = self.PREFIX
-        _positive(issues, p, self, "nodes", "gpus_per_node", "rails_per_node", "nvlink_domain_size", "nics_per_node")
+        _positive(issues, p, self, "nodes", "gpus_per_node", "rails_per_node", "nvlink_domain_size", "nics_per_node",
+                  "nvlink_segment_nodes")
         _at_most(issues, p, self, MAX_WORLD_SIZE, "the largest clusters built (about 100k GPUs)", "nodes",
                  "nvlink_domain_size")
         _at_most(issues, p, self, MAX_GPUS_PER_NODE, "any node built (4 to 8 GPUs)", "gpus_per_node",
@@ -596,6 +611,11 @@ class ClusterSpec:
                    f"must be a multiple of {p}.gpus_per_node={gpus} (whole nodes share the fabric, e.g. 72 = 18 trays "
                    f"x 4 on an NVL72 rack) or divide it (several domains in a node, e.g. 2 for NVLink-bridged pairs).",
                    f"set {p}.nvlink_domain_size to a multiple or a divisor of {gpus}, or null for one node.")
+        segment = self.nvlink_segment_nodes
+        if isinstance(segment, int) and segment >= 1 and domain is not None and gpus is not None:
+            _issue(issues, segment * gpus <= domain, f"{p}.nvlink_segment_nodes", segment,
+                   f"{segment} nodes of {gpus} GPUs do not fit one NVLink domain of {p}.nvlink_domain_size={domain}.",
+                   f"set {p}.nvlink_segment_nodes to at most {max(domain // gpus, 1)}, or null.")
         for key in ("nics_per_node", "nic_gbps"):
             if getattr(self, key) is not None and gpus is None:
                 issues.append(ConfigIssue(key=f"{p}.{key}", value=getattr(self, key),

@@ -246,7 +246,7 @@ class ParallelDims:
                  "install transformer-engine (GPU only), or set parallel.cp=1.")
             if p.cp_comm_type in (CpCommType.a2a, CpCommType.a2a_p2p):
                 a2a_size = p.cp if p.cp_comm_type is CpCommType.a2a else _cp_inner(
-                    p.cp, p.tp, c.domain_size(c.gpus_per_node or world_size))
+                    p.cp, p.tp, c.domain_size(c.gpus_per_node or world_size, world_size))
                 heads_per_rank = m.num_attention_heads // p.tp
                 groups_per_rank = m.query_groups // p.tp if m.attention is AttentionKind.standard else heads_per_rank
                 need(heads_per_rank % a2a_size == 0 and groups_per_rank % a2a_size == 0, "parallel.cp_comm_type",
@@ -311,7 +311,8 @@ def hierarchical_cp_sizes(job: JobSpec, dims: ParallelDims) -> list[int] | None:
     unset), the TP ranks varying fastest."""
     if dims.cp <= 1 or job.parallel.cp_comm_type is not CpCommType.a2a_p2p:
         return None
-    inner = _cp_inner(dims.cp, dims.tp, job.cluster.domain_size(job.cluster.gpus_per_node or dims.world_size))
+    inner = _cp_inner(dims.cp, dims.tp,
+                      job.cluster.domain_size(job.cluster.gpus_per_node or dims.world_size, dims.world_size))
     return [inner, dims.cp // inner]
 
 

@@ -494,7 +494,8 @@ def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = 
     """The families of ``job`` on ``world`` ranks under ``cfp``'s pins and sets, with every value ruled out and why."""
     m, t, c = job.model, job.train, job.cluster
     gpn = c.gpus_per_node or world
-    domain = c.domain_size(gpn)  # the NVLink domain: a node unless cluster.nvlink_domain_size says otherwise
+    domain = c.domain_size(gpn, world)  # the NVLink domain (a node unless cluster.nvlink_domain_size says otherwise),
+    # this job's share of it where the job spans several (cluster.nvlink_segment_nodes)
     where = f"nodes of {gpn} GPUs" if domain == gpn else f"NVLink domains of {domain} GPUs"
     rejected: list[Rejection] = []
 

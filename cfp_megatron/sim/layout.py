@@ -74,9 +74,10 @@ def place(job: JobSpec, dims: ParallelDims, gpus_per_node: int) -> Layout:
     """Where the groups of ``dims`` (already validated, or taken as given) sit on the NVLink domains of a cluster
     with nodes of ``gpus_per_node`` (a domain is a node unless ``cluster.nvlink_domain_size`` says otherwise).
 
-    A domain of several nodes (an NVL72 rack) need not be a multiple of a group's span: there the groups are counted
-    over the world, and a group that straddles two racks gets its smaller share (``group_placement``)."""
-    domain = job.cluster.domain_size(gpus_per_node)
+    A job larger than one domain of several nodes holds ``cluster.nvlink_segment_nodes`` nodes of each (64 GPUs of
+    an NVL72 rack by default). Such a domain need not be a multiple of a group's span: there the groups are counted
+    over the world, and a group that straddles two domains gets its smaller share (``group_placement``)."""
+    domain = job.cluster.domain_size(gpus_per_node, dims.world_size)
     world = dims.world_size if domain != gpus_per_node else None
 
     def per_domain(size: int, stride: int) -> int:
