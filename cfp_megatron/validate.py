@@ -50,6 +50,10 @@ Defaults for fields a row leaves blank (documented, the same for every row):
   ``conf/model``: that preset's attention (multi-head latent attention and its ranks), shared expert, dense first
   layers and router score, which no column states (:func:`preset_architecture`; DeepSeek-V3, whose rows name them
   in ``arch_source``); the layout column shows ``as <preset>``.
+* A power limit stated in the ``gpu`` column, or next to "power", "cap", "limit" or "TDP" in ``notes``,
+  ``source_detail`` or ``other_measured`` (``power-capped to 500 W``): ``cluster.power_limit_w``, which scales the
+  compute peaks by the clock it sustains (:attr:`~cfp_megatron.base.config.ClusterSpec.clock_scale`); the layout
+  column shows it (``500W``). At or above the preset's TDP it changes nothing.
 * ``tp``, ``pp`` blank where ``dp`` is given (SC21's Table 2 states only the model-parallel size): TP as wide as a
   node allows where it divides that size and the heads, PP the rest (:func:`unstated_split`); the layout column
   marks such rows with ``?``.
@@ -238,6 +242,25 @@ def gpu_preset(gpu: str) -> str:
                    "H800, H20, B200, B300, GB200, GB300, MI300X, MI325X, MI355X)")
 
 
+POWER_WORDS = r"power|cap|limit|watt|tdp|tgp|board"
+"""Words that make a wattage in a row's notes a statement of the GPUs' power (:func:`power_limit`)."""
+
+
+def power_limit(row: dict) -> float | None:
+    """The GPUs' power limit in watts a row states, or None: a wattage (``500 W``, ``450W``) in its ``gpu`` column,
+    or in ``notes``, ``source_detail`` or ``other_measured`` within a few words of "power", "cap", "limit", "TDP"...
+    A figure at or above the preset's TDP changes nothing (the clock is capped at its maximum)."""
+    watts = r"(\d{3,4}(?:\.\d+)?)\s*W\b"
+    found = re.search(watts, row.get("gpu") or "")
+    for column in ("notes", "source_detail", "other_measured"):
+        if found:
+            break
+        text = row.get(column) or ""
+        found = (re.search(rf"(?:{POWER_WORDS})\w*\W+(?:\w+\W+){{0,4}}?{watts}", text, re.IGNORECASE)
+                 or re.search(rf"{watts}\W+(?:\w+\W+){{0,2}}?(?:{POWER_WORDS})", text, re.IGNORECASE))
+    return float(found.group(1)) if found else None
+
+
 def load_preset(name: str) -> dict:
     """The preset YAML as a dict."""
     from omegaconf import OmegaConf
@@ -287,6 +310,9 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     if preset_name not in presets:
         presets[preset_name] = load_preset(preset_name)
     cluster = dict(presets[preset_name])
+    watts = power_limit(row)
+    if watts is not None and cluster.get("tdp_w") and watts < cluster["tdp_w"]:
+        cluster["power_limit_w"] = watts
     gpus = _int(row, "num_gpus")
     if not gpus:
         raise RowError("num_gpus is blank")
@@ -403,6 +429,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     if recipe:
         layout += (" flex" if recipe.dispatcher == "flex" else "") + (" a2ao" if recipe.a2a_overlap else "")
     layout += f" mb{micro} gbs{gbs} {recompute}" + (" fp8" if fp8 else "") + (" fsdp" if fsdp else "")
+    layout += f" {cluster['power_limit_w']:g}W" if cluster.get("power_limit_w") else ""
     options = SimOptions(fp8=fp8, fsdp=fsdp, measured_layer_only=layer_only, flash_attention=not legacy)
     return RowPlan(row_id=rid, source=row.get("source", ""), source_detail=row.get("source_detail", ""),
                    model=row.get("model", ""), layout=layout, job=job, options=options, measured_s=measured)

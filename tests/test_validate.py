@@ -215,3 +215,17 @@ def test_bands_never_overwrite_a_file_it_did_not_write(tmp_path: Path, capsys) -
     table.write_text('{"quantile": 0.8, "classes": {}}\n')
     assert check_bands_path(str(table)) is None
     assert check_bands_path(str(tmp_path / "new.json")) is None
+
+
+def test_a_stated_power_limit_slows_the_row_by_the_clock_it_sustains() -> None:
+    row = {"id": "1", "model": "m", "layers": "24", "hidden": "4096", "heads": "32", "seq_len": "4096",
+           "gpu": "H100-SXM5-80GB", "num_gpus": "8", "tp": "1", "pp": "1", "dp": "8", "micro_batch": "1",
+           "global_batch_seqs": "64", "step_time_s": "1.0", "framework": "Megatron-Core"}
+    full = predict_rows([row])[0][0]
+    capped = predict_rows([{**row, "notes": "GPUs power-capped to 500 W for the whole run"}])[0][0]
+    in_gpu = row_plan({**row, "gpu": "H100 SXM 500W"})
+    assert capped.plan.job.cluster.power_limit_w == 500.0 and in_gpu.job.cluster.power_limit_w == 500.0
+    assert " 500W" in capped.plan.layout and "W" not in full.plan.layout.split()[-1]
+    assert capped.predicted_s > full.predicted_s * 1.05  # (500/700)^(1/3): the compute runs at 89% of the clock
+    for harmless in ({"notes": "TDP 700 W"}, {"notes": "500 steps, 3200 Gbps network"}):
+        assert row_plan({**row, **harmless}).job.cluster.power_limit_w is None
