@@ -234,11 +234,12 @@ def gpu_preset(gpu: str) -> str:
              (r"MI355", "mi355x"), (r"MI325", "mi325x"), (r"MI300X", "mi300x"),
              (r"H100\W*NVL|H100.*\bNVL\b", "h100_nvl"), (r"H100", "dgx_h100"), (r"H200", "h200"),
              (r"H800", "h800"), (r"H20(?!\d)", "h20"),
-             (r"A100\W*(SXM\d?\W*|PCIE\W*)?40\s*G", "dgx_a100_40gb"), (r"A100", "dgx_a100"))
+             (r"A100\W*(SXM\d?\W*|PCIE\W*)?40\s*G", "dgx_a100_40gb"), (r"A100", "dgx_a100"),
+             (r"A800", "a800"))
     for pattern, preset in rules:
         if re.search(pattern, g):
             return preset
-    raise RowError(f"GPU {gpu!r} has no hardware preset (known: A100-80GB, A100-40GB, H100 SXM, H100 NVL, H200, "
+    raise RowError(f"GPU {gpu!r} has no hardware preset (known: A100-80GB, A100-40GB, A800, H100 SXM, H100 NVL, H200, "
                    "H800, H20, B200, B300, GB200, GB300, MI300X, MI325X, MI355X)")
 
 

@@ -31,7 +31,7 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 CLUSTER_PRESETS = sorted(p.stem for p in (CONF_DIR / "cluster").glob("*.yaml"))
 GPU_PRESETS = [n for n in CLUSTER_PRESETS if n != "local"]
 NEW_PRESETS = ["gb200_nvl72", "gb300_nvl72", "b300", "h800", "h20", "dgx_a100_40gb", "h100_nvl", "mi300x", "mi325x",
-               "mi355x"]
+               "mi355x", "a800"]
 GIB = 1 << 30
 
 
@@ -101,7 +101,7 @@ def test_new_preset_key_figures() -> None:
 @pytest.mark.parametrize(("name", "gen"), [
     ("gb200_nvl72", "blackwell"), ("gb300_nvl72", "blackwell"), ("b300", "blackwell"), ("b200", "blackwell"),
     ("h800", "hopper"), ("h20", "hopper"), ("h100_nvl", "hopper"), ("h200", "hopper"), ("dgx_h100", "hopper"),
-    ("dgx_a100_40gb", "ampere"), ("dgx_a100", "ampere"), ("mi300x", "cdna3"), ("mi325x", "cdna3"),
+    ("dgx_a100_40gb", "ampere"), ("dgx_a100", "ampere"), ("a800", "ampere"), ("mi300x", "cdna3"), ("mi325x", "cdna3"),
     ("mi355x", "cdna4"),
 ])
 def test_generation_of_each_preset(name: str, gen: str) -> None:
@@ -120,7 +120,7 @@ def test_amd_generations_reuse_hoppers_shares() -> None:
     ("H100-80GB (variant not stated)", "dgx_h100"), ("H100 NVL", "h100_nvl"), ("H100-NVL 94GB", "h100_nvl"),
     ("H200", "h200"), ("H800 SXM", "h800"), ("H20", "h20"), ("H20-96GB", "h20"), ("B200", "b200"), ("B300", "b300"),
     ("GB200 NVL72", "gb200_nvl72"), ("GB300", "gb300_nvl72"), ("MI300X", "mi300x"),
-    ("AMD Instinct MI325X", "mi325x"), ("MI355X", "mi355x"),
+    ("AMD Instinct MI325X", "mi325x"), ("MI355X", "mi355x"), ("A800-SXM4-80GB", "a800"),
 ])
 def test_gpu_preset_maps_rows(gpu: str, preset: str) -> None:
     assert gpu_preset(gpu) == preset
