@@ -47,9 +47,9 @@ Defaults for fields a row leaves blank (documented, the same for every row):
   (:data:`MEGATRON_BRIDGE_MOE_RECIPES`: Qwen3-235B-A22B and Qwen3-30B-A3B from 26.x, DeepSeek-V3 in 25.x and 26.x);
   the layout column shows ``flex`` / ``a2ao``.
 * MoE rows whose shape (layers, hidden, heads, vocabulary, experts, top-k, expert FFN) is that of a model preset in
-  ``conf/model``: that preset's attention (multi-head latent attention and its ranks), shared expert, dense first
-  layers and router score, which no column states (:func:`preset_architecture`; DeepSeek-V3, whose rows name them
-  in ``arch_source``); the layout column shows ``as <preset>``.
+  ``conf/model``: that preset's head width, attention (multi-head latent attention and its ranks), shared expert,
+  dense first layers and router score, which no column states (:func:`preset_architecture`; DeepSeek-V3 and GPT-OSS
+  120B, whose rows name them in ``arch_source``); the layout column shows ``as <preset>``.
 * A power limit stated in the ``gpu`` column, or next to "power", "cap", "limit" or "TDP" in ``notes``,
   ``source_detail`` or ``other_measured`` (``power-capped to 500 W``): ``cluster.power_limit_w``, which scales the
   compute peaks by the clock it sustains (:attr:`~cfp_megatron.base.config.ClusterSpec.clock_scale`); the layout
@@ -163,8 +163,9 @@ def moe_recipe(row: dict, preset: str, layout: tuple[int, int, int, int, int, in
     return None
 
 
-ARCHITECTURE_FIELDS = ("attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-                       "moe_shared_expert_intermediate_size", "moe_first_dense_layers", "moe_router_score")
+ARCHITECTURE_FIELDS = ("kv_channels", "attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                       "v_head_dim", "moe_shared_expert_intermediate_size", "moe_first_dense_layers",
+                       "moe_router_score")
 """Model fields the CSV schema has no column for, taken from a model preset of the same shape
 (:func:`preset_architecture`)."""
 SHAPE_FIELDS = (("layers", "num_layers"), ("hidden", "hidden_size"), ("heads", "num_attention_heads"),
@@ -176,7 +177,8 @@ SHAPE_FIELDS = (("layers", "num_layers"), ("hidden", "hidden_size"), ("heads", "
 def preset_architecture(row: dict) -> tuple[str, dict]:
     """The name and :data:`ARCHITECTURE_FIELDS` of the model preset (``conf/model``) whose shape
     (:data:`SHAPE_FIELDS`) is the row's, or ``("", {})``: DeepSeek-V3's multi-head latent attention, shared expert,
-    dense first layers and sigmoid router, which its rows name in ``arch_source`` but no column states."""
+    dense first layers and sigmoid router, GPT-OSS's 64-channel heads (4096 wide on a 2880 hidden size), which their
+    rows name in ``arch_source`` but no column states."""
     from omegaconf import OmegaConf
 
     for path in sorted(CONF_MODEL.glob("*.yaml")):

@@ -44,6 +44,7 @@ PUBLISHED_PARAMS: dict[str, float] = {
     "llama3_405b": 405.9e9,  # Llama-3.1-405B model card
     "mixtral_8x7b": 46.7e9,  # Jiang et al. 2024
     "deepseek_v3": 671e9,  # DeepSeek-V3 technical report, without the 14B multi-token-prediction module
+    "gpt_oss_120b": 116.83e9,  # gpt-oss model card
 }
 # Published parameters used per token (MoE models only).
 PUBLISHED_ACTIVE_PARAMS: dict[str, float] = {

@@ -143,7 +143,7 @@ def test_megatron_bridge_moe_rows_run_the_preset_of_their_container_and_layout()
 
 
 @needs_csv
-def test_deepseek_v3_rows_run_its_architecture_and_the_preset_of_their_container() -> None:
+def test_rows_of_a_preset_shape_run_its_architecture_and_the_preset_of_their_container() -> None:
     """Row 73 (25.09) takes DeepSeek-V3's architecture from ``conf/model/deepseek_v3.yaml`` (its shape is the
     preset's) and the 25.x H100 preset: DeepEP with the all-to-all overlap, no gradient-reduce overlap; a 26.x row
     of the same layout runs HybridEP without the overlap; another global batch keeps the defaults."""
@@ -159,6 +159,8 @@ def test_deepseek_v3_rows_run_its_architecture_and_the_preset_of_their_container
     other = row_plan({**row, "global_batch_seqs": "4096"}).job
     assert other.model.moe_token_dispatcher.value == "alltoall" and other.parallel.overlap_grad_reduce
     assert other.model.attention.value == "mla"  # the architecture is the model's, whatever the preset
+    oss = next(r for r in read_rows(CSV) if r["id"] == "79")  # GPT-OSS 120B: 64 heads of 64 channels on 2880
+    assert row_plan(oss).job.model.kv_channels == 64 and " as gpt_oss_120b " in row_plan(oss).layout
     wider = row_plan({**row, "hidden": "4096"}).job  # not the preset's shape: nothing borrowed
     assert wider.model.attention.value != "mla" and wider.model.moe_first_dense_layers == 0
 
