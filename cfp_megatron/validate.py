@@ -114,6 +114,9 @@ class MoeRecipe:
     """``parallel.tp_comm_overlap`` (the preset's ``CommOverlapConfig(tp_comm_overlap=...)``)."""
     overlap_grad_reduce: bool = True
     """``parallel.overlap_grad_reduce`` (the preset's ``comm_overlap.overlap_grad_reduce``)."""
+    recompute_modules: str | None = None
+    """The preset's selective recomputation (``recompute_modules``, joined by ``+``; ``parallel.recompute=selective``
+    with them), unless the row states its recomputation; ``None``: none."""
 
 
 MEGATRON_BRIDGE_MOE_RECIPES = (
@@ -123,10 +126,12 @@ MEGATRON_BRIDGE_MOE_RECIPES = (
               dispatcher="flex", a2a_overlap=False, tp_comm_overlap=True),
     MoeRecipe(model=r"deepseek.?v3", preset="dgx_h100", layout=(1024, 2, 8, 4, 64, 8192),
               containers=((25, 1), (25, 12)), dispatcher="flex", a2a_overlap=True, tp_comm_overlap=True,
-              overlap_grad_reduce=False),
+              overlap_grad_reduce=False, recompute_modules="mla_up_proj+mlp"),
     MoeRecipe(model=r"deepseek.?v3", preset="dgx_h100", layout=(1024, 2, 8, 4, 64, 8192),
               containers=((26, 1), None), dispatcher="flex", a2a_overlap=False, tp_comm_overlap=True,
-              overlap_grad_reduce=False),
+              overlap_grad_reduce=False, recompute_modules="mla_up_proj+mlp"),
+    MoeRecipe(model=r"gpt.?oss.?120b", preset="dgx_h100", layout=(64, 1, 4, 1, 8, 1280), containers=((26, 1), None),
+              dispatcher="alltoall", a2a_overlap=False, tp_comm_overlap=True, recompute_modules="layernorm+moe_act"),
 )
 """Megatron-Bridge's H100 MoE performance presets, from its ``scripts/performance/configs/``:
 
@@ -138,11 +143,11 @@ MEGATRON_BRIDGE_MOE_RECIPES = (
   ``deepseek_v3_h100_1024gpus_*_config``): ``enable_deepep=True``, the all-to-all overlap
   (``set_moe_a2a_overlap_overrides``, earlier ``set_moe_a2a_1f1b_overrides``), ``overlap_grad_reduce=False``.
 * DeepSeek-V3 on 1,024 H100s, 26.x: ``deepseek/deepseek_workload_base_configs.py`` (``..._H100_V1``): HybridEP
-  without the all-to-all overlap; its llm_pretrain file keeps ``overlap_grad_reduce=False``.
-
-Not modelled: the DeepSeek-V3 presets' selective recomputation of the MLA up-projections and the dense MLPs
-(``recompute_modules=["mla_up_proj", "mlp"]``; by the FLOP count about 3% of the step on row 73); GPT-OSS 120B's
-preset keeps the defaults."""
+  without the all-to-all overlap; its llm_pretrain file keeps ``overlap_grad_reduce=False``. Both recompute the MLA
+  up-projections and the dense MLPs (``recompute_modules=["mla_up_proj", "mlp"]``).
+* GPT-OSS 120B on 64 H100s at global batch 1,280, 26.x: ``gpt_oss/gpt_oss_workload_base_configs.py``
+  (``..._H100_BF16_V2``): PP=4, EP=8, ``recompute_modules=["layernorm", "moe_act"]``, the default dispatcher. Its
+  25.x rows (micro-batch 4, global batch 512) ran another configuration and keep the defaults."""
 
 
 def moe_recipe(row: dict, preset: str, layout: tuple[int, int, int, int, int, int]) -> MoeRecipe | None:
@@ -396,8 +401,11 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         model.update(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=_int(row, "moe_expert_ffn"))
     architecture, fields = preset_architecture(row) if experts else ("", {})
     model.update(fields)
+    modules = None
     if recipe:
         model["moe_token_dispatcher"] = recipe.dispatcher
+        if recipe.recompute_modules and not recompute_raw:
+            recompute, modules = "selective", recipe.recompute_modules
     # Megatron-Bridge's recipes count the embedding and the loss as layers of the pipeline split where the decoder
     # alone does not split (Qwen3-235B's 94 layers over 8 x 4 chunks: 96 units, 3 per chunk).
     counted = pp > 1 and layers % (pp * vp) != 0 and (layers + 2) % (pp * vp) == 0
@@ -411,7 +419,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     cfg = {
         "model": model, "cluster": cluster,
         "parallel": {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "vpp": vp if vp > 1 else None, "sp": sp,
-                     "recompute": recompute, "distributed_optimizer": dist_opt,
+                     "recompute": recompute, "recompute_modules": modules, "distributed_optimizer": dist_opt,
                      "overlap_grad_reduce": not legacy and (recipe is None or recipe.overlap_grad_reduce),
                      "tp_comm_overlap": (recipe.tp_comm_overlap if recipe else modern) and sp,
                      "moe_a2a_overlap": bool(recipe and recipe.a2a_overlap),
@@ -431,7 +439,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     layout += f" as {architecture}" if architecture else ""
     if recipe:
         layout += (" flex" if recipe.dispatcher == "flex" else "") + (" a2ao" if recipe.a2a_overlap else "")
-    layout += f" mb{micro} gbs{gbs} {recompute}" + (" fp8" if fp8 else "") + (" fsdp" if fsdp else "")
+    layout += f" mb{micro} gbs{gbs} {recompute}" + (f"[{job.parallel.recompute_modules}]" if modules else "")
+    layout += (" fp8" if fp8 else "") + (" fsdp" if fsdp else "")
     layout += f" {cluster['power_limit_w']:g}W" if cluster.get("power_limit_w") else ""
     options = SimOptions(fp8=fp8, fsdp=fsdp, measured_layer_only=layer_only, flash_attention=not legacy)
     return RowPlan(row_id=rid, source=row.get("source", ""), source_detail=row.get("source_detail", ""),

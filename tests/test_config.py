@@ -589,6 +589,34 @@ def test_block_recompute_reaches_megatron() -> None:
                                                                                                     1)
 
 
+def test_recompute_modules_reach_megatron_and_are_checked_against_the_model() -> None:
+    from cfp_megatron.model.megatron_config import transformer_config
+
+    job = make_job("model=llama_tiny", "parallel.recompute=selective", "parallel.recompute_modules=mlp+layernorm")
+    assert job.parallel.recompute_modules == "layernorm+mlp"  # Megatron-Core's order, whatever the user's
+    config = transformer_config(job, ParallelDims.build(job, 1, te_available=False), on_gpu=False)
+    assert (config.recompute_granularity, config.recompute_modules) == ("selective", ["layernorm", "mlp"])
+    default = make_job("parallel.recompute=selective")
+    config = transformer_config(default, ParallelDims.build(default, 1, te_available=False), on_gpu=False)
+    assert config.recompute_modules == ["core_attn"]
+    for overrides, says in (
+            (("parallel.recompute_modules=layernorm",), "parallel.recompute is none"),
+            (("parallel.recompute=selective", "parallel.recompute_modules=mlp+norms"), "unknown module(s) ['norms']"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            make_job(*overrides)
+        assert "parallel.recompute_modules" in str(err.value) and says in str(err.value)
+    for model, modules, says in (("gpt_tiny", "moe_act", "has no experts"),
+                                 ("gpt_tiny", "mla_up_proj", "has standard attention"),
+                                 ("moe_tiny", "mlp", "every layer of model moe_tiny is a MoE layer"),
+                                 ("moe_tiny", "shared_experts", "has no shared expert"),
+                                 ("moe_tiny", "moe_act", "Transformer Engine")):
+        bad = make_job(f"model={model}", "parallel.recompute=selective", f"parallel.recompute_modules={modules}")
+        with pytest.raises(ConfigError) as err:
+            ParallelDims.build(bad, 1, te_available=False)
+        assert "parallel.recompute_modules" in str(err.value) and says in str(err.value), str(err.value)
+
+
 def test_many_problems_in_one_error() -> None:
     err = build_errors(12, "cluster=dgx_h100", "parallel.tp=3", "parallel.pp=3", "parallel.ep=2",
                        "train.micro_batch_size=3")

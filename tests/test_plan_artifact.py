@@ -56,6 +56,10 @@ LAYOUTS: dict[str, tuple[tuple[str, ...], int]] = {
                                            "parallel.order=tp-cp-ep-pp-dp", "train.global_batch_size=32",
                                            "train.micro_batch_size=1", "train.seq_length=8192",
                                            "train.precision=fp16"), 64),
+    "mixtral_selective_modules": (("model=mixtral_8x7b", "cluster=dgx_h100", "cluster.nodes=4", "parallel.ep=8",
+                                   "parallel.recompute=selective", "parallel.recompute_modules=moe+layernorm",
+                                   "train.global_batch_size=32", "train.micro_batch_size=1", "train.seq_length=4096",
+                                   "train.precision=bf16"), 32),
     "llama405b_uneven_stages": (("model=llama3_405b", "cluster=dgx_h100", "cluster.nodes=64", "parallel.tp=8",
                                  "parallel.sp=true", "parallel.pp=16", "parallel.first_stage_layers=7",
                                  "parallel.last_stage_layers=7", "parallel.distributed_optimizer=true",
@@ -454,6 +458,18 @@ def test_megatron_args_gpt3(plans: dict[str, Plan]) -> None:
     assert "--num-layers-per-virtual-pipeline-stage" not in no_layers
     with pytest.raises(PlanError, match=r"num_layers=100 does not split into pp x vpp = 16 x 2 = 32"):
         megatron_lm_args(plan, num_layers=100)
+
+
+def test_recompute_modules_travel_with_the_plan(plans: dict[str, Plan]) -> None:
+    plan = plans["mixtral_selective_modules"]
+    args = megatron_lm_args(plan, num_layers=32)
+    at = args.index("--recompute-modules")
+    assert args[at + 1:at + 3] == ["layernorm", "moe"] and arg_value(args, "--recompute-granularity") == "selective"
+    assert ",rcmod=layernorm+moe," in plan.canonical() and Plan.parse(plan.canonical()).parallel == plan.parallel
+    assert "rc=selective[layernorm+moe]" in plan.describe()
+    default = megatron_lm_args(plans["llama70b_cp_selective_pp_dp_order"], num_layers=80)
+    assert arg_value(default, "--recompute-modules") == "core_attn" and ",rcmod=" not in plans[
+        "llama70b_cp_selective_pp_dp_order"].canonical()
 
 
 def test_megatron_args_moe_recompute_order_precision(plans: dict[str, Plan]) -> None:

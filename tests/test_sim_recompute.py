@@ -1,15 +1,25 @@
-"""Block recomputation in the simulator: the first N layers of each pipeline chunk recomputed, the others kept.
+"""Recomputation in the simulator: block recomputation (the first N layers of each pipeline chunk recomputed, the
+others kept) and selective recomputation's submodules (``parallel.recompute_modules``).
 
 N = 0 is no recomputation and N = the chunk's layers is the uniform method; in between, each extra recomputed layer
-costs time and saves activation memory, so block plans lie between the two on both axes.
+costs time and saves activation memory, so block plans lie between the two on both axes. A recomputed submodule costs
+its forward work again and keeps none of its activations.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from cfp_megatron.base.config import Recompute
+from cfp_megatron.cluster.costs import CollectiveCosts
+from cfp_megatron.cluster.measured import partition_name, partition_recompute
+from cfp_megatron.search.space import Candidate
 from cfp_megatron.sim import SimOptions, simulate
-from cfp_megatron.sim.memory import recomputed_layers
+from cfp_megatron.sim.calibration import efficiency_for
+from cfp_megatron.sim.kernels import KernelModel
+from cfp_megatron.sim.layer_cost import layer_cost
+from cfp_megatron.sim.layout import build_layout
+from cfp_megatron.sim.memory import layer_activation_bytes, recomputed_layers
 from cfp_megatron.sim.prediction import Prediction
 from tests.test_sim import job
 
@@ -77,3 +87,64 @@ def test_recomputed_layers_per_rank() -> None:
     assert recomputed_layers(uniform, rank=0) == (2, 2)
     assert recomputed_layers(uniform, rank=1) == (1, 3)
     assert recomputed_layers(job(model=moe, tp=2, pp=2, vpp=2, gbs=32), rank=0) == (0, 0)
+
+
+# Selective recomputation's submodules (parallel.recompute_modules).
+
+
+def test_recompute_modules_cost_their_forward_and_keep_none_of_their_activations() -> None:
+    options = SimOptions()
+    none = job(tp=2)
+    layout = build_layout(none)
+    tokens, hidden, ffn = 2048, 4096, 4 * 4096
+    kept = layer_activation_bytes(none, layout, options, moe=False)[0]
+    by_module = {}
+    for modules in ("core_attn", "layernorm", "mlp", "layernorm+mlp"):
+        plan = job(tp=2, recompute="selective", recompute_modules=modules)
+        by_module[modules] = (simulate(plan), layer_activation_bytes(plan, layout, options, moe=False)[0])
+    # bf16 without SP: the norms' two outputs (QKV's and fc1's inputs), 2 bytes per element, replicated over TP.
+    assert kept - by_module["layernorm"][1] == tokens * 2 * 2 * hidden
+    # The MLP keeps only its input: fc1's output and the activation's output (GELU), split over TP.
+    assert kept - by_module["mlp"][1] == tokens * (2 * ffn + 2 * ffn) / 2
+    assert by_module["core_attn"][1] == kept  # flash attention keeps no scores to drop
+    assert by_module["layernorm+mlp"][1] == by_module["layernorm"][1] + by_module["mlp"][1] - kept
+    # Time: the recomputed forward work, the MLP's GEMMs far above two norms' element-wise passes.
+    rec = {m: p.time.recompute_s for m, (p, _) in by_module.items()}
+    assert rec["mlp"] > 10 * rec["layernorm"] > 0 and rec["core_attn"] > 0
+    assert rec["layernorm+mlp"] == pytest.approx(rec["layernorm"] + rec["mlp"])
+    assert by_module["mlp"][0].time.recompute_s < simulate(job(tp=2, recompute="full")).time.recompute_s
+    # One layer's: the two norms read and write the hidden state (bf16, replicated over TP without SP).
+    plan = job(tp=2, recompute="selective", recompute_modules="layernorm")
+    kernels = KernelModel(plan.cluster, efficiency_for(plan.cluster), plan.train.precision, fp8=False)
+    cost = layer_cost(plan, layout, kernels, CollectiveCosts(plan.cluster), options, moe=False)
+    assert cost.recompute.total_s == pytest.approx(kernels.memory(4 * hidden * tokens * 2))
+
+
+def test_recompute_modules_of_a_moe_layer() -> None:
+    moe = {"num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 2048, "num_layers": 8}
+    base = {"tp": 1, "ep": 8, "model": moe}
+    none = simulate(job(**base))
+    act = simulate(job(**base, recompute="selective", recompute_modules="moe_act"))
+    whole = simulate(job(**base, recompute="selective", recompute_modules="moe"))
+    assert none.memory.activations > act.memory.activations > whole.memory.activations
+    assert 0 < act.time.recompute_s < whole.time.recompute_s
+    # Recomputing the whole MoE block sends its tokens again.
+    assert whole.time.ep_comm_s > none.time.ep_comm_s and act.time.ep_comm_s == pytest.approx(none.time.ep_comm_s)
+
+
+def test_a_search_keeps_the_users_modules_for_selective_candidates_only() -> None:
+    pinned = job(tp=2, recompute="selective", recompute_modules="layernorm+mlp").parallel
+    fields = dict(tp=2, sp=False, pp=1, vpp=1, cp=1, ep=1, etp=1, micro_batch=1, distributed_optimizer=False,
+                  mlp="megatron")
+    for recompute, modules in (("selective", "layernorm+mlp"), ("none", None), ("full", None)):
+        candidate = Candidate(**fields, recompute=recompute)
+        assert candidate.parallel(pinned).recompute_modules == modules
+
+
+def test_recompute_modules_have_a_partition_of_their_own_that_profiling_does_not_measure() -> None:
+    selective = Recompute.selective
+    assert partition_name(2, sp=True, recompute=selective, recompute_modules="layernorm+mlp") == \
+        "tp2-sp-layernorm+mlp-selective"
+    assert partition_name(2, sp=True, recompute=selective, recompute_modules="core_attn") == "tp2-sp-selective"
+    assert partition_name(2, sp=True, recompute=selective) == "tp2-sp-selective"
+    assert partition_recompute("tp2-sp-layernorm+mlp-selective") is selective

@@ -62,6 +62,9 @@ LAYOUTS = [
     pytest.param("llama_tiny", 4, ["parallel.tp=2", "parallel.pp=2"], id="llama-tp2-pp2"),
     pytest.param("llama_tiny", 2, ["parallel.tp=2", "parallel.sp=true", "parallel.recompute=full"],
                  id="llama-tp2-sp-recompute"),
+    # Selective recomputation of the norms and the MLPs (Megatron-Core's recompute_modules) instead of core attention.
+    pytest.param("llama_tiny", 2, ["parallel.tp=2", "parallel.sp=true", "parallel.recompute=selective",
+                                   "parallel.recompute_modules=layernorm+mlp"], id="llama-tp2-sp-recompute-modules"),
     # Block recomputation: the first of each stage's 2 layers recomputed, the second keeps its activations.
     pytest.param("gpt_tiny", 2, ["parallel.pp=2", "parallel.recompute=full", "parallel.recompute_method=block",
                                  "parallel.recompute_num_layers=1"], id="gpt-pp2-recompute-block"),

@@ -154,6 +154,7 @@ def test_rows_of_a_preset_shape_run_its_architecture_and_the_preset_of_their_con
     assert model.moe_shared_expert_intermediate_size == 2048 and model.moe_first_dense_layers == 3
     assert model.moe_token_dispatcher.value == "flex" and parallel.moe_a2a_overlap
     assert not parallel.overlap_grad_reduce and " as deepseek_v3 " in plan.layout
+    assert parallel.recompute.value == "selective" and parallel.recompute_modules == "mla_up_proj+mlp"
     later = row_plan({**row, "source_detail": "26.02 NeMo container", "framework": "Megatron-Bridge / NeMo 26.02"}).job
     assert later.model.moe_token_dispatcher.value == "flex" and not later.parallel.moe_a2a_overlap
     other = row_plan({**row, "global_batch_seqs": "4096"}).job
@@ -161,6 +162,13 @@ def test_rows_of_a_preset_shape_run_its_architecture_and_the_preset_of_their_con
     assert other.model.attention.value == "mla"  # the architecture is the model's, whatever the preset
     oss = next(r for r in read_rows(CSV) if r["id"] == "79")  # GPT-OSS 120B: 64 heads of 64 channels on 2880
     assert row_plan(oss).job.model.kv_channels == 64 and " as gpt_oss_120b " in row_plan(oss).layout
+    assert row_plan(oss).job.parallel.recompute.value == "none"  # 25.11, micro-batch 4: not the 26.x preset
+    v2_row = {**oss, "source_detail": "26.02 NeMo container", "framework": "Megatron-Bridge / NeMo 26.02",
+              "micro_batch": "1", "global_batch_seqs": "1280"}
+    v2 = row_plan(v2_row).job.parallel
+    assert (v2.recompute.value, v2.recompute_modules) == ("selective", "moe_act+layernorm")
+    stated = row_plan({**v2_row, "recompute": "full"}).job.parallel  # a row's own recomputation wins
+    assert stated.recompute.value == "full" and stated.recompute_modules is None
     wider = row_plan({**row, "hidden": "4096"}).job  # not the preset's shape: nothing borrowed
     assert wider.model.attention.value != "mla" and wider.model.moe_first_dense_layers == 0
 

@@ -38,6 +38,41 @@ class Recompute(enum.Enum):
     full = "full"
 
 
+class RecomputeModule(enum.Enum):
+    """A submodule Megatron-Core's selective recomputation can recompute (``recompute_modules``)."""
+
+    core_attn = "core_attn"
+    """The core attention (its scores and softmax; Megatron-Core's default)."""
+    moe_act = "moe_act"
+    """The experts' activation function (output discarded, recomputed from the first expert GEMM's output)."""
+    layernorm = "layernorm"
+    """The two norms of the layer (their outputs, the inputs of the QKV and first MLP GEMMs, discarded)."""
+    mla_up_proj = "mla_up_proj"
+    """Multi-head latent attention's up-projections and rotary embedding (their outputs discarded)."""
+    mlp = "mlp"
+    """A dense layer's whole MLP (only its input kept)."""
+    moe = "moe"
+    """A MoE layer's whole MoE block, token exchange included (only its input kept)."""
+    shared_experts = "shared_experts"
+    """A MoE layer's shared expert (only its input kept)."""
+
+
+RECOMPUTE_SEPARATOR = "+"
+"""What joins the modules of ``parallel.recompute_modules`` (a comma would split a Hydra override into a sweep)."""
+
+
+def recompute_modules(text: str | None) -> tuple[RecomputeModule, ...]:
+    """The modules ``parallel.recompute_modules`` names, in :class:`RecomputeModule` order; ``None``: Megatron-Core's
+    default (``core_attn``). Raises ``ValueError`` naming an unknown module."""
+    if text is None:
+        return (RecomputeModule.core_attn,)
+    names = [n.strip() for n in text.split(RECOMPUTE_SEPARATOR)]
+    unknown = [n for n in names if n not in RecomputeModule.__members__]
+    if unknown or not text.strip():
+        raise ValueError(f"unknown module(s) {unknown or [text]}")
+    return tuple(m for m in RecomputeModule if m.value in names)
+
+
 class CpCommType(enum.Enum):
     """How context-parallel attention exchanges keys and values (Megatron-Core's ``cp_comm_type``, Transformer
     Engine's implementations)."""
@@ -727,7 +762,12 @@ class ParallelSpec:
     commas (cosmetic in Megatron's syntax) are not accepted, since the plan string separates its fields with them
     (:mod:`cfp_megatron.base.pipeline_layout`)."""
     recompute: Recompute = layout_field(Recompute.none, key="rc")
-    """Activation recomputation: none, selective (core attention), or full (every layer)."""
+    """Activation recomputation: none, selective (the submodules of ``recompute_modules``; core attention by
+    default), or full (every layer)."""
+    recompute_modules: str | None = layout_field(None, key="rcmod", optional=True)
+    """With ``recompute=selective``: the submodules Megatron-Core recomputes (``recompute_modules``), joined by ``+``
+    (``moe_act+layernorm``): ``core_attn``, ``moe_act``, ``layernorm``, ``mla_up_proj``, ``mlp`` (dense layers),
+    ``moe`` (MoE layers), ``shared_experts``. ``None``: ``core_attn``, Megatron-Core's default."""
     recompute_num_layers: int = layout_field(1, key="rcn")
     """With ``recompute=full``: layers per recomputed group (``uniform``), or recomputed layers per pipeline chunk
     (``block``)."""
@@ -789,6 +829,22 @@ class ParallelSpec:
                                       problem="overlapping the parameter all-gather needs the distributed optimizer.",
                                       fix="set parallel.distributed_optimizer=true or parallel.overlap_param_gather"
                                           "=false."))
+        if self.recompute_modules is not None:
+            try:
+                modules = recompute_modules(self.recompute_modules)
+            except ValueError as err:
+                issues.append(ConfigIssue(key=f"{p}.recompute_modules", value=self.recompute_modules,
+                                          problem=f"{err}: Megatron-Core recomputes "
+                                                  f"{', '.join(m.value for m in RecomputeModule)}.",
+                                          fix=f"name modules of that list joined by '{RECOMPUTE_SEPARATOR}', e.g. "
+                                              "parallel.recompute_modules=moe_act+layernorm, or null."))
+            else:
+                object.__setattr__(self, "recompute_modules", RECOMPUTE_SEPARATOR.join(m.value for m in modules))
+            if self.recompute is not Recompute.selective:
+                issues.append(ConfigIssue(key=f"{p}.recompute_modules", value=self.recompute_modules,
+                                          problem="the submodules to recompute are a choice of selective "
+                                                  f"recomputation; parallel.recompute is {self.recompute.value}.",
+                                          fix="set parallel.recompute=selective, or parallel.recompute_modules=null."))
         if self.recompute_method is RecomputeMethod.block and self.recompute is not Recompute.full:
             issues.append(ConfigIssue(key=f"{p}.recompute_method", value=self.recompute_method.value,
                                       problem="the block method chooses which layers full recomputation covers; it "
@@ -890,6 +946,13 @@ class ParallelSpec:
     def expert_tp(self) -> int:
         """Expert tensor-parallel size after defaults."""
         return self.etp or 1
+
+    @property
+    def recomputed_modules(self) -> frozenset[RecomputeModule]:
+        """The submodules selective recomputation recomputes (empty without it)."""
+        if self.recompute is not Recompute.selective:
+            return frozenset()
+        return frozenset(recompute_modules(self.recompute_modules))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,6 +23,7 @@ from cfp_megatron.base.config import (
     ParallelSpec,
     PositionEmbedding,
     Recompute,
+    RecomputeModule,
     TokenDispatcher,
     primepar_grid_side,
 )
@@ -214,6 +215,31 @@ class ParallelDims:
                  "set parallel.ep=1, or choose a MoE model (e.g. model=moe_tiny).")
             need(p.etp is None or p.etp == 1, "parallel.etp", p.etp, f"model {m.name} has no experts.",
                  "set parallel.etp=null.")
+
+        # Selective recomputation's submodules against the model.
+        modules = p.recomputed_modules
+        named = p.recompute_modules
+        for module in (RecomputeModule.moe_act, RecomputeModule.moe, RecomputeModule.shared_experts):
+            need(module not in modules or m.is_moe, "parallel.recompute_modules", named,
+                 f"{module.value} recomputes part of a MoE layer; model {m.name} has no experts.",
+                 f"leave {module.value} out of parallel.recompute_modules.")
+        need(RecomputeModule.mlp not in modules or not m.is_moe or m.moe_first_dense_layers > 0,
+             "parallel.recompute_modules", named, f"mlp recomputes dense MLPs; every layer of model {m.name} is a "
+             "MoE layer.", "use moe (the whole MoE block) or moe_act, or leave mlp out.")
+        need(RecomputeModule.shared_experts not in modules or bool(m.moe_shared_expert_intermediate_size),
+             "parallel.recompute_modules", named, f"model {m.name} has no shared expert.",
+             "leave shared_experts out of parallel.recompute_modules.")
+        need(RecomputeModule.shared_experts not in modules or not p.moe_shared_expert_overlap,
+             "parallel.recompute_modules", named, "Megatron-Core cannot recompute the shared expert while it "
+             "overlaps the token exchange (parallel.moe_shared_expert_overlap).",
+             "leave shared_experts out, or set parallel.moe_shared_expert_overlap=false.")
+        need(RecomputeModule.mla_up_proj not in modules or m.attention is AttentionKind.mla,
+             "parallel.recompute_modules", named, f"mla_up_proj recomputes multi-head latent attention's "
+             f"up-projections; model {m.name} has {m.attention.value} attention.", "leave mla_up_proj out.")
+        need(RecomputeModule.moe_act not in modules or te, "parallel.recompute_modules", named,
+             "Megatron-Core recomputes the experts' activation only in its grouped-GEMM experts (moe_grouped_gemm: "
+             "Transformer Engine on a GPU); it is not installed here.",
+             "plan it for a GPU cluster with Transformer Engine, or leave moe_act out.")
 
         # Batch against DP.
         per_step = t.micro_batch_size * dp

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
-from cfp_megatron.base.config import MlpPartition, Recompute
+from cfp_megatron.base.config import MlpPartition, Recompute, RecomputeModule
 
 
 class Collective(enum.Enum):
@@ -39,7 +39,7 @@ RECOMPUTE_SUFFIXES = {Recompute.selective: "-selective", Recompute.full: "-full"
 
 
 def partition_name(tp: int, *, sp: bool = False, mlp: MlpPartition = MlpPartition.megatron,
-                   recompute: Recompute = Recompute.none) -> str:
+                   recompute: Recompute = Recompute.none, recompute_modules: str | None = None) -> str:
     """Canonical string of the tensor-parallel layout over ``tp`` ranks, the key profiling stores segments under:
     ``tp1``, ``tp2``, ...; with sequence parallelism (activations outside the TP regions split along the sequence,
     meaningful only with ``tp > 1``) ``tp2-sp``; with PrimePar's MLP (``parallel.mlp=primepar``) ``tp4-primepar``
@@ -48,14 +48,19 @@ def partition_name(tp: int, *, sp: bool = False, mlp: MlpPartition = MlpPartitio
     backward pass) ``tp1-selective``, ``tp2-sp-selective``; a decoder layer checkpointed whole, as full
     recomputation runs it (its forward without autograd, then again with it in the backward pass) ``tp1-full``.
     Full recomputation's memory is read from the plain partition (:func:`cfp_megatron.sim.memory.recomputed_units`),
-    only its time from ``-full``."""
+    only its time from ``-full``. Selective recomputation of other submodules than the core attention
+    (``parallel.recompute_modules``) names them: ``tp1-layernorm+mlp-selective``, a partition profiling does not
+    measure (the simulator prices it analytically and says so)."""
     name = f"tp{int(tp)}" + ("-sp" if sp and tp > 1 else "")
     name += "-primepar" if mlp is MlpPartition.primepar and tp > 1 else ""
+    if recompute is Recompute.selective and recompute_modules not in (None, RecomputeModule.core_attn.value):
+        name += f"-{recompute_modules}"
     return name + RECOMPUTE_SUFFIXES.get(recompute, "")
 
 
 def unmeasured_partitions(measurements: Measurements | None, *, tp: int, sp: bool, mlp: MlpPartition,
-                          recompute: Recompute, layer_kinds: tuple[str, ...]) -> tuple[str, ...]:
+                          recompute: Recompute, layer_kinds: tuple[str, ...],
+                          recompute_modules: str | None = None) -> tuple[str, ...]:
     """What a layout under ``tp`` / ``sp`` / ``mlp`` / ``recompute`` reads from the profile that ``measurements``
     lack, as ``<kind> <partition>`` (``dense tp2-sp``): the embedding and head under the plain partition, each decoder
     kind of ``layer_kinds`` (``dense``, ``moe``) under the layer partition and, with recomputation, under the
@@ -67,7 +72,8 @@ def unmeasured_partitions(measurements: Measurements | None, *, tp: int, sp: boo
     layer = partition_name(tp, sp=sp, mlp=mlp)
     wanted = [("embedding", plain), *((k, layer) for k in layer_kinds), ("head", plain)]
     if recompute is not Recompute.none:
-        wanted += [(k, partition_name(tp, sp=sp, mlp=mlp, recompute=recompute)) for k in layer_kinds]
+        wanted += [(k, partition_name(tp, sp=sp, mlp=mlp, recompute=recompute, recompute_modules=recompute_modules))
+                   for k in layer_kinds]
     return tuple(f"{kind} {part}" for kind, part in wanted if not measurements.segment_micro_batches(kind, part))
 
 

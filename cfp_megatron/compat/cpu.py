@@ -2,7 +2,8 @@
 
 Installed only when CUDA is absent (:func:`install_if_needed`). It changes no Megatron algorithm: it redirects
 device placement (``device="cuda"``, ``torch.cuda.current_device()``, ``Tensor.cuda``) to the CPU, makes CUDA
-streams/events no-ops, and backs Megatron's CUDA RNG tracker with the CPU generator (the one CPU dropout uses).
+streams/events no-ops, backs Megatron's CUDA RNG tracker with the CPU generator (the one CPU dropout uses), and
+answers "FP8 is off" where Megatron asks Transformer Engine, which is absent.
 MoE without Transformer Engine needs the fixes in :mod:`cfp_megatron.compat.moe` (on any device).
 """
 
@@ -148,6 +149,26 @@ def _patch_megatron() -> None:
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = _new  # type: ignore[method-assign]
+
+    # megatron-core 0.16.1's CheckpointWithoutOutput (selective recomputation of the norms, recompute_modules
+    # layernorm) enters Transformer Engine's FP8 contexts even when TE is absent, where they are not imported:
+    # without TE there is no FP8, so they are empty contexts (the recomputation itself is Megatron's).
+    if not mrandom.HAVE_TE:
+        mrandom.FP8GlobalStateManager = _NoFp8State
+        mrandom.activation_recompute_forward = lambda **kwargs: contextlib.nullcontext()
+        mrandom.fp8_autocast = lambda **kwargs: contextlib.nullcontext()
+
+
+class _NoFp8State:
+    """Transformer Engine's ``FP8GlobalStateManager`` where TE is absent: FP8 is never on."""
+
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return False
+
+    @staticmethod
+    def get_fp8_recipe() -> None:
+        return None
 
 
 def install_if_needed() -> bool:

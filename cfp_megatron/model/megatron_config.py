@@ -16,6 +16,7 @@ from cfp_megatron.base.config import (
     JobSpec,
     Precision,
     Recompute,
+    recompute_modules,
     resolve_precision,
 )
 from cfp_megatron.base.parallel_dims import ParallelDims, hierarchical_cp_sizes, transformer_engine_available
@@ -96,7 +97,8 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         attention_backend=AttnBackend.auto if on_gpu else AttnBackend.local,
     )
     if p.recompute is Recompute.selective:
-        kwargs.update(recompute_granularity="selective")
+        kwargs.update(recompute_granularity="selective",
+                      recompute_modules=[m.value for m in recompute_modules(p.recompute_modules)])
     elif p.recompute is Recompute.full:
         # uniform: every layer, in groups of recompute_num_layers; block: the first recompute_num_layers of the chunk.
         kwargs.update(recompute_granularity="full", recompute_method=p.recompute_method.value,

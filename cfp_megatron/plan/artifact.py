@@ -318,7 +318,8 @@ class Plan:
         parts += [f"vpp{p.virtual_stages}"] if p.virtual_stages > 1 else []
         parts += [f"layout={p.pipeline_model_parallel_layout}"] if p.pipeline_model_parallel_layout else []
         parts += [f"{k}{getattr(p, k)}" for k in ("cp", "ep") if getattr(p, k) > 1]
-        parts += [f"mb{self.micro_batch_size}", f"rc={p.recompute.value}"]
+        modules = f"[{p.recompute_modules}]" if p.recompute_modules is not None else ""
+        parts += [f"mb{self.micro_batch_size}", f"rc={p.recompute.value}{modules}"]
         return " ".join(parts + (["dopt"] if p.distributed_optimizer else []))
 
     # ------------------------------------------------------------------------------------------------- building

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from cfp_megatron.base.config import MlpPartition, ParallelSpec, Precision, Recompute, layout_keys
+from cfp_megatron.base.config import MlpPartition, ParallelSpec, Precision, Recompute, layout_keys, recompute_modules
 from cfp_megatron.base.files import write_atomic
 from cfp_megatron.plan.artifact import PLAN_FILE_SETTING, Plan
 from cfp_megatron.plan.errors import PlanError
@@ -121,7 +121,8 @@ def _recompute_args(plan: Plan, num_layers: int | None) -> list[str]:
     """Recompute granularity, method and layer count."""
     p = plan.parallel
     if p.recompute is Recompute.selective:
-        return ["--recompute-granularity", "selective"]
+        return ["--recompute-granularity", "selective", "--recompute-modules",
+                *(m.value for m in recompute_modules(p.recompute_modules))]
     if p.recompute is Recompute.full:
         return ["--recompute-granularity", "full", "--recompute-method", p.recompute_method.value,
                 "--recompute-num-layers", str(p.recompute_num_layers)]
@@ -159,6 +160,7 @@ _MEGATRON_RULES: dict[str, Callable[[Plan, int | None], list[str]]] = {
     "last_stage_layers": lambda plan, num_layers: [],
     "recompute": _recompute_args,
     "recompute_num_layers": lambda plan, num_layers: [],  # written with recompute
+    "recompute_modules": lambda plan, num_layers: [],  # written with recompute
     "recompute_method": lambda plan, num_layers: [],
     "order": _order_args,
     "grad_reduce_in_fp32": lambda plan, num_layers: [],  # written with the precision

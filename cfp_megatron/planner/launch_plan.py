@@ -211,7 +211,9 @@ def profile_priority(job: JobSpec, cfp: CfpSpec, world: int) -> tuple[str, ...]:
         out[f"{partition_name(p.tp, sp=p.sp)} mbs={mbs}"] = None  # the embedding, the head and the overheads
         out[f"{partition_name(p.tp, sp=p.sp, mlp=p.mlp)} mbs={mbs}"] = None  # the decoder layers
         if p.recompute is not Recompute.none:
-            out[f"{partition_name(p.tp, sp=p.sp, mlp=p.mlp, recompute=p.recompute)} mbs={mbs}"] = None
+            recomputed = partition_name(p.tp, sp=p.sp, mlp=p.mlp, recompute=p.recompute,
+                                        recompute_modules=p.recompute_modules)
+            out[f"{recomputed} mbs={mbs}"] = None
     return tuple(out)
 
 

@@ -277,7 +277,8 @@ def _unmeasured(job: JobSpec, measurements: Measurements | None) -> tuple[str, .
     """What ``job``'s layout reads that the profile lacks (:class:`Ranked`'s ``unmeasured``)."""
     m, p = job.model, job.parallel
     kinds = ("dense", "moe") if m.is_moe and m.moe_first_dense_layers > 0 else ("moe",) if m.is_moe else ("dense",)
-    return unmeasured_partitions(measurements, tp=p.tp, sp=p.sp, mlp=p.mlp, recompute=p.recompute, layer_kinds=kinds)
+    return unmeasured_partitions(measurements, tp=p.tp, sp=p.sp, mlp=p.mlp, recompute=p.recompute, layer_kinds=kinds,
+                                 recompute_modules=p.recompute_modules)
 
 
 def _overlap_choices(space: Space, cand: Candidate) -> list[tuple[bool, bool]]:
@@ -464,7 +465,8 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
                                       order=job.parallel.order)
                 dims = ParallelDims(parallel=family, world_size=world, num_microbatches=g.microbatches)
                 placed = place(job, dims, gpn)
-            ckey = cost_key(placed, recomputes[recompute], options, mlps[h.mlp], sp=h.sp, micro_batch=h.micro_batch)
+            ckey = cost_key(placed, recomputes[recompute], options, mlps[h.mlp], sp=h.sp, micro_batch=h.micro_batch,
+                            recompute_modules=job.parallel.recompute_modules)
             overlaps = (space.tp_overlap(tp=h.tp, sp=h.sp),
                         space.a2a_overlap(ep=h.ep, pp=pp, vpp=None, recompute=recompute))
             ckey += overlaps

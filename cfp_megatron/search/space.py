@@ -122,16 +122,18 @@ class Candidate:
                                    primepar_layers=self.primepar_layers or None,
                                    moe_a2a_overlap=self.a2a_overlap, tp_comm_overlap=self.tp_overlap,
                                    overlap_grad_reduce=base.overlap_grad_reduce or self.dp_overlap,
-                                   **self._recompute(),
+                                   **self._recompute(base),
                                    overlap_param_gather=(base.overlap_param_gather or self.dp_overlap)
                                    and self.distributed_optimizer)
 
-    def _recompute(self) -> dict[str, object]:
+    def _recompute(self, base: ParallelSpec) -> dict[str, object]:
+        """The recompute fields; a selective candidate recomputes ``base``'s ``recompute_modules`` (the user's)."""
         if self.recompute == BLOCK:
             return {"recompute": Recompute.full, "recompute_method": RecomputeMethod.block,
-                    "recompute_num_layers": max(self.recompute_layers, 1)}
+                    "recompute_num_layers": max(self.recompute_layers, 1), "recompute_modules": None}
+        selective = self.recompute == Recompute.selective.value
         return {"recompute": Recompute(self.recompute), "recompute_method": RecomputeMethod.uniform,
-                "recompute_num_layers": 1}
+                "recompute_num_layers": 1, "recompute_modules": base.recompute_modules if selective else None}
 
     def job(self, job: JobSpec) -> JobSpec:
         """``job`` under this layout."""

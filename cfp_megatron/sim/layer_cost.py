@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cfp_megatron.base.config import Activation, AttentionKind, JobSpec, MlpPartition
+from cfp_megatron.base.config import Activation, AttentionKind, JobSpec, MlpPartition, RecomputeModule
 from cfp_megatron.base.flops import attention_params, mlp_params
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
@@ -209,7 +209,8 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         recompute = PassCost(compute_s=fwd_compute, attention_core_s=core_fwd, overhead_s=overhead,
                              tp_comm_s=tp_fwd, cp_comm_s=cp_fwd, ep_comm_s=ep_fwd)
     elif parallel.recompute.value == "selective":
-        recompute = PassCost(attention_core_s=core_fwd)
+        recompute = _selective_recompute(job, layout, kernels, options, moe_block=moe_block, mlp_gemm=mlp_gemm,
+                                         core_fwd_s=core_fwd, ep_fwd_s=ep_fwd)
     else:
         recompute = PassCost()
     return LayerCost(forward=forward, backward=backward, recompute=recompute, params=params,
@@ -290,3 +291,42 @@ def mtp_projection_cost(job: JobSpec, layout: Layout, kernels: KernelModel, cost
     params = 2 * hidden * hidden / dims.tp + 3 * hidden
     return (embed_fwd.plus(PassCost(compute_s=proj_s + norms_s, tp_comm_s=gather_s)),
             embed_bwd.plus(PassCost(compute_s=2 * proj_s + 2 * norms_s, tp_comm_s=gather_s)), params)
+
+
+def _selective_recompute(job: JobSpec, layout: Layout, kernels: KernelModel, options: SimOptions, *,
+                         moe_block: MoeCost | None, mlp_gemm: float, core_fwd_s: float, ep_fwd_s: float) -> PassCost:
+    """The forward work selective recomputation repeats in one layer's backward pass: the core attention, the two
+    norms, the experts' activation, MLA's up-projections, a dense layer's MLP, a MoE layer's whole block (its token
+    exchange included) or its shared expert, as ``parallel.recompute_modules`` names them."""
+    model, dims = job.model, layout.dims
+    modules = job.parallel.recomputed_modules
+    tp, hidden, gated = dims.tp, model.hidden_size, model.activation is Activation.swiglu
+    tokens = layout.micro_batch * layout.seq_length / dims.cp
+    elements = gemm_s = ep_s = 0.0  # elements: per token
+    if RecomputeModule.layernorm in modules:  # two norms, each reading and writing the hidden state
+        elements += 4.0 * hidden / (tp if dims.sp else 1)
+    if moe_block is not None:
+        if RecomputeModule.moe in modules:
+            gemm_s += moe_block.gemm_s
+            elements += moe_block.elements_per_token
+            ep_s += ep_fwd_s
+        else:
+            if RecomputeModule.moe_act in modules:
+                routed = model.moe_router_topk * dims.etp / tp * options.moe_routing_imbalance
+                elements += routed * mlp_activation_elements(tp=dims.etp, ffn=model.moe_ffn_hidden_size
+                                                             or model.ffn_size, gated=gated)
+            shared_ffn = model.moe_shared_expert_intermediate_size or 0
+            if RecomputeModule.shared_experts in modules and shared_ffn:
+                gemm_s += moe_block.shared_gemm_s
+                elements += mlp_activation_elements(tp=tp, ffn=shared_ffn, gated=gated)
+    elif RecomputeModule.mlp in modules:
+        gemm_s += mlp_gemm
+        elements += mlp_activation_elements(tp=tp, ffn=model.ffn_size, gated=gated)
+    if RecomputeModule.mla_up_proj in modules and model.attention is AttentionKind.mla:
+        heads = model.num_attention_heads
+        gemm_s += kernels.gemm(tokens, heads * (model.qk_head_dim + model.qk_pos_emb_head_dim) / tp,
+                               model.q_lora_rank or hidden)
+        gemm_s += kernels.gemm(tokens, heads * (model.qk_head_dim + model.v_head_dim) / tp, model.kv_lora_rank)
+    core_s = core_fwd_s if RecomputeModule.core_attn in modules else 0.0
+    return PassCost(compute_s=gemm_s + kernels.memory(elements * tokens * kernels.elem), attention_core_s=core_s,
+                    ep_comm_s=ep_s)

@@ -84,7 +84,8 @@ def apply_measured(job: JobSpec, measurements: Measurements | None, micro_batch:
     parallel = job.parallel
     partition = partition_name(parallel.tp, sp=parallel.sp)  # the embedding and the head
     layer_partition = partition_name(parallel.tp, sp=parallel.sp, mlp=parallel.mlp)
-    checkpointed = partition_name(parallel.tp, sp=parallel.sp, mlp=parallel.mlp, recompute=parallel.recompute)
+    checkpointed = partition_name(parallel.tp, sp=parallel.sp, mlp=parallel.mlp, recompute=parallel.recompute,
+                                  recompute_modules=parallel.recompute_modules)
 
     def layer(kind: str, cost: LayerCost) -> LayerCost:
         hit = measured_pass(measurements, kind, layer_partition, micro_batch)

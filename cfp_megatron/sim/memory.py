@@ -16,6 +16,7 @@ from cfp_megatron.base.config import (
     PositionEmbedding,
     Recompute,
     RecomputeMethod,
+    RecomputeModule,
 )
 from cfp_megatron.base.pipeline_split import job_chunks
 from cfp_megatron.cluster.measured import Measurements, SegmentMemory, partition_name
@@ -64,12 +65,15 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
     linear_input_bytes = 1.0 if options.fp8 else 2.0
     # A dense TE fc1 keeps its fused norm's output; the router reads bf16.
     mlp_input_bytes = 2.0 if moe or primepar else linear_input_bytes
-    # Replicated over TP unless SP: two norm inputs, QKV input, MLP input, two dropout masks.
-    per_token = (2 * hidden + 2 * hidden + linear_input_bytes * hidden + mlp_input_bytes * hidden
-                 + 2 * hidden_mask * hidden) * replicated_share
-    # Split over TP: Q, K, V, attention output (projection input).
-    per_token += (2 * q_width + 2 * kv_width + 2 * kv_width + linear_input_bytes * q_width) / tp
     recompute = job.parallel.recompute if recompute is None else recompute
+    # Selective recomputation's submodules (parallel.recompute_modules) keep none of what they recompute.
+    modules = job.parallel.recomputed_modules if recompute is Recompute.selective else frozenset()
+    # Replicated over TP unless SP: two norm inputs, QKV input, MLP input (the norms' outputs), two dropout masks.
+    norm_outputs = 0.0 if RecomputeModule.layernorm in modules else (linear_input_bytes + mlp_input_bytes) * hidden
+    per_token = (2 * hidden + 2 * hidden + norm_outputs + 2 * hidden_mask * hidden) * replicated_share
+    # Split over TP: Q, K, V (MLA's up-projected ones are recomputed with mla_up_proj), attention output.
+    qkv = 0.0 if RecomputeModule.mla_up_proj in modules else 2 * q_width + 2 * kv_width + 2 * kv_width
+    per_token += (qkv + linear_input_bytes * q_width) / tp
     if not options.flash_attention and recompute is Recompute.none:
         attn_mask = 1.0 if model.attention_dropout > 0 else 0.0
         per_token += heads * layout.seq_length * (2 + attn_mask + 2 * attn_mask) / tp
@@ -78,10 +82,16 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
         expert_ffn = model.moe_ffn_hidden_size or model.ffn_size
         # Token copies per local token on the busiest expert rank.
         routed = model.moe_router_topk * dims.etp / tp * options.moe_routing_imbalance
-        per_token += routed * (linear_input_bytes * hidden + 2 * expert_ffn * (2 if gated else 1) / dims.etp
-                               + linear_input_bytes * expert_ffn / dims.etp)
+        whole = RecomputeModule.moe in modules  # the block keeps only its input (the norm's output, above)
+        act_output = 0.0 if RecomputeModule.moe_act in modules else linear_input_bytes * expert_ffn / dims.etp
+        if not whole:
+            per_token += routed * (linear_input_bytes * hidden + 2 * expert_ffn * (2 if gated else 1) / dims.etp
+                                   + act_output)
         shared_ffn = model.moe_shared_expert_intermediate_size or 0
-        per_token += (2 * shared_ffn * (2 if gated else 1) + linear_input_bytes * shared_ffn) / tp
+        if not (whole or RecomputeModule.shared_experts in modules):
+            per_token += (2 * shared_ffn * (2 if gated else 1) + linear_input_bytes * shared_ffn) / tp
+    elif RecomputeModule.mlp in modules:
+        pass  # the dense MLP keeps only its input (the norm's output, above)
     else:
         fc2_input_bytes = 2.0 if primepar else linear_input_bytes
         per_token += (2 * model.ffn_size * (2 if gated else 1) + fc2_input_bytes * model.ffn_size) / tp
@@ -166,8 +176,11 @@ def measured_activations(job: JobSpec, layout: Layout, measurements: Measurement
         return None
     selective = Recompute.selective if job.parallel.recompute is Recompute.selective else Recompute.none
     partition = partition_name(dims.tp, sp=dims.sp)  # the embedding and the head
-    layer_partition = partition_name(dims.tp, sp=dims.sp, mlp=job.parallel.mlp, recompute=selective)
-    megatron_partition = partition_name(dims.tp, sp=dims.sp, recompute=selective)  # layers past primepar_layers
+    modules = job.parallel.recompute_modules
+    layer_partition = partition_name(dims.tp, sp=dims.sp, mlp=job.parallel.mlp, recompute=selective,
+                                     recompute_modules=modules)
+    megatron_partition = partition_name(dims.tp, sp=dims.sp, recompute=selective,
+                                        recompute_modules=modules)  # layers past primepar_layers
     split = primepar_split(job, rank=rank)
     kinds = ["dense", "moe"] if moe_layers else ["dense"]
     if moe_layers == layers:

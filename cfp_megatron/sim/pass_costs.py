@@ -84,8 +84,9 @@ def comm_options(parallel: ParallelSpec) -> tuple[Any, ...]:
 
 def cost_key(layout: Layout, recompute: Recompute, options: SimOptions,
              mlp: MlpPartition = MlpPartition.megatron, *, sp: bool | None = None,
-             micro_batch: int | None = None, comm: tuple[Any, ...] = ()) -> tuple[Any, ...]:
-    """Everything of a plan that :func:`pass_costs` reads (its layout, recompute choice, MLP partition and
+             micro_batch: int | None = None, comm: tuple[Any, ...] = (),
+             recompute_modules: str | None = None) -> tuple[Any, ...]:
+    """Everything of a plan that :func:`pass_costs` reads (its layout, recompute choice and modules, MLP partition and
     communication options, :func:`comm_options`), for plans of one model on one cluster with one set of options and
     measurements, as a hashable tuple: equal keys, equal costs. ``sp`` and ``micro_batch`` stand in for the layout's
     own (they do not move groups between nodes: a search places a family once for all of them)."""
@@ -93,7 +94,8 @@ def cost_key(layout: Layout, recompute: Recompute, options: SimOptions,
     fsdp = (dims.dp, layout.dp_per_node) if options.fsdp else ()
     return (dims.tp, dims.sp if sp is None else sp, dims.cp, dims.ep, dims.etp,
             layout.micro_batch if micro_batch is None else micro_batch, layout.seq_length, recompute,
-            layout.tp_per_node, layout.cp_per_node, layout.ep_per_node, layout.domain_size, fsdp, mlp, comm)
+            layout.tp_per_node, layout.cp_per_node, layout.ep_per_node, layout.domain_size, fsdp, mlp, comm,
+            recompute_modules if recompute is Recompute.selective else None)
 
 
 @dataclass(kw_only=True)

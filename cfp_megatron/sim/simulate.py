@@ -268,7 +268,7 @@ def _prepare(job: JobSpec, cluster: ClusterSpec | None, measurements: Measuremen
         if cache is None:
             return pass_costs(plan, layout, kernels, costs, options, measurements)
         key = cost_key(layout, plan.parallel.recompute, options, plan.parallel.mlp,
-                       comm=comm_options(plan.parallel))
+                       comm=comm_options(plan.parallel), recompute_modules=plan.parallel.recompute_modules)
         if key not in cache.costs:
             cache.costs[key] = pass_costs(plan, layout, kernels, costs, options, measurements)
         return cache.costs[key]
