@@ -32,8 +32,7 @@ from cfp_megatron.sim.prediction import Prediction
 from cfp_megatron.sim.simulate import simulate
 
 TOLERANCE = STEP_TOLERANCE
-"""Relative difference between measured and predicted beyond which a run warns (and within which a median ratio of
-runs does not scale the next plan)."""
+"""Relative difference between measured and predicted beyond which a run warns."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,9 +183,6 @@ def warnings_for(record: PlanCheckRecord, calibration: StepCalibration | None = 
                 math.isclose(record.step_ratio, u) for u in calibration.untrusted):
             what = (f"far from the other runs' ratio {calibration.ratio:.2f}: recorded as an outlier, it does not "
                     "calibrate the next plan")
-        elif calibration is not None and calibration.ratio is not None and not calibration.scales:
-            what = (f"the median of {calibration.runs} run(s), {calibration.ratio:.2f}, is within {TOLERANCE:.0%} of "
-                    "the prediction: the next plan is not scaled")
         elif calibration is not None and calibration.ratio is not None:
             what = (f"the next plan of this layout family on this profile is scaled by {calibration.ratio:.2f}, the "
                     f"median of {calibration.runs} run(s) (spread {calibration.spread:.0%}); a new profile starts "

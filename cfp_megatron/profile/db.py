@@ -47,7 +47,6 @@ from cfp_megatron.profile.errors import (
 from cfp_megatron.profile.fingerprint import Fingerprint
 from cfp_megatron.profile.gemm_table import interpolate_tflops
 from cfp_megatron.profile.records import (
-    STEP_TOLERANCE,
     CollectiveRecord,
     GemmRecord,
     OverheadRecord,
@@ -236,8 +235,7 @@ class ProfileDB:
 
     # ------------------------------------------------------------------------------------------------ queries
     def step_time_calibration(self, model: str | None = None, *, plan: str | None = None) -> float | None:
-        """The ratio of :meth:`calibration`; ``None`` without a trusted run, or where it is within
-        :data:`~cfp_megatron.profile.records.STEP_TOLERANCE` of 1 (the prediction stands)."""
+        """The ratio of :meth:`calibration`; ``None`` without a trusted run."""
         found = self.calibration(model, plan=plan)
         return found.ratio if found is not None and found.scales else None
 
@@ -426,9 +424,10 @@ class StepCalibration:
 
     @property
     def scales(self) -> bool:
-        """Whether the next plan is scaled by :attr:`ratio`: a trusted ratio more than
-        :data:`~cfp_megatron.profile.records.STEP_TOLERANCE` from 1 (within it the prediction stands)."""
-        return self.ratio is not None and abs(self.ratio - 1.0) > STEP_TOLERANCE
+        """Whether the next plan is scaled by :attr:`ratio`: whenever a run is trusted. A profile's error on its own
+        plans is mostly a bias (its collective fits, measured once), which a ratio inside the check's tolerance
+        still corrects: docs/planning.md, "Plan check"."""
+        return self.ratio is not None
 
 
 def robust_ratio(ratios: Sequence[float], *, busy: Sequence[float] = ()) -> StepCalibration:

@@ -292,9 +292,7 @@ class OverheadRecord:
 
 
 STEP_TOLERANCE = 0.10
-"""Relative difference between a run's measured and predicted step time within which the prediction stands: the plan
-check warns beyond it, and a median measured/predicted ratio inside it leaves the next predictions unscaled (runs of
-one plan on a shared CPU machine spread by about as much, so a scale taken from inside it would chase noise)."""
+"""Relative difference between a run's measured and predicted step time beyond which the plan check warns."""
 BUSY_OTHER_LOAD = 0.25
 """Share of the cores busy with other work above which a plan check's machine counts as busy."""
 BUSY_REPEAT_SPREAD = 0.5
