@@ -90,9 +90,7 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
         shared_ffn = model.moe_shared_expert_intermediate_size or 0
         if not (whole or RecomputeModule.shared_experts in modules):
             per_token += (2 * shared_ffn * (2 if gated else 1) + linear_input_bytes * shared_ffn) / tp
-    elif RecomputeModule.mlp in modules:
-        pass  # the dense MLP keeps only its input (the norm's output, above)
-    else:
+    elif RecomputeModule.mlp not in modules:  # a recomputed dense MLP keeps only its input (the norm's output)
         fc2_input_bytes = 2.0 if primepar else linear_input_bytes
         per_token += (2 * model.ffn_size * (2 if gated else 1) + fc2_input_bytes * model.ffn_size) / tp
         if gated and job.cluster.on_cpu:
