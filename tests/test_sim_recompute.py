@@ -13,7 +13,8 @@ import pytest
 from cfp_megatron.base.config import Recompute
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import partition_name, partition_recompute
-from cfp_megatron.search.space import Candidate
+from cfp_megatron.search.search import _layer_kept_bytes
+from cfp_megatron.search.space import Candidate, GroupHead
 from cfp_megatron.sim import SimOptions, simulate
 from cfp_megatron.sim.calibration import efficiency_for
 from cfp_megatron.sim.kernels import KernelModel
@@ -148,3 +149,14 @@ def test_recompute_modules_have_a_partition_of_their_own_that_profiling_does_not
     assert partition_name(2, sp=True, recompute=selective, recompute_modules="core_attn") == "tp2-sp-selective"
     assert partition_name(2, sp=True, recompute=selective) == "tp2-sp-selective"
     assert partition_recompute("tp2-sp-layernorm+mlp-selective") is selective
+
+
+def test_the_searchs_memory_bound_counts_the_users_modules() -> None:
+    """The search prunes on the activations a layer keeps at least: for its selective candidates, under the modules
+    the user pinned (else the bound would exceed the plan's own prediction and prune a plan that fits)."""
+    pinned = job(tp=2, recompute="selective", recompute_modules="layernorm+mlp")
+    layout = build_layout(pinned)
+    head = GroupHead(tp=2, cp=1, pp=1, ep=1, etp=1, sp=False, micro_batch=1, recompute="selective", mlp="megatron")
+    bound = _layer_kept_bytes(head, layout, pinned, None, SimOptions())
+    assert bound == layer_activation_bytes(pinned, layout, SimOptions(), moe=False)[0]
+    assert bound < _layer_kept_bytes(head, layout, job(tp=2), None, SimOptions())  # core attention: keeps more

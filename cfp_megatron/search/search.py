@@ -605,8 +605,10 @@ def _layer_kept_bytes(head: GroupHead, placed: Layout, job: JobSpec, measurement
         return 0.0
     recompute = Recompute.full if head.recompute == BLOCK else Recompute(head.recompute)
     try:
+        modules = job.parallel.recompute_modules if recompute is Recompute.selective else None  # the user's
         spec = ParallelSpec(tp=head.tp, sp=head.sp, pp=head.pp, cp=head.cp, ep=head.ep, etp=head.etp,
-                            recompute=recompute, mlp=MlpPartition(head.mlp), order=job.parallel.order)
+                            recompute=recompute, recompute_modules=modules, mlp=MlpPartition(head.mlp),
+                            order=job.parallel.order)
     except ConfigError:
         return 0.0
     # Only the sizes the activations read (TP, SP, CP, expert TP, micro-batch): no world or split needed.
