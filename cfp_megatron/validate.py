@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import math
 import re
@@ -184,13 +185,19 @@ def preset_architecture(row: dict) -> tuple[str, dict]:
     (:data:`SHAPE_FIELDS`) is the row's, or ``("", {})``: DeepSeek-V3's multi-head latent attention, shared expert,
     dense first layers and sigmoid router, GPT-OSS's 64-channel heads (4096 wide on a 2880 hidden size), which their
     rows name in ``arch_source`` but no column states."""
+    for name, preset in _model_presets():
+        if all(_int(row, column) == preset.get(key) for column, key in SHAPE_FIELDS):
+            return name, {key: preset[key] for key in ARCHITECTURE_FIELDS if key in preset}
+    return "", {}
+
+
+@functools.cache
+def _model_presets() -> tuple[tuple[str, dict], ...]:
+    """Every ``conf/model`` preset as (name, dict), read once per process."""
     from omegaconf import OmegaConf
 
-    for path in sorted(CONF_MODEL.glob("*.yaml")):
-        preset = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-        if all(_int(row, column) == preset.get(key) for column, key in SHAPE_FIELDS):
-            return path.stem, {key: preset[key] for key in ARCHITECTURE_FIELDS if key in preset}
-    return "", {}
+    return tuple((path.stem, OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+                 for path in sorted(CONF_MODEL.glob("*.yaml")))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,7 +3,7 @@
 Installed only when CUDA is absent (:func:`install_if_needed`). It changes no Megatron algorithm: it redirects
 device placement (``device="cuda"``, ``torch.cuda.current_device()``, ``Tensor.cuda``) to the CPU, makes CUDA
 streams/events no-ops, backs Megatron's CUDA RNG tracker with the CPU generator (the one CPU dropout uses), and
-answers "FP8 is off" where Megatron asks Transformer Engine, which is absent.
+keeps Megatron's recomputation checkpoints out of Transformer Engine's FP8 contexts where TE is absent.
 MoE without Transformer Engine needs the fixes in :mod:`cfp_megatron.compat.moe` (on any device).
 """
 
@@ -151,24 +151,17 @@ def _patch_megatron() -> None:
     torch_norm.WrappedTorchNorm.__new__ = _new  # type: ignore[method-assign]
 
     # megatron-core 0.16.1's CheckpointWithoutOutput (selective recomputation of the norms, recompute_modules
-    # layernorm) enters Transformer Engine's FP8 contexts even when TE is absent, where they are not imported:
-    # without TE there is no FP8, so they are empty contexts (the recomputation itself is Megatron's).
+    # layernorm) reads its fp8 flag as "fp8 is not None", so fp8=False enters Transformer Engine's FP8 contexts,
+    # which are not imported without TE. Without TE there is no FP8, so the flag is false (the recomputation stays
+    # Megatron's).
     if not mrandom.HAVE_TE:
-        mrandom.FP8GlobalStateManager = _NoFp8State
-        mrandom.activation_recompute_forward = lambda **kwargs: contextlib.nullcontext()
-        mrandom.fp8_autocast = lambda **kwargs: contextlib.nullcontext()
+        original_init = mrandom.CheckpointWithoutOutput.__init__
 
+        def _init(self: Any, fp8: Any = False) -> None:
+            original_init(self, fp8)
+            self.fp8 = False
 
-class _NoFp8State:
-    """Transformer Engine's ``FP8GlobalStateManager`` where TE is absent: FP8 is never on."""
-
-    @staticmethod
-    def is_fp8_enabled() -> bool:
-        return False
-
-    @staticmethod
-    def get_fp8_recipe() -> None:
-        return None
+        mrandom.CheckpointWithoutOutput.__init__ = _init  # type: ignore[method-assign]
 
 
 def install_if_needed() -> bool:

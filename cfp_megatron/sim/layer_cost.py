@@ -209,7 +209,7 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         recompute = PassCost(compute_s=fwd_compute, attention_core_s=core_fwd, overhead_s=overhead,
                              tp_comm_s=tp_fwd, cp_comm_s=cp_fwd, ep_comm_s=ep_fwd)
     elif parallel.recompute.value == "selective":
-        recompute = _selective_recompute(job, layout, kernels, options, moe_block=moe_block, mlp_gemm=mlp_gemm,
+        recompute = _selective_recompute(job, layout, kernels, moe_block=moe_block, mlp_gemm=mlp_gemm,
                                          core_fwd_s=core_fwd, ep_fwd_s=ep_fwd)
     else:
         recompute = PassCost()
@@ -293,8 +293,8 @@ def mtp_projection_cost(job: JobSpec, layout: Layout, kernels: KernelModel, cost
             embed_bwd.plus(PassCost(compute_s=2 * proj_s + 2 * norms_s, tp_comm_s=gather_s)), params)
 
 
-def _selective_recompute(job: JobSpec, layout: Layout, kernels: KernelModel, options: SimOptions, *,
-                         moe_block: MoeCost | None, mlp_gemm: float, core_fwd_s: float, ep_fwd_s: float) -> PassCost:
+def _selective_recompute(job: JobSpec, layout: Layout, kernels: KernelModel, *, moe_block: MoeCost | None,
+                         mlp_gemm: float, core_fwd_s: float, ep_fwd_s: float) -> PassCost:
     """The forward work selective recomputation repeats in one layer's backward pass: the core attention, the two
     norms, the experts' activation, MLA's up-projections, a dense layer's MLP, a MoE layer's whole block (its token
     exchange included) or its shared expert, as ``parallel.recompute_modules`` names them."""
@@ -312,13 +312,10 @@ def _selective_recompute(job: JobSpec, layout: Layout, kernels: KernelModel, opt
             ep_s += ep_fwd_s
         else:
             if RecomputeModule.moe_act in modules:
-                routed = model.moe_router_topk * dims.etp / tp * options.moe_routing_imbalance
-                elements += routed * mlp_activation_elements(tp=dims.etp, ffn=model.moe_ffn_hidden_size
-                                                             or model.ffn_size, gated=gated)
-            shared_ffn = model.moe_shared_expert_intermediate_size or 0
-            if RecomputeModule.shared_experts in modules and shared_ffn:
+                elements += moe_block.activation_elements_per_token
+            if RecomputeModule.shared_experts in modules:
                 gemm_s += moe_block.shared_gemm_s
-                elements += mlp_activation_elements(tp=tp, ffn=shared_ffn, gated=gated)
+                elements += moe_block.shared_elements_per_token
     elif RecomputeModule.mlp in modules:
         gemm_s += mlp_gemm
         elements += mlp_activation_elements(tp=tp, ffn=model.ffn_size, gated=gated)

@@ -40,6 +40,10 @@ class MoeCost:
     elements_per_token: float
     """Element-wise HBM traffic per local token and pass, in elements: permute/unpermute, probability scaling,
     padding, the experts' and shared expert's activations."""
+    activation_elements_per_token: float = 0.0
+    """Of ``elements_per_token``, the routed experts' activation function's (what ``moe_act`` recomputes)."""
+    shared_elements_per_token: float = 0.0
+    """Of ``elements_per_token``, the shared expert's activation's (recomputed with ``shared_experts``)."""
     dispatch_s: float
     """Communication of one pass (dispatch and combine), seconds, before any overlap."""
     combine_s: float = 0.0
@@ -88,18 +92,19 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     per_expert = routed / local_experts
     gemm_s = local_experts * ffn_gemms(kernels, per_expert, hidden, expert_ffn / etp, gated)
     gemm_s += kernels.gemm(local_tokens, num_experts, hidden, low_precision=False)  # router (fp32 logits)
-    elements = routed / tokens * (mlp_activation_elements(tp=etp, ffn=expert_ffn, gated=gated)
-                                  + kernels.eff.moe_token_elements * hidden)
+    activation = routed / tokens * mlp_activation_elements(tp=etp, ffn=expert_ffn, gated=gated)
     shared_ffn = model.moe_shared_expert_intermediate_size or 0
-    shared_s = 0.0
+    shared_s = shared_elements = 0.0
     if shared_ffn:
         shared_s = ffn_gemms(kernels, tokens, hidden, shared_ffn / tp, gated)
-        elements += mlp_activation_elements(tp=tp, ffn=shared_ffn, gated=gated)
+        shared_elements = mlp_activation_elements(tp=tp, ffn=shared_ffn, gated=gated)
+    elements = activation + routed / tokens * kernels.eff.moe_token_elements * hidden + shared_elements
     gemm_s += shared_s
     expert_params = mlp_params(model, expert_ffn) * local_experts / etp
     params = expert_params + mlp_params(model, shared_ffn) / tp + hidden * num_experts
     dispatch_s, combine_s = _dispatch_s(job, layout, kernels, costs, routed=routed / etp, local_tokens=local_tokens)
     return MoeCost(gemm_s=gemm_s, shared_gemm_s=shared_s, elements_per_token=elements,
+                   activation_elements_per_token=activation, shared_elements_per_token=shared_elements,
                    dispatch_s=dispatch_s, combine_s=combine_s,
                    metadata_s=_metadata_s(job, layout, costs),
                    params=params, expert_params=expert_params)
