@@ -8,9 +8,10 @@ launch/train.py``, NCCL, bf16, two micro-batches per step, 3 steps, ``train.memo
 simulator's predicted peak against ``torch.cuda.max_memory_allocated`` over step 2 and against the tensor tracker's
 peak (``cfp_megatron.engine.memory``), then the MAPE of each. On a GPU the model is ``--model`` with as many layers
 as keep the predicted peak within ``--fill`` of the GPU's memory (``--layers`` pins the count), so it fills a good
-part of the device; the prediction is the simulator's on the vendor preset of the GPU (``--cluster auto``: H100 ->
-``dgx_h100``, H200 -> ``h200``, A100 -> ``dgx_a100``, B200 -> ``b200``), the analytical memory model the preflight
-planner uses, or ``--cluster local``: profiled on this machine first (measured segment memory, as ``+cfp=auto``).
+part of the device; the prediction is the simulator's on the vendor preset of the GPU (``--cluster auto``: the
+preset of the same model and nearest memory, e.g. H200 -> ``h200``), the analytical memory model the preflight
+planner uses with the attention core this machine runs (unfused without Transformer Engine), or ``--cluster local``:
+profiled on this machine first (measured segment memory, as ``+cfp=auto``).
 
 Without a GPU the same steps run on CPU (gloo, fp32) with ``--model``'s own layers against the tracker's peak alone,
 on the ``local`` cluster profiled first: ``python bench/gpu_memory.py --model gpt_tiny --seq 64`` (the code path's
@@ -32,17 +33,16 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-PRESETS = {"H100": "dgx_h100", "H200": "h200", "A100": "dgx_a100", "B200": "b200"}
-"""Vendor cluster preset by the GPU's name (``torch.cuda.get_device_name``)."""
+def preset_for(device_name: str, capacity: float) -> str:
+    """The cluster preset of a GPU (:func:`cfp_megatron.profile.cluster.device_preset`); a clear error for one
+    without a preset."""
+    from cfp_megatron.profile.cluster import device_preset
 
-
-def preset_for(device_name: str) -> str:
-    """The cluster preset of a GPU, by name; a clear error for one without a preset."""
-    for key, preset in PRESETS.items():
-        if key in device_name.upper():
-            return preset
-    raise SystemExit(f"--cluster auto: no preset for the GPU {device_name!r} (presets: {sorted(PRESETS.values())}); "
-                     "pass --cluster <preset> or --cluster local")
+    preset = device_preset(device_name, capacity / 2**30)
+    if preset is None:
+        raise SystemExit(f"--cluster auto: no preset for the GPU {device_name!r}; pass --cluster <preset> or "
+                         "--cluster local")
+    return str(preset["name"])
 
 
 def overrides(args: argparse.Namespace, recompute: str, micro_batch: int, layers: int | None) -> list[str]:
@@ -67,6 +67,7 @@ def predicted_bytes(case: tuple[str, ...]) -> float:
 
     from cfp_megatron.base.compose import compose_config
     from cfp_megatron.base.config import job_from_config
+    from cfp_megatron.sim.options import options_here
     from cfp_megatron.sim.simulate import simulate
 
     job = job_from_config(compose_config(list(case)))
@@ -78,7 +79,9 @@ def predicted_bytes(case: tuple[str, ...]) -> float:
         if db is None:
             raise SystemExit("no ProfileDB for this machine: the profiling step failed")
         job = dataclasses.replace(job, cluster=cluster)
-    return simulate(job, job.cluster, db, world_size=1).memory.total
+    # The attention core as this machine runs it (unfused without Transformer Engine: it keeps its scores).
+    options = options_here(job.cluster) if torch.cuda.is_available() else None
+    return simulate(job, job.cluster, db, world_size=1, options=options).memory.total
 
 
 def fitting_layers(args: argparse.Namespace, recompute: str, micro_batch: int, capacity: float) -> int:
@@ -124,9 +127,9 @@ def main() -> None:
     parser.add_argument("--cluster", default="auto", help="auto (the GPU's preset), a preset name, or local")
     args = parser.parse_args()
     on_gpu = torch.cuda.is_available()
-    if args.cluster == "auto":
-        args.cluster = preset_for(torch.cuda.get_device_name(0)) if on_gpu else "local"
     capacity = float(torch.cuda.get_device_properties(0).total_memory) if on_gpu else 0.0
+    if args.cluster == "auto":
+        args.cluster = preset_for(torch.cuda.get_device_name(0), capacity) if on_gpu else "local"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     where = f"{torch.cuda.get_device_name(0)}, {capacity / 2**30:.1f} GiB" if on_gpu else "CPU"
     print(f"{args.model}, seq {args.seq}, one rank on {where}; predicted on cluster={args.cluster}")

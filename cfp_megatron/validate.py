@@ -73,7 +73,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cfp_megatron.base.config import JobSpec, job_from_config
+from cfp_megatron.base.config import AttentionKernel, JobSpec, job_from_config
 from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.base.parallel_dims import data_parallel_size
@@ -449,7 +449,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     layout += f" mb{micro} gbs{gbs} {recompute}" + (f"[{job.parallel.recompute_modules}]" if modules else "")
     layout += (" fp8" if fp8 else "") + (" fsdp" if fsdp else "")
     layout += f" {cluster['power_limit_w']:g}W" if cluster.get("power_limit_w") else ""
-    options = SimOptions(fp8=fp8, fsdp=fsdp, measured_layer_only=layer_only, flash_attention=not legacy)
+    options = SimOptions(fp8=fp8, fsdp=fsdp, measured_layer_only=layer_only,
+                         attention=AttentionKernel.fused_softmax if legacy else AttentionKernel.flash)
     return RowPlan(row_id=rid, source=row.get("source", ""), source_detail=row.get("source_detail", ""),
                    model=row.get("model", ""), layout=layout, job=job, options=options, measured_s=measured)
 

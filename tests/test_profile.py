@@ -162,3 +162,37 @@ def test_local_measurements_fill_the_job_cluster_from_this_machines_db(tmp_path,
     cluster, db = local_measurements(job, world_size=4, backend="gloo")
     assert db is not None and db.fingerprint == here
     assert cluster.peak_tflops_fp32 == pytest.approx(1.024) and cluster.gpus_per_node == here.gpus_per_node
+
+
+@pytest.mark.parametrize(("device", "memory_gib", "preset"), [
+    ("NVIDIA H200", 139.8, "h200"), ("NVIDIA H100 80GB HBM3", 79.2, "dgx_h100"), ("NVIDIA H100 NVL", 93.1, "h100_nvl"),
+    ("NVIDIA A100-SXM4-40GB", 39.4, "dgx_a100_40gb"), ("NVIDIA A100-SXM4-80GB", 79.2, "dgx_a100"),
+    ("AMD Instinct MI300X", 191.5, "mi300x"), ("NVIDIA GeForce RTX 4090", 23.6, None)])
+def test_a_device_finds_its_vendor_preset_by_model_and_memory(device: str, memory_gib: float,
+                                                               preset: str | None) -> None:
+    from cfp_megatron.profile.cluster import device_preset
+
+    found = device_preset(device, memory_gib)
+    assert (found["name"] if found else None) == preset
+
+
+def test_the_local_cluster_on_a_gpu_takes_its_memory_and_bandwidth(monkeypatch) -> None:
+    """On a GPU the ``local`` preset gets the device's memory (the planner's limit) and name, and its vendor
+    preset's memory bandwidth (the optimizer's rate; 50 GB/s was assumed before, 7x too slow a step on an H200)."""
+    import types
+
+    import torch
+
+    from cfp_megatron.profile.cluster import this_device
+
+    spec = ClusterSpec(name="local")
+    assert this_device(spec) == spec  # CPU: unchanged
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: types.SimpleNamespace(name="NVIDIA H200", total_memory=150_110_011_392))
+    filled = this_device(spec)
+    assert filled.hbm_gib == pytest.approx(139.8, abs=0.05) and filled.device_name == "NVIDIA H200"
+    assert filled.hbm_bandwidth_gbps == 4800.0 and filled.peak_tflops_fp8 == 1979.0 and not filled.on_cpu
+    assert filled.peak_tflops_bf16 is None  # measured by profiling, not taken from the datasheet
+    assert this_device(ClusterSpec(name="h200", hbm_gib=141.0)).hbm_bandwidth_gbps is None  # a preset stays itself

@@ -10,12 +10,12 @@ import pytest
 
 from cfp_megatron.base.compose import compose_job
 from cfp_megatron.base.config import JobSpec
-from cfp_megatron.profile.control import Step, StepResult, select_steps
+from cfp_megatron.profile.control import Step, StepResult, run_round, select_steps
 from cfp_megatron.profile.db import ProfileDB
 from cfp_megatron.profile.fingerprint import Fingerprint, model_key
-from cfp_megatron.profile.records import RoundRecord, RoundStatus
+from cfp_megatron.profile.records import RoundRecord, RoundStatus, overhead_entry
 from cfp_megatron.profile.runner import ROUNDS, _coverage, _merge, round_entries, round_steps, rounds_needed
-from cfp_megatron.profile.segments import MEMORY_SUFFIX
+from cfp_megatron.profile.segments import MEMORY_SUFFIX, micro_batches
 
 FP = Fingerprint(device_name="Test CPU", device_count=4, nodes=1, gpus_per_node=4, backend="gloo", torch="2.13.0",
                  megatron_core="0.16.1", cpu_cores=2)
@@ -187,3 +187,61 @@ def test_rounds_measure_first_the_partitions_the_search_ranks_best(job: JobSpec)
     moved = prioritized(planned["segments"], (f"{other} mbs=8",))
     assert moved[0].split()[1:] == [other, "mbs=8"]
     assert prioritized(planned["segments"], ()) == planned["segments"]
+
+
+@pytest.fixture()
+def one_rank_group() -> Any:
+    """A one-rank gloo group, as run_round syncs its steps over the default group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_step_out_of_device_memory_is_recorded_and_the_round_goes_on(one_rank_group: Any) -> None:
+    import torch
+
+    def oom() -> list[float]:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB.")
+
+    def unbuildable() -> list[float]:
+        raise torch.OutOfMemoryError("CUDA out of memory while building the probe.")
+
+    ran: list[str] = []
+    steps = [Step(label="build a", run=lambda: ran.append("build a") or []),
+             Step(label="a mbs=1", run=lambda: ran.append("a1") or [1.0], entry="a mbs=1", needs="build a"),
+             Step(label="a mbs=8", run=oom, entry="a mbs=8", needs="build a"),
+             Step(label="a mbs=2", run=lambda: ran.append("a2") or [2.0], entry="a mbs=2", needs="build a"),
+             Step(label="build b", run=unbuildable),
+             Step(label="b mbs=1", run=lambda: ran.append("b1") or [3.0], entry="b mbs=1", needs="build b"),
+             Step(label="c mbs=1", run=lambda: ran.append("c1") or [4.0], entry="c mbs=1")]
+    results, record = run_round("overheads", steps, seconds=60.0)
+    # The round ends ok: the step that did not fit and the steps of the probe that could not be built are recorded
+    # as over memory, and every other step ran.
+    assert record.status is RoundStatus.ok and not record.reason
+    assert record.over_memory == ("a mbs=8", "b mbs=1")
+    assert ran == ["build a", "a1", "a2", "c1"]
+    assert [r.label for r in results] == ["build a", "a mbs=1", "a mbs=2", "c mbs=1"]
+    # Any other failure still ends the round.
+    _, failed = run_round("overheads", [Step(label="x", run=lambda: 1 / 0, entry="x"),
+                                        Step(label="y", run=lambda: [1.0], entry="y")], seconds=60.0)
+    assert failed.status is RoundStatus.failed and "ZeroDivisionError" in failed.reason
+
+
+def test_entries_out_of_memory_are_not_retried(job: JobSpec) -> None:
+    key = model_key(job, on_gpu=False)
+    planned = round_entries(job, WORLD, on_gpu=False)
+    db, _ = _run(None, job, share=1.0)
+    assert rounds_needed(db, key, planned, force=False) == {}
+    # The same profile, had its largest overhead probes run out of memory: not missing, so not measured again.
+    too_big = tuple(e for e in planned["overheads"] if e.endswith(f"mbs={max(micro_batches(job))}"))
+    assert too_big
+    kept = [r for r in db.overheads if overhead_entry(r.partition, r.layers, r.micro_batch) not in too_big]
+    rounds = [*db.rounds, RoundRecord(name="overheads", status=RoundStatus.ok, model=key, over_memory=too_big)]
+    lacking = ProfileDB.from_json({**db.to_json(), "overheads": [r.to_json() for r in kept],
+                                   "rounds": [r.to_json() for r in rounds]})
+    assert lacking.missing_entries("overheads", key, planned["overheads"]) == []
+    # Without the record they would be.
+    plain = ProfileDB.from_json({**db.to_json(), "overheads": [r.to_json() for r in kept]})
+    assert plain.missing_entries("overheads", key, planned["overheads"]) == list(too_big)

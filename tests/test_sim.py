@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from cfp_megatron.base.config import job_from_config
+from cfp_megatron.base import parallel_dims
+from cfp_megatron.base.config import AttentionKernel, job_from_config
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.cluster.costs import CollectiveCosts, group_placement
 from cfp_megatron.cluster.measured import Collective, CollectiveFit, NothingMeasured, Span
@@ -68,10 +69,36 @@ def test_memory_falls_with_tp_pp_and_distributed_optimizer() -> None:
     assert dist.optimizer_states == pytest.approx(simulate(job(nodes=1, gbs=64)).memory.optimizer_states / 8)
 
 
+def test_unfused_attention_keeps_its_scores_by_kernel() -> None:
+    """Megatron-Core's unfused core keeps per score the bf16 probabilities (fused softmax kernel) or also PyTorch's
+    fp32 softmax output (no Transformer Engine, no Apex: 6 bytes), and holds their gradients for one layer's
+    backward (4 or 8 bytes); the flash kernel keeps none."""
+    plain = job(tp=2, mb=2, gbs=32)  # gpt_test: 32 heads, seq 2048, 16 layers on one rank (pp=1)
+    scores = 2 * 32 * 2048 * 2048 / 2  # per micro-batch on a rank
+    mem = {k: simulate(plain, options=SimOptions(attention=k)).memory.activations for k in AttentionKernel}
+    flash = mem[AttentionKernel.flash]
+    assert mem[AttentionKernel.fused_softmax] - flash == pytest.approx(scores * (16 * 2 + 4))
+    assert mem[AttentionKernel.torch_softmax] - flash == pytest.approx(scores * (16 * 6 + 8))
+    # Recomputing the core keeps no scores; its backward holds the recomputed ones and their gradients.
+    sel = job(tp=2, mb=2, gbs=32, recompute="selective")
+    sel_mem = {k: simulate(sel, options=SimOptions(attention=k)).memory.activations for k in AttentionKernel}
+    assert sel_mem[AttentionKernel.torch_softmax] - sel_mem[AttentionKernel.flash] == pytest.approx(scores * 14)
+
+
+def test_the_attention_kernel_here_follows_what_imports(monkeypatch: pytest.MonkeyPatch) -> None:
+    found: set[str] = set()
+    monkeypatch.setattr(parallel_dims.importlib.util, "find_spec", lambda name: object() if name in found else None)
+    assert parallel_dims.attention_kernel_here() is AttentionKernel.torch_softmax
+    found.add("scaled_masked_softmax_cuda")
+    assert parallel_dims.attention_kernel_here() is AttentionKernel.fused_softmax
+    found.add("transformer_engine")
+    assert parallel_dims.attention_kernel_here() is AttentionKernel.flash
+
+
 def test_activation_memory_follows_recompute_and_sequence_parallel() -> None:
-    none = simulate(job(tp=8, mb=2, gbs=32), options=SimOptions(flash_attention=False)).memory.activations
-    sel = simulate(job(tp=8, mb=2, gbs=32, recompute="selective"),
-                   options=SimOptions(flash_attention=False)).memory.activations
+    unfused = SimOptions(attention=AttentionKernel.fused_softmax)
+    none = simulate(job(tp=8, mb=2, gbs=32), options=unfused).memory.activations
+    sel = simulate(job(tp=8, mb=2, gbs=32, recompute="selective"), options=unfused).memory.activations
     full = simulate(job(tp=8, mb=2, gbs=32, recompute="full")).memory.activations
     sp = simulate(job(tp=8, mb=2, gbs=32, sp=True, recompute="selective")).memory.activations
     assert none > sel > sp > full

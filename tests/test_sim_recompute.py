@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from cfp_megatron.base.config import Recompute
+from cfp_megatron.base.config import AttentionKernel, Recompute
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import partition_name, partition_recompute
 from cfp_megatron.search.search import _layer_kept_bytes
@@ -38,9 +38,9 @@ def _block(n: int, options: SimOptions | None = None, **layout) -> Prediction:
                     options=options)
 
 
-@pytest.mark.parametrize("flash", [True, False], ids=["flash", "no-flash"])
-def test_block_lies_between_none_and_uniform_full(flash: bool) -> None:
-    options = SimOptions(flash_attention=flash)
+@pytest.mark.parametrize("kernel", list(AttentionKernel), ids=[k.value for k in AttentionKernel])
+def test_block_lies_between_none_and_uniform_full(kernel: AttentionKernel) -> None:
+    options = SimOptions(attention=kernel)
     preds = [_block(n, options) for n in range(PER_CHUNK + 1)]
     uniform = simulate(job(**LAYOUT, recompute="full"), options=options)
     times = [p.step_time_s for p in preds]

@@ -148,6 +148,20 @@ class AttentionKind(enum.Enum):
     """Multi-latent attention (DeepSeek-V2/V3), Megatron-Core's ``MLASelfAttention``."""
 
 
+class AttentionKernel(enum.Enum):
+    """How the attention core runs, which decides what it keeps for the backward pass and what it reads and writes."""
+
+    flash = "flash"
+    """A fused kernel (Transformer Engine's FlashAttention/cuDNN backends) that keeps no ``s x s`` scores and skips
+    the masked upper triangle of causal attention."""
+    fused_softmax = "fused_softmax"
+    """Megatron's unfused core with its fused scale-mask-softmax CUDA kernel (``scaled_masked_softmax_cuda``): the
+    bf16 probabilities, which the context GEMM reads too, are what it keeps."""
+    torch_softmax = "torch_softmax"
+    """Megatron-Core's unfused core without that kernel (no Transformer Engine, no Apex): PyTorch's softmax in fp32
+    (``attention_softmax_in_fp32``) keeps its fp32 output, and the context GEMM keeps the bf16 copy."""
+
+
 class RouterScore(enum.Enum):
     """MoE router score function."""
 

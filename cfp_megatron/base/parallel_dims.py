@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from cfp_megatron.base.config import (
     MAX_MICROBATCHES,
     MAX_WORLD_SIZE,
+    AttentionKernel,
     AttentionKind,
     CpCommType,
     JobSpec,
@@ -35,6 +36,17 @@ from cfp_megatron.base.pipeline_split import chunk_layers, max_chunk_count, spli
 def transformer_engine_available() -> bool:
     """Whether Transformer Engine can be imported (it provides CP attention and fused kernels)."""
     return importlib.util.find_spec("transformer_engine") is not None
+
+
+def attention_kernel_here() -> AttentionKernel:
+    """How Megatron-Core runs the attention core on this machine's GPU as the runtime builds the model: Transformer
+    Engine's fused attention where it imports (:mod:`cfp_megatron.engine.model`), else Megatron's unfused core, with
+    its fused softmax kernel where that CUDA extension imports (:mod:`cfp_megatron.model.megatron_config`)."""
+    if transformer_engine_available():
+        return AttentionKernel.flash
+    if importlib.util.find_spec("scaled_masked_softmax_cuda") is not None:
+        return AttentionKernel.fused_softmax
+    return AttentionKernel.torch_softmax
 
 
 def primepar_misfits(model: ModelSpec, tp: int, tokens: int) -> list[tuple[str, str]]:

@@ -145,10 +145,15 @@ def install() -> None:
     if _installed:
         return
     propagator = DTensor._op_dispatcher.sharding_propagator
-    for op in _SPLIT_OPS:
-        propagator.op_strategy_funcs[op] = _with_split(propagator.op_strategy_funcs[op])
-        propagator.op_to_scalar_shape_adjuster[op] = _adjust_split_size
-    propagator.op_strategy_funcs[aten.cat.default] = _with_cat(propagator.op_strategy_funcs[aten.cat.default])
+    # PyTorch releases without the scalar-shape adjuster hook (2.11) could not run a strided split locally, and
+    # their DTensorSpec has no shard-order flag: there DTensor's own rules stay alone (an all-gather before the
+    # chunk), which prices the SwiGLU split pessimistically but runs correctly.
+    adjusters = getattr(propagator, "op_to_scalar_shape_adjuster", None)
+    if adjusters is not None:
+        for op in _SPLIT_OPS:
+            propagator.op_strategy_funcs[op] = _with_split(propagator.op_strategy_funcs[op])
+            adjusters[op] = _adjust_split_size
+        propagator.op_strategy_funcs[aten.cat.default] = _with_cat(propagator.op_strategy_funcs[aten.cat.default])
     propagator.propagate_op_sharding.cache_clear()
     _installed = True
 

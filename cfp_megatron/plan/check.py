@@ -28,6 +28,7 @@ from cfp_megatron.profile.cluster import local_measurements
 from cfp_megatron.profile.db import ProfileDB, StepCalibration, update_db
 from cfp_megatron.profile.fingerprint import current_fingerprint
 from cfp_megatron.profile.records import STEP_TOLERANCE, PlanCheckRecord
+from cfp_megatron.sim.options import options_here
 from cfp_megatron.sim.prediction import Prediction
 from cfp_megatron.sim.simulate import simulate
 
@@ -95,7 +96,8 @@ def with_breakdown(check: PlanCheck, job: JobSpec, world: int, plot_file: str | 
     check = dataclasses.replace(check, plot_file=plot_file)
     try:
         cluster, measurements = local_measurements(job, world_size=world)
-        prediction = simulate(dataclasses.replace(job, cluster=cluster), cluster, measurements, world_size=world)
+        prediction = simulate(dataclasses.replace(job, cluster=cluster), cluster, measurements, world_size=world,
+                              options=options_here(cluster) if measurements is not None else None)
     except (CfpError, OSError, ValueError) as err:
         return dataclasses.replace(check, breakdown_note=f"no predicted breakdown: simulating again failed ({err})")
     if abs(prediction.step_time_s / check.predicted_step_s - 1.0) > BREAKDOWN_MATCH:

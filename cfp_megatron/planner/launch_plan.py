@@ -202,7 +202,8 @@ def profile_priority(job: JobSpec, cfp: CfpSpec, world: int) -> tuple[str, ...]:
         cluster, measurements = local_measurements(job, world_size=world)
         found = MegatronBackend().search(dataclasses.replace(job, cluster=cluster), world,
                                          dataclasses.replace(cfp, top_k=max(cfp.top_k, PRIORITY_PLANS)), BackendSpec(),
-                                         measurements=measurements, inputs_fingerprint="", on_gpu=False)
+                                         measurements=measurements, inputs_fingerprint="",
+                                         on_gpu=not cluster.on_cpu)
     except CfpError:
         return ()
     out: dict[str, None] = {}
@@ -226,7 +227,7 @@ def _search_on_rank0(job: JobSpec, cfp: CfpSpec, world: int) -> tuple[Plan, tupl
     planned = dataclasses.replace(job, cluster=cluster)
     key = measurements.fingerprint.key if measurements is not None else None
     found = MegatronBackend().search(planned, world, cfp, BackendSpec(), measurements=measurements,
-                                     inputs_fingerprint=inputs_fingerprint(planned, key), on_gpu=False)
+                                     inputs_fingerprint=inputs_fingerprint(planned, key), on_gpu=not cluster.on_cpu)
     # Earlier runs of this model on this profile, checked against plans of the same layout family, scale the step
     # time shown and checked (the plan keeps the simulator's; the ranking does not change).
     def scale_of(p: Plan) -> float:
@@ -250,10 +251,12 @@ def coverage_lines(outcome: Any, budget_s: float, world: int, overrides: list[st
 
     parts = []
     for r in outcome.coverage:
-        total = len(r.measured) + len(r.missing) + r.reused
+        total = len(r.measured) + len(r.missing) + r.reused + len(r.over_memory)
         state = "timed out" if r.status.value == "timeout" else r.status.value if r.status.value != "ok" else ""
         said = f"{r.name} {total - len(r.missing)}/{total}"
-        said += f" ({len(r.measured)} measured, {r.reused} reused" + (f", {state}" if state else "") + ")"
+        said += (f" ({len(r.measured)} measured, {r.reused} reused"
+                 + (f", {len(r.over_memory)} over memory" if r.over_memory else "") + (f", {state}" if state else "")
+                 + ")")
         parts.append(said)
     lines = [f"profile (budget {budget_s:.0f} s): " + "; ".join(parts)] if parts else []
     return lines + completion_hint(outcome, overrides, world=world)

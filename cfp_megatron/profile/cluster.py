@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from cfp_megatron.base.compose import CONF_DIR
 from cfp_megatron.base.config import ClusterSpec, JobSpec
 from cfp_megatron.cluster.measured import Collective, CollectiveFit, Measurements, Span
 from cfp_megatron.profile.db import load_db
@@ -50,6 +51,52 @@ def measured_cluster(spec: ClusterSpec, measured: Measurements, *, gpus_per_node
     return dataclasses.replace(spec, **changes)
 
 
+def _model_token(device_name: str) -> str:
+    """The model in an accelerator's name: ``H200`` of ``NVIDIA H200`` and of ``NVIDIA H200-SXM-141GB``."""
+    words = device_name.upper().replace("NVIDIA", " ").replace("AMD", " ").replace("INSTINCT", " ").split()
+    return words[0].split("-")[0] if words else ""
+
+
+def device_preset(device_name: str, memory_gib: float) -> dict[str, Any] | None:
+    """The vendor preset (``conf/cluster``) of an accelerator: the same model in its name (``H200``, ``MI300X``),
+    of those the one whose memory is nearest ``memory_gib`` (an H100 NVL's 94 GB against the SXM part's 80) and whose
+    name's variant words match (``NVL``); ``None`` for an accelerator without one."""
+    from omegaconf import OmegaConf
+
+    token = _model_token(device_name)
+    variant = "NVL" in device_name.upper().split()
+    found = []
+    for path in sorted((CONF_DIR / "cluster").glob("*.yaml")):
+        preset = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        name = str(preset.get("device_name", ""))
+        if not token or _model_token(name) != token or ("NVL" in name.upper().split()) != variant:
+            continue
+        found.append((abs(float(preset.get("hbm_gib") or 0.0) - memory_gib), path.stem, preset))
+    return min(found)[2] if found else None
+
+
+def this_device(spec: ClusterSpec) -> ClusterSpec:
+    """``spec`` with this machine's GPU filled in where it names none (the ``local`` preset): its name and memory
+    capacity (the planner's memory limit) from the device, and from its vendor preset (:func:`device_preset`) the
+    figures profiling does not measure: memory bandwidth (the optimizer's and element-wise work's rate) and the fp8
+    peak. Unchanged on CPU, where host memory is the limit."""
+    import torch
+
+    if not torch.cuda.is_available() or spec.hbm_gib is not None:
+        return spec
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    memory_gib = props.total_memory / 2**30
+    changes: dict[str, Any] = {"hbm_gib": memory_gib}
+    if spec.on_cpu:
+        changes["device_name"] = props.name
+    preset = device_preset(props.name, memory_gib)
+    if preset is not None:
+        for key in ("hbm_bandwidth_gbps", "peak_tflops_fp8"):
+            if getattr(spec, key) is None and preset.get(key) is not None:
+                changes[key] = float(preset[key])
+    return dataclasses.replace(spec, **changes)
+
+
 def local_measurements(job: JobSpec, *, world_size: int,
                        backend: str | None = None) -> tuple[ClusterSpec, ProfileDB | None]:
     """What this machine measured for ``job`` on ``world_size`` ranks: the job's cluster filled from its ProfileDB
@@ -60,7 +107,7 @@ def local_measurements(job: JobSpec, *, world_size: int,
 
     from cfp_megatron.engine.distributed import resolve_backend
 
-    spec = job.cluster
+    spec = this_device(job.cluster)
     fp = current_fingerprint(world_size=world_size, nodes=spec.nodes, backend=backend or resolve_backend(spec.backend))
     db = load_db(fp)
     if db is None:

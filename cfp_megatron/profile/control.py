@@ -23,7 +23,8 @@ from cfp_megatron.profile.records import RoundRecord, RoundStatus
 
 FAULT_ENV = "CFP_PROFILE_FAULT"
 """Test hook, comma-separated entries: ``<round>:fail[:<rank>]`` makes that round's first step raise on one rank
-(default: the last); ``<round>:slow`` makes its first step outlast the round's deadline on every rank."""
+(default: the last), ``<round>:oom[:<rank>]`` run out of device memory there; ``<round>:slow`` makes its first step
+outlast the round's deadline on every rank."""
 SLOTS = 5
 """Length of the sync tensor: stop, failed, and up to three measured values."""
 
@@ -104,14 +105,24 @@ def slowest(values: Sequence[float]) -> tuple[float, ...]:
     return tuple(float(v) for v in tensor.tolist())
 
 
-def sync(stop: bool, failed: bool, values: Sequence[float]) -> tuple[bool, bool, tuple[float, ...]]:
-    """One all-reduce (MAX) over the default group: rank 0's ``stop``, anyone's ``failed``, the slowest values."""
+def sync(stop: bool, failed: bool, values: Sequence[float], *, out_of_memory: bool = False
+         ) -> tuple[bool, bool, tuple[float, ...], bool]:
+    """One all-reduce (MAX) over the default group: rank 0's ``stop``, anyone's ``failed``, the slowest values, and
+    whether any rank's step ran out of device memory (``out_of_memory``; a failure of any other kind on another rank
+    outranks it: ``failed``)."""
     if len(values) > SLOTS - 2:
         raise ProfileError(f"a step may report at most {SLOTS - 2} values; got {len(values)}.")
-    data = [1.0 if stop and dist.get_rank() == 0 else 0.0, 1.0 if failed else 0.0, *values]
+    state = 2.0 if failed else 1.0 if out_of_memory else 0.0
+    data = [1.0 if stop and dist.get_rank() == 0 else 0.0, state, *values]
     data += [0.0] * (SLOTS - len(data))  # the same length on every rank (a failed step reports no values)
     out = slowest(data)
-    return out[0] > 0, out[1] > 0, tuple(out[2:2 + len(values)])
+    return out[0] > 0, out[1] > 1.5, tuple(out[2:2 + len(values)]), 0.5 < out[1] < 1.5
+
+
+def _free_device_memory() -> None:
+    """Return the cached blocks of a step that ran out of memory to the device, so the next step starts clean."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def first_reason(reason: str | None) -> str:
@@ -141,9 +152,11 @@ def run_round(name: str, steps: Sequence[Step], *, seconds: float,
     rank = dist.get_rank()
     deadline = start + seconds
     # Every rank learns rank 0's share, so an injected slow step can outlast it everywhere.
-    _, _, (share,) = sync(False, False, [seconds if rank == 0 else 0.0])
+    _, _, (share,), _ = sync(False, False, [seconds if rank == 0 else 0.0])
     fault = _injected_fault(name)
     results: list[StepResult] = []
+    over_memory: list[str] = []
+    unbuilt: set[str] = set()  # set-up steps that ran out of memory
     status, reason = RoundStatus.ok, ""
     stop = share <= 0
     for index, step in enumerate(steps):
@@ -152,27 +165,44 @@ def run_round(name: str, steps: Sequence[Step], *, seconds: float,
             break
         if on_step is not None:
             on_step(index, len(steps), step.label)
+        if step.needs is not None and step.needs in unbuilt:  # its set-up ran out of memory: so would it
+            if step.entry is not None:
+                over_memory.append(step.entry)
+            continue
         began = time.perf_counter()
-        failed, message, values = False, None, ()
+        failed, oom, message, values = False, False, None, ()
         try:
             if fault is not None and index == 0:
                 kind, fault_rank = fault
                 if kind == "fail" and rank == fault_rank:
                     raise ProfileError(f"injected failure ({FAULT_ENV}) in {step.label}")
+                if kind == "oom" and rank == fault_rank:
+                    raise torch.OutOfMemoryError(f"injected out of memory ({FAULT_ENV}) in {step.label}")
                 if kind == "slow":
                     time.sleep(share + 0.5)
             values = tuple(float(v) for v in step.run())
+        except torch.OutOfMemoryError:
+            oom = True  # the probe does not fit this device: recorded, and the round goes on
         except Exception as err:  # noqa: BLE001 - any failure of a step is recorded, never raised
             failed, message = True, f"{step.label}: {type(err).__name__}: {err}"
+        if oom:
+            _free_device_memory()  # after the except clause: its traceback no longer holds the step's tensors
         # Rank 0's estimate of the next step: this one (steps grow slowly; a one-off slow first step, e.g. lazy
         # initialisation, does not end the round).
         last = time.perf_counter() - began
         stop_next = time.perf_counter() + last > deadline
         try:
-            stop, any_failed, values = sync(stop_next, failed, values if not failed else ())
+            stop, any_failed, values, any_oom = sync(stop_next, failed, values if not (failed or oom) else (),
+                                                     out_of_memory=oom)
         except Exception as err:  # noqa: BLE001 - a broken group ends the round, never the job
             status, reason = RoundStatus.failed, f"sync after {step.label}: {type(err).__name__}: {err}"
             break
+        if any_oom and not any_failed:
+            if step.entry is None:
+                unbuilt.add(step.label)
+            else:
+                over_memory.append(step.entry)
+            continue
         if any_failed:
             status = RoundStatus.failed
             try:
@@ -182,7 +212,8 @@ def run_round(name: str, steps: Sequence[Step], *, seconds: float,
             break
         results.append(StepResult(label=step.label, values=values))
     record = RoundRecord(name=name, status=status, reason=reason, steps_done=len(results), steps_planned=len(steps),
-                         seconds=round(time.perf_counter() - start, 3))
+                         seconds=round(time.perf_counter() - start, 3),
+                         over_memory=tuple(dict.fromkeys(over_memory)))
     return results, record
 
 

@@ -288,6 +288,8 @@ class ProfileDB:
         else:
             raise ProfileDBError(f"unknown profiling round {round_name!r}. Fix: one of collectives, gemm, segments, "
                                  "overheads, recompute.")
+        # What ran out of device memory here is not retried: it would again.
+        have |= {e for r in self.rounds if r.name == round_name and r.model == model for e in r.over_memory}
         return [e for e in planned if e not in have]
 
     def for_model(self, model: str) -> ProfileDB:

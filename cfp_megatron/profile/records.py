@@ -74,6 +74,9 @@ class RoundRecord:
     cfp_megatron.profile`` measures only these); empty when complete and in older records."""
     reused: int = 0
     """Entries the DB already held, not measured again."""
+    over_memory: tuple[str, ...] = ()
+    """Entries whose step ran out of device memory on this machine (a set-up step's: the entries that need it): not
+    measured, and not retried by later runs; plans that would read them are priced by the analytical model."""
 
     @property
     def complete(self) -> bool:
@@ -83,16 +86,18 @@ class RoundRecord:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready form."""
         return {**dataclasses.asdict(self), "status": self.status.value, "measured": list(self.measured),
-                "missing": list(self.missing)}
+                "missing": list(self.missing), "over_memory": list(self.over_memory)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RoundRecord:
-        """Parse :meth:`to_json`'s output (records written before ``model``, ``measured``, ``missing`` and
-        ``reused`` existed load with their defaults); :class:`ProfileFigureError` for a count or time out of range."""
+        """Parse :meth:`to_json`'s output (records written before ``model``, ``measured``, ``missing``, ``reused``
+        and ``over_memory`` existed load with their defaults); :class:`ProfileFigureError` for a count or time out of
+        range."""
         check_figures(data, {"steps_done": "tally", "steps_planned": "tally", "seconds": "non_negative",
                              "reused": "tally"})
         return cls(**{**data, "status": RoundStatus(data["status"]),
-                      "measured": tuple(data.get("measured", ())), "missing": tuple(data.get("missing", ()))})
+                      "measured": tuple(data.get("measured", ())), "missing": tuple(data.get("missing", ())),
+                      "over_memory": tuple(data.get("over_memory", ()))})
 
 
 def gemm_entry(m: int, n: int, k: int, dtype: str) -> str:

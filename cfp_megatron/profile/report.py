@@ -55,11 +55,11 @@ def render(db: ProfileDB, rounds: tuple[RoundRecord, ...], *, console: Console |
     console.print(seg)
     if rounds:
         rt = Table(title="Rounds of this run")
-        for col in ("round", "status", "steps", "seconds", "measured", "reused", "missing", "reason"):
+        for col in ("round", "status", "steps", "seconds", "measured", "reused", "missing", "over memory", "reason"):
             rt.add_column(col, overflow="fold")
         for r in rounds:
             entries = r.name not in ("analysis", "collective-fits")
             rt.add_row(r.name, r.status.value, f"{r.steps_done}/{r.steps_planned}", f"{r.seconds:.2f}",
                        str(len(r.measured)) if entries else "", str(r.reused) if entries else "",
-                       str(len(r.missing)) if entries else "", r.reason)
+                       str(len(r.missing)) if entries else "", str(len(r.over_memory)) if entries else "", r.reason)
         console.print(rt)

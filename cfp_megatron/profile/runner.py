@@ -333,7 +333,7 @@ def _merge(db: ProfileDB, job: JobSpec, plan: dict[str, Any], results: dict[str,
             done = {r.label for r in results[name][1][0]}
             measured = [e for e in asked if e in done and collective_entry_key(e) in fitted]
         else:  # read off the records themselves
-            lacking = set(merged.missing_entries(name, key, asked))
+            lacking = set(merged.missing_entries(name, key, asked)) | set(rounds_done[i].over_memory)
             measured = [e for e in asked if e not in lacking]
         rounds_done[i] = dataclasses.replace(rounds_done[i], model="" if name in ("collectives", "gemm") else key,
                                              measured=tuple(measured),

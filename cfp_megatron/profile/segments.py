@@ -32,7 +32,7 @@ from cfp_megatron.engine.memory import tensor_tracker
 from cfp_megatron.engine.model import build_model_chunks
 from cfp_megatron.model.analysis import analyze
 from cfp_megatron.model.megatron_config import transformer_config
-from cfp_megatron.model.megatron_layers import layer_kind_name
+from cfp_megatron.model.megatron_layers import cast_for_training, layer_kind_name
 from cfp_megatron.profile.control import Step, StepResult
 from cfp_megatron.profile.records import SegmentRecord, segment_entry
 
@@ -168,7 +168,9 @@ class SegmentBench:
         init_probe_groups(d, case.job.train.seed)
         self.on_gpu = torch.cuda.is_available()
         self.config = transformer_config(case.job, d, on_gpu=self.on_gpu)
-        (self.model,) = build_model_chunks(case.job, self.config, d, model_groups())
+        # Cast as the runtime's Float16Module casts the model under bf16/fp16 (norm weights included).
+        (self.model,) = (cast_for_training(m, self.config)
+                         for m in build_model_chunks(case.job, self.config, d, model_groups()))
         self.case = case
         self.repeats = repeats
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
@@ -180,7 +182,9 @@ class SegmentBench:
         if case.job.parallel.recompute is Recompute.selective:
             plain = dataclasses.replace(case.job, parallel=dataclasses.replace(case.job.parallel,
                                                                                recompute=Recompute.none))
-            (twin,) = build_model_chunks(plain, transformer_config(plain, d, on_gpu=self.on_gpu), d, model_groups())
+            twin_config = transformer_config(plain, d, on_gpu=self.on_gpu)
+            (twin,) = (cast_for_training(m, twin_config)
+                       for m in build_model_chunks(plain, twin_config, d, model_groups()))
             self.plain_layers = {layer_kind_name(layer): layer for layer in twin.decoder.layers}
 
     def _part(self, kind: str, micro_batch: int, *, plain: bool = False) -> tuple[Any, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cfp_megatron.base.config import Activation, AttentionKind, JobSpec, MlpPartition, RecomputeModule
+from cfp_megatron.base.config import Activation, AttentionKernel, AttentionKind, JobSpec, MlpPartition, RecomputeModule
 from cfp_megatron.base.flops import attention_params, mlp_params
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
@@ -125,7 +125,10 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
     replicated_elements = 12.0 * hidden / (tp if sp else 1)
     split_elements = qkv_width / tp
     if not options.flash_attention:
-        split_elements += 4.0 * model.num_attention_heads * seq_length / tp  # scores written, softmaxed, read back
+        # Scores written, softmaxed, read back: 8 bytes a score with the fused softmax kernel; PyTorch's fp32
+        # softmax also copies to fp32, masks in place, softmaxes and copies back (32 bytes).
+        per_score = 16.0 if options.attention is AttentionKernel.torch_softmax else 4.0
+        split_elements += per_score * model.num_attention_heads * seq_length / tp
     params = attn_params / tp + 4 * hidden
     expert_params = 0.0
     primepar: MlpCost | None = None

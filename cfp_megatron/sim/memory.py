@@ -9,6 +9,7 @@ import dataclasses
 
 from cfp_megatron.base.config import (
     Activation,
+    AttentionKernel,
     JobSpec,
     MlpPartition,
     Normalization,
@@ -74,9 +75,15 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
     # Split over TP: Q, K, V (MLA's up-projected ones are recomputed with mla_up_proj), attention output.
     qkv = 0.0 if RecomputeModule.mla_up_proj in modules else 2 * q_width + 2 * kv_width + 2 * kv_width
     per_token += (qkv + linear_input_bytes * q_width) / tp
-    if not options.flash_attention and recompute is Recompute.none:
+    scores_kept = recompute is Recompute.none or (recompute is Recompute.selective
+                                                  and RecomputeModule.core_attn not in modules)
+    if not options.flash_attention and scores_kept:
+        # Bytes kept per score: the bf16 probabilities the context GEMM reads, or with dropout the softmax output,
+        # the dropout's mask and its output; PyTorch's fp32 softmax (no fused kernel) also keeps its fp32 output.
         attn_mask = 1.0 if model.attention_dropout > 0 else 0.0
-        per_token += heads * layout.seq_length * (2 + attn_mask + 2 * attn_mask) / tp
+        per_score = (4 + 2 + attn_mask if options.attention is AttentionKernel.torch_softmax
+                     else 2 + attn_mask + 2 * attn_mask)
+        per_token += heads * layout.seq_length * per_score / tp
     gated = model.activation is Activation.swiglu
     if moe:
         expert_ffn = model.moe_ffn_hidden_size or model.ffn_size
@@ -104,6 +111,23 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
                                                 elem=2.0) / tokens
     full_recompute_bytes = tokens * hidden * 2 * replicated_share  # the layer's input only
     return tokens * per_token, full_recompute_bytes
+
+
+def unfused_attention_working_bytes(job: JobSpec, layout: Layout, options: SimOptions) -> float:
+    """Bytes an unfused attention core holds for a moment in one layer's backward pass on one rank, beyond what the
+    model keeps: the scores' gradient through the softmax (bf16 in and out of the fused softmax kernel; PyTorch's fp32
+    softmax takes and returns fp32 gradients, 4 + 4 bytes a score), plus the scores themselves where selective
+    recomputation recomputes the core. Zero for a fused (flash) kernel."""
+    if options.flash_attention:
+        return 0.0
+    model, dims = job.model, layout.dims
+    torch_softmax = options.attention is AttentionKernel.torch_softmax
+    per_score = 8.0 if torch_softmax else 4.0
+    if (job.parallel.recompute is Recompute.selective
+            and RecomputeModule.core_attn in job.parallel.recomputed_modules):
+        per_score += 6.0 if torch_softmax else 2.0
+    scores = layout.micro_batch * model.num_attention_heads * (layout.seq_length / dims.cp) * layout.seq_length
+    return scores * per_score / dims.tp
 
 
 def in_flight(rank: int, pp: int, vpp: int, microbatches: int) -> int:
@@ -295,6 +319,8 @@ def stage_memory(job: JobSpec, layout: Layout, options: SimOptions, *, rank: int
         kept = plan_dense * dense_act + (dense_layers - plan_dense) * megatron_act + moe_layers * moe_act
         working = 0.0
     tokens = layout.micro_batch * layout.seq_length / dims.cp
+    if layers:
+        working += unfused_attention_working_bytes(job, layout, options)
     activations = kept * held_microbatches + working
     if last:  # fp32 logits and their gradient, of the main head and of each MTP layer's
         activations += 2 * tokens * model.padded_vocab_size / dims.tp * 4.0 * (1 + model.mtp_num_layers)

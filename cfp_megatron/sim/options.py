@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cfp_megatron.base.config import AttentionKernel, ClusterSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.parallel_dims import attention_kernel_here
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,8 +20,10 @@ class SimOptions:
     """Fully sharded data parallelism (ZeRO-3 / PyTorch FSDP FULL_SHARD): parameters, gradients and optimizer states
     sharded over DP; each layer's parameters all-gathered before its forward and backward, gradients
     reduce-scattered after its backward, prefetched so they overlap with the neighbouring layer's compute."""
-    flash_attention: bool = True
-    """The attention core is a fused kernel that stores no ``s x s`` scores (FlashAttention / cuDNN)."""
+    attention: AttentionKernel = AttentionKernel.flash
+    """How the attention core runs: a fused kernel that stores no ``s x s`` scores (FlashAttention / cuDNN, the
+    default: NVIDIA's containers ship Transformer Engine), or Megatron's unfused core with or without its fused
+    softmax kernel (:func:`cfp_megatron.base.parallel_dims.attention_kernel_here` says which one this machine runs)."""
     tp_comm_overlap: bool = False
     """Overlap TP/SP all-gathers and reduce-scatters with the GEMMs next to them (Transformer Engine's userbuffers
     ring exchange): only the first of ``tp`` chunks and what the GEMM cannot cover stay exposed."""
@@ -39,6 +43,11 @@ class SimOptions:
     """Largest pipeline schedule (ranks x micro-batches x chunks x 2) simulated event by event; larger ones use
     two shorter schedules extrapolated (:func:`cfp_megatron.sim.schedule.run_schedule`)."""
 
+    @property
+    def flash_attention(self) -> bool:
+        """Whether the attention core is a fused kernel that keeps no scores."""
+        return self.attention is AttentionKernel.flash
+
     def __post_init__(self) -> None:
         """Raises :class:`ConfigError` for a ``max_schedule_ops`` below 1."""
         if not 1.0 <= self.moe_routing_imbalance <= 64.0:
@@ -48,3 +57,10 @@ class SimOptions:
         if self.max_schedule_ops < 1:
             raise ConfigError(ConfigIssue(key="sim.max_schedule_ops", value=self.max_schedule_ops,
                                           problem="must be positive.", fix="use e.g. 200000."))
+
+
+def options_here(cluster: ClusterSpec) -> SimOptions | None:
+    """The options of a plan made for this machine from its profile: on a GPU, the attention core the runtime
+    builds here (unfused without Transformer Engine, keeping its scores); ``None`` (the defaults) on CPU, whose
+    layers are priced from their measured segments."""
+    return None if cluster.on_cpu else SimOptions(attention=attention_kernel_here())

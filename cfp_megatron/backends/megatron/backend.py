@@ -19,6 +19,7 @@ from cfp_megatron.plan.artifact import Plan, PlanPrediction
 from cfp_megatron.plan.check import PlanCheck
 from cfp_megatron.search.search import search
 from cfp_megatron.sim.kernels import target_peak_tflops
+from cfp_megatron.sim.options import options_here
 from cfp_megatron.sim.uncertainty import error_band
 
 
@@ -35,7 +36,8 @@ class MegatronBackend:
         # Planning on this machine (a profile was measured here) knows whether Transformer Engine is there; a
         # preflight plan for a GPU cluster assumes it, as NVIDIA's containers ship it.
         te = transformer_engine_available() if measurements is not None else True
-        result = search(job, world, cfp, measurements=measurements, te_available=te)
+        options = options_here(job.cluster) if measurements is not None else None
+        result = search(job, world, cfp, measurements=measurements, options=options, te_available=te)
         peak = target_peak_tflops(job)
         plans = tuple(Plan.from_job(r.job, world_size=world, prediction=PlanPrediction.of(r.prediction, peak,
                                                                                       error_band(r.job),
