@@ -183,6 +183,7 @@ def test_the_local_cluster_on_a_gpu_takes_its_memory_and_bandwidth(monkeypatch) 
 
     import torch
 
+    from cfp_megatron.profile import cluster as cluster_module
     from cfp_megatron.profile.cluster import this_device
 
     spec = ClusterSpec(name="local")
@@ -196,3 +197,9 @@ def test_the_local_cluster_on_a_gpu_takes_its_memory_and_bandwidth(monkeypatch) 
     assert filled.hbm_bandwidth_gbps == 4800.0 and filled.peak_tflops_fp8 == 1979.0 and not filled.on_cpu
     assert filled.peak_tflops_bf16 is None  # measured by profiling, not taken from the datasheet
     assert this_device(ClusterSpec(name="h200", hbm_gib=141.0)).hbm_bandwidth_gbps is None  # a preset stays itself
+    # A GPU without a preset: its measured copy rate, no fp8 figure.
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: types.SimpleNamespace(name="NVIDIA GeForce RTX 4090", total_memory=24 * 2**30))
+    monkeypatch.setattr(cluster_module, "copy_bandwidth_gbps", lambda: 912.5)
+    other = this_device(spec)
+    assert other.hbm_bandwidth_gbps == 912.5 and other.peak_tflops_fp8 is None and other.hbm_gib == 24.0

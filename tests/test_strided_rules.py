@@ -75,3 +75,29 @@ def test_fused_swiglu_runs_without_collectives_in_megatrons_interleaved_layout(t
         assert report["w1_grad"] == "S(0;2)", report  # the weight gradient keeps the weight's interleaved layout
         for key in ("out_error", "w1_grad_error", "w2_grad_error", "x_grad_error"):
             assert report[key] < 1e-12, (key, report)
+
+
+def test_without_the_scalar_shape_hook_dtensor_keeps_its_own_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PyTorch 2.11's sharding propagator has no scalar-shape adjuster (seen on a GPU machine): a strided split could
+    not run locally there, so the rules are left out and importing the analysis still works."""
+    import types
+
+    from torch.distributed.tensor import DTensor
+
+    from cfp_megatron.graph import strided_rules
+
+    cleared: list[bool] = []
+    funcs = {op: object() for op in (*strided_rules._SPLIT_OPS, torch.ops.aten.cat.default)}
+    propagator = types.SimpleNamespace(op_strategy_funcs=dict(funcs),
+                                       propagate_op_sharding=types.SimpleNamespace(
+                                           cache_clear=lambda: cleared.append(True)))
+    monkeypatch.setattr(DTensor, "_op_dispatcher", types.SimpleNamespace(sharding_propagator=propagator))
+    monkeypatch.setattr(strided_rules, "_installed", False)
+    strided_rules.install()
+    assert propagator.op_strategy_funcs == funcs and cleared == [True]
+    # With the hook, the split and cat rules wrap DTensor's.
+    propagator.op_to_scalar_shape_adjuster = {}
+    monkeypatch.setattr(strided_rules, "_installed", False)
+    strided_rules.install()
+    assert set(propagator.op_to_scalar_shape_adjuster) == set(strided_rules._SPLIT_OPS)
+    assert all(propagator.op_strategy_funcs[op] is not funcs[op] for op in funcs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any
 
 from cfp_megatron.base.compose import CONF_DIR
@@ -79,7 +80,8 @@ def this_device(spec: ClusterSpec) -> ClusterSpec:
     """``spec`` with this machine's GPU filled in where it names none (the ``local`` preset): its name and memory
     capacity (the planner's memory limit) from the device, and from its vendor preset (:func:`device_preset`) the
     figures profiling does not measure: memory bandwidth (the optimizer's and element-wise work's rate) and the fp8
-    peak. Unchanged on CPU, where host memory is the limit."""
+    peak; a GPU without a preset gets its measured copy rate (:func:`copy_bandwidth_gbps`). Unchanged on CPU, where
+    host memory is the limit."""
     import torch
 
     if not torch.cuda.is_available() or spec.hbm_gib is not None:
@@ -94,7 +96,32 @@ def this_device(spec: ClusterSpec) -> ClusterSpec:
         for key in ("hbm_bandwidth_gbps", "peak_tflops_fp8"):
             if getattr(spec, key) is None and preset.get(key) is not None:
                 changes[key] = float(preset[key])
+    elif spec.hbm_bandwidth_gbps is None:  # a GPU without a preset: its copy rate, measured here
+        changes["hbm_bandwidth_gbps"] = copy_bandwidth_gbps()
     return dataclasses.replace(spec, **changes)
+
+
+@functools.cache
+def copy_bandwidth_gbps(nbytes: int = 512 * 2**20, repeats: int = 10) -> float:
+    """Bytes read and written per second (GB/s) by a device-to-device copy of ``nbytes`` on the current GPU, the
+    median of ``repeats`` copies after one warm-up (once per process). An achieved rate, which the simulator's memory
+    efficiency then lowers a little more than a datasheet figure would need."""
+    import statistics
+
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1000.0)
+    return 2 * nbytes / statistics.median(seconds) / 1e9
 
 
 def local_measurements(job: JobSpec, *, world_size: int,
