@@ -376,3 +376,32 @@ def test_tp_overlap_is_left_off_where_its_buffers_do_not_fit() -> None:
     tight, tight_cfp = compose_job(*common, f"cluster.hbm_gib={limit}")
     ranked = search(tight, 8, tight_cfp).ranked
     assert ranked and not ranked[0].candidate.tp_overlap and ranked[0].job.parallel.overlap_grad_reduce
+
+
+def test_the_search_offers_recomputing_a_moe_models_norms_and_expert_activations() -> None:
+    """Selective recomputation of named modules (Megatron-Core's ``recompute_modules``) is a candidate of its own
+    for a MoE model where Transformer Engine runs the grouped-GEMM experts and the user names no modules; it keeps
+    less than core attention's recomputation alone, and the plan carries its modules."""
+    job, cfp = compose_job("model=moe_tiny", "cluster=dgx_h100", "cluster.nodes=1", "cluster.gpus_per_node=4",
+                           "train.global_batch_size=16", "train.seq_length=256")
+    space = build_space(job, 4, cfp, te_available=True)
+    assert space.recompute_values() == ["none", "selective", "full", "block", "selective:moe_act+layernorm"]
+    assert "selective:moe_act+layernorm" not in build_space(job, 4, cfp, te_available=False).recompute_values()
+    pinned = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, recompute=Recompute.selective,
+                                                                   recompute_modules="moe_act"))
+    assert build_space(pinned, 4, cfp, te_available=True).recompute_values()[-1] == "block"  # the user's modules
+    dense, dense_cfp = compose_job("model=llama_tiny", "cluster=dgx_h100", "cluster.nodes=1",
+                                   "cluster.gpus_per_node=4")
+    assert "selective:" not in " ".join(build_space(dense, 4, dense_cfp).recompute_values())
+    family = space.families[0]
+    cands = {c.recompute: c for c in space.candidates(family) if c.micro_batch == 1 and c.vpp == 1
+             and not c.distributed_optimizer and not c.sp and c.first_stage_layers == 0}
+    modules = cands["selective:moe_act+layernorm"]
+    planned = modules.job(job)
+    assert planned.parallel.recompute.value == "selective"
+    assert planned.parallel.recompute_modules == "moe_act+layernorm"
+    assert "rc=selective[moe_act+layernorm]" in modules.describe(4)
+    plain = simulate(cands["selective"].job(job))
+    with_modules = simulate(planned)
+    assert with_modules.memory.activations < plain.memory.activations
+    assert with_modules.time.recompute_s > plain.time.recompute_s

@@ -61,6 +61,7 @@ from cfp_megatron.search.space import (
     build_space,
     family_of_key,
     max_chunk_layers,
+    recompute_parts,
     split_stage_counts,
 )
 from cfp_megatron.sim.kernels import grad_element_bytes
@@ -448,7 +449,6 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
     kept: dict[tuple, _KeptBytes] = {}
     gpn = job.cluster.gpus_per_node or world
     size = 0
-    recomputes = {rc.value: rc for rc in Recompute} | {BLOCK: Recompute.full}
     mlps = {p.value: p for p in MlpPartition}
     for fam in space.families:
         placed: Layout | None = None
@@ -465,8 +465,9 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
                                       order=job.parallel.order)
                 dims = ParallelDims(parallel=family, world_size=world, num_microbatches=g.microbatches)
                 placed = place(job, dims, gpn)
-            ckey = cost_key(placed, recomputes[recompute], options, mlps[h.mlp], sp=h.sp, micro_batch=h.micro_batch,
-                            recompute_modules=job.parallel.recompute_modules)
+            granularity, modules = recompute_parts(recompute)
+            ckey = cost_key(placed, granularity, options, mlps[h.mlp], sp=h.sp, micro_batch=h.micro_batch,
+                            recompute_modules=modules or job.parallel.recompute_modules)
             overlaps = (space.tp_overlap(tp=h.tp, sp=h.sp),
                         space.a2a_overlap(ep=h.ep, pp=pp, vpp=None, recompute=recompute))
             ckey += overlaps
@@ -603,9 +604,10 @@ def _layer_kept_bytes(head: GroupHead, placed: Layout, job: JobSpec, measurement
     it. Zero where measured segment memory may replace the model's activations (it is no bound on those)."""
     if measurements is not None and options.use_measured_segments:
         return 0.0
-    recompute = Recompute.full if head.recompute == BLOCK else Recompute(head.recompute)
+    recompute, named = recompute_parts(head.recompute)
     try:
-        modules = job.parallel.recompute_modules if recompute is Recompute.selective else None  # the user's
+        # the candidate's modules, else the user's
+        modules = (named or job.parallel.recompute_modules) if recompute is Recompute.selective else None
         spec = ParallelSpec(tp=head.tp, sp=head.sp, pp=head.pp, cp=head.cp, ep=head.ep, etp=head.etp,
                             recompute=recompute, recompute_modules=modules, mlp=MlpPartition(head.mlp),
                             order=job.parallel.order)

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import (
+    AttentionKind,
     JobSpec,
     MlpPartition,
     ModelSpec,
@@ -23,6 +24,7 @@ from cfp_megatron.base.config import (
     Precision,
     Recompute,
     RecomputeMethod,
+    RecomputeModule,
     TokenDispatcher,
     resolve_precision,
 )
@@ -131,9 +133,10 @@ class Candidate:
         if self.recompute == BLOCK:
             return {"recompute": Recompute.full, "recompute_method": RecomputeMethod.block,
                     "recompute_num_layers": max(self.recompute_layers, 1), "recompute_modules": None}
-        selective = self.recompute == Recompute.selective.value
-        return {"recompute": Recompute(self.recompute), "recompute_method": RecomputeMethod.uniform,
-                "recompute_num_layers": 1, "recompute_modules": base.recompute_modules if selective else None}
+        recompute, modules = recompute_parts(self.recompute)
+        selective = recompute is Recompute.selective
+        return {"recompute": recompute, "recompute_method": RecomputeMethod.uniform, "recompute_num_layers": 1,
+                "recompute_modules": (modules or base.recompute_modules) if selective else None}
 
     def job(self, job: JobSpec) -> JobSpec:
         """``job`` under this layout."""
@@ -154,6 +157,8 @@ class Candidate:
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += [f"etp{self.etp}"] if self.etp > 1 else []
         rc = f"block{self.recompute_layers}" if self.recompute == BLOCK else self.recompute
+        if rc.startswith(MODULES):
+            rc = f"selective[{rc[len(MODULES):]}]"
         parts += [f"primepar{self.primepar_layers or ''}"] if self.mlp == MlpPartition.primepar.value else []
         parts += [f"mb{self.micro_batch}", f"rc={rc}"]
         parts += ["dopt"] if self.distributed_optimizer else []
@@ -217,6 +222,36 @@ class Rejection:
 
 BLOCK = "block"
 """The candidate recompute value for full recomputation of only some layers per chunk (``recompute_method=block``)."""
+
+MODULES = "selective:"
+"""Prefix of a candidate recompute value that recomputes named submodules selectively: ``selective:moe_act+layernorm``
+(Megatron-Core's ``recompute_modules``); a plain ``selective`` recomputes the user's modules (core attention by
+default)."""
+
+
+def recompute_parts(value: str) -> tuple[Recompute, str | None]:
+    """(granularity, modules) of a candidate's recompute value: ``block`` is full recomputation, ``selective:<m>``
+    selective recomputation of the modules ``m`` (``+``-joined); ``None`` modules are the user's
+    (``parallel.recompute_modules``)."""
+    if value == BLOCK:
+        return Recompute.full, None
+    if value.startswith(MODULES):
+        return Recompute.selective, value[len(MODULES):]
+    return Recompute(value), None
+
+
+def offered_modules(model: ModelSpec, *, te_available: bool) -> str | None:
+    """The submodules the search offers to recompute besides core attention, where the user names none: a MoE
+    model's norms and expert activations (cheap to recompute, and a routed expert's activation input is among the
+    largest tensors a MoE layer keeps), with MLA's up-projections on an MLA model: what NVIDIA's H100 MoE recipes
+    recompute (GPT-OSS: ``layernorm+moe_act``). ``None`` for a dense model, or without Transformer Engine (the
+    experts' activation is recomputed only in its grouped-GEMM experts)."""
+    if not model.is_moe or not te_available:
+        return None
+    modules = [RecomputeModule.moe_act, RecomputeModule.layernorm]
+    if model.attention is AttentionKind.mla:
+        modules.append(RecomputeModule.mla_up_proj)
+    return "+".join(m.value for m in modules)
 
 MAX_STAGE_DEFICIT = 2
 """How many model chunks of layers fewer than a middle stage the first or the last pipeline stage may hold."""
@@ -359,7 +394,7 @@ class Space:
             return False
         if resolve_precision(job.train.precision, on_gpu=True) is Precision.fp32:
             return False
-        return recompute in (Recompute.none.value, Recompute.selective.value) and (pp == 1 or vpp != 1)
+        return recompute_parts(recompute)[0] is not Recompute.full and (pp == 1 or vpp != 1)
 
     def micro_batches(self, family: Family) -> list[int]:
         """Micro-batch sizes that divide the family's per-rank batch."""
@@ -402,12 +437,17 @@ class Space:
         return [v for v in values if allowed is None or v[0] in allowed]
 
     def recompute_values(self) -> list[str]:
-        """Recompute granularities, and ``block`` (full recomputation of the fewest layers per chunk that fit,
-        chosen by the search) where full recomputation is allowed and the model has layers to leave out."""
+        """Recompute granularities, ``block`` (full recomputation of the fewest layers per chunk that fit, chosen by
+        the search) where full recomputation is allowed and the model has layers to leave out, and selective
+        recomputation of :func:`offered_modules` where selective recomputation is allowed and the user names no
+        modules."""
         allowed = self.cfp.allowed("recompute")
         values = [r.value for r in Recompute if allowed is None or r in allowed]
         if Recompute.full.value in values and self.job.model.num_layers > 1:
             values.append(BLOCK)
+        modules = offered_modules(self.job.model, te_available=self.te_available)
+        if Recompute.selective.value in values and modules and self.job.parallel.recompute_modules is None:
+            values.append(MODULES + modules)
         return values
 
     def mlp_values(self, family: Family, micro_batch: int) -> list[str]:
