@@ -11,8 +11,9 @@ import pytest
 
 from cfp_megatron.base.config import MlpPartition, Recompute
 from cfp_megatron.cluster.measured import NothingMeasured, unmeasured_partitions
+from cfp_megatron.engine.metrics import StepMetrics
 from cfp_megatron.plan.artifact import PlanPrediction
-from cfp_megatron.plan.check import warnings_for
+from cfp_megatron.plan.check import device_memory, warnings_for
 from cfp_megatron.profile.db import ProfileDB, layout_family, robust_ratio
 from cfp_megatron.profile.fingerprint import Fingerprint
 from cfp_megatron.profile.records import PlanCheckRecord, SegmentRecord
@@ -155,3 +156,16 @@ def test_the_search_marks_plans_the_profile_did_not_measure() -> None:
             assert r.unmeasured == ()
         if p.tp > 1:
             assert any(f"tp{p.tp}" in u for u in r.unmeasured)
+
+
+def test_on_a_gpu_the_check_also_gives_the_allocators_peak() -> None:
+    """The check's memory is the tracked tensors' peak; on GPUs the allocator's (what running out of memory is
+    about) is given beside it, from the measured step; on CPU nothing is added."""
+    def step(n: int, *, tracked: float | None = None, device: float | None = None) -> StepMetrics:
+        return StepMetrics(step=n, loss=1.0, lr=1e-3, grad_norm=1.0, applied=True, step_time_s=0.1, tokens_per_s=1.0,
+                           tflops_per_rank=1.0, mfu=0.1, peak_bytes_max=tracked, device_peak_bytes_max=device)
+
+    record = _check(_db(), 1.0)
+    gpu = [step(1), step(2, tracked=1000.0, device=1030.0), step(3)]
+    assert device_memory(record, gpu) == {"device_peak_gib": round(1030.0 / 2**30, 4), "device_memory_diff": 0.03}
+    assert device_memory(record, [step(1), step(2, tracked=1000.0), step(3)]) == {}

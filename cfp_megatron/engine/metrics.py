@@ -106,6 +106,9 @@ class StepMetrics:
     """Model FLOPs utilisation: ``tflops_per_rank`` / peak."""
     peak_bytes_max: float | None = None
     """Peak memory of the most loaded rank, on the step memory was measured (``train.memory_step``)."""
+    device_peak_bytes_max: float | None = None
+    """On GPUs, the most any rank's caching allocator held on that step (``torch.cuda.max_memory_allocated``; the
+    figure an out-of-memory error is about); ``None`` on CPU and on the other steps."""
 
 
 class MetricsLog:

@@ -83,7 +83,7 @@ def _train_one(state: TrainState, stream: Iterator[dict[str, torch.Tensor]], log
         log.event("data_exhausted", step=state.step)
         return False
     start = time.perf_counter()
-    report, peak_bytes = None, None
+    report, peak_bytes, device_peak = None, None, None
     if t.memory_step is not None and state.step + 1 == t.memory_step:
         # MemTracker's hooks slow this step itself; gathering and logging the report is kept out of its time.
         (loss, grad_norm, lr, applied), report = measure_step(
@@ -96,11 +96,13 @@ def _train_one(state: TrainState, stream: Iterator[dict[str, torch.Tensor]], log
         reports: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(reports, report.to_json())
         peak_bytes = float(max(r["peak_bytes"] for r in reports))
+        allocated = [r["device_max_allocated_bytes"] for r in reports if r["device_max_allocated_bytes"] is not None]
+        device_peak = float(max(allocated)) if allocated else None
         log.event("memory", step=state.step, ranks=reports, peak_bytes_max=peak_bytes)
     tflops = flops_per_token * tokens_per_step / elapsed / dims.world_size / 1e12
     m = StepMetrics(step=state.step, loss=loss, lr=lr, grad_norm=grad_norm, applied=applied, step_time_s=elapsed,
                     tokens_per_s=tokens_per_step / elapsed, tflops_per_rank=tflops, mfu=tflops / peak,
-                    peak_bytes_max=peak_bytes)
+                    peak_bytes_max=peak_bytes, device_peak_bytes_max=device_peak)
     history.append(m)
     if state.step % t.log_interval == 0 or state.step == t.steps:
         log.step(m, t.steps)
