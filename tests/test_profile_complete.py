@@ -212,6 +212,8 @@ def test_a_step_out_of_device_memory_is_recorded_and_the_round_goes_on(one_rank_
     steps = [Step(label="build a", run=lambda: ran.append("build a") or []),
              Step(label="a mbs=1", run=lambda: ran.append("a1") or [1.0], entry="a mbs=1", needs="build a"),
              Step(label="a mbs=8", run=oom, entry="a mbs=8", needs="build a"),
+             Step(label="a mbs=8 memory", run=lambda: ran.append("a8 memory") or [5.0], entry="a mbs=8",
+                  needs="build a"),
              Step(label="a mbs=2", run=lambda: ran.append("a2") or [2.0], entry="a mbs=2", needs="build a"),
              Step(label="build b", run=unbuildable),
              Step(label="b mbs=1", run=lambda: ran.append("b1") or [3.0], entry="b mbs=1", needs="build b"),

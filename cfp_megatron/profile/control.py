@@ -169,6 +169,8 @@ def run_round(name: str, steps: Sequence[Step], *, seconds: float,
             if step.entry is not None:
                 over_memory.append(step.entry)
             continue
+        if step.entry is not None and step.entry in over_memory:  # an entry's other step (its memory) after an OOM
+            continue
         began = time.perf_counter()
         failed, oom, message, values = False, False, None, ()
         try:
