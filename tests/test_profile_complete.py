@@ -247,3 +247,41 @@ def test_entries_out_of_memory_are_not_retried(job: JobSpec) -> None:
     # Without the record they would be.
     plain = ProfileDB.from_json({**db.to_json(), "overheads": [r.to_json() for r in kept]})
     assert plain.missing_entries("overheads", key, planned["overheads"]) == list(too_big)
+
+
+def _oom_on_one_rank(rank: int, world: int, tmp: str) -> None:
+    """One of two gloo ranks runs out of memory in one step: both record it and go on together."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    try:
+        def big() -> list[float]:
+            if rank == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (rank 1 only)")
+            return [1.0]
+
+        steps = [Step(label="build a", run=list),
+                 Step(label="a mbs=1", run=lambda: [float(rank + 1)], entry="a mbs=1", needs="build a"),
+                 Step(label="a mbs=8", run=big, entry="a mbs=8", needs="build a"),
+                 Step(label="a mbs=2", run=lambda: [2.0], entry="a mbs=2", needs="build a")]
+        results, record = run_round("segments", steps, seconds=60.0)
+        with open(f"{tmp}/rank{rank}.json", "w") as fh:
+            json.dump({"status": record.status.value, "over_memory": list(record.over_memory),
+                       "results": [[r.label, list(r.values)] for r in results]}, fh)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_step_out_of_memory_on_one_rank_is_recorded_by_every_rank(tmp_path: Any) -> None:
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_oom_on_one_rank, args=(2, str(tmp_path)), nprocs=2)
+    seen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert seen[0] == seen[1]  # the same steps, the same record, on both ranks
+    assert seen[0]["status"] == "ok" and seen[0]["over_memory"] == ["a mbs=8"]
+    assert seen[0]["results"] == [["build a", []], ["a mbs=1", [2.0]], ["a mbs=2", [2.0]]]  # the slowest rank's
