@@ -5,7 +5,9 @@
 # Wheels for Python 3.12 (megatron-core, hydra-core, omegaconf, antlr4) are expected under .whl/ (see
 # docs/testing.md, "On a GPU"); logs and results go under $OUT (default: ./gpu_out).
 # Usage: bash tools/device_check.sh [auto-seconds] [memory-seconds] [recompute choices] [micro-batches]
-# (0 seconds skips a part)
+# (0 seconds skips a part). On one H200 (2026-11-26) the auto run took about 100 s to profile (its budget) and 2 s a
+# step after: give it 200 s or more for its step-12 plan check to print (170 s stopped it at step 11); the memory
+# bench took about 50 s a case. Results of that run: docs/gpu-runs.md.
 set -u
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
