@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import functools
 import json
 import math
 import re
@@ -73,6 +72,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from cfp_megatron.base.compose import CONF_DIR, group_presets
 from cfp_megatron.base.config import AttentionKernel, JobSpec, job_from_config
 from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.flops import training_flops_per_token
@@ -84,8 +84,7 @@ from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.simulate import simulate
 from cfp_megatron.sim.uncertainty import BAND_QUANTILE, quantile
 
-CONF_CLUSTER = Path(__file__).resolve().parent.parent / "conf" / "cluster"
-CONF_MODEL = CONF_CLUSTER.parent / "model"
+CONF_CLUSTER = CONF_DIR / "cluster"
 DEFAULT_VOCAB = 51200
 """Vocabulary used when a row leaves it blank."""
 
@@ -185,19 +184,10 @@ def preset_architecture(row: dict) -> tuple[str, dict]:
     (:data:`SHAPE_FIELDS`) is the row's, or ``("", {})``: DeepSeek-V3's multi-head latent attention, shared expert,
     dense first layers and sigmoid router, GPT-OSS's 64-channel heads (4096 wide on a 2880 hidden size), which their
     rows name in ``arch_source`` but no column states."""
-    for name, preset in _model_presets():
+    for name, preset in group_presets("model"):
         if all(_int(row, column) == preset.get(key) for column, key in SHAPE_FIELDS):
             return name, {key: preset[key] for key in ARCHITECTURE_FIELDS if key in preset}
     return "", {}
-
-
-@functools.cache
-def _model_presets() -> tuple[tuple[str, dict], ...]:
-    """Every ``conf/model`` preset as (name, dict), read once per process."""
-    from omegaconf import OmegaConf
-
-    return tuple((path.stem, OmegaConf.to_container(OmegaConf.load(path), resolve=True))
-                 for path in sorted(CONF_MODEL.glob("*.yaml")))
 
 
 @dataclass(frozen=True, kw_only=True)

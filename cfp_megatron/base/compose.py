@@ -8,6 +8,7 @@ planner's ``cfp`` group (:mod:`cfp_megatron.base.cfp_spec`) and the ``backend`` 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import field
@@ -62,6 +63,16 @@ def compose_config(overrides: Sequence[str]) -> Any:
             return compose("config", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as err:
         raise hydra_config_error(err, overrides) from None
+
+
+@functools.cache
+def group_presets(group: str) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """Every option of config group ``group`` as (name, its YAML as a plain dict), sorted by name and read once per
+    process (the dicts are shared: read them, do not change them)."""
+    from omegaconf import OmegaConf
+
+    return tuple((path.stem, OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+                 for path in sorted((CONF_DIR / group).glob("*.yaml")))
 
 
 def group_options(group: str) -> list[str]:

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any
 
-from cfp_megatron.base.compose import CONF_DIR
+from cfp_megatron.base.compose import group_presets
 from cfp_megatron.base.config import ClusterSpec, JobSpec
 from cfp_megatron.cluster.measured import Collective, CollectiveFit, Measurements, Span
 from cfp_megatron.profile.db import load_db
@@ -62,17 +62,14 @@ def device_preset(device_name: str, memory_gib: float) -> dict[str, Any] | None:
     """The vendor preset (``conf/cluster``) of an accelerator: the same model in its name (``H200``, ``MI300X``),
     of those the one whose memory is nearest ``memory_gib`` (an H100 NVL's 94 GB against the SXM part's 80) and whose
     name's variant words match (``NVL``); ``None`` for an accelerator without one."""
-    from omegaconf import OmegaConf
-
     token = _model_token(device_name)
     variant = "NVL" in device_name.upper().split()
     found = []
-    for path in sorted((CONF_DIR / "cluster").glob("*.yaml")):
-        preset = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    for stem, preset in group_presets("cluster"):
         name = str(preset.get("device_name", ""))
         if not token or _model_token(name) != token or ("NVL" in name.upper().split()) != variant:
             continue
-        found.append((abs(float(preset.get("hbm_gib") or 0.0) - memory_gib), path.stem, preset))
+        found.append((abs(float(preset.get("hbm_gib") or 0.0) - memory_gib), stem, preset))
     return min(found)[2] if found else None
 
 

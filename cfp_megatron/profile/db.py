@@ -237,7 +237,7 @@ class ProfileDB:
     def step_time_calibration(self, model: str | None = None, *, plan: str | None = None) -> float | None:
         """The ratio of :meth:`calibration`; ``None`` without a trusted run."""
         found = self.calibration(model, plan=plan)
-        return found.ratio if found is not None and found.scales else None
+        return found.ratio if found is not None else None
 
     def profile_id(self, model: str | None = None) -> str:
         """Identity of the profile ``model``'s predictions read (default: this DB's :meth:`for_model` key): a hash of
@@ -423,13 +423,6 @@ class StepCalibration:
     """(Largest - smallest) / median of the trusted ratios; 0 with one run."""
     untrusted: tuple[float, ...] = ()
     """Ratios recorded but left out: outliers far from the rest, runs on a busy machine."""
-
-    @property
-    def scales(self) -> bool:
-        """Whether the next plan is scaled by :attr:`ratio`: whenever a run is trusted. A profile's error on its own
-        plans is mostly a bias (its collective fits, measured once), which a ratio inside the check's tolerance
-        still corrects: docs/planning.md, "Plan check"."""
-        return self.ratio is not None
 
 
 def robust_ratio(ratios: Sequence[float], *, busy: Sequence[float] = ()) -> StepCalibration:

@@ -12,6 +12,7 @@ from cfp_megatron.base.config import (
     AttentionKernel,
     JobSpec,
     MlpPartition,
+    ModelSpec,
     Normalization,
     OptimizerKind,
     PositionEmbedding,
@@ -75,15 +76,8 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
     # Split over TP: Q, K, V (MLA's up-projected ones are recomputed with mla_up_proj), attention output.
     qkv = 0.0 if RecomputeModule.mla_up_proj in modules else 2 * q_width + 2 * kv_width + 2 * kv_width
     per_token += (qkv + linear_input_bytes * q_width) / tp
-    scores_kept = recompute is Recompute.none or (recompute is Recompute.selective
-                                                  and RecomputeModule.core_attn not in modules)
-    if not options.flash_attention and scores_kept:
-        # Bytes kept per score: the bf16 probabilities the context GEMM reads, or with dropout the softmax output,
-        # the dropout's mask and its output; PyTorch's fp32 softmax (no fused kernel) also keeps its fp32 output.
-        attn_mask = 1.0 if model.attention_dropout > 0 else 0.0
-        per_score = (4 + 2 + attn_mask if options.attention is AttentionKernel.torch_softmax
-                     else 2 + attn_mask + 2 * attn_mask)
-        per_token += heads * layout.seq_length * per_score / tp
+    if recompute is not Recompute.full and RecomputeModule.core_attn not in modules:  # the core keeps its scores
+        per_token += heads * layout.seq_length * _kept_bytes_per_score(model, options) / tp
     gated = model.activation is Activation.swiglu
     if moe:
         expert_ffn = model.moe_ffn_hidden_size or model.ffn_size
@@ -113,6 +107,16 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
     return tokens * per_token, full_recompute_bytes
 
 
+def _kept_bytes_per_score(model: ModelSpec, options: SimOptions) -> float:
+    """Bytes an attention core keeps for its backward pass per ``s x s`` score: none for a fused (flash) kernel; the
+    bf16 probabilities the context GEMM reads, or with dropout the softmax output, the dropout's mask and its output;
+    PyTorch's fp32 softmax (no fused kernel) also keeps its fp32 output."""
+    if options.flash_attention:
+        return 0.0
+    mask = 1.0 if model.attention_dropout > 0 else 0.0
+    return 4 + 2 + mask if options.attention is AttentionKernel.torch_softmax else 2 + 3 * mask
+
+
 def unfused_attention_working_bytes(job: JobSpec, layout: Layout, options: SimOptions) -> float:
     """Bytes an unfused attention core holds for a moment in one layer's backward pass on one rank, beyond what the
     model keeps: the scores' gradient through the softmax (bf16 in and out of the fused softmax kernel; PyTorch's fp32
@@ -121,11 +125,9 @@ def unfused_attention_working_bytes(job: JobSpec, layout: Layout, options: SimOp
     if options.flash_attention:
         return 0.0
     model, dims = job.model, layout.dims
-    torch_softmax = options.attention is AttentionKernel.torch_softmax
-    per_score = 8.0 if torch_softmax else 4.0
-    if (job.parallel.recompute is Recompute.selective
-            and RecomputeModule.core_attn in job.parallel.recomputed_modules):
-        per_score += 6.0 if torch_softmax else 2.0
+    per_score = 8.0 if options.attention is AttentionKernel.torch_softmax else 4.0
+    if RecomputeModule.core_attn in job.parallel.recomputed_modules:
+        per_score += _kept_bytes_per_score(model, options)
     scores = layout.micro_batch * model.num_attention_heads * (layout.seq_length / dims.cp) * layout.seq_length
     return scores * per_score / dims.tp
 
