@@ -86,7 +86,23 @@ from cfp_megatron.sim.uncertainty import BAND_QUANTILE, quantile
 
 CONF_CLUSTER = CONF_DIR / "cluster"
 DEFAULT_VOCAB = 51200
-"""Vocabulary used when a row leaves it blank."""
+"""Vocabulary used when a row leaves it blank (and names no model of :data:`FAMILY_ARCHITECTURES`)."""
+FAMILY_ARCHITECTURES: tuple[tuple[str, dict[str, object]], ...] = (
+    (r"^(?!.*(llama|mistral)).*\bnemotron[ _-]?(3|4)?\b(?!.*\b(h|nano|super|ultra)\b)", {
+        "vocab_size": 256000, "hidden_dropout": 0.0, "attention_dropout": 0.0, "position_embedding": "rope"}),
+    (r"\bqwen[ _-]?3", {"kv_channels": 128}),
+)
+"""(pattern on ``model`` or ``arch_source``, model fields) of model families whose rows leave blank what their
+architecture fixes: Nemotron-3 and Nemotron-4 (the dense GPT models of NeMo's performance tables) have a
+256,000-token vocabulary, rotary positions and no dropout (Megatron-Bridge's ``NemotronModelProvider``:
+``hidden_dropout = attention_dropout = 0.0``, ``rotary_percent = 0.5``; squared-ReLU MLP without gating, which
+costs what GELU's does). The rows' own FLOP rates agree: NeMo's formula with this vocabulary gives the
+``tflops_per_gpu`` of rows 49-51 from their ``tokens_per_s_per_gpu`` to 0.1%, with GPT-2's 51,200 it gives 10% less
+for the 8B. Qwen3 models have 128-channel heads whatever their hidden size (``head_dim`` 128 in every Qwen3
+config; Megatron-Bridge's ``Qwen3MoEModelProvider`` sets ``kv_channels = 128``): Qwen3-30B-A3B's 32 heads are 4,096
+wide on a 2,048 hidden size, Qwen3-235B-A22B's 64 heads 8,192 wide on 4,096. With them, Megatron-Bridge's FLOP
+formula (causal attention counted half) gives the Qwen3 rows' ``tflops_per_gpu`` to 0.5%; with hidden / heads it gave
+11-13% less. The vocabulary applies only where the row leaves it blank."""
 
 
 class RowError(CfpError, ValueError):
@@ -177,6 +193,16 @@ SHAPE_FIELDS = (("layers", "num_layers"), ("hidden", "hidden_size"), ("heads", "
                 ("vocab", "vocab_size"), ("moe_experts", "num_experts"), ("moe_topk", "moe_router_topk"),
                 ("moe_expert_ffn", "moe_ffn_hidden_size"))
 """(CSV column, model preset key) pairs that must all be equal for a preset's architecture to apply."""
+
+
+def family_architecture(row: dict) -> dict[str, object]:
+    """The model fields of the :data:`FAMILY_ARCHITECTURES` entry whose pattern the row's ``model`` or
+    ``arch_source`` matches, else ``{}``."""
+    text = f"{row.get('model') or ''} {row.get('arch_source') or ''}"
+    for pattern, fields in FAMILY_ARCHITECTURES:
+        if re.search(pattern, text, re.IGNORECASE):
+            return fields
+    return {}
 
 
 def preset_architecture(row: dict) -> tuple[str, dict]:
@@ -380,7 +406,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     sp = sp and tp > 1
     ffn = _int(row, "ffn_hidden")
     kv = _int(row, "kv_heads")
-    vocab = _int(row, "vocab", DEFAULT_VOCAB)
+    family = family_architecture(row)
+    vocab = _int(row, "vocab", int(family.get("vocab_size", DEFAULT_VOCAB)))
     swiglu = bool(experts) or (ffn is not None and ffn != 4 * hidden)
     model = {
         "name": f"row{rid}", "num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn,
@@ -390,6 +417,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         "position_embedding": "rope" if swiglu else "learned_absolute",
         "hidden_dropout": 0.0 if swiglu else 0.1, "attention_dropout": 0.0 if swiglu else 0.1,
     }
+    model.update({key: value for key, value in family.items() if key != "vocab_size"})
     if heads and hidden % heads:
         model["kv_channels"] = 128
     recipe = moe_recipe(row, preset_name, (gpus, tp, pp, vp, ep, gbs or 0)) if experts else None

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.validate import main, predict_rows, read_rows, row_plan
 
 CSV = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "published_runs.csv"
@@ -171,6 +172,37 @@ def test_rows_of_a_preset_shape_run_its_architecture_and_the_preset_of_their_con
     assert stated.recompute.value == "full" and stated.recompute_modules is None
     wider = row_plan({**row, "hidden": "4096"}).job  # not the preset's shape: nothing borrowed
     assert wider.model.attention.value != "mla" and wider.model.moe_first_dense_layers == 0
+
+
+@needs_csv
+def test_each_row_runs_the_architecture_its_reported_flop_rate_counts() -> None:
+    """Where a row reports both TFLOP/s and tokens/s per GPU, their ratio is the reporter's FLOPs per token, which
+    fixes the architecture: the model the validator builds must give it to 1% (PaLM's convention for the dense rows;
+    Megatron-Bridge's, which counts causal attention half, for its Qwen3 rows). Nemotron's 256k vocabulary and
+    Qwen3's 128-channel heads, which no column states, are what this caught (``FAMILY_ARCHITECTURES``). Left out:
+    GPT-OSS (Megatron-Bridge's formula counts its gated experts as ungated) and DeepSeek-V3 (MTP and MLA counted its
+    own way)."""
+    checked = []
+    for path in (CSV, MOE_CSV):
+        for row in read_rows(path):
+            if not (row.get("tflops_per_gpu") and row.get("tokens_per_s_per_gpu")):
+                continue
+            if re.search(r"oss|deepseek", row["model"], re.IGNORECASE):
+                continue
+            job = row_plan(row).job
+            model, seq = job.model, job.train.seq_length
+            ours = training_flops_per_token(model, seq)
+            if model.is_moe:
+                head = model.kv_channels or model.hidden_size // model.num_attention_heads
+                ours -= 6.0 * model.num_layers * model.num_attention_heads * head * seq
+            reported = float(row["tflops_per_gpu"]) * 1e12 / float(row["tokens_per_s_per_gpu"])
+            checked.append(row["id"])
+            assert ours == pytest.approx(reported, rel=0.01), (row["id"], row["model"], ours, reported)
+    assert {"49", "50", "51", "74", "75", "80", "223"} <= set(checked)
+    nemotron = row_plan(next(r for r in read_rows(CSV) if r["id"] == "49")).job.model
+    assert (nemotron.vocab_size, nemotron.hidden_dropout) == (256000, 0.0)
+    stated = row_plan({**next(r for r in read_rows(CSV) if r["id"] == "49"), "vocab": "32000"}).job.model
+    assert stated.vocab_size == 32000  # a stated vocabulary wins
 
 
 def test_unreadable_inputs_are_refused_by_name(tmp_path: Path, capsys) -> None:
