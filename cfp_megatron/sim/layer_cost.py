@@ -183,8 +183,9 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         gather_s = costs.seconds(Collective.all_gather, shard_bytes, dims.dp * dims.cp, layout.dp_per_node)
         scatter_s = costs.seconds(Collective.reduce_scatter, params * grad_element_bytes(job), dims.dp * dims.cp,
                                   layout.dp_per_node)
-        fsdp_fwd = max(0.0, gather_s - fwd_compute - core_fwd)
-        fsdp_bwd = max(0.0, gather_s + scatter_s - bwd_compute - core_bwd)
+        # What the layer's computation hides still takes the SM share its kernels run on (moe_cost.overlapped).
+        fsdp_fwd = sum(overlapped(gather_s, fwd_compute + core_fwd))
+        fsdp_bwd = sum(overlapped(gather_s + scatter_s, bwd_compute + core_bwd))
 
     ep_fwd = ep_bwd = 0.0
     ep_alone = (0.0, 0.0)
