@@ -9,7 +9,9 @@ class (dense, MoE, CP, FSDP; GPU generation), and last ``MAPE <x>% over <n> rows
 
 Defaults for fields a row leaves blank (documented, the same for every row):
 
-* ``vocab``: 51200 (GPT-2's BPE padded as Megatron-LM does); ``ffn_hidden``: 4 x hidden; ``kv_heads``: one per head.
+* ``vocab``: 51200 (GPT-2's BPE padded as Megatron-LM does); ``ffn_hidden``: 4 x hidden; ``kv_heads``: one per head;
+  except for the model families of :data:`FAMILY_ARCHITECTURES` (Nemotron, Qwen3, Llama 2/3, Mixtral, DeepSeek-V3,
+  GPT-OSS), which also fix what no column holds (Nemotron's dropout-free rotary layers, Qwen3's 128-channel heads).
 * ``dp``: GPUs / (TP x PP x CP); ``cp``, ``ep``, ``vp``, ``micro_batch``: 1; ``global_batch_seqs``: micro-batch x
   DP x ``grad_accum`` when that is given.
 * ``sequence_parallel``: on with TP for NeMo / Megatron-Core / Megatron-Bridge (their recipes' default) and where
@@ -69,6 +71,7 @@ import json
 import math
 import re
 import sys
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,19 +93,32 @@ DEFAULT_VOCAB = 51200
 FAMILY_ARCHITECTURES: tuple[tuple[str, dict[str, object]], ...] = (
     (r"^(?!.*(llama|mistral)).*\bnemotron[ _-]?(3|4)?\b(?!.*\b(h|nano|super|ultra)\b)", {
         "vocab_size": 256000, "hidden_dropout": 0.0, "attention_dropout": 0.0, "position_embedding": "rope"}),
-    (r"\bqwen[ _-]?3", {"kv_channels": 128}),
+    (r"\bqwen[ _-]?3", {"kv_channels": 128, "vocab_size": 151936}),
+    (r"\bllama[ _-]?3", {"vocab_size": 128256, "num_query_groups": 8}),
+    (r"\bllama[ _-]?2", {"vocab_size": 32000}),
+    (r"\bmixtral", {"vocab_size": 32000, "num_query_groups": 8}),
+    (r"\bdeepseek[ _-]?v3", {"vocab_size": 129280}),
+    (r"\bgpt[ _-]?oss", {"vocab_size": 201088}),
 )
 """(pattern on ``model`` or ``arch_source``, model fields) of model families whose rows leave blank what their
-architecture fixes: Nemotron-3 and Nemotron-4 (the dense GPT models of NeMo's performance tables) have a
-256,000-token vocabulary, rotary positions and no dropout (Megatron-Bridge's ``NemotronModelProvider``:
-``hidden_dropout = attention_dropout = 0.0``, ``rotary_percent = 0.5``; squared-ReLU MLP without gating, which
-costs what GELU's does). The rows' own FLOP rates agree: NeMo's formula with this vocabulary gives the
-``tflops_per_gpu`` of rows 49-51 from their ``tokens_per_s_per_gpu`` to 0.1%, with GPT-2's 51,200 it gives 10% less
-for the 8B. Qwen3 models have 128-channel heads whatever their hidden size (``head_dim`` 128 in every Qwen3
-config; Megatron-Bridge's ``Qwen3MoEModelProvider`` sets ``kv_channels = 128``): Qwen3-30B-A3B's 32 heads are 4,096
-wide on a 2,048 hidden size, Qwen3-235B-A22B's 64 heads 8,192 wide on 4,096. With them, Megatron-Bridge's FLOP
-formula (causal attention counted half) gives the Qwen3 rows' ``tflops_per_gpu`` to 0.5%; with hidden / heads it gave
-11-13% less. The vocabulary applies only where the row leaves it blank."""
+architecture fixes. The vocabulary (``vocab``) and the KV heads (``kv_heads``) apply only where the row leaves that
+column blank; the other fields, which no column holds, always.
+
+* Nemotron-3 and Nemotron-4 (the dense GPT models of NeMo's performance tables): a 256,000-token vocabulary, rotary
+  positions and no dropout (Megatron-Bridge's ``NemotronModelProvider``: ``hidden_dropout = attention_dropout =
+  0.0``, ``rotary_percent = 0.5``; squared-ReLU MLP without gating, which costs what GELU's does). The rows' own
+  FLOP rates agree: NeMo's formula with this vocabulary gives the ``tflops_per_gpu`` of rows 49-51 from their
+  ``tokens_per_s_per_gpu`` to 0.1%; with GPT-2's 51,200 it gives 10% less for the 8B.
+* Qwen3: 128-channel heads whatever the hidden size (``head_dim`` 128 in every Qwen3 config; Megatron-Bridge's
+  ``Qwen3MoEModelProvider`` sets ``kv_channels = 128``): Qwen3-30B-A3B's 32 heads are 4,096 wide on a 2,048 hidden
+  size, Qwen3-235B-A22B's 64 heads 8,192 wide on 4,096. With them, Megatron-Bridge's FLOP formula (causal attention
+  counted half) gives the Qwen3 rows' ``tflops_per_gpu`` to 0.5%; with hidden / heads it gave 11-13% less.
+* The tokenizers' vocabularies of Llama 2 (32,000), Llama 3 (128,256), Mixtral (32,000), Qwen3 (151,936),
+  DeepSeek-V3 (129,280) and GPT-OSS (201,088), and the 8 KV heads of every Llama 3 and Mixtral model: the
+  shared rows state them, a row that does not gets them (and, for DeepSeek-V3 and GPT-OSS, the preset architecture
+  its shape then matches, :func:`preset_architecture`)."""
+BLANK_ONLY_FIELDS = {"vocab_size": "vocab", "num_query_groups": "kv_heads"}
+"""Model fields of :data:`FAMILY_ARCHITECTURES` a row's own column (the value) overrides."""
 
 
 class RowError(CfpError, ValueError):
@@ -201,7 +217,8 @@ def family_architecture(row: dict) -> dict[str, object]:
     text = f"{row.get('model') or ''} {row.get('arch_source') or ''}"
     for pattern, fields in FAMILY_ARCHITECTURES:
         if re.search(pattern, text, re.IGNORECASE):
-            return fields
+            return {key: value for key, value in fields.items()
+                    if key not in BLANK_ONLY_FIELDS or _int(row, BLANK_ONLY_FIELDS[key]) is None}
     return {}
 
 
@@ -405,9 +422,9 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         sp = modern or bool(experts)
     sp = sp and tp > 1
     ffn = _int(row, "ffn_hidden")
-    kv = _int(row, "kv_heads")
     family = family_architecture(row)
-    vocab = _int(row, "vocab", int(family.get("vocab_size", DEFAULT_VOCAB)))
+    vocab = _int(row, "vocab", typing.cast(int, family.get("vocab_size", DEFAULT_VOCAB)))
+    kv = _int(row, "kv_heads", typing.cast("int | None", family.get("num_query_groups")))
     swiglu = bool(experts) or (ffn is not None and ffn != 4 * hidden)
     model = {
         "name": f"row{rid}", "num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn,
@@ -417,14 +434,14 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         "position_embedding": "rope" if swiglu else "learned_absolute",
         "hidden_dropout": 0.0 if swiglu else 0.1, "attention_dropout": 0.0 if swiglu else 0.1,
     }
-    model.update({key: value for key, value in family.items() if key != "vocab_size"})
+    model.update({key: value for key, value in family.items() if key not in BLANK_ONLY_FIELDS})
     if heads and hidden % heads:
         model["kv_channels"] = 128
     recipe = moe_recipe(row, preset_name, (gpus, tp, pp, vp, ep, gbs or 0)) if experts else None
     if experts:
         topk = _int(row, "moe_topk", 2)
         model.update(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=_int(row, "moe_expert_ffn"))
-    architecture, fields = preset_architecture(row) if experts else ("", {})
+    architecture, fields = preset_architecture({**row, "vocab": str(vocab)}) if experts else ("", {})
     model.update(fields)
     modules = None
     if recipe:

@@ -203,6 +203,12 @@ def test_each_row_runs_the_architecture_its_reported_flop_rate_counts() -> None:
     assert (nemotron.vocab_size, nemotron.hidden_dropout) == (256000, 0.0)
     stated = row_plan({**next(r for r in read_rows(CSV) if r["id"] == "49"), "vocab": "32000"}).job.model
     assert stated.vocab_size == 32000  # a stated vocabulary wins
+    # A row that leaves them blank still runs its family's vocabulary, KV heads and (its shape then matching) preset.
+    llama = next(r for r in read_rows(CSV) if r["id"] == "53")
+    blank = row_plan({**llama, "vocab": "", "kv_heads": ""}).job.model
+    assert (blank.vocab_size, blank.num_query_groups) == (128256, 8)
+    deepseek = next(r for r in read_rows(CSV) if r["id"] == "73")
+    assert row_plan({**deepseek, "vocab": ""}).job.model.attention.value == "mla"
 
 
 def test_unreadable_inputs_are_refused_by_name(tmp_path: Path, capsys) -> None:
