@@ -24,9 +24,11 @@ Defaults for fields a row leaves blank (documented, the same for every row):
   alone, no embedding, logits, optimizer or gradient sync).
 * MLP: SwiGLU when ``ffn_hidden`` is not 4 x hidden or the model is MoE, else GELU (with dropout 0.1); positions
   rotary with SwiGLU (the LLaMA-family convention), learned with GELU (GPT-3's).
-* Gradients: accumulated and reduced in fp32 (Megatron-LM forces it for bf16; Megatron-Bridge's recipes keep it),
-  except for NeMo rows: NeMo's performance runs keep the gradient buffers and their reduction in bf16 (NeMo 1's
-  launcher scripts pass ``optim.grad_sync_dtype=bf16``, NeMo 2's performance recipes ``grad_reduce_in_fp32=False``).
+* Gradients: accumulated and reduced in fp32 (Megatron-LM forces it for bf16), except for NeMo and Megatron-Bridge
+  rows: their performance runs keep the gradient buffers and their reduction in bf16 (NeMo 1's launcher scripts
+  pass ``optim.grad_sync_dtype=bf16``, NeMo 2's performance recipes ``grad_reduce_in_fp32=False``, Megatron-Bridge's
+  ``scripts/performance`` ``grad_reduce_in_fp32 = False``: in ``set_basic_perf_overrides`` for every recipe, and in
+  each version of its Qwen3 presets).
 * ``framework`` naming Megatron-LM from before 2023: unfused attention (no FlashAttention) and no overlap of the
   gradient all-reduce with backward, as those versions ran; every other framework: fused attention, overlap on.
   NeMo / Megatron-Core / Megatron-Bridge: TP communication overlapped with the GEMMs (their performance recipes turn
@@ -413,7 +415,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     framework = (row.get("framework") or "").lower()
     legacy = year is not None and int(year.group(1)) < 2023 and "megatron" in framework
     modern = not legacy and any(name in framework for name in ("nemo", "megatron-core", "megatron-bridge"))
-    nemo = framework.startswith("nemo")  # NeMo itself, not Megatron-Bridge (which keeps fp32 gradients)
+    bf16_grads = framework.startswith("nemo") or "megatron-bridge" in framework  # their performance scripts
     sharding = (row.get("zero_or_fsdp") or "").lower()
     fsdp = "fsdp" in sharding or "zero-3" in sharding or "zero3" in sharding
     dist_opt = "distributed optimizer" in sharding or "zero-1" in sharding or (not sharding and modern)
@@ -465,7 +467,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                      "overlap_grad_reduce": not legacy and (recipe is None or recipe.overlap_grad_reduce),
                      "tp_comm_overlap": (recipe.tp_comm_overlap if recipe else modern) and sp,
                      "moe_a2a_overlap": bool(recipe and recipe.a2a_overlap),
-                     "recompute_num_layers": 1, "grad_reduce_in_fp32": not nemo,
+                     "recompute_num_layers": 1, "grad_reduce_in_fp32": not bf16_grads,
                      "account_for_embedding_in_pipeline_split": counted,
                      "account_for_loss_in_pipeline_split": counted, "pipeline_model_parallel_layout": stages},
         "train": {"global_batch_size": gbs, "micro_batch_size": micro, "seq_length": seq, "precision": precision},

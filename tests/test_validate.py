@@ -79,11 +79,13 @@ def test_row_defaults_are_documented_choices() -> None:
     assert plan.job.model.vocab_size == 51200 and plan.job.model.ffn_size == 4096
     assert plan.job.cluster.nodes == 2 and plan.options.fsdp and plan.options.fp8
     assert plan.measured_s == 2.0
-    assert plan.job.parallel.grad_reduce_in_fp32  # fp32 gradients unless the framework is NeMo
+    assert plan.job.parallel.grad_reduce_in_fp32  # fp32 gradients unless NeMo's or Megatron-Bridge's perf scripts
     nemo = row_plan({**row, "framework": "NeMo 24.07 (Megatron-Core)", "zero_or_fsdp": ""})
     assert not nemo.job.parallel.grad_reduce_in_fp32 and nemo.job.parallel.distributed_optimizer
     bridge = row_plan({**row, "framework": "Megatron-Bridge / NeMo 25.09", "zero_or_fsdp": ""})
-    assert bridge.job.parallel.grad_reduce_in_fp32
+    assert not bridge.job.parallel.grad_reduce_in_fp32 and bridge.job.parallel.distributed_optimizer
+    megatron = row_plan({**row, "framework": "Megatron-LM (Megatron-Core 0.12)", "zero_or_fsdp": ""})
+    assert megatron.job.parallel.grad_reduce_in_fp32
 
 
 def test_rows_are_classed_by_what_they_exercise() -> None:
