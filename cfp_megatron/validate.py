@@ -208,7 +208,7 @@ def moe_recipe(row: dict, preset: str, layout: tuple[int, int, int, int, int, in
 
 ARCHITECTURE_FIELDS = ("kv_channels", "attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                        "v_head_dim", "moe_shared_expert_intermediate_size", "moe_first_dense_layers",
-                       "moe_router_score")
+                       "moe_router_score", "window_size", "window_attn_skip_freq")
 """Model fields the CSV schema has no column for, taken from a model preset of the same shape
 (:func:`preset_architecture`)."""
 SHAPE_FIELDS = (("layers", "num_layers"), ("hidden", "hidden_size"), ("heads", "num_attention_heads"),

@@ -757,3 +757,21 @@ def test_mtp_trains_beside_the_loss_and_refuses_what_megatron_core_cannot_run() 
     assert "model.position_embedding=rope" in str(info.value)
     with pytest.raises(ConfigError, match=r"model\.mtp_loss_scaling_factor=-0\.1: must not be negative"):
         make_job("model.mtp_loss_scaling_factor=-0.1")
+
+
+def test_a_sliding_window_reaches_megatron_layer_by_layer() -> None:
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    from cfp_megatron.model.megatron_config import transformer_config
+
+    job = make_job("model=gpt_oss_120b")
+    assert (job.model.window_size, job.model.window_attn_skip_freq, job.model.windowed_layers) == (128, 2, 18)
+    tiny = make_job("model.window_size=8", "model.window_attn_skip_freq=2")
+    config = transformer_config(tiny, ParallelDims.build(tiny, 1, te_available=False), on_gpu=False)
+    assert (config.window_size, config.window_attn_skip_freq) == ((8, 0), 2)
+    windowed = [is_layer_window_attention(config.window_size, config.window_attn_skip_freq, n)
+                for n in range(1, tiny.model.num_layers + 1)]
+    assert sum(windowed) == tiny.model.windowed_layers and windowed[0] and not windowed[1]
+    with pytest.raises(ConfigError) as err:
+        make_job("model.window_attn_skip_freq=2")
+    assert "model.window_attn_skip_freq" in str(err.value) and "model.window_size" in str(err.value)

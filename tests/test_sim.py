@@ -265,3 +265,32 @@ def test_a_layout_puts_the_layers_and_the_mtp_layer_where_it_says() -> None:
     assert _rank_busy_s(on_rank0, 1) > _rank_busy_s(plain, 1)  # the MTP head and loss stay with the loss
     assert _rank_busy_s(on_rank0, 1) < _rank_busy_s(with_loss, 1)
     assert with_loss.memory.total > plain.memory.total
+
+
+def test_a_sliding_window_prices_the_attention_tiles_it_reaches() -> None:
+    """GPT-OSS's pattern: 128-token windows on every other layer. A fused kernel computes the window's tiles and the
+    diagonal one (2 of 32 at 4,096 tokens) instead of half the scores; an unfused one computes every score anyway;
+    the model FLOPs count a windowed layer's 129 keys."""
+    from cfp_megatron.base.flops import attended_keys, causal_score_share
+    from cfp_megatron.sim.calibration import efficiency_for
+    from cfp_megatron.sim.kernels import KernelModel
+    from cfp_megatron.sim.layer_cost import layer_cost
+    from cfp_megatron.sim.layout import build_layout
+
+    full = job(seq=4096)
+    windowed = job(seq=4096, model={"window_size": 128, "window_attn_skip_freq": 2})
+    m = windowed.model
+    assert m.windowed_layers == 8 and job(seq=4096, model={"window_size": 128}).model.windowed_layers == 16
+    assert causal_score_share(m, 4096) == pytest.approx((8 * 0.5 + 8 * 256 / 4096) / 16)
+    assert attended_keys(m, 4096) == 8 * 4096 + 8 * 129 and attended_keys(full.model, 4096) == 16 * 4096
+    cores = {}
+    for name, plan in (("full", full), ("windowed", windowed)):
+        kernels = KernelModel(plan.cluster, efficiency_for(plan.cluster), plan.train.precision, fp8=False)
+        layout = build_layout(plan)
+        for flash in (True, False):
+            options = SimOptions(attention=AttentionKernel.flash if flash else AttentionKernel.fused_softmax)
+            cost = layer_cost(plan, layout, kernels, CollectiveCosts(plan.cluster), options, moe=False)
+            cores[name, flash] = cost.forward.attention_core_s
+    assert cores["windowed", True] == pytest.approx(cores["full", True] * causal_score_share(m, 4096) / 0.5)
+    assert cores["windowed", False] == pytest.approx(cores["full", False])
+    assert simulate(windowed).step_time_s < simulate(full).step_time_s

@@ -361,6 +361,12 @@ class ModelSpec:
     """Dropout of attention probabilities."""
     attention: AttentionKind = AttentionKind.standard
     """Attention variant."""
+    window_size: int | None = None
+    """Sliding-window attention: each query attends to itself and this many tokens before it (Megatron-Core's
+    ``window_size = (window_size, 0)``); ``None``: every layer attends causally over the whole sequence."""
+    window_attn_skip_freq: int | None = None
+    """With ``window_size``: every this-many-th layer attends over the whole sequence, the others over the window
+    (Megatron-Core's ``window_attn_skip_freq``; 2 alternates them, as GPT-OSS does); ``None``: every layer windowed."""
     q_lora_rank: int | None = None
     """MLA: rank of the query down-projection; ``None`` means no query compression."""
     kv_lora_rank: int = 512
@@ -405,7 +411,7 @@ class ModelSpec:
                   "num_query_groups", "kv_channels", "vocab_size", "make_vocab_size_divisible_by",
                   "max_position_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
                   "moe_shared_expert_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-                  "qk_pos_emb_head_dim", "v_head_dim")
+                  "qk_pos_emb_head_dim", "v_head_dim", "window_size", "window_attn_skip_freq")
         published = "the largest published models"
         _at_most(issues, p, self, MAX_LAYERS, f"{published} (128 layers)", "num_layers", "mtp_num_layers",
                  "moe_first_dense_layers")
@@ -457,6 +463,9 @@ class ModelSpec:
         _issue(issues, self.mtp_loss_scaling_factor >= 0.0, f"{p}.mtp_loss_scaling_factor",
                self.mtp_loss_scaling_factor, "must not be negative.",
                f"set {p}.mtp_loss_scaling_factor=0.1 (Megatron-Core's default).")
+        _issue(issues, self.window_attn_skip_freq is None or self.window_size is not None,
+               f"{p}.window_attn_skip_freq", self.window_attn_skip_freq, "has no effect without a sliding window.",
+               f"set {p}.window_size (e.g. 128), or set this to null.")
         if self.attention is AttentionKind.mla:
             _issue(issues, self.position_embedding is PositionEmbedding.rope, f"{p}.position_embedding",
                    self.position_embedding.value, "multi-latent attention needs rotary embeddings.",
@@ -468,6 +477,16 @@ class ModelSpec:
     def ffn_size(self) -> int:
         """Dense MLP hidden size after defaults."""
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def windowed_layers(self) -> int:
+        """Decoder layers that attend over ``window_size`` tokens (Megatron-Core's ``is_layer_window_attention``:
+        with ``window_attn_skip_freq`` N, every layer whose 1-based number is not a multiple of N)."""
+        if self.window_size is None:
+            return 0
+        if self.window_attn_skip_freq is None:
+            return self.num_layers
+        return self.num_layers - self.num_layers // self.window_attn_skip_freq
 
     @property
     def query_groups(self) -> int:

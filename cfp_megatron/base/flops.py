@@ -37,10 +37,34 @@ def active_matmul_params_per_token(m: ModelSpec) -> int:
     return attn + mlp + m.hidden_size * m.padded_vocab_size
 
 
+ATTENTION_TILE = 128
+"""Query and key rows per tile of a fused attention kernel (FlashAttention's and cuDNN's 128 x 128 blocks): a
+sliding window costs the tiles it touches, not the scores it keeps."""
+
+
+def attended_keys(m: ModelSpec, seq_length: int) -> float:
+    """Keys each query meets, summed over the decoder layers, by PaLM's convention (the whole sequence, no causal
+    halving): ``seq_length`` for a layer of full attention, ``window_size + 1`` at most for a windowed one."""
+    windowed = m.windowed_layers
+    window = min(seq_length, (m.window_size or 0) + 1)
+    return (m.num_layers - windowed) * seq_length + windowed * window
+
+
+def causal_score_share(m: ModelSpec, seq_length: int) -> float:
+    """Share of the ``seq x seq`` scores a fused causal kernel computes, averaged over the decoder layers: half for
+    full attention; for a sliding window the :data:`ATTENTION_TILE` tiles it touches (the window's tiles and the
+    diagonal one), at most half."""
+    windowed = m.windowed_layers
+    tiles = (-(-(m.window_size or 0) // ATTENTION_TILE) + 1) * ATTENTION_TILE
+    window_share = min(0.5, tiles / seq_length)
+    return ((m.num_layers - windowed) * 0.5 + windowed * window_share) / m.num_layers
+
+
 def training_flops_per_token(m: ModelSpec, seq_length: int) -> float:
-    """Model FLOPs (forward + backward, no recompute) per trained token: 6 N + 12 L H d s."""
+    """Model FLOPs (forward + backward, no recompute) per trained token: 6 N + 12 L H d s (a windowed layer's
+    keys for its ``s``, :func:`attended_keys`)."""
     if m.attention is AttentionKind.mla:
         head_dims = m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim) / 2
     else:
         head_dims = m.num_attention_heads * (m.kv_channels or m.hidden_size // m.num_attention_heads)
-    return 6.0 * active_matmul_params_per_token(m) + 12.0 * m.num_layers * head_dims * seq_length
+    return 6.0 * active_matmul_params_per_token(m) + 12.0 * head_dims * attended_keys(m, seq_length)

@@ -68,6 +68,8 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         qk_layernorm=m.qk_layernorm,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
+        window_size=(m.window_size, 0) if m.window_size is not None else None,
+        window_attn_skip_freq=m.window_attn_skip_freq,
         init_method_std=m.init_method_std,
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cfp_megatron.base.config import Activation, AttentionKernel, AttentionKind, JobSpec, MlpPartition, RecomputeModule
-from cfp_megatron.base.flops import attention_params, mlp_params
+from cfp_megatron.base.flops import attention_params, causal_score_share, mlp_params
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
 from cfp_megatron.sim.cp_cost import chunk_slowdown, cp_cost
@@ -113,9 +113,10 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         kv_width = 2 * model.query_groups * (model.kv_channels or hidden // model.num_attention_heads)
     qkv_width = (attn_params - head_dims * hidden) / hidden  # QKV output columns (attention_params = QKV + projection)
     attn_gemm = kernels.gemm(tokens, qkv_width / tp, hidden) + kernels.gemm(tokens, hidden, head_dims / tp)
-    # Fused (flash) kernels skip the masked upper triangle of causal attention; unfused ones compute all of it.
+    # Fused (flash) kernels skip the masked upper triangle of causal attention, and the tiles a sliding window does
+    # not reach; unfused ones compute all of it.
     core_flops = 4.0 * micro_batch * (seq_length / cp) * seq_length * head_dims / tp * (
-        0.5 if options.flash_attention else 1.0)
+        causal_score_share(model, seq_length) if options.flash_attention else 1.0)
     # A CP rank's kernel runs on blocks of seq / (2 cp) queries, where it reaches less of its throughput.
     core_fwd = kernels.attention(core_flops) * chunk_slowdown(seq_length, cp)
     core_bwd = core_fwd * (2.5 if options.flash_attention else 2.0)
