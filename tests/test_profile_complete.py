@@ -4,12 +4,15 @@ nothing runs), with made-up figures for the steps a cut-off round would have fin
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 import pytest
 
 from cfp_megatron.base.compose import compose_job
 from cfp_megatron.base.config import JobSpec
+from cfp_megatron.base.jsonio import json_plain
 from cfp_megatron.profile.control import Step, StepResult, run_round, select_steps
 from cfp_megatron.profile.db import ProfileDB
 from cfp_megatron.profile.fingerprint import Fingerprint, model_key
@@ -285,3 +288,16 @@ def test_a_step_out_of_memory_on_one_rank_is_recorded_by_every_rank(tmp_path: An
     assert seen[0] == seen[1]  # the same steps, the same record, on both ranks
     assert seen[0]["status"] == "ok" and seen[0]["over_memory"] == ["a mbs=8"]
     assert seen[0]["results"] == [["build a", []], ["a mbs=1", [2.0]], ["a mbs=2", [2.0]]]  # the slowest rank's
+
+
+def test_a_model_without_a_sliding_window_keeps_the_profile_key_it_had_before_windows() -> None:
+    """ProfileDB entries are keyed by the model's fields: the window fields, added later, enter the key only when
+    set, so the profiles users already measured stay theirs."""
+    job = compose_job([])
+    model = json_plain(job.model)
+    for name in ("mtp_loss_scaling_factor", "window_size", "window_attn_skip_freq"):
+        model.pop(name)
+    before = hashlib.sha256(json.dumps({"model": model, "seq_length": job.train.seq_length, "precision": "fp32"},
+                                       sort_keys=True).encode()).hexdigest()[:16]
+    assert model_key(job, on_gpu=False) == before
+    assert model_key(compose_job(["model.window_size=8"]), on_gpu=False) != before

@@ -91,6 +91,9 @@ def model_key(job: JobSpec, *, on_gpu: bool) -> str:
     """Key of what segment times depend on: model shape, sequence length, precision."""
     model = json_plain(job.model)
     model.pop("mtp_loss_scaling_factor")  # a loss weight times nothing (and profiles from before it keep their key)
+    for name in ("window_size", "window_attn_skip_freq"):  # no window: the key profiles from before them have
+        if model[name] is None:
+            model.pop(name)
     payload = {"model": model, "seq_length": job.train.seq_length,
                "precision": resolve_precision(job.train.precision, on_gpu).value}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
