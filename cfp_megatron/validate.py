@@ -48,8 +48,9 @@ Defaults for fields a row leaves blank (documented, the same for every row):
 * MoE: the alltoall dispatcher without overlap, except for Megatron-Bridge rows that ran one of its H100 presets
   (same container range, model, GPUs, TP, PP, VP, EP, global batch): that preset's dispatcher (HybridEP or DeepEP,
   modelled as DeepEP's ``flex``), expert all-to-all overlap, TP overlap and gradient-reduce overlap
-  (:data:`MEGATRON_BRIDGE_MOE_RECIPES`: Qwen3-235B-A22B and Qwen3-30B-A3B from 26.x, DeepSeek-V3 in 25.x and 26.x);
-  the layout column shows ``flex`` / ``a2ao``.
+  (:data:`MEGATRON_BRIDGE_MOE_RECIPES`: Qwen3-235B-A22B and Qwen3-30B-A3B from 26.x, DeepSeek-V3 in 25.x and 26.x),
+  and the same for its 26.x Blackwell presets, by precision where they differ
+  (:data:`MEGATRON_BRIDGE_BLACKWELL_MOE_RECIPES`); the layout column shows ``flex`` / ``a2ao``.
 * MoE rows whose shape (layers, hidden, heads, vocabulary, experts, top-k, expert FFN) is that of a model preset in
   ``conf/model``: that preset's head width, attention (multi-head latent attention and its ranks), shared expert,
   dense first layers and router score, which no column states (:func:`preset_architecture`; DeepSeek-V3 and GPT-OSS
@@ -155,6 +156,9 @@ class MoeRecipe:
     recompute_modules: str | None = None
     """The preset's selective recomputation (``recompute_modules``, joined by ``+``; ``parallel.recompute=selective``
     with them), unless the row states its recomputation; ``None``: none."""
+    precision: str = ""
+    """Regular expression the row's ``precision`` matches (case-insensitive) where the preset differs by precision
+    (MXFP8 against FP8 current scaling or BF16); empty: any."""
 
 
 MEGATRON_BRIDGE_MOE_RECIPES = (
@@ -171,6 +175,55 @@ MEGATRON_BRIDGE_MOE_RECIPES = (
     MoeRecipe(model=r"gpt.?oss.?120b", preset="dgx_h100", layout=(64, 1, 4, 1, 8, 1280), containers=((26, 1), None),
               dispatcher="alltoall", a2a_overlap=False, tp_comm_overlap=True, recompute_modules="layernorm+moe_act"),
 )
+
+
+def _blackwell(model: str, presets: tuple[str, ...], layouts: tuple[tuple[int, int, int, int, int, int], ...], *,
+               a2a_overlap: bool = False, recompute_modules: str | None = None, precision: str = "",
+               overlap_grad_reduce: bool = True) -> tuple[MoeRecipe, ...]:
+    """Megatron-Bridge's 26.x Blackwell presets of one setting: HybridEP (``flex``) on every listed GPU and layout."""
+    return tuple(MoeRecipe(model=model, preset=preset, layout=layout, containers=((26, 1), None), dispatcher="flex",
+                           a2a_overlap=a2a_overlap, tp_comm_overlap=True, overlap_grad_reduce=overlap_grad_reduce,
+                           recompute_modules=recompute_modules, precision=precision)
+                 for preset in presets for layout in layouts)
+
+
+_MX, _BF16, _NOT_MX_BF16 = r"mx", r"bf16", r"^(?!.*(mx|bf16)).*fp8"
+MEGATRON_BRIDGE_BLACKWELL_MOE_RECIPES = (
+    # DeepSeek-V3 on 256 GPUs, global batch 2,048 (V1) or 4,096 (V2); deepseek/deepseek_workload_base_configs.py.
+    *_blackwell(r"deepseek.?v3", ("gb300_nvl72",), ((256, 1, 2, 8, 32, 2048), (256, 1, 2, 8, 32, 4096)),
+                recompute_modules="mla_up_proj", precision=_NOT_MX_BF16, overlap_grad_reduce=False),
+    *_blackwell(r"deepseek.?v3", ("gb300_nvl72",), ((256, 1, 4, 4, 64, 2048), (256, 1, 4, 4, 64, 4096)),
+                recompute_modules="moe_act", precision=_BF16, overlap_grad_reduce=False),
+    *_blackwell(r"deepseek.?v3", ("gb300_nvl72",), ((256, 1, 2, 8, 32, 2048), (256, 1, 2, 8, 32, 4096),
+                                                    (256, 1, 2, 8, 32, 15360)),
+                a2a_overlap=True, precision=_MX, overlap_grad_reduce=False),
+    *_blackwell(r"deepseek.?v3", ("gb200_nvl72",), ((256, 1, 4, 4, 64, 2048), (256, 1, 4, 4, 64, 4096)),
+                recompute_modules="mlp", precision=_NOT_MX_BF16, overlap_grad_reduce=False),
+    *_blackwell(r"deepseek.?v3", ("gb200_nvl72",), ((256, 1, 4, 4, 64, 2048), (256, 1, 4, 4, 64, 4096)),
+                recompute_modules="mla_up_proj", precision=_BF16, overlap_grad_reduce=False),
+    *_blackwell(r"deepseek.?v3", ("gb200_nvl72",), ((256, 1, 4, 4, 64, 2048), (256, 1, 4, 4, 64, 4096)),
+                a2a_overlap=True, recompute_modules="mla_up_proj", precision=_MX, overlap_grad_reduce=False),
+    *_blackwell(r"deepseek.?v3", ("b300",), ((256, 1, 8, 2, 8, 2048), (256, 1, 8, 2, 8, 4096)),
+                recompute_modules="mla_up_proj", precision=r"^(?!.*mx)", overlap_grad_reduce=False),
+    *_blackwell(r"deepseek.?v3", ("b300",), ((256, 1, 8, 2, 8, 2048), (256, 1, 8, 2, 8, 4096)),
+                a2a_overlap=True, recompute_modules="mla_up_proj", precision=_MX, overlap_grad_reduce=False),
+    *_blackwell(r"deepseek.?v3", ("b200",), ((256, 1, 16, 1, 8, 2048), (256, 1, 16, 1, 8, 4096)),
+                recompute_modules="mla_up_proj", overlap_grad_reduce=False),
+    *_blackwell(r"deepseek.?v3", ("b200",), ((256, 1, 8, 2, 32, 4096),), a2a_overlap=True,
+                recompute_modules="mla_up_proj+mlp", precision=_MX, overlap_grad_reduce=False),
+    # Qwen3-235B-A22B (V1: 64 GPUs, global batch 1,024; V2: 256 GPUs, 8,192) and Qwen3-30B-A3B (8 GPUs, EP=8,
+    # global batch 512); qwen/qwen3_workload_base_configs.py. B200/B300's 235B presets run the defaults (alltoall).
+    *_blackwell(r"qwen3.?235b", ("gb300_nvl72",), ((64, 1, 1, 1, 64, 1024), (256, 1, 4, 1, 32, 8192),
+                                                   (256, 1, 4, 12, 32, 8192))),
+    *_blackwell(r"qwen3.?235b", ("gb200_nvl72",), ((64, 1, 8, 1, 8, 1024), (256, 1, 8, 1, 8, 8192),
+                                                   (256, 1, 8, 1, 32, 8192), (256, 1, 8, 3, 32, 8192))),
+    *_blackwell(r"qwen3.?30b", ("gb300_nvl72", "gb200_nvl72", "b300", "b200"), ((8, 1, 1, 1, 8, 512),)),
+)
+"""Megatron-Bridge's Blackwell MoE performance presets (26.x, the files of the H100 presets above, their ``V1`` and
+``V2`` variants): HybridEP on GB200/GB300 and for DeepSeek-V3 and Qwen3-30B-A3B on B200/B300 too, the all-to-all
+overlap and the recomputation where a precision's preset sets them (MXFP8 against FP8 current scaling or BF16),
+no gradient-reduce overlap for DeepSeek-V3 as on H100. Full-iteration and per-module CUDA graphs, which most of
+them also set, are not modelled."""
 """Megatron-Bridge's H100 MoE performance presets, from its ``scripts/performance/configs/``:
 
 * Qwen3-235B-A22B ("V2", global batch 8,192) and Qwen3-30B-A3B, 26.x: ``qwen/qwen3_workload_base_configs.py`` and
@@ -189,19 +242,21 @@ MEGATRON_BRIDGE_MOE_RECIPES = (
 
 
 def moe_recipe(row: dict, preset: str, layout: tuple[int, int, int, int, int, int]) -> MoeRecipe | None:
-    """The Megatron-Bridge MoE preset a row ran, or None: a Megatron-Bridge row whose container, model, GPU and
-    layout are those of a preset (:data:`MEGATRON_BRIDGE_MOE_RECIPES`)."""
+    """The Megatron-Bridge MoE preset a row ran, or None: a Megatron-Bridge row whose container, model, GPU, layout
+    (and precision, where the preset depends on it) are those of a preset (:data:`MEGATRON_BRIDGE_MOE_RECIPES`,
+    :data:`MEGATRON_BRIDGE_BLACKWELL_MOE_RECIPES`)."""
     if "megatron-bridge" not in (row.get("framework") or "").lower():
         return None
     found = re.search(r"\b(\d\d)\.(\d\d)", row.get("source_detail") or row.get("framework") or "")
     if found is None:
         return None
     container = (int(found.group(1)), int(found.group(2)))
-    for recipe in MEGATRON_BRIDGE_MOE_RECIPES:
+    for recipe in (*MEGATRON_BRIDGE_MOE_RECIPES, *MEGATRON_BRIDGE_BLACKWELL_MOE_RECIPES):
         first, last = recipe.containers
         if (recipe.preset == preset and recipe.layout == layout and first <= container
                 and (last is None or container <= last)
-                and re.search(recipe.model, row.get("model") or "", re.IGNORECASE)):
+                and re.search(recipe.model, row.get("model") or "", re.IGNORECASE)
+                and re.search(recipe.precision, row.get("precision") or "", re.IGNORECASE)):
             return recipe
     return None
 

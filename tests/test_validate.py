@@ -213,6 +213,32 @@ def test_each_row_runs_the_architecture_its_reported_flop_rate_counts() -> None:
     assert row_plan({**deepseek, "vocab": ""}).job.model.attention.value == "mla"
 
 
+@needs_csv
+def test_blackwell_moe_rows_run_their_precisions_preset() -> None:
+    """A 26.x Megatron-Bridge row on Blackwell whose layout is one of its presets takes that preset's dispatcher
+    (HybridEP, as ``flex``), overlap and recomputation, which differ by precision; an earlier container or another
+    layout keeps the defaults."""
+    base = next(r for r in read_rows(CSV) if r["id"] == "73")  # DeepSeek-V3
+    row = {**base, "gpu": "GB200 NVL72", "num_gpus": "256", "tp": "1", "pp": "4", "vp": "4", "ep": "64", "dp": "",
+           "global_batch_seqs": "4096", "framework": "Megatron-Bridge / NeMo 26.02",
+           "source_detail": "26.02 NeMo container, GB200", "precision": "FP8 current scaling"}
+    cs = row_plan(row).job
+    assert cs.model.moe_token_dispatcher.value == "flex" and not cs.parallel.moe_a2a_overlap
+    assert cs.parallel.recompute_modules == "mlp" and not cs.parallel.overlap_grad_reduce
+    mx = row_plan({**row, "precision": "MXFP8"}).job
+    assert mx.parallel.moe_a2a_overlap and mx.parallel.recompute_modules == "mla_up_proj"
+    assert row_plan({**row, "precision": "BF16"}).job.parallel.recompute_modules == "mla_up_proj"
+    for other in ({"source_detail": "25.11 NeMo container", "framework": "Megatron-Bridge / NeMo 25.11"},
+                  {"global_batch_seqs": "8192"}):
+        plain = row_plan({**row, **other}).job
+        assert plain.model.moe_token_dispatcher.value == "alltoall" and plain.parallel.recompute.value == "none"
+    qwen = next(r for r in read_rows(CSV) if r["id"] == "74")
+    small = {**qwen, "gpu": "B200", "num_gpus": "8", "tp": "1", "pp": "1", "vp": "", "ep": "8", "dp": "",
+             "micro_batch": "4", "global_batch_seqs": "512", "framework": "Megatron-Bridge / NeMo 26.02",
+             "source_detail": "26.02 NeMo container, B200", "precision": "BF16"}
+    assert row_plan(small).job.model.moe_token_dispatcher.value == "flex"
+
+
 def test_unreadable_inputs_are_refused_by_name(tmp_path: Path, capsys) -> None:
     header_only = tmp_path / "header.csv"
     header_only.write_text("id,layers,hidden,heads,seq_len,gpu,num_gpus\n")
