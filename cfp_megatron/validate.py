@@ -175,13 +175,29 @@ MEGATRON_BRIDGE_MOE_RECIPES = (
     MoeRecipe(model=r"gpt.?oss.?120b", preset="dgx_h100", layout=(64, 1, 4, 1, 8, 1280), containers=((26, 1), None),
               dispatcher="alltoall", a2a_overlap=False, tp_comm_overlap=True, recompute_modules="layernorm+moe_act"),
 )
+"""Megatron-Bridge's H100 MoE performance presets, from its ``scripts/performance/configs/``:
+
+* Qwen3-235B-A22B ("V2", global batch 8,192) and Qwen3-30B-A3B, 26.x: ``qwen/qwen3_workload_base_configs.py`` and
+  ``qwen/qwen3_llm_pretrain.py``, the files that replaced ``qwen3/workload_base_configs.py``, whose H100 presets ran
+  235B at global batch 2,048 without the all-to-all overlap and 30B at PP=2 x VP=12 (the 25.x rows keep the
+  defaults).
+* DeepSeek-V3 on 1,024 H100s, 25.x: ``deepseek/deepseek_llm_pretrain.py`` (every stored version of its
+  ``deepseek_v3_h100_1024gpus_*_config``): ``enable_deepep=True``, the all-to-all overlap
+  (``set_moe_a2a_overlap_overrides``, earlier ``set_moe_a2a_1f1b_overrides``), ``overlap_grad_reduce=False``.
+* DeepSeek-V3 on 1,024 H100s, 26.x: ``deepseek/deepseek_workload_base_configs.py`` (``..._H100_V1``): HybridEP
+  without the all-to-all overlap; its llm_pretrain file keeps ``overlap_grad_reduce=False``. Both recompute the MLA
+  up-projections and the dense MLPs (``recompute_modules=["mla_up_proj", "mlp"]``).
+* GPT-OSS 120B on 64 H100s at global batch 1,280, 26.x: ``gpt_oss/gpt_oss_workload_base_configs.py``
+  (``..._H100_BF16_V2``): PP=4, EP=8, ``recompute_modules=["layernorm", "moe_act"]``, the default dispatcher. Its
+  25.x rows (micro-batch 4, global batch 512) ran another configuration and keep the defaults."""
 
 
 def _blackwell(model: str, presets: tuple[str, ...], layouts: tuple[tuple[int, int, int, int, int, int], ...], *,
                a2a_overlap: bool = False, recompute_modules: str | None = None, precision: str = "",
-               overlap_grad_reduce: bool = True) -> tuple[MoeRecipe, ...]:
-    """Megatron-Bridge's 26.x Blackwell presets of one setting: HybridEP (``flex``) on every listed GPU and layout."""
-    return tuple(MoeRecipe(model=model, preset=preset, layout=layout, containers=((26, 1), None), dispatcher="flex",
+               overlap_grad_reduce: bool = True, dispatcher: str = "flex") -> tuple[MoeRecipe, ...]:
+    """Megatron-Bridge's 26.x Blackwell presets of one setting on every listed GPU and layout (HybridEP, ``flex``,
+    unless ``dispatcher`` says otherwise)."""
+    return tuple(MoeRecipe(model=model, preset=preset, layout=layout, containers=((26, 1), None), dispatcher=dispatcher,
                            a2a_overlap=a2a_overlap, tp_comm_overlap=True, overlap_grad_reduce=overlap_grad_reduce,
                            recompute_modules=recompute_modules, precision=precision)
                  for preset in presets for layout in layouts)
@@ -218,27 +234,24 @@ MEGATRON_BRIDGE_BLACKWELL_MOE_RECIPES = (
     *_blackwell(r"qwen3.?235b", ("gb200_nvl72",), ((64, 1, 8, 1, 8, 1024), (256, 1, 8, 1, 8, 8192),
                                                    (256, 1, 8, 1, 32, 8192), (256, 1, 8, 3, 32, 8192))),
     *_blackwell(r"qwen3.?30b", ("gb300_nvl72", "gb200_nvl72", "b300", "b200"), ((8, 1, 1, 1, 8, 512),)),
+    # GPT-OSS 120B on 64 GPUs, global batch 512 (V1) or 1,280 (V2); gpt_oss/gpt_oss_workload_base_configs.py. Where
+    # a preset sets nothing of this (GB300/B300 at EP=64) the defaults are what it ran.
+    *_blackwell(r"gpt.?oss.?120b", ("gb300_nvl72",), ((64, 1, 1, 1, 16, 1280),), a2a_overlap=True, precision=_MX),
+    *_blackwell(r"gpt.?oss.?120b", ("gb200_nvl72", "b200"), ((64, 1, 1, 1, 64, 512),), dispatcher="alltoall",
+                recompute_modules="layernorm+moe_act"),
+    *_blackwell(r"gpt.?oss.?120b", ("gb200_nvl72",), ((64, 1, 1, 1, 64, 1280),), dispatcher="alltoall",
+                a2a_overlap=True, recompute_modules="layernorm+moe_act", precision=_BF16),
+    *_blackwell(r"gpt.?oss.?120b", ("gb200_nvl72",), ((64, 1, 1, 1, 64, 1280),), a2a_overlap=True, precision=_MX),
+    *_blackwell(r"gpt.?oss.?120b", ("b300",), ((64, 1, 1, 1, 8, 1280),), precision=_BF16),
+    *_blackwell(r"gpt.?oss.?120b", ("b300",), ((64, 1, 1, 1, 8, 1280),), a2a_overlap=True, precision=_MX),
+    *_blackwell(r"gpt.?oss.?120b", ("b200",), ((64, 1, 1, 1, 8, 1280),), dispatcher="alltoall",
+                recompute_modules="layernorm+moe_act"),
 )
 """Megatron-Bridge's Blackwell MoE performance presets (26.x, the files of the H100 presets above, their ``V1`` and
-``V2`` variants): HybridEP on GB200/GB300 and for DeepSeek-V3 and Qwen3-30B-A3B on B200/B300 too, the all-to-all
-overlap and the recomputation where a precision's preset sets them (MXFP8 against FP8 current scaling or BF16),
-no gradient-reduce overlap for DeepSeek-V3 as on H100. Full-iteration and per-module CUDA graphs, which most of
-them also set, are not modelled."""
-"""Megatron-Bridge's H100 MoE performance presets, from its ``scripts/performance/configs/``:
-
-* Qwen3-235B-A22B ("V2", global batch 8,192) and Qwen3-30B-A3B, 26.x: ``qwen/qwen3_workload_base_configs.py`` and
-  ``qwen/qwen3_llm_pretrain.py``, the files that replaced ``qwen3/workload_base_configs.py``, whose H100 presets ran
-  235B at global batch 2,048 without the all-to-all overlap and 30B at PP=2 x VP=12 (the 25.x rows keep the
-  defaults).
-* DeepSeek-V3 on 1,024 H100s, 25.x: ``deepseek/deepseek_llm_pretrain.py`` (every stored version of its
-  ``deepseek_v3_h100_1024gpus_*_config``): ``enable_deepep=True``, the all-to-all overlap
-  (``set_moe_a2a_overlap_overrides``, earlier ``set_moe_a2a_1f1b_overrides``), ``overlap_grad_reduce=False``.
-* DeepSeek-V3 on 1,024 H100s, 26.x: ``deepseek/deepseek_workload_base_configs.py`` (``..._H100_V1``): HybridEP
-  without the all-to-all overlap; its llm_pretrain file keeps ``overlap_grad_reduce=False``. Both recompute the MLA
-  up-projections and the dense MLPs (``recompute_modules=["mla_up_proj", "mlp"]``).
-* GPT-OSS 120B on 64 H100s at global batch 1,280, 26.x: ``gpt_oss/gpt_oss_workload_base_configs.py``
-  (``..._H100_BF16_V2``): PP=4, EP=8, ``recompute_modules=["layernorm", "moe_act"]``, the default dispatcher. Its
-  25.x rows (micro-batch 4, global batch 512) ran another configuration and keep the defaults."""
+``V2`` variants): HybridEP on GB200/GB300 and for DeepSeek-V3 and Qwen3-30B-A3B on B200/B300 too (GPT-OSS where
+its preset sets it), the all-to-all overlap and the recomputation where a precision's preset sets them (MXFP8
+against FP8 current scaling or BF16), no gradient-reduce overlap for DeepSeek-V3 as on H100. Full-iteration and
+per-module CUDA graphs, which most of them also set, are not modelled."""
 
 
 def moe_recipe(row: dict, preset: str, layout: tuple[int, int, int, int, int, int]) -> MoeRecipe | None:

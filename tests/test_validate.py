@@ -237,6 +237,14 @@ def test_blackwell_moe_rows_run_their_precisions_preset() -> None:
              "micro_batch": "4", "global_batch_seqs": "512", "framework": "Megatron-Bridge / NeMo 26.02",
              "source_detail": "26.02 NeMo container, B200", "precision": "BF16"}
     assert row_plan(small).job.model.moe_token_dispatcher.value == "flex"
+    oss = {**next(r for r in read_rows(CSV) if r["id"] == "79"), "gpu": "GB200 NVL72", "tp": "1", "pp": "1", "vp": "",
+           "ep": "64", "dp": "", "global_batch_seqs": "1280", "framework": "Megatron-Bridge / NeMo 26.02",
+           "source_detail": "26.02 NeMo container, GB200", "precision": "BF16"}
+    bf16 = row_plan(oss).job
+    assert bf16.model.moe_token_dispatcher.value == "alltoall" and bf16.parallel.moe_a2a_overlap
+    assert bf16.parallel.recompute_modules == "layernorm+moe_act"
+    mxfp8 = row_plan({**oss, "precision": "MXFP8"}).job
+    assert mxfp8.model.moe_token_dispatcher.value == "flex" and mxfp8.parallel.recompute.value == "none"
 
 
 def test_unreadable_inputs_are_refused_by_name(tmp_path: Path, capsys) -> None:
