@@ -242,7 +242,7 @@ def test_blackwell_moe_rows_run_their_precisions_preset() -> None:
            "source_detail": "26.02 NeMo container, GB200", "precision": "BF16"}
     bf16 = row_plan(oss).job
     assert bf16.model.moe_token_dispatcher.value == "alltoall" and bf16.parallel.moe_a2a_overlap
-    assert bf16.parallel.recompute_modules == "layernorm+moe_act"
+    assert bf16.parallel.recompute_modules == "moe_act+layernorm"  # Megatron-Core's order
     mxfp8 = row_plan({**oss, "precision": "MXFP8"}).job
     assert mxfp8.model.moe_token_dispatcher.value == "flex" and mxfp8.parallel.recompute.value == "none"
 
