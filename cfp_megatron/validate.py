@@ -27,8 +27,8 @@ Defaults for fields a row leaves blank (documented, the same for every row):
 * Gradients: accumulated and reduced in fp32 (Megatron-LM forces it for bf16), except for NeMo and Megatron-Bridge
   rows: their performance runs keep the gradient buffers and their reduction in bf16 (NeMo 1's launcher scripts
   pass ``optim.grad_sync_dtype=bf16``, NeMo 2's performance recipes ``grad_reduce_in_fp32=False``, Megatron-Bridge's
-  ``scripts/performance`` ``grad_reduce_in_fp32 = False``: in ``set_basic_perf_overrides`` for every recipe, and in
-  each version of its Qwen3 presets).
+  ``scripts/performance`` ``grad_reduce_in_fp32 = False``: in one stored version of ``set_basic_perf_overrides``,
+  for every recipe, and in the stored versions of its Qwen3 presets read for this).
 * ``framework`` naming Megatron-LM from before 2023: unfused attention (no FlashAttention) and no overlap of the
   gradient all-reduce with backward, as those versions ran; every other framework: fused attention, overlap on.
   NeMo / Megatron-Core / Megatron-Bridge: TP communication overlapped with the GEMMs (their performance recipes turn
@@ -74,7 +74,6 @@ import json
 import math
 import re
 import sys
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,7 +116,7 @@ column blank; the other fields, which no column holds, always.
 * Qwen3: 128-channel heads whatever the hidden size (``head_dim`` 128 in every Qwen3 config; Megatron-Bridge's
   ``Qwen3MoEModelProvider`` sets ``kv_channels = 128``): Qwen3-30B-A3B's 32 heads are 4,096 wide on a 2,048 hidden
   size, Qwen3-235B-A22B's 64 heads 8,192 wide on 4,096. With them, Megatron-Bridge's FLOP formula (causal attention
-  counted half) gives the Qwen3 rows' ``tflops_per_gpu`` to 0.5%; with hidden / heads it gave 11-13% less.
+  counted half) gives the Qwen3 rows' ``tflops_per_gpu`` to 0.6%; with hidden / heads it gave 11-14% less.
 * The tokenizers' vocabularies of Llama 2 (32,000), Llama 3 (128,256), Mixtral (32,000), Qwen3 (151,936),
   DeepSeek-V3 (129,280) and GPT-OSS (201,088), and the 8 KV heads of every Llama 3 and Mixtral model: the
   shared rows state them, a row that does not gets them (and, for DeepSeek-V3 and GPT-OSS, the preset architecture
@@ -203,7 +202,7 @@ def _blackwell(model: str, presets: tuple[str, ...], layouts: tuple[tuple[int, i
                  for preset in presets for layout in layouts)
 
 
-_MX, _BF16, _NOT_MX_BF16 = r"mx", r"bf16", r"^(?!.*(mx|bf16)).*fp8"
+_MX, _BF16, _NOT_MX, _NOT_MX_BF16 = r"mx", r"bf16", r"^(?!.*mx)", r"^(?!.*(mx|bf16)).*fp8"
 MEGATRON_BRIDGE_BLACKWELL_MOE_RECIPES = (
     # DeepSeek-V3 on 256 GPUs, global batch 2,048 (V1) or 4,096 (V2); deepseek/deepseek_workload_base_configs.py.
     *_blackwell(r"deepseek.?v3", ("gb300_nvl72",), ((256, 1, 2, 8, 32, 2048), (256, 1, 2, 8, 32, 4096)),
@@ -220,7 +219,7 @@ MEGATRON_BRIDGE_BLACKWELL_MOE_RECIPES = (
     *_blackwell(r"deepseek.?v3", ("gb200_nvl72",), ((256, 1, 4, 4, 64, 2048), (256, 1, 4, 4, 64, 4096)),
                 a2a_overlap=True, recompute_modules="mla_up_proj", precision=_MX, overlap_grad_reduce=False),
     *_blackwell(r"deepseek.?v3", ("b300",), ((256, 1, 8, 2, 8, 2048), (256, 1, 8, 2, 8, 4096)),
-                recompute_modules="mla_up_proj", precision=r"^(?!.*mx)", overlap_grad_reduce=False),
+                recompute_modules="mla_up_proj", precision=_NOT_MX, overlap_grad_reduce=False),
     *_blackwell(r"deepseek.?v3", ("b300",), ((256, 1, 8, 2, 8, 2048), (256, 1, 8, 2, 8, 4096)),
                 a2a_overlap=True, recompute_modules="mla_up_proj", precision=_MX, overlap_grad_reduce=False),
     *_blackwell(r"deepseek.?v3", ("b200",), ((256, 1, 16, 1, 8, 2048), (256, 1, 16, 1, 8, 4096)),
@@ -496,26 +495,24 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         sp = modern or bool(experts)
     sp = sp and tp > 1
     ffn = _int(row, "ffn_hidden")
-    family = family_architecture(row)
-    vocab = _int(row, "vocab", typing.cast(int, family.get("vocab_size", DEFAULT_VOCAB)))
-    kv = _int(row, "kv_heads", typing.cast("int | None", family.get("num_query_groups")))
     swiglu = bool(experts) or (ffn is not None and ffn != 4 * hidden)
     model = {
         "name": f"row{rid}", "num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn,
-        "num_attention_heads": heads, "num_query_groups": kv, "vocab_size": vocab,
+        "num_attention_heads": heads, "num_query_groups": _int(row, "kv_heads"),
+        "vocab_size": _int(row, "vocab", DEFAULT_VOCAB),
         "make_vocab_size_divisible_by": 128 * tp, "max_position_embeddings": max(seq, 4096),
         "activation": "swiglu" if swiglu else "gelu", "tie_embeddings": False,
         "position_embedding": "rope" if swiglu else "learned_absolute",
         "hidden_dropout": 0.0 if swiglu else 0.1, "attention_dropout": 0.0 if swiglu else 0.1,
     }
-    model.update({key: value for key, value in family.items() if key not in BLANK_ONLY_FIELDS})
+    model.update(family_architecture(row))  # its vocabulary and KV heads only where the row leaves them blank
     if heads and hidden % heads:
         model["kv_channels"] = 128
     recipe = moe_recipe(row, preset_name, (gpus, tp, pp, vp, ep, gbs or 0)) if experts else None
     if experts:
         topk = _int(row, "moe_topk", 2)
         model.update(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=_int(row, "moe_expert_ffn"))
-    architecture, fields = preset_architecture({**row, "vocab": str(vocab)}) if experts else ("", {})
+    architecture, fields = preset_architecture({**row, "vocab": str(model["vocab_size"])}) if experts else ("", {})
     model.update(fields)
     modules = None
     if recipe:

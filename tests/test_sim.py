@@ -9,9 +9,14 @@ import pytest
 from cfp_megatron.base import parallel_dims
 from cfp_megatron.base.config import AttentionKernel, job_from_config
 from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.base.flops import attended_keys, causal_score_share
 from cfp_megatron.cluster.costs import CollectiveCosts, group_placement
 from cfp_megatron.cluster.measured import Collective, CollectiveFit, NothingMeasured, Span
 from cfp_megatron.sim import SimOptions, simulate
+from cfp_megatron.sim.calibration import efficiency_for
+from cfp_megatron.sim.kernels import KernelModel
+from cfp_megatron.sim.layer_cost import layer_cost
+from cfp_megatron.sim.layout import build_layout
 from cfp_megatron.sim.memory import in_flight
 from cfp_megatron.sim.timeline import chrome_trace, write_chrome_trace, write_png
 from cfp_megatron.validate import load_preset
@@ -128,7 +133,6 @@ def test_fp8_keeps_the_linear_layers_inputs_in_one_byte() -> None:
     """Transformer Engine's FP8 linear layers keep the FP8 copies of their inputs: per token and layer, the QKV, the
     projection, fc1 and fc2 inputs lose one byte an element (h, h, h and the FFN width, split over TP under SP);
     PrimePar's MLP runs in bf16, so there only attention's two inputs shrink."""
-    from cfp_megatron.sim.layout import build_layout
     from cfp_megatron.sim.memory import layer_activation_bytes
 
     h, ffn, t, mb, seq = 4096, 4 * 4096, 4, 2, 2048
@@ -271,12 +275,6 @@ def test_a_sliding_window_prices_the_attention_tiles_it_reaches() -> None:
     """GPT-OSS's pattern: 128-token windows on every other layer. A fused kernel computes the window's tiles and the
     diagonal one (2 of 32 at 4,096 tokens) instead of half the scores; an unfused one computes every score anyway;
     the model FLOPs count a windowed layer's 129 keys."""
-    from cfp_megatron.base.flops import attended_keys, causal_score_share
-    from cfp_megatron.sim.calibration import efficiency_for
-    from cfp_megatron.sim.kernels import KernelModel
-    from cfp_megatron.sim.layer_cost import layer_cost
-    from cfp_megatron.sim.layout import build_layout
-
     full = job(seq=4096)
     windowed = job(seq=4096, model={"window_size": 128, "window_attn_skip_freq": 2})
     m = windowed.model

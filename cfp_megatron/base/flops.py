@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from cfp_megatron.base.config import Activation, AttentionKind, ModelSpec
 
 
@@ -55,7 +57,7 @@ def causal_score_share(m: ModelSpec, seq_length: int) -> float:
     full attention; for a sliding window the :data:`ATTENTION_TILE` tiles it touches (the window's tiles and the
     diagonal one), at most half."""
     windowed = m.windowed_layers
-    tiles = (-(-(m.window_size or 0) // ATTENTION_TILE) + 1) * ATTENTION_TILE
+    tiles = (math.ceil((m.window_size or 0) / ATTENTION_TILE) + 1) * ATTENTION_TILE
     window_share = min(0.5, tiles / seq_length)
     return ((m.num_layers - windowed) * 0.5 + windowed * window_share) / m.num_layers
 

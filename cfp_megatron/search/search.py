@@ -465,9 +465,9 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
                                       order=job.parallel.order)
                 dims = ParallelDims(parallel=family, world_size=world, num_microbatches=g.microbatches)
                 placed = place(job, dims, gpn)
-            granularity, modules = recompute_parts(recompute)
+            granularity, modules = recompute_parts(recompute, job.parallel.recompute_modules)
             ckey = cost_key(placed, granularity, options, mlps[h.mlp], sp=h.sp, micro_batch=h.micro_batch,
-                            recompute_modules=modules or job.parallel.recompute_modules)
+                            recompute_modules=modules)
             overlaps = (space.tp_overlap(tp=h.tp, sp=h.sp),
                         space.a2a_overlap(ep=h.ep, pp=pp, vpp=None, recompute=recompute))
             ckey += overlaps
@@ -604,10 +604,8 @@ def _layer_kept_bytes(head: GroupHead, placed: Layout, job: JobSpec, measurement
     it. Zero where measured segment memory may replace the model's activations (it is no bound on those)."""
     if measurements is not None and options.use_measured_segments:
         return 0.0
-    recompute, named = recompute_parts(head.recompute)
+    recompute, modules = recompute_parts(head.recompute, job.parallel.recompute_modules)
     try:
-        # the candidate's modules, else the user's
-        modules = (named or job.parallel.recompute_modules) if recompute is Recompute.selective else None
         spec = ParallelSpec(tp=head.tp, sp=head.sp, pp=head.pp, cp=head.cp, ep=head.ep, etp=head.etp,
                             recompute=recompute, recompute_modules=modules, mlp=MlpPartition(head.mlp),
                             order=job.parallel.order)

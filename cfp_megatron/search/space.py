@@ -133,10 +133,9 @@ class Candidate:
         if self.recompute == BLOCK:
             return {"recompute": Recompute.full, "recompute_method": RecomputeMethod.block,
                     "recompute_num_layers": max(self.recompute_layers, 1), "recompute_modules": None}
-        recompute, modules = recompute_parts(self.recompute)
-        selective = recompute is Recompute.selective
+        recompute, modules = recompute_parts(self.recompute, base.recompute_modules)
         return {"recompute": recompute, "recompute_method": RecomputeMethod.uniform, "recompute_num_layers": 1,
-                "recompute_modules": (modules or base.recompute_modules) if selective else None}
+                "recompute_modules": modules}
 
     def job(self, job: JobSpec) -> JobSpec:
         """``job`` under this layout."""
@@ -229,15 +228,16 @@ MODULES = "selective:"
 default)."""
 
 
-def recompute_parts(value: str) -> tuple[Recompute, str | None]:
+def recompute_parts(value: str, user_modules: str | None = None) -> tuple[Recompute, str | None]:
     """(granularity, modules) of a candidate's recompute value: ``block`` is full recomputation, ``selective:<m>``
-    selective recomputation of the modules ``m`` (``+``-joined); ``None`` modules are the user's
-    (``parallel.recompute_modules``)."""
+    selective recomputation of the modules ``m`` (``+``-joined), a plain ``selective`` that of ``user_modules``
+    (``parallel.recompute_modules``); modules are ``None`` for any other granularity."""
     if value == BLOCK:
         return Recompute.full, None
     if value.startswith(MODULES):
         return Recompute.selective, value[len(MODULES):]
-    return Recompute(value), None
+    recompute = Recompute(value)
+    return recompute, user_modules if recompute is Recompute.selective else None
 
 
 def offered_modules(model: ModelSpec, *, te_available: bool) -> str | None:

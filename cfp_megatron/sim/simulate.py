@@ -18,7 +18,7 @@ from cfp_megatron.sim.kernels import KernelModel, grad_element_bytes
 from cfp_megatron.sim.layer_cost import LayerCost, PassCost
 from cfp_megatron.sim.layout import Layout, build_layout
 from cfp_megatron.sim.memory import stage_memory
-from cfp_megatron.sim.moe_cost import COMM_SM_SHARE
+from cfp_megatron.sim.moe_cost import overlapped
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache, PassCosts, collective_costs, comm_options, cost_key, pass_costs
 from cfp_megatron.sim.prediction import GIB, Event, EventKind, MemoryBreakdown, Prediction, TimeBreakdown
@@ -168,8 +168,8 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
         bucket_share = min(1.0, _BUCKET_PARAMS / max(stage_params, 1.0))
         if overlap:
             backward_window_s = sum(backward_s[rank])
-            exposed_s = max(sync_s - backward_window_s, sync_s * bucket_share)
-            sync_s = exposed_s + (sync_s - exposed_s) * COMM_SM_SHARE
+            # The backward passes hide all but the last bucket, at the SM share the hidden part takes from them.
+            sync_s = sum(overlapped(sync_s, min(backward_window_s, sync_s * (1.0 - bucket_share))))
         if job.parallel.overlap_param_gather:
             gather_s *= bucket_share
         dp_exposed.append(sync_s + gather_s)
