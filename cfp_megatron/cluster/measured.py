@@ -163,6 +163,37 @@ class StepOverheads:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PipelineProbe:
+    """A probe model trained with the runtime's own step over a pipeline (:mod:`cfp_megatron.profile.overheads`):
+    what Megatron's pipelined schedule cost, point-to-point exchanges included, against which the simulator prices
+    a plan's exchanges (:func:`cfp_megatron.sim.simulate.simulate`)."""
+
+    tp: int
+    """Tensor-parallel size (the rest of the world data-parallel)."""
+    sp: bool
+    """Whether sequence parallelism was on."""
+    pp: int
+    """Pipeline stages."""
+    layers: int
+    """Decoder layers of the probe model, split evenly over the stages."""
+    micro_batch: int
+    """Sequences per micro-batch."""
+    microbatches: int
+    """Micro-batches per timed step."""
+    schedule_s: float
+    """Seconds of the schedule (``forward_backward_func`` without the gradient finalisation), slowest rank, median
+    over the repeats."""
+    rest_s: float
+    """Seconds of the step outside the schedule and the gradient finalisation (optimizer step, zeroing, the loss
+    all-reduce), slowest rank, median over the repeats."""
+    finalize_s: float | None
+    """Seconds of the gradient finalisation inside the step, as the slowest rank paid it (``None`` where not
+    timed)."""
+    single_schedule_s: float | None = None
+    """Seconds of the schedule in a step of one micro-batch, slowest rank, median (``None`` where not timed)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class SegmentMemory:
     """Tensor memory of one segment class's forward and backward pass for one micro-batch, counted as PyTorch's
     ``MemTracker`` counts a training step's memory (measured by the profiling segments round)."""
@@ -258,6 +289,11 @@ class Measurements(Protocol):
         measured)."""
         ...
 
+    def pipeline_probe(self, partition: str, micro_batch: int) -> PipelineProbe | None:
+        """The pipelined probe of ``partition`` (``tp<N>``, ``tp<N>-sp``) at ``micro_batch`` (``None`` if not
+        measured)."""
+        ...
+
     def busy_slowdown(self) -> float | None:
         """How much slower a pass runs with every rank of a node busy, as profiling timed it, than alone: ranks per
         node over cores where the ranks share fewer cores (CPU); ``None`` where each rank has its own device."""
@@ -296,6 +332,9 @@ class NothingMeasured:
         return None
 
     def step_overheads(self, partition: str, micro_batch: int) -> StepOverheads | None:
+        return None
+
+    def pipeline_probe(self, partition: str, micro_batch: int) -> PipelineProbe | None:
         return None
 
     def segment_memory(self, segment: str, partition: str, micro_batch: int) -> SegmentMemory | None:

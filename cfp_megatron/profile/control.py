@@ -25,8 +25,8 @@ FAULT_ENV = "CFP_PROFILE_FAULT"
 """Test hook, comma-separated entries: ``<round>:fail[:<rank>]`` makes that round's first step raise on one rank
 (default: the last), ``<round>:oom[:<rank>]`` run out of device memory there; ``<round>:slow`` makes its first step
 outlast the round's deadline on every rank."""
-SLOTS = 5
-"""Length of the sync tensor: stop, failed, and up to three measured values."""
+SLOTS = 6
+"""Length of the sync tensor: stop, failed, and up to four measured values."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,7 +36,7 @@ class Step:
     label: str
     """What it measures, for progress lines and failure reasons."""
     run: Callable[[], Sequence[float]]
-    """Does the work; returns up to three figures (e.g. seconds) to reduce by maximum over ranks."""
+    """Does the work; returns up to four figures (e.g. seconds) to reduce by maximum over ranks."""
     entry: str | None = None
     """The round's entry this step measures (:class:`~cfp_megatron.profile.records.RoundRecord`'s ``measured`` and
     ``missing``; several steps may share one); ``None`` for a set-up step."""

@@ -30,6 +30,7 @@ from cfp_megatron.base.files import CACHE_ENV, cache_dir, write_atomic, write_ne
 from cfp_megatron.cluster.measured import (
     Collective,
     CollectiveFit,
+    PipelineProbe,
     SegmentMemory,
     Span,
     StepOverheads,
@@ -160,9 +161,8 @@ class ProfileDB:
         parameters per rank, one slope for all partitions. The gradient finalisation as the probes timed it inside
         their steps, by their parameters. ``None`` when no pair of probes ran under ``partition``.
         """
-        models = {r.model for r in self.overheads}
-        model = self.model if self.model is not None else (next(iter(models)) if len(models) == 1 else None)
-        rows = [r for r in self.overheads if r.model == model and r.partition == partition]
+        model = self._overheads_model()
+        rows = [r for r in self.overheads if r.model == model and r.partition == partition and r.pp == 1]
         by_mb: dict[int, dict[int, OverheadRecord]] = {}
         for r in rows:
             by_mb.setdefault(r.micro_batch, {})[r.layers] = r
@@ -197,6 +197,23 @@ class ProfileDB:
                              per_microbatch_s=per_micro, ends_s=ends_s, step_base_s=max(base, 0.0),
                              step_per_param_s=per_param, finalize_share=self._finalize_share(rows))
 
+    def _overheads_model(self) -> str | None:
+        """The model whose probes answer: the one chosen with :meth:`for_model`, or the only one with probes."""
+        models = {r.model for r in self.overheads}
+        return self.model if self.model is not None else (next(iter(models)) if len(models) == 1 else None)
+
+    def pipeline_probe(self, partition: str, micro_batch: int) -> PipelineProbe | None:
+        """The pipelined probe of the overheads round (:attr:`OverheadRecord.pp` above 1) under ``partition`` at
+        ``micro_batch``, of the model chosen as for :meth:`step_overheads`; the newest measurement wins."""
+        model = self._overheads_model()
+        for r in reversed(self.overheads):
+            if r.model == model and r.partition == partition and r.pp > 1 and r.micro_batch == micro_batch:
+                return PipelineProbe(tp=r.tp, sp=partition.endswith("-sp"), pp=r.pp, layers=r.layers,
+                                     micro_batch=r.micro_batch, microbatches=r.microbatches, schedule_s=r.schedule_s,
+                                     rest_s=r.rest_s, finalize_s=r.finalize_s,
+                                     single_schedule_s=r.single_schedule_s)
+        return None
+
     def _finalize_share(self, rows: Sequence[OverheadRecord]) -> float:
         """The median over ``rows`` (one partition's probes) of the gradient finalisation they timed inside their
         steps over what this DB's all-reduce fit gives for it over their data-parallel group (the fp32 gradients,
@@ -223,7 +240,7 @@ class ProfileDB:
         each partition its own intercept (its grad-norm all-reduce); never below zero."""
         by_partition: dict[str, list[tuple[int, float]]] = {}
         for r in self.overheads:
-            if r.model == model:
+            if r.model == model and r.pp == 1:
                 by_partition.setdefault(r.partition, []).append((r.params, r.rest_s))
         num = den = 0.0
         for pts in by_partition.values():
@@ -283,7 +300,7 @@ class ProfileDB:
             have = {segment_entry(r.kind, r.partition, r.micro_batch) for r in self.segments
                     if r.model == model and r.activation_bytes is not None}
         elif round_name == "overheads":
-            have = {overhead_entry(r.partition, r.layers, r.micro_batch) for r in self.overheads
+            have = {overhead_entry(r.partition, r.layers, r.micro_batch, r.pp) for r in self.overheads
                     if r.model == model and r.finalize_s is not None}  # earlier probes did not time it: again
         else:
             raise ProfileDBError(f"unknown profiling round {round_name!r}. Fix: one of collectives, gemm, segments, "
@@ -298,7 +315,7 @@ class ProfileDB:
 
     def has_overheads(self, model: str, tp: int) -> bool:
         """Whether the overheads round's probes of ``model`` under ``tp`` are stored."""
-        return any(r.model == model and r.tp == tp for r in self.overheads)
+        return any(r.model == model and r.tp == tp and r.pp == 1 for r in self.overheads)
 
     def has_segments(self, model: str, tp: int, micro_batch: int, *,
                      recompute: Recompute = Recompute.none) -> bool:
@@ -326,7 +343,7 @@ class ProfileDB:
             gemms=merge(self.gemms, gemms, lambda r: (r.m, r.n, r.k, r.dtype)),
             segments=merge(self.segments, segments, lambda r: (r.model, r.segment, r.kind, r.partition,
                                                                r.micro_batch)),
-            overheads=merge(self.overheads, overheads, lambda r: (r.model, r.partition, r.layers,
+            overheads=merge(self.overheads, overheads, lambda r: (r.model, r.partition, r.layers, r.pp,
                                                                  r.micro_batch)),
             rounds=self.rounds + tuple(rounds))
 
@@ -379,7 +396,7 @@ def _record_label(section: str, data: Any) -> str:
         if section == "segments":
             return segment_entry(data["kind"], data["partition"], data["micro_batch"])
         if section == "overheads":
-            return overhead_entry(data["partition"], data["layers"], data["micro_batch"])
+            return overhead_entry(data["partition"], data["layers"], data["micro_batch"], data.get("pp", 1))
         if section == "rounds":
             return f"round {data['name']}"
         if section == "plan_checks":

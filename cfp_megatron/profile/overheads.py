@@ -9,6 +9,13 @@ models from the collective fits, taken out and recorded on its own), ``optimizer
 timed with one and with several micro-batches of one sequence. From these the ProfileDB derives the per-micro-batch
 cost of the schedule beyond the segments, the optimizer's fixed and per-parameter cost, the step's other fixed costs
 and the gradient finalisation as it runs inside a step (:meth:`cfp_megatron.profile.db.ProfileDB.step_overheads`).
+
+Where the world leaves at least two data-parallel ranks, the larger probe also runs over two pipeline stages
+(:data:`PIPELINE_STAGES`): Megatron's pipelined schedule with its point-to-point exchanges, which the simulator's
+exchange cost must reproduce (:meth:`cfp_megatron.profile.db.ProfileDB.pipeline_probe`; docs/simulator.md,
+"Pipeline exchanges"). The collectives round's send/receive fit times a ring shift with every rank sending at once;
+a pipeline hands a micro-batch to a stage that waits for it, and on ranks that share cores the two differ by up to
+ten times from one measurement to the next.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any
 import torch
 
 from cfp_megatron.base.config import JobSpec
+from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.cluster.measured import partition_name
 from cfp_megatron.data.batches import build_micro_batches
@@ -36,6 +44,8 @@ MICROBATCHES = 4
 """Micro-batches per timed step."""
 WARMUP = 1
 """Untimed steps before each timed set (the first step after a build or at a new batch size runs slow)."""
+PIPELINE_STAGES = 2
+"""Stages of the pipelined probe (the larger probe's layers split evenly over them)."""
 EXTRA_LAYERS = 3
 """Layers the larger probe adds (capped by the model's own layers): one layer's time is the difference of the two
 probes over the layers between them, so each added layer divides the timing noise of that difference."""
@@ -53,6 +63,8 @@ class OverheadCase:
     """The probe job: ``layers`` layers, :data:`MICROBATCHES` micro-batches of one sequence per step."""
     dims: ParallelDims
     """Its layout over the whole world."""
+    pp: int = 1
+    """Pipeline stages (:data:`PIPELINE_STAGES` for the pipelined probe, 1 otherwise)."""
 
 
 def overhead_cases(cases: Sequence[SegmentCase], world: int, model_layers: int) -> list[OverheadCase]:
@@ -71,7 +83,31 @@ def overhead_cases(cases: Sequence[SegmentCase], world: int, model_layers: int) 
             model = dataclasses.replace(case.job.model, num_layers=layers)
             job = dataclasses.replace(case.job, model=model, train=train)
             found.append(OverheadCase(tp=case.tp, layers=layers, job=job, dims=ParallelDims.build(job, world)))
+        pipelined = _pipelined_case(case, world, base + extra)
+        if pipelined is not None:
+            found.append(pipelined)
     return found
+
+
+def _pipelined_case(case: SegmentCase, world: int, layers: int) -> OverheadCase | None:
+    """The larger probe over :data:`PIPELINE_STAGES` stages (its layers rounded down to a multiple of them), or
+    ``None`` where the world has no room for the stages beside ``case``'s TP size, the layers do not split, or the
+    model is a MoE model with leading dense layers (whose probes the simulator does not read)."""
+    stages = PIPELINE_STAGES
+    model = case.job.model
+    layers -= layers % stages
+    if (world // case.tp) % stages or layers < stages or (model.is_moe and model.moe_first_dense_layers):
+        return None
+    dp = world // (case.tp * stages)
+    job = dataclasses.replace(
+        case.job, model=dataclasses.replace(model, num_layers=layers),
+        train=dataclasses.replace(case.job.train, micro_batch_size=1, global_batch_size=MICROBATCHES * dp),
+        parallel=dataclasses.replace(case.job.parallel, pp=stages))
+    try:
+        dims = ParallelDims.build(job, world)
+    except ConfigError:
+        return None
+    return OverheadCase(tp=case.tp, layers=layers, job=job, dims=dims, pp=stages)
 
 
 class OverheadBench:
@@ -135,7 +171,8 @@ class OverheadBench:
         """Medians over the repeats (after :data:`WARMUP` untimed steps) of :meth:`step` at ``micro_batch``, each
         repeat started together on every rank and taken from its slowest rank: the schedule without the gradient
         finalisation, the rest, and the finalisation as the slowest rank pays it (the slowest whole schedule less
-        the slowest schedule without it: a rank that arrives early waits for the others inside it).
+        the slowest schedule without it: a rank that arrives early waits for the others inside it); for a pipelined
+        probe also the schedule of a step of one micro-batch.
 
         A training step lasts as long as its slowest rank, and which rank is slowest changes from step to step
         where ranks share cores (CPU): the median over steps of the slowest rank is longer than the slowest rank's
@@ -147,8 +184,16 @@ class OverheadBench:
         for _ in range(self.repeats):
             barrier()
             runs.append(slowest(self.step(batches)))
-        return [statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
-                statistics.median(max(r[2] - r[0], 0.0) for r in runs)]
+        found = [statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
+                 statistics.median(max(r[2] - r[0], 0.0) for r in runs)]
+        if self.case.pp > 1:  # the schedule with one micro-batch: what a pipelined step pays whatever their number
+            self.step(batches[:1])
+            single = []
+            for _ in range(self.repeats):
+                barrier()
+                single.append(slowest(self.step(batches[:1]))[0])
+            found.append(statistics.median(single))
+        return found
 
 
 def _sync() -> None:
@@ -157,15 +202,16 @@ def _sync() -> None:
 
 
 def overhead_steps(cases: Sequence[OverheadCase], micro_batch_sizes: Sequence[int], *, repeats: int
-                   ) -> tuple[list[Step], dict[str, tuple[str, int, int, int]]]:
+                   ) -> tuple[list[Step], dict[str, tuple[str, int, int, int, int]]]:
     """Per case: build the probe's training state (the step reports its parameters per rank), then time its step
-    at each micro-batch size. ``meaning`` maps a label to (partition, tp, layers, micro-batch; 0 for the build)."""
+    at each micro-batch size. ``meaning`` maps a label to (partition, tp, layers, micro-batch (0 for the build),
+    pipeline stages)."""
     holder: dict[str, OverheadBench] = {}
     steps: list[Step] = []
-    meaning: dict[str, tuple[str, int, int, int]] = {}
+    meaning: dict[str, tuple[str, int, int, int, int]] = {}
     for case in cases:
         name = partition_name(case.tp, sp=case.dims.sp)
-        tag = f"{name} L{case.layers}"
+        tag = f"{name}{f' pp{case.pp}' if case.pp > 1 else ''} L{case.layers}"
 
         def setup(case: OverheadCase = case, tag: str = tag) -> list[float]:
             holder.clear()  # free the previous probe first
@@ -173,29 +219,30 @@ def overhead_steps(cases: Sequence[OverheadCase], micro_batch_sizes: Sequence[in
             return [float(holder[tag].params)]
 
         steps.append(Step(label=f"overheads build {tag}", run=setup))
-        meaning[f"overheads build {tag}"] = (name, case.tp, case.layers, 0)
+        meaning[f"overheads build {tag}"] = (name, case.tp, case.layers, 0, case.pp)
         for mbs in micro_batch_sizes:
-            label = overhead_entry(name, case.layers, mbs)
+            label = overhead_entry(name, case.layers, mbs, case.pp)
             steps.append(Step(label=label, run=lambda tag=tag, mbs=mbs: holder[tag].time(mbs), entry=label,
                               needs=f"overheads build {tag}"))
-            meaning[label] = (name, case.tp, case.layers, mbs)
+            meaning[label] = (name, case.tp, case.layers, mbs, case.pp)
     return steps, meaning
 
 
-def overhead_records(results: Sequence[StepResult], meaning: dict[str, tuple[str, int, int, int]], *,
+def overhead_records(results: Sequence[StepResult], meaning: dict[str, tuple[str, int, int, int, int]], *,
                      key: str) -> list[OverheadRecord]:
     """Records of the finished timing steps of probes whose build finished."""
-    params: dict[tuple[str, int], int] = {}
+    params: dict[tuple[str, int, int], int] = {}
     rows = []
     for res in results:
         if res.label not in meaning or not res.values:
             continue
-        name, tp, layers, mbs = meaning[res.label]
+        name, tp, layers, mbs, pp = meaning[res.label]
         if mbs == 0:
-            params[(name, layers)] = int(res.values[0])
-        elif (name, layers) in params:
-            rows.append(OverheadRecord(model=key, partition=name, tp=tp, layers=layers,
-                                       params=params[(name, layers)], micro_batch=mbs, microbatches=MICROBATCHES,
+            params[(name, layers, pp)] = int(res.values[0])
+        elif (name, layers, pp) in params:
+            rows.append(OverheadRecord(model=key, partition=name, tp=tp, layers=layers, pp=pp,
+                                       params=params[(name, layers, pp)], micro_batch=mbs, microbatches=MICROBATCHES,
                                        schedule_s=res.values[0], rest_s=res.values[1],
-                                       finalize_s=res.values[2] if len(res.values) > 2 else None))
+                                       finalize_s=res.values[2] if len(res.values) > 2 else None,
+                                       single_schedule_s=res.values[3] if len(res.values) > 3 else None))
     return rows

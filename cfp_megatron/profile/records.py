@@ -122,9 +122,10 @@ def segment_entry(kind: str, partition: str, micro_batch: int) -> str:
     return f"{kind} {partition} mbs={micro_batch}"
 
 
-def overhead_entry(partition: str, layers: int, micro_batch: int) -> str:
-    """The overheads round's entry of one probe at one micro-batch size."""
-    return f"overheads {partition} L{layers} mbs={micro_batch}"
+def overhead_entry(partition: str, layers: int, micro_batch: int, pp: int = 1) -> str:
+    """The overheads round's entry of one probe at one micro-batch size (``pp2`` in it for a pipelined probe)."""
+    stages = f" pp{pp}" if pp > 1 else ""
+    return f"overheads {partition}{stages} L{layers} mbs={micro_batch}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -263,7 +264,7 @@ class OverheadRecord:
     partition: str
     """Canonical partition string (:func:`partition_name`)."""
     tp: int
-    """Tensor-parallel size (the rest of the world data-parallel, no pipeline)."""
+    """Tensor-parallel size (the rest of the world data-parallel, and pipeline-parallel by :attr:`pp`)."""
     layers: int
     """Decoder layers of the probe model."""
     params: int
@@ -281,6 +282,13 @@ class OverheadRecord:
     """The step's gradient finalisation (``finalize_model_grads``: the data-parallel gradient reduction, the token
     count's all-reduce) as the slowest rank pays it inside the step (the slowest whole schedule less the slowest
     schedule without it); median over the repeats. ``None`` in files written before it was recorded."""
+    pp: int = 1
+    """Pipeline stages of the probe: 1 for the probes a step's overheads come from
+    (:meth:`~cfp_megatron.profile.db.ProfileDB.step_overheads`), 2 for the one that prices a pipeline's exchanges
+    (:meth:`~cfp_megatron.profile.db.ProfileDB.pipeline_probe`); 1 in files written before pipelined probes."""
+    single_schedule_s: float | None = None
+    """A pipelined probe's schedule in a step of one micro-batch (median, slowest rank): with :attr:`schedule_s` it
+    tells what each micro-batch adds from what every step pays; ``None`` for the other probes."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready form."""
@@ -290,9 +298,10 @@ class OverheadRecord:
     def from_json(cls, data: dict[str, Any]) -> OverheadRecord:
         """Parse :meth:`to_json`'s output; :class:`ProfileFigureError` for a size or time out of range (the
         schedule above zero, the rest at or above zero)."""
-        check_figures(data, {"tp": "count", "layers": "count", "params": "count", "micro_batch": "count",
+        check_figures(data, {"tp": "count", "pp": "count", "layers": "count", "params": "count", "micro_batch": "count",
                              "microbatches": "count", "schedule_s": "positive", "rest_s": "non_negative",
-                             "finalize_s": "non_negative"}, nullable=("finalize_s",))
+                             "finalize_s": "non_negative", "single_schedule_s": "positive"},
+                     nullable=("finalize_s", "single_schedule_s"))
         return cls(**data)
 
 

@@ -145,14 +145,14 @@ def _drop_grad(param: torch.Tensor) -> None:
 
 
 def init_probe_groups(dims: ParallelDims, seed: int) -> None:
-    """Megatron's model-parallel groups for a probe (TP as ``dims`` says, no pipeline), replacing earlier ones, and
-    its seeds."""
+    """Megatron's model-parallel groups for a probe (TP and the pipeline as ``dims`` says), replacing earlier ones,
+    and its seeds."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     destroy_model_parallel_groups()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=1, context_parallel_size=1,
+        tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp, context_parallel_size=1,
         expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp, order=dims.order,
         distributed_timeout_minutes=1)
     torch.manual_seed(seed)

@@ -120,6 +120,9 @@ class CostCache:
     """Pass costs by :func:`cost_key`."""
     schedules: dict[tuple[Any, ...], ScheduleResult] = field(default_factory=dict)
     """Timed pipeline schedules by their pass durations, send/receive time and micro-batch count."""
+    exchanges: dict[tuple[str, int], Any] = field(default_factory=dict)
+    """The pipelined probe of a partition at a micro-batch size against its pricing
+    (:class:`~cfp_megatron.sim.simulate.ProbeCalibration`, ``None`` where none can be had), by partition and size."""
 
     @classmethod
     def for_job(cls, job: JobSpec, measurements: Measurements | None, options: SimOptions,

@@ -7,12 +7,13 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
-from cfp_megatron.base.config import ClusterSpec, JobSpec
+from cfp_megatron.base.config import ClusterSpec, JobSpec, ParallelSpec
+from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.base.pipeline_split import ChunkLayers, job_chunks
 from cfp_megatron.cluster.costs import CollectiveCosts
-from cfp_megatron.cluster.measured import Collective, Measurements
+from cfp_megatron.cluster.measured import Collective, Measurements, PipelineProbe, StepOverheads, partition_name
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
 from cfp_megatron.sim.kernels import KernelModel, grad_element_bytes
 from cfp_megatron.sim.layer_cost import LayerCost, PassCost
@@ -56,80 +57,27 @@ def simulate_unless_slower(job: JobSpec, prune_above: float, cluster: ClusterSpe
 
 def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measurements | None,
               options: SimOptions | None, efficiency: Efficiency | None, world_size: int | None, with_events: bool,
-              cache: CostCache | None, prune_above: float | None) -> Prediction | None:
-    """:func:`simulate` and :func:`simulate_unless_slower` (``None`` only when ``prune_above`` prunes the plan)."""
+              cache: CostCache | None, prune_above: float | None, exchange_s: float | None = None
+              ) -> Prediction | None:
+    """:func:`simulate` and :func:`simulate_unless_slower` (``None`` only when ``prune_above`` prunes the plan).
+    ``exchange_s``: the seconds of one exchange between pipeline stages, given (the pipelined probe's pricing,
+    :func:`_probe_calibration`) instead of found (:func:`_pipeline_terms`)."""
     job, layout, options, efficiency, kernels, costs, parts = _prepare(job, cluster, measurements, options,
                                                                        efficiency, world_size, cache)
     cluster = job.cluster
     dims = layout.dims
     model = job.model
-    dense, moe, embedding, head = parts.dense, parts.moe, parts.embedding, parts.head
-    megatron_dense = parts.megatron_dense or dense  # the dense layers beyond parallel.primepar_layers
-    per_pass, overheads = parts.per_pass, parts.overheads
+    overheads = parts.overheads
     pp, vpp = dims.pp, dims.vpp
-    chunks = job_chunks(job)
-    heads = 1 + model.mtp_num_layers  # the loss chunk runs the output layer and loss once more per MTP layer
-    # Per pipeline rank and model chunk: one micro-batch's forward, backward and recomputation costs.
-    forward_costs: list[list[PassCost]] = []
-    backward_costs: list[list[PassCost]] = []
-    recompute_costs: list[list[PassCost]] = []
     split = _stage_split(job, layout, parts)
     layer_params, expert_params = split.layer_params, split.expert_params
-    chunk_costs: dict[tuple, tuple[PassCost, PassCost, PassCost]] = {}  # chunks that hold the same cost the same
-    for rank in range(pp):
-        fwd_row, bwd_row, rec_row = [], [], []
-        for chunk_index in range(vpp):
-            chunk = chunks[rank][chunk_index]
-            # The chunk's first dense layers run the plan's MLP partition, any beyond parallel.primepar_layers
-            # Megatron's (the same layer when the plan's is Megatron's).
-            primepar_layers = chunk.primepar(job.parallel)
-            # Recomputed layers: all (uniform), or the chunk's first recompute_num_layers (block; dense ones first).
-            rec_dense, rec_moe = chunk.recomputed(job.parallel)
-            signature = (chunk.dense, chunk.moe, primepar_layers, rec_dense, rec_moe, chunk.mtp, chunk.embedding,
-                         chunk.loss)
-            found = chunk_costs.get(signature)
-            if found is None:
-                fwd_cost = dense.forward.scaled(primepar_layers).plus(
-                    megatron_dense.forward.scaled(chunk.dense - primepar_layers)).plus(moe.forward.scaled(chunk.moe))
-                bwd_cost = dense.backward.scaled(primepar_layers).plus(
-                    megatron_dense.backward.scaled(chunk.dense - primepar_layers)).plus(
-                    moe.backward.scaled(chunk.moe))
-                rec_primepar = min(rec_dense, primepar_layers)
-                rec_cost = dense.recompute.scaled(rec_primepar).plus(
-                    megatron_dense.recompute.scaled(rec_dense - rec_primepar)).plus(moe.recompute.scaled(rec_moe))
-                if chunk.mtp:
-                    # Each MTP layer: a decoder layer of the model's last kind (recomputed as the chunk's layers
-                    # are) and its embedding, norms and projection (docs/simulator.md, "Multi-token prediction").
-                    mtp_fwd, mtp_bwd = parts.mtp_projection
-                    fwd_cost = fwd_cost.plus(moe.forward.plus(mtp_fwd).scaled(chunk.mtp))
-                    bwd_cost = bwd_cost.plus(moe.backward.plus(mtp_bwd).scaled(chunk.mtp))
-                    rec_cost = rec_cost.plus(moe.recompute.scaled(chunk.mtp))
-                # The embedding and the head where the split puts them (the first and the last chunk, also under a
-                # per-stage layout: Megatron-Core requires it).
-                if chunk.embedding:
-                    fwd_cost, bwd_cost = fwd_cost.plus(embedding[0]), bwd_cost.plus(embedding[1])
-                if chunk.loss:
-                    fwd_cost, bwd_cost = fwd_cost.plus(head[0].scaled(heads)), bwd_cost.plus(head[1].scaled(heads))
-                if chunk.embedding or chunk.loss:
-                    # The schedule's cost per micro-batch beyond the segments (StepOverheads.per_microbatch_s), paid
-                    # by the stages that feed the batch in and compute the loss (cfp_megatron.sim.pass_costs).
-                    fwd_cost, bwd_cost = fwd_cost.plus(per_pass), bwd_cost.plus(per_pass)
-                found = chunk_costs[signature] = (fwd_cost, bwd_cost, rec_cost)
-            fwd_row.append(found[0])
-            bwd_row.append(found[1])
-            rec_row.append(found[2])
-        forward_costs.append(fwd_row)
-        backward_costs.append(bwd_row)
-        recompute_costs.append(rec_row)
-    if job.parallel.moe_a2a_overlap and model.is_moe:
-        forward_costs, backward_costs = _unpaired_exchange(moe, dims, chunks, forward_costs, backward_costs)
-    forward_s = [[cost.total_s for cost in row] for row in forward_costs]
-    backward_s = [[backward_costs[rank][chunk_index].total_s + recompute_costs[rank][chunk_index].total_s
-                   for chunk_index in range(vpp)] for rank in range(pp)]
-    tokens = layout.micro_batch * layout.seq_length / dims.cp
-    p2p_bytes = tokens * model.hidden_size * kernels.elem / dims.tp
-    p2p_s = (costs.seconds(Collective.send_recv, p2p_bytes, 2, 2 if layout.pp_intra_node else 1) if pp > 1
-             else 0.0)
+    forward_costs, backward_costs, recompute_costs = _pass_grid(job, dims, parts)
+    forward_s, backward_s = _grid_seconds(forward_costs, backward_costs, recompute_costs)
+    if exchange_s is None:
+        p2p_s, fixed_s, outside_s = _pipeline_terms(job, layout, kernels, costs, measurements, options, efficiency,
+                                                    cache, overheads)
+    else:
+        p2p_s, fixed_s, outside_s = exchange_s, 0.0, 0.0
     # Data-parallel gradient sync and optimizer step, per pipeline rank.
     dp_cp_size = dims.dp * dims.cp
     overlap = job.parallel.overlap_grad_reduce if options.overlap_grad_reduce is None else options.overlap_grad_reduce
@@ -181,6 +129,9 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
         dp_exposed[rank] += _tied_embedding_sync(job, costs, vocab_params, rank) * finalize_share + token_count_s
         opt_s.append(overheads.step_base_s + overheads.step_per_param_s * shard_params
                      + _grad_norm_extra(costs, dims.tp, pp, dims.world_size if sharded and not options.fsdp else None))
+    if outside_s:
+        # What a pipelined step paid outside its schedule beyond the probes without a pipeline (_pipeline_terms).
+        opt_s = [max(opt_s[rank] + outside_s, -dp_exposed[rank]) for rank in range(pp)]
     slowdown = measurements.busy_slowdown() if overheads is not None else None
     shared_cores = slowdown is not None and pp > 1
     if prune_above is not None:
@@ -188,14 +139,12 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
         # its dependencies allow (dependency_floors); with shared cores the mean rank's work bounds every rank.
         busy_s = tuple(dims.num_microbatches * (sum(forward_s[rank]) + sum(backward_s[rank])) for rank in range(pp))
         floors_s = [sum(busy_s) / pp] * pp if shared_cores else dependency_floors(forward_s, backward_s, busy_s)
-        if max(floors_s[rank] + dp_exposed[rank] + opt_s[rank] for rank in range(pp)) > prune_above:
+        if max(floors_s[rank] + fixed_s + dp_exposed[rank] + opt_s[rank] for rank in range(pp)) > prune_above:
             return None
 
     def timed() -> ScheduleResult:
-        if shared_cores:
-            return _shared_cores(forward_s, backward_s, p2p_s, dims.num_microbatches, slowdown, with_events, options)
-        return run_schedule(forward_s, backward_s, p2p_s, dims.num_microbatches, keep_ops=with_events,
-                            max_ops=options.max_schedule_ops)
+        return _schedule(forward_s, backward_s, p2p_s, dims.num_microbatches, slowdown if shared_cores else None,
+                         with_events, options)
 
     if cache is not None and not with_events:  # plans that differ only outside the schedule (e.g. the optimizer)
         schedule_key = (tuple(map(tuple, forward_s)), tuple(map(tuple, backward_s)), p2p_s, dims.num_microbatches)
@@ -204,6 +153,8 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
             schedule = cache.schedules[schedule_key] = timed()
     else:
         schedule = timed()
+    if fixed_s:  # what every pipelined step pays in its schedule whatever its micro-batches (_pipeline_terms)
+        schedule = dataclasses.replace(schedule, end_s=tuple(max(end_s + fixed_s, 0.0) for end_s in schedule.end_s))
 
     finish_s = [schedule.end_s[rank] + dp_exposed[rank] + opt_s[rank] for rank in range(pp)]
     critical_rank = max(range(pp), key=lambda rank: finish_s[rank])
@@ -377,6 +328,227 @@ def _peak_memory(job: JobSpec, layout: Layout, options: SimOptions, measurements
                 for rank in ranks]
     return max(memories, key=lambda breakdown: breakdown.total)
 
+
+def _pass_grid(job: JobSpec, dims: ParallelDims, parts: PassCosts
+               ) -> tuple[list[list[PassCost]], list[list[PassCost]], list[list[PassCost]]]:
+    """Per pipeline rank and model chunk: one micro-batch's forward, backward and recomputation costs."""
+    model = job.model
+    dense, moe, embedding, head = parts.dense, parts.moe, parts.embedding, parts.head
+    megatron_dense = parts.megatron_dense or dense  # the dense layers beyond parallel.primepar_layers
+    per_pass = parts.per_pass
+    pp, vpp = dims.pp, dims.vpp
+    chunks = job_chunks(job)
+    heads = 1 + model.mtp_num_layers  # the loss chunk runs the output layer and loss once more per MTP layer
+    # Per pipeline rank and model chunk: one micro-batch's forward, backward and recomputation costs.
+    forward_costs: list[list[PassCost]] = []
+    backward_costs: list[list[PassCost]] = []
+    recompute_costs: list[list[PassCost]] = []
+    chunk_costs: dict[tuple, tuple[PassCost, PassCost, PassCost]] = {}  # chunks that hold the same cost the same
+    for rank in range(pp):
+        fwd_row, bwd_row, rec_row = [], [], []
+        for chunk_index in range(vpp):
+            chunk = chunks[rank][chunk_index]
+            # The chunk's first dense layers run the plan's MLP partition, any beyond parallel.primepar_layers
+            # Megatron's (the same layer when the plan's is Megatron's).
+            primepar_layers = chunk.primepar(job.parallel)
+            # Recomputed layers: all (uniform), or the chunk's first recompute_num_layers (block; dense ones first).
+            rec_dense, rec_moe = chunk.recomputed(job.parallel)
+            signature = (chunk.dense, chunk.moe, primepar_layers, rec_dense, rec_moe, chunk.mtp, chunk.embedding,
+                         chunk.loss)
+            found = chunk_costs.get(signature)
+            if found is None:
+                fwd_cost = dense.forward.scaled(primepar_layers).plus(
+                    megatron_dense.forward.scaled(chunk.dense - primepar_layers)).plus(moe.forward.scaled(chunk.moe))
+                bwd_cost = dense.backward.scaled(primepar_layers).plus(
+                    megatron_dense.backward.scaled(chunk.dense - primepar_layers)).plus(
+                    moe.backward.scaled(chunk.moe))
+                rec_primepar = min(rec_dense, primepar_layers)
+                rec_cost = dense.recompute.scaled(rec_primepar).plus(
+                    megatron_dense.recompute.scaled(rec_dense - rec_primepar)).plus(moe.recompute.scaled(rec_moe))
+                if chunk.mtp:
+                    # Each MTP layer: a decoder layer of the model's last kind (recomputed as the chunk's layers
+                    # are) and its embedding, norms and projection (docs/simulator.md, "Multi-token prediction").
+                    mtp_fwd, mtp_bwd = parts.mtp_projection
+                    fwd_cost = fwd_cost.plus(moe.forward.plus(mtp_fwd).scaled(chunk.mtp))
+                    bwd_cost = bwd_cost.plus(moe.backward.plus(mtp_bwd).scaled(chunk.mtp))
+                    rec_cost = rec_cost.plus(moe.recompute.scaled(chunk.mtp))
+                # The embedding and the head where the split puts them (the first and the last chunk, also under a
+                # per-stage layout: Megatron-Core requires it).
+                if chunk.embedding:
+                    fwd_cost, bwd_cost = fwd_cost.plus(embedding[0]), bwd_cost.plus(embedding[1])
+                if chunk.loss:
+                    fwd_cost, bwd_cost = fwd_cost.plus(head[0].scaled(heads)), bwd_cost.plus(head[1].scaled(heads))
+                if chunk.embedding or chunk.loss:
+                    # The schedule's cost per micro-batch beyond the segments (StepOverheads.per_microbatch_s), paid
+                    # by the stages that feed the batch in and compute the loss (cfp_megatron.sim.pass_costs).
+                    fwd_cost, bwd_cost = fwd_cost.plus(per_pass), bwd_cost.plus(per_pass)
+                found = chunk_costs[signature] = (fwd_cost, bwd_cost, rec_cost)
+            fwd_row.append(found[0])
+            bwd_row.append(found[1])
+            rec_row.append(found[2])
+        forward_costs.append(fwd_row)
+        backward_costs.append(bwd_row)
+        recompute_costs.append(rec_row)
+    if job.parallel.moe_a2a_overlap and model.is_moe:
+        forward_costs, backward_costs = _unpaired_exchange(moe, dims, chunks, forward_costs, backward_costs)
+    return forward_costs, backward_costs, recompute_costs
+
+
+def _grid_seconds(forward_costs: list[list[PassCost]], backward_costs: list[list[PassCost]],
+                  recompute_costs: list[list[PassCost]]) -> tuple[list[list[float]], list[list[float]]]:
+    """Forward and backward (recomputation included) seconds per pipeline rank and chunk."""
+    forward_s = [[cost.total_s for cost in row] for row in forward_costs]
+    backward_s = [[bwd.total_s + rec.total_s for bwd, rec in zip(bwd_row, rec_row, strict=True)]
+                  for bwd_row, rec_row in zip(backward_costs, recompute_costs, strict=True)]
+    return forward_s, backward_s
+
+
+def _schedule(f_s: list[list[float]], b_s: list[list[float]], p2p: float, microbatches: int,
+              slowdown: float | None, with_events: bool, options: SimOptions) -> ScheduleResult:
+    """The timed pipeline schedule: on ranks that share cores (``slowdown``, pipelines only) :func:`_shared_cores`,
+    otherwise :func:`~cfp_megatron.sim.schedule.run_schedule`."""
+    if slowdown is not None:
+        return _shared_cores(f_s, b_s, p2p, microbatches, slowdown, with_events, options)
+    return run_schedule(f_s, b_s, p2p, microbatches, keep_ops=with_events, max_ops=options.max_schedule_ops)
+
+
+def _pipeline_terms(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts,
+                    measurements: Measurements | None, options: SimOptions, efficiency: Efficiency,
+                    cache: CostCache | None, overheads: StepOverheads | None) -> tuple[float, float, float]:
+    """What a pipeline adds to a step, in seconds (all zero without a pipeline): one point-to-point exchange between
+    stages, what every step's schedule pays whatever its micro-batches, and what the step pays outside its schedule
+    beyond what the probes without a pipeline give.
+
+    The exchange is the send/receive fit of the activation, plus what the overheads round's pipelined probe of the
+    plan's partition at its micro-batch size paid per exchange beyond that fit; the other two are that probe's
+    (:func:`_probe_calibration`). The probe's terms apply where its pipeline spans nodes as the plan's does; elsewhere
+    the exchange is the fit alone (docs/simulator.md, "Pipeline exchanges")."""
+    dims = layout.dims
+    if dims.pp == 1:
+        return 0.0, 0.0, 0.0
+    fit_s = costs.seconds(Collective.send_recv, _exchange_bytes(job, layout, kernels), 2,
+                          2 if layout.pp_intra_node else 1)
+    if overheads is None or measurements is None:
+        return fit_s, 0.0, 0.0
+    partition = partition_name(dims.tp, sp=dims.sp)
+    key = (partition, layout.micro_batch)
+    if cache is not None and key in cache.exchanges:
+        found = cache.exchanges[key]
+    else:
+        probe = measurements.pipeline_probe(partition, layout.micro_batch)
+        found = (_probe_calibration(job, probe, dims.world_size, measurements, options, efficiency)
+                 if probe is not None else None)
+        if cache is not None:
+            cache.exchanges[key] = found
+    if found is None or found.intra_node != layout.pp_intra_node:
+        return fit_s, 0.0, 0.0
+    return max(fit_s + found.exchange_s - found.fit_s, 0.0), found.fixed_s, found.outside_s
+
+
+def _exchange_bytes(job: JobSpec, layout: Layout, kernels: KernelModel) -> float:
+    """Bytes of the activation one micro-batch hands to the next pipeline stage (this rank's TP and CP share)."""
+    dims = layout.dims
+    tokens = layout.micro_batch * layout.seq_length / dims.cp
+    return tokens * job.model.hidden_size * kernels.elem / dims.tp
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeCalibration:
+    """A pipelined probe's step against the simulator's pricing of it."""
+
+    exchange_s: float
+    """Seconds per exchange between stages with which the simulated schedules of the probe grow from one
+    micro-batch to the probe's number as the measured ones did (without the one-micro-batch timing: with which the
+    simulated schedule lasts the measured); zero where the simulated schedules already grow that much without any
+    exchange."""
+    fixed_s: float
+    """Seconds every pipelined step's schedule pays beyond that, whatever its micro-batches: the measured schedule
+    of one micro-batch less the simulated (any sign; zero without the one-micro-batch timing)."""
+    fit_s: float
+    """What the send/receive fit gives for the probe's exchange."""
+    outside_s: float
+    """The probe's measured step outside its schedule (gradient finalisation and the rest) less the simulated
+    (DP sync and optimizer step of its critical rank); zero where the probe's finalisation was not timed."""
+    intra_node: bool
+    """Whether the probe's pipeline stayed within a node."""
+
+
+_SOLVE_STEPS = 30
+"""Bisection steps of :func:`_increasing_root` (the interval shrinks 2^30 times: below a nanosecond here)."""
+_MAX_DOUBLINGS = 64
+"""Doublings of :func:`_increasing_root`'s upper bound before it gives up and answers the last one."""
+
+
+def _increasing_root(f: typing.Callable[[float], float], scale: float) -> float:
+    """The smallest ``x >= 0`` (to bisection precision) where the non-decreasing ``f`` reaches zero: zero where
+    ``f(0)`` already does; ``scale`` is the first upper bound tried."""
+    if f(0.0) >= 0:
+        return 0.0
+    low, high = 0.0, max(scale, 1e-9)
+    for _ in range(_MAX_DOUBLINGS):
+        if f(high) >= 0:
+            break
+        low, high = high, 2.0 * high
+    for _ in range(_SOLVE_STEPS):
+        middle = 0.5 * (low + high)
+        low, high = (middle, high) if f(middle) < 0 else (low, middle)
+    return high
+
+
+def _probe_calibration(job: JobSpec, probe: PipelineProbe, world: int, measurements: Measurements,
+                       options: SimOptions, efficiency: Efficiency) -> ProbeCalibration | None:
+    """Price the pipelined probe (``job``'s model cut to the probe's layers, its partition and stages over ``world``
+    ranks, at its micro-batches and at one, from the same measurements) and set it against what it measured;
+    ``None`` where the probe cannot be priced (its layout does not build, or the probes without a pipeline are
+    missing)."""
+    dp = world // (probe.tp * probe.pp)
+    if dp < 1 or world % (probe.tp * probe.pp):
+        return None
+    cluster = job.cluster
+
+    def probe_job(microbatches: int) -> JobSpec:
+        return dataclasses.replace(
+            job, model=dataclasses.replace(job.model, num_layers=probe.layers),
+            parallel=ParallelSpec(tp=probe.tp, sp=probe.sp, pp=probe.pp, order=job.parallel.order),
+            train=dataclasses.replace(job.train, micro_batch_size=probe.micro_batch,
+                                      global_batch_size=probe.micro_batch * microbatches * dp))
+
+    many, one = probe.microbatches, 1
+    jobs = {many: probe_job(many), one: probe_job(one)}
+    cache = CostCache.for_job(jobs[many], measurements, options, efficiency)  # the pass costs priced once
+
+    def priced(microbatches: int, exchange_s: float) -> Prediction:
+        found = _simulate(jobs[microbatches], cluster, measurements, options, efficiency, world, False, cache, None,
+                          exchange_s)
+        return typing.cast(Prediction, found)  # None only with a prune_above
+
+    def schedule_s(microbatches: int, exchange_s: float) -> float:  # the critical rank's schedule
+        found = priced(microbatches, exchange_s)
+        return found.step_time_s - found.time.dp_comm_s - found.time.optimizer_s
+
+    try:
+        _, layout, _, _, kernels, costs, parts = _prepare(jobs[many], cluster, measurements, options, efficiency,
+                                                          world, None)
+        schedule_s(many, 0.0)
+    except ConfigError:
+        return None
+    if parts.overheads is None:
+        return None
+    if probe.single_schedule_s is not None and many > one:
+        growth = probe.schedule_s - probe.single_schedule_s
+        exchange_s = _increasing_root(lambda x: schedule_s(many, x) - schedule_s(one, x) - growth, probe.schedule_s)
+        fixed_s = probe.single_schedule_s - schedule_s(one, exchange_s)
+    else:
+        exchange_s = _increasing_root(lambda x: schedule_s(many, x) - probe.schedule_s, probe.schedule_s)
+        fixed_s = 0.0
+    solved = priced(many, exchange_s)
+    outside_s = 0.0
+    if probe.finalize_s is not None:
+        outside_s = probe.finalize_s + probe.rest_s - solved.time.dp_comm_s - solved.time.optimizer_s
+    fit_s = costs.seconds(Collective.send_recv, _exchange_bytes(jobs[many], layout, kernels), 2,
+                          2 if layout.pp_intra_node else 1)
+    return ProbeCalibration(exchange_s=exchange_s, fixed_s=fixed_s, fit_s=fit_s, outside_s=outside_s,
+                            intra_node=layout.pp_intra_node)
 
 def _shared_cores(f_s: list[list[float]], b_s: list[list[float]], p2p: float, microbatches: int, slowdown: float,
                   with_events: bool, options: SimOptions) -> ScheduleResult:
