@@ -187,8 +187,8 @@ def warnings_for(record: PlanCheckRecord, calibration: StepCalibration | None = 
                     "calibrate the next plan")
         elif calibration is not None and calibration.ratio is not None:
             what = (f"the next plan of this layout family on this profile is scaled by {calibration.ratio:.2f}, the "
-                    f"median of {calibration.runs} run(s) (spread {calibration.spread:.0%}); a new profile starts "
-                    "afresh")
+                    f"median of {calibration.runs} run(s) (spread {calibration.spread:.0%}) and the profile's own "
+                    "prediction; a new profile starts afresh")
         else:
             what = "recorded; the next plan's step time is not calibrated by it"
         out.append(f"{said}; {what}")

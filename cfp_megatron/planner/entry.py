@@ -115,7 +115,8 @@ def _with_plan(launch: LaunchPlan, cfp: CfpSpec, console: Console | None) -> tup
             console.print(f"cfp:   {i}. {line}", markup=False)
         if launch.ranked and launch.calibration != 1.0:
             console.print(f"cfp:   (step times scaled by {launch.calibration:.3f}, the median measured/predicted ratio "
-                          "of earlier runs of this layout family on this profile)", markup=False)
+                          "of earlier runs of this layout family on this profile, the profile's own prediction "
+                          "counted as one)", markup=False)
         if plan.predicted is not None:
             calibrated = "" if launch.calibration == 1.0 else \
                 f" ({plan.predicted.step_time_s * launch.calibration * 1e3:.1f} ms calibrated by earlier runs)"

@@ -56,7 +56,8 @@ class LaunchPlan:
     ranked: tuple[str, ...] = ()
     """The search's top plans, one line each (``planned`` only)."""
     calibration: float = 1.0
-    """Measured over predicted step time of earlier runs of this model on this cluster (median; 1 without any):
+    """Measured over predicted step time of earlier runs of this model on this cluster (median, the profile's own
+    prediction counted as one run: :meth:`~cfp_megatron.profile.db.ProfileDB.calibration`; 1 without any):
     the factor the step time shown and checked is scaled by (``planned`` only)."""
 
 

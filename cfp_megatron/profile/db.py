@@ -269,9 +269,9 @@ class ProfileDB:
     def calibration(self, model: str | None = None, *, plan: str | None = None) -> StepCalibration | None:
         """Measured over predicted step time of the training runs of ``model`` (default: this DB's :meth:`for_model`
         key) checked against plans read from this very profile (:meth:`profile_id`) and, with ``plan`` (a canonical
-        string), of its layout family (:func:`layout_family`): the median over the runs, where a run on a busy
-        machine (:attr:`PlanCheckRecord.busy`) or far outside the others (:func:`robust_ratio`) is recorded but not
-        trusted. ``None`` without any run."""
+        string), of its layout family (:func:`layout_family`): the median over the runs and the profile's own
+        prediction (:data:`PROFILE_VOTE`), where a run on a busy machine (:attr:`PlanCheckRecord.busy`) or far
+        outside the others (:func:`robust_ratio`) is recorded but not trusted. ``None`` without any run."""
         key = model or self.model
         current = self.profile_id(key)
         family = layout_family(plan) if plan is not None else None
@@ -280,7 +280,7 @@ class ProfileDB:
         if not checks:
             return None
         busy = [r.step_ratio for r in checks if r.busy is not None]
-        return robust_ratio([r.step_ratio for r in checks if r.busy is None], busy=busy)
+        return robust_ratio([r.step_ratio for r in checks if r.busy is None], busy=busy, prior=PROFILE_VOTE)
 
     def missing_entries(self, round_name: str, model: str, planned: Sequence[str]) -> list[str]:
         """The entries of ``planned`` (a round's entries for a job, in the order the round runs them) this DB lacks:
@@ -426,6 +426,9 @@ def _records(kind: Any, section: str, rows: Any, source: object) -> tuple:
 # ----------------------------------------------------------------------------------------------- calibration
 OUTLIER_FACTOR = 1.5
 """A run whose ratio is this factor or more off the others' median (and beyond 3 robust deviations) is an outlier."""
+PROFILE_VOTE = 1.0
+"""The profile's own prediction, as a measured/predicted ratio, counted as one run in the calibration's median: one
+run moves the next prediction halfway to it, two that agree all the way (docs/planning.md, "Plan check")."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -433,7 +436,8 @@ class StepCalibration:
     """Measured over predicted step time of earlier runs: what the next plan's step time is scaled by."""
 
     ratio: float | None
-    """Median over the trusted runs; ``None`` when no run is trusted (all on a busy machine)."""
+    """Median over the trusted runs and, where a ``prior`` was given (:func:`robust_ratio`), the profile's own
+    prediction counted as one more run; ``None`` when no run is trusted (all on a busy machine)."""
     runs: int
     """Trusted runs the median is over."""
     spread: float
@@ -442,11 +446,14 @@ class StepCalibration:
     """Ratios recorded but left out: outliers far from the rest, runs on a busy machine."""
 
 
-def robust_ratio(ratios: Sequence[float], *, busy: Sequence[float] = ()) -> StepCalibration:
+def robust_ratio(ratios: Sequence[float], *, busy: Sequence[float] = (),
+                 prior: float | None = None) -> StepCalibration:
     """The median of ``ratios`` (oldest first) with a run far outside the rest left out: with three or more, one
     whose log-ratio is more than max(3 robust standard deviations (1.4826 x MAD), log :data:`OUTLIER_FACTOR`) from
     the median; with two that disagree by :data:`OUTLIER_FACTOR` or more, the later one (the earlier stands until a
-    third run decides). ``busy``: ratios of runs on a busy machine, only recorded."""
+    third run decides). ``busy``: ratios of runs on a busy machine, only recorded. ``prior``: a ratio the median
+    also counts as one run (the profile's own prediction, 1: :meth:`ProfileDB.calibration`), where any run is
+    trusted."""
     logs = [math.log(r) for r in ratios if r > 0]
     trusted, outliers = list(logs), []
     if len(logs) == 2 and abs(logs[1] - logs[0]) >= math.log(OUTLIER_FACTOR):
@@ -460,7 +467,7 @@ def robust_ratio(ratios: Sequence[float], *, busy: Sequence[float] = ()) -> Step
     if not trusted:
         return StepCalibration(ratio=None, runs=0, spread=0.0, untrusted=(*map(math.exp, outliers), *busy))
     values = [math.exp(x) for x in trusted]
-    ratio = statistics.median(values)
+    ratio = statistics.median(values if prior is None else [prior, *values])
     return StepCalibration(ratio=ratio, runs=len(values), spread=(max(values) - min(values)) / ratio,
                            untrusted=(*map(math.exp, outliers), *busy))
 

@@ -46,6 +46,10 @@ WARMUP = 1
 """Untimed steps before each timed set (the first step after a build or at a new batch size runs slow)."""
 PIPELINE_STAGES = 2
 """Stages of the pipelined probe (the larger probe's layers split evenly over them)."""
+PIPELINE_REPEATS = 3
+"""Times the pipelined probe repeats each timing the other probes repeat: its three figures (the exchange, the cost
+of every pipelined step, the cost outside the schedule) come from differences of its timings and the simulator's,
+and a step's time on ranks that share cores moves by 10% from one step to the next."""
 EXTRA_LAYERS = 3
 """Layers the larger probe adds (capped by the model's own layers): one layer's time is the difference of the two
 probes over the layers between them, so each added layer divides the timing noise of that difference."""
@@ -204,7 +208,8 @@ def _sync() -> None:
 def overhead_steps(cases: Sequence[OverheadCase], micro_batch_sizes: Sequence[int], *, repeats: int
                    ) -> tuple[list[Step], dict[str, tuple[str, int, int, int, int]]]:
     """Per case: build the probe's training state (the step reports its parameters per rank), then time its step
-    at each micro-batch size. ``meaning`` maps a label to (partition, tp, layers, micro-batch (0 for the build),
+    at each micro-batch size (``repeats`` times; the pipelined probe :data:`PIPELINE_REPEATS` times that).
+    ``meaning`` maps a label to (partition, tp, layers, micro-batch (0 for the build),
     pipeline stages)."""
     holder: dict[str, OverheadBench] = {}
     steps: list[Step] = []
@@ -215,7 +220,7 @@ def overhead_steps(cases: Sequence[OverheadCase], micro_batch_sizes: Sequence[in
 
         def setup(case: OverheadCase = case, tag: str = tag) -> list[float]:
             holder.clear()  # free the previous probe first
-            holder[tag] = OverheadBench(case, repeats=repeats)
+            holder[tag] = OverheadBench(case, repeats=repeats * (PIPELINE_REPEATS if case.pp > 1 else 1))
             return [float(holder[tag].params)]
 
         steps.append(Step(label=f"overheads build {tag}", run=setup))
