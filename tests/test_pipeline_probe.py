@@ -23,7 +23,7 @@ from cfp_megatron.profile.records import OverheadRecord, overhead_entry
 from cfp_megatron.profile.runner import rounds_needed
 from cfp_megatron.profile.segments import segment_cases
 from cfp_megatron.sim import SimOptions, simulate
-from cfp_megatron.sim.calibration import Efficiency, efficiency_for
+from cfp_megatron.sim.calibration import efficiency_for
 from cfp_megatron.sim.simulate import _probe_calibration, _simulate
 
 FP = Fingerprint(device_name="Test CPU", device_count=4, nodes=1, gpus_per_node=4, backend="gloo", torch="2.13.0",
@@ -141,7 +141,7 @@ def test_a_pipelined_probe_gives_back_the_pipeline_it_measured(slowdown: float |
     measured = _Measured(probe, slowdown=slowdown)
     job = _plan()
     calibration = _probe_calibration(dataclasses.replace(job, cluster=job.cluster), probe, 4, measured,
-                                     _default_options(), _efficiency(job))
+                                     SimOptions(), efficiency_for(job.cluster))
     assert calibration is not None
     assert calibration.exchange_s == pytest.approx(EXCHANGE, rel=1e-6)
     assert calibration.fixed_s == pytest.approx(FIXED, rel=1e-6)
@@ -166,7 +166,7 @@ def test_without_the_one_micro_batch_timing_the_exchange_carries_the_schedule() 
     bare = _Measured()
     probe = dataclasses.replace(_probe_measured(bare), single_schedule_s=None)
     job = _plan()
-    calibration = _probe_calibration(job, probe, 4, _Measured(probe), _default_options(), _efficiency(job))
+    calibration = _probe_calibration(job, probe, 4, _Measured(probe), SimOptions(), efficiency_for(job.cluster))
     assert calibration is not None and calibration.fixed_s == 0.0
     assert calibration.exchange_s > EXCHANGE  # the fixed cost spread over the exchanges
     found = _simulate(_plan(gbs=32), None, bare, None, None, 4, False, None, None, calibration.exchange_s)
@@ -180,17 +180,10 @@ def test_a_probe_faster_than_its_pricing_without_exchanges_costs_none() -> None:
     bare = _Measured()
     probe = dataclasses.replace(_probe_measured(bare), schedule_s=1e-4, single_schedule_s=None)
     job = _plan()
-    calibration = _probe_calibration(job, probe, 4, _Measured(probe), _default_options(), _efficiency(job))
+    calibration = _probe_calibration(job, probe, 4, _Measured(probe), SimOptions(), efficiency_for(job.cluster))
     assert calibration is not None and calibration.exchange_s == 0.0
     plan = simulate(job, measurements=_Measured(probe), world_size=4)
     assert plan.step_time_s == pytest.approx(
         _simulate(job, None, bare, None, None, 4, False, None, None, 0.0).step_time_s + calibration.outside_s)
 
 
-
-def _default_options() -> SimOptions:
-    return SimOptions()
-
-
-def _efficiency(job) -> Efficiency:
-    return efficiency_for(job.cluster)

@@ -182,22 +182,23 @@ class OverheadBench:
         where ranks share cores (CPU): the median over steps of the slowest rank is longer than the slowest rank's
         median, and the former is what a step costs."""
         batches = self._batches(micro_batch)
+        runs = self._slowest_steps(batches)
+        found = [statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
+                 statistics.median(max(r[2] - r[0], 0.0) for r in runs)]
+        if self.case.pp > 1:  # the schedule with one micro-batch: what a pipelined step pays whatever their number
+            found.append(statistics.median(r[0] for r in self._slowest_steps(batches[:1])))
+        return found
+
+    def _slowest_steps(self, batches: list[dict[str, torch.Tensor]]) -> list[tuple[float, ...]]:
+        """:meth:`step`'s figures of the slowest rank over the repeats, each started together on every rank, after
+        :data:`WARMUP` untimed steps (the first step after a build or at a new batch shape runs slow)."""
         for _ in range(WARMUP):
             self.step(batches)
         runs = []
         for _ in range(self.repeats):
             barrier()
             runs.append(slowest(self.step(batches)))
-        found = [statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
-                 statistics.median(max(r[2] - r[0], 0.0) for r in runs)]
-        if self.case.pp > 1:  # the schedule with one micro-batch: what a pipelined step pays whatever their number
-            self.step(batches[:1])
-            single = []
-            for _ in range(self.repeats):
-                barrier()
-                single.append(slowest(self.step(batches[:1]))[0])
-            found.append(statistics.median(single))
-        return found
+        return runs
 
 
 def _sync() -> None:

@@ -426,8 +426,7 @@ def _pipeline_terms(job: JobSpec, layout: Layout, kernels: KernelModel, costs: C
     dims = layout.dims
     if dims.pp == 1:
         return 0.0, 0.0, 0.0
-    fit_s = costs.seconds(Collective.send_recv, _exchange_bytes(job, layout, kernels), 2,
-                          2 if layout.pp_intra_node else 1)
+    fit_s = _exchange_fit(job, layout, kernels, costs)
     if overheads is None or measurements is None:
         return fit_s, 0.0, 0.0
     partition = partition_name(dims.tp, sp=dims.sp)
@@ -445,11 +444,13 @@ def _pipeline_terms(job: JobSpec, layout: Layout, kernels: KernelModel, costs: C
     return max(fit_s + found.exchange_s - found.fit_s, 0.0), found.fixed_s, found.outside_s
 
 
-def _exchange_bytes(job: JobSpec, layout: Layout, kernels: KernelModel) -> float:
-    """Bytes of the activation one micro-batch hands to the next pipeline stage (this rank's TP and CP share)."""
+def _exchange_fit(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts) -> float:
+    """What the send/receive fit gives for the activation one micro-batch hands to the next pipeline stage (this
+    rank's TP and CP share), within or across nodes as the layout places the pipeline."""
     dims = layout.dims
     tokens = layout.micro_batch * layout.seq_length / dims.cp
-    return tokens * job.model.hidden_size * kernels.elem / dims.tp
+    return costs.seconds(Collective.send_recv, tokens * job.model.hidden_size * kernels.elem / dims.tp, 2,
+                         2 if layout.pp_intra_node else 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -528,8 +529,7 @@ def _probe_calibration(job: JobSpec, probe: PipelineProbe, world: int, measureme
 
     try:
         _, layout, _, _, kernels, costs, parts = _prepare(jobs[many], cluster, measurements, options, efficiency,
-                                                          world, None)
-        schedule_s(many, 0.0)
+                                                          world, cache)
     except ConfigError:
         return None
     if parts.overheads is None:
@@ -545,10 +545,10 @@ def _probe_calibration(job: JobSpec, probe: PipelineProbe, world: int, measureme
     outside_s = 0.0
     if probe.finalize_s is not None:
         outside_s = probe.finalize_s + probe.rest_s - solved.time.dp_comm_s - solved.time.optimizer_s
-    fit_s = costs.seconds(Collective.send_recv, _exchange_bytes(jobs[many], layout, kernels), 2,
-                          2 if layout.pp_intra_node else 1)
+    fit_s = _exchange_fit(jobs[many], layout, kernels, costs)
     return ProbeCalibration(exchange_s=exchange_s, fixed_s=fixed_s, fit_s=fit_s, outside_s=outside_s,
                             intra_node=layout.pp_intra_node)
+
 
 def _shared_cores(f_s: list[list[float]], b_s: list[list[float]], p2p: float, microbatches: int, slowdown: float,
                   with_events: bool, options: SimOptions) -> ScheduleResult:
