@@ -1,48 +1,132 @@
-"""Writing files safely: atomically (a reader never sees half a file) and, for what a user keeps, never over an
-existing one."""
+"""Writing files safely: atomically (a reader never sees half a file), with one clear error when the disk refuses
+(full, read-only, no permission), and, for what a user keeps, never over an existing one."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 
-from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
 
 
-def _temporary(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+class FileWriteError(CfpError, OSError):
+    """A file could not be written (full disk, read-only file system, no permission, a folder in the way). Nothing
+    is left half-written: the target keeps its earlier content, or stays absent."""
+
+    def __init__(self, path: Path, err: OSError, key: str | None = None) -> None:
+        self.path = path
+        self.key = key
+        self.errno_code = err.errno
+        where = f" ({key})" if key else ""
+        super().__init__(f"{path}{where} cannot be written: {_reason(err)}. Fix: {_fix(err, path, key)}")
+
+
+def _reason(err: OSError) -> str:
+    return {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted",
+            errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+            errno.EPERM: "permission denied", errno.EISDIR: "a folder is in the way",
+            errno.ENOTDIR: "a file is in the way of its folder",
+            errno.ENAMETOOLONG: "the name is too long"}.get(err.errno or 0, err.strerror or str(err))
+
+
+def _fix(err: OSError, path: Path, key: str | None) -> str:
+    elsewhere = f"point {key} at another folder" if key else "write it to another folder"
+    folder = path.parent
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"free space where {folder} lives (df -h {folder}), or {elsewhere}."
+    if err.errno == errno.EROFS:
+        return f"{elsewhere}, on a writable file system."
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return f"give this user write permission on {folder}, or {elsewhere}."
+    if err.errno in (errno.EISDIR, errno.ENOTDIR):
+        return f"move what is in the way, or {elsewhere}."
+    return f"check the disk holding {folder}, or {elsewhere}."
+
+
+def write_error(err: OSError, path: str | os.PathLike[str], key: str | None = None) -> FileWriteError:
+    """The :class:`FileWriteError` for ``err`` raised while writing ``path`` (``key``: the setting or option that
+    chose the path, named in the message and its fix)."""
+    return err if isinstance(err, FileWriteError) else FileWriteError(Path(path), err, key)
+
+
+def _sync(fh: IO[Any]) -> None:
+    fh.flush()
+    os.fsync(fh.fileno())
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike[str], mode: str = "w", *, key: str | None = None,
+                  sync: bool = False) -> Iterator[IO[Any]]:
+    """Open a temporary file beside ``path`` (same extension, so writers that read it, such as matplotlib, see the
+    format), yield it, then rename it over ``path``; on any error the temporary file is removed and ``path`` keeps
+    its earlier content. An ``OSError`` becomes one :class:`FileWriteError` naming the file, ``key`` and the fix.
+    ``mode``: ``"w"`` (text, UTF-8) or ``"wb"``; ``sync``: fsync the file and its folder (for what must survive a
+    crash, such as checkpoint pointers)."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_writer mode {mode!r}: use 'w' or 'wb'")
+    target = Path(path)
+    tmp: Path | None = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=f".tmp{target.suffix}")
+        tmp = Path(name)
+        with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as fh:
+            yield fh
+            if sync:
+                _sync(fh)
+        os.replace(tmp, target)
+        tmp = None
+        if sync:
+            fsync_dir(target.parent)
+    except OSError as err:
+        raise write_error(err, target, key) from None
+    finally:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+
+
+def write_atomic(path: str | os.PathLike[str], text: str | bytes, *, key: str | None = None,
+                 sync: bool = False) -> Path:
+    """Write ``text`` to ``path`` through a temporary file and one rename (replaced if present); an ``OSError`` is
+    one :class:`FileWriteError` and leaves ``path`` as it was (:func:`atomic_writer`)."""
+    with atomic_writer(path, "wb" if isinstance(text, bytes) else "w", key=key, sync=sync) as fh:
+        fh.write(text)
+    return Path(path)
+
+
+def _temporary(path: Path, text: str, key: str | None) -> Path:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:
+        raise write_error(err, path, key) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise write_error(err, path, key) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return Path(tmp)
 
 
-def write_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file and one rename (a cache entry: replaced if present)."""
-    target = Path(path)
-    tmp = _temporary(target, text)
-    try:
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return target
-
-
-def write_new(path: str | os.PathLike[str], text: str) -> Path:
+def write_new(path: str | os.PathLike[str], text: str, *, key: str | None = None) -> Path:
     """Write ``text`` to ``path`` atomically, only if nothing is there: raises ``FileExistsError`` otherwise (also
     when another writer gets there first: the temporary file is hard-linked into place, which fails on an existing
-    name; where the file system has no hard links, an existence check and a rename)."""
+    name; where the file system has no hard links, an existence check and a rename). Other ``OSError``s are one
+    :class:`FileWriteError`."""
     target = Path(path)
     if target.exists():
         raise FileExistsError(target)
-    tmp = _temporary(target, text)
+    tmp = _temporary(target, text, key)
     try:
         try:
             os.link(tmp, target)
@@ -52,9 +136,27 @@ def write_new(path: str | os.PathLike[str], text: str) -> Path:
             if target.exists():
                 raise FileExistsError(target) from None
             os.replace(tmp, target)
+    except FileExistsError:
+        raise
+    except OSError as err:
+        raise write_error(err, target, key) from None
     finally:
         tmp.unlink(missing_ok=True)
     return target
+
+
+def fsync_dir(folder: str | os.PathLike[str]) -> None:
+    """Make a rename or a new file in ``folder`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 CACHE_ENV = "CFP_CACHE_DIR"
