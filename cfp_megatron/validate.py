@@ -64,12 +64,19 @@ Defaults for fields a row leaves blank (documented, the same for every row):
   marks such rows with ``?``.
 * GPUs that are not A100/H100/H200/B200, rows without a measured step time, and rows whose layout does not
   multiply out are listed as not modelled, with the reason.
+* Rows it cannot model as they ran are refused with the reason and left out of the figures: a count that is not a
+  whole number or is outside the training config's bounds (:func:`_count`), a shape or layout the training config
+  refuses (:func:`refusal`), an id given before, a blank id, a line whose fields do not match the header, a
+  predicted peak memory over :data:`MEMORY_REFUSE_FACTOR` times the GPU's; one above the GPU's memory but within
+  that factor is kept and flagged. Exit status 0 when a row is modelled, 1 when none is, 2 for a file it cannot read
+  or write (``--bands``, ``--plot``, ``--json``: written atomically, :mod:`cfp_megatron.base.files`).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import difflib
 import json
 import math
 import re
@@ -78,8 +85,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cfp_megatron.base.compose import CONF_DIR, group_presets
-from cfp_megatron.base.config import AttentionKernel, JobSpec, job_from_config
-from cfp_megatron.base.errors import CfpError
+from cfp_megatron.base.config import (
+    MAX_EXPERTS,
+    MAX_FFN,
+    MAX_GLOBAL_BATCH,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_LAYERS,
+    MAX_MICROBATCHES,
+    MAX_SEQUENCE,
+    MAX_VOCAB,
+    MAX_WORLD_SIZE,
+    AttentionKernel,
+    JobSpec,
+    job_from_config,
+)
+from cfp_megatron.base.errors import CfpError, ConfigError
+from cfp_megatron.base.files import (
+    FileWriteError,
+    atomic_writer,
+    regular_file_problem,
+    writable_file_problem,
+    write_atomic,
+)
 from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.base.parallel_dims import data_parallel_size
 from cfp_megatron.base.pipeline_layout import balanced_layout
@@ -282,6 +310,21 @@ SHAPE_FIELDS = (("layers", "num_layers"), ("hidden", "hidden_size"), ("heads", "
                 ("vocab", "vocab_size"), ("moe_experts", "num_experts"), ("moe_topk", "moe_router_topk"),
                 ("moe_expert_ffn", "moe_ffn_hidden_size"))
 """(CSV column, model preset key) pairs that must all be equal for a preset's architecture to apply."""
+SETTING_COLUMNS = {**{f"model.{key}": column for column, key in SHAPE_FIELDS}, "model.ffn_hidden_size": "ffn_hidden",
+                   "model.num_query_groups": "kv_heads", "train.seq_length": "seq_len",
+                   "train.global_batch_size": "global_batch_seqs", "train.micro_batch_size": "micro_batch",
+                   **{f"parallel.{key}": key for key in ("tp", "pp", "cp", "ep")}, "parallel.vpp": "vp",
+                   "cluster.nodes": "num_gpus"}
+"""The CSV column each training setting of a row's plan comes from, for the reason a row is refused."""
+
+
+def refusal(err: ConfigError) -> str:
+    """The reason a row whose plan the training config's checks refuse (:class:`ModelSpec`, :class:`ParallelDims`:
+    the same rules a training run meets) is not modelled: each problem on one line, named by the row's column where
+    one holds the setting (``column hidden (model.hidden_size=1000): is not divisible by ...``)."""
+    return "; ".join(f"column {SETTING_COLUMNS[issue.key]} ({issue.key}={issue.value!r}): {issue.problem}"
+                     if issue.key in SETTING_COLUMNS else f"{issue.key}={issue.value!r}: {issue.problem}"
+                     for issue in err.issues) + " Fix: correct the row."
 
 
 def family_architecture(row: dict) -> dict[str, object]:
@@ -291,7 +334,7 @@ def family_architecture(row: dict) -> dict[str, object]:
     for pattern, fields in FAMILY_ARCHITECTURES:
         if re.search(pattern, text, re.IGNORECASE):
             return {key: value for key, value in fields.items()
-                    if key not in BLANK_ONLY_FIELDS or _int(row, BLANK_ONLY_FIELDS[key]) is None}
+                    if key not in BLANK_ONLY_FIELDS or _count(row, BLANK_ONLY_FIELDS[key]) is None}
     return {}
 
 
@@ -301,7 +344,7 @@ def preset_architecture(row: dict) -> tuple[str, dict]:
     dense first layers and sigmoid router, GPT-OSS's 64-channel heads (4096 wide on a 2880 hidden size), which their
     rows name in ``arch_source`` but no column states."""
     for name, preset in group_presets("model"):
-        if all(_int(row, column) == preset.get(key) for column, key in SHAPE_FIELDS):
+        if all(_count(row, column) == preset.get(key) for column, key in SHAPE_FIELDS):
             return name, {key: preset[key] for key in ARCHITECTURE_FIELDS if key in preset}
     return "", {}
 
@@ -338,6 +381,9 @@ class RowResult:
     """Predicted step time."""
     memory_gib: float
     """Predicted peak memory per GPU."""
+    flag: str = ""
+    """Why the prediction may not be what ran, though the row is kept in the figures (:func:`memory_problem`);
+    empty: nothing to say."""
 
     @property
     def error_pct(self) -> float:
@@ -389,14 +435,41 @@ def load_preset(name: str) -> dict:
     return OmegaConf.to_container(OmegaConf.load(CONF_CLUSTER / f"{name}.yaml"), resolve=True)
 
 
-def _int(row: dict, key: str, default: int | None = None) -> int | None:
+COUNT_COLUMNS: dict[str, tuple[str, int, str]] = {
+    "num_gpus": ("GPUs", MAX_WORLD_SIZE, "MAX_WORLD_SIZE"), "layers": ("layers", MAX_LAYERS, "MAX_LAYERS"),
+    "hidden": ("a hidden size", MAX_HIDDEN, "MAX_HIDDEN"), "ffn_hidden": ("an MLP size", MAX_FFN, "MAX_FFN"),
+    "heads": ("heads", MAX_HEADS, "MAX_HEADS"), "kv_heads": ("key/value heads", MAX_HEADS, "MAX_HEADS"),
+    "vocab": ("a vocabulary", MAX_VOCAB, "MAX_VOCAB"), "seq_len": ("tokens", MAX_SEQUENCE, "MAX_SEQUENCE"),
+    "moe_experts": ("experts", MAX_EXPERTS, "MAX_EXPERTS"), "moe_topk": ("experts", MAX_EXPERTS, "MAX_EXPERTS"),
+    "moe_expert_ffn": ("an expert MLP size", MAX_FFN, "MAX_FFN"),
+    **{name: ("ranks", MAX_WORLD_SIZE, "MAX_WORLD_SIZE") for name in ("tp", "pp", "dp", "cp", "ep", "vp")},
+    "micro_batch": ("sequences", MAX_GLOBAL_BATCH, "MAX_GLOBAL_BATCH"),
+    "global_batch_seqs": ("sequences", MAX_GLOBAL_BATCH, "MAX_GLOBAL_BATCH"),
+    "grad_accum": ("micro-batches", MAX_MICROBATCHES, "MAX_MICROBATCHES"),
+}
+"""Columns that hold a count, with what they count and their largest value: the training config's own bound
+(:mod:`cfp_megatron.base.config`, named here for the message)."""
+
+
+def _count(row: dict, key: str, default: int | None = None) -> int | None:
+    """A count column of the row (:data:`COUNT_COLUMNS`): ``default`` where blank; :class:`RowError` naming the
+    column, the value and the fix where it is not a whole number from 1 to its bound (32.5 GPUs are not modelled as
+    32; a count above the training config's bound is a typo, not a run)."""
     raw = (row.get(key) or "").strip()
     if not raw:
         return default
+    what, bound, name = COUNT_COLUMNS.get(key, ("a count", MAX_WORLD_SIZE, "MAX_WORLD_SIZE"))
     try:
-        return int(float(raw))
+        value = float(raw)
     except ValueError:
-        raise RowError(f"column {key} is not a number: {raw!r}") from None
+        raise RowError(f"column {key} is not a number: {raw!r}. Fix: write a whole number of {what}, or leave it "
+                       "blank") from None
+    if not math.isfinite(value) or value != int(value):
+        raise RowError(f"column {key}={raw}: a count of {what} is a whole number. Fix: correct the row")
+    if not 1 <= value <= bound:
+        raise RowError(f"column {key}={raw}: must be from 1 to {bound:,} ({name} in cfp_megatron/base/config.py). "
+                       "Fix: correct the row, or leave the column blank where the row does not state it")
+    return int(value)
 
 
 def _float(row: dict, key: str) -> float | None:
@@ -424,7 +497,7 @@ def _yes(raw: str) -> bool | None:
 def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[int, int] | None = None) -> RowPlan:
     """Build the plan of one CSV row, or raise :class:`RowError` with the reason it cannot be modelled; ``split``:
     the (tp, pp) to model a row that states only its data-parallel size (:func:`unstated_split`)."""
-    rid = row.get("id", "?")
+    rid = (row.get("id") or "?").strip()
     measured = _float(row, "step_time_s") or _float(row, "derived_step_time_s")
     preset_name = gpu_preset(row.get("gpu", ""))
     presets = presets if presets is not None else {}
@@ -434,19 +507,19 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     watts = power_limit(row)
     if watts is not None and cluster.get("tdp_w") and watts < cluster["tdp_w"]:
         cluster["power_limit_w"] = watts
-    gpus = _int(row, "num_gpus")
+    gpus = _count(row, "num_gpus")
     if not gpus:
         raise RowError("num_gpus is blank")
-    layers, hidden, heads = _int(row, "layers"), _int(row, "hidden"), _int(row, "heads")
-    seq = _int(row, "seq_len")
+    layers, hidden, heads = _count(row, "layers"), _count(row, "hidden"), _count(row, "heads")
+    seq = _count(row, "seq_len")
     if not (layers and hidden and heads and seq):
         raise RowError("the model shape (layers, hidden, heads, seq_len) is incomplete")
-    tp, pp, cp = _int(row, "tp", 1), _int(row, "pp", 1), _int(row, "cp", 1)
+    tp, pp, cp = _count(row, "tp", 1), _count(row, "pp", 1), _count(row, "cp", 1)
     if split is not None:
         tp, pp = split
     elif not row.get("tp", "").strip() or not row.get("pp", "").strip():
         raise RowError("the layout (tp, pp) is not stated")
-    dp = _int(row, "dp") or data_parallel_size(gpus, tp, cp, pp)
+    dp = _count(row, "dp") or data_parallel_size(gpus, tp, cp, pp)
     if tp * pp * cp * dp != gpus:
         raise RowError(f"tp x pp x cp x dp = {tp}x{pp}x{cp}x{dp} does not multiply out to {gpus} GPUs")
     per_node = cluster["gpus_per_node"]
@@ -457,12 +530,12 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
             raise RowError(f"{gpus} GPUs is not a whole number of {per_node}-GPU nodes")
     else:
         cluster["nodes"] = gpus // per_node
-    experts = _int(row, "moe_experts")
-    ep = _int(row, "ep", 1) if experts else 1
-    micro = _int(row, "micro_batch", 1)
-    gbs = _int(row, "global_batch_seqs")
+    experts = _count(row, "moe_experts")
+    ep = _count(row, "ep", 1) if experts else 1
+    micro = _count(row, "micro_batch", 1)
+    gbs = _count(row, "global_batch_seqs")
     layer_only = gbs is None and layers == 1
-    accum = _int(row, "grad_accum")
+    accum = _count(row, "grad_accum")
     if gbs is None and accum and not layer_only:
         gbs = micro * dp * accum
     if gbs is None and not layer_only:
@@ -474,7 +547,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         raise RowError("no measured step time (step_time_s, derived_step_time_s and tokens_per_s_per_gpu are blank)")
     if layer_only:
         gbs = micro * dp
-    vp = _int(row, "vp", 1) or 1
+    vp = _count(row, "vp", 1) or 1
     recompute_raw = (row.get("recompute") or "").strip().lower()
     recompute = "full" if recompute_raw.startswith("full") else "selective" if recompute_raw.startswith(
         "selective") else "none"
@@ -494,24 +567,22 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     if sp is None:
         sp = modern or bool(experts)
     sp = sp and tp > 1
-    ffn = _int(row, "ffn_hidden")
+    ffn = _count(row, "ffn_hidden")
     swiglu = bool(experts) or (ffn is not None and ffn != 4 * hidden)
     model = {
         "name": f"row{rid}", "num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn,
-        "num_attention_heads": heads, "num_query_groups": _int(row, "kv_heads"),
-        "vocab_size": _int(row, "vocab", DEFAULT_VOCAB),
+        "num_attention_heads": heads, "num_query_groups": _count(row, "kv_heads"),
+        "vocab_size": _count(row, "vocab", DEFAULT_VOCAB),
         "make_vocab_size_divisible_by": 128 * tp, "max_position_embeddings": max(seq, 4096),
         "activation": "swiglu" if swiglu else "gelu", "tie_embeddings": False,
         "position_embedding": "rope" if swiglu else "learned_absolute",
         "hidden_dropout": 0.0 if swiglu else 0.1, "attention_dropout": 0.0 if swiglu else 0.1,
     }
     model.update(family_architecture(row))  # its vocabulary and KV heads only where the row leaves them blank
-    if heads and hidden % heads:
-        model["kv_channels"] = 128
     recipe = moe_recipe(row, preset_name, (gpus, tp, pp, vp, ep, gbs or 0)) if experts else None
     if experts:
-        topk = _int(row, "moe_topk", 2)
-        model.update(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=_int(row, "moe_expert_ffn"))
+        topk = _count(row, "moe_topk", 2)
+        model.update(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=_count(row, "moe_expert_ffn"))
     architecture, fields = preset_architecture({**row, "vocab": str(model["vocab_size"])}) if experts else ("", {})
     model.update(fields)
     modules = None
@@ -543,8 +614,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     }
     try:
         job = job_from_config(cfg)
-    except CfpError as err:
-        raise RowError(f"invalid plan: {err}") from None
+    except ConfigError as err:
+        raise RowError(refusal(err)) from None
     layout = f"tp{tp} pp{pp} dp{dp}" + ("?" if split is not None else "")
     layout += (f" cp{cp}" if cp > 1 else "") + (f" ep{ep}" if ep > 1 else "")
     layout += (f" vp{vp}" if vp > 1 else "") + (" emb+loss" if counted else "") + (f" {stages}" if stages else "")
@@ -566,8 +637,8 @@ def unstated_split(row: dict, presets: dict[str, dict]) -> tuple[int, int]:
     into TP and PP (SC21's Table 2): TP as wide as a node allows where it divides the model-parallel size and the
     heads (the same source's Table 1 runs every model above 8B at TP = 8, one node), PP the rest. Raises
     :class:`RowError` where the row states too little to know the model-parallel size."""
-    gpus, dp, cp = _int(row, "num_gpus"), _int(row, "dp"), _int(row, "cp", 1) or 1
-    heads = _int(row, "heads")
+    gpus, dp, cp = _count(row, "num_gpus"), _count(row, "dp"), _count(row, "cp", 1) or 1
+    heads = _count(row, "heads")
     if not (gpus and dp and heads) or gpus % (dp * cp):
         raise RowError("the layout (tp, pp) is not stated, nor the data-parallel size it leaves")
     model_parallel = gpus // (dp * cp)
@@ -579,7 +650,14 @@ def unstated_split(row: dict, presets: dict[str, dict]) -> tuple[int, int]:
     return tp, model_parallel // tp
 
 
-REQUIRED_COLUMNS = ("layers", "hidden", "heads", "seq_len", "gpu", "num_gpus")
+COLUMNS = ("id", "source", "source_detail", "source_location", "model", "arch_type", "params_b", "layers", "hidden",
+           "ffn_hidden", "heads", "kv_heads", "vocab", "seq_len", "moe_experts", "moe_topk", "moe_expert_ffn", "gpu",
+           "num_gpus", "interconnect", "framework", "tp", "pp", "dp", "cp", "ep", "vp", "pp_schedule",
+           "sequence_parallel", "zero_or_fsdp", "micro_batch", "global_batch_seqs", "grad_accum", "recompute",
+           "precision", "step_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu_pct", "hfu_pct",
+           "other_measured", "derived_step_time_s", "derived_fields", "arch_source", "notes")
+"""The columns of the runs schema (``shared/data/published_runs.csv``), in its order."""
+REQUIRED_COLUMNS = ("id", "layers", "hidden", "heads", "seq_len", "gpu", "num_gpus")
 """Columns without which no row of a file can be modelled."""
 
 
@@ -587,18 +665,74 @@ class InputFileError(CfpError, ValueError):
     """A file ``validate`` cannot read as runs; the message names the file and the fix."""
 
 
+class CsvRow(dict):
+    """One row of a runs file: its columns' text (a dict, as :class:`csv.DictReader` gives it) and where it was
+    read, for the reasons and the report."""
+
+    def __init__(self, values: dict[str, str], *, file: Path, line: int, problem: str | None = None) -> None:
+        super().__init__(values)
+        self.file = file
+        """The file."""
+        self.line = line
+        """The line the row starts on (1 is the header)."""
+        self.problem = problem
+        """Why the row's fields do not line up with the header (too many or too few), else ``None``."""
+
+
+def where(row: dict) -> str:
+    """Where a row was read (``runs.csv line 5``), or ``row <id>`` for a row built in code."""
+    if isinstance(row, CsvRow):
+        return f"{row.file} line {row.line}"
+    return f"row {row.get('id', '?')}"
+
+
+def _header(path: Path, names: list[str], fix: str) -> list[str]:
+    """The header's column names, stripped; :class:`InputFileError` for a name given twice, or one that is not in
+    the schema but close to a schema column the file lacks (a misspelt column would leave its value unread)."""
+    columns = [name.strip() for name in names]
+    for index, name in enumerate(columns):
+        if name and name in columns[:index]:
+            raise InputFileError(f"{path}: column {name!r} appears twice in the header (columns "
+                                 f"{columns.index(name) + 1} and {index + 1}); keep one. {fix}")
+    for name in unread_columns(columns):
+        near = difflib.get_close_matches(name.lower(), [c for c in COLUMNS if c not in columns], n=1, cutoff=0.75)
+        if near:
+            raise InputFileError(f"{path}: column {name!r} is not in the runs schema, so its values would not be "
+                                 f"read; rename it {near[0]!r}. {fix}")
+    return columns
+
+
+def unread_columns(columns: list[str]) -> list[str]:
+    """The header names of ``columns`` that are not in the runs schema (:data:`COLUMNS`), blank names left out."""
+    return [name for name in columns if name and name not in COLUMNS]
+
+
 def read_rows(path: str | Path) -> list[dict]:
-    """Rows of a CSV file as dicts. Raises :class:`InputFileError` for a file that is missing, a directory, not
-    text, empty, or without the columns a run needs (:data:`REQUIRED_COLUMNS`)."""
+    """Rows of a CSV file as :class:`CsvRow` dicts (a UTF-8 byte-order mark, as spreadsheets write it, is skipped;
+    header names are stripped). Raises :class:`InputFileError` for a file that is missing, a directory, not text,
+    empty, without the columns a run needs (:data:`REQUIRED_COLUMNS`), or whose header names a column twice or
+    misspells one (:func:`_header`). A row whose fields do not line up with the header is returned with its
+    :attr:`CsvRow.problem` (and refused by :func:`predict_rows`)."""
     path = Path(path)
     fix = "pass a CSV file in the schema of shared/data/published_runs.csv."
-    if not path.is_file():
-        raise InputFileError(f"{path}: {'is a directory' if path.is_dir() else 'no such file'}; {fix}")
+    if not path.is_file():  # a named pipe or device is refused too, not waited on
+        said = "is a directory" if path.is_dir() else "no such file" if not path.exists() else \
+            regular_file_problem(path)
+        raise InputFileError(f"{path}: {said}; {fix}")
+    rows: list[dict] = []
     try:
-        with open(path, newline="", encoding="utf-8") as fh:
-            reader = csv.DictReader(fh)
-            rows = list(reader)
-            columns = reader.fieldnames or []
+        with open(path, newline="", encoding="utf-8-sig") as fh:
+            reader = csv.reader(fh)
+            columns = _header(path, next(reader, []), fix)
+            last = reader.line_num
+            for fields in reader:
+                line, last = last + 1, reader.line_num
+                if not any(field.strip() for field in fields):
+                    continue
+                problem = None if len(fields) == len(columns) else (
+                    f"{path} line {line} has {len(fields)} fields where the header has {len(columns)} (a comma inside "
+                    "an unquoted value, or a field left out). Fix: quote the value, or add the missing fields")
+                rows.append(CsvRow(dict(zip(columns, fields, strict=False)), file=path, line=line, problem=problem))
     except (UnicodeDecodeError, csv.Error) as err:
         raise InputFileError(f"{path}: not a readable CSV text file ({err}); {fix}") from None
     missing = [name for name in REQUIRED_COLUMNS if name not in columns]
@@ -616,7 +750,19 @@ def predict_rows(rows: list[dict], efficiencies=None) -> tuple[list[RowResult], 
     fitted ones (used by the fitting script)."""
     presets: dict[str, dict] = {}
     results, skipped = [], []
+    first: dict[str, dict] = {}
     for row in rows:
+        rid = (row.get("id") or "").strip()
+        problem = getattr(row, "problem", None)
+        if problem is None and not rid:
+            problem = f"{where(row)}: the id is blank. Fix: give each row its own id"
+        elif problem is None and rid in first:
+            problem = (f"id {rid} at {where(row)} is also the id of {where(first[rid])} (modelled there, counted "
+                       "once). Fix: give each run its own id, or remove the repeated row")
+        first.setdefault(rid, row)
+        if problem is not None:
+            skipped.append((row, problem))
+            continue
         try:
             stated = bool((row.get("tp") or "").strip() and (row.get("pp") or "").strip())
             plan = row_plan(row, presets, split=None if stated else unstated_split(row, presets))
@@ -629,11 +775,40 @@ def predict_rows(rows: list[dict], efficiencies=None) -> tuple[list[RowResult], 
         eff = efficiencies.get(generation(plan.job.cluster)) if efficiencies else None
         try:
             pred = simulate(plan.job, options=plan.options, efficiency=eff)
+        except ConfigError as err:  # a layout the training config's checks refuse (ParallelDims)
+            skipped.append((row, refusal(err)))
+            continue
         except CfpError as err:  # a layout the simulator refuses; a bug in the simulator is raised, not hidden
             skipped.append((row, str(err).replace("\n", " ")))
             continue
-        results.append(RowResult(plan=plan, predicted_s=pred.step_time_s, memory_gib=pred.memory.total_gib))
+        memory = pred.memory.total_gib
+        flag, refused = memory_problem(plan.job, memory)
+        if refused:
+            skipped.append((row, flag))
+            continue
+        results.append(RowResult(plan=plan, predicted_s=pred.step_time_s, memory_gib=memory, flag=flag))
     return results, skipped
+
+
+MEMORY_REFUSE_FACTOR = 4.0
+"""A row whose predicted peak memory per GPU is more than this many times its GPU's memory is refused: a measured
+run fit its GPUs, and the simulator's memory is not that far off (its largest over-estimate on the shared files is
+1.4x, GPT-OSS 120B's row 79): the row's sizes do not describe what ran (a million GPUs' batch on each GPU)."""
+
+
+def memory_problem(job: JobSpec, memory_gib: float) -> tuple[str, bool]:
+    """(what to say, refused) about a row's predicted peak memory per GPU against its GPU's memory: nothing where
+    it fits; a flag where it does not (kept in the figures: a gap of the memory model, or a setting the row leaves
+    out, such as recomputation); a refusal beyond :data:`MEMORY_REFUSE_FACTOR` times the GPU's memory."""
+    hbm = job.cluster.hbm_gib
+    if not hbm or memory_gib <= hbm:
+        return "", False
+    if memory_gib > MEMORY_REFUSE_FACTOR * hbm:
+        return (f"predicted peak memory {memory_gib:,.0f} GiB per GPU is over {MEMORY_REFUSE_FACTOR:g} times the "
+                f"GPU's {hbm:g} GiB: no measured run needed that, so the row's sizes (GPUs, layout, batch, model) do "
+                "not describe what ran. Fix: correct the row"), True
+    return (f"predicted peak memory {memory_gib:.1f} GiB per GPU is above the GPU's {hbm:g} GiB (a gap of the "
+            "memory model, or a setting the row leaves out, such as recomputation)"), False
 
 
 def mape(results: list[RowResult]) -> float:
@@ -646,7 +821,7 @@ def row_classes(row: dict) -> tuple[str, ...]:
     (fully sharded data parallel) where they apply."""
     moe = (row.get("arch_type") or "").strip().lower() == "moe" or bool((row.get("moe_experts") or "").strip())
     classes = ["MoE" if moe else "dense"]
-    if (_int(row, "cp", 1) or 1) > 1:
+    if (_count(row, "cp", 1) or 1) > 1:
         classes.append("CP")
     if re.search(r"fsdp|zero-?3", row.get("zero_or_fsdp") or "", re.IGNORECASE):
         classes.append("FSDP")
@@ -721,7 +896,15 @@ def check_plot_path(path: str) -> str | None:
         return f"--plot {path}: folder {target.parent} does not exist; create it or name a .png file in another"
     if target.exists():
         return f"--plot {path}: the file exists and is never overwritten; remove it or name another .png file"
-    return None
+    return _unwritable("--plot", target)
+
+
+def _unwritable(option: str, target: Path) -> str | None:
+    """Why ``option``'s file ``target`` (in an existing folder) cannot be written, found before any row is predicted
+    (a read-only file system, no permission); ``None`` when it can."""
+    problem = writable_file_problem(target)
+    return None if problem is None else (f"{option} {target}: {problem} Fix: name a file in a folder this user can "
+                                         "write to.")
 
 
 def write_plot(results: list[RowResult], rows_by_id: dict[str, dict], path: str | Path) -> Path:
@@ -760,28 +943,76 @@ def write_plot(results: list[RowResult], rows_by_id: dict[str, dict], path: str 
     ax.legend(loc="upper left", fontsize=8.5, framealpha=0.9)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with atomic_writer(path, "wb", key="--plot") as fh:  # a full disk leaves no half-drawn picture
+            fig.savefig(fh, format="png", dpi=120)
+    finally:
+        plt.close(fig)
     return path
 
 
 def check_bands_path(path: str) -> str | None:
-    """Why ``--bands FILE`` cannot be written (``None`` when it can): a folder, or an existing file that is not an
-    error-band table this command wrote (replacing one of those is what ``--bands`` is for; anything else is kept)."""
+    """Why ``--bands FILE`` cannot be written (``None`` when it can): a folder, a missing folder, one this user
+    cannot write to, or an existing file that is not an error-band table this command wrote (replacing one of those
+    is what ``--bands`` is for; anything else is kept)."""
+    return _check_json_target("--bands", path, {"quantile", "classes"}, "an error-band table written by --bands")
+
+
+REPORT_KEYS = frozenset({"rows", "refused", "coverage", "mape"})
+"""Keys of the ``--json`` report (:func:`report`): an existing file holding them all is one this command wrote."""
+
+
+def check_json_path(path: str) -> str | None:
+    """Why ``--json FILE`` cannot be written, as :func:`check_bands_path` (an existing file is replaced only when it
+    is a report this command wrote)."""
+    return _check_json_target("--json", path, REPORT_KEYS, "a report written by validate --json")
+
+
+def _check_json_target(option: str, path: str, keys: set[str] | frozenset[str], what: str) -> str | None:
     target = Path(path)
     if target.is_dir():
-        return f"--bands {path}: is a folder. Fix: name a .json file."
+        return f"{option} {path}: is a folder. Fix: name a .json file."
     if not target.exists():
-        return None if target.parent.is_dir() else (f"--bands {path}: the folder {target.parent} does not exist. "
-                                                     "Fix: create it or name another file.")
+        return _unwritable(option, target) if target.parent.is_dir() else (
+            f"{option} {path}: the folder {target.parent} does not exist. Fix: create it or name another file.")
     try:
         old = json.loads(target.read_text())
     except (OSError, UnicodeDecodeError, ValueError):
         old = None
-    if isinstance(old, dict) and {"quantile", "classes"} <= set(old):
-        return None
-    return (f"--bands {path}: exists and is not an error-band table written by --bands; it is left as it is. "
+    if isinstance(old, dict) and keys <= set(old):
+        return _unwritable(option, target)
+    return (f"{option} {path}: exists and is not {what}; it is left as it is. "
             "Fix: name a new file, or remove that one first.")
+
+
+def rows_by_id(rows: list[dict]) -> dict[str, dict]:
+    """Each id's row: the first of that id (a later row of the same id is refused, :func:`predict_rows`)."""
+    found: dict[str, dict] = {}
+    for row in rows:
+        found.setdefault((row.get("id") or "").strip(), row)
+    return found
+
+
+def report(results: list[RowResult], skipped: list[tuple[dict, str]], rows: list[dict]) -> dict:
+    """The ``--json`` report: each modelled row (its prediction and flag), each row not modelled with its reason,
+    the coverage, the MAPE per class and over all rows (``None`` when no row was modelled)."""
+    by_id = rows_by_id(rows)
+
+    def located(row: dict) -> dict:
+        return {"file": str(row.file), "line": row.line} if isinstance(row, CsvRow) else {}
+
+    return {
+        "rows": [{"id": r.plan.row_id, **located(by_id.get(r.plan.row_id, {})), "model": r.plan.model,
+                  "layout": r.plan.layout, "measured_s": r.plan.measured_s, "predicted_s": r.predicted_s,
+                  "error_pct": round(r.error_pct, 3), "memory_gib": round(r.memory_gib, 3), "flag": r.flag or None}
+                 for r in results],
+        "refused": [{"id": row.get("id"), **located(row), "model": row.get("model"), "reason": reason}
+                    for row, reason in skipped],
+        "coverage": {"modelled": len(results), "with_step_time": sum(has_step_time(row) for row in rows)},
+        "classes": {name: {"rows": len(errors), "mape": round(sum(errors) / len(errors), 3)}
+                    for name, errors in sorted(class_errors(results, by_id).items())},
+        "mape": round(mape(results), 3) if results else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -791,9 +1022,12 @@ def main(argv: list[str] | None = None) -> int:
                         "planner reports with (cfp_megatron/sim/error_bands.json) to FILE")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw predicted vs measured step time per row "
                         "(log axes, a colour per class with its MAPE, y = x and a +-10%% band) to FILE.png, a new file")
+    parser.add_argument("--json", metavar="FILE", dest="json_path", help="also write the report as JSON to FILE: "
+                        "each row's prediction, each row not modelled with its reason, the coverage and the MAPE")
     args = parser.parse_args(argv)
     problem = check_plot_path(args.plot) if args.plot else None
     problem = problem or (check_bands_path(args.bands) if args.bands else None)
+    problem = problem or (check_json_path(args.json_path) if args.json_path else None)
     if problem:
         print(f"validate: {problem}", file=sys.stderr)
         return 2
@@ -802,31 +1036,57 @@ def main(argv: list[str] | None = None) -> int:
     except InputFileError as err:
         print(f"validate: {err}", file=sys.stderr)
         return 2
+    try:
+        return _report(args, rows)
+    except FileWriteError as err:  # a full or read-only disk met while writing: the file is left as it was
+        print(f"validate: {err}", file=sys.stderr)
+        return 2
+
+
+def _report(args: argparse.Namespace, rows: list[dict]) -> int:
+    """Predict ``rows``, print the table, write what ``--json``, ``--bands`` and ``--plot`` ask for; the exit
+    status (1 when no row could be modelled)."""
+    for path in args.csv:
+        read = [row for row in rows if isinstance(row, CsvRow) and row.file == Path(path)]
+        unread = unread_columns(list(dict.fromkeys(name for row in read for name in row)))
+        if unread:
+            print(f"note: {path}: column(s) {', '.join(unread)} are not in the runs schema and are not read")
     results, skipped = predict_rows(rows)
+    by_id = rows_by_id(rows)
     print(f"{'id':>5}  {'model':<28} {'layout':<52} {'measured s':>11} {'predicted s':>11} {'error':>8} "
           f"{'mem GiB':>8}")
     for r in results:
         name = re.sub(r"\s+", " ", r.plan.model)[:28]
         print(f"{r.plan.row_id:>5}  {name:<28} {r.plan.layout:<52} {r.plan.measured_s:>11.4g} "
-              f"{r.predicted_s:>11.4g} {r.error_pct:>+7.1f}% {r.memory_gib:>8.1f}")
+              f"{r.predicted_s:>11.4g} {r.error_pct:>+7.1f}% {r.memory_gib:>8.1f}" + (" !" if r.flag else ""))
+    flagged = [r for r in results if r.flag]
+    if flagged:
+        print(f"\nflagged, kept in the figures ({len(flagged)} rows, ! above):")
+        for r in flagged:
+            name = re.sub(r"\s+", " ", r.plan.model)[:28]
+            print(f"  {r.plan.row_id:>5}  {name:<28} {r.flag}")
     if skipped:
-        print(f"\nnot modelled ({len(skipped)} rows):")
+        print(f"\nnot modelled, left out of the figures ({len(skipped)} rows):")
         for row, reason in skipped:
             print(f"  {row.get('id', '?'):>5}  {row.get('model', '')[:28]:<28} {reason}")
     timed = [row for row in rows if has_step_time(row)]
     print(f"\ncoverage: {len(results)} of {len(timed)} rows with a step time modelled")
     print(f"{'class':<12} {'rows':>5} {'MAPE':>7} {'max error':>10}")
-    for name, errors in sorted(class_errors(results, {row.get("id", ""): row for row in rows}).items()):
+    for name, errors in sorted(class_errors(results, by_id).items()):
         print(f"{name:<12} {len(errors):>5} {sum(errors) / len(errors):>6.2f}% {max(errors):>9.1f}%")
-    if args.bands:
-        table = uncertainty_table(results, {row.get("id", ""): row for row in rows})
-        Path(args.bands).write_text(json.dumps(table, indent=1) + "\n")
-        print(f"\nerror bands ({BAND_QUANTILE:.0%} of each class's rows inside) written to {args.bands}")
+    if args.json_path:
+        write_atomic(args.json_path, json.dumps(report(results, skipped, rows), indent=1) + "\n", key="--json")
+        print(f"\nreport written to {args.json_path}")
     if not results:
-        print("\nno row could be modelled (each is listed above with its reason): no MAPE", file=sys.stderr)
+        print(f"\nvalidate: no row could be modelled (the {len(rows)} rows of {', '.join(args.csv)}, each listed "
+              "above with its reason): no MAPE, and no --bands or --plot written. Fix: correct the rows, or pass "
+              "runs in the schema of shared/data/published_runs.csv.", file=sys.stderr)
         return 1
+    if args.bands:
+        write_atomic(args.bands, json.dumps(uncertainty_table(results, by_id), indent=1) + "\n", key="--bands")
+        print(f"\nerror bands ({BAND_QUANTILE:.0%} of each class's rows inside) written to {args.bands}")
     if args.plot:
-        drawn = write_plot(results, {row.get("id", ""): row for row in rows}, args.plot)
+        drawn = write_plot(results, by_id, args.plot)
         print(f"\npredicted vs measured step time drawn to {drawn}")
     print(f"\nMAPE {mape(results):.2f}% over {len(results)} rows")
     return 0

@@ -1,0 +1,226 @@
+"""``python -m cfp_megatron.validate``: rows it cannot model faithfully are refused or flagged with the reason, and
+its files (``--bands``, ``--plot``, ``--json``) are written whole or not at all."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cfp_megatron.base.config import MAX_LAYERS, MAX_WORLD_SIZE
+from cfp_megatron.validate import InputFileError, RowError, main, predict_rows, read_rows, row_plan
+
+FIELDS = ["id", "model", "layers", "hidden", "heads", "seq_len", "gpu", "num_gpus", "tp", "pp", "dp", "micro_batch",
+          "global_batch_seqs", "step_time_s"]
+GOOD = {"id": "1", "model": "GPT 1.7B", "layers": "24", "hidden": "2304", "heads": "24", "seq_len": "2048",
+        "gpu": "A100-80GB", "num_gpus": "32", "tp": "1", "pp": "1", "dp": "32", "micro_batch": "1",
+        "global_batch_seqs": "512", "step_time_s": "3.5"}
+"""Row 1 of the shared file (SC21's GPT 1.7B on 32 A100s), in the columns these tests need."""
+
+
+def _csv(path: Path, rows: list[dict], *, fields: list[str] = FIELDS, encoding: str = "utf-8") -> Path:
+    with open(path, "w", newline="", encoding=encoding) as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path: Path, capsys) -> None:
+    path = _csv(tmp_path / "excel.csv", [GOOD], encoding="utf-8-sig")
+    assert path.read_bytes().startswith(b"\xef\xbb\xbfid,")
+    assert [row["id"] for row in read_rows(path)] == ["1"]
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().endswith("over 1 rows") and "\n    1  GPT 1.7B" in out
+
+
+@pytest.mark.parametrize("column, value, said", [
+    ("num_gpus", "32.5", "column num_gpus=32.5: a count of GPUs is a whole number"),
+    ("layers", "24.5", "column layers=24.5: a count of layers is a whole number"),
+    ("tp", "1.5", "column tp=1.5: a count of ranks"),
+    ("micro_batch", "0.5", "column micro_batch=0.5"),
+    ("global_batch_seqs", "inf", "column global_batch_seqs=inf"),
+    ("heads", "-24", "must be from 1 to"),
+    ("num_gpus", str(MAX_WORLD_SIZE + 1), f"must be from 1 to {MAX_WORLD_SIZE:,} (MAX_WORLD_SIZE"),
+    ("layers", str(MAX_LAYERS + 1), f"must be from 1 to {MAX_LAYERS:,} (MAX_LAYERS"),
+    ("pp", "two", "column pp is not a number: 'two'"),
+])
+def test_a_count_is_a_whole_number_within_the_training_bounds(column: str, value: str, said: str) -> None:
+    with pytest.raises(RowError) as caught:
+        row_plan({**GOOD, column: value})
+    assert said in str(caught.value)
+
+
+def test_whole_numbers_written_as_decimals_still_count() -> None:
+    assert row_plan({**GOOD, "num_gpus": "32.0", "layers": "2.4e1"}).job.model.num_layers == 24
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"hidden": "2300"}, "column hidden (model.hidden_size=2300): is not divisible by model.num_attention_heads=24"),
+    ({"tp": "16", "dp": "2"}, "column tp (parallel.tp=16): model.num_attention_heads=24 is not divisible by"),
+    ({"kv_heads": "5"}, "column kv_heads (model.num_query_groups=5): must divide model.num_attention_heads=24"),
+])
+def test_shapes_the_training_config_refuses_are_refused_with_its_reason(change: dict, said: str) -> None:
+    rows, skipped = predict_rows([{**GOOD, **change}])
+    assert not rows and said in skipped[0][1]
+
+
+def test_repeated_ids_are_counted_once_naming_both_lines(tmp_path: Path, capsys) -> None:
+    path = _csv(tmp_path / "runs.csv", [GOOD, {**GOOD, "id": "2", "num_gpus": "64", "dp": "64",
+                                               "global_batch_seqs": "1024"}, {**GOOD, "step_time_s": "9.0"}])
+    results, skipped = predict_rows(read_rows(path))
+    assert [r.plan.row_id for r in results] == ["1", "2"]
+    assert f"id 1 at {path} line 4 is also the id of {path} line 2" in skipped[0][1]
+    report = tmp_path / "report.json"
+    assert main([str(path), "--json", str(report)]) == 0
+    assert capsys.readouterr().out.strip().endswith("over 2 rows")
+    data = json.loads(report.read_text())
+    assert [row["line"] for row in data["rows"]] == [2, 3]
+    assert data["refused"][0]["line"] == 4 and "also the id of" in data["refused"][0]["reason"]
+    assert data["mape"] is not None and data["coverage"] == {"modelled": 2, "with_step_time": 3}
+
+
+def test_a_blank_id_and_a_misaligned_row_are_refused(tmp_path: Path) -> None:
+    path = _csv(tmp_path / "runs.csv", [GOOD, {**GOOD, "id": ""}])
+    with open(path, "a") as fh:
+        fh.write("3,GPT 1.7B,24,2304,24,2048,A100-80GB,32,1,1,32,1,512,3.5,extra\n4,GPT,24\n")
+    results, skipped = predict_rows(read_rows(path))
+    assert len(results) == 1
+    reasons = [reason for _, reason in skipped]
+    assert "line 3: the id is blank" in reasons[0]
+    assert f"{path} line 4 has 15 fields where the header has 14" in reasons[1]
+    assert f"{path} line 5 has 3 fields" in reasons[2]
+
+
+def test_a_run_that_cannot_fit_its_gpus_is_refused_and_one_slightly_over_is_flagged(tmp_path: Path, capsys) -> None:
+    absurd = {**GOOD, "id": "2", "num_gpus": "1", "dp": "1", "micro_batch": "65536", "global_batch_seqs": "65536"}
+    results, skipped = predict_rows([GOOD, absurd])
+    assert [r.plan.row_id for r in results] == ["1"] and not results[0].flag
+    assert "GiB per GPU is over 4 times the GPU's 80 GiB" in skipped[0][1]
+    over = {**GOOD, "id": "3", "num_gpus": "8", "dp": "8", "micro_batch": "16", "global_batch_seqs": "128"}
+    flagged = predict_rows([over])[0][0]
+    assert 80 < flagged.memory_gib < 320 and "above the GPU's 80 GiB" in flagged.flag
+    assert main([str(_csv(tmp_path / "runs.csv", [GOOD, absurd, over]))]) == 0
+    out = capsys.readouterr().out
+    assert "flagged, kept in the figures (1 rows" in out and out.strip().endswith("over 2 rows")
+
+
+@pytest.mark.parametrize("header, said", [
+    (["micro_batch_size" if name == "micro_batch" else name for name in FIELDS], "rename it 'micro_batch'"),
+    ([*FIELDS, "layers"], "column 'layers' appears twice in the header (columns 3 and 15)"),
+])
+def test_a_header_that_would_leave_a_column_unread_is_refused(tmp_path: Path, header: list[str], said: str) -> None:
+    path = tmp_path / "runs.csv"
+    path.write_text(",".join(header) + "\n" + ",".join(GOOD.get(name, "24") for name in header) + "\n")
+    with pytest.raises(InputFileError) as caught:
+        read_rows(path)
+    assert str(path) in str(caught.value) and said in str(caught.value)
+
+
+def test_columns_outside_the_schema_are_named_as_not_read(tmp_path: Path, capsys) -> None:
+    path = _csv(tmp_path / "runs.csv", [{**GOOD, "cluster_name": "selene"}], fields=[*FIELDS, "cluster_name"])
+    assert main([str(path)]) == 0
+    assert f"note: {path}: column(s) cluster_name are not in the runs schema" in capsys.readouterr().out
+
+
+def test_no_good_row_is_an_error_exit_that_writes_no_bands(tmp_path: Path, capsys) -> None:
+    path = _csv(tmp_path / "runs.csv", [{**GOOD, "num_gpus": "32.5"}])
+    bands = tmp_path / "bands.json"
+    assert main([str(path), "--bands", str(bands)]) == 1
+    err = capsys.readouterr().err
+    assert f"no row could be modelled (the 1 rows of {path}" in err and "no --bands" in err and not bands.exists()
+
+
+def test_json_replaces_its_own_report_and_nothing_else(tmp_path: Path, capsys) -> None:
+    runs = _csv(tmp_path / "runs.csv", [GOOD])
+    mine = tmp_path / "notes.json"
+    mine.write_text('{"my": "notes"}\n')
+    assert main([str(runs), "--json", str(mine)]) == 2
+    assert "--json" in capsys.readouterr().err and mine.read_text() == '{"my": "notes"}\n'
+    report = tmp_path / "report.json"
+    assert main([str(runs), "--json", str(report)]) == 0 and main([str(runs), "--json", str(report)]) == 0
+    assert json.loads(report.read_text())["rows"][0]["id"] == "1"
+
+
+# ---------------------------------------------------------------------------------------- full and read-only disks
+@contextlib.contextmanager
+def _tmpfs(folder: Path, options: str) -> Iterator[Path]:
+    """A tmpfs mounted at ``folder`` (skips the test where this user may not mount)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True,
+                              text=True, check=False)
+    except OSError as err:  # no mount command
+        pytest.skip(f"cannot mount a tmpfs here: {err}")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=False)
+
+
+def _fill(folder: Path) -> None:
+    """Fill the file system of ``folder`` until it refuses another byte."""
+    with contextlib.suppress(OSError), open(folder / "filler", "wb", buffering=0) as fh:
+        while True:
+            fh.write(b"\0" * 4096)
+
+
+KEPT = {"--bands": '{"quantile": 0.8, "classes": {}}\n',
+        "--json": json.dumps({"rows": [], "refused": [], "coverage": {}, "mape": None}) + "\n"}
+"""An earlier file of each option that a new run replaces: it must stay as it was when the write fails."""
+
+
+@pytest.mark.parametrize("option, name", [("--bands", "bands.json"), ("--plot", "scatter.png"),
+                                          ("--json", "report.json")])
+def test_a_full_disk_is_refused_before_any_row_is_predicted(tmp_path: Path, capsys, option: str, name: str) -> None:
+    runs = _csv(tmp_path / "runs.csv", [GOOD])
+    with _tmpfs(tmp_path / "full", "size=64k") as full:
+        if option in KEPT:
+            (full / name).write_text(KEPT[option])
+        _fill(full)
+        assert main([str(runs), option, str(full / name)]) == 2
+        out, err = capsys.readouterr()
+        assert f"validate: {option} {full / name}: no file can be written into the folder {full}" in err
+        assert out == "" and "Traceback" not in err
+        assert sorted(p.name for p in full.iterdir()) == sorted(["filler", *([name] if option in KEPT else [])])
+        if option in KEPT:
+            assert (full / name).read_text() == KEPT[option]
+
+
+@pytest.mark.parametrize("option, name, rows", [("--plot", "scatter.png", 1), ("--json", "report.json", 30)])
+def test_a_disk_that_fills_while_writing_leaves_nothing_half_written(tmp_path: Path, capsys, option: str, name: str,
+                                                                     rows: int) -> None:
+    runs = _csv(tmp_path / "runs.csv", [{**GOOD, "id": str(i)} for i in range(rows)])
+    with _tmpfs(tmp_path / "full", "size=64k") as full:
+        if option in KEPT:
+            (full / name).write_text(KEPT[option])
+        _fill(full)
+        os.truncate(full / "filler", (full / "filler").stat().st_size - 4096)  # room for a name, not the file
+        assert main([str(runs), option, str(full / name)]) == 2
+        err = capsys.readouterr().err
+        assert f"validate: {full / name} ({option}) cannot be written: the disk is full" in err
+        assert "Traceback" not in err
+        assert sorted(p.name for p in full.iterdir()) == sorted(["filler", *([name] if option in KEPT else [])])
+        if option in KEPT:
+            assert (full / name).read_text() == KEPT[option]
+
+
+@pytest.mark.parametrize("option, name", [("--bands", "bands.json"), ("--plot", "scatter.png"),
+                                          ("--json", "report.json")])
+def test_a_read_only_disk_is_refused_before_any_row_is_predicted(tmp_path: Path, capsys, option: str,
+                                                                  name: str) -> None:
+    runs = _csv(tmp_path / "runs.csv", [GOOD])
+    with _tmpfs(tmp_path / "ro", "ro,size=64k") as ro:
+        assert main([str(runs), option, str(ro / name)]) == 2
+        out, err = capsys.readouterr()
+        assert f"validate: {option} {ro / name}: no file can be written into the folder {ro}" in err
+        assert out == "" and not any(ro.iterdir())
