@@ -13,7 +13,9 @@ Each case gives one command one bad input or fault and classifies what the user 
 * ``vague``: an error exit without a traceback that does not name the key or file;
 * ``traceback``: a Python traceback reaches the user (in-process: any exception other than ``CfpError``);
 * ``hang``: the command did not finish within the case's timeout;
-* ``silent``: exit 0 (or no error in-process) without the problem named: a result computed from a bad input.
+* ``silent``: exit 0 (or no error in-process) without the problem named: a result computed from a bad input;
+* ``skipped``: the case cannot run on this machine (the full and read-only disk cases mount a tmpfs, which needs
+  root with CAP_SYS_ADMIN): listed and counted apart, neither clear nor a failure.
 
 Most cases run in-process and call the function the command line calls (``compose_config`` + ``job_from_config`` +
 ``validate_job`` as ``launch/train.py`` does before any process group, ``plan_cli.main``, ``analyze.main``,
@@ -39,13 +41,16 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS_CSV = ROOT.parent / "shared" / "data" / "published_runs.csv"
 OUTCOMES = ("clear", "vague", "traceback", "hang", "silent")
+SKIPPED = "skipped"
+"""The outcome of a case that cannot run on this machine (:class:`CaseSkipped`: a disk case where mounting a tmpfs
+is not allowed): listed and counted apart, never as ``clear``, and not a failure of the run."""
 CATALOGUE_START = "<!-- bad-inputs catalogue: start (written by bench/bad_inputs.py --markdown) -->"
 CATALOGUE_END = "<!-- bad-inputs catalogue: end -->"
 
@@ -108,6 +113,7 @@ class Verdict:
         if self.outcome == "hang":
             return f"no answer within {self.result.seconds:.0f} s"
         for test in (lambda line: line.startswith("- ") or "Fix:" in line,
+                     lambda line: line.startswith("cfp-megatron") and len(line.split(": ", 1)[-1].split()) > 3,
                      lambda line: "error" in line.lower() or "could not" in line.lower()):
             for line in lines:
                 if test(line):
@@ -118,6 +124,9 @@ class Verdict:
 LAUNCHER_ERROR = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
 """The exception torchrun's own agent raises, with its traceback, whenever a worker exits non-zero: torch's code,
 printed after the workers' output, so it is not counted against the project."""
+LAUNCHER_SIGNAL = "torch.distributed.elastic.multiprocessing.api.SignalException"
+"""The exception torchrun's agent raises, with its traceback, when it is sent SIGINT or SIGTERM (Ctrl-C): torch's
+code too."""
 
 
 def without_launcher_traceback(output: str) -> str:
@@ -130,7 +139,7 @@ def without_launcher_traceback(output: str) -> str:
             end = i + 1
             while end < len(lines) and (lines[end].startswith(" ") or not lines[end].strip()):
                 end += 1
-            if end < len(lines) and lines[end].startswith(LAUNCHER_ERROR):
+            if end < len(lines) and lines[end].startswith((LAUNCHER_ERROR, LAUNCHER_SIGNAL)):
                 i = end + 1
                 continue
         kept.append(lines[i])
@@ -852,6 +861,1018 @@ def cases() -> list[Case]:
              "data=indexed data.path=[<a truncated .bin>]", names=("truncated",), mode="torchrun",
              run=lambda work: torchrun(1, ["data=indexed", "model.vocab_size=257",
                                            f"data.path=[{damaged_corpus(work, 'trunc-run', _truncate)}]"], work)))
+    found += _validate_row_cases()
+    found += _memory_cases()
+    found += _checkpoint_ownership_cases()
+    found += _disk_cases()
+    found += _stall_cases()
+    found += _hydra_cases()
+    found += _input_cases()
+    return found
+
+
+def _validate_row_cases() -> list[Case]:
+    """``validate``'s rows it cannot model faithfully (a BOM, repeated ids, fractional counts, shapes that do not
+    divide, absurd sizes, a header that would leave a column unread) and its files (``--bands``, ``--plot``,
+    ``--json``) on full and read-only disks: real tmpfs mounts; where this user may not mount, the case says so and
+    comes out vague (it proves nothing)."""
+    found: list[Case] = []
+
+    def rows(*changes: dict[str, str]) -> Callable[[list[dict]], None]:
+        """Change the first rows of the sample, one dict of columns per row."""
+        def change(sample: list[dict]) -> None:
+            for row, columns in zip(sample, changes, strict=False):
+                row.update(columns)
+        return change
+
+    def bom(work: Path) -> list[str]:
+        plain = runs_csv(work, "plain.csv").read_bytes()
+        return [str(runs_csv(work, "bom.csv", text=b"\xef\xbb\xbf" + plain))]
+
+    def header(work: Path, old: str, new: str) -> list[str]:
+        text = runs_csv(work, "header.csv").read_text()
+        first, rest = text.split("\n", 1)
+        return [str(runs_csv(work, f"header-{new}.csv", text=first.replace(old, new, 1) + "\n" + rest))]
+
+    def extra_field(work: Path) -> list[str]:
+        path = runs_csv(work, "comma.csv")
+        path.write_text(path.read_text().replace(",GPT 3.6B,", ",GPT 3.6B, 2021,", 1))  # a comma left unquoted
+        return [str(path)]
+
+    for cid, what, make, names in [
+            ("validate-bom", "a CSV saved with a UTF-8 byte-order mark (as spreadsheets save it)", bom,
+             ["1  GPT 1.7B"]),
+            ("validate-dup-id", "two rows with the same id", lambda work: [str(runs_csv(
+                work, "dup.csv", change=rows({}, {"id": "1"})))], ["also the id of"]),
+            ("validate-same-file-twice", "the same file passed twice", lambda work: [str(runs_csv(
+                work, "twice.csv"))] * 2, ["also the id of"]),
+            ("validate-blank-id", "a row with a blank id", lambda work: [str(runs_csv(
+                work, "blank-id.csv", change=rows({}, {"id": " "})))], ["the id is blank"]),
+            ("validate-gpus-frac", "a row with 32.5 GPUs", lambda work: [str(runs_csv(
+                work, "gpus-frac.csv", change=_set_row("num_gpus", "32.5")))], ["num_gpus=32.5"]),
+            ("validate-tp-frac", "a row with tp 1.5", lambda work: [str(runs_csv(
+                work, "tp-frac.csv", change=_set_row("tp", "1.5")))], ["tp=1.5"]),
+            ("validate-batch-frac", "a row with a global batch of 512.5 sequences", lambda work: [str(runs_csv(
+                work, "gbs-frac.csv", change=_set_row("global_batch_seqs", "512.5")))], ["global_batch_seqs=512.5"]),
+            ("validate-layers-inf", "a row with infinitely many layers", lambda work: [str(runs_csv(
+                work, "layers-inf.csv", change=_set_row("layers", "inf")))], ["layers=inf"]),
+            ("validate-hidden-heads", "a hidden size (2300) the 24 heads do not divide", lambda work: [str(runs_csv(
+                work, "hidden.csv", change=_set_row("hidden", "2300")))], ["column hidden"]),
+            ("validate-kv-heads", "5 key/value heads for 24 heads", lambda work: [str(runs_csv(
+                work, "kv.csv", change=_set_row("kv_heads", "5")))], ["column kv_heads"]),
+            ("validate-tp-heads", "tp 16 on a model of 24 heads", lambda work: [str(runs_csv(
+                work, "tp-heads.csv", change=rows({"tp": "16", "dp": "2"})))], ["column tp"]),
+            ("validate-gpus-huge", "a row with 2 million GPUs", lambda work: [str(runs_csv(
+                work, "gpus-huge.csv", change=rows({"num_gpus": "2000000", "dp": ""})))], ["num_gpus=2000000"]),
+            ("validate-memory-absurd", "one GPU running a 65,536-sequence micro-batch", lambda work: [str(runs_csv(
+                work, "memory.csv", change=rows({"num_gpus": "1", "dp": "1", "micro_batch": "65536",
+                                                 "global_batch_seqs": "65536"})))], ["GiB per GPU is over"]),
+            ("validate-unquoted-comma", "a model name with an unquoted comma (one field too many)", extra_field,
+             ["fields where the header has"])]:
+        found.append(validate_case(cid, what, make, names, report_ok=True))
+    for cid, what, make, names in [
+            ("validate-header-typo", "a header naming micro_batch_size (the schema's micro_batch)",
+             lambda work: header(work, "micro_batch", "micro_batch_size"), ["micro_batch_size"]),
+            ("validate-header-dup", "a header naming a column twice",
+             lambda work: header(work, "params_b", "layers"), ["appears twice"]),
+            ("validate-none-good", "every row with fractional GPUs", lambda work: [str(runs_csv(
+                work, "none-good.csv", change=lambda sample: [row.update(num_gpus="8.5") for row in sample]))],
+             ["no row could be modelled"])]:
+        found.append(validate_case(cid, what, make, names))
+
+    def on_tmpfs(options: str, option: str, name: str, *, kept: str | None = None,
+                 free: int | None = None) -> Callable[[Path], Result]:
+        """``validate`` writing ``option``'s file ``name`` on a tmpfs mounted with ``options``; ``kept``: an earlier
+        file there; ``free``: fill the disk, then free this many bytes (room for a name, not for the file)."""
+        from cfp_megatron.validate import main
+
+        def run(work: Path) -> Result:
+            runs = runs_csv(work, f"tmpfs-{name}.csv")
+            folder = _mkdir(work / f"tmpfs-{option.strip('-')}-{'ro' if 'ro' in options.split(',') else 'full'}")
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True,
+                                  text=True, check=False)
+            if done.returncode != 0:
+                return Result(exit_code=1, output=f"not run: cannot mount a tmpfs here ({done.stderr.strip()})")
+            try:
+                if kept is not None:
+                    (folder / name).write_text(kept)
+                if free is not None:
+                    filler = folder / "filler"
+                    with contextlib.suppress(OSError), open(filler, "wb", buffering=0) as fh:
+                        while True:
+                            fh.write(b"\0" * 4096)
+                    os.truncate(filler, max(filler.stat().st_size - free, 0))
+                return in_process(lambda: main([str(runs), option, str(folder / name)]))
+            finally:
+                subprocess.run(["umount", str(folder)], check=False)
+
+        return run
+
+    table = '{"quantile": 0.8, "classes": {}}\n'
+    for cid, what, options, option, name, kept, free in [
+            ("validate-bands-full", "--bands on a full disk, over an earlier band table", "size=64k", "--bands",
+             "bands.json", table, 0),
+            ("validate-plot-full", "--plot on a disk with room for the name, not the picture", "size=64k", "--plot",
+             "scatter.png", None, 4096),
+            ("validate-json-full", "--json on a full disk", "size=64k", "--json", "report.json", None, 0),
+            ("validate-bands-ro", "--bands on a read-only disk", "ro,size=64k", "--bands", "bands.json", None, None),
+            ("validate-plot-ro", "--plot on a read-only disk", "ro,size=64k", "--plot", "scatter.png", None, None)]:
+        found.append(Case(id=cid, command="validate", what=what, names=(name,),
+                          run=on_tmpfs(options, option, name, kept=kept, free=free)))
+    return found
+
+
+def _memory_cases() -> list[Case]:
+    """Memory on every machine (the host's on CPU, shared by its ranks), impossible pins and a GPU preset trained
+    on a machine without a GPU: each refused before profiling and before any process group, naming the cause."""
+    found: list[Case] = []
+
+    def train(overrides: Sequence[str], work: Path) -> Result:
+        """``launch/train.py``'s checks in-process on one rank, run from ``work`` (its ``outputs/``)."""
+        def run() -> object:
+            from cfp_megatron.base.compose import compose_config
+            from cfp_megatron.planner.entry import train_from_config
+
+            with contextlib.chdir(_mkdir(work / "cwd")):
+                return train_from_config(compose_config(["train.steps=1", *overrides]))
+        return in_process(run, timeout_s=120)
+
+    for cid, overrides, names in [
+            ("mem-auto-8b", ["+cfp=auto", "model=llama3_8b"], ("fits in memory",)),
+            ("mem-auto-hbm", ["+cfp=auto", "cluster.hbm_gib=0.001"], ("cluster.hbm_gib",)),
+            ("mem-auto-layers", ["+cfp=auto", "model=llama3_8b", "model.num_layers=64"], ("fits in memory",)),
+            ("mem-hand-8b", ["model=llama3_8b"], ("the layout tp=1",)),
+            ("mem-hand-hbm", ["parallel.tp=1", "cluster.hbm_gib=0.0005"], ("cluster.hbm_gib",)),
+            ("mem-hand-reserve", ["model=llama_tiny", "cluster.host_reserve_gib=1000000"],
+             ("cluster.host_reserve_gib",)),
+            ("pin-auto-mb3", ["+cfp=auto", "cfp.micro_batch=3"], ("cfp.micro_batch",)),
+            ("pin-auto-mb-over", ["+cfp=auto", "cfp.micro_batch=96"], ("cfp.micro_batch",)),
+            ("pin-auto-sp", ["+cfp=auto", "cfp.sp=true"], ("cfp.sp",)),
+            ("pin-auto-primepar", ["+cfp=auto", "cfp.mlp=primepar"], ("cfp.mlp",)),
+            ("gpu-preset-cpu", ["cluster=dgx_h100", "cluster.gpus_per_node=1"], ("cluster=local",)),
+            ("gpu-preset-cpu-auto", ["+cfp=auto", "cluster=h200", "cluster.gpus_per_node=1"], ("cluster=local",))]:
+        found.append(Case(id=cid, command="train", what="launch/train.py " + " ".join(overrides), names=names,
+                          run=lambda work, o=overrides: train(o, work)))
+    for cid, args, names in [
+            ("mem-plan-dsv3", ["model=deepseek_v3", "cluster=local", "cluster.gpus_per_node=2"], ("fits in memory",)),
+            ("mem-plan-70b-40gb", ["model=llama3_70b", "cluster=dgx_a100_40gb", "cluster.nodes=1"],
+             ("fits in memory",)),
+            ("mem-plan-ranks", ["model=gpt_tiny", "cluster.gpus_per_node=128"], ("cluster.gpus_per_node",)),
+            ("pin-plan-mbset", ["cfp.constraints.micro_batch=[3,5]", "--world", "2"], ("cfp.constraints.micro_batch",)),
+            ("pin-plan-sp-tp1", ["cfp.sp=true", "cfp.tp=1", "--world", "2"], ("cfp.sp",)),
+            ("pin-plan-dopt-tp", ["cfp.distributed_optimizer=true", "cfp.tp=2", "--world", "2"],
+             ("cfp.distributed_optimizer",)),
+            ("pin-plan-vpp", ["cfp.vpp=2", "cfp.pp=1", "--world", "2"], ("cfp.vpp",)),
+            ("pin-plan-pp-tp", ["cluster=dgx_h100", "cfp.tp=4", "cfp.pp=4"], ("cfp.pp",))]:
+        found.append(Case(id=cid, command="plan", what="python -m cfp_megatron.plan " + " ".join(args), names=names,
+                          run=lambda work, a=args: in_process(lambda: plan_main(a, work), timeout_s=120)))
+    found.append(Case(id="mem-train-8b", command="train", mode="torchrun", names=("fits in memory",),
+                      once="cfp-megatron: ConfigError",
+                      what="torchrun --nproc_per_node=2 launch/train.py +cfp=auto model=llama3_8b",
+                      run=lambda work: torchrun(2, ["+cfp=auto", "model=llama3_8b"], work)))
+    return found
+
+
+def _checkpoint_ownership_cases() -> list[Case]:
+    """Checkpoint folders owned and never clobbered (both backends): step folders without their pointer, a folder
+    another job holds or wrote, a resume under another model or with nothing left to do, a pointer that is not ASCII
+    digits, a broken lock file, and a save on a full disk. Fake folders carry real manifests."""
+    from cfp_megatron.engine.checkpoint import LATEST
+
+    found: list[Case] = []
+
+    def fresh(work: Path) -> Path:
+        """A checkpoint folder of its own for one case (the cases share ``work``)."""
+        return Path(tempfile.mkdtemp(prefix="ckpt-", dir=_mkdir(work / "ownership")))
+
+    def folder(root: Path, step: int, *, ds: bool = False, pointer: bool = True, writer: str | None = None,
+               model: object = None, manifest_: bool = True) -> Path:
+        from cfp_megatron.base.jsonio import json_plain
+        from cfp_megatron.engine import manifest
+
+        name, latest = (f"global_step{step}", "latest") if ds else (f"iter_{step:07d}", LATEST)
+        path = _mkdir(root / name)
+        (path / "shard.distcp").write_bytes(os.urandom(128))
+        if manifest_:
+            manifest.write_manifest(path, {"model": json_plain(model) if model is not None else None,
+                                           "writer": writer})
+        if pointer:
+            (root / latest).write_text(f"global_step{step}" if ds else f"{step}\n")
+        return path
+
+    def check(make: Callable[[Path], Path], *, ds: bool = False, **kw: object) -> Callable[[Path], Result]:
+        def run(work: Path) -> Result:
+            from cfp_megatron.engine.checkpoint import MEGATRON, check_folder
+
+            scheme = MEGATRON
+            if ds:
+                from cfp_megatron.backends.deepspeed.checkpoint import SCHEME as scheme
+            root = make(fresh(work))
+            kw.setdefault("resume", True)
+            return in_process(lambda: check_folder(str(root), scheme, restarted=False, trust_unverified=False,
+                                                   note=print, **kw))
+        return run
+
+    def two(root: Path, *, ds: bool = False, pointer: bool = False) -> Path:
+        folder(root, 2, ds=ds, pointer=pointer)
+        folder(root, 4, ds=ds, pointer=pointer)
+        return root
+
+    def gpt_tiny() -> object:
+        from cfp_megatron.base.compose import compose_config
+        from cfp_megatron.base.config import job_from_config
+
+        return job_from_config(compose_config([])).model
+
+    def model_of(overrides: Sequence[str]) -> object:
+        from cfp_megatron.base.compose import compose_config
+        from cfp_megatron.base.config import job_from_config
+
+        return job_from_config(compose_config(list(overrides))).model
+
+    def pointer_text(root: Path, text: str | bytes, ds: bool = False) -> Path:
+        folder(root, 4, ds=ds)
+        (root / ("latest" if ds else LATEST)).write_bytes(text if isinstance(text, bytes) else text.encode())
+        return root
+
+    def live_lock(root: Path, host: str | None = None) -> Path:
+        from cfp_megatron.engine.checkpoint_lock import LOCK, process_start
+
+        _mkdir(root)
+        (root / LOCK).write_text(json.dumps({"job": "other-job", "host": host or socket.gethostname(),
+                                             "pid": os.getppid(), "started": process_start(os.getppid()),
+                                             "token": "t"}))
+        return root
+
+    def lock_check(make: Callable[[Path], Path]) -> Callable[[Path], Result]:
+        def run(work: Path) -> Result:
+            from cfp_megatron.engine import checkpoint_lock
+
+            root = make(fresh(work))
+            return in_process(lambda: checkpoint_lock.check(str(root), note=print))
+        return run
+
+    def train(overrides: Sequence[str], make: Callable[[Path], Path]) -> Callable[[Path], Result]:
+        def run(work: Path) -> Result:
+            from cfp_megatron.base.compose import compose_config
+            from cfp_megatron.planner.entry import train_from_config
+
+            root = make(fresh(work))
+            with contextlib.chdir(_mkdir(work / "cwd")):
+                return in_process(lambda: train_from_config(compose_config(
+                    [f"train.checkpoint_dir={root}", "train.resume=true", *overrides])), timeout_s=120)
+        return run
+
+    def prepare_foreign_partial(work: Path) -> Result:
+        from cfp_megatron.engine.checkpoint import MEGATRON, agree, prepare_save
+
+        root = fresh(work)
+        _mkdir(root / "iter_0000004.partial")  # another job's save in flight
+        return in_process(lambda: agree(prepare_save(root, root / "iter_0000004", MEGATRON)))
+
+    def publish_over_foreign(work: Path) -> Result:
+        from cfp_megatron.engine import manifest
+
+        root = fresh(work)
+        final = folder(root, 4, writer="another-job")
+        partial = _mkdir(root / "iter_0000004.partial")
+        return in_process(lambda: manifest.publish(partial, final, root / LATEST, "4\n", {"writer": "this-job"}))
+
+    def save_on_full_disk(work: Path) -> Result:
+        """A save's publishing (manifest, rename, pointer) on a full tmpfs, or a rank's write failing with ENOSPC
+        where mounting is not allowed."""
+        from cfp_megatron.engine.checkpoint import finish_save
+
+        disk = fresh(work)
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
+                                 capture_output=True).returncode == 0
+        try:
+            root = _mkdir(disk / "ckpt")
+            partial = _mkdir(root / "iter_0000004.partial")
+            error: OSError | None = None
+            if mounted:
+                with contextlib.suppress(OSError), open(partial / "shard.distcp", "wb") as fh:
+                    fh.write(os.urandom(1 << 20))
+            else:
+                error = OSError(28, "No space left on device")
+            return in_process(lambda: finish_save(partial, root / "iter_0000004", root / LATEST, "4\n", {}, error))
+        finally:
+            if mounted:
+                subprocess.run(["umount", str(disk)], check=False)
+
+    def torchrun_full_disk(work: Path, ds: bool) -> Result:
+        disk = fresh(work)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5000k", "tmpfs", str(disk)],
+                          capture_output=True).returncode != 0:
+            return Result(exit_code=0, output="mounting a tmpfs is not allowed here")
+        try:
+            extra = ["backend=deepspeed", "backend.zero_stage=1"] if ds else []
+            return torchrun(2, [*extra, "train.save_interval=1", f"train.checkpoint_dir={disk / 'ckpt'}"], work,
+                            timeout_s=400)
+        finally:
+            subprocess.run(["umount", str(disk)], check=False)
+
+    C = "checkpoint"
+    for cid, what, run, names, report in [
+            ("own-fresh-no-pointer", "a fresh run into a folder whose pointer file was removed (iter_0000002, "
+             "iter_0000004 there)", check(two, resume=False, steps=4, save_interval=2), ("iter_0000004",), False),
+            ("own-fresh-ds-no-pointer", "a fresh DeepSpeed run into a folder holding global_step folders, no latest",
+             check(lambda r: two(r, ds=True), ds=True, resume=False, steps=4), ("global_step4",), False),
+            ("own-fresh-only-folder", "a fresh run into a folder holding one step folder without manifest or pointer",
+             check(lambda r: (folder(r, 7, pointer=False, manifest_=False), r)[1], resume=False, steps=2),
+             ("iter_0000007",), False),
+            ("own-resume-no-pointer", "train.resume=true with the pointer removed: the newest verified folder is "
+             "resumed, and said", check(two, steps=6, save_interval=2), ("resuming from",), True),
+            ("own-resume-none-verifies", "train.resume=true, no pointer, every step folder damaged",
+             check(lambda r: (folder(r, 3, pointer=False, manifest_=False), r)[1], steps=6),
+             ("iter_0000003",), False),
+            ("own-resume-stale-pointer", "the pointer names step 2 while another run's iter_0000004 is there "
+             "(the run would save over it)", check(lambda r: (folder(r, 4, writer="x"), folder(r, 2), r)[2],
+                                                    steps=6, save_interval=2), ("iter_0000004",), False),
+            ("own-ds-stale-pointer", "DeepSpeed: latest names global_step2, another run's global_step6 is there, "
+             "train.steps=6", check(lambda r: (folder(r, 6, ds=True), folder(r, 2, ds=True), r)[2], ds=True, steps=6),
+             ("global_step6",), False),
+            ("own-lock-live", "another live job on this host holds the folder's lock",
+             lock_check(live_lock), ("pid",), False),
+            ("own-lock-other-host", "a job on another host holds the folder's lock",
+             lock_check(lambda r: live_lock(r, "node-b.example")), ("node-b.example",), False),
+            ("own-lock-folder", "cfp_lock.json is a folder", lock_check(lambda r: _mkdir(r / "cfp_lock.json").parent),
+             ("cfp_lock.json",), False),
+            ("own-lock-garbled", "cfp_lock.json holds binary garbage",
+             lock_check(lambda r: (_mkdir(r), (r / "cfp_lock.json").write_bytes(b"\x00\xff{"), r)[2]),
+             ("cfp_lock.json",), False),
+            ("own-lock-incomplete", "cfp_lock.json is JSON without the owner's pid",
+             lock_check(lambda r: (_mkdir(r), (r / "cfp_lock.json").write_text('{"job": "j", "host": "h"}'), r)[2]),
+             ("cfp_lock.json",), False),
+            ("own-partial-in-flight", "a save whose .partial folder another job is writing (no lock of its own)",
+             prepare_foreign_partial, ("iter_0000004.partial",), False),
+            ("own-publish-foreign", "a save publishing over a step folder another run wrote",
+             publish_over_foreign, ("iter_0000004",), False),
+            ("own-pointer-superscript", "latest_checkpointed_iteration.txt holding '²' (a digit to str.isdigit)",
+             check(lambda r: pointer_text(r, "²")), (LATEST,), False),
+            ("own-pointer-arabic", "latest_checkpointed_iteration.txt holding '٣' (Arabic-Indic three)",
+             check(lambda r: pointer_text(r, "٣")), (LATEST,), False),
+            ("own-pointer-negative", "latest_checkpointed_iteration.txt holding '-1'",
+             check(lambda r: pointer_text(r, "-1")), (LATEST,), False),
+            ("own-pointer-empty", "latest_checkpointed_iteration.txt empty",
+             check(lambda r: pointer_text(r, "")), (LATEST,), False),
+            ("own-pointer-binary", "latest_checkpointed_iteration.txt holding binary bytes",
+             check(lambda r: pointer_text(r, b"\x00\xff\x04")), (LATEST,), False),
+            ("own-ds-pointer-superscript", "DeepSpeed's latest holding 'global_step²'",
+             check(lambda r: pointer_text(r, "global_step²", ds=True), ds=True), ("latest",), False),
+            ("own-save-full-disk", "a save publishing on a full disk (64k tmpfs)", save_on_full_disk,
+             ("disk is full",), False)]:
+        found.append(Case(id=cid, command=C, what=what, names=names, run=run, report_ok=report))
+    found.append(Case(id="own-model-layers", command=C, names=("model.num_layers",),
+                      what="train.resume=true with model.num_layers=8 over a 4-layer checkpoint",
+                      run=lambda work: check(lambda r: (folder(r, 4, model=gpt_tiny()), r)[1],
+                                             model=model_of(["model.num_layers=8"]), steps=6)(work)))
+    for cid, what, overrides, names, report in [
+            ("own-model-llama", "launch/train.py model=llama_tiny train.resume=true over a gpt_tiny checkpoint",
+             ["model=llama_tiny", "train.steps=8"], ("model.normalization",), False),
+            ("own-nothing-left", "launch/train.py train.resume=true train.steps=4 at saved step 4",
+             ["train.steps=4"], ("train.steps=4",), True),
+            ("own-nothing-left-ds", "launch/train.py backend=deepspeed train.resume=true train.steps=2 at saved "
+             "step 4", ["backend=deepspeed", "train.steps=2"], ("train.steps=2",), True)]:
+        ds = "backend=deepspeed" in overrides
+        found.append(Case(id=cid, command="train", what=what, names=names, report_ok=report,
+                          run=train(overrides, lambda r, d=ds: (folder(r, 4, ds=d, model=gpt_tiny()), r)[1])))
+    if os.geteuid() == 0:
+        for cid, ds in [("own-train-full-disk", False), ("own-train-full-disk-ds", True)]:
+            found.append(Case(id=cid, command="train", mode="torchrun", names=("the disk is full",),
+                              what="torchrun --nproc_per_node=2 launch/train.py train.save_interval=1 "
+                                   f"{'backend=deepspeed ' if ds else ''}train.checkpoint_dir=<a 5 MB tmpfs>",
+                              run=lambda work, d=ds: torchrun_full_disk(work, d)))
+    return found
+
+
+class CaseSkipped(Exception):
+    """A case that cannot run on this machine (a tmpfs it cannot mount): counted as ``skipped``, never as ``clear``,
+    and not a failure of the catalogue (the totals say how many)."""
+
+
+MOUNT_SIZE = "64k"
+"""Size of the tmpfs of a disk case: a few pages."""
+
+
+@contextlib.contextmanager
+def _tmpfs(folder: Path, state: str) -> Iterator[Path]:
+    """A :data:`MOUNT_SIZE` tmpfs mounted at ``folder`` for one disk case, unmounted after: ``full`` (filled with
+    zeros), ``ro`` (read-only, holding ``kept.json``), ``small`` (empty, filled half-way by a large write) or
+    ``tiny`` (one 4 KiB page: the start's checks pass, the first real file fills it). Raises :class:`CaseSkipped`
+    where this machine cannot mount (not root, no CAP_SYS_ADMIN)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    size = "4k" if state == "tiny" else MOUNT_SIZE
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                                 capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise CaseSkipped(f"cannot mount a tmpfs here ({err}); needs root with CAP_SYS_ADMIN") from None
+    if mounted.returncode != 0:
+        raise CaseSkipped(f"cannot mount a tmpfs here ({mounted.stderr.strip() or mounted.returncode}); needs root "
+                          "with CAP_SYS_ADMIN")
+    try:
+        if state == "full":
+            with open(folder / "filler", "ab", buffering=0) as fh, contextlib.suppress(OSError):
+                while True:
+                    fh.write(b"\0" * 4096)
+        elif state == "ro":
+            (folder / "kept.json").write_text('{"kept": true}\n')
+            subprocess.run(["mount", "-o", "remount,ro", str(folder)], capture_output=True, timeout=30, check=True)
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True, timeout=30, check=False)
+
+
+def _disk_cases() -> list[Case]:
+    """Full and read-only disks for each command that writes (real tmpfs mounts; ``skipped`` where mounting is not
+    allowed), a lock path that is a folder, and a metrics file cfp-megatron did not create: each one message naming
+    the file and the setting or option that chose it, nothing left half-written."""
+    found: list[Case] = []
+
+    def on_disk(cid: str, command: str, what: str, names: Sequence[str], state: str,
+                run: Callable[[Path, Path], Result], *, mode: str = "in-process", report_ok: bool = False) -> None:
+        def case(work: Path) -> Result:
+            with _tmpfs(work / f"disk-{cid}", state) as disk:
+                return run(disk, work)
+        found.append(Case(id=cid, command=command, what=what, names=tuple(names), run=case, mode=mode,
+                          report_ok=report_ok))
+
+    def with_cache(cache: Path, fn: Callable[[], object], timeout_s: float = 120.0) -> Result:
+        kept = os.environ.get("CFP_CACHE_DIR")
+        os.environ["CFP_CACHE_DIR"] = str(cache)
+        try:
+            return in_process(fn, timeout_s=timeout_s)
+        finally:
+            if kept is None:
+                os.environ.pop("CFP_CACHE_DIR", None)
+            else:
+                os.environ["CFP_CACHE_DIR"] = kept
+
+    def analyze(args: Sequence[str], cache: Path) -> Result:
+        from cfp_megatron.analyze import main
+
+        return with_cache(cache, lambda: main(list(args)))
+
+    def preprocess(disk: Path, work: Path, prefix: str) -> Result:
+        from cfp_megatron.data.preprocess import main
+
+        corpus = work / "disk-corpus.jsonl"
+        corpus.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(2000)))
+        return in_process(lambda: main(["--input", str(corpus), "--output-prefix", str(disk / prefix)]))
+
+    def store() -> object:
+        from cfp_megatron.profile.db import ProfileDB, store_db
+
+        return store_db(ProfileDB.from_json(sample_db_json()))
+
+    def profile(args: Sequence[str]) -> int:
+        from cfp_megatron.profile.cli import main
+
+        return main(list(args))
+
+    def metrics_fill(disk: Path) -> int:
+        from cfp_megatron.engine.metrics import MetricsLog
+
+        log = MetricsLog(disk / "metrics.jsonl", enabled=True)
+        for step in range(200):  # a run logging steps while its disk fills: warned once, training goes on
+            log.event("step", step=step, padding="x" * 1500)
+        return 0
+
+    def train(overrides: Sequence[str], work: Path) -> Result:
+        def run() -> object:
+            from cfp_megatron.base.compose import compose_config
+            from cfp_megatron.planner.entry import train_from_config
+
+            with contextlib.chdir(_mkdir(work / "cwd")):
+                return train_from_config(compose_config(["train.steps=1", *overrides]))
+        return in_process(run, timeout_s=120)
+
+    def png(disk: Path) -> object:
+        from cfp_megatron.base.compose import compose_job
+        from cfp_megatron.sim.simulate import simulate
+        from cfp_megatron.sim.timeline import write_png
+
+        job = compose_job(["cluster=dgx_a100", "parallel.pp=2"])
+        return write_png(simulate(job, job.cluster, None, world_size=8, with_events=True), disk / "timeline.png")
+
+    def run_dir(disk: Path) -> object:
+        from cfp_megatron.planner.entry import check_run_dir_arg
+
+        return check_run_dir_arg([f"hydra.run.dir={disk / 'run'}", "model=gpt_tiny"])
+
+    on_disk("disk-plan-out-full", "plan", "plan --world 2 --out <full disk>", ("--out",), "full",
+            lambda disk, work: in_process(lambda: plan_main(["--world", "2", "--out", str(disk / "plans")], work)))
+    on_disk("disk-plan-out-ro", "plan", "plan --world 2 --out <read-only disk>", ("--out",), "ro",
+            lambda disk, work: in_process(lambda: plan_main(["--world", "2", "--out", str(disk)], work)))
+    on_disk("disk-plan-file-full", "plan", "plan --world 2 cfp.plan_file=<full disk>/p/plan.json",
+            ("cfp.plan_file",), "full",
+            lambda disk, work: in_process(lambda: plan_main(["--world", "2", f"cfp.plan_file={disk}/p/plan.json"],
+                                                            work)))
+    on_disk("disk-plan-subprocess", "plan", "python -m cfp_megatron.plan --world 2 --out <read-only disk>/plans",
+            ("--out",), "ro",
+            lambda disk, work: run_process([sys.executable, "-m", "cfp_megatron.plan", "--world", "2", "--out",
+                                            str(disk / "plans")], work, 120.0), mode="subprocess")
+    on_disk("disk-analyze-json-full", "analyze", "analyze --json <full disk>/analysis.json", ("--json",), "full",
+            lambda disk, work: analyze(["--json", str(disk / "analysis.json")], work / "cache"))
+    on_disk("disk-analyze-json-ro", "analyze", "analyze --json <read-only disk>/kept.json (an earlier result)",
+            ("--json",), "ro", lambda disk, work: analyze(["--json", str(disk / "kept.json")], work / "cache"))
+    on_disk("disk-analyze-cache-ro", "analyze", "CFP_CACHE_DIR=<read-only disk> analyze --no-cache",
+            ("CFP_CACHE_DIR",), "ro",
+            lambda disk, work: analyze(["--no-cache", "--json", str(work / "a.json")], disk / "cache"))
+    on_disk("disk-preprocess-fills", "data", "preprocess a 290 KB corpus onto a 64 KiB disk (fills mid-write)",
+            ("--output-prefix",), "small", lambda disk, work: preprocess(disk, work, "data/corpus"))
+    on_disk("disk-preprocess-ro", "data", "preprocess --output-prefix <read-only disk>/corpus",
+            ("--output-prefix",), "ro", lambda disk, work: preprocess(disk, work, "corpus"))
+    on_disk("disk-profile-export-full", "profile", "profile model=gpt_tiny --export <full disk>/db.json",
+            ("--export",), "full",
+            lambda disk, work: with_cache(work / "cache", lambda: profile(
+                ["model=gpt_tiny", "--export", str(disk / "db.json")])))
+    on_disk("disk-profiledb-full", "cache", "CFP_CACHE_DIR=<full disk>: the ProfileDB store", ("CFP_CACHE_DIR",),
+            "full", lambda disk, work: with_cache(disk / "cache", store))
+    on_disk("disk-profiledb-ro", "cache", "CFP_CACHE_DIR=<read-only disk>: the ProfileDB store", ("CFP_CACHE_DIR",),
+            "ro", lambda disk, work: with_cache(disk / "cache", store))
+    on_disk("disk-run-dir-full", "train", "launch/train.py hydra.run.dir=<full disk>/run (before Hydra starts)",
+            ("hydra.run.dir",), "full", lambda disk, work: in_process(lambda: run_dir(disk)))
+    on_disk("disk-train-run-dir-full", "train", "torchrun --nproc_per_node=1 launch/train.py, run folder and cache "
+            "on a full disk", ("hydra.run.dir",), "full",
+            lambda disk, work: torchrun(1, ["model=gpt_tiny"], disk, timeout_s=180.0), mode="torchrun")
+    on_disk("disk-profile-store-fills", "profile", "torchrun --nproc_per_node=2 -m cfp_megatron.profile with "
+            "CFP_CACHE_DIR on a 4 KiB disk (the ProfileDB store fills it)", ("CFP_CACHE_DIR",), "tiny",
+            lambda disk, work: run_process([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                                            f"--master_port={_free_port()}", "-m", "cfp_megatron.profile",
+                                            "model=gpt_tiny", "--budget", "20"], disk, 240.0), mode="torchrun")
+    on_disk("disk-metrics-ro", "train", "train.metrics_file=<read-only disk>/metrics.jsonl", ("train.metrics_file",),
+            "ro", lambda disk, work: train([f"train.metrics_file={disk / 'metrics.jsonl'}"], work))
+    on_disk("disk-metrics-fills", "train", "the metrics file's disk fills during training (rank 0's log)",
+            ("the metrics file stops here",), "small",
+            lambda disk, work: in_process(lambda: metrics_fill(disk)), report_ok=True)
+    on_disk("disk-timeline-full", "plan", "the plan's timeline PNG onto a full disk", ("timeline.png",), "full",
+            lambda disk, work: in_process(lambda: png(disk)))
+
+    def user_file(work: Path, name: str, text: str) -> Path:
+        path = work / "home" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return path
+
+    for cid, name, text in [("metrics-user-notes", "notes.txt", "my notes\n"),
+                            ("metrics-user-jsonl", "events.jsonl", '{"event": "step", "loss": 1.0}\n'),
+                            ("metrics-user-binary", "model.bin", "\x00\x01binary")]:
+        found.append(Case(id=cid, command="train", what=f"train.metrics_file=$HOME/{name} (a file of the user's)",
+                          names=("train.metrics_file",),
+                          run=lambda work, n=name, t=text: train(
+                              [f"train.metrics_file={user_file(work, n, t)}"], work)))
+
+    def fifo(work: Path) -> Path:
+        path = work / "home" / "metrics.fifo"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            os.mkfifo(path)
+        return path
+
+    found.append(Case(id="metrics-fifo", command="train", what="train.metrics_file=<a named pipe nobody reads>",
+                      names=("train.metrics_file",), run=lambda work: train([f"train.metrics_file={fifo(work)}"],
+                                                                            work)))
+
+    def lock_folder() -> object:
+        from cfp_megatron.profile.db import ProfileDB, db_path, lock_path, store_db
+
+        db = ProfileDB.from_json(sample_db_json())
+        lock_path(db_path(db.fingerprint)).mkdir(parents=True, exist_ok=True)  # a folder where the lock file goes
+        return store_db(db)
+
+    found.append(Case(id="lock-is-a-folder", command="cache", what="the ProfileDB's lock path is a folder",
+                      names=("lock file is a folder",),
+                      run=lambda work: with_cache(work / "cache-lock-folder", lock_folder)))
+    return found
+
+
+def _stall_cases() -> list[Case]:
+    """A stalled rank (``kill -STOP``), a launcher killed (``kill -9`` of torchrun) and Ctrl-C (SIGINT to one rank,
+    to torchrun, to the whole job) in the middle of real torchrun runs: the stall is named by the ranks that waited
+    for it (``train.collective_timeout_s`` shortened to 10 s), no rank outlives its launcher, and an interrupt is one
+    line naming the step and the last checkpoint (engine/rank_watch.py)."""
+    import threading
+
+    def rank_pids(parent: int) -> dict[int, int]:
+        """The workers torchrun ``parent`` started, by RANK (read from /proc)."""
+        found: dict[int, int] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != parent:
+                    continue
+                variables = (entry / "environ").read_bytes().split(b"\0")
+            except (OSError, ValueError, IndexError):
+                continue
+            for var in variables:
+                if var.startswith(b"RANK="):
+                    found[int(var[5:])] = int(entry.name)
+        return found
+
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+
+    def progress_of(port: int, prefix: str, rank: int) -> str:
+        """What ``rank`` recorded as its progress in torchrun's store on ``port`` (under the process group's
+        ``prefix``; engine/rank_watch.py), or ``""``."""
+        import datetime
+
+        import torch.distributed as dist
+
+        with contextlib.suppress(Exception):
+            store = dist.PrefixStore(prefix, dist.TCPStore("127.0.0.1", port, is_master=False,
+                                                           timeout=datetime.timedelta(seconds=2)))
+            key = f"cfp/watch/rank/{rank}"
+            if store.check([key]):
+                return json.loads(store.get(key))["where"]
+        return ""
+
+    def signalled(argv_tail: Callable[[Path], Sequence[str]], *, target: str, sig: signal.Signals,
+                  after: str | tuple[str, str], said: str | None = None,
+                  timeout_s: float = 150.0) -> Callable[[Path], Result]:
+        """Start ``torchrun --nproc_per_node=2 argv_tail(work)``; once a line starts with ``after`` (or, for
+        ``(prefix, text)``, rank 1's recorded progress holds ``text``), send ``sig`` to ``target`` (``rank0``,
+        ``rank1``, ``torchrun``, ``job``: torchrun's process group, as Ctrl-C in a terminal); for a stop, once
+        ``said`` is printed, continue the stopped rank (torchrun's SIGTERM then ends it at once, not after its 30 s
+        wait)."""
+        def run(work: Path) -> Result:
+            port = _free_port()
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+                    *argv_tail(work)]
+            start = time.perf_counter()
+            proc = subprocess.Popen(argv, cwd=ROOT, env=_env(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True)
+            lines: list[str] = []
+            reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
+            reader.start()
+
+            def wait_for(test: Callable[[], bool], seconds: float) -> bool:
+                deadline = time.perf_counter() + seconds
+                while time.perf_counter() < deadline:
+                    if test():
+                        return True
+                    time.sleep(0.1)
+                return False
+
+            ranks: dict[int, int] = {}
+            note = ""
+            try:
+                ready = (lambda: after[1] in progress_of(port, after[0], 1)) if isinstance(after, tuple) else \
+                    (lambda: any(line.startswith(after) for line in list(lines)))
+                if not wait_for(lambda: ready() or proc.poll() is not None, timeout_s) or proc.poll() is not None:
+                    proc.wait(timeout=5)
+                    return Result(exit_code=0, output="".join(lines) + f"\n(drill) the job ended before '{after}'",
+                                  seconds=time.perf_counter() - start)
+                ranks = rank_pids(proc.pid)
+                if target == "job":
+                    os.killpg(proc.pid, sig)
+                else:
+                    os.kill(proc.pid if target == "torchrun" else ranks[int(target[-1])], sig)
+                if sig == signal.SIGKILL:  # the launcher: do its ranks end with it?
+                    wait_for(lambda: not any(alive(p) for p in ranks.values()), 15.0)
+                    left = sorted(r for r, p in ranks.items() if alive(p))
+                    note = (f"(drill) ranks still running 15 s after torchrun was killed: {left}\n" if left else
+                            f"(drill) ranks {sorted(ranks)} ended with their launcher\n")
+                    proc.wait(timeout=5)
+                    return Result(exit_code=0 if left else 1, output=note + "".join(lines),
+                                  seconds=time.perf_counter() - start)
+                if said is not None and wait_for(lambda: any(said in line for line in list(lines)), timeout_s):
+                    os.kill(ranks[int(target[-1])], signal.SIGCONT)
+                proc.wait(timeout=timeout_s)
+                reader.join(5)
+                return Result(exit_code=proc.returncode, output="".join(lines),
+                              seconds=time.perf_counter() - start)
+            except subprocess.TimeoutExpired:
+                return Result(exit_code=None, output="".join(lines), seconds=time.perf_counter() - start)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                for pid in ranks.values():
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5)
+
+        return run
+
+    def train(name: str, *extra: str, checkpoints: bool = False) -> Callable[[Path], list[str]]:
+        """launch/train.py's arguments for a long run in ``work/name`` (saving every 2 steps with ``checkpoints``)."""
+        return lambda work: ["launch/train.py", "model=gpt_tiny", "train.steps=1000", "train.collective_timeout_s=10",
+                             f"hydra.run.dir={work / name / 'run'}", *extra,
+                             *(["train.save_interval=2", f"train.checkpoint_dir={work / name / 'ckpt'}"]
+                               if checkpoints else [])]
+
+    def profile(*extra: str) -> Callable[[Path], list[str]]:
+        return lambda work: ["-m", "cfp_megatron.profile", "model=gpt_tiny", *extra, "--budget", "120", "--force"]
+
+    def step(n: int) -> str:
+        return f"step {n:>5}/1000"
+
+    stalled = "cfp-megatron: RankStalledError"
+    rounds = ("/cfp-profile/attempt_0", "profiling round")  # rank 1 in a round: both joined the group
+    found: list[Case] = []
+    for cid, what, tail, target, after in [
+            ("stall-rank1-step", "kill -STOP rank 1 while training", train("r1"), "rank1", step(3)),
+            ("stall-rank0-step", "kill -STOP rank 0 (the logging rank) while training", train("r0"), "rank0",
+             step(3)),
+            ("stall-deepspeed", "kill -STOP rank 1 while training with DeepSpeed ZeRO-1",
+             train("ds", "backend=deepspeed", "backend.zero_stage=1"), "rank1", step(3)),
+            ("stall-profile", "kill -STOP rank 1 while profiling (torchrun -m cfp_megatron.profile)",
+             profile("train.collective_timeout_s=10"), "rank1", rounds)]:
+        once = stalled if target == "rank1" else f"{stalled} [rank 1]"  # said by a rank that waited
+        found.append(Case(id=cid, command="train" if "profile" not in cid else "profile", what=what,
+                          names=(f"rank {target[-1]} (",), mode="torchrun", once=once,
+                          run=signalled(tail, target=target, sig=signal.SIGSTOP, after=after, said=stalled)))
+    for cid, what, tail, after in [
+            ("orphan-train", "kill -9 of torchrun while training", train("orphan"), step(3)),
+            ("orphan-profile", "kill -9 of torchrun while profiling", profile(), rounds)]:
+        found.append(Case(id=cid, command="train" if "train" in cid else "profile", what=what,
+                          names=("ended with their launcher",), mode="torchrun",
+                          run=signalled(tail, target="torchrun", sig=signal.SIGKILL, after=after)))
+    for cid, what, target, name in [
+            ("sigint-rank1", "kill -INT rank 1 after two checkpoints", "rank1", "iter_0000004"),
+            ("sigint-torchrun", "kill -INT torchrun after two checkpoints", "torchrun", "iter_0000004"),
+            ("sigint-ctrl-c", "Ctrl-C (SIGINT to torchrun and both ranks) after two checkpoints", "job",
+             "iter_0000004")]:
+        found.append(Case(id=cid, command="train", what=what, names=(name,), mode="torchrun",
+                          run=signalled(train(cid, checkpoints=True), target=target, sig=signal.SIGINT,
+                                        after=step(5))))
+    return found
+
+
+def _hydra_cases() -> list[Case]:
+    """Hydra's own failures on ``launch/train.py``'s command line (and the CLIs'): each one error naming the key and
+    the fix, said once, exit status 2, before Hydra runs; a group removed or emptied and an empty run folder refused;
+    a key given twice said (the last wins, a wrapper may append one)."""
+    found: list[Case] = []
+
+    def command_line(argv: Sequence[str], work: Path) -> Result:
+        """``launch/train.py``'s check of its command line on one rank (then its run folder's), from ``work``."""
+        def run() -> object:
+            from cfp_megatron.planner.entry import check_run_dir_arg
+            from cfp_megatron.planner.hydra_args import check_command_line
+
+            with contextlib.chdir(_mkdir(work / "cwd")):
+                check_command_line(list(argv))
+                check_run_dir_arg(list(argv))
+            return 0
+        return in_process(run)
+
+    def sweep_on_ranks(argv: Sequence[str], world: int) -> Result:
+        from cfp_megatron.planner.hydra_args import check_hydra_args, read_hydra_args
+
+        return in_process(lambda: check_hydra_args(read_hydra_args(argv), world_size=world))
+
+    needs = "every job needs one"
+    for cid, argv, names in [
+            ("hydra-cfp-without-group", ["cfp.tp=2"], ("+cfp=auto cfp.tp=2",)),
+            ("hydra-cfp-constraint-without-group", ["cfp.constraints.tp=[2,4]"], ("+cfp=auto",)),
+            ("hydra-cfp-pin-typo", ["+cfp=auto", "cfp.tpp=2"], ("write cfp.tp=2",)),
+            ("hydra-key-typo", ["train.step=5"], ("write train.steps=5",)),
+            ("hydra-group-typo", ["trian.steps=5"], ("write train.steps=5",)),
+            ("hydra-key-without-group", ["hidden_size=64"], ("write model.hidden_size=64",)),
+            ("hydra-model-null", ["model=null"], (needs,)),
+            ("hydra-model-removed", ["~model"], (needs,)),
+            ("hydra-model-removed-by-name", ["~model=gpt_tiny"], (needs,)),
+            ("hydra-model-empty", ["model="], (needs,)),
+            ("hydra-cluster-removed", ["~cluster"], (needs,)),
+            ("hydra-parallel-null", ["parallel=null"], (needs,)),
+            ("hydra-train-removed", ["~train"], (needs,)),
+            ("hydra-data-blank", ["data=' '"], (needs,)),
+            ("hydra-backend-null", ["backend=null"], (needs,)),
+            ("hydra-option-path", ["model=../gpt_tiny"], ("is not an option of config group 'model'",)),
+            ("hydra-option-file-name", ["model=llama_tiny.yaml"], ("write model=llama_tiny",)),
+            ("hydra-option-list", ["model=[gpt_tiny,llama_tiny]"], ("not a list",)),
+            ("hydra-plus-on-group", ["+model=llama_tiny"], ("drop the +: model=llama_tiny",)),
+            ("hydra-plus-on-key", ["+train.steps=5"], ("drop the +: train.steps=5",)),
+            ("hydra-plus-unknown-key", ["+model.foo=1"], ("model.foo",)),
+            ("hydra-cfp-without-plus", ["cfp=auto"], ("write +cfp=auto",)),
+            ("hydra-cfp-added-twice", ["+cfp=auto", "+cfp=manual"], ("adds the cfp group a second time",)),
+            ("hydra-cfp-removed-unadded", ["~cfp"], ("drop ~cfp",)),
+            ("hydra-key-removed", ["~model.num_layers"], ("model.num_layers",)),
+            ("hydra-double-equals", ["model.num_layers==3"], ("write model.num_layers=3",)),
+            ("hydra-open-quote", ["model.num_layers='3"], ("opens a quote",)),
+            ("hydra-no-value", ["model.num_layers"], ("model.num_layers=<value>",)),
+            ("hydra-split-value", ["data.path=a", "b"], ("b='b'",)),
+            ("hydra-sweep-without-m", ["model=gpt_tiny,llama_tiny"], ("add -m",)),
+            ("hydra-sweep-bad-option", ["-m", "model=gpt_tiny,gpt_tini"], ("in the sweep's job model=gpt_tini",)),
+            ("hydra-unknown-flag", ["--fast", "train.steps=2"], ("--fast",)),
+            ("hydra-bad-cfg-choice", ["--cfg", "jobs"], ("'jobs'",)),
+            ("hydra-own-key-typo", ["hydra.run.dri=x"], ("write hydra.run.dir=x",)),
+            ("hydra-launcher-absent", ["hydra/launcher=joblib"], ("hydra/launcher='joblib'",)),
+            ("hydra-run-dir-empty", ["hydra.run.dir="], ("hydra.run.dir='': is empty",)),
+            ("hydra-run-dir-blank", ["hydra.run.dir='  '"], ("hydra.run.dir='  ': is empty",)),
+            ("hydra-sweep-dir-empty", ["-m", "hydra.sweep.dir="], ("hydra.sweep.dir='': is empty",))]:
+        found.append(Case(id=cid, command="train", what="launch/train.py " + " ".join(argv), names=names,
+                          run=lambda work, a=argv: command_line(a, work)))
+    found.append(Case(id="hydra-key-twice", command="train", what="launch/train.py train.steps=3 train.steps=4",
+                      names=("train.steps is given 2 times",), report_ok=True,
+                      run=lambda work: command_line(["train.steps=3", "train.steps=4"], work)))
+    found.append(Case(id="hydra-multirun-ranks", command="train", names=("one torchrun per job",),
+                      what="torchrun --nproc_per_node=2 launch/train.py -m train.steps=1,2 (checked on 2 ranks)",
+                      run=lambda work: sweep_on_ranks(["-m", "train.steps=1,2"], 2)))
+    py = sys.executable
+    for cid, argv, names in [
+            ("hydra-plan-typo", [py, "-m", "cfp_megatron.plan", "trian.steps=5"], ("train.steps",)),
+            ("hydra-analyze-model-removed", [py, "-m", "cfp_megatron.analyze", "~model"], (needs,))]:
+        found.append(Case(id=cid, command=argv[2].rpartition(".")[2], what=" ".join(["python", *argv[1:]]),
+                          names=names, mode="subprocess", run=lambda work, a=argv: run_process(a, work, 180)))
+    for cid, overrides, names in [("hydra-train-typo", ["train.step=5"], ("write train.steps=5",)),
+                                  ("hydra-train-cfp-without-group", ["cfp.tp=2"], ("+cfp=auto",))]:
+        found.append(Case(id=cid, command="train", what="torchrun --nproc_per_node=2 launch/train.py "
+                          + " ".join(overrides), names=names, mode="torchrun", once="cfp-megatron: ConfigError",
+                          run=lambda work, o=overrides: torchrun(2, o, work)))
+    return found
+
+
+def _input_cases() -> list[Case]:
+    """Issue R, inputs checked where they enter: token ids against the vocabulary and each ``.idx`` header field
+    named as itself (data); a plan applied only to the job it was made for, typed settings held or refused, never
+    dropped; plan.json's content hash required, duplicate keys and named pipes refused (planfile, train)."""
+    found: list[Case] = []
+
+    def header(offset: int, value: bytes) -> Callable[[Path, Path], None]:
+        def damage(bin_path: Path, idx_path: Path) -> None:
+            data = bytearray(idx_path.read_bytes())
+            data[offset:offset + len(value)] = value
+            idx_path.write_bytes(bytes(data))
+        return damage
+
+    def token(value: int, *, code: int | None = None) -> Callable[[Path, Path], None]:
+        def damage(bin_path: Path, idx_path: Path) -> None:
+            data = bytearray(bin_path.read_bytes())
+            data[100:102] = value.to_bytes(2, "little")
+            bin_path.write_bytes(bytes(data))
+            if code is not None:
+                header(17, bytes([code]))(bin_path, idx_path)
+        return damage
+
+    def fifo_bin(bin_path: Path, idx_path: Path) -> None:
+        bin_path.unlink()
+        os.mkfifo(bin_path)
+
+    for cid, what, names, damage in [
+            ("data-dtype-code", "an .idx whose dtype code was changed (uint16 -> int32)", ("dtype code",),
+             header(17, bytes([4]))),
+            ("data-dtype-code-narrow", "an .idx whose dtype code was changed (uint16 -> uint8)", ("dtype code",),
+             header(17, bytes([1]))),
+            ("data-dtype-unknown", "an .idx with dtype code 42, which Megatron does not know", ("dtype code",),
+             header(17, bytes([42]))),
+            ("data-dtype-float", "an .idx whose dtype code says float32", ("dtype code",), header(17, bytes([7]))),
+            ("data-idx-version", "an .idx whose version field says 3", ("version",),
+             header(9, (3).to_bytes(8, "little"))),
+            ("data-idx-count", "an .idx whose sequence count was changed", ("sequences",),
+             header(18, (7).to_bytes(8, "little"))),
+            ("data-bin-longer", "a .bin longer than its .idx indexes (another corpus' .idx)", (".bin", ".idx"),
+             lambda b, i: b.write_bytes(b.read_bytes() * 2)),
+            ("data-ids-over-vocab", "token id 60000 in the data, model.vocab_size=257", ("model.vocab_size",),
+             token(60000)),
+            ("data-ids-padding-rows", "token id 300 in the data (inside the padded embedding), vocab 257",
+             ("model.vocab_size",), token(300)),
+            ("data-ids-negative", "a signed dtype code reading ids as negative", ("negative",),
+             token(60000, code=3)),
+            ("data-bin-fifo", "a named pipe where the .bin belongs", ("named pipe",), fifo_bin)]:
+        found.append(data_case(cid, what, names, lambda work, c=cid, d=damage:
+                               [f"data.path=[{damaged_corpus(work, c, d)}]"]))
+    found.append(Case(id="train-data-ids-over-vocab", command="train", mode="torchrun", names=("model.vocab_size",),
+                      what="torchrun --nproc_per_node=1 launch/train.py data=indexed (ids up to 60000) "
+                           "model.vocab_size=257", once="cfp-megatron: ConfigError",
+                      run=lambda work: torchrun(1, ["data=indexed", "model.vocab_size=257", "train.seq_length=32",
+                                                    f"data.path=[{damaged_corpus(work, 'ids-run', token(60000))}]"],
+                                                work)))
+
+    # --- plan files and what a plan is applied to ---------------------------------------------------------------
+    def plan_for(work: Path, name: str, *overrides: str, world: int = 1) -> Path:
+        from cfp_megatron.base.compose import compose_config
+        from cfp_megatron.base.config import job_from_config
+        from cfp_megatron.plan.artifact import Plan, save_plan
+
+        path = work / "plans" / name / "plan.json"
+        if not path.exists():
+            job = job_from_config(compose_config(["model=gpt_tiny", *overrides]))
+            save_plan(Plan.from_job(job, world_size=world, prediction=None, inputs_fingerprint="bench"), path)
+        return path
+
+    def launch(overrides: Sequence[str], world: int = 1) -> object:
+        """``launch/train.py`` up to its plan, in-process, with ``overrides`` as the typed command line."""
+        import dataclasses
+
+        from hydra import compose, initialize_config_dir
+        from hydra.core.hydra_config import HydraConfig
+        from omegaconf import open_dict
+
+        from cfp_megatron.base.cfp_spec import cfp_from_config
+        from cfp_megatron.base.compose import CONF_DIR, compose_config, register_configs
+        from cfp_megatron.base.config import job_from_config
+        from cfp_megatron.base.launch_env import LaunchEnv
+        from cfp_megatron.planner.launch_plan import resolve_launch_plan
+
+        register_configs()
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            hydra_cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+        with open_dict(hydra_cfg):
+            hydra_cfg.hydra.runtime.output_dir = "/nonexistent-run-dir"
+        HydraConfig.instance().set_config(hydra_cfg)
+        try:
+            cfg = compose_config(list(overrides))
+            env = dataclasses.replace(LaunchEnv.read(), world_size=world, rank=0)
+            return resolve_launch_plan(job_from_config(cfg), cfp_from_config(cfg), env, None)
+        finally:
+            HydraConfig.instance().cfg = None
+
+    def launch_case(cid: str, what: str, names: Sequence[str], overrides: Callable[[Path], list[str]],
+                    world: int = 1) -> Case:
+        return Case(id=cid, command="planfile" if cid.startswith("plan") else "train", what=what, names=tuple(names),
+                    run=lambda work: in_process(lambda: launch(overrides(work), world)))
+
+    four = "train.global_batch_size=16"
+    for cid, what, names, extra in [
+            ("plan-other-layers", "a 4-layer plan.json applied with model.num_layers=8", ("model.num_layers",),
+             ["model.num_layers=8"]),
+            ("plan-other-model", "a gpt_tiny plan.json applied with model=llama_tiny", ("model",),
+             ["model=llama_tiny"]),
+            ("plan-other-optimizer", "a plan made for adam applied with train.optimizer=sgd", ("train.optimizer",),
+             ["train.optimizer=sgd"]),
+            ("plan-typed-batch", "train.global_batch_size=4 typed with a plan of 16", ("train.global_batch_size",),
+             ["train.global_batch_size=4"]),
+            ("plan-typed-seq", "train.seq_length=128 typed with a plan of 64", ("train.seq_length",),
+             ["train.seq_length=128"]),
+            ("plan-typed-precision", "train.precision=bf16 typed with an fp32 plan", ("train.precision",),
+             ["train.precision=bf16"]),
+            ("plan-typed-parallel", "parallel.recompute=full typed with a plan without recomputation",
+             ("parallel.recompute",), ["parallel.recompute=full"]),
+            ("plan-pin-differs", "cfp.tp=2 typed with a plan of tp=1", ("cfp.tp",), ["cfp.tp=2"])]:
+        found.append(launch_case(cid, what, names, lambda work, e=extra: [
+            "+cfp=manual", f"cfp.plan_file={plan_for(work, 'fp32-16', four, 'train.precision=fp32')}", *e]))
+    for cid, what, names, overrides in [
+            ("auto-parallel-and-pin", "+cfp=auto cfp.tp=1 parallel.tp=2", ("parallel.tp",),
+             ["+cfp=auto", "cfp.tp=1", "parallel.tp=2"]),
+            ("auto-parallel-typed", "+cfp=auto parallel.pp=2 (the search would replace it)", ("cfp.pp",),
+             ["+cfp=auto", "parallel.pp=2"]),
+            ("auto-micro-batch-typed", "+cfp=auto train.micro_batch_size=4", ("cfp.micro_batch",),
+             ["+cfp=auto", "train.micro_batch_size=4"]),
+            ("manual-pin-contradicts", "+cfp=manual cfp.pp=2 (parallel.pp=1 trains as given)", ("cfp.pp",),
+             ["+cfp=manual", "cfp.pp=2"])]:
+        found.append(launch_case(cid, what, names, lambda work, o=overrides: list(o), world=2))
+
+    def without_content_hash(data: dict) -> None:
+        del data["content_hash"]
+
+    def zero_plan_json(work: Path, **change: object) -> Path:
+        import hashlib
+
+        legacy = "gpt_tiny@localx1x4:zero=2,dp=4,mb=2,ga=1,gbs=8,seq=64,ckpt=1,oopt=1,oparam=0,bucket=1000,prec=fp32"
+        fields = {"model": "gpt_tiny", "cluster": "local", "nodes": 1, "gpus_per_node": 4, "zero_stage": 2,
+                  "micro_batch_size": 2, "global_batch_size": 8, "seq_length": 64, "activation_checkpointing": True,
+                  "offload_optimizer": True, "offload_param": False, "bucket_elements": 1000, "precision": "fp32"}
+        data = {"schema_version": 1, "canonical": legacy, "hash": hashlib.sha256(legacy.encode()).hexdigest()[:16],
+                "plan": fields, "predicted": None}
+        for key, value in change.items():
+            (fields if key in fields else data)[key] = value
+        path = work / "plans" / f"zero-{'-'.join(change)}" / "zero_plan.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2))
+        return path
+
+    def twice(work: Path) -> Path:
+        text = sample_plan_file(work).read_text()
+        path = _plan_variant(work, "twice", text=text.replace('"seq_length": ', '"seq_length": 4096,\n  "seq_length": ',
+                                                              1))
+        return path
+
+    def pipe(work: Path) -> Path:
+        path = work / "plans" / "fifo" / "plan.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            os.mkfifo(path)
+        return path
+
+    found += [
+        plan_file_case("planfile-no-content-hash", "a current plan.json with its content_hash deleted",
+                       lambda work: _plan_variant(work, "nohash", without_content_hash), ("content_hash",)),
+        plan_file_case("planfile-inputs-edited", "a plan.json whose recorded model.num_layers was edited",
+                       lambda work: _plan_variant(work, "inputs", lambda d: d["inputs"].__setitem__(
+                           "model.num_layers", 8)), ("content hash",)),
+        plan_file_case("planfile-duplicate-key", "a plan.json giving seq_length twice (4096, then its own)",
+                       twice, ("seq_length",)),
+        plan_file_case("planfile-fifo", "cfp.plan_file naming a named pipe (nothing writes to it)", pipe,
+                       ("named pipe",)),
+        plan_file_case("planfile-zero-edited", "an earlier zero_plan.json with its zero_stage edited to 3",
+                       lambda work: zero_plan_json(work, zero_stage=3), ("zero_stage",)),
+        plan_file_case("planfile-zero-hash", "an earlier zero_plan.json with another hash",
+                       lambda work: zero_plan_json(work, hash="0123456789abcdef"), ("hash mismatch",)),
+    ]
+    found.append(Case(id="train-plan-other-layers", command="train", mode="torchrun", names=("model.num_layers",),
+                      what="torchrun --nproc_per_node=1 launch/train.py +cfp=manual cfp.plan_file=<4-layer plan> "
+                           "model.num_layers=8", once="cfp-megatron: ConfigError",
+                      run=lambda work: torchrun(1, ["+cfp=manual", f"cfp.plan_file={plan_for(work, 'run-4')}",
+                                                    "model.num_layers=8"], work)))
     return found
 
 
@@ -880,11 +1901,14 @@ def run_cases(selected: Sequence[Case], work: Path, *, echo: bool = True) -> lis
     """Run ``selected`` in ``work`` and classify each."""
     verdicts = []
     for case in selected:
+        outcome = None
         try:
             result = case.run(work)
+        except CaseSkipped as why:  # cannot run on this machine: said as such, neither clear nor a failure
+            result, outcome = Result(exit_code=None, output=f"skipped: {why}"), SKIPPED
         except Exception:  # noqa: BLE001 - a fixture failed: report it as the case's traceback
             result = Result(exit_code=1, output="bench fixture failed:\n" + traceback.format_exc())
-        verdict = Verdict(case=case, result=result, outcome=classify(case, result))
+        verdict = Verdict(case=case, result=result, outcome=outcome or classify(case, result))
         verdicts.append(verdict)
         if echo:
             print(f"{verdict.outcome:9s} {result.seconds:6.1f}s {case.command:10s} {case.id}", file=sys.stderr)
@@ -901,7 +1925,8 @@ def render(verdicts: Sequence[Verdict]) -> None:
     table = Table(title=f"Bad inputs and faults ({len(verdicts)} cases)")
     for col in ("#", "command", "case", "outcome", "what the user gets"):
         table.add_column(col, overflow="fold")
-    style = {"clear": "green", "vague": "yellow", "traceback": "red", "hang": "red", "silent": "red"}
+    style = {"clear": "green", "vague": "yellow", "traceback": "red", "hang": "red", "silent": "red",
+             SKIPPED: "yellow"}
     for i, v in enumerate(verdicts, 1):
         table.add_row(str(i), v.case.command, escape(v.case.what),
                       f"[{style[v.outcome]}]{v.outcome}[/]", escape(v.message[:160]))
@@ -916,7 +1941,8 @@ def render(verdicts: Sequence[Verdict]) -> None:
 def totals_line(verdicts: Sequence[Verdict]) -> str:
     """``N cases: a clear, b vague, ...``."""
     counts = Counter(v.outcome for v in verdicts)
-    return f"{len(verdicts)} cases: " + ", ".join(f"{counts.get(o, 0)} {o}" for o in OUTCOMES)
+    skipped = f", {counts[SKIPPED]} {SKIPPED} (cannot run on this machine)" if counts.get(SKIPPED) else ""
+    return f"{len(verdicts)} cases: " + ", ".join(f"{counts.get(o, 0)} {o}" for o in OUTCOMES) + skipped
 
 
 def markdown(verdicts: Sequence[Verdict]) -> str:
@@ -972,7 +1998,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.markdown:
         write_markdown(Path(args.markdown), verdicts)
         print(f"catalogue written to {args.markdown}")
-    return 0 if all(v.outcome == "clear" for v in verdicts) else 1
+    return 0 if all(v.outcome in ("clear", SKIPPED) for v in verdicts) else 1
 
 
 if __name__ == "__main__":

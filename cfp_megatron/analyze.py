@@ -23,6 +23,7 @@ from cfp_megatron.base.compose import compose_job
 from cfp_megatron.base.config import MAX_GLOBAL_BATCH
 from cfp_megatron.base.config_help import config_help
 from cfp_megatron.base.errors import CfpError
+from cfp_megatron.base.files import WriteLocation, check_write_locations, write_atomic
 from cfp_megatron.compat.quiet import quiet_expected_warnings, say_once
 
 
@@ -100,19 +101,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     from cfp_megatron.model.analysis import analyze
 
     try:
-        job = compose_job(args.overrides)
+        job = compose_job(args.overrides, typed=True)
+        # a --json that cannot be written is said before the analysis, not after
+        check_write_locations([WriteLocation(key="--json", path=Path(args.json_path), folder=False)
+                               if args.json_path else
+                               WriteLocation(key="--json", path=Path("outputs/analyze"), folder=True)])
         result = analyze(job, micro_batch_size=args.micro_batch_size, use_cache=not args.no_cache)
     except CfpError as err:
         print(f"cfp-megatron: {type(err).__name__}\n{err}", file=sys.stderr)
         return 2
     render(result)
     out = Path(args.json_path or f"outputs/analyze/{job.model.name}-{'x'.join(map(str, result['mesh']['shape']))}.json")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))
-    except OSError as err:
-        print(f"cfp-megatron: cannot write the JSON result to {out} ({err.strerror or err}). Fix: pass --json "
-              "with a path in a writable folder.", file=sys.stderr)
+    try:  # atomically: a refused write leaves no truncated file, and an earlier result as it was
+        write_atomic(out, json.dumps(result, indent=1), key="--json")
+    except CfpError as err:
+        print(f"cfp-megatron: {type(err).__name__}\n{err}", file=sys.stderr)
         return 2
     print(f"JSON: {out}")
     return 0

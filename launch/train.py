@@ -24,7 +24,9 @@ from cfp_megatron.compat.quiet import quiet_expected_warnings, say_once  # noqa:
 _EXPECTED_NOTE = quiet_expected_warnings()
 
 from cfp_megatron.base.compose import register_configs  # noqa: E402
+from cfp_megatron.engine.rank_watch import tie_to_launcher  # noqa: E402
 from cfp_megatron.planner.entry import check_run_dir_arg, main_with_errors  # noqa: E402
+from cfp_megatron.planner.hydra_args import check_command_line  # noqa: E402
 
 register_configs()
 
@@ -36,9 +38,12 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    tie_to_launcher()  # under torchrun: end with it (kill -9 leaves no orphan); Ctrl-C said in one line
     # Megatron's TP/SP overlap relies on one CUDA work queue (as its own launch scripts set); harmless on CPU.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     say_once(_EXPECTED_NOTE)
+    # Hydra's composition errors (a typo, ~model, cfp.tp without +cfp=...) once per node, exit 2, before Hydra runs
+    check_command_line(sys.argv[1:])
     # Every rank composes the same config; only rank 0 writes Hydra's files into the shared run directory.
     if os.environ.get("RANK", "0") != "0":
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]

@@ -46,9 +46,9 @@ def _slow_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Widen the window between a writer's read and its rename, so unlocked writers would overlap."""
     real = dbmod.write_atomic
 
-    def slow(path, text):  # noqa: ANN001, ANN202 - the same signature as write_atomic
+    def slow(path, text, **options):  # noqa: ANN001, ANN003, ANN202 - the same signature as write_atomic
         time.sleep(0.3)
-        return real(path, text)
+        return real(path, text, **options)
 
     monkeypatch.setattr(dbmod, "write_atomic", slow)
 

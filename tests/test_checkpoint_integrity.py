@@ -100,7 +100,6 @@ def test_checkpoint_without_manifest_needs_the_override(tmp_path: Path) -> None:
 
 def test_deepspeed_resume_rules_match_megatrons(tmp_path: Path) -> None:
     from cfp_megatron.backends.deepspeed import checkpoint as ds
-    from cfp_megatron.base.errors import ConfigError
 
     with pytest.raises(CheckpointError, match="train.resume=true but train.checkpoint_dir=.*holds no complete"):
         ds.check_before_start(str(tmp_path / "empty"), resume=True, restarted=False, trust_unverified=False)
@@ -111,11 +110,11 @@ def test_deepspeed_resume_rules_match_megatrons(tmp_path: Path) -> None:
     (tmp_path / "ckpt" / "global_step6.partial").mkdir()  # a save killed before its rename
     (tmp_path / "ckpt" / ds.LATEST).write_text("global_step4")
     root = str(tmp_path / "ckpt")
-    with pytest.raises(ConfigError, match="holds a DeepSpeed checkpoint"):
+    with pytest.raises(CheckpointError, match=r"already holds checkpoints \(DeepSpeed: global_step4"):
         ds.check_before_start(root, resume=False, restarted=False, trust_unverified=False)
     # torchrun's restarted workers recognise their own run's folder
-    assert ds.check_before_start(root, resume=False, restarted=True, trust_unverified=False)
-    assert ds.check_before_start(root, resume=True, restarted=False, trust_unverified=False)
+    assert ds.check_before_start(root, resume=False, restarted=True, trust_unverified=False) == 4
+    assert ds.check_before_start(root, resume=True, restarted=False, trust_unverified=False) == 4
     (folder / "mp_rank_00_model_states.pt").write_bytes(os.urandom(256))
     with pytest.raises(CheckpointError, match="mp_rank_00_model_states.pt differs"):
         ds.check_before_start(root, resume=True, restarted=False, trust_unverified=False)

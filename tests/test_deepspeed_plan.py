@@ -4,6 +4,7 @@ string and file, ds_config.json, the ZeRO simulator and the search."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
@@ -112,7 +113,11 @@ def test_deepspeed_plans_written_before_they_were_plans_still_load() -> None:
     assert (plan.zero_stage, plan.micro_batch_size, plan.activation_checkpointing, plan.offload_optimizer,
             plan.bucket_elements, plan.precision) == (2, 2, True, True, 1000, "fp32")
     assert plan.parallel.distributed_optimizer and plan.dp == 4 and plan.num_microbatches == 1
-    old_json = {"schema_version": 1, "canonical": legacy, "hash": "-", "plan": {"zero_stage": 2},
+    fields = {"model": "gpt_tiny", "cluster": "local", "nodes": 1, "gpus_per_node": 4, "zero_stage": 2,
+              "micro_batch_size": 2, "global_batch_size": 8, "seq_length": 64, "activation_checkpointing": True,
+              "offload_optimizer": True, "offload_param": False, "bucket_elements": 1000, "precision": "fp32"}
+    old_json = {"schema_version": 1, "canonical": legacy, "hash": hashlib.sha256(legacy.encode()).hexdigest()[:16],
+                "plan": fields,
                 "predicted": {"step_time_s": 0.5, "peak_memory_gib": 1.0, "tokens_per_s_per_gpu": 10.0, "mfu": None,
                               "exposed_comm_s": 0.1}}
     loaded = Plan.from_json(old_json)

@@ -79,7 +79,7 @@ def test_checkpoint_folder_is_not_written_over(tmp_path: Path) -> None:
     _losses(first)
     assert (folder / "latest").read_text().strip() == "global_step4"
     again = run_train(2, [*COMMON, "backend.zero_stage=1", f"train.checkpoint_dir={folder}"], tmp_path / "b")
-    assert again.returncode != 0 and "holds a DeepSpeed checkpoint" in again.output
+    assert again.returncode != 0 and "already holds checkpoints (DeepSpeed: global_step4" in again.output
     resumed = run_train(2, [*COMMON, "backend.zero_stage=1", f"train.checkpoint_dir={folder}", "train.resume=true",
                             "train.steps=6"], tmp_path / "c")
     assert sorted(_losses_by_step(resumed)) == [5, 6]

@@ -31,11 +31,12 @@ def test_contradictory_pins_are_refused_before_any_group() -> None:
     job, cfp = _compose("model=gpt_tiny", "cfp.tp=3")
     with pytest.raises(ConfigError, match="no layout of gpt_tiny on 4 ranks") as info:
         check_constraints(job, 4, cfp)
-    assert "cfp='tp=3': does not divide the world size 4" in str(info.value)
+    assert "cfp.tp=3: no layout of gpt_tiny on 4 ranks takes it: tp=3: does not divide the world size 4" in str(
+        info.value)
     job, cfp = _compose("model=gpt_tiny", "cfp.tp=8")
     with pytest.raises(ConfigError, match="no layout of gpt_tiny on 8 ranks") as info:
         check_constraints(job, 8, cfp)
-    assert "cfp='tp=8': 4 attention heads are not divisible by it" in str(info.value)
+    assert "tp=8: 4 attention heads are not divisible by it" in str(info.value) and info.value.keys == ["cfp.tp"]
     job, cfp = _compose("model=gpt_tiny", "cfp.pp=8")
     with pytest.raises(ConfigError, match="4 layers do not fill 8 stages"):
         check_constraints(job, 8, cfp)

@@ -399,7 +399,8 @@ def test_apply_sets_layout_and_batch(plans: dict[str, Plan]) -> None:
     assert applied.parallel == plan.parallel
     assert (applied.train.micro_batch_size, applied.train.global_batch_size, applied.train.seq_length) == (1, 1536,
                                                                                                           2048)
-    assert applied.train.precision.value == "fp16" and applied.model == job.model and applied.cluster == job.cluster
+    # the plan's precision is applied (a typed train.precision that differs is refused at launch: launch_plan)
+    assert applied.train.precision.value == "bf16" and applied.model == job.model and applied.cluster == job.cluster
     with pytest.raises(PlanError, match="the plan is for model 'gpt3_175b' but the job's model is 'gpt_tiny'"):
         plan.apply(make_job("model=gpt_tiny"))
 

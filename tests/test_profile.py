@@ -156,7 +156,8 @@ def test_local_measurements_fill_the_job_cluster_from_this_machines_db(tmp_path,
     monkeypatch.setenv("CFP_CACHE_DIR", str(tmp_path))
     job = job_from_config({"model": {"name": "gpt_tiny"}})
     cluster, db = local_measurements(job, world_size=4, backend="gloo")
-    assert db is None and cluster == job.cluster  # not profiled: the preset as it is
+    # not profiled: the preset as it is, with this host's memory shared by the 4 ranks (on CPU)
+    assert db is None and dataclasses.replace(cluster, hbm_gib=None) == job.cluster and cluster.hbm_gib > 0
     here = current_fingerprint(world_size=4, nodes=1, backend="gloo")
     store_db(dataclasses.replace(_db(), fingerprint=here))
     cluster, db = local_measurements(job, world_size=4, backend="gloo")
@@ -184,10 +185,10 @@ def test_the_local_cluster_on_a_gpu_takes_its_memory_and_bandwidth(monkeypatch) 
     import torch
 
     from cfp_megatron.profile import cluster as cluster_module
-    from cfp_megatron.profile.cluster import this_device
+    from cfp_megatron.profile.cluster import host_share_gib, this_device
 
     spec = ClusterSpec(name="local")
-    assert this_device(spec) == spec  # CPU: unchanged
+    assert this_device(spec) == dataclasses.replace(spec, hbm_gib=host_share_gib(spec, 1))  # CPU: the host's
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties",

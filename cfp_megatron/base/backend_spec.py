@@ -8,13 +8,13 @@ import base64
 import copy
 import dataclasses
 import enum
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from cfp_megatron.base.config import LayoutKey, build_spec, layout_field, plain_config
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.files import json_loads_unique, read_user_file
 
 
 class BackendKind(enum.Enum):
@@ -155,8 +155,8 @@ def load_config(config: dict[str, Any] | str | Path, *, key: str = "config") -> 
         return copy.deepcopy(config)
     encoded = isinstance(config, str) and not Path(config).exists()
     try:
-        text = base64.urlsafe_b64decode(config).decode("utf-8") if encoded else Path(config).read_text()
-        data = json.loads(text)
+        text = base64.urlsafe_b64decode(config).decode("utf-8") if encoded else read_user_file(config, key)
+        data = json_loads_unique(text)  # a key given twice is refused, not read one way
     except (OSError, ValueError) as err:  # JSONDecodeError, binascii.Error and UnicodeDecodeError are ValueErrors
         problem = ("is not a file, nor a base64-encoded JSON config." if encoded
                    else f"cannot be read as JSON ({err}).")

@@ -8,6 +8,7 @@ planner's ``cfp`` group (:mod:`cfp_megatron.base.cfp_spec`) and the ``backend`` 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import re
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import run_id
 
 
+@functools.cache
 def _root_schema() -> type:
     """The schema of the whole composed config: :data:`JobSchema`'s groups plus the planner's optional ``cfp`` group
     (``None`` unless a ``cfp`` option such as ``+cfp=auto`` is chosen)."""
@@ -48,21 +50,316 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 """The project's Hydra config folder."""
 
 
-def compose_config(overrides: Sequence[str]) -> Any:
+def compose_config(overrides: Sequence[str], *, typed: bool = False) -> Any:
     """The project's Hydra config composed with ``overrides`` (an OmegaConf ``DictConfig``), as the command-line
-    tools (``analyze``, ``profile``, ``plan``) and the tests compose it. Hydra's errors (an unknown group option or
-    key, a value of the wrong type, an override it cannot parse) come back as one :class:`ConfigError` naming the
-    key, the value and the choices (:func:`hydra_config_error`)."""
+    tools (``analyze``, ``profile``, ``plan``), ``launch/train.py`` (before Hydra runs) and the tests compose it.
+
+    The overrides are checked first (:func:`override_issues`; ``typed``: a person's command line, where a key given
+    twice with two values is said on stderr by rank 0, :func:`repeated_overrides`), then every group
+    ``conf/config.yaml`` composes must have an option chosen.
+    Whatever Hydra or OmegaConf still refuses (a value of the wrong type...) comes back as one :class:`ConfigError`
+    naming the key, the value and the choices (:func:`hydra_config_error`); never Hydra's traceback."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
+    from omegaconf import open_dict, read_write
     from omegaconf.errors import OmegaConfBaseException
 
+    issues = override_issues(overrides)
+    if issues:
+        raise ConfigError(issues)
+    if typed:
+        say_repeats(overrides)
     register_configs()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            return compose("config", overrides=list(overrides))
+            cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    except ConfigError:
+        raise
     except (HydraException, OmegaConfBaseException) as err:
         raise hydra_config_error(err, overrides) from None
+    except (AssertionError, ValueError, TypeError, KeyError) as err:  # Hydra's internal checks on odd input
+        raise ConfigError(ConfigIssue(key="<override>", value=" ".join(overrides), problem="Hydra refused it: "
+                                      f"{type(err).__name__}: {_first_line(err)}.", fix=_OVERRIDE_FIX)) from None
+    choices = cfg.hydra.runtime.choices
+    missing = [g for g in default_groups() if choices.get(g) is None]
+    if missing:  # whatever removed it (another defaults list...): a job of the schema's built-in values, refused
+        raise ConfigError([_group_needed(g, None, "has no option chosen") for g in missing])
+    with read_write(cfg), open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+_OVERRIDE_FIX = "write each override as key=value, e.g. train.steps=5 (see docs/configuration.md)."
+"""The fix of an override Hydra cannot use, where nothing more precise is known."""
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0].rstrip(".") if text else type(err).__name__
+
+
+@functools.cache
+def default_groups(conf_dir: Path = CONF_DIR) -> dict[str, str]:
+    """The config groups ``conf/config.yaml`` composes, each with its default option: every job has one option of
+    each (the other folders of ``conf/``, such as ``cfp``, are added with ``+group=option``)."""
+    from omegaconf import OmegaConf
+
+    config = conf_dir / "config.yaml"
+    defaults = OmegaConf.to_container(OmegaConf.load(config)).get("defaults", []) if config.exists() else []
+    return {k: v for entry in defaults if isinstance(entry, dict) for k, v in entry.items()
+            if isinstance(v, str) and (conf_dir / k).is_dir()}
+
+
+def _groups() -> set[str]:
+    """The config groups: the folders of ``conf/`` that hold options."""
+    return {p.name for p in CONF_DIR.iterdir() if p.is_dir() and any(p.glob("*.yaml"))}
+
+
+def _group_needed(group: str, value: object, problem: str) -> ConfigIssue:
+    """The issue of a group every job needs (``model``...) left without an option."""
+    options = group_options(group)
+    default = default_groups().get(group, options[0] if options else "<option>")
+    return ConfigIssue(key=group, value=value, problem=f"{problem}: every job needs one {group} option (without it "
+                       f"the job would silently run the schema's built-in {group} values, not a preset).",
+                       fix=f"choose one of {options}, e.g. {group}={default}, or leave {group} out for the default.")
+
+
+def nearest(word: str, choices: Sequence[str]) -> str | None:
+    """The choice closest to ``word`` in spelling (difflib), ``None`` when none is close."""
+    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
+    return found[0] if found else None
+
+
+@functools.cache
+def schema_keys(hydra: bool = False) -> tuple[str, ...]:
+    """Every settable key of the schema (``train.steps``, ``cfp.constraints.tp``...), sorted; with ``hydra``, those
+    of Hydra's own config (``hydra.run.dir``...) instead."""
+    import typing
+
+    found: list[str] = []
+
+    def walk(node: type, prefix: str) -> None:
+        hints = typing.get_type_hints(node)
+        for f in dataclasses.fields(node):
+            inner = _dataclass_of(hints.get(f.name, f.type))
+            if inner is None:
+                found.append(f"{prefix}{f.name}")
+            else:
+                walk(inner, f"{prefix}{f.name}.")
+
+    if hydra:
+        from hydra.conf import HydraConf
+
+        walk(HydraConf, "hydra.")
+    else:
+        walk(_root_schema(), "")
+    return tuple(sorted(found))
+
+
+def _dataclass_of(hint: object) -> type | None:
+    """The dataclass a schema field holds (its ``X | None`` included), else ``None``."""
+    args = [a for a in getattr(hint, "__args__", ()) if a is not type(None)]
+    node = args[0] if len(args) == 1 else hint
+    return node if isinstance(node, type) and dataclasses.is_dataclass(node) else None
+
+
+def _key_status(key: str) -> str:
+    """``known`` (a setting of the schema), ``group`` (a section of it, such as ``model``), ``unknown``, or ``free``
+    (below a field that is not a dataclass, such as a mapping: Hydra decides)."""
+    node: Any = _root_schema()
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        hints = {f.name: f.type for f in dataclasses.fields(node)}
+        if part not in hints:
+            return "unknown"
+        inner = _dataclass_of(hints[part])
+        if inner is None:
+            return "known" if i == len(parts) - 1 else "free"
+        node = inner
+    return "group"
+
+
+def override_issues(overrides: Sequence[str], *, sweeps: bool = False) -> list[ConfigIssue]:
+    """What is wrong with ``overrides`` before Hydra composes them, one issue per override: one Hydra cannot parse
+    (the key named, ``==`` and unclosed quotes said as such), a group left without an option (``~model``,
+    ``model=null``, ``model=``), an option that is not one (the nearest named), ``+`` on a group or key that is
+    already there or its absence on one that is not (``cfp=auto``, ``cfp.tp=2`` without ``+cfp=...``), an unknown
+    key (the nearest schema key named: ``train.steps`` for ``train.step``), a schema key removed with ``~``, a sweep
+    outside ``-m`` (``sweeps``: allowed, each job is composed on its own), a group added twice. ``hydra.*``
+    overrides are Hydra's own and left to it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    issues: list[ConfigIssue] = []
+    parsed = []
+    for text in overrides:
+        try:
+            parsed.append(parser.parse_override(text))
+        except HydraException as err:  # OverrideParseException and the grammar's own
+            issues.append(_parse_issue(text, err))
+    groups, required = _groups(), default_groups()
+    added = {o.key_or_group for o in parsed if o.key_or_group in groups and not o.is_delete()}
+    seen: set[tuple[str, str | None]] = set()
+    searched = any(o.key_or_group == "hydra.searchpath" for o in parsed)  # more options: Hydra checks them
+    for o in parsed:
+        key, text = o.key_or_group, o.input_line or ""
+        given = _given(text)
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")):
+            continue
+        if key in groups and o.is_add() and (key, o.package) in seen:
+            issues.append(ConfigIssue(key=key, value=given, problem=f"adds the {key} group a second time ({text}).",
+                                      fix=f"add it once: +{key}=<one of {group_options(key)}>."))
+        if o.is_add():
+            seen.add((key, o.package))
+        if o.is_sweep_override() and not sweeps:
+            issues.append(ConfigIssue(key=key, value=given, problem="is a sweep (several values), "
+                                      "and one job takes one value.", fix="choose one value, add -m (multirun) to run "
+                                      f"one job per value, or quote a comma that is part of the value: "
+                                      f"\"{key}='{given}'\"."))
+        elif key in groups:
+            issues += _group_issues(o, key, key in required, searched=searched)
+        else:
+            issues += _key_issues(o, key, added, groups)
+    issues += [ConfigIssue(key=o.key_or_group, value=None, problem=f"{o.input_line} removes the {o.key_or_group} "
+                           "group, which the command did not add.", fix=f"drop {o.input_line}.")
+               for o in parsed if o.is_delete() and o.key_or_group in groups - set(required) - added]
+    return issues
+
+
+def repeated_overrides(overrides: Sequence[str]) -> list[str]:
+    """One line for each key (or group) ``overrides`` give twice with two values, naming the one Hydra uses (the
+    last): a wrapper script may append an override to change one, so it is said, not refused."""
+    last: dict[str, list[str]] = {}
+    for text in overrides:
+        name, sep, _ = text.partition("=")
+        key = name.lstrip("+~").strip()
+        if key and not key.startswith(("hydra.", "hydra/")) and (sep or text.startswith("~")):
+            last.setdefault(key, [])
+            if text not in last[key]:
+                last[key].append(text)
+    return [f"{key} is given {len(texts)} times ({', '.join(texts)}): Hydra uses the last, {texts[-1]}"
+            for key, texts in last.items() if len(texts) > 1]
+
+
+def say_repeats(overrides: Sequence[str]) -> None:
+    """Say :func:`repeated_overrides` on stderr, on rank 0 only (every rank composes the same overrides)."""
+    import os
+    import sys
+
+    if os.environ.get("RANK", "0") == "0":
+        for line in repeated_overrides(overrides):
+            print(f"cfp: {line}", file=sys.stderr, flush=True)
+
+
+def _given(text: str) -> str | None:
+    """The value an override's text gives (``None`` for ``~key`` without one)."""
+    name, sep, value = text.partition("=")
+    return value if sep else None
+
+
+QUOTES = "'\""
+"""The quotes Hydra's grammar reads."""
+
+
+def _parse_issue(text: str, err: Exception) -> ConfigIssue:
+    """The issue of an override Hydra's grammar refuses, naming its key and the likely slip."""
+    name, sep, value = text.partition("=")
+    key = name.lstrip("+~").strip() or "<override>"
+    if text != text.strip() and text.strip():
+        return ConfigIssue(key=key, value=value, problem=f"'{text}' has spaces around it, which Hydra cannot parse.",
+                           fix=f"write {text.strip()}.")
+    if not sep:
+        known = key in _groups() or _key_status(key) != "unknown"
+        fix = (f"give it a value: {key}=<value>." if known else
+               "write it as key=value; quote a value with spaces for Hydra and the shell, e.g. \"data.path='a b'\".")
+        return ConfigIssue(key=key, value=text, problem="is not an override (no '=').", fix=fix)
+    if value.startswith("="):
+        return ConfigIssue(key=key, value=value, problem=f"{text} has '==' where one '=' is meant.",
+                           fix=f"write {name}={value.lstrip('=')}.")
+    if value.count("'") % 2 or value.count('"') % 2:
+        return ConfigIssue(key=key, value=value, problem=f"{text} opens a quote it does not close.",
+                           fix=f"close it, or quote the override for the shell: \"{name}='{value.strip(QUOTES)}'\".")
+    if value.count("[") != value.count("]") or value.count("{") != value.count("}") or value.count("(") != \
+            value.count(")"):
+        return ConfigIssue(key=key, value=value, problem=f"{text} has brackets that do not pair up.",
+                           fix=f"close them, e.g. {name}=[a,b]; quote it for the shell.")
+    return ConfigIssue(key=key, value=value, problem=f"Hydra cannot parse {text} ({_first_line(err)}).",
+                       fix="quote a value with spaces, commas, brackets or '=' for Hydra and the shell, "
+                           "e.g. \"data.path='a,b'\".")
+
+
+def _group_issues(o: Any, group: str, required: bool, *, searched: bool = False) -> list[ConfigIssue]:
+    """The issues of an override of config group ``group`` (``model=...``, ``+cfp=...``, ``~model``); ``searched``:
+    ``hydra.searchpath`` adds folders of options, which Hydra checks."""
+    text, value = o.input_line or "", None if o.is_delete() or o.is_sweep_override() else o.value()
+    given = _given(text)
+    options = group_options(group)
+    if o.is_delete():
+        return [_group_needed(group, given, f"{text} removes the {group} group")] if required else []
+    if o.is_sweep_override():
+        return []  # multirun: each job's option is checked as that job is composed
+    if value is None or (isinstance(value, str) and not value.strip()):
+        if required:
+            return [_group_needed(group, value, "is empty" if value is not None else "is null")]
+        return [ConfigIssue(key=group, value=value, problem="is not an option.",
+                            fix=f"use one of {options} (+{group}=<option>), or leave it out.")]
+    if not isinstance(value, str):
+        return [ConfigIssue(key=group, value=value, problem="a job takes one option of the group, not a list.",
+                            fix=f"choose one of {options}, e.g. {group}={options[0]}.")]
+    plus, default = ("", default_groups()[group]) if required else ("+", options[0])
+    nested = (".." not in Path(value).parts and not Path(value).is_absolute()
+              and (CONF_DIR / group / f"{value}.yaml").is_file())  # an option in a subfolder: group=sub/option
+    if value not in options and not nested and not searched:
+        near = nearest(Path(value).name.removesuffix(".yaml"), options)
+        return [ConfigIssue(key=group, value=value, problem=f"is not an option of config group '{group}' (the YAML "
+                            f"files of {CONF_DIR / group})" + (f"; did you mean {near}?" if near else "."),
+                            fix=f"write {plus}{group}={near}." if near
+                            else f"use one of {options}, e.g. {plus}{group}={default}.")]
+    if required and (o.is_add() or o.is_force_add()):
+        return [ConfigIssue(key=group, value=given, problem=f"adds {group}, which conf/config.yaml composes already.",
+                            fix=f"drop the +: {group}={value}.")]
+    if not required and not (o.is_add() or o.is_force_add()):
+        return [ConfigIssue(key=group, value=given, problem=f"changes {group}, which is not in the config: the "
+                            f"{group} group is added with a +.", fix=f"write +{group}={value}.")]
+    if not required and o.is_force_add():
+        return [ConfigIssue(key=group, value=given, problem="adds the group with ++, which Hydra refuses for groups.",
+                            fix=f"write +{group}={value}.")]
+    return []
+
+
+def _key_issues(o: Any, key: str, added: set[str], groups: set[str]) -> list[ConfigIssue]:
+    """The issues of an override of a key (``train.steps=5``, ``+model.foo=1``, ``~model.num_layers``)."""
+    text = o.input_line or ""
+    given, top = _given(text), key.split(".")[0]
+    if top in groups and top not in default_groups() and top not in added:
+        options = group_options(top)
+        return [ConfigIssue(key=key, value=given, problem=f"sets a key of the {top} group, which the command did not "
+                            f"add (it is added with +{top}=<option>, one of {options}).",
+                            fix=f"add +{top}={options[0]} before it: +{top}={options[0]} {text}.")]
+    status = _key_status(key)
+    if status == "unknown":
+        parent = key.rpartition(".")[0]
+        siblings = _known_keys(key)
+        listed = f" The keys of {parent or 'the config'} are {siblings}." if siblings is not None else ""
+        same_leaf = [k for k in schema_keys() if k.rpartition(".")[2] == key.rpartition(".")[2]]
+        near = same_leaf[0] if len(same_leaf) == 1 else nearest(key, schema_keys())
+        if near is not None:
+            return [ConfigIssue(key=key, value=given, problem=f"is not a known setting; did you mean {near}?",
+                                fix=f"write {near}={given}." if given is not None else f"use {near}.")]
+        return [ConfigIssue(key=key, value=given, problem="is not a known setting.",
+                            fix=f"fix the spelling or remove it.{listed}")]
+    if status not in ("known", "group"):
+        return []
+    if o.is_add():
+        return [ConfigIssue(key=key, value=given, problem="adds a key the config has already.",
+                            fix=f"drop the +: {text.lstrip('+')}.")]
+    if o.is_delete():
+        return [ConfigIssue(key=key, value=given, problem=f"{text} removes a setting the schema defines, which Hydra "
+                            "cannot.", fix=f"set it ({key}=<value>), or leave it out for its default.")]
+    if status == "group" and not o.is_sweep_override() and o.value() is None:
+        return [_group_needed(key, None, "is null")] if key in default_groups() else []
+    return []
 
 
 @functools.cache
@@ -121,6 +418,10 @@ def hydra_config_error(err: Exception, overrides: Sequence[str]) -> ConfigError:
             options = group_options(group)
             return ConfigError(ConfigIssue(key=group, value=option, problem=f"is not an option of config group "
                                            f"'{group}'.", fix=f"use one of {options}, e.g. {group}={options[0]}."))
+        if group.startswith("hydra/"):
+            return ConfigError(ConfigIssue(key=group, value=option, problem="is not an option Hydra has here (its "
+                                           "options come with installed plugins).", fix="use one that is installed "
+                                           "(launch/train.py --hydra-help lists them), or install its plugin."))
         return ConfigError(ConfigIssue(key="<config>", value=missing or None, problem=first,
                                        fix=f"choose an option from {CONF_DIR}."))
     if isinstance(err, OverrideParseException):
@@ -134,27 +435,33 @@ def hydra_config_error(err: Exception, overrides: Sequence[str]) -> ConfigError:
     if isinstance(cause, ConfigKeyError | ConfigAttributeError) and full_key:
         known = _known_keys(full_key)
         parent = full_key.rpartition(".")[0] or "the config"
+        value = _override_value(full_key, overrides)
+        near = nearest(full_key, schema_keys(hydra=full_key.startswith("hydra.")))
+        if near is not None:
+            return ConfigError(ConfigIssue(key=full_key, value=value, problem=f"is not a known setting; did you "
+                                           f"mean {near}?", fix=f"write {near}={value}."))
         fix = (f"remove it or fix the spelling; the keys of {parent} are {known}." if known is not None
                else "remove it or fix the spelling (python -m cfp_megatron.analyze --help lists the groups).")
-        return ConfigError(ConfigIssue(key=full_key, value=_override_value(full_key, overrides),
-                                       problem="is not a known setting.", fix=fix))
+        return ConfigError(ConfigIssue(key=full_key, value=value, problem="is not a known setting.", fix=fix))
     if isinstance(cause, ValidationError) and full_key:
         msg = str(getattr(cause, "msg", "") or cause).strip().splitlines()[0]
         choices = re.search(r"expected one of \[(.*)\]", msg)
         target = re.search(r"converted to (\w+)", msg)
         if choices:
             fix = f"use one of [{choices.group(1)}]."
+        elif "is not a ListConfig" in msg:
+            fix = f"give {full_key} a list, e.g. {full_key}=[{_override_value(full_key, overrides) or 'a'}]."
         elif target:
             fix = f"give {full_key} a value of type {target.group(1).lower()} (e.g. {full_key}=1)."
         else:
             fix = f"give {full_key} a value of the type its default has."
-        return ConfigError(ConfigIssue(key=full_key, value=_override_value(full_key, overrides), problem=f"{msg}.",
-                                       fix=fix))
+        return ConfigError(ConfigIssue(key=full_key, value=_override_value(full_key, overrides),
+                                       problem=f"{msg.rstrip('.')}.", fix=fix))
     return ConfigError(ConfigIssue(key=full_key or "<override>", value=_override_value(full_key, overrides)
                                    if full_key else " ".join(overrides), problem=f"Hydra refused it: {first}",
                                    fix="check the override's spelling and type (see docs/configuration.md)."))
 
 
-def compose_job(overrides: Sequence[str]) -> JobSpec:
+def compose_job(overrides: Sequence[str], *, typed: bool = False) -> JobSpec:
     """The job of :func:`compose_config`."""
-    return job_from_config(compose_config(overrides))
+    return job_from_config(compose_config(overrides, typed=typed))

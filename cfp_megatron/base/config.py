@@ -281,6 +281,8 @@ MAX_STEPS = 10**9
 """Most optimizer steps (and warm-up, decay, log and save intervals): a 15T-token run is about a million steps."""
 MAX_SEED = 2**32 - 1
 """Largest seed: Megatron's GPTDataset seeds ``numpy.random.RandomState``, which takes 32-bit seeds."""
+MAX_TIMEOUT_S = 7 * 24 * 3600
+"""Longest collective timeout (``train.collective_timeout_s``): a week; a stalled rank is named only after it."""
 
 
 def _at_most(issues: list[ConfigIssue], prefix: str, obj: object, limit: int, what: str, *names: str) -> None:
@@ -526,7 +528,13 @@ class ClusterSpec:
     peak_tflops_fp32: float | None = None
     """fp32 peak in TFLOP/s (TF32 tensor cores where present); ``None`` means measure it."""
     hbm_gib: float | None = None
-    """Device memory capacity in GiB; ``None`` means host memory is used (CPU)."""
+    """Memory capacity per rank in GiB (the planner's limit); ``None``: the GPU's as torch reports it, or on a machine
+    without one this host's memory shared by its ranks, less ``host_reserve_gib`` and ``rank_reserve_gib``."""
+    host_reserve_gib: float | None = None
+    """On CPU (``hbm_gib`` null): GiB of the host's memory left to the OS and other programs (``None``: none)."""
+    rank_reserve_gib: float | None = None
+    """On CPU (``hbm_gib`` null): GiB each rank's interpreter, torch and Megatron-Core take beyond what the memory
+    model counts (``None``: none)."""
     hbm_bandwidth_gbps: float | None = None
     """Device memory bandwidth in GB/s."""
     intra_node_bandwidth_gbps: float | None = None
@@ -1049,6 +1057,10 @@ class TrainSpec:
     """Measure every rank's tensor memory during this step (1-based; ``MemTracker`` on CPU and GPU, plus
     ``torch.cuda.max_memory_allocated`` on GPU) and log it as a ``memory`` event; ``None`` measures nothing. Step 2 or
     later includes the optimizer states. The tracker's hooks slow that step: its logged time is no training figure."""
+    collective_timeout_s: float = 600.0
+    """Seconds a collective may wait for the other ranks (every process group, training and profiling) before the
+    job ends naming the rank that stopped answering (torch's default, 10 minutes). Raise it for work that is
+    legitimately slower between two collectives (a long save on a slow file system)."""
 
     def __post_init__(self) -> None:
         issues: list[ConfigIssue] = []
@@ -1065,6 +1077,9 @@ class TrainSpec:
                  "warmup_steps", "lr_decay_steps", "log_interval", "save_interval")
         _issue(issues, 0 <= self.seed <= MAX_SEED, f"{p}.seed", self.seed,
                f"must be in [0, {MAX_SEED}] (Megatron's dataset seeds numpy with 32 bits).", "use e.g. 1234.")
+        _issue(issues, 1 <= self.collective_timeout_s <= MAX_TIMEOUT_S, f"{p}.collective_timeout_s",
+               self.collective_timeout_s, f"must be in [1, {MAX_TIMEOUT_S}] seconds (a week).",
+               "use e.g. 600 (a stalled rank is then named after 10 minutes).")
         if self.memory_step is not None and self.memory_step >= 1:
             _issue(issues, self.memory_step <= self.steps, f"{p}.memory_step", self.memory_step,
                    f"is after the last step (train.steps={self.steps}), so nothing would be measured.",

@@ -12,11 +12,8 @@ from pathlib import Path
 
 from cfp_megatron.base.backend_spec import BackendSpec
 from cfp_megatron.base.cfp_spec import CfpSpec, SearchConstraints
-from cfp_megatron.base.compose import CONF_DIR
+from cfp_megatron.base.compose import CONF_DIR, default_groups
 from cfp_megatron.base.config import ClusterSpec, ParallelSpec, TrainSpec
-
-_OPTIONAL_GROUPS = frozenset({"cfp"})
-"""Groups that ``conf/config.yaml`` does not compose by default: they are added with ``+group=option``."""
 
 
 @dataclass(frozen=True)
@@ -53,11 +50,7 @@ _PIN_KNOBS = "tp pp vpp cp ep etp micro_batch sp recompute distributed_optimizer
 def config_groups(conf_dir: Path = CONF_DIR) -> dict[str, tuple[list[str], str | None]]:
     """Each config group of ``conf_dir``: its options (the YAML files of its folder) and the default option
     ``config.yaml`` composes (``None`` for a group added with ``+group=option``)."""
-    defaults: dict[str, str] = {}
-    config = conf_dir / "config.yaml"
-    if config.exists():
-        for match in re.finditer(r"^\s*-\s*([A-Za-z_]+)\s*:\s*([A-Za-z0-9_]+)\s*$", config.read_text(), re.M):
-            defaults[match.group(1)] = match.group(2)
+    defaults = default_groups(conf_dir)
     groups = {}
     for folder in sorted(p for p in conf_dir.iterdir() if p.is_dir()):
         options = sorted(p.stem for p in folder.glob("*.yaml"))
@@ -107,7 +100,7 @@ def config_help(conf_dir: Path = CONF_DIR, *, width: int = 118) -> str:
     name_width = max((len(g) for g in groups), default=0)
     for group, (options, default) in groups.items():
         shown = ", ".join(f"{o}*" if o == default else o for o in options)
-        if group in _OPTIONAL_GROUPS:
+        if default is None:  # not in conf/config.yaml's defaults (cfp)
             shown += f"  (added with +{group}=<option>)"
         lines.append(_wrapped(f"  {group:<{name_width}}  ", shown, width))
     lines += ["", "Common keys (key=value; every field of a group can be set, see docs/configuration.md):"]

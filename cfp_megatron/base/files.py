@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
+import stat
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -46,6 +48,8 @@ def _fix(err: OSError, path: Path, key: str | None) -> str:
         return f"give this user write permission on {folder}, or {elsewhere}."
     if err.errno in (errno.EISDIR, errno.ENOTDIR):
         return f"move what is in the way, or {elsewhere}."
+    if err.errno == errno.EEXIST:
+        return f"remove {path} or move it away, or {elsewhere}."
     return f"check the disk holding {folder}, or {elsewhere}."
 
 
@@ -162,6 +166,9 @@ def fsync_dir(folder: str | os.PathLike[str]) -> None:
 CACHE_ENV = "CFP_CACHE_DIR"
 """Environment variable overriding the cache root."""
 
+CACHE_KEY = f"{CACHE_ENV} (environment variable)"
+"""How errors about a file in the cache name the setting that chose its place."""
+
 
 def cache_dir() -> Path:
     """The cache root; each kind of entry has a section folder in it (``capture/``, ``analysis/``)."""
@@ -182,6 +189,9 @@ class WriteLocation:
     """``path`` is a folder files are written into (created when missing); else a file written into its folder."""
     new: bool = False
     """A file that is never written over: one already there is refused."""
+    own_kind: str | None = None
+    """A file appended to, but only when it is cfp-megatron's: one already there and not empty must begin with the
+    record :func:`append_record` writes first, of this ``kind`` (:func:`first_record_kind`); else it is refused."""
 
 
 def _blocking_file(folder: Path) -> Path | None:
@@ -202,13 +212,19 @@ def writable_dir_problem(folder: str | os.PathLike[str]) -> str | None:
     try:
         target.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        return f"the folder {target} cannot be created ({err.strerror or err})."
+        return f"the folder {target} cannot be created: {_reason(err)}."
+    tmp: str | None = None
     try:
         fd, tmp = tempfile.mkstemp(dir=target, prefix=".cfp-write-check-", suffix=".tmp")
+        try:
+            os.write(fd, b"cfp-megatron write check\n")  # a byte needs a block: a full disk is found now
+        finally:
+            os.close(fd)
     except OSError as err:
-        return f"no file can be written into the folder {target} ({err.strerror or err})."
-    os.close(fd)
-    Path(tmp).unlink(missing_ok=True)
+        return f"no file can be written into the folder {target}: {_reason(err)}."
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
     return None
 
 
@@ -235,7 +251,196 @@ def check_write_locations(locations: Iterable[WriteLocation]) -> None:
         if problem is not None:
             fix = (f"choose another {loc.key}, or remove {loc.path} first." if loc.new and loc.path.exists()
                    else f"point {loc.key} at a {'folder' if loc.folder else 'file in a folder'} this user can "
-                        "write to (or fix the permissions, or move the file in the way).")
+                        "write to, on a disk with free space (or free space there, fix the permissions, or move the "
+                        "file in the way).")
             issues.append(ConfigIssue(key=loc.key, value=str(loc.path), problem=problem, fix=fix))
+        elif loc.own_kind is not None and (problem := _append_problem(loc.path, loc.own_kind)) is not None:
+            issues.append(ConfigIssue(
+                key=loc.key, value=str(loc.path), problem=problem,
+                fix=f"point {loc.key} at another file (a new one, or one cfp-megatron wrote for an earlier run), "
+                    f"or remove {loc.path} first."))
     if issues:
         raise ConfigError(issues)
+
+
+FIRST_LINE_LIMIT = 1 << 16
+"""Most bytes of a file's first line read to find its record kind (:func:`first_record_kind`)."""
+
+
+def first_record_kind(path: str | os.PathLike[str]) -> str | None:
+    """The ``kind`` of the JSON object on ``path``'s first line, or ``None`` (no such file, empty, unreadable, not
+    JSON, no ``kind``)."""
+    try:
+        with open(path, "rb") as fh:
+            line = fh.readline(FIRST_LINE_LIMIT)
+        record = json.loads(line)
+    except (OSError, ValueError):
+        return None
+    kind = record.get("kind") if isinstance(record, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
+def _append_problem(path: Path, kind: str) -> str | None:
+    """Why records of ``kind`` may not be appended to ``path``, or ``None``: it is absent, empty, or begins with a
+    record of ``kind`` (a named pipe or socket is refused: writing to it can wait forever)."""
+    try:
+        st = path.expanduser().stat()
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        return f"{path} cannot be inspected: {err.strerror or err}."
+    if stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode):
+        return f"{path} is a {'named pipe' if stat.S_ISFIFO(st.st_mode) else 'socket'}, not a file: appending to it " \
+               "could wait forever."
+    if st.st_size == 0 or first_record_kind(path.expanduser()) == kind:
+        return None
+    return (f'the file exists and cfp-megatron did not write it (its first line is not a {{"kind": "{kind}", ...}} '
+            "record); it is never appended to.")
+
+
+def append_record(path: str | os.PathLike[str], record: Mapping[str, Any], *, kind: str,
+                  header: Mapping[str, Any] | None = None, key: str | None = None) -> None:
+    """Append ``record`` as one JSON line to ``path``, in one ``write`` of the whole line (``O_APPEND``); where the
+    file is absent or empty, the line ``{"kind": kind, **header}`` comes first, in the same write. A file that does
+    not begin with that record is refused (:class:`FileWriteError`, ``EEXIST``), as :func:`check_write_locations`
+    refuses it before a run. A write the disk cuts short is undone (the file is truncated to its length before),
+    so the file only ever holds whole lines; an ``OSError`` is one :class:`FileWriteError`."""
+    target = Path(path)
+    data = (json.dumps(record) + "\n").encode("utf-8")
+    try:
+        fd, created = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o666), True
+    except FileExistsError:
+        fd, created = None, False
+    except OSError as err:
+        raise write_error(err, target, key) from None
+    try:  # never blocks: a named pipe without a reader is refused (ENXIO), not waited on
+        fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK) if fd is None else fd
+    except OSError as err:
+        raise write_error(err, target, key) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            data = (json.dumps({"kind": kind, **(header or {})}) + "\n").encode("utf-8") + data
+        elif first_record_kind(target) != kind:
+            raise write_error(FileExistsError(errno.EEXIST, f"it does not begin with a {kind!r} record, so "
+                                              "cfp-megatron did not write it"), target, key)
+        try:
+            written = os.write(fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+                if created:  # nothing of it is left
+                    target.unlink()
+            raise write_error(err, target, key) from None
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------- reading a user's files
+
+class NotRegularFileError(OSError):
+    """A path a user named is a folder, a named pipe, a socket or a device: not a file that can be read to its end
+    (a named pipe with no writer would block the reader forever)."""
+
+
+def _kind_problem(path: str | os.PathLike[str], mode: int) -> str | None:
+    """Why a file of ``mode`` (``st_mode``) cannot be read as a user's file, or ``None`` for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return f"{path} is a folder, not a file."
+    kind = ("a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+    return f"{path} is {kind}, not a regular file: reading it could wait forever or never end."
+
+
+def regular_file_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` cannot be read as a file a user named (absent, a folder, a named pipe, socket or device), or
+    ``None`` for a regular file (symbolic links followed). Opens nothing, so a named pipe does not block."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return f"{path} does not exist."
+    except OSError as err:
+        return f"{path} cannot be inspected: {err.strerror or err}."
+    return _kind_problem(path, mode)
+
+
+@contextlib.contextmanager
+def open_regular(path: str | os.PathLike[str], mode: str = "r", **kwargs: Any) -> Iterator[IO[Any]]:
+    """Open ``path`` for reading (``mode`` ``"r"`` or ``"rb"``; ``kwargs`` go to :func:`open`) only if it is a
+    regular file: it is opened without blocking and checked on the open descriptor, so a named pipe or a device
+    swapped in after a check is refused too (:class:`NotRegularFileError`); other failures are the usual
+    ``OSError`` subclasses (``FileNotFoundError``, ``PermissionError``...)."""
+    if mode not in ("r", "rb"):
+        raise ValueError(f"open_regular mode {mode!r}: use 'r' or 'rb'")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        problem = _kind_problem(path, os.fstat(fd).st_mode)
+        if problem is not None:
+            raise NotRegularFileError(errno.EINVAL, problem, str(path))
+        os.set_blocking(fd, True)
+        fh = os.fdopen(fd, mode, **({"encoding": "utf-8"} | kwargs if mode == "r" else kwargs))
+    except BaseException:
+        os.close(fd)
+        raise
+    with fh:
+        yield fh
+
+
+def read_user_file(path: str | os.PathLike[str], key: str, *, binary: bool = False,
+                   fix: str | None = None) -> Any:
+    """The content of the file ``path`` that the setting ``key`` names (``str``, UTF-8; ``bytes`` when ``binary``);
+    one :class:`ConfigError` naming ``key``, the path, what is wrong (absent, a folder, a named pipe or device, no
+    permission, not UTF-8 text) and ``fix`` (by default: point ``key`` at a regular file)."""
+    fix = fix or f"point {key} at a regular file this user can read."
+    try:
+        with open_regular(path, "rb") as fh:
+            data = fh.read()
+    except NotRegularFileError as err:
+        raise ConfigError(ConfigIssue(key=key, value=str(path), problem=str(err.strerror), fix=fix)) from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise ConfigError(ConfigIssue(key=key, value=str(path), problem=f"{path} does not exist.", fix=fix)) from None
+    except OSError as err:
+        raise ConfigError(ConfigIssue(key=key, value=str(path), problem=f"{path} cannot be read: "
+                                      f"{err.strerror or err}.", fix=fix)) from None
+    if binary:
+        return data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(ConfigIssue(key=key, value=str(path), problem=f"{path} is not UTF-8 text (byte {err.start} "
+                                      f"is {data[err.start:err.start + 1]!r}): a binary or damaged file.",
+                                      fix=fix)) from None
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object gives one key twice: readers keep the first or the last value, so the file means two things."""
+
+    def __init__(self, key: str, first: Any, second: Any) -> None:
+        self.key = key
+        """The repeated key."""
+        super().__init__(f"the key {key!r} appears twice in one object (values {_brief(first)} and "
+                         f"{_brief(second)}); JSON readers keep one or the other, so the file is ambiguous")
+
+
+def _brief(value: Any, limit: int = 60) -> str:
+    text = json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(key, out[key], value)
+        out[key] = value
+    return out
+
+
+def json_loads_unique(text: str | bytes) -> Any:
+    """``json.loads`` that refuses an object giving a key twice (:class:`DuplicateKeyError`, a ``ValueError``);
+    for files a user hands in (plan files, profile imports), where either reading would be a guess."""
+    return json.loads(text, object_pairs_hook=_unique_pairs)

@@ -23,10 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
+import numpy
 import torch
 
 from cfp_megatron.base.config import DataSpec, JobSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.files import open_regular, regular_file_problem
 from cfp_megatron.data.tokenizer import Tokenizer, build_tokenizer
 
 SAMPLE_FIELDS: tuple[str, ...] = ("tokens", "labels", "loss_mask", "position_ids")
@@ -47,6 +49,13 @@ def check_data_files(data: DataSpec) -> list[ConfigIssue]:
     """Issues for each ``data.path`` prefix whose ``.bin`` or ``.idx`` file is missing."""
     issues: list[ConfigIssue] = []
     for prefix in data.path:
+        odd = [problem for p in (f"{prefix}.bin", f"{prefix}.idx")
+               if (problem := regular_file_problem(p)) is not None and os.path.lexists(p)]
+        if odd:  # a folder, a named pipe or a device where a file belongs: reading it could wait forever
+            issues.append(ConfigIssue(key="data.path", value=prefix, problem=" ".join(odd),
+                                      fix=f"point data.path at a prefix whose .bin and .idx are regular files. "
+                                          f"{_preprocess_fix(prefix)}"))
+            continue
         missing = [p for p in (f"{prefix}.bin", f"{prefix}.idx") if not os.path.isfile(p)]
         if not missing:
             continue
@@ -93,72 +102,304 @@ def check_split(data: DataSpec) -> list[ConfigIssue]:
                         fix="give the first (training) weight a positive value, e.g. 98,1,1.")]
 
 
-@contextlib.contextmanager
-def _quiet_partial_dataset() -> Iterator[None]:
-    """Silence the ``AttributeError`` that megatron-core 0.16.1's ``IndexedDataset.__del__`` (and its readers')
-    raise for a dataset whose constructor failed: Python prints it as "Exception ignored ... Traceback" after the
-    clear error. Any other unraisable exception still reaches the previous hook."""
-    previous = sys.unraisablehook
+def _rebuild_index_fix(prefix: str) -> str:
+    return (f"rebuild the index (and its .bin) from the corpus: python -m cfp_megatron.data.preprocess --input "
+            f"CORPUS.jsonl --output-prefix {prefix} --overwrite (or copy both files again from where they were made).")
 
-    def hook(unraisable: Any) -> None:
-        owner = getattr(unraisable.object, "__qualname__", "")
-        if isinstance(unraisable.exc_value, AttributeError) and owner.endswith("__del__"):
-            return
-        previous(unraisable)
 
-    sys.unraisablehook = hook
+_HEADER = struct.Struct("<9sQBQQ")
+"""The ``.idx`` header Megatron-Core writes (``_IndexWriter``): magic, version, dtype code, sequence count, document
+count (34 bytes); then int32 sequence lengths, int64 sequence pointers (byte offsets into the ``.bin``) and int64
+document boundaries."""
+
+
+def _megatron_codes() -> dict[int, numpy.dtype]:
+    """Megatron-Core's token dtype codes (``indexed_dataset.DType``): code -> NumPy dtype."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    return {member.value: numpy.dtype(member.name) for member in DType}
+
+
+def _codes_text(codes: dict[int, numpy.dtype]) -> str:
+    return ", ".join(f"{code} {dtype.name}" for code, dtype in sorted(codes.items()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexFile:
+    """What an ``.idx`` file says, read and checked by :func:`read_index` (arrays are views of its memory map)."""
+
+    prefix: str
+    """The ``data.path`` prefix."""
+    code: int
+    """The header's dtype code (Megatron-Core's ``DType``)."""
+    dtype: numpy.dtype
+    """The token dtype of the ``.bin`` that the code names."""
+    lengths: numpy.ndarray
+    """Tokens per sequence (int32)."""
+    pointers: numpy.ndarray
+    """Byte offset of each sequence in the ``.bin`` (int64)."""
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of every sequence."""
+        return int(self.lengths.sum(dtype="int64"))
+
+
+def _index_issue(prefix: str, problem: str, fix: str | None = None) -> ConfigError:
+    return ConfigError(ConfigIssue(key="data.path", value=prefix, problem=problem,
+                                   fix=fix or _rebuild_index_fix(prefix)))
+
+
+def _pointer_step(lengths: numpy.ndarray, pointers: numpy.ndarray) -> int | None:
+    """The bytes per token the sequence pointers were written with (each pointer is the bytes of the sequences
+    before it), or ``None`` where they cannot tell it (no sequence after a non-empty one)."""
+    before = int(lengths[:-1].sum(dtype="int64")) if lengths.shape[0] > 1 else 0
+    if before == 0:
+        return None
+    step, rest = divmod(int(pointers[-1]), before)
+    return step if rest == 0 else -1
+
+
+def _pointers_follow(lengths: numpy.ndarray, pointers: numpy.ndarray, itemsize: int) -> bool:
+    """Whether every pointer is the bytes of the sequences before it (checked in blocks, bounded memory)."""
+    block, offset = 1 << 22, 0
+    for start in range(0, lengths.shape[0], block):
+        part = lengths[start:start + block].astype("int64") * itemsize
+        expected = numpy.concatenate(([offset], offset + numpy.cumsum(part)[:-1])) if part.shape[0] else part
+        if not numpy.array_equal(pointers[start:start + block], expected):
+            return False
+        offset += int(part.sum())
+    return True
+
+
+def read_index(prefix: str) -> IndexFile:
+    """Read and check ``<prefix>.idx`` (one :class:`ConfigError` naming ``data.path`` and the field at fault: the
+    magic bytes, the version, the dtype code, the counts, the lengths, the pointers, the document boundaries, and a
+    dtype code that disagrees with the pointers named as such), then ``<prefix>.bin``'s size against it."""
+    idx, bin_path = f"{prefix}.idx", f"{prefix}.bin"
+    for path in (idx, bin_path):
+        problem = regular_file_problem(path)
+        if problem is not None:
+            raise _index_issue(prefix, problem, _preprocess_fix(prefix))
     try:
-        yield
-    finally:
-        sys.unraisablehook = previous
+        with open_regular(idx, "rb") as fh:
+            head = fh.read(_HEADER.size)
+        size = os.path.getsize(idx)
+    except OSError as err:
+        raise _index_issue(prefix, f"{idx} cannot be read: {err.strerror or err}.",
+                           "check the file's permissions and the disk holding it.") from None
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER as magic
+
+    if len(head) < _HEADER.size or head[:len(magic)] != magic:
+        what = "is shorter than the 34-byte header" if len(head) < _HEADER.size else \
+            f"starts with {head[:len(magic)]!r}, not Megatron's {magic!r}"
+        raise _index_issue(prefix, f"{idx} is not a Megatron index: it {what} (another file, or a damaged copy).",
+                           _preprocess_fix(prefix))
+    _, version, code, sequences, documents = _HEADER.unpack(head)
+    if version != 1:
+        raise _index_issue(prefix, f"{idx}'s header says index version {version} (bytes 9-16); Megatron-Core "
+                                   "reads version 1 only: the header was changed, or another tool wrote the file.")
+    codes = _megatron_codes()
+    if code not in codes:
+        raise _index_issue(prefix, f"{idx}'s header has dtype code {code} (byte 17), which Megatron-Core does not "
+                                   f"know (its codes: {_codes_text(codes)}): the code was changed or damaged.")
+    dtype = codes[code]
+    if dtype.kind not in "iu":
+        raise _index_issue(prefix, f"{idx}'s header has dtype code {code} ({dtype.name}), not an integer type: token "
+                                   "ids are integers (Megatron writes uint16 below 65,500 ids, int32 above), so the "
+                                   "code was changed.")
+    need = _HEADER.size + sequences * 12 + documents * 8
+    if size != need:
+        raise _index_issue(prefix, f"{idx}'s header counts {sequences:,} sequences and {documents:,} document "
+                                   f"boundaries, which take {need:,} bytes, but the file holds {size:,}: a count in "
+                                   "the header was changed, or the file was cut short or added to.")
+    memory = numpy.memmap(idx, mode="r")
+    lengths = numpy.frombuffer(memory, dtype=numpy.int32, count=sequences, offset=_HEADER.size)
+    pointers = numpy.frombuffer(memory, dtype=numpy.int64, count=sequences, offset=_HEADER.size + sequences * 4)
+    bounds = numpy.frombuffer(memory, dtype=numpy.int64, count=documents, offset=_HEADER.size + sequences * 12)
+    if sequences and int(lengths.min()) < 0:
+        raise _index_issue(prefix, f"{idx} holds a negative sequence length ({int(lengths.min())}): it is damaged.")
+    if documents == 0 or bounds[0] != 0 or bounds[-1] != sequences or bool((numpy.diff(bounds) < 0).any()):
+        raise _index_issue(prefix, f"{idx}'s document boundaries do not run from 0 to its {sequences:,} sequences: "
+                                   "it is damaged.")
+    step = _pointer_step(lengths, pointers)
+    if step is not None and step != dtype.itemsize:
+        same = [f"{c} ({d.name})" for c, d in sorted(codes.items()) if d.itemsize == step and d.kind in "iu"]
+        if same:
+            raise _index_issue(prefix, f"{idx}'s header has dtype code {code} ({dtype.name}, {dtype.itemsize} "
+                                       f"byte{'s' if dtype.itemsize > 1 else ''} per token), but its sequence "
+                                       f"pointers advance {step} bytes per token, as code {' or '.join(same)} "
+                                       "writes them: the dtype code (byte 17) was changed, "
+                                       f"so every token would be read wrong. Megatron-Core's codes: "
+                                       f"{_codes_text(codes)}.")
+    if (step is not None and step != dtype.itemsize) or (sequences and int(pointers[0]) != 0) \
+            or not _pointers_follow(lengths, pointers, dtype.itemsize):
+        raise _index_issue(prefix, f"{idx}'s sequence pointers do not follow its sequence lengths: it is damaged.")
+    index = IndexFile(prefix=prefix, code=code, dtype=dtype, lengths=lengths, pointers=pointers)
+    expected, actual = index.tokens * dtype.itemsize, os.path.getsize(bin_path)
+    fits = [f"{c} ({d.name})" for c, d in sorted(codes.items())
+            if d.kind in "iu" and d.itemsize != dtype.itemsize and index.tokens * d.itemsize == actual > 0]
+    if step is None and actual != expected and fits:  # the pointers could not tell it (one sequence): the size can
+        raise _index_issue(prefix, f"{idx}'s header has dtype code {code} ({dtype.name}), but {bin_path} holds "
+                                   f"{actual:,} bytes for the {index.tokens:,} tokens the index lists: "
+                                   f"{actual // index.tokens} bytes per token, as code {' or '.join(fits)} writes "
+                                   "them: the dtype code (byte 17) was changed.")
+    if actual < expected:  # a copy cut short: Megatron would fail on the first sample past the end, mid-training
+        raise _index_issue(prefix, f"{bin_path} holds {actual:,} bytes but {idx} indexes {expected:,} (the .bin is "
+                                   "truncated: an interrupted copy or preprocessing run).", _rebuild_fix(prefix))
+    if actual > expected:
+        raise _index_issue(prefix, f"{bin_path} holds {actual:,} bytes but {idx} indexes only {expected:,} "
+                                   f"({index.tokens:,} {dtype.name} tokens): the two files were not written "
+                                   "together (the .idx of another, shorter corpus?), and the rest would never be "
+                                   "read.")
+    return index
+
+
+def _train_range(index: IndexFile, split: str) -> tuple[int, int]:
+    """The training split's sequences ``[begin, end)`` of ``index``, as Megatron's ``GPTDataset`` splits them (by
+    sequence; one sequence per document here)."""
+    bookends = _train_bookends(split)
+    if bookends is None:
+        return 0, 0
+    n = index.lengths.shape[0]
+    begin, end = (int(round(f * float(n))) for f in bookends)
+    return begin, end
 
 
 def train_split_tokens(prefix: str, split: str) -> int:
-    """Tokens in the training split of the indexed dataset at ``prefix`` (reads only the ``.idx`` file)."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    bookends = _train_bookends(split)
-    if bookends is None:
+    """Tokens in the training split of the indexed dataset at ``prefix`` (reads the ``.idx`` file, checked by
+    :func:`read_index`)."""
+    if _train_bookends(split) is None:
         return 0
-    if os.path.getsize(f"{prefix}.bin") == 0:
+    if os.path.isfile(f"{prefix}.bin") and os.path.getsize(f"{prefix}.bin") == 0:
         raise ConfigError(ConfigIssue(key="data.path", value=prefix, problem=f"{prefix}.bin is empty.",
                                       fix=_rebuild_fix(prefix)))
-    failure = None
-    with _quiet_partial_dataset():
-        try:
-            dataset = IndexedDataset(prefix, mmap=True)
-        except (AssertionError, ValueError, OSError, struct.error) as err:
-            failure = repr(err)
-        # the half-built dataset is collected here, when the except clause drops its traceback
-    if failure is not None:
-        raise ConfigError(ConfigIssue(key="data.path", value=prefix,
-                                      problem=f"is not a readable Megatron indexed dataset ({failure}).",
-                                      fix=_preprocess_fix(prefix)))
-    # sequence_lengths is a view into the .idx memory map, which the dataset closes when it is collected: keep
-    # `dataset` alive until the sum is taken (reading the view afterwards crashes the interpreter).
-    lengths = dataset.sequence_lengths
-    n = lengths.shape[0]  # GPTDataset splits by sequence; one sequence per document here
-    begin, end = (int(round(f * float(n))) for f in bookends)
-    tokens = int(lengths[begin:end].sum(dtype="int64"))
-    expected = _expected_bin_bytes(dataset)
-    del lengths, dataset
-    actual = os.path.getsize(f"{prefix}.bin")
-    if actual < expected:  # a copy cut short: Megatron would fail on the first sample past the end, mid-training
-        raise ConfigError(ConfigIssue(key="data.path", value=prefix,
-                                      problem=f"{prefix}.bin holds {actual:,} bytes but {prefix}.idx indexes "
-                                              f"{expected:,} (the .bin is truncated: an interrupted copy or "
-                                              "preprocessing run).",
-                                      fix=_rebuild_fix(prefix)))
-    return tokens
+    index = read_index(prefix)
+    begin, end = _train_range(index, split)
+    return int(index.lengths[begin:end].sum(dtype="int64"))
 
 
-def _expected_bin_bytes(dataset: Any) -> int:
-    """Bytes the ``.bin`` must hold for every sequence the ``.idx`` of ``dataset`` (an ``IndexedDataset``) lists."""
-    index = dataset.index
-    if index.sequence_count == 0:
-        return 0
-    last = index.sequence_count - 1
-    return int(index.sequence_pointers[last]) + int(index.sequence_lengths[last]) * int(index.dtype_size)
+SCAN_BYTES = 4 << 30
+"""The most bytes of a training split's tokens :func:`scan_token_ids` reads; a larger split is read in evenly spaced
+blocks of this much in all (and the scan says what it covered)."""
+
+_SCAN_BLOCK = 64 << 20
+"""Bytes of tokens read at once."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenScan:
+    """The smallest and largest token ids of a training split (:func:`scan_token_ids`)."""
+
+    low: int
+    """The smallest id found."""
+    high: int
+    """The largest id found."""
+    scanned: int
+    """Tokens read."""
+    total: int
+    """Tokens of the training split."""
+
+    def coverage(self) -> str:
+        """``all 12,345 tokens`` or ``1,024 of 9,999 tokens (evenly spaced blocks)``."""
+        if self.scanned >= self.total:
+            return f"all {self.total:,} tokens of the training split"
+        return (f"{self.scanned:,} of the training split's {self.total:,} tokens (evenly spaced blocks: the scan "
+                f"reads at most {SCAN_BYTES / 2**30:g} GiB)")
+
+
+_SCANS: dict[tuple[Any, ...], TokenScan] = {}
+"""Scans of this process by file identity and split, so the checks before and after planning read the data once."""
+
+
+def scan_token_ids(index: IndexFile, split: str) -> TokenScan | None:
+    """The smallest and largest token id of the training split of ``index`` (``None`` when it has no tokens): all of
+    it up to :data:`SCAN_BYTES`, else evenly spaced blocks of that much in all, first and last included."""
+    begin, end = _train_range(index, split)
+    if end <= begin:
+        return None
+    itemsize = index.dtype.itemsize
+    first = int(index.pointers[begin]) // itemsize
+    stop = int(index.pointers[end - 1]) // itemsize + int(index.lengths[end - 1])
+    if stop <= first:
+        return None
+    bin_path = f"{index.prefix}.bin"
+    stat = os.stat(bin_path)
+    key = (os.path.realpath(bin_path), stat.st_size, stat.st_mtime_ns, stat.st_ino, first, stop)
+    if key in _SCANS:
+        return _SCANS[key]
+    tokens = numpy.memmap(bin_path, dtype=index.dtype, mode="r")
+    block = max(_SCAN_BLOCK // itemsize, 1)
+    total = stop - first
+    if total * itemsize <= SCAN_BYTES:
+        starts = list(range(first, stop, block))
+    else:
+        count = max(SCAN_BYTES // _SCAN_BLOCK, 2)
+        starts = sorted({first + max(total - block, 0) * i // (count - 1) for i in range(count)})
+    low, high, scanned = None, None, 0
+    for start in starts:
+        part = tokens[start:min(start + block, stop)]
+        low = int(part.min()) if low is None else min(low, int(part.min()))
+        high = int(part.max()) if high is None else max(high, int(part.max()))
+        scanned += part.shape[0]
+    del tokens
+    found = TokenScan(low=int(low or 0), high=int(high or 0), scanned=min(scanned, total), total=total)
+    _SCANS[key] = found
+    return found
+
+
+def check_token_ids(job: JobSpec) -> list[ConfigIssue]:
+    """Issues for ``data.path`` prefixes whose training split holds token ids the model cannot embed or predict:
+    negative, or at or above ``model.vocab_size`` (the padded rows Megatron adds to round the embedding train but
+    are never predicted: its inference clamps samples below ``vocab_size``; from the padded size on an id cannot be
+    embedded at all, an ``IndexError`` mid-training). A split larger than :data:`SCAN_BYTES` is scanned in blocks,
+    and the scan says what it covered (in the issue, or in one note on rank 0 when it finds nothing)."""
+    model = job.model
+    issues: list[ConfigIssue] = []
+    for prefix in job.data.path:
+        index = read_index(prefix)
+        scan = scan_token_ids(index, job.data.split)
+        if scan is None:
+            continue
+        where = f"{scan.coverage()} ({index.dtype.name}, dtype code {index.code})"
+        if scan.low < 0:
+            unsigned = [c for c, d in _megatron_codes().items() if d.kind == "u" and d.itemsize == index.dtype.itemsize]
+            hint = (f" A tokenizer never writes negative ids: with dtype code {unsigned[0]} (the unsigned type of "
+                    f"the same size) they would read as ids; the code was probably changed." if unsigned else "")
+            issues.append(ConfigIssue(key="data.path", value=prefix,
+                                      problem=f"holds negative token ids (down to {scan.low}) in {where}.{hint}",
+                                      fix=_rebuild_index_fix(prefix)))
+        elif scan.high >= model.vocab_size:
+            padded = model.padded_vocab_size
+            beyond = (f"ids from {padded:,} on cannot be embedded at all (an IndexError mid-training)"
+                      if scan.high >= padded else
+                      f"ids {model.vocab_size:,}-{scan.high:,} fall in the rows Megatron adds only to pad the "
+                      "embedding to a multiple of model.make_vocab_size_divisible_by="
+                      f"{model.make_vocab_size_divisible_by} (padded size {padded:,}): they would train, but "
+                      "the model never predicts them (Megatron's inference keeps samples below vocab_size)")
+            issues.append(ConfigIssue(
+                key="model.vocab_size", value=model.vocab_size,
+                problem=f"is at or below the largest token id {scan.high:,} found in data.path={prefix} ({where}): "
+                        f"{beyond}.",
+                fix=f"set model.vocab_size={scan.high + 1} or more if the data's tokenizer has that many ids, or "
+                    f"use data made with the tokenizer the model was built for (python -m cfp_megatron.data."
+                    f"preprocess --tokenizer ...; data.tokenizer={job.data.tokenizer.value} has "
+                    "its own vocabulary)."))
+        elif scan.scanned < scan.total:
+            _note_once(f"cfp: data.path={prefix}: {where}: token ids {scan.low}-{scan.high}, below "
+                       f"model.vocab_size={model.vocab_size} (the rest of the split is not checked)")
+    return issues
+
+
+_NOTED: set[str] = set()
+
+
+def _note_once(line: str) -> None:
+    """Print ``line`` once per process, on global rank 0 only."""
+    if line in _NOTED or os.environ.get("RANK", "0") != "0":
+        return
+    _NOTED.add(line)
+    print(line, file=sys.stderr, flush=True)
 
 
 def check_train_tokens(data: DataSpec) -> tuple[list[ConfigIssue], list[int]]:
@@ -224,8 +465,8 @@ class IndexedCheck:
 
 
 def validate_indexed(job: JobSpec) -> IndexedCheck:
-    """Check files, split, tokenizer and vocabulary, reading only the ``.idx`` files; raises :class:`ConfigError`
-    with every problem found."""
+    """Check files, split, tokenizer and vocabulary: the ``.idx`` files (:func:`read_index`) and the token ids of
+    the training splits (:func:`check_token_ids`); raises :class:`ConfigError` with every problem found."""
     issues = check_data_files(job.data) + check_split(job.data)
     counts: list[int] = []
     if not issues:
@@ -238,6 +479,8 @@ def validate_indexed(job: JobSpec) -> IndexedCheck:
         issues.extend(err.issues)
     if tokenizer is not None:
         issues.extend(check_vocab(job, tokenizer))
+    if not issues:  # the files read and the split has tokens: the ids the run will read, against the vocabulary
+        issues.extend(check_token_ids(job))
     if issues or tokenizer is None:
         raise ConfigError(issues)
     return IndexedCheck(tokenizer=tokenizer, train_tokens=counts)

@@ -16,6 +16,7 @@ without ``--overwrite``. Train on the result with ``data.kind=indexed data.path=
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import json
 import os
@@ -23,6 +24,7 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy
 import torch
@@ -32,6 +34,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from cfp_megatron.base.config import TokenizerKind
 from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
+from cfp_megatron.base.files import WriteLocation, check_write_locations, write_error
 from cfp_megatron.data.tokenizer import ByteTokenizer, Tokenizer, make_tokenizer
 
 BATCH_DOCUMENTS = 1024
@@ -106,8 +109,23 @@ def _resolve_format(path: str, fmt: InputFormat) -> InputFormat:
 
 
 def _lines(path: str) -> Iterator[tuple[int, str]]:
-    with open(path, "rb") as stream:
-        for number, raw in enumerate(stream, start=1):
+    try:
+        stream = open(path, "rb")  # noqa: SIM115 - closed below; a read error is the input's, not the output's
+    except OSError as err:
+        raise ConfigError(ConfigIssue(key="--input", value=path, problem=f"cannot be read ({err.strerror or err}).",
+                                      fix="check the path and its permissions.")) from None
+    with stream:
+        number = 0
+        while True:
+            try:
+                raw = stream.readline()
+            except OSError as err:
+                raise ConfigError(ConfigIssue(key="--input", value=f"{path}:{number + 1}",
+                                              problem=f"cannot be read ({err.strerror or err}).",
+                                              fix="check the file and the disk holding it.")) from None
+            if not raw:
+                return
+            number += 1
             try:
                 yield number, raw.decode("utf-8")
             except UnicodeDecodeError as err:
@@ -173,29 +191,38 @@ def preprocess(input_path: str, output_prefix: str, *, tokenizer: Tokenizer, jso
     """Tokenize ``input_path`` with ``tokenizer`` and write ``output_prefix.bin``/``.idx``.
 
     Raises :class:`DataFileExistsError` before reading anything when either file exists and ``overwrite`` is false,
-    and :class:`ConfigError` for unreadable input or a corpus without documents. The old files (if any) are replaced
-    only once the new ones are complete.
+    :class:`ConfigError` for unreadable input or a corpus without documents, and
+    :class:`~cfp_megatron.base.files.FileWriteError` (naming ``--output-prefix``) when the disk refuses the output
+    (full, read-only, no permission). Both files are written under temporary names beside the targets and renamed
+    only once both are complete, so the old files (if any) stay as they were and nothing half-written is left.
     """
     _check_not_existing(output_prefix, overwrite)
     documents = read_documents(input_path, fmt=fmt, json_key=json_key)
-    parent = os.path.dirname(os.path.abspath(output_prefix))
-    os.makedirs(parent, exist_ok=True)
-    name = os.path.basename(output_prefix)
-    fd_bin, tmp_bin = tempfile.mkstemp(dir=parent, prefix=f".{name}.", suffix=".bin.tmp")
-    fd_idx, tmp_idx = tempfile.mkstemp(dir=parent, prefix=f".{name}.", suffix=".idx.tmp")
-    os.close(fd_bin)
-    os.close(fd_idx)
-    umask = os.umask(0)
-    os.umask(umask)
-    for tmp in (tmp_bin, tmp_idx):  # mkstemp makes 0600 files; give the dataset ordinary permissions
-        os.chmod(tmp, 0o666 & ~umask)
+    # a full or read-only disk said before the corpus is read, not after
+    check_write_locations([WriteLocation(key="--output-prefix", path=Path(output_prefix).absolute().parent,
+                                         folder=True)])
+    bin_path, idx_path = get_bin_path(output_prefix), get_idx_path(output_prefix)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     eod = tokenizer.eod
     n_docs = n_empty = n_tokens = 0
     console = Console(stderr=True)
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                         transient=True, disable=not console.is_terminal)
+    tmp_bin = tmp_idx = ""
+    writing = bin_path  # the output an OSError is about
+    builder: IndexedDatasetBuilder | None = None
     try:
+        parent = os.path.dirname(os.path.abspath(output_prefix))
+        os.makedirs(parent, exist_ok=True)
+        name = os.path.basename(output_prefix)
+        fd_bin, tmp_bin = tempfile.mkstemp(dir=parent, prefix=f".{name}.", suffix=".bin.tmp")
+        os.close(fd_bin)
+        fd_idx, tmp_idx = tempfile.mkstemp(dir=parent, prefix=f".{name}.", suffix=".idx.tmp")
+        os.close(fd_idx)
+        umask = os.umask(0)
+        os.umask(umask)
+        for tmp in (tmp_bin, tmp_idx):  # mkstemp makes 0600 files; give the dataset ordinary permissions
+            os.chmod(tmp, 0o666 & ~umask)
         with progress:
             task = progress.add_task("tokenizing", total=None)
             builder = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
@@ -209,16 +236,25 @@ def preprocess(input_path: str, output_prefix: str, *, tokenizer: Tokenizer, jso
                     n_docs += 1
                     n_tokens += len(ids)
                 progress.update(task, description=f"tokenizing: {n_docs:,} documents, {n_tokens:,} tokens")
+            builder.data_file.flush()  # the .bin's last bytes: a full disk is about the .bin
+            writing = idx_path
             builder.finalize(tmp_idx)
         if n_docs == 0:
             raise ConfigError(ConfigIssue(key="--input", value=input_path, problem="contains no non-empty documents.",
                                           fix="check the file, --format and --json-key."))
         _check_not_existing(output_prefix, overwrite)  # nothing appeared meanwhile
-        os.replace(tmp_bin, get_bin_path(output_prefix))
-        os.replace(tmp_idx, get_idx_path(output_prefix))
+        os.replace(tmp_bin, bin_path)
+        os.replace(tmp_idx, idx_path)
+    except OSError as err:
+        if isinstance(err, CfpError):  # DataFileExistsError
+            raise
+        raise write_error(err, writing, "--output-prefix") from None
     finally:
+        if builder is not None:
+            with contextlib.suppress(OSError):  # flushing it again fails the same way: the file is removed below
+                builder.data_file.close()
         for tmp in (tmp_bin, tmp_idx):
-            if os.path.exists(tmp):
+            if tmp and os.path.exists(tmp):
                 os.remove(tmp)
     kind = TokenizerKind.byte if isinstance(tokenizer, ByteTokenizer) else TokenizerKind.huggingface
     return PreprocessSummary(input_path=input_path, output_prefix=output_prefix, documents=n_docs,

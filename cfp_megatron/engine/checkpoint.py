@@ -8,8 +8,10 @@ Layout of ``train.checkpoint_dir``::
 
 A save writes into ``iter_XXXXXXX.partial`` and renames it only after every rank has finished; the ``latest`` file
 is replaced last with ``os.replace``. A crash mid-save therefore leaves the previous checkpoint and the ``latest``
-pointer intact (the stale ``.partial`` folder is removed by the next save). Before the rename, rank 0 writes the
-folder's manifest (:mod:`.manifest`); a resume verifies it before anything in the folder is unpickled.
+pointer intact (the stale ``.partial`` folder is removed by the job's next save). Before the rename, rank 0 writes the
+folder's manifest (:mod:`.manifest`); a resume verifies it before anything in the folder is unpickled. A folder is
+owned by one job at a time (:mod:`.checkpoint_lock`); a save never removes a step folder or a ``.partial`` it did not
+write, and a failed write on any rank is one CheckpointError on every rank (docs/checkpoints.md).
 Weights are stored by their global keys,
 so a checkpoint saved under one TP/PP/VPP/EP layout loads under another; the optimizer uses Megatron's
 reshardable formats.
@@ -17,10 +19,13 @@ reshardable formats.
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,40 +34,105 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from cfp_megatron.base.errors import CheckpointError
+from cfp_megatron.base.files import write_error
+from cfp_megatron.base.jsonio import json_plain
 from cfp_megatron.compat import optimizer as optimizer_compat
-from cfp_megatron.engine import manifest, save_workers
+from cfp_megatron.engine import checkpoint_lock, manifest, save_workers
 
 LATEST = "latest_checkpointed_iteration.txt"
 """Name of the pointer file (as Megatron-LM names it)."""
+KEY = checkpoint_lock.KEY
+"""The setting naming the checkpoint folder."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scheme:
+    """How a backend names its step folders and its pointer file (the rules below are shared by both)."""
+
+    backend: str
+    """The backend, as messages name it."""
+    folder: str
+    """Format of a step folder's name, given the step (``iter_{:07d}``)."""
+    pattern: str
+    """Regular expression of a step folder's name; group 1 is the step (ASCII digits only)."""
+    pointer: str
+    """Name of the pointer file naming the newest complete step folder."""
+    pointer_text: str
+    """What the pointer file holds, given the step."""
+    pointer_pattern: str
+    """Regular expression of the pointer file's content (stripped); group 1 is the step."""
+
+    def step_dir(self, root: Path, step: int) -> Path:
+        """Folder of the checkpoint at ``step``."""
+        return root / self.folder.format(step)
+
+
+MEGATRON = Scheme(backend="Megatron", folder="iter_{:07d}", pattern=r"iter_([0-9]{7})", pointer=LATEST,
+                  pointer_text="{}", pointer_pattern=r"([0-9]+)")
+"""The Megatron backend's folders (Megatron-LM's names)."""
 
 
 def step_dir(root: Path, step: int) -> Path:
     """Folder of the checkpoint at ``step``."""
-    return root / f"iter_{step:07d}"
+    return MEGATRON.step_dir(root, step)
+
+
+def read_pointer(root: str | os.PathLike[str], scheme: Scheme = MEGATRON) -> int | None:
+    """The step the pointer file names, ``None`` when there is no pointer file; a CheckpointError when it holds
+    anything but a step in ASCII digits (``²`` and ``٣`` are digits to Python, not to the pointer) or names a
+    folder that is missing."""
+    pointer = Path(root) / scheme.pointer
+    fix = (f"Fix: write the newest complete step into it (as {scheme.pointer_text.format('<step>')!r}), or remove "
+           f"it (train.resume=true then resumes the newest step folder that verifies), or choose another {KEY}.")
+    if pointer.is_dir():
+        raise CheckpointError(f"{pointer} is a folder, not the pointer file. {fix}")
+    try:
+        raw = pointer.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise CheckpointError(f"{pointer} cannot be read ({err.strerror or err}). {fix}") from None
+    try:
+        text = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        text = None
+    match = re.fullmatch(scheme.pointer_pattern, text, flags=re.ASCII) if text is not None else None
+    if match is None:
+        shown = raw.decode("utf-8", errors="backslashreplace").strip()[:60]
+        raise CheckpointError(f"{pointer} holds {shown!r}, not a step "
+                              f"({scheme.pointer_text.format('N')} in ASCII digits). {fix}")
+    step = int(match.group(1))
+    folder = scheme.step_dir(Path(root), step)
+    if not folder.is_dir():
+        raise CheckpointError(f"{pointer} names step {step} but {folder} is missing. Fix: restore that folder, or "
+                              "write the newest complete step into the pointer file.")
+    return step
 
 
 def latest_step(root: str | os.PathLike[str]) -> int | None:
-    """The newest complete checkpoint's step, or ``None`` when the folder holds none."""
-    pointer = Path(root) / LATEST
-    if not pointer.is_file():
-        return None
-    text = pointer.read_text().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{pointer} holds {text!r}, not a step number. Fix: restore the file or point "
-                              "train.checkpoint_dir at another folder.")
-    step = int(text)
-    if not step_dir(Path(root), step).is_dir():
-        raise CheckpointError(f"{pointer} names step {step} but {step_dir(Path(root), step)} is missing. Fix: "
-                              "restore that folder, or write the newest complete step into the pointer file.")
-    return step
+    """The step the pointer names (the newest complete checkpoint), or ``None`` when there is no pointer."""
+    return read_pointer(root, MEGATRON)
+
+
+def step_folders(root: str | os.PathLike[str], scheme: Scheme = MEGATRON) -> dict[int, Path]:
+    """Every step folder under ``root`` by step (whatever the pointer says; ``.partial`` folders excluded)."""
+    base = Path(root)
+    if not base.is_dir():
+        return {}
+    found = {}
+    for path in base.iterdir():
+        match = re.fullmatch(scheme.pattern, path.name, flags=re.ASCII)
+        if match is not None and path.is_dir():
+            found[int(match.group(1))] = path
+    return dict(sorted(found.items()))
 
 
 def recovery_fix(root: Path, folder: Path, pointer: Path, pattern: str, write: str) -> str:
     """The ``Fix:`` of a checkpoint that fails verification: the previous step folder under ``root`` (``pattern``
     captures the step; ``write`` formats what goes into ``pointer``), or a fresh run."""
     steps = sorted((int(m.group(1)), p) for p in root.iterdir() if p != folder and p.is_dir()
-                   and (m := re.fullmatch(pattern, p.name))) if root.is_dir() else []
-    current = re.fullmatch(pattern, folder.name)
+                   and (m := re.fullmatch(pattern, p.name, flags=re.ASCII))) if root.is_dir() else []
+    current = re.fullmatch(pattern, folder.name, flags=re.ASCII)
     earlier = [(s, p) for s, p in steps if current is None or s < int(current.group(1))]
     fresh = "start afresh with train.resume=false and a new train.checkpoint_dir"
     if not earlier:
@@ -72,45 +142,146 @@ def recovery_fix(root: Path, folder: Path, pointer: Path, pattern: str, write: s
             f"{pointer}; it is verified in turn), or {fresh}.")
 
 
-def verify_step(root: str | os.PathLike[str], step: int, *, trust_unverified: bool) -> bool:
+def verify_folder(root: str | os.PathLike[str], step: int, *, trust_unverified: bool,
+                  scheme: Scheme = MEGATRON) -> bool:
     """Verify the checkpoint at ``step`` against its manifest before anything in it is loaded
     (:func:`.manifest.verify`); returns whether a manifest was there."""
     base = Path(root)
-    folder = step_dir(base, step)
-    fix = recovery_fix(base, folder, base / LATEST, r"iter_(\d{7})", "{}")
+    folder = scheme.step_dir(base, step)
+    fix = recovery_fix(base, folder, base / scheme.pointer, scheme.pattern, scheme.pointer_text)
     return manifest.verify(folder, trust_unverified=trust_unverified, fix=fix)
 
 
-def check_before_start(root: str | None, *, resume: bool, restarted: bool,
-                       trust_unverified: bool = False) -> int | None:
-    """Decide, before any process group exists, which step a run starts from; never overwrite a user's work.
+def verify_step(root: str | os.PathLike[str], step: int, *, trust_unverified: bool) -> bool:
+    """:func:`verify_folder` for the Megatron backend's folders."""
+    return verify_folder(root, step, trust_unverified=trust_unverified)
 
-    A fresh run (``train.resume=false``) refuses a folder that already holds checkpoints, unless torchrun
-    restarted this job's workers (then the checkpoints are this job's own and it continues from them). The
-    checkpoint to resume is verified against its manifest here, before anything unpickles it
-    (``trust_unverified``: accept one without a manifest).
-    """
+
+def save_steps(start: int, steps: int, save_interval: int | None) -> list[int]:
+    """The steps a run from ``start`` to ``steps`` saves at (every ``save_interval`` steps, and the last one)."""
+    every = [s for s in range(start + 1, steps + 1) if save_interval and s % save_interval == 0]
+    return sorted({*every, steps}) if steps > start else []
+
+
+MODEL_KEYS_FREE = frozenset({"name", "init_method_std", "hidden_dropout", "attention_dropout", "moe_aux_loss_coeff",
+                             "moe_token_dispatcher", "mtp_loss_scaling_factor"})
+"""ModelSpec fields a resume may change: they set how the model trains (dropout, loss weights, the MoE dispatcher),
+or how it was initialised, or its label, not which weights it has."""
+
+
+def model_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``model.<key>: saved <a>, now <b>`` for each ModelSpec field (as plain JSON) that differs, except
+    :data:`MODEL_KEYS_FREE`."""
+    return [f"model.{key}: saved {saved.get(key)!r}, now {now.get(key)!r}"
+            for key in sorted(set(saved) | set(now))
+            if key not in MODEL_KEYS_FREE and saved.get(key) != now.get(key)]
+
+
+def _check_model(folder: Path, model: Any) -> None:
+    saved = manifest.read_record(folder).get("model")
+    if not isinstance(saved, dict) or model is None:
+        return  # saved before manifests recorded the model: loads as it always did
+    now = json_plain(model)
+    differences = model_differences(saved, now)
+    if differences:
+        raise CheckpointError(
+            f"{folder} was saved from another model than this run builds: {'; '.join(differences)}. A checkpoint "
+            "resumes only into the model it was saved from (another layout, TP/PP/DP, is fine). Fix: resume with "
+            f"the saved model (model={saved.get('name')} and its settings as saved), or start afresh with "
+            f"train.resume=false and a new {KEY}.")
+
+
+def _newest_verified(root: Path, folders: dict[int, Path], scheme: Scheme, *, trust_unverified: bool,
+                     note: Callable[[str], None] | None) -> int:
+    """The newest step folder that verifies against its manifest, when the pointer file is missing; said in a
+    note. A CheckpointError naming what is there when none does."""
+    failed: list[str] = []
+    for step in sorted(folders, reverse=True):
+        try:
+            manifest.verify(folders[step], trust_unverified=trust_unverified, fix="")
+        except CheckpointError as err:
+            failed.append(f"{folders[step].name}: {str(err).strip().rstrip(':.')}")
+            continue
+        if note is not None:
+            skipped = f" (newer, failing verification: {'; '.join(failed)})" if failed else ""
+            note(f"{root / scheme.pointer} is missing: resuming from {folders[step]}, the newest step folder that "
+                 f"verifies against its manifest{skipped}.")
+        return step
+    raise CheckpointError(
+        f"{KEY}={str(root)!r} has no {scheme.pointer} and none of its {len(folders)} step folder(s) verifies: "
+        f"{'; '.join(failed[:3])}. Fix: restore a step folder (or the pointer file) from a copy; if you or your "
+        "own job wrote a folder without a manifest, set train.trust_unverified_checkpoint=true; or start afresh "
+        f"with train.resume=false and a new {KEY}.")
+
+
+def check_folder(root: str | None, scheme: Scheme, *, resume: bool, restarted: bool, trust_unverified: bool,
+                 steps: int | None = None, save_interval: int | None = None, model: Any = None,
+                 writer: str | None = None, note: Callable[[str], None] | None = None) -> int | None:
+    """Decide, before any process group exists, which step a run starts from; never overwrite a user's work
+    (both backends, each with its :class:`Scheme`).
+
+    Every step folder counts, whatever the pointer says. A fresh run (``train.resume=false``) refuses a folder
+    holding any, unless torchrun restarted this job's workers (then they are the job's own and it continues from
+    them). A resume takes the step the pointer names, or without a pointer the newest folder that verifies (said in
+    ``note``). The checkpoint is verified against its manifest here, before anything unpickles it
+    (``trust_unverified``: accept one without a manifest), and its recorded model compared with ``model``. With
+    ``steps``, the folders the run would save into (:func:`save_steps`) must not exist unless this job wrote them
+    (``writer``: the token of this job's lock, :mod:`.checkpoint_lock`)."""
     if root is None:
         return None
-    found = latest_step(root) if Path(root).exists() else None
+    base = Path(root)
+    pointed = read_pointer(base, scheme) if base.is_dir() else None
+    folders = step_folders(base, scheme)
+    found: int | None = None
     if resume or restarted:
-        if resume and found is None:
-            raise CheckpointError(f"train.resume=true but train.checkpoint_dir={root!r} holds no complete "
-                                  f"checkpoint ({LATEST} is missing). Fix: point train.checkpoint_dir at the folder "
+        if pointed is not None:
+            found = pointed
+            verify_folder(base, found, trust_unverified=trust_unverified, scheme=scheme)
+            newer = [p.name for s, p in folders.items() if s > found]
+            if newer and note is not None:
+                note(f"{base / scheme.pointer} names step {found}, but newer step folders are there too "
+                     f"({', '.join(newer)}): resuming from step {found}, as the pointer says (to resume from a newer "
+                     "one, write its step into the pointer file).")
+        elif folders:
+            found = _newest_verified(base, folders, scheme, trust_unverified=trust_unverified, note=note)
+        elif resume:
+            raise CheckpointError(f"train.resume=true but {KEY}={root!r} holds no complete {scheme.backend} "
+                                  f"checkpoint (no step folder, no {scheme.pointer}). Fix: point {KEY} at the folder "
                                   "an earlier run saved into, or set train.resume=false.")
-        if found is not None:
-            verify_step(root, found, trust_unverified=trust_unverified)
-        return found
-    if found is not None:
-        raise CheckpointError(f"train.checkpoint_dir={root!r} already holds checkpoints (latest step {found}) and "
+    elif folders or pointed is not None:
+        names = ", ".join(p.name for p in list(folders.values())[-3:])
+        more = f" and {len(folders) - 3} more" if len(folders) > 3 else ""
+        said = f"; {scheme.pointer} names step {pointed}" if pointed is not None else f"; no {scheme.pointer}"
+        raise CheckpointError(f"{KEY}={root!r} already holds checkpoints ({scheme.backend}: {names}{more}{said}) and "
                               "train.resume=false; starting afresh would overwrite them. Fix: set train.resume=true "
-                              "to continue, or choose another train.checkpoint_dir.")
-    return None
+                              f"to continue, or choose another {KEY}.")
+    if found is not None:
+        _check_model(scheme.step_dir(base, found), model)
+    if steps is not None:
+        for step in save_steps(found or 0, steps, save_interval):
+            folder = scheme.step_dir(base, step)
+            if folder.exists() and (writer is None or manifest.read_record(folder).get("writer") != writer):
+                raise CheckpointError(
+                    f"{KEY}={root!r}: this run would save step {step} into {folder}, which is already there (newer "
+                    f"than the step it starts from, {found or 0}); a save never replaces a step folder another run "
+                    f"wrote. Fix: to continue from it, write {scheme.pointer_text.format(step)!r} into "
+                    f"{base / scheme.pointer} (it is verified in turn); to train those steps again, move {folder} "
+                    f"away; or choose another {KEY}.")
+    return found
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def check_before_start(root: str | None, *, resume: bool, restarted: bool, trust_unverified: bool = False,
+                       steps: int | None = None, save_interval: int | None = None, model: Any = None,
+                       writer: str | None = None, note: Callable[[str], None] | None = None) -> int | None:
+    """:func:`check_folder` for the Megatron backend: the step to resume from, or ``None`` for a fresh start."""
+    return check_folder(root, MEGATRON, resume=resume, restarted=restarted, trust_unverified=trust_unverified,
+                        steps=steps, save_interval=save_interval, model=model, writer=writer, note=note)
+
+
+def nothing_left(root: str, found: int, steps: int) -> str:
+    """The report of a resume whose checkpoint is already at or past ``train.steps``."""
+    return (f"cfp: nothing to train: {KEY}={root!r} is at step {found} and train.steps={steps}. To train further, "
+            f"set train.steps above {found} (with train.resume=true).")
 
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -136,29 +307,131 @@ def sharded_state(chunks: list[torch.nn.Module], optimizer: Any, *, is_loading: 
     return state
 
 
+def agree(problem: str | None) -> None:
+    """Every rank raises one CheckpointError when any rank has a ``problem`` (the first rank's, by rank), so no
+    rank waits in a collective for one that gave up; a no-op when every rank is fine."""
+    problems: list[str | None] = [problem]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), None)
+    if first is not None:
+        raise CheckpointError(first)
+
+
+def prepare_save(base: Path, final: Path, scheme: Scheme) -> str | None:
+    """Rank 0, before a save writes: make ``<final>.partial``; return why it cannot (``None``: it can). Unfinished
+    saves (``*.partial``) are removed only while this job holds the folder's lock (they are its own, or a dead
+    job's it took over; not those there before any job held it: :func:`.checkpoint_lock.kept_partials`); a step
+    folder already there is kept unless this job wrote it (:func:`.manifest.publish`)."""
+    partial = final.with_name(final.name + ".partial")
+    writer = checkpoint_lock.held_token(base)
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        if writer is not None:
+            kept = checkpoint_lock.kept_partials(base)
+            for stale in base.glob(scheme.folder.split("{")[0] + "*.partial"):
+                if stale.name not in kept:
+                    shutil.rmtree(stale, ignore_errors=True)
+        if final.exists() and (writer is None or manifest.read_record(final).get("writer") != writer):
+            return (f"saving step {final.name} into {KEY}={str(base)!r}: {final} is already there and was not "
+                    f"written by this job; a save never replaces a step folder another run wrote. Fix: move {final} "
+                    f"away, or choose another {KEY}, then resume with train.resume=true.")
+        partial.mkdir()
+    except FileExistsError:
+        return (f"{partial} is already there: another job is saving into {KEY}={str(base)!r}, or one that died "
+                f"left it (this job does not hold the folder's lock, {checkpoint_lock.LOCK}, so it is not removed). "
+                f"Fix: if no other job writes there, remove {partial}; or choose another {KEY}.")
+    except OSError as err:
+        return str(write_error(err, partial, KEY))
+    return None
+
+
+def write_failed(err: BaseException, partial: Path, root: Path, rank: int) -> str:
+    """The message of a save that failed while ranks wrote into ``partial``."""
+    cause = err
+    while not isinstance(cause, OSError) and cause.__cause__ is not None:
+        cause = cause.__cause__
+    if not isinstance(cause, OSError) and ("No space left" in str(err) or _nearly_full(root)):
+        cause = OSError(errno.ENOSPC, "No space left on device")  # torch.save says "unexpected pos ..."
+    text = str(write_error(cause, partial, KEY)) if isinstance(cause, OSError) else f"{type(err).__name__}: {err}"
+    return (f"saving into {partial} failed on rank {rank}: {text[:400]} Nothing was published: the previous "
+            f"checkpoint and its pointer are as they were, and the partial folder is removed. Resume with "
+            f"train.resume=true once {root} can hold a checkpoint.")
+
+
+def _nearly_full(folder: Path) -> bool:
+    """Whether the file system holding ``folder`` has under 1 MiB (or 0.1%) free: a failed write there is a full
+    disk whatever the writer's error says."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return False
+    free = st.f_bavail * st.f_frsize
+    return free < max(1 << 20, st.f_blocks * st.f_frsize // 1000)
+
+
+SAVE_ERRORS = (OSError, RuntimeError, ValueError, EOFError, pickle.PicklingError)
+"""What a rank's writing of a checkpoint raises when the disk refuses (torch DCP wraps a rank's error in a
+``CheckpointException``, a ``BaseException``: caught by name below)."""
+
+
+def is_save_error(err: BaseException) -> bool:
+    """Whether ``err`` is a failed write of a checkpoint (rather than a bug or an interrupt)."""
+    return isinstance(err, SAVE_ERRORS) or type(err).__name__ == "CheckpointException"
+
+
+def finish_save(partial: Path, final: Path, pointer: Path, text: str, record: dict[str, Any],
+                error: BaseException | None) -> None:
+    """After every rank wrote into ``partial`` (``error``: this rank's failure): agree; then rank 0 publishes; any
+    failure removes ``partial`` and is raised on every rank as one CheckpointError."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    problem = write_failed(error, partial, final.parent, rank) if error is not None else None
+    try:
+        agree(problem)
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    problem = None
+    if rank == 0:
+        renamed = False
+        try:
+            manifest.publish(partial, final, pointer, text, record)
+        except (CheckpointError, OSError) as err:
+            renamed = not partial.exists() and final.exists()
+            problem = str(err) if isinstance(err, CheckpointError) else str(write_error(err, final, KEY))
+            shutil.rmtree(partial, ignore_errors=True)
+            if renamed and record.get("writer"):  # the pointer could not be written: this job's folder goes too
+                shutil.rmtree(final, ignore_errors=True)
+    agree(problem)
+
+
 def save(root: str, step: int, chunks: list[torch.nn.Module], optimizer: Any, scheduler: Any,
-         extra: dict[str, Any]) -> Path:
-    """Save a complete checkpoint for ``step`` from every rank; return its folder."""
+         extra: dict[str, Any], *, model: Any = None) -> Path:
+    """Save a complete checkpoint for ``step`` from every rank; return its folder. The manifest records ``model``
+    (the ModelSpec), the layout (``extra["layout"]``) and this job's lock token. A failure on any rank (a full disk)
+    is one CheckpointError on every rank, with the previous checkpoint and pointer intact and no partial folder."""
     base = Path(root)
     final = step_dir(base, step)
     partial = final.with_name(final.name + ".partial")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
-        base.mkdir(parents=True, exist_ok=True)
-        for stale in base.glob("iter_*.partial"):
-            shutil.rmtree(stale, ignore_errors=True)
-        partial.mkdir()
-    _barrier()
+    agree(prepare_save(base, final, MEGATRON) if rank == 0 else None)
     state = sharded_state(chunks, optimizer, is_loading=False)
     state["step"] = step
     state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
     state["extra"] = extra
-    with save_workers.tied_to_this_process():
-        dist_checkpointing.save(state, str(partial))
-    _barrier()
-    if rank == 0:
-        manifest.publish(partial, final, base / LATEST, f"{step}\n")
-    _barrier()
+    error: BaseException | None = None
+    try:
+        with save_workers.tied_to_this_process():
+            dist_checkpointing.save(state, str(partial))
+    except BaseException as err:  # noqa: BLE001 - a failed write is agreed on below; anything else is re-raised
+        if not is_save_error(err):
+            raise
+        error = err
+    record = {"model": json_plain(model) if model is not None else None, "layout": extra.get("layout"),
+              "writer": checkpoint_lock.held_token(base) if rank == 0 else None}
+    finish_save(partial, final, base / LATEST, f"{step}\n", record, error)
     return final
 
 

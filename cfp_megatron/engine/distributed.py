@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -19,6 +20,10 @@ from cfp_megatron.base.config import Backend, JobSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import ParallelDims, hierarchical_cp_sizes
+from cfp_megatron.engine import rank_watch
+
+RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
+"""Least time the rendezvous waits for every rank to arrive (torch's default)."""
 
 
 def resolve_backend(backend: Backend) -> str:
@@ -29,7 +34,9 @@ def resolve_backend(backend: Backend) -> str:
 
 
 def prepare_device_and_env(env: LaunchEnv, *, port: int) -> None:
-    """Bind this rank's GPU (when there is one) and, outside torchrun, set up a one-process ``env://`` rendezvous."""
+    """Tie this rank to torchrun (:func:`~cfp_megatron.engine.rank_watch.tie_to_launcher`, for entries that did not
+    yet), bind its GPU (when there is one) and, outside torchrun, set up a one-process ``env://`` rendezvous."""
+    rank_watch.tie_to_launcher()
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
     if not env.under_torchrun:
@@ -39,20 +46,24 @@ def prepare_device_and_env(env: LaunchEnv, *, port: int) -> None:
         os.environ.setdefault("WORLD_SIZE", "1")
 
 
-def init_distributed(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, timeout_minutes: int = 10) -> None:
-    """Create the default process group (env:// from torchrun) and Megatron's model-parallel groups, then seed."""
+def init_distributed(job: JobSpec, dims: ParallelDims, env: LaunchEnv) -> None:
+    """Create the default process group (env:// from torchrun) and Megatron's model-parallel groups, then seed.
+    Every group waits at most ``train.collective_timeout_s`` in a collective; each rank's progress is recorded in
+    the default group's store (:mod:`cfp_megatron.engine.rank_watch`) so a stalled rank can be named."""
     prepare_device_and_env(env, port=29511)
+    timeout = datetime.timedelta(seconds=job.train.collective_timeout_s)
     if not dist.is_initialized():
-        timeout = datetime.timedelta(minutes=timeout_minutes)
         kwargs: dict = {}
         if torch.cuda.is_available():
             kwargs["device_id"] = torch.device("cuda", env.local_rank)
         # torchrun's store outlives a worker restart, and process-group keys (Megatron creates dozens of groups)
-        # would then resolve to the dead workers' addresses; keep each attempt's keys apart.
-        store, rank, world = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+        # would then resolve to the dead workers' addresses; keep each attempt's keys apart. The rendezvous waits
+        # for every rank to arrive (rank 0 may plan first): at least torch's default 10 minutes.
+        store, rank, world = next(dist.rendezvous("env://", env.rank, env.world_size,
+                                                  timeout=max(timeout, RENDEZVOUS_TIMEOUT)))
         store = dist.PrefixStore(f"/cfp/attempt_{env.restart_count}", store)
-        dist.init_process_group(backend=resolve_backend(job.cluster.backend), store=store, rank=rank,
-                                world_size=world, timeout=timeout, **kwargs)
+        rank_watch.at("start-up: the process groups, the model and the optimizer (before this run's first step)")
+        init_default_group(resolve_backend(job.cluster.backend), store, rank, world, timeout, **kwargs)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
@@ -62,13 +73,41 @@ def init_distributed(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, timeou
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.etp,
         order=dims.order,
-        distributed_timeout_minutes=timeout_minutes,
+        distributed_timeout_minutes=job.train.collective_timeout_s / 60,  # a timedelta's minutes: fractions work
     )
     if job.parallel.tp_comm_overlap:
         initialize_tp_communicators(job, dims)
     # Megatron's RNG tracker: same seed on TP peers for replicated work, distinct where Megatron wants it.
     torch.manual_seed(job.train.seed)
     model_parallel_cuda_manual_seed(job.train.seed)
+
+
+def init_default_group(backend: str, store: dist.Store, rank: int, world: int, timeout: datetime.timedelta,
+                       **kwargs: Any) -> None:
+    """The default process group on ``store``, every collective bounded by ``timeout``, and this rank's progress
+    recorded in ``store`` (:func:`cfp_megatron.engine.rank_watch.watch`). Joining it may take longer (ranks arrive
+    minutes apart while rank 0 plans or draws): up to :data:`RENDEZVOUS_TIMEOUT` when ``timeout`` is shorter; a
+    rank missing after that is named (:class:`~cfp_megatron.engine.rank_watch.RankStalledError`)."""
+    rank_watch.watch(store, rank=rank, world=world, timeout_s=timeout.total_seconds())
+    joining = max(timeout, RENDEZVOUS_TIMEOUT)
+    try:
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=joining, **kwargs)
+    except Exception as err:
+        if rank_watch.is_collective_timeout(err):
+            raise rank_watch.stalled(err, limit_s=joining.total_seconds()) from None
+        raise
+    if joining != timeout:
+        dist.distributed_c10d._set_pg_timeout(timeout)  # torch's own setter (gloo and NCCL), for later work
+
+
+def bound_every_group(timeout_s: float) -> None:
+    """Bound the collectives of every process group this rank joined by ``timeout_s``
+    (``train.collective_timeout_s``): the groups made without a timeout (DeepSpeed's, PrimePar's grids) have
+    torch's 30 minutes otherwise."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for group in list(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else ():
+        with contextlib.suppress(ValueError, RuntimeError):  # a group this rank is not in, or one already gone
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def initialize_tp_communicators(job: JobSpec, dims: ParallelDims) -> None:
@@ -125,6 +164,7 @@ def searched_on_rank0(search: Any, outcome: Any, env: LaunchEnv, console: Any) -
     """Say how profiling went and run ``search`` (returning a JSON-ready payload) on rank 0, then give its payload
     to every rank; a :class:`ConfigError` on rank 0 is raised on every rank."""
     payload: dict[str, Any] | None = None
+    rank_watch.at("the search for a plan (rank 0 searches while the others wait)")
     if env.rank == 0:
         if console is not None:
             state = "reused the ProfileDB" if outcome.reused else f"profiled in {outcome.wall_s:.1f} s"

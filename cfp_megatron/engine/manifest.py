@@ -20,8 +20,10 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cfp_megatron.base.errors import CheckpointError
+from cfp_megatron.base.files import fsync_dir, write_atomic
 
 MANIFEST = "cfp_manifest.json"
 """Name of the manifest inside a checkpoint folder."""
@@ -68,34 +70,32 @@ def _digests(folder: Path, names: list[str]) -> dict[str, str]:
         return dict(zip(names, pool.map(lambda n: file_digest(folder / n), names), strict=True))
 
 
-def write_manifest(folder: Path) -> Path:
-    """Hash every file under ``folder`` and write the manifest there (temp file, fsync, ``os.replace``); call it on
-    one rank after every rank finished writing, before the folder is made current."""
+def write_manifest(folder: Path, record: dict[str, Any] | None = None) -> Path:
+    """Hash every file under ``folder`` and write the manifest there (temp file, fsync, ``os.replace``), with
+    ``record`` (:data:`RECORD_KEYS`: what was saved, and by which job); call it on one rank after every rank
+    finished writing, before the folder is made current."""
     names = list(_files(folder))
     digests = _digests(folder, names)
     files = {n: {"size": (folder / n).stat().st_size, "digest": digests[n]} for n in names}
-    tmp = folder / (MANIFEST + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump({"format": FORMAT, "hash": HASH, "files": files}, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, folder / MANIFEST)
-    fsync_dir(folder)
+    extra = {k: v for k, v in (record or {}).items() if k in RECORD_KEYS and v is not None}
+    write_atomic(folder / MANIFEST, json.dumps({"format": FORMAT, "hash": HASH, "files": files, **extra}, indent=1,
+                                               sort_keys=True), key="train.checkpoint_dir", sync=True)
     return folder / MANIFEST
 
 
-def fsync_dir(folder: Path) -> None:
-    """Make a rename or a new file in ``folder`` durable (no-op where directories cannot be opened)."""
+RECORD_KEYS = ("model", "layout", "writer")
+"""What a manifest records besides its files: the model (its ModelSpec as plain JSON), the layout it was saved
+under, and the token of the job's folder lock (:mod:`.checkpoint_lock`) that wrote it."""
+
+
+def read_record(folder: Path) -> dict[str, Any]:
+    """The :data:`RECORD_KEYS` the manifest in ``folder`` holds (empty when it has none, or cannot be read: the
+    verification reports that)."""
     try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        raw = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: raw[k] for k in RECORD_KEYS if k in raw} if isinstance(raw, dict) else {}
 
 
 SAVE_FAULT_ENV = "CFP_SAVE_FAULT"
@@ -110,26 +110,27 @@ def _fault_point(phase: str, final: Path) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def publish(partial: Path, final: Path, pointer: Path, text: str) -> None:
+def publish(partial: Path, final: Path, pointer: Path, text: str, record: dict[str, Any] | None = None) -> None:
     """Make the save in ``partial`` the newest complete checkpoint (rank 0, after every rank wrote its part): its
-    manifest, then the rename of the folder to ``final``, then ``text`` written into the ``pointer`` file (``latest``)
-    through a temporary file and a rename, each synced to disk; a kill at any point leaves the previous checkpoint
-    and its pointer as they were."""
+    manifest (with ``record``), then the rename of the folder to ``final``, then ``text`` written into the
+    ``pointer`` file (``latest``) through a temporary file and a rename, each synced to disk; a kill at any point
+    leaves the previous checkpoint and its pointer as they were. A ``final`` already there is replaced only when
+    this job wrote it (its manifest's ``writer`` is ``record``'s: a save killed before its pointer was updated);
+    any other is a CheckpointError, and stays."""
+    writer = (record or {}).get("writer")
+    if final.exists() and (writer is None or read_record(final).get("writer") != writer):
+        raise CheckpointError(f"{final} is already there and was not written by this job: a save never replaces a "
+                              f"step folder another run wrote, and nothing was published. Fix: move {final} away, "
+                              "or choose another train.checkpoint_dir.")
     _fault_point("manifest", final)
-    write_manifest(partial)
+    write_manifest(partial, record)
     _fault_point("rename", final)
     if final.exists():
         shutil.rmtree(final)
     os.replace(partial, final)
     fsync_dir(final.parent)
     _fault_point("pointer", final)
-    tmp = pointer.with_name(pointer.name + ".tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, pointer)
-    fsync_dir(pointer.parent)
+    write_atomic(pointer, text, key="train.checkpoint_dir", sync=True)
 
 
 def read_manifest(folder: Path, fix: str) -> dict[str, FileEntry] | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,6 +17,15 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+
+from cfp_megatron.base.files import FileWriteError, append_record, write_error
+
+METRICS_KIND = "cfp-metrics"
+"""The ``kind`` of a metrics file's first record (``{"kind": "cfp-metrics", "event": "header", ...}``, written when
+the file is created): a file that does not begin with it is not cfp-megatron's and is never appended to."""
+
+METRICS_FORMAT = 1
+"""The header's ``format``: the layout of the records that follow it."""
 
 ONE_LINE_WIDTH = 160
 """A record whose ``key value`` pairs fit in this many characters is printed on one line."""
@@ -114,8 +123,12 @@ class StepMetrics:
 class MetricsLog:
     """Rank 0's log: readable lines on the console and one JSON object per line in ``metrics.jsonl``."""
 
-    def __init__(self, path: Path | None, enabled: bool) -> None:
+    def __init__(self, path: Path | None, enabled: bool, *, key: str = "train.metrics_file") -> None:
         self.enabled = enabled
+        self.key = key
+        """The setting that chose ``path`` (named in a write error)."""
+        self.failed: FileWriteError | None = None
+        """The write error that stopped the file's records (training goes on: see :meth:`_write`)."""
         self.console = Console(highlight=False)
         self.path = path
         # A live bar on a terminal only; logs and pipes get the step lines alone.
@@ -123,7 +136,10 @@ class MetricsLog:
                                  TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=True,
                                  disable=not (enabled and self.console.is_terminal))
         if enabled and path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise write_error(err, path, key) from None
 
     def event(self, kind: str, **fields: Any) -> None:
         """Write a non-step record (start, resume, checkpoint, end) and say it on the console."""
@@ -143,6 +159,17 @@ class MetricsLog:
                 f"{m.tflops_per_rank:.3f} TFLOP/s/rank | MFU {m.mfu * 100:.1f}%", soft_wrap=True)
 
     def _write(self, record: dict) -> None:
-        if self.enabled and self.path is not None:
-            with open(self.path, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+        """Append ``record`` as one whole line (:func:`~cfp_megatron.base.files.append_record`: a file cfp-megatron
+        did not create is refused, a short write undone). When the disk refuses it (full, read-only since), the file
+        keeps its whole lines, a warning says so once on stderr, no later record is written (no gaps), and training
+        goes on: the console keeps every step's line and the checkpoints are saved as planned."""
+        if not self.enabled or self.path is None or self.failed is not None:
+            return
+        try:
+            append_record(self.path, record, kind=METRICS_KIND, key=self.key,
+                          header={"event": "header", "format": METRICS_FORMAT, "time": time.time()})
+        except FileWriteError as err:
+            self.failed = err
+            step = f" at step {record['step']}" if record.get("event") == "step" else ""
+            print(f"cfp: warning: the metrics file stops here{step}; training goes on, and the console keeps "
+                  f"every step's line. {err}", file=sys.stderr, flush=True)

@@ -29,9 +29,12 @@ def measure_matmul_tflops(dtype: torch.dtype = torch.float32, size: int | None =
 
 
 def peak_tflops(cluster: ClusterSpec, precision: Precision) -> tuple[float, str]:
-    """Peak TFLOP/s per rank for ``precision`` and where the figure came from ('preset' or 'measured ...')."""
+    """Peak TFLOP/s per rank for ``precision`` and where the figure came from ('preset' or 'measured ...'). A GPU
+    preset's figure on a machine without a GPU (which the training entry refuses) is not this machine's: measured."""
     preset = {Precision.bf16: cluster.peak_tflops_bf16, Precision.fp16: cluster.peak_tflops_bf16,
               Precision.fp32: cluster.peak_tflops_fp32}.get(precision)
+    if preset is not None and not cluster.on_cpu and not torch.cuda.is_available():
+        return measure_matmul_tflops(torch.float32), f"measured (fp32 matmul: no {cluster.device_name} here)"
     if preset is not None:
         return preset, "preset"
     if not torch.cuda.is_available():

@@ -42,7 +42,8 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from cfp_megatron.base.errors import CfpError
+from cfp_megatron.base.files import write_atomic, write_error
 from cfp_megatron.graph import strided_rules
 from cfp_megatron.graph.opgraph import Operator, OpGraph, Phase, TensorRef
 from cfp_megatron.graph.propagation import (
@@ -316,7 +318,7 @@ def verify_on_gloo(build: Callable[[], torch.nn.Module], make_input: Callable[[]
     import torch.multiprocessing as mp
 
     spec = {"entry": _tokens(entry), "params": {k: _tokens(v) for k, v in params.items()}}
-    with tempfile.TemporaryDirectory() as tmp:
+    with _rank_folder() as tmp:
         mp.spawn(_gloo_rank, args=(world_size, tmp, build, make_input, spec), nprocs=world_size, join=True)
         reports = []
         for rank in range(world_size):
@@ -328,6 +330,23 @@ def verify_on_gloo(build: Callable[[], torch.nn.Module], make_input: Callable[[]
             collectives[k] = collectives.get(k, 0) + v
     return GlooVerification(world_size=world_size, collectives=collectives,
                             max_abs_error=max(rep["max_abs_error"] for rep in reports))
+
+
+TMP_KEY = "TMPDIR (environment variable)"
+"""What chooses the folder of the ranks' reports (named when its disk refuses them)."""
+
+
+@contextmanager
+def _rank_folder() -> Iterator[str]:
+    """A temporary folder for the rank processes' store and reports, written to once first, so a full or
+    read-only temporary disk is one :class:`~cfp_megatron.base.files.FileWriteError` here, before any rank starts."""
+    try:
+        folder = tempfile.TemporaryDirectory(prefix="cfp-gloo-")
+    except OSError as err:
+        raise write_error(err, os.path.join(tempfile.gettempdir(), "cfp-gloo-*"), TMP_KEY) from None
+    with folder as tmp:
+        write_atomic(os.path.join(tmp, "probe"), "x" * 4096, key=TMP_KEY)
+        yield tmp
 
 
 def _leave() -> None:
@@ -366,8 +385,8 @@ def _gloo_rank(rank: int, world_size: int, tmp: str, build: Callable[[], torch.n
         with torch.no_grad():
             full = out.full_tensor()
         error = float((full - reference).abs().max())
-        with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
-            json.dump({"collectives": collectives, "max_abs_error": error}, f)
+        write_atomic(os.path.join(tmp, f"rank{rank}.json"),
+                     json.dumps({"collectives": collectives, "max_abs_error": error}), key=TMP_KEY)
         dist.barrier()  # no rank leaves while another still finishes a collective (gloo aborts on a closed peer)
     finally:
         dist.destroy_process_group()
@@ -412,7 +431,7 @@ def verify_blocks_on_gloo(build_graph: Callable[[], OpGraph], mesh_shape: tuple[
     import torch.multiprocessing as mp
 
     world_size = math.prod(mesh_shape)
-    with tempfile.TemporaryDirectory() as tmp:
+    with _rank_folder() as tmp:
         mp.spawn(_replay_rank, args=(world_size, tmp, build_graph, tuple(mesh_shape), list(checks)),
                  nprocs=world_size, join=True)
         reports = []
@@ -530,8 +549,7 @@ def _replay_rank(rank: int, world_size: int, tmp: str, build_graph: Callable[[],
             want = plain[check.exit].float()
             reports.append({"collectives": collectives, "error": None, "max_abs_error": _max_abs_error(full, want),
                             "scale": float(want.nan_to_num().abs().max()) if want.numel() else 0.0})
-        with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
-            json.dump(reports, f)
+        write_atomic(os.path.join(tmp, f"rank{rank}.json"), json.dumps(reports), key=TMP_KEY)
         dist.barrier()  # no rank leaves while another still finishes a collective (gloo aborts on a closed peer)
     finally:
         dist.destroy_process_group()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cfp_megatron.base.config import JobSpec, Precision
-from cfp_megatron.base.files import cache_dir, write_atomic
+from cfp_megatron.base.files import CACHE_KEY, cache_dir, write_atomic
 from cfp_megatron.base.jsonio import installed_version, json_plain
 from cfp_megatron.model.summary import SCHEMA_VERSION, CaptureSummary
 
@@ -46,7 +46,7 @@ def load_json(key: str, *, section: str = "capture") -> Any | None:
 
 def store_json(key: str, data: Any, *, section: str = "capture") -> Path:
     """Write ``data`` as JSON under ``key`` in ``section`` atomically (temporary file + rename); return the file."""
-    return write_atomic(cache_dir() / section / f"{key}.json", json.dumps(data, separators=(",", ":")))
+    return write_atomic(cache_dir() / section / f"{key}.json", json.dumps(data, separators=(",", ":")), key=CACHE_KEY)
 
 
 def load(key: str) -> CaptureSummary | None:

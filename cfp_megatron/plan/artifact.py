@@ -32,22 +32,28 @@ import math
 import os
 import re
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cfp_megatron.base.backend_spec import BackendKind, ZeroSpec, zero_keys
 from cfp_megatron.base.config import JobSpec, ParallelSpec, Precision, Recompute, build_spec, layout_keys
-from cfp_megatron.base.errors import ConfigError
-from cfp_megatron.base.files import write_new
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.files import DuplicateKeyError, NotRegularFileError, json_loads_unique, open_regular, write_new
 from cfp_megatron.base.jsonio import json_plain
 from cfp_megatron.base.parallel_dims import data_parallel_size
 from cfp_megatron.plan.errors import PlanError
 from cfp_megatron.sim.prediction import GIB, Prediction, exposed_comm_s, mfu
 from cfp_megatron.sim.uncertainty import ErrorBand
 
-SCHEMA_VERSION = 1
-"""Version of plan.json's layout; bump it when a field changes meaning or is removed."""
+SCHEMA_VERSION = 2
+"""Version of plan.json's layout; bump it when a field changes meaning or is removed. Version 2 requires the
+:func:`content_hash` and adds the job's inputs (``inputs``: :attr:`Plan.job_inputs`); a version-1 file is read as
+version 1 was (its content hash checked where it has one, no inputs)."""
+
+CONTENT_HASH_SINCE = 2
+"""The first schema version whose plan.json must carry its :func:`content_hash` (version 1 files were written both
+before and after the content hash, so for them it is checked only where present)."""
 
 PLAN_FILE_SETTING = "cfp.plan_file"
 """The Hydra key that says where plan.json goes (named in errors about the file)."""
@@ -188,6 +194,12 @@ class Plan:
     requires: tuple[str, ...] = ()
     """What running the plan needs beyond Megatron-Core on PyTorch (Transformer Engine for context parallelism...,
     :func:`cfp_megatron.plan.requirements.plan_requirements`); not part of the canonical string or the hash."""
+    job_inputs: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
+    """The settings of the job the plan was made for that the plan does not set itself, as ``(Hydra key, JSON
+    value)`` pairs sorted by key: every ``model.*`` field and ``train.optimizer`` (:func:`job_inputs`); a job it is
+    applied to must have the same (:func:`job_mismatches`). Empty for a plan parsed from its canonical string or
+    read from a version-1 plan.json. Not part of the canonical string, the hash or equality (plan.json's content
+    hash covers it)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.parallel, ParallelSpec):
@@ -220,6 +232,9 @@ class Plan:
             out.append(f"inputs_fingerprint={self.inputs_fingerprint!r} must be a string without spaces or , = : @.")
         if self.predicted is not None and not isinstance(self.predicted, PlanPrediction):
             out.append(f"predicted must be a PlanPrediction or None, not {type(self.predicted).__name__}.")
+        if not isinstance(self.job_inputs, tuple) or not all(
+                isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) for kv in self.job_inputs):
+            out.append("job_inputs must be a tuple of (Hydra key, value) pairs.")
         out += self._backend_problems()
         if out:
             return out
@@ -347,7 +362,8 @@ class Plan:
         return cls(model=job.model.name, cluster=job.cluster.name, nodes=nodes, gpus_per_node=gpus,
                    parallel=job.parallel, micro_batch_size=job.train.micro_batch_size,
                    global_batch_size=job.train.global_batch_size, seq_length=job.train.seq_length,
-                   precision=job.train.precision.value, predicted=prediction, inputs_fingerprint=inputs_fingerprint)
+                   precision=job.train.precision.value, predicted=prediction, inputs_fingerprint=inputs_fingerprint,
+                   job_inputs=job_inputs(job))
 
     @classmethod
     def for_deepspeed(cls, job: JobSpec, *, world: int, zero: ZeroSpec, micro_batch: int,
@@ -363,17 +379,24 @@ class Plan:
         return cls(model=job.model.name, cluster=job.cluster.name, nodes=nodes, gpus_per_node=world // nodes,
                    parallel=parallel, micro_batch_size=micro_batch, global_batch_size=job.train.global_batch_size,
                    seq_length=job.train.seq_length, precision=precision.value, backend=BackendKind.deepspeed,
-                   zero=zero, predicted=predicted)
+                   zero=zero, predicted=predicted, job_inputs=job_inputs(job))
 
     def apply(self, job: JobSpec) -> JobSpec:
-        """``job`` with this plan's parallel spec, micro and global batch and sequence length (everything else,
-        precision included, stays as the job has it). Raises :class:`PlanError` if the plan is for another model."""
+        """``job`` with this plan's parallel spec, micro and global batch, sequence length and precision (a plan's
+        ``auto`` leaves the job's; everything else stays as the job has it). Raises :class:`PlanError` if the plan
+        is for another model, a :class:`ConfigError` naming each key where the job's model (or optimizer) differs
+        from the one the plan was made for (:func:`job_mismatches`)."""
         if job.model.name != self.model:
             raise PlanError(f"the plan is for model {self.model!r} but the job's model is {job.model.name!r}.",
                             fix=f"run with model={self.model}, or plan again for model={job.model.name}.",
                             setting="model")
+        issues = job_mismatches(self, job)
+        if issues:
+            raise ConfigError(issues)
+        precision = job.train.precision if self.precision == Precision.auto.value else Precision(self.precision)
         train = dataclasses.replace(job.train, micro_batch_size=self.micro_batch_size,
-                                    global_batch_size=self.global_batch_size, seq_length=self.seq_length)
+                                    global_batch_size=self.global_batch_size, seq_length=self.seq_length,
+                                    precision=precision)
         return dataclasses.replace(job, parallel=self.parallel, train=train)
 
     # ------------------------------------------------------------------------------------------ canonical string
@@ -501,6 +524,8 @@ class Plan:
         }
         if self.requires:  # written only when there is something, so plans without requirements keep their files
             out["requires"] = list(self.requires)
+        if self.schema_version >= 2:
+            out["inputs"] = dict(self.job_inputs)
         return {**out, CONTENT_HASH_KEY: content_hash(out)}
 
     @classmethod
@@ -515,26 +540,27 @@ class Plan:
             raise PlanError(f"plan.json must hold a JSON object, not {type(d).__name__}.",
                             fix="re-plan to write a fresh plan.json.")
         if isinstance(d.get("plan"), dict) and "zero_stage" in d["plan"]:  # an earlier DeepSpeed run's zero_plan.json
-            plan = cls.parse(str(d.get("canonical", "")))
-            predicted = d.get("predicted")
-            return plan if predicted is None else dataclasses.replace(
-                plan, predicted=PlanPrediction.from_json({"bubble_fraction": 0.0, **predicted}))
+            return _legacy_zero_plan_json(d)
         version = d.get("schema_version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise PlanError(f"plan.json has no valid schema_version (got {version!r}).",
                             fix="re-plan to write a fresh plan.json.")
-        if version != SCHEMA_VERSION:
-            newer = version > SCHEMA_VERSION
-            raise PlanError(f"plan.json has schema_version {version}; this cfp-megatron reads version "
-                            f"{SCHEMA_VERSION}" + (" (the file was written by a newer cfp-megatron)." if newer
-                                                   else "."),
-                            fix="upgrade cfp-megatron to the version that wrote it, or re-plan with this one."
-                            if newer else "re-plan with this cfp-megatron to write a current plan.json.")
+        if version > SCHEMA_VERSION:
+            raise PlanError(f"plan.json has schema_version {version}; this cfp-megatron reads versions 1 to "
+                            f"{SCHEMA_VERSION} (the file was written by a newer cfp-megatron).",
+                            fix="upgrade cfp-megatron to the version that wrote it, or re-plan with this one.")
+        if version >= CONTENT_HASH_SINCE and CONTENT_HASH_KEY not in d:
+            raise PlanError(f"plan.json (schema_version {version}) has no {CONTENT_HASH_KEY}: every plan.json of "
+                            f"this version is written with one, so it was removed (a hand edit), and the "
+                            "prediction, fingerprint and inputs cannot be trusted.",
+                            fix="re-plan to write a fresh plan.json, or pin the layout you want with "
+                                "cfp.<knob>=... or parallel.<knob>=... instead of editing the file.")
         fields = ["model", "cluster", "nodes", "gpus_per_node", "parallel", "micro_batch_size", "global_batch_size",
                   "seq_length", "precision"]
         _check_keys(d, required=["schema_version", "canonical", "hash", *fields],
                     optional=["inputs_fingerprint", "prediction", "world_size", "dp", "num_microbatches",
-                              "backend", "zero", CONTENT_HASH_KEY, "requires"], where="plan.json")
+                              "backend", "zero", CONTENT_HASH_KEY, "requires",
+                              *(["inputs"] if version >= 2 else [])], where=f"plan.json (schema_version {version})")
         parallel = _parallel_from_json(d["parallel"])
         try:
             backend = BackendKind(d.get("backend", BackendKind.megatron.value))
@@ -549,7 +575,8 @@ class Plan:
                    backend=backend, zero=zero,
                    predicted=None if prediction is None else PlanPrediction.from_json(prediction),
                    inputs_fingerprint=d.get("inputs_fingerprint", ""),
-                   requires=tuple(str(r) for r in d.get("requires") or ()))
+                   requires=tuple(str(r) for r in d.get("requires") or ()),
+                   job_inputs=_inputs_from_json(d.get("inputs", {})))
         stored, actual = d["hash"], plan.plan_hash()
         if stored != actual or d["canonical"] != plan.canonical():
             raise PlanError(f"plan.json was edited: hash mismatch (stored hash {stored!r}, canonical "
@@ -557,8 +584,8 @@ class Plan:
                             "or a file written by a cfp-megatron with other layout fields, causes this.",
                             fix="re-plan to write a fresh plan.json, or pin the layout you want with cfp.<knob>=... "
                                 "or parallel.<knob>=... instead of editing the file.")
-        # Written since the prediction is hashed too; a file from before has none and is read with its prediction
-        # range-checked only (docs/plan.md).
+        # Required since schema version 2; a version-1 file from before the prediction was hashed has none and is
+        # read with its prediction range-checked only (docs/plan.md).
         if CONTENT_HASH_KEY in d:
             stored = d[CONTENT_HASH_KEY]
             actual = content_hash({k: v for k, v in d.items() if k != CONTENT_HASH_KEY})
@@ -584,11 +611,12 @@ def content_hash(content: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
-def save_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
+def save_plan(plan: Plan, path: str | os.PathLike[str], *, key: str = PLAN_FILE_SETTING) -> Path:
     """Write ``plan.to_json()`` to ``path`` atomically and return the path. An existing file is never overwritten:
-    :class:`PlanError` names ``cfp.plan_file``, the path and the fix."""
+    :class:`PlanError` names ``cfp.plan_file``, the path and the fix; a disk that refuses the write is a
+    :class:`~cfp_megatron.base.files.FileWriteError` naming ``key`` (the setting or option that chose the path)."""
     try:
-        return write_new(path, json.dumps(plan.to_json(), indent=2) + "\n")
+        return write_new(path, json.dumps(plan.to_json(), indent=2) + "\n", key=key)
     except FileExistsError:
         raise PlanError(f"{path} already exists; an existing plan file is never overwritten.",
                         fix=f"choose another path with {PLAN_FILE_SETTING}=..., or remove {path} first.",
@@ -600,12 +628,18 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     problem :meth:`Plan.from_json` finds."""
     source = Path(path)
     try:
-        text = source.read_text(encoding="utf-8")
+        with open_regular(source, "r") as fh:
+            text = fh.read()
     except FileNotFoundError:
         raise PlanError(f"plan file {source} does not exist.",
                         fix="check the path, or plan first (+cfp=auto) to write one.") from None
     except IsADirectoryError:
         raise PlanError(f"plan file {source} is a directory.", fix="point at the plan.json inside it.") from None
+    except NotRegularFileError as err:
+        if source.is_dir():
+            raise PlanError(f"plan file {source} is a directory.", fix="point at the plan.json inside it.") from None
+        raise PlanError(f"plan file {err.strerror}", fix="point at a plan.json file the planner wrote (copy it out "
+                        "of the pipe or device first).", setting=PLAN_FILE_SETTING) from None
     except UnicodeDecodeError as err:
         raise PlanError(f"plan file {source} is not a plan.json: not UTF-8 text (byte {err.start} is "
                         f"{err.object[err.start:err.start + 1]!r}); a binary or damaged file.",
@@ -614,7 +648,11 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
         raise PlanError(f"plan file {source} cannot be read: {err.strerror or err}.",
                         fix="check the file's permissions.") from None
     try:
-        data = json.loads(text)
+        data = json_loads_unique(text)
+    except DuplicateKeyError as err:
+        raise PlanError(f"plan file {source} is ambiguous: {err}.",
+                        fix=f"re-plan to write a fresh plan file (or keep one {err.key!r} and re-plan: a hand edit "
+                            "also breaks the content hash).", setting=PLAN_FILE_SETTING) from None
     except json.JSONDecodeError as err:
         end = "; it stops before the closing '}' (truncated?)" if text.strip() and not text.rstrip().endswith("}") \
             else ""
@@ -628,7 +666,85 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
         raise PlanError(f"plan file {source}: {err.problem}", fix=err.fix, setting=err.setting) from None
 
 
+# ----------------------------------------------------------------------------------------------- job inputs
+
+_TRAIN_INPUTS: tuple[str, ...] = ("optimizer",)
+"""``train`` fields a plan depends on and does not set (it sets the batch, the sequence and the precision)."""
+
+
+def job_inputs(job: JobSpec) -> tuple[tuple[str, Any], ...]:
+    """What a plan of ``job`` is made for and does not set itself: every ``model.*`` field and ``train.optimizer``,
+    as ``(Hydra key, JSON value)`` pairs sorted by key (:attr:`Plan.job_inputs`)."""
+    values = {f"model.{k}": v for k, v in json_plain(job.model).items()}
+    values.update({f"train.{k}": json_plain(getattr(job.train, k)) for k in _TRAIN_INPUTS})
+    return tuple(sorted(values.items()))
+
+
+def _hydra_text(value: Any) -> str:
+    """``value`` as it is typed on the command line."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def job_mismatches(plan: Plan, job: JobSpec, *, source: str = "the plan") -> list[ConfigIssue]:
+    """One issue per setting of :attr:`Plan.job_inputs` whose value in ``job`` differs from the plan's (a key one of
+    them lacks, from an older or newer cfp-megatron, is not compared); empty for a plan without inputs. ``source``
+    names the plan in the problem."""
+    current = dict(job_inputs(job))
+    return [ConfigIssue(key=key, value=current[key],
+                        problem=f"{source} was made for {key}={_hydra_text(planned)}, not {_hydra_text(current[key])}: "
+                                "its layout, batch and memory were chosen for that job.",
+                        fix=f"run the plan with {key}={_hydra_text(planned)}, or plan again for this job (+cfp=auto, "
+                            "or python -m cfp_megatron.plan with the same settings).")
+            for key, planned in plan.job_inputs if key in current and current[key] != planned]
+
+
+def _inputs_from_json(value: Any) -> tuple[tuple[str, Any], ...]:
+    """:attr:`Plan.job_inputs` from plan.json's ``inputs`` mapping."""
+    if not isinstance(value, dict):
+        raise PlanError(f"plan.json's inputs must be a mapping of settings, not {type(value).__name__}.",
+                        fix="re-plan to write a fresh plan.json.")
+    return tuple(sorted(value.items()))
+
+
 # ----------------------------------------------------------------------------------------------------- helpers
+
+_LEGACY_ZERO_PLAN_FIELDS = ("model", "cluster", "nodes", "gpus_per_node", "zero_stage", "micro_batch_size",
+                            "global_batch_size", "seq_length", "activation_checkpointing", "offload_optimizer",
+                            "offload_param", "bucket_elements", "precision")
+"""The ``plan`` fields of an earlier DeepSpeed run's zero_plan.json (schema version 1 of that file)."""
+
+
+def _legacy_zero_plan_json(d: dict[str, Any]) -> Plan:
+    """The Plan of an earlier DeepSpeed run's zero_plan.json, checked as that file's version 1 was written: the
+    schema version, the hash of its canonical string, and its fields against the string."""
+    where = "zero_plan.json (a DeepSpeed plan file from before plan.json)"
+    if d.get("schema_version") != 1 or isinstance(d.get("schema_version"), bool):
+        raise PlanError(f"{where} has schema_version {d.get('schema_version')!r}; those files have version 1.",
+                        fix="re-plan (+cfp=auto) to write a current plan.json.")
+    _check_keys(d, required=["schema_version", "canonical", "hash", "plan"], optional=["predicted"], where=where)
+    text = d["canonical"]
+    actual = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16] if isinstance(text, str) else None
+    if actual is None or d["hash"] != actual:
+        raise PlanError(f"{where} was edited: hash mismatch (stored hash {d['hash']!r}; its canonical string "
+                        f"{text!r} gives {actual!r}).", fix="re-plan (+cfp=auto) to write a fresh plan.json.")
+    plan = Plan.parse(text)
+    fields = d["plan"]
+    _check_keys(fields, required=list(_LEGACY_ZERO_PLAN_FIELDS), where=f"{where}'s plan")
+    string = {"model": plan.model, "cluster": plan.cluster, "nodes": plan.nodes, "gpus_per_node": plan.gpus_per_node,
+              "zero_stage": plan.zero_stage, "micro_batch_size": plan.micro_batch_size,
+              "global_batch_size": plan.global_batch_size, "seq_length": plan.seq_length,
+              "activation_checkpointing": plan.activation_checkpointing,
+              "offload_optimizer": plan.offload_optimizer, "offload_param": plan.offload_param,
+              "bucket_elements": plan.bucket_elements, "precision": plan.precision}
+    differ = {k: (fields[k], v) for k, v in string.items() if fields[k] != v or type(fields[k]) is not type(v)}
+    if differ:
+        said = ", ".join(f"{k}={a!r} (the string says {b!r})" for k, (a, b) in differ.items())
+        raise PlanError(f"{where} was edited: its fields do not give its canonical string: {said}.",
+                        fix="re-plan (+cfp=auto) to write a fresh plan.json.")
+    predicted = d.get("predicted")
+    return plan if predicted is None else dataclasses.replace(
+        plan, predicted=PlanPrediction.from_json({"bubble_fraction": 0.0, **predicted}))
+
 
 _LEGACY_DEEPSPEED_KEYS = ("zero", "dp", "mb", "ga", "gbs", "seq", "ckpt", "oopt", "oparam", "bucket", "prec")
 """The keys of a DeepSpeed plan string from before DeepSpeed plans were Plans (``zero=2,dp=4,...,prec=fp32``)."""

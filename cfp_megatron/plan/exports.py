@@ -310,10 +310,13 @@ def check_exports(folder: str | os.PathLike[str], texts: Mapping[str, str]) -> N
                             "<folder>/plan.json, or --out).", setting=PLAN_FILE_SETTING)
 
 
-def write_exports(folder: str | os.PathLike[str], texts: Mapping[str, str], *, plan: Plan) -> list[Path]:
+def write_exports(folder: str | os.PathLike[str], texts: Mapping[str, str], *, plan: Plan,
+                  key: str = PLAN_FILE_SETTING) -> list[Path]:
     """Write the exports ``texts`` (file name -> content) of ``plan`` into ``folder`` together: each one replaces
     the export of an earlier plan there (none stays beside a new plan.json), and :data:`EXPORTS_MANIFEST` records
-    them; nothing is written when :func:`check_exports` refuses a file there. Returns the paths written."""
+    them; nothing is written when :func:`check_exports` refuses a file there. Returns the paths written. Each file
+    is written atomically; a disk that refuses one is a :class:`~cfp_megatron.base.files.FileWriteError` naming
+    ``key`` (the setting or option that chose the folder)."""
     where = Path(folder)
     check_exports(where, texts)
     before = _written_before(where)
@@ -325,7 +328,7 @@ def write_exports(folder: str | os.PathLike[str], texts: Mapping[str, str], *, p
     # The manifest names the old and the new contents while the files are replaced, so an interrupted write leaves
     # every file recognised as cfp-megatron's; then only the new ones.
     write_atomic(where / EXPORTS_MANIFEST, manifest({**before, **{n: sorted({*before.get(n, ()), d})
-                                                                   for n, d in new.items()}}))
-    paths = [write_atomic(where / name, text) for name, text in texts.items()]
-    write_atomic(where / EXPORTS_MANIFEST, manifest({**before, **{n: [d] for n, d in new.items()}}))
+                                                                   for n, d in new.items()}}), key=key)
+    paths = [write_atomic(where / name, text, key=key) for name, text in texts.items()]
+    write_atomic(where / EXPORTS_MANIFEST, manifest({**before, **{n: [d] for n, d in new.items()}}), key=key)
     return paths

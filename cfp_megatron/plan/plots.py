@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from cfp_megatron.base.files import atomic_writer
 from cfp_megatron.profile.records import PlanCheckRecord
 
 GIB = float(1 << 30)
@@ -53,11 +54,12 @@ def _diff(measured: float, predicted: float) -> str:
 
 def write_check_png(record: PlanCheckRecord, path: str | Path, *,
                     time_parts: Sequence[tuple[str, float]] = (), memory_parts: Sequence[tuple[str, float]] = (),
-                    title: str = "", note: str = "") -> Path:
+                    title: str = "", note: str = "", key: str | None = None) -> Path:
     """Draw ``record`` to ``path`` (PNG; returns the path): step time in ms (the predicted breakdown ``time_parts``,
     seconds by part, stacked where given, else the predicted total; the calibrated prediction where a calibration
     scaled it; the measured median) and peak memory in GiB per rank (``memory_parts`` in bytes likewise; the
-    measured peak where it was measured). ``note`` is said under the title."""
+    measured peak where it was measured). ``note`` is said under the title. Written atomically: a refused write is a
+    :class:`~cfp_megatron.base.files.FileWriteError` naming ``key``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,6 +145,9 @@ def write_check_png(record: PlanCheckRecord, path: str | Path, *,
     fig.suptitle("\n".join([heading, *facts]), fontsize=10, x=0.01, ha="left")
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with atomic_writer(path, "wb", key=key) as fh:
+            fig.savefig(fh, format="png", dpi=110)
+    finally:
+        plt.close(fig)
     return path

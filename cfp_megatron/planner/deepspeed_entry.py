@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,13 @@ from cfp_megatron.base.config import JobSpec, ParallelSpec, job_from_config, res
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.files import check_write_locations
 from cfp_megatron.base.launch_env import LaunchEnv
+from cfp_megatron.engine import checkpoint_lock
 from cfp_megatron.plan import Plan, PlanError, load_plan
 from cfp_megatron.planner.deepspeed_launch import planned
 from cfp_megatron.planner.job_checks import hydra_run_dir, validate_rest
 from cfp_megatron.planner.launch_plan import write_locations
+from cfp_megatron.planner.memory_fit import check_training_machine
+from cfp_megatron.planner.plan_inputs import check_plan_applies
 
 _MODEL_PARALLEL = ("tp", "pp", "cp", "ep")
 
@@ -94,16 +98,26 @@ def train_from_config(cfg: Any, backend: BackendSpec) -> list:
     import torch
 
     from cfp_megatron.compat.cpu import install_if_needed
+    from cfp_megatron.engine.checkpoint import nothing_left
 
     env = LaunchEnv.read()
     job = job_from_config(cfg)
     cfp = cfp_from_config(cfg)
     check_layout(job, cfp)
     validate_rest(job)
+    check_training_machine(job)  # a GPU preset on a machine without a GPU
     on_gpu = torch.cuda.is_available()
     run_dir = hydra_run_dir()
-    resume = _check_checkpoint_dir(job, restarted=env.restart_count > 0)
+    say = checkpoint_lock.note_printer(env.rank)
+    resume = _check_checkpoint_dir(job, restarted=env.restart_count > 0, note=say)
+    ckpt = job.train.checkpoint_dir
+    if resume is not None and ckpt is not None and resume >= job.train.steps:
+        say(nothing_left(ckpt, resume, job.train.steps))
+        if env.rank == 0:
+            checkpoint_lock.release(ckpt, checkpoint_lock.held_token(ckpt))
+        return []
     check_write_locations(write_locations(job, cfp, run_dir))  # before profiling, training and the first save
+    lock = checkpoint_lock.acquire(ckpt) if ckpt is not None and env.rank == 0 else None
     console = Console(highlight=False, soft_wrap=True) if env.rank == 0 else None
     install_if_needed()
     check = None
@@ -114,6 +128,8 @@ def train_from_config(cfg: Any, backend: BackendSpec) -> list:
             (lambda: Plan.parse(cfp.plan)) if cfp.plan else
             (lambda: load_plan(str(cfp.plan_file))),
             "cfp.plan" if cfp.plan else "cfp.plan_file")
+        check_plan_applies(plan, job, cfp=cfp, console=console,  # the model, cluster and typed settings it fits
+                           source="the plan of cfp.plan" if cfp.plan else f"the plan of cfp.plan_file={cfp.plan_file}")
     else:
         plan = manual_plan(job, backend, env.world_size, on_gpu=on_gpu)
     if plan.dp != env.world_size:
@@ -132,19 +148,27 @@ def train_from_config(cfg: Any, backend: BackendSpec) -> list:
 
     metrics = job.train.metrics_file
     metrics_path = Path(metrics) if metrics else (run_dir / "metrics.jsonl" if run_dir is not None else None)
-    return DeepSpeedBackend(config=config).train(job, plan, env, backend, metrics_path=metrics_path, check=check,
-                                                 resume=resume)
+    history = DeepSpeedBackend(config=config).train(job, plan, env, backend, metrics_path=metrics_path, check=check,
+                                                    resume=resume)
+    if lock is not None:
+        checkpoint_lock.release(ckpt, lock.token)  # a successful run gives the folder back
+    return history
 
 
-def _check_checkpoint_dir(job: JobSpec, *, restarted: bool) -> bool:
-    """Whether to resume, as the Megatron backend decides it (:func:`.checkpoint.check_before_start`):
-    ``train.resume`` needs a complete checkpoint there; a folder holding one is refused rather than written over
-    unless torchrun restarted this job (``restarted``: its own checkpoints); the checkpoint is verified."""
+def _check_checkpoint_dir(job: JobSpec, *, restarted: bool, note: Callable[[str], None]) -> int | None:
+    """The step to resume from, as the Megatron backend decides it (:func:`.checkpoint.check_before_start`):
+    another live job's folder is refused (:mod:`.checkpoint_lock`); ``train.resume`` needs a checkpoint there (the
+    pointer's, or the newest step folder that verifies); a folder holding one is refused rather than written over
+    unless torchrun restarted this job (``restarted``: its own checkpoints); the checkpoint is verified and its model
+    compared with this run's; no step folder the run would save into may exist unless this job wrote it."""
     from cfp_megatron.backends.deepspeed import checkpoint as ds_checkpoint  # torch: a launch only
 
     t = job.train
     if t.checkpoint_dir is None and t.resume:
         raise ConfigError(ConfigIssue(key="train.resume", value=True, problem="there is no train.checkpoint_dir.",
                                       fix="set train.checkpoint_dir, or train.resume=false."))
+    writer = checkpoint_lock.check(t.checkpoint_dir, note=note)
     return ds_checkpoint.check_before_start(t.checkpoint_dir, resume=t.resume, restarted=restarted,
-                                            trust_unverified=t.trust_unverified_checkpoint)
+                                            trust_unverified=t.trust_unverified_checkpoint, steps=t.steps,
+                                            save_interval=t.save_interval, model=job.model, writer=writer,
+                                            note=note)

@@ -14,6 +14,7 @@ from cfp_megatron.backends.deepspeed.engine_probe import load_probes, probe_path
 from cfp_megatron.base.backend_spec import BackendSpec
 from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import JobSpec, ParallelSpec
+from cfp_megatron.base.files import CACHE_KEY, FileWriteError, write_atomic
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.plan.artifact import Plan
@@ -86,11 +87,14 @@ def _engine_probes(job: JobSpec, env: LaunchEnv, fingerprint: str | None, consol
     finally:
         destroy_model_parallel_groups()
     if env.rank == 0 and path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(probes.to_json(), indent=1) + "\n")
+        try:  # a cache: the job goes on with the probes it holds, and says they were not kept
+            write_atomic(path, json.dumps(probes.to_json(), indent=1) + "\n", key=CACHE_KEY)
+            kept = str(path)
+        except FileWriteError as err:
+            kept = f"not stored, the next launch probes again: {err}"
         if console is not None:
             console.print(f"cfp: probed the DeepSpeed engine (stages {sorted(probes.stages)}) in "
-                          f"{time.perf_counter() - began:.1f} s ({path})", markup=False)
+                          f"{time.perf_counter() - began:.1f} s ({kept})", markup=False)
     return probes
 
 

@@ -11,17 +11,20 @@ from rich.console import Console
 from cfp_megatron.base.backend_spec import backend_from_config
 from cfp_megatron.base.cfp_spec import CfpMode, cfp_from_config
 from cfp_megatron.base.config import JobSpec, job_from_config
-from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.files import WriteLocation, check_write_locations
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import transformer_engine_available
 from cfp_megatron.compat import moe
+from cfp_megatron.engine import checkpoint_lock, rank_watch
 from cfp_megatron.plan.check import PlanCheck, with_breakdown
 from cfp_megatron.planner.backends import backend_for
 from cfp_megatron.planner.deepspeed_entry import train_from_config as train_deepspeed
+from cfp_megatron.planner.hydra_args import override_value, read_hydra_args
 from cfp_megatron.planner.job_checks import hydra_run_dir, validate_job, validate_rest
 from cfp_megatron.planner.launch_plan import resolve_launch_plan, write_locations
-from cfp_megatron.planner.rank_errors import report_error
+from cfp_megatron.planner.memory_fit import check_layout_fits, check_training_machine
+from cfp_megatron.planner.rank_errors import report_and_exit, report_error
 from cfp_megatron.profile.fingerprint import model_key
 
 if TYPE_CHECKING:
@@ -50,9 +53,20 @@ def train_from_config(cfg: Any) -> list:
         validate_rest(job)  # the layout comes from the plan
     else:
         validate_job(job, env.world_size)
-    start_step = checkpoint.check_before_start(job.train.checkpoint_dir, resume=job.train.resume,
-                                               restarted=env.restart_count > 0,
-                                               trust_unverified=job.train.trust_unverified_checkpoint)
+    check_training_machine(job)  # a GPU preset on a machine without a GPU
+    if not planned:
+        check_layout_fits(job, env.world_size)  # a layout by hand, against this machine's memory
+    t, say = job.train, checkpoint_lock.note_printer(env.rank)
+    writer = checkpoint_lock.check(t.checkpoint_dir, note=say)  # another live job's folder: refused here
+    start_step = checkpoint.check_before_start(t.checkpoint_dir, resume=t.resume, restarted=env.restart_count > 0,
+                                               trust_unverified=t.trust_unverified_checkpoint, steps=t.steps,
+                                               save_interval=t.save_interval, model=job.model, writer=writer,
+                                               note=say)
+    if start_step is not None and t.checkpoint_dir is not None and start_step >= t.steps:
+        say(checkpoint.nothing_left(t.checkpoint_dir, start_step, t.steps))
+        if env.rank == 0:
+            checkpoint_lock.release(t.checkpoint_dir, writer)
+        return []
     saved_dopt = None
     if start_step is not None and job.train.checkpoint_dir is not None:
         saved_dopt = checkpoint.saved_distributed_optimizer(job.train.checkpoint_dir, start_step)
@@ -66,6 +80,7 @@ def train_from_config(cfg: Any) -> list:
     else:
         metrics_path = run_dir / "metrics.jsonl" if run_dir is not None else None
     check_write_locations(write_locations(job, cfp, run_dir))  # before profiling, training and the first save
+    lock = checkpoint_lock.acquire(t.checkpoint_dir) if t.checkpoint_dir is not None and env.rank == 0 else None
 
     install_if_needed()
     if job.model.is_moe and not transformer_engine_available():
@@ -82,8 +97,13 @@ def train_from_config(cfg: Any) -> list:
             _same_optimizer_kind("cfp.plan_file" if cfp.plan_file else "cfp.plan", job.parallel.distributed_optimizer,
                                  saved_dopt)
     validate_job(job, env.world_size)
-    return backend_for(backend.name).train(job, None, env, backend, metrics_path=metrics_path, check=check,
-                                           resume=start_step)
+    if launch is not None and launch.source in ("file", "string"):  # a plan this machine's search did not make
+        check_layout_fits(job, env.world_size)
+    history = backend_for(backend.name).train(job, None, env, backend, metrics_path=metrics_path, check=check,
+                                              resume=start_step)
+    if lock is not None:
+        checkpoint_lock.release(t.checkpoint_dir, lock.token)  # a successful run gives the folder back
+    return history
 
 
 def _same_optimizer_kind(key: str, value: bool, saved: bool) -> None:
@@ -142,17 +162,30 @@ RUN_DIR_KEY = "hydra.run.dir"
 """The Hydra key of the run directory (conf/config.yaml: ``outputs/${cfp_run_id:}``)."""
 
 
+SWEEP_DIR_KEY = "hydra.sweep.dir"
+"""The Hydra key of a multirun's (``-m``) folder (Hydra's default: ``multirun/<date>/<time>``)."""
+
+
 def check_run_dir_arg(argv: list[str]) -> None:
     """Before Hydra starts (it creates the run directory and writes its files there, with a traceback when it
-    cannot): report a ``hydra.run.dir`` override, or the default ``outputs/``, that cannot be written in one clean
-    message and exit with status 2. Its part before the first ``${`` interpolation is checked (created when
-    missing, a temporary file written and removed)."""
-    value = next((a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith(f"{RUN_DIR_KEY}=")), None)
-    static = "outputs/" if value is None else value.split("${", 1)[0]
-    folder = Path(static or ".") if value is None or "${" not in value or static.endswith("/") \
-        else Path(static).parent
+    cannot): report a ``hydra.run.dir`` override (``hydra.sweep.dir`` under ``-m``), or the default ``outputs/``
+    (``multirun/``), that is empty or cannot be written in one clean message and exit with status 2. An empty or
+    blank one is refused (Hydra would write into the current folder); its part before the first ``${``
+    interpolation is checked (created when missing, a temporary file written and removed)."""
     try:
-        check_write_locations([WriteLocation(key=RUN_DIR_KEY, path=folder, folder=True)])
+        args = read_hydra_args(argv)
+        key, default, shown = (SWEEP_DIR_KEY, "multirun/", "<date>/<time>") if args.multirun \
+            else (RUN_DIR_KEY, "outputs/", "<run id>")
+        given, raw = override_value(args.overrides, key)
+        value = None if not given else "" if raw is None else str(raw)
+        if value is not None and not value.strip():
+            raise ConfigError(ConfigIssue(key=key, value=raw, problem="is empty: Hydra would write the run's files "
+                                          f"into the current folder ({Path.cwd()}).", fix=f"name a folder, e.g. "
+                                          f"{key}={default}my_run, or leave it out for {default}{shown}."))
+        static = default if value is None else value.split("${", 1)[0]
+        folder = Path(static or ".") if value is None or "${" not in value or static.endswith("/") \
+            else Path(static).parent
+        check_write_locations([WriteLocation(key=key, path=folder, folder=True)])
     except ConfigError as err:
         report_error(err, LaunchEnv.read())
         sys.exit(2)
@@ -160,9 +193,13 @@ def check_run_dir_arg(argv: list[str]) -> None:
 
 def main_with_errors(cfg: Any) -> None:
     """Run :func:`train_from_config`; report a user error in one clean message per node and exit with status 2, on
-    every rank only once the message is on stderr (:func:`~cfp_megatron.planner.rank_errors.report_error`)."""
+    every rank only once the message is on stderr (:func:`~cfp_megatron.planner.rank_errors.report_error`). A rank
+    that stopped answering (a collective timed out) and Ctrl-C are said the same way, once per job
+    (:func:`~cfp_megatron.engine.rank_watch.explained`; exit status 2 and 130)."""
     try:
         train_from_config(cfg)
-    except CfpError as err:
-        report_error(err, LaunchEnv.read())
-        sys.exit(2)
+    except (Exception, KeyboardInterrupt) as caught:
+        err = rank_watch.explained(caught)
+        if err is None:
+            raise
+        report_and_exit(err, LaunchEnv.read())

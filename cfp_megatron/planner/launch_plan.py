@@ -25,17 +25,20 @@ from cfp_megatron.backends.megatron.backend import MegatronBackend
 from cfp_megatron.base.backend_spec import BackendSpec
 from cfp_megatron.base.cfp_spec import CfpMode, CfpSpec
 from cfp_megatron.base.config import JobSpec, Recompute
-from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
+from cfp_megatron.base.errors import CfpError, ConfigError
 from cfp_megatron.base.files import CACHE_ENV, WriteLocation, cache_dir, check_write_locations
 from cfp_megatron.base.jsonio import json_plain
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import transformer_engine_available
 from cfp_megatron.cluster.measured import partition_name
+from cfp_megatron.engine.metrics import METRICS_KIND
 from cfp_megatron.plan import Plan, PlanError, load_plan, save_plan
+from cfp_megatron.planner.memory_fit import check_launch_fits
 from cfp_megatron.planner.plan_cli import inputs_fingerprint
+from cfp_megatron.planner.plan_inputs import check_plan_applies, check_typed_before_plan, typed_keys
 from cfp_megatron.profile.cluster import local_measurements
 from cfp_megatron.profile.progress import RoundProgress
-from cfp_megatron.search.space import build_space
+from cfp_megatron.search.space import no_layout_issues
 
 PLAN_DIR = "cfp"
 """Folder of the run directory that holds the plans of its launches."""
@@ -77,10 +80,11 @@ def plan_key(job: JobSpec, world: int, cfp: CfpSpec) -> str:
 def metrics_location(job: JobSpec, run_dir: Path | None) -> WriteLocation | None:
     """Where rank 0's metrics go: ``train.metrics_file``, else ``metrics.jsonl`` in the Hydra run directory."""
     if job.train.metrics_file is not None:
-        return WriteLocation(key="train.metrics_file", path=Path(job.train.metrics_file), folder=False)
+        return WriteLocation(key="train.metrics_file", path=Path(job.train.metrics_file), folder=False,
+                             own_kind=METRICS_KIND)
     if run_dir is None:
         return None
-    return WriteLocation(key="hydra.run.dir", path=run_dir / "metrics.jsonl", folder=False)
+    return WriteLocation(key="hydra.run.dir", path=run_dir / "metrics.jsonl", folder=False, own_kind=METRICS_KIND)
 
 
 def write_locations(job: JobSpec, cfp: CfpSpec, run_dir: Path | None) -> list[WriteLocation]:
@@ -102,20 +106,12 @@ def write_locations(job: JobSpec, cfp: CfpSpec, run_dir: Path | None) -> list[Wr
 
 
 def check_constraints(job: JobSpec, world: int, cfp: CfpSpec) -> None:
-    """Raise a :class:`ConfigError` naming the ``cfp`` keys when the pins and sets leave no layout for ``job`` on
-    ``world`` ranks (before any process group or profiling)."""
-    space = build_space(job, world, cfp, te_available=transformer_engine_available())
-    if space.families:
-        return
-    asked = [name for name in ("tp", "pp", "cp", "ep", "etp") if cfp.allowed(name) is not None]
-    # the reasons about the knobs the pins and sets name first
-    rejected = sorted(space.rejected, key=lambda r: not any(r.what.startswith(f"{n}=") for n in asked))
-    raise ConfigError([ConfigIssue(key="cfp", value={n: cfp.allowed(n) for n in asked} or "-",
-                                   problem=f"no layout of {job.model.name} on {world} ranks satisfies the pins and "
-                                           "sets (the reasons follow).",
-                                   fix="relax the cfp pins and cfp.constraints, or start another number of ranks."),
-                       *[ConfigIssue(key="cfp", value=r.what, problem=r.reason,
-                                     fix="relax the pin or set that leads here.") for r in rejected[:8]]])
+    """Raise a :class:`ConfigError` when the pins and sets leave no layout for ``job`` on ``world`` ranks (before any
+    process group or profiling), naming each pin or set that removes every layout on its own
+    (:func:`~cfp_megatron.search.space.no_layout_issues`)."""
+    issues = no_layout_issues(job, world, cfp, te_available=transformer_engine_available())
+    if issues:
+        raise ConfigError(issues)
 
 
 def resolve_launch_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Path | None,
@@ -126,6 +122,7 @@ def resolve_launch_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Pat
     if cfp.mode is CfpMode.off:
         return None
     world = env.world_size
+    check_typed_before_plan(job, cfp, typed_keys())  # a typed setting the mode would drop: refused now
     if cfp.mode is CfpMode.manual:
         if cfp.plan_file is not None:
             plan, source, path = load_plan(cfp.plan_file), "file", Path(cfp.plan_file)
@@ -133,7 +130,9 @@ def resolve_launch_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Pat
             plan, source, path = Plan.parse(cfp.plan), "string", None
         else:
             return None
-        return LaunchPlan(plan=plan, job=_apply(plan, job, world), source=source, path=path)
+        said = f"the plan of cfp.plan_file={cfp.plan_file}" if path is not None else "the plan of cfp.plan"
+        return LaunchPlan(plan=plan, job=_apply(plan, job, world, source=said, cfp=cfp, console=console),
+                          source=source, path=path)
     folder = (run_dir or Path("outputs")) / PLAN_DIR
     pinned = cfp if optimizer_kind is None else dataclasses.replace(cfp, distributed_optimizer=optimizer_kind)
     # the plan of these inputs, else (resuming) the one planned with the checkpoint's optimizer kind pinned
@@ -147,23 +146,29 @@ def resolve_launch_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Pat
     if cfp.plan_file is not None:  # refused now rather than after the profiling budget
         check_write_locations([WriteLocation(key="cfp.plan_file", path=Path(cfp.plan_file), folder=False, new=True)])
     check_constraints(job, world, cfp)
+    check_launch_fits(job, world, cfp)  # every rank reads the same memory figure: all refuse, before profiling
     plan, ranked, scale = _profile_and_search(job, cfp, env, console)
     if env.rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
         if not cached.exists():  # a concurrent launch into the same folder may have stored the same inputs' plan
-            save_plan(plan, cached)
+            save_plan(plan, cached, key="hydra.run.dir")  # a disk that refuses it: one FileWriteError naming the key
         if cfp.plan_file is not None:
             save_plan(plan, cfp.plan_file)
     return LaunchPlan(plan=plan, job=_apply(plan, job, world), source="planned", path=cached, ranked=ranked,
                       calibration=scale)
 
 
-def _apply(plan: Plan, job: JobSpec, world: int) -> JobSpec:
+def _apply(plan: Plan, job: JobSpec, world: int, *, source: str = "the plan searched under +cfp=auto",
+           cfp: CfpSpec | None = None, console: Any = None) -> JobSpec:
+    """``job`` under ``plan`` (``source`` names it in errors), refused where the plan is for another world size,
+    model, optimizer or cluster, or would change a setting the user typed or a ``cfp`` pin of ``cfp``; the
+    ``train`` values it replaces are said on ``console`` (:func:`~cfp_megatron.planner.plan_inputs
+    .check_plan_applies`)."""
     planned = plan.nodes * plan.gpus_per_node
     if planned != world:
         raise PlanError(f"the plan is for {planned} ranks ({plan.nodes} x {plan.gpus_per_node}) but {world} were "
                         "started.", fix=f"start {planned} ranks, or plan again for {world} (+cfp=auto).",
                         setting="cfp.plan_file")
+    check_plan_applies(plan, job, source=source, cfp=cfp, console=console)
     return plan.apply(job)
 
 

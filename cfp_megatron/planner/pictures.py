@@ -5,7 +5,6 @@ they show and how large schedules are capped: docs/preflight.md, "Pictures"."""
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -31,11 +30,12 @@ pictures; a longer schedule is not drawn (its step time is extrapolated: docs/si
 
 
 def write_plan_pictures(plan: Plan, job: JobSpec, world: int, measurements: Measurements | None,
-                        folder: Path) -> list[str]:
+                        folder: Path, *, key: str | None = None) -> list[str]:
     """Simulate ``plan`` on ``job``'s cluster (``measurements`` where the search had them) with its events, and write
     :data:`TRACE_FILE` and :data:`PNG_FILE` into ``folder`` (an existing file is kept, never overwritten); return the
     lines to print: the paths, what was left out, or why nothing was drawn. Never raises for a picture: the plan is
-    already saved."""
+    already saved (a disk that refuses a picture is said in one line naming ``key``, the setting or option that
+    chose ``folder``, and leaves no half-written file)."""
     if plan.zero is not None:
         return ["timeline: not drawn for a DeepSpeed ZeRO plan (its cost model has no pipeline schedule to show)"]
     planned = plan.apply(job)
@@ -54,8 +54,8 @@ def write_plan_pictures(plan: Plan, job: JobSpec, world: int, measurements: Meas
             lines.append(f"timeline: simulated again {prediction.step_time_s * 1e3:.4g} ms per step, the plan says "
                          f"{plan.predicted.step_time_s * 1e3:.4g} ms")
         mark = plan.plan_hash()
-        for path, draw in ((trace_path, _trace_writer(prediction, title, mark)),
-                           (png_path, _png_writer(prediction, title, mark))):
+        for path, draw in ((trace_path, _trace_writer(prediction, title, mark, key)),
+                           (png_path, _png_writer(prediction, title, mark, key))):
             owner = _owner(path)
             if owner == mark:
                 lines.append(f"{path.name}: {path} (already drawn for this plan)")
@@ -98,25 +98,20 @@ def _owner(path: Path) -> str | None:
     return str(other.get("plan_hash", "")) if isinstance(other, dict) and other.get("generator") == _GENERATOR else ""
 
 
-def _trace_writer(prediction: Prediction, title: str, mark: str) -> Callable[[Path], str]:
+def _trace_writer(prediction: Prediction, title: str, mark: str, key: str | None) -> Callable[[Path], str]:
     def write(path: Path) -> str:
         trace = chrome_trace(prediction, title=title)
         trace["otherData"].update(generator=_GENERATOR, plan_hash=mark)
-        write_atomic(path, json.dumps(trace))
+        write_atomic(path, json.dumps(trace), key=key)
         note = trace["otherData"]["note"]
         return f"{path}" + (f" ({note})" if note else "")
     return write
 
 
-def _png_writer(prediction: Prediction, title: str, mark: str) -> Callable[[Path], str]:
+def _png_writer(prediction: Prediction, title: str, mark: str, key: str | None) -> Callable[[Path], str]:
     def write(path: Path) -> str:
-        partial = path.with_name(f".{path.name}.partial.png")
-        try:
-            write_png(prediction, partial, title=title,
-                      metadata={"Software": _GENERATOR, "Description": f"cfp-megatron plan {mark}"})
-            os.replace(partial, path)
-        finally:
-            partial.unlink(missing_ok=True)
+        write_png(prediction, path, title=title, key=key,
+                  metadata={"Software": _GENERATOR, "Description": f"cfp-megatron plan {mark}"})
         ranks = len({event.rank for event in prediction.events})
         return f"{path}" + (f" (draws {MAX_PNG_RANKS} of {ranks} pipeline stages)" if ranks > MAX_PNG_RANKS else "")
     return write

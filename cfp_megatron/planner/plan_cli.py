@@ -31,14 +31,17 @@ from cfp_megatron.base.config_help import config_help
 from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
 from cfp_megatron.base.files import WriteLocation, check_write_locations
 from cfp_megatron.base.jsonio import json_plain
+from cfp_megatron.base.parallel_dims import transformer_engine_available
 from cfp_megatron.plan import deepspeed_config, load_plan, megatron_lm_args, save_plan, torchrun_command
 from cfp_megatron.plan.errors import PlanError
 from cfp_megatron.plan.exports import check_exports, write_exports
 from cfp_megatron.plan.requirements import plan_requirements
 from cfp_megatron.planner.backends import backend_for
+from cfp_megatron.planner.memory_fit import check_no_plan
 from cfp_megatron.planner.pictures import write_plan_pictures
 from cfp_megatron.planner.preflight import default_lines, defaults_used
 from cfp_megatron.profile.cluster import local_measurements
+from cfp_megatron.sim.options import options_here
 
 SEQ_CAP = 8192
 """Longest sequence planned when ``train.seq_length`` is not given (the pre-training context of today's LLMs)."""
@@ -73,7 +76,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                                       "ranks (ten times the largest clusters built).", fix="pass a smaller --world."))
     if not any(o.lstrip("+").startswith("cfp=") for o in overrides):
         overrides.insert(0, "+cfp=auto")
-    cfg = compose_config(overrides)
+    cfg = compose_config(overrides, typed=True)
     if not any(o.startswith("train.seq_length=") for o in overrides):
         # The training default (64 tokens) is for the tiny CPU models; a preflight plans the model's own context.
         seq = min(int(cfg.model.max_position_embeddings), SEQ_CAP)
@@ -103,11 +106,17 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                                              inputs_fingerprint=inputs_fingerprint(job, key),
                                              on_gpu=not cluster.on_cpu)
     found.report(console)
+    if not found.plans and not backend.is_deepspeed:  # the cause named: a pin or set, or the memory (exit 2)
+        measured = measurements is not None  # as the backend searched: a preflight for GPUs assumes TE
+        check_no_plan(job, world, cfp, given=c, measurements=measurements,
+                      te_available=transformer_engine_available() if measured else True,
+                      options=options_here(cluster) if measured else None)
     plan = dataclasses.replace(found.best, cluster=job.cluster.name, requires=plan_requirements(found.best, job.model))
     if plan.requires:
         console.print("the plan needs:\n" + "\n".join(f"  {r}" for r in plan.requires), markup=False, soft_wrap=True)
     out = Path(args.out or "outputs/plans") / f"{job.model.name}-{plan.plan_hash()}"
     target = Path(cfp.plan_file) if cfp.plan_file else out / "plan.json"
+    key = "cfp.plan_file" if cfp.plan_file else "--out"  # named when the disk refuses a file
     try:
         megatron_args = " ".join(megatron_lm_args(plan, num_layers=job.model.num_layers))
     except PlanError as err:  # a plan Megatron-LM cannot run (PrimePar's MLP, DeepSpeed's ZeRO): say so in the file
@@ -120,13 +129,13 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if target.exists() and load_plan(target).plan_hash() == plan.plan_hash():
         console.print(f"plan.json: {target} (the same plan is already saved there)")
     else:
-        save_plan(plan, target)
+        save_plan(plan, target, key=key)
         console.print(f"plan.json: {target}")
-    write_exports(target.parent, exports, plan=plan)  # all together, replacing an earlier plan's
+    write_exports(target.parent, exports, plan=plan, key=key)  # all together, replacing an earlier plan's
     console.print(f"plan {plan.canonical()}\nhash {plan.plan_hash()}")
     console.print(f"reproduce with:\n  {torchrun_command(plan)}")
     console.print(f"Megatron-LM: {exports['megatron_args.txt'].strip()}", markup=False)
-    for line in write_plan_pictures(plan, job, world, measurements, target.parent):
+    for line in write_plan_pictures(plan, job, world, measurements, target.parent, key=key):
         console.print(line, markup=False, soft_wrap=True)
     return 0
 

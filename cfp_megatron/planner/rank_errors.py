@@ -7,6 +7,11 @@ then shows it as the root cause in its closing summary) and leaves a marker in t
 ranks wait for that marker (at most :data:`WAIT_S`) before exiting, and print the message themselves, prefixed with
 their rank, when it does not come (the error hit only them, or no marker folder exists). See
 docs/configuration.md ("When a setting is wrong").
+
+An error found while the job runs (a stalled rank, Ctrl-C: :mod:`cfp_megatron.engine.rank_watch`) carries a
+:class:`~cfp_megatron.engine.rank_watch.Turn` instead: the first rank to claim it in the process group's store says
+it, on any node, and the others wait for it to be said; :func:`report_and_exit` ends the rank with the status each
+kind has (2; 130 for an interrupt).
 """
 
 from __future__ import annotations
@@ -17,16 +22,20 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 from rich.console import Console
 
 from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.files import write_atomic
 from cfp_megatron.base.launch_env import LaunchEnv
+from cfp_megatron.engine.rank_watch import RunInterrupted, SaidOnce, exit_now, exit_status
 
 WAIT_S = 30.0
 """How long a rank other than its node's first waits for that rank to have printed the message."""
+INTERRUPT_WAIT_S = 3.0
+"""The same wait for an interrupt seen before any process group exists (Ctrl-C reaches every rank at once; a
+``kill -INT`` of one rank only that one, which then says it itself)."""
 POLL_S = 0.05
 """How often a waiting rank looks for the marker."""
 MARKER = "cfp-error-printed"
@@ -47,28 +56,51 @@ def marker_path() -> Path | None:
 def error_text(err: CfpError, rank: int | None = None) -> tuple[str, str]:
     """The title (with ``[rank N]`` for a rank other than 0) and the body of the message for ``err``."""
     where = f" [rank {rank}]" if rank else ""
+    if isinstance(err, RunInterrupted):  # one line
+        return f"cfp-megatron{where}: {err}", ""
     return f"cfp-megatron: {type(err).__name__}{where}", str(err)
 
 
-def report_error(err: CfpError, env: LaunchEnv | None = None, *, stream: TextIO | None = None) -> bool:
+def report_error(err: CfpError, env: LaunchEnv | None = None, *, stream: TextIO | None = None,
+                 wait_s: float = WAIT_S) -> bool:
     """Say ``err`` as described in the module docstring; return whether this rank printed it. Returns only once the
-    message is on ``stream`` (default ``sys.stderr``, flushed) or the node's first rank has marked it printed."""
+    message is on ``stream`` (default ``sys.stderr``, flushed) or the rank whose turn it is (the node's first, or
+    the error's :class:`~cfp_megatron.engine.rank_watch.Turn`) has marked it said; ``wait_s`` bounds that wait."""
     env = env if env is not None else LaunchEnv.read()
     found = time.time()
     marker = marker_path()
-    if env.under_torchrun and env.local_rank != 0 and marker is not None and _wait_for(marker, WAIT_S):
-        return False
     title, body = error_text(err, env.rank)
+    turn = err.turn if isinstance(err, SaidOnce) else None
+    if turn is not None and not turn.mine and turn.wait_said(wait_s):
+        _write_error_file(f"{title}\n{body}".rstrip(), found)  # torchrun's summary may pick this rank
+        return False
+    if turn is None and env.under_torchrun and env.local_rank != 0 and marker is not None \
+            and _wait_for(marker, wait_s):
+        return False
     out = stream if stream is not None else sys.stderr
     console = Console(file=out, highlight=False, soft_wrap=True)
     console.print(title, style="bold red", markup=False)
-    console.print(body, markup=False)
+    if body:
+        console.print(body, markup=False)
     out.flush()
-    _write_error_file(f"{title}\n{body}", found)
+    _write_error_file(f"{title}\n{body}".rstrip(), found)
+    if turn is not None:
+        turn.said()
     if env.local_rank == 0 and marker is not None:
         with contextlib.suppress(OSError):  # else the waiting ranks print it themselves after WAIT_S
             write_atomic(marker, f"{env.rank}\n")
     return True
+
+
+def report_and_exit(err: CfpError, env: LaunchEnv | None = None) -> NoReturn:
+    """Say ``err`` (:func:`report_error`) and end this rank: status 130 for an interrupt (:class:`~cfp_megatron.
+    engine.rank_watch.RunInterrupted`), 2 otherwise; after a stalled rank or an interrupt without Python's shutdown
+    (a process group left with a collective in flight aborts it, or hangs it until torchrun's SIGTERM)."""
+    report_error(err, env, wait_s=INTERRUPT_WAIT_S if isinstance(err, RunInterrupted) and err.turn is None
+                 else WAIT_S)
+    if isinstance(err, SaidOnce):
+        exit_now(exit_status(err))
+    sys.exit(exit_status(err))
 
 
 def _wait_for(marker: Path, seconds: float) -> bool:
@@ -92,4 +124,4 @@ def _write_error_file(text: str, found: float) -> None:
         write_atomic(path, json.dumps(data))
 
 
-__all__ = ["WAIT_S", "error_text", "marker_path", "report_error"]
+__all__ = ["INTERRUPT_WAIT_S", "WAIT_S", "error_text", "marker_path", "report_and_exit", "report_error"]

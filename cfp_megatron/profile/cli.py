@@ -13,9 +13,10 @@ from cfp_megatron.base.cfp_spec import DEFAULT_PROFILE_BUDGET_S
 from cfp_megatron.base.compose import compose_job
 from cfp_megatron.base.config_help import config_help
 from cfp_megatron.base.errors import CfpError
-from cfp_megatron.base.files import CACHE_ENV, WriteLocation, cache_dir, check_write_locations
+from cfp_megatron.base.files import CACHE_KEY, WriteLocation, cache_dir, check_write_locations
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.compat.quiet import quiet_expected_warnings, say_once
+from cfp_megatron.engine import rank_watch
 from cfp_megatron.profile.cluster import describe_cluster, measured_cluster
 from cfp_megatron.profile.db import export_db
 from cfp_megatron.profile.progress import RoundProgress
@@ -42,6 +43,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Profile, print the summary and the DB path on rank 0; exit status 2 on a user error."""
 
+    rank_watch.tie_to_launcher()  # under torchrun: end with it; Ctrl-C said in one line
     note = quiet_expected_warnings()  # before Megatron-Core is imported (by the runner)
     from cfp_megatron.profile.runner import completion_hint, profile_job
 
@@ -54,9 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = LaunchEnv.read()
     console = Console(stderr=False, highlight=False)
     try:
-        job = compose_job(args.overrides)
+        job = compose_job(args.overrides, typed=True)
         # where the ProfileDB (and --export) go, refused now rather than after the whole budget
-        check_write_locations([WriteLocation(key=f"{CACHE_ENV} (environment variable)", path=cache_dir() / "profile",
+        check_write_locations([WriteLocation(key=CACHE_KEY, path=cache_dir() / "profile",
                                              folder=True),
                                *([WriteLocation(key="--export", path=Path(args.export), folder=False, new=True)]
                                  if args.export else [])])
@@ -76,13 +78,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             state = "reused (nothing measured)" if outcome.reused else f"profiled in {outcome.wall_s:.1f} s"
             console.print(f"ProfileDB: {outcome.path} ({state})", markup=False)
             if args.export:
-                console.print(f"exported: {export_db(outcome.db, args.export)}", markup=False)
-    except CfpError as err:
-        if env.rank == 0:
+                console.print(f"exported: {export_db(outcome.db, args.export, key='--export')}", markup=False)
+    except (CfpError, RuntimeError, KeyboardInterrupt) as caught:
+        err = rank_watch.explained(caught)  # a stalled rank or Ctrl-C too, said once
+        if err is None:
+            raise
+        if rank_watch.my_turn(err, env.rank):
             err_console = Console(stderr=True, highlight=False, soft_wrap=True)
             err_console.print(f"[bold red]cfp-megatron: {type(err).__name__}[/]")
             err_console.print(str(err), markup=False)
-        return 2
+            rank_watch.said(err)
+        return rank_watch.exit_status(err)
     return 0
 
 

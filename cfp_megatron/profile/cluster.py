@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cfp_megatron.base.compose import group_presets
 from cfp_megatron.base.config import ClusterSpec, JobSpec
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.cluster.measured import Collective, CollectiveFit, Measurements, Span
 from cfp_megatron.profile.db import load_db
 from cfp_megatron.profile.fingerprint import current_fingerprint, model_key
@@ -73,16 +76,60 @@ def device_preset(device_name: str, memory_gib: float) -> dict[str, Any] | None:
     return min(found)[2] if found else None
 
 
-def this_device(spec: ClusterSpec) -> ClusterSpec:
+MEMINFO = Path("/proc/meminfo")
+"""Where Linux states the host's memory (``MemTotal``)."""
+
+
+def host_memory_gib() -> float:
+    """This host's physical memory in GiB: ``MemTotal`` of :data:`MEMINFO`, else ``os.sysconf``'s page count. The
+    total, not what is free now, so every rank of a node reads the same figure."""
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024 / 2**30
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def host_share_gib(spec: ClusterSpec, ranks_per_node: int, total_gib: float | None = None) -> float:
+    """The host memory (GiB) each of ``ranks_per_node`` CPU ranks may plan with: ``total_gib`` (default
+    :func:`host_memory_gib`) less ``cluster.host_reserve_gib``, shared by the ranks, less ``cluster.rank_reserve_gib``
+    each. A :class:`ConfigError` naming the rank count when nothing is left."""
+    total = host_memory_gib() if total_gib is None else total_gib
+    host, rank = spec.host_reserve_gib or 0.0, spec.rank_reserve_gib or 0.0
+    share = (total - host) / max(ranks_per_node, 1) - rank
+    if host >= total:
+        raise ConfigError(ConfigIssue(
+            key="cluster.host_reserve_gib", value=host,
+            problem=f"leaves nothing of this host's {total:.1f} GiB of memory for the ranks.",
+            fix=f"set it below {total:.1f} (it is what the OS and other programs keep), or null."))
+    if share <= 0:
+        fewest = max(int((total - host) // (rank + 0.25)), 1)
+        raise ConfigError(ConfigIssue(
+            key="cluster.gpus_per_node", value=ranks_per_node,
+            problem=f"{ranks_per_node} ranks share this host's {total:.1f} GiB of memory: less its "
+                    f"cluster.host_reserve_gib={host:g} for the OS, each gets {share + rank:.2f} GiB, under its "
+                    f"cluster.rank_reserve_gib={rank:g} for Python, torch and Megatron-Core alone.",
+            fix=f"start fewer ranks per node (torchrun --nproc_per_node, at most about {fewest}), or run on a "
+                "machine with more memory."))
+    return share
+
+
+def this_device(spec: ClusterSpec, *, ranks_per_node: int = 1) -> ClusterSpec:
     """``spec`` with this machine's GPU filled in where it names none (the ``local`` preset): its name and memory
     capacity (the planner's memory limit) from the device, and from its vendor preset (:func:`device_preset`) the
     figures profiling does not measure: memory bandwidth (the optimizer's and element-wise work's rate) and the fp8
-    peak; a GPU without a preset gets its measured copy rate (:func:`copy_bandwidth_gbps`). Unchanged on CPU, where
-    host memory is the limit."""
+    peak; a GPU without a preset gets its measured copy rate (:func:`copy_bandwidth_gbps`). Without a GPU, a CPU
+    cluster's memory limit is this host's, shared by ``ranks_per_node`` ranks (:func:`host_share_gib`)."""
     import torch
 
-    if not torch.cuda.is_available() or spec.hbm_gib is not None:
+    if spec.hbm_gib is not None:
         return spec
+    if not torch.cuda.is_available():
+        if not spec.on_cpu:  # a GPU preset without its memory figure, planned on a machine without a GPU
+            return spec
+        return dataclasses.replace(spec, hbm_gib=host_share_gib(spec, ranks_per_node))
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     memory_gib = props.total_memory / 2**30
     changes: dict[str, Any] = {"hbm_gib": memory_gib}
@@ -131,7 +178,8 @@ def local_measurements(job: JobSpec, *, world_size: int,
 
     from cfp_megatron.engine.distributed import resolve_backend
 
-    spec = this_device(job.cluster)
+    nodes = max(job.cluster.nodes, 1)
+    spec = this_device(job.cluster, ranks_per_node=job.cluster.gpus_per_node or max(world_size // nodes, 1))
     fp = current_fingerprint(world_size=world_size, nodes=spec.nodes, backend=backend or resolve_backend(spec.backend))
     db = load_db(fp)
     if db is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from cfp_megatron.cluster.measured import Collective, Span
+from cfp_megatron.engine import rank_watch
 from cfp_megatron.profile.control import Step, StepResult, timed
 from cfp_megatron.profile.errors import ProfileError
 from cfp_megatron.profile.fit import fit_collective
@@ -83,7 +85,7 @@ class CollectiveBench:
             self.group, self.ranks = dist.group.WORLD, pattern.groups[0]
         else:
             for ranks in pattern.groups:  # every rank creates every group, in the same order
-                group = dist.new_group(list(ranks))
+                group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=rank_watch.timeout_s()))
                 if rank in ranks:
                     self.group, self.ranks = group, ranks
         if self.group is None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from cfp_megatron.engine import rank_watch
 from cfp_megatron.profile.errors import ProfileError
 from cfp_megatron.profile.records import RoundRecord, RoundStatus
 
@@ -163,6 +164,7 @@ def run_round(name: str, steps: Sequence[Step], *, seconds: float,
         if stop:
             status, reason = RoundStatus.timeout, f"the round's {share:.1f} s share of the budget ran out"
             break
+        rank_watch.at(f"profiling round {name}, step {index + 1} of {len(steps)} ({step.label})")
         if on_step is not None:
             on_step(index, len(steps), step.label)
         if step.needs is not None and step.needs in unbuilt:  # its set-up ran out of memory: so would it
@@ -197,6 +199,8 @@ def run_round(name: str, steps: Sequence[Step], *, seconds: float,
             stop, any_failed, values, any_oom = sync(stop_next, failed, values if not (failed or oom) else (),
                                                      out_of_memory=oom)
         except Exception as err:  # noqa: BLE001 - a broken group ends the round, never the job
+            if rank_watch.is_collective_timeout(err):  # a stalled rank: the job ends naming it
+                raise
             status, reason = RoundStatus.failed, f"sync after {step.label}: {type(err).__name__}: {err}"
             break
         if any_oom and not any_failed:

@@ -26,7 +26,16 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from cfp_megatron.base.config import Recompute
-from cfp_megatron.base.files import CACHE_ENV, cache_dir, write_atomic, write_new
+from cfp_megatron.base.files import (
+    CACHE_ENV,
+    CACHE_KEY,
+    cache_dir,
+    json_loads_unique,
+    open_regular,
+    write_atomic,
+    write_error,
+    write_new,
+)
 from cfp_megatron.cluster.measured import (
     Collective,
     CollectiveFit,
@@ -495,7 +504,8 @@ def read_db(path: str | Path, *, expected: Fingerprint | None = None) -> Profile
     """Read the DB at ``path``; with ``expected``, refuse one measured elsewhere (:class:`FingerprintMismatchError`)."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        with open_regular(path) as fh:  # a named pipe or device is refused, not waited on
+            data = json_loads_unique(fh.read())  # a key given twice is refused, not read one way
     except OSError as err:
         raise ProfileDBError(f"{path}: cannot read ({err.strerror}). Fix: check the path.") from None
     except ValueError as err:
@@ -546,10 +556,16 @@ def _locked(path: Path) -> Iterator[None]:
             print(f"cfp: waiting for another job's write of {path} (lock {lock_path(path)}; at most "
                   f"{LOCK_TIMEOUT_S:.0f} s)", file=sys.stderr, flush=True)
             lock.acquire()
+    except IsADirectoryError:
+        raise ProfileDBError(f"{lock_path(path)}: the ProfileDB's lock file is a folder, so no job can take the lock; "
+                             "nothing was written. Fix: move that folder away (cfp-megatron creates the lock as an "
+                             f"empty file), or point {CACHE_ENV} at another folder.") from None
     except Timeout:
         raise ProfileDBError(f"{path}: another job held its lock {lock_path(path)} for {LOCK_TIMEOUT_S:.0f} s; "
                              "nothing was written. Fix: wait for that job to finish storing and run again (on a "
                              "network file system, check that it supports flock).") from None
+    except OSError as err:  # read-only, no permission, a file in the way of the folder
+        raise write_error(err, lock_path(path), CACHE_KEY) from None
     try:
         yield
     finally:
@@ -570,7 +586,7 @@ def update_db(fingerprint: Fingerprint, change: Callable[[ProfileDB | None], Pro
                 raise
             current = None
         db = change(current)
-        write_atomic(path, json.dumps(db.to_json(), indent=1))
+        write_atomic(path, json.dumps(db.to_json(), indent=1), key=CACHE_KEY)
     return path, db
 
 
@@ -607,10 +623,10 @@ def store_db(db: ProfileDB, *, base: ProfileDB | None = None) -> Path:
     return path
 
 
-def export_db(db: ProfileDB, path: str | Path) -> Path:
-    """Write a copy of ``db`` to a path the user chose; never over an existing file."""
+def export_db(db: ProfileDB, path: str | Path, *, key: str = "--export") -> Path:
+    """Write a copy of ``db`` to a path the user chose (by ``key``), atomically; never over an existing file."""
     try:
-        return write_new(path, json.dumps(db.to_json(), indent=1))
+        return write_new(path, json.dumps(db.to_json(), indent=1), key=key)
     except FileExistsError:
         raise ProfileDBError(f"{path}: exists; the ProfileDB is not written over a file you saved. "
                              "Fix: choose another path or delete the file.") from None

@@ -22,11 +22,18 @@ import torch.distributed as dist
 
 from cfp_megatron.base.cfp_spec import DEFAULT_PROFILE_BUDGET_S
 from cfp_megatron.base.config import JobSpec, Recompute, resolve_precision
+from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import transformer_engine_available
 from cfp_megatron.compat import moe
 from cfp_megatron.compat.cpu import install_if_needed
-from cfp_megatron.engine.distributed import destroy_distributed, prepare_device_and_env, resolve_backend
+from cfp_megatron.engine import rank_watch
+from cfp_megatron.engine.distributed import (
+    destroy_distributed,
+    init_default_group,
+    prepare_device_and_env,
+    resolve_backend,
+)
 from cfp_megatron.profile.collectives import collective_steps, fit_results
 from cfp_megatron.profile.control import Step, StepResult, grouped_steps, run_round, select_steps
 from cfp_megatron.profile.db import ProfileDB, db_path, load_db, store_db
@@ -88,8 +95,9 @@ class ProfileOutcome:
 
 
 def init_profile_group(backend: str, env: LaunchEnv, timeout: datetime.timedelta) -> None:
-    """The default process group from torchrun's environment, with a short timeout so a lost peer ends a round
-    instead of hanging it (the same store handling as :func:`cfp_megatron.engine.distributed.init_distributed`)."""
+    """The default process group from torchrun's environment, with ``timeout`` (``train.collective_timeout_s``) so a
+    stalled peer ends the run naming it instead of hanging it (the same store handling and progress record as
+    :func:`cfp_megatron.engine.distributed.init_distributed`)."""
     if dist.is_initialized():
         return
     prepare_device_and_env(env, port=29512)
@@ -100,7 +108,7 @@ def init_profile_group(backend: str, env: LaunchEnv, timeout: datetime.timedelta
     store, rank, world = next(dist.rendezvous("env://", env.rank, env.world_size,
                                               timeout=max(timeout, datetime.timedelta(minutes=10))))
     store = dist.PrefixStore(f"/cfp-profile/attempt_{env.restart_count}", store)
-    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
+    init_default_group(backend, store, rank, world, timeout, **kwargs)
 
 
 def round_steps(name: str, job: JobSpec, world: int, *, on_gpu: bool, device: torch.device
@@ -221,7 +229,8 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFI
     fp = current_fingerprint(world_size=world, nodes=job.cluster.nodes, backend=backend)
     plan = (_plan_on_rank0(job, fp, world, force=force, on_gpu=on_gpu, started=started, priority=priority)
             if env.rank == 0 else None)
-    timeout = datetime.timedelta(seconds=max(60.0, 2.0 * budget_s))
+    timeout = datetime.timedelta(seconds=job.train.collective_timeout_s)
+    rank_watch.at("the start of profiling (rank 0 plans the rounds)")
     init_profile_group(backend, env, timeout)
     try:
         box = [plan]
@@ -233,16 +242,22 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFI
         rounds_done += [record for record, _ in results.values()]
         db = path = None
         coverage: tuple[RoundRecord, ...] = ()
+        refused: CfpError | None = None
         if env.rank == 0:
             db = ProfileDB.from_json(plan["db"]) if plan["db"] is not None else ProfileDB(fingerprint=fp)
             if plan["rounds"]:
                 base = db  # as read at the start: only what this run adds is merged into the DB on disk now
                 db = _merge(db, job, plan, results, rounds_done)
-                path = store_db(db, base=base)
+                try:
+                    path = store_db(db, base=base)
+                except CfpError as err:  # a full disk, a lock: raised after the barrier, so no rank dies on a lost peer
+                    refused = err
             else:
                 path = db_path(fp)
             coverage = _coverage(plan, rounds_done)
         dist.barrier()
+        if refused is not None:
+            raise refused
     except BaseException:
         _teardown()
         raise

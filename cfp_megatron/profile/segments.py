@@ -27,6 +27,7 @@ from cfp_megatron.base.config import (
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.base.parallel_dims import ParallelDims, sequence_parallel_required
 from cfp_megatron.cluster.measured import partition_name
+from cfp_megatron.engine import rank_watch
 from cfp_megatron.engine.distributed import destroy_model_parallel_groups, model_groups
 from cfp_megatron.engine.memory import tensor_tracker
 from cfp_megatron.engine.model import build_model_chunks
@@ -154,7 +155,7 @@ def init_probe_groups(dims: ParallelDims, seed: int) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp, context_parallel_size=1,
         expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp, order=dims.order,
-        distributed_timeout_minutes=1)
+        distributed_timeout_minutes=rank_watch.timeout_s() / 60)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 

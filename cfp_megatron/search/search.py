@@ -115,6 +115,9 @@ class SearchResult:
     """Candidates not simulated in full because a lower bound on their step time exceeded the k-th best."""
     memory_limit_gib: float | None
     """Peak memory a plan may predict per GPU (HBM less the headroom); ``None`` without a known capacity."""
+    least_over_gib: float | None
+    """The least memory per GPU (GiB) a candidate over the limit was found to need (a lower bound where its weights
+    alone were over); ``None`` when none was over."""
     seconds: float
     """Wall time of the search."""
     world: int
@@ -157,6 +160,7 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
                         space_size=space.size, simulated=found.simulated, memory_checked=found.checked,
                         over_memory=found.over_memory, invalid=found.refused,
                         pruned=space.size - found.visited + found.slower, memory_limit_gib=space.limit,
+                        least_over_gib=min((min(s) for s in found.over.values() if s), default=None),
                         seconds=time.perf_counter() - started, world=world)
 
 

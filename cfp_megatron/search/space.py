@@ -28,6 +28,7 @@ from cfp_megatron.base.config import (
     TokenDispatcher,
     resolve_precision,
 )
+from cfp_megatron.base.errors import ConfigIssue
 from cfp_megatron.base.parallel_dims import (
     data_parallel_size,
     expert_data_parallel_size,
@@ -576,8 +577,11 @@ def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = 
         etps = _allowed(cfp, "etp", [e for e in _divisors(world)
                                      if not size_reasons(options, "etp", m, e, sizes_only) and e <= domain],
                         rejected, world)
-    else:
-        eps, etps = [1], [1]
+    else:  # a pin of expert sizes above 1 on a dense model leaves nothing, said as such
+        for name in ("ep", "etp"):
+            rejected += [Rejection(what=f"{name}={v}", reason=f"{m.name} is a dense model: it has no experts to split")
+                         for v in cfp.allowed(name) or [] if v != 1]
+        eps, etps = _allowed(cfp, "ep", [1], rejected, world), _allowed(cfp, "etp", [1], rejected, world)
 
     families = []
     for tp in tps:
@@ -600,3 +604,130 @@ def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = 
     return Space(world=world, families=tuple(families), rejected=tuple(rejected), job=job, cfp=cfp,
                  te_available=te_available,
                  options=options)
+
+
+KNOBS = ("tp", "cp", "pp", "ep", "etp", "vpp", "micro_batch", "sp", "recompute", "mlp", "distributed_optimizer")
+"""The knobs ``cfp`` may pin (``cfp.tp=2``) or restrict to a set (``cfp.constraints.tp=[2,4]``)."""
+
+
+def has_layout(space: Space) -> bool:
+    """Whether any candidate is left (stops at the first group that holds one)."""
+    return any(g.size for f in space.families for g in space.groups(f))
+
+
+def only_knob(cfp: CfpSpec, name: str | None) -> CfpSpec:
+    """``cfp`` with every pin and set cleared but those of knob ``name`` (``None``: all cleared); the search's global
+    limits (``max_micro_batch``, ``tp_within_node``, ``uneven_stages``) stay."""
+    others = {k: None for k in KNOBS if k != name}
+    return dataclasses.replace(cfp, **others, constraints=dataclasses.replace(cfp.constraints, **others))
+
+
+def knob_setting(cfp: CfpSpec, name: str) -> tuple[str, object]:
+    """The Hydra key and value that restrict knob ``name``: its pin, else its set."""
+    def plain(v: object) -> object:
+        return getattr(v, "value", v)
+
+    pin = getattr(cfp, name)
+    if pin is not None:
+        return f"cfp.{name}", plain(pin)
+    return f"cfp.constraints.{name}", [plain(v) for v in getattr(cfp.constraints, name)]
+
+
+def knob_reasons(space: Space, name: str) -> list[str]:
+    """Why no candidate of ``space``'s families takes an allowed value of knob ``name`` (the per-layout knobs:
+    micro-batch, SP, vpp, MLP, distributed optimizer), one line per distinct cause, with the numbers."""
+    allowed = space.cfp.allowed(name) or []
+    job, world = space.job, space.world
+    gbs, seq = job.train.global_batch_size, job.train.seq_length
+    out: dict[str, None] = {}
+    per_rank_of: dict[int, dict[int, int]] = {}  # micro-batch -> {DP size: sequences per DP rank} it does not divide
+    for f in space.families:
+        dp = f.dp(world)
+        per_rank = gbs // dp
+        for v in allowed:
+            if name == "micro_batch":
+                if v > space.cfp.constraints.max_micro_batch:
+                    out[f"{v} is above cfp.constraints.max_micro_batch={space.cfp.constraints.max_micro_batch}"] = None
+                elif per_rank % v:
+                    per_rank_of.setdefault(v, {})[dp] = per_rank
+            elif name == "sp" and v and f.tp == 1:
+                out["sequence parallelism splits over TP, and every layout left has TP 1"] = None
+            elif name == "sp" and v and (seq // f.cp) % f.tp:
+                out[f"sequence parallelism needs the {seq // f.cp} tokens per CP rank (train.seq_length={seq}) "
+                    f"divisible by TP {f.tp}"] = None
+            elif name == "sp" and not v and sequence_parallel_required(job.model, f.tp):
+                out[f"Megatron-Core's MoE layer trains under TP {f.tp} only with sequence parallelism"] = None
+            elif name == "distributed_optimizer" and v and dp == 1 and not (
+                    job.model.is_moe and expert_data_parallel_size(world, f.etp, f.ep, f.pp) > 1):
+                out[f"the distributed optimizer shards over data parallelism, and tp{f.tp} cp{f.cp} pp{f.pp} leaves "
+                    "DP 1"] = None
+            elif name == "vpp" and v > 1:
+                out.update(dict.fromkeys(_vpp_reasons(space, f, v)))
+            elif name == "mlp" and v is MlpPartition.primepar:
+                out["PrimePar's MLP needs a dense model on a TP group of 4^k ranks (4, 16, ...) whose grid side "
+                    "divides the hidden and FFN sizes and the tokens per micro-batch"] = None
+    for v, counts in per_rank_of.items():
+        sizes = sorted(counts.items(), reverse=True)
+        if len(sizes) == 1:
+            out[f"{v} does not divide the {sizes[0][1]} sequences of a step per data-parallel rank "
+                f"(train.global_batch_size={gbs} over DP {sizes[0][0]})"] = None
+            continue
+        out[f"{v} does not divide the sequences of a step per data-parallel rank (train.global_batch_size={gbs}: "
+            + ", ".join(f"{n} at DP {dp}" for dp, n in sizes) + ")"] = None
+    return list(out)
+
+
+def _vpp_reasons(space: Space, f: Family, vpp: int) -> list[str]:
+    """Why ``vpp`` model chunks per rank do not fit family ``f`` at any micro-batch size."""
+    layers = space.job.model.num_layers
+    if f.pp == 1:
+        return [f"interleaving (vpp {vpp}) needs pipeline parallelism, and tp{f.tp} cp{f.cp} has PP 1"]
+    counts = {space.job.train.global_batch_size // (f.dp(space.world) * mb)
+              for mb in _divisors(space.job.train.global_batch_size // f.dp(space.world))}
+    if not any(m % f.pp == 0 for m in counts):
+        return [f"the interleaved schedule needs the micro-batches per step ({', '.join(map(str, sorted(counts)))}) "
+                f"to be a multiple of PP {f.pp}"]
+    return [f"{layers} layers do not split into {f.pp} stages x {vpp} chunks"]
+
+
+def no_layout_issues(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = True) -> list[ConfigIssue]:
+    """Why ``cfp``'s pins and sets leave no layout of ``job`` on ``world`` ranks (empty when one is left): each pin
+    or set that removes every layout on its own, named by its key with the reasons (``cfp.micro_batch=3: 3 does not
+    divide the 8 sequences of a step per data-parallel rank ...``); where none does alone, the combination."""
+    space = build_space(job, world, cfp, te_available=te_available)
+    if has_layout(space):
+        return []
+    free = build_space(job, world, only_knob(cfp, None), te_available=te_available)
+    known = {(r.what, r.reason) for r in free.rejected}
+    subject = f"no layout of {job.model.name} on {world} rank{'s' if world > 1 else ''}"
+    asked = [n for n in KNOBS if cfp.allowed(n) is not None]
+    issues = []
+    for name in asked:
+        alone = build_space(job, world, only_knob(cfp, name), te_available=te_available)
+        if has_layout(alone):
+            continue
+        key, value = knob_setting(cfp, name)
+        pinned = {f"{name}={_value(v)}" for v in cfp.allowed(name) or []}
+        why = [f"{r.what}: {r.reason}" for r in alone.rejected
+               if r.what in pinned or ((r.what, r.reason) not in known and not r.what.startswith(f"{name}="))]
+        why += knob_reasons(alone, name)
+        issues.append(ConfigIssue(key=key, value=value,
+                                  problem=f"{subject} takes it: " + ("; ".join(why[:6]) or "see the search's reasons")
+                                  + ".",
+                                  fix=f"choose another value, or remove {key} and let the search choose."))
+    if issues or not has_layout(free):
+        if not issues:  # the model, the batch and the world size leave nothing, whatever is pinned
+            issues = [ConfigIssue(key="cfp", value="-", problem=f"{subject} is valid: " + "; ".join(
+                f"{r.what}: {r.reason}" for r in free.rejected[:8]) + ".",
+                fix="start another number of ranks, or change train.global_batch_size or the model.")]
+        return issues
+    settings = dict(knob_setting(cfp, n) for n in asked)
+    why = [f"{r.what}: {r.reason}" for r in space.rejected if (r.what, r.reason) not in known]
+    why += [w for n in asked for w in knob_reasons(space, n)]
+    if not space.families:
+        why.append(f"TP x CP x PP{' (and EP x expert TP x PP)' if job.model.is_moe else ''} must divide the {world} "
+                   "ranks, and the global batch the data-parallel size they leave")
+    return [ConfigIssue(key="cfp", value=settings,
+                        problem=f"each of {', '.join(settings)} leaves layouts on its own, but together {subject} "
+                                "is left" + (": " + "; ".join(why[:6]) if why else "") + ".",
+                        fix="relax one of these pins or sets.")]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.files import atomic_writer, write_atomic
 from cfp_megatron.sim.prediction import EventKind, Prediction
 
 LANES: tuple[str, ...] = ("compute", "TP comm", "CP comm", "EP comm", "FSDP comm", "comm", "DP comm", "idle")
@@ -200,11 +201,10 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 
 
 def write_chrome_trace(prediction: Prediction, path: str | Path, *, title: str = "",
-                       max_events: int = MAX_TRACE_EVENTS) -> Path:
-    """Write :func:`chrome_trace` to ``path`` (JSON); returns the path."""
-    path = Path(path)
-    path.write_text(json.dumps(chrome_trace(prediction, title=title, max_events=max_events)))
-    return path
+                       max_events: int = MAX_TRACE_EVENTS, key: str | None = None) -> Path:
+    """Write :func:`chrome_trace` to ``path`` (JSON, atomically: a refused write is a
+    :class:`~cfp_megatron.base.files.FileWriteError` naming ``key``); returns the path."""
+    return write_atomic(path, json.dumps(chrome_trace(prediction, title=title, max_events=max_events)), key=key)
 
 
 def _merged(spans: list[tuple[float, float]], gap: float) -> list[tuple[float, float]]:
@@ -248,8 +248,9 @@ def _draw_columns(ax: object, pieces: Sequence[Slice], rows: dict[tuple[int, str
 
 
 def write_png(prediction: Prediction, path: str | Path, *, title: str = "", max_ranks: int = MAX_PNG_RANKS,
-              metadata: dict[str, str] | None = None) -> Path:
-    """Draw the schedule as a timeline to ``path`` (PNG, with the text chunks ``metadata``; returns the path): per
+              metadata: dict[str, str] | None = None, key: str | None = None) -> Path:
+    """Draw the schedule as a timeline to ``path`` (PNG, with the text chunks ``metadata``, written atomically: a
+    refused write is a :class:`~cfp_megatron.base.files.FileWriteError` naming ``key``; returns the path): per
     pipeline rank a row each for compute, the communication the plan exposes and idle time, time since the step's
     start on the x axis. At most ``max_ranks`` ranks are drawn (the picture says which)."""
     import matplotlib
@@ -311,6 +312,9 @@ def write_png(prediction: Prediction, path: str | Path, *, title: str = "", max_
                bbox_to_anchor=(0.5, 0.0))
     fig.tight_layout(rect=(0, 0.3 / height, 1, 1))
     path = Path(path)
-    fig.savefig(path, dpi=110, metadata=metadata)
-    plt.close(fig)
+    try:
+        with atomic_writer(path, "wb", key=key) as fh:
+            fig.savefig(fh, format="png", dpi=110, metadata=metadata)
+    finally:
+        plt.close(fig)
     return path

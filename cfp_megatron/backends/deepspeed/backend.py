@@ -55,7 +55,7 @@ class DeepSpeedBackend:
               metrics_path: Path | None, check: PlanCheck | None, resume: Any) -> list[Any]:
         """Megatron's groups (all of size 1 but data parallelism, for the model and its RNG), then
         ``deepspeed.initialize`` with the plan's config (``backend.config_file``'s other keys kept) and its loop,
-        resuming from ``train.checkpoint_dir`` when ``resume``."""
+        resuming from ``train.checkpoint_dir`` at step ``resume`` (``None``: from the start)."""
         from cfp_megatron.backends.deepspeed.trainer import run_training
         from cfp_megatron.engine.distributed import destroy_distributed, init_distributed
 
@@ -66,6 +66,6 @@ class DeepSpeedBackend:
         init_distributed(job, dims, env)
         try:
             return run_training(job, plan, config, dims, env, metrics_path=metrics_path, check=check,
-                                resume=bool(resume))
+                                resume=resume)
         finally:
             destroy_distributed()

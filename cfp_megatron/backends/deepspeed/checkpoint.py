@@ -9,7 +9,9 @@ A save writes into ``global_stepN.partial`` (``engine.save_checkpoint(save_lates
 ``latest`` is written before the ranks agree that every shard is on disk), then rank 0, after a barrier, writes the
 manifest, renames the folder and replaces ``latest`` last: a kill mid-save leaves the previous checkpoint current.
 A resume verifies the manifest before any rank unpickles a file, and DeepSpeed's ``torch.load`` runs weights-only
-(a checkpoint engine that allows only the few DeepSpeed classes its ZeRO states hold).
+(a checkpoint engine that allows only the few DeepSpeed classes its ZeRO states hold). Which step a run starts
+from, the folder lock, the model check and a failed save follow the Megatron backend's rules, on these names
+(:data:`SCHEME`).
 """
 
 from __future__ import annotations
@@ -17,20 +19,33 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from cfp_megatron.base.errors import CheckpointError, ConfigError, ConfigIssue
-from cfp_megatron.engine import manifest
-from cfp_megatron.engine.checkpoint import recovery_fix
+from cfp_megatron.base.errors import CheckpointError
+from cfp_megatron.base.jsonio import json_plain
+from cfp_megatron.engine import checkpoint_lock, manifest
+from cfp_megatron.engine.checkpoint import (
+    Scheme,
+    agree,
+    check_folder,
+    finish_save,
+    is_save_error,
+    prepare_save,
+    read_pointer,
+    recovery_fix,
+)
 
 LATEST = "latest"
 """DeepSpeed's pointer file: the tag (folder name) of the newest complete checkpoint."""
-_TAG = re.compile(r"global_step(\d+)")
+SCHEME = Scheme(backend="DeepSpeed", folder="global_step{}", pattern=r"global_step([0-9]+)", pointer=LATEST,
+                pointer_text="global_step{}", pointer_pattern=r"global_step([0-9]+)")
+"""DeepSpeed's folder names; the rules on them are the Megatron backend's (:func:`.checkpoint.check_folder`)."""
+_TAG = re.compile(SCHEME.pattern, flags=re.ASCII)
 _SAFE_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
                  "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
                  "deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.utils.tensor_fragment.fragment_address")
@@ -43,73 +58,51 @@ def tag(step: int) -> str:
 
 
 def latest_tag(root: str | os.PathLike[str]) -> str | None:
-    """The newest complete checkpoint's tag, or ``None`` when the folder holds none."""
-    pointer = Path(root) / LATEST
-    if not pointer.is_file():
-        return None
-    text = pointer.read_text().strip()
-    if not text or "/" in text or text.startswith("."):
-        raise CheckpointError(f"{pointer} holds {text!r}, not a checkpoint tag. Fix: restore the file (it names the "
-                              "newest global_stepN folder) or point train.checkpoint_dir at another folder.")
-    if not (Path(root) / text).is_dir():
-        raise CheckpointError(f"{pointer} names {text} but {Path(root) / text} is missing. Fix: restore that "
-                              "folder, or write the newest complete tag into the pointer file.")
-    return text
+    """The tag the pointer names (the newest complete checkpoint), or ``None`` when there is no pointer."""
+    step = read_pointer(root, SCHEME)
+    return None if step is None else tag(step)
 
 
 def verify_tag(root: str | os.PathLike[str], name: str, *, trust_unverified: bool) -> bool:
     """Verify the checkpoint ``name`` against its manifest before anything in it is loaded."""
     base = Path(root)
-    fix = recovery_fix(base, base / name, base / LATEST, _TAG.pattern, "global_step{}")
+    fix = recovery_fix(base, base / name, base / LATEST, SCHEME.pattern, SCHEME.pointer_text)
     return manifest.verify(base / name, trust_unverified=trust_unverified, fix=fix)
 
 
-def check_before_start(root: str | None, *, resume: bool, restarted: bool, trust_unverified: bool) -> bool:
-    """Whether to resume, decided before any process group exists, as the Megatron backend decides it:
-    ``train.resume=true`` needs a complete checkpoint; a fresh run refuses a folder holding one unless torchrun
-    restarted this job (then it is the job's own: it continues from it). The checkpoint is verified here."""
-    if root is None:
-        return False
-    found = latest_tag(root) if Path(root).exists() else None
-    if resume and found is None:
-        raise CheckpointError(f"train.resume=true but train.checkpoint_dir={root!r} holds no complete DeepSpeed "
-                              f"checkpoint ({LATEST} is missing). Fix: point train.checkpoint_dir at the folder an "
-                              "earlier run saved into, or set train.resume=false.")
-    if found is not None and not (resume or restarted):
-        raise ConfigError(ConfigIssue(key="train.checkpoint_dir", value=root,
-                                      problem=f"holds a DeepSpeed checkpoint ({found}), which this run would write "
-                                              "over.",
-                                      fix="set train.resume=true to continue it, or choose another folder."))
-    if found is None:
-        return False
-    verify_tag(root, found, trust_unverified=trust_unverified)
-    return True
+def check_before_start(root: str | None, *, resume: bool, restarted: bool, trust_unverified: bool,
+                       steps: int | None = None, save_interval: int | None = None, model: Any = None,
+                       writer: str | None = None, note: Callable[[str], None] | None = None) -> int | None:
+    """The step to resume from (``None``: a fresh start), decided before any process group exists by the Megatron
+    backend's rules (:func:`.checkpoint.check_folder`) on DeepSpeed's folder names."""
+    return check_folder(root, SCHEME, resume=resume, restarted=restarted, trust_unverified=trust_unverified,
+                        steps=steps, save_interval=save_interval, model=model, writer=writer, note=note)
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def save(engine: Any, root: str, step: int, client_state: dict[str, Any]) -> Path:
-    """Save a complete checkpoint for ``step`` from every rank (see the module docstring); return its folder."""
+def save(engine: Any, root: str, step: int, client_state: dict[str, Any], *, model: Any = None) -> Path:
+    """Save a complete checkpoint for ``step`` from every rank (see the module docstring); return its folder. A
+    failure on any rank (a full disk) is one CheckpointError on every rank, the previous checkpoint current."""
     base = Path(root)
     final = base / tag(step)
     partial = final.with_name(final.name + ".partial")
-    if _rank() == 0:
-        base.mkdir(parents=True, exist_ok=True)
-        for stale in base.glob("global_step*.partial"):
-            shutil.rmtree(stale, ignore_errors=True)
-    _barrier()
-    engine.save_checkpoint(root, tag=partial.name, client_state=client_state, save_latest=False)
-    _barrier()
-    if _rank() == 0:
-        manifest.publish(partial, final, base / LATEST, final.name)
-    _barrier()
+    agree(prepare_save(base, final, SCHEME) if _rank() == 0 else None)
+    error: BaseException | None = None
+    try:
+        engine.save_checkpoint(root, tag=partial.name, client_state=client_state, save_latest=False)
+    except BaseException as err:  # noqa: BLE001 - a failed write is agreed on below; anything else is re-raised
+        if not is_save_error(err):
+            raise
+        error = err
+        # DeepSpeed 0.19's save_checkpoint ends with a barrier the other ranks wait in: join it before agreeing.
+        if dist.is_initialized():
+            dist.barrier()
+    record = {"model": json_plain(model) if model is not None else None, "layout": client_state.get("plan"),
+              "writer": checkpoint_lock.held_token(base) if _rank() == 0 else None}
+    finish_save(partial, final, base / LATEST, final.name, record, error)
     return final
 
 
@@ -150,14 +143,15 @@ def _weights_only_engine(current: Any, *, trust_unverified: bool) -> Any:
 _READ_ERRORS = (OSError, EOFError, RuntimeError, ValueError, KeyError, AttributeError, pickle.UnpicklingError)
 
 
-def load(engine: Any, root: str, *, trust_unverified: bool) -> tuple[str, int]:
-    """Load the newest complete checkpoint (verified before the start) into ``engine``; return (folder, step)."""
-    name = latest_tag(root)
+def load(engine: Any, root: str, *, trust_unverified: bool, step: int | None = None) -> tuple[str, int]:
+    """Load the checkpoint at ``step`` (decided and verified before the start: :func:`check_before_start`; default
+    the one the pointer names) into ``engine``; return (folder, step)."""
+    name = tag(step) if step is not None else latest_tag(root)
     if name is None:
         raise CheckpointError(f"train.checkpoint_dir={root!r} holds no complete DeepSpeed checkpoint ({LATEST} is "
                               "missing). Fix: set train.resume=false, or point it at the folder a run saved into.")
     folder = Path(root) / name
-    fix = recovery_fix(Path(root), folder, Path(root) / LATEST, _TAG.pattern, "global_step{}")
+    fix = recovery_fix(Path(root), folder, Path(root) / LATEST, SCHEME.pattern, SCHEME.pointer_text)
     engine.checkpoint_engine = _weights_only_engine(engine.checkpoint_engine, trust_unverified=trust_unverified)
     try:
         path, _ = engine.load_checkpoint(root, tag=name)
@@ -167,8 +161,8 @@ def load(engine: Any, root: str, *, trust_unverified: bool) -> tuple[str, int]:
         raise CheckpointError(f"{folder} cannot be loaded ({type(err).__name__}: {str(err)[:300]}). {fix}") from err
     if path is None:
         raise CheckpointError(f"DeepSpeed found no model states in {folder}. {fix}")
-    step = engine.global_steps
+    saved = engine.global_steps
     match = _TAG.fullmatch(name)
-    if match is not None and int(match.group(1)) != step:
-        raise CheckpointError(f"{folder} holds step {step}, its name says {match.group(1)}. {fix}")
-    return str(path), step
+    if match is not None and int(match.group(1)) != saved:
+        raise CheckpointError(f"{folder} holds step {saved}, its name says {match.group(1)}. {fix}")
+    return str(path), saved

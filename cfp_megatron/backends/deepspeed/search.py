@@ -159,7 +159,7 @@ def rank_zero_plans(candidates: list[ZeroKnobs], plan_of: Callable[[ZeroKnobs], 
     for stage, peaks in sorted(found.over.items()):
         if stage not in space.fitting_stages:
             rejected.append((f"zero{stage}", f"needs at least {min(peaks):.1f} GiB per GPU, over "
-                                    f"{limit / GIB if limit else 0:.1f} GiB ({hbm_gib} GiB less "
+                                    f"{limit / GIB if limit else 0:.1f} GiB ({hbm_gib:.4g} GiB less "
                                     f"{headroom:.0%} headroom)"))
     if not found.ranked:
         raise ConfigError([ConfigIssue(key=key, value=pins or "-",

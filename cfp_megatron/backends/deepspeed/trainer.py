@@ -28,7 +28,8 @@ from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.data.batches import build_micro_batches
-from cfp_megatron.engine.distributed import model_groups
+from cfp_megatron.engine import rank_watch
+from cfp_megatron.engine.distributed import bound_every_group, model_groups
 from cfp_megatron.engine.init import layout_independent_init
 from cfp_megatron.engine.metrics import MetricsLog, StepMetrics
 from cfp_megatron.engine.model import build_model_chunks
@@ -116,15 +117,18 @@ def _module_grad_norm(engine: Any) -> float | None:
 
 def run_training(job: JobSpec, plan: Plan, config: dict[str, Any], dims: ParallelDims, env: LaunchEnv, *,
                  metrics_path: Path | None, check: PlanCheck | None = None,
-                 resume: bool = False) -> list[StepMetrics]:
-    """Build the engine, resume from ``train.checkpoint_dir`` when asked, train to ``train.steps``, save; return
-    rank 0's step metrics."""
+                 resume: int | None = None) -> list[StepMetrics]:
+    """Build the engine, resume from ``train.checkpoint_dir`` at step ``resume`` (decided before the start:
+    ``None``, a fresh start), train to ``train.steps``, save; return rank 0's step metrics."""
     t = job.train
     log = MetricsLog(metrics_path, enabled=env.rank == 0)
     model, engine = build_engine(job, plan, config, dims)
+    bound_every_group(t.collective_timeout_s)  # DeepSpeed's own groups too
     step = 0
-    if resume and t.checkpoint_dir is not None:
-        path, step = checkpoint.load(engine, t.checkpoint_dir, trust_unverified=t.trust_unverified_checkpoint)
+    if resume is not None and t.checkpoint_dir is not None:
+        path, step = checkpoint.load(engine, t.checkpoint_dir, trust_unverified=t.trust_unverified_checkpoint,
+                                     step=resume)
+        rank_watch.saved(str(path))
         log.event("resume", step=step, path=path, restart_count=env.restart_count)
     precision = Precision(plan.precision)
     peak, peak_source = peak_tflops(job.cluster, precision)
@@ -139,8 +143,9 @@ def run_training(job: JobSpec, plan: Plan, config: dict[str, Any], dims: Paralle
     tokens_per_step = t.global_batch_size * t.seq_length
     history: list[StepMetrics] = []
     ga = plan.gradient_accumulation_steps
-    last_saved = step if resume else None
+    last_saved = step if resume is not None else None
     while step < t.steps:
+        rank_watch.at(f"step {step + 1} of {t.steps}")
         micro_batches = list(itertools.islice(stream, ga))
         if len(micro_batches) < ga:
             log.event("data_exhausted", step=step)
@@ -158,14 +163,16 @@ def run_training(job: JobSpec, plan: Plan, config: dict[str, Any], dims: Paralle
         if check is not None and len(history) == check.after_steps:
             log_plan_check(check, history, log, job, env, backend=dist.get_backend())
         if t.checkpoint_dir and t.save_interval and step % t.save_interval == 0:
-            _save(engine, t.checkpoint_dir, step, plan, log)
+            _save(engine, t.checkpoint_dir, step, plan, log, job)
             last_saved = step
     if t.checkpoint_dir and last_saved != step:
-        _save(engine, t.checkpoint_dir, step, plan, log)
+        _save(engine, t.checkpoint_dir, step, plan, log, job)
     log.event("end", step=step)
     return history
 
 
-def _save(engine: Any, folder: str, step: int, plan: Plan, log: MetricsLog) -> None:
-    saved = checkpoint.save(engine, folder, step, client_state={"plan": plan.canonical()})
+def _save(engine: Any, folder: str, step: int, plan: Plan, log: MetricsLog, job: JobSpec) -> None:
+    rank_watch.at(f"the save of step {step}'s checkpoint")
+    saved = checkpoint.save(engine, folder, step, client_state={"plan": plan.canonical()}, model=job.model)
+    rank_watch.saved(str(saved))
     log.event("checkpoint", step=step, path=str(saved))

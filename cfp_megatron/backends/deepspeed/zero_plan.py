@@ -97,8 +97,7 @@ def write_json_file(config: dict[str, Any], path: Path) -> Path:
         if target.exists() and target.read_text() == text:
             return target
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            return write_new(target, text)
+            return write_new(target, text, key="hydra.run.dir")  # a refused write: one FileWriteError naming it
         except FileExistsError:
             continue
     raise PlanError(f"{path} and its hashed sibling exist with other content.", fix="choose another run directory.",

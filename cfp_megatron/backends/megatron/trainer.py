@@ -18,7 +18,8 @@ from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.data.batches import build_micro_batches
-from cfp_megatron.engine import checkpoint
+from cfp_megatron.engine import checkpoint, rank_watch
+from cfp_megatron.engine.distributed import bound_every_group
 from cfp_megatron.engine.memory import measure_step
 from cfp_megatron.engine.metrics import MetricsLog, StepMetrics
 from cfp_megatron.engine.model import count_parameters
@@ -36,10 +37,12 @@ def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step
     t = job.train
     log = MetricsLog(metrics_path, enabled=env.rank == 0)
     state = build_training(job, dims)
+    bound_every_group(t.collective_timeout_s)  # the groups made without one (PrimePar's grids)
     if start_step is not None and t.checkpoint_dir is not None:
         extra = checkpoint.load(t.checkpoint_dir, start_step, state.chunks, state.optimizer, state.scheduler,
                                 heterogeneous=job.parallel.primepar_layers is not None)
         state.step = start_step
+        rank_watch.saved(str(checkpoint.step_dir(Path(t.checkpoint_dir), start_step)))
         log.event("resume", step=start_step, saved_under=extra.get("layout"), layout=dims.describe(),
                   restart_count=env.restart_count)
     precision = resolve_precision(t.precision, torch.cuda.is_available())
@@ -59,6 +62,7 @@ def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step
     with log.progress:
         bar = log.progress.add_task("train", total=t.steps, completed=state.step)
         while state.step < t.steps:
+            rank_watch.at(f"step {state.step + 1} of {t.steps}")
             if not _train_one(state, stream, log, history, flops_per_token, peak):
                 break
             log.progress.update(bar, completed=state.step)
@@ -110,6 +114,9 @@ def _train_one(state: TrainState, stream: Iterator[dict[str, torch.Tensor]], log
 
 
 def _save(state: TrainState, log: MetricsLog) -> None:
+    rank_watch.at(f"the save of step {state.step}'s checkpoint")
     folder = checkpoint.save(str(state.job.train.checkpoint_dir), state.step, state.chunks, state.optimizer,
-                             state.scheduler, {"layout": state.dims.describe(), "model": state.job.model.name})
+                             state.scheduler, {"layout": state.dims.describe(), "model": state.job.model.name},
+                             model=state.job.model)
+    rank_watch.saved(str(folder))
     log.event("checkpoint", step=state.step, path=str(folder))

@@ -1,0 +1,374 @@
+"""A rank's life under torchrun: it dies with its launcher, records how far it got, and its failures are said once.
+
+- **Launcher death.** :func:`tie_to_launcher` asks Linux for SIGKILL when torchrun's agent (the rank's parent) dies
+  (``PR_SET_PDEATHSIG``, as :func:`~cfp_megatron.engine.save_workers.die_with_parent` does for checkpoint writers),
+  so ``kill -9`` of torchrun leaves no rank training as an orphan.
+- **Progress.** Every rank records where it is (:func:`at`: ``step 8 of 20``, a save, a profiling round's step) in
+  the default process group's store (torchrun's agent holds it, so it answers while any rank is stalled).
+- **A stalled rank** cannot speak, so the ranks waiting for it do: a collective that outlives
+  ``train.collective_timeout_s`` raises on them (gloo's ``Timed out waiting ...``; NCCL's watchdog error where torch
+  raises it rather than aborting), and :func:`explained` turns that into one :class:`RankStalledError` naming the
+  ranks that did not mark themselves as waiting within :data:`GRACE_S`, with their host, pid and progress.
+- **Ctrl-C.** The first SIGINT raises ``KeyboardInterrupt`` once (later ones, torchrun's forward of the same Ctrl-C
+  included, are ignored while the rank winds down); :func:`explained` makes it a :class:`RunInterrupted` naming the
+  step and the last checkpoint.
+
+Each such error carries a :class:`Turn`: the first rank to claim it says the message, the others wait for it to be
+said before exiting (torchrun stops every rank once the first one exits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cfp_megatron.base.errors import CfpError
+from cfp_megatron.engine.save_workers import die_with_parent
+
+TIMEOUT_KEY = "train.collective_timeout_s"
+"""The setting that bounds every collective (:class:`~cfp_megatron.base.config.TrainSpec`)."""
+GRACE_S = 5.0
+"""How long a rank whose collective timed out waits for the other waiting ranks to say so, before naming the
+ranks that did not as stalled (they time out within a step of each other)."""
+SAID_WAIT_S = 30.0
+"""How long a rank that does not say a shared message waits for the rank that does."""
+POLL_S = 0.1
+"""How often the store is read while waiting."""
+INTERRUPTED_STATUS = 130
+"""Exit status of a run stopped by SIGINT (128 + 2, as a shell reports it)."""
+ERROR_STATUS = 2
+"""Exit status of a run ended by a stalled rank (the status of every error the entry points report)."""
+_TIMEOUT_MARKS = ("Timed out waiting", "Application timeout caused pair closure",
+                  "Watchdog caught collective operation timeout", "before timing out", "timed out after",
+                  "wait timeout after")
+"""Parts of the errors gloo and NCCL raise when a collective outlives the process group's timeout (the last: the
+store's, when a rank does not join a group)."""
+_PEER_GONE_MARKS = ("Connection closed by peer", "Connection reset by peer")
+"""Parts of the errors gloo raises on a rank whose peer closed its connections (exited)."""
+PEER_WAIT_S = 3.0
+"""How long a rank whose peer went away looks in the store for that peer's reason (an interrupt, a stall)."""
+_PREFIX = "cfp/watch"
+"""Store keys of this module (inside the attempt's prefix of :func:`~cfp_megatron.engine.distributed.
+init_distributed`)."""
+
+
+@dataclass(kw_only=True)
+class _Watch:
+    """This process's record (module state: one per rank process)."""
+
+    where: str = "start-up (before the first step)"
+    """What the rank is doing now (:func:`at`)."""
+    checkpoint: str | None = None
+    """The newest checkpoint this run saved or resumed from."""
+    store: Any = None
+    """The default process group's store (``None`` before :func:`watch`)."""
+    rank: int = 0
+    """This rank."""
+    world: int = 1
+    """Ranks in the job."""
+    timeout_s: float = 600.0
+    """The collective timeout the groups were made with."""
+    tied: bool = False
+    """:func:`tie_to_launcher` ran."""
+    interrupt: Turn | None = None
+    """This rank's claim on saying the interrupt (made in the SIGINT handler, before any teardown)."""
+    pid: int = 0
+    """The rank's process (:func:`tie_to_launcher`); the processes it forks (checkpoint writers) inherit the SIGINT
+    handler and must leave the interrupt to it."""
+
+
+_state = _Watch()
+
+
+class SaidOnce(CfpError):
+    """An error several ranks meet at once, said by the rank whose :class:`Turn` it is."""
+
+    def __init__(self, message: str, *, turn: Turn | None = None) -> None:
+        super().__init__(message)
+        self.turn = turn
+        """Which rank says it (``None``: every rank decides alone)."""
+
+
+class RankStalledError(SaidOnce, RuntimeError):
+    """A collective outlived ``train.collective_timeout_s``: some rank stopped answering."""
+
+
+class RunInterrupted(SaidOnce):
+    """The run was stopped by SIGINT (Ctrl-C, ``kill -INT``); said in one line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Turn:
+    """Who says a message shared by several ranks: the first to claim ``name`` in the store."""
+
+    store: Any
+    """The default process group's store."""
+    name: str
+    """The message's key."""
+    mine: bool
+    """This rank claimed it first."""
+
+    @classmethod
+    def claim(cls, store: Any, name: str) -> Turn | None:
+        """Claim ``name``; ``None`` when the store does not answer."""
+        try:
+            return cls(store=store, name=name, mine=int(store.add(f"{_PREFIX}/{name}/claimed", 1)) == 1)
+        except Exception:  # noqa: BLE001 - the store (torchrun's agent) is gone: each rank decides alone
+            return None
+
+    def said(self) -> None:
+        """Tell the waiting ranks the message is out."""
+        with contextlib.suppress(Exception):
+            self.store.set(f"{_PREFIX}/{self.name}/said", "1")
+
+    def wait_said(self, seconds: float = SAID_WAIT_S) -> bool:
+        """Wait until the claiming rank said it (at most ``seconds``); whether it did."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                if self.store.check([f"{_PREFIX}/{self.name}/said"]):
+                    return True
+            except Exception:  # noqa: BLE001
+                return False
+            time.sleep(POLL_S)
+        return False
+
+
+def tie_to_launcher() -> None:
+    """Under torchrun on Linux: end this rank (SIGKILL) when its launcher dies, exit now when it has died already,
+    and make Ctrl-C raise ``KeyboardInterrupt`` once. Call first thing in a rank; again is a no-op."""
+    if _state.tied or "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
+        return
+    _state.tied, _state.pid = True, os.getpid()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _interrupt_once)
+    if sys.platform.startswith("linux"):
+        parent = os.getppid()
+        if _launcher_gone(parent):
+            os._exit(1)
+        die_with_parent(parent)
+
+
+def _launcher_gone(parent: int) -> bool:
+    """Whether this rank was reparented to init (its launcher died before :func:`tie_to_launcher`): its parent is
+    process 1 and that is no launcher (torchrun may itself be process 1 in a container)."""
+    if parent != 1:
+        return False
+    try:
+        command = Path("/proc/1/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+    return not any(name in command for name in ("torchrun", "torch.distributed", "deepspeed"))
+
+
+def _interrupt_once(signum: int, frame: Any) -> None:
+    if os.getpid() != _state.pid:  # a forked child (a checkpoint writer): its rank decides, and it dies with it
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the same Ctrl-C again (torchrun forwards it) while winding down
+    _interrupt_turn()  # before this rank's teardown closes its connections: the peers then find the reason
+    raise KeyboardInterrupt
+
+
+def _interrupt_turn() -> Turn | None:
+    if _state.interrupt is None and _state.store is not None:
+        _state.interrupt = Turn.claim(_state.store, "interrupted")
+    return _state.interrupt
+
+
+def watch(store: Any, *, rank: int, world: int, timeout_s: float) -> None:
+    """Record progress in ``store`` (the default process group's) from now on."""
+    _state.store, _state.rank, _state.world, _state.timeout_s = store, rank, world, timeout_s
+    at(_state.where)
+
+
+def at(where: str) -> None:
+    """Say what this rank does now (``step 8 of 20``); kept locally and, once :func:`watch` ran, in the store."""
+    _state.where = where
+    if _state.store is None:
+        return
+    record = {"where": where, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+    with contextlib.suppress(Exception):  # progress is advisory; a store that is gone shows at the next collective
+        _state.store.set(f"{_PREFIX}/rank/{_state.rank}", json.dumps(record))
+
+
+def timeout_s() -> float:
+    """The collective timeout of the default process group (:func:`watch`; torch's 600 s before)."""
+    return _state.timeout_s
+
+
+def saved(checkpoint: str) -> None:
+    """Remember the newest checkpoint this run saved or resumed from (said when the run is interrupted)."""
+    _state.checkpoint = checkpoint
+
+
+def is_collective_timeout(err: BaseException) -> bool:
+    """Whether ``err`` (or an error it was raised from) is a collective outliving the process group's timeout."""
+    return _has_mark(err, _TIMEOUT_MARKS)
+
+
+def _has_mark(err: BaseException, marks: tuple[str, ...]) -> bool:
+    """Whether ``err`` or an error it was raised from is a RuntimeError whose text holds one of ``marks``."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, RuntimeError) and any(mark in str(current) for mark in marks):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _said_by_peer() -> CfpError | None:
+    """This rank's peer went away: when it did so because it was interrupted or named a stalled rank (its claim is
+    in the store, looked for during :data:`PEER_WAIT_S`), the same error, said by that peer; else ``None``."""
+    store = _state.store
+    if store is None:
+        return None
+    deadline = time.monotonic() + PEER_WAIT_S
+    while True:
+        try:
+            if store.check([f"{_PREFIX}/interrupted/claimed"]):
+                return interrupted()
+            if store.check([f"{_PREFIX}/stalled/claimed"]):
+                return RankStalledError(f"a peer of rank {_state.rank} ended the job for a rank that stopped "
+                                        f"answering while rank {_state.rank} was in {_state.where}.",
+                                        turn=Turn.claim(store, "stalled"))
+        except Exception:  # noqa: BLE001 - the store is gone too
+            return None
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(POLL_S)
+
+
+def explained(err: BaseException) -> CfpError | None:
+    """``err`` as the error a user should read: a CfpError as it is, a collective timeout as a
+    :class:`RankStalledError`, a ``KeyboardInterrupt`` as a :class:`RunInterrupted`; ``None`` for anything else."""
+    if isinstance(err, CfpError):
+        return err
+    if isinstance(err, KeyboardInterrupt):
+        return interrupted()
+    if is_collective_timeout(err):
+        return stalled(err)
+    if _has_mark(err, _PEER_GONE_MARKS):
+        return _said_by_peer()
+    return None
+
+
+def interrupted() -> RunInterrupted:
+    """The run stopped by SIGINT where this rank is."""
+    ckpt = (f"; the last checkpoint is {_state.checkpoint} (continue from it with train.resume=true)"
+            if _state.checkpoint else "; no checkpoint was saved by this run")
+    return RunInterrupted(f"interrupted (SIGINT) at {_state.where}{ckpt}.", turn=_interrupt_turn())
+
+
+def stalled(err: BaseException, *, limit_s: float | None = None) -> RankStalledError:
+    """The ranks that stopped answering, as seen from this rank whose collective timed out (``err``) after
+    ``limit_s`` (default: the collective timeout)."""
+    store, limit = _state.store, _state.timeout_s if limit_s is None else limit_s
+    cause = _first_line(err)
+    fix = (f"find why it stopped (stopped by a signal, swapping, a hung device or file system: its log, `top`, "
+           f"`py-spy dump --pid PID` on its host); if the work is legitimately slower than {limit:g} s between two "
+           f"collectives (a slow save, a first step that compiles), raise {TIMEOUT_KEY} (now {_state.timeout_s:g}).")
+    if store is None:
+        return RankStalledError(f"a collective did not complete within {limit:g} s ({TIMEOUT_KEY}) while rank "
+                                f"{_state.rank} was in {_state.where} ({cause}).\nFix: {fix}")
+    waiting, records = _waiting_ranks(store)
+    behind = [r for r in range(_state.world) if r not in waiting]
+    turn = Turn.claim(store, "stalled")
+    return RankStalledError(stall_message(behind, sorted(waiting), records, limit=limit, cause=cause, fix=fix,
+                                          here=_state.where), turn=turn)
+
+
+def _first_line(err: BaseException) -> str:
+    """The error's first line without gloo's ``[source.cc:78]`` prefix."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text
+
+
+def _waiting_ranks(store: Any) -> tuple[set[int], dict[int, dict[str, Any]]]:
+    """Mark this rank as waiting; within :data:`GRACE_S`, the ranks that marked so too and every rank's record."""
+    waiting: set[int] = set()
+    records: dict[int, dict[str, Any]] = {}
+    with contextlib.suppress(Exception):
+        store.set(f"{_PREFIX}/waiting/{_state.rank}", _state.where)
+        deadline = time.monotonic() + GRACE_S
+        while True:
+            keys = [f"{_PREFIX}/waiting/{r}" for r in range(_state.world)]
+            waiting = {r for r, key in enumerate(keys) if store.check([key])}
+            if len(waiting) >= _state.world - 1 or time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+        for r in range(_state.world):
+            key = f"{_PREFIX}/rank/{r}"
+            if store.check([key]):
+                records[r] = json.loads(store.get(key))
+    return waiting, records
+
+
+def stall_message(behind: list[int], waiting: list[int], records: dict[int, dict[str, Any]], *, limit: float,
+                  cause: str, fix: str, here: str) -> str:
+    """The message naming the ranks ``behind`` (with their host, pid and progress from ``records``) that the ranks
+    ``waiting`` gave up on after ``limit`` seconds, in a collective of ``here`` (the saying rank's progress)."""
+    def who(rank: int) -> str:
+        r = records.get(rank)
+        if r is None:
+            return f"rank {rank} (no progress recorded)"
+        since = f" (for {time.time() - r['time']:.0f} s)" if rank not in waiting else ""
+        return f"rank {rank} (host {r['host']}, pid {r['pid']}) in {r['where']}{since}"
+
+    def ranks(items: list[int]) -> str:
+        return f"rank{'s' if len(items) != 1 else ''} {', '.join(str(r) for r in items)}" if items else "no rank"
+
+    if behind:
+        head = (f"{'; '.join(who(r) for r in behind)} stopped answering: {ranks(waiting)} waited {limit:g} s "
+                f"({TIMEOUT_KEY}) for {'it' if len(behind) == 1 else 'them'} in a collective of {here} and gave up")
+    else:
+        head = (f"every rank waited {limit:g} s ({TIMEOUT_KEY}) in a collective that did not complete "
+                f"({'; '.join(who(r) for r in sorted(records))})")
+    return f"{head} ({cause}).\nFix: {fix}"
+
+
+def my_turn(err: CfpError, rank: int, *, wait_s: float = SAID_WAIT_S) -> bool:
+    """Whether this rank says ``err``: its :class:`Turn` is this rank's, or it never came from the rank whose it is
+    (waited for at most ``wait_s``); rank 0 for an error without one."""
+    turn = getattr(err, "turn", None)
+    if turn is None:
+        return rank == 0
+    return turn.mine or not turn.wait_said(wait_s)
+
+
+def said(err: CfpError) -> None:
+    """Tell the ranks waiting in :func:`my_turn` that ``err`` is out."""
+    turn = getattr(err, "turn", None)
+    if turn is not None:
+        turn.said()
+
+
+def exit_status(err: CfpError) -> int:
+    """The exit status for ``err``: 130 after an interrupt, else 2."""
+    return INTERRUPTED_STATUS if isinstance(err, RunInterrupted) else ERROR_STATUS
+
+
+def exit_now(status: int) -> None:
+    """Flush and end the process with ``status`` without Python's shutdown (a process group left with a timed-out
+    collective aborts the interpreter at exit: 'terminate called without an active exception')."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(status)
+
+
+__all__ = ["ERROR_STATUS", "GRACE_S", "INTERRUPTED_STATUS", "TIMEOUT_KEY", "RankStalledError", "RunInterrupted",
+           "SaidOnce", "Turn", "at", "exit_now", "exit_status", "explained", "interrupted", "is_collective_timeout",
+           "my_turn", "said", "saved", "stall_message", "stalled", "tie_to_launcher", "timeout_s", "watch"]

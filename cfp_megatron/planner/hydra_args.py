@@ -1,0 +1,137 @@
+"""``launch/train.py``'s command line, checked before Hydra runs.
+
+Hydra prints its own composition errors (an unknown key, a group without an option, an override it cannot parse) on
+every rank, some as a traceback, and exits 1; a few (``~model``) it accepts and trains the schema's built-in values.
+So every rank first reads the command line with Hydra's own argument parser and composes the overrides the way Hydra
+will (:func:`~cfp_megatron.base.compose.compose_config`, a person's command line: a key given twice is said by rank 0;
+under ``-m`` each job of the sweep); a problem is said once per node (:func:`~cfp_megatron.planner.rank_errors.
+report_error`) and the job exits with status 2 before Hydra, a process group or a file exists. Hydra's flags keep
+working: ``--help``, ``--hydra-help`` and ``--shell-completion`` go straight to Hydra, ``--cfg`` and ``--info``
+after the check, printed by rank 0 only; another config (``--config-name``, ``--config-path``, ``--config-dir``,
+``--experimental-rerun``) is Hydra's to check.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cfp_megatron.base.compose import compose_config, override_issues, say_repeats
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.launch_env import LaunchEnv
+from cfp_megatron.planner.rank_errors import report_error
+
+
+@dataclass(frozen=True, kw_only=True)
+class HydraArgs:
+    """A ``launch/train.py`` command line as Hydra reads it."""
+
+    overrides: tuple[str, ...]
+    """The ``key=value`` overrides, in order."""
+    multirun: bool
+    """``-m``/``--multirun``: one job per combination of the sweeps' values."""
+    help_only: bool
+    """``--help``, ``--hydra-help`` or ``--shell-completion``: Hydra prints and exits, composing nothing we check."""
+    prints_only: bool
+    """Hydra prints something and exits without running the job (the help flags, ``--cfg``, ``--info``)."""
+    own_config: bool
+    """Another config than ``conf/config.yaml`` (``--config-name``, ``--config-path``, ``--config-dir``,
+    ``--experimental-rerun``): Hydra checks it."""
+
+
+def read_hydra_args(argv: Sequence[str]) -> HydraArgs:
+    """``argv`` (without the program) read by Hydra's own parser; a flag it does not know, or a flag's bad value, is
+    a :class:`ConfigError` naming it."""
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+
+    def refuse(message: str) -> None:
+        raise ConfigError(ConfigIssue(key="<command line>", value=" ".join(argv), problem=f"{message}.",
+                                      fix="see launch/train.py --help: settings are key=value (e.g. train.steps=5); "
+                                          "Hydra's flags are --help, --cfg job, --info, -m."))
+
+    parser.error = refuse  # type: ignore[method-assign]  # argparse would print its usage and exit, on every rank
+    args, unknown = parser.parse_known_args(list(argv))
+    if unknown:
+        refuse(f"{' '.join(unknown)}: not a flag of launch/train.py")
+    help_only = bool(args.help or args.hydra_help or args.shell_completion)
+    return HydraArgs(overrides=tuple(args.overrides), multirun=bool(args.multirun), help_only=help_only,
+                     prints_only=help_only or bool(args.cfg or args.info),
+                     own_config=any(v is not None for v in (args.config_name, args.config_path, args.config_dir,
+                                                           args.experimental_rerun)))
+
+
+def sweep_jobs(overrides: Sequence[str]) -> list[list[str]]:
+    """The overrides of each job ``-m`` runs (one per combination of the sweeps' values), as Hydra's basic sweeper
+    splits them."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def check_hydra_args(args: HydraArgs, world_size: int = 1) -> None:
+    """Raise one :class:`ConfigError` for what Hydra would refuse, or accept silently, in ``args`` (module
+    docstring). Under ``-m`` on more than one rank a sweep of several jobs is refused: Hydra runs them one after
+    another in each rank's process, and the second job's process group cannot connect again (gloo's connection
+    refused, a traceback on every rank)."""
+    if args.help_only or args.own_config:
+        return
+    if not args.multirun:
+        compose_config(args.overrides, typed=True)
+        return
+    issues = override_issues(args.overrides, sweeps=True)
+    if issues:
+        raise ConfigError(issues)
+    say_repeats(args.overrides)
+    jobs = sweep_jobs(args.overrides)
+    if world_size > 1 and len(jobs) > 1:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        parser = OverridesParser.create()
+        swept = " ".join(o for o in args.overrides if parser.parse_override(o).is_sweep_override())
+        raise ConfigError(ConfigIssue(key="-m", value=swept, problem=f"runs "
+                                      f"{len(jobs)} jobs one after another in each of the {world_size} ranks' "
+                                      "processes, and a second job cannot set up its process group again.",
+                                      fix="start one torchrun per job (e.g. a shell loop over the values), or run "
+                                          "the sweep on one rank (--nproc_per_node=1)."))
+    for job in jobs:
+        try:
+            compose_config(job)
+        except ConfigError as err:
+            raise ConfigError([ConfigIssue(key=i.key, value=i.value, problem=f"{i.problem} (in the sweep's job "
+                                           f"{' '.join(job)})", fix=i.fix) for i in err.issues]) from None
+
+
+def override_value(overrides: Sequence[str], key: str) -> tuple[bool, object]:
+    """Whether ``overrides`` set ``key``, and the value the last one gave it (Hydra's parse: quotes removed)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    found: tuple[bool, object] = (False, None)
+    for text in overrides:
+        if text.lstrip("+~").partition("=")[0] == key:
+            override = parser.parse_override(text)
+            found = (True, None if override.is_delete() else override.value())
+    return found
+
+
+def check_command_line(argv: Sequence[str]) -> HydraArgs:
+    """Check ``argv`` as :func:`check_hydra_args` does; on a problem say it once per node and exit with status 2.
+    A rank other than 0 exits (status 0) where Hydra would only print (``--cfg``...), so it is printed once."""
+    env = LaunchEnv.read()
+    try:
+        args = read_hydra_args(argv)
+        check_hydra_args(args, env.world_size)
+    except ConfigError as err:
+        report_error(err, env)
+        sys.exit(2)
+    if args.prints_only and env.rank != 0:
+        sys.exit(0)
+    return args
+
+
+__all__ = ["HydraArgs", "check_command_line", "check_hydra_args", "override_value", "read_hydra_args", "sweep_jobs"]

@@ -1,0 +1,156 @@
+"""Whether a job fits the memory of the machine it is about to run on, checked before profiling and before any
+process group: ``+cfp=auto`` refuses a job no layout of which fits (the search on the simulator's memory model), a
+layout given by hand (``parallel.*``, or a plan file made elsewhere) is refused when its predicted peak exceeds each
+rank's memory, and a GPU cluster preset is refused for training on a machine without a GPU.
+
+Each rank's memory is ``cluster.hbm_gib``, else the GPU's, else (CPU) the host's shared by the ranks of a node
+(:func:`cfp_megatron.profile.cluster.host_share_gib`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cfp_megatron.base.cfp_spec import CfpSpec
+from cfp_megatron.base.config import ClusterSpec, JobSpec
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.parallel_dims import transformer_engine_available
+from cfp_megatron.cluster.measured import Measurements
+from cfp_megatron.profile.cluster import host_memory_gib, local_measurements
+from cfp_megatron.search.search import SearchResult, search
+from cfp_megatron.search.space import no_layout_issues
+from cfp_megatron.sim.options import SimOptions, options_here
+from cfp_megatron.sim.prediction import GIB
+from cfp_megatron.sim.simulate import predict_memory
+
+MEMORY_FIX = ("start fewer ranks per node (torchrun --nproc_per_node), train a smaller model (model=..., "
+              "model.num_layers), allow recomputation and more model parallelism (cfp.recompute, the cfp pins and "
+              "cfp.constraints), or use a cluster with more memory (cluster=<preset>, cluster.hbm_gib).")
+"""What to change when a job does not fit."""
+
+LAYOUT_FIX = ("split the model over more ranks (parallel.tp, parallel.pp), recompute activations "
+              "(parallel.recompute=full), lower train.micro_batch_size, or let +cfp=auto find a layout that fits; "
+              "else ")
+"""What to change first when a layout given by hand does not fit."""
+
+
+def ranks(n: int) -> str:
+    """``1 rank``, ``2 ranks``."""
+    return f"{n} rank{'s' if n != 1 else ''}"
+
+
+def ranks_per_node(cluster: ClusterSpec, world: int) -> int:
+    """Ranks on each node: ``cluster.gpus_per_node``, else the world spread over ``cluster.nodes``."""
+    return cluster.gpus_per_node or max(world // max(cluster.nodes, 1), 1)
+
+
+def memory_source(given: ClusterSpec, filled: ClusterSpec, world: int) -> str:
+    """Where the per-rank memory ``filled.hbm_gib`` of the configured cluster ``given`` came from, in words."""
+    if given.hbm_gib is not None:
+        return f"cluster.hbm_gib={given.hbm_gib:g} of cluster={given.name}"
+    if not filled.on_cpu:
+        return f"the memory of this machine's {filled.device_name}"
+    per_node = ranks_per_node(given, world)
+    return (f"this host's {host_memory_gib():.1f} GiB less cluster.host_reserve_gib={given.host_reserve_gib or 0:g} "
+            f"for the OS, shared by {ranks(per_node)} per node, less cluster.rank_reserve_gib="
+            f"{given.rank_reserve_gib or 0:g} each")
+
+
+def memory_issue(given: ClusterSpec, filled: ClusterSpec, world: int, *, what: str, need_gib: float,
+                 limit_gib: float, headroom: float | None, fix: str = MEMORY_FIX) -> ConfigIssue:
+    """The issue of ``what`` (the words before the memory a layout, or the smallest layout, needs) needing
+    ``need_gib`` per rank where ``limit_gib`` is allowed (``filled.hbm_gib`` less ``headroom``); named by
+    ``cluster.hbm_gib`` where the user set it, else by the cluster preset."""
+    kept = "" if headroom is None else f", {gib(limit_gib)} within cfp.constraints.memory_headroom={headroom:g}"
+    key, value = ("cluster.hbm_gib", given.hbm_gib) if given.hbm_gib is not None else ("cluster", given.name)
+    return ConfigIssue(
+        key=key, value=value,
+        problem=f"{what} {gib(need_gib)} per rank by the simulator's memory model, and each rank has "
+                f"{gib(filled.hbm_gib or 0.0)} ({memory_source(given, filled, world)}){kept}.",
+        fix=fix)
+
+
+def gib(value: float) -> str:
+    """``value`` GiB with the digits that matter: ``5,801 GiB``, ``9.69 GiB``, ``0.0009 GiB``."""
+    text = f"{value:,.0f}" if value >= 100 else f"{value:.2f}" if value >= 1 else f"{value:.2g}"
+    return f"{text} GiB"
+
+
+def check_search_fits(job: JobSpec, world: int, cfp: CfpSpec, *, given: ClusterSpec,
+                      measurements: Measurements | None, te_available: bool,
+                      options: SimOptions | None) -> SearchResult | None:
+    """Search ``job``'s layouts (its cluster filled with this machine's figures; ``given``: the cluster as
+    configured) and raise a :class:`ConfigError` naming the memory the smallest layout needs and the memory there is
+    when layouts exist but none fits. The result; ``None`` without a memory limit."""
+    if job.cluster.hbm_gib is None:
+        return None
+    result = search(job, world, dataclasses.replace(cfp, top_k=1), measurements=measurements, options=options,
+                    te_available=te_available)
+    if result.ranked or result.least_over_gib is None or result.memory_limit_gib is None:
+        return result
+    what = (f"no layout of {job.model.name} on {ranks(world)} fits in memory: the smallest of the "
+            f"{result.over_memory:,} checked needs at least")
+    raise ConfigError(memory_issue(given, job.cluster, world, what=what, need_gib=result.least_over_gib,
+                                   limit_gib=result.memory_limit_gib, headroom=cfp.constraints.memory_headroom))
+
+
+def check_launch_fits(job: JobSpec, world: int, cfp: CfpSpec) -> None:
+    """Before profiling (``+cfp=auto``): :func:`check_search_fits` on this machine's figures (its stored profile,
+    else the analytical model), as the search after profiling will see them."""
+    cluster, measurements = local_measurements(job, world_size=world)
+    check_search_fits(dataclasses.replace(job, cluster=cluster), world, cfp, given=job.cluster,
+                      measurements=measurements, te_available=transformer_engine_available(),
+                      options=options_here(cluster))
+
+
+def check_no_plan(job: JobSpec, world: int, cfp: CfpSpec, *, given: ClusterSpec, measurements: Measurements | None,
+                  te_available: bool, options: SimOptions | None) -> None:
+    """Where a search found no plan: raise the :class:`ConfigError` of its cause, the pins and sets
+    (:func:`~cfp_megatron.search.space.no_layout_issues`) or the memory (:func:`check_search_fits`); returns where
+    neither is it."""
+    issues = no_layout_issues(job, world, cfp, te_available=te_available)
+    if issues:
+        raise ConfigError(issues)
+    check_search_fits(job, world, cfp, given=given, measurements=measurements, te_available=te_available,
+                      options=options)
+
+
+def check_layout_fits(job: JobSpec, world: int) -> None:
+    """Before any process group, for a layout not chosen by this machine's search (``parallel.*`` by hand, a plan
+    file or string): a :class:`ConfigError` when its predicted peak exceeds each rank's memory (no headroom: the
+    user chose it)."""
+    cluster, _ = local_measurements(job, world_size=world)
+    if cluster.hbm_gib is None:
+        return
+    planned = dataclasses.replace(job, cluster=cluster)
+    try:
+        need = predict_memory(planned, cluster, world_size=world).total / GIB
+    except ConfigError:  # a layout the memory model does not price; the layout checks have passed it
+        return
+    if need > cluster.hbm_gib:
+        raise ConfigError(memory_issue(job.cluster, cluster, world, need_gib=need, limit_gib=cluster.hbm_gib,
+                                       what=f"the layout {_layout(job)} of {job.model.name} on {ranks(world)} "
+                                       "needs", headroom=None, fix=LAYOUT_FIX + MEMORY_FIX))
+
+
+def _layout(job: JobSpec) -> str:
+    p = job.parallel
+    parts = [f"tp={p.tp}", f"pp={p.pp}", f"cp={p.cp}"] + ([f"ep={p.ep}"] if p.ep > 1 else [])
+    return " ".join(parts + [f"micro_batch={job.train.micro_batch_size}", f"recompute={p.recompute.value}"])
+
+
+def check_training_machine(job: JobSpec) -> None:
+    """A :class:`ConfigError` for training under a GPU cluster preset (``cluster=dgx_h100``) on a machine without a
+    GPU: the plan, its memory limit and the MFU would be the preset's, not this machine's. Planning for it offline
+    (``python -m cfp_megatron.plan``) stays allowed."""
+    import torch
+
+    c = job.cluster
+    if c.on_cpu or torch.cuda.is_available():
+        return
+    raise ConfigError(ConfigIssue(
+        key="cluster", value=c.name,
+        problem=f"names {c.device_name} GPUs, and this machine has none (torch.cuda.is_available() is false): a "
+                "training run here would be planned against that GPU's memory and report MFU against its peak.",
+        fix=f"train here with cluster=local (this machine's cores and memory, measured); plan for {c.name} offline "
+            f"with python -m cfp_megatron.plan cluster={c.name} ...; train with cluster={c.name} on its GPUs."))

@@ -1,0 +1,184 @@
+"""Hydra's composition failures as one clear error (issue R, deliverable 6): every override Hydra refuses, or accepts
+silently (``~model``), is one :class:`ConfigError` naming the key and the fix (``+cfp=auto``, the nearest key, the
+group's options), said once per job with exit status 2 before Hydra runs; ``hydra.run.dir`` empty is refused; Hydra's
+own flags keep working.
+
+In-process checks of the composition and of ``launch/train.py``'s command-line check, and one short torchrun launch
+(a typo on 2 ranks: said once, nothing created)."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cfp_megatron.base import compose
+from cfp_megatron.base.compose import compose_config, default_groups, group_options, repeated_overrides
+from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.planner.entry import check_run_dir_arg
+from cfp_megatron.planner.hydra_args import check_command_line, check_hydra_args, read_hydra_args
+from tests.launcher import torchrun_command
+
+REFUSED = [
+    (["cfp.tp=2"], "cfp.tp", "+cfp=auto cfp.tp=2"),
+    (["cfp.constraints.tp=[2,4]"], "cfp.constraints.tp", "+cfp=auto"),
+    (["train.step=5"], "train.step", "train.steps=5"),
+    (["trian.steps=5"], "trian.steps", "train.steps=5"),
+    (["num_layers=3"], "num_layers", "model.num_layers=3"),
+    (["+cfp=auto", "cfp.tpp=2"], "cfp.tpp", "cfp.tp=2"),
+    (["+model.not_a_key=1"], "model.not_a_key", "the keys of model are"),
+    (["+train.steps=5"], "train.steps", "drop the +: train.steps=5"),
+    (["~model.num_layers"], "model.num_layers", "leave it out"),
+    (["model=gpt_tini"], "model", "model=gpt_tiny"),
+    (["model=llama_tiny.yaml"], "model", "model=llama_tiny"),
+    (["model=../x"], "model", "llama3_8b"),
+    (["model=[gpt_tiny,llama_tiny]"], "model", "not a list"),
+    (["+model=llama_tiny"], "model", "drop the +: model=llama_tiny"),
+    (["++model=llama_tiny"], "model", "drop the +: model=llama_tiny"),
+    (["cfp=auto"], "cfp", "+cfp=auto"),
+    (["~cfp"], "cfp", "drop ~cfp"),
+    (["+cfp=null"], "cfp", "'auto', 'manual'"),
+    (["+cfp=auto", "+cfp=manual"], "cfp", "add it once"),
+    (["model.num_layers==3"], "model.num_layers", "model.num_layers=3"),
+    (["model.num_layers='3"], "model.num_layers", "close it"),
+    (["train.steps=[1"], "train.steps", "close them"),
+    (["model.num_layers"], "model.num_layers", "model.num_layers=<value>"),
+    (["model=gpt_tiny,llama_tiny"], "model", "add -m"),
+    (["hydra.run.dri=/tmp/x"], "hydra.run.dri", "write hydra.run.dir=/tmp/x"),
+    (["hydra/launcher=joblib"], "hydra/launcher", "--hydra-help lists them"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key", "fix"), REFUSED, ids=[" ".join(r[0]) for r in REFUSED])
+def test_an_override_hydra_refuses_is_one_error_naming_the_key_and_the_fix(overrides: list[str], key: str,
+                                                                           fix: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        compose_config(overrides, typed=True)
+    assert info.value.keys == [key], str(info.value)
+    assert fix.lower() in str(info.value).lower()
+
+
+@pytest.mark.parametrize("group", sorted(default_groups()))
+@pytest.mark.parametrize("form", ["~{g}", "{g}=null", "{g}=", "{g}=' '", "~{g}={default}"])
+def test_a_required_group_left_without_an_option_is_refused_with_its_options(group: str, form: str) -> None:
+    override = form.format(g=group, default=default_groups()[group])
+    with pytest.raises(ConfigError) as info:
+        compose_config([override])
+    assert info.value.keys == [group]
+    assert "every job needs one" in str(info.value) and str(group_options(group)) in str(info.value)
+
+
+def test_a_group_removed_by_any_other_way_is_refused_after_composition(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compose, "override_issues", lambda overrides: [])  # as if nothing caught it before Hydra
+    with pytest.raises(ConfigError) as info:
+        compose_config(["~model"])
+    assert info.value.keys == ["model"] and "has no option chosen" in str(info.value)
+
+
+@pytest.mark.parametrize("overrides", [["+cfp=auto", "cfp.tp=2"], ["++train.steps=3"], ["hydra.run.dir=/tmp/x"],
+                                       ["model=llama_tiny", "+cfp=manual"], ["+cfp=auto", "~cfp"]])
+def test_what_hydra_takes_still_composes(overrides: list[str]) -> None:
+    assert compose_config(overrides, typed=True).model.name
+
+
+def test_an_option_from_an_added_search_path_is_left_to_hydra(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "mine.yaml").write_text((compose.CONF_DIR / "model" / "gpt_tiny.yaml").read_text())
+    cfg = compose_config([f"hydra.searchpath=[file://{tmp_path}]", "model=mine"], typed=True)
+    assert cfg.model.num_layers == compose_config([]).model.num_layers
+
+
+def test_a_key_given_twice_is_said_once_naming_the_value_used(capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    assert repeated_overrides(["train.steps=3", "model=gpt_tiny", "train.steps=3"]) == []
+    [line] = repeated_overrides(["train.steps=3", "model=gpt_tiny", "train.steps=4"])
+    assert line == "train.steps is given 2 times (train.steps=3, train.steps=4): Hydra uses the last, train.steps=4"
+    monkeypatch.setenv("RANK", "0")
+    assert compose_config(["train.steps=3", "train.steps=4"], typed=True).train.steps == 4
+    assert capsys.readouterr().err == f"cfp: {line}\n"
+    monkeypatch.setenv("RANK", "1")  # every rank composes the same overrides: rank 0 says it
+    compose_config(["train.steps=3", "train.steps=4"], typed=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_hydras_flags_are_read_as_hydra_reads_them() -> None:
+    assert read_hydra_args(["-m", "train.steps=1,2"]).multirun
+    assert read_hydra_args(["--help"]).help_only and read_hydra_args(["--cfg", "job"]).prints_only
+    assert read_hydra_args(["--config-name", "other"]).own_config
+    for argv, said in [(["--foo"], "--foo: not a flag"), (["--cfg", "jobx"], "invalid choice: 'jobx'")]:
+        with pytest.raises(ConfigError, match=said):
+            read_hydra_args(argv)
+
+
+def test_a_multirun_is_checked_job_by_job_and_refused_on_several_ranks() -> None:
+    check_hydra_args(read_hydra_args(["-m", "train.steps=1,2"]), world_size=1)
+    check_hydra_args(read_hydra_args(["-m", "train.steps=1"]), world_size=2)  # one job: nothing to set up again
+    with pytest.raises(ConfigError, match=r"did you mean gpt_tiny\? \(in the sweep's job model=gpt_tini\)"):
+        check_hydra_args(read_hydra_args(["-m", "model=gpt_tiny,gpt_tini"]), world_size=1)
+    with pytest.raises(ConfigError) as info:
+        check_hydra_args(read_hydra_args(["-m", "train.steps=1,2"]), world_size=2)
+    assert info.value.keys == ["-m"] and "one torchrun per job" in str(info.value)
+    check_hydra_args(read_hydra_args(["--config-name", "other", "train.step=5"]))  # another config: Hydra's to check
+
+
+def _rank(monkeypatch: pytest.MonkeyPatch, rank: int) -> io.StringIO:
+    """Variables of a torchrun rank without torchrun's error file (the message is said at once); stderr captured."""
+    for key, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 2,
+                       "TORCHELASTIC_ERROR_FILE": ""}.items():
+        monkeypatch.setenv(key, str(value))
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    return err
+
+
+def test_the_command_line_check_exits_2_with_the_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    err = _rank(monkeypatch, 0)
+    with pytest.raises(SystemExit) as info:
+        check_command_line(["train.step=5"])
+    assert info.value.code == 2
+    assert err.getvalue().startswith("cfp-megatron: ConfigError\n") and "did you mean train.steps?" in err.getvalue()
+    assert check_command_line(["--cfg", "job", "train.steps=5"]).prints_only  # rank 0 goes on to Hydra's print
+
+
+def test_another_rank_leaves_hydras_printing_to_rank_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    err = _rank(monkeypatch, 1)
+    with pytest.raises(SystemExit) as info:
+        check_command_line(["--cfg", "job"])
+    assert info.value.code == 0 and err.getvalue() == ""
+
+
+@pytest.mark.parametrize(("argv", "key"), [(["hydra.run.dir="], "hydra.run.dir"),
+                                           (["hydra.run.dir= "], "hydra.run.dir"),
+                                           (["hydra.run.dir='  '"], "hydra.run.dir"),
+                                           (["-m", "hydra.sweep.dir="], "hydra.sweep.dir")])
+def test_an_empty_run_directory_is_refused(argv: list[str], key: str, monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    err = _rank(monkeypatch, 0)
+    with pytest.raises(SystemExit) as info:
+        check_run_dir_arg(argv)
+    assert info.value.code == 2
+    assert f"{key}=" in err.getvalue() and "is empty" in err.getvalue() and "current folder" in err.getvalue()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_typo_under_torchrun_is_said_once_and_creates_nothing(tmp_path: Path) -> None:
+    """2 ranks, one line (not Hydra's message per rank), exit status 2 on the ranks, no run folder (Hydra never ran)."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.run(torchrun_command(2, ["train.step=5", f"hydra.run.dir={run_dir}"]), cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    said, summary = output.split("Root Cause (first observed failure):")  # torchrun's closing summary repeats it
+    lines = [line.strip() for line in said.splitlines()]
+    assert lines.count("cfp-megatron: ConfigError") == 1, output
+    assert sum("did you mean train.steps? Fix: write train.steps=5." in line for line in lines) == 1, output
+    assert "did you mean train.steps?" in summary and "exitcode  : 2" in summary
+    assert "HYDRA_FULL_ERROR" not in output and "Could not override" not in output
+    assert not run_dir.exists()

@@ -1,0 +1,178 @@
+"""Memory on every machine (issue R, deliverable 2): the local cluster's memory is the host's shared by its ranks on
+CPU; a job no layout of which fits, a layout by hand that does not fit, an impossible pin and a GPU preset on a
+machine without a GPU are each refused before profiling and before any process group, naming the cause."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cfp_megatron.base.cfp_spec import cfp_from_config
+from cfp_megatron.base.compose import compose_config
+from cfp_megatron.base.config import ClusterSpec, Precision, job_from_config
+from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.base.launch_env import LaunchEnv
+from cfp_megatron.profile import cluster as cluster_module
+from cfp_megatron.profile.cluster import host_memory_gib, host_share_gib, local_measurements
+
+HOST_GIB = 23.5
+"""The host memory these tests pretend to have (the machine of the issue's repro)."""
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the host's memory is the limit only without a GPU")
+
+
+@pytest.fixture
+def host(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A host of :data:`HOST_GIB` and an empty profile cache (analytical figures)."""
+    monkeypatch.setattr(cluster_module, "host_memory_gib", lambda: HOST_GIB)
+    monkeypatch.setattr("cfp_megatron.planner.memory_fit.host_memory_gib", lambda: HOST_GIB)
+    monkeypatch.setenv("CFP_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _compose(*overrides: str):
+    cfg = compose_config(list(overrides))
+    return job_from_config(cfg), cfp_from_config(cfg)
+
+
+def test_host_memory_is_memtotal_else_the_page_count(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:        2097152 kB\nMemFree:          1000 kB\nMemAvailable:  5 kB\n")
+    monkeypatch.setattr(cluster_module, "MEMINFO", meminfo)
+    assert host_memory_gib() == 2.0  # the total, never what happens to be free
+    monkeypatch.setattr(cluster_module, "MEMINFO", tmp_path / "absent")
+    assert host_memory_gib() > 0
+
+
+def test_the_host_is_shared_by_the_ranks_of_a_node_less_the_reserves() -> None:
+    spec = ClusterSpec(host_reserve_gib=1.0, rank_reserve_gib=0.5)
+    assert host_share_gib(spec, 2, total_gib=24.0) == pytest.approx(11.0)
+    assert host_share_gib(spec, 4, total_gib=24.0) == pytest.approx(5.25)
+    with pytest.raises(ConfigError, match="64 ranks share this host's 24.0 GiB") as info:
+        host_share_gib(spec, 64, total_gib=24.0)
+    assert info.value.keys == ["cluster.gpus_per_node"] and "--nproc_per_node" in str(info.value)
+
+
+@cpu_only
+def test_the_local_cluster_on_cpu_plans_with_the_hosts_memory(host: None) -> None:
+    job, _ = _compose("model=gpt_tiny")
+    assert (job.cluster.host_reserve_gib, job.cluster.rank_reserve_gib) == (1.0, 0.5)  # conf/cluster/local.yaml
+    two, _ = local_measurements(job, world_size=2)
+    four, _ = local_measurements(job, world_size=4)
+    assert two.hbm_gib == pytest.approx((HOST_GIB - 1.0) / 2 - 0.5)
+    assert four.hbm_gib == pytest.approx((HOST_GIB - 1.0) / 4 - 0.5)
+    given, _ = _compose("model=gpt_tiny", "cluster.hbm_gib=3")
+    assert local_measurements(given, world_size=2)[0].hbm_gib == 3.0  # a figure the user gives wins
+    preset, _ = _compose("cluster=dgx_h100")
+    assert local_measurements(preset, world_size=8)[0].hbm_gib == 80.0  # a GPU preset plans with its own
+
+
+@cpu_only
+def test_auto_refuses_a_job_that_cannot_fit_before_profiling(host: None, monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path) -> None:
+    """The repro: llama3_8b on 2 CPU ranks of a 23.5 GiB host profiled for a minute, then died in the allocator."""
+    from cfp_megatron.planner import launch_plan
+
+    def no_profiling(*args: object, **kwargs: object) -> None:
+        raise AssertionError("profiled a job that cannot fit")
+
+    monkeypatch.setattr(launch_plan, "_profile_and_search", no_profiling)
+    env = LaunchEnv(rank=0, world_size=2, local_rank=0, local_world_size=2, restart_count=0, under_torchrun=True)
+    job, cfp = _compose("+cfp=auto", "model=llama3_8b")
+    with pytest.raises(ConfigError) as info:
+        launch_plan.resolve_launch_plan(job, cfp, env, tmp_path)
+    text = str(info.value)
+    assert info.value.keys == ["cluster"] and "no layout of llama3_8b on 2 ranks fits in memory" in text
+    assert "needs at least" in text and "each rank has 10.75 GiB (this host's 23.5 GiB" in text
+    assert "fewer ranks per node" in text and "smaller model" in text and "recompute" in text
+    job, cfp = _compose("+cfp=auto", "cluster.hbm_gib=0.001")  # the issue's second repro: named, not cp=2
+    with pytest.raises(ConfigError, match="cluster.hbm_gib=0.001: no layout of gpt_tiny") as info:
+        launch_plan.resolve_launch_plan(job, cfp, env, tmp_path)
+    assert "cp=2" not in str(info.value)
+
+
+@cpu_only
+def test_a_layout_by_hand_that_cannot_fit_is_refused_before_any_group(host: None) -> None:
+    import torch.distributed as dist
+
+    from cfp_megatron.planner.entry import train_from_config
+    from cfp_megatron.planner.memory_fit import check_layout_fits
+
+    job, _ = _compose("model=gpt_tiny")
+    check_layout_fits(job, 2)  # the tests' small models fit
+    with pytest.raises(ConfigError, match=r"the layout tp=1 pp=1 cp=1 micro_batch=2 recompute=none of llama3_8b on "
+                                          r"1 rank needs .* GiB per rank .* each rank has 22.00 GiB"):
+        train_from_config(compose_config(["model=llama3_8b", "train.steps=1"]))
+    assert not dist.is_initialized()
+
+
+@cpu_only
+def test_preflight_exits_nonzero_when_nothing_fits(host: None, tmp_path: Path, capsys) -> None:
+    from cfp_megatron.planner.plan_cli import main
+
+    out = str(tmp_path / "plans")
+    assert main(["model=deepseek_v3", "cluster=local", "cluster.gpus_per_node=2", "--out", out]) == 2
+    text = capsys.readouterr().out
+    assert "no layout of deepseek_v3 on 2 ranks fits in memory" in text and "GiB per rank" in text
+    assert main(["model=llama3_8b", "cluster=dgx_h100", "cluster.hbm_gib=1", "--out", out]) == 2
+    assert "cluster.hbm_gib=1.0: no layout of llama3_8b on 8 ranks fits" in capsys.readouterr().out
+    assert main(["cfp.micro_batch=3", "--world", "2", "--out", out]) == 2
+    assert "cfp.micro_batch=3: no layout of gpt_tiny on 2 ranks takes it" in capsys.readouterr().out
+    assert not Path(out).exists() or not any(Path(out).iterdir())  # nothing written
+
+
+@pytest.mark.parametrize(("overrides", "world", "key", "words"), [
+    (["cfp.micro_batch=3"], 2, "cfp.micro_batch", "3 does not divide the sequences of a step per data-parallel rank "
+                                                  "(train.global_batch_size=8: 4 at DP 2, 8 at DP 1)"),
+    (["cfp.constraints.micro_batch=[3,5]"], 4, "cfp.constraints.micro_batch", "5 does not divide"),
+    (["cfp.micro_batch=128"], 1, "cfp.micro_batch", "above cfp.constraints.max_micro_batch=64"),
+    (["cfp.sp=true"], 1, "cfp.sp", "every layout left has TP 1"),
+    (["cfp.mlp=primepar"], 2, "cfp.mlp", "TP group of 4^k ranks"),
+    (["cfp.vpp=2", "train.global_batch_size=3"], 3, "cfp.vpp", "interleaving (vpp 2) needs pipeline parallelism"),
+    (["cfp.tp=3"], 4, "cfp.tp", "tp=3: does not divide the world size 4"),
+    (["cfp.ep=2"], 2, "cfp.ep", "gpt_tiny is a dense model: it has no experts to split"),
+    (["cfp.distributed_optimizer=true"], 1, "cfp.distributed_optimizer", "leaves DP 1"),
+    (["cfp.tp=2", "cfp.distributed_optimizer=true"], 2, "cfp", "leaves DP 1"),
+    (["cfp.tp=2", "cfp.pp=2"], 2, "cfp", "must divide the 2 ranks"),
+])
+def test_an_impossible_pin_is_named_before_profiling(overrides: list[str], world: int, key: str, words: str) -> None:
+    from cfp_megatron.planner.launch_plan import check_constraints
+
+    job, cfp = _compose("+cfp=auto", *overrides)
+    with pytest.raises(ConfigError) as info:
+        check_constraints(job, world, cfp)
+    assert info.value.keys == [key] and words in str(info.value), str(info.value)
+    assert "cp=2" not in str(info.value)  # not blamed on a knob no pin asked for
+
+
+def test_possible_pins_pass(host: None) -> None:
+    from cfp_megatron.planner.launch_plan import check_constraints
+
+    for overrides, world in ((["cfp.micro_batch=2"], 2), (["cfp.tp=2", "cfp.sp=true"], 2), ([], 4),
+                             (["model=moe_tiny", "cfp.ep=2"], 2)):
+        job, cfp = _compose("+cfp=auto", *overrides)
+        check_constraints(job, world, cfp)
+
+
+@cpu_only
+def test_a_gpu_preset_is_refused_for_training_on_a_machine_without_a_gpu() -> None:
+    import torch.distributed as dist
+
+    from cfp_megatron.planner.entry import train_from_config
+
+    with pytest.raises(ConfigError, match="cluster='dgx_h100': names NVIDIA H100-SXM5-80GB GPUs, and this machine has "
+                                          "none") as info:
+        train_from_config(compose_config(["cluster=dgx_h100", "cluster.gpus_per_node=1", "train.steps=1"]))
+    assert "cluster=local" in str(info.value) and "python -m cfp_megatron.plan cluster=dgx_h100" in str(info.value)
+    assert not dist.is_initialized()
+
+
+@cpu_only
+def test_mfu_on_cpu_is_against_the_cpus_measured_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cfp_megatron.engine import peak
+
+    monkeypatch.setattr(peak, "measure_matmul_tflops", lambda *args, **kwargs: 0.25)
+    job, _ = _compose("cluster=dgx_h100")
+    assert peak.peak_tflops(job.cluster, Precision.bf16) == (0.25, "measured (fp32 matmul: no NVIDIA H100-SXM5-80GB "
+                                                             "here)")
