@@ -318,3 +318,33 @@ def test_a_second_ctrl_c_does_not_break_the_first_one_s_way_out(tmp_path: Path) 
         launcher.kill()
         if not _gone(rank, 0.1):
             os.kill(rank, signal.SIGKILL)
+
+
+_LOST_INTERRUPT = """
+import os, signal, sys, time
+sys.path.insert(0, {repo!r})
+from cfp_megatron.engine import rank_watch
+rank_watch.tie_to_launcher()
+os.register_at_fork(after_in_parent=lambda: time.sleep(0.5))  # as logging's lock release after a fork
+try:
+    signal.setitimer(signal.ITIMER_REAL, 0.1)
+    signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))  # Ctrl-C while it forks
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    os.waitpid(child, 0)
+    time.sleep(5)
+    print("lost", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_an_interrupt_lost_where_python_ignores_exceptions_is_raised_again() -> None:
+    # A Ctrl-C that lands in an at-fork callback (Megatron's checkpoint save forks its writers) is "ignored" by
+    # Python: without the unraisable hook the rank printed "Exception ignored in ... KeyboardInterrupt" and trained on.
+    env = {**os.environ, "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "test"}
+    run = subprocess.run([sys.executable, "-c", _LOST_INTERRUPT.format(repo=str(REPO))], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert run.stdout.strip() == "interrupted", run.stdout + run.stderr
+    assert "Exception ignored" not in run.stderr and "Traceback" not in run.stderr, run.stderr

@@ -10,7 +10,10 @@
   raises it rather than aborting), and :func:`explained` turns that into one :class:`RankStalledError` naming the
   ranks that did not mark themselves as waiting within :data:`GRACE_S`, with their host, pid and progress.
 - **Ctrl-C.** The first SIGINT raises ``KeyboardInterrupt`` once (later ones, torchrun's forward of the same Ctrl-C
-  included, are ignored while the rank winds down); :func:`explained` makes it a :class:`RunInterrupted` naming the
+  included, are ignored while the rank winds down). Where it lands in code whose exceptions Python ignores (a
+  finalizer, the ``os.register_at_fork`` callbacks that run while a checkpoint save forks its writers), Python's
+  unraisable hook is told, and the interrupt is raised again at once (:func:`_unraisable`) rather than lost and
+  printed as "Exception ignored in" with a traceback; :func:`explained` makes it a :class:`RunInterrupted` naming the
   step and the last checkpoint.
 
 Each such error carries a :class:`Turn`: the first rank to claim it says the message, the others wait for it to be
@@ -43,6 +46,8 @@ SAID_WAIT_S = 30.0
 """How long a rank that does not say a shared message waits for the rank that does."""
 POLL_S = 0.1
 """How often the store is read while waiting."""
+RAISE_AGAIN_S = 0.01
+"""How soon an interrupt lost where Python ignores exceptions is raised again (:func:`_unraisable`)."""
 INTERRUPTED_STATUS = 130
 """Exit status of a run stopped by SIGINT (128 + 2, as a shell reports it)."""
 ERROR_STATUS = 2
@@ -81,6 +86,11 @@ class _Watch:
     """:func:`tie_to_launcher` ran."""
     interrupt: Turn | None = None
     """This rank's claim on saying the interrupt (made in the SIGINT handler, before any teardown)."""
+    interrupted: bool = False
+    """The SIGINT handler raised ``KeyboardInterrupt`` (a later SIGINT is ignored, unless :attr:`raise_again`)."""
+    raise_again: bool = False
+    """That ``KeyboardInterrupt`` was lost where Python ignores exceptions: the next SIGINT (sent by
+    :func:`_unraisable`) raises it again."""
     pid: int = 0
     """The rank's process (:func:`tie_to_launcher`); the processes it forks (checkpoint writers) inherit the SIGINT
     handler and must leave the interrupt to it."""
@@ -151,6 +161,7 @@ def tie_to_launcher() -> None:
     _state.tied, _state.pid = True, os.getpid()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _interrupt_once)
+        sys.unraisablehook = _unraisable_then(sys.unraisablehook)
     if sys.platform.startswith("linux"):
         parent = os.getppid()
         if _launcher_gone(parent):
@@ -173,9 +184,32 @@ def _launcher_gone(parent: int) -> bool:
 def _interrupt_once(signum: int, frame: Any) -> None:
     if os.getpid() != _state.pid:  # a forked child (a checkpoint writer): its rank decides, and it dies with it
         return
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the same Ctrl-C again (torchrun forwards it) while winding down
+    if _state.interrupted and not _state.raise_again:
+        return  # the same Ctrl-C again (torchrun forwards it) while winding down
+    _state.interrupted, _state.raise_again = True, False
     _interrupt_turn()  # before this rank's teardown closes its connections: the peers then find the reason
     raise KeyboardInterrupt
+
+
+def _unraisable_then(previous: Any) -> Any:
+    """``sys.unraisablehook`` that raises a lost interrupt again (:func:`_unraisable`), else calls ``previous``."""
+    def hook(unraisable: Any) -> None:
+        if not _unraisable(unraisable):
+            previous(unraisable)
+    return hook
+
+
+def _unraisable(unraisable: Any) -> bool:
+    """Whether ``unraisable`` is this rank's ``KeyboardInterrupt``, lost where Python ignores exceptions; it is then
+    raised again once that code has returned: a SIGINT for :func:`_interrupt_once`, sent from a thread after
+    :data:`RAISE_AGAIN_S` (sent from the hook itself, it would be handled, and lost, inside the hook)."""
+    if not (_state.interrupted and isinstance(unraisable.exc_value, KeyboardInterrupt) and os.getpid() == _state.pid):
+        return False
+    _state.raise_again = True
+    timer = threading.Timer(RAISE_AGAIN_S, os.kill, (os.getpid(), signal.SIGINT))
+    timer.daemon = True
+    timer.start()
+    return True
 
 
 def _interrupt_turn() -> Turn | None:
