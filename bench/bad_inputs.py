@@ -1010,7 +1010,10 @@ def _memory_cases() -> list[Case]:
             ("pin-auto-sp", ["+cfp=auto", "cfp.sp=true"], ("cfp.sp",)),
             ("pin-auto-primepar", ["+cfp=auto", "cfp.mlp=primepar"], ("cfp.mlp",)),
             ("gpu-preset-cpu", ["cluster=dgx_h100", "cluster.gpus_per_node=1"], ("cluster=local",)),
-            ("gpu-preset-cpu-auto", ["+cfp=auto", "cluster=h200", "cluster.gpus_per_node=1"], ("cluster=local",))]:
+            ("gpu-preset-cpu-auto", ["+cfp=auto", "cluster=h200", "cluster.gpus_per_node=1"], ("cluster=local",)),
+            ("mem-ds-auto-8b", ["backend=deepspeed", "+cfp=auto", "model=llama3_8b"], ("fits in memory",)),
+            ("mem-ds-hand-8b", ["backend=deepspeed", "model=llama3_8b", "backend.zero_stage=3"],
+             ("the DeepSpeed plan zero3",))]:
         found.append(Case(id=cid, command="train", what="launch/train.py " + " ".join(overrides), names=names,
                           run=lambda work, o=overrides: train(o, work)))
     for cid, args, names in [

@@ -176,3 +176,67 @@ def test_mfu_on_cpu_is_against_the_cpus_measured_peak(monkeypatch: pytest.Monkey
     job, _ = _compose("cluster=dgx_h100")
     assert peak.peak_tflops(job.cluster, Precision.bf16) == (0.25, "measured (fp32 matmul: no NVIDIA H100-SXM5-80GB "
                                                              "here)")
+
+
+@cpu_only
+def test_deepspeed_auto_refuses_a_job_that_cannot_fit_before_profiling(host: None, monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
+    """``backend=deepspeed +cfp=auto model=llama3_8b`` on 2 CPU ranks: refused before the profiling and the engine
+    probes, naming the memory; ``gpt_tiny`` passes."""
+    import torch.distributed as dist
+
+    from cfp_megatron.base.backend_spec import backend_from_config
+    from cfp_megatron.planner import deepspeed_entry
+    from cfp_megatron.planner.deepspeed_memory import check_zero_search_fits
+
+    def no_profiling(*args: object, **kwargs: object) -> None:
+        raise AssertionError("profiled a job that cannot fit")
+
+    monkeypatch.setattr(deepspeed_entry, "planned", no_profiling)
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        deepspeed_entry.train_from_config(*_ds_config("+cfp=auto", "model=llama3_8b", "train.steps=1"))
+    text = str(info.value)
+    assert info.value.keys == ["cluster"] and "no DeepSpeed ZeRO plan of llama3_8b on 2 ranks fits in memory" in text
+    assert "needs at least" in text and "each rank has 10.75 GiB (this host's 23.5 GiB" in text
+    assert "backend.zero_stage" in text and "fewer ranks per node" in text and "backend=megatron" in text
+    assert not dist.is_initialized()
+    cfg = compose_config(["backend=deepspeed", "+cfp=auto", "model=gpt_tiny"])
+    check_zero_search_fits(job_from_config(cfg), 2, cfp_from_config(cfg), backend_from_config(cfg), on_gpu=False)
+    with pytest.raises(ConfigError, match="cluster.hbm_gib=0.001: no DeepSpeed ZeRO plan of gpt_tiny"):
+        deepspeed_entry.train_from_config(*_ds_config("+cfp=auto", "cluster.hbm_gib=0.001", "train.steps=1"))
+    with pytest.raises(ConfigError, match="train.global_batch_size"):  # the search's own refusals stay its own
+        deepspeed_entry.train_from_config(*_ds_config("+cfp=auto", "train.global_batch_size=7", "train.steps=1"))
+
+
+@cpu_only
+def test_a_deepspeed_plan_by_hand_that_cannot_fit_is_refused(host: None, monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    from cfp_megatron.base.backend_spec import backend_from_config
+    from cfp_megatron.planner.deepspeed_entry import manual_plan
+    from cfp_megatron.planner.deepspeed_memory import check_zero_plan_fits
+    from cfp_megatron.planner.entry import train_from_config
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"cluster='local': the DeepSpeed plan zero0 mb2 ga4 of llama3_8b on 1 rank "
+                                          r"needs .* GiB per rank .* each rank has 22.00 GiB") as info:
+        train_from_config(compose_config(["backend=deepspeed", "model=llama3_8b", "train.steps=1"]))
+    assert "backend.zero_stage=3" in str(info.value) and not dist.is_initialized()
+    with pytest.raises(ConfigError, match="the DeepSpeed plan zero3 mb2 ga4 ckpt of llama3_8b"):
+        train_from_config(compose_config(["backend=deepspeed", "model=llama3_8b", "backend.zero_stage=3",
+                                          "backend.activation_checkpointing=true", "train.steps=1"]))
+    cfg = compose_config(["backend=deepspeed", "model=gpt_tiny"])
+    job, backend = job_from_config(cfg), backend_from_config(cfg)
+    check_zero_plan_fits(job, manual_plan(job, backend, 2, on_gpu=False), 2)  # the tests' small models fit
+
+
+def _ds_config(*overrides: str) -> tuple[object, object]:
+    """The composed config of ``backend=deepspeed`` and ``overrides``, and its backend spec."""
+    from cfp_megatron.base.backend_spec import backend_from_config
+
+    cfg = compose_config(["backend=deepspeed", *overrides])
+    return cfg, backend_from_config(cfg)

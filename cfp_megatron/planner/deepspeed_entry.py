@@ -36,6 +36,7 @@ from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.engine import checkpoint_lock
 from cfp_megatron.plan import Plan, PlanError, load_plan
 from cfp_megatron.planner.deepspeed_launch import planned
+from cfp_megatron.planner.deepspeed_memory import check_zero_plan_fits, check_zero_search_fits
 from cfp_megatron.planner.job_checks import hydra_run_dir, validate_rest
 from cfp_megatron.planner.launch_plan import write_locations
 from cfp_megatron.planner.memory_fit import check_training_machine
@@ -107,6 +108,8 @@ def train_from_config(cfg: Any, backend: BackendSpec) -> list:
     validate_rest(job)
     check_training_machine(job)  # a GPU preset on a machine without a GPU
     on_gpu = torch.cuda.is_available()
+    if cfp.mode is CfpMode.auto:  # no ZeRO plan fits this machine's memory: refused before profiling
+        check_zero_search_fits(job, env.world_size, cfp, backend, on_gpu=on_gpu)
     run_dir = hydra_run_dir()
     say = checkpoint_lock.note_printer(env.rank)
     resume = _check_checkpoint_dir(job, restarted=env.restart_count > 0, note=say)
@@ -136,6 +139,8 @@ def train_from_config(cfg: Any, backend: BackendSpec) -> list:
         raise ConfigError(ConfigIssue(key="cfp.plan", value=plan.canonical(),
                                       problem=f"the plan is for {plan.dp} ranks but {env.world_size} were started.",
                                       fix=f"start {plan.dp} ranks, or plan again (+cfp=auto)."))
+    if cfp.mode is not CfpMode.auto:  # a plan by hand, against this machine's memory
+        check_zero_plan_fits(job, plan, env.world_size)
     job = dataclasses.replace(job, train=dataclasses.replace(job.train, micro_batch_size=plan.micro_batch_size))
     config = ds_config(plan, job, base=backend.base_config())
     folder = run_dir or Path("outputs")

@@ -1,0 +1,76 @@
+"""Whether a DeepSpeed job fits the memory of the machine it is about to run on, checked before profiling and before
+any process group (the DeepSpeed side of :mod:`cfp_megatron.planner.memory_fit`, with its messages): ``+cfp=auto``
+refuses a job no ZeRO plan of which fits (the DeepSpeed search on this machine's figures, before the engine probes),
+and a plan given by hand (the ``backend`` knobs, ``cfp.plan``, ``cfp.plan_file``) is refused when the DeepSpeed cost
+model's memory for its ZeRO stage exceeds each rank's memory."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cfp_megatron.backends.deepspeed.costs import simulate_zero
+from cfp_megatron.backends.deepspeed.search import search_zero
+from cfp_megatron.base.backend_spec import BackendSpec
+from cfp_megatron.base.cfp_spec import CfpSpec
+from cfp_megatron.base.config import JobSpec
+from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.plan.artifact import Plan
+from cfp_megatron.planner.memory_fit import memory_issue, ranks
+from cfp_megatron.profile.cluster import local_measurements
+from cfp_megatron.sim.prediction import GIB
+
+ZERO_MEMORY_FIX = ("start fewer ranks per node (torchrun --nproc_per_node), train a smaller model (model=..., "
+                   "model.num_layers), train with backend=megatron (model parallelism), or use a cluster with more "
+                   "memory (cluster=<preset>, cluster.hbm_gib).")
+"""What to change when no DeepSpeed plan fits."""
+
+ZERO_PINS_FIX = ("leave the ZeRO stage and activation checkpointing to the search (remove backend.zero_stage, "
+                 "backend.activation_checkpointing), ")
+"""What to change first when no DeepSpeed plan the search may try fits."""
+
+ZERO_PLAN_FIX = ("partition more of the model (backend.zero_stage=3 partitions parameters, gradients and optimizer "
+                 "states), recompute activations (backend.activation_checkpointing=true), lower "
+                 "train.micro_batch_size, or let +cfp=auto find a plan that fits; else ")
+"""What to change first when a DeepSpeed plan given by hand does not fit."""
+
+
+def check_zero_search_fits(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *, on_gpu: bool) -> None:
+    """Before profiling (``+cfp=auto``): the DeepSpeed search on this machine's figures (its stored profile, else
+    the analytical model); a :class:`ConfigError` naming the memory the smallest plan needs and the memory each rank
+    has when plans exist but none fits. Other refusals of the search (its pins) are raised as the search raises them."""
+    cluster, measurements = local_measurements(job, world_size=world)
+    if cluster.hbm_gib is None:
+        return
+    here = dataclasses.replace(job, cluster=cluster)
+    try:
+        search_zero(here, world, dataclasses.replace(cfp, top_k=1), backend, measurements=measurements,
+                    on_gpu=on_gpu)
+        return
+    except ConfigError:
+        # Without the memory limit: no plan at all is the pins' refusal (raised here as the search words it);
+        # plans that exist mean memory is the cause.
+        unlimited = search_zero(dataclasses.replace(here, cluster=dataclasses.replace(cluster, hbm_gib=None)), world,
+                                dataclasses.replace(cfp, top_k=1_000_000), backend, measurements=measurements,
+                                on_gpu=on_gpu)
+    need = min(r.result.memory.total for r in unlimited.ranked) / GIB
+    headroom = cfp.constraints.memory_headroom
+    what = (f"no DeepSpeed ZeRO plan of {job.model.name} on {ranks(world)} fits in memory: the smallest of the "
+            f"{unlimited.evaluated:,} checked needs at least")
+    raise ConfigError(memory_issue(job.cluster, cluster, world, what=what, need_gib=need,
+                                   limit_gib=cluster.hbm_gib * (1.0 - headroom), headroom=headroom,
+                                   fix=ZERO_PINS_FIX + ZERO_MEMORY_FIX))
+
+
+def check_zero_plan_fits(job: JobSpec, plan: Plan, world: int) -> None:
+    """Before any process group, for a DeepSpeed plan not chosen by this machine's search: a :class:`ConfigError`
+    when its predicted peak (:func:`~cfp_megatron.backends.deepspeed.costs.simulate_zero`) exceeds each rank's
+    memory (no headroom: the user chose it)."""
+    cluster, measurements = local_measurements(job, world_size=world)
+    if cluster.hbm_gib is None:
+        return
+    need = simulate_zero(job, plan, measurements, cluster=cluster).memory.total / GIB
+    if need > cluster.hbm_gib:
+        raise ConfigError(memory_issue(job.cluster, cluster, world, need_gib=need, limit_gib=cluster.hbm_gib,
+                                       what=f"the DeepSpeed plan {plan.describe()} of {job.model.name} on "
+                                            f"{ranks(world)} needs", headroom=None,
+                                       fix=ZERO_PLAN_FIX + ZERO_MEMORY_FIX))
