@@ -151,9 +151,8 @@ class CfpSpec:
     by up to 8% between runs)."""
     check_warmup_steps: int = 3
     """The first steps of a launch the plan check does not time (at least the first, which builds and compiles):
-    a fresh process runs its first steps slower (allocator, gloo buffers, lazy initialisation; the main job on 2
-    cores, 2026-11-26: steps 2-4 at 41-46 ms, the steps after at 30-38 ms). Where the run checks fewer steps than
-    this leaves, the steps after the first are timed."""
+    a fresh process runs its first steps slower (allocator, gloo buffers, lazy initialisation). Where the run
+    checks fewer steps than this leaves, the steps after the first are timed."""
 
     def __post_init__(self) -> None:
         issues: list[ConfigIssue] = []

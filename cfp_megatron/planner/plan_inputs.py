@@ -91,7 +91,7 @@ def _shown(value: Any) -> Any:
     return value.value if isinstance(value, enum.Enum) else value
 
 
-def plan_settings(plan: Plan, job: JobSpec) -> dict[str, Any]:
+def plan_settings(plan: Plan) -> dict[str, Any]:
     """What applying ``plan`` sets, by Hydra key: every ``parallel.*`` field and :data:`PLAN_TRAIN_KEYS` (the
     precision only where the plan has one other than ``auto``)."""
     out = {f"parallel.{f.name}": getattr(plan.parallel, f.name) for f in dataclasses.fields(ParallelSpec)}
@@ -182,7 +182,7 @@ def plan_conflicts(plan: Plan, job: JobSpec, typed: tuple[str, ...], *, source: 
                                   problem=f"{source} was made for cluster={plan.cluster}.",
                                   fix=f"run it with cluster={plan.cluster}, or plan again for this cluster "
                                       "(+cfp=auto)."))
-    sets = plan_settings(plan, job)
+    sets = plan_settings(plan)
     if plan.parallel.recompute is not Recompute.selective:  # the modules recomputed have no effect then
         sets.pop("parallel.recompute_modules")
     for key in typed:
@@ -205,7 +205,7 @@ def plan_conflicts(plan: Plan, job: JobSpec, typed: tuple[str, ...], *, source: 
 def plan_notes(plan: Plan, job: JobSpec, typed: tuple[str, ...], *, source: str) -> list[str]:
     """One line per ``train`` setting the user did not type whose value ``plan`` replaces (the config's default
     or preset value): said, not silent."""
-    sets = plan_settings(plan, job)
+    sets = plan_settings(plan)
     return [f"{source} sets {key}={_text(sets[key])} (the config had {_text(_value(job, key))})"
             for key in PLAN_TRAIN_KEYS if key in sets and key not in typed and not _same(key, _value(job, key),
                                                                                           sets[key])]
