@@ -85,7 +85,9 @@ def test_first_rank_prints_flushes_then_marks_and_fills_torchruns_summary(tmp_pa
     assert "rank      : 0" in root and "cfp-megatron: ConfigError" in root and EXPECTED in root
 
 
-def test_other_rank_waits_for_the_first_and_says_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_other_rank_waits_for_the_first_and_says_nothing_but_to_torchrun(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """It prints nothing, but fills its own error file: when it exits first, torchrun's root cause is this rank."""
     error_file = _torchrun_env(monkeypatch, tmp_path, rank=1, local_rank=1)
     marker = tmp_path / "attempt_0" / MARKER
     config_error = _config_error()
@@ -97,7 +99,11 @@ def test_other_rank_waits_for_the_first_and_says_nothing(tmp_path: Path, monkeyp
     finally:
         timer.join()
     assert printed is False and marker.exists()
-    assert out.getvalue() == "" and not error_file.exists()
+    assert out.getvalue() == ""
+    waited = ProcessFailure(local_rank=1, pid=2, exitcode=2, error_file=str(error_file))
+    killed = ProcessFailure(local_rank=0, pid=1, exitcode=-15, error_file=str(tmp_path / "none.json"))
+    root = ChildFailedError("launch/train.py", {1: waited, 0: killed}).format_msg().split("Root Cause")[1]
+    assert "rank      : 1" in root and "cfp-megatron: ConfigError [rank 1]" in root and EXPECTED in root
 
 
 def test_other_rank_says_it_itself_when_the_first_never_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,7 +4,8 @@ Every rank finds the same config error before any process group exists, and torc
 as the first one exits: a rank that exits before the message is out may get the printing rank killed. So the first
 rank of each node (local rank 0) prints the message, flushes stderr, writes it to its torchrun error file (torchrun
 then shows it as the root cause in its closing summary) and leaves a marker in the attempt's log folder; the other
-ranks wait for that marker (at most :data:`WAIT_S`) before exiting, and print the message themselves, prefixed with
+ranks wait for that marker (at most :data:`WAIT_S`), write the message to their own error file (whichever rank
+exits first is the summary's root cause) before exiting, and print the message themselves, prefixed with
 their rank, when it does not come (the error hit only them, or no marker folder exists). See
 docs/configuration.md ("When a setting is wrong").
 
@@ -76,6 +77,7 @@ def report_error(err: CfpError, env: LaunchEnv | None = None, *, stream: TextIO 
         return False
     if turn is None and env.under_torchrun and env.local_rank != 0 and marker is not None \
             and _wait_for(marker, wait_s):
+        _write_error_file(f"{title}\n{body}".rstrip(), found)  # this rank may exit first: torchrun's root cause
         return False
     out = stream if stream is not None else sys.stderr
     console = Console(file=out, highlight=False, soft_wrap=True)
