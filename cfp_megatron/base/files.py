@@ -65,34 +65,44 @@ def _sync(fh: IO[Any]) -> None:
 
 
 @contextlib.contextmanager
-def atomic_writer(path: str | os.PathLike[str], mode: str = "w", *, key: str | None = None,
-                  sync: bool = False) -> Iterator[IO[Any]]:
-    """Open a temporary file beside ``path`` (same extension, so writers that read it, such as matplotlib, see the
-    format), yield it, then rename it over ``path``; on any error the temporary file is removed and ``path`` keeps
-    its earlier content. An ``OSError`` becomes one :class:`FileWriteError` naming the file, ``key`` and the fix.
-    ``mode``: ``"w"`` (text, UTF-8) or ``"wb"``; ``sync``: fsync the file and its folder (for what must survive a
-    crash, such as checkpoint pointers)."""
-    if mode not in ("w", "wb"):
-        raise ValueError(f"atomic_writer mode {mode!r}: use 'w' or 'wb'")
-    target = Path(path)
+def _staged(target: Path, mode: str, key: str | None) -> Iterator[tuple[IO[Any], Path]]:
+    """A temporary file beside ``target`` (same extension, so writers that read it, such as matplotlib, see the
+    format) and its path; removed on the way out, whatever happened (a caller moves it into place first). An
+    ``OSError`` other than ``FileExistsError`` becomes one :class:`FileWriteError`."""
     tmp: Path | None = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=f".tmp{target.suffix}")
         tmp = Path(name)
         with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as fh:
-            yield fh
-            if sync:
-                _sync(fh)
-        os.replace(tmp, target)
-        tmp = None
-        if sync:
-            fsync_dir(target.parent)
+            yield fh, tmp
+    except FileExistsError:
+        raise
     except OSError as err:
         raise write_error(err, target, key) from None
     finally:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike[str], mode: str = "w", *, key: str | None = None,
+                  sync: bool = False) -> Iterator[IO[Any]]:
+    """Open a temporary file beside ``path``, yield it, then rename it over ``path``; on any error the temporary
+    file is removed and ``path`` keeps its earlier content. An ``OSError`` becomes one :class:`FileWriteError`
+    naming the file, ``key`` and the fix. ``mode``: ``"w"`` (text, UTF-8) or ``"wb"``; ``sync``: fsync the file and
+    its folder (for what must survive a crash, such as checkpoint pointers)."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_writer mode {mode!r}: use 'w' or 'wb'")
+    target = Path(path)
+    with _staged(target, mode, key) as (fh, tmp):
+        yield fh
+        if sync:
+            _sync(fh)
+        fh.close()
+        os.replace(tmp, target)
+        if sync:
+            fsync_dir(target.parent)
 
 
 def write_atomic(path: str | os.PathLike[str], text: str | bytes, *, key: str | None = None,
@@ -104,24 +114,6 @@ def write_atomic(path: str | os.PathLike[str], text: str | bytes, *, key: str | 
     return Path(path)
 
 
-def _temporary(path: Path, text: str, key: str | None) -> Path:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as err:
-        raise write_error(err, path, key) from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-    except OSError as err:
-        Path(tmp).unlink(missing_ok=True)
-        raise write_error(err, path, key) from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return Path(tmp)
-
-
 def write_new(path: str | os.PathLike[str], text: str, *, key: str | None = None) -> Path:
     """Write ``text`` to ``path`` atomically, only if nothing is there: raises ``FileExistsError`` otherwise (also
     when another writer gets there first: the temporary file is hard-linked into place, which fails on an existing
@@ -130,8 +122,9 @@ def write_new(path: str | os.PathLike[str], text: str, *, key: str | None = None
     target = Path(path)
     if target.exists():
         raise FileExistsError(target)
-    tmp = _temporary(target, text, key)
-    try:
+    with _staged(target, "w", key) as (fh, tmp):
+        fh.write(text)
+        fh.close()
         try:
             os.link(tmp, target)
         except FileExistsError:
@@ -140,12 +133,6 @@ def write_new(path: str | os.PathLike[str], text: str, *, key: str | None = None
             if target.exists():
                 raise FileExistsError(target) from None
             os.replace(tmp, target)
-    except FileExistsError:
-        raise
-    except OSError as err:
-        raise write_error(err, target, key) from None
-    finally:
-        tmp.unlink(missing_ok=True)
     return target
 
 
