@@ -1828,16 +1828,9 @@ def _input_cases() -> list[Case]:
         del data["content_hash"]
 
     def zero_plan_json(work: Path, **change: object) -> Path:
-        import hashlib
-
-        legacy = "gpt_tiny@localx1x4:zero=2,dp=4,mb=2,ga=1,gbs=8,seq=64,ckpt=1,oopt=1,oparam=0,bucket=1000,prec=fp32"
-        fields = {"model": "gpt_tiny", "cluster": "local", "nodes": 1, "gpus_per_node": 4, "zero_stage": 2,
-                  "micro_batch_size": 2, "global_batch_size": 8, "seq_length": 64, "activation_checkpointing": True,
-                  "offload_optimizer": True, "offload_param": False, "bucket_elements": 1000, "precision": "fp32"}
-        data = {"schema_version": 1, "canonical": legacy, "hash": hashlib.sha256(legacy.encode()).hexdigest()[:16],
-                "plan": fields, "predicted": None}
+        data = json.loads((ROOT / "tests" / "data" / "zero_plan_schema1.json").read_text())  # a schema-1 plan
         for key, value in change.items():
-            (fields if key in fields else data)[key] = value
+            (data["plan"] if key in data["plan"] else data)[key] = value
         path = work / "plans" / f"zero-{'-'.join(change)}" / "zero_plan.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=2))

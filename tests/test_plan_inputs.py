@@ -6,7 +6,6 @@ an earlier DeepSpeed zero_plan.json is checked as its own version was. All befor
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import signal
@@ -207,14 +206,10 @@ def test_a_named_pipe_as_the_plan_file_is_refused_not_waited_on(tmp_path: Path) 
 
 
 def _zero_plan_json(**change: object) -> dict:
-    legacy = "gpt_tiny@localx1x4:zero=2,dp=4,mb=2,ga=1,gbs=8,seq=64,ckpt=1,oopt=1,oparam=0,bucket=1000,prec=fp32"
-    fields = {"model": "gpt_tiny", "cluster": "local", "nodes": 1, "gpus_per_node": 4, "zero_stage": 2,
-              "micro_batch_size": 2, "global_batch_size": 8, "seq_length": 64, "activation_checkpointing": True,
-              "offload_optimizer": True, "offload_param": False, "bucket_elements": 1000, "precision": "fp32"}
-    data = {"schema_version": 1, "canonical": legacy, "hash": hashlib.sha256(legacy.encode()).hexdigest()[:16],
-            "plan": fields, "predicted": None}
+    """An earlier DeepSpeed plan file (schema 1), with ``change`` made to its plan fields or top-level keys."""
+    data = json.loads((Path(__file__).parent / "data" / "zero_plan_schema1.json").read_text())
     for key, value in change.items():
-        (fields if key in fields else data)[key] = value
+        (data["plan"] if key in data["plan"] else data)[key] = value
     return data
 
 
