@@ -34,6 +34,7 @@ from cfp_megatron.base.compose import compose_config
 from cfp_megatron.base.config import job_from_config
 from cfp_megatron.search.search import Ranked, search
 from cfp_megatron.sim.prediction import GIB
+from cfp_megatron.sim.terms import TERMS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -90,12 +91,11 @@ def exotic(job, world: int) -> list[str]:
 
 
 def why(chosen, reference) -> str:
-    """The two parts of the step the chosen plan saves most on against the published layout's prediction."""
-    parts = (("compute", lambda p: p.time.forward_compute_s + p.time.backward_compute_s + p.time.recompute_s),
-             ("bubble", lambda p: p.time.pp_bubble_s), ("TP comm", lambda p: p.time.tp_comm_s),
-             ("CP comm", lambda p: p.time.cp_comm_s), ("EP comm", lambda p: p.time.ep_comm_s),
-             ("DP sync", lambda p: p.time.dp_comm_s), ("optimizer", lambda p: p.time.optimizer_s))
-    saved = sorted(((get(reference) - get(chosen.prediction), label) for label, get in parts), reverse=True)
+    """The two lanes of the step's breakdown (the cost terms' registry) the chosen plan saves most on against the
+    published layout's prediction."""
+    mine = chosen.prediction.time
+    saved = sorted(((reference.time.seconds(lane.name) - mine.seconds(lane.name), lane.label)
+                    for lane in TERMS.lanes()), reverse=True)
     return ", ".join(f"{label} -{delta:.2f} s" for delta, label in saved[:2] if delta > 0)
 
 

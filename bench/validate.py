@@ -2,6 +2,7 @@
 
     python bench/validate.py                 # figures with the shipped (fitted) efficiencies
     python bench/validate.py --fit           # refit the efficiencies on the whole file and print them
+    python bench/validate.py --fit --write   # ... and write them to cfp_megatron/sim/efficiencies.json
     python bench/validate.py --loso          # also leave-one-source-out: refit without each source, predict it
     python bench/validate.py --markdown docs/figures/validate.md   # also the figures as a snippet for the docs
 
@@ -10,12 +11,16 @@ Prints MAPE overall, per source, on the Korthikanti et al. Table 5 runs, leave-o
 ``python -m cfp_megatron.validate`` prints over ``--classes`` files (both shared files by default), as a Markdown
 snippet whose first line gives the command, the date and the machine. The fit minimises MAPE per GPU generation
 with Nelder-Mead on log-parameters (scipy), from the same neutral starting point (``NEUTRAL``); it never looks at row
-ids or model names.
+ids or model names. ``--write`` stores the fit in the efficiencies file the simulator loads
+(``cfp_megatron/sim/efficiencies.json``): the generations with rows in the file fitted, with this run as their source,
+the others as the file had them (fitted earlier, or borrowing another generation's).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import datetime
 import math
 import sys
 import time
@@ -26,7 +31,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import snippet  # noqa: E402
 
 from cfp_megatron.base.errors import CfpError  # noqa: E402
-from cfp_megatron.sim.calibration import FITTED, GENERATION_FIELDS, Efficiency, generation  # noqa: E402
+from cfp_megatron.base.files import write_atomic  # noqa: E402
+from cfp_megatron.sim.calibration import (  # noqa: E402
+    EFFICIENCIES_FILE,
+    FITTED,
+    GENERATION_FIELDS,
+    TABLE,
+    Borrowed,
+    Efficiency,
+    EfficiencyTable,
+    FitSource,
+    efficiencies_text,
+    generation,
+)
 from cfp_megatron.sim.simulate import simulate  # noqa: E402
 from cfp_megatron.validate import (  # noqa: E402
     RowPlan,
@@ -100,10 +117,12 @@ def fit_generation(plans: list[RowPlan], start: Efficiency, names: list[str], ef
     return best.replace(**{n: float(f"{getattr(best, n):.3g}") for n in names})
 
 
-def fit(plans: list[RowPlan], base: dict[str, Efficiency], maxiter: int) -> dict[str, Efficiency]:
+def fit(plans: list[RowPlan], base: dict[str, Efficiency], maxiter: int,
+        borrowed: dict[str, Borrowed] = TABLE.borrowed) -> dict[str, Efficiency]:
     """Fit every generation that has rows, most rows first. A field a generation's rows cannot pin down (FP8 GEMMs
     without FP8 rows, MoE routing without MoE rows, everything but the GEMM efficiencies with fewer than
-    ``MIN_ROWS_FULL_FIT`` rows) is taken from the generation that could fit it."""
+    ``MIN_ROWS_FULL_FIT`` rows) is taken from the generation that could fit it. A generation without rows that
+    ``borrowed`` names gets the efficiencies of the one it uses (the efficiencies file's ``borrowed``)."""
     effs = dict(base)
     by_gen: dict[str, list[RowPlan]] = {}
     for p in plans:
@@ -114,7 +133,7 @@ def fit(plans: list[RowPlan], base: dict[str, Efficiency], maxiter: int) -> dict
         rows = by_gen[gen]
         has = {"gemm": any(not p.options.fp8 for p in rows), "gemm_fp8": any(p.options.fp8 for p in rows),
                "moe_token_elements": any(p.job.model.is_moe for p in rows)}
-        start = effs[gen]
+        start = effs.get(gen, NEUTRAL)
         if len(rows) >= MIN_ROWS_FULL_FIT:
             names = [n for n in GENERATION_FIELDS if has.get(n, True)]
         else:
@@ -125,32 +144,33 @@ def fit(plans: list[RowPlan], base: dict[str, Efficiency], maxiter: int) -> dict
             fitted_by.setdefault(n, gen)
         effs[gen] = fit_generation(rows, start, names, effs, gen, maxiter) if names else start
     for gen in effs:
-        if gen not in by_gen or gen == "other":
+        if gen not in by_gen:
             continue
         shared = {n: getattr(effs[src], n) for n, src in fitted_by.items()
                   if src != gen and n == "moe_token_elements" and not any(p.job.model.is_moe for p in by_gen[gen])}
         effs[gen] = effs[gen].replace(**shared)
-    for gen in ("blackwell", "cdna3", "cdna4", "other"):  # no calibration rows: Hopper's shares (calibration.py)
-        effs[gen] = effs["hopper"]
+    for gen, b in borrowed.items():  # no calibration rows: the generation it borrows from (efficiencies.json)
+        if gen not in by_gen and b.uses in effs:
+            effs[gen] = effs[b.uses]
     return effs
 
 
-def format_fitted(effs: dict[str, Efficiency]) -> str:
-    """The ``FITTED`` table as Python source for cfp_megatron/sim/calibration.py."""
-    lines = ["FITTED: dict[str, Efficiency] = {"]
-    for gen in ("ampere", "hopper"):
-        e = effs[gen]
-        parts = [f"{n}={float(f'{getattr(e, n):.3g}')!r}" for n in GENERATION_FIELDS]
-        body, line = [], f'    "{gen}": Efficiency('
-        for part in parts:
-            if len(line) + len(part) + 2 > 118:
-                body.append(line.rstrip())
-                line = " " * 25
-            line += part + ", "
-        body.append(line.rstrip(", ") + "),")
-        lines += body
-    lines.append("}")
-    return "\n".join(lines)
+def fitted_table(effs: dict[str, Efficiency], plans: list[RowPlan], *, data: str, written_by: str, date: str,
+                 base: EfficiencyTable = TABLE) -> EfficiencyTable:
+    """The efficiencies file's content after a fit on ``plans``: each generation with rows fitted (``effs``), with
+    this run (``written_by``, ``date``, ``data``, its row count) as its source; the others as ``base`` has them."""
+    rows = collections.Counter(generation(p.job.cluster) for p in plans)
+    fitted, sources = dict(base.fitted), dict(base.sources)
+    for gen, count in sorted(rows.items()):
+        fitted[gen] = Efficiency(**{n: float(f"{getattr(effs[gen], n):.3g}") for n in GENERATION_FIELDS})
+        sources[gen] = FitSource(written_by=written_by, date=date, data=data, rows=count)
+    borrowed = {gen: b for gen, b in base.borrowed.items() if gen not in rows}
+    return EfficiencyTable(fitted=fitted, sources=sources, borrowed=borrowed, fallback=base.fallback)
+
+
+def write_efficiencies(table: EfficiencyTable, path: Path = EFFICIENCIES_FILE) -> Path:
+    """Write ``table`` as the efficiencies file the simulator loads (``calibration.read_efficiencies`` reads it)."""
+    return write_atomic(path, efficiencies_text(table), key="--write")
 
 
 def search_speed() -> tuple[float, int]:
@@ -234,6 +254,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csv", type=Path, default=DEFAULT_CSV)
     ap.add_argument("--fit", action="store_true", help="refit the efficiencies on the whole file and print them")
+    ap.add_argument("--write", type=Path, nargs="?", const=EFFICIENCIES_FILE, default=None, metavar="FILE.json",
+                    help="with --fit: write them to FILE.json (default: cfp_megatron/sim/efficiencies.json, the "
+                         "file the simulator loads)")
     ap.add_argument("--loso", action="store_true", help="leave-one-source-out cross-validation (refits; slow)")
     ap.add_argument("--maxiter", type=int, default=400)
     ap.add_argument("--markdown", type=snippet.check_path, metavar="FILE.md",
@@ -241,12 +264,18 @@ def main() -> int:
     ap.add_argument("--classes", type=Path, nargs="+", default=[DEFAULT_CSV, DEFAULT_CSV.with_name(
                     "published_runs_moe.csv")], metavar="FILE.csv", help="files of the snippet's per-class table")
     args = ap.parse_args()
+    if args.write is not None and not args.fit:
+        ap.error("--write stores a fit: pass --fit too")
     first_line = snippet.header()
     plans, skipped = load(args.csv)
     effs = dict(FITTED)
     if args.fit:
         effs = fit(plans, {g: NEUTRAL for g in FITTED}, args.maxiter)
-        print(format_fitted(effs))
+        table = fitted_table(effs, plans, data=_shown(args.csv), written_by=snippet.command_line(),
+                             date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"))
+        print(efficiencies_text(table), end="")
+        if args.write is not None:
+            print(f"efficiencies written to {write_efficiencies(table, args.write)}")
     errs = errors(plans, effs)
     print(f"rows modelled {len(plans)}, not modelled {len(skipped)}")
     print(f"MAPE overall: {mape(errs):.2f}% over {len(errs)} rows (max |error| {max(abs(e) for e in errs):.1f}%)")

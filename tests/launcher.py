@@ -49,13 +49,13 @@ class RunResult:
         return {r["step"]: r["grad_norm"] for r in self.steps}
 
 
-def torchrun_command(nproc: int, overrides: list[str], *, max_restarts: int = 0) -> list[str]:
-    """The torchrun command line for ``nproc`` CPU ranks."""
+def torchrun_command(nproc: int, overrides: list[str], *, max_restarts: int = 0, script: Path = TRAIN) -> list[str]:
+    """The torchrun command line for ``nproc`` CPU ranks running ``script`` (default launch/train.py)."""
     # c10d rendezvous, as --standalone uses; the default static backend works too (checked by hand), since
     # init_distributed keeps each restart's store keys apart.
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
             f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-            str(TRAIN), *overrides]
+            str(script), *overrides]
 
 
 def run_train(nproc: int, overrides: list[str], workdir: Path, *, timeout: float = 600,

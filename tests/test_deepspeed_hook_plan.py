@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from cfp_megatron.backends.deepspeed.costs import zero_sharding
 from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes, StageProbe, probe_stages
 from cfp_megatron.backends.deepspeed.hook_config import PROBE_OPTIMIZER, filled_config, plan_request, probe_config
 from cfp_megatron.backends.deepspeed.hook_measure import MeasuredPasses, measure_passes, model_copy
-from cfp_megatron.backends.deepspeed.hook_plan import probe_stage_list, search_hook
+from cfp_megatron.backends.deepspeed.hook_plan import hook_passes, hook_zero_plan, probe_stage_list, search_hook
 from cfp_megatron.base.config import ClusterSpec
 from cfp_megatron.base.errors import ConfigError
 
@@ -120,6 +121,20 @@ def test_search_over_measured_passes_keeps_pins_and_fills_the_config() -> None:
     fitting = search_hook(request, _measured(), gpu, None, name="m", seq_length=8, layers=2, fetches=6,
                           flops_per_token=1e6, local_world=2)
     assert fitting.best.plan.zero_stage != 0 and fitting.best.result.memory.total <= 0.15 * 2**30 * 0.9
+
+
+@pytest.mark.parametrize(("stage", "world", "stepped"), [(0, 4, 10_000_000), (1, 4, 2_500_000), (2, 2, 5_000_000),
+                                                         (3, 4, 2_500_000)])
+def test_measured_optimizer_step_covers_the_sharding_models_shard(stage: int, world: int, stepped: float) -> None:
+    """The measured optimizer step is priced over the parameters the data-parallel sharding model says the rank
+    steps (its shard from ZeRO-1 on), not a rule of the hook's own."""
+    request = plan_request(_auto(train_batch_size=8, zero_optimization={"stage": stage}), world)
+    assert request is not None
+    cpu = ClusterSpec(name="local", nodes=1, gpus_per_node=world)
+    plan = hook_zero_plan(request, cpu, (stage, 1, False, False, False), name="m", seq_length=8, local_world=world)
+    passes = hook_passes(_measured(), plan, layers=2, fetches=6, flops_per_token=1e6)
+    assert zero_sharding(plan).optimizer_params(passes.params) == stepped
+    assert passes.optimizer_s == pytest.approx(1e-8 * stepped)
 
 
 def test_measuring_leaves_the_model_as_it_was() -> None:

@@ -194,6 +194,20 @@ def test_zero_memory_falls_with_the_stage_and_offload_moves_it_to_the_host() -> 
     assert s3.param_gather_s > s1.param_gather_s and s2.grad_reduce_s > s1.grad_reduce_s
 
 
+@pytest.mark.parametrize("precision", [Precision.fp32, Precision.bf16])
+def test_zero3_on_one_rank_needs_no_more_than_zero0_beyond_its_buckets(precision: Precision) -> None:
+    """On one rank ZeRO-3 shards nothing away: its states are ZeRO-0's, only its buckets and gathered parameters
+    come on top. In fp32 it once counted a second fp32 gradient partition and master copy (181 against 121 GiB for
+    llama3_8b); DeepSpeed's stage 3 steps its fp32 partition in place."""
+    job = compose_job(["model=llama3_8b", "cluster=dgx_a100", "cluster.gpus_per_node=1",
+                       "train.global_batch_size=8", "train.seq_length=1024"])
+    zero0, zero3 = (simulate_zero(job, _plan(job, 1, zero_stage=stage, precision=precision,
+                                             activation_checkpointing=True)).memory for stage in (0, 3))
+    assert zero3.total - zero0.total <= zero3.comm_buffers - zero0.comm_buffers + 1.0
+    assert zero3.parameters + zero3.gradients + zero3.optimizer_states == pytest.approx(
+        zero0.parameters + zero0.gradients + zero0.optimizer_states)
+
+
 def test_search_fits_the_memory_and_respects_pins() -> None:
     job = _a100_job("llama3_8b")
     cfg = compose_config(["+cfp=auto", "backend=deepspeed"])
@@ -211,6 +225,25 @@ def test_search_fits_the_memory_and_respects_pins() -> None:
     assert all(r.plan.zero_stage == 3 and r.plan.offload_optimizer for r in pinned.ranked)
     with pytest.raises(ConfigError, match="no DeepSpeed plan of llama3_8b on 8 ranks fits"):
         search_zero(job, 8, cfp, dataclasses.replace(backend, zero_stage=0), on_gpu=True)
+
+
+def test_the_zero_report_reads_the_cost_term_registrys_lanes() -> None:
+    """A ZeRO step's exposed data-parallel communication is the registry's data-parallel lane (in the passes at
+    stage 3, after them below), its optimizer step the optimizer lane; the search's "exposed comm s" adds the
+    registry's communication lanes."""
+    from cfp_megatron.sim.terms import TERMS, LaneKind
+
+    job = _a100_job("llama3_8b")
+    cfg = compose_config(["+cfp=auto", "backend=deepspeed"])
+    result = search_zero(job, 8, cfp_from_config(cfg), backend_from_config(cfg), on_gpu=True)
+    assert {r.plan.zero_stage for r in result.ranked} & {3} and {r.plan.zero_stage for r in result.ranked} - {3}
+    for r in result.ranked:
+        t = r.result.time
+        comm = t.grad_reduce_s + t.param_gather_s + t.offload_s
+        assert comm > 0 and t.seconds("fsdp_comm_s" if r.plan.zero_stage == 3 else "dp_comm_s") == comm
+        assert t.seconds("optimizer_s") == t.optimizer_s
+        assert sum(t.seconds(lane.name) for lane in TERMS.lanes() if lane.kind is not LaneKind.comm) == t.optimizer_s
+        assert r.plan.predicted is not None and r.plan.predicted.exposed_comm_s == comm
 
 
 def test_search_on_cpu_leaves_offload_out_and_uses_engine_probes() -> None:

@@ -12,6 +12,8 @@ import pytest
 from cfp_megatron.backends.deepspeed.engine_probe import load_probes
 from cfp_megatron.plan import Plan
 from tests.launcher import RunResult, run_train
+from tests.multirank import Case, MultiRankRuns, case
+from tests.profiles import seed_profile_db
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed extra")]
@@ -25,38 +27,56 @@ def _losses(result: RunResult) -> list[float]:
     return [result.losses[s] for s in sorted(result.losses)]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
-    """One rank, ZeRO stage 0, the whole batch as one micro-batch."""
-    work = tmp_path_factory.mktemp("ds_reference")
-    return _losses(run_train(1, [*COMMON, "backend.zero_stage=0", "train.micro_batch_size=8"], work))
+REFERENCE = case(1, *COMMON, "backend.zero_stage=0", "train.micro_batch_size=8")
+"""One rank, ZeRO stage 0, the whole batch as one micro-batch (a case of the multirank fixture's world-1 job)."""
+
+
+@pytest.fixture
+def reference(multirank: MultiRankRuns) -> list[float]:
+    """:data:`REFERENCE`'s losses (a test that takes it is marked ``multirank(REFERENCE)``)."""
+    return _losses(multirank[REFERENCE])
+
+
+def _plan_case(ranks: int, plan: str) -> Case:
+    """A DeepSpeed plan's run: a case of the multirank fixture's job of ``ranks`` ranks (tests/multirank.py)."""
+    return case(ranks, *COMMON, "+cfp=manual", f"cfp.plan='gpt_tiny@localx1x{ranks}:{plan}'")
+
+
+ZERO_PLANS = [(2, "zero=1,dp=2,mb=2,ga=2,gbs=8,seq=64,ckpt=0,oopt=0,oparam=0,bucket=50000000,prec=fp32"),
+              (2, "zero=2,dp=2,mb=4,ga=1,gbs=8,seq=64,ckpt=1,oopt=0,oparam=0,bucket=50000000,prec=fp32"),
+              (4, "zero=3,dp=4,mb=1,ga=2,gbs=8,seq=64,ckpt=1,oopt=0,oparam=0,bucket=50000000,prec=fp32")]
 
 
 @pytest.mark.parametrize(("ranks", "plan"), [
-    (2, "zero=1,dp=2,mb=2,ga=2,gbs=8,seq=64,ckpt=0,oopt=0,oparam=0,bucket=50000000,prec=fp32"),
-    (2, "zero=2,dp=2,mb=4,ga=1,gbs=8,seq=64,ckpt=1,oopt=0,oparam=0,bucket=50000000,prec=fp32"),
-    (4, "zero=3,dp=4,mb=1,ga=2,gbs=8,seq=64,ckpt=1,oopt=0,oparam=0,bucket=50000000,prec=fp32"),
-])
-def test_each_zero_stage_of_a_plan_trains_with_the_reference_loss(tmp_path: Path, reference: list[float],
+    pytest.param(ranks, plan, marks=pytest.mark.multirank(_plan_case(ranks, plan), REFERENCE))
+    for ranks, plan in ZERO_PLANS])
+def test_each_zero_stage_of_a_plan_trains_with_the_reference_loss(multirank: MultiRankRuns, reference: list[float],
                                                                    ranks: int, plan: str) -> None:
     canonical = f"gpt_tiny@localx1x{ranks}:{plan}"
-    result = run_train(ranks, [*COMMON, "+cfp=manual", f"cfp.plan='{canonical}'"], tmp_path)
+    result = multirank[_plan_case(ranks, plan)]
     losses = _losses(result)
     assert losses == pytest.approx(reference, rel=1e-5, abs=1e-5)
     assert losses[-1] < losses[0]
-    config = json.loads((tmp_path / "run" / "ds_config.json").read_text())
+    run_dir = multirank.run_dir(_plan_case(ranks, plan))
+    config = json.loads((run_dir / "ds_config.json").read_text())
     stage = int(plan.split(",")[0].split("=")[1])
     assert config["zero_optimization"]["stage"] == stage
     # the DeepSpeed plan string of earlier runs is read, and plan.json holds it in the one Plan form
-    assert json.loads((tmp_path / "run" / "plan.json").read_text())["canonical"] == Plan.parse(canonical).canonical()
+    assert json.loads((run_dir / "plan.json").read_text())["canonical"] == Plan.parse(canonical).canonical()
     start = next(r for r in result.records if r.get("event") == "start")
     assert start["backend"] == "deepspeed" and start["plan"].startswith(f"zero{stage}")
 
 
+@pytest.mark.multirank(REFERENCE)
 def test_auto_plans_with_engine_probes_and_trains(tmp_path: Path, reference: list[float],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from cfp_megatron.base.compose import compose_job
+
     monkeypatch.setenv("CFP_CACHE_DIR", str(tmp_path / "cache"))
-    result = run_train(2, [*COMMON, "+cfp=auto", "cfp.profile_budget_s=60", "cfp.check_after_steps=2"], tmp_path)
+    # the profiling rounds find a recorded profile (tests/profiles.py); the engine probes are measured
+    seed_profile_db(tmp_path / "cache", compose_job([*COMMON, "+cfp=auto"]), world=2)
+    result = run_train(2, [*COMMON, "+cfp=auto", "cfp.profile_budget_s=60", "cfp.profile_repeats=1",
+                           "cfp.check_after_steps=2"], tmp_path)
     losses = _losses(result)
     assert losses == pytest.approx(reference, rel=1e-5, abs=1e-5)
     assert "cfp: probed the DeepSpeed engine (stages [0, 1, 2, 3])" in result.output

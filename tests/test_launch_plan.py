@@ -17,9 +17,10 @@ from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.plan import Plan, load_plan
 from cfp_megatron.planner.launch_plan import check_constraints, plan_key
 from tests.launcher import RunResult, run_train
+from tests.profiles import seed_profile_db
 
 COMMON = ["model=gpt_tiny", "train.global_batch_size=16", "train.seq_length=64", "train.warmup_steps=0",
-          "train.precision=fp32", "cfp.profile_budget_s=90"]
+          "train.precision=fp32", "cfp.profile_budget_s=90", "cfp.profile_repeats=1"]
 
 
 def _compose(*overrides: str):
@@ -60,8 +61,17 @@ def _events(result: RunResult, kind: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunResult, Path, Path]:
-    """One ``+cfp=auto`` launch on 4 ranks: profiles this machine into a fresh cache, searches, trains 6 steps."""
+    """One ``+cfp=auto`` launch on 4 ranks: profiles what its cache lacks, searches, trains 6 steps.
+
+    The cache is seeded with a recorded profile (tests/profiles.py) less its TP=4 segments, so the launch profiles
+    those alone (the segments round, in the order the search asks for) instead of minutes of every round; the
+    2-rank launches below find theirs complete. Profiling every round from an empty cache is
+    tests/test_profile_torchrun.py's."""
     root = tmp_path_factory.mktemp("auto")
+    job = _compose(*COMMON)[0]
+    seed_profile_db(root / "cache", job, world=4, drop=lambda section, r: section == "segments" and
+                    r["partition"] == "tp4")
+    seed_profile_db(root / "cache", job, world=2)
     mp = pytest.MonkeyPatch()
     mp.setenv("CFP_CACHE_DIR", str(root / "cache"))
     try:
@@ -196,7 +206,8 @@ def test_plan_check_compares_and_calibrates() -> None:
 @pytest.mark.slow
 def test_two_agents_joined_by_c10d_plan_and_train_together(tmp_path: Path) -> None:
     """``--nnodes=2``: two torchrun agents on this machine (2 ranks each) rendezvous on 127.0.0.1, profile, plan and
-    train as one 4-rank job of 2 nodes."""
+    train as one 4-rank job of 2 nodes. The cache holds a recorded profile of this job less its collectives
+    (tests/profiles.py): the agents' ranks profile those together, over the groups that span both agents."""
     import os
     import subprocess
     import sys
@@ -206,7 +217,9 @@ def test_two_agents_joined_by_c10d_plan_and_train_together(tmp_path: Path) -> No
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CFP_CACHE_DIR": str(tmp_path / "cache")}
     common = ["+cfp=auto", "cluster.nodes=2", "model=gpt_tiny", "train.steps=4", "train.global_batch_size=16",
-              "cfp.profile_budget_s=40", f"train.metrics_file={tmp_path / 'metrics.jsonl'}"]
+              "cfp.profile_budget_s=40", "cfp.profile_repeats=1", f"train.metrics_file={tmp_path / 'metrics.jsonl'}"]
+    seed_profile_db(tmp_path / "cache", _compose(*common[1:])[0], world=4, nodes=2,
+                    drop=lambda section, r: section == "collectives" or r.get("name") == "collectives")
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
                                 "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-agents",
                                 str(TRAIN), *common], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
@@ -215,6 +228,7 @@ def test_two_agents_joined_by_c10d_plan_and_train_together(tmp_path: Path) -> No
     assert [agent.returncode for agent in agents] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     joined = "\n".join(outputs)
     assert "cfp: planned plan gpt_tiny@localx2x2:" in joined  # one plan for 2 nodes x 2 ranks
+    assert "cfp: profiled in" in joined
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     start = next(r for r in records if r["event"] == "start")
     assert "world=4" in start["layout"]

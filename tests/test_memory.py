@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import gc
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.launcher import run_train
+from tests.multirank import MultiRankRuns, case
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +53,15 @@ def test_tracker_frees_leaf_inputs_and_their_gradients() -> None:
     assert left < 32 * 64 * 4  # not even one input is left
 
 
-def test_memory_breakdown_single_rank_and_tensor_parallel(tmp_path: Path) -> None:
-    single = run_train(1, COMMON, tmp_path / "one")
+SINGLE, TP2 = case(1, *COMMON), case(2, *COMMON, "parallel.tp=2")
+BF16 = [*COMMON, "train.precision=bf16"]
+BF16_GRADS = {fp32: case(1, *BF16, f"parallel.grad_reduce_in_fp32={str(fp32).lower()}") for fp32 in (False, True)}
+"""The runs (cases of the multirank fixture's jobs, tests/multirank.py): a breakdown, measured on step 2."""
+
+
+@pytest.mark.multirank(SINGLE, TP2)
+def test_memory_breakdown_single_rank_and_tensor_parallel(multirank: MultiRankRuns) -> None:
+    single = multirank[SINGLE]
     assert single.returncode == 0, single.output[-3000:]
     (one,) = _memory(single)
     params = _params(single)
@@ -66,7 +72,7 @@ def test_memory_breakdown_single_rank_and_tensor_parallel(tmp_path: Path) -> Non
     assert 2 * fp32 <= b["optimizer"] <= 2 * fp32 + 4096  # Adam's two moments (+ step counters)
     assert b["activations"] > 0
 
-    tp = run_train(2, [*COMMON, "parallel.tp=2"], tmp_path / "tp2")
+    tp = multirank[TP2]
     assert tp.returncode == 0, tp.output[-3000:]
     ranks = _memory(tp)
     assert [r["rank"] for r in ranks] == [0, 1]
@@ -77,20 +83,19 @@ def test_memory_breakdown_single_rank_and_tensor_parallel(tmp_path: Path) -> Non
         assert r["breakdown"]["activations"] < b["activations"]
 
 
-def test_bf16_gradients_without_fp32_reduction_halve_the_gradient_buffer(tmp_path: Path) -> None:
+@pytest.mark.multirank(*BF16_GRADS.values())
+def test_bf16_gradients_without_fp32_reduction_halve_the_gradient_buffer(multirank: MultiRankRuns) -> None:
     """``parallel.grad_reduce_in_fp32=false`` reaches Megatron's DDP: its main_grad buffer is bf16, as the memory
     model predicts (and with the default, fp32)."""
     from cfp_megatron.base.compose import compose_job
     from cfp_megatron.sim.simulate import predict_memory
 
-    overrides = [*COMMON, "train.precision=bf16"]
-    for fp32_grads in (False, True):
-        flag = f"parallel.grad_reduce_in_fp32={str(fp32_grads).lower()}"
-        run = run_train(1, [*overrides, flag], tmp_path / f"fp32_grads_{fp32_grads}")
+    for fp32_grads, c in BF16_GRADS.items():
+        run = multirank[c]
         assert run.returncode == 0, run.output[-3000:]
         (one,) = _memory(run)
         params = _params(run)
         assert one["breakdown"]["parameters"] == 2 * params
         assert one["breakdown"]["gradients"] == (4 if fp32_grads else 2) * params
-        predicted = predict_memory(compose_job([*overrides, flag]), world_size=1)
+        predicted = predict_memory(compose_job(list(c.overrides)), world_size=1)
         assert predicted.gradients == one["breakdown"]["gradients"]

@@ -186,18 +186,19 @@ def test_deepspeed_auto_refuses_a_job_that_cannot_fit_before_profiling(host: Non
     import torch.distributed as dist
 
     from cfp_megatron.base.backend_spec import backend_from_config
-    from cfp_megatron.planner import deepspeed_entry
+    from cfp_megatron.planner import launch_plan
     from cfp_megatron.planner.deepspeed_memory import check_zero_search_fits
+    from cfp_megatron.planner.entry import train_from_config
 
     def no_profiling(*args: object, **kwargs: object) -> None:
         raise AssertionError("profiled a job that cannot fit")
 
-    monkeypatch.setattr(deepspeed_entry, "planned", no_profiling)
+    monkeypatch.setattr(launch_plan, "_profile_and_search", no_profiling)
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
         monkeypatch.setenv(name, value)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError) as info:
-        deepspeed_entry.train_from_config(*_ds_config("+cfp=auto", "model=llama3_8b", "train.steps=1"))
+        train_from_config(_ds_config("+cfp=auto", "model=llama3_8b", "train.steps=1"))
     text = str(info.value)
     assert info.value.keys == ["cluster"] and "no DeepSpeed ZeRO plan of llama3_8b on 2 ranks fits in memory" in text
     assert "needs at least" in text and "each rank has 10.75 GiB (this host's 23.5 GiB" in text
@@ -206,9 +207,9 @@ def test_deepspeed_auto_refuses_a_job_that_cannot_fit_before_profiling(host: Non
     cfg = compose_config(["backend=deepspeed", "+cfp=auto", "model=gpt_tiny"])
     check_zero_search_fits(job_from_config(cfg), 2, cfp_from_config(cfg), backend_from_config(cfg), on_gpu=False)
     with pytest.raises(ConfigError, match="cluster.hbm_gib=0.001: no DeepSpeed ZeRO plan of gpt_tiny"):
-        deepspeed_entry.train_from_config(*_ds_config("+cfp=auto", "cluster.hbm_gib=0.001", "train.steps=1"))
+        train_from_config(_ds_config("+cfp=auto", "cluster.hbm_gib=0.001", "train.steps=1"))
     with pytest.raises(ConfigError, match="train.global_batch_size"):  # the search's own refusals stay its own
-        deepspeed_entry.train_from_config(*_ds_config("+cfp=auto", "train.global_batch_size=7", "train.steps=1"))
+        train_from_config(_ds_config("+cfp=auto", "train.global_batch_size=7", "train.steps=1"))
 
 
 @cpu_only
@@ -234,9 +235,6 @@ def test_a_deepspeed_plan_by_hand_that_cannot_fit_is_refused(host: None, monkeyp
     check_zero_plan_fits(job, manual_plan(job, backend, 2, on_gpu=False), 2)  # the tests' small models fit
 
 
-def _ds_config(*overrides: str) -> tuple[object, object]:
-    """The composed config of ``backend=deepspeed`` and ``overrides``, and its backend spec."""
-    from cfp_megatron.base.backend_spec import backend_from_config
-
-    cfg = compose_config(["backend=deepspeed", *overrides])
-    return cfg, backend_from_config(cfg)
+def _ds_config(*overrides: str) -> object:
+    """The composed config of ``backend=deepspeed`` and ``overrides``."""
+    return compose_config(["backend=deepspeed", *overrides])

@@ -292,7 +292,7 @@ def test_the_per_token_losss_token_count_collectives_are_counted(monkeypatch: py
     simulator adds both (one number each: their latency) on a profiled cluster."""
     from cfp_megatron.sim.layout import build_layout
     from cfp_megatron.sim.pass_costs import collective_costs
-    from cfp_megatron.sim.simulate import _token_count_sync
+    from cfp_megatron.sim.terms.data_parallel import token_count_sync as _token_count_sync
 
     ov = StepOverheads(partition="tp1", micro_batch=2, layer_s=0.006, per_microbatch_s=0.0, step_base_s=0.0,
                        step_per_param_s=0.0)
@@ -304,7 +304,8 @@ def test_the_per_token_losss_token_count_collectives_are_counted(monkeypatch: py
     assert _token_count_sync(costs, build_layout(dp2_pp2, 4)) > _token_count_sync(costs, build_layout(
         _tiny(tp=2, pp=1), 4))  # the pipeline's broadcast on top of the DP=2 all-reduce
     measured = simulate(dp4, measurements=_Measured(ov), world_size=4)
-    monkeypatch.setattr(sys.modules["cfp_megatron.sim.simulate"], "_token_count_sync", lambda costs, layout: 0.0)
+    monkeypatch.setattr(sys.modules["cfp_megatron.sim.terms.data_parallel"], "token_count_sync",
+                        lambda costs, layout: 0.0)
     without = simulate(dp4, measurements=_Measured(ov), world_size=4)
     assert measured.step_time_s - without.step_time_s == pytest.approx(reduce4)  # on the step, once
     assert measured.time.dp_comm_s - without.time.dp_comm_s == pytest.approx(reduce4)

@@ -301,3 +301,48 @@ def test_a_model_without_a_sliding_window_keeps_the_profile_key_it_had_before_wi
                                        sort_keys=True).encode()).hexdigest()[:16]
     assert model_key(job, on_gpu=False) == before
     assert model_key(compose_job(["model.window_size=8"]), on_gpu=False) != before
+
+
+def test_profile_repeats_set_every_probes_timed_repeats(job: JobSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cfp.profile_repeats`` (``--repeats``) reaches every round's probes; unset, each round keeps its own count
+    (the segments' and overheads' defaults, the collectives' and GEMMs' by size); the entries stay the same."""
+    import torch
+
+    from cfp_megatron.base.cfp_spec import CfpSpec
+    from cfp_megatron.base.errors import ConfigError
+    from cfp_megatron.profile import gemm, runner
+    from cfp_megatron.profile.cli import parse_args
+
+    seen: dict[str, int | None] = {}
+
+    def spy(name: str) -> Any:
+        real = getattr(runner, name)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            seen[name] = kwargs.get("repeats")
+            return real(*args, **kwargs)
+        return wrapped
+
+    for name in ("collective_steps", "gemm_steps", "segment_steps", "overhead_steps"):
+        monkeypatch.setattr(runner, name, spy(name))
+    cpu = torch.device("cpu")
+    labels = []
+    for repeats, expected in ((None, {"collective_steps": None, "gemm_steps": None, "segment_steps": 7,
+                                      "overhead_steps": 4}),
+                              (1, {"collective_steps": 1, "gemm_steps": 1, "segment_steps": 1, "overhead_steps": 1})):
+        seen.clear()
+        steps = {name: round_steps(name, job, WORLD, on_gpu=False, device=cpu, repeats=repeats)[0] for name in ROUNDS}
+        assert seen == expected
+        labels.append({name: [s.label for s in found] for name, found in steps.items()})
+    assert labels[0] == labels[1]
+    # a GEMM step times as many matmuls as asked (the collectives' steps read the setting the same way)
+    timed_repeats: list[int] = []
+    monkeypatch.setattr(gemm, "timed", lambda fn, *, repeats, warmup: timed_repeats.append(repeats) or 1e-3)
+    for repeats in (None, 1):
+        steps, _ = gemm.gemm_steps(["fp32"], on_gpu=False, device=cpu, repeats=repeats)
+        steps[0].run()
+    first = gemm.gemm_shapes(gemm.CPU_DIMS)[0]
+    assert timed_repeats == [gemm.repeats_for(*first, on_gpu=False), 1] and timed_repeats[0] > 1
+    assert parse_args(["model=gpt_tiny", "--repeats", "2"]).repeats == 2 and parse_args([]).repeats is None
+    with pytest.raises(ConfigError, match="cfp.profile_repeats"):
+        CfpSpec(profile_repeats=0)

@@ -71,7 +71,8 @@ def test_profile_fills_the_db_and_a_second_run_reuses_it(tmp_path) -> None:
     for _ in range(6):  # a loaded machine may need several runs of 90 s
         if not left:
             break
-        again = run_profile(2, ["model=gpt_tiny", "--budget", "90"], cache)
+        # one timed repeat per probe (cfp.profile_repeats): the same entries, measured in fewer runs
+        again = run_profile(2, ["model=gpt_tiny", "--budget", "90", "--repeats", "1"], cache)
         assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
         new = only_db(cache)["rounds"][len(db["rounds"]):]
         assert new and {r["name"] for r in new} <= {"analysis", "collective-fits"} | set(left), (left, new)
@@ -98,7 +99,8 @@ def test_recomputation_is_profiled_as_its_own_partitions(tmp_path) -> None:
     checkpointed whole, as full recomputation runs it (Megatron's ``tensor_parallel.checkpoint``): the layer keeps
     its input only, so its output is all it leaves alive, less than under selective recomputation."""
     cache = tmp_path / "cache"
-    run = run_profile(1, ["model=gpt_tiny", "cluster=local", "train.seq_length=64", "--budget", "120"], cache)
+    run = run_profile(1, ["model=gpt_tiny", "cluster=local", "train.seq_length=64", "--budget", "120", "--repeats",
+                          "1"], cache)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     dense = {(s["partition"], s["micro_batch"]): s for s in only_db(cache)["segments"] if s["kind"] == "dense"}
     sizes = sorted(mb for partition, mb in dense if partition == "tp1")

@@ -1,6 +1,7 @@
 """The search: the bounded search returns exactly what an exhaustive one does on random small spaces, its
 bounds never exceed the simulated step, plans are the same in another process, pins and sets are obeyed, and the
-families it rules out come with their reasons. Jobs are composed from the real Hydra configs."""
+families it rules out come with their reasons. Jobs are composed from the real Hydra configs; the same checks on the
+recorded measured profiles (random jobs too) are tests/test_search_measured.py's."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from cfp_megatron.base.parallel_dims import ParallelDims, hierarchical_cp_sizes
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.plan.exports import megatron_lm_args
 from cfp_megatron.sim import simulate
-from cfp_megatron.sim.cp_cost import chunk_slowdown, kernel_share
+from cfp_megatron.sim.terms.context_parallel import chunk_slowdown, kernel_share
 from cfp_megatron.validate import load_preset
 
 H100 = load_preset("dgx_h100")

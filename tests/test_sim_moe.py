@@ -13,8 +13,9 @@ from cfp_megatron.sim.calibration import efficiency_for
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layer_cost import LayerCost, layer_cost
 from cfp_megatron.sim.layout import Layout, build_layout
-from cfp_megatron.sim.moe_cost import COMM_SM_SHARE, MoeCost, expected_remote_nodes, moe_block_cost, overlapped
 from cfp_megatron.sim.pass_costs import CostCache, collective_costs
+from cfp_megatron.sim.terms.expert_dispatch import MoeCost, expected_remote_nodes, moe_block_cost
+from cfp_megatron.sim.terms.overlap import COMM_SM_SHARE, overlapped
 from cfp_megatron.validate import load_preset
 
 H100 = load_preset("dgx_h100")

@@ -70,11 +70,9 @@ def test_shared_cores_count_each_stages_exchanges_per_micro_batch_and_chunk() ->
     """On shared cores the mean stage's timeline (passes plus two blocking exchanges per micro-batch and chunk)
     bounds the schedule; without exchanges (p2p 0) it is the mean busy time, and the dependency chain at a lone
     rank's speed bounds it from below too."""
-    import importlib
-
     from cfp_megatron.sim.options import SimOptions
+    from cfp_megatron.sim.terms.pipeline import shared_cores_schedule as shared_cores
 
-    shared_cores = importlib.import_module("cfp_megatron.sim.simulate")._shared_cores
     f_s, b_s = [[1.0, 1.0], [1.0, 1.0]], [[2.0, 2.0], [2.0, 2.0]]  # pp 2, vpp 2
     m, p2p, slowdown = 8, 0.25, 2.0
     quiet = shared_cores(f_s, b_s, 0.0, m, slowdown, False, SimOptions())

@@ -19,6 +19,7 @@ import pytest
 from cfp_megatron.base.parallel_dims import transformer_engine_available
 from cfp_megatron.engine import checkpoint
 from tests.launcher import RunResult, run_train
+from tests.multirank import TMP, Case, MultiRankRuns, case
 
 pytestmark = pytest.mark.slow
 
@@ -29,9 +30,24 @@ LOSS_ATOL = 1e-4
 GRAD_RTOL = 1e-3
 
 
+def reference_case(model: str, *model_overrides: str) -> Case:
+    """The single-rank run of a model with optional ``model.*`` overrides (one run per session, in the multirank
+    fixture's world-1 job, whichever tests read it)."""
+    return case(1, f"model={model}", *model_overrides, *COMMON)
+
+
+def reference_of(runs: MultiRankRuns, model: str, *model_overrides: str) -> RunResult:
+    """:func:`reference_case`'s run, checked: it trained every step."""
+    result = runs[reference_case(model, *model_overrides)]
+    assert result.returncode == 0, result.output[-4000:]
+    assert sorted(result.losses) == list(range(1, STEPS + 1))
+    return result
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., RunResult]:
-    """Single-rank run of a model with optional ``model.*`` overrides, computed once per module on first use."""
+    """Single-rank run of a model with optional ``model.*`` overrides in a torchrun of its own, computed once per
+    module on first use (for the drill below, whose layouts run in torchruns of their own too)."""
     cache: dict[tuple[str, ...], RunResult] = {}
 
     def get(model: str, *model_overrides: str) -> RunResult:
@@ -107,12 +123,22 @@ LAYOUTS = [
 ]
 
 
+def layout_case(model: str, nproc: int, overrides: list[str]) -> Case:
+    """A layout's run: ``COMMON`` and its overrides on ``nproc`` ranks."""
+    return case(nproc, f"model={model}", *COMMON, *overrides)
+
+
+# Each layout's run and its single-rank reference come from the multirank fixture's jobs (one torchrun per world
+# size for every layout, tests/multirank.py), not from a torchrun each.
+LAYOUTS = [pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.multirank(
+    layout_case(*p.values), reference_case(p.values[0], *_model_overrides(p.values[2])))]) for p in LAYOUTS]
+
+
 @pytest.mark.parametrize(("model", "nproc", "overrides"), LAYOUTS)
-def test_layout_matches_single_rank(model: str, nproc: int, overrides: list[str], tmp_path: Path,
-                                    reference: Callable[..., RunResult]) -> None:
-    result = run_train(nproc, [f"model={model}", *COMMON, *overrides], tmp_path)
+def test_layout_matches_single_rank(model: str, nproc: int, overrides: list[str], multirank: MultiRankRuns) -> None:
+    result = multirank[layout_case(model, nproc, overrides)]
     assert result.returncode == 0, result.output[-4000:]
-    ref = reference(model, *_model_overrides(overrides))
+    ref = reference_of(multirank, model, *_model_overrides(overrides))
     assert sorted(result.losses) == list(range(1, STEPS + 1))
     for step, loss in ref.losses.items():
         assert result.losses[step] == pytest.approx(loss, abs=LOSS_ATOL), f"step {step}"
@@ -143,13 +169,27 @@ def _check_rank0_holds_its_layout_layers(model: str, overrides: list[str], layou
     assert params_on_rank0 == embedding + stage_counts(m.num_layers, pp, layout=layout)[0] * per_layer
 
 
-def _train_in_turns(runs: list[tuple[int, int, list[str]]], common: list[str], ref: RunResult,
-                    tmp_path: Path) -> None:
-    """Train on from where the last run stopped, each run ``(ranks, to step, overrides)`` on ``common``: each
-    trains the steps after the previous one's, with the reference's loss and gradient norm at every step."""
+Turns = list[tuple[int, int, list[str]]]
+"""Runs that train on from where the last stopped: ``(ranks, to step, overrides)`` each."""
+
+
+def _turn_cases(runs: Turns, common: list[str]) -> list[Case]:
+    """The multirank cases of ``runs`` on ``common`` (a world's cases run in this order; the largest world first)."""
+    return [case(nproc, *common, f"train.steps={last}", *overrides) for nproc, last, overrides in runs]
+
+
+def _train_in_turns(runs: Turns, common: list[str], ref: RunResult, tmp_path: Path) -> None:
+    """:func:`_check_turns` of ``runs`` on ``common``, each in a torchrun of its own (the drill)."""
+    results = [run_train(nproc, [*common, f"train.steps={last}", *overrides], tmp_path / f"to_step{last}")
+               for nproc, last, overrides in runs]
+    _check_turns(results, runs, ref)
+
+
+def _check_turns(results: list[RunResult], runs: Turns, ref: RunResult) -> None:
+    """Each of ``runs`` (``results``, in order) trained the steps after the previous one's, with the reference's
+    loss and gradient norm at every step."""
     done = 0
-    for nproc, last, overrides in runs:
-        result = run_train(nproc, [*common, f"train.steps={last}", *overrides], tmp_path / f"to_step{last}")
+    for result, (_, last, _) in zip(results, runs, strict=True):
         assert result.returncode == 0, result.output[-4000:]
         assert sorted(result.losses) == list(range(done + 1, last + 1))
         done = last
@@ -182,29 +222,46 @@ def _fc1_input_splits(folder: Path) -> dict[int, int]:
     return {layer: len({i for _, i in blocks}) for layer, blocks in _layer_blocks(folder, "linear_fc1").items()}
 
 
-@pytest.mark.parametrize(("model", "model_overrides", "middle"), [
-    # the middle run: PrimePar on the first layer only (parallel.primepar_layers=1), on 4 ranks
-    pytest.param("gpt_tiny", [], "mixed", id="gpt-biases"),
-    # the SwiGLU twin (its 2x2 blocks of fused gate and up) runs with the drills (-m drill): the default suite keeps
-    # to its 20 minutes, and the SwiGLU layer's PrimePar training is checked against one rank there
-    pytest.param("llama_tiny", ["model.num_query_groups=4"], "tp2", id="llama-swiglu", marks=pytest.mark.drill),
-])
-def test_primepar_checkpoint_resumes_under_megatron_tp2_and_back(model: str, model_overrides: list[str], middle: str,
-                                                                 tmp_path: Path,
-                                                                 reference: Callable[..., RunResult]) -> None:
-    """Steps 1-2 under TP=4 with the PrimePar MLP, step 3 under TP=2 with Megatron's MLP (llama_tiny) or under
-    TP=4 with PrimePar's MLP on the first layer and Megatron's on the other three (gpt_tiny), step 4 under PrimePar
-    again: each resume reads the other layout's blocks (PrimePar's 2-D blocks, Megatron's column/row shards, the
-    gated fc1's gate and up halves, the replicated biases, Adam's moments) and the losses stay the reference's."""
-    ckpt = tmp_path / "ckpt"
+def _primepar_turns(model: str, model_overrides: list[str], middle: str, ckpt: str) -> tuple[Turns, list[str]]:
+    """The runs of :func:`test_primepar_checkpoint_resumes_under_megatron_tp2_and_back` and their common
+    overrides."""
     common = [f"model={model}", *model_overrides, *(o for o in COMMON if not o.startswith("train.steps=")),
               f"train.lr_decay_steps={STEPS}", f"train.checkpoint_dir={ckpt}"]  # the reference's schedule
     primepar, resume = ["parallel.tp=4", "parallel.mlp=primepar"], ["train.resume=true"]
     between = (4, [*primepar, "parallel.primepar_layers=1", *resume]) if middle == "mixed" else (
         2, ["parallel.tp=2", *resume])
-    runs = [(4, 2, primepar), (between[0], 3, between[1]), (4, 4, [*primepar, *resume])]  # (ranks, to step, ...)
-    ref = reference(model, *model_overrides)
-    _train_in_turns(runs, common, ref, tmp_path)
+    return [(4, 2, primepar), (between[0], 3, between[1]), (4, 4, [*primepar, *resume])], common
+
+
+PRIMEPAR_GPT_CKPT = "primepar_gpt_ckpt"
+"""The gpt_tiny case's checkpoint folder in the multirank session folder (its three runs on 4 ranks are
+cases of the world-4 job; the drill's SwiGLU twin changes world in between and runs torchruns of its own)."""
+
+
+@pytest.mark.parametrize(("model", "model_overrides", "middle"), [
+    # the middle run: PrimePar on the first layer only (parallel.primepar_layers=1), on 4 ranks
+    pytest.param("gpt_tiny", [], "mixed", id="gpt-biases", marks=pytest.mark.multirank(
+        *_turn_cases(*_primepar_turns("gpt_tiny", [], "mixed", f"{TMP}/{PRIMEPAR_GPT_CKPT}")),
+        reference_case("gpt_tiny"))),
+    # the SwiGLU twin (its 2x2 blocks of fused gate and up) runs with the drills (-m drill): the default suite keeps
+    # to its 20 minutes, and the SwiGLU layer's PrimePar training is checked against one rank there
+    pytest.param("llama_tiny", ["model.num_query_groups=4"], "tp2", id="llama-swiglu", marks=pytest.mark.drill),
+])
+def test_primepar_checkpoint_resumes_under_megatron_tp2_and_back(model: str, model_overrides: list[str], middle: str,
+                                                                 tmp_path: Path, multirank: MultiRankRuns,
+                                                                 request: pytest.FixtureRequest) -> None:
+    """Steps 1-2 under TP=4 with the PrimePar MLP, step 3 under TP=2 with Megatron's MLP (llama_tiny) or under
+    TP=4 with PrimePar's MLP on the first layer and Megatron's on the other three (gpt_tiny), step 4 under PrimePar
+    again: each resume reads the other layout's blocks (PrimePar's 2-D blocks, Megatron's column/row shards, the
+    gated fc1's gate and up halves, the replicated biases, Adam's moments) and the losses stay the reference's."""
+    if middle == "mixed":  # the multirank cases
+        ckpt = multirank.path(PRIMEPAR_GPT_CKPT)
+        runs, common = _primepar_turns(model, model_overrides, middle, f"{TMP}/{PRIMEPAR_GPT_CKPT}")
+        _check_turns([multirank[c] for c in _turn_cases(runs, common)], runs, reference_of(multirank, model))
+    else:  # the drill: a torchrun per run
+        ckpt = tmp_path / "ckpt"
+        runs, common = _primepar_turns(model, model_overrides, middle, str(ckpt))
+        _train_in_turns(runs, common, request.getfixturevalue("reference")(model, *model_overrides), tmp_path)
     # The PrimePar runs did save 2-D blocks: fc1 cut along its input (hidden) axis too, fc2 along its output axis,
     # which Megatron's column/row-parallel layers never do.
     blocks = _mlp_weight_blocks(ckpt / "iter_0000002", "linear_fc1")
@@ -217,55 +274,66 @@ def test_primepar_checkpoint_resumes_under_megatron_tp2_and_back(model: str, mod
     assert checkpoint.saved_per_layer(ckpt / "iter_0000004")  # each layer under its own keys
 
 
-def test_layout_checkpoint_resumes_under_another_layout(tmp_path: Path, reference: Callable[..., RunResult]) -> None:
+LAYOUT_CKPT_RUNS: Turns = [
+    (2, 2, ["parallel.pipeline_model_parallel_layout=Et*3|tL"]),
+    (2, 4, ["parallel.vpp=2", "parallel.pipeline_model_parallel_layout=Et|t|tt|L", "train.resume=true"])]
+LAYOUT_CKPT_COMMON = ["model=gpt_tiny", *(o for o in COMMON if not o.startswith("train.steps=")),
+                      f"train.lr_decay_steps={STEPS}", f"train.checkpoint_dir={TMP}/layout_ckpt", "parallel.pp=2"]
+
+
+@pytest.mark.multirank(*_turn_cases(LAYOUT_CKPT_RUNS, LAYOUT_CKPT_COMMON), reference_case("gpt_tiny"))
+def test_layout_checkpoint_resumes_under_another_layout(multirank: MultiRankRuns) -> None:
     """Steps 1-2 under the layout Et*3|tL (rank 0 saves layers 0-2, rank 1 layer 3), steps 3-4 interleaved under
     Et|t|tt|L (rank 0 holds layers 0, 2 and 3): each decoder layer is keyed by its global number
     (``decoder.layers.<i>.``), so the other split reads it, and the losses stay the reference's."""
-    ckpt = tmp_path / "ckpt"
-    common = ["model=gpt_tiny", *(o for o in COMMON if not o.startswith("train.steps=")),
-              f"train.lr_decay_steps={STEPS}", f"train.checkpoint_dir={ckpt}", "parallel.pp=2"]
-    runs = [(2, 2, ["parallel.pipeline_model_parallel_layout=Et*3|tL"]),
-            (2, 4, ["parallel.vpp=2", "parallel.pipeline_model_parallel_layout=Et|t|tt|L", "train.resume=true"])]
-    ref = reference("gpt_tiny")
-    _train_in_turns(runs, common, ref, tmp_path)
-    assert checkpoint.saved_per_layer(ckpt / "iter_0000004")
+    results = [multirank[c] for c in _turn_cases(LAYOUT_CKPT_RUNS, LAYOUT_CKPT_COMMON)]
+    _check_turns(results, LAYOUT_CKPT_RUNS, reference_of(multirank, "gpt_tiny"))
+    assert checkpoint.saved_per_layer(multirank.path("layout_ckpt") / "iter_0000004")
 
 
-def test_mtp_trains_like_one_rank_and_resumes_without_pipelining(tmp_path: Path,
-                                                                  reference: Callable[..., RunResult]) -> None:
+MTP_MODEL = ["model=llama_tiny", "model.mtp_num_layers=1", "model.tie_embeddings=true",
+             "model.mtp_loss_scaling_factor=1.0"]
+MTP_RUNS: Turns = [(2, 2, ["parallel.pp=2", "parallel.vpp=2", "parallel.pipeline_model_parallel_layout=Et|t|tt|mL"]),
+                   (1, 4, ["train.resume=true"])]  # the world-2 job runs before the world-1 job
+MTP_COMMON = [*MTP_MODEL, *(o for o in COMMON if not o.startswith("train.steps=")), f"train.lr_decay_steps={STEPS}",
+              f"train.checkpoint_dir={TMP}/mtp_ckpt"]
+
+
+@pytest.mark.multirank(*_turn_cases(MTP_RUNS, MTP_COMMON), reference_case("llama_tiny", *MTP_MODEL[1:]),
+                       reference_case("llama_tiny", "model.tie_embeddings=true"))
+def test_mtp_trains_like_one_rank_and_resumes_without_pipelining(multirank: MultiRankRuns) -> None:
     """Multi-token prediction (DeepSeek-V3's MTP, Megatron-Core's block) interleaved under a layout that ends in a
     chunk holding the MTP layer and the loss alone (mL), with tied embeddings: the MTP chunk computes its logits with
     its copy of the word embedding, whose gradient joins the first stage's. Steps 1-2 there, steps 3-4 on one rank
     from its checkpoint (the MTP layer and the embedding keyed as Megatron-Core keys them): the losses and gradient
     norms stay the single-rank reference's. The MTP loss at full weight (Megatron's default is 0.1) so that a wrong
     MTP gradient shows in the grad norm, which differs from the same model's without MTP at every step."""
-    ckpt = tmp_path / "ckpt"
-    model = ["model=llama_tiny", "model.mtp_num_layers=1", "model.tie_embeddings=true",
-             "model.mtp_loss_scaling_factor=1.0"]
-    common = [*model, *(o for o in COMMON if not o.startswith("train.steps=")), f"train.lr_decay_steps={STEPS}",
-              f"train.checkpoint_dir={ckpt}"]
-    runs = [(2, 2, ["parallel.pp=2", "parallel.vpp=2", "parallel.pipeline_model_parallel_layout=Et|t|tt|mL"]),
-            (1, 4, ["train.resume=true"])]
-    ref = reference("llama_tiny", *model[1:])
-    _train_in_turns(runs, common, ref, tmp_path)
-    plain = reference("llama_tiny", "model.tie_embeddings=true")
+    ref = reference_of(multirank, "llama_tiny", *MTP_MODEL[1:])
+    _check_turns([multirank[c] for c in _turn_cases(MTP_RUNS, MTP_COMMON)], MTP_RUNS, ref)
+    plain = reference_of(multirank, "llama_tiny", "model.tie_embeddings=true")
     assert all(abs(ref.grad_norms[s] / plain.grad_norms[s] - 1) > 0.05 for s in range(1, STEPS + 1))
 
 
-def test_bf16_tensor_parallel_matches_bf16_single_rank(tmp_path: Path) -> None:
+BF16 = ["model=llama_tiny", *COMMON[:-1], "train.precision=bf16"]
+
+
+@pytest.mark.multirank(case(1, *BF16), case(2, *BF16, "parallel.tp=2", "parallel.sp=true"))
+def test_bf16_tensor_parallel_matches_bf16_single_rank(multirank: MultiRankRuns) -> None:
     # bf16 rounds each partial sum, so the tolerance is wider than fp32's (measured differences ~1e-3).
-    common = ["model=llama_tiny", *COMMON[:-1], "train.precision=bf16"]
-    single = run_train(1, common, tmp_path / "one")
-    split = run_train(2, [*common, "parallel.tp=2", "parallel.sp=true"], tmp_path / "two")
+    single = multirank[case(1, *BF16)]
+    split = multirank[case(2, *BF16, "parallel.tp=2", "parallel.sp=true")]
     assert single.returncode == 0 and split.returncode == 0, (single.output + split.output)[-4000:]
     assert next(r for r in split.records if r["event"] == "start")["precision"] == "bf16"
     for step, loss in single.losses.items():
         assert split.losses[step] == pytest.approx(loss, abs=2e-2), f"step {step}"
 
 
-def test_fp16_skips_overflowing_steps_then_trains(tmp_path: Path) -> None:
-    result = run_train(2, ["model=gpt_tiny", *COMMON[:-1], "train.precision=fp16", "train.steps=24",
-                           "parallel.pp=2"], tmp_path)
+FP16 = case(2, "model=gpt_tiny", *COMMON[:-1], "train.precision=fp16", "train.steps=24", "parallel.pp=2")
+
+
+@pytest.mark.multirank(FP16)
+def test_fp16_skips_overflowing_steps_then_trains(multirank: MultiRankRuns) -> None:
+    result = multirank[FP16]
     assert result.returncode == 0, result.output[-4000:]
     steps = result.steps
     assert not steps[0]["applied"]  # Megatron's dynamic loss scale starts at 2**32 and backs off
@@ -273,23 +341,36 @@ def test_fp16_skips_overflowing_steps_then_trains(tmp_path: Path) -> None:
     assert steps[-1]["loss"] < steps[0]["loss"]
 
 
+CP2 = case(2, "model=llama_tiny", *COMMON, "parallel.cp=2")
+
+
 @pytest.mark.skipif(transformer_engine_available(), reason="Transformer Engine present: CP=2 is supported")
-def test_context_parallel_without_transformer_engine_is_refused_before_any_group(tmp_path: Path) -> None:
-    result = run_train(2, ["model=llama_tiny", *COMMON, "parallel.cp=2"], tmp_path, timeout=300)
+@pytest.mark.multirank(CP2)
+def test_context_parallel_without_transformer_engine_is_refused_before_any_group(multirank: MultiRankRuns) -> None:
+    """The launch path refuses it in its checks (a ConfigError from validate_job, in the world-2 job); how
+    torchrun then reports a ConfigError once and exits is tests/test_rank_errors.py's."""
+    result = multirank[CP2]
     assert result.returncode != 0
+    assert result.output.startswith("ConfigError") and "validate_job" in result.output
     assert "parallel.cp=2" in result.output
     assert "Transformer Engine" in result.output
-    assert result.records == []  # rejected before training (and before any process group) started
+    assert result.records == []  # rejected before training (and before Megatron's groups) started
 
 
-def test_uneven_first_stage_holds_its_own_layer_count(tmp_path: Path) -> None:
+UNEVEN = {name: case(2, "model=gpt_tiny", *COMMON, "parallel.pp=2", *extra)
+          for name, extra in (("even", []), ("uneven", ["parallel.first_stage_layers=1"]))}
+"""The layouts gpt-pp2-1f1b and gpt-pp2-uneven-1-3 above: the same runs (the multirank fixture trains them once)."""
+
+
+@pytest.mark.multirank(*UNEVEN.values())
+def test_uneven_first_stage_holds_its_own_layer_count(multirank: MultiRankRuns) -> None:
     """``parallel.first_stage_layers=1`` puts one of gpt_tiny's 4 layers on stage 0 (the even split puts 2): rank 0
     holds the embedding and one layer, so twice its parameters less the even split's are the embedding's."""
     from cfp_megatron.base.compose import compose_job
 
     runs = {}
-    for name, extra in (("even", []), ("uneven", ["parallel.first_stage_layers=1"])):
-        result = run_train(2, ["model=gpt_tiny", *COMMON, "parallel.pp=2", *extra], tmp_path / name)
+    for name, c in UNEVEN.items():
+        result = multirank[c]
         assert result.returncode == 0, result.output[-4000:]
         runs[name] = next(r for r in result.records if r["event"] == "start")["params_on_rank0"]
     m = compose_job(["model=gpt_tiny"]).model

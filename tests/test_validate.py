@@ -181,9 +181,9 @@ def test_each_row_runs_the_architecture_its_reported_flop_rate_counts() -> None:
     """Where a row reports both TFLOP/s and tokens/s per GPU, their ratio is the reporter's FLOPs per token, which
     fixes the architecture: the model the validator builds must give it to 1% (PaLM's convention for the dense rows;
     Megatron-Bridge's, which counts causal attention half, for its Qwen3 rows). Nemotron's 256k vocabulary and
-    Qwen3's 128-channel heads, which no column states, are what this caught (``FAMILY_ARCHITECTURES``). Left out:
-    GPT-OSS (Megatron-Bridge's formula counts its gated experts as ungated) and DeepSeek-V3 (MTP and MLA counted its
-    own way)."""
+    Qwen3's 128-channel heads, which no column states, are what this caught (``validation/model_families.yaml``).
+    Left out: GPT-OSS (Megatron-Bridge's formula counts its gated experts as ungated) and DeepSeek-V3 (MTP and MLA
+    counted its own way)."""
     checked = []
     for path in (CSV, MOE_CSV):
         for row in read_rows(path):

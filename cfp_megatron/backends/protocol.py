@@ -4,7 +4,8 @@ costs into ranked :class:`~cfp_megatron.plan.artifact.Plan` objects (the one pla
 The planner picks the implementation by the ``backend`` group
 (:func:`cfp_megatron.planner.backends.backend_for`)
 and drives both the same way: search on rank 0 (or offline, ``python -m cfp_megatron.plan``), broadcast the plan,
-train it.
+train it. :class:`LaunchHooks` is what a backend adds to the one launch pipeline (docs/architecture.md, "The launch
+pipeline").
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Protocol
 
 from cfp_megatron.base.backend_spec import BackendKind, BackendSpec
 from cfp_megatron.base.cfp_spec import CfpSpec
-from cfp_megatron.base.config import JobSpec
+from cfp_megatron.base.config import ClusterSpec, JobSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.cluster.measured import Measurements
@@ -63,8 +64,80 @@ class TrainingBackend(Protocol):
         ``measurements`` where profiling made them), each plan carrying ``inputs_fingerprint``."""
         ...
 
-    def train(self, job: JobSpec, plan: Plan | None, env: LaunchEnv, backend: BackendSpec, *,
+    def train(self, job: JobSpec, plan: Plan, env: LaunchEnv, backend: BackendSpec, *,
               metrics_path: Path | None, check: PlanCheck | None, resume: Any) -> list[Any]:
-        """Set up the process groups for ``plan`` (``None``: ``job`` as it is, where a backend allows it), train
-        ``job`` with it (from ``resume``: the backend's resume point), tear the groups down; rank 0's step metrics."""
+        """Set up the process groups for ``plan`` (a layout given by hand is a plan too), train ``job`` under it (from
+        ``resume``: the backend's resume point), tear the groups down; rank 0's step metrics."""
+        ...
+
+
+class LaunchHooks(Protocol):
+    """What one backend adds to the one launch pipeline (:func:`cfp_megatron.planner.entry.train_from_config`, which
+    reads the config, checks the job, resolves the plan, checks that it fits, broadcasts, configures, trains and
+    reports for every backend). The planner implements one per backend (:mod:`cfp_megatron.planner.backends`)."""
+
+    kind: BackendKind
+    """The backend it launches."""
+    keeps_group: bool
+    """Whether training keeps the default process group that profiling made (DeepSpeed's communication layer keeps
+    the first group it saw) rather than making its own."""
+
+    def check_job(self, job: JobSpec, cfp: CfpSpec, world: int, *, planned: bool) -> None:
+        """Its checks of ``job`` before any process group (``planned``: the layout comes from a plan)."""
+        ...
+
+    def check_before_start(self, job: JobSpec, *, restarted: bool, writer: str | None,
+                           note: Callable[[str], None]) -> int | None:
+        """The checkpoint step to resume from by its folder's rules (``None``: a fresh start)."""
+        ...
+
+    def resume_pin(self, job: JobSpec, cfp: CfpSpec, start_step: int | None, *, planned: bool) -> bool | None:
+        """What a resumed checkpoint pins (whether it holds the distributed optimizer), checked against the job's
+        settings; ``None`` where nothing is pinned."""
+        ...
+
+    def hand_plan(self, job: JobSpec, backend: BackendSpec, world: int, *, on_gpu: bool) -> Plan:
+        """The plan of the layout given by hand (no plan from ``cfp``)."""
+        ...
+
+    def check_plan_fits(self, job: JobSpec, plan: Plan, world: int) -> None:
+        """A plan this machine's search did not choose (by hand, a file, a string) against each rank's memory;
+        ``job`` is under the plan."""
+        ...
+
+    def search_before_profiling(self, job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *,
+                                given: ClusterSpec, measurements: Measurements | None, on_gpu: bool,
+                                inputs_fingerprint: str) -> PlannedSearch | None:
+        """``+cfp=auto`` on every rank before profiling (``job``'s cluster filled with this machine's figures,
+        ``given`` as configured): a :class:`ConfigError` when its pins or the memory leave no plan; else its search,
+        for profiling's priorities and for rank 0 to reuse where profiling measures nothing (``None``: not
+        reusable)."""
+        ...
+
+    def priority(self, early: PlannedSearch | None) -> Callable[[], tuple[str, ...]] | None:
+        """What profiling measures first (:func:`cfp_megatron.profile.runner.profile_job`'s ``priority``)."""
+        ...
+
+    def after_profiling(self, job: JobSpec, env: LaunchEnv, outcome: Any, console: Any, *,
+                        on_gpu: bool) -> TrainingBackend:
+        """Every rank, after profiling: its own measurements; the backend that searches on rank 0."""
+        ...
+
+    def show_search(self, found: PlannedSearch, console: Any) -> None:
+        """Rank 0: what it says of the search after profiling."""
+        ...
+
+    def calibration(self, measurements: Measurements | None, plan: Plan) -> float:
+        """The factor the step time of ``plan`` is shown and checked with (earlier runs' measured over predicted)."""
+        ...
+
+    def plan_check(self, job: JobSpec, plan: Plan, cfp: CfpSpec, *, calibration: float, on_gpu: bool,
+                   picture: str | None) -> tuple[JobSpec, PlanCheck | None]:
+        """The check of the first steps against ``plan``'s prediction (drawn to ``picture`` where given), and the
+        job it needs (the memory measured on the checked step)."""
+        ...
+
+    def trainer(self, job: JobSpec, plan: Plan, env: LaunchEnv, backend: BackendSpec, *, folder: Path,
+                console: Any) -> tuple[JobSpec, TrainingBackend]:
+        """The job as it trains and its trainer, configured (its files written under ``folder`` on rank 0)."""
         ...

@@ -143,6 +143,11 @@ class CfpSpec:
     """manual: a plan's canonical string to apply (``python -m cfp_megatron.plan`` prints it)."""
     profile_budget_s: float = DEFAULT_PROFILE_BUDGET_S
     """auto: seconds the profiling rounds at launch may take (all of them together)."""
+    profile_repeats: int | None = None
+    """auto: the timed repeats of every profiling probe (segments, overheads, collectives, GEMMs) instead of each
+    probe's own count (segments 7 on CPU and 5 on GPU, overheads 4, collectives 2-10 and GEMMs 2-50 by size);
+    ``null`` keeps those. A low count (the tests' launches use 1) profiles sooner and noisier; the same entries are
+    measured. ``python -m cfp_megatron.profile --repeats N`` is the same setting."""
     check_after_steps: int = 12
     """auto/manual with a plan: after this many steps (or the run's last, when it trains fewer), compare the
     measured step time (the median of the steps after the ``check_warmup_steps`` first, without the one memory is
@@ -159,6 +164,10 @@ class CfpSpec:
         if self.profile_budget_s <= 0:
             issues.append(ConfigIssue(key="cfp.profile_budget_s", value=self.profile_budget_s,
                                       problem="must be positive (seconds).", fix="use e.g. 60."))
+        if self.profile_repeats is not None and self.profile_repeats < 1:
+            issues.append(ConfigIssue(key="cfp.profile_repeats", value=self.profile_repeats,
+                                      problem="must be 1 or more (timed repeats of each probe).",
+                                      fix="use e.g. 1 for a quick profile, or null for each probe's own count."))
         if self.check_after_steps < 0:
             issues.append(ConfigIssue(key="cfp.check_after_steps", value=self.check_after_steps,
                                       problem="must be 0 (off) or more.", fix="use e.g. 12."))

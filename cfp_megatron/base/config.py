@@ -18,6 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.layout_rules import batch as batch_rules
+from cfp_megatron.base.layout_rules import moe as moe_rules
+from cfp_megatron.base.layout_rules import pipeline as pipeline_rules
+from cfp_megatron.base.layout_rules import recompute as recompute_rules
+from cfp_megatron.base.layout_rules import tensor as tensor_rules
+from cfp_megatron.base.layout_rules.problem import issues as rule_issues
+from cfp_megatron.base.layout_rules.tensor import primepar_grid_side as primepar_grid_side
 from cfp_megatron.base.pipeline_layout import layout_issues
 
 
@@ -108,13 +115,6 @@ class MlpPartition(enum.Enum):
     a 2^k x 2^k grid, every weight and activation block is held once, partial sums accumulate locally over 2^k ring
     steps; the MLP's input is sliced from the replicated hidden states (all-gathered from the sequence shards first
     under sequence parallelism) and its output all-gathered (then cut to this rank's sequence shard under it)."""
-
-
-def primepar_grid_side(tp: int) -> int | None:
-    """The side 2^k of PrimePar's square grid on a tensor-parallel group of ``tp = 4^k`` ranks (k >= 1); ``None``
-    for any other size."""
-    side = math.isqrt(tp)
-    return side if tp >= 4 and side * side == tp and not side & (side - 1) else None
 
 
 class PositionEmbedding(enum.Enum):
@@ -512,6 +512,9 @@ class ClusterSpec:
     """The machines the job runs on (Hydra group ``cluster``). Figures are per GPU unless said otherwise."""
 
     PREFIX: ClassVar[str] = "cluster"
+    NUMBER_FORMATS: ClassVar[tuple[str, ...]] = ("fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8", "mxfp6", "mxfp4",
+                                                 "nvfp4")
+    """The values ``number_formats`` may list."""
 
     name: str = "local"
     """Preset name."""
@@ -521,6 +524,23 @@ class ClusterSpec:
     """Accelerators (or, on CPU, processes) per node; ``None`` means what torchrun started (LOCAL_WORLD_SIZE)."""
     device_name: str = "cpu"
     """Accelerator model, for reports."""
+    generation: str | None = None
+    """Architecture generation of the accelerator (``ampere``, ``hopper``, ``blackwell``, ``cdna3``, ``cdna4``;
+    ``cpu`` for CPU ranks): the simulator's fitted efficiencies are per generation
+    (``cfp_megatron/sim/efficiencies.json``). ``None``, or a generation that file does not know: the file's fallback
+    generation's efficiencies, said as a warning in the plan's output."""
+    supports_tp_overlap: bool | None = None
+    """Whether Transformer Engine's TP communication overlap (comm-GEMM overlap, ``parallel.tp_comm_overlap``) runs
+    on this accelerator (Hopper and later). ``None``: not stated; the planner does not turn it on (the plan's output
+    says so)."""
+    number_formats: list[str] | None = None
+    """Number formats its matrix units compute in, as its datasheet lists them: some of ``fp32``, ``tf32`` (fp32 on
+    tensor cores), ``bf16``, ``fp16``, ``fp8``, ``mxfp8``, ``mxfp6``, ``mxfp4``, ``nvfp4`` (:attr:`NUMBER_FORMATS`).
+    ``None``: not stated. The simulator reads the peaks (``peak_tflops_*``), not this list."""
+    aliases: list[str] | None = None
+    """Names the accelerator goes by in published tables (``H100 SXM``, ``H100-SXM5-80GB``); a row's GPU maps to
+    the preset with the longest alias its text contains, compared without case, spaces or punctuation
+    (:func:`~cfp_megatron.cluster.presets.preset_for_gpu`). ``None``: none."""
     peak_tflops_bf16: float | None = None
     """Dense bf16 peak in TFLOP/s; ``None`` means measure it at start-up (used for MFU)."""
     peak_tflops_fp8: float | None = None
@@ -679,6 +699,10 @@ class ClusterSpec:
             if hints[f.name] == float | None and value is not None:
                 _issue(issues, isinstance(value, int | float) and value > 0 and math.isfinite(value), f"{p}.{f.name}",
                        value, "must be positive and finite.", f"set a positive figure, or null for {p}.{f.name}.")
+        unknown = [v for v in self.number_formats or () if v not in self.NUMBER_FORMATS]
+        _issue(issues, not unknown, f"{p}.number_formats", self.number_formats,
+               f"lists {', '.join(map(repr, unknown))}, not a number format the planner knows.",
+               f"list some of {', '.join(self.NUMBER_FORMATS)}, or null.")
         if issues:
             raise ConfigError(issues)
         gpus, domain = self.gpus_per_node, self.nvlink_domain_size
@@ -862,14 +886,8 @@ class ParallelSpec:
         dims = self.order.split("-")
         _issue(issues, sorted(dims) == sorted(["tp", "cp", "ep", "dp", "pp"]), f"{p}.order", self.order,
                "must name tp, cp, ep, dp and pp once each, separated by '-'.", "use the default tp-cp-ep-dp-pp.")
-        if self.sp and self.tp == 1:
-            issues.append(ConfigIssue(key=f"{p}.sp", value=True, problem="sequence parallelism needs parallel.tp > 1.",
-                                      fix="set parallel.sp=false or parallel.tp to 2 or more."))
-        if self.overlap_param_gather and not self.distributed_optimizer:
-            issues.append(ConfigIssue(key=f"{p}.overlap_param_gather", value=True,
-                                      problem="overlapping the parameter all-gather needs the distributed optimizer.",
-                                      fix="set parallel.distributed_optimizer=true or parallel.overlap_param_gather"
-                                          "=false."))
+        issues += rule_issues(tensor_rules.sequence_parallel_needs_tp(self.sp, self.tp))
+        issues += rule_issues(batch_rules.param_gather_overlap(self.overlap_param_gather, self.distributed_optimizer))
         if self.recompute_modules is not None:
             try:
                 modules = recompute_modules(self.recompute_modules)
@@ -881,22 +899,10 @@ class ParallelSpec:
                                               "parallel.recompute_modules=moe_act+layernorm, or null."))
             else:
                 object.__setattr__(self, "recompute_modules", RECOMPUTE_SEPARATOR.join(m.value for m in modules))
-            if self.recompute is not Recompute.selective:
-                issues.append(ConfigIssue(key=f"{p}.recompute_modules", value=self.recompute_modules,
-                                          problem="the submodules to recompute are a choice of selective "
-                                                  f"recomputation; parallel.recompute is {self.recompute.value}.",
-                                          fix="set parallel.recompute=selective, or parallel.recompute_modules=null."))
-        if self.recompute_method is RecomputeMethod.block and self.recompute is not Recompute.full:
-            issues.append(ConfigIssue(key=f"{p}.recompute_method", value=self.recompute_method.value,
-                                      problem="the block method chooses which layers full recomputation covers; it "
-                                              f"needs parallel.recompute=full (got {self.recompute.value}).",
-                                      fix="set parallel.recompute=full or parallel.recompute_method=uniform."))
+        issues += rule_issues(recompute_rules.settings(recompute=self.recompute.value, modules=self.recompute_modules,
+                                                       method=self.recompute_method.value))
         if self.mlp is MlpPartition.primepar:
-            if primepar_grid_side(self.tp) is None:
-                issues.append(ConfigIssue(key=f"{p}.mlp", value=self.mlp.value,
-                                          problem=f"PrimePar's P_{{2^k x 2^k}} needs a square grid of 4^k ranks as the "
-                                                  f"tensor-parallel group; parallel.tp={self.tp} is not 4, 16, 64, ...",
-                                          fix="set parallel.tp to 4 or 16, or parallel.mlp=megatron."))
+            issues += rule_issues(tensor_rules.primepar_grid(self.tp))
         if self.primepar_layers is not None and self.mlp is not MlpPartition.primepar:
             issues.append(ConfigIssue(key=f"{p}.primepar_layers", value=self.primepar_layers,
                                       problem="it counts the layers of each pipeline chunk that run PrimePar's MLP; "
@@ -908,47 +914,17 @@ class ParallelSpec:
                                               "block recomputation (parallel.recompute_method=block).",
                                       fix="set parallel.primepar_layers=null (every layer PrimePar) or "
                                           "parallel.recompute_method=uniform."))
-        accounted = [name for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
-                     if getattr(self, name)] if (self.account_for_embedding_in_pipeline_split
-                                                 or self.account_for_loss_in_pipeline_split) else []
-        if accounted and (self.first_stage_layers is not None or self.last_stage_layers is not None):
-            issues.append(ConfigIssue(key=f"{p}.{accounted[0]}", value=True,
-                                      problem="Megatron-Core does not count the embedding or loss in the split "
-                                              "together with a first/last stage layer count of its own.",
-                                      fix="set parallel.first_stage_layers=null and parallel.last_stage_layers=null, "
-                                          f"or parallel.{accounted[0]}=false."))
-        if accounted and self.pp == 1:
-            issues.append(ConfigIssue(key=f"{p}.{accounted[0]}", value=True,
-                                      problem="counting the embedding or loss as a layer splits pipeline stages; "
-                                              "parallel.pp=1 has one.", fix="set parallel.pp to 2 or more."))
+        counted = [name for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+                   if getattr(self, name)]
+        issues += rule_issues(pipeline_rules.counted_in_split(counted=counted, first=self.first_stage_layers,
+                                                              last=self.last_stage_layers, pp=self.pp))
         if self.pipeline_model_parallel_layout is not None:
             issues += self._layout_issues()
-        if self.vpp is not None and self.vpp > 1 and self.pp == 1:
-            issues.append(ConfigIssue(key=f"{p}.vpp", value=self.vpp,
-                                      problem="virtual pipeline stages need parallel.pp > 1.",
-                                      fix="set parallel.vpp=null or parallel.pp to 2 or more."))
-        if self.tp_comm_overlap and not self.sp:
-            issues.append(ConfigIssue(key=f"{p}.tp_comm_overlap", value=True,
-                                      problem="Transformer Engine overlaps TP communication only under sequence "
-                                              "parallelism.", fix="set parallel.sp=true (with parallel.tp > 1), or "
-                                                                  "parallel.tp_comm_overlap=false."))
-        if self.moe_a2a_overlap:
-            if self.moe_shared_expert_overlap:
-                issues.append(ConfigIssue(key=f"{p}.moe_shared_expert_overlap", value=True,
-                                          problem="Megatron-Core does not overlap the shared expert when the expert "
-                                                  "all-to-all overlaps another micro-batch (parallel.moe_a2a_overlap).",
-                                          fix="set one of parallel.moe_shared_expert_overlap / "
-                                              "parallel.moe_a2a_overlap to false."))
-            if self.recompute is Recompute.full:
-                issues.append(ConfigIssue(key=f"{p}.moe_a2a_overlap", value=True,
-                                          problem="the combined 1F1B schedule does not run with full recomputation.",
-                                          fix="set parallel.recompute to none or selective, or "
-                                              "parallel.moe_a2a_overlap=false."))
-            if self.pp > 1 and (self.vpp or 1) == 1:
-                issues.append(ConfigIssue(key=f"{p}.moe_a2a_overlap", value=True,
-                                          problem="with pipeline parallelism, Megatron-Core overlaps the expert "
-                                                  "all-to-all only under the interleaved schedule.",
-                                          fix="set parallel.vpp to 2 or more, or parallel.moe_a2a_overlap=false."))
+        issues += rule_issues(pipeline_rules.interleave_needs_pp(self.vpp or 1, self.pp))
+        issues += rule_issues(tensor_rules.tp_overlap_needs_sp(self.tp_comm_overlap, self.sp))
+        issues += rule_issues(moe_rules.a2a_overlap_schedule(
+            a2a_overlap=self.moe_a2a_overlap, shared_overlap=self.moe_shared_expert_overlap,
+            full_recompute=self.recompute is Recompute.full, pp=self.pp, vpp=self.vpp or 1))
         if issues:
             raise ConfigError(issues)
 

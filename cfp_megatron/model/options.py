@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from cfp_megatron.base.config import AttentionKind, MlpPartition, ModelSpec, primepar_grid_side
-from cfp_megatron.base.parallel_dims import primepar_misfits
+from cfp_megatron.base.config import AttentionKind, MlpPartition, ModelSpec
+from cfp_megatron.base.layout_rules import moe, sequence, tensor
+from cfp_megatron.base.layout_rules.problem import Problem, briefs
 
 
 class LayerPart(enum.Enum):
@@ -61,7 +62,8 @@ class PartitionOption:
     modules: frozenset[str]
     """Leaf module names a block must hold for the analysis to verify the option (empty: not analysable)."""
     checks: Callable[[ModelSpec, int, SizeContext], list[str]]
-    """Reasons a size (of ``knob``) does not fit the model (empty: it fits)."""
+    """Reasons a size (of ``knob``) does not fit the model (empty: it fits): the briefs of the layout rules
+    (:mod:`cfp_megatron.base.layout_rules`) the part follows."""
 
     def reasons(self, model: ModelSpec, size: int, context: SizeContext) -> list[str]:
         """Why ``size`` does not fit ``model`` under this option (empty: it does). A default partition fits a size of
@@ -69,28 +71,21 @@ class PartitionOption:
         return self.checks(model, size, context) if size > 1 or self.choice is not None else []
 
 
-def _divides(what: str, value: int | None) -> Callable[[ModelSpec, int, SizeContext], list[str]]:
+def _rule(rule: Callable[[int], list[Problem]]) -> Callable[[ModelSpec, int, SizeContext], list[str]]:
+    """An option's check from a layout rule of the size alone (:mod:`cfp_megatron.base.layout_rules`)."""
     def check(model: ModelSpec, size: int, context: SizeContext) -> list[str]:
-        return [f"{what.format(value=value)} not divisible by it"] if value is not None and value % size else []
-    return check
-
-
-def _all(*checks: Callable[[ModelSpec, int, SizeContext], list[str]]) -> Callable[[ModelSpec, int, SizeContext],
-                                                                                    list[str]]:
-    def check(model: ModelSpec, size: int, context: SizeContext) -> list[str]:
-        return [why for c in checks for why in c(model, size, context)]
+        return briefs(rule(size))
     return check
 
 
 def _context_chunks(model: ModelSpec, size: int, context: SizeContext) -> list[str]:
-    seq = context.seq_length
-    return [f"the sequence {seq} does not split into 2 x {size} chunks"] if seq % (2 * size) else []
+    return briefs(sequence.context_chunks(context.seq_length, size))
 
 
 def _primepar_grid(model: ModelSpec, size: int, context: SizeContext) -> list[str]:
-    if primepar_grid_side(size) is None:
-        return [f"PrimePar's grid needs 4^k ranks, not {size}"]
-    return [problem for problem, _ in primepar_misfits(model, size, context.micro_batch * context.seq_length)]
+    return briefs(tensor.primepar_grid(size) or tensor.primepar_sizes(
+        model=model.name, moe=model.is_moe, hidden=model.hidden_size, ffn=model.ffn_size,
+        tokens=context.micro_batch * context.seq_length, tp=size))
 
 
 def model_options(model: ModelSpec) -> tuple[PartitionOption, ...]:
@@ -101,17 +96,16 @@ def model_options(model: ModelSpec) -> tuple[PartitionOption, ...]:
         block="tokens R -> hidden P, word_embeddings S(0)",
         communication="all-reduce of the hidden states forward (reduce-scatter under SP)",
         modules=frozenset(),  # the analysis' Megatron TP test keeps the embedding replicated: not checked there
-        checks=_divides(f"the padded vocabulary {vocab} is", vocab))]
-    heads = [_divides(f"{model.num_attention_heads} attention heads are", model.num_attention_heads)]
-    if model.attention is AttentionKind.standard:
-        heads.append(_divides(f"{model.query_groups} key/value heads are", model.query_groups))
+        checks=_rule(lambda tp: tensor.vocabulary(vocab, tp)))]
+    groups = model.query_groups if model.attention is AttentionKind.standard else None
     options.append(PartitionOption(
         part=LayerPart.attention, name="head-split", knob="tp", choice=None,
         block="hidden R -> hidden P, linear_qkv S(0), linear_proj S(1)",
         communication="all-reduce of the output forward and of the input gradient backward (under SP: all-gather "
                       "in, reduce-scatter out)",
         modules=frozenset({"linear_qkv", "linear_proj"}) if model.attention is AttentionKind.standard
-        else frozenset({"linear_proj"}), checks=_all(*heads)))
+        else frozenset({"linear_proj"}),
+        checks=_rule(lambda tp: tensor.attention_heads(model.num_attention_heads, groups, tp))))
     if model.attention is AttentionKind.standard:  # Megatron-Core's MLA has no context parallelism
         options.append(PartitionOption(
             part=LayerPart.attention, name="context-split", knob="cp", choice=None,
@@ -126,7 +120,7 @@ def model_options(model: ModelSpec) -> tuple[PartitionOption, ...]:
             communication="all-reduce of the output forward and of the input gradient backward (under SP: "
                           "all-gather in, reduce-scatter out)",
             modules=frozenset({"linear_fc1", "linear_fc2"}),
-            checks=_divides(f"the FFN size {model.ffn_size} is", model.ffn_size)))
+            checks=_rule(lambda tp: tensor.dense_mlp(model.ffn_size, tp))))
     if not model.is_moe:
         options.append(PartitionOption(
             part=LayerPart.mlp, name="primepar-2d", knob="tp", choice=("mlp", MlpPartition.primepar.value),
@@ -142,19 +136,19 @@ def model_options(model: ModelSpec) -> tuple[PartitionOption, ...]:
                             communication="token dispatch and combine (all-to-all, or all-gather) forward and "
                                           "backward",
                             modules=frozenset(),
-                            checks=_divides(f"model.num_experts={model.num_experts} is", model.num_experts or 1)),
+                            checks=_rule(lambda ep: moe.experts(model.num_experts, ep))),
             PartitionOption(part=LayerPart.moe, name="expert-tensor-split", knob="etp", choice=None,
                             block="each expert's fc1 S(0), fc2 S(1)",
                             communication="all-reduce (reduce-scatter) of each expert's output over the expert TP "
                                           "group",
                             modules=frozenset(),
-                            checks=_divides(f"the expert FFN size {expert_ffn} is", expert_ffn))]
+                            checks=_rule(lambda etp: moe.expert_ffn(expert_ffn, etp)))]
     options.append(PartitionOption(
         part=LayerPart.head, name="vocab-split", knob="tp", choice=None,
         block="hidden R -> logits S(vocab), output_layer S(0)",
         communication="the cross-entropy's max and sum all-reduced over the vocabulary shards",
         modules=frozenset({"output_layer"}),
-        checks=_divides(f"the padded vocabulary {vocab} is", vocab)))
+        checks=_rule(lambda tp: tensor.vocabulary(vocab, tp))))
     return tuple(options)
 
 
@@ -164,14 +158,15 @@ def size_reasons(options: Iterable[PartitionOption], knob: str, model: ModelSpec
     once each; a size above 1 of a knob no part splits by is refused with why."""
     defaults = [o for o in options if o.knob == knob and o.choice is None]
     if size > 1 and not defaults:
-        return [_UNSPLIT.get((knob, model.attention), f"no part of model {model.name} splits over {knob}")]
+        rule = _UNSPLIT.get((knob, model.attention))
+        return briefs(rule(size)) if rule else [f"no part of model {model.name} splits over {knob}"]
     return list(dict.fromkeys(why for option in defaults for why in option.reasons(model, size, context)))
 
 
-_UNSPLIT: dict[tuple[str, AttentionKind], str] = {
-    ("cp", AttentionKind.mla): "multi-latent attention does not support context parallelism",
+_UNSPLIT: dict[tuple[str, AttentionKind], Callable[[int], list[Problem]]] = {
+    ("cp", AttentionKind.mla): lambda cp: sequence.context_attention(True, cp),
 }
-"""Why a knob splits nothing, where a layer kind is known to lack it."""
+"""The rule that says why a knob splits nothing, where a layer kind is known to lack it."""
 
 
 def choice_fits(options: Iterable[PartitionOption], field: str, value: str, model: ModelSpec, size: int,

@@ -42,8 +42,10 @@ from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.files import DuplicateKeyError, NotRegularFileError, json_loads_unique, open_regular, write_new
 from cfp_megatron.base.jsonio import json_plain
 from cfp_megatron.base.parallel_dims import data_parallel_size
+from cfp_megatron.plan.backend_part import BackendPart, DeepSpeedPart, MegatronPart, backend_part
 from cfp_megatron.plan.errors import PlanError
-from cfp_megatron.sim.prediction import GIB, Prediction, exposed_comm_s, mfu
+from cfp_megatron.sim.prediction import GIB, Prediction, mfu
+from cfp_megatron.sim.terms import exposed_comm_s
 from cfp_megatron.sim.uncertainty import ErrorBand
 
 SCHEMA_VERSION = 2
@@ -183,10 +185,9 @@ class Plan:
     """Tokens per sequence."""
     precision: str
     """The TrainSpec precision value (``auto``, ``fp32``, ``bf16`` or ``fp16``)."""
-    backend: BackendKind = BackendKind.megatron
-    """The engine that trains the plan."""
-    zero: ZeroSpec | None = None
-    """With ``backend=deepspeed``: the ZeRO options (``None`` for Megatron plans)."""
+    backend_part: BackendPart = MegatronPart()
+    """What only the plan's backend has (:mod:`cfp_megatron.plan.backend_part`): nothing for Megatron-Core, the ZeRO
+    options for DeepSpeed."""
     predicted: PlanPrediction | None = None
     """The simulator's prediction; ``None`` for a plan parsed from its canonical string or not simulated."""
     inputs_fingerprint: str = ""
@@ -254,11 +255,12 @@ class Plan:
     def _backend_problems(self) -> list[str]:
         """What the backend asks of the other fields: a DeepSpeed plan is data parallel over every rank, with ZeRO
         options, its sharded optimizer from stage 1 and activation checkpointing as full recomputation."""
-        if not isinstance(self.backend, BackendKind):
-            return [f"backend={self.backend!r} must be one of {[b.value for b in BackendKind]}."]
-        if self.backend is BackendKind.megatron:
-            return [] if self.zero is None else ["a Megatron plan has no ZeRO options (zero must be None)."]
-        if not isinstance(self.zero, ZeroSpec):
+        part = self.backend_part
+        if not isinstance(part, MegatronPart | DeepSpeedPart):
+            return [f"backend_part must be a MegatronPart or a DeepSpeedPart, not {type(part).__name__}."]
+        if isinstance(part, MegatronPart):
+            return []
+        if not isinstance(part.zero, ZeroSpec):
             return ["a DeepSpeed plan needs its ZeRO options (zero)."]
         p, out = self.parallel, []
         if not isinstance(p, ParallelSpec):
@@ -274,6 +276,16 @@ class Plan:
         return out
 
     # ---------------------------------------------------------------------------------------------------- derived
+
+    @property
+    def backend(self) -> BackendKind:
+        """The engine that trains the plan."""
+        return self.backend_part.kind
+
+    @property
+    def zero(self) -> ZeroSpec | None:
+        """With ``backend=deepspeed``: the ZeRO options (``None`` for Megatron plans)."""
+        return self.backend_part.zero
 
     @property
     def world_size(self) -> int:
@@ -378,8 +390,8 @@ class Plan:
                                 distributed_optimizer=zero.stage >= 1)
         return cls(model=job.model.name, cluster=job.cluster.name, nodes=nodes, gpus_per_node=world // nodes,
                    parallel=parallel, micro_batch_size=micro_batch, global_batch_size=job.train.global_batch_size,
-                   seq_length=job.train.seq_length, precision=precision.value, backend=BackendKind.deepspeed,
-                   zero=zero, predicted=predicted, job_inputs=job_inputs(job))
+                   seq_length=job.train.seq_length, precision=precision.value, backend_part=DeepSpeedPart(zero=zero),
+                   predicted=predicted, job_inputs=job_inputs(job))
 
     def apply(self, job: JobSpec) -> JobSpec:
         """``job`` with this plan's parallel spec, micro and global batch, sequence length and precision (a plan's
@@ -483,8 +495,8 @@ class Plan:
             raise PlanError(f"the plan string's layout is invalid: {err}") from err
         plan = cls(model=model, cluster=cluster, nodes=nodes, gpus_per_node=gpus, parallel=parallel,
                    micro_batch_size=ints["mb"], global_batch_size=ints["gbs"], seq_length=ints["seq"],
-                   precision=values[_PRECISION_KEY], backend=BackendKind.deepspeed if deepspeed
-                   else BackendKind.megatron, zero=zero)
+                   precision=values[_PRECISION_KEY],
+                   backend_part=DeepSpeedPart(zero=zero) if zero is not None else MegatronPart())
         if ints["dp"] != plan.dp:
             raise PlanError(f"plan string says dp={ints['dp']} but world / (tp x cp x pp) = {plan.world_size} / "
                             f"{plan.parallel.tp * plan.parallel.cp * plan.parallel.pp} = {plan.dp}.",
@@ -565,6 +577,7 @@ class Plan:
         try:
             backend = BackendKind(d.get("backend", BackendKind.megatron.value))
             zero = None if d.get("zero") is None else build_spec(ZeroSpec, d["zero"])
+            part = backend_part(backend, zero)
         except (ConfigError, TypeError, ValueError) as err:
             raise PlanError(f"plan.json's backend or ZeRO options are invalid: {err}",
                             fix="re-plan to write a fresh plan.json.") from err
@@ -572,7 +585,7 @@ class Plan:
         plan = cls(schema_version=version, model=d["model"], cluster=d["cluster"], nodes=d["nodes"],
                    gpus_per_node=d["gpus_per_node"], parallel=parallel, micro_batch_size=d["micro_batch_size"],
                    global_batch_size=d["global_batch_size"], seq_length=d["seq_length"], precision=d["precision"],
-                   backend=backend, zero=zero,
+                   backend_part=part,
                    predicted=None if prediction is None else PlanPrediction.from_json(prediction),
                    inputs_fingerprint=d.get("inputs_fingerprint", ""),
                    requires=tuple(str(r) for r in d.get("requires") or ()),
@@ -770,7 +783,7 @@ def _legacy_deepspeed(model: str, cluster: str, nodes: int, gpus: int, fields: d
                             distributed_optimizer=zero.stage >= 1)
     plan = Plan(model=model, cluster=cluster, nodes=nodes, gpus_per_node=gpus, parallel=parallel,
                 micro_batch_size=ints["mb"], global_batch_size=ints["gbs"], seq_length=ints["seq"],
-                precision=fields["prec"], backend=BackendKind.deepspeed, zero=zero)
+                precision=fields["prec"], backend_part=DeepSpeedPart(zero=zero))
     if plan.dp != ints["dp"] or plan.num_microbatches != ints["ga"]:
         raise PlanError(f"dp={ints['dp']} and ga={ints['ga']} do not follow from the string's sizes "
                         f"(dp={plan.dp}, ga={plan.num_microbatches}).", fix="re-plan, or correct the string.",

@@ -31,6 +31,7 @@ from cfp_megatron.profile.records import STEP_TOLERANCE, PlanCheckRecord
 from cfp_megatron.sim.options import options_here
 from cfp_megatron.sim.prediction import Prediction
 from cfp_megatron.sim.simulate import simulate
+from cfp_megatron.sim.terms import TERMS
 
 TOLERANCE = STEP_TOLERANCE
 """Relative difference between measured and predicted beyond which a run warns."""
@@ -76,14 +77,15 @@ simulation's breakdown is drawn as the plan's (the profile may have changed sinc
 
 
 def breakdown(prediction: Prediction) -> tuple[tuple[tuple[str, float], ...], tuple[tuple[str, float], ...]]:
-    """A prediction's step time by part (seconds: forward, backward with recompute, per-layer overhead, exposed
-    TP/CP/EP/FSDP communication, pipeline bubble, DP sync, optimizer; they add up to the step time) and peak memory
-    by part (bytes), the parts that are not zero."""
+    """A prediction's step time by part (seconds: the cost terms' lanes added up by their
+    :attr:`~cfp_megatron.sim.terms.Lane.part` -- forward, backward with recompute, per-layer overhead, exposed
+    TP/CP/EP/FSDP communication, pipeline bubble, DP sync, optimizer, ...; they add up to the step time) and peak
+    memory by part (bytes), the parts that are not zero."""
     t, m = prediction.time, prediction.memory
-    time_parts = (("forward", t.forward_compute_s), ("backward", t.backward_compute_s + t.recompute_s),
-                  ("per-layer overhead", t.overhead_s),
-                  ("TP/CP/EP/FSDP comm", t.tp_comm_s + t.cp_comm_s + t.ep_comm_s + t.fsdp_comm_s),
-                  ("pipeline bubble", t.pp_bubble_s), ("DP sync", t.dp_comm_s), ("optimizer", t.optimizer_s))
+    parts: dict[str, float] = {}
+    for lane in TERMS.lanes():
+        parts[lane.part] = parts.get(lane.part, 0.0) + t.seconds(lane.name)
+    time_parts = tuple(parts.items())
     memory_parts = (("parameters", m.parameters), ("gradients", m.gradients), ("optimizer states", m.optimizer_states),
                     ("activations", m.activations), ("comm buffers", m.comm_buffers))
     return (tuple((n, v) for n, v in time_parts if v > 0), tuple((n, v) for n, v in memory_parts if v > 0))

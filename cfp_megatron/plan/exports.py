@@ -28,6 +28,7 @@ from typing import Any
 from cfp_megatron.base.config import MlpPartition, ParallelSpec, Precision, Recompute, layout_keys, recompute_modules
 from cfp_megatron.base.files import write_atomic
 from cfp_megatron.plan.artifact import PLAN_FILE_SETTING, Plan
+from cfp_megatron.plan.backend_part import DeepSpeedPart
 from cfp_megatron.plan.errors import PlanError
 
 RDZV_PORT = 29500
@@ -58,7 +59,7 @@ def megatron_lm_args(plan: Plan, *, num_layers: int | None = None) -> list[str]:
     tp-cp-ep-dp-pp / tp-cp-ep-pp-dp, layers that do not split evenly).
     """
     p = plan.parallel
-    if plan.zero is not None:
+    if isinstance(plan.backend_part, DeepSpeedPart):
         raise PlanError(f"the plan is a {plan.backend.value} plan ({plan.describe()}); Megatron-LM's arguments do "
                         "not configure DeepSpeed's ZeRO.", fix="use its DeepSpeed config (deepspeed_config) and "
                         "torchrun command instead.", setting="backend")
@@ -194,7 +195,7 @@ def deepspeed_config(plan: Plan, *, gradient_clipping: float = 1.0) -> dict[str,
 def _zero_section(plan: Plan) -> dict[str, Any]:
     """``zero_optimization``: the stage, and for a DeepSpeed plan its buckets, overlap and offload devices."""
     stage = plan.zero_stage
-    if plan.zero is None:
+    if not isinstance(plan.backend_part, DeepSpeedPart):
         return {"stage": stage}
     bucket = plan.bucket_elements
     zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
@@ -231,7 +232,7 @@ def hydra_overrides(plan: Plan) -> list[str]:
     sequence length and precision."""
     overrides = [f"model={plan.model}", f"cluster={plan.cluster}", f"cluster.nodes={plan.nodes}",
                  f"cluster.gpus_per_node={plan.gpus_per_node}"]
-    if plan.zero is not None:  # DeepSpeed trains data parallel: its knobs are the backend group's
+    if isinstance(plan.backend_part, DeepSpeedPart):  # data parallel: its knobs are the backend group's
         overrides += [f"backend={plan.backend.value}", f"backend.zero_stage={plan.zero_stage}",
                       f"backend.activation_checkpointing={_hydra_value(plan.activation_checkpointing)}",
                       f"backend.offload_optimizer={_hydra_value(plan.offload_optimizer)}",

@@ -1,46 +1,26 @@
-"""``launch/train.py backend=deepspeed``: from the composed config to a DeepSpeed run.
-
-Everything is checked before any process group exists: the layout (DeepSpeed's data parallelism spans every rank, so
-``parallel`` must have no model parallelism), the ``backend`` knobs, the batch against the world size. Then the plan:
-
-- ``+cfp=auto``: every rank takes part in the profiling rounds (the same ProfileDB as the Megatron backend), rank 0
-  searches the ZeRO space (:func:`cfp_megatron.backends.deepspeed.search.search_zero`) and broadcasts the plan, and
-  every rank checks its canonical string and hash;
-- ``+cfp=manual cfp.plan=...`` (or ``cfp.plan_file=plan.json``): that plan (an earlier run's ``zero_plan.json``
-  or DeepSpeed plan string is read too);
-- no ``cfp`` group: the ``backend`` knobs as given (unset ones take DeepSpeed's defaults: stage 0, no checkpointing,
-  no offload) with ``train.micro_batch_size``.
-
-Rank 0 writes ``ds_config.json`` and ``plan.json`` into the run directory (never over a different file), and
-every rank trains with that config.
+"""What the DeepSpeed backend checks of a launch (``launch/train.py backend=deepspeed``) before any process group
+exists: the layout (DeepSpeed's data parallelism spans every rank, so ``parallel`` and the ``cfp`` pins must have no
+model parallelism), its checkpoint folder, and the plan of the ``backend`` knobs as given (unset ones take
+DeepSpeed's defaults: stage 0, no checkpointing, no offload) with ``train.micro_batch_size``. The launch itself is
+the one pipeline of both backends (:mod:`cfp_megatron.planner.entry`) with DeepSpeed's hooks
+(:mod:`cfp_megatron.planner.deepspeed_launch`): ``+cfp=auto`` profiles, probes the engine and searches the ZeRO
+space; ``+cfp=manual cfp.plan=...`` (or ``cfp.plan_file=plan.json``) applies that plan (an earlier run's
+``zero_plan.json`` or DeepSpeed plan string is read too); rank 0 writes ``ds_config.json`` and ``plan.json`` into
+the run directory (never over a different file).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
-from cfp_megatron.backends.deepspeed.backend import DeepSpeedBackend
-from cfp_megatron.backends.deepspeed.zero_plan import ds_config, write_json_file, zero_plan
+from cfp_megatron.backends.deepspeed.zero_plan import zero_plan
 from cfp_megatron.base.backend_spec import BackendSpec
-from cfp_megatron.base.cfp_spec import CfpMode, CfpSpec, cfp_from_config
-from cfp_megatron.base.config import JobSpec, ParallelSpec, job_from_config, resolve_precision
+from cfp_megatron.base.cfp_spec import CfpMode, CfpSpec
+from cfp_megatron.base.config import JobSpec, ParallelSpec, resolve_precision
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
-from cfp_megatron.base.files import check_write_locations
-from cfp_megatron.base.launch_env import LaunchEnv
-from cfp_megatron.engine import checkpoint_lock
-from cfp_megatron.plan import Plan, PlanError, load_plan
-from cfp_megatron.planner.deepspeed_launch import planned
-from cfp_megatron.planner.deepspeed_memory import check_zero_plan_fits, check_zero_search_fits
-from cfp_megatron.planner.job_checks import hydra_run_dir, validate_rest
-from cfp_megatron.planner.launch_plan import write_locations
-from cfp_megatron.planner.memory_fit import check_training_machine
-from cfp_megatron.planner.plan_inputs import check_plan_applies
+from cfp_megatron.plan import Plan, PlanError
 
 _MODEL_PARALLEL = ("tp", "pp", "cp", "ep")
 
@@ -93,86 +73,20 @@ def _plan_or_config_error(build: Any, key: str) -> Plan:
                                       fix="give the plan.json a DeepSpeed launch wrote.")) from None
 
 
-def train_from_config(cfg: Any, backend: BackendSpec) -> list:
-    """Validate, plan (see the module docstring), write ds_config.json, train; rank 0's step metrics."""
-
-    import torch
-
-    from cfp_megatron.compat.cpu import install_if_needed
-    from cfp_megatron.engine.checkpoint import nothing_left
-
-    env = LaunchEnv.read()
-    job = job_from_config(cfg)
-    cfp = cfp_from_config(cfg)
-    check_layout(job, cfp)
-    validate_rest(job)
-    check_training_machine(job)  # a GPU preset on a machine without a GPU
-    on_gpu = torch.cuda.is_available()
-    if cfp.mode is CfpMode.auto:  # no ZeRO plan fits this machine's memory: refused before profiling
-        check_zero_search_fits(job, env.world_size, cfp, backend, on_gpu=on_gpu)
-    run_dir = hydra_run_dir()
-    say = checkpoint_lock.note_printer(env.rank)
-    resume = _check_checkpoint_dir(job, restarted=env.restart_count > 0, note=say)
-    ckpt = job.train.checkpoint_dir
-    if resume is not None and ckpt is not None and resume >= job.train.steps:
-        say(nothing_left(ckpt, resume, job.train.steps))
-        if env.rank == 0:
-            checkpoint_lock.release(ckpt, checkpoint_lock.held_token(ckpt))
-        return []
-    check_write_locations(write_locations(job, cfp, run_dir))  # before profiling, training and the first save
-    lock = checkpoint_lock.acquire(ckpt) if ckpt is not None and env.rank == 0 else None
-    console = Console(highlight=False, soft_wrap=True) if env.rank == 0 else None
-    install_if_needed()
-    check = None
-    if cfp.mode is CfpMode.auto:
-        plan, check = planned(job, cfp, backend, env, console, on_gpu=on_gpu)
-    elif cfp.mode is CfpMode.manual and (cfp.plan or cfp.plan_file):
-        plan = _plan_or_config_error(
-            (lambda: Plan.parse(cfp.plan)) if cfp.plan else
-            (lambda: load_plan(str(cfp.plan_file))),
-            "cfp.plan" if cfp.plan else "cfp.plan_file")
-        check_plan_applies(plan, job, cfp=cfp, console=console,  # the model, cluster and typed settings it fits
-                           source="the plan of cfp.plan" if cfp.plan else f"the plan of cfp.plan_file={cfp.plan_file}")
-    else:
-        plan = manual_plan(job, backend, env.world_size, on_gpu=on_gpu)
-    if plan.dp != env.world_size:
-        raise ConfigError(ConfigIssue(key="cfp.plan", value=plan.canonical(),
-                                      problem=f"the plan is for {plan.dp} ranks but {env.world_size} were started.",
-                                      fix=f"start {plan.dp} ranks, or plan again (+cfp=auto)."))
-    if cfp.mode is not CfpMode.auto:  # a plan by hand, against this machine's memory
-        check_zero_plan_fits(job, plan, env.world_size)
-    job = dataclasses.replace(job, train=dataclasses.replace(job.train, micro_batch_size=plan.micro_batch_size))
-    config = ds_config(plan, job, base=backend.base_config())
-    folder = run_dir or Path("outputs")
-    if env.rank == 0:
-        written = write_json_file(config, folder / "ds_config.json")
-        write_json_file(plan.to_json(), folder / "plan.json")
-        if console is not None:
-            console.print(f"cfp: DeepSpeed plan {plan.describe()} ({plan.canonical()}); config {written}",
-                          markup=False)
-
-    metrics = job.train.metrics_file
-    metrics_path = Path(metrics) if metrics else (run_dir / "metrics.jsonl" if run_dir is not None else None)
-    history = DeepSpeedBackend(config=config).train(job, plan, env, backend, metrics_path=metrics_path, check=check,
-                                                    resume=resume)
-    if lock is not None:
-        checkpoint_lock.release(ckpt, lock.token)  # a successful run gives the folder back
-    return history
-
-
-def _check_checkpoint_dir(job: JobSpec, *, restarted: bool, note: Callable[[str], None]) -> int | None:
-    """The step to resume from, as the Megatron backend decides it (:func:`.checkpoint.check_before_start`):
-    another live job's folder is refused (:mod:`.checkpoint_lock`); ``train.resume`` needs a checkpoint there (the
-    pointer's, or the newest step folder that verifies); a folder holding one is refused rather than written over
-    unless torchrun restarted this job (``restarted``: its own checkpoints); the checkpoint is verified and its model
-    compared with this run's; no step folder the run would save into may exist unless this job wrote it."""
+def check_checkpoint_dir(job: JobSpec, *, restarted: bool, writer: str | None,
+                         note: Callable[[str], None]) -> int | None:
+    """The step to resume from, as the Megatron backend decides it (:func:`.checkpoint.check_before_start`; the
+    folder's lock is checked before, ``writer`` its token where this job holds it): ``train.resume`` needs a
+    checkpoint there (the pointer's, or the newest step folder that verifies); a folder holding one is refused rather
+    than written over unless torchrun restarted this job (``restarted``: its own checkpoints); the checkpoint is
+    verified and its model compared with this run's; no step folder the run would save into may exist unless this
+    job wrote it."""
     from cfp_megatron.backends.deepspeed import checkpoint as ds_checkpoint  # torch: a launch only
 
     t = job.train
     if t.checkpoint_dir is None and t.resume:
         raise ConfigError(ConfigIssue(key="train.resume", value=True, problem="there is no train.checkpoint_dir.",
                                       fix="set train.checkpoint_dir, or train.resume=false."))
-    writer = checkpoint_lock.check(t.checkpoint_dir, note=note)
     return ds_checkpoint.check_before_start(t.checkpoint_dir, resume=t.resume, restarted=restarted,
                                             trust_unverified=t.trust_unverified_checkpoint, steps=t.steps,
                                             save_interval=t.save_interval, model=job.model, writer=writer,

@@ -1,5 +1,7 @@
-"""``backend=deepspeed +cfp=auto``: profile with every rank, search the DeepSpeed space on rank 0, broadcast the plan,
-check it on every rank. The profiling rounds are the Megatron backend's (collectives, GEMMs, segments under each
+"""What the DeepSpeed backend adds to the one launch pipeline (:class:`DeepSpeedLaunch`, the
+:class:`~cfp_megatron.backends.protocol.LaunchHooks` of ``backend=deepspeed``): no model parallelism, its checkpoint
+folder, the plan of the ``backend`` knobs, its memory checks, the engine probes after profiling, the ZeRO search
+and ``ds_config.json``. The profiling rounds are the Megatron backend's (collectives, GEMMs, segments under each
 partition and micro-batch, overheads) and share its ProfileDB, so a cluster profiled once serves both backends."""
 
 from __future__ import annotations
@@ -7,56 +9,119 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cfp_megatron.backends.deepspeed.backend import DeepSpeedBackend
 from cfp_megatron.backends.deepspeed.engine_probe import load_probes, probe_path, run_probes
-from cfp_megatron.base.backend_spec import BackendSpec
+from cfp_megatron.backends.deepspeed.zero_plan import ds_config, write_json_file
+from cfp_megatron.backends.protocol import PlannedSearch
+from cfp_megatron.base.backend_spec import BackendKind, BackendSpec
 from cfp_megatron.base.cfp_spec import CfpSpec
-from cfp_megatron.base.config import JobSpec, ParallelSpec
+from cfp_megatron.base.config import ClusterSpec, JobSpec, ParallelSpec
 from cfp_megatron.base.files import CACHE_KEY, FileWriteError, write_atomic
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import ParallelDims
+from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.plan.check import PlanCheck
-from cfp_megatron.profile.cluster import local_measurements
+from cfp_megatron.planner.deepspeed_entry import check_checkpoint_dir, check_layout, manual_plan
+from cfp_megatron.planner.deepspeed_memory import check_zero_plan_fits, check_zero_search_fits
+from cfp_megatron.planner.job_checks import validate_rest
 from cfp_megatron.profile.fingerprint import model_key
 
 if TYPE_CHECKING:
     from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes
-    from cfp_megatron.plan.check import PlanCheck
 
 
-def planned(job: JobSpec, cfp: CfpSpec, backend: BackendSpec, env: LaunchEnv, console: Any, *,
-            on_gpu: bool) -> tuple[Plan, PlanCheck | None]:
-    """The plan every rank trains with, and the check of its first steps (``cfp.check_after_steps``)."""
+class DeepSpeedLaunch:
+    """The launch hooks of the DeepSpeed backend."""
 
-    from cfp_megatron.engine.distributed import destroy_model_parallel_groups, searched_on_rank0
-    from cfp_megatron.profile.runner import profile_job
+    kind = BackendKind.deepspeed
+    """The backend it launches."""
+    keeps_group = True
+    """DeepSpeed's communication layer keeps the group it first saw (during the probes): it must not be replaced."""
 
-    began = time.perf_counter()
-    outcome = profile_job(job, env, budget_s=cfp.profile_budget_s, keep_group=True)
-    destroy_model_parallel_groups()  # the profiling rounds' last Megatron groups; training makes its own
-    # The default process group stays up for training: DeepSpeed's communication layer keeps the group it first
-    # saw (during the probes), so it must not be replaced.
-    probes = _engine_probes(job, env, outcome.db.fingerprint.key if outcome.db is not None else None, console,
-                            on_gpu=on_gpu)
-    received = searched_on_rank0(
-        lambda: _search_on_rank0(job, cfp, backend, env.world_size, console, probes, on_gpu=on_gpu), outcome, env,
-        console)
-    plan = Plan.from_json(received["plan"])  # checks the canonical string and hash on this rank
-    if console is not None:
-        console.print(f"cfp: planned in {time.perf_counter() - began:.1f} s (profiling {outcome.wall_s:.1f} s)",
-                      markup=False)
-    if plan.predicted is None or cfp.check_after_steps == 0:
-        return plan, None
-    # kept apart from the Megatron backend's checks, which calibrate Megatron plans (ProfileDB.step_time_calibration)
-    check = PlanCheck(plan=plan.canonical(), model_key=f"{model_key(job, on_gpu=on_gpu)}+deepspeed",
-                      after_steps=min(cfp.check_after_steps, job.train.steps),  # a shorter run: its last step
-                      warmup_steps=cfp.check_warmup_steps,
-                      predicted_step_s=plan.predicted.step_time_s, calibration=1.0,
-                      predicted_peak_bytes=None)
-    return plan, check
+    def check_job(self, job: JobSpec, cfp: CfpSpec, world: int, *, planned: bool) -> None:
+        """No model parallelism (:func:`~cfp_megatron.planner.deepspeed_entry.check_layout`), then the rest."""
+        check_layout(job, cfp)
+        validate_rest(job)
+
+    def check_before_start(self, job: JobSpec, *, restarted: bool, writer: str | None,
+                           note: Callable[[str], None]) -> int | None:
+        """DeepSpeed's checkpoint folder (:func:`~cfp_megatron.planner.deepspeed_entry.check_checkpoint_dir`)."""
+        return check_checkpoint_dir(job, restarted=restarted, writer=writer, note=note)
+
+    def resume_pin(self, job: JobSpec, cfp: CfpSpec, start_step: int | None, *, planned: bool) -> bool | None:
+        """Nothing: DeepSpeed resumes under any ZeRO stage."""
+        return None
+
+    def hand_plan(self, job: JobSpec, backend: BackendSpec, world: int, *, on_gpu: bool) -> Plan:
+        """The ``backend`` knobs as given (:func:`~cfp_megatron.planner.deepspeed_entry.manual_plan`)."""
+        return manual_plan(job, backend, world, on_gpu=on_gpu)
+
+    def check_plan_fits(self, job: JobSpec, plan: Plan, world: int) -> None:
+        """The DeepSpeed cost model's memory of its ZeRO stage
+        (:func:`~cfp_megatron.planner.deepspeed_memory.check_zero_plan_fits`)."""
+        check_zero_plan_fits(job, plan, world)
+
+    def search_before_profiling(self, job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *,
+                                given: ClusterSpec, measurements: Measurements | None, on_gpu: bool,
+                                inputs_fingerprint: str) -> PlannedSearch | None:
+        """No ZeRO plan fits: refused (:func:`~cfp_megatron.planner.deepspeed_memory.check_zero_search_fits`). Not
+        reusable: the search after profiling has the engine probes."""
+        check_zero_search_fits(dataclasses.replace(job, cluster=given), world, cfp, backend, on_gpu=on_gpu,
+                               figures=(job.cluster, measurements))
+        return None
+
+    def priority(self, early: PlannedSearch | None) -> Callable[[], tuple[str, ...]] | None:
+        """None: profiling keeps its own order."""
+        return None
+
+    def after_profiling(self, job: JobSpec, env: LaunchEnv, outcome: Any, console: Any, *,
+                        on_gpu: bool) -> DeepSpeedBackend:
+        """The engine probes (stored, else measured now with every rank: :func:`_engine_probes`); the default
+        process group stays up for training."""
+        from cfp_megatron.engine.distributed import destroy_model_parallel_groups
+
+        destroy_model_parallel_groups()  # the profiling rounds' last Megatron groups; training makes its own
+        fingerprint = outcome.db.fingerprint.key if outcome.db is not None else None
+        return DeepSpeedBackend(probes=_engine_probes(job, env, fingerprint, console, on_gpu=on_gpu))
+
+    def show_search(self, found: PlannedSearch, console: Any) -> None:
+        """The ZeRO ranking and what was left out."""
+        found.report(console)
+        console.print(f"cfp: searched {found.searched} DeepSpeed plans in {found.seconds * 1e3:.0f} ms", markup=False)
+
+    def calibration(self, measurements: Measurements | None, plan: Plan) -> float:
+        """1: the plan checks of Megatron plans calibrate Megatron plans only."""
+        return 1.0
+
+    def plan_check(self, job: JobSpec, plan: Plan, cfp: CfpSpec, *, calibration: float, on_gpu: bool,
+                   picture: str | None) -> tuple[JobSpec, PlanCheck | None]:
+        """The step time after ``cfp.check_after_steps``, kept apart from the Megatron backend's checks (its model
+        key ends in ``+deepspeed``)."""
+        if plan.predicted is None or cfp.check_after_steps == 0:
+            return job, None
+        return job, PlanCheck(plan=plan.canonical(), model_key=f"{model_key(job, on_gpu=on_gpu)}+deepspeed",
+                              after_steps=min(cfp.check_after_steps, job.train.steps),  # a shorter run: its last
+                              warmup_steps=cfp.check_warmup_steps,
+                              predicted_step_s=plan.predicted.step_time_s, calibration=1.0,
+                              predicted_peak_bytes=None)
+
+    def trainer(self, job: JobSpec, plan: Plan, env: LaunchEnv, backend: BackendSpec, *, folder: Path,
+                console: Any) -> tuple[JobSpec, DeepSpeedBackend]:
+        """ds_config.json of the plan (``backend.config_file``'s other keys kept) and plan.json, written into the run
+        directory by rank 0 (never over a different file); DeepSpeed's engine with that config."""
+        config = ds_config(plan, job, base=backend.base_config())
+        if env.rank == 0:
+            written = write_json_file(config, folder / "ds_config.json")
+            write_json_file(plan.to_json(), folder / "plan.json")
+            if console is not None:
+                console.print(f"cfp: DeepSpeed plan {plan.describe()} ({plan.canonical()}); config {written}",
+                              markup=False)
+        return job, DeepSpeedBackend(config=config)
 
 
 def _engine_probes(job: JobSpec, env: LaunchEnv, fingerprint: str | None, console: Any, *,
@@ -96,17 +161,3 @@ def _engine_probes(job: JobSpec, env: LaunchEnv, fingerprint: str | None, consol
             console.print(f"cfp: probed the DeepSpeed engine (stages {sorted(probes.stages)}) in "
                           f"{time.perf_counter() - began:.1f} s ({kept})", markup=False)
     return probes
-
-
-def _search_on_rank0(job: JobSpec, cfp: CfpSpec, backend: BackendSpec, world: int, console: Any,
-                     probes: EngineProbes | None, *, on_gpu: bool) -> dict[str, Any]:
-    cluster, measurements = local_measurements(job, world_size=world)
-    started = time.perf_counter()
-    found = DeepSpeedBackend(probes=probes).search(dataclasses.replace(job, cluster=cluster), world, cfp, backend,
-                                                   measurements=measurements, inputs_fingerprint="", on_gpu=on_gpu)
-    searched = time.perf_counter() - started
-    best = dataclasses.replace(found.best, cluster=job.cluster.name)
-    if console is not None:
-        found.report(console)
-        console.print(f"cfp: searched {found.searched} DeepSpeed plans in {searched * 1e3:.0f} ms", markup=False)
-    return {"plan": best.to_json()}

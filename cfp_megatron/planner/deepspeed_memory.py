@@ -12,8 +12,9 @@ from cfp_megatron.backends.deepspeed.costs import simulate_zero
 from cfp_megatron.backends.deepspeed.search import search_zero
 from cfp_megatron.base.backend_spec import BackendSpec
 from cfp_megatron.base.cfp_spec import CfpSpec
-from cfp_megatron.base.config import JobSpec
+from cfp_megatron.base.config import ClusterSpec, JobSpec
 from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.planner.memory_fit import memory_issue, ranks
 from cfp_megatron.profile.cluster import local_measurements
@@ -34,11 +35,13 @@ ZERO_PLAN_FIX = ("partition more of the model (backend.zero_stage=3 partitions p
 """What to change first when a DeepSpeed plan given by hand does not fit."""
 
 
-def check_zero_search_fits(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *, on_gpu: bool) -> None:
-    """Before profiling (``+cfp=auto``): the DeepSpeed search on this machine's figures (its stored profile, else
-    the analytical model); a :class:`ConfigError` naming the memory the smallest plan needs and the memory each rank
-    has when plans exist but none fits. Other refusals of the search (its pins) are raised as the search raises them."""
-    cluster, measurements = local_measurements(job, world_size=world)
+def check_zero_search_fits(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *, on_gpu: bool,
+                           figures: tuple[ClusterSpec, Measurements | None] | None = None) -> None:
+    """Before profiling (``+cfp=auto``): the DeepSpeed search on this machine's ``figures`` (its cluster and stored
+    profile, else the analytical model: :func:`~cfp_megatron.profile.cluster.local_measurements`); a
+    :class:`ConfigError` naming the memory the smallest plan needs and the memory each rank has when plans exist but
+    none fits. Other refusals of the search (its pins) are raised as the search raises them."""
+    cluster, measurements = figures or local_measurements(job, world_size=world)
     if cluster.hbm_gib is None:
         return
     here = dataclasses.replace(job, cluster=cluster)

@@ -1,161 +1,111 @@
-"""From a composed Hydra config to a finished run: validate, check checkpoints, set up groups, train."""
+"""From a composed Hydra config to a finished run, the one launch pipeline of both backends: validate, check
+checkpoints, plan, set up groups, train (a backend adds its hooks: :class:`~cfp_megatron.backends.protocol
+.LaunchHooks`)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
 
 from cfp_megatron.base.backend_spec import backend_from_config
 from cfp_megatron.base.cfp_spec import CfpMode, cfp_from_config
-from cfp_megatron.base.config import JobSpec, job_from_config
+from cfp_megatron.base.config import job_from_config
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.files import WriteLocation, check_write_locations
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import transformer_engine_available
 from cfp_megatron.compat import moe
 from cfp_megatron.engine import checkpoint_lock, rank_watch
-from cfp_megatron.plan.check import PlanCheck, with_breakdown
-from cfp_megatron.planner.backends import backend_for
-from cfp_megatron.planner.deepspeed_entry import train_from_config as train_deepspeed
+from cfp_megatron.planner.backends import launch_hooks
 from cfp_megatron.planner.hydra_args import override_value, read_hydra_args
-from cfp_megatron.planner.job_checks import hydra_run_dir, validate_job, validate_rest
-from cfp_megatron.planner.launch_plan import resolve_launch_plan, write_locations
-from cfp_megatron.planner.memory_fit import check_layout_fits, check_training_machine
+from cfp_megatron.planner.job_checks import hydra_run_dir
+from cfp_megatron.planner.launch_plan import LaunchPlan, given_plan, metrics_location, searched_plan, write_locations
+from cfp_megatron.planner.megatron_launch import same_optimizer_kind
+from cfp_megatron.planner.memory_fit import check_training_machine
 from cfp_megatron.planner.rank_errors import report_and_exit, report_error
-from cfp_megatron.profile.fingerprint import model_key
-
-if TYPE_CHECKING:
-    from cfp_megatron.base.cfp_spec import CfpSpec
-    from cfp_megatron.plan.check import PlanCheck
-    from cfp_megatron.planner.launch_plan import LaunchPlan
 
 
 def train_from_config(cfg: Any) -> list:
-    """Validate ``cfg`` completely before any process group exists, plan when the ``cfp`` group asks for it, then
-    train; return rank 0's step metrics. ``backend=deepspeed`` hands the job to
-    :mod:`cfp_megatron.planner.deepspeed_entry`."""
+    """The one launch pipeline of every backend (``backend``: its hooks, :func:`~cfp_megatron.planner.backends
+    .launch_hooks`): read the config, check the job completely before any process group exists, check the checkpoint
+    folder and every place the run writes, resolve the plan (the layout given, a plan file or string, or searched
+    with profiling under ``+cfp=auto``) and check that it fits, broadcast it, configure the backend, train, report;
+    rank 0's step metrics."""
+
+    import torch
 
     from cfp_megatron.compat.cpu import install_if_needed
     from cfp_megatron.engine import checkpoint
 
-    backend = backend_from_config(cfg)
-    if backend.is_deepspeed:
-        return train_deepspeed(cfg, backend)
-
     env = LaunchEnv.read()
-    job = job_from_config(cfg)
-    cfp = cfp_from_config(cfg)
-    planned = cfp.mode is CfpMode.auto or (cfp.mode is CfpMode.manual and (cfp.plan_file or cfp.plan))
-    if planned:
-        validate_rest(job)  # the layout comes from the plan
-    else:
-        validate_job(job, env.world_size)
+    backend = backend_from_config(cfg)
+    job, cfp = job_from_config(cfg), cfp_from_config(cfg)
+    hooks = launch_hooks(backend.name)
+    on_gpu = torch.cuda.is_available()
+    planned = cfp.mode is CfpMode.auto or (cfp.mode is CfpMode.manual and bool(cfp.plan_file or cfp.plan))
+    hooks.check_job(job, cfp, env.world_size, planned=planned)  # a planned job's layout: once it has its plan
     check_training_machine(job)  # a GPU preset on a machine without a GPU
-    if not planned:
-        check_layout_fits(job, env.world_size)  # a layout by hand, against this machine's memory
     t, say = job.train, checkpoint_lock.note_printer(env.rank)
     writer = checkpoint_lock.check(t.checkpoint_dir, note=say)  # another live job's folder: refused here
-    start_step = checkpoint.check_before_start(t.checkpoint_dir, resume=t.resume, restarted=env.restart_count > 0,
-                                               trust_unverified=t.trust_unverified_checkpoint, steps=t.steps,
-                                               save_interval=t.save_interval, model=job.model, writer=writer,
-                                               note=say)
+    start_step = hooks.check_before_start(job, restarted=env.restart_count > 0, writer=writer, note=say)
     if start_step is not None and t.checkpoint_dir is not None and start_step >= t.steps:
         say(checkpoint.nothing_left(t.checkpoint_dir, start_step, t.steps))
         if env.rank == 0:
             checkpoint_lock.release(t.checkpoint_dir, writer)
         return []
-    saved_dopt = None
-    if start_step is not None and job.train.checkpoint_dir is not None:
-        saved_dopt = checkpoint.saved_distributed_optimizer(job.train.checkpoint_dir, start_step)
-        if not planned:
-            _same_optimizer_kind("parallel.distributed_optimizer", job.parallel.distributed_optimizer, saved_dopt)
-        elif cfp.mode is CfpMode.auto and cfp.distributed_optimizer is not None:  # else auto pins the saved kind
-            _same_optimizer_kind("cfp.distributed_optimizer", cfp.distributed_optimizer, saved_dopt)
+    pin = hooks.resume_pin(job, cfp, start_step, planned=planned)
     run_dir = hydra_run_dir()
-    if job.train.metrics_file is not None:
-        metrics_path: Path | None = Path(job.train.metrics_file)
-    else:
-        metrics_path = run_dir / "metrics.jsonl" if run_dir is not None else None
+    metrics = metrics_location(job, run_dir)
     check_write_locations(write_locations(job, cfp, run_dir))  # before profiling, training and the first save
+    console = Console(highlight=False, soft_wrap=True) if env.rank == 0 else None
+    launch = given_plan(job, cfp, env, console, hooks=hooks, backend=backend, on_gpu=on_gpu)
     lock = checkpoint_lock.acquire(t.checkpoint_dir) if t.checkpoint_dir is not None and env.rank == 0 else None
-
+    if launch is None:  # +cfp=auto: every rank profiles, rank 0 searches and broadcasts the plan
+        launch = searched_plan(job, cfp, env, run_dir, console, hooks=hooks, backend=backend, optimizer_kind=pin,
+                               on_gpu=on_gpu)
+    if pin is not None and launch.source in ("file", "string"):  # a plan applied by hand
+        same_optimizer_kind("cfp.plan_file" if cfp.plan_file else "cfp.plan",
+                            launch.job.parallel.distributed_optimizer, pin)
+    if launch.source != "pinned":
+        _say_plan(launch, console)
+    picture = str(run_dir / "plan_check.png") if console is not None and run_dir is not None else None
+    job, check = hooks.plan_check(launch.job, launch.plan, cfp, calibration=launch.calibration, on_gpu=on_gpu,
+                                  picture=picture)
+    job, trainer = hooks.trainer(job, launch.plan, env, backend, folder=run_dir or Path("outputs"), console=console)
     install_if_needed()
     if job.model.is_moe and not transformer_engine_available():
         moe.install()
-
-    console = Console(highlight=False, soft_wrap=True) if env.rank == 0 else None
-    launch = resolve_launch_plan(job, cfp, env, run_dir, console, optimizer_kind=saved_dopt)
-    check = None
-    if launch is not None:
-        job, check = _with_plan(launch, cfp, console)
-        if check is not None and console is not None and run_dir is not None:  # rank 0 draws the check's picture
-            check = with_breakdown(check, job, env.world_size, str(run_dir / "plan_check.png"))
-        if saved_dopt is not None:  # a plan applied by hand
-            _same_optimizer_kind("cfp.plan_file" if cfp.plan_file else "cfp.plan", job.parallel.distributed_optimizer,
-                                 saved_dopt)
-    validate_job(job, env.world_size)
-    if launch is not None and launch.source in ("file", "string"):  # a plan this machine's search did not make
-        check_layout_fits(job, env.world_size)
-    history = backend_for(backend.name).train(job, None, env, backend, metrics_path=metrics_path, check=check,
-                                              resume=start_step)
+    history = trainer.train(job, launch.plan, env, backend, metrics_path=metrics.path if metrics else None,
+                            check=check, resume=start_step)
     if lock is not None:
         checkpoint_lock.release(t.checkpoint_dir, lock.token)  # a successful run gives the folder back
     return history
 
 
-def _same_optimizer_kind(key: str, value: bool, saved: bool) -> None:
-    """Raise a ConfigError (before any process group) when ``key`` asks for another optimizer kind than the resumed
-    checkpoint holds."""
-    if value == saved:
+def _say_plan(launch: LaunchPlan, console: Console | None) -> None:
+    """The plan on rank 0: where it came from, the search's ranking, its prediction."""
+    if console is None:
         return
-    raise ConfigError(ConfigIssue(
-        key=key, value=value, problem=f"the checkpoint being resumed holds {'the distributed' if saved else 'a plain'} "
-        "optimizer's state, which Megatron-Core 0.16 loads only into the same kind of optimizer.",
-        fix=(f"set {key}={str(saved).lower()}" if key.endswith("distributed_optimizer")
-             else f"apply a plan with the distributed optimizer {'on' if saved else 'off'}")
-        + ", or start from a fresh train.checkpoint_dir."))
-
-
-def _with_plan(launch: LaunchPlan, cfp: CfpSpec, console: Console | None) -> tuple[JobSpec, PlanCheck | None]:
-    """The planned job (the memory measured on the checked step unless ``train.memory_step`` is set), the check of
-    its first steps, and the plan said on rank 0."""
-
-    import dataclasses
-
-    import torch
-
-    job, plan = launch.job, launch.plan
-    if console is not None:
-        where = f" ({launch.path})" if launch.path is not None else ""
-        console.print(f"cfp: {launch.source} plan {plan.canonical()}{where}", markup=False)
-        for i, line in enumerate(launch.ranked, 1):
-            console.print(f"cfp:   {i}. {line}", markup=False)
-        if launch.ranked and launch.calibration != 1.0:
-            console.print(f"cfp:   (step times scaled by {launch.calibration:.3f}, the median measured/predicted ratio "
-                          "of earlier runs of this layout family on this profile, the profile's own prediction "
-                          "counted as one)", markup=False)
-        if plan.predicted is not None:
-            calibrated = "" if launch.calibration == 1.0 else \
-                f" ({plan.predicted.step_time_s * launch.calibration * 1e3:.1f} ms calibrated by earlier runs)"
-            console.print(f"cfp: predicted {plan.predicted.step_time_s * 1e3:.1f} ms per step{calibrated}, "
-                          f"{plan.predicted.peak_memory_gib:.3f} GiB peak per rank", markup=False)
-            if plan.predicted.analytical:
-                console.print(f"cfp: the prediction prices {', '.join(plan.predicted.analytical)} by the analytical "
-                              "model: the profile has not measured them", markup=False)
-    if plan.predicted is None or cfp.check_after_steps == 0:
-        return job, None
-    steps = min(cfp.check_after_steps, job.train.steps)  # a shorter run is checked at its last step
-    if job.train.memory_step is None:
-        job = dataclasses.replace(job, train=dataclasses.replace(job.train, memory_step=steps))
-    check = PlanCheck(plan=plan.canonical(), model_key=model_key(job, on_gpu=torch.cuda.is_available()),
-                      after_steps=steps, warmup_steps=cfp.check_warmup_steps,
-                      predicted_step_s=plan.predicted.step_time_s, calibration=launch.calibration,
-                      predicted_peak_bytes=plan.predicted.peak_memory_gib * 2**30,
-                      analytical=plan.predicted.analytical)
-    return job, check
+    plan = launch.plan
+    where = f" ({launch.path})" if launch.path is not None else ""
+    console.print(f"cfp: {launch.source} plan {plan.canonical()}{where}", markup=False)
+    for i, line in enumerate(launch.ranked, 1):
+        console.print(f"cfp:   {i}. {line}", markup=False)
+    if launch.ranked and launch.calibration != 1.0:
+        console.print(f"cfp:   (step times scaled by {launch.calibration:.3f}, the median measured/predicted ratio "
+                      "of earlier runs of this layout family on this profile, the profile's own prediction "
+                      "counted as one)", markup=False)
+    if plan.predicted is not None:
+        calibrated = "" if launch.calibration == 1.0 else \
+            f" ({plan.predicted.step_time_s * launch.calibration * 1e3:.1f} ms calibrated by earlier runs)"
+        console.print(f"cfp: predicted {plan.predicted.step_time_s * 1e3:.1f} ms per step{calibrated}, "
+                      f"{plan.predicted.peak_memory_gib:.3f} GiB peak per rank", markup=False)
+        if plan.predicted.analytical:
+            console.print(f"cfp: the prediction prices {', '.join(plan.predicted.analytical)} by the analytical "
+                          "model: the profile has not measured them", markup=False)
 
 
 RUN_DIR_KEY = "hydra.run.dir"

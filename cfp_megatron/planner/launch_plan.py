@@ -9,7 +9,9 @@ and checks that they give rank 0's string and hash. The plan is
 stored under the run directory, keyed by its inputs (model, training, cluster, world size, planner settings), so a
 torchrun restart (``TORCHELASTIC_RESTART_COUNT`` > 0) or a second launch into the same run directory reuses it without
 profiling or searching again, and a different world size plans again. ``manual``: the plan of ``cfp.plan_file`` or
-of the canonical string ``cfp.plan``; without either, ``parallel`` as given.
+of the canonical string ``cfp.plan``; without either (and without ``cfp``), the plan of the layout as given. The same
+for every backend: what one adds (its pins, memory checks, search, measurements after profiling) are its
+:class:`~cfp_megatron.backends.protocol.LaunchHooks`.
 """
 
 from __future__ import annotations
@@ -21,24 +23,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cfp_megatron.backends.megatron.backend import MegatronBackend
-from cfp_megatron.base.backend_spec import BackendSpec
+from cfp_megatron.backends.protocol import LaunchHooks, PlannedSearch
+from cfp_megatron.base.backend_spec import BackendKind, BackendSpec
 from cfp_megatron.base.cfp_spec import CfpMode, CfpSpec
-from cfp_megatron.base.config import JobSpec, Recompute
-from cfp_megatron.base.errors import CfpError, ConfigError
+from cfp_megatron.base.config import ClusterSpec, JobSpec
 from cfp_megatron.base.files import CACHE_ENV, WriteLocation, cache_dir, check_write_locations
 from cfp_megatron.base.jsonio import json_plain
 from cfp_megatron.base.launch_env import LaunchEnv
-from cfp_megatron.base.parallel_dims import transformer_engine_available
-from cfp_megatron.cluster.measured import partition_name
+from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.engine.metrics import METRICS_KIND
 from cfp_megatron.plan import Plan, PlanError, load_plan, save_plan
-from cfp_megatron.planner.memory_fit import check_launch_fits
+from cfp_megatron.planner.megatron_launch import MegatronLaunch
+from cfp_megatron.planner.megatron_launch import check_constraints as check_constraints
+from cfp_megatron.planner.megatron_launch import profile_priority as profile_priority
 from cfp_megatron.planner.plan_cli import inputs_fingerprint
 from cfp_megatron.planner.plan_inputs import check_plan_applies, check_typed_before_plan, typed_keys
 from cfp_megatron.profile.cluster import local_measurements
 from cfp_megatron.profile.progress import RoundProgress
-from cfp_megatron.search.space import no_layout_issues
+from cfp_megatron.sim.calibration import identity_warnings
 
 PLAN_DIR = "cfp"
 """Folder of the run directory that holds the plans of its launches."""
@@ -53,7 +55,8 @@ class LaunchPlan:
     job: JobSpec
     """The job under the plan."""
     source: str
-    """``planned`` (profiled and searched now), ``cached`` (reused from the run directory), ``file`` or ``string``."""
+    """``planned`` (profiled and searched now), ``cached`` (reused from the run directory), ``file``, ``string`` or
+    ``pinned`` (the layout as given)."""
     path: Path | None
     """Where the plan is stored (``None`` for a canonical string)."""
     ranked: tuple[str, ...] = ()
@@ -64,16 +67,18 @@ class LaunchPlan:
     the factor the step time shown and checked is scaled by (``planned`` only)."""
 
 
-def plan_key(job: JobSpec, world: int, cfp: CfpSpec) -> str:
+def plan_key(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec | None = None) -> str:
     """What a launch's plan depends on: the model and cluster specs, the global batch, sequence length, precision
-    and optimizer, the world size and the planner's settings (not the parallel section, which the plan replaces,
-    nor the steps, learning rate, checkpoint and log settings)."""
+    and optimizer, the world size, the planner's settings and a backend other than Megatron-Core's with its knobs
+    (not the parallel section, which the plan replaces, nor the steps, learning rate, checkpoint and log settings)."""
     t = job.train
     train = {"global_batch_size": t.global_batch_size, "seq_length": t.seq_length, "precision": t.precision.value,
              "optimizer": t.optimizer.value}  # what the plan depends on; steps, LR, checkpoints and logs do not
     payload = {"model": json_plain(job.model), "train": train, "cluster": json_plain(job.cluster),
                "world": world, "cfp": json_plain(dataclasses.replace(cfp, plan_file=None, top_k=1,
                                                                      check_after_steps=0))}
+    if backend is not None and backend.name is not BackendKind.megatron:  # Megatron's keys predate the backends
+        payload["backend"] = json_plain(backend)
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -105,38 +110,43 @@ def write_locations(job: JobSpec, cfp: CfpSpec, run_dir: Path | None) -> list[Wr
     return found
 
 
-def check_constraints(job: JobSpec, world: int, cfp: CfpSpec) -> None:
-    """Raise a :class:`ConfigError` when the pins and sets leave no layout for ``job`` on ``world`` ranks (before any
-    process group or profiling), naming each pin or set that removes every layout on its own
-    (:func:`~cfp_megatron.search.space.no_layout_issues`)."""
-    issues = no_layout_issues(job, world, cfp, te_available=transformer_engine_available())
-    if issues:
-        raise ConfigError(issues)
-
-
-def resolve_launch_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Path | None,
-                        console: Any = None, *, optimizer_kind: bool | None = None) -> LaunchPlan | None:
-    """The plan this launch trains with (see the module docstring), ``None`` to train ``job.parallel`` as given.
-    Every rank calls it; with ``auto`` they profile together. ``optimizer_kind`` (a resumed checkpoint's: whether it
-    holds the distributed optimizer) pins that knob: a stored plan with the other kind is not reused."""
-    if cfp.mode is CfpMode.off:
-        return None
+def given_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, console: Any = None, *, hooks: LaunchHooks,
+               backend: BackendSpec, on_gpu: bool = False) -> LaunchPlan | None:
+    """The plan of a launch that does not search (``None`` under ``+cfp=auto``): ``cfp.plan_file``'s, the string
+    ``cfp.plan``'s, else the layout as given (``hooks``: the backend's); checked against this machine's memory
+    (a plan this machine's search did not make) before any process group."""
     world = env.world_size
-    check_typed_before_plan(job, cfp, typed_keys())  # a typed setting the mode would drop: refused now
-    if cfp.mode is CfpMode.manual:
+    if cfp.mode is CfpMode.auto:
+        return None
+    if cfp.mode is CfpMode.manual and (cfp.plan_file is not None or cfp.plan is not None):
+        check_typed_before_plan(job, cfp, typed_keys())  # a typed setting the mode would drop: refused now
         if cfp.plan_file is not None:
             plan, source, path = load_plan(cfp.plan_file), "file", Path(cfp.plan_file)
-        elif cfp.plan is not None:
-            plan, source, path = Plan.parse(cfp.plan), "string", None
         else:
-            return None
+            plan, source, path = Plan.parse(str(cfp.plan)), "string", None
         said = f"the plan of cfp.plan_file={cfp.plan_file}" if path is not None else "the plan of cfp.plan"
-        return LaunchPlan(plan=plan, job=_apply(plan, job, world, source=said, cfp=cfp, console=console),
-                          source=source, path=path)
+        planned = _apply(plan, job, world, source=said, cfp=cfp, console=console)
+    else:
+        if cfp.mode is CfpMode.manual:
+            check_typed_before_plan(job, cfp, typed_keys())
+        plan, source, path = hooks.hand_plan(job, backend, world, on_gpu=on_gpu), "pinned", None
+        planned = plan.apply(job)
+    hooks.check_plan_fits(planned, plan, world)
+    return LaunchPlan(plan=plan, job=planned, source=source, path=path)
+
+
+def searched_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Path | None, console: Any = None, *,
+                  hooks: LaunchHooks, backend: BackendSpec, optimizer_kind: bool | None = None,
+                  on_gpu: bool = False) -> LaunchPlan:
+    """The plan of a ``+cfp=auto`` launch (see the module docstring; ``hooks``: the backend's). Every rank calls it
+    and they profile together. ``optimizer_kind`` (a resumed checkpoint's: whether it holds the distributed
+    optimizer) pins that knob: a stored plan with the other kind is not reused."""
+    world = env.world_size
+    check_typed_before_plan(job, cfp, typed_keys())  # a typed setting the mode would drop: refused now
     folder = (run_dir or Path("outputs")) / PLAN_DIR
     pinned = cfp if optimizer_kind is None else dataclasses.replace(cfp, distributed_optimizer=optimizer_kind)
     # the plan of these inputs, else (resuming) the one planned with the checkpoint's optimizer kind pinned
-    paths = dict.fromkeys(folder / f"plan-{plan_key(job, world, c)}.json" for c in (cfp, pinned))
+    paths = dict.fromkeys(folder / f"plan-{plan_key(job, world, c, backend)}.json" for c in (cfp, pinned))
     for cached in paths:
         if cached.exists():
             plan = load_plan(cached)
@@ -145,16 +155,44 @@ def resolve_launch_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Pat
     cfp = pinned
     if cfp.plan_file is not None:  # refused now rather than after the profiling budget
         check_write_locations([WriteLocation(key="cfp.plan_file", path=Path(cfp.plan_file), folder=False, new=True)])
-    check_constraints(job, world, cfp)
-    check_launch_fits(job, world, cfp)  # every rank reads the same memory figure: all refuse, before profiling
-    plan, ranked, scale = _profile_and_search(job, cfp, env, console)
+    # This machine's figures, read once: every rank checks the pins and the memory on them before profiling (all
+    # refuse alike), and rank 0 reuses that search where profiling measures nothing.
+    figures = local_measurements(job, world_size=world)
+    key = figures[1].fingerprint.key if figures[1] is not None else None
+    here = dataclasses.replace(job, cluster=figures[0])
+    early = hooks.search_before_profiling(here, world, cfp, backend, given=job.cluster, measurements=figures[1],
+                                          on_gpu=on_gpu, inputs_fingerprint=inputs_fingerprint(here, key))
+    searched = _profile_and_search(job, cfp, env, console, hooks=hooks, backend=backend, early=early,
+                                   figures=figures, on_gpu=on_gpu)
+    plan = searched.plan
     if env.rank == 0:
         if not cached.exists():  # a concurrent launch into the same folder may have stored the same inputs' plan
             save_plan(plan, cached, key="hydra.run.dir")  # a disk that refuses it: one FileWriteError naming the key
         if cfp.plan_file is not None:
             save_plan(plan, cfp.plan_file)
-    return LaunchPlan(plan=plan, job=_apply(plan, job, world), source="planned", path=cached, ranked=ranked,
-                      calibration=scale)
+    return dataclasses.replace(searched, job=_apply(plan, job, world), path=cached)
+
+
+def resolve_launch_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Path | None,
+                        console: Any = None, *, optimizer_kind: bool | None = None) -> LaunchPlan | None:
+    """The plan of a Megatron-Core launch (:func:`given_plan` or :func:`searched_plan`); ``None`` to train
+    ``job.parallel`` as given."""
+    if cfp.mode is CfpMode.off:
+        return None
+    hooks, backend, on_gpu = MegatronLaunch(), BackendSpec(), _on_gpu()
+    if cfp.mode is CfpMode.manual:
+        if cfp.plan_file is None and cfp.plan is None:
+            check_typed_before_plan(job, cfp, typed_keys())
+            return None
+        return given_plan(job, cfp, env, console, hooks=hooks, backend=backend, on_gpu=on_gpu)
+    return searched_plan(job, cfp, env, run_dir, console, hooks=hooks, backend=backend,
+                         optimizer_kind=optimizer_kind, on_gpu=on_gpu)
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _apply(plan: Plan, job: JobSpec, world: int, *, source: str = "the plan searched under +cfp=auto",
@@ -172,82 +210,62 @@ def _apply(plan: Plan, job: JobSpec, world: int, *, source: str = "the plan sear
     return plan.apply(job)
 
 
-def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv,
-                        console: Any) -> tuple[Plan, tuple[str, ...], float]:
+def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, console: Any, *, hooks: LaunchHooks,
+                        backend: BackendSpec, early: PlannedSearch | None,
+                        figures: tuple[ClusterSpec, Measurements | None], on_gpu: bool) -> LaunchPlan:
+    """Profile with every rank (what profiling measures first: the backend's priority), then search on rank 0 and
+    broadcast the plan: the search before profiling where profiling measured nothing (the same ProfileDB), else a
+    search on the ProfileDB profiling handed back (not read again)."""
     from cfp_megatron.engine.distributed import destroy_distributed, searched_on_rank0
     from cfp_megatron.profile.runner import profile_job
 
-    with RoundProgress(enabled=env.rank == 0 and console is not None) as progress:
-        outcome = profile_job(job, env, budget_s=cfp.profile_budget_s, keep_group=True,
-                              priority=lambda: profile_priority(job, cfp, env.world_size),
-                              progress=progress.update if env.rank == 0 and console is not None else None)
-    if env.rank == 0 and console is not None:
+    shown = env.rank == 0 and console is not None
+    with RoundProgress(enabled=shown) as progress:
+        outcome = profile_job(job, env, budget_s=cfp.profile_budget_s, repeats=cfp.profile_repeats, keep_group=True,
+                              priority=hooks.priority(early), progress=progress.update if shown else None)
+    if shown:
         for line in coverage_lines(outcome, cfp.profile_budget_s, env.world_size,
                                    [f"model={job.model.name}", f"cluster={job.cluster.name}"]):
             console.print(f"cfp: {line}", markup=False)
+    world = env.world_size
     try:
+        searcher = hooks.after_profiling(job, env, outcome, console, on_gpu=on_gpu)
+
         def search() -> dict[str, Any]:
-            plan, ranked, scale = _search_on_rank0(job, cfp, env.world_size)
-            return {"plan": plan.to_json(), "ranked": list(ranked), "calibration": scale}
+            if outcome.reused and early is not None:  # the same ProfileDB: the search before profiling stands
+                cluster, measurements = figures
+                found = dataclasses.replace(early, plans=early.plans[:cfp.top_k], labels=early.labels[:cfp.top_k])
+            else:
+                cluster, measurements = local_measurements(job, world_size=world, db=outcome.db)
+                here = dataclasses.replace(job, cluster=cluster)
+                key = measurements.fingerprint.key if measurements is not None else None
+                found = searcher.search(here, world, cfp, backend, measurements=measurements,
+                                        inputs_fingerprint=inputs_fingerprint(here, key), on_gpu=on_gpu)
+            if console is not None:
+                hooks.show_search(found, console)
+                for line in identity_warnings(cluster):  # the generation missing or unknown: whose efficiencies
+                    console.print(f"cfp: {line}", markup=False)
+            # Earlier runs of this model on this profile scale the step time shown and checked (the plan keeps the
+            # simulator's; the ranking does not change).
+            ranked = tuple(f"{label}: {p.predicted.step_time_s * hooks.calibration(measurements, p) * 1e3:.1f} ms, "
+                           f"{p.predicted.peak_memory_gib:.3f} GiB"
+                           + (f" [analytical: {', '.join(p.predicted.analytical)} not measured]"
+                              if p.predicted.analytical else "")
+                           for label, p in zip(found.labels, found.plans, strict=True) if p.predicted is not None)
+            # The plan carries the job's own cluster preset (the measured figures are inputs, kept in the fingerprint).
+            plan = dataclasses.replace(found.best, cluster=job.cluster.name)
+            return {"plan": plan.to_json(), "ranked": list(ranked),
+                    "calibration": hooks.calibration(measurements, found.best)}
 
         received = searched_on_rank0(search, outcome, env, console)
         # rank 0's canonical string and hash travel inside plan.json; from_json rebuilds the plan from its fields
         # and raises a PlanError unless this rank gets the same string and hash from them
         plan = Plan.from_json(received["plan"])
-        return plan, tuple(received["ranked"]), float(received["calibration"])
     finally:
-        destroy_distributed()
-
-
-def profile_priority(job: JobSpec, cfp: CfpSpec, world: int) -> tuple[str, ...]:
-    """What profiling should measure first for this job: the partitions and micro-batch sizes (``tp2-sp mbs=4``) of
-    the layouts a search ranks best before this run's rounds (on the stored profile where one exists, else on the
-    analytical model), best first, with each plan's recomputed partition after its plain one. Empty when that search
-    finds nothing (profiling then keeps its own order)."""
-    try:
-        cluster, measurements = local_measurements(job, world_size=world)
-        found = MegatronBackend().search(dataclasses.replace(job, cluster=cluster), world,
-                                         dataclasses.replace(cfp, top_k=max(cfp.top_k, PRIORITY_PLANS)), BackendSpec(),
-                                         measurements=measurements, inputs_fingerprint="",
-                                         on_gpu=not cluster.on_cpu)
-    except CfpError:
-        return ()
-    out: dict[str, None] = {}
-    for plan in found.plans:
-        p, mbs = plan.parallel, plan.micro_batch_size
-        out[f"{partition_name(p.tp, sp=p.sp)} mbs={mbs}"] = None  # the embedding, the head and the overheads
-        out[f"{partition_name(p.tp, sp=p.sp, mlp=p.mlp)} mbs={mbs}"] = None  # the decoder layers
-        if p.recompute is not Recompute.none:
-            recomputed = partition_name(p.tp, sp=p.sp, mlp=p.mlp, recompute=p.recompute,
-                                        recompute_modules=p.recompute_modules)
-            out[f"{recomputed} mbs={mbs}"] = None
-    return tuple(out)
-
-
-PRIORITY_PLANS = 8
-"""Plans of the search before profiling whose partitions are measured first."""
-
-
-def _search_on_rank0(job: JobSpec, cfp: CfpSpec, world: int) -> tuple[Plan, tuple[str, ...], float]:
-    cluster, measurements = local_measurements(job, world_size=world)
-    planned = dataclasses.replace(job, cluster=cluster)
-    key = measurements.fingerprint.key if measurements is not None else None
-    found = MegatronBackend().search(planned, world, cfp, BackendSpec(), measurements=measurements,
-                                     inputs_fingerprint=inputs_fingerprint(planned, key), on_gpu=not cluster.on_cpu)
-    # Earlier runs of this model on this profile, checked against plans of the same layout family, scale the step
-    # time shown and checked (the plan keeps the simulator's; the ranking does not change).
-    def scale_of(p: Plan) -> float:
-        found = measurements.step_time_calibration(plan=p.canonical()) if measurements is not None else None
-        return found or 1.0
-
-    # The plan carries the job's own cluster preset (the measured figures are inputs, kept in the fingerprint).
-    plan = dataclasses.replace(found.best, cluster=job.cluster.name)
-    ranked = tuple(f"{label}: {p.predicted.step_time_s * scale_of(p) * 1e3:.1f} ms, "
-                   f"{p.predicted.peak_memory_gib:.3f} GiB"
-                   + (f" [analytical: {', '.join(p.predicted.analytical)} not measured]" if p.predicted.analytical
-                      else "")
-                   for label, p in zip(found.labels, found.plans, strict=True) if p.predicted is not None)
-    return plan, ranked, scale_of(found.best)
+        if not hooks.keeps_group:
+            destroy_distributed()
+    return LaunchPlan(plan=plan, job=job, source="planned", path=None, ranked=tuple(received["ranked"]),
+                      calibration=float(received["calibration"]))
 
 
 def coverage_lines(outcome: Any, budget_s: float, world: int, overrides: list[str]) -> list[str]:

@@ -78,13 +78,11 @@ def gib(value: float) -> str:
 
 def check_search_fits(job: JobSpec, world: int, cfp: CfpSpec, *, given: ClusterSpec,
                       measurements: Measurements | None, te_available: bool,
-                      options: SimOptions | None) -> SearchResult | None:
-    """Search ``job``'s layouts (its cluster filled with this machine's figures; ``given``: the cluster as
-    configured) and raise a :class:`ConfigError` naming the memory the smallest layout needs and the memory there is
-    when layouts exist but none fits. The result; ``None`` without a memory limit."""
-    if job.cluster.hbm_gib is None:
-        return None
-    result = search(job, world, dataclasses.replace(cfp, top_k=1), measurements=measurements, options=options,
+                      options: SimOptions | None, top_k: int = 1) -> SearchResult:
+    """Search ``job``'s ``top_k`` best layouts (its cluster filled with this machine's figures; ``given``: the
+    cluster as configured) and raise a :class:`ConfigError` naming the memory the smallest layout needs and the
+    memory there is when layouts exist but none fits; else the result (a launch reuses it)."""
+    result = search(job, world, dataclasses.replace(cfp, top_k=top_k), measurements=measurements, options=options,
                     te_available=te_available)
     if result.ranked or result.least_over_gib is None or result.memory_limit_gib is None:
         return result
@@ -94,13 +92,15 @@ def check_search_fits(job: JobSpec, world: int, cfp: CfpSpec, *, given: ClusterS
                                    limit_gib=result.memory_limit_gib, headroom=cfp.constraints.memory_headroom))
 
 
-def check_launch_fits(job: JobSpec, world: int, cfp: CfpSpec) -> None:
-    """Before profiling (``+cfp=auto``): :func:`check_search_fits` on this machine's figures (its stored profile,
-    else the analytical model), as the search after profiling will see them."""
-    cluster, measurements = local_measurements(job, world_size=world)
-    check_search_fits(dataclasses.replace(job, cluster=cluster), world, cfp, given=job.cluster,
-                      measurements=measurements, te_available=transformer_engine_available(),
-                      options=options_here(cluster))
+def check_launch_fits(job: JobSpec, world: int, cfp: CfpSpec, *, top_k: int = 1,
+                      figures: tuple[ClusterSpec, Measurements | None] | None = None) -> SearchResult:
+    """Before profiling (``+cfp=auto``): :func:`check_search_fits` on this machine's ``figures`` (its cluster and
+    stored profile, else the analytical model: :func:`~cfp_megatron.profile.cluster.local_measurements`), as the
+    search after profiling will see them; the search's ``top_k`` best, for the launch to reuse."""
+    cluster, measurements = figures or local_measurements(job, world_size=world)
+    return check_search_fits(dataclasses.replace(job, cluster=cluster), world, cfp, given=job.cluster,
+                             measurements=measurements, te_available=transformer_engine_available(),
+                             options=options_here(cluster), top_k=top_k)
 
 
 def check_no_plan(job: JobSpec, world: int, cfp: CfpSpec, *, given: ClusterSpec, measurements: Measurements | None,

@@ -41,6 +41,7 @@ from cfp_megatron.planner.memory_fit import check_no_plan
 from cfp_megatron.planner.pictures import write_plan_pictures
 from cfp_megatron.planner.preflight import default_lines, defaults_used
 from cfp_megatron.profile.cluster import local_measurements
+from cfp_megatron.sim.calibration import identity_warnings
 from cfp_megatron.sim.options import options_here
 
 SEQ_CAP = 8192
@@ -100,6 +101,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                   f"{job.train.global_batch_size} x {job.train.seq_length} tokens"
                   + ("" if measurements is None else f", measurements {key}"))
     for line in default_lines(defaults_used(args.overrides, cfg, world=world, on_gpu=not cluster.on_cpu)):
+        console.print(line, markup=False, soft_wrap=True)
+    for line in identity_warnings(cluster):  # a generation missing or unknown: whose efficiencies price it instead
         console.print(line, markup=False, soft_wrap=True)
     backend = backend_from_config(cfg)
     found = backend_for(backend.name).search(job, world, cfp, backend, measurements=measurements,

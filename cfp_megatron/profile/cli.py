@@ -1,4 +1,5 @@
-"""``torchrun --nproc_per_node=N -m cfp_megatron.profile [overrides] [--budget S] [--force] [--export FILE]``."""
+"""``torchrun --nproc_per_node=N -m cfp_megatron.profile [overrides] [--budget S] [--repeats N] [--force]
+[--export FILE]``."""
 
 from __future__ import annotations
 
@@ -32,11 +33,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=config_help())
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt_tiny cluster=local")
     parser.add_argument("--budget", type=float, default=DEFAULT_PROFILE_BUDGET_S, help="seconds for the whole run")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed repeats of every probe (cfp.profile_repeats; default: each probe's own count)")
     parser.add_argument("--force", action="store_true", help="measure again even if the DB has the results")
     parser.add_argument("--export", default=None, help="also write the DB to this file (never over an existing one)")
     args = parser.parse_args(argv)
     if args.budget <= 0:
         parser.error(f"--budget={args.budget}: must be positive (seconds), e.g. --budget 60")
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats={args.repeats}: must be 1 or more, e.g. --repeats 1 for a quick profile")
     return args
 
 
@@ -64,7 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  if args.export else [])])
 
         with RoundProgress(enabled=env.rank == 0) as progress:
-            outcome = profile_job(job, env, budget_s=args.budget, force=args.force, progress=progress.update)
+            outcome = profile_job(job, env, budget_s=args.budget, force=args.force, progress=progress.update,
+                                  repeats=args.repeats)
         if env.rank == 0 and outcome.db is not None:
             ran = {r.name for r in outcome.rounds}
             render(outcome.db, (*outcome.rounds, *(r for r in outcome.coverage if r.name not in ran)),

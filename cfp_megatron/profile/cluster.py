@@ -8,10 +8,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cfp_megatron.base.compose import group_presets
 from cfp_megatron.base.config import ClusterSpec, JobSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.cluster.measured import Collective, CollectiveFit, Measurements, Span
+from cfp_megatron.cluster.presets import cluster_preset, identity, preset_for_device
 from cfp_megatron.profile.db import load_db
 from cfp_megatron.profile.fingerprint import current_fingerprint, model_key
 
@@ -55,25 +55,12 @@ def measured_cluster(spec: ClusterSpec, measured: Measurements, *, gpus_per_node
     return dataclasses.replace(spec, **changes)
 
 
-def _model_token(device_name: str) -> str:
-    """The model in an accelerator's name: ``H200`` of ``NVIDIA H200`` and of ``NVIDIA H200-SXM-141GB``."""
-    words = device_name.upper().replace("NVIDIA", " ").replace("AMD", " ").replace("INSTINCT", " ").split()
-    return words[0].split("-")[0] if words else ""
-
-
 def device_preset(device_name: str, memory_gib: float) -> dict[str, Any] | None:
-    """The vendor preset (``conf/cluster``) of an accelerator: the same model in its name (``H200``, ``MI300X``),
-    of those the one whose memory is nearest ``memory_gib`` (an H100 NVL's 94 GB against the SXM part's 80) and whose
-    name's variant words match (``NVL``); ``None`` for an accelerator without one."""
-    token = _model_token(device_name)
-    variant = "NVL" in device_name.upper().split()
-    found = []
-    for stem, preset in group_presets("cluster"):
-        name = str(preset.get("device_name", ""))
-        if not token or _model_token(name) != token or ("NVL" in name.upper().split()) != variant:
-            continue
-        found.append((abs(float(preset.get("hbm_gib") or 0.0) - memory_gib), stem, preset))
-    return min(found)[2] if found else None
+    """The vendor preset (``conf/cluster``) of an accelerator as the device names itself, with ``memory_gib`` of
+    memory (:func:`~cfp_megatron.cluster.presets.preset_for_device`: the presets' aliases, the memory picking between
+    the variants a bare name leaves open); ``None`` for an accelerator without one."""
+    name = preset_for_device(device_name, memory_gib)
+    return cluster_preset(name) if name is not None else None
 
 
 MEMINFO = Path("/proc/meminfo")
@@ -118,10 +105,11 @@ def host_share_gib(spec: ClusterSpec, ranks_per_node: int, total_gib: float | No
 
 def this_device(spec: ClusterSpec, *, ranks_per_node: int = 1) -> ClusterSpec:
     """``spec`` with this machine's GPU filled in where it names none (the ``local`` preset): its name and memory
-    capacity (the planner's memory limit) from the device, and from its vendor preset (:func:`device_preset`) the
-    figures profiling does not measure: memory bandwidth (the optimizer's and element-wise work's rate) and the fp8
-    peak; a GPU without a preset gets its measured copy rate (:func:`copy_bandwidth_gbps`). Without a GPU, a CPU
-    cluster's memory limit is this host's, shared by ``ranks_per_node`` ranks (:func:`host_share_gib`)."""
+    capacity (the planner's memory limit) from the device, and from its vendor preset (:func:`device_preset`) what
+    it is (generation, capabilities: :func:`~cfp_megatron.cluster.presets.identity`) and the figures profiling does
+    not measure: memory bandwidth (the optimizer's and element-wise work's rate) and the fp8 peak; a GPU without a
+    preset gets its measured copy rate (:func:`copy_bandwidth_gbps`) and no generation (the plan warns). Without a
+    GPU, a CPU cluster's memory limit is this host's, shared by ``ranks_per_node`` ranks (:func:`host_share_gib`)."""
     import torch
 
     if spec.hbm_gib is not None:
@@ -133,9 +121,9 @@ def this_device(spec: ClusterSpec, *, ranks_per_node: int = 1) -> ClusterSpec:
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     memory_gib = props.total_memory / 2**30
     changes: dict[str, Any] = {"hbm_gib": memory_gib}
-    if spec.on_cpu:
-        changes["device_name"] = props.name
     preset = device_preset(props.name, memory_gib)
+    if spec.on_cpu:  # this GPU's name, and what its vendor preset says it is (generation...; None without one)
+        changes.update(device_name=props.name, **identity(preset))
     if preset is not None:
         for key in ("hbm_bandwidth_gbps", "peak_tflops_fp8"):
             if getattr(spec, key) is None and preset.get(key) is not None:
@@ -168,11 +156,12 @@ def copy_bandwidth_gbps(nbytes: int = 512 * 2**20, repeats: int = 10) -> float:
     return 2 * nbytes / statistics.median(seconds) / 1e9
 
 
-def local_measurements(job: JobSpec, *, world_size: int,
-                       backend: str | None = None) -> tuple[ClusterSpec, ProfileDB | None]:
+def local_measurements(job: JobSpec, *, world_size: int, backend: str | None = None,
+                       db: ProfileDB | None = None) -> tuple[ClusterSpec, ProfileDB | None]:
     """What this machine measured for ``job`` on ``world_size`` ranks: the job's cluster filled from its ProfileDB
     and the DB itself, scoped to the job's model (segment kinds resolve against it); the cluster unchanged and
-    ``None`` when this machine has not been profiled with that many ranks."""
+    ``None`` when this machine has not been profiled with that many ranks. ``db``: the DB in hand (a profiling run's
+    outcome), read from the cache otherwise."""
 
     import torch
 
@@ -181,7 +170,7 @@ def local_measurements(job: JobSpec, *, world_size: int,
     nodes = max(job.cluster.nodes, 1)
     spec = this_device(job.cluster, ranks_per_node=job.cluster.gpus_per_node or max(world_size // nodes, 1))
     fp = current_fingerprint(world_size=world_size, nodes=spec.nodes, backend=backend or resolve_backend(spec.backend))
-    db = load_db(fp)
+    db = db if db is not None else load_db(fp)
     if db is None:
         return spec, None
     db = db.for_model(model_key(job, on_gpu=torch.cuda.is_available()))

@@ -134,12 +134,14 @@ def _setup_label(pattern: GroupPattern) -> str:
     return f"groups of {pattern.size} ({pattern.span.value}, {pattern.layout})"
 
 
-def collective_steps(world: int, nodes: int, *, on_gpu: bool, dtype: torch.dtype, device: torch.device
+def collective_steps(world: int, nodes: int, *, on_gpu: bool, dtype: torch.dtype, device: torch.device,
+                     repeats: int | None = None
                      ) -> tuple[list[Step], dict[str, tuple[Collective, GroupPattern, int]], Callable[[], None]]:
     """The round's steps (group set-up first, then the smallest and largest size of every collective on every
     pattern, then the sizes between, so a short budget still yields a fit for each), what each timing step
     measures, by label, and a function that destroys the groups the steps created (call it after the round: left
-    alive they would slow the later rounds)."""
+    alive they would slow the later rounds). ``repeats``: timed calls per size (``cfp.profile_repeats``; ``None``:
+    :func:`repeats_for`'s)."""
     sizes = GPU_SIZES if on_gpu else CPU_SIZES
     patterns = group_patterns(world, nodes)
     benches: dict[int, CollectiveBench] = {}
@@ -160,7 +162,8 @@ def collective_steps(world: int, nodes: int, *, on_gpu: bool, dtype: torch.dtype
                 def measure(i: int = i, op: Collective = op, size: int = size) -> list[float]:
                     bench = benches[i]
                     actual, fn = bench.call(op, size)
-                    seconds = timed(fn, repeats=repeats_for(size, on_gpu=on_gpu), warmup=2, group=bench.group)
+                    seconds = timed(fn, repeats=repeats or repeats_for(size, on_gpu=on_gpu), warmup=2,
+                                    group=bench.group)
                     return [seconds, float(actual)]
 
                 steps.append(Step(label=label, run=measure, entry=label, needs=_setup_label(pattern)))

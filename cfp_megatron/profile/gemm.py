@@ -32,8 +32,10 @@ def repeats_for(m: int, n: int, k: int, *, on_gpu: bool) -> int:
     return max(2, min(50, int(target / (2.0 * m * n * k))))
 
 
-def gemm_steps(dtypes: Sequence[str], *, on_gpu: bool, device: torch.device) -> tuple[list[Step], dict[str, tuple]]:
-    """One step per (dtype, shape) and what each measures, by label."""
+def gemm_steps(dtypes: Sequence[str], *, on_gpu: bool, device: torch.device,
+               repeats: int | None = None) -> tuple[list[Step], dict[str, tuple]]:
+    """One step per (dtype, shape) and what each measures, by label; ``repeats`` timed matmuls per shape
+    (``cfp.profile_repeats``; ``None``: :func:`repeats_for`'s)."""
     dims = GPU_DIMS if on_gpu else CPU_DIMS
     steps: list[Step] = []
     meaning: dict[str, tuple] = {}
@@ -44,7 +46,8 @@ def gemm_steps(dtypes: Sequence[str], *, on_gpu: bool, device: torch.device) -> 
             def measure(m: int = m, n: int = n, k: int = k, dtype: str = dtype) -> list[float]:
                 a = torch.randn(m, k, dtype=DTYPES[dtype], device=device)
                 b = torch.randn(k, n, dtype=DTYPES[dtype], device=device)
-                return [timed(lambda: torch.matmul(a, b), repeats=repeats_for(m, n, k, on_gpu=on_gpu), warmup=1)]
+                count = repeats or repeats_for(m, n, k, on_gpu=on_gpu)
+                return [timed(lambda: torch.matmul(a, b), repeats=count, warmup=1)]
 
             steps.append(Step(label=label, run=measure, entry=label))
             meaning[label] = (m, n, k, dtype)

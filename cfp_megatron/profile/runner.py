@@ -111,26 +111,36 @@ def init_profile_group(backend: str, env: LaunchEnv, timeout: datetime.timedelta
     init_default_group(backend, store, rank, world, timeout, **kwargs)
 
 
-def round_steps(name: str, job: JobSpec, world: int, *, on_gpu: bool, device: torch.device
-                ) -> tuple[list[Step], Any, Callable[[], None] | None]:
+SEGMENT_REPEATS = {"gpu": 5, "cpu": 7}
+"""Timed steps of each segment probe (the median is kept), unless ``cfp.profile_repeats`` sets them."""
+OVERHEAD_REPEATS = 4
+"""Timed steps of each overheads probe (its pipelined twin repeats them
+:data:`~cfp_megatron.profile.overheads.PIPELINE_REPEATS` times), unless ``cfp.profile_repeats`` sets them."""
+
+
+def round_steps(name: str, job: JobSpec, world: int, *, on_gpu: bool, device: torch.device,
+                repeats: int | None = None) -> tuple[list[Step], Any, Callable[[], None] | None]:
     """One round's steps for ``job`` on ``world`` ranks (nothing runs: closures), what each measures by label, and
-    what to release after the round (the collectives' groups)."""
+    what to release after the round (the collectives' groups). ``repeats`` (``cfp.profile_repeats``): the timed
+    repeats of every probe instead of each round's own count (:data:`SEGMENT_REPEATS`, :data:`OVERHEAD_REPEATS`,
+    the collectives' and GEMMs' ``repeats_for``); what a round measures stays the same."""
     precision = resolve_precision(job.train.precision, on_gpu).value
     if name == "collectives":
         dtype = torch.float32 if not on_gpu else {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
             precision, torch.float32)
-        return collective_steps(world, job.cluster.nodes, on_gpu=on_gpu, dtype=dtype, device=device)
+        return collective_steps(world, job.cluster.nodes, on_gpu=on_gpu, dtype=dtype, device=device, repeats=repeats)
     if name == "gemm":
         dtypes = ["fp32"] if not on_gpu else list(dict.fromkeys([precision, "fp32"]))
-        return (*gemm_steps(dtypes, on_gpu=on_gpu, device=device), None)
+        return (*gemm_steps(dtypes, on_gpu=on_gpu, device=device, repeats=repeats), None)
     cases, _ = segment_cases(job, world)
     if name in ("segments", "recompute"):
         run = cases if name == "segments" else [case for rc in (Recompute.selective, Recompute.full)
                                                 for case in segment_cases(job, world, rc)[0]]
-        return (*segment_steps(run, micro_batches(job), model_kinds(job), repeats=5 if on_gpu else 7), None)
+        count = repeats or SEGMENT_REPEATS["gpu" if on_gpu else "cpu"]
+        return (*segment_steps(run, micro_batches(job), model_kinds(job), repeats=count), None)
     if name == "overheads":
         return (*overhead_steps(overhead_cases(cases, world, job.model.num_layers), micro_batches(job),
-                                repeats=4), None)
+                                repeats=repeats or OVERHEAD_REPEATS), None)
     raise ProfileError(f"unknown profiling round {name!r}; one of {', '.join(ROUNDS)}.")
 
 
@@ -210,8 +220,9 @@ def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on
 
 def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFILE_BUDGET_S, force: bool = False,
                 progress: ProgressFn | None = None, keep_group: bool = False,
-                priority: Callable[[], Sequence[str]] | None = None) -> ProfileOutcome:
+                priority: Callable[[], Sequence[str]] | None = None, repeats: int | None = None) -> ProfileOutcome:
     """Profile the cluster ``job`` runs on (every rank calls this under torchrun); see the module docstring.
+    ``repeats`` (``cfp.profile_repeats``, ``--repeats``): every probe's timed repeats (:func:`round_steps`).
 
     ``priority`` (rank 0 calls it, only when a segments, overheads or recompute entry is missing): the partitions
     at micro-batch sizes to measure first (:func:`prioritized`), the layouts a search ranks best; planning at launch
@@ -238,7 +249,7 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFI
         plan = box[0]
         rounds_done = [RoundRecord.from_json(r) for r in plan["records"]]
         results = _run_rounds(job, plan, world=world, on_gpu=on_gpu, budget_s=budget_s, started=started,
-                              rank=env.rank, progress=progress)
+                              rank=env.rank, progress=progress, repeats=repeats)
         rounds_done += [record for record, _ in results.values()]
         db = path = None
         coverage: tuple[RoundRecord, ...] = ()
@@ -290,12 +301,13 @@ def completion_hint(outcome: ProfileOutcome, overrides: Sequence[str] = (), worl
 
 
 def _run_rounds(job: JobSpec, plan: dict[str, Any], *, world: int, on_gpu: bool, budget_s: float, started: float,
-                rank: int, progress: ProgressFn | None) -> dict[str, tuple[RoundRecord, Any]]:
+                rank: int, progress: ProgressFn | None, repeats: int | None = None
+                ) -> dict[str, tuple[RoundRecord, Any]]:
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     out: dict[str, tuple[RoundRecord, Any]] = {}
     todo = list(plan["rounds"])
     for name in todo:
-        steps, meaning, release = round_steps(name, job, world, on_gpu=on_gpu, device=device)
+        steps, meaning, release = round_steps(name, job, world, on_gpu=on_gpu, device=device, repeats=repeats)
         # only what the profile lacks, the entries the search needs first where the round's set-up allows
         pick = grouped_steps if name in ORDERED_ROUNDS else select_steps
         steps = pick(steps, plan["rounds"][name])

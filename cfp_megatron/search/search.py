@@ -2,25 +2,8 @@
 
 Every candidate gets a lower bound on its step time that costs a few arithmetic operations once the pass costs of its
 (TP, SP, CP, EP, micro-batch, recompute) group are known (:class:`~cfp_megatron.sim.pass_costs.CostCache`, one
-computation per group however many pipeline splits, interleaving and optimizer variants share it). With ``m``
-micro-batches, ``v`` chunks per rank and a stage of ``n`` layers,
-
-    chunk(n) = n / v x the cheaper layer's forward + backward + recompute
-    rank r   >= m x v x chunk(n_r) (+ m x (embedding + 2 x per-pass cost) on the first, + m x (head + 2 x per-pass
-                cost) on the last) + chunk(n_s) for every stage s before r (+ the embedding and 2 x per-pass once)
-
-A rank runs its ``m x v`` chunk passes one after another; a later rank cannot start before micro-batch 0 went
-forward through the stages before it, and after its last backward the same micro-batch still goes backward through
-them. The bound is the largest of the first, the last middle and the last rank's (the middle stages hold equal counts,
-so the last middle one bounds them all; a first/last stage of its own size is what ``n_r`` follows; a balanced
-layout's stages hold fewer layers the later they come and each rank's first chunk at least its mean, so its lightest
-middle stage stands for them). The first and the last rank's own passes also count their dense and MoE layers at
-each kind's cost (``m x (dense_r x dense + moe_r x MoE)``), where that is more than their count at the cheaper
-kind's (a DeepSeek-V3 stage is mostly MoE layers, its first three dense). The simulated
-step is the slowest rank's schedule plus its gradient sync and optimizer step, all non-negative, so the bound never
-exceeds it. Without pipelining the one rank runs everything; on a CPU with fewer cores than ranks the simulated
-schedule is bounded below by the mean rank's work only, which the bound then uses. Block recomputation (the fewest
-layers per chunk that fit, :func:`_fewest_block_layers`) counts one recomputed layer per chunk.
+computation per group however many pipeline splits, interleaving and optimizer variants share it). The bound and
+why it holds: :mod:`cfp_megatron.sim.bounds`.
 
 Candidates are visited in increasing (bound, key) order from a queue that holds whole groups until their own bound
 (the lightest first and last stage over the group's splits) reaches its head; each candidate is first checked for
@@ -42,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cfp_megatron.base.cfp_spec import CfpSpec
-from cfp_megatron.base.config import JobSpec, MlpPartition, OptimizerKind, ParallelSpec, Recompute
+from cfp_megatron.base.config import JobSpec, MlpPartition, ParallelSpec, Recompute
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.base.pipeline_layout import balanced_layout
@@ -64,15 +47,16 @@ from cfp_megatron.search.space import (
     recompute_parts,
     split_stage_counts,
 )
-from cfp_megatron.sim.kernels import grad_element_bytes
+from cfp_megatron.sim.bounds import GroupCosts, group_bound, group_costs, layer_terms, time_bound
 from cfp_megatron.sim.layout import Layout, place
-from cfp_megatron.sim.memory import element_bytes, in_flight, layer_activation_bytes
-from cfp_megatron.sim.moe_cost import COMM_SM_SHARE
+from cfp_megatron.sim.memory import in_flight, layer_activation_bytes
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache, cost_key
 from cfp_megatron.sim.prediction import GIB, MemoryBreakdown, Prediction
 from cfp_megatron.sim.primepar_cost import megatron_twin
-from cfp_megatron.sim.simulate import predict_memory, prepare_costs, simulate_unless_slower
+from cfp_megatron.sim.sharding import StateBytes, megatron_sharded
+from cfp_megatron.sim.simulate import predict_memory, prepare_costs, schedule_fixed_s, simulate_unless_slower
+from cfp_megatron.sim.terms import Overlaps
 
 _CANDIDATE, _OverMemory, _FAMILY_KEY = driver.CANDIDATE, driver.OverMemory, len(FAMILY_FIELDS)
 """The driver's candidate entry kind and over-memory outcome (local names: the search makes hundreds of thousands)."""
@@ -209,7 +193,7 @@ class MegatronSpace:
         groups, invalid_groups, size = _groups(space, job, measurements, options, cache)
         return cls(job=job, world=world, space=space, measurements=measurements, options=options, cache=cache,
                    limit=limit, groups=groups, invalid_groups=invalid_groups, size=size,
-                   param_bytes=_param_bytes(job))
+                   param_bytes=_param_bytes(job, options))
 
     def entries(self) -> list[driver.Entry]:
         """Every group, at its bound: groups are expanded when they reach the queue's head, so most never are."""
@@ -408,7 +392,7 @@ class _Bounded:
 
     group: Group
     """The candidates."""
-    costs: _GroupCosts
+    costs: GroupCosts
     """Their pass costs' bound terms."""
     bound: float
     """The group's bound."""
@@ -449,7 +433,7 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
     L = job.model.num_layers
     out: list[_Bounded] = []
     refused: list[Rejection] = []
-    by_key: dict[tuple, _GroupCosts | None] = {}
+    by_key: dict[tuple, GroupCosts | None] = {}
     kept: dict[tuple, _KeptBytes] = {}
     gpn = job.cluster.gpus_per_node or world
     size = 0
@@ -475,6 +459,8 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
             overlaps = (space.tp_overlap(tp=h.tp, sp=h.sp),
                         space.a2a_overlap(ep=h.ep, pp=pp, vpp=None, recompute=recompute))
             ckey += overlaps
+            if measurements is not None:  # the pipelined probe's term (GroupCosts.fixed_s) depends on the stages too
+                ckey += (pp, placed.pp_intra_node)
             if ckey not in by_key:
                 by_key[ckey] = _group_costs(Candidate.from_key(g.head + (1, 0, 0, False, False)), job, measurements,
                                             options, world, cache, refused, may_overlap=overlaps)
@@ -485,22 +471,10 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
             akey = (h.tp, h.sp, h.cp, h.etp, h.micro_batch, recompute, h.mlp)
             if akey not in kept:
                 kept[akey] = _KeptBytes(head=h, placed=placed, job=job, measurements=measurements, options=options)
-            layer_s, chunk_s = _layer_terms(costs, recompute)
-            if pp == 1 or costs.shared_cores:  # the candidates' own bound at its lowest (one chunk per rank)
-                bound = _time_bound(costs, layer_s, chunk_s, g.microbatches, pp, 1, L, L, L, L)
-            else:
-                first, last = _lightest_ends(L, pp, g.splits)
-                per_pass = chunk_s + 2 * costs.pass_s
-                bound = g.microbatches * max(first * layer_s + per_pass + costs.embedding_s,
-                                             last * layer_s + per_pass + costs.head_s)
+            ends = (L, L) if pp == 1 or costs.shared_cores else _lightest_ends(L, pp, g.splits)
+            bound = group_bound(costs, recompute == BLOCK, g.microbatches, pp, L, *ends)
             out.append(_Bounded(group=g, costs=costs, bound=bound, kept=kept[akey]))
     return out, refused, size
-
-
-def _layer_terms(costs: _GroupCosts, recompute: str) -> tuple[float, float]:
-    """Seconds per layer and per chunk a bound counts: block recomputation recomputes at least one layer per chunk,
-    the others run forward and backward only."""
-    return (costs.fb_s, costs.recompute_s) if recompute == BLOCK else (costs.layer_s, 0.0)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -513,31 +487,31 @@ def _lightest_ends(num_layers: int, pp: int, splits: tuple[tuple[int, int, int, 
 def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: tuple[float, float],
             cut: float = math.inf) -> list[tuple[float, int, tuple, float]]:
     """Queue entries of the group's candidates whose time bound is ``cut`` or less: ``(time bound, CANDIDATE, key,
-    memory bound)``; the memory bound counts the weights, gradients and, unless sharded, optimizer states of the
-    heaviest pipeline rank's layers (``param_bytes``: bytes per parameter with and without the distributed optimizer,
-    :func:`_param_bytes`), or those of the first rank's layers with the activations its in-flight micro-batches
-    keep at least (:attr:`_Bounded.kept` per layer), whichever is more."""
+    memory bound)``; the memory bound counts what every rank keeps of the weights, gradients and optimizer states of
+    the heaviest pipeline rank's layers whatever its data-parallel size (``param_bytes``: bytes per parameter with
+    and without the distributed optimizer, :func:`_param_bytes`), or those of the first rank's layers with the
+    activations its in-flight micro-batches keep at least (:attr:`_Bounded.kept` per layer), whichever is more."""
     m = job.model
     L = m.num_layers
     first_dense = m.moe_first_dense_layers if m.is_moe else None
     g, costs = bounded.group, bounded.costs
     pp = g.head.pp
-    layer_s, chunk_s = _layer_terms(costs, g.head.recompute)
+    layer_s, chunk_s = layer_terms(costs, g.head.recompute == BLOCK)
     out = []
     kind_s = costs.kind_fb_s if g.head.recompute == BLOCK else costs.kind_s
     kept_bytes = -1.0  # computed for the first candidate the cut leaves
     for split in g.splits:
         vpp = split[0]
         first, middle, last, dense_0, moe_0, dense_n, moe_n, loads = _split_facts(L, pp, split, first_dense)
-        bound = _time_bound(costs, layer_s, chunk_s, g.microbatches, pp, vpp, L, first, middle, last,
-                            dense_0 * kind_s[0] + moe_0 * kind_s[1], dense_n * kind_s[0] + moe_n * kind_s[1])
+        bound = time_bound(costs, layer_s, chunk_s, g.microbatches, pp, vpp, L, first, middle, last,
+                           dense_0 * kind_s[0] + moe_0 * kind_s[1], dense_n * kind_s[0] + moe_n * kind_s[1])
         if bound > cut:
             continue
         if kept_bytes < 0:
             kept_bytes = bounded.kept() if bounded.kept is not None else 0.0
-        params = 0.0 if options.fsdp else max(d * costs.dense_params + n * costs.moe_params for d, n in loads)
+        params = max(d * costs.dense_params + n * costs.moe_params for d, n in loads)
         # The first rank: its layers' weights and the activations of the micro-batches it holds (stage_memory).
-        first_params = 0.0 if options.fsdp else dense_0 * costs.dense_params + moe_0 * costs.moe_params
+        first_params = dense_0 * costs.dense_params + moe_0 * costs.moe_params
         activations = kept_bytes * (dense_0 + moe_0) * in_flight(0, pp, vpp, g.microbatches) / vpp
         out += [(bound, _CANDIDATE, g.head + split + (dopt,),
                  max(params * param_bytes[not dopt], first_params * param_bytes[not dopt] + activations))
@@ -545,13 +519,13 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: t
     return out
 
 
-def _param_bytes(job: JobSpec) -> tuple[float, float]:
-    """Bytes per parameter a rank holds at least with the distributed optimizer (weights, gradients) and
-    without it (and the optimizer states)."""
-    elem = element_bytes(job)
-    grad = grad_element_bytes(job)
-    opt_bytes = (4.0 if elem == 2 else 0.0) + (8.0 if job.train.optimizer is OptimizerKind.adam else 4.0)
-    return elem + grad, elem + grad + opt_bytes
+def _param_bytes(job: JobSpec, options: SimOptions) -> tuple[float, float]:
+    """Bytes per parameter a rank holds whatever its data-parallel size, with the distributed optimizer and without
+    it (:meth:`~cfp_megatron.sim.sharding.StateBytes.replicated`; none under FSDP)."""
+    state = StateBytes.megatron(job)
+    sharded, unsharded = (state.replicated(megatron_sharded(distributed_optimizer=dopt, fsdp=options.fsdp))
+                          for dopt in (True, False))
+    return sharded, unsharded
 
 
 def _bounds(space: Space, job: JobSpec, measurements: Measurements | None, options: SimOptions,
@@ -560,7 +534,7 @@ def _bounds(space: Space, job: JobSpec, measurements: Measurements | None, optio
     (bound, key) order; the groups the runtime's validation refuses; the number of candidates (what the search's
     queue yields, all at once)."""
     groups, refused, size = _groups(space, job, measurements, options, cache)
-    param_bytes = _param_bytes(job)
+    param_bytes = _param_bytes(job, options)
     out = [(bound, key, weights) for g in groups for bound, _, key, weights in _expand(g, job, options, param_bytes)]
     out.sort()
     return out, refused, size
@@ -626,32 +600,6 @@ def _layer_kept_bytes(head: GroupHead, placed: Layout, job: JobSpec, measurement
     return min(layer_activation_bytes(p, layout, options, moe=moe)[index] for p in plans for moe in kinds)
 
 
-def _time_bound(costs: _GroupCosts, layer_s: float, chunk_s: float, m: int, pp: int, vpp: int, num_layers: int,
-                first: int, middle: int, last: int, first_busy_s: float = 0.0, last_busy_s: float = 0.0) -> float:
-    """A lower bound on the step time of ``m`` micro-batches over ``pp`` stages of ``vpp`` chunks holding ``first``,
-    ``middle`` and ``last`` layers, each layer taking ``layer_s`` and each chunk ``chunk_s`` more (see the module
-    docstring); ``first_busy_s`` / ``last_busy_s``: what the first / last stage's layers take per micro-batch at
-    least by their kinds (a dense layer is cheaper than a MoE one), where more than ``first`` / ``last`` x
-    ``layer_s``."""
-    # One chunk's passes of a stage with n layers, at least: n * per_layer + chunk_s, and the per-pass cost on the
-    # first stage's first chunk and the last stage's last (inlined: the search calls this for every split of every
-    # group it expands).
-    per_layer, ends = layer_s / vpp, 2 * costs.pass_s
-    if pp == 1:
-        return m * (num_layers * per_layer + chunk_s + ends + costs.embedding_s + costs.head_s)
-    if costs.shared_cores:
-        return m * (num_layers / pp * layer_s + vpp * chunk_s + (costs.embedding_s + costs.head_s + 2 * ends) / pp)
-    # The first rank runs all its passes; a later rank also waits for micro-batch 0 to go forward through the stages
-    # before it and, after its last backward, for it to go back through them.
-    c_first, c_middle = first * per_layer + chunk_s, middle * per_layer + chunk_s
-    first_s = costs.embedding_s + ends  # the first chunk's extra per micro-batch
-    last_middle = m * vpp * c_middle + c_first + (pp - 3) * c_middle + first_s if pp > 2 else 0.0
-    first_busy = max(vpp * c_first, first_busy_s + vpp * chunk_s)
-    last_busy = max(vpp * (last * per_layer + chunk_s), last_busy_s + vpp * chunk_s)
-    return max(m * (first_busy + first_s), last_middle,
-               m * (last_busy + costs.head_s + ends) + c_first + (pp - 2) * c_middle + first_s)
-
-
 @functools.lru_cache(maxsize=8192)
 def _stage_layers(num_layers: int, pp: int, vpp: int, first: int, last: int, balanced: bool) -> tuple[int, int, int]:
     """Layers of the first, the lightest middle (the first's count when there are none) and the last pipeline stage
@@ -661,75 +609,28 @@ def _stage_layers(num_layers: int, pp: int, vpp: int, first: int, last: int, bal
     return counts[0], min(counts[1:-1]) if pp > 2 else counts[0], counts[-1]
 
 
-@dataclass(frozen=True, kw_only=True)
-class _GroupCosts:
-    """What the bounds of a group of candidates with equal pass costs are built from."""
-
-    layer_s: float
-    """Forward + backward + recompute seconds of the cheaper layer kind, per micro-batch."""
-    fb_s: float
-    """Forward + backward seconds of the cheaper layer kind, per micro-batch."""
-    recompute_s: float
-    """Recompute seconds of the cheaper layer kind, per micro-batch."""
-    dense_params: float
-    """Parameters of one dense layer on a rank, at least."""
-    moe_params: float
-    """Parameters of one MoE layer on a rank (its experts' share included), at least."""
-    pass_s: float
-    """The schedule's cost per pass."""
-    embedding_s: float
-    """Embedding forward + backward per micro-batch."""
-    head_s: float
-    """Head forward + backward per micro-batch."""
-    shared_cores: bool
-    """Whether the simulator may take the shared-cores schedule (CPU with fewer cores than ranks)."""
-    kind_s: tuple[float, float] = (0.0, 0.0)
-    """:attr:`layer_s` of each layer kind (dense, MoE): a rank's layers cost at least their counts times these."""
-    kind_fb_s: tuple[float, float] = (0.0, 0.0)
-    """:attr:`fb_s` of each layer kind (dense, MoE)."""
-
-
 def _group_costs(cand: Candidate, job: JobSpec, measurements: Measurements | None, options: SimOptions, world: int,
                  cache: CostCache, refused: list[Rejection], *,
-                 may_overlap: tuple[bool, bool] = (False, False)) -> _GroupCosts | None:
-    """The costs a group's bound counts, from its representative ``cand`` (no overlaps); ``may_overlap``: whether
-    its candidates may overlap their TP communication (which leaves at least ``1 / tp`` of it) and their expert
-    all-to-all (at least :data:`~cfp_megatron.sim.moe_cost.COMM_SM_SHARE` of it)."""
+                 may_overlap: tuple[bool, bool] = (False, False)) -> GroupCosts | None:
+    """The costs a group's bound counts (:func:`~cfp_megatron.sim.bounds.group_costs`), from its representative
+    ``cand`` (no overlaps); ``may_overlap``: whether its candidates may overlap their TP communication and their
+    expert all-to-all; ``None`` (and a rejection in ``refused``) where the runtime's validation refuses it."""
     # A valid split for the pass costs (they do not depend on the split): the even one, or the balanced one where
     # the stages do not divide the layers.
     rep = dataclasses.replace(cand, vpp=1, distributed_optimizer=False, first_stage_layers=0, last_stage_layers=0,
                               balanced=job.model.num_layers % cand.pp != 0,
                               recompute=Recompute.full.value if cand.recompute == BLOCK else cand.recompute)
     try:
-        parts = prepare_costs(rep.job(job), job.cluster, measurements, options=options, world_size=world, cache=cache)
+        rep_job = rep.job(job)
+        parts = prepare_costs(rep_job, job.cluster, measurements, options=options, world_size=world, cache=cache)
+        # what the pipelined probe's calibration adds to every schedule of the group (it too depends on the
+        # partition, the micro-batch and where the stages sit only)
+        fixed_s = schedule_fixed_s(rep_job, job.cluster, measurements, options=options, world_size=world, cache=cache)
     except ConfigError as err:
         refused.append(Rejection(what=cand.describe(world).rsplit(" rc=", 1)[0],
                                  reason="; ".join(i.problem for i in err.issues)))
         return None
-    # the biases and norms the count leaves out add at least -2 h (cfp_megatron.sim.memory.layer_extra_params)
-    slack = 2.0 * job.model.hidden_size
-    # A PrimePar candidate runs Megatron's MLP on some layers only where PrimePar's layer is the faster
-    # (_primepar_layers): the plan's own dense layer still bounds it.
-    kinds = (parts.dense, parts.moe)
-    # What the overlaps a group's candidates may turn on can hide, per kind, of its forward + backward and of its
-    # recomputation: TP overlap leaves at least 1 / tp of the TP communication, the expert overlap its SM share.
-    hideable, hideable_rec = [0.0, 0.0], [0.0, 0.0]
-    tp_overlap, a2a_overlap = may_overlap
-    if tp_overlap:
-        for i, kind in enumerate(kinds):
-            hideable[i] += (1.0 - 1.0 / cand.tp) * (kind.forward.tp_comm_s + kind.backward.tp_comm_s)
-            hideable_rec[i] += (1.0 - 1.0 / cand.tp) * kind.recompute.tp_comm_s
-    if a2a_overlap:
-        hideable[1] += (1.0 - COMM_SM_SHARE) * (parts.moe.forward.ep_comm_s + parts.moe.backward.ep_comm_s)
-    return _GroupCosts(
-        layer_s=min(c.total_s - h - r for c, h, r in zip(kinds, hideable, hideable_rec, strict=True)),
-        fb_s=min(c.forward.total_s + c.backward.total_s - h for c, h in zip(kinds, hideable, strict=True)),
-        recompute_s=min(c.recompute.total_s - r for c, r in zip(kinds, hideable_rec, strict=True)),
-        dense_params=max(parts.dense.params - slack, 0.0),
-        moe_params=max(parts.moe.params - slack, 0.0),
-        pass_s=parts.per_pass.total_s,
-        embedding_s=sum(p.total_s for p in parts.embedding), head_s=sum(p.total_s for p in parts.head),
-        shared_cores=measurements is not None and parts.overheads is not None
-        and measurements.busy_slowdown() is not None,
-        kind_s=tuple(c.total_s - h - r for c, h, r in zip(kinds, hideable, hideable_rec, strict=True)),
-        kind_fb_s=tuple(c.forward.total_s + c.backward.total_s - h for c, h in zip(kinds, hideable, strict=True)))
+    shared_cores = (measurements is not None and parts.overheads is not None
+                    and measurements.busy_slowdown() is not None)
+    return group_costs(parts, Overlaps(tp=cand.tp, tp_comm=may_overlap[0], expert_a2a=may_overlap[1]),
+                       hidden=job.model.hidden_size, shared_cores=shared_cores, fixed_s=fixed_s)

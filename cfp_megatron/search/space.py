@@ -16,7 +16,6 @@ from typing import NamedTuple
 
 from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import (
-    AttentionKind,
     JobSpec,
     MlpPartition,
     ModelSpec,
@@ -25,19 +24,15 @@ from cfp_megatron.base.config import (
     Recompute,
     RecomputeMethod,
     RecomputeModule,
-    TokenDispatcher,
     resolve_precision,
 )
 from cfp_megatron.base.errors import ConfigIssue
-from cfp_megatron.base.parallel_dims import (
-    data_parallel_size,
-    expert_data_parallel_size,
-    sequence_parallel_required,
-)
+from cfp_megatron.base.layout_rules import batch, moe, pipeline, recompute, sequence, tensor
+from cfp_megatron.base.layout_rules.problem import briefs
+from cfp_megatron.base.parallel_dims import data_parallel_size, expert_data_parallel_size, model_parts
 from cfp_megatron.base.pipeline_layout import balanced_layout
 from cfp_megatron.base.pipeline_split import split_issues, stage_counts
 from cfp_megatron.model.options import PartitionOption, SizeContext, choice_fits, model_options, size_reasons
-from cfp_megatron.sim.calibration import generation
 
 
 @dataclass(frozen=True, kw_only=True, order=True)
@@ -241,18 +236,19 @@ def recompute_parts(value: str, user_modules: str | None = None) -> tuple[Recomp
     return recompute, user_modules if recompute is Recompute.selective else None
 
 
+@functools.lru_cache(maxsize=64)
 def offered_modules(model: ModelSpec, *, te_available: bool) -> str | None:
     """The submodules the search offers to recompute besides core attention, where the user names none: a MoE
     model's norms and expert activations (cheap to recompute, and a routed expert's activation input is among the
     largest tensors a MoE layer keeps), with MLA's up-projections on an MLA model: what NVIDIA's H100 MoE recipes
     recompute (GPT-OSS: ``layernorm+moe_act``). ``None`` for a dense model, or without Transformer Engine (the
-    experts' activation is recomputed only in its grouped-GEMM experts)."""
-    if not model.is_moe or not te_available:
-        return None
-    modules = [RecomputeModule.moe_act, RecomputeModule.layernorm]
-    if model.attention is AttentionKind.mla:
-        modules.append(RecomputeModule.mla_up_proj)
-    return "+".join(m.value for m in modules)
+    experts' activation is recomputed only in its grouped-GEMM experts): the offer is those of them that the
+    recomputation rules allow (:func:`~cfp_megatron.base.layout_rules.recompute.modules_fit`), and none without
+    ``moe_act``."""
+    parts = model_parts(model)
+    offer = [m.value for m in (RecomputeModule.moe_act, RecomputeModule.layernorm, RecomputeModule.mla_up_proj)
+             if not recompute.modules_fit({m.value}, parts, te=te_available)]
+    return "+".join(offer) if RecomputeModule.moe_act.value in offer else None
 
 MAX_STAGE_DEFICIT = 2
 """How many model chunks of layers fewer than a middle stage the first or the last pipeline stage may hold."""
@@ -378,10 +374,11 @@ class Space:
 
     def tp_overlap(self, *, tp: int, sp: bool) -> bool:
         """Whether a candidate may overlap its TP communication (Transformer Engine's userbuffers): TP > 1 with
-        sequence parallelism, Transformer Engine (or a preflight that assumes it) on Hopper or later (its
-        comm-GEMM overlap targets them; NVIDIA's recipes turn it on there), and :attr:`gpu_overlap`."""
+        sequence parallelism, Transformer Engine (or a preflight that assumes it) on a cluster that supports it
+        (``cluster.supports_tp_overlap``: Hopper or later, whose comm-GEMM overlap NVIDIA's recipes turn on), and
+        :attr:`gpu_overlap`."""
         return (self.gpu_overlap and tp > 1 and sp and self.te_available
-                and generation(self.job.cluster) in ("hopper", "blackwell"))
+                and self.job.cluster.supports_tp_overlap is True)
 
     def a2a_overlap(self, *, ep: int, pp: int, vpp: int | None, recompute: str) -> bool:
         """Whether a candidate may overlap its expert all-to-all with another micro-batch: a MoE model with EP > 1
@@ -389,13 +386,15 @@ class Space:
         pipelined (``vpp=None``: some chunk count may be), and :attr:`gpu_overlap`."""
         job = self.job
         model = job.model
-        if not self.gpu_overlap or not model.is_moe or ep <= 1:
-            return False
-        if model.moe_token_dispatcher is TokenDispatcher.allgather or job.parallel.moe_shared_expert_overlap:
+        if not self.gpu_overlap or not model.is_moe:
             return False
         if resolve_precision(job.train.precision, on_gpu=True) is Precision.fp32:
             return False
-        return recompute_parts(recompute)[0] is not Recompute.full and (pp == 1 or vpp != 1)
+        return not (moe.a2a_overlap_needs_ep(True, ep)
+                    or moe.overlap_dispatcher(overlaps=["moe_a2a_overlap"], dispatcher=model.moe_token_dispatcher.value)
+                    or moe.a2a_overlap_schedule(a2a_overlap=True, shared_overlap=job.parallel.moe_shared_expert_overlap,
+                                                full_recompute=recompute_parts(recompute)[0] is Recompute.full,
+                                                pp=pp, vpp=vpp))
 
     def micro_batches(self, family: Family) -> list[int]:
         """Micro-batch sizes that divide the family's per-rank batch."""
@@ -406,15 +405,15 @@ class Space:
 
     def sp_values(self, family: Family) -> list[bool]:
         """Sequence-parallel settings valid for the family."""
-        m, seq = self.job.model, self.job.train.seq_length
-        if family.tp == 1:
-            values = [False]
-        else:
-            values = [True] if (seq // family.cp) % family.tp == 0 else []
-            if not sequence_parallel_required(m, family.tp):
-                values.append(False)
         allowed = self.cfp.allowed("sp")
-        return [v for v in values if allowed is None or v in allowed]
+        return [v for v in (True, False) if not self.sp_problems(family, v) and (allowed is None or v in allowed)]
+
+    def sp_problems(self, family: Family, sp: bool) -> list[str]:
+        """Why sequence parallelism on (``sp``) or off does not fit the family (the tensor and sequence rules)."""
+        m, seq = self.job.model, self.job.train.seq_length
+        return briefs([*tensor.sequence_parallel_needs_tp(sp, family.tp),
+                       *sequence.sequence_parallel_split(sp, seq, family.cp, family.tp),
+                       *sequence.sequence_parallel_missing(sp, m.is_moe, family.tp)])
 
     def pipeline_splits(self, family: Family, microbatches: int) -> list[tuple[int, int, int, bool]]:
         """``(vpp, first_stage_layers, last_stage_layers, balanced)`` choices of the family (0: as the middle
@@ -431,7 +430,10 @@ class Space:
         chunk per rank and with the most (``num_layers // pp``, one or two layers each, where the interleaved
         schedule's bubble is smallest); the chunk counts between are left out to keep the search fast (each would be
         a candidate of every group)."""
-        values = _pipeline_splits(self.job.model.num_layers, family.pp, microbatches % family.pp == 0)
+        gbs = self.job.train.global_batch_size
+        interleave = not pipeline.interleaved_microbatches(microbatches=microbatches, pp=family.pp, vpp=2,
+                                                           global_batch=gbs, per_step=gbs // microbatches)
+        values = _pipeline_splits(self.job.model.num_layers, family.pp, interleave)
         if not self.cfp.constraints.uneven_stages:
             values = tuple(v for v in values if v[1:] == (0, 0, False))
         allowed = self.cfp.allowed("vpp")
@@ -470,11 +472,14 @@ class Space:
 
     def dopt_values(self, family: Family) -> list[bool]:
         """Distributed-optimizer settings (it changes nothing without data parallelism)."""
-        dp = family.dp(self.world)
-        edp = expert_data_parallel_size(self.world, family.etp, family.ep, family.pp)
-        values = [False, True] if dp > 1 or (self.job.model.is_moe and edp > 1) else [False]
         allowed = self.cfp.allowed("distributed_optimizer")
-        return [v for v in values if allowed is None or v in allowed]
+        return [v for v in (False, True) if not self.dopt_problems(family, v) and (allowed is None or v in allowed)]
+
+    def dopt_problems(self, family: Family, dopt: bool) -> list[str]:
+        """Why the distributed optimizer on (``dopt``) does not fit the family (it shards over data parallelism)."""
+        expert_dp = (expert_data_parallel_size(self.world, family.etp, family.ep, family.pp)
+                     if self.job.model.is_moe else None)
+        return briefs(batch.sharded_optimizer(dopt, dp=family.dp(self.world), expert_dp=expert_dp))
 
     def candidates(self, family: Family) -> Iterator[Candidate]:
         """Every candidate of ``family``, in a fixed order."""
@@ -551,14 +556,11 @@ def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = 
             if cfp.constraints.tp_within_node and tp > domain else [])
 
     def cp_reasons(cp: int) -> list[str]:
-        why = size_reasons(options, "cp", m, cp, sizes_only)
-        if cp > 1 and not te_available:
-            why.append("context parallelism needs Transformer Engine's attention, which this target lacks")
-        return why
+        return size_reasons(options, "cp", m, cp, sizes_only) + briefs(sequence.context_needs_te(cp, te_available))
 
     def pp_reasons(pp: int) -> list[str]:
-        if m.num_layers < pp:
-            return [f"{m.num_layers} layers do not fill {pp} stages"]
+        if filled := pipeline.stages_filled(m.num_layers, pp):
+            return briefs(filled)
         if not cfp.constraints.uneven_stages and m.num_layers % pp:
             return [f"{m.num_layers} layers do not split evenly into {pp} stages (cfp.constraints.uneven_stages="
                     "false)"]
@@ -579,24 +581,24 @@ def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = 
                         rejected, world)
     else:  # a pin of expert sizes above 1 on a dense model leaves nothing, said as such
         for name in ("ep", "etp"):
-            rejected += [Rejection(what=f"{name}={v}", reason=f"{m.name} is a dense model: it has no experts to split")
-                         for v in cfp.allowed(name) or [] if v != 1]
+            rejected += [Rejection(what=f"{name}={v}", reason=why) for v in cfp.allowed(name) or []
+                         for why in briefs(moe.dense_model(model=m.name, a2a_overlap=False, shared_overlap=False,
+                                                           **{"ep": 1, "etp": None, name: v}))]
         eps, etps = _allowed(cfp, "ep", [1], rejected, world), _allowed(cfp, "etp", [1], rejected, world)
 
     families = []
     for tp in tps:
         for cp in cps:
             for pp in pps:
-                if world % (tp * cp * pp):
+                if batch.model_parallel_world(world, tp, cp, pp):
                     continue
                 dp = data_parallel_size(world, tp, cp, pp)
-                if t.global_batch_size % dp:
-                    rejected.append(Rejection(what=f"tp{tp} cp{cp} pp{pp}", reason=f"the global batch "
-                                              f"{t.global_batch_size} is not divisible by the DP size {dp}"))
+                if why := briefs(batch.global_batch(t.global_batch_size, 1, dp)):  # the micro-batch sizes divide
+                    rejected.append(Rejection(what=f"tp{tp} cp{cp} pp{pp}", reason=why[0]))  # what is left
                     continue
                 for ep in eps:
                     for etp in etps:
-                        if world % (etp * ep * pp):
+                        if moe.expert_world(world, etp, ep, pp):
                             continue
                         if m.is_moe and etp not in (1, tp) and cfp.allowed("etp") is None:
                             continue  # by default expert TP is 1 or the dense TP (Megatron's usual choices)
@@ -638,7 +640,7 @@ def knob_reasons(space: Space, name: str) -> list[str]:
     micro-batch, SP, vpp, MLP, distributed optimizer), one line per distinct cause, with the numbers."""
     allowed = space.cfp.allowed(name) or []
     job, world = space.job, space.world
-    gbs, seq = job.train.global_batch_size, job.train.seq_length
+    gbs = job.train.global_batch_size
     out: dict[str, None] = {}
     per_rank_of: dict[int, dict[int, int]] = {}  # micro-batch -> {DP size: sequences per DP rank} it does not divide
     for f in space.families:
@@ -650,17 +652,11 @@ def knob_reasons(space: Space, name: str) -> list[str]:
                     out[f"{v} is above cfp.constraints.max_micro_batch={space.cfp.constraints.max_micro_batch}"] = None
                 elif per_rank % v:
                     per_rank_of.setdefault(v, {})[dp] = per_rank
-            elif name == "sp" and v and f.tp == 1:
-                out["sequence parallelism splits over TP, and every layout left has TP 1"] = None
-            elif name == "sp" and v and (seq // f.cp) % f.tp:
-                out[f"sequence parallelism needs the {seq // f.cp} tokens per CP rank (train.seq_length={seq}) "
-                    f"divisible by TP {f.tp}"] = None
-            elif name == "sp" and not v and sequence_parallel_required(job.model, f.tp):
-                out[f"Megatron-Core's MoE layer trains under TP {f.tp} only with sequence parallelism"] = None
-            elif name == "distributed_optimizer" and v and dp == 1 and not (
-                    job.model.is_moe and expert_data_parallel_size(world, f.etp, f.ep, f.pp) > 1):
-                out[f"the distributed optimizer shards over data parallelism, and tp{f.tp} cp{f.cp} pp{f.pp} leaves "
-                    "DP 1"] = None
+            elif name == "sp" and (why := space.sp_problems(f, v)):
+                # the TP rule's clause says why for the family; all that are left have TP 1 where it is the reason
+                out[why[0] + (", and every layout left has TP 1" if f.tp == 1 else "")] = None
+            elif name == "distributed_optimizer" and (why := space.dopt_problems(f, v)):
+                out[f"{why[0]}, and tp{f.tp} cp{f.cp} pp{f.pp} leaves DP 1"] = None
             elif name == "vpp" and v > 1:
                 out.update(dict.fromkeys(_vpp_reasons(space, f, v)))
             elif name == "mlp" and v is MlpPartition.primepar:
@@ -680,11 +676,12 @@ def knob_reasons(space: Space, name: str) -> list[str]:
 def _vpp_reasons(space: Space, f: Family, vpp: int) -> list[str]:
     """Why ``vpp`` model chunks per rank do not fit family ``f`` at any micro-batch size."""
     layers = space.job.model.num_layers
-    if f.pp == 1:
-        return [f"interleaving (vpp {vpp}) needs pipeline parallelism, and tp{f.tp} cp{f.cp} has PP 1"]
-    counts = {space.job.train.global_batch_size // (f.dp(space.world) * mb)
-              for mb in _divisors(space.job.train.global_batch_size // f.dp(space.world))}
-    if not any(m % f.pp == 0 for m in counts):
+    if why := briefs(pipeline.interleave_needs_pp(vpp, f.pp)):
+        return [f"{why[0]}, and tp{f.tp} cp{f.cp} has PP 1"]
+    gbs, dp = space.job.train.global_batch_size, f.dp(space.world)
+    counts = {gbs // (dp * mb) for mb in _divisors(gbs // dp)}
+    if all(pipeline.interleaved_microbatches(microbatches=n, pp=f.pp, vpp=vpp, global_batch=gbs, per_step=gbs // n)
+           for n in counts):
         return [f"the interleaved schedule needs the micro-batches per step ({', '.join(map(str, sorted(counts)))}) "
                 f"to be a multiple of PP {f.pp}"]
     return [f"{layers} layers do not split into {f.pp} stages x {vpp} chunks"]

@@ -1,14 +1,25 @@
 """Fitted hardware efficiencies: the only tuned numbers of the simulator, a few shares of nominal figures per GPU
-generation (never per model, per run or per row). What they are and how they were fitted: docs/simulator.md,
-"calibration.py".
+generation (never per model, per run or per row). The numbers are data, ``efficiencies.json`` beside this module,
+which the fitting bench writes (``python bench/validate.py --fit --write``); a cluster's generation is what its preset
+states (``cluster.generation``), never guessed from its name. What they are and how they were fitted:
+docs/simulator.md, "calibration.py".
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from cfp_megatron.base.config import ClusterSpec
+from cfp_megatron.base.errors import CfpError
+
+EFFICIENCIES_FILE = Path(__file__).with_name("efficiencies.json")
+"""The fitted efficiencies, their sources and which generations borrow another's (written by bench/validate.py)."""
+UNKNOWN = "unknown"
+"""The generation :func:`generation` names for a cluster that states none."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,48 +52,133 @@ class Efficiency:
         return dataclasses.replace(self, **changes)
 
 
-FITTED: dict[str, Efficiency] = {
-    "ampere": Efficiency(gemm=0.799, gemm_fp8=0.6, attention=0.357, memory=0.972, layer_overhead_s=1e-06,
-                         moe_token_elements=22.7, optimizer_bytes_per_param=122.0, intra_node_comm=0.806,
-                         inter_node_comm=0.75),
-    "hopper": Efficiency(gemm=0.562, gemm_fp8=0.558, attention=0.305, memory=0.779, layer_overhead_s=6.75e-06,
-                         moe_token_elements=22.7, optimizer_bytes_per_param=200.0, intra_node_comm=1.0,
-                         inter_node_comm=1.0),
-}
-"""Fitted efficiencies per GPU generation (how: docs/simulator.md, "calibration.py")."""
+GENERATION_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Efficiency))
+"""Fields the fitting script may tune (every field of :class:`Efficiency`)."""
 
-FITTED["blackwell"] = FITTED["hopper"]
-FITTED["other"] = FITTED["hopper"]
-# AMD Instinct (RCCL): no calibration rows either. CDNA 3 (MI300X, MI325X) and CDNA 4 (MI355X) are generations of their
-# own so that rows can be fitted to them later; until then they reuse Hopper's shares of peak and bandwidth, an
-# assumption (ROCm's GEMM and attention kernels and RCCL over Infinity Fabric may reach other shares).
-FITTED["cdna3"] = FITTED["hopper"]
-FITTED["cdna4"] = FITTED["hopper"]
 
-GENERATION_FIELDS: tuple[str, ...] = ("gemm", "gemm_fp8", "attention", "memory", "layer_overhead_s",
-                                      "moe_token_elements", "optimizer_bytes_per_param", "intra_node_comm",
-                                      "inter_node_comm")
-"""Fields the fitting script may tune."""
+class EfficiencyFileError(CfpError, ValueError):
+    """An efficiencies file that does not hold what :class:`EfficiencyTable` reads; the message names the file."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitSource:
+    """Where one generation's fitted efficiencies come from."""
+
+    written_by: str
+    """The command that fitted them."""
+    date: str
+    """When it ran (ISO date)."""
+    data: str
+    """The published runs they were fitted on."""
+    rows: int | None = None
+    """How many of those runs were of this generation; ``None``: not recorded."""
+    note: str = ""
+    """Anything else a reader of the file should know."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Borrowed:
+    """A generation without fitted efficiencies of its own, and whose it uses."""
+
+    uses: str
+    """The fitted generation whose efficiencies it uses."""
+    why: str
+    """Why that one (the assumption made)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EfficiencyTable:
+    """The content of an efficiencies file (:data:`EFFICIENCIES_FILE`)."""
+
+    fitted: dict[str, Efficiency]
+    """Fitted efficiencies per generation."""
+    sources: dict[str, FitSource]
+    """Where each fitted generation's come from (the same keys as ``fitted``)."""
+    borrowed: dict[str, Borrowed]
+    """Generations that use a fitted generation's efficiencies."""
+    fallback: str
+    """The fitted generation a cluster whose generation is missing or unknown is priced with (with a warning)."""
+
+    def by_generation(self) -> dict[str, Efficiency]:
+        """Generation -> its efficiencies, a borrowing generation sharing the object of the one it uses."""
+        table = dict(self.fitted)
+        table.update({gen: self.fitted[b.uses] for gen, b in self.borrowed.items()})
+        return table
+
+    def to_json(self) -> dict[str, Any]:
+        """The file's content (:meth:`from_json` reads it back)."""
+        return {
+            "about": "Fitted hardware efficiencies per GPU generation, shares of each device's nominal figures "
+                     "(cfp_megatron/sim/calibration.py; what they mean and how they are fitted: docs/simulator.md, "
+                     "\"calibration.py\"). Written by python bench/validate.py --fit --write: do not edit by hand.",
+            "fallback": self.fallback,
+            "fitted": {gen: {"source": dataclasses.asdict(self.sources[gen]),
+                             "efficiency": dataclasses.asdict(eff)} for gen, eff in self.fitted.items()},
+            "borrowed": {gen: dataclasses.asdict(b) for gen, b in self.borrowed.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], *, where: str = "efficiencies") -> EfficiencyTable:
+        """The table of :meth:`to_json`'s content; :class:`EfficiencyFileError` naming ``where`` and what is wrong
+        (a missing or unknown field, a borrowing or fallback generation that is not fitted)."""
+        try:
+            fitted = {gen: Efficiency(**entry["efficiency"]) for gen, entry in data["fitted"].items()}
+            sources = {gen: FitSource(**entry["source"]) for gen, entry in data["fitted"].items()}
+            borrowed = {gen: Borrowed(**entry) for gen, entry in data.get("borrowed", {}).items()}
+            fallback = str(data["fallback"])
+        except (KeyError, TypeError, AttributeError) as err:
+            raise EfficiencyFileError(f"{where}: not an efficiencies file ({type(err).__name__}: {err}); write it "
+                                      "with python bench/validate.py --fit --write") from None
+        missing = sorted({b.uses for b in borrowed.values()} - set(fitted) | ({fallback} - set(fitted)))
+        if missing:
+            raise EfficiencyFileError(f"{where}: {', '.join(missing)} is borrowed or the fallback but not fitted")
+        return cls(fitted=fitted, sources=sources, borrowed=borrowed, fallback=fallback)
+
+
+def efficiencies_text(table: EfficiencyTable) -> str:
+    """The efficiencies file's text for ``table`` (what :func:`read_efficiencies` reads)."""
+    return json.dumps(table.to_json(), indent=2) + "\n"
+
+
+def read_efficiencies(path: Path = EFFICIENCIES_FILE) -> EfficiencyTable:
+    """The efficiencies file at ``path``."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise EfficiencyFileError(f"{path}: cannot be read as JSON ({err})") from None
+    return EfficiencyTable.from_json(data, where=str(path))
+
+
+TABLE = read_efficiencies()
+"""The shipped efficiencies (:data:`EFFICIENCIES_FILE`)."""
+FITTED: dict[str, Efficiency] = TABLE.by_generation()
+"""Efficiencies per GPU generation, fitted or borrowed (how: docs/simulator.md, "calibration.py")."""
 
 
 def generation(cluster: ClusterSpec) -> str:
-    """GPU generation of a cluster from its device name: ``ampere`` (A100 40/80 GB, A800, A30), ``hopper`` (H100
-    SXM/NVL, H200, H800, H20, GH200), ``blackwell`` (B100, B200, B300, GB200, GB300), ``cdna3`` (MI300X, MI325X),
-    ``cdna4`` (MI350X, MI355X) or ``other``."""
-    name = cluster.device_name.upper()
-    if "A100" in name or "A800" in name or "A30" in name:
-        return "ampere"
-    if "H100" in name or "H20" in name or "H800" in name:  # "H20" also matches H200 and GH200
-        return "hopper"
-    if "B200" in name or "B100" in name or "B300" in name:  # also GB200, GB300
-        return "blackwell"
-    if "MI300" in name or "MI325" in name:
-        return "cdna3"
-    if "MI350" in name or "MI355" in name:
-        return "cdna4"
-    return "other"
+    """The GPU generation ``cluster`` states (``cluster.generation``: ``ampere``, ``hopper``, ``blackwell``,
+    ``cdna3``, ``cdna4``, ``cpu``...), or :data:`UNKNOWN` where it states none."""
+    return cluster.generation or UNKNOWN
 
 
 def efficiency_for(cluster: ClusterSpec) -> Efficiency:
-    """The fitted efficiencies that apply to ``cluster`` (its generation's, :func:`generation`)."""
-    return FITTED[generation(cluster)]
+    """The efficiencies that apply to ``cluster``: its generation's (:func:`generation`), else the file's fallback
+    generation's, which :func:`identity_warnings` says in the plan's output."""
+    return FITTED.get(generation(cluster)) or FITTED[TABLE.fallback]
+
+
+def identity_warnings(cluster: ClusterSpec) -> list[str]:
+    """What the plan's output warns about a cluster that does not say what it is: a generation missing or without
+    efficiencies (the fallback's are used instead), and on GPUs no word on TP communication overlap (left off)."""
+    notes = []
+    gen = cluster.generation
+    if gen is None or gen not in FITTED:
+        said = "states no cluster.generation" if gen is None else f"states cluster.generation={gen}, which has no " \
+                                                                   "fitted efficiencies"
+        notes.append(f"warning: cluster {cluster.name} ({cluster.device_name}) {said}: the simulator prices it with "
+                     f"{TABLE.fallback}'s efficiencies instead (cfp_megatron/sim/efficiencies.json), a guess; set "
+                     f"cluster.generation to one of {', '.join(sorted(FITTED))}")
+    if cluster.supports_tp_overlap is None and not cluster.on_cpu:
+        notes.append(f"warning: cluster {cluster.name} does not state cluster.supports_tp_overlap: no plan overlaps "
+                     "its TP communication; set it (true on Hopper and later)")
+    return notes

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cfp_megatron.base.config import Activation, AttentionKernel, AttentionKind, JobSpec, MlpPartition, RecomputeModule
+from cfp_megatron.base.config import Activation, AttentionKernel, AttentionKind, JobSpec, MlpPartition
 from cfp_megatron.base.flops import attention_params, causal_score_share, mlp_params
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
-from cfp_megatron.sim.cp_cost import chunk_slowdown, cp_cost
-from cfp_megatron.sim.kernels import KernelModel, grad_element_bytes
+from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layout import Layout
-from cfp_megatron.sim.moe_cost import MoeCost, moe_block_cost, overlapped
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.primepar_cost import MlpCost, ffn_gemms, mlp_activation_elements, primepar_mlp_cost
+from cfp_megatron.sim.terms.context_parallel import chunk_slowdown, cp_cost
+from cfp_megatron.sim.terms.data_parallel import fsdp_comm
+from cfp_megatron.sim.terms.expert_dispatch import expert_comm, moe_block_cost
+from cfp_megatron.sim.terms.recompute import selective_recompute
+from cfp_megatron.sim.terms.tensor_parallel import tp_pass_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,37 +159,25 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
             tp_ops = 2  # attention's all-reduce per pass; the MLP adds its exposed ring and all-gather below
     elementwise = kernels.memory((replicated_elements + split_elements) * tokens * elem_bytes)
 
-    # TP / SP collectives: per pass, tp_ops/2 all-reduces, or as many all-gathers plus reduce-scatters with SP.
-    act_bytes = tokens * hidden * elem_bytes
-    if tp > 1:
-        if sp:
-            tp_pass = (tp_ops // 2) * (costs.seconds(Collective.all_gather, act_bytes, tp, layout.tp_per_node)
-                                       + costs.seconds(Collective.reduce_scatter, act_bytes, tp, layout.tp_per_node))
-        else:
-            tp_pass = (tp_ops // 2) * costs.seconds(Collective.all_reduce, act_bytes, tp, layout.tp_per_node)
-    else:
-        tp_pass = 0.0
-    if tp_pass and (options.tp_comm_overlap or parallel.tp_comm_overlap):
-        covered_s = attn_gemm + (mlp_gemm if tp_ops == 4 else 0.0)
-        tp_pass = max(tp_pass - covered_s, 0.0) + tp_pass / tp
+    # TP / SP collectives (the tensor-parallel term), less what the GEMMs hide under TP communication overlap.
+    tp_pass = tp_pass_s(layout, costs, act_bytes=tokens * hidden * elem_bytes, tp_ops=tp_ops,
+                        overlap=parallel.tp_comm_overlap,
+                        covered_s=attn_gemm + (mlp_gemm if tp_ops == 4 else 0.0))
 
     # Context parallelism: the K/V exchange of the plan's CP type, what the attention core does not hide.
     cp_exchange = cp_cost(job, layout, costs, elem_bytes=elem_bytes, q_width=head_dims, kv_width=kv_width,
                           core_fwd_s=core_fwd, core_bwd_s=core_bwd)
     cp_fwd, cp_bwd = cp_exchange.forward_s, cp_exchange.backward_s
 
-    # FSDP: gather the layer's weights before forward and backward, scatter its gradients after backward.
+    # FSDP (the data-parallel term): gather the layer's weights before forward and backward, scatter its gradients
+    # after backward.
     fsdp_fwd = fsdp_bwd = 0.0
     fwd_compute = attn_gemm + mlp_gemm + elementwise
     bwd_compute = 2.0 * (attn_gemm + mlp_gemm) + 2.0 * elementwise
-    if options.fsdp and dims.dp > 1:
-        shard_bytes = params * elem_bytes
-        gather_s = costs.seconds(Collective.all_gather, shard_bytes, dims.dp * dims.cp, layout.dp_per_node)
-        scatter_s = costs.seconds(Collective.reduce_scatter, params * grad_element_bytes(job), dims.dp * dims.cp,
-                                  layout.dp_per_node)
-        # What the layer's computation hides still takes the SM share its kernels run on (moe_cost.overlapped).
-        fsdp_fwd = sum(overlapped(gather_s, fwd_compute + core_fwd))
-        fsdp_bwd = sum(overlapped(gather_s + scatter_s, bwd_compute + core_bwd))
+    if options.fsdp:
+        fsdp_fwd, fsdp_bwd = fsdp_comm(job, layout, costs, params=params, elem_bytes=elem_bytes,
+                                       forward_window_s=fwd_compute + core_fwd,
+                                       backward_window_s=bwd_compute + core_bwd)
 
     ep_fwd = ep_bwd = 0.0
     ep_alone = (0.0, 0.0)
@@ -195,9 +186,9 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         # The experts' share of the layer's computation (their GEMMs and element-wise traffic); the rest is the
         # attention side (attention, norms, router): the two windows moe_a2a_overlap hides the exchange behind.
         mlp_fwd = mlp_gemm + kernels.memory(moe_block.elements_per_token * tokens * elem_bytes)
-        ep_fwd, ep_bwd = _expert_comm(job, moe_block, attention_s=(fwd_compute + core_fwd - mlp_fwd,
-                                                                   bwd_compute + core_bwd - 2.0 * mlp_fwd),
-                                      experts_s=(mlp_fwd, 2.0 * mlp_fwd))
+        ep_fwd, ep_bwd = expert_comm(job, moe_block, attention_s=(fwd_compute + core_fwd - mlp_fwd,
+                                                                  bwd_compute + core_bwd - 2.0 * mlp_fwd),
+                                     experts_s=(mlp_fwd, 2.0 * mlp_fwd))
 
     if primepar is not None:
         bwd_compute += primepar.backward_compute_s - 2.0 * primepar.forward_compute_s
@@ -214,36 +205,13 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         recompute = PassCost(compute_s=fwd_compute, attention_core_s=core_fwd, overhead_s=overhead,
                              tp_comm_s=tp_fwd, cp_comm_s=cp_fwd, ep_comm_s=ep_fwd)
     elif parallel.recompute.value == "selective":
-        recompute = _selective_recompute(job, layout, kernels, moe_block=moe_block, mlp_gemm=mlp_gemm,
-                                         core_fwd_s=core_fwd, ep_fwd_s=ep_fwd)
+        rec_compute, rec_core, rec_ep = selective_recompute(job, layout, kernels, moe_block=moe_block,
+                                                            mlp_gemm=mlp_gemm, core_fwd_s=core_fwd, ep_fwd_s=ep_fwd)
+        recompute = PassCost(compute_s=rec_compute, attention_core_s=rec_core, ep_comm_s=rec_ep)
     else:
         recompute = PassCost()
     return LayerCost(forward=forward, backward=backward, recompute=recompute, params=params,
                      expert_params=expert_params, ep_alone_s=ep_alone)
-
-
-def _expert_comm(job: JobSpec, block: MoeCost, *, attention_s: tuple[float, float],
-                 experts_s: tuple[float, float]) -> tuple[float, float]:
-    """(forward, backward) seconds of the expert dispatch and combine left on the critical path (the forward's count
-    exchange always), with the SM share the hidden part takes from the computation it overlaps. ``attention_s`` and
-    ``experts_s``: (forward, backward) seconds of the layer's attention side and of its experts.
-
-    ``moe_a2a_overlap`` runs Megatron-Core's combined 1F1B layer schedule (``TransformerLayerSchedulePlan.run``):
-    each communication of one micro-batch beside one computation of another, pair by pair -- the backward combine
-    beside the forward attention, the forward dispatch beside the backward experts, the backward dispatch beside
-    the forward experts, the forward combine beside the backward attention. ``moe_shared_expert_overlap`` hides the
-    exchange behind the shared expert (twice as long backward)."""
-    parallel = job.parallel
-    dispatch = block.dispatch_s - block.combine_s
-    if parallel.moe_a2a_overlap:
-        fwd = [overlapped(dispatch, experts_s[1]), overlapped(block.combine_s, attention_s[1])]
-        bwd = [overlapped(block.combine_s, attention_s[0]), overlapped(dispatch, experts_s[0])]
-    elif parallel.moe_shared_expert_overlap:
-        fwd = [overlapped(block.dispatch_s, block.shared_gemm_s)]
-        bwd = [overlapped(block.dispatch_s, 2.0 * block.shared_gemm_s)]
-    else:  # nothing beside it: LayerCost.ep_alone_s
-        return block.metadata_s + block.dispatch_s, block.dispatch_s
-    return block.metadata_s + sum(a + b for a, b in fwd), sum(a + b for a, b in bwd)
 
 
 def output_layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts) -> tuple[
@@ -296,39 +264,3 @@ def mtp_projection_cost(job: JobSpec, layout: Layout, kernels: KernelModel, cost
     params = 2 * hidden * hidden / dims.tp + 3 * hidden
     return (embed_fwd.plus(PassCost(compute_s=proj_s + norms_s, tp_comm_s=gather_s)),
             embed_bwd.plus(PassCost(compute_s=2 * proj_s + 2 * norms_s, tp_comm_s=gather_s)), params)
-
-
-def _selective_recompute(job: JobSpec, layout: Layout, kernels: KernelModel, *, moe_block: MoeCost | None,
-                         mlp_gemm: float, core_fwd_s: float, ep_fwd_s: float) -> PassCost:
-    """The forward work selective recomputation repeats in one layer's backward pass: the core attention, the two
-    norms, the experts' activation, MLA's up-projections, a dense layer's MLP, a MoE layer's whole block (its token
-    exchange included) or its shared expert, as ``parallel.recompute_modules`` names them."""
-    model, dims = job.model, layout.dims
-    modules = job.parallel.recomputed_modules
-    tp, hidden, gated = dims.tp, model.hidden_size, model.activation is Activation.swiglu
-    tokens = layout.micro_batch * layout.seq_length / dims.cp
-    elements = gemm_s = ep_s = 0.0  # elements: per token
-    if RecomputeModule.layernorm in modules:  # two norms, each reading and writing the hidden state
-        elements += 4.0 * hidden / (tp if dims.sp else 1)
-    if moe_block is not None:
-        if RecomputeModule.moe in modules:
-            gemm_s += moe_block.gemm_s
-            elements += moe_block.elements_per_token
-            ep_s += ep_fwd_s
-        else:
-            if RecomputeModule.moe_act in modules:
-                elements += moe_block.activation_elements_per_token
-            if RecomputeModule.shared_experts in modules:
-                gemm_s += moe_block.shared_gemm_s
-                elements += moe_block.shared_elements_per_token
-    elif RecomputeModule.mlp in modules:
-        gemm_s += mlp_gemm
-        elements += mlp_activation_elements(tp=tp, ffn=model.ffn_size, gated=gated)
-    if RecomputeModule.mla_up_proj in modules and model.attention is AttentionKind.mla:
-        heads = model.num_attention_heads
-        gemm_s += kernels.gemm(tokens, heads * (model.qk_head_dim + model.qk_pos_emb_head_dim) / tp,
-                               model.q_lora_rank or hidden)
-        gemm_s += kernels.gemm(tokens, heads * (model.qk_head_dim + model.v_head_dim) / tp, model.kv_lora_rank)
-    core_s = core_fwd_s if RecomputeModule.core_attn in modules else 0.0
-    return PassCost(compute_s=gemm_s + kernels.memory(elements * tokens * kernels.elem), attention_core_s=core_s,
-                    ep_comm_s=ep_s)

@@ -1,11 +1,11 @@
-"""Peak memory per rank (bytes): weights, gradients, optimizer states, activations of the in-flight micro-batches.
-The activation model (Korthikanti et al. 2022, term by term) and the in-flight counts: docs/simulator.md,
-"memory.py".
-"""
+"""What the cost terms' memory shares (:mod:`cfp_megatron.sim.terms`, each term's ``memory``): the pipeline
+stage a rank holds (:class:`Stage`), the activation model (Korthikanti et al. 2022, term by term), the in-flight
+counts and the measured activations (docs/simulator.md, "memory.py")."""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from cfp_megatron.base.config import (
     Activation,
@@ -14,20 +14,16 @@ from cfp_megatron.base.config import (
     MlpPartition,
     ModelSpec,
     Normalization,
-    OptimizerKind,
-    PositionEmbedding,
     Recompute,
     RecomputeMethod,
     RecomputeModule,
 )
 from cfp_megatron.base.pipeline_split import job_chunks
 from cfp_megatron.cluster.measured import Measurements, SegmentMemory, partition_name
-from cfp_megatron.sim.cp_cost import cp_buffer_bytes
-from cfp_megatron.sim.kernels import element_bytes, grad_element_bytes
+from cfp_megatron.sim.kernels import element_bytes
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.measured_memory import measured_memory, peak_activation_bytes, pipeline_buffers
 from cfp_megatron.sim.options import SimOptions
-from cfp_megatron.sim.prediction import MemoryBreakdown
 from cfp_megatron.sim.primepar_cost import megatron_twin, primepar_stash_saving, primepar_weight_copies
 
 
@@ -248,109 +244,51 @@ def measured_activations(job: JobSpec, layout: Layout, measurements: Measurement
                                           microbatches=dims.num_microbatches)
 
 
-def stage_memory(job: JobSpec, layout: Layout, options: SimOptions, *, rank: int, layer_params: float,
-                 expert_params: float, layers: int, moe_layers: int, first: bool, last: bool,
-                 measurements: Measurements | None = None, mtp: int = 0) -> MemoryBreakdown:
-    """Memory (bytes) of one rank of pipeline stage ``rank`` holding ``layers`` layers (``moe_layers`` of them MoE)
-    with ``layer_params`` decoder-layer parameters on the rank (``expert_params`` of them routed experts'); ``first``
-    and ``last`` add the embedding and the head (the head's logits once more per MTP layer of the model); ``mtp``:
-    the rank's MTP layers (counted among ``layers``), which embed the shifted tokens with a table of their own where
-    the rank has none (docs/simulator.md, "Multi-token prediction").
+@dataclass(frozen=True, kw_only=True)
+class Stage:
+    """One rank of a pipeline stage as the cost terms' memory sees it (:meth:`CostTerm.memory
+    <cfp_megatron.sim.terms.base.CostTerm.memory>`)."""
 
-    With ``measurements`` that hold the stage's segments' memory under the plan's partition, the activations (and
-    the pipeline's buffers) come from them (:func:`measured_activations`) instead of the analytical model."""
-    model, dims, parallel = job.model, layout.dims, job.parallel
-    elem_bytes = element_bytes(job)
-    vocab_params = model.padded_vocab_size * model.hidden_size / dims.tp
-    params = layer_params + layers * layer_extra_params(job, layout)
-    if first:
-        params += vocab_params
-        if model.position_embedding is PositionEmbedding.learned_absolute:
-            params += model.max_position_embeddings * model.hidden_size  # replicated over TP
-    if last:
-        params += model.hidden_size * (2 if model.normalization is Normalization.LayerNorm else 1)  # final norm
-    if last and (dims.pp > 1 or not model.tie_embeddings):
-        params += vocab_params
-    if mtp and not first and not (last and model.tie_embeddings):
-        params += vocab_params  # the MTP block's embedding (the loss rank's output weight where they are tied)
-    dense_params = params - expert_params
-    mixed = elem_bytes == 2
-    adam = job.train.optimizer is OptimizerKind.adam
-    opt_per_param = (4.0 if mixed else 0.0) + (8.0 if adam else 4.0)
-    grad_per_param = grad_element_bytes(job)
-    dp_cp_size = dims.dp * dims.cp
-    if options.fsdp:
-        weights = params * elem_bytes / dp_cp_size
-        grads = params * grad_per_param / dp_cp_size
-        optimizer = params * opt_per_param / dp_cp_size
-    else:
-        weights = params * elem_bytes
-        grads = params * grad_per_param
-        if parallel.distributed_optimizer:
-            optimizer = dense_params * opt_per_param / dp_cp_size + expert_params * opt_per_param / dims.expert_dp
-        else:
-            optimizer = params * opt_per_param
-    dense_act, dense_full = layer_activation_bytes(job, layout, options, moe=False)
-    # Dense layers beyond parallel.primepar_layers keep Megatron's MLP partition, and its activations.
-    split = primepar_split(job, rank=rank)
-    plan_dense = split[0] if split else layers - moe_layers  # dense layers under the plan's own MLP partition
-    megatron_act, megatron_full = (layer_activation_bytes(split[1], layout, options, moe=False) if split
-                                   else (0.0, 0.0))
-    if moe_layers:
-        moe_act, moe_full = layer_activation_bytes(job, layout, options, moe=True)
-    else:
-        moe_act = moe_full = 0.0
-    dense_layers = layers - moe_layers
-    chunk_microbatches = in_flight(rank, dims.pp, dims.vpp, dims.num_microbatches)
-    if parallel.moe_a2a_overlap and moe_layers:  # the combined 1F1B schedule runs one more micro-batch ahead
-        chunk_microbatches = min(chunk_microbatches + 1, dims.num_microbatches * dims.vpp)
-    held_microbatches = chunk_microbatches / dims.vpp  # whole-rank micro-batches held
-    if parallel.recompute is Recompute.full and parallel.recompute_method is RecomputeMethod.block:
-        # The recomputed layers keep their input; the others keep what they would without recomputation.
-        rec_dense, rec_moe = recomputed_layers(job, rank=rank)
-        dense_kept = layer_activation_bytes(job, layout, options, moe=False, recompute=Recompute.none)[0]
-        moe_kept = (layer_activation_bytes(job, layout, options, moe=True, recompute=Recompute.none)[0]
-                    if moe_layers else 0.0)
-        kept = (rec_dense * dense_full + rec_moe * moe_full + (dense_layers - rec_dense) * dense_kept
-                + (moe_layers - rec_moe) * moe_kept)
-        working = max(dense_act, moe_act)
-    elif parallel.recompute is Recompute.full:
-        kept = plan_dense * dense_full + (dense_layers - plan_dense) * megatron_full + moe_layers * moe_full
-        working = max(dense_act, megatron_act, moe_act)
-    else:
-        kept = plan_dense * dense_act + (dense_layers - plan_dense) * megatron_act + moe_layers * moe_act
-        working = 0.0
-    tokens = layout.micro_batch * layout.seq_length / dims.cp
-    if layers:
-        working += unfused_attention_working_bytes(job, layout, options)
-    activations = kept * held_microbatches + working
-    if last:  # fp32 logits and their gradient, of the main head and of each MTP layer's
-        activations += 2 * tokens * model.padded_vocab_size / dims.tp * 4.0 * (1 + model.mtp_num_layers)
-    buffers = 0.0
-    if dims.tp > 1:
-        buffers += 2 * tokens * model.hidden_size * elem_bytes
-    if parallel.tp_comm_overlap or options.tp_comm_overlap:
-        # Transformer Engine's userbuffers: about four [tokens, hidden] buffers (the all-gathered inputs of the QKV
-        # and FC1 GEMMs, the reduce-scattered outputs of the projection and FC2), allocated once.
-        buffers += 4 * tokens * model.hidden_size * elem_bytes
-    if dims.pp > 1:
-        buffers += 2 * tokens * model.hidden_size * elem_bytes / (dims.tp if dims.sp else 1)
-    if dims.cp > 1:
-        head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
-        buffers += cp_buffer_bytes(job, layout, elem_bytes=elem_bytes,
-                                   q_width=model.num_attention_heads * head_dim,
-                                   kv_width=2 * model.query_groups * head_dim)
-    if moe_layers and dims.ep > 1:
-        # The permuted token copies before and after the all-to-all (send and receive buffers) of one layer.
-        buffers += (2 * model.moe_router_topk * tokens / dims.tp * model.hidden_size * elem_bytes
-                    * options.moe_routing_imbalance)
-    if options.fsdp and layers:
-        per_layer = layer_params / layers
-        buffers += 2 * per_layer * elem_bytes + per_layer * grad_per_param
-    # Profiling measures no MTP layer: a rank that holds one keeps the analytical activations.
+    job: JobSpec
+    """The plan."""
+    layout: Layout
+    """Its layout."""
+    options: SimOptions
+    """The simulator's options."""
+    rank: int
+    """The pipeline rank."""
+    layer_params: float
+    """Decoder-layer parameters on the rank (MTP layers' included)."""
+    expert_params: float
+    """The routed experts' share of them."""
+    layers: int
+    """Layers on the rank (its MTP layers counted among them)."""
+    moe_layers: int
+    """MoE layers among them."""
+    first: bool
+    """Whether the rank holds the embedding."""
+    last: bool
+    """Whether the rank holds the head (its logits once more per MTP layer of the model)."""
+    mtp: int
+    """The rank's MTP layers, which embed the shifted tokens with a table of their own where the rank has none
+    (docs/simulator.md, "Multi-token prediction")."""
+    measured: float | None
+    """Activation bytes (the pipeline's buffers included) from the stage's profiled segments
+    (:func:`measured_activations`), which stand for the analytical activations and buffers; ``None``: analytical."""
+
+    @property
+    def tokens(self) -> float:
+        """Tokens of one micro-batch on the rank (its CP share)."""
+        return self.layout.micro_batch * self.layout.seq_length / self.layout.dims.cp
+
+
+def stage(job: JobSpec, layout: Layout, options: SimOptions, *, rank: int, layer_params: float,
+          expert_params: float, layers: int, moe_layers: int, first: bool, last: bool,
+          measurements: Measurements | None = None, mtp: int = 0) -> Stage:
+    """The :class:`Stage` of pipeline rank ``rank``; with ``measurements`` that hold its segments' memory under the
+    plan's partition, its activations measured (profiling measures neither FSDP nor an MTP layer)."""
     measured = measured_activations(job, layout, measurements, rank=rank, layers=layers, moe_layers=moe_layers,
                                     first=first, last=last) if not options.fsdp and not mtp else None
-    if measured is not None:
-        activations, buffers = measured, 0.0
-    return MemoryBreakdown(parameters=weights, gradients=grads, optimizer_states=optimizer, activations=activations,
-                           comm_buffers=buffers, stage=rank)
+    return Stage(job=job, layout=layout, options=options, rank=rank, layer_params=layer_params,
+                 expert_params=expert_params, layers=layers, moe_layers=moe_layers, first=first, last=last, mtp=mtp,
+                 measured=measured)

@@ -19,14 +19,12 @@ class SimOptions:
     fsdp: bool = False
     """Fully sharded data parallelism (ZeRO-3 / PyTorch FSDP FULL_SHARD): parameters, gradients and optimizer states
     sharded over DP; each layer's parameters all-gathered before its forward and backward, gradients
-    reduce-scattered after its backward, prefetched so they overlap with the neighbouring layer's compute."""
+    reduce-scattered after its backward, prefetched so they overlap with the neighbouring layer's compute
+    (:meth:`cfp_megatron.sim.sharding.Sharding.megatron`)."""
     attention: AttentionKernel = AttentionKernel.flash
     """How the attention core runs: a fused kernel that stores no ``s x s`` scores (FlashAttention / cuDNN, the
     default: NVIDIA's containers ship Transformer Engine), or Megatron's unfused core with or without its fused
     softmax kernel (:func:`cfp_megatron.base.parallel_dims.attention_kernel_here` says which one this machine runs)."""
-    tp_comm_overlap: bool = False
-    """Overlap TP/SP all-gathers and reduce-scatters with the GEMMs next to them (Transformer Engine's userbuffers
-    ring exchange): only the first of ``tp`` chunks and what the GEMM cannot cover stay exposed."""
     overlap_grad_reduce: bool | None = None
     """Overlap the DP gradient reduction with the backward pass; ``None`` follows ``parallel.overlap_grad_reduce``."""
     measured_layer_only: bool = False

@@ -71,10 +71,6 @@ class PassCosts:
     """Parameters of those parts on one rank (the projection and the norms; the embedding table is counted where
     the chunk holds one)."""
 
-    def min_layer_s(self) -> float:
-        """Forward + backward + recomputation seconds of the cheaper layer kind (a bound's building block)."""
-        return min(self.dense.total_s, self.moe.total_s)
-
 
 def comm_options(parallel: ParallelSpec) -> tuple[Any, ...]:
     """The plan's communication options the layer costs read (CP exchange type, expert and TP overlaps)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 GIB = float(1 << 30)
@@ -22,6 +23,8 @@ class EventKind(enum.Enum):
     """Data-parallel gradient reduction (and parameter all-gather) left exposed after the backward pass."""
     optimizer = "optimizer"
     """The optimizer step."""
+    step = "step"
+    """Another after-schedule lane of a cost term (:attr:`Event.lane` names it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +46,8 @@ class Event:
     collectives: tuple[tuple[str, float], ...] = ()
     """For a ``comm`` event: its seconds per kind of collective (``tp``, ``cp``, ``ep``, ``fsdp``), in the order they
     are drawn, adding up to the event's length; empty where the split is not known."""
+    lane: str = ""
+    """For an after-schedule event: the breakdown lane it is (``dp_comm_s``, ``optimizer_s``, ``host_s``)."""
 
     @property
     def is_comm(self) -> bool:
@@ -76,11 +81,30 @@ class TimeBreakdown:
     """Data-parallel gradient sync (and distributed-optimizer parameter all-gather) left exposed."""
     optimizer_s: float
     """Optimizer step."""
+    host_s: float = 0.0
+    """Host work the GPU work does not cover (launches, synchronisations; not modelled yet)."""
+    extra: tuple[tuple[str, float], ...] = ()
+    """Lanes of cost terms registered beyond these fields (name, seconds)."""
+
+    @classmethod
+    def of(cls, lanes: Mapping[str, float]) -> TimeBreakdown:
+        """The breakdown of the cost terms' ``lanes`` (name: seconds; the names that are not fields go to
+        :attr:`extra`)."""
+        names = {field.name for field in fields(cls)} - {"extra"}
+        return cls(**{name: seconds for name, seconds in lanes.items() if name in names},
+                   extra=tuple((name, seconds) for name, seconds in lanes.items() if name not in names))
+
+    def seconds(self, lane: str) -> float:
+        """Seconds of the lane named ``lane`` (zero for a lane it does not have)."""
+        if lane != "extra" and lane in self.__dataclass_fields__:
+            return getattr(self, lane)
+        return dict(self.extra).get(lane, 0.0)
 
     @property
     def total_s(self) -> float:
         """Sum of the components (equals the step time)."""
-        return sum(getattr(self, field.name) for field in fields(self))
+        return (sum(getattr(self, field.name) for field in fields(self) if field.name != "extra")
+                + sum(seconds for _, seconds in self.extra))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,11 +123,27 @@ class MemoryBreakdown:
     """Communication buffers (DDP buckets, TP/SP gather buffers, logits)."""
     stage: int
     """The pipeline stage this breakdown is for."""
+    other: float = 0.0
+    """Categories of cost terms registered beyond these fields."""
+    parts: tuple[tuple[str, float], ...] = ()
+    """Bytes of each cost term's memory category (name, bytes), in the registry's order; empty where the breakdown
+    was not built from the terms."""
+
+    @classmethod
+    def of(cls, parts: Mapping[str, float], fields_of: Mapping[str, str], *, stage: int) -> MemoryBreakdown:
+        """The breakdown of the cost terms' memory ``parts`` (category: bytes), each added, in order, to the field
+        ``fields_of`` names for it (to :attr:`other` where it names none)."""
+        sums = dict.fromkeys(("parameters", "gradients", "optimizer_states", "activations", "comm_buffers", "other"),
+                             0.0)
+        for name, size in parts.items():
+            sums[fields_of[name] or "other"] += size
+        return cls(**sums, stage=stage, parts=tuple(parts.items()))
 
     @property
     def total(self) -> float:
         """Peak bytes."""
-        return self.parameters + self.gradients + self.optimizer_states + self.activations + self.comm_buffers
+        return (self.parameters + self.gradients + self.optimizer_states + self.activations + self.comm_buffers
+                + self.other)
 
     @property
     def total_gib(self) -> float:
@@ -142,9 +182,3 @@ def mfu(prediction: Prediction, peak_tflops: float | None) -> float | None:
         return None
     return prediction.model_tflops_per_gpu / peak_tflops
 
-
-def exposed_comm_s(prediction: Prediction) -> float:
-    """Seconds of communication the step waits for: TP/SP, CP, EP and FSDP inside the passes plus the exposed DP
-    sync."""
-    time = prediction.time
-    return time.tp_comm_s + time.cp_comm_s + time.ep_comm_s + time.fsdp_comm_s + time.dp_comm_s

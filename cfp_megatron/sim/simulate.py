@@ -13,21 +13,19 @@ from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.base.pipeline_split import ChunkLayers, job_chunks
 from cfp_megatron.cluster.costs import CollectiveCosts
-from cfp_megatron.cluster.measured import Collective, Measurements, PipelineProbe, StepOverheads, partition_name
+from cfp_megatron.cluster.measured import Measurements, PipelineProbe, StepOverheads, partition_name
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
-from cfp_megatron.sim.kernels import KernelModel, grad_element_bytes
+from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layer_cost import LayerCost, PassCost
 from cfp_megatron.sim.layout import Layout, build_layout
-from cfp_megatron.sim.memory import stage_memory
-from cfp_megatron.sim.moe_cost import overlapped
+from cfp_megatron.sim.memory import Stage, stage
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache, PassCosts, collective_costs, comm_options, cost_key, pass_costs
 from cfp_megatron.sim.prediction import GIB, Event, EventKind, MemoryBreakdown, Prediction, TimeBreakdown
 from cfp_megatron.sim.primepar_cost import megatron_twin
 from cfp_megatron.sim.schedule import ScheduleResult, dependency_floors, rank_order, run_schedule
-
-_BUCKET_PARAMS = 40_000_000
-"""Megatron DDP's default gradient bucket size in parameters."""
+from cfp_megatron.sim.terms import TERMS, Placement, StepInputs, StepTimes
+from cfp_megatron.sim.terms.pipeline import exchange_fit, shared_cores_schedule
 
 
 def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Measurements | None = None, *,
@@ -78,60 +76,16 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
                                                     cache, overheads)
     else:
         p2p_s, fixed_s, outside_s = exchange_s, 0.0, 0.0
-    # Data-parallel gradient sync and optimizer step, per pipeline rank.
-    dp_cp_size = dims.dp * dims.cp
-    overlap = job.parallel.overlap_grad_reduce if options.overlap_grad_reduce is None else options.overlap_grad_reduce
-    dp_exposed, opt_s = [], []
-    grad_bytes = grad_element_bytes(job)
-    token_count_s = _token_count_sync(costs, layout) if overheads is not None else 0.0  # the same on every rank
-    # The gradient finalisation as the overheads probes timed it inside a step, over what the collective fits say
-    # (1 without probes): collectives in a training step wait for the other ranks and share the cores.
-    finalize_share = overheads.finalize_share if overheads is not None else 1.0
-    token_count_s *= finalize_share
-    for rank in range(pp):
-        vocab_params = model.padded_vocab_size * model.hidden_size / dims.tp
-        stage_params = layer_params[rank] + split.vocab_tables[rank] * vocab_params
-        dense_params = stage_params - expert_params[rank]
-        if options.measured_layer_only:
-            dp_exposed.append(0.0)
-            opt_s.append(0.0)
-            continue
-        sync_s = gather_s = 0.0
-        if not options.fsdp:
-            if job.parallel.distributed_optimizer:
-                sync_s = (costs.seconds(Collective.reduce_scatter, dense_params * grad_bytes, dp_cp_size,
-                                        layout.dp_per_node)
-                          + costs.seconds(Collective.reduce_scatter, expert_params[rank] * grad_bytes,
-                                          dims.expert_dp, layout.edp_per_node))
-                gather_s = (costs.seconds(Collective.all_gather, dense_params * kernels.elem, dp_cp_size,
-                                          layout.dp_per_node)
-                            + costs.seconds(Collective.all_gather, expert_params[rank] * kernels.elem,
-                                            dims.expert_dp, layout.edp_per_node))
-            else:
-                sync_s = (costs.seconds(Collective.all_reduce, dense_params * grad_bytes, dp_cp_size,
-                                        layout.dp_per_node)
-                          + costs.seconds(Collective.all_reduce, expert_params[rank] * grad_bytes, dims.expert_dp,
-                                          layout.edp_per_node))
-        sync_s *= finalize_share
-        bucket_share = min(1.0, _BUCKET_PARAMS / max(stage_params, 1.0))
-        if overlap:
-            backward_window_s = sum(backward_s[rank])
-            # The backward passes hide all but the last bucket, at the SM share the hidden part takes from them.
-            sync_s = sum(overlapped(sync_s, min(backward_window_s, sync_s * (1.0 - bucket_share))))
-        if job.parallel.overlap_param_gather:
-            gather_s *= bucket_share
-        dp_exposed.append(sync_s + gather_s)
-        sharded = options.fsdp or job.parallel.distributed_optimizer
-        shard_params = (dense_params / dp_cp_size + expert_params[rank] / dims.expert_dp) if sharded else stage_params
-        if overheads is None:
-            opt_s.append(kernels.memory(shard_params * efficiency.optimizer_bytes_per_param))
-            continue
-        dp_exposed[rank] += _tied_embedding_sync(job, costs, vocab_params, rank) * finalize_share + token_count_s
-        opt_s.append(overheads.step_base_s + overheads.step_per_param_s * shard_params
-                     + _grad_norm_extra(costs, dims.tp, pp, dims.world_size if sharded and not options.fsdp else None))
+    # Every after-schedule lane of the cost terms per rank (the gradient sync, the optimizer step, ...).
+    vocab_params = model.padded_vocab_size * model.hidden_size / dims.tp
+    after = _after_lanes(StepInputs(
+        job=job, layout=layout, kernels=kernels, collectives=costs, options=options, efficiency=efficiency,
+        overheads=overheads, expert_params=tuple(expert_params), backward_s=tuple(sum(row) for row in backward_s),
+        params=tuple(layer_params[rank] + split.vocab_tables[rank] * vocab_params for rank in range(pp))))
     if outside_s:
         # What a pipelined step paid outside its schedule beyond the probes without a pipeline (_pipeline_terms).
-        opt_s = [max(opt_s[rank] + outside_s, -dp_exposed[rank]) for rank in range(pp)]
+        dp_exposed, opt_s = after["dp_comm_s"], after["optimizer_s"]
+        after["optimizer_s"] = [max(opt_s[rank] + outside_s, -dp_exposed[rank]) for rank in range(pp)]
     slowdown = measurements.busy_slowdown() if overheads is not None else None
     shared_cores = slowdown is not None and pp > 1
     if prune_above is not None:
@@ -139,7 +93,7 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
         # its dependencies allow (dependency_floors); with shared cores the mean rank's work bounds every rank.
         busy_s = tuple(dims.num_microbatches * (sum(forward_s[rank]) + sum(backward_s[rank])) for rank in range(pp))
         floors_s = [sum(busy_s) / pp] * pp if shared_cores else dependency_floors(forward_s, backward_s, busy_s)
-        if max(floors_s[rank] + fixed_s + dp_exposed[rank] + opt_s[rank] for rank in range(pp)) > prune_above:
+        if max(_after_end(floors_s[rank] + fixed_s, after, rank) for rank in range(pp)) > prune_above:
             return None
 
     def timed() -> ScheduleResult:
@@ -156,7 +110,7 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
     if fixed_s:  # what every pipelined step pays in its schedule whatever its micro-batches (_pipeline_terms)
         schedule = dataclasses.replace(schedule, end_s=tuple(max(end_s + fixed_s, 0.0) for end_s in schedule.end_s))
 
-    finish_s = [schedule.end_s[rank] + dp_exposed[rank] + opt_s[rank] for rank in range(pp)]
+    finish_s = [_after_end(schedule.end_s[rank], after, rank) for rank in range(pp)]
     critical_rank = max(range(pp), key=lambda rank: finish_s[rank])
     step_s = finish_s[critical_rank]
 
@@ -168,25 +122,17 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
         fwd_total, bwd_total, rec_total = (fwd_total.plus(forward_costs[critical_rank][chunk_index]),
                                            bwd_total.plus(backward_costs[critical_rank][chunk_index]),
                                            rec_total.plus(recompute_costs[critical_rank][chunk_index]))
-    busy_s = schedule.busy_s[critical_rank]
-    breakdown = TimeBreakdown(
-        forward_compute_s=num_microbatches * (fwd_total.compute_s + fwd_total.attention_core_s),
-        backward_compute_s=num_microbatches * (bwd_total.compute_s + bwd_total.attention_core_s),
-        recompute_s=num_microbatches * (rec_total.compute_s + rec_total.attention_core_s),
-        overhead_s=num_microbatches * (fwd_total.overhead_s + bwd_total.overhead_s + rec_total.overhead_s),
-        tp_comm_s=num_microbatches * (fwd_total.tp_comm_s + bwd_total.tp_comm_s + rec_total.tp_comm_s),
-        cp_comm_s=num_microbatches * (fwd_total.cp_comm_s + bwd_total.cp_comm_s + rec_total.cp_comm_s),
-        ep_comm_s=num_microbatches * (fwd_total.ep_comm_s + bwd_total.ep_comm_s + rec_total.ep_comm_s),
-        fsdp_comm_s=num_microbatches * (fwd_total.fsdp_comm_s + bwd_total.fsdp_comm_s + rec_total.fsdp_comm_s),
-        pp_bubble_s=max(0.0, schedule.end_s[critical_rank] - busy_s),
-        dp_comm_s=dp_exposed[critical_rank], optimizer_s=opt_s[critical_rank])
+    # Each cost term's lanes on the critical rank (cfp_megatron.sim.terms).
+    breakdown = TimeBreakdown.of(TERMS.time(StepTimes(
+        microbatches=num_microbatches, forward=fwd_total, backward=bwd_total, recompute=rec_total,
+        schedule_s=schedule.end_s[critical_rank], busy_s=schedule.busy_s[critical_rank],
+        after_s={name: seconds[critical_rank] for name, seconds in after.items()})))
 
     memory = _peak_memory(job, layout, options, measurements, split)
     world = dims.world_size
     sequences = layout.micro_batch * num_microbatches * dims.dp
     tokens_per_s = sequences * layout.seq_length / step_s / world
-    events = (_events(schedule, forward_costs, backward_costs, recompute_costs, dp_exposed, opt_s, finish_s,
-                      schedule.end_s) if with_events else ())
+    events = _events(schedule, forward_costs, backward_costs, recompute_costs, after) if with_events else ()
     schedule_end_s = schedule.end_s[critical_rank]
     return Prediction(step_time_s=step_s, time=breakdown, memory=memory,
                       bubble_fraction=breakdown.pp_bubble_s / schedule_end_s if schedule_end_s else 0.0,
@@ -238,6 +184,19 @@ def prepare_costs(job: JobSpec, cluster: ClusterSpec | None = None, measurements
     """The per-micro-batch pass costs (seconds per layer kind) :func:`simulate` would use for ``job`` (validated;
     from ``cache`` where it has them): what a search's lower bound is built from."""
     return _prepare(job, cluster, measurements, options, None, world_size, cache)[-1]
+
+
+def schedule_fixed_s(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Measurements | None = None, *,
+                     options: SimOptions | None = None, world_size: int | None = None,
+                     cache: CostCache | None = None) -> float:
+    """What :func:`simulate` adds to every pipeline rank's schedule of ``job`` whatever its split and micro-batches
+    (the pipelined probe's ``fixed_s``, :func:`_pipeline_terms`; any sign, zero without a pipeline or a probe that
+    prices it): a search's lower bound adds it too (cfp_megatron.sim.bounds)."""
+    if measurements is None or job.parallel.pp == 1:
+        return 0.0
+    job, layout, options, efficiency, kernels, costs, parts = _prepare(job, cluster, measurements, options, None,
+                                                                       world_size, cache)
+    return _pipeline_terms(job, layout, kernels, costs, measurements, options, efficiency, cache, parts.overheads)[1]
 
 
 def predict_memory(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Measurements | None = None, *,
@@ -307,7 +266,23 @@ def _stage_split(job: JobSpec, layout: Layout, parts: PassCosts) -> _StageSplit:
 
 def _peak_memory(job: JobSpec, layout: Layout, options: SimOptions, measurements: Measurements | None,
                  split: _StageSplit) -> MemoryBreakdown:
-    """The largest :func:`~cfp_megatron.sim.memory.stage_memory` over the pipeline ranks that can hold the peak."""
+    """The largest memory over the pipeline ranks that can hold the peak, each rank's the cost terms' categories
+    added up (:meth:`~cfp_megatron.sim.terms.base.Registry.memory`)."""
+    memories = [TERMS.memory(found) for found in _peak_stages(job, layout, options, measurements, split)]
+    return max(memories, key=lambda breakdown: breakdown.total)
+
+
+def memory_stages(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Measurements | None = None, *,
+                  options: SimOptions | None = None, world_size: int | None = None) -> tuple[Stage, ...]:
+    """The pipeline ranks of ``job`` that can hold its memory peak, as the cost terms' memory sees them (what
+    :func:`predict_memory` takes the largest of)."""
+    job, layout, options, _, _, _, parts = _prepare(job, cluster, measurements, options, None, world_size, None)
+    return _peak_stages(job, layout, options, measurements, _stage_split(job, layout, parts))
+
+
+def _peak_stages(job: JobSpec, layout: Layout, options: SimOptions, measurements: Measurements | None,
+                 split: _StageSplit) -> tuple[Stage, ...]:
+    """The ranks that can hold the memory peak."""
     pp = layout.dims.pp
     # Ranks with the same parameters hold no more in-flight micro-batches than a lower rank (in_flight falls with the
     # rank), so only the lowest of each such set, the first and the last rank can hold the peak.
@@ -318,15 +293,14 @@ def _peak_memory(job: JobSpec, layout: Layout, options: SimOptions, measurements
         if rank in (0, pp - 1) or signature not in seen:
             ranks.append(rank)
         seen.add(signature)
-    memories = [stage_memory(job, layout, options, rank=rank, layer_params=split.layer_params[rank],
-                             expert_params=split.expert_params[rank], layers=split.layers[rank],
-                             moe_layers=split.moe_layers[rank],
-                             first=split.embedding[rank] and not options.measured_layer_only,
-                             last=split.loss[rank] and not options.measured_layer_only, mtp=split.mtp[rank],
-                             # measured segment memory (CFP), see cfp_megatron.sim.measured_memory
-                             measurements=measurements if options.use_measured_segments else None)
-                for rank in ranks]
-    return max(memories, key=lambda breakdown: breakdown.total)
+    return tuple(stage(job, layout, options, rank=rank, layer_params=split.layer_params[rank],
+                       expert_params=split.expert_params[rank], layers=split.layers[rank],
+                       moe_layers=split.moe_layers[rank],
+                       first=split.embedding[rank] and not options.measured_layer_only,
+                       last=split.loss[rank] and not options.measured_layer_only, mtp=split.mtp[rank],
+                       # measured segment memory (CFP), see cfp_megatron.sim.measured_memory
+                       measurements=measurements if options.use_measured_segments else None)
+                 for rank in ranks)
 
 
 def _pass_grid(job: JobSpec, dims: ParallelDims, parts: PassCosts
@@ -405,10 +379,11 @@ def _grid_seconds(forward_costs: list[list[PassCost]], backward_costs: list[list
 
 def _schedule(f_s: list[list[float]], b_s: list[list[float]], p2p: float, microbatches: int,
               slowdown: float | None, with_events: bool, options: SimOptions) -> ScheduleResult:
-    """The timed pipeline schedule: on ranks that share cores (``slowdown``, pipelines only) :func:`_shared_cores`,
+    """The timed pipeline schedule: on ranks that share cores (``slowdown``, pipelines only)
+    :func:`~cfp_megatron.sim.terms.pipeline.shared_cores_schedule`,
     otherwise :func:`~cfp_megatron.sim.schedule.run_schedule`."""
     if slowdown is not None:
-        return _shared_cores(f_s, b_s, p2p, microbatches, slowdown, with_events, options)
+        return shared_cores_schedule(f_s, b_s, p2p, microbatches, slowdown, with_events, options)
     return run_schedule(f_s, b_s, p2p, microbatches, keep_ops=with_events, max_ops=options.max_schedule_ops)
 
 
@@ -426,7 +401,7 @@ def _pipeline_terms(job: JobSpec, layout: Layout, kernels: KernelModel, costs: C
     dims = layout.dims
     if dims.pp == 1:
         return 0.0, 0.0, 0.0
-    fit_s = _exchange_fit(job, layout, kernels, costs)
+    fit_s = exchange_fit(job, layout, kernels, costs)
     if overheads is None or measurements is None:
         return fit_s, 0.0, 0.0
     partition = partition_name(dims.tp, sp=dims.sp)
@@ -442,15 +417,6 @@ def _pipeline_terms(job: JobSpec, layout: Layout, kernels: KernelModel, costs: C
     if found is None or found.intra_node != layout.pp_intra_node:
         return fit_s, 0.0, 0.0
     return max(fit_s + found.exchange_s - found.fit_s, 0.0), found.fixed_s, found.outside_s
-
-
-def _exchange_fit(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts) -> float:
-    """What the send/receive fit gives for the activation one micro-batch hands to the next pipeline stage (this
-    rank's TP and CP share), within or across nodes as the layout places the pipeline."""
-    dims = layout.dims
-    tokens = layout.micro_batch * layout.seq_length / dims.cp
-    return costs.seconds(Collective.send_recv, tokens * job.model.hidden_size * kernels.elem / dims.tp, 2,
-                         2 if layout.pp_intra_node else 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -525,7 +491,11 @@ def _probe_calibration(job: JobSpec, probe: PipelineProbe, world: int, measureme
 
     def schedule_s(microbatches: int, exchange_s: float) -> float:  # the critical rank's schedule
         found = priced(microbatches, exchange_s)
-        return found.step_time_s - found.time.dp_comm_s - found.time.optimizer_s
+        schedule_end_s = found.step_time_s
+        for lane in TERMS.lanes():  # less what follows the schedule (the DP sync, the optimizer step, ...)
+            if lane.placement is Placement.after:
+                schedule_end_s -= found.time.seconds(lane.name)
+        return schedule_end_s
 
     try:
         _, layout, _, _, kernels, costs, parts = _prepare(jobs[many], cluster, measurements, options, efficiency,
@@ -545,60 +515,30 @@ def _probe_calibration(job: JobSpec, probe: PipelineProbe, world: int, measureme
     outside_s = 0.0
     if probe.finalize_s is not None:
         outside_s = probe.finalize_s + probe.rest_s - solved.time.dp_comm_s - solved.time.optimizer_s
-    fit_s = _exchange_fit(jobs[many], layout, kernels, costs)
+    fit_s = exchange_fit(jobs[many], layout, kernels, costs)
     return ProbeCalibration(exchange_s=exchange_s, fixed_s=fixed_s, fit_s=fit_s, outside_s=outside_s,
                             intra_node=layout.pp_intra_node)
 
 
-def _shared_cores(f_s: list[list[float]], b_s: list[list[float]], p2p: float, microbatches: int, slowdown: float,
-                  with_events: bool, options: SimOptions) -> ScheduleResult:
-    """The pipeline schedule where ranks share fewer cores than there are ranks (CPU): ``f_s`` and ``b_s`` are
-    forward and backward seconds per rank and chunk, ``p2p`` the send/receive seconds, ``slowdown`` how much slower
-    a rank runs with every rank busy than alone. Why it is bounded the way it is: docs/simulator.md,
-    "Shared cores"."""
-    alone = run_schedule([[seconds / slowdown for seconds in row] for row in f_s],
-                         [[seconds / slowdown for seconds in row] for row in b_s],
-                         p2p / slowdown, microbatches, keep_ops=with_events, max_ops=options.max_schedule_ops)
-    busy_s = tuple(microbatches * (sum(fwd_row) + sum(bwd_row)) for fwd_row, bwd_row in zip(f_s, b_s, strict=True))
-    exchanges_s = tuple(2 * microbatches * len(fwd_row) * p2p for fwd_row in f_s)
-    mean_work_s = (sum(busy_s) + sum(exchanges_s)) / len(busy_s)
-    return dataclasses.replace(alone, end_s=tuple(max(end_s, mean_work_s) for end_s in alone.end_s), busy_s=busy_s)
+def _after_lanes(inputs: StepInputs) -> dict[str, list[float]]:
+    """Seconds per pipeline rank of every after-schedule lane of the cost terms, in the registry's order."""
+    found: dict[str, list[float]] = {}
+    for term in TERMS:
+        found.update(term.after_s(inputs))
+    zero = [0.0] * inputs.layout.dims.pp
+    return {lane.name: found.get(lane.name, zero) for lane in TERMS.lanes() if lane.placement is Placement.after}
 
 
-def _tied_embedding_sync(job: JobSpec, costs: CollectiveCosts, vocab_params: float, rank: int) -> float:
-    """Seconds of Megatron's all-reduce of the tied word-embedding gradient between the first and the last pipeline
-    stage (``finalize_model_grads``), on those two stages; zero elsewhere."""
-    pp = job.parallel.pp
-    if pp == 1 or not job.model.tie_embeddings or rank not in (0, pp - 1):
-        return 0.0
-    return costs.seconds(Collective.all_reduce, vocab_params * grad_element_bytes(job), 2)
+def _after_end(start_s: float, after: dict[str, list[float]], rank: int) -> float:
+    """When ``rank``'s after-schedule lanes end if they start at ``start_s``, one after another."""
+    for seconds in after.values():
+        start_s += seconds[rank]
+    return start_s
 
 
-def _token_count_sync(costs: CollectiveCosts, layout: Layout) -> float:
-    """Seconds of the rest of Megatron's ``finalize_model_grads`` under the per-token loss: the token count's
-    broadcast over the pipeline group and all-reduce over DP x CP, on every rank (docs/simulator.md,
-    "Gradient sync and optimizer step")."""
-    dims = layout.dims
-    broadcast_s = (costs.seconds(Collective.all_gather, 4.0 * dims.pp, dims.pp, dims.pp if layout.pp_intra_node else 1)
-                   if dims.pp > 1 else 0.0)
-    return broadcast_s + costs.seconds(Collective.all_reduce, 4.0, dims.dp * dims.cp, layout.dp_per_node)
-
-
-def _grad_norm_extra(costs: CollectiveCosts, tp: int, pp: int, world: int | None = None) -> float:
-    """Seconds the grad-norm all-reduce takes beyond the one over ``tp`` ranks that the measured optimizer step had:
-    Megatron reduces the norm over the model-parallel group (``tp x pp`` ranks), and under the distributed optimizer
-    (``world``) over every rank of the optimizer instance, its gradients being sharded over data parallelism too."""
-    group = world if world is not None else tp * pp
-    if group <= tp:
-        return 0.0
-    return max(costs.seconds(Collective.all_reduce, 8.0, group)
-               - costs.seconds(Collective.all_reduce, 8.0, tp, tp), 0.0)
-
-
-def _events(schedule, forward_costs, backward_costs, recompute_costs, dp_exposed, opt_s, finish_s,
-            ends_s) -> tuple[Event, ...]:
+def _events(schedule, forward_costs, backward_costs, recompute_costs, after) -> tuple[Event, ...]:
     """The schedule as events (seconds from the step's start): each pass split into its compute and its exposed
-    communication, then each rank's exposed DP sync and optimizer step."""
+    communication, then each rank's after-schedule lanes (exposed DP sync, optimizer step, ...) in order."""
     events: list[Event] = []
     for op in schedule.ops:
         costs = ((forward_costs[op.rank][op.chunk],) if op.forward
@@ -618,12 +558,14 @@ def _events(schedule, forward_costs, backward_costs, recompute_costs, dp_exposed
         if comm_s > 0:
             events.append(Event(rank=op.rank, kind=EventKind.comm, start_s=compute_end_s, end_s=op.end_s,
                                 microbatch=op.microbatch, chunk=op.chunk, collectives=collectives))
-    for rank, end_s in enumerate(ends_s):
-        if dp_exposed[rank] > 0:
-            events.append(Event(rank=rank, kind=EventKind.dp_sync, start_s=end_s, end_s=end_s + dp_exposed[rank]))
-        if opt_s[rank] > 0:
-            events.append(Event(rank=rank, kind=EventKind.optimizer, start_s=end_s + dp_exposed[rank],
-                                end_s=finish_s[rank]))
+    kinds = {kind.value: kind for kind in EventKind}
+    for rank, clock in enumerate(schedule.end_s):
+        for name, seconds in after.items():
+            if seconds[rank] > 0:
+                lane = TERMS.lane(name)
+                events.append(Event(rank=rank, kind=kinds.get(lane.key if lane else "", EventKind.step), lane=name,
+                                    start_s=clock, end_s=clock + seconds[rank]))
+            clock += seconds[rank]
     return tuple(events)
 
 

@@ -19,13 +19,21 @@ from pathlib import Path
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.files import atomic_writer, write_atomic
 from cfp_megatron.sim.prediction import EventKind, Prediction
+from cfp_megatron.sim.terms import TERMS, Placement
 
-LANES: tuple[str, ...] = ("compute", "TP comm", "CP comm", "EP comm", "FSDP comm", "comm", "DP comm", "idle")
-"""Lanes of a pipeline rank, top to bottom (thread ids in the trace are their indices); ``comm`` holds exposed
-communication whose split by collective is not known."""
 
-_COLLECTIVE_LANE = {"tp": "TP comm", "cp": "CP comm", "ep": "EP comm", "fsdp": "FSDP comm"}
-"""Lane of each kind of collective in :attr:`~cfp_megatron.sim.prediction.Event.collectives`."""
+def trace_lanes() -> tuple[str, ...]:
+    """Lanes of a pipeline rank, top to bottom (thread ids in the trace are their indices), from the cost terms'
+    lanes (:data:`~cfp_megatron.sim.terms.TERMS`): compute, each in-pass communication lane, ``comm`` (exposed
+    communication whose split by collective is not known), each after-schedule lane, idle."""
+    lanes = TERMS.lanes()
+    in_pass = [lane.trace for lane in lanes if lane.placement is Placement.in_pass and lane.trace]
+    after = [lane.trace for lane in lanes if lane.placement is Placement.after and lane.trace]
+    return tuple(dict.fromkeys(["compute", *in_pass, "comm", *after, "idle"]))
+
+
+LANES: tuple[str, ...] = trace_lanes()
+""":func:`trace_lanes` of the registered terms."""
 
 MAX_TRACE_EVENTS = 300_000
 """Most slices a trace keeps (about 60 MB of JSON); beyond it, whole pipeline ranks are left out."""
@@ -42,18 +50,19 @@ _COLUMNS = 1500
 """Columns across the step in the PNG (about its width in pixels); slices of a lane closer than one column are
 merged."""
 
-# What each slice is drawn as: its label in the legend, its colour in the PNG, its reserved colour in chrome://tracing.
-_STYLE = {"forward": ("forward", "#4C72B0", "thread_state_running"),
-          "backward": ("backward (with recompute)", "#55A868", "good"),
-          "optimizer": ("optimizer step", "#8172B3", "olive"),
-          "tp": ("TP/SP collectives", "#C44E52", "bad"),
-          "cp": ("CP ring exchange", "#DD8452", "terrible"),
-          "ep": ("EP all-to-all", "#937860", "rail_response"),
-          "fsdp": ("FSDP gather/scatter", "#DA8BC3", "rail_animation"),
-          "comm": ("communication", "#C44E52", "bad"),
-          "dp_sync": ("DP gradient sync", "#CCB974", "yellow"),
-          "bubble": ("pipeline bubble / p2p wait", "#B0B0B0", "grey"),
-          "wait": ("waits for the slowest stage", "#F6D9A8", "white")}
+# What the slices no cost term owns are drawn as: label in the legend, colour in the PNG, reserved colour in
+# chrome://tracing (the terms' lanes bring their own, Lane.style).
+_PASS_STYLE = {"forward": ("forward", "#4C72B0", "thread_state_running"),
+               "backward": ("backward (with recompute)", "#55A868", "good")}
+_OTHER_STYLE = {"comm": ("communication", "#C44E52", "bad"),
+                "bubble": ("pipeline bubble / p2p wait", "#B0B0B0", "grey"),
+                "wait": ("waits for the slowest stage", "#F6D9A8", "white")}
+
+
+def _styles() -> dict[str, tuple[str, str, str]]:
+    """Every style by key: the passes', the cost terms' lanes' (in the registry's order), the rest."""
+    return {**_PASS_STYLE, **{lane.key: lane.style for lane in TERMS.lanes() if lane.style and lane.key},
+            **_OTHER_STYLE}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +72,7 @@ class Slice:
     rank: int
     """Pipeline rank."""
     lane: str
-    """One of :data:`LANES`."""
+    """One of :func:`trace_lanes`."""
     style: str
     """What it is (a key of the styles: ``forward``, ``tp``, ``bubble``, ...)."""
     name: str
@@ -96,22 +105,23 @@ def slices(prediction: Prediction) -> list[Slice]:
             name = f"{'F' if kind is EventKind.forward else 'B'}{event.microbatch}.c{event.chunk}"
             out.append(Slice(rank=event.rank, lane="compute", style=kind.value, name=name, start_s=event.start_s,
                              end_s=event.end_s, microbatch=event.microbatch, chunk=event.chunk))
-        elif kind is EventKind.optimizer:
-            out.append(Slice(rank=event.rank, lane="compute", style="optimizer", name="optimizer",
-                             start_s=event.start_s, end_s=event.end_s))
-        elif kind is EventKind.dp_sync:
-            out.append(Slice(rank=event.rank, lane="DP comm", style="dp_sync", name="DP sync", start_s=event.start_s,
-                             end_s=event.end_s))
-        else:  # exposed communication inside a pass, split by collective where the simulator says how
+        elif kind is EventKind.comm:  # exposed communication inside a pass, split by collective where known
             parts = event.collectives or (("comm", event.end_s - event.start_s),)
             start_s = event.start_s
             for collective, seconds in parts:
-                lane = _COLLECTIVE_LANE.get(collective, "comm")
+                owner = TERMS.lane(collective)
+                lane = owner.trace if owner is not None and owner.trace else "comm"
                 out.append(Slice(rank=event.rank, lane=lane, style=collective if lane != "comm" else "comm",
                                  name=f"{collective.upper() if lane != 'comm' else 'comm'} mb{event.microbatch}",
                                  start_s=start_s, end_s=start_s + seconds, microbatch=event.microbatch,
                                  chunk=event.chunk))
                 start_s += seconds
+        else:  # an after-schedule lane of a cost term (DP sync, optimizer step, ...)
+            owner = TERMS.lane(event.lane or kind.value)
+            if owner is None:
+                continue
+            out.append(Slice(rank=event.rank, lane=owner.trace or "compute", style=owner.key, name=owner.part,
+                             start_s=event.start_s, end_s=event.end_s))
     return out + _idle(out, prediction.step_time_s)
 
 
@@ -155,16 +165,17 @@ def shown_ranks(ranks: Sequence[int], critical: int, limit: int) -> list[int]:
 def _lanes(pieces: Sequence[Slice]) -> list[str]:
     """The lanes drawn: compute and idle always, the communication lanes that hold a slice."""
     used = {p.lane for p in pieces}
-    return [lane for lane in LANES if lane in used or lane in ("compute", "idle")]
+    return [lane for lane in trace_lanes() if lane in used or lane in ("compute", "idle")]
 
 
 def chrome_trace(prediction: Prediction, *, title: str = "", max_events: int = MAX_TRACE_EVENTS) -> dict:
     """The schedule as a Chrome trace-event dict (``traceEvents``, times in microseconds): a process per pipeline rank,
-    a thread per lane (:data:`LANES`). Over ``max_events`` slices, whole ranks are left out (the first, the last and
-    the slowest kept) and ``otherData.note`` says which."""
+    a thread per lane (:func:`trace_lanes`). Over ``max_events`` slices, whole ranks are left out (the first, the
+    last and the slowest kept) and ``otherData.note`` says which."""
     pieces = slices(prediction)
     ranks = sorted({p.rank for p in pieces})
     critical = _critical_rank(pieces)
+    all_lanes, styles = trace_lanes(), _styles()
     keep = ranks
     if len(pieces) > max_events:
         per_rank = len(pieces) / len(ranks)
@@ -180,14 +191,14 @@ def chrome_trace(prediction: Prediction, *, title: str = "", max_events: int = M
         trace.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": label}})
         trace.append({"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}})
         for lane in lanes:
-            tid = LANES.index(lane)
+            tid = all_lanes.index(lane)
             trace.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": lane}})
             trace.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid,
                           "args": {"sort_index": tid}})
     for p in pieces:
         category = "idle" if p.lane == "idle" else "compute" if p.lane == "compute" else "comm"
-        trace.append({"ph": "X", "name": p.name, "cat": category, "pid": p.rank, "tid": LANES.index(p.lane),
-                      "ts": p.start_s * 1e6, "dur": (p.end_s - p.start_s) * 1e6, "cname": _STYLE[p.style][2],
+        trace.append({"ph": "X", "name": p.name, "cat": category, "pid": p.rank, "tid": all_lanes.index(p.lane),
+                      "ts": p.start_s * 1e6, "dur": (p.end_s - p.start_s) * 1e6, "cname": styles[p.style][2],
                       "args": {"kind": p.style, "microbatch": p.microbatch, "chunk": p.chunk}})
     return {"traceEvents": trace, "displayTimeUnit": "ms",
             "otherData": {"title": title, "step_time_s": prediction.step_time_s,
@@ -225,7 +236,8 @@ def _draw_columns(ax: object, pieces: Sequence[Slice], rows: dict[tuple[int, str
     import numpy as np
     from matplotlib.colors import to_rgb
 
-    styles = list(_STYLE)
+    style_table = _styles()
+    styles = list(style_table)
     width = step_s / _COLUMNS
     busy = np.zeros((len(rows), len(styles), _COLUMNS))
     index = {key: position for position, key in enumerate(rows)}
@@ -236,7 +248,7 @@ def _draw_columns(ax: object, pieces: Sequence[Slice], rows: dict[tuple[int, str
             overlap = min(p.end_s, (column + 1) * width) - max(p.start_s, column * width)
             if overlap > 0:
                 busy[row, style, column] += overlap
-    colours = np.array([to_rgb(_STYLE[style][1]) for style in styles])
+    colours = np.array([to_rgb(style_table[style][1]) for style in styles])
     share = np.clip(busy.sum(axis=1) / width, 0.0, 1.0)
     image = np.zeros((len(rows), _COLUMNS, 4))
     image[..., :3] = colours[busy.argmax(axis=1)]
@@ -266,6 +278,7 @@ def write_png(prediction: Prediction, path: str | Path, *, title: str = "", max_
     kept = set(keep)
     pieces = [p for p in pieces if p.rank in kept]
     lanes = _lanes(pieces)
+    styles = _styles()
     step_s = prediction.step_time_s
     unit, scale = ("ms", 1e3) if step_s < 2 else ("s", 1.0)
     rows = {(rank, lane): index * (len(lanes) + 0.6) + position
@@ -283,7 +296,7 @@ def write_png(prediction: Prediction, path: str | Path, *, title: str = "", max_
             spans.setdefault((p.rank, p.lane, p.style), []).append((p.start_s * scale, p.end_s * scale))
         for (rank, lane, style), intervals in spans.items():
             ax.broken_barh(_merged(sorted(intervals), step_s * scale / _COLUMNS), (rows[(rank, lane)] - 0.4, 0.8),
-                           facecolors=_STYLE[style][1], edgecolor="white" if lane == "compute" else "none",
+                           facecolors=styles[style][1], edgecolor="white" if lane == "compute" else "none",
                            linewidth=0.4)
     ticks = sorted(rows.items(), key=lambda item: item[1])
     ax.set_yticks([row for _, row in ticks],
@@ -307,7 +320,7 @@ def write_png(prediction: Prediction, path: str | Path, *, title: str = "", max_
         facts += f"\nshowing {len(keep)} of {len(ranks)} pipeline stages ({_ranks_text(keep)}); the trace has all"
     ax.set_title(f"{header}\n{facts}", fontsize=10, loc="left")
     present = {p.style for p in pieces}
-    handles = [Patch(color=colour, label=label) for style, (label, colour, _) in _STYLE.items() if style in present]
+    handles = [Patch(color=colour, label=label) for style, (label, colour, _) in styles.items() if style in present]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False,
                bbox_to_anchor=(0.5, 0.0))
     fig.tight_layout(rect=(0, 0.3 / height, 1, 1))

@@ -51,7 +51,7 @@ class DeepSpeedBackend:
         return PlannedSearch(plans=plans, labels=tuple(p.describe() for p in plans), searched=result.evaluated,
                              rejected=result.rejected, seconds=time.perf_counter() - started, report=report)
 
-    def train(self, job: JobSpec, plan: Plan | None, env: LaunchEnv, backend: BackendSpec, *,
+    def train(self, job: JobSpec, plan: Plan, env: LaunchEnv, backend: BackendSpec, *,
               metrics_path: Path | None, check: PlanCheck | None, resume: Any) -> list[Any]:
         """Megatron's groups (all of size 1 but data parallelism, for the model and its RNG), then
         ``deepspeed.initialize`` with the plan's config (``backend.config_file``'s other keys kept) and its loop,
@@ -59,8 +59,6 @@ class DeepSpeedBackend:
         from cfp_megatron.backends.deepspeed.trainer import run_training
         from cfp_megatron.engine.distributed import destroy_distributed, init_distributed
 
-        if plan is None:
-            raise TypeError("the DeepSpeed backend trains a plan")
         config = self.config if self.config is not None else ds_config(plan, job, base=backend.base_config())
         dims = ParallelDims.build(dataclasses.replace(job, parallel=ParallelSpec()), env.world_size)
         init_distributed(job, dims, env)

@@ -9,7 +9,9 @@ a user's own model handed to ``deepspeed.initialize`` (:mod:`cfp_megatron.backen
 measured on the live ranks. What ZeRO changes is modelled on top by :func:`zero_step`, the same for both, from
 DeepSpeed's engine:
 
-- **Gradient reduction.** Stage 0 all-reduces every gradient at the accumulation boundary; stage 1 reduces to the
+- **Gradient reduction.** What is reduced and gathered when follows from the sharding model (all-reduce or
+  reduce-scatter, per step or per micro-batch, gathered after the step or per pass); DeepSpeed prices it per bucket
+  and per module fetch. Stage 0 all-reduces every gradient at the accumulation boundary; stage 1 reduces to the
   partition owners there (a reduce-scatter's volume); stages 2 and 3 reduce-scatter in every micro-batch's backward
   pass (``overlap_comm`` lets it overlap the backward on GPUs). Stages 1 and 2 all-gather the updated parameters after
   the step; stage 3 keeps them partitioned and instead all-gathers each layer's parameters before its forward, its
@@ -19,10 +21,12 @@ DeepSpeed's engine:
   step and runs Adam on the host (memory-bound at the host's bandwidth); parameter offload (stage 3) copies each
   gathered partition from the host in every fetch. On CPU ranks host and device memory are the same: the copies cost
   a memory copy.
-- **Memory per rank.** Weights in compute precision, gradients (fp32 accumulation) and Adam's states with fp32
-  master weights (DeepSpeed keeps fp32 partitions even for fp32 models), each divided by the data-parallel size
-  where the stage partitions it; plus ZeRO's buckets, stage 3's live gathered parameters, and the activations of one
-  micro-batch (the Megatron memory model; measured segment memory where profiled).
+- **Memory per rank.** The stage is a configuration of the data-parallel sharding model
+  (:func:`zero_sharding`, :class:`~cfp_megatron.sim.sharding.Sharding` with DeepSpeed's
+  :meth:`~cfp_megatron.sim.sharding.StateBytes.deepspeed` bytes: weights in compute precision, gradients, an fp32
+  gradient partition, fp32 master weights and Adam's states, each divided by the data-parallel size where the stage
+  partitions it, offload moved to the host); plus ZeRO's buckets, stage 3's live gathered parameters, and the
+  activations of one micro-batch (the Megatron memory model; measured segment memory where profiled).
 
 CPU ranks share cores: nothing overlaps there (gloo's collectives are CPU work), so every term adds up.
 
@@ -48,6 +52,7 @@ from cfp_megatron.sim.layout import build_layout
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache
 from cfp_megatron.sim.prediction import GIB, MemoryBreakdown
+from cfp_megatron.sim.sharding import FP32_BYTES, Sharded, Sharding
 from cfp_megatron.sim.simulate import simulate
 
 if TYPE_CHECKING:
@@ -89,12 +94,24 @@ class ZeroTimeBreakdown:
     engine_s: float = 0.0
     """The DeepSpeed engine's measured costs beyond the passes (probed stages: reductions, gathers, hooks and the
     optimizer step together)."""
+    in_passes: bool = False
+    """Whether the reductions, gathers and host copies happen in the passes (stage 3 gathers each layer per pass),
+    not after them: which data-parallel lane of the cost-term registry they are (:meth:`seconds`)."""
 
     @property
     def total_s(self) -> float:
         """Their sum: the step time."""
         return (self.compute_s + self.grad_reduce_s + self.param_gather_s + self.offload_s + self.optimizer_s
                 + self.engine_s)
+
+    def seconds(self, lane: str) -> float:
+        """Seconds on the cost-term registry's lane named ``lane`` (:data:`~cfp_megatron.sim.terms.TERMS`; zero for a
+        lane ZeRO has no share of): the exposed reductions, gathers and host copies are the data-parallel sharding
+        term's, in the passes (``fsdp_comm_s``) or after them (``dp_comm_s``, :attr:`in_passes`); the optimizer step
+        is the optimizer term's. The passes (:attr:`compute_s`) and the engine's measured costs (:attr:`engine_s`)
+        are not split into lanes."""
+        comm = self.grad_reduce_s + self.param_gather_s + self.offload_s
+        return {"fsdp_comm_s" if self.in_passes else "dp_comm_s": comm, "optimizer_s": self.optimizer_s}.get(lane, 0.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,23 +237,23 @@ def zero_step(plan: Plan, passes: ZeroPasses, costs: CollectiveCosts, cluster: C
             return 0.0
         return count * costs.seconds(op, total_bytes / count, dp, per_node)
 
+    sharding = zero_sharding(plan)
     buckets = max(1.0, math.ceil(params / bucket))
+    reduction = calls(sharding.reduce_op, params * grad_bytes, buckets)  # every gradient reduced once
     reduce_s = gather_s = offload_s = 0.0
-    if plan.zero_stage == 0:
-        reduce_s = calls(Collective.all_reduce, params * grad_bytes, buckets)
-    elif plan.zero_stage == 1:
-        reduce_s = calls(Collective.reduce_scatter, params * grad_bytes, buckets)
-        gather_s = calls(Collective.all_gather, params * elem, buckets)
-    elif plan.zero_stage == 2:
-        per_mb = calls(Collective.reduce_scatter, params * grad_bytes, buckets)
-        reduce_s = mb * (per_mb if on_cpu else max(per_mb - backward / mb, per_mb / buckets))
-        gather_s = calls(Collective.all_gather, params * elem, buckets)
+    if not sharding.gathers_per_pass:
+        if sharding.reduces_per_microbatch:  # in each micro-batch's backward pass
+            reduce_s = mb * (reduction if on_cpu else max(reduction - backward / mb, reduction / buckets))
+        else:  # at the accumulation boundary
+            reduce_s = reduction
+        if sharding.gathers_after_step:
+            gather_s = calls(Collective.all_gather, params * elem, buckets)
     else:
         passes_per_mb = 3 if plan.activation_checkpointing else 2
         fetches = passes.fetches
         gather_mb = passes_per_mb * calls(Collective.all_gather, params * elem, fetches)
-        reduce_mb = calls(Collective.reduce_scatter, params * grad_bytes, buckets)
-        if plan.offload_param:
+        reduce_mb = reduction
+        if sharding.offload_params:
             offload_mb = passes_per_mb * _host_copy(params * elem / dp, cluster)
         else:
             offload_mb = 0.0
@@ -249,10 +266,10 @@ def zero_step(plan: Plan, passes: ZeroPasses, costs: CollectiveCosts, cluster: C
             share = exposed / comm if comm > 0 else 0.0
             gather_s, reduce_s, offload_s = mb * gather_mb * share, mb * reduce_mb * share, mb * offload_mb * share
     optimizer_s = passes.optimizer_s
-    if plan.offload_optimizer:
-        shard = params / dp
+    if sharding.offload_optimizer:
+        shard = sharding.optimizer_params(params)
         optimizer_s = shard * ADAM_HOST_BYTES_PER_PARAM / (HOST_MEMORY_GBPS * 1e9)
-        offload_s += _host_copy(shard * 4.0, cluster) + _host_copy(shard * elem, cluster)
+        offload_s += _host_copy(shard * FP32_BYTES, cluster) + _host_copy(shard * elem, cluster)
     engine_s = 0.0
     if probe is not None:
         if passes.single_pass_s is None:
@@ -261,8 +278,9 @@ def zero_step(plan: Plan, passes: ZeroPasses, costs: CollectiveCosts, cluster: C
         extra = gather_s / 3 if plan.zero_stage == 3 and plan.activation_checkpointing else 0.0
         reduce_s, gather_s, optimizer_s = 0.0, extra, (optimizer_s if plan.offload_optimizer else 0.0)
     time = ZeroTimeBreakdown(compute_s=compute, grad_reduce_s=reduce_s, param_gather_s=gather_s,
-                             offload_s=offload_s, optimizer_s=optimizer_s, engine_s=engine_s)
-    memory, host = _memory(plan, passes, elem, layers)
+                             offload_s=offload_s, optimizer_s=optimizer_s, engine_s=engine_s,
+                             in_passes=sharding.gathers_per_pass)
+    memory, host = _memory(plan, sharding, passes, elem, layers)
     step = time.total_s
     tok = plan.global_batch_size * plan.seq_length / step / world
     return ZeroPredictionResult(step_time_s=step, time=time, memory=memory, host_bytes=host,
@@ -282,39 +300,28 @@ def _host_copy(nbytes: float, cluster: ClusterSpec) -> float:
     return nbytes / (HOST_LINK_GBPS * 1e9)
 
 
-def _memory(plan: Plan, passes: ZeroPasses, elem: float, layers: int) -> tuple[MemoryBreakdown, float]:
-    """Device memory per rank and host memory per rank under ``plan`` (module docstring)."""
+def zero_sharding(plan: Plan) -> Sharding:
+    """``plan``'s ZeRO stage and offload as a configuration of the data-parallel sharding model
+    (:class:`~cfp_megatron.sim.sharding.Sharding`): the bytes of each state, what is sharded over the ``plan.dp``
+    ranks, what is offloaded."""
+    return Sharding.zero(stage=plan.zero_stage, dp=plan.dp, elem=_element_bytes(plan),
+                         offload_optimizer=plan.offload_optimizer, offload_params=plan.offload_param)
+
+
+def _memory(plan: Plan, sharding: Sharding, passes: ZeroPasses, elem: float,
+            layers: int) -> tuple[MemoryBreakdown, float]:
+    """Device memory per rank and host memory per rank under ``plan`` (module docstring): the states as
+    ``sharding`` keeps them, and ZeRO's own buffers."""
     params = passes.params
-    dp = plan.dp
-    stage = plan.zero_stage
-    adam = 12.0  # fp32 master copy and two moments (a ZeRO optimizer keeps the master copy even for fp32 models)
+    states = sharding.memory(params)
     bucket = min(float(plan.bucket_elements), params)
-    weights = params * elem
-    if stage == 0:
-        grads = params * (4.0 if elem == 4.0 else elem + 4.0)
-        optim = params * (8.0 if elem == 4.0 else adam)
-        buffers = 0.0
-    else:
-        optim = params * adam / dp
-        if stage == 1:
-            grads = params * elem + params * 4.0 / dp
-            buffers = bucket * elem
-        else:
-            grads = params * 4.0 / dp + (params * elem / dp if stage == 3 else 0.0)
-            buffers = 2 * bucket * elem  # the reduction bucket and the gradient partition it lands in
-        if stage == 3:
-            weights = params * elem / dp
-            live = min(2.0 * float(plan.bucket_elements), 2.0 * params / max(layers, 1) + bucket)
-            buffers += live * elem
-    host = 0.0
-    if plan.offload_optimizer:
-        host += optim + params * 4.0 / dp
-        grads -= params * 4.0 / dp
-        optim = 0.0
-    if plan.offload_param:
-        host += weights
-        weights = 0.0
-    memory = MemoryBreakdown(parameters=weights, gradients=max(grads, 0.0), optimizer_states=optim,
-                             activations=passes.activation_bytes,
+    buffers = 0.0
+    if sharding.sharded is not Sharded.nothing:  # the reduction bucket, and the partition it lands in per micro-batch
+        buffers = (2 if sharding.reduces_per_microbatch else 1) * bucket * elem
+    if sharding.gathers_per_pass:  # the gathered parameters live at once: prefetched, at most two buckets
+        live = min(2.0 * float(plan.bucket_elements), 2.0 * params / max(layers, 1) + bucket)
+        buffers += live * elem
+    memory = MemoryBreakdown(parameters=states.weights, gradients=states.gradients,
+                             optimizer_states=states.optimizer_states, activations=passes.activation_bytes,
                              comm_buffers=passes.comm_buffers_bytes + buffers, stage=0)
-    return memory, host
+    return memory, states.host

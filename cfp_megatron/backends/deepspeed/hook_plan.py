@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cfp_megatron.backends.deepspeed.costs import ZeroPasses, zero_step
+from cfp_megatron.backends.deepspeed.costs import ZeroPasses, zero_sharding, zero_step
 from cfp_megatron.backends.deepspeed.hook_config import HookRequest, filled_config
 from cfp_megatron.backends.deepspeed.hook_measure import (
     DEFAULT_PROBE_BUDGET_S,
@@ -73,13 +73,14 @@ from cfp_megatron.backends.deepspeed.hook_measure import (
 )
 from cfp_megatron.backends.deepspeed.search import rank_zero_plans, ranking_table, zero_candidates
 from cfp_megatron.backends.deepspeed.zero_plan import write_json_file
-from cfp_megatron.base.backend_spec import BackendKind, ZeroSpec
+from cfp_megatron.base.backend_spec import ZeroSpec
 from cfp_megatron.base.config import ClusterSpec, ParallelSpec, Recompute
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.engine.distributed import searched_on_rank0
 from cfp_megatron.plan.artifact import Plan
+from cfp_megatron.plan.backend_part import DeepSpeedPart
 from cfp_megatron.sim.pass_costs import collective_costs
 from cfp_megatron.sim.prediction import GIB
 
@@ -137,9 +138,9 @@ def hook_passes(measured: MeasuredPasses, plan: Plan, *, layers: int, fetches: i
 
     mb, steps = plan.micro_batch_size, plan.gradient_accumulation_steps
     (f0, f1), (b0, b1), (a0, a1) = measured.forward, measured.backward, measured.activations
-    shard = plan.dp if plan.zero_stage >= 1 else 1
+    stepped = zero_sharding(plan).optimizer_params(float(measured.params))  # the rank's optimizer shard
     return ZeroPasses(forward_s=steps * (f0 + f1 * mb), backward_s=steps * (b0 + b1 * mb), recompute_s=0.0,
-                      overhead_s=0.0, optimizer_s=measured.optimizer_s_per_param * measured.params / shard,
+                      overhead_s=0.0, optimizer_s=measured.optimizer_s_per_param * stepped,
                       params=float(measured.params), layers=max(layers, 1), fetches=fetches,
                       activation_bytes=a0 + a1 * mb, flops_per_token=flops_per_token,
                       single_pass_s=f0 + f1 + b0 + b1)
@@ -164,7 +165,7 @@ def hook_zero_plan(request: HookRequest, cluster: ClusterSpec, knobs: ZeroKnobs,
     parallel = ParallelSpec(recompute=Recompute.full if ckpt else Recompute.none, distributed_optimizer=stage >= 1)
     return Plan(model=model_name(name), cluster=cluster.name, nodes=max(world // per_node, 1),
                 gpus_per_node=per_node, parallel=parallel, micro_batch_size=mb, global_batch_size=request.global_batch,
-                seq_length=seq_length, precision=request.precision, backend=BackendKind.deepspeed, zero=zero)
+                seq_length=seq_length, precision=request.precision, backend_part=DeepSpeedPart(zero=zero))
 
 
 def search_hook(request: HookRequest, measured: MeasuredPasses, cluster: ClusterSpec,

@@ -30,6 +30,7 @@ from cfp_megatron.search import driver
 from cfp_megatron.sim.kernels import target_peak_tflops
 from cfp_megatron.sim.pass_costs import CostCache
 from cfp_megatron.sim.prediction import GIB
+from cfp_megatron.sim.terms import TERMS, LaneKind, Placement
 
 if TYPE_CHECKING:
     from cfp_megatron.backends.deepspeed.costs import ZeroPredictionResult
@@ -216,7 +217,16 @@ def _prediction(result: ZeroPredictionResult, peak: float | None) -> PlanPredict
                           peak_memory_gib=result.memory.total / GIB,
                           tokens_per_s_per_gpu=result.tokens_per_s_per_gpu,
                           mfu=result.model_tflops_per_gpu / peak if peak else None,
-                          exposed_comm_s=t.grad_reduce_s + t.param_gather_s + t.offload_s)
+                          exposed_comm_s=sum(t.seconds(lane.name) for lane in TERMS.lanes()
+                                             if lane.kind is LaneKind.comm))
+
+
+def _after_passes_s(result: ZeroPredictionResult) -> float:
+    """The step's compute after its passes (the registry's after-schedule compute lanes: the optimizer step) and the
+    engine's measured costs."""
+    t = result.time
+    return sum(t.seconds(lane.name) for lane in TERMS.lanes()
+               if lane.kind is LaneKind.compute and lane.placement is Placement.after) + t.engine_s
 
 
 def ranking_table(result: ZeroSearchResult) -> Table:
@@ -232,5 +242,5 @@ def ranking_table(result: ZeroSearchResult) -> Table:
         table.add_row(str(i), r.plan.describe(), f"{p.step_time_s:.4f}", f"{p.tokens_per_s_per_gpu:,.0f}",
                       f"{p.mfu:.1%}" if p.mfu is not None else "-", f"{p.peak_memory_gib:.2f}",
                       f"{r.result.host_bytes / GIB:.2f}", f"{p.exposed_comm_s:.4f}",
-                      f"{r.result.time.optimizer_s + r.result.time.engine_s:.4f}")
+                      f"{_after_passes_s(r.result):.4f}")
     return table

@@ -17,7 +17,7 @@ from cfp_megatron.base.parallel_dims import ParallelDims, transformer_engine_ava
 from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.plan.artifact import Plan, PlanPrediction
 from cfp_megatron.plan.check import PlanCheck
-from cfp_megatron.search.search import search
+from cfp_megatron.search.search import SearchResult, search
 from cfp_megatron.sim.kernels import target_peak_tflops
 from cfp_megatron.sim.options import options_here
 from cfp_megatron.sim.uncertainty import error_band
@@ -38,6 +38,11 @@ class MegatronBackend:
         te = transformer_engine_available() if measurements is not None else True
         options = options_here(job.cluster) if measurements is not None else None
         result = search(job, world, cfp, measurements=measurements, options=options, te_available=te)
+        return self.planned(result, job, world, inputs_fingerprint=inputs_fingerprint)
+
+    @staticmethod
+    def planned(result: SearchResult, job: JobSpec, world: int, *, inputs_fingerprint: str) -> PlannedSearch:
+        """A search's result (:func:`cfp_megatron.search.search.search` of ``job``) as the planner takes it."""
         peak = target_peak_tflops(job)
         plans = tuple(Plan.from_job(r.job, world_size=world, prediction=PlanPrediction.of(r.prediction, peak,
                                                                                       error_band(r.job),
@@ -47,14 +52,14 @@ class MegatronBackend:
                              searched=result.space_size, rejected=tuple((r.what, r.reason) for r in result.rejected),
                              seconds=result.seconds, report=lambda console: print_result(result, peak, console))
 
-    def train(self, job: JobSpec, plan: Plan | None, env: LaunchEnv, backend: BackendSpec, *,
+    def train(self, job: JobSpec, plan: Plan, env: LaunchEnv, backend: BackendSpec, *,
               metrics_path: Path | None, check: PlanCheck | None, resume: Any) -> list[Any]:
-        """Megatron's process groups for the job's layout (``plan`` applied to it, where there is one), then its
-        training loop from the checkpoint step ``resume`` (``None``: from the start)."""
+        """Megatron's process groups for ``plan`` applied to the job, then its training loop from the checkpoint step
+        ``resume`` (``None``: from the start)."""
         from cfp_megatron.backends.megatron.trainer import run_training
         from cfp_megatron.engine.distributed import destroy_distributed, init_distributed
 
-        planned = plan.apply(job) if plan is not None else job
+        planned = plan.apply(job)
         dims = ParallelDims.build(planned, env.world_size)
         init_distributed(planned, dims, env)
         try:

@@ -7,7 +7,8 @@ from rich.console import Console
 from rich.table import Table
 
 from cfp_megatron.search.search import Ranked, SearchResult
-from cfp_megatron.sim.prediction import GIB, exposed_comm_s, mfu
+from cfp_megatron.sim.prediction import GIB, mfu
+from cfp_megatron.sim.terms import TERMS, exposed_comm_s
 from cfp_megatron.sim.uncertainty import BAND_QUANTILE, best_published_mfu, error_band
 
 _KNOBS = (("tp", "TP"), ("sp", "sequence parallel"), ("pp", "PP"), ("vpp", "virtual stages"), ("cp", "CP"),
@@ -93,12 +94,8 @@ def explain(best: Ranked, runner_up: Ranked | None) -> list[str]:
     pa, pb = best.prediction, runner_up.prediction
     gap = pb.step_time_s - pa.step_time_s
     lines.append(f"step time: {pa.step_time_s:.4f} s vs {pb.step_time_s:.4f} s ({gap / pb.step_time_s:.2%} faster)")
-    parts = (("compute (fwd+bwd)", lambda p: p.time.forward_compute_s + p.time.backward_compute_s),
-             ("recompute", lambda p: p.time.recompute_s), ("pipeline bubble", lambda p: p.time.pp_bubble_s),
-             ("TP/SP comm", lambda p: p.time.tp_comm_s), ("CP comm", lambda p: p.time.cp_comm_s),
-             ("EP comm", lambda p: p.time.ep_comm_s), ("DP sync (exposed)", lambda p: p.time.dp_comm_s),
-             ("optimizer", lambda p: p.time.optimizer_s), ("framework overhead", lambda p: p.time.overhead_s))
-    moved = sorted(((label, get(pa) - get(pb)) for label, get in parts), key=lambda kv: kv[1])
+    moved = sorted(((lane.label, pa.time.seconds(lane.name) - pb.time.seconds(lane.name)) for lane in TERMS.lanes()),
+                   key=lambda kv: kv[1])
     for label, delta in moved:
         if abs(delta) >= 1e-4 * max(pb.step_time_s, 1e-12):
             lines.append(f"  {label}: {delta:+.4f} s on the critical pipeline rank")

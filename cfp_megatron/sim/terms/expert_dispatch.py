@@ -1,19 +1,27 @@
-"""Seconds and parameters of one MoE block (router, token dispatch, routed experts, shared expert) for one
-micro-batch on one rank, as Megatron-Core runs it. How each term is modelled and where its figures come from:
+"""The expert-dispatch term: seconds and parameters of one MoE block (router, token dispatch, routed experts,
+shared expert) for one micro-batch on one rank, as Megatron-Core runs it, the part of its token exchange the step
+waits for, and the term's lane and bound. How each part is modelled and where its figures come from:
 docs/simulator.md, "moe_cost.py".
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cfp_megatron.base.config import Activation, JobSpec, TokenDispatcher
 from cfp_megatron.base.flops import mlp_params
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
-from cfp_megatron.sim.kernels import KernelModel
+from cfp_megatron.sim.kernels import KernelModel, element_bytes
 from cfp_megatron.sim.layout import Layout
+from cfp_megatron.sim.memory import Stage
 from cfp_megatron.sim.primepar_cost import ffn_gemms, mlp_activation_elements
+from cfp_megatron.sim.terms.base import CostTerm, Lane, LaneKind, MemoryCategory, Overlaps, Placement
+from cfp_megatron.sim.terms.overlap import COMM_SM_SHARE, overlapped
+
+if TYPE_CHECKING:
+    from cfp_megatron.sim.layer_cost import LayerCost
 
 DEEPEP_INTRA_SHARE = 0.77
 """Share of the nominal per-direction NVLink bandwidth DeepEP's normal (training) kernels reach inside a node:
@@ -23,12 +31,6 @@ DEEPEP_INTER_SHARE = 0.9
 """Share of the NIC bandwidth DeepEP's normal kernels reach across nodes, counted on de-duplicated tokens (one copy
 per destination node, forwarded over NVLink inside it): 43-58 GB/s at EP16-EP64 on 400 Gb/s (50 GB/s) CX7 rails
 (DeepEP's README); 0.9 is the middle of that range."""
-COMM_SM_SHARE = 0.15
-"""Share of the GPU's streaming multiprocessors a communication kernel occupies while it overlaps with computation
-(DeepSeek-V3 report, section 3.2.2: 20 of the H800's 132 SMs for the all-to-all): overlapped computation runs that
-much slower for as long as the communication lasts."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class MoeCost:
     """One MoE block's work for one micro-batch on one rank (forward pass; the layer cost derives the backward)."""
@@ -172,8 +174,54 @@ def _deepep_s(costs: CollectiveCosts, layout: Layout, routed_bytes: float, token
     return max(intra_s, inter_s)
 
 
-def overlapped(comm_s: float, window_s: float) -> tuple[float, float]:
-    """(communication left exposed, computation slowdown) when ``comm_s`` of communication runs beside
-    ``window_s`` of computation: the computation loses :data:`COMM_SM_SHARE` of its speed while they overlap."""
-    hidden = min(comm_s, window_s)
-    return comm_s - hidden, hidden * COMM_SM_SHARE
+def expert_comm(job: JobSpec, block: MoeCost, *, attention_s: tuple[float, float],
+                experts_s: tuple[float, float]) -> tuple[float, float]:
+    """(forward, backward) seconds of the expert dispatch and combine left on the critical path (the forward's count
+    exchange always), with the SM share the hidden part takes from the computation it overlaps. ``attention_s`` and
+    ``experts_s``: (forward, backward) seconds of the layer's attention side and of its experts.
+
+    ``moe_a2a_overlap`` runs Megatron-Core's combined 1F1B layer schedule (``TransformerLayerSchedulePlan.run``):
+    each communication of one micro-batch beside one computation of another, pair by pair -- the backward combine
+    beside the forward attention, the forward dispatch beside the backward experts, the backward dispatch beside
+    the forward experts, the forward combine beside the backward attention. ``moe_shared_expert_overlap`` hides the
+    exchange behind the shared expert (twice as long backward)."""
+    parallel = job.parallel
+    dispatch = block.dispatch_s - block.combine_s
+    if parallel.moe_a2a_overlap:
+        fwd = [overlapped(dispatch, experts_s[1]), overlapped(block.combine_s, attention_s[1])]
+        bwd = [overlapped(block.combine_s, attention_s[0]), overlapped(dispatch, experts_s[0])]
+    elif parallel.moe_shared_expert_overlap:
+        fwd = [overlapped(block.dispatch_s, block.shared_gemm_s)]
+        bwd = [overlapped(block.dispatch_s, 2.0 * block.shared_gemm_s)]
+    else:  # nothing beside it: LayerCost.ep_alone_s
+        return block.metadata_s + block.dispatch_s, block.dispatch_s
+    return block.metadata_s + sum(a + b for a, b in fwd), sum(a + b for a, b in bwd)
+
+
+class ExpertDispatch(CostTerm):
+    """The expert all-to-all (dispatch and combine, and the token counts before them) the passes wait for."""
+
+    name = "expert_dispatch"
+    lanes = (Lane(name="ep_comm_s", label="EP comm", part="TP/CP/EP/FSDP comm", kind=LaneKind.comm,
+                  placement=Placement.in_pass, pass_field="ep_comm_s", key="ep", trace="EP comm",
+                  style=("EP all-to-all", "#937860", "rail_response"),
+                  overlaps=("the other micro-batch's attention and experts (moe_a2a_overlap)",
+                            "the shared expert (moe_shared_expert_overlap)")),)
+    stores = (MemoryCategory(name="ep_buffers", label="expert dispatch buffers", field="comm_buffers"),)
+
+    def memory(self, stage: Stage) -> dict[str, float]:
+        """The permuted token copies before and after the all-to-all (send and receive buffers) of one layer, on
+        the busiest expert rank."""
+        job, dims = stage.job, stage.layout.dims
+        if not stage.moe_layers or dims.ep <= 1 or stage.measured is not None:
+            return {"ep_buffers": 0.0}
+        model = job.model
+        return {"ep_buffers": (2 * model.moe_router_topk * stage.tokens / dims.tp * model.hidden_size
+                               * element_bytes(job) * stage.options.moe_routing_imbalance)}
+
+    def hideable(self, layer: LayerCost, overlaps: Overlaps) -> tuple[float, float]:
+        """The expert overlap leaves at least the SM share (:data:`COMM_SM_SHARE`) of the forward and backward
+        exchange."""
+        if not overlaps.expert_a2a:
+            return 0.0, 0.0
+        return (1.0 - COMM_SM_SHARE) * (layer.forward.ep_comm_s + layer.backward.ep_comm_s), 0.0

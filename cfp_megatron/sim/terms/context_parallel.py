@@ -1,6 +1,6 @@
-"""Seconds of context-parallel attention's key/value exchange for one micro-batch on one rank, under each of
-Transformer Engine's communication types, and the attention kernel's efficiency at the chunk length CP leaves it.
-How each is modelled: docs/simulator.md, "cp_cost.py".
+"""The context-parallel term: seconds of context-parallel attention's key/value exchange for one micro-batch on one
+rank under each of Transformer Engine's communication types, the buffers it holds, the attention kernel's efficiency
+at the chunk length CP leaves it, and the term's lane. How each is modelled: docs/simulator.md, "cp_cost.py".
 """
 
 from __future__ import annotations
@@ -11,7 +11,10 @@ from dataclasses import dataclass
 from cfp_megatron.base.config import CpCommType, JobSpec
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
+from cfp_megatron.sim.kernels import element_bytes
 from cfp_megatron.sim.layout import Layout
+from cfp_megatron.sim.memory import Stage
+from cfp_megatron.sim.terms.base import CostTerm, Lane, LaneKind, MemoryCategory, Placement
 
 ATTENTION_HALF_LENGTH = 256.0
 """Query-block length (tokens) at which a fused causal attention kernel reaches half its long-sequence throughput,
@@ -117,3 +120,24 @@ def cp_buffer_bytes(job: JobSpec, layout: Layout, *, elem_bytes: int, q_width: f
     if kind is CpCommType.a2a_p2p:
         return q_bytes + kv_bytes + 2 * kv_bytes * math.gcd(dims.cp, max(layout.cp_per_node, 1))
     return 2 * kv_bytes
+
+
+class ContextParallel(CostTerm):
+    """The K/V exchange of context-parallel attention the passes wait for (after what the attention core hides)."""
+
+    name = "context_parallel"
+    lanes = (Lane(name="cp_comm_s", label="CP comm", part="TP/CP/EP/FSDP comm", kind=LaneKind.comm,
+                  placement=Placement.in_pass, pass_field="cp_comm_s", key="cp", trace="CP comm",
+                  style=("CP ring exchange", "#DD8452", "terrible"), overlaps=("the attention core",)),)
+    stores = (MemoryCategory(name="cp_buffers", label="CP exchange buffers", field="comm_buffers"),)
+
+    def memory(self, stage: Stage) -> dict[str, float]:
+        """What the exchange holds while a layer runs (:func:`cp_buffer_bytes`)."""
+        job, layout = stage.job, stage.layout
+        if layout.dims.cp <= 1 or stage.measured is not None:
+            return {"cp_buffers": 0.0}
+        model = job.model
+        head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
+        return {"cp_buffers": cp_buffer_bytes(job, layout, elem_bytes=element_bytes(job),
+                                              q_width=model.num_attention_heads * head_dim,
+                                              kv_width=2 * model.query_groups * head_dim)}

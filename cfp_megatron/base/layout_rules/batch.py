@@ -1,0 +1,82 @@
+"""The batch and the world: the model-parallel sizes against the ranks, the global batch against the data-parallel
+ranks and micro-batches, and what data-parallel sharding needs."""
+
+from __future__ import annotations
+
+from cfp_megatron.base.layout_rules.problem import Problem
+
+
+def model_parallel_world(world: int, tp: int, cp: int, pp: int) -> list[Problem]:
+    """TP x CP x PP divides the world; data parallelism takes what it leaves."""
+    product = tp * cp * pp
+    if not world % product:
+        return []
+    return [Problem(key="parallel.tp", value=tp,
+                    problem=f"world size {world} is not divisible by parallel.tp x parallel.cp x parallel.pp "
+                            f"= {tp} x {cp} x {pp} = {product}.",
+                    fix=f"choose sizes whose product divides {world}, or start {product}*k ranks "
+                        f"(torchrun --nproc_per_node).",
+                    brief=f"does not divide the world size {world}")]
+
+
+def cluster_world(world: int, nodes: int, gpus_per_node: int | None) -> list[Problem]:
+    """The cluster's nodes x GPUs per node (where stated) are the ranks started."""
+    if gpus_per_node is None or world == nodes * gpus_per_node:
+        return []
+    return [Problem(key="cluster.nodes", value=nodes,
+                    problem=f"cluster.nodes x cluster.gpus_per_node = {nodes} x {gpus_per_node} = "
+                            f"{nodes * gpus_per_node} but {world} ranks were started.",
+                    fix="start that many ranks, or set cluster.nodes/cluster.gpus_per_node to match torchrun.",
+                    brief=f"{nodes} nodes of {gpus_per_node} GPUs are not {world} ranks")]
+
+
+def global_batch(global_batch: int, micro_batch: int, dp: int) -> list[Problem]:
+    """The global batch splits into whole micro-batches on every data-parallel rank."""
+    per_step = micro_batch * dp
+    if not global_batch % per_step:
+        return []
+    brief = (f"the global batch {global_batch} is not divisible by the DP size {dp}" if global_batch % dp else
+             f"{micro_batch} does not divide the {global_batch // dp} sequences of a step per data-parallel rank "
+             f"(train.global_batch_size={global_batch} over DP {dp})")
+    return [Problem(key="train.global_batch_size", value=global_batch,
+                    problem=f"is not divisible by train.micro_batch_size x data-parallel size = {micro_batch} x {dp}"
+                            f" = {per_step}.",
+                    fix=f"use a multiple of {per_step}, e.g. "
+                        f"train.global_batch_size={per_step * max(1, global_batch // per_step)}.",
+                    brief=brief)]
+
+
+def microbatch_count(global_batch: int, micro_batch: int, dp: int, limit: int) -> list[Problem]:
+    """A step runs at most ``limit`` micro-batches per data-parallel rank."""
+    per_step = micro_batch * dp
+    count = max(global_batch // per_step, 1)
+    if count <= limit:
+        return []
+    return [Problem(key="train.global_batch_size", value=global_batch,
+                    problem=f"means {count:,} micro-batches per step on each data-parallel rank "
+                            f"(train.global_batch_size / (train.micro_batch_size x data-parallel size {dp})), more "
+                            f"than {limit:,}: one step would run for hours (published runs accumulate at most 128).",
+                    fix=f"set train.global_batch_size to at most {limit * per_step}, or raise "
+                        "train.micro_batch_size or the data-parallel size.",
+                    brief=f"{count:,} micro-batches per step, more than {limit:,}")]
+
+
+def sharded_optimizer(distributed_optimizer: bool, *, dp: int, expert_dp: int | None = None) -> list[Problem]:
+    """The distributed optimizer shards over data-parallel ranks: it needs some (dense, or with ``expert_dp`` given
+    for a MoE model, expert ones)."""
+    if not distributed_optimizer or dp > 1 or (expert_dp is not None and expert_dp > 1):
+        return []
+    return [Problem(key="parallel.distributed_optimizer", value=True,
+                    problem="the distributed optimizer shards over data-parallel ranks; this layout leaves one.",
+                    fix="set parallel.distributed_optimizer=false, or leave data-parallel ranks.",
+                    brief="the distributed optimizer shards over data parallelism")]
+
+
+def param_gather_overlap(overlap: bool, distributed_optimizer: bool) -> list[Problem]:
+    """Overlapping the parameter all-gather needs the distributed optimizer (which gathers them)."""
+    if not overlap or distributed_optimizer:
+        return []
+    return [Problem(key="parallel.overlap_param_gather", value=True,
+                    problem="overlapping the parameter all-gather needs the distributed optimizer.",
+                    fix="set parallel.distributed_optimizer=true or parallel.overlap_param_gather=false.",
+                    brief="the parameter gather overlap needs the distributed optimizer")]

@@ -1,0 +1,148 @@
+"""Lower bounds on the step time of a group of plans that share their pass costs: what the search prunes with
+(:mod:`cfp_megatron.search.search` enumerates, this module bounds). Each cost term bounds its own lanes per layer
+(:meth:`~cfp_megatron.sim.terms.CostTerm.lower_bound`: its lanes less what an overlap a candidate may turn on can
+hide); this module adds them up per layer kind (:func:`group_costs`) and composes them along the pipeline schedule
+(docs/simulator.md, "Cost terms").
+
+With ``m`` micro-batches, ``v`` chunks per rank and a stage of ``n`` layers,
+
+    chunk(n) = n / v x the cheaper layer's forward + backward + recompute
+    rank r   >= m x v x chunk(n_r) (+ m x (embedding + 2 x per-pass cost) on the first, + m x (head + 2 x per-pass
+                cost) on the last) + chunk(n_s) for every stage s before r (+ the embedding and 2 x per-pass once)
+
+A rank runs its ``m x v`` chunk passes one after another; a later rank cannot start before micro-batch 0 went
+forward through the stages before it, and after its last backward the same micro-batch still goes backward through
+them. The bound is the largest of the first, the last middle and the last rank's (the middle stages hold equal counts,
+so the last middle one bounds them all; a first/last stage of its own size is what ``n_r`` follows; a balanced
+layout's stages hold fewer layers the later they come and each rank's first chunk at least its mean, so its lightest
+middle stage stands for them). The first and the last rank's own passes also count their dense and MoE layers at
+each kind's cost (``m x (dense_r x dense + moe_r x MoE)``), where that is more than their count at the cheaper
+kind's (a DeepSeek-V3 stage is mostly MoE layers, its first three dense). The simulated
+step is the slowest rank's schedule plus its gradient sync and optimizer step, all non-negative, so the bound never
+exceeds it. Without pipelining the one rank runs everything; on a CPU with fewer cores than ranks the simulated
+schedule is bounded below by the mean rank's work only, which the bound then uses. Block recomputation (the search
+takes the fewest layers per chunk that fit) counts one recomputed layer per chunk.
+
+With measurements the simulator also adds the pipelined probe's ``fixed_s`` to every rank's schedule (clamped at
+zero; docs/simulator.md, "Pipeline exchanges"): any sign, the same for every split, micro-batch count and recompute
+choice of a partition, micro-batch size and pipeline placement. A negative one shortens every pipelined step below
+its passes, so every pipelined bound here adds it too (and is clamped at zero as the schedule is): the step is at
+least ``max(schedule + fixed_s, 0)`` plus its after-schedule lanes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cfp_megatron.sim.pass_costs import PassCosts
+from cfp_megatron.sim.terms import TERMS, Overlaps
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupCosts:
+    """What the bounds of a group of candidates with equal pass costs are built from."""
+
+    layer_s: float
+    """Forward + backward + recompute seconds of the cheaper layer kind, per micro-batch."""
+    fb_s: float
+    """Forward + backward seconds of the cheaper layer kind, per micro-batch."""
+    recompute_s: float
+    """Recompute seconds of the cheaper layer kind, per micro-batch."""
+    dense_params: float
+    """Parameters of one dense layer on a rank, at least (the search's memory bound reads it)."""
+    moe_params: float
+    """Parameters of one MoE layer on a rank (its experts' share included), at least."""
+    pass_s: float
+    """The schedule's cost per pass."""
+    embedding_s: float
+    """Embedding forward + backward per micro-batch."""
+    head_s: float
+    """Head forward + backward per micro-batch."""
+    shared_cores: bool
+    """Whether the simulator may take the shared-cores schedule (CPU with fewer cores than ranks)."""
+    kind_s: tuple[float, float] = (0.0, 0.0)
+    """:attr:`layer_s` of each layer kind (dense, MoE): a rank's layers cost at least their counts times these."""
+    kind_fb_s: tuple[float, float] = (0.0, 0.0)
+    """:attr:`fb_s` of each layer kind (dense, MoE)."""
+    fixed_s: float = 0.0
+    """What the simulator adds to every rank's pipeline schedule whatever its split and micro-batches (the pipelined
+    probe's calibration, :func:`~cfp_megatron.sim.simulate.schedule_fixed_s`; any sign, zero without a pipeline)."""
+
+
+def group_costs(parts: PassCosts, overlaps: Overlaps, *, hidden: int, shared_cores: bool,
+                fixed_s: float = 0.0) -> GroupCosts:
+    """The costs a group's bound counts, from its representative's pass costs ``parts`` (no overlaps), for
+    candidates that may turn on ``overlaps``: each layer kind's time less what every term says those overlaps can
+    hide of its lanes (:meth:`~cfp_megatron.sim.terms.CostTerm.hideable`); ``hidden``: the model's hidden size;
+    ``shared_cores``: whether the simulator may take the shared-cores schedule; ``fixed_s``: what it adds to every
+    pipelined schedule (:attr:`GroupCosts.fixed_s`)."""
+    # the biases and norms the count leaves out add at least -2 h (cfp_megatron.sim.memory.layer_extra_params)
+    slack = 2.0 * hidden
+    # A PrimePar candidate runs Megatron's MLP on some layers only where PrimePar's layer is the faster
+    # (search._primepar_layers): the plan's own dense layer still bounds it.
+    kinds = (parts.dense, parts.moe)
+    hideable, hideable_rec = [0.0, 0.0], [0.0, 0.0]
+    for i, kind in enumerate(kinds):
+        for term in TERMS.hiding():  # the others hide nothing
+            fb, rec = term.hideable(kind, overlaps)
+            hideable[i] += fb
+            hideable_rec[i] += rec
+    return GroupCosts(
+        layer_s=min(c.total_s - h - r for c, h, r in zip(kinds, hideable, hideable_rec, strict=True)),
+        fb_s=min(c.forward.total_s + c.backward.total_s - h for c, h in zip(kinds, hideable, strict=True)),
+        recompute_s=min(c.recompute.total_s - r for c, r in zip(kinds, hideable_rec, strict=True)),
+        dense_params=max(parts.dense.params - slack, 0.0),
+        moe_params=max(parts.moe.params - slack, 0.0),
+        pass_s=parts.per_pass.total_s,
+        embedding_s=sum(p.total_s for p in parts.embedding), head_s=sum(p.total_s for p in parts.head),
+        shared_cores=shared_cores, fixed_s=fixed_s,
+        kind_s=tuple(c.total_s - h - r for c, h, r in zip(kinds, hideable, hideable_rec, strict=True)),
+        kind_fb_s=tuple(c.forward.total_s + c.backward.total_s - h for c, h in zip(kinds, hideable, strict=True)))
+
+
+def layer_terms(costs: GroupCosts, block: bool) -> tuple[float, float]:
+    """Seconds per layer and per chunk a bound counts: block recomputation (``block``) recomputes at least one layer
+    per chunk, the others run forward and backward only."""
+    return (costs.fb_s, costs.recompute_s) if block else (costs.layer_s, 0.0)
+
+
+def time_bound(costs: GroupCosts, layer_s: float, chunk_s: float, m: int, pp: int, vpp: int, num_layers: int,
+               first: int, middle: int, last: int, first_busy_s: float = 0.0, last_busy_s: float = 0.0) -> float:
+    """A lower bound on the step time of ``m`` micro-batches over ``pp`` stages of ``vpp`` chunks holding ``first``,
+    ``middle`` and ``last`` layers, each layer taking ``layer_s`` and each chunk ``chunk_s`` more (see the module
+    docstring); ``first_busy_s`` / ``last_busy_s``: what the first / last
+    stage's layers take per micro-batch at least by their kinds (a dense layer is cheaper than a MoE one), where
+    more than ``first`` / ``last`` x ``layer_s``."""
+    # One chunk's passes of a stage with n layers, at least: n * per_layer + chunk_s, and the per-pass cost on the
+    # first stage's first chunk and the last stage's last (inlined: the search calls this for every split of every
+    # group it expands).
+    per_layer, ends = layer_s / vpp, 2 * costs.pass_s
+    if pp == 1:
+        return m * (num_layers * per_layer + chunk_s + ends + costs.embedding_s + costs.head_s)
+    if costs.shared_cores:
+        return max(m * (num_layers / pp * layer_s + vpp * chunk_s + (costs.embedding_s + costs.head_s + 2 * ends) / pp)
+                   + costs.fixed_s, 0.0)
+    # The first rank runs all its passes; a later rank also waits for micro-batch 0 to go forward through the stages
+    # before it and, after its last backward, for it to go back through them.
+    c_first, c_middle = first * per_layer + chunk_s, middle * per_layer + chunk_s
+    first_s = costs.embedding_s + ends  # the first chunk's extra per micro-batch
+    last_middle = m * vpp * c_middle + c_first + (pp - 3) * c_middle + first_s if pp > 2 else 0.0
+    first_busy = max(vpp * c_first, first_busy_s + vpp * chunk_s)
+    last_busy = max(vpp * (last * per_layer + chunk_s), last_busy_s + vpp * chunk_s)
+    schedule = max(m * (first_busy + first_s), last_middle,
+                   m * (last_busy + costs.head_s + ends) + c_first + (pp - 2) * c_middle + first_s)
+    return max(schedule + costs.fixed_s, 0.0)
+
+
+def group_bound(costs: GroupCosts, block: bool, m: int, pp: int, num_layers: int, lightest_first: int,
+                lightest_last: int) -> float:
+    """A lower bound on the step time of every candidate of a group (``m`` micro-batches over ``pp`` stages, block
+    recomputation or not): without pipelining or on shared cores the candidates' own bound at its lowest (one chunk
+    per rank), else the first or the last rank's passes with the group's lightest first and last stage
+    (``lightest_first``, ``lightest_last`` layers)."""
+    layer_s, chunk_s = layer_terms(costs, block)
+    if pp == 1 or costs.shared_cores:
+        return time_bound(costs, layer_s, chunk_s, m, pp, 1, num_layers, num_layers, num_layers, num_layers)
+    per_pass = chunk_s + 2 * costs.pass_s
+    return max(m * max(lightest_first * layer_s + per_pass + costs.embedding_s,
+                       lightest_last * layer_s + per_pass + costs.head_s) + costs.fixed_s, 0.0)

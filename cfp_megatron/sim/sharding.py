@@ -1,0 +1,277 @@
+"""Data-parallel sharding as one model: DDP, Megatron's distributed optimizer, ZeRO 1-3, FSDP, HSDP and offload are
+configurations of :class:`Sharding` (what is sharded over which group, what is offloaded) with the bytes per
+parameter of each state category (:class:`StateBytes`). It gives each rank's memory of the weights, gradients and
+optimizer states, and the gradient sync and parameter gather a step pays for them (docs/simulator.md,
+"Data-parallel sharding")."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from cfp_megatron.base.config import JobSpec, OptimizerKind
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.parallel_dims import ParallelDims
+from cfp_megatron.cluster.costs import CollectiveCosts
+from cfp_megatron.cluster.measured import Collective
+from cfp_megatron.sim.kernels import element_bytes, grad_element_bytes
+
+FP32_BYTES = 4.0
+"""Bytes of an fp32 element: master weights, main gradients."""
+
+
+class Sharded(enum.IntEnum):
+    """What a rank keeps only its share of (ZeRO's stages: each shards what the one before did, and more)."""
+
+    nothing = 0
+    """DDP (ZeRO-0): every rank keeps every state."""
+    optimizer = 1
+    """Megatron's distributed optimizer, ZeRO-1: the fp32 master weights, main gradients and optimizer states."""
+    gradients = 2
+    """ZeRO-2: the gradients too; each micro-batch's gradients are reduce-scattered to their owners."""
+    parameters = 3
+    """ZeRO-3, FSDP, HSDP: the weights too, gathered layer by layer before each pass that uses them."""
+
+
+class Engine(enum.Enum):
+    """Whose implementation keeps the states (they differ in which fp32 copies they make)."""
+
+    megatron = "megatron"
+    """Megatron-Core's DDP, distributed optimizer and FSDP."""
+    deepspeed = "deepspeed"
+    """DeepSpeed's ZeRO engine."""
+
+
+def megatron_sharded(*, distributed_optimizer: bool, fsdp: bool) -> Sharded:
+    """What Megatron-Core shards: everything under FSDP, the optimizer's states under the distributed optimizer,
+    nothing under DDP."""
+    if fsdp:
+        return Sharded.parameters
+    return Sharded.optimizer if distributed_optimizer else Sharded.nothing
+
+
+def optimizer_state_bytes(optimizer: OptimizerKind) -> float:
+    """fp32 bytes per parameter of the optimizer's own states: Adam's two moments, SGD's momentum."""
+    return 2 * FP32_BYTES if optimizer is OptimizerKind.adam else FP32_BYTES
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateBytes:
+    """Bytes per parameter of each state category, before sharding."""
+
+    weights: float
+    """The weights in compute precision."""
+    gradients: float
+    """The gradient buffer the backward pass accumulates into, in the dtype the data-parallel reduction moves."""
+    main_gradients: float
+    """An fp32 copy of the gradients the optimizer steps from (zero where it steps from the buffer itself);
+    sharded with the optimizer states."""
+    master_weights: float
+    """fp32 master weights (zero where the weights are their own master); sharded with the optimizer states."""
+    optimizer_states: float
+    """The optimizer's own states (:func:`optimizer_state_bytes`)."""
+
+    @classmethod
+    def megatron(cls, job: JobSpec) -> StateBytes:
+        """Megatron-Core: weights in the compute precision; gradients in Megatron's buffer
+        (:func:`~cfp_megatron.sim.kernels.grad_element_bytes`), which the optimizer steps from (its fp32 cast of a
+        bf16 buffer at the step is not counted); fp32 master weights with 16-bit weights."""
+        elem = float(element_bytes(job))
+        return cls(weights=elem, gradients=grad_element_bytes(job), main_gradients=0.0,
+                   master_weights=FP32_BYTES if elem == 2 else 0.0,
+                   optimizer_states=optimizer_state_bytes(job.train.optimizer))
+
+    @classmethod
+    def deepspeed(cls, *, elem: float, stage: int,
+                  optimizer: OptimizerKind = OptimizerKind.adam) -> StateBytes:
+        """DeepSpeed's ZeRO engine at ``stage`` with ``elem``-byte weights: gradients reduced in the weights'
+        dtype; an fp32 gradient partition and fp32 master weights where the weights are 16-bit, and at stages 1
+        and 2 also for fp32 weights (they clone the partition); stage 3 with fp32 weights steps its fp32 partitions
+        in place, sub-group by sub-group (``stage3.py``: "we don't need another copy of the weights"). Stage 2 is
+        counted as reducing each bucket straight into the fp32 partition (its gradient partition in the weights'
+        dtype, ``elem`` bytes over the group, is not counted: docs/simulator.md, "Data-parallel sharding")."""
+        copies = elem != FP32_BYTES or stage in (Sharded.optimizer, Sharded.gradients)
+        return cls(weights=elem, gradients=0.0 if stage == Sharded.gradients else elem,
+                   main_gradients=FP32_BYTES if copies else 0.0, master_weights=FP32_BYTES if copies else 0.0,
+                   optimizer_states=optimizer_state_bytes(optimizer))
+
+    @property
+    def optimizer_side(self) -> float:
+        """Master weights and optimizer states: what the optimizer step owns, counted as optimizer states."""
+        return self.master_weights + self.optimizer_states
+
+    def replicated(self, sharded: Sharded) -> float:
+        """Bytes per parameter every rank keeps whatever the group size, when ``sharded`` is sharded."""
+        kept = 0.0 if sharded >= Sharded.parameters else self.weights
+        kept += 0.0 if sharded >= Sharded.gradients else self.gradients
+        return kept + (0.0 if sharded >= Sharded.optimizer else self.main_gradients + self.optimizer_side)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateMemory:
+    """One rank's bytes of each state category."""
+
+    weights: float
+    """Weights on the device."""
+    gradients: float
+    """Gradient buffers and main gradients on the device."""
+    optimizer_states: float
+    """Master weights and optimizer states on the device."""
+    host: float
+    """What offload keeps in host memory instead."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sharding:
+    """How data parallelism keeps and syncs one model's states: what is sharded (:class:`Sharded`) over which group
+    size, and what is offloaded to the host."""
+
+    sharded: Sharded
+    """What each rank keeps only its share of."""
+    state: StateBytes
+    """Bytes per parameter of each state category."""
+    group: int = 1
+    """Ranks the dense parameters' sharded states are split over (Megatron: DP x CP; HSDP: the shard group)."""
+    expert_group: int | None = None
+    """Ranks the routed experts' sharded states are split over (Megatron's expert-DP group); ``None``: ``group``."""
+    replicas: int = 1
+    """HSDP: groups the shards are replicated across; the gradient reduction spans them too."""
+    offload_optimizer: bool = False
+    """Master weights, optimizer states and the fp32 gradient partition live in host memory (ZeRO-Offload); the
+    optimizer steps on the host."""
+    offload_params: bool = False
+    """The weights live in host memory, copied to the device at each gather (ZeRO-3 parameter offload)."""
+
+    def __post_init__(self) -> None:
+        """Raises :class:`ConfigError` for a group below one rank or parameter offload of unsharded weights."""
+        for name, size in (("group", self.group), ("expert_group", self.expert_group or 1),
+                           ("replicas", self.replicas)):
+            if size < 1:
+                raise ConfigError(ConfigIssue(key=f"sharding.{name}", value=size, problem="must be at least 1.",
+                                              fix="give a number of ranks."))
+        if self.offload_params and self.sharded < Sharded.parameters:
+            raise ConfigError(ConfigIssue(key="backend.offload_param", value=True,
+                                          problem="offloads parameters that are not sharded (ZeRO-3 only).",
+                                          fix="use backend.zero_stage=3, or leave the parameters on the device."))
+
+    @classmethod
+    def megatron(cls, job: JobSpec, dims: ParallelDims, *, fsdp: bool) -> Sharding:
+        """Megatron-Core's data parallelism for ``job`` laid out as ``dims``: FSDP (``fsdp``: everything sharded),
+        the distributed optimizer (``parallel.distributed_optimizer``: the optimizer's states) or DDP; the dense
+        parameters' states over DP x CP, the routed experts' over the expert-DP group."""
+        return cls(sharded=megatron_sharded(distributed_optimizer=job.parallel.distributed_optimizer, fsdp=fsdp),
+                   state=StateBytes.megatron(job), group=dims.dp * dims.cp, expert_group=dims.expert_dp)
+
+    @classmethod
+    def zero(cls, *, stage: int, dp: int, elem: float, offload_optimizer: bool = False,
+             offload_params: bool = False) -> Sharding:
+        """DeepSpeed's ZeRO ``stage`` over ``dp`` ranks with ``elem``-byte weights (DeepSpeed's data parallelism
+        spans every rank; its cost model assumes Adam)."""
+        return cls(sharded=Sharded(stage), state=StateBytes.deepspeed(elem=elem, stage=stage), group=dp,
+                   offload_optimizer=offload_optimizer, offload_params=offload_params)
+
+    def _over(self, params: float, expert_params: float, per_param: float, sharded: bool) -> float:
+        """Bytes of ``per_param`` over ``params`` (``expert_params`` of them routed experts'), split over the
+        groups where ``sharded``."""
+        if not sharded:
+            return params * per_param
+        experts = self.group if self.expert_group is None else self.expert_group
+        return (params - expert_params) * per_param / self.group + expert_params * per_param / experts
+
+    def memory(self, params: float, expert_params: float = 0.0) -> StateMemory:
+        """One rank's bytes of each state category for ``params`` parameters on it (``expert_params`` of them
+        routed experts'), offload moved to the host."""
+        state, sharded = self.state, self.sharded
+        weights = self._over(params, expert_params, state.weights, sharded >= Sharded.parameters)
+        grads = self._over(params, expert_params, state.gradients, sharded >= Sharded.gradients)
+        by_optimizer = sharded >= Sharded.optimizer
+        if state.main_gradients:
+            grads += self._over(params, expert_params, state.main_gradients, by_optimizer)
+        optimizer = self._over(params, expert_params, state.optimizer_side, by_optimizer)
+        host = 0.0
+        if self.offload_optimizer:
+            # The fp32 gradient partition the host's optimizer steps from: the main gradients, or the (fp32)
+            # gradient shard itself where there are none.
+            fp32_grads = self._over(params, expert_params, FP32_BYTES, by_optimizer)
+            host += optimizer + fp32_grads
+            grads, optimizer = max(grads - fp32_grads, 0.0), 0.0
+        if self.offload_params:
+            host += weights
+            weights = 0.0
+        return StateMemory(weights=weights, gradients=grads, optimizer_states=optimizer, host=host)
+
+    def optimizer_params(self, params: float, expert_params: float = 0.0) -> float:
+        """Parameters whose optimizer step this rank runs (its shard where the optimizer is sharded)."""
+        if self.sharded < Sharded.optimizer:
+            return params
+        experts = self.group if self.expert_group is None else self.expert_group
+        return (params - expert_params) / self.group + expert_params / experts
+
+    def gathered_bytes(self, layer_params: float) -> float:
+        """Bytes of whole layers a rank holds at once where weights are gathered per pass (zero elsewhere): the
+        layer computing and the one prefetched, and one layer's gradients before their reduce-scatter, for
+        ``layer_params`` parameters a layer on the rank."""
+        if not self.gathers_per_pass:
+            return 0.0
+        return 2 * layer_params * self.state.weights + layer_params * self.state.gradients
+
+    @property
+    def reduce_op(self) -> Collective:
+        """How gradients are reduced: all-reduced where every rank keeps them all, else reduce-scattered to the
+        shards' owners."""
+        return Collective.all_reduce if self.sharded is Sharded.nothing else Collective.reduce_scatter
+
+    @property
+    def reduces_per_microbatch(self) -> bool:
+        """Whether every micro-batch's gradients are reduced (sharded gradients have nowhere to accumulate whole),
+        not once per step at the accumulation boundary."""
+        return self.sharded >= Sharded.gradients
+
+    @property
+    def gathers_after_step(self) -> bool:
+        """Whether the updated weights are all-gathered after the optimizer step (sharded optimizer, whole
+        weights)."""
+        return Sharded.optimizer <= self.sharded < Sharded.parameters
+
+    @property
+    def gathers_per_pass(self) -> bool:
+        """Whether each layer's weights are all-gathered before every pass that uses them (sharded weights)."""
+        return self.sharded >= Sharded.parameters
+
+    def pass_sync_s(self, costs: CollectiveCosts, layer_params: float, *, weight_bytes: float,
+                    per_node: int) -> tuple[float, float]:
+        """(gather, scatter) seconds of one layer's collectives around its passes where weights are gathered per
+        pass (zero elsewhere): its ``layer_params`` weights on the rank (``weight_bytes`` an element) all-gathered
+        before each pass, its gradients reduce-scattered after the backward, over the group (``per_node`` ranks of
+        it on a node). What the passes leave exposed of them: the data-parallel term's FSDP lane."""
+        if not self.gathers_per_pass:
+            return 0.0, 0.0
+        return (costs.seconds(Collective.all_gather, layer_params * weight_bytes, self.group, per_node),
+                costs.seconds(Collective.reduce_scatter, layer_params * self.state.gradients, self.group, per_node))
+
+    def step_sync_s(self, costs: CollectiveCosts, dense_params: float, expert_params: float, *, grad_bytes: float,
+                    weight_bytes: float, per_node: int, expert_per_node: int) -> tuple[float, float]:
+        """(gradient sync, parameter gather) seconds a step pays once, after its passes, for ``dense_params`` dense
+        and ``expert_params`` routed experts' parameters on the rank (gradients of ``grad_bytes``, weights of
+        ``weight_bytes`` an element), each priced as one collective over its group
+        (``per_node``/``expert_per_node`` ranks of it on a node): the all-reduce or reduce-scatter at the
+        accumulation boundary and the gather after the step. Where gradients are reduced per micro-batch and
+        weights gathered per pass, that happens in the passes (the layer cost's FSDP lane): here only HSDP's
+        all-reduce of each shard across the replicas."""
+        experts = self.group if self.expert_group is None else self.expert_group
+        if self.reduces_per_microbatch:
+            if self.replicas == 1:
+                return 0.0, 0.0
+            across = max(1, per_node // self.group)  # the shard groups are consecutive ranks
+            return (costs.seconds(Collective.all_reduce, dense_params * grad_bytes / self.group, self.replicas,
+                                  across)
+                    + costs.seconds(Collective.all_reduce, expert_params * grad_bytes / experts, self.replicas,
+                                    across)), 0.0
+        sync_s = (costs.seconds(self.reduce_op, dense_params * grad_bytes, self.group, per_node)
+                  + costs.seconds(self.reduce_op, expert_params * grad_bytes, experts, expert_per_node))
+        gather_s = 0.0
+        if self.gathers_after_step:
+            gather_s = (costs.seconds(Collective.all_gather, dense_params * weight_bytes, self.group, per_node)
+                        + costs.seconds(Collective.all_gather, expert_params * weight_bytes, experts,
+                                        expert_per_node))
+        return sync_s, gather_s

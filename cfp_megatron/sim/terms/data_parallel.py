@@ -1,0 +1,146 @@
+"""The data-parallel sharding term: FSDP's per-layer parameter gather and gradient scatter inside the passes, the
+gradient sync (and distributed-optimizer parameter gather) left exposed after the backward passes, and the
+weights, gradients and optimizer states each rank keeps, all as the parameterised sharding model
+(:mod:`cfp_megatron.sim.sharding`) prices them (docs/simulator.md, "Cost terms", "Data-parallel sharding")."""
+
+from __future__ import annotations
+
+from cfp_megatron.base.config import JobSpec, Normalization, PositionEmbedding
+from cfp_megatron.cluster.costs import CollectiveCosts
+from cfp_megatron.cluster.measured import Collective
+from cfp_megatron.sim.kernels import grad_element_bytes
+from cfp_megatron.sim.layout import Layout
+from cfp_megatron.sim.memory import Stage, layer_extra_params
+from cfp_megatron.sim.sharding import Sharding
+from cfp_megatron.sim.terms.base import CostTerm, Lane, LaneKind, MemoryCategory, Placement, StepInputs
+from cfp_megatron.sim.terms.overlap import overlapped
+
+BUCKET_PARAMS = 40_000_000
+"""Megatron DDP's default gradient bucket size in parameters."""
+
+
+def fsdp_comm(job: JobSpec, layout: Layout, costs: CollectiveCosts, *, params: float, elem_bytes: float,
+              forward_window_s: float, backward_window_s: float) -> tuple[float, float]:
+    """(forward, backward) seconds of FSDP's communication one layer of ``params`` parameters (on one rank) leaves
+    exposed: its weights gathered before the forward and the backward, its gradients scattered after the backward,
+    over DP x CP (:meth:`~cfp_megatron.sim.sharding.Sharding.pass_sync_s`), beside ``forward_window_s`` /
+    ``backward_window_s`` of the layer's computation (which still takes the SM share it runs on,
+    :func:`~cfp_megatron.sim.terms.overlap.overlapped`); zero without data parallelism."""
+    dims = layout.dims
+    if dims.dp <= 1:
+        return 0.0, 0.0
+    gather_s, scatter_s = Sharding.megatron(job, dims, fsdp=True).pass_sync_s(costs, params, weight_bytes=elem_bytes,
+                                                                              per_node=layout.dp_per_node)
+    return sum(overlapped(gather_s, forward_window_s)), sum(overlapped(gather_s + scatter_s, backward_window_s))
+
+
+def tied_embedding_sync(job: JobSpec, costs: CollectiveCosts, vocab_params: float, rank: int) -> float:
+    """Seconds of Megatron's all-reduce of the tied word-embedding gradient between the first and the last pipeline
+    stage (``finalize_model_grads``), on those two stages; zero elsewhere."""
+    pp = job.parallel.pp
+    if pp == 1 or not job.model.tie_embeddings or rank not in (0, pp - 1):
+        return 0.0
+    return costs.seconds(Collective.all_reduce, vocab_params * grad_element_bytes(job), 2)
+
+
+def token_count_sync(costs: CollectiveCosts, layout: Layout) -> float:
+    """Seconds of the rest of Megatron's ``finalize_model_grads`` under the per-token loss: the token count's
+    broadcast over the pipeline group and all-reduce over DP x CP, on every rank (docs/simulator.md,
+    "Gradient sync and optimizer step")."""
+    dims = layout.dims
+    broadcast_s = (costs.seconds(Collective.all_gather, 4.0 * dims.pp, dims.pp, dims.pp if layout.pp_intra_node else 1)
+                   if dims.pp > 1 else 0.0)
+    return broadcast_s + costs.seconds(Collective.all_reduce, 4.0, dims.dp * dims.cp, layout.dp_per_node)
+
+
+def step_sync(inputs: StepInputs) -> list[float]:
+    """Seconds per pipeline rank of the gradient sync and parameter gather the step leaves exposed after its
+    passes: as the sharding prices them (:meth:`~cfp_megatron.sim.sharding.Sharding.step_sync_s`), scaled as the
+    overheads probes timed the gradient finalisation, the backward passes hiding all but the last bucket under
+    ``overlap_grad_reduce`` (at the SM share the hidden part takes from them), the next forward all but the last
+    bucket's gather under ``overlap_param_gather``; on a profiled cluster with the tied embedding's and the token
+    count's syncs."""
+    job, layout, options, costs, overheads = (inputs.job, inputs.layout, inputs.options, inputs.collectives,
+                                              inputs.overheads)
+    dims, model = layout.dims, job.model
+    sharding = Sharding.megatron(job, dims, fsdp=options.fsdp)
+    overlap = job.parallel.overlap_grad_reduce if options.overlap_grad_reduce is None else options.overlap_grad_reduce
+    exposed = []
+    grad_bytes = grad_element_bytes(job)
+    token_count_s = token_count_sync(costs, layout) if overheads is not None else 0.0  # the same on every rank
+    # The gradient finalisation as the overheads probes timed it inside a step, over what the collective fits say
+    # (1 without probes): collectives in a training step wait for the other ranks and share the cores.
+    finalize_share = overheads.finalize_share if overheads is not None else 1.0
+    token_count_s *= finalize_share
+    vocab_params = model.padded_vocab_size * model.hidden_size / dims.tp
+    for rank in range(dims.pp):
+        if options.measured_layer_only:
+            exposed.append(0.0)
+            continue
+        stage_params, expert_params = inputs.params[rank], inputs.expert_params[rank]
+        sync_s, gather_s = sharding.step_sync_s(costs, stage_params - expert_params, expert_params,
+                                                grad_bytes=grad_bytes, weight_bytes=inputs.kernels.elem,
+                                                per_node=layout.dp_per_node, expert_per_node=layout.edp_per_node)
+        sync_s *= finalize_share
+        bucket_share = min(1.0, BUCKET_PARAMS / max(stage_params, 1.0))
+        if overlap:
+            sync_s = sum(overlapped(sync_s, min(inputs.backward_s[rank], sync_s * (1.0 - bucket_share))))
+        if job.parallel.overlap_param_gather:
+            gather_s *= bucket_share
+        exposed.append(sync_s + gather_s)
+        if overheads is not None:
+            exposed[rank] += tied_embedding_sync(job, costs, vocab_params, rank) * finalize_share + token_count_s
+    return exposed
+
+
+def rank_params(stage: Stage) -> float:
+    """Parameters on one rank of ``stage``: its decoder layers' (with the biases and norms their count leaves out),
+    the embedding's and the head's where it holds them, and the table an MTP layer embeds with where the rank has
+    none (the loss rank's output weight where they are tied)."""
+    job, dims = stage.job, stage.layout.dims
+    model = job.model
+    vocab_params = model.padded_vocab_size * model.hidden_size / dims.tp
+    params = stage.layer_params + stage.layers * layer_extra_params(job, stage.layout)
+    if stage.first:
+        params += vocab_params
+        if model.position_embedding is PositionEmbedding.learned_absolute:
+            params += model.max_position_embeddings * model.hidden_size  # replicated over TP
+    if stage.last:
+        params += model.hidden_size * (2 if model.normalization is Normalization.LayerNorm else 1)  # final norm
+    if stage.last and (dims.pp > 1 or not model.tie_embeddings):
+        params += vocab_params
+    if stage.mtp and not stage.first and not (stage.last and model.tie_embeddings):
+        params += vocab_params  # the MTP block's embedding (the loss rank's output weight where they are tied)
+    return params
+
+
+class DataParallel(CostTerm):
+    """DDP, the distributed optimizer and FSDP: what their communication leaves exposed."""
+
+    name = "data_parallel"
+    lanes = (Lane(name="fsdp_comm_s", label="FSDP comm", part="TP/CP/EP/FSDP comm", kind=LaneKind.comm,
+                  placement=Placement.in_pass, pass_field="fsdp_comm_s", key="fsdp", trace="FSDP comm",
+                  style=("FSDP gather/scatter", "#DA8BC3", "rail_animation"), overlaps=("the layer's computation",)),
+             Lane(name="dp_comm_s", label="DP sync (exposed)", part="DP sync", kind=LaneKind.comm,
+                  placement=Placement.after, key="dp_sync", trace="DP comm",
+                  style=("DP gradient sync", "#CCB974", "yellow"),
+                  overlaps=("the backward passes (overlap_grad_reduce)", "the next forward (overlap_param_gather)")))
+    stores = (MemoryCategory(name="weights", label="weights", field="parameters"),
+              MemoryCategory(name="gradients", label="gradients", field="gradients"),
+              MemoryCategory(name="optimizer_states", label="optimizer states", field="optimizer_states"),
+              MemoryCategory(name="fsdp_buffers", label="gathered FSDP layers", field="comm_buffers"))
+
+    def after_s(self, inputs: StepInputs) -> dict[str, list[float]]:
+        """The exposed gradient sync per pipeline rank (:func:`step_sync`)."""
+        return {"dp_comm_s": step_sync(inputs)}
+
+    def memory(self, stage: Stage) -> dict[str, float]:
+        """The weights, gradients and optimizer states as the plan's sharding keeps them
+        (:class:`~cfp_megatron.sim.sharding.Sharding`), and the whole layers FSDP gathers."""
+        sharding = Sharding.megatron(stage.job, stage.layout.dims, fsdp=stage.options.fsdp)
+        states = sharding.memory(rank_params(stage), stage.expert_params)
+        gathered = 0.0
+        if stage.layers and stage.measured is None:
+            gathered = sharding.gathered_bytes(stage.layer_params / stage.layers)
+        return {"weights": states.weights, "gradients": states.gradients,
+                "optimizer_states": states.optimizer_states, "fsdp_buffers": gathered}

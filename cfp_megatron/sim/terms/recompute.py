@@ -1,0 +1,127 @@
+"""The recomputation term: the forward work selective recomputation repeats in a layer's backward pass, and the
+term's lane and bound (full recomputation repeats the whole forward: :func:`~cfp_megatron.sim.layer_cost.layer_cost`;
+docs/simulator.md, "layer_cost.py")."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from cfp_megatron.base.config import Activation, AttentionKind, JobSpec, Recompute, RecomputeMethod, RecomputeModule
+from cfp_megatron.sim.kernels import KernelModel
+from cfp_megatron.sim.layout import Layout
+from cfp_megatron.sim.memory import (
+    Stage,
+    in_flight,
+    layer_activation_bytes,
+    primepar_split,
+    recomputed_layers,
+    unfused_attention_working_bytes,
+)
+from cfp_megatron.sim.primepar_cost import mlp_activation_elements
+from cfp_megatron.sim.terms.base import CostTerm, Lane, LaneKind, MemoryCategory, Overlaps, Placement, StepTimes
+
+if TYPE_CHECKING:
+    from cfp_megatron.sim.layer_cost import LayerCost
+    from cfp_megatron.sim.terms.expert_dispatch import MoeCost
+
+
+def selective_recompute(job: JobSpec, layout: Layout, kernels: KernelModel, *, moe_block: MoeCost | None,
+                        mlp_gemm: float, core_fwd_s: float, ep_fwd_s: float) -> tuple[float, float, float]:
+    """The forward work selective recomputation repeats in one layer's backward pass: the core attention, the two
+    norms, the experts' activation, MLA's up-projections, a dense layer's MLP, a MoE layer's whole block (its token
+    exchange included) or its shared expert, as ``parallel.recompute_modules`` names them: its (compute, attention
+    core, expert exchange) seconds."""
+    model, dims = job.model, layout.dims
+    modules = job.parallel.recomputed_modules
+    tp, hidden, gated = dims.tp, model.hidden_size, model.activation is Activation.swiglu
+    tokens = layout.micro_batch * layout.seq_length / dims.cp
+    elements = gemm_s = ep_s = 0.0  # elements: per token
+    if RecomputeModule.layernorm in modules:  # two norms, each reading and writing the hidden state
+        elements += 4.0 * hidden / (tp if dims.sp else 1)
+    if moe_block is not None:
+        if RecomputeModule.moe in modules:
+            gemm_s += moe_block.gemm_s
+            elements += moe_block.elements_per_token
+            ep_s += ep_fwd_s
+        else:
+            if RecomputeModule.moe_act in modules:
+                elements += moe_block.activation_elements_per_token
+            if RecomputeModule.shared_experts in modules:
+                gemm_s += moe_block.shared_gemm_s
+                elements += moe_block.shared_elements_per_token
+    elif RecomputeModule.mlp in modules:
+        gemm_s += mlp_gemm
+        elements += mlp_activation_elements(tp=tp, ffn=model.ffn_size, gated=gated)
+    if RecomputeModule.mla_up_proj in modules and model.attention is AttentionKind.mla:
+        heads = model.num_attention_heads
+        gemm_s += kernels.gemm(tokens, heads * (model.qk_head_dim + model.qk_pos_emb_head_dim) / tp,
+                               model.q_lora_rank or hidden)
+        gemm_s += kernels.gemm(tokens, heads * (model.qk_head_dim + model.v_head_dim) / tp, model.kv_lora_rank)
+    core_s = core_fwd_s if RecomputeModule.core_attn in modules else 0.0
+    return gemm_s + kernels.memory(elements * tokens * kernels.elem), core_s, ep_s
+
+
+def layer_activations(stage: Stage) -> float:
+    """Bytes the rank's layers keep for their backward passes over the micro-batches in flight, as the plan's
+    recomputation keeps them, plus the working set of the layer in flight (a recomputed layer's whole activations,
+    an unfused attention core's scores)."""
+    job, layout, options, rank = stage.job, stage.layout, stage.options, stage.rank
+    dims, parallel = layout.dims, job.parallel
+    layers, moe_layers = stage.layers, stage.moe_layers
+    dense_act, dense_full = layer_activation_bytes(job, layout, options, moe=False)
+    # Dense layers beyond parallel.primepar_layers keep Megatron's MLP partition, and its activations.
+    split = primepar_split(job, rank=rank)
+    plan_dense = split[0] if split else layers - moe_layers  # dense layers under the plan's own MLP partition
+    megatron_act, megatron_full = (layer_activation_bytes(split[1], layout, options, moe=False) if split
+                                   else (0.0, 0.0))
+    if moe_layers:
+        moe_act, moe_full = layer_activation_bytes(job, layout, options, moe=True)
+    else:
+        moe_act = moe_full = 0.0
+    dense_layers = layers - moe_layers
+    chunk_microbatches = in_flight(rank, dims.pp, dims.vpp, dims.num_microbatches)
+    if parallel.moe_a2a_overlap and moe_layers:  # the combined 1F1B schedule runs one more micro-batch ahead
+        chunk_microbatches = min(chunk_microbatches + 1, dims.num_microbatches * dims.vpp)
+    held_microbatches = chunk_microbatches / dims.vpp  # whole-rank micro-batches held
+    if parallel.recompute is Recompute.full and parallel.recompute_method is RecomputeMethod.block:
+        # The recomputed layers keep their input; the others keep what they would without recomputation.
+        rec_dense, rec_moe = recomputed_layers(job, rank=rank)
+        dense_kept = layer_activation_bytes(job, layout, options, moe=False, recompute=Recompute.none)[0]
+        moe_kept = (layer_activation_bytes(job, layout, options, moe=True, recompute=Recompute.none)[0]
+                    if moe_layers else 0.0)
+        kept = (rec_dense * dense_full + rec_moe * moe_full + (dense_layers - rec_dense) * dense_kept
+                + (moe_layers - rec_moe) * moe_kept)
+        working = max(dense_act, moe_act)
+    elif parallel.recompute is Recompute.full:
+        kept = plan_dense * dense_full + (dense_layers - plan_dense) * megatron_full + moe_layers * moe_full
+        working = max(dense_act, megatron_act, moe_act)
+    else:
+        kept = plan_dense * dense_act + (dense_layers - plan_dense) * megatron_act + moe_layers * moe_act
+        working = 0.0
+    if layers:
+        working += unfused_attention_working_bytes(job, layout, options)
+    return kept * held_microbatches + working
+
+
+class Recomputation(CostTerm):
+    """Forward work repeated in the backward pass (selective or full recomputation); its communication is counted
+    in the communication terms' lanes, its per-layer overhead in the compute term's."""
+
+    name = "recompute"
+    lanes = (Lane(name="recompute_s", label="recompute", part="backward", kind=LaneKind.compute,
+                  placement=Placement.in_pass),)
+    stores = (MemoryCategory(name="layer_activations", label="layer activations", field="activations"),)
+
+    def memory(self, stage: Stage) -> dict[str, float]:
+        """The layers' activations as the recomputation keeps them (:func:`layer_activations`; measured instead
+        where profiling measured the stage: the compute term's)."""
+        return {"layer_activations": layer_activations(stage) if stage.measured is None else 0.0}
+
+    def time(self, step: StepTimes) -> dict[str, float]:
+        """The recomputation's kernels (its compute and attention core) over the step."""
+        rec = step.recompute
+        return {"recompute_s": step.microbatches * (rec.compute_s + rec.attention_core_s)}
+
+    def lower_bound(self, layer: LayerCost, overlaps: Overlaps) -> float:
+        """One layer's recomputed kernels."""
+        return layer.recompute.compute_s + layer.recompute.attention_core_s

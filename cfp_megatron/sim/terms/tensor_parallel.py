@@ -1,0 +1,67 @@
+"""The tensor-parallel term: seconds of one layer pass's TP/SP collectives (after what TP communication overlap
+hides), and the term's lane and bound (docs/simulator.md, "layer_cost.py")."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from cfp_megatron.cluster.costs import CollectiveCosts
+from cfp_megatron.cluster.measured import Collective
+from cfp_megatron.sim.kernels import element_bytes
+from cfp_megatron.sim.layout import Layout
+from cfp_megatron.sim.terms.base import CostTerm, Lane, LaneKind, MemoryCategory, Overlaps, Placement
+
+if TYPE_CHECKING:
+    from cfp_megatron.sim.layer_cost import LayerCost
+    from cfp_megatron.sim.memory import Stage
+
+
+def tp_pass_s(layout: Layout, costs: CollectiveCosts, *, act_bytes: float, tp_ops: int, overlap: bool,
+              covered_s: float) -> float:
+    """Seconds of one layer pass's TP/SP collectives on one rank: ``tp_ops / 2`` all-reduces of the ``act_bytes``
+    activation, or as many all-gathers plus reduce-scatters under SP; with ``overlap`` (TP communication overlap)
+    what ``covered_s`` of GEMMs hides, leaving at least ``1 / tp`` of it."""
+    dims = layout.dims
+    tp = dims.tp
+    if tp > 1:
+        if dims.sp:
+            tp_pass = (tp_ops // 2) * (costs.seconds(Collective.all_gather, act_bytes, tp, layout.tp_per_node)
+                                       + costs.seconds(Collective.reduce_scatter, act_bytes, tp, layout.tp_per_node))
+        else:
+            tp_pass = (tp_ops // 2) * costs.seconds(Collective.all_reduce, act_bytes, tp, layout.tp_per_node)
+    else:
+        tp_pass = 0.0
+    if tp_pass and overlap:
+        tp_pass = max(tp_pass - covered_s, 0.0) + tp_pass / tp
+    return tp_pass
+
+
+class TensorParallel(CostTerm):
+    """Tensor- and sequence-parallel collectives the passes wait for."""
+
+    name = "tensor_parallel"
+    lanes = (Lane(name="tp_comm_s", label="TP/SP comm", part="TP/CP/EP/FSDP comm", kind=LaneKind.comm,
+                  placement=Placement.in_pass, pass_field="tp_comm_s", key="tp", trace="TP comm",
+                  style=("TP/SP collectives", "#C44E52", "bad"), overlaps=("the layer's GEMMs (tp_comm_overlap)",)),)
+    stores = (MemoryCategory(name="tp_buffers", label="TP/SP buffers", field="comm_buffers"),)
+
+    def memory(self, stage: Stage) -> dict[str, float]:
+        """Two ``[tokens, hidden]`` buffers of the TP collectives, and Transformer Engine's userbuffers under TP
+        communication overlap: about four more (the all-gathered inputs of the QKV and FC1 GEMMs, the
+        reduce-scattered outputs of the projection and FC2), allocated once."""
+        buffers = 0.0
+        if stage.measured is not None:
+            return {"tp_buffers": buffers}
+        job, tokens, elem_bytes = stage.job, stage.tokens, element_bytes(stage.job)
+        if stage.layout.dims.tp > 1:
+            buffers += 2 * tokens * job.model.hidden_size * elem_bytes
+        if job.parallel.tp_comm_overlap:
+            buffers += 4 * tokens * job.model.hidden_size * elem_bytes
+        return {"tp_buffers": buffers}
+
+    def hideable(self, layer: LayerCost, overlaps: Overlaps) -> tuple[float, float]:
+        """TP communication overlap leaves at least ``1 / tp`` of the TP communication."""
+        if not overlaps.tp_comm:
+            return 0.0, 0.0
+        share = 1.0 - 1.0 / overlaps.tp
+        return share * (layer.forward.tp_comm_s + layer.backward.tp_comm_s), share * layer.recompute.tp_comm_s

@@ -1,0 +1,340 @@
+"""The validator's data files (``frameworks.yaml``, ``model_families.yaml``, ``recipes.yaml`` beside this module),
+read into typed entries; each loader takes another file's path (a test's, a user's) in the same format."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from yaml import YAMLError
+
+from cfp_megatron.base.config import AttentionKernel
+from cfp_megatron.base.errors import CfpError
+
+DATA_DIR = Path(__file__).resolve().parent
+FRAMEWORKS_FILE = DATA_DIR / "frameworks.yaml"
+FAMILIES_FILE = DATA_DIR / "model_families.yaml"
+RECIPES_FILE = DATA_DIR / "recipes.yaml"
+VERSION = 1
+"""The format version every data file states (``version:``); a file of another version is refused."""
+BLANK_COLUMNS = {"sequence_parallel", "zero_or_fsdp"}
+"""Columns a framework entry may give a blank reading for (``blank:``)."""
+FAMILY_COLUMNS = {"vocab": "vocab_size", "kv_heads": "num_query_groups"}
+"""Columns a model family may fill where blank (``blank:``), and the model field each sets."""
+
+
+class ValidationDataError(CfpError, ValueError):
+    """A data file of the validator cannot be read; the message names the file, the entry and the fix."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrameworkMatch:
+    """Which ``framework`` columns an entry covers; every condition given must hold (compared lower-case)."""
+
+    contains: tuple[str, ...] = ()
+    """The column holds one of these substrings; empty: any."""
+    starts_with: str = ""
+    """The column starts with this; empty: any."""
+    before_year: int | None = None
+    """The column names a year (``20xx``, the first one) before this; ``None``: any year or none."""
+
+    def matches(self, framework: str) -> bool:
+        """Whether the ``framework`` column ``framework`` meets every condition."""
+        text = framework.lower()
+        if self.contains and not any(part in text for part in self.contains):
+            return False
+        if self.starts_with and not text.startswith(self.starts_with):
+            return False
+        if self.before_year is not None:
+            year = re.search(r"\b(20\d\d)\b", text)
+            return year is not None and int(year.group(1)) < self.before_year
+        return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class Framework:
+    """What a row of one framework runs where its columns are blank or silent (an entry of ``frameworks.yaml``)."""
+
+    name: str
+    """The framework, as a person names it."""
+    match: FrameworkMatch
+    """The ``framework`` columns it covers."""
+    blank: dict[str, str]
+    """Column -> the text a blank column of it is read as (:data:`BLANK_COLUMNS`)."""
+    attention: AttentionKernel
+    """The attention core its rows run."""
+    overlap_grad_reduce: bool
+    """Data-parallel gradient reduction overlapped with backward."""
+    tp_comm_overlap: bool
+    """TP communication overlapped with the GEMMs (where sequence parallelism is on)."""
+    grad_reduce_in_fp32: bool
+    """Gradients accumulated and reduced in fp32 (``False``: bf16)."""
+    mtp_layers: tuple[tuple[str, int], ...]
+    """(pattern on ``model``, multi-token-prediction layers) of the models its recipes train with MTP."""
+    source: str
+    """Where this comes from."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFamily:
+    """What a model family fixes that a row leaves blank or no column holds (an entry of ``model_families.yaml``)."""
+
+    name: str
+    """The family."""
+    pattern: str
+    """Regular expression on the row's ``model`` and ``arch_source`` (case-insensitive); empty: any model."""
+    blank: dict[str, int]
+    """Column (:data:`FAMILY_COLUMNS`) -> value where the row leaves it blank."""
+    model: dict[str, Any]
+    """Model fields (``conf/model`` keys) no column holds, always set."""
+    source: str
+    """Where this comes from."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Families:
+    """``model_families.yaml``: the reading of a blank column for any model, and the families in match order."""
+
+    default: ModelFamily
+    """What a blank column means for every model (a family's ``blank`` overrides it)."""
+    families: tuple[ModelFamily, ...]
+    """The families; the first whose pattern matches applies."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeRecipe:
+    """The communication settings of one MoE performance preset, for the rows that ran it (a ``recipes.yaml``
+    entry)."""
+
+    name: str
+    """The preset, as a person names it."""
+    framework: str
+    """The :class:`Framework` whose rows may have run it."""
+    releases: tuple[tuple[int, int], tuple[int, int] | None]
+    """First and last container (year, month) whose preset files set this; ``None``: up to now."""
+    model: str
+    """Regular expression the row's ``model`` matches (case-insensitive)."""
+    precision: str = ""
+    """Regular expression the row's ``precision`` matches (case-insensitive) where the preset differs by precision;
+    empty: any."""
+    hardware: tuple[str, ...]
+    """Hardware presets (``conf/cluster``) of the rows' GPUs."""
+    layouts: tuple[tuple[int, int, int, int, int, int], ...]
+    """(GPUs, TP, PP, VP, EP, global batch) of the preset: a row with another layout ran another configuration."""
+    dispatcher: str
+    """``model.moe_token_dispatcher``: ``flex`` (HybridEP or DeepEP, modelled as DeepEP) or ``alltoall``."""
+    a2a_overlap: bool
+    """``parallel.moe_a2a_overlap``."""
+    tp_comm_overlap: bool = True
+    """``parallel.tp_comm_overlap``."""
+    overlap_grad_reduce: bool = True
+    """``parallel.overlap_grad_reduce``."""
+    recompute_modules: str | None = None
+    """The preset's selective recomputation (``+``-joined), unless the row states its recomputation; ``None``: none."""
+    source: str
+    """Where this comes from."""
+
+
+def _read(path: Path) -> dict[str, Any]:
+    """The YAML file ``path`` as a dict of its format :data:`VERSION`."""
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except (OSError, YAMLError, OmegaConfBaseException) as err:
+        raise ValidationDataError(f"{path}: cannot be read as YAML ({err}). Fix: correct the file.") from None
+    if not isinstance(data, dict) or data.get("version") != VERSION:
+        raise ValidationDataError(f"{path}: states no 'version: {VERSION}'. Fix: write the format this validator "
+                                  "reads (see cfp_megatron/validation/data.py).")
+    return data
+
+
+class _Entry:
+    """One entry of a data file, read key by key; an unknown or missing key is a :class:`ValidationDataError`."""
+
+    def __init__(self, path: Path, index: int | None, raw: object, keys: set[str]) -> None:
+        self.where = f"{path}: " + ("the default entry" if index is None else f"entry {index + 1}") + (
+            f" ({raw.get('name')!r})" if isinstance(raw, dict) else "")
+        if not isinstance(raw, dict):
+            self.fail(f"is {raw!r}, not a mapping of keys")
+        unknown = sorted(set(raw) - keys - {"name", "source"})
+        if unknown:
+            self.fail(f"has unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(keys | {'name'}))})")
+        self.raw = raw
+        if not isinstance(raw.get("name"), str) or not raw["name"].strip():
+            self.fail("has no name")
+        if not isinstance(raw.get("source"), str) or not raw["source"].strip():
+            self.fail("names no source (the document or repository file, and its version, it comes from)")
+
+    def fail(self, problem: str) -> None:
+        raise ValidationDataError(f"{self.where} {problem}. Fix: correct the entry.")
+
+    def get(self, key: str, kind: type | tuple[type, ...], default: object = ...) -> Any:
+        if key not in self.raw:
+            if default is ...:
+                self.fail(f"has no {key}")
+            return default
+        value = self.raw[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            self.fail(f"has {key}={value!r}, not a {getattr(kind, '__name__', kind)}")
+        return value
+
+    def pattern(self, key: str, default: object = ...) -> str:
+        value = self.get(key, str, default)
+        try:
+            re.compile(value)
+        except re.error as err:
+            self.fail(f"has {key}={value!r}, not a regular expression ({err})")
+        return value
+
+
+def _entries(path: Path, data: dict[str, Any], key: str) -> list[Any]:
+    entries = data.get(key)
+    if not isinstance(entries, list) or not entries:
+        raise ValidationDataError(f"{path}: no '{key}:' list. Fix: list the entries under '{key}:'.")
+    return entries
+
+
+@lru_cache(maxsize=8)
+def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
+    """The framework entries of ``path`` in match order (read once per path)."""
+    path = Path(path)
+    frameworks = []
+    for index, raw in enumerate(_entries(path, _read(path), "frameworks")):
+        entry = _Entry(path, index, raw, {"match", "blank", "runs"})
+        match = entry.get("match", dict)
+        if (set(match) - {"contains", "starts_with", "before_year"}
+                or not isinstance(match.get("contains", []), list) or not isinstance(match.get("starts_with", ""), str)
+                or not isinstance(match.get("before_year", 0), int)):
+            entry.fail(f"has match={match!r}; it gives contains (a list of substrings), starts_with (a prefix), "
+                       "before_year (a year)")
+        blank = entry.get("blank", dict, {})
+        if set(blank) - BLANK_COLUMNS or not all(isinstance(v, str) for v in blank.values()):
+            entry.fail(f"has blank={blank!r}; it maps {' or '.join(sorted(BLANK_COLUMNS))} to the text a blank "
+                       "column is read as")
+        runs = entry.get("runs", dict)
+        known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32", "mtp_layers"}
+        if set(runs) - known or not known - {"mtp_layers"} <= set(runs):
+            entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - {'mtp_layers'}))} "
+                       "(and mtp_layers where its recipes train MTP layers)")
+        try:
+            attention = AttentionKernel(runs["attention"])
+        except ValueError:
+            entry.fail(f"has attention={runs['attention']!r}; one of {[a.value for a in AttentionKernel]}")
+        mtp = runs.get("mtp_layers") or {}
+        if not isinstance(mtp, dict) or not all(isinstance(n, int) and n >= 0 for n in mtp.values()):
+            entry.fail(f"has mtp_layers={mtp!r}; it maps a model pattern to a number of layers")
+        contains = match.get("contains", [])
+        frameworks.append(Framework(
+            name=raw["name"], source=raw["source"], blank=dict(blank), attention=attention,
+            match=FrameworkMatch(contains=tuple(str(c).lower() for c in contains),
+                                 starts_with=str(match.get("starts_with", "")).lower(),
+                                 before_year=match.get("before_year")),
+            overlap_grad_reduce=bool(runs["overlap_grad_reduce"]), tp_comm_overlap=bool(runs["tp_comm_overlap"]),
+            grad_reduce_in_fp32=bool(runs["grad_reduce_in_fp32"]), mtp_layers=tuple(mtp.items())))
+    if frameworks[-1].match != FrameworkMatch():
+        raise ValidationDataError(f"{path}: the last entry ({frameworks[-1].name!r}) has conditions, so a row of "
+                                  "another framework has no reading. Fix: end with an entry of 'match: {}'.")
+    return tuple(frameworks)
+
+
+def _family(path: Path, index: int | None, raw: object) -> ModelFamily:
+    """Entry ``index`` of the families of ``path`` (``None``: its ``default`` entry, which has no pattern)."""
+    default = index is None
+    entry = _Entry(path, index, raw, {"blank", "model"} | (set() if default else {"pattern"}))
+    blank = entry.get("blank", dict, {})
+    if set(blank) - set(FAMILY_COLUMNS) or not all(isinstance(v, int) and v > 0 for v in blank.values()):
+        entry.fail(f"has blank={blank!r}; it maps {' or '.join(FAMILY_COLUMNS)} to a count")
+    return ModelFamily(name=raw["name"], source=raw["source"], pattern="" if default else entry.pattern("pattern"),
+                       blank=dict(blank), model=dict(entry.get("model", dict, {})))
+
+
+@lru_cache(maxsize=8)
+def load_families(path: Path = FAMILIES_FILE) -> Families:
+    """The model families of ``path``: its ``default`` entry and its families in match order (read once per path)."""
+    path = Path(path)
+    data = _read(path)
+    return Families(default=_family(path, None, data.get("default")),
+                    families=tuple(_family(path, index, raw)
+                                   for index, raw in enumerate(_entries(path, data, "families"))))
+
+
+def _release(entry: _Entry, value: object) -> tuple[int, int]:
+    found = re.fullmatch(r"(\d\d)\.(\d\d)", value) if isinstance(value, str) else None
+    if found is None:
+        entry.fail(f"has release {value!r}, not a container release YY.MM in quotes")
+    return int(found.group(1)), int(found.group(2))
+
+
+LAYOUT_KEYS = ("gpus", "tp", "pp", "vp", "ep", "global_batch")
+"""The keys of a recipe's layout, in :attr:`MoeRecipe.layouts` order."""
+
+
+@lru_cache(maxsize=8)
+def load_recipes(path: Path = RECIPES_FILE) -> tuple[MoeRecipe, ...]:
+    """The MoE presets of ``path`` in match order (read once per path)."""
+    path = Path(path)
+    data = _read(path)
+    framework = data.get("framework")
+    if not isinstance(framework, str):
+        raise ValidationDataError(f"{path}: names no 'framework:' (a frameworks.yaml entry) whose rows ran these "
+                                  "presets. Fix: add it.")
+    keys = {"releases", "model", "precision", "hardware", "layouts", "dispatcher", "a2a_overlap", "tp_comm_overlap",
+            "overlap_grad_reduce", "recompute_modules"}
+    recipes = []
+    for index, raw in enumerate(_entries(path, data, "recipes")):
+        entry = _Entry(path, index, raw, keys)
+        releases = entry.get("releases", list)
+        if len(releases) != 2:
+            entry.fail(f"has releases={releases!r}; give the first and last, [\"26.01\", null]")
+        layouts = entry.get("layouts", list)
+        if not layouts or not all(isinstance(lay, dict) and sorted(lay) == sorted(LAYOUT_KEYS)
+                                  and all(isinstance(lay[k], int) and lay[k] > 0 for k in LAYOUT_KEYS)
+                                  for lay in layouts):
+            entry.fail(f"has layouts={layouts!r}; each states {', '.join(LAYOUT_KEYS)} as positive counts")
+        hardware = entry.get("hardware", list)
+        if not hardware or not all(isinstance(name, str) for name in hardware):
+            entry.fail(f"has hardware={hardware!r}; list the hardware presets (conf/cluster names)")
+        dispatcher = entry.get("dispatcher", str)
+        if dispatcher not in ("alltoall", "flex"):
+            entry.fail(f"has dispatcher={dispatcher!r}; alltoall or flex")
+        modules = entry.get("recompute_modules", (str, type(None)), None)
+        recipes.append(MoeRecipe(
+            name=raw["name"], source=raw["source"], framework=framework, model=entry.pattern("model"),
+            releases=(_release(entry, releases[0]), None if releases[1] is None else _release(entry, releases[1])),
+            precision=entry.pattern("precision", ""), hardware=tuple(hardware),
+            layouts=tuple(tuple(lay[k] for k in LAYOUT_KEYS) for lay in layouts), dispatcher=dispatcher,
+            a2a_overlap=entry.get("a2a_overlap", bool), tp_comm_overlap=entry.get("tp_comm_overlap", bool, True),
+            overlap_grad_reduce=entry.get("overlap_grad_reduce", bool, True), recompute_modules=modules))
+    return tuple(recipes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValidationData:
+    """Everything the validator reads a row with beyond its columns: the three data files, loaded."""
+
+    frameworks: tuple[Framework, ...]
+    """``frameworks.yaml``."""
+    families: Families
+    """``model_families.yaml``."""
+    recipes: tuple[MoeRecipe, ...]
+    """``recipes.yaml``."""
+
+
+@lru_cache(maxsize=8)
+def load_data(*, frameworks: Path = FRAMEWORKS_FILE, families: Path = FAMILIES_FILE,
+              recipes: Path = RECIPES_FILE) -> ValidationData:
+    """The three data files (the shipped ones unless others are named); a recipe of a framework no entry names is a
+    :class:`ValidationDataError`."""
+    data = ValidationData(frameworks=load_frameworks(Path(frameworks)), families=load_families(Path(families)),
+                          recipes=load_recipes(Path(recipes)))
+    names = {framework.name for framework in data.frameworks}
+    for recipe in data.recipes:
+        if recipe.framework not in names:
+            raise ValidationDataError(f"{recipes}: its presets are of framework {recipe.framework!r}, which "
+                                      f"{frameworks} does not name (it names {', '.join(sorted(names))}). Fix: name "
+                                      "one of those.")
+    return data

@@ -1,0 +1,84 @@
+"""What a row runs where its columns are blank or silent: its framework's reading (``frameworks.yaml``), its model
+family's (``model_families.yaml``), the MoE preset its framework ran at its release (``recipes.yaml``), all read by
+:mod:`.data`, and the architecture of a model preset of its shape (``conf/model``)."""
+
+from __future__ import annotations
+
+import re
+
+from cfp_megatron.base.compose import group_presets
+from cfp_megatron.validation.data import FAMILY_COLUMNS, Framework, MoeRecipe, ValidationData
+from cfp_megatron.validation.rows import count_cell
+
+RELEASE = r"\b(\d\d)\.(\d\d)"
+"""A container release (``YY.MM``, as NeMo's containers are named) in a row's ``source_detail``, else in its
+``framework``."""
+
+
+def framework_of(row: dict, data: ValidationData) -> Framework:
+    """The first framework entry whose match the row's ``framework`` column meets (the last entry meets any)."""
+    text = row.get("framework") or ""
+    return next((framework for framework in data.frameworks if framework.match.matches(text)), data.frameworks[-1])
+
+
+def blank_reading(row: dict, column: str, framework: Framework) -> str:
+    """The row's ``column``, or where it is blank what ``framework`` reads a blank one as (empty: no reading)."""
+    return (row.get(column) or "").strip() or framework.blank.get(column, "")
+
+
+def mtp_layers(row: dict, framework: Framework) -> int:
+    """The multi-token-prediction layers ``framework``'s recipes train the row's ``model`` with (0: none)."""
+    model = row.get("model") or ""
+    return next((layers for pattern, layers in framework.mtp_layers if re.search(pattern, model, re.IGNORECASE)), 0)
+
+
+def family_fields(row: dict, data: ValidationData) -> dict[str, object]:
+    """The model fields the row's family fixes (the first of ``model_families.yaml`` whose pattern its ``model`` or
+    ``arch_source`` matches): the columns it leaves blank (vocabulary, KV heads; the default entry's where the family
+    says nothing) and the fields no column holds."""
+    text = f"{row.get('model') or ''} {row.get('arch_source') or ''}"
+    family = next((f for f in data.families.families if re.search(f.pattern, text, re.IGNORECASE)), None)
+    blank = {**data.families.default.blank, **(family.blank if family else {})}
+    return {**(family.model if family else {}),
+            **{FAMILY_COLUMNS[column]: value for column, value in blank.items() if count_cell(row, column) is None}}
+
+
+def moe_recipe(row: dict, framework: Framework, preset: str, layout: tuple[int, int, int, int, int, int],
+               data: ValidationData) -> MoeRecipe | None:
+    """The MoE preset a row ran, or None: the first of ``recipes.yaml`` of the row's framework whose releases hold the
+    row's container release (:data:`RELEASE`) and whose model, hardware preset, layout (GPUs, TP, PP, VP, EP, global
+    batch) and precision pattern are the row's."""
+    found = re.search(RELEASE, row.get("source_detail") or row.get("framework") or "")
+    if found is None:
+        return None
+    release = (int(found.group(1)), int(found.group(2)))
+    for recipe in data.recipes:
+        first, last = recipe.releases
+        if (recipe.framework == framework.name and preset in recipe.hardware and layout in recipe.layouts
+                and first <= release and (last is None or release <= last)
+                and re.search(recipe.model, row.get("model") or "", re.IGNORECASE)
+                and re.search(recipe.precision, row.get("precision") or "", re.IGNORECASE)):
+            return recipe
+    return None
+
+
+ARCHITECTURE_FIELDS = ("kv_channels", "attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                       "v_head_dim", "moe_shared_expert_intermediate_size", "moe_first_dense_layers",
+                       "moe_router_score", "window_size", "window_attn_skip_freq")
+"""Model fields the CSV schema has no column for, taken from a model preset of the same shape
+(:func:`preset_architecture`)."""
+SHAPE_FIELDS = (("layers", "num_layers"), ("hidden", "hidden_size"), ("heads", "num_attention_heads"),
+                ("vocab", "vocab_size"), ("moe_experts", "num_experts"), ("moe_topk", "moe_router_topk"),
+                ("moe_expert_ffn", "moe_ffn_hidden_size"))
+"""(CSV column, model preset key) pairs that must all be equal for a preset's architecture to apply."""
+
+
+def preset_architecture(row: dict) -> tuple[str, dict]:
+    """The name and :data:`ARCHITECTURE_FIELDS` of the model preset (``conf/model``) whose shape
+    (:data:`SHAPE_FIELDS`) is the row's, or ``("", {})``: DeepSeek-V3's multi-head latent attention, shared expert,
+    dense first layers and sigmoid router, GPT-OSS's 64-channel heads (4096 wide on a 2880 hidden size), which their
+    rows name in ``arch_source`` but no column states."""
+    for name, preset in group_presets("model"):
+        if all(count_cell(row, column) == preset.get(key) for column, key in SHAPE_FIELDS):
+            return name, {key: preset[key] for key in ARCHITECTURE_FIELDS if key in preset}
+    return "", {}

@@ -1,0 +1,95 @@
+"""Train many cases in one torchrun job: one start-up and one default process group per world size instead of a
+torchrun each (tests/multirank.py starts it; docs/testing.md, "One job per world size").
+
+    torchrun --nproc_per_node=W tests/scripts/multirank_cases.py CASES.json RESULTS.json
+
+CASES.json lists ``{"id": ..., "overrides": [...], "run_dir": ...}`` in the order they run (``run_dir``: the case's
+Hydra run directory, where a launch writes ``plan.json`` and the like). Each case goes through the launch path
+of ``launch/train.py`` after Hydra (:func:`cfp_megatron.planner.entry.train_from_config`: validation, the checkpoint
+checks, the plan, Megatron's groups, training, checkpoints) on the overrides composed as the launcher composes them;
+what differs is that the default process group is created by the first case and kept, and between cases only
+Megatron's model-parallel groups are destroyed (each case seeds its own RNGs as a fresh launch does). Rank 0 writes
+RESULTS.json after every case, ``{id: {"ok": bool, "error": str | None, "seconds": float, "files": [before, after]}}``
+(``files``: the files under the case's ``train.checkpoint_dir`` before and after it, for a case that must change
+nothing there), so a case that fails leaves the others' results and a job that dies leaves what it finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from cfp_megatron.compat.quiet import quiet_expected_warnings  # noqa: E402
+
+quiet_expected_warnings()
+
+import torch.distributed as dist  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import open_dict  # noqa: E402
+
+from cfp_megatron.base.compose import CONF_DIR, compose_config  # noqa: E402
+from cfp_megatron.engine import distributed  # noqa: E402
+from cfp_megatron.engine.rank_watch import tie_to_launcher  # noqa: E402
+from cfp_megatron.planner.entry import train_from_config  # noqa: E402
+
+
+def run_case(overrides: list[str], run_dir: str) -> str | None:
+    """Train one case with ``run_dir`` as its Hydra run directory (as ``hydra.run.dir`` gives a launch); its error
+    (type, message and the traceback's tail) or ``None``."""
+    try:
+        cfg = compose_config(overrides)  # checked as a launch checks its command line
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            hydra_cfg = compose("config", overrides=overrides, return_hydra_config=True)
+        with open_dict(hydra_cfg):
+            hydra_cfg.hydra.runtime.output_dir = run_dir
+        if os.environ.get("RANK", "0") == "0":
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+        HydraConfig.instance().set_config(hydra_cfg)  # what Hydra's app sets: the run directory, the overrides
+        train_from_config(cfg)
+    except Exception as err:  # noqa: BLE001 - a failing case is reported, the next one still runs
+        tail = "".join(traceback.format_exception(err)[-6:])
+        return f"{type(err).__name__}: {err}\n{tail}"
+    finally:
+        HydraConfig.instance().cfg = None
+        distributed.destroy_model_parallel_groups()
+    return None
+
+
+def files_under(overrides: list[str]) -> list[str]:
+    """The files under the ``train.checkpoint_dir`` of ``overrides`` (relative paths), or none."""
+    folder = next((o.split("=", 1)[1] for o in overrides if o.startswith("train.checkpoint_dir=")), None)
+    if folder is None or not Path(folder).is_dir():
+        return []
+    return sorted(str(p.relative_to(folder)) for p in Path(folder).rglob("*") if p.is_file())
+
+
+def main(cases_file: str, results_file: str) -> None:
+    """Run every case of ``cases_file`` in order; rank 0 writes ``results_file`` after each."""
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # The default group outlives the cases: the launch path's teardown keeps it and ends Megatron's groups only.
+    distributed.destroy_distributed = distributed.destroy_model_parallel_groups
+    cases = json.loads(Path(cases_file).read_text())
+    results: dict[str, dict] = {}
+    for case in cases:
+        began, before = time.perf_counter(), files_under(case["overrides"])
+        error = run_case(case["overrides"], case["run_dir"])
+        results[case["id"]] = {"ok": error is None, "error": error, "seconds": round(time.perf_counter() - began, 1),
+                               "files": [before, files_under(case["overrides"])]}
+        if os.environ.get("RANK", "0") == "0":
+            Path(results_file).write_text(json.dumps(results, indent=1))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    tie_to_launcher()
+    main(sys.argv[1], sys.argv[2])

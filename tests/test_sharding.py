@@ -1,0 +1,166 @@
+"""The data-parallel sharding model (cfp_megatron.sim.sharding): bytes per state category against the documented
+formulas, the simulator's FSDP against DeepSpeed's ZeRO-3, HSDP and offload, and the rule kept in one place."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from cfp_megatron.backends.deepspeed.costs import simulate_zero
+from cfp_megatron.backends.deepspeed.zero_plan import zero_plan
+from cfp_megatron.base.compose import compose_job
+from cfp_megatron.base.config import OptimizerKind, Precision
+from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.cluster.measured import Collective
+from cfp_megatron.sim.options import SimOptions
+from cfp_megatron.sim.sharding import Sharded, Sharding, StateBytes
+from cfp_megatron.sim.simulate import predict_memory
+
+P = 1e9
+"""Parameters on the rank in the table."""
+
+
+def _megatron_bytes(precision: str, fp32_grads: bool = True) -> StateBytes:
+    return StateBytes.megatron(compose_job(["model=llama3_8b", "cluster=dgx_a100", f"train.precision={precision}",
+                                            f"parallel.grad_reduce_in_fp32={str(fp32_grads).lower()}"]))
+
+
+# (what, sharding, dp, bytes per parameter of weights, gradients, optimizer states), worked by hand:
+# Megatron-Core's distributed optimizer guide (docs/source/api-guide/dist_optimizer.md): bf16 weights with fp32
+# gradients 18 bytes, 6 + 12/d with the distributed optimizer; fp32 weights 16 bytes, 8 + 8/d. The ZeRO paper
+# (Rajbhandari et al. 2020, mixed-precision Adam: 2 + 2 + K with K = 12, each stage dividing one more by N);
+# DeepSpeed's engine keeps the gradients in the weights' dtype and an fp32 gradient partition besides (+4/N from
+# stage 1, +4 at stage 0 with bf16), and at stage 2 counts the reduction straight into that fp32 partition.
+TABLE = [
+    ("megatron ddp bf16", Sharded.nothing, 8, "bf16", 2.0, 4.0, 12.0),
+    ("megatron distopt bf16", Sharded.optimizer, 8, "bf16", 2.0, 4.0, 12.0 / 8),
+    ("megatron ddp fp32", Sharded.nothing, 8, "fp32", 4.0, 4.0, 8.0),
+    ("megatron distopt fp32", Sharded.optimizer, 8, "fp32", 4.0, 4.0, 8.0 / 8),
+    ("megatron fsdp bf16", Sharded.parameters, 8, "bf16", 2.0 / 8, 4.0 / 8, 12.0 / 8),
+    ("megatron fsdp fp32", Sharded.parameters, 4, "fp32", 4.0 / 4, 4.0 / 4, 8.0 / 4),
+    ("zero0 bf16", 0, 8, 2.0, 2.0, 2.0 + 4.0, 12.0),
+    ("zero1 bf16", 1, 8, 2.0, 2.0, 2.0 + 4.0 / 8, 12.0 / 8),
+    ("zero2 bf16", 2, 8, 2.0, 2.0, 4.0 / 8, 12.0 / 8),
+    ("zero3 bf16", 3, 8, 2.0, 2.0 / 8, (2.0 + 4.0) / 8, 12.0 / 8),
+    ("zero0 fp32", 0, 8, 4.0, 4.0, 4.0, 8.0),  # torch's Adam on fp32 weights: no copies
+    ("zero1 fp32", 1, 8, 4.0, 4.0, 4.0 + 4.0 / 8, 12.0 / 8),  # stage 1 clones an fp32 master partition
+    ("zero3 fp32", 3, 8, 4.0, 4.0 / 8, 4.0 / 8, 8.0 / 8),  # stage 3 steps its fp32 partition in place
+    ("zero3 bf16 1 rank", 3, 1, 2.0, 2.0, 6.0, 12.0),  # = ZeRO-0 on one rank
+]
+
+
+@pytest.mark.parametrize("row", TABLE, ids=[row[0] for row in TABLE])
+def test_bytes_per_category_match_the_documented_formulas(row) -> None:
+    what, mode, dp, *rest = row
+    if what.startswith("megatron"):
+        precision, weights, grads, optimizer = rest
+        sharding = Sharding(sharded=mode, state=_megatron_bytes(precision), group=dp, expert_group=dp)
+    else:
+        elem, weights, grads, optimizer = rest
+        sharding = Sharding.zero(stage=mode, dp=dp, elem=elem)
+    memory = sharding.memory(P)
+    assert (memory.weights / P, memory.gradients / P, memory.optimizer_states / P) == pytest.approx(
+        (weights, grads, optimizer), rel=1e-12)
+    assert memory.host == 0.0
+    # the ZeRO paper's sum, for mixed precision: (2 + 2 + 12) at stage 0, falling with each stage
+    if what == "zero3 bf16":
+        assert (memory.weights + memory.optimizer_states) / P == pytest.approx((2 + 12) / 8)
+
+
+def test_megatron_bf16_gradients_count_no_fp32_main_gradient() -> None:
+    """Megatron's guide counts 4 + 16/d for 16-bit gradients (an fp32 main gradient cast at the step); the model
+    keeps the buffer the step reads from (4 + 12/d), as the simulator always did (docs/simulator.md)."""
+    sharding = Sharding(sharded=Sharded.optimizer, state=_megatron_bytes("bf16", fp32_grads=False), group=8)
+    memory = sharding.memory(P)
+    assert (memory.weights + memory.gradients) / P == 4.0 and memory.optimizer_states / P == 12.0 / 8
+
+
+def test_experts_shard_over_their_own_group_and_the_bound_never_exceeds_the_memory() -> None:
+    state = _megatron_bytes("bf16")
+    sharding = Sharding(sharded=Sharded.optimizer, state=state, group=8, expert_group=2)
+    memory = sharding.memory(P, expert_params=0.25 * P)
+    assert memory.optimizer_states / P == pytest.approx(0.75 * 12 / 8 + 0.25 * 12 / 2)
+    assert sharding.optimizer_params(P, 0.25 * P) == pytest.approx(0.75 * P / 8 + 0.25 * P / 2)
+    for mode in Sharded:
+        for group in (1, 2, 64):
+            kept = Sharding(sharded=mode, state=state, group=group).memory(P)
+            assert state.replicated(mode) * P <= kept.weights + kept.gradients + kept.optimizer_states + 1e-3
+
+
+def test_hsdp_shards_inside_its_group_and_all_reduces_the_shard_across_replicas() -> None:
+    state = _megatron_bytes("bf16")
+    hsdp = Sharding(sharded=Sharded.parameters, state=state, group=8, replicas=4)
+    fsdp = Sharding(sharded=Sharded.parameters, state=state, group=8)
+    assert hsdp.memory(P) == fsdp.memory(P)
+
+    class Costs:  # records the collectives priced
+        def __init__(self) -> None:
+            self.calls: list[tuple] = []
+
+        def seconds(self, op, nbytes, size, per_node=None):
+            self.calls.append((op, nbytes, size, per_node))
+            return 1.0 if nbytes > 0 and size > 1 else 0.0
+
+    costs = Costs()
+    assert fsdp.step_sync_s(costs, P, 0.0, grad_bytes=4.0, weight_bytes=2.0, per_node=8, expert_per_node=8) == (
+        0.0, 0.0)  # its reduce-scatters and gathers happen in the passes
+    sync_s, gather_s = hsdp.step_sync_s(costs, P, 0.0, grad_bytes=4.0, weight_bytes=2.0, per_node=8,
+                                        expert_per_node=8)
+    assert (sync_s, gather_s) == (1.0, 0.0)
+    assert costs.calls[0] == (Collective.all_reduce, P * 4.0 / 8, 4, 1)  # the shard, across the replicas' nodes
+    ddp = Sharding(sharded=Sharded.nothing, state=state, group=32)
+    dist = Sharding(sharded=Sharded.optimizer, state=state, group=32)
+    costs.calls.clear()
+    assert ddp.step_sync_s(costs, P, 0.0, grad_bytes=4.0, weight_bytes=2.0, per_node=8, expert_per_node=8)[1] == 0
+    assert dist.step_sync_s(costs, P, 0.0, grad_bytes=4.0, weight_bytes=2.0, per_node=8, expert_per_node=8)[1] == 1
+    assert [call[0] for call in costs.calls if call[1] > 0] == [Collective.all_reduce, Collective.reduce_scatter,
+                                                              Collective.all_gather]
+
+
+def test_offload_moves_the_optimizer_partition_and_the_weights_to_the_host() -> None:
+    plain = Sharding.zero(stage=3, dp=8, elem=2.0).memory(P)
+    off = Sharding.zero(stage=3, dp=8, elem=2.0, offload_optimizer=True, offload_params=True).memory(P)
+    assert off.weights == off.optimizer_states == 0.0
+    assert off.gradients == pytest.approx(plain.gradients - 4.0 * P / 8)
+    assert off.host == pytest.approx(plain.weights + plain.optimizer_states + 4.0 * P / 8)
+    with pytest.raises(ConfigError, match="backend.offload_param"):
+        Sharding.zero(stage=2, dp=8, elem=2.0, offload_params=True)
+    with pytest.raises(ConfigError, match="sharding.group"):
+        Sharding(sharded=Sharded.optimizer, state=StateBytes.deepspeed(elem=2.0, stage=1), group=0)
+    assert StateBytes.deepspeed(elem=2.0, stage=1, optimizer=OptimizerKind.sgd).optimizer_states == 4.0
+
+
+def _states(memory) -> float:
+    return memory.parameters + memory.gradients + memory.optimizer_states
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_simulators_fsdp_and_deepspeeds_zero3_keep_the_same_states(precision: str) -> None:
+    """The same model on the same 8 data-parallel ranks: Megatron's FSDP (the simulator's ``fsdp`` mode) and
+    DeepSpeed's ZeRO-3 shard every state over them alike. In fp32 they keep the same bytes; in bf16 DeepSpeed
+    keeps its bf16 gradient partition besides the fp32 one Megatron reduces into (2 bytes a parameter over 8)."""
+    job = compose_job(["model=llama3_8b", "cluster=dgx_a100", f"train.precision={precision}",
+                       "train.global_batch_size=64", "train.seq_length=2048"])
+    fsdp = predict_memory(job, options=SimOptions(fsdp=True), world_size=8)
+    plan = zero_plan(job, world=8, zero_stage=3, micro_batch=1, activation_checkpointing=False,
+                     offload_optimizer=False, offload_param=False, bucket_elements=50_000_000,
+                     precision=Precision(precision))
+    zero3 = simulate_zero(job, plan).memory
+    elem = 4.0 if precision == "fp32" else 2.0
+    params = zero3.parameters * 8 / elem
+    extra = 0.0 if precision == "fp32" else 2.0 * params / 8
+    assert _states(zero3) == pytest.approx(_states(fsdp) + extra, rel=1e-9)
+
+
+def test_the_bytes_per_parameter_rule_lives_in_one_module() -> None:
+    """No other module of the package writes the bytes per parameter of the optimizer states or master weights
+    (the copies in sim/memory.py, search/search.py and backends/deepspeed/costs.py were moved to sim/sharding.py)."""
+    root = Path(__file__).resolve().parents[1] / "cfp_megatron"
+    rule = re.compile(r"opt_per_param|opt_bytes|adam = 12|\(8\.0 if .*adam|\(4\.0 if (mixed|elem)|"
+                      r"\* 4\.0 / dp|4\.0 if elem == 4\.0")
+    found = [f"{path.relative_to(root)}:{number}" for path in sorted(root.rglob("*.py"))
+             if path.name != "sharding.py"
+             for number, line in enumerate(path.read_text().splitlines(), 1) if rule.search(line)]
+    assert found == []

@@ -1,0 +1,149 @@
+"""The validator's data files (``cfp_megatron/validation/*.yaml``): each entry names its source, they ship with the
+package, and an entry added to a file changes how a row is read without a change to the code."""
+
+from __future__ import annotations
+
+import fnmatch
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from cfp_megatron.base.compose import CONF_DIR
+from cfp_megatron.validate import row_plan
+from cfp_megatron.validation.data import (
+    DATA_DIR,
+    FAMILIES_FILE,
+    FRAMEWORKS_FILE,
+    RECIPES_FILE,
+    ValidationDataError,
+    load_data,
+    load_families,
+    load_frameworks,
+    load_recipes,
+)
+from cfp_megatron.validation.defaults import framework_of
+
+ROOT = Path(__file__).resolve().parent.parent
+ROW = {"id": "1", "model": "GPT 1.7B", "layers": "24", "hidden": "2304", "heads": "24", "seq_len": "2048",
+       "gpu": "A100-80GB", "num_gpus": "32", "tp": "2", "pp": "1", "micro_batch": "1", "global_batch_seqs": "512",
+       "step_time_s": "3.5"}
+"""Row 1 of the shared file (SC21's GPT 1.7B on 32 A100s) at TP=2, with no framework, sharding or SP stated."""
+
+
+def test_every_entry_of_the_shipped_files_names_its_source() -> None:
+    data = load_data()
+    families = load_families()
+    entries = [*data.frameworks, families.default, *families.families, *data.recipes]
+    assert (len(data.frameworks), len(families.families), len(data.recipes)) >= (5, 8, 25)
+    assert all(entry.name and len(entry.source) > 20 for entry in entries)
+    presets = {path.stem for path in (CONF_DIR / "cluster").glob("*.yaml")}
+    assert {name for recipe in data.recipes for name in recipe.hardware} <= presets
+    assert {recipe.framework for recipe in data.recipes} <= {framework.name for framework in data.frameworks}
+
+
+def test_the_data_files_ship_with_the_package() -> None:
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["cfp_megatron"]
+    shipped = [path.relative_to(DATA_DIR.parent).as_posix() for path in DATA_DIR.glob("*.yaml")]
+    assert sorted(shipped) == ["validation/frameworks.yaml", "validation/model_families.yaml",
+                               "validation/recipes.yaml"]
+    assert all(any(fnmatch.fnmatch(name, glob) for glob in globs) for name in shipped)
+
+
+@pytest.mark.parametrize("framework, entry", [
+    ("Megatron-LM (2021)", "Megatron-LM before 2023"), ("Megatron-Core (2022)", "Megatron-LM before 2023"),
+    ("Megatron-Bridge / NeMo 26.02", "Megatron-Bridge"), ("NeMo 24.07 (Megatron-Core)", "NeMo"),
+    ("Megatron-Core r0.8.0", "Megatron-Core"), ("Megatron-LM (Megatron-Core 0.12)", "Megatron-Core"),
+    ("Megatron-LM", "any other framework"), ("llm-foundry / Composer", "any other framework"),
+    ("torchtitan", "any other framework"), ("", "any other framework"),
+])
+def test_a_framework_column_finds_its_entry_in_file_order(framework: str, entry: str) -> None:
+    assert framework_of({"framework": framework}, load_data()).name == entry
+
+
+def test_the_frameworks_readings_reach_the_plan() -> None:
+    legacy = row_plan({**ROW, "framework": "Megatron-LM (2021)"})
+    assert legacy.options.attention.value == "fused_softmax" and not legacy.job.parallel.overlap_grad_reduce
+    bridge = row_plan({**ROW, "framework": "Megatron-Bridge / NeMo 25.09"}).job.parallel
+    assert bridge.sp and bridge.distributed_optimizer and bridge.tp_comm_overlap and not bridge.grad_reduce_in_fp32
+    other = row_plan({**ROW, "framework": "torchtitan"}).job.parallel
+    assert not (other.sp or other.distributed_optimizer or other.tp_comm_overlap) and other.grad_reduce_in_fp32
+    stated = row_plan({**ROW, "framework": "Megatron-Bridge / NeMo 25.09", "sequence_parallel": "no",
+                       "zero_or_fsdp": "DDP"}).job.parallel
+    assert not (stated.sp or stated.distributed_optimizer)  # a stated column wins over the framework's reading
+
+
+def _with_entry(tmp_path: Path, source: Path, key: str, entry: str) -> Path:
+    """A copy of ``source`` in ``tmp_path`` with ``entry`` (YAML, indented as a list item) first under ``key:``."""
+    text = source.read_text()
+    assert text.count(f"\n{key}:\n") == 1
+    path = tmp_path / source.name
+    path.write_text(text.replace(f"\n{key}:\n", f"\n{key}:\n{entry}"))
+    return path
+
+
+def test_a_framework_entry_in_a_data_file_changes_how_a_blank_column_is_read(tmp_path: Path) -> None:
+    frameworks = _with_entry(tmp_path, FRAMEWORKS_FILE, "frameworks", """\
+  - name: torchtitan
+    match: {contains: [torchtitan]}
+    blank: {sequence_parallel: "yes", zero_or_fsdp: FSDP}
+    runs: {attention: flash, overlap_grad_reduce: true, tp_comm_overlap: false, grad_reduce_in_fp32: false}
+    source: a test's entry
+""")
+    row = {**ROW, "framework": "torchtitan"}
+    shipped = row_plan(row)
+    assert not shipped.options.fsdp and not shipped.job.parallel.sp and shipped.job.parallel.grad_reduce_in_fp32
+    read = row_plan(row, data=load_data(frameworks=frameworks))
+    assert read.options.fsdp and read.job.parallel.sp and not read.job.parallel.grad_reduce_in_fp32
+    assert " fsdp" in read.layout
+    assert row_plan({**row, "zero_or_fsdp": "DDP"}, data=load_data(frameworks=frameworks)).options.fsdp is False
+
+
+def test_a_family_entry_in_a_data_file_fills_a_blank_vocabulary(tmp_path: Path) -> None:
+    families = _with_entry(tmp_path, FAMILIES_FILE, "families", """\
+  - name: Falcon
+    pattern: '\\bfalcon'
+    blank: {vocab: 65024, kv_heads: 8}
+    source: a test's entry
+""")
+    row = {**ROW, "model": "Falcon 40B"}
+    assert row_plan(row).job.model.vocab_size == 51200  # the default entry's
+    model = row_plan(row, data=load_data(families=families)).job.model
+    assert (model.vocab_size, model.num_query_groups) == (65024, 8)
+    assert row_plan({**row, "vocab": "50000"}, data=load_data(families=families)).job.model.vocab_size == 50000
+
+
+@pytest.mark.parametrize("path, key, entry, said", [
+    (FRAMEWORKS_FILE, "frameworks", "  - {name: x, match: {}, runs: {attention: flash, overlap_grad_reduce: true, "
+     "tp_comm_overlap: true, grad_reduce_in_fp32: true}}\n", "entry 1 ('x') names no source"),
+    (FRAMEWORKS_FILE, "frameworks", "  - {name: x, match: {}, colour: red, source: s}\n", "unknown key(s) colour"),
+    (FAMILIES_FILE, "families", "  - {name: x, pattern: '(', source: s}\n", "not a regular expression"),
+    (RECIPES_FILE, "recipes", "  - {name: x, releases: ['26.1', null], model: m, hardware: [b200], layouts: "
+     "[{gpus: 8, tp: 1, pp: 1, vp: 1, ep: 8, global_batch: 512}], dispatcher: flex, a2a_overlap: false, "
+     "source: s}\n", "release '26.1'"),
+])
+def test_a_malformed_entry_is_refused_naming_the_file_and_entry(tmp_path: Path, path: Path, key: str, entry: str,
+                                                                said: str) -> None:
+    bad = _with_entry(tmp_path, path, key, entry)
+    loader = {FRAMEWORKS_FILE: load_frameworks, FAMILIES_FILE: load_families, RECIPES_FILE: load_recipes}[path]
+    with pytest.raises(ValidationDataError) as caught:
+        loader(bad)
+    assert str(bad) in str(caught.value) and said in str(caught.value) and "Fix:" in str(caught.value)
+
+
+def test_a_file_that_is_not_yaml_is_refused_naming_it(tmp_path: Path) -> None:
+    """A YAML syntax error (PyYAML's, which OmegaConf lets through) is the data's error, not a traceback."""
+    bad = tmp_path / "frameworks.yaml"
+    bad.write_text("version: 1\nframeworks: [{name: x\n")
+    with pytest.raises(ValidationDataError, match="cannot be read as YAML") as caught:
+        load_frameworks(bad)
+    assert str(bad) in str(caught.value) and "Fix:" in str(caught.value)
+
+
+def test_a_frameworks_file_without_a_last_entry_for_any_framework_is_refused(tmp_path: Path) -> None:
+    text = FRAMEWORKS_FILE.read_text()
+    last = text.index("  - name: any other framework")
+    bad = tmp_path / "frameworks.yaml"
+    bad.write_text(text[:last])
+    with pytest.raises(ValidationDataError, match="end with an entry of 'match: {}'"):
+        load_frameworks(bad)
