@@ -63,10 +63,12 @@ def error_text(err: CfpError, rank: int | None = None) -> tuple[str, str]:
 
 
 def report_error(err: CfpError, env: LaunchEnv | None = None, *, stream: TextIO | None = None,
-                 wait_s: float = WAIT_S) -> bool:
+                 wait_s: float | None = None) -> bool:
     """Say ``err`` as described in the module docstring; return whether this rank printed it. Returns only once the
     message is on ``stream`` (default ``sys.stderr``, flushed) or the rank whose turn it is (the node's first, or
-    the error's :class:`~cfp_megatron.engine.rank_watch.Turn`) has marked it said; ``wait_s`` bounds that wait."""
+    the error's :class:`~cfp_megatron.engine.rank_watch.Turn`) has marked it said; ``wait_s`` (default
+    :data:`WAIT_S`, read at the call) bounds that wait."""
+    wait_s = WAIT_S if wait_s is None else wait_s
     env = env if env is not None else LaunchEnv.read()
     found = time.time()
     marker = marker_path()
