@@ -131,13 +131,21 @@ def test_transformer_layer_tensor_parallel_path():
     assert whole and whole[0].candidate((Shard(0),)) is not None and whole[0].candidate((R,)) is None
 
 
-def test_2d_mesh_megatron_layout_among_candidates():
+@pytest.fixture(scope="module")
+def mlp_2x2_blocks() -> tuple[OpGraph, list[ParallelBlock]]:
+    """The MLP's blocks on a (dp, tp) = (2, 2) mesh, found once for the tests below (seconds on 2 cores)."""
     graph = _record()
-    n = len(forward_operators(graph))
     with fake_mesh((2, 2), ("dp", "tp")) as mesh:
         start = time.perf_counter()
         blocks = find_blocks(graph, mesh)
-        print(f"find_blocks, 2x2 mesh, {n} ops: {time.perf_counter() - start:.3f} s, {len(blocks)} blocks")
+        print(f"find_blocks, 2x2 mesh, {len(forward_operators(graph))} ops: {time.perf_counter() - start:.3f} s, "
+              f"{len(blocks)} blocks")
+    return graph, blocks
+
+
+def test_2d_mesh_megatron_layout_among_candidates(mlp_2x2_blocks: tuple[OpGraph, list[ParallelBlock]]):
+    graph, blocks = mlp_2x2_blocks
+    n = len(forward_operators(graph))
     (whole,) = _whole(blocks, n)
     dp_tp = whole.candidate((Shard(0), R))
     assert dp_tp is not None and dp_tp.exit == (Shard(0), P)
@@ -203,8 +211,11 @@ def _layer_graph() -> OpGraph:
     return _record(_Layer, (2, 16, 32))
 
 
-@pytest.mark.slow
-def test_every_transformer_candidate_replayed_on_gloo_with_zero_collectives():
+@pytest.fixture(scope="module")
+def layer_replay() -> tuple[list[BlockCheck], list]:
+    """Every candidate of the transformer layer's blocks on 2 ranks, then one non-candidate (the attention block's
+    tensor-parallel candidate entered split on the hidden dimension), replayed in one gloo spawn; the checks and
+    their results in that order. The non-candidate goes last: its collectives come after every candidate's."""
     graph = _layer_graph()
     ops = forward_operators(graph)
     n2 = next(i for i, o in enumerate(ops) if o.module.endswith("n2"))
@@ -214,9 +225,20 @@ def test_every_transformer_candidate_replayed_on_gloo_with_zero_collectives():
     # Megatron's tensor-parallel layout is among them: attention and MLP blocks entered replicated
     assert any(c.start == 0 and c.stop == n2 and c.placements == "R" for c in checks)
     assert any(c.start == n2 and c.stop == len(ops) and c.placements == "R" for c in checks)
+    attention = next(b for b in blocks if b.start == 0 and b.stop == n2)
+    assert attention.candidate((Shard(2),)) is None  # the norm needs the whole hidden dimension
+    bad = dataclasses.replace(BlockCheck.of(attention, attention.candidate((R,))), placements="S(2)")
     start = time.perf_counter()
-    results = verify_blocks_on_gloo(_layer_graph, (2,), checks)
-    print(f"gloo replay of {len(checks)} candidates on 2 ranks: {time.perf_counter() - start:.1f} s")
+    results = verify_blocks_on_gloo(_layer_graph, (2,), [*checks, bad])
+    print(f"gloo replay of {len(checks)} candidates and 1 other on 2 ranks: {time.perf_counter() - start:.1f} s")
+    return [*checks, bad], results
+
+
+@pytest.mark.slow
+def test_every_transformer_candidate_replayed_on_gloo_with_zero_collectives(
+        layer_replay: tuple[list[BlockCheck], list]) -> None:
+    *checks, _ = layer_replay[0]
+    results = layer_replay[1][:-1]
     assert len(results) == len(checks) > 10
     for check, result in zip(checks, results, strict=True):
         assert result.comm_free, (check, result.collectives, result.error)
@@ -228,10 +250,8 @@ def _mlp_graph() -> OpGraph:
 
 
 @pytest.mark.slow
-def test_2d_mesh_candidates_replayed_on_gloo():
-    graph = _mlp_graph()
-    with fake_mesh((2, 2), ("dp", "tp")) as mesh:
-        blocks = find_blocks(graph, mesh)
+def test_2d_mesh_candidates_replayed_on_gloo(mlp_2x2_blocks: tuple[OpGraph, list[ParallelBlock]]):
+    _, blocks = mlp_2x2_blocks
     checks = [BlockCheck.of(b, c) for b in blocks if b.start == 0 for c in b.candidates if c.maximal]
     assert any(c.placements == "R,R" for c in checks) and any(c.placements == "S(0),R" for c in checks)
     results = verify_blocks_on_gloo(_mlp_graph, (2, 2), checks)
@@ -241,17 +261,10 @@ def test_2d_mesh_candidates_replayed_on_gloo():
 
 
 @pytest.mark.slow
-def test_block_replay_sees_collectives_of_a_non_candidate():
-    graph = _layer_graph()
-    ops = forward_operators(graph)
-    n2 = next(i for i, o in enumerate(ops) if o.module.endswith("n2"))
-    with fake_mesh((2,), ("tp",)) as mesh:
-        blocks = find_blocks(graph, mesh)
-    attention = next(b for b in blocks if b.start == 0 and b.stop == n2)
-    assert attention.candidate((Shard(2),)) is None  # the norm needs the whole hidden dimension
-    tp = attention.candidate((R,))
-    check = BlockCheck.of(attention, tp)
-    bad = dataclasses.replace(check, placements="S(2)")
-    (result,) = verify_blocks_on_gloo(_layer_graph, (2,), [bad])
+def test_block_replay_sees_collectives_of_a_non_candidate(layer_replay: tuple[list[BlockCheck], list]) -> None:
+    """The last check of :func:`layer_replay`: not a candidate, so the replay sees a collective (or DTensor's
+    refusal)."""
+    bad, result = layer_replay[0][-1], layer_replay[1][-1]
+    assert bad.placements == "S(2)" and bad.start == 0
     assert not result.comm_free
     assert result.collectives or result.error

@@ -98,8 +98,15 @@ def test_checkpoint_folder_is_not_written_over(tmp_path: Path) -> None:
     first = run_train(2, [*COMMON, "backend.zero_stage=1", f"train.checkpoint_dir={folder}"], tmp_path / "a")
     _losses(first)
     assert (folder / "latest").read_text().strip() == "global_step4"
-    again = run_train(2, [*COMMON, "backend.zero_stage=1", f"train.checkpoint_dir={folder}"], tmp_path / "b")
-    assert again.returncode != 0 and "already holds checkpoints (DeepSpeed: global_step4" in again.output
+    # a second launch into the folder is refused by the launch's check before any process group (the pipeline
+    # calls it: tests/test_launch_pipeline.py), run here in-process on the folder the first launch wrote
+    from cfp_megatron.base.compose import compose_job
+    from cfp_megatron.base.errors import CheckpointError
+    from cfp_megatron.planner.deepspeed_launch import DeepSpeedLaunch
+
+    again = compose_job([*COMMON, "backend.zero_stage=1", f"train.checkpoint_dir={folder}"])
+    with pytest.raises(CheckpointError, match=r"already holds checkpoints \(DeepSpeed: global_step4"):
+        DeepSpeedLaunch().check_before_start(again, restarted=False, writer=None, note=lambda line: None)
     resumed = run_train(2, [*COMMON, "backend.zero_stage=1", f"train.checkpoint_dir={folder}", "train.resume=true",
                             "train.steps=6"], tmp_path / "c")
     assert sorted(_losses_by_step(resumed)) == [5, 6]

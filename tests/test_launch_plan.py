@@ -121,24 +121,48 @@ def test_second_launch_reuses_the_plan_without_profiling(planned: tuple[RunResul
     assert sorted(result.losses) == [7, 8]
 
 
-@pytest.mark.slow
-def test_two_ranks_plan_again_and_resume(planned: tuple[RunResult, Path, Path],
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    root, run_dir = _after(planned, monkeypatch)
-    ckpt = root / "ckpt2"
+@pytest.fixture(scope="module")
+def two_ranks(planned: tuple[RunResult, Path, Path],
+              tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, list[dict], int]:
+    """One 2-rank launch into the 4-rank runs' run directory, resuming their checkpoints (copied) under a plan
+    searched again for 2 ranks, saving every 2 steps; rank 1 is killed 3 steps in under ``--max-restarts=1``.
+    (torchrun's exit code, its output, rank 0's metrics records, the step the 4-rank runs saved last.) One launch
+    for the two tests below: planning again on another world size, and a torchrun restart's reuse of that plan."""
+    import os
     import shutil
 
-    shutil.copytree(root / "ckpt", ckpt)  # the 4-rank runs' checkpoints, resumed under a 2-rank plan
     from cfp_megatron.engine import checkpoint
+    from tests.launcher import run_killing_a_rank
 
+    first, root, run_dir = planned
+    assert first.returncode == 0, first.output[-4000:]
+    work = tmp_path_factory.mktemp("two_ranks")
+    ckpt, metrics = work / "ckpt", work / "metrics.jsonl"
+    shutil.copytree(root / "ckpt", ckpt)  # the 4-rank runs' checkpoints, resumed under a 2-rank plan
     saved = checkpoint.latest_step(ckpt)
-    result = run_train(2, ["+cfp=auto", *COMMON, f"train.steps={saved + 2}", f"train.checkpoint_dir={ckpt}",
-                           "train.resume=true"], root / "third", run_dir=run_dir, timeout=900)
-    assert result.returncode == 0, result.output[-4000:]
-    assert "cfp: planned plan gpt_tiny@local" in result.output
+    assert saved is not None
+    overrides = ["+cfp=auto", *COMMON, f"train.steps={saved + 8}", "train.save_interval=2", "train.resume=true",
+                 f"train.checkpoint_dir={ckpt}", f"train.metrics_file={metrics}", f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CFP_CACHE_DIR": str(root / "cache")}
+    returncode, output = run_killing_a_rank(2, overrides, work, metrics=metrics, kill_at_step=saved + 3, env=env,
+                                            timeout=900)
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return returncode, output, records, saved
+
+
+@pytest.mark.slow
+def test_two_ranks_plan_again_and_resume(planned: tuple[RunResult, Path, Path],
+                                         two_ranks: tuple[int, str, list[dict], int]) -> None:
+    _, _, run_dir = planned
+    returncode, output, records, saved = two_ranks
+    assert returncode == 0, output[-4000:]
+    assert "cfp: planned plan gpt_tiny@local" in output
     assert len(list((run_dir / "cfp").glob("plan-*.json"))) >= 2
-    assert _events(result, "resume")[0]["step"] == saved and "world=2" in _events(result, "start")[0]["layout"]
-    assert sorted(result.losses) == [saved + 1, saved + 2]
+    resume = next(r for r in records if r["event"] == "resume")
+    start = next(r for r in records if r["event"] == "start")
+    assert resume["step"] == saved and "world=2" in start["layout"]
+    losses = {r["step"]: r["loss"] for r in records if r["event"] == "step"}
+    assert sorted(losses) == list(range(saved + 1, saved + 9))
 
 
 @pytest.mark.slow
@@ -153,9 +177,24 @@ def test_manual_applies_a_plan_string(tmp_path: Path) -> None:
     assert result.returncode == 0, result.output[-4000:]
     assert "cfp: string plan" in result.output
     assert "tp=2 pp=2" in _events(result, "start")[0]["layout"]
-    wrong = run_train(2, ["+cfp=manual", f"cfp.plan='{plan.canonical()}'", "model=gpt_tiny", "train.steps=2"],
-                      tmp_path / "wrong")
-    assert wrong.returncode != 0 and "the plan is for 4 ranks" in wrong.output
+
+
+def test_manual_plan_for_another_world_size_is_refused() -> None:
+    """The launch's plan step on 2 ranks refuses a 4-rank plan string (in-process: what a 2-rank torchrun of the
+    plan above runs before any process group)."""
+    import dataclasses
+
+    from cfp_megatron.base.launch_env import LaunchEnv
+    from cfp_megatron.plan.errors import PlanError
+    from cfp_megatron.planner.launch_plan import resolve_launch_plan
+
+    job, _ = _compose("model=gpt_tiny", "train.global_batch_size=8")
+    planned_job = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, tp=2, pp=2))
+    plan = Plan.from_job(planned_job, world_size=4, prediction=None, inputs_fingerprint="")
+    cfg = compose_config(["+cfp=manual", f"cfp.plan='{plan.canonical()}'", "model=gpt_tiny", "train.steps=2"])
+    env = LaunchEnv(rank=0, world_size=2, local_rank=0, local_world_size=2, restart_count=0, under_torchrun=True)
+    with pytest.raises(PlanError, match="the plan is for 4 ranks"):
+        resolve_launch_plan(job_from_config(cfg), cfp_from_config(cfg), env, None)
 
 
 def test_plan_check_compares_and_calibrates() -> None:
@@ -237,22 +276,13 @@ def test_two_agents_joined_by_c10d_plan_and_train_together(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
-def test_torchrun_restart_reuses_the_plan(planned: tuple[RunResult, Path, Path], tmp_path: Path) -> None:
-    """Rank 1 killed mid-run under ``--max-restarts=1``: the restarted workers (TORCHELASTIC_RESTART_COUNT=1) find
-    the plan in the run directory, neither profile nor search, and resume from the last checkpoint."""
-    import os
-
-    from tests.launcher import run_killing_a_rank
-
-    _, root, _ = planned
-    metrics, run_dir = tmp_path / "metrics.jsonl", tmp_path / "run"
-    overrides = ["+cfp=auto", *COMMON, "train.steps=10", "train.save_interval=2",
-                 f"train.checkpoint_dir={tmp_path / 'ck'}", f"train.metrics_file={metrics}", f"hydra.run.dir={run_dir}"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CFP_CACHE_DIR": str(root / "cache")}
-    returncode, output = run_killing_a_rank(2, overrides, tmp_path, metrics=metrics, kill_at_step=5, env=env)
+def test_torchrun_restart_reuses_the_plan(two_ranks: tuple[int, str, list[dict], int]) -> None:
+    """Rank 1 killed mid-run under ``--max-restarts=1`` (:func:`two_ranks`): the restarted workers
+    (TORCHELASTIC_RESTART_COUNT=1) find the plan in the run directory, neither profile nor search, and resume from
+    the last checkpoint."""
+    returncode, output, records, saved = two_ranks
     assert returncode == 0, output[-4000:]
     assert output.count("cfp: planned plan") == 1 and output.count("cfp: cached plan") == 1
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    resume = next(r for r in records if r["event"] == "resume")
-    assert resume["restart_count"] == 1 and resume["step"] >= 4
-    assert max(r["step"] for r in records if r["event"] == "step") == 10
+    resume = next(r for r in records if r["event"] == "resume" and r.get("restart_count") == 1)
+    assert resume["step"] >= saved + 2
+    assert max(r["step"] for r in records if r["event"] == "step") == saved + 8

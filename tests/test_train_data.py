@@ -42,9 +42,15 @@ def test_indexed_data_trains_alike_on_one_and_two_ranks(corpus: str, tmp_path: P
 
 
 def test_missing_indexed_data_is_reported_before_any_process_group(tmp_path: Path) -> None:
-    result = run_train(2, ["data=indexed", f"data.path=[{tmp_path / 'nope'}]", "parallel.tp=3"], tmp_path,
-                       timeout=300)
-    assert result.returncode != 0 and result.records == []
+    """The launch's checks of a 2-rank job (in-process: what the launch runs before any process group; how torchrun
+    then reports a ConfigError once and exits is tests/test_rank_errors.py's)."""
+    from cfp_megatron.base.compose import compose_job
+    from cfp_megatron.base.errors import ConfigError
+    from cfp_megatron.planner.job_checks import validate_job
+
+    job = compose_job(["data=indexed", f"data.path=[{tmp_path / 'nope'}]", "parallel.tp=3"])
+    with pytest.raises(ConfigError) as err:
+        validate_job(job, 2)
     # One error names both the layout problem and the data problem, each with its fix.
-    assert "parallel.tp=3" in result.output
-    assert "data.path" in result.output and "cfp_megatron.data.preprocess" in result.output
+    assert "parallel.tp=3" in str(err.value)
+    assert "data.path" in err.value.keys and "cfp_megatron.data.preprocess" in str(err.value)
