@@ -886,8 +886,9 @@ class ParallelSpec:
         dims = self.order.split("-")
         _issue(issues, sorted(dims) == sorted(["tp", "cp", "ep", "dp", "pp"]), f"{p}.order", self.order,
                "must name tp, cp, ep, dp and pp once each, separated by '-'.", "use the default tp-cp-ep-dp-pp.")
-        issues += rule_issues(tensor_rules.sequence_parallel_needs_tp(self.sp, self.tp))
-        issues += rule_issues(batch_rules.param_gather_overlap(self.overlap_param_gather, self.distributed_optimizer))
+        issues += rule_issues([*tensor_rules.sequence_parallel_needs_tp(self.sp, self.tp),
+                               *batch_rules.param_gather_overlap(self.overlap_param_gather,
+                                                                 self.distributed_optimizer)])
         if self.recompute_modules is not None:
             try:
                 modules = recompute_modules(self.recompute_modules)
@@ -920,11 +921,11 @@ class ParallelSpec:
                                                               last=self.last_stage_layers, pp=self.pp))
         if self.pipeline_model_parallel_layout is not None:
             issues += self._layout_issues()
-        issues += rule_issues(pipeline_rules.interleave_needs_pp(self.vpp or 1, self.pp))
-        issues += rule_issues(tensor_rules.tp_overlap_needs_sp(self.tp_comm_overlap, self.sp))
-        issues += rule_issues(moe_rules.a2a_overlap_schedule(
-            a2a_overlap=self.moe_a2a_overlap, shared_overlap=self.moe_shared_expert_overlap,
-            full_recompute=self.recompute is Recompute.full, pp=self.pp, vpp=self.vpp or 1))
+        issues += rule_issues([*pipeline_rules.interleave_needs_pp(self.vpp or 1, self.pp),
+                               *tensor_rules.tp_overlap_needs_sp(self.tp_comm_overlap, self.sp),
+                               *moe_rules.a2a_overlap_schedule(
+                                   a2a_overlap=self.moe_a2a_overlap, shared_overlap=self.moe_shared_expert_overlap,
+                                   full_recompute=self.recompute is Recompute.full, pp=self.pp, vpp=self.vpp or 1)])
         if issues:
             raise ConfigError(issues)
 

@@ -170,9 +170,12 @@ class ParallelDims:
         issues += split_issues(m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers, **accounted,
                                **layout)
 
-        problems = moe_problems(job, world_size) + recompute.modules_fit(
-            {module.value for module in p.recomputed_modules}, model_parts(m), named=p.recompute_modules,
-            shared_overlap=p.moe_shared_expert_overlap, te=te)
+        problems = moe_problems(job, world_size)
+        recomputed = p.recomputed_modules
+        if recomputed:  # the submodules selective recomputation recomputes, against the model
+            problems += recompute.modules_fit({module.value for module in recomputed}, model_parts(m),
+                                              named=p.recompute_modules, shared_overlap=p.moe_shared_expert_overlap,
+                                              te=te)
 
         # Batch against DP.
         per_step = t.micro_batch_size * dp

@@ -430,10 +430,7 @@ class Space:
         chunk per rank and with the most (``num_layers // pp``, one or two layers each, where the interleaved
         schedule's bubble is smallest); the chunk counts between are left out to keep the search fast (each would be
         a candidate of every group)."""
-        gbs = self.job.train.global_batch_size
-        interleave = not pipeline.interleaved_microbatches(microbatches=microbatches, pp=family.pp, vpp=2,
-                                                           global_batch=gbs, per_step=gbs // microbatches)
-        values = _pipeline_splits(self.job.model.num_layers, family.pp, interleave)
+        values = _pipeline_splits(self.job.model.num_layers, family.pp, pipeline.interleaves(microbatches, family.pp))
         if not self.cfp.constraints.uneven_stages:
             values = tuple(v for v in values if v[1:] == (0, 0, False))
         allowed = self.cfp.allowed("vpp")

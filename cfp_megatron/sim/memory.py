@@ -25,6 +25,7 @@ from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.measured_memory import measured_memory, peak_activation_bytes, pipeline_buffers
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.primepar_cost import megatron_twin, primepar_stash_saving, primepar_weight_copies
+from cfp_megatron.sim.sharding import Sharding
 
 
 def layer_extra_params(job: JobSpec, layout: Layout) -> float:
@@ -244,7 +245,7 @@ def measured_activations(job: JobSpec, layout: Layout, measurements: Measurement
                                           microbatches=dims.num_microbatches)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)  # slots: built per rank of every plan searched
 class Stage:
     """One rank of a pipeline stage as the cost terms' memory sees it (:meth:`CostTerm.memory
     <cfp_megatron.sim.terms.base.CostTerm.memory>`)."""
@@ -275,20 +276,66 @@ class Stage:
     measured: float | None
     """Activation bytes (the pipeline's buffers included) from the stage's profiled segments
     (:func:`measured_activations`), which stand for the analytical activations and buffers; ``None``: analytical."""
+    common: LayoutMemory
+    """What every rank of the job and layout shares (:func:`layout_memory`)."""
 
     @property
     def tokens(self) -> float:
         """Tokens of one micro-batch on the rank (its CP share)."""
-        return self.layout.micro_batch * self.layout.seq_length / self.layout.dims.cp
+        return self.common.tokens
 
 
 def stage(job: JobSpec, layout: Layout, options: SimOptions, *, rank: int, layer_params: float,
           expert_params: float, layers: int, moe_layers: int, first: bool, last: bool,
-          measurements: Measurements | None = None, mtp: int = 0) -> Stage:
+          measurements: Measurements | None = None, mtp: int = 0, common: LayoutMemory | None = None) -> Stage:
     """The :class:`Stage` of pipeline rank ``rank``; with ``measurements`` that hold its segments' memory under the
-    plan's partition, its activations measured (profiling measures neither FSDP nor an MTP layer)."""
-    measured = measured_activations(job, layout, measurements, rank=rank, layers=layers, moe_layers=moe_layers,
-                                    first=first, last=last) if not options.fsdp and not mtp else None
+    plan's partition, its activations measured (profiling measures neither FSDP nor an MTP layer). ``common``:
+    :func:`layout_memory` of the job, built once by a caller that builds several of its stages (``None``: built
+    here)."""
+    measured = None
+    if measurements is not None and not options.fsdp and not mtp:
+        measured = measured_activations(job, layout, measurements, rank=rank, layers=layers, moe_layers=moe_layers,
+                                        first=first, last=last)
     return Stage(job=job, layout=layout, options=options, rank=rank, layer_params=layer_params,
                  expert_params=expert_params, layers=layers, moe_layers=moe_layers, first=first, last=last, mtp=mtp,
-                 measured=measured)
+                 measured=measured, common=layout_memory(job, layout, options) if common is None else common)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayoutMemory:
+    """What the memory of every rank of one job and layout shares: priced once per plan, not per rank."""
+
+    elem_bytes: float
+    """Bytes of an element in the plan's compute precision (:func:`~cfp_megatron.sim.kernels.element_bytes`)."""
+    sharding: Sharding
+    """How the plan's data parallelism keeps its states (:meth:`Sharding.megatron
+    <cfp_megatron.sim.sharding.Sharding.megatron>`; FSDP where ``options.fsdp``)."""
+    dense: tuple[float, float]
+    """:func:`layer_activation_bytes` of a dense layer (kept, kept under full recomputation)."""
+    moe: tuple[float, float]
+    """The same of a MoE layer (zero for a dense model)."""
+    megatron: tuple[float, float]
+    """The same of a dense layer beyond ``parallel.primepar_layers`` (Megatron's MLP partition; zero without)."""
+    kept: tuple[float, float]
+    """Bytes a dense and a MoE layer keep without recomputation, for block recomputation (zero without it)."""
+    extra_params: float
+    """:func:`layer_extra_params` of a layer."""
+    tokens: float
+    """Tokens of one micro-batch on a rank (its CP share)."""
+
+
+def layout_memory(job: JobSpec, layout: Layout, options: SimOptions) -> LayoutMemory:
+    """The :class:`LayoutMemory` of ``job`` laid out as ``layout``."""
+    parallel, moe = job.parallel, job.model.is_moe
+    block = parallel.recompute is Recompute.full and parallel.recompute_method is RecomputeMethod.block
+    zero = (0.0, 0.0)
+    return LayoutMemory(
+        elem_bytes=float(element_bytes(job)), sharding=Sharding.megatron(job, layout.dims, fsdp=options.fsdp),
+        dense=layer_activation_bytes(job, layout, options, moe=False),
+        moe=layer_activation_bytes(job, layout, options, moe=True) if moe else zero,
+        megatron=(layer_activation_bytes(megatron_twin(job), layout, options, moe=False)
+                  if parallel.primepar_layers is not None else zero),
+        kept=(layer_activation_bytes(job, layout, options, moe=False, recompute=Recompute.none)[0],
+              layer_activation_bytes(job, layout, options, moe=True, recompute=Recompute.none)[0] if moe else 0.0)
+        if block else zero, extra_params=layer_extra_params(job, layout),
+        tokens=layout.micro_batch * layout.seq_length / layout.dims.cp)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -107,7 +108,11 @@ class TimeBreakdown:
                 + sum(seconds for _, seconds in self.extra))
 
 
-@dataclass(frozen=True, kw_only=True)
+_MEMORY_FIELDS = ("parameters", "gradients", "optimizer_states", "activations", "comm_buffers", "other")
+"""The fields of :class:`MemoryBreakdown` that memory categories add to."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)  # slots: built per rank of every plan searched
 class MemoryBreakdown:
     """Peak memory of one rank of the most loaded pipeline stage, in bytes."""
 
@@ -133,11 +138,19 @@ class MemoryBreakdown:
     def of(cls, parts: Mapping[str, float], fields_of: Mapping[str, str], *, stage: int) -> MemoryBreakdown:
         """The breakdown of the cost terms' memory ``parts`` (category: bytes), each added, in order, to the field
         ``fields_of`` names for it (to :attr:`other` where it names none)."""
-        sums = dict.fromkeys(("parameters", "gradients", "optimizer_states", "activations", "comm_buffers", "other"),
-                             0.0)
-        for name, size in parts.items():
-            sums[fields_of[name] or "other"] += size
-        return cls(**sums, stage=stage, parts=tuple(parts.items()))
+        names = tuple(parts)
+        return cls.of_parts(parts, names, tuple(fields_of[name] for name in names), stage=stage)
+
+    @classmethod
+    def of_parts(cls, parts: Mapping[str, float], names: tuple[str, ...], fields: tuple[str, ...], *,
+                 stage: int) -> MemoryBreakdown:
+        """:meth:`of` over the categories ``names``, in order, each added to its field in ``fields`` (empty:
+        :attr:`other`); a category ``parts`` lacks counts zero bytes."""
+        sizes = tuple(map(parts.get, names, itertools.repeat(0.0)))
+        sums = dict.fromkeys(_MEMORY_FIELDS, 0.0)
+        for field, size in zip(fields, sizes, strict=True):
+            sums[field or "other"] += size
+        return cls(**sums, stage=stage, parts=tuple(zip(names, sizes, strict=True)))
 
     @property
     def total(self) -> float:

@@ -55,7 +55,7 @@ def optimizer_state_bytes(optimizer: OptimizerKind) -> float:
     return 2 * FP32_BYTES if optimizer is OptimizerKind.adam else FP32_BYTES
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class StateBytes:
     """Bytes per parameter of each state category, before sharding."""
 
@@ -107,7 +107,7 @@ class StateBytes:
         return kept + (0.0 if sharded >= Sharded.optimizer else self.main_gradients + self.optimizer_side)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class StateMemory:
     """One rank's bytes of each state category."""
 
@@ -121,7 +121,7 @@ class StateMemory:
     """What offload keeps in host memory instead."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Sharding:
     """How data parallelism keeps and syncs one model's states: what is sharded (:class:`Sharded`) over which group
     size, and what is offloaded to the host."""

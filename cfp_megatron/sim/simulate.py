@@ -18,7 +18,7 @@ from cfp_megatron.sim.calibration import Efficiency, efficiency_for
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layer_cost import LayerCost, PassCost
 from cfp_megatron.sim.layout import Layout, build_layout
-from cfp_megatron.sim.memory import Stage, stage
+from cfp_megatron.sim.memory import Stage, layout_memory, stage
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache, PassCosts, collective_costs, comm_options, cost_key, pass_costs
 from cfp_megatron.sim.prediction import GIB, Event, EventKind, MemoryBreakdown, Prediction, TimeBreakdown
@@ -293,13 +293,14 @@ def _peak_stages(job: JobSpec, layout: Layout, options: SimOptions, measurements
         if rank in (0, pp - 1) or signature not in seen:
             ranks.append(rank)
         seen.add(signature)
+    common = layout_memory(job, layout, options)  # the same on every rank
     return tuple(stage(job, layout, options, rank=rank, layer_params=split.layer_params[rank],
                        expert_params=split.expert_params[rank], layers=split.layers[rank],
                        moe_layers=split.moe_layers[rank],
                        first=split.embedding[rank] and not options.measured_layer_only,
                        last=split.loss[rank] and not options.measured_layer_only, mtp=split.mtp[rank],
                        # measured segment memory (CFP), see cfp_megatron.sim.measured_memory
-                       measurements=measurements if options.use_measured_segments else None)
+                       measurements=measurements if options.use_measured_segments else None, common=common)
                  for rank in ranks)
 
 

@@ -27,11 +27,17 @@ def interleave_needs_pp(vpp: int, pp: int) -> list[Problem]:
                     brief=f"interleaving (vpp {vpp}) needs pipeline parallelism")]
 
 
+def interleaves(microbatches: int, pp: int) -> bool:
+    """Whether the interleaved schedule can run ``microbatches`` micro-batches a step over ``pp`` stages (it runs
+    them in groups of ``pp``): :func:`interleaved_microbatches` without its message, for a search's screen."""
+    return not microbatches % pp
+
+
 def interleaved_microbatches(*, microbatches: int, pp: int, vpp: int, global_batch: int,
                              per_step: int) -> list[Problem]:
     """The interleaved schedule (``vpp > 1``) runs the micro-batches of a step in groups of ``pp``
     (``per_step``: sequences per micro-batch over all data-parallel ranks, for the fix)."""
-    if vpp <= 1 or not microbatches % pp:
+    if vpp <= 1 or interleaves(microbatches, pp):
         return []
     return [Problem(key="train.global_batch_size", value=global_batch,
                     problem=f"the interleaved schedule needs the micro-batch count ({microbatches}) to be a multiple "

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from cfp_megatron.base.errors import ConfigIssue
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Problem:
     """One way a layout breaks one rule."""
 
@@ -30,9 +30,9 @@ class Problem:
 
 def issues(problems: Iterable[Problem]) -> list[ConfigIssue]:
     """The config checks' rendering of ``problems``."""
-    return [p.issue() for p in problems]
+    return [p.issue() for p in problems] if problems else []  # most layouts follow every rule
 
 
 def briefs(problems: Iterable[Problem]) -> list[str]:
     """The short rendering of ``problems``."""
-    return [p.brief for p in problems]
+    return [p.brief for p in problems] if problems else []

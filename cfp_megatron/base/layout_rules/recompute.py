@@ -55,30 +55,29 @@ def modules_fit(modules: Collection[str], model: ModelParts, *, named: str | Non
     if not modules:
         return found
 
-    def need(ok: bool, problem: str, fix: str) -> None:
-        if not ok:
-            found.append(Problem(key=KEY, value=named, problem=problem, fix=fix, brief=problem.rstrip(".")))
+    def add(problem: str, fix: str) -> None:  # the messages are built only for a module that does not fit
+        found.append(Problem(key=KEY, value=named, problem=problem, fix=fix, brief=problem.rstrip(".")))
 
     for module in ("moe_act", "moe", "shared_experts"):
-        need(module not in modules or model.moe,
-             f"{module} recomputes part of a MoE layer; model {model.name} has no experts.",
-             f"leave {module} out of parallel.recompute_modules.")
-    need("mlp" not in modules or model.dense_layers,
-         f"mlp recomputes dense MLPs; every layer of model {model.name} is a MoE layer.",
-         "use moe (the whole MoE block) or moe_act, or leave mlp out.")
-    need("shared_experts" not in modules or model.shared_expert, f"model {model.name} has no shared expert.",
-         "leave shared_experts out of parallel.recompute_modules.")
-    need("shared_experts" not in modules or not shared_overlap,
-         "Megatron-Core cannot recompute the shared expert while it overlaps the token exchange "
-         "(parallel.moe_shared_expert_overlap).",
-         "leave shared_experts out, or set parallel.moe_shared_expert_overlap=false.")
-    need("mla_up_proj" not in modules or model.attention == "mla",
-         f"mla_up_proj recomputes multi-head latent attention's up-projections; model {model.name} has "
-         f"{model.attention} attention.", "leave mla_up_proj out.")
-    need("moe_act" not in modules or te,
-         "Megatron-Core recomputes the experts' activation only in its grouped-GEMM experts (moe_grouped_gemm: "
-         "Transformer Engine on a GPU); it is not installed here.",
-         "plan it for a GPU cluster with Transformer Engine, or leave moe_act out.")
+        if module in modules and not model.moe:
+            add(f"{module} recomputes part of a MoE layer; model {model.name} has no experts.",
+                f"leave {module} out of parallel.recompute_modules.")
+    if "mlp" in modules and not model.dense_layers:
+        add(f"mlp recomputes dense MLPs; every layer of model {model.name} is a MoE layer.",
+            "use moe (the whole MoE block) or moe_act, or leave mlp out.")
+    if "shared_experts" in modules and not model.shared_expert:
+        add(f"model {model.name} has no shared expert.", "leave shared_experts out of parallel.recompute_modules.")
+    if "shared_experts" in modules and shared_overlap:
+        add("Megatron-Core cannot recompute the shared expert while it overlaps the token exchange "
+            "(parallel.moe_shared_expert_overlap).",
+            "leave shared_experts out, or set parallel.moe_shared_expert_overlap=false.")
+    if "mla_up_proj" in modules and model.attention != "mla":
+        add(f"mla_up_proj recomputes multi-head latent attention's up-projections; model {model.name} has "
+            f"{model.attention} attention.", "leave mla_up_proj out.")
+    if "moe_act" in modules and not te:
+        add("Megatron-Core recomputes the experts' activation only in its grouped-GEMM experts (moe_grouped_gemm: "
+            "Transformer Engine on a GPU); it is not installed here.",
+            "plan it for a GPU cluster with Transformer Engine, or leave moe_act out.")
     return found
 
 

@@ -210,6 +210,10 @@ class Registry:
         self._terms = terms
         self._lanes = tuple(lane for term in terms for lane in term.lanes)
         self._stores = tuple(store for term in terms for store in term.stores)
+        # What memory() reads per stage, fixed by the terms: those that cost memory, each category's name and field.
+        self._memory_terms = tuple(term for term in terms if type(term).memory is not CostTerm.memory)
+        self._store_names = tuple(store.name for store in self._stores)
+        self._store_fields = tuple(store.field or "other" for store in self._stores)
         self._hiding = tuple(term for term in terms if type(term).hideable is not CostTerm.hideable)
 
     def __iter__(self) -> Iterator[CostTerm]:
@@ -234,10 +238,9 @@ class Registry:
         """The memory of one rank of ``stage``: every term's categories, added into the breakdown's fields in the
         registry's order."""
         parts: dict[str, float] = {}
-        for term in self._terms:
+        for term in self._memory_terms:
             parts.update(term.memory(stage))
-        return MemoryBreakdown.of({store.name: parts.get(store.name, 0.0) for store in self._stores},
-                                  {store.name: store.field for store in self._stores}, stage=stage.rank)
+        return MemoryBreakdown.of_parts(parts, self._store_names, self._store_fields, stage=stage.rank)
 
     def hiding(self) -> tuple[CostTerm, ...]:
         """The terms an overlap may hide some of (those that give :meth:`CostTerm.hideable`), in order."""

@@ -35,7 +35,7 @@ class Compute(CostTerm):
         logits = 0.0
         if stage.last:
             model, dims = stage.job.model, stage.layout.dims
-            logits = 2 * stage.tokens * model.padded_vocab_size / dims.tp * 4.0 * (1 + model.mtp_num_layers)
+            logits = 2 * stage.common.tokens * model.padded_vocab_size / dims.tp * 4.0 * (1 + model.mtp_num_layers)
         return {"logits": logits, "measured_activations": 0.0}
 
     def time(self, step: StepTimes) -> dict[str, float]:

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from cfp_megatron.base.config import CpCommType, JobSpec
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
-from cfp_megatron.sim.kernels import element_bytes
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.memory import Stage
 from cfp_megatron.sim.terms.base import CostTerm, Lane, LaneKind, MemoryCategory, Placement
@@ -138,6 +137,6 @@ class ContextParallel(CostTerm):
             return {"cp_buffers": 0.0}
         model = job.model
         head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
-        return {"cp_buffers": cp_buffer_bytes(job, layout, elem_bytes=element_bytes(job),
+        return {"cp_buffers": cp_buffer_bytes(job, layout, elem_bytes=stage.common.elem_bytes,
                                               q_width=model.num_attention_heads * head_dim,
                                               kv_width=2 * model.query_groups * head_dim)}

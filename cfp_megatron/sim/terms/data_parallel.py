@@ -10,7 +10,7 @@ from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
 from cfp_megatron.sim.kernels import grad_element_bytes
 from cfp_megatron.sim.layout import Layout
-from cfp_megatron.sim.memory import Stage, layer_extra_params
+from cfp_megatron.sim.memory import Stage
 from cfp_megatron.sim.sharding import Sharding
 from cfp_megatron.sim.terms.base import CostTerm, Lane, LaneKind, MemoryCategory, Placement, StepInputs
 from cfp_megatron.sim.terms.overlap import overlapped
@@ -100,7 +100,7 @@ def rank_params(stage: Stage) -> float:
     job, dims = stage.job, stage.layout.dims
     model = job.model
     vocab_params = model.padded_vocab_size * model.hidden_size / dims.tp
-    params = stage.layer_params + stage.layers * layer_extra_params(job, stage.layout)
+    params = stage.layer_params + stage.layers * stage.common.extra_params
     if stage.first:
         params += vocab_params
         if model.position_embedding is PositionEmbedding.learned_absolute:
@@ -137,7 +137,7 @@ class DataParallel(CostTerm):
     def memory(self, stage: Stage) -> dict[str, float]:
         """The weights, gradients and optimizer states as the plan's sharding keeps them
         (:class:`~cfp_megatron.sim.sharding.Sharding`), and the whole layers FSDP gathers."""
-        sharding = Sharding.megatron(stage.job, stage.layout.dims, fsdp=stage.options.fsdp)
+        sharding = stage.common.sharding
         states = sharding.memory(rank_params(stage), stage.expert_params)
         gathered = 0.0
         if stage.layers and stage.measured is None:

@@ -13,7 +13,7 @@ from cfp_megatron.base.config import Activation, JobSpec, TokenDispatcher
 from cfp_megatron.base.flops import mlp_params
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
-from cfp_megatron.sim.kernels import KernelModel, element_bytes
+from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.memory import Stage
 from cfp_megatron.sim.primepar_cost import ffn_gemms, mlp_activation_elements
@@ -216,8 +216,8 @@ class ExpertDispatch(CostTerm):
         if not stage.moe_layers or dims.ep <= 1 or stage.measured is not None:
             return {"ep_buffers": 0.0}
         model = job.model
-        return {"ep_buffers": (2 * model.moe_router_topk * stage.tokens / dims.tp * model.hidden_size
-                               * element_bytes(job) * stage.options.moe_routing_imbalance)}
+        return {"ep_buffers": (2 * model.moe_router_topk * stage.common.tokens / dims.tp * model.hidden_size
+                               * stage.common.elem_bytes * stage.options.moe_routing_imbalance)}
 
     def hideable(self, layer: LayerCost, overlaps: Overlaps) -> tuple[float, float]:
         """The expert overlap leaves at least the SM share (:data:`COMM_SM_SHARE`) of the forward and backward

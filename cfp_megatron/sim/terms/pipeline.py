@@ -10,7 +10,7 @@ import dataclasses
 from cfp_megatron.base.config import JobSpec
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
-from cfp_megatron.sim.kernels import KernelModel, element_bytes
+from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.memory import Stage
 from cfp_megatron.sim.options import SimOptions
@@ -56,7 +56,7 @@ class Pipeline(CostTerm):
         job, dims = stage.job, stage.layout.dims
         if dims.pp <= 1 or stage.measured is not None:
             return {"pp_buffers": 0.0}
-        return {"pp_buffers": 2 * stage.tokens * job.model.hidden_size * element_bytes(job)
+        return {"pp_buffers": 2 * stage.common.tokens * job.model.hidden_size * stage.common.elem_bytes
                 / (dims.tp if dims.sp else 1)}
 
     def time(self, step: StepTimes) -> dict[str, float]:

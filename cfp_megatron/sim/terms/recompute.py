@@ -12,7 +12,6 @@ from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.memory import (
     Stage,
     in_flight,
-    layer_activation_bytes,
     primepar_split,
     recomputed_layers,
     unfused_attention_working_bytes,
@@ -68,14 +67,14 @@ def layer_activations(stage: Stage) -> float:
     job, layout, options, rank = stage.job, stage.layout, stage.options, stage.rank
     dims, parallel = layout.dims, job.parallel
     layers, moe_layers = stage.layers, stage.moe_layers
-    dense_act, dense_full = layer_activation_bytes(job, layout, options, moe=False)
+    common = stage.common  # each kind of layer's bytes, the same on every rank
+    dense_act, dense_full = common.dense
     # Dense layers beyond parallel.primepar_layers keep Megatron's MLP partition, and its activations.
     split = primepar_split(job, rank=rank)
     plan_dense = split[0] if split else layers - moe_layers  # dense layers under the plan's own MLP partition
-    megatron_act, megatron_full = (layer_activation_bytes(split[1], layout, options, moe=False) if split
-                                   else (0.0, 0.0))
+    megatron_act, megatron_full = common.megatron if split else (0.0, 0.0)
     if moe_layers:
-        moe_act, moe_full = layer_activation_bytes(job, layout, options, moe=True)
+        moe_act, moe_full = common.moe
     else:
         moe_act = moe_full = 0.0
     dense_layers = layers - moe_layers
@@ -86,9 +85,8 @@ def layer_activations(stage: Stage) -> float:
     if parallel.recompute is Recompute.full and parallel.recompute_method is RecomputeMethod.block:
         # The recomputed layers keep their input; the others keep what they would without recomputation.
         rec_dense, rec_moe = recomputed_layers(job, rank=rank)
-        dense_kept = layer_activation_bytes(job, layout, options, moe=False, recompute=Recompute.none)[0]
-        moe_kept = (layer_activation_bytes(job, layout, options, moe=True, recompute=Recompute.none)[0]
-                    if moe_layers else 0.0)
+        dense_kept = common.kept[0]
+        moe_kept = common.kept[1] if moe_layers else 0.0
         kept = (rec_dense * dense_full + rec_moe * moe_full + (dense_layers - rec_dense) * dense_kept
                 + (moe_layers - rec_moe) * moe_kept)
         working = max(dense_act, moe_act)

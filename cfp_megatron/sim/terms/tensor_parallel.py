@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
-from cfp_megatron.sim.kernels import element_bytes
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.terms.base import CostTerm, Lane, LaneKind, MemoryCategory, Overlaps, Placement
 
@@ -52,7 +51,7 @@ class TensorParallel(CostTerm):
         buffers = 0.0
         if stage.measured is not None:
             return {"tp_buffers": buffers}
-        job, tokens, elem_bytes = stage.job, stage.tokens, element_bytes(stage.job)
+        job, tokens, elem_bytes = stage.job, stage.common.tokens, stage.common.elem_bytes
         if stage.layout.dims.tp > 1:
             buffers += 2 * tokens * job.model.hidden_size * elem_bytes
         if job.parallel.tp_comm_overlap:
