@@ -50,11 +50,6 @@ class Event:
     lane: str = ""
     """For an after-schedule event: the breakdown lane it is (``dp_comm_s``, ``optimizer_s``, ``host_s``)."""
 
-    @property
-    def is_comm(self) -> bool:
-        """Whether the event is communication rather than compute."""
-        return self.kind in (EventKind.comm, EventKind.dp_sync)
-
 
 @dataclass(frozen=True, kw_only=True)
 class TimeBreakdown:
