@@ -191,6 +191,10 @@ def main() -> None:
     parser.add_argument("--markdown", type=snippet.check_path, metavar="FILE.md",
                         help="also write the figures as a Markdown snippet for the docs (docs/figures/search.md)")
     args = parser.parse_args()
+    paths = [Path(p) for p in args.published]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        parser.error(f"--published: no such file: {', '.join(missing)} (give the published runs' CSV files)")
     first_line = snippet.header()
     lines: list[str] = []
     if hasattr(os, "sched_setaffinity"):
@@ -202,7 +206,6 @@ def main() -> None:
         lines += ["Search speed (the search alone, pinned to one core, best of three):", "",
                   *snippet.table(["case", "layouts", "simulated", "seconds", "target s",
                                   "best plan (predicted step, peak per GPU)"], rows, "lrrrrl"), ""]
-    paths = [Path(p) for p in args.published if Path(p).exists()]
     if paths:
         lines += published(paths)
     if args.markdown:
