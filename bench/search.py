@@ -8,9 +8,12 @@ shared files by default; ``--markdown`` also writes the figures as a snippet for
    on 2,048 H100 (gbs 15,360 x 4,096); prints the space size, how many plans were simulated, the wall time (best of
    three) and the plan found. Targets: 1 s, 5 s, 5 s.
 2. Quality: for every published layout the validator can model (``python -m cfp_megatron.validate``), searches the
-   same model on the same GPUs with the same global batch, sequence, precision and simulator options, and prints the
-   published layout's predicted step time over the chosen plan's (the predicted speed-up, 1 or more: the search finds
-   a plan at least as fast as the published one by the same simulator) with the chosen plan's error band. The
+   same model on the same GPUs with the same global batch, sequence, precision and simulator options (the default
+   top-k, so the choice among them acts: :mod:`cfp_megatron.search.choice`), and prints the published layout's
+   predicted step time over the chosen plan's (the predicted gain, about 1 or more: the search finds a plan at least
+   as fast as the published one by the same simulator, less what the choice gives up inside the band) with its
+   interval under the band of the two predictions (the wider of the two: ``search.choice.ratio_band``) and whether
+   the gain is outside it (its interval above 1), then how many gains are. The
    published layout is outside the search's space where it puts TP across nodes or does not fit the memory limit
    (HBM less the headroom); those rows say so, and under each the search is run again allowing what the published
    layout uses (its predicted peak memory, the GPU's capacity raised to it where the simulator puts it above; TP
@@ -32,6 +35,7 @@ import snippet
 from cfp_megatron.base.cfp_spec import CfpSpec, SearchConstraints, cfp_from_config
 from cfp_megatron.base.compose import compose_config
 from cfp_megatron.base.config import job_from_config
+from cfp_megatron.search.choice import gain_interval, ratio_band
 from cfp_megatron.search.search import Ranked, search
 from cfp_megatron.sim.prediction import GIB
 from cfp_megatron.sim.terms import TERMS
@@ -106,8 +110,10 @@ def published(paths: list[Path]) -> list[str]:
     from cfp_megatron.validate import RowError, read_rows, row_plan
 
     print(f"\n{'row':>4} {'model':<22} {'GPUs':>6} {'published layout':<34} {'published s':>11} {'chosen s':>9} "
-          f"{'speed-up':>8} {'± err':>6}  chosen")
+          f"{'gain':>6} {'interval':>11} {'±':>3}  chosen (* gain outside the band, ^ not the fastest: evidence)")
     ratios: list[float] = []
+    outside: list[bool] = []  # whether each gain's interval lies above 1
+    passed_over = 0  # rows where the choice ran a plan other than the fastest
     allowed: list[float] = []  # the ratio where the published layout is in the space, else the re-searched one
     unusual: list[str] = []
     for row in (row for path in paths for row in read_rows(path)):
@@ -120,7 +126,7 @@ def published(paths: list[Path]) -> list[str]:
         job = rp.job
         world = job.cluster.nodes * job.cluster.gpus_per_node
         ref = simulate(job, options=rp.options, world_size=world)
-        cfp = CfpSpec(top_k=1, constraints=SearchConstraints())
+        cfp = CfpSpec(constraints=SearchConstraints())
         result = search(job, world, cfp, options=rp.options)
         note = ""
         if job.parallel.tp > job.cluster.gpus_per_node:
@@ -131,9 +137,12 @@ def published(paths: list[Path]) -> list[str]:
         if not result.ranked:
             print(f"{head} {'-':>9} {'-':>6}  no plan fits{note}")
             continue
-        band = error_band(result.best.job)
-        ratio = _row(head, ref.step_time_s, result.best, world, note, band.pct if band else None)
+        published_band = error_band(job, rp.options)
+        band = ratio_band(published_band, error_band(result.best.job, rp.options))
+        ratio = _row(head, ref.step_time_s, result.best, world, note, band, result.best is not result.ranked[0])
         ratios.append(ratio)
+        outside.append(band is not None and gain_interval(ratio, band)[0] > 1.0)
+        passed_over += result.best is not result.ranked[0]
         reasons = exotic(result.best.job, world)
         if reasons:
             unusual.append(f"{rp.row_id:>4} {rp.model[:22]:<22} {'; '.join(reasons)}: x{ratio:.3f}, "
@@ -148,17 +157,21 @@ def published(paths: list[Path]) -> list[str]:
             if cluster.hbm_gib is not None and peak > cluster.hbm_gib:
                 cluster = dataclasses.replace(cluster, hbm_gib=peak)
             headroom = 0.0 if cluster.hbm_gib is None else max(0.0, 1.0 - peak / cluster.hbm_gib)
-            same_cfp = CfpSpec(top_k=1, constraints=SearchConstraints(
+            same_cfp = CfpSpec(constraints=SearchConstraints(
                 memory_headroom=headroom, tp_within_node=job.parallel.tp <= job.cluster.gpus_per_node))
-            same = search(dataclasses.replace(job, cluster=cluster), world, same_cfp, options=rp.options).best
+            found = search(dataclasses.replace(job, cluster=cluster), world, same_cfp, options=rp.options)
+            same_band = ratio_band(published_band, error_band(found.best.job, rp.options))
             allowed.append(_row(f"{'':>4} {'':<22} {'':>6} {'  same memory as published':<34} {'':>11}",
-                                ref.step_time_s, same, world, "", band.pct if band else None))
+                                ref.step_time_s, found.best, world, "", same_band, found.best is not found.ranked[0]))
     if ratios:
         below = sum(r < 1 - 1e-9 for r in ratios)
         print(f"ratio published/chosen over {len(ratios)} rows: min {min(ratios):.3f}, median "
               f"{statistics.median(ratios):.3f}, max {max(ratios):.3f}; rows where the chosen plan is slower: {below}")
         print(f"with the published layout's own memory (and TP placement) allowed: min {min(allowed):.3f}; rows "
               f"where the chosen plan is slower: {sum(r < 1 - 1e-9 for r in allowed)}")
+        print(f"gains outside the band (interval above 1): {sum(outside)} of {len(ratios)}; inside it (the band "
+              f"does not support them): {len(ratios) - sum(outside)}; chosen plan not the fastest (more evidence "
+              f"inside the band): {passed_over} of {len(ratios)}")
         print(f"exotic chosen plans (CP at <= 8k tokens, EP across nodes): {len(unusual)} of {len(ratios)}")
         for line in unusual:
             print("  " + line)
@@ -167,18 +180,26 @@ def published(paths: list[Path]) -> list[str]:
                 f"layout's predicted step time over the chosen plan's: min {min(ratios):.3f}, median "
                 f"{statistics.median(ratios):.3f}, max {max(ratios):.3f}; the chosen plan is predicted slower in "
                 f"{below} row{'s' if below != 1 else ''}. With the published layout's own memory (and TP placement) "
-                f"allowed: min {min(allowed):.3f}, slower in {slower or 'none'}. Exotic chosen plans (CP at 8k "
+                f"allowed: min {min(allowed):.3f}, slower in {slower or 'none'}. Gains outside the band of the two "
+                f"predictions (interval above 1): {sum(outside)} of {len(ratios)}; the chosen plan is not the "
+                f"fastest (more evidence inside the band) in {passed_over}. Exotic chosen plans (CP at 8k "
                 f"tokens or fewer, EP across nodes): {len(unusual)} of {len(ratios)}."]
     return []
 
 
-def _row(head: str, published_s: float, chosen: Ranked, world: int, note: str, band: float | None) -> float:
-    """Print one row (``head``: the published layout's columns; ``band``: the chosen plan's error band, percent)
-    and return the predicted speed-up, published / chosen step time."""
+def _row(head: str, published_s: float, chosen: Ranked, world: int, note: str, band: float | None,
+         passed_over: bool) -> float:
+    """Print one row (``head``: the published layout's columns; ``band``: the band of the gain, percent;
+    ``passed_over``: the choice ran a plan other than the fastest) and return the predicted gain, published / chosen
+    step time."""
     ratio = published_s / chosen.prediction.step_time_s
-    shown = f"{band:.0f}%" if band is not None else "-"
-    print(f"{head} {chosen.prediction.step_time_s:>9.3f} {ratio:>8.3f} {shown:>6}  "
-          f"{chosen.candidate.describe(world)}{note}", flush=True)
+    if band is None:
+        interval, shown, mark = "-", "-", " "
+    else:
+        low, high = gain_interval(ratio, band)
+        interval, shown, mark = f"{low:.2f}-{high:.2f}", f"{band:.0f}", "*" if low > 1.0 else " "
+    print(f"{head} {chosen.prediction.step_time_s:>9.3f} {ratio:>6.3f} {interval:>11} {shown:>3}{mark}"
+          f"{'^' if passed_over else ' '} {chosen.candidate.describe(world)}{note}", flush=True)
     return ratio
 
 

@@ -4,6 +4,7 @@
     python bench/validate.py --fit           # refit the efficiencies on the whole file and print them
     python bench/validate.py --fit --write   # ... and write them to cfp_megatron/sim/efficiencies.json
     python bench/validate.py --loso          # also leave-one-source-out: refit without each source, predict it
+                                             # (Nelder-Mead; beside it the linearised fit of validate --bands)
     python bench/validate.py --markdown docs/figures/validate.md   # also the figures as a snippet for the docs
 
 Prints MAPE overall, per source, on the Korthikanti et al. Table 5 runs, leave-one-source-out MAPE, and
@@ -54,24 +55,10 @@ from cfp_megatron.validate import (  # noqa: E402
     row_plan,
 )
 from cfp_megatron.validate import mape as row_mape  # noqa: E402
+from cfp_megatron.validation.bands import held_out_predictions  # noqa: E402
+from cfp_megatron.validation.fit import BOUNDS, MIN_ROWS_FULL_FIT, NEUTRAL, source_of  # noqa: E402
 
 DEFAULT_CSV = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "published_runs.csv"
-BOUNDS = {"gemm": (0.2, 0.98), "gemm_fp8": (0.15, 0.98), "attention": (0.05, 1.0), "memory": (0.2, 1.0),
-          "layer_overhead_s": (1e-6, 3e-3), "moe_token_elements": (1.0, 400.0),
-          "optimizer_bytes_per_param": (16.0, 200.0), "intra_node_comm": (0.2, 1.0), "inter_node_comm": (0.2, 1.0)}
-NEUTRAL = Efficiency(gemm=0.7, gemm_fp8=0.6, attention=0.4, memory=0.8, layer_overhead_s=1e-5,
-                     moe_token_elements=4.0, optimizer_bytes_per_param=34.0, intra_node_comm=0.8, inter_node_comm=0.8)
-"""Starting point of every fit: round, physically plausible shares (not the shipped values, so that
-leave-one-source-out never starts from constants that saw the left-out source)."""
-MIN_ROWS_FULL_FIT = 8
-"""A generation with fewer training rows only refits its GEMM efficiencies; the rest comes from the others."""
-
-
-def source_of(plan: RowPlan) -> str:
-    """Short source name: the first author or organisation of the row's ``source``."""
-    return plan.source.split(",")[0].split("(")[0].strip()[:40]
-
-
 def load(csv_path: Path) -> tuple[list[RowPlan], list[tuple[str, str]]]:
     plans, skipped = [], []
     for row in read_rows(csv_path):
@@ -120,7 +107,7 @@ def fit_generation(plans: list[RowPlan], start: Efficiency, names: list[str], ef
 def fit(plans: list[RowPlan], base: dict[str, Efficiency], maxiter: int,
         borrowed: dict[str, Borrowed] = TABLE.borrowed) -> dict[str, Efficiency]:
     """Fit every generation that has rows, most rows first. A field a generation's rows cannot pin down (FP8 GEMMs
-    without FP8 rows, MoE routing without MoE rows, everything but the GEMM efficiencies with fewer than
+    without FP8 rows, everything but the GEMM efficiencies with fewer than
     ``MIN_ROWS_FULL_FIT`` rows) is taken from the generation that could fit it. A generation without rows that
     ``borrowed`` names gets the efficiencies of the one it uses (the efficiencies file's ``borrowed``)."""
     effs = dict(base)
@@ -128,27 +115,17 @@ def fit(plans: list[RowPlan], base: dict[str, Efficiency], maxiter: int,
     for p in plans:
         by_gen.setdefault(generation(p.job.cluster), []).append(p)
     order = sorted(by_gen, key=lambda g: -len(by_gen[g]))
-    fitted_by: dict[str, str] = {}
     for gen in order:
         rows = by_gen[gen]
-        has = {"gemm": any(not p.options.fp8 for p in rows), "gemm_fp8": any(p.options.fp8 for p in rows),
-               "moe_token_elements": any(p.job.model.is_moe for p in rows)}
+        has = {"gemm": any(not p.options.fp8 for p in rows), "gemm_fp8": any(p.options.fp8 for p in rows)}
         start = effs.get(gen, NEUTRAL)
         if len(rows) >= MIN_ROWS_FULL_FIT:
             names = [n for n in GENERATION_FIELDS if has.get(n, True)]
         else:
-            names = [n for n in ("gemm", "gemm_fp8", "moe_token_elements") if has[n]]
+            names = [n for n in ("gemm", "gemm_fp8") if has[n]]
             donor = effs[order[0]]
-            start = donor.replace(**{n: getattr(start, n) for n in ("gemm", "gemm_fp8", "moe_token_elements")})
-        for n in names:
-            fitted_by.setdefault(n, gen)
+            start = donor.replace(**{n: getattr(start, n) for n in ("gemm", "gemm_fp8")})
         effs[gen] = fit_generation(rows, start, names, effs, gen, maxiter) if names else start
-    for gen in effs:
-        if gen not in by_gen:
-            continue
-        shared = {n: getattr(effs[src], n) for n, src in fitted_by.items()
-                  if src != gen and n == "moe_token_elements" and not any(p.job.model.is_moe for p in by_gen[gen])}
-        effs[gen] = effs[gen].replace(**shared)
     for gen, b in borrowed.items():  # no calibration rows: the generation it borrows from (efficiencies.json)
         if gen not in by_gen and b.uses in effs:
             effs[gen] = effs[b.uses]
@@ -292,6 +269,7 @@ def main() -> int:
     print(f"Korthikanti Table 5, all end-to-end rows: {mape(t5):.2f}% over {len(t5)} rows")
     loso = ""
     if args.loso:
+        fast = held_out_predictions(plans)  # what validate --bands computes, for comparison
         all_errs: list[float] = []
         for i, s in enumerate(sources):
             train = [p for p in plans if source_of(p) != s]
@@ -299,7 +277,9 @@ def main() -> int:
             effs_s = fit(train, {g: NEUTRAL for g in FITTED}, args.maxiter)
             e = errors(test, effs_s)
             all_errs += e
-            print(f"  leave out {s:<42} test MAPE {mape(e):6.2f}% over {len(e)} rows")
+            quick = [100.0 * (fast[p.row_id] - p.measured_s) / p.measured_s for p in test]
+            print(f"  leave out {s:<42} test MAPE {mape(e):6.2f}% over {len(e)} rows (linearised fit, "
+                  f"validate --bands: {mape(quick):6.2f}%)")
             per_source[i][3:] = [f"{mape(e):.2f}%", str(len(e))]
         print(f"leave-one-source-out MAPE: {mape(all_errs):.2f}% over {len(all_errs)} rows")
         loso = (f" Leave-one-source-out (refit without the source from the neutral starting point, predict it): "

@@ -24,7 +24,11 @@ The same for every row:
 
 * ``ffn_hidden``: 4 x hidden; ``kv_heads``: one per head (unless the family fixes it). ``dp``: GPUs / (TP x PP x
   CP); ``cp``, ``ep``, ``vp``, ``micro_batch``: 1; ``global_batch_seqs``: micro-batch x DP x ``grad_accum`` when that
-  is given. ``recompute``: none. ``precision``: bf16 (``fp16`` when the row says fp16; FP8 GEMMs when it says FP8).
+  is given. ``recompute``: none. ``precision``: 16-bit (bf16).
+* ``interconnect``, ``pp_schedule``, ``precision`` and a power limit (:mod:`cfp_megatron.validation.columns`): the
+  fabric (``cfp_megatron/cluster/fabrics.yaml``: kind, links per node, Gb/s per link) as the row's network, the
+  schedule (``schedules.yaml``) as its model chunks, the precision variant (``precisions.yaml``); what the simulator
+  prices only approximately or cannot read is listed per row, and the row stays in the figures.
 * ``sequence_parallel`` with no framework reading: off, except where Megatron-Core requires it (MoE with TP).
   ``zero_or_fsdp``: "distributed optimizer" turns it on; "FSDP"/"ZeRO-3" models fully sharded data parallelism.
 * ``global_batch_seqs`` blank with one layer: a layer-level measurement (one forward and backward of the layer
@@ -40,8 +44,8 @@ The same for every row:
 * MoE rows whose shape is that of a model preset in ``conf/model``: that preset's architecture, which no column
   states (:func:`~cfp_megatron.validation.defaults.preset_architecture`); the layout column shows ``as <preset>``.
 * A power limit stated in the ``gpu`` column, or next to "power", "cap", "limit" or "TDP" in ``notes``,
-  ``source_detail`` or ``other_measured``: ``cluster.power_limit_w`` (the layout column shows ``500W``); at or above
-  the preset's TDP it changes nothing.
+  ``source_detail`` or ``other_measured``: ``cluster.power_limit_w`` (the layout column shows ``500W``), said as an
+  approximation (the cap's clock is an upper bound); at or above the preset's TDP it changes nothing.
 * ``tp``, ``pp`` blank where ``dp`` is given (SC21's Table 2): TP as wide as a node allows where it divides that size
   and the heads, PP the rest (:func:`unstated_split`); the layout column marks such rows with ``?``.
 * A GPU no hardware preset names (``conf/cluster``, :func:`gpu_preset`), a row without a measured step time, and a
@@ -74,6 +78,8 @@ from cfp_megatron.sim.calibration import generation
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.simulate import simulate
 from cfp_megatron.sim.uncertainty import BAND_QUANTILE
+from cfp_megatron.validation.bands import band_table
+from cfp_megatron.validation.columns import interconnect_reading, power_reading, precision_reading, schedule_reading
 from cfp_megatron.validation.data import ValidationData, ValidationDataError, load_data
 from cfp_megatron.validation.defaults import (
     SHAPE_FIELDS,
@@ -84,6 +90,8 @@ from cfp_megatron.validation.defaults import (
     mtp_layers,
     preset_architecture,
 )
+from cfp_megatron.validation.memory_failures import memory_failure_lines
+from cfp_megatron.validation.moe_routing import routing as moe_routing
 from cfp_megatron.validation.outputs import check_bands_path, check_json_path, check_plot_path, write_plot
 from cfp_megatron.validation.report import (
     class_errors,
@@ -91,7 +99,6 @@ from cfp_megatron.validation.report import (
     report,
     row_classes,
     rows_by_id,
-    uncertainty_table,
 )
 from cfp_megatron.validation.results import RowPlan, RowResult, mape
 from cfp_megatron.validation.rows import (
@@ -100,7 +107,6 @@ from cfp_megatron.validation.rows import (
     RowError,
     count_cell,
     figure_cell,
-    power_limit,
     read_rows,
     unread_columns,
     where,
@@ -161,9 +167,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     if preset_name not in presets:
         presets[preset_name] = load_preset(preset_name)
     cluster = dict(presets[preset_name])
-    watts = power_limit(row)
-    if watts is not None and cluster.get("tdp_w") and watts < cluster["tdp_w"]:
-        cluster["power_limit_w"] = watts
+    fabric, power = interconnect_reading(row, cluster), power_reading(row, cluster)
+    cluster.update({**fabric.cluster, **power.cluster})
     gpus = count_cell(row, "num_gpus")
     if not gpus:
         raise RowError("num_gpus is blank")
@@ -204,14 +209,13 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         raise RowError("no measured step time (step_time_s, derived_step_time_s and tokens_per_s_per_gpu are blank)")
     if layer_only:
         gbs = micro * dp
-    vp = count_cell(row, "vp", 1) or 1
+    schedule = schedule_reading(row, pp, count_cell(row, "vp"), data.schedules)
+    vp = schedule.vp
     recompute_raw = (row.get("recompute") or "").strip().lower()
     recompute = "full" if recompute_raw.startswith("full") else "selective" if recompute_raw.startswith(
         "selective") else "none"
-    precision_raw = (row.get("precision") or "").lower()
-    fp8 = "fp8" in precision_raw
-    precision = "fp16" if "fp16" in precision_raw and "bf16" not in precision_raw else "fp32" if (
-        "fp32" in precision_raw and "16" not in precision_raw) else "bf16"
+    numbers = precision_reading(row, cluster, data.precisions)
+    fp8, precision = numbers.fp8, numbers.precision
     sharding = blank_reading(row, "zero_or_fsdp", framework).lower()
     fsdp = "fsdp" in sharding or "zero-3" in sharding or "zero3" in sharding
     dist_opt = "distributed optimizer" in sharding or "zero-1" in sharding
@@ -235,6 +239,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     if experts:
         topk = count_cell(row, "moe_topk", 2)
         model.update(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=count_cell(row, "moe_expert_ffn"))
+        # dropless or token-drop (validation/moe_routing.yaml)
+        model.update(moe_routing(row).model_fields(flex=bool(recipe and recipe.dispatcher == "flex")))
     architecture, fields = preset_architecture({**row, "vocab": str(model["vocab_size"])}) if experts else ("", {})
     model.update(fields)
     modules = None
@@ -275,12 +281,15 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     layout += f" as {architecture}" if architecture else ""
     if recipe:
         layout += (" flex" if recipe.dispatcher == "flex" else "") + (" a2ao" if recipe.a2a_overlap else "")
+    layout += f" {moe_routing(row).tag}" if experts and moe_routing(row).tag else ""
     layout += f" mb{micro} gbs{gbs} {recompute}" + (f"[{job.parallel.recompute_modules}]" if modules else "")
-    layout += (" fp8" if fp8 else "") + (" fsdp" if fsdp else "")
-    layout += f" {cluster['power_limit_w']:g}W" if cluster.get("power_limit_w") else ""
+    layout += " fsdp" if fsdp else ""
+    readings = (fabric, schedule, numbers, power)
+    layout += "".join(f" {reading.tag}" for reading in readings if reading.tag)
     options = SimOptions(fp8=fp8, fsdp=fsdp, measured_layer_only=layer_only, attention=framework.attention)
     return RowPlan(row_id=rid, source=row.get("source", ""), source_detail=row.get("source_detail", ""),
-                   model=row.get("model", ""), layout=layout, job=job, options=options, measured_s=measured)
+                   model=row.get("model", ""), layout=layout, job=job, options=options, measured_s=measured,
+                   approximations=tuple(reading.approximation for reading in readings if reading.approximation))
 
 
 def unstated_split(row: dict, presets: dict[str, dict]) -> tuple[int, int]:
@@ -375,8 +384,9 @@ def memory_problem(job: JobSpec, memory_gib: float) -> tuple[str, bool]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cfp_megatron.validate", description=__doc__.splitlines()[0])
     parser.add_argument("csv", nargs="+", help="runs in the schema of shared/data/published_runs.csv")
-    parser.add_argument("--bands", metavar="FILE", help="also write the error bands and best published MFU the "
-                        "planner reports with (cfp_megatron/sim/error_bands.json) to FILE")
+    parser.add_argument("--bands", metavar="FILE", help="also write the error bands the planner reports with, out "
+                        "of sample (leave-one-source-out), and each run's MFU (cfp_megatron/sim/error_bands.json) to "
+                        "FILE (needs scipy)")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw predicted vs measured step time per row "
                         "(log axes, a colour per class with its MAPE, y = x and a +-10%% band) to FILE.png, a new file")
     parser.add_argument("--json", metavar="FILE", dest="json_path", help="also write the report as JSON to FILE: "
@@ -417,6 +427,13 @@ def _report(args: argparse.Namespace, rows: list[dict]) -> int:
         name = re.sub(r"\s+", " ", r.plan.model)[:28]
         print(f"{r.plan.row_id:>5}  {name:<28} {r.plan.layout:<52} {r.plan.measured_s:>11.4g} "
               f"{r.predicted_s:>11.4g} {r.error_pct:>+7.1f}% {r.memory_gib:>8.1f}" + (" !" if r.flag else ""))
+    approximated = [r for r in results if r.plan.approximations]
+    if approximated:
+        print(f"\nstated columns priced approximately or not understood ({len(approximated)} rows, kept in the "
+              "figures):")
+        for r in approximated:
+            for said in r.plan.approximations:
+                print(f"  {r.plan.row_id:>5}  {said}")
     flagged = [r for r in results if r.flag]
     if flagged:
         print(f"\nflagged, kept in the figures ({len(flagged)} rows, ! above):")
@@ -429,6 +446,7 @@ def _report(args: argparse.Namespace, rows: list[dict]) -> int:
             print(f"  {row.get('id', '?'):>5}  {row.get('model', '')[:28]:<28} {reason}")
     timed = [row for row in rows if has_step_time(row)]
     print(f"\ncoverage: {len(results)} of {len(timed)} rows with a step time modelled")
+    print("\n".join(memory_failure_lines(results)))
     print(f"{'class':<12} {'rows':>5} {'MAPE':>7} {'max error':>10}")
     for name, errors in sorted(class_errors(results, by_id).items()):
         print(f"{name:<12} {len(errors):>5} {sum(errors) / len(errors):>6.2f}% {max(errors):>9.1f}%")
@@ -441,8 +459,9 @@ def _report(args: argparse.Namespace, rows: list[dict]) -> int:
               "runs in the schema of shared/data/published_runs.csv.", file=sys.stderr)
         return 1
     if args.bands:
-        write_atomic(args.bands, json.dumps(uncertainty_table(results, by_id), indent=1) + "\n", key="--bands")
-        print(f"\nerror bands ({BAND_QUANTILE:.0%} of each class's rows inside) written to {args.bands}")
+        write_atomic(args.bands, json.dumps(band_table(results, by_id, args.csv), indent=1) + "\n", key="--bands")
+        print(f"\nerror bands ({BAND_QUANTILE:.0%} of each class's rows inside, each row predicted with efficiencies "
+              f"fitted without its source) written to {args.bands}")
     if args.plot:
         drawn = write_plot(results, by_id, args.plot)
         print(f"\npredicted vs measured step time drawn to {drawn}")

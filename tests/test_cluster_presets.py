@@ -9,6 +9,7 @@ Behaviour only: no wall-clock assertions.
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from cfp_megatron.base.config import ClusterSpec, JobSpec, Network, ParallelSpec
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.cluster.costs import CollectiveCosts, group_placement
+from cfp_megatron.cluster.fabrics import FABRICS_FILE, FabricDataError, bandwidth_scale, load_fabrics
 from cfp_megatron.cluster.measured import Collective, CollectiveFit, NothingMeasured, Span
 from cfp_megatron.profile.cluster import measured_cluster
 from cfp_megatron.sim import simulate
@@ -263,6 +265,60 @@ def test_network_override_slows_cross_node_gradient_sync() -> None:
     slow = big_job("dgx_h100", "cluster.nodes=2", "train.global_batch_size=16", "cluster.nic_gbps=100")
     assert slow.cluster.network_bandwidth_gbps == pytest.approx(12.5)
     assert simulate(slow).time.dp_comm_s > simulate(base).time.dp_comm_s
+
+
+def test_every_fabric_names_its_source_and_every_network_has_an_entry() -> None:
+    fabrics = load_fabrics()
+    assert {fabric.network for fabric in fabrics.fabrics} == set(Network)
+    assert all(len(fabric.source) > 40 and fabric.words for fabric in fabrics.fabrics)
+    assert fabrics.reference.network is Network.infiniband
+    assert fabrics.of(Network.infiniband).link_gbps["HDR"] == 200.0
+    assert fabrics.named_in("8x200Gb/s HDR InfiniBand per node").network is Network.infiniband
+    assert fabrics.named_in("ConnectX-7 RoCE").network is Network.roce  # RoCE before InfiniBand's ConnectX
+    assert fabrics.named_in("NVLink 4 intra-node") is None
+
+
+@pytest.mark.parametrize("network, scale", [
+    ("infiniband", 1.0), ("roce", 1.0), ("efa", 1.0), ("omnipath", 0.34 / 0.85), ("slingshot", 1.0), ("ethernet", 1.0),
+])
+def test_the_fabric_scales_the_network_bandwidth_by_its_share_over_infinibands(network: str, scale: float) -> None:
+    """The fitted network efficiency holds InfiniBand's share of line rate; Omni-Path reaches 135 of 400 Gb/s
+    (cluster/fabrics.yaml); Slingshot and plain Ethernet have no measured share and stay at InfiniBand's."""
+    ib = CollectiveCosts(cluster("cluster=dgx_a100"), inter_efficiency=0.75)
+    other = CollectiveCosts(cluster("cluster=dgx_a100", f"cluster.network={network}"), inter_efficiency=0.75)
+    assert other.inter.bandwidth_bytes_per_s == pytest.approx(ib.inter.bandwidth_bytes_per_s * scale)
+    assert other.intra.bandwidth_bytes_per_s == ib.intra.bandwidth_bytes_per_s  # NVLink is not the fabric
+    assert bandwidth_scale(Network(network)) == pytest.approx(scale)
+
+
+def test_omni_path_slows_cross_node_gradient_sync_beyond_its_line_rate() -> None:
+    base = big_job("dgx_a100", "cluster.nodes=2", "train.global_batch_size=16", "cluster.nics_per_node=4",
+                   "cluster.nic_gbps=100")
+    opa = big_job("dgx_a100", "cluster.nodes=2", "train.global_batch_size=16", "cluster.nics_per_node=4",
+                  "cluster.nic_gbps=100", "cluster.network=omnipath")
+    assert simulate(opa).time.dp_comm_s > 2 * simulate(base).time.dp_comm_s
+
+
+@pytest.mark.parametrize("change, said", [
+    (("- name: omnipath", "- name: myrinet"), "fabric 'myrinet' is not a cluster.network value"),
+    (("bus_share: 0.34", "bus_share: 3.4"), "bus_share=3.4"),
+    (("reference: infiniband", "reference: token-ring"), "reference 'token-ring'"),
+    (("words: ['slingshot'", "words: ['(slingshot'"), "not a regular expression"),
+])
+def test_a_malformed_fabrics_file_is_refused_naming_the_fabric(tmp_path: Path, change: tuple[str, str],
+                                                               said: str) -> None:
+    text = FABRICS_FILE.read_text()
+    assert text.count(change[0]) == 1
+    bad = tmp_path / "fabrics.yaml"
+    bad.write_text(text.replace(*change))
+    with pytest.raises(FabricDataError) as caught:
+        load_fabrics(bad)
+    assert str(bad) in str(caught.value) and said in str(caught.value) and "Fix:" in str(caught.value)
+
+
+def test_the_fabrics_file_ships_with_the_package() -> None:
+    globs = tomllib.loads((CONF_DIR.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "cluster/*.yaml" in globs["cfp_megatron"]
 
 
 def test_a_measured_network_link_replaces_the_nic_override() -> None:

@@ -249,6 +249,14 @@ def test_presets_are_untouched() -> None:
         simulate(preset, world_size=4).step_time_s)
 
 
+def test_the_host_is_charged_unless_measured_layer_times_hold_it() -> None:
+    """A probe's timing holds the host's launches (sim/terms/host): measured layer times leave them out, while
+    measurements that time no layer of the plan (a preset's) leave them charged."""
+    preset = _tiny(cluster={**load_preset("dgx_h100"), "gpus_per_node": 4})
+    assert simulate(preset, measurements=NothingMeasured(), world_size=4).time.host_s > 0
+    assert simulate(preset, measurements=_db(), world_size=4).time.host_s == 0.0
+
+
 def test_measured_segments_use_the_sizes_profiling_timed() -> None:
     """Profiling times the job's own micro-batch (and twice it): a DB measured at 5 and 10 interpolates 7."""
     from cfp_megatron.sim.measured_segments import measured_pass

@@ -14,16 +14,23 @@ from pathlib import Path
 
 import pytest
 
+from cfp_megatron.backends.megatron.backend import MegatronBackend
+from cfp_megatron.backends.megatron.report import choice_lines
 from cfp_megatron.base.cfp_spec import CfpMode, CfpSpec, SearchConstraints, cfp_from_config
 from cfp_megatron.base.compose import compose_config
 from cfp_megatron.base.config import JobSpec, Recompute, job_from_config
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.base.parallel_dims import ParallelDims
-from cfp_megatron.search.search import _bounds, _fewest_block_layers, search
+from cfp_megatron.plan.artifact import Plan
+from cfp_megatron.search import choice
+from cfp_megatron.search.choice import choose, evidence_of, gain_interval, inside_band, ratio_band
+from cfp_megatron.search.search import Ranked, _bounds, _fewest_block_layers, search
 from cfp_megatron.search.space import Candidate, build_space
+from cfp_megatron.sim.memory import memory_band
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache
 from cfp_megatron.sim.simulate import predict_memory, prepare_costs, simulate, simulate_unless_slower
+from cfp_megatron.sim.uncertainty import ErrorBand
 
 
 def compose_job(*overrides: str) -> tuple[JobSpec, CfpSpec]:
@@ -115,8 +122,9 @@ def test_bounds_hold_for_moe_with_dense_layers_mtp_and_balanced_splits(seed: int
 
 
 def test_search_overlaps_the_expert_all_to_all_where_megatron_runs_it() -> None:
+    # PP=1: the overlap's plans among their peers (moe_tiny's exchange is too small to beat deeper pipelines).
     common = ("model=moe_tiny", "cluster=dgx_h100", "cluster.nodes=2", "train.global_batch_size=64",
-              "train.seq_length=256", "cfp.ep=4", "cfp.top_k=20")
+              "train.seq_length=256", "cfp.ep=4", "cfp.pp=1", "cfp.top_k=20")
     job, cfp = compose_job(*common)
     ranked = search(job, 16, cfp).ranked
     assert any(r.candidate.a2a_overlap for r in ranked)
@@ -370,10 +378,10 @@ def test_tp_overlap_is_left_off_where_its_buffers_do_not_fit() -> None:
     roomy, cfp = compose_job(*common)
     best = search(roomy, 8, cfp).ranked[0]
     assert best.candidate.tp_overlap
-    # A capacity between the plan's memory without and with the userbuffers.
+    # A capacity between the plan's memory without and with the userbuffers (at the allocator band's upper end).
     without = predict_memory(dataclasses.replace(best.candidate, tp_overlap=False).job(roomy), roomy.cluster,
                              world_size=8).total
-    limit = (without + best.prediction.memory.total) / 2 / 2 ** 30
+    limit = (without + best.prediction.memory.total) / 2 / 2 ** 30 * memory_band(roomy.cluster).high
     tight, tight_cfp = compose_job(*common, f"cluster.hbm_gib={limit}")
     ranked = search(tight, 8, tight_cfp).ranked
     assert ranked and not ranked[0].candidate.tp_overlap and ranked[0].job.parallel.overlap_grad_reduce
@@ -406,3 +414,110 @@ def test_the_search_offers_recomputing_a_moe_models_norms_and_expert_activations
     with_modules = simulate(planned)
     assert with_modules.memory.activations < plain.memory.activations
     assert with_modules.time.recompute_s > plain.time.recompute_s
+
+
+# ---------------------------------------------------------------- the choice among the top plans (search/choice.py)
+
+
+def _band(pct: float, *classes: str) -> ErrorBand:
+    return ErrorBand(pct=pct, rows=20, classes=classes or ("dense",))
+
+
+def _with(r: Ranked, step_s: float, *, cp: int = 1, unmeasured: tuple[str, ...] = ()) -> Ranked:
+    """``r`` predicted at ``step_s`` seconds with CP of ``cp`` and ``unmeasured`` partitions (for the ordering)."""
+    job = dataclasses.replace(r.job, parallel=dataclasses.replace(r.job.parallel, cp=cp))
+    return dataclasses.replace(r, job=job, unmeasured=unmeasured,
+                               prediction=dataclasses.replace(r.prediction, step_time_s=step_s))
+
+
+@pytest.fixture(scope="module")
+def tiny_ranked() -> Ranked:
+    job, cfp = compose_job("model=llama_tiny", "cluster=dgx_a100", "cluster.nodes=1", "train.global_batch_size=32",
+                           "train.seq_length=256", "cfp.top_k=1")
+    return search(job, 8, cfp).ranked[0]
+
+
+def test_gain_interval_and_the_band_agree() -> None:
+    """A gain is inside the band exactly where its interval reaches 1, i.e. the margin is at most the band; the
+    ratio of two predictions takes the wider band of the two; without a band nothing is inside."""
+    assert gain_interval(1.25, 10.0) == pytest.approx((1.125, 1.375))
+    assert inside_band(1.0, 1.05, 6.0) and not inside_band(1.0, 1.07, 6.0)
+    assert inside_band(1.0, 1 / 0.94, 6.0)  # a margin of exactly the band: 1 - 1.0 / (1 / 0.94) = 6%
+    assert not inside_band(1.0, 1.0001, None)
+    assert ratio_band(_band(6.0), _band(12.0, "CP")) == 12.0 and ratio_band(_band(6.0), None) is None
+
+
+def test_the_fastest_plan_is_chosen_where_its_margin_is_outside_the_band(monkeypatch, tiny_ranked: Ranked) -> None:
+    monkeypatch.setattr(choice, "error_band", lambda job, options=None: _band(6.0))
+    ranked = [_with(tiny_ranked, 1.0, cp=2, unmeasured=("dense tp2-sp",)), _with(tiny_ranked, 1.10)]
+    picked = choose(ranked, 8)
+    assert picked is not None and picked.index == 0 and picked.tied == (0,)
+    assert "outside the ±6% band" in picked.reasons[0]
+
+
+@pytest.mark.parametrize(("fast", "slow", "why"), [
+    # measured partitions first, before CP
+    ({"cp": 1, "unmeasured": ("dense tp2-sp",)}, {"cp": 2}, "did not measure (dense tp2-sp)"),
+    # then no more CP than a plan that fits needs
+    ({"cp": 2}, {"cp": 1}, "#1 uses CP=2 at 256 tokens and this plan fits with CP=1"),
+])
+def test_inside_the_band_the_plan_with_more_evidence_is_chosen(monkeypatch, tiny_ranked: Ranked, fast: dict,
+                                                                slow: dict, why: str) -> None:
+    monkeypatch.setattr(choice, "error_band", lambda job, options=None: _band(6.0))
+    ranked = [_with(tiny_ranked, 1.0, **fast), _with(tiny_ranked, 1.004, **slow), _with(tiny_ranked, 1.01, **slow)]
+    picked = choose(ranked, 8)
+    assert picked is not None and picked.tied == (0, 1, 2)
+    assert picked.index == 1  # the faster of the two with the most evidence
+    assert "predicted 0.40% faster" in picked.reasons[0] and why in picked.reasons[0]
+    assert picked.evidence[1] < picked.evidence[0]
+
+
+def test_inside_the_band_a_narrower_class_band_wins(monkeypatch, tiny_ranked: Ranked) -> None:
+    """A CP plan's classes add ``CP``: where its band is wider than the dense one, the plan without CP is chosen for
+    its band, before the CP criterion is asked."""
+    monkeypatch.setattr(choice, "error_band", lambda job, options=None: _band(9.0, "dense", "CP")
+                        if job.parallel.cp > 1 else _band(6.0))
+    picked = choose([_with(tiny_ranked, 1.0, cp=2), _with(tiny_ranked, 1.05)], 8)
+    assert picked is not None and picked.index == 1  # 5% behind: inside the wider band of the two (9%)
+    assert "within ±6.0%, #1's class (dense, CP) within ±9.0%" in picked.reasons[0]
+
+
+def test_with_equal_evidence_the_fastest_is_chosen(monkeypatch, tiny_ranked: Ranked) -> None:
+    monkeypatch.setattr(choice, "error_band", lambda job, options=None: _band(6.0))
+    picked = choose([_with(tiny_ranked, 1.0), _with(tiny_ranked, 1.01), _with(tiny_ranked, 1.02)], 8)
+    assert picked is not None and picked.index == 0 and picked.tied == (0, 1, 2)
+    assert "#2, #3 are inside the band of its prediction but rest on no more evidence" in picked.reasons[0]
+    assert choose([], 8) is None
+
+
+def test_an_expert_group_across_nvlink_domains_counts_against_a_plan(tiny_ranked: Ranked) -> None:
+    job, _ = compose_job("model=moe_tiny", "model.num_experts=16", "cluster=dgx_h100", "cluster.nodes=2",
+                         "train.global_batch_size=64")
+    inside = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, ep=8))
+    across = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, ep=16))
+    inside_e = evidence_of(dataclasses.replace(tiny_ranked, job=inside), None, 16)
+    across_e = evidence_of(dataclasses.replace(tiny_ranked, job=across), None, 16)
+    assert (inside_e.ep_domains, across_e.ep_domains) == (1, 2) and inside_e < across_e
+
+
+@pytest.mark.parametrize("headroom", ["0.1", "0.0"])
+def test_gpt3_on_1024_a100_runs_without_context_parallelism(headroom: str) -> None:
+    """The issue's case: at 2,048 tokens CP=2 was planned 0.38% ahead of the same layout without CP, inside the band;
+    the plan without CP is chosen, and plan.json, the report and the plan order say why. With the whole GPU allowed
+    (no headroom) the CP plan (62.6 GiB) fits and is the fastest prediction: the choice passes it over."""
+    job, cfp = compose_job("model=gpt3_175b", "cluster=dgx_a100", "cluster.nodes=128",
+                           "train.global_batch_size=1536", "train.seq_length=2048",
+                           f"cfp.constraints.memory_headroom={headroom}")
+    result = search(job, 1024, cfp)
+    assert result.best.job.parallel.cp == 1 and result.choice is not None
+    if result.ranked[0].job.parallel.cp > 1:  # the fastest uses CP: the choice passed it over, and says why (its
+        # CP class's wider band, or its CP the sequence does not need)
+        assert result.choice.index > 0 and "CP" in result.choice.reasons[0].split("rests on more evidence")[1]
+        assert choice_lines(result)[0] == "Why this plan and not the fastest (#1)"
+    planned = MegatronBackend.planned(result, job, 1024, inputs_fingerprint="")
+    assert planned.best.parallel.cp == 1 and planned.labels[0] == result.best.candidate.describe(1024)
+    assert planned.best.predicted.choice == result.choice.reasons
+    assert all(not p.predicted.choice for p in planned.plans[1:])
+    data = planned.best.to_json()
+    assert data["prediction"]["choice"] == list(result.choice.reasons)
+    assert Plan.from_json(data).predicted == planned.best.predicted

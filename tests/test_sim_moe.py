@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 
 from cfp_megatron.base.config import JobSpec, job_from_config
@@ -10,7 +13,7 @@ from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
 from cfp_megatron.sim import SimOptions, simulate
 from cfp_megatron.sim.calibration import efficiency_for
-from cfp_megatron.sim.kernels import KernelModel
+from cfp_megatron.sim.kernels import GROUPED_GEMM_FILE, KernelModel, grouped_gemm_shape
 from cfp_megatron.sim.layer_cost import LayerCost, layer_cost
 from cfp_megatron.sim.layout import Layout, build_layout
 from cfp_megatron.sim.pass_costs import CostCache, collective_costs
@@ -50,7 +53,8 @@ def test_deepep_sends_one_copy_per_node_and_is_cheaper_across_nodes() -> None:
     flex = simulate(job(ep=32, model={"moe_token_dispatcher": "flex"}))
     # Top-8 over 4 nodes: at most 3 remote copies of a token instead of about 7 routed ones.
     assert flex.time.ep_comm_s < 0.6 * a2a.time.ep_comm_s
-    assert flex.time.forward_compute_s == pytest.approx(a2a.time.forward_compute_s)
+    # DeepEP lands the tokens by source rank: it skips the sender's permutation (less element-wise work).
+    assert flex.time.forward_compute_s < a2a.time.forward_compute_s
 
 
 def test_expert_groups_inside_a_node_talk_faster_than_across() -> None:
@@ -75,7 +79,8 @@ def test_a2a_overlap_pairs_each_exchange_with_one_computation_as_megatron_core_s
     computation of another: backward combine | forward attention, forward dispatch | backward experts, backward
     dispatch | forward experts, forward combine | backward attention. A combine longer than the attention's forward
     is not hidden by the experts' computation after it, as a whole-layer window would have it."""
-    j = job(nodes=8, ep=32, pp=2, vpp=2, gbs=512, moe_a2a_overlap=True)
+    # Experts of 3,072: their forward outlasts the dispatch beside it, the attention does not outlast the combine.
+    j = job(nodes=8, ep=32, pp=2, vpp=2, gbs=512, moe_a2a_overlap=True, model={"moe_ffn_hidden_size": 3072})
     layout, kernels, comm = models(j, 64)
     block = moe_block_cost(j, layout, kernels, comm)
     layer = layer_cost(j, layout, kernels, comm, SimOptions(), moe=True)
@@ -83,13 +88,14 @@ def test_a2a_overlap_pairs_each_exchange_with_one_computation_as_megatron_core_s
     assert block.combine_s == pytest.approx(comm.seconds(Collective.all_to_all, routed * 4096 * 2.0, 32, 8))
     dispatch = block.dispatch_s - block.combine_s  # the tokens' all-to-all and their probabilities'
     experts_fwd = block.gemm_s + kernels.memory(block.elements_per_token * 4096 * 2.0)
+    experts_bwd = block.gemm_bwd_s + 2 * kernels.memory(block.elements_per_token * 4096 * 2.0)
     attention_fwd = layer.forward.compute_s + layer.forward.attention_core_s - experts_fwd
-    attention_bwd = layer.backward.compute_s + layer.backward.attention_core_s - 2 * experts_fwd
+    attention_bwd = layer.backward.compute_s + layer.backward.attention_core_s - experts_bwd
 
     def exposed(comm_s: float, window_s: float) -> float:
         return sum(overlapped(comm_s, window_s))
 
-    assert layer.forward.ep_comm_s == pytest.approx(block.metadata_s + exposed(dispatch, 2 * experts_fwd)
+    assert layer.forward.ep_comm_s == pytest.approx(block.metadata_s + exposed(dispatch, experts_bwd)
                                                     + exposed(block.combine_s, attention_bwd))
     assert layer.backward.ep_comm_s == pytest.approx(exposed(block.combine_s, attention_fwd)
                                                      + exposed(dispatch, experts_fwd))
@@ -194,3 +200,179 @@ def test_the_alltoall_dispatcher_exchanges_counts_and_probabilities_too() -> Non
     assert a2a.dispatch_s == pytest.approx(2 * comm.seconds(Collective.all_to_all, routed * 4096 * 2.0, 8, 8)
                                            + comm.seconds(Collective.all_to_all, routed * 4.0, 8, 8))
     assert a2a.metadata_s == pytest.approx(comm.seconds(Collective.all_gather, 64 * 8.0 * 8, 8, 8))
+
+
+def test_token_drop_settings_are_checked_and_reach_megatron_core() -> None:
+    """``moe_expert_capacity_factor`` (None: dropless) and ``moe_pad_expert_input_to_capacity`` are model options:
+    checked as Megatron-Core checks them, and passed to its TransformerConfig."""
+    from cfp_megatron.base.parallel_dims import ParallelDims
+    from cfp_megatron.model.megatron_config import transformer_config
+
+    cpu = {"name": "local", "device_name": "cpu", "gpus_per_node": 1}
+    drop = job(nodes=1, cluster=cpu, model={"moe_expert_capacity_factor": 1.25,
+                                            "moe_pad_expert_input_to_capacity": True})
+    config = transformer_config(drop, ParallelDims.build(drop, 1, te_available=False), on_gpu=False)
+    assert (config.moe_expert_capacity_factor, config.moe_pad_expert_input_to_capacity) == (1.25, True)
+    dropless = job(nodes=1, cluster=cpu)
+    config = transformer_config(dropless, ParallelDims.build(dropless, 1, te_available=False), on_gpu=False)
+    assert (config.moe_expert_capacity_factor, config.moe_pad_expert_input_to_capacity) == (None, False)
+    for model, key, says in (({"moe_expert_capacity_factor": 0.0}, "model.moe_expert_capacity_factor", "positive"),
+                             ({"moe_expert_capacity_factor": float("nan")}, "model.moe_expert_capacity_factor",
+                              "positive"),
+                             ({"moe_pad_expert_input_to_capacity": True}, "model.moe_pad_expert_input_to_capacity",
+                              "needs a capacity"),
+                             ({"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True,
+                               "moe_token_dispatcher": "flex"}, "model.moe_pad_expert_input_to_capacity", "DeepEP"),
+                             ({"num_experts": None, "moe_router_topk": 1, "moe_expert_capacity_factor": 1.0},
+                              "model.moe_expert_capacity_factor", "needs experts")):
+        with pytest.raises(ConfigError) as err:
+            job(model=model)
+        assert key in err.value.keys and says in str(err.value), str(err.value)
+
+
+def test_grouped_gemm_pays_for_whole_tiles_whole_waves_and_each_experts_weights() -> None:
+    """The expert GEMMs from the kernel's shape: a fixed launch cost, then the longer of the tiles' arithmetic and
+    the operands' traffic; a partial 128-row tile costs a whole one, the tiles of all experts run in waves of one per
+    SM (132 on an H100), and each expert's weights are read once whatever its rows, so the rate per row falls far
+    below the large-GEMM rate at small tokens per expert."""
+    j = job()
+    _, kernels, _ = models(j, 32)
+    shape = grouped_gemm_shape()
+    assert kernels.sm_count == 132
+    tile_rate = kernels.gemm_flops_per_s * shape.plateau_vs_dense
+
+    def rate(m: float, groups: int = 16) -> float:  # TFLOP/s of 16 experts' fc1 at m rows each
+        return 2.0 * groups * m * 1536 * 2048 / kernels.grouped_gemm(groups, m, 1536, 2048) / 1e12
+
+    rates = [rate(m) for m in (64, 256, 1024, 4096)]
+    assert rates == sorted(rates) and rates[0] < 0.25 * rates[-1]
+    # Compute-bound (one expert, 256 columns, k = 8,192): 66 x 2 tiles fill one wave, one row more takes two; a
+    # partial tile of rows costs the whole tile.
+    wave = 2.0 * 132 * 128 * 128 * 8192 / tile_rate
+    assert kernels.grouped_gemm(1, 66 * 128, 256, 8192) == pytest.approx(shape.launch_s + wave)
+    assert kernels.grouped_gemm(1, 66 * 128 + 1, 256, 8192) == pytest.approx(shape.launch_s + 2 * wave)
+    assert kernels.grouped_gemm(1, 65 * 128 + 1, 256, 8192) == pytest.approx(shape.launch_s + wave)
+    # At 16 rows the weights' bytes bound it: the arithmetic runs under them.
+    traffic = kernels.memory(16 * (16 * 2048 + 2048 * 1536 + 16 * 1536) * 2.0)
+    assert kernels.grouped_gemm(16, 16, 1536, 2048) == pytest.approx(shape.launch_s + traffic)
+
+
+def test_a_grouped_gemm_costs_its_measured_launch_and_runs_large_shapes_at_the_dense_rate() -> None:
+    """The grouped GEMM's two measured constants (one H200, torch._grouped_mm): however small, one costs its launch
+    (about 30 us, so 8 tiny experts are no faster than the floor), and on large shapes its tiles run at the measured
+    share of the dense GEMM rate the efficiencies give; each constant names its measurement."""
+    j = job()
+    _, kernels, _ = models(j, 32)
+    shape = grouped_gemm_shape()
+    assert 1e-5 < shape.launch_s < 1e-4 and 0.8 < shape.plateau_vs_dense < 1.2
+    assert kernels.grouped_gemm(8, 1, 128, 128) == pytest.approx(shape.launch_s, rel=0.05)
+    m, n, k = 4096, 28672, 4096  # Mixtral's fc1, 8 experts at 4,096 tokens each: whole tiles, nearly whole waves
+    seconds = kernels.grouped_gemm(8, m, n, k) - shape.launch_s
+    tiles = 8 * (m // 128) * (n // 128)
+    flops = 2.0 * math.ceil(tiles / 132) * 132 * 128 * 128 * k
+    assert seconds == pytest.approx(flops / (kernels.gemm_flops_per_s * shape.plateau_vs_dense))
+    measured = json.loads(GROUPED_GEMM_FILE.read_text())["measured"]
+    assert {"command", "date", "device", "launch_s", "plateau_vs_dense"} <= set(measured)
+
+
+def test_token_drop_pads_to_capacity_and_dropless_follows_the_busiest_expert() -> None:
+    """Dropless, the busiest expert rank computes and exchanges its routed tokens (the imbalance); token-drop, at
+    most its capacity; padded to capacity, exactly its capacity whatever the routing, and with no count exchange."""
+    def block(imbalance: float, **model) -> MoeCost:
+        j = job(ep=8, model=model)
+        layout, kernels, comm = models(j, 32)
+        return moe_block_cost(j, layout, kernels, comm, imbalance=imbalance)
+
+    pad = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
+    drop = {"moe_expert_capacity_factor": 1.25}
+    dropless = (block(1.0), block(1.5))
+    assert dropless[1].gemm_s > 1.3 * dropless[0].gemm_s and dropless[1].dispatch_s > 1.4 * dropless[0].dispatch_s
+    padded = (block(1.0, **pad), block(1.5, **pad))
+    assert padded[0].gemm_s == padded[1].gemm_s == dropless[0].gemm_s
+    assert padded[0].dispatch_s == padded[1].dispatch_s == dropless[0].dispatch_s
+    assert padded[0].metadata_s == 0 < dropless[0].metadata_s
+    assert block(1.0, **{**pad, "moe_expert_capacity_factor": 1.5}).gemm_s == pytest.approx(dropless[1].gemm_s)
+    assert block(1.5, **drop).gemm_s == pytest.approx(block(1.25).gemm_s)  # capped at the capacity
+    assert block(1.1, **drop).gemm_s == pytest.approx(block(1.1).gemm_s)  # under it: what was routed
+    assert block(1.5, **drop).metadata_s > 0  # sized by the counts, like dropless
+    # The step follows: padded to capacity, an imbalanced routing costs nothing more.
+    skew = SimOptions(moe_routing_imbalance=1.5)
+    padded_skewed, padded_balanced = simulate(job(ep=8, model=pad), options=skew), simulate(job(ep=8, model=pad))
+    assert padded_skewed.step_time_s == pytest.approx(padded_balanced.step_time_s)
+    assert padded_skewed.memory.activations == pytest.approx(padded_balanced.memory.activations)
+    assert simulate(job(ep=8), options=skew).step_time_s > simulate(job(ep=8)).step_time_s
+
+
+def test_which_dispatchers_wait_for_the_token_counts_on_the_host() -> None:
+    """What the host-time term reads: every MoE dispatcher but drop-and-pad copies the counts to the host."""
+    pad = job(model={"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}).model
+    assert not pad.moe_counts_to_host and not pad.moe_dropless
+    assert job().model.moe_counts_to_host and job().model.moe_dropless
+    assert job(model={"moe_expert_capacity_factor": 1.0}).model.moe_counts_to_host
+    assert not job(model={"num_experts": None, "moe_router_topk": 1}).model.moe_counts_to_host
+
+
+def test_routing_traffic_is_counted_from_the_kernels_megatron_core_runs() -> None:
+    """The router's element-wise kernels grow with the experts (and the auxiliary loss reads the scores again), the
+    permutations with the routed copies, and FP8 adds the quantisation of each grouped linear's input."""
+    def elements(**model) -> float:
+        fp8 = model.pop("fp8", False)
+        j = job(ep=8, model=model)
+        layout, _, comm = models(j, 32)
+        kernels = KernelModel(j.cluster, efficiency_for(j.cluster), j.train.precision, fp8=fp8)
+        return moe_block_cost(j, layout, kernels, comm).elements_per_token
+
+    base = elements()
+    assert elements(num_experts=128) - base == pytest.approx(64 * 17.0 / 2.0)  # 64 more experts' router bytes
+    assert elements(moe_aux_loss_coeff=0.01) - base == pytest.approx(64 * 4.0 / 2.0)
+    # Top-4 instead of top-8: half the copies through permutation 1/2 and the unpermutation (and the activation).
+    assert elements(moe_router_topk=4) < 0.6 * base
+    assert elements(fp8=True) - base == pytest.approx(8 * (4096 + 1536) * 4.0 / 2.0)
+
+
+def test_the_validator_reads_token_drop_rows_from_their_notes() -> None:
+    """A MoE row's notes name a token-drop variant (Megatron-Bridge's: capacity 1.0, padded); any other runs
+    dropless, Megatron-Core's default."""
+    from cfp_megatron.validation.moe_routing import routing
+
+    footnote = "MoE benchmarks force-balanced routing, token-dropless unless noted. "
+    assert routing({"notes": footnote + "Token-drop variant."}).model_fields() == {
+        "moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
+    # Under the flex dispatcher (priced as DeepEP, which does not pad): the capacity, unpadded.
+    assert routing({"notes": "Token-drop variant"}).model_fields(flex=True) == {
+        "moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": False}
+    for notes in (footnote, "", None, "Dropless."):
+        assert routing({"notes": notes}).model_fields() == {
+            "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False}
+
+
+def test_the_plan_says_how_the_experts_take_their_tokens(tmp_path, capsys) -> None:
+    """The preflight prints the MoE routing it priced, and plan.json carries it among the job's inputs."""
+    import json
+
+    from cfp_megatron.planner import plan_cli
+
+    assert plan_cli.main(["model=moe_tiny", "cluster=dgx_h100", "cluster.gpus_per_node=2", "train.global_batch_size=4",
+                          "model.moe_expert_capacity_factor=1.25", "model.moe_pad_expert_input_to_capacity=true",
+                          "--out", str(tmp_path)]) == 0
+    assert "MoE routing: token-drop at capacity factor 1.25, padded to capacity" in capsys.readouterr().out
+    (plan,) = tmp_path.glob("*/plan.json")
+    inputs = dict(json.loads(plan.read_text())["inputs"])
+    assert inputs["model.moe_expert_capacity_factor"] == 1.25 and inputs["model.moe_pad_expert_input_to_capacity"]
+
+
+def test_an_expert_group_inside_a_multi_node_nvlink_domain_talks_over_nvlink() -> None:
+    """An NVL72 rack is one NVLink domain of 72 GPUs over 18 trays of 4: an EP=16 group spanning 4 trays all-to-alls
+    over NVLink; the same group where each tray were its own domain crosses the network with the per-GPU links."""
+    rack = load_preset("gb200_nvl72")
+    inside = simulate(job(nodes=4, cluster=rack, ep=16))
+    across = simulate(job(nodes=4, cluster={**rack, "nvlink_domain_size": None}, ep=16))
+    assert 0 < 3 * inside.time.ep_comm_s < across.time.ep_comm_s
+    assert inside.time.forward_compute_s == pytest.approx(across.time.forward_compute_s)
+
+
+def test_on_a_cpu_cluster_each_expert_is_a_plain_gemm() -> None:
+    """CPU ranks run Megatron-Core's SequentialMLP, one matmul per expert: no tiles to pad, no waves."""
+    cpu = job(nodes=1, cluster={"name": "local", "device_name": "cpu", "gpus_per_node": 8})
+    _, kernels, _ = models(cpu, 8)
+    assert kernels.grouped_gemm(4, 16, 96, 64) == pytest.approx(4 * kernels.gemm(16, 96, 64))

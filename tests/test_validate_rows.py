@@ -224,3 +224,100 @@ def test_a_read_only_disk_is_refused_before_any_row_is_predicted(tmp_path: Path,
         out, err = capsys.readouterr()
         assert f"validate: {option} {ro / name}: no file can be written into the folder {ro}" in err
         assert out == "" and not any(ro.iterdir())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Every stated column read (issue N, item 6): the fabric, the pipeline schedule, the precision variant, a power limit.
+
+
+@pytest.mark.parametrize("text, network, links, gbps", [
+    ("Selene DGX A100: NVLink/NVSwitch intra-node; 8x200Gb/s HDR InfiniBand per node", "infiniband", 8, 200.0),
+    ("4 Omni-Path links per node", "omnipath", 4, 100.0),  # the fabric's 100 Gb/s link (fabrics.yaml)
+    ("Omni-Path (4 x 100 Gb/s per node)", "omnipath", 4, 100.0),
+    ("1600 Gbps RoCE node-node", "roce", 8, 200.0),  # a node's total over the preset's 8 links
+    ("NDR 400 Gb/s InfiniBand", "infiniband", 8, 400.0),
+    ("HDR InfiniBand", "infiniband", 8, 200.0),  # the generation's line rate
+    ("400 Gbps EFA", "efa", 8, 50.0),  # above EFA's 100 Gb/s link: the node's total (4 x 100 on P4)
+    ("Slingshot-11, 4x200 Gbps per node", "slingshot", 4, 200.0),
+    ("25 GB/s per GPU InfiniBand", "infiniband", 8, 200.0),  # bytes, per GPU
+    ("NVL72 + 4x800G XDR InfiniBand", "infiniband", 4, 800.0),
+])
+def test_the_interconnect_column_is_the_rows_network(text: str, network: str, links: int, gbps: float) -> None:
+    cluster = row_plan({**GOOD, "interconnect": text}).job.cluster
+    assert (cluster.network.value, cluster.nics_per_node, cluster.nic_gbps) == (network, links, gbps)
+
+
+def test_a_row_on_four_omni_path_links_runs_slower_than_on_eight_hdr_rails() -> None:
+    """4 x 100 Gb/s Omni-Path per node of 8 GPUs is 1/4 of a DGX A100's 8 x 200 Gb/s, and reaches 0.34 of its line rate
+    against InfiniBand's 0.85 (cluster/fabrics.yaml): the data-parallel gradient all-reduce across nodes slows."""
+    rows = [{**GOOD, "id": "1", "interconnect": "8x200Gb/s HDR InfiniBand per node"},
+            {**GOOD, "id": "2", "interconnect": "4 Omni-Path links per node"}, {**GOOD, "id": "3"}]
+    (ib, opa, blank), skipped = predict_rows(rows)
+    assert not skipped and ib.predicted_s == pytest.approx(blank.predicted_s)  # a blank column: the preset's fabric
+    assert opa.predicted_s > 1.05 * ib.predicted_s
+    assert opa.plan.job.cluster.network_bandwidth_gbps == pytest.approx(ib.plan.job.cluster.network_bandwidth_gbps / 4)
+    assert "omnipath 4x100G" in opa.plan.layout and not ib.plan.approximations
+
+
+def test_an_interconnect_naming_no_fabric_is_said_with_its_text_and_row(tmp_path: Path, capsys) -> None:
+    runs = _csv(tmp_path / "runs.csv", [{**GOOD, "interconnect": "Tofu-D torus"}], fields=[*FIELDS, "interconnect"])
+    plan = row_plan(read_rows(runs)[0])
+    assert plan.job.cluster.network_bandwidth_gbps == 25.0  # the dgx_a100 preset's network, said not silent
+    assert "'Tofu-D torus' names no fabric" in plan.approximations[0] and "dgx_a100" in plan.approximations[0]
+    assert main([str(runs), "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "priced approximately or not understood (1 rows" in out and "    1  interconnect 'Tofu-D torus'" in out
+    assert "Tofu-D" in json.loads((tmp_path / "r.json").read_text())["rows"][0]["approximations"][0]
+
+
+def test_a_scale_up_only_interconnect_keeps_the_presets_network() -> None:
+    plan = row_plan({**GOOD, "interconnect": "NVLink/NVSwitch intra-node"})
+    assert plan.job.cluster.network_bandwidth_gbps == 25.0 and not plan.approximations
+
+
+PIPELINE = {**GOOD, "layers": "24", "tp": "1", "pp": "4", "dp": "8"}
+
+
+@pytest.mark.parametrize("schedule, vp, chunks, said", [
+    ("interleaved 1F1B (3 stages per rank)", "", 3, ""),  # the chunks the text states, where vp is blank
+    ("interleaved 1F1B (3 stages per rank)", "2", 2, "the vp column 2"),  # the vp column wins, and it is said
+    ("1F1B (non-interleaved)", "", 1, ""),
+    ("GPipe", "", 1, "GPipe (all forward passes, then all backward passes) is priced as 1F1B"),
+    ("ZB-H1", "", 1, "zero-bubble schedule"),
+    ("DualPipe", "", 1, "DualPipe"),
+    ("interleaved", "", 1, "neither it nor the vp column states the chunks"),
+    ("round robin", "", 1, "'round robin' names no schedule"),
+])
+def test_the_pp_schedule_column_is_the_jobs_schedule(schedule: str, vp: str, chunks: int, said: str) -> None:
+    plan = row_plan({**PIPELINE, "pp_schedule": schedule, "vp": vp})
+    assert (plan.job.parallel.vpp or 1) == chunks
+    assert (said in " ".join(plan.approximations)) if said else not plan.approximations
+
+
+@pytest.mark.parametrize("precision, runs, fp8, said", [
+    ("mixed 16-bit", "bf16", False, ""), ("amp_bf16", "bf16", False, ""), ("fp16", "fp16", False, ""),
+    ("", "bf16", False, ""), ("tf32", "fp32", False, ""),
+    ("FP8", "bf16", True, "without FP8 tensor cores"),  # on the A100 row
+    ("NVFP4", "bf16", True, "NVFP4 is priced as FP8"), ("MXFP8", "bf16", True, "MXFP8"),
+    ("FP8 current scaling", "bf16", True, "current (per-tensor, just-in-time) scaling"),
+    ("FP8 blockwise (128x128)", "bf16", True, "blockwise FP8"),
+    ("int4 weights", "bf16", False, "'int4 weights' names no variant"),
+])
+def test_the_precision_column_is_read_as_a_variant(precision: str, runs: str, fp8: bool, said: str) -> None:
+    plan = row_plan({**GOOD, "precision": precision})
+    assert (plan.job.train.precision.value, plan.options.fp8) == (runs, fp8)
+    assert (said in " ".join(plan.approximations)) if said else not plan.approximations
+
+
+def test_fp8_variants_on_hopper_are_said_only_where_they_are_not_modelled() -> None:
+    hopper = {**GOOD, "gpu": "H100-SXM5-80GB"}
+    assert not row_plan({**hopper, "precision": "FP8"}).approximations
+    plan = row_plan({**hopper, "precision": "NVFP4"})
+    assert plan.options.fp8 and " nvfp4" in plan.layout and len(plan.approximations) == 1
+
+
+def test_a_power_limit_below_the_tdp_scales_the_peaks_and_says_how() -> None:
+    plan = row_plan({**GOOD, "gpu": "H100-SXM5-80GB", "notes": "GPUs power capped at 500 W"})
+    assert plan.job.cluster.power_limit_w == 500.0 and " 500W" in plan.layout
+    assert "upper bound" in plan.approximations[0] and "GB300" in plan.approximations[0]
+    assert not row_plan({**GOOD, "gpu": "H100-SXM5-80GB", "notes": "power limit 700 W"}).approximations

@@ -15,12 +15,16 @@ from cfp_megatron.validation.data import (
     DATA_DIR,
     FAMILIES_FILE,
     FRAMEWORKS_FILE,
+    PRECISIONS_FILE,
     RECIPES_FILE,
+    SCHEDULES_FILE,
     ValidationDataError,
     load_data,
     load_families,
     load_frameworks,
+    load_precisions,
     load_recipes,
+    load_schedules,
 )
 from cfp_megatron.validation.defaults import framework_of
 
@@ -45,8 +49,8 @@ def test_every_entry_of_the_shipped_files_names_its_source() -> None:
 def test_the_data_files_ship_with_the_package() -> None:
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["cfp_megatron"]
     shipped = [path.relative_to(DATA_DIR.parent).as_posix() for path in DATA_DIR.glob("*.yaml")]
-    assert sorted(shipped) == ["validation/frameworks.yaml", "validation/model_families.yaml",
-                               "validation/recipes.yaml"]
+    assert {"validation/frameworks.yaml", "validation/model_families.yaml", "validation/precisions.yaml",
+            "validation/recipes.yaml", "validation/schedules.yaml"} <= set(shipped)
     assert all(any(fnmatch.fnmatch(name, glob) for glob in globs) for name in shipped)
 
 
@@ -121,11 +125,14 @@ def test_a_family_entry_in_a_data_file_fills_a_blank_vocabulary(tmp_path: Path) 
     (RECIPES_FILE, "recipes", "  - {name: x, releases: ['26.1', null], model: m, hardware: [b200], layouts: "
      "[{gpus: 8, tp: 1, pp: 1, vp: 1, ep: 8, global_batch: 512}], dispatcher: flex, a2a_overlap: false, "
      "source: s}\n", "release '26.1'"),
+    (SCHEDULES_FILE, "schedules", "  - {name: x, words: 'x', runs: zigzag, source: s}\n", "runs='zigzag'"),
+    (PRECISIONS_FILE, "precisions", "  - {name: x, words: 'x', runs: fp8}\n", "names no source"),
 ])
 def test_a_malformed_entry_is_refused_naming_the_file_and_entry(tmp_path: Path, path: Path, key: str, entry: str,
                                                                 said: str) -> None:
     bad = _with_entry(tmp_path, path, key, entry)
-    loader = {FRAMEWORKS_FILE: load_frameworks, FAMILIES_FILE: load_families, RECIPES_FILE: load_recipes}[path]
+    loader = {FRAMEWORKS_FILE: load_frameworks, FAMILIES_FILE: load_families, RECIPES_FILE: load_recipes,
+              SCHEDULES_FILE: load_schedules, PRECISIONS_FILE: load_precisions}[path]
     with pytest.raises(ValidationDataError) as caught:
         loader(bad)
     assert str(bad) in str(caught.value) and said in str(caught.value) and "Fix:" in str(caught.value)
@@ -147,3 +154,20 @@ def test_a_frameworks_file_without_a_last_entry_for_any_framework_is_refused(tmp
     bad.write_text(text[:last])
     with pytest.raises(ValidationDataError, match="end with an entry of 'match: {}'"):
         load_frameworks(bad)
+
+
+def test_schedule_and_precision_entries_in_a_data_file_change_how_a_column_is_read(tmp_path: Path) -> None:
+    """A schedule or precision variant validate does not know is said as not understood; an entry for it, with its
+    source, makes it read (and said as the approximation the entry states) with no change to the code."""
+    row = {**ROW, "gpu": "H100-SXM5-80GB", "layers": "24", "tp": "1", "pp": "4", "pp_schedule": "Hanayo wave",
+           "precision": "FP6"}
+    shipped = row_plan(row)
+    assert any("names no schedule" in said for said in shipped.approximations)
+    assert any("names no variant" in said for said in shipped.approximations) and not shipped.options.fp8
+    schedules = _with_entry(tmp_path, SCHEDULES_FILE, "schedules", "  - {name: Hanayo, words: 'hanayo', runs: "
+                            "interleaved, approximation: 'wave schedule priced as interleaved', source: a test}\n")
+    precisions = _with_entry(tmp_path, PRECISIONS_FILE, "precisions", "  - {name: FP6, words: 'fp6', runs: fp8, tag: "
+                             "fp6, approximation: 'FP6 priced as FP8', source: a test}\n")
+    read = row_plan({**row, "vp": "2"}, data=load_data(schedules=schedules, precisions=precisions))
+    assert read.job.parallel.vpp == 2 and read.options.fp8 and " fp6" in read.layout
+    assert read.approximations == ("wave schedule priced as interleaved", "FP6 priced as FP8")

@@ -30,7 +30,9 @@ class PlannedSearch:
     """What a backend's search hands the planner."""
 
     plans: tuple[Plan, ...]
-    """The best plans that fit, fastest first, each with its prediction (at most ``cfp.top_k``)."""
+    """The best plans that fit, each with its prediction (at most ``cfp.top_k``): the chosen one first (the fastest,
+    unless a plan inside its error band rests on more evidence: :mod:`cfp_megatron.search.choice`), then the others
+    fastest first."""
     labels: tuple[str, ...]
     """A short label of each plan (its layout in the backend's terms)."""
     searched: int
@@ -44,7 +46,7 @@ class PlannedSearch:
 
     @property
     def best(self) -> Plan:
-        """The fastest plan that fits; a :class:`ConfigError` when none does."""
+        """The chosen plan (the first); a :class:`ConfigError` when none fits."""
         if not self.plans:
             raise ConfigError([ConfigIssue(key="cfp", value=what, problem=why, fix="relax the pins and constraints.")
                                for what, why in self.rejected[:8]] or

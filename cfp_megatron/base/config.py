@@ -94,6 +94,33 @@ class CpCommType(enum.Enum):
     """All-to-all inside a node, a point-to-point ring across nodes (hierarchical)."""
 
 
+class CudaGraphImpl(enum.Enum):
+    """How CUDA graphs capture the step (Megatron-Core's ``cuda_graph_impl``)."""
+
+    none = "none"
+    """No CUDA graph: every kernel launched by the host."""
+    local = "local"
+    """Megatron-Core's ``CudaGraphManager`` per layer, or the whole forward-backward with ``full_iteration``."""
+    transformer_engine = "transformer_engine"
+    """Transformer Engine's ``make_graphed_callables`` per layer, over the scopes of ``cuda_graph_scope``."""
+
+
+CUDA_GRAPH_SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "full_iteration")
+"""Megatron-Core's ``CudaGraphScope`` names (megatron-core 0.16.1 ``transformer/enums.py``)."""
+
+
+def cuda_graph_scopes(text: str | None) -> tuple[str, ...]:
+    """``parallel.cuda_graph_scope`` as Megatron-Core's scope names (empty: the whole layer); ``ValueError`` naming
+    what is not one."""
+    if text is None or text == "full":
+        return ()
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(RECOMPUTE_SEPARATOR)))
+    unknown = [name for name in names if name not in CUDA_GRAPH_SCOPES]
+    if unknown or not names:
+        raise ValueError(f"{', '.join(unknown) or repr(text)} is not a CUDA graph scope")
+    return names
+
+
 class RecomputeMethod(enum.Enum):
     """Which layers full recomputation covers (Megatron's ``recompute_method``)."""
 
@@ -233,6 +260,10 @@ class Network(enum.Enum):
     """RDMA over Converged Ethernet (Spectrum-X, Broadcom, AMD Pollara NICs)."""
     omnipath = "omnipath"
     """Intel/Cornelis Omni-Path (100 Gb/s OPA100, 400 Gb/s CN5000)."""
+    efa = "efa"
+    """AWS Elastic Fabric Adapter (100 Gb/s links: 4 on P4, 32 on P5)."""
+    slingshot = "slingshot"
+    """HPE Slingshot-11 (200 Gb/s links)."""
     ethernet = "ethernet"
     """Plain Ethernet without RDMA (NCCL's socket transport)."""
 
@@ -395,6 +426,15 @@ class ModelSpec:
     """Load-balancing auxiliary loss coefficient (0 disables it)."""
     moe_token_dispatcher: TokenDispatcher = TokenDispatcher.alltoall
     """How tokens reach their experts across expert-parallel ranks."""
+    moe_expert_capacity_factor: float | None = None
+    """Token-drop MoE: each expert takes at most this factor times its balanced share of the routed tokens
+    (``capacity_factor x tokens x topk / experts``) and drops the rest (Megatron-Core's
+    ``moe_expert_capacity_factor``); ``None``: dropless, every token reaches its experts (Megatron-Core's default),
+    and the dispatcher syncs the token counts to the host in every MoE layer."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """With ``moe_expert_capacity_factor``: pad each expert's input to its capacity, so the expert GEMMs and the
+    all-to-all carry capacity rows whatever the routing, and no token count reaches the host (Megatron-Core's
+    ``moe_pad_expert_input_to_capacity``)."""
     mtp_num_layers: int = 0
     """Multi-token prediction layers (DeepSeek-V3's MTP, Megatron-Core's ``mtp_num_layers``); 0: none. Each one
     predicts one token further with one more decoder layer of the model's last layer kind, fed by a projection
@@ -456,6 +496,10 @@ class ModelSpec:
             _issue(issues, 0 <= self.moe_first_dense_layers < self.num_layers, f"{p}.moe_first_dense_layers",
                    self.moe_first_dense_layers, f"must be in [0, model.num_layers={self.num_layers}).",
                    "leave at least one MoE layer, or set model.num_experts=null for a dense model.")
+        issues += rule_issues(moe_rules.capacity(factor=self.moe_expert_capacity_factor,
+                                                 pad=self.moe_pad_expert_input_to_capacity,
+                                                 is_moe=self.num_experts is not None,
+                                                 dispatcher=self.moe_token_dispatcher.value))
         if self.num_experts is None:
             _issue(issues, self.moe_shared_expert_intermediate_size is None,
                    f"{p}.moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size,
@@ -505,6 +549,32 @@ class ModelSpec:
     def is_moe(self) -> bool:
         """Whether the model has MoE layers."""
         return self.num_experts is not None
+
+    @property
+    def moe_dropless(self) -> bool:
+        """Whether every routed token reaches its experts (no ``moe_expert_capacity_factor``)."""
+        return self.moe_expert_capacity_factor is None
+
+    @property
+    def moe_counts_to_host(self) -> bool:
+        """Whether Megatron-Core's token dispatcher copies each MoE layer's token counts to the host and waits for
+        them (a device-to-host synchronisation per MoE layer and forward pass): the all-gather dispatcher always
+        (``MoEAllGatherTokenDispatcher``: ``.cpu()``); the all-to-all and flex dispatchers where dropless or
+        token-drop without padding size their buffers by the counts (megatron-core 0.16.1 ``token_dispatcher.py``:
+        ``_maybe_dtoh_and_synchronize``; DeepEP returns its receive counts to the host), not under drop-and-pad
+        (``moe_pad_expert_input_to_capacity``), which knows its sizes (``MoEAlltoAllTokenDispatcher.preprocess``)."""
+        if self.moe_token_dispatcher is TokenDispatcher.allgather:
+            return self.is_moe
+        return self.is_moe and not self.moe_pad_expert_input_to_capacity
+
+    def expert_load(self, imbalance: float) -> float:
+        """Rows each expert on the busiest expert rank computes (and its all-to-all carries), over the balanced share
+        ``tokens x topk / experts``: dropless, the routing ``imbalance``; token-drop, at most the capacity factor;
+        padded to capacity, the capacity factor whatever the routing."""
+        factor = self.moe_expert_capacity_factor
+        if factor is None:
+            return imbalance
+        return factor if self.moe_pad_expert_input_to_capacity else min(imbalance, factor)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -582,8 +652,10 @@ class ClusterSpec:
     two that fits a domain (16 trays = 64 GPUs on an NVL72 rack), the segment NVIDIA recommends for jobs of 128 GPUs
     and more; a job that fits one domain runs in one. Unused where the domain is a node or smaller."""
     network: Network | None = None
-    """Scale-out fabric between domains (``infiniband``, ``roce``, ``omnipath``, ``ethernet``): recorded for
-    reports; the cost model reads the bandwidth and latency figures, not the kind."""
+    """Scale-out fabric between domains (``infiniband``, ``roce``, ``omnipath``, ``efa``, ``slingshot``,
+    ``ethernet``): the cost model scales the network bandwidth by the share of line rate NCCL reaches on it relative
+    to InfiniBand's, on which the efficiencies were fitted (``cfp_megatron/cluster/fabrics.yaml``, with sources:
+    Omni-Path 0.34 / 0.85). ``None``: InfiniBand's."""
     nics_per_node: int | None = None
     """Network links (NIC ports of the GPU fabric) per node. With ``nic_gbps``, or alone (keeping the preset's link
     speed), it sets the per-GPU network bandwidth and the rails, and wins over ``inter_node_bandwidth_gbps`` and
@@ -594,6 +666,9 @@ class ClusterSpec:
     bandwidth and wins over ``inter_node_bandwidth_gbps``. ``None``: the preset's figure."""
     max_sm_clock_mhz: float | None = None
     """Maximum (boost) SM clock in MHz: the clock the peak TFLOP/s figures are quoted at."""
+    sm_count: int | None = None
+    """Streaming multiprocessors (AMD: compute units) of one GPU: the tiles of a GEMM run in waves of this many
+    (the grouped expert GEMMs' wave quantisation). ``None``: not stated, no wave quantisation."""
     sm_clock_mhz: float | None = None
     """SM clock the GPUs are held at (``nvidia-smi -lgc``, ``rocm-smi --setsclk``) in MHz; the compute peaks scale by
     ``sm_clock_mhz / max_sm_clock_mhz`` (HBM and link bandwidth do not). ``None``: the maximum clock. Needs
@@ -681,7 +756,7 @@ class ClusterSpec:
         issues: list[ConfigIssue] = []
         p = self.PREFIX
         _positive(issues, p, self, "nodes", "gpus_per_node", "rails_per_node", "nvlink_domain_size", "nics_per_node",
-                  "nvlink_segment_nodes")
+                  "nvlink_segment_nodes", "sm_count")
         _at_most(issues, p, self, MAX_WORLD_SIZE, "the largest clusters built (about 100k GPUs)", "nodes",
                  "nvlink_domain_size")
         _at_most(issues, p, self, MAX_GPUS_PER_NODE, "any node built (4 to 8 GPUs)", "gpus_per_node",
@@ -858,6 +933,16 @@ class ParallelSpec:
                                                    optional=True)
     """Run the shared expert beside the token dispatch and combine (Megatron-Core's ``moe_shared_expert_overlap``;
     alltoall or flex dispatcher, not together with ``moe_a2a_overlap``)."""
+    cuda_graph_impl: CudaGraphImpl = layout_field(CudaGraphImpl.none, key="cg", megatron="--cuda-graph-impl",
+                                                  optional=True)
+    """Replay captured CUDA graphs instead of launching each kernel (Megatron-Core's ``cuda_graph_impl``): ``none``,
+    ``local`` or ``transformer_engine``; what is captured is ``cuda_graph_scope``. Needs a GPU (and Transformer Engine
+    for ``transformer_engine``); the simulator's host term counts one launch per captured region and pass."""
+    cuda_graph_scope: str | None = layout_field(None, key="cgs", megatron="", optional=True)
+    """With ``cuda_graph_impl``: what is captured (Megatron-Core's ``cuda_graph_scope``), names joined by ``+``:
+    ``attn``, ``mlp`` (dense layers), ``moe`` (drop-and-pad MoE layers), ``moe_router``, ``moe_preprocess`` (with
+    ``moe_router``), ``mamba``, ``full_iteration`` (``local`` only: the whole forward-backward); ``None``: the whole
+    layer."""
     grad_reduce_in_fp32: bool = layout_field(True, key="gf32")
     """Accumulate and reduce gradients in fp32 (Megatron-Core's ``DistributedDataParallelConfig.grad_reduce_in_fp32``;
     Megatron-LM always does so for bf16). ``false`` keeps the gradient buffers and their data-parallel reduction in
@@ -917,6 +1002,7 @@ class ParallelSpec:
                                           "parallel.recompute_method=uniform."))
         counted = [name for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
                    if getattr(self, name)]
+        issues += self._cuda_graph_issues()
         issues += rule_issues(pipeline_rules.counted_in_split(counted=counted, first=self.first_stage_layers,
                                                               last=self.last_stage_layers, pp=self.pp))
         if self.pipeline_model_parallel_layout is not None:
@@ -928,6 +1014,39 @@ class ParallelSpec:
                                    full_recompute=self.recompute is Recompute.full, pp=self.pp, vpp=self.vpp or 1)])
         if issues:
             raise ConfigError(issues)
+
+    def graph_scopes(self) -> tuple[str, ...]:
+        """:attr:`cuda_graph_scope` as scope names (empty: the whole layer)."""
+        return cuda_graph_scopes(self.cuda_graph_scope)
+
+    def _cuda_graph_issues(self) -> list[ConfigIssue]:
+        """What is wrong with ``cuda_graph_scope`` (its names, and the implementations they need)."""
+        key, text = f"{self.PREFIX}.cuda_graph_scope", self.cuda_graph_scope
+        if text is None:
+            return []
+        try:
+            scopes = cuda_graph_scopes(text)
+        except ValueError as err:
+            return [ConfigIssue(key=key, value=text, problem=f"{err}: Megatron-Core captures "
+                                f"{', '.join(CUDA_GRAPH_SCOPES)}.",
+                                fix="name scopes of that list joined by '+', e.g. parallel.cuda_graph_scope="
+                                    "attn+moe_router, or null (the whole layer).")]
+        object.__setattr__(self, "cuda_graph_scope", RECOMPUTE_SEPARATOR.join(scopes) if scopes else None)
+        if self.cuda_graph_impl is CudaGraphImpl.none:
+            return [ConfigIssue(key=key, value=text, problem="it says what CUDA graphs capture, and "
+                                "parallel.cuda_graph_impl=none captures none.",
+                                fix="set parallel.cuda_graph_impl=transformer_engine (or local), or "
+                                    "parallel.cuda_graph_scope=null.")]
+        if "full_iteration" in scopes and (self.cuda_graph_impl is not CudaGraphImpl.local or len(scopes) > 1):
+            return [ConfigIssue(key=key, value=text, problem="full_iteration captures the whole forward-backward "
+                                "with Megatron-Core's own graphs, alone.",
+                                fix="set parallel.cuda_graph_impl=local and parallel.cuda_graph_scope="
+                                    "full_iteration, or name per-layer scopes.")]
+        if "moe_preprocess" in scopes and "moe_router" not in scopes:
+            return [ConfigIssue(key=key, value=text, problem="moe_preprocess is captured with the router "
+                                "(Megatron-Core's CudaGraphScope: it requires moe_router).",
+                                fix="add moe_router: parallel.cuda_graph_scope=moe_router+moe_preprocess.")]
+        return []
 
     def _layout_issues(self) -> list[ConfigIssue]:
         """What is wrong with ``pipeline_model_parallel_layout`` before the model is known: the other split fields

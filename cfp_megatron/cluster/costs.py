@@ -8,7 +8,8 @@ ranks that puts ``k`` ranks on each node". The message is what one rank passes i
   (op, group size, span) wins.
 * Otherwise the ring model: ``steps x latency + ring_factor x bytes / (bandwidth x efficiency)`` with the latency and
   per-GPU bandwidth of the :class:`~cfp_megatron.base.config.ClusterSpec` (NVLink inside an NVLink domain, the NIC
-  rail across domains) and a fitted efficiency (the share of the nominal bandwidth NCCL reaches).
+  rail across domains) and a fitted efficiency (the share of the nominal bandwidth NCCL reaches), across domains
+  scaled by the fabric's share of line rate over InfiniBand's (:mod:`~cfp_megatron.cluster.fabrics`).
 * "Node" in this module means the scale-up (NVLink) domain: one node unless ``cluster.nvlink_domain_size`` says
   otherwise (72 GPUs on an NVL72 rack, so a TP=16 or EP=64 group there is priced at NVLink speed; 2 on H100 NVL
   cards bridged in pairs). ``ranks_per_node`` is the group's ranks in one domain; the measured fits' ``intra_node``
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 from cfp_megatron.base.config import ClusterSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.cluster.fabrics import bandwidth_scale
 from cfp_megatron.cluster.measured import Collective, Measurements, Span, ring_factor
 
 _DEFAULT_INTRA_GBPS = 100.0
@@ -105,7 +107,10 @@ class CollectiveCosts:
         # GPUs that share the fast link: the NVLink domain, a node unless cluster.nvlink_domain_size says otherwise.
         self.domain_size = cluster.domain_size(self.gpus_per_node)
         intra_bw = (cluster.intra_node_bandwidth_gbps or _DEFAULT_INTRA_GBPS) * 1e9 * intra_efficiency
-        inter_bw = (cluster.network_bandwidth_gbps or _DEFAULT_INTER_GBPS) * 1e9 * inter_efficiency
+        # The fitted inter_efficiency holds InfiniBand's share of line rate; another fabric scales it by its own
+        # share (cluster/fabrics.yaml: Omni-Path reaches 0.40 of InfiniBand's).
+        inter_bw = ((cluster.network_bandwidth_gbps or _DEFAULT_INTER_GBPS) * 1e9 * inter_efficiency
+                    * bandwidth_scale(cluster.network))
         self.intra = Link(latency_s=(cluster.intra_node_latency_us or _DEFAULT_LATENCY_US) * 1e-6,
                           bandwidth_bytes_per_s=intra_bw)
         self.inter = Link(latency_s=(cluster.inter_node_latency_us or _DEFAULT_LATENCY_US) * 1e-6,

@@ -13,6 +13,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from cfp_megatron.base.config import (
     Activation,
     AttentionKind,
+    CudaGraphImpl,
     JobSpec,
     Precision,
     Recompute,
@@ -98,6 +99,8 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         overlap_p2p_comm=on_gpu and dims.vpp > 1,
         attention_backend=AttnBackend.auto if on_gpu else AttnBackend.local,
     )
+    if p.cuda_graph_impl is not CudaGraphImpl.none and on_gpu:  # CUDA graphs capture CUDA streams only
+        kwargs.update(cuda_graph_impl=p.cuda_graph_impl.value, cuda_graph_scope=list(p.graph_scopes()))
     if p.recompute is Recompute.selective:
         kwargs.update(recompute_granularity="selective",
                       recompute_modules=[m.value for m in recompute_modules(p.recompute_modules)])
@@ -119,6 +122,8 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
             moe_aux_loss_coeff=m.moe_aux_loss_coeff,
             moe_router_load_balancing_type="aux_loss" if m.moe_aux_loss_coeff > 0 else "none",
             moe_token_dispatcher_type=m.moe_token_dispatcher.value,
+            moe_expert_capacity_factor=m.moe_expert_capacity_factor,
+            moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
             moe_grouped_gemm=on_gpu and transformer_engine_available(),
             moe_router_dtype="fp32",
             moe_shared_expert_overlap=p.moe_shared_expert_overlap,

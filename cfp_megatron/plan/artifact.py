@@ -110,21 +110,27 @@ class PlanPrediction:
     analytical: tuple[str, ...] = ()
     """What the prediction reads that the profile did not measure (``dense tp2-sp``), priced by the analytical
     model instead; empty when all was measured (or nothing was: a preflight without a profile)."""
+    choice: tuple[str, ...] = ()
+    """Why the planner chose this plan among the top plans, one sentence each (the fastest, or one whose margin
+    behind it is inside the error band and whose prediction rests on more evidence:
+    :mod:`cfp_megatron.search.choice`); empty for the plans it did not choose and in older plan.json files."""
 
     def to_json(self) -> dict[str, Any]:
         """The prediction as a JSON-ready mapping."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {**out, "analytical": list(self.analytical)}
+        return {**out, "analytical": list(self.analytical), "choice": list(self.choice)}
 
     @classmethod
     def of(cls, prediction: Prediction, peak_tflops: float | None,
-           band: ErrorBand | None = None, analytical: tuple[str, ...] = ()) -> PlanPrediction:
-        """What plan.json keeps of a simulator prediction (MFU against ``peak_tflops``, TFLOP/s per GPU) and its
-        error ``band``."""
+           band: ErrorBand | None = None, analytical: tuple[str, ...] = (),
+           choice: tuple[str, ...] = ()) -> PlanPrediction:
+        """What plan.json keeps of a simulator prediction (MFU against ``peak_tflops``, TFLOP/s per GPU), its
+        error ``band``; ``choice``: why the planner chose it (empty for the plans it did not choose)."""
         return cls(step_time_s=prediction.step_time_s, tokens_per_s_per_gpu=prediction.tokens_per_s_per_gpu,
                    mfu=mfu(prediction, peak_tflops), peak_memory_gib=prediction.memory.total / GIB,
                    bubble_fraction=prediction.bubble_fraction, exposed_comm_s=exposed_comm_s(prediction),
-                   error_band_pct=band.pct if band is not None else None, analytical=tuple(analytical))
+                   error_band_pct=band.pct if band is not None else None, analytical=tuple(analytical),
+                   choice=tuple(choice))
 
     @classmethod
     def from_json(cls, d: Any) -> PlanPrediction:
@@ -133,14 +139,14 @@ class PlanPrediction:
             raise PlanError(f"plan.json's prediction must be a mapping or null, not {type(d).__name__}.",
                             fix="re-plan to write a fresh plan.json.")
         names = [f.name for f in dataclasses.fields(cls)]
-        later = ["error_band_pct", "analytical"]  # added after plans were saved: an earlier plan.json has none
+        later = ["error_band_pct", "analytical", "choice"]  # added after plans were saved: older files lack them
         _check_keys(d, required=[n for n in names if n not in later], where="plan.json's prediction", optional=later)
         values: dict[str, Any] = {}
         for name in names:
             value = d.get(name)
-            if name == "analytical":
+            if name in ("analytical", "choice"):
                 if not isinstance(value, list | type(None)) or not all(isinstance(v, str) for v in value or []):
-                    raise PlanError(f"plan.json's prediction.analytical={value!r} is not a list of strings.",
+                    raise PlanError(f"plan.json's prediction.{name}={value!r} is not a list of strings.",
                                     fix="re-plan to write a fresh plan.json.")
                 values[name] = tuple(value or ())
                 continue
@@ -347,6 +353,8 @@ class Plan:
         parts += [f"{k}{getattr(p, k)}" for k in ("cp", "ep") if getattr(p, k) > 1]
         modules = f"[{p.recompute_modules}]" if p.recompute_modules is not None else ""
         parts += [f"mb{self.micro_batch_size}", f"rc={p.recompute.value}{modules}"]
+        if p.cuda_graph_impl.value != "none":
+            parts.append(f"cg={p.cuda_graph_impl.value}" + (f"[{p.cuda_graph_scope}]" if p.cuda_graph_scope else ""))
         return " ".join(parts + (["dopt"] if p.distributed_optimizer else []))
 
     # ------------------------------------------------------------------------------------------------- building

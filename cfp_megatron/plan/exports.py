@@ -165,6 +165,8 @@ _MEGATRON_RULES: dict[str, Callable[[Plan, int | None], list[str]]] = {
     "recompute_method": lambda plan, num_layers: [],
     "order": _order_args,
     "grad_reduce_in_fp32": lambda plan, num_layers: [],  # written with the precision
+    "cuda_graph_scope": lambda plan, num_layers: (["--cuda-graph-scope", *plan.parallel.graph_scopes()]
+                                                  if plan.parallel.cuda_graph_scope is not None else []),
 }
 """How the ParallelSpec fields whose LayoutKey says ``megatron=""`` become Megatron-LM arguments."""
 

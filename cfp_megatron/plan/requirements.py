@@ -7,7 +7,7 @@ cluster says up front that, for example, its context parallelism runs only on Tr
 from __future__ import annotations
 
 from cfp_megatron.base.backend_spec import BackendKind
-from cfp_megatron.base.config import AttentionKind, MlpPartition, ModelSpec, TokenDispatcher
+from cfp_megatron.base.config import AttentionKind, CudaGraphImpl, MlpPartition, ModelSpec, TokenDispatcher
 from cfp_megatron.plan.artifact import Plan
 
 
@@ -30,6 +30,11 @@ def plan_requirements(plan: Plan, model: ModelSpec) -> tuple[str, ...]:
         needs.append("DeepEP and a GPU: model.moe_token_dispatcher=flex (DeepEP's dispatch/combine kernels)")
     if p.moe_a2a_overlap:
         needs.append("a GPU: parallel.moe_a2a_overlap=true (the expert all-to-all overlap runs on CUDA streams)")
+    if p.cuda_graph_impl is CudaGraphImpl.transformer_engine:
+        needs.append("Transformer Engine and a GPU: parallel.cuda_graph_impl=transformer_engine (its "
+                     "make_graphed_callables captures the layers)")
+    elif p.cuda_graph_impl is CudaGraphImpl.local:
+        needs.append("a GPU: parallel.cuda_graph_impl=local (CUDA graphs capture CUDA streams)")
     if p.mlp is MlpPartition.primepar:
         needs.append("cfp-megatron's trainer (launch/train.py): parallel.mlp=primepar (Megatron-LM's scripts have "
                      "no PrimePar MLP)")

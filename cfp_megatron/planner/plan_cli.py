@@ -100,6 +100,13 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     console.print(f"planning {job.model.name} on {world} x {cluster.device_name} ({cluster.name}), global batch "
                   f"{job.train.global_batch_size} x {job.train.seq_length} tokens"
                   + ("" if measurements is None else f", measurements {key}"))
+    if job.model.is_moe:  # how its experts take their tokens (model.moe_expert_capacity_factor), priced as it runs
+        m = job.model
+        console.print("MoE routing: " + ("dropless (the token counts reach the host in every MoE layer)"
+                                         if m.moe_dropless else
+                                         f"token-drop at capacity factor {m.moe_expert_capacity_factor:g}"
+                                         + (", padded to capacity" if m.moe_pad_expert_input_to_capacity else "")),
+                      markup=False, soft_wrap=True)
     for line in default_lines(defaults_used(args.overrides, cfg, world=world, on_gpu=not cluster.on_cpu)):
         console.print(line, markup=False, soft_wrap=True)
     for line in identity_warnings(cluster):  # a generation missing or unknown: whose efficiencies price it instead

@@ -87,17 +87,19 @@ def current_fingerprint(*, world_size: int, nodes: int, backend: str) -> Fingerp
         cpu_cores=None if on_gpu else os.cpu_count())
 
 
-KEYED_WHEN_SET = ("window_size", "window_attn_skip_freq")
-"""Model fields added after profiles were stored: they enter :func:`model_key` only when set, so a model that does
-not use them keeps the key (and the profile) it had before they existed. A new optional model field goes here."""
+KEYED_WHEN_SET: dict[str, object] = {"window_size": None, "window_attn_skip_freq": None,
+                                     "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False}
+"""Model fields added after profiles were stored, with their defaults: they enter :func:`model_key` only when set
+to something else, so a model that does not use them keeps the key (and the profile) it had before they existed. A
+new model field goes here."""
 
 
 def model_key(job: JobSpec, *, on_gpu: bool) -> str:
     """Key of what segment times depend on: model shape, sequence length, precision."""
     model = json_plain(job.model)
     model.pop("mtp_loss_scaling_factor")  # a loss weight times nothing (and profiles from before it keep their key)
-    for name in KEYED_WHEN_SET:
-        if model[name] is None:
+    for name, default in KEYED_WHEN_SET.items():
+        if model[name] == default:
             model.pop(name)
     payload = {"model": model, "seq_length": job.train.seq_length,
                "precision": resolve_precision(job.train.precision, on_gpu).value}

@@ -12,7 +12,9 @@ activations its in-flight micro-batches keep at least, then the memory model), t
 simulated unless a second bound with its exact passes, gradient sync and optimizer already exceeds the k-th best
 (:func:`~cfp_megatron.sim.simulate.simulate_unless_slower`). The visit stops at the first bound above the k-th best
 step time found, since every later candidate is provably slower. The result equals an exhaustive search's (tested on
-random spaces). Ties are broken by the candidate's key, so the answer is the same in every process.
+random spaces). Ties are broken by the candidate's key, so the answer is the same in every process. Which of the
+top-k runs (the fastest, unless a plan inside its error band rests on more evidence) is decided after the search, on
+the top-k alone: :mod:`cfp_megatron.search.choice`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from cfp_megatron.base.pipeline_layout import balanced_layout
 from cfp_megatron.base.pipeline_split import chunk_layers
 from cfp_megatron.cluster.measured import Measurements, partition_name, unmeasured_partitions
 from cfp_megatron.search import driver
+from cfp_megatron.search.choice import Choice, choose
 from cfp_megatron.search.space import (
     BLOCK,
     FAMILY_FIELDS,
@@ -49,7 +52,7 @@ from cfp_megatron.search.space import (
 )
 from cfp_megatron.sim.bounds import GroupCosts, group_bound, group_costs, layer_terms, time_bound
 from cfp_megatron.sim.layout import Layout, place
-from cfp_megatron.sim.memory import in_flight, layer_activation_bytes
+from cfp_megatron.sim.memory import in_flight, layer_activation_bytes, memory_band
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache, cost_key
 from cfp_megatron.sim.prediction import GIB, MemoryBreakdown, Prediction
@@ -82,7 +85,7 @@ class SearchResult:
     """What a search found and how much work it took."""
 
     ranked: tuple[Ranked, ...]
-    """The best plans that fit, fastest first (at most ``cfp.top_k``)."""
+    """The best plans that fit, fastest first (at most ``cfp.top_k``); :attr:`best` is the one chosen to run."""
     rejected: tuple[Rejection, ...]
     """Knob values and families ruled out, with reasons."""
     space_size: int
@@ -98,7 +101,8 @@ class SearchResult:
     pruned: int
     """Candidates not simulated in full because a lower bound on their step time exceeded the k-th best."""
     memory_limit_gib: float | None
-    """Peak memory a plan may predict per GPU (HBM less the headroom); ``None`` without a known capacity."""
+    """Peak memory a plan may predict per GPU (HBM less the headroom, or over the allocator band's upper end where
+    that leaves less); ``None`` without a known capacity."""
     least_over_gib: float | None
     """The least memory per GPU (GiB) a candidate over the limit was found to need (a lower bound where its weights
     alone were over); ``None`` when none was over."""
@@ -106,17 +110,27 @@ class SearchResult:
     """Wall time of the search."""
     world: int
     """Ranks."""
+    choice: Choice | None = None
+    """Which of :attr:`ranked` to run and why (:func:`~cfp_megatron.search.choice.choose`); ``None`` without plans
+    (the fastest is then :attr:`best`)."""
 
     @property
     def best(self) -> Ranked:
-        """The fastest plan that fits; raises :class:`~cfp_megatron.base.errors.ConfigError` naming what ruled the
-        layouts out (families that held plans first) when none does."""
+        """The chosen plan (:attr:`choice`: the fastest unless a plan inside its error band rests on more evidence);
+        raises :class:`~cfp_megatron.base.errors.ConfigError` naming what ruled the layouts out (families that held
+        plans first) when none fits."""
         if not self.ranked:
             first = sorted(self.rejected, key=lambda r: r.count == 0)[:8]
             raise ConfigError([ConfigIssue(key="cfp", value=r.what, problem=r.reason, fix=_NO_PLAN_FIX)
                                for r in first] or [ConfigIssue(key="cfp", value="", problem="no layout is left.",
                                                                fix=_NO_PLAN_FIX)])
-        return self.ranked[0]
+        return self.ranked[self.choice.index if self.choice is not None else 0]
+
+    @property
+    def preferred(self) -> tuple[Ranked, ...]:
+        """:attr:`ranked` with the chosen plan first, the others fastest first (the order plans are offered in)."""
+        first = self.choice.index if self.choice is not None else 0
+        return self.ranked[first:first + 1] + self.ranked[:first] + self.ranked[first + 1:]
 
 
 _NO_PLAN_FIX = "relax the cfp pins and constraints, lower cfp.constraints.memory_headroom, or add GPUs."
@@ -140,7 +154,8 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
         rejected.append(Rejection(what=_family_label(Family.of_prefix(prefix), world), count=len(sizes),
                                   reason=f"{len(sizes)} plan(s) checked need {min(sizes):.1f} GiB or more per GPU, "
                                          f"over the {space.limit:.1f} GiB allowed"))
-    return SearchResult(ranked=tuple(r.result for r in found.ranked), rejected=tuple(rejected),
+    ranked = tuple(r.result for r in found.ranked)
+    return SearchResult(ranked=ranked, rejected=tuple(rejected), choice=choose(ranked, world, space.options),
                         space_size=space.size, simulated=found.simulated, memory_checked=found.checked,
                         over_memory=found.over_memory, invalid=found.refused,
                         pruned=space.size - found.visited + found.slower, memory_limit_gib=space.limit,
@@ -188,8 +203,10 @@ class MegatronSpace:
             space = dataclasses.replace(space, primepar=timed)
         cache = CostCache.for_job(job, measurements, options)
         limit = None
-        if job.cluster.hbm_gib is not None:
-            limit = job.cluster.hbm_gib * (1.0 - cfp.constraints.memory_headroom)
+        if job.cluster.hbm_gib is not None:  # the headroom, and the prediction's upper band (the allocator's share)
+            # in the GPU's memory: two reserves for one thing (the headroom names fragmentation), the larger applies
+            limit = job.cluster.hbm_gib * min(1.0 - cfp.constraints.memory_headroom,
+                                              1.0 / memory_band(job.cluster).high)
         groups, invalid_groups, size = _groups(space, job, measurements, options, cache)
         return cls(job=job, world=world, space=space, measurements=measurements, options=options, cache=cache,
                    limit=limit, groups=groups, invalid_groups=invalid_groups, size=size,

@@ -36,9 +36,6 @@ class Efficiency:
     """Share of HBM bandwidth reached by memory-bound kernels (norms, activations, residuals, optimizer)."""
     layer_overhead_s: float
     """Fixed seconds per transformer layer and pass (forward or backward) on top of the kernels' work."""
-    moe_token_elements: float
-    """HBM traffic of MoE routing per routed token copy and pass, in units of the hidden size (permute, unpermute,
-    probability scaling, padding of the grouped GEMM inputs, router top-k)."""
     optimizer_bytes_per_param: float
     """HBM bytes moved per (local) parameter by the optimizer step: Adam update, gradient-norm and clipping,
     zeroing gradient buffers, copying fp32 master weights back to the compute precision."""

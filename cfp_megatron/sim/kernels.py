@@ -3,6 +3,12 @@ the attention core, memory-bound element-wise work; and the element sizes (bytes
 
 from __future__ import annotations
 
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
 from cfp_megatron.base.config import ClusterSpec, JobSpec, Precision, resolve_precision
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.cluster.measured import Measurements
@@ -12,6 +18,29 @@ _FALLBACK_PEAK_TFLOPS = 1.0
 """Peak TFLOP/s assumed for a cluster that states none."""
 _FALLBACK_HBM_GBPS = 50.0
 """Memory bandwidth in GB/s assumed for a cluster that states none."""
+GROUPED_GEMM_FILE = Path(__file__).with_name("grouped_gemm.json")
+"""The tile, launch cost and large-size rate of the grouped expert GEMMs, with their sources."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupedGemmShape:
+    """What prices one grouped expert GEMM (:data:`GROUPED_GEMM_FILE`)."""
+
+    tile: tuple[int, int, int]
+    """(m, n, k) of one tile: output rows, output columns, reduction step."""
+    launch_s: float
+    """Fixed seconds of one grouped GEMM whatever its size (its launch and set-up, measured)."""
+    plateau_vs_dense: float
+    """Its rate on large shapes over the dense GEMM rate (measured on one GPU)."""
+
+
+@functools.cache
+def grouped_gemm_shape() -> GroupedGemmShape:
+    """The grouped expert GEMMs' tile, launch cost and large-size rate (:data:`GROUPED_GEMM_FILE`)."""
+    data = json.loads(GROUPED_GEMM_FILE.read_text())
+    tile = data["tile"]
+    return GroupedGemmShape(tile=(int(tile["m"]), int(tile["n"]), int(tile["k"])),
+                            launch_s=float(data["launch_s"]), plateau_vs_dense=float(data["plateau_vs_dense"]))
 
 
 def compute_precision(precision: Precision, cluster: ClusterSpec) -> Precision:
@@ -83,6 +112,9 @@ class KernelModel:
         self.fp8 = fp8
         self.fp8_flops_per_s = (cluster.clocked_peak_tflops("fp8") or 0.0) * 1e12 * efficiency.gemm_fp8
         self.mem_bytes_per_s = (cluster.hbm_bandwidth_gbps or _FALLBACK_HBM_GBPS) * 1e9 * efficiency.memory
+        self.sm_count = cluster.sm_count
+        self.on_cpu = cluster.on_cpu
+        self._grouped_cache: dict[tuple[int, float, float, float, bool, float | None], float] = {}
         self._cache: dict[tuple[int, int, int, bool], float] = {}
 
     def gemm(self, m: float, n: float, k: float, *, low_precision: bool = True) -> float:
@@ -106,6 +138,42 @@ class KernelModel:
             operand_bytes = (1 if use_fp8 else self.elem) * (m * k + k * n) + self.elem * m * n
             seconds = flops / rate + operand_bytes / self.mem_bytes_per_s
         self._cache[key] = seconds
+        return seconds
+
+    def grouped_gemm(self, groups: int, m: float, n: float, k: float, *, low_precision: bool = True,
+                     out_bytes: float | None = None) -> float:
+        """Seconds of ``groups`` GEMMs ``(m x k) @ (k x n)`` run as one grouped GEMM (one per local expert, ``m`` its
+        rows), from the kernel's shape rather than a fitted curve (:func:`grouped_gemm_shape`): a fixed launch cost,
+        then the longer of the arithmetic and the operand traffic at HBM speed (the kernel streams one under the
+        other). Each output is cut into tiles (a partial tile costs a whole one, and so does a partial step of
+        ``k``), the tiles of all groups run in waves of one per SM (``cluster.sm_count``; the last wave costs a whole
+        one), each at the measured share of the dense GEMM rate; each expert's weights are read once whatever its
+        rows (what bounds the GEMM at small ``m``). ``out_bytes``: bytes per output
+        element moved (default: the compute precision's, written once; a weight gradient accumulated into fp32 main
+        gradients reads and writes 4 + 4). A measured GEMM table wins, GEMM by GEMM; on a CPU cluster (no tiles, no
+        SMs: Megatron-Core's ``SequentialMLP`` loops over the experts) each expert is one :meth:`gemm`."""
+        if groups <= 0 or m <= 0 or n <= 0 or k <= 0:
+            return 0.0
+        key = (groups, m, n, k, low_precision, out_bytes)
+        hit = self._grouped_cache.get(key)
+        if hit is not None:
+            return hit
+        use_fp8 = self.fp8 and low_precision
+        if self.on_cpu or (self.measurements is not None and not use_fp8 and self.measurements.gemm_tflops(
+                int(m), int(n), int(k), self.dtype)):
+            seconds = groups * self.gemm(m, n, k, low_precision=low_precision)
+        else:
+            shape = grouped_gemm_shape()
+            tile_m, tile_n, tile_k = shape.tile
+            tiles = groups * math.ceil(m / tile_m) * math.ceil(n / tile_n)
+            if self.sm_count:
+                tiles = math.ceil(tiles / self.sm_count) * self.sm_count
+            flops = 2.0 * tiles * tile_m * tile_n * math.ceil(k / tile_k) * tile_k
+            rate = (self.fp8_flops_per_s if use_fp8 else self.gemm_flops_per_s) * shape.plateau_vs_dense
+            operand_bytes = groups * ((1 if use_fp8 else self.elem) * (m * k + k * n)
+                                      + (self.elem if out_bytes is None else out_bytes) * m * n)
+            seconds = shape.launch_s + max(flops / rate, operand_bytes / self.mem_bytes_per_s)
+        self._grouped_cache[key] = seconds
         return seconds
 
     def attention(self, flops: float) -> float:

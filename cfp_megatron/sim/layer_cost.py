@@ -40,12 +40,15 @@ class PassCost:
     """Expert all-to-all."""
     fsdp_comm_s: float = 0.0
     """Exposed FSDP parameter gather / gradient scatter."""
+    host_s: float = 0.0
+    """Host time the GPU work does not cover: launches beyond the pass's GPU time, synchronisations
+    (:mod:`cfp_megatron.sim.terms.host`; set per model chunk by the simulator, zero on one layer's cost)."""
 
     @property
     def total_s(self) -> float:
         """Wall time of the pass."""
         return (self.compute_s + self.attention_core_s + self.overhead_s + self.tp_comm_s + self.cp_comm_s
-                + self.ep_comm_s + self.fsdp_comm_s)
+                + self.ep_comm_s + self.fsdp_comm_s + self.host_s)
 
     @property
     def comm_s(self) -> float:
@@ -56,7 +59,7 @@ class PassCost:
         """Component-wise multiple: ``n`` layers of the same kind (a count, may be fractional)."""
         return PassCost(compute_s=n * self.compute_s, attention_core_s=n * self.attention_core_s,
                         overhead_s=n * self.overhead_s, tp_comm_s=n * self.tp_comm_s, cp_comm_s=n * self.cp_comm_s,
-                        ep_comm_s=n * self.ep_comm_s, fsdp_comm_s=n * self.fsdp_comm_s)
+                        ep_comm_s=n * self.ep_comm_s, fsdp_comm_s=n * self.fsdp_comm_s, host_s=n * self.host_s)
 
     def plus(self, other: PassCost) -> PassCost:
         """Component-wise sum."""
@@ -64,7 +67,7 @@ class PassCost:
                         attention_core_s=self.attention_core_s + other.attention_core_s,
                         overhead_s=self.overhead_s + other.overhead_s, tp_comm_s=self.tp_comm_s + other.tp_comm_s,
                         cp_comm_s=self.cp_comm_s + other.cp_comm_s, ep_comm_s=self.ep_comm_s + other.ep_comm_s,
-                        fsdp_comm_s=self.fsdp_comm_s + other.fsdp_comm_s)
+                        fsdp_comm_s=self.fsdp_comm_s + other.fsdp_comm_s, host_s=self.host_s + other.host_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,7 +176,8 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
     # after backward.
     fsdp_fwd = fsdp_bwd = 0.0
     fwd_compute = attn_gemm + mlp_gemm + elementwise
-    bwd_compute = 2.0 * (attn_gemm + mlp_gemm) + 2.0 * elementwise
+    mlp_bwd_gemm = moe_block.gemm_bwd_s if moe_block is not None else 2.0 * mlp_gemm
+    bwd_compute = 2.0 * attn_gemm + mlp_bwd_gemm + 2.0 * elementwise
     if options.fsdp:
         fsdp_fwd, fsdp_bwd = fsdp_comm(job, layout, costs, params=params, elem_bytes=elem_bytes,
                                        forward_window_s=fwd_compute + core_fwd,
@@ -185,10 +189,11 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         ep_alone = (moe_block.metadata_s + moe_block.dispatch_s, moe_block.dispatch_s)
         # The experts' share of the layer's computation (their GEMMs and element-wise traffic); the rest is the
         # attention side (attention, norms, router): the two windows moe_a2a_overlap hides the exchange behind.
-        mlp_fwd = mlp_gemm + kernels.memory(moe_block.elements_per_token * tokens * elem_bytes)
+        moe_elementwise = kernels.memory(moe_block.elements_per_token * tokens * elem_bytes)
+        mlp_fwd, mlp_bwd = mlp_gemm + moe_elementwise, mlp_bwd_gemm + 2.0 * moe_elementwise
         ep_fwd, ep_bwd = expert_comm(job, moe_block, attention_s=(fwd_compute + core_fwd - mlp_fwd,
-                                                                  bwd_compute + core_bwd - 2.0 * mlp_fwd),
-                                     experts_s=(mlp_fwd, 2.0 * mlp_fwd))
+                                                                  bwd_compute + core_bwd - mlp_bwd),
+                                     experts_s=(mlp_fwd, mlp_bwd))
 
     if primepar is not None:
         bwd_compute += primepar.backward_compute_s - 2.0 * primepar.forward_compute_s
@@ -214,21 +219,43 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
                      expert_params=expert_params, ep_alone_s=ep_alone)
 
 
+CROSS_ENTROPY_FP32_FORWARD_BYTES = 32.0
+"""HBM bytes per logit of Megatron-Core's unfused ``VocabParallelCrossEntropy`` forward on its fp32 copy of the
+logits (megatron/core/tensor_parallel/cross_entropy.py, 0.16.1): the max over the vocabulary reads it (4), the
+subtraction of the max (in place) reads and writes it (8), ``exp`` in place (8), the sum reads it (4), and the
+division by the sum that leaves the softmax kept for the backward reads and writes it (8). The predicted logit's
+gather, the log and the TP all-reduces touch one number per token."""
+CROSS_ENTROPY_FP32_BACKWARD_BYTES = 8.0
+"""HBM bytes per logit of its backward on the saved fp32 softmax: the one-hot subtraction touches one element per
+token, then ``grad_input.mul_(grad_output)`` reads and writes every logit (8)."""
+
+
+def cross_entropy_bytes(elem: int) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per logit of the vocabulary-parallel cross-entropy when the logits come in
+    ``elem``-byte elements: the fp32 passes (:data:`CROSS_ENTROPY_FP32_FORWARD_BYTES`,
+    :data:`CROSS_ENTROPY_FP32_BACKWARD_BYTES`) plus, for bf16/fp16 logits, ``calculate_logits_max``'s ``.float()``
+    (read ``elem``, write 4) and, in the backward, its cast of the fp32 gradient back (read 4, write ``elem``)."""
+    cast = elem + 4.0 if elem < 4 else 0.0
+    return CROSS_ENTROPY_FP32_FORWARD_BYTES + cast, CROSS_ENTROPY_FP32_BACKWARD_BYTES + cast
+
+
 def output_layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts) -> tuple[
         PassCost, PassCost]:
     """(forward, backward) seconds of the final norm, the vocabulary-parallel logits and the cross-entropy loss for
-    one micro-batch on one rank."""
+    one micro-batch on one rank (the loss' traffic: :func:`cross_entropy_bytes`)."""
     model, dims = job.model, layout.dims
     tokens = layout.micro_batch * layout.seq_length / dims.cp
     vocab_shard = model.padded_vocab_size / dims.tp
     gemm_s = kernels.gemm(tokens, vocab_shard, model.hidden_size)
-    loss_s = kernels.memory(tokens * vocab_shard * 4.0 * 3)  # fp32 logits: softmax read/write, gradient write
+    loss_fwd_bytes, loss_bwd_bytes = cross_entropy_bytes(kernels.elem)
+    loss_fwd_s = kernels.memory(tokens * vocab_shard * loss_fwd_bytes)
+    loss_bwd_s = kernels.memory(tokens * vocab_shard * loss_bwd_bytes)
     gather_s = 0.0
     if dims.tp > 1 and dims.sp:
         gather_s = costs.seconds(Collective.all_gather, tokens * model.hidden_size * kernels.elem, dims.tp,
                                  layout.tp_per_node)
-    return (PassCost(compute_s=gemm_s + loss_s, tp_comm_s=gather_s),
-            PassCost(compute_s=2 * gemm_s + loss_s, tp_comm_s=gather_s))
+    return (PassCost(compute_s=gemm_s + loss_fwd_s, tp_comm_s=gather_s),
+            PassCost(compute_s=2 * gemm_s + loss_bwd_s, tp_comm_s=gather_s))
 
 
 def embedding_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts) -> tuple[

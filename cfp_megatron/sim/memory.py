@@ -5,11 +5,15 @@ counts and the measured activations (docs/simulator.md, "memory.py")."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from cfp_megatron.base.config import (
     Activation,
     AttentionKernel,
+    ClusterSpec,
     JobSpec,
     MlpPartition,
     ModelSpec,
@@ -18,6 +22,7 @@ from cfp_megatron.base.config import (
     RecomputeMethod,
     RecomputeModule,
 )
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.pipeline_split import job_chunks
 from cfp_megatron.cluster.measured import Measurements, SegmentMemory, partition_name
 from cfp_megatron.sim.kernels import element_bytes
@@ -26,6 +31,39 @@ from cfp_megatron.sim.measured_memory import measured_memory, peak_activation_by
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.primepar_cost import megatron_twin, primepar_stash_saving, primepar_weight_copies
 from cfp_megatron.sim.sharding import Sharding
+
+BAND_FILE = Path(__file__).with_name("memory_band.json")
+"""The allocator's band on the predicted memory of a GPU rank, measured (its ``source`` and ``measured``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBand:
+    """What a GPU rank holds against the memory model's prediction, as multiples of it (:data:`BAND_FILE`)."""
+
+    low: float
+    """The least: every tensor the model counts is allocated (the allocator adds nothing)."""
+    high: float
+    """The most: the caching allocator's reserved over allocated bytes, as measured."""
+
+    def __post_init__(self) -> None:
+        """Raises :class:`ConfigError` for a band that is not ``0 < low <= high``."""
+        if not 0.0 < self.low <= self.high:
+            raise ConfigError(ConfigIssue(key=str(BAND_FILE), value=(self.low, self.high),
+                                          problem="the band must hold 0 < low <= high.",
+                                          fix="restore the file (python bench/allocator_share.py measures high)."))
+
+
+@functools.cache
+def _gpu_band() -> MemoryBand:
+    with BAND_FILE.open() as fh:
+        data = json.load(fh)
+    return MemoryBand(low=float(data["low"]), high=float(data["high"]))
+
+
+def memory_band(cluster: ClusterSpec) -> MemoryBand:
+    """The allocator's band for a rank of ``cluster``: the measured caching allocator's on a GPU, none (1, 1) on a CPU
+    cluster, whose ranks allocate with the C library (docs/simulator.md, "Allocator band")."""
+    return MemoryBand(low=1.0, high=1.0) if cluster.on_cpu else _gpu_band()
 
 
 def layer_extra_params(job: JobSpec, layout: Layout) -> float:
@@ -59,74 +97,108 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
     replicated_share = 1.0 / tp if sp else 1.0  # of the tensors replicated over TP unless SP
     hidden_mask = 1.0 if model.hidden_dropout > 0 else 0.0
     primepar = not moe and job.parallel.mlp is MlpPartition.primepar and tp > 1
+    elem = float(element_bytes(job))  # an activation element in the compute precision (bf16: 2, fp32: 4)
     # Bytes per element of an input a linear layer keeps for its weight gradient: Transformer Engine's FP8 layers
     # keep the one-byte FP8 copy their forward GEMM read (PrimePar's MLP and the MoE router run in bf16).
-    linear_input_bytes = 1.0 if options.fp8 else 2.0
+    linear_input_bytes = 1.0 if options.fp8 else elem
     # A dense TE fc1 keeps its fused norm's output; the router reads bf16.
-    mlp_input_bytes = 2.0 if moe or primepar else linear_input_bytes
+    mlp_input_bytes = elem if moe or primepar else linear_input_bytes
     recompute = job.parallel.recompute if recompute is None else recompute
     # Selective recomputation's submodules (parallel.recompute_modules) keep none of what they recompute.
     modules = job.parallel.recomputed_modules if recompute is Recompute.selective else frozenset()
     # Replicated over TP unless SP: two norm inputs, QKV input, MLP input (the norms' outputs), two dropout masks.
     norm_outputs = 0.0 if RecomputeModule.layernorm in modules else (linear_input_bytes + mlp_input_bytes) * hidden
-    per_token = (2 * hidden + 2 * hidden + norm_outputs + 2 * hidden_mask * hidden) * replicated_share
-    # Split over TP: Q, K, V (MLA's up-projected ones are recomputed with mla_up_proj), attention output.
-    qkv = 0.0 if RecomputeModule.mla_up_proj in modules else 2 * q_width + 2 * kv_width + 2 * kv_width
+    per_token = (elem * hidden + elem * hidden + norm_outputs + 2 * hidden_mask * hidden) * replicated_share
+    # Split over TP: Q, K, V (MLA's up-projected ones are recomputed with mla_up_proj), attention output. An unfused
+    # core (Megatron-Core's DotProductAttention) repeats K and V to every head before its GEMMs, which keep them.
+    kv_kept = kv_width if options.flash_attention else max(kv_width, q_width)
+    qkv = 0.0 if RecomputeModule.mla_up_proj in modules else elem * (q_width + 2 * kv_kept)
     per_token += (qkv + linear_input_bytes * q_width) / tp
-    if recompute is not Recompute.full and RecomputeModule.core_attn not in modules:  # the core keeps its scores
-        per_token += heads * layout.seq_length * _kept_bytes_per_score(model, options) / tp
+    if RecomputeModule.core_attn not in modules:  # the core keeps its scores (a fully recomputed layer makes them
+        # again in its backward pass: its working set, docs/simulator.md "memory.py")
+        per_token += heads * layout.seq_length * _kept_bytes_per_score(model, options, elem) / tp
     gated = model.activation is Activation.swiglu
     if moe:
         expert_ffn = model.moe_ffn_hidden_size or model.ffn_size
         # Token copies per local token on the busiest expert rank.
-        routed = model.moe_router_topk * dims.etp / tp * options.moe_routing_imbalance
+        routed = model.moe_router_topk * dims.etp / tp * model.expert_load(options.moe_routing_imbalance)
         whole = RecomputeModule.moe in modules  # the block keeps only its input (the norm's output, above)
         act_output = 0.0 if RecomputeModule.moe_act in modules else linear_input_bytes * expert_ffn / dims.etp
         if not whole:
-            per_token += routed * (linear_input_bytes * hidden + 2 * expert_ffn * (2 if gated else 1) / dims.etp
+            per_token += routed * (linear_input_bytes * hidden + elem * expert_ffn * (2 if gated else 1) / dims.etp
                                    + act_output)
         shared_ffn = model.moe_shared_expert_intermediate_size or 0
         if not (whole or RecomputeModule.shared_experts in modules):
-            per_token += (2 * shared_ffn * (2 if gated else 1) + linear_input_bytes * shared_ffn) / tp
+            per_token += (elem * shared_ffn * (2 if gated else 1) + linear_input_bytes * shared_ffn) / tp
     elif RecomputeModule.mlp not in modules:  # a recomputed dense MLP keeps only its input (the norm's output)
-        fc2_input_bytes = 2.0 if primepar else linear_input_bytes
-        per_token += (2 * model.ffn_size * (2 if gated else 1) + fc2_input_bytes * model.ffn_size) / tp
+        fc2_input_bytes = elem if primepar else linear_input_bytes
+        per_token += (elem * model.ffn_size * (2 if gated else 1) + fc2_input_bytes * model.ffn_size) / tp
         if gated and job.cluster.on_cpu:
             # Unfused SwiGLU (the fusion is CUDA-only): it also keeps SiLU's output and the linear half it multiplies.
-            per_token += 2 * 2 * model.ffn_size / tp
+            per_token += 2 * elem * model.ffn_size / tp
         if primepar:
             # fc1's input kept as one block of the grid, not replicated; the rotated weight blocks kept from the
             # forward to the backward pass (cfp_megatron.sim.primepar_cost).
-            per_token -= primepar_stash_saving(tp=tp, tokens=1.0, hidden=hidden, elem=2.0, sp=sp)
+            per_token -= primepar_stash_saving(tp=tp, tokens=1.0, hidden=hidden, elem=elem, sp=sp)
             per_token += primepar_weight_copies(tp=tp, hidden=hidden, ffn=model.ffn_size, gated=gated,
-                                                elem=2.0) / tokens
-    full_recompute_bytes = tokens * hidden * 2 * replicated_share  # the layer's input only
+                                                elem=elem) / tokens
+    full_recompute_bytes = tokens * hidden * elem * replicated_share  # the layer's input only
     return tokens * per_token, full_recompute_bytes
 
 
-def _kept_bytes_per_score(model: ModelSpec, options: SimOptions) -> float:
-    """Bytes an attention core keeps for its backward pass per ``s x s`` score: none for a fused (flash) kernel; the
-    bf16 probabilities the context GEMM reads, or with dropout the softmax output, the dropout's mask and its output;
-    PyTorch's fp32 softmax (no fused kernel) also keeps its fp32 output."""
+def _kept_bytes_per_score(model: ModelSpec, options: SimOptions, elem: float) -> float:
+    """Bytes an attention core keeps for its backward pass per ``s x s`` score (``elem``-byte activations): none
+    for a fused (flash) kernel; the probabilities the context GEMM reads, or with dropout the softmax output, the
+    dropout's mask and its output; PyTorch's fp32 softmax (no fused kernel) also keeps its fp32 output (in fp32, the
+    probabilities themselves)."""
     if options.flash_attention:
         return 0.0
     mask = 1.0 if model.attention_dropout > 0 else 0.0
-    return 4 + 2 + mask if options.attention is AttentionKernel.torch_softmax else 2 + 3 * mask
+    if options.attention is AttentionKernel.torch_softmax:
+        return 4 + (elem if elem != 4 else 0.0) + mask
+    return elem + mask * (1 + elem)
 
 
 def unfused_attention_working_bytes(job: JobSpec, layout: Layout, options: SimOptions) -> float:
     """Bytes an unfused attention core holds for a moment in one layer's backward pass on one rank, beyond what the
-    model keeps: the scores' gradient through the softmax (bf16 in and out of the fused softmax kernel; PyTorch's fp32
-    softmax takes and returns fp32 gradients, 4 + 4 bytes a score), plus the scores themselves where selective
-    recomputation recomputes the core. Zero for a fused (flash) kernel."""
+    model keeps: the scores' gradient through the softmax (in and out of the fused softmax kernel in the compute
+    precision; PyTorch's fp32 softmax takes and returns fp32 gradients, 4 + 4 bytes a score), plus the scores
+    themselves where selective recomputation recomputes the core. Zero for a fused (flash) kernel."""
     if options.flash_attention:
         return 0.0
     model, dims = job.model, layout.dims
-    per_score = 8.0 if options.attention is AttentionKernel.torch_softmax else 4.0
+    elem = float(element_bytes(job))
+    per_score = 8.0 if options.attention is AttentionKernel.torch_softmax else 2 * elem
     if RecomputeModule.core_attn in job.parallel.recomputed_modules:
-        per_score += _kept_bytes_per_score(model, options)
+        per_score += _kept_bytes_per_score(model, options, elem)
     scores = layout.micro_batch * model.num_attention_heads * (layout.seq_length / dims.cp) * layout.seq_length
     return scores * per_score / dims.tp
+
+
+LOSS_SOFTMAX_BYTES = 4.0
+"""Bytes per logit Megatron-Core's vocab-parallel cross entropy keeps from its forward to its backward pass: its fp32
+softmax, made in place in an fp32 copy of the logits (``tensor_parallel/cross_entropy.py``: ``calculate_logits_max``
+casts with ``.float()``, ``calculate_predicted_logits`` and ``calculate_cross_entropy_loss`` work in place,
+``save_for_backward(exp_logits, ...)``); its backward turns that buffer into the gradient in place."""
+
+
+def loss_bytes_per_logit(elem_bytes: float, mtp_layers: int = 0) -> float:
+    """Bytes per logit (``tokens x vocab / tp`` on the loss rank) at the loss's peak: the fp32 softmax of the head
+    and of each MTP layer (:data:`LOSS_SOFTMAX_BYTES`), kept until the backward pass, and one logit tensor in the
+    compute precision beside one of them (the head's output while the forward casts it, its gradient while the
+    backward casts the fp32 gradient back); in fp32 the cast is the tensor itself, so nothing beside it."""
+    return LOSS_SOFTMAX_BYTES * (1 + mtp_layers) + (elem_bytes if elem_bytes != LOSS_SOFTMAX_BYTES else 0.0)
+
+
+def loss_logit_bytes(stage: Stage) -> float:
+    """Bytes of the loss's logits on one rank of ``stage`` at the loss's peak (zero off the loss rank): ``tokens x
+    vocab / tp`` logits of :func:`loss_bytes_per_logit` each, the head's and each MTP layer's. The backward pass
+    frees them before any layer's backward runs (docs/simulator.md, "memory.py")."""
+    if not stage.last:
+        return 0.0
+    model, dims = stage.job.model, stage.layout.dims
+    return (stage.common.tokens * model.padded_vocab_size / dims.tp
+            * loss_bytes_per_logit(stage.common.elem_bytes, model.mtp_num_layers))
 
 
 def in_flight(rank: int, pp: int, vpp: int, microbatches: int) -> int:

@@ -16,6 +16,7 @@ from cfp_megatron.base.config import ClusterSpec, JobSpec, MlpPartition, Paralle
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Measurements, StepOverheads, partition_name
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
+from cfp_megatron.sim.host_costs import HostCosts, host_costs
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layer_cost import (
     LayerCost,
@@ -70,12 +71,18 @@ class PassCosts:
     mtp_projection_params: float = 0.0
     """Parameters of those parts on one rank (the projection and the norms; the embedding table is counted where
     the chunk holds one)."""
+    host: HostCosts | None = None
+    """The host's seconds per layer kind and pass (:func:`~cfp_megatron.sim.host_costs.host_costs`), which the
+    simulator sets against each model chunk's GPU time (:mod:`cfp_megatron.sim.terms.host`); ``None`` where the host
+    is not priced apart: on a CPU cluster (the host is the device) and where measured decoder-layer times stand in
+    (the probes' timings hold the host's launches; measurements that time no layer of the plan leave it priced)."""
 
 
 def comm_options(parallel: ParallelSpec) -> tuple[Any, ...]:
-    """The plan's communication options the layer costs read (CP exchange type, expert and TP overlaps)."""
+    """The plan's communication options the layer costs read (CP exchange type, expert and TP overlaps), and its CUDA
+    graphs (the host's launches, :attr:`PassCosts.host`)."""
     return (parallel.cp_comm_type, parallel.tp_comm_overlap, parallel.moe_a2a_overlap,
-            parallel.moe_shared_expert_overlap)
+            parallel.moe_shared_expert_overlap, parallel.cuda_graph_impl, parallel.cuda_graph_scope)
 
 
 def cost_key(layout: Layout, recompute: Recompute, options: SimOptions,
@@ -152,6 +159,7 @@ def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         embedding = embedding_cost(job, layout, kernels, costs)
         head = output_layer_cost(job, layout, kernels, costs)
     overheads = None
+    analytical_layers = (dense, moe)
     if options.use_measured_segments:
         dense, moe, measured_embedding, measured_head = apply_measured(job, measurements, layout.micro_batch, dense,
                                                                        moe, embedding, head)
@@ -172,8 +180,12 @@ def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
     mtp = (PassCost(), PassCost(), 0.0)
     if model.mtp_num_layers and not options.measured_layer_only:
         mtp = mtp_projection_cost(job, layout, kernels, costs)
+    host = None
+    if not job.cluster.on_cpu and dense is analytical_layers[0] and moe is analytical_layers[1]:
+        # priced apart only where no measured layer time stands in (a probe's timing holds the host's launches)
+        host = host_costs(job, local_experts=(model.num_experts or 1) // layout.dims.ep)
     return PassCosts(dense=dense, megatron_dense=None, moe=moe, embedding=embedding, head=head, per_pass=per_pass,
-                     overheads=overheads, mtp_projection=mtp[:2], mtp_projection_params=mtp[2])
+                     overheads=overheads, mtp_projection=mtp[:2], mtp_projection_params=mtp[2], host=host)
 
 
 def _step_overheads(job: JobSpec, measurements: Measurements, micro_batch: int) -> StepOverheads | None:

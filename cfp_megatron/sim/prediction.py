@@ -19,7 +19,8 @@ class EventKind(enum.Enum):
     backward = "backward"
     """A backward pass's compute (with its recomputation)."""
     comm = "comm"
-    """Exposed collective communication (TP/SP, CP, EP, FSDP) inside a forward or backward pass."""
+    """Exposed collective communication (TP/SP, CP, EP, FSDP) inside a forward or backward pass, and the host's
+    exposed launches and syncs (``host`` among its collectives)."""
     dp_sync = "dp_sync"
     """Data-parallel gradient reduction (and parameter all-gather) left exposed after the backward pass."""
     optimizer = "optimizer"
@@ -48,7 +49,7 @@ class Event:
     """For a ``comm`` event: its seconds per kind of collective (``tp``, ``cp``, ``ep``, ``fsdp``), in the order they
     are drawn, adding up to the event's length; empty where the split is not known."""
     lane: str = ""
-    """For an after-schedule event: the breakdown lane it is (``dp_comm_s``, ``optimizer_s``, ``host_s``)."""
+    """For an after-schedule event: the breakdown lane it is (``dp_comm_s``, ``optimizer_s``, ``host_step_s``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,7 +79,10 @@ class TimeBreakdown:
     optimizer_s: float
     """Optimizer step."""
     host_s: float = 0.0
-    """Host work the GPU work does not cover (launches, synchronisations; not modelled yet)."""
+    """Host work inside the passes the GPU work does not cover (kernel launches beyond a pass's GPU time, the
+    dropless MoE dispatcher's synchronisations)."""
+    host_step_s: float = 0.0
+    """Host work once per step outside the passes (its synchronisations)."""
     extra: tuple[tuple[str, float], ...] = ()
     """Lanes of cost terms registered beyond these fields (name, seconds)."""
 

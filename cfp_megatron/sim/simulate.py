@@ -25,6 +25,7 @@ from cfp_megatron.sim.prediction import GIB, Event, EventKind, MemoryBreakdown, 
 from cfp_megatron.sim.primepar_cost import megatron_twin
 from cfp_megatron.sim.schedule import ScheduleResult, dependency_floors, rank_order, run_schedule
 from cfp_megatron.sim.terms import TERMS, Placement, StepInputs, StepTimes
+from cfp_megatron.sim.terms.host import with_host
 from cfp_megatron.sim.terms.pipeline import exchange_fit, shared_cores_schedule
 
 
@@ -357,6 +358,12 @@ def _pass_grid(job: JobSpec, dims: ParallelDims, parts: PassCosts
                     # The schedule's cost per micro-batch beyond the segments (StepOverheads.per_microbatch_s), paid
                     # by the stages that feed the batch in and compute the loss (cfp_megatron.sim.pass_costs).
                     fwd_cost, bwd_cost = fwd_cost.plus(per_pass), bwd_cost.plus(per_pass)
+                if parts.host is not None:  # the host's launches and syncs against the GPU's time (terms.host)
+                    mtp_moe = chunk.mtp if model.is_moe else 0
+                    fwd_cost, bwd_cost = with_host(
+                        parts.host, fwd_cost, bwd_cost, rec_cost, dense=chunk.dense + chunk.mtp - mtp_moe,
+                        moe=chunk.moe + mtp_moe, embedding=chunk.embedding, heads=heads if chunk.loss else 0,
+                        rec_dense=rec_dense, rec_moe=rec_moe, moe_forward_s=moe.forward.total_s)
                 found = chunk_costs[signature] = (fwd_cost, bwd_cost, rec_cost)
             fwd_row.append(found[0])
             bwd_row.append(found[1])
@@ -547,10 +554,11 @@ def _events(schedule, forward_costs, backward_costs, recompute_costs, after) -> 
         # the pass as timed (shorter than its costs where a lone rank on shared cores ran it), split in their shares
         total_s = sum(cost.total_s for cost in costs)
         scale = (op.end_s - op.start_s) / total_s if total_s > 0 else 1.0
-        comm_s = scale * sum(cost.comm_s for cost in costs)
+        comm_s = scale * sum(cost.comm_s + cost.host_s for cost in costs)  # what the GPU waits for in the pass
         collectives = tuple((name, scale * seconds) for name, seconds in (
             ("tp", sum(cost.tp_comm_s for cost in costs)), ("cp", sum(cost.cp_comm_s for cost in costs)),
-            ("ep", sum(cost.ep_comm_s for cost in costs)), ("fsdp", sum(cost.fsdp_comm_s for cost in costs)))
+            ("ep", sum(cost.ep_comm_s for cost in costs)), ("fsdp", sum(cost.fsdp_comm_s for cost in costs)),
+            ("host", sum(cost.host_s for cost in costs)))
             if seconds > 0)
         compute_end_s = op.end_s - comm_s
         kind = EventKind.forward if op.forward else EventKind.backward

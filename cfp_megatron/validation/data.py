@@ -1,5 +1,6 @@
-"""The validator's data files (``frameworks.yaml``, ``model_families.yaml``, ``recipes.yaml`` beside this module),
-read into typed entries; each loader takes another file's path (a test's, a user's) in the same format."""
+"""The validator's data files (``frameworks.yaml``, ``model_families.yaml``, ``recipes.yaml``, ``schedules.yaml``,
+``precisions.yaml`` beside this module), read into typed entries; each loader takes another file's path (a test's, a
+user's) in the same format."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ DATA_DIR = Path(__file__).resolve().parent
 FRAMEWORKS_FILE = DATA_DIR / "frameworks.yaml"
 FAMILIES_FILE = DATA_DIR / "model_families.yaml"
 RECIPES_FILE = DATA_DIR / "recipes.yaml"
+SCHEDULES_FILE = DATA_DIR / "schedules.yaml"
+PRECISIONS_FILE = DATA_DIR / "precisions.yaml"
 VERSION = 1
 """The format version every data file states (``version:``); a file of another version is refused."""
 BLANK_COLUMNS = {"sequence_parallel", "zero_or_fsdp"}
@@ -312,6 +315,60 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[MoeRecipe, ...]:
     return tuple(recipes)
 
 
+SCHEDULE_RUNS = ("1f1b", "interleaved", "default")
+"""What a ``schedules.yaml`` entry may run as."""
+PRECISION_RUNS = ("bf16", "fp16", "fp32", "fp8")
+"""What a ``precisions.yaml`` entry may run as."""
+@dataclass(frozen=True, kw_only=True)
+class ColumnEntry:
+    """One entry of ``schedules.yaml`` or ``precisions.yaml``: how a column's text reads."""
+
+    name: str
+    """The variant, as a person names it."""
+    words: str
+    """A regular expression (case-insensitive) the column's text matches."""
+    runs: str
+    """What the simulator prices it as (:data:`SCHEDULE_RUNS`, :data:`PRECISION_RUNS`)."""
+    approximation: str
+    """What the simulator does not model of it; empty: modelled as it runs."""
+    tag: str
+    """What the layout column shows for it; empty: nothing."""
+    source: str
+    """Where this comes from."""
+
+
+def _column_entries(path: Path, key: str, runs: tuple[str, ...]) -> tuple[ColumnEntry, ...]:
+    data = _read(path)
+    found = []
+    for index, raw in enumerate(_entries(path, data, key)):
+        entry = _Entry(path, index, raw, {"words", "runs", "approximation", "tag"})
+        run = entry.get("runs", str)
+        if run not in runs:
+            entry.fail(f"has runs={run!r}, not one of {', '.join(runs)}")
+        found.append(ColumnEntry(name=entry.get("name", str), words=entry.pattern("words"), runs=run,
+                                 approximation=" ".join(entry.get("approximation", str, "").split()),
+                                 tag=entry.get("tag", str, ""),
+                                 source=entry.get("source", str)))
+    return tuple(found)
+
+
+@lru_cache(maxsize=4)
+def load_schedules(path: Path = SCHEDULES_FILE) -> tuple[ColumnEntry, ...]:
+    """``schedules.yaml`` (or another file in its format); :class:`ValidationDataError` names a malformed entry."""
+    return _column_entries(Path(path), "schedules", SCHEDULE_RUNS)
+
+
+@lru_cache(maxsize=4)
+def load_precisions(path: Path = PRECISIONS_FILE) -> tuple[tuple[ColumnEntry, ...], ColumnEntry]:
+    """``precisions.yaml``: its entries and the one a blank column reads as (``blank:``, an entry's name)."""
+    entries = _column_entries(Path(path), "precisions", PRECISION_RUNS)
+    blank = next((entry for entry in entries if entry.name == _read(Path(path)).get("blank")), None)
+    if blank is None:
+        raise ValidationDataError(f"{path}: 'blank:' names no entry of the file. Fix: name the entry a blank "
+                                  "precision column reads as.")
+    return entries, blank
+
+
 @dataclass(frozen=True, kw_only=True)
 class ValidationData:
     """Everything the validator reads a row with beyond its columns: the three data files, loaded."""
@@ -322,15 +379,20 @@ class ValidationData:
     """``model_families.yaml``."""
     recipes: tuple[MoeRecipe, ...]
     """``recipes.yaml``."""
+    schedules: tuple[ColumnEntry, ...]
+    """``schedules.yaml``: how a ``pp_schedule`` column reads."""
+    precisions: tuple[tuple[ColumnEntry, ...], ColumnEntry]
+    """``precisions.yaml``: how a ``precision`` column reads, and the entry a blank one reads as."""
 
 
 @lru_cache(maxsize=8)
-def load_data(*, frameworks: Path = FRAMEWORKS_FILE, families: Path = FAMILIES_FILE,
-              recipes: Path = RECIPES_FILE) -> ValidationData:
-    """The three data files (the shipped ones unless others are named); a recipe of a framework no entry names is a
+def load_data(*, frameworks: Path = FRAMEWORKS_FILE, families: Path = FAMILIES_FILE, recipes: Path = RECIPES_FILE,
+              schedules: Path = SCHEDULES_FILE, precisions: Path = PRECISIONS_FILE) -> ValidationData:
+    """The data files (the shipped ones unless others are named); a recipe of a framework no entry names is a
     :class:`ValidationDataError`."""
     data = ValidationData(frameworks=load_frameworks(Path(frameworks)), families=load_families(Path(families)),
-                          recipes=load_recipes(Path(recipes)))
+                          recipes=load_recipes(Path(recipes)), schedules=load_schedules(Path(schedules)),
+                          precisions=load_precisions(Path(precisions)))
     names = {framework.name for framework in data.frameworks}
     for recipe in data.recipes:
         if recipe.framework not in names:

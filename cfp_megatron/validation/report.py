@@ -1,14 +1,12 @@
 """The figures of ``python -m cfp_megatron.validate``: each row's classes, the error per class, the ``--json``
-report and the ``--bands`` table."""
+report (the ``--bands`` file: :mod:`cfp_megatron.validation.bands`)."""
 
 from __future__ import annotations
 
 import re
 
-from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.sim.calibration import generation
-from cfp_megatron.sim.kernels import target_peak_tflops
-from cfp_megatron.sim.uncertainty import BAND_QUANTILE, quantile
+from cfp_megatron.validation.memory_failures import memory_failures
 from cfp_megatron.validation.results import RowResult, mape
 from cfp_megatron.validation.rows import CsvRow, count_cell
 
@@ -40,34 +38,6 @@ def class_errors(results: list[RowResult], rows_by_id: dict[str, dict]) -> dict[
     return by_class
 
 
-def uncertainty_table(results: list[RowResult], rows_by_id: dict[str, dict]) -> dict:
-    """What :mod:`cfp_megatron.sim.uncertainty` stores: per class the rows, MAPE and band (the
-    :data:`~cfp_megatron.sim.uncertainty.BAND_QUANTILE` quantile of the absolute errors), the same over all rows, and
-    per GPU generation and model kind the best MFU a measured run reached (against the dense bf16 peak, model FLOPs
-    as the planner counts them; layer-only and FP8 rows left out)."""
-
-    def summary(errors: list[float]) -> dict:
-        return {"rows": len(errors), "mape": round(sum(errors) / len(errors), 3),
-                "pct": round(quantile(errors, BAND_QUANTILE), 3)}
-
-    classes = {name: summary(errors) for name, errors in sorted(class_errors(results, rows_by_id).items())}
-    best: dict[str, dict] = {}
-    for r in results:
-        job, plan = r.plan.job, r.plan
-        peak = target_peak_tflops(job)
-        if plan.options.measured_layer_only or plan.options.fp8 or not peak:
-            continue  # FP8 runs do more per second than the bf16 peak the planner's MFU is counted against
-        world = job.cluster.nodes * (job.cluster.gpus_per_node or 1)
-        tokens_per_s = job.train.global_batch_size * job.train.seq_length / plan.measured_s / world
-        measured = tokens_per_s * training_flops_per_token(job.model, job.train.seq_length) / (peak * 1e12)
-        key = f"{generation(job.cluster)} {'MoE' if job.model.is_moe else 'dense'}"
-        if key not in best or measured > best[key]["mfu"]:
-            best[key] = {"mfu": round(measured, 4), "row": f"{plan.row_id} {plan.model}".strip()}
-    everything = [abs(r.error_pct) for r in results]
-    return {"quantile": BAND_QUANTILE, "classes": classes, "all": summary(everything) if everything else None,
-            "best_mfu": dict(sorted(best.items()))}
-
-
 REPORT_KEYS = frozenset({"rows", "refused", "coverage", "mape"})
 """Keys of the ``--json`` report (:func:`report`): an existing file holding them all is one this command wrote."""
 
@@ -91,7 +61,8 @@ def report(results: list[RowResult], skipped: list[tuple[dict, str]], rows: list
     return {
         "rows": [{"id": r.plan.row_id, **located(by_id.get(r.plan.row_id, {})), "model": r.plan.model,
                   "layout": r.plan.layout, "measured_s": r.plan.measured_s, "predicted_s": r.predicted_s,
-                  "error_pct": round(r.error_pct, 3), "memory_gib": round(r.memory_gib, 3), "flag": r.flag or None}
+                  "error_pct": round(r.error_pct, 3), "memory_gib": round(r.memory_gib, 3), "flag": r.flag or None,
+                  "approximations": list(r.plan.approximations)}
                  for r in results],
         "refused": [{"id": row.get("id"), **located(row), "model": row.get("model"), "reason": reason}
                     for row, reason in skipped],
@@ -99,4 +70,5 @@ def report(results: list[RowResult], skipped: list[tuple[dict, str]], rows: list
         "classes": {name: {"rows": len(errors), "mape": round(sum(errors) / len(errors), 3)}
                     for name, errors in sorted(class_errors(results, by_id).items())},
         "mape": round(mape(results), 3) if results else None,
+        "memory_failures": memory_failures(results),
     }

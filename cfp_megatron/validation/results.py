@@ -30,6 +30,10 @@ class RowPlan:
     """Simulator options from the row (FP8, FSDP, layer-only)."""
     measured_s: float
     """Measured (or derived from measurements) step time."""
+    approximations: tuple[str, ...] = ()
+    """What the row's stated columns say that the simulator prices only approximately or could not read
+    (:mod:`cfp_megatron.validation.columns`: a fabric, schedule, precision variant or power limit), one sentence
+    each; the row stays in the figures."""
 
 
 @dataclass(frozen=True, kw_only=True)

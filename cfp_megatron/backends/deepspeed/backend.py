@@ -20,6 +20,7 @@ from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.plan.check import PlanCheck
+from cfp_megatron.sim.uncertainty import mfu_check
 
 if TYPE_CHECKING:
     from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes
@@ -44,7 +45,12 @@ class DeepSpeedBackend:
         plans = tuple(dataclasses.replace(r.plan, inputs_fingerprint=inputs_fingerprint) for r in result.ranked)
 
         def report(console: Any) -> None:
-            console.print(ranking_table(result))
+            console.print(ranking_table(result, job))
+            predicted = result.ranked[0].plan.predicted if result.ranked else None
+            check = mfu_check(job)
+            said = check.note(predicted.mfu) if check and predicted else None  # against comparable published runs
+            if said:
+                console.print(f"cfp: {said}", markup=False)
             for what, why in result.rejected:
                 console.print(f"cfp:   left out {what}: {why}", markup=False)
 

@@ -31,6 +31,7 @@ from cfp_megatron.sim.kernels import target_peak_tflops
 from cfp_megatron.sim.pass_costs import CostCache
 from cfp_megatron.sim.prediction import GIB
 from cfp_megatron.sim.terms import TERMS, LaneKind, Placement
+from cfp_megatron.sim.uncertainty import mfu_check
 
 if TYPE_CHECKING:
     from cfp_megatron.backends.deepspeed.costs import ZeroPredictionResult
@@ -229,8 +230,10 @@ def _after_passes_s(result: ZeroPredictionResult) -> float:
                if lane.kind is LaneKind.compute and lane.placement is Placement.after) + t.engine_s
 
 
-def ranking_table(result: ZeroSearchResult) -> Table:
-    """The top plans as a rich table."""
+def ranking_table(result: ZeroSearchResult, job: JobSpec | None = None) -> Table:
+    """The top plans as a rich table; with the ``job`` (its model and cluster), an MFU above every comparable
+    published run is marked ``!`` (:func:`~cfp_megatron.sim.uncertainty.mfu_check`)."""
+    check = mfu_check(job) if job is not None else None
     table = Table(title=f"Top {len(result.ranked)} of {result.evaluated} DeepSpeed plans")
     for col in ("#", "plan", "step s", "tokens/s/GPU", "MFU", "peak GiB", "host GiB", "exposed comm s",
                 "engine+optimizer s"):
@@ -240,7 +243,7 @@ def ranking_table(result: ZeroSearchResult) -> Table:
         if p is None:  # the search attaches one to every plan it ranks
             continue
         table.add_row(str(i), r.plan.describe(), f"{p.step_time_s:.4f}", f"{p.tokens_per_s_per_gpu:,.0f}",
-                      f"{p.mfu:.1%}" if p.mfu is not None else "-", f"{p.peak_memory_gib:.2f}",
-                      f"{r.result.host_bytes / GIB:.2f}", f"{p.exposed_comm_s:.4f}",
-                      f"{_after_passes_s(r.result):.4f}")
+                      f"{p.mfu:.1%}" + (" !" if check and check.above_all(p.mfu) else "") if p.mfu is not None
+                      else "-", f"{p.peak_memory_gib:.2f}", f"{r.result.host_bytes / GIB:.2f}",
+                      f"{p.exposed_comm_s:.4f}", f"{_after_passes_s(r.result):.4f}")
     return table

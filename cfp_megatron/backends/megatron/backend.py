@@ -42,13 +42,18 @@ class MegatronBackend:
 
     @staticmethod
     def planned(result: SearchResult, job: JobSpec, world: int, *, inputs_fingerprint: str) -> PlannedSearch:
-        """A search's result (:func:`cfp_megatron.search.search.search` of ``job``) as the planner takes it."""
+        """A search's result (:func:`cfp_megatron.search.search.search` of ``job``) as the planner takes it: the
+        chosen plan first, with why it was chosen (:mod:`cfp_megatron.search.choice`), then the others fastest
+        first."""
         peak = target_peak_tflops(job)
+        offered = result.preferred
+        why = result.choice.reasons if result.choice is not None else ()
         plans = tuple(Plan.from_job(r.job, world_size=world, prediction=PlanPrediction.of(r.prediction, peak,
                                                                                       error_band(r.job),
-                                                                                      r.unmeasured),
-                                    inputs_fingerprint=inputs_fingerprint) for r in result.ranked)
-        return PlannedSearch(plans=plans, labels=tuple(r.candidate.describe(world) for r in result.ranked),
+                                                                                      r.unmeasured,
+                                                                                      why if i == 0 else ()),
+                                    inputs_fingerprint=inputs_fingerprint) for i, r in enumerate(offered))
+        return PlannedSearch(plans=plans, labels=tuple(r.candidate.describe(world) for r in offered),
                              searched=result.space_size, rejected=tuple((r.what, r.reason) for r in result.rejected),
                              seconds=result.seconds, report=lambda console: print_result(result, peak, console))
 

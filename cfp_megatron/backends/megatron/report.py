@@ -1,5 +1,6 @@
-"""What a search says to a person: the top plans, the families it ruled out and why, and why the best plan beats the
-runner-up, knob by knob (rich tables)."""
+"""What a search says to a person: the top plans, the families it ruled out and why, and why the chosen plan
+(the fastest, or one inside its error band that rests on more evidence) and not the others, knob by knob (rich
+tables)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from rich.table import Table
 from cfp_megatron.search.search import Ranked, SearchResult
 from cfp_megatron.sim.prediction import GIB, mfu
 from cfp_megatron.sim.terms import TERMS, exposed_comm_s
-from cfp_megatron.sim.uncertainty import BAND_QUANTILE, best_published_mfu, error_band
+from cfp_megatron.sim.uncertainty import BAND_QUANTILE, error_band, mfu_check
 
 _KNOBS = (("tp", "TP"), ("sp", "sequence parallel"), ("pp", "PP"), ("vpp", "virtual stages"), ("cp", "CP"),
           ("first_stage_layers", "first stage layers (0: even)"), ("last_stage_layers", "last stage layers (0: even)"),
@@ -21,35 +22,42 @@ _KNOBS = (("tp", "TP"), ("sp", "sequence parallel"), ("pp", "PP"), ("vpp", "virt
 
 def ranking_table(result: SearchResult, peak_tflops: float | None) -> Table:
     """The top plans."""
-    table = Table(title=f"Top {len(result.ranked)} of {result.space_size:,} layouts on {result.world} GPUs")
+    chosen = result.choice.index if result.choice is not None else 0
+    table = Table(title=f"Top {len(result.ranked)} of {result.space_size:,} layouts on {result.world} GPUs",
+                  caption="* the chosen plan (why: below)")
     for col in ("#", "layout", "step s", "± err", "tokens/s/GPU", "MFU", "peak GiB", "bubble", "exposed comm s"):
         table.add_column(col, justify="left" if col == "layout" else "right")
     for i, r in enumerate(result.ranked, 1):
         p = r.prediction
         u = mfu(p, peak_tflops)
         band = error_band(r.job)
+        check = mfu_check(r.job)  # "!": above every comparable published run (how far to trust it, below)
         layout = r.candidate.describe(result.world) + (" [analytical]" if r.unmeasured else "")
-        table.add_row(str(i), layout, f"{p.step_time_s:.3f}",
+        table.add_row(f"{i}*" if i - 1 == chosen else str(i), layout, f"{p.step_time_s:.3f}",
                       f"{band.pct:.0f}%" if band else "-", f"{p.tokens_per_s_per_gpu:,.0f}",
-                      f"{u:.1%}" if u is not None else "-", f"{p.memory.total / GIB:.1f}", f"{p.bubble_fraction:.1%}",
+                      f"{u:.1%}" + (" !" if check and check.above_all(u) else "") if u is not None else "-",
+                      f"{p.memory.total / GIB:.1f}", f"{p.bubble_fraction:.1%}",
                       f"{exposed_comm_s(p):.3f}")
     return table
 
 
 def trust_notes(result: SearchResult, peak_tflops: float | None) -> list[str]:
     """What a person should know before trusting the ranking: the best plan's error band and where it comes from,
-    whether the runner-up is inside it, and a predicted MFU above the best published run of its class."""
+    whether the runner-up is inside it, and its predicted MFU against comparable published runs (same GPU generation,
+    kind and precision, a model within 2x of its size: :func:`~cfp_megatron.sim.uncertainty.mfu_check`)."""
     if not result.ranked:
         return []
-    best = result.ranked[0]
+    best = result.best
     band = error_band(best.job)
     notes = []
     if band is not None:
         where = ", ".join(band.classes)
-        notes.append(f"error band ±{band.pct:.0f}%: {BAND_QUANTILE:.0%} of published runs of its class ({where}) "
-                     f"were predicted that close (python -m cfp_megatron.validate, {band.rows} rows)"
-                     + (f"; no published run covers {', '.join(band.untested)}" if band.untested else ""))
-        if len(result.ranked) > 1:
+        notes.append(f"error band ±{band.pct:.0f}%: {BAND_QUANTILE:.0%} of published runs of "
+                     + (band.basis if band.basis else f"its classes ({where})") + " were predicted that close with "
+                     f"efficiencies fitted without their source (leave-one-source-out, {band.rows} rows)"
+                     + (f"; no published run covers {', '.join(band.untested)}" if band.untested else "")
+                     + (f"; too few cover {', '.join(band.borrowed)} (all runs' band)" if band.borrowed else ""))
+        if len(result.ranked) > 1 and best is result.ranked[0]:  # a plan chosen over the fastest says why above
             runner_up = result.ranked[1].prediction.step_time_s
             margin = (runner_up - best.prediction.step_time_s) / runner_up * 100
             if margin < band.pct:
@@ -61,11 +69,10 @@ def trust_notes(result: SearchResult, peak_tflops: float | None) -> list[str]:
                      f"{', '.join(dict.fromkeys(u for r in result.ranked for u in r.unmeasured))}, priced by the "
                      "analytical model instead; complete the profile (torchrun ... -m cfp_megatron.profile) to "
                      "measure them")
-    predicted = mfu(best.prediction, peak_tflops)
-    published = best_published_mfu(best.job)
-    if predicted is not None and published is not None and predicted > published.mfu:
-        notes.append(f"predicted MFU {predicted:.1%} is above the best published run of this GPU and model kind "
-                     f"({published.mfu:.1%}, run {published.row}): the prediction is likely optimistic")
+    check = mfu_check(best.job)
+    said = check.note(mfu(best.prediction, peak_tflops)) if check is not None else None
+    if said:
+        notes.append(said)
     return notes
 
 
@@ -81,8 +88,9 @@ def rejections_table(result: SearchResult, limit: int = 20) -> Table:
     return table
 
 
-def explain(best: Ranked, runner_up: Ranked | None) -> list[str]:
-    """Why ``best`` beats ``runner_up``: the knobs that differ and the parts of the step and memory that moved."""
+def explain(best: Ranked, runner_up: Ranked | None, *, other: str = "runner-up") -> list[str]:
+    """Why ``best`` beats ``runner_up`` (named ``other``): the knobs that differ and the parts of the step and memory
+    that moved."""
     if runner_up is None:
         return ["only one plan fits."]
     a, b = best.candidate, runner_up.candidate
@@ -90,10 +98,11 @@ def explain(best: Ranked, runner_up: Ranked | None) -> list[str]:
     for name, label in _KNOBS:
         x, y = getattr(a, name), getattr(b, name)
         if x != y:
-            lines.append(f"{label}: {_show(x)} (best) vs {_show(y)} (runner-up)")
+            lines.append(f"{label}: {_show(x)} (chosen) vs {_show(y)} ({other})")
     pa, pb = best.prediction, runner_up.prediction
     gap = pb.step_time_s - pa.step_time_s
-    lines.append(f"step time: {pa.step_time_s:.4f} s vs {pb.step_time_s:.4f} s ({gap / pb.step_time_s:.2%} faster)")
+    lines.append(f"step time: {pa.step_time_s:.4f} s vs {pb.step_time_s:.4f} s ({abs(gap) / pb.step_time_s:.2%} "
+                 f"{'faster' if gap >= 0 else 'slower'})")
     moved = sorted(((lane.label, pa.time.seconds(lane.name) - pb.time.seconds(lane.name)) for lane in TERMS.lanes()),
                    key=lambda kv: kv[1])
     for label, delta in moved:
@@ -101,6 +110,18 @@ def explain(best: Ranked, runner_up: Ranked | None) -> list[str]:
             lines.append(f"  {label}: {delta:+.4f} s on the critical pipeline rank")
     lines.append(f"peak memory: {pa.memory.total / GIB:.2f} GiB vs {pb.memory.total / GIB:.2f} GiB per GPU")
     return lines
+
+
+def choice_lines(result: SearchResult) -> list[str]:
+    """Why the chosen plan (:mod:`cfp_megatron.search.choice`): the reason, then the knobs and parts of the step
+    against the fastest plan where another was chosen, else against the runner-up."""
+    ranked, best = result.ranked, result.best
+    reasons = list(result.choice.reasons) if result.choice is not None else []
+    if best is not ranked[0]:
+        return (["Why this plan and not the fastest (#1)"] + [f"  {r}" for r in reasons]
+                + [f"  {line}" for line in explain(best, ranked[0], other="fastest")])
+    return (["Why the best plan wins over the runner-up"] + [f"  {r}" for r in reasons]
+            + [f"  {line}" for line in explain(best, ranked[1] if len(ranked) > 1 else None)])
 
 
 def _show(v: object) -> str:
@@ -114,9 +135,10 @@ def print_result(result: SearchResult, peak_tflops: float | None, console: Conso
     console = console or Console()
     console.print(ranking_table(result, peak_tflops))
     if result.ranked:
-        console.print("[bold]Why the best plan wins over the runner-up[/bold]")
-        for line in explain(result.ranked[0], result.ranked[1] if len(result.ranked) > 1 else None):
-            console.print("  " + line)
+        head, *lines = choice_lines(result)
+        console.print(head, style="bold", markup=False)
+        for line in lines:
+            console.print(line, markup=False)
         notes = trust_notes(result, peak_tflops)
         if notes:
             console.print("[bold]How far to trust it[/bold]")

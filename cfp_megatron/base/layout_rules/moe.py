@@ -3,6 +3,8 @@ world, and when the expert communication may overlap."""
 
 from __future__ import annotations
 
+import math
+
 from cfp_megatron.base.layout_rules.problem import Problem
 
 OVERLAPS = ("moe_a2a_overlap", "moe_shared_expert_overlap")
@@ -140,4 +142,35 @@ def dense_model(*, model: str, a2a_overlap: bool, shared_overlap: bool, ep: int,
         found.append(Problem(key="parallel.etp", value=etp, problem=f"model {model} has no experts.",
                              fix="set parallel.etp=null.",
                              brief=f"{model} is a dense model: it has no experts to split"))
+    return found
+
+
+def capacity(*, factor: float | None, pad: bool, is_moe: bool, dispatcher: str) -> list[Problem]:
+    """Token-drop settings (Megatron-Core's ``TransformerConfig.__post_init__``): a capacity ``factor`` is positive
+    and finite, needs experts, and padding to capacity needs a factor and is not run by DeepEP (the flex
+    dispatcher)."""
+    found = []
+    if factor is not None and not (math.isfinite(factor) and factor > 0):
+        found.append(Problem(key="model.moe_expert_capacity_factor", value=factor,
+                             problem="the expert capacity factor must be a positive number.",
+                             fix="use e.g. 1.0 (token-drop at the balanced share), or null (dropless).",
+                             brief=f"capacity factor {factor} is not positive"))
+    if factor is not None and not is_moe:
+        found.append(Problem(key="model.moe_expert_capacity_factor", value=factor,
+                             problem="a capacity factor needs experts (model.num_experts is null).",
+                             fix="set model.moe_expert_capacity_factor=null, or set model.num_experts.",
+                             brief="a dense model has no expert capacity"))
+    if pad and factor is None:
+        found.append(Problem(key="model.moe_pad_expert_input_to_capacity", value=True,
+                             problem="padding to capacity needs a capacity (model.moe_expert_capacity_factor is "
+                                     "null, dropless).",
+                             fix="set model.moe_expert_capacity_factor (e.g. 1.0), or "
+                                 "model.moe_pad_expert_input_to_capacity=false.",
+                             brief="padding to capacity needs a capacity factor"))
+    if pad and dispatcher == "flex":
+        found.append(Problem(key="model.moe_pad_expert_input_to_capacity", value=True,
+                             problem="the flex dispatcher (DeepEP) does not pad expert inputs to capacity.",
+                             fix="set model.moe_token_dispatcher=alltoall, or "
+                                 "model.moe_pad_expert_input_to_capacity=false.",
+                             brief="DeepEP does not pad to capacity"))
     return found

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from cfp_megatron.sim.memory import loss_logit_bytes
 from cfp_megatron.sim.terms.base import CostTerm, Lane, LaneKind, MemoryCategory, Overlaps, Placement, StepTimes
 
 if TYPE_CHECKING:
@@ -27,16 +28,12 @@ class Compute(CostTerm):
               MemoryCategory(name="measured_activations", label="measured activations", field="activations"))
 
     def memory(self, stage: Stage) -> dict[str, float]:
-        """The head's fp32 logits and their gradient (of the main head and of each MTP layer's) on the loss rank;
+        """The loss's logits on the loss rank (:func:`~cfp_megatron.sim.memory.loss_logit_bytes`);
         where profiling measured the stage, its measured activations instead (which stand for every analytical
         activation and buffer category)."""
         if stage.measured is not None:
             return {"logits": 0.0, "measured_activations": stage.measured}
-        logits = 0.0
-        if stage.last:
-            model, dims = stage.job.model, stage.layout.dims
-            logits = 2 * stage.common.tokens * model.padded_vocab_size / dims.tp * 4.0 * (1 + model.mtp_num_layers)
-        return {"logits": logits, "measured_activations": 0.0}
+        return {"logits": loss_logit_bytes(stage), "measured_activations": 0.0}
 
     def time(self, step: StepTimes) -> dict[str, float]:
         """The forward's and the backward's kernels (compute and attention core) and every pass's overhead."""

@@ -36,12 +36,17 @@ class MoeCost:
     """One MoE block's work for one micro-batch on one rank (forward pass; the layer cost derives the backward)."""
 
     gemm_s: float
-    """Forward GEMM seconds: routed experts (each at its own token count), the router, the shared expert."""
+    """Forward GEMM seconds: routed experts (one grouped GEMM per linear, :meth:`KernelModel.grouped_gemm`), the
+    router, the shared expert."""
+    gemm_bwd_s: float = 0.0
+    """Backward GEMM seconds of the same: each grouped linear's data gradient and weight gradient (the latter a
+    reduction over the expert's rows, tiled over its weight), twice the forward for the router and shared expert."""
     shared_gemm_s: float
     """Of ``gemm_s``, the shared expert's (what ``moe_shared_expert_overlap`` runs beside the dispatch)."""
     elements_per_token: float
-    """Element-wise HBM traffic per local token and pass, in elements: permute/unpermute, probability scaling,
-    padding, the experts' and shared expert's activations."""
+    """Element-wise HBM traffic per token of the micro-batch and pass on this rank, in elements: the router's score
+    function, top-k and auxiliary loss, the permutations (:data:`PERMUTE_ROW_PASSES`), the experts' and shared
+    expert's activations."""
     activation_elements_per_token: float = 0.0
     """Of ``elements_per_token``, the routed experts' activation function's (what ``moe_act`` recomputes)."""
     shared_elements_per_token: float = 0.0
@@ -63,6 +68,23 @@ class MoeCost:
 
 PROB_BYTES = 4.0
 """Bytes of one routed copy's probability (the router's fp32 probabilities, ``moe_router_dtype=fp32``)."""
+ROUTER_BYTES_PER_EXPERT = 17.0
+"""HBM bytes per token and expert of the router's element-wise kernels in one forward pass, unfused
+(Megatron-Core's ``TopKRouter.routing``): the score function reads the fp32 logits and writes the scores (4 + 4),
+top-k reads them (4) and writes the dense fp32 probabilities and the boolean routing map (4 + 1)."""
+AUX_LOSS_BYTES_PER_EXPERT = 4.0
+"""The load-balancing loss' extra read of the fp32 scores per token and expert (``moe_aux_loss_coeff > 0``)."""
+FP8_QUANTIZE_BYTES = 4.0
+"""HBM bytes per element of an FP8 expert GEMM's input quantisation (Transformer Engine's cast before each grouped
+linear): read the bf16 element (2), write it row-wise (1) and column-wise (1, the transposed copy Hopper's FP8 weight
+gradient GEMM reads)."""
+MAIN_GRAD_BYTES = 8.0
+"""Bytes per weight element an expert's weight-gradient GEMM moves into its gradient: Megatron-Core's
+``gradient_accumulation_fusion`` (Megatron-LM's default, on with Transformer Engine: ``TEGroupedLinear`` passes it as
+``fuse_wgrad_accumulation``) accumulates into the fp32 ``main_grad``, a read and a write of 4 bytes."""
+PERMUTE_ROW_PASSES = 2.0
+"""HBM passes over one hidden-size row per routed copy of one permutation (a gather reads the token's row and
+writes the copy's; the unpermutation reads the copy's row and accumulates it into the token's)."""
 COUNT_BYTES = 8.0
 """Bytes of one token count (int64) in the dispatcher's count exchange."""
 
@@ -77,8 +99,10 @@ def expected_remote_nodes(topk: int, nodes: int) -> float:
 
 def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, *,
                    imbalance: float = 1.0) -> MoeCost:
-    """Cost of ``job``'s MoE block under ``layout``: the rank holding the busiest experts processes ``imbalance``
-    times the balanced share of routed tokens (1.0: forced or perfect balance)."""
+    """Cost of ``job``'s MoE block under ``layout``, as Megatron-Core runs it: dropless, the rank holding the busiest
+    experts processes ``imbalance`` times the balanced share of routed tokens (1.0: forced or perfect balance);
+    token-drop, at most the capacity factor times it; padded to capacity, exactly that
+    (:meth:`~cfp_megatron.base.config.ModelSpec.expert_load`)."""
     model, dims = job.model, layout.dims
     tp, etp, ep, sp = dims.tp, dims.etp, dims.ep, dims.sp
     hidden = model.hidden_size
@@ -87,29 +111,71 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     local_tokens = tokens / tp if sp else tokens  # what enters the block on this rank
     expert_ffn = model.moe_ffn_hidden_size or model.ffn_size
     topk, num_experts = model.moe_router_topk, model.num_experts or 1
-    local_experts = num_experts / ep
+    local_experts = max(1, num_experts // ep)
     # Routed token copies one expert rank processes: its EP group's tokens x top-k / EP, over the ETP group's
-    # tokens (each ETP rank computes its slice of every copy) -- balanced, times the busiest rank's imbalance.
-    routed = topk * tokens / tp * etp * imbalance
+    # tokens (each ETP rank computes its slice of every copy) -- the balanced share times the expert load.
+    routed = topk * tokens / tp * etp * model.expert_load(imbalance)
     per_expert = routed / local_experts
-    gemm_s = local_experts * ffn_gemms(kernels, per_expert, hidden, expert_ffn / etp, gated)
-    gemm_s += kernels.gemm(local_tokens, num_experts, hidden, low_precision=False)  # router (fp32 logits)
+    ffn = expert_ffn / etp
+    width = ffn * (2 if gated else 1)
+    fc1 = kernels.grouped_gemm(local_experts, per_expert, width, hidden)
+    fc2 = kernels.grouped_gemm(local_experts, per_expert, hidden, ffn)
+    gemm_s = fc1 + fc2
+    # Backward: fc1's and fc2's data gradients (rows x hidden, rows x ffn) and weight gradients (each weight's
+    # tiles, reduced over the expert's rows, accumulated into the fp32 main gradients).
+    gemm_bwd_s = (kernels.grouped_gemm(local_experts, per_expert, hidden, width)
+                  + kernels.grouped_gemm(local_experts, width, hidden, per_expert, out_bytes=MAIN_GRAD_BYTES)
+                  + kernels.grouped_gemm(local_experts, per_expert, ffn, hidden)
+                  + kernels.grouped_gemm(local_experts, hidden, ffn, per_expert, out_bytes=MAIN_GRAD_BYTES))
+    router_s = kernels.gemm(local_tokens, num_experts, hidden, low_precision=False)  # fp32 logits
     activation = routed / tokens * mlp_activation_elements(tp=etp, ffn=expert_ffn, gated=gated)
     shared_ffn = model.moe_shared_expert_intermediate_size or 0
     shared_s = shared_elements = 0.0
     if shared_ffn:
         shared_s = ffn_gemms(kernels, tokens, hidden, shared_ffn / tp, gated)
         shared_elements = mlp_activation_elements(tp=tp, ffn=shared_ffn, gated=gated)
-    elements = activation + routed / tokens * kernels.eff.moe_token_elements * hidden + shared_elements
-    gemm_s += shared_s
+    gemm_s += router_s + shared_s
+    gemm_bwd_s += 2.0 * (router_s + shared_s)
+    elements = activation + shared_elements + _routing_elements(job, layout, kernels, routed=routed,
+                                                                 local_tokens=local_tokens) / tokens
     expert_params = mlp_params(model, expert_ffn) * local_experts / etp
     params = expert_params + mlp_params(model, shared_ffn) / tp + hidden * num_experts
     dispatch_s, combine_s = _dispatch_s(job, layout, kernels, costs, routed=routed / etp, local_tokens=local_tokens)
-    return MoeCost(gemm_s=gemm_s, shared_gemm_s=shared_s, elements_per_token=elements,
+    return MoeCost(gemm_s=gemm_s, gemm_bwd_s=gemm_bwd_s, shared_gemm_s=shared_s, elements_per_token=elements,
                    activation_elements_per_token=activation, shared_elements_per_token=shared_elements,
                    dispatch_s=dispatch_s, combine_s=combine_s,
                    metadata_s=_metadata_s(job, layout, costs),
                    params=params, expert_params=expert_params)
+
+
+def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, routed: float,
+                      local_tokens: float) -> float:
+    """Elements (of the compute precision) the routing moves through HBM on this rank in one forward pass,
+    memory-bound kernels counted from what Megatron-Core's ``TopKRouter`` and ``MoEAlltoAllTokenDispatcher`` run:
+    the router's element-wise kernels on the ``local_tokens`` it scores (:data:`ROUTER_BYTES_PER_EXPERT`, and the
+    auxiliary loss' read), the first permutation of the copies this rank sends and the unpermutation of those it
+    gets back, and, where an expert rank holds several experts, the sort of the ``routed`` rows it receives by
+    expert and the unsort before the combine (``sort_chunks_by_idxs``); each a gather/scatter of
+    :data:`PERMUTE_ROW_PASSES` rows per copy. The flex dispatcher (DeepEP) permutes only what arrives. Under FP8,
+    the quantisation of each grouped linear's input (:data:`FP8_QUANTIZE_BYTES`)."""
+    model, dims = job.model, layout.dims
+    num_experts, hidden = model.num_experts or 1, model.hidden_size
+    router_bytes = ROUTER_BYTES_PER_EXPERT + (AUX_LOSS_BYTES_PER_EXPERT if model.moe_aux_loss_coeff > 0 else 0.0)
+    elements = local_tokens * num_experts * router_bytes / kernels.elem
+    received = routed / dims.etp  # the rows this rank's experts take, as they arrive
+    if model.moe_token_dispatcher is TokenDispatcher.flex:
+        # DeepEP reads the tokens where they are and lands them by source rank: one permutation by local expert
+        # of what arrives, and its inverse (MoEFlexTokenDispatcher).
+        elements += 2 * PERMUTE_ROW_PASSES * received * hidden
+    else:
+        sent = model.moe_router_topk * local_tokens * model.expert_load(1.0)  # copies this rank sends and gets back
+        elements += 2 * PERMUTE_ROW_PASSES * sent * hidden  # permutation 1 and the unpermutation
+        if num_experts // dims.ep > 1:
+            elements += 2 * PERMUTE_ROW_PASSES * received * hidden  # permutation 2 and its inverse
+    if kernels.fp8:  # fc1's input (hidden) and fc2's (the expert's FFN share) quantised row by row
+        ffn = (model.moe_ffn_hidden_size or model.ffn_size) / dims.etp
+        elements += routed * (hidden + ffn) * FP8_QUANTIZE_BYTES / kernels.elem
+    return elements
 
 
 def _dispatch_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, *, routed: float,
@@ -150,10 +216,12 @@ def _dispatch_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Colle
 def _metadata_s(job: JobSpec, layout: Layout, costs: CollectiveCosts) -> float:
     """Seconds of the alltoall dispatcher's count exchange in one forward pass (:attr:`MoeCost.metadata_s`):
     Megatron-Core's ``MoEAlltoAllTokenDispatcher.preprocess`` all-gathers each rank's token count per expert
-    (int64) over the expert TP x EP group to size its all-to-alls."""
+    (int64) over the expert TP x EP group to size its all-to-alls; padded to capacity, every split is the capacity
+    and nothing is exchanged."""
     dims = layout.dims
     group = dims.ep * dims.etp
-    if job.model.moe_token_dispatcher is not TokenDispatcher.alltoall or group <= 1:
+    if (job.model.moe_token_dispatcher is not TokenDispatcher.alltoall or group <= 1
+            or job.model.moe_pad_expert_input_to_capacity):
         return 0.0
     counts = (job.model.num_experts or 0) * COUNT_BYTES * group  # the all-gather's output
     return costs.seconds(Collective.all_gather, counts, group, min(group, layout.ep_per_node * dims.etp))
@@ -217,7 +285,7 @@ class ExpertDispatch(CostTerm):
             return {"ep_buffers": 0.0}
         model = job.model
         return {"ep_buffers": (2 * model.moe_router_topk * stage.common.tokens / dims.tp * model.hidden_size
-                               * stage.common.elem_bytes * stage.options.moe_routing_imbalance)}
+                               * stage.common.elem_bytes * model.expert_load(stage.options.moe_routing_imbalance))}
 
     def hideable(self, layer: LayerCost, overlaps: Overlaps) -> tuple[float, float]:
         """The expert overlap leaves at least the SM share (:data:`COMM_SM_SHARE`) of the forward and backward

@@ -12,6 +12,7 @@ from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.memory import (
     Stage,
     in_flight,
+    loss_logit_bytes,
     primepar_split,
     recomputed_layers,
     unfused_attention_working_bytes,
@@ -63,7 +64,7 @@ def selective_recompute(job: JobSpec, layout: Layout, kernels: KernelModel, *, m
 def layer_activations(stage: Stage) -> float:
     """Bytes the rank's layers keep for their backward passes over the micro-batches in flight, as the plan's
     recomputation keeps them, plus the working set of the layer in flight (a recomputed layer's whole activations,
-    an unfused attention core's scores)."""
+    an unfused attention core's scores) beyond the loss's logits, which are gone before it is made."""
     job, layout, options, rank = stage.job, stage.layout, stage.options, stage.rank
     dims, parallel = layout.dims, job.parallel
     layers, moe_layers = stage.layers, stage.moe_layers
@@ -98,6 +99,9 @@ def layer_activations(stage: Stage) -> float:
         working = 0.0
     if layers:
         working += unfused_attention_working_bytes(job, layout, options)
+    # The backward pass frees the loss's logits (the compute term's) before any layer's backward runs: the working
+    # set counts only where it exceeds them.
+    working = max(working - loss_logit_bytes(stage), 0.0)
     return kept * held_microbatches + working
 
 

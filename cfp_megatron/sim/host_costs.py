@@ -1,0 +1,230 @@
+"""The host's work per layer kind and pass of one plan: the kernels Megatron-Core launches (counted,
+``kernel_launches.json``), the host's seconds per launch and per synchronisation (``host.yaml``), CUDA graphs that
+replace a captured region's launches with one, and the dropless MoE dispatcher's device-to-host synchronisation.
+Priced once per plan's layout (:func:`host_costs`); the term :mod:`cfp_megatron.sim.terms.host` sets them against the
+GPU's time of each pass (docs/simulator.md, "Host time")."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cfp_megatron.base.config import CudaGraphImpl, JobSpec, Recompute
+
+HERE = Path(__file__).resolve().parent
+CONSTANTS_FILE = HERE / "host.yaml"
+"""The host's seconds per launch and per synchronisation, with their sources."""
+COUNTS_FILE = HERE / "kernel_launches.json"
+"""Kernels per layer kind and pass, written by ``bench/kernel_launches.py``."""
+
+DENSE_PARTS = ("attention", "mlp")
+"""The parts of a dense decoder layer the counts name (``attention``: input norm to the attention's residual add)."""
+MOE_PARTS = ("attention", "router", "dispatch", "experts")
+"""The parts of a MoE decoder layer the counts name (``dispatch``: the MoE block's norm, token dispatch,
+permutation, unpermutation, combine and residual add)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostConstants:
+    """What the host spends per launch and per synchronisation (``host.yaml``)."""
+
+    forward_launch_s: float
+    """Host seconds per kernel a forward (or recomputation) launches."""
+    backward_launch_s: float
+    """Host seconds per kernel a backward pass launches."""
+    sync_s: float
+    """Seconds a plain device-to-host synchronisation costs beyond the GPU work it waits for."""
+    moe_sync_stall_s: float
+    """Seconds each synchronisation of the dropless MoE dispatcher costs its layer's forward beyond the GPU work (the
+    drain, the host's split sizes and its next launch)."""
+    moe_layer_syncs: int
+    """Synchronisations per dropless MoE layer's forward."""
+    step_syncs: int
+    """Synchronisations per step outside the passes."""
+    graph_launches_per_region: int
+    """Launches one CUDA graph replay costs per captured region and pass."""
+
+
+@functools.cache
+def host_constants() -> HostConstants:
+    """:class:`HostConstants` from ``host.yaml``."""
+    data = yaml.safe_load(CONSTANTS_FILE.read_text())
+    return HostConstants(forward_launch_s=float(data["forward_launch_us"]) * 1e-6,
+                         backward_launch_s=float(data["backward_launch_us"]) * 1e-6,
+                         sync_s=float(data["sync_us"]) * 1e-6,
+                         moe_sync_stall_s=float(data["moe_sync_stall_us"]) * 1e-6,
+                         moe_layer_syncs=int(data["moe_layer_syncs"]), step_syncs=int(data["step_syncs"]),
+                         graph_launches_per_region=int(data["graph_launches_per_region"]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Launches:
+    """Kernels launched by one forward and one backward pass."""
+
+    forward: float
+    """Forward pass."""
+    backward: float
+    """Backward pass."""
+
+    def plus(self, other: Launches) -> Launches:
+        """Both passes' sums."""
+        return Launches(forward=self.forward + other.forward, backward=self.backward + other.backward)
+
+    def times(self, n: float) -> Launches:
+        """``n`` of them."""
+        return Launches(forward=n * self.forward, backward=n * self.backward)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchCounts:
+    """The counted kernels per layer kind and pass (``kernel_launches.json``)."""
+
+    counted: str
+    """Where they were counted: ``cpu`` (dispatched operators, the proxy) or ``gpu`` (the host's launch calls)."""
+    spec: str
+    """The layer spec counted: ``local`` (Megatron-Core's, unfused) or ``transformer_engine``."""
+    embedding: Launches
+    """The input embedding."""
+    head: Launches
+    """The final norm, the logits and the cross-entropy loss."""
+    dense: dict[str, Launches]
+    """A dense decoder layer's parts (:data:`DENSE_PARTS`)."""
+    moe: dict[str, Launches]
+    """A MoE decoder layer's parts (:data:`MOE_PARTS`), its experts' without their launches per local expert."""
+    per_local_expert: Launches
+    """The experts' launches per local expert (one GEMM chain each without a grouped GEMM)."""
+
+
+def _parts(kind: dict[str, Any], names: tuple[str, ...]) -> dict[str, Launches]:
+    """A kind's launches per part: its forward and backward shared out over the parts as its forward's operators are
+    (the forward hooks name the parts; the backward's kernels run outside any module's hooks)."""
+    forward = kind["forward_parts"]
+    total = sum(forward.values()) or 1
+    return {name: Launches(forward=kind["forward"] * forward.get(name, 0) / total,
+                           backward=kind["backward"] * forward.get(name, 0) / total) for name in names}
+
+
+@functools.cache
+def launch_counts() -> LaunchCounts:
+    """:class:`LaunchCounts` from ``kernel_launches.json``: the MoE layer counted at two numbers of local experts
+    gives the launches per local expert (the difference of the whole layer's, as the GPU's copies and memsets per
+    expert fall outside the dispatched operators) and the rest, shared out over the parts as the forward's operators
+    are once the experts' per-expert operators are taken out."""
+    data = json.loads(COUNTS_FILE.read_text())
+    kinds = data["kinds"]
+    many, few = kinds["moe"], kinds["moe_4_experts"]
+    local, extra = many["local_experts"], many["local_experts"] - 4
+    per_expert = Launches(forward=(many["forward"] - few["forward"]) / extra,
+                          backward=(many["backward"] - few["backward"]) / extra)
+    ops = {name: float(many["forward_parts"].get(name, 0)) for name in MOE_PARTS}
+    ops["experts"] = max(ops["experts"] - local * (ops["experts"] - few["forward_parts"].get("experts", 0)) / extra,
+                         0.0)
+    total = sum(ops.values()) or 1.0
+    fixed = Launches(forward=max(many["forward"] - local * per_expert.forward, 0.0),
+                     backward=max(many["backward"] - local * per_expert.backward, 0.0))
+    many_parts = {name: Launches(forward=fixed.forward * n / total, backward=fixed.backward * n / total)
+                  for name, n in ops.items()}
+    return LaunchCounts(counted=data["counted"], spec=data["spec"],
+                        embedding=Launches(forward=kinds["embedding"]["forward"],
+                                           backward=kinds["embedding"]["backward"]),
+                        head=Launches(forward=kinds["head"]["forward"], backward=kinds["head"]["backward"]),
+                        dense=_parts(kinds["dense"], DENSE_PARTS), moe=many_parts, per_local_expert=per_expert)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostCosts:
+    """Host seconds per layer kind and pass of one plan (launch counts x seconds per launch, CUDA graphs applied)."""
+
+    dense: tuple[float, float]
+    """(forward, backward) host seconds of one dense decoder layer."""
+    moe: tuple[float, float]
+    """(forward, backward) host seconds of one MoE decoder layer (the dense layer's for a dense model)."""
+    embedding: tuple[float, float]
+    """(forward, backward) host seconds of the embedding."""
+    head: tuple[float, float]
+    """(forward, backward) host seconds of the final norm, logits and loss."""
+    dense_recompute_s: float
+    """Host seconds of one recomputed dense layer: its forward's launches under full recomputation; zero under
+    selective recomputation (the core attention's few kernels are not counted) and none."""
+    moe_recompute_s: float
+    """The same for a MoE layer."""
+    recompute_syncs: bool
+    """Whether a recomputed MoE layer synchronises again (full recomputation runs its dispatcher's forward again)."""
+    moe_sync_s: float
+    """What each forward (and recomputation) of a MoE layer waits beyond its GPU work at the dispatcher's
+    device-to-host synchronisations: each drain, the host's work after it and its next launch (the host's queue
+    ahead is lost); zero where the layer does not synchronise."""
+
+
+def moe_syncs(job: JobSpec) -> bool:
+    """Whether each MoE layer's token dispatch makes the host wait for the device
+    (:attr:`~cfp_megatron.base.config.ModelSpec.moe_counts_to_host`, which says which dispatchers do)."""
+    return job.model.moe_counts_to_host
+
+
+def _graphed(parallel_scope: tuple[str, ...], part: str, *, moe: bool, dropless: bool) -> bool:
+    """Whether a CUDA graph captures ``part`` of a layer under the scopes ``parallel_scope`` (empty: the whole
+    layer; Megatron-Core's ``CudaGraphScope``: ``attn``, ``mlp`` dense only, ``moe`` drop-and-pad only,
+    ``moe_router`` the router, ``moe_preprocess`` the dispatch's preprocessing with the router)."""
+    whole = not parallel_scope
+    if part == "attention":
+        return whole or "attn" in parallel_scope
+    if part == "mlp":
+        return not moe and (whole or "mlp" in parallel_scope)
+    if dropless:  # a dropless MoE block's shapes follow the routing: only its router can be captured
+        return part == "router" and (whole or "moe_router" in parallel_scope or "moe_preprocess" in parallel_scope)
+    if part == "router":
+        return whole or bool({"moe", "moe_router", "moe_preprocess"} & set(parallel_scope))
+    return whole or "moe" in parallel_scope
+
+
+def _layer(parts: dict[str, Launches], scope: tuple[str, ...] | None, constants: HostConstants, *, moe: bool,
+           dropless: bool) -> Launches:
+    """One layer's launches, the parts a CUDA graph captures (``scope`` not ``None``) replaced by its replays."""
+    total = Launches(forward=0.0, backward=0.0)
+    graph = Launches(forward=constants.graph_launches_per_region, backward=constants.graph_launches_per_region)
+    for name, launches in parts.items():
+        captured = scope is not None and _graphed(scope, name, moe=moe, dropless=dropless)
+        total = total.plus(graph if captured else launches)
+    return total
+
+
+def host_costs(job: JobSpec, local_experts: int) -> HostCosts:
+    """The host's seconds per layer kind and pass of ``job`` with ``local_experts`` routed experts per rank."""
+    constants, counts = host_constants(), launch_counts()
+    model, parallel = job.model, job.parallel
+    impl = parallel.cuda_graph_impl
+    scope = None if impl is CudaGraphImpl.none else parallel.graph_scopes()
+    if scope is not None and "full_iteration" in scope:  # the whole iteration replays as one graph
+        zero = (0.0, 0.0)
+        return HostCosts(dense=zero, moe=zero, embedding=zero, head=zero, dense_recompute_s=0.0,
+                         moe_recompute_s=0.0, recompute_syncs=False, moe_sync_s=0.0)
+    syncs = moe_syncs(job)
+    dense = _layer(counts.dense, scope, constants, moe=False, dropless=syncs)
+    moe_parts = dict(counts.moe)
+    moe_parts["experts"] = counts.moe["experts"].plus(counts.per_local_expert.times(local_experts))
+    if model.moe_shared_expert_intermediate_size:  # a shared expert runs a dense MLP's kernels
+        moe_parts["shared_expert"] = counts.dense["mlp"]
+    moe = _layer(moe_parts, scope, constants, moe=True, dropless=syncs) if model.is_moe else dense
+    fwd, bwd = constants.forward_launch_s, constants.backward_launch_s
+
+    def seconds(launches: Launches) -> tuple[float, float]:
+        return launches.forward * fwd, launches.backward * bwd
+
+    full = parallel.recompute is Recompute.full
+    return HostCosts(dense=seconds(dense), moe=seconds(moe), embedding=seconds(counts.embedding),
+                     head=seconds(counts.head), dense_recompute_s=dense.forward * fwd if full else 0.0,
+                     moe_recompute_s=moe.forward * fwd if full else 0.0, recompute_syncs=full and syncs,
+                     moe_sync_s=constants.moe_layer_syncs * constants.moe_sync_stall_s if syncs else 0.0)
+
+
+def step_host_s() -> float:
+    """Host seconds per step outside the passes on a GPU cluster: its synchronisations, each followed by a launch
+    the GPU waits for."""
+    constants = host_constants()
+    return constants.step_syncs * (constants.sync_s + constants.forward_launch_s)

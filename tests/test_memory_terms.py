@@ -1,0 +1,160 @@
+"""The memory model's terms against first principles: the loss's logits, what full recomputation keeps and makes
+again, what sequence parallelism divides, the element size of activations, the allocator's band in the fit check,
+and the validator's memory failures (docs/simulator.md, "memory.py" and "Allocator band")."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from cfp_megatron.base.cfp_spec import cfp_from_config
+from cfp_megatron.base.compose import compose_config, compose_job
+from cfp_megatron.base.config import Recompute
+from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.search.search import search
+from cfp_megatron.sim.layout import build_layout
+from cfp_megatron.sim.memory import (
+    BAND_FILE,
+    MemoryBand,
+    layer_activation_bytes,
+    loss_bytes_per_logit,
+    memory_band,
+)
+from cfp_megatron.sim.options import AttentionKernel, SimOptions
+from cfp_megatron.sim.prediction import GIB
+from cfp_megatron.sim.simulate import predict_memory
+from cfp_megatron.validation.memory_failures import memory_failure_lines, memory_failures
+from cfp_megatron.validation.results import RowPlan, RowResult
+
+H100 = ["cluster=dgx_h100", "cluster.nodes=1", "cluster.gpus_per_node=1", "train.global_batch_size=2",
+        "train.micro_batch_size=1"]
+
+
+def _job(*overrides: str):
+    return compose_job([*H100, *overrides])
+
+
+def _parts(job, options: SimOptions | None = None) -> dict[str, float]:
+    return dict(predict_memory(job, options=options or SimOptions(), world_size=1).parts)
+
+
+def test_the_loss_keeps_its_fp32_softmax_and_one_logit_tensor_beside_it() -> None:
+    # Megatron-Core's vocab-parallel cross entropy: the fp32 softmax (4 bytes, made in place in the fp32 copy) and
+    # the bf16 logits beside it; in fp32 the copy is the tensor itself.
+    assert loss_bytes_per_logit(2.0) == 6.0
+    assert loss_bytes_per_logit(4.0) == 4.0
+    assert loss_bytes_per_logit(2.0, mtp_layers=1) == 10.0  # each MTP layer's softmax is kept too
+    job = _job("model=llama_tiny", "train.seq_length=512")
+    tokens = 512
+    assert _parts(job)["logits"] == pytest.approx(tokens * job.model.padded_vocab_size * 6.0)
+
+
+def test_a_fully_recomputed_layer_makes_its_scores_again_in_its_backward_pass() -> None:
+    # Under full recomputation a layer keeps its input; its backward pass runs its forward again, so the working
+    # set is the layer's whole activations, the unfused core's scores included (8.17 GiB tracked on one H200 for
+    # llama3_8b x 4 layers at 4,096 tokens, bench/allocator_share.py; 4.66 GiB predicted without the scores).
+    job = _job("model=llama_tiny", "train.seq_length=1024", "parallel.recompute=full")
+    layout = build_layout(job)
+    unfused = SimOptions(attention=AttentionKernel.fused_softmax)
+    working, kept = layer_activation_bytes(job, layout, unfused, moe=False)
+    none = layer_activation_bytes(job, layout, unfused, moe=False, recompute=Recompute.none)[0]
+    assert working == none
+    assert kept == 1024 * job.model.hidden_size * 2  # the layer's input only
+
+
+def test_an_unfused_core_keeps_k_and_v_repeated_to_every_head() -> None:
+    # Megatron-Core's DotProductAttention repeats a GQA model's K and V to every head (repeat_interleave) before its
+    # GEMMs, which keep them; a flash kernel keeps them per query group.
+    job = _job("model=llama_tiny", "train.seq_length=512")  # 4 heads, 2 query groups, head dim 16
+    layout = build_layout(job)
+    model = job.model
+    head_dim = model.hidden_size // model.num_attention_heads
+    extra = 512 * 2 * (model.num_attention_heads - model.query_groups) * head_dim * 2  # bytes, bf16
+    flash = layer_activation_bytes(job, layout, SimOptions(attention=AttentionKernel.flash), moe=False)[0]
+    unfused = SimOptions(attention=AttentionKernel.fused_softmax)
+    scores = model.num_attention_heads * 512 * 512 * 2  # the fused softmax's bf16 probabilities
+    assert layer_activation_bytes(job, layout, unfused, moe=False)[0] == flash + scores + extra
+
+
+def test_the_loss_and_a_layers_backward_working_set_are_not_held_at_once() -> None:
+    # The backward pass frees the loss's logits before any layer's backward runs: the rank's peak holds the larger.
+    job = _job("model=llama_tiny", "train.seq_length=1024", "parallel.recompute=full")
+    options = SimOptions(attention=AttentionKernel.fused_softmax)
+    parts = _parts(job, options)
+    layout = build_layout(job)
+    working, kept = layer_activation_bytes(job, layout, options, moe=False)
+    layers = job.model.num_layers
+    scores = job.model.num_attention_heads * 1024 * 1024 * 4.0  # the fused softmax's bf16 gradient in and out
+    assert parts["layer_activations"] + parts["logits"] == pytest.approx(
+        layers * kept + max(working + scores, parts["logits"]))
+
+
+def test_sequence_parallelism_divides_what_full_recomputation_keeps() -> None:
+    common = ("model=llama_tiny", "cluster.gpus_per_node=2", "parallel.tp=2", "train.seq_length=1024",
+              "parallel.recompute=full")
+    with_sp, without = _job(*common, "parallel.sp=true"), _job(*common, "parallel.sp=false")
+    options = SimOptions()
+    kept_sp = layer_activation_bytes(with_sp, build_layout(with_sp), options, moe=False)[1]
+    kept = layer_activation_bytes(without, build_layout(without), options, moe=False)[1]
+    assert kept == 2 * kept_sp == 1024 * with_sp.model.hidden_size * 2
+
+
+def test_activations_are_counted_in_the_compute_precision() -> None:
+    bf16 = _job("model=llama_tiny", "train.seq_length=512", "train.precision=bf16")
+    fp32 = dataclasses.replace(bf16, train=dataclasses.replace(bf16.train, precision=type(bf16.train.precision).fp32))
+    flash = SimOptions(attention=AttentionKernel.flash)
+    assert (layer_activation_bytes(fp32, build_layout(fp32), flash, moe=False)[0]
+            == 2 * layer_activation_bytes(bf16, build_layout(bf16), flash, moe=False)[0])
+
+
+def test_the_issues_70b_fsdp_run_fits_its_96_gb_with_sequence_parallel_norms() -> None:
+    # Llama 3 70B, FSDP over 8 nodes, TP8 with sequence-parallel norms, 16 x 8k tokens a rank, full recomputation:
+    # it ran on 96 GB H100s. With SP the layers keep their input over TP; without, 80 x 2 GiB of layer inputs.
+    common = ["model=llama3_70b", "cluster=h100_nvl", "cluster.nodes=8", "cluster.hbm_gib=96", "parallel.tp=8",
+              "parallel.recompute=full", "train.micro_batch_size=16", "train.seq_length=8192",
+              "train.global_batch_size=128", "train.precision=bf16"]
+    fsdp = SimOptions(fsdp=True)
+    with_sp = predict_memory(compose_job([*common, "parallel.sp=true"]), options=fsdp).total_gib
+    without = predict_memory(compose_job([*common, "parallel.sp=false"]), options=fsdp).total_gib
+    assert with_sp < 96 < without
+    assert without - with_sp >= 80 * 2 * 7 / 8  # the layer inputs SP divides
+
+
+def test_the_allocator_band_is_measured_data_and_a_cpu_has_none() -> None:
+    data = json.loads(BAND_FILE.read_text())
+    gpu = memory_band(_job("model=llama_tiny").cluster)
+    assert (gpu.low, gpu.high) == (data["low"], data["high"])
+    assert 1.0 <= gpu.low <= gpu.high
+    assert gpu.high == max(data["measured"]["default_allocator"]["reserved_over_allocated"])
+    assert memory_band(compose_job(["model=llama_tiny"]).cluster) == MemoryBand(low=1.0, high=1.0)
+    with pytest.raises(ConfigError, match="low <= high"):
+        MemoryBand(low=1.2, high=1.1)
+
+
+def test_the_search_fits_the_predictions_upper_band() -> None:
+    cfg = compose_config([*H100, "model=llama_tiny", "+cfp=auto", "cfp.constraints.memory_headroom=0.1"])
+    job = compose_job([*H100, "model=llama_tiny"])
+    result = search(job, 1, cfp_from_config(cfg))
+    high = memory_band(job.cluster).high
+    assert high > 1 / 0.9  # the band leaves less than the headroom: it applies
+    assert result.memory_limit_gib == pytest.approx(job.cluster.hbm_gib / high)
+    assert all(r.prediction.memory.total_gib <= result.memory_limit_gib for r in result.ranked)
+
+
+def _result(memory_gib: float, hbm: float) -> RowResult:
+    job = _job("model=llama_tiny", f"cluster.hbm_gib={hbm}")
+    plan = RowPlan(row_id=f"r{memory_gib:g}", source="s", model="llama_tiny", layout="tp1", job=job,
+                   options=SimOptions(), measured_s=1.0)
+    return RowResult(plan=plan, predicted_s=1.0, memory_gib=memory_gib)
+
+
+def test_the_validator_counts_runs_predicted_above_their_gpus_memory_as_failures() -> None:
+    results = [_result(70.0, 80.0), _result(80.0, 80.0), _result(96.0, 80.0)]
+    found = memory_failures(results)
+    assert (found["count"], found["checked"]) == (1, 3)
+    assert [row["id"] for row in found["rows"]] == ["r96"] and found["rows"][0]["times"] == pytest.approx(1.2)
+    lines = memory_failure_lines(results)
+    assert lines[0].startswith("memory failures: 1 of 3 rows") and "r96" in lines[1]
+    assert GIB == 2**30
