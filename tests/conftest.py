@@ -1,9 +1,13 @@
-"""Session fixtures shared by the test files: the multi-rank training jobs (tests/multirank.py)."""
+"""Fixtures shared by the test files: the multi-rank training jobs (tests/multirank.py), and the search's unchecked
+layouts checked."""
 
 from __future__ import annotations
 
 import pytest
 
+from cfp_megatron.base.config import JobSpec
+from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.search.space import Candidate
 from tests.multirank import MultiRankRuns, run_cases
 
 
@@ -18,3 +22,25 @@ def multirank(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     per world size (:func:`tests.multirank.run_cases`)."""
     cases = [c for item in request.session.items for mark in item.iter_markers("multirank") for c in mark.args]
     return run_cases(cases, tmp_path_factory.mktemp("multirank"))
+
+
+@pytest.fixture
+def screened_jobs_checked(monkeypatch: pytest.MonkeyPatch) -> list[Candidate]:
+    """While the test runs, every job the search builds without ParallelSpec's checks (``Candidate.screened_job``)
+    is checked: the checked constructor must accept it (a ``ConfigError`` fails the test, where the search would
+    read it as a refused candidate) and build an equal job. Yields the candidates built so."""
+    screened = Candidate.screened_job
+    built: list[Candidate] = []
+
+    def checked(cand: Candidate, base: JobSpec) -> JobSpec:
+        fast = screened(cand, base)
+        try:
+            slow = cand.job(base)
+        except ConfigError as err:
+            pytest.fail(f"the search built {cand.describe(1)}, which fails the checks: {err}")
+        assert fast == slow and fast.parallel.__dict__ == slow.parallel.__dict__
+        built.append(cand)
+        return fast
+
+    monkeypatch.setattr(Candidate, "screened_job", checked)
+    return built

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.launcher import REPO, RunResult, torchrun_command
@@ -38,6 +38,9 @@ class Case:
     """Ranks (torchrun's ``--nproc_per_node``)."""
     overrides: tuple[str, ...]
     """Hydra overrides; :data:`TMP` stands for the session's folder."""
+    prepare: Callable[[Path], None] | None = field(default=None, compare=False)
+    """What the case reads that a test makes (an indexed dataset), written under the session's folder (its
+    argument) once, before the first job; ``None``: nothing."""
 
     @property
     def key(self) -> str:
@@ -45,9 +48,9 @@ class Case:
         return json.dumps([self.world, *self.overrides])
 
 
-def case(world: int, *overrides: str) -> Case:
-    """A :class:`Case` of ``overrides`` on ``world`` ranks."""
-    return Case(world=world, overrides=tuple(overrides))
+def case(world: int, *overrides: str, prepare: Callable[[Path], None] | None = None) -> Case:
+    """A :class:`Case` of ``overrides`` on ``world`` ranks (``prepare``: :attr:`Case.prepare`)."""
+    return Case(world=world, overrides=tuple(overrides), prepare=prepare)
 
 
 class MultiRankRuns:
@@ -84,6 +87,8 @@ def run_cases(cases: Iterable[Case], folder: Path, *, timeout_per_case: float = 
     files: dict[str, list[list[str]]] = {}
     run_dirs: dict[str, Path] = {}
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    for prepare in dict.fromkeys(c.prepare for c in unique if c.prepare is not None):
+        prepare(folder)
     for world in sorted({c.world for c in unique}, reverse=True):
         mine = [c for c in unique if c.world == world]
         job = folder / f"world{world}"

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from cfp_megatron.graph.blocks import BlockCheck, find_blocks, verify_blocks_on_gloo
+from cfp_megatron.graph.blocks import (
+    BlockCheck,
+    GlooVerification,
+    find_blocks,
+    verify_blocks_on_gloo,
+    verify_graphs_on_gloo,
+)
 from cfp_megatron.graph.opgraph import OpGraph
 from cfp_megatron.graph.propagation import fake_mesh
 
@@ -39,14 +45,28 @@ def moe_layer() -> OpGraph:
     return _graph("moe_tiny", "moe")
 
 
-@pytest.mark.parametrize("build", [llama_dense, gpt_dense, moe_layer], ids=["llama-dense", "gpt-dense", "moe"])
-def test_every_candidate_is_communication_free_on_gloo(build) -> None:
-    graph = build()
-    with fake_mesh((2,), ("tp",)) as mesh:
-        blocks = find_blocks(graph, mesh)
-    checks = [BlockCheck.of(b, c) for b in blocks for c in b.candidates]
+BUILDS = {"llama-dense": llama_dense, "gpt-dense": gpt_dense, "moe": moe_layer}
+
+
+@pytest.fixture(scope="module")
+def one_dimensional() -> dict[str, tuple[list[BlockCheck], list[GlooVerification]]]:
+    """Every candidate of each layer on a 1-D mesh of 2 ranks, replayed in one gloo spawn for the three layers
+    (:func:`~cfp_megatron.graph.blocks.verify_graphs_on_gloo`): the checks and their results, by layer."""
+    checks = {}
+    for name, build in BUILDS.items():
+        graph = build()  # captured before the fake process group (capture makes its own)
+        with fake_mesh((2,), ("tp",)) as mesh:
+            blocks = find_blocks(graph, mesh)
+        checks[name] = [BlockCheck.of(b, c) for b in blocks for c in b.candidates]
+    results = verify_graphs_on_gloo((2,), [(BUILDS[name], checks[name]) for name in BUILDS])
+    return {name: (checks[name], found) for name, found in zip(BUILDS, results, strict=True)}
+
+
+@pytest.mark.parametrize("layer", list(BUILDS))
+def test_every_candidate_is_communication_free_on_gloo(
+        layer: str, one_dimensional: dict[str, tuple[list[BlockCheck], list[GlooVerification]]]) -> None:
+    checks, results = one_dimensional[layer]
     assert len(checks) >= 10
-    results = verify_blocks_on_gloo(build, (2,), checks)
     for check, result in zip(checks, results, strict=True):
         assert result.error is None, (check, result.error)
         assert result.collectives == {}, (check, result.collectives)

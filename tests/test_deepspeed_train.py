@@ -12,7 +12,7 @@ import pytest
 from cfp_megatron.backends.deepspeed.engine_probe import load_probes
 from cfp_megatron.plan import Plan
 from tests.launcher import RunResult, run_train
-from tests.multirank import Case, MultiRankRuns, case
+from tests.multirank import TMP, Case, MultiRankRuns, case
 from tests.profiles import seed_profile_db
 
 pytestmark = [pytest.mark.slow,
@@ -93,23 +93,32 @@ def test_auto_plans_with_engine_probes_and_trains(tmp_path: Path, reference: lis
         assert 0 < p.seconds(1) < p.seconds(4)
 
 
-def test_checkpoint_folder_is_not_written_over(tmp_path: Path) -> None:
-    folder = tmp_path / "ckpt"
-    first = run_train(2, [*COMMON, "backend.zero_stage=1", f"train.checkpoint_dir={folder}"], tmp_path / "a")
-    _losses(first)
-    assert (folder / "latest").read_text().strip() == "global_step4"
+DS_CKPT = f"{TMP}/ds_ckpt"
+FIRST = case(2, *COMMON, "backend.zero_stage=1", f"train.checkpoint_dir={DS_CKPT}")
+RESUMED = case(2, *COMMON, "backend.zero_stage=1", f"train.checkpoint_dir={DS_CKPT}", "train.resume=true",
+               "train.steps=6")
+"""A ZeRO-1 run that saves into a folder, then one that resumes from it (the multirank fixture's 2-rank job, in
+that order)."""
+
+
+@pytest.mark.multirank(FIRST, RESUMED)
+def test_checkpoint_folder_is_not_written_over(multirank: MultiRankRuns) -> None:
+    _losses(multirank[FIRST])
+    before, after = multirank.files(FIRST)
+    assert not before and "latest" in after and any(f.startswith("global_step4/") for f in after), after
+    assert not any(f.startswith("global_step6/") for f in after)
     # a second launch into the folder is refused by the launch's check before any process group (the pipeline
-    # calls it: tests/test_launch_pipeline.py), run here in-process on the folder the first launch wrote
+    # calls it: tests/test_launch_pipeline.py), run here in-process on the folder the launches wrote
     from cfp_megatron.base.compose import compose_job
     from cfp_megatron.base.errors import CheckpointError
     from cfp_megatron.planner.deepspeed_launch import DeepSpeedLaunch
 
+    folder = multirank.path("ds_ckpt")
     again = compose_job([*COMMON, "backend.zero_stage=1", f"train.checkpoint_dir={folder}"])
     with pytest.raises(CheckpointError, match=r"already holds checkpoints \(DeepSpeed: global_step4"):
         DeepSpeedLaunch().check_before_start(again, restarted=False, writer=None, note=lambda line: None)
-    resumed = run_train(2, [*COMMON, "backend.zero_stage=1", f"train.checkpoint_dir={folder}", "train.resume=true",
-                            "train.steps=6"], tmp_path / "c")
-    assert sorted(_losses_by_step(resumed)) == [5, 6]
+    assert multirank.files(RESUMED)[0] == after  # it resumed from the first run's folder as that run left it
+    assert sorted(_losses_by_step(multirank[RESUMED])) == [5, 6]
 
 
 def _losses_by_step(result: RunResult) -> dict[int, float]:

@@ -17,6 +17,7 @@ from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.plan import Plan, load_plan
 from cfp_megatron.planner.launch_plan import check_constraints, plan_key
 from tests.launcher import RunResult, run_train
+from tests.multirank import MultiRankRuns, case
 from tests.profiles import seed_profile_db
 
 COMMON = ["model=gpt_tiny", "train.global_batch_size=16", "train.seq_length=64", "train.warmup_steps=0",
@@ -165,32 +166,47 @@ def test_two_ranks_plan_again_and_resume(planned: tuple[RunResult, Path, Path],
     assert sorted(losses) == list(range(saved + 1, saved + 9))
 
 
-@pytest.mark.slow
-def test_manual_applies_a_plan_string(tmp_path: Path) -> None:
-    job, _ = _compose("model=gpt_tiny", "train.global_batch_size=8")
+def _manual_plan(world: int = 4) -> Plan:
+    """A TP=2 x PP=2 plan of gpt_tiny on ``world`` ranks, as a saved plan's string gives it."""
     import dataclasses
 
+    job, _ = _compose("model=gpt_tiny", "train.global_batch_size=8")
     planned_job = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, tp=2, pp=2))
-    plan = Plan.from_job(planned_job, world_size=4, prediction=None, inputs_fingerprint="")
-    result = run_train(4, ["+cfp=manual", f"cfp.plan='{plan.canonical()}'", "model=gpt_tiny", "train.steps=2",
-                           "train.global_batch_size=8"], tmp_path)
+    return Plan.from_job(planned_job, world_size=world, prediction=None, inputs_fingerprint="")
+
+
+MANUAL = case(4, "+cfp=manual", f"cfp.plan='{_manual_plan().canonical()}'", "model=gpt_tiny", "train.steps=2",
+              "train.global_batch_size=8")
+"""A launch given that plan's string: a case of the multirank fixture's 4-rank job (tests/multirank.py)."""
+
+
+@pytest.mark.slow
+@pytest.mark.multirank(MANUAL)
+def test_manual_applies_a_plan_string(multirank: MultiRankRuns) -> None:
+    """The launch path trains the plan string's layout (nothing else on the command line sets one); the plan step
+    takes it as the string's (in-process, on the same command line)."""
+    from cfp_megatron.base.launch_env import LaunchEnv
+    from cfp_megatron.planner.launch_plan import resolve_launch_plan
+
+    plan = _manual_plan()
+    result = multirank[MANUAL]
     assert result.returncode == 0, result.output[-4000:]
-    assert "cfp: string plan" in result.output
-    assert "tp=2 pp=2" in _events(result, "start")[0]["layout"]
+    assert "tp=2 pp=2" in _events(result, "start")[0]["layout"] and sorted(result.losses) == [1, 2]
+    cfg = compose_config(list(MANUAL.overrides))
+    env = LaunchEnv(rank=0, world_size=4, local_rank=0, local_world_size=4, restart_count=0, under_torchrun=True)
+    launch = resolve_launch_plan(job_from_config(cfg), cfp_from_config(cfg), env, None)
+    assert launch is not None and launch.source == "string" and launch.plan.canonical() == plan.canonical()
 
 
 def test_manual_plan_for_another_world_size_is_refused() -> None:
     """The launch's plan step on 2 ranks refuses a 4-rank plan string (in-process: what a 2-rank torchrun of the
     plan above runs before any process group)."""
-    import dataclasses
 
     from cfp_megatron.base.launch_env import LaunchEnv
     from cfp_megatron.plan.errors import PlanError
     from cfp_megatron.planner.launch_plan import resolve_launch_plan
 
-    job, _ = _compose("model=gpt_tiny", "train.global_batch_size=8")
-    planned_job = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, tp=2, pp=2))
-    plan = Plan.from_job(planned_job, world_size=4, prediction=None, inputs_fingerprint="")
+    plan = _manual_plan()
     cfg = compose_config(["+cfp=manual", f"cfp.plan='{plan.canonical()}'", "model=gpt_tiny", "train.steps=2"])
     env = LaunchEnv(rank=0, world_size=2, local_rank=0, local_world_size=2, restart_count=0, under_torchrun=True)
     with pytest.raises(PlanError, match="the plan is for 4 ranks"):

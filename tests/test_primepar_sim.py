@@ -12,7 +12,7 @@ from cfp_megatron.base.compose import compose_config
 from cfp_megatron.base.config import MlpPartition, job_from_config
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.search.search import search
-from cfp_megatron.search.space import build_space
+from cfp_megatron.search.space import Candidate, build_space
 from cfp_megatron.sim.simulate import simulate
 
 BASE = ["model=llama3_8b", "cluster=dgx_h100", "cluster.nodes=1", "train.global_batch_size=64",
@@ -248,6 +248,18 @@ def test_search_takes_the_most_primepar_layers_that_fit_where_every_layer_does_n
     plan = Plan.from_job(found.ranked[0].job, world_size=8, prediction=None, inputs_fingerprint="")
     assert f",mlp=primepar,mlpn={best}," in plan.canonical()
     assert Plan.parse(plan.canonical()).parallel.primepar_layers == best
+
+
+def test_the_primepar_counts_the_search_tries_pass_the_checks(screened_jobs_checked: list[Candidate]) -> None:
+    """The PrimePar layer counts the search tries, built without ParallelSpec's checks as its other layouts are
+    (``Candidate.screened_job``, tests/test_search.py), pass the checks and equal the checked layouts."""
+    probe, _ = _mixed_job(200)
+    db = _faster_primepar_db(probe)
+    every = _every_count(probe, sp=False, mb=1, measurements=db)
+    job, cfp = _mixed_job((every[0][1] + every[32][1]) / 2, "cfp.sp=false", "cfp.micro_batch=1")
+    found = search(job, 8, cfp, measurements=db)
+    assert 0 < found.ranked[0].candidate.primepar_layers < 32
+    assert len({c.primepar_layers for c in screened_jobs_checked}) > 2  # the bisection's counts were built
 
 
 def test_primepar_layers_need_primepar_and_no_block_recompute() -> None:

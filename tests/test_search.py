@@ -521,3 +521,41 @@ def test_gpt3_on_1024_a100_runs_without_context_parallelism(headroom: str) -> No
     data = planned.best.to_json()
     assert data["prediction"]["choice"] == list(result.choice.reasons)
     assert Plan.from_json(data).predicted == planned.best.predicted
+
+
+_SCREENED_CASES = [
+    *(f"random{seed}" for seed in range(6)),  # dense, PrimePar at TP 4, memory-bound counts, uneven splits
+    "moe_a2a", "moe_mtp_balanced", "moe_modules", "user_modules",
+]
+
+
+def _screened_case(name: str) -> tuple[JobSpec, CfpSpec, int]:
+    if name.startswith("random"):
+        return _random_case(random.Random(int(name[len("random"):])))
+    common = ("cluster=dgx_h100", "cluster.nodes=1", "cluster.gpus_per_node=8", "train.seq_length=256",
+              "cfp.constraints.max_micro_batch=4")
+    overrides = {
+        "moe_a2a": ("model=moe_tiny", "model.num_layers=4", "cluster.hbm_gib=0.1", "train.global_batch_size=32",
+                    "cfp.ep=4"),
+        "moe_mtp_balanced": ("model=moe_tiny", "model.num_layers=7", "model.moe_first_dense_layers=1",
+                             "model.mtp_num_layers=1", "cluster.hbm_gib=0.03", "train.global_batch_size=32"),
+        "moe_modules": ("model=moe_tiny", "train.global_batch_size=16", "cluster.hbm_gib=0.05"),
+        # the user's modules, named out of Megatron-Core's order: the spec normalises them either way
+        "user_modules": ("model=llama_tiny", "model.num_layers=6", "parallel.recompute=selective",
+                         "parallel.recompute_modules=mlp+layernorm", "train.global_batch_size=16"),
+    }[name]
+    job, cfp = compose_job(*overrides, *common)
+    return job, cfp, 8
+
+
+@pytest.mark.parametrize("case", _SCREENED_CASES)
+def test_the_search_builds_only_layouts_the_checks_accept(case: str, screened_jobs_checked: list[Candidate]) -> None:
+    """The search builds its candidates' jobs without ParallelSpec's checks (``Candidate.screened_job``, its screens
+    ran the same layout rules): every one it builds passes the checks and equals the checked job, so the plans are
+    the checked path's (tests/test_primepar_sim.py checks its PrimePar layer counts)."""
+    job, cfp, world = _screened_case(case)
+    result = search(job, world, cfp)
+    assert screened_jobs_checked and result.invalid == 0
+    if case == "user_modules":
+        assert {c.job(job).parallel.recompute_modules for c in screened_jobs_checked
+                if c.recompute == "selective"} == {"layernorm+mlp"}

@@ -8,7 +8,7 @@ import pytest
 
 from cfp_megatron.data.preprocess import preprocess
 from cfp_megatron.data.tokenizer import ByteTokenizer
-from tests.launcher import run_train
+from tests.multirank import TMP, MultiRankRuns, case
 
 pytestmark = pytest.mark.slow
 
@@ -18,23 +18,25 @@ TEXT = "\n\n".join(
 )
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A small indexed dataset built from text at test time with the project's preprocessing."""
-    folder = tmp_path_factory.mktemp("corpus")
-    source = folder / "docs.txt"
+def write_corpus(folder: Path) -> None:
+    """A small indexed dataset built from text with the project's preprocessing, under ``folder/corpus``."""
+    (folder / "corpus").mkdir(parents=True, exist_ok=True)
+    source = folder / "corpus" / "docs.txt"
     source.write_text(TEXT)
-    prefix = str(folder / "docs")
-    preprocess(str(source), prefix, tokenizer=ByteTokenizer())
-    return prefix
+    preprocess(str(source), str(folder / "corpus" / "docs"), tokenizer=ByteTokenizer())
 
 
-def test_indexed_data_trains_alike_on_one_and_two_ranks(corpus: str, tmp_path: Path) -> None:
-    common = ["data=indexed", f"data.path=[{corpus}]", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=3",
-              "train.warmup_steps=0", "train.seq_length=32", "train.precision=fp32"]
-    single = run_train(1, common, tmp_path / "one")
+DATA = ["data=indexed", f"data.path=[{TMP}/corpus/docs]", f"data.cache_dir={TMP}/corpus/cache", "train.steps=3",
+        "train.warmup_steps=0", "train.seq_length=32", "train.precision=fp32"]
+SINGLE = case(1, *DATA, prepare=write_corpus)
+DOUBLE = case(2, *DATA, "parallel.tp=2", prepare=write_corpus)
+"""The runs on a dataset built at test time (the multirank fixture's jobs, tests/multirank.py)."""
+
+
+@pytest.mark.multirank(SINGLE, DOUBLE)
+def test_indexed_data_trains_alike_on_one_and_two_ranks(multirank: MultiRankRuns) -> None:
+    single, double = multirank[SINGLE], multirank[DOUBLE]
     assert single.returncode == 0, single.output[-4000:]
-    double = run_train(2, [*common, "parallel.tp=2"], tmp_path / "two")
     assert double.returncode == 0, double.output[-4000:]
     assert sorted(single.losses) == [1, 2, 3]
     for step, loss in single.losses.items():

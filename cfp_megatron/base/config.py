@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import typing
 from dataclasses import dataclass, field
@@ -78,6 +79,20 @@ def recompute_modules(text: str | None) -> tuple[RecomputeModule, ...]:
     if unknown or not text.strip():
         raise ValueError(f"unknown module(s) {unknown or [text]}")
     return tuple(m for m in RecomputeModule if m.value in names)
+
+
+@functools.lru_cache(maxsize=256)
+def _module_set(text: str | None) -> frozenset[RecomputeModule]:
+    """:func:`recompute_modules` of a checked ``parallel.recompute_modules``, as a set (cached: the simulator reads a
+    plan's modules for every rank of every plan a search prices)."""
+    return frozenset(recompute_modules(text))
+
+
+@functools.lru_cache(maxsize=256)
+def _canonical_modules(text: str) -> str:
+    """``parallel.recompute_modules`` as :class:`ParallelSpec` stores it: the modules in :class:`RecomputeModule`
+    order, joined by :data:`RECOMPUTE_SEPARATOR`; ``ValueError`` for an unknown module."""
+    return RECOMPUTE_SEPARATOR.join(m.value for m in recompute_modules(text))
 
 
 class CpCommType(enum.Enum):
@@ -1089,7 +1104,27 @@ class ParallelSpec:
         """The submodules selective recomputation recomputes (empty without it)."""
         if self.recompute is not Recompute.selective:
             return frozenset()
-        return frozenset(recompute_modules(self.recompute_modules))
+        return _module_set(self.recompute_modules)
+
+    @classmethod
+    def _replaced(cls, base: ParallelSpec, *, checked: bool = True, **changes: Any) -> ParallelSpec:
+        """``base`` with ``changes`` (known field names only), as :func:`dataclasses.replace` builds it but without its
+        per-field copying: :meth:`__post_init__` checks it (``checked``), or only normalises ``recompute_modules``
+        (``checked=False``). Unchecked is for the search alone (:meth:`Candidate.screened_job
+        <cfp_megatron.search.space.Candidate.screened_job>`): its screens ran the same layout rules
+        (:mod:`cfp_megatron.base.layout_rules`) on every value it sets and each group's representative went through
+        the checks, and a search builds tens of thousands of layouts, whose checks were most of what each cost. Never
+        unchecked for a layout a person or a file gives (``tests/test_search.py`` checks that the checked constructor
+        accepts every layout the search builds unchecked, and equals it)."""
+        spec = object.__new__(cls)
+        values = spec.__dict__
+        values.update(base.__dict__)
+        values.update(changes)
+        if checked:
+            spec.__post_init__()
+        elif values["recompute_modules"] is not None:
+            values["recompute_modules"] = _canonical_modules(values["recompute_modules"])
+        return spec
 
 
 @dataclass(frozen=True, kw_only=True)

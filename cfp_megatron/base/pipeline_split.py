@@ -69,9 +69,13 @@ class ChunkLayers:
         """Dense layers of the chunk whose MLP runs PrimePar: none under Megatron's partition, else the first
         ``primepar_layers`` (every one by default; the runtime's :func:`~cfp_megatron.layers.primepar_mlp.
         with_primepar_mlp`)."""
-        if parallel.mlp is not MlpPartition.primepar:
+        return self.primepar_of(parallel.mlp, parallel.primepar_layers)
+
+    def primepar_of(self, mlp: MlpPartition, primepar_layers: int | None) -> int:
+        """:meth:`primepar` from the two fields it reads (``parallel.mlp``, ``parallel.primepar_layers``)."""
+        if mlp is not MlpPartition.primepar:
             return 0
-        return self.leading(self.count if parallel.primepar_layers is None else parallel.primepar_layers)[0]
+        return self.leading(self.count if primepar_layers is None else primepar_layers)[0]
 
 
 def split_issues(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None,
@@ -211,14 +215,29 @@ def chunk_layers(num_layers: int, pp: int, vpp: int, first: int | None = None, l
 def job_chunks(job: JobSpec) -> tuple[tuple[ChunkLayers, ...], ...]:
     """``[rank][chunk]`` layers of ``job``'s decoder under its pipeline sizes, first/last stage counts, the
     embedding/loss counted in the split or its per-stage layout, with where its embedding, loss and MTP layers sit."""
+    return split_chunks(job_split(job))
+
+
+SplitKey = tuple[int, int, int, int | None, int | None, int | None, bool, bool, str | None, int]
+"""What :func:`job_chunks` reads of a job (:func:`job_split`): :func:`chunk_layers`' arguments, in order."""
+
+
+def job_split(job: JobSpec) -> SplitKey:
+    """The :data:`SplitKey` of ``job``: equal keys, equal :func:`job_chunks` (a hashable key for what depends on the
+    split alone)."""
     m, p = job.model, job.parallel
-    first = p.first_stage_layers if p.pp > 1 else None
-    last = p.last_stage_layers if p.pp > 1 else None
-    return chunk_layers(m.num_layers, p.pp, p.virtual_stages, first, last,
-                        first_dense=m.moe_first_dense_layers if m.is_moe else None,
-                        embedding=p.account_for_embedding_in_pipeline_split and p.pp > 1,
-                        loss=p.account_for_loss_in_pipeline_split and p.pp > 1,
-                        layout=p.pipeline_model_parallel_layout if p.pp > 1 else None, mtp=m.mtp_num_layers)
+    pipelined = p.pp > 1
+    return (m.num_layers, p.pp, p.vpp or 1, p.first_stage_layers if pipelined else None,
+            p.last_stage_layers if pipelined else None, m.moe_first_dense_layers if m.is_moe else None,
+            p.account_for_embedding_in_pipeline_split and pipelined, p.account_for_loss_in_pipeline_split and pipelined,
+            p.pipeline_model_parallel_layout if pipelined else None, m.mtp_num_layers)
+
+
+def split_chunks(key: SplitKey) -> tuple[tuple[ChunkLayers, ...], ...]:
+    """:func:`chunk_layers` of a :data:`SplitKey`."""
+    num_layers, pp, vpp, first, last, first_dense, embedding, loss, layout, mtp = key
+    return chunk_layers(num_layers, pp, vpp, first, last, first_dense=first_dense, embedding=embedding, loss=loss,
+                        layout=layout, mtp=mtp)
 
 
 def max_chunk_count(chunks: tuple[tuple[ChunkLayers, ...], ...]) -> int:

@@ -428,18 +428,33 @@ def verify_blocks_on_gloo(build_graph: Callable[[], OpGraph], mesh_shape: tuple[
     :class:`CommDebugMode`; the exit activation's ``full_tensor()`` (the final reduction) is compared with the same
     operators run on plain tensors.
     """
+    return verify_graphs_on_gloo(mesh_shape, [(build_graph, checks)])[0]
+
+
+def verify_graphs_on_gloo(mesh_shape: tuple[int, ...],
+                          graphs: Sequence[tuple[Callable[[], OpGraph], Sequence[BlockCheck]]]
+                          ) -> list[list[GlooVerification]]:
+    """:func:`verify_blocks_on_gloo` of several graphs (each a picklable builder with its checks) in one spawn of
+    the ranks: one process start-up and one process group for all of them. One list of results per graph, in
+    order."""
     import torch.multiprocessing as mp
 
     world_size = math.prod(mesh_shape)
+    jobs = [(build, list(checks)) for build, checks in graphs]
     with _rank_folder() as tmp:
-        mp.spawn(_replay_rank, args=(world_size, tmp, build_graph, tuple(mesh_shape), list(checks)),
-                 nprocs=world_size, join=True)
+        mp.spawn(_replay_rank, args=(world_size, tmp, tuple(mesh_shape), jobs), nprocs=world_size, join=True)
         reports = []
         for rank in range(world_size):
             with open(os.path.join(tmp, f"rank{rank}.json")) as f:
                 reports.append(json.load(f))
+    return [_verifications(world_size, [rep[g] for rep in reports], len(checks))
+            for g, (_, checks) in enumerate(jobs)]
+
+
+def _verifications(world_size: int, reports: list[list[dict[str, Any]]], count: int) -> list[GlooVerification]:
+    """The results of ``count`` checks from each rank's reports of them."""
     out = []
-    for i in range(len(checks)):
+    for i in range(count):
         collectives: dict[str, int] = {}
         for rep in reports:
             for k, v in rep[i]["collectives"].items():
@@ -499,58 +514,66 @@ def _replay(ops: Sequence[Operator], values: dict[int, Any], wrap: Callable[[tor
             values[tid] = wrap(t)
 
 
-def _replay_rank(rank: int, world_size: int, tmp: str, build_graph: Callable[[], OpGraph],
-                 mesh_shape: tuple[int, ...], checks: list[BlockCheck]) -> None:
+def _replay_rank(rank: int, world_size: int, tmp: str, mesh_shape: tuple[int, ...],
+                 jobs: list[tuple[Callable[[], OpGraph], list[BlockCheck]]]) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.debug import CommDebugMode
 
-    graph = build_graph()
+    graphs = [build_graph() for build_graph, _ in jobs]  # recorded before any process group, as alone
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=rank,
                             world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", mesh_shape)
-        forward = forward_operators(graph)
-        names = {pid: name for name, pid in graph.params.items()}
-        reports = []
-        param_only = _param_only(graph, forward)
-        for check in checks:
-            ops = forward[check.start:check.stop]
-            external = _external(ops)
-            entry = parse_placements(check.placements)
-            side = _side_inputs(graph, ops, check.entry, param_only, entry, mesh)
-            plain = {t: _external_value(graph, t) for t in external}
-            sharded: dict[int, Any] = {}
-            for t in external:
-                if t in names:
-                    placements = parse_placements(check.params.get(names[t], placement_str(replicate(mesh))))
-                elif t == check.entry:
-                    placements = entry
-                else:
-                    placements = side.get(t, replicate(mesh))
-                sharded[t] = strided_rules.distribute(plain[t].clone(), mesh, placements)  # own storage: in-place ops
-
-            def as_dtensor(t: torch.Tensor) -> Any:
-                return t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, replicate(mesh), run_check=False)
-
-            comm = CommDebugMode()
-            with torch.no_grad():
-                _replay(ops, plain, lambda t: t)
-                try:
-                    with comm, strided_rules.strided_costs():
-                        _replay(ops, sharded, as_dtensor)
-                except Exception as exc:  # noqa: BLE001 - reported: DTensor refused an operator
-                    reports.append({"collectives": {}, "max_abs_error": float("nan"), "scale": 1.0,
-                                    "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"})
-                    continue
-                full = sharded[check.exit].full_tensor()
-            collectives = comm_counts(comm)
-            want = plain[check.exit].float()
-            reports.append({"collectives": collectives, "error": None, "max_abs_error": _max_abs_error(full, want),
-                            "scale": float(want.nan_to_num().abs().max()) if want.numel() else 0.0})
+        reports = [_replay_checks(graph, checks, mesh) for graph, (_, checks) in zip(graphs, jobs, strict=True)]
         write_atomic(os.path.join(tmp, f"rank{rank}.json"), json.dumps(reports), key=TMP_KEY)
         dist.barrier()  # no rank leaves while another still finishes a collective (gloo aborts on a closed peer)
     finally:
         dist.destroy_process_group()
     _leave()
+
+
+def _replay_checks(graph: OpGraph, checks: list[BlockCheck], mesh: Any) -> list[dict[str, Any]]:
+    """Each check of ``graph`` replayed on ``mesh`` (this rank's part), as the report :func:`_verifications`
+    reads."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    forward = forward_operators(graph)
+    names = {pid: name for name, pid in graph.params.items()}
+    reports = []
+    param_only = _param_only(graph, forward)
+    for check in checks:
+        ops = forward[check.start:check.stop]
+        external = _external(ops)
+        entry = parse_placements(check.placements)
+        side = _side_inputs(graph, ops, check.entry, param_only, entry, mesh)
+        plain = {t: _external_value(graph, t) for t in external}
+        sharded: dict[int, Any] = {}
+        for t in external:
+            if t in names:
+                placements = parse_placements(check.params.get(names[t], placement_str(replicate(mesh))))
+            elif t == check.entry:
+                placements = entry
+            else:
+                placements = side.get(t, replicate(mesh))
+            sharded[t] = strided_rules.distribute(plain[t].clone(), mesh, placements)  # own storage: in-place ops
+
+        def as_dtensor(t: torch.Tensor) -> Any:
+            return t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, replicate(mesh), run_check=False)
+
+        comm = CommDebugMode()
+        with torch.no_grad():
+            _replay(ops, plain, lambda t: t)
+            try:
+                with comm, strided_rules.strided_costs():
+                    _replay(ops, sharded, as_dtensor)
+            except Exception as exc:  # noqa: BLE001 - reported: DTensor refused an operator
+                reports.append({"collectives": {}, "max_abs_error": float("nan"), "scale": 1.0,
+                                "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"})
+                continue
+            full = sharded[check.exit].full_tensor()
+        collectives = comm_counts(comm)
+        want = plain[check.exit].float()
+        reports.append({"collectives": collectives, "error": None, "max_abs_error": _max_abs_error(full, want),
+                        "scale": float(want.nan_to_num().abs().max()) if want.numel() else 0.0})
+    return reports

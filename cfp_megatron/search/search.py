@@ -229,10 +229,10 @@ class MegatronSpace:
         if not space.gpu_overlap:
             return cand, cjob, memory, 0
         cand = dataclasses.replace(cand, dp_overlap=True)
-        cjob, tries = cand.job(job), 0
+        cjob, tries = cand.screened_job(job), 0
         for tp, a2a in _overlap_choices(space, cand):
             trial = dataclasses.replace(cand, tp_overlap=tp, a2a_overlap=a2a)
-            tjob = trial.job(job)
+            tjob = trial.screened_job(job)
             if (tp, a2a) == (False, False):
                 return trial, tjob, memory, tries  # the overlaps without a memory cost: as predicted already
             tmemory = predict_memory(tjob, job.cluster, self.measurements, options=self.options,
@@ -254,15 +254,15 @@ class MegatronSpace:
             if cand.recompute == BLOCK:
                 cand, memory, tries = _fewest_block_layers(cand, job, limit, self.measurements, self.options,
                                                            self.world, self.cache)
-                cjob = cand.job(job)
+                cjob = cand.screened_job(job)
             else:
-                cjob, tries = cand.job(job), 1
+                cjob, tries = cand.screened_job(job), 1
                 memory = predict_memory(cjob, job.cluster, self.measurements, options=self.options,
                                         world_size=self.world, cache=self.cache)
                 if cand.mlp == MlpPartition.primepar.value and limit is not None:
                     cand, memory, more = _primepar_layers(cand, cjob, memory, job, limit, self.measurements,
                                                           self.options, self.world, self.cache)
-                    cjob, tries = cand.job(job), tries + more
+                    cjob, tries = cand.screened_job(job), tries + more
             # After the counts above: the overlaps' buffers go on top of the memory they chose.
             cand, cjob, memory, more = self._overlaps(cand, cjob, memory)
             tries += more
@@ -339,7 +339,7 @@ class _CountedMemory:
 
     def __call__(self, count: int) -> MemoryBreakdown:
         self.tries += 1
-        plan = dataclasses.replace(self.cand, **{self.field: count}).job(self.job)
+        plan = dataclasses.replace(self.cand, **{self.field: count}).screened_job(self.job)
         return predict_memory(plan, self.job.cluster, self.measurements, options=self.options, world_size=self.world,
                               cache=self.cache)
 

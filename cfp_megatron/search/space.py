@@ -24,6 +24,7 @@ from cfp_megatron.base.config import (
     Recompute,
     RecomputeMethod,
     RecomputeModule,
+    TrainSpec,
     resolve_precision,
 )
 from cfp_megatron.base.errors import ConfigIssue
@@ -107,22 +108,25 @@ class Candidate:
 
     def parallel(self, base: ParallelSpec, *, layout: str | None = None) -> ParallelSpec:
         """``base`` with this layout's sizes (``layout``: its :meth:`layout` string, which a balanced split needs)."""
+        return ParallelSpec._replaced(base, **self._changes(base, layout))
+
+    def _changes(self, base: ParallelSpec, layout: str | None) -> dict[str, object]:
+        """The :class:`ParallelSpec` fields this layout sets on ``base`` (:meth:`parallel`)."""
         if self.balanced and layout is None:
             raise ValueError("a balanced split's ParallelSpec needs its layout string (Candidate.layout(model))")
-        return dataclasses.replace(base, tp=self.tp, sp=self.sp, pp=self.pp, vpp=self.vpp if self.vpp > 1 else None,
-                                   first_stage_layers=self.first_stage_layers or None,
-                                   last_stage_layers=self.last_stage_layers or None,
-                                   account_for_embedding_in_pipeline_split=False,  # not offered by the search yet
-                                   account_for_loss_in_pipeline_split=False,
-                                   pipeline_model_parallel_layout=layout,
-                                   cp=self.cp, ep=self.ep, etp=self.etp if self.ep > 1 or self.etp > 1 else None,
-                                   distributed_optimizer=self.distributed_optimizer, mlp=MlpPartition(self.mlp),
-                                   primepar_layers=self.primepar_layers or None,
-                                   moe_a2a_overlap=self.a2a_overlap, tp_comm_overlap=self.tp_overlap,
-                                   overlap_grad_reduce=base.overlap_grad_reduce or self.dp_overlap,
-                                   **self._recompute(base),
-                                   overlap_param_gather=(base.overlap_param_gather or self.dp_overlap)
-                                   and self.distributed_optimizer)
+        return dict(tp=self.tp, sp=self.sp, pp=self.pp, vpp=self.vpp if self.vpp > 1 else None,
+                    first_stage_layers=self.first_stage_layers or None,
+                    last_stage_layers=self.last_stage_layers or None,
+                    account_for_embedding_in_pipeline_split=False,  # not offered by the search yet
+                    account_for_loss_in_pipeline_split=False,
+                    pipeline_model_parallel_layout=layout,
+                    cp=self.cp, ep=self.ep, etp=self.etp if self.ep > 1 or self.etp > 1 else None,
+                    distributed_optimizer=self.distributed_optimizer, mlp=MlpPartition(self.mlp),
+                    primepar_layers=self.primepar_layers or None,
+                    moe_a2a_overlap=self.a2a_overlap, tp_comm_overlap=self.tp_overlap,
+                    overlap_grad_reduce=base.overlap_grad_reduce or self.dp_overlap,
+                    **self._recompute(base),
+                    overlap_param_gather=(base.overlap_param_gather or self.dp_overlap) and self.distributed_optimizer)
 
     def _recompute(self, base: ParallelSpec) -> dict[str, object]:
         """The recompute fields; a selective candidate recomputes ``base``'s ``recompute_modules`` (the user's)."""
@@ -135,9 +139,20 @@ class Candidate:
 
     def job(self, job: JobSpec) -> JobSpec:
         """``job`` under this layout."""
-        train = dataclasses.replace(job.train, micro_batch_size=self.micro_batch)
-        return dataclasses.replace(job, parallel=self.parallel(job.parallel, layout=self.layout(job.model)),
-                                   train=train)
+        return JobSpec(model=job.model, cluster=job.cluster, parallel=self.parallel(job.parallel,
+                                                                                    layout=self.layout(job.model)),
+                       train=_train_with(job.train, self.micro_batch), data=job.data)
+
+    def screened_job(self, job: JobSpec) -> JobSpec:
+        """:meth:`job` for a candidate of the search's own space, equal to it: its :class:`ParallelSpec` built
+        without the checks the search's screens already ran (:meth:`ParallelSpec._replaced
+        <cfp_megatron.base.config.ParallelSpec._replaced>`).
+        The job's cross-section checks (:meth:`~cfp_megatron.base.parallel_dims.ParallelDims.build`) still run in
+        the simulator."""
+        base = job.parallel
+        parallel = ParallelSpec._replaced(base, checked=False, **self._changes(base, self.layout(job.model)))
+        return JobSpec(model=job.model, cluster=job.cluster, parallel=parallel,
+                       train=_train_with(job.train, self.micro_batch), data=job.data)
 
     def describe(self, world: int) -> str:
         """A short label such as ``dp8 tp8 sp pp16 vpp2 mb1 rc=none dopt`` (``first7 last7``: layers of the first
@@ -160,6 +175,13 @@ class Candidate:
         parts += ["tpco"] if self.tp_overlap else []
         parts += ["a2ao"] if self.a2a_overlap else []
         return " ".join(parts)
+
+
+@functools.lru_cache(maxsize=64)
+def _train_with(train: TrainSpec, micro_batch: int) -> TrainSpec:
+    """``train`` with ``micro_batch`` sequences per micro-batch (checked, once: a search builds a job per candidate,
+    from a few micro-batch sizes)."""
+    return dataclasses.replace(train, micro_batch_size=micro_batch)
 
 
 _KEY_FIELDS = tuple(f.name for f in dataclasses.fields(Candidate) if f.name not in ("recompute_layers",

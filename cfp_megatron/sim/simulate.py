@@ -4,14 +4,15 @@ of one plan. How the step time is composed: docs/simulator.md, "simulate.py"."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass
 
-from cfp_megatron.base.config import ClusterSpec, JobSpec, ParallelSpec
+from cfp_megatron.base.config import ClusterSpec, JobSpec, MlpPartition, ParallelSpec
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.base.parallel_dims import ParallelDims
-from cfp_megatron.base.pipeline_split import ChunkLayers, job_chunks
+from cfp_megatron.base.pipeline_split import ChunkLayers, SplitKey, job_chunks, job_split, split_chunks
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Measurements, PipelineProbe, StepOverheads, partition_name
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
@@ -212,20 +213,20 @@ def predict_memory(job: JobSpec, cluster: ClusterSpec | None = None, measurement
 
 @dataclass(frozen=True, kw_only=True)
 class _StageSplit:
-    """Parameters and MoE layers per pipeline rank."""
+    """Parameters and MoE layers per pipeline rank (shared between the plans of one split: never modified)."""
 
-    layer_params: list[float]
-    expert_params: list[float]
-    moe_layers: list[int]
-    layers: list[int]
+    layer_params: tuple[float, ...]
+    expert_params: tuple[float, ...]
+    moe_layers: tuple[int, ...]
+    layers: tuple[int, ...]
     """Decoder layers, and MTP layers counted as layers of their kind."""
-    embedding: list[bool]
+    embedding: tuple[bool, ...]
     """Whether the rank holds the input embedding."""
-    loss: list[bool]
+    loss: tuple[bool, ...]
     """Whether the rank holds the output layer and loss."""
-    mtp: list[int]
+    mtp: tuple[int, ...]
     """MTP layers on the rank."""
-    vocab_tables: list[int]
+    vocab_tables: tuple[int, ...]
     """Vocabulary-sized weights on the rank the gradient sync counts: the embedding's, the output layer's where the
     pipeline has more than one stage, and the one an MTP layer on another rank builds (Megatron-Core embeds the
     shifted tokens there; the loss rank's output weight serves it where the embeddings are tied)."""
@@ -234,35 +235,47 @@ class _StageSplit:
 def _stage_split(job: JobSpec, layout: Layout, parts: PassCosts) -> _StageSplit:
     """Per pipeline rank: decoder-layer parameters on one rank (MTP layers' included), the routed experts' share of
     them, MoE layers and layers, over the rank's model chunks, and what the rank holds of the embedding, the loss and
-    the MTP layers."""
-    dims = layout.dims
-    pp = dims.pp
+    the MTP layers (:func:`_split_of`, from what it reads)."""
+    model, parallel = job.model, job.parallel
+    megatron_dense = parts.megatron_dense or parts.dense  # the dense layers beyond parallel.primepar_layers
+    return _split_of(job_split(job), parallel.mlp, parallel.primepar_layers, parts.dense.params,
+                     megatron_dense.params, parts.moe.params, parts.moe.params + parts.mtp_projection_params,
+                     parts.moe.expert_params, model.is_moe, model.tie_embeddings)
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_of(split: SplitKey, mlp: MlpPartition, primepar_layers: int | None, dense_params: float,
+              megatron_params: float, moe_params: float, mtp_params: float, expert_params: float, is_moe: bool,
+              tied: bool) -> _StageSplit:
+    """:func:`_stage_split` of the split ``split`` (:func:`~cfp_megatron.base.pipeline_split.job_split`) under the
+    MLP partition ``mlp`` with ``primepar_layers``, from one layer's parameters on one rank of each kind (a dense
+    layer under the plan's partition and under Megatron's, a MoE layer, an MTP layer with its projection) and a
+    MoE layer's routed experts', for a MoE model or not, with tied embeddings or not. Cached: the plans a search
+    prices share a few splits and layer costs."""
+    chunks = split_chunks(split)
+    pp = len(chunks)
     layer_params = [0.0] * pp
-    expert_params = [0.0] * pp
+    expert = [0.0] * pp
     moe_layers = [0] * pp
     layers = [0] * pp
     mtp = [0] * pp
-    megatron_dense = parts.megatron_dense or parts.dense  # the dense layers beyond parallel.primepar_layers
-    mtp_moe = int(job.model.is_moe)  # an MTP layer is of the model's last layer kind
-    chunks = job_chunks(job)
+    mtp_moe = int(is_moe)  # an MTP layer is of the model's last layer kind
     for rank, rank_chunks in enumerate(chunks):
         for chunk in rank_chunks:
-            primepar_layers = chunk.primepar(job.parallel)
-            layer_params[rank] += (primepar_layers * parts.dense.params
-                                   + (chunk.dense - primepar_layers) * megatron_dense.params
-                                   + chunk.moe * parts.moe.params
-                                   + chunk.mtp * (parts.moe.params + parts.mtp_projection_params))
-            expert_params[rank] += (chunk.moe + chunk.mtp * mtp_moe) * parts.moe.expert_params
+            primepar = chunk.primepar_of(mlp, primepar_layers)
+            layer_params[rank] += (primepar * dense_params + (chunk.dense - primepar) * megatron_params
+                                   + chunk.moe * moe_params + chunk.mtp * mtp_params)
+            expert[rank] += (chunk.moe + chunk.mtp * mtp_moe) * expert_params
             moe_layers[rank] += chunk.moe + chunk.mtp * mtp_moe
             layers[rank] += chunk.count + chunk.mtp
             mtp[rank] += chunk.mtp
     embedding = [any(chunk.embedding for chunk in row) for row in chunks]
     loss = [any(chunk.loss for chunk in row) for row in chunks]
-    tied = job.model.tie_embeddings
     vocab_tables = [int(embedding[rank]) + int(loss[rank] and pp > 1)
                     + int(bool(mtp[rank]) and not embedding[rank] and not (loss[rank] and tied)) for rank in range(pp)]
-    return _StageSplit(layer_params=layer_params, expert_params=expert_params, moe_layers=moe_layers, layers=layers,
-                       embedding=embedding, loss=loss, mtp=mtp, vocab_tables=vocab_tables)
+    return _StageSplit(layer_params=tuple(layer_params), expert_params=tuple(expert), moe_layers=tuple(moe_layers),
+                       layers=tuple(layers), embedding=tuple(embedding), loss=tuple(loss), mtp=tuple(mtp),
+                       vocab_tables=tuple(vocab_tables))
 
 
 def _peak_memory(job: JobSpec, layout: Layout, options: SimOptions, measurements: Measurements | None,
