@@ -13,6 +13,7 @@ from cfp_megatron.base.config import MlpPartition, job_from_config
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.search.search import search
 from cfp_megatron.search.space import Candidate, build_space
+from cfp_megatron.sim.memory import memory_band
 from cfp_megatron.sim.simulate import simulate
 
 BASE = ["model=llama3_8b", "cluster=dgx_h100", "cluster.nodes=1", "train.global_batch_size=64",
@@ -158,8 +159,12 @@ PINS = ["cfp.tp=4", "cfp.pp=1", "cfp.cp=1", "cfp.recompute=none", "cfp.distribut
         "cfp.mlp=primepar", "cfp.constraints.memory_headroom=0", "cfp.top_k=1000"]
 
 
-def _mixed_job(hbm_gib: float, *overrides: str):
+def _mixed_job(limit_gib: float, *overrides: str):
+    """The job whose search admits plans predicted at up to ``limit_gib`` (headroom 0: the GPU's memory is the limit
+    times the allocator band's upper end, :func:`~cfp_megatron.sim.memory.memory_band`)."""
     # The GPU overlaps off: _every_count simulates the layouts as parallel gives them.
+    probe = compose_config(["+cfp=auto", *MIXED, *PINS])
+    hbm_gib = limit_gib * memory_band(job_from_config(probe).cluster).high
     cfg = compose_config(["+cfp=auto", *MIXED, f"cluster.hbm_gib={hbm_gib}", *PINS, "cfp.overlap=false", *overrides])
     return job_from_config(cfg), cfp_from_config(cfg)
 
