@@ -265,6 +265,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                                                                                or recipe.overlap_grad_reduce),
                      "tp_comm_overlap": (recipe.tp_comm_overlap if recipe else framework.tp_comm_overlap) and sp,
                      "moe_a2a_overlap": bool(recipe and recipe.a2a_overlap),
+                     "cuda_graph_impl": recipe.cuda_graph_impl if recipe else "none",
+                     "cuda_graph_scope": recipe.cuda_graph_scope if recipe else None,
                      "recompute_num_layers": 1, "grad_reduce_in_fp32": framework.grad_reduce_in_fp32,
                      "account_for_embedding_in_pipeline_split": counted,
                      "account_for_loss_in_pipeline_split": counted, "pipeline_model_parallel_layout": stages},
@@ -281,6 +283,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     layout += f" as {architecture}" if architecture else ""
     if recipe:
         layout += (" flex" if recipe.dispatcher == "flex" else "") + (" a2ao" if recipe.a2a_overlap else "")
+        layout += (f" cg={recipe.cuda_graph_impl}[{recipe.cuda_graph_scope or 'layer'}]"
+                   if recipe.cuda_graph_impl != "none" else "")
     layout += f" {moe_routing(row).tag}" if experts and moe_routing(row).tag else ""
     layout += f" mb{micro} gbs{gbs} {recompute}" + (f"[{job.parallel.recompute_modules}]" if modules else "")
     layout += " fsdp" if fsdp else ""

@@ -20,6 +20,7 @@ from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.plan.exports import megatron_lm_args
 from cfp_megatron.sim import host_costs as hc
 from cfp_megatron.sim.layer_cost import PassCost
+from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.simulate import prepare_costs, simulate
 from cfp_megatron.sim.terms import TERMS, LaneKind, Placement
 from cfp_megatron.sim.terms.host import with_host
@@ -164,11 +165,13 @@ def test_cuda_graphs_remove_the_launches_of_what_they_capture() -> None:
     assert layer.moe[0] > padded.moe[0] == pytest.approx(4 * hc.host_constants().forward_launch_s)
 
 
-def test_the_experts_launches_grow_with_the_local_experts() -> None:
-    few = prepare_costs(job(TINY_MOE, ep=8)).host
-    many = prepare_costs(job(TINY_MOE, ep=1)).host
+def test_the_experts_launches_grow_with_the_local_experts_only_without_a_grouped_gemm() -> None:
+    looped = SimOptions(grouped_gemm=False)
+    few = prepare_costs(job(TINY_MOE, ep=8), options=looped).host
+    many = prepare_costs(job(TINY_MOE, ep=1), options=looped).host
     per_expert = hc.launch_counts().per_local_expert.forward * hc.host_constants().forward_launch_s
     assert many.moe[0] - few.moe[0] == pytest.approx(7 * per_expert)
+    assert prepare_costs(job(TINY_MOE, ep=1)).host.moe == prepare_costs(job(TINY_MOE, ep=8)).host.moe
 
 
 @pytest.mark.parametrize(("parallel", "problem"), [
@@ -267,3 +270,16 @@ def test_the_bench_writes_counts_the_host_term_reads(tmp_path: Path, monkeypatch
     finally:
         hc.launch_counts.cache_clear()
     assert dataclasses.is_dataclass(counts)
+
+
+def test_a_grouped_gemm_launches_its_experts_once_a_loop_launches_each() -> None:
+    """Where the experts run one grouped GEMM per linear layer (Transformer Engine's, ``moe_grouped_gemm``) their
+    launches do not grow with the local experts; Megatron-Core's SequentialMLP launches each expert's kernels."""
+    moe = job(TINY_MOE)
+    per_expert = hc.launch_counts().per_local_expert
+    grouped = hc.host_costs(moe, local_experts=8)
+    looped = hc.host_costs(moe, local_experts=8, grouped_gemm=False)
+    constants = hc.host_constants()
+    assert hc.host_costs(moe, local_experts=2).moe == grouped.moe
+    assert looped.moe[0] - grouped.moe[0] == pytest.approx(8 * per_expert.forward * constants.forward_launch_s)
+    assert looped.moe[1] - grouped.moe[1] == pytest.approx(8 * per_expert.backward * constants.backward_launch_s)

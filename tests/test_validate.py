@@ -146,6 +146,30 @@ def test_megatron_bridge_moe_rows_run_the_preset_of_their_container_and_layout()
 
 
 @needs_csv
+def test_megatron_bridge_rows_run_their_releases_cuda_graphs_and_overlaps() -> None:
+    """The recipe facts of ``recipes.yaml`` by release: 25.11's Qwen3-235B H100 preset overlaps the all-to-all
+    without TP overlap; 26.02's Qwen3-30B H100 preset (PP=2 x VP=12) runs DeepEP with the overlap, and its BF16
+    preset alone captures the router and preprocessing in Transformer Engine CUDA graphs, as the later EP=16 one."""
+    qwen = next(r for r in read_rows(CSV) if r["id"] == "75")  # Qwen3-235B, TP2 PP8 VP4 EP32 on 256 H100s
+    row = {**qwen, "framework": "Megatron-Bridge / NeMo 25.11", "source_detail": "25.11 NeMo container"}
+    preset = row_plan(row).job.parallel
+    assert preset.moe_a2a_overlap and not preset.tp_comm_overlap and preset.cuda_graph_impl.value == "none"
+    small = {**qwen, "framework": "Megatron-Bridge / NeMo 26.02", "source_detail": "26.02 NeMo container",
+             "model": "Qwen3_30B_a3B", "num_gpus": "16", "tp": "1", "pp": "2", "vp": "12", "ep": "8", "dp": "",
+             "global_batch_seqs": "1024", "layers": "48", "hidden": "2048", "heads": "32", "moe_expert_ffn": "768",
+             "precision": "FP8", "notes": ""}
+    fp8 = row_plan(small).job
+    assert fp8.model.moe_token_dispatcher.value == "flex" and fp8.parallel.moe_a2a_overlap
+    assert fp8.parallel.cuda_graph_impl.value == "none"
+    for bf16 in (small, {**small, "pp": "1", "vp": "", "ep": "16", "framework": "Megatron-Bridge / NeMo 26.04",
+                         "source_detail": "26.04.01 NeMo container"}):
+        plan = row_plan({**bf16, "precision": "BF16"})
+        assert plan.job.parallel.cuda_graph_impl.value == "transformer_engine"
+        assert plan.job.parallel.graph_scopes() == ("moe_router", "moe_preprocess")
+        assert "cg=transformer_engine[moe_router+moe_preprocess]" in plan.layout
+
+
+@needs_csv
 def test_rows_of_a_preset_shape_run_its_architecture_and_the_preset_of_their_container() -> None:
     """Row 73 (25.09) takes DeepSeek-V3's architecture from ``conf/model/deepseek_v3.yaml`` (its shape is the
     preset's) and the 25.x H100 preset: DeepEP with the all-to-all overlap, no gradient-reduce overlap; a 26.x row

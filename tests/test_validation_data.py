@@ -59,7 +59,7 @@ def test_the_data_files_ship_with_the_package() -> None:
     ("Megatron-Bridge / NeMo 26.02", "Megatron-Bridge"), ("NeMo 24.07 (Megatron-Core)", "NeMo"),
     ("Megatron-Core r0.8.0", "Megatron-Core"), ("Megatron-LM (Megatron-Core 0.12)", "Megatron-Core"),
     ("Megatron-LM", "any other framework"), ("llm-foundry / Composer", "any other framework"),
-    ("torchtitan", "any other framework"), ("", "any other framework"),
+    ("torchtitan", "torchtitan"), ("", "any other framework"),
 ])
 def test_a_framework_column_finds_its_entry_in_file_order(framework: str, entry: str) -> None:
     assert framework_of({"framework": framework}, load_data()).name == entry
@@ -70,8 +70,13 @@ def test_the_frameworks_readings_reach_the_plan() -> None:
     assert legacy.options.attention.value == "fused_softmax" and not legacy.job.parallel.overlap_grad_reduce
     bridge = row_plan({**ROW, "framework": "Megatron-Bridge / NeMo 25.09"}).job.parallel
     assert bridge.sp and bridge.distributed_optimizer and bridge.tp_comm_overlap and not bridge.grad_reduce_in_fp32
-    other = row_plan({**ROW, "framework": "torchtitan"}).job.parallel
+    other = row_plan({**ROW, "framework": "llm-foundry / Composer"}).job.parallel
     assert not (other.sp or other.distributed_optimizer or other.tp_comm_overlap) and other.grad_reduce_in_fp32
+    # torchtitan's TP plan always shards its norms over the sequence (SequenceParallel on attention_norm/ffn_norm)
+    titan = row_plan({**ROW, "framework": "torchtitan"}).job.parallel
+    assert titan.sp and not (titan.distributed_optimizer or titan.tp_comm_overlap) and titan.grad_reduce_in_fp32
+    assert not row_plan({**ROW, "framework": "torchtitan", "tp": "1"}).job.parallel.sp  # SP needs TP > 1
+    assert not row_plan({**ROW, "framework": "torchtitan", "sequence_parallel": "no"}).job.parallel.sp
     stated = row_plan({**ROW, "framework": "Megatron-Bridge / NeMo 25.09", "sequence_parallel": "no",
                        "zero_or_fsdp": "DDP"}).job.parallel
     assert not (stated.sp or stated.distributed_optimizer)  # a stated column wins over the framework's reading
@@ -96,7 +101,7 @@ def test_a_framework_entry_in_a_data_file_changes_how_a_blank_column_is_read(tmp
 """)
     row = {**ROW, "framework": "torchtitan"}
     shipped = row_plan(row)
-    assert not shipped.options.fsdp and not shipped.job.parallel.sp and shipped.job.parallel.grad_reduce_in_fp32
+    assert not shipped.options.fsdp and shipped.job.parallel.grad_reduce_in_fp32
     read = row_plan(row, data=load_data(frameworks=frameworks))
     assert read.options.fsdp and read.job.parallel.sp and not read.job.parallel.grad_reduce_in_fp32
     assert " fsdp" in read.layout
@@ -125,6 +130,13 @@ def test_a_family_entry_in_a_data_file_fills_a_blank_vocabulary(tmp_path: Path) 
     (RECIPES_FILE, "recipes", "  - {name: x, releases: ['26.1', null], model: m, hardware: [b200], layouts: "
      "[{gpus: 8, tp: 1, pp: 1, vp: 1, ep: 8, global_batch: 512}], dispatcher: flex, a2a_overlap: false, "
      "source: s}\n", "release '26.1'"),
+    (RECIPES_FILE, "recipes", "  - {name: x, releases: ['26.01', null], model: m, hardware: [b200], layouts: "
+     "[{gpus: 8, tp: 1, pp: 1, vp: 1, ep: 8, global_batch: 512}], dispatcher: flex, a2a_overlap: false, "
+     "cuda_graph_impl: transformer_engine, cuda_graph_scope: moe_routers, source: s}\n",
+     "cuda_graph_scope='moe_routers'"),
+    (RECIPES_FILE, "recipes", "  - {name: x, releases: ['26.01', null], model: m, hardware: [b200], layouts: "
+     "[{gpus: 8, tp: 1, pp: 1, vp: 1, ep: 8, global_batch: 512}], dispatcher: flex, a2a_overlap: false, "
+     "cuda_graph_scope: moe_router, source: s}\n", "without a cuda_graph_impl"),
     (SCHEDULES_FILE, "schedules", "  - {name: x, words: 'x', runs: zigzag, source: s}\n", "runs='zigzag'"),
     (PRECISIONS_FILE, "precisions", "  - {name: x, words: 'x', runs: fp8}\n", "names no source"),
 ])

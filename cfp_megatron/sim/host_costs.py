@@ -194,8 +194,9 @@ def _layer(parts: dict[str, Launches], scope: tuple[str, ...] | None, constants:
     return total
 
 
-def host_costs(job: JobSpec, local_experts: int) -> HostCosts:
-    """The host's seconds per layer kind and pass of ``job`` with ``local_experts`` routed experts per rank."""
+def host_costs(job: JobSpec, local_experts: int, *, grouped_gemm: bool = True) -> HostCosts:
+    """The host's seconds per layer kind and pass of ``job`` with ``local_experts`` routed experts per rank; with
+    ``grouped_gemm`` the experts launch as one grouped GEMM per linear layer, not each expert's kernels."""
     constants, counts = host_constants(), launch_counts()
     model, parallel = job.model, job.parallel
     impl = parallel.cuda_graph_impl
@@ -207,7 +208,8 @@ def host_costs(job: JobSpec, local_experts: int) -> HostCosts:
     syncs = moe_syncs(job)
     dense = _layer(counts.dense, scope, constants, moe=False, dropless=syncs)
     moe_parts = dict(counts.moe)
-    moe_parts["experts"] = counts.moe["experts"].plus(counts.per_local_expert.times(local_experts))
+    if not grouped_gemm:  # Megatron-Core's SequentialMLP: each local expert's kernels, launched from Python
+        moe_parts["experts"] = counts.moe["experts"].plus(counts.per_local_expert.times(local_experts))
     if model.moe_shared_expert_intermediate_size:  # a shared expert runs a dense MLP's kernels
         moe_parts["shared_expert"] = counts.dense["mlp"]
     moe = _layer(moe_parts, scope, constants, moe=True, dropless=syncs) if model.is_moe else dense

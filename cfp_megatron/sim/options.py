@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from cfp_megatron.base.config import AttentionKernel, ClusterSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
-from cfp_megatron.base.parallel_dims import attention_kernel_here
+from cfp_megatron.base.parallel_dims import attention_kernel_here, transformer_engine_available
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,6 +25,11 @@ class SimOptions:
     """How the attention core runs: a fused kernel that stores no ``s x s`` scores (FlashAttention / cuDNN, the
     default: NVIDIA's containers ship Transformer Engine), or Megatron's unfused core with or without its fused
     softmax kernel (:func:`cfp_megatron.base.parallel_dims.attention_kernel_here` says which one this machine runs)."""
+    grouped_gemm: bool = True
+    """The routed experts' GEMMs run as one grouped GEMM per linear layer (Megatron-Core's ``moe_grouped_gemm``, which
+    it runs where Transformer Engine is installed): their launches do not grow with the local experts. ``False``:
+    Megatron-Core's ``SequentialMLP`` loops over the local experts, launching each one's kernels from Python (the host
+    term's launches per local expert, :mod:`cfp_megatron.sim.host_costs`)."""
     overlap_grad_reduce: bool | None = None
     """Overlap the DP gradient reduction with the backward pass; ``None`` follows ``parallel.overlap_grad_reduce``."""
     measured_layer_only: bool = False
@@ -59,6 +64,8 @@ class SimOptions:
 
 def options_here(cluster: ClusterSpec) -> SimOptions | None:
     """The options of a plan made for this machine from its profile: on a GPU, the attention core the runtime
-    builds here (unfused without Transformer Engine, keeping its scores); ``None`` (the defaults) on CPU, whose
+    builds here (unfused without Transformer Engine, keeping its scores) and whether its experts run a grouped GEMM;
+    ``None`` (the defaults) on CPU, whose
     layers are priced from their measured segments."""
-    return None if cluster.on_cpu else SimOptions(attention=attention_kernel_here())
+    return None if cluster.on_cpu else SimOptions(attention=attention_kernel_here(),
+                                                  grouped_gemm=transformer_engine_available())

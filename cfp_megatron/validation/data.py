@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from yaml import YAMLError
 
-from cfp_megatron.base.config import AttentionKernel
+from cfp_megatron.base.config import AttentionKernel, CudaGraphImpl, cuda_graph_scopes
 from cfp_megatron.base.errors import CfpError
 
 DATA_DIR = Path(__file__).resolve().parent
@@ -139,6 +139,10 @@ class MoeRecipe:
     """``parallel.overlap_grad_reduce``."""
     recompute_modules: str | None = None
     """The preset's selective recomputation (``+``-joined), unless the row states its recomputation; ``None``: none."""
+    cuda_graph_impl: str = "none"
+    """``parallel.cuda_graph_impl``: the preset's ``cuda_graph_impl`` (``none`` where it sets none)."""
+    cuda_graph_scope: str | None = None
+    """``parallel.cuda_graph_scope``: the preset's ``cuda_graph_scope`` joined by ``+`` (``None``: the whole layer)."""
     source: str
     """Where this comes from."""
 
@@ -286,7 +290,7 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[MoeRecipe, ...]:
         raise ValidationDataError(f"{path}: names no 'framework:' (a frameworks.yaml entry) whose rows ran these "
                                   "presets. Fix: add it.")
     keys = {"releases", "model", "precision", "hardware", "layouts", "dispatcher", "a2a_overlap", "tp_comm_overlap",
-            "overlap_grad_reduce", "recompute_modules"}
+            "overlap_grad_reduce", "recompute_modules", "cuda_graph_impl", "cuda_graph_scope"}
     recipes = []
     for index, raw in enumerate(_entries(path, data, "recipes")):
         entry = _Entry(path, index, raw, keys)
@@ -305,13 +309,24 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[MoeRecipe, ...]:
         if dispatcher not in ("alltoall", "flex"):
             entry.fail(f"has dispatcher={dispatcher!r}; alltoall or flex")
         modules = entry.get("recompute_modules", (str, type(None)), None)
+        graphs = entry.get("cuda_graph_impl", str, "none")
+        if graphs not in {impl.value for impl in CudaGraphImpl}:
+            entry.fail(f"has cuda_graph_impl={graphs!r}; one of {', '.join(impl.value for impl in CudaGraphImpl)}")
+        scope = entry.get("cuda_graph_scope", (str, type(None)), None)
+        try:
+            cuda_graph_scopes(scope)
+        except ValueError as err:
+            entry.fail(f"has cuda_graph_scope={scope!r}: {err}")
+        if scope is not None and graphs == "none":
+            entry.fail(f"has cuda_graph_scope={scope!r} without a cuda_graph_impl")
         recipes.append(MoeRecipe(
             name=raw["name"], source=raw["source"], framework=framework, model=entry.pattern("model"),
             releases=(_release(entry, releases[0]), None if releases[1] is None else _release(entry, releases[1])),
             precision=entry.pattern("precision", ""), hardware=tuple(hardware),
             layouts=tuple(tuple(lay[k] for k in LAYOUT_KEYS) for lay in layouts), dispatcher=dispatcher,
             a2a_overlap=entry.get("a2a_overlap", bool), tp_comm_overlap=entry.get("tp_comm_overlap", bool, True),
-            overlap_grad_reduce=entry.get("overlap_grad_reduce", bool, True), recompute_modules=modules))
+            overlap_grad_reduce=entry.get("overlap_grad_reduce", bool, True), recompute_modules=modules,
+            cuda_graph_impl=graphs, cuda_graph_scope=scope))
     return tuple(recipes)
 
 
