@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.layout_rules import batch as batch_rules
 from cfp_megatron.base.layout_rules import moe as moe_rules
+from cfp_megatron.base.layout_rules import offload as offload_rules
 from cfp_megatron.base.layout_rules import pipeline as pipeline_rules
 from cfp_megatron.base.layout_rules import recompute as recompute_rules
 from cfp_megatron.base.layout_rules import tensor as tensor_rules
@@ -650,6 +651,10 @@ class ClusterSpec:
     """Unidirectional network bandwidth per GPU between nodes (one NIC rail per GPU) in GB/s."""
     inter_node_latency_us: float | None = None
     """Latency of a small inter-node transfer in microseconds."""
+    host_link_gbps: float | None = None
+    """Unidirectional bandwidth between one GPU and its host's memory in GB/s (PCIe Gen4/Gen5 x16 on DGX systems,
+    NVLink-C2C on Grace superchips): what activation offloading (``parallel.cpu_offloading_num_layers``) copies over.
+    ``None``: not stated; offloading's transfers are then not priced (its memory is)."""
     rails_per_node: int | None = None
     """Network rails (NICs, each on its own leaf switch) per node; on DGX systems one per GPU, so GPU ``i`` of
     every node shares rail ``i`` and same-index GPUs talk across nodes without crossing the spine. ``None``: one
@@ -958,6 +963,12 @@ class ParallelSpec:
     ``attn``, ``mlp`` (dense layers), ``moe`` (drop-and-pad MoE layers), ``moe_router``, ``moe_preprocess`` (with
     ``moe_router``), ``mamba``, ``full_iteration`` (``local`` only: the whole forward-backward); ``None``: the whole
     layer."""
+    cpu_offloading_num_layers: int = layout_field(0, key="offl", megatron="", optional=True)
+    """Layers whose activations Megatron-Core offloads to host memory after their forward pass and reloads for their
+    backward (``cpu_offloading`` with ``cpu_offloading_num_layers``, Transformer Engine's offload context; the first
+    layers of the model); 0: none. Not with pipeline parallelism, recomputation or CUDA graphs (Megatron-Core's
+    rules); the simulator's offload term prices the host link's transfers (docs/simulator.md, "Activation
+    offloading")."""
     grad_reduce_in_fp32: bool = layout_field(True, key="gf32")
     """Accumulate and reduce gradients in fp32 (Megatron-Core's ``DistributedDataParallelConfig.grad_reduce_in_fp32``;
     Megatron-LM always does so for bf16). ``false`` keeps the gradient buffers and their data-parallel reduction in
@@ -1018,6 +1029,9 @@ class ParallelSpec:
         counted = [name for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
                    if getattr(self, name)]
         issues += self._cuda_graph_issues()
+        issues += rule_issues(offload_rules.settings(layers=self.cpu_offloading_num_layers, pp=self.pp,
+                                                     recompute=self.recompute.value,
+                                                     cuda_graph_impl=self.cuda_graph_impl.value))
         issues += rule_issues(pipeline_rules.counted_in_split(counted=counted, first=self.first_stage_layers,
                                                               last=self.last_stage_layers, pp=self.pp))
         if self.pipeline_model_parallel_layout is not None:

@@ -28,7 +28,7 @@ from cfp_megatron.base.config import (
     TokenDispatcher,
 )
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
-from cfp_megatron.base.layout_rules import batch, moe, pipeline, recompute, sequence, tensor
+from cfp_megatron.base.layout_rules import batch, moe, offload, pipeline, recompute, sequence, tensor
 from cfp_megatron.base.layout_rules.problem import Problem
 from cfp_megatron.base.layout_rules.problem import issues as rule_issues
 from cfp_megatron.base.pipeline_layout import layout_stages
@@ -211,6 +211,9 @@ class ParallelDims:
                 layout=layout["layout"])) if valid else 0
             problems += recompute.block_layers(p.recompute_num_layers, layers_per_chunk)
         problems += sequence.context_attention(m.attention is AttentionKind.mla, p.cp)
+        if p.cpu_offloading_num_layers:
+            problems += offload.within_model(p.cpu_offloading_num_layers, m.num_layers)
+            problems += offload.runs(p.cpu_offloading_num_layers, on_cpu=c.on_cpu, te=te)
         issues += rule_issues(problems)
 
         if issues:

@@ -101,6 +101,9 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
     )
     if p.cuda_graph_impl is not CudaGraphImpl.none and on_gpu:  # CUDA graphs capture CUDA streams only
         kwargs.update(cuda_graph_impl=p.cuda_graph_impl.value, cuda_graph_scope=list(p.graph_scopes()))
+    if p.cpu_offloading_num_layers and on_gpu:  # Transformer Engine's offload context copies over CUDA streams
+        kwargs.update(cpu_offloading=True, cpu_offloading_num_layers=p.cpu_offloading_num_layers,
+                      cpu_offloading_activations=True, cpu_offloading_weights=False)
     if p.recompute is Recompute.selective:
         kwargs.update(recompute_granularity="selective",
                       recompute_modules=[m.value for m in recompute_modules(p.recompute_modules)])

@@ -355,6 +355,8 @@ class Plan:
         parts += [f"mb{self.micro_batch_size}", f"rc={p.recompute.value}{modules}"]
         if p.cuda_graph_impl.value != "none":
             parts.append(f"cg={p.cuda_graph_impl.value}" + (f"[{p.cuda_graph_scope}]" if p.cuda_graph_scope else ""))
+        if p.cpu_offloading_num_layers:
+            parts.append(f"offload={p.cpu_offloading_num_layers}L")
         return " ".join(parts + (["dopt"] if p.distributed_optimizer else []))
 
     # ------------------------------------------------------------------------------------------------- building

@@ -165,6 +165,11 @@ _MEGATRON_RULES: dict[str, Callable[[Plan, int | None], list[str]]] = {
     "recompute_method": lambda plan, num_layers: [],
     "order": _order_args,
     "grad_reduce_in_fp32": lambda plan, num_layers: [],  # written with the precision
+    # Megatron-LM's switch and its layer count (its launch scripts pass both: --cpu-offloading
+    # --cpu-offloading-num-layers N); Megatron-Core offloads activations, not weights, by default.
+    "cpu_offloading_num_layers": lambda plan, num_layers: (
+        ["--cpu-offloading", "--cpu-offloading-num-layers", str(plan.parallel.cpu_offloading_num_layers)]
+        if plan.parallel.cpu_offloading_num_layers else []),
     "cuda_graph_scope": lambda plan, num_layers: (["--cuda-graph-scope", *plan.parallel.graph_scopes()]
                                                   if plan.parallel.cuda_graph_scope is not None else []),
 }

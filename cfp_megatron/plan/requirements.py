@@ -35,6 +35,9 @@ def plan_requirements(plan: Plan, model: ModelSpec) -> tuple[str, ...]:
                      "make_graphed_callables captures the layers)")
     elif p.cuda_graph_impl is CudaGraphImpl.local:
         needs.append("a GPU: parallel.cuda_graph_impl=local (CUDA graphs capture CUDA streams)")
+    if p.cpu_offloading_num_layers:
+        needs.append(f"Transformer Engine and a GPU: parallel.cpu_offloading_num_layers={p.cpu_offloading_num_layers} "
+                     "(Megatron-Core offloads activations with Transformer Engine's CPU offload context)")
     if p.mlp is MlpPartition.primepar:
         needs.append("cfp-megatron's trainer (launch/train.py): parallel.mlp=primepar (Megatron-LM's scripts have "
                      "no PrimePar MLP)")

@@ -52,7 +52,7 @@ from cfp_megatron.search.space import (
 )
 from cfp_megatron.sim.bounds import GroupCosts, group_bound, group_costs, layer_terms, time_bound
 from cfp_megatron.sim.layout import Layout, place
-from cfp_megatron.sim.memory import in_flight, layer_activation_bytes, memory_band
+from cfp_megatron.sim.memory import OFFLOAD_RESIDENT_LAYERS, in_flight, layer_activation_bytes, memory_band
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache, cost_key
 from cfp_megatron.sim.prediction import GIB, MemoryBreakdown, Prediction
@@ -529,7 +529,9 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: t
         params = max(d * costs.dense_params + n * costs.moe_params for d, n in loads)
         # The first rank: its layers' weights and the activations of the micro-batches it holds (stage_memory).
         first_params = dense_0 * costs.dense_params + moe_0 * costs.moe_params
-        activations = kept_bytes * (dense_0 + moe_0) * in_flight(0, pp, vpp, g.microbatches) / vpp
+        held = dense_0 + moe_0  # less the layers activation offloading keeps on the host (sim/memory.py)
+        held -= max(min(job.parallel.cpu_offloading_num_layers, held) - OFFLOAD_RESIDENT_LAYERS, 0)
+        activations = kept_bytes * held * in_flight(0, pp, vpp, g.microbatches) / vpp
         out += [(bound, _CANDIDATE, g.head + split + (dopt,),
                  max(params * param_bytes[not dopt], first_params * param_bytes[not dopt] + activations))
                 for dopt in g.dopts]

@@ -222,6 +222,24 @@ def recomputed_layers(job: JobSpec, *, rank: int) -> tuple[int, int]:
     return sum(dense for dense, _ in per_chunk), sum(moe for _, moe in per_chunk)
 
 
+OFFLOAD_RESIDENT_LAYERS = 2
+"""Offloaded layers whose activations are on the GPU at once at most: the one whose copy to the host is in flight
+while the next layer computes (forward), and the one reloaded for the layer being differentiated beside the
+prefetched next one (backward: Transformer Engine's offload handler reloads one group ahead)."""
+
+
+def offloaded_layers(job: JobSpec, layers: int) -> tuple[int, int]:
+    """(dense, MoE) layers of a pipeline rank holding ``layers`` layers whose activations Megatron-Core offloads to
+    host memory: the model's first ``parallel.cpu_offloading_num_layers`` (the leading dense layers of a MoE model
+    first). Offloading runs only without pipeline parallelism, so the rank holds the whole model."""
+    count = min(job.parallel.cpu_offloading_num_layers, layers)
+    if not count:
+        return 0, 0
+    model = job.model
+    dense = min(count, model.moe_first_dense_layers) if model.is_moe else count
+    return dense, count - dense
+
+
 def primepar_split(job: JobSpec, *, rank: int) -> tuple[int, JobSpec] | None:
     """(dense layers of pipeline rank ``rank`` that run PrimePar's MLP, the plan with Megatron's partition that the
     others run) where ``parallel.primepar_layers`` leaves some of its dense layers to Megatron's split; ``None``

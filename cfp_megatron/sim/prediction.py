@@ -83,6 +83,8 @@ class TimeBreakdown:
     dropless MoE dispatcher's synchronisations)."""
     host_step_s: float = 0.0
     """Host work once per step outside the passes (its synchronisations)."""
+    offload_s: float = 0.0
+    """Activation offloading's copies over the host link that the layers' computation does not hide."""
     extra: tuple[tuple[str, float], ...] = ()
     """Lanes of cost terms registered beyond these fields (name, seconds)."""
 

@@ -21,6 +21,7 @@ from cfp_megatron.sim.terms.context_parallel import ContextParallel
 from cfp_megatron.sim.terms.data_parallel import DataParallel
 from cfp_megatron.sim.terms.expert_dispatch import ExpertDispatch
 from cfp_megatron.sim.terms.host import HostWork
+from cfp_megatron.sim.terms.offload import ActivationOffload
 from cfp_megatron.sim.terms.optimizer import OptimizerStep
 from cfp_megatron.sim.terms.pipeline import Pipeline
 from cfp_megatron.sim.terms.recompute import Recomputation
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from cfp_megatron.sim.prediction import Prediction
 
 TERMS = Registry((Compute(), Recomputation(), TensorParallel(), ContextParallel(), ExpertDispatch(), Pipeline(),
-                  DataParallel(), OptimizerStep(), HostWork()))
+                  DataParallel(), OptimizerStep(), HostWork(), ActivationOffload()))
 """Every cost term, in the order of the breakdown's lanes (and of the plan check's parts) and of the memory
 categories."""
 

@@ -142,6 +142,9 @@ class StepInputs:
     backward_s: tuple[float, ...]
     """Seconds of one micro-batch's backward passes (recomputation included) over each rank's chunks: the window
     an overlapped gradient sync hides in."""
+    forward_s: tuple[float, ...] = ()
+    """Seconds of one micro-batch's forward passes over each rank's chunks: the window activation offloading's
+    copies to the host hide in."""
 
 
 @dataclass(frozen=True, kw_only=True)

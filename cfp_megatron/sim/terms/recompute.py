@@ -10,9 +10,11 @@ from cfp_megatron.base.config import Activation, AttentionKind, JobSpec, Recompu
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.memory import (
+    OFFLOAD_RESIDENT_LAYERS,
     Stage,
     in_flight,
     loss_logit_bytes,
+    offloaded_layers,
     primepar_split,
     recomputed_layers,
     unfused_attention_working_bytes,
@@ -97,6 +99,11 @@ def layer_activations(stage: Stage) -> float:
     else:
         kept = plan_dense * dense_act + (dense_layers - plan_dense) * megatron_act + moe_layers * moe_act
         working = 0.0
+        off_dense, off_moe = offloaded_layers(job, layers)
+        if off_dense or off_moe:  # their activations wait in host memory; a few offloaded layers' stay resident
+            resident = min(off_dense + off_moe, OFFLOAD_RESIDENT_LAYERS) * max(dense_act if off_dense else 0.0,
+                                                                               moe_act if off_moe else 0.0)
+            kept -= off_dense * dense_act + off_moe * moe_act - resident
     if layers:
         working += unfused_attention_working_bytes(job, layout, options)
     # The backward pass frees the loss's logits (the compute term's) before any layer's backward runs: the working
