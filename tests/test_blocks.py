@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -12,13 +12,12 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from cfp_megatron.graph.blocks import (
-    BlockCheck,
     BlockError,
+    GlooVerification,
     ParallelBlock,
     find_blocks,
     forward_operators,
-    verify_blocks_on_gloo,
-    verify_on_gloo,
+    verify_layouts_on_gloo,
 )
 from cfp_megatron.graph.opgraph import OpGraph
 from cfp_megatron.graph.propagation import fake_mesh, parse_placements
@@ -131,16 +130,23 @@ def test_transformer_layer_tensor_parallel_path():
     assert whole and whole[0].candidate((Shard(0),)) is not None and whole[0].candidate((R,)) is None
 
 
-@pytest.fixture(scope="module")
-def mlp_2x2_blocks() -> tuple[OpGraph, list[ParallelBlock]]:
-    """The MLP's blocks on a (dp, tp) = (2, 2) mesh, found once for the tests below (seconds on 2 cores)."""
-    graph = _record()
+@functools.cache
+def mlp_2x2() -> tuple[OpGraph, list[ParallelBlock]]:
+    """The MLP's blocks on a (dp, tp) = (2, 2) mesh, found once per session (seconds on 2 cores): for the test
+    below and tests/test_blocks_megatron.py's replay on 4 gloo ranks."""
+    graph = _mlp_graph()
     with fake_mesh((2, 2), ("dp", "tp")) as mesh:
         start = time.perf_counter()
         blocks = find_blocks(graph, mesh)
         print(f"find_blocks, 2x2 mesh, {len(forward_operators(graph))} ops: {time.perf_counter() - start:.3f} s, "
               f"{len(blocks)} blocks")
     return graph, blocks
+
+
+@pytest.fixture(scope="module")
+def mlp_2x2_blocks() -> tuple[OpGraph, list[ParallelBlock]]:
+    """:func:`mlp_2x2`."""
+    return mlp_2x2()
 
 
 def test_2d_mesh_megatron_layout_among_candidates(mlp_2x2_blocks: tuple[OpGraph, list[ParallelBlock]]):
@@ -184,87 +190,46 @@ def _make_input() -> torch.Tensor:
     return torch.randn(4, 8, 16)
 
 
-@pytest.mark.slow
-def test_comm_free_candidates_run_with_zero_collectives_on_gloo():
+NEEDS_A_GATHER = ("S(2)", {"0.weight": "S(0)", "0.bias": "S(0)", "2.weight": "S(1)"})
+"""Not a candidate: the hidden dimension split on entry with a column-parallel first weight (DTensor must gather
+inside the block)."""
+
+
+@pytest.fixture(scope="module")
+def mlp_on_gloo() -> list[GlooVerification]:
+    """The whole MLP's candidates entered replicated and batch-split, then :data:`NEEDS_A_GATHER`, run as modules
+    on 2 gloo ranks in one spawn (:func:`~cfp_megatron.graph.blocks.verify_layouts_on_gloo`); results in that
+    order."""
     graph = _record()
     n = len(forward_operators(graph))
     with fake_mesh((2,), ("tp",)) as mesh:
         (whole,) = _whole(find_blocks(graph, mesh), n)
-    for entry in [(R,), (Shard(0),)]:
-        cand = whole.candidate(entry)
-        assert cand is not None
-        result = verify_on_gloo(_build_mlp, _make_input, entry, cand.params, world_size=2)
+    candidates = [whole.candidate(entry) for entry in [(R,), (Shard(0),)]]
+    assert all(c is not None for c in candidates)
+    layouts = [*((c.entry, c.params) for c in candidates), NEEDS_A_GATHER]
+    return verify_layouts_on_gloo(_build_mlp, _make_input, layouts, world_size=2)
+
+
+@pytest.mark.slow
+def test_comm_free_candidates_run_with_zero_collectives_on_gloo(mlp_on_gloo: list[GlooVerification]):
+    for result in mlp_on_gloo[:2]:
         assert result.comm_free, result.collectives
         assert result.max_abs_error < 1e-5
 
 
 @pytest.mark.slow
-def test_gloo_check_sees_a_needed_collective():
-    # hidden dimension split on entry with column-parallel first weight: DTensor must gather inside the block
-    result = verify_on_gloo(_build_mlp, _make_input, "S(2)", {"0.weight": "S(0)", "0.bias": "S(0)",
-                                                             "2.weight": "S(1)"}, world_size=2)
+def test_gloo_check_sees_a_needed_collective(mlp_on_gloo: list[GlooVerification]):
+    result = mlp_on_gloo[2]
     assert not result.comm_free
     assert result.max_abs_error < 1e-5
 
 
 def _layer_graph() -> OpGraph:
+    """The transformer layer's recorded graph (a picklable builder for the gloo ranks)."""
     return _record(_Layer, (2, 16, 32))
 
 
-@pytest.fixture(scope="module")
-def layer_replay() -> tuple[list[BlockCheck], list]:
-    """Every candidate of the transformer layer's blocks on 2 ranks, then one non-candidate (the attention block's
-    tensor-parallel candidate entered split on the hidden dimension), replayed in one gloo spawn; the checks and
-    their results in that order. The non-candidate goes last: its collectives come after every candidate's."""
-    graph = _layer_graph()
-    ops = forward_operators(graph)
-    n2 = next(i for i, o in enumerate(ops) if o.module.endswith("n2"))
-    with fake_mesh((2,), ("tp",)) as mesh:
-        blocks = find_blocks(graph, mesh)
-    checks = [BlockCheck.of(b, c) for b in blocks for c in b.candidates]
-    # Megatron's tensor-parallel layout is among them: attention and MLP blocks entered replicated
-    assert any(c.start == 0 and c.stop == n2 and c.placements == "R" for c in checks)
-    assert any(c.start == n2 and c.stop == len(ops) and c.placements == "R" for c in checks)
-    attention = next(b for b in blocks if b.start == 0 and b.stop == n2)
-    assert attention.candidate((Shard(2),)) is None  # the norm needs the whole hidden dimension
-    bad = dataclasses.replace(BlockCheck.of(attention, attention.candidate((R,))), placements="S(2)")
-    start = time.perf_counter()
-    results = verify_blocks_on_gloo(_layer_graph, (2,), [*checks, bad])
-    print(f"gloo replay of {len(checks)} candidates and 1 other on 2 ranks: {time.perf_counter() - start:.1f} s")
-    return [*checks, bad], results
-
-
-@pytest.mark.slow
-def test_every_transformer_candidate_replayed_on_gloo_with_zero_collectives(
-        layer_replay: tuple[list[BlockCheck], list]) -> None:
-    *checks, _ = layer_replay[0]
-    results = layer_replay[1][:-1]
-    assert len(results) == len(checks) > 10
-    for check, result in zip(checks, results, strict=True):
-        assert result.comm_free, (check, result.collectives, result.error)
-        assert result.relative_error < 1e-5, (check, result.max_abs_error, result.scale)  # float32, other sum order
-
-
 def _mlp_graph() -> OpGraph:
+    """The MLP's recorded graph (a picklable builder for the gloo ranks)."""
     return _record()
 
-
-@pytest.mark.slow
-def test_2d_mesh_candidates_replayed_on_gloo(mlp_2x2_blocks: tuple[OpGraph, list[ParallelBlock]]):
-    _, blocks = mlp_2x2_blocks
-    checks = [BlockCheck.of(b, c) for b in blocks if b.start == 0 for c in b.candidates if c.maximal]
-    assert any(c.placements == "R,R" for c in checks) and any(c.placements == "S(0),R" for c in checks)
-    results = verify_blocks_on_gloo(_mlp_graph, (2, 2), checks)
-    for check, result in zip(checks, results, strict=True):
-        assert result.comm_free, (check, result.collectives, result.error)
-        assert result.relative_error < 1e-5, (check, result.max_abs_error, result.scale)
-
-
-@pytest.mark.slow
-def test_block_replay_sees_collectives_of_a_non_candidate(layer_replay: tuple[list[BlockCheck], list]) -> None:
-    """The last check of :func:`layer_replay`: not a candidate, so the replay sees a collective (or DTensor's
-    refusal)."""
-    bad, result = layer_replay[0][-1], layer_replay[1][-1]
-    assert bad.placements == "S(2)" and bad.start == 0
-    assert not result.comm_free
-    assert result.collectives or result.error

@@ -315,21 +315,34 @@ def verify_on_gloo(build: Callable[[], torch.nn.Module], make_input: Callable[[]
     objects or :func:`placement_str` tokens. The forward runs under :class:`CommDebugMode`; the output then goes
     through ``full_tensor()`` (the final reduction) and is compared with the unsharded module's output.
     """
+    return verify_layouts_on_gloo(build, make_input, [(entry, params)], world_size=world_size)[0]
+
+
+def verify_layouts_on_gloo(build: Callable[[], torch.nn.Module], make_input: Callable[[], torch.Tensor],
+                           layouts: Sequence[tuple[Placements | str, Mapping[str, Placements | str]]],
+                           world_size: int = 2) -> list[GlooVerification]:
+    """:func:`verify_on_gloo` of several layouts (each an ``(entry, params)`` pair) in one spawn of the ranks: one
+    process start-up and one process group for all of them, a fresh ``build()`` for each. One result per layout,
+    in order."""
     import torch.multiprocessing as mp
 
-    spec = {"entry": _tokens(entry), "params": {k: _tokens(v) for k, v in params.items()}}
+    specs = [{"entry": _tokens(entry), "params": {k: _tokens(v) for k, v in params.items()}}
+             for entry, params in layouts]
     with _rank_folder() as tmp:
-        mp.spawn(_gloo_rank, args=(world_size, tmp, build, make_input, spec), nprocs=world_size, join=True)
+        mp.spawn(_gloo_rank, args=(world_size, tmp, build, make_input, specs), nprocs=world_size, join=True)
         reports = []
         for rank in range(world_size):
             with open(os.path.join(tmp, f"rank{rank}.json")) as f:
                 reports.append(json.load(f))
-    collectives: dict[str, int] = {}
-    for rep in reports:
-        for k, v in rep["collectives"].items():
-            collectives[k] = collectives.get(k, 0) + v
-    return GlooVerification(world_size=world_size, collectives=collectives,
-                            max_abs_error=max(rep["max_abs_error"] for rep in reports))
+    out = []
+    for i in range(len(specs)):
+        collectives: dict[str, int] = {}
+        for rep in reports:
+            for k, v in rep[i]["collectives"].items():
+                collectives[k] = collectives.get(k, 0) + v
+        out.append(GlooVerification(world_size=world_size, collectives=collectives,
+                                    max_abs_error=max(rep[i]["max_abs_error"] for rep in reports)))
+    return out
 
 
 TMP_KEY = "TMPDIR (environment variable)"
@@ -361,7 +374,7 @@ def _tokens(placements: Placements | str) -> str:
 
 
 def _gloo_rank(rank: int, world_size: int, tmp: str, build: Callable[[], torch.nn.Module],
-               make_input: Callable[[], torch.Tensor], spec: dict[str, Any]) -> None:
+               make_input: Callable[[], torch.Tensor], specs: list[dict[str, Any]]) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
@@ -370,23 +383,24 @@ def _gloo_rank(rank: int, world_size: int, tmp: str, build: Callable[[], torch.n
                             world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", (world_size,))
-        module, x = build(), make_input()
-        with torch.no_grad():
-            reference = module(x)
-        for name, p in list(module.named_parameters()):
-            owner_name, _, attr = name.rpartition(".")
-            owner = module.get_submodule(owner_name)
-            placements = parse_placements(spec["params"].get(name, "R"))
-            setattr(owner, attr, torch.nn.Parameter(strided_rules.distribute(p.detach(), mesh, placements)))
-        dx = strided_rules.distribute(x, mesh, parse_placements(spec["entry"]))
-        with torch.no_grad(), CommDebugMode() as comm, strided_rules.strided_costs():
-            out = module(dx)
-        collectives = comm_counts(comm)
-        with torch.no_grad():
-            full = out.full_tensor()
-        error = float((full - reference).abs().max())
-        write_atomic(os.path.join(tmp, f"rank{rank}.json"),
-                     json.dumps({"collectives": collectives, "max_abs_error": error}), key=TMP_KEY)
+        reports = []
+        for spec in specs:
+            module, x = build(), make_input()
+            with torch.no_grad():
+                reference = module(x)
+            for name, p in list(module.named_parameters()):
+                owner_name, _, attr = name.rpartition(".")
+                owner = module.get_submodule(owner_name)
+                placements = parse_placements(spec["params"].get(name, "R"))
+                setattr(owner, attr, torch.nn.Parameter(strided_rules.distribute(p.detach(), mesh, placements)))
+            dx = strided_rules.distribute(x, mesh, parse_placements(spec["entry"]))
+            with torch.no_grad(), CommDebugMode() as comm, strided_rules.strided_costs():
+                out = module(dx)
+            collectives = comm_counts(comm)
+            with torch.no_grad():
+                full = out.full_tensor()
+            reports.append({"collectives": collectives, "max_abs_error": float((full - reference).abs().max())})
+        write_atomic(os.path.join(tmp, f"rank{rank}.json"), json.dumps(reports), key=TMP_KEY)
         dist.barrier()  # no rank leaves while another still finishes a collective (gloo aborts on a closed peer)
     finally:
         dist.destroy_process_group()

@@ -16,6 +16,7 @@ nothing there), so a case that fails leaves the others' results and a job that d
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -34,10 +35,11 @@ quiet_expected_warnings()
 import torch.distributed as dist  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 
 from cfp_megatron.base.compose import CONF_DIR, compose_config  # noqa: E402
-from cfp_megatron.engine import distributed  # noqa: E402
+from cfp_megatron.engine import distributed, peak  # noqa: E402
 from cfp_megatron.engine.rank_watch import tie_to_launcher  # noqa: E402
 from cfp_megatron.planner.entry import train_from_config  # noqa: E402
 
@@ -60,7 +62,8 @@ def run_case(overrides: list[str], run_dir: str) -> str | None:
         return f"{type(err).__name__}: {err}\n{tail}"
     finally:
         HydraConfig.instance().cfg = None
-        distributed.destroy_model_parallel_groups()
+        if parallel_state._global_process_group_list is not None:  # the launch's teardown did not run
+            distributed.destroy_model_parallel_groups()
     return None
 
 
@@ -77,6 +80,9 @@ def main(cases_file: str, results_file: str) -> None:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     # The default group outlives the cases: the launch path's teardown keeps it and ends Megatron's groups only.
     distributed.destroy_distributed = distributed.destroy_model_parallel_groups
+    # The peak FLOP/s for MFU (0.3 s of matmuls per rank) is this machine's: measured by the first case, read by
+    # the others.
+    peak.measure_matmul_tflops = functools.cache(peak.measure_matmul_tflops)
     cases = json.loads(Path(cases_file).read_text())
     results: dict[str, dict] = {}
     for case in cases:
