@@ -27,9 +27,8 @@ METHOD = ("leave-one-source-out cross-validation: for each source (the first aut
 
 
 REFINE_ROUNDS = 1
-"""Times a held-out fit is linearised again at its result (:func:`~cfp_megatron.validation.fit.refit`): on the shared
-rows one round moved the held-out MAPE from 18.1% to 16.4% and a second by 0.1 point more (2026-11-28, measured
-before the fit's tie-breaker ``PRIOR_WEIGHT`` was added)."""
+"""Times a held-out fit is linearised again at its result (:func:`~cfp_megatron.validation.fit.refit`): one round
+takes most of what refining gives (docs/validation.md, "Error bands, out of sample")."""
 
 
 def held_out_predictions(plans: list[RowPlan]) -> dict[str, float]:

@@ -45,11 +45,8 @@ PRIOR_WEIGHT = 1.0
 """What moving a field across its whole range (:data:`BOUNDS`, in its :func:`time_coordinate`) away from the neutral
 start costs the linearised fit, in units of one row's error of 100%: it keeps a field the rows barely inform near the
 neutral start, as Nelder-Mead started there leaves it, instead of at whichever bound the linear programme reaches
-first. Chosen so that the fast fit's held-out errors follow the Nelder-Mead refits of ``bench/validate.py --loso`` on
-published_runs.csv, source by source (2026-11-28; MAPE per held-out source, Nelder-Mead / this fit: Korthikanti
-3.68 / 3.53%, MosaicML 6.57 / 6.56%, NeMo summary 21.5 / 26.3%, Megatron-Bridge 12.5 / 10.4%, Narayanan 4.44 /
-4.48%; without it Narayanan's rows err 18.7%, its inter-node share sent to the bound 0.2 by rows that barely cross
-nodes; at 0.1 12.2%, at 3.0 the NeMo summary's 7.6%)."""
+first. Chosen so that the fast fit's held-out errors follow the Nelder-Mead refits of ``bench/validate.py --loso``
+source by source (the comparison: docs/validation.md, "Error bands, out of sample")."""
 
 
 class FitError(CfpError, RuntimeError):
