@@ -429,5 +429,14 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def json_loads_unique(text: str | bytes) -> Any:
     """``json.loads`` that refuses an object giving a key twice (:class:`DuplicateKeyError`, a ``ValueError``);
-    for files a user hands in (plan files, profile imports), where either reading would be a guess."""
-    return json.loads(text, object_pairs_hook=_unique_pairs)
+    for files a user hands in (plan files, profile imports), where either reading would be a guess. What the parser
+    cannot hold (nesting deeper than Python's recursion limit, an integer of more digits than Python converts) is a
+    ``json.JSONDecodeError`` saying so, like any other text that is not JSON."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_pairs)
+    except RecursionError:
+        raise json.JSONDecodeError("arrays or objects nested too deeply to read", "", 0) from None
+    except (json.JSONDecodeError, DuplicateKeyError):
+        raise
+    except ValueError as err:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
+        raise json.JSONDecodeError(f"a number that cannot be read ({str(err).split(';')[0]})", "", 0) from None

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib.metadata
+import math
+import typing
 from typing import Any
 
 
@@ -32,3 +34,30 @@ def installed_version(dist: str) -> str:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return "absent"
+
+
+def json_type_problem(hint: Any, value: Any) -> str | None:
+    """Why a value read from a JSON file does not have the type ``hint`` of the spec field it fills (``int``,
+    ``float``, ``bool``, ``str``, an enum by its value, each optionally ``| None``), or ``None`` when it does: a JSON
+    ``true`` is no integer, ``"2"`` no number, a list or an object no scalar. Other hints are not checked here."""
+    args = typing.get_args(hint)
+    if type(None) in args:
+        if value is None:
+            return None
+        kinds = [a for a in args if a is not type(None)]
+        if len(kinds) != 1:
+            return None
+        hint = kinds[0]
+    if hint is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    if hint is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        return None if ok else "a finite number"
+    if hint is str:
+        return None if isinstance(value, str) else "a string"
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        allowed = [m.value for m in hint]
+        return None if isinstance(value, str) and value in allowed else f"one of {allowed}"
+    return None

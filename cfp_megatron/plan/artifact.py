@@ -40,7 +40,7 @@ from cfp_megatron.base.backend_spec import BackendKind, ZeroSpec, zero_keys
 from cfp_megatron.base.config import JobSpec, ParallelSpec, Precision, Recompute, build_spec, layout_keys
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.files import DuplicateKeyError, NotRegularFileError, json_loads_unique, open_regular, write_new
-from cfp_megatron.base.jsonio import json_plain
+from cfp_megatron.base.jsonio import json_plain, json_type_problem
 from cfp_megatron.base.parallel_dims import data_parallel_size
 from cfp_megatron.plan.backend_part import BackendPart, DeepSpeedPart, MegatronPart, backend_part
 from cfp_megatron.plan.errors import PlanError
@@ -584,9 +584,9 @@ class Plan:
                               "backend", "zero", CONTENT_HASH_KEY, "requires",
                               *(["inputs"] if version >= 2 else [])], where=f"plan.json (schema_version {version})")
         parallel = _parallel_from_json(d["parallel"])
+        zero = None if d.get("zero") is None else _spec_from_json(ZeroSpec, d["zero"], "zero", what="ZeRO options")
         try:
             backend = BackendKind(d.get("backend", BackendKind.megatron.value))
-            zero = None if d.get("zero") is None else build_spec(ZeroSpec, d["zero"])
             part = backend_part(backend, zero)
         except (ConfigError, TypeError, ValueError) as err:
             raise PlanError(f"plan.json's backend or ZeRO options are invalid: {err}",
@@ -598,7 +598,7 @@ class Plan:
                    backend_part=part,
                    predicted=None if prediction is None else PlanPrediction.from_json(prediction),
                    inputs_fingerprint=d.get("inputs_fingerprint", ""),
-                   requires=tuple(str(r) for r in d.get("requires") or ()),
+                   requires=_requires_from_json(d.get("requires")),
                    job_inputs=_inputs_from_json(d.get("inputs", {})))
         stored, actual = d["hash"], plan.plan_hash()
         if stored != actual or d["canonical"] != plan.canonical():
@@ -670,6 +670,7 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     except OSError as err:
         raise PlanError(f"plan file {source} cannot be read: {err.strerror or err}.",
                         fix="check the file's permissions.") from None
+    text = text.removeprefix("\ufeff")  # a byte-order mark an editor added: the content (and its hash) follows
     try:
         data = json_loads_unique(text)
     except DuplicateKeyError as err:
@@ -677,8 +678,9 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
                         fix=f"re-plan to write a fresh plan file (or keep one {err.key!r} and re-plan: a hand edit "
                             "also breaks the content hash).", setting=PLAN_FILE_SETTING) from None
     except json.JSONDecodeError as err:
-        end = "; it stops before the closing '}' (truncated?)" if text.strip() and not text.rstrip().endswith("}") \
-            else ""
+        cut = text.strip() and err.pos >= len(text.rstrip()) and not text.rstrip().endswith("}")
+        end = "; it stops before the closing '}' (truncated?)" if cut else \
+            "; more text follows the plan's closing '}'" if err.msg == "Extra data" else ""
         raise PlanError(f"plan file {source} is not valid JSON: {err.msg} at line {err.lineno} column "
                         f"{err.colno}{end}.", fix="re-plan to write a fresh plan file.") from None
     try:
@@ -719,6 +721,16 @@ def job_mismatches(plan: Plan, job: JobSpec, *, source: str = "the plan") -> lis
                         fix=f"run the plan with {key}={_hydra_text(planned)}, or plan again for this job (+cfp=auto, "
                             "or python -m cfp_megatron.plan with the same settings).")
             for key, planned in plan.job_inputs if key in current and current[key] != planned]
+
+
+def _requires_from_json(value: Any) -> tuple[str, ...]:
+    """:attr:`Plan.requires` from plan.json's ``requires`` list (absent: nothing)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise PlanError(f"plan.json's requires={value!r} is not a list of strings.",
+                        fix="re-plan to write a fresh plan.json.")
+    return tuple(value)
 
 
 def _inputs_from_json(value: Any) -> tuple[tuple[str, Any], ...]:
@@ -880,16 +892,28 @@ def _decode_int(key: str, text: str) -> int:
 
 
 def _parallel_from_json(d: Any) -> ParallelSpec:
-    """ParallelSpec from plan.json's ``parallel`` mapping (the config loader's own conversion: enums from their
-    values, unknown keys refused); fields missing from the file take their defaults."""
+    """ParallelSpec from plan.json's ``parallel`` mapping (:func:`_spec_from_json`); fields missing from the file
+    take their defaults."""
+    return _spec_from_json(ParallelSpec, d, "parallel", what="parallel layout")
+
+
+def _spec_from_json(cls: type, d: Any, name: str, *, what: str) -> Any:
+    """The spec ``cls`` from plan.json's mapping ``name``: a mapping whose every value has its field's JSON type
+    (:func:`~cfp_megatron.base.jsonio.json_type_problem`: ``"tp": true`` or ``"tp": "2"`` is refused by name, not
+    read as a number), then the config loader's own conversion (enums from their values, unknown keys refused)."""
     if not isinstance(d, dict):
-        raise PlanError(f"plan.json's parallel must be a mapping, not {type(d).__name__}.",
+        raise PlanError(f"plan.json's {name} must be a mapping, not {type(d).__name__}.",
+                        fix="re-plan to write a fresh plan.json.")
+    hints = typing.get_type_hints(cls)
+    wrong = [f"{name}.{key}={value!r} must be {kind}" for key, value in d.items()
+             if key in hints and (kind := json_type_problem(hints[key], value)) is not None]
+    if wrong:
+        raise PlanError(f"plan.json's {what} is invalid: " + "; ".join(wrong) + ".",
                         fix="re-plan to write a fresh plan.json.")
     try:
-        return build_spec(ParallelSpec, d)
-    except (ConfigError, TypeError) as err:
-        raise PlanError(f"plan.json's parallel layout is invalid: {err}",
-                        fix="re-plan to write a fresh plan.json.") from err
+        return build_spec(cls, d)
+    except (ConfigError, TypeError, ValueError) as err:
+        raise PlanError(f"plan.json's {what} is invalid: {err}", fix="re-plan to write a fresh plan.json.") from err
 
 
 def _check_keys(d: dict[str, Any], *, required: list[str], where: str, optional: list[str] | None = None) -> None:
