@@ -209,8 +209,9 @@ def test_manual_plan_for_another_world_size_is_refused() -> None:
     plan = _manual_plan()
     cfg = compose_config(["+cfp=manual", f"cfp.plan='{plan.canonical()}'", "model=gpt_tiny", "train.steps=2"])
     env = LaunchEnv(rank=0, world_size=2, local_rank=0, local_world_size=2, restart_count=0, under_torchrun=True)
-    with pytest.raises(PlanError, match="the plan is for 4 ranks"):
+    with pytest.raises(PlanError, match="the plan of cfp.plan is for 4 ranks") as caught:
         resolve_launch_plan(job_from_config(cfg), cfp_from_config(cfg), env, None)
+    assert caught.value.setting == "cfp.plan"  # the key that gave the plan, not cfp.plan_file
 
 
 def test_plan_check_compares_and_calibrates() -> None:

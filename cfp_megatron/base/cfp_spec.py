@@ -178,6 +178,11 @@ class CfpSpec:
         if self.plan is not None and self.plan_file is not None and self.mode is CfpMode.manual:
             issues.append(ConfigIssue(key="cfp.plan", value=self.plan, problem="and cfp.plan_file are both set; "
                                       "a run applies one plan.", fix="keep one of them."))
+        if self.plan is not None and self.mode is CfpMode.auto:
+            issues.append(ConfigIssue(key="cfp.plan", value=self.plan,
+                                      problem="is a plan to apply, and +cfp=auto searches a plan of its own: it would "
+                                              "be ignored.",
+                                      fix="apply it with +cfp=manual cfp.plan=..., or drop cfp.plan to search."))
         if self.top_k < 1:
             issues.append(ConfigIssue(key="cfp.top_k", value=self.top_k, problem="must be positive.",
                                       fix="use e.g. 5."))

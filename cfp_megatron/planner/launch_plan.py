@@ -125,7 +125,8 @@ def given_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, console: Any = None, 
         else:
             plan, source, path = Plan.parse(str(cfp.plan)), "string", None
         said = f"the plan of cfp.plan_file={cfp.plan_file}" if path is not None else "the plan of cfp.plan"
-        planned = _apply(plan, job, world, source=said, cfp=cfp, console=console)
+        planned = _apply(plan, job, world, source=said, setting="cfp.plan_file" if path is not None else "cfp.plan",
+                         cfp=cfp, backend=backend, console=console)
     else:
         if cfp.mode is CfpMode.manual:
             check_typed_before_plan(job, cfp, typed_keys())
@@ -151,7 +152,8 @@ def searched_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Path | No
         if cached.exists():
             plan = load_plan(cached)
             if optimizer_kind is None or plan.parallel.distributed_optimizer == optimizer_kind:
-                return LaunchPlan(plan=plan, job=_apply(plan, job, world), source="cached", path=cached)
+                return LaunchPlan(plan=plan, job=_apply(plan, job, world, backend=backend), source="cached",
+                                  path=cached)
     cfp = pinned
     if cfp.plan_file is not None:  # refused now rather than after the profiling budget
         check_write_locations([WriteLocation(key="cfp.plan_file", path=Path(cfp.plan_file), folder=False, new=True)])
@@ -170,7 +172,7 @@ def searched_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Path | No
             save_plan(plan, cached, key="hydra.run.dir")  # a disk that refuses it: one FileWriteError naming the key
         if cfp.plan_file is not None:
             save_plan(plan, cfp.plan_file)
-    return dataclasses.replace(searched, job=_apply(plan, job, world), path=cached)
+    return dataclasses.replace(searched, job=_apply(plan, job, world, backend=backend), path=cached)
 
 
 def resolve_launch_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Path | None,
@@ -196,17 +198,18 @@ def _on_gpu() -> bool:
 
 
 def _apply(plan: Plan, job: JobSpec, world: int, *, source: str = "the plan searched under +cfp=auto",
-           cfp: CfpSpec | None = None, console: Any = None) -> JobSpec:
-    """``job`` under ``plan`` (``source`` names it in errors), refused where the plan is for another world size,
-    model, optimizer or cluster, or would change a setting the user typed or a ``cfp`` pin of ``cfp``; the
-    ``train`` values it replaces are said on ``console`` (:func:`~cfp_megatron.planner.plan_inputs
-    .check_plan_applies`)."""
+           setting: str = "cfp.plan_file", cfp: CfpSpec | None = None, backend: BackendSpec | None = None,
+           console: Any = None) -> JobSpec:
+    """``job`` under ``plan`` (``source`` names it in errors, ``setting`` is the key that gave it), refused where the
+    plan is for another world size, model, optimizer, cluster or backend, or would change a setting the user typed
+    or a ``cfp`` pin of ``cfp``; the ``train`` values it replaces are said on ``console``
+    (:func:`~cfp_megatron.planner.plan_inputs.check_plan_applies`)."""
     planned = plan.nodes * plan.gpus_per_node
     if planned != world:
-        raise PlanError(f"the plan is for {planned} ranks ({plan.nodes} x {plan.gpus_per_node}) but {world} were "
+        raise PlanError(f"{source} is for {planned} ranks ({plan.nodes} x {plan.gpus_per_node}) but {world} were "
                         "started.", fix=f"start {planned} ranks, or plan again for {world} (+cfp=auto).",
-                        setting="cfp.plan_file")
-    check_plan_applies(plan, job, source=source, cfp=cfp, console=console)
+                        setting=setting)
+    check_plan_applies(plan, job, source=source, cfp=cfp, backend=backend, console=console)
     return plan.apply(job)
 
 
