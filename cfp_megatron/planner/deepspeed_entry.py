@@ -11,6 +11,7 @@ the run directory (never over a different file).
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,16 @@ from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.plan import Plan, PlanError
 
 _MODEL_PARALLEL = ("tp", "pp", "cp", "ep")
+
+_MEGATRON_KNOBS = {
+    "sp": "DeepSpeed's data parallelism has no sequence parallelism",
+    "mlp": "DeepSpeed trains the dense MLP unpartitioned",
+    "recompute": "pin DeepSpeed's activation checkpointing (whole layers) with backend.activation_checkpointing="
+                 "true|false",
+    "distributed_optimizer": "pin the ZeRO stage with backend.zero_stage (0: no sharding, 1-3 shard the optimizer "
+                             "states)",
+}
+"""The ``cfp`` knobs of Megatron-Core's search the ZeRO search does not read, with what to set instead."""
 
 
 def check_layout(job: JobSpec, cfp: CfpSpec) -> None:
@@ -41,6 +52,21 @@ def check_layout(job: JobSpec, cfp: CfpSpec) -> None:
             issues.append(ConfigIssue(key=f"cfp.{name}", value=allowed,
                                       problem="the DeepSpeed backend plans ZeRO data parallelism only.",
                                       fix=f"remove cfp.{name}, or plan with backend=megatron."))
+    for name, instead in _MEGATRON_KNOBS.items() if cfp.mode is not CfpMode.off else ():
+        allowed = cfp.allowed(name)
+        if allowed is None:
+            continue
+        key = f"cfp.{name}" if getattr(cfp, name) is not None else f"cfp.constraints.{name}"
+        issues.append(ConfigIssue(key=key, value=[v.value if isinstance(v, enum.Enum) else v for v in allowed],
+                                  problem="is a knob of Megatron-Core's layouts, which the DeepSpeed backend's ZeRO "
+                                          "search does not read: it would be ignored.",
+                                  fix=f"remove {key}; {instead}, or plan with backend=megatron."))
+    if cfp.mode is not CfpMode.off and cfp.overlap is not None:
+        issues.append(ConfigIssue(key="cfp.overlap", value=cfp.overlap,
+                                  problem="sets Megatron-Core's communication overlaps, which the DeepSpeed backend "
+                                          "does not run: it would be ignored.",
+                                  fix="remove cfp.overlap (DeepSpeed's overlap_comm is a key of its own config, "
+                                      "backend.config_file), or plan with backend=megatron."))
     if job.model.is_moe:
         issues.append(ConfigIssue(key="model", value=job.model.name,
                                   problem="MoE models need expert parallelism, which the DeepSpeed backend does not "

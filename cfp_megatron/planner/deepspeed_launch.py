@@ -46,7 +46,7 @@ class DeepSpeedLaunch:
     def check_job(self, job: JobSpec, cfp: CfpSpec, world: int, *, planned: bool) -> None:
         """No model parallelism (:func:`~cfp_megatron.planner.deepspeed_entry.check_layout`), then the rest."""
         check_layout(job, cfp)
-        validate_rest(job)
+        validate_rest(job, world)
 
     def check_before_start(self, job: JobSpec, *, restarted: bool, writer: str | None,
                            note: Callable[[str], None]) -> int | None:

@@ -21,7 +21,7 @@ from cfp_megatron.compat import moe
 from cfp_megatron.engine import checkpoint_lock, rank_watch
 from cfp_megatron.planner.backends import launch_hooks
 from cfp_megatron.planner.hydra_args import override_value, read_hydra_args
-from cfp_megatron.planner.job_checks import hydra_run_dir
+from cfp_megatron.planner.job_checks import check_node_shape, hydra_run_dir
 from cfp_megatron.planner.launch_plan import LaunchPlan, given_plan, metrics_location, searched_plan, write_locations
 from cfp_megatron.planner.megatron_launch import same_optimizer_kind
 from cfp_megatron.planner.memory_fit import check_training_machine
@@ -47,7 +47,8 @@ def train_from_config(cfg: Any) -> list:
     on_gpu = torch.cuda.is_available()
     planned = cfp.mode is CfpMode.auto or (cfp.mode is CfpMode.manual and bool(cfp.plan_file or cfp.plan))
     hooks.check_job(job, cfp, env.world_size, planned=planned)  # a planned job's layout: once it has its plan
-    check_training_machine(job)  # a GPU preset on a machine without a GPU
+    check_node_shape(job, env)  # the cluster's shape against torchrun's: its plan and memory are the job's
+    check_training_machine(job, env.world_size)  # a GPU preset without a GPU; more memory than this machine has
     t, say = job.train, checkpoint_lock.note_printer(env.rank)
     writer = checkpoint_lock.check(t.checkpoint_dir, note=say)  # another live job's folder: refused here
     start_step = hooks.check_before_start(job, restarted=env.restart_count > 0, writer=writer, note=say)

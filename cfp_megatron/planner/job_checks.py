@@ -7,6 +7,9 @@ from pathlib import Path
 
 from cfp_megatron.base.config import AttentionKind, DataKind, JobSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.launch_env import LaunchEnv
+from cfp_megatron.base.layout_rules import batch
+from cfp_megatron.base.layout_rules.problem import issues as rule_issues
 from cfp_megatron.base.parallel_dims import ParallelDims, transformer_engine_available
 from cfp_megatron.base.pipeline_layout import MTP, layout_stages
 
@@ -37,10 +40,47 @@ def validate_job(job: JobSpec, world_size: int) -> ParallelDims:
     return dims
 
 
-def validate_rest(job: JobSpec) -> None:
+def validate_rest(job: JobSpec, world_size: int | None = None) -> None:
     """The checks of :func:`validate_job` that do not involve the layout (a planned run's layout comes later): the
-    attention kind against Transformer Engine, and the data files when data.kind=indexed."""
-    issues = _rest_issues(job)
+    attention kind against Transformer Engine, the data files when data.kind=indexed, and with ``world_size`` the
+    cluster's shape against it (:func:`world_issues`: every layout a search could try would be refused for it)."""
+    issues = _rest_issues(job) + (world_issues(job, world_size) if world_size is not None else [])
+    if issues:
+        raise ConfigError(issues)
+
+
+def world_issues(job: JobSpec, world_size: int) -> list[ConfigIssue]:
+    """The cluster's ``nodes x gpus_per_node`` (where it states the GPUs per node) against the ranks started or
+    planned: whatever the layout, so said before a search instead of once per layout it would try."""
+    c = job.cluster
+    return rule_issues(batch.cluster_world(world_size, c.nodes, c.gpus_per_node))
+
+
+def check_node_shape(job: JobSpec, env: LaunchEnv) -> None:
+    """Under torchrun, the cluster's shape against the ranks torchrun started on this node (``LOCAL_WORLD_SIZE``,
+    the same on every node): ``cluster.gpus_per_node`` where set, and ``cluster.nodes`` (``WORLD_SIZE`` over the
+    ranks of a node). A plan, its network and each rank's share of this host's memory are computed for the cluster's
+    shape, so a shape other than the job's (``cluster.nodes=2`` with both ranks on this host: each planned with the
+    whole host) is refused before any process group."""
+    if not env.under_torchrun or env.local_world_size < 1 or env.world_size % env.local_world_size:
+        return
+    c, here = job.cluster, env.local_world_size
+    nodes = env.world_size // here
+    issues = []
+    if c.gpus_per_node is not None and c.gpus_per_node != here:
+        issues.append(ConfigIssue(key="cluster.gpus_per_node", value=c.gpus_per_node,
+                                  problem=f"torchrun started {here} rank(s) on this node "
+                                          f"(--nproc_per_node={here}): the plan and each rank's memory would be "
+                                          f"those of {c.gpus_per_node} per node.",
+                                  fix=f"set cluster.gpus_per_node={here}, or start {c.gpus_per_node} ranks per "
+                                      "node."))
+    if c.nodes != nodes:
+        issues.append(ConfigIssue(key="cluster.nodes", value=c.nodes,
+                                  problem=f"torchrun started {env.world_size} rank(s), {here} on this node: "
+                                          f"{nodes} node(s) (--nnodes={nodes}); the plan, its network and each "
+                                          f"rank's share of a node's memory would be those of {c.nodes} node(s).",
+                                  fix=f"set cluster.nodes={nodes}, or start the job with torchrun "
+                                      f"--nnodes={c.nodes}."))
     if issues:
         raise ConfigError(issues)
 

@@ -40,7 +40,7 @@ class MegatronLaunch:
     def check_job(self, job: JobSpec, cfp: CfpSpec, world: int, *, planned: bool) -> None:
         """The whole job (:func:`~cfp_megatron.planner.job_checks.validate_job`); a planned one's layout later."""
         if planned:
-            validate_rest(job)
+            validate_rest(job, world)
         else:
             validate_job(job, world)
 

@@ -16,9 +16,9 @@ from cfp_megatron.base.config import ClusterSpec, JobSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import transformer_engine_available
 from cfp_megatron.cluster.measured import Measurements
-from cfp_megatron.profile.cluster import host_memory_gib, local_measurements
+from cfp_megatron.profile.cluster import host_memory_gib, local_measurements, this_device
 from cfp_megatron.search.search import SearchResult, search
-from cfp_megatron.search.space import no_layout_issues
+from cfp_megatron.search.space import KNOBS, knob_setting, no_layout_issues, only_knob
 from cfp_megatron.sim.options import SimOptions, options_here
 from cfp_megatron.sim.prediction import GIB
 from cfp_megatron.sim.simulate import predict_memory
@@ -80,16 +80,49 @@ def check_search_fits(job: JobSpec, world: int, cfp: CfpSpec, *, given: ClusterS
                       measurements: Measurements | None, te_available: bool,
                       options: SimOptions | None, top_k: int = 1) -> SearchResult:
     """Search ``job``'s ``top_k`` best layouts (its cluster filled with this machine's figures; ``given``: the
-    cluster as configured) and raise a :class:`ConfigError` naming the memory the smallest layout needs and the
-    memory there is when layouts exist but none fits; else the result (a launch reuses it)."""
-    result = search(job, world, dataclasses.replace(cfp, top_k=top_k), measurements=measurements, options=options,
-                    te_available=te_available)
-    if result.ranked or result.least_over_gib is None or result.memory_limit_gib is None:
+    cluster as configured) and return the result (a launch reuses it) where one fits. Else one
+    :class:`ConfigError` of the cause: the pins and sets that leave no layout
+    (:func:`~cfp_megatron.search.space.no_layout_issues`); the memory where layouts exist but none fits, naming the
+    pins and sets (``cfp.tp=1``) where a layout without them would fit, else the memory the smallest layout needs
+    and the memory there is; otherwise what refused every layout (:attr:`SearchResult.best`'s reasons)."""
+    def run(settings: CfpSpec) -> SearchResult:
+        return search(job, world, dataclasses.replace(settings, top_k=top_k), measurements=measurements,
+                      options=options, te_available=te_available)
+
+    result = run(cfp)
+    if result.ranked:
         return result
+    issues = no_layout_issues(job, world, cfp, te_available=te_available)
+    if issues:
+        raise ConfigError(issues)
+    if result.least_over_gib is None or result.memory_limit_gib is None:
+        result.best  # noqa: B018 - raises the ConfigError naming what refused every layout
+    headroom = cfp.constraints.memory_headroom
+    pinned = [name for name in KNOBS if cfp.allowed(name) is not None]
+    if pinned and (free := run(only_knob(cfp, None))).ranked:
+        settings = dict(knob_setting(cfp, name) for name in pinned)
+        said = ", ".join(f"{k}={_plain(v)}" for k, v in settings.items())
+        best = free.ranked[0]
+        raise ConfigError(ConfigIssue(
+            key=next(iter(settings)), value=next(iter(settings.values())),
+            problem=f"no layout of {job.model.name} on {ranks(world)} with {said} fits in memory: the smallest of "
+                    f"the {result.over_memory:,} checked needs at least {gib(result.least_over_gib)} per rank, over "
+                    f"the {gib(result.memory_limit_gib)} each rank may use ({memory_source(given, job.cluster, world)}"
+                    f", within cfp.constraints.memory_headroom={headroom:g}); without "
+                    f"{'them' if len(settings) > 1 else 'it'}, {best.candidate.describe(world)} fits "
+                    f"({gib(best.prediction.memory.total / GIB)}).",
+            fix=f"drop or widen {', '.join(settings)}, or " + MEMORY_FIX))
     what = (f"no layout of {job.model.name} on {ranks(world)} fits in memory: the smallest of the "
             f"{result.over_memory:,} checked needs at least")
     raise ConfigError(memory_issue(given, job.cluster, world, what=what, need_gib=result.least_over_gib,
-                                   limit_gib=result.memory_limit_gib, headroom=cfp.constraints.memory_headroom))
+                                   limit_gib=result.memory_limit_gib, headroom=headroom))
+
+
+def _plain(value: object) -> str:
+    """A pin's or set's value as typed: ``1``, ``[2,4]``, ``full``."""
+    if isinstance(value, list):
+        return "[" + ",".join(_plain(v) for v in value) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def check_launch_fits(job: JobSpec, world: int, cfp: CfpSpec, *, top_k: int = 1,
@@ -105,12 +138,8 @@ def check_launch_fits(job: JobSpec, world: int, cfp: CfpSpec, *, top_k: int = 1,
 
 def check_no_plan(job: JobSpec, world: int, cfp: CfpSpec, *, given: ClusterSpec, measurements: Measurements | None,
                   te_available: bool, options: SimOptions | None) -> None:
-    """Where a search found no plan: raise the :class:`ConfigError` of its cause, the pins and sets
-    (:func:`~cfp_megatron.search.space.no_layout_issues`) or the memory (:func:`check_search_fits`); returns where
-    neither is it."""
-    issues = no_layout_issues(job, world, cfp, te_available=te_available)
-    if issues:
-        raise ConfigError(issues)
+    """Where a search found no plan: raise the :class:`ConfigError` of its cause (:func:`check_search_fits`: the pins
+    and sets, the memory, or what refused every layout)."""
     check_search_fits(job, world, cfp, given=given, measurements=measurements, te_available=te_available,
                       options=options)
 
@@ -139,13 +168,27 @@ def _layout(job: JobSpec) -> str:
     return " ".join(parts + [f"micro_batch={job.train.micro_batch_size}", f"recompute={p.recompute.value}"])
 
 
-def check_training_machine(job: JobSpec) -> None:
+def check_training_machine(job: JobSpec, world: int = 1) -> None:
     """A :class:`ConfigError` for training under a GPU cluster preset (``cluster=dgx_h100``) on a machine without a
     GPU: the plan, its memory limit and the MFU would be the preset's, not this machine's. Planning for it offline
-    (``python -m cfp_megatron.plan``) stays allowed."""
+    (``python -m cfp_megatron.plan``) stays allowed. Likewise a ``cluster.hbm_gib`` on the ``local`` cluster (this
+    machine, ``world`` ranks) above what each rank has here: the memory checks would pass a job the machine cannot
+    hold, which would die in the allocator."""
     import torch
 
     c = job.cluster
+    if c.on_cpu and c.hbm_gib is not None:
+        here = this_device(dataclasses.replace(c, hbm_gib=None), ranks_per_node=ranks_per_node(c, world))
+        if here.hbm_gib is not None and c.hbm_gib > here.hbm_gib:
+            raise ConfigError(ConfigIssue(
+                key="cluster.hbm_gib", value=c.hbm_gib,
+                problem=f"is more memory than each rank has on this machine, {gib(here.hbm_gib)} "
+                        f"({memory_source(dataclasses.replace(c, hbm_gib=None), here, world)}): cluster={c.name} "
+                        "trains here, and the memory checks would pass a job this machine cannot hold (it would die "
+                        "in the allocator).",
+                fix=f"drop cluster.hbm_gib (cluster={c.name} measures this machine) or set it at most "
+                    f"{here.hbm_gib:.2f}; plan for a larger machine offline with python -m cfp_megatron.plan "
+                    "cluster.hbm_gib=..."))
     if c.on_cpu or torch.cuda.is_available():
         return
     raise ConfigError(ConfigIssue(

@@ -24,7 +24,7 @@ from rich.console import Console
 
 from cfp_megatron.backends.deepspeed.zero_plan import ds_config
 from cfp_megatron.base.backend_spec import backend_from_config
-from cfp_megatron.base.cfp_spec import cfp_from_config
+from cfp_megatron.base.cfp_spec import CfpMode, cfp_from_config
 from cfp_megatron.base.compose import compose_config
 from cfp_megatron.base.config import MAX_WORLD_SIZE, job_from_config
 from cfp_megatron.base.config_help import config_help
@@ -37,6 +37,9 @@ from cfp_megatron.plan.errors import PlanError
 from cfp_megatron.plan.exports import check_exports, write_exports
 from cfp_megatron.plan.requirements import plan_requirements
 from cfp_megatron.planner.backends import backend_for
+from cfp_megatron.planner.deepspeed_entry import check_layout
+from cfp_megatron.planner.deepspeed_memory import check_zero_search_fits
+from cfp_megatron.planner.job_checks import world_issues
 from cfp_megatron.planner.memory_fit import check_no_plan
 from cfp_megatron.planner.pictures import write_plan_pictures
 from cfp_megatron.planner.preflight import default_lines, defaults_used
@@ -85,6 +88,13 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                       f"at most {SEQ_CAP}); pass train.seq_length=N to change it")
         cfg = compose_config([*overrides, f"train.seq_length={seq}"])
     job, cfp = job_from_config(cfg), cfp_from_config(cfg)
+    if cfp.mode is CfpMode.manual:
+        raise ConfigError(ConfigIssue(
+            key="cfp", value="manual", problem="python -m cfp_megatron.plan searches a plan (+cfp=auto); +cfp=manual "
+            "trains a plan given to it (cfp.plan_file, cfp.plan) or the parallel section as given, with nothing to "
+            "search.", fix="drop +cfp=manual to plan; train a saved plan with torchrun ... launch/train.py "
+            "+cfp=manual cfp.plan_file=<plan.json>."))
+    backend = backend_from_config(cfg)
     check_write_locations([WriteLocation(key="cfp.plan_file", path=Path(cfp.plan_file), folder=False) if cfp.plan_file
                            else WriteLocation(key="--out", path=Path(args.out or "outputs/plans"), folder=True)])
     c = job.cluster
@@ -92,6 +102,11 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if world is None:
         raise ConfigError(ConfigIssue(key="--world", value=None, problem=f"cluster {c.name} does not say how many "
                                       "GPUs a node has.", fix="pass --world N, or set cluster.gpus_per_node."))
+    issues = world_issues(job, world)  # whatever the layout: said once, not for each layout the search tries
+    if issues:
+        raise ConfigError(issues)
+    if backend.is_deepspeed:
+        check_layout(job, cfp)  # the pins its ZeRO search does not read: refused, not ignored
     measurements, cluster, key = None, c, None
     if c.gpus_per_node is None or c.name == "local":
         cluster, measurements = local_measurements(job, world_size=world)
@@ -111,7 +126,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         console.print(line, markup=False, soft_wrap=True)
     for line in identity_warnings(cluster):  # a generation missing or unknown: whose efficiencies price it instead
         console.print(line, markup=False, soft_wrap=True)
-    backend = backend_from_config(cfg)
+    if backend.is_deepspeed:  # no ZeRO plan fits: said in the memory checks' words (the launch's)
+        check_zero_search_fits(dataclasses.replace(job, cluster=c), world, cfp, backend, on_gpu=not cluster.on_cpu,
+                               figures=(cluster, measurements))
     found = backend_for(backend.name).search(job, world, cfp, backend, measurements=measurements,
                                              inputs_fingerprint=inputs_fingerprint(job, key),
                                              on_gpu=not cluster.on_cpu)

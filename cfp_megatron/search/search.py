@@ -120,7 +120,10 @@ class SearchResult:
         raises :class:`~cfp_megatron.base.errors.ConfigError` naming what ruled the layouts out (families that held
         plans first) when none fits."""
         if not self.ranked:
-            first = sorted(self.rejected, key=lambda r: r.count == 0)[:8]
+            once: dict[tuple[str, str], Rejection] = {}
+            for r in sorted(self.rejected, key=lambda r: r.count == 0):  # families that held plans first
+                once.setdefault((r.what, r.reason), r)  # each value and reason once
+            first = list(once.values())[:8]
             raise ConfigError([ConfigIssue(key="cfp", value=r.what, problem=r.reason, fix=_NO_PLAN_FIX)
                                for r in first] or [ConfigIssue(key="cfp", value="", problem="no layout is left.",
                                                                fix=_NO_PLAN_FIX)])
