@@ -1013,7 +1013,18 @@ def _memory_cases() -> list[Case]:
             ("gpu-preset-cpu-auto", ["+cfp=auto", "cluster=h200", "cluster.gpus_per_node=1"], ("cluster=local",)),
             ("mem-ds-auto-8b", ["backend=deepspeed", "+cfp=auto", "model=llama3_8b"], ("fits in memory",)),
             ("mem-ds-hand-8b", ["backend=deepspeed", "model=llama3_8b", "backend.zero_stage=3"],
-             ("the DeepSpeed plan zero3",))]:
+             ("the DeepSpeed plan zero3",)),
+            ("mem-local-hbm-over", ["model=llama3_8b", "cluster.hbm_gib=100000"],
+             ("cluster.hbm_gib=100000.0: is more memory than each rank has on this machine",)),
+            ("mem-auto-gpn-world", ["+cfp=auto", "model=llama3_8b", "cluster.gpus_per_node=4"],
+             ("but 1 ranks were started",)),
+            ("pin-ds-recompute", ["backend=deepspeed", "+cfp=auto", "cfp.recompute=full"],
+             ("cfp.recompute=['full']: is a knob of Megatron-Core's layouts",)),
+            ("pin-ds-dopt", ["backend=deepspeed", "+cfp=auto", "cfp.distributed_optimizer=false",
+                             "backend.zero_stage=2"], ("cfp.distributed_optimizer=[False]",)),
+            ("pin-ds-overlap", ["backend=deepspeed", "+cfp=auto", "cfp.overlap=true"], ("cfp.overlap=True",)),
+            ("pin-ds-sp-set", ["backend=deepspeed", "+cfp=auto", "cfp.constraints.sp=[true]"],
+             ("cfp.constraints.sp=[True]",))]:
         found.append(Case(id=cid, command="train", what="launch/train.py " + " ".join(overrides), names=names,
                           run=lambda work, o=overrides: train(o, work)))
     for cid, args, names in [
@@ -1026,13 +1037,33 @@ def _memory_cases() -> list[Case]:
             ("pin-plan-dopt-tp", ["cfp.distributed_optimizer=true", "cfp.tp=2", "--world", "2"],
              ("cfp.distributed_optimizer",)),
             ("pin-plan-vpp", ["cfp.vpp=2", "cfp.pp=1", "--world", "2"], ("cfp.vpp",)),
-            ("pin-plan-pp-tp", ["cluster=dgx_h100", "cfp.tp=4", "cfp.pp=4"], ("cfp.pp",))]:
+            ("pin-plan-pp-tp", ["cluster=dgx_h100", "cfp.tp=4", "cfp.pp=4"], ("cfp.pp",)),
+            ("pin-plan-nofit-named", ["model=llama3_8b", "cluster=dgx_h100", "cfp.tp=1", "cfp.recompute=none",
+                                      "cfp.micro_batch=8", "train.global_batch_size=64"], ("cfp.tp=1:",)),
+            ("pin-plan-set-nofit", ["model=llama3_8b", "cluster=dgx_h100", "cfp.constraints.tp=[1]",
+                                    "cfp.constraints.pp=[1]", "cfp.distributed_optimizer=false"],
+             ("cfp.constraints.tp=[1]:",)),
+            ("mem-plan-world-gpn", ["cluster=dgx_h100", "cluster.gpus_per_node=2", "--world", "4"],
+             ("cluster.nodes=1:",)),
+            ("mem-plan-ds-hbm", ["backend=deepspeed", "cluster.hbm_gib=0.0001", "--world", "1"],
+             ("cluster.hbm_gib=0.0001:",)),
+            ("pin-plan-ds-tp", ["backend=deepspeed", "cfp.tp=2", "--world", "2"], ("cfp.tp=[2]:",)),
+            ("pin-plan-ds-recompute", ["backend=deepspeed", "cfp.recompute=selective", "--world", "1"],
+             ("cfp.recompute=['selective']:",)),
+            ("plan-manual-mode", ["+cfp=manual", "--world", "1"], ("cfp='manual':",)),
+            ("plan-auto-string", ["cfp.plan=gpt_tiny@localx1x1", "--world", "1"], ("cfp.plan='gpt_tiny@localx1x1':",))]:
         found.append(Case(id=cid, command="plan", what="python -m cfp_megatron.plan " + " ".join(args), names=names,
                           run=lambda work, a=args: in_process(lambda: plan_main(a, work), timeout_s=120)))
     found.append(Case(id="mem-train-8b", command="train", mode="torchrun", names=("fits in memory",),
                       once="cfp-megatron: ConfigError",
                       what="torchrun --nproc_per_node=2 launch/train.py +cfp=auto model=llama3_8b",
                       run=lambda work: torchrun(2, ["+cfp=auto", "model=llama3_8b"], work)))
+    shape = ["model=llama3_8b", "model.num_layers=6", "parallel.tp=2", "cluster.nodes=2"]  # 17.8 GiB a rank
+    found.append(Case(id="mem-train-nodes-shape", command="train", mode="torchrun", names=("cluster.nodes=2",),
+                      once="cfp-megatron: ConfigError",
+                      what="torchrun --nproc_per_node=2 launch/train.py " + " ".join(shape) + " (both ranks on "
+                           "this host, each planned with all of it)",
+                      run=lambda work: torchrun(2, shape, work)))
     return found
 
 
@@ -1863,6 +1894,146 @@ def _input_cases() -> list[Case]:
                        lambda work: zero_plan_json(work, zero_stage=3), ("zero_stage",)),
         plan_file_case("planfile-zero-hash", "an earlier zero_plan.json with another hash",
                        lambda work: zero_plan_json(work, hash="0123456789abcdef"), ("hash mismatch",)),
+    ]
+
+    # --- a plan under another backend or cluster shape; what +cfp=manual does not read; edited fields ----------
+    def given(overrides: Sequence[str], world: int = 1) -> object:
+        """``launch/train.py`` up to its plan with the hooks of the backend the config names (both backends) and
+        rank 0's notes printed, ``overrides`` as the typed command line."""
+        from hydra import compose, initialize_config_dir
+        from hydra.core.hydra_config import HydraConfig
+        from omegaconf import open_dict
+
+        from cfp_megatron.base.backend_spec import backend_from_config
+        from cfp_megatron.base.cfp_spec import cfp_from_config
+        from cfp_megatron.base.compose import CONF_DIR, compose_config, register_configs
+        from cfp_megatron.base.config import job_from_config
+        from cfp_megatron.base.launch_env import LaunchEnv
+        from cfp_megatron.planner.backends import launch_hooks
+        from cfp_megatron.planner.launch_plan import given_plan
+
+        class Say:
+            def print(self, text: str, **_: object) -> None:
+                print(text)
+
+        register_configs()
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            hydra_cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+        with open_dict(hydra_cfg):
+            hydra_cfg.hydra.runtime.output_dir = "/nonexistent-run-dir"
+        HydraConfig.instance().set_config(hydra_cfg)  # typed_keys() sees ``overrides``
+        try:
+            cfg = compose_config(list(overrides))
+            backend = backend_from_config(cfg)
+            env = LaunchEnv(rank=0, world_size=world, local_rank=0, local_world_size=world, restart_count=0,
+                            under_torchrun=False)
+            return given_plan(job_from_config(cfg), cfp_from_config(cfg), env, Say(), hooks=launch_hooks(backend.name),
+                              backend=backend)
+        finally:
+            HydraConfig.instance().cfg = None
+
+    zero_file = ROOT / "tests" / "data" / "zero_plan_schema1.json"  # ZeRO 2, optimizer offload, bucket 1000, 4 ranks
+    for cid, what, names, overrides, world in [
+            ("plan-megatron-as-deepspeed", "a Megatron plan.json applied with backend=deepspeed",
+             ("is a plan for backend=megatron",), lambda work: [f"cfp.plan_file={plan_for(work, 'base')}",
+                                                               "backend=deepspeed"], 1),
+            ("plan-zero-as-megatron", "an earlier zero_plan.json applied without backend=deepspeed",
+             ("is a plan for backend=deepspeed",), lambda work: [f"cfp.plan_file={zero_file}"], 4),
+            ("plan-zero-stage-typed", "backend.zero_stage=3 typed beside a ZeRO-2 plan", ("backend.zero_stage=3",),
+             lambda work: [f"cfp.plan_file={zero_file}", "backend=deepspeed", "backend.zero_stage=3"], 4),
+            ("plan-zero-offload-typed", "backend.offload_optimizer=false typed beside a plan that offloads",
+             ("backend.offload_optimizer=False",),
+             lambda work: [f"cfp.plan_file={zero_file}", "backend=deepspeed", "backend.offload_optimizer=false"], 4),
+            ("plan-zero-bucket-typed", "backend.bucket_elements=5000 typed beside a plan of 1000",
+             ("backend.bucket_elements=5000",),
+             lambda work: [f"cfp.plan_file={zero_file}", "backend=deepspeed", "backend.bucket_elements=5000"], 4),
+            ("plan-other-nodes", "a plan for 2 nodes of 1 rank applied on 1 node of 2", ("cluster.nodes=1",),
+             lambda work: [f"cfp.plan_file={plan_for(work, 'nodes-2', 'cluster.nodes=2', world=2)}"], 2),
+            ("plan-set-differs", "cfp.constraints.tp=[2] typed beside a plan of tp=1", ("cfp.constraints.tp=[2]",),
+             lambda work: [f"cfp.plan_file={plan_for(work, 'base')}", "cfp.constraints.tp=[2]"], 1),
+            ("plan-max-mb-differs", "cfp.constraints.max_micro_batch=1 beside a plan of micro-batch 2",
+             ("cfp.constraints.max_micro_batch=1",),
+             lambda work: [f"cfp.plan_file={plan_for(work, 'base')}", "cfp.constraints.max_micro_batch=1"], 1),
+            ("plan-search-only-setting", "cfp.top_k=3 typed beside a plan (only the search reads it)",
+             ("cfp.top_k=3",), lambda work: [f"cfp.plan_file={plan_for(work, 'base')}", "cfp.top_k=3"], 1),
+            ("plan-headroom-typed", "cfp.constraints.memory_headroom=0.5 typed beside a plan",
+             ("cfp.constraints.memory_headroom=0.5",),
+             lambda work: [f"cfp.plan_file={plan_for(work, 'base')}", "cfp.constraints.memory_headroom=0.5"], 1),
+            ("manual-set-contradicts", "+cfp=manual cfp.constraints.pp=[2] (parallel.pp=1 trains as given)",
+             ("cfp.constraints.pp=[2]",), lambda work: ["cfp.constraints.pp=[2]"], 2),
+            ("manual-budget-typed", "+cfp=manual cfp.profile_budget_s=30 (nothing is profiled)",
+             ("cfp.profile_budget_s=30",), lambda work: ["cfp.profile_budget_s=30"], 1),
+            ("plan-string-world", "a plan string for 2 ranks on 1", ("cfp.plan: the plan of cfp.plan is for 2",),
+             lambda work: ["cfp.plan='gpt_tiny@localx1x2:tp=1,sp=0,pp=1,vpp=1,cp=1,ep=1,etp=1,dp=2,mb=2,gbs=8,"
+                           "seq=64,ppf=null,ppl=null,rc=none,rcn=1,rcm=uniform,do=0,ogr=0,opg=0,gf32=1,"
+                           "order=tp-cp-ep-dp-pp,mlp=megatron,mlpn=null,prec=auto'"], 1)]:
+        found.append(Case(id=cid, command="planfile", what=what, names=names,
+                          run=lambda work, o=overrides, w=world: in_process(lambda: given(["+cfp=manual", *o(work)],
+                                                                                          w))))
+    found.append(Case(id="plan-string-no-inputs", command="planfile", report_ok=True,
+                      what="a plan string (it records no model settings) applied with model.num_layers=8",
+                      names=("records no model settings",),
+                      run=lambda work: in_process(lambda: given([
+                          "+cfp=manual", "model.num_layers=8", "cfp.plan='gpt_tiny@localx1x1:tp=1,sp=0,pp=1,vpp=1,"
+                          "cp=1,ep=1,etp=1,dp=1,mb=2,gbs=8,seq=64,ppf=null,ppl=null,rc=none,rcn=1,rcm=uniform,do=0,"
+                          "ogr=0,opg=0,gf32=1,order=tp-cp-ep-dp-pp,mlp=megatron,mlpn=null,prec=auto'"]))))
+    found.append(launch_case("auto-plan-string", "+cfp=auto cfp.plan=<a plan string> (the search would ignore it)",
+                             ("cfp.plan=",), lambda work: ["+cfp=auto", "cfp.plan='gpt_tiny@localx1x1:tp=1'"]))
+
+    def rehashed(change: Callable[[dict], object]) -> Callable[[Path], Path]:
+        """The sample plan.json changed by ``change``, its content hash written again (a generator's file, or a
+        careful editor's: only the reader's own checks stand)."""
+        def make(work: Path) -> Path:
+            from cfp_megatron.plan.artifact import CONTENT_HASH_KEY, content_hash
+
+            data = json.loads(sample_plan_file(work).read_text())
+            change(data)
+            data.pop(CONTENT_HASH_KEY, None)
+            data[CONTENT_HASH_KEY] = content_hash(data)
+            return _plan_variant(work, f"rehashed-{time.monotonic_ns()}", text=json.dumps(data, indent=2))
+        return make
+
+    def device(work: Path) -> Path:
+        path = work / "plans" / "devzero" / "plan.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.is_symlink():
+            os.symlink("/dev/zero", path)
+        return path
+
+    def text_of(edit: Callable[[str], str | bytes], name: str) -> Callable[[Path], Path]:
+        return lambda work: _plan_variant(work, name, text=edit(sample_plan_file(work).read_text()))
+
+    import gzip
+    found += [
+        plan_file_case("planfile-tp-bool", "a plan.json with parallel.tp true (content hash recomputed)",
+                       rehashed(lambda d: d["parallel"].__setitem__("tp", True)), ("parallel.tp=True",)),
+        plan_file_case("planfile-tp-text", "a plan.json with parallel.tp \"2\" (content hash recomputed)",
+                       rehashed(lambda d: d["parallel"].__setitem__("tp", "2")), ("parallel.tp='2'",)),
+        plan_file_case("planfile-zero-list", "a plan.json whose zero options are a list (content hash recomputed)",
+                       rehashed(lambda d: d.update(backend="deepspeed", zero=[2])), ("zero must be a mapping",)),
+        plan_file_case("planfile-requires-text", "a plan.json whose requires is one string (content hash "
+                       "recomputed)", rehashed(lambda d: d.__setitem__("requires", "transformer-engine")),
+                       ("requires='transformer-engine'",)),
+        plan_file_case("planfile-schema-text", "a plan.json with schema_version \"2\"",
+                       rehashed(lambda d: d.__setitem__("schema_version", "2")), ("schema_version",)),
+        plan_file_case("planfile-hash-null", "a plan.json with content_hash null",
+                       lambda work: _plan_variant(work, "hash-null", lambda d: d.__setitem__("content_hash", None)),
+                       ("content hash mismatch",)),
+        plan_file_case("planfile-nested-dup", "a plan.json giving parallel.tp twice",
+                       text_of(lambda t: t.replace('"parallel": {', '"parallel": {\n    "tp": 3,', 1), "nested-dup"),
+                       ("'tp' appears twice",)),
+        plan_file_case("planfile-deep", "a file of 100,000 nested brackets",
+                       lambda work: _plan_variant(work, "deep", text="[" * 100_000 + "]" * 100_000),
+                       ("nested too deeply",)),
+        plan_file_case("planfile-huge-number", "a plan.json whose schema_version has 5,000 digits",
+                       lambda work: _plan_variant(work, "digits", text='{"schema_version": ' + "9" * 5000 + "}"),
+                       ("a number that cannot be read",)),
+        plan_file_case("planfile-trailing-text", "a plan.json with notes typed after its closing brace",
+                       text_of(lambda t: t + "\nnotes: ran this on Tuesday\n", "trailing"),
+                       ("more text follows",)),
+        plan_file_case("planfile-gzip", "a gzip-compressed plan.json",
+                       text_of(lambda t: gzip.compress(t.encode()), "gzip"), ("not UTF-8",)),
+        plan_file_case("planfile-devzero", "cfp.plan_file a symbolic link to /dev/zero", device, ("a device",)),
     ]
     found.append(Case(id="train-plan-other-layers", command="train", mode="torchrun", names=("model.num_layers",),
                       what="torchrun --nproc_per_node=1 launch/train.py +cfp=manual cfp.plan_file=<4-layer plan> "

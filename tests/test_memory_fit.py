@@ -4,6 +4,7 @@ machine without a GPU are each refused before profiling and before any process g
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -238,3 +239,85 @@ def test_a_deepspeed_plan_by_hand_that_cannot_fit_is_refused(host: None, monkeyp
 def _ds_config(*overrides: str) -> object:
     """The composed config of ``backend=deepspeed`` and ``overrides``."""
     return compose_config(["backend=deepspeed", *overrides])
+
+
+# ------------------------------------------------------------------------ the machine's shape and what it holds
+
+def _torchrun(world: int, here: int) -> LaunchEnv:
+    return LaunchEnv(rank=0, world_size=world, local_rank=0, local_world_size=here, restart_count=0,
+                     under_torchrun=True)
+
+
+@pytest.mark.parametrize(("overrides", "world", "here", "key"), [
+    (["cluster.nodes=2"], 2, 2, "cluster.nodes"),  # both ranks on this host, each planned with all of it
+    (["cluster.gpus_per_node=4"], 4, 2, "cluster.gpus_per_node cluster.nodes"),  # 2 nodes of 2, planned as 1 of 4
+    (["cluster=dgx_h100", "cluster.nodes=2"], 16, 8, None),  # torchrun --nnodes=2 --nproc_per_node=8
+    (["cluster.nodes=2"], 4, 2, None),  # two agents of 2 ranks (tests/test_launch_plan.py's c10d job)
+])
+def test_the_clusters_shape_is_the_one_torchrun_started(overrides: list[str], world: int, here: int,
+                                                        key: str | None) -> None:
+    from cfp_megatron.planner.job_checks import check_node_shape
+
+    job, _ = _compose(*overrides)
+    if key is None:
+        check_node_shape(job, _torchrun(world, here))
+        return
+    with pytest.raises(ConfigError, match=f"torchrun started .*{here} on this node|{here} rank\\(s\\) on this node") \
+            as info:
+        check_node_shape(job, _torchrun(world, here))
+    assert info.value.keys == key.split()
+    check_node_shape(job, dataclasses.replace(_torchrun(world, here), under_torchrun=False))  # a plain process
+
+
+@cpu_only
+def test_the_local_clusters_memory_is_at_most_this_machines_for_training(host: None) -> None:
+    from cfp_megatron.planner.memory_fit import check_training_machine
+
+    job, _ = _compose("model=llama3_8b", "cluster.hbm_gib=100000")
+    with pytest.raises(ConfigError, match="is more memory than each rank has on this machine, 10.75 GiB") as info:
+        check_training_machine(job, 2)
+    assert info.value.keys == ["cluster.hbm_gib"] and "at most 10.75" in str(info.value)
+    check_training_machine(_compose("model=llama3_8b", "cluster.hbm_gib=3")[0], 2)  # a lower limit holds
+
+
+@cpu_only
+def test_a_cluster_of_another_size_than_the_world_is_one_error_before_the_search(host: None, capsys) -> None:
+    from cfp_megatron.planner.megatron_launch import MegatronLaunch
+    from cfp_megatron.planner.plan_cli import main
+
+    job, cfp = _compose("+cfp=auto", "cluster.gpus_per_node=4")
+    with pytest.raises(ConfigError, match="1 x 4 = 4 but 2 ranks were started") as info:
+        MegatronLaunch().check_job(job, cfp, 2, planned=True)  # before profiling (it used to profile, then fail)
+    assert info.value.keys == ["cluster.nodes"]
+    assert main(["cluster=dgx_h100", "cluster.gpus_per_node=2", "--world", "4", "--out", "unused"]) == 2
+    text = capsys.readouterr().out
+    assert text.count("but 4 ranks were started") == 1 and "1 invalid setting" in text  # once, not per layout
+
+
+def test_pins_that_leave_no_layout_in_memory_are_named(capsys, tmp_path: Path) -> None:
+    from cfp_megatron.planner.plan_cli import main
+
+    out = str(tmp_path / "plans")
+    assert main(["model=llama3_8b", "cluster=dgx_h100", "cluster.nodes=1", "cfp.tp=1", "cfp.recompute=none",
+                 "cfp.micro_batch=8", "train.global_batch_size=64", "--out", out]) == 2
+    text = capsys.readouterr().out
+    assert "cfp.tp=1: no layout of llama3_8b on 8 ranks with cfp.tp=1, cfp.micro_batch=8, cfp.recompute=none fits" \
+        in text.replace("\n", " ")
+    assert "without them, dp" in text and "Fix: drop or widen cfp.tp, cfp.micro_batch, cfp.recompute" \
+        in text.replace("\n", " ")
+
+
+def test_preflight_refuses_what_it_would_ignore(capsys, tmp_path: Path) -> None:
+    from cfp_megatron.planner.plan_cli import main
+
+    out = str(tmp_path / "plans")
+    for args, says in ((["+cfp=manual", "--world", "1"], "cfp='manual': python -m cfp_megatron.plan searches"),
+                       (["cfp.plan=gpt_tiny@localx1x1:tp=1", "--world", "1"], "cfp.plan='gpt_tiny@localx1x1:tp=1'"),
+                       (["backend=deepspeed", "cfp.tp=2", "--world", "2"], "cfp.tp=[2]: the DeepSpeed backend"),
+                       (["backend=deepspeed", "cfp.recompute=full", "--world", "1"],
+                        "backend.activation_checkpointing=true|false"),
+                       (["backend=deepspeed", "cluster.hbm_gib=0.0001", "--world", "1"],
+                        "cluster.hbm_gib=0.0001: no DeepSpeed ZeRO plan of gpt_tiny on 1 rank fits in memory")):
+        assert main([*args, "--out", out]) == 2, args
+        assert says in capsys.readouterr().out.replace("\n", " "), args
+    assert not list(Path(out).rglob("*.json"))  # nothing planned, nothing written

@@ -228,3 +228,140 @@ def test_an_earlier_zero_plan_json_is_checked_as_its_version_was(change: dict, s
 def test_content_hash_helper_still_matches_the_file(tmp_path: Path) -> None:
     data = json.loads(_plan_file(tmp_path).read_text())
     assert data["content_hash"] == content_hash({k: v for k, v in data.items() if k != "content_hash"})
+
+
+# ------------------------------------------------------------- what else a plan was made for, what manual reads
+
+def _given(overrides: list[str], world: int):
+    """``launch/train.py`` up to its plan with the hooks and ``backend`` group the config names (both backends)."""
+    from cfp_megatron.base.backend_spec import backend_from_config
+    from cfp_megatron.planner.backends import launch_hooks
+    from cfp_megatron.planner.launch_plan import given_plan
+
+    _typed(overrides)
+    cfg = compose_config(overrides)
+    backend = backend_from_config(cfg)
+    env = LaunchEnv(rank=0, world_size=world, local_rank=0, local_world_size=world, restart_count=0,
+                    under_torchrun=False)
+    return given_plan(job_from_config(cfg), cfp_from_config(cfg), env, hooks=launch_hooks(backend.name),
+                      backend=backend)
+
+
+ZERO_PLAN = Path(__file__).parent / "data" / "zero_plan_schema1.json"
+"""An earlier DeepSpeed run's zero_plan.json: ZeRO stage 2 with optimizer offload on 4 ranks."""
+
+
+@pytest.mark.parametrize(("extra", "world", "key", "says"), [
+    (["backend=deepspeed"], 1, "backend", "is a plan for backend=megatron: its layout would not be run"),
+    ([f"cfp.plan_file={ZERO_PLAN}"], 4, "backend", "is a plan for backend=deepspeed: its ZeRO options"),
+    ([f"cfp.plan_file={ZERO_PLAN}", "backend=deepspeed", "backend.zero_stage=3"], 4, "backend.zero_stage",
+     "sets zero_stage=3, but the plan of cfp.plan_file"),
+    ([f"cfp.plan_file={ZERO_PLAN}", "backend=deepspeed", "backend.bucket_elements=5000"], 4,
+     "backend.bucket_elements", "has bucket_elements=1000"),
+])
+def test_a_plan_is_refused_under_another_backend_or_other_zero_knobs(tmp_path: Path, extra: list[str], world: int,
+                                                                    key: str, says: str) -> None:
+    plan = _plan_file(tmp_path)
+    overrides = ["+cfp=manual", *(["cfp.plan_file=" + str(plan)] if not any("plan_file" in e for e in extra)
+                                  else []), *extra]
+    with pytest.raises(ConfigError, match=says) as info:
+        _given(overrides, world)
+    assert info.value.keys == [key]
+    held = _given(["+cfp=manual", f"cfp.plan_file={ZERO_PLAN}", "backend=deepspeed", "backend.zero_stage=2"], 4)
+    assert held.plan.zero_stage == 2  # typed with the plan's own value: it holds
+
+
+def test_a_plan_for_another_cluster_shape_is_refused(tmp_path: Path) -> None:
+    plan = _plan_file(tmp_path, "cluster.nodes=2", world=2)
+    with pytest.raises(ConfigError, match="was made for 2 node\\(s\\) of 1 rank\\(s\\) \\(cluster.nodes=2\\)") as info:
+        _launch(["+cfp=manual", f"cfp.plan_file={plan}"], tmp_path, world=2)
+    assert info.value.keys == ["cluster.nodes"]
+    assert _launch(["+cfp=manual", f"cfp.plan_file={plan}", "cluster.nodes=2"], tmp_path, world=2) is not None
+
+
+@pytest.mark.parametrize(("extra", "key", "says"), [
+    (["cfp.top_k=3"], "cfp.top_k", "is read by the search of \\+cfp=auto only"),
+    (["cfp.constraints.memory_headroom=0.5"], "cfp.constraints.memory_headroom", "would do nothing"),
+    (["cfp.profile_budget_s=30"], "cfp.profile_budget_s", "would do nothing"),
+    (["cfp.constraints.tp=[2]"], "cfp.constraints.tp", "allows other values than the plan of cfp.plan_file"),
+    (["cfp.constraints.max_micro_batch=1"], "cfp.constraints.max_micro_batch", "train.micro_batch_size=2"),
+])
+def test_manual_holds_a_typed_cfp_setting_to_the_plan_or_refuses_it(tmp_path: Path, extra: list[str], key: str,
+                                                                    says: str) -> None:
+    plan = _plan_file(tmp_path)
+    with pytest.raises(ConfigError, match=says) as info:
+        _launch(["+cfp=manual", f"cfp.plan_file={plan}", *extra], tmp_path)
+    assert info.value.keys == [key]
+    # the sets the plan meets, and what +cfp=manual reads itself, hold
+    assert _launch(["+cfp=manual", f"cfp.plan_file={plan}", "cfp.constraints.tp=[1,2]",
+                    "cfp.constraints.max_micro_batch=2", "cfp.check_after_steps=0"], tmp_path) is not None
+
+
+def test_manual_without_a_plan_holds_a_typed_set_to_the_parallel_section(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="contradicts parallel.tp=1.* set parallel.tp=2") as info:
+        _launch(["+cfp=manual", "model=gpt_tiny", "cfp.constraints.tp=[2]"], tmp_path, world=2)
+    assert info.value.keys == ["cfp.constraints.tp"]
+    with pytest.raises(ConfigError, match="would do nothing") as info:
+        _launch(["+cfp=manual", "model=gpt_tiny", "cfp.top_k=2"], tmp_path)
+    assert info.value.keys == ["cfp.top_k"]
+
+
+def test_a_plan_string_under_auto_is_refused_not_ignored() -> None:
+    with pytest.raises(ConfigError, match="\\+cfp=auto searches a plan of its own: it would be ignored") as info:
+        cfp_from_config(compose_config(["+cfp=auto", "cfp.plan='gpt_tiny@localx1x1:tp=1'"]))
+    assert info.value.keys == ["cfp.plan"]
+
+
+def test_a_plan_without_model_settings_says_so(tmp_path: Path) -> None:
+    job = job_from_config(compose_config(["model=gpt_tiny"]))
+    canonical = Plan.from_job(job, world_size=1, prediction=None, inputs_fingerprint="").canonical()
+    console = _Console()
+    assert _launch(["+cfp=manual", f"cfp.plan='{canonical}'"], tmp_path, console=console) is not None
+    assert any("records no model settings (a plan string carries none): only model=gpt_tiny is compared" in line
+               for line in console.lines)
+
+
+def _rehashed(tmp_path: Path, name: str, change) -> Path:
+    """The sample plan.json with ``change`` made and its content hash written again (a generator's or a careful
+    editor's file: only the reader's own checks stand)."""
+    data = json.loads(_plan_file(tmp_path, name=f"src-{name}").read_text())
+    change(data)
+    data.pop("content_hash")
+    data["content_hash"] = content_hash(data)
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    (lambda d: d["parallel"].__setitem__("tp", True), "parallel.tp=True must be an integer"),
+    (lambda d: d["parallel"].__setitem__("tp", "1"), "parallel.tp='1' must be an integer"),
+    (lambda d: d["parallel"].__setitem__("recompute", 0), "parallel.recompute=0 must be one of"),
+    (lambda d: d.update(backend="deepspeed", zero=[2]), "plan.json's zero must be a mapping, not list"),
+    (lambda d: d.__setitem__("requires", "transformer-engine"), "requires='transformer-engine' is not a list"),
+])
+def test_fields_of_the_wrong_json_type_are_refused_by_name(tmp_path: Path, change, says: str) -> None:
+    with pytest.raises(PlanError, match=says):
+        load_plan(_rehashed(tmp_path, "typed.json", change))
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("[" * 100_000 + "]" * 100_000, "arrays or objects nested too deeply to read"),
+    ('{"schema_version": ' + "9" * 5000 + "}", "a number that cannot be read"),
+], ids=["nested", "digits"])
+def test_json_the_parser_cannot_hold_is_not_json(tmp_path: Path, text: str, says: str) -> None:
+    path = tmp_path / "odd.json"
+    path.write_text(text)
+    with pytest.raises(PlanError, match=f"is not valid JSON: {says}"):
+        load_plan(path)
+
+
+def test_text_after_the_plan_is_said_and_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    path = _plan_file(tmp_path)
+    text = path.read_text()
+    (tmp_path / "extra.json").write_text(text + "\nnotes\n")
+    with pytest.raises(PlanError, match="more text follows the plan's closing '}'") as info:
+        load_plan(tmp_path / "extra.json")
+    assert "truncated" not in str(info.value)
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + text.encode())  # as some editors save it
+    assert load_plan(tmp_path / "bom.json") == load_plan(path)
