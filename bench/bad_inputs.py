@@ -1014,6 +1014,7 @@ def _memory_cases() -> list[Case]:
             ("mem-ds-auto-8b", ["backend=deepspeed", "+cfp=auto", "model=llama3_8b"], ("fits in memory",)),
             ("mem-ds-hand-8b", ["backend=deepspeed", "model=llama3_8b", "backend.zero_stage=3"],
              ("the DeepSpeed plan zero3",)),
+            ("mem-rank-reserve-over", ["cluster.rank_reserve_gib=100"], ("cluster.rank_reserve_gib=100.0",)),
             ("mem-local-hbm-over", ["model=llama3_8b", "cluster.hbm_gib=100000"],
              ("cluster.hbm_gib=100000.0: is more memory than each rank has on this machine",)),
             ("mem-auto-gpn-world", ["+cfp=auto", "model=llama3_8b", "cluster.gpus_per_node=4"],

@@ -53,6 +53,9 @@ def test_the_host_is_shared_by_the_ranks_of_a_node_less_the_reserves() -> None:
     with pytest.raises(ConfigError, match="64 ranks share this host's 24.0 GiB") as info:
         host_share_gib(spec, 64, total_gib=24.0)
     assert info.value.keys == ["cluster.gpus_per_node"] and "--nproc_per_node" in str(info.value)
+    with pytest.raises(ConfigError, match="it leaves nothing for one rank") as info:  # not the rank count's fault
+        host_share_gib(ClusterSpec(host_reserve_gib=1.0, rank_reserve_gib=30.0), 1, total_gib=24.0)
+    assert info.value.keys == ["cluster.rank_reserve_gib"] and "set it below 23.00" in str(info.value)
 
 
 @cpu_only

@@ -91,6 +91,13 @@ def host_share_gib(spec: ClusterSpec, ranks_per_node: int, total_gib: float | No
             key="cluster.host_reserve_gib", value=host,
             problem=f"leaves nothing of this host's {total:.1f} GiB of memory for the ranks.",
             fix=f"set it below {total:.1f} (it is what the OS and other programs keep), or null."))
+    if total - host - rank <= 0:  # not even one rank: the reserve per rank is the cause, not the rank count
+        raise ConfigError(ConfigIssue(
+            key="cluster.rank_reserve_gib", value=rank,
+            problem=f"is more than this host's {total:.1f} GiB of memory less its cluster.host_reserve_gib={host:g} "
+                    f"for the OS ({total - host:.2f} GiB): it leaves nothing for one rank.",
+            fix=f"set it below {total - host:.2f} (what Python, torch and Megatron-Core take per rank, about 0.5), "
+                "or null."))
     if share <= 0:
         fewest = max(int((total - host) // (rank + 0.25)), 1)
         raise ConfigError(ConfigIssue(
