@@ -926,7 +926,8 @@ def _validate_row_cases() -> list[Case]:
                 work, "gpus-huge.csv", change=rows({"num_gpus": "2000000", "dp": ""})))], ["num_gpus=2000000"]),
             ("validate-memory-absurd", "one GPU running a 65,536-sequence micro-batch", lambda work: [str(runs_csv(
                 work, "memory.csv", change=rows({"num_gpus": "1", "dp": "1", "micro_batch": "65536",
-                                                 "global_batch_seqs": "65536"})))], ["GiB per GPU is over"]),
+                                                 "global_batch_seqs": "65536", "step_time_s": "20000"})))],
+             ["GiB per GPU is over"]),
             ("validate-unquoted-comma", "a model name with an unquoted comma (one field too many)", extra_field,
              ["fields where the header has"])]:
         found.append(validate_case(cid, what, make, names, report_ok=True))

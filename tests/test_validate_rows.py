@@ -100,7 +100,8 @@ def test_a_blank_id_and_a_misaligned_row_are_refused(tmp_path: Path) -> None:
 
 
 def test_a_run_that_cannot_fit_its_gpus_is_refused_and_one_slightly_over_is_flagged(tmp_path: Path, capsys) -> None:
-    absurd = {**GOOD, "id": "2", "num_gpus": "1", "dp": "1", "micro_batch": "65536", "global_batch_seqs": "65536"}
+    absurd = {**GOOD, "id": "2", "num_gpus": "1", "dp": "1", "micro_batch": "65536", "global_batch_seqs": "65536",
+              "step_time_s": "20000"}  # 22% of the GPU's peak: a step time it could have run, a memory it could not
     results, skipped = predict_rows([GOOD, absurd])
     assert [r.plan.row_id for r in results] == ["1"] and not results[0].flag
     assert "GiB per GPU is over 4 times the GPU's 80 GiB" in skipped[0][1]

@@ -250,12 +250,13 @@ def test_analyze_json_on_a_full_disk_keeps_the_earlier_result(disks: Disks, caps
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     earlier = disks.small / "analysis.json"
-    earlier.write_text('{"earlier": 1}\n')
+    text = json.dumps({"model": "gpt_tiny", "seq_length": 64, "mesh": {}, "runs": [], "options": []})
+    earlier.write_text(text)  # an earlier analysis: what --json replaces
     _fill(disks.small)
     assert analyze_main(["--json", str(earlier)]) == 2
     err = capsys.readouterr().err
-    assert "--json=" in err and "the disk is full" in err and "Traceback" not in err
-    assert earlier.read_text() == '{"earlier": 1}\n'
+    assert f"--json {earlier}" in err and "the disk is full" in err and "Traceback" not in err
+    assert earlier.read_text() == text
 
 
 def test_preprocess_on_a_disk_that_fills_leaves_no_dataset(disks: Disks, tmp_path: Path,
