@@ -185,6 +185,37 @@ def test_preprocess_missing_input_is_a_config_error(tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(("prefix", "key", "says"), [
+    ("out/", "--output-prefix", "names a folder, not the files' prefix"),
+    ("out/corpus.bin", "--output-prefix", "it would write {root}/out/corpus.bin.bin"),
+    ("out/corpus.idx", "--output-prefix", "e.g. --output-prefix {root}/out/corpus."),
+    ("in", "--input", "is {root}/in.bin, one of the files this run writes"),
+])
+def test_preprocess_refuses_an_output_prefix_that_is_not_one(tmp_path: Path, prefix: str, key: str,
+                                                             says: str) -> None:
+    corpus = write_text_corpus(tmp_path / "in.bin", ["a document"])  # a corpus saved under the data file's name
+    with pytest.raises(ConfigError) as err:
+        preprocess(str(corpus), f"{tmp_path}/{prefix}", tokenizer=ByteTokenizer(), overwrite=True)
+    assert err.value.keys == [key] and says.format(root=tmp_path) in str(err.value)
+    assert corpus.read_text() == "a document\n" and sorted(p.name for p in tmp_path.iterdir()) == ["in.bin"]
+
+
+def test_preprocess_reads_a_bom_and_refuses_a_lone_surrogate_by_line(tmp_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second \\ud83d"}\n')
+    with pytest.raises(ConfigError) as err:
+        preprocess(str(corpus), str(tmp_path / "out"), tokenizer=ByteTokenizer())
+    assert err.value.keys == ["--input"] and f"{corpus}:2" in str(err.value) and "lone UTF-16 surrogate" in str(err.value)
+    corpus.write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second \\ud83d\\ude00"}\n')  # the pair: one emoji
+    summary = preprocess(str(corpus), str(tmp_path / "out"), tokenizer=ByteTokenizer())
+    dataset = IndexedDataset(summary.output_prefix)
+    assert [dataset[i].tolist() for i in range(2)] == [[*b"first", 256], [*"second \U0001f600".encode(), 256]]
+    folder = tmp_path / "folder.jsonl"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match="is a folder, not a file"):
+        preprocess(str(folder), str(tmp_path / "other"), tokenizer=ByteTokenizer())
+
+
 # ----------------------------------------------------------------------------------------------------- indexed data
 
 

@@ -139,6 +139,49 @@ def test_no_good_row_is_an_error_exit_that_writes_no_bands(tmp_path: Path, capsy
     assert f"no row could be modelled (the 1 rows of {path}" in err and "no --bands" in err and not bands.exists()
 
 
+@pytest.mark.parametrize(("step", "says"), [
+    ("1e-9", "faster than the hardware (its fastest peak for this precision is 312 TFLOP/s)"),
+    ("0.3", "faster than the hardware"),  # 41 ms per step of 32 A100s would be 118% of their peak
+    ("3500", "below 1%: far slower than any published run (a step time in milliseconds"),
+])
+def test_a_step_time_no_gpu_could_have_run_is_refused(step: str, says: str) -> None:
+    results, skipped = predict_rows([GOOD, {**GOOD, "id": "2", "step_time_s": step}])
+    assert [r.plan.row_id for r in results] == ["1"] and says in skipped[0][1]
+    assert "model FLOPs utilisation" in skipped[0][1]
+
+
+def test_a_moe_row_without_its_expert_fields_and_experts_without_a_count_are_refused() -> None:
+    moe = {**GOOD, "moe_experts": "8", "moe_topk": "2", "moe_expert_ffn": "9216"}
+    rows = [{**moe, "id": "2", "moe_topk": ""}, {**moe, "id": "3", "moe_expert_ffn": " "},
+            {**GOOD, "id": "4", "moe_topk": "2"}, {**GOOD, "id": "5", "ep": "4"},
+            {**GOOD, "id": "6", "arch_type": "MoE"}]
+    results, skipped = predict_rows([moe, *rows])
+    assert [r.plan.row_id for r in results] == ["1"]
+    said = [reason for _, reason in skipped]
+    assert "a MoE row (moe_experts=8) with moe_topk blank" in said[0]
+    assert "with moe_expert_ffn blank" in said[1]
+    for reason, stated in zip(said[2:], ("moe_topk=2", "ep=4", "arch_type=MoE"), strict=True):
+        assert f"states experts ({stated}) but moe_experts is blank" in reason
+
+
+def test_bands_of_one_source_and_two_options_on_one_file_are_refused(tmp_path: Path, capsys) -> None:
+    runs = _csv(tmp_path / "runs.csv", [GOOD, {**GOOD, "id": "2", "num_gpus": "64", "dp": "64"}])
+    bands = tmp_path / "bands.json"
+    assert main([str(runs), "--bands", str(bands)]) == 2  # no row names a source: one source, none to fit on
+    assert "leaving each source out, which leaves no rows to fit on" in capsys.readouterr().err
+    assert not bands.exists()
+    assert main([str(runs), "--json", str(bands), "--bands", str(tmp_path / "." / "bands.json")]) == 2
+    assert "--bands names the same file, so one would replace the other" in capsys.readouterr().err
+    assert not bands.exists()
+
+
+def test_a_file_with_another_separator_is_named_as_such(tmp_path: Path) -> None:
+    tabs = _csv(tmp_path / "runs.tsv", [GOOD])
+    tabs.write_text(tabs.read_text().replace(",", "\t"))
+    with pytest.raises(InputFileError, match="separated by tabs, not commas"):
+        read_rows(tabs)
+
+
 def test_json_replaces_its_own_report_and_nothing_else(tmp_path: Path, capsys) -> None:
     runs = _csv(tmp_path / "runs.csv", [GOOD])
     mine = tmp_path / "notes.json"

@@ -111,7 +111,7 @@ def same_output_problem(outputs: dict[str, str | None]) -> str | None:
             continue
         same = Path(path).expanduser().resolve()
         if same in seen:
-            return (f"{option} {path}: is also the file of {seen[same]}, which it would replace. Fix: give each "
-                    "option its own file.")
+            return (f"{option} {path}: {seen[same]} names the same file, so one would replace the other. Fix: "
+                    "give each option its own file.")
         seen[same] = option
     return None
