@@ -958,6 +958,16 @@ def _validate_row_cases() -> list[Case]:
                                "on when it is left out)", lambda work: [str(runs_csv(work, "one-source.csv")),
                                                                          "--bands", str(work / "one-source.json")],
                                ["leaves no rows to fit on"]))
+    def fifo(work: Path) -> Path:
+        path = work / "csv" / "report.fifo"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            os.mkfifo(path)
+        return path
+
+    found.append(validate_case("validate-json-fifo", "--json naming a named pipe nobody writes to",
+                               lambda work: [str(runs_csv(work, "fifo.csv")), "--json", str(fifo(work))],
+                               ["report.fifo"]))
     found.append(validate_case("validate-json-bands-one-file", "--json and --bands naming the same file",
                                lambda work: [str(runs_csv(work, "same.csv")), "--json", str(work / "same.json"),
                                              "--bands", str(work / "same.json")], ["names the same file"]))

@@ -205,7 +205,8 @@ def test_preprocess_reads_a_bom_and_refuses_a_lone_surrogate_by_line(tmp_path: P
     corpus.write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second \\ud83d"}\n')
     with pytest.raises(ConfigError) as err:
         preprocess(str(corpus), str(tmp_path / "out"), tokenizer=ByteTokenizer())
-    assert err.value.keys == ["--input"] and f"{corpus}:2" in str(err.value) and "lone UTF-16 surrogate" in str(err.value)
+    assert err.value.keys == ["--input"] and f"{corpus}:2" in str(err.value)
+    assert "lone UTF-16 surrogate" in str(err.value)
     corpus.write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second \\ud83d\\ude00"}\n')  # the pair: one emoji
     summary = preprocess(str(corpus), str(tmp_path / "out"), tokenizer=ByteTokenizer())
     dataset = IndexedDataset(summary.output_prefix)
