@@ -1516,7 +1516,13 @@ def _disk_cases() -> list[Case]:
                                                             f"data.path=[{prefix}]"], work))))
     on_disk("disk-data-cache-full", "data", "data.cache_dir=<full disk>", ("data.cache_dir",), "full",
             lambda disk, work: indexed(build_corpus(work), f"data.cache_dir={disk / 'cache'}"))
-    on_disk("disk-data-cache-fills", "data", "data.cache_dir=<a 4 KiB disk> (the index's first file fills it)",
+    on_disk("disk-train-data-cache-small", "train", "torchrun --nproc_per_node=2 launch/train.py data=indexed "
+            "data.cache_dir=<a 4 KiB disk> (writable, with less room than Megatron's index takes)",
+            ("data.cache_dir",),
+            "tiny", lambda disk, work: torchrun(2, ["data=indexed", "model.vocab_size=257",
+                                                   f"data.path=[{build_corpus(work)}]", "train.steps=200",
+                                                   f"data.cache_dir={disk / 'cache'}"], work), mode="torchrun")
+    on_disk("disk-data-cache-small", "data", "data.cache_dir=<a 4 KiB disk> (less room than the index takes)",
             ("data.cache_dir",), "tiny",
             lambda disk, work: indexed(build_corpus(work), f"data.cache_dir={disk / 'cache'}", "train.steps=200"))
 

@@ -333,10 +333,11 @@ def test_megatrons_index_cache_on_a_read_only_disk_is_refused_unless_prepared(tm
         subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=30, check=False)
 
 
-def test_megatrons_index_cache_on_a_disk_that_fills_is_one_error_and_no_truncated_index(disks: Disks,
-                                                                                       tmp_path: Path) -> None:
+def test_megatrons_index_cache_on_a_disk_that_fills_is_one_error_and_no_truncated_index(
+        disks: Disks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import numpy
 
+    from cfp_megatron.data import index_cache
     from cfp_megatron.data.batches import build_micro_batches
 
     prefix = _corpus(tmp_path / "data")
@@ -346,6 +347,11 @@ def test_megatrons_index_cache_on_a_disk_that_fills_is_one_error_and_no_truncate
     _fill(disks.small)
     os.truncate(disks.small / "filler", (disks.small / "filler").stat().st_size - 8192)  # room for the first files
     cache = disks.small / "cache"
+    with pytest.raises(ConfigError) as err:  # less room than the index takes: refused before the build too
+        build_micro_batches(_indexed_job(prefix, str(cache), steps=200), dp_rank=0, dp_size=1)
+    assert "bytes free and the index takes up to" in str(err.value) and not list(cache.glob("*.npy"))
+    # another writer fills the disk between the check and the save: the save is one error, no truncated index
+    monkeypatch.setattr(index_cache, "cache_bytes", lambda job, splits: dict.fromkeys([cache], 0))
     with pytest.raises(FileWriteError, match=r"\(data.cache_dir\) cannot be written: the disk is full") as info:
         build_micro_batches(_indexed_job(prefix, str(cache), steps=200), dp_rank=0, dp_size=1)
     assert info.value.path.parent == cache
@@ -354,6 +360,21 @@ def test_megatrons_index_cache_on_a_disk_that_fills_is_one_error_and_no_truncate
     assert not list(cache.glob(".*"))  # no temporaries
     os.remove(disks.small / "filler")
     next(build_micro_batches(_indexed_job(prefix, str(cache), steps=200), dp_rank=0, dp_size=1))  # rebuilt
+
+
+def test_megatrons_wrapper_of_rank_zeros_cache_error_is_unwrapped(tmp_path: Path) -> None:
+    import errno as codes
+
+    from cfp_megatron.base.config import DataKind, DataSpec
+    from cfp_megatron.data.index_cache import atomic_index_cache
+
+    data = DataSpec(kind=DataKind.indexed, path=[str(tmp_path / "c")], cache_dir=str(tmp_path / "cache"))
+    full = OSError(codes.ENOSPC, "No space left on device", str(tmp_path / "cache" / "x-description.txt"))
+    with pytest.raises(FileWriteError, match=r"x-description.txt \(data.cache_dir\) cannot be written: the disk"):
+        with atomic_index_cache(data):  # what BlendedMegatronDatasetBuilder raises under torch.distributed
+            raise Exception("Failed to write dataset materials to the data cache directory.") from full
+    with pytest.raises(ValueError, match="not a disk"), atomic_index_cache(data):
+        raise ValueError("not a disk error")  # anything else goes through untouched
 
 
 def test_profile_db_store_export_and_lock(disks: Disks, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -14,15 +14,18 @@ naming ``data.cache_dir``.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import numpy
 
-from cfp_megatron.base.config import DataSpec
+from cfp_megatron.base.config import DataSpec, JobSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.files import atomic_writer, writable_dir_problem, write_error
 
@@ -47,15 +50,62 @@ def _where(data: DataSpec) -> str:
     return "data.cache_dir" if data.cache_dir else "data.cache_dir is unset, so Megatron writes it beside the data"
 
 
-def check_index_cache(data: DataSpec) -> list[ConfigIssue]:
+_ENTRY_BYTES = 8
+"""Bytes per entry of Megatron's index arrays, at most (int32 or int64 document and sample indices, uint32 or int64
+shuffle indices)."""
+_FILE_BYTES = 128 + 4096
+"""A cache file's ``.npy`` header and its last, partly filled block, at most (or the description's text)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Split:
+    """A prefix's training split, as the index cache's size depends on it."""
+
+    documents: int
+    """Its documents (sequences: one per document in Megatron's GPT datasets)."""
+    tokens: int
+    """Its tokens."""
+    share: float
+    """Its share of the samples (its blend weight, normalised)."""
+
+
+def cache_bytes(job: JobSpec, splits: list[Split]) -> dict[Path, int]:
+    """An upper bound of the bytes ``GPTDataset`` (and a blend's ``BlendedDataset``) saves in each index-cache
+    folder for ``job``: per prefix a document index of its documents times the epochs it is read, a sample index
+    and a shuffle index of the samples those epochs hold, four files; a blend's own two indices of every sample."""
+    train, folders = job.train, index_cache_folders(job.data)
+    samples = max(train.steps, 1) * train.global_batch_size
+    needed: dict[Path, int] = dict.fromkeys(folders, 0)
+    for index, split in enumerate(splits):
+        if not folders or split.tokens == 0:
+            continue
+        mine = math.ceil(samples * split.share * (1.005 if len(splits) > 1 else 1.0))  # Megatron's blend surplus
+        epochs = max(math.ceil((mine * train.seq_length + 1) / split.tokens), 1)
+        held = epochs * split.tokens // train.seq_length + 1
+        folder = folders[0] if job.data.cache_dir else folders[index]
+        needed[folder] += _ENTRY_BYTES * (split.documents * epochs + 3 * held) + 4 * _FILE_BYTES
+    if len(splits) > 1 and job.data.cache_dir:
+        needed[folders[0]] += _ENTRY_BYTES * 2 * samples + 3 * _FILE_BYTES
+    return needed
+
+
+def check_index_cache(job: JobSpec, splits: list[Split]) -> list[ConfigIssue]:
     """Issues for index-cache folders that cannot be written (a read-only or full disk, a file in the way; created
-    when missing, as Megatron would), unless the folder already holds a training split's cached index (a prepared
-    cache on a read-only disk: a run with the same settings only reads it; one with others is said at the build,
-    :func:`atomic_index_cache`)."""
+    when missing, as Megatron would) or have less free space than the index takes (:func:`cache_bytes`), unless the
+    folder already holds a training split's cached index (a prepared cache on a read-only disk: a run with the same
+    settings only reads it; one with others is said at the build, :func:`atomic_index_cache`)."""
+    data = job.data
     issues = []
-    for folder in index_cache_folders(data):
+    for folder, need in cache_bytes(job, splits).items():
         problem = writable_dir_problem(folder)
-        if problem is None or (folder.is_dir() and any(folder.glob(CACHED))):
+        if folder.is_dir() and any(folder.glob(CACHED)):
+            continue
+        free = shutil.disk_usage(folder).free if problem is None else None
+        if free is not None and free < need:
+            problem = (f"its disk has {free:,} bytes free and the index takes up to {need:,} "
+                       f"(train.steps x train.global_batch_size = "
+                       f"{max(job.train.steps, 1) * job.train.global_batch_size:,} samples).")
+        if problem is None:
             continue
         issues.append(ConfigIssue(
             key=KEY, value=data.cache_dir, problem=f"Megatron writes the dataset's index cache into {folder} "
@@ -84,13 +134,15 @@ def atomic_index_cache(data: DataSpec) -> Iterator[None]:
     try:
         with mock.patch.object(numpy, "save", save):
             yield
-    except FileNotFoundError as err:
-        if os.environ.get("RANK", "0") == "0" or not str(err.filename or "").endswith((".npy", ".txt")):
-            raise write_error(err, err.filename or (folders[0] if folders else "."), KEY) from None
-        raise ConfigError(ConfigIssue(
-            key=KEY, value=data.cache_dir, problem=f"{err.filename}, the index rank 0 built and saved, is not "
-            "there on this rank: the folder is not on a file system every rank sees.",
-            fix="set data.cache_dir to a folder on a shared file system (every node's ranks read what global rank "
-                "0 writes).")) from None
-    except OSError as err:
-        raise write_error(err, err.filename or (folders[0] if folders else "."), KEY) from None
+    except Exception as err:  # noqa: BLE001 - only an OSError, or Megatron's wrapper of one, is turned into ours
+        # Under torch.distributed, Megatron's builder re-raises rank 0's OSError as a plain Exception (its cause)
+        cause = err if isinstance(err, OSError) else err.__cause__ if type(err) is Exception else None
+        if not isinstance(cause, OSError):
+            raise
+        if isinstance(cause, FileNotFoundError) and os.environ.get("RANK", "0") != "0":
+            raise ConfigError(ConfigIssue(
+                key=KEY, value=data.cache_dir, problem=f"{cause.filename}, the index rank 0 built and saved, is not "
+                "there on this rank: the folder is not on a file system every rank sees.",
+                fix="set data.cache_dir to a folder on a shared file system (every node's ranks read what global "
+                    "rank 0 writes).")) from None
+        raise write_error(cause, cause.filename or (folders[0] if folders else "."), KEY) from None

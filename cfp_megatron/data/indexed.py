@@ -29,7 +29,7 @@ import torch
 from cfp_megatron.base.config import DataSpec, JobSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.files import open_regular, regular_file_problem
-from cfp_megatron.data.index_cache import atomic_index_cache, check_index_cache
+from cfp_megatron.data.index_cache import Split, atomic_index_cache, check_index_cache
 from cfp_megatron.data.tokenizer import Tokenizer, build_tokenizer
 
 SAMPLE_FIELDS: tuple[str, ...] = ("tokens", "labels", "loss_mask", "position_ids")
@@ -433,6 +433,17 @@ def check_sample_length(job: JobSpec, counts: list[int]) -> list[ConfigIssue]:
         zip(job.data.blend.prefixes, counts, strict=True) if 0 < count < need]
 
 
+def train_splits(job: JobSpec, counts: list[int]) -> list[Split]:
+    """Each prefix's training split (``counts``: its tokens) with its documents and its share of the samples."""
+    blend = job.data.blend
+    weights = blend.weights or tuple(float(c) for c in counts)
+    found = []
+    for prefix, count, weight in zip(blend.prefixes, counts, weights, strict=True):
+        begin, end = _train_range(read_index(prefix), job.data.split)
+        found.append(Split(documents=end - begin, tokens=count, share=weight / sum(weights)))
+    return found
+
+
 def note_epochs(job: JobSpec, counts: list[int]) -> None:
     """A note on rank 0 for each prefix whose training split (``counts``: its tokens) the run reads more than once
     (Megatron repeats the documents, shuffled anew each epoch)."""
@@ -500,7 +511,8 @@ def validate_indexed(job: JobSpec) -> IndexedCheck:
     if not issues:
         token_issues, counts = check_train_tokens(job.data)
         issues.extend(token_issues or check_sample_length(job, counts))
-        issues.extend(check_index_cache(job.data))
+        if not issues:
+            issues.extend(check_index_cache(job, train_splits(job, counts)))
     tokenizer: Tokenizer | None = None
     try:
         tokenizer = build_tokenizer(job.data)
