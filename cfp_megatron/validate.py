@@ -53,7 +53,10 @@ The same for every row:
 * Rows it cannot model as they ran are refused with the reason and left out of the figures: a count that is not a
   whole number or is outside the training config's bounds (:func:`~cfp_megatron.validation.rows.count_cell`), a shape
   or layout the training config refuses (:func:`refusal`), an id given before, a blank id, a line whose fields do not
-  match the header, a predicted peak memory over :data:`MEMORY_REFUSE_FACTOR` times the GPU's; one above the GPU's
+  match the header, a measured step time no GPU could have run
+  (:func:`~cfp_megatron.validation.plausible.implausible_step_time`), a MoE row without its experts' fields or
+  experts' fields without ``moe_experts`` (:func:`~cfp_megatron.validation.rows.experts_cell`), a predicted peak
+  memory over :data:`MEMORY_REFUSE_FACTOR` times the GPU's; one above the GPU's
   memory but within that factor is kept and flagged. Exit status 0 when a row is modelled, 1 when none is, 2 for a
   file it cannot read or write (``--bands``, ``--plot``, ``--json``: written atomically,
   :mod:`cfp_megatron.base.files`).
