@@ -1994,6 +1994,13 @@ def _data_cases() -> list[Case]:
             builder.finalize(f"{prefix}.idx")
         return str(prefix)
 
+    def pipe(work: Path) -> str:
+        path = work / "pre" / "corpus.fifo.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            os.mkfifo(path)
+        return str(path)
+
     late = [[65 + i % 20] * 200 for i in range(29)] + [[70] * 198 + [5000, 70]]
     signed = [[65] * 200 for _ in range(29)] + [[65, -7] + [65] * 198]
     for cid, what, names, overrides in [
@@ -2003,6 +2010,11 @@ def _data_cases() -> list[Case]:
              lambda work: [f"data.path=[0,{build_corpus(work)},1,{corpus(work, 'late', late)}]"]),
             ("data-blend-weight-neg", "data.path=[-2,<a>,1,<b>] (a negative weight)", ("weight -2",),
              lambda work: [f"data.path=[-2,{build_corpus(work)},1,{corpus(work, 'late', late)}]"]),
+            ("data-blend-percent", "data.path=[30%,<a>,70%,<b>] (weights as percentages)", ("percentages",),
+             lambda work: [f"data.path=[30%,{build_corpus(work)},70%,{corpus(work, 'late', late)}]"]),
+            ("data-tokenizer-fifo", "data.tokenizer_path naming a named pipe", ("named pipe",),
+             lambda work: [f"data.path=[{build_corpus(work)}]", "data.tokenizer=huggingface",
+                           f"data.tokenizer_path={pipe(work)}"]),
             ("data-blend-twice", "data.path=[<prefix>,<prefix>/] (one dataset twice)", ("twice",),
              lambda work: [f"data.path=[{build_corpus(work)},{build_corpus(work)}/]"]),
             ("data-short-split", "a one-document corpus of 61 tokens, train.seq_length=64", ("fewer than one sample",),
@@ -2027,13 +2039,6 @@ def _data_cases() -> list[Case]:
         path = work / "pre" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-        return str(path)
-
-    def pipe(work: Path) -> str:
-        path = work / "pre" / "corpus.fifo.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists():
-            os.mkfifo(path)
         return str(path)
 
     ok = '{"text": "a document"}\n'

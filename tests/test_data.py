@@ -501,6 +501,7 @@ def test_megatron_weight_prefix_pairs_blend_in_proportion_to_the_weights(tmp_pat
     (["0", "P", "1", "Q"], "the weight 0 of P is not a positive number"),
     (["P", "P/"], "names the dataset P/ twice (also as P)"),
     (["1", "P", "1", "./P"], "names the dataset ./P twice"),
+    (["30%", "P", "70%", "Q"], "gives weights as percentages (30%, 70%)"),
 ])
 def test_a_blend_that_is_neither_form_is_refused_by_data_path(path: list[str], says: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -206,6 +206,15 @@ def test_data_profile_runs_and_deepspeed_files_refuse_a_named_pipe(corpus: str, 
         read_db(tmp_path / "twice.json")
 
 
+def test_a_tokenizer_json_that_is_a_named_pipe_is_refused_not_read(tmp_path: Path) -> None:
+    from cfp_megatron.data.tokenizer import HuggingFaceTokenizer
+
+    os.mkfifo(tmp_path / "tokenizer.json")
+    with pytest.raises(ConfigError, match="is a named pipe") as info:
+        HuggingFaceTokenizer(str(tmp_path / "tokenizer.json"))
+    assert info.value.keys == ["data.tokenizer_path"]
+
+
 def test_validate_outputs_and_analyze_json_refuse_a_named_pipe_without_reading_it(tmp_path: Path) -> None:
     from cfp_megatron.analyze import RESULT_KEYS
     from cfp_megatron.base.files import own_json_problem

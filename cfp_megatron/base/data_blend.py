@@ -16,6 +16,8 @@ KEY = "data.path"
 
 _NUMBER = re.compile(r"\s*[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*")
 """An entry that reads as a weight (a prefix is a path: it never looks like a bare number)."""
+_PERCENT = re.compile(r"\s*[-+]?(\d+(\.\d*)?|\.\d+)\s*%\s*")
+"""A weight written as a percentage, which Megatron does not read as one."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,9 +38,15 @@ def read_blend(entries: list[str] | tuple[str, ...]) -> tuple[Blend, list[Config
     """The blend ``entries`` (``data.path``) give, and the issues that keep it from being read as one: weights that
     do not pair with a prefix each, a weight that is not a positive finite number, a prefix given twice."""
     entries = [str(entry) for entry in entries]
-    numeric = [_is_weight(entry) for entry in entries]
     example = "data.path=[30,/data/web_text_document,70,/data/books_text_document]"
     issues: list[ConfigIssue] = []
+    percents = [entry for entry in entries if _PERCENT.fullmatch(entry)]
+    if percents:  # read as weights, so the pairs are checked too; said once
+        issues.append(ConfigIssue(key=KEY, value=entries, problem=f"gives weights as percentages ("
+                                  f"{', '.join(percents)}): Megatron's weights are plain numbers (it normalises them).",
+                                  fix=f"drop the % signs, e.g. {example}."))
+        entries = [entry.replace("%", "") if _PERCENT.fullmatch(entry) else entry for entry in entries]
+    numeric = [_is_weight(entry) for entry in entries]
     if not any(numeric):
         blend = Blend(prefixes=tuple(entries), weights=None)
     elif len(entries) % 2 == 0 and all(numeric[0::2]) and not any(numeric[1::2]):
