@@ -175,6 +175,19 @@ def test_bands_of_one_source_and_two_options_on_one_file_are_refused(tmp_path: P
     assert not bands.exists()
 
 
+def test_a_gpu_whose_model_number_goes_on_is_not_the_preset_inside_its_name() -> None:
+    from cfp_megatron.cluster.presets import preset_for_gpu
+
+    for name in ("NVIDIA RTX A1000", "H1000", "B2000"):  # other cards: A100, H100 and B200 are not their models
+        assert preset_for_gpu(name) is None
+    for name, preset in (("A100-80GB (DGX A100, Selene)", "dgx_a100"), ("8xH100 SXM", "dgx_h100"),
+                         ("H20 96GB", "h20"), ("H200 SXM 141GB", "h200")):
+        assert preset_for_gpu(name) == preset
+    results, skipped = predict_rows([GOOD, {**GOOD, "id": "2", "gpu": "NVIDIA RTX A1000"}])
+    assert [r.plan.row_id for r in results] == ["1"]
+    assert "GPU 'NVIDIA RTX A1000' has no hardware preset" in skipped[0][1]
+
+
 def test_a_file_with_another_separator_is_named_as_such(tmp_path: Path) -> None:
     tabs = _csv(tmp_path / "runs.tsv", [GOOD])
     tabs.write_text(tabs.read_text().replace(",", "\t"))
