@@ -868,6 +868,7 @@ def cases() -> list[Case]:
     found += _stall_cases()
     found += _hydra_cases()
     found += _input_cases()
+    found += _data_cases()
     return found
 
 
@@ -926,10 +927,53 @@ def _validate_row_cases() -> list[Case]:
                 work, "gpus-huge.csv", change=rows({"num_gpus": "2000000", "dp": ""})))], ["num_gpus=2000000"]),
             ("validate-memory-absurd", "one GPU running a 65,536-sequence micro-batch", lambda work: [str(runs_csv(
                 work, "memory.csv", change=rows({"num_gpus": "1", "dp": "1", "micro_batch": "65536",
-                                                 "global_batch_seqs": "65536"})))], ["GiB per GPU is over"]),
+                                                 "global_batch_seqs": "65536", "step_time_s": "20000"})))],
+             ["GiB per GPU is over"]),
             ("validate-unquoted-comma", "a model name with an unquoted comma (one field too many)", extra_field,
-             ["fields where the header has"])]:
+             ["fields where the header has"]),
+            ("validate-step-too-fast", "a step time of 1 ns (faster than any GPU could run it)", lambda work: [str(
+                runs_csv(work, "fast.csv", change=_set_row("step_time_s", "1e-9")))], ["faster than the hardware"]),
+            ("validate-step-in-ms", "a step time of 3530 (milliseconds written in the seconds column)",
+             lambda work: [str(runs_csv(work, "ms.csv", change=_set_row("step_time_s", "3530")))],
+             ["far slower than any published run"]),
+            ("validate-gpu-longer-number", "a row on an RTX A1000 (a workstation card whose name holds A100)",
+             lambda work: [str(runs_csv(work, "a1000.csv", change=_set_row("gpu", "NVIDIA RTX A1000")))],
+             ["has no hardware preset"]),
+            ("validate-moe-no-topk", "a MoE row (moe_experts=8) with moe_topk and moe_expert_ffn blank",
+             lambda work: [str(runs_csv(work, "moe-topk.csv", change=rows({"moe_experts": "8", "arch_type": "moe"})))],
+             ["moe_topk and moe_expert_ffn blank"]),
+            ("validate-moe-no-experts", "arch_type=moe, moe_topk=2, ep=4 and moe_experts blank", lambda work: [str(
+                runs_csv(work, "moe-count.csv", change=rows({"arch_type": "moe", "moe_topk": "2", "ep": "4"})))],
+             ["but moe_experts is blank"])]:
         found.append(validate_case(cid, what, make, names, report_ok=True))
+
+    def tabs(work: Path) -> list[str]:
+        import csv
+
+        path = runs_csv(work, "tabs.csv")
+        with path.open(newline="") as fh:
+            lines = list(csv.reader(fh))
+        return [str(runs_csv(work, "tabs.tsv", text="\n".join("\t".join(line) for line in lines) + "\n"))]
+
+    found.append(validate_case("validate-tab-separated", "a tab-separated file (a spreadsheet's 'text' export)", tabs,
+                               ["separated by tabs"]))
+    found.append(validate_case("validate-bands-one-source", "--bands over rows of one source (nothing left to fit "
+                               "on when it is left out)", lambda work: [str(runs_csv(work, "one-source.csv")),
+                                                                         "--bands", str(work / "one-source.json")],
+                               ["leaves no rows to fit on"]))
+    def fifo(work: Path) -> Path:
+        path = work / "csv" / "report.fifo"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            os.mkfifo(path)
+        return path
+
+    found.append(validate_case("validate-json-fifo", "--json naming a named pipe nobody writes to",
+                               lambda work: [str(runs_csv(work, "fifo.csv")), "--json", str(fifo(work))],
+                               ["report.fifo"]))
+    found.append(validate_case("validate-json-bands-one-file", "--json and --bands naming the same file",
+                               lambda work: [str(runs_csv(work, "same.csv")), "--json", str(work / "same.json"),
+                                             "--bands", str(work / "same.json")], ["names the same file"]))
     for cid, what, make, names in [
             ("validate-header-typo", "a header naming micro_batch_size (the schema's micro_batch)",
              lambda work: header(work, "micro_batch", "micro_batch_size"), ["micro_batch_size"]),
@@ -1480,7 +1524,66 @@ def _disk_cases() -> list[Case]:
     found.append(Case(id="lock-is-a-folder", command="cache", what="the ProfileDB's lock path is a folder",
                       names=("lock file is a folder",),
                       run=lambda work: with_cache(work / "cache-lock-folder", lock_folder)))
+
+    # Megatron's dataset index cache (GPTDataset's .npy files): beside the data when data.cache_dir is unset
+    def indexed(prefix: str, *extra: str) -> Result:
+        return in_process(lambda: _build_indexed(["data=indexed", "model.vocab_size=257", f"data.path=[{prefix}]",
+                                                  "train.seq_length=32", *extra]), timeout_s=120)
+
+    def data_copy(disk: Path, work: Path) -> str:
+        for ext in (".bin", ".idx"):
+            shutil.copy(build_corpus(work) + ext, disk / f"corpus{ext}")
+        return str(disk / "corpus")
+
+    def on_read_only_data(work: Path, launch: Callable[[str], Result]) -> Result:
+        with _tmpfs(work / f"disk-data-ro-{time.monotonic_ns()}", "small") as disk:
+            prefix = data_copy(disk, work)
+            subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True, timeout=30, check=True)
+            return launch(prefix)
+
+    found.append(Case(id="disk-data-cache-beside-ro", command="data", what="data.path on a read-only disk, "
+                      "data.cache_dir unset (Megatron writes its index cache beside the data)",
+                      names=("data.cache_dir",), run=lambda work: on_read_only_data(work, indexed)))
+    found.append(Case(id="disk-train-data-ro", command="train", mode="torchrun", names=("data.cache_dir",),
+                      what="torchrun --nproc_per_node=2 launch/train.py data=indexed, the data on a read-only disk",
+                      once="cfp-megatron: ConfigError", run=lambda work: on_read_only_data(
+                          work, lambda prefix: torchrun(2, ["data=indexed", "model.vocab_size=257",
+                                                            f"data.path=[{prefix}]"], work))))
+    on_disk("disk-data-cache-full", "data", "data.cache_dir=<full disk>", ("data.cache_dir",), "full",
+            lambda disk, work: indexed(build_corpus(work), f"data.cache_dir={disk / 'cache'}"))
+    on_disk("disk-train-data-cache-small", "train", "torchrun --nproc_per_node=2 launch/train.py data=indexed "
+            "data.cache_dir=<a 4 KiB disk> (writable, with less room than Megatron's index takes)",
+            ("data.cache_dir",),
+            "tiny", lambda disk, work: torchrun(2, ["data=indexed", "model.vocab_size=257",
+                                                   f"data.path=[{build_corpus(work)}]", "train.steps=200",
+                                                   f"data.cache_dir={disk / 'cache'}"], work), mode="torchrun")
+    on_disk("disk-data-cache-small", "data", "data.cache_dir=<a 4 KiB disk> (less room than the index takes)",
+            ("data.cache_dir",), "tiny",
+            lambda disk, work: indexed(build_corpus(work), f"data.cache_dir={disk / 'cache'}", "train.steps=200"))
+
+    def notes(work: Path) -> Path:
+        return _touch(work / "home" / "analysis-notes.txt")
+
+    def analyze_into(path: Path, cache: Path) -> Result:
+        result = analyze(["--json", str(path)], cache)
+        kept = path.read_text() == "occupied\n"
+        return result if kept else Result(exit_code=0, output=f"{path} was replaced (lost)\n" + result.output)
+
+    found.append(Case(id="analyze-json-user-file", command="analyze", what="analyze --json $HOME/notes.txt (a file "
+                      "of the user's)", names=("left as it is",),
+                      run=lambda work: analyze_into(notes(work), work / "cache")))
     return found
+
+
+def _build_indexed(overrides: Sequence[str]) -> object:
+    """An indexed-data config checked as ``launch/train.py`` checks it, then its dataset built as training builds
+    it (Megatron's index cache written)."""
+    from cfp_megatron.base.compose import compose_config
+    from cfp_megatron.base.config import job_from_config
+    from cfp_megatron.data.batches import build_samples
+
+    check_train_config(overrides)
+    return build_samples(job_from_config(compose_config(list(overrides))))
 
 
 def _stall_cases() -> list[Case]:
@@ -2041,6 +2144,99 @@ def _input_cases() -> list[Case]:
                            "model.num_layers=8", once="cfp-megatron: ConfigError",
                       run=lambda work: torchrun(1, ["+cfp=manual", f"cfp.plan_file={plan_for(work, 'run-4')}",
                                                     "model.num_layers=8"], work)))
+    return found
+
+
+def _data_cases() -> list[Case]:
+    """Issue R's second review, data: ``data.path`` as a Megatron blend (weights that do not pair, are not positive,
+    a prefix twice), indexed-only settings with synthetic data, a training split shorter than one sample, ids over
+    the vocabulary in the last document only, negative ids of a signed dtype, Megatron's index cache where a file is;
+    and the tokenizer's tool (``data.preprocess``): a prefix that is a folder or ends in ``.bin``, the corpus as its
+    own output, a lone surrogate escape, a named pipe as the input."""
+    found: list[Case] = []
+
+    def corpus(work: Path, name: str, docs: list[list[int]], dtype: str = "uint16") -> str:
+        import numpy
+        import torch
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+        prefix = work / "data" / name
+        if not Path(f"{prefix}.idx").exists():
+            prefix.parent.mkdir(parents=True, exist_ok=True)
+            builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.dtype(dtype).type)
+            for doc in docs:
+                builder.add_document(torch.tensor(doc, dtype=torch.int64), [len(doc)])
+            builder.finalize(f"{prefix}.idx")
+        return str(prefix)
+
+    def pipe(work: Path) -> str:
+        path = work / "pre" / "corpus.fifo.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            os.mkfifo(path)
+        return str(path)
+
+    late = [[65 + i % 20] * 200 for i in range(29)] + [[70] * 198 + [5000, 70]]
+    signed = [[65] * 200 for _ in range(29)] + [[65, -7] + [65] * 198]
+    for cid, what, names, overrides in [
+            ("data-blend-unpaired", "data.path=[0.3,<prefix>,0.7] (a weight without its prefix)",
+             ("mixes weights",), lambda work: [f"data.path=[0.3,{build_corpus(work)},0.7]"]),
+            ("data-blend-weight-0", "data.path=[0,<a>,1,<b>] (a weight of 0)", ("weight 0",),
+             lambda work: [f"data.path=[0,{build_corpus(work)},1,{corpus(work, 'late', late)}]"]),
+            ("data-blend-weight-neg", "data.path=[-2,<a>,1,<b>] (a negative weight)", ("weight -2",),
+             lambda work: [f"data.path=[-2,{build_corpus(work)},1,{corpus(work, 'late', late)}]"]),
+            ("data-blend-percent", "data.path=[30%,<a>,70%,<b>] (weights as percentages)", ("percentages",),
+             lambda work: [f"data.path=[30%,{build_corpus(work)},70%,{corpus(work, 'late', late)}]"]),
+            ("data-tokenizer-fifo", "data.tokenizer_path naming a named pipe", ("named pipe",),
+             lambda work: [f"data.path=[{build_corpus(work)}]", "data.tokenizer=huggingface",
+                           f"data.tokenizer_path={pipe(work)}"]),
+            ("data-blend-twice", "data.path=[<prefix>,<prefix>/] (one dataset twice)", ("twice",),
+             lambda work: [f"data.path=[{build_corpus(work)},{build_corpus(work)}/]"]),
+            ("data-short-split", "a one-document corpus of 61 tokens, train.seq_length=64", ("fewer than one sample",),
+             lambda work: [f"data.path=[{corpus(work, 'short', [[65] * 61])}]"]),
+            ("data-ids-last-document", "token id 5000 in the last document only, model.vocab_size=257",
+             ("model.vocab_size",), lambda work: [f"data.path=[{corpus(work, 'late', late)}]"]),
+            ("data-ids-negative-int32", "a negative id in int32 data (as a tool writing signed ids leaves it)",
+             ("negative token ids",), lambda work: [f"data.path=[{corpus(work, 'signed', signed, 'int32')}]"]),
+            ("data-cache-dir-is-file", "data.cache_dir naming a regular file", ("data.cache_dir",),
+             lambda work: [f"data.path=[{build_corpus(work)}]", f"data.cache_dir={_touch(work / 'cache-file')}"])]:
+        found.append(data_case(cid, what, names, overrides))
+    found.append(Case(id="data-synthetic-with-path", command="data", what="data.path=[<prefix>] without data=indexed",
+                      names=("data=indexed",), run=lambda work: in_process(lambda: check_train_config(
+                          [f"data.path=[{build_corpus(work)}]"]))))
+
+    def preprocess(args: Callable[[Path], list[str]]) -> Callable[[Path], Result]:
+        from cfp_megatron.data.preprocess import main
+
+        return lambda work: in_process(lambda: main(args(work)))
+
+    def jsonl(work: Path, name: str, text: str) -> str:
+        path = work / "pre" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return str(path)
+
+    ok = '{"text": "a document"}\n'
+    for cid, what, names, args in [
+            ("preprocess-prefix-folder", "--output-prefix data/ (a folder: it would write data/.bin)",
+             ("names a folder",), lambda work: ["--input", jsonl(work, "ok.jsonl", ok), "--output-prefix",
+                                                f"{work}/pre/out/"]),
+            ("preprocess-prefix-bin", "--output-prefix corpus.bin (it would write corpus.bin.bin)", ("ends in .bin",),
+             lambda work: ["--input", jsonl(work, "ok.jsonl", ok), "--output-prefix", f"{work}/pre/corpus.bin"]),
+            ("preprocess-input-is-output", "--input corpus.bin --output-prefix corpus --overwrite (the corpus would "
+             "be replaced)", ("one of the files this run writes",),
+             lambda work: ["--input", jsonl(work, "own.bin", ok), "--output-prefix", f"{work}/pre/own",
+                           "--overwrite"]),
+            ("preprocess-input-fifo", "--input naming a named pipe", ("named pipe",),
+             lambda work: ["--input", pipe(work), "--output-prefix", f"{work}/pre/fifo-out"])]:
+        found.append(Case(id=cid, command="data", what=f"preprocess {what}", names=tuple(names),
+                          run=preprocess(args)))
+    found.append(Case(
+        id="preprocess-lone-surrogate", command="data", mode="subprocess", names=("lone UTF-16 surrogate",),
+        what="python -m cfp_megatron.data.preprocess on a JSONL whose text holds \\ud800 without its pair",
+        run=lambda work: run_process([sys.executable, "-m", "cfp_megatron.data.preprocess", "--input",
+                                      jsonl(work, "surrogate.jsonl", '{"text": "ok"}\n{"text": "x \\ud800"}\n'),
+                                      "--output-prefix", str(work / "pre" / "surrogate")], work, 120.0)))
     return found
 
 

@@ -23,8 +23,12 @@ from cfp_megatron.base.compose import compose_job
 from cfp_megatron.base.config import MAX_GLOBAL_BATCH
 from cfp_megatron.base.config_help import config_help
 from cfp_megatron.base.errors import CfpError
-from cfp_megatron.base.files import WriteLocation, check_write_locations, write_atomic
+from cfp_megatron.base.files import WriteLocation, check_write_locations, own_json_problem, write_atomic
 from cfp_megatron.compat.quiet import quiet_expected_warnings, say_once
+
+RESULT_KEYS = frozenset({"model", "seq_length", "mesh", "runs", "options"})
+"""Keys every analysis result has (:func:`cfp_megatron.model.analysis.analyze`): an existing ``--json`` file is
+replaced only when it has them all (an earlier analysis), never when it is anything else."""
 
 
 def _human(value: float, unit: str) -> str:
@@ -102,10 +106,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         job = compose_job(args.overrides, typed=True)
-        # a --json that cannot be written is said before the analysis, not after
-        check_write_locations([WriteLocation(key="--json", path=Path(args.json_path), folder=False)
-                               if args.json_path else
-                               WriteLocation(key="--json", path=Path("outputs/analyze"), folder=True)])
+        # a --json that cannot be written is said before the analysis, not after; a file there that is not an
+        # analysis (a user's notes) is kept
+        problem = own_json_problem(args.json_path, "--json", RESULT_KEYS, "an analysis written by analyze --json") \
+            if args.json_path else None
+        if problem is not None:
+            print(f"cfp-megatron: {problem}", file=sys.stderr)
+            return 2
+        if not args.json_path:
+            check_write_locations([WriteLocation(key="--json", path=Path("outputs/analyze"), folder=True)])
         result = analyze(job, micro_batch_size=args.micro_batch_size, use_cache=not args.no_cache)
     except CfpError as err:
         print(f"cfp-megatron: {type(err).__name__}\n{err}", file=sys.stderr)

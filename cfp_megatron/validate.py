@@ -53,7 +53,10 @@ The same for every row:
 * Rows it cannot model as they ran are refused with the reason and left out of the figures: a count that is not a
   whole number or is outside the training config's bounds (:func:`~cfp_megatron.validation.rows.count_cell`), a shape
   or layout the training config refuses (:func:`refusal`), an id given before, a blank id, a line whose fields do not
-  match the header, a predicted peak memory over :data:`MEMORY_REFUSE_FACTOR` times the GPU's; one above the GPU's
+  match the header, a measured step time no GPU could have run
+  (:func:`~cfp_megatron.validation.plausible.implausible_step_time`), a MoE row without its experts' fields or
+  experts' fields without ``moe_experts`` (:func:`~cfp_megatron.validation.rows.experts_cell`), a predicted peak
+  memory over :data:`MEMORY_REFUSE_FACTOR` times the GPU's; one above the GPU's
   memory but within that factor is kept and flagged. Exit status 0 when a row is modelled, 1 when none is, 2 for a
   file it cannot read or write (``--bands``, ``--plot``, ``--json``: written atomically,
   :mod:`cfp_megatron.base.files`).
@@ -78,7 +81,7 @@ from cfp_megatron.sim.calibration import generation
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.simulate import simulate
 from cfp_megatron.sim.uncertainty import BAND_QUANTILE
-from cfp_megatron.validation.bands import band_table
+from cfp_megatron.validation.bands import band_table, sources_problem
 from cfp_megatron.validation.columns import interconnect_reading, power_reading, precision_reading, schedule_reading
 from cfp_megatron.validation.data import ValidationData, ValidationDataError, load_data
 from cfp_megatron.validation.defaults import (
@@ -92,7 +95,14 @@ from cfp_megatron.validation.defaults import (
 )
 from cfp_megatron.validation.memory_failures import memory_failure_lines
 from cfp_megatron.validation.moe_routing import routing as moe_routing
-from cfp_megatron.validation.outputs import check_bands_path, check_json_path, check_plot_path, write_plot
+from cfp_megatron.validation.outputs import (
+    check_bands_path,
+    check_json_path,
+    check_plot_path,
+    same_output_problem,
+    write_plot,
+)
+from cfp_megatron.validation.plausible import implausible_step_time
 from cfp_megatron.validation.report import (
     class_errors,
     has_step_time,
@@ -106,6 +116,7 @@ from cfp_megatron.validation.rows import (
     InputFileError,
     RowError,
     count_cell,
+    experts_cell,
     figure_cell,
     read_rows,
     unread_columns,
@@ -192,7 +203,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
             raise RowError(f"{gpus} GPUs is not a whole number of {per_node}-GPU nodes")
     else:
         cluster["nodes"] = gpus // per_node
-    experts = count_cell(row, "moe_experts")
+    experts = experts_cell(row)
     ep = count_cell(row, "ep", 1) if experts else 1
     micro = count_cell(row, "micro_batch", 1)
     gbs = count_cell(row, "global_batch_seqs")
@@ -340,6 +351,9 @@ def predict_rows(rows: list[dict], efficiencies=None, *,
         try:
             stated = bool((row.get("tp") or "").strip() and (row.get("pp") or "").strip())
             plan = row_plan(row, presets, split=None if stated else unstated_split(row, presets), data=data)
+            problem = implausible_step_time(plan)
+            if problem is not None:
+                raise RowError(problem)
         except CfpError as err:
             skipped.append((row, str(err).replace("\n", " ")))
             continue
@@ -399,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     problem = check_plot_path(args.plot) if args.plot else None
     problem = problem or (check_bands_path(args.bands) if args.bands else None)
     problem = problem or (check_json_path(args.json_path) if args.json_path else None)
+    problem = problem or same_output_problem({"--plot": args.plot, "--bands": args.bands, "--json": args.json_path})
     if problem:
         print(f"validate: {problem}", file=sys.stderr)
         return 2
@@ -462,6 +477,9 @@ def _report(args: argparse.Namespace, rows: list[dict]) -> int:
               "above with its reason): no MAPE, and no --bands or --plot written. Fix: correct the rows, or pass "
               "runs in the schema of shared/data/published_runs.csv.", file=sys.stderr)
         return 1
+    if args.bands and (problem := sources_problem([r.plan for r in results])) is not None:
+        print(f"validate: {problem}; no --bands written", file=sys.stderr)
+        return 2
     if args.bands:
         write_atomic(args.bands, json.dumps(band_table(results, by_id, args.csv), indent=1) + "\n", key="--bands")
         print(f"\nerror bands ({BAND_QUANTILE:.0%} of each class's rows inside, each row predicted with efficiencies "

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cfp_megatron.analyze import main
+from cfp_megatron.analyze import RESULT_KEYS, main
 from cfp_megatron.base.config import job_from_config
 from cfp_megatron.model import analysis as analyze_module
 from cfp_megatron.model.analysis import analyze
@@ -87,6 +87,7 @@ def test_command_line_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert main(["model=llama_tiny", "parallel.tp=2", "train.seq_length=32", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["model"] == "llama_tiny" and data["classes"]
+    assert RESULT_KEYS <= set(data)  # what a later --json on this file checks before replacing it
     printed = capsys.readouterr().out
     assert "Segment classes" in printed and "Megatron TP" in printed
 

@@ -185,6 +185,38 @@ def test_preprocess_missing_input_is_a_config_error(tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(("prefix", "key", "says"), [
+    ("out/", "--output-prefix", "names a folder, not the files' prefix"),
+    ("out/corpus.bin", "--output-prefix", "it would write {root}/out/corpus.bin.bin"),
+    ("out/corpus.idx", "--output-prefix", "e.g. --output-prefix {root}/out/corpus."),
+    ("in", "--input", "is {root}/in.bin, one of the files this run writes"),
+])
+def test_preprocess_refuses_an_output_prefix_that_is_not_one(tmp_path: Path, prefix: str, key: str,
+                                                             says: str) -> None:
+    corpus = write_text_corpus(tmp_path / "in.bin", ["a document"])  # a corpus saved under the data file's name
+    with pytest.raises(ConfigError) as err:
+        preprocess(str(corpus), f"{tmp_path}/{prefix}", tokenizer=ByteTokenizer(), overwrite=True)
+    assert err.value.keys == [key] and says.format(root=tmp_path) in str(err.value)
+    assert corpus.read_text() == "a document\n" and sorted(p.name for p in tmp_path.iterdir()) == ["in.bin"]
+
+
+def test_preprocess_reads_a_bom_and_refuses_a_lone_surrogate_by_line(tmp_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second \\ud83d"}\n')
+    with pytest.raises(ConfigError) as err:
+        preprocess(str(corpus), str(tmp_path / "out"), tokenizer=ByteTokenizer())
+    assert err.value.keys == ["--input"] and f"{corpus}:2" in str(err.value)
+    assert "lone UTF-16 surrogate" in str(err.value)
+    corpus.write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second \\ud83d\\ude00"}\n')  # the pair: one emoji
+    summary = preprocess(str(corpus), str(tmp_path / "out"), tokenizer=ByteTokenizer())
+    dataset = IndexedDataset(summary.output_prefix)
+    assert [dataset[i].tolist() for i in range(2)] == [[*b"first", 256], [*"second \U0001f600".encode(), 256]]
+    folder = tmp_path / "folder.jsonl"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match="is a folder, not a file"):
+        preprocess(str(folder), str(tmp_path / "other"), tokenizer=ByteTokenizer())
+
+
 # ----------------------------------------------------------------------------------------------------- indexed data
 
 
@@ -230,7 +262,8 @@ def test_indexed_train_split_uses_only_its_documents(tmp_path: Path, documents: 
 
 def test_empty_training_split_is_a_config_error_not_a_hang(tmp_path: Path) -> None:
     out = str(tmp_path / "one")
-    preprocess(str(write_text_corpus(tmp_path / "one.txt", ["a single document"])), out, tokenizer=ByteTokenizer())
+    doc = "a single document, long enough to fill one sample"
+    preprocess(str(write_text_corpus(tmp_path / "one.txt", [doc])), out, tokenizer=ByteTokenizer())
     job = indexed_job([out], tmp_path)
     data = DataSpec(kind=DataKind.indexed, path=[out], split="50,50,0", cache_dir=str(tmp_path / "cache"))
     with pytest.raises(ConfigError) as err:
@@ -240,7 +273,7 @@ def test_empty_training_split_is_a_config_error_not_a_hang(tmp_path: Path) -> No
     data = DataSpec(kind=DataKind.indexed, path=[out], split="98,1,1", cache_dir=str(tmp_path / "cache"))
     batch = next(build_micro_batches(JobSpec(model=job.model, train=job.train, data=data), dp_rank=0, dp_size=1))
     window = bytes(0 if t == 256 else t for t in batch["tokens"][0].tolist())
-    assert window in b"a single document\x00" * 4  # epochs of the one document, end-of-document ids between
+    assert window in (doc.encode() + b"\x00") * 3  # epochs of the one document, end-of-document ids between
 
 
 def test_corrupt_index_names_data_path(tmp_path: Path, prefix: str) -> None:
@@ -344,7 +377,8 @@ def test_huggingface_without_tokenizers_package_names_the_setting(tmp_path: Path
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` fail
     tok_path = tmp_path / "tokenizer.json"
     tok_path.write_text("{}", encoding="utf-8")
-    data = DataSpec(tokenizer=TokenizerKind.huggingface, tokenizer_path=str(tok_path))
+    data = DataSpec(kind=DataKind.indexed, path=[str(tmp_path / "corpus")], tokenizer=TokenizerKind.huggingface,
+                    tokenizer_path=str(tok_path))
     with pytest.raises(ConfigError, match="pip install tokenizers") as err:
         build_tokenizer(data)
     assert err.value.keys == ["data.tokenizer_path"]
@@ -437,3 +471,59 @@ def test_indexed_build_under_torchrun_matches_single_process(tmp_path: Path, pre
     assert len(ranks[0]) == len(ranks[1]) == len(reference) // 2 == 8
     regrouped = [ranks[r][2 * s + j] for s in range(4) for j in range(2) for r in range(2)]
     assert_batches_equal(regrouped, reference)
+
+
+# ------------------------------------------------------------------------- issue R: blends, sizes, settings unread
+
+def _corpus_of(tmp_path: Path, name: str, letter: str, docs: int = 30) -> str:
+    out = str(tmp_path / name)
+    preprocess(str(write_text_corpus(tmp_path / f"{name}.txt", [letter * 60] * docs)), out, tokenizer=ByteTokenizer())
+    return out
+
+
+def test_megatron_weight_prefix_pairs_blend_in_proportion_to_the_weights(tmp_path: Path) -> None:
+    a, b = _corpus_of(tmp_path, "a", "a"), _corpus_of(tmp_path, "b", "b")
+    data = DataSpec(kind=DataKind.indexed, path=["1", a, "3", b], cache_dir=str(tmp_path / "cache"))
+    assert data.blend.prefixes == (a, b) and data.blend.weights == (1.0, 3.0)
+    job = JobSpec(model=ModelSpec(vocab_size=257), train=TrainSpec(global_batch_size=8, micro_batch_size=2,
+                                                                   seq_length=32, steps=50), data=data)
+    samples = build_micro_batches(job, dp_rank=0, dp_size=1)
+    rows = [row.tolist() for batch in take(samples, 200) for row in batch["tokens"]]
+    assert all((ord("a") in row) != (ord("b") in row) for row in rows)  # each sample from one of the two
+    share = sum(ord("b") in row for row in rows) / len(rows)
+    assert 0.65 < share < 0.85  # 3 of 4 samples from b (same-sized corpora: by size it would be one half)
+
+
+@pytest.mark.parametrize(("path", "says"), [
+    (["0.3", "P", "0.7"], "mixes weights (0.3, 0.7) and prefixes"),
+    (["P", "0.5", "Q"], "mixes weights (0.5) and prefixes"),
+    (["-1", "P", "2", "Q"], "the weight -1 of P is not a positive number"),
+    (["0", "P", "1", "Q"], "the weight 0 of P is not a positive number"),
+    (["P", "P/"], "names the dataset P/ twice (also as P)"),
+    (["1", "P", "1", "./P"], "names the dataset ./P twice"),
+    (["30%", "P", "70%", "Q"], "gives weights as percentages (30%, 70%)"),
+])
+def test_a_blend_that_is_neither_form_is_refused_by_data_path(path: list[str], says: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        DataSpec(kind=DataKind.indexed, path=path)
+    assert set(err.value.keys) == {"data.path"} and says in str(err.value)
+
+
+def test_settings_only_indexed_data_reads_are_refused_with_synthetic_data() -> None:
+    with pytest.raises(ConfigError) as err:
+        DataSpec(path=["/data/corpus"], cache_dir="/tmp/cache")
+    assert err.value.keys == ["data.kind"]
+    assert "data.path, data.cache_dir are set, which only indexed data reads" in str(err.value)
+    assert "add data=indexed" in str(err.value)
+    DataSpec()  # the defaults are synthetic data's
+
+
+def test_a_split_shorter_than_one_sample_is_refused_and_epochs_are_said(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    short = _corpus_of(tmp_path, "short", "s", docs=1)  # 61 tokens
+    with pytest.raises(ConfigError) as err:
+        build_micro_batches(indexed_job([short], tmp_path, seq_length=64), dp_rank=0, dp_size=1)
+    assert err.value.keys == ["data.path"]
+    assert "holds 61 tokens, fewer than one sample of train.seq_length + 1 = 65" in str(err.value)
+    next(build_micro_batches(indexed_job([short], tmp_path, seq_length=32, steps=2), dp_rank=0, dp_size=1))
+    assert "read its training split's 61 tokens 8.39 times" in capsys.readouterr().err  # 2 x 8 x 32 tokens

@@ -204,3 +204,23 @@ def test_data_profile_runs_and_deepspeed_files_refuse_a_named_pipe(corpus: str, 
     (tmp_path / "twice.json").write_text(json.dumps({"a": 1})[:-1] + ', "a": 2}')
     with pytest.raises(ProfileDBError, match="'a' appears twice"):
         read_db(tmp_path / "twice.json")
+
+
+def test_a_tokenizer_json_that_is_a_named_pipe_is_refused_not_read(tmp_path: Path) -> None:
+    from cfp_megatron.data.tokenizer import HuggingFaceTokenizer
+
+    os.mkfifo(tmp_path / "tokenizer.json")
+    with pytest.raises(ConfigError, match="is a named pipe") as info:
+        HuggingFaceTokenizer(str(tmp_path / "tokenizer.json"))
+    assert info.value.keys == ["data.tokenizer_path"]
+
+
+def test_validate_outputs_and_analyze_json_refuse_a_named_pipe_without_reading_it(tmp_path: Path) -> None:
+    from cfp_megatron.analyze import RESULT_KEYS
+    from cfp_megatron.base.files import own_json_problem
+    from cfp_megatron.validation.outputs import check_bands_path, check_json_path
+
+    os.mkfifo(tmp_path / "out.json")  # nobody writes to it: reading it to see what it holds would wait forever
+    for problem in (check_json_path(str(tmp_path / "out.json")), check_bands_path(str(tmp_path / "out.json")),
+                    own_json_problem(tmp_path / "out.json", "--json", RESULT_KEYS, "an analysis")):
+        assert problem is not None and "exists and is not" in problem and "left as it is" in problem

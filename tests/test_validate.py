@@ -328,7 +328,7 @@ def test_bands_never_overwrite_a_file_it_did_not_write(tmp_path: Path, capsys) -
 def test_a_stated_power_limit_slows_the_row_by_the_clock_it_sustains() -> None:
     row = {"id": "1", "model": "m", "layers": "24", "hidden": "4096", "heads": "32", "seq_len": "4096",
            "gpu": "H100-SXM5-80GB", "num_gpus": "8", "tp": "1", "pp": "1", "dp": "8", "micro_batch": "1",
-           "global_batch_seqs": "64", "step_time_s": "1.0", "framework": "Megatron-Core"}
+           "global_batch_seqs": "64", "step_time_s": "3.0", "framework": "Megatron-Core"}  # 39% of the peak
     full = predict_rows([row])[0][0]
     capped = predict_rows([{**row, "notes": "GPUs power-capped to 500 W for the whole run"}])[0][0]
     in_gpu = row_plan({**row, "gpu": "H100 SXM 500W"})

@@ -100,7 +100,8 @@ def test_a_blank_id_and_a_misaligned_row_are_refused(tmp_path: Path) -> None:
 
 
 def test_a_run_that_cannot_fit_its_gpus_is_refused_and_one_slightly_over_is_flagged(tmp_path: Path, capsys) -> None:
-    absurd = {**GOOD, "id": "2", "num_gpus": "1", "dp": "1", "micro_batch": "65536", "global_batch_seqs": "65536"}
+    absurd = {**GOOD, "id": "2", "num_gpus": "1", "dp": "1", "micro_batch": "65536", "global_batch_seqs": "65536",
+              "step_time_s": "20000"}  # 22% of the GPU's peak: a step time it could have run, a memory it could not
     results, skipped = predict_rows([GOOD, absurd])
     assert [r.plan.row_id for r in results] == ["1"] and not results[0].flag
     assert "GiB per GPU is over 4 times the GPU's 80 GiB" in skipped[0][1]
@@ -136,6 +137,62 @@ def test_no_good_row_is_an_error_exit_that_writes_no_bands(tmp_path: Path, capsy
     assert main([str(path), "--bands", str(bands)]) == 1
     err = capsys.readouterr().err
     assert f"no row could be modelled (the 1 rows of {path}" in err and "no --bands" in err and not bands.exists()
+
+
+@pytest.mark.parametrize(("step", "says"), [
+    ("1e-9", "faster than the hardware (its fastest peak for this precision is 312 TFLOP/s)"),
+    ("0.3", "faster than the hardware"),  # 41 ms per step of 32 A100s would be 118% of their peak
+    ("3500", "below 1%: far slower than any published run (a step time in milliseconds"),
+])
+def test_a_step_time_no_gpu_could_have_run_is_refused(step: str, says: str) -> None:
+    results, skipped = predict_rows([GOOD, {**GOOD, "id": "2", "step_time_s": step}])
+    assert [r.plan.row_id for r in results] == ["1"] and says in skipped[0][1]
+    assert "model FLOPs utilisation" in skipped[0][1]
+
+
+def test_a_moe_row_without_its_expert_fields_and_experts_without_a_count_are_refused() -> None:
+    moe = {**GOOD, "moe_experts": "8", "moe_topk": "2", "moe_expert_ffn": "9216"}
+    rows = [{**moe, "id": "2", "moe_topk": ""}, {**moe, "id": "3", "moe_expert_ffn": " "},
+            {**GOOD, "id": "4", "moe_topk": "2"}, {**GOOD, "id": "5", "ep": "4"},
+            {**GOOD, "id": "6", "arch_type": "MoE"}]
+    results, skipped = predict_rows([moe, *rows])
+    assert [r.plan.row_id for r in results] == ["1"]
+    said = [reason for _, reason in skipped]
+    assert "a MoE row (moe_experts=8) with moe_topk blank" in said[0]
+    assert "with moe_expert_ffn blank" in said[1]
+    for reason, stated in zip(said[2:], ("moe_topk=2", "ep=4", "arch_type=MoE"), strict=True):
+        assert f"states experts ({stated}) but moe_experts is blank" in reason
+
+
+def test_bands_of_one_source_and_two_options_on_one_file_are_refused(tmp_path: Path, capsys) -> None:
+    runs = _csv(tmp_path / "runs.csv", [GOOD, {**GOOD, "id": "2", "num_gpus": "64", "dp": "64"}])
+    bands = tmp_path / "bands.json"
+    assert main([str(runs), "--bands", str(bands)]) == 2  # no row names a source: one source, none to fit on
+    assert "leaving each source out, which leaves no rows to fit on" in capsys.readouterr().err
+    assert not bands.exists()
+    assert main([str(runs), "--json", str(bands), "--bands", str(tmp_path / "." / "bands.json")]) == 2
+    assert "--bands names the same file, so one would replace the other" in capsys.readouterr().err
+    assert not bands.exists()
+
+
+def test_a_gpu_whose_model_number_goes_on_is_not_the_preset_inside_its_name() -> None:
+    from cfp_megatron.cluster.presets import preset_for_gpu
+
+    for name in ("NVIDIA RTX A1000", "H1000", "B2000"):  # other cards: A100, H100 and B200 are not their models
+        assert preset_for_gpu(name) is None
+    for name, preset in (("A100-80GB (DGX A100, Selene)", "dgx_a100"), ("8xH100 SXM", "dgx_h100"),
+                         ("H20 96GB", "h20"), ("H200 SXM 141GB", "h200")):
+        assert preset_for_gpu(name) == preset
+    results, skipped = predict_rows([GOOD, {**GOOD, "id": "2", "gpu": "NVIDIA RTX A1000"}])
+    assert [r.plan.row_id for r in results] == ["1"]
+    assert "GPU 'NVIDIA RTX A1000' has no hardware preset" in skipped[0][1]
+
+
+def test_a_file_with_another_separator_is_named_as_such(tmp_path: Path) -> None:
+    tabs = _csv(tmp_path / "runs.tsv", [GOOD])
+    tabs.write_text(tabs.read_text().replace(",", "\t"))
+    with pytest.raises(InputFileError, match="separated by tabs, not commas"):
+        read_rows(tabs)
 
 
 def test_json_replaces_its_own_report_and_nothing_else(tmp_path: Path, capsys) -> None:

@@ -250,12 +250,31 @@ def test_analyze_json_on_a_full_disk_keeps_the_earlier_result(disks: Disks, caps
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     earlier = disks.small / "analysis.json"
-    earlier.write_text('{"earlier": 1}\n')
+    text = json.dumps({"model": "gpt_tiny", "seq_length": 64, "mesh": {}, "runs": [], "options": []})
+    earlier.write_text(text)  # an earlier analysis: what --json replaces
     _fill(disks.small)
     assert analyze_main(["--json", str(earlier)]) == 2
     err = capsys.readouterr().err
-    assert "--json=" in err and "the disk is full" in err and "Traceback" not in err
-    assert earlier.read_text() == '{"earlier": 1}\n'
+    assert f"--json {earlier}" in err and "the disk is full" in err and "Traceback" not in err
+    assert earlier.read_text() == text
+
+
+def test_analyze_json_never_replaces_a_file_that_is_not_an_analysis(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    from cfp_megatron.analyze import main as analyze_main
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    assert analyze_main(["--json", str(notes)]) == 2
+    assert "exists and is not an analysis written by analyze --json; it is left as it is" in capsys.readouterr().err
+    assert notes.read_text() == "my notes\n"
+    from cfp_megatron.analyze import RESULT_KEYS
+    from cfp_megatron.base.files import own_json_problem
+
+    earlier = tmp_path / "analysis.json"
+    earlier.write_text(json.dumps(dict.fromkeys(RESULT_KEYS, 1)))
+    assert own_json_problem(earlier, "--json", RESULT_KEYS, "an analysis") is None  # an earlier analysis: replaced
 
 
 def test_preprocess_on_a_disk_that_fills_leaves_no_dataset(disks: Disks, tmp_path: Path,
@@ -273,6 +292,89 @@ def test_preprocess_on_a_disk_that_fills_leaves_no_dataset(disks: Disks, tmp_pat
     unreadable = tmp_path / "folder.jsonl"
     unreadable.mkdir()
     assert preprocess_main(["--input", str(unreadable), "--output-prefix", str(tmp_path / "out")]) == 2
+
+
+def _indexed_job(prefix: str, cache_dir: str | None = None, steps: int = 4):
+    from cfp_megatron.base.config import DataKind, DataSpec, JobSpec, ModelSpec, TrainSpec
+
+    return JobSpec(model=ModelSpec(vocab_size=257), train=TrainSpec(global_batch_size=8, micro_batch_size=2,
+                                                                   seq_length=32, steps=steps),
+                   data=DataSpec(kind=DataKind.indexed, path=[prefix], cache_dir=cache_dir))
+
+
+def _corpus(folder: Path) -> str:
+    from cfp_megatron.data.preprocess import preprocess
+    from cfp_megatron.data.tokenizer import ByteTokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "c.txt").write_text("\n\n".join(f"document {i} " * 8 for i in range(40)))
+    preprocess(str(folder / "c.txt"), str(folder / "c"), tokenizer=ByteTokenizer())
+    return str(folder / "c")
+
+
+def test_megatrons_index_cache_on_a_read_only_disk_is_refused_unless_prepared(tmp_path: Path) -> None:
+    from cfp_megatron.data.batches import build_micro_batches
+    from cfp_megatron.data.indexed import validate_indexed
+
+    disk = tmp_path / "data-disk"
+    _mount(disk, "size=1m")
+    try:
+        prepared, bare = _corpus(disk / "prepared"), _corpus(disk / "bare")
+        next(build_micro_batches(_indexed_job(prepared), dp_rank=0, dp_size=1))  # its index cache beside the data
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True, capture_output=True, timeout=30)
+        next(build_micro_batches(_indexed_job(prepared), dp_rank=0, dp_size=1))  # read, not written: it runs
+        with pytest.raises(ConfigError) as err:
+            validate_indexed(_indexed_job(bare))  # before any process group: nothing built
+        assert err.value.keys == ["data.cache_dir"]
+        assert f"into {bare}/cache/GPTDataset_indices (data.cache_dir is unset" in str(err.value)
+        assert "the file system is read-only" in str(err.value)
+        validate_indexed(_indexed_job(bare, cache_dir=str(tmp_path / "cache")))  # the fix
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=30, check=False)
+
+
+def test_megatrons_index_cache_on_a_disk_that_fills_is_one_error_and_no_truncated_index(
+        disks: Disks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy
+
+    from cfp_megatron.data import index_cache
+    from cfp_megatron.data.batches import build_micro_batches
+
+    prefix = _corpus(tmp_path / "data")
+    with pytest.raises(ConfigError) as err:  # full: refused before the build
+        build_micro_batches(_indexed_job(prefix, str(disks.full / "cache")), dp_rank=0, dp_size=1)
+    assert err.value.keys == ["data.cache_dir"] and "the disk is full" in str(err.value)
+    _fill(disks.small)
+    os.truncate(disks.small / "filler", (disks.small / "filler").stat().st_size - 8192)  # room for the first files
+    cache = disks.small / "cache"
+    with pytest.raises(ConfigError) as err:  # less room than the index takes: refused before the build too
+        build_micro_batches(_indexed_job(prefix, str(cache), steps=200), dp_rank=0, dp_size=1)
+    assert "bytes free and the index takes up to" in str(err.value) and not list(cache.glob("*.npy"))
+    # another writer fills the disk between the check and the save: the save is one error, no truncated index
+    monkeypatch.setattr(index_cache, "cache_bytes", lambda job, splits: dict.fromkeys([cache], 0))
+    with pytest.raises(FileWriteError, match=r"\(data.cache_dir\) cannot be written: the disk is full") as info:
+        build_micro_batches(_indexed_job(prefix, str(cache), steps=200), dp_rank=0, dp_size=1)
+    assert info.value.path.parent == cache
+    saved = sorted(cache.glob("*.npy"))
+    assert saved and all(numpy.load(p, allow_pickle=True).size > 0 for p in saved)  # whole files, or none
+    assert not list(cache.glob(".*"))  # no temporaries
+    os.remove(disks.small / "filler")
+    next(build_micro_batches(_indexed_job(prefix, str(cache), steps=200), dp_rank=0, dp_size=1))  # rebuilt
+
+
+def test_megatrons_wrapper_of_rank_zeros_cache_error_is_unwrapped(tmp_path: Path) -> None:
+    import errno as codes
+
+    from cfp_megatron.base.config import DataKind, DataSpec
+    from cfp_megatron.data.index_cache import atomic_index_cache
+
+    data = DataSpec(kind=DataKind.indexed, path=[str(tmp_path / "c")], cache_dir=str(tmp_path / "cache"))
+    full = OSError(codes.ENOSPC, "No space left on device", str(tmp_path / "cache" / "x-description.txt"))
+    with pytest.raises(FileWriteError, match=r"x-description.txt \(data.cache_dir\) cannot be written: the disk"):
+        with atomic_index_cache(data):  # what BlendedMegatronDatasetBuilder raises under torch.distributed
+            raise Exception("Failed to write dataset materials to the data cache directory.") from full
+    with pytest.raises(ValueError, match="not a disk"), atomic_index_cache(data):
+        raise ValueError("not a disk error")  # anything else goes through untouched
 
 
 def test_profile_db_store_export_and_lock(disks: Disks, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

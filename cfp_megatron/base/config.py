@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from cfp_megatron.base.data_blend import Blend, read_blend
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.layout_rules import batch as batch_rules
 from cfp_megatron.base.layout_rules import moe as moe_rules
@@ -1263,7 +1264,8 @@ class DataSpec:
     kind: DataKind = DataKind.synthetic
     """Synthetic sequences or Megatron's indexed dataset."""
     path: list[str] = field(default_factory=list)
-    """Indexed dataset prefixes (``prefix.bin``/``prefix.idx``), blended in proportion to their sizes."""
+    """Indexed dataset prefixes (``prefix.bin``/``prefix.idx``), blended in proportion to their training splits'
+    tokens; or Megatron's weight-prefix pairs ``[w1, prefix1, w2, prefix2]``, blended in proportion to the weights."""
     split: str = "100,0,0"
     """Train/validation/test split of the indexed documents, as Megatron writes it."""
     tokenizer: TokenizerKind = TokenizerKind.byte
@@ -1285,8 +1287,24 @@ class DataSpec:
         parts = self.split.replace("/", ",").split(",")
         ok = len(parts) == 3 and all(x.strip().replace(".", "", 1).isdigit() for x in parts)
         _issue(issues, ok, f"{p}.split", self.split, "must be three comma-separated weights.", "use e.g. 98,1,1.")
+        if self.kind is DataKind.indexed:
+            issues.extend(read_blend(self.path)[1])
+        else:  # settings only indexed data reads: the run would train on synthetic sequences without a word
+            defaults = DataSpec.__dataclass_fields__
+            unread = [f"{p}.{name}" for name in ("path", "split", "tokenizer", "tokenizer_path", "cache_dir")
+                      if (name != "split" or ok) and getattr(self, name) != (
+                          defaults[name].default_factory() if name == "path" else defaults[name].default)]
+            _issue(issues, not unread, f"{p}.kind", self.kind.value,
+                   f"trains on synthetic sequences, but {', '.join(unread)} {'is' if len(unread) == 1 else 'are'} "
+                   "set, which only indexed data reads: the files would not be read.",
+                   "add data=indexed to train on the files (or remove " + ", ".join(unread) + ").")
         if issues:
             raise ConfigError(issues)
+
+    @property
+    def blend(self) -> Blend:
+        """The datasets of ``path`` and their weights (:func:`~cfp_megatron.base.data_blend.read_blend`)."""
+        return read_blend(self.path)[0]
 
 
 @dataclass(frozen=True, kw_only=True)

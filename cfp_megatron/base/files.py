@@ -250,6 +250,31 @@ def check_write_locations(locations: Iterable[WriteLocation]) -> None:
         raise ConfigError(issues)
 
 
+def own_json_problem(path: str | os.PathLike[str], option: str, keys: Iterable[str], what: str) -> str | None:
+    """Why the JSON file ``path`` that ``option`` names cannot be written, found before the work (``None`` when it
+    can): a folder, a missing folder, a folder this user cannot write to, or an existing file that is not ``what``
+    (a JSON object with every key of ``keys``). Replacing an earlier file of that kind is what ``option`` is for;
+    anything else there (a user's notes, another tool's JSON) is kept."""
+    target = Path(path)
+    if target.is_dir():
+        return f"{option} {path}: is a folder. Fix: name a .json file."
+    if not target.exists():
+        if not target.parent.is_dir():
+            return f"{option} {path}: the folder {target.parent} does not exist. Fix: create it or name another file."
+    else:
+        try:
+            with open_regular(target, "rb") as fh:
+                old = json.loads(fh.read(64 << 20))
+        except (OSError, UnicodeDecodeError, ValueError):
+            old = None
+        if not (isinstance(old, dict) and set(keys) <= set(old)):
+            return (f"{option} {path}: exists and is not {what}; it is left as it is. "
+                    "Fix: name a new file, or remove that one first.")
+    problem = writable_file_problem(target)
+    return None if problem is None else (f"{option} {target}: {problem} Fix: name a file in a folder this user can "
+                                         "write to.")
+
+
 FIRST_LINE_LIMIT = 1 << 16
 """Most bytes of a file's first line read to find its record kind (:func:`first_record_kind`)."""
 

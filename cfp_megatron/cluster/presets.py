@@ -39,15 +39,26 @@ def squashed(name: str) -> str:
     return re.sub(r"[^0-9A-Z]", "", name.upper())
 
 
+def _alias_at(text: str, key: str) -> int:
+    """Where the squashed alias ``key`` is in ``text`` (upper case, punctuation kept), spaces and punctuation between
+    its characters allowed, or -1; a model number is whole: an alias ending in a digit is not found where the name
+    goes on with digits (``A100`` is not in ``RTX A1000``, nor ``H100`` in ``H1000``)."""
+    if not key:
+        return -1
+    pattern = "[^0-9A-Z]*".join(map(re.escape, key)) + ("(?![0-9])" if key[-1].isdigit() else "")
+    found = re.search(pattern, text)
+    return len(squashed(text[:found.start()])) if found else -1
+
+
 def _best_alias(name: str) -> tuple[str, str] | None:
     """(preset, squashed alias) of :func:`preset_for_gpu`'s answer for ``name``; ``None`` where no alias is
-    contained."""
-    text = squashed(name)
+    contained (:func:`_alias_at`)."""
+    text = name.upper()
     best: tuple[int, int, str, str] | None = None
     for preset, values in group_presets("cluster"):
         for alias in values.get("aliases") or ():
             key = squashed(str(alias))
-            at = text.find(key) if key else -1
+            at = _alias_at(text, key)
             if at >= 0 and (best is None or (-len(key), at) < best[:2]):
                 best = (-len(key), at, preset, key)
     return (best[2], best[3]) if best is not None else None
@@ -55,8 +66,8 @@ def _best_alias(name: str) -> tuple[str, str] | None:
 
 def preset_for_gpu(name: str) -> str | None:
     """The preset whose GPU ``name`` (a published table's ``gpu`` column, a device name) names: of the presets with
-    an alias that :func:`squashed` ``name`` contains, the one with the longest such alias (so ``GB300`` wins over
-    ``B300``, ``H100 NVL`` over ``H100``, ``H200`` over ``H20``, ``A100 40GB`` over ``A100``), then the alias found
+    an alias that ``name`` contains as a whole model number (:func:`_alias_at`), the one with the longest such alias
+    (so ``GB300`` wins over ``B300``, ``H100 NVL`` over ``H100``, ``A100 40GB`` over ``A100``), then the alias found
     first in ``name``; ``None`` where no alias is contained."""
     found = _best_alias(name)
     return found[0] if found is not None else None

@@ -29,6 +29,7 @@ import torch
 from cfp_megatron.base.config import DataSpec, JobSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.files import open_regular, regular_file_problem
+from cfp_megatron.data.index_cache import Split, atomic_index_cache, check_index_cache
 from cfp_megatron.data.tokenizer import Tokenizer, build_tokenizer
 
 SAMPLE_FIELDS: tuple[str, ...] = ("tokens", "labels", "loss_mask", "position_ids")
@@ -48,7 +49,7 @@ def _rebuild_fix(prefix: str) -> str:
 def check_data_files(data: DataSpec) -> list[ConfigIssue]:
     """Issues for each ``data.path`` prefix whose ``.bin`` or ``.idx`` file is missing."""
     issues: list[ConfigIssue] = []
-    for prefix in data.path:
+    for prefix in data.blend.prefixes:
         odd = [problem for p in (f"{prefix}.bin", f"{prefix}.idx")
                if (problem := regular_file_problem(p)) is not None and os.path.lexists(p)]
         if odd:  # a folder, a named pipe or a device where a file belongs: reading it could wait forever
@@ -356,7 +357,7 @@ def check_token_ids(job: JobSpec) -> list[ConfigIssue]:
     and the scan says what it covered (in the issue, or in one note on rank 0 when it finds nothing)."""
     model = job.model
     issues: list[ConfigIssue] = []
-    for prefix in job.data.path:
+    for prefix in job.data.blend.prefixes:
         index = read_index(prefix)
         scan = scan_token_ids(index, job.data.split)
         if scan is None:
@@ -407,7 +408,7 @@ def check_train_tokens(data: DataSpec) -> tuple[list[ConfigIssue], list[int]]:
     tokens of each prefix."""
     issues: list[ConfigIssue] = []
     counts: list[int] = []
-    for prefix in data.path:
+    for prefix in data.blend.prefixes:
         try:
             count = train_split_tokens(prefix, data.split)
         except ConfigError as err:
@@ -419,6 +420,42 @@ def check_train_tokens(data: DataSpec) -> tuple[list[ConfigIssue], list[int]]:
                 key="data.split", value=data.split, problem=f"leaves no training documents in {prefix}.",
                 fix="use more documents, or a larger first (training) weight, e.g. 100,0,0 for a tiny corpus."))
     return issues, counts
+
+
+def check_sample_length(job: JobSpec, counts: list[int]) -> list[ConfigIssue]:
+    """Issues for prefixes whose training split (``counts``: its tokens, per prefix) is shorter than one sample
+    (``train.seq_length`` + 1 tokens: each sample would hold the same documents several times over)."""
+    need = job.train.seq_length + 1
+    return [ConfigIssue(
+        key="data.path", value=prefix, problem=f"its training split holds {count:,} tokens, fewer than one sample of "
+        f"train.seq_length + 1 = {need:,}: every sample would repeat the same documents within itself.",
+        fix=f"use more data, or a train.seq_length below {count:,}.") for prefix, count in
+        zip(job.data.blend.prefixes, counts, strict=True) if 0 < count < need]
+
+
+def train_splits(job: JobSpec, counts: list[int]) -> list[Split]:
+    """Each prefix's training split (``counts``: its tokens) with its documents and its share of the samples."""
+    blend = job.data.blend
+    weights = blend.weights or tuple(float(c) for c in counts)
+    found = []
+    for prefix, count, weight in zip(blend.prefixes, counts, weights, strict=True):
+        begin, end = _train_range(read_index(prefix), job.data.split)
+        found.append(Split(documents=end - begin, tokens=count, share=weight / sum(weights)))
+    return found
+
+
+def note_epochs(job: JobSpec, counts: list[int]) -> None:
+    """A note on rank 0 for each prefix whose training split (``counts``: its tokens) the run reads more than once
+    (Megatron repeats the documents, shuffled anew each epoch)."""
+    train, blend = job.train, job.data.blend
+    weights = blend.weights or tuple(float(c) for c in counts)
+    read = max(train.steps, 1) * train.global_batch_size * train.seq_length
+    for prefix, count, weight in zip(blend.prefixes, counts, weights, strict=True):
+        epochs = read * weight / sum(weights) / count
+        if epochs > 1:
+            _note_once(f"cfp: data.path={prefix}: train.steps={train.steps} x train.global_batch_size="
+                       f"{train.global_batch_size} x train.seq_length={train.seq_length} read its training split's "
+                       f"{count:,} tokens {epochs:.3g} times (Megatron repeats the documents, shuffled each epoch)")
 
 
 @contextlib.contextmanager
@@ -461,17 +498,21 @@ class IndexedCheck:
     tokenizer: Tokenizer
     """The tokenizer ``data.tokenizer`` names."""
     train_tokens: list[int]
-    """Tokens in the training split of each ``data.path`` prefix (the blend weights)."""
+    """Tokens in the training split of each ``data.path`` prefix (the blend weights, where it gives none)."""
 
 
 def validate_indexed(job: JobSpec) -> IndexedCheck:
-    """Check files, split, tokenizer and vocabulary: the ``.idx`` files (:func:`read_index`) and the token ids of
-    the training splits (:func:`check_token_ids`); raises :class:`ConfigError` with every problem found."""
+    """Check files, split, tokenizer and vocabulary: the ``.idx`` files (:func:`read_index`), each training split
+    against one sample (:func:`check_sample_length`), the index cache's folder
+    (:func:`~cfp_megatron.data.index_cache.check_index_cache`) and the token ids of the training splits
+    (:func:`check_token_ids`); raises :class:`ConfigError` with every problem found."""
     issues = check_data_files(job.data) + check_split(job.data)
     counts: list[int] = []
     if not issues:
         token_issues, counts = check_train_tokens(job.data)
-        issues.extend(token_issues)
+        issues.extend(token_issues or check_sample_length(job, counts))
+        if not issues:
+            issues.extend(check_index_cache(job, train_splits(job, counts)))
     tokenizer: Tokenizer | None = None
     try:
         tokenizer = build_tokenizer(job.data)
@@ -483,6 +524,7 @@ def validate_indexed(job: JobSpec) -> IndexedCheck:
         issues.extend(check_token_ids(job))
     if issues or tokenizer is None:
         raise ConfigError(issues)
+    note_epochs(job, counts)
     return IndexedCheck(tokenizer=tokenizer, train_tokens=counts)
 
 
@@ -490,8 +532,9 @@ def build_indexed_samples(job: JobSpec, *, checked: IndexedCheck | None = None) 
     """Build the training split of ``data.path`` with enough samples for ``train.steps`` steps; ``checked`` is the
     result of :func:`validate_indexed` when the caller already ran it.
 
-    Several prefixes are blended in proportion to the tokens of their training splits. Collective over the default
-    process group when ``torch.distributed`` is initialised (see the module docstring).
+    Several prefixes are blended in proportion to the weights ``data.path`` gives them, else to the tokens of their
+    training splits. Collective over the default process group when ``torch.distributed`` is initialised (see the
+    module docstring); the index cache is saved atomically (:func:`~cfp_megatron.data.index_cache.atomic_index_cache`).
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -499,8 +542,9 @@ def build_indexed_samples(job: JobSpec, *, checked: IndexedCheck | None = None) 
     if checked is None:
         checked = validate_indexed(job)
     train, data = job.train, job.data
-    prefixes = list(data.path)
-    weights = None if len(prefixes) == 1 else [float(c) for c in checked.train_tokens]
+    blend = data.blend
+    prefixes = list(blend.prefixes)
+    weights = None if len(prefixes) == 1 else list(blend.weights or (float(c) for c in checked.train_tokens))
     config = GPTDatasetConfig(
         random_seed=train.seed,
         sequence_length=train.seq_length,
@@ -519,7 +563,7 @@ def build_indexed_samples(job: JobSpec, *, checked: IndexedCheck | None = None) 
     config.split_matrix = [config.split_matrix[0], None, None]
     num_samples = max(train.steps, 1) * train.global_batch_size
     builder = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], lambda: True, config)
-    with _rank_zero_without_process_group():
+    with _rank_zero_without_process_group(), atomic_index_cache(data):
         train_ds, _, _ = builder.build()
     if train_ds is None or len(train_ds) == 0:
         raise ConfigError(ConfigIssue(key="data.split", value=data.split,

@@ -34,7 +34,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from cfp_megatron.base.config import TokenizerKind
 from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
-from cfp_megatron.base.files import WriteLocation, check_write_locations, write_error
+from cfp_megatron.base.files import WriteLocation, check_write_locations, regular_file_problem, write_error
 from cfp_megatron.data.tokenizer import ByteTokenizer, Tokenizer, make_tokenizer
 
 BATCH_DOCUMENTS = 1024
@@ -126,8 +126,8 @@ def _lines(path: str) -> Iterator[tuple[int, str]]:
             if not raw:
                 return
             number += 1
-            try:
-                yield number, raw.decode("utf-8")
+            try:  # a byte-order mark (as Windows editors save UTF-8) is not part of the first document
+                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as err:
                 raise ConfigError(ConfigIssue(key="--input", value=f"{path}:{number}", problem=f"is not UTF-8 ({err}).",
                                               fix="convert the file to UTF-8.")) from err
@@ -135,8 +135,9 @@ def _lines(path: str) -> Iterator[tuple[int, str]]:
 
 def read_documents(path: str, *, fmt: InputFormat = InputFormat.auto, json_key: str = "text") -> Iterator[str]:
     """The documents of ``path`` in file order (see the module docstring for the formats)."""
-    if not os.path.isfile(path):
-        raise ConfigError(ConfigIssue(key="--input", value=path, problem="the file does not exist.",
+    problem = regular_file_problem(path)
+    if problem is not None:  # absent, a folder, or a named pipe (which would block the read forever)
+        raise ConfigError(ConfigIssue(key="--input", value=path, problem=problem,
                                       fix="pass a .jsonl file with a text field, or a .txt file."))
     if _resolve_format(path, fmt) is InputFormat.jsonl:
         for number, line in _lines(path):
@@ -153,7 +154,7 @@ def read_documents(path: str, *, fmt: InputFormat = InputFormat.auto, json_key: 
                 raise ConfigError(ConfigIssue(key="--json-key", value=json_key,
                                               problem=f"line {number} of {path} has no string field {json_key!r}.",
                                               fix="pass the field that holds the text as --json-key."))
-            yield text
+            yield _encodable(text, f"{path}:{number}")
         return
     paragraph: list[str] = []
     for _, line in _lines(path):
@@ -166,6 +167,21 @@ def read_documents(path: str, *, fmt: InputFormat = InputFormat.auto, json_key: 
         yield "".join(paragraph).rstrip("\r\n")
 
 
+def _encodable(text: str, where: str) -> str:
+    """``text``, or a :class:`ConfigError` naming ``where`` when it holds a lone UTF-16 surrogate (JSON's
+    ``\\ud800`` escape without its pair): not a character, so no tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ConfigError(ConfigIssue(
+            key="--input", value=where, problem=f"holds {text[err.start]!r} at character {err.start} of its text: a "
+            "lone UTF-16 surrogate (a \\uXXXX escape without the other half of its pair), which is not a "
+            "character and has no UTF-8 encoding.",
+            fix="repair the escape (the character itself, or both halves of its surrogate pair), or remove it.",
+        )) from None
+    return text
+
+
 def _batches(documents: Iterator[str], size: int) -> Iterator[list[str]]:
     batch: list[str] = []
     for doc in documents:
@@ -175,6 +191,28 @@ def _batches(documents: Iterator[str], size: int) -> Iterator[list[str]]:
             batch = []
     if batch:
         yield batch
+
+
+def _check_prefix(input_path: str, output_prefix: str) -> None:
+    """A :class:`ConfigError` for an ``--output-prefix`` that is not a prefix (a folder, with no file name; with
+    ``.bin``/``.idx``, which would write ``corpus.bin.bin``), or whose files would be ``--input`` itself."""
+    name = os.path.basename(output_prefix)
+    stem, ext = os.path.splitext(output_prefix)
+    problem = ("names a folder, not the files' prefix: the dataset would be the hidden files .bin and .idx in it"
+               if name in ("", ".", "..") else
+               f"ends in {ext}: the files are PREFIX.bin and PREFIX.idx, so it would write {output_prefix}.bin and "
+               f"{output_prefix}.idx" if ext in (".bin", ".idx") else None)
+    if problem is not None:
+        example = os.path.join(output_prefix, "corpus") if name in ("", ".", "..") else stem
+        raise ConfigError(ConfigIssue(key="--output-prefix", value=output_prefix, problem=f"{problem}.",
+                                      fix=f"give the path without an extension, e.g. --output-prefix {example}."))
+    for target in (get_bin_path(output_prefix), get_idx_path(output_prefix)):
+        if os.path.exists(target) and os.path.exists(input_path) and os.path.samefile(input_path, target):
+            raise ConfigError(ConfigIssue(key="--input", value=input_path,
+                                          problem=f"is {target}, one of the files this run writes: the corpus "
+                                                  "would be replaced by its own tokens.",
+                                          fix="pass the text corpus (.jsonl or .txt) as --input, or another "
+                                              "--output-prefix."))
 
 
 def _check_not_existing(output_prefix: str, overwrite: bool) -> None:
@@ -196,6 +234,7 @@ def preprocess(input_path: str, output_prefix: str, *, tokenizer: Tokenizer, jso
     (full, read-only, no permission). Both files are written under temporary names beside the targets and renamed
     only once both are complete, so the old files (if any) stay as they were and nothing half-written is left.
     """
+    _check_prefix(input_path, output_prefix)
     _check_not_existing(output_prefix, overwrite)
     documents = read_documents(input_path, fmt=fmt, json_key=json_key)
     # a full or read-only disk said before the corpus is read, not after

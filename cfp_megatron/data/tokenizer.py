@@ -23,6 +23,7 @@ from megatron.core.tokenizers import MegatronTokenizerBase
 
 from cfp_megatron.base.config import DataSpec, TokenizerKind
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.files import regular_file_problem
 
 NO_PAD_ID = -1
 """Pad id for vocabularies without a dedicated pad token: Megatron's ``_PAD_TOKEN_ID``, never present in the data."""
@@ -123,8 +124,9 @@ class HuggingFaceTokenizer(MegatronTokenizerBase):
     def __init__(self, path: str, *, eod_token: str | None = None, path_key: str = "data.tokenizer_path") -> None:
         """Load ``path``. ``eod_token`` names the end-of-document token; by default the first of
         :data:`EOD_CANDIDATES` in the vocabulary. ``path_key`` is the setting named in errors."""
-        if not os.path.isfile(path):
-            raise ConfigError(ConfigIssue(key=path_key, value=path, problem="the file does not exist.",
+        problem = regular_file_problem(path)
+        if problem is not None:  # absent, a folder, a named pipe (the Rust reader would wait on it forever)
+            raise ConfigError(ConfigIssue(key=path_key, value=path, problem=problem,
                                           fix="point it at a local tokenizer.json (Hugging Face tokenizers format)."))
         tokenizers = _import_tokenizers(path, path_key)
         try:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
-from cfp_megatron.base.flops import active_matmul_params_per_token, training_flops_per_token
+from cfp_megatron.base.flops import active_matmul_params_per_token
 from cfp_megatron.sim.calibration import FITTED, TABLE, generation
-from cfp_megatron.sim.kernels import target_peak_tflops
 from cfp_megatron.sim.simulate import simulate
 from cfp_megatron.sim.uncertainty import BAND_QUANTILE, MIN_BAND_ROWS, combination, quantile
 from cfp_megatron.validation.fit import refit, sensitivities, source_of
+from cfp_megatron.validation.plausible import measured_mfu
 from cfp_megatron.validation.report import row_classes
 from cfp_megatron.validation.results import RowPlan, RowResult
 
@@ -31,8 +31,20 @@ REFINE_ROUNDS = 1
 takes most of what refining gives (docs/validation.md, "Error bands, out of sample")."""
 
 
+def sources_problem(plans: list[RowPlan]) -> str | None:
+    """Why the bands cannot be computed out of sample from ``plans`` (``None`` when they can): leaving one source
+    out needs another source's rows to fit the efficiencies on."""
+    sources = sorted({source_of(plan) for plan in plans})
+    if len(sources) >= 2:
+        return None
+    return (f"--bands: the {len(plans)} modelled rows come from {len(sources)} source ({', '.join(sources) or 'none'})"
+            ": the bands are computed leaving each source out, which leaves no rows to fit on. Fix: pass rows of at "
+            "least two sources (the source column), e.g. with shared/data/published_runs.csv")
+
+
 def held_out_predictions(plans: list[RowPlan]) -> dict[str, float]:
-    """Each row's predicted step time (by row id) with efficiencies fitted without the rows of its source."""
+    """Each row's predicted step time (by row id) with efficiencies fitted without the rows of its source (rows of
+    two sources at least: :func:`sources_problem`)."""
     found = sensitivities(plans, FITTED)
     predicted: dict[str, float] = {}
     for source in sorted({source_of(plan) for plan in plans}):
@@ -104,12 +116,10 @@ def published_mfu(results: list[RowResult]) -> list[dict]:
     runs = []
     for r in results:
         job, plan = r.plan.job, r.plan
-        peak = target_peak_tflops(job)
-        if plan.options.measured_layer_only or not peak:
+        measured = measured_mfu(plan)
+        if measured is None:
             continue
         world = job.cluster.nodes * (job.cluster.gpus_per_node or 1)
-        tokens_per_s = job.train.global_batch_size * job.train.seq_length / plan.measured_s / world
-        measured = tokens_per_s * training_flops_per_token(job.model, job.train.seq_length) / (peak * 1e12)
         runs.append({"generation": generation(job.cluster), "moe": job.model.is_moe, "fp8": plan.options.fp8,
                      "active_params_b": round(active_matmul_params_per_token(job.model) / 1e9, 2),
                      "gpus": world, "mfu": round(measured, 4), "row": f"{plan.row_id} {plan.model}".strip()})

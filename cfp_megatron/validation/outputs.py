@@ -3,10 +3,9 @@ predicted (``--plot``, ``--bands``, ``--json``), and the ``--plot`` scatter."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from cfp_megatron.base.files import atomic_writer, writable_file_problem
+from cfp_megatron.base.files import atomic_writer, own_json_problem, writable_file_problem
 from cfp_megatron.validation.report import REPORT_KEYS, row_classes
 from cfp_megatron.validation.results import RowResult, mape
 
@@ -94,27 +93,25 @@ def check_bands_path(path: str) -> str | None:
     """Why ``--bands FILE`` cannot be written (``None`` when it can): a folder, a missing folder, one this user
     cannot write to, or an existing file that is not an error-band table this command wrote (replacing one of those
     is what ``--bands`` is for; anything else is kept)."""
-    return _check_json_target("--bands", path, {"quantile", "classes"}, "an error-band table written by --bands")
+    return own_json_problem(path, "--bands", {"quantile", "classes"}, "an error-band table written by --bands")
 
 
 def check_json_path(path: str) -> str | None:
     """Why ``--json FILE`` cannot be written, as :func:`check_bands_path` (an existing file is replaced only when it
     is a report this command wrote)."""
-    return _check_json_target("--json", path, REPORT_KEYS, "a report written by validate --json")
+    return own_json_problem(path, "--json", REPORT_KEYS, "a report written by validate --json")
 
 
-def _check_json_target(option: str, path: str, keys: set[str] | frozenset[str], what: str) -> str | None:
-    target = Path(path)
-    if target.is_dir():
-        return f"{option} {path}: is a folder. Fix: name a .json file."
-    if not target.exists():
-        return _unwritable(option, target) if target.parent.is_dir() else (
-            f"{option} {path}: the folder {target.parent} does not exist. Fix: create it or name another file.")
-    try:
-        old = json.loads(target.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        old = None
-    if isinstance(old, dict) and keys <= set(old):
-        return _unwritable(option, target)
-    return (f"{option} {path}: exists and is not {what}; it is left as it is. "
-            "Fix: name a new file, or remove that one first.")
+def same_output_problem(outputs: dict[str, str | None]) -> str | None:
+    """Why the files ``outputs`` names (option -> path, ``None`` where not asked for) cannot all be written: two
+    options naming one file (the second would replace the first's file); ``None`` when each has its own."""
+    seen: dict[Path, str] = {}
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        same = Path(path).expanduser().resolve()
+        if same in seen:
+            return (f"{option} {path}: {seen[same]} names the same file, so one would replace the other. Fix: "
+                    "give each option its own file.")
+        seen[same] = option
+    return None

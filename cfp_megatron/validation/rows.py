@@ -97,7 +97,7 @@ def read_rows(path: str | Path) -> list[dict]:
     fix = "pass a CSV file in the schema of shared/data/published_runs.csv."
     if not path.is_file():  # a named pipe or device is refused too, not waited on
         said = "is a directory" if path.is_dir() else "no such file" if not path.exists() else \
-            regular_file_problem(path)
+            str(regular_file_problem(path)).removesuffix(".")
         raise InputFileError(f"{path}: {said}; {fix}")
     rows: list[dict] = []
     try:
@@ -116,6 +116,12 @@ def read_rows(path: str | Path) -> list[dict]:
     except (UnicodeDecodeError, csv.Error) as err:
         raise InputFileError(f"{path}: not a readable CSV text file ({err}); {fix}") from None
     missing = [name for name in REQUIRED_COLUMNS if name not in columns]
+    separator = next((name for sign, name in (("\t", "tabs"), (";", "semicolons"), ("|", "bars"))
+                      if len(columns) == 1 and sign in columns[0]), None)
+    if missing and separator:  # one header field holding every name: another separator than the comma
+        raise InputFileError(f"{path}: the header is one field of names separated by {separator}, not commas: "
+                             f"validate reads comma-separated values. Fix: save the file as CSV (comma-separated); "
+                             f"{fix}")
     if missing:
         raise InputFileError(f"{path}: no column {', '.join(missing)}; {fix}")
     if not rows:
@@ -177,6 +183,34 @@ def count_cell(row: dict, key: str, default: int | None = None) -> int | None:
         raise RowError(f"column {key}={raw}: must be from 1 to {bound:,} ({name} in cfp_megatron/base/config.py). "
                        "Fix: correct the row, or leave the column blank where the row does not state it")
     return int(value)
+
+
+EXPERT_COLUMNS = ("moe_topk", "moe_expert_ffn")
+"""Columns a MoE row must state besides ``moe_experts``: each token's experts and each expert's MLP size set the
+experts' compute and memory, and Megatron's defaults for them (2 experts, the dense ``ffn_hidden``) describe no
+published model in particular."""
+
+
+def experts_cell(row: dict) -> int | None:
+    """The row's ``moe_experts`` (``None`` for a dense row); :class:`RowError` for a MoE row leaving an
+    :data:`EXPERT_COLUMNS` column blank, and for a row stating experts' fields (``moe_topk``, ``moe_expert_ffn``,
+    ``ep`` above 1, ``arch_type`` MoE) without ``moe_experts`` (modelled dense it would not be what ran)."""
+    experts = count_cell(row, "moe_experts")
+    if experts:
+        blank = [column for column in EXPERT_COLUMNS if not (row.get(column) or "").strip()]
+        if blank:
+            raise RowError(f"a MoE row (moe_experts={experts}) with {' and '.join(blank)} blank: they set the "
+                           "experts' compute and memory. Fix: give the experts per token (moe_topk) and each "
+                           "expert's MLP size (moe_expert_ffn)")
+        return experts
+    stated = [f"{column}={(row.get(column) or '').strip()}" for column in EXPERT_COLUMNS
+              if (row.get(column) or "").strip()]
+    stated += [f"ep={row['ep'].strip()}"] if (count_cell(row, "ep") or 1) > 1 else []
+    stated += [f"arch_type={row['arch_type'].strip()}"] if "moe" in (row.get("arch_type") or "").lower() else []
+    if stated:
+        raise RowError(f"states experts ({', '.join(stated)}) but moe_experts is blank: modelled as a dense model it "
+                       "would not be the run. Fix: give moe_experts, or clear the experts' columns of a dense run")
+    return None
 
 
 def figure_cell(row: dict, key: str) -> float | None:
