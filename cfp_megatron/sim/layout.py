@@ -48,6 +48,12 @@ class Layout:
     0, which the interleaved schedule's chunks cross) leaves an NVLink domain for some of the stage's ranks; empty
     without a pipeline."""
 
+    @property
+    def pair_crossings(self) -> tuple[bool, ...]:
+        """:attr:`pp_crossings`, or, for a layout made without them, every pair placed as the first
+        (:attr:`pp_intra_node`)."""
+        return self.pp_crossings or (not self.pp_intra_node,) * (self.dims.pp if self.dims.pp > 1 else 0)
+
 
 def _strides(order: str, sizes: dict[str, int]) -> dict[str, int]:
     """Rank stride of each group in ``sizes`` under Megatron's rank order ``order`` (e.g. ``"tp-cp-ep-dp-pp"``,

@@ -451,7 +451,7 @@ def _pipeline_terms(job: JobSpec, layout: Layout, kernels: KernelModel, costs: C
     if found is None:
         return fits_s, 0.0, 0.0
     fits_s = tuple(max(fit_s + found.exchange_s - found.fit_s, 0.0) if crosses != found.intra_node else fit_s
-                   for fit_s, crosses in zip(fits_s, layout.pp_crossings, strict=True))
+                   for fit_s, crosses in zip(fits_s, layout.pair_crossings, strict=True))
     if found.intra_node != layout.pp_intra_node:
         return fits_s, 0.0, 0.0
     return fits_s, found.fixed_s, found.outside_s

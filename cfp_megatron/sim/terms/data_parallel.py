@@ -44,7 +44,7 @@ def tied_embedding_sync(job: JobSpec, layout: Layout, costs: CollectiveCosts, vo
     shared = job.model.tie_embeddings or job.model.mtp_num_layers > 0
     if pp == 1 or not shared or rank not in (0, pp - 1):
         return 0.0
-    crosses = layout.pp_crossings[-1] if layout.pp_crossings else not layout.pp_intra_node
+    crosses = layout.pair_crossings[-1]  # the last rank's pair is the one with the first
     return costs.seconds(Collective.all_reduce, vocab_params * grad_element_bytes(job), 2, 1 if crosses else 2)
 
 

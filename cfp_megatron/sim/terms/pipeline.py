@@ -40,12 +40,13 @@ def exchange_fits(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Col
                   options: SimOptions) -> tuple[float, ...]:
     """:func:`exchange_fit` per pipeline rank ``r`` for its exchange with rank ``r + 1`` (the last: rank ``pp - 1``
     with rank 0), across NVLink domains where the layout's pair crosses them (:attr:`Layout.pp_crossings`)."""
+    crossings = layout.pair_crossings
     found: dict[bool, float] = {}
-    for crosses in layout.pp_crossings:
+    for crosses in crossings:
         if crosses not in found:
             found[crosses] = exchange_fit(job, layout, kernels, costs, crosses=crosses,
                                           scatter_gather=options.pipeline_scatter_gather)
-    return tuple(found[crosses] for crosses in layout.pp_crossings)
+    return tuple(found[crosses] for crosses in crossings)
 
 
 def shared_cores_schedule(f_s: list[list[float]], b_s: list[list[float]], p2p: float | tuple[float, ...],
