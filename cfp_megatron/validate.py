@@ -301,7 +301,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     layout += " fsdp" if fsdp else ""
     readings = (fabric, schedule, numbers, power)
     layout += "".join(f" {reading.tag}" for reading in readings if reading.tag)
-    options = SimOptions(fp8=fp8, fsdp=fsdp, measured_layer_only=layer_only, attention=framework.attention)
+    options = SimOptions(fp8=fp8, fsdp=fsdp, measured_layer_only=layer_only, attention=framework.attention,
+                         pipeline_scatter_gather=framework.pipeline_scatter_gather)
     return RowPlan(row_id=rid, source=row.get("source", ""), source_detail=row.get("source_detail", ""),
                    model=row.get("model", ""), layout=layout, job=job, options=options, measured_s=measured,
                    approximations=tuple(reading.approximation for reading in readings if reading.approximation))

@@ -68,6 +68,9 @@ def test_a_framework_column_finds_its_entry_in_file_order(framework: str, entry:
 def test_the_frameworks_readings_reach_the_plan() -> None:
     legacy = row_plan({**ROW, "framework": "Megatron-LM (2021)"})
     assert legacy.options.attention.value == "fused_softmax" and not legacy.job.parallel.overlap_grad_reduce
+    # Megatron-LM's scatter/gather pipeline exchange before Megatron-Core; Megatron-Core sends the whole tensor
+    assert legacy.options.pipeline_scatter_gather
+    assert not row_plan({**ROW, "framework": "Megatron-Core r0.8.0"}).options.pipeline_scatter_gather
     bridge = row_plan({**ROW, "framework": "Megatron-Bridge / NeMo 25.09"}).job.parallel
     assert bridge.sp and bridge.distributed_optimizer and bridge.tp_comm_overlap and not bridge.grad_reduce_in_fp32
     other = row_plan({**ROW, "framework": "llm-foundry / Composer"}).job.parallel
@@ -106,6 +109,12 @@ def test_a_framework_entry_in_a_data_file_changes_how_a_blank_column_is_read(tmp
     assert read.options.fsdp and read.job.parallel.sp and not read.job.parallel.grad_reduce_in_fp32
     assert " fsdp" in read.layout
     assert row_plan({**row, "zero_or_fsdp": "DDP"}, data=load_data(frameworks=frameworks)).options.fsdp is False
+
+
+@pytest.mark.parametrize("model, tied", [("GPT 175B (GPT-3)", True), ("GPT3-5B", True), ("MPT-7b", True),
+                                         ("GPT OSS 120B", False), ("GPT-NeoX 20B", False), ("LLAMA2-7B", False)])
+def test_gpt_and_mpt_tie_their_embeddings(model: str, tied: bool) -> None:
+    assert row_plan({**ROW, "model": model}).job.model.tie_embeddings is tied
 
 
 def test_a_family_entry_in_a_data_file_fills_a_blank_vocabulary(tmp_path: Path) -> None:

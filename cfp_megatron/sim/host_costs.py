@@ -62,6 +62,15 @@ def host_constants() -> HostConstants:
                          graph_launches_per_region=int(data["graph_launches_per_region"]))
 
 
+def exchange_sync_s() -> float:
+    """Seconds each exchange of Megatron-Core's non-interleaved pipeline schedule costs its stage on a GPU beyond
+    the transfer: ``batch_p2p_sync`` (on by default) synchronises the device after every batched send/receive
+    (``P2PCommunicator._communicate``), so the GPU then waits for the synchronisation and for the next pass's
+    first launch (docs/simulator.md, "Blocking exchanges")."""
+    constants = host_constants()
+    return constants.sync_s + constants.forward_launch_s
+
+
 @dataclass(frozen=True, kw_only=True)
 class Launches:
     """Kernels launched by one forward and one backward pass."""

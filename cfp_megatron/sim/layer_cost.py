@@ -11,7 +11,7 @@ from cfp_megatron.base.config import Activation, AttentionKernel, AttentionKind,
 from cfp_megatron.base.flops import attention_params, causal_score_share, mlp_params
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
-from cfp_megatron.sim.kernels import KernelModel
+from cfp_megatron.sim.kernels import KernelModel, grad_element_bytes
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.primepar_cost import MlpCost, ffn_gemms, mlp_activation_elements, primepar_mlp_cost
@@ -260,7 +260,11 @@ def output_layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs:
 
 def embedding_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts) -> tuple[
         PassCost, PassCost]:
-    """(forward, backward) seconds of the vocabulary-parallel input embedding for one micro-batch on one rank."""
+    """(forward, backward) seconds of the vocabulary-parallel input embedding for one micro-batch on one rank. Its
+    backward also writes the weight gradient of the whole vocabulary shard (PyTorch's ``embedding_dense_backward``
+    zero-fills a dense ``vocab / TP x hidden`` gradient before it adds the tokens' rows) and Megatron's gradient hook
+    adds it into the gradient buffer (``main_grad.add_(grad)``): every micro-batch (docs/simulator.md,
+    "Pipeline stages")."""
     model, dims = job.model, layout.dims
     tokens = layout.micro_batch * layout.seq_length / dims.cp
     hidden_bytes = tokens * model.hidden_size * kernels.elem
@@ -268,8 +272,12 @@ def embedding_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     if dims.tp > 1:
         collective = Collective.reduce_scatter if dims.sp else Collective.all_reduce
         reduce_s = costs.seconds(collective, hidden_bytes, dims.tp, layout.tp_per_node)
+    # the dense gradient written (zero-filled) and read once, the buffer read and written once
+    weight_grad_bytes = model.padded_vocab_size / dims.tp * model.hidden_size * (
+        2 * kernels.elem + 2 * grad_element_bytes(job))
     return PassCost(compute_s=kernels.memory(3 * hidden_bytes), tp_comm_s=reduce_s), PassCost(
-        compute_s=kernels.memory(3 * hidden_bytes) + kernels.memory(hidden_bytes * 2))
+        compute_s=kernels.memory(3 * hidden_bytes) + kernels.memory(hidden_bytes * 2)
+        + kernels.memory(weight_grad_bytes))
 
 
 def mtp_projection_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts) -> tuple[

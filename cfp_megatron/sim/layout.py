@@ -4,6 +4,8 @@ NVL72 rack, or narrower, e.g. NVLink-bridged pairs)."""
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 from cfp_megatron.base.config import JobSpec
@@ -39,7 +41,18 @@ class Layout:
     edp_per_node: int
     """Ranks of the expert-gradient reduction group in one NVLink domain."""
     pp_intra_node: bool
-    """Whether neighbouring pipeline stages share an NVLink domain."""
+    """Whether neighbouring pipeline stages share an NVLink domain (the first two stages do; later pairs may not,
+    :attr:`pp_crossings`)."""
+    pp_crossings: tuple[bool, ...] = ()
+    """Per pipeline rank ``r``: whether its exchange with rank ``r + 1`` (the last entry: rank ``pp - 1`` with rank
+    0, which the interleaved schedule's chunks cross) leaves an NVLink domain for some of the stage's ranks; empty
+    without a pipeline."""
+
+    @property
+    def pair_crossings(self) -> tuple[bool, ...]:
+        """:attr:`pp_crossings`, or, for a layout made without them, every pair placed as the first
+        (:attr:`pp_intra_node`)."""
+        return self.pp_crossings or (not self.pp_intra_node,) * (self.dims.pp if self.dims.pp > 1 else 0)
 
 
 def _strides(order: str, sizes: dict[str, int]) -> dict[str, int]:
@@ -95,4 +108,24 @@ def place(job: JobSpec, dims: ParallelDims, gpus_per_node: int) -> Layout:
     return Layout(dims=dims, gpus_per_node=gpus_per_node, domain_size=domain, micro_batch=job.train.micro_batch_size,
                   seq_length=job.train.seq_length, tp_per_node=tp_per_node, cp_per_node=cp_per_node,
                   ep_per_node=ep_per_node, dp_per_node=dp_per_node, edp_per_node=edp_per_node,
-                  pp_intra_node=dense["pp"] < domain and dims.pp > 1 and dense["pp"] * 2 <= domain)
+                  pp_intra_node=dense["pp"] < domain and dims.pp > 1 and dense["pp"] * 2 <= domain,
+                  pp_crossings=pp_crossings(dense["pp"], dims.pp, domain, dims.world_size))
+
+
+@functools.lru_cache(maxsize=1024)
+def pp_crossings(stride: int, pp: int, domain: int, world: int) -> tuple[bool, ...]:
+    """:attr:`Layout.pp_crossings` of a pipeline of ``pp`` stages whose ranks are ``stride`` apart (Megatron's rank
+    order), in a world of ``world`` ranks on NVLink domains of ``domain`` consecutive ranks: a stage's ranks are
+    ``i + r x stride + j x stride x pp`` (``i < stride``), and the pair crosses where any of them sits in another
+    domain than its neighbour."""
+    if pp <= 1:
+        return ()
+    period = stride * pp
+    # a rank's position in its domain repeats every domain / gcd(period, domain) groups of stages
+    groups = range(max(1, min(world // period, domain // math.gcd(period, domain))))
+    found = []
+    for rank in range(pp):
+        low, offset = (rank * stride, stride) if rank < pp - 1 else (0, (pp - 1) * stride)
+        found.append(offset >= domain or any((i + low + j * period) % domain + offset >= domain
+                                              for i in range(stride) for j in groups))
+    return tuple(found)

@@ -42,6 +42,11 @@ class SimOptions:
     """Routed tokens the busiest expert rank receives, as a multiple of the balanced share: its expert GEMMs and its
     all-to-all grow by that factor. 1.0 is forced or perfect balance (NVIDIA's MoE benchmarks force it); training
     with an auxiliary balancing loss typically stays within 1.1-1.3 of it after the first steps."""
+    pipeline_scatter_gather: bool = False
+    """The exchange between pipeline stages as Megatron-LM ran it before Megatron-Core (its
+    ``--scatter-gather-tensors-in-pipeline``, on by default there): each TP rank sends its 1/TP share of the
+    activation and the receiving stage all-gathers it over TP. ``False``: Megatron-Core's, where every TP rank sends
+    the whole tensor unless sequence parallelism split it (:func:`~cfp_megatron.sim.terms.pipeline.exchange_fit`)."""
     max_schedule_ops: int = 200_000
     """Largest pipeline schedule (ranks x micro-batches x chunks x 2) simulated event by event; larger ones use
     two shorter schedules extrapolated (:func:`cfp_megatron.sim.schedule.run_schedule`)."""

@@ -1,10 +1,14 @@
 """Pipeline schedules as timed events: 1F1B (PipeDream-Flush) and Megatron's interleaved 1F1B, each rank's passes
-in Megatron-Core's order, timed as a dependency graph (docs/simulator.md, "schedule.py")."""
+in Megatron-Core's order, timed as a dependency graph (docs/simulator.md, "schedule.py"); the non-interleaved one
+also with its exchanges as Megatron-Core runs them, blocking both stages ("Blocking exchanges")."""
 
 from __future__ import annotations
 
 import functools
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from cfp_megatron.base.errors import CfpError
 
@@ -76,6 +80,69 @@ def rank_order(rank: int, pp: int, vpp: int, microbatches: int) -> tuple[tuple[b
     return tuple(order)
 
 
+class Transfer(NamedTuple):
+    """One tensor handed between neighbouring pipeline ranks (a named tuple: a long schedule holds many)."""
+
+    activation: bool
+    """A forward activation (rank ``boundary`` to ``boundary + 1``), else a gradient (back)."""
+    boundary: int
+    """The pair of ranks it crosses: ``boundary`` and ``boundary + 1``."""
+    microbatch: int
+    """Micro-batch index."""
+
+
+class Exchange(NamedTuple):
+    """One call of Megatron-Core's ``P2PCommunicator`` in the non-interleaved schedule: its sends and receives,
+    grouped and waited for together."""
+
+    sends: tuple[Transfer, ...]
+    """What the rank sends."""
+    receives: tuple[Transfer, ...]
+    """What the rank receives."""
+
+
+def blocking_order(rank: int, pp: int, microbatches: int) -> tuple[tuple[bool, int] | Exchange, ...]:
+    """What pipeline rank ``rank`` of ``pp`` runs in Megatron-Core's non-interleaved 1F1B schedule
+    (``forward_backward_pipelining_without_interleaving``) over ``microbatches`` micro-batches, in order: passes as
+    ``(is_forward, microbatch)`` and its exchanges (``recv_forward``, ``send_forward``,
+    ``send_forward_recv_backward``, ``send_backward_recv_forward``, ``recv_backward``, ``send_backward``; none on the
+    side of the first or last stage that has no neighbour)."""
+    first, last = rank == 0, rank == pp - 1
+    warmup = min(pp - rank - 1, microbatches)
+
+    def act(boundary: int, microbatch: int) -> Transfer:
+        return Transfer(True, boundary, microbatch)
+
+    def grad(boundary: int, microbatch: int) -> Transfer:
+        return Transfer(False, boundary, microbatch)
+
+    order: list[tuple[bool, int] | Exchange] = []
+
+    def exchange(sends: tuple[Transfer, ...], receives: tuple[Transfer, ...]) -> None:
+        if sends or receives:
+            order.append(Exchange(sends, receives))
+
+    for index in range(warmup):
+        exchange((), () if first else (act(rank - 1, index),))  # recv_forward
+        order.append((True, index))
+        exchange(() if last else (act(rank, index),), ())  # send_forward
+    if microbatches > warmup:
+        exchange((), () if first else (act(rank - 1, warmup),))
+    for index in range(microbatches - warmup):
+        order.append((True, warmup + index))
+        if not last:  # send_forward_recv_backward
+            exchange((act(rank, warmup + index),), (grad(rank, index),))
+        order.append((False, index))
+        if not first:  # send_backward (the last one), else send_backward_recv_forward
+            final = index == microbatches - warmup - 1
+            exchange((grad(rank - 1, index),), () if final else (act(rank - 1, warmup + index + 1),))
+    for index in range(microbatches - warmup, microbatches):
+        exchange((), () if last else (grad(rank, index),))  # recv_backward
+        order.append((False, index))
+        exchange(() if first else (grad(rank - 1, index),), ())  # send_backward
+    return tuple(order)
+
+
 def dependency_floors(forward_s: list[list[float]], backward_s: list[list[float]],
                       busy: tuple[float, ...]) -> list[float]:
     """Seconds before which no schedule of these passes can end, per rank, from the pass seconds
@@ -87,27 +154,43 @@ def dependency_floors(forward_s: list[list[float]], backward_s: list[list[float]
     return [max(own[0], chain), *own[1:]]
 
 
-def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2p_s: float, microbatches: int, *,
-                 keep_ops: bool = False, max_ops: int = 200_000) -> ScheduleResult:
+def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2p_s: float | Sequence[float],
+                 microbatches: int, *, blocking: bool = False, call_s: float = 0.0, keep_ops: bool = False,
+                 max_ops: int = 200_000) -> ScheduleResult:
     """Time the schedule for per-rank, per-chunk pass durations ``forward_s[rank][chunk]`` and
     ``backward_s[rank][chunk]`` (seconds, one micro-batch) over ``microbatches`` micro-batches.
 
-    ``p2p_s`` is the send/receive time (seconds) between consecutive stages; ``keep_ops`` keeps every timed pass.
-    Schedules with more than ``max_ops`` passes are extrapolated from two shorter ones (docs/simulator.md,
-    "Long schedules"). Raises :class:`ScheduleError` on a deadlock.
+    ``p2p_s`` is the send/receive time (seconds) between consecutive stages: one figure, or one per rank ``r`` for
+    its exchange with rank ``r + 1`` (the last entry: rank ``pp - 1`` with rank 0, which only the interleaved
+    schedule's chunks cross). ``blocking`` (one chunk per rank only) times Megatron-Core's exchanges as it runs them
+    without interleaving: each stage waits in every exchange until its neighbour joins it and the transfer ends,
+    then ``call_s`` more (:func:`blocking_order`; docs/simulator.md, "Blocking exchanges"); otherwise a transfer
+    only delays the pass that needs it. ``keep_ops`` keeps every timed pass. Schedules with more than ``max_ops``
+    passes are extrapolated from two shorter ones (docs/simulator.md, "Long schedules"). Raises
+    :class:`ScheduleError` on a deadlock.
     """
     pp, vpp = len(forward_s), len(forward_s[0])
+    links = (float(p2p_s),) * pp if isinstance(p2p_s, (int, float)) else tuple(p2p_s)
+    if len(links) != pp:
+        raise ValueError(f"p2p_s has {len(links)} exchanges for {pp} pipeline ranks")
+    if blocking and vpp != 1:
+        raise ValueError("blocking exchanges are timed for the non-interleaved schedule (one chunk per rank)")
     num_ops = 2 * pp * vpp * microbatches
     busy = tuple(microbatches * (sum(forward_s[rank]) + sum(backward_s[rank])) for rank in range(pp))
     short_microbatches = 4 * pp + microbatches % pp
     if num_ops > max_ops and not keep_ops and microbatches > short_microbatches + pp:
-        short = run_schedule(forward_s, backward_s, p2p_s, short_microbatches, max_ops=num_ops)
-        longer = run_schedule(forward_s, backward_s, p2p_s, short_microbatches + pp, max_ops=num_ops)
+        short = run_schedule(forward_s, backward_s, links, short_microbatches, blocking=blocking, call_s=call_s,
+                             max_ops=num_ops)
+        longer = run_schedule(forward_s, backward_s, links, short_microbatches + pp, blocking=blocking,
+                              call_s=call_s, max_ops=num_ops)
         steps = (microbatches - short_microbatches) / pp
         floors = dependency_floors(forward_s, backward_s, busy)
         ends = tuple(max(short_end + steps * (longer_end - short_end), floor)
                      for short_end, longer_end, floor in zip(short.end_s, longer.end_s, floors, strict=True))
         return ScheduleResult(end_s=ends, busy_s=busy, ops=(), simulated=False)
+    if blocking and pp > 1:
+        return _run_blocking([row[0] for row in forward_s], [row[0] for row in backward_s], links, microbatches,
+                             call_s, busy, keep_ops)
     num_stages = pp * vpp
     # End of each pass per global stage and micro-batch (-1: not run yet).
     forward_end = [[-1.0] * microbatches for _ in range(num_stages)]
@@ -134,7 +217,7 @@ def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2
                         dep_end_s = forward_end[stage - 1][microbatch]
                         if dep_end_s < 0:
                             break
-                        ready_s = dep_end_s + p2p_s
+                        ready_s = dep_end_s + links[(stage - 1) % pp]
                     start_s = clock_s if clock_s > ready_s else ready_s
                     clock_s = start_s + rank_forward_s[chunk]
                     forward_end[stage][microbatch] = clock_s
@@ -145,7 +228,7 @@ def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2
                         dep_end_s = backward_end[stage + 1][microbatch]
                         if dep_end_s < 0:
                             break
-                        ready_s = dep_end_s + p2p_s
+                        ready_s = dep_end_s + links[stage % pp]
                     start_s = clock_s if clock_s > ready_s else ready_s
                     clock_s = start_s + rank_backward_s[chunk]
                     backward_end[stage][microbatch] = clock_s
@@ -160,4 +243,86 @@ def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2
                 progressed = True
         if not progressed:
             raise ScheduleError(f"pipeline schedule deadlocked (pp={pp}, vpp={vpp}, microbatches={microbatches})")
+    return ScheduleResult(end_s=tuple(free_s), busy_s=busy, ops=tuple(ops), simulated=True)
+
+
+@functools.lru_cache(maxsize=4096)
+def _blocking_program(rank: int, pp: int, microbatches: int) -> tuple[tuple[int, ...], ...]:
+    """:func:`blocking_order` of ``rank`` as :func:`_run_blocking` walks it: a pass as ``(is_forward, microbatch, -1,
+    -1, -1, -1)``, an exchange (one or two transfers, with one neighbour) as ``(-1, boundary, mine, theirs, mine,
+    theirs)`` with the slots of its transfers' two sides (its own and the neighbour's, :func:`_slot`; -1 where it
+    has one transfer)."""
+    program: list[tuple[int, ...]] = []
+    for item in blocking_order(rank, pp, microbatches):
+        if isinstance(item, Exchange):
+            slots: list[int] = []
+            for sending, transfers in ((True, item.sends), (False, item.receives)):
+                for transfer in transfers:
+                    slots += [_slot(transfer, sending, microbatches), _slot(transfer, not sending, microbatches)]
+            boundary = (item.sends or item.receives)[0].boundary
+            program.append((-1, boundary, *slots, *([-1, -1] if len(slots) == 2 else [])))
+        else:
+            program.append((int(item[0]), item[1], -1, -1, -1, -1))
+    return tuple(program)
+
+
+def _slot(transfer: Transfer, sending: bool, microbatches: int) -> int:
+    """Index of one side (the sender's or the receiver's) of ``transfer`` in :func:`_run_blocking`'s arrivals."""
+    return ((transfer.boundary * microbatches + transfer.microbatch) * 2 + transfer.activation) * 2 + sending
+
+
+def _run_blocking(forward_s: list[float], backward_s: list[float], links: tuple[float, ...], microbatches: int,
+                  call_s: float, busy: tuple[float, ...], keep_ops: bool) -> ScheduleResult:
+    """:func:`run_schedule` of the non-interleaved schedule with blocking exchanges: each rank runs
+    :func:`blocking_order`; a transfer ends ``links[boundary]`` after both its sender and its receiver reached the
+    exchange that holds it (both directions of an exchange move at once, each over its own direction of the link),
+    and an exchange ends when its transfers did, plus ``call_s``. A rank waits only for its neighbours, so after a
+    rank advances only they are tried again."""
+    pp = len(forward_s)
+    programs = [_blocking_program(rank, pp, microbatches) for rank in range(pp)]
+    reached = [-1.0] * (4 * pp * microbatches)  # when each side of each transfer reached its exchange
+    next_item = [0] * pp
+    free_s = [0.0] * pp
+    ops: list[Op] = []
+    pending = deque(range(pp))
+    queued = [True] * pp
+    while pending:
+        rank = pending.popleft()
+        queued[rank] = False
+        program = programs[rank]
+        index = next_item[rank]
+        clock_s = free_s[rank]
+        length = len(program)
+        while index < length:
+            kind, value, mine, theirs, mine2, theirs2 = program[index]
+            if kind < 0:
+                reached[mine] = clock_s
+                other_s = reached[theirs]
+                if mine2 >= 0:
+                    reached[mine2] = clock_s
+                    second_s = reached[theirs2]
+                    if second_s < 0:
+                        break
+                    if second_s > other_s:
+                        other_s = second_s
+                if other_s < 0:  # the neighbour has not reached it yet
+                    break
+                # both transfers start when the later side arrived: one transfer's time after that
+                clock_s = (clock_s if clock_s > other_s else other_s) + links[value] + call_s
+            else:
+                start_s = clock_s
+                clock_s += forward_s[rank] if kind else backward_s[rank]
+                if keep_ops:
+                    ops.append(Op(rank=rank, forward=bool(kind), microbatch=value, chunk=0, start_s=start_s,
+                                  end_s=clock_s))
+            index += 1
+        if index != next_item[rank]:
+            next_item[rank] = index
+            free_s[rank] = clock_s
+            for neighbour in (rank - 1, rank + 1):
+                if 0 <= neighbour < pp and not queued[neighbour]:
+                    pending.append(neighbour)
+                    queued[neighbour] = True
+    if any(index < len(program) for index, program in zip(next_item, programs, strict=True)):
+        raise ScheduleError(f"pipeline schedule deadlocked (pp={pp}, blocking, microbatches={microbatches})")
     return ScheduleResult(end_s=tuple(free_s), busy_s=busy, ops=tuple(ops), simulated=True)

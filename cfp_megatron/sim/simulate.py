@@ -16,6 +16,7 @@ from cfp_megatron.base.pipeline_split import ChunkLayers, SplitKey, job_chunks, 
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Measurements, PipelineProbe, StepOverheads, partition_name
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
+from cfp_megatron.sim.host_costs import exchange_sync_s
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layer_cost import LayerCost, PassCost
 from cfp_megatron.sim.layout import Layout, build_layout
@@ -27,7 +28,7 @@ from cfp_megatron.sim.primepar_cost import megatron_twin
 from cfp_megatron.sim.schedule import ScheduleResult, dependency_floors, rank_order, run_schedule
 from cfp_megatron.sim.terms import TERMS, Placement, StepInputs, StepTimes
 from cfp_megatron.sim.terms.host import with_host
-from cfp_megatron.sim.terms.pipeline import exchange_fit, shared_cores_schedule
+from cfp_megatron.sim.terms.pipeline import exchange_fit, exchange_fits, shared_cores_schedule
 
 
 def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Measurements | None = None, *,
@@ -99,12 +100,18 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
         if max(_after_end(floors_s[rank] + fixed_s, after, rank) for rank in range(pp)) > prune_above:
             return None
 
+    # Megatron-Core's non-interleaved schedule blocks both stages in every exchange and, on a GPU, synchronises
+    # after it (docs/simulator.md, "Blocking exchanges"); the interleaved one overlaps them with the passes.
+    blocking = vpp == 1 and pp > 1
+    call_s = exchange_sync_s() if blocking and not cluster.on_cpu else 0.0
+
     def timed() -> ScheduleResult:
         return _schedule(forward_s, backward_s, p2p_s, dims.num_microbatches, slowdown if shared_cores else None,
-                         with_events, options)
+                         with_events, options, blocking=blocking, call_s=call_s)
 
     if cache is not None and not with_events:  # plans that differ only outside the schedule (e.g. the optimizer)
-        schedule_key = (tuple(map(tuple, forward_s)), tuple(map(tuple, backward_s)), p2p_s, dims.num_microbatches)
+        schedule_key = (tuple(map(tuple, forward_s)), tuple(map(tuple, backward_s)), p2p_s, dims.num_microbatches,
+                        call_s)
         schedule = cache.schedules.get(schedule_key)
         if schedule is None:
             schedule = cache.schedules[schedule_key] = timed()
@@ -229,8 +236,9 @@ class _StageSplit:
     """MTP layers on the rank."""
     vocab_tables: tuple[int, ...]
     """Vocabulary-sized weights on the rank the gradient sync counts: the embedding's, the output layer's where the
-    pipeline has more than one stage, and the one an MTP layer on another rank builds (Megatron-Core embeds the
-    shifted tokens there; the loss rank's output weight serves it where the embeddings are tied)."""
+    pipeline has more than one stage or the embeddings are untied, and the one an MTP layer on another rank builds
+    (Megatron-Core embeds the shifted tokens there; the loss rank's output weight serves it where the embeddings are
+    tied)."""
 
 
 def _stage_split(job: JobSpec, layout: Layout, parts: PassCosts) -> _StageSplit:
@@ -272,7 +280,7 @@ def _split_of(split: SplitKey, mlp: MlpPartition, primepar_layers: int | None, d
             mtp[rank] += chunk.mtp
     embedding = [any(chunk.embedding for chunk in row) for row in chunks]
     loss = [any(chunk.loss for chunk in row) for row in chunks]
-    vocab_tables = [int(embedding[rank]) + int(loss[rank] and pp > 1)
+    vocab_tables = [int(embedding[rank]) + int(loss[rank] and (pp > 1 or not tied))
                     + int(bool(mtp[rank]) and not embedding[rank] and not (loss[rank] and tied)) for rank in range(pp)]
     return _StageSplit(layer_params=tuple(layer_params), expert_params=tuple(expert), moe_layers=tuple(moe_layers),
                        layers=tuple(layers), embedding=tuple(embedding), loss=tuple(loss), mtp=tuple(mtp),
@@ -399,33 +407,37 @@ def _grid_seconds(forward_costs: list[list[PassCost]], backward_costs: list[list
     return forward_s, backward_s
 
 
-def _schedule(f_s: list[list[float]], b_s: list[list[float]], p2p: float, microbatches: int,
-              slowdown: float | None, with_events: bool, options: SimOptions) -> ScheduleResult:
+def _schedule(f_s: list[list[float]], b_s: list[list[float]], p2p: float | tuple[float, ...], microbatches: int,
+              slowdown: float | None, with_events: bool, options: SimOptions, *, blocking: bool = False,
+              call_s: float = 0.0) -> ScheduleResult:
     """The timed pipeline schedule: on ranks that share cores (``slowdown``, pipelines only)
     :func:`~cfp_megatron.sim.terms.pipeline.shared_cores_schedule`,
-    otherwise :func:`~cfp_megatron.sim.schedule.run_schedule`."""
+    otherwise :func:`~cfp_megatron.sim.schedule.run_schedule` (``blocking``, ``call_s``: as it takes them)."""
     if slowdown is not None:
-        return shared_cores_schedule(f_s, b_s, p2p, microbatches, slowdown, with_events, options)
-    return run_schedule(f_s, b_s, p2p, microbatches, keep_ops=with_events, max_ops=options.max_schedule_ops)
+        return shared_cores_schedule(f_s, b_s, p2p, microbatches, slowdown, with_events, options, blocking=blocking)
+    return run_schedule(f_s, b_s, p2p, microbatches, blocking=blocking, call_s=call_s, keep_ops=with_events,
+                        max_ops=options.max_schedule_ops)
 
 
 def _pipeline_terms(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts,
                     measurements: Measurements | None, options: SimOptions, efficiency: Efficiency,
-                    cache: CostCache | None, overheads: StepOverheads | None) -> tuple[float, float, float]:
-    """What a pipeline adds to a step, in seconds (all zero without a pipeline): one point-to-point exchange between
-    stages, what every step's schedule pays whatever its micro-batches, and what the step pays outside its schedule
-    beyond what the probes without a pipeline give.
+                    cache: CostCache | None, overheads: StepOverheads | None
+                    ) -> tuple[float | tuple[float, ...], float, float]:
+    """What a pipeline adds to a step, in seconds (all zero without a pipeline): the point-to-point exchange between
+    stages (per pipeline rank ``r``, with rank ``r + 1``), what every step's schedule pays whatever its micro-batches,
+    and what the step pays outside its schedule beyond what the probes without a pipeline give.
 
-    The exchange is the send/receive fit of the activation, plus what the overheads round's pipelined probe of the
-    plan's partition at its micro-batch size paid per exchange beyond that fit; the other two are that probe's
-    (:func:`_probe_calibration`). The probe's terms apply where its pipeline spans nodes as the plan's does; elsewhere
-    the exchange is the fit alone (docs/simulator.md, "Pipeline exchanges")."""
+    The exchange is the send/receive fit of the activation (within or across NVLink domains as each pair of stages
+    sits, :func:`~cfp_megatron.sim.terms.pipeline.exchange_fits`), plus what the overheads round's pipelined probe
+    of the plan's partition at its micro-batch size paid per exchange beyond that fit where the pair sits as the
+    probe's did; the other two are that probe's (:func:`_probe_calibration`), where the plan's first pair of stages
+    sits as the probe's did; elsewhere the exchange is the fit alone (docs/simulator.md, "Pipeline exchanges")."""
     dims = layout.dims
     if dims.pp == 1:
         return 0.0, 0.0, 0.0
-    fit_s = exchange_fit(job, layout, kernels, costs)
+    fits_s = exchange_fits(job, layout, kernels, costs, options)
     if overheads is None or measurements is None:
-        return fit_s, 0.0, 0.0
+        return fits_s, 0.0, 0.0
     partition = partition_name(dims.tp, sp=dims.sp)
     key = (partition, layout.micro_batch)
     if cache is not None and key in cache.exchanges:
@@ -436,9 +448,13 @@ def _pipeline_terms(job: JobSpec, layout: Layout, kernels: KernelModel, costs: C
                  if probe is not None else None)
         if cache is not None:
             cache.exchanges[key] = found
-    if found is None or found.intra_node != layout.pp_intra_node:
-        return fit_s, 0.0, 0.0
-    return max(fit_s + found.exchange_s - found.fit_s, 0.0), found.fixed_s, found.outside_s
+    if found is None:
+        return fits_s, 0.0, 0.0
+    fits_s = tuple(max(fit_s + found.exchange_s - found.fit_s, 0.0) if crosses != found.intra_node else fit_s
+                   for fit_s, crosses in zip(fits_s, layout.pair_crossings, strict=True))
+    if found.intra_node != layout.pp_intra_node:
+        return fits_s, 0.0, 0.0
+    return fits_s, found.fixed_s, found.outside_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -537,7 +553,7 @@ def _probe_calibration(job: JobSpec, probe: PipelineProbe, world: int, measureme
     outside_s = 0.0
     if probe.finalize_s is not None:
         outside_s = probe.finalize_s + probe.rest_s - solved.time.dp_comm_s - solved.time.optimizer_s
-    fit_s = exchange_fit(jobs[many], layout, kernels, costs)
+    fit_s = exchange_fit(jobs[many], layout, kernels, costs, scatter_gather=options.pipeline_scatter_gather)
     return ProbeCalibration(exchange_s=exchange_s, fixed_s=fixed_s, fit_s=fit_s, outside_s=outside_s,
                             intra_node=layout.pp_intra_node)
 

@@ -81,6 +81,9 @@ class Framework:
     """(pattern on ``model``, multi-token-prediction layers) of the models its recipes train with MTP."""
     source: str
     """Where this comes from."""
+    pipeline_scatter_gather: bool = False
+    """The exchange between pipeline stages split over TP and all-gathered after it (Megatron-LM before
+    Megatron-Core, :attr:`~cfp_megatron.sim.options.SimOptions.pipeline_scatter_gather`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,10 +226,12 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             entry.fail(f"has blank={blank!r}; it maps {' or '.join(sorted(BLANK_COLUMNS))} to the text a blank "
                        "column is read as")
         runs = entry.get("runs", dict)
-        known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32", "mtp_layers"}
-        if set(runs) - known or not known - {"mtp_layers"} <= set(runs):
-            entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - {'mtp_layers'}))} "
-                       "(and mtp_layers where its recipes train MTP layers)")
+        optional = {"mtp_layers", "pipeline_scatter_gather"}
+        known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
+        if set(runs) - known or not known - optional <= set(runs):
+            entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
+                       "(and mtp_layers where its recipes train MTP layers, pipeline_scatter_gather where its "
+                       "pipeline exchange is split over TP)")
         try:
             attention = AttentionKernel(runs["attention"])
         except ValueError:
@@ -241,7 +246,8 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
                                  starts_with=str(match.get("starts_with", "")).lower(),
                                  before_year=match.get("before_year")),
             overlap_grad_reduce=bool(runs["overlap_grad_reduce"]), tp_comm_overlap=bool(runs["tp_comm_overlap"]),
-            grad_reduce_in_fp32=bool(runs["grad_reduce_in_fp32"]), mtp_layers=tuple(mtp.items())))
+            grad_reduce_in_fp32=bool(runs["grad_reduce_in_fp32"]), mtp_layers=tuple(mtp.items()),
+            pipeline_scatter_gather=bool(runs.get("pipeline_scatter_gather", False))))
     if frameworks[-1].match != FrameworkMatch():
         raise ValidationDataError(f"{path}: the last entry ({frameworks[-1].name!r}) has conditions, so a row of "
                                   "another framework has no reading. Fix: end with an entry of 'match: {}'.")

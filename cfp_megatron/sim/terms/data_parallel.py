@@ -34,13 +34,18 @@ def fsdp_comm(job: JobSpec, layout: Layout, costs: CollectiveCosts, *, params: f
     return sum(overlapped(gather_s, forward_window_s)), sum(overlapped(gather_s + scatter_s, backward_window_s))
 
 
-def tied_embedding_sync(job: JobSpec, costs: CollectiveCosts, vocab_params: float, rank: int) -> float:
-    """Seconds of Megatron's all-reduce of the tied word-embedding gradient between the first and the last pipeline
-    stage (``finalize_model_grads``), on those two stages; zero elsewhere."""
+def tied_embedding_sync(job: JobSpec, layout: Layout, costs: CollectiveCosts, vocab_params: float, rank: int) -> float:
+    """Seconds of Megatron's all-reduce of the tied word-embedding gradient (``vocab_params`` on one rank, in the
+    gradient buffer's precision) between the first and the last pipeline stage (``finalize_model_grads``'s
+    ``_allreduce_word_embedding_grads``, after the data-parallel sync), on those two stages, within or across NVLink
+    domains as they sit; zero elsewhere and with untied embeddings unless MTP layers embed on the last stage
+    (Megatron-Core then reduces that embedding's gradient with the first stage's)."""
     pp = job.parallel.pp
-    if pp == 1 or not job.model.tie_embeddings or rank not in (0, pp - 1):
+    shared = job.model.tie_embeddings or job.model.mtp_num_layers > 0
+    if pp == 1 or not shared or rank not in (0, pp - 1):
         return 0.0
-    return costs.seconds(Collective.all_reduce, vocab_params * grad_element_bytes(job), 2)
+    crosses = layout.pair_crossings[-1]  # the last rank's pair is the one with the first
+    return costs.seconds(Collective.all_reduce, vocab_params * grad_element_bytes(job), 2, 1 if crosses else 2)
 
 
 def token_count_sync(costs: CollectiveCosts, layout: Layout) -> float:
@@ -58,8 +63,8 @@ def step_sync(inputs: StepInputs) -> list[float]:
     passes: as the sharding prices them (:meth:`~cfp_megatron.sim.sharding.Sharding.step_sync_s`), scaled as the
     overheads probes timed the gradient finalisation, the backward passes hiding all but the last bucket under
     ``overlap_grad_reduce`` (at the SM share the hidden part takes from them), the next forward all but the last
-    bucket's gather under ``overlap_param_gather``; on a profiled cluster with the tied embedding's and the token
-    count's syncs."""
+    bucket's gather under ``overlap_param_gather``; with the tied embedding's all-reduce between the first and the
+    last stage, and on a profiled cluster the token count's syncs."""
     job, layout, options, costs, overheads = (inputs.job, inputs.layout, inputs.options, inputs.collectives,
                                               inputs.overheads)
     dims, model = layout.dims, job.model
@@ -87,9 +92,8 @@ def step_sync(inputs: StepInputs) -> list[float]:
             sync_s = sum(overlapped(sync_s, min(inputs.backward_s[rank], sync_s * (1.0 - bucket_share))))
         if job.parallel.overlap_param_gather:
             gather_s *= bucket_share
-        exposed.append(sync_s + gather_s)
-        if overheads is not None:
-            exposed[rank] += tied_embedding_sync(job, costs, vocab_params, rank) * finalize_share + token_count_s
+        exposed.append(sync_s + gather_s + tied_embedding_sync(job, layout, costs, vocab_params, rank) * finalize_share
+                       + token_count_s)
     return exposed
 
 

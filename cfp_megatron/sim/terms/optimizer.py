@@ -24,7 +24,7 @@ def grad_norm_extra(costs: CollectiveCosts, tp: int, pp: int, world: int | None 
 def optimizer_step(inputs: StepInputs) -> list[float]:
     """Seconds of the optimizer step per pipeline rank over the parameters whose step the rank runs: the overheads
     probes' fit (base + per parameter) with the gradient norm's wider all-reduce on a profiled cluster, else the
-    memory traffic of the fitted bytes per parameter."""
+    memory traffic of the fitted bytes per parameter and the gradient norm's all-reduce."""
     job, dims, overheads = inputs.job, inputs.layout.dims, inputs.overheads
     sharding = Sharding.megatron(job, dims, fsdp=inputs.options.fsdp)
     out = []
@@ -33,8 +33,10 @@ def optimizer_step(inputs: StepInputs) -> list[float]:
             out.append(0.0)
             continue
         shard_params = sharding.optimizer_params(inputs.params[rank], inputs.expert_params[rank])
-        if overheads is None:
-            out.append(inputs.kernels.memory(shard_params * inputs.efficiency.optimizer_bytes_per_param))
+        if overheads is None:  # the HBM traffic, and the gradient norm's all-reduce over its whole group
+            out.append(inputs.kernels.memory(shard_params * inputs.efficiency.optimizer_bytes_per_param)
+                       + grad_norm_extra(inputs.collectives, 1, dims.tp * dims.pp,
+                                         dims.world_size if sharding.sharded is Sharded.optimizer else None))
             continue
         out.append(overheads.step_base_s + overheads.step_per_param_s * shard_params
                    + grad_norm_extra(inputs.collectives, dims.tp, dims.pp,

@@ -18,26 +18,54 @@ from cfp_megatron.sim.schedule import ScheduleResult, run_schedule
 from cfp_megatron.sim.terms.base import CostTerm, Lane, LaneKind, MemoryCategory, Placement, StepTimes
 
 
-def exchange_fit(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts) -> float:
-    """What the send/receive fit gives for the activation one micro-batch hands to the next pipeline stage (this
-    rank's TP and CP share), within or across nodes as the layout places the pipeline."""
+def exchange_fit(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, *,
+                 crosses: bool | None = None, scatter_gather: bool = False) -> float:
+    """What the send/receive fit gives for the activation one micro-batch hands to the next pipeline stage, as
+    Megatron-Core's ``get_tensor_shapes`` sizes it (sequence / CP x micro-batch x hidden in the pipeline dtype, the
+    sequence also split over TP under sequence parallelism: every TP rank sends the whole tensor without it), across
+    NVLink domains where ``crosses`` (default: where the layout's first pair of stages does). ``scatter_gather``:
+    Megatron-LM's exchange before Megatron-Core (:attr:`~cfp_megatron.sim.options.SimOptions.pipeline_scatter_gather`):
+    each TP rank sends its 1/TP share and the receiving stage all-gathers the tensor over TP."""
     dims = layout.dims
-    tokens = layout.micro_batch * layout.seq_length / dims.cp
-    return costs.seconds(Collective.send_recv, tokens * job.model.hidden_size * kernels.elem / dims.tp, 2,
-                         2 if layout.pp_intra_node else 1)
+    crosses = not layout.pp_intra_node if crosses is None else crosses
+    message = layout.micro_batch * layout.seq_length / dims.cp * job.model.hidden_size * kernels.elem
+    split = dims.tp if dims.sp or scatter_gather else 1
+    seconds = costs.seconds(Collective.send_recv, message / split, 2, 1 if crosses else 2)
+    if scatter_gather and not dims.sp and dims.tp > 1:
+        seconds += costs.seconds(Collective.all_gather, message, dims.tp, layout.tp_per_node)
+    return seconds
 
 
-def shared_cores_schedule(f_s: list[list[float]], b_s: list[list[float]], p2p: float, microbatches: int,
-                          slowdown: float, with_events: bool, options: SimOptions) -> ScheduleResult:
+def exchange_fits(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts,
+                  options: SimOptions) -> tuple[float, ...]:
+    """:func:`exchange_fit` per pipeline rank ``r`` for its exchange with rank ``r + 1`` (the last: rank ``pp - 1``
+    with rank 0), across NVLink domains where the layout's pair crosses them (:attr:`Layout.pp_crossings`)."""
+    crossings = layout.pair_crossings
+    found: dict[bool, float] = {}
+    for crosses in crossings:
+        if crosses not in found:
+            found[crosses] = exchange_fit(job, layout, kernels, costs, crosses=crosses,
+                                          scatter_gather=options.pipeline_scatter_gather)
+    return tuple(found[crosses] for crosses in crossings)
+
+
+def shared_cores_schedule(f_s: list[list[float]], b_s: list[list[float]], p2p: float | tuple[float, ...],
+                          microbatches: int, slowdown: float, with_events: bool, options: SimOptions, *,
+                          blocking: bool = False) -> ScheduleResult:
     """The pipeline schedule where ranks share fewer cores than there are ranks (CPU): ``f_s`` and ``b_s`` are
-    forward and backward seconds per rank and chunk, ``p2p`` the send/receive seconds, ``slowdown`` how much slower
-    a rank runs with every rank busy than alone. Why it is bounded the way it is: docs/simulator.md,
-    "Shared cores"."""
+    forward and backward seconds per rank and chunk, ``p2p`` the send/receive seconds (one figure, or one per rank
+    for its exchange with the next, as :func:`~cfp_megatron.sim.schedule.run_schedule` takes them), ``slowdown``
+    how much slower a rank runs with every rank busy than alone, ``blocking`` the non-interleaved schedule's
+    exchanges as Megatron-Core runs them. Why it is bounded the way it is: docs/simulator.md, "Shared cores"."""
+    pp = len(f_s)
+    links = (float(p2p),) * pp if isinstance(p2p, (int, float)) else tuple(p2p)
     alone = run_schedule([[seconds / slowdown for seconds in row] for row in f_s],
                          [[seconds / slowdown for seconds in row] for row in b_s],
-                         p2p / slowdown, microbatches, keep_ops=with_events, max_ops=options.max_schedule_ops)
+                         tuple(seconds / slowdown for seconds in links), microbatches, blocking=blocking,
+                         keep_ops=with_events, max_ops=options.max_schedule_ops)
     busy_s = tuple(microbatches * (sum(fwd_row) + sum(bwd_row)) for fwd_row, bwd_row in zip(f_s, b_s, strict=True))
-    exchanges_s = tuple(2 * microbatches * len(fwd_row) * p2p for fwd_row in f_s)
+    # per micro-batch and chunk, an exchange with each neighbour (the one before and the one after)
+    exchanges_s = tuple(microbatches * len(f_s[rank]) * (links[rank - 1] + links[rank]) for rank in range(pp))
     mean_work_s = (sum(busy_s) + sum(exchanges_s)) / len(busy_s)
     return dataclasses.replace(alone, end_s=tuple(max(end_s, mean_work_s) for end_s in alone.end_s), busy_s=busy_s)
 
