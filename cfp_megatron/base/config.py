@@ -1243,6 +1243,11 @@ class TrainSpec:
                "lower train.min_lr.")
         _issue(issues, self.clip_grad >= 0, f"{p}.clip_grad", self.clip_grad, "must not be negative.",
                "use 0 to disable clipping.")
+        if self.checkpoint_dir is not None:
+            _issue(issues, bool(self.checkpoint_dir.strip()), f"{p}.checkpoint_dir", self.checkpoint_dir,
+                   "is empty (a shell variable that is not set?): the run would save no checkpoint, or resume from "
+                   "the current folder.", "name the folder, e.g. train.checkpoint_dir=ckpt/run1, or leave it out "
+                   "(null) to save no checkpoint.")
         if self.resume:
             _issue(issues, self.checkpoint_dir is not None, f"{p}.resume", True,
                    "resuming needs a checkpoint directory.",
