@@ -550,11 +550,33 @@ def test_a_resume_under_another_precision_is_refused_before_start(tmp_path: Path
     folder = _stated(tmp_path, MEGATRON, checkpoint.training_state("fp32"))
     with pytest.raises(CheckpointError, match=r"saved under other training settings than this run's: "
                                               r"train.precision: saved 'fp32', now 'bf16'.*Fix: resume with the saved "
-                                              r"settings \(train.precision=fp32\)"):
+                                              r"values"):
         _check(tmp_path, MEGATRON, state=checkpoint.training_state("bf16"))
     assert _check(tmp_path, MEGATRON, state=checkpoint.training_state("fp32")) == 4
     with pytest.raises(CheckpointError, match="train.precision: saved 'fp32', now 'bf16'"):  # and at the load
         checkpoint.check_state(folder, MEGATRON, checkpoint.training_state("bf16"))
+
+
+def test_a_resume_under_another_tokenizer_is_refused(tmp_path: Path) -> None:
+    """Two tokenizer.json files (the same vocabulary size: the model check passes): the checkpoint's embeddings
+    belong to the first; synthetic data records no tokenizer."""
+    from cfp_megatron.base.config import DataKind, DataSpec, TokenizerKind
+
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text('{"model": "a"}')
+    second.write_text('{"model": "b"}')
+
+    def data(path: Path | None) -> DataSpec:
+        return DataSpec(kind=DataKind.indexed, path=["corpus"], tokenizer=TokenizerKind.huggingface if path
+                        else TokenizerKind.byte, tokenizer_path=str(path) if path else None)
+
+    root = tmp_path / "ckpt"
+    _stated(root, MEGATRON, checkpoint.training_state("fp32", data(first)))
+    assert _check(root, MEGATRON, state=checkpoint.training_state("fp32", data(first))) == 4
+    assert _check(root, MEGATRON, state=checkpoint.training_state("fp32", DataSpec())) == 4
+    for other, shown in ((second, "'huggingface:"), (None, "'byte'")):
+        with pytest.raises(CheckpointError, match=rf"data.tokenizer: saved 'huggingface:[0-9a-f]+', now {shown}"):
+            _check(root, MEGATRON, state=checkpoint.training_state("fp32", data(other)))
 
 
 @pytest.mark.parametrize(("saved", "now", "refused"), [
@@ -574,7 +596,7 @@ def test_a_deepspeed_resume_keeps_what_its_zero_stage_needs(tmp_path: Path, save
     if refused is None:
         assert _check(tmp_path, ds.SCHEME, state=state) == 4
     else:
-        with pytest.raises(CheckpointError, match=rf"{re.escape(refused)}.*DeepSpeed backend cannot load"):
+        with pytest.raises(CheckpointError, match=rf"{re.escape(refused)}.*settings its state depends on"):
             _check(tmp_path, ds.SCHEME, state=state)
     with pytest.raises(CheckpointError, match="train.precision: saved 'fp32', now 'bf16'"):
         _check(tmp_path, ds.SCHEME, state=ds.training_state("bf16", *saved))
@@ -618,7 +640,8 @@ def test_a_folder_another_tool_wrote_is_refused_even_when_trusted(tmp_path: Path
 
 
 def test_an_empty_checkpoint_dir_setting_is_refused() -> None:
-    """``train.checkpoint_dir=$CK`` with ``CK`` unset: not "no checkpoints", not the current folder."""
+    """``train.checkpoint_dir=$CK`` with ``CK`` unset: not "no checkpoints", not the current folder; ``~`` is the
+    home folder, for the saves as for the write checks."""
     from cfp_megatron.base.compose import compose_config
     from cfp_megatron.base.config import job_from_config
     from cfp_megatron.base.errors import ConfigError
@@ -626,6 +649,8 @@ def test_an_empty_checkpoint_dir_setting_is_refused() -> None:
     for value in ("", "  "):
         with pytest.raises(ConfigError, match=r"train.checkpoint_dir.*is empty \(a shell variable that is not set"):
             job_from_config(compose_config([f"train.checkpoint_dir={value}", "train.save_interval=2"]))
+    home = job_from_config(compose_config(["train.checkpoint_dir='~/ckpt'"])).train.checkpoint_dir
+    assert home == str(Path.home() / "ckpt")  # where the write checks look, not a folder named '~'
 
 
 # --- drills: torchrun --------------------------------------------------------------------------------------------

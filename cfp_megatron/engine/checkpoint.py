@@ -90,7 +90,7 @@ def state_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 
 MEGATRON = Scheme(backend="Megatron", folder="iter_{:07d}", pattern=r"iter_([0-9]+)", pointer=LATEST,
-                  pointer_text="{}", pointer_pattern=r"([0-9]+)", choose="backend=megatron (the default)")
+                  pointer_text="{}", pointer_pattern=r"([0-9]+)", choose="backend=megatron")
 """The Megatron backend's folders (Megatron-LM's names: seven digits, more from step 10,000,000)."""
 DEEPSPEED_NAMES = Scheme(backend="DeepSpeed", folder="global_step{}", pattern=r"global_step([0-9]+)",
                          pointer="latest", pointer_text="global_step{}", pointer_pattern=r"global_step([0-9]+)",
@@ -102,11 +102,27 @@ SCHEMES = (MEGATRON, DEEPSPEED_NAMES)
 """Every backend's folder names."""
 
 
-def training_state(precision: Any) -> dict[str, Any]:
-    """What a Megatron checkpoint's saved state depends on beyond the model (its optimizer keeps fp32 main weights
-    under bf16/fp16, none under fp32), recorded by a save and compared by a resume: ``train.precision``, resolved
-    (``auto`` is bf16 on GPUs, fp32 on CPU)."""
-    return {"train.precision": getattr(precision, "value", precision)}
+def training_state(precision: Any, data: Any = None) -> dict[str, Any]:
+    """What a Megatron checkpoint's saved state depends on beyond the model, recorded by a save and compared by a
+    resume: ``train.precision``, resolved (``auto`` is bf16 on GPUs, fp32 on CPU; the optimizer keeps fp32 main
+    weights under bf16/fp16, none under fp32), and the tokenizer of ``data`` (:func:`tokenizer_state`)."""
+    return {"train.precision": getattr(precision, "value", precision), **tokenizer_state(data)}
+
+
+def tokenizer_state(data: Any) -> dict[str, Any]:
+    """``data.tokenizer`` of an indexed dataset's ``data`` (a DataSpec): ``byte``, or ``huggingface:`` and the
+    hash of its ``tokenizer.json``, so a resume under another tokenizer with a vocabulary of the same size (whose
+    ids mean other tokens to the saved embeddings) is refused; nothing for synthetic data (no tokenizer) or a file
+    that cannot be read (the data checks report it)."""
+    if data is None or getattr(data.kind, "value", data.kind) != "indexed":
+        return {}
+    kind = getattr(data.tokenizer, "value", data.tokenizer)
+    if kind != "huggingface" or data.tokenizer_path is None:
+        return {"data.tokenizer": kind}
+    try:
+        return {"data.tokenizer": f"{kind}:{manifest.file_digest(Path(data.tokenizer_path))}"}
+    except OSError:
+        return {}
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -317,11 +333,12 @@ def check_state(folder: Path, scheme: Scheme, state: dict[str, Any] | None) -> N
         return
     differences = (scheme.state_differences or state_differences)(saved, state)
     if differences:
-        keep = " ".join(f"{key}={saved[key]}" for key in sorted(saved) if "." in key)
         raise CheckpointError(
-            f"{folder} was saved under other training settings than this run's: {'; '.join(differences)}. The "
-            f"{scheme.backend} backend cannot load a checkpoint's optimizer state under these changes. Fix: resume "
-            f"with the saved settings ({keep}), or start afresh with train.resume=false and a new {KEY}.")
+            f"{folder} was saved under other training settings than this run's: {'; '.join(differences)}. A "
+            f"checkpoint resumes only under the settings its state depends on (the {scheme.backend} backend's "
+            "optimizer state follows the precision, DeepSpeed's also its ZeRO stage and data-parallel size; the "
+            "embeddings follow the tokenizer). Fix: resume with the saved values, or start afresh with "
+            f"train.resume=false and a new {KEY}.")
 
 
 def _newest_verified(root: Path, folders: dict[int, Path], scheme: Scheme, *, trust_unverified: bool,

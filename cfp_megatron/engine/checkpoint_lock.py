@@ -244,8 +244,8 @@ def check(root: str | os.PathLike[str] | None, *, me: Owner | None = None,
         return lock.token
     if lock.host == me.host and not _alive(lock):
         if note is not None:
-            note(f"{Path(root) / LOCK} names {lock.describe()}, which is gone: this job takes the folder over "
-                 "(its unfinished saves, *.partial, are removed by this job's saves).")
+            note(f"{Path(root) / LOCK} names {lock.describe()}, which is gone, so the folder is free: this job "
+                 "takes it over once it starts (and its saves remove that job's unfinished ones, *.partial).")
         return None
     raise _refusal(root, lock)
 

@@ -92,7 +92,7 @@ def check_checkpoint_dir(job: JobSpec, *, restarted: bool, writer: str | None, n
                                       fix="set train.checkpoint_dir, or train.resume=false."))
     pins = backend.pins() if backend is not None else {}
     stage = pins.get("zero_stage", None if planned or backend is None else 0)  # a hand plan's default: stage 0
-    state = ds_checkpoint.training_state(resolve_precision(t.precision, on_gpu), stage, world)
+    state = ds_checkpoint.training_state(resolve_precision(t.precision, on_gpu), stage, world, job.data)
     return ds_checkpoint.check_before_start(t.checkpoint_dir, resume=t.resume, restarted=restarted,
                                             trust_unverified=t.trust_unverified_checkpoint, steps=t.steps,
                                             save_interval=t.save_interval, model=job.model, state=state,

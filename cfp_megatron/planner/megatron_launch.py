@@ -54,7 +54,7 @@ class MegatronLaunch:
         from cfp_megatron.engine import checkpoint  # torch: a launch only
 
         t = job.train
-        state = checkpoint.training_state(resolve_precision(t.precision, torch.cuda.is_available()))
+        state = checkpoint.training_state(resolve_precision(t.precision, torch.cuda.is_available()), job.data)
         return checkpoint.check_before_start(t.checkpoint_dir, resume=t.resume, restarted=restarted,
                                              trust_unverified=t.trust_unverified_checkpoint, steps=t.steps,
                                              save_interval=t.save_interval, model=job.model, state=state,

@@ -42,6 +42,7 @@ from cfp_megatron.engine.checkpoint import (
     recovery_fix,
     state_differences,
 )
+from cfp_megatron.engine.checkpoint import training_state as megatron_training_state
 
 LATEST = DEEPSPEED_NAMES.pointer
 """DeepSpeed's pointer file: the tag (folder name) of the newest complete checkpoint."""
@@ -80,11 +81,11 @@ SCHEME = dataclasses.replace(DEEPSPEED_NAMES, state_differences=zero_differences
 its saved state's are :func:`zero_differences`."""
 
 
-def training_state(precision: Any, zero_stage: int | None, ranks: int | None) -> dict[str, Any]:
-    """What a DeepSpeed checkpoint's optimizer state depends on, recorded by a save and compared by a resume: the
-    precision (resolved), the ZeRO stage and the data-parallel size (each left out where not known yet: a stage
-    the search will choose)."""
-    state: dict[str, Any] = {"train.precision": getattr(precision, "value", precision)}
+def training_state(precision: Any, zero_stage: int | None, ranks: int | None, data: Any = None) -> dict[str, Any]:
+    """What a DeepSpeed checkpoint's saved state depends on, recorded by a save and compared by a resume: the
+    Megatron backend's (:func:`.checkpoint.training_state`: precision, tokenizer), the ZeRO stage and the
+    data-parallel size (each left out where not known yet: a stage the search will choose)."""
+    state = megatron_training_state(precision, data)
     if zero_stage is not None:
         state[STAGE] = zero_stage
     if ranks is not None:

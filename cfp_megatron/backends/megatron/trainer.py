@@ -42,7 +42,7 @@ def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step
     if start_step is not None and t.checkpoint_dir is not None:
         extra = checkpoint.load(t.checkpoint_dir, start_step, state.chunks, state.optimizer, state.scheduler,
                                 heterogeneous=job.parallel.primepar_layers is not None,
-                                state=checkpoint.training_state(precision))
+                                state=checkpoint.training_state(precision, job.data))
         state.step = start_step
         rank_watch.saved(str(checkpoint.step_dir(Path(t.checkpoint_dir), start_step)))
         log.event("resume", step=start_step, saved_under=extra.get("layout"), layout=dims.describe(),
@@ -119,6 +119,7 @@ def _save(state: TrainState, log: MetricsLog) -> None:
     folder = checkpoint.save(str(state.job.train.checkpoint_dir), state.step, state.chunks, state.optimizer,
                              state.scheduler, {"layout": state.dims.describe(), "model": state.job.model.name},
                              model=state.job.model, state=checkpoint.training_state(
-                                 resolve_precision(state.job.train.precision, torch.cuda.is_available())))
+                                 resolve_precision(state.job.train.precision, torch.cuda.is_available()),
+                                 state.job.data))
     rank_watch.saved(str(folder))
     log.event("checkpoint", step=state.step, path=str(folder))
