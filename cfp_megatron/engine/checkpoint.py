@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingException
 
+from cfp_megatron.base.config import DataKind, DataSpec, Precision, TokenizerKind
 from cfp_megatron.base.errors import CheckpointError
 from cfp_megatron.base.files import NotRegularFileError, read_regular, write_error
 from cfp_megatron.base.jsonio import json_plain
@@ -102,22 +103,22 @@ SCHEMES = (MEGATRON, DEEPSPEED_NAMES)
 """Every backend's folder names."""
 
 
-def training_state(precision: Any, data: Any = None) -> dict[str, Any]:
+def training_state(precision: Precision | str, data: DataSpec | None = None) -> dict[str, Any]:
     """What a Megatron checkpoint's saved state depends on beyond the model, recorded by a save and compared by a
     resume: ``train.precision``, resolved (``auto`` is bf16 on GPUs, fp32 on CPU; the optimizer keeps fp32 main
     weights under bf16/fp16, none under fp32), and the tokenizer of ``data`` (:func:`tokenizer_state`)."""
-    return {"train.precision": getattr(precision, "value", precision), **tokenizer_state(data)}
+    return {"train.precision": Precision(precision).value, **tokenizer_state(data)}
 
 
-def tokenizer_state(data: Any) -> dict[str, Any]:
-    """``data.tokenizer`` of an indexed dataset's ``data`` (a DataSpec): ``byte``, or ``huggingface:`` and the
-    hash of its ``tokenizer.json``, so a resume under another tokenizer with a vocabulary of the same size (whose
-    ids mean other tokens to the saved embeddings) is refused; nothing for synthetic data (no tokenizer) or a file
-    that cannot be read (the data checks report it)."""
-    if data is None or getattr(data.kind, "value", data.kind) != "indexed":
+def tokenizer_state(data: DataSpec | None) -> dict[str, Any]:
+    """``data.tokenizer`` of an indexed dataset: ``byte``, or ``huggingface:`` and the hash of its
+    ``tokenizer.json``, so a resume under another tokenizer with a vocabulary of the same size (whose ids mean other
+    tokens to the saved embeddings) is refused; nothing for synthetic data (no tokenizer) or a file that cannot be
+    read (the data checks report it)."""
+    if data is None or data.kind is not DataKind.indexed:
         return {}
-    kind = getattr(data.tokenizer, "value", data.tokenizer)
-    if kind != "huggingface" or data.tokenizer_path is None:
+    kind = data.tokenizer.value
+    if data.tokenizer is not TokenizerKind.huggingface or data.tokenizer_path is None:
         return {"data.tokenizer": kind}
     try:
         return {"data.tokenizer": f"{kind}:{manifest.file_digest(Path(data.tokenizer_path))}"}
@@ -200,6 +201,12 @@ def near_misses(root: str | os.PathLike[str], scheme: Scheme) -> list[str]:
             and re.fullmatch(scheme.pattern, p.name, flags=re.ASCII) and scheme.step_of(p.name) is None]
 
 
+def _names(folders: dict[int, Path]) -> str:
+    """The newest three step folders' names, and how many more."""
+    shown = ", ".join(p.name for p in list(folders.values())[-3:])
+    return shown + (f" and {len(folders) - 3} more" if len(folders) > 3 else "")
+
+
 def _what_is_there(base: Path, scheme: Scheme) -> str:
     """Why a folder holding no checkpoint of ``scheme`` holds none, as far as it can be seen: missing, the other
     backend's checkpoints, step folders with odd names, unfinished saves (empty when nothing is there)."""
@@ -209,8 +216,7 @@ def _what_is_there(base: Path, scheme: Scheme) -> str:
     for other in SCHEMES:
         theirs = step_folders(base, other) if other.backend != scheme.backend else {}
         if theirs:
-            names = ", ".join(p.name for p in list(theirs.values())[-3:])
-            said.append(f"it holds {other.backend} checkpoints ({names}): resume those with {other.choose}")
+            said.append(f"it holds {other.backend} checkpoints ({_names(theirs)}): resume those with {other.choose}")
     odd = near_misses(base, scheme)
     if odd:
         said.append(f"{', '.join(odd[:3])} {'is' if len(odd) == 1 else 'are'} named like a step folder but not as "
@@ -404,14 +410,12 @@ def check_folder(root: str | None, scheme: Scheme, *, resume: bool, restarted: b
                                   f"Fix: point {KEY} at the folder an earlier run saved into, or set "
                                   "train.resume=false.")
     else:
-        held = {other.backend: step_folders(base, other) for other in SCHEMES if other.backend != scheme.backend}
-        held = {scheme.backend: folders, **{k: v for k, v in held.items() if v}}
-        if any(held.values()) or pointed is not None:
-            names = "; ".join(f"{backend}: " + ", ".join(p.name for p in list(found_.values())[-3:])
-                              + (f" and {len(found_) - 3} more" if len(found_) > 3 else "")
-                              for backend, found_ in held.items() if found_)
+        others = {o: found_ for o in SCHEMES if o.backend != scheme.backend and (found_ := step_folders(base, o))}
+        if folders or pointed is not None or others:
+            held = [(s, f) for s, f in ((scheme, folders), *others.items()) if f]
+            names = "; ".join(f"{s.backend}: {_names(f)}" for s, f in held)
             said = f"; {scheme.pointer} names step {pointed}" if pointed is not None else f"; no {scheme.pointer}"
-            other = next((o for o in SCHEMES if o.backend != scheme.backend and held.get(o.backend)), None)
+            other = next(iter(others), None)
             cont = ("set train.resume=true to continue" if other is None else
                     f"to continue, set train.resume=true (with {other.choose} for its {other.backend} checkpoints)")
             raise CheckpointError(f"{KEY}={root!r} already holds checkpoints ({names}{said}) and train.resume=false; "

@@ -149,7 +149,8 @@ def folder_problem(root: str | os.PathLike[str]) -> str | None:
     if not stat.S_ISDIR(mode):
         return f"{path} is not a folder"
     try:
-        os.listdir(path)
+        os.listdir(path)  # read permission
+        os.stat(os.path.join(path, "."))  # search permission: its files can be opened
     except OSError as err:
         return f"the folder {path} cannot be read ({err.strerror or err})"
     return None

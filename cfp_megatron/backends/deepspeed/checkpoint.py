@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cfp_megatron.base.config import DataSpec, Precision
 from cfp_megatron.base.errors import CheckpointError
 from cfp_megatron.base.jsonio import json_plain
 from cfp_megatron.engine import checkpoint_lock, manifest
@@ -81,7 +82,8 @@ SCHEME = dataclasses.replace(DEEPSPEED_NAMES, state_differences=zero_differences
 its saved state's are :func:`zero_differences`."""
 
 
-def training_state(precision: Any, zero_stage: int | None, ranks: int | None, data: Any = None) -> dict[str, Any]:
+def training_state(precision: Precision | str, zero_stage: int | None, ranks: int | None,
+                   data: DataSpec | None = None) -> dict[str, Any]:
     """What a DeepSpeed checkpoint's saved state depends on, recorded by a save and compared by a resume: the
     Megatron backend's (:func:`.checkpoint.training_state`: precision, tokenizer), the ZeRO stage and the
     data-parallel size (each left out where not known yet: a stage the search will choose)."""
