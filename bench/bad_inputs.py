@@ -1125,7 +1125,7 @@ def _checkpoint_ownership_cases() -> list[Case]:
         return Path(tempfile.mkdtemp(prefix="ckpt-", dir=_mkdir(work / "ownership")))
 
     def folder(root: Path, step: int, *, ds: bool = False, pointer: bool = True, writer: str | None = None,
-               model: object = None, manifest_: bool = True) -> Path:
+               model: object = None, manifest_: bool = True, state: dict | None = None) -> Path:
         from cfp_megatron.base.jsonio import json_plain
         from cfp_megatron.engine import manifest
 
@@ -1134,7 +1134,7 @@ def _checkpoint_ownership_cases() -> list[Case]:
         (path / "shard.distcp").write_bytes(os.urandom(128))
         if manifest_:
             manifest.write_manifest(path, {"model": json_plain(model) if model is not None else None,
-                                           "writer": writer})
+                                           "writer": writer, "state": state})
         if pointer:
             (root / latest).write_text(f"global_step{step}" if ds else f"{step}\n")
         return path
@@ -1148,8 +1148,8 @@ def _checkpoint_ownership_cases() -> list[Case]:
                 from cfp_megatron.backends.deepspeed.checkpoint import SCHEME as scheme
             root = make(fresh(work))
             kw.setdefault("resume", True)
-            return in_process(lambda: check_folder(str(root), scheme, restarted=False, trust_unverified=False,
-                                                   note=print, **kw))
+            kw.setdefault("trust_unverified", False)
+            return in_process(lambda: check_folder(str(root), scheme, restarted=False, note=print, **kw))
         return run
 
     def two(root: Path, *, ds: bool = False, pointer: bool = False) -> Path:
@@ -1316,6 +1316,7 @@ def _checkpoint_ownership_cases() -> list[Case]:
         ds = "backend=deepspeed" in overrides
         found.append(Case(id=cid, command="train", what=what, names=names, report_ok=report,
                           run=train(overrides, lambda r, d=ds: (folder(r, 4, ds=d, model=gpt_tiny()), r)[1])))
+    found.extend(_checkpoint_review_cases(folder, fresh, check, lock_check, train, gpt_tiny))
     if os.geteuid() == 0:
         for cid, ds in [("own-train-full-disk", False), ("own-train-full-disk-ds", True)]:
             found.append(Case(id=cid, command="train", mode="torchrun", names=("the disk is full",),
@@ -1323,6 +1324,181 @@ def _checkpoint_ownership_cases() -> list[Case]:
                                    f"{'backend=deepspeed ' if ds else ''}train.checkpoint_dir=<a 5 MB tmpfs>",
                               run=lambda work, d=ds: torchrun_full_disk(work, d)))
     return found
+
+
+def _checkpoint_review_cases(folder: Callable[..., Path], fresh: Callable[[Path], Path],
+                             check: Callable[..., Callable[[Path], Result]],
+                             lock_check: Callable[[Callable[[Path], Path]], Callable[[Path], Result]],
+                             train: Callable[[Sequence[str], Callable[[Path], Path]], Callable[[Path], Result]],
+                             gpt_tiny: Callable[[], object]) -> list[Case]:
+    """The second review's checkpoint cases (part of :func:`_checkpoint_ownership_cases`, with its helpers): step
+    folders named almost right, a checkpoint folder inside another's step folder or that is no folder, the other
+    backend's checkpoints, only unfinished saves, lock and manifest fields of the wrong type or kind, named pipes,
+    a resume under another precision, ZeRO stage or data-parallel size, an empty setting, another tool's folder."""
+    from cfp_megatron.engine.checkpoint import LATEST
+
+    found: list[Case] = []
+
+    def renamed(root: Path, new: str, *, ds: bool = False) -> Path:
+        folder(root, 4, ds=ds, pointer=False, model=gpt_tiny()).rename(root / new)
+        return root
+
+    def inside(work: Path) -> Result:
+        from cfp_megatron.engine.checkpoint import MEGATRON, check_folder
+
+        root = fresh(work)
+        folder(root, 2, model=gpt_tiny())
+        return in_process(lambda: check_folder(str(root / "iter_0000002"), MEGATRON, resume=False, restarted=False,
+                                               trust_unverified=False, steps=2))
+
+    def place(make: Callable[[Path], object]) -> Callable[[Path], Result]:
+        def run(work: Path) -> Result:
+            from cfp_megatron.engine.checkpoint import MEGATRON, check_folder
+
+            root = fresh(work) / "ckpt"
+            make(root)
+            return in_process(lambda: check_folder(str(root), MEGATRON, resume=True, restarted=False,
+                                                   trust_unverified=False))
+        return run
+
+    def lock_text(root: Path, **changes: object) -> Path:
+        from cfp_megatron.engine.checkpoint_lock import LOCK
+
+        fields = {"job": "j", "host": socket.gethostname(), "pid": os.getppid(), "started": None, "token": "t",
+                  **changes}
+        (_mkdir(root) / LOCK).write_text(json.dumps(fields))
+        return root
+
+    def lock_raw(root: Path, make: Callable[[Path], object]) -> Path:
+        from cfp_megatron.engine.checkpoint_lock import LOCK
+
+        make(_mkdir(root) / LOCK)
+        return root
+
+    def edited(root: Path, edit: Callable[[dict], object]) -> Path:
+        from cfp_megatron.engine.manifest import MANIFEST
+
+        path = folder(root, 4, model=gpt_tiny()) / MANIFEST
+        raw = json.loads(path.read_text())
+        out = edit(raw)
+        path.write_text(out if isinstance(out, str) else json.dumps(raw))
+        return root
+
+    def fifo_in_place(root: Path, name: str) -> Path:
+        from cfp_megatron.engine.manifest import MANIFEST
+
+        step = folder(root, 4, model=gpt_tiny())
+        target = step / MANIFEST if name == MANIFEST else root / name
+        target.unlink()
+        os.mkfifo(target)
+        return root
+
+    def other_tool(root: Path) -> Path:
+        import torch
+
+        torch.save({"iteration": 4}, _mkdir(root / "iter_0000004" / "mp_rank_00") / "model_optim_rng.pt")
+        (root / LATEST).write_text("4\n")
+        return root
+
+    def stated(root: Path, state: dict, *, ds: bool = False) -> Path:
+        folder(root, 4, ds=ds, model=gpt_tiny(), state=state)
+        return root
+
+    eight = ["model.num_layers=8"]
+    C = "checkpoint"
+    for cid, what, run, names, report in [
+            ("own-odd-width", "train.resume=true, the only step folder named iter_00000004 (eight digits)",
+             check(lambda r: renamed(r, "iter_00000004")), ("iter_00000004",), False),
+            ("own-ds-odd-tag", "DeepSpeed resume, the only step folder named global_step04",
+             check(lambda r: renamed(r, "global_step04", ds=True), ds=True), ("global_step04",),
+             False),
+            ("own-inside-step-folder", "a fresh run whose train.checkpoint_dir is another checkpoint's iter_0000002",
+             inside, ("is the step folder",), False),
+            ("own-dir-is-file", "train.resume=true, train.checkpoint_dir a file", place(lambda r: r.write_text("x")),
+             ("is not a folder",), False),
+            ("own-dir-link-loop", "train.resume=true, train.checkpoint_dir a symbolic link loop",
+             place(lambda r: (r.symlink_to(r.with_name("b")), r.with_name("b").symlink_to(r))),
+             ("leads back to itself",), False),
+            ("own-dir-dangling-link", "train.resume=true, train.checkpoint_dir a symbolic link to nothing",
+             place(lambda r: r.symlink_to(r.with_name("gone"))), ("does not exist",), False),
+            ("own-other-backend-resume", "the Megatron backend resuming a folder of DeepSpeed checkpoints",
+             check(lambda r: (folder(r, 4, ds=True), r)[1]), ("backend=deepspeed",), False),
+            ("own-other-backend-fresh", "a fresh Megatron run into a folder of DeepSpeed checkpoints",
+             check(lambda r: (folder(r, 4, ds=True), r)[1], resume=False, steps=2), ("global_step4",), False),
+            ("own-only-partial", "train.resume=true, the folder holding only an unfinished save (iter_0000002.partial)",
+             check(lambda r: (_mkdir(r / "iter_0000002.partial"), r)[1]), ("iter_0000002.partial",), False),
+            ("own-lock-pid-zero", "cfp_lock.json naming pid 0 (kill(0) signals the caller's own group)",
+             lock_check(lambda r: lock_text(r, pid=0)), ("cfp_lock.json",), False),
+            ("own-lock-pid-huge", "cfp_lock.json naming pid 2**40", lock_check(lambda r: lock_text(r, pid=1 << 40)),
+             ("cfp_lock.json",), False),
+            ("own-lock-started-inf", "cfp_lock.json with started 1e400 (infinite)",
+             lock_check(lambda r: lock_raw(r, lambda p: p.write_text(json.dumps(
+                 {"job": "j", "host": socket.gethostname(), "pid": 1, "started": None, "token": "t"}).replace(
+                 "null", "1e400")))),
+             ("cfp_lock.json",), False),
+            ("own-lock-dup-keys", "cfp_lock.json giving pid twice (a live pid, then a dead one)",
+             lock_check(lambda r: lock_raw(r, lambda p: p.write_text(
+                 json.dumps({"job": "j", "host": socket.gethostname(), "pid": os.getppid(), "started": None,
+                             "token": "t"})[:-1] + ', "pid": 4194000}'))), ("cfp_lock.json",), False),
+            ("own-lock-dangling-link", "cfp_lock.json a symbolic link to nothing",
+             lock_check(lambda r: lock_raw(r, lambda p: p.symlink_to(p.with_name("gone.json")))),
+             ("cfp_lock.json",), False),
+            ("own-lock-fifo", "cfp_lock.json a named pipe", lock_check(lambda r: lock_raw(r, os.mkfifo)),
+             ("cfp_lock.json",), False),
+            ("own-manifest-no-model", "a manifest with its model removed, resumed with model.num_layers=8",
+             check(lambda r: edited(r, lambda raw: raw.pop("model")), model=_model(eight)), ("cfp_manifest.json",),
+             False),
+            ("own-manifest-model-string", "a manifest whose model is the string 'gpt_tiny', model.num_layers=8",
+             check(lambda r: edited(r, lambda raw: raw.__setitem__("model", "gpt_tiny")), model=_model(eight)),
+             ("cfp_manifest.json",), False),
+            ("own-manifest-dup-key", "a manifest giving 'model' twice (the second an 8-layer model)",
+             check(lambda r: edited(r, lambda raw: json.dumps(raw)[:-1] + ', "model": {"num_layers": 8}}'),
+                   model=_model(eight)), ("cfp_manifest.json",), False),
+            ("own-manifest-outside", "a manifest listing /etc/hostname among its files",
+             check(lambda r: edited(r, lambda raw: raw["files"].__setitem__(
+                 "/etc/hostname", {"size": 1, "digest": "0" * 32}))), ("cfp_manifest.json",), False),
+            ("own-manifest-fifo", "cfp_manifest.json a named pipe (train.trust_unverified_checkpoint=true)",
+             check(lambda r: fifo_in_place(r, "cfp_manifest.json"), trust_unverified=True),
+             ("cfp_manifest.json",), False),
+            ("own-pointer-fifo", "latest_checkpointed_iteration.txt a named pipe",
+             check(lambda r: fifo_in_place(r, LATEST)), (LATEST,), False)]:
+        found.append(Case(id=cid, command=C, what=what, names=names, run=run, report_ok=report))
+    fp32 = {"train.precision": "fp32"}
+    stage1 = {"train.precision": "fp32", "backend.zero_stage": 1, "data_parallel_size": 2}
+    for cid, what, overrides, make, names in [
+            ("own-precision", "launch/train.py train.precision=bf16 train.resume=true over an fp32 checkpoint",
+             ["train.precision=bf16", "train.steps=6"], lambda r: stated(r, fp32), ("train.precision",)),
+            ("own-ds-zero-family", "backend=deepspeed backend.zero_stage=0 resuming a ZeRO-1 checkpoint",
+             ["backend=deepspeed", "backend.zero_stage=0", "train.steps=6"], lambda r: stated(r, stage1, ds=True),
+             ("backend.zero_stage",)),
+            ("own-ds-dp", "backend=deepspeed backend.zero_stage=1 on 1 rank resuming a ZeRO-1 checkpoint of 2 ranks",
+             ["backend=deepspeed", "backend.zero_stage=1", "train.steps=6"], lambda r: stated(r, stage1, ds=True),
+             ("data-parallel ranks",)),
+            ("own-trust-other-tool", "train.trust_unverified_checkpoint=true over Megatron-LM's older mp_rank_00 "
+             "format", ["train.trust_unverified_checkpoint=true", "train.steps=6"], other_tool, ("iter_0000004",))]:
+        found.append(Case(id=cid, command="train", what=what, names=names, run=train(overrides, make)))
+    found.append(Case(id="own-dir-empty-setting", command="config", names=("train.checkpoint_dir",),
+                      what="train.checkpoint_dir= (a shell variable not set) train.save_interval=2",
+                      run=lambda work: in_process(lambda: check_train_config(["train.checkpoint_dir=",
+                                                                               "train.save_interval=2"]))))
+
+    def torchrun_inside(work: Path) -> Result:
+        root = fresh(work)
+        folder(root, 2, model=gpt_tiny())
+        return torchrun(1, [f"train.checkpoint_dir={root / 'iter_0000002'}"], work, timeout_s=240)
+
+    found.append(Case(id="own-train-inside-step-folder", command="train", mode="torchrun", names=("step folder",),
+                      what="torchrun --nproc_per_node=1 launch/train.py train.checkpoint_dir=<a checkpoint>/"
+                           "iter_0000002", run=torchrun_inside))
+    return found
+
+
+def _model(overrides: Sequence[str]) -> object:
+    """The ModelSpec ``overrides`` compose."""
+    from cfp_megatron.base.compose import compose_config
+    from cfp_megatron.base.config import job_from_config
+
+    return job_from_config(compose_config(list(overrides))).model
 
 
 class CaseSkipped(Exception):

@@ -341,6 +341,318 @@ def test_launch_checks_come_before_any_process_group(tmp_path: Path, backend: st
     assert not dist.is_initialized()
 
 
+# --- second review: names, places, the lock's and the manifest's fields, the saved state -------------------
+@pytest.mark.parametrize(("backend", "odd"), [("megatron", "iter_4"), ("megatron", "iter_00000004"),
+                                              ("deepspeed", "global_step04")])
+def test_step_folders_count_only_by_their_exact_name(tmp_path: Path, backend: str, odd: str) -> None:
+    """A folder named almost as a step folder is not read as one (its step's folder has another name, so a load
+    would miss it): a resume says what it found instead of resuming from it."""
+    scheme = SCHEMES[backend]
+    (_folder(tmp_path, scheme, 4, pointer=False)).rename(tmp_path / odd)
+    assert checkpoint.step_folders(tmp_path, scheme) == {}
+    with pytest.raises(CheckpointError, match=rf"holds no complete {scheme.backend} checkpoint.*{odd} is named "
+                                              rf"like a step folder but not as {scheme.backend} names them "
+                                              rf"\({scheme.folder.format(4)} for step 4\).*rename"):
+        _check(tmp_path, scheme)
+    assert _check(tmp_path, scheme, resume=False, steps=2) is None  # a fresh run leaves it alone
+
+
+def test_steps_past_ten_million_keep_their_folders(tmp_path: Path) -> None:
+    big = _folder(tmp_path, MEGATRON, 12_345_678, pointer=False)
+    assert big.name == "iter_12345678" and checkpoint.step_folders(tmp_path) == {12_345_678: big}
+    with pytest.raises(CheckpointError, match="already holds checkpoints"):
+        _check(tmp_path, MEGATRON, resume=False)
+
+
+@pytest.mark.parametrize("inside", ["iter_0000004", "iter_0000004/sub", "iter_0000002.partial"])
+def test_a_checkpoint_dir_in_another_checkpoints_step_folder_is_refused(tmp_path: Path, inside: str) -> None:
+    root = tmp_path / "ckpt"
+    _folder(root, MEGATRON, 4)
+    (root / "iter_0000002.partial").mkdir()
+    target = root / inside
+    before = sorted(p.name for p in (root / "iter_0000004").iterdir())
+    for resume in (True, False):
+        with pytest.raises(CheckpointError, match=rf"(is|lies inside) the step folder .*iter_000000[24].* of the "
+                                                  rf"checkpoint folder {root}.*train.checkpoint_dir='{root}'"):
+            _check(target, MEGATRON, resume=resume, steps=2)
+    link = tmp_path / "link"
+    link.symlink_to(root / "iter_0000004")  # the same place by another name
+    with pytest.raises(CheckpointError, match="is the step folder"):
+        _check(link, MEGATRON, resume=False)
+    assert sorted(p.name for p in (root / "iter_0000004").iterdir()) == before
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda p: p.write_text("x"), "is not a folder"),
+    (lambda p: p.symlink_to(p.with_name("nowhere")), "is a symbolic link to .*which does not exist"),
+    (lambda p: (p.symlink_to(p.with_name("loop2")), p.with_name("loop2").symlink_to(p)),
+     "is a symbolic link that leads back to itself"),
+])
+def test_a_checkpoint_dir_that_is_no_folder_is_one_error(tmp_path: Path, make, message: str) -> None:
+    root = tmp_path / "ckpt"
+    make(root)
+    for resume in (True, False):
+        with pytest.raises(CheckpointError, match=rf"train.checkpoint_dir='{root}': {root} {message}.*Fix: point"):
+            _check(root, MEGATRON, resume=resume)
+    assert checkpoint_lock.check(root) is None  # the lock check leaves it to the message above
+
+
+def test_an_unreadable_checkpoint_dir_is_one_error(tmp_path: Path) -> None:
+    """chmod 000 on the folder, on a step folder and on a manifest, checked as a user without root's override
+    (``setpriv`` drops it where the tests run as root)."""
+    root = tmp_path / "ckpt"
+    for step in (2, 4):
+        _folder(root, MEGATRON, step)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    probe = (f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
+             "from cfp_megatron.engine import checkpoint_lock, manifest\n"
+             "from cfp_megatron.base.errors import CfpError\n"
+             "for call in (lambda: print(checkpoint_lock.folder_problem(sys.argv[1])),\n"
+             "             lambda: manifest.verify(__import__('pathlib').Path(sys.argv[2]), trust_unverified=False,"
+             " fix='FIX'),\n"
+             "             lambda: manifest.verify(__import__('pathlib').Path(sys.argv[3]), trust_unverified=False,"
+             " fix='FIX')):\n"
+             "    try:\n        call()\n    except CfpError as err:\n        print(err)\n")
+    (root / "iter_0000002").chmod(0)
+    (root / "iter_0000004" / manifest.MANIFEST).chmod(0)
+    locked.chmod(0)
+    argv = [sys.executable, "-c", probe, str(locked), str(root / "iter_0000002"), str(root / "iter_0000004")]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: permissions cannot be denied")
+        argv = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *argv]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    finally:
+        for path in (locked, root / "iter_0000002", root / "iter_0000004" / manifest.MANIFEST):
+            path.chmod(0o700)
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stdout.splitlines()
+    assert f"the folder {locked} cannot be read (Permission denied)" in lines[0]
+    assert "iter_0000002 cannot be read (Permission denied). FIX" in lines[1]
+    assert "cfp_manifest.json cannot be read (Permission denied)" in lines[2]
+
+
+@pytest.mark.parametrize(("backend", "holds", "message"), [
+    ("megatron", lambda r: (_folder(r, ds.SCHEME, 4), r), r"it holds DeepSpeed checkpoints \(global_step4\): resume "
+                                                          r"those with backend=deepspeed"),
+    ("deepspeed", lambda r: (_folder(r, MEGATRON, 4), r), r"it holds Megatron checkpoints \(iter_0000004\): resume "
+                                                          r"those with backend=megatron"),
+    ("megatron", lambda r: (r.mkdir(), (r / "iter_0000002.partial").mkdir()), r"iter_0000002.partial: unfinished"),
+    ("megatron", lambda r: None, r"ckpt does not exist"),
+])
+def test_a_resume_from_a_folder_without_checkpoints_says_what_it_holds(tmp_path: Path, backend: str, holds,
+                                                                      message: str) -> None:
+    root = tmp_path / "ckpt"
+    holds(root)
+    with pytest.raises(CheckpointError, match=rf"holds no complete {SCHEMES[backend].backend} checkpoint.*{message}"):
+        _check(root, SCHEMES[backend])
+
+
+def test_a_fresh_run_refuses_the_other_backends_checkpoints(tmp_path: Path) -> None:
+    _folder(tmp_path, ds.SCHEME, 4)
+    with pytest.raises(CheckpointError, match=r"already holds checkpoints \(DeepSpeed: global_step4; no latest_"
+                                              r"checkpointed_iteration.txt\).*with backend=deepspeed"):
+        _check(tmp_path, MEGATRON, resume=False, steps=4)
+
+
+def _lock_text(**changes: object) -> str:
+    fields = {"job": "j", "host": socket.gethostname(), "pid": os.getppid(),
+              "started": checkpoint_lock.process_start(os.getppid()), "token": "t", **changes}
+    return json.dumps(fields)
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda p: p.write_text(_lock_text(pid=0)), "'pid' is 0, not a process id"),
+    (lambda p: p.write_text(_lock_text(pid=-1)), "'pid' is -1"),
+    (lambda p: p.write_text(_lock_text(pid=1 << 40)), "'pid' is 1099511627776"),
+    (lambda p: p.write_text(_lock_text(pid=True)), "'pid' is True"),
+    (lambda p: p.write_text(_lock_text(pid=1.5)), "'pid' is 1.5"),
+    (lambda p: p.write_text(_lock_text(started=1e400)), "'started' is inf"),
+    (lambda p: p.write_text(_lock_text(started="now")), "'started' is 'now'"),
+    (lambda p: p.write_text(_lock_text(host="")), "'host' is ''"),
+    (lambda p: p.write_text(_lock_text(token=None)), "'token' is None"),
+    (lambda p: p.write_text(_lock_text()[:-1] + ', "pid": 99999}'), "the key 'pid' appears twice"),
+    (lambda p: p.symlink_to(p.with_name("gone.json")), "is a symbolic link"),
+    (lambda p: p.symlink_to("/etc/hostname"), "is a symbolic link"),
+    (lambda p: os.mkfifo(p), "is a named pipe"),
+    (lambda p: p.write_bytes(b" " * (checkpoint_lock.LOCK_LIMIT + 1)), "is longer than"),
+])
+def test_a_lock_file_is_read_only_as_the_project_writes_it(tmp_path: Path, make, message: str) -> None:
+    """Fields of the wrong type or range (a pid the kernel never gives, a time that cannot be printed), duplicate
+    keys, a link, a named pipe (which would block the reader) or an oversized file: one error naming the file."""
+    make(tmp_path / checkpoint_lock.LOCK)
+    for call in (checkpoint_lock.check, checkpoint_lock.acquire):
+        with pytest.raises(CheckpointError, match=rf"cfp_lock.json.*{re.escape(message)}.*Fix:.*remove"):
+            call(tmp_path)
+
+
+def _edit_manifest(folder: Path, edit) -> None:
+    path = folder / manifest.MANIFEST
+    raw = json.loads(path.read_text())
+    out = edit(raw)
+    path.write_text(out if isinstance(out, str) else json.dumps(raw))
+
+
+def _first(raw: dict) -> dict:
+    return raw["files"][next(iter(raw["files"]))]
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda raw: raw.pop("model"), "a format-2 manifest records the model, and this one has none"),
+    (lambda raw: raw.__setitem__("model", "gpt_tiny"), "its 'model' is 'gpt_tiny', not a JSON object"),
+    (lambda raw: raw.__setitem__("model", None), "its 'model' is None"),
+    (lambda raw: raw.__setitem__("state", [1]), "its 'state' is [1]"),
+    (lambda raw: raw.__setitem__("writer", 5), "its 'writer' is 5, not a JSON string"),
+    (lambda raw: raw.__setitem__("format", True), "format True"),
+    (lambda raw: raw.__setitem__("format", 3), "format 3"),
+    (lambda raw: raw.__setitem__("files", []), "its 'files' is []"),
+    (lambda raw: _first(raw).__setitem__("size", float(_first(raw)["size"])), "not a byte count"),
+    (lambda raw: _first(raw).__setitem__("size", True), "not a byte count"),
+    (lambda raw: _first(raw).__setitem__("digest", "zz"), "not a blake2b-128 hex digest"),
+    (lambda raw: raw["files"].__setitem__("/etc/hostname", {"size": 1, "digest": "0" * 32}), "not a path inside"),
+    (lambda raw: raw["files"].__setitem__("../x", {"size": 1, "digest": "0" * 32}), "not a path inside"),
+    (lambda raw: json.dumps(raw)[:-1] + ', "model": {}}', "the key 'model' appears twice"),
+    (lambda raw: "[]", "it holds a JSON list"),
+])
+def test_a_manifest_is_read_only_as_a_save_writes_it(tmp_path: Path, edit, message: str) -> None:
+    """A manifest edited (a key removed, a field of the wrong type, a file outside the folder, a key given twice)
+    is one error naming it, before the model check or anything else reads it."""
+    folder = _folder(tmp_path, MEGATRON, 4, model=ModelSpec())
+    assert json.loads((folder / manifest.MANIFEST).read_text())["format"] == manifest.FORMAT == 2
+    _edit_manifest(folder, edit)
+    with pytest.raises(CheckpointError, match=rf"cfp_manifest.json cannot be read \(.*{re.escape(message)}"):
+        _check(tmp_path, MEGATRON, model=ModelSpec(num_layers=8))
+    assert manifest.read_record(folder) == {}  # the save-time checks see no writer either
+
+
+def test_a_manifest_or_pointer_that_is_a_named_pipe_does_not_block(tmp_path: Path) -> None:
+    folder = _folder(tmp_path, MEGATRON, 4, model=ModelSpec())
+    (folder / manifest.MANIFEST).unlink()
+    os.mkfifo(folder / manifest.MANIFEST)
+    with pytest.raises(CheckpointError, match="cfp_manifest.json is a named pipe"):
+        _check(tmp_path, MEGATRON)
+    assert manifest.read_record(folder) == {}
+    (tmp_path / checkpoint.LATEST).unlink()
+    os.mkfifo(tmp_path / checkpoint.LATEST)
+    with pytest.raises(CheckpointError, match=r"latest_checkpointed_iteration.txt is a named pipe.*not the pointer"):
+        _check(tmp_path, MEGATRON, resume=False)
+
+
+def _stated(root: Path, scheme: Scheme, state: dict) -> Path:
+    folder = _folder(root, scheme, 4, model=ModelSpec())
+    _edit_manifest(folder, lambda raw: raw.__setitem__("state", state))
+    return folder
+
+
+def test_a_resume_under_another_precision_is_refused_before_start(tmp_path: Path) -> None:
+    folder = _stated(tmp_path, MEGATRON, checkpoint.training_state("fp32"))
+    with pytest.raises(CheckpointError, match=r"saved under other training settings than this run's: "
+                                              r"train.precision: saved 'fp32', now 'bf16'.*Fix: resume with the saved "
+                                              r"values"):
+        _check(tmp_path, MEGATRON, state=checkpoint.training_state("bf16"))
+    assert _check(tmp_path, MEGATRON, state=checkpoint.training_state("fp32")) == 4
+    with pytest.raises(CheckpointError, match="train.precision: saved 'fp32', now 'bf16'"):  # and at the load
+        checkpoint.check_state(folder, MEGATRON, checkpoint.training_state("bf16"))
+
+
+def test_a_resume_under_another_tokenizer_is_refused(tmp_path: Path) -> None:
+    """Two tokenizer.json files (the same vocabulary size: the model check passes): the checkpoint's embeddings
+    belong to the first; synthetic data records no tokenizer."""
+    from cfp_megatron.base.config import DataKind, DataSpec, TokenizerKind
+
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text('{"model": "a"}')
+    second.write_text('{"model": "b"}')
+
+    def data(path: Path | None) -> DataSpec:
+        return DataSpec(kind=DataKind.indexed, path=["corpus"], tokenizer=TokenizerKind.huggingface if path
+                        else TokenizerKind.byte, tokenizer_path=str(path) if path else None)
+
+    root = tmp_path / "ckpt"
+    _stated(root, MEGATRON, checkpoint.training_state("fp32", data(first)))
+    assert _check(root, MEGATRON, state=checkpoint.training_state("fp32", data(first))) == 4
+    assert _check(root, MEGATRON, state=checkpoint.training_state("fp32", DataSpec())) == 4
+    for other, shown in ((second, "'huggingface:"), (None, "'byte'")):
+        with pytest.raises(CheckpointError, match=rf"data.tokenizer: saved 'huggingface:[0-9a-f]+', now {shown}"):
+            _check(root, MEGATRON, state=checkpoint.training_state("fp32", data(other)))
+
+
+@pytest.mark.parametrize(("saved", "now", "refused"), [
+    ((1, 2), (2, 2), None),  # stages 1 and 2 share their optimizer state's form
+    ((1, 2), (0, 2), "backend.zero_stage: saved 1, now 0"),
+    ((2, 2), (3, 2), "backend.zero_stage: saved 2, now 3"),
+    ((1, 2), (1, 1), "data-parallel ranks: saved 2, now 1"),
+    ((3, 4), (3, 2), "data-parallel ranks: saved 4, now 2"),
+    ((0, 2), (0, 1), None),  # stage 0 keeps whole states: any data-parallel size
+    ((1, 2), (None, 2), None),  # a stage the search will choose: compared when the plan loads it
+    ((1, 2), (None, 1), "data-parallel ranks: saved 2, now 1"),
+])
+def test_a_deepspeed_resume_keeps_what_its_zero_stage_needs(tmp_path: Path, saved: tuple, now: tuple,
+                                                            refused: str | None) -> None:
+    _stated(tmp_path, ds.SCHEME, ds.training_state("fp32", *saved))
+    state = ds.training_state("fp32", *now)
+    if refused is None:
+        assert _check(tmp_path, ds.SCHEME, state=state) == 4
+    else:
+        with pytest.raises(CheckpointError, match=rf"{re.escape(refused)}.*settings its state depends on"):
+            _check(tmp_path, ds.SCHEME, state=state)
+    with pytest.raises(CheckpointError, match="train.precision: saved 'fp32', now 'bf16'"):
+        _check(tmp_path, ds.SCHEME, state=ds.training_state("bf16", *saved))
+
+
+def test_a_planned_deepspeed_resume_keeps_the_saved_zero_stage(tmp_path: Path) -> None:
+    """``+cfp=auto`` with no stage pinned: the search keeps the checkpoint's stage (said), rather than choosing one
+    whose optimizer state DeepSpeed cannot load; a pinned stage, a hand plan and a fresh run are left as given."""
+    from cfp_megatron.base.backend_spec import BackendKind, BackendSpec
+    from cfp_megatron.base.compose import compose_config
+    from cfp_megatron.base.config import job_from_config
+    from cfp_megatron.planner.deepspeed_launch import DeepSpeedLaunch
+
+    _stated(tmp_path, ds.SCHEME, ds.training_state("fp32", 2, 2))
+    job = job_from_config(compose_config(["backend=deepspeed", f"train.checkpoint_dir={tmp_path}",
+                                          "train.resume=true"]))
+    free, pinned = BackendSpec(name=BackendKind.deepspeed), BackendSpec(name=BackendKind.deepspeed, zero_stage=1)
+    notes: list[str] = []
+    hooks = DeepSpeedLaunch()
+    assert hooks.resumed_backend(job, free, 4, planned=True, note=notes.append).zero_stage == 2
+    assert len(notes) == 1 and "global_step4 was saved under ZeRO stage 2: the search keeps it" in notes[0]
+    assert hooks.resumed_backend(job, pinned, 4, planned=True, note=notes.append) is pinned
+    assert hooks.resumed_backend(job, free, 4, planned=False, note=notes.append) is free
+    assert hooks.resumed_backend(job, free, None, planned=True, note=notes.append) is free
+    assert len(notes) == 1
+
+
+def test_a_folder_another_tool_wrote_is_refused_even_when_trusted(tmp_path: Path) -> None:
+    """Megatron-LM's older format (``mp_rank_00/model_optim_rng.pt``), loaded with the override: the first read
+    before the start is one error naming the folder, not dist_checkpointing's traceback."""
+    import torch
+
+    folder = tmp_path / "iter_0000004" / "mp_rank_00"
+    folder.mkdir(parents=True)
+    torch.save({"iteration": 4}, folder / "model_optim_rng.pt")
+    (tmp_path / checkpoint.LATEST).write_text("4\n")
+    assert _check(tmp_path, MEGATRON, trust_unverified=True) == 4
+    with pytest.raises(CheckpointError, match=r"iter_0000004 cannot be read \(CheckpointingException: .*not a "
+                                              r"distributed checkpoint"):
+        checkpoint.saved_distributed_optimizer(str(tmp_path), 4)
+
+
+def test_an_empty_checkpoint_dir_setting_is_refused() -> None:
+    """``train.checkpoint_dir=$CK`` with ``CK`` unset: not "no checkpoints", not the current folder; ``~`` is the
+    home folder, for the saves as for the write checks."""
+    from cfp_megatron.base.compose import compose_config
+    from cfp_megatron.base.config import job_from_config
+    from cfp_megatron.base.errors import ConfigError
+
+    for value in ("", "  "):
+        with pytest.raises(ConfigError, match=r"train.checkpoint_dir.*is empty \(a shell variable that is not set"):
+            job_from_config(compose_config([f"train.checkpoint_dir={value}", "train.save_interval=2"]))
+    home = job_from_config(compose_config(["train.checkpoint_dir='~/ckpt'"])).train.checkpoint_dir
+    assert home == str(Path.home() / "ckpt")  # where the write checks look, not a folder named '~'
+
+
 # --- drills: torchrun --------------------------------------------------------------------------------------------
 COMMON = ["model=gpt_tiny", "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_length=64",
           "train.precision=fp32"]

@@ -89,8 +89,17 @@ class LaunchHooks(Protocol):
         ...
 
     def check_before_start(self, job: JobSpec, *, restarted: bool, writer: str | None,
-                           note: Callable[[str], None]) -> int | None:
-        """The checkpoint step to resume from by its folder's rules (``None``: a fresh start)."""
+                           note: Callable[[str], None], backend: BackendSpec | None = None,
+                           world: int | None = None, planned: bool = False) -> int | None:
+        """The checkpoint step to resume from by its folder's rules (``None``: a fresh start), its saved training
+        state compared with what ``backend`` on ``world`` ranks would train with, where known before the plan
+        (``planned``: the plan comes from ``cfp``, so what it leaves open is compared when it loads)."""
+        ...
+
+    def resumed_backend(self, job: JobSpec, backend: BackendSpec, start_step: int | None, *, planned: bool,
+                        note: Callable[[str], None]) -> BackendSpec:
+        """``backend`` with what a resumed checkpoint fixes and a search would otherwise choose (DeepSpeed: its
+        ZeRO stage), said in ``note``; ``backend`` itself where nothing is fixed."""
         ...
 
     def resume_pin(self, job: JobSpec, cfp: CfpSpec, start_step: int | None, *, planned: bool) -> bool | None:

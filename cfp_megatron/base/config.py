@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import functools
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -1191,7 +1192,7 @@ class TrainSpec:
     save_interval: int = 0
     """Steps between checkpoints; 0 saves only at the end. Needs ``checkpoint_dir``."""
     checkpoint_dir: str | None = None
-    """Where checkpoints go; ``None`` disables checkpointing."""
+    """Where checkpoints go (``~`` is the home folder); ``None`` disables checkpointing."""
     resume: bool = False
     """Continue from the latest checkpoint in ``checkpoint_dir`` (at its exact step)."""
     trust_unverified_checkpoint: bool = False
@@ -1244,6 +1245,13 @@ class TrainSpec:
                "lower train.min_lr.")
         _issue(issues, self.clip_grad >= 0, f"{p}.clip_grad", self.clip_grad, "must not be negative.",
                "use 0 to disable clipping.")
+        if self.checkpoint_dir is not None:
+            # '~' as the shell would (the write checks do): not a folder named '~' in the current one
+            object.__setattr__(self, "checkpoint_dir", os.path.expanduser(self.checkpoint_dir))
+            _issue(issues, bool(self.checkpoint_dir.strip()), f"{p}.checkpoint_dir", self.checkpoint_dir,
+                   "is empty (a shell variable that is not set?): the run would save no checkpoint, or resume from "
+                   "the current folder.", "name the folder, e.g. train.checkpoint_dir=ckpt/run1, or leave it out "
+                   "(null) to save no checkpoint.")
         if self.resume:
             _issue(issues, self.checkpoint_dir is not None, f"{p}.resume", True,
                    "resuming needs a checkpoint directory.",

@@ -402,6 +402,18 @@ def open_regular(path: str | os.PathLike[str], mode: str = "r", **kwargs: Any) -
         yield fh
 
 
+def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The bytes of the regular file ``path`` (:func:`open_regular`: a folder, named pipe, socket or device is a
+    :class:`NotRegularFileError`, and nothing blocks), when it holds at most ``limit`` of them: a longer one is an
+    ``OSError`` (``EFBIG``). For small files the project reads back (a lock, a pointer, a manifest)."""
+    with open_regular(path, "rb") as fh:
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"{path} is longer than {limit:,} bytes, more than such a file ever holds",
+                      str(path))
+    return data
+
+
 def read_user_file(path: str | os.PathLike[str], key: str, *, binary: bool = False,
                    fix: str | None = None) -> Any:
     """The content of the file ``path`` that the setting ``key`` names (``str``, UTF-8; ``bytes`` when ``binary``);

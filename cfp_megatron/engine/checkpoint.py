@@ -32,9 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.core import CheckpointingException
 
+from cfp_megatron.base.config import DataKind, DataSpec, Precision, TokenizerKind
 from cfp_megatron.base.errors import CheckpointError
-from cfp_megatron.base.files import write_error
+from cfp_megatron.base.files import NotRegularFileError, read_regular, write_error
 from cfp_megatron.base.jsonio import json_plain
 from cfp_megatron.compat import optimizer as optimizer_compat
 from cfp_megatron.engine import checkpoint_lock, manifest, save_workers
@@ -61,20 +63,76 @@ class Scheme:
     """What the pointer file holds, given the step."""
     pointer_pattern: str
     """Regular expression of the pointer file's content (stripped); group 1 is the step."""
+    choose: str
+    """The setting that trains with this backend, as a fix names it."""
+    state_differences: Callable[[dict[str, Any], dict[str, Any]], list[str]] | None = None
+    """The differences between a checkpoint's saved training state and a resume's that stop the resume (``None``:
+    :func:`state_differences`, every setting both record)."""
 
     def step_dir(self, root: Path, step: int) -> Path:
         """Folder of the checkpoint at ``step``."""
         return root / self.folder.format(step)
 
+    def step_of(self, name: str) -> int | None:
+        """The step a folder named ``name`` holds, when it is exactly this scheme's name for it (``iter_0000004``;
+        not ``iter_4`` nor ``iter_00000004``, which :func:`near_misses` reports), else ``None``."""
+        match = re.fullmatch(self.pattern, name, flags=re.ASCII)
+        if match is None:
+            return None
+        step = int(match.group(1))
+        return step if self.folder.format(step) == name else None
 
-MEGATRON = Scheme(backend="Megatron", folder="iter_{:07d}", pattern=r"iter_([0-9]{7})", pointer=LATEST,
-                  pointer_text="{}", pointer_pattern=r"([0-9]+)")
-"""The Megatron backend's folders (Megatron-LM's names)."""
+
+def state_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``<setting>: saved <a>, now <b>`` for each setting of a checkpoint's training state (``train.precision``)
+    that both record and that differs."""
+    return [f"{key}: saved {saved[key]!r}, now {now[key]!r}" for key in sorted(set(saved) & set(now))
+            if saved[key] != now[key]]
+
+
+MEGATRON = Scheme(backend="Megatron", folder="iter_{:07d}", pattern=r"iter_([0-9]+)", pointer=LATEST,
+                  pointer_text="{}", pointer_pattern=r"([0-9]+)", choose="backend=megatron")
+"""The Megatron backend's folders (Megatron-LM's names: seven digits, more from step 10,000,000)."""
+DEEPSPEED_NAMES = Scheme(backend="DeepSpeed", folder="global_step{}", pattern=r"global_step([0-9]+)",
+                         pointer="latest", pointer_text="global_step{}", pointer_pattern=r"global_step([0-9]+)",
+                         choose="backend=deepspeed")
+"""DeepSpeed's folder names (its backend adds its rules on the saved state:
+:data:`cfp_megatron.backends.deepspeed.checkpoint.SCHEME`), known here to recognise its checkpoints in a folder
+another backend is pointed at."""
+SCHEMES = (MEGATRON, DEEPSPEED_NAMES)
+"""Every backend's folder names."""
+
+
+def training_state(precision: Precision | str, data: DataSpec | None = None) -> dict[str, Any]:
+    """What a Megatron checkpoint's saved state depends on beyond the model, recorded by a save and compared by a
+    resume: ``train.precision``, resolved (``auto`` is bf16 on GPUs, fp32 on CPU; the optimizer keeps fp32 main
+    weights under bf16/fp16, none under fp32), and the tokenizer of ``data`` (:func:`tokenizer_state`)."""
+    return {"train.precision": Precision(precision).value, **tokenizer_state(data)}
+
+
+def tokenizer_state(data: DataSpec | None) -> dict[str, Any]:
+    """``data.tokenizer`` of an indexed dataset: ``byte``, or ``huggingface:`` and the hash of its
+    ``tokenizer.json``, so a resume under another tokenizer with a vocabulary of the same size (whose ids mean other
+    tokens to the saved embeddings) is refused; nothing for synthetic data (no tokenizer) or a file that cannot be
+    read (the data checks report it)."""
+    if data is None or data.kind is not DataKind.indexed:
+        return {}
+    kind = data.tokenizer.value
+    if data.tokenizer is not TokenizerKind.huggingface or data.tokenizer_path is None:
+        return {"data.tokenizer": kind}
+    try:
+        return {"data.tokenizer": f"{kind}:{manifest.file_digest(Path(data.tokenizer_path))}"}
+    except OSError:
+        return {}
 
 
 def step_dir(root: Path, step: int) -> Path:
     """Folder of the checkpoint at ``step``."""
     return MEGATRON.step_dir(root, step)
+
+
+POINTER_LIMIT = 4096
+"""Most bytes a pointer file holds (a step number, or DeepSpeed's tag)."""
 
 
 def read_pointer(root: str | os.PathLike[str], scheme: Scheme = MEGATRON) -> int | None:
@@ -84,12 +142,14 @@ def read_pointer(root: str | os.PathLike[str], scheme: Scheme = MEGATRON) -> int
     pointer = Path(root) / scheme.pointer
     fix = (f"Fix: write the newest complete step into it (as {scheme.pointer_text.format('<step>')!r}), or remove "
            f"it (train.resume=true then resumes the newest step folder that verifies), or choose another {KEY}.")
-    if pointer.is_dir():
-        raise CheckpointError(f"{pointer} is a folder, not the pointer file. {fix}")
     try:
-        raw = pointer.read_bytes()
+        if pointer.is_dir():
+            raise CheckpointError(f"{pointer} is a folder, not the pointer file. {fix}")
+        raw = read_regular(pointer, POINTER_LIMIT)
     except FileNotFoundError:
         return None
+    except NotRegularFileError as err:
+        raise CheckpointError(f"{err.strerror} It is not the pointer file. {fix}") from None
     except OSError as err:
         raise CheckpointError(f"{pointer} cannot be read ({err.strerror or err}). {fix}") from None
     try:
@@ -116,30 +176,109 @@ def latest_step(root: str | os.PathLike[str]) -> int | None:
 
 def step_folders(root: str | os.PathLike[str], scheme: Scheme = MEGATRON) -> dict[int, Path]:
     """Every step folder under ``root`` by step (whatever the pointer says; ``.partial`` folders excluded)."""
-    base = Path(root)
-    if not base.is_dir():
-        return {}
     found = {}
-    for path in base.iterdir():
-        match = re.fullmatch(scheme.pattern, path.name, flags=re.ASCII)
-        if match is not None and path.is_dir():
-            found[int(match.group(1))] = path
+    for path in _entries(root):
+        step = scheme.step_of(path.name)
+        if step is not None and path.is_dir():
+            found[step] = path
     return dict(sorted(found.items()))
 
 
-def recovery_fix(root: Path, folder: Path, pointer: Path, pattern: str, write: str) -> str:
-    """The ``Fix:`` of a checkpoint that fails verification: the previous step folder under ``root`` (``pattern``
-    captures the step; ``write`` formats what goes into ``pointer``), or a fresh run."""
-    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if p != folder and p.is_dir()
-                   and (m := re.fullmatch(pattern, p.name, flags=re.ASCII))) if root.is_dir() else []
-    current = re.fullmatch(pattern, folder.name, flags=re.ASCII)
-    earlier = [(s, p) for s, p in steps if current is None or s < int(current.group(1))]
+def _entries(root: str | os.PathLike[str]) -> list[Path]:
+    """What ``root`` holds (nothing when it is not a readable folder: :func:`check_place` says why first)."""
+    try:
+        return sorted(Path(root).iterdir())
+    except OSError:
+        return []
+
+
+def near_misses(root: str | os.PathLike[str], scheme: Scheme) -> list[str]:
+    """Folders in ``root`` named like ``scheme``'s step folders but not exactly (``iter_4``, ``iter_00000004``,
+    ``global_step04``): not checkpoints to this project (their step's folder has another name), said in the
+    messages of a folder holding none."""
+    prefix = scheme.folder.split("{")[0]
+    return [p.name for p in _entries(root) if p.name.startswith(prefix) and p.is_dir()
+            and re.fullmatch(scheme.pattern, p.name, flags=re.ASCII) and scheme.step_of(p.name) is None]
+
+
+def _names(folders: dict[int, Path]) -> str:
+    """The newest three step folders' names, and how many more."""
+    shown = ", ".join(p.name for p in list(folders.values())[-3:])
+    return shown + (f" and {len(folders) - 3} more" if len(folders) > 3 else "")
+
+
+def _what_is_there(base: Path, scheme: Scheme) -> str:
+    """Why a folder holding no checkpoint of ``scheme`` holds none, as far as it can be seen: missing, the other
+    backend's checkpoints, step folders with odd names, unfinished saves (empty when nothing is there)."""
+    if not base.exists():
+        return f"; {base} does not exist"
+    said = []
+    for other in SCHEMES:
+        theirs = step_folders(base, other) if other.backend != scheme.backend else {}
+        if theirs:
+            said.append(f"it holds {other.backend} checkpoints ({_names(theirs)}): resume those with {other.choose}")
+    odd = near_misses(base, scheme)
+    if odd:
+        said.append(f"{', '.join(odd[:3])} {'is' if len(odd) == 1 else 'are'} named like a step folder but not as "
+                    f"{scheme.backend} names them ({scheme.folder.format(4)} for step 4), so not read: rename "
+                    "one to resume from it")
+    partial = [p.name for p in _entries(base) if p.name.endswith(".partial") and p.is_dir()]
+    if partial:
+        said.append(f"{', '.join(partial[:3])}: unfinished save(s) (a job ended before publishing), which cannot "
+                    "be resumed")
+    return "".join(f"; {line}" for line in said)
+
+
+def enclosing_step_folder(root: str | os.PathLike[str]) -> Path | None:
+    """The step folder ``root`` is, or lies inside (a folder holding a manifest, or named as a step folder, or an
+    unfinished one, in a folder holding that backend's pointer or a lock), else ``None``: a run saving there would
+    add files to that checkpoint, which then fails its verification."""
+    real = Path(os.path.realpath(root))
+    for folder in (real, *real.parents):
+        try:
+            if (folder / manifest.MANIFEST).is_file():
+                return folder
+            for scheme in SCHEMES:
+                name = folder.name.removesuffix(".partial")
+                if scheme.step_of(name) is not None and ((folder.parent / scheme.pointer).exists()
+                                                         or (folder.parent / checkpoint_lock.LOCK).exists()):
+                    return folder
+        except OSError:
+            continue
+    return None
+
+
+def check_place(root: str | os.PathLike[str]) -> None:
+    """Refuse a checkpoint folder that cannot be one whatever it holds: not a folder, a symbolic link to nothing
+    or a loop, unreadable (:func:`.checkpoint_lock.folder_problem`), or inside another checkpoint's step folder
+    (:func:`enclosing_step_folder`)."""
+    problem = checkpoint_lock.folder_problem(root)
+    if problem is not None:
+        raise CheckpointError(f"{KEY}={str(root)!r}: {problem}. Fix: point {KEY} at a folder this user can read "
+                              "and write (it is created when missing), or fix what is in its place.")
+    inside = enclosing_step_folder(root)
+    if inside is not None:
+        parent = inside.parent
+        where = "is" if inside == Path(os.path.realpath(root)) else "lies inside"
+        raise CheckpointError(
+            f"{KEY}={str(root)!r} {where} the step folder {inside} of the checkpoint folder {parent}: a run saving "
+            f"there would add its files to that checkpoint, which would then fail its verification. Fix: to resume "
+            f"from it, set {KEY}={str(parent)!r} with train.resume=true (and, for an older step than the newest, "
+            f"write its step into the pointer file there); to start afresh, choose a folder outside {parent}.")
+
+
+def recovery_fix(root: Path, folder: Path, scheme: Scheme = MEGATRON) -> str:
+    """The ``Fix:`` of a checkpoint that fails verification: the previous step folder under ``root`` (what to
+    write into ``scheme``'s pointer file to resume it), or a fresh run."""
+    current = scheme.step_of(folder.name)
+    earlier = [(s, p) for s, p in step_folders(root, scheme).items()
+               if p != folder and (current is None or s < current)]
     fresh = "start afresh with train.resume=false and a new train.checkpoint_dir"
     if not earlier:
         return f"Fix: restore the folder from a copy, or {fresh} (no earlier checkpoint is in {root})."
     step, previous = earlier[-1]
-    return (f"Fix: resume from the previous checkpoint, {previous}, instead (write {write.format(step)!r} into "
-            f"{pointer}; it is verified in turn), or {fresh}.")
+    return (f"Fix: resume from the previous checkpoint, {previous}, instead (write "
+            f"{scheme.pointer_text.format(step)!r} into {root / scheme.pointer}; it is verified in turn), or {fresh}.")
 
 
 def verify_folder(root: str | os.PathLike[str], step: int, *, trust_unverified: bool,
@@ -148,8 +287,7 @@ def verify_folder(root: str | os.PathLike[str], step: int, *, trust_unverified: 
     (:func:`.manifest.verify`); returns whether a manifest was there."""
     base = Path(root)
     folder = scheme.step_dir(base, step)
-    fix = recovery_fix(base, folder, base / scheme.pointer, scheme.pattern, scheme.pointer_text)
-    return manifest.verify(folder, trust_unverified=trust_unverified, fix=fix)
+    return manifest.verify(folder, trust_unverified=trust_unverified, fix=recovery_fix(base, folder, scheme))
 
 
 def verify_step(root: str | os.PathLike[str], step: int, *, trust_unverified: bool) -> bool:
@@ -191,6 +329,24 @@ def _check_model(folder: Path, model: Any) -> None:
             f"train.resume=false and a new {KEY}.")
 
 
+def check_state(folder: Path, scheme: Scheme, state: dict[str, Any] | None) -> None:
+    """Refuse a resume from ``folder`` whose saved training state (the manifest's ``state``: the precision, and
+    for DeepSpeed the ZeRO stage and data-parallel size) differs from ``state``, this run's, where the backend
+    cannot load it (``scheme.state_differences``); checkpoints saved before the state was recorded load as before.
+    Called before the start with what is known then, and again by the load with the plan's settings."""
+    saved = manifest.read_record(folder).get("state")
+    if not isinstance(saved, dict) or not state:
+        return
+    differences = (scheme.state_differences or state_differences)(saved, state)
+    if differences:
+        raise CheckpointError(
+            f"{folder} was saved under other training settings than this run's: {'; '.join(differences)}. A "
+            f"checkpoint resumes only under the settings its state depends on (the {scheme.backend} backend's "
+            "optimizer state follows the precision, DeepSpeed's also its ZeRO stage and data-parallel size; the "
+            "embeddings follow the tokenizer). Fix: resume with the saved values, or start afresh with "
+            f"train.resume=false and a new {KEY}.")
+
+
 def _newest_verified(root: Path, folders: dict[int, Path], scheme: Scheme, *, trust_unverified: bool,
                      note: Callable[[str], None] | None) -> int:
     """The newest step folder that verifies against its manifest, when the pointer file is missing; said in a
@@ -216,20 +372,24 @@ def _newest_verified(root: Path, folders: dict[int, Path], scheme: Scheme, *, tr
 
 def check_folder(root: str | None, scheme: Scheme, *, resume: bool, restarted: bool, trust_unverified: bool,
                  steps: int | None = None, save_interval: int | None = None, model: Any = None,
-                 writer: str | None = None, note: Callable[[str], None] | None = None) -> int | None:
+                 state: dict[str, Any] | None = None, writer: str | None = None,
+                 note: Callable[[str], None] | None = None) -> int | None:
     """Decide, before any process group exists, which step a run starts from; never overwrite a user's work
     (both backends, each with its :class:`Scheme`).
 
-    Every step folder counts, whatever the pointer says. A fresh run (``train.resume=false``) refuses a folder
-    holding any, unless torchrun restarted this job's workers (then they are the job's own and it continues from
-    them). A resume takes the step the pointer names, or without a pointer the newest folder that verifies (said in
-    ``note``). The checkpoint is verified against its manifest here, before anything unpickles it
-    (``trust_unverified``: accept one without a manifest), and its recorded model compared with ``model``. With
-    ``steps``, the folders the run would save into (:func:`save_steps`) must not exist unless this job wrote them
-    (``writer``: the token of this job's lock, :mod:`.checkpoint_lock`)."""
+    The folder must be able to serve (:func:`check_place`: a readable folder or nothing yet, not inside another
+    checkpoint's step folder). Every step folder counts, whatever the pointer says, and so does another backend's.
+    A fresh run (``train.resume=false``) refuses a folder holding any, unless torchrun restarted this job's workers
+    (then they are the job's own and it continues from them). A resume takes the step the pointer names, or without
+    a pointer the newest folder that verifies (said in ``note``); a folder holding none says what it holds instead.
+    The checkpoint is verified against its manifest here, before anything unpickles it (``trust_unverified``:
+    accept one without a manifest), its recorded model compared with ``model`` and its training state with
+    ``state`` (:func:`check_state`). With ``steps``, the folders the run would save into (:func:`save_steps`) must
+    not exist unless this job wrote them (``writer``: the token of this job's lock, :mod:`.checkpoint_lock`)."""
     if root is None:
         return None
     base = Path(root)
+    check_place(base)
     pointed = read_pointer(base, scheme) if base.is_dir() else None
     folders = step_folders(base, scheme)
     found: int | None = None
@@ -246,21 +406,28 @@ def check_folder(root: str | None, scheme: Scheme, *, resume: bool, restarted: b
             found = _newest_verified(base, folders, scheme, trust_unverified=trust_unverified, note=note)
         elif resume:
             raise CheckpointError(f"train.resume=true but {KEY}={root!r} holds no complete {scheme.backend} "
-                                  f"checkpoint (no step folder, no {scheme.pointer}). Fix: point {KEY} at the folder "
-                                  "an earlier run saved into, or set train.resume=false.")
-    elif folders or pointed is not None:
-        names = ", ".join(p.name for p in list(folders.values())[-3:])
-        more = f" and {len(folders) - 3} more" if len(folders) > 3 else ""
-        said = f"; {scheme.pointer} names step {pointed}" if pointed is not None else f"; no {scheme.pointer}"
-        raise CheckpointError(f"{KEY}={root!r} already holds checkpoints ({scheme.backend}: {names}{more}{said}) and "
-                              "train.resume=false; starting afresh would overwrite them. Fix: set train.resume=true "
-                              f"to continue, or choose another {KEY}.")
+                                  f"checkpoint (no step folder, no {scheme.pointer}){_what_is_there(base, scheme)}. "
+                                  f"Fix: point {KEY} at the folder an earlier run saved into, or set "
+                                  "train.resume=false.")
+    else:
+        others = {o: found_ for o in SCHEMES if o.backend != scheme.backend and (found_ := step_folders(base, o))}
+        if folders or pointed is not None or others:
+            held = [(s, f) for s, f in ((scheme, folders), *others.items()) if f]
+            names = "; ".join(f"{s.backend}: {_names(f)}" for s, f in held)
+            said = f"; {scheme.pointer} names step {pointed}" if pointed is not None else f"; no {scheme.pointer}"
+            other = next(iter(others), None)
+            cont = ("set train.resume=true to continue" if other is None else
+                    f"to continue, set train.resume=true (with {other.choose} for its {other.backend} checkpoints)")
+            raise CheckpointError(f"{KEY}={root!r} already holds checkpoints ({names}{said}) and train.resume=false; "
+                                  f"starting afresh would mix with or overwrite them. Fix: {cont}, or choose another "
+                                  f"{KEY}.")
     if found is not None:
         _check_model(scheme.step_dir(base, found), model)
+        check_state(scheme.step_dir(base, found), scheme, state)
     if steps is not None:
         for step in save_steps(found or 0, steps, save_interval):
             folder = scheme.step_dir(base, step)
-            if folder.exists() and (writer is None or manifest.read_record(folder).get("writer") != writer):
+            if os.path.lexists(folder) and (writer is None or manifest.read_record(folder).get("writer") != writer):
                 raise CheckpointError(
                     f"{KEY}={root!r}: this run would save step {step} into {folder}, which is already there (newer "
                     f"than the step it starts from, {found or 0}); a save never replaces a step folder another run "
@@ -272,10 +439,12 @@ def check_folder(root: str | None, scheme: Scheme, *, resume: bool, restarted: b
 
 def check_before_start(root: str | None, *, resume: bool, restarted: bool, trust_unverified: bool = False,
                        steps: int | None = None, save_interval: int | None = None, model: Any = None,
-                       writer: str | None = None, note: Callable[[str], None] | None = None) -> int | None:
+                       state: dict[str, Any] | None = None, writer: str | None = None,
+                       note: Callable[[str], None] | None = None) -> int | None:
     """:func:`check_folder` for the Megatron backend: the step to resume from, or ``None`` for a fresh start."""
     return check_folder(root, MEGATRON, resume=resume, restarted=restarted, trust_unverified=trust_unverified,
-                        steps=steps, save_interval=save_interval, model=model, writer=writer, note=note)
+                        steps=steps, save_interval=save_interval, model=model, state=state, writer=writer,
+                        note=note)
 
 
 def nothing_left(root: str, found: int, steps: int) -> str:
@@ -408,29 +577,30 @@ def finish_save(partial: Path, final: Path, pointer: Path, text: str, record: di
 
 
 def save(root: str, step: int, chunks: list[torch.nn.Module], optimizer: Any, scheduler: Any,
-         extra: dict[str, Any], *, model: Any = None) -> Path:
+         extra: dict[str, Any], *, model: Any = None, state: dict[str, Any] | None = None) -> Path:
     """Save a complete checkpoint for ``step`` from every rank; return its folder. The manifest records ``model``
-    (the ModelSpec), the layout (``extra["layout"]``) and this job's lock token. A failure on any rank (a full disk)
+    (the ModelSpec), the layout (``extra["layout"]``), the training ``state`` (:func:`training_state`) and this
+    job's lock token. A failure on any rank (a full disk)
     is one CheckpointError on every rank, with the previous checkpoint and pointer intact and no partial folder."""
     base = Path(root)
     final = step_dir(base, step)
     partial = final.with_name(final.name + ".partial")
     rank = dist.get_rank() if dist.is_initialized() else 0
     agree(prepare_save(base, final, MEGATRON) if rank == 0 else None)
-    state = sharded_state(chunks, optimizer, is_loading=False)
-    state["step"] = step
-    state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
-    state["extra"] = extra
+    sharded = sharded_state(chunks, optimizer, is_loading=False)
+    sharded["step"] = step
+    sharded["scheduler"] = scheduler.state_dict() if scheduler is not None else None
+    sharded["extra"] = extra
     error: BaseException | None = None
     try:
         with save_workers.tied_to_this_process():
-            dist_checkpointing.save(state, str(partial))
+            dist_checkpointing.save(sharded, str(partial))
     except BaseException as err:  # noqa: BLE001 - a failed write is agreed on below; anything else is re-raised
         if not is_save_error(err):
             raise
         error = err
     record = {"model": json_plain(model) if model is not None else None, "layout": extra.get("layout"),
-              "writer": checkpoint_lock.held_token(base) if rank == 0 else None}
+              "writer": checkpoint_lock.held_token(base) if rank == 0 else None, "state": state}
     finish_save(partial, final, base / LATEST, f"{step}\n", record, error)
     return final
 
@@ -446,13 +616,15 @@ def _allocate_distributed_optimizer_state(optimizer: Any) -> None:
             opt._init_optimizer_states_with_dummy_values()
 
 
-_READ_ERRORS = (OSError, EOFError, RuntimeError, ValueError, KeyError, AttributeError, pickle.UnpicklingError)
-"""What reading a damaged checkpoint raises; reached only by a folder loaded unverified
+_READ_ERRORS = (OSError, EOFError, RuntimeError, ValueError, KeyError, AttributeError, pickle.UnpicklingError,
+                CheckpointingException)
+"""What reading a damaged checkpoint raises (``CheckpointingException``: a folder that is no distributed
+checkpoint, e.g. Megatron-LM's older ``mp_rank_*`` format); reached only by a folder loaded unverified
 (``train.trust_unverified_checkpoint``) or changed after its check."""
 
 
 def _unreadable(folder: Path, err: BaseException) -> CheckpointError:
-    fix = recovery_fix(folder.parent, folder, folder.parent / LATEST, r"iter_(\d{7})", "{}")
+    fix = recovery_fix(folder.parent, folder)
     return CheckpointError(f"{folder} cannot be read ({type(err).__name__}: {str(err)[:300]}). {fix}")
 
 
@@ -480,11 +652,13 @@ def saved_per_layer(folder: Path) -> bool:
 
 
 def load(root: str, step: int, chunks: list[torch.nn.Module], optimizer: Any, scheduler: Any, *,
-         heterogeneous: bool = False) -> dict[str, Any]:
+         heterogeneous: bool = False, state: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load the checkpoint at ``step`` into this rank's chunks, optimizer and scheduler; return its extra state.
-    ``heterogeneous``: the model's layers are split differently (it reads per-layer checkpoints only)."""
+    ``heterogeneous``: the model's layers are split differently (it reads per-layer checkpoints only); ``state``:
+    this run's training state, which must be the saved one (:func:`check_state`)."""
     optimizer_compat.install()
     folder = step_dir(Path(root), step)
+    check_state(folder, MEGATRON, state)
     per_layer = saved_per_layer(folder)
     if not per_layer and heterogeneous:
         raise CheckpointError(f"{folder} stacks every decoder layer's tensors along one layer axis (a checkpoint "
@@ -492,9 +666,9 @@ def load(root: str, step: int, chunks: list[torch.nn.Module], optimizer: Any, sc
                               "differently cannot read (parallel.primepar_layers). Fix: resume it under a layout with "
                               "parallel.primepar_layers=null, train one step and save, then switch.")
     _allocate_distributed_optimizer_state(optimizer)
-    state = sharded_state(chunks, optimizer, is_loading=True, per_layer=per_layer)
+    sharded = sharded_state(chunks, optimizer, is_loading=True, per_layer=per_layer)
     try:
-        loaded = dist_checkpointing.load(state, str(folder))
+        loaded = dist_checkpointing.load(sharded, str(folder))
     except _READ_ERRORS as err:
         raise _unreadable(folder, err) from err
     for i, chunk in enumerate(chunks):

@@ -24,9 +24,11 @@ it over.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Callable
@@ -34,7 +36,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cfp_megatron.base.errors import CheckpointError
-from cfp_megatron.base.files import FileWriteError, write_error, write_new
+from cfp_megatron.base.files import (
+    DuplicateKeyError,
+    FileWriteError,
+    NotRegularFileError,
+    json_loads_unique,
+    read_regular,
+    write_error,
+    write_new,
+)
 
 LOCK = "cfp_lock.json"
 """Name of the lock file inside ``train.checkpoint_dir``."""
@@ -113,29 +123,101 @@ def _alive(owner: Owner) -> bool:
     return _same_start(owner.started, process_start(owner.pid))
 
 
-def read_lock(root: str | os.PathLike[str]) -> Owner | None:
-    """The owner recorded in ``root``'s lock file, ``None`` when there is none; a CheckpointError when the lock
-    path is a folder, unreadable or not a lock this project wrote."""
+LOCK_LIMIT = 1 << 16
+"""Most bytes a lock file holds (it is a few hundred); a longer one is not a lock this project wrote."""
+PID_MAX = 1 << 22
+"""Largest process id Linux hands out (``/proc/sys/kernel/pid_max`` at most)."""
+
+
+def folder_problem(root: str | os.PathLike[str]) -> str | None:
+    """Why ``root`` cannot serve as a checkpoint folder whatever it holds (something other than a folder in its
+    place, a symbolic link to nothing or a loop, a folder this user cannot read), or ``None`` (a folder, or
+    nothing there yet)."""
+    path = Path(root)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if os.path.islink(path):
+            return f"{path} is a symbolic link to {os.readlink(path)!r}, which does not exist"
+        return None
+    except NotADirectoryError:
+        return f"a file is in the way of {path}: one of the folders above it is not a folder"
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return f"{path} is a symbolic link that leads back to itself (a loop)"
+        return f"{path} cannot be inspected ({err.strerror or err})"
+    if not stat.S_ISDIR(mode):
+        return f"{path} is not a folder"
+    try:
+        os.listdir(path)  # read permission
+        os.stat(os.path.join(path, "."))  # search permission: its files can be opened
+    except OSError as err:
+        return f"the folder {path} cannot be read ({err.strerror or err})"
+    return None
+
+
+def _lock_problem(raw: object) -> str | None:
+    """What is wrong with the parsed lock file ``raw`` (``None``: a lock :func:`acquire` wrote)."""
+    if not isinstance(raw, dict):
+        return f"it holds a JSON {type(raw).__name__}, not an object"
+    for key in ("job", "host", "token"):
+        if not isinstance(raw.get(key), str) or not raw[key].strip():
+            return f"its {key!r} is {raw.get(key)!r}, not a name"
+    pid = raw.get("pid")
+    if type(pid) is not int or not 0 < pid <= PID_MAX:
+        return f"its 'pid' is {pid!r}, not a process id (1 to {PID_MAX})"
+    started = raw.get("started")
+    if started is not None and (type(started) not in (int, float) or not 0 < started < 1e11):
+        return f"its 'started' is {started!r}, not a time (seconds since 1970)"
+    kept = raw.get(KEPT, [])
+    if not isinstance(kept, list) or not all(isinstance(k, str) for k in kept):
+        return f"its {KEPT!r} is {kept!r}, not a list of folder names"
+    return None
+
+
+def _read_raw(root: str | os.PathLike[str]) -> dict | None:
+    """The lock file's JSON object, checked (``None``: no lock file); a CheckpointError when the lock path is a
+    folder, a symbolic link, a named pipe, unreadable or not a lock this project wrote."""
     path = Path(root) / LOCK
+    where = f"the lock of {KEY}={str(root)!r}"
     fix = (f"if no job is writing into {root}, remove {path} (a lock file cfp-megatron writes; the next run takes "
            f"the folder), or choose another {KEY}.")
-    if path.is_dir():
-        raise CheckpointError(f"{path} is a folder, not the lock file of {KEY}={str(root)!r}. Fix: move it away, "
-                              f"or choose another {KEY}.")
+    if os.path.islink(path):
+        raise CheckpointError(f"{path} is a symbolic link (to {os.readlink(path)!r}), not {where}: a lock is a "
+                              f"file of its own, taken and released in place. Fix: {fix}")
     try:
-        raw = json.loads(path.read_bytes().decode("utf-8"))
+        if path.is_dir():
+            raise CheckpointError(f"{path} is a folder, not the lock file of {KEY}={str(root)!r}. Fix: move it "
+                                  f"away, or choose another {KEY}.")
+        data = read_regular(path, LOCK_LIMIT)
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise CheckpointError(f"{path}, the lock of {KEY}={str(root)!r}, cannot be read "
-                              f"({type(err).__name__}: {err}). Fix: {fix}") from None
+    except NotRegularFileError as err:
+        raise CheckpointError(f"{err.strerror} It is not {where}. Fix: {fix}") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}, {where}, cannot be read ({err.strerror or err}). Fix: {fix}") from None
     try:
-        started = raw["started"]
-        return Owner(job=str(raw["job"]), host=str(raw["host"]), pid=int(raw["pid"]),
-                     started=None if started is None else float(started), token=str(raw["token"]))
-    except (TypeError, KeyError, ValueError) as err:
-        raise CheckpointError(f"{path}, the lock of {KEY}={str(root)!r}, is not a lock cfp-megatron wrote "
+        raw = json_loads_unique(data.decode("utf-8"))
+    except DuplicateKeyError as err:
+        raise CheckpointError(f"{path}, {where}, is not a lock cfp-megatron wrote ({err}). Fix: {fix}") from None
+    except (UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"{path}, {where}, cannot be read "
                               f"({type(err).__name__}: {err}). Fix: {fix}") from None
+    problem = _lock_problem(raw)
+    if problem is not None:
+        raise CheckpointError(f"{path}, {where}, is not a lock cfp-megatron wrote ({problem}). Fix: {fix}")
+    return raw
+
+
+def read_lock(root: str | os.PathLike[str]) -> Owner | None:
+    """The owner recorded in ``root``'s lock file, ``None`` when there is none; a CheckpointError when the lock
+    path is a folder, a symbolic link, unreadable or not a lock this project wrote (:func:`_read_raw`)."""
+    raw = _read_raw(root)
+    if raw is None:
+        return None
+    started = raw.get("started")
+    return Owner(job=raw["job"], host=raw["host"], pid=raw["pid"], started=None if started is None else
+                 float(started), token=raw["token"])
 
 
 def _refusal(root: str | os.PathLike[str], lock: Owner) -> CheckpointError:
@@ -153,8 +235,8 @@ def check(root: str | os.PathLike[str] | None, *, me: Owner | None = None,
           note: Callable[[str], None] | None = None) -> str | None:
     """On every rank, before any process group: refuse ``root`` when a live other job holds its lock; return the
     lock's token when this job holds it already (a torchrun restart), else ``None``."""
-    if root is None or not Path(root).is_dir():
-        return None  # nothing to own yet (a file in the way is reported by the write-location check)
+    if root is None or folder_problem(root) is not None or not Path(root).is_dir():
+        return None  # nothing to own yet; a folder that cannot serve is reported by the checkpoint checks
     lock = read_lock(root)
     me = me or this_job()
     if lock is None:
@@ -163,8 +245,8 @@ def check(root: str | os.PathLike[str] | None, *, me: Owner | None = None,
         return lock.token
     if lock.host == me.host and not _alive(lock):
         if note is not None:
-            note(f"{Path(root) / LOCK} names {lock.describe()}, which is gone: this job takes the folder over "
-                 "(its unfinished saves, *.partial, are removed by this job's saves).")
+            note(f"{Path(root) / LOCK} names {lock.describe()}, which is gone, so the folder is free: this job "
+                 "takes it over once it starts (and its saves remove that job's unfinished ones, *.partial).")
         return None
     raise _refusal(root, lock)
 
@@ -212,11 +294,10 @@ the folder (of unknown origin: never removed by this job's saves). A dead job's,
 def kept_partials(root: str | os.PathLike[str]) -> set[str]:
     """The ``.partial`` folder names this job's saves must leave alone (:data:`KEPT`)."""
     try:
-        raw = json.loads((Path(root) / LOCK).read_text())
-    except (OSError, ValueError):
+        raw = _read_raw(root)
+    except CheckpointError:
         return set()
-    kept = raw.get(KEPT) if isinstance(raw, dict) else None
-    return {str(k) for k in kept} if isinstance(kept, list) else set()
+    return set(raw.get(KEPT, [])) if raw is not None else set()
 
 
 def held_token(root: str | os.PathLike[str]) -> str | None:

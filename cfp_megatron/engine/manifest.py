@@ -11,11 +11,13 @@ the save, not a writer who rewrites the manifest too.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
 import signal
+import stat
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,12 +25,17 @@ from pathlib import Path
 from typing import Any
 
 from cfp_megatron.base.errors import CheckpointError
-from cfp_megatron.base.files import fsync_dir, write_atomic
+from cfp_megatron.base.files import fsync_dir, json_loads_unique, read_regular, write_atomic
 
 MANIFEST = "cfp_manifest.json"
 """Name of the manifest inside a checkpoint folder."""
-FORMAT = 1
-"""Version of the manifest's layout."""
+FORMAT = 2
+"""Version of the manifest's layout: 2 records the model (required) and the training state; 1 (written before)
+has neither and still verifies."""
+FORMATS = (1, 2)
+"""The versions a resume reads."""
+MANIFEST_LIMIT = 64 << 20
+"""Most bytes a manifest holds (about 150 bytes per file: some 400,000 files)."""
 HASH = "blake2b-128"
 """The hash: BLAKE2b with a 16-byte digest (hashlib; ~1 GB/s per core, computed on several threads)."""
 _CHUNK = 8 << 20
@@ -78,24 +85,80 @@ def write_manifest(folder: Path, record: dict[str, Any] | None = None) -> Path:
     digests = _digests(folder, names)
     files = {n: {"size": (folder / n).stat().st_size, "digest": digests[n]} for n in names}
     extra = {k: v for k, v in (record or {}).items() if k in RECORD_KEYS and v is not None}
-    write_atomic(folder / MANIFEST, json.dumps({"format": FORMAT, "hash": HASH, "files": files, **extra}, indent=1,
-                                               sort_keys=True), key="train.checkpoint_dir", sync=True)
+    version = FORMAT if "model" in extra else 1  # without the model (tests, tools): the older layout's meaning
+    write_atomic(folder / MANIFEST, json.dumps({"format": version, "hash": HASH, "files": files, **extra},
+                                               indent=1, sort_keys=True), key="train.checkpoint_dir", sync=True)
     return folder / MANIFEST
 
 
-RECORD_KEYS = ("model", "layout", "writer")
+RECORD_KEYS = ("model", "layout", "writer", "state")
 """What a manifest records besides its files: the model (its ModelSpec as plain JSON), the layout it was saved
-under, and the token of the job's folder lock (:mod:`.checkpoint_lock`) that wrote it."""
+under, the token of the job's folder lock (:mod:`.checkpoint_lock`) that wrote it, and the training state's form
+(``state``: the settings a resume must keep, by setting name, e.g. ``train.precision``)."""
+_RECORD_TYPES: dict[str, tuple[type, str]] = {"model": (dict, "object"), "layout": (str, "string"),
+                                              "writer": (str, "string"), "state": (dict, "object")}
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be read or is not one a save wrote (the reason is the message)."""
+
+
+def _entry_problem(name: object, value: object) -> str | None:
+    if not isinstance(name, str) or not name or "\0" in name or name.startswith("/") \
+            or any(part in ("", ".", "..") for part in name.split("/")):
+        return f"the file name {name!r} is not a path inside the folder"
+    if not isinstance(value, dict):
+        return f"the entry of {name!r} is {value!r}, not an object"
+    size, digest = value.get("size"), value.get("digest")
+    if type(size) is not int or size < 0:
+        return f"the size of {name!r} is {size!r}, not a byte count"
+    if not isinstance(digest, str) or len(digest) != 32 or any(c not in "0123456789abcdef" for c in digest):
+        return f"the digest of {name!r} is {digest!r}, not a {HASH} hex digest"
+    return None
+
+
+def _load(folder: Path) -> dict[str, Any] | None:
+    """The manifest in ``folder`` as saved, every field checked (``None``: there is none); a :class:`ManifestError`
+    saying why it is not one a save wrote (unreadable, not a regular file, duplicate keys, a field of the wrong
+    type, a file name outside the folder, a format-2 manifest without its model)."""
+    path = folder / MANIFEST
+    try:
+        data = read_regular(path, MANIFEST_LIMIT)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise ManifestError((err.strerror or str(err)).rstrip(".")) from None
+    try:
+        raw = json_loads_unique(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ManifestError(str(err)) from None
+    if not isinstance(raw, dict):
+        raise ManifestError(f"it holds a JSON {type(raw).__name__}, not an object")
+    version, hashed = raw.get("format"), raw.get("hash")
+    if type(version) is not int or version not in FORMATS or hashed != HASH:
+        raise ManifestError(f"format {version!r} / hash {hashed!r}, expected one of {list(FORMATS)} / {HASH}")
+    files = raw.get("files")
+    if not isinstance(files, dict):
+        raise ManifestError(f"its 'files' is {files!r:.60}, not an object")
+    for name, value in files.items():
+        if (problem := _entry_problem(name, value)) is not None:
+            raise ManifestError(problem)
+    for key, (kind, name) in _RECORD_TYPES.items():
+        if key in raw and not isinstance(raw[key], kind):
+            raise ManifestError(f"its {key!r} is {raw[key]!r:.60}, not a JSON {name}")
+    if version >= 2 and "model" not in raw:
+        raise ManifestError(f"a format-{version} manifest records the model, and this one has none")
+    return raw
 
 
 def read_record(folder: Path) -> dict[str, Any]:
     """The :data:`RECORD_KEYS` the manifest in ``folder`` holds (empty when it has none, or cannot be read: the
     verification reports that)."""
     try:
-        raw = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
+        raw = _load(folder)
+    except ManifestError:
         return {}
-    return {k: raw[k] for k in RECORD_KEYS if k in raw} if isinstance(raw, dict) else {}
+    return {k: raw[k] for k in RECORD_KEYS if k in raw} if raw is not None else {}
 
 
 SAVE_FAULT_ENV = "CFP_SAVE_FAULT"
@@ -134,17 +197,16 @@ def publish(partial: Path, final: Path, pointer: Path, text: str, record: dict[s
 
 
 def read_manifest(folder: Path, fix: str) -> dict[str, FileEntry] | None:
-    """The manifest's entries, or ``None`` when the folder has none; a CheckpointError when it cannot be read."""
-    path = folder / MANIFEST
-    if not path.is_file():
-        return None
+    """The manifest's entries, or ``None`` when the folder has none; a CheckpointError when it cannot be read or
+    is not one a save wrote (:func:`_load`)."""
     try:
-        raw = json.loads(path.read_text())
-        if raw.get("format") != FORMAT or raw.get("hash") != HASH:
-            raise ValueError(f"format {raw.get('format')!r} / hash {raw.get('hash')!r}, expected {FORMAT} / {HASH}")
-        return {str(k): FileEntry(size=int(v["size"]), digest=str(v["digest"])) for k, v in raw["files"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise CheckpointError(f"{path} cannot be read ({err}): the checkpoint cannot be verified. {fix}") from None
+        raw = _load(folder)
+    except ManifestError as err:
+        raise CheckpointError(f"{folder / MANIFEST} cannot be read ({err}): the checkpoint cannot be verified. "
+                              f"{fix}") from None
+    if raw is None:
+        return None
+    return {k: FileEntry(size=v["size"], digest=v["digest"]) for k, v in raw["files"].items()}
 
 
 def verify(folder: Path, *, trust_unverified: bool, fix: str) -> bool:
@@ -152,8 +214,12 @@ def verify(folder: Path, *, trust_unverified: bool, fix: str) -> bool:
     first file that differs, is missing, truncated or extra, ending with ``fix``. A folder without a manifest (a
     save by an older version, or not by cfp) is refused unless ``trust_unverified``; returns whether it was
     verified."""
-    if not folder.is_dir():
-        raise CheckpointError(f"checkpoint folder {folder} is missing. {fix}")
+    try:
+        os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointError(f"checkpoint folder {folder} is missing. {fix}") from None
+    except OSError as err:
+        raise CheckpointError(f"checkpoint folder {folder} cannot be read ({err.strerror or err}). {fix}") from None
     entries = read_manifest(folder, fix)
     if entries is None:
         if trust_unverified:
@@ -165,9 +231,15 @@ def verify(folder: Path, *, trust_unverified: bool, fix: str) -> bool:
             f"manifest); otherwise: {fix}")
     for name, entry in entries.items():
         path = folder / name
-        if not path.is_file():
-            raise CheckpointError(f"{path} is missing (the save wrote it: {entry.size} bytes). {fix}")
-        size = path.stat().st_size
+        try:
+            info = path.lstat()
+        except OSError as err:
+            what = "missing" if err.errno in (errno.ENOENT, errno.ENOTDIR) else f"unreadable ({err.strerror})"
+            raise CheckpointError(f"{path} is {what} (the save wrote it: {entry.size} bytes). {fix}") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{path} is not the file the save wrote (a folder, link or special file is "
+                                  f"there). {fix}")
+        size = info.st_size
         if size != entry.size:
             what = "truncated" if size < entry.size else "longer than saved"
             raise CheckpointError(f"{path} is {what}: {size} bytes, the save wrote {entry.size}. {fix}")
@@ -177,7 +249,11 @@ def verify(folder: Path, *, trust_unverified: bool, fix: str) -> bool:
         raise CheckpointError(f"{folder / extra[0]} was not written by the save{kind}; "
                               f"{len(extra)} unexpected file(s) in all. {fix}")
     names = list(entries)
-    for name, digest in _digests(folder, names).items():
+    try:
+        digests = _digests(folder, names)
+    except OSError as err:
+        raise CheckpointError(f"{err.filename or folder} cannot be read ({err.strerror or err}). {fix}") from None
+    for name, digest in digests.items():
         if digest != entries[name].digest:
             raise CheckpointError(f"{folder / name} differs from what the save wrote (same size, different "
                                   f"content: {HASH} {digest} != {entries[name].digest}). {fix}")

@@ -99,21 +99,27 @@ def _plan_or_config_error(build: Any, key: str) -> Plan:
                                       fix="give the plan.json a DeepSpeed launch wrote.")) from None
 
 
-def check_checkpoint_dir(job: JobSpec, *, restarted: bool, writer: str | None,
-                         note: Callable[[str], None]) -> int | None:
+def check_checkpoint_dir(job: JobSpec, *, restarted: bool, writer: str | None, note: Callable[[str], None],
+                         backend: BackendSpec | None = None, world: int | None = None,
+                         on_gpu: bool = False, planned: bool = False) -> int | None:
     """The step to resume from, as the Megatron backend decides it (:func:`.checkpoint.check_before_start`; the
     folder's lock is checked before, ``writer`` its token where this job holds it): ``train.resume`` needs a
     checkpoint there (the pointer's, or the newest step folder that verifies); a folder holding one is refused rather
     than written over unless torchrun restarted this job (``restarted``: its own checkpoints); the checkpoint is
-    verified and its model compared with this run's; no step folder the run would save into may exist unless this
-    job wrote it."""
+    verified, its model compared with this run's and its saved state (precision, ZeRO stage, data-parallel size)
+    with what ``backend`` on ``world`` ranks trains with, where known before the plan (a stage left to the search
+    is compared when the plan loads it); no step folder the run would save into may exist unless this job wrote
+    it."""
     from cfp_megatron.backends.deepspeed import checkpoint as ds_checkpoint  # torch: a launch only
 
     t = job.train
     if t.checkpoint_dir is None and t.resume:
         raise ConfigError(ConfigIssue(key="train.resume", value=True, problem="there is no train.checkpoint_dir.",
                                       fix="set train.checkpoint_dir, or train.resume=false."))
+    pins = backend.pins() if backend is not None else {}
+    stage = pins.get("zero_stage", None if planned or backend is None else 0)  # a hand plan's default: stage 0
+    state = ds_checkpoint.training_state(resolve_precision(t.precision, on_gpu), stage, world, job.data)
     return ds_checkpoint.check_before_start(t.checkpoint_dir, resume=t.resume, restarted=restarted,
                                             trust_unverified=t.trust_unverified_checkpoint, steps=t.steps,
-                                            save_interval=t.save_interval, model=job.model, writer=writer,
-                                            note=note)
+                                            save_interval=t.save_interval, model=job.model, state=state,
+                                            writer=writer, note=note)

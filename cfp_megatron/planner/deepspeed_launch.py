@@ -49,9 +49,31 @@ class DeepSpeedLaunch:
         validate_rest(job, world)
 
     def check_before_start(self, job: JobSpec, *, restarted: bool, writer: str | None,
-                           note: Callable[[str], None]) -> int | None:
+                           note: Callable[[str], None], backend: BackendSpec | None = None,
+                           world: int | None = None, planned: bool = False) -> int | None:
         """DeepSpeed's checkpoint folder (:func:`~cfp_megatron.planner.deepspeed_entry.check_checkpoint_dir`)."""
-        return check_checkpoint_dir(job, restarted=restarted, writer=writer, note=note)
+        import torch
+
+        return check_checkpoint_dir(job, restarted=restarted, writer=writer, note=note, backend=backend,
+                                    world=world, on_gpu=torch.cuda.is_available(), planned=planned)
+
+    def resumed_backend(self, job: JobSpec, backend: BackendSpec, start_step: int | None, *, planned: bool,
+                        note: Callable[[str], None]) -> BackendSpec:
+        """A planned resume keeps the checkpoint's ZeRO stage where no stage is pinned (DeepSpeed loads a
+        checkpoint's optimizer state only under a stage of its family: :func:`~cfp_megatron.backends.deepspeed
+        .checkpoint.zero_differences`); a pinned or hand-set stage was checked before the start."""
+        from cfp_megatron.backends.deepspeed import checkpoint as ds_checkpoint  # torch: a launch only
+
+        root = job.train.checkpoint_dir
+        if start_step is None or root is None or not planned or "zero_stage" in backend.pins():
+            return backend
+        saved = ds_checkpoint.saved_state(root, start_step).get(ds_checkpoint.STAGE)
+        if not isinstance(saved, int):
+            return backend
+        note(f"cfp: {ds_checkpoint.tag(start_step)} was saved under ZeRO stage {saved}: the search keeps it "
+             f"(backend.zero_stage={saved}), since DeepSpeed resumes its optimizer state under that stage's family "
+             "only.")
+        return dataclasses.replace(backend, zero_stage=saved)
 
     def resume_pin(self, job: JobSpec, cfp: CfpSpec, start_step: int | None, *, planned: bool) -> bool | None:
         """Nothing: DeepSpeed resumes under any ZeRO stage."""

@@ -51,12 +51,14 @@ def train_from_config(cfg: Any) -> list:
     check_training_machine(job, env.world_size)  # a GPU preset without a GPU; more memory than this machine has
     t, say = job.train, checkpoint_lock.note_printer(env.rank)
     writer = checkpoint_lock.check(t.checkpoint_dir, note=say)  # another live job's folder: refused here
-    start_step = hooks.check_before_start(job, restarted=env.restart_count > 0, writer=writer, note=say)
+    start_step = hooks.check_before_start(job, restarted=env.restart_count > 0, writer=writer, note=say,
+                                         backend=backend, world=env.world_size, planned=planned)
     if start_step is not None and t.checkpoint_dir is not None and start_step >= t.steps:
         say(checkpoint.nothing_left(t.checkpoint_dir, start_step, t.steps))
         if env.rank == 0:
             checkpoint_lock.release(t.checkpoint_dir, writer)
         return []
+    backend = hooks.resumed_backend(job, backend, start_step, planned=planned, note=say)
     pin = hooks.resume_pin(job, cfp, start_step, planned=planned)
     run_dir = hydra_run_dir()
     metrics = metrics_location(job, run_dir)

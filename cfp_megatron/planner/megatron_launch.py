@@ -15,7 +15,7 @@ from cfp_megatron.backends.megatron.backend import MegatronBackend
 from cfp_megatron.backends.protocol import PlannedSearch
 from cfp_megatron.base.backend_spec import BackendKind, BackendSpec
 from cfp_megatron.base.cfp_spec import CfpMode, CfpSpec
-from cfp_megatron.base.config import ClusterSpec, JobSpec, Recompute
+from cfp_megatron.base.config import ClusterSpec, JobSpec, Recompute, resolve_precision
 from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import transformer_engine_available
@@ -45,15 +45,25 @@ class MegatronLaunch:
             validate_job(job, world)
 
     def check_before_start(self, job: JobSpec, *, restarted: bool, writer: str | None,
-                           note: Callable[[str], None]) -> int | None:
-        """Megatron's checkpoint folder (:func:`cfp_megatron.engine.checkpoint.check_before_start`)."""
+                           note: Callable[[str], None], backend: BackendSpec | None = None,
+                           world: int | None = None, planned: bool = False) -> int | None:
+        """Megatron's checkpoint folder (:func:`cfp_megatron.engine.checkpoint.check_before_start`), its training
+        state by this run's precision."""
+        import torch
+
         from cfp_megatron.engine import checkpoint  # torch: a launch only
 
         t = job.train
+        state = checkpoint.training_state(resolve_precision(t.precision, torch.cuda.is_available()), job.data)
         return checkpoint.check_before_start(t.checkpoint_dir, resume=t.resume, restarted=restarted,
                                              trust_unverified=t.trust_unverified_checkpoint, steps=t.steps,
-                                             save_interval=t.save_interval, model=job.model, writer=writer,
-                                             note=note)
+                                             save_interval=t.save_interval, model=job.model, state=state,
+                                             writer=writer, note=note)
+
+    def resumed_backend(self, job: JobSpec, backend: BackendSpec, start_step: int | None, *, planned: bool,
+                        note: Callable[[str], None]) -> BackendSpec:
+        """``backend``: what a Megatron checkpoint fixes is pinned by :meth:`resume_pin`."""
+        return backend
 
     def resume_pin(self, job: JobSpec, cfp: CfpSpec, start_step: int | None, *, planned: bool) -> bool | None:
         """The resumed checkpoint's optimizer kind (distributed or not), which Megatron-Core 0.16 loads only into

@@ -127,7 +127,7 @@ def run_training(job: JobSpec, plan: Plan, config: dict[str, Any], dims: Paralle
     step = 0
     if resume is not None and t.checkpoint_dir is not None:
         path, step = checkpoint.load(engine, t.checkpoint_dir, trust_unverified=t.trust_unverified_checkpoint,
-                                     step=resume)
+                                     step=resume, state=_state(plan, job))
         rank_watch.saved(str(path))
         log.event("resume", step=step, path=path, restart_count=env.restart_count)
     precision = Precision(plan.precision)
@@ -171,8 +171,14 @@ def run_training(job: JobSpec, plan: Plan, config: dict[str, Any], dims: Paralle
     return history
 
 
+def _state(plan: Plan, job: JobSpec) -> dict[str, Any]:
+    """The training state of ``plan`` (:func:`.checkpoint.training_state`) on this job's ranks."""
+    return checkpoint.training_state(plan.precision, plan.zero_stage, dist.get_world_size(), job.data)
+
+
 def _save(engine: Any, folder: str, step: int, plan: Plan, log: MetricsLog, job: JobSpec) -> None:
     rank_watch.at(f"the save of step {step}'s checkpoint")
-    saved = checkpoint.save(engine, folder, step, client_state={"plan": plan.canonical()}, model=job.model)
+    saved = checkpoint.save(engine, folder, step, client_state={"plan": plan.canonical()}, model=job.model,
+                            state=_state(plan, job))
     rank_watch.saved(str(saved))
     log.event("checkpoint", step=step, path=str(saved))

@@ -38,14 +38,15 @@ def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step
     log = MetricsLog(metrics_path, enabled=env.rank == 0)
     state = build_training(job, dims)
     bound_every_group(t.collective_timeout_s)  # the groups made without one (PrimePar's grids)
+    precision = resolve_precision(t.precision, torch.cuda.is_available())
     if start_step is not None and t.checkpoint_dir is not None:
         extra = checkpoint.load(t.checkpoint_dir, start_step, state.chunks, state.optimizer, state.scheduler,
-                                heterogeneous=job.parallel.primepar_layers is not None)
+                                heterogeneous=job.parallel.primepar_layers is not None,
+                                state=checkpoint.training_state(precision, job.data))
         state.step = start_step
         rank_watch.saved(str(checkpoint.step_dir(Path(t.checkpoint_dir), start_step)))
         log.event("resume", step=start_step, saved_under=extra.get("layout"), layout=dims.describe(),
                   restart_count=env.restart_count)
-    precision = resolve_precision(t.precision, torch.cuda.is_available())
     peak, peak_source = peak_tflops(job.cluster, precision)
     flops_per_token = training_flops_per_token(job.model, t.seq_length)
     log.event("start", model=job.model.name, layout=dims.describe(), mlp=job.parallel.mlp.value,
@@ -117,6 +118,8 @@ def _save(state: TrainState, log: MetricsLog) -> None:
     rank_watch.at(f"the save of step {state.step}'s checkpoint")
     folder = checkpoint.save(str(state.job.train.checkpoint_dir), state.step, state.chunks, state.optimizer,
                              state.scheduler, {"layout": state.dims.describe(), "model": state.job.model.name},
-                             model=state.job.model)
+                             model=state.job.model, state=checkpoint.training_state(
+                                 resolve_precision(state.job.train.precision, torch.cuda.is_available()),
+                                 state.job.data))
     rank_watch.saved(str(folder))
     log.event("checkpoint", step=state.step, path=str(folder))
