@@ -183,3 +183,45 @@ def test_a_typo_under_torchrun_is_said_once_and_creates_nothing(tmp_path: Path) 
     assert "did you mean train.steps?" in root_cause and "exitcode  : 2" in root_cause  # whichever rank ends first
     assert "HYDRA_FULL_ERROR" not in output and "Could not override" not in output
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("train.checkpoint_dir=''", "train.checkpoint_dir"),  # saved nothing, said nothing (and locked the cwd)
+    ("train.metrics_file='  '", "train.metrics_file"),
+    ("data.cache_dir=''", "data.cache_dir"),
+    ("model.name=''", "model.name"),
+    ("+cfp=manual cfp.plan_file=''", "cfp.plan_file")])
+def test_an_empty_text_setting_is_refused_not_read_as_none_or_the_current_folder(override: str, key: str) -> None:
+    from cfp_megatron.base.cfp_spec import cfp_from_config
+    from cfp_megatron.base.config import job_from_config
+
+    cfg = compose_config(override.split(" ", 1) if override.startswith("+") else [override], typed=True)
+    with pytest.raises(ConfigError) as info:
+        job_from_config(cfg)
+        cfp_from_config(cfg)
+    assert info.value.keys == [key] and "is empty (a shell variable that is not set?)" in str(info.value)
+
+
+@pytest.mark.parametrize(("override", "key", "fix"), [
+    ("train.checkpoint_dir='~/ck'", "train.checkpoint_dir", f"train.checkpoint_dir={Path.home() / 'ck'}"),
+    ("data.path=['~/corpus']", "data.path", f"data.path=[{Path.home() / 'corpus'}]")])
+def test_a_quoted_home_path_is_refused_naming_the_full_path(override: str, key: str, fix: str) -> None:
+    from cfp_megatron.base.config import job_from_config
+
+    with pytest.raises(ConfigError) as info:
+        job_from_config(compose_config([override]))
+    assert info.value.keys == [key] and "only a shell expands" in str(info.value) and fix in str(info.value)
+
+
+@pytest.mark.parametrize("argv", [["train.checkpoint_dir=~/ck"], ["hydra.run.dir=~/runs"],
+                                  ["hydra.run.dir='~/runs'"]])
+def test_an_unquoted_or_run_folder_home_path_names_the_full_path(argv: list[str], monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    err = _rank(monkeypatch, 0)
+    with pytest.raises(SystemExit) as info:
+        check_command_line(argv)
+        check_run_dir_arg(argv)
+    assert info.value.code == 2
+    assert f"write the full path: {argv[0].partition('=')[0]}={Path.home()}/" in err.getvalue(), err.getvalue()
+    assert list(tmp_path.iterdir()) == []

@@ -348,3 +348,73 @@ def test_an_interrupt_lost_where_python_ignores_exceptions_is_raised_again() -> 
                          capture_output=True, text=True, timeout=60)
     assert run.stdout.strip() == "interrupted", run.stdout + run.stderr
     assert "Exception ignored" not in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_sigterm_and_sighup_name_their_sender_and_end_with_128_plus_the_signal(fresh: None) -> None:
+    rank_watch.at("step 6 of 20")
+    rank_watch.saved("/ck/iter_0000004")
+    term = rank_watch.interrupted(signal.SIGTERM)
+    assert str(term).startswith("interrupted (SIGTERM: sent by a scheduler ending the job, by kill, or by torchrun "
+                                "stopping this rank after another one failed) at step 6 of 20; the last checkpoint is "
+                                "/ck/iter_0000004")
+    assert rank_watch.exit_status(term) == 143
+    hup = rank_watch.interrupted(signal.SIGHUP)
+    assert "(SIGHUP: the terminal that started the job closed" in str(hup) and rank_watch.exit_status(hup) == 129
+
+
+def test_a_peer_that_follows_an_interrupted_rank_names_that_rank_s_signal(fresh: None) -> None:
+    store = dist.HashStore()
+    _as_rank(store, 1, 2, "step 6 of 20")
+    rank_watch._state.signum = signal.SIGTERM  # rank 1 was sent SIGTERM: it claims the saying
+    assert rank_watch._interrupt_turn() is not None
+    rank_watch._state.signum, rank_watch._state.interrupt = signal.SIGINT, None  # rank 0 got no signal itself
+    _as_rank(store, 0, 2, "step 6 of 20")
+    err = rank_watch.explained(RuntimeError(PEER_GONE))
+    assert isinstance(err, rank_watch.RunInterrupted) and err.signum == signal.SIGTERM
+    assert "(SIGTERM:" in str(err) and err.turn is not None and not err.turn.mine
+
+
+def test_a_rank_torchrun_stops_after_another_said_why_exits_quietly(fresh: None,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    store = dist.HashStore()
+    _as_rank(store, 0, 2, "step 8 of 20")
+    rank_watch._state.pid = os.getpid()
+    monkeypatch.setattr(rank_watch, "exit_now", lambda status: sys.exit(status))  # not os._exit in pytest
+    with pytest.raises(KeyboardInterrupt):  # nobody said anything: this rank says it was stopped
+        rank_watch._interrupt_once(signal.SIGTERM, None)
+    assert store.check(["cfp/watch/interrupted/claimed"])
+    other = dist.HashStore()
+    monkeypatch.setattr(rank_watch, "_state", rank_watch._Watch())
+    _as_rank(other, 1, 2, "step 8 of 20")
+    rank_watch.explained(rank_watch.RankStalledError("rank 0 stopped answering."))  # rank 1 says it, and ends
+    rank_watch._state.interrupted = False  # as on rank 0, which then gets torchrun's SIGTERM
+    rank_watch._state.pid = os.getpid()
+    with pytest.raises(SystemExit) as quiet:
+        rank_watch._interrupt_once(signal.SIGTERM, None)
+    assert quiet.value.code == 143 and not other.check(["cfp/watch/interrupted/claimed"])
+
+
+_TERMINATED = """
+import os, signal, sys, time
+sys.path.insert(0, {repo!r})
+import torch.distributed as dist
+from cfp_megatron.engine import rank_watch
+rank_watch.tie_to_launcher()
+assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # before the process group: as the system does
+rank_watch.watch(dist.HashStore(), rank=0, world=1, timeout_s=20.0)
+rank_watch.at("step 2 of 9")
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+    print("lost", flush=True)
+except KeyboardInterrupt as caught:
+    print(rank_watch.explained(caught), flush=True)
+"""
+
+
+def test_sigterm_once_the_group_exists_is_an_interrupt_naming_it() -> None:
+    env = {**os.environ, "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "test"}
+    run = subprocess.run([sys.executable, "-c", _TERMINATED.format(repo=str(REPO))], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.stdout.startswith("interrupted (SIGTERM: sent by a scheduler"), run.stdout + run.stderr
+    assert "at step 2 of 9; no checkpoint was saved by this run." in run.stdout

@@ -18,7 +18,7 @@ from typing import Any
 
 from cfp_megatron.base.backend_spec import BackendSpec
 from cfp_megatron.base.cfp_spec import CfpSpec
-from cfp_megatron.base.config import JobSchema, JobSpec, job_from_config, mutable_twin
+from cfp_megatron.base.config import JobSchema, JobSpec, home_path, job_from_config, mutable_twin
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import run_id
 
@@ -277,6 +277,10 @@ def _parse_issue(text: str, err: Exception) -> ConfigIssue:
     if value.startswith("="):
         return ConfigIssue(key=key, value=value, problem=f"{text} has '==' where one '=' is meant.",
                            fix=f"write {name}={value.lstrip('=')}.")
+    if value.startswith("~"):
+        return ConfigIssue(key=key, value=value, problem=f"{text} starts its value with '~', which Hydra cannot parse "
+                           "(and the shell does not expand after key=).", fix=f"write the full path: "
+                           f"{name}={home_path(value)}.")
     if value.count("'") % 2 or value.count('"') % 2:
         return ConfigIssue(key=key, value=value, problem=f"{text} opens a quote it does not close.",
                            fix=f"close it, or quote the override for the shell: \"{name}='{value.strip(QUOTES)}'\".")

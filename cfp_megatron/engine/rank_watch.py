@@ -9,12 +9,16 @@
   ``train.collective_timeout_s`` raises on them (gloo's ``Timed out waiting ...``; NCCL's watchdog error where torch
   raises it rather than aborting), and :func:`explained` turns that into one :class:`RankStalledError` naming the
   ranks that did not mark themselves as waiting within :data:`GRACE_S`, with their host, pid and progress.
-- **Ctrl-C.** The first SIGINT raises ``KeyboardInterrupt`` once (later ones, torchrun's forward of the same Ctrl-C
-  included, are ignored while the rank winds down). Where it lands in code whose exceptions Python ignores (a
+- **Ctrl-C, SIGTERM, SIGHUP.** The first SIGINT raises ``KeyboardInterrupt`` once (later ones, torchrun's forward of
+  the same Ctrl-C included, are ignored while the rank winds down). Once the process group exists (:func:`watch`),
+  SIGTERM (a scheduler ending the job, ``kill``, torchrun stopping the other ranks after one failed) and SIGHUP (the
+  terminal closed) do the same instead of killing the rank without a word; a rank stopped by torchrun because another
+  rank already ended the job with a message (:func:`explained` marks it in the store) exits quietly. Where the
+  interrupt lands in code whose exceptions Python ignores (a
   finalizer, the ``os.register_at_fork`` callbacks that run while a checkpoint save forks its writers), Python's
   unraisable hook is told, and the interrupt is raised again at once (:func:`_unraisable`) rather than lost and
   printed as "Exception ignored in" with a traceback; :func:`explained` makes it a :class:`RunInterrupted` naming the
-  step and the last checkpoint.
+  signal, the step and the last checkpoint (exit status 128 + the signal's number, as a shell reports it).
 
 Each such error carries a :class:`Turn`: the first rank to claim it says the message, the others wait for it to be
 said before exiting (torchrun stops every rank once the first one exits).
@@ -49,7 +53,13 @@ POLL_S = 0.1
 RAISE_AGAIN_S = 0.01
 """How soon an interrupt lost where Python ignores exceptions is raised again (:func:`_unraisable`)."""
 INTERRUPTED_STATUS = 130
-"""Exit status of a run stopped by SIGINT (128 + 2, as a shell reports it)."""
+"""Exit status of a run stopped by SIGINT (128 + 2, as a shell reports it; 143 for SIGTERM, 129 for SIGHUP)."""
+STOP_SIGNALS: dict[int, str] = {signal.SIGINT: "", signal.SIGTERM: "sent by a scheduler ending the job, by kill, or "
+                                "by torchrun stopping this rank after another one failed",
+                                signal.SIGHUP: "the terminal that started the job closed: start it under nohup, tmux "
+                                "or a scheduler to keep it running"}
+"""The signals that end a run with one line (:func:`interrupted`), with what usually sends each; SIGINT raises from
+:func:`tie_to_launcher` on, the others from :func:`watch` on (before, they end the rank as the system does)."""
 ERROR_STATUS = 2
 """Exit status of a run ended by a stalled rank (the status of every error the entry points report)."""
 _TIMEOUT_MARKS = ("Timed out waiting", "Application timeout caused pair closure",
@@ -87,7 +97,10 @@ class _Watch:
     interrupt: Turn | None = None
     """This rank's claim on saying the interrupt (made in the SIGINT handler, before any teardown)."""
     interrupted: bool = False
-    """The SIGINT handler raised ``KeyboardInterrupt`` (a later SIGINT is ignored, unless :attr:`raise_again`)."""
+    """The stop-signal handler raised ``KeyboardInterrupt``, or the rank is winding down after an error it explains
+    (a later stop signal is ignored, unless :attr:`raise_again`)."""
+    signum: int = signal.SIGINT
+    """The stop signal that raised it (:data:`STOP_SIGNALS`)."""
     raise_again: bool = False
     """That ``KeyboardInterrupt`` was lost where Python ignores exceptions: the next SIGINT (sent by
     :func:`_unraisable`) raises it again."""
@@ -113,7 +126,12 @@ class RankStalledError(SaidOnce, RuntimeError):
 
 
 class RunInterrupted(SaidOnce):
-    """The run was stopped by SIGINT (Ctrl-C, ``kill -INT``); said in one line."""
+    """The run was stopped by a signal of :data:`STOP_SIGNALS` (Ctrl-C, ``kill``, a scheduler); said in one line."""
+
+    def __init__(self, message: str, *, turn: Turn | None = None, signum: int = signal.SIGINT) -> None:
+        super().__init__(message, turn=turn)
+        self.signum = signum
+        """The signal (the exit status is 128 + it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,9 +204,31 @@ def _interrupt_once(signum: int, frame: Any) -> None:
         return
     if _state.interrupted and not _state.raise_again:
         return  # the same Ctrl-C again (torchrun forwards it) while winding down
+    again = _state.raise_again
     _state.interrupted, _state.raise_again = True, False
+    if not again:
+        _state.signum = signum
+        if signum != signal.SIGINT and _ended_by_another():
+            exit_now(128 + signum)  # torchrun stops this rank after another one said why the job ends
     _interrupt_turn()  # before this rank's teardown closes its connections: the peers then find the reason
     raise KeyboardInterrupt
+
+
+def _ended_by_another() -> bool:
+    """Whether another rank has ended the job with a message (:func:`explained`'s mark in the store)."""
+    try:
+        return bool(_state.store is not None and _state.store.check([f"{_PREFIX}/ended"]))
+    except Exception:  # noqa: BLE001 - the store is gone: nothing known
+        return False
+
+
+def _winding_down() -> None:
+    """This rank ends the job with a message: later stop signals (torchrun's SIGTERM once the first rank exits) are
+    ignored, and the ranks torchrun stops with them exit quietly (:func:`_ended_by_another`)."""
+    _state.interrupted = True
+    with contextlib.suppress(Exception):
+        if _state.store is not None:
+            _state.store.set(f"{_PREFIX}/ended", str(_state.rank))
 
 
 def _unraisable_then(previous: Any) -> Any:
@@ -215,12 +255,19 @@ def _unraisable(unraisable: Any) -> bool:
 def _interrupt_turn() -> Turn | None:
     if _state.interrupt is None and _state.store is not None:
         _state.interrupt = Turn.claim(_state.store, "interrupted")
+        if _state.interrupt is not None and _state.interrupt.mine:
+            with contextlib.suppress(Exception):  # which signal, for the peers that follow (_said_by_peer)
+                _state.store.set(f"{_PREFIX}/interrupted/signal", str(int(_state.signum)))
     return _state.interrupt
 
 
 def watch(store: Any, *, rank: int, world: int, timeout_s: float) -> None:
-    """Record progress in ``store`` (the default process group's) from now on."""
+    """Record progress in ``store`` (the default process group's) from now on; under :func:`tie_to_launcher`, SIGTERM
+    and SIGHUP end the run in one line from now on, as SIGINT does."""
     _state.store, _state.rank, _state.world, _state.timeout_s = store, rank, world, timeout_s
+    if _state.tied and threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, _interrupt_once)
     at(_state.where)
 
 
@@ -271,7 +318,9 @@ def _said_by_peer() -> CfpError | None:
     while True:
         try:
             if store.check([f"{_PREFIX}/interrupted/claimed"]):
-                return interrupted()
+                key = f"{_PREFIX}/interrupted/signal"
+                signum = int(store.get(key)) if store.check([key]) else _state.signum
+                return interrupted(signum)
             if store.check([f"{_PREFIX}/stalled/claimed"]):
                 return RankStalledError(f"a peer of rank {_state.rank} ended the job for a rank that stopped "
                                         f"answering while rank {_state.rank} was in {_state.where}.",
@@ -286,22 +335,31 @@ def _said_by_peer() -> CfpError | None:
 def explained(err: BaseException) -> CfpError | None:
     """``err`` as the error a user should read: a CfpError as it is, a collective timeout as a
     :class:`RankStalledError`, a ``KeyboardInterrupt`` as a :class:`RunInterrupted`; ``None`` for anything else."""
+    found: CfpError | None
     if isinstance(err, CfpError):
-        return err
-    if isinstance(err, KeyboardInterrupt):
-        return interrupted()
-    if is_collective_timeout(err):
-        return stalled(err)
-    if _has_mark(err, _PEER_GONE_MARKS):
-        return _said_by_peer()
-    return None
+        found = err
+    elif isinstance(err, KeyboardInterrupt):
+        found = interrupted()
+    elif is_collective_timeout(err):
+        found = stalled(err)
+    elif _has_mark(err, _PEER_GONE_MARKS):
+        found = _said_by_peer()
+    else:
+        return None
+    if found is not None:
+        _winding_down()
+    return found
 
 
-def interrupted() -> RunInterrupted:
-    """The run stopped by SIGINT where this rank is."""
+def interrupted(signum: int | None = None) -> RunInterrupted:
+    """The run stopped by a stop signal (default: the one this rank got, SIGINT if none) where this rank is."""
+    signum = _state.signum if signum is None else signum
+    name = signal.Signals(signum).name
+    sender = STOP_SIGNALS.get(signum, "")
     ckpt = (f"; the last checkpoint is {_state.checkpoint} (continue from it with train.resume=true)"
             if _state.checkpoint else "; no checkpoint was saved by this run")
-    return RunInterrupted(f"interrupted (SIGINT) at {_state.where}{ckpt}.", turn=_interrupt_turn())
+    return RunInterrupted(f"interrupted ({name}{': ' + sender if sender else ''}) at {_state.where}{ckpt}.",
+                          turn=_interrupt_turn(), signum=signum)
 
 
 def stalled(err: BaseException, *, limit_s: float | None = None) -> RankStalledError:
@@ -390,8 +448,8 @@ def said(err: CfpError) -> None:
 
 
 def exit_status(err: CfpError) -> int:
-    """The exit status for ``err``: 130 after an interrupt, else 2."""
-    return INTERRUPTED_STATUS if isinstance(err, RunInterrupted) else ERROR_STATUS
+    """The exit status for ``err``: 128 + the signal after an interrupt (130 for SIGINT), else 2."""
+    return 128 + int(err.signum) if isinstance(err, RunInterrupted) else ERROR_STATUS
 
 
 def exit_now(status: int) -> None:
@@ -403,6 +461,7 @@ def exit_now(status: int) -> None:
     os._exit(status)
 
 
-__all__ = ["ERROR_STATUS", "GRACE_S", "INTERRUPTED_STATUS", "TIMEOUT_KEY", "RankStalledError", "RunInterrupted",
-           "SaidOnce", "Turn", "at", "exit_now", "exit_status", "explained", "interrupted", "is_collective_timeout",
-           "my_turn", "said", "saved", "stall_message", "stalled", "tie_to_launcher", "timeout_s", "watch"]
+__all__ = ["ERROR_STATUS", "GRACE_S", "INTERRUPTED_STATUS", "STOP_SIGNALS", "TIMEOUT_KEY", "RankStalledError",
+           "RunInterrupted", "SaidOnce", "Turn", "at", "exit_now", "exit_status", "explained", "interrupted",
+           "is_collective_timeout", "my_turn", "said", "saved", "stall_message", "stalled", "tie_to_launcher",
+           "timeout_s", "watch"]
