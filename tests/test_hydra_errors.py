@@ -122,7 +122,6 @@ def test_a_multirun_is_checked_job_by_job_and_refused_on_several_ranks() -> None
     with pytest.raises(ConfigError) as info:
         check_hydra_args(read_hydra_args(["-m", "train.steps=1,2"]), world_size=2)
     assert info.value.keys == ["-m"] and "one torchrun per job" in str(info.value)
-    check_hydra_args(read_hydra_args(["--config-name", "other", "train.step=5"]))  # another config: Hydra's to check
 
 
 def _rank(monkeypatch: pytest.MonkeyPatch, rank: int) -> io.StringIO:
@@ -225,3 +224,24 @@ def test_an_unquoted_or_run_folder_home_path_names_the_full_path(argv: list[str]
     assert info.value.code == 2
     assert f"write the full path: {argv[0].partition('=')[0]}={Path.home()}/" in err.getvalue(), err.getvalue()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("argv", "key", "said"), [
+    (["--config-name", "confg"], "--config-name", "did you mean config? Fix: write --config-name config."),
+    (["--config-name", "nope", "train.steps=2"], "--config-name", "is not a config in"),
+    (["--config-path", "/nope"], "--config-path", "/nope is not a folder"),
+    (["--config-path", "conf"], "--config-path", "a relative --config-path is read from"),
+    (["-cd", "/nope"], "--config-dir", "/nope is not a folder"),
+    (["--config-name", "config", "train.step=5"], "train.step", "write train.steps=5")])
+def test_hydras_config_flags_are_checked_before_hydra(argv: list[str], key: str, said: str) -> None:
+    """Hydra says these in a paragraph on every rank, exit 1; the project's own config named by its flags is
+    checked as without them."""
+    with pytest.raises(ConfigError) as info:
+        check_hydra_args(read_hydra_args(argv))
+    assert info.value.keys == [key] and said in str(info.value)
+
+
+def test_another_config_that_exists_is_left_to_hydra(tmp_path: Path) -> None:
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - config\n  - _self_\n")
+    check_hydra_args(read_hydra_args(["-cd", str(tmp_path), "-cn", "mine", "train.step=5"]))
+    check_hydra_args(read_hydra_args(["--config-path", str(compose.CONF_DIR), "--config-name", "config.yaml"]))
