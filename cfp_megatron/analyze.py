@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from cfp_megatron.model.analysis import analyze
 
     try:
-        job = compose_job(args.overrides, typed=True)
+        job = compose_job(args.overrides, typed=True, runs_hydra=False)
         # a --json that cannot be written is said before the analysis, not after
         check_write_locations([WriteLocation(key="--json", path=Path(args.json_path), folder=False)
                                if args.json_path else

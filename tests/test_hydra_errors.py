@@ -245,3 +245,22 @@ def test_another_config_that_exists_is_left_to_hydra(tmp_path: Path) -> None:
     (tmp_path / "mine.yaml").write_text("defaults:\n  - config\n  - _self_\n")
     check_hydra_args(read_hydra_args(["-cd", str(tmp_path), "-cn", "mine", "train.step=5"]))
     check_hydra_args(read_hydra_args(["--config-path", str(compose.CONF_DIR), "--config-name", "config.yaml"]))
+
+
+@pytest.mark.parametrize("value", ["true", "True"])
+def test_moving_the_job_into_its_run_folder_is_refused(value: str) -> None:
+    """Relative paths would silently mean folders in a new run folder each run (a resume finds nothing)."""
+    for argv in ([f"hydra.job.chdir={value}"], ["-m", f"hydra.job.chdir={value}", "train.steps=1,2"]):
+        with pytest.raises(ConfigError) as info:
+            check_hydra_args(read_hydra_args(argv))
+        assert info.value.keys == ["hydra.job.chdir"] and "a resume would not find" in str(info.value)
+    check_hydra_args(read_hydra_args(["hydra.job.chdir=false"]))
+
+
+@pytest.mark.parametrize("override", ["hydra.run.dir=/tmp/x", "hydra.job.chdir=true", "hydra/job_logging=none"])
+def test_a_command_that_only_composes_refuses_hydras_run_settings(override: str) -> None:
+    """``python -m cfp_megatron.plan hydra.run.dir=...`` ignored it, silently; launch/train.py's Hydra reads it."""
+    with pytest.raises(ConfigError) as info:
+        compose_config([override], typed=True, runs_hydra=False)
+    assert info.value.keys == [override.partition("=")[0]] and "would ignore it" in str(info.value)
+    compose_config(["hydra.searchpath=[]"], typed=True, runs_hydra=False)  # it changes what is composed

@@ -150,6 +150,7 @@ def check_hydra_args(args: HydraArgs, world_size: int = 1) -> None:
             raise ConfigError(issues)
         if not _project_config(args):
             return
+    chdir_issue(args.overrides)
     if not args.multirun:
         compose_config(args.overrides, typed=True)
         return
@@ -174,6 +175,24 @@ def check_hydra_args(args: HydraArgs, world_size: int = 1) -> None:
         except ConfigError as err:
             raise ConfigError([ConfigIssue(key=i.key, value=i.value, problem=f"{i.problem} (in the sweep's job "
                                            f"{' '.join(job)})", fix=i.fix) for i in err.issues]) from None
+
+
+CHDIR_KEY = "hydra.job.chdir"
+"""Hydra's setting that moves the job into its run folder (conf/config.yaml: false)."""
+
+
+def chdir_issue(overrides: Sequence[str]) -> None:
+    """Refuse ``hydra.job.chdir=true``: every relative path of the job (``train.checkpoint_dir=ck``, ``data.path``,
+    ``cfp.plan_file``) would then be read from a new run folder each run, so a resume would not find its checkpoints
+    and nothing would say so."""
+    given, value = override_value(overrides, CHDIR_KEY)
+    if given and value not in (False, None):
+        raise ConfigError(ConfigIssue(key=CHDIR_KEY, value=value, problem="would move the job into its run folder, "
+                                      "a new one each run: relative paths (train.checkpoint_dir=ck, data.path, "
+                                      "cfp.plan_file) would silently mean folders in it, and a resume would not "
+                                      "find the checkpoints an earlier run saved.", fix="leave it out (false): "
+                                      "relative paths are read from the folder torchrun starts in, and the run's "
+                                      "own files go to hydra.run.dir anyway."))
 
 
 def override_value(overrides: Sequence[str], key: str) -> tuple[bool, object]:
@@ -204,5 +223,5 @@ def check_command_line(argv: Sequence[str]) -> HydraArgs:
     return args
 
 
-__all__ = ["SCRIPT_DIR", "HydraArgs", "check_command_line", "check_hydra_args", "config_flag_issues", "override_value",
-           "read_hydra_args", "sweep_jobs"]
+__all__ = ["CHDIR_KEY", "SCRIPT_DIR", "HydraArgs", "check_command_line", "check_hydra_args", "chdir_issue",
+           "config_flag_issues", "override_value", "read_hydra_args", "sweep_jobs"]

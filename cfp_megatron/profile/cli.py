@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = LaunchEnv.read()
     console = Console(stderr=False, highlight=False)
     try:
-        job = compose_job(args.overrides, typed=True)
+        job = compose_job(args.overrides, typed=True, runs_hydra=False)
         # where the ProfileDB (and --export) go, refused now rather than after the whole budget
         check_write_locations([WriteLocation(key=CACHE_KEY, path=cache_dir() / "profile",
                                              folder=True),
