@@ -73,7 +73,7 @@ def test_a_required_group_left_without_an_option_is_refused_with_its_options(gro
 
 
 def test_a_group_removed_by_any_other_way_is_refused_after_composition(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(compose, "override_issues", lambda overrides: [])  # as if nothing caught it before Hydra
+    monkeypatch.setattr(compose, "override_issues", lambda overrides, **_: [])  # as if nothing caught it before Hydra
     with pytest.raises(ConfigError) as info:
         compose_config(["~model"])
     assert info.value.keys == ["model"] and "has no option chosen" in str(info.value)

@@ -394,27 +394,39 @@ def test_a_rank_torchrun_stops_after_another_said_why_exits_quietly(fresh: None,
     assert quiet.value.code == 143 and not other.check(["cfp/watch/interrupted/claimed"])
 
 
-_TERMINATED = """
-import os, signal, sys, time
+_BLOCKED = """
+import datetime, os, signal, sys, threading
 sys.path.insert(0, {repo!r})
 import torch.distributed as dist
 from cfp_megatron.engine import rank_watch
 rank_watch.tie_to_launcher()
 assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # before the process group: as the system does
-rank_watch.watch(dist.HashStore(), rank=0, world=1, timeout_s=20.0)
+rank_watch.STOP_GRACE_S = 1.0
+store = dist.HashStore()
+rank_watch.watch(store, rank=0, world=1, timeout_s=20.0)
 rank_watch.at("step 2 of 9")
+threading.Timer(1.0, lambda: print("blocked", flush=True)).start()  # once the main thread waits
 try:
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(30)
+    store.wait(["never"], datetime.timedelta(seconds=120))  # as a collective whose peer stalled: no handler runs
     print("lost", flush=True)
-except KeyboardInterrupt as caught:
-    print(rank_watch.explained(caught), flush=True)
+except KeyboardInterrupt:
+    print("handled by the main thread: it was not blocked yet", flush=True)
 """
 
 
-def test_sigterm_once_the_group_exists_is_an_interrupt_naming_it() -> None:
+def test_a_stop_signal_while_blocked_in_a_collective_is_said_by_the_stop_watch() -> None:
+    """Python runs the handler only once the blocking call returns (here: after 2 minutes, in a job: after
+    train.collective_timeout_s, when torchrun has killed the rank 30 s after its SIGTERM, without a word)."""
     env = {**os.environ, "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "test"}
-    run = subprocess.run([sys.executable, "-c", _TERMINATED.format(repo=str(REPO))], env=env, capture_output=True,
-                         text=True, timeout=60)
-    assert run.stdout.startswith("interrupted (SIGTERM: sent by a scheduler"), run.stdout + run.stderr
-    assert "at step 2 of 9; no checkpoint was saved by this run." in run.stdout
+    proc = subprocess.Popen([sys.executable, "-c", _BLOCKED.format(repo=str(REPO))], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "blocked"
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and out.strip() == "", out + err
+    assert err.strip() == ("cfp-megatron: interrupted (SIGTERM: sent by a scheduler ending the job, by kill, or by "
+                           "torchrun stopping this rank after another one failed) at step 2 of 9; no checkpoint was "
+                           "saved by this run."), err

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from cfp_megatron.base.errors import CfpError
+from cfp_megatron.base.files import access_error
 from cfp_megatron.engine.save_workers import die_with_parent
 
 TIMEOUT_KEY = "train.collective_timeout_s"
@@ -96,6 +97,9 @@ class _Watch:
     """:func:`tie_to_launcher` ran."""
     interrupt: Turn | None = None
     """This rank's claim on saying the interrupt (made in the SIGINT handler, before any teardown)."""
+    error: Turn | None = None
+    """This rank's claim on saying an error without a turn of its own (:func:`turn_of`), made by :func:`explained`
+    before the job is marked as ended."""
     interrupted: bool = False
     """The stop-signal handler raised ``KeyboardInterrupt``, or the rank is winding down after an error it explains
     (a later stop signal is ignored, unless :attr:`raise_again`)."""
@@ -107,6 +111,8 @@ class _Watch:
     pid: int = 0
     """The rank's process (:func:`tie_to_launcher`); the processes it forks (checkpoint writers) inherit the SIGINT
     handler and must leave the interrupt to it."""
+    stop_watch: bool = False
+    """The stop watch runs (:func:`_start_stop_watch`)."""
 
 
 _state = _Watch()
@@ -202,16 +208,103 @@ def _launcher_gone(parent: int) -> bool:
 def _interrupt_once(signum: int, frame: Any) -> None:
     if os.getpid() != _state.pid:  # a forked child (a checkpoint writer): its rank decides, and it dies with it
         return
-    if _state.interrupted and not _state.raise_again:
-        return  # the same Ctrl-C again (torchrun forwards it) while winding down
-    again = _state.raise_again
-    _state.interrupted, _state.raise_again = True, False
-    if not again:
-        _state.signum = signum
-        if signum != signal.SIGINT and _ended_by_another():
-            exit_now(128 + signum)  # torchrun stops this rank after another one said why the job ends
+    if not _LOCK.acquire(blocking=False):
+        return  # the stop watch is ending the rank already (a handler must not wait for it)
+    try:
+        if _state.interrupted and not _state.raise_again:
+            return  # the same Ctrl-C again (torchrun forwards it) while winding down
+        again = _state.raise_again
+        _state.interrupted, _state.raise_again = True, False
+        if not again:
+            _state.signum = signum
+    finally:
+        _LOCK.release()
+    if not again and signum != signal.SIGINT and _ended_by_another():
+        exit_now(128 + signum)  # torchrun stops this rank after another one said why the job ends
     _interrupt_turn()  # before this rank's teardown closes its connections: the peers then find the reason
     raise KeyboardInterrupt
+
+
+_LOCK = threading.Lock()
+"""Held while the SIGINT handler or the stop watch (:func:`_stop_watch`) decides who ends the rank."""
+STOP_GRACE_S = 5.0
+"""How long the main thread has to act on a stop signal before the stop watch says it and ends the rank itself:
+Python runs signal handlers only between bytecodes, so a rank blocked in a collective (its peer stalled or gone)
+would not act on it before ``train.collective_timeout_s``, and torchrun kills it 30 s after its SIGTERM."""
+
+
+def _start_stop_watch() -> None:
+    """Have the stop signals written to a pipe (``signal.set_wakeup_fd``, done by the interpreter as a signal
+    arrives, whatever the main thread does) that a daemon thread reads (:func:`_stop_watch`); not in forked
+    children, which leave stop signals to their rank. Main thread only; once."""
+    if _state.stop_watch:
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    os.register_at_fork(after_in_child=_untie_wakeup)
+    _state.stop_watch = True
+    threading.Thread(target=_stop_watch, args=(read,), name="cfp-stop-watch", daemon=True).start()
+
+
+def _untie_wakeup() -> None:
+    with contextlib.suppress(ValueError):  # a child forked by another thread than its main one
+        signal.set_wakeup_fd(-1)
+
+
+def _stop_watch(fd: int) -> None:
+    """For each stop signal read from ``fd``: when the main thread has not acted on it within :data:`STOP_GRACE_S`,
+    say it (once per job: the interrupt's turn) and end the rank with 128 + the signal."""
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except OSError:
+            return
+        for signum in data:
+            if signum not in STOP_SIGNALS:
+                continue
+            deadline = time.monotonic() + STOP_GRACE_S
+            while not _state.interrupted and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+            with _LOCK:
+                if _state.interrupted:
+                    continue  # the main thread acts on it (or is winding down already)
+                _state.interrupted, _state.signum = True, signum
+            _end_from_watch(signum)
+
+
+STORE_WAIT_S = 2.0
+"""How long the stop watch waits for the store: the main thread may hold the store's one connection, blocked in a
+call that waits for a peer (joining a process group), and the store then answers nobody else."""
+
+
+def _end_from_watch(signum: int) -> None:
+    """End this rank for ``signum`` from the stop watch: quietly when another rank has said why the job ends, else
+    after saying it where it is this rank's turn (rank 0's when the store does not answer)."""
+    answered, ended = _bounded(_ended_by_another)
+    if signum != signal.SIGINT and ended:
+        exit_now(128 + signum)
+    claimed = answered and _bounded(_interrupt_turn)[0]
+    err = interrupted(signum, claim=claimed)
+    if my_turn(err, _state.rank):
+        with contextlib.suppress(Exception):
+            print(interrupt_line(err, _state.rank), file=sys.stderr, flush=True)
+        said(err)
+    exit_now(128 + signum)
+
+
+def _bounded(fn: Any) -> tuple[bool, Any]:
+    """``fn()`` run in a daemon thread for at most :data:`STORE_WAIT_S`: whether it returned, and what."""
+    out: list[Any] = []
+    worker = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    worker.start()
+    worker.join(STORE_WAIT_S)
+    return (True, out[0]) if out else (False, None)
+
+
+def interrupt_line(err: RunInterrupted, rank: int) -> str:
+    """The one line that says ``err`` on rank ``rank`` (``[rank N]`` for a rank other than 0)."""
+    return f"cfp-megatron{f' [rank {rank}]' if rank else ''}: {err}"
 
 
 def _ended_by_another() -> bool:
@@ -222,13 +315,17 @@ def _ended_by_another() -> bool:
         return False
 
 
-def _winding_down() -> None:
-    """This rank ends the job with a message: later stop signals (torchrun's SIGTERM once the first rank exits) are
-    ignored, and the ranks torchrun stops with them exit quietly (:func:`_ended_by_another`)."""
+def _winding_down(err: CfpError) -> None:
+    """This rank ends the job with ``err``: later stop signals (torchrun's SIGTERM once the first rank exits) are
+    ignored, the first rank to end the job with an error that has no turn of its own says it (:func:`turn_of`), and
+    the ranks torchrun stops, or whose collectives fail, after that exit quietly (:func:`_ended_by_another`)."""
     _state.interrupted = True
+    if _state.store is None:
+        return
+    if not isinstance(err, SaidOnce) and _state.error is None:
+        _state.error = Turn.claim(_state.store, "error")  # before the mark: a peer that sees it finds the claim
     with contextlib.suppress(Exception):
-        if _state.store is not None:
-            _state.store.set(f"{_PREFIX}/ended", str(_state.rank))
+        _state.store.set(f"{_PREFIX}/ended", str(_state.rank))
 
 
 def _unraisable_then(previous: Any) -> Any:
@@ -268,6 +365,7 @@ def watch(store: Any, *, rank: int, world: int, timeout_s: float) -> None:
     if _state.tied and threading.current_thread() is threading.main_thread():
         for signum in STOP_SIGNALS:
             signal.signal(signum, _interrupt_once)
+        _start_stop_watch()
     at(_state.where)
 
 
@@ -325,6 +423,9 @@ def _said_by_peer() -> CfpError | None:
                 return RankStalledError(f"a peer of rank {_state.rank} ended the job for a rank that stopped "
                                         f"answering while rank {_state.rank} was in {_state.where}.",
                                         turn=Turn.claim(store, "stalled"))
+            if store.check([f"{_PREFIX}/ended"]):
+                return SaidOnce(f"another rank ended the job with an error (its message says which) while rank "
+                                f"{_state.rank} was in {_state.where}.", turn=Turn.claim(store, "error"))
         except Exception:  # noqa: BLE001 - the store is gone too
             return None
         if time.monotonic() >= deadline:
@@ -334,7 +435,8 @@ def _said_by_peer() -> CfpError | None:
 
 def explained(err: BaseException) -> CfpError | None:
     """``err`` as the error a user should read: a CfpError as it is, a collective timeout as a
-    :class:`RankStalledError`, a ``KeyboardInterrupt`` as a :class:`RunInterrupted`; ``None`` for anything else."""
+    :class:`RankStalledError`, a ``KeyboardInterrupt`` as a :class:`RunInterrupted`, a file that cannot be read or
+    opened where the run used it as a :class:`~cfp_megatron.base.files.FileAccessError`; ``None`` for anything else."""
     found: CfpError | None
     if isinstance(err, CfpError):
         found = err
@@ -344,22 +446,25 @@ def explained(err: BaseException) -> CfpError | None:
         found = stalled(err)
     elif _has_mark(err, _PEER_GONE_MARKS):
         found = _said_by_peer()
+    elif (unusable := access_error(err, _state.where)) is not None:
+        found = unusable
     else:
         return None
     if found is not None:
-        _winding_down()
+        _winding_down(found)
     return found
 
 
-def interrupted(signum: int | None = None) -> RunInterrupted:
-    """The run stopped by a stop signal (default: the one this rank got, SIGINT if none) where this rank is."""
+def interrupted(signum: int | None = None, *, claim: bool = True) -> RunInterrupted:
+    """The run stopped by a stop signal (default: the one this rank got, SIGINT if none) where this rank is;
+    ``claim`` false: without a turn (the store cannot be asked)."""
     signum = _state.signum if signum is None else signum
     name = signal.Signals(signum).name
     sender = STOP_SIGNALS.get(signum, "")
     ckpt = (f"; the last checkpoint is {_state.checkpoint} (continue from it with train.resume=true)"
             if _state.checkpoint else "; no checkpoint was saved by this run")
     return RunInterrupted(f"interrupted ({name}{': ' + sender if sender else ''}) at {_state.where}{ckpt}.",
-                          turn=_interrupt_turn(), signum=signum)
+                          turn=_interrupt_turn() if claim else None, signum=signum)
 
 
 def stalled(err: BaseException, *, limit_s: float | None = None) -> RankStalledError:
@@ -431,10 +536,17 @@ def stall_message(behind: list[int], waiting: list[int], records: dict[int, dict
     return f"{head} ({cause}).\nFix: {fix}"
 
 
+def turn_of(err: CfpError) -> Turn | None:
+    """Who says ``err``: its own :class:`Turn` (a stalled rank, an interrupt); for another error met once the process
+    group exists, the first rank to end the job with one (:func:`explained`'s claim), so an error only one rank
+    meets is said at once, by it, and one every rank meets is said once per job; ``None`` before the group."""
+    return err.turn if isinstance(err, SaidOnce) else _state.error
+
+
 def my_turn(err: CfpError, rank: int, *, wait_s: float = SAID_WAIT_S) -> bool:
-    """Whether this rank says ``err``: its :class:`Turn` is this rank's, or it never came from the rank whose it is
+    """Whether this rank says ``err``: its :func:`turn_of` is this rank's, or it never came from the rank whose it is
     (waited for at most ``wait_s``); rank 0 for an error without one."""
-    turn = getattr(err, "turn", None)
+    turn = turn_of(err)
     if turn is None:
         return rank == 0
     return turn.mine or not turn.wait_said(wait_s)
@@ -442,7 +554,7 @@ def my_turn(err: CfpError, rank: int, *, wait_s: float = SAID_WAIT_S) -> bool:
 
 def said(err: CfpError) -> None:
     """Tell the ranks waiting in :func:`my_turn` that ``err`` is out."""
-    turn = getattr(err, "turn", None)
+    turn = turn_of(err)
     if turn is not None:
         turn.said()
 
@@ -461,7 +573,7 @@ def exit_now(status: int) -> None:
     os._exit(status)
 
 
-__all__ = ["ERROR_STATUS", "GRACE_S", "INTERRUPTED_STATUS", "STOP_SIGNALS", "TIMEOUT_KEY", "RankStalledError",
-           "RunInterrupted", "SaidOnce", "Turn", "at", "exit_now", "exit_status", "explained", "interrupted",
-           "is_collective_timeout", "my_turn", "said", "saved", "stall_message", "stalled", "tie_to_launcher",
-           "timeout_s", "watch"]
+__all__ = ["ERROR_STATUS", "GRACE_S", "INTERRUPTED_STATUS", "STOP_GRACE_S", "STOP_SIGNALS", "TIMEOUT_KEY",
+           "RankStalledError", "RunInterrupted", "SaidOnce", "Turn", "at", "exit_now", "exit_status", "explained",
+           "interrupt_line", "interrupted", "is_collective_timeout", "my_turn", "said", "saved", "stall_message",
+           "stalled", "tie_to_launcher", "timeout_s", "turn_of", "watch"]

@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             console.print(f"ProfileDB: {outcome.path} ({state})", markup=False)
             if args.export:
                 console.print(f"exported: {export_db(outcome.db, args.export, key='--export')}", markup=False)
-    except (CfpError, RuntimeError, KeyboardInterrupt) as caught:
+    except (CfpError, RuntimeError, OSError, KeyboardInterrupt) as caught:
         err = rank_watch.explained(caught)  # a stalled rank or Ctrl-C too, said once
         if err is None:
             raise
