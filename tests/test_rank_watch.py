@@ -430,3 +430,43 @@ def test_a_stop_signal_while_blocked_in_a_collective_is_said_by_the_stop_watch()
     assert err.strip() == ("cfp-megatron: interrupted (SIGTERM: sent by a scheduler ending the job, by kill, or by "
                            "torchrun stopping this rank after another one failed) at step 2 of 9; no checkpoint was "
                            "saved by this run."), err
+
+
+def test_a_file_a_rank_cannot_use_is_one_error_naming_it_and_where(fresh: None) -> None:
+    from cfp_megatron.base.files import FileAccessError
+
+    rank_watch.at("step 3 of 9")
+    err = rank_watch.explained(PermissionError(13, "Permission denied", "/data/corpus.bin"))
+    assert isinstance(err, FileAccessError)
+    assert str(err).startswith("/data/corpus.bin cannot be used: permission denied (in step 3 of 9). Fix: make it "
+                               "readable to this user on this host")
+    try:  # raised from it, as Megatron's dataset builders re-raise
+        try:
+            raise FileNotFoundError(2, "No such file or directory", "/ck/iter_0000004/common.pt")
+        except FileNotFoundError as inner:
+            raise RuntimeError("loading failed") from inner
+    except RuntimeError as outer:
+        assert "/ck/iter_0000004/common.pt cannot be used: it is not there" in str(rank_watch.explained(outer))
+    assert rank_watch.explained(OSError("no file named")) is None  # not a file's failure: the traceback stands
+    assert rank_watch.explained(IsADirectoryError(21, "Is a directory", "/x")) is None
+
+
+def test_an_error_once_the_group_exists_is_said_by_the_first_rank_that_meets_it(fresh: None,
+                                                                                monkeypatch: pytest.MonkeyPatch
+                                                                                ) -> None:
+    store = dist.HashStore()
+    _as_rank(store, 1, 2, "step 3 of 9")
+    err = rank_watch.explained(ConfigError([]))  # met by rank 1 only
+    turn = rank_watch.turn_of(err)
+    assert turn is not None and turn.mine and store.check(["cfp/watch/ended"])
+    env1 = LaunchEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, restart_count=0, under_torchrun=True)
+    out = io.StringIO()
+    assert rank_errors.report_error(err, env1, stream=out)  # at once: not after waiting for its node's first rank
+    assert out.getvalue().startswith("cfp-megatron: ConfigError [rank 1]")
+    monkeypatch.setattr(rank_watch, "_state", rank_watch._Watch())  # rank 0, whose collective lost its peer
+    _as_rank(store, 0, 2, "step 3 of 9")
+    peer = rank_watch.explained(RuntimeError(PEER_GONE))
+    assert isinstance(peer, rank_watch.SaidOnce) and "another rank ended the job" in str(peer)
+    env0 = LaunchEnv(rank=0, world_size=2, local_rank=0, local_world_size=2, restart_count=0, under_torchrun=True)
+    quiet = io.StringIO()
+    assert not rank_errors.report_error(peer, env0, stream=quiet) and quiet.getvalue() == ""
