@@ -1763,6 +1763,12 @@ def _hydra_cases() -> list[Case]:
             ("hydra-home-quoted", ["train.checkpoint_dir='~/ck'"], ("write the full path: train.checkpoint_dir=",)),
             ("hydra-home-in-list", ["data=indexed", "data.path=['~/corpus']"], ("write the full path: data.path=[",))]:
         found.append(config_case(cid, overrides, names))
+    for cid, overrides, names in [
+            ("cluster-cpu-device-name-gpu", ["cluster.device_name=H100"], ("drop cluster.device_name=H100",)),
+            ("cluster-cpu-generation-gpu", ["cluster.generation=hopper"], ("drop cluster.generation=hopper",)),
+            ("cluster-backend-nccl-on-cpu", ["cluster.backend=nccl"], ("set cluster.backend=gloo",))]:
+        found.append(Case(id=cid, command="train", what="launch/train.py " + " ".join(overrides) + " (no GPU)",
+                          names=names, run=lambda work, o=overrides: in_process(lambda: _train_here(o, work))))
     for cid, args, names in [
             ("hydra-plan-run-dir", ["hydra.run.dir=/tmp/somewhere"], ("hydra.run.dir='/tmp/somewhere': configures",)),
             ("hydra-plan-chdir", ["model=llama3_8b", "hydra.job.chdir=true"], ("would ignore it",))]:
@@ -1782,6 +1788,19 @@ def _hydra_cases() -> list[Case]:
                           + " ".join(overrides), names=names, mode="torchrun", once="cfp-megatron: ConfigError",
                           run=lambda work, o=overrides: torchrun(2, o, work)))
     return found
+
+
+def _train_here(overrides: Sequence[str], work: Path) -> object:
+    """``launch/train.py``'s pipeline in-process on this machine (one step; skipped where a GPU is present: the
+    cases are about a machine without one)."""
+    import torch
+
+    from cfp_megatron.base.compose import compose_config
+    from cfp_megatron.planner.entry import train_from_config
+
+    if torch.cuda.is_available():
+        raise CaseSkipped("this machine has a GPU")
+    return train_from_config(compose_config(["train.steps=1", f"hydra.run.dir={work / 'here'}", *overrides]))
 
 
 def _input_cases() -> list[Case]:

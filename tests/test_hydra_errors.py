@@ -50,6 +50,7 @@ REFUSED = [
     (["model=gpt_tiny,llama_tiny"], "model", "add -m"),
     (["hydra.run.dri=/tmp/x"], "hydra.run.dri", "write hydra.run.dir=/tmp/x"),
     (["hydra/launcher=joblib"], "hydra/launcher", "--hydra-help lists them"),
+    (["hydra.run.dir=/tmp/a,/tmp/b"], "hydra.run.dir", "add -m"),  # was Hydra's "Ambiguous value" of <override>
 ]
 
 

@@ -213,7 +213,9 @@ def override_issues(overrides: Sequence[str], *, sweeps: bool = False, runs_hydr
         key, text = o.key_or_group, o.input_line or ""
         given = _given(text)
         if key == "hydra" or key.startswith(("hydra.", "hydra/")):
-            if not runs_hydra and key not in HYDRA_COMPOSE_KEYS:
+            if o.is_sweep_override() and not sweeps:
+                issues.append(_sweep_issue(key, given))
+            elif not runs_hydra and key not in HYDRA_COMPOSE_KEYS:
                 issues.append(ConfigIssue(key=key, value=given, problem="configures the run Hydra starts for "
                                           "launch/train.py; this command only composes the config and would ignore "
                                           "it.", fix=f"drop {text} (this command's own flags say where it writes: "
@@ -225,10 +227,7 @@ def override_issues(overrides: Sequence[str], *, sweeps: bool = False, runs_hydr
         if o.is_add():
             seen.add((key, o.package))
         if o.is_sweep_override() and not sweeps:
-            issues.append(ConfigIssue(key=key, value=given, problem="is a sweep (several values), "
-                                      "and one job takes one value.", fix="choose one value, add -m (multirun) to run "
-                                      f"one job per value, or quote a comma that is part of the value: "
-                                      f"\"{key}='{given}'\"."))
+            issues.append(_sweep_issue(key, given))
         elif key in groups:
             issues += _group_issues(o, key, key in required, searched=searched)
         else:
@@ -237,6 +236,13 @@ def override_issues(overrides: Sequence[str], *, sweeps: bool = False, runs_hydr
                            "group, which the command did not add.", fix=f"drop {o.input_line}.")
                for o in parsed if o.is_delete() and o.key_or_group in groups - set(required) - added]
     return issues
+
+
+def _sweep_issue(key: str, given: str | None) -> ConfigIssue:
+    """The issue of a sweep (``a,b``) outside ``-m``."""
+    return ConfigIssue(key=key, value=given, problem="is a sweep (several values), and one job takes one value.",
+                       fix="choose one value, add -m (multirun) to run one job per value, or quote a comma that is "
+                           f"part of the value: \"{key}='{given}'\".")
 
 
 def repeated_overrides(overrides: Sequence[str]) -> list[str]:

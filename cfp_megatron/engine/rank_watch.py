@@ -307,6 +307,14 @@ def interrupt_line(err: RunInterrupted, rank: int) -> str:
     return f"cfp-megatron{f' [rank {rank}]' if rank else ''}: {err}"
 
 
+def error_text(err: CfpError, rank: int | None = None) -> tuple[str, str]:
+    """The title (with ``[rank N]`` for a rank other than 0) and the body of the message for ``err`` (an interrupt:
+    one line, no body)."""
+    if isinstance(err, RunInterrupted):
+        return interrupt_line(err, rank or 0), ""
+    return f"cfp-megatron: {type(err).__name__}{f' [rank {rank}]' if rank else ''}", str(err)
+
+
 def _ended_by_another() -> bool:
     """Whether another rank has ended the job with a message (:func:`explained`'s mark in the store)."""
     try:
@@ -574,6 +582,6 @@ def exit_now(status: int) -> None:
 
 
 __all__ = ["ERROR_STATUS", "GRACE_S", "INTERRUPTED_STATUS", "STOP_GRACE_S", "STOP_SIGNALS", "TIMEOUT_KEY",
-           "RankStalledError", "RunInterrupted", "SaidOnce", "Turn", "at", "exit_now", "exit_status", "explained",
-           "interrupt_line", "interrupted", "is_collective_timeout", "my_turn", "said", "saved", "stall_message",
-           "stalled", "tie_to_launcher", "timeout_s", "turn_of", "watch"]
+           "RankStalledError", "RunInterrupted", "SaidOnce", "Turn", "at", "error_text", "exit_now", "exit_status",
+           "explained", "interrupt_line", "interrupted", "is_collective_timeout", "my_turn", "said", "saved",
+           "stall_message", "stalled", "tie_to_launcher", "timeout_s", "turn_of", "watch"]

@@ -31,7 +31,7 @@ from rich.console import Console
 from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.files import write_atomic
 from cfp_megatron.base.launch_env import LaunchEnv
-from cfp_megatron.engine.rank_watch import RunInterrupted, SaidOnce, exit_now, exit_status, interrupt_line, turn_of
+from cfp_megatron.engine.rank_watch import RunInterrupted, SaidOnce, error_text, exit_now, exit_status, turn_of
 
 WAIT_S = 30.0
 """How long a rank other than its node's first waits for that rank to have printed the message."""
@@ -53,13 +53,6 @@ def marker_path() -> Path | None:
     if not error_file or error_file == os.devnull:
         return None
     return Path(error_file).parent.parent / MARKER
-
-
-def error_text(err: CfpError, rank: int | None = None) -> tuple[str, str]:
-    """The title (with ``[rank N]`` for a rank other than 0) and the body of the message for ``err``."""
-    if isinstance(err, RunInterrupted):  # one line
-        return interrupt_line(err, rank or 0), ""
-    return f"cfp-megatron: {type(err).__name__}{f' [rank {rank}]' if rank else ''}", str(err)
 
 
 def report_error(err: CfpError, env: LaunchEnv | None = None, *, stream: TextIO | None = None,
@@ -129,4 +122,4 @@ def _write_error_file(text: str, found: float) -> None:
         write_atomic(path, json.dumps(data))
 
 
-__all__ = ["INTERRUPT_WAIT_S", "WAIT_S", "error_text", "marker_path", "report_and_exit", "report_error"]
+__all__ = ["INTERRUPT_WAIT_S", "WAIT_S", "marker_path", "report_and_exit", "report_error"]

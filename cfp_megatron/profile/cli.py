@@ -91,8 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         if rank_watch.my_turn(err, env.rank):
             err_console = Console(stderr=True, highlight=False, soft_wrap=True)
-            err_console.print(f"[bold red]cfp-megatron: {type(err).__name__}[/]")
-            err_console.print(str(err), markup=False)
+            title, body = rank_watch.error_text(err, env.rank)
+            err_console.print(title, style="bold red", markup=False)
+            if body:
+                err_console.print(body, markup=False)
             rank_watch.said(err)
         return rank_watch.exit_status(err)
     return 0
