@@ -129,10 +129,15 @@ def test_an_interrupt_names_the_step_and_the_last_checkpoint(fresh: None) -> Non
     assert rank_watch.exit_status(err) == 130
 
 
-def test_a_rank_whose_peer_was_interrupted_follows_quietly(fresh: None) -> None:
+def test_a_rank_whose_peer_was_interrupted_follows_quietly(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
     store = dist.HashStore()
     _as_rank(store, 0, 2, "step 6 of 20")
-    assert rank_watch.explained(RuntimeError(PEER_GONE)) is None  # a peer that crashed: not ours to explain
+    lost = rank_watch.explained(RuntimeError(PEER_GONE))  # a peer that was killed or crashed: said once, in a line
+    assert isinstance(lost, rank_watch.RankLostError) and lost.turn is not None and lost.turn.mine
+    assert "a peer of rank 0 closed its connections without saying why while rank 0 was in step 6 of 20" in str(lost)
+    monkeypatch.setattr(rank_watch, "_state", rank_watch._Watch())
+    store = dist.HashStore()
+    _as_rank(store, 0, 2, "step 6 of 20")
     store.add("cfp/watch/interrupted/claimed", 1)  # the interrupted peer claimed the saying
     err = rank_watch.explained(RuntimeError(PEER_GONE))
     assert isinstance(err, rank_watch.RunInterrupted) and err.turn is not None and not err.turn.mine

@@ -414,9 +414,14 @@ def _has_mark(err: BaseException, marks: tuple[str, ...]) -> bool:
     return False
 
 
+class RankLostError(SaidOnce, RuntimeError):
+    """A peer of this rank closed its connections without saying why (killed, crashed): said once per job."""
+
+
 def _said_by_peer() -> CfpError | None:
-    """This rank's peer went away: when it did so because it was interrupted or named a stalled rank (its claim is
-    in the store, looked for during :data:`PEER_WAIT_S`), the same error, said by that peer; else ``None``."""
+    """This rank's peer went away: when it did so because it was interrupted, named a stalled rank or ended the
+    job with an error (its claim is in the store, looked for during :data:`PEER_WAIT_S`), the same error, said by
+    that peer; else a :class:`RankLostError` (the first rank to lose a peer says it); ``None`` without a store."""
     store = _state.store
     if store is None:
         return None
@@ -437,14 +442,32 @@ def _said_by_peer() -> CfpError | None:
         except Exception:  # noqa: BLE001 - the store is gone too
             return None
         if time.monotonic() >= deadline:
-            return None
+            break
         time.sleep(POLL_S)
+    ckpt = (f"; the last checkpoint is {_state.checkpoint} (continue from it with train.resume=true)"
+            if _state.checkpoint else "; no checkpoint was saved by this run")
+    return RankLostError(f"a peer of rank {_state.rank} closed its connections without saying why while rank "
+                         f"{_state.rank} was in {_state.where}: it was killed (the OOM killer, kill -9) or crashed "
+                         f"(its own output above says how); torchrun's summary names it{ckpt}.\nFix: see why that "
+                         "rank ended (its traceback, dmesg for the OOM killer), then start the job again.",
+                         turn=Turn.claim(store, "error"))
 
 
 def explained(err: BaseException) -> CfpError | None:
     """``err`` as the error a user should read: a CfpError as it is, a collective timeout as a
-    :class:`RankStalledError`, a ``KeyboardInterrupt`` as a :class:`RunInterrupted`, a file that cannot be read or
-    opened where the run used it as a :class:`~cfp_megatron.base.files.FileAccessError`; ``None`` for anything else."""
+    :class:`RankStalledError`, a ``KeyboardInterrupt`` as a :class:`RunInterrupted`, a peer gone as what it said
+    (or a :class:`RankLostError`), a file that cannot be read or opened where the run used it as a
+    :class:`~cfp_megatron.base.files.FileAccessError`; ``None`` for anything else (its traceback stands)."""
+    try:
+        found = _explain(err)
+    except KeyboardInterrupt:  # a stop signal while this rank looked for the reason (a peer's claim)
+        found = interrupted()
+    if found is not None:
+        _winding_down(found)
+    return found
+
+
+def _explain(err: BaseException) -> CfpError | None:
     found: CfpError | None
     if isinstance(err, CfpError):
         found = err
@@ -458,8 +481,6 @@ def explained(err: BaseException) -> CfpError | None:
         found = unusable
     else:
         return None
-    if found is not None:
-        _winding_down(found)
     return found
 
 
@@ -582,6 +603,6 @@ def exit_now(status: int) -> None:
 
 
 __all__ = ["ERROR_STATUS", "GRACE_S", "INTERRUPTED_STATUS", "STOP_GRACE_S", "STOP_SIGNALS", "TIMEOUT_KEY",
-           "RankStalledError", "RunInterrupted", "SaidOnce", "Turn", "at", "error_text", "exit_now", "exit_status",
-           "explained", "interrupt_line", "interrupted", "is_collective_timeout", "my_turn", "said", "saved",
-           "stall_message", "stalled", "tie_to_launcher", "timeout_s", "turn_of", "watch"]
+           "RankLostError", "RankStalledError", "RunInterrupted", "SaidOnce", "Turn", "at", "error_text", "exit_now",
+           "exit_status", "explained", "interrupt_line", "interrupted", "is_collective_timeout", "my_turn", "said",
+           "saved", "stall_message", "stalled", "tie_to_launcher", "timeout_s", "turn_of", "watch"]
