@@ -1543,7 +1543,7 @@ def _stall_cases() -> list[Case]:
                 if then is not None:
                     time.sleep(2.0)
                     send(*then)
-                if sig == signal.SIGKILL:  # the launcher: do its ranks end with it?
+                if sig == signal.SIGKILL and target == "torchrun":  # the launcher: do its ranks end with it?
                     wait_for(lambda: not any(alive(p) for p in ranks.values()), 15.0)
                     left = sorted(r for r, p in ranks.items() if alive(p))
                     note = (f"(drill) ranks still running 15 s after torchrun was killed: {left}\n" if left else
@@ -1637,6 +1637,12 @@ def _stall_cases() -> list[Case]:
                            "Python runs no signal handler", mode="torchrun",
                       run=signalled(train("sigterm-stalled-peer", "train.collective_timeout_s=120"), target="rank1",
                                     sig=signal.SIGSTOP, after=step(3), then=("torchrun", signal.SIGTERM))))
+    lost = ("torchrun stopping this rank after another one failed", "closed its connections without saying why")
+    for cid, what, tail, after in [
+            ("kill9-rank1-step", "kill -9 of rank 1 while training (the OOM killer)", train("kill9-rank1"), step(5)),
+            ("kill9-rank1-profile", "kill -9 of rank 1 while profiling", profile(), rounds)]:
+        found.append(Case(id=cid, command="train" if "step" in cid else "profile", what=what, names=lost,
+                          mode="torchrun", run=signalled(tail, target="rank1", sig=signal.SIGKILL, after=after)))
     found.append(Case(id="rank1-cannot-read-data", command="train", names=("FileAccessError [rank 1]",),
                       what="torchrun --nproc_per_node=2 launch/train.py data=indexed: rank 1 alone cannot read the "
                            ".bin (permission denied)", mode="torchrun", once="cfp-megatron: FileAccessError [rank 1]",

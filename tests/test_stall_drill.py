@@ -88,3 +88,14 @@ def test_a_file_only_one_rank_cannot_read_is_that_rank_s_error(tmp_path: Path,
     assert said.count("cfp-megatron: FileAccessError [rank 1]") == 1, output[-4000:]
     assert re.search(r"corpus\.bin cannot be used: permission denied \(in start-up", said), said[-2000:]
     assert "Traceback" not in output and "Exception ignored" not in output
+
+
+@pytest.mark.parametrize("case_id", [c for c in CASES if c.startswith("kill9-")])
+def test_a_rank_killed_is_said_once_by_the_ranks_left(case_id: str, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    output = _run(case_id, tmp_path, monkeypatch)
+    said, _, summary = output.partition("launch/train.py FAILED" if "step" in case_id else "FAILED")
+    lines = [line for line in said.splitlines() if line.startswith("cfp-megatron")]
+    assert len(lines) == 1, output[-4000:]
+    assert "Signal 9 (SIGKILL)" in summary  # torchrun names the killed rank
+    assert "Traceback" not in output and "Connection closed by peer" not in output
