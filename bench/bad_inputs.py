@@ -1772,7 +1772,9 @@ def _hydra_cases() -> list[Case]:
     for cid, overrides, names in [
             ("cluster-cpu-device-name-gpu", ["cluster.device_name=H100"], ("drop cluster.device_name=H100",)),
             ("cluster-cpu-generation-gpu", ["cluster.generation=hopper"], ("drop cluster.generation=hopper",)),
-            ("cluster-backend-nccl-on-cpu", ["cluster.backend=nccl"], ("set cluster.backend=gloo",))]:
+            ("cluster-backend-nccl-on-cpu", ["cluster.backend=nccl"], ("set cluster.backend=gloo",)),
+            ("deepspeed-fp16-on-cpu", ["backend=deepspeed", "train.precision=fp16"],
+             ("train.precision='fp16': is not supported by DeepSpeed's accelerator here",))]:
         found.append(Case(id=cid, command="train", what="launch/train.py " + " ".join(overrides) + " (no GPU)",
                           names=names, run=lambda work, o=overrides: in_process(lambda: _train_here(o, work))))
     for cid, args, names in [
