@@ -1808,13 +1808,13 @@ def _stall_cases() -> list[Case]:
         return ""
 
     def signalled(argv_tail: Callable[[Path], Sequence[str]], *, target: str, sig: signal.Signals,
-                  after: str | tuple[str, str], said: str | None = None,
+                  after: str | tuple[str, str], said: str | None = None, then: tuple[str, signal.Signals] | None = None,
                   timeout_s: float = 150.0) -> Callable[[Path], Result]:
         """Start ``torchrun --nproc_per_node=2 argv_tail(work)``; once a line starts with ``after`` (or, for
         ``(prefix, text)``, rank 1's recorded progress holds ``text``), send ``sig`` to ``target`` (``rank0``,
-        ``rank1``, ``torchrun``, ``job``: torchrun's process group, as Ctrl-C in a terminal); for a stop, once
-        ``said`` is printed, continue the stopped rank (torchrun's SIGTERM then ends it at once, not after its 30 s
-        wait)."""
+        ``rank1``, ``torchrun``, ``job``: torchrun's process group, as Ctrl-C in a terminal), and 2 s later ``then``'s
+        signal to its target; for a stop, once ``said`` is printed, continue the stopped rank (torchrun's SIGTERM
+        then ends it at once, not after its 30 s wait)."""
         def run(work: Path) -> Result:
             port = _free_port()
             argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
@@ -1822,6 +1822,12 @@ def _stall_cases() -> list[Case]:
             start = time.perf_counter()
             proc = subprocess.Popen(argv, cwd=ROOT, env=_env(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True, start_new_session=True)
+
+            def send(who: str, what: signal.Signals) -> None:
+                if who == "job":
+                    os.killpg(proc.pid, what)
+                else:
+                    os.kill(proc.pid if who == "torchrun" else ranks[int(who[-1])], what)
             lines: list[str] = []
             reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
             reader.start()
@@ -1843,12 +1849,12 @@ def _stall_cases() -> list[Case]:
                     proc.wait(timeout=5)
                     return Result(exit_code=0, output="".join(lines) + f"\n(drill) the job ended before '{after}'",
                                   seconds=time.perf_counter() - start)
-                ranks = rank_pids(proc.pid)
-                if target == "job":
-                    os.killpg(proc.pid, sig)
-                else:
-                    os.kill(proc.pid if target == "torchrun" else ranks[int(target[-1])], sig)
-                if sig == signal.SIGKILL:  # the launcher: do its ranks end with it?
+                ranks.update(rank_pids(proc.pid))
+                send(target, sig)
+                if then is not None:
+                    time.sleep(2.0)
+                    send(*then)
+                if sig == signal.SIGKILL and target == "torchrun":  # the launcher: do its ranks end with it?
                     wait_for(lambda: not any(alive(p) for p in ranks.values()), 15.0)
                     left = sorted(r for r, p in ranks.items() if alive(p))
                     note = (f"(drill) ranks still running 15 s after torchrun was killed: {left}\n" if left else
@@ -1917,7 +1923,77 @@ def _stall_cases() -> list[Case]:
         found.append(Case(id=cid, command="train", what=what, names=(name,), mode="torchrun",
                           run=signalled(train(cid, checkpoints=True), target=target, sig=signal.SIGINT,
                                         after=step(5))))
+    # issue R review: what a scheduler and a closed terminal send; a stop signal while a rank is blocked in a
+    # collective; a file only one rank cannot read (an injected fault: that rank's open() refuses the data file)
+    term, hup = "(SIGTERM: sent by a scheduler", "(SIGHUP: the terminal that started the job closed"
+    for cid, what, target, sig, tail, name in [
+            ("sigterm-torchrun", "SIGTERM to torchrun (a scheduler ending the job) after two checkpoints", "torchrun",
+             signal.SIGTERM, train("sigterm-torchrun", checkpoints=True), term),
+            ("sigterm-job", "SIGTERM to torchrun and both ranks (a scheduler cancelling the job's processes) after "
+             "two checkpoints", "job", signal.SIGTERM, train("sigterm-job", checkpoints=True), term),
+            ("sigterm-rank1", "SIGTERM to rank 1 only after two checkpoints", "rank1", signal.SIGTERM,
+             train("sigterm-rank1", checkpoints=True), term),
+            ("sighup-torchrun", "SIGHUP to torchrun (its terminal closed) after two checkpoints", "torchrun",
+             signal.SIGHUP, train("sighup-torchrun", checkpoints=True), hup),
+            ("sigterm-deepspeed", "SIGTERM to the whole job training with DeepSpeed ZeRO-1 after two checkpoints",
+             "job", signal.SIGTERM, train("sigterm-deepspeed", "backend=deepspeed", "backend.zero_stage=1",
+                                          checkpoints=True), term)]:
+        found.append(Case(id=cid, command="train", what=what, names=(name,), mode="torchrun",
+                          run=signalled(tail, target=target, sig=sig, after=step(5))))
+    found.append(Case(id="sigterm-profile", command="profile", what="SIGTERM to torchrun while profiling (torchrun "
+                      "-m cfp_megatron.profile)", names=(term,), mode="torchrun",
+                      run=signalled(profile(), target="torchrun", sig=signal.SIGTERM, after=rounds)))
+    found.append(Case(id="sigterm-stalled-peer", command="train", names=(f"cfp-megatron: interrupted {term}",),
+                      what="kill -STOP rank 1, then SIGTERM to torchrun: rank 0 is blocked in a collective, where "
+                           "Python runs no signal handler", mode="torchrun",
+                      run=signalled(train("sigterm-stalled-peer", "train.collective_timeout_s=120"), target="rank1",
+                                    sig=signal.SIGSTOP, after=step(3), then=("torchrun", signal.SIGTERM))))
+    lost = ("torchrun stopping this rank after another one failed", "closed its connections without saying why")
+    for cid, what, tail, after in [
+            ("kill9-rank1-step", "kill -9 of rank 1 while training (the OOM killer)", train("kill9-rank1"), step(5)),
+            ("kill9-rank1-profile", "kill -9 of rank 1 while profiling", profile(), rounds)]:
+        found.append(Case(id=cid, command="train" if "step" in cid else "profile", what=what, names=lost,
+                          mode="torchrun", run=signalled(tail, target="rank1", sig=signal.SIGKILL, after=after)))
+    found.append(Case(id="rank1-cannot-read-data", command="train", names=("FileAccessError [rank 1]",),
+                      what="torchrun --nproc_per_node=2 launch/train.py data=indexed: rank 1 alone cannot read the "
+                           ".bin (permission denied)", mode="torchrun", once="cfp-megatron: FileAccessError [rank 1]",
+                      run=_one_rank_denied))
     return found
+
+
+_DENY_ON_RANK1 = """import builtins, os
+if os.environ.get("RANK") == "1":
+    _open, _os_open = builtins.open, os.open
+    def _check(path):
+        if str(os.fspath(path)).endswith({suffix!r}):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+    def _denied(file, *args, **kwargs):
+        if isinstance(file, (str, bytes, os.PathLike)):
+            _check(file)
+        return _open(file, *args, **kwargs)
+    def _os_denied(path, *args, **kwargs):
+        _check(path)
+        return _os_open(path, *args, **kwargs)
+    builtins.open, os.open = _denied, _os_denied
+"""
+"""A ``sitecustomize`` that makes ``open`` refuse, on rank 1 only, the files whose path ends in ``suffix``."""
+
+
+def _one_rank_denied(work: Path) -> Result:
+    """``torchrun --nproc_per_node=2 launch/train.py data=indexed`` where rank 1 alone cannot open the ``.bin`` (its
+    ``open`` refuses it, as a file another host cannot read): the error is that rank's, said once, at once."""
+    prefix = build_corpus(work)
+    inject = _mkdir(work / "rank1-denied")
+    (inject / "sitecustomize.py").write_text(_DENY_ON_RANK1.format(suffix=Path(prefix).name + ".bin"))
+    env = _env(work)
+    env["PYTHONPATH"] = f"{inject}{os.pathsep}{env['PYTHONPATH']}"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+            "launch/train.py", "data=indexed", f"data.path=[{prefix}]", "train.steps=2",
+            f"hydra.run.dir={work / f'run-{time.monotonic_ns()}'}"]
+    start = time.perf_counter()
+    done = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=240, start_new_session=True)
+    return Result(exit_code=done.returncode, output=done.stdout, seconds=time.perf_counter() - start)
 
 
 def _hydra_cases() -> list[Case]:
@@ -1982,7 +2058,14 @@ def _hydra_cases() -> list[Case]:
             ("hydra-launcher-absent", ["hydra/launcher=joblib"], ("hydra/launcher='joblib'",)),
             ("hydra-run-dir-empty", ["hydra.run.dir="], ("hydra.run.dir='': is empty",)),
             ("hydra-run-dir-blank", ["hydra.run.dir='  '"], ("hydra.run.dir='  ': is empty",)),
-            ("hydra-sweep-dir-empty", ["-m", "hydra.sweep.dir="], ("hydra.sweep.dir='': is empty",))]:
+            ("hydra-sweep-dir-empty", ["-m", "hydra.sweep.dir="], ("hydra.sweep.dir='': is empty",)),
+            ("hydra-config-name-typo", ["--config-name", "confg"], ("write --config-name config",)),
+            ("hydra-config-path-missing", ["--config-path", "/nonexistent/conf"], ("--config-path='/nonexistent",)),
+            ("hydra-config-dir-missing", ["-cd", "/nonexistent"], ("--config-dir='/nonexistent'",)),
+            ("hydra-config-name-key-typo", ["--config-name", "config", "train.step=5"], ("write train.steps=5",)),
+            ("hydra-home-unquoted", ["train.checkpoint_dir=~/ck"], ("write the full path: train.checkpoint_dir=",)),
+            ("hydra-run-dir-home-quoted", ["hydra.run.dir='~/runs'"], ("write the full path: hydra.run.dir=",)),
+            ("hydra-chdir", ["hydra.job.chdir=true"], ("a resume would not find",))]:
         found.append(Case(id=cid, command="train", what="launch/train.py " + " ".join(argv), names=names,
                           run=lambda work, a=argv: command_line(a, work)))
     found.append(Case(id="hydra-key-twice", command="train", what="launch/train.py train.steps=3 train.steps=4",
@@ -1991,6 +2074,25 @@ def _hydra_cases() -> list[Case]:
     found.append(Case(id="hydra-multirun-ranks", command="train", names=("one torchrun per job",),
                       what="torchrun --nproc_per_node=2 launch/train.py -m train.steps=1,2 (checked on 2 ranks)",
                       run=lambda work: sweep_on_ranks(["-m", "train.steps=1,2"], 2)))
+    for cid, overrides, names in [
+            ("hydra-checkpoint-dir-empty", ["train.checkpoint_dir=''"], ("train.checkpoint_dir='': is empty",)),
+            ("hydra-metrics-file-blank", ["train.metrics_file='  '"], ("train.metrics_file='  ': is empty",)),
+            ("hydra-home-quoted", ["train.checkpoint_dir='~/ck'"], ("write the full path: train.checkpoint_dir=",)),
+            ("hydra-home-in-list", ["data=indexed", "data.path=['~/corpus']"], ("write the full path: data.path=[",))]:
+        found.append(config_case(cid, overrides, names))
+    for cid, overrides, names in [
+            ("cluster-cpu-device-name-gpu", ["cluster.device_name=H100"], ("drop cluster.device_name=H100",)),
+            ("cluster-cpu-generation-gpu", ["cluster.generation=hopper"], ("drop cluster.generation=hopper",)),
+            ("cluster-backend-nccl-on-cpu", ["cluster.backend=nccl"], ("set cluster.backend=gloo",)),
+            ("deepspeed-fp16-on-cpu", ["backend=deepspeed", "train.precision=fp16"],
+             ("train.precision='fp16': is not supported by DeepSpeed's accelerator here",))]:
+        found.append(Case(id=cid, command="train", what="launch/train.py " + " ".join(overrides) + " (no GPU)",
+                          names=names, run=lambda work, o=overrides: in_process(lambda: _train_here(o, work))))
+    for cid, args, names in [
+            ("hydra-plan-run-dir", ["hydra.run.dir=/tmp/somewhere"], ("hydra.run.dir='/tmp/somewhere': configures",)),
+            ("hydra-plan-chdir", ["model=llama3_8b", "hydra.job.chdir=true"], ("would ignore it",))]:
+        found.append(Case(id=cid, command="plan", what="python -m cfp_megatron.plan " + " ".join(args), names=names,
+                          run=lambda work, a=args: in_process(lambda: plan_main(a, work))))
     py = sys.executable
     for cid, argv, names in [
             ("hydra-plan-typo", [py, "-m", "cfp_megatron.plan", "trian.steps=5"], ("train.steps",)),
@@ -1998,11 +2100,26 @@ def _hydra_cases() -> list[Case]:
         found.append(Case(id=cid, command=argv[2].rpartition(".")[2], what=" ".join(["python", *argv[1:]]),
                           names=names, mode="subprocess", run=lambda work, a=argv: run_process(a, work, 180)))
     for cid, overrides, names in [("hydra-train-typo", ["train.step=5"], ("write train.steps=5",)),
-                                  ("hydra-train-cfp-without-group", ["cfp.tp=2"], ("+cfp=auto",))]:
+                                  ("hydra-train-cfp-without-group", ["cfp.tp=2"], ("+cfp=auto",)),
+                                  ("hydra-train-config-name", ["--config-name", "confg"],
+                                   ("write --config-name config",))]:
         found.append(Case(id=cid, command="train", what="torchrun --nproc_per_node=2 launch/train.py "
                           + " ".join(overrides), names=names, mode="torchrun", once="cfp-megatron: ConfigError",
                           run=lambda work, o=overrides: torchrun(2, o, work)))
     return found
+
+
+def _train_here(overrides: Sequence[str], work: Path) -> object:
+    """``launch/train.py``'s pipeline in-process on this machine (one step; skipped where a GPU is present: the
+    cases are about a machine without one)."""
+    import torch
+
+    from cfp_megatron.base.compose import compose_config
+    from cfp_megatron.planner.entry import train_from_config
+
+    if torch.cuda.is_available():
+        raise CaseSkipped("this machine has a GPU")
+    return train_from_config(compose_config(["train.steps=1", f"hydra.run.dir={work / 'here'}", *overrides]))
 
 
 def _input_cases() -> list[Case]:

@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from cfp_megatron.model.analysis import analyze
 
     try:
-        job = compose_job(args.overrides, typed=True)
+        job = compose_job(args.overrides, typed=True, runs_hydra=False)
         # a --json that cannot be written is said before the analysis, not after; a file there that is not an
         # analysis (a user's notes) is kept
         problem = own_json_problem(args.json_path, "--json", RESULT_KEYS, "an analysis written by analyze --json") \
@@ -113,8 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if problem is not None:
             print(f"cfp-megatron: {problem}", file=sys.stderr)
             return 2
-        if not args.json_path:
-            check_write_locations([WriteLocation(key="--json", path=Path("outputs/analyze"), folder=True)])
+        check_write_locations([WriteLocation(key="--json", path=Path(args.json_path), folder=False)
+                               if args.json_path else
+                               WriteLocation(key="--json", path=Path("outputs/analyze"), folder=True)])
         result = analyze(job, micro_batch_size=args.micro_batch_size, use_cache=not args.no_cache)
     except CfpError as err:
         print(f"cfp-megatron: {type(err).__name__}\n{err}", file=sys.stderr)

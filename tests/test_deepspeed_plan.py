@@ -133,6 +133,31 @@ def test_layout_with_model_parallelism_is_refused() -> None:
     assert info.value.keys == ["parallel.tp", "cfp.pp"]
 
 
+def test_a_precision_deepspeed_cannot_train_here_is_refused_before_any_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16 on CPU: DeepSpeed's engine raised ValueError as it started (after profiling, on every rank)."""
+    from deepspeed import accelerator
+
+    from cfp_megatron.planner.deepspeed_launch import DeepSpeedLaunch
+
+    class NoFp16:
+        def is_fp16_supported(self) -> bool:
+            return False
+
+        def is_bf16_supported(self) -> bool:
+            return True
+
+        def device_name(self) -> str:
+            return "cpu"
+
+    monkeypatch.setattr(accelerator, "get_accelerator", lambda: NoFp16())
+    job = compose_job(["backend=deepspeed", "train.precision=fp16"])
+    cfp = cfp_from_config(compose_config(["backend=deepspeed"]))
+    with pytest.raises(ConfigError) as info:
+        DeepSpeedLaunch().check_job(job, cfp, 1, planned=False)
+    assert info.value.keys == ["train.precision"] and "backend=megatron" in str(info.value)
+    DeepSpeedLaunch().check_job(compose_job(["backend=deepspeed", "train.precision=bf16"]), cfp, 1, planned=False)
+
+
 def test_manual_plan_defaults_and_bad_batch() -> None:
     cfg = compose_config(["backend=deepspeed", "backend.zero_stage=2", "train.micro_batch_size=2"])
     plan = manual_plan(job_from_config(cfg), backend_from_config(cfg), 2, on_gpu=False)

@@ -50,6 +50,7 @@ REFUSED = [
     (["model=gpt_tiny,llama_tiny"], "model", "add -m"),
     (["hydra.run.dri=/tmp/x"], "hydra.run.dri", "write hydra.run.dir=/tmp/x"),
     (["hydra/launcher=joblib"], "hydra/launcher", "--hydra-help lists them"),
+    (["hydra.run.dir=/tmp/a,/tmp/b"], "hydra.run.dir", "add -m"),  # was Hydra's "Ambiguous value" of <override>
 ]
 
 
@@ -73,7 +74,7 @@ def test_a_required_group_left_without_an_option_is_refused_with_its_options(gro
 
 
 def test_a_group_removed_by_any_other_way_is_refused_after_composition(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(compose, "override_issues", lambda overrides: [])  # as if nothing caught it before Hydra
+    monkeypatch.setattr(compose, "override_issues", lambda overrides, **_: [])  # as if nothing caught it before Hydra
     with pytest.raises(ConfigError) as info:
         compose_config(["~model"])
     assert info.value.keys == ["model"] and "has no option chosen" in str(info.value)
@@ -122,7 +123,6 @@ def test_a_multirun_is_checked_job_by_job_and_refused_on_several_ranks() -> None
     with pytest.raises(ConfigError) as info:
         check_hydra_args(read_hydra_args(["-m", "train.steps=1,2"]), world_size=2)
     assert info.value.keys == ["-m"] and "one torchrun per job" in str(info.value)
-    check_hydra_args(read_hydra_args(["--config-name", "other", "train.step=5"]))  # another config: Hydra's to check
 
 
 def _rank(monkeypatch: pytest.MonkeyPatch, rank: int) -> io.StringIO:
@@ -183,3 +183,85 @@ def test_a_typo_under_torchrun_is_said_once_and_creates_nothing(tmp_path: Path) 
     assert "did you mean train.steps?" in root_cause and "exitcode  : 2" in root_cause  # whichever rank ends first
     assert "HYDRA_FULL_ERROR" not in output and "Could not override" not in output
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("train.checkpoint_dir=''", "train.checkpoint_dir"),  # saved nothing, said nothing (and locked the cwd)
+    ("train.metrics_file='  '", "train.metrics_file"),
+    ("data.cache_dir=''", "data.cache_dir"),
+    ("model.name=''", "model.name"),
+    ("+cfp=manual cfp.plan_file=''", "cfp.plan_file")])
+def test_an_empty_text_setting_is_refused_not_read_as_none_or_the_current_folder(override: str, key: str) -> None:
+    from cfp_megatron.base.cfp_spec import cfp_from_config
+    from cfp_megatron.base.config import job_from_config
+
+    cfg = compose_config(override.split(" ", 1) if override.startswith("+") else [override], typed=True)
+    with pytest.raises(ConfigError) as info:
+        job_from_config(cfg)
+        cfp_from_config(cfg)
+    assert info.value.keys == [key] and "is empty (a shell variable that is not set?)" in str(info.value)
+
+
+@pytest.mark.parametrize(("override", "key", "fix"), [
+    ("train.checkpoint_dir='~/ck'", "train.checkpoint_dir", f"train.checkpoint_dir={Path.home() / 'ck'}"),
+    ("data.path=['~/corpus']", "data.path", f"data.path=[{Path.home() / 'corpus'}]")])
+def test_a_quoted_home_path_is_refused_naming_the_full_path(override: str, key: str, fix: str) -> None:
+    from cfp_megatron.base.config import job_from_config
+
+    with pytest.raises(ConfigError) as info:
+        job_from_config(compose_config([override]))
+    assert info.value.keys == [key] and "only a shell expands" in str(info.value) and fix in str(info.value)
+
+
+@pytest.mark.parametrize("argv", [["train.checkpoint_dir=~/ck"], ["hydra.run.dir=~/runs"],
+                                  ["hydra.run.dir='~/runs'"]])
+def test_an_unquoted_or_run_folder_home_path_names_the_full_path(argv: list[str], monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    err = _rank(monkeypatch, 0)
+    with pytest.raises(SystemExit) as info:
+        check_command_line(argv)
+        check_run_dir_arg(argv)
+    assert info.value.code == 2
+    assert f"write the full path: {argv[0].partition('=')[0]}={Path.home()}/" in err.getvalue(), err.getvalue()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("argv", "key", "said"), [
+    (["--config-name", "confg"], "--config-name", "did you mean config? Fix: write --config-name config."),
+    (["--config-name", "nope", "train.steps=2"], "--config-name", "is not a config in"),
+    (["--config-path", "/nope"], "--config-path", "/nope is not a folder"),
+    (["--config-path", "conf"], "--config-path", "a relative --config-path is read from"),
+    (["-cd", "/nope"], "--config-dir", "/nope is not a folder"),
+    (["--config-name", "config", "train.step=5"], "train.step", "write train.steps=5")])
+def test_hydras_config_flags_are_checked_before_hydra(argv: list[str], key: str, said: str) -> None:
+    """Hydra says these in a paragraph on every rank, exit 1; the project's own config named by its flags is
+    checked as without them."""
+    with pytest.raises(ConfigError) as info:
+        check_hydra_args(read_hydra_args(argv))
+    assert info.value.keys == [key] and said in str(info.value)
+
+
+def test_another_config_that_exists_is_left_to_hydra(tmp_path: Path) -> None:
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - config\n  - _self_\n")
+    check_hydra_args(read_hydra_args(["-cd", str(tmp_path), "-cn", "mine", "train.step=5"]))
+    check_hydra_args(read_hydra_args(["--config-path", str(compose.CONF_DIR), "--config-name", "config.yaml"]))
+
+
+@pytest.mark.parametrize("value", ["true", "True"])
+def test_moving_the_job_into_its_run_folder_is_refused(value: str) -> None:
+    """Relative paths would silently mean folders in a new run folder each run (a resume finds nothing)."""
+    for argv in ([f"hydra.job.chdir={value}"], ["-m", f"hydra.job.chdir={value}", "train.steps=1,2"]):
+        with pytest.raises(ConfigError) as info:
+            check_hydra_args(read_hydra_args(argv))
+        assert info.value.keys == ["hydra.job.chdir"] and "a resume would not find" in str(info.value)
+    check_hydra_args(read_hydra_args(["hydra.job.chdir=false"]))
+
+
+@pytest.mark.parametrize("override", ["hydra.run.dir=/tmp/x", "hydra.job.chdir=true", "hydra/job_logging=none"])
+def test_a_command_that_only_composes_refuses_hydras_run_settings(override: str) -> None:
+    """``python -m cfp_megatron.plan hydra.run.dir=...`` ignored it, silently; launch/train.py's Hydra reads it."""
+    with pytest.raises(ConfigError) as info:
+        compose_config([override], typed=True, runs_hydra=False)
+    assert info.value.keys == [override.partition("=")[0]] and "would ignore it" in str(info.value)
+    compose_config(["hydra.searchpath=[]"], typed=True, runs_hydra=False)  # it changes what is composed

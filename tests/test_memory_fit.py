@@ -173,6 +173,32 @@ def test_a_gpu_preset_is_refused_for_training_on_a_machine_without_a_gpu() -> No
 
 
 @cpu_only
+@pytest.mark.parametrize(("override", "key", "said"), [
+    ("cluster.device_name=H100", "cluster.device_name", "drop cluster.device_name=H100: cluster=local trains on"),
+    ("cluster.generation=hopper", "cluster.generation", "drop cluster.generation=hopper")])  # was ignored, silently
+def test_gpu_settings_on_the_cpu_cluster_are_refused_naming_the_key(override: str, key: str, said: str) -> None:
+    from cfp_megatron.planner.memory_fit import check_training_machine
+
+    job, _ = _compose(override)
+    with pytest.raises(ConfigError) as info:
+        check_training_machine(job)
+    assert info.value.keys == [key] and said in str(info.value)
+
+
+@cpu_only
+def test_nccl_where_it_cannot_run_is_refused_before_the_rendezvous() -> None:
+    """Training and profiling both resolve the backend before any rendezvous (torch's RuntimeError traceback on
+    every rank before)."""
+    from cfp_megatron.base.config import Backend
+    from cfp_megatron.engine.distributed import resolve_backend
+
+    with pytest.raises(ConfigError) as info:
+        resolve_backend(Backend.nccl)
+    assert info.value.keys == ["cluster.backend"] and "set cluster.backend=gloo" in str(info.value)
+    assert resolve_backend(Backend.auto) == "gloo"
+
+
+@cpu_only
 def test_mfu_on_cpu_is_against_the_cpus_measured_peak(monkeypatch: pytest.MonkeyPatch) -> None:
     from cfp_megatron.engine import peak
 

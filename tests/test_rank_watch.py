@@ -129,10 +129,15 @@ def test_an_interrupt_names_the_step_and_the_last_checkpoint(fresh: None) -> Non
     assert rank_watch.exit_status(err) == 130
 
 
-def test_a_rank_whose_peer_was_interrupted_follows_quietly(fresh: None) -> None:
+def test_a_rank_whose_peer_was_interrupted_follows_quietly(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
     store = dist.HashStore()
     _as_rank(store, 0, 2, "step 6 of 20")
-    assert rank_watch.explained(RuntimeError(PEER_GONE)) is None  # a peer that crashed: not ours to explain
+    lost = rank_watch.explained(RuntimeError(PEER_GONE))  # a peer that was killed or crashed: said once, in a line
+    assert isinstance(lost, rank_watch.RankLostError) and lost.turn is not None and lost.turn.mine
+    assert "a peer of rank 0 closed its connections without saying why while rank 0 was in step 6 of 20" in str(lost)
+    monkeypatch.setattr(rank_watch, "_state", rank_watch._Watch())
+    store = dist.HashStore()
+    _as_rank(store, 0, 2, "step 6 of 20")
     store.add("cfp/watch/interrupted/claimed", 1)  # the interrupted peer claimed the saying
     err = rank_watch.explained(RuntimeError(PEER_GONE))
     assert isinstance(err, rank_watch.RunInterrupted) and err.turn is not None and not err.turn.mine
@@ -348,3 +353,125 @@ def test_an_interrupt_lost_where_python_ignores_exceptions_is_raised_again() -> 
                          capture_output=True, text=True, timeout=60)
     assert run.stdout.strip() == "interrupted", run.stdout + run.stderr
     assert "Exception ignored" not in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_sigterm_and_sighup_name_their_sender_and_end_with_128_plus_the_signal(fresh: None) -> None:
+    rank_watch.at("step 6 of 20")
+    rank_watch.saved("/ck/iter_0000004")
+    term = rank_watch.interrupted(signal.SIGTERM)
+    assert str(term).startswith("interrupted (SIGTERM: sent by a scheduler ending the job, by kill, or by torchrun "
+                                "stopping this rank after another one failed) at step 6 of 20; the last checkpoint is "
+                                "/ck/iter_0000004")
+    assert rank_watch.exit_status(term) == 143
+    hup = rank_watch.interrupted(signal.SIGHUP)
+    assert "(SIGHUP: the terminal that started the job closed" in str(hup) and rank_watch.exit_status(hup) == 129
+
+
+def test_a_peer_that_follows_an_interrupted_rank_names_that_rank_s_signal(fresh: None) -> None:
+    store = dist.HashStore()
+    _as_rank(store, 1, 2, "step 6 of 20")
+    rank_watch._state.signum = signal.SIGTERM  # rank 1 was sent SIGTERM: it claims the saying
+    assert rank_watch._interrupt_turn() is not None
+    rank_watch._state.signum, rank_watch._state.interrupt = signal.SIGINT, None  # rank 0 got no signal itself
+    _as_rank(store, 0, 2, "step 6 of 20")
+    err = rank_watch.explained(RuntimeError(PEER_GONE))
+    assert isinstance(err, rank_watch.RunInterrupted) and err.signum == signal.SIGTERM
+    assert "(SIGTERM:" in str(err) and err.turn is not None and not err.turn.mine
+
+
+def test_a_rank_torchrun_stops_after_another_said_why_exits_quietly(fresh: None,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    store = dist.HashStore()
+    _as_rank(store, 0, 2, "step 8 of 20")
+    rank_watch._state.pid = os.getpid()
+    monkeypatch.setattr(rank_watch, "exit_now", lambda status: sys.exit(status))  # not os._exit in pytest
+    with pytest.raises(KeyboardInterrupt):  # nobody said anything: this rank says it was stopped
+        rank_watch._interrupt_once(signal.SIGTERM, None)
+    assert store.check(["cfp/watch/interrupted/claimed"])
+    other = dist.HashStore()
+    monkeypatch.setattr(rank_watch, "_state", rank_watch._Watch())
+    _as_rank(other, 1, 2, "step 8 of 20")
+    rank_watch.explained(rank_watch.RankStalledError("rank 0 stopped answering."))  # rank 1 says it, and ends
+    rank_watch._state.interrupted = False  # as on rank 0, which then gets torchrun's SIGTERM
+    rank_watch._state.pid = os.getpid()
+    with pytest.raises(SystemExit) as quiet:
+        rank_watch._interrupt_once(signal.SIGTERM, None)
+    assert quiet.value.code == 143 and not other.check(["cfp/watch/interrupted/claimed"])
+
+
+_BLOCKED = """
+import datetime, os, signal, sys, threading
+sys.path.insert(0, {repo!r})
+import torch.distributed as dist
+from cfp_megatron.engine import rank_watch
+rank_watch.tie_to_launcher()
+assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # before the process group: as the system does
+rank_watch.STOP_GRACE_S = 1.0
+store = dist.HashStore()
+rank_watch.watch(store, rank=0, world=1, timeout_s=20.0)
+rank_watch.at("step 2 of 9")
+threading.Timer(1.0, lambda: print("blocked", flush=True)).start()  # once the main thread waits
+try:
+    store.wait(["never"], datetime.timedelta(seconds=120))  # as a collective whose peer stalled: no handler runs
+    print("lost", flush=True)
+except KeyboardInterrupt:
+    print("handled by the main thread: it was not blocked yet", flush=True)
+"""
+
+
+def test_a_stop_signal_while_blocked_in_a_collective_is_said_by_the_stop_watch() -> None:
+    """Python runs the handler only once the blocking call returns (here: after 2 minutes, in a job: after
+    train.collective_timeout_s, when torchrun has killed the rank 30 s after its SIGTERM, without a word)."""
+    env = {**os.environ, "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "test"}
+    proc = subprocess.Popen([sys.executable, "-c", _BLOCKED.format(repo=str(REPO))], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "blocked"
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and out.strip() == "", out + err
+    assert err.strip() == ("cfp-megatron: interrupted (SIGTERM: sent by a scheduler ending the job, by kill, or by "
+                           "torchrun stopping this rank after another one failed) at step 2 of 9; no checkpoint was "
+                           "saved by this run."), err
+
+
+def test_a_file_a_rank_cannot_use_is_one_error_naming_it_and_where(fresh: None) -> None:
+    from cfp_megatron.base.files import FileAccessError
+
+    rank_watch.at("step 3 of 9")
+    err = rank_watch.explained(PermissionError(13, "Permission denied", "/data/corpus.bin"))
+    assert isinstance(err, FileAccessError)
+    assert str(err).startswith("/data/corpus.bin cannot be used: permission denied (in step 3 of 9). Fix: make it "
+                               "readable to this user on this host")
+    try:  # raised from it, as Megatron's dataset builders re-raise
+        try:
+            raise FileNotFoundError(2, "No such file or directory", "/ck/iter_0000004/common.pt")
+        except FileNotFoundError as inner:
+            raise RuntimeError("loading failed") from inner
+    except RuntimeError as outer:
+        assert "/ck/iter_0000004/common.pt cannot be used: it is not there" in str(rank_watch.explained(outer))
+    assert rank_watch.explained(OSError("no file named")) is None  # not a file's failure: the traceback stands
+    assert rank_watch.explained(IsADirectoryError(21, "Is a directory", "/x")) is None
+
+
+def test_an_error_once_the_group_exists_is_said_by_the_first_rank_that_meets_it(fresh: None,
+                                                                                monkeypatch: pytest.MonkeyPatch
+                                                                                ) -> None:
+    store = dist.HashStore()
+    _as_rank(store, 1, 2, "step 3 of 9")
+    err = rank_watch.explained(ConfigError([]))  # met by rank 1 only
+    turn = rank_watch.turn_of(err)
+    assert turn is not None and turn.mine and store.check(["cfp/watch/ended"])
+    env1 = LaunchEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, restart_count=0, under_torchrun=True)
+    out = io.StringIO()
+    assert rank_errors.report_error(err, env1, stream=out)  # at once: not after waiting for its node's first rank
+    assert out.getvalue().startswith("cfp-megatron: ConfigError [rank 1]")
+    monkeypatch.setattr(rank_watch, "_state", rank_watch._Watch())  # rank 0, whose collective lost its peer
+    _as_rank(store, 0, 2, "step 3 of 9")
+    peer = rank_watch.explained(RuntimeError(PEER_GONE))
+    assert isinstance(peer, rank_watch.SaidOnce) and "another rank ended the job" in str(peer)
+    env0 = LaunchEnv(rank=0, world_size=2, local_rank=0, local_world_size=2, restart_count=0, under_torchrun=True)
+    quiet = io.StringIO()
+    assert not rank_errors.report_error(peer, env0, stream=quiet) and quiet.getvalue() == ""

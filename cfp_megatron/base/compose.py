@@ -18,7 +18,7 @@ from typing import Any
 
 from cfp_megatron.base.backend_spec import BackendSpec
 from cfp_megatron.base.cfp_spec import CfpSpec
-from cfp_megatron.base.config import JobSchema, JobSpec, job_from_config, mutable_twin
+from cfp_megatron.base.config import JobSchema, JobSpec, home_path, job_from_config, mutable_twin
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import run_id
 
@@ -50,12 +50,13 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 """The project's Hydra config folder."""
 
 
-def compose_config(overrides: Sequence[str], *, typed: bool = False) -> Any:
+def compose_config(overrides: Sequence[str], *, typed: bool = False, runs_hydra: bool = True) -> Any:
     """The project's Hydra config composed with ``overrides`` (an OmegaConf ``DictConfig``), as the command-line
     tools (``analyze``, ``profile``, ``plan``), ``launch/train.py`` (before Hydra runs) and the tests compose it.
 
     The overrides are checked first (:func:`override_issues`; ``typed``: a person's command line, where a key given
-    twice with two values is said on stderr by rank 0, :func:`repeated_overrides`), then every group
+    twice with two values is said on stderr by rank 0, :func:`repeated_overrides`; ``runs_hydra`` false: a command
+    that only composes, where Hydra's run settings would be ignored), then every group
     ``conf/config.yaml`` composes must have an option chosen.
     Whatever Hydra or OmegaConf still refuses (a value of the wrong type...) comes back as one :class:`ConfigError`
     naming the key, the value and the choices (:func:`hydra_config_error`); never Hydra's traceback."""
@@ -64,7 +65,7 @@ def compose_config(overrides: Sequence[str], *, typed: bool = False) -> Any:
     from omegaconf import open_dict, read_write
     from omegaconf.errors import OmegaConfBaseException
 
-    issues = override_issues(overrides)
+    issues = override_issues(overrides, runs_hydra=runs_hydra)
     if issues:
         raise ConfigError(issues)
     if typed:
@@ -179,14 +180,20 @@ def _key_status(key: str) -> str:
     return "group"
 
 
-def override_issues(overrides: Sequence[str], *, sweeps: bool = False) -> list[ConfigIssue]:
+HYDRA_COMPOSE_KEYS = ("hydra.searchpath",)
+"""Hydra's settings that change what is composed (the others configure the run Hydra starts, which only
+``launch/train.py`` does)."""
+
+
+def override_issues(overrides: Sequence[str], *, sweeps: bool = False, runs_hydra: bool = True) -> list[ConfigIssue]:
     """What is wrong with ``overrides`` before Hydra composes them, one issue per override: one Hydra cannot parse
     (the key named, ``==`` and unclosed quotes said as such), a group left without an option (``~model``,
     ``model=null``, ``model=``), an option that is not one (the nearest named), ``+`` on a group or key that is
     already there or its absence on one that is not (``cfp=auto``, ``cfp.tp=2`` without ``+cfp=...``), an unknown
     key (the nearest schema key named: ``train.steps`` for ``train.step``), a schema key removed with ``~``, a sweep
     outside ``-m`` (``sweeps``: allowed, each job is composed on its own), a group added twice. ``hydra.*``
-    overrides are Hydra's own and left to it."""
+    overrides are Hydra's own and left to it, except where no Hydra run follows (``runs_hydra`` false: the planner's,
+    analyser's and profiler's command lines only compose), which would ignore all but :data:`HYDRA_COMPOSE_KEYS`."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -206,6 +213,13 @@ def override_issues(overrides: Sequence[str], *, sweeps: bool = False) -> list[C
         key, text = o.key_or_group, o.input_line or ""
         given = _given(text)
         if key == "hydra" or key.startswith(("hydra.", "hydra/")):
+            if o.is_sweep_override() and not sweeps:
+                issues.append(_sweep_issue(key, given))
+            elif not runs_hydra and key not in HYDRA_COMPOSE_KEYS:
+                issues.append(ConfigIssue(key=key, value=given, problem="configures the run Hydra starts for "
+                                          "launch/train.py; this command only composes the config and would ignore "
+                                          "it.", fix=f"drop {text} (this command's own flags say where it writes: "
+                                          "--help)."))
             continue
         if key in groups and o.is_add() and (key, o.package) in seen:
             issues.append(ConfigIssue(key=key, value=given, problem=f"adds the {key} group a second time ({text}).",
@@ -213,10 +227,7 @@ def override_issues(overrides: Sequence[str], *, sweeps: bool = False) -> list[C
         if o.is_add():
             seen.add((key, o.package))
         if o.is_sweep_override() and not sweeps:
-            issues.append(ConfigIssue(key=key, value=given, problem="is a sweep (several values), "
-                                      "and one job takes one value.", fix="choose one value, add -m (multirun) to run "
-                                      f"one job per value, or quote a comma that is part of the value: "
-                                      f"\"{key}='{given}'\"."))
+            issues.append(_sweep_issue(key, given))
         elif key in groups:
             issues += _group_issues(o, key, key in required, searched=searched)
         else:
@@ -225,6 +236,13 @@ def override_issues(overrides: Sequence[str], *, sweeps: bool = False) -> list[C
                            "group, which the command did not add.", fix=f"drop {o.input_line}.")
                for o in parsed if o.is_delete() and o.key_or_group in groups - set(required) - added]
     return issues
+
+
+def _sweep_issue(key: str, given: str | None) -> ConfigIssue:
+    """The issue of a sweep (``a,b``) outside ``-m``."""
+    return ConfigIssue(key=key, value=given, problem="is a sweep (several values), and one job takes one value.",
+                       fix="choose one value, add -m (multirun) to run one job per value, or quote a comma that is "
+                           f"part of the value: \"{key}='{given}'\".")
 
 
 def repeated_overrides(overrides: Sequence[str]) -> list[str]:
@@ -277,6 +295,10 @@ def _parse_issue(text: str, err: Exception) -> ConfigIssue:
     if value.startswith("="):
         return ConfigIssue(key=key, value=value, problem=f"{text} has '==' where one '=' is meant.",
                            fix=f"write {name}={value.lstrip('=')}.")
+    if value.startswith("~"):
+        return ConfigIssue(key=key, value=value, problem=f"{text} starts its value with '~', which Hydra cannot parse "
+                           "(and the shell does not expand after key=).", fix=f"write the full path: "
+                           f"{name}={home_path(value)}.")
     if value.count("'") % 2 or value.count('"') % 2:
         return ConfigIssue(key=key, value=value, problem=f"{text} opens a quote it does not close.",
                            fix=f"close it, or quote the override for the shell: \"{name}='{value.strip(QUOTES)}'\".")
@@ -462,6 +484,6 @@ def hydra_config_error(err: Exception, overrides: Sequence[str]) -> ConfigError:
                                    fix="check the override's spelling and type (see docs/configuration.md)."))
 
 
-def compose_job(overrides: Sequence[str], *, typed: bool = False) -> JobSpec:
+def compose_job(overrides: Sequence[str], *, typed: bool = False, runs_hydra: bool = True) -> JobSpec:
     """The job of :func:`compose_config`."""
-    return job_from_config(compose_config(overrides, typed=typed))
+    return job_from_config(compose_config(overrides, typed=typed, runs_hydra=runs_hydra))

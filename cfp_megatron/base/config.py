@@ -1365,6 +1365,33 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
+def _blank_issue(key: str, value: str, default: Any) -> ConfigIssue:
+    """The issue of a text setting given an empty or blank value: never a value of its own (a path, a name, a
+    plan), and most often a shell variable that was not set (``train.checkpoint_dir=$CKPT``)."""
+    unset = " (null: none)" if default is None else ""
+    return ConfigIssue(key=key, value=value, problem="is empty (a shell variable that is not set?): it would "
+                       "silently mean nothing, or the current folder.", fix=f"give it a value, or leave it out{unset}.")
+
+
+def home_path(text: str) -> str:
+    """``text`` with its leading ``~`` (``~`` or ``~user``) expanded as a shell would."""
+    return os.path.expanduser(text)
+
+
+def starts_with_home(value: object) -> bool:
+    """Whether ``value`` is a text that starts with a home folder's ``~`` (``~``, ``~/...``, ``~user/...``)."""
+    return isinstance(value, str) and value.startswith("~") and home_path(value) != value
+
+
+def tilde_issue(key: str, value: str, *, listed: bool = False) -> ConfigIssue:
+    """The issue of a path starting with ``~``: only a shell expands it (not after ``key=``, nor inside quotes), so
+    it would name a folder called ``~`` in the current one (``listed``: an item of a list setting)."""
+    full = f"[{home_path(value)}]" if listed else home_path(value)
+    return ConfigIssue(key=key, value=value, problem="starts with '~', which only a shell expands (not after key=, "
+                       "nor inside quotes): it would name a folder called '~' here.",
+                       fix=f"write the full path: {key}={full}.")
+
+
 def build_spec(cls: type, values: dict[str, Any]) -> Any:
     """Construct a frozen spec from a mapping, converting strings to enums (runs ``__post_init__``)."""
     hints = typing.get_type_hints(cls)
@@ -1391,6 +1418,12 @@ def build_spec(cls: type, values: dict[str, Any]) -> Any:
                 value = defaults[name].default  # keep checking the other fields
         elif isinstance(value, list):
             value = list(value)
+            issues += [tilde_issue(f"{prefix}.{name}", item, listed=True) for item in value if starts_with_home(item)]
+        elif ftype is str and isinstance(value, str) and not value.strip():
+            issues.append(_blank_issue(f"{prefix}.{name}", value, defaults[name].default))
+            value = defaults[name].default
+        elif ftype is str and starts_with_home(value):
+            issues.append(tilde_issue(f"{prefix}.{name}", value))
         kwargs[name] = value
     try:
         spec = cls(**kwargs)

@@ -59,6 +59,35 @@ def write_error(err: OSError, path: str | os.PathLike[str], key: str | None = No
     return err if isinstance(err, FileWriteError) else FileWriteError(Path(path), err, key)
 
 
+class FileAccessError(CfpError, OSError):
+    """A file could not be opened or read where the run used it, past the checks made before the run (a data file
+    only one host cannot read, a file removed or an I/O error while the run read it): named with the reason."""
+
+    def __init__(self, err: OSError, where: str) -> None:
+        self.path = Path(os.fsdecode(err.filename))
+        self.errno_code = err.errno
+        reason = {errno.ENOENT: "it is not there (removed or renamed while the run used it?)",
+                  errno.EIO: "an I/O error (a failing disk or network file system)"}.get(err.errno or 0, _reason(err))
+        super().__init__(f"{self.path} cannot be used: {reason} (in {where}). Fix: make it readable to this user on "
+                         "this host (every host reads its own copy of the data and the checkpoints: permissions, the "
+                         "mount, the disk), then start the job again.")
+
+
+def access_error(err: BaseException, where: str) -> FileAccessError | None:
+    """``err`` (or the error it was raised from) as a :class:`FileAccessError` when it is an ``OSError`` naming a
+    file (a failure of the file, not of the code: ``PermissionError``, ``FileNotFoundError``, ``EIO``); else
+    ``None``."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and not isinstance(current, CfpError) and current.filename is not None \
+                and current.errno in (errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO, errno.ESTALE):
+            return FileAccessError(current, where)
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def _sync(fh: IO[Any]) -> None:
     fh.flush()
     os.fsync(fh.fileno())

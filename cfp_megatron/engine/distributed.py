@@ -27,9 +27,16 @@ RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 def resolve_backend(backend: Backend) -> str:
-    """NCCL with CUDA, gloo without."""
+    """NCCL with CUDA, gloo without; ``cluster.backend=nccl`` where NCCL cannot run is a :class:`ConfigError`
+    (torch's ``RuntimeError`` as the process group starts)."""
     if backend is Backend.auto:
         return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend is Backend.nccl and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise ConfigError(ConfigIssue(key="cluster.backend", value="nccl", problem="needs GPUs and a torch built with "
+                                      "NCCL; this machine has "
+                                      f"{'a torch without NCCL' if torch.cuda.is_available() else 'no GPU'}.",
+                                      fix="leave cluster.backend=auto (NCCL with GPUs, gloo without), or set "
+                                          "cluster.backend=gloo."))
     return backend.value
 
 
@@ -52,6 +59,7 @@ def init_distributed(job: JobSpec, dims: ParallelDims, env: LaunchEnv) -> None:
     the default group's store (:mod:`cfp_megatron.engine.rank_watch`) so a stalled rank can be named."""
     prepare_device_and_env(env, port=29511)
     timeout = datetime.timedelta(seconds=job.train.collective_timeout_s)
+    backend = resolve_backend(job.cluster.backend)  # refused before the rendezvous where it cannot run
     if not dist.is_initialized():
         kwargs: dict = {}
         if torch.cuda.is_available():
@@ -63,7 +71,7 @@ def init_distributed(job: JobSpec, dims: ParallelDims, env: LaunchEnv) -> None:
                                                   timeout=max(timeout, RENDEZVOUS_TIMEOUT)))
         store = dist.PrefixStore(f"/cfp/attempt_{env.restart_count}", store)
         rank_watch.at("start-up: the process groups, the model and the optimizer (before this run's first step)")
-        init_default_group(resolve_backend(job.cluster.backend), store, rank, world, timeout, **kwargs)
+        init_default_group(backend, store, rank, world, timeout, **kwargs)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,

@@ -9,12 +9,16 @@
   ``train.collective_timeout_s`` raises on them (gloo's ``Timed out waiting ...``; NCCL's watchdog error where torch
   raises it rather than aborting), and :func:`explained` turns that into one :class:`RankStalledError` naming the
   ranks that did not mark themselves as waiting within :data:`GRACE_S`, with their host, pid and progress.
-- **Ctrl-C.** The first SIGINT raises ``KeyboardInterrupt`` once (later ones, torchrun's forward of the same Ctrl-C
-  included, are ignored while the rank winds down). Where it lands in code whose exceptions Python ignores (a
+- **Ctrl-C, SIGTERM, SIGHUP.** The first SIGINT raises ``KeyboardInterrupt`` once (later ones, torchrun's forward of
+  the same Ctrl-C included, are ignored while the rank winds down). Once the process group exists (:func:`watch`),
+  SIGTERM (a scheduler ending the job, ``kill``, torchrun stopping the other ranks after one failed) and SIGHUP (the
+  terminal closed) do the same instead of killing the rank without a word; a rank stopped by torchrun because another
+  rank already ended the job with a message (:func:`explained` marks it in the store) exits quietly. Where the
+  interrupt lands in code whose exceptions Python ignores (a
   finalizer, the ``os.register_at_fork`` callbacks that run while a checkpoint save forks its writers), Python's
   unraisable hook is told, and the interrupt is raised again at once (:func:`_unraisable`) rather than lost and
   printed as "Exception ignored in" with a traceback; :func:`explained` makes it a :class:`RunInterrupted` naming the
-  step and the last checkpoint.
+  signal, the step and the last checkpoint (exit status 128 + the signal's number, as a shell reports it).
 
 Each such error carries a :class:`Turn`: the first rank to claim it says the message, the others wait for it to be
 said before exiting (torchrun stops every rank once the first one exits).
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from cfp_megatron.base.errors import CfpError
+from cfp_megatron.base.files import access_error
 from cfp_megatron.engine.save_workers import die_with_parent
 
 TIMEOUT_KEY = "train.collective_timeout_s"
@@ -49,7 +54,13 @@ POLL_S = 0.1
 RAISE_AGAIN_S = 0.01
 """How soon an interrupt lost where Python ignores exceptions is raised again (:func:`_unraisable`)."""
 INTERRUPTED_STATUS = 130
-"""Exit status of a run stopped by SIGINT (128 + 2, as a shell reports it)."""
+"""Exit status of a run stopped by SIGINT (128 + 2, as a shell reports it; 143 for SIGTERM, 129 for SIGHUP)."""
+STOP_SIGNALS: dict[int, str] = {signal.SIGINT: "", signal.SIGTERM: "sent by a scheduler ending the job, by kill, or "
+                                "by torchrun stopping this rank after another one failed",
+                                signal.SIGHUP: "the terminal that started the job closed: start it under nohup, tmux "
+                                "or a scheduler to keep it running"}
+"""The signals that end a run with one line (:func:`interrupted`), with what usually sends each; SIGINT raises from
+:func:`tie_to_launcher` on, the others from :func:`watch` on (before, they end the rank as the system does)."""
 ERROR_STATUS = 2
 """Exit status of a run ended by a stalled rank (the status of every error the entry points report)."""
 _TIMEOUT_MARKS = ("Timed out waiting", "Application timeout caused pair closure",
@@ -86,14 +97,22 @@ class _Watch:
     """:func:`tie_to_launcher` ran."""
     interrupt: Turn | None = None
     """This rank's claim on saying the interrupt (made in the SIGINT handler, before any teardown)."""
+    error: Turn | None = None
+    """This rank's claim on saying an error without a turn of its own (:func:`turn_of`), made by :func:`explained`
+    before the job is marked as ended."""
     interrupted: bool = False
-    """The SIGINT handler raised ``KeyboardInterrupt`` (a later SIGINT is ignored, unless :attr:`raise_again`)."""
+    """The stop-signal handler raised ``KeyboardInterrupt``, or the rank is winding down after an error it explains
+    (a later stop signal is ignored, unless :attr:`raise_again`)."""
+    signum: int = signal.SIGINT
+    """The stop signal that raised it (:data:`STOP_SIGNALS`)."""
     raise_again: bool = False
     """That ``KeyboardInterrupt`` was lost where Python ignores exceptions: the next SIGINT (sent by
     :func:`_unraisable`) raises it again."""
     pid: int = 0
     """The rank's process (:func:`tie_to_launcher`); the processes it forks (checkpoint writers) inherit the SIGINT
     handler and must leave the interrupt to it."""
+    stop_watch: bool = False
+    """The stop watch runs (:func:`_start_stop_watch`)."""
 
 
 _state = _Watch()
@@ -113,7 +132,12 @@ class RankStalledError(SaidOnce, RuntimeError):
 
 
 class RunInterrupted(SaidOnce):
-    """The run was stopped by SIGINT (Ctrl-C, ``kill -INT``); said in one line."""
+    """The run was stopped by a signal of :data:`STOP_SIGNALS` (Ctrl-C, ``kill``, a scheduler); said in one line."""
+
+    def __init__(self, message: str, *, turn: Turn | None = None, signum: int = signal.SIGINT) -> None:
+        super().__init__(message, turn=turn)
+        self.signum = signum
+        """The signal (the exit status is 128 + it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,11 +208,132 @@ def _launcher_gone(parent: int) -> bool:
 def _interrupt_once(signum: int, frame: Any) -> None:
     if os.getpid() != _state.pid:  # a forked child (a checkpoint writer): its rank decides, and it dies with it
         return
-    if _state.interrupted and not _state.raise_again:
-        return  # the same Ctrl-C again (torchrun forwards it) while winding down
-    _state.interrupted, _state.raise_again = True, False
+    if not _LOCK.acquire(blocking=False):
+        return  # the stop watch is ending the rank already (a handler must not wait for it)
+    try:
+        if _state.interrupted and not _state.raise_again:
+            return  # the same Ctrl-C again (torchrun forwards it) while winding down
+        again = _state.raise_again
+        _state.interrupted, _state.raise_again = True, False
+        if not again:
+            _state.signum = signum
+    finally:
+        _LOCK.release()
+    if not again and signum != signal.SIGINT and _ended_by_another():
+        exit_now(128 + signum)  # torchrun stops this rank after another one said why the job ends
     _interrupt_turn()  # before this rank's teardown closes its connections: the peers then find the reason
     raise KeyboardInterrupt
+
+
+_LOCK = threading.Lock()
+"""Held while the SIGINT handler or the stop watch (:func:`_stop_watch`) decides who ends the rank."""
+STOP_GRACE_S = 5.0
+"""How long the main thread has to act on a stop signal before the stop watch says it and ends the rank itself:
+Python runs signal handlers only between bytecodes, so a rank blocked in a collective (its peer stalled or gone)
+would not act on it before ``train.collective_timeout_s``, and torchrun kills it 30 s after its SIGTERM."""
+
+
+def _start_stop_watch() -> None:
+    """Have the stop signals written to a pipe (``signal.set_wakeup_fd``, done by the interpreter as a signal
+    arrives, whatever the main thread does) that a daemon thread reads (:func:`_stop_watch`); not in forked
+    children, which leave stop signals to their rank. Main thread only; once."""
+    if _state.stop_watch:
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    os.register_at_fork(after_in_child=_untie_wakeup)
+    _state.stop_watch = True
+    threading.Thread(target=_stop_watch, args=(read,), name="cfp-stop-watch", daemon=True).start()
+
+
+def _untie_wakeup() -> None:
+    with contextlib.suppress(ValueError):  # a child forked by another thread than its main one
+        signal.set_wakeup_fd(-1)
+
+
+def _stop_watch(fd: int) -> None:
+    """For each stop signal read from ``fd``: when the main thread has not acted on it within :data:`STOP_GRACE_S`,
+    say it (once per job: the interrupt's turn) and end the rank with 128 + the signal."""
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except OSError:
+            return
+        for signum in data:
+            if signum not in STOP_SIGNALS:
+                continue
+            deadline = time.monotonic() + STOP_GRACE_S
+            while not _state.interrupted and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+            with _LOCK:
+                if _state.interrupted:
+                    continue  # the main thread acts on it (or is winding down already)
+                _state.interrupted, _state.signum = True, signum
+            _end_from_watch(signum)
+
+
+STORE_WAIT_S = 2.0
+"""How long the stop watch waits for the store: the main thread may hold the store's one connection, blocked in a
+call that waits for a peer (joining a process group), and the store then answers nobody else."""
+
+
+def _end_from_watch(signum: int) -> None:
+    """End this rank for ``signum`` from the stop watch: quietly when another rank has said why the job ends, else
+    after saying it where it is this rank's turn (rank 0's when the store does not answer)."""
+    answered, ended = _bounded(_ended_by_another)
+    if signum != signal.SIGINT and ended:
+        exit_now(128 + signum)
+    claimed = answered and _bounded(_interrupt_turn)[0]
+    err = interrupted(signum, claim=claimed)
+    if my_turn(err, _state.rank):
+        with contextlib.suppress(Exception):
+            print(interrupt_line(err, _state.rank), file=sys.stderr, flush=True)
+        said(err)
+    exit_now(128 + signum)
+
+
+def _bounded(fn: Any) -> tuple[bool, Any]:
+    """``fn()`` run in a daemon thread for at most :data:`STORE_WAIT_S`: whether it returned, and what."""
+    out: list[Any] = []
+    worker = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    worker.start()
+    worker.join(STORE_WAIT_S)
+    return (True, out[0]) if out else (False, None)
+
+
+def interrupt_line(err: RunInterrupted, rank: int) -> str:
+    """The one line that says ``err`` on rank ``rank`` (``[rank N]`` for a rank other than 0)."""
+    return f"cfp-megatron{f' [rank {rank}]' if rank else ''}: {err}"
+
+
+def error_text(err: CfpError, rank: int | None = None) -> tuple[str, str]:
+    """The title (with ``[rank N]`` for a rank other than 0) and the body of the message for ``err`` (an interrupt:
+    one line, no body)."""
+    if isinstance(err, RunInterrupted):
+        return interrupt_line(err, rank or 0), ""
+    return f"cfp-megatron: {type(err).__name__}{f' [rank {rank}]' if rank else ''}", str(err)
+
+
+def _ended_by_another() -> bool:
+    """Whether another rank has ended the job with a message (:func:`explained`'s mark in the store)."""
+    try:
+        return bool(_state.store is not None and _state.store.check([f"{_PREFIX}/ended"]))
+    except Exception:  # noqa: BLE001 - the store is gone: nothing known
+        return False
+
+
+def _winding_down(err: CfpError) -> None:
+    """This rank ends the job with ``err``: later stop signals (torchrun's SIGTERM once the first rank exits) are
+    ignored, the first rank to end the job with an error that has no turn of its own says it (:func:`turn_of`), and
+    the ranks torchrun stops, or whose collectives fail, after that exit quietly (:func:`_ended_by_another`)."""
+    _state.interrupted = True
+    if _state.store is None:
+        return
+    if not isinstance(err, SaidOnce) and _state.error is None:
+        _state.error = Turn.claim(_state.store, "error")  # before the mark: a peer that sees it finds the claim
+    with contextlib.suppress(Exception):
+        _state.store.set(f"{_PREFIX}/ended", str(_state.rank))
 
 
 def _unraisable_then(previous: Any) -> Any:
@@ -215,12 +360,20 @@ def _unraisable(unraisable: Any) -> bool:
 def _interrupt_turn() -> Turn | None:
     if _state.interrupt is None and _state.store is not None:
         _state.interrupt = Turn.claim(_state.store, "interrupted")
+        if _state.interrupt is not None and _state.interrupt.mine:
+            with contextlib.suppress(Exception):  # which signal, for the peers that follow (_said_by_peer)
+                _state.store.set(f"{_PREFIX}/interrupted/signal", str(int(_state.signum)))
     return _state.interrupt
 
 
 def watch(store: Any, *, rank: int, world: int, timeout_s: float) -> None:
-    """Record progress in ``store`` (the default process group's) from now on."""
+    """Record progress in ``store`` (the default process group's) from now on; under :func:`tie_to_launcher`, SIGTERM
+    and SIGHUP end the run in one line from now on, as SIGINT does."""
     _state.store, _state.rank, _state.world, _state.timeout_s = store, rank, world, timeout_s
+    if _state.tied and threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, _interrupt_once)
+        _start_stop_watch()
     at(_state.where)
 
 
@@ -261,9 +414,14 @@ def _has_mark(err: BaseException, marks: tuple[str, ...]) -> bool:
     return False
 
 
+class RankLostError(SaidOnce, RuntimeError):
+    """A peer of this rank closed its connections without saying why (killed, crashed): said once per job."""
+
+
 def _said_by_peer() -> CfpError | None:
-    """This rank's peer went away: when it did so because it was interrupted or named a stalled rank (its claim is
-    in the store, looked for during :data:`PEER_WAIT_S`), the same error, said by that peer; else ``None``."""
+    """This rank's peer went away: when it did so because it was interrupted, named a stalled rank or ended the
+    job with an error (its claim is in the store, looked for during :data:`PEER_WAIT_S`), the same error, said by
+    that peer; else a :class:`RankLostError` (the first rank to lose a peer says it); ``None`` without a store."""
     store = _state.store
     if store is None:
         return None
@@ -271,37 +429,71 @@ def _said_by_peer() -> CfpError | None:
     while True:
         try:
             if store.check([f"{_PREFIX}/interrupted/claimed"]):
-                return interrupted()
+                key = f"{_PREFIX}/interrupted/signal"
+                signum = int(store.get(key)) if store.check([key]) else _state.signum
+                return interrupted(signum)
             if store.check([f"{_PREFIX}/stalled/claimed"]):
                 return RankStalledError(f"a peer of rank {_state.rank} ended the job for a rank that stopped "
                                         f"answering while rank {_state.rank} was in {_state.where}.",
                                         turn=Turn.claim(store, "stalled"))
+            if store.check([f"{_PREFIX}/ended"]):
+                return SaidOnce(f"another rank ended the job with an error (its message says which) while rank "
+                                f"{_state.rank} was in {_state.where}.", turn=Turn.claim(store, "error"))
         except Exception:  # noqa: BLE001 - the store is gone too
             return None
         if time.monotonic() >= deadline:
-            return None
+            break
         time.sleep(POLL_S)
+    ckpt = (f"; the last checkpoint is {_state.checkpoint} (continue from it with train.resume=true)"
+            if _state.checkpoint else "; no checkpoint was saved by this run")
+    return RankLostError(f"a peer of rank {_state.rank} closed its connections without saying why while rank "
+                         f"{_state.rank} was in {_state.where}: it was killed (the OOM killer, kill -9) or crashed "
+                         f"(its own output above says how); torchrun's summary names it{ckpt}.\nFix: see why that "
+                         "rank ended (its traceback, dmesg for the OOM killer), then start the job again.",
+                         turn=Turn.claim(store, "error"))
 
 
 def explained(err: BaseException) -> CfpError | None:
     """``err`` as the error a user should read: a CfpError as it is, a collective timeout as a
-    :class:`RankStalledError`, a ``KeyboardInterrupt`` as a :class:`RunInterrupted`; ``None`` for anything else."""
+    :class:`RankStalledError`, a ``KeyboardInterrupt`` as a :class:`RunInterrupted`, a peer gone as what it said
+    (or a :class:`RankLostError`), a file that cannot be read or opened where the run used it as a
+    :class:`~cfp_megatron.base.files.FileAccessError`; ``None`` for anything else (its traceback stands)."""
+    try:
+        found = _explain(err)
+    except KeyboardInterrupt:  # a stop signal while this rank looked for the reason (a peer's claim)
+        found = interrupted()
+    if found is not None:
+        _winding_down(found)
+    return found
+
+
+def _explain(err: BaseException) -> CfpError | None:
+    found: CfpError | None
     if isinstance(err, CfpError):
-        return err
-    if isinstance(err, KeyboardInterrupt):
-        return interrupted()
-    if is_collective_timeout(err):
-        return stalled(err)
-    if _has_mark(err, _PEER_GONE_MARKS):
-        return _said_by_peer()
-    return None
+        found = err
+    elif isinstance(err, KeyboardInterrupt):
+        found = interrupted()
+    elif is_collective_timeout(err):
+        found = stalled(err)
+    elif _has_mark(err, _PEER_GONE_MARKS):
+        found = _said_by_peer()
+    elif (unusable := access_error(err, _state.where)) is not None:
+        found = unusable
+    else:
+        return None
+    return found
 
 
-def interrupted() -> RunInterrupted:
-    """The run stopped by SIGINT where this rank is."""
+def interrupted(signum: int | None = None, *, claim: bool = True) -> RunInterrupted:
+    """The run stopped by a stop signal (default: the one this rank got, SIGINT if none) where this rank is;
+    ``claim`` false: without a turn (the store cannot be asked)."""
+    signum = _state.signum if signum is None else signum
+    name = signal.Signals(signum).name
+    sender = STOP_SIGNALS.get(signum, "")
     ckpt = (f"; the last checkpoint is {_state.checkpoint} (continue from it with train.resume=true)"
             if _state.checkpoint else "; no checkpoint was saved by this run")
-    return RunInterrupted(f"interrupted (SIGINT) at {_state.where}{ckpt}.", turn=_interrupt_turn())
+    return RunInterrupted(f"interrupted ({name}{': ' + sender if sender else ''}) at {_state.where}{ckpt}.",
+                          turn=_interrupt_turn() if claim else None, signum=signum)
 
 
 def stalled(err: BaseException, *, limit_s: float | None = None) -> RankStalledError:
@@ -373,10 +565,17 @@ def stall_message(behind: list[int], waiting: list[int], records: dict[int, dict
     return f"{head} ({cause}).\nFix: {fix}"
 
 
+def turn_of(err: CfpError) -> Turn | None:
+    """Who says ``err``: its own :class:`Turn` (a stalled rank, an interrupt); for another error met once the process
+    group exists, the first rank to end the job with one (:func:`explained`'s claim), so an error only one rank
+    meets is said at once, by it, and one every rank meets is said once per job; ``None`` before the group."""
+    return err.turn if isinstance(err, SaidOnce) else _state.error
+
+
 def my_turn(err: CfpError, rank: int, *, wait_s: float = SAID_WAIT_S) -> bool:
-    """Whether this rank says ``err``: its :class:`Turn` is this rank's, or it never came from the rank whose it is
+    """Whether this rank says ``err``: its :func:`turn_of` is this rank's, or it never came from the rank whose it is
     (waited for at most ``wait_s``); rank 0 for an error without one."""
-    turn = getattr(err, "turn", None)
+    turn = turn_of(err)
     if turn is None:
         return rank == 0
     return turn.mine or not turn.wait_said(wait_s)
@@ -384,14 +583,14 @@ def my_turn(err: CfpError, rank: int, *, wait_s: float = SAID_WAIT_S) -> bool:
 
 def said(err: CfpError) -> None:
     """Tell the ranks waiting in :func:`my_turn` that ``err`` is out."""
-    turn = getattr(err, "turn", None)
+    turn = turn_of(err)
     if turn is not None:
         turn.said()
 
 
 def exit_status(err: CfpError) -> int:
-    """The exit status for ``err``: 130 after an interrupt, else 2."""
-    return INTERRUPTED_STATUS if isinstance(err, RunInterrupted) else ERROR_STATUS
+    """The exit status for ``err``: 128 + the signal after an interrupt (130 for SIGINT), else 2."""
+    return 128 + int(err.signum) if isinstance(err, RunInterrupted) else ERROR_STATUS
 
 
 def exit_now(status: int) -> None:
@@ -403,6 +602,7 @@ def exit_now(status: int) -> None:
     os._exit(status)
 
 
-__all__ = ["ERROR_STATUS", "GRACE_S", "INTERRUPTED_STATUS", "TIMEOUT_KEY", "RankStalledError", "RunInterrupted",
-           "SaidOnce", "Turn", "at", "exit_now", "exit_status", "explained", "interrupted", "is_collective_timeout",
-           "my_turn", "said", "saved", "stall_message", "stalled", "tie_to_launcher", "timeout_s", "watch"]
+__all__ = ["ERROR_STATUS", "GRACE_S", "INTERRUPTED_STATUS", "STOP_GRACE_S", "STOP_SIGNALS", "TIMEOUT_KEY",
+           "RankLostError", "RankStalledError", "RunInterrupted", "SaidOnce", "Turn", "at", "error_text", "exit_now",
+           "exit_status", "explained", "interrupt_line", "interrupted", "is_collective_timeout", "my_turn", "said",
+           "saved", "stall_message", "stalled", "tie_to_launcher", "timeout_s", "turn_of", "watch"]

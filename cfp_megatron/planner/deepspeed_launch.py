@@ -19,7 +19,8 @@ from cfp_megatron.backends.deepspeed.zero_plan import ds_config, write_json_file
 from cfp_megatron.backends.protocol import PlannedSearch
 from cfp_megatron.base.backend_spec import BackendKind, BackendSpec
 from cfp_megatron.base.cfp_spec import CfpSpec
-from cfp_megatron.base.config import ClusterSpec, JobSpec, ParallelSpec
+from cfp_megatron.base.config import ClusterSpec, JobSpec, ParallelSpec, resolve_precision
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.files import CACHE_KEY, FileWriteError, write_atomic
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import ParallelDims
@@ -35,6 +36,21 @@ if TYPE_CHECKING:
     from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes
 
 
+def check_precision(precision: str, key: str) -> None:
+    """A :class:`ConfigError` naming ``key`` when this machine's DeepSpeed accelerator cannot train in
+    ``precision`` (fp16 on CPU: DeepSpeed's ``ValueError`` as the engine starts, after profiling)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    supported = {"fp16": accelerator.is_fp16_supported, "bf16": accelerator.is_bf16_supported}.get(precision)
+    if supported is not None and not supported():
+        name = getattr(accelerator, "device_name", lambda: "this device")()
+        raise ConfigError(ConfigIssue(key=key, value=precision, problem=f"is not supported by DeepSpeed's "
+                                      f"accelerator here ({name}): its engine would refuse it as it starts.",
+                                      fix="use train.precision=bf16 or fp32 here (auto: bf16 on GPUs, fp32 on CPU), "
+                                          "or train fp16 with backend=megatron."))
+
+
 class DeepSpeedLaunch:
     """The launch hooks of the DeepSpeed backend."""
 
@@ -44,8 +60,12 @@ class DeepSpeedLaunch:
     """DeepSpeed's communication layer keeps the group it first saw (during the probes): it must not be replaced."""
 
     def check_job(self, job: JobSpec, cfp: CfpSpec, world: int, *, planned: bool) -> None:
-        """No model parallelism (:func:`~cfp_megatron.planner.deepspeed_entry.check_layout`), then the rest."""
+        """No model parallelism (:func:`~cfp_megatron.planner.deepspeed_entry.check_layout`), a precision this
+        machine's DeepSpeed accelerator has (:func:`check_precision`), then the rest."""
+        import torch
+
         check_layout(job, cfp)
+        check_precision(resolve_precision(job.train.precision, torch.cuda.is_available()).value, "train.precision")
         validate_rest(job, world)
 
     def check_before_start(self, job: JobSpec, *, restarted: bool, writer: str | None,
@@ -84,8 +104,9 @@ class DeepSpeedLaunch:
         return manual_plan(job, backend, world, on_gpu=on_gpu)
 
     def check_plan_fits(self, job: JobSpec, plan: Plan, world: int) -> None:
-        """The DeepSpeed cost model's memory of its ZeRO stage
-        (:func:`~cfp_megatron.planner.deepspeed_memory.check_zero_plan_fits`)."""
+        """The plan's precision here (:func:`check_precision`), and the DeepSpeed cost model's memory of its ZeRO
+        stage (:func:`~cfp_megatron.planner.deepspeed_memory.check_zero_plan_fits`)."""
+        check_precision(plan.precision, "the plan's precision (prec=)")
         check_zero_plan_fits(job, plan, world)
 
     def search_before_profiling(self, job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *,

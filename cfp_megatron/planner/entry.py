@@ -12,7 +12,7 @@ from rich.console import Console
 
 from cfp_megatron.base.backend_spec import backend_from_config
 from cfp_megatron.base.cfp_spec import CfpMode, cfp_from_config
-from cfp_megatron.base.config import job_from_config
+from cfp_megatron.base.config import job_from_config, starts_with_home, tilde_issue
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.files import WriteLocation, check_write_locations
 from cfp_megatron.base.launch_env import LaunchEnv
@@ -135,6 +135,8 @@ def check_run_dir_arg(argv: list[str]) -> None:
             raise ConfigError(ConfigIssue(key=key, value=raw, problem="is empty: Hydra would write the run's files "
                                           f"into the current folder ({Path.cwd()}).", fix=f"name a folder, e.g. "
                                           f"{key}={default}my_run, or leave it out for {default}{shown}."))
+        if value is not None and starts_with_home(value):
+            raise ConfigError(tilde_issue(key, value))
         static = default if value is None else value.split("${", 1)[0]
         folder = Path(static or ".") if value is None or "${" not in value or static.endswith("/") \
             else Path(static).parent

@@ -169,12 +169,17 @@ def _layout(job: JobSpec) -> str:
 
 
 def check_training_machine(job: JobSpec, world: int = 1) -> None:
-    """A :class:`ConfigError` for training under a GPU cluster preset (``cluster=dgx_h100``) on a machine without a
-    GPU: the plan, its memory limit and the MFU would be the preset's, not this machine's. Planning for it offline
-    (``python -m cfp_megatron.plan``) stays allowed. Likewise a ``cluster.hbm_gib`` on the ``local`` cluster (this
-    machine, ``world`` ranks) above what each rank has here: the memory checks would pass a job the machine cannot
-    hold, which would die in the allocator."""
+    """A :class:`ConfigError` for training on a machine the cluster settings do not describe: a GPU cluster preset
+    (``cluster=dgx_h100``), or GPU settings on the CPU one (``cluster.device_name=H100``,
+    ``cluster.generation=hopper``), on a machine without a GPU (the plan, its memory limit and the MFU would be the
+    GPU's, not this machine's); a ``cluster.hbm_gib`` on the ``local`` cluster (this machine, ``world`` ranks) above
+    what each rank has here (the memory checks would pass a job the machine cannot hold, which would die in the
+    allocator). ``cluster.backend=nccl`` where NCCL cannot run is refused as the process group starts
+    (:func:`~cfp_megatron.engine.distributed.resolve_backend`). Planning for another machine offline
+    (``python -m cfp_megatron.plan``) stays allowed."""
     import torch
+
+    from cfp_megatron.base.compose import group_presets
 
     c = job.cluster
     if c.on_cpu and c.hbm_gib is not None:
@@ -189,11 +194,24 @@ def check_training_machine(job: JobSpec, world: int = 1) -> None:
                 fix=f"drop cluster.hbm_gib (cluster={c.name} measures this machine) or set it at most "
                     f"{here.hbm_gib:.2f}; plan for a larger machine offline with python -m cfp_megatron.plan "
                     "cluster.hbm_gib=..."))
-    if c.on_cpu or torch.cuda.is_available():
-        return
-    raise ConfigError(ConfigIssue(
-        key="cluster", value=c.name,
-        problem=f"names {c.device_name} GPUs, and this machine has none (torch.cuda.is_available() is false): a "
-                "training run here would be planned against that GPU's memory and report MFU against its peak.",
-        fix=f"train here with cluster=local (this machine's cores and memory, measured); plan for {c.name} offline "
-            f"with python -m cfp_megatron.plan cluster={c.name} ...; train with cluster={c.name} on its GPUs."))
+    on_gpu = torch.cuda.is_available()
+    issues: list[ConfigIssue] = []
+    preset = dict(group_presets("cluster")).get(c.name, {})
+    cpu_preset = str(preset.get("device_name", "")).strip().lower() == "cpu"
+    if not on_gpu and not c.on_cpu:
+        key, value = ("cluster.device_name", c.device_name) if cpu_preset else ("cluster", c.name)
+        fix = (f"drop cluster.device_name={c.device_name}: cluster={c.name} trains on this machine's cores (measured)"
+               if cpu_preset else f"train here with cluster=local (this machine's cores and memory, measured); plan "
+               f"for {c.name} offline with python -m cfp_megatron.plan cluster={c.name} ...; train with "
+               f"cluster={c.name} on its GPUs")
+        issues.append(ConfigIssue(key=key, value=value, problem=f"names {c.device_name} GPUs, and this machine has "
+                                  "none (torch.cuda.is_available() is false): a training run here would be planned "
+                                  "against that GPU's memory and report MFU against its peak.", fix=f"{fix}."))
+    elif not on_gpu and cpu_preset and c.generation not in (None, preset.get("generation")):
+        issues.append(ConfigIssue(key="cluster.generation", value=c.generation, problem=f"names a GPU generation, and "
+                                  f"cluster={c.name} trains on this machine's CPU cores: it would not be used (the "
+                                  "peak is measured here), or would plan for features the cores do not have.",
+                                  fix=f"drop cluster.generation={c.generation}; plan for such GPUs offline with "
+                                      "python -m cfp_megatron.plan cluster=<their preset>."))
+    if issues:
+        raise ConfigError(issues)

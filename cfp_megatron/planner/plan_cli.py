@@ -80,7 +80,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                                       "ranks (ten times the largest clusters built).", fix="pass a smaller --world."))
     if not any(o.lstrip("+").startswith("cfp=") for o in overrides):
         overrides.insert(0, "+cfp=auto")
-    cfg = compose_config(overrides, typed=True)
+    cfg = compose_config(overrides, typed=True, runs_hydra=False)
     if not any(o.startswith("train.seq_length=") for o in overrides):
         # The training default (64 tokens) is for the tiny CPU models; a preflight plans the model's own context.
         seq = min(int(cfg.model.max_position_embeddings), SEQ_CAP)

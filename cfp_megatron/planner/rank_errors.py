@@ -9,10 +9,11 @@ exits first is the summary's root cause) before exiting, and print the message t
 their rank, when it does not come (the error hit only them, or no marker folder exists). See
 docs/configuration.md ("When a setting is wrong").
 
-An error found while the job runs (a stalled rank, Ctrl-C: :mod:`cfp_megatron.engine.rank_watch`) carries a
-:class:`~cfp_megatron.engine.rank_watch.Turn` instead: the first rank to claim it in the process group's store says
-it, on any node, and the others wait for it to be said; :func:`report_and_exit` ends the rank with the status each
-kind has (2; 130 for an interrupt).
+An error found once the process group exists (a stalled rank, Ctrl-C, a file one rank cannot read:
+:mod:`cfp_megatron.engine.rank_watch`) has a :class:`~cfp_megatron.engine.rank_watch.Turn` instead
+(:func:`~cfp_megatron.engine.rank_watch.turn_of`): the first rank to claim it in the process group's store says it,
+on any node, at once, and the others wait for it to be said; :func:`report_and_exit` ends the rank with the status
+each kind has (2; 128 + the signal for an interrupt: 130 for Ctrl-C).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from rich.console import Console
 from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.files import write_atomic
 from cfp_megatron.base.launch_env import LaunchEnv
-from cfp_megatron.engine.rank_watch import RunInterrupted, SaidOnce, exit_now, exit_status
+from cfp_megatron.engine.rank_watch import RunInterrupted, SaidOnce, error_text, exit_now, exit_status, turn_of
 
 WAIT_S = 30.0
 """How long a rank other than its node's first waits for that rank to have printed the message."""
@@ -54,14 +55,6 @@ def marker_path() -> Path | None:
     return Path(error_file).parent.parent / MARKER
 
 
-def error_text(err: CfpError, rank: int | None = None) -> tuple[str, str]:
-    """The title (with ``[rank N]`` for a rank other than 0) and the body of the message for ``err``."""
-    where = f" [rank {rank}]" if rank else ""
-    if isinstance(err, RunInterrupted):  # one line
-        return f"cfp-megatron{where}: {err}", ""
-    return f"cfp-megatron: {type(err).__name__}{where}", str(err)
-
-
 def report_error(err: CfpError, env: LaunchEnv | None = None, *, stream: TextIO | None = None,
                  wait_s: float | None = None) -> bool:
     """Say ``err`` as described in the module docstring; return whether this rank printed it. Returns only once the
@@ -73,7 +66,7 @@ def report_error(err: CfpError, env: LaunchEnv | None = None, *, stream: TextIO 
     found = time.time()
     marker = marker_path()
     title, body = error_text(err, env.rank)
-    turn = err.turn if isinstance(err, SaidOnce) else None
+    turn = turn_of(err)
     if turn is not None and not turn.mine and turn.wait_said(wait_s):
         _write_error_file(f"{title}\n{body}".rstrip(), found)  # torchrun's summary may pick this rank
         return False
@@ -97,12 +90,13 @@ def report_error(err: CfpError, env: LaunchEnv | None = None, *, stream: TextIO 
 
 
 def report_and_exit(err: CfpError, env: LaunchEnv | None = None) -> NoReturn:
-    """Say ``err`` (:func:`report_error`) and end this rank: status 130 for an interrupt (:class:`~cfp_megatron.
-    engine.rank_watch.RunInterrupted`), 2 otherwise; after a stalled rank or an interrupt without Python's shutdown
-    (a process group left with a collective in flight aborts it, or hangs it until torchrun's SIGTERM)."""
+    """Say ``err`` (:func:`report_error`) and end this rank: status 128 + the signal for an interrupt
+    (:class:`~cfp_megatron.engine.rank_watch.RunInterrupted`), 2 otherwise; once the process group exists (the error
+    has a turn) without Python's shutdown: a group left with a collective in flight aborts it, or hangs it until
+    torchrun's SIGTERM, and the finalizers of objects the error left half-built print tracebacks."""
     report_error(err, env, wait_s=INTERRUPT_WAIT_S if isinstance(err, RunInterrupted) and err.turn is None
                  else WAIT_S)
-    if isinstance(err, SaidOnce):
+    if isinstance(err, SaidOnce) or turn_of(err) is not None:
         exit_now(exit_status(err))
     sys.exit(exit_status(err))
 
@@ -128,4 +122,4 @@ def _write_error_file(text: str, found: float) -> None:
         write_atomic(path, json.dumps(data))
 
 
-__all__ = ["INTERRUPT_WAIT_S", "WAIT_S", "error_text", "marker_path", "report_and_exit", "report_error"]
+__all__ = ["INTERRUPT_WAIT_S", "WAIT_S", "marker_path", "report_and_exit", "report_error"]

@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = LaunchEnv.read()
     console = Console(stderr=False, highlight=False)
     try:
-        job = compose_job(args.overrides, typed=True)
+        job = compose_job(args.overrides, typed=True, runs_hydra=False)
         # where the ProfileDB (and --export) go, refused now rather than after the whole budget
         check_write_locations([WriteLocation(key=CACHE_KEY, path=cache_dir() / "profile",
                                              folder=True),
@@ -85,14 +85,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             console.print(f"ProfileDB: {outcome.path} ({state})", markup=False)
             if args.export:
                 console.print(f"exported: {export_db(outcome.db, args.export, key='--export')}", markup=False)
-    except (CfpError, RuntimeError, KeyboardInterrupt) as caught:
+    except (CfpError, RuntimeError, OSError, KeyboardInterrupt) as caught:
         err = rank_watch.explained(caught)  # a stalled rank or Ctrl-C too, said once
         if err is None:
             raise
         if rank_watch.my_turn(err, env.rank):
             err_console = Console(stderr=True, highlight=False, soft_wrap=True)
-            err_console.print(f"[bold red]cfp-megatron: {type(err).__name__}[/]")
-            err_console.print(str(err), markup=False)
+            title, body = rank_watch.error_text(err, env.rank)
+            err_console.print(title, style="bold red", markup=False)
+            if body:
+                err_console.print(body, markup=False)
             rank_watch.said(err)
         return rank_watch.exit_status(err)
     return 0
