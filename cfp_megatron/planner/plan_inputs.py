@@ -218,13 +218,13 @@ def check_typed_before_plan(job: JobSpec, cfp: CfpSpec, typed: tuple[str, ...]) 
                     key=key, value=_shown(value),
                     problem=f"is chosen by the search under +cfp=auto, which would replace it{clash}.",
                     fix=f"pin it with {pin}={_text(value)} instead of {key} (the search keeps pins), or train the "
-                        "parallel section as given with +cfp=off."))
+                        "parallel section as given without +cfp=auto."))
             else:
                 issues.append(ConfigIssue(
                     key=key, value=_shown(value),
                     problem="is chosen by the search under +cfp=auto (it has no cfp pin), which would replace it.",
-                    fix=f"drop {key} and let the search choose it, or train the parallel section as given with "
-                        "+cfp=off."))
+                    fix=f"drop {key} and let the search choose it, or train the parallel section as given without "
+                        "+cfp=auto."))
     elif cfp.mode is CfpMode.manual:
         limits = knob_limits(cfp, typed)
         knobs = [pin.split(".", 1)[1] for pin in pinned_knobs().values()]
@@ -289,7 +289,7 @@ def plan_conflicts(plan: Plan, job: JobSpec, typed: tuple[str, ...], *, source: 
                 key=key, value=_shown(_value(job, key)),
                 problem=f"was typed, but {source} sets {key}={_text(sets[key])}.",
                 fix=f"drop {key} (or set it to {_text(sets[key])}) to train the plan, or train without the plan "
-                    "(+cfp=off, or +cfp=auto to plan for this value)."))
+                    "(drop +cfp=manual, or use +cfp=auto to plan for this value)."))
     for limit in knob_limits(cfp, typed) if cfp is not None else ():
         if limit.key in sets and not limit.holds(sets[limit.key]):
             what = "pins another value than" if limit.setting in pinned_knobs().values() else \
