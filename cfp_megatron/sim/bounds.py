@@ -1,8 +1,17 @@
 """Lower bounds on the step time of a group of plans that share their pass costs: what the search prunes with
 (:mod:`cfp_megatron.search.search` enumerates, this module bounds). Each cost term bounds its own lanes per layer
 (:meth:`~cfp_megatron.sim.terms.CostTerm.lower_bound`: its lanes less what an overlap a candidate may turn on can
-hide); this module adds them up per layer kind (:func:`group_costs`) and composes them along the pipeline schedule
-(docs/simulator.md, "Cost terms").
+hide; :meth:`~cfp_megatron.sim.terms.CostTerm.chunk_floor`: what it adds to each layer of a kind where it sets its
+lanes per model chunk); this module adds them up per layer kind (:func:`group_costs`) and composes them along the
+pipeline schedule (docs/simulator.md, "Cost terms").
+
+The host term's part is each synchronising MoE layer's own stretch (docs/simulator.md, "Host time"): on a GPU
+cluster whose MoE layers make the host wait for their token counts (dropless, or token-drop without padding), a MoE
+layer's forward costs its dispatcher's syncs more per micro-batch (and its launches beyond its GPU time where no
+overlap may change that time), and each recomputed MoE layer under full recomputation its syncs again. The simulator
+adds them to every forward (and recomputation) pass that holds the layer whatever the schedule, the combined 1F1B
+one of the expert overlap included, so they only raise the MoE kind's cost; the launches a chunk's layers share one
+maximum with its embedding and head add nothing here.
 
 With ``m`` micro-batches, ``v`` chunks per rank and a stage of ``n`` layers,
 
@@ -73,7 +82,9 @@ def group_costs(parts: PassCosts, overlaps: Overlaps, *, hidden: int, shared_cor
                 fixed_s: float = 0.0) -> GroupCosts:
     """The costs a group's bound counts, from its representative's pass costs ``parts`` (no overlaps), for
     candidates that may turn on ``overlaps``: each layer kind's time less what every term says those overlaps can
-    hide of its lanes (:meth:`~cfp_megatron.sim.terms.CostTerm.hideable`); ``hidden``: the model's hidden size;
+    hide of its lanes (:meth:`~cfp_megatron.sim.terms.CostTerm.hideable`), plus what every term adds to each layer
+    of the kind beyond its cost (:meth:`~cfp_megatron.sim.terms.CostTerm.chunk_floor`: the host's syncs); ``hidden``:
+    the model's hidden size;
     ``shared_cores``: whether the simulator may take the shared-cores schedule; ``fixed_s``: what it adds to every
     pipelined schedule (:attr:`GroupCosts.fixed_s`)."""
     # the biases and norms the count leaves out add at least -2 h (cfp_megatron.sim.memory.layer_extra_params)
@@ -81,12 +92,17 @@ def group_costs(parts: PassCosts, overlaps: Overlaps, *, hidden: int, shared_cor
     # A PrimePar candidate runs Megatron's MLP on some layers only where PrimePar's layer is the faster
     # (search._primepar_layers): the plan's own dense layer still bounds it.
     kinds = (parts.dense, parts.moe)
+    # what the bound takes off each kind's (forward + backward, recomputation) seconds
     hideable, hideable_rec = [0.0, 0.0], [0.0, 0.0]
     for i, kind in enumerate(kinds):
         for term in TERMS.hiding():  # the others hide nothing
             fb, rec = term.hideable(kind, overlaps)
             hideable[i] += fb
             hideable_rec[i] += rec
+        for term in TERMS.floored():  # the others set nothing per chunk
+            fb, rec = term.chunk_floor(parts, i == 1, overlaps)
+            hideable[i] -= fb
+            hideable_rec[i] -= rec
     return GroupCosts(
         layer_s=min(c.total_s - h - r for c, h, r in zip(kinds, hideable, hideable_rec, strict=True)),
         fb_s=min(c.forward.total_s + c.backward.total_s - h for c, h in zip(kinds, hideable, strict=True)),
