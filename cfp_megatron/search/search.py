@@ -519,9 +519,10 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: t
     kept_bytes = -1.0  # computed for the first candidate the cut leaves
     for split in g.splits:
         vpp = split[0]
-        first, middle, last, dense_0, moe_0, dense_n, moe_n, loads = _split_facts(L, pp, split, first_dense)
+        first, middle, last, dense_0, moe_0, dense_n, moe_n, loads, middles = _split_facts(L, pp, split, first_dense)
         bound = time_bound(costs, layer_s, chunk_s, g.microbatches, pp, vpp, L, first, middle, last,
-                           dense_0 * kind_s[0] + moe_0 * kind_s[1], dense_n * kind_s[0] + moe_n * kind_s[1])
+                           dense_0 * kind_s[0] + moe_0 * kind_s[1], dense_n * kind_s[0] + moe_n * kind_s[1],
+                           min((d * kind_s[0] + n * kind_s[1] for d, n in middles), default=0.0))
         if bound > cut:
             continue
         if kept_bytes < 0:
@@ -571,25 +572,30 @@ def _rank_loads(num_layers: int, pp: int, vpp: int, first: int, last: int, balan
     return tuple(sorted(a for a in loads if not any(b != a and b[0] >= a[0] and b[1] >= a[1] for b in loads)))
 
 
+_Loads = tuple[tuple[int, int], ...]
+"""(dense, MoE) layer counts of some pipeline ranks."""
+
+
 @functools.lru_cache(maxsize=8192)
-def _split_facts(num_layers: int, pp: int, split: tuple[int, int, int, bool],
-                 first_dense: int | None) -> tuple[int, int, int, int, int, int, int, tuple[tuple[int, int], ...]]:
+def _split_facts(num_layers: int, pp: int, split: tuple[int, int, int, bool], first_dense: int | None
+                 ) -> tuple[int, int, int, int, int, int, int, _Loads, _Loads]:
     """What :func:`_expand` reads of a split, in one lookup: the first, lightest middle and last stage's layers
-    (:func:`_stage_layers`), the first and the last rank's (dense, MoE) layers (:func:`_end_rank_loads`) and the
-    ranks' loads (:func:`_rank_loads`)."""
-    (dense_0, moe_0), (dense_n, moe_n) = _end_rank_loads(num_layers, pp, *split, first_dense)
+    (:func:`_stage_layers`), the first and the last rank's (dense, MoE) layers and the middle ranks' distinct ones
+    (:func:`_end_rank_loads`), and the ranks' loads (:func:`_rank_loads`)."""
+    (dense_0, moe_0), (dense_n, moe_n), middles = _end_rank_loads(num_layers, pp, *split, first_dense)
     return (*_stage_layers(num_layers, pp, *split), dense_0, moe_0, dense_n, moe_n,
-            _rank_loads(num_layers, pp, *split, first_dense))
+            _rank_loads(num_layers, pp, *split, first_dense), middles)
 
 
 @functools.lru_cache(maxsize=4096)
 def _end_rank_loads(num_layers: int, pp: int, vpp: int, first: int, last: int, balanced: bool,
-                    first_dense: int | None) -> tuple[tuple[int, int], tuple[int, int]]:
-    """The (dense, MoE) layer counts of the first and of the last pipeline rank of a split."""
+                    first_dense: int | None) -> tuple[tuple[int, int], tuple[int, int], _Loads]:
+    """The (dense, MoE) layer counts of the first and of the last pipeline rank of a split, and the distinct ones of
+    the ranks between them."""
     rows = chunk_layers(num_layers, pp, vpp, first or None, last or None, first_dense=first_dense,
                         layout=balanced_layout(num_layers, pp, vpp) if balanced else None)
-    return ((sum(c.dense for c in rows[0]), sum(c.moe for c in rows[0])),
-            (sum(c.dense for c in rows[-1]), sum(c.moe for c in rows[-1])))
+    loads = [(sum(c.dense for c in row), sum(c.moe for c in row)) for row in rows]
+    return loads[0], loads[-1], tuple(sorted(set(loads[1:-1])))
 
 
 def _layer_kept_bytes(head: GroupHead, placed: Layout, job: JobSpec, measurements: Measurements | None,

@@ -26,7 +26,8 @@ so the last middle one bounds them all; a first/last stage of its own size is wh
 layout's stages hold fewer layers the later they come and each rank's first chunk at least its mean, so its lightest
 middle stage stands for them). The first and the last rank's own passes also count their dense and MoE layers at
 each kind's cost (``m x (dense_r x dense + moe_r x MoE)``), where that is more than their count at the cheaper
-kind's (a DeepSeek-V3 stage is mostly MoE layers, its first three dense). The simulated
+kind's (a DeepSeek-V3 stage is mostly MoE layers, its first three dense), and so do the last middle rank's, at the
+lightest middle rank's counts (each rank's passes are at least the lightest's). The simulated
 step is the slowest rank's schedule plus its gradient sync and optimizer step, all non-negative, so the bound never
 exceeds it. Without pipelining the one rank runs everything; on a CPU with fewer cores than ranks the simulated
 schedule is bounded below by the mean rank's work only, which the bound then uses. Block recomputation (the search
@@ -123,12 +124,13 @@ def layer_terms(costs: GroupCosts, block: bool) -> tuple[float, float]:
 
 
 def time_bound(costs: GroupCosts, layer_s: float, chunk_s: float, m: int, pp: int, vpp: int, num_layers: int,
-               first: int, middle: int, last: int, first_busy_s: float = 0.0, last_busy_s: float = 0.0) -> float:
+               first: int, middle: int, last: int, first_busy_s: float = 0.0, last_busy_s: float = 0.0,
+               middle_busy_s: float = 0.0) -> float:
     """A lower bound on the step time of ``m`` micro-batches over ``pp`` stages of ``vpp`` chunks holding ``first``,
     ``middle`` and ``last`` layers, each layer taking ``layer_s`` and each chunk ``chunk_s`` more (see the module
-    docstring); ``first_busy_s`` / ``last_busy_s``: what the first / last
-    stage's layers take per micro-batch at least by their kinds (a dense layer is cheaper than a MoE one), where
-    more than ``first`` / ``last`` x ``layer_s``."""
+    docstring); ``first_busy_s`` / ``last_busy_s`` / ``middle_busy_s``: what the first / last / lightest middle
+    rank's layers take per micro-batch at least by their kinds (a dense layer is cheaper than a MoE one), where
+    more than their count x ``layer_s``."""
     # One chunk's passes of a stage with n layers, at least: n * per_layer + chunk_s, and the per-pass cost on the
     # first stage's first chunk and the last stage's last (inlined: the search calls this for every split of every
     # group it expands).
@@ -142,7 +144,8 @@ def time_bound(costs: GroupCosts, layer_s: float, chunk_s: float, m: int, pp: in
     # before it and, after its last backward, for it to go back through them.
     c_first, c_middle = first * per_layer + chunk_s, middle * per_layer + chunk_s
     first_s = costs.embedding_s + ends  # the first chunk's extra per micro-batch
-    last_middle = m * vpp * c_middle + c_first + (pp - 3) * c_middle + first_s if pp > 2 else 0.0
+    last_middle = (m * max(vpp * c_middle, middle_busy_s + vpp * chunk_s) + c_first + (pp - 3) * c_middle + first_s
+                   if pp > 2 else 0.0)
     first_busy = max(vpp * c_first, first_busy_s + vpp * chunk_s)
     last_busy = max(vpp * (last * per_layer + chunk_s), last_busy_s + vpp * chunk_s)
     schedule = max(m * (first_busy + first_s), last_middle,
