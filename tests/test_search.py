@@ -128,7 +128,7 @@ def test_bounded_search_equals_exhaustive_where_the_host_bounds_moe_layers(seed:
     all-gather dispatch, the expert overlap's combined 1F1B schedule, CUDA graphs, grouped GEMM on and off,
     activation offloading (moe_tiny's layers are short: the host's time is much of its step)."""
     rng = random.Random(1300 + seed)
-    gpn = rng.choice([4, 8])
+    gpn = 4
     dispatch = [("dropless",), ("drop", "model.moe_expert_capacity_factor=1.0"),
                 ("pad", "model.moe_expert_capacity_factor=1.0", "model.moe_pad_expert_input_to_capacity=true"),
                 ("allgather", "model.moe_token_dispatcher=allgather")][seed]
@@ -137,16 +137,15 @@ def test_bounded_search_equals_exhaustive_where_the_host_bounds_moe_layers(seed:
                          ("parallel.cuda_graph_impl=local", "parallel.cuda_graph_scope=full_iteration")])]
     if seed % 2:  # offloading runs without a pipeline, recomputation or CUDA graphs
         extra = [("parallel.cpu_offloading_num_layers=1", "cfp.pp=1", "cfp.recompute=none")]
-    job, cfp = compose_job("model=moe_tiny", f"model.num_layers={rng.choice([4, 6])}", *dispatch[1:], *extra[0],
-                           "cluster=dgx_h100", "cluster.nodes=1", f"cluster.gpus_per_node={gpn}",
-                           f"cluster.hbm_gib={rng.choice([0.05, 80.0])}", "train.global_batch_size=32",
-                           "train.seq_length=256", "cfp.ep=2", f"cfp.top_k={rng.choice([1, 3])}",
-                           "cfp.constraints.max_micro_batch=4")
+    job, cfp = compose_job("model=moe_tiny", *dispatch[1:], *extra[0], "cluster=dgx_h100", "cluster.nodes=1",
+                           f"cluster.gpus_per_node={gpn}", f"cluster.hbm_gib={rng.choice([0.05, 80.0])}",
+                           "train.global_batch_size=16", "train.seq_length=256", "cfp.ep=2",
+                           f"cfp.top_k={rng.choice([1, 3])}", "cfp.constraints.max_micro_batch=2")
     options = SimOptions(grouped_gemm=rng.random() < 0.5)
     cache = CostCache.for_job(job, None, options)
     order, _, _ = _bounds(build_space(job, gpn, cfp), job, None, options, cache)
     synced = 0
-    for bound, key, _ in order[:: max(len(order) // 60, 1)]:
+    for bound, key, _ in order[:: max(len(order) // 40, 1)]:
         try:
             plan = Candidate.from_key(key).job(job)
             p = simulate(plan, world_size=gpn, options=options, cache=cache)
