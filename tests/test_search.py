@@ -24,7 +24,7 @@ from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.search import choice
 from cfp_megatron.search.choice import choose, evidence_of, gain_interval, inside_band, ratio_band
-from cfp_megatron.search.search import Ranked, _bounds, _fewest_block_layers, search
+from cfp_megatron.search.search import Ranked, _bounds, _expand, _fewest_block_layers, _groups, _param_bytes, search
 from cfp_megatron.search.space import Candidate, build_space
 from cfp_megatron.sim.memory import memory_band
 from cfp_megatron.sim.options import SimOptions
@@ -104,8 +104,14 @@ def test_bounds_hold_for_moe_with_dense_layers_mtp_and_balanced_splits(seed: int
                            "train.global_batch_size=32", "train.seq_length=256", f"cfp.top_k={rng.choice([1, 3])}",
                            "cfp.constraints.max_micro_batch=4")
     space = build_space(job, gpn, cfp)
-    order, _, _ = _bounds(space, job, None, SimOptions(), CostCache.for_job(job, None, SimOptions()))
+    options = SimOptions()
+    cache = CostCache.for_job(job, None, options)
+    order, _, _ = _bounds(space, job, None, options, cache)
     assert any(Candidate.from_key(key).balanced for _, key, _ in order)
+    # a group's bound (its first and last ranks' layers by kind at their lightest) is at most its candidates'
+    for bounded in _groups(space, job, None, options, cache)[0]:
+        assert all(bounded.bound <= bound * (1 + 1e-12)
+                   for bound, _, _, _ in _expand(bounded, job, options, _param_bytes(job, options)))
     checked = 0
     for bound, key, weights in order[:: max(len(order) // 120, 1)]:
         try:

@@ -6,9 +6,9 @@ computation per group however many pipeline splits, interleaving and optimizer v
 why it holds: :mod:`cfp_megatron.sim.bounds`.
 
 Candidates are visited in increasing (bound, key) order from a queue that holds whole groups until their own bound
-(the lightest first and last stage over the group's splits) reaches its head; each candidate is first checked for
-memory (a bound from the heaviest rank's weights, gradients and optimizer states, or the first rank's with the
-activations its in-flight micro-batches keep at least, then the memory model), then
+(the lightest first and last stage over the group's splits, at their layers' kinds) reaches its head; each candidate
+is first checked for memory (a bound from the heaviest rank's weights, gradients and optimizer states, or the first
+rank's with the activations its in-flight micro-batches keep at least, then the memory model), then
 simulated unless a second bound with its exact passes, gradient sync and optimizer already exceeds the k-th best
 (:func:`~cfp_megatron.sim.simulate.simulate_unless_slower`). The visit stops at the first bound above the k-th best
 step time found, since every later candidate is provably slower. The result equals an exhaustive search's (tested on
@@ -448,6 +448,7 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
     number of candidates."""
     world = space.world
     L = job.model.num_layers
+    first_dense = job.model.moe_first_dense_layers if job.model.is_moe else None
     out: list[_Bounded] = []
     refused: list[Rejection] = []
     by_key: dict[tuple, GroupCosts | None] = {}
@@ -489,9 +490,24 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
             if akey not in kept:
                 kept[akey] = _KeptBytes(head=h, placed=placed, job=job, measurements=measurements, options=options)
             ends = (L, L) if pp == 1 or costs.shared_cores else _lightest_ends(L, pp, g.splits)
-            bound = group_bound(costs, recompute == BLOCK, g.microbatches, pp, L, *ends)
+            busy = (0.0, 0.0)
+            if pp > 1 and not costs.shared_cores:
+                kind_s = costs.kind_fb_s if recompute == BLOCK else costs.kind_s
+                loads = _lightest_end_loads(L, pp, g.splits, first_dense)
+                busy = tuple(min(d * kind_s[0] + n * kind_s[1] for d, n in end) for end in loads)
+            bound = group_bound(costs, recompute == BLOCK, g.microbatches, pp, L, *ends, *busy)
             out.append(_Bounded(group=g, costs=costs, bound=bound, kept=kept[akey]))
     return out, refused, size
+
+
+@functools.lru_cache(maxsize=4096)
+def _lightest_end_loads(num_layers: int, pp: int, splits: tuple[tuple[int, int, int, bool], ...],
+                        first_dense: int | None) -> tuple[_Loads, _Loads]:
+    """The (dense, MoE) layer counts of the first and of the last pipeline rank over ``splits`` that no other
+    split's count undercuts in both (a weighted sum with weights at zero or above is least at one of them)."""
+    ends = [_end_rank_loads(num_layers, pp, *split, first_dense)[:2] for split in splits]
+    return tuple(tuple(sorted(a for a in loads if not any(b != a and b[0] <= a[0] and b[1] <= a[1] for b in loads)))
+                 for loads in ({end[i] for end in ends} for i in (0, 1)))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -154,14 +154,15 @@ def time_bound(costs: GroupCosts, layer_s: float, chunk_s: float, m: int, pp: in
 
 
 def group_bound(costs: GroupCosts, block: bool, m: int, pp: int, num_layers: int, lightest_first: int,
-                lightest_last: int) -> float:
+                lightest_last: int, first_busy_s: float = 0.0, last_busy_s: float = 0.0) -> float:
     """A lower bound on the step time of every candidate of a group (``m`` micro-batches over ``pp`` stages, block
     recomputation or not): without pipelining or on shared cores the candidates' own bound at its lowest (one chunk
     per rank), else the first or the last rank's passes with the group's lightest first and last stage
-    (``lightest_first``, ``lightest_last`` layers)."""
+    (``lightest_first``, ``lightest_last`` layers; ``first_busy_s`` / ``last_busy_s``: what the first / last rank's
+    layers take per micro-batch at least by their kinds over the group's splits)."""
     layer_s, chunk_s = layer_terms(costs, block)
     if pp == 1 or costs.shared_cores:
         return time_bound(costs, layer_s, chunk_s, m, pp, 1, num_layers, num_layers, num_layers, num_layers)
     per_pass = chunk_s + 2 * costs.pass_s
-    return max(m * max(lightest_first * layer_s + per_pass + costs.embedding_s,
-                       lightest_last * layer_s + per_pass + costs.head_s) + costs.fixed_s, 0.0)
+    return max(m * max(max(lightest_first * layer_s, first_busy_s) + per_pass + costs.embedding_s,
+                       max(lightest_last * layer_s, last_busy_s) + per_pass + costs.head_s) + costs.fixed_s, 0.0)
