@@ -491,7 +491,8 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
                 kept[akey] = _KeptBytes(head=h, placed=placed, job=job, measurements=measurements, options=options)
             ends = (L, L) if pp == 1 or costs.shared_cores else _lightest_ends(L, pp, g.splits)
             busy = (0.0, 0.0)
-            if pp > 1 and not costs.shared_cores:
+            # a MoE model's layers by kind (the bound's layer cost is the cheaper kind's)
+            if pp > 1 and not costs.shared_cores and first_dense is not None:
                 kind_s = costs.kind_fb_s if recompute == BLOCK else costs.kind_s
                 loads = _lightest_end_loads(L, pp, g.splits, first_dense)
                 busy = tuple(min(d * kind_s[0] + n * kind_s[1] for d, n in end) for end in loads)
@@ -506,8 +507,7 @@ def _lightest_end_loads(num_layers: int, pp: int, splits: tuple[tuple[int, int, 
     """The (dense, MoE) layer counts of the first and of the last pipeline rank over ``splits`` that no other
     split's count undercuts in both (a weighted sum with weights at zero or above is least at one of them)."""
     ends = [_end_rank_loads(num_layers, pp, *split, first_dense)[:2] for split in splits]
-    return tuple(tuple(sorted(a for a in loads if not any(b != a and b[0] <= a[0] and b[1] <= a[1] for b in loads)))
-                 for loads in ({end[i] for end in ends} for i in (0, 1)))
+    return _least({end[0] for end in ends}), _least({end[1] for end in ends})
 
 
 @functools.lru_cache(maxsize=4096)
@@ -526,7 +526,8 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: t
     activations its in-flight micro-batches keep at least (:attr:`_Bounded.kept` per layer), whichever is more."""
     m = job.model
     L = m.num_layers
-    first_dense = m.moe_first_dense_layers if m.is_moe else None
+    moe_model = m.is_moe
+    first_dense = m.moe_first_dense_layers if moe_model else None
     g, costs = bounded.group, bounded.costs
     pp = g.head.pp
     layer_s, chunk_s = layer_terms(costs, g.head.recompute == BLOCK)
@@ -538,7 +539,8 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: t
         first, middle, last, dense_0, moe_0, dense_n, moe_n, loads, middles = _split_facts(L, pp, split, first_dense)
         bound = time_bound(costs, layer_s, chunk_s, g.microbatches, pp, vpp, L, first, middle, last,
                            dense_0 * kind_s[0] + moe_0 * kind_s[1], dense_n * kind_s[0] + moe_n * kind_s[1],
-                           min((d * kind_s[0] + n * kind_s[1] for d, n in middles), default=0.0))
+                           # a dense model's layers are of one kind: its middle ranks' count bounds them already
+                           min([d * kind_s[0] + n * kind_s[1] for d, n in middles]) if middles and moe_model else 0.0)
         if bound > cut:
             continue
         if kept_bytes < 0:
@@ -611,7 +613,13 @@ def _end_rank_loads(num_layers: int, pp: int, vpp: int, first: int, last: int, b
     rows = chunk_layers(num_layers, pp, vpp, first or None, last or None, first_dense=first_dense,
                         layout=balanced_layout(num_layers, pp, vpp) if balanced else None)
     loads = [(sum(c.dense for c in row), sum(c.moe for c in row)) for row in rows]
-    return loads[0], loads[-1], tuple(sorted(set(loads[1:-1])))
+    return loads[0], loads[-1], _least(set(loads[1:-1]))
+
+
+def _least(loads: set[tuple[int, int]]) -> _Loads:
+    """The (dense, MoE) counts of ``loads`` that no other undercuts in both (a weighted sum with weights at zero or
+    above is least at one of them), in order."""
+    return tuple(sorted(a for a in loads if not any(b != a and b[0] <= a[0] and b[1] <= a[1] for b in loads)))
 
 
 def _layer_kept_bytes(head: GroupHead, placed: Layout, job: JobSpec, measurements: Measurements | None,
