@@ -24,7 +24,7 @@ from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.search import choice
 from cfp_megatron.search.choice import choose, evidence_of, gain_interval, inside_band, ratio_band
-from cfp_megatron.search.search import Ranked, _bounds, _fewest_block_layers, search
+from cfp_megatron.search.search import Ranked, _bounds, _expand, _fewest_block_layers, _groups, _param_bytes, search
 from cfp_megatron.search.space import Candidate, build_space
 from cfp_megatron.sim.memory import memory_band
 from cfp_megatron.sim.options import SimOptions
@@ -104,8 +104,14 @@ def test_bounds_hold_for_moe_with_dense_layers_mtp_and_balanced_splits(seed: int
                            "train.global_batch_size=32", "train.seq_length=256", f"cfp.top_k={rng.choice([1, 3])}",
                            "cfp.constraints.max_micro_batch=4")
     space = build_space(job, gpn, cfp)
-    order, _, _ = _bounds(space, job, None, SimOptions(), CostCache.for_job(job, None, SimOptions()))
+    options = SimOptions()
+    cache = CostCache.for_job(job, None, options)
+    order, _, _ = _bounds(space, job, None, options, cache)
     assert any(Candidate.from_key(key).balanced for _, key, _ in order)
+    # a group's bound (its first and last ranks' layers by kind at their lightest) is at most its candidates'
+    for bounded in _groups(space, job, None, options, cache)[0]:
+        assert all(bounded.bound <= bound * (1 + 1e-12)
+                   for bound, _, _, _ in _expand(bounded, job, options, _param_bytes(job, options)))
     checked = 0
     for bound, key, weights in order[:: max(len(order) // 120, 1)]:
         try:
@@ -119,6 +125,46 @@ def test_bounds_hold_for_moe_with_dense_layers_mtp_and_balanced_splits(seed: int
     fast = search(job, gpn, cfp)
     full = search(job, gpn, cfp, exhaustive=True)
     assert [r.candidate for r in fast.ranked] == [r.candidate for r in full.ranked]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bounded_search_equals_exhaustive_where_the_host_bounds_moe_layers(seed: int) -> None:
+    """The host term's floor in the bound (each synchronising MoE layer's dispatcher syncs, its stretch's launches)
+    never prunes the best plans nor passes a candidate's simulated step: dropless, token-drop, drop-and-pad and
+    all-gather dispatch, the expert overlap's combined 1F1B schedule, CUDA graphs, grouped GEMM on and off,
+    activation offloading (moe_tiny's layers are short: the host's time is much of its step)."""
+    rng = random.Random(1300 + seed)
+    gpn = 4
+    dispatch = [("dropless",), ("drop", "model.moe_expert_capacity_factor=1.0"),
+                ("pad", "model.moe_expert_capacity_factor=1.0", "model.moe_pad_expert_input_to_capacity=true"),
+                ("allgather", "model.moe_token_dispatcher=allgather")][seed]
+    extra = [rng.choice([(), ("parallel.cuda_graph_impl=transformer_engine",),
+                         ("parallel.cuda_graph_impl=transformer_engine", "parallel.cuda_graph_scope=attn+moe_router"),
+                         ("parallel.cuda_graph_impl=local", "parallel.cuda_graph_scope=full_iteration")])]
+    if seed % 2:  # offloading runs without a pipeline, recomputation or CUDA graphs
+        extra = [("parallel.cpu_offloading_num_layers=1", "cfp.pp=1", "cfp.recompute=none")]
+    job, cfp = compose_job("model=moe_tiny", *dispatch[1:], *extra[0], "cluster=dgx_h100", "cluster.nodes=1",
+                           f"cluster.gpus_per_node={gpn}", f"cluster.hbm_gib={rng.choice([0.05, 80.0])}",
+                           "train.global_batch_size=16", "train.seq_length=256", "cfp.ep=2",
+                           f"cfp.top_k={rng.choice([1, 3])}", "cfp.constraints.max_micro_batch=2")
+    options = SimOptions(grouped_gemm=rng.random() < 0.5)
+    cache = CostCache.for_job(job, None, options)
+    order, _, _ = _bounds(build_space(job, gpn, cfp), job, None, options, cache)
+    synced = 0
+    for bound, key, _ in order[:: max(len(order) // 40, 1)]:
+        try:
+            plan = Candidate.from_key(key).job(job)
+            p = simulate(plan, world_size=gpn, options=options, cache=cache)
+        except ConfigError:
+            continue
+        assert bound <= p.step_time_s * (1 + 1e-12), Candidate.from_key(key).describe(gpn)
+        synced += prepare_costs(plan, world_size=gpn, options=options, cache=cache).host.moe_sync_s > 0
+    assert bool(synced) == (dispatch[0] != "pad" and "parallel.cuda_graph_scope=full_iteration" not in extra[0])
+    fast = search(job, gpn, cfp, options=options)
+    full = search(job, gpn, cfp, options=options, exhaustive=True)
+    assert fast.ranked
+    assert [r.candidate for r in fast.ranked] == [r.candidate for r in full.ranked]
+    assert [r.prediction.step_time_s for r in fast.ranked] == [r.prediction.step_time_s for r in full.ranked]
 
 
 def test_search_overlaps_the_expert_all_to_all_where_megatron_runs_it() -> None:

@@ -15,6 +15,7 @@ from cfp_megatron.base.cfp_spec import CfpSpec, cfp_from_config
 from cfp_megatron.base.compose import compose_config
 from cfp_megatron.base.config import JobSpec, job_from_config
 from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.cluster.measured import NothingMeasured, partition_name
 from cfp_megatron.profile.cluster import measured_cluster, this_device
 from cfp_megatron.profile.db import ProfileDB
 from cfp_megatron.profile.fingerprint import model_key
@@ -22,7 +23,7 @@ from cfp_megatron.search.search import _expand, _groups, _param_bytes, search
 from cfp_megatron.search.space import Candidate, build_space
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache
-from cfp_megatron.sim.simulate import schedule_fixed_s, simulate, simulate_unless_slower
+from cfp_megatron.sim.simulate import prepare_costs, schedule_fixed_s, simulate, simulate_unless_slower
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -111,3 +112,45 @@ def test_bounded_search_equals_exhaustive_with_measurements(seed: int) -> None:
     full = search(job, world, cfp, measurements=db, te_available=False, exhaustive=True)
     assert [r.candidate for r in fast.ranked] == [r.candidate for r in full.ranked]
     assert fast.ranked
+
+
+class _TpOneLayersTimed(NothingMeasured):
+    """Measurements that time moe_tiny's decoder layers under TP 1 only (forward, backward seconds per micro-batch
+    size): those plans' layer times hold the host's launches and syncs (no host priced apart), the others' are
+    priced with the host term's."""
+
+    def segment_seconds(self, segment: str, partition: str, micro_batch: int) -> tuple[float, float] | None:
+        if segment == "moe" and partition == partition_name(1):
+            return 2e-3 + 1e-4 * micro_batch, 3e-3 + 2e-4 * micro_batch
+        return None
+
+    def segment_micro_batches(self, segment: str, partition: str) -> tuple[int, ...]:
+        return (1, 2, 4) if self.segment_seconds(segment, partition, 1) is not None else ()
+
+
+def test_bounds_hold_where_measurements_time_some_partitions_of_a_synchronising_moe() -> None:
+    """A dropless MoE on GPUs whose measurements time some partitions' layers: the host term's floor counts where
+    the host is priced apart and not where a measured layer time stands in, and every candidate's bound stays at
+    most its simulated step; the bounded search returns the exhaustive one's plans."""
+    cfg = compose_config(["+cfp=auto", "model=moe_tiny", "cluster=dgx_h100", "cluster.nodes=1",
+                          "cluster.gpus_per_node=4", "train.global_batch_size=16", "train.seq_length=256",
+                          "cfp.ep=2", "cfp.top_k=3", "cfp.constraints.max_micro_batch=4"])
+    job, cfp, db, world = job_from_config(cfg), cfp_from_config(cfg), _TpOneLayersTimed(), 4
+    options = SimOptions()
+    cache = CostCache.for_job(job, db, options)
+    groups, _, _ = _groups(build_space(job, world, cfp), job, db, options, cache)
+    priced = set()
+    for bounded in groups:
+        for bound, _, key, _ in _expand(bounded, job, options, _param_bytes(job, options)):
+            plan = Candidate.from_key(key).job(job)
+            try:
+                p = simulate(plan, measurements=db, world_size=world, cache=cache)
+            except ConfigError:
+                continue
+            assert bound <= p.step_time_s * (1 + 1e-12), Candidate.from_key(key).describe(world)
+            priced.add(prepare_costs(plan, measurements=db, world_size=world, cache=cache).host is not None)
+    assert priced == {True, False}
+    fast = search(job, world, cfp, measurements=db)
+    full = search(job, world, cfp, measurements=db, exhaustive=True)
+    assert fast.ranked and [r.candidate for r in fast.ranked] == [r.candidate for r in full.ranked]
+    assert [r.prediction.step_time_s for r in fast.ranked] == [r.prediction.step_time_s for r in full.ranked]

@@ -18,6 +18,7 @@ from cfp_megatron.sim import simulate
 from cfp_megatron.sim.bounds import group_costs
 from cfp_megatron.sim.memory import Stage
 from cfp_megatron.sim.options import SimOptions
+from cfp_megatron.sim.pass_costs import PassCosts
 from cfp_megatron.sim.prediction import GIB, MemoryBreakdown, TimeBreakdown
 from cfp_megatron.sim.simulate import memory_stages, predict_memory, prepare_costs
 from cfp_megatron.sim.terms import TERMS, CostTerm, Lane, LaneKind, MemoryCategory, Overlaps, Placement, StepInputs
@@ -111,35 +112,121 @@ def _layouts(rng: random.Random, count: int) -> list[tuple[dict, dict, Overlaps]
     return out
 
 
+def _floor(term: CostTerm, parts: PassCosts, moe: bool, overlaps: Overlaps) -> float:
+    """A term's bound on one layer of a kind: its lanes in the layer's cost and what it adds per chunk."""
+    return term.lower_bound(parts.moe if moe else parts.dense, overlaps) + sum(term.chunk_floor(parts, moe, overlaps))
+
+
+def _check_bounds(model: dict, parallel: dict, overlaps: Overlaps, options: SimOptions | None = None
+                  ) -> tuple[dict[str, float], PassCosts] | None:
+    """Each term's bound on a rank's layers against its simulated share (the slowest rank's), and the group's
+    per-layer bound against the terms' added up; the terms' per-layer floors and the pass costs, or ``None`` where
+    the plan is refused."""
+    try:
+        plain = job(model, **parallel)
+        overlapped = job(model, **parallel, tp_comm_overlap=overlaps.tp_comm, moe_a2a_overlap=overlaps.expert_a2a)
+        parts = prepare_costs(plain, options=options)
+        found = simulate(overlapped, options=options)
+    except ConfigError:
+        return None
+    layers = model["num_layers"] // parallel["pp"]  # every stage holds as many (even split)
+    m = found.num_microbatches
+    if "num_experts" not in model:
+        kinds = (False,)
+    elif model.get("moe_first_dense_layers"):
+        kinds = (False, True)  # a rank's layers cost at least the cheaper kind's
+    else:
+        kinds = (True,)
+    floors = {term.name: min(_floor(term, parts, moe, overlaps) for moe in kinds) for term in TERMS}
+    for term in TERMS:
+        share = sum(found.time.seconds(lane.name) for lane in term.lanes if lane.placement is Placement.in_pass)
+        assert m * layers * floors[term.name] <= share * (1 + 1e-9) + 1e-12, (term.name, model, parallel, overlaps)
+    # the group's per-layer bound is the terms' bounds added up
+    costs = group_costs(parts, overlaps, hidden=model["hidden_size"], shared_cores=False)
+    assert costs.layer_s == pytest.approx(min(sum(_floor(term, parts, moe, overlaps) for term in TERMS)
+                                              for moe in (False, True)))
+    return floors, parts
+
+
 def test_each_terms_lower_bound_stays_below_its_simulated_share() -> None:
     rng = random.Random(7)
     checked, seen, overlapped_any = 0, set(), False
     for model, parallel, overlaps in _layouts(rng, 24):
-        try:
-            plain = job(model, **parallel)
-            overlapped = job(model, **parallel, tp_comm_overlap=overlaps.tp_comm, moe_a2a_overlap=overlaps.expert_a2a)
-            parts = prepare_costs(plain)
-            found = simulate(overlapped)
-        except ConfigError:
+        found = _check_bounds(model, parallel, overlaps)
+        if found is None:
             continue
         checked += 1
-        layers = model["num_layers"] // parallel["pp"]  # every stage holds as many (even split)
         overlapped_any |= overlaps.tp_comm or overlaps.expert_a2a
-        m = found.num_microbatches
-        kinds = (parts.moe,) if model is MOE else (parts.dense,)  # every layer of a kind
-        seen.update(term.name for term in TERMS if min(term.lower_bound(kind, overlaps) for kind in kinds) > 0)
-        for term in TERMS:
-            bound = m * layers * min(term.lower_bound(kind, overlaps) for kind in kinds)
-            share = sum(found.time.seconds(lane.name) for lane in term.lanes
-                        if lane.placement is Placement.in_pass)
-            assert bound <= share * (1 + 1e-9) + 1e-12, (term.name, parallel, overlaps)
-        # the group's per-layer bound is the terms' bounds added up
-        costs = group_costs(parts, overlaps, hidden=model["hidden_size"], shared_cores=False)
-        assert costs.layer_s == pytest.approx(min(sum(term.lower_bound(kind, overlaps) for term in TERMS)
-                                                  for kind in (parts.dense, parts.moe)))
+        seen.update(name for name, floor in found[0].items() if floor > 0)
     assert checked >= 12 and overlapped_any
     # the bounds that are not zero by construction were exercised
-    assert {"compute", "recompute", "tensor_parallel", "context_parallel", "expert_dispatch"} <= seen
+    assert {"compute", "recompute", "tensor_parallel", "context_parallel", "expert_dispatch", "host"} <= seen
+
+
+def _host_cases(rng: random.Random, count: int) -> list[tuple[dict, dict, Overlaps, SimOptions, set[str]]]:
+    """Random MoE plans of the host term's cases (model, parallel settings, overlaps, options, what they exercise):
+    dropless, token-drop, drop-and-pad and all-gather dispatch, dense first layers, the combined 1F1B schedule of
+    the expert overlap in a pipeline, CUDA graphs, grouped GEMM on and off, full recomputation, offloading."""
+    out = []
+    while len(out) < count:
+        tags: set[str] = set()
+        model = dict(MOE)
+        dispatch = rng.choice(("dropless", "drop", "pad", "allgather"))
+        tags.add(dispatch)
+        if dispatch in ("drop", "pad"):
+            model["moe_expert_capacity_factor"] = 1.0
+            model["moe_pad_expert_input_to_capacity"] = dispatch == "pad"
+        elif dispatch == "allgather":
+            model["moe_token_dispatcher"] = "allgather"
+        if rng.random() < 0.3:
+            model["moe_first_dense_layers"] = 2
+            tags.add("dense_layers")
+        tp, pp = rng.choice((1, 2)), rng.choice((1, 2, 2))
+        parallel = {"tp": tp, "sp": tp > 1, "pp": pp, "ep": rng.choice((2, 4)),
+                    "recompute": rng.choice(("none", "none", "full", "selective"))}
+        a2a = parallel["recompute"] == "none" and dispatch != "allgather" and rng.random() < 0.5
+        if a2a and pp > 1:
+            parallel["vpp"] = 2  # the combined 1F1B schedule over an interleaved pipeline
+            tags.add("combined_1f1b")
+        graphs = rng.choice(((None, None), ("transformer_engine", None), ("transformer_engine", "attn+moe_router"),
+                             ("local", "full_iteration")))
+        if graphs[0] is not None:
+            parallel.update(cuda_graph_impl=graphs[0], cuda_graph_scope=graphs[1])
+            tags.add("graphs")
+        elif pp == 1 and parallel["recompute"] == "none" and rng.random() < 0.4:
+            parallel["cpu_offloading_num_layers"] = 2
+            tags.add("offload")
+        grouped = rng.random() < 0.5
+        tags.add("grouped_gemm" if grouped else "looped_experts")
+        tags.add(f"recompute_{parallel['recompute']}")
+        out.append((model, parallel, Overlaps(tp=tp, tp_comm=tp > 1 and rng.random() < 0.5, expert_a2a=a2a),
+                    SimOptions(grouped_gemm=grouped), tags))
+    return out
+
+
+def test_the_host_terms_bound_stays_below_its_share_in_every_moe_case() -> None:
+    """The host term's floor (each synchronising MoE layer's stretch, its recomputation's syncs) is at most what
+    the simulator charges, whatever the dispatch, the schedule (the combined 1F1B one included: no schedule hides a
+    sync), CUDA graphs, grouped GEMM or offloading; positive exactly where the layers synchronise."""
+    host_term = next(term for term in TERMS if term.name == "host")
+    covered: set[str] = set()
+    for model, parallel, overlaps, options, tags in _host_cases(random.Random(11), 60):
+        found = _check_bounds(model, parallel, overlaps, options)
+        if found is None:
+            continue
+        host = found[1].host
+        syncs = host.moe_sync_s > 0
+        assert syncs == ("pad" not in tags and parallel.get("cuda_graph_scope") != "full_iteration")
+        fb, rec = host_term.chunk_floor(found[1], True, overlaps)
+        assert (fb >= host.moe_sync_s) if syncs else fb == 0.0
+        assert rec == (host.moe_sync_s if syncs and parallel["recompute"] == "full" else 0.0)
+        # a dense layer's launches share one maximum with its chunk's other layers: nothing per layer
+        assert host_term.chunk_floor(found[1], False, overlaps) == (0.0, 0.0)
+        covered |= tags | ({"syncs"} if syncs else set()) | ({"stretch_launches"} if fb > host.moe_sync_s else set())
+        covered |= {"recompute_syncs"} if rec else set()
+        covered |= {"combined_1f1b_syncs"} if syncs and "combined_1f1b" in tags else set()
+    assert {"dropless", "drop", "pad", "allgather", "dense_layers", "combined_1f1b_syncs", "graphs", "offload",
+            "grouped_gemm", "looped_experts", "syncs", "stretch_launches", "recompute_syncs"} <= covered, covered
 
 
 MEMORY_FIELDS = ("parameters", "gradients", "optimizer_states", "activations", "comm_buffers")

@@ -6,9 +6,9 @@ computation per group however many pipeline splits, interleaving and optimizer v
 why it holds: :mod:`cfp_megatron.sim.bounds`.
 
 Candidates are visited in increasing (bound, key) order from a queue that holds whole groups until their own bound
-(the lightest first and last stage over the group's splits) reaches its head; each candidate is first checked for
-memory (a bound from the heaviest rank's weights, gradients and optimizer states, or the first rank's with the
-activations its in-flight micro-batches keep at least, then the memory model), then
+(the lightest first and last stage over the group's splits, at their layers' kinds) reaches its head; each candidate
+is first checked for memory (a bound from the heaviest rank's weights, gradients and optimizer states, or the first
+rank's with the activations its in-flight micro-batches keep at least, then the memory model), then
 simulated unless a second bound with its exact passes, gradient sync and optimizer already exceeds the k-th best
 (:func:`~cfp_megatron.sim.simulate.simulate_unless_slower`). The visit stops at the first bound above the k-th best
 step time found, since every later candidate is provably slower. The result equals an exhaustive search's (tested on
@@ -451,6 +451,7 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
     number of candidates."""
     world = space.world
     L = job.model.num_layers
+    first_dense = job.model.moe_first_dense_layers if job.model.is_moe else None
     out: list[_Bounded] = []
     refused: list[Rejection] = []
     by_key: dict[tuple, GroupCosts | None] = {}
@@ -492,9 +493,24 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
             if akey not in kept:
                 kept[akey] = _KeptBytes(head=h, placed=placed, job=job, measurements=measurements, options=options)
             ends = (L, L) if pp == 1 or costs.shared_cores else _lightest_ends(L, pp, g.splits)
-            bound = group_bound(costs, recompute == BLOCK, g.microbatches, pp, L, *ends)
+            busy = (0.0, 0.0)
+            # a MoE model's layers by kind (the bound's layer cost is the cheaper kind's)
+            if pp > 1 and not costs.shared_cores and first_dense is not None:
+                kind_s = costs.kind_fb_s if recompute == BLOCK else costs.kind_s
+                loads = _lightest_end_loads(L, pp, g.splits, first_dense)
+                busy = tuple(min(d * kind_s[0] + n * kind_s[1] for d, n in end) for end in loads)
+            bound = group_bound(costs, recompute == BLOCK, g.microbatches, pp, L, *ends, *busy)
             out.append(_Bounded(group=g, costs=costs, bound=bound, kept=kept[akey]))
     return out, refused, size
+
+
+@functools.lru_cache(maxsize=4096)
+def _lightest_end_loads(num_layers: int, pp: int, splits: tuple[tuple[int, int, int, bool], ...],
+                        first_dense: int | None) -> tuple[_Loads, _Loads]:
+    """The (dense, MoE) layer counts of the first and of the last pipeline rank over ``splits`` that no other
+    split's count undercuts in both (a weighted sum with weights at zero or above is least at one of them)."""
+    ends = [_end_rank_loads(num_layers, pp, *split, first_dense)[:2] for split in splits]
+    return _least({end[0] for end in ends}), _least({end[1] for end in ends})
 
 
 @functools.lru_cache(maxsize=4096)
@@ -513,7 +529,8 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: t
     activations its in-flight micro-batches keep at least (:attr:`_Bounded.kept` per layer), whichever is more."""
     m = job.model
     L = m.num_layers
-    first_dense = m.moe_first_dense_layers if m.is_moe else None
+    moe_model = m.is_moe
+    first_dense = m.moe_first_dense_layers if moe_model else None
     g, costs = bounded.group, bounded.costs
     pp = g.head.pp
     layer_s, chunk_s = layer_terms(costs, g.head.recompute == BLOCK)
@@ -522,9 +539,11 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: t
     kept_bytes = -1.0  # computed for the first candidate the cut leaves
     for split in g.splits:
         vpp = split[0]
-        first, middle, last, dense_0, moe_0, dense_n, moe_n, loads = _split_facts(L, pp, split, first_dense)
+        first, middle, last, dense_0, moe_0, dense_n, moe_n, loads, middles = _split_facts(L, pp, split, first_dense)
         bound = time_bound(costs, layer_s, chunk_s, g.microbatches, pp, vpp, L, first, middle, last,
-                           dense_0 * kind_s[0] + moe_0 * kind_s[1], dense_n * kind_s[0] + moe_n * kind_s[1])
+                           dense_0 * kind_s[0] + moe_0 * kind_s[1], dense_n * kind_s[0] + moe_n * kind_s[1],
+                           # a dense model's layers are of one kind: its middle ranks' count bounds them already
+                           min([d * kind_s[0] + n * kind_s[1] for d, n in middles]) if middles and moe_model else 0.0)
         if bound > cut:
             continue
         if kept_bytes < 0:
@@ -574,25 +593,36 @@ def _rank_loads(num_layers: int, pp: int, vpp: int, first: int, last: int, balan
     return tuple(sorted(a for a in loads if not any(b != a and b[0] >= a[0] and b[1] >= a[1] for b in loads)))
 
 
+_Loads = tuple[tuple[int, int], ...]
+"""(dense, MoE) layer counts of some pipeline ranks."""
+
+
 @functools.lru_cache(maxsize=8192)
-def _split_facts(num_layers: int, pp: int, split: tuple[int, int, int, bool],
-                 first_dense: int | None) -> tuple[int, int, int, int, int, int, int, tuple[tuple[int, int], ...]]:
+def _split_facts(num_layers: int, pp: int, split: tuple[int, int, int, bool], first_dense: int | None
+                 ) -> tuple[int, int, int, int, int, int, int, _Loads, _Loads]:
     """What :func:`_expand` reads of a split, in one lookup: the first, lightest middle and last stage's layers
-    (:func:`_stage_layers`), the first and the last rank's (dense, MoE) layers (:func:`_end_rank_loads`) and the
-    ranks' loads (:func:`_rank_loads`)."""
-    (dense_0, moe_0), (dense_n, moe_n) = _end_rank_loads(num_layers, pp, *split, first_dense)
+    (:func:`_stage_layers`), the first and the last rank's (dense, MoE) layers and the middle ranks' distinct ones
+    (:func:`_end_rank_loads`), and the ranks' loads (:func:`_rank_loads`)."""
+    (dense_0, moe_0), (dense_n, moe_n), middles = _end_rank_loads(num_layers, pp, *split, first_dense)
     return (*_stage_layers(num_layers, pp, *split), dense_0, moe_0, dense_n, moe_n,
-            _rank_loads(num_layers, pp, *split, first_dense))
+            _rank_loads(num_layers, pp, *split, first_dense), middles)
 
 
 @functools.lru_cache(maxsize=4096)
 def _end_rank_loads(num_layers: int, pp: int, vpp: int, first: int, last: int, balanced: bool,
-                    first_dense: int | None) -> tuple[tuple[int, int], tuple[int, int]]:
-    """The (dense, MoE) layer counts of the first and of the last pipeline rank of a split."""
+                    first_dense: int | None) -> tuple[tuple[int, int], tuple[int, int], _Loads]:
+    """The (dense, MoE) layer counts of the first and of the last pipeline rank of a split, and the distinct ones of
+    the ranks between them."""
     rows = chunk_layers(num_layers, pp, vpp, first or None, last or None, first_dense=first_dense,
                         layout=balanced_layout(num_layers, pp, vpp) if balanced else None)
-    return ((sum(c.dense for c in rows[0]), sum(c.moe for c in rows[0])),
-            (sum(c.dense for c in rows[-1]), sum(c.moe for c in rows[-1])))
+    loads = [(sum(c.dense for c in row), sum(c.moe for c in row)) for row in rows]
+    return loads[0], loads[-1], _least(set(loads[1:-1]))
+
+
+def _least(loads: set[tuple[int, int]]) -> _Loads:
+    """The (dense, MoE) counts of ``loads`` that no other undercuts in both (a weighted sum with weights at zero or
+    above is least at one of them), in order."""
+    return tuple(sorted(a for a in loads if not any(b != a and b[0] <= a[0] and b[1] <= a[1] for b in loads)))
 
 
 def _layer_kept_bytes(head: GroupHead, placed: Layout, job: JobSpec, measurements: Measurements | None,

@@ -1,8 +1,17 @@
 """Lower bounds on the step time of a group of plans that share their pass costs: what the search prunes with
 (:mod:`cfp_megatron.search.search` enumerates, this module bounds). Each cost term bounds its own lanes per layer
 (:meth:`~cfp_megatron.sim.terms.CostTerm.lower_bound`: its lanes less what an overlap a candidate may turn on can
-hide); this module adds them up per layer kind (:func:`group_costs`) and composes them along the pipeline schedule
-(docs/simulator.md, "Cost terms").
+hide; :meth:`~cfp_megatron.sim.terms.CostTerm.chunk_floor`: what it adds to each layer of a kind where it sets its
+lanes per model chunk); this module adds them up per layer kind (:func:`group_costs`) and composes them along the
+pipeline schedule (docs/simulator.md, "Cost terms").
+
+The host term's part is each synchronising MoE layer's own stretch (docs/simulator.md, "Host time"): on a GPU
+cluster whose MoE layers make the host wait for their token counts (dropless, or token-drop without padding), a MoE
+layer's forward costs its dispatcher's syncs more per micro-batch (and its launches beyond its GPU time where no
+overlap may change that time), and each recomputed MoE layer under full recomputation its syncs again. The simulator
+adds them to every forward (and recomputation) pass that holds the layer whatever the schedule, the combined 1F1B
+one of the expert overlap included, so they only raise the MoE kind's cost; the launches a chunk's layers share one
+maximum with its embedding and head add nothing here.
 
 With ``m`` micro-batches, ``v`` chunks per rank and a stage of ``n`` layers,
 
@@ -17,7 +26,8 @@ so the last middle one bounds them all; a first/last stage of its own size is wh
 layout's stages hold fewer layers the later they come and each rank's first chunk at least its mean, so its lightest
 middle stage stands for them). The first and the last rank's own passes also count their dense and MoE layers at
 each kind's cost (``m x (dense_r x dense + moe_r x MoE)``), where that is more than their count at the cheaper
-kind's (a DeepSeek-V3 stage is mostly MoE layers, its first three dense). The simulated
+kind's (a DeepSeek-V3 stage is mostly MoE layers, its first three dense), and so do the last middle rank's, at the
+lightest middle rank's counts (each rank's passes are at least the lightest's). The simulated
 step is the slowest rank's schedule plus its gradient sync and optimizer step, all non-negative, so the bound never
 exceeds it. Without pipelining the one rank runs everything; on a CPU with fewer cores than ranks the simulated
 schedule is bounded below by the mean rank's work only, which the bound then uses. Block recomputation (the search
@@ -73,7 +83,9 @@ def group_costs(parts: PassCosts, overlaps: Overlaps, *, hidden: int, shared_cor
                 fixed_s: float = 0.0) -> GroupCosts:
     """The costs a group's bound counts, from its representative's pass costs ``parts`` (no overlaps), for
     candidates that may turn on ``overlaps``: each layer kind's time less what every term says those overlaps can
-    hide of its lanes (:meth:`~cfp_megatron.sim.terms.CostTerm.hideable`); ``hidden``: the model's hidden size;
+    hide of its lanes (:meth:`~cfp_megatron.sim.terms.CostTerm.hideable`), plus what every term adds to each layer
+    of the kind beyond its cost (:meth:`~cfp_megatron.sim.terms.CostTerm.chunk_floor`: the host's syncs); ``hidden``:
+    the model's hidden size;
     ``shared_cores``: whether the simulator may take the shared-cores schedule; ``fixed_s``: what it adds to every
     pipelined schedule (:attr:`GroupCosts.fixed_s`)."""
     # the biases and norms the count leaves out add at least -2 h (cfp_megatron.sim.memory.layer_extra_params)
@@ -81,12 +93,17 @@ def group_costs(parts: PassCosts, overlaps: Overlaps, *, hidden: int, shared_cor
     # A PrimePar candidate runs Megatron's MLP on some layers only where PrimePar's layer is the faster
     # (search._primepar_layers): the plan's own dense layer still bounds it.
     kinds = (parts.dense, parts.moe)
+    # what the bound takes off each kind's (forward + backward, recomputation) seconds
     hideable, hideable_rec = [0.0, 0.0], [0.0, 0.0]
     for i, kind in enumerate(kinds):
         for term in TERMS.hiding():  # the others hide nothing
             fb, rec = term.hideable(kind, overlaps)
             hideable[i] += fb
             hideable_rec[i] += rec
+        for term in TERMS.floored():  # the others set nothing per chunk
+            fb, rec = term.chunk_floor(parts, i == 1, overlaps)
+            hideable[i] -= fb
+            hideable_rec[i] -= rec
     return GroupCosts(
         layer_s=min(c.total_s - h - r for c, h, r in zip(kinds, hideable, hideable_rec, strict=True)),
         fb_s=min(c.forward.total_s + c.backward.total_s - h for c, h in zip(kinds, hideable, strict=True)),
@@ -107,12 +124,13 @@ def layer_terms(costs: GroupCosts, block: bool) -> tuple[float, float]:
 
 
 def time_bound(costs: GroupCosts, layer_s: float, chunk_s: float, m: int, pp: int, vpp: int, num_layers: int,
-               first: int, middle: int, last: int, first_busy_s: float = 0.0, last_busy_s: float = 0.0) -> float:
+               first: int, middle: int, last: int, first_busy_s: float = 0.0, last_busy_s: float = 0.0,
+               middle_busy_s: float = 0.0) -> float:
     """A lower bound on the step time of ``m`` micro-batches over ``pp`` stages of ``vpp`` chunks holding ``first``,
     ``middle`` and ``last`` layers, each layer taking ``layer_s`` and each chunk ``chunk_s`` more (see the module
-    docstring); ``first_busy_s`` / ``last_busy_s``: what the first / last
-    stage's layers take per micro-batch at least by their kinds (a dense layer is cheaper than a MoE one), where
-    more than ``first`` / ``last`` x ``layer_s``."""
+    docstring); ``first_busy_s`` / ``last_busy_s`` / ``middle_busy_s``: what the first / last / lightest middle
+    rank's layers take per micro-batch at least by their kinds (a dense layer is cheaper than a MoE one), where
+    more than their count x ``layer_s``."""
     # One chunk's passes of a stage with n layers, at least: n * per_layer + chunk_s, and the per-pass cost on the
     # first stage's first chunk and the last stage's last (inlined: the search calls this for every split of every
     # group it expands).
@@ -126,7 +144,8 @@ def time_bound(costs: GroupCosts, layer_s: float, chunk_s: float, m: int, pp: in
     # before it and, after its last backward, for it to go back through them.
     c_first, c_middle = first * per_layer + chunk_s, middle * per_layer + chunk_s
     first_s = costs.embedding_s + ends  # the first chunk's extra per micro-batch
-    last_middle = m * vpp * c_middle + c_first + (pp - 3) * c_middle + first_s if pp > 2 else 0.0
+    last_middle = (m * max(vpp * c_middle, middle_busy_s + vpp * chunk_s) + c_first + (pp - 3) * c_middle + first_s
+                   if pp > 2 else 0.0)
     first_busy = max(vpp * c_first, first_busy_s + vpp * chunk_s)
     last_busy = max(vpp * (last * per_layer + chunk_s), last_busy_s + vpp * chunk_s)
     schedule = max(m * (first_busy + first_s), last_middle,
@@ -135,14 +154,15 @@ def time_bound(costs: GroupCosts, layer_s: float, chunk_s: float, m: int, pp: in
 
 
 def group_bound(costs: GroupCosts, block: bool, m: int, pp: int, num_layers: int, lightest_first: int,
-                lightest_last: int) -> float:
+                lightest_last: int, first_busy_s: float = 0.0, last_busy_s: float = 0.0) -> float:
     """A lower bound on the step time of every candidate of a group (``m`` micro-batches over ``pp`` stages, block
     recomputation or not): without pipelining or on shared cores the candidates' own bound at its lowest (one chunk
     per rank), else the first or the last rank's passes with the group's lightest first and last stage
-    (``lightest_first``, ``lightest_last`` layers)."""
+    (``lightest_first``, ``lightest_last`` layers; ``first_busy_s`` / ``last_busy_s``: what the first / last rank's
+    layers take per micro-batch at least by their kinds over the group's splits)."""
     layer_s, chunk_s = layer_terms(costs, block)
     if pp == 1 or costs.shared_cores:
         return time_bound(costs, layer_s, chunk_s, m, pp, 1, num_layers, num_layers, num_layers, num_layers)
     per_pass = chunk_s + 2 * costs.pass_s
-    return max(m * max(lightest_first * layer_s + per_pass + costs.embedding_s,
-                       lightest_last * layer_s + per_pass + costs.head_s) + costs.fixed_s, 0.0)
+    return max(m * max(max(lightest_first * layer_s, first_busy_s) + per_pass + costs.embedding_s,
+                       max(lightest_last * layer_s, last_busy_s) + per_pass + costs.head_s) + costs.fixed_s, 0.0)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from cfp_megatron.sim.layout import Layout
     from cfp_megatron.sim.memory import Stage
     from cfp_megatron.sim.options import SimOptions
+    from cfp_megatron.sim.pass_costs import PassCosts
 
 
 class LaneKind(enum.Enum):
@@ -193,9 +194,17 @@ class CostTerm:
         overlaps a candidate may turn on can hide, at most (default none)."""
         return 0.0, 0.0
 
+    def chunk_floor(self, parts: PassCosts, moe: bool, overlaps: Overlaps) -> tuple[float, float]:
+        """Seconds of its in-pass lanes the simulator adds to each layer of one kind beyond that layer's cost (lanes
+        it sets per model chunk, which one layer's cost leaves at zero), in the layer's forward + backward and in its
+        recomputation (one micro-batch), at least, whatever overlap a candidate with ``overlaps`` turns on:
+        ``parts``, the plan's pass costs; ``moe``, the MoE kind (else the dense one) (default none)."""
+        return 0.0, 0.0
+
     def lower_bound(self, layer: LayerCost, overlaps: Overlaps) -> float:
-        """Seconds of its lanes one layer costs per micro-batch at least, whatever overlap a candidate with these
-        ``overlaps`` turns on: what the search prunes with (its in-pass lanes less :meth:`hideable`)."""
+        """Seconds of its lanes one layer's cost holds per micro-batch at least, whatever overlap a candidate with
+        these ``overlaps`` turns on: what the search prunes with (its in-pass lanes less :meth:`hideable`; what it
+        sets per model chunk is :meth:`chunk_floor`'s)."""
         own = 0.0
         for lane in self.lanes:
             if lane.placement is Placement.in_pass and lane.pass_field:
@@ -218,6 +227,7 @@ class Registry:
         self._store_names = tuple(store.name for store in self._stores)
         self._store_fields = tuple(store.field or "other" for store in self._stores)
         self._hiding = tuple(term for term in terms if type(term).hideable is not CostTerm.hideable)
+        self._floored = tuple(term for term in terms if type(term).chunk_floor is not CostTerm.chunk_floor)
 
     def __iter__(self) -> Iterator[CostTerm]:
         return iter(self._terms)
@@ -248,6 +258,11 @@ class Registry:
     def hiding(self) -> tuple[CostTerm, ...]:
         """The terms an overlap may hide some of (those that give :meth:`CostTerm.hideable`), in order."""
         return self._hiding
+
+    def floored(self) -> tuple[CostTerm, ...]:
+        """The terms that add to a layer kind beyond its cost (those that give :meth:`CostTerm.chunk_floor`), in
+        order."""
+        return self._floored
 
     def time(self, step: StepTimes) -> dict[str, float]:
         """Seconds of every lane on the slowest rank, in order."""

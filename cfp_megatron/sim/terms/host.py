@@ -10,10 +10,11 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from cfp_megatron.sim.host_costs import HostCosts, step_host_s
-from cfp_megatron.sim.terms.base import CostTerm, Lane, LaneKind, Placement, StepInputs
+from cfp_megatron.sim.terms.base import CostTerm, Lane, LaneKind, Overlaps, Placement, StepInputs
 
 if TYPE_CHECKING:
     from cfp_megatron.sim.layer_cost import PassCost
+    from cfp_megatron.sim.pass_costs import PassCosts
 
 
 class HostWork(CostTerm):
@@ -34,6 +35,27 @@ class HostWork(CostTerm):
         step_s = 0.0 if inputs.job.cluster.on_cpu else step_host_s()
         return {"host_step_s": [step_s] * inputs.layout.dims.pp}
 
+    def chunk_floor(self, parts: PassCosts, moe: bool, overlaps: Overlaps) -> tuple[float, float]:
+        """What :func:`with_host` adds for each MoE layer whatever its chunk holds, where the layer synchronises:
+        its forward's stretch (:func:`moe_stretch_s`) and, under full recomputation, its recomputation's syncs. No
+        schedule hides them (the combined 1F1B schedule's unpaired passes add expert exchange only). The stretch's
+        launches beyond the layer's GPU time count only where the group's candidates may turn on no overlap (then
+        their MoE forward is the representative's; an overlap may lengthen it); the launches a chunk's layers share
+        one maximum with its other layers, embedding and head do not count (a per-layer share of that maximum holds
+        only for chunks of one kind)."""
+        host = parts.host
+        if host is None or not moe or not host.moe_sync_s:
+            return 0.0, 0.0
+        exact = not (overlaps.tp_comm or overlaps.expert_a2a)
+        forward = moe_stretch_s(host, parts.moe.forward.total_s) if exact else host.moe_sync_s
+        return forward, host.moe_sync_s * host.recompute_syncs
+
+
+def moe_stretch_s(host: HostCosts, moe_forward_s: float) -> float:
+    """Host seconds one synchronising MoE layer's forward adds beyond its GPU time ``moe_forward_s``: the sync and
+    the next launch exposed, then what its launches outlast its GPU work."""
+    return host.moe_sync_s + max(host.moe[0] - moe_forward_s, 0.0)
+
 
 def with_host(host: HostCosts, forward: PassCost, backward: PassCost, recompute: PassCost, *, dense: float,
               moe: float, embedding: bool, heads: int, rec_dense: float, rec_moe: float, moe_forward_s: float
@@ -50,7 +72,7 @@ def with_host(host: HostCosts, forward: PassCost, backward: PassCost, recompute:
     gpu_b = backward.total_s + recompute.total_s
     if host.moe_sync_s and moe:
         # each MoE layer from its sync on: the sync, one launch, then the larger of its GPU time and its launches
-        per_moe = host.moe_sync_s + max(host.moe[0] - moe_forward_s, 0.0)
+        per_moe = moe_stretch_s(host, moe_forward_s)
         forward_host = moe * per_moe + max(launch_f - moe * host.moe[0] - (gpu_f - moe * moe_forward_s), 0.0)
         backward_host = rec_moe * host.moe_sync_s * host.recompute_syncs + max(launch_b - gpu_b, 0.0)
     else:
