@@ -640,8 +640,8 @@ def test_a_folder_another_tool_wrote_is_refused_even_when_trusted(tmp_path: Path
 
 
 def test_an_empty_checkpoint_dir_setting_is_refused() -> None:
-    """``train.checkpoint_dir=$CK`` with ``CK`` unset: not "no checkpoints", not the current folder; ``~`` is the
-    home folder, for the saves as for the write checks."""
+    """``train.checkpoint_dir=$CK`` with ``CK`` unset: not "no checkpoints", not the current folder; a quoted ``~``
+    (which no shell expanded) is refused naming the full path, not saved into a folder named '~'."""
     from cfp_megatron.base.compose import compose_config
     from cfp_megatron.base.config import job_from_config
     from cfp_megatron.base.errors import ConfigError
@@ -649,8 +649,8 @@ def test_an_empty_checkpoint_dir_setting_is_refused() -> None:
     for value in ("", "  "):
         with pytest.raises(ConfigError, match=r"train.checkpoint_dir.*is empty \(a shell variable that is not set"):
             job_from_config(compose_config([f"train.checkpoint_dir={value}", "train.save_interval=2"]))
-    home = job_from_config(compose_config(["train.checkpoint_dir='~/ckpt'"])).train.checkpoint_dir
-    assert home == str(Path.home() / "ckpt")  # where the write checks look, not a folder named '~'
+    with pytest.raises(ConfigError, match=rf"train.checkpoint_dir='~/ckpt'.*{Path.home() / 'ckpt'}"):
+        job_from_config(compose_config(["train.checkpoint_dir='~/ckpt'"]))
 
 
 # --- drills: torchrun --------------------------------------------------------------------------------------------

@@ -204,12 +204,12 @@ def test_an_empty_text_setting_is_refused_not_read_as_none_or_the_current_folder
 
 @pytest.mark.parametrize(("override", "key", "fix"), [
     ("train.checkpoint_dir='~/ck'", "train.checkpoint_dir", f"train.checkpoint_dir={Path.home() / 'ck'}"),
-    ("data.path=['~/corpus']", "data.path", f"data.path=[{Path.home() / 'corpus'}]")])
+    ("data=indexed data.path=['~/corpus']", "data.path", f"data.path=[{Path.home() / 'corpus'}]")])
 def test_a_quoted_home_path_is_refused_naming_the_full_path(override: str, key: str, fix: str) -> None:
     from cfp_megatron.base.config import job_from_config
 
     with pytest.raises(ConfigError) as info:
-        job_from_config(compose_config([override]))
+        job_from_config(compose_config(override.split(" ")))
     assert info.value.keys == [key] and "only a shell expands" in str(info.value) and fix in str(info.value)
 
 

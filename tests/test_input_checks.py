@@ -15,7 +15,7 @@ import pytest
 from cfp_megatron.base.cfp_spec import cfp_from_config
 from cfp_megatron.base.compose import compose_config
 from cfp_megatron.base.config import job_from_config
-from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.base.errors import CfpError, ConfigError
 from cfp_megatron.base.files import WriteLocation, check_write_locations, writable_dir_problem
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.plan import Plan, PlanError, PlanPrediction, load_plan, save_plan
@@ -290,7 +290,7 @@ def test_a_checkpoint_dir_behind_a_file_is_refused_before_training(tmp_path: Pat
     import torch.distributed as dist
 
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(ConfigError, match=r"train.checkpoint_dir='.*afile/ckpt': a file is in the way"):
+    with pytest.raises(CfpError, match=r"train.checkpoint_dir='.*afile/ckpt': a file is in the way"):
         _launch(f"train.checkpoint_dir={tmp_path / 'afile' / 'ckpt'}")
     assert not dist.is_initialized()
 

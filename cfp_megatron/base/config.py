@@ -1246,8 +1246,6 @@ class TrainSpec:
         _issue(issues, self.clip_grad >= 0, f"{p}.clip_grad", self.clip_grad, "must not be negative.",
                "use 0 to disable clipping.")
         if self.checkpoint_dir is not None:
-            # '~' as the shell would (the write checks do): not a folder named '~' in the current one
-            object.__setattr__(self, "checkpoint_dir", os.path.expanduser(self.checkpoint_dir))
             _issue(issues, bool(self.checkpoint_dir.strip()), f"{p}.checkpoint_dir", self.checkpoint_dir,
                    "is empty (a shell variable that is not set?): the run would save no checkpoint, or resume from "
                    "the current folder.", "name the folder, e.g. train.checkpoint_dir=ckpt/run1, or leave it out "

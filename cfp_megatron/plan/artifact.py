@@ -678,7 +678,9 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
                         fix=f"re-plan to write a fresh plan file (or keep one {err.key!r} and re-plan: a hand edit "
                             "also breaks the content hash).", setting=PLAN_FILE_SETTING) from None
     except json.JSONDecodeError as err:
-        cut = text.strip() and err.pos >= len(text.rstrip()) and not text.rstrip().endswith("}")
+        # the text ends inside the plan: at the failing position, or inside a string that runs to the end
+        cut = text.strip() and not text.rstrip().endswith("}") and (
+            err.pos >= len(text.rstrip()) or err.msg.startswith("Unterminated string"))
         end = "; it stops before the closing '}' (truncated?)" if cut else \
             "; more text follows the plan's closing '}'" if err.msg == "Extra data" else ""
         raise PlanError(f"plan file {source} is not valid JSON: {err.msg} at line {err.lineno} column "

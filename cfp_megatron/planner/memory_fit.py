@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from cfp_megatron.base.cfp_spec import CfpSpec
+from cfp_megatron.base.compose import group_presets
 from cfp_megatron.base.config import ClusterSpec, JobSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import transformer_engine_available
@@ -178,8 +179,6 @@ def check_training_machine(job: JobSpec, world: int = 1) -> None:
     (:func:`~cfp_megatron.engine.distributed.resolve_backend`). Planning for another machine offline
     (``python -m cfp_megatron.plan``) stays allowed."""
     import torch
-
-    from cfp_megatron.base.compose import group_presets
 
     c = job.cluster
     if c.on_cpu and c.hbm_gib is not None:
