@@ -160,3 +160,24 @@ def test_torchrun_always_shows_a_config_error(nproc: int, tmp_path: Path) -> Non
         summary = output.rsplit("Root Cause (first observed failure):", 1)[-1]
         assert EXPECTED in summary, output  # torchrun's closing block names it too
         time.sleep(0.1)
+
+
+def test_a_later_launch_in_one_process_forgets_an_earlier_launchs_error_claim(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch that ended with an error after its process group existed leaves its claim on saying it; a later
+    launch in the same process (a notebook, the tests) must not take that claim for its own error and end the process
+    without Python's shutdown (``exit_now``): its config error is a plain ``SystemExit(2)``."""
+    from cfp_megatron.engine import rank_watch
+    from cfp_megatron.planner import rank_errors
+
+    _torchrun_env(monkeypatch, tmp_path, rank=0, local_rank=0, world=1)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    monkeypatch.setattr(rank_watch._state, "error", rank_watch.Turn(store=None, name="error", mine=True))
+
+    def no_exit_now(status: int) -> None:
+        raise AssertionError(f"exit_now({status}) for an error of this launch that no process group has seen")
+
+    monkeypatch.setattr(rank_errors, "exit_now", no_exit_now)
+    with pytest.raises(SystemExit) as info:
+        main_with_errors(compose_config(BAD))
+    assert info.value.code == 2 and rank_watch._state.error is None

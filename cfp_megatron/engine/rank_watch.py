@@ -34,7 +34,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +116,19 @@ class _Watch:
 
 
 _state = _Watch()
+
+_PROCESS_FIELDS = ("tied", "pid", "stop_watch")
+"""What :func:`new_run` keeps: this process's ties to its launcher and its stop watch, not a launch's."""
+
+
+def new_run() -> None:
+    """Forget what an earlier launch in this process left (its store, its claim on saying an error, an interrupt, its
+    checkpoint and step): a process may run several launches one after another (a notebook, the tests), and a claim
+    left by the first would make a later one's error end the process at once (:func:`turn_of`)."""
+    fresh = _Watch()
+    for f in fields(_Watch):
+        if f.name not in _PROCESS_FIELDS:
+            setattr(_state, f.name, getattr(fresh, f.name))
 
 
 class SaidOnce(CfpError):
@@ -604,5 +617,5 @@ def exit_now(status: int) -> None:
 
 __all__ = ["ERROR_STATUS", "GRACE_S", "INTERRUPTED_STATUS", "STOP_GRACE_S", "STOP_SIGNALS", "TIMEOUT_KEY",
            "RankLostError", "RankStalledError", "RunInterrupted", "SaidOnce", "Turn", "at", "error_text", "exit_now",
-           "exit_status", "explained", "interrupt_line", "interrupted", "is_collective_timeout", "my_turn", "said",
-           "saved", "stall_message", "stalled", "tie_to_launcher", "timeout_s", "turn_of", "watch"]
+           "exit_status", "explained", "new_run", "interrupt_line", "interrupted", "is_collective_timeout", "my_turn",
+           "said", "saved", "stall_message", "stalled", "tie_to_launcher", "timeout_s", "turn_of", "watch"]

@@ -40,6 +40,7 @@ def train_from_config(cfg: Any) -> list:
     from cfp_megatron.compat.cpu import install_if_needed
     from cfp_megatron.engine import checkpoint
 
+    rank_watch.new_run()
     env = LaunchEnv.read()
     backend = backend_from_config(cfg)
     job, cfp = job_from_config(cfg), cfp_from_config(cfg)
