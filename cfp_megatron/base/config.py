@@ -1192,7 +1192,7 @@ class TrainSpec:
     save_interval: int = 0
     """Steps between checkpoints; 0 saves only at the end. Needs ``checkpoint_dir``."""
     checkpoint_dir: str | None = None
-    """Where checkpoints go (``~`` is the home folder); ``None`` disables checkpointing."""
+    """Where checkpoints go; ``None`` disables checkpointing."""
     resume: bool = False
     """Continue from the latest checkpoint in ``checkpoint_dir`` (at its exact step)."""
     trust_unverified_checkpoint: bool = False

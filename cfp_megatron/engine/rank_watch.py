@@ -53,8 +53,6 @@ POLL_S = 0.1
 """How often the store is read while waiting."""
 RAISE_AGAIN_S = 0.01
 """How soon an interrupt lost where Python ignores exceptions is raised again (:func:`_unraisable`)."""
-INTERRUPTED_STATUS = 130
-"""Exit status of a run stopped by SIGINT (128 + 2, as a shell reports it; 143 for SIGTERM, 129 for SIGHUP)."""
 STOP_SIGNALS: dict[int, str] = {signal.SIGINT: "", signal.SIGTERM: "sent by a scheduler ending the job, by kill, or "
                                 "by torchrun stopping this rank after another one failed",
                                 signal.SIGHUP: "the terminal that started the job closed: start it under nohup, tmux "
@@ -457,12 +455,11 @@ def _said_by_peer() -> CfpError | None:
         if time.monotonic() >= deadline:
             break
         time.sleep(POLL_S)
-    ckpt = (f"; the last checkpoint is {_state.checkpoint} (continue from it with train.resume=true)"
-            if _state.checkpoint else "; no checkpoint was saved by this run")
     return RankLostError(f"a peer of rank {_state.rank} closed its connections without saying why while rank "
                          f"{_state.rank} was in {_state.where}: it was killed (the OOM killer, kill -9) or crashed "
-                         f"(its own output above says how); torchrun's summary names it{ckpt}.\nFix: see why that "
-                         "rank ended (its traceback, dmesg for the OOM killer), then start the job again.",
+                         f"(its own output above says how); torchrun's summary names it{_last_checkpoint()}.\n"
+                         "Fix: see why that rank ended (its traceback, dmesg for the OOM killer), then start the job "
+                         "again.",
                          turn=Turn.claim(store, "error"))
 
 
@@ -481,20 +478,21 @@ def explained(err: BaseException) -> CfpError | None:
 
 
 def _explain(err: BaseException) -> CfpError | None:
-    found: CfpError | None
     if isinstance(err, CfpError):
-        found = err
-    elif isinstance(err, KeyboardInterrupt):
-        found = interrupted()
-    elif is_collective_timeout(err):
-        found = stalled(err)
-    elif _has_mark(err, _PEER_GONE_MARKS):
-        found = _said_by_peer()
-    elif (unusable := access_error(err, _state.where)) is not None:
-        found = unusable
-    else:
-        return None
-    return found
+        return err
+    if isinstance(err, KeyboardInterrupt):
+        return interrupted()
+    if is_collective_timeout(err):
+        return stalled(err)
+    if _has_mark(err, _PEER_GONE_MARKS):
+        return _said_by_peer()
+    return access_error(err, _state.where)
+
+
+def _last_checkpoint() -> str:
+    """The clause that ends a message of a run that stopped: where to continue from."""
+    return (f"; the last checkpoint is {_state.checkpoint} (continue from it with train.resume=true)"
+            if _state.checkpoint else "; no checkpoint was saved by this run")
 
 
 def interrupted(signum: int | None = None, *, claim: bool = True) -> RunInterrupted:
@@ -503,9 +501,8 @@ def interrupted(signum: int | None = None, *, claim: bool = True) -> RunInterrup
     signum = _state.signum if signum is None else signum
     name = signal.Signals(signum).name
     sender = STOP_SIGNALS.get(signum, "")
-    ckpt = (f"; the last checkpoint is {_state.checkpoint} (continue from it with train.resume=true)"
-            if _state.checkpoint else "; no checkpoint was saved by this run")
-    return RunInterrupted(f"interrupted ({name}{': ' + sender if sender else ''}) at {_state.where}{ckpt}.",
+    return RunInterrupted(f"interrupted ({name}{': ' + sender if sender else ''}) at {_state.where}"
+                          f"{_last_checkpoint()}.",
                           turn=_interrupt_turn() if claim else None, signum=signum)
 
 
@@ -615,7 +612,7 @@ def exit_now(status: int) -> None:
     os._exit(status)
 
 
-__all__ = ["ERROR_STATUS", "GRACE_S", "INTERRUPTED_STATUS", "STOP_GRACE_S", "STOP_SIGNALS", "TIMEOUT_KEY",
+__all__ = ["ERROR_STATUS", "GRACE_S", "STOP_GRACE_S", "STOP_SIGNALS", "TIMEOUT_KEY",
            "RankLostError", "RankStalledError", "RunInterrupted", "SaidOnce", "Turn", "at", "error_text", "exit_now",
            "exit_status", "explained", "new_run", "interrupt_line", "interrupted", "is_collective_timeout", "my_turn",
            "said", "saved", "stall_message", "stalled", "tie_to_launcher", "timeout_s", "turn_of", "watch"]

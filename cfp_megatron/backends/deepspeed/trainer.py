@@ -124,10 +124,11 @@ def run_training(job: JobSpec, plan: Plan, config: dict[str, Any], dims: Paralle
     log = MetricsLog(metrics_path, enabled=env.rank == 0)
     model, engine = build_engine(job, plan, config, dims)
     bound_every_group(t.collective_timeout_s)  # DeepSpeed's own groups too
+    saved_state = _state(plan, job)  # what a save records and a resume must match
     step = 0
     if resume is not None and t.checkpoint_dir is not None:
         path, step = checkpoint.load(engine, t.checkpoint_dir, trust_unverified=t.trust_unverified_checkpoint,
-                                     step=resume, state=_state(plan, job))
+                                     step=resume, state=saved_state)
         rank_watch.saved(str(path))
         log.event("resume", step=step, path=path, restart_count=env.restart_count)
     precision = Precision(plan.precision)
@@ -163,10 +164,10 @@ def run_training(job: JobSpec, plan: Plan, config: dict[str, Any], dims: Paralle
         if check is not None and len(history) == check.after_steps:
             log_plan_check(check, history, log, job, env, backend=dist.get_backend())
         if t.checkpoint_dir and t.save_interval and step % t.save_interval == 0:
-            _save(engine, t.checkpoint_dir, step, plan, log, job)
+            _save(engine, t.checkpoint_dir, step, plan, log, job, saved_state)
             last_saved = step
     if t.checkpoint_dir and last_saved != step:
-        _save(engine, t.checkpoint_dir, step, plan, log, job)
+        _save(engine, t.checkpoint_dir, step, plan, log, job, saved_state)
     log.event("end", step=step)
     return history
 
@@ -176,9 +177,10 @@ def _state(plan: Plan, job: JobSpec) -> dict[str, Any]:
     return checkpoint.training_state(plan.precision, plan.zero_stage, dist.get_world_size(), job.data)
 
 
-def _save(engine: Any, folder: str, step: int, plan: Plan, log: MetricsLog, job: JobSpec) -> None:
+def _save(engine: Any, folder: str, step: int, plan: Plan, log: MetricsLog, job: JobSpec,
+          saved_state: dict[str, Any]) -> None:
     rank_watch.at(f"the save of step {step}'s checkpoint")
     saved = checkpoint.save(engine, folder, step, client_state={"plan": plan.canonical()}, model=job.model,
-                            state=_state(plan, job))
+                            state=saved_state)
     rank_watch.saved(str(saved))
     log.event("checkpoint", step=step, path=str(saved))

@@ -39,10 +39,10 @@ def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step
     state = build_training(job, dims)
     bound_every_group(t.collective_timeout_s)  # the groups made without one (PrimePar's grids)
     precision = resolve_precision(t.precision, torch.cuda.is_available())
+    saved_state = checkpoint.training_state(precision, job.data)  # what a save records and a resume must match
     if start_step is not None and t.checkpoint_dir is not None:
         extra = checkpoint.load(t.checkpoint_dir, start_step, state.chunks, state.optimizer, state.scheduler,
-                                heterogeneous=job.parallel.primepar_layers is not None,
-                                state=checkpoint.training_state(precision, job.data))
+                                heterogeneous=job.parallel.primepar_layers is not None, state=saved_state)
         state.step = start_step
         rank_watch.saved(str(checkpoint.step_dir(Path(t.checkpoint_dir), start_step)))
         log.event("resume", step=start_step, saved_under=extra.get("layout"), layout=dims.describe(),
@@ -70,10 +70,10 @@ def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step
             if check is not None and len(history) == check.after_steps:
                 log_plan_check(check, history, log, job, env, backend=dist.get_backend())
             if t.checkpoint_dir and t.save_interval and state.step % t.save_interval == 0:
-                _save(state, log)
+                _save(state, log, saved_state)
                 last_saved = state.step
     if t.checkpoint_dir and last_saved != state.step:
-        _save(state, log)
+        _save(state, log, saved_state)
     log.event("end", step=state.step)
     return history
 
@@ -114,12 +114,10 @@ def _train_one(state: TrainState, stream: Iterator[dict[str, torch.Tensor]], log
     return True
 
 
-def _save(state: TrainState, log: MetricsLog) -> None:
+def _save(state: TrainState, log: MetricsLog, saved_state: dict[str, Any]) -> None:
     rank_watch.at(f"the save of step {state.step}'s checkpoint")
     folder = checkpoint.save(str(state.job.train.checkpoint_dir), state.step, state.chunks, state.optimizer,
                              state.scheduler, {"layout": state.dims.describe(), "model": state.job.model.name},
-                             model=state.job.model, state=checkpoint.training_state(
-                                 resolve_precision(state.job.train.precision, torch.cuda.is_available()),
-                                 state.job.data))
+                             model=state.job.model, state=saved_state)
     rank_watch.saved(str(folder))
     log.event("checkpoint", step=state.step, path=str(folder))
