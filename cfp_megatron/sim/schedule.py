@@ -154,6 +154,15 @@ def dependency_floors(forward_s: list[list[float]], backward_s: list[list[float]
     return [max(own[0], chain), *own[1:]]
 
 
+def per_rank_links(p2p_s: float | Sequence[float], pp: int) -> tuple[float, ...]:
+    """The send/receive seconds of each pipeline rank's exchange with the next (:func:`run_schedule`'s ``p2p_s``:
+    one figure for every pair, or one per rank)."""
+    links = (float(p2p_s),) * pp if isinstance(p2p_s, (int, float)) else tuple(p2p_s)
+    if len(links) != pp:
+        raise ValueError(f"p2p_s has {len(links)} exchanges for {pp} pipeline ranks")
+    return links
+
+
 def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2p_s: float | Sequence[float],
                  microbatches: int, *, blocking: bool = False, call_s: float = 0.0, keep_ops: bool = False,
                  max_ops: int = 200_000) -> ScheduleResult:
@@ -170,9 +179,7 @@ def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2
     :class:`ScheduleError` on a deadlock.
     """
     pp, vpp = len(forward_s), len(forward_s[0])
-    links = (float(p2p_s),) * pp if isinstance(p2p_s, (int, float)) else tuple(p2p_s)
-    if len(links) != pp:
-        raise ValueError(f"p2p_s has {len(links)} exchanges for {pp} pipeline ranks")
+    links = per_rank_links(p2p_s, pp)
     if blocking and vpp != 1:
         raise ValueError("blocking exchanges are timed for the non-interleaved schedule (one chunk per rank)")
     num_ops = 2 * pp * vpp * microbatches

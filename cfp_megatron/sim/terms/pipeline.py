@@ -14,7 +14,7 @@ from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.memory import Stage
 from cfp_megatron.sim.options import SimOptions
-from cfp_megatron.sim.schedule import ScheduleResult, run_schedule
+from cfp_megatron.sim.schedule import ScheduleResult, per_rank_links, run_schedule
 from cfp_megatron.sim.terms.base import CostTerm, Lane, LaneKind, MemoryCategory, Placement, StepTimes
 
 
@@ -58,7 +58,7 @@ def shared_cores_schedule(f_s: list[list[float]], b_s: list[list[float]], p2p: f
     how much slower a rank runs with every rank busy than alone, ``blocking`` the non-interleaved schedule's
     exchanges as Megatron-Core runs them. Why it is bounded the way it is: docs/simulator.md, "Shared cores"."""
     pp = len(f_s)
-    links = (float(p2p),) * pp if isinstance(p2p, (int, float)) else tuple(p2p)
+    links = per_rank_links(p2p, pp)
     alone = run_schedule([[seconds / slowdown for seconds in row] for row in f_s],
                          [[seconds / slowdown for seconds in row] for row in b_s],
                          tuple(seconds / slowdown for seconds in links), microbatches, blocking=blocking,
