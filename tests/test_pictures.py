@@ -173,3 +173,94 @@ def test_the_check_gets_the_plans_breakdown_or_says_why_not(tmp_path, monkeypatc
     stale = plan_check.with_breakdown(dataclasses.replace(check, predicted_step_s=pred.step_time_s * 1.5), job, 32,
                                       None)
     assert stale.time_parts == () and "profile changed" in stale.breakdown_note
+
+
+def _stacks(monkeypatch) -> list[list[tuple[float, float]]]:
+    """Record what the plan check's picture stacks: per x position, each bar's (bottom, height)."""
+    import matplotlib.axes
+
+    drawn: dict[float, list[tuple[float, float]]] = {}
+    real = matplotlib.axes.Axes.bar
+
+    def bar(self, x, height, *args, bottom=0.0, **kwargs):
+        drawn.setdefault(id(self), []).append((x, bottom, height))
+        return real(self, x, height, *args, bottom=bottom, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", bar)
+    return drawn
+
+
+@pytest.mark.parametrize("layout", ["parallel.tp=2 parallel.pp=2 train.micro_batch_size=8",
+                                    "parallel.tp=2 parallel.sp=true parallel.pp=2 train.micro_batch_size=2",
+                                    "parallel.tp=1 parallel.pp=2 train.micro_batch_size=4",
+                                    "parallel.tp=1 parallel.pp=4 train.micro_batch_size=2"])
+def test_the_plan_checks_stack_adds_up_to_its_label_and_names_what_it_holds(tmp_path, monkeypatch, layout) -> None:
+    """On the recorded profile of gpt_tiny on 4 ranks sharing 2 cores (its pipelined probes' corrections, passes run
+    at once on shared cores), the plan check's stacked prediction reaches the predicted figure it is labelled with,
+    every part positive; a plan without data parallelism has no "DP sync" part, and the tied embedding's all-reduce
+    between the ends of a pipeline is a part of its own."""
+    from cfp_megatron.base.compose import compose_job
+    from cfp_megatron.profile.cluster import local_measurements
+    from cfp_megatron.sim.options import options_here
+    from tests.profiles import seed_profile_db
+
+    monkeypatch.setenv("CFP_CACHE_DIR", str(tmp_path))
+    job = compose_job(layout.split())
+    seed_profile_db(tmp_path, job, world=4)
+    cluster, measurements = local_measurements(job, world_size=4)
+    pred = simulate(dataclasses.replace(job, cluster=cluster), cluster, measurements, world_size=4,
+                    options=options_here(cluster))
+    assert pred.time.total_s == pytest.approx(pred.step_time_s, rel=1e-9)  # the simulator's lanes add up
+    assert all(getattr(pred.time, f.name) >= 0 for f in dataclasses.fields(pred.time) if f.name != "extra")
+    planned = pred.step_time_s * 1.01  # the plan's figure: a profile that moved by less than BREAKDOWN_MATCH
+    check = PlanCheck(plan="p", model_key="m", after_steps=3, predicted_step_s=planned, calibration=1.0,
+                      predicted_peak_bytes=pred.memory.total)
+    found = plan_check.with_breakdown(check, job, 4, str(tmp_path / "plan_check.png"))
+    parts = dict(found.time_parts)
+    assert not found.breakdown_note and all(seconds > 0 for seconds in parts.values())
+    assert sum(parts.values()) == pytest.approx(planned, rel=1e-9)
+    dims = job.parallel
+    assert ("DP sync" in parts) == (4 // (dims.tp * dims.pp) > 1 and pred.time.dp_comm_s > 0)
+    assert ("tied-embedding sync" in parts) == (dims.pp > 1)
+    assert parts.get("tied-embedding sync", 0.0) == pytest.approx(pred.time.embedding_sync_s * 1.01)
+    # what the picture draws: the stack's top is the label's figure, the memory stack's the predicted peak
+    drawn = _stacks(monkeypatch)
+    record = PlanCheckRecord(model="m", plan="p", steps=3, predicted_step_s=planned, calibration=1.0,
+                             measured_step_s=planned * 1.1, predicted_peak_bytes=pred.memory.total,
+                             measured_peak_bytes=pred.memory.total, time=0.0)
+    _png(write_check_png(record, tmp_path / "check.png", time_parts=found.time_parts,
+                         memory_parts=found.memory_parts))
+    time_bars, memory_bars = drawn.values()
+    assert max(bottom + height for x, bottom, height in time_bars if x == 0) == pytest.approx(planned * 1e3)
+    assert max(bottom + height for x, bottom, height in memory_bars if x == 0) == pytest.approx(
+        pred.memory.total / 2**30)
+
+
+@pytest.mark.parametrize("recompute, microbatches", [("none", 1), ("selective", 4)])
+def test_the_timelines_legend_follows_the_plan(tmp_path, monkeypatch, recompute, microbatches) -> None:
+    """The timeline says "backward (with recompute)" only for a plan that recomputes, and counts its micro-batches
+    in words that fit the number."""
+    import matplotlib.figure
+
+    said: list[str] = []
+    real_legend, real_title = matplotlib.figure.Figure.legend, matplotlib.axes.Axes.set_title
+
+    def legend(self, *args, handles=(), **kwargs):
+        said.extend(handle.get_label() for handle in handles)
+        return real_legend(self, *args, handles=handles, **kwargs)
+
+    def set_title(self, text, *args, **kwargs):
+        said.append(text)
+        return real_title(self, text, *args, **kwargs)
+
+    import matplotlib.axes
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "legend", legend)
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", set_title)
+    pred = simulate(_job(pp=2, gbs=8 * microbatches, recompute=recompute), with_events=True)  # dp8
+    assert pred.num_microbatches == microbatches and (pred.time.recompute_s > 0) == (recompute != "none")
+    _png(write_png(pred, tmp_path / "timeline.png"))
+    backward = [label for label in said if label.startswith("backward")]
+    assert backward == ["backward (with recompute)" if recompute != "none" else "backward"]
+    title = next(text for text in said if "micro-batch" in text)
+    assert (f"{microbatches} micro-batch," if microbatches == 1 else f"{microbatches} micro-batches,") in title

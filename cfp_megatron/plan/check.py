@@ -76,25 +76,35 @@ BREAKDOWN_MATCH = 0.02
 simulation's breakdown is drawn as the plan's (the profile may have changed since the plan was made)."""
 
 
-def breakdown(prediction: Prediction) -> tuple[tuple[tuple[str, float], ...], tuple[tuple[str, float], ...]]:
+def breakdown(prediction: Prediction, *, step_s: float | None = None, peak_bytes: float | None = None
+              ) -> tuple[tuple[tuple[str, float], ...], tuple[tuple[str, float], ...]]:
     """A prediction's step time by part (seconds: the cost terms' lanes added up by their
-    :attr:`~cfp_megatron.sim.terms.Lane.part` -- forward, backward with recompute, per-layer overhead, exposed
-    TP/CP/EP/FSDP communication, pipeline bubble, DP sync, optimizer, ...; they add up to the step time) and peak
-    memory by part (bytes), the parts that are not zero."""
+    :attr:`~cfp_megatron.sim.terms.Lane.part` -- forward, backward, per-layer overhead, exposed TP/CP/EP/FSDP
+    communication, pipeline bubble, DP sync, tied-embedding sync, optimizer, ...; they add up to the step time) and
+    peak memory by part (bytes), the parts that are not zero. ``step_s`` / ``peak_bytes``: the totals the parts are
+    shares of where they differ from the prediction's (a plan's figures, simulated again), so the stack adds up to
+    the figure it is drawn under."""
     t, m = prediction.time, prediction.memory
     parts: dict[str, float] = {}
     for lane in TERMS.lanes():
         parts[lane.part] = parts.get(lane.part, 0.0) + t.seconds(lane.name)
-    time_parts = tuple(parts.items())
-    memory_parts = (("parameters", m.parameters), ("gradients", m.gradients), ("optimizer states", m.optimizer_states),
-                    ("activations", m.activations), ("comm buffers", m.comm_buffers))
-    return (tuple((n, v) for n, v in time_parts if v > 0), tuple((n, v) for n, v in memory_parts if v > 0))
+    memory = {"parameters": m.parameters, "gradients": m.gradients, "optimizer states": m.optimizer_states,
+              "activations": m.activations, "comm buffers": m.comm_buffers}
+    return _shares(parts, step_s), _shares(memory, peak_bytes)
+
+
+def _shares(parts: dict[str, float], total: float | None) -> tuple[tuple[str, float], ...]:
+    """The positive ``parts`` (name, value), scaled to add up to ``total`` where given."""
+    whole = sum(value for value in parts.values() if value > 0)
+    scale = total / whole if total is not None and whole > 0 else 1.0
+    return tuple((name, value * scale) for name, value in parts.items() if value > 0)
 
 
 def with_breakdown(check: PlanCheck, job: JobSpec, world: int, plot_file: str | None) -> PlanCheck:
     """``check`` drawn to ``plot_file``, with the predicted breakdown of ``job`` (the planned job) on ``world`` ranks
     of this machine: simulated again with this cluster's profile, kept where its step time is within
-    :data:`BREAKDOWN_MATCH` of the plan's (else ``breakdown_note`` says why it is missing). Never raises for it."""
+    :data:`BREAKDOWN_MATCH` of the plan's and drawn as shares of the plan's figures (else ``breakdown_note`` says why
+    it is missing). Never raises for it."""
     check = dataclasses.replace(check, plot_file=plot_file)
     try:
         cluster, measurements = local_measurements(job, world_size=world)
@@ -106,7 +116,8 @@ def with_breakdown(check: PlanCheck, job: JobSpec, world: int, plot_file: str | 
         return dataclasses.replace(check, breakdown_note=(
             f"no predicted breakdown: simulated again now the step takes {prediction.step_time_s * 1e3:.4g} ms, not "
             f"the plan's {check.predicted_step_s * 1e3:.4g} ms (the profile changed since the plan was made)"))
-    time_parts, memory_parts = breakdown(prediction)
+    time_parts, memory_parts = breakdown(prediction, step_s=check.predicted_step_s,
+                                         peak_bytes=check.predicted_peak_bytes)
     return dataclasses.replace(check, time_parts=time_parts, memory_parts=memory_parts)
 
 

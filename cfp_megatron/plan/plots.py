@@ -15,7 +15,8 @@ GIB = float(1 << 30)
 
 _TIME_COLOURS = {"forward": "#4C72B0", "backward": "#55A868", "per-layer overhead": "#8C8C8C",
                  "TP/CP/EP/FSDP comm": "#C44E52", "pipeline bubble": "#B0B0B0", "DP sync": "#CCB974",
-                 "optimizer": "#8172B3"}
+                 "tied-embedding sync": "#E1A35B", "token-count sync": "#937860", "optimizer": "#8172B3",
+                 "host": "#64B5CD"}
 _MEMORY_COLOURS = {"parameters": "#4C72B0", "gradients": "#55A868", "optimizer states": "#8172B3",
                    "activations": "#DD8452", "comm buffers": "#C44E52"}
 _MEASURED = "#333333"

@@ -85,6 +85,10 @@ class TimeBreakdown:
     """Host work once per step outside the passes (its synchronisations)."""
     offload_s: float = 0.0
     """Activation offloading's copies over the host link that the layers' computation does not hide."""
+    embedding_sync_s: float = 0.0
+    """The tied word embedding's gradient all-reduce between the first and the last pipeline stage."""
+    token_sync_s: float = 0.0
+    """The per-token loss's token count: broadcast over the pipeline group, all-reduced over DP x CP."""
     extra: tuple[tuple[str, float], ...] = ()
     """Lanes of cost terms registered beyond these fields (name, seconds)."""
 

@@ -88,8 +88,7 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
         params=tuple(layer_params[rank] + split.vocab_tables[rank] * vocab_params for rank in range(pp))))
     if outside_s:
         # What a pipelined step paid outside its schedule beyond the probes without a pipeline (_pipeline_terms).
-        dp_exposed, opt_s = after["dp_comm_s"], after["optimizer_s"]
-        after["optimizer_s"] = [max(opt_s[rank] + outside_s, -dp_exposed[rank]) for rank in range(pp)]
+        after = _outside_corrected(after, outside_s)
     slowdown = measurements.busy_slowdown() if overheads is not None else None
     shared_cores = slowdown is not None and pp > 1
     if prune_above is not None:
@@ -132,10 +131,17 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
         fwd_total, bwd_total, rec_total = (fwd_total.plus(forward_costs[critical_rank][chunk_index]),
                                            bwd_total.plus(backward_costs[critical_rank][chunk_index]),
                                            rec_total.plus(recompute_costs[critical_rank][chunk_index]))
-    # Each cost term's lanes on the critical rank (cfp_megatron.sim.terms).
+    # Each cost term's lanes on the critical rank (cfp_megatron.sim.terms). Where its schedule ends before its passes
+    # add up (ranks sharing cores run some of them at once; a probe's negative fixed cost), the passes' lanes are
+    # its schedule's shares, as the timeline draws them: the lanes add up to the step.
+    busy_s, schedule_end_s = schedule.busy_s[critical_rank], schedule.end_s[critical_rank]
+    if busy_s > schedule_end_s > 0:
+        share = schedule_end_s / busy_s
+        fwd_total, bwd_total, rec_total = (fwd_total.scaled(share), bwd_total.scaled(share), rec_total.scaled(share))
+        busy_s = schedule_end_s
     breakdown = TimeBreakdown.of(TERMS.time(StepTimes(
         microbatches=num_microbatches, forward=fwd_total, backward=bwd_total, recompute=rec_total,
-        schedule_s=schedule.end_s[critical_rank], busy_s=schedule.busy_s[critical_rank],
+        schedule_s=schedule_end_s, busy_s=busy_s,
         after_s={name: seconds[critical_rank] for name, seconds in after.items()})))
 
     memory = _peak_memory(job, layout, options, measurements, split)
@@ -143,7 +149,6 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
     sequences = layout.micro_batch * num_microbatches * dims.dp
     tokens_per_s = sequences * layout.seq_length / step_s / world
     events = _events(schedule, forward_costs, backward_costs, recompute_costs, after) if with_events else ()
-    schedule_end_s = schedule.end_s[critical_rank]
     return Prediction(step_time_s=step_s, time=breakdown, memory=memory,
                       bubble_fraction=breakdown.pp_bubble_s / schedule_end_s if schedule_end_s else 0.0,
                       tokens_per_s_per_gpu=tokens_per_s,
@@ -552,10 +557,29 @@ def _probe_calibration(job: JobSpec, probe: PipelineProbe, world: int, measureme
     solved = priced(many, exchange_s)
     outside_s = 0.0
     if probe.finalize_s is not None:
-        outside_s = probe.finalize_s + probe.rest_s - solved.time.dp_comm_s - solved.time.optimizer_s
+        outside_s = probe.finalize_s + probe.rest_s - sum(solved.time.seconds(lane) for lane in OUTSIDE_LANES)
     fit_s = exchange_fit(jobs[many], layout, kernels, costs, scatter_gather=options.pipeline_scatter_gather)
     return ProbeCalibration(exchange_s=exchange_s, fixed_s=fixed_s, fit_s=fit_s, outside_s=outside_s,
                             intra_node=layout.pp_intra_node)
+
+
+OUTSIDE_LANES = ("dp_comm_s", "embedding_sync_s", "token_sync_s", "optimizer_s")
+"""The after-schedule lanes a pipelined probe's time outside its schedule is set against: the gradient finalisation
+(``finalize_model_grads``) and the optimizer step (:attr:`ProbeCalibration.outside_s`)."""
+
+
+def _outside_corrected(after: dict[str, list[float]], outside_s: float) -> dict[str, list[float]]:
+    """``after`` with what a pipelined probe paid outside its schedule beyond the simulated ``outside_s`` (any
+    sign) on every rank: :data:`OUTSIDE_LANES` scaled alike to their total plus it (never below zero), so each lane
+    keeps what it holds; where they are all zero, a positive ``outside_s`` goes to the optimizer step."""
+    corrected = dict(after)
+    ranks = range(len(after["optimizer_s"]))
+    totals = [sum(after[lane][rank] for lane in OUTSIDE_LANES) for rank in ranks]
+    for lane in OUTSIDE_LANES:
+        corrected[lane] = [after[lane][rank] * max(totals[rank] + outside_s, 0.0) / totals[rank] if totals[rank] > 0
+                           else after[lane][rank] + (max(outside_s, 0.0) if lane == "optimizer_s" else 0.0)
+                           for rank in ranks]
+    return corrected
 
 
 def _after_lanes(inputs: StepInputs) -> dict[str, list[float]]:

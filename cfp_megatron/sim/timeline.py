@@ -3,10 +3,10 @@ and a PNG timeline.
 
 One process per pipeline rank (stage), with a thread (lane) each for compute (forward and backward passes, the
 optimizer step), each kind of exposed communication the plan has (TP, CP, EP, FSDP inside the passes; the DP gradient
-sync after them) and idle time (pipeline bubble and p2p waits inside the schedule, then the wait for the slowest
-stage). Large schedules are capped: the trace keeps whole ranks up to :data:`MAX_TRACE_EVENTS` events, the PNG draws
-at most :data:`MAX_PNG_RANKS` ranks and merges slices narrower than a pixel; both say what they left out
-(docs/simulator.md, "Timeline pictures").
+sync, the tied embedding's all-reduce and the token count's syncs after them) and idle time (pipeline bubble and p2p
+waits inside the schedule, then the wait for the slowest stage). Large schedules are capped: the trace keeps whole
+ranks up to :data:`MAX_TRACE_EVENTS` events, the PNG draws at most :data:`MAX_PNG_RANKS` ranks and merges slices
+narrower than a pixel; both say what they left out (docs/simulator.md, "Timeline pictures").
 """
 
 from __future__ import annotations
@@ -53,16 +53,25 @@ merged."""
 # What the slices no cost term owns are drawn as: label in the legend, colour in the PNG, reserved colour in
 # chrome://tracing (the terms' lanes bring their own, Lane.style).
 _PASS_STYLE = {"forward": ("forward", "#4C72B0", "thread_state_running"),
-               "backward": ("backward (with recompute)", "#55A868", "good")}
+               "backward": ("backward", "#55A868", "good")}
 _OTHER_STYLE = {"comm": ("communication", "#C44E52", "bad"),
                 "bubble": ("pipeline bubble / p2p wait", "#B0B0B0", "grey"),
                 "wait": ("waits for the slowest stage", "#F6D9A8", "white")}
 
 
-def _styles() -> dict[str, tuple[str, str, str]]:
-    """Every style by key: the passes', the cost terms' lanes' (in the registry's order), the rest."""
-    return {**_PASS_STYLE, **{lane.key: lane.style for lane in TERMS.lanes() if lane.style and lane.key},
+def _styles(prediction: Prediction | None = None) -> dict[str, tuple[str, str, str]]:
+    """Every style by key: the passes', the cost terms' lanes' (in the registry's order), the rest; the backward
+    passes labelled with their recomputation where ``prediction`` recomputes."""
+    passes = dict(_PASS_STYLE)
+    if prediction is not None and prediction.time.recompute_s > 0:
+        passes["backward"] = ("backward (with recompute)", *passes["backward"][1:])
+    return {**passes, **{lane.key: lane.style for lane in TERMS.lanes() if lane.style and lane.key},
             **_OTHER_STYLE}
+
+
+def _count(number: int, noun: str) -> str:
+    """``1 micro-batch``, ``4 micro-batches``."""
+    return f"{number} {noun}" + ("" if number == 1 else "es" if noun.endswith("h") else "s")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,7 +287,7 @@ def write_png(prediction: Prediction, path: str | Path, *, title: str = "", max_
     kept = set(keep)
     pieces = [p for p in pieces if p.rank in kept]
     lanes = _lanes(pieces)
-    styles = _styles()
+    styles = _styles(prediction)
     step_s = prediction.step_time_s
     unit, scale = ("ms", 1e3) if step_s < 2 else ("s", 1.0)
     rows = {(rank, lane): index * (len(lanes) + 0.6) + position
@@ -310,7 +319,7 @@ def write_png(prediction: Prediction, path: str | Path, *, title: str = "", max_
     ax.grid(axis="x", color="#DDDDDD", linewidth=0.5)
     ax.set_axisbelow(True)
     header = title or "simulated training step"
-    facts = (f"step {step_s * scale:.4g} {unit}, {prediction.num_microbatches} micro-batches, bubble "
+    facts = (f"step {step_s * scale:.4g} {unit}, {_count(prediction.num_microbatches, 'micro-batch')}, bubble "
              f"{prediction.bubble_fraction:.1%} of the schedule on the slowest stage"
              + (" (marked *)" if len(ranks) > 1 else ""))
     if dense:

@@ -58,19 +58,20 @@ def token_count_sync(costs: CollectiveCosts, layout: Layout) -> float:
     return broadcast_s + costs.seconds(Collective.all_reduce, 4.0, dims.dp * dims.cp, layout.dp_per_node)
 
 
-def step_sync(inputs: StepInputs) -> list[float]:
-    """Seconds per pipeline rank of the gradient sync and parameter gather the step leaves exposed after its
-    passes: as the sharding prices them (:meth:`~cfp_megatron.sim.sharding.Sharding.step_sync_s`), scaled as the
-    overheads probes timed the gradient finalisation, the backward passes hiding all but the last bucket under
-    ``overlap_grad_reduce`` (at the SM share the hidden part takes from them), the next forward all but the last
-    bucket's gather under ``overlap_param_gather``; with the tied embedding's all-reduce between the first and the
-    last stage, and on a profiled cluster the token count's syncs."""
+def step_sync(inputs: StepInputs) -> dict[str, list[float]]:
+    """Seconds per pipeline rank of what Megatron's ``finalize_model_grads`` leaves exposed after the passes, by
+    lane: the gradient sync and parameter gather over DP (``dp_comm_s``) as the sharding prices them
+    (:meth:`~cfp_megatron.sim.sharding.Sharding.step_sync_s`), the backward passes hiding all but the last bucket
+    under ``overlap_grad_reduce`` (at the SM share the hidden part takes from them), the next forward all but the
+    last bucket's gather under ``overlap_param_gather``; the tied embedding's all-reduce between the first and the
+    last stage (``embedding_sync_s``); and, on a profiled cluster, the token count's syncs (``token_sync_s``). All
+    scaled as the overheads probes timed the gradient finalisation."""
     job, layout, options, costs, overheads = (inputs.job, inputs.layout, inputs.options, inputs.collectives,
                                               inputs.overheads)
     dims, model = layout.dims, job.model
     sharding = Sharding.megatron(job, dims, fsdp=options.fsdp)
     overlap = job.parallel.overlap_grad_reduce if options.overlap_grad_reduce is None else options.overlap_grad_reduce
-    exposed = []
+    lanes: dict[str, list[float]] = {"dp_comm_s": [], "embedding_sync_s": [], "token_sync_s": []}
     grad_bytes = grad_element_bytes(job)
     token_count_s = token_count_sync(costs, layout) if overheads is not None else 0.0  # the same on every rank
     # The gradient finalisation as the overheads probes timed it inside a step, over what the collective fits say
@@ -80,7 +81,8 @@ def step_sync(inputs: StepInputs) -> list[float]:
     vocab_params = model.padded_vocab_size * model.hidden_size / dims.tp
     for rank in range(dims.pp):
         if options.measured_layer_only:
-            exposed.append(0.0)
+            for seconds in lanes.values():
+                seconds.append(0.0)
             continue
         stage_params, expert_params = inputs.params[rank], inputs.expert_params[rank]
         sync_s, gather_s = sharding.step_sync_s(costs, stage_params - expert_params, expert_params,
@@ -92,9 +94,10 @@ def step_sync(inputs: StepInputs) -> list[float]:
             sync_s = sum(overlapped(sync_s, min(inputs.backward_s[rank], sync_s * (1.0 - bucket_share))))
         if job.parallel.overlap_param_gather:
             gather_s *= bucket_share
-        exposed.append(sync_s + gather_s + tied_embedding_sync(job, layout, costs, vocab_params, rank) * finalize_share
-                       + token_count_s)
-    return exposed
+        lanes["dp_comm_s"].append(sync_s + gather_s)
+        lanes["embedding_sync_s"].append(tied_embedding_sync(job, layout, costs, vocab_params, rank) * finalize_share)
+        lanes["token_sync_s"].append(token_count_s)
+    return lanes
 
 
 def rank_params(stage: Stage) -> float:
@@ -128,15 +131,21 @@ class DataParallel(CostTerm):
              Lane(name="dp_comm_s", label="DP sync (exposed)", part="DP sync", kind=LaneKind.comm,
                   placement=Placement.after, key="dp_sync", trace="DP comm",
                   style=("DP gradient sync", "#CCB974", "yellow"),
-                  overlaps=("the backward passes (overlap_grad_reduce)", "the next forward (overlap_param_gather)")))
+                  overlaps=("the backward passes (overlap_grad_reduce)", "the next forward (overlap_param_gather)")),
+             Lane(name="embedding_sync_s", label="tied-embedding all-reduce", part="tied-embedding sync",
+                  kind=LaneKind.comm, placement=Placement.after, key="embedding_sync", trace="embedding sync",
+                  style=("tied-embedding all-reduce (first and last stage)", "#E1A35B", "yellow")),
+             Lane(name="token_sync_s", label="token-count syncs", part="token-count sync", kind=LaneKind.comm,
+                  placement=Placement.after, key="token_sync", trace="token sync",
+                  style=("token-count broadcast and all-reduce", "#A89B6A", "yellow")))
     stores = (MemoryCategory(name="weights", label="weights", field="parameters"),
               MemoryCategory(name="gradients", label="gradients", field="gradients"),
               MemoryCategory(name="optimizer_states", label="optimizer states", field="optimizer_states"),
               MemoryCategory(name="fsdp_buffers", label="gathered FSDP layers", field="comm_buffers"))
 
     def after_s(self, inputs: StepInputs) -> dict[str, list[float]]:
-        """The exposed gradient sync per pipeline rank (:func:`step_sync`)."""
-        return {"dp_comm_s": step_sync(inputs)}
+        """What the gradient finalisation leaves exposed per pipeline rank, by lane (:func:`step_sync`)."""
+        return step_sync(inputs)
 
     def memory(self, stage: Stage) -> dict[str, float]:
         """The weights, gradients and optimizer states as the plan's sharding keeps them
