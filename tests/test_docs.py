@@ -255,3 +255,66 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+MAIN_JOB_PAGES = ("README.md", "getting-started.md")
+"""The pages whose first ``text`` block after the main job's command is its output."""
+
+CONDITIONAL_RECORDS = {"warning"}
+"""Records the main job prints only sometimes (a plan check more than 10% off)."""
+
+_RECORD = re.compile(r"^(step) +\d+/\d+ \||^([a-z][a-z_]*)(?: \| |$)")
+
+
+def record_shapes(output: str) -> dict[str, str]:
+    """The console records in ``output`` (a run's, or a page's excerpt of one) by name: ``line`` for one printed as
+    ``name | key value | ...``, ``block`` for one printed as its name alone and an indented line per field. Lines
+    that are not records (``cfp:`` lines, warnings, ``...``) are skipped."""
+    found: dict[str, str] = {}
+    lines = output.splitlines()
+    for index, line in enumerate(lines):
+        match = _RECORD.match(line)
+        if not match:
+            continue
+        name = match.group(1) or match.group(2)
+        following = lines[index + 1] if index + 1 < len(lines) else ""
+        if line == name and not following.startswith("  "):
+            continue  # a bare word, not a record
+        found[name] = "block" if line == name else "line"
+    return found
+
+
+def main_job_excerpt(page: str) -> str:
+    """The main job's output as ``page`` shows it: the first ``text`` block after its command."""
+    path = ROOT / (page if page == "README.md" else f"docs/{page}")
+    text = path.read_text()
+    start = text.index("torchrun --nproc_per_node=4 launch/train.py +cfp=auto")
+    return re.search(r"^```text\n(.*?)^```", text[start:], re.S | re.M).group(1)
+
+
+def test_record_shapes_reads_both_kinds_of_record() -> None:
+    output = ("cfp: planned plan x\nstart\n  model  gpt_tiny\nstep     1/20 | loss 5.9 | 91 ms\nmemory\n  step  12\n"
+              "plan_check_plot | path p.png\n...\nend | step 20\nwarnings\n")
+    assert record_shapes(output) == {"start": "block", "step": "line", "memory": "block", "plan_check_plot": "line",
+                                     "end": "line"}
+
+
+@pytest.mark.parametrize("page", MAIN_JOB_PAGES)
+def test_main_job_excerpts_agree_with_the_line_by_line(page: str) -> None:
+    """The README's and getting-started's excerpts of the main job show its records as getting-started's
+    "Line by line" explains them (each there, printed the same way); the run itself is compared with the excerpt
+    in tests/test_launch_plan.py."""
+    shown = record_shapes(main_job_excerpt(page))
+    full = record_shapes(main_job_excerpt("getting-started.md"))
+    assert shown and all(full.get(name) == shape for name, shape in shown.items()), (shown, full)
+    text = (ROOT / "docs" / "getting-started.md").read_text()
+    explained = text[text.index("Line by line."):text.index("A layout given by hand")]
+    for name in {**full, **dict.fromkeys(CONDITIONAL_RECORDS)}:
+        assert f"- `{name}" in explained, f"getting-started's line by line does not explain {name!r}"
+
+
+def test_concepts_counts_its_stages() -> None:
+    text = (ROOT / "docs" / "concepts.md").read_text()
+    said = re.search(r"flows through (\w+) stages", text).group(1)
+    numbers = {"five": 5, "six": 6, "seven": 7, "eight": 8}
+    assert numbers[said] == len(re.findall(r"^\d+\. \*\*", text, re.M))
