@@ -303,3 +303,25 @@ def test_torchrun_restart_reuses_the_plan(two_ranks: tuple[int, str, list[dict],
     resume = next(r for r in records if r["event"] == "resume" and r.get("restart_count") == 1)
     assert resume["step"] >= saved + 2
     assert max(r["step"] for r in records if r["event"] == "step") == saved + 8
+
+
+@pytest.mark.slow
+def test_the_main_jobs_records_are_the_ones_the_docs_show(planned: tuple[RunResult, Path, Path]) -> None:
+    """The main job (this module's ``+cfp=auto`` launch on 4 ranks) prints its records as README.md and
+    docs/getting-started.md show them: the same names, each on one line or as a block the same way (a warning only
+    when the check is more than 10% off), and the planner's lines the pages start with."""
+    from tests.test_docs import CONDITIONAL_RECORDS, MAIN_JOB_PAGES, main_job_excerpt, record_shapes
+
+    result, _, _ = planned
+    assert result.returncode == 0, result.output[-4000:]
+    printed = record_shapes(result.output)
+    printed.pop("checkpoint", None)  # this launch saves into train.checkpoint_dir, which the main job does not set
+    assert {"start", "step", "memory", "plan_check", "end"} <= set(printed), printed
+    for page in MAIN_JOB_PAGES:
+        excerpt = main_job_excerpt(page)
+        shown = record_shapes(excerpt)
+        assert {name: printed.get(name) for name in shown} == shown, (page, shown, printed)
+        for said in ("cfp: planned plan gpt_tiny@localx1x4:", "cfp:   1. "):
+            assert said in excerpt and said in result.output, (page, said)
+    full = record_shapes(main_job_excerpt("getting-started.md"))
+    assert {n for n in printed if n not in CONDITIONAL_RECORDS} == {n for n in full if n not in CONDITIONAL_RECORDS}
