@@ -318,3 +318,11 @@ def test_concepts_counts_its_stages() -> None:
     said = re.search(r"flows through (\w+) stages", text).group(1)
     numbers = {"five": 5, "six": 6, "seven": 7, "eight": 8}
     assert numbers[said] == len(re.findall(r"^\d+\. \*\*", text, re.M))
+
+
+def test_readme_stays_a_short_manual() -> None:
+    """The README is read first: at most 120 lines and 1,200 words; measurement history belongs on
+    docs/benchmarks.md (a README that quotes more than a couple of dated runs has become a log)."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 120 and len(text.split()) <= 1200
+    assert len(re.findall(r"\b20\d\d-\d\d-\d\d\b", text)) <= 2
