@@ -119,6 +119,31 @@ def test_hsdp_shards_inside_its_group_and_all_reduces_the_shard_across_replicas(
                                                               Collective.all_gather]
 
 
+def test_fsdp_gathers_experts_over_the_expert_group_and_keeps_them_whole_over_one_rank() -> None:
+    state = _megatron_bytes("bf16")
+    calls: list[tuple] = []
+
+    class Costs:  # records the collectives priced
+        def seconds(self, op, nbytes, size, per_node=None):
+            calls.append((op, nbytes, size, per_node))
+            return 1.0 if nbytes > 0 and size > 1 else 0.0
+
+    layer, experts = P, 0.75 * P
+    over_two = Sharding(sharded=Sharded.parameters, state=state, group=16, expert_group=2)
+    assert over_two.pass_sync_s(Costs(), layer, weight_bytes=2.0, per_node=8, expert_params=experts,
+                                expert_per_node=1) == (2.0, 2.0)
+    assert calls == [(Collective.all_gather, 0.25 * P * 2.0, 16, 8), (Collective.reduce_scatter, 0.25 * P * 4.0, 16, 8),
+                     (Collective.all_gather, experts * 2.0, 2, 1), (Collective.reduce_scatter, experts * 4.0, 2, 1)]
+    calls.clear()
+    whole = Sharding(sharded=Sharded.parameters, state=state, group=8, expert_group=1)  # EP spans the whole DP group
+    assert whole.pass_sync_s(Costs(), layer, weight_bytes=2.0, per_node=8, expert_params=experts) == (1.0, 1.0)
+    assert [call[1] for call in calls] == [0.25 * P * 2.0, 0.25 * P * 4.0]  # the dense part alone
+    # what a rank holds gathered at once: the dense part where the experts stay whole, the whole layer elsewhere
+    assert whole.gathered_bytes(layer, experts) == pytest.approx(0.25 * P * (2 * 2.0 + 4.0))
+    assert over_two.gathered_bytes(layer, experts) == pytest.approx(P * (2 * 2.0 + 4.0))
+    assert whole.memory(layer, experts).weights == pytest.approx(0.25 * P * 2.0 / 8 + experts * 2.0)
+
+
 def test_offload_moves_the_optimizer_partition_and_the_weights_to_the_host() -> None:
     plain = Sharding.zero(stage=3, dp=8, elem=2.0).memory(P)
     off = Sharding.zero(stage=3, dp=8, elem=2.0, offload_optimizer=True, offload_params=True).memory(P)

@@ -181,7 +181,7 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
     if options.fsdp:
         fsdp_fwd, fsdp_bwd = fsdp_comm(job, layout, costs, params=params, elem_bytes=elem_bytes,
                                        forward_window_s=fwd_compute + core_fwd,
-                                       backward_window_s=bwd_compute + core_bwd)
+                                       backward_window_s=bwd_compute + core_bwd, expert_params=expert_params)
 
     ep_fwd = ep_bwd = 0.0
     ep_alone = (0.0, 0.0)

@@ -175,7 +175,7 @@ class Sharding:
         groups where ``sharded``."""
         if not sharded:
             return params * per_param
-        experts = self.group if self.expert_group is None else self.expert_group
+        experts = self._expert_ranks
         return (params - expert_params) * per_param / self.group + expert_params * per_param / experts
 
     def memory(self, params: float, expert_params: float = 0.0) -> StateMemory:
@@ -204,16 +204,23 @@ class Sharding:
         """Parameters whose optimizer step this rank runs (its shard where the optimizer is sharded)."""
         if self.sharded < Sharded.optimizer:
             return params
-        experts = self.group if self.expert_group is None else self.expert_group
+        experts = self._expert_ranks
         return (params - expert_params) / self.group + expert_params / experts
 
-    def gathered_bytes(self, layer_params: float) -> float:
+    def gathered_bytes(self, layer_params: float, expert_params: float = 0.0) -> float:
         """Bytes of whole layers a rank holds at once where weights are gathered per pass (zero elsewhere): the
         layer computing and the one prefetched, and one layer's gradients before their reduce-scatter, for
-        ``layer_params`` parameters a layer on the rank."""
+        ``layer_params`` parameters a layer on the rank (``expert_params`` of them routed experts', gathered only
+        where the expert-DP group shards them: over one rank they stay whole, counted with the weights)."""
         if not self.gathers_per_pass:
             return 0.0
-        return 2 * layer_params * self.state.weights + layer_params * self.state.gradients
+        gathered = layer_params - (expert_params if self._expert_ranks == 1 else 0.0)
+        return 2 * gathered * self.state.weights + gathered * self.state.gradients
+
+    @property
+    def _expert_ranks(self) -> int:
+        """Ranks the routed experts' states are sharded over."""
+        return self.group if self.expert_group is None else self.expert_group
 
     @property
     def reduce_op(self) -> Collective:
@@ -238,16 +245,27 @@ class Sharding:
         """Whether each layer's weights are all-gathered before every pass that uses them (sharded weights)."""
         return self.sharded >= Sharded.parameters
 
-    def pass_sync_s(self, costs: CollectiveCosts, layer_params: float, *, weight_bytes: float,
-                    per_node: int) -> tuple[float, float]:
+    def pass_sync_s(self, costs: CollectiveCosts, layer_params: float, *, weight_bytes: float, per_node: int,
+                    expert_params: float = 0.0, expert_per_node: int = 1) -> tuple[float, float]:
         """(gather, scatter) seconds of one layer's collectives around its passes where weights are gathered per
         pass (zero elsewhere): its ``layer_params`` weights on the rank (``weight_bytes`` an element) all-gathered
-        before each pass, its gradients reduce-scattered after the backward, over the group (``per_node`` ranks of
-        it on a node). What the passes leave exposed of them: the data-parallel term's FSDP lane."""
+        before each pass, its gradients reduce-scattered after the backward. The dense weights go over the group
+        (``per_node`` ranks of it on a node), the ``expert_params`` of routed experts among them over the expert-DP
+        group (``expert_per_node`` on a node; none where it is one rank): Megatron-FSDP keeps expert parameters in
+        buffers of their own over the expert-DP group, torchtitan shards them over its ``efsdp`` mesh
+        (docs/simulator.md, "Data-parallel sharding"). What the passes leave exposed of them: the data-parallel
+        term's FSDP lane."""
         if not self.gathers_per_pass:
             return 0.0, 0.0
-        return (costs.seconds(Collective.all_gather, layer_params * weight_bytes, self.group, per_node),
-                costs.seconds(Collective.reduce_scatter, layer_params * self.state.gradients, self.group, per_node))
+        dense = layer_params - expert_params
+        gather_s = costs.seconds(Collective.all_gather, dense * weight_bytes, self.group, per_node)
+        scatter_s = costs.seconds(Collective.reduce_scatter, dense * self.state.gradients, self.group, per_node)
+        if expert_params > 0 and self._expert_ranks > 1:
+            gather_s += costs.seconds(Collective.all_gather, expert_params * weight_bytes, self._expert_ranks,
+                                      expert_per_node)
+            scatter_s += costs.seconds(Collective.reduce_scatter, expert_params * self.state.gradients,
+                                       self._expert_ranks, expert_per_node)
+        return gather_s, scatter_s
 
     def step_sync_s(self, costs: CollectiveCosts, dense_params: float, expert_params: float, *, grad_bytes: float,
                     weight_bytes: float, per_node: int, expert_per_node: int) -> tuple[float, float]:
@@ -258,7 +276,7 @@ class Sharding:
         accumulation boundary and the gather after the step. Where gradients are reduced per micro-batch and
         weights gathered per pass, that happens in the passes (the layer cost's FSDP lane): here only HSDP's
         all-reduce of each shard across the replicas."""
-        experts = self.group if self.expert_group is None else self.expert_group
+        experts = self._expert_ranks
         if self.reduces_per_microbatch:
             if self.replicas == 1:
                 return 0.0, 0.0

@@ -20,17 +20,19 @@ BUCKET_PARAMS = 40_000_000
 
 
 def fsdp_comm(job: JobSpec, layout: Layout, costs: CollectiveCosts, *, params: float, elem_bytes: float,
-              forward_window_s: float, backward_window_s: float) -> tuple[float, float]:
-    """(forward, backward) seconds of FSDP's communication one layer of ``params`` parameters (on one rank) leaves
-    exposed: its weights gathered before the forward and the backward, its gradients scattered after the backward,
-    over DP x CP (:meth:`~cfp_megatron.sim.sharding.Sharding.pass_sync_s`), beside ``forward_window_s`` /
+              forward_window_s: float, backward_window_s: float, expert_params: float = 0.0) -> tuple[float, float]:
+    """(forward, backward) seconds of FSDP's communication one layer of ``params`` parameters (on one rank;
+    ``expert_params`` of them routed experts') leaves exposed: its weights gathered before the forward and the
+    backward, its gradients scattered after the backward, the dense ones over DP x CP and the experts' over the
+    expert-DP group (:meth:`~cfp_megatron.sim.sharding.Sharding.pass_sync_s`), beside ``forward_window_s`` /
     ``backward_window_s`` of the layer's computation (which still takes the SM share it runs on,
     :func:`~cfp_megatron.sim.terms.overlap.overlapped`); zero without data parallelism."""
     dims = layout.dims
     if dims.dp <= 1:
         return 0.0, 0.0
-    gather_s, scatter_s = Sharding.megatron(job, dims, fsdp=True).pass_sync_s(costs, params, weight_bytes=elem_bytes,
-                                                                              per_node=layout.dp_per_node)
+    gather_s, scatter_s = Sharding.megatron(job, dims, fsdp=True).pass_sync_s(
+        costs, params, weight_bytes=elem_bytes, per_node=layout.dp_per_node, expert_params=expert_params,
+        expert_per_node=layout.edp_per_node)
     return sum(overlapped(gather_s, forward_window_s)), sum(overlapped(gather_s + scatter_s, backward_window_s))
 
 
@@ -154,6 +156,6 @@ class DataParallel(CostTerm):
         states = sharding.memory(rank_params(stage), stage.expert_params)
         gathered = 0.0
         if stage.layers and stage.measured is None:
-            gathered = sharding.gathered_bytes(stage.layer_params / stage.layers)
+            gathered = sharding.gathered_bytes(stage.layer_params / stage.layers, stage.expert_params / stage.layers)
         return {"weights": states.weights, "gradients": states.gradients,
                 "optimizer_states": states.optimizer_states, "fsdp_buffers": gathered}
