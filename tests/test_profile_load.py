@@ -63,6 +63,7 @@ def _machine(monkeypatch: pytest.MonkeyPatch, *, busy: bool) -> None:
     """Simulated CPU counters: with ``busy``, other work keeps every core busy (ten times the cores' time, so the
     job's own CPU time never covers it); else the cores' busy time does not grow. The reference matmul at 1 TFLOP/s."""
     cores = os.cpu_count() or 1
+    monkeypatch.delenv(load.LOAD_ENV, raising=False)  # read, not told (tests/conftest.py tells the others "quiet")
 
     def counters() -> tuple[float, float]:
         return 0.0, (10.0 * cores * time.perf_counter() if busy else 1.0)
@@ -90,6 +91,15 @@ def test_round_records_keep_their_load_through_json_and_older_ones_read_as_quiet
     older = record.to_json()
     older.pop("load"), older.pop("time")
     assert RoundRecord.from_json(older).busy is None
+
+
+def test_the_test_hook_tells_every_reading(monkeypatch: pytest.MonkeyPatch) -> None:
+    watch = load.LoadWatch(ranks_here=1, nodes=1)
+    monkeypatch.setattr(load, "reference_tflops", lambda: pytest.fail("timed the reference"))
+    monkeypatch.setenv(load.LOAD_ENV, "busy")
+    assert watch.after(watch.before(None)).busy is not None
+    monkeypatch.setenv(load.LOAD_ENV, "quiet")
+    assert watch.after(watch.before(None)) == MachineLoad(other_before=0.0, other_during=0.0)
 
 
 def test_the_load_watch_tells_a_busy_machine_from_a_quiet_one(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,7 +139,7 @@ def test_a_round_on_a_busy_machine_is_marked_and_measured_again_once_quiet(
     later = {**_gemm_plan(job, db, []), "rounds": {}, "busy": {"gemm": entries}}
     _machine(monkeypatch, busy=False)
     retried = _retry_busy(later, watch)
-    assert retried["rounds"] == {"gemm": entries} and "measuring again 2 entries" in retried["notes"][-1]
+    assert retried["rounds"] == {"gemm": entries} and "measuring again 2 entries" in retried["retry"]
     results = _run_rounds(job, retried, world=1, on_gpu=False, budget_s=600.0, started=time.perf_counter(), rank=0,
                           progress=None, watch=watch)
     quiet = results["gemm"][0]
@@ -140,7 +150,10 @@ def test_a_round_on_a_busy_machine_is_marked_and_measured_again_once_quiet(
     # ... and kept, with a note, when it is busy then too
     _machine(monkeypatch, busy=True)
     kept = _retry_busy(later, watch)
-    assert kept["rounds"] == {} and "busy now too" in kept["notes"][-1]
+    assert kept["rounds"] == {} and "busy now too" in kept["retry"]
+    said = busy_hint(ProfileOutcome(db=None, path=None, reused=True, rounds=(), notes=(), wall_s=1.0,
+                                    retry=kept["retry"], busy=("gemm (other work used 100% of the cores)",)))
+    assert len(said) == 2 and "busy now too" in said[0] and "--force" in said[1]
 
 
 def test_the_busy_hint_names_the_rounds_and_how_to_profile_again() -> None:

@@ -339,9 +339,12 @@ class ProfileDB:
     def measured_under(self, model: str, planned: Mapping[str, Sequence[str]]) -> tuple[str, list[str]]:
         """When and under what load the entries of ``planned`` (per round) were measured: a phrase
         (``measured 2026-12-01 23:40-23:44 UTC, machine quiet (other work at most 8% of the cores)``) and, per
-        round measured on a busy machine, ``segments (other work used 85% of the cores during the round)``."""
+        round measured on a busy machine, ``segments (other work used 85% of the cores during the round)``; ``""``
+        when none of them was measured."""
         records = {id(r): r for name, entries in planned.items()
                    for e, r in self._latest_rounds(name, model).items() if e in set(entries)}.values()
+        if not records:
+            return "", []
         times = sorted(r.time for r in records if r.time is not None)
         when = ("measured " + _utc(times[0]) + (f" to {_utc(times[-1])[11:]}" if times[-1] - times[0] >= 60 else "")
                 + " UTC") if times else "measured before loads were recorded"

@@ -95,6 +95,9 @@ class ProfileOutcome:
     """When and under what load the profile this job reads was measured (rank 0; :meth:`ProfileDB.measured_under`)."""
     busy: tuple[str, ...] = ()
     """The rounds of that profile measured on a busy machine, each with why (rank 0)."""
+    retry: str = ""
+    """What became of the entries an earlier run measured on a busy machine: measured again (the machine was quiet
+    when this run started) or used as they are; ``""`` when there were none."""
 
     @property
     def incomplete(self) -> tuple[RoundRecord, ...]:
@@ -239,12 +242,12 @@ def _retry_busy(plan: dict[str, Any], watch: LoadWatch) -> dict[str, Any]:
     now = watch.before(plan["quiet"])
     count = sum(len(entries) for entries in plan["busy"].values())
     if now.busy is not None:
-        return {**plan, "notes": [*plan["notes"], f"{count} entries measured on a busy machine are used as they are: "
-                                                  f"the machine is busy now too ({now.busy})"]}
+        return {**plan, "retry": f"{count} entries measured on a busy machine are used as they are: the machine is "
+                                 f"busy now too ({now.busy})"}
     rounds = {name: list(dict.fromkeys([*plan["rounds"].get(name, ()), *plan["busy"].get(name, ())]))
               for name in ROUNDS if name in plan["rounds"] or name in plan["busy"]}
-    return {**plan, "rounds": rounds, "notes": [*plan["notes"], f"measuring again {count} entries measured on a busy "
-                                                                f"machine: it is quiet now ({now.describe()})"]}
+    return {**plan, "rounds": rounds, "retry": f"measuring again {count} entries measured on a busy machine: it is "
+                                               f"quiet now ({now.describe()})"}
 
 
 def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFILE_BUDGET_S, force: bool = False,
@@ -322,7 +325,7 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFI
         _teardown()
     return ProfileOutcome(db=db, path=path, reused=not plan["rounds"], rounds=tuple(rounds_done),
                           notes=tuple(plan["notes"]), wall_s=round(time.perf_counter() - started, 3),
-                          coverage=coverage, measured_under=under, busy=tuple(busy))
+                          coverage=coverage, measured_under=under, busy=tuple(busy), retry=plan.get("retry", ""))
 
 
 def _coverage(plan: dict[str, Any], rounds_done: list[RoundRecord]) -> tuple[RoundRecord, ...]:
@@ -352,13 +355,15 @@ def profile_command(overrides: Sequence[str], world: int | None, *options: str) 
 
 
 def busy_hint(outcome: ProfileOutcome, overrides: Sequence[str] = (), world: int | None = None) -> list[str]:
-    """One line when the profile this job plans with was measured (in part) on a busy machine: which rounds, why,
-    and how to measure them again (none when it was quiet)."""
+    """What became of entries measured busy earlier (:attr:`ProfileOutcome.retry`), and one line when the profile
+    this job plans with was measured (in part) on a busy machine: which rounds, why, and how to measure them again
+    (none when it was quiet)."""
     if not outcome.busy:
-        return []
+        return [outcome.retry] if outcome.retry else []
     names = ", ".join(entry.split(" (", 1)[0] for entry in outcome.busy)
     first = outcome.busy[0].split(" (", 1)[-1].rstrip(")")
-    return [f"measured on a busy machine: {names} (first: {first}); predictions from them may be off. The next "
+    return [*([outcome.retry] if outcome.retry else []),
+            f"measured on a busy machine: {names} (first: {first}); predictions from them may be off. The next "
             f"launch that finds the machine quiet measures them again; or on a quiet machine: "
             f"{profile_command(overrides, world, '--force')}"]
 
