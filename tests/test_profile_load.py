@@ -4,6 +4,7 @@ from the profile; the progress text. In process: simulated CPU counters, a one-r
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import time
@@ -147,6 +148,12 @@ def test_a_round_on_a_busy_machine_is_marked_and_measured_again_once_quiet(
     db = _merge(db, job, retried, results, [quiet])
     assert db.busy_entries("gemm", key, entries) == []
     assert "machine quiet (other work at most 0%" in db.measured_under(key, {"gemm": entries})[0]
+    # two runs that each measured some entries busy: the round is named once
+    half = {"gemm": entries[:1]}
+    twice = db.merged(rounds=[dataclasses.replace(record, measured=(e,), time=1.8e9 + i)
+                              for i, e in enumerate(entries)])
+    assert twice.measured_under(key, {"gemm": entries})[0].endswith("1 of 1 rounds on a busy machine")
+    assert twice.measured_under(key, half)[1] == [f"gemm ({record.busy})"]
     # ... and kept, with a note, when it is busy then too
     _machine(monkeypatch, busy=True)
     kept = _retry_busy(later, watch)
@@ -191,6 +198,21 @@ def test_progress_counts_entries_and_says_how_rounds_end() -> None:
     assert "timed out" not in text and "dense tp1" not in text  # a log gets one line per round, as it ends
     busy = RoundRecord(name="gemm", status=RoundStatus.ok, seconds=2.0, load=MachineLoad(other_during=0.9))
     assert status_text(busy) == "done in 2.0 s, machine busy: other work used 90% of the cores during the round"
+
+
+def test_the_rows_end_on_the_counts_of_the_summary_line() -> None:
+    from cfp_megatron.planner.launch_plan import coverage_lines
+    from cfp_megatron.profile.runner import entry_counts
+
+    record = RoundRecord(name="segments", status=RoundStatus.timeout, measured=tuple("abcdefghij"),
+                         missing=("k", "l"), reused=30, over_memory=("m",))
+    outcome = ProfileOutcome(db=None, path=None, reused=False, rounds=(), notes=(), wall_s=1.0, coverage=(record,))
+    (line,) = coverage_lines(outcome, 240, 4, [])[:1]
+    assert entry_counts(record) == (41, 43) and "segments 41/43 (10 measured, 30 reused, 1 over memory" in line
+    out = io.StringIO()
+    with RoundProgress(enabled=True, console=Console(file=out, width=200)) as progress:
+        progress.update("segments", *entry_counts(record), "stopped", final=True)
+    assert "segments         41/43  stopped" in out.getvalue()
 
 
 def test_entries_done_counts_an_entry_once_all_its_steps_ran() -> None:

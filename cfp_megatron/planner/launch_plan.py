@@ -278,13 +278,13 @@ def coverage_lines(outcome: Any, budget_s: float, world: int, overrides: list[st
     """What profiling measured, reused, cut off per round, and (when partial) what is missing and how to complete
     it (``outcome``: :class:`~cfp_megatron.profile.runner.ProfileOutcome` on rank 0)."""
     from cfp_megatron.profile.records import RoundStatus
-    from cfp_megatron.profile.runner import busy_hint, completion_hint
+    from cfp_megatron.profile.runner import busy_hint, completion_hint, entry_counts
 
     parts = []
     for r in outcome.coverage:
-        total = len(r.measured) + len(r.missing) + r.reused + len(r.over_memory)
         state = {RoundStatus.timeout: "stopped at its budget share", RoundStatus.failed: "failed"}.get(r.status, "")
-        said = f"{r.name} {total - len(r.missing)}/{total}"
+        done, total = entry_counts(r)
+        said = f"{r.name} {done}/{total}"
         said += (f" ({len(r.measured)} measured, {r.reused} reused"
                  + (f", {len(r.over_memory)} over memory" if r.over_memory else "") + (f", {state}" if state else "")
                  + (", machine busy" if r.busy else "") + ")")

@@ -348,11 +348,14 @@ class ProfileDB:
         times = sorted(r.time for r in records if r.time is not None)
         when = ("measured " + _utc(times[0]) + (f" to {_utc(times[-1])[11:]}" if times[-1] - times[0] >= 60 else "")
                 + " UTC") if times else "measured before loads were recorded"
-        busy = [f"{r.name} ({r.busy})" for r in records if r.busy is not None]
+        busy = {r.name: f"{r.name} ({r.busy})" for r in sorted(records, key=lambda r: r.time or 0.0)
+                if r.busy is not None}  # per round, its newest busy record's reason
+        names = {r.name for r in records}
         others = [v for r in records if r.load is not None for v in (r.load.other_before, r.load.other_during)
                   if v is not None]
         if busy:
-            return f"{when}, {len(busy)} of {len(records)} rounds on a busy machine", busy
+            order = [name for name in planned if name in busy]
+            return f"{when}, {len(busy)} of {len(names)} rounds on a busy machine", [busy[name] for name in order]
         if others:
             return f"{when}, machine quiet (other work at most {max(others):.0%} of the cores)", []
         return when, []

@@ -236,7 +236,7 @@ def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on
 
 def _retry_busy(plan: dict[str, Any], watch: LoadWatch) -> dict[str, Any]:
     """``plan`` with the entries last measured on a busy machine added to its rounds when the machine is quiet now
-    (every rank reads the load together, so all decide alike); else kept, with a note."""
+    (every rank reads the load together, so all decide alike); either way ``retry`` says what became of them."""
     if not plan["busy"]:
         return plan
     now = watch.before(plan["quiet"])
@@ -313,8 +313,7 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFI
             if shown is not None:  # the bars end on the counts the summary line gives
                 for r in coverage:
                     if r.name in plan["rounds"]:
-                        total = len(r.measured) + len(r.missing) + r.reused + len(r.over_memory)
-                        shown(r.name, total - len(r.missing), total, None, final=True)
+                        shown(r.name, *entry_counts(r), None, final=True)
         dist.barrier()
         if refused is not None:
             raise refused
@@ -326,6 +325,13 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFI
     return ProfileOutcome(db=db, path=path, reused=not plan["rounds"], rounds=tuple(rounds_done),
                           notes=tuple(plan["notes"]), wall_s=round(time.perf_counter() - started, 3),
                           coverage=coverage, measured_under=under, busy=tuple(busy), retry=plan.get("retry", ""))
+
+
+def entry_counts(record: RoundRecord) -> tuple[int, int]:
+    """``(done, total)`` entries of a round's coverage record, as the summary line and the progress rows count them:
+    every entry the job needs (measured, missing, reused, over memory), done unless missing."""
+    total = len(record.measured) + len(record.missing) + record.reused + len(record.over_memory)
+    return total - len(record.missing), total
 
 
 def _coverage(plan: dict[str, Any], rounds_done: list[RoundRecord]) -> tuple[RoundRecord, ...]:
@@ -404,6 +410,8 @@ def _run_rounds(job: JobSpec, plan: dict[str, Any], *, world: int, on_gpu: bool,
         # only what the profile lacks, the entries the search needs first where the round's set-up allows
         pick = grouped_steps if name in ORDERED_ROUNDS else select_steps
         steps = pick(steps, plan["rounds"][name])
+        # the machine's load just before the round (its share is what is left after the reading)
+        load = watch.before(plan["quiet"] or quiet_reference(r for r, _ in out.values())) if watch else None
         remaining = [n for n in todo if n not in out]
         left = budget_s - (time.perf_counter() - started)
         share = max(left, 0.0)
@@ -416,7 +424,6 @@ def _run_rounds(job: JobSpec, plan: dict[str, Any], *, world: int, on_gpu: bool,
         callback = ((lambda i, n, label, name=name, note=note, before=before, reused=reused, total=total:
                      progress(name, reused + before[i], total, f"{label} [{note}]"))
                     if progress and rank == 0 else None)
-        load = watch.before(plan["quiet"] or quiet_reference(r for r, _ in out.values())) if watch else None
         results, record = run_round(name, steps, seconds=share, on_step=callback)
         record = dataclasses.replace(record, load=watch.after(load) if watch and load else None, time=time.time())
         if release is not None:
