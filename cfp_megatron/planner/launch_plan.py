@@ -222,6 +222,7 @@ def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, console: Any
     """Profile with every rank (what profiling measures first: the backend's priority), then search on rank 0 and
     broadcast the plan: the search before profiling where profiling measured nothing (the same ProfileDB), else a
     search on the ProfileDB profiling handed back (not read again)."""
+    progress.update(PREPARE, 0, 0, "loading Megatron-Core")
     from cfp_megatron.engine.distributed import destroy_distributed, searched_on_rank0
     from cfp_megatron.profile.runner import profile_job
 
