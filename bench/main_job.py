@@ -94,7 +94,7 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides after --")
     args = parser.parse_args()
     first_line = snippet.header()
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=200)  # a log keeps the table's columns
     with tempfile.TemporaryDirectory(prefix="cfp-main-job-") as tmp:
         out = args.keep or Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
@@ -121,7 +121,7 @@ def main() -> int:
             counts = re.findall(r"(\d+)/(\d+)", str(row["profile"]))
             complete = ("complete" if counts and all(a == b for a, b in counts) else "partial" if counts
                         else "?")
-            under = str(row["measured"]).split(", ", 1)[-1] if row["measured"] else "?"
+            under = str(row["measured"]).rsplit(", ", 1)[-1] if row["measured"] else "?"  # busy rounds, or quiet
             cells.append([str(i), str(row["rc"]), f"{row['wall_s']:.1f}", f"{row['load']:.1f}", str(row["loops"]),
                           complete, under,
                           *(("-",) * 7 if not c else (
