@@ -3,15 +3,21 @@ layouts checked."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from cfp_megatron.base.config import JobSpec
 from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.profile.load import LOAD_ENV
 from cfp_megatron.search.space import Candidate
 from tests.multirank import MultiRankRuns, run_cases
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The machine's load never decides a test's outcome: profiling's load readings say "quiet" in every process the
+    # tests start (tests/test_profile_load.py reads the load for real, and simulates a busy machine).
+    os.environ.setdefault(LOAD_ENV, "quiet")
     config.addinivalue_line("markers", "multirank(*cases): training runs (tests.multirank.Case) the test reads from "
                                        "the session's one torchrun job per world size (the multirank fixture)")
 

@@ -112,6 +112,9 @@ class _Outcome:
     coverage: tuple = ()
     notes: tuple = ()
     incomplete: tuple = ()
+    busy: tuple = ()
+    measured_under: str = ""
+    retry: str = ""
 
 
 @pytest.fixture

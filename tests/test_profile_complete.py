@@ -151,14 +151,15 @@ def test_the_launch_says_what_is_missing_and_how_to_complete_it(job: JobSpec) ->
     _, coverage = _run(None, job, share=0.5)
     partial = ProfileOutcome(db=None, path=None, reused=False, rounds=(), notes=(), wall_s=1.0, coverage=coverage)
     first, *hint = coverage_lines(partial, 240, WORLD, ["model=gpt_tiny"])
-    assert "timed out" in first and all(name in first for name in ROUNDS)
+    assert "stopped at its budget share" in first and "timed out" not in first
+    assert all(name in first for name in ROUNDS)
     assert hint and "partial" in hint[0] and "recompute" in hint[0]
     assert "-m cfp_megatron.profile model=gpt_tiny" in hint[1]
     db, _ = _run(None, job, share=1.0)
     _, complete = _run(db, job, share=1.0)
     done = ProfileOutcome(db=None, path=None, reused=True, rounds=(), notes=(), wall_s=1.0, coverage=complete)
     (line,) = coverage_lines(done, 240, WORLD, [])
-    assert "reused" in line and "timed out" not in line
+    assert "reused" in line and "stopped" not in line
 
 
 def test_rounds_measure_first_the_partitions_the_search_ranks_best(job: JobSpec) -> None:

@@ -11,12 +11,16 @@ from pathlib import Path
 
 from cfp_megatron.cluster.measured import Collective
 from cfp_megatron.profile.control import FAULT_ENV
+from cfp_megatron.profile.load import LOAD_ENV
 from tests.launcher import REPO, free_port
 
 
-def run_profile(nproc: int, args: list[str], cache: Path, *, fault: str | None = None) -> subprocess.CompletedProcess:
-    """``torchrun -m cfp_megatron.profile`` with its cache under ``cache``."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CFP_CACHE_DIR": str(cache)}
+def run_profile(nproc: int, args: list[str], cache: Path, *, fault: str | None = None,
+                load: str = "quiet") -> subprocess.CompletedProcess:
+    """``torchrun -m cfp_megatron.profile`` with its cache under ``cache``, on a machine whose load readings say
+    ``load`` (:data:`~cfp_megatron.profile.load.LOAD_ENV`)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CFP_CACHE_DIR": str(cache),
+           LOAD_ENV: load}
     env.pop(FAULT_ENV, None)
     if fault:
         env[FAULT_ENV] = fault
@@ -121,9 +125,16 @@ def test_recomputation_is_profiled_as_its_own_partitions(tmp_path) -> None:
 def test_failed_and_slow_rounds_are_recorded_and_the_job_finishes(tmp_path) -> None:
     cache = tmp_path / "cache"
     proc = run_profile(2, ["model=gpt_tiny", "--budget", "12", "--force"], cache,
-                       fault="gemm:fail:1,segments:slow")
+                       fault="gemm:fail:1,segments:slow", load="busy")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rounds = {r["name"]: r for r in only_db(cache)["rounds"]}
+    # on a busy machine (the readings of every rank say so): every round marked, and the note says how to redo them
+    assert all(rounds[name]["load"]["other_during"] == 1.0 for name in ("collectives", "gemm", "segments"))
+    assert "machine busy: other work used 100% of the cores before the round" in proc.stderr  # each round's line
+    said = " ".join(proc.stdout.split())  # as wrapped to the console's width
+    if any(rounds[name]["measured"] for name in ("collectives", "gemm", "segments")):  # a loaded machine: maybe none
+        assert "measured on a busy machine: " in said and "-m cfp_megatron.profile model=gpt_tiny" in said
+        assert "--force" in said and "rounds on a busy machine" in said
     assert rounds["collectives"]["status"] == "ok"
     assert rounds["gemm"]["status"] == "failed" and "rank 1" in rounds["gemm"]["reason"]
     assert "injected failure" in rounds["gemm"]["reason"]

@@ -176,7 +176,8 @@ def searched_on_rank0(search: Any, outcome: Any, env: LaunchEnv, console: Any) -
     if env.rank == 0:
         if console is not None:
             state = "reused the ProfileDB" if outcome.reused else f"profiled in {outcome.wall_s:.1f} s"
-            console.print(f"cfp: {state} ({outcome.path})", markup=False)
+            under = f", {outcome.measured_under}" if outcome.measured_under else ""
+            console.print(f"cfp: {state}{under} ({outcome.path})", markup=False)
         try:
             payload = search()
         except ConfigError as err:

@@ -28,18 +28,33 @@ def measure_matmul_tflops(dtype: torch.dtype = torch.float32, size: int | None =
     return 2.0 * size**3 * n / (time.perf_counter() - start) / 1e12
 
 
-def peak_tflops(cluster: ClusterSpec, precision: Precision) -> tuple[float, str]:
-    """Peak TFLOP/s per rank for ``precision`` and where the figure came from ('preset' or 'measured ...'). A GPU
-    preset's figure on a machine without a GPU (which the training entry refuses) is not this machine's: measured."""
+def peak_tflops(cluster: ClusterSpec, precision: Precision, *, profiled: float | None = None) -> tuple[float, str]:
+    """Peak TFLOP/s per rank for ``precision`` and where the figure came from. A GPU preset's figure on its GPU:
+    ``preset``. Otherwise (a CPU, a GPU without a preset, a GPU preset on a machine without a GPU, which the training
+    entry refuses) this machine's own figure: ``profiled``, the practical peak its ProfileDB's GEMM round stored
+    (:func:`cfp_megatron.profile.cluster.profiled_peak`), so the MFU of every run on this machine is against the same
+    peak; without one, a short matmul measured now (it varies from start to start: the source says so)."""
     preset = {Precision.bf16: cluster.peak_tflops_bf16, Precision.fp16: cluster.peak_tflops_bf16,
               Precision.fp32: cluster.peak_tflops_fp32}.get(precision)
-    if preset is not None and not cluster.on_cpu and not torch.cuda.is_available():
-        return measure_matmul_tflops(torch.float32), f"measured (fp32 matmul: no {cluster.device_name} here)"
-    if preset is not None:
+    here = not (preset is not None and not cluster.on_cpu and not torch.cuda.is_available())
+    if preset is not None and here:
         return preset, "preset"
+    if profiled is not None and profiled > 0:
+        return profiled, "ProfileDB (the GEMM round's best matmul, measured once on this machine)"
+    unprofiled = "; measured at this start: profile this machine once (cfp profile) for an MFU comparable between runs"
+    if not here:
+        return (measure_matmul_tflops(torch.float32),
+                f"measured (fp32 matmul: no {cluster.device_name} here){unprofiled}")
     if not torch.cuda.is_available():
         # CPUs without native half-precision units emulate it far below their fp32 rate, and the model's own
         # half-precision matmuls may take other paths; the fp32 matmul rate is the honest ceiling on a CPU.
-        return measure_matmul_tflops(torch.float32), "measured (fp32 matmul)"
+        return measure_matmul_tflops(torch.float32), f"measured (fp32 matmul){unprofiled}"
     dtype = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(precision, torch.float32)
-    return measure_matmul_tflops(dtype), "measured"
+    return measure_matmul_tflops(dtype), f"measured{unprofiled}"
+
+
+def peak_dtype(precision: Precision) -> str:
+    """The GEMM table's dtype whose peak :func:`peak_tflops` reads for ``precision``: fp32 on a CPU (see there)."""
+    if not torch.cuda.is_available():
+        return "fp32"
+    return {Precision.bf16: "bf16", Precision.fp16: "fp16"}.get(precision, "fp32")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from cfp_megatron.plan.plots import free_path, write_check_png
 from cfp_megatron.profile.cluster import local_measurements
 from cfp_megatron.profile.db import ProfileDB, StepCalibration, update_db
 from cfp_megatron.profile.fingerprint import current_fingerprint
+from cfp_megatron.profile.load import other_load
 from cfp_megatron.profile.records import STEP_TOLERANCE, PlanCheckRecord
 from cfp_megatron.sim.options import options_here
 from cfp_megatron.sim.prediction import Prediction
@@ -119,39 +119,6 @@ def with_breakdown(check: PlanCheck, job: JobSpec, world: int, plot_file: str | 
     time_parts, memory_parts = breakdown(prediction, step_s=check.predicted_step_s,
                                          peak_bytes=check.predicted_peak_bytes)
     return dataclasses.replace(check, time_parts=time_parts, memory_parts=memory_parts)
-
-
-SAMPLE_S = 0.5
-"""Seconds rank 0 samples the machine's CPU use for :func:`other_load`, while the job's other ranks wait for it."""
-
-
-def _cpu_times() -> tuple[float, float] | None:
-    """(idle, total) jiffies of all CPUs from ``/proc/stat``; ``None`` off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [float(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return fields[3] + (fields[4] if len(fields) > 4 else 0.0), sum(fields)
-
-
-def other_load(ranks_here: int, *, sample_s: float = SAMPLE_S) -> float | None:
-    """Share of this machine's CPUs busy with work other than this job, 0..1 per core: on Linux, rank 0 samples the
-    CPUs' busy time for ``sample_s`` while it idles (the job's other ranks soon wait for it in a collective);
-    elsewhere the 1-minute load average less the ``ranks_here`` ranks of the job, over the cores. ``None`` where
-    neither is known."""
-    cores = os.cpu_count() or 1
-    before = _cpu_times()
-    if before is not None:
-        time.sleep(sample_s)
-        after = _cpu_times()
-        if after is not None and after[1] > before[1]:
-            return max(1.0 - (after[0] - before[0]) / (after[1] - before[1]), 0.0)
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None
-    return max(load - ranks_here, 0.0) / cores
 
 
 def compare(check: PlanCheck, history: Sequence[Any], *, load: float | None = None) -> PlanCheckRecord | None:

@@ -38,7 +38,6 @@ def train_from_config(cfg: Any) -> list:
     import torch
 
     from cfp_megatron.compat.cpu import install_if_needed
-    from cfp_megatron.engine import checkpoint
 
     rank_watch.new_run()
     env = LaunchEnv.read()
@@ -55,6 +54,8 @@ def train_from_config(cfg: Any) -> list:
     start_step = hooks.check_before_start(job, restarted=env.restart_count > 0, writer=writer, note=say,
                                          backend=backend, world=env.world_size, planned=planned)
     if start_step is not None and t.checkpoint_dir is not None and start_step >= t.steps:
+        from cfp_megatron.engine import checkpoint  # Megatron-Core's checkpointing: imported where used (seconds)
+
         say(checkpoint.nothing_left(t.checkpoint_dir, start_step, t.steps))
         if env.rank == 0:
             checkpoint_lock.release(t.checkpoint_dir, writer)

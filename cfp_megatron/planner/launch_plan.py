@@ -39,7 +39,7 @@ from cfp_megatron.planner.megatron_launch import profile_priority as profile_pri
 from cfp_megatron.planner.plan_cli import inputs_fingerprint
 from cfp_megatron.planner.plan_inputs import check_plan_applies, check_typed_before_plan, typed_keys
 from cfp_megatron.profile.cluster import local_measurements
-from cfp_megatron.profile.progress import RoundProgress
+from cfp_megatron.profile.progress import PREPARE, RoundProgress
 from cfp_megatron.sim.calibration import identity_warnings
 
 PLAN_DIR = "cfp"
@@ -157,15 +157,17 @@ def searched_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Path | No
     cfp = pinned
     if cfp.plan_file is not None:  # refused now rather than after the profiling budget
         check_write_locations([WriteLocation(key="cfp.plan_file", path=Path(cfp.plan_file), folder=False, new=True)])
-    # This machine's figures, read once: every rank checks the pins and the memory on them before profiling (all
-    # refuse alike), and rank 0 reuses that search where profiling measures nothing.
-    figures = local_measurements(job, world_size=world)
-    key = figures[1].fingerprint.key if figures[1] is not None else None
-    here = dataclasses.replace(job, cluster=figures[0])
-    early = hooks.search_before_profiling(here, world, cfp, backend, given=job.cluster, measurements=figures[1],
-                                          on_gpu=on_gpu, inputs_fingerprint=inputs_fingerprint(here, key))
-    searched = _profile_and_search(job, cfp, env, console, hooks=hooks, backend=backend, early=early,
-                                   figures=figures, on_gpu=on_gpu)
+    with RoundProgress(enabled=env.rank == 0 and console is not None) as progress:  # a row from the start
+        progress.update(PREPARE, 0, 0, "reading this machine's profile, the search before profiling")
+        # This machine's figures, read once: every rank checks the pins and the memory on them before profiling
+        # (all refuse alike), and rank 0 reuses that search where profiling measures nothing.
+        figures = local_measurements(job, world_size=world)
+        key = figures[1].fingerprint.key if figures[1] is not None else None
+        here = dataclasses.replace(job, cluster=figures[0])
+        early = hooks.search_before_profiling(here, world, cfp, backend, given=job.cluster, measurements=figures[1],
+                                              on_gpu=on_gpu, inputs_fingerprint=inputs_fingerprint(here, key))
+        searched = _profile_and_search(job, cfp, env, console, hooks=hooks, backend=backend, early=early,
+                                       figures=figures, on_gpu=on_gpu, progress=progress)
     plan = searched.plan
     if env.rank == 0:
         if not cached.exists():  # a concurrent launch into the same folder may have stored the same inputs' plan
@@ -215,17 +217,19 @@ def _apply(plan: Plan, job: JobSpec, world: int, *, source: str = "the plan sear
 
 def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, console: Any, *, hooks: LaunchHooks,
                         backend: BackendSpec, early: PlannedSearch | None,
-                        figures: tuple[ClusterSpec, Measurements | None], on_gpu: bool) -> LaunchPlan:
+                        figures: tuple[ClusterSpec, Measurements | None], on_gpu: bool,
+                        progress: RoundProgress) -> LaunchPlan:
     """Profile with every rank (what profiling measures first: the backend's priority), then search on rank 0 and
     broadcast the plan: the search before profiling where profiling measured nothing (the same ProfileDB), else a
     search on the ProfileDB profiling handed back (not read again)."""
+    progress.update(PREPARE, 0, 0, "loading Megatron-Core")
     from cfp_megatron.engine.distributed import destroy_distributed, searched_on_rank0
     from cfp_megatron.profile.runner import profile_job
 
     shown = env.rank == 0 and console is not None
-    with RoundProgress(enabled=shown) as progress:
-        outcome = profile_job(job, env, budget_s=cfp.profile_budget_s, repeats=cfp.profile_repeats, keep_group=True,
-                              priority=hooks.priority(early), progress=progress.update if shown else None)
+    outcome = profile_job(job, env, budget_s=cfp.profile_budget_s, repeats=cfp.profile_repeats, keep_group=True,
+                          priority=hooks.priority(early), progress=progress.update if shown else None)
+    progress.close()
     if shown:
         for line in coverage_lines(outcome, cfp.profile_budget_s, env.world_size,
                                    [f"model={job.model.name}", f"cluster={job.cluster.name}"]):
@@ -274,16 +278,17 @@ def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, console: Any
 def coverage_lines(outcome: Any, budget_s: float, world: int, overrides: list[str]) -> list[str]:
     """What profiling measured, reused, cut off per round, and (when partial) what is missing and how to complete
     it (``outcome``: :class:`~cfp_megatron.profile.runner.ProfileOutcome` on rank 0)."""
-    from cfp_megatron.profile.runner import completion_hint
+    from cfp_megatron.profile.records import RoundStatus
+    from cfp_megatron.profile.runner import busy_hint, completion_hint, entry_counts
 
     parts = []
     for r in outcome.coverage:
-        total = len(r.measured) + len(r.missing) + r.reused + len(r.over_memory)
-        state = "timed out" if r.status.value == "timeout" else r.status.value if r.status.value != "ok" else ""
-        said = f"{r.name} {total - len(r.missing)}/{total}"
+        state = {RoundStatus.timeout: "stopped at its budget share", RoundStatus.failed: "failed"}.get(r.status, "")
+        done, total = entry_counts(r)
+        said = f"{r.name} {done}/{total}"
         said += (f" ({len(r.measured)} measured, {r.reused} reused"
                  + (f", {len(r.over_memory)} over memory" if r.over_memory else "") + (f", {state}" if state else "")
-                 + ")")
+                 + (", machine busy" if r.busy else "") + ")")
         parts.append(said)
     lines = [f"profile (budget {budget_s:.0f} s): " + "; ".join(parts)] if parts else []
-    return lines + completion_hint(outcome, overrides, world=world)
+    return lines + completion_hint(outcome, overrides, world=world) + busy_hint(outcome, overrides, world=world)

@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rank_watch.tie_to_launcher()  # under torchrun: end with it; Ctrl-C said in one line
     note = quiet_expected_warnings()  # before Megatron-Core is imported (by the runner)
-    from cfp_megatron.profile.runner import completion_hint, profile_job
+    from cfp_megatron.profile.runner import busy_hint, completion_hint, profile_job
 
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -77,11 +77,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    console=console)
             for note in outcome.notes:
                 console.print(f"note: {note}", markup=False)
-            for line in completion_hint(outcome, args.overrides, env.world_size):
+            for line in (*completion_hint(outcome, args.overrides, env.world_size),
+                         *busy_hint(outcome, args.overrides, env.world_size)):
                 console.print(f"note: {line}", markup=False)
             cluster = measured_cluster(job.cluster, outcome.db, gpus_per_node=outcome.db.fingerprint.gpus_per_node)
             console.print(f"cluster {cluster.name} with measured figures: {describe_cluster(cluster)}", markup=False)
             state = "reused (nothing measured)" if outcome.reused else f"profiled in {outcome.wall_s:.1f} s"
+            state += f", {outcome.measured_under}" if outcome.measured_under else ""
             console.print(f"ProfileDB: {outcome.path} ({state})", markup=False)
             if args.export:
                 console.print(f"exported: {export_db(outcome.db, args.export, key='--export')}", markup=False)

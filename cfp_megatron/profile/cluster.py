@@ -8,11 +8,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cfp_megatron.base.config import ClusterSpec, JobSpec
+from cfp_megatron.base.config import ClusterSpec, JobSpec, Precision
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.cluster.measured import Collective, CollectiveFit, Measurements, Span
 from cfp_megatron.cluster.presets import cluster_preset, identity, preset_for_device
 from cfp_megatron.profile.db import load_db
+from cfp_megatron.profile.errors import ProfileDBError
 from cfp_megatron.profile.fingerprint import current_fingerprint, model_key
 
 if TYPE_CHECKING:
@@ -182,6 +183,23 @@ def local_measurements(job: JobSpec, *, world_size: int, backend: str | None = N
         return spec, None
     db = db.for_model(model_key(job, on_gpu=torch.cuda.is_available()))
     return measured_cluster(spec, db, gpus_per_node=fp.gpus_per_node), db
+
+
+def profiled_peak(job: JobSpec, *, world_size: int, precision: Precision) -> float | None:
+    """The practical matmul peak per rank (TFLOP/s) this machine's ProfileDB holds for ``precision`` (the GEMM
+    round's best shape, timed with all ranks busy: :meth:`~cfp_megatron.profile.db.ProfileDB.peak_tflops`), the
+    peak MFU is against (:func:`cfp_megatron.engine.peak.peak_tflops`); ``None`` where this machine was not
+    profiled with ``world_size`` ranks or its DB cannot be read."""
+    from cfp_megatron.engine.distributed import resolve_backend
+    from cfp_megatron.engine.peak import peak_dtype
+
+    fp = current_fingerprint(world_size=world_size, nodes=max(job.cluster.nodes, 1),
+                             backend=resolve_backend(job.cluster.backend))
+    try:
+        db = load_db(fp)
+    except ProfileDBError:
+        return None
+    return db.peak_tflops(peak_dtype(precision)) if db is not None else None
 
 
 def describe_cluster(spec: ClusterSpec) -> str:

@@ -181,10 +181,9 @@ def fit_results(results: Sequence[StepResult],
                 meaning: dict[str, tuple[Collective, GroupPattern, int]],
                 prior: Sequence[CollectiveRecord] = ()) -> tuple[list[CollectiveRecord], list[str]]:
     """One fit per (collective, pattern) with two or more sizes timed (with the samples of ``prior`` records of an
-    earlier run that measured the other sizes); and what could not be fitted, with why."""
+    earlier run at the sizes this run did not time: a size timed again replaces its old sample); and what could not
+    be fitted, with why."""
     samples: dict[tuple[Collective, int, Span], list[tuple[int, float]]] = {}
-    for rec in prior:
-        samples.setdefault((rec.fit.op, rec.fit.group_size, rec.fit.span), []).extend(rec.samples)
     layouts = {(rec.fit.op, rec.fit.group_size, rec.fit.span): rec.pattern for rec in prior}
     for res in results:
         if res.label not in meaning:
@@ -194,6 +193,10 @@ def fit_results(results: Sequence[StepResult],
         key = (op, pattern.size, pattern.span)
         samples.setdefault(key, []).append((int(actual), seconds))
         layouts[key] = pattern.layout
+    for rec in prior:
+        key = (rec.fit.op, rec.fit.group_size, rec.fit.span)
+        timed = {size for size, _ in samples.get(key, [])}
+        samples.setdefault(key, []).extend(point for point in rec.samples if point[0] not in timed)
     records, missing = [], []
     for key in sorted({(op, p.size, p.span) for op, p, _ in meaning.values()}, key=lambda k: (k[0].value, k[1],
                                                                                                k[2].value)):

@@ -106,6 +106,15 @@ def slowest(values: Sequence[float]) -> tuple[float, ...]:
     return tuple(float(v) for v in tensor.tolist())
 
 
+def summed(values: Sequence[float]) -> tuple[float, ...]:
+    """``values`` summed over the default group, element-wise (unchanged in one process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return tuple(float(v) for v in values)
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=control_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tuple(float(v) for v in tensor.tolist())
+
+
 def sync(stop: bool, failed: bool, values: Sequence[float], *, out_of_memory: bool = False
          ) -> tuple[bool, bool, tuple[float, ...], bool]:
     """One all-reduce (MAX) over the default group: rank 0's ``stop``, anyone's ``failed``, the slowest values, and

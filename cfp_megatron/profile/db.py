@@ -11,13 +11,14 @@ rename) and merge this job's additions into the file as it is then, under a lock
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import json
 import math
 import statistics
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -318,6 +319,47 @@ class ProfileDB:
         have |= {e for r in self.rounds if r.name == round_name and r.model == model for e in r.over_memory}
         return [e for e in planned if e not in have]
 
+    def _latest_rounds(self, round_name: str, model: str) -> dict[str, RoundRecord]:
+        """Per entry of ``round_name`` (``model``'s, or the cluster's for collectives and GEMMs), the newest round
+        record that measured it."""
+        own = "" if round_name in ("collectives", "gemm") else model
+        latest: dict[str, RoundRecord] = {}
+        for r in self.rounds:
+            if r.name == round_name and r.model == own:
+                latest.update(dict.fromkeys(r.measured, r))
+        return latest
+
+    def busy_entries(self, round_name: str, model: str, planned: Sequence[str]) -> list[str]:
+        """The entries of ``planned`` whose newest measurement was taken on a busy machine
+        (:attr:`~cfp_megatron.profile.records.RoundRecord.busy`): a later run measures them again when it finds
+        the machine quiet."""
+        latest = self._latest_rounds(round_name, model)
+        return [e for e in planned if e in latest and latest[e].busy is not None]
+
+    def measured_under(self, model: str, planned: Mapping[str, Sequence[str]]) -> tuple[str, list[str]]:
+        """When and under what load the entries of ``planned`` (per round) were measured: a phrase
+        (``measured 2026-12-01 23:40-23:44 UTC, machine quiet (other work at most 8% of the cores)``) and, per
+        round measured on a busy machine, ``segments (other work used 85% of the cores during the round)``; ``""``
+        when none of them was measured."""
+        records = {id(r): r for name, entries in planned.items()
+                   for e, r in self._latest_rounds(name, model).items() if e in set(entries)}.values()
+        if not records:
+            return "", []
+        times = sorted(r.time for r in records if r.time is not None)
+        when = ("measured " + _utc(times[0]) + (f" to {_utc(times[-1])[11:]}" if times[-1] - times[0] >= 60 else "")
+                + " UTC") if times else "measured before loads were recorded"
+        busy = {r.name: f"{r.name} ({r.busy})" for r in sorted(records, key=lambda r: r.time or 0.0)
+                if r.busy is not None}  # per round, its newest busy record's reason
+        names = {r.name for r in records}
+        others = [v for r in records if r.load is not None for v in (r.load.other_before, r.load.other_during)
+                  if v is not None]
+        if busy:
+            order = [name for name in planned if name in busy]
+            return f"{when}, {len(busy)} of {len(names)} rounds on a busy machine", [busy[name] for name in order]
+        if others:
+            return f"{when}, machine quiet (other work at most {max(others):.0%} of the cores)", []
+        return when, []
+
     def for_model(self, model: str) -> ProfileDB:
         """The same DB with kind names resolving against ``model`` (a :func:`model_key`)."""
         return dataclasses.replace(self, model=model)
@@ -430,6 +472,11 @@ def _records(kind: Any, section: str, rows: Any, source: object) -> tuple:
                 f"it, and the planner would read it. Fix: {REPROFILE_FIX}", record=record, field=err.field,
                 value=err.value, expected=err.expected) from None
     return tuple(out)
+
+
+def _utc(seconds: float) -> str:
+    """``2026-12-01 23:40`` (UTC) of a time in seconds since the epoch."""
+    return datetime.datetime.fromtimestamp(seconds, tz=datetime.UTC).strftime("%Y-%m-%d %H:%M")
 
 
 # ----------------------------------------------------------------------------------------------- calibration

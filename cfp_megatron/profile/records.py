@@ -48,6 +48,73 @@ class RoundStatus(enum.Enum):
     """A step raised on some rank; the steps done before it are kept."""
 
 
+BUSY_OTHER_LOAD = 0.25
+"""Share of the cores busy with other work (than the job's own ranks) above which the machine counts as busy, for a
+profiling round and a plan check alike."""
+BUSY_REFERENCE_SHARE = 0.6
+"""A reference matmul (:func:`cfp_megatron.profile.load.reference_tflops`) slower than this share of its speed on a
+quiet machine (:attr:`MachineLoad.quiet_reference_tflops`) marks the round it was timed before as busy."""
+
+
+def load_busy(other_load: float | None, when: str = "") -> str | None:
+    """Why a machine whose other work used ``other_load`` of its cores (0..1) counts as busy (``when`` says when it
+    was read, e.g. ``" during the round"``); ``None`` when it stayed at or under :data:`BUSY_OTHER_LOAD`."""
+    if other_load is not None and other_load > BUSY_OTHER_LOAD:
+        return f"other work used {other_load:.0%} of the cores{when}"
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class MachineLoad:
+    """How busy the machine was around one profiling round (:mod:`cfp_megatron.profile.load`)."""
+
+    other_before: float | None = None
+    """Share of the cores (0..1, over the nodes) other processes than the job's ranks used while the ranks timed the
+    reference matmul just before the round; ``None`` where the CPU time is not readable (not Linux)."""
+    other_during: float | None = None
+    """The same share over the whole round."""
+    reference_tflops: float | None = None
+    """The reference matmul's speed just before the round (TFLOP/s, the slowest rank's, all ranks at once)."""
+    quiet_reference_tflops: float | None = None
+    """The reference matmul's speed on this machine when quiet (the median of the ProfileDB's and this run's
+    quiet readings) that ``reference_tflops`` was compared with; ``None`` before any quiet reading."""
+
+    @property
+    def busy(self) -> str | None:
+        """Why the round counts as measured on a busy machine (other work on more than :data:`BUSY_OTHER_LOAD` of
+        the cores before or during it, or the reference matmul under :data:`BUSY_REFERENCE_SHARE` of its quiet
+        speed); ``None`` when the machine looked quiet."""
+        found = load_busy(self.other_before, " before the round") or load_busy(self.other_during, " during the round")
+        if found is not None:
+            return found
+        if self.reference_tflops is not None and self.quiet_reference_tflops:
+            share = self.reference_tflops / self.quiet_reference_tflops
+            if share < BUSY_REFERENCE_SHARE:
+                return f"the reference matmul ran at {share:.0%} of its speed on the quiet machine"
+        return None
+
+    def describe(self) -> str:
+        """``other work 12% of the cores, reference matmul at 95% of its quiet speed`` (what is known)."""
+        other = [v for v in (self.other_before, self.other_during) if v is not None]
+        parts = [f"other work {max(other):.0%} of the cores"] if other else []
+        if self.reference_tflops is not None and self.quiet_reference_tflops:
+            parts.append(f"reference matmul at {self.reference_tflops / self.quiet_reference_tflops:.0%} of its "
+                         "quiet speed")
+        return ", ".join(parts) or "load not measured"
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> MachineLoad:
+        """Parse :meth:`to_json`'s output; :class:`ProfileFigureError` for a figure out of range."""
+        check_figures(data, {"other_before": "non_negative", "other_during": "non_negative",
+                             "reference_tflops": "positive", "quiet_reference_tflops": "positive"},
+                      nullable=("other_before", "other_during", "reference_tflops", "quiet_reference_tflops"))
+        return cls(**data)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RoundRecord:
     """One profiling round (collectives, gemm, segments) of one run."""
@@ -77,6 +144,15 @@ class RoundRecord:
     over_memory: tuple[str, ...] = ()
     """Entries whose step ran out of device memory on this machine (a set-up step's: the entries that need it): not
     measured, and not retried by later runs; plans that would read them are priced by the analytical model."""
+    load: MachineLoad | None = None
+    """How busy the machine was before and during the round; ``None`` in older records (read as quiet)."""
+    time: float | None = None
+    """When the round ended (seconds since the epoch); ``None`` in older records."""
+
+    @property
+    def busy(self) -> str | None:
+        """Why the round was measured on a busy machine (:attr:`MachineLoad.busy`); ``None`` when quiet."""
+        return self.load.busy if self.load is not None else None
 
     @property
     def complete(self) -> bool:
@@ -86,7 +162,8 @@ class RoundRecord:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready form."""
         return {**dataclasses.asdict(self), "status": self.status.value, "measured": list(self.measured),
-                "missing": list(self.missing), "over_memory": list(self.over_memory)}
+                "missing": list(self.missing), "over_memory": list(self.over_memory),
+                "load": self.load.to_json() if self.load is not None else None}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RoundRecord:
@@ -94,8 +171,10 @@ class RoundRecord:
         and ``over_memory`` existed load with their defaults); :class:`ProfileFigureError` for a count or time out of
         range."""
         check_figures(data, {"steps_done": "tally", "steps_planned": "tally", "seconds": "non_negative",
-                             "reused": "tally"})
+                             "reused": "tally", "time": "non_negative"}, nullable=("time",))
+        load = data.get("load")
         return cls(**{**data, "status": RoundStatus(data["status"]),
+                      "load": MachineLoad.from_json(load) if load is not None else None,
                       "measured": tuple(data.get("measured", ())), "missing": tuple(data.get("missing", ())),
                       "over_memory": tuple(data.get("over_memory", ()))})
 
@@ -307,8 +386,6 @@ class OverheadRecord:
 
 STEP_TOLERANCE = 0.10
 """Relative difference between a run's measured and predicted step time beyond which the plan check warns."""
-BUSY_OTHER_LOAD = 0.25
-"""Share of the cores busy with other work above which a plan check's machine counts as busy."""
 BUSY_REPEAT_SPREAD = 0.5
 """(Slowest - fastest) / median of the timed steps above which a plan check's machine counts as busy."""
 
@@ -355,8 +432,9 @@ class PlanCheckRecord:
         """Why the machine looked busy while the steps were timed (other work on more than
         :data:`BUSY_OTHER_LOAD` of the cores, or step times more than :data:`BUSY_REPEAT_SPREAD` apart), so the run
         is recorded but does not calibrate; ``None`` when it looked quiet."""
-        if self.other_load is not None and self.other_load > BUSY_OTHER_LOAD:
-            return f"other work used {self.other_load:.0%} of the cores"
+        found = load_busy(self.other_load)
+        if found is not None:
+            return found
         if self.repeat_spread is not None and self.repeat_spread > BUSY_REPEAT_SPREAD:
             return f"the timed steps were {self.repeat_spread:.0%} apart"
         return None

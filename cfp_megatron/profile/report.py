@@ -55,11 +55,14 @@ def render(db: ProfileDB, rounds: tuple[RoundRecord, ...], *, console: Console |
     console.print(seg)
     if rounds:
         rt = Table(title="Rounds of this run")
-        for col in ("round", "status", "steps", "seconds", "measured", "reused", "missing", "over memory", "reason"):
+        for col in ("round", "status", "steps", "seconds", "measured", "reused", "missing", "over memory", "load",
+                    "reason"):
             rt.add_column(col, overflow="fold")
         for r in rounds:
             entries = r.name not in ("analysis", "collective-fits")
+            load = "" if r.load is None else ("busy: " + r.busy if r.busy else "quiet: " + r.load.describe())
             rt.add_row(r.name, r.status.value, f"{r.steps_done}/{r.steps_planned}", f"{r.seconds:.2f}",
                        str(len(r.measured)) if entries else "", str(r.reused) if entries else "",
-                       str(len(r.missing)) if entries else "", str(len(r.over_memory)) if entries else "", r.reason)
+                       str(len(r.missing)) if entries else "", str(len(r.over_memory)) if entries else "", load,
+                       r.reason)
         console.print(rt)

@@ -40,7 +40,9 @@ from cfp_megatron.profile.db import ProfileDB, db_path, load_db, store_db
 from cfp_megatron.profile.errors import ProfileDBError, ProfileError
 from cfp_megatron.profile.fingerprint import Fingerprint, current_fingerprint, model_key
 from cfp_megatron.profile.gemm import gemm_records, gemm_steps
+from cfp_megatron.profile.load import LoadWatch, quiet_reference
 from cfp_megatron.profile.overheads import overhead_cases, overhead_records, overhead_steps
+from cfp_megatron.profile.progress import PREPARE
 from cfp_megatron.profile.records import RoundRecord, RoundStatus, collective_entry_key
 from cfp_megatron.profile.segments import (
     analysis_classes,
@@ -65,7 +67,9 @@ ORDERED_ROUNDS = ("segments", "overheads", "recompute")
 probe per partition, so any order of partitions costs the same. The collectives keep their own order (the smallest
 and largest size of every pattern first, so a short budget still fits each) and the GEMMs are cheap."""
 
-ProgressFn = Callable[[str, int, int, str], None]
+ProgressFn = Callable[..., None]
+"""``progress(round, done, total, text, final=False)``: ``done`` of the round's ``total`` entries (the reused ones
+counted as done), what runs now or how it ended (``final``); the round :data:`PREPARE` is the work before the first."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +91,13 @@ class ProfileOutcome:
     coverage: tuple[RoundRecord, ...] = ()
     """Per round of :data:`ROUNDS` (rank 0): the entries this run measured, how many it reused, which the profile
     still lacks for this job (a round that did not run: everything reused)."""
+    measured_under: str = ""
+    """When and under what load the profile this job reads was measured (rank 0; :meth:`ProfileDB.measured_under`)."""
+    busy: tuple[str, ...] = ()
+    """The rounds of that profile measured on a busy machine, each with why (rank 0)."""
+    retry: str = ""
+    """What became of the entries an earlier run measured on a busy machine: measured again (the machine was quiet
+    when this run started) or used as they are; ``""`` when there were none."""
 
     @property
     def incomplete(self) -> tuple[RoundRecord, ...]:
@@ -197,13 +208,17 @@ def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on
     tps = sorted({c.tp for c in cases})  # PrimePar's MLP is a second case of its TP size
     planned = round_entries(job, world, on_gpu=on_gpu)
     rounds = rounds_needed(db, key, planned, force=force)
-    if priority is not None and set(rounds) & set(ORDERED_ROUNDS):  # asked only when those rounds measure
+    # what was measured on a busy machine: measured again if the machine is quiet once the ranks are up (_retry_busy)
+    busy = {name: [e for e in db.busy_entries(name, key, planned[name]) if e not in rounds.get(name, ())]
+            for name in ROUNDS} if db is not None and not force else {}
+    busy = {name: entries for name, entries in busy.items() if entries}
+    if priority is not None and (set(rounds) | set(busy)) & set(ORDERED_ROUNDS):  # only when those rounds measure
         order = priority()
-        rounds = {name: prioritized(entries, order) if name in ORDERED_ROUNDS else entries
-                  for name, entries in rounds.items()}
+        rounds, busy = ({name: prioritized(entries, order) if name in ORDERED_ROUNDS else entries
+                         for name, entries in found.items()} for found in (rounds, busy))
     classes: dict[int, dict[str, dict[str, Any]]] = {}
     records: list[dict[str, Any]] = []
-    if {"segments", "recompute"} & set(rounds):  # only these rounds name their records by the analysis' classes
+    if {"segments", "recompute"} & (set(rounds) | set(busy)):  # only these name their records by the analysis' classes
         began = time.perf_counter()
         try:
             for tp in tps:
@@ -215,7 +230,24 @@ def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on
                                    steps_planned=len(tps), seconds=round(time.perf_counter() - began, 3)).to_json())
     return {"rounds": rounds, "planned": planned, "force": force, "classes": classes, "notes": notes,
             "model_key": key, "records": records, "db": db.to_json() if db is not None else None,
-            "elapsed": time.perf_counter() - started}
+            "elapsed": time.perf_counter() - started, "busy": busy,
+            "quiet": quiet_reference(db.rounds) if db is not None else None}
+
+
+def _retry_busy(plan: dict[str, Any], watch: LoadWatch) -> dict[str, Any]:
+    """``plan`` with the entries last measured on a busy machine added to its rounds when the machine is quiet now
+    (every rank reads the load together, so all decide alike); either way ``retry`` says what became of them."""
+    if not plan["busy"]:
+        return plan
+    now = watch.before(plan["quiet"])
+    count = sum(len(entries) for entries in plan["busy"].values())
+    if now.busy is not None:
+        return {**plan, "retry": f"{count} entries measured on a busy machine are used as they are: the machine is "
+                                 f"busy now too ({now.busy})"}
+    rounds = {name: list(dict.fromkeys([*plan["rounds"].get(name, ()), *plan["busy"].get(name, ())]))
+              for name in ROUNDS if name in plan["rounds"] or name in plan["busy"]}
+    return {**plan, "rounds": rounds, "retry": f"measuring again {count} entries measured on a busy machine: it is "
+                                               f"quiet now ({now.describe()})"}
 
 
 def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFILE_BUDGET_S, force: bool = False,
@@ -238,21 +270,32 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFI
     backend = resolve_backend(job.cluster.backend)
     world = env.world_size
     fp = current_fingerprint(world_size=world, nodes=job.cluster.nodes, backend=backend)
+    shown = progress if progress is not None and env.rank == 0 else None
+    if shown is not None:
+        shown(PREPARE, 0, 0, "reading the ProfileDB, analysing the model, planning the rounds")
     plan = (_plan_on_rank0(job, fp, world, force=force, on_gpu=on_gpu, started=started, priority=priority)
             if env.rank == 0 else None)
     timeout = datetime.timedelta(seconds=job.train.collective_timeout_s)
     rank_watch.at("the start of profiling (rank 0 plans the rounds)")
+    if shown is not None:
+        shown(PREPARE, 0, 0, "waiting for the other ranks")
     init_profile_group(backend, env, timeout)
     try:
         box = [plan]
         dist.broadcast_object_list(box, src=0)
-        plan = box[0]
+        watch = LoadWatch(ranks_here=env.local_world_size, nodes=job.cluster.nodes)
+        if shown is not None:
+            shown(PREPARE, 0, 0, "reading the machine's load")
+        plan = _retry_busy(box[0], watch)
+        if shown is not None:
+            shown(PREPARE, 1, 1, f"done in {time.perf_counter() - started:.1f} s", final=True)
         rounds_done = [RoundRecord.from_json(r) for r in plan["records"]]
         results = _run_rounds(job, plan, world=world, on_gpu=on_gpu, budget_s=budget_s, started=started,
-                              rank=env.rank, progress=progress, repeats=repeats)
+                              rank=env.rank, progress=progress, repeats=repeats, watch=watch)
         rounds_done += [record for record, _ in results.values()]
         db = path = None
         coverage: tuple[RoundRecord, ...] = ()
+        under, busy = "", []
         refused: CfpError | None = None
         if env.rank == 0:
             db = ProfileDB.from_json(plan["db"]) if plan["db"] is not None else ProfileDB(fingerprint=fp)
@@ -266,6 +309,11 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFI
             else:
                 path = db_path(fp)
             coverage = _coverage(plan, rounds_done)
+            under, busy = db.measured_under(plan["model_key"], plan["planned"])
+            if shown is not None:  # the bars end on the counts the summary line gives
+                for r in coverage:
+                    if r.name in plan["rounds"]:
+                        shown(r.name, *entry_counts(r), None, final=True)
         dist.barrier()
         if refused is not None:
             raise refused
@@ -276,7 +324,14 @@ def profile_job(job: JobSpec, env: LaunchEnv, *, budget_s: float = DEFAULT_PROFI
         _teardown()
     return ProfileOutcome(db=db, path=path, reused=not plan["rounds"], rounds=tuple(rounds_done),
                           notes=tuple(plan["notes"]), wall_s=round(time.perf_counter() - started, 3),
-                          coverage=coverage)
+                          coverage=coverage, measured_under=under, busy=tuple(busy), retry=plan.get("retry", ""))
+
+
+def entry_counts(record: RoundRecord) -> tuple[int, int]:
+    """``(done, total)`` entries of a round's coverage record, as the summary line and the progress rows count them:
+    every entry the job needs (measured, missing, reused, over memory), done unless missing."""
+    total = len(record.measured) + len(record.missing) + record.reused + len(record.over_memory)
+    return total - len(record.missing), total
 
 
 def _coverage(plan: dict[str, Any], rounds_done: list[RoundRecord]) -> tuple[RoundRecord, ...]:
@@ -292,17 +347,61 @@ def completion_hint(outcome: ProfileOutcome, overrides: Sequence[str] = (), worl
         return []
     parts = ", ".join(f"{r.name} {len(r.missing)} of {len(r.missing) + r.reused + len(r.measured)} missing"
                       f" (e.g. {r.missing[0]})" for r in outcome.incomplete)
-    nproc = world if world is not None else "N"
-    args = " ".join(overrides)
     return [f"the profile is partial: {parts}; plans that read these are priced by the analytical model",
-            f"complete it (measures only what is missing; add the job's other overrides): torchrun "
-            f"--nproc_per_node={nproc} -m cfp_megatron.profile{' ' + args if args else ''} --budget 600, or launch "
-            "again (each launch measures what is missing within cfp.profile_budget_s)"]
+            f"complete it (measures only what is missing; add the job's other overrides): "
+            f"{profile_command(overrides, world, '--budget 600')}, or launch again (each launch measures what is "
+            "missing within cfp.profile_budget_s)"]
+
+
+def profile_command(overrides: Sequence[str], world: int | None, *options: str) -> str:
+    """The command that profiles this job's cluster: ``torchrun --nproc_per_node=4 -m cfp_megatron.profile
+    model=gpt_tiny --force``."""
+    nproc = world if world is not None else "N"
+    return " ".join(["torchrun", f"--nproc_per_node={nproc}", "-m", "cfp_megatron.profile", *overrides, *options])
+
+
+def busy_hint(outcome: ProfileOutcome, overrides: Sequence[str] = (), world: int | None = None) -> list[str]:
+    """What became of entries measured busy earlier (:attr:`ProfileOutcome.retry`), and one line when the profile
+    this job plans with was measured (in part) on a busy machine: which rounds, why, and how to measure them again
+    (none when it was quiet)."""
+    if not outcome.busy:
+        return [outcome.retry] if outcome.retry else []
+    names = ", ".join(entry.split(" (", 1)[0] for entry in outcome.busy)
+    first = outcome.busy[0].split(" (", 1)[-1].rstrip(")")
+    return [*([outcome.retry] if outcome.retry else []),
+            f"measured on a busy machine: {names} (first: {first}); predictions from them may be off. The next "
+            f"launch that finds the machine quiet measures them again; or on a quiet machine: "
+            f"{profile_command(overrides, world, '--force')}"]
+
+
+def share_note(share_s: float, budget_s: float, reused: int) -> str:
+    """What a round's progress line says of its time: ``its share: 71 s of the 240 s budget, 30 reused``."""
+    return f"its share: {share_s:.0f} s of the {budget_s:.0f} s budget" + (f", {reused} reused" if reused else "")
+
+
+def status_text(record: RoundRecord) -> str:
+    """How a round ended, in words: ``done in 9.7 s``, ``stopped at its budget share after 39.0 s``, ``failed after
+    2.0 s``."""
+    said = {RoundStatus.ok: "done in", RoundStatus.timeout: "stopped at its budget share after",
+            RoundStatus.failed: "failed after"}[record.status]
+    return f"{said} {record.seconds:.1f} s" + (f", machine busy: {record.busy}" if record.busy else "")
+
+
+def entries_done(steps: Sequence[Step]) -> list[int]:
+    """Per step, the entries whose steps all come before it (the progress count as that step starts)."""
+    last = {s.entry: i for i, s in enumerate(steps) if s.entry is not None}
+    ends = sorted(last.values())
+    out, done = [], 0
+    for i in range(len(steps)):
+        while done < len(ends) and ends[done] < i:
+            done += 1
+        out.append(done)
+    return out
 
 
 def _run_rounds(job: JobSpec, plan: dict[str, Any], *, world: int, on_gpu: bool, budget_s: float, started: float,
-                rank: int, progress: ProgressFn | None, repeats: int | None = None
-                ) -> dict[str, tuple[RoundRecord, Any]]:
+                rank: int, progress: ProgressFn | None, repeats: int | None = None,
+                watch: LoadWatch | None = None) -> dict[str, tuple[RoundRecord, Any]]:
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     out: dict[str, tuple[RoundRecord, Any]] = {}
     todo = list(plan["rounds"])
@@ -311,21 +410,29 @@ def _run_rounds(job: JobSpec, plan: dict[str, Any], *, world: int, on_gpu: bool,
         # only what the profile lacks, the entries the search needs first where the round's set-up allows
         pick = grouped_steps if name in ORDERED_ROUNDS else select_steps
         steps = pick(steps, plan["rounds"][name])
+        # the machine's load just before the round (its share is what is left after the reading)
+        load = watch.before(plan["quiet"] or quiet_reference(r for r, _ in out.values())) if watch else None
         remaining = [n for n in todo if n not in out]
         left = budget_s - (time.perf_counter() - started)
         share = max(left, 0.0)
         if name in SHARES:
             share *= SHARES[name] / sum(SHARES[n] for n in remaining if n in SHARES)
-        reused = len(plan["planned"][name]) - len(plan["rounds"][name])
-        note = f"{share:.0f} of {budget_s:.0f} s" + (f", {reused} reused" if reused else "")
-        callback = ((lambda i, n, label, name=name, note=note: progress(name, i, n, f"{label} [{note}]"))
+        total = len(plan["planned"][name])
+        reused = total - len(plan["rounds"][name])
+        note = share_note(share, budget_s, reused)
+        before = entries_done(steps)
+        callback = ((lambda i, n, label, name=name, note=note, before=before, reused=reused, total=total:
+                     progress(name, reused + before[i], total, f"{label} [{note}]"))
                     if progress and rank == 0 else None)
         results, record = run_round(name, steps, seconds=share, on_step=callback)
+        record = dataclasses.replace(record, load=watch.after(load) if watch and load else None, time=time.time())
         if release is not None:
             release()
         if progress is not None and rank == 0:
-            status = "timed out" if record.status is RoundStatus.timeout else record.status.value
-            progress(name, record.steps_done, len(steps), f"{status} in {record.seconds:.1f} s [{note}]")
+            finished = {r.label for r in results}
+            done = len({s.entry for s in steps if s.entry is not None}
+                       - {s.entry for s in steps if s.entry is not None and s.label not in finished})
+            progress(name, reused + done, total, f"{status_text(record)} [{note}]", final=True)
         out[name] = (record, (results, meaning))
     return out
 

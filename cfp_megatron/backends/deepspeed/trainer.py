@@ -37,6 +37,7 @@ from cfp_megatron.engine.peak import peak_tflops
 from cfp_megatron.model.megatron_config import transformer_config
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.plan.check import PlanCheck, log_plan_check
+from cfp_megatron.profile.cluster import profiled_peak
 
 
 def import_deepspeed() -> Any:
@@ -132,7 +133,8 @@ def run_training(job: JobSpec, plan: Plan, config: dict[str, Any], dims: Paralle
         rank_watch.saved(str(path))
         log.event("resume", step=step, path=path, restart_count=env.restart_count)
     precision = Precision(plan.precision)
-    peak, peak_source = peak_tflops(job.cluster, precision)
+    peak, peak_source = peak_tflops(job.cluster, precision,
+                                    profiled=profiled_peak(job, world_size=env.world_size, precision=precision))
     flops_per_token = training_flops_per_token(job.model, t.seq_length)
     log.event("start", model=job.model.name, backend="deepspeed", plan=plan.describe(),
               params_on_rank0=sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),

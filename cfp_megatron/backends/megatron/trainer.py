@@ -26,6 +26,7 @@ from cfp_megatron.engine.model import count_parameters
 from cfp_megatron.engine.peak import peak_tflops
 from cfp_megatron.engine.step import TrainState, build_training, train_step
 from cfp_megatron.plan.check import PlanCheck, log_plan_check
+from cfp_megatron.profile.cluster import profiled_peak
 
 
 def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step: int | None,
@@ -47,7 +48,8 @@ def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step
         rank_watch.saved(str(checkpoint.step_dir(Path(t.checkpoint_dir), start_step)))
         log.event("resume", step=start_step, saved_under=extra.get("layout"), layout=dims.describe(),
                   restart_count=env.restart_count)
-    peak, peak_source = peak_tflops(job.cluster, precision)
+    peak, peak_source = peak_tflops(job.cluster, precision,
+                                    profiled=profiled_peak(job, world_size=env.world_size, precision=precision))
     flops_per_token = training_flops_per_token(job.model, t.seq_length)
     log.event("start", model=job.model.name, layout=dims.describe(), mlp=job.parallel.mlp.value,
               primepar_layers=job.parallel.primepar_layers,
