@@ -255,3 +255,17 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_set_up_line_installs_every_extra() -> None:
+    """The README's first ``pip install -e ".[...]"`` installs every extra of pyproject.toml, so the test command
+    that follows it skips nothing for a missing extra (mkdocs for the site, deepspeed, tokenizers)."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    setup = re.search(r'pip install -e "\.\[([\w,-]+)\]"', (ROOT / "README.md").read_text())
+    assert setup, "the README shows no pip install -e \".[...]\""
+    named = setup.group(1).split(",")
+    installed = {req for name in named for req in extras[name]}
+    missing = {name: [r for r in reqs if r not in installed] for name, reqs in extras.items()}
+    assert not any(missing.values()), f"the README's set-up line leaves out {missing}"
