@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNS_CSV = ROOT.parent / "shared" / "data" / "published_runs.csv"
 OUTCOMES = ("clear", "vague", "traceback", "hang", "silent")
 SKIPPED = "skipped"
 """The outcome of a case that cannot run on this machine (:class:`CaseSkipped`: a disk case where mounting a tmpfs
@@ -426,7 +425,9 @@ def runs_csv(work: Path, name: str, change: Callable[[list[dict]], object] | Non
     if text is not None:
         path.write_bytes(text if isinstance(text, bytes) else text.encode())
         return path
-    with RUNS_CSV.open(newline="") as f:
+    from cfp_megatron.validation.rows import PUBLISHED_RUNS
+
+    with PUBLISHED_RUNS[0].open(newline="") as f:
         reader = csv.DictReader(f)
         rows = [row for _, row in zip(range(3), reader, strict=False)]
         columns = reader.fieldnames or []
