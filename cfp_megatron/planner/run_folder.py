@@ -5,9 +5,9 @@ Hydra makes ``outputs/<YYYY-mm-dd_HH-MM-SS>_launch-<launch id>`` before the plan
 (:func:`~cfp_megatron.base.launch_env.run_id`); once every rank has the plan, rank 0 renames it
 ``<time>_<plan hash>`` (:func:`settle`) and leaves the launch's marker in its ``.hydra/``, so that a torchrun restart
 resolves the same folder. A launch that fails leaves no folder that looks like a run (:func:`end_failed`): one that
-holds nothing but Hydra's own files is removed, any other has ``_failed`` added to its name and the error in
-``error.txt``. A ``hydra.run.dir`` the user named is theirs: never renamed nor removed (a failure is written to its
-``error.txt``).
+holds nothing but Hydra's own files is removed, any other has ``_failed`` (``_stopped`` after a stop signal) added to
+its name and the error in ``error.txt``. A ``hydra.run.dir`` the user named is theirs: never renamed nor removed (a
+failure is written to its ``error.txt``).
 """
 
 from __future__ import annotations
