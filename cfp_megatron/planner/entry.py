@@ -167,8 +167,8 @@ def main_with_errors(cfg: Any) -> None:
         train_from_config(cfg)
     except (Exception, KeyboardInterrupt) as caught:
         err = rank_watch.explained(caught)
+        log_to_run_file(f"{type(err or caught).__name__}: {err or caught}")
+        run_folder.end_failed(hydra_run_dir(), err or caught, LaunchEnv.read())  # no folder that looks like a run
         if err is None:
             raise
-        log_to_run_file(f"{type(err).__name__}: {err}")
-        run_folder.end_failed(hydra_run_dir(), err, LaunchEnv.read())  # no folder that looks like a run
         report_and_exit(err, LaunchEnv.read())

@@ -18,7 +18,6 @@ import re
 import shutil
 from pathlib import Path
 
-from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.files import write_atomic
 from cfp_megatron.base.launch_env import LAUNCH_MARKER, PENDING, LaunchEnv, launch_folder, launch_id
 from cfp_megatron.engine.rank_watch import RunInterrupted
@@ -64,11 +63,11 @@ def settle(run_dir: Path | None, plan_hash: str, env: LaunchEnv) -> Path | None:
     return target
 
 
-def end_failed(run_dir: Path | None, err: CfpError, env: LaunchEnv) -> None:
-    """On rank 0, after ``err`` ended the launch whose Hydra run folder is ``run_dir`` (or the folder
-    :func:`settle` renamed it to): remove a folder of the project's naming that holds only Hydra's files; add
-    ``_failed`` (``_stopped`` for an interrupt) to one that holds more and write ``err`` to its ``error.txt``; write
-    only the ``error.txt`` of a folder the user named."""
+def end_failed(run_dir: Path | None, err: BaseException, env: LaunchEnv) -> None:
+    """On rank 0, after ``err`` (a user error, or a crash) ended the launch whose Hydra run folder is ``run_dir``
+    (or the folder :func:`settle` renamed it to): remove a folder of the project's naming that holds only Hydra's
+    files; add ``_failed`` (``_stopped`` for an interrupt) to one that holds more and write ``err`` to its
+    ``error.txt``; write only the ``error.txt`` of a folder the user named."""
     if run_dir is None or env.rank != 0:
         return
     if not run_dir.is_dir() and _PENDING_NAME.fullmatch(run_dir.name):
