@@ -5,7 +5,6 @@ checkpoints, plan, set up groups, train (a backend adds its hooks: :class:`~cfp_
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from cfp_megatron.planner.job_checks import check_node_shape, hydra_run_dir
 from cfp_megatron.planner.launch_plan import LaunchPlan, given_plan, metrics_location, searched_plan, write_locations
 from cfp_megatron.planner.megatron_launch import same_optimizer_kind
 from cfp_megatron.planner.memory_fit import check_training_machine
-from cfp_megatron.planner.rank_errors import report_and_exit, report_error
+from cfp_megatron.planner.rank_errors import end_rank, report_and_exit, report_error
 
 
 def train_from_config(cfg: Any) -> list:
@@ -155,7 +154,7 @@ def check_run_dir_arg(argv: list[str]) -> None:
         check_write_locations([WriteLocation(key=key, path=folder, folder=True)])
     except ConfigError as err:
         report_error(err, LaunchEnv.read())
-        sys.exit(2)
+        end_rank(2)
 
 
 def main_with_errors(cfg: Any) -> None:
