@@ -143,7 +143,7 @@ def test_command_composes_and_validates(command: Command) -> None:
 def test_pages_show_the_main_commands() -> None:
     """The README keeps the set-up, the main job and the test command CI runs."""
     readme = (ROOT / "README.md").read_text()
-    for line in ('pip install torch==2.13.0 && pip install -e ".[dev,deepspeed]"',
+    for line in ('pip install torch==2.13.0 && pip install -e ".[dev,deepspeed,docs]"',
                  "torchrun --nproc_per_node=4 launch/train.py +cfp=auto", "python -m pytest -q"):
         assert line in readme
     assert "python -m pytest -q" in (ROOT / ".ci" / "run").read_text()
