@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNS_CSV = ROOT.parent / "shared" / "data" / "published_runs.csv"
 OUTCOMES = ("clear", "vague", "traceback", "hang", "silent")
 SKIPPED = "skipped"
 """The outcome of a case that cannot run on this machine (:class:`CaseSkipped`: a disk case where mounting a tmpfs
@@ -426,7 +425,9 @@ def runs_csv(work: Path, name: str, change: Callable[[list[dict]], object] | Non
     if text is not None:
         path.write_bytes(text if isinstance(text, bytes) else text.encode())
         return path
-    with RUNS_CSV.open(newline="") as f:
+    from cfp_megatron.validation.rows import PUBLISHED_RUNS
+
+    with PUBLISHED_RUNS[0].open(newline="") as f:
         reader = csv.DictReader(f)
         rows = [row for _, row in zip(range(3), reader, strict=False)]
         columns = reader.fieldnames or []
@@ -2026,6 +2027,9 @@ def _hydra_cases() -> list[Case]:
             ("hydra-cfp-pin-typo", ["+cfp=auto", "cfp.tpp=2"], ("write cfp.tp=2",)),
             ("hydra-key-typo", ["train.step=5"], ("write train.steps=5",)),
             ("hydra-group-typo", ["trian.steps=5"], ("write train.steps=5",)),
+            ("hydra-model-dashes", ["model=llama3-8b"], ("write model=llama3_8b",)),
+            ("hydra-cluster-gpu-name", ["cluster=h100"], ("write cluster=dgx_h100",)),
+            ("hydra-key-prefix", ["train.seq=64"], ("write train.seq_length=64",)),
             ("hydra-key-without-group", ["hidden_size=64"], ("write model.hidden_size=64",)),
             ("hydra-model-null", ["model=null"], (needs,)),
             ("hydra-model-removed", ["~model"], (needs,)),

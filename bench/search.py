@@ -39,6 +39,7 @@ from cfp_megatron.search.choice import gain_interval, ratio_band
 from cfp_megatron.search.search import Ranked, search
 from cfp_megatron.sim.prediction import GIB
 from cfp_megatron.sim.terms import TERMS
+from cfp_megatron.validation.rows import PUBLISHED_RUNS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -205,9 +206,7 @@ def _row(head: str, published_s: float, chosen: Ranked, world: int, note: str, b
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    data = ROOT.parent / "shared" / "data"
-    parser.add_argument("--published", nargs="*", default=[str(data / "published_runs.csv"),
-                                                           str(data / "published_runs_moe.csv")])
+    parser.add_argument("--published", nargs="*", default=[str(p) for p in PUBLISHED_RUNS])
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--markdown", type=snippet.check_path, metavar="FILE.md",
                         help="also write the figures as a Markdown snippet for the docs (docs/figures/search.md)")

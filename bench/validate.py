@@ -9,7 +9,7 @@
 
 Prints MAPE overall, per source, on the Korthikanti et al. Table 5 runs, leave-one-source-out MAPE, and
 ``simulate()`` calls per second. With ``--markdown`` it also writes those figures, and the per-class MAPE that
-``python -m cfp_megatron.validate`` prints over ``--classes`` files (both shared files by default), as a Markdown
+``python -m cfp_megatron.validate`` prints over ``--classes`` files (both shipped files by default), as a Markdown
 snippet whose first line gives the command, the date and the machine. The fit minimises MAPE per GPU generation
 with Nelder-Mead on log-parameters (scipy), from the same neutral starting point (``NEUTRAL``); it never looks at row
 ids or model names. ``--write`` stores the fit in the efficiencies file the simulator loads
@@ -57,8 +57,9 @@ from cfp_megatron.validate import (  # noqa: E402
 from cfp_megatron.validate import mape as row_mape  # noqa: E402
 from cfp_megatron.validation.bands import held_out_predictions  # noqa: E402
 from cfp_megatron.validation.fit import BOUNDS, MIN_ROWS_FULL_FIT, NEUTRAL, source_of  # noqa: E402
+from cfp_megatron.validation.rows import PUBLISHED_RUNS  # noqa: E402
 
-DEFAULT_CSV = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "published_runs.csv"
+DEFAULT_CSV = PUBLISHED_RUNS[0]
 def load(csv_path: Path) -> tuple[list[RowPlan], list[tuple[str, str]]]:
     plans, skipped = [], []
     for row in read_rows(csv_path):
@@ -206,8 +207,9 @@ def class_lines(paths: list[Path]) -> list[str]:
     table = [["all", str(len(results)), f"{row_mape(results):.2f}%", f"{max(errs_all):.1f}%"]]
     for name, errs in sorted(class_errors(results, {row.get("id", ""): row for row in rows}).items()):
         table.append([name, str(len(errs)), f"{sum(errs) / len(errs):.2f}%", f"{max(errs):.1f}%"])
-    files = " ".join(_shown(p) for p in paths)
-    lines = [f"Step-time error per class, `python -m cfp_megatron.validate {files}`: "
+    shipped = [p.resolve() for p in paths] == [p.resolve() for p in PUBLISHED_RUNS]
+    files = "" if shipped else " " + " ".join(_shown(p) for p in paths)  # validate reads the shipped runs by default
+    lines = [f"Step-time error per class, `python -m cfp_megatron.validate{files}`: "
              f"{len(results)} of {sum(has_step_time(r) for r in rows)} rows with a step time modelled.", "",
              *snippet.table(["class", "rows", "MAPE", "max error"], table), ""]
     if len(paths) > 1:
@@ -219,12 +221,13 @@ def class_lines(paths: list[Path]) -> list[str]:
 
 
 def _shown(path: Path) -> str:
-    """``path`` as the docs write it: relative to the repository root where it can be (``../shared/...``)."""
+    """``path`` as the docs write it: relative to the repository root where it can be (``cfp_megatron/...``,
+    ``../shared/...``)."""
     root = Path(__file__).resolve().parent.parent
-    try:
-        return str(Path("..") / path.resolve().relative_to(root.parent))
-    except ValueError:
-        return str(path)
+    for base, shown in ((root, Path()), (root.parent, Path(".."))):
+        if path.resolve().is_relative_to(base):
+            return str(shown / path.resolve().relative_to(base))
+    return str(path)
 
 
 def main() -> int:
@@ -238,8 +241,8 @@ def main() -> int:
     ap.add_argument("--maxiter", type=int, default=400)
     ap.add_argument("--markdown", type=snippet.check_path, metavar="FILE.md",
                     help="also write the figures as a Markdown snippet for the docs (docs/figures/validate.md)")
-    ap.add_argument("--classes", type=Path, nargs="+", default=[DEFAULT_CSV, DEFAULT_CSV.with_name(
-                    "published_runs_moe.csv")], metavar="FILE.csv", help="files of the snippet's per-class table")
+    ap.add_argument("--classes", type=Path, nargs="+", default=list(PUBLISHED_RUNS), metavar="FILE.csv",
+                    help="files of the snippet's per-class table")
     args = ap.parse_args()
     if args.write is not None and not args.fit:
         ap.error("--write stores a fit: pass --fit too")

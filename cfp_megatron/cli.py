@@ -24,7 +24,7 @@ from cfp_megatron.profile import cli as profile_cli
 SUBCOMMANDS: dict[str, str] = {
     "plan": "plan a job offline (preflight): the best layouts, plan.json and its exports",
     "analyze": "ParallelBlocks and segment classes of a model (python -m cfp_megatron.analyze)",
-    "validate": "predict published training runs from CSV files and report the error (no Hydra overrides)",
+    "validate": "predict published training runs (the shipped ones, or CSV files) and report the error",
     "profile": "profile this machine or cluster into its ProfileDB (--nproc-per-node N starts torchrun)",
     "train": "train with torchrun on this node: launch/train.py with the same overrides (--nproc-per-node N)",
 }

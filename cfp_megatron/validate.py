@@ -1,9 +1,11 @@
-"""``python -m cfp_megatron.validate FILE.csv [FILE.csv ...]``: predict published training runs and report the error.
+"""``python -m cfp_megatron.validate [FILE.csv ...]``: predict published training runs and report the error.
 
-Reads rows of the schema of ``shared/data/published_runs.csv`` (one measured run per row: model shape, GPUs, parallel
-layout, measured step time), builds the plan of each row, simulates it on the hardware preset of its GPU, and prints
-one line per row (id, model, layout, measured, predicted step time, error, predicted peak memory), the rows it cannot
-model with the reason, the coverage (rows modelled of the rows with a step time), the MAPE and largest error per
+Reads rows of the schema of the published runs that ship with the package (one measured run per row: model shape,
+GPUs, parallel layout, measured step time; without a file, those runs themselves:
+``cfp_megatron/validation/published_runs/``, whose README names the sources), builds the plan of each row,
+simulates it on the hardware preset of its GPU, and prints one line per row (id, model, layout, measured, predicted
+step time, error, predicted peak memory), the rows it cannot model with the reason, the coverage (rows modelled of
+the rows with a step time), the MAPE and largest error per
 class (dense, MoE, CP, FSDP; GPU generation), and last ``MAPE <x>% over <n> rows``. The measured step time is
 ``step_time_s``, else ``derived_step_time_s``, else global batch x sequence / (``tokens_per_s_per_gpu`` x GPUs).
 
@@ -112,6 +114,9 @@ from cfp_megatron.validation.report import (
 )
 from cfp_megatron.validation.results import RowPlan, RowResult, mape
 from cfp_megatron.validation.rows import (
+    PUBLISHED_RUNS,
+    PUBLISHED_RUNS_DIR,
+    SCHEMA_FILE,
     CsvRow,
     InputFileError,
     RowError,
@@ -402,7 +407,8 @@ def memory_problem(job: JobSpec, memory_gib: float) -> tuple[str, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cfp_megatron.validate", description=__doc__.splitlines()[0])
-    parser.add_argument("csv", nargs="+", help="runs in the schema of shared/data/published_runs.csv")
+    parser.add_argument("csv", nargs="*", help=f"runs in the schema of {SCHEMA_FILE} (default: the published runs "
+                        "that ship with the package, dense and MoE: " + ", ".join(p.name for p in PUBLISHED_RUNS) + ")")
     parser.add_argument("--bands", metavar="FILE", help="also write the error bands the planner reports with, out "
                         "of sample (leave-one-source-out), and each run's MFU (cfp_megatron/sim/error_bands.json) to "
                         "FILE (needs scipy)")
@@ -411,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", dest="json_path", help="also write the report as JSON to FILE: "
                         "each row's prediction, each row not modelled with its reason, the coverage and the MAPE")
     args = parser.parse_args(argv)
+    if not args.csv:
+        args.csv = [str(p) for p in PUBLISHED_RUNS]
+        print(f"the published runs that ship with cfp-megatron ({PUBLISHED_RUNS_DIR}; its README.md names the "
+              "sources)")
     problem = check_plot_path(args.plot) if args.plot else None
     problem = problem or (check_bands_path(args.bands) if args.bands else None)
     problem = problem or (check_json_path(args.json_path) if args.json_path else None)
@@ -476,7 +486,7 @@ def _report(args: argparse.Namespace, rows: list[dict]) -> int:
     if not results:
         print(f"\nvalidate: no row could be modelled (the {len(rows)} rows of {', '.join(args.csv)}, each listed "
               "above with its reason): no MAPE, and no --bands or --plot written. Fix: correct the rows, or pass "
-              "runs in the schema of shared/data/published_runs.csv.", file=sys.stderr)
+              f"runs in the schema of {SCHEMA_FILE}.", file=sys.stderr)
         return 1
     if args.bands and (problem := sources_problem([r.plan for r in results])) is not None:
         print(f"validate: {problem}; no --bands written", file=sys.stderr)

@@ -143,7 +143,7 @@ def test_command_composes_and_validates(command: Command) -> None:
 def test_pages_show_the_main_commands() -> None:
     """The README keeps the set-up, the main job and the test command CI runs."""
     readme = (ROOT / "README.md").read_text()
-    for line in ('pip install torch==2.13.0 && pip install -e ".[dev,deepspeed]"',
+    for line in ('pip install torch==2.13.0 && pip install -e ".[dev,deepspeed,docs]"',
                  "torchrun --nproc_per_node=4 launch/train.py +cfp=auto", "python -m pytest -q"):
         assert line in readme
     assert "python -m pytest -q" in (ROOT / ".ci" / "run").read_text()
@@ -326,3 +326,17 @@ def test_readme_stays_a_short_manual() -> None:
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 120 and len(text.split()) <= 1200
     assert len(re.findall(r"\b20\d\d-\d\d-\d\d\b", text)) <= 2
+
+
+def test_the_set_up_line_installs_every_extra() -> None:
+    """The README's first ``pip install -e ".[...]"`` installs every extra of pyproject.toml, so the test command
+    that follows it skips nothing for a missing extra (mkdocs for the site, deepspeed, tokenizers)."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    setup = re.search(r'pip install -e "\.\[([\w,-]+)\]"', (ROOT / "README.md").read_text())
+    assert setup, "the README shows no pip install -e \".[...]\""
+    named = setup.group(1).split(",")
+    installed = {req for name in named for req in extras[name]}
+    missing = {name: [r for r in reqs if r not in installed] for name, reqs in extras.items()}
+    assert not any(missing.values()), f"the README's set-up line leaves out {missing}"

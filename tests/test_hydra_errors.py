@@ -34,6 +34,12 @@ REFUSED = [
     (["+train.steps=5"], "train.steps", "drop the +: train.steps=5"),
     (["~model.num_layers"], "model.num_layers", "leave it out"),
     (["model=gpt_tini"], "model", "model=gpt_tiny"),
+    (["model=llama3-8b"], "model", "write model=llama3_8b."),  # case and separators do not count
+    (["model=Llama3_8B"], "model", "write model=llama3_8b."),
+    (["model=mixtral"], "model", "write model=mixtral_8x7b."),  # the start of an option's name
+    (["cluster=h100"], "cluster", "write cluster=dgx_h100."),  # a whole part of an option's name (not h800)
+    (["cluster=gb200"], "cluster", "write cluster=gb200_nvl72."),  # (not b200)
+    (["train.seq=64"], "train.seq", "write train.seq_length=64."),
     (["model=llama_tiny.yaml"], "model", "model=llama_tiny"),
     (["model=../x"], "model", "llama3_8b"),
     (["model=[gpt_tiny,llama_tiny]"], "model", "not a list"),
@@ -52,6 +58,16 @@ REFUSED = [
     (["hydra/launcher=joblib"], "hydra/launcher", "--hydra-help lists them"),
     (["hydra.run.dir=/tmp/a,/tmp/b"], "hydra.run.dir", "add -m"),  # was Hydra's "Ambiguous value" of <override>
 ]
+
+
+def test_the_nearest_name_is_a_near_twin_before_a_name_holding_the_word() -> None:
+    """``train.step`` is ``train.steps`` (one letter), not ``train.memory_step`` (which holds ``step``); a bare
+    ``tp`` is no key of another group's that happens to hold it."""
+    keys = compose.schema_keys()
+    assert compose.nearest("train.step", keys) == "train.steps"
+    assert compose.nearest("tp", keys) is None
+    assert compose.nearest("LOCAL", group_options("cluster")) == "local"
+    assert compose.nearest("x", group_options("model")) is None
 
 
 @pytest.mark.parametrize(("overrides", "key", "fix"), REFUSED, ids=[" ".join(r[0]) for r in REFUSED])
@@ -167,7 +183,9 @@ def test_an_empty_run_directory_is_refused(argv: list[str], key: str, monkeypatc
 
 
 def test_a_typo_under_torchrun_is_said_once_and_creates_nothing(tmp_path: Path) -> None:
-    """2 ranks, one line (not Hydra's message per rank), exit status 2 on the ranks, no run folder (Hydra never ran)."""
+    """2 ranks, one message (not Hydra's message per rank), exit status 2 on rank 0 and 0 on rank 1 (torchrun's
+    summary: one failure), no run folder (Hydra never ran). torchrun's own traceback and summary stay: it prints
+    them for any rank that ends with a status other than 0."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
@@ -180,7 +198,9 @@ def test_a_typo_under_torchrun_is_said_once_and_creates_nothing(tmp_path: Path) 
     lines = [line.strip() for line in said.splitlines()]
     assert lines.count("cfp-megatron: ConfigError") == 1, output
     assert sum("did you mean train.steps? Fix: write train.steps=5." in line for line in lines) == 1, output
-    assert "did you mean train.steps?" in root_cause and "exitcode  : 2" in root_cause  # whichever rank ends first
+    assert "did you mean train.steps?" in root_cause and "exitcode  : 2" in root_cause
+    # rank 1 left the saying to rank 0 and ended quietly first: torchrun lists one failure and stops no rank
+    assert "<NO_OTHER_FAILURES>" in summary and "SIGTERM" not in output, output
     assert "HYDRA_FULL_ERROR" not in output and "Could not override" not in output
     assert not run_dir.exists()
 

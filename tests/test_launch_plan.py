@@ -90,6 +90,7 @@ def test_auto_profiles_plans_and_trains(planned: tuple[RunResult, Path, Path]) -
     assert "cfp: profiled in" in result.output and "cfp: planned plan gpt_tiny@local" in result.output
     (stored,) = (run_dir / "cfp").glob("plan-*.json")
     plan = load_plan(stored)
+    assert stored.name == f"plan-{plan.plan_hash()}.json"  # named by the hash it holds
     assert plan.canonical() in result.output and plan.predicted is not None
     start = _events(result, "start")[0]
     assert f"tp={plan.parallel.tp} pp={plan.parallel.pp}" in start["layout"]  # trained with the plan's layout

@@ -150,6 +150,35 @@ def test_an_impossible_pin_is_named_before_profiling(overrides: list[str], world
     assert "cp=2" not in str(info.value)  # not blamed on a knob no pin asked for
 
 
+def test_pins_that_fail_together_are_said_as_the_command_line_writes_them() -> None:
+    """Each pin as ``key=value`` (not the group with a dict), every problem a sentence before ``Fix:``."""
+    from cfp_megatron.planner.launch_plan import check_constraints
+
+    job, cfp = _compose("+cfp=auto", "cfp.tp=2", "cfp.pp=2")
+    with pytest.raises(ConfigError) as info:
+        check_constraints(job, 2, cfp)
+    assert "  - cfp.tp=2 cfp.pp=2: each of cfp.tp, cfp.pp leaves layouts" in str(info.value), str(info.value)
+    assert "{" not in str(info.value)
+
+
+def test_a_search_that_leaves_nothing_is_one_issue_of_the_search_not_one_per_value_it_tried() -> None:
+    from cfp_megatron.search.search import nothing_left
+
+    err = nothing_left([("cp=2", "context parallelism needs Transformer Engine's attention"),
+                        ("tp=8", "does not divide the world size 4")], "relax the cfp pins.")
+    assert len(err.issues) == 1 and err.keys == ["cfp"]
+    assert str(err.issues[0]) == ("cfp='auto': the search left no layout (what ruled them out: cp=2: context "
+                                  "parallelism needs Transformer Engine's attention; tp=8: does not divide the world "
+                                  "size 4). Fix: relax the cfp pins.")
+
+
+def test_a_problem_without_a_full_stop_still_ends_before_fix() -> None:
+    from cfp_megatron.base.errors import ConfigIssue
+
+    issue = ConfigIssue(key="cfp.cp", value=2, problem="needs Transformer Engine", fix="leave it out.")
+    assert str(issue) == "cfp.cp=2: needs Transformer Engine. Fix: leave it out."
+
+
 def test_possible_pins_pass(host: None) -> None:
     from cfp_megatron.planner.launch_plan import check_constraints
 

@@ -67,6 +67,7 @@ def _config_error(world: int = 2) -> ConfigError:
 def test_first_rank_prints_flushes_then_marks_and_fills_torchruns_summary(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     error_file = _torchrun_env(monkeypatch, tmp_path, rank=0, local_rank=0)
+    monkeypatch.setattr(rank_errors, "LEAVE_WAIT_S", 0.1)  # rank 1 is not there to leave
     marker = tmp_path / "attempt_0" / MARKER
     err = _Stderr(marker)
     monkeypatch.setattr(sys, "stderr", err)
@@ -106,6 +107,43 @@ def test_other_rank_waits_for_the_first_and_says_nothing_but_to_torchrun(tmp_pat
     assert "rank      : 1" in root and "cfp-megatron: ConfigError [rank 1]" in root and EXPECTED in root
 
 
+def test_a_rank_that_left_the_saying_to_the_first_ends_quietly_with_status_0(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """So that torchrun's closing summary lists one failure (the rank that said it), not a second one per rank."""
+    _torchrun_env(monkeypatch, tmp_path, rank=1, local_rank=1)
+    marker = tmp_path / "attempt_0" / MARKER
+    marker.write_text("0\n")  # rank 0 has said it
+    assert report_error(_config_error(), LaunchEnv.read(), stream=io.StringIO()) is False
+
+    def ended(status: int) -> None:
+        raise SystemExit(status)
+
+    monkeypatch.setattr(rank_errors.os, "_exit", ended)
+    with pytest.raises(SystemExit) as info:
+        rank_errors.end_rank(2)
+    assert info.value.code == 0
+    assert (marker.parent / f"{rank_errors.LEFT}1").read_text() == f"{os.getpid()}\n"
+    marker.unlink()  # a later error that rank 0 never says: this rank says it, and ends with the status
+    printed = report_error(_config_error(), LaunchEnv.read(), stream=io.StringIO(), wait_s=0.0)
+    with pytest.raises(SystemExit) as info:
+        rank_errors.end_rank(2)
+    assert printed and info.value.code == 2
+
+
+def test_the_printing_rank_ends_after_the_ranks_that_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    _torchrun_env(monkeypatch, tmp_path, rank=0, local_rank=0)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    try:
+        (tmp_path / "attempt_0" / f"{rank_errors.LEFT}1").write_text(f"{other.pid}\n")
+        assert report_error(_config_error(), LaunchEnv.read(), stream=io.StringIO()) is True
+        assert other.poll() is not None  # it had ended (a zombie until reaped) when rank 0 went on to end
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_other_rank_says_it_itself_when_the_first_never_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     error_file = _torchrun_env(monkeypatch, tmp_path, rank=3, local_rank=1, world=4)
     monkeypatch.setattr(rank_errors, "WAIT_S", 0.2)
@@ -118,6 +156,7 @@ def test_other_rank_says_it_itself_when_the_first_never_does(tmp_path: Path, mon
 
 def test_first_rank_of_another_node_says_it_with_its_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _torchrun_env(monkeypatch, tmp_path, rank=2, local_rank=0, world=4)
+    monkeypatch.setattr(rank_errors, "LEAVE_WAIT_S", 0.1)
     out = io.StringIO()
     assert report_error(_config_error(4), LaunchEnv.read(), stream=out) is True
     assert out.getvalue().startswith("cfp-megatron: ConfigError [rank 2]\n")

@@ -20,10 +20,10 @@ from cfp_megatron.validate import main
 from cfp_megatron.validation.bands import band_table, held_out_predictions
 from cfp_megatron.validation.fit import NEUTRAL, refit, sensitivities
 from cfp_megatron.validation.results import RowPlan, RowResult
+from cfp_megatron.validation.rows import PUBLISHED_RUNS
 from tests.test_search import compose_job
 
-DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
-CSVS = [DATA / "published_runs.csv", DATA / "published_runs_moe.csv"]
+CSVS = list(PUBLISHED_RUNS)
 
 
 def test_quantile_interpolates_between_order_statistics() -> None:
@@ -32,7 +32,6 @@ def test_quantile_interpolates_between_order_statistics() -> None:
     assert quantile([7.0], 0.8) == 7.0
 
 
-@pytest.mark.skipif(not all(p.exists() for p in CSVS), reason="shared/data is not here")
 def test_stored_bands_are_the_validators_current_residuals(tmp_path: Path) -> None:
     """The file the planner reads is what validate computes now (but the date it ran): a simulator change that
     moves the residuals fails here until ``python -m cfp_megatron.validate --bands cfp_megatron/sim/error_bands.json

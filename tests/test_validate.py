@@ -10,9 +10,11 @@ import pytest
 
 from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.validate import main, predict_rows, read_rows, row_plan
+from cfp_megatron.validation.rows import PUBLISHED_RUNS, PUBLISHED_RUNS_DIR
 
-CSV = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "published_runs.csv"
-needs_csv = pytest.mark.skipif(not CSV.exists(), reason="shared/data/published_runs.csv is not here")
+CSV, MOE_CSV = PUBLISHED_RUNS
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+"""The project's shared data folder beside a development checkout, which the shipped runs are copies of."""
 
 
 def _final(out: str) -> tuple[float, int]:
@@ -22,7 +24,6 @@ def _final(out: str) -> tuple[float, int]:
     return float(match.group(1)), int(match.group(2))
 
 
-@needs_csv
 def test_cli_meets_the_accuracy_target_on_the_shipped_file(capsys) -> None:
     assert main([str(CSV)]) == 0
     out = capsys.readouterr().out
@@ -40,7 +41,6 @@ def test_cli_meets_the_accuracy_target_on_the_shipped_file(capsys) -> None:
     assert re.search(r"^\s+11\s+GPT 174.6B\s+tp8 pp12 dp4\?", out, re.MULTILINE)
 
 
-@needs_csv
 def test_korthikanti_table5_end_to_end_within_3_percent() -> None:
     rows = [r for r in read_rows(CSV) if "Table 5" in r["source_detail"] and "present work" in r["source_detail"]]
     assert len(rows) == 4
@@ -96,13 +96,10 @@ def test_rows_are_classed_by_what_they_exercise() -> None:
     assert row_classes({"moe_experts": "8", "zero_or_fsdp": "ZeRO-3"}) == ("MoE", "FSDP")
 
 
-MOE_CSV = CSV.with_name("published_runs_moe.csv")
-
-
-@pytest.mark.skipif(not MOE_CSV.exists(), reason="shared/data/published_runs_moe.csv is not here")
-def test_both_files_report_coverage_and_each_class(capsys) -> None:
-    assert main([str(CSV), str(MOE_CSV)]) == 0
+def test_no_file_validates_both_shipped_files_with_coverage_and_each_class(capsys) -> None:
+    assert main([]) == 0
     out = capsys.readouterr().out
+    assert out.startswith("the published runs that ship with cfp-megatron") and "README.md" in out.splitlines()[0]
     timed = sum(1 for path in (CSV, MOE_CSV) for row in read_rows(path)
                 if any((row.get(k) or "").strip() for k in ("step_time_s", "derived_step_time_s",
                                                              "tokens_per_s_per_gpu")))
@@ -112,7 +109,6 @@ def test_both_files_report_coverage_and_each_class(capsys) -> None:
     assert int(classes["dense"]) + int(classes["MoE"]) == modelled and int(classes["MoE"]) > 0
 
 
-@needs_csv
 def test_deepseek_v3_runs_as_megatron_bridge_lays_it_out() -> None:
     """Row 73 (61 layers over PP=8 x VP=4, which neither the layers nor the layers plus two divide): the per-stage
     layout Megatron-Bridge's DeepSeek-V3 performance recipe sets, with the recipe's one MTP layer."""
@@ -124,7 +120,6 @@ def test_deepseek_v3_runs_as_megatron_bridge_lays_it_out() -> None:
     assert row_plan(qwen).job.parallel.pipeline_model_parallel_layout is None
 
 
-@needs_csv
 def test_megatron_bridge_moe_rows_run_the_preset_of_their_container_and_layout() -> None:
     """A 26.x Megatron-Bridge row with the layout of an H100 preset takes its MoE settings; the same row from a 25.x
     container, or with another global batch, ran an earlier configuration and keeps the defaults."""
@@ -145,7 +140,6 @@ def test_megatron_bridge_moe_rows_run_the_preset_of_their_container_and_layout()
     assert flex.model.moe_token_dispatcher.value == "flex" and not flex.parallel.moe_a2a_overlap
 
 
-@needs_csv
 def test_megatron_bridge_rows_run_their_releases_cuda_graphs_and_overlaps() -> None:
     """The recipe facts of ``recipes.yaml`` by release: 25.11's Qwen3-235B H100 preset overlaps the all-to-all
     without TP overlap; 26.02's Qwen3-30B H100 preset (PP=2 x VP=12) runs DeepEP with the overlap, and its BF16
@@ -169,7 +163,6 @@ def test_megatron_bridge_rows_run_their_releases_cuda_graphs_and_overlaps() -> N
         assert "cg=transformer_engine[moe_router+moe_preprocess]" in plan.layout
 
 
-@needs_csv
 def test_rows_of_a_preset_shape_run_its_architecture_and_the_preset_of_their_container() -> None:
     """Row 73 (25.09) takes DeepSeek-V3's architecture from ``conf/model/deepseek_v3.yaml`` (its shape is the
     preset's) and the 25.x H100 preset: DeepEP with the all-to-all overlap, no gradient-reduce overlap; a 26.x row
@@ -200,7 +193,6 @@ def test_rows_of_a_preset_shape_run_its_architecture_and_the_preset_of_their_con
     assert wider.model.attention.value != "mla" and wider.model.moe_first_dense_layers == 0
 
 
-@needs_csv
 def test_each_row_runs_the_architecture_its_reported_flop_rate_counts() -> None:
     """Where a row reports both TFLOP/s and tokens/s per GPU, their ratio is the reporter's FLOPs per token, which
     fixes the architecture: the model the validator builds must give it to 1% (PaLM's convention for the dense rows;
@@ -237,7 +229,6 @@ def test_each_row_runs_the_architecture_its_reported_flop_rate_counts() -> None:
     assert row_plan({**deepseek, "vocab": ""}).job.model.attention.value == "mla"
 
 
-@needs_csv
 def test_blackwell_moe_rows_run_their_precisions_preset() -> None:
     """A 26.x Megatron-Bridge row on Blackwell whose layout is one of its presets takes that preset's dispatcher
     (HybridEP, as ``flex``), overlap and recomputation, which differ by precision; an earlier container or another
@@ -337,3 +328,22 @@ def test_a_stated_power_limit_slows_the_row_by_the_clock_it_sustains() -> None:
     assert capped.predicted_s > full.predicted_s * 1.05  # (500/700)^(1/3): the compute runs at 89% of the clock
     for harmless in ({"notes": "TDP 700 W"}, {"notes": "500 steps, 3200 Gbps network"}):
         assert row_plan({**row, **harmless}).job.cluster.power_limit_w is None
+
+
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="no shared data folder beside this checkout to compare with")
+def test_shipped_runs_are_the_shared_data() -> None:
+    """The copies in the package are byte for byte the project's shared files, and every runs file there is
+    shipped."""
+    assert sorted(p.name for p in SHARED_DATA.glob("*.csv")) == sorted(p.name for p in PUBLISHED_RUNS)
+    for shipped in PUBLISHED_RUNS:
+        assert shipped.read_bytes() == (SHARED_DATA / shipped.name).read_bytes(), f"{shipped} differs"
+
+
+def test_shipped_readme_counts_the_rows_of_each_source() -> None:
+    """The README beside the shipped runs names every source (the ``source`` column) with its rows per file."""
+    table = dict(re.findall(r"^\| (.+?) \| (\d+ \| \d+) \|$", (PUBLISHED_RUNS_DIR / "README.md").read_text(), re.M))
+    counts: dict[str, list[int]] = {}
+    for i, path in enumerate(PUBLISHED_RUNS):
+        for row in read_rows(path):
+            counts.setdefault(row["source"], [0] * len(PUBLISHED_RUNS))[i] += 1
+    assert table == {source: " | ".join(map(str, n)) for source, n in counts.items()}

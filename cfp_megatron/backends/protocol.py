@@ -18,11 +18,11 @@ from typing import Any, Protocol
 from cfp_megatron.base.backend_spec import BackendKind, BackendSpec
 from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import ClusterSpec, JobSpec
-from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.plan.check import PlanCheck
+from cfp_megatron.search.search import nothing_left
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,9 +48,7 @@ class PlannedSearch:
     def best(self) -> Plan:
         """The chosen plan (the first); a :class:`ConfigError` when none fits."""
         if not self.plans:
-            raise ConfigError([ConfigIssue(key="cfp", value=what, problem=why, fix="relax the pins and constraints.")
-                               for what, why in self.rejected[:8]] or
-                              [ConfigIssue(key="cfp", value="", problem="no plan is left.", fix="add GPUs.")])
+            raise nothing_left(list(self.rejected[:8]), "relax the cfp pins and constraints, or add GPUs.")
         return self.plans[0]
 
 

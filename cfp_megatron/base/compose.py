@@ -126,9 +126,34 @@ def _group_needed(group: str, value: object, problem: str) -> ConfigIssue:
 
 
 def nearest(word: str, choices: Sequence[str]) -> str | None:
-    """The choice closest to ``word`` in spelling (difflib), ``None`` when none is close."""
-    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
-    return found[0] if found else None
+    """The choice ``word`` most likely means, ``None`` when none is close. Case and the separators ``-``, ``_`` and
+    spaces do not count (``Llama3-8B`` is ``llama3_8b``); then a near-twin in spelling (``train.step``:
+    ``train.steps``); then a choice of the same dotted parent whose last part
+    holds ``word``'s as whole ``_``-parts or starts with it (``h100`` in ``dgx_h100``, ``mixtral`` of
+    ``mixtral_8x7b``, ``train.seq`` of ``train.seq_length``), the closest in spelling of those; else the closest in
+    spelling of all (difflib)."""
+    def norm(text: str) -> str:
+        return re.sub(r"[-_\s]+", "_", text.strip().lower())
+
+    by_norm = {norm(c): c for c in sorted(choices, reverse=True)}  # the first in sorted order wins a tie
+    said = norm(word)
+    if said in by_norm:
+        return by_norm[said]
+    typo = difflib.get_close_matches(said, sorted(by_norm), n=1, cutoff=0.9)  # a letter left out or doubled
+    if typo:
+        return by_norm[typo[0]]
+    scope, _, leaf = said.rpartition(".")
+    if leaf:
+        def holds(choice: str) -> bool:
+            its_scope, _, its_leaf = choice.rpartition(".")
+            return its_scope == scope and (re.search(rf"(^|_){re.escape(leaf)}($|_)", its_leaf) is not None
+                                           or its_leaf.startswith(f"{leaf}_"))
+
+        holding = [n for n in by_norm if holds(n)]
+        if holding:
+            return by_norm[max(sorted(holding), key=lambda n: difflib.SequenceMatcher(None, said, n).ratio())]
+    found = difflib.get_close_matches(said, sorted(by_norm), n=1, cutoff=0.75)
+    return by_norm[found[0]] if found else None
 
 
 @functools.cache

@@ -23,7 +23,17 @@ class ConfigIssue:
     """What to change."""
 
     def __str__(self) -> str:
-        return f"{self.key}={self.value!r}: {self.problem} Fix: {self.fix}"
+        problem = self.problem.rstrip()
+        problem += "" if problem.endswith((".", "?", "!")) else "."  # a sentence, ended before "Fix:"
+        return f"{self.setting()}: {problem} Fix: {self.fix}"
+
+    def setting(self) -> str:
+        """The setting as a command line writes it: ``key=value``; a combination of keys under :attr:`key` (a
+        ``value`` that maps each full key to its value, ``{"cfp.tp": 8, "cfp.pp": 2}``) as each ``key=value``."""
+        if isinstance(self.value, dict) and self.value and all(
+                isinstance(k, str) and k.startswith(f"{self.key}.") for k in self.value):
+            return " ".join(f"{k}={v!r}" for k, v in self.value.items())
+        return f"{self.key}={self.value!r}"
 
 
 class CfpError(Exception):

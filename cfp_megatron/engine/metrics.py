@@ -1,7 +1,9 @@
-"""What a training run logs: one step's metrics, and rank 0's console lines and ``metrics.jsonl``."""
+"""What a training run logs: one step's metrics, and rank 0's console lines (also in the run's ``train.log``) and
+``metrics.jsonl``."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -120,6 +122,25 @@ class StepMetrics:
     figure an out-of-memory error is about); ``None`` on CPU and on the other steps."""
 
 
+RUN_LOGGER = "cfp.run"
+"""The logger of the run's records in its log file (:func:`log_to_run_file`)."""
+
+
+def log_to_run_file(*lines: str) -> None:
+    """Write ``lines`` to the run's log file only, not the console: the file handlers Hydra's job logging gave the
+    root logger (``<run dir>/train.log``, on rank 0; the other ranks have none), so that the file holds the run's
+    records as the console shows them. Nothing without such a handler (no Hydra, a test)."""
+    logger = logging.getLogger(RUN_LOGGER)
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    if not files:
+        return
+    logger.propagate = False  # the console has the lines already
+    logger.handlers = files
+    logger.setLevel(logging.INFO)
+    for line in lines:
+        logger.info(line)
+
+
 class MetricsLog:
     """Rank 0's log: readable lines on the console and one JSON object per line in ``metrics.jsonl``."""
 
@@ -145,18 +166,21 @@ class MetricsLog:
         """Write a non-step record (start, resume, checkpoint, end) and say it on the console."""
         self._write({"event": kind, "time": time.time(), **fields})
         if self.enabled:
-            for line in record_lines(kind, fields):
+            lines = record_lines(kind, fields)
+            for line in lines:
                 self.console.print(line, markup=False, soft_wrap=True)
+            log_to_run_file(*lines)
 
     def step(self, m: StepMetrics, total: int) -> None:
         """Write one step's metrics and print its line."""
         self._write({"event": "step", **asdict(m)})
         if self.enabled:
-            self.console.print(
-                f"step {m.step:>5}/{total} | loss {m.loss:.4f} | lr {m.lr:.2e} | "
-                f"{f'grad {m.grad_norm:.3f}' if m.applied else 'skipped (loss-scale overflow)'} | "
-                f"{m.step_time_s * 1000:.0f} ms | {m.tokens_per_s:,.0f} tok/s | "
-                f"{m.tflops_per_rank:.3f} TFLOP/s/rank | MFU {m.mfu * 100:.1f}%", soft_wrap=True)
+            line = (f"step {m.step:>5}/{total} | loss {m.loss:.4f} | lr {m.lr:.2e} | "
+                    f"{f'grad {m.grad_norm:.3f}' if m.applied else 'skipped (loss-scale overflow)'} | "
+                    f"{m.step_time_s * 1000:.0f} ms | {m.tokens_per_s:,.0f} tok/s | "
+                    f"{m.tflops_per_rank:.3f} TFLOP/s/rank | MFU {m.mfu * 100:.1f}%")
+            self.console.print(line, soft_wrap=True)
+            log_to_run_file(line)
 
     def _write(self, record: dict) -> None:
         """Append ``record`` as one whole line (:func:`~cfp_megatron.base.files.append_record`: a file cfp-megatron

@@ -4,7 +4,7 @@ checkpoints, plan, set up groups, train (a backend adds its hooks: :class:`~cfp_
 
 from __future__ import annotations
 
-import sys
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +19,15 @@ from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import transformer_engine_available
 from cfp_megatron.compat import moe
 from cfp_megatron.engine import checkpoint_lock, rank_watch
+from cfp_megatron.engine.metrics import log_to_run_file
+from cfp_megatron.planner import run_folder
 from cfp_megatron.planner.backends import launch_hooks
 from cfp_megatron.planner.hydra_args import override_value, read_hydra_args
 from cfp_megatron.planner.job_checks import check_node_shape, hydra_run_dir
 from cfp_megatron.planner.launch_plan import LaunchPlan, given_plan, metrics_location, searched_plan, write_locations
 from cfp_megatron.planner.megatron_launch import same_optimizer_kind
 from cfp_megatron.planner.memory_fit import check_training_machine
-from cfp_megatron.planner.rank_errors import report_and_exit, report_error
+from cfp_megatron.planner.rank_errors import end_rank, report_and_exit, report_error
 
 
 def train_from_config(cfg: Any) -> list:
@@ -74,6 +76,11 @@ def train_from_config(cfg: Any) -> list:
     if pin is not None and launch.source in ("file", "string"):  # a plan applied by hand
         same_optimizer_kind("cfp.plan_file" if cfp.plan_file else "cfp.plan",
                             launch.job.parallel.distributed_optimizer, pin)
+    settled = run_folder.settle(run_dir, launch.plan.plan_hash(), env)  # outputs/<time>_<plan hash>
+    if settled != run_dir and run_dir is not None and settled is not None:
+        if launch.path is not None and launch.path.is_relative_to(run_dir):
+            launch = dataclasses.replace(launch, path=settled / launch.path.relative_to(run_dir))
+        run_dir, metrics = settled, metrics_location(job, settled)
     if launch.source != "pinned":
         _say_plan(launch, console)
     picture = str(run_dir / "plan_check.png") if console is not None and run_dir is not None else None
@@ -91,30 +98,33 @@ def train_from_config(cfg: Any) -> list:
 
 
 def _say_plan(launch: LaunchPlan, console: Console | None) -> None:
-    """The plan on rank 0: where it came from, the search's ranking, its prediction."""
+    """The plan on rank 0: where it came from, the search's ranking, its prediction (also in the run's log file)."""
     if console is None:
         return
     plan = launch.plan
     where = f" ({launch.path})" if launch.path is not None else ""
-    console.print(f"cfp: {launch.source} plan {plan.canonical()}{where}", markup=False)
-    for i, line in enumerate(launch.ranked, 1):
-        console.print(f"cfp:   {i}. {line}", markup=False)
+    lines = [f"cfp: {launch.source} plan {plan.canonical()}{where}"]
+    lines += [f"cfp:   {i}. {line}" for i, line in enumerate(launch.ranked, 1)]
     if launch.ranked and launch.calibration != 1.0:
-        console.print(f"cfp:   (step times scaled by {launch.calibration:.3f}, the median measured/predicted ratio "
-                      "of earlier runs of this layout family on this profile, the profile's own prediction "
-                      "counted as one)", markup=False)
+        lines.append(f"cfp:   (step times scaled by {launch.calibration:.3f}, the median measured/predicted ratio "
+                     "of earlier runs of this layout family on this profile, the profile's own prediction counted "
+                     "as one)")
     if plan.predicted is not None:
         calibrated = "" if launch.calibration == 1.0 else \
             f" ({plan.predicted.step_time_s * launch.calibration * 1e3:.1f} ms calibrated by earlier runs)"
-        console.print(f"cfp: predicted {plan.predicted.step_time_s * 1e3:.1f} ms per step{calibrated}, "
-                      f"{plan.predicted.peak_memory_gib:.3f} GiB peak per rank", markup=False)
+        lines.append(f"cfp: predicted {plan.predicted.step_time_s * 1e3:.1f} ms per step{calibrated}, "
+                     f"{plan.predicted.peak_memory_gib:.3f} GiB peak per rank")
         if plan.predicted.analytical:
-            console.print(f"cfp: the prediction prices {', '.join(plan.predicted.analytical)} by the analytical "
-                          "model: the profile has not measured them", markup=False)
+            lines.append(f"cfp: the prediction prices {', '.join(plan.predicted.analytical)} by the analytical "
+                         "model: the profile has not measured them")
+    for line in lines:
+        console.print(line, markup=False)
+    log_to_run_file(*lines)
 
 
 RUN_DIR_KEY = "hydra.run.dir"
-"""The Hydra key of the run directory (conf/config.yaml: ``outputs/${cfp_run_id:}``)."""
+"""The Hydra key of the run directory (conf/config.yaml: ``outputs/${cfp_run_id:outputs}``, named by time and plan:
+:mod:`cfp_megatron.planner.run_folder`)."""
 
 
 SWEEP_DIR_KEY = "hydra.sweep.dir"
@@ -145,7 +155,7 @@ def check_run_dir_arg(argv: list[str]) -> None:
         check_write_locations([WriteLocation(key=key, path=folder, folder=True)])
     except ConfigError as err:
         report_error(err, LaunchEnv.read())
-        sys.exit(2)
+        end_rank(2)
 
 
 def main_with_errors(cfg: Any) -> None:
@@ -157,6 +167,8 @@ def main_with_errors(cfg: Any) -> None:
         train_from_config(cfg)
     except (Exception, KeyboardInterrupt) as caught:
         err = rank_watch.explained(caught)
+        log_to_run_file(f"{type(err or caught).__name__}: {err or caught}")
+        run_folder.end_failed(hydra_run_dir(), err or caught, LaunchEnv.read())  # no folder that looks like a run
         if err is None:
             raise
         report_and_exit(err, LaunchEnv.read())

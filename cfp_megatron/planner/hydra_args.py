@@ -24,7 +24,7 @@ from pathlib import Path
 from cfp_megatron.base.compose import CONF_DIR, compose_config, nearest, override_issues, say_repeats
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import LaunchEnv
-from cfp_megatron.planner.rank_errors import report_error
+from cfp_megatron.planner.rank_errors import end_rank, report_error
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,7 +217,7 @@ def check_command_line(argv: Sequence[str]) -> HydraArgs:
         check_hydra_args(args, env.world_size)
     except ConfigError as err:
         report_error(err, env)
-        sys.exit(2)
+        end_rank(2)
     if args.prints_only and env.rank != 0:
         sys.exit(0)
     return args

@@ -27,7 +27,15 @@ from cfp_megatron.backends.protocol import LaunchHooks, PlannedSearch
 from cfp_megatron.base.backend_spec import BackendKind, BackendSpec
 from cfp_megatron.base.cfp_spec import CfpMode, CfpSpec
 from cfp_megatron.base.config import ClusterSpec, JobSpec
-from cfp_megatron.base.files import CACHE_ENV, WriteLocation, cache_dir, check_write_locations
+from cfp_megatron.base.errors import CfpError
+from cfp_megatron.base.files import (
+    CACHE_ENV,
+    WriteLocation,
+    cache_dir,
+    check_write_locations,
+    read_user_file,
+    write_atomic,
+)
 from cfp_megatron.base.jsonio import json_plain
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.cluster.measured import Measurements
@@ -147,9 +155,10 @@ def searched_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Path | No
     folder = (run_dir or Path("outputs")) / PLAN_DIR
     pinned = cfp if optimizer_kind is None else dataclasses.replace(cfp, distributed_optimizer=optimizer_kind)
     # the plan of these inputs, else (resuming) the one planned with the checkpoint's optimizer kind pinned
-    paths = dict.fromkeys(folder / f"plan-{plan_key(job, world, c, backend)}.json" for c in (cfp, pinned))
-    for cached in paths:
-        if cached.exists():
+    keys = list(dict.fromkeys(plan_key(job, world, c, backend) for c in (cfp, pinned)))
+    for inputs in keys:
+        cached = stored_plan(folder, inputs)
+        if cached is not None:
             plan = load_plan(cached)
             if optimizer_kind is None or plan.parallel.distributed_optimizer == optimizer_kind:
                 return LaunchPlan(plan=plan, job=_apply(plan, job, world, backend=backend), source="cached",
@@ -169,12 +178,31 @@ def searched_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Path | No
         searched = _profile_and_search(job, cfp, env, console, hooks=hooks, backend=backend, early=early,
                                        figures=figures, on_gpu=on_gpu, progress=progress)
     plan = searched.plan
+    cached = folder / f"plan-{plan.plan_hash()}.json"  # named by the hash it holds
     if env.rank == 0:
-        if not cached.exists():  # a concurrent launch into the same folder may have stored the same inputs' plan
-            save_plan(plan, cached, key="hydra.run.dir")  # a disk that refuses it: one FileWriteError naming the key
+        if stored_plan(folder, keys[-1]) is None:  # a concurrent launch into the folder may have stored it
+            if not cached.exists():
+                save_plan(plan, cached, key="hydra.run.dir")  # a disk that refuses it: one FileWriteError naming it
+            write_atomic(folder / f"{INPUTS_INDEX}{keys[-1]}", f"{cached.name}\n", key="hydra.run.dir")
         if cfp.plan_file is not None:
             save_plan(plan, cfp.plan_file)
     return dataclasses.replace(searched, job=_apply(plan, job, world, backend=backend), path=cached)
+
+
+INPUTS_INDEX = ".inputs-"
+"""The hidden file of a run folder's ``cfp/`` that names the plan file searched for one set of inputs
+(``.inputs-<plan_key>`` holding ``plan-<plan hash>.json``): how a relaunch or a restart into the folder finds it."""
+
+
+def stored_plan(folder: Path, inputs: str) -> Path | None:
+    """The plan file ``folder`` holds for the inputs whose :func:`plan_key` is ``inputs``, ``None`` when none."""
+    index = folder / f"{INPUTS_INDEX}{inputs}"
+    try:
+        name = read_user_file(index, "hydra.run.dir").strip()
+    except (CfpError, OSError):
+        return None
+    path = folder / name
+    return path if name.startswith("plan-") and "/" not in name and path.is_file() else None
 
 
 def resolve_launch_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Path | None,

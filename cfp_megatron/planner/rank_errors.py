@@ -42,6 +42,11 @@ POLL_S = 0.05
 """How often a waiting rank looks for the marker."""
 MARKER = "cfp-error-printed"
 """File the printing rank writes into torchrun's attempt log folder once the message is on stderr."""
+LEFT = "cfp-error-left-"
+"""File a rank that left the saying to its node's first rank writes beside :data:`MARKER` as it ends
+(``cfp-error-left-<local rank>``, holding its process id)."""
+LEAVE_WAIT_S = 5.0
+"""How long the printing rank waits for the node's other ranks to have ended quietly before it ends itself."""
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 """Where torchrun reads a worker's error (``<log dir>/<run>/attempt_<n>/<local rank>/error.json``)."""
 
@@ -63,6 +68,7 @@ def report_error(err: CfpError, env: LaunchEnv | None = None, *, stream: TextIO 
     :data:`WAIT_S`, read at the call) bounds that wait."""
     wait_s = WAIT_S if wait_s is None else wait_s
     env = env if env is not None else LaunchEnv.read()
+    _quiet.left_to_first = False
     found = time.time()
     marker = marker_path()
     title, body = error_text(err, env.rank)
@@ -73,6 +79,7 @@ def report_error(err: CfpError, env: LaunchEnv | None = None, *, stream: TextIO 
     if turn is None and env.under_torchrun and env.local_rank != 0 and marker is not None \
             and _wait_for(marker, wait_s):
         _write_error_file(f"{title}\n{body}".rstrip(), found)  # this rank may exit first: torchrun's root cause
+        _quiet.left_to_first = not isinstance(err, RunInterrupted)  # end_rank ends it quietly
         return False
     out = stream if stream is not None else sys.stderr
     console = Console(file=out, highlight=False, soft_wrap=True)
@@ -86,7 +93,68 @@ def report_error(err: CfpError, env: LaunchEnv | None = None, *, stream: TextIO 
     if env.local_rank == 0 and marker is not None:
         with contextlib.suppress(OSError):  # else the waiting ranks print it themselves after WAIT_S
             write_atomic(marker, f"{env.rank}\n")
+        if turn is None and env.under_torchrun and not isinstance(err, RunInterrupted):
+            _wait_for_the_others(marker, env.local_world_size)
     return True
+
+
+class _Quiet:
+    left_to_first = False
+    """The last :func:`report_error` of this process left the saying to its node's first rank."""
+
+
+_quiet = _Quiet()
+
+
+def end_rank(status: int) -> NoReturn:
+    """End this rank after :func:`report_error` said a config error: with ``status``; a rank that left the saying
+    to its node's first rank ends with status 0 at once instead (its process has nothing to clean up: no process
+    group exists yet), after marking that it left (:data:`LEFT`). The first rank waits for that before it ends, so
+    torchrun's closing summary lists one failure, the rank that said it (torchrun prints its traceback and summary
+    for any rank that ends with another status than 0, and ends with status 1)."""
+    marker = marker_path()
+    if _quiet.left_to_first and marker is not None:
+        env = LaunchEnv.read()
+        with contextlib.suppress(OSError):
+            write_atomic(marker.with_name(f"{LEFT}{env.local_rank}"), f"{os.getpid()}\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    sys.exit(status)
+
+
+def _wait_for_the_others(marker: Path, ranks: int) -> None:
+    """Wait (at most :data:`LEAVE_WAIT_S`) until the node's other ``ranks - 1`` ranks have marked that they left
+    and their processes have ended (gone, or a zombie torchrun has not reaped yet)."""
+    deadline = time.monotonic() + LEAVE_WAIT_S
+    for local_rank in range(1, ranks):
+        left = marker.with_name(f"{LEFT}{local_rank}")
+        if not _wait_for(left, max(0.0, deadline - time.monotonic())):
+            return  # that rank did not meet the error (or is slow): torchrun stops it, as before
+        try:
+            pid = int(left.read_text())
+        except (OSError, ValueError):
+            continue
+        while not _ended(pid) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+
+
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended: gone, or a zombie torchrun has not reaped yet (Linux's ``/proc``;
+    elsewhere once it is gone)."""
+    if not Path("/proc/self").exists():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
 
 
 def report_and_exit(err: CfpError, env: LaunchEnv | None = None) -> NoReturn:
@@ -98,7 +166,7 @@ def report_and_exit(err: CfpError, env: LaunchEnv | None = None) -> NoReturn:
                  else WAIT_S)
     if isinstance(err, SaidOnce) or turn_of(err) is not None:
         exit_now(exit_status(err))
-    sys.exit(exit_status(err))
+    end_rank(exit_status(err))
 
 
 def _wait_for(marker: Path, seconds: float) -> bool:
@@ -122,4 +190,5 @@ def _write_error_file(text: str, found: float) -> None:
         write_atomic(path, json.dumps(data))
 
 
-__all__ = ["INTERRUPT_WAIT_S", "WAIT_S", "marker_path", "report_and_exit", "report_error"]
+__all__ = ["INTERRUPT_WAIT_S", "LEAVE_WAIT_S", "LEFT", "WAIT_S", "end_rank", "marker_path", "report_and_exit",
+           "report_error"]

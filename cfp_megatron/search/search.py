@@ -124,9 +124,7 @@ class SearchResult:
             for r in sorted(self.rejected, key=lambda r: r.count == 0):  # families that held plans first
                 once.setdefault((r.what, r.reason), r)  # each value and reason once
             first = list(once.values())[:8]
-            raise ConfigError([ConfigIssue(key="cfp", value=r.what, problem=r.reason, fix=_NO_PLAN_FIX)
-                               for r in first] or [ConfigIssue(key="cfp", value="", problem="no layout is left.",
-                                                               fix=_NO_PLAN_FIX)])
+            raise nothing_left([(r.what, r.reason) for r in first], _NO_PLAN_FIX)
         return self.ranked[self.choice.index if self.choice is not None else 0]
 
     @property
@@ -137,6 +135,14 @@ class SearchResult:
 
 
 _NO_PLAN_FIX = "relax the cfp pins and constraints, lower cfp.constraints.memory_headroom, or add GPUs."
+
+
+def nothing_left(rejected: list[tuple[str, str]], fix: str) -> ConfigError:
+    """The error of a search that left no plan: one issue of ``+cfp=auto`` listing what ruled the layouts out
+    (``(value or family, reason)`` pairs; each a value the search tried, not a setting the user gave)."""
+    why = "; ".join(f"{what}: {reason.rstrip('.')}" for what, reason in rejected)
+    return ConfigError(ConfigIssue(key="cfp", value="auto", problem="the search left no layout" + (
+        f" (what ruled them out: {why})" if why else "") + ".", fix=fix))
 
 
 def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements | None = None,

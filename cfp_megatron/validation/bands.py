@@ -39,7 +39,7 @@ def sources_problem(plans: list[RowPlan]) -> str | None:
         return None
     return (f"--bands: the {len(plans)} modelled rows come from {len(sources)} source ({', '.join(sources) or 'none'})"
             ": the bands are computed leaving each source out, which leaves no rows to fit on. Fix: pass rows of at "
-            "least two sources (the source column), e.g. with shared/data/published_runs.csv")
+            "least two sources (the source column), e.g. no file: the published runs that ship with the package")
 
 
 def held_out_predictions(plans: list[RowPlan]) -> dict[str, float]:

@@ -1,6 +1,6 @@
-"""The row reader of ``python -m cfp_megatron.validate``: runs files in the schema of
-``shared/data/published_runs.csv`` read into rows, and each cell read as what its column holds (a count, a measured
-figure, yes/no, a power limit), with the reason where it cannot be."""
+"""The row reader of ``python -m cfp_megatron.validate``: runs files in the schema of the published runs that ship
+with the package (:data:`PUBLISHED_RUNS`) read into rows, and each cell read as what its column holds (a count, a
+measured figure, yes/no, a power limit), with the reason where it cannot be."""
 
 from __future__ import annotations
 
@@ -36,7 +36,14 @@ COLUMNS = ("id", "source", "source_detail", "source_location", "model", "arch_ty
            "sequence_parallel", "zero_or_fsdp", "micro_batch", "global_batch_seqs", "grad_accum", "recompute",
            "precision", "step_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu_pct", "hfu_pct",
            "other_measured", "derived_step_time_s", "derived_fields", "arch_source", "notes")
-"""The columns of the runs schema (``shared/data/published_runs.csv``), in its order."""
+"""The columns of the runs schema (:data:`SCHEMA_FILE`), in its order."""
+PUBLISHED_RUNS_DIR = Path(__file__).resolve().parent / "published_runs"
+"""The published runs that ship with the package, with a README naming their sources (copies of the project's
+shared data folder: tests/test_validate.py checks they are identical where it exists)."""
+PUBLISHED_RUNS = (PUBLISHED_RUNS_DIR / "published_runs.csv", PUBLISHED_RUNS_DIR / "published_runs_moe.csv")
+"""What ``validate`` reads without a file: the dense, long-sequence and FSDP runs, then the MoE runs."""
+SCHEMA_FILE = "cfp_megatron/validation/published_runs/published_runs.csv"
+"""The runs file whose columns are the schema, as messages name it."""
 REQUIRED_COLUMNS = ("id", "layers", "hidden", "heads", "seq_len", "gpu", "num_gpus")
 """Columns without which no row of a file can be modelled."""
 
@@ -94,7 +101,7 @@ def read_rows(path: str | Path) -> list[dict]:
     misspells one (:func:`_header`). A row whose fields do not line up with the header is returned with its
     :attr:`CsvRow.problem` (and refused by :func:`predict_rows`)."""
     path = Path(path)
-    fix = "pass a CSV file in the schema of shared/data/published_runs.csv."
+    fix = f"pass a CSV file in the schema of {SCHEMA_FILE}."
     if not path.is_file():  # a named pipe or device is refused too, not waited on
         said = "is a directory" if path.is_dir() else "no such file" if not path.exists() else \
             str(regular_file_problem(path)).removesuffix(".")
