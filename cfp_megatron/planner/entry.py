@@ -140,7 +140,7 @@ def check_run_dir_arg(argv: list[str]) -> None:
     try:
         args = read_hydra_args(argv)
         key, default, shown = (SWEEP_DIR_KEY, "multirun/", "<date>/<time>") if args.multirun \
-            else (RUN_DIR_KEY, "outputs/", "<run id>")
+            else (RUN_DIR_KEY, "outputs/", "<time>_<plan hash>")
         given, raw = override_value(args.overrides, key)
         value = None if not given else "" if raw is None else str(raw)
         if value is not None and not value.strip():
