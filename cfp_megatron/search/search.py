@@ -141,16 +141,17 @@ _NO_PLAN_FIX = "relax the cfp pins and constraints, lower cfp.constraints.memory
 
 def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements | None = None,
            options: SimOptions | None = None, te_available: bool = True,
-           exhaustive: bool = False) -> SearchResult:
+           exhaustive: bool = False, cache: CostCache | None = None) -> SearchResult:
     """The ``cfp.top_k`` fastest layouts of ``job`` on ``world`` ranks that fit in memory (see the module docstring),
     searched by the one driver (:func:`cfp_megatron.search.driver.run`) over :class:`MegatronSpace`.
 
     ``exhaustive`` simulates every candidate that fits (no bound): the reference the bounded search is tested
-    against."""
+    against. ``cache``: the pass costs of an earlier search of the same model on a cluster of the same kind (any
+    node count; :meth:`~cfp_megatron.sim.pass_costs.CostCache.resized`), which this one reads and adds to."""
     started = time.perf_counter()
     with driver.gc_paused():
         space = MegatronSpace.build(job, world, cfp, measurements=measurements, options=options,
-                                    te_available=te_available)
+                                    te_available=te_available, cache=cache)
         found = driver.run(space, cfp.top_k, exhaustive=exhaustive)
     rejected = list(space.space.rejected) + space.invalid_groups
     for prefix, sizes in sorted(found.over.items()):  # by family, in Family's order
@@ -196,15 +197,17 @@ class MegatronSpace:
 
     @classmethod
     def build(cls, job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements | None,
-              options: SimOptions | None, te_available: bool) -> MegatronSpace:
-        """The space of ``job`` on ``world`` ranks under ``cfp``, its groups bounded."""
+              options: SimOptions | None, te_available: bool, cache: CostCache | None = None) -> MegatronSpace:
+        """The space of ``job`` on ``world`` ranks under ``cfp``, its groups bounded (pass costs from ``cache``
+        where it serves this job: :meth:`~cfp_megatron.sim.pass_costs.CostCache.resized`)."""
         options = options or SimOptions()
         space = build_space(job, world, cfp, te_available=te_available)
         if measurements is not None:  # PrimePar's MLP only where profiling timed its layer (see Space.primepar)
             timed = frozenset(f.tp for f in space.families if measurements.segment_micro_batches(
                 "dense", partition_name(f.tp, mlp=MlpPartition.primepar)))
             space = dataclasses.replace(space, primepar=timed)
-        cache = CostCache.for_job(job, measurements, options)
+        cache = CostCache.for_job(job, measurements, options) if cache is None else \
+            cache.resized(job, measurements, options)
         limit = None
         if job.cluster.hbm_gib is not None:  # the headroom, and the prediction's upper band (the allocator's share)
             # in the GPU's memory: two reserves for one thing (the headroom names fragmentation), the larger applies

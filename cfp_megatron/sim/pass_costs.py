@@ -137,6 +137,19 @@ class CostCache:
                                        measurements=measurements),
                    collectives=collective_costs(job.cluster, measurements, efficiency))
 
+    def resized(self, job: JobSpec, measurements: Measurements | None, options: SimOptions) -> CostCache:
+        """This cache's costs for ``job``, whose cluster may differ from the cache's in its node count alone; a new,
+        empty cache where anything else differs. The pass costs read where a plan's groups sit (:func:`cost_key`),
+        never how many nodes there are, so the searches of one model on clusters of one kind and several sizes
+        share them (``cfp size``)."""
+        cluster = self.job.cluster
+        if job.cluster is not cluster and dataclasses.replace(job.cluster, nodes=cluster.nodes) != cluster:
+            return CostCache.for_job(job, measurements, options)
+        resized = dataclasses.replace(self, job=job)  # the same dictionaries: what one search adds, the next reads
+        if not resized.serves(job, measurements, options, efficiency_for(job.cluster)):
+            return CostCache.for_job(job, measurements, options)
+        return resized
+
     def serves(self, job: JobSpec, measurements: Measurements | None, options: SimOptions,
                efficiency: Efficiency) -> bool:
         """Whether ``job`` (under these measurements, options and efficiencies) is a plan this cache was made for."""
