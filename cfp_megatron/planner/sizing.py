@@ -341,11 +341,15 @@ class Beyond:
     """That size planned."""
     states_gib: tuple[float, float, float] | None
     """Its plan's weights, gradients and optimizer states per GPU (GiB) on its most loaded rank."""
+    memory_bound: bool = True
+    """Whether memory is what leaves the range without a plan (else more nodes were not tried)."""
 
     def line(self) -> str:
         """One sentence for a person."""
         head = (f"{self.cluster}: no plan on {self.largest.gpus:,} GPUs ({self.largest.nodes} nodes), the most "
                 f"tried: {self.largest.why_not}")
+        if not self.memory_bound:
+            return head + "; not the memory, so a larger cluster would not help"
         if self.nodes is None or self.fitting is None:
             return head + f"; none up to {MAX_WORLD_SIZE:,} GPUs either"
         w, g, o = self.states_gib or (0.0, 0.0, 0.0)
@@ -361,6 +365,9 @@ def beyond_range(planner: Planner, rows: Sequence[Sized], *, tokens: float, pric
     if not own or any(r.plan is not None for r in own):
         return None
     largest = max(own, key=lambda r: r.nodes)
+    if planner.issues(largest.nodes) or planner.search(largest.nodes).least_over_gib is None:
+        return Beyond(cluster=largest.cluster, largest=largest, nodes=None, fitting=None, states_gib=None,
+                      memory_bound=False)  # not the memory: more nodes would not make a plan
     nodes = smallest_fitting(planner, largest.nodes)
     if nodes is None:
         return Beyond(cluster=largest.cluster, largest=largest, nodes=None, fitting=None, states_gib=None)

@@ -38,6 +38,7 @@ from cfp_megatron.search.choice import Choice, choose
 from cfp_megatron.search.space import (
     BLOCK,
     FAMILY_FIELDS,
+    KNOBS,
     Candidate,
     Family,
     Group,
@@ -46,6 +47,7 @@ from cfp_megatron.search.space import (
     Space,
     build_space,
     family_of_key,
+    knob_setting,
     max_chunk_layers,
     recompute_parts,
     split_stage_counts,
@@ -113,6 +115,8 @@ class SearchResult:
     choice: Choice | None = None
     """Which of :attr:`ranked` to run and why (:func:`~cfp_megatron.search.choice.choose`); ``None`` without plans
     (the fastest is then :attr:`best`)."""
+    pinned: tuple[str, ...] = ()
+    """The Hydra keys of the cfp pins and sets the search kept to (``cfp.tp``, ``cfp.constraints.pp``)."""
 
     @property
     def best(self) -> Ranked:
@@ -124,9 +128,9 @@ class SearchResult:
             for r in sorted(self.rejected, key=lambda r: r.count == 0):  # families that held plans first
                 once.setdefault((r.what, r.reason), r)  # each value and reason once
             first = list(once.values())[:8]
-            raise ConfigError([ConfigIssue(key="cfp", value=r.what, problem=r.reason, fix=_NO_PLAN_FIX)
-                               for r in first] or [ConfigIssue(key="cfp", value="", problem="no layout is left.",
-                                                               fix=_NO_PLAN_FIX)])
+            fix = no_plan_fix(self.pinned)
+            raise ConfigError([ConfigIssue(key="cfp", value=r.what, problem=r.reason, fix=fix) for r in first]
+                              or [ConfigIssue(key="cfp", value="", problem="no layout is left.", fix=fix)])
         return self.ranked[self.choice.index if self.choice is not None else 0]
 
     @property
@@ -136,7 +140,14 @@ class SearchResult:
         return self.ranked[first:first + 1] + self.ranked[:first] + self.ranked[first + 1:]
 
 
-_NO_PLAN_FIX = "relax the cfp pins and constraints, lower cfp.constraints.memory_headroom, or add GPUs."
+def no_plan_fix(pinned: tuple[str, ...]) -> str:
+    """What to change where no layout is left: the pins and sets ``pinned`` (Hydra keys) where there are any."""
+    if pinned:
+        return (f"relax the cfp pins and constraints ({', '.join(pinned)}), lower cfp.constraints.memory_headroom, "
+                "or add GPUs.")
+    return ("no cfp pin or constraint is set: change what the reasons name (train.global_batch_size, "
+            "train.seq_length, the model's settings), lower cfp.constraints.memory_headroom, or plan another number "
+            "of GPUs (cluster.nodes; cfp size compares several).")
 
 
 def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements | None = None,
@@ -164,7 +175,8 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
                         over_memory=found.over_memory, invalid=found.refused,
                         pruned=space.size - found.visited + found.slower, memory_limit_gib=space.limit,
                         least_over_gib=min((min(s) for s in found.over.values() if s), default=None),
-                        seconds=time.perf_counter() - started, world=world)
+                        seconds=time.perf_counter() - started, world=world,
+                        pinned=tuple(knob_setting(cfp, name)[0] for name in KNOBS if cfp.allowed(name) is not None))
 
 
 @dataclass(kw_only=True)
