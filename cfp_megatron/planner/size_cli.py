@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -64,6 +65,21 @@ def prices(given: Sequence[str], clusters: Sequence[str]) -> dict[str, float]:
         price = count("--price", value)
         out.update({name: price} if name else dict.fromkeys(clusters, price))
     return out
+
+
+MAX_JOBS = 4
+"""Most processes ``--jobs`` starts by default (the searches are short; more mostly adds start-up)."""
+
+
+def jobs(given: int | None) -> int:
+    """``--jobs``: as given (at least 1), else the cores this process may use, at most :data:`MAX_JOBS`."""
+    if given is not None:
+        if given < 1:
+            raise ConfigError(ConfigIssue(key="--jobs", value=given, problem="must be at least 1.",
+                                          fix="pass --jobs 1 to plan in this process, or leave it out."))
+        return given
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, MAX_JOBS))
 
 
 def planners(request: SizingRequest, console: Console) -> list[Planner]:
@@ -165,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", default=None, help="time to train within, e.g. 90d, 720h")
     parser.add_argument("--price", action="append", default=[], help="price per GPU-hour: 2.5 for every cluster, or "
                         "preset=2.5 (repeat for each)")
+    parser.add_argument("--jobs", type=int, default=None, help="processes that plan the candidates (default: the "
+                        "cores this process may use, at most 4)")
     parser.add_argument("--out", default="outputs/sizing", help="folder for the PNG and JSON (default "
                         "outputs/sizing/; an existing file is never replaced)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -187,7 +205,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     console.print(f"sizing {job.model.name} for {request.tokens:,.4g} tokens (global batch "
                   f"{job.train.global_batch_size:,} x {job.train.seq_length:,} tokens) on "
                   f"{', '.join(request.clusters)} at {', '.join(map(str, request.nodes))} nodes", soft_wrap=True)
-    rows = size_all(found, request.nodes, tokens=request.tokens, price_of=price.get)
+    rows = size_all(found, request.nodes, tokens=request.tokens, price_of=price.get, jobs=jobs(args.jobs))
     front = pareto_front(rows)
     meeting = smallest_meeting(rows, deadline) if deadline is not None else {}
     console.print(table(rows, front, meeting))

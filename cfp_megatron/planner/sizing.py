@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cfp_megatron.base.cfp_spec import CfpSpec
@@ -298,10 +299,36 @@ def size_one(planner: Planner, nodes: int, *, tokens: float, price: float | None
                                band_pct=None if band is None else band.pct)
 
 
-def size_all(planners: Iterable[Planner], nodes: Sequence[int], *, tokens: float,
-             price_of: Callable[[str], float | None] = lambda _: None) -> list[Sized]:
-    """Every planner's cluster at every node count in ``nodes``, in order."""
-    return [size_one(p, n, tokens=tokens, price=price_of(p.job.cluster.name)) for p in planners for n in nodes]
+def size_all(planners: Sequence[Planner], nodes: Sequence[int], *, tokens: float,
+             price_of: Callable[[str], float | None] = lambda _: None, jobs: int = 1) -> list[Sized]:
+    """Every planner's cluster at every node count in ``nodes``, in order; ``jobs`` processes (forked: each keeps
+    its own copy of the planners' shared costs, and takes runs of one cluster kind so that they serve) where more
+    than one. The rows are the same whatever ``jobs`` (each search is deterministic)."""
+    tasks = [(i, n) for i in range(len(planners)) for n in nodes]
+    if jobs <= 1 or len(tasks) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return [_size_task(t, planners, tokens, price_of) for t in tasks]
+    global _FORKED
+    _FORKED = (planners, tokens, price_of)
+    try:
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            return pool.map(_forked_task, tasks, chunksize=max(1, len(tasks) // (2 * jobs)))
+    finally:
+        _FORKED = None
+
+
+_FORKED: tuple[Sequence[Planner], float, Callable[[str], float | None]] | None = None
+"""What :func:`size_all`'s forked workers read (set before the fork, never pickled)."""
+
+
+def _size_task(task: tuple[int, int], planners: Sequence[Planner], tokens: float,
+               price_of: Callable[[str], float | None]) -> Sized:
+    planner = planners[task[0]]
+    return size_one(planner, task[1], tokens=tokens, price=price_of(planner.job.cluster.name))
+
+
+def _forked_task(task: tuple[int, int]) -> Sized:
+    planners, tokens, price_of = _FORKED
+    return _size_task(task, planners, tokens, price_of)
 
 
 def smallest_meeting(rows: Sequence[Sized], deadline_s: float) -> dict[str, Sized | None]:

@@ -451,12 +451,20 @@ class _KeptBytes:
     """The profile the search predicts from."""
     options: SimOptions
     """The simulator's options."""
+    key: tuple
+    """What the bytes depend on (TP, SP, CP, expert TP, micro-batch, recomputation, MLP partition)."""
+    store: dict[tuple, float]
+    """The bytes by :attr:`key` that searches of several node counts share
+    (:attr:`~cfp_megatron.sim.pass_costs.CostCache.kept_bytes`)."""
     value: float | None = None
     """The bytes, once computed."""
 
     def __call__(self) -> float:
         if self.value is None:
+            self.value = self.store.get(self.key)
+        if self.value is None:
             self.value = _layer_kept_bytes(self.head, self.placed, self.job, self.measurements, self.options)
+            self.store[self.key] = self.value
         return self.value
 
 
@@ -497,16 +505,22 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
             ckey += overlaps
             if measurements is not None:  # the pipelined probe's term (GroupCosts.fixed_s) depends on the stages too
                 ckey += (pp, placed.pp_intra_node)
-            if ckey not in by_key:
-                by_key[ckey] = _group_costs(Candidate.from_key(g.head + (1, 0, 0, False, False)), job, measurements,
-                                            options, world, cache, refused, may_overlap=overlaps)
+            if ckey not in by_key:  # the bound's costs read the key alone: a search of another size may have them
+                found = cache.groups.get(ckey)
+                if found is None:
+                    found = _group_costs(Candidate.from_key(g.head + (1, 0, 0, False, False)), job, measurements,
+                                         options, world, cache, refused, may_overlap=overlaps)
+                    if found is not None:  # a refusal is this size's: checked again at another
+                        cache.groups[ckey] = found
+                by_key[ckey] = found
             costs = by_key[ckey]
             if costs is None:
                 continue
             # what a layer's activations depend on (fewer distinct values than the pass costs' keys)
             akey = (h.tp, h.sp, h.cp, h.etp, h.micro_batch, recompute, h.mlp)
             if akey not in kept:
-                kept[akey] = _KeptBytes(head=h, placed=placed, job=job, measurements=measurements, options=options)
+                kept[akey] = _KeptBytes(head=h, placed=placed, job=job, measurements=measurements, options=options,
+                                        key=akey, store=cache.kept_bytes)
             ends = (L, L) if pp == 1 or costs.shared_cores else _lightest_ends(L, pp, g.splits)
             busy = (0.0, 0.0)
             # a MoE model's layers by kind (the bound's layer cost is the cheaper kind's)

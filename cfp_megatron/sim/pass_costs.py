@@ -123,6 +123,13 @@ class CostCache:
     """Pass costs by :func:`cost_key`."""
     schedules: dict[tuple[Any, ...], ScheduleResult] = field(default_factory=dict)
     """Timed pipeline schedules by their pass durations, send/receive time and micro-batch count."""
+    groups: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    """What a search's bound counts for a group of candidates (:class:`~cfp_megatron.sim.bounds.GroupCosts`) by the
+    search's group key, for the groups the runtime's validation passed: what searches of several node counts share
+    (:meth:`resized`)."""
+    kept_bytes: dict[tuple[Any, ...], float] = field(default_factory=dict)
+    """Activation bytes a decoder layer keeps per micro-batch at least, by what they depend on (the search's memory
+    bound; none of it the node count)."""
     exchanges: dict[tuple[str, int], Any] = field(default_factory=dict)
     """The pipelined probe of a partition at a micro-batch size against its pricing
     (:class:`~cfp_megatron.sim.simulate.ProbeCalibration`, ``None`` where none can be had), by partition and size."""
