@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from cfp_megatron import cli
 from cfp_megatron.base.cfp_spec import cfp_from_config
@@ -18,7 +19,7 @@ from cfp_megatron.base.compose import compose_config
 from cfp_megatron.base.config import job_from_config
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.planner.memory_fit import check_no_plan
-from cfp_megatron.planner.size_cli import prices
+from cfp_megatron.planner.size_cli import prices, table
 from cfp_megatron.planner.sizing import (
     Planner,
     Sized,
@@ -188,4 +189,13 @@ def test_cfp_size_prints_writes_json_and_png(tmp_path: Path, capsys: pytest.Capt
     (png,) = tmp_path.glob("size-llama3_8b-*.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert cli.main(["size", "train.tokens=1B", "cluster=local"]) == 2  # not a GPU preset: one message
-    assert "is not a GPU cluster preset" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "is not a GPU cluster preset" in out and "cluster=[dgx_h100,b200]" in out  # text, not rich markup
+
+
+def test_table_rows_show_labels_with_brackets_as_text() -> None:
+    row = dataclasses.replace(_row("a", 8, 1.0), plan="dp8 tp1 pp1 mb1 rc=selective[moe_act+layernorm]")
+    console = Console(record=True, width=250)
+    console.print(table([row, _row("b", 8, None)], pareto_front([row]), {"a": row}))
+    shown = console.export_text()
+    assert "rc=selective[moe_act+layernorm]" in shown and "*<" in shown

@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,12 +79,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (model=..., cluster=..., cfp.tp=4, ...)")
     parser.add_argument("--world", type=int, default=None, help="ranks (default: nodes x gpus_per_node)")
     parser.add_argument("--out", default=None, help="folder for plan.json and exports (default: outputs/plans/)")
-    args = parser.parse_args(argv)
-    console = Console(width=None if sys.stdout.isatty() else 150)  # wide tables in logs and pipes
+    return run_reporting(_run, parser.parse_args(argv))
+
+
+def run_reporting(run: Callable[[argparse.Namespace, Console], int], args: argparse.Namespace, *,
+                  width: int = 150) -> int:
+    """``run(args, console)`` on a rich console (``width`` columns where the output is not a terminal: wide tables
+    in logs and pipes); a :class:`CfpError` is printed as one message and gives exit status 2."""
+    console = Console(width=None if sys.stdout.isatty() else width)
     try:
-        return _run(args, console)
+        return run(args, console)
     except CfpError as err:
-        console.print(f"[red]cfp-megatron: {type(err).__name__}[/red]\n{err}")
+        console.print(f"[red]cfp-megatron: {type(err).__name__}[/red]")
+        console.print(str(err), markup=False)  # values such as cluster=[a,b] are text, not rich markup
         return 2
 
 

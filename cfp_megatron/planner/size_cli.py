@@ -23,15 +23,16 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from cfp_megatron.base.backend_spec import backend_from_config
 from cfp_megatron.base.cfp_spec import CfpMode, cfp_from_config
 from cfp_megatron.base.config import job_from_config
 from cfp_megatron.base.config_help import config_help
-from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.files import WriteLocation, check_write_locations, write_atomic
 from cfp_megatron.plan.plots import free_path
-from cfp_megatron.planner.plan_cli import planned_config
+from cfp_megatron.planner.plan_cli import planned_config, run_reporting
 from cfp_megatron.planner.preflight import default_lines, defaults_used
 from cfp_megatron.planner.size_picture import write_sizing_png
 from cfp_megatron.planner.sizing import (
@@ -92,7 +93,7 @@ def planners(request: SizingRequest, console: Console) -> list[Planner]:
         overrides += [f"cluster={preset}", f"cluster.nodes={request.nodes[0]}"]
         cfg, note = planned_config(overrides)
         if note and i == 0:
-            console.print(note)
+            console.print(note, markup=False)
         cfp = cfp_from_config(cfg)
         if cfp.mode is CfpMode.manual:
             raise ConfigError(ConfigIssue(key="cfp", value="manual", problem="cfp size searches a plan on each "
@@ -136,12 +137,13 @@ def table(rows: Sequence[Sized], front: Sequence[Sized], meeting: dict[str, Size
     for r in rows:
         marks = ("*" if id(r) in on_front else "") + ("<" if id(r) in chosen else "")
         if r.plan is None:
-            t.add_row(r.cluster, f"{r.gpus:,}", f"no plan: {r.why_not}", "", "", "", "", "", "")
-            continue
-        energy = "" if r.energy_mwh is None else _banded(r, r.energy_mwh, f"{r.energy_mwh:,.1f} MWh")
-        cost = "" if r.cost is None else _banded(r, r.cost, f"{r.cost:,.0f}")
-        t.add_row(r.cluster, f"{r.gpus:,}", r.plan, f"{r.step_time_s:.3g} s", _banded(r, r.time_s, _time(r.time_s)),
-                  _banded(r, r.gpu_hours, f"{r.gpu_hours:,.0f}"), energy, cost, marks)
+            cells = [r.cluster, f"{r.gpus:,}", f"no plan: {r.why_not}", "", "", "", "", "", ""]
+        else:
+            energy = "" if r.energy_mwh is None else _banded(r, r.energy_mwh, f"{r.energy_mwh:,.1f} MWh")
+            cost = "" if r.cost is None else _banded(r, r.cost, f"{r.cost:,.0f}")
+            cells = [r.cluster, f"{r.gpus:,}", r.plan, f"{r.step_time_s:.3g} s", _banded(r, r.time_s, _time(r.time_s)),
+                     _banded(r, r.gpu_hours, f"{r.gpu_hours:,.0f}"), energy, cost, marks]
+        t.add_row(*(Text(cell) for cell in cells))  # labels such as rc=selective[moe_act] are text, not markup
     return t
 
 
@@ -185,13 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                         "cores this process may use, at most 4)")
     parser.add_argument("--out", default="outputs/sizing", help="folder for the PNG and JSON (default "
                         "outputs/sizing/; an existing file is never replaced)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    console = Console(width=None if sys.stdout.isatty() else 180)
-    try:
-        return _run(args, console)
-    except CfpError as err:
-        console.print(f"[red]cfp-megatron: {type(err).__name__}[/red]\n{err}")
-        return 2
+    return run_reporting(_run, parser.parse_args(sys.argv[1:] if argv is None else argv), width=180)
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
@@ -204,7 +200,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     job = found[0].job
     console.print(f"sizing {job.model.name} for {request.tokens:,.4g} tokens (global batch "
                   f"{job.train.global_batch_size:,} x {job.train.seq_length:,} tokens) on "
-                  f"{', '.join(request.clusters)} at {', '.join(map(str, request.nodes))} nodes", soft_wrap=True)
+                  f"{', '.join(request.clusters)} at {', '.join(map(str, request.nodes))} nodes", soft_wrap=True,
+                  markup=False)
     rows = size_all(found, request.nodes, tokens=request.tokens, price_of=price.get, jobs=jobs(args.jobs))
     front = pareto_front(rows)
     meeting = smallest_meeting(rows, deadline) if deadline is not None else {}
@@ -218,16 +215,16 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         console.print(b.line(), markup=False, soft_wrap=True)
     console.print("energy: the GPUs' board power (cluster.tdp_w, the datasheet's, or cluster.power_limit_w) times "
                   "their hours; hosts, network and cooling not counted. Bands: the simulator's error on published "
-                  "runs of the plan's class (cfp_megatron/sim/error_bands.json).", soft_wrap=True)
+                  "runs of the plan's class (cfp_megatron/sim/error_bands.json).", soft_wrap=True, markup=False)
     stem = f"size-{job.model.name}-{datetime.now(UTC):%Y%m%d-%H%M%S}"
     json_path = write_atomic(free_path(out / f"{stem}.json"), rows_json(rows, front, meeting, beyond), key="--out")
-    console.print(f"sizing JSON: {json_path}")
+    console.print(f"sizing JSON: {json_path}", markup=False)
     if any(r.plan is not None for r in rows):
         title = (f"{job.model.name}, {request.tokens:,.4g} tokens, batch {job.train.global_batch_size:,} x "
                  f"{job.train.seq_length:,}")
         png = write_sizing_png(rows, front, free_path(out / f"{stem}.png"), title=title, deadline_s=deadline,
                                key="--out")
-        console.print(f"picture: {png}")
+        console.print(f"picture: {png}", markup=False)
     return 0
 
 
