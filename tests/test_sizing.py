@@ -75,6 +75,9 @@ def test_lists_choices_and_ranges_of_clusters_and_nodes() -> None:
     (["train.tokens=15T", "cluster=b200", "cluster.nodes=range(0.5,3)"], "cluster.nodes"),
     (["train.tokens=15T", "cluster=b200", "model=llama3_8b,llama3_70b"], "model"),
     (["train.tokens=1T,2T", "cluster=b200"], "train.tokens"),
+    (["train.tokens=1T", "cluster=b200", "cluster.nodes=range(1,1000000000)"], "cluster.nodes"),  # never listed
+    (["train.tokens=1T", "cluster=b200", "cluster.nodes=range(1,9,0)"], "cluster.nodes"),
+    (["train.tokens=1T", "cluster=b200", "cluster.nodes=[1,2"], "cluster.nodes"),
 ])
 def test_a_bad_request_names_its_key(overrides: list[str], key: str) -> None:
     with pytest.raises(ConfigError) as caught:

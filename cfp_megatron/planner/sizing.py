@@ -26,6 +26,9 @@ SWEPT = ("cluster", "cluster.nodes")
 """The keys a sizing sweeps: a list (``[a,b]``), a choice (``a,b``) or a range (``range(4,64,4)``, Python's: the stop
 is left out) of each."""
 
+MAX_CANDIDATES = 400
+"""Most candidate clusters (kinds x node counts) one sizing plans: each is a search of about a second."""
+
 TOKENS_KEY = "train.tokens"
 """The token budget's key (``train.tokens=15T``, ``=1.5e13``): read by the sizing, not a training setting."""
 
@@ -53,16 +56,27 @@ class SizingRequest:
 def _values(override: str) -> tuple[str, list[str]]:
     """The key of ``override`` and its values as text: one, or those of a list, choice or range."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import RangeSweep
     from hydra.errors import HydraException
 
     try:
         parsed = OverridesParser.create().parse_override(override)
     except HydraException as err:
-        raise ConfigError(ConfigIssue(key=override.split("=", 1)[0], value=override, problem=f"is not an override "
-                                      f"Hydra reads: {str(err).splitlines()[0]}", fix="write key=value, key=[a,b], "
-                                      "key=a,b or key=range(start,stop,step).")) from None
+        raise ConfigError(ConfigIssue(key=override.split("=", 1)[0], value=override.split("=", 1)[-1],
+                                      problem=f"is not an override Hydra reads: {str(err).splitlines()[0]}.",
+                                      fix="write key=value, key=[a,b], key=a,b or key=range(start,stop,step)."),
+                          ) from None
     key = parsed.key_or_group
     if parsed.is_sweep_override():
+        value = parsed.value()
+        if isinstance(value, RangeSweep):  # counted before it is listed: range(1,10**9) or a step of 0 never ends
+            step = value.step or 0
+            size = max(math.ceil((value.stop - value.start) / step), 0) if step else 0
+            if not 1 <= size <= MAX_CANDIDATES:
+                raise ConfigError(ConfigIssue(key=key, value=override.split("=", 1)[-1], problem=f"gives {size:,} "
+                                              f"values; a sizing plans 1 to {MAX_CANDIDATES} candidates.",
+                                              fix="give a range with a positive step and fewer values, e.g. "
+                                                  f"{key}=range(4,68,4) (4 to 64)."))
         return key, list(parsed.sweep_string_iterator())
     value = parsed.value()
     return key, [str(v) for v in value] if isinstance(value, list) else [str(value)]
@@ -129,7 +143,13 @@ def sizing_request(overrides: Sequence[str]) -> SizingRequest:
                                           "of at least 1.", fix="give node counts such as cluster.nodes=[4,8,16] or "
                                           "cluster.nodes=range(4,68,4)."))
         nodes.append(int(value))
-    return SizingRequest(overrides=tuple(shared), clusters=clusters, nodes=tuple(sorted(set(nodes))), tokens=tokens)
+    nodes = sorted(set(nodes))
+    if len(clusters) * len(nodes) > MAX_CANDIDATES:
+        raise ConfigError(ConfigIssue(key="cluster.nodes", value=len(nodes), problem=f"node counts on {len(clusters)} "
+                                      f"kind(s) make {len(clusters) * len(nodes):,} candidates; a sizing plans at "
+                                      f"most {MAX_CANDIDATES}.", fix="give fewer node counts (a coarser range) or "
+                                      "kinds, and size again around the best."))
+    return SizingRequest(overrides=tuple(shared), clusters=clusters, nodes=tuple(nodes), tokens=tokens)
 
 
 @dataclass(frozen=True, kw_only=True)
