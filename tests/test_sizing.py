@@ -145,13 +145,19 @@ def test_a_kind_that_fits_nowhere_in_the_range_names_the_smallest_that_does(tigh
     assert beyond_range(tight, size_all([tight], [1, 2], tokens=1e9), tokens=1e9, price=None) is None
 
 
-def test_preflight_no_fit_names_the_fewest_nodes_that_fit(tight: Planner) -> None:
-    job = tight.job
+def test_preflight_no_fit_names_the_fewest_nodes_and_a_shorter_sequence_that_fit() -> None:
+    long = _planner([*TIGHT, "train.seq_length=8192"], nodes=2)  # 16 GPUs: the logits of 8,192 tokens do not fit
+    job = long.job
     with pytest.raises(ConfigError) as caught:
-        check_no_plan(job, 8, tight.cfp, given=job.cluster, measurements=None, te_available=True, options=None)
+        check_no_plan(job, 16, long.cfp, given=job.cluster, measurements=None, te_available=True, options=None)
     issue = caught.value.issues[0]
-    assert "cluster.nodes=2 (16 ranks)" in issue.problem and "cluster.nodes=2 or more" in issue.fix
-    assert search(resized(job, 2), 16, tight.cfp).ranked  # that size, planned again, fits
+    assert "cluster.nodes=3 (24 ranks)" in issue.problem and "train.seq_length=4096 (of 8192) fits" in issue.problem
+    assert issue.fix.startswith("size the cluster to cluster.nodes=3 or more, or train shorter sequences "
+                                "(train.seq_length=4096)")
+    # each, planned again, fits; and neither the smaller size nor the longer sequence does
+    assert search(resized(job, 3), 24, long.cfp).ranked and not search(job, 16, long.cfp).ranked
+    shorter = dataclasses.replace(job, train=dataclasses.replace(job.train, seq_length=4096))
+    assert search(shorter, 16, long.cfp).ranked
 
 
 def test_no_plan_fix_names_pins_only_where_there_are_some() -> None:

@@ -243,7 +243,7 @@ class Planner:
     cache: CostCache | None = None
     """The pass costs the searches share (made by the first)."""
     results: dict[int, SearchResult] = dataclasses.field(default_factory=dict)
-    """Each node count's search (``None`` where the world is refused before any search)."""
+    """Each node count's search, kept (a size asked again is not searched again)."""
 
     def issues(self, nodes: int) -> list[ConfigIssue]:
         """What refuses ``nodes`` nodes whatever the layout."""
@@ -269,7 +269,7 @@ def no_plan_reason(result: SearchResult) -> str:
     if result.least_over_gib is not None and result.memory_limit_gib is not None:
         return (f"the lightest of {result.over_memory:,} layouts needs at least {result.least_over_gib:,.1f} GiB per "
                 f"GPU, over the {result.memory_limit_gib:,.1f} GiB allowed")
-    reasons = [r for r in sorted(result.rejected, key=lambda r: r.count == 0)]
+    reasons = sorted(result.rejected, key=lambda r: r.count == 0)  # families that held plans first
     return f"{reasons[0].what}: {reasons[0].reason}" if reasons else "no layout is left"
 
 
