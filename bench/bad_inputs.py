@@ -730,6 +730,10 @@ def cases() -> list[Case]:
             ("size-jobs-zero", ["train.tokens=1T", "cluster=dgx_h100", "--jobs", "0"], "--jobs")]:
         add(Case(id=cid, command="size", what="cfp size " + " ".join(args), names=(key,),
                  run=lambda work, a=args: in_process(lambda: size_main(a, work), timeout_s=120)))
+    add(Case(id="size-module-no-tokens", command="size", what="python -m cfp_megatron.size cluster=dgx_h100",
+             names=("train.tokens",), mode="subprocess",
+             run=lambda work: run_process([py, "-m", "cfp_megatron.size", "cluster=dgx_h100", "--out",
+                                           str(work / "sizing")], work, 120)))
     add(Case(id="size-out-is-file", command="size", what="cfp size --out naming an existing regular file",
              names=("--out", "occupied"),
              run=lambda work: in_process(lambda: size_main(
