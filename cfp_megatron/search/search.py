@@ -158,7 +158,9 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
 
     ``exhaustive`` simulates every candidate that fits (no bound): the reference the bounded search is tested
     against. ``cache``: the pass costs of an earlier search of the same model on a cluster of the same kind (any
-    node count; :meth:`~cfp_megatron.sim.pass_costs.CostCache.resized`), which this one reads and adds to."""
+    node count; :meth:`~cfp_megatron.sim.pass_costs.CostCache.resized`), which this one reads and adds to: the same
+    plans as without it; a group validated at an earlier size is not validated again as a group (its candidates
+    still are, one by one), so :attr:`SearchResult.rejected` may lack it."""
     started = time.perf_counter()
     with driver.gc_paused():
         space = MegatronSpace.build(job, world, cfp, measurements=measurements, options=options,
