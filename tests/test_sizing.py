@@ -109,6 +109,12 @@ def test_rows_plan_each_size_with_time_hours_energy_price_and_band(tight: Planne
         assert row.band_pct > 0 and low < row.time_s < high
 
 
+def test_forked_planners_give_the_same_rows(tight: Planner) -> None:
+    alone = size_all([tight], [1, 2], tokens=1e9)
+    forked = size_all([_planner(TIGHT), _planner(TIGHT)], [1, 2], tokens=1e9, jobs=3)  # a fresh pair: searched there
+    assert forked == alone + alone  # in order, each kind's sizes in runs of neighbours
+
+
 def _row(cluster: str, gpus: int, step: float | None) -> Sized:
     return Sized(cluster=cluster, device="GPU", nodes=gpus // 8, gpus=gpus, tokens=1e6, tokens_per_step=1000,
                  plan=None if step is None else "dp1", step_time_s=step)

@@ -327,11 +327,15 @@ def size_all(planners: Sequence[Planner], nodes: Sequence[int], *, tokens: float
     tasks = [(i, n) for i in range(len(planners)) for n in nodes]
     if jobs <= 1 or len(tasks) < 2 or "fork" not in multiprocessing.get_all_start_methods():
         return [_size_task(t, planners, tokens, price_of) for t in tasks]
+    # each kind's sizes in `jobs` runs of neighbours: a worker warms a kind's caches once per run it takes
+    part = max(1, math.ceil(len(nodes) / jobs))
+    runs = [tasks[start:min(start + part, (i + 1) * len(nodes))] for i in range(len(planners))
+            for start in range(i * len(nodes), (i + 1) * len(nodes), part)]
     global _FORKED
     _FORKED = (planners, tokens, price_of)
     try:
-        with multiprocessing.get_context("fork").Pool(jobs) as pool:
-            return pool.map(_forked_task, tasks, chunksize=max(1, len(tasks) // (2 * jobs)))
+        with multiprocessing.get_context("fork").Pool(min(jobs, len(runs))) as pool:
+            return [row for done in pool.map(_forked_run, runs, chunksize=1) for row in done]
     finally:
         _FORKED = None
 
@@ -346,9 +350,9 @@ def _size_task(task: tuple[int, int], planners: Sequence[Planner], tokens: float
     return size_one(planner, task[1], tokens=tokens, price=price_of(planner.job.cluster.name))
 
 
-def _forked_task(task: tuple[int, int]) -> Sized:
+def _forked_run(run: list[tuple[int, int]]) -> list[Sized]:
     planners, tokens, price_of = _FORKED
-    return _size_task(task, planners, tokens, price_of)
+    return [_size_task(task, planners, tokens, price_of) for task in run]
 
 
 def smallest_meeting(rows: Sequence[Sized], deadline_s: float) -> dict[str, Sized | None]:
