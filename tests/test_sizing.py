@@ -19,7 +19,7 @@ from cfp_megatron.base.compose import compose_config
 from cfp_megatron.base.config import job_from_config
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.planner.memory_fit import check_no_plan
-from cfp_megatron.planner.size_cli import prices, table
+from cfp_megatron.planner.size_cli import deadline_lines, prices, table
 from cfp_megatron.planner.sizing import (
     Planner,
     Sized,
@@ -128,6 +128,8 @@ def test_smallest_within_the_deadline_per_kind() -> None:
     assert meeting["a"].gpus == 16 and meeting["b"] is None
     assert smallest_meeting(rows, 100_000.0)["a"].gpus == 8  # the deadline met exactly counts
     assert smallest_meeting(rows, 100_000.0)["b"].gpus == 16
+    lines = deadline_lines(meeting, 50_000.0, rows)
+    assert "a: 2 nodes, 16 GPUs" in lines[1] and "b: none of those sized (the fastest, 16 GPUs, takes 1.0 d" in lines[2]
 
 
 def test_pareto_front_keeps_what_nothing_beats_on_both() -> None:

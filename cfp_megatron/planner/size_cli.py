@@ -147,12 +147,16 @@ def table(rows: Sequence[Sized], front: Sequence[Sized], meeting: dict[str, Size
     return t
 
 
-def deadline_lines(meeting: dict[str, Sized | None], deadline_s: float) -> list[str]:
-    """The smallest cluster of each kind that meets the deadline, and whether it still does at its band's end."""
+def deadline_lines(meeting: dict[str, Sized | None], deadline_s: float, rows: Sequence[Sized] = ()) -> list[str]:
+    """The smallest cluster of each kind that meets the deadline, and whether it still does at its band's end; for
+    a kind none of whose ``rows`` does, its fastest."""
     lines = [f"smallest cluster of each kind that trains within {_time(deadline_s)} (predicted):"]
     for cluster, row in meeting.items():
         if row is None:
-            lines.append(f"  {cluster}: none of those sized")
+            planned = [r for r in rows if r.cluster == cluster and r.time_s is not None]
+            fastest = min(planned, key=lambda r: r.time_s, default=None)
+            lines.append(f"  {cluster}: none of those sized" + ("" if fastest is None else
+                         f" (the fastest, {fastest.gpus:,} GPUs, takes {_time(fastest.time_s)}: size it larger)"))
             continue
         high = row.banded(row.time_s)
         note = "" if high is None else (f" (within it also at the band's slow end, {_time(high[1])})"
@@ -207,7 +211,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     meeting = smallest_meeting(rows, deadline) if deadline is not None else {}
     console.print(table(rows, front, meeting))
     if deadline is not None:
-        for line in deadline_lines(meeting, deadline):
+        for line in deadline_lines(meeting, deadline, rows):
             console.print(line, markup=False, soft_wrap=True)
     beyond = [b for p in found if (b := beyond_range(p, rows, tokens=request.tokens,
                                                         price=price.get(p.job.cluster.name))) is not None]
