@@ -17,6 +17,7 @@ from cfp_megatron.base.config import ClusterSpec, JobSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import transformer_engine_available
 from cfp_megatron.cluster.measured import Measurements
+from cfp_megatron.planner.sizing import Planner, resized, smallest_fitting
 from cfp_megatron.profile.cluster import host_memory_gib, local_measurements, this_device
 from cfp_megatron.search.search import SearchResult, search
 from cfp_megatron.search.space import KNOBS, knob_setting, no_layout_issues, only_knob
@@ -129,8 +130,6 @@ def what_fits(job: JobSpec, world: int, cfp: CfpSpec) -> tuple[str, str]:
     a plan exists and, at ``world`` ranks, the longest ``train.seq_length`` (halved up to three times) at which one
     does, each planned (:mod:`cfp_megatron.planner.sizing`), as a sentence and the fix; empty where neither is
     found (or the cluster does not state its GPUs per node)."""
-    from cfp_megatron.planner.sizing import Planner, resized, smallest_fitting
-
     gpn = job.cluster.gpus_per_node
     if not gpn or world != job.cluster.nodes * gpn:
         return "", ""
