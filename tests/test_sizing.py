@@ -168,6 +168,17 @@ def test_preflight_no_fit_names_the_fewest_nodes_and_a_shorter_sequence_that_fit
     assert search(shorter, 16, long.cfp).ranked
 
 
+def test_no_fit_anywhere_says_how_far_it_looked() -> None:
+    hopeless = _planner([*TIGHT, "cluster.hbm_gib=0.01"])
+    job = hopeless.job
+    with pytest.raises(ConfigError) as caught:
+        check_no_plan(job, 8, hopeless.cfp, given=job.cluster, measurements=None, te_available=True, options=None)
+    issue = caught.value.issues[0]
+    assert "None fits on up to 64 nodes of cluster=dgx_h100 either" in issue.problem
+    assert issue.fix.startswith("start fewer ranks per node")  # no size to name
+    assert not search(resized(job, 64), 512, hopeless.cfp).ranked  # the largest tried, planned again
+
+
 def test_no_plan_fix_names_pins_only_where_there_are_some() -> None:
     assert "relax the cfp pins" in no_plan_fix(("cfp.tp",)) and "cfp.tp" in no_plan_fix(("cfp.tp",))
     assert "relax" not in no_plan_fix(()) and "no cfp pin" in no_plan_fix(())

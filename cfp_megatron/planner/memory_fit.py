@@ -17,7 +17,7 @@ from cfp_megatron.base.config import ClusterSpec, JobSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import transformer_engine_available
 from cfp_megatron.cluster.measured import Measurements
-from cfp_megatron.planner.sizing import Planner, resized, smallest_fitting
+from cfp_megatron.planner.sizing import GROWTH, Planner, growth_limit, resized, smallest_fitting
 from cfp_megatron.profile.cluster import host_memory_gib, local_measurements, this_device
 from cfp_megatron.search.search import SearchResult, search
 from cfp_megatron.search.space import KNOBS, knob_setting, no_layout_issues, only_knob
@@ -121,7 +121,8 @@ def check_search_fits(job: JobSpec, world: int, cfp: CfpSpec, *, given: ClusterS
     if measurements is None:  # a preflight on a preset: plan the sizes and sequences that would fit
         fits, fix = what_fits(job, world, cfp)
         if fits:
-            issue = dataclasses.replace(issue, problem=f"{issue.problem} {fits}", fix=f"{fix}; else {issue.fix}")
+            issue = dataclasses.replace(issue, problem=f"{issue.problem} {fits}",
+                                        fix=f"{fix}; else {issue.fix}" if fix else issue.fix)
     raise ConfigError(issue)
 
 
@@ -143,6 +144,9 @@ def what_fits(job: JobSpec, world: int, cfp: CfpSpec) -> tuple[str, str]:
                     f"({ranks(nodes * gpn)}): {best.candidate.describe(nodes * gpn)}, "
                     f"{gib(best.prediction.memory.total / GIB)} per rank.")
         fixes.append(f"size the cluster to cluster.nodes={nodes} or more")
+    else:
+        said.append(f"None fits on up to {growth_limit(job.cluster.nodes, gpn):,} nodes of cluster={job.cluster.name} "
+                    f"either ({GROWTH} times as many, the most tried).")
     seq = job.train.seq_length
     for _ in range(3):
         seq //= 2

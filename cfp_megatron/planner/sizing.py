@@ -273,13 +273,24 @@ def no_plan_reason(result: SearchResult) -> str:
     return f"{reasons[0].what}: {reasons[0].reason}" if reasons else "no layout is left"
 
 
+GROWTH = 64
+"""How many times the nodes tried :func:`smallest_fitting` looks beyond (six doublings): a model that fits on none
+of them is said to, not searched on ever larger clusters."""
+
+
+def growth_limit(nodes: int, gpus_per_node: int) -> int:
+    """The most nodes :func:`smallest_fitting` tries above ``nodes``: :data:`GROWTH` times as many, within
+    :data:`~cfp_megatron.base.config.MAX_WORLD_SIZE` GPUs."""
+    return max(min(nodes * GROWTH, MAX_WORLD_SIZE // max(gpus_per_node, 1)), nodes)
+
+
 def smallest_fitting(planner: Planner, above: int, *, limit_nodes: int | None = None) -> int | None:
     """The fewest nodes above ``above`` at which ``planner`` finds a plan: node counts doubled from ``above`` until
     one fits, then the gap to the last that did not bisected; ``None`` where none fits up to ``limit_nodes``
-    (default: :data:`~cfp_megatron.base.config.MAX_WORLD_SIZE` GPUs). Fitting need not be monotone in the node count
-    (the batch must divide over data parallelism): the answer is the smallest of those tried, each planned."""
+    (default: :func:`growth_limit`). Fitting need not be monotone in the node count (the batch must divide over data
+    parallelism): the answer is the smallest of those tried, each planned."""
     gpn = planner.job.cluster.gpus_per_node or 1
-    top = limit_nodes or MAX_WORLD_SIZE // gpn
+    top = limit_nodes or growth_limit(above, gpn)
     low, high = above, None
     nodes = above
     while nodes < top:
@@ -402,7 +413,8 @@ class Beyond:
         if not self.memory_bound:
             return head + "; not the memory, so a larger cluster would not help"
         if self.nodes is None or self.fitting is None:
-            return head + f"; none up to {MAX_WORLD_SIZE:,} GPUs either"
+            top = growth_limit(self.largest.nodes, self.largest.gpus // self.largest.nodes)
+            return head + f"; none up to {top:,} nodes either ({GROWTH} times as many, the most tried)"
         w, g, o = self.states_gib or (0.0, 0.0, 0.0)
         return (f"{head}; the smallest that fits is {self.fitting.nodes} nodes ({self.fitting.gpus:,} GPUs): "
                 f"{self.fitting.plan}, {self.fitting.peak_gib:.1f} GiB per GPU, of which its states alone "
