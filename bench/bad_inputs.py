@@ -73,8 +73,8 @@ class Case:
     id: str
     """Short unique name."""
     command: str
-    """The command or area: config, plan, analyze, validate, profile, data, profiledb, planfile, checkpoint, cache,
-    train."""
+    """The command or area: config, plan, size, analyze, validate, profile, data, profiledb, planfile, checkpoint,
+    cache, train."""
     what: str
     """The bad input, as the user would type or meet it."""
     names: tuple[str, ...]
@@ -267,6 +267,13 @@ def plan_main(args: Sequence[str], work: Path) -> int:
     from cfp_megatron.planner.plan_cli import main
 
     return main([*args, "--out", str(work / "plans")] if "--out" not in args else list(args))
+
+
+def size_main(args: Sequence[str], work: Path) -> int:
+    """``cfp size`` in-process, writing under ``work``."""
+    from cfp_megatron.planner.size_cli import main
+
+    return main([*args, "--out", str(work / "sizing")] if "--out" not in args else list(args))
 
 
 def config_case(cid: str, overrides: Sequence[str], names: Sequence[str], *, world: int = 1) -> Case:
@@ -701,6 +708,38 @@ def cases() -> list[Case]:
              names=("--out", "occupied"),
              run=lambda work: in_process(lambda: plan_main(
                  ["cluster=dgx_h100", "--out", str(_touch(work / "occupied"))], work), timeout_s=120)))
+
+    # --- cfp size (python -m cfp_megatron.size) -----------------------------------------------------------------
+    for cid, args, key in [
+            ("size-no-tokens", ["cluster=dgx_h100"], "train.tokens"),
+            ("size-tokens-text", ["train.tokens=lots", "cluster=dgx_h100"], "train.tokens"),
+            ("size-tokens-sweep", ["train.tokens=1T,2T", "cluster=dgx_h100"], "train.tokens"),
+            ("size-no-cluster", ["train.tokens=1T"], "cluster"),
+            ("size-nodes-zero", ["train.tokens=1T", "cluster=dgx_h100", "cluster.nodes=[4,0]"], "cluster.nodes"),
+            ("size-nodes-fraction", ["train.tokens=1T", "cluster=dgx_h100", "cluster.nodes=range(0.5,3)"],
+             "cluster.nodes"),
+            ("size-sweep-model", ["train.tokens=1T", "cluster=dgx_h100", "model=llama3_8b,llama3_70b"], "model"),
+            ("size-cluster-local", ["train.tokens=1T", "cluster=local"], "cluster"),
+            ("size-cluster-bogus", ["train.tokens=1T", "cluster=[dgx_h100,bogus]"], "cluster"),
+            ("size-deepspeed", ["train.tokens=1T", "cluster=dgx_h100", "backend=deepspeed"], "backend"),
+            ("size-nodes-range-huge", ["train.tokens=1T", "cluster=dgx_h100", "cluster.nodes=range(1,1000000000)"],
+             "cluster.nodes"),
+            ("size-nodes-range-step-0", ["train.tokens=1T", "cluster=dgx_h100", "cluster.nodes=range(1,9,0)"],
+             "cluster.nodes"),
+            ("size-deadline-text", ["train.tokens=1T", "cluster=dgx_h100", "--deadline", "soon"], "--deadline"),
+            ("size-price-unknown", ["train.tokens=1T", "cluster=dgx_h100", "--price", "h200=2"], "--price"),
+            ("size-jobs-zero", ["train.tokens=1T", "cluster=dgx_h100", "--jobs", "0"], "--jobs")]:
+        add(Case(id=cid, command="size", what="cfp size " + " ".join(args), names=(key,),
+                 run=lambda work, a=args: in_process(lambda: size_main(a, work), timeout_s=120)))
+    add(Case(id="size-module-no-tokens", command="size", what="python -m cfp_megatron.size cluster=dgx_h100",
+             names=("train.tokens",), mode="subprocess",
+             run=lambda work: run_process([py, "-m", "cfp_megatron.size", "cluster=dgx_h100", "--out",
+                                           str(work / "sizing")], work, 120)))
+    add(Case(id="size-out-is-file", command="size", what="cfp size --out naming an existing regular file",
+             names=("--out", "occupied"),
+             run=lambda work: in_process(lambda: size_main(
+                 ["train.tokens=1T", "cluster=dgx_h100", "--out", str(_touch(work / "occupied"))], work),
+                 timeout_s=120)))
 
     # --- python -m cfp_megatron.analyze ------------------------------------------------------------------------
     analyze = [py, "-m", "cfp_megatron.analyze"]

@@ -18,11 +18,12 @@ from cfp_megatron import analyze as analyze_cli
 from cfp_megatron import validate as validate_cli
 from cfp_megatron.base.compose import CONF_DIR
 from cfp_megatron.base.config_help import config_help
-from cfp_megatron.planner import plan_cli
+from cfp_megatron.planner import plan_cli, size_cli
 from cfp_megatron.profile import cli as profile_cli
 
 SUBCOMMANDS: dict[str, str] = {
     "plan": "plan a job offline (preflight): the best layouts, plan.json and its exports",
+    "size": "size clusters for a token budget: time to train, GPU-hours, energy and price per candidate",
     "analyze": "ParallelBlocks and segment classes of a model (python -m cfp_megatron.analyze)",
     "validate": "predict published training runs (the shipped ones, or CSV files) and report the error",
     "profile": "profile this machine or cluster into its ProfileDB (--nproc-per-node N starts torchrun)",
@@ -44,6 +45,7 @@ def overview() -> str:
     lines += [f"  {name:<{width}}  {summary}" for name, summary in SUBCOMMANDS.items()]
     lines += ["", "Examples:",
               "  cfp plan model=llama3_8b cluster=dgx_h100 cluster.nodes=4 train.global_batch_size=512",
+              "  cfp size model=llama3_70b train.tokens=15T cluster=[dgx_h100,gb200_nvl72] cluster.nodes=[8,16,32]",
               "  cfp analyze model=llama3_8b parallel.tp=8",
               "  cfp train --nproc-per-node 4 +cfp=auto train.steps=8", "", config_help()]
     return "\n".join(lines)
@@ -104,6 +106,11 @@ def plan(argv: Sequence[str] | None = None) -> int:
     return plan_cli.main(sys.argv[1:] if argv is None else list(argv))
 
 
+def size(argv: Sequence[str] | None = None) -> int:
+    """``cfp size``: ``python -m cfp_megatron.size`` (:mod:`cfp_megatron.planner.size_cli`)."""
+    return size_cli.main(sys.argv[1:] if argv is None else list(argv))
+
+
 def analyze(argv: Sequence[str] | None = None) -> int:
     """``cfp analyze``: ``python -m cfp_megatron.analyze``."""
     return analyze_cli.main(sys.argv[1:] if argv is None else list(argv))
@@ -114,7 +121,7 @@ def validate(argv: Sequence[str] | None = None) -> int:
     return validate_cli.main(sys.argv[1:] if argv is None else list(argv))
 
 
-_RUN: dict[str, Callable[[list[str]], int]] = {"plan": plan, "analyze": analyze, "validate": validate,
+_RUN: dict[str, Callable[[list[str]], int]] = {"plan": plan, "size": size, "analyze": analyze, "validate": validate,
                                                 "profile": profile, "train": train}
 
 

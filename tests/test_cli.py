@@ -57,7 +57,7 @@ def test_subcommand_help_is_the_python_m_help(capsys: pytest.CaptureFixture[str]
 def test_unknown_subcommand_is_refused_with_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["model=llama3_8b"]) == 2
     err = capsys.readouterr().err
-    assert "unknown subcommand 'model=llama3_8b'" in err and "plan, analyze, validate, profile, train" in err
+    assert "unknown subcommand 'model=llama3_8b'" in err and "plan, size, analyze, validate, profile, train" in err
     assert cli.main([]) == 2
 
 

@@ -17,6 +17,7 @@ from cfp_megatron.base.config import ClusterSpec, JobSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import transformer_engine_available
 from cfp_megatron.cluster.measured import Measurements
+from cfp_megatron.planner.sizing import GROWTH, Planner, growth_limit, resized, smallest_fitting
 from cfp_megatron.profile.cluster import host_memory_gib, local_measurements, this_device
 from cfp_megatron.search.search import SearchResult, search
 from cfp_megatron.search.space import KNOBS, knob_setting, no_layout_issues, only_knob
@@ -115,8 +116,51 @@ def check_search_fits(job: JobSpec, world: int, cfp: CfpSpec, *, given: ClusterS
             fix=f"drop or widen {', '.join(settings)}, or " + MEMORY_FIX))
     what = (f"no layout of {job.model.name} on {ranks(world)} fits in memory: the smallest of the "
             f"{result.over_memory:,} checked needs at least")
-    raise ConfigError(memory_issue(given, job.cluster, world, what=what, need_gib=result.least_over_gib,
-                                   limit_gib=result.memory_limit_gib, headroom=headroom))
+    issue = memory_issue(given, job.cluster, world, what=what, need_gib=result.least_over_gib,
+                         limit_gib=result.memory_limit_gib, headroom=headroom)
+    if measurements is None:  # a preflight on a preset: plan the sizes and sequences that would fit
+        fits, fix = what_fits(job, world, cfp)
+        if fits:
+            issue = dataclasses.replace(issue, problem=f"{issue.problem} {fits}",
+                                        fix=f"{fix}; else {issue.fix}" if fix else issue.fix)
+    raise ConfigError(issue)
+
+
+def what_fits(job: JobSpec, world: int, cfp: CfpSpec) -> tuple[str, str]:
+    """Where no layout of ``job`` on ``world`` ranks of its preset fits in memory: the fewest nodes of it at which
+    a plan exists and, at ``world`` ranks, the longest ``train.seq_length`` (halved up to three times) at which one
+    does, each planned (:mod:`cfp_megatron.planner.sizing`), as a sentence and the fix; empty where neither is
+    found (or the cluster does not state its GPUs per node)."""
+    gpn = job.cluster.gpus_per_node
+    if not gpn or world != job.cluster.nodes * gpn:
+        return "", ""
+    settings = dataclasses.replace(cfp, top_k=1)
+    said, fixes = [], []
+    planner = Planner(job=job, cfp=settings)
+    nodes = smallest_fitting(planner, job.cluster.nodes)
+    if nodes is not None:
+        best = planner.search(nodes).best
+        said.append(f"The fewest nodes of cluster={job.cluster.name} on which one fits: cluster.nodes={nodes} "
+                    f"({ranks(nodes * gpn)}): {best.candidate.describe(nodes * gpn)}, "
+                    f"{gib(best.prediction.memory.total / GIB)} per rank.")
+        fixes.append(f"size the cluster to cluster.nodes={nodes} or more")
+    else:
+        said.append(f"None fits on up to {growth_limit(job.cluster.nodes, gpn):,} nodes of cluster={job.cluster.name} "
+                    f"either ({GROWTH} times as many, the most tried).")
+    seq = job.train.seq_length
+    for _ in range(3):
+        seq //= 2
+        if seq < 256 or seq % max(job.parallel.cp, 1):
+            break
+        shorter = dataclasses.replace(job, train=dataclasses.replace(job.train, seq_length=seq))
+        found = Planner(job=resized(shorter, job.cluster.nodes), cfp=settings).search(job.cluster.nodes)
+        if found.ranked:
+            best = found.best
+            said.append(f"On these {ranks(world)}, train.seq_length={seq} (of {job.train.seq_length}) fits: "
+                        f"{best.candidate.describe(world)}, {gib(best.prediction.memory.total / GIB)} per rank.")
+            fixes.append(f"train shorter sequences (train.seq_length={seq})")
+            break
+    return " ".join(said), ", or ".join(fixes)
 
 
 def _plain(value: object) -> str:

@@ -18,7 +18,9 @@ import dataclasses
 import hashlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -58,18 +60,38 @@ def inputs_fingerprint(job: object, measurements_key: str | None) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def planned_config(overrides: list[str]) -> tuple[Any, str | None]:
+    """The config a preflight plans (composed as a person's command line), at the model's context where
+    ``train.seq_length`` is not given (the training default, 64 tokens, is for the tiny CPU models), and the line
+    that says so (``None`` where it was given)."""
+    cfg = compose_config(overrides, typed=True, runs_hydra=False)
+    if any(o.lstrip("+").startswith("train.seq_length=") for o in overrides):
+        return cfg, None
+    seq = min(int(cfg.model.max_position_embeddings), SEQ_CAP)
+    note = (f"train.seq_length not given: planning {seq} tokens per sequence (the model's context, at most "
+            f"{SEQ_CAP}); pass train.seq_length=N to change it")
+    return compose_config([*overrides, f"train.seq_length={seq}"]), note
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cfp_megatron.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=config_help())
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (model=..., cluster=..., cfp.tp=4, ...)")
     parser.add_argument("--world", type=int, default=None, help="ranks (default: nodes x gpus_per_node)")
     parser.add_argument("--out", default=None, help="folder for plan.json and exports (default: outputs/plans/)")
-    args = parser.parse_args(argv)
-    console = Console(width=None if sys.stdout.isatty() else 150)  # wide tables in logs and pipes
+    return run_reporting(_run, parser.parse_args(argv))
+
+
+def run_reporting(run: Callable[[argparse.Namespace, Console], int], args: argparse.Namespace, *,
+                  width: int = 150) -> int:
+    """``run(args, console)`` on a rich console (``width`` columns where the output is not a terminal: wide tables
+    in logs and pipes); a :class:`CfpError` is printed as one message and gives exit status 2."""
+    console = Console(width=None if sys.stdout.isatty() else width)
     try:
-        return _run(args, console)
+        return run(args, console)
     except CfpError as err:
-        console.print(f"[red]cfp-megatron: {type(err).__name__}[/red]\n{err}")
+        console.print(f"[red]cfp-megatron: {type(err).__name__}[/red]")
+        console.print(str(err), markup=False)  # values such as cluster=[a,b] are text, not rich markup
         return 2
 
 
@@ -80,13 +102,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                                       "ranks (ten times the largest clusters built).", fix="pass a smaller --world."))
     if not any(o.lstrip("+").startswith("cfp=") for o in overrides):
         overrides.insert(0, "+cfp=auto")
-    cfg = compose_config(overrides, typed=True, runs_hydra=False)
-    if not any(o.startswith("train.seq_length=") for o in overrides):
-        # The training default (64 tokens) is for the tiny CPU models; a preflight plans the model's own context.
-        seq = min(int(cfg.model.max_position_embeddings), SEQ_CAP)
-        console.print(f"train.seq_length not given: planning {seq} tokens per sequence (the model's context, "
-                      f"at most {SEQ_CAP}); pass train.seq_length=N to change it")
-        cfg = compose_config([*overrides, f"train.seq_length={seq}"])
+    cfg, note = planned_config(overrides)
+    if note:
+        console.print(note)
     job, cfp = job_from_config(cfg), cfp_from_config(cfg)
     if cfp.mode is CfpMode.manual:
         raise ConfigError(ConfigIssue(

@@ -38,6 +38,7 @@ from cfp_megatron.search.choice import Choice, choose
 from cfp_megatron.search.space import (
     BLOCK,
     FAMILY_FIELDS,
+    KNOBS,
     Candidate,
     Family,
     Group,
@@ -46,6 +47,7 @@ from cfp_megatron.search.space import (
     Space,
     build_space,
     family_of_key,
+    knob_setting,
     max_chunk_layers,
     recompute_parts,
     split_stage_counts,
@@ -113,6 +115,8 @@ class SearchResult:
     choice: Choice | None = None
     """Which of :attr:`ranked` to run and why (:func:`~cfp_megatron.search.choice.choose`); ``None`` without plans
     (the fastest is then :attr:`best`)."""
+    pinned: tuple[str, ...] = ()
+    """The Hydra keys of the cfp pins and sets the search kept to (``cfp.tp``, ``cfp.constraints.pp``)."""
 
     @property
     def best(self) -> Ranked:
@@ -124,7 +128,7 @@ class SearchResult:
             for r in sorted(self.rejected, key=lambda r: r.count == 0):  # families that held plans first
                 once.setdefault((r.what, r.reason), r)  # each value and reason once
             first = list(once.values())[:8]
-            raise nothing_left([(r.what, r.reason) for r in first], _NO_PLAN_FIX)
+            raise nothing_left([(r.what, r.reason) for r in first], no_plan_fix(self.pinned))
         return self.ranked[self.choice.index if self.choice is not None else 0]
 
     @property
@@ -134,7 +138,14 @@ class SearchResult:
         return self.ranked[first:first + 1] + self.ranked[:first] + self.ranked[first + 1:]
 
 
-_NO_PLAN_FIX = "relax the cfp pins and constraints, lower cfp.constraints.memory_headroom, or add GPUs."
+def no_plan_fix(pinned: tuple[str, ...]) -> str:
+    """What to change where no layout is left: the pins and sets ``pinned`` (Hydra keys) where there are any."""
+    if pinned:
+        return (f"relax the cfp pins and constraints ({', '.join(pinned)}), lower cfp.constraints.memory_headroom, "
+                "or add GPUs.")
+    return ("no cfp pin or constraint is set: change what the reasons name (train.global_batch_size, "
+            "train.seq_length, the model's settings), lower cfp.constraints.memory_headroom, or plan another number "
+            "of GPUs (cluster.nodes; cfp size compares several).")
 
 
 def nothing_left(rejected: list[tuple[str, str]], fix: str) -> ConfigError:
@@ -147,16 +158,19 @@ def nothing_left(rejected: list[tuple[str, str]], fix: str) -> ConfigError:
 
 def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements | None = None,
            options: SimOptions | None = None, te_available: bool = True,
-           exhaustive: bool = False) -> SearchResult:
+           exhaustive: bool = False, cache: CostCache | None = None) -> SearchResult:
     """The ``cfp.top_k`` fastest layouts of ``job`` on ``world`` ranks that fit in memory (see the module docstring),
     searched by the one driver (:func:`cfp_megatron.search.driver.run`) over :class:`MegatronSpace`.
 
     ``exhaustive`` simulates every candidate that fits (no bound): the reference the bounded search is tested
-    against."""
+    against. ``cache``: the pass costs of an earlier search of the same model on a cluster of the same kind (any
+    node count; :meth:`~cfp_megatron.sim.pass_costs.CostCache.resized`), which this one reads and adds to: the same
+    plans as without it; a group validated at an earlier size is not validated again as a group (its candidates
+    still are, one by one), so :attr:`SearchResult.rejected` may lack it."""
     started = time.perf_counter()
     with driver.gc_paused():
         space = MegatronSpace.build(job, world, cfp, measurements=measurements, options=options,
-                                    te_available=te_available)
+                                    te_available=te_available, cache=cache)
         found = driver.run(space, cfp.top_k, exhaustive=exhaustive)
     rejected = list(space.space.rejected) + space.invalid_groups
     for prefix, sizes in sorted(found.over.items()):  # by family, in Family's order
@@ -169,7 +183,8 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
                         over_memory=found.over_memory, invalid=found.refused,
                         pruned=space.size - found.visited + found.slower, memory_limit_gib=space.limit,
                         least_over_gib=min((min(s) for s in found.over.values() if s), default=None),
-                        seconds=time.perf_counter() - started, world=world)
+                        seconds=time.perf_counter() - started, world=world,
+                        pinned=tuple(knob_setting(cfp, name)[0] for name in KNOBS if cfp.allowed(name) is not None))
 
 
 @dataclass(kw_only=True)
@@ -202,15 +217,17 @@ class MegatronSpace:
 
     @classmethod
     def build(cls, job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements | None,
-              options: SimOptions | None, te_available: bool) -> MegatronSpace:
-        """The space of ``job`` on ``world`` ranks under ``cfp``, its groups bounded."""
+              options: SimOptions | None, te_available: bool, cache: CostCache | None = None) -> MegatronSpace:
+        """The space of ``job`` on ``world`` ranks under ``cfp``, its groups bounded (pass costs from ``cache``
+        where it serves this job: :meth:`~cfp_megatron.sim.pass_costs.CostCache.resized`)."""
         options = options or SimOptions()
         space = build_space(job, world, cfp, te_available=te_available)
         if measurements is not None:  # PrimePar's MLP only where profiling timed its layer (see Space.primepar)
             timed = frozenset(f.tp for f in space.families if measurements.segment_micro_batches(
                 "dense", partition_name(f.tp, mlp=MlpPartition.primepar)))
             space = dataclasses.replace(space, primepar=timed)
-        cache = CostCache.for_job(job, measurements, options)
+        cache = CostCache.for_job(job, measurements, options) if cache is None else \
+            cache.resized(job, measurements, options)
         limit = None
         if job.cluster.hbm_gib is not None:  # the headroom, and the prediction's upper band (the allocator's share)
             # in the GPU's memory: two reserves for one thing (the headroom names fragmentation), the larger applies
@@ -442,12 +459,20 @@ class _KeptBytes:
     """The profile the search predicts from."""
     options: SimOptions
     """The simulator's options."""
+    key: tuple
+    """What the bytes depend on (TP, SP, CP, expert TP, micro-batch, recomputation, MLP partition)."""
+    store: dict[tuple, float]
+    """The bytes by :attr:`key` that searches of several node counts share
+    (:attr:`~cfp_megatron.sim.pass_costs.CostCache.kept_bytes`)."""
     value: float | None = None
     """The bytes, once computed."""
 
     def __call__(self) -> float:
         if self.value is None:
+            self.value = self.store.get(self.key)
+        if self.value is None:
             self.value = _layer_kept_bytes(self.head, self.placed, self.job, self.measurements, self.options)
+            self.store[self.key] = self.value
         return self.value
 
 
@@ -488,16 +513,22 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
             ckey += overlaps
             if measurements is not None:  # the pipelined probe's term (GroupCosts.fixed_s) depends on the stages too
                 ckey += (pp, placed.pp_intra_node)
-            if ckey not in by_key:
-                by_key[ckey] = _group_costs(Candidate.from_key(g.head + (1, 0, 0, False, False)), job, measurements,
-                                            options, world, cache, refused, may_overlap=overlaps)
+            if ckey not in by_key:  # the bound's costs read the key alone: a search of another size may have them
+                found = cache.groups.get(ckey)
+                if found is None:
+                    found = _group_costs(Candidate.from_key(g.head + (1, 0, 0, False, False)), job, measurements,
+                                         options, world, cache, refused, may_overlap=overlaps)
+                    if found is not None:  # a refusal is this size's: checked again at another
+                        cache.groups[ckey] = found
+                by_key[ckey] = found
             costs = by_key[ckey]
             if costs is None:
                 continue
             # what a layer's activations depend on (fewer distinct values than the pass costs' keys)
             akey = (h.tp, h.sp, h.cp, h.etp, h.micro_batch, recompute, h.mlp)
             if akey not in kept:
-                kept[akey] = _KeptBytes(head=h, placed=placed, job=job, measurements=measurements, options=options)
+                kept[akey] = _KeptBytes(head=h, placed=placed, job=job, measurements=measurements, options=options,
+                                        key=akey, store=cache.kept_bytes)
             ends = (L, L) if pp == 1 or costs.shared_cores else _lightest_ends(L, pp, g.splits)
             busy = (0.0, 0.0)
             # a MoE model's layers by kind (the bound's layer cost is the cheaper kind's)

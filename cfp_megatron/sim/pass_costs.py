@@ -123,6 +123,13 @@ class CostCache:
     """Pass costs by :func:`cost_key`."""
     schedules: dict[tuple[Any, ...], ScheduleResult] = field(default_factory=dict)
     """Timed pipeline schedules by their pass durations, send/receive time and micro-batch count."""
+    groups: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    """What a search's bound counts for a group of candidates (:class:`~cfp_megatron.sim.bounds.GroupCosts`) by the
+    search's group key, for the groups the runtime's validation passed: what searches of several node counts share
+    (:meth:`resized`)."""
+    kept_bytes: dict[tuple[Any, ...], float] = field(default_factory=dict)
+    """Activation bytes a decoder layer keeps per micro-batch at least, by what they depend on (the search's memory
+    bound; none of it the node count)."""
     exchanges: dict[tuple[str, int], Any] = field(default_factory=dict)
     """The pipelined probe of a partition at a micro-batch size against its pricing
     (:class:`~cfp_megatron.sim.simulate.ProbeCalibration`, ``None`` where none can be had), by partition and size."""
@@ -136,6 +143,19 @@ class CostCache:
                    kernels=KernelModel(job.cluster, efficiency, job.train.precision, fp8=options.fp8,
                                        measurements=measurements),
                    collectives=collective_costs(job.cluster, measurements, efficiency))
+
+    def resized(self, job: JobSpec, measurements: Measurements | None, options: SimOptions) -> CostCache:
+        """This cache's costs for ``job``, whose cluster may differ from the cache's in its node count alone; a new,
+        empty cache where anything else differs. The pass costs read where a plan's groups sit (:func:`cost_key`),
+        never how many nodes there are, so the searches of one model on clusters of one kind and several sizes
+        share them (``cfp size``)."""
+        cluster = self.job.cluster
+        if job.cluster is not cluster and dataclasses.replace(job.cluster, nodes=cluster.nodes) != cluster:
+            return CostCache.for_job(job, measurements, options)
+        resized = dataclasses.replace(self, job=job)  # the same dictionaries: what one search adds, the next reads
+        if not resized.serves(job, measurements, options, efficiency_for(job.cluster)):
+            return CostCache.for_job(job, measurements, options)
+        return resized
 
     def serves(self, job: JobSpec, measurements: Measurements | None, options: SimOptions,
                efficiency: Efficiency) -> bool:
