@@ -1,0 +1,112 @@
+"""The partition options derived from the ParallelBlocks (model/derive.py), the planner's analysis stage: equal to the
+declared catalogue for every preset, cached by model key, and what the search reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cfp_megatron.base.cfp_spec import CfpSpec
+from cfp_megatron.base.compose import compose_job
+from cfp_megatron.model import derive
+from cfp_megatron.model.errors import CaptureError
+from cfp_megatron.model.options import LayerPart, PartitionOption, SizeContext, model_options
+
+PRESETS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "model").glob("*.yaml"))
+UNCAPTURED = {"gpt_oss_120b"}
+"""Presets Megatron-Core 0.16.1 cannot record on meta at TP=1 (its expert bias is added in place to a view
+``_ReduceFromModelParallelRegion`` returned): planned from the declared catalogue, with a warning."""
+SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def _key(o: PartitionOption) -> tuple[str, str, str, tuple[str, str] | None]:
+    return o.part.value, o.name, o.knob, o.choice
+
+
+def _assert_equal(overrides: list[str]) -> None:
+    job = compose_job(overrides, typed=True, runs_hydra=False)
+    derived = {_key(o): o for o in derive.partition_options(job)}
+    declared = {_key(o): o for o in model_options(job.model)}
+    assert set(derived) == set(declared)
+    for key, option in derived.items():
+        for micro_batch in (1, 3):
+            context = SizeContext(seq_length=job.train.seq_length, micro_batch=micro_batch)
+            for size in SIZES:  # the same sizes fit, and a size that does not fit says why
+                got = option.reasons(job.model, size, context)
+                want = declared[key].reasons(job.model, size, context)
+                assert bool(got) == bool(want), (key, size, micro_batch, got, want)
+                assert set(got) <= set(want) | {f"{job.model.num_attention_heads} key/value heads are not "
+                                                "divisible by it"}, (key, size, got, want)
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p not in UNCAPTURED])
+def test_derived_options_equal_the_declared_ones_for_every_preset(preset: str) -> None:
+    _assert_equal([f"model={preset}"])
+
+
+def test_mla_attention_has_no_context_split_offered_but_derived() -> None:
+    job = compose_job(["model=deepseek_v3"], typed=True, runs_hydra=False)
+    report = {(o["part"], o["name"]): o for o in derive.options_report(job)}
+    split = report[("attention", "context-split")]
+    assert not split["offered"] and "MLA has no context parallelism" in split["rule"]  # the runtime lacks it
+    assert all(o["declared"] for o in report.values() if o["offered"])
+
+
+def test_derived_options_name_their_blocks_and_communication() -> None:
+    job = compose_job(["model=llama_tiny"], typed=True, runs_hydra=False)
+    found = {(o.part, o.name): o for o in derive.derived_options(job)}
+    mlp = found[("mlp", "megatron-1d")]
+    assert "linear_fc1 S(0;2)" in mlp.block and "linear_fc2 S(1)" in mlp.block and mlp.block.startswith("R -> P")
+    assert mlp.sizes == {"ffn": job.model.ffn_size}  # read from the block's sharded dimensions
+    heads = found[("attention", "head-split")]
+    assert heads.sizes == {"heads": job.model.num_attention_heads, "groups": job.model.query_groups}
+    assert "all_gather" in found[("attention", "context-split")].communication  # the keys and values exchanged
+    assert found[("embedding", "vocab-split")].block.startswith("tokens R -> hidden P")
+
+
+def test_the_derivation_is_cached_by_model_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CFP_CACHE_DIR", str(tmp_path))
+    job = compose_job(["model=gpt_tiny", "model.num_layers=3"], typed=True, runs_hydra=False)
+    first = derive.derived_options(job)
+    assert list((tmp_path / "derived").glob("*.json"))
+    derive._MEMO.clear()
+    monkeypatch.setattr(derive, "derive", lambda job: pytest.fail("derived again despite the cache"))
+    assert derive.derived_options(job) == first  # from disk
+    other = compose_job(["model=gpt_tiny", "model.num_layers=3", "train.seq_length=32", "cluster.nodes=2"],
+                        typed=True, runs_hydra=False)
+    assert derive.derived_options(other) == first  # neither the sequence nor the cluster is in the model key
+
+
+def test_a_model_the_capture_cannot_record_is_planned_from_the_declared_options(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def fails(job: object) -> None:
+        raise CaptureError("no graph")
+
+    job = compose_job(["model=gpt_tiny", "model.num_layers=5"], typed=True, runs_hydra=False)
+    monkeypatch.setattr(derive, "derive", fails)
+    with pytest.warns(UserWarning, match="could not be captured .*declared ones"):
+        found = derive.partition_options(job, use_cache=False)
+    assert [_key(o) for o in found] == [_key(o) for o in model_options(job.model)]
+
+
+def test_the_search_reads_the_derived_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend's search takes the analysis stage's options: a derived check the declared catalogue lacks rules
+    its sizes out."""
+    from cfp_megatron.backends.megatron import backend as backend_module
+    from cfp_megatron.base.backend_spec import BackendSpec
+
+    job = compose_job(["model=gpt_tiny", "cluster=dgx_h100"], typed=True,
+                      runs_hydra=False)
+    real = derive.partition_options(job)
+    odd = PartitionOption(part=LayerPart.mlp, name="odd-split", knob="tp", choice=None, block="-",
+                          communication="-", modules=frozenset(),
+                          checks=lambda model, size, context: ["odd"] if size == 2 else [])
+    monkeypatch.setattr(backend_module, "partition_options", lambda job: (*real, odd))
+    found = backend_module.MegatronBackend().search(job, 8, CfpSpec(top_k=50), BackendSpec(), measurements=None,
+                                                    inputs_fingerprint="-", on_gpu=False)
+    assert found.plans and all(p.parallel.tp != 2 for p in found.plans)
+    monkeypatch.setattr(backend_module, "partition_options", lambda job: real)
+    again = backend_module.MegatronBackend().search(job, 8, CfpSpec(top_k=50), BackendSpec(), measurements=None,
+                                                    inputs_fingerprint="-", on_gpu=False)
+    assert any(p.parallel.tp == 2 for p in again.plans)
