@@ -201,11 +201,13 @@ def options_report(job: JobSpec, *, use_cache: bool = True) -> list[dict[str, An
 def derive(job: JobSpec) -> tuple[tuple[DerivedOption, ...], dict[str, float]]:
     """Capture ``job``'s model at :data:`PROBE_SEQ` tokens and derive its options (module docstring); the seconds
     of the capture and of the propagation."""
+    from cfp_megatron.graph.record import forward_only
     from cfp_megatron.model.capture import capture_job
 
     start = time.perf_counter()
     try:
-        capture = capture_job(job, seq_length=_probe_seq(job.model), micro_batch_size=1)
+        with forward_only():  # the blocks are found over the forward operators
+            capture = capture_job(job, seq_length=_probe_seq(job.model), micro_batch_size=1)
     except CaptureError:
         raise
     except Exception as exc:  # noqa: BLE001 - Megatron-Core's own failures on meta (e.g. an in-place view)
