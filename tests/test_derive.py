@@ -110,3 +110,40 @@ def test_the_search_reads_the_derived_options(monkeypatch: pytest.MonkeyPatch) -
     again = backend_module.MegatronBackend().search(job, 8, CfpSpec(top_k=50), BackendSpec(), measurements=None,
                                                     inputs_fingerprint="-", on_gpu=False)
     assert any(p.parallel.tp == 2 for p in again.plans)
+
+
+def test_a_layer_kind_never_seen_gets_options_from_its_blocks_and_is_planned() -> None:
+    """A gated MLP with a third projection, given through a ModuleSpec: its blocks give it a TP split (both up
+    projections column-parallel, the down projection row-parallel), with the FFN size its activations shard, and the
+    search plans with it; nothing in model/options.py names it."""
+    from megatron.core.models.gpt import GPTModel
+
+    from cfp_megatron.model.capture import capture_job_config
+    from cfp_megatron.model.hooks import capture_model_provider
+    from cfp_megatron.search.search import search
+    from tests.custom_layers import custom_layer_spec
+
+    job = compose_job(["model=llama_tiny", "model.ffn_hidden_size=96", "cluster=dgx_h100"], typed=True,
+                      runs_hydra=False)
+    m = job.model
+
+    def provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> GPTModel:
+        config = capture_job_config(job)
+        return GPTModel(config=config, transformer_layer_spec=custom_layer_spec(config, m.normalization.value),
+                        vocab_size=m.padded_vocab_size, max_sequence_length=m.max_position_embeddings,
+                        pre_process=pre_process, post_process=post_process,
+                        position_embedding_type=m.position_embedding.value)
+
+    capture = capture_model_provider(provider, seq_length=32, name="custom")
+    found = derive.derive_from_graphs(capture.graphs, capture.layer_kinds)
+    mlp = next(o for o in found if o.part == "mlp" and o.name == "megatron-1d")
+    assert "linear_fc3 S(0)" in mlp.block and "linear_fc1 S(0)" in mlp.block and "linear_fc2 S(1)" in mlp.block
+    assert mlp.sizes == {"ffn": 96} and mlp.block.startswith("R -> P")
+    assert not any(o.name == "primepar-2d" for o in found)  # three GEMMs: not PrimePar's column-then-row pair
+    partitions = tuple(o.option() for o in found if not o.rule.startswith("lacks:"))
+    assert partitions[0].reasons(m, 256, SizeContext(seq_length=64, micro_batch=1))  # the vocabulary, 384
+    result = search(job, 8, CfpSpec(top_k=20), partitions=partitions)
+    assert result.ranked and {r.candidate.tp for r in result.ranked} <= {1, 2}  # 2 key/value heads
+    assert any(r.candidate.tp == 2 for r in result.ranked)
+    odd = {(o.part, o.name) for o in found} - {(o.part.value, o.name) for o in model_options(m)}
+    assert not odd  # the same parts as a standard layer: the new kind needs no catalogue entry
