@@ -85,7 +85,7 @@ def test_a_model_the_capture_cannot_record_is_planned_from_the_declared_options(
 
     job = compose_job(["model=gpt_tiny", "model.num_layers=5"], typed=True, runs_hydra=False)
     monkeypatch.setattr(derive, "derive", fails)
-    with pytest.warns(UserWarning, match="could not be captured .*declared ones"):
+    with pytest.warns(UserWarning, match="could not be derived .*no graph.*declared ones"):
         found = derive.partition_options(job, use_cache=False)
     assert [_key(o) for o in found] == [_key(o) for o in model_options(job.model)]
 
@@ -147,3 +147,20 @@ def test_a_layer_kind_never_seen_gets_options_from_its_blocks_and_is_planned() -
     assert any(r.candidate.tp == 2 for r in result.ranked)
     odd = {(o.part, o.name) for o in found} - {(o.part.value, o.name) for o in model_options(m)}
     assert not odd  # the same parts as a standard layer: the new kind needs no catalogue entry
+
+
+def test_a_derivation_asked_for_under_a_process_group_uses_the_declared_options() -> None:
+    """The probe meshes need the ``fake`` process group: under an existing one (a user's script) the stage says so
+    and plans from the declared catalogue; nothing of the user's group is touched."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    job = compose_job(["model=gpt_tiny", "model.num_layers=7"], typed=True, runs_hydra=False)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.warns(UserWarning, match="could not be derived .*process group"):
+            found = derive.partition_options(job, use_cache=False)
+        assert dist.is_initialized() and dist.get_world_size() == 2
+    finally:
+        dist.destroy_process_group()
+    assert [_key(o) for o in found] == [_key(o) for o in model_options(job.model)]

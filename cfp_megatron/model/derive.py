@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cfp_megatron.base.config import JobSpec, ModelSpec, TrainSpec
+from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.layout_rules import moe, sequence, tensor
 from cfp_megatron.base.layout_rules.problem import briefs
 from cfp_megatron.model import cache
@@ -174,15 +175,16 @@ def derived_options(job: JobSpec, *, use_cache: bool = True) -> tuple[DerivedOpt
 
 def partition_options(job: JobSpec, *, use_cache: bool = True) -> tuple[PartitionOption, ...]:
     """What the search reads: the derived options that Megatron-Core runs (:data:`RUNTIME_LACKS`). A model the
-    capture cannot record on this Megatron-Core (:class:`CaptureError`) is planned from the declared catalogue,
-    with a warning that says so."""
+    capture cannot record on this Megatron-Core (:class:`CaptureError`), or a derivation asked for while a process
+    group exists (the probe meshes need the ``fake`` one; the launch derives before it profiles), is planned from
+    the declared catalogue, with a warning that says so."""
     try:
         derived = derived_options(job, use_cache=use_cache)
-    except CaptureError as err:
+    except CfpError as err:
         from cfp_megatron.model.options import model_options
 
-        warnings.warn(f"cfp: model {job.model.name} could not be captured ({err}); its partition options are the "
-                      "declared ones (cfp_megatron/model/options.py)", stacklevel=2)
+        warnings.warn(f"cfp: the partition options of model {job.model.name} could not be derived ({err}); the "
+                      "declared ones are used (cfp_megatron/model/options.py)", stacklevel=2)
         return model_options(job.model)
     return tuple(o.option() for o in derived if not o.rule.startswith("lacks:"))
 
