@@ -46,3 +46,28 @@ def custom_layer_spec(config: Any, normalization: str | None = None) -> Any:
     layers = [dataclasses.replace(s, submodules=dataclasses.replace(s.submodules, mlp=mlp))
               for s in block.layer_specs]
     return dataclasses.replace(block, layer_specs=layers)
+
+
+class PlainThreeProjectionMLP(torch.nn.Module):
+    """The same layer in plain PyTorch (the names Megatron's gives its projections), for a check on gloo ranks."""
+
+    def __init__(self, hidden: int = 16, ffn: int = 24) -> None:
+        super().__init__()
+        self.linear_fc1 = torch.nn.Linear(hidden, ffn, bias=False)
+        self.linear_fc3 = torch.nn.Linear(hidden, ffn, bias=False)
+        self.linear_fc2 = torch.nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(torch.nn.functional.silu(self.linear_fc1(x)) * self.linear_fc3(x))
+
+
+def build_plain() -> torch.nn.Module:
+    """A seeded :class:`PlainThreeProjectionMLP` (every rank builds the same)."""
+    torch.manual_seed(0)
+    return PlainThreeProjectionMLP().double()
+
+
+def plain_input() -> torch.Tensor:
+    """A seeded ``[seq, batch, hidden]`` input."""
+    torch.manual_seed(1)
+    return torch.randn(8, 2, 16, dtype=torch.float64)

@@ -148,6 +148,15 @@ def test_a_layer_kind_never_seen_gets_options_from_its_blocks_and_is_planned() -
     odd = {(o.part, o.name) for o in found} - {(o.part.value, o.name) for o in model_options(m)}
     assert not odd  # the same parts as a standard layer: the new kind needs no catalogue entry
 
+    # the derived split on 2 gloo ranks (DTensor, the same projections in plain PyTorch): no collective inside the
+    # block, and after the boundary's reduction the single-rank output
+    from cfp_megatron.graph.blocks import verify_on_gloo
+    from tests.custom_layers import build_plain, plain_input
+
+    placed = dict(part.split(" ") for part in mlp.block.split(", ")[1:])  # "linear_fc1 S(0)" -> layer, placement
+    check = verify_on_gloo(build_plain, plain_input, "R", {f"{k}.weight": v for k, v in placed.items()})
+    assert check.comm_free and check.relative_error < 1e-12, check
+
 
 def test_a_derivation_asked_for_under_a_process_group_uses_the_declared_options() -> None:
     """The probe meshes need the ``fake`` process group: under an existing one (a user's script) the stage says so
