@@ -18,7 +18,8 @@ process group (:func:`~cfp_megatron.graph.propagation.propagate`):
 - PrimePar's 2-D split applies to a dense column-then-row MLP block of a model without experts; its checks are the
   grid's (4^k ranks, the side dividing the block's hidden, FFN and token sizes).
 
-The result, the derived options, is cached by model key (``$CFP_CACHE_DIR/derived/``, and in memory). The declared
+The result, the derived options, is cached by model key and the derivation's code (``$CFP_CACHE_DIR/derived/``, and
+in memory). The declared
 catalogue (:mod:`cfp_megatron.model.options`) stays as the cross-check: ``tests/test_derive.py`` asserts derived
 equals declared for every preset. Reasoning and tables: docs/analysis.md.
 """
@@ -26,11 +27,14 @@ equals declared for every preset. Reasoning and tables: docs/analysis.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import math
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from cfp_megatron.base.config import JobSpec, ModelSpec, TrainSpec
@@ -141,10 +145,26 @@ RUNTIME_LACKS: dict[str, tuple[str, str]] = {"cp": ("linear_kv_down_proj", "Mega
 _MEMO: dict[str, tuple[DerivedOption, ...]] = {}
 
 
+@functools.cache
+def _code_hash() -> str:
+    """SHA-256 of the code the derivation runs (this module, the propagation, the blocks, the capture): an entry
+    derived by other code is never read back."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for name in _CODE:
+        digest.update((root / name).read_bytes())
+    return digest.hexdigest()
+
+
+_CODE = ("model/derive.py", "graph/propagation.py", "graph/strided_rules.py", "graph/blocks.py", "graph/record.py",
+         "model/capture.py", "model/megatron_layers.py", "model/moe_meta.py", "model/mla.py")
+"""The source files :func:`_code_hash` reads, relative to the package."""
+
+
 def derive_key(model: ModelSpec, train: TrainSpec) -> str:
-    """The cache key of ``model``'s derived options: the model, the capture's precision and the derivation."""
+    """The cache key of ``model``'s derived options: the model, the capture's precision and the derivation's code."""
     inputs = {**cache.job_cache_inputs(JobSpec(model=model, train=train), seq_length=_probe_seq(model),
-                                       micro_batch_size=1), "derive": DERIVE_VERSION}
+                                       micro_batch_size=1), "derive": DERIVE_VERSION, "code": _code_hash()}
     return cache.cache_key(inputs)
 
 
