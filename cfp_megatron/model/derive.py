@@ -244,7 +244,7 @@ def derive_from_graphs(graphs: dict[str, Any], layer_kinds: Sequence[str]) -> tu
     from cfp_megatron.graph.propagation import fake_mesh
 
     found: list[DerivedOption] = []
-    decoder = [k for k in dict.fromkeys(layer_kinds)]
+    decoder = list(dict.fromkeys(layer_kinds))
     experts_somewhere = any(_expert_branches(graphs[k]) for k in decoder)
     with fake_mesh((PROBE,), ("tp",)) as mesh:
         if "embedding" in graphs:
@@ -310,10 +310,10 @@ def _forward(graph: Any) -> tuple[Any, ...]:
     return forward_operators(graph)
 
 
-def _sharded(graph: Any, results: Iterable[Any], placements: dict[int, Any], params: dict[str, Any],
+def _sharded(graph: Any, results: Iterable[Any], params: dict[str, Any],
              ops_by_index: dict[int, Any]) -> list[tuple[str, int, int, int]]:
-    """(module, tensor rank, dimension size / split factor) of every tensor dimension sharded on the axis: outputs of
-    the replayed operators and the parameters."""
+    """(module or parameter, tensor id, tensor rank (-1: a parameter), dimension size / split factor) of every tensor
+    dimension sharded on the axis: outputs of the replayed operators and the parameters."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -399,7 +399,7 @@ def _tensor_split(graph: Any, kind: str, mesh: Any, experts_somewhere: bool) -> 
         if part != LayerPart.head.value and not exit_pl.startswith("P"):
             continue  # a split that leaves its block sharded (MLA's down projections into their norms) needs an
             # all-gather at the boundary: Megatron's TP closes each split with a row-parallel reduction instead
-        dims = _sharded(graph, results, run.placements, split, by_index)
+        dims = _sharded(graph, results, split, by_index)
         found += _tp_option(part, kind, split, dims, exit_pl, nxt, results, by_index, graph, experts_somewhere)
     return found
 
@@ -407,10 +407,11 @@ def _tensor_split(graph: Any, kind: str, mesh: Any, experts_somewhere: bool) -> 
 def _tp_option(part: str, kind: str, split: dict[str, Any], dims: list[tuple[str, int, int, int]], exit_pl: str,
                nxt: Any, results: list[Any], by_index: dict[int, Any], graph: Any,
                experts_somewhere: bool) -> list[DerivedOption]:
+    """The option a TP block with sharded parameters ``split`` gives its ``part`` (:func:`_tensor_split`)."""
     from cfp_megatron.graph.blocks import param_only_ids
 
     where = _split_str(split)
-    boundary = (", then " + "+".join(sorted(nxt.collectives)) + f" at {_leaf(by_index_get(by_index, nxt))}"
+    boundary = (", then " + "+".join(sorted(nxt.collectives)) + f" at {_leaf(_module_of(by_index, nxt))}"
                 if nxt is not None and nxt.collectives else "")
     block = f"R -> {exit_pl}, {where}"
     if part == LayerPart.attention.value:
@@ -454,7 +455,7 @@ def _tp_option(part: str, kind: str, split: dict[str, Any], dims: list[tuple[str
 _GEMMS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.matmul.default", "aten.linear.default")
 
 
-def by_index_get(by_index: dict[int, Any], result: Any) -> str:
+def _module_of(by_index: dict[int, Any], result: Any) -> str:
     """The module of a replayed operator (also outside ``by_index``: its name then)."""
     op = by_index.get(result.index)
     return op.module if op is not None else result.name
@@ -582,7 +583,7 @@ def _expert_split(graph: Any, kind: str, mesh: Any) -> list[DerivedOption]:
     split = {n: p for n, p in run.params.items() if graph.params[n] in read and placement_str(p) != "R"}
     if not split or not run.comm_free:
         return out
-    dims = _sharded(graph, run.results, run.placements, split, by_index)
+    dims = _sharded(graph, run.results, split, by_index)
     ffn = sorted({n for _, _, rank, n in dims if rank == 2})  # an expert's tokens are [tokens, ffn]
     last = run.results[-1]
     exit_pl = placement_str(next(iter(last.outputs.values())))
