@@ -69,13 +69,14 @@ def render(result: dict[str, Any]) -> None:
             table.add_row(f"{b['start']}:{b['stop']}", str(len(b["ops"])), modules, str(b["entry_shape"]),
                           cands + (f" (+{more})" if more > 0 else ""), "yes" if b["megatron_tp"] else "")
         console.print(table)
-    options = Table(title="Partition options handed to the search (verified: the block the propagation found)")
-    for col in ("part", "option", "splits by", "selected by", "block", "communication per pass", "verified"):
+    options = Table(title="Partition options derived from the ParallelBlocks, handed to the search")
+    for col in ("part", "option", "splits by", "selected by", "block", "communication per pass", "layer kinds",
+                "offered", "declared"):
         options.add_column(col, overflow="fold")
-    shown = {True: "yes", False: "NO", None: "not analysed"}
     for o in result["options"]:
-        options.add_row(o["part"], o["name"], o["knob"], o["choice"] or "(default)", o["block"], o["communication"],
-                        shown[o["verified"]])
+        options.add_row(o["part"], o["name"], o["knob"], "=".join(o["choice"]) if o["choice"] else "(default)",
+                        o["block"], o["communication"], ",".join(o["kinds"]),
+                        "yes" if o["offered"] else o["rule"].removeprefix("lacks:"), "yes" if o["declared"] else "NO")
     console.print(options)
     runs = " ".join(f"{r['class']}x{r['count']}" for r in result["runs"])
     console.print(f"runs: {runs}")

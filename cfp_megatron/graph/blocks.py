@@ -156,7 +156,7 @@ def forward_operators(graph: OpGraph) -> tuple[Operator, ...]:
     return tuple(ops)
 
 
-def _param_only(graph: OpGraph, ops: Sequence[Operator]) -> set[int]:
+def param_only_ids(graph: OpGraph, ops: Sequence[Operator]) -> set[int]:
     """Tensor ids that are parameters or computed from parameters only."""
     derived = set(graph.params.values())
     for op in ops:
@@ -165,7 +165,8 @@ def _param_only(graph: OpGraph, ops: Sequence[Operator]) -> set[int]:
     return derived
 
 
-def _main_input(graph: OpGraph, op: Operator, param_only: set[int]) -> int | None:
+def main_input(graph: OpGraph, op: Operator, param_only: set[int]) -> int | None:
+    """The main activation ``op`` reads (module docstring: the entry activation of a block starting there)."""
     acts = [t for t in dict.fromkeys(op.inputs) if t not in param_only]
     if not acts:
         return None
@@ -200,7 +201,7 @@ def find_blocks(graph: OpGraph, mesh: DeviceMesh, *, ops: Sequence[Operator] | N
         raise BlockError(f"graph {graph.kind!r} has no forward operators to group into blocks")
     if not graph.inputs:
         raise BlockError(f"graph {graph.kind!r} records no input activation to start the first block from")
-    param_only = _param_only(graph, ops)
+    param_only = param_only_ids(graph, ops)
     cache: dict[Any, OpResult] = {}
     found: list[ParallelBlock] = []
     todo, seen = [(0, graph.inputs[0])], set()
@@ -212,7 +213,7 @@ def find_blocks(graph: OpGraph, mesh: DeviceMesh, *, ops: Sequence[Operator] | N
         for block in _blocks_at(graph, ops, start, entry, param_only, mesh, cache):
             found.append(block)
             if block.stop < len(ops):
-                nxt = _main_input(graph, ops[block.stop], param_only)
+                nxt = main_input(graph, ops[block.stop], param_only)
                 todo.append((block.stop, nxt if nxt is not None else block.exit))
     found.sort(key=lambda b: (b.start, b.stop))
     return [dataclasses.replace(b, index=i) for i, b in enumerate(found)]
@@ -240,7 +241,7 @@ def _blocks_at(graph: OpGraph, ops: Sequence[Operator], start: int, entry: int, 
     blocks = []
     for stop in stops:
         body = rest[:stop]
-        nxt = _main_input(graph, rest[stop], param_only) if stop < len(rest) else None
+        nxt = main_input(graph, rest[stop], param_only) if stop < len(rest) else None
         produced = {t for op in body for t in op.outputs}
         exit_id = nxt if nxt is not None and nxt in produced else (body[-1].outputs[0] if body[-1].outputs else entry)
         candidates, stopped = [], []
@@ -555,7 +556,7 @@ def _replay_checks(graph: OpGraph, checks: list[BlockCheck], mesh: Any) -> list[
     forward = forward_operators(graph)
     names = {pid: name for name, pid in graph.params.items()}
     reports = []
-    param_only = _param_only(graph, forward)
+    param_only = param_only_ids(graph, forward)
     for check in checks:
         ops = forward[check.start:check.stop]
         external = _external(ops)

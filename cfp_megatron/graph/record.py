@@ -7,7 +7,9 @@ a 405B-parameter layer costs no memory.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextvars
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -74,6 +76,19 @@ class OpRecorder(TorchDispatchMode):
         return out
 
 
+_FORWARD_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("cfp_forward_only", default=False)
+
+
+@contextmanager
+def forward_only() -> Iterator[None]:
+    """While inside, :func:`record_step` records the forward pass only (what the partition analysis replays)."""
+    token = _FORWARD_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _FORWARD_ONLY.reset(token)
+
+
 def record_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], *, kind: str,
                 loss_fn: Callable[[Any], torch.Tensor] | None = None,
                 forward: Callable[..., Any] | None = None) -> OpGraph:
@@ -89,7 +104,8 @@ def record_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], *, ki
         out = forward(*inputs) if forward is not None else module(*inputs)
         first = out[0] if isinstance(out, tuple | list) else out
         loss = loss_fn(out) if loss_fn is not None else first.float().sum()
-        recorder.phase = Phase.backward
-        loss.backward()
+        if not _FORWARD_ONLY.get():
+            recorder.phase = Phase.backward
+            loss.backward()
     return OpGraph(kind=kind, tensors=recorder.tensors, operators=tuple(recorder.operators), inputs=input_ids,
                    params=recorder.params)

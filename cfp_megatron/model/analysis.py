@@ -20,7 +20,7 @@ from cfp_megatron.graph.propagation import fake_mesh, placement_str
 from cfp_megatron.graph.segments import segment_model
 from cfp_megatron.model import cache
 from cfp_megatron.model.capture import capture_job
-from cfp_megatron.model.options import model_options, verified_options
+from cfp_megatron.model.derive import options_report
 
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj",
                    "output_layer")
@@ -93,17 +93,18 @@ def analyze(job: JobSpec, *, seq_length: int | None = None, micro_batch_size: in
     mesh = mesh_for(job)
     seq = seq_length or job.train.seq_length
     inputs = {**cache.job_cache_inputs(job, seq_length=seq, micro_batch_size=micro_batch_size),
-              "analysis": "blocks-v3", "mesh": [list(mesh.shape), list(mesh.names)]}
+              "analysis": "blocks-v4", "mesh": [list(mesh.shape), list(mesh.names)]}
     key = cache.cache_key(inputs)
     found = cache.load_json(key, section="analysis") if use_cache else None
     if found is not None:
         return found
-    result = _analyze(job, mesh, seq, micro_batch_size)
+    result = _analyze(job, mesh, seq, micro_batch_size, use_cache=use_cache)
     cache.store_json(key, result, section="analysis")
     return result
 
 
-def _analyze(job: JobSpec, mesh: MeshSpec, seq: int, micro_batch_size: int) -> dict[str, Any]:
+def _analyze(job: JobSpec, mesh: MeshSpec, seq: int, micro_batch_size: int, *,
+             use_cache: bool = True) -> dict[str, Any]:
     start = time.perf_counter()
     capture = capture_job(job, seq_length=seq, micro_batch_size=micro_batch_size)
     captured = time.perf_counter()
@@ -120,6 +121,5 @@ def _analyze(job: JobSpec, mesh: MeshSpec, seq: int, micro_batch_size: int) -> d
             "mesh": {"shape": list(mesh.shape), "names": list(mesh.names)},
             "params": capture.total_params, "flops_per_microbatch": capture.total_flops,
             "segments": segmentation.segments, "classes": data["classes"], "runs": data["runs"],
-            "options": verified_options(model_options(job.model), data["classes"],
-                                        tp=dict(zip(mesh.names, mesh.shape, strict=True)).get("tp", 1)),
+            "options": options_report(job, use_cache=use_cache),
             "seconds": {"capture": round(captured - start, 3), "blocks": round(done - captured, 3)}}

@@ -2,12 +2,11 @@
 output layer) may be split over a parallel dimension, what the split asks of the model's sizes, and what it costs
 in communication.
 
-These are what the search offers (:mod:`cfp_megatron.search.space` reads them; a new layer kind brings its options
-here, not into the search). The CFP analysis checks them: :func:`verified_options` marks an option verified where
-the propagation found its ParallelBlock, Megatron's own split of the block's weights, with no collective inside
-(:func:`cfp_megatron.model.analysis.analyze`; ``python -m cfp_megatron.analyze`` prints them). Options on a
-dimension the analysed mesh lacks (CP, EP, PrimePar's grid), and the embedding's vocabulary split, stay
-unchecked there, and say so.
+This is the declared catalogue: the planner's search reads the options derived from the model's ParallelBlocks
+(:func:`cfp_megatron.model.derive.partition_options`, the same types), and this catalogue is the cross-check
+(``tests/test_derive.py``: derived equals declared for every preset) and what a search built without the analysis
+stage reads (:func:`cfp_megatron.search.space.build_space`). A new layer kind needs no entry here: its options come
+from its blocks.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from cfp_megatron.base.config import AttentionKind, MlpPartition, ModelSpec
 from cfp_megatron.base.layout_rules import moe, sequence, tensor
@@ -128,6 +126,14 @@ def model_options(model: ModelSpec) -> tuple[PartitionOption, ...]:
             communication="ring send/recv of weight and partial-sum blocks over 2^k steps (overlapped), an "
                           "all-gather of the output",
             modules=frozenset(), checks=_primepar_grid))
+    if model.is_moe and model.moe_shared_expert_intermediate_size:
+        shared = model.moe_shared_expert_intermediate_size
+        options.append(PartitionOption(
+            part=LayerPart.moe, name="shared-expert-split", knob="tp", choice=None,
+            block="hidden R -> hidden P, the shared expert's linear_fc1 S(0), linear_fc2 S(1)",
+            communication="all-reduce of the output forward and of the input gradient backward (under SP: "
+                          "all-gather in, reduce-scatter out)",
+            modules=frozenset(), checks=_rule(lambda tp: moe.shared_expert(shared, tp))))
     if model.is_moe:
         expert_ffn = model.moe_ffn_hidden_size or model.ffn_size
         options += [
@@ -174,22 +180,3 @@ def choice_fits(options: Iterable[PartitionOption], field: str, value: str, mode
     """Whether an alternative partition (``field=value``, e.g. ``mlp=primepar``) fits at ``size`` of its knob."""
     found = [o for o in options if o.choice == (field, value)]
     return bool(found) and all(not o.reasons(model, size, context) for o in found)
-
-
-def verified_options(options: Iterable[PartitionOption], classes: list[dict[str, Any]], *,
-                     tp: int) -> list[dict[str, Any]]:
-    """The options as JSON, each with ``verified``: True where a block of the analysed classes holds the option's
-    modules and has Megatron's TP split among its communication-free candidates, False where such a block was
-    analysed without it, ``None`` where the option is not analysable on the analysis' mesh (its ``tp`` axis has
-    ``tp`` ranks; 1 analyses no split)."""
-    out = []
-    for option in options:
-        verified: bool | None = None
-        if option.modules and option.knob == "tp" and tp > 1:
-            held = [b for c in classes for b in c["blocks"]
-                    if option.modules <= {m.rsplit(".", 1)[-1] for m in b["modules"]}]
-            verified = any(b["megatron_tp"] for b in held) if held else None
-        out.append({"part": option.part.value, "name": option.name, "knob": option.knob,
-                    "choice": "=".join(option.choice) if option.choice else None, "block": option.block,
-                    "communication": option.communication, "verified": verified})
-    return out

@@ -18,6 +18,7 @@ from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import transformer_engine_available
 from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.planner.sizing import GROWTH, Planner, growth_limit, resized, smallest_fitting
+from cfp_megatron.model.derive import partition_options
 from cfp_megatron.profile.cluster import host_memory_gib, local_measurements, this_device
 from cfp_megatron.search.search import SearchResult, search
 from cfp_megatron.search.space import KNOBS, knob_setting, no_layout_issues, only_knob
@@ -89,12 +90,12 @@ def check_search_fits(job: JobSpec, world: int, cfp: CfpSpec, *, given: ClusterS
     and the memory there is; otherwise what refused every layout (:attr:`SearchResult.best`'s reasons)."""
     def run(settings: CfpSpec) -> SearchResult:
         return search(job, world, dataclasses.replace(settings, top_k=top_k), measurements=measurements,
-                      options=options, te_available=te_available)
+                      options=options, te_available=te_available, partitions=partition_options(job))
 
     result = run(cfp)
     if result.ranked:
         return result
-    issues = no_layout_issues(job, world, cfp, te_available=te_available)
+    issues = no_layout_issues(job, world, cfp, te_available=te_available, partitions=partition_options(job))
     if issues:
         raise ConfigError(issues)
     if result.least_over_gib is None or result.memory_limit_gib is None:

@@ -33,6 +33,7 @@ from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.base.pipeline_layout import balanced_layout
 from cfp_megatron.base.pipeline_split import chunk_layers
 from cfp_megatron.cluster.measured import Measurements, partition_name, unmeasured_partitions
+from cfp_megatron.model.options import PartitionOption
 from cfp_megatron.search import driver
 from cfp_megatron.search.choice import Choice, choose
 from cfp_megatron.search.space import (
@@ -158,9 +159,11 @@ def nothing_left(rejected: list[tuple[str, str]], fix: str) -> ConfigError:
 
 def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements | None = None,
            options: SimOptions | None = None, te_available: bool = True,
-           exhaustive: bool = False, cache: CostCache | None = None) -> SearchResult:
+           exhaustive: bool = False, cache: CostCache | None = None,
+           partitions: tuple[PartitionOption, ...] | None = None) -> SearchResult:
     """The ``cfp.top_k`` fastest layouts of ``job`` on ``world`` ranks that fit in memory (see the module docstring),
-    searched by the one driver (:func:`cfp_megatron.search.driver.run`) over :class:`MegatronSpace`.
+    searched by the one driver (:func:`cfp_megatron.search.driver.run`) over :class:`MegatronSpace`; ``partitions``:
+    the model's partition options (:func:`~cfp_megatron.search.space.build_space`).
 
     ``exhaustive`` simulates every candidate that fits (no bound): the reference the bounded search is tested
     against. ``cache``: the pass costs of an earlier search of the same model on a cluster of the same kind (any
@@ -170,7 +173,7 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
     started = time.perf_counter()
     with driver.gc_paused():
         space = MegatronSpace.build(job, world, cfp, measurements=measurements, options=options,
-                                    te_available=te_available, cache=cache)
+                                    te_available=te_available, cache=cache, partitions=partitions)
         found = driver.run(space, cfp.top_k, exhaustive=exhaustive)
     rejected = list(space.space.rejected) + space.invalid_groups
     for prefix, sizes in sorted(found.over.items()):  # by family, in Family's order
@@ -217,11 +220,12 @@ class MegatronSpace:
 
     @classmethod
     def build(cls, job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements | None,
-              options: SimOptions | None, te_available: bool, cache: CostCache | None = None) -> MegatronSpace:
+              options: SimOptions | None, te_available: bool, cache: CostCache | None = None,
+              partitions: tuple[PartitionOption, ...] | None = None) -> MegatronSpace:
         """The space of ``job`` on ``world`` ranks under ``cfp``, its groups bounded (pass costs from ``cache``
         where it serves this job: :meth:`~cfp_megatron.sim.pass_costs.CostCache.resized`)."""
         options = options or SimOptions()
-        space = build_space(job, world, cfp, te_available=te_available)
+        space = build_space(job, world, cfp, te_available=te_available, partitions=partitions)
         if measurements is not None:  # PrimePar's MLP only where profiling timed its layer (see Space.primepar)
             timed = frozenset(f.tp for f in space.families if measurements.segment_micro_batches(
                 "dense", partition_name(f.tp, mlp=MlpPartition.primepar)))

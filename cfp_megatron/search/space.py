@@ -557,8 +557,13 @@ class Group:
         return len(self.splits) * len(self.dopts)
 
 
-def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = True) -> Space:
-    """The families of ``job`` on ``world`` ranks under ``cfp``'s pins and sets, with every value ruled out and why."""
+def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = True,
+                partitions: tuple[PartitionOption, ...] | None = None) -> Space:
+    """The families of ``job`` on ``world`` ranks under ``cfp``'s pins and sets, with every value ruled out and why.
+
+    ``partitions``: the model's partition options, as the planner's analysis stage derived them
+    (:func:`cfp_megatron.model.derive.partition_options`); ``None`` reads the declared catalogue
+    (:func:`~cfp_megatron.model.options.model_options`, equal to the derived one for every preset)."""
     m, t, c = job.model, job.train, job.cluster
     gpn = c.gpus_per_node or world
     domain = c.domain_size(gpn, world)  # the NVLink domain (a node unless cluster.nvlink_domain_size says otherwise),
@@ -566,7 +571,7 @@ def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = 
     where = f"nodes of {gpn} GPUs" if domain == gpn else f"NVLink domains of {domain} GPUs"
     rejected: list[Rejection] = []
 
-    options = model_options(m)
+    options = partitions if partitions is not None else model_options(m)
     sizes_only = SizeContext(seq_length=t.seq_length, micro_batch=1)
 
     def tp_reasons(tp: int) -> list[str]:
@@ -706,20 +711,21 @@ def _vpp_reasons(space: Space, f: Family, vpp: int) -> list[str]:
     return [f"{layers} layers do not split into {f.pp} stages x {vpp} chunks"]
 
 
-def no_layout_issues(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = True) -> list[ConfigIssue]:
+def no_layout_issues(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = True,
+                     partitions: tuple[PartitionOption, ...] | None = None) -> list[ConfigIssue]:
     """Why ``cfp``'s pins and sets leave no layout of ``job`` on ``world`` ranks (empty when one is left): each pin
     or set that removes every layout on its own, named by its key with the reasons (``cfp.micro_batch=3: 3 does not
     divide the 8 sequences of a step per data-parallel rank ...``); where none does alone, the combination."""
-    space = build_space(job, world, cfp, te_available=te_available)
+    space = build_space(job, world, cfp, te_available=te_available, partitions=partitions)
     if has_layout(space):
         return []
-    free = build_space(job, world, only_knob(cfp, None), te_available=te_available)
+    free = build_space(job, world, only_knob(cfp, None), te_available=te_available, partitions=partitions)
     known = {(r.what, r.reason) for r in free.rejected}
     subject = f"no layout of {job.model.name} on {world} rank{'s' if world > 1 else ''}"
     asked = [n for n in KNOBS if cfp.allowed(n) is not None]
     issues = []
     for name in asked:
-        alone = build_space(job, world, only_knob(cfp, name), te_available=te_available)
+        alone = build_space(job, world, only_knob(cfp, name), te_available=te_available, partitions=partitions)
         if has_layout(alone):
             continue
         key, value = knob_setting(cfp, name)

@@ -15,6 +15,7 @@ from cfp_megatron.base.config import JobSpec
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import ParallelDims, transformer_engine_available
 from cfp_megatron.cluster.measured import Measurements
+from cfp_megatron.model.derive import partition_options
 from cfp_megatron.plan.artifact import Plan, PlanPrediction
 from cfp_megatron.plan.check import PlanCheck
 from cfp_megatron.search.search import SearchResult, search
@@ -37,7 +38,9 @@ class MegatronBackend:
         # preflight plan for a GPU cluster assumes it, as NVIDIA's containers ship it.
         te = transformer_engine_available() if measurements is not None else True
         options = options_here(job.cluster) if measurements is not None else None
-        result = search(job, world, cfp, measurements=measurements, options=options, te_available=te)
+        # the planner's analysis stage: the model's partition options derived from its ParallelBlocks (cached)
+        result = search(job, world, cfp, measurements=measurements, options=options, te_available=te,
+                        partitions=partition_options(job))
         return self.planned(result, job, world, inputs_fingerprint=inputs_fingerprint)
 
     @staticmethod
