@@ -43,7 +43,7 @@ from cfp_megatron.base.layout_rules import moe, sequence, tensor
 from cfp_megatron.base.layout_rules.problem import briefs
 from cfp_megatron.model import cache
 from cfp_megatron.model.errors import CaptureError
-from cfp_megatron.model.options import LayerPart, PartitionOption, SizeContext
+from cfp_megatron.model.options import LayerPart, PartitionOption, SizeContext, model_options
 
 PROBE = 2
 """Ranks per mesh axis of the probe meshes (placements do not depend on the size; a dimension they shard must divide
@@ -201,8 +201,6 @@ def partition_options(job: JobSpec, *, use_cache: bool = True) -> tuple[Partitio
     try:
         derived = derived_options(job, use_cache=use_cache)
     except CfpError as err:
-        from cfp_megatron.model.options import model_options
-
         warnings.warn(f"cfp: the partition options of model {job.model.name} could not be derived ({err}); the "
                       "declared ones are used (cfp_megatron/model/options.py)", stacklevel=2)
         return model_options(job.model)
@@ -212,8 +210,6 @@ def partition_options(job: JobSpec, *, use_cache: bool = True) -> tuple[Partitio
 def options_report(job: JobSpec, *, use_cache: bool = True) -> list[dict[str, Any]]:
     """The derived options as JSON for the ``analyze`` table: each with ``offered`` (Megatron-Core runs it) and
     ``declared`` (the declared catalogue, :func:`~cfp_megatron.model.options.model_options`, has the same option)."""
-    from cfp_megatron.model.options import model_options
-
     declared = {(o.part.value, o.name, o.knob, o.choice) for o in model_options(job.model)}
     return [{**o.to_json(), "offered": not o.rule.startswith("lacks:"),
              "declared": (o.part, o.name, o.knob, o.choice) in declared}
