@@ -33,6 +33,7 @@ import snippet  # noqa: E402
 
 from cfp_megatron.base.errors import CfpError  # noqa: E402
 from cfp_megatron.base.files import write_atomic  # noqa: E402
+from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.sim.calibration import (  # noqa: E402
     EFFICIENCIES_FILE,
     FITTED,
@@ -117,7 +118,8 @@ def fit(plans: list[RowPlan], base: dict[str, Efficiency], maxiter: int,
     order = sorted(by_gen, key=lambda g: -len(by_gen[g]))
     for gen in order:
         rows = by_gen[gen]
-        has = {"gemm": any(not p.options.fp8 for p in rows), "gemm_fp8": any(p.options.fp8 for p in rows)}
+        has = {"gemm": any(not NumberFormat.of(p.job.train).low for p in rows),
+               "gemm_fp8": any(NumberFormat.of(p.job.train).low for p in rows)}
         start = effs.get(gen, NEUTRAL)
         if len(rows) >= MIN_ROWS_FULL_FIT:
             names = [n for n in GENERATION_FIELDS if has.get(n, True)]

@@ -286,7 +286,7 @@ def test_a_sliding_window_prices_the_attention_tiles_it_reaches() -> None:
     assert attended_keys(m, 4096) == 8 * 4096 + 8 * 129 and attended_keys(full.model, 4096) == 16 * 4096
     cores = {}
     for name, plan in (("full", full), ("windowed", windowed)):
-        kernels = KernelModel(plan.cluster, efficiency_for(plan.cluster), plan.train.precision, fp8=False)
+        kernels = KernelModel(plan.cluster, efficiency_for(plan.cluster), plan.train.precision)
         layout = build_layout(plan)
         for flash in (True, False):
             options = SimOptions(attention=AttentionKernel.flash if flash else AttentionKernel.fused_softmax)

@@ -37,7 +37,7 @@ def job(nodes: int = 4, model: dict | None = None, cluster: dict | None = None, 
 def models(j: JobSpec, world: int) -> tuple[Layout, KernelModel, CollectiveCosts]:
     """The layout of ``j`` on ``world`` GPUs, and the kernel and collective models of its preset."""
     eff = efficiency_for(j.cluster)
-    return (build_layout(j, world), KernelModel(j.cluster, eff, j.train.precision, fp8=False),
+    return (build_layout(j, world), KernelModel(j.cluster, eff, j.train.precision),
             collective_costs(j.cluster, None, eff))
 
 
