@@ -39,9 +39,9 @@ from typing import Any
 from cfp_megatron.base.backend_spec import BackendKind, ZeroSpec, zero_keys
 from cfp_megatron.base.config import JobSpec, ParallelSpec, Precision, Recompute, build_spec, layout_keys
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
-from cfp_megatron.base.number_format import NumberFormat, format_names
 from cfp_megatron.base.files import DuplicateKeyError, NotRegularFileError, json_loads_unique, open_regular, write_new
 from cfp_megatron.base.jsonio import json_plain, json_type_problem
+from cfp_megatron.base.number_format import NumberFormat, format_names
 from cfp_megatron.base.parallel_dims import data_parallel_size
 from cfp_megatron.plan.backend_part import BackendPart, DeepSpeedPart, MegatronPart, backend_part
 from cfp_megatron.plan.errors import PlanError
@@ -392,7 +392,8 @@ class Plan:
         return cls(model=job.model.name, cluster=job.cluster.name, nodes=nodes, gpus_per_node=gpus,
                    parallel=job.parallel, micro_batch_size=job.train.micro_batch_size,
                    global_batch_size=job.train.global_batch_size, seq_length=job.train.seq_length,
-                   precision=NumberFormat.of(job.train).name, predicted=prediction, inputs_fingerprint=inputs_fingerprint,
+                   precision=NumberFormat.of(job.train).name, predicted=prediction,
+                   inputs_fingerprint=inputs_fingerprint,
                    job_inputs=job_inputs(job))
 
     @classmethod
