@@ -43,6 +43,10 @@ def test_every_format_has_one_name_that_parses_back() -> None:
         NumberFormat.parse("fp8-current")
     job = compose_job(["train.precision=fp8", "train.fp8_recipe=blockwise"])
     assert NumberFormat.of(job.train).name == "fp8-blockwise" and job.train.fp4_recipe.value == "nvfp4"
+    with pytest.raises(ConfigError) as info:  # a recipe beside a format that never reads it: refused, not ignored
+        compose_job(["train.precision=bf16", "train.fp8_recipe=mxfp8"])
+    assert info.value.issues[0].key == "train.fp8_recipe" and "train.precision=fp8" in info.value.issues[0].fix
+    assert compose_job(["train.fp8_recipe=mxfp8"]).train.precision is Precision.auto  # a set may still choose it
 
 
 def test_fp8_is_faster_than_bf16_on_h100_for_a_gemm_bound_layer() -> None:

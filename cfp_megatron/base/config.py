@@ -1288,6 +1288,13 @@ class TrainSpec:
                "lower train.min_lr.")
         _issue(issues, self.clip_grad >= 0, f"{p}.clip_grad", self.clip_grad, "must not be negative.",
                "use 0 to disable clipping.")
+        for name, reads, default in (("fp8_recipe", Precision.fp8, Fp8Recipe.delayed),
+                                     ("fp4_recipe", Precision.fp4, Fp4Recipe.nvfp4)):
+            value = getattr(self, name)
+            # auto may still choose it (cfp.constraints.precision); another format never reads it
+            _issue(issues, value is default or self.precision in (reads, Precision.auto), f"{p}.{name}", value.value,
+                   f"is read only with train.precision={reads.value}, and train.precision={self.precision.value}: it "
+                   "would be ignored.", f"add train.precision={reads.value}, or remove {p}.{name}.")
         if self.checkpoint_dir is not None:
             _issue(issues, bool(self.checkpoint_dir.strip()), f"{p}.checkpoint_dir", self.checkpoint_dir,
                    "is empty (a shell variable that is not set?): the run would save no checkpoint, or resume from "

@@ -10,6 +10,7 @@ is: docs/simulator.md, "Number formats".
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,12 @@ class NumberFormat:
         elif isinstance(self.recipe, Fp4Recipe):
             out["fp4_recipe"] = self.recipe
         return out
+
+    def train_fields(self) -> dict[str, Any]:
+        """Every ``train`` field of the format (for ``dataclasses.replace``): :meth:`with_train`, and the recipe it
+        does not read at its default (``train.fp8_recipe`` is refused beside another format)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainSpec) if f.name in ("fp8_recipe", "fp4_recipe")}
+        return {**defaults, **self.with_train()}
 
     def megatron_fields(self) -> dict[str, Any]:
         """Megatron-Core ``TransformerConfig`` fields that select it (``fp8``/``fp8_recipe``, ``fp4``/``fp4_recipe``;

@@ -427,7 +427,7 @@ class Plan:
         fmt = self.number_format
         train = dataclasses.replace(job.train, micro_batch_size=self.micro_batch_size,
                                     global_batch_size=self.global_batch_size, seq_length=self.seq_length,
-                                    **(fmt.with_train() if fmt.precision is not Precision.auto else {}))
+                                    **(fmt.train_fields() if fmt.precision is not Precision.auto else {}))
         return dataclasses.replace(job, parallel=self.parallel, train=train)
 
     # ------------------------------------------------------------------------------------------ canonical string

@@ -79,7 +79,7 @@ def _gemm_rate(job: JobSpec, fmt: NumberFormat) -> float:
 
 def with_format(job: JobSpec, fmt: NumberFormat) -> JobSpec:
     """``job`` trained in ``fmt``."""
-    return dataclasses.replace(job, train=dataclasses.replace(job.train, **fmt.with_train()))
+    return dataclasses.replace(job, train=dataclasses.replace(job.train, **fmt.train_fields()))
 
 
 def format_reason(outcomes: list[FormatOutcome], chosen: str) -> str:
