@@ -172,7 +172,8 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
         cutoff = found_all[cfp.top_k - 1].step_time_s if len(found_all) >= cfp.top_k and not exhaustive \
             else math.inf
         with driver.gc_paused():
-            space = MegatronSpace.build(with_format(job, fmt) if len(formats) > 1 else job, world, cfp,
+            space = MegatronSpace.build(with_format(job, fmt) if cfp.constraints.precision is not None else job,
+                                        world, cfp,
                                         measurements=measurements, options=options, te_available=te_available)
             found = driver.run(space, cfp.top_k, exhaustive=exhaustive, cutoff=cutoff)
         rejected += list(space.space.rejected) + space.invalid_groups
@@ -199,7 +200,7 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
                         pruned=size - visited + slower, memory_limit_gib=limit,
                         least_over_gib=min((min(s) for s in over.values() if s), default=None),
                         seconds=time.perf_counter() - started, world=world,
-                        formats=tuple(outcomes) if len(formats) > 1 or left_out else ())
+                        formats=tuple(outcomes) if cfp.constraints.precision is not None else ())
 
 
 @dataclass(kw_only=True)

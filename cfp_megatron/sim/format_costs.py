@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from cfp_megatron.base.config import ClusterSpec, Precision
+from cfp_megatron.base.config import ClusterSpec, JobSpec, Precision
 from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
 from cfp_megatron.base.number_format import NumberFormat, computes, format_issues
 
@@ -82,3 +82,15 @@ def format_cost(fmt: NumberFormat, cluster: ClusterSpec) -> FormatCost:
                                       fix=f"train in bf16 (train.precision=bf16), or set "
                                           f"cluster.peak_tflops_{cost.peak}."))
     return cost
+
+
+_LOW = (Precision.fp8, Precision.fp4)
+"""The precisions whose GEMMs run in a low format (the others cost nothing beyond their element size)."""
+
+
+def low_format_cost(job: JobSpec) -> FormatCost | None:
+    """The costs of ``job``'s FP8/FP4 format on its cluster (:func:`format_cost`); ``None`` for the 16/32-bit formats,
+    without building anything (the memory model asks for every rank of every plan a search prices)."""
+    if job.train.precision not in _LOW:
+        return None
+    return format_cost(NumberFormat.of(job.train), job.cluster)

@@ -142,8 +142,8 @@ class CostCache:
                efficiency: Efficiency) -> bool:
         """Whether ``job`` (under these measurements, options and efficiencies) is a plan this cache was made for."""
         return (job.cluster is self.job.cluster or job.cluster == self.job.cluster) and job.model == self.job.model \
-            and job.train.precision is self.job.train.precision \
-            and NumberFormat.of(job.train) == NumberFormat.of(self.job.train) and measurements is self.measurements \
+            and job.train.precision is self.job.train.precision and job.train.fp8_recipe is self.job.train.fp8_recipe \
+            and job.train.fp4_recipe is self.job.train.fp4_recipe and measurements is self.measurements \
             and options == self.options and efficiency == self.efficiency
 
 

@@ -11,11 +11,10 @@ from dataclasses import dataclass
 
 from cfp_megatron.base.config import JobSpec, OptimizerKind
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
-from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
-from cfp_megatron.sim.format_costs import format_cost
+from cfp_megatron.sim.format_costs import low_format_cost
 from cfp_megatron.sim.kernels import element_bytes, grad_element_bytes
 
 FP32_BYTES = 4.0
@@ -81,7 +80,8 @@ class StateBytes:
         (:func:`~cfp_megatron.sim.kernels.grad_element_bytes`), which the optimizer steps from (its fp32 cast of a
         bf16 buffer at the step is not counted); fp32 master weights with 16-bit weights."""
         elem = float(element_bytes(job))
-        copies = format_cost(NumberFormat.of(job.train), job.cluster).weight_copy_bytes
+        low = low_format_cost(job)
+        copies = low.weight_copy_bytes if low is not None else 0.0
         return cls(weights=elem + copies, gradients=grad_element_bytes(job), main_gradients=0.0,
                    master_weights=FP32_BYTES if elem == 2 else 0.0,
                    optimizer_states=optimizer_state_bytes(job.train.optimizer))
