@@ -701,6 +701,8 @@ def cases() -> list[Case]:
              ("train.fp8_recipe", "cluster=b200")),
             ("plan-formats-none", ["cluster=dgx_a100", "cfp.constraints.precision=[fp8,fp4]"],
              "cfp.constraints.precision"),
+            ("plan-formats-deepspeed", ["backend=deepspeed", "cluster=dgx_h100",
+                                        "cfp.constraints.precision=[bf16,fp8]"], "cfp.constraints.precision"),
             ("plan-format-outside-set", ["cluster=dgx_h100", "train.precision=fp16",
                                          "cfp.constraints.precision=[bf16,fp8]"], "train.precision")]:
         add(Case(id=cid, command="plan", what="plan " + " ".join(args), names=key if isinstance(key, tuple) else (key,),

@@ -62,6 +62,14 @@ def check_layout(job: JobSpec, cfp: CfpSpec) -> None:
                                   problem="is a knob of Megatron-Core's layouts, which the DeepSpeed backend's ZeRO "
                                           "search does not read: it would be ignored.",
                                   fix=f"remove {key}; {instead}, or plan with backend=megatron."))
+    for name in ("precision", "fp8_recipe") if cfp.mode is not CfpMode.off else ():
+        allowed = getattr(cfp.constraints, name)
+        if allowed is not None:
+            issues.append(ConfigIssue(key=f"cfp.constraints.{name}", value=[v.value for v in allowed],
+                                      problem="is a set of number formats for Megatron-Core's search; the DeepSpeed "
+                                              "backend trains in train.precision: it would be ignored.",
+                                      fix=f"remove cfp.constraints.{name} (set train.precision), or plan with "
+                                          "backend=megatron."))
     fmt = NumberFormat.of(job.train)
     if fmt.low:
         issues.append(ConfigIssue(key="train.precision", value=job.train.precision.value,
