@@ -11,9 +11,11 @@ from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import JobSpec, Precision, resolve_precision
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.number_format import NumberFormat, format_issues
+from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.search.space import Rejection
 from cfp_megatron.sim.calibration import efficiency_for
 from cfp_megatron.sim.format_costs import format_cost
+from cfp_megatron.sim.options import SimOptions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +77,19 @@ def _gemm_rate(job: JobSpec, fmt: NumberFormat) -> float:
     cost = format_cost(fmt, job.cluster)
     share = getattr(efficiency_for(job.cluster), cost.efficiency)
     return (job.cluster.clocked_peak_tflops(cost.peak) or 0.0) * share
+
+
+def format_options(job: JobSpec, fmt: NumberFormat, measurements: Measurements | None,
+                   options: SimOptions | None) -> SimOptions | None:
+    """The simulator options a format of the set is searched with: as given, except that a format other than the one
+    the profile measured (the job's own) is priced without the measured segments (they ran their GEMMs in the
+    job's format) but with everything else measured."""
+    own = NumberFormat.of(job.train)
+    if own.precision is Precision.auto:
+        own = NumberFormat(precision=resolve_precision(own.precision, on_gpu=not job.cluster.on_cpu))
+    if measurements is None or fmt == own:
+        return options
+    return dataclasses.replace(options or SimOptions(), use_measured_segments=False)
 
 
 def with_format(job: JobSpec, fmt: NumberFormat) -> JobSpec:

@@ -37,7 +37,7 @@ from cfp_megatron.base.pipeline_split import chunk_layers
 from cfp_megatron.cluster.measured import Measurements, partition_name, unmeasured_partitions
 from cfp_megatron.search import driver
 from cfp_megatron.search.choice import Choice, choose
-from cfp_megatron.search.formats import FormatOutcome, format_reason, set_formats, with_format
+from cfp_megatron.search.formats import FormatOutcome, format_options, format_reason, set_formats, with_format
 from cfp_megatron.search.space import (
     BLOCK,
     FAMILY_FIELDS,
@@ -173,8 +173,9 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
             else math.inf
         with driver.gc_paused():
             space = MegatronSpace.build(with_format(job, fmt) if cfp.constraints.precision is not None else job,
-                                        world, cfp,
-                                        measurements=measurements, options=options, te_available=te_available)
+                                        world, cfp, measurements=measurements,
+                                        options=format_options(job, fmt, measurements, options),
+                                        te_available=te_available)
             found = driver.run(space, cfp.top_k, exhaustive=exhaustive, cutoff=cutoff)
         rejected += list(space.space.rejected) + space.invalid_groups
         for prefix, sizes in found.over.items():
