@@ -177,7 +177,7 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
                                         options=format_options(job, fmt, measurements, options),
                                         te_available=te_available)
             found = driver.run(space, cfp.top_k, exhaustive=exhaustive, cutoff=cutoff)
-        rejected += list(space.space.rejected) + space.invalid_groups
+        rejected += [r for r in (*space.space.rejected, *space.invalid_groups) if r not in rejected]  # once a set
         for prefix, sizes in found.over.items():
             over[prefix] += sizes
         found_all = sorted([*found_all, *found.ranked], key=_merged_order)[:cfp.top_k]
@@ -322,7 +322,7 @@ class MegatronSpace:
 
 def _merged_order(r: driver.Ranked) -> tuple:
     """The order of the plans of several formats' searches: step time, then the format's name, then the key."""
-    return r.step_time_s, r.result.job.train.precision.value, NumberFormat.of(r.result.job.train).name, r.tie
+    return r.step_time_s, NumberFormat.of(r.result.job.train).name, r.tie
 
 
 def _unmeasured(job: JobSpec, measurements: Measurements | None) -> tuple[str, ...]:
