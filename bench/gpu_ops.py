@@ -103,8 +103,8 @@ def sim_kernels(cluster: str) -> tuple[JobSpec, KernelModel, KernelModel]:
     """Llama 3 8B on ``cluster`` and the simulator's BF16 and FP8 kernel models there."""
     job = job_from_config(compose_config(["model=llama3_8b", f"cluster={cluster}"]))
     eff = efficiency_for(job.cluster)
-    bf16 = KernelModel(job.cluster, eff, Precision.bf16, fp8=False)
-    fp8 = KernelModel(job.cluster, eff, Precision.bf16, fp8=job.cluster.peak_tflops_fp8 is not None)
+    bf16 = KernelModel(job.cluster, eff, Precision.bf16)
+    fp8 = KernelModel(job.cluster, eff, Precision.fp8 if job.cluster.peak_tflops_fp8 is not None else Precision.bf16)
     return job, bf16, fp8
 
 
@@ -156,7 +156,7 @@ def bench_gemms(clock: Clock, bf16: KernelModel, fp8: KernelModel, *, small: boo
             seconds = clock.median(lambda: torch.mm(x, weight.t()))  # noqa: B023
             rows.append(_rate_row("gemm", f"{name} m={m}", "bf16" if clock.cuda else "fp32", flops, seconds,
                                   bf16.gemm(m, n, k), m=m, n=n, k=k))
-            if clock.cuda and fp8.fp8:
+            if clock.cuda and fp8.low:
                 rows.append(_fp8_row(clock, fp8, name, x, weight, flops))
     return rows
 

@@ -312,7 +312,7 @@ def local_cost_models(job: Any, *, profile: bool) -> tuple[Any, Any, str] | None
         return None
     eff = efficiency_for(cluster)
     costs = CollectiveCosts(cluster, db, intra_efficiency=eff.intra_node_comm, inter_efficiency=eff.inter_node_comm)
-    kernels = KernelModel(cluster, eff, job.train.precision, fp8=False, measurements=db)
+    kernels = KernelModel(cluster, eff, job.train.precision, measurements=db)
     return kernels, costs, describe_cluster(cluster)
 
 

@@ -33,6 +33,7 @@ import snippet  # noqa: E402
 
 from cfp_megatron.base.errors import CfpError  # noqa: E402
 from cfp_megatron.base.files import write_atomic  # noqa: E402
+from cfp_megatron.base.number_format import NumberFormat  # noqa: E402
 from cfp_megatron.sim.calibration import (  # noqa: E402
     EFFICIENCIES_FILE,
     FITTED,
@@ -106,11 +107,12 @@ def fit_generation(plans: list[RowPlan], start: Efficiency, names: list[str], ef
 
 
 def fit(plans: list[RowPlan], base: dict[str, Efficiency], maxiter: int,
-        borrowed: dict[str, Borrowed] = TABLE.borrowed) -> dict[str, Efficiency]:
+        borrowed: dict[str, Borrowed] = TABLE.borrowed, fields: list[str] | None = None) -> dict[str, Efficiency]:
     """Fit every generation that has rows, most rows first. A field a generation's rows cannot pin down (FP8 GEMMs
     without FP8 rows, everything but the GEMM efficiencies with fewer than
     ``MIN_ROWS_FULL_FIT`` rows) is taken from the generation that could fit it. A generation without rows that
-    ``borrowed`` names gets the efficiencies of the one it uses (the efficiencies file's ``borrowed``)."""
+    ``borrowed`` names gets the efficiencies of the one it uses (the efficiencies file's ``borrowed``). ``fields``:
+    tune only these, the others kept as ``base`` has them."""
     effs = dict(base)
     by_gen: dict[str, list[RowPlan]] = {}
     for p in plans:
@@ -118,7 +120,8 @@ def fit(plans: list[RowPlan], base: dict[str, Efficiency], maxiter: int,
     order = sorted(by_gen, key=lambda g: -len(by_gen[g]))
     for gen in order:
         rows = by_gen[gen]
-        has = {"gemm": any(not p.options.fp8 for p in rows), "gemm_fp8": any(p.options.fp8 for p in rows)}
+        has = {"gemm": any(not NumberFormat.of(p.job.train).low for p in rows),
+               "gemm_fp8": any(NumberFormat.of(p.job.train).low for p in rows)}
         start = effs.get(gen, NEUTRAL)
         if len(rows) >= MIN_ROWS_FULL_FIT:
             names = [n for n in GENERATION_FIELDS if has.get(n, True)]
@@ -126,6 +129,8 @@ def fit(plans: list[RowPlan], base: dict[str, Efficiency], maxiter: int,
             names = [n for n in ("gemm", "gemm_fp8") if has[n]]
             donor = effs[order[0]]
             start = donor.replace(**{n: getattr(start, n) for n in ("gemm", "gemm_fp8")})
+        if fields is not None:
+            names, start = [n for n in names if n in fields], effs.get(gen, NEUTRAL)
         effs[gen] = fit_generation(rows, start, names, effs, gen, maxiter) if names else start
     for gen, b in borrowed.items():  # no calibration rows: the generation it borrows from (efficiencies.json)
         if gen not in by_gen and b.uses in effs:
@@ -140,8 +145,10 @@ def fitted_table(effs: dict[str, Efficiency], plans: list[RowPlan], *, data: str
     rows = collections.Counter(generation(p.job.cluster) for p in plans)
     fitted, sources = dict(base.fitted), dict(base.sources)
     for gen, count in sorted(rows.items()):
-        fitted[gen] = Efficiency(**{n: float(f"{getattr(effs[gen], n):.3g}") for n in GENERATION_FIELDS})
-        sources[gen] = FitSource(written_by=written_by, date=date, data=data, rows=count)
+        refit = Efficiency(**{n: float(f"{getattr(effs[gen], n):.3g}") for n in GENERATION_FIELDS})
+        if refit != fitted.get(gen):  # a generation the fit left as it was keeps its source
+            fitted[gen] = refit
+            sources[gen] = FitSource(written_by=written_by, date=date, data=data, rows=count)
     borrowed = {gen: b for gen, b in base.borrowed.items() if gen not in rows}
     return EfficiencyTable(fitted=fitted, sources=sources, borrowed=borrowed, fallback=base.fallback)
 
@@ -239,6 +246,8 @@ def main() -> int:
                          "file the simulator loads)")
     ap.add_argument("--loso", action="store_true", help="leave-one-source-out cross-validation (refits; slow)")
     ap.add_argument("--maxiter", type=int, default=400)
+    ap.add_argument("--fields", nargs="+", choices=GENERATION_FIELDS, metavar="FIELD",
+                    help="with --fit: tune only these efficiencies (e.g. gemm_fp8), starting from the shipped ones")
     ap.add_argument("--markdown", type=snippet.check_path, metavar="FILE.md",
                     help="also write the figures as a Markdown snippet for the docs (docs/figures/validate.md)")
     ap.add_argument("--classes", type=Path, nargs="+", default=list(PUBLISHED_RUNS), metavar="FILE.csv",
@@ -250,7 +259,8 @@ def main() -> int:
     plans, skipped = load(args.csv)
     effs = dict(FITTED)
     if args.fit:
-        effs = fit(plans, {g: NEUTRAL for g in FITTED}, args.maxiter)
+        start = dict(FITTED) if args.fields else {g: NEUTRAL for g in FITTED}
+        effs = fit(plans, start, args.maxiter, fields=args.fields)
         table = fitted_table(effs, plans, data=_shown(args.csv), written_by=snippet.command_line(),
                              date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"))
         print(efficiencies_text(table), end="")

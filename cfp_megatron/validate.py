@@ -76,6 +76,7 @@ from cfp_megatron.base.compose import CONF_DIR
 from cfp_megatron.base.config import JobSpec, job_from_config
 from cfp_megatron.base.errors import CfpError, ConfigError
 from cfp_megatron.base.files import FileWriteError, write_atomic
+from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.base.parallel_dims import data_parallel_size
 from cfp_megatron.base.pipeline_layout import balanced_layout
 from cfp_megatron.cluster.presets import known_gpus, preset_for_gpu
@@ -231,7 +232,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     recompute = "full" if recompute_raw.startswith("full") else "selective" if recompute_raw.startswith(
         "selective") else "none"
     numbers = precision_reading(row, cluster, data.precisions)
-    fp8, precision = numbers.fp8, numbers.precision
+    number_format = NumberFormat.parse(numbers.number_format)
     sharding = blank_reading(row, "zero_or_fsdp", framework).lower()
     fsdp = "fsdp" in sharding or "zero-3" in sharding or "zero3" in sharding
     dist_opt = "distributed optimizer" in sharding or "zero-1" in sharding
@@ -286,7 +287,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                      "recompute_num_layers": 1, "grad_reduce_in_fp32": framework.grad_reduce_in_fp32,
                      "account_for_embedding_in_pipeline_split": counted,
                      "account_for_loss_in_pipeline_split": counted, "pipeline_model_parallel_layout": stages},
-        "train": {"global_batch_size": gbs, "micro_batch_size": micro, "seq_length": seq, "precision": precision},
+        "train": {"global_batch_size": gbs, "micro_batch_size": micro, "seq_length": seq,
+                  **{key: value.value for key, value in number_format.with_train().items()}},
     }
     try:
         job = job_from_config(cfg)
@@ -306,7 +308,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     layout += " fsdp" if fsdp else ""
     readings = (fabric, schedule, numbers, power)
     layout += "".join(f" {reading.tag}" for reading in readings if reading.tag)
-    options = SimOptions(fp8=fp8, fsdp=fsdp, measured_layer_only=layer_only, attention=framework.attention,
+    options = SimOptions(fsdp=fsdp, measured_layer_only=layer_only, attention=framework.attention,
                          pipeline_scatter_gather=framework.pipeline_scatter_gather)
     return RowPlan(row_id=rid, source=row.get("source", ""), source_detail=row.get("source_detail", ""),
                    model=row.get("model", ""), layout=layout, job=job, options=options, measured_s=measured,

@@ -392,8 +392,8 @@ def test_clock_and_power_limits_slow_the_simulated_step() -> None:
         assert slow.time.tp_comm_s == pytest.approx(fast.time.tp_comm_s)  # the links are not clocked
     # The kernel model reads the clocked peak; MFU stays against the quoted one.
     eff = efficiency_for(base.cluster)
-    k_base = KernelModel(base.cluster, eff, base.train.precision, fp8=False)
-    k_cap = KernelModel(capped.cluster, eff, capped.train.precision, fp8=False)
+    k_base = KernelModel(base.cluster, eff, base.train.precision)
+    k_cap = KernelModel(capped.cluster, eff, capped.train.precision)
     assert k_cap.gemm_flops_per_s == pytest.approx(k_base.gemm_flops_per_s * capped.cluster.clock_scale)
     assert target_peak_tflops(capped) == target_peak_tflops(base) == 989.0
 

@@ -39,7 +39,7 @@ def gpu_ops() -> ModuleType:
 @pytest.fixture(scope="module")
 def h200() -> KernelModel:
     job = job_from_config(compose_config(["model=llama3_8b", "cluster=h200"]))
-    return KernelModel(job.cluster, efficiency_for(job.cluster), Precision.bf16, fp8=False)
+    return KernelModel(job.cluster, efficiency_for(job.cluster), Precision.bf16)
 
 
 def test_gpu_ops_on_cpu_prints_the_simulators_prediction_beside_each_figure(gpu_ops: ModuleType, h200: KernelModel,

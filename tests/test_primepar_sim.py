@@ -52,7 +52,7 @@ def test_primepar_under_sp_pays_the_resharding_and_saves_no_input_memory() -> No
 
     job = job_from_config(compose_config(BASE))
     m, cluster = job.model, job.cluster
-    kernels = KernelModel(cluster, efficiency_for(cluster), job.train.precision, fp8=False)
+    kernels = KernelModel(cluster, efficiency_for(cluster), job.train.precision)
     costs = CollectiveCosts(cluster)
     args = {"tp": 4, "tp_per_node": 8, "tokens": 8192.0, "hidden": m.hidden_size, "ffn": m.ffn_size, "gated": True}
     plain, split = primepar_mlp_cost(kernels, costs, **args), primepar_mlp_cost(kernels, costs, sp=True, **args)
@@ -143,7 +143,7 @@ def test_cpu_ranks_pay_the_ring_beside_the_gemms() -> None:
     from cfp_megatron.sim.primepar_cost import primepar_mlp_cost
 
     job = job_from_config(compose_config([*BASE, "parallel.mlp=primepar", "train.micro_batch_size=1"]))
-    kernels = KernelModel(job.cluster, efficiency_for(job.cluster), job.train.precision, fp8=False)
+    kernels = KernelModel(job.cluster, efficiency_for(job.cluster), job.train.precision)
     costs = CollectiveCosts(job.cluster)
     sizes = {"tp": 4, "tp_per_node": 8, "tokens": 8192.0, "hidden": 4096, "ffn": 14336, "gated": True}
     gpu = primepar_mlp_cost(kernels, costs, **sizes)

@@ -27,7 +27,9 @@ H100 = load_preset("dgx_h100")
 
 def job(nodes: int = 1, cluster: dict | None = None, model: dict | None = None, **parallel):
     train = {"global_batch_size": parallel.pop("gbs", 32), "micro_batch_size": parallel.pop("mb", 1),
-             "seq_length": parallel.pop("seq", 2048), "precision": "bf16"}
+             "seq_length": parallel.pop("seq", 2048), "precision": parallel.pop("precision", "bf16")}
+    if "fp8_recipe" in parallel:
+        train["fp8_recipe"] = parallel.pop("fp8_recipe")
     base_model = {"name": "gpt_test", "num_layers": 16, "hidden_size": 4096, "num_attention_heads": 32,
                   "vocab_size": 51200, "max_position_embeddings": 4096}
     base_model.update(model or {})
@@ -124,12 +126,13 @@ def test_fsdp_shards_model_states() -> None:
     assert fsdp.parameters < ddp.parameters / 4 and fsdp.optimizer_states < ddp.optimizer_states / 4
 
 
-def test_fp8_is_faster_on_hopper_and_refused_without_fp8_peak() -> None:
+def test_fp8_is_faster_on_hopper_and_refused_without_fp8_tensor_cores() -> None:
     bf16 = simulate(job(cluster=H100, tp=1, gbs=64))
-    fp8 = simulate(job(cluster=H100, tp=1, gbs=64), options=SimOptions(fp8=True))
+    fp8 = simulate(job(cluster=H100, tp=1, gbs=64, precision="fp8"))
     assert fp8.step_time_s < bf16.step_time_s
-    with pytest.raises(ConfigError):
-        simulate(job(gbs=64), options=SimOptions(fp8=True))
+    with pytest.raises(ConfigError) as info:
+        simulate(job(gbs=64, precision="fp8"))  # A100: no FP8 tensor cores
+    assert info.value.issues[0].key == "train.precision" and "fp8" in info.value.issues[0].problem
 
 
 def test_fp8_keeps_the_linear_layers_inputs_in_one_byte() -> None:
@@ -144,7 +147,8 @@ def test_fp8_keeps_the_linear_layers_inputs_in_one_byte() -> None:
         j = job(cluster=H100, tp=t, sp=True, mb=mb, gbs=32, mlp=mlp)
         layout = build_layout(j)
         bf16 = layer_activation_bytes(j, layout, SimOptions(), moe=False)[0]
-        fp8 = layer_activation_bytes(j, layout, SimOptions(fp8=True), moe=False)[0]
+        j8 = job(cluster=H100, tp=t, sp=True, mb=mb, gbs=32, mlp=mlp, precision="fp8")
+        fp8 = layer_activation_bytes(j8, layout, SimOptions(), moe=False)[0]
         assert bf16 - fp8 == pytest.approx(tokens * saved)
 
 
@@ -286,7 +290,7 @@ def test_a_sliding_window_prices_the_attention_tiles_it_reaches() -> None:
     assert attended_keys(m, 4096) == 8 * 4096 + 8 * 129 and attended_keys(full.model, 4096) == 16 * 4096
     cores = {}
     for name, plan in (("full", full), ("windowed", windowed)):
-        kernels = KernelModel(plan.cluster, efficiency_for(plan.cluster), plan.train.precision, fp8=False)
+        kernels = KernelModel(plan.cluster, efficiency_for(plan.cluster), plan.train.precision)
         layout = build_layout(plan)
         for flash in (True, False):
             options = SimOptions(attention=AttentionKernel.flash if flash else AttentionKernel.fused_softmax)

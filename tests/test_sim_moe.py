@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from cfp_megatron.base.config import JobSpec, job_from_config
+from cfp_megatron.base.config import JobSpec, Precision, job_from_config
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
@@ -37,7 +37,7 @@ def job(nodes: int = 4, model: dict | None = None, cluster: dict | None = None, 
 def models(j: JobSpec, world: int) -> tuple[Layout, KernelModel, CollectiveCosts]:
     """The layout of ``j`` on ``world`` GPUs, and the kernel and collective models of its preset."""
     eff = efficiency_for(j.cluster)
-    return (build_layout(j, world), KernelModel(j.cluster, eff, j.train.precision, fp8=False),
+    return (build_layout(j, world), KernelModel(j.cluster, eff, j.train.precision),
             collective_costs(j.cluster, None, eff))
 
 
@@ -319,7 +319,7 @@ def test_routing_traffic_is_counted_from_the_kernels_megatron_core_runs() -> Non
         fp8 = model.pop("fp8", False)
         j = job(ep=8, model=model)
         layout, _, comm = models(j, 32)
-        kernels = KernelModel(j.cluster, efficiency_for(j.cluster), j.train.precision, fp8=fp8)
+        kernels = KernelModel(j.cluster, efficiency_for(j.cluster), Precision.fp8 if fp8 else j.train.precision)
         return moe_block_cost(j, layout, kernels, comm).elements_per_token
 
     base = elements()

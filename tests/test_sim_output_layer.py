@@ -34,7 +34,7 @@ def test_the_loss_is_priced_per_logit_of_the_vocabulary_shard(precision: str) ->
                                                             "seq_length": 4096, "precision": precision}})
     layout = build_layout(job, 8)
     eff = efficiency_for(job.cluster)
-    kernels = KernelModel(job.cluster, eff, job.train.precision, fp8=False)
+    kernels = KernelModel(job.cluster, eff, job.train.precision)
     assert kernels.elem == (4 if precision == "fp32" else 2)
     fwd, bwd = output_layer_cost(job, layout, kernels, collective_costs(job.cluster, None, eff))
     logits = 4096 * job.model.padded_vocab_size / 2

@@ -40,7 +40,7 @@ def job(nodes: int = 1, model: dict | None = None, cluster: dict | None = None, 
 
 def models(job_):
     efficiency = efficiency_for(job_.cluster)
-    return KernelModel(job_.cluster, efficiency, job_.train.precision, fp8=False), collective_costs(job_.cluster,
+    return KernelModel(job_.cluster, efficiency, job_.train.precision), collective_costs(job_.cluster,
                                                                                                   None)
 
 

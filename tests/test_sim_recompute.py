@@ -116,7 +116,7 @@ def test_recompute_modules_cost_their_forward_and_keep_none_of_their_activations
     assert by_module["mlp"][0].time.recompute_s < simulate(job(tp=2, recompute="full")).time.recompute_s
     # One layer's: the two norms read and write the hidden state (bf16, replicated over TP without SP).
     plan = job(tp=2, recompute="selective", recompute_modules="layernorm")
-    kernels = KernelModel(plan.cluster, efficiency_for(plan.cluster), plan.train.precision, fp8=False)
+    kernels = KernelModel(plan.cluster, efficiency_for(plan.cluster), plan.train.precision)
     cost = layer_cost(plan, layout, kernels, CollectiveCosts(plan.cluster), options, moe=False)
     assert cost.recompute.total_s == pytest.approx(kernels.memory(4 * hidden * tokens * 2))
 

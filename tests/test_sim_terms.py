@@ -68,7 +68,7 @@ def test_a_registered_term_reaches_the_breakdown_timeline_and_plan_check() -> No
         parts = dict(breakdown(after)[0])
         trace = chrome_trace(after)
         lanes = {piece.lane for piece in slices(after)}
-        why = explain(_ranked(after), _ranked(before))
+        why = explain(_ranked(after, plan), _ranked(before, plan))
     assert after.step_time_s == pytest.approx(before.step_time_s + 0.5)
     assert after.time.seconds("fixed_s") == 0.5 and after.time.total_s == pytest.approx(after.step_time_s)
     assert parts["fixed part"] == 0.5 and sum(parts.values()) == pytest.approx(after.step_time_s)
@@ -87,9 +87,9 @@ class _SameKnobs:
         return 0
 
 
-def _ranked(prediction) -> SimpleNamespace:
-    """A stand-in for a ranked plan, enough for the explanation."""
-    return SimpleNamespace(candidate=_SameKnobs(), prediction=prediction)
+def _ranked(prediction, plan) -> SimpleNamespace:
+    """A stand-in for a ranked plan, enough for the explanation (its job: the number format it names)."""
+    return SimpleNamespace(candidate=_SameKnobs(), prediction=prediction, job=plan)
 
 
 def _layouts(rng: random.Random, count: int) -> list[tuple[dict, dict, Overlaps]]:

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from cfp_megatron.backends.megatron.report import ranking_table, trust_notes
+from cfp_megatron.base.config import Precision
+from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.plan.artifact import Plan, PlanPrediction
 from cfp_megatron.search.search import search
 from cfp_megatron.sim.calibration import FITTED, Efficiency
@@ -108,8 +110,9 @@ def _rows(source: str, fp8: bool, truth: Efficiency) -> list[RowPlan]:
     for tp, gbs in ((1, 64), (2, 64), (4, 128), (8, 128)):
         job, _ = compose_job("model=llama3_8b", "cluster=dgx_h100", "cluster.nodes=1", f"parallel.tp={tp}",
                              f"parallel.sp={tp > 1}", f"train.global_batch_size={gbs}", "train.micro_batch_size=1",
-                             "train.seq_length=4096", "parallel.recompute=selective")
-        options = SimOptions(fp8=fp8)
+                             "train.seq_length=4096", "parallel.recompute=selective",
+                             *(["train.precision=fp8"] if fp8 else []))
+        options = SimOptions()
         measured = simulate(job, options=options, efficiency=truth).step_time_s
         rows.append(RowPlan(row_id=f"{source}{tp}", source=f"{source}, a table", model="llama3_8b",
                             layout=f"tp{tp}", job=job, options=options, measured_s=measured))
@@ -123,12 +126,12 @@ def test_the_band_is_out_of_sample() -> None:
     and the band widens. A band from the fitted rows would stay narrow."""
     plans = (_rows("A", False, NEUTRAL) + _rows("B", False, NEUTRAL)
              + _rows("C", True, NEUTRAL.replace(gemm_fp8=0.85)))
-    outliers = [p for p in plans if p.options.fp8]
+    outliers = [p for p in plans if NumberFormat.of(p.job.train).low]
     fitted = refit(sensitivities(plans, FITTED), {"hopper"})
     in_sample = [abs(simulate(p.job, options=p.options, efficiency=fitted["hopper"]).step_time_s / p.measured_s - 1)
                  for p in outliers]
     assert max(in_sample) < 0.01  # fitted on them, the outliers look right
-    without = refit(sensitivities([p for p in plans if not p.options.fp8], FITTED), {"hopper"})
+    without = refit(sensitivities([p for p in plans if not NumberFormat.of(p.job.train).low], FITTED), {"hopper"})
     assert without["hopper"].gemm_fp8 == NEUTRAL.gemm_fp8  # no row informs it: the neutral start, not the shipped
     held = held_out_predictions(plans)
     missed = [abs(held[p.row_id] / p.measured_s - 1) for p in outliers]
@@ -154,7 +157,8 @@ def test_the_mfu_check_compares_runs_like_the_plan() -> None:
     assert best < 0.58
     assert check.above_all(best + 0.01) and not check.above_all(best - 0.01)
     assert "above every comparable published run" in check.note(best + 0.01)
-    assert mfu_check(job, SimOptions(fp8=True)).runs == ()  # no FP8 run on A100s
+    fp8_job = dataclasses.replace(job, train=dataclasses.replace(job.train, precision=Precision.fp8))
+    assert mfu_check(fp8_job).runs == ()  # no FP8 run on A100s
 
 
 def test_the_table_flags_an_mfu_above_every_comparable_run() -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from cfp_megatron.base.config import MAX_LAYERS, MAX_WORLD_SIZE
+from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.validate import InputFileError, RowError, main, predict_rows, read_rows, row_plan
 
 FIELDS = ["id", "model", "layers", "hidden", "heads", "seq_len", "gpu", "num_gpus", "tp", "pp", "dp", "micro_batch",
@@ -354,23 +355,31 @@ def test_the_pp_schedule_column_is_the_jobs_schedule(schedule: str, vp: str, chu
 @pytest.mark.parametrize("precision, runs, fp8, said", [
     ("mixed 16-bit", "bf16", False, ""), ("amp_bf16", "bf16", False, ""), ("fp16", "fp16", False, ""),
     ("", "bf16", False, ""), ("tf32", "fp32", False, ""),
-    ("FP8", "bf16", True, "without FP8 tensor cores"),  # on the A100 row
-    ("NVFP4", "bf16", True, "NVFP4 is priced as FP8"), ("MXFP8", "bf16", True, "MXFP8"),
-    ("FP8 current scaling", "bf16", True, "current (per-tensor, just-in-time) scaling"),
-    ("FP8 blockwise (128x128)", "bf16", True, "blockwise FP8"),
+    ("FP8", "bf16", True, "without fp8 tensor cores"),  # on the A100 row: priced as bf16, said
+    ("NVFP4", "bf16", True, "without nvfp4 tensor cores"), ("MXFP8", "bf16", True, "without mxfp8 tensor cores"),
+    ("FP8 current scaling", "bf16", True, "without fp8 tensor cores"),
     ("int4 weights", "bf16", False, "'int4 weights' names no variant"),
 ])
 def test_the_precision_column_is_read_as_a_variant(precision: str, runs: str, fp8: bool, said: str) -> None:
     plan = row_plan({**GOOD, "precision": precision})
-    assert (plan.job.train.precision.value, plan.options.fp8) == (runs, fp8)
+    assert plan.job.train.precision.value == runs
     assert (said in " ".join(plan.approximations)) if said else not plan.approximations
 
 
-def test_fp8_variants_on_hopper_are_said_only_where_they_are_not_modelled() -> None:
-    hopper = {**GOOD, "gpu": "H100-SXM5-80GB"}
-    assert not row_plan({**hopper, "precision": "FP8"}).approximations
-    plan = row_plan({**hopper, "precision": "NVFP4"})
-    assert plan.options.fp8 and " nvfp4" in plan.layout and len(plan.approximations) == 1
+@pytest.mark.parametrize(("gpu", "precision", "runs", "said"), [
+    ("H100-SXM5-80GB", "FP8", "fp8-delayed", ""), ("H100-SXM5-80GB", "FP8 current scaling", "fp8-tensorwise", ""),
+    ("H100-SXM5-80GB", "FP8 blockwise (128x128)", "fp8-blockwise", ""),
+    ("H100-SXM5-80GB", "NVFP4", "bf16", "without nvfp4 tensor cores"),
+    ("B200", "NVFP4", "fp4-nvfp4", ""), ("GB200", "MXFP8", "fp8-mxfp8", ""),
+    ("B200", "MXFP4", "fp4-nvfp4", "priced as NVFP4"),
+])
+def test_each_format_a_row_states_is_priced_by_the_format_model(gpu: str, precision: str, runs: str,
+                                                                said: str) -> None:
+    """The row's own format goes through the planner's format model (NVFP4 at Blackwell's FP4 rate, MXFP8 with its
+    block scales); said only where it is not what ran."""
+    plan = row_plan({**GOOD, "gpu": gpu, "precision": precision})
+    assert NumberFormat.of(plan.job.train).name == runs
+    assert (said in " ".join(plan.approximations)) if said else not plan.approximations
 
 
 def test_a_power_limit_below_the_tdp_scales_the_peaks_and_says_how() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from cfp_megatron.base.compose import CONF_DIR
+from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.validate import row_plan
 from cfp_megatron.validation.data import (
     DATA_DIR,
@@ -184,11 +185,14 @@ def test_schedule_and_precision_entries_in_a_data_file_change_how_a_column_is_re
            "precision": "FP6"}
     shipped = row_plan(row)
     assert any("names no schedule" in said for said in shipped.approximations)
-    assert any("names no variant" in said for said in shipped.approximations) and not shipped.options.fp8
+    assert any("names no variant" in said for said in shipped.approximations)
+    assert not NumberFormat.of(shipped.job.train).low
     schedules = _with_entry(tmp_path, SCHEDULES_FILE, "schedules", "  - {name: Hanayo, words: 'hanayo', runs: "
                             "interleaved, approximation: 'wave schedule priced as interleaved', source: a test}\n")
-    precisions = _with_entry(tmp_path, PRECISIONS_FILE, "precisions", "  - {name: FP6, words: 'fp6', runs: fp8, tag: "
-                             "fp6, approximation: 'FP6 priced as FP8', source: a test}\n")
+    precisions = _with_entry(tmp_path, PRECISIONS_FILE, "precisions", "  - {name: FP6, words: 'fp6', "
+                             "runs: fp8-delayed, "
+                             "tag: fp6, approximation: 'FP6 priced as FP8', source: a test}\n")
     read = row_plan({**row, "vp": "2"}, data=load_data(schedules=schedules, precisions=precisions))
-    assert read.job.parallel.vpp == 2 and read.options.fp8 and " fp6" in read.layout
+    assert read.job.parallel.vpp == 2 and NumberFormat.of(read.job.train).name == "fp8-delayed"
+    assert " fp6" in read.layout
     assert read.approximations == ("wave schedule priced as interleaved", "FP6 priced as FP8")

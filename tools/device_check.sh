@@ -6,6 +6,9 @@
 #   2. bench/kernel_launches.py -> $OUT/launches.json  kernels per layer and pass (when the file exists)
 #   3. bench/gpu_memory.py     -> $OUT/memory.json    predicted vs measured memory, 9 cases in one process
 #   4. a one-GPU `+cfp=auto` run (profiler's CUDA path, plan, train, plan_check) -> $OUT/outputs.tgz; off by default
+#   5. the same run in FP8 (train.precision=fp8, FP8_RECIPE: Megatron-Core's fp8_recipe, default tensorwise): its
+#      plan_check is predicted vs measured for an FP8 plan where Transformer Engine is installed; without it, the
+#      refusal before any process group (one error naming train.precision); off by default (FP8_S=240 runs it)
 # Wheels for Python 3.12 (megatron-core, hydra-core, omegaconf, antlr4) are expected under .whl/ (see
 # docs/testing.md, "On a GPU"); results go under $OUT (default: ./gpu_out).
 # Usage: bash tools/device_check.sh; each part's seconds (0 skips it) and the memory cases from the environment:
@@ -22,6 +25,8 @@ OPS_S=${OPS_S:-100}
 LAUNCHES_S=${LAUNCHES_S:-90}
 MEMORY_S=${MEMORY_S:-170}
 AUTO_S=${AUTO_S:-0}
+FP8_S=${FP8_S:-0}
+FP8_RECIPE=${FP8_RECIPE:-tensorwise}
 RECOMPUTE=${RECOMPUTE:-none selective full}
 MICRO=${MICRO:-1 2 4}
 LAYERS=${LAYERS:-4}
@@ -71,7 +76,9 @@ AUTO=(model=llama3_8b model.num_layers=8 train.seq_length=4096 train.global_batc
       cfp.profile_budget_s=100)
 part auto "$AUTO_S" python3 -m torch.distributed.run --standalone --nproc_per_node=1 launch/train.py +cfp=auto \
   "${AUTO[@]}"
-if [ "$AUTO_S" != 0 ]; then
+part auto_fp8 "$FP8_S" python3 -m torch.distributed.run --standalone --nproc_per_node=1 launch/train.py +cfp=auto \
+  "${AUTO[@]}" train.precision=fp8 train.fp8_recipe="$FP8_RECIPE"
+if [ "$AUTO_S" != 0 ] || [ "$FP8_S" != 0 ]; then
   tar czf "$OUT/outputs.tgz" outputs 2>/dev/null
 fi
 echo "== done $(date -u); files: $(find "$OUT" -maxdepth 1 -type f -printf '%f ')" | tee -a "$LOG"

@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from cfp_megatron.base.config import MlpPartition, Recompute, build_spec, plain_config
+from cfp_megatron.base.config import Fp8Recipe, MlpPartition, Precision, Recompute, build_spec, plain_config
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 
 DEFAULT_PROFILE_BUDGET_S = 240.0
@@ -57,6 +57,13 @@ class SearchConstraints:
     """Allowed distributed-optimizer settings."""
     mlp: list[MlpPartition] | None = None
     """Allowed partitions of the dense MLP (``megatron``, ``primepar``)."""
+    precision: list[Precision] | None = None
+    """Number formats the search may choose from (``[bf16,fp8]``; ``fp8`` with each recipe of ``fp8_recipe``,
+    ``fp4`` with ``train.fp4_recipe``); the formats the cluster does not compute are left out, said. ``None``: the
+    job's ``train.precision``. A ``train.precision`` other than ``auto`` pins it (and must be in the set)."""
+    fp8_recipe: list[Fp8Recipe] | None = None
+    """The FP8 recipes ``fp8`` in :attr:`precision` stands for (``[tensorwise,mxfp8]``); ``None``: the job's
+    ``train.fp8_recipe``."""
     tp_within_node: bool = True
     """Keep each TP group inside one NVLink domain: a node, or ``cluster.nvlink_domain_size`` GPUs (72 on an NVL72
     rack). TP's per-layer collectives are too slow across the network."""
@@ -77,7 +84,7 @@ class SearchConstraints:
             if values is not None and (not values or any(int(v) < 1 for v in values)):
                 issues.append(ConfigIssue(key=f"{p}.{name}", value=values, problem="must list positive sizes.",
                                           fix=f"e.g. {p}.{name}=[1,2], or null for any."))
-        for name in ("sp", "recompute", "distributed_optimizer"):
+        for name in ("sp", "recompute", "distributed_optimizer", "precision", "fp8_recipe"):
             values = getattr(self, name)
             if values is not None and not values:
                 issues.append(ConfigIssue(key=f"{p}.{name}", value=values, problem="allows nothing.",

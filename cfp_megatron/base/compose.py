@@ -502,7 +502,8 @@ def hydra_config_error(err: Exception, overrides: Sequence[str]) -> ConfigError:
             fix = f"give {full_key} a value of type {target.group(1).lower()} (e.g. {full_key}=1)."
         else:
             fix = f"give {full_key} a value of the type its default has."
-        return ConfigError(ConfigIssue(key=full_key, value=_override_value(full_key, overrides),
+        listed = re.sub(r"\[\d+\]$", "", full_key)  # an element of a list setting: the list as given
+        return ConfigError(ConfigIssue(key=full_key, value=_override_value(listed, overrides),
                                        problem=f"{msg.rstrip('.')}.", fix=fix))
     return ConfigError(ConfigIssue(key=full_key or "<override>", value=_override_value(full_key, overrides)
                                    if full_key else " ".join(overrides), problem=f"Hydra refused it: {first}",

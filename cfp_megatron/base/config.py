@@ -33,12 +33,44 @@ from cfp_megatron.base.pipeline_layout import layout_issues
 
 
 class Precision(enum.Enum):
-    """Numeric format of parameters and activations."""
+    """Number format of the training run: of parameters and activations, and of the linear layers' GEMMs
+    (docs/configuration.md, "Number formats")."""
 
     auto = "auto"
+    """bf16 on GPUs, fp32 on CPU."""
     fp32 = "fp32"
+    """fp32 throughout."""
     bf16 = "bf16"
+    """bf16 weights, activations and GEMMs (fp32 main weights and gradients)."""
     fp16 = "fp16"
+    """fp16 with loss scaling."""
+    fp8 = "fp8"
+    """bf16 weights and activations, the linear layers' and grouped expert GEMMs in FP8 through Transformer Engine,
+    scaled as ``train.fp8_recipe`` says (Megatron-Core's ``fp8``)."""
+    fp4 = "fp4"
+    """bf16 weights and activations, the linear layers' and grouped expert GEMMs in FP4 through Transformer Engine,
+    scaled as ``train.fp4_recipe`` says (Megatron-Core's ``fp4``)."""
+
+
+class Fp8Recipe(enum.Enum):
+    """How Transformer Engine scales FP8 tensors (Megatron-Core's ``fp8_recipe``)."""
+
+    delayed = "delayed"
+    """Per-tensor scales from an amax history of earlier steps (``DelayedScaling``)."""
+    tensorwise = "tensorwise"
+    """Per-tensor scales from the tensor itself, just in time (``Float8CurrentScaling``): an amax pass first."""
+    blockwise = "blockwise"
+    """A scale per 1 x 128 activation tile and 128 x 128 weight block (``Float8BlockScaling``, DeepSeek-V3's)."""
+    mxfp8 = "mxfp8"
+    """An E8M0 scale per 32 elements, computed by the tensor cores (``MXFP8BlockScaling``; Blackwell)."""
+
+
+class Fp4Recipe(enum.Enum):
+    """How Transformer Engine scales FP4 tensors (Megatron-Core's ``fp4_recipe``)."""
+
+    nvfp4 = "nvfp4"
+    """An E4M3 scale per 16 elements and a tensor scale, random Hadamard transforms on the weight gradient's inputs
+    (``NVFP4BlockScaling``; Blackwell)."""
 
 
 class Recompute(enum.Enum):
@@ -353,9 +385,12 @@ def _finite(issues: list[ConfigIssue], prefix: str, obj: object, *names: str) ->
 
 
 def resolve_precision(precision: Precision, on_gpu: bool) -> Precision:
-    """``auto`` is bf16 on GPU and fp32 on CPU."""
+    """The precision of parameters and activations: ``auto`` is bf16 on GPU and fp32 on CPU; ``fp8`` and ``fp4``
+    keep bf16 weights and activations (only their GEMMs run in the low format)."""
     if precision is Precision.auto:
         return Precision.bf16 if on_gpu else Precision.fp32
+    if precision in (Precision.fp8, Precision.fp4):
+        return Precision.bf16
     return precision
 
 
@@ -633,6 +668,8 @@ class ClusterSpec:
     """Dense bf16 peak in TFLOP/s; ``None`` means measure it at start-up (used for MFU)."""
     peak_tflops_fp8: float | None = None
     """Dense fp8 peak in TFLOP/s; ``None`` if the device has no fp8 tensor cores."""
+    peak_tflops_fp4: float | None = None
+    """Dense NVFP4 peak in TFLOP/s (without 2:4 sparsity); ``None`` if the device has no FP4 tensor cores."""
     peak_tflops_fp32: float | None = None
     """fp32 peak in TFLOP/s (TF32 tensor cores where present); ``None`` means measure it."""
     hbm_gib: float | None = None
@@ -767,11 +804,11 @@ class ClusterSpec:
         return scale
 
     def clocked_peak_tflops(self, dtype: str) -> float | None:
-        """Dense peak TFLOP/s of ``dtype`` (``fp32``, ``bf16``, ``fp16`` or ``fp8``) at the clock the GPUs run at:
-        the preset's figure x :attr:`clock_scale`; ``None`` where the preset states none. The simulator's one place
-        where peaks are read (MFU stays against the quoted peak)."""
+        """Dense peak TFLOP/s of ``dtype`` (``fp32``, ``bf16``, ``fp16``, ``fp8`` or ``fp4``) at the clock the GPUs
+        run at: the preset's figure x :attr:`clock_scale`; ``None`` where the preset states none. The simulator's one
+        place where peaks are read (MFU stays against the quoted peak)."""
         nominal = {"fp32": self.peak_tflops_fp32, "bf16": self.peak_tflops_bf16, "fp16": self.peak_tflops_bf16,
-                   "fp8": self.peak_tflops_fp8}[dtype]
+                   "fp8": self.peak_tflops_fp8, "fp4": self.peak_tflops_fp4}[dtype]
         return None if nominal is None else nominal * self.clock_scale
 
     def __post_init__(self) -> None:
@@ -1180,7 +1217,13 @@ class TrainSpec:
     clip_grad: float = 1.0
     """Gradient-norm clipping threshold (0 disables it)."""
     precision: Precision = Precision.auto
-    """Parameter/activation precision; ``auto`` is bf16 on GPU and fp32 on CPU."""
+    """Number format (:class:`Precision`); ``auto`` is bf16 on GPU and fp32 on CPU; ``fp8`` and ``fp4`` keep bf16
+    weights and run the linear layers' GEMMs in that format (``fp8_recipe``, ``fp4_recipe``). Under ``+cfp=auto``,
+    ``cfp.constraints.precision`` lets the search choose from a set."""
+    fp8_recipe: Fp8Recipe = Fp8Recipe.delayed
+    """With ``precision=fp8``: how the FP8 tensors are scaled (Megatron-Core's ``fp8_recipe``, its default)."""
+    fp4_recipe: Fp4Recipe = Fp4Recipe.nvfp4
+    """With ``precision=fp4``: how the FP4 tensors are scaled (Megatron-Core's ``fp4_recipe``)."""
     seed: int = 1234
     """Seed for initialisation and data."""
     layout_independent_init: bool = True
@@ -1245,6 +1288,13 @@ class TrainSpec:
                "lower train.min_lr.")
         _issue(issues, self.clip_grad >= 0, f"{p}.clip_grad", self.clip_grad, "must not be negative.",
                "use 0 to disable clipping.")
+        for name, reads, default in (("fp8_recipe", Precision.fp8, Fp8Recipe.delayed),
+                                     ("fp4_recipe", Precision.fp4, Fp4Recipe.nvfp4)):
+            value = getattr(self, name)
+            # auto may still choose it (cfp.constraints.precision); another format never reads it
+            _issue(issues, value is default or self.precision in (reads, Precision.auto), f"{p}.{name}", value.value,
+                   f"is read only with train.precision={reads.value}, and train.precision={self.precision.value}: it "
+                   "would be ignored.", f"add train.precision={reads.value}, or remove {p}.{name}.")
         if self.checkpoint_dir is not None:
             _issue(issues, bool(self.checkpoint_dir.strip()), f"{p}.checkpoint_dir", self.checkpoint_dir,
                    "is empty (a shell variable that is not set?): the run would save no checkpoint, or resume from "

@@ -20,6 +20,7 @@ from cfp_megatron.base.config import (
     recompute_modules,
     resolve_precision,
 )
+from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.base.parallel_dims import ParallelDims, hierarchical_cp_sizes, transformer_engine_available
 
 
@@ -76,6 +77,9 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         pipeline_dtype=dtype,
         bf16=precision is Precision.bf16,
         fp16=precision is Precision.fp16,
+        # FP8 / FP4 GEMMs through Transformer Engine (fp8 + fp8_recipe, fp4 + fp4_recipe); the job checks refuse
+        # them before any process group where Transformer Engine or the GPU lacks the format (job_checks.py).
+        **NumberFormat.of(job.train).megatron_fields(),
         # Per-token loss: the step's loss is (sum of token losses) / (tokens in the global batch) under every layout.
         calculate_per_token_loss=True,
         # CPU initialisation builds full weights and splits them, so TP layouts start alike (and needs no CUDA).

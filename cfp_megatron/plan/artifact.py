@@ -41,6 +41,7 @@ from cfp_megatron.base.config import JobSpec, ParallelSpec, Precision, Recompute
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.files import DuplicateKeyError, NotRegularFileError, json_loads_unique, open_regular, write_new
 from cfp_megatron.base.jsonio import json_plain, json_type_problem
+from cfp_megatron.base.number_format import NumberFormat, format_names
 from cfp_megatron.base.parallel_dims import data_parallel_size
 from cfp_megatron.plan.backend_part import BackendPart, DeepSpeedPart, MegatronPart, backend_part
 from cfp_megatron.plan.errors import PlanError
@@ -190,7 +191,9 @@ class Plan:
     seq_length: int
     """Tokens per sequence."""
     precision: str
-    """The TrainSpec precision value (``auto``, ``fp32``, ``bf16`` or ``fp16``)."""
+    """The number format (:attr:`~cfp_megatron.base.number_format.NumberFormat.name`): ``auto``, ``fp32``,
+    ``bf16``, ``fp16``, or FP8/FP4 with its recipe (``fp8-delayed``, ``fp8-tensorwise``, ``fp8-blockwise``,
+    ``fp8-mxfp8``, ``fp4-nvfp4``)."""
     backend_part: BackendPart = MegatronPart()
     """What only the plan's backend has (:mod:`cfp_megatron.plan.backend_part`): nothing for Megatron-Core, the ZeRO
     options for DeepSpeed."""
@@ -233,8 +236,8 @@ class Plan:
                 out.append(f"{name}={value!r} must be a positive integer.")
         if not isinstance(self.parallel, ParallelSpec):
             out.append(f"parallel must be a ParallelSpec, not {type(self.parallel).__name__}.")
-        if not isinstance(self.precision, str) or self.precision not in {p.value for p in Precision}:
-            out.append(f"precision={self.precision!r} must be one of {[p.value for p in Precision]}.")
+        if not isinstance(self.precision, str) or self.precision not in format_names():
+            out.append(f"precision={self.precision!r} must be one of {format_names()}.")
         if not isinstance(self.inputs_fingerprint, str) or _SEPARATORS & set(self.inputs_fingerprint):
             out.append(f"inputs_fingerprint={self.inputs_fingerprint!r} must be a string without spaces or , = : @.")
         if self.predicted is not None and not isinstance(self.predicted, PlanPrediction):
@@ -292,6 +295,11 @@ class Plan:
     def zero(self) -> ZeroSpec | None:
         """With ``backend=deepspeed``: the ZeRO options (``None`` for Megatron plans)."""
         return self.backend_part.zero
+
+    @property
+    def number_format(self) -> NumberFormat:
+        """The number format :attr:`precision` names."""
+        return NumberFormat.parse(self.precision)
 
     @property
     def world_size(self) -> int:
@@ -384,7 +392,8 @@ class Plan:
         return cls(model=job.model.name, cluster=job.cluster.name, nodes=nodes, gpus_per_node=gpus,
                    parallel=job.parallel, micro_batch_size=job.train.micro_batch_size,
                    global_batch_size=job.train.global_batch_size, seq_length=job.train.seq_length,
-                   precision=job.train.precision.value, predicted=prediction, inputs_fingerprint=inputs_fingerprint,
+                   precision=NumberFormat.of(job.train).name, predicted=prediction,
+                   inputs_fingerprint=inputs_fingerprint,
                    job_inputs=job_inputs(job))
 
     @classmethod
@@ -415,10 +424,10 @@ class Plan:
         issues = job_mismatches(self, job)
         if issues:
             raise ConfigError(issues)
-        precision = job.train.precision if self.precision == Precision.auto.value else Precision(self.precision)
+        fmt = self.number_format
         train = dataclasses.replace(job.train, micro_batch_size=self.micro_batch_size,
                                     global_batch_size=self.global_batch_size, seq_length=self.seq_length,
-                                    precision=precision)
+                                    **(fmt.train_fields() if fmt.precision is not Precision.auto else {}))
         return dataclasses.replace(job, parallel=self.parallel, train=train)
 
     # ------------------------------------------------------------------------------------------ canonical string

@@ -25,7 +25,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from cfp_megatron.base.config import MlpPartition, ParallelSpec, Precision, Recompute, layout_keys, recompute_modules
+from cfp_megatron.base.config import (
+    MlpPartition,
+    ParallelSpec,
+    Precision,
+    Recompute,
+    layout_keys,
+    recompute_modules,
+    resolve_precision,
+)
 from cfp_megatron.base.files import write_atomic
 from cfp_megatron.plan.artifact import PLAN_FILE_SETTING, Plan
 from cfp_megatron.plan.backend_part import DeepSpeedPart
@@ -41,9 +49,9 @@ _MEGATRON_ORDERS: dict[str, list[str]] = {
 """Rank orders Megatron-LM's arguments can express, and the flags that select them."""
 
 def _precision(plan: Plan) -> Precision:
-    """The plan's precision with ``auto`` resolved to bf16 (GPU runs)."""
-    precision = Precision(plan.precision)
-    return Precision.bf16 if precision is Precision.auto else precision
+    """The plan's precision of weights and activations with ``auto`` resolved to bf16 (GPU runs; FP8 and FP4 keep
+    bf16 weights)."""
+    return resolve_precision(plan.number_format.precision, on_gpu=True)
 
 
 def megatron_lm_args(plan: Plan, *, num_layers: int | None = None) -> list[str]:
@@ -140,7 +148,9 @@ def _order_args(plan: Plan, num_layers: int | None) -> list[str]:
 
 
 def _precision_args(plan: Plan) -> list[str]:
-    """``--bf16`` / ``--fp16`` and, for fp16, fp32 gradient reduction (bf16 always reduces in fp32)."""
+    """``--bf16`` / ``--fp16`` and, for fp16, fp32 gradient reduction (bf16 always reduces in fp32); under FP8 and
+    FP4 also the format and recipe (``--fp8-format hybrid --fp8-recipe delayed``, ``--fp4-format e2m1 --fp4-recipe
+    nvfp4``: :meth:`~cfp_megatron.base.number_format.NumberFormat.megatron_args`)."""
     p, precision = plan.parallel, _precision(plan)
     if precision is Precision.bf16:
         if not p.grad_reduce_in_fp32:
@@ -149,7 +159,7 @@ def _precision_args(plan: Plan) -> list[str]:
                             fix="train it with the plan's torchrun command (launch/train.py passes it to Megatron-"
                                 "Core's DistributedDataParallelConfig), or plan with parallel.grad_reduce_in_fp32="
                                 "true for Megatron-LM.", setting="parallel.grad_reduce_in_fp32")
-        return ["--bf16"]
+        return ["--bf16", *plan.number_format.megatron_args()]
     if precision is Precision.fp16:
         return ["--fp16"] + (["--accumulate-allreduce-grads-in-fp32"] if p.grad_reduce_in_fp32 else [])
     return []
@@ -250,7 +260,7 @@ def hydra_overrides(plan: Plan) -> list[str]:
                       for f in dataclasses.fields(plan.parallel)]
     overrides += [f"train.micro_batch_size={plan.micro_batch_size}",
                   f"train.global_batch_size={plan.global_batch_size}",
-                  f"train.seq_length={plan.seq_length}", f"train.precision={plan.precision}"]
+                  f"train.seq_length={plan.seq_length}", *plan.number_format.overrides()]
     return overrides
 
 

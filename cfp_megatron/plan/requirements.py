@@ -17,6 +17,10 @@ def plan_requirements(plan: Plan, model: ModelSpec) -> tuple[str, ...]:
     p, needs = plan.parallel, []
     if plan.backend is BackendKind.deepspeed:
         needs.append("DeepSpeed: backend=deepspeed (pip install cfp-megatron[deepspeed])")
+    fmt = plan.number_format
+    if fmt.low:
+        needs.append(f"Transformer Engine and a GPU that computes {fmt.needs}: {' '.join(fmt.overrides())} "
+                     "(Megatron-Core runs FP8 and FP4 GEMMs only in Transformer Engine's layers)")
     if p.cp > 1:
         needs.append(f"Transformer Engine: parallel.cp={p.cp} (context parallelism runs on Transformer Engine's "
                      "attention)")

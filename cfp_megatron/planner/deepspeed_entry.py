@@ -21,6 +21,7 @@ from cfp_megatron.base.backend_spec import BackendSpec
 from cfp_megatron.base.cfp_spec import CfpMode, CfpSpec
 from cfp_megatron.base.config import JobSpec, ParallelSpec, resolve_precision
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.plan import Plan, PlanError
 
 _MODEL_PARALLEL = ("tp", "pp", "cp", "ep")
@@ -61,6 +62,22 @@ def check_layout(job: JobSpec, cfp: CfpSpec) -> None:
                                   problem="is a knob of Megatron-Core's layouts, which the DeepSpeed backend's ZeRO "
                                           "search does not read: it would be ignored.",
                                   fix=f"remove {key}; {instead}, or plan with backend=megatron."))
+    for name in ("precision", "fp8_recipe") if cfp.mode is not CfpMode.off else ():
+        allowed = getattr(cfp.constraints, name)
+        if allowed is not None:
+            issues.append(ConfigIssue(key=f"cfp.constraints.{name}", value=[v.value for v in allowed],
+                                      problem="is a set of number formats for Megatron-Core's search; the DeepSpeed "
+                                              "backend trains in train.precision: it would be ignored.",
+                                      fix=f"remove cfp.constraints.{name} (set train.precision), or plan with "
+                                          "backend=megatron."))
+    fmt = NumberFormat.of(job.train)
+    if fmt.low:
+        issues.append(ConfigIssue(key="train.precision", value=job.train.precision.value,
+                                  problem=f"{fmt.name} runs the GEMMs through Transformer Engine's layers in "
+                                          "Megatron-Core; the DeepSpeed backend trains the model's own layers in 16 "
+                                          "or 32 bits.",
+                                  fix="use train.precision=bf16 with backend=deepspeed, or train "
+                                      f"{' '.join(fmt.overrides())} with backend=megatron."))
     if cfp.mode is not CfpMode.off and cfp.overlap is not None:
         issues.append(ConfigIssue(key="cfp.overlap", value=cfp.overlap,
                                   problem="sets Megatron-Core's communication overlaps, which the DeepSpeed backend "

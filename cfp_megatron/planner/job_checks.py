@@ -10,6 +10,7 @@ from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.layout_rules import batch
 from cfp_megatron.base.layout_rules.problem import issues as rule_issues
+from cfp_megatron.base.number_format import NumberFormat, format_key, presets_computing
 from cfp_megatron.base.parallel_dims import ParallelDims, transformer_engine_available
 from cfp_megatron.base.pipeline_layout import MTP, layout_stages
 
@@ -114,9 +115,51 @@ def _rest_issues(job: JobSpec) -> list[ConfigIssue]:
                     "installed.",
             fix="install transformer-engine (GPU), or approximate MLA with multi-head attention: "
                 "model.attention=standard model.kv_channels=192."))
+    issues += format_runs_here(job)
     if job.data.kind is DataKind.indexed:
         try:
             validate_indexed(job)
         except ConfigError as err:
             issues.extend(err.issues)
     return issues
+
+
+_TE_CHECKS: dict[str, str] = {"fp8-delayed": "check_fp8_support", "fp8-tensorwise": "check_fp8_support",
+                              "fp8-blockwise": "check_fp8_block_scaling_support", "fp8-mxfp8": "check_mxfp8_support",
+                              "fp4-nvfp4": "check_nvfp4_support"}
+"""Transformer Engine's own test of whether this GPU (and build) runs each format
+(``transformer_engine.pytorch.fp8``)."""
+
+
+def format_runs_here(job: JobSpec) -> list[ConfigIssue]:
+    """The job's FP8/FP4 format on this machine: Megatron-Core runs it only through Transformer Engine on a GPU
+    that computes it (Transformer Engine's ``check_*_support``); refused with the key, the value and the fix where
+    either is missing (always on a CPU machine). 16- and 32-bit formats run everywhere. The plan CLI, which plans
+    for other machines, does not run this check."""
+    import torch
+
+    fmt = NumberFormat.of(job.train)
+    if not fmt.low:
+        return []
+    key = format_key(fmt)
+    value = job.train.fp8_recipe.value if key == "train.fp8_recipe" else job.train.precision.value
+    fix = ("train with train.precision=bf16 here, or on a GPU machine with Transformer Engine installed that "
+           f"computes {fmt.needs} ({', '.join(presets_computing(fmt))}); python -m cfp_megatron.plan "
+           f"{' '.join(fmt.overrides())} plans it on any machine.")
+    if not transformer_engine_available() or not torch.cuda.is_available():
+        missing = " and ".join(w for w, ok in (("Transformer Engine", transformer_engine_available()),
+                                               ("a GPU", torch.cuda.is_available())) if not ok)
+        return [ConfigIssue(key=key, value=value, problem=f"{fmt.name} runs its GEMMs only in Transformer Engine's "
+                            f"layers on a GPU, and this machine has no {missing}.", fix=fix)]
+    from transformer_engine.pytorch import fp8 as te_fp8
+
+    check = getattr(te_fp8, _TE_CHECKS[fmt.name], None)
+    if check is None:
+        return [ConfigIssue(key=key, value=value, problem=f"the installed Transformer Engine has no {fmt.name} "
+                            f"recipe ({_TE_CHECKS[fmt.name]} is missing).",
+                            fix="install a Transformer Engine that has it (NVFP4: 2.8 or later), or " + fix)]
+    supported, reason = check()
+    if not supported:
+        return [ConfigIssue(key=key, value=value, problem=f"this GPU ({torch.cuda.get_device_name()}) does not run "
+                            f"{fmt.name}: {reason}", fix=fix)]
+    return []

@@ -38,6 +38,7 @@ from cfp_megatron.base.files import (
 )
 from cfp_megatron.base.jsonio import json_plain
 from cfp_megatron.base.launch_env import LaunchEnv
+from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.engine.metrics import METRICS_KIND
 from cfp_megatron.plan import Plan, PlanError, load_plan, save_plan
@@ -80,7 +81,8 @@ def plan_key(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec | None
     and optimizer, the world size, the planner's settings and a backend other than Megatron-Core's with its knobs
     (not the parallel section, which the plan replaces, nor the steps, learning rate, checkpoint and log settings)."""
     t = job.train
-    train = {"global_batch_size": t.global_batch_size, "seq_length": t.seq_length, "precision": t.precision.value,
+    train = {"global_batch_size": t.global_batch_size, "seq_length": t.seq_length,
+             "precision": NumberFormat.of(t).name,  # the value itself for 16/32 bits (earlier keys hold)
              "optimizer": t.optimizer.value}  # what the plan depends on; steps, LR, checkpoints and logs do not
     payload = {"model": json_plain(job.model), "train": train, "cluster": json_plain(job.cluster),
                "world": world, "cfp": json_plain(dataclasses.replace(cfp, plan_file=None, top_k=1,

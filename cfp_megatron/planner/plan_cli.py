@@ -90,8 +90,9 @@ def run_reporting(run: Callable[[argparse.Namespace, Console], int], args: argpa
     try:
         return run(args, console)
     except CfpError as err:
-        console.print(f"[red]cfp-megatron: {type(err).__name__}[/red]")
-        console.print(str(err), markup=False)  # values such as cluster=[a,b] are text, not rich markup
+        # The message as written: rich would read its lists ("use one of [auto, fp32, ...]") as markup tags.
+        console.print(f"cfp-megatron: {type(err).__name__}", style="red", markup=False)
+        console.print(str(err), markup=False)
         return 2
 
 
@@ -132,7 +133,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     job = dataclasses.replace(job, cluster=cluster)
     console.print(f"planning {job.model.name} on {world} x {cluster.device_name} ({cluster.name}), global batch "
                   f"{job.train.global_batch_size} x {job.train.seq_length} tokens"
-                  + ("" if measurements is None else f", measurements {key}"))
+                  + ("" if measurements is None else f", measurements {key}"), markup=False)
     if job.model.is_moe:  # how its experts take their tokens (model.moe_expert_capacity_factor), priced as it runs
         m = job.model
         console.print("MoE routing: " + ("dropless (the token counts reach the host in every MoE layer)"
@@ -172,13 +173,13 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                "torchrun.sh": torchrun_command(plan) + "\n"}
     check_exports(target.parent, exports)  # before plan.json: nothing is written beside a file it would overwrite
     if target.exists() and load_plan(target).plan_hash() == plan.plan_hash():
-        console.print(f"plan.json: {target} (the same plan is already saved there)")
+        console.print(f"plan.json: {target} (the same plan is already saved there)", markup=False)
     else:
         save_plan(plan, target, key=key)
-        console.print(f"plan.json: {target}")
+        console.print(f"plan.json: {target}", markup=False)
     write_exports(target.parent, exports, plan=plan, key=key)  # all together, replacing an earlier plan's
-    console.print(f"plan {plan.canonical()}\nhash {plan.plan_hash()}")
-    console.print(f"reproduce with:\n  {torchrun_command(plan)}")
+    console.print(f"plan {plan.canonical()}\nhash {plan.plan_hash()}", markup=False)
+    console.print(f"reproduce with:\n  {torchrun_command(plan)}", markup=False)
     console.print(f"Megatron-LM: {exports['megatron_args.txt'].strip()}", markup=False)
     for line in write_plan_pictures(plan, job, world, measurements, target.parent, key=key):
         console.print(line, markup=False, soft_wrap=True)

@@ -34,7 +34,7 @@ from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.plan.artifact import Plan, job_mismatches
 
 PLAN_TRAIN_KEYS: tuple[str, ...] = ("train.micro_batch_size", "train.global_batch_size", "train.seq_length",
-                                    "train.precision")
+                                    "train.precision", "train.fp8_recipe", "train.fp4_recipe")
 """The ``train`` settings a plan sets (:meth:`~cfp_megatron.plan.artifact.Plan.apply`)."""
 
 SEARCHED_WITHOUT_PIN: tuple[str, ...] = (
@@ -171,8 +171,9 @@ def plan_settings(plan: Plan) -> dict[str, Any]:
     out = {f"parallel.{f.name}": getattr(plan.parallel, f.name) for f in dataclasses.fields(ParallelSpec)}
     out.update({"train.micro_batch_size": plan.micro_batch_size, "train.global_batch_size": plan.global_batch_size,
                 "train.seq_length": plan.seq_length})
-    if plan.precision != Precision.auto.value:
-        out["train.precision"] = Precision(plan.precision)
+    fmt = plan.number_format
+    if fmt.precision is not Precision.auto:
+        out.update({f"train.{key}": value for key, value in fmt.with_train().items()})
     return out
 
 

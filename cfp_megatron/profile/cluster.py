@@ -43,7 +43,8 @@ def measured_cluster(spec: ClusterSpec, measured: Measurements, *, gpus_per_node
         if peak is not None and peak > 0:
             changes[field] = peak
     if changes and spec.clock_scale < 1.0:
-        changes.update(peak_tflops_fp8=spec.clocked_peak_tflops("fp8"), sm_clock_mhz=None, power_limit_w=None)
+        changes.update(peak_tflops_fp8=spec.clocked_peak_tflops("fp8"), peak_tflops_fp4=spec.clocked_peak_tflops("fp4"),
+                       sm_clock_mhz=None, power_limit_w=None)
     for prefix, span in (("intra_node", Span.intra_node), ("inter_node", Span.inter_node)):
         fit = link_fit(measured, span)
         if fit is not None:
@@ -133,7 +134,7 @@ def this_device(spec: ClusterSpec, *, ranks_per_node: int = 1) -> ClusterSpec:
     if spec.on_cpu:  # this GPU's name, and what its vendor preset says it is (generation...; None without one)
         changes.update(device_name=props.name, **identity(preset))
     if preset is not None:
-        for key in ("hbm_bandwidth_gbps", "peak_tflops_fp8"):
+        for key in ("hbm_bandwidth_gbps", "peak_tflops_fp8", "peak_tflops_fp4"):
             if getattr(spec, key) is None and preset.get(key) is not None:
                 changes[key] = float(preset[key])
     elif spec.hbm_bandwidth_gbps is None:  # a GPU without a preset: its copy rate, measured here

@@ -16,6 +16,7 @@ from typing import Any
 
 from cfp_megatron.base.config import JobSpec, resolve_precision
 from cfp_megatron.base.jsonio import installed_version, json_plain
+from cfp_megatron.base.number_format import NumberFormat
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,12 +96,14 @@ new model field goes here."""
 
 
 def model_key(job: JobSpec, *, on_gpu: bool) -> str:
-    """Key of what segment times depend on: model shape, sequence length, precision."""
+    """Key of what segment times depend on: model shape, sequence length, precision (an FP8/FP4 job's format with
+    its recipe: its segments run their GEMMs in it, so bf16 timings are not reused for it)."""
     model = json_plain(job.model)
     model.pop("mtp_loss_scaling_factor")  # a loss weight times nothing (and profiles from before it keep their key)
     for name, default in KEYED_WHEN_SET.items():
         if model[name] == default:
             model.pop(name)
+    fmt = NumberFormat.of(job.train)
     payload = {"model": model, "seq_length": job.train.seq_length,
-               "precision": resolve_precision(job.train.precision, on_gpu).value}
+               "precision": fmt.name if fmt.low else resolve_precision(job.train.precision, on_gpu).value}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]

@@ -106,11 +106,13 @@ class DriverResult:
     """Candidates dropped by the bound with their exact costs."""
 
 
-def run(space: SearchSpace, top_k: int, *, exhaustive: bool = False) -> DriverResult:
+def run(space: SearchSpace, top_k: int, *, exhaustive: bool = False, cutoff: float = math.inf) -> DriverResult:
     """The ``top_k`` fastest candidates of ``space`` that fit (module docstring); ``exhaustive`` evaluates every
-    candidate (the reference the bounded search is tested against)."""
+    candidate (the reference the bounded search is tested against). ``cutoff``: the k-th best step time of another
+    space searched for the same ranking (another number format): candidates provably slower are not visited, so
+    the result holds only those that may enter the merged top k."""
     with gc_paused():
-        return _run(space, top_k, exhaustive)
+        return _run(space, top_k, exhaustive, cutoff)
 
 
 @contextlib.contextmanager
@@ -128,12 +130,12 @@ def gc_paused() -> Iterator[None]:
         gc.enable()
 
 
-def _run(space: SearchSpace, k: int, exhaustive: bool) -> DriverResult:
+def _run(space: SearchSpace, k: int, exhaustive: bool, cutoff: float = math.inf) -> DriverResult:
     queue = list(space.entries())
     heapq.heapify(queue)
     out = DriverResult()
     best: list[tuple[float, Any, Ranked]] = []  # the k best so far, by (step time, tie)
-    kth = math.inf  # the k-th best step time so far (infinite until there are k, and when exhaustive)
+    kth = cutoff  # the k-th best step time so far (the cutoff until there are k, infinite when exhaustive)
     while queue:
         bound, kind, item, extra = heapq.heappop(queue)
         if bound > kth:
@@ -159,6 +161,6 @@ def _run(space: SearchSpace, k: int, exhaustive: bool) -> DriverResult:
             bisect.insort(best, (outcome.step_time_s, outcome.tie, outcome), key=lambda e: e[:2])
             del best[k:]
             if len(best) == k and not exhaustive:
-                kth = best[-1][0]
+                kth = min(cutoff, best[-1][0])
     out.ranked = [r for _, _, r in best]
     return out

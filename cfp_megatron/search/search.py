@@ -23,12 +23,14 @@ import dataclasses
 import functools
 import math
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import JobSpec, MlpPartition, ParallelSpec, Recompute
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.base.pipeline_layout import balanced_layout
 from cfp_megatron.base.pipeline_split import chunk_layers
@@ -36,6 +38,7 @@ from cfp_megatron.cluster.measured import Measurements, partition_name, unmeasur
 from cfp_megatron.model.options import PartitionOption
 from cfp_megatron.search import driver
 from cfp_megatron.search.choice import Choice, choose
+from cfp_megatron.search.formats import FormatOutcome, format_options, format_reason, set_formats, with_format
 from cfp_megatron.search.space import (
     BLOCK,
     FAMILY_FIELDS,
@@ -118,6 +121,16 @@ class SearchResult:
     (the fastest is then :attr:`best`)."""
     pinned: tuple[str, ...] = ()
     """The Hydra keys of the cfp pins and sets the search kept to (``cfp.tp``, ``cfp.constraints.pp``)."""
+    formats: tuple[FormatOutcome, ...] = ()
+    """With a set of number formats (``cfp.constraints.precision``): each format searched, fastest GEMMs first,
+    and its best plan's step time; empty without a set."""
+
+    @property
+    def format_reason(self) -> str | None:
+        """Why the chosen plan's number format (``None`` without a set, or without plans)."""
+        if not self.formats or not self.ranked:
+            return None
+        return format_reason(list(self.formats), NumberFormat.of(self.best.job.train).name)
 
     @property
     def best(self) -> Ranked:
@@ -171,22 +184,48 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
     plans as without it; a group validated at an earlier size is not validated again as a group (its candidates
     still are, one by one), so :attr:`SearchResult.rejected` may lack it."""
     started = time.perf_counter()
-    with driver.gc_paused():
-        space = MegatronSpace.build(job, world, cfp, measurements=measurements, options=options,
-                                    te_available=te_available, cache=cache, partitions=partitions)
-        found = driver.run(space, cfp.top_k, exhaustive=exhaustive)
-    rejected = list(space.space.rejected) + space.invalid_groups
-    for prefix, sizes in sorted(found.over.items()):  # by family, in Family's order
+    formats, left_out = set_formats(job, cfp, te_available=te_available)
+    rejected: list[Rejection] = list(left_out)
+    found_all: list[driver.Ranked] = []
+    outcomes: list[FormatOutcome] = []
+    size = visited = slower = simulated = checked = over_memory = refused = 0
+    over: dict = defaultdict(list)
+    limit: float | None = None
+    for fmt in formats:  # fastest GEMMs first: the later formats start from the k-th best found (driver cutoff)
+        cutoff = found_all[cfp.top_k - 1].step_time_s if len(found_all) >= cfp.top_k and not exhaustive \
+            else math.inf
+        with driver.gc_paused():
+            space = MegatronSpace.build(with_format(job, fmt) if cfp.constraints.precision is not None else job,
+                                        world, cfp, measurements=measurements,
+                                        options=format_options(job, fmt, measurements, options),
+                                        te_available=te_available, cache=cache if len(formats) == 1 else None,
+                                        partitions=partitions)
+            found = driver.run(space, cfp.top_k, exhaustive=exhaustive, cutoff=cutoff)
+        rejected += [r for r in (*space.space.rejected, *space.invalid_groups) if r not in rejected]  # once a set
+        for prefix, sizes in found.over.items():
+            over[prefix] += sizes
+        found_all = sorted([*found_all, *found.ranked], key=_merged_order)[:cfp.top_k]
+        outcomes.append(FormatOutcome(name=fmt.name, best_s=found.ranked[0].step_time_s if found.ranked else None))
+        size += space.size
+        visited += found.visited
+        slower += found.slower
+        simulated += found.simulated
+        checked += found.checked
+        over_memory += found.over_memory
+        refused += found.refused
+        limit = space.limit
+    for prefix, sizes in sorted(over.items()):  # by family, in Family's order
         rejected.append(Rejection(what=_family_label(Family.of_prefix(prefix), world), count=len(sizes),
                                   reason=f"{len(sizes)} plan(s) checked need {min(sizes):.1f} GiB or more per GPU, "
-                                         f"over the {space.limit:.1f} GiB allowed"))
-    ranked = tuple(r.result for r in found.ranked)
+                                         f"over the {limit:.1f} GiB allowed"))
+    ranked = tuple(r.result for r in found_all)
     return SearchResult(ranked=ranked, rejected=tuple(rejected), choice=choose(ranked, world, space.options),
-                        space_size=space.size, simulated=found.simulated, memory_checked=found.checked,
-                        over_memory=found.over_memory, invalid=found.refused,
-                        pruned=space.size - found.visited + found.slower, memory_limit_gib=space.limit,
-                        least_over_gib=min((min(s) for s in found.over.values() if s), default=None),
+                        space_size=size, simulated=simulated, memory_checked=checked,
+                        over_memory=over_memory, invalid=refused,
+                        pruned=size - visited + slower, memory_limit_gib=limit,
+                        least_over_gib=min((min(s) for s in over.values() if s), default=None),
                         seconds=time.perf_counter() - started, world=world,
+                        formats=tuple(outcomes) if cfp.constraints.precision is not None else (),
                         pinned=tuple(knob_setting(cfp, name)[0] for name in KNOBS if cfp.allowed(name) is not None))
 
 
@@ -307,6 +346,11 @@ class MegatronSpace:
         return driver.Ranked(step_time_s=prediction.step_time_s, tie=item, checked=tries,
                              result=Ranked(candidate=cand, job=cjob, prediction=prediction,
                                            unmeasured=_unmeasured(cjob, self.measurements)))
+
+
+def _merged_order(r: driver.Ranked) -> tuple:
+    """The order of the plans of several formats' searches: step time, then the format's name, then the key."""
+    return r.step_time_s, NumberFormat.of(r.result.job.train).name, r.tie
 
 
 def _unmeasured(job: JobSpec, measurements: Measurements | None) -> tuple[str, ...]:

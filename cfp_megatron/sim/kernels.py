@@ -9,10 +9,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from cfp_megatron.base.config import ClusterSpec, JobSpec, Precision, resolve_precision
-from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.config import ClusterSpec, JobSpec, Precision, TrainSpec, resolve_precision
+from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.sim.calibration import Efficiency
+from cfp_megatron.sim.format_costs import format_cost
 
 _FALLBACK_PEAK_TFLOPS = 1.0
 """Peak TFLOP/s assumed for a cluster that states none."""
@@ -83,14 +84,19 @@ def grad_element_bytes(job: JobSpec) -> float:
 class KernelModel:
     """Seconds of the kernels of one pass on one GPU."""
 
-    def __init__(self, cluster: ClusterSpec, efficiency: Efficiency, precision: Precision, *, fp8: bool,
+    def __init__(self, cluster: ClusterSpec, efficiency: Efficiency, number_format: NumberFormat | Precision, *,
                  measurements: Measurements | None = None) -> None:
-        """Rates of ``cluster`` in ``precision`` (resolved by :func:`compute_precision`) at the achieved shares
-        ``efficiency``; ``fp8`` runs the linear layers' GEMMs in FP8; measured peaks and GEMMs in ``measurements``
-        win over the nominal figures, which are scaled to the clock the GPUs run at
-        (:meth:`~cfp_megatron.base.config.ClusterSpec.clocked_peak_tflops`). Raises :class:`ConfigError` for FP8 on
-        a cluster without an FP8 peak."""
-        precision = compute_precision(precision, cluster)
+        """Rates of ``cluster`` in ``number_format`` (a job's :meth:`NumberFormat.of`, or a bare precision: FP8 and
+        FP4 with Megatron-Core's default recipes) at the achieved shares ``efficiency``: the linear layers' GEMMs at
+        the format's peak and fitted share, with its operand bytes and quantisation work
+        (:func:`~cfp_megatron.sim.format_costs.format_cost`), the rest in the compute precision (bf16 under FP8 and
+        FP4); measured peaks and GEMMs in ``measurements`` win over the nominal figures of the compute precision,
+        which are scaled to the clock the GPUs run at
+        (:meth:`~cfp_megatron.base.config.ClusterSpec.clocked_peak_tflops`). Raises :class:`ConfigError` for a format
+        the cluster does not compute or states no peak for."""
+        fmt = number_format if isinstance(number_format, NumberFormat) else NumberFormat.of(
+            TrainSpec(precision=number_format))
+        precision = compute_precision(fmt.precision, cluster)
         self.dtype = dtype_name(precision)
         self.elem = bytes_per_element(precision)
         self.eff = efficiency
@@ -98,10 +104,7 @@ class KernelModel:
         measured_peak = measurements.peak_tflops(self.dtype) if measurements else None
         # The peaks at the clock the GPUs run at (cluster.sm_clock_mhz / cluster.power_limit_w scale them).
         nominal = cluster.clocked_peak_tflops("fp32" if self.dtype == "fp32" else "bf16")
-        if fp8 and cluster.peak_tflops_fp8 is None:
-            raise ConfigError(ConfigIssue(key="cluster.peak_tflops_fp8", value=None,
-                                          problem=f"FP8 was asked for but {cluster.device_name} has no FP8 peak.",
-                                          fix="run without FP8, or set cluster.peak_tflops_fp8."))
+        self.format = format_cost(fmt, cluster)
         if measured_peak:
             self.gemm_flops_per_s = measured_peak * 1e12
             self.attn_flops_per_s = measured_peak * 1e12 * efficiency.attention / efficiency.gemm
@@ -109,8 +112,9 @@ class KernelModel:
             peak = (nominal or _FALLBACK_PEAK_TFLOPS) * 1e12
             self.gemm_flops_per_s = peak * efficiency.gemm
             self.attn_flops_per_s = peak * efficiency.attention
-        self.fp8 = fp8
-        self.fp8_flops_per_s = (cluster.clocked_peak_tflops("fp8") or 0.0) * 1e12 * efficiency.gemm_fp8
+        self.low = self.format.low
+        self.low_flops_per_s = ((cluster.clocked_peak_tflops(self.format.peak) or 0.0) * 1e12
+                                * getattr(efficiency, self.format.efficiency)) if self.low else self.gemm_flops_per_s
         self.mem_bytes_per_s = (cluster.hbm_bandwidth_gbps or _FALLBACK_HBM_GBPS) * 1e9 * efficiency.memory
         self.sm_count = cluster.sm_count
         self.on_cpu = cluster.on_cpu
@@ -119,8 +123,10 @@ class KernelModel:
 
     def gemm(self, m: float, n: float, k: float, *, low_precision: bool = True) -> float:
         """Seconds of one ``(m x k) @ (k x n)`` GEMM: FLOPs at the achieved rate plus operand traffic at HBM speed
-        (so small or skinny GEMMs lose efficiency); a measured GEMM table wins. ``low_precision=False`` keeps it out
-        of FP8 (the MoE router)."""
+        (so small or skinny GEMMs lose efficiency); a measured GEMM table wins. A linear layer's GEMM runs in the
+        job's number format (its rate and operand bytes, and the cast of its input beyond what the fitted share
+        holds, :attr:`~cfp_megatron.sim.format_costs.FormatCost.dense_cast_bytes`); ``low_precision=False`` keeps
+        it in the compute precision (the MoE router, the logits, PrimePar's layers: not Transformer Engine's)."""
         if m <= 0 or n <= 0 or k <= 0:
             return 0.0
         key = (int(m), int(n), int(k), low_precision)
@@ -128,15 +134,19 @@ class KernelModel:
         if hit is not None:
             return hit
         flops = 2.0 * m * n * k
-        use_fp8 = self.fp8 and low_precision
+        use_low = self.low and low_precision
         measured = (self.measurements.gemm_tflops(int(m), int(n), int(k), self.dtype)
-                    if self.measurements is not None and not use_fp8 else None)
+                    if self.measurements is not None and not use_low else None)
         if measured:
             seconds = flops / (measured * 1e12)
+        elif use_low:
+            fmt = self.format
+            operand_bytes = fmt.operand_bytes * (m * k + k * n) + self.elem * m * n
+            moved = operand_bytes + fmt.dense_cast_bytes * m * k
+            seconds = flops / self.low_flops_per_s + moved / self.mem_bytes_per_s
         else:
-            rate = self.fp8_flops_per_s if use_fp8 else self.gemm_flops_per_s
-            operand_bytes = (1 if use_fp8 else self.elem) * (m * k + k * n) + self.elem * m * n
-            seconds = flops / rate + operand_bytes / self.mem_bytes_per_s
+            operand_bytes = self.elem * (m * k + k * n) + self.elem * m * n
+            seconds = flops / self.gemm_flops_per_s + operand_bytes / self.mem_bytes_per_s
         self._cache[key] = seconds
         return seconds
 
@@ -158,8 +168,8 @@ class KernelModel:
         hit = self._grouped_cache.get(key)
         if hit is not None:
             return hit
-        use_fp8 = self.fp8 and low_precision
-        if self.on_cpu or (self.measurements is not None and not use_fp8 and self.measurements.gemm_tflops(
+        use_low = self.low and low_precision
+        if self.on_cpu or (self.measurements is not None and not use_low and self.measurements.gemm_tflops(
                 int(m), int(n), int(k), self.dtype)):
             seconds = groups * self.gemm(m, n, k, low_precision=low_precision)
         else:
@@ -169,8 +179,8 @@ class KernelModel:
             if self.sm_count:
                 tiles = math.ceil(tiles / self.sm_count) * self.sm_count
             flops = 2.0 * tiles * tile_m * tile_n * math.ceil(k / tile_k) * tile_k
-            rate = (self.fp8_flops_per_s if use_fp8 else self.gemm_flops_per_s) * shape.plateau_vs_dense
-            operand_bytes = groups * ((1 if use_fp8 else self.elem) * (m * k + k * n)
+            rate = (self.low_flops_per_s if use_low else self.gemm_flops_per_s) * shape.plateau_vs_dense
+            operand_bytes = groups * ((self.format.operand_bytes if use_low else self.elem) * (m * k + k * n)
                                       + (self.elem if out_bytes is None else out_bytes) * m * n)
             seconds = shape.launch_s + max(flops / rate, operand_bytes / self.mem_bytes_per_s)
         self._grouped_cache[key] = seconds

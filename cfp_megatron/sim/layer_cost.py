@@ -246,7 +246,8 @@ def output_layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs:
     model, dims = job.model, layout.dims
     tokens = layout.micro_batch * layout.seq_length / dims.cp
     vocab_shard = model.padded_vocab_size / dims.tp
-    gemm_s = kernels.gemm(tokens, vocab_shard, model.hidden_size)
+    # Megatron-Core's output layer is its own ColumnParallelLinear, not Transformer Engine's: bf16 under FP8/FP4.
+    gemm_s = kernels.gemm(tokens, vocab_shard, model.hidden_size, low_precision=False)
     loss_fwd_bytes, loss_bwd_bytes = cross_entropy_bytes(kernels.elem)
     loss_fwd_s = kernels.memory(tokens * vocab_shard * loss_fwd_bytes)
     loss_bwd_s = kernels.memory(tokens * vocab_shard * loss_bwd_bytes)

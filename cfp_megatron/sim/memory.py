@@ -25,6 +25,7 @@ from cfp_megatron.base.config import (
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.pipeline_split import job_chunks
 from cfp_megatron.cluster.measured import Measurements, SegmentMemory, partition_name
+from cfp_megatron.sim.format_costs import low_format_cost
 from cfp_megatron.sim.kernels import element_bytes
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.measured_memory import measured_memory, peak_activation_bytes, pipeline_buffers
@@ -98,9 +99,11 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
     hidden_mask = 1.0 if model.hidden_dropout > 0 else 0.0
     primepar = not moe and job.parallel.mlp is MlpPartition.primepar and tp > 1
     elem = float(element_bytes(job))  # an activation element in the compute precision (bf16: 2, fp32: 4)
-    # Bytes per element of an input a linear layer keeps for its weight gradient: Transformer Engine's FP8 layers
-    # keep the one-byte FP8 copy their forward GEMM read (PrimePar's MLP and the MoE router run in bf16).
-    linear_input_bytes = 1.0 if options.fp8 else elem
+    # Bytes per element of an input a linear layer keeps for its weight gradient: Transformer Engine's FP8 and FP4
+    # layers keep the quantised copy their weight-gradient GEMM reads (PrimePar's MLP and the MoE router run in
+    # bf16): the format's saved_input_bytes (cfp_megatron/sim/number_formats.yaml).
+    cost = low_format_cost(job)
+    linear_input_bytes = cost.saved_input_bytes if cost is not None else elem
     # A dense TE fc1 keeps its fused norm's output; the router reads bf16.
     mlp_input_bytes = elem if moe or primepar else linear_input_bytes
     recompute = job.parallel.recompute if recompute is None else recompute

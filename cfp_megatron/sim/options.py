@@ -13,9 +13,6 @@ from cfp_megatron.base.parallel_dims import attention_kernel_here, transformer_e
 class SimOptions:
     """What the simulator should assume beyond the :class:`~cfp_megatron.base.config.JobSpec`."""
 
-    fp8: bool = False
-    """Run the linear layers' GEMMs in FP8 (Transformer Engine): weights stay in bf16, and the inputs the linear
-    layers keep for their weight gradients are the FP8 copies their forward GEMMs read (one byte an element)."""
     fsdp: bool = False
     """Fully sharded data parallelism (ZeRO-3 / PyTorch FSDP FULL_SHARD): parameters, gradients and optimizer states
     sharded over DP; each layer's parameters all-gathered before its forward and backward, gradients

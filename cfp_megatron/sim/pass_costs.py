@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cfp_megatron.base.config import ClusterSpec, JobSpec, MlpPartition, ParallelSpec, Recompute
+from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Measurements, StepOverheads, partition_name
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
@@ -140,7 +141,7 @@ class CostCache:
         """An empty cache for the plans of ``job``'s model on its cluster."""
         efficiency = efficiency or efficiency_for(job.cluster)
         return cls(job=job, measurements=measurements, options=options, efficiency=efficiency,
-                   kernels=KernelModel(job.cluster, efficiency, job.train.precision, fp8=options.fp8,
+                   kernels=KernelModel(job.cluster, efficiency, NumberFormat.of(job.train),
                                        measurements=measurements),
                    collectives=collective_costs(job.cluster, measurements, efficiency))
 
@@ -161,7 +162,8 @@ class CostCache:
                efficiency: Efficiency) -> bool:
         """Whether ``job`` (under these measurements, options and efficiencies) is a plan this cache was made for."""
         return (job.cluster is self.job.cluster or job.cluster == self.job.cluster) and job.model == self.job.model \
-            and job.train.precision is self.job.train.precision and measurements is self.measurements \
+            and job.train.precision is self.job.train.precision and job.train.fp8_recipe is self.job.train.fp8_recipe \
+            and job.train.fp4_recipe is self.job.train.fp4_recipe and measurements is self.measurements \
             and options == self.options and efficiency == self.efficiency
 
 

@@ -56,11 +56,11 @@ def _linear(kernels: KernelModel, costs: CollectiveCosts, n: int, tokens: float,
         """(compute, exposed) of ``n`` steps whose first ``n - 1`` overlap ``transfer`` with ``gemm``."""
         return n * gemm, (n - 1) * (max(transfer - gemm, 0.0) if overlap else transfer)
 
-    fwd_compute, fwd_exposed = phase(kernels.gemm(token_block, out_block, in_block),
+    fwd_compute, fwd_exposed = phase(kernels.gemm(token_block, out_block, in_block, low_precision=False),
                                      ring((token_block * in_block + in_block * out_block) * elem_bytes))
-    dgrad_compute, dgrad_exposed = phase(kernels.gemm(token_block, in_block, out_block),
+    dgrad_compute, dgrad_exposed = phase(kernels.gemm(token_block, in_block, out_block, low_precision=False),
                                          ring((token_block * out_block + in_block * out_block) * elem_bytes))
-    wgrad_gemm = kernels.gemm(in_block, out_block, token_block)
+    wgrad_gemm = kernels.gemm(in_block, out_block, token_block, low_precision=False)  # not a TE layer: bf16
     wgrad_compute, wgrad_exposed = phase(wgrad_gemm,
                                          ring((token_block * in_block + token_block * out_block) * elem_bytes))
     realign_di = (max(ring(token_block * in_block * elem_bytes) - wgrad_gemm, 0.0) if overlap

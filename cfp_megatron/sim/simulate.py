@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from cfp_megatron.base.config import ClusterSpec, JobSpec, MlpPartition, ParallelSpec
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.base.flops import training_flops_per_token
+from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.base.pipeline_split import ChunkLayers, SplitKey, job_chunks, job_split, split_chunks
 from cfp_megatron.cluster.costs import CollectiveCosts
@@ -171,7 +172,7 @@ def _prepare(job: JobSpec, cluster: ClusterSpec | None, measurements: Measuremen
     layout = build_layout(job, world_size)
     if cache is None:
         costs = collective_costs(cluster, measurements, efficiency)
-        kernels = KernelModel(cluster, efficiency, job.train.precision, fp8=options.fp8, measurements=measurements)
+        kernels = KernelModel(cluster, efficiency, NumberFormat.of(job.train), measurements=measurements)
     elif not cache.serves(job, measurements, options, efficiency):
         raise ValueError("a CostCache serves the plans of one model, cluster, precision, set of options and "
                          "measurements (CostCache.for_job)")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from cfp_megatron.base.config import JobSpec
 from cfp_megatron.base.flops import active_matmul_params_per_token
+from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.sim.calibration import generation
 from cfp_megatron.sim.options import SimOptions
 
@@ -183,7 +184,7 @@ def mfu_check(job: JobSpec, options: SimOptions | None = None) -> MfuCheck | Non
     not published)."""
     if job.cluster.on_cpu:
         return None
-    fp8 = bool(options and options.fp8)
+    fp8 = NumberFormat.of(job.train).low
     size = active_matmul_params_per_token(job.model) / 1e9
     gen = generation(job.cluster)
     runs = [PublishedMfu(mfu=run["mfu"], row=run["row"], active_params_b=run["active_params_b"], gpus=run["gpus"])

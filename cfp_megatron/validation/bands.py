@@ -9,6 +9,7 @@ import datetime
 from pathlib import Path
 
 from cfp_megatron.base.flops import active_matmul_params_per_token
+from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.sim.calibration import FITTED, TABLE, generation
 from cfp_megatron.sim.simulate import simulate
 from cfp_megatron.sim.uncertainty import BAND_QUANTILE, MIN_BAND_ROWS, combination, quantile
@@ -120,7 +121,8 @@ def published_mfu(results: list[RowResult]) -> list[dict]:
         if measured is None:
             continue
         world = job.cluster.nodes * (job.cluster.gpus_per_node or 1)
-        runs.append({"generation": generation(job.cluster), "moe": job.model.is_moe, "fp8": plan.options.fp8,
+        runs.append({"generation": generation(job.cluster), "moe": job.model.is_moe,
+                     "fp8": NumberFormat.of(job.train).low,
                      "active_params_b": round(active_matmul_params_per_token(job.model) / 1e9, 2),
                      "gpus": world, "mfu": round(measured, 4), "row": f"{plan.row_id} {plan.model}".strip()})
     return sorted(runs, key=lambda run: (run["generation"], run["moe"], run["fp8"], run["active_params_b"],

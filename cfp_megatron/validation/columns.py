@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from cfp_megatron.base.config import Precision
+from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.cluster.fabrics import Fabric, Fabrics, load_fabrics
 from cfp_megatron.validation.data import ColumnEntry, load_precisions, load_schedules
 from cfp_megatron.validation.rows import power_limit
@@ -175,10 +177,9 @@ def schedule_reading(row: dict, pp: int, vp: int | None, entries: tuple[ColumnEn
 class PrecisionReading(Reading):
     """The precision a row states, as the simulator prices it."""
 
-    precision: str = "bf16"
-    """``train.precision``: ``bf16``, ``fp16`` or ``fp32`` (FP8 runs keep bf16 weights)."""
-    fp8: bool = False
-    """The linear layers' GEMMs in FP8 (``SimOptions.fp8``)."""
+    number_format: str = "bf16"
+    """The number format it is priced in (:attr:`~cfp_megatron.base.number_format.NumberFormat.name`: ``bf16``,
+    ``fp8-delayed``, ``fp4-nvfp4``, ...), through the same format model as a plan's."""
     variant: str = ""
     """The variant read (``precisions.yaml``'s entry name: ``FP8 current scaling``, ``NVFP4``, ...)."""
 
@@ -186,8 +187,8 @@ class PrecisionReading(Reading):
 def precision_reading(row: dict, cluster: dict[str, Any], entries: tuple[tuple[ColumnEntry, ...], ColumnEntry]
                       | None = None) -> PrecisionReading:
     """The row's ``precision`` (``precisions.yaml``): its variant, what the simulator prices it as, and what of it
-    is approximated (FP8 recipes beyond delayed scaling, MXFP8, NVFP4 priced as FP8; FP8 on a GPU whose preset lists
-    no FP8 format priced at its bf16 rate)."""
+    is approximated (a format the row's GPU does not compute, as its preset's ``number_formats`` says, priced as
+    bf16)."""
     text = " ".join((row.get("precision") or "").split())
     listed, blank = entries if entries is not None else load_precisions()
     entry = _first(listed, text) if text else blank
@@ -198,14 +199,14 @@ def precision_reading(row: dict, cluster: dict[str, Any], entries: tuple[tuple[C
                      " priced as bf16")
     elif entry.approximation:
         notes.append(entry.approximation)
-    fp8 = entry.runs == "fp8"
+    fmt = NumberFormat.parse(entry.runs)
     formats = cluster.get("number_formats")
-    if fp8 and formats is not None and "fp8" not in formats:
-        notes.append(f"precision {entry.name} on a GPU without FP8 tensor cores ({cluster.get('name')} lists "
+    if fmt.needs is not None and formats is not None and fmt.needs not in formats:
+        notes.append(f"precision {entry.name} on a GPU without {fmt.needs} tensor cores ({cluster.get('name')} lists "
                      f"{', '.join(formats)}): priced at its bf16 rate")
-    tag = entry.tag or ("fp8" if fp8 else "")
-    return PrecisionReading(precision="bf16" if fp8 else entry.runs, fp8=fp8, variant=entry.name, tag=tag,
-                            approximation="; ".join(notes))
+        fmt = NumberFormat(precision=Precision.bf16)
+    tag = entry.tag or ("fp8" if fmt.precision is Precision.fp8 else "")
+    return PrecisionReading(number_format=fmt.name, variant=entry.name, tag=tag, approximation="; ".join(notes))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from yaml import YAMLError
 
 from cfp_megatron.base.config import AttentionKernel, CudaGraphImpl, cuda_graph_scopes
 from cfp_megatron.base.errors import CfpError
+from cfp_megatron.base.number_format import format_names
 
 DATA_DIR = Path(__file__).resolve().parent
 FRAMEWORKS_FILE = DATA_DIR / "frameworks.yaml"
@@ -338,8 +339,8 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[MoeRecipe, ...]:
 
 SCHEDULE_RUNS = ("1f1b", "interleaved", "default")
 """What a ``schedules.yaml`` entry may run as."""
-PRECISION_RUNS = ("bf16", "fp16", "fp32", "fp8")
-"""What a ``precisions.yaml`` entry may run as."""
+PRECISION_RUNS = tuple(name for name in format_names() if name != "auto")
+"""What a ``precisions.yaml`` entry may run as: a number format (:mod:`cfp_megatron.base.number_format`)."""
 @dataclass(frozen=True, kw_only=True)
 class ColumnEntry:
     """One entry of ``schedules.yaml`` or ``precisions.yaml``: how a column's text reads."""

@@ -5,6 +5,7 @@ and far below every published run is a unit slip (milliseconds written as second
 from __future__ import annotations
 
 from cfp_megatron.base.flops import training_flops_per_token
+from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.sim.kernels import target_peak_tflops
 from cfp_megatron.validation.results import RowPlan
 
@@ -34,7 +35,8 @@ def implausible_step_time(plan: RowPlan) -> str | None:
         return None
     cluster = plan.job.cluster
     peak = target_peak_tflops(plan.job) or 0.0
-    fastest = max(peak, cluster.peak_tflops_fp8 or 0.0) if plan.options.fp8 else peak
+    fmt = NumberFormat.of(plan.job.train)
+    fastest = max(peak, cluster.peak_tflops_fp8 or 0.0, cluster.peak_tflops_fp4 or 0.0) if fmt.low else peak
     said = (f"the measured step time {plan.measured_s:.4g} s means {mfu * 100:.3g}% of the GPUs' {peak:g} TFLOP/s "
             "(model FLOPs utilisation)")
     if mfu * peak > fastest:

@@ -27,7 +27,7 @@ class RowPlan:
     job: JobSpec
     """The plan."""
     options: SimOptions
-    """Simulator options from the row (FP8, FSDP, layer-only)."""
+    """Simulator options from the row (FSDP, layer-only; its number format is the job's train.precision)."""
     measured_s: float
     """Measured (or derived from measurements) step time."""
     approximations: tuple[str, ...] = ()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.search.search import Ranked, SearchResult
 from cfp_megatron.sim.prediction import GIB, mfu
 from cfp_megatron.sim.terms import TERMS, exposed_comm_s
@@ -99,6 +100,9 @@ def explain(best: Ranked, runner_up: Ranked | None, *, other: str = "runner-up")
         x, y = getattr(a, name), getattr(b, name)
         if x != y:
             lines.append(f"{label}: {_show(x)} (chosen) vs {_show(y)} ({other})")
+    fa, fb = NumberFormat.of(best.job.train).name, NumberFormat.of(runner_up.job.train).name
+    if fa != fb:
+        lines.append(f"number format: {fa} (chosen) vs {fb} ({other})")
     pa, pb = best.prediction, runner_up.prediction
     gap = pb.step_time_s - pa.step_time_s
     lines.append(f"step time: {pa.step_time_s:.4f} s vs {pb.step_time_s:.4f} s ({abs(gap) / pb.step_time_s:.2%} "
@@ -117,6 +121,8 @@ def choice_lines(result: SearchResult) -> list[str]:
     against the fastest plan where another was chosen, else against the runner-up."""
     ranked, best = result.ranked, result.best
     reasons = list(result.choice.reasons) if result.choice is not None else []
+    if result.format_reason is not None:
+        reasons.append(result.format_reason)
     if best is not ranked[0]:
         return (["Why this plan and not the fastest (#1)"] + [f"  {r}" for r in reasons]
                 + [f"  {line}" for line in explain(best, ranked[0], other="fastest")])

@@ -74,10 +74,6 @@ ROUTER_BYTES_PER_EXPERT = 17.0
 top-k reads them (4) and writes the dense fp32 probabilities and the boolean routing map (4 + 1)."""
 AUX_LOSS_BYTES_PER_EXPERT = 4.0
 """The load-balancing loss' extra read of the fp32 scores per token and expert (``moe_aux_loss_coeff > 0``)."""
-FP8_QUANTIZE_BYTES = 4.0
-"""HBM bytes per element of an FP8 expert GEMM's input quantisation (Transformer Engine's cast before each grouped
-linear): read the bf16 element (2), write it row-wise (1) and column-wise (1, the transposed copy Hopper's FP8 weight
-gradient GEMM reads)."""
 MAIN_GRAD_BYTES = 8.0
 """Bytes per weight element an expert's weight-gradient GEMM moves into its gradient: Megatron-Core's
 ``gradient_accumulation_fusion`` (Megatron-LM's default, on with Transformer Engine: ``TEGroupedLinear`` passes it as
@@ -156,8 +152,9 @@ def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, rou
     auxiliary loss' read), the first permutation of the copies this rank sends and the unpermutation of those it
     gets back, and, where an expert rank holds several experts, the sort of the ``routed`` rows it receives by
     expert and the unsort before the combine (``sort_chunks_by_idxs``); each a gather/scatter of
-    :data:`PERMUTE_ROW_PASSES` rows per copy. The flex dispatcher (DeepEP) permutes only what arrives. Under FP8,
-    the quantisation of each grouped linear's input (:data:`FP8_QUANTIZE_BYTES`)."""
+    :data:`PERMUTE_ROW_PASSES` rows per copy. The flex dispatcher (DeepEP) permutes only what arrives. Under FP8 and
+    FP4, the quantisation of each grouped linear's input (the format's ``cast_bytes``,
+    ``cfp_megatron/sim/number_formats.yaml``)."""
     model, dims = job.model, layout.dims
     num_experts, hidden = model.num_experts or 1, model.hidden_size
     router_bytes = ROUTER_BYTES_PER_EXPERT + (AUX_LOSS_BYTES_PER_EXPERT if model.moe_aux_loss_coeff > 0 else 0.0)
@@ -172,9 +169,9 @@ def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, rou
         elements += 2 * PERMUTE_ROW_PASSES * sent * hidden  # permutation 1 and the unpermutation
         if num_experts // dims.ep > 1:
             elements += 2 * PERMUTE_ROW_PASSES * received * hidden  # permutation 2 and its inverse
-    if kernels.fp8:  # fc1's input (hidden) and fc2's (the expert's FFN share) quantised row by row
+    if kernels.low:  # fc1's input (hidden) and fc2's (the expert's FFN share) quantised row by row
         ffn = (model.moe_ffn_hidden_size or model.ffn_size) / dims.etp
-        elements += routed * (hidden + ffn) * FP8_QUANTIZE_BYTES / kernels.elem
+        elements += routed * (hidden + ffn) * kernels.format.cast_bytes / kernels.elem
     return elements
 
 
