@@ -219,8 +219,7 @@ class CfpSpec:
             raise ConfigError(issues)
 
     def trials_issue(self) -> ConfigIssue | None:
-        """``cfp.trials`` asking for more plans than ``cfp.top_k`` keeps (checked at launch: the planner's own
-        searches narrow ``top_k``)."""
+        """``cfp.trials`` asking for more plans than ``cfp.top_k`` keeps (:func:`cfp_from_config` refuses it)."""
         count = self.trial_count
         if count is None or count <= self.top_k:
             return None
@@ -276,7 +275,10 @@ def cfp_from_config(cfg: Any) -> CfpSpec:
                                   fix=f"remove it; known keys are {sorted(known)}."))
     if issues:
         raise ConfigError(issues)
-    return build_spec(CfpSpec, {**section, "constraints": built_constraints})
+    spec = build_spec(CfpSpec, {**section, "constraints": built_constraints})
+    if spec.trials_issue() is not None:  # here, not in the checks: the planner's own searches narrow top_k
+        raise ConfigError(spec.trials_issue())
+    return spec
 
 
 def _recompute(value: Any, key: str) -> Recompute:

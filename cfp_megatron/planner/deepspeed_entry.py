@@ -61,6 +61,11 @@ def check_layout(job: JobSpec, cfp: CfpSpec) -> None:
                                   problem="is a knob of Megatron-Core's layouts, which the DeepSpeed backend's ZeRO "
                                           "search does not read: it would be ignored.",
                                   fix=f"remove {key}; {instead}, or plan with backend=megatron."))
+    if cfp.mode is CfpMode.auto and (cfp.trial_count or 0) > 1:
+        issues.append(ConfigIssue(key="cfp.trials", value=cfp.trials,
+                                  problem="trials train Megatron-Core layouts at launch; the DeepSpeed backend's ZeRO "
+                                          "plans are not tried: it would be ignored.",
+                                  fix="remove cfp.trials (or set cfp.trials=0), or plan with backend=megatron."))
     if cfp.mode is not CfpMode.off and cfp.overlap is not None:
         issues.append(ConfigIssue(key="cfp.overlap", value=cfp.overlap,
                                   problem="sets Megatron-Core's communication overlaps, which the DeepSpeed backend "

@@ -28,7 +28,6 @@ from cfp_megatron.backends.protocol import LaunchHooks, PlannedSearch
 from cfp_megatron.base.backend_spec import BackendKind, BackendSpec
 from cfp_megatron.base.cfp_spec import CfpMode, CfpSpec
 from cfp_megatron.base.config import ClusterSpec, JobSpec
-from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.files import CACHE_ENV, WriteLocation, cache_dir, check_write_locations
 from cfp_megatron.base.jsonio import json_plain
 from cfp_megatron.base.launch_env import LaunchEnv
@@ -147,13 +146,6 @@ def searched_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Path | No
     optimizer) pins that knob: a stored plan with the other kind is not reused."""
     world = env.world_size
     check_typed_before_plan(job, cfp, typed_keys())  # a typed setting the mode would drop: refused now
-    if cfp.trials_issue() is not None:
-        raise ConfigError(cfp.trials_issue())
-    if hooks.kind is not BackendKind.megatron and (cfp.trial_count or 0) > 1:
-        raise ConfigError(ConfigIssue(
-            key="cfp.trials", value=cfp.trials, problem=f"trials train Megatron-Core layouts at launch; "
-            f"backend={hooks.kind.value} plans its own options, which no trial runs.",
-            fix=f"drop cfp.trials (or set cfp.trials=0) with backend={hooks.kind.value}."))
     folder = (run_dir or Path("outputs")) / PLAN_DIR
     pinned = cfp if optimizer_kind is None else dataclasses.replace(cfp, distributed_optimizer=optimizer_kind)
     # the plan of these inputs, else (resuming) the one planned with the checkpoint's optimizer kind pinned
