@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from cfp_megatron.backends.megatron.trials import TIMED_STEPS, trials_table
 from cfp_megatron.base.backend_spec import BackendSpec
 from cfp_megatron.base.cfp_spec import AUTO_TRIALS, cfp_from_config
 from cfp_megatron.base.compose import compose_config, compose_job
@@ -18,7 +19,7 @@ from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.plan import Plan
 from cfp_megatron.plan.artifact import PlanPrediction
 from cfp_megatron.plan.trial_choice import inside, layout, measured_pick, picked, trial_positions
-from tests.launcher import RunResult, run_train
+from tests.multirank import TMP, MultiRankRuns, case
 from tests.profiles import seed_profile_db
 
 JOB = compose_job(["model=gpt_tiny", "train.global_batch_size=16"])
@@ -114,34 +115,50 @@ COMMON = ["model=gpt_tiny", "train.global_batch_size=16", "train.seq_length=64",
           "train.precision=fp32", "cfp.profile_budget_s=120", "cfp.profile_repeats=1"]
 
 
-def _records(result: RunResult, kind: str) -> list[dict]:
-    return [r for r in result.records if r.get("event") == kind]
+def _seed(folder: Path) -> None:
+    """The recorded 2-rank profile of gpt_tiny in the case's own cache: nothing is profiled."""
+    seed_profile_db(folder / "trials_cache", compose_job([*COMMON, "+cfp=auto"]), world=2)
+
+
+TRIALS = case(2, *COMMON, "+cfp=auto", "cfp.trials=2", "train.steps=4", "cfp.check_after_steps=4",
+              f"train.checkpoint_dir={TMP}/trials_ckpt", "train.save_interval=0", prepare=_seed,
+              env={"CFP_CACHE_DIR": f"{TMP}/trials_cache"})
+"""A launch that trials two plans: a case of the multirank fixture's 2-rank job (tests/multirank.py)."""
 
 
 @pytest.mark.slow
-def test_two_trials_then_training_with_the_measured_faster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.multirank(TRIALS)
+def test_two_trials_then_training_with_the_measured_faster(multirank: MultiRankRuns) -> None:
     """2 gloo ranks, a recorded profile (nothing profiled): both trials run and are stored as trials, the plan that
     trains is the one measured faster, training runs with it to the end, and the trials saved nothing (the only
     checkpoint is the run's own last step; one ``start``; one plan)."""
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("CFP_CACHE_DIR", str(cache))
-    db = seed_profile_db(cache, compose_job([*COMMON, "+cfp=auto"]), world=2)
-    ckpt = tmp_path / "ckpt"
-    result = run_train(2, [*COMMON, "+cfp=auto", "cfp.trials=2", "train.steps=4", "cfp.check_after_steps=4",
-                           f"train.checkpoint_dir={ckpt}", "train.save_interval=0"], tmp_path)
+    result = multirank[TRIALS]
     assert result.returncode == 0, result.output[-4000:]
-    assert "trials at launch (cfp.trials)" in result.output and "cfp: trials: 2 of 2 measured" in result.output
+    (db,) = (multirank.path("trials_cache") / "profile").glob("*.json")
     checks = json.loads(db.read_text())["plan_checks"]
     trials = [c for c in checks if c.get("trial")]
     assert len(trials) == 2 and trials[0]["plan"] != trials[1]["plan"]
+    assert all(c["steps"] == TIMED_STEPS for c in trials)  # timed as the plan check times: after the warm-up
     fastest = min(trials, key=lambda c: c["measured_step_s"])
-    plan = json.loads(next((tmp_path / "run" / "cfp").glob("plan-*.json")).read_text())
+    run_dir = multirank.run_dir(TRIALS)
+    (stored,) = (run_dir / "cfp").glob("plan-*.json")
+    plan = json.loads(stored.read_text())
     assert plan["canonical"] == fastest["plan"]
     assert "measured fastest of 2 trials" in plan["prediction"]["choice"][0]
     # training ran with it: its own plan check is of that plan, and it trained every step
-    run_checks = [c for c in checks if not c.get("trial")]
-    assert [c["plan"] for c in run_checks] == [fastest["plan"]]
-    assert len(_records(result, "start")) == 1 and sorted(result.losses) == [1, 2, 3, 4]
-    saved = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
-    assert {p.split("/")[0] for p in saved} == {"iter_0000004", "latest_checkpointed_iteration.txt"}, saved
-    assert len(list((tmp_path / "run" / "cfp").iterdir())) == 1
+    assert [c["plan"] for c in checks if not c.get("trial")] == [fastest["plan"]]
+    starts = [r for r in result.records if r.get("event") == "start"]
+    assert len(starts) == 1 and sorted(result.losses) == [1, 2, 3, 4]
+    before, after = multirank.files(TRIALS)
+    assert not before and {p.split("/")[0] for p in after} == {"iter_0000004", "latest_checkpointed_iteration.txt"}
+
+
+def test_the_table_shows_predicted_and_measured_per_trial() -> None:
+    from rich.console import Console
+
+    console = Console(record=True, width=140)
+    console.print(trials_table(["dp4 tp1 mb4", "dp2 tp2 mb4"], [0.0363, 0.0368], [0.0441, 0.0402], 1))
+    text = console.export_text()
+    assert "36.3 ms" in text and "44.1 ms" in text and "1.21" in text
+    rows = {line.split("│")[2].strip(): line for line in text.splitlines() if "dp" in line}
+    assert "trains" in rows["dp2 tp2 mb4"] and "trains" not in rows["dp4 tp1 mb4"]

@@ -157,7 +157,7 @@ class CfpSpec:
     trials: str = TRIALS_AUTO
     """auto: after profiling and the search, train each of the top plans for a few steps on this cluster (same seed,
     nothing saved) and train the measured fastest, the trials counted in ``profile_budget_s``: ``auto`` measures the
-    plans inside the chosen plan's error band (at most :data:`AUTO_TRIALS`), only when the runner-up is inside it
+    plans inside the chosen plan's error band (at most 3, :data:`AUTO_TRIALS`), only when the runner-up is inside it
     (never where no band is known, as on CPU clusters); ``K`` the top K distinct plans whatever the band; ``0``: none
     (docs/planning.md, "Trials at launch")."""
     check_after_steps: int = 12
