@@ -162,3 +162,13 @@ def test_the_table_shows_predicted_and_measured_per_trial() -> None:
     assert "36.3 ms" in text and "44.1 ms" in text and "1.21" in text
     rows = {line.split("│")[2].strip(): line for line in text.splitlines() if "dp" in line}
     assert "trains" in rows["dp2 tp2 mb4"] and "trains" not in rows["dp4 tp1 mb4"]
+
+
+def test_manual_refuses_typed_trials() -> None:
+    """``+cfp=manual`` trains its plan as given: a typed ``cfp.trials`` would do nothing."""
+    from cfp_megatron.planner.plan_inputs import check_typed_before_plan
+
+    cfg = compose_config(["+cfp=manual", "cfp.trials=2"])
+    with pytest.raises(ConfigError, match="would do nothing") as caught:
+        check_typed_before_plan(job_from_config(cfg), cfp_from_config(cfg), ("cfp.trials",))
+    assert caught.value.keys == ["cfp.trials"]

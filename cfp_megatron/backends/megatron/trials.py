@@ -30,7 +30,12 @@ from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.data.batches import build_micro_batches
-from cfp_megatron.engine.distributed import bound_every_group, destroy_model_parallel_groups, init_distributed
+from cfp_megatron.engine.distributed import (
+    bound_every_group,
+    destroy_model_parallel_groups,
+    destroy_tp_communicators,
+    init_distributed,
+)
 from cfp_megatron.engine.metrics import MetricsLog, StepMetrics
 from cfp_megatron.engine.step import build_training
 from cfp_megatron.plan.artifact import Plan
@@ -92,6 +97,8 @@ def run_trials(job: JobSpec, plans: Sequence[Plan], *, calibrations: Sequence[fl
                 pass  # MFU (against an infinite peak: 0) is not read
             del state, stream
         finally:
+            if planned.parallel.tp_comm_overlap:
+                destroy_tp_communicators()  # the next trial, and training, make their own
             destroy_model_parallel_groups()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
