@@ -172,3 +172,28 @@ def test_manual_refuses_typed_trials() -> None:
     with pytest.raises(ConfigError, match="would do nothing") as caught:
         check_typed_before_plan(job_from_config(cfg), cfp_from_config(cfg), ("cfp.trials",))
     assert caught.value.keys == ["cfp.trials"]
+
+
+@pytest.fixture()
+def one_rank_group():
+    """A one-rank gloo group, as the trials' round syncs over the default group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()
+
+
+def test_trials_get_only_what_profiling_left_of_the_budget(one_rank_group: None) -> None:
+    """Nothing left of ``cfp.profile_budget_s``: no trial runs, none is stored, and the search's plan trains."""
+    from cfp_megatron.backends.megatron.trials import run_trials, trial_lines
+    from cfp_megatron.base.launch_env import LaunchEnv
+
+    env = LaunchEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, restart_count=0, under_torchrun=False)
+    plans = [_plan(100, None), _plan(104, None, tp=2)]
+    outcome = run_trials(JOB, plans, calibrations=[1.0, 1.0], env=env, warmup_steps=3, budget_s=0.0, on_gpu=False)
+    assert outcome.measured == (None, None) and outcome.round.status.value == "timeout"
+    assert outcome.records == (None, None)
+    pick = measured_pick(outcome.measured)
+    said = trial_lines(outcome, pick, 0.0)
+    assert pick is None and "raise cfp.profile_budget_s" in said[1] and "the search's plan trains" in said[-1]
