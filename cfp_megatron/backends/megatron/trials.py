@@ -158,8 +158,8 @@ def trial_lines(outcome: TrialOutcome, pick: int | None, budget_s: float) -> lis
     """What rank 0 says under the table: the trials' cost against the budget and what trains."""
     done = sum(m is not None for m in outcome.measured)
     r = outcome.round
-    said = [f"trials: {done} of {len(outcome.measured)} measured in {r.seconds:.1f} s of the profiling budget's "
-            f"{max(budget_s, 0.0):.1f} s left"]
+    said = [f"trials: {done} of {len(outcome.measured)} measured in {r.seconds:.1f} s (the profiling budget had "
+            f"{max(budget_s, 0.0):.1f} s left)"]
     if r.status.value != "ok":
         said.append(f"trials: {'timed out' if r.status.value == 'timeout' else r.status.value}: {r.reason}"
                     + (" (raise cfp.profile_budget_s to measure them all)" if r.status.value == "timeout" else ""))
