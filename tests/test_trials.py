@@ -18,7 +18,7 @@ from cfp_megatron.base.config import Recompute, job_from_config
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.plan import Plan
 from cfp_megatron.plan.artifact import PlanPrediction
-from cfp_megatron.plan.trial_choice import inside, layout, measured_pick, picked, trial_positions
+from cfp_megatron.plan.trial_choice import inside, layout, measured_pick, picked, shortfall, trial_positions
 from tests.multirank import TMP, MultiRankRuns, case
 from tests.profiles import seed_profile_db
 
@@ -57,6 +57,9 @@ def test_k_trials_take_the_first_distinct_layouts_whatever_the_band() -> None:
     assert trial_positions(plans, 5) == (0, 2, 3)
     assert trial_positions(plans, 1) == () and trial_positions(plans, 0) == ()
     assert trial_positions(plans[:2], 2) == ()  # one layout: nothing to compare
+    assert "hold 1 distinct layout(s), so none is tried" in shortfall(plans[:2], 2, ())
+    assert "hold 3 distinct layout(s), so 3 are tried" in shortfall(plans, 5, (0, 2, 3))
+    assert shortfall(plans, 3, (0, 2, 3)) is None and shortfall(plans, None, ()) is None
 
 
 def test_the_measured_fastest_trains_and_says_why() -> None:

@@ -68,6 +68,17 @@ def trial_positions(plans: Sequence[Plan], trials: int | None) -> tuple[int, ...
     return tuple(chosen) if len(chosen) >= 2 else ()
 
 
+def shortfall(plans: Sequence[Plan], trials: int | None, tried: Sequence[int]) -> str | None:
+    """What to say where ``cfp.trials=K`` gets fewer than K plans to try (``tried``: :func:`trial_positions`):
+    the top plans hold fewer distinct layouts; ``None`` otherwise (and under ``auto``, which asks for none)."""
+    if trials is None or trials < 2 or len(tried) >= trials:
+        return None
+    found = len(distinct(plans))
+    said = f"cfp.trials={trials}: the search's top {len(plans)} plans hold {found} distinct layout(s)"
+    return said + (", so none is tried" if not tried else f", so {len(tried)} are tried") + \
+        " (raise cfp.top_k to look further down the ranking)"
+
+
 def measured_pick(measured: Sequence[float | None]) -> int | None:
     """The position of the fastest measured step time (``None``: that trial did not finish); of equal times the
     earlier (the search ranked it higher). ``None`` unless two or more trials finished: one alone compares nothing."""

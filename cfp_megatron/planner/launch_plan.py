@@ -34,7 +34,7 @@ from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.engine.metrics import METRICS_KIND
 from cfp_megatron.plan import Plan, PlanError, load_plan, save_plan
-from cfp_megatron.plan.trial_choice import measured_pick, picked, trial_positions
+from cfp_megatron.plan.trial_choice import measured_pick, picked, shortfall, trial_positions
 from cfp_megatron.planner.megatron_launch import MegatronLaunch
 from cfp_megatron.planner.megatron_launch import check_constraints as check_constraints
 from cfp_megatron.planner.megatron_launch import profile_priority as profile_priority
@@ -261,6 +261,9 @@ def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, console: Any
             # The plan carries the job's own cluster preset (the measured figures are inputs, kept in the fingerprint).
             plan = dataclasses.replace(found.best, cluster=job.cluster.name)
             tried = trial_positions(found.plans, cfp.trial_count) if hooks.kind is BackendKind.megatron else ()
+            short = shortfall(found.plans, cfp.trial_count, tried)
+            if console is not None and short is not None:
+                console.print(f"cfp: {short}", markup=False)
             return {"plan": plan.to_json(), "ranked": list(ranked),
                     "calibration": hooks.calibration(measurements, found.best),
                     "trials": [dataclasses.replace(found.plans[i], cluster=job.cluster.name).to_json()
