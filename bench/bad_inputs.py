@@ -649,6 +649,8 @@ def cases() -> list[Case]:
         ("cfp-headroom", ["+cfp=auto", "cfp.constraints.memory_headroom=1.5"], "cfp.constraints.memory_headroom"),
         ("cfp-top-k-0", ["+cfp=auto", "cfp.top_k=0"], "cfp.top_k"),
         ("cfp-budget-0", ["+cfp=auto", "cfp.profile_budget_s=0"], "cfp.profile_budget_s"),
+        ("cfp-trials-word", ["+cfp=auto", "cfp.trials=some"], "cfp.trials"),
+        ("cfp-trials-over-top-k", ["+cfp=auto", "cfp.top_k=2", "cfp.trials=3"], "cfp.trials"),
         ("cfp-allowed-0", ["+cfp=auto", "cfp.constraints.tp=[0]"], "cfp.constraints.tp"),
         ("cfp-check-neg", ["+cfp=auto", "cfp.check_after_steps=-1"], "cfp.check_after_steps"),
         ("ds-zero-5", ["backend=deepspeed", "backend.zero_stage=5"], "backend.zero_stage"),

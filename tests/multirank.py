@@ -41,16 +41,21 @@ class Case:
     prepare: Callable[[Path], None] | None = field(default=None, compare=False)
     """What the case reads that a test makes (an indexed dataset), written under the session's folder (its
     argument) once, before the first job; ``None``: nothing."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Environment variables set while the case runs (``CFP_CACHE_DIR``: a cache of its own); :data:`TMP` in a
+    value stands for the session's folder."""
 
     @property
     def key(self) -> str:
         """What makes two cases the same run."""
-        return json.dumps([self.world, *self.overrides])
+        return json.dumps([self.world, *self.overrides] + ([dict(self.env)] if self.env else []))
 
 
-def case(world: int, *overrides: str, prepare: Callable[[Path], None] | None = None) -> Case:
-    """A :class:`Case` of ``overrides`` on ``world`` ranks (``prepare``: :attr:`Case.prepare`)."""
-    return Case(world=world, overrides=tuple(overrides), prepare=prepare)
+def case(world: int, *overrides: str, prepare: Callable[[Path], None] | None = None,
+         env: dict[str, str] | None = None) -> Case:
+    """A :class:`Case` of ``overrides`` on ``world`` ranks (``prepare``: :attr:`Case.prepare`, ``env``:
+    :attr:`Case.env`)."""
+    return Case(world=world, overrides=tuple(overrides), prepare=prepare, env=tuple(sorted((env or {}).items())))
 
 
 class MultiRankRuns:
@@ -100,7 +105,8 @@ def run_cases(cases: Iterable[Case], folder: Path, *, timeout_per_case: float = 
             overrides = [o.replace(TMP, str(folder)) for o in c.overrides]
             listed.append({"id": c.key, "metrics": str(metrics), "run_dir": str(metrics.parent / "run"),
                            "overrides": [*overrides, f"train.metrics_file={metrics}",
-                                         f"train.collective_timeout_s={COLLECTIVE_TIMEOUT_S}"]})
+                                         f"train.collective_timeout_s={COLLECTIVE_TIMEOUT_S}"],
+                           "env": {k: v.replace(TMP, str(folder)) for k, v in c.env}})
         (job / "cases.json").write_text(json.dumps(listed, indent=1))
         command = torchrun_command(world, [str(job / "cases.json"), str(job / "results.json")], script=SCRIPT)
         try:

@@ -184,3 +184,14 @@ def test_on_a_gpu_the_check_also_gives_the_allocators_peak() -> None:
     gpu = [step(1), step(2, tracked=1000.0, device=1030.0), step(3)]
     assert device_memory(record, gpu) == {"device_peak_gib": round(1030.0 / 2**30, 4), "device_memory_diff": 0.03}
     assert device_memory(record, [step(1), step(2, tracked=1000.0), step(3)]) == {}
+
+
+def test_a_trial_at_launch_calibrates_as_a_run_does() -> None:
+    """``cfp.trials`` stores each trial as a plan check marked ``trial``: it calibrates the next plan of its family
+    as a training run's check does, and the mark survives the ProfileDB's file."""
+    db = _db()
+    tried = db.merged(plan_checks=[_check(db, 0.93, trial=True)])
+    assert tried.step_time_calibration(plan=PLAN) == pytest.approx(0.965)
+    back = ProfileDB.from_json(tried.to_json()).for_model("m")
+    assert back.plan_checks[0].trial and back.step_time_calibration(plan=PLAN) == pytest.approx(0.965)
+    assert not ProfileDB.from_json(db.merged(plan_checks=[_check(db, 0.93)]).to_json()).plan_checks[0].trial

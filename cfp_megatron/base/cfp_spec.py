@@ -18,6 +18,12 @@ DEFAULT_PROFILE_BUDGET_S = 240.0
 """Seconds one profiling run may take (``cfp.profile_budget_s``, ``--budget``)."""
 
 
+TRIALS_AUTO = "auto"
+"""``cfp.trials=auto``: trials only where the runner-up is inside the chosen plan's error band."""
+AUTO_TRIALS = 3
+"""Most plans ``cfp.trials=auto`` measures (the chosen one included)."""
+
+
 class CfpMode(enum.Enum):
     """What ``launch/train.py`` does with the planner."""
 
@@ -155,6 +161,12 @@ class CfpSpec:
     probe's own count (segments 7 on CPU and 5 on GPU, overheads 4, collectives 2-10 and GEMMs 2-50 by size);
     ``null`` keeps those. A low count (the tests' launches use 1) profiles sooner and noisier; the same entries are
     measured. ``python -m cfp_megatron.profile --repeats N`` is the same setting."""
+    trials: str = TRIALS_AUTO
+    """auto: after profiling and the search, train each of the top plans for a few steps on this cluster (same seed,
+    nothing saved) and train the measured fastest, the trials counted in ``profile_budget_s``: ``auto`` measures the
+    plans inside the chosen plan's error band (at most 3, :data:`AUTO_TRIALS`), only when the runner-up is inside it
+    (never where no band is known, as on CPU clusters); ``K`` the top K distinct plans whatever the band; ``0``: none
+    (docs/planning.md, "Trials at launch")."""
     check_after_steps: int = 12
     """auto/manual with a plan: after this many steps (or the run's last, when it trains fewer), compare the
     measured step time (the median of the steps after the ``check_warmup_steps`` first, without the one memory is
@@ -193,6 +205,11 @@ class CfpSpec:
         if self.top_k < 1:
             issues.append(ConfigIssue(key="cfp.top_k", value=self.top_k, problem="must be positive.",
                                       fix="use e.g. 5."))
+        trials = str(self.trials).strip().lower()
+        if trials != TRIALS_AUTO and not trials.isdigit():
+            issues.append(ConfigIssue(key="cfp.trials", value=self.trials,
+                                      problem="must be auto or a count of plans to measure at launch (0: none).",
+                                      fix="use e.g. cfp.trials=2, or cfp.trials=auto."))
         for name in PINNABLE:
             pin = getattr(self, name)
             allowed = getattr(self.constraints, name)
@@ -207,6 +224,21 @@ class CfpSpec:
                                           fix=f"pin a value from that set, or widen cfp.constraints.{name}."))
         if issues:
             raise ConfigError(issues)
+
+    def trials_issue(self) -> ConfigIssue | None:
+        """``cfp.trials`` asking for more plans than ``cfp.top_k`` keeps (:func:`cfp_from_config` refuses it)."""
+        count = self.trial_count
+        if count is None or count <= self.top_k:
+            return None
+        return ConfigIssue(key="cfp.trials", value=self.trials,
+                           problem=f"asks for more plans than the search keeps (cfp.top_k={self.top_k}).",
+                           fix=f"raise cfp.top_k to {count}, or ask for at most {self.top_k} trials.")
+
+    @property
+    def trial_count(self) -> int | None:
+        """The plans ``cfp.trials`` asks to measure at launch; ``None`` for ``auto`` (decided by the band)."""
+        trials = str(self.trials).strip().lower()
+        return None if trials == TRIALS_AUTO else int(trials)
 
     def allowed(self, name: str) -> list[Any] | None:
         """The values knob ``name`` may take: the pin alone, else the constraint's set, else ``None`` (any)."""
@@ -250,7 +282,10 @@ def cfp_from_config(cfg: Any) -> CfpSpec:
                                   fix=f"remove it; known keys are {sorted(known)}."))
     if issues:
         raise ConfigError(issues)
-    return build_spec(CfpSpec, {**section, "constraints": built_constraints})
+    spec = build_spec(CfpSpec, {**section, "constraints": built_constraints})
+    if spec.trials_issue() is not None:  # here, not in the checks: the planner's own searches narrow top_k
+        raise ConfigError(spec.trials_issue())
+    return spec
 
 
 def _recompute(value: Any, key: str) -> Recompute:

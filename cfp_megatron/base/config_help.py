@@ -36,7 +36,7 @@ COMMON_KEYS: tuple[KeyGroup, ...] = (
                                         "recompute"), "parallel/manual.yaml"),
     KeyGroup("train", TrainSpec, ("global_batch_size", "micro_batch_size", "seq_length", "steps", "precision", "lr",
                                   "checkpoint_dir", "save_interval", "resume"), "train/default.yaml"),
-    KeyGroup("cfp", CfpSpec, ("top_k", "overlap", "plan_file", "plan", "profile_budget_s"), "cfp/auto.yaml"),
+    KeyGroup("cfp", CfpSpec, ("top_k", "overlap", "plan_file", "plan", "profile_budget_s", "trials"), "cfp/auto.yaml"),
     KeyGroup("cfp.constraints", SearchConstraints, ("memory_headroom", "max_micro_batch", "tp_within_node"),
              "cfp/auto.yaml"),
     KeyGroup("backend", BackendSpec, ("name",), "backend/megatron.yaml"),

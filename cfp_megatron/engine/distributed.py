@@ -134,6 +134,16 @@ def initialize_tp_communicators(job: JobSpec, dims: ParallelDims) -> None:
         te_module.base.initialize_ub(shape=shape, tp_size=dims.tp, use_fp8=False)
 
 
+def destroy_tp_communicators() -> None:
+    """Transformer Engine's userbuffers (:func:`initialize_tp_communicators`), destroyed so that another layout of
+    the same process can make its own (trials at launch); nothing without Transformer Engine."""
+    try:
+        from transformer_engine.pytorch import module as te_module
+    except ImportError:
+        return
+    te_module.base.destroy_ub()
+
+
 def model_groups() -> ProcessGroupCollection:
     """The process groups :func:`init_distributed` made (Megatron-Core's own, read once from ``parallel_state``),
     as the collection the model, DDP, the optimizer and the schedules are given."""

@@ -78,6 +78,11 @@ def check_layout(job: JobSpec, cfp: CfpSpec) -> None:
                                           "or 32 bits.",
                                   fix="use train.precision=bf16 with backend=deepspeed, or train "
                                       f"{' '.join(fmt.overrides())} with backend=megatron."))
+    if cfp.mode is CfpMode.auto and (cfp.trial_count or 0) > 1:
+        issues.append(ConfigIssue(key="cfp.trials", value=cfp.trials,
+                                  problem="trials train Megatron-Core layouts at launch; the DeepSpeed backend's ZeRO "
+                                          "plans are not tried: it would be ignored.",
+                                  fix="remove cfp.trials (or set cfp.trials=0), or plan with backend=megatron."))
     if cfp.mode is not CfpMode.off and cfp.overlap is not None:
         issues.append(ConfigIssue(key="cfp.overlap", value=cfp.overlap,
                                   problem="sets Megatron-Core's communication overlaps, which the DeepSpeed backend "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.engine.metrics import METRICS_KIND
 from cfp_megatron.plan import Plan, PlanError, load_plan, save_plan
+from cfp_megatron.plan.trial_choice import measured_pick, picked, shortfall, trial_positions
 from cfp_megatron.planner.megatron_launch import MegatronLaunch
 from cfp_megatron.planner.megatron_launch import check_constraints as check_constraints
 from cfp_megatron.planner.megatron_launch import profile_priority as profile_priority
@@ -257,6 +259,7 @@ def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, console: Any
     from cfp_megatron.profile.runner import profile_job
 
     shown = env.rank == 0 and console is not None
+    began = time.perf_counter()  # the trials share the profiling budget (rank 0's clock decides)
     outcome = profile_job(job, env, budget_s=cfp.profile_budget_s, repeats=cfp.profile_repeats, keep_group=True,
                           priority=hooks.priority(early), progress=progress.update if shown else None)
     progress.close()
@@ -291,18 +294,56 @@ def _profile_and_search(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, console: Any
                            for label, p in zip(found.labels, found.plans, strict=True) if p.predicted is not None)
             # The plan carries the job's own cluster preset (the measured figures are inputs, kept in the fingerprint).
             plan = dataclasses.replace(found.best, cluster=job.cluster.name)
+            tried = trial_positions(found.plans, cfp.trial_count) if hooks.kind is BackendKind.megatron else ()
+            short = shortfall(found.plans, cfp.trial_count, tried)
+            if console is not None and short is not None:
+                console.print(f"cfp: {short}", markup=False)
             return {"plan": plan.to_json(), "ranked": list(ranked),
-                    "calibration": hooks.calibration(measurements, found.best)}
+                    "calibration": hooks.calibration(measurements, found.best),
+                    "trials": [dataclasses.replace(found.plans[i], cluster=job.cluster.name).to_json()
+                               for i in tried],
+                    "trial_labels": [found.labels[i] for i in tried],
+                    "trial_calibrations": [hooks.calibration(measurements, found.plans[i]) for i in tried],
+                    "budget_left_s": cfp.profile_budget_s - (time.perf_counter() - began)}
 
         received = searched_on_rank0(search, outcome, env, console)
         # rank 0's canonical string and hash travel inside plan.json; from_json rebuilds the plan from its fields
         # and raises a PlanError unless this rank gets the same string and hash from them
         plan = Plan.from_json(received["plan"])
+        calibration = float(received["calibration"])
+        if received["trials"]:
+            plan, calibration = _trials(job, cfp, env, console, received, plan, calibration, on_gpu=on_gpu)
     finally:
         if not hooks.keeps_group:
             destroy_distributed()
     return LaunchPlan(plan=plan, job=job, source="planned", path=None, ranked=tuple(received["ranked"]),
-                      calibration=float(received["calibration"]))
+                      calibration=calibration)
+
+
+def _trials(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, console: Any, received: dict[str, Any], plan: Plan,
+            calibration: float, *, on_gpu: bool) -> tuple[Plan, float]:
+    """Run the trials rank 0's search asked for (``received``) on every rank, within what profiling left of the
+    budget; the measured fastest and its calibration, else ``plan`` and ``calibration`` (fewer than two finished).
+    Every rank reads the same measurements (rank 0's, handed round by the trials' round), so all pick alike."""
+    from cfp_megatron.backends.megatron.trials import run_trials, trial_lines, trials_table
+
+    plans = [Plan.from_json(d) for d in received["trials"]]
+    labels, calibrations = list(received["trial_labels"]), [float(c) for c in received["trial_calibrations"]]
+    shown = env.rank == 0 and console is not None
+    with RoundProgress(enabled=shown) as progress:
+        outcome = run_trials(job, plans, calibrations=calibrations, env=env, warmup_steps=cfp.check_warmup_steps,
+                             budget_s=float(received["budget_left_s"]), on_gpu=on_gpu,
+                             progress=progress.update if shown else None)
+    pick = measured_pick(outcome.measured)
+    if shown:
+        predicted = [p.predicted.step_time_s * c if p.predicted is not None else 0.0
+                     for p, c in zip(plans, calibrations, strict=True)]
+        console.print(trials_table(labels, predicted, outcome.measured, pick))
+        for line in trial_lines(outcome, pick, float(received["budget_left_s"])):
+            console.print(f"cfp: {line}", markup=False)
+    if pick is None:
+        return plan, calibration
+    return picked(plans[pick], labels, outcome.measured, pick), calibrations[pick]
 
 
 def coverage_lines(outcome: Any, budget_s: float, world: int, overrides: list[str]) -> list[str]:

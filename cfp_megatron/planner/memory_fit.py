@@ -17,8 +17,8 @@ from cfp_megatron.base.config import ClusterSpec, JobSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import transformer_engine_available
 from cfp_megatron.cluster.measured import Measurements
-from cfp_megatron.planner.sizing import GROWTH, Planner, growth_limit, resized, smallest_fitting
 from cfp_megatron.model.derive import partition_options
+from cfp_megatron.planner.sizing import GROWTH, Planner, growth_limit, resized, smallest_fitting
 from cfp_megatron.profile.cluster import host_memory_gib, local_measurements, this_device
 from cfp_megatron.search.search import SearchResult, search
 from cfp_megatron.search.space import KNOBS, knob_setting, no_layout_issues, only_knob

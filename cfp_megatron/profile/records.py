@@ -421,6 +421,9 @@ class PlanCheckRecord:
     (:func:`cfp_megatron.plan.check.other_load`); ``None`` where not known."""
     repeat_spread: float | None = None
     """Spread of the timed steps: (slowest - fastest) / median; ``None`` with fewer than two."""
+    trial: bool = False
+    """Measured by a trial at launch (``cfp.trials``: a few steps of one of the top plans before training), not by
+    the training run itself."""
 
     @property
     def step_ratio(self) -> float:

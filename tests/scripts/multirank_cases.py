@@ -3,8 +3,9 @@ torchrun each (tests/multirank.py starts it; docs/testing.md, "One job per world
 
     torchrun --nproc_per_node=W tests/scripts/multirank_cases.py CASES.json RESULTS.json
 
-CASES.json lists ``{"id": ..., "overrides": [...], "run_dir": ...}`` in the order they run (``run_dir``: the case's
-Hydra run directory, where a launch writes ``plan.json`` and the like). Each case goes through the launch path
+CASES.json lists ``{"id": ..., "overrides": [...], "run_dir": ..., "env": {...}}`` in the order they run (``run_dir``:
+the case's Hydra run directory, where a launch writes ``plan.json`` and the like; ``env``: variables set while it
+runs). Each case goes through the launch path
 of ``launch/train.py`` after Hydra (:func:`cfp_megatron.planner.entry.train_from_config`: validation, the checkpoint
 checks, the plan, Megatron's groups, training, checkpoints) on the overrides composed as the launcher composes them;
 what differs is that the default process group is created by the first case and kept, and between cases only
@@ -87,7 +88,16 @@ def main(cases_file: str, results_file: str) -> None:
     results: dict[str, dict] = {}
     for case in cases:
         began, before = time.perf_counter(), files_under(case["overrides"])
-        error = run_case(case["overrides"], case["run_dir"])
+        kept = {k: os.environ.get(k) for k in case.get("env", {})}
+        os.environ.update(case.get("env", {}))  # the case's own variables (a cache of its own), then back
+        try:
+            error = run_case(case["overrides"], case["run_dir"])
+        finally:
+            for k, v in kept.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         results[case["id"]] = {"ok": error is None, "error": error, "seconds": round(time.perf_counter() - began, 1),
                                "files": [before, files_under(case["overrides"])]}
         if os.environ.get("RANK", "0") == "0":

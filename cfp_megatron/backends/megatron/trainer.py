@@ -66,7 +66,7 @@ def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step
         bar = log.progress.add_task("train", total=t.steps, completed=state.step)
         while state.step < t.steps:
             rank_watch.at(f"step {state.step + 1} of {t.steps}")
-            if not _train_one(state, stream, log, history, flops_per_token, peak):
+            if not train_one(state, stream, log, history, flops_per_token, peak):
                 break
             log.progress.update(bar, completed=state.step)
             if check is not None and len(history) == check.after_steps:
@@ -80,7 +80,7 @@ def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step
     return history
 
 
-def _train_one(state: TrainState, stream: Iterator[dict[str, torch.Tensor]], log: MetricsLog,
+def train_one(state: TrainState, stream: Iterator[dict[str, torch.Tensor]], log: MetricsLog,
                history: list[StepMetrics], flops_per_token: float, peak: float) -> bool:
     """Train one step from ``stream`` and log it; False when the data ran out."""
     t, dims = state.job.train, state.dims
