@@ -77,7 +77,7 @@ def test_row_defaults_are_documented_choices() -> None:
            "derived_step_time_s": "2.0", "precision": "FP8", "zero_or_fsdp": "FSDP FULL_SHARD"}
     plan = row_plan(row)
     assert plan.job.model.vocab_size == 51200 and plan.job.model.ffn_size == 4096
-    assert plan.job.cluster.nodes == 2 and plan.options.fsdp and plan.options.fp8
+    assert plan.job.cluster.nodes == 2 and plan.job.parallel.fsdp.value == "optim_grads_params" and plan.options.fp8
     assert plan.measured_s == 2.0
     assert plan.job.parallel.grad_reduce_in_fp32  # fp32 gradients unless NeMo's or Megatron-Bridge's perf scripts
     nemo = row_plan({**row, "framework": "NeMo 24.07 (Megatron-Core)", "zero_or_fsdp": ""})

@@ -172,6 +172,13 @@ _MEGATRON_RULES: dict[str, Callable[[Plan, int | None], list[str]]] = {
         if plan.parallel.cpu_offloading_num_layers else []),
     "cuda_graph_scope": lambda plan, num_layers: (["--cuda-graph-scope", *plan.parallel.graph_scopes()]
                                                   if plan.parallel.cuda_graph_scope is not None else []),
+    # Megatron-FSDP's switch and its strategy (and the checkpoint format Megatron-LM requires with it).
+    "fsdp": lambda plan, num_layers: (
+        ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", plan.parallel.fsdp.value,
+         "--ckpt-format", "fsdp_dtensor"] if plan.parallel.fsdp.value != "none" else []),
+    "dp_shard_size": lambda plan, num_layers: (
+        ["--num-distributed-optimizer-instances", str(plan.dp * plan.parallel.cp // plan.parallel.dp_shard_size)]
+        if plan.parallel.dp_shard_size is not None else []),
 }
 """How the ParallelSpec fields whose LayoutKey says ``megatron=""`` become Megatron-LM arguments."""
 

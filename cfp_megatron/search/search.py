@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cfp_megatron.base.cfp_spec import CfpSpec
-from cfp_megatron.base.config import JobSpec, MlpPartition, ParallelSpec, Recompute
+from cfp_megatron.base.config import FsdpStrategy, JobSpec, MlpPartition, ParallelSpec, Recompute
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.base.pipeline_layout import balanced_layout
@@ -213,7 +213,7 @@ class MegatronSpace:
         groups, invalid_groups, size = _groups(space, job, measurements, options, cache)
         return cls(job=job, world=world, space=space, measurements=measurements, options=options, cache=cache,
                    limit=limit, groups=groups, invalid_groups=invalid_groups, size=size,
-                   param_bytes=_param_bytes(job, options))
+                   param_bytes=_param_bytes(job, space))
 
     def entries(self) -> list[driver.Entry]:
         """Every group, at its bound: groups are expanded when they reach the queue's head, so most never are."""
@@ -245,6 +245,30 @@ class MegatronSpace:
                 return trial, tjob, tmemory, tries
         return cand, cjob, memory, tries
 
+    def _sharded(self, cand: Candidate, cjob: JobSpec, memory: MemoryBreakdown) -> tuple[
+            Candidate, JobSpec, MemoryBreakdown, int]:
+        """``cand`` with the least data-parallel sharding of :meth:`Space.sharding_ladder
+        <cfp_megatron.search.space.Space.sharding_ladder>` whose memory fits (Megatron-FSDP's only where Megatron-Core's
+        DDP does not fit or the ``cfp`` pins leave it out: each step shards more and communicates more), else the
+        most sharded; its job, memory, and the memory predictions it took."""
+        ladder = self.space.sharding_ladder(cand)
+        limit = self.limit
+        fits = limit is None or memory.total / GIB <= limit
+        if not ladder or (ladder[0] == (FsdpStrategy.none.value, 0) and fits):
+            return cand, cjob, memory, 0
+        tries = 0
+        for fsdp, shard in ladder:
+            if fsdp == FsdpStrategy.none.value:
+                continue
+            cand = dataclasses.replace(cand, fsdp=fsdp, dp_shard=shard)
+            cjob = cand.screened_job(self.job)
+            memory = predict_memory(cjob, self.job.cluster, self.measurements, options=self.options,
+                                    world_size=self.world, cache=self.cache)
+            tries += 1
+            if limit is None or memory.total / GIB <= limit:
+                break
+        return cand, cjob, memory, tries
+
     def evaluate(self, item: tuple, extra: float, kth: float) -> driver.Outcome:
         """The candidate of key ``item`` (``extra``: its heaviest rank's weights in bytes): its weights, its memory
         (block recomputation and PrimePar's layer count chosen to fit, then the overlaps that fit on top), then the
@@ -266,7 +290,9 @@ class MegatronSpace:
                     cand, memory, more = _primepar_layers(cand, cjob, memory, job, limit, self.measurements,
                                                           self.options, self.world, self.cache)
                     cjob, tries = cand.screened_job(job), tries + more
-            # After the counts above: the overlaps' buffers go on top of the memory they chose.
+            # After the counts above: the sharding that fits, then the overlaps' buffers on top of its memory.
+            cand, cjob, memory, more = self._sharded(cand, cjob, memory)
+            tries += more
             cand, cjob, memory, more = self._overlaps(cand, cjob, memory)
             tries += more
         except ConfigError:
@@ -560,13 +586,14 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: t
     return out
 
 
-def _param_bytes(job: JobSpec, options: SimOptions) -> tuple[float, float]:
-    """Bytes per parameter a rank holds whatever its data-parallel size, with the distributed optimizer and without
-    it (:meth:`~cfp_megatron.sim.sharding.StateBytes.replicated`; none under FSDP)."""
+def _param_bytes(job: JobSpec, space: Space) -> tuple[float, float]:
+    """Bytes per parameter a rank holds whatever its data-parallel size, with the distributed optimizer (and the
+    most sharding of Megatron-FSDP the search may set on top, :meth:`~cfp_megatron.search.space.Space.fsdp_values`)
+    and without it (:meth:`~cfp_megatron.sim.sharding.StateBytes.replicated`; none under full sharding)."""
     state = StateBytes.megatron(job)
-    sharded, unsharded = (state.replicated(megatron_sharded(distributed_optimizer=dopt, fsdp=options.fsdp))
-                          for dopt in (True, False))
-    return sharded, unsharded
+    most = FsdpStrategy(space.fsdp_values()[-1]) if space.fsdp_values() else FsdpStrategy.none
+    return (state.replicated(megatron_sharded(distributed_optimizer=True, fsdp=most)),
+            state.replicated(megatron_sharded(distributed_optimizer=False)))
 
 
 def _bounds(space: Space, job: JobSpec, measurements: Measurements | None, options: SimOptions,
@@ -575,7 +602,7 @@ def _bounds(space: Space, job: JobSpec, measurements: Measurements | None, optio
     (bound, key) order; the groups the runtime's validation refuses; the number of candidates (what the search's
     queue yields, all at once)."""
     groups, refused, size = _groups(space, job, measurements, options, cache)
-    param_bytes = _param_bytes(job, options)
+    param_bytes = _param_bytes(job, space)
     out = [(bound, key, weights) for g in groups for bound, _, key, weights in _expand(g, job, options, param_bytes)]
     out.sort()
     return out, refused, size

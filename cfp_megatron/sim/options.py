@@ -16,11 +16,6 @@ class SimOptions:
     fp8: bool = False
     """Run the linear layers' GEMMs in FP8 (Transformer Engine): weights stay in bf16, and the inputs the linear
     layers keep for their weight gradients are the FP8 copies their forward GEMMs read (one byte an element)."""
-    fsdp: bool = False
-    """Fully sharded data parallelism (ZeRO-3 / PyTorch FSDP FULL_SHARD): parameters, gradients and optimizer states
-    sharded over DP; each layer's parameters all-gathered before its forward and backward, gradients
-    reduce-scattered after its backward, prefetched so they overlap with the neighbouring layer's compute
-    (:meth:`cfp_megatron.sim.sharding.Sharding.megatron`)."""
     attention: AttentionKernel = AttentionKernel.flash
     """How the attention core runs: a fused kernel that stores no ``s x s`` scores (FlashAttention / cuDNN, the
     default: NVIDIA's containers ship Transformer Engine), or Megatron's unfused core with or without its fused
