@@ -4,6 +4,7 @@ price in the one sharding model, the search's choice, the plan's string and its 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 
@@ -22,6 +23,7 @@ from cfp_megatron.sim.simulate import predict_memory, simulate
 FSDP = ("parallel.distributed_optimizer=true",)
 
 
+@functools.lru_cache(maxsize=32)
 def _job(*overrides: str):
     return job_from_config(compose_config(["model=llama3_8b", "cluster=dgx_h100", "cluster.nodes=2",
                                            "train.global_batch_size=64", "train.seq_length=4096", *overrides]))
@@ -128,3 +130,15 @@ def test_a_plan_carries_the_sharding_in_its_string_and_megatron_lm_arguments() -
     assert args[args.index("--ckpt-format") + 1] == "fsdp_dtensor"
     plain = Plan.from_job(_job(*FSDP), world_size=16, prediction=None, inputs_fingerprint="x")
     assert "fsdp=" not in plain.canonical() and "--use-megatron-fsdp" not in megatron_lm_args(plain)
+
+
+def test_megatron_fsdp_with_checkpoints_is_refused_and_the_search_leaves_it_out() -> None:
+    with pytest.raises(ConfigError) as err:
+        ParallelDims.build(_job(*FSDP, "parallel.fsdp=optim_grads", "train.checkpoint_dir=/tmp/x"), 16)
+    assert err.value.issues[0].key == "parallel.fsdp" and "train.checkpoint_dir" in err.value.issues[0].fix
+    saved = _search("cluster.hbm_gib=80", "train.checkpoint_dir=/tmp/x")
+    assert saved.ranked and all(r.job.parallel.fsdp is FsdpStrategy.none for r in saved.ranked)
+    for pin, words in (("cfp.fsdp=optim_grads", "fsdp_dtensor"), ("cfp.fsdp=optim", "gradient norm")):
+        with pytest.raises(ConfigError) as err:
+            _search("cluster.hbm_gib=80", pin, *(["train.checkpoint_dir=/tmp/x"] if "grads" in pin else []))
+        assert err.value.issues[0].key == "cfp.fsdp" and words in err.value.issues[0].problem

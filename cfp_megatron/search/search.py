@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import FsdpStrategy, JobSpec, MlpPartition, ParallelSpec, Recompute
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.layout_rules.batch import fsdp_checkpoints, fsdp_settings
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.base.pipeline_layout import balanced_layout
 from cfp_megatron.base.pipeline_split import chunk_layers
@@ -46,6 +47,7 @@ from cfp_megatron.search.space import (
     Space,
     build_space,
     family_of_key,
+    knob_setting,
     max_chunk_layers,
     recompute_parts,
     split_stage_counts,
@@ -200,6 +202,12 @@ class MegatronSpace:
         """The space of ``job`` on ``world`` ranks under ``cfp``, its groups bounded."""
         options = options or SimOptions()
         space = build_space(job, world, cfp, te_available=te_available)
+        if not space.fsdp_values():  # the strategies pinned do not train here (layout_rules.batch)
+            key, value = knob_setting(cfp, "fsdp")
+            pinned = (cfp.allowed("fsdp") or [FsdpStrategy.optim_grads])[0].value
+            why = (fsdp_settings(fsdp=pinned, distributed_optimizer=True, shard_size=None)
+                   + fsdp_checkpoints(pinned, job.train.checkpoint_dir))[0]
+            raise ConfigError(ConfigIssue(key=key, value=value, problem=why.problem, fix=why.fix))
         if measurements is not None:  # PrimePar's MLP only where profiling timed its layer (see Space.primepar)
             timed = frozenset(f.tp for f in space.families if measurements.segment_micro_batches(
                 "dense", partition_name(f.tp, mlp=MlpPartition.primepar)))

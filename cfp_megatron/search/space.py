@@ -514,10 +514,12 @@ class Space:
 
     def fsdp_values(self) -> list[str]:
         """The Megatron-FSDP strategies the search may set (``cfp.fsdp`` / ``cfp.constraints.fsdp``, else all it
-        trains), least sharded first; ``optim`` is refused (:func:`~cfp_megatron.base.layout_rules.batch.
+        trains; none where the job saves checkpoints, :func:`~cfp_megatron.base.layout_rules.batch.fsdp_checkpoints`),
+        least sharded first; ``optim`` is refused (:func:`~cfp_megatron.base.layout_rules.batch.
         fsdp_settings`)."""
         allowed = self.cfp.allowed("fsdp")
-        return [v.value for v in SEARCHED_FSDP if allowed is None or v in allowed]
+        return [v.value for v in SEARCHED_FSDP if (allowed is None or v in allowed)
+                and not batch.fsdp_checkpoints(v.value, self.job.train.checkpoint_dir)]
 
     def sharding_ladder(self, cand: Candidate) -> list[tuple[str, int]]:
         """(strategy, hybrid shard size) settings for ``cand`` in the order the search tries them, least sharded

@@ -129,3 +129,16 @@ def shard_groups(shard_size: int | None, *, dp_cp: int, fsdp: str, on_cpu: bool)
                             "sharded over.",
                     fix=f"use a divisor of {dp_cp} (e.g. the GPUs of a node), or parallel.dp_shard_size=null.",
                     brief=f"does not divide DP x CP = {dp_cp}")]
+
+
+def fsdp_checkpoints(fsdp: str, checkpoint_dir: str | None) -> list[Problem]:
+    """Megatron-FSDP's state is saved only in its own format, which this project's checkpoints do not write."""
+    if fsdp == "none" or checkpoint_dir is None:
+        return []
+    return [Problem(key="parallel.fsdp", value=fsdp,
+                    problem=f"checkpoints (train.checkpoint_dir={checkpoint_dir}) are not saved under Megatron-FSDP: "
+                            "Megatron-Core 0.16.1 saves its state only in the fsdp_dtensor format, not in the "
+                            "resharding dist_checkpointing format this project saves and resumes across layouts.",
+                    fix="set parallel.fsdp=none (cfp.fsdp=none when planning; the distributed optimizer shards the "
+                        "optimizer states), or train.checkpoint_dir=null to train without checkpoints.",
+                    brief="Megatron-FSDP saves no checkpoint here")]
