@@ -51,6 +51,12 @@ def test_a_shard_group_divides_dp_x_cp_and_megatron_fsdps_hybrid_sharding_is_ref
     with pytest.raises(ConfigError) as err:
         ParallelDims.build(cpu, 2)
     assert err.value.issues[0].key == "parallel.dp_shard_size" and "CPU" in err.value.issues[0].problem
+    moe = job_from_config(compose_config(["model=moe_tiny", "cluster=dgx_h100", "cluster.nodes=2", "parallel.ep=2",
+                                          *FSDP, "parallel.fsdp=optim_grads_params", "parallel.dp_shard_size=8",
+                                          "train.global_batch_size=16", "train.micro_batch_size=1"]))
+    with pytest.raises(ConfigError) as err:
+        ParallelDims.build(moe, 16)
+    assert [(i.key, "expert mesh" in i.problem) for i in err.value.issues] == [("parallel.dp_shard_size", True)]
     # the distributed optimizer alone hybrid-shards on CPU (the gloo run in tests/test_train_parallel.py)
     ParallelDims.build(job_from_config(compose_config(["cluster=local", "cluster.gpus_per_node=2", *FSDP,
                                                        "parallel.dp_shard_size=1"])), 2)

@@ -524,14 +524,15 @@ class Space:
     def sharding_ladder(self, cand: Candidate) -> list[tuple[str, int]]:
         """(strategy, hybrid shard size) settings for ``cand`` in the order the search tries them, least sharded
         first: Megatron-Core's DDP, ``optim_grads``, ``optim_grads_params`` hybrid-sharded within an NVLink domain
-        (where DP x CP spans more than one, not on CPU), then over all of DP x CP; empty without the distributed
-        optimizer, which steps Megatron-FSDP's shards."""
+        (where DP x CP spans more than one; not on CPU nor with expert parallelism,
+        :func:`~cfp_megatron.base.layout_rules.batch.shard_groups`), then over all of DP x CP; empty without the
+        distributed optimizer, which steps Megatron-FSDP's shards."""
         if not cand.distributed_optimizer:
             return []
         dp_cp = data_parallel_size(self.world, cand.tp, cand.cp, cand.pp) * cand.cp
         out: list[tuple[str, int]] = []
         for value in self.fsdp_values():
-            if value == FsdpStrategy.optim_grads_params.value and not self.job.cluster.on_cpu:
+            if value == FsdpStrategy.optim_grads_params.value and not self.job.cluster.on_cpu and cand.ep == 1:
                 cluster = self.job.cluster
                 domain = cluster.domain_size(cluster.gpus_per_node or self.world, self.world)
                 shard = math.gcd(dp_cp, max(domain // cand.tp, 1))  # TP varies fastest, then CP and DP

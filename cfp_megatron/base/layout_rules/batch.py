@@ -111,9 +111,17 @@ def fsdp_settings(*, fsdp: str, distributed_optimizer: bool, shard_size: int | N
     return out
 
 
-def shard_groups(shard_size: int | None, *, dp_cp: int, fsdp: str, on_cpu: bool) -> list[Problem]:
+def shard_groups(shard_size: int | None, *, dp_cp: int, fsdp: str, on_cpu: bool, ep: int = 1) -> list[Problem]:
     """A hybrid shard group is a whole part of DP x CP (Megatron-Core's distributed-optimizer instances);
-    Megatron-FSDP's hybrid sharding does not train as the reference does on CPU."""
+    Megatron-FSDP's hybrid sharding does not train as the reference does on CPU, nor shard experts."""
+    if shard_size is not None and fsdp != "none" and ep > 1 and shard_size < dp_cp:
+        return [Problem(key="parallel.dp_shard_size", value=shard_size,
+                        problem=f"Megatron-FSDP's hybrid sharding (parallel.fsdp={fsdp}) builds no expert mesh in "
+                                "Megatron-Core 0.16.1 (mcore_fsdp_adapter._init_dist_index), so experts split over "
+                                f"parallel.ep={ep} would be sharded as dense weights.",
+                        fix="set parallel.dp_shard_size=null (Megatron-FSDP over all of DP x CP), or hybrid-shard "
+                            "with the distributed optimizer alone (parallel.fsdp=none).",
+                        brief="Megatron-FSDP's hybrid sharding has no expert groups")]
     if shard_size is not None and fsdp != "none" and on_cpu and shard_size < dp_cp:
         return [Problem(key="parallel.dp_shard_size", value=shard_size,
                         problem=f"Megatron-FSDP's hybrid sharding (parallel.fsdp={fsdp}) trains away from the "
