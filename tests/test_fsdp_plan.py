@@ -110,7 +110,7 @@ def _search(*overrides: str):
 
 def test_the_search_shards_more_only_where_a_layout_does_not_fit_otherwise() -> None:
     roomy = _search("cluster.hbm_gib=400")
-    assert all(r.job.parallel.fsdp is FsdpStrategy.none for r in roomy.ranked)
+    assert roomy.ranked and all(r.job.parallel.fsdp is FsdpStrategy.none for r in roomy.ranked)
     tight = _search("cluster.hbm_gib=80")
     best = tight.best.job.parallel
     assert best.fsdp is not FsdpStrategy.none and best.distributed_optimizer
@@ -121,7 +121,7 @@ def test_the_search_shards_more_only_where_a_layout_does_not_fit_otherwise() -> 
             alone = predict_memory(dataclasses.replace(r.job, parallel=unsharded), world_size=8)
             assert alone.total_gib > r.prediction.memory.total_gib
     pinned = _search("cluster.hbm_gib=400", "cfp.fsdp=optim_grads")
-    assert all(r.job.parallel.fsdp is FsdpStrategy.optim_grads for r in pinned.ranked)
+    assert pinned.ranked and all(r.job.parallel.fsdp is FsdpStrategy.optim_grads for r in pinned.ranked)
 
 
 def test_a_plan_carries_the_sharding_in_its_string_and_megatron_lm_arguments() -> None:
@@ -148,3 +148,15 @@ def test_megatron_fsdp_with_checkpoints_is_refused_and_the_search_leaves_it_out(
         with pytest.raises(ConfigError) as err:
             _search("cluster.hbm_gib=80", pin, *(["train.checkpoint_dir=/tmp/x"] if "grads" in pin else []))
         assert err.value.issues[0].key == "cfp.fsdp" and words in err.value.issues[0].problem
+
+
+def test_the_distributed_optimizer_runs_adam_only_and_the_search_keeps_to_that() -> None:
+    from cfp_megatron.planner.job_checks import validate_job
+
+    with pytest.raises(ConfigError) as err:
+        validate_job(_job(*FSDP, "train.optimizer=sgd"), 16)
+    assert err.value.issues[0].key == "parallel.distributed_optimizer" and "train.optimizer=adam" in \
+        err.value.issues[0].fix
+    found = _search("cluster.hbm_gib=400", "train.optimizer=sgd")
+    assert found.ranked and all(not r.job.parallel.distributed_optimizer for r in found.ranked)
+    assert any(r.job.parallel.distributed_optimizer for r in _search("cluster.hbm_gib=400").ranked)

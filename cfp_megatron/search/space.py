@@ -545,7 +545,8 @@ class Space:
         """Why the distributed optimizer on (``dopt``) does not fit the family (it shards over data parallelism)."""
         expert_dp = (expert_data_parallel_size(self.world, family.etp, family.ep, family.pp)
                      if self.job.model.is_moe else None)
-        return briefs(batch.sharded_optimizer(dopt, dp=family.dp(self.world), expert_dp=expert_dp))
+        return briefs(batch.sharded_optimizer(dopt, dp=family.dp(self.world), expert_dp=expert_dp)
+                      + batch.distributed_optimizer_kind(dopt, self.job.train.optimizer.value))
 
     def candidates(self, family: Family) -> Iterator[Candidate]:
         """Every candidate of ``family``, in a fixed order."""

@@ -150,3 +150,15 @@ def fsdp_checkpoints(fsdp: str, checkpoint_dir: str | None) -> list[Problem]:
                     fix="set parallel.fsdp=none (cfp.fsdp=none when planning; the distributed optimizer shards the "
                         "optimizer states), or train.checkpoint_dir=null to train without checkpoints.",
                     brief="Megatron-FSDP saves no checkpoint here")]
+
+
+def distributed_optimizer_kind(distributed_optimizer: bool, optimizer: str) -> list[Problem]:
+    """Megatron-Core's distributed optimizer steps Adam only (0.16.1: "Only Adam and HybridDeviceOptimizer currently
+    supported, due to checkpointing requirements")."""
+    if not distributed_optimizer or optimizer == "adam":
+        return []
+    return [Problem(key="parallel.distributed_optimizer", value=True,
+                    problem="Megatron-Core's distributed optimizer (and Megatron-FSDP, which it steps) runs Adam "
+                            f"only; train.optimizer={optimizer}.",
+                    fix="set train.optimizer=adam, or parallel.distributed_optimizer=false (and parallel.fsdp=none).",
+                    brief=f"the distributed optimizer runs Adam, not {optimizer}")]
