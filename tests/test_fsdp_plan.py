@@ -160,3 +160,19 @@ def test_the_distributed_optimizer_runs_adam_only_and_the_search_keeps_to_that()
     found = _search("cluster.hbm_gib=400", "train.optimizer=sgd")
     assert found.ranked and all(not r.job.parallel.distributed_optimizer for r in found.ranked)
     assert any(r.job.parallel.distributed_optimizer for r in _search("cluster.hbm_gib=400").ranked)
+
+
+def test_the_measured_memory_finds_megatron_fsdps_gradient_buffers() -> None:
+    """Megatron-FSDP's wrapper keeps its gradients in ``param_and_grad_buffer`` (its ``buffers`` is nn.Module's
+    method): the plan check's memory step read that method as DDP's buffer list and stopped the run."""
+    import types
+
+    import torch
+
+    from cfp_megatron.engine.memory import _grad_buffers
+
+    grads = torch.zeros(4)
+    group = types.SimpleNamespace(main_grad_buffer=types.SimpleNamespace(data=grads))
+    chunk = torch.nn.Linear(2, 2)
+    chunk.param_and_grad_buffer = types.SimpleNamespace(parameter_groups=[group])
+    assert [t is grads for t in _grad_buffers([chunk])] == [True]
