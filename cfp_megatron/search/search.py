@@ -628,6 +628,9 @@ class StateBound:
     """(kept by every rank, sharded) bytes per parameter without the distributed optimizer."""
     sharded: tuple[tuple[str, float, float], ...]
     """(strategy, kept by every rank, sharded) bytes per parameter with the distributed optimizer, per strategy."""
+    pipelined: bool = True
+    """Whether the strategies beyond the first apply to pipelined families too
+    (:meth:`~cfp_megatron.search.space.Space.sharding_ladder`); else those keep to the first."""
 
     def per_param(self, head: tuple) -> tuple[float, ...]:
         """Bytes per parameter for a group of ``head``'s family: with the distributed optimizer at the most sharding
@@ -635,7 +638,8 @@ class StateBound:
         tp, cp, pp, ep, etp = head[:5]
         widest = max(data_parallel_size(self.world, tp, cp, pp) * cp,
                      expert_data_parallel_size(self.world, etp, ep, pp), 1)
-        each = tuple(kept + shard / widest for _, kept, shard in self.sharded)
+        strategies = self.sharded if self.pipelined or pp == 1 else self.sharded[:1]
+        each = tuple(kept + shard / widest for _, kept, shard in strategies)
         return (each[-1], self.ddp[0] + self.ddp[1] / widest, *each)
 
 
@@ -650,6 +654,7 @@ def _param_bytes(job: JobSpec, space: Space) -> StateBound:
 
     strategies = space.fsdp_values() or [FsdpStrategy.none.value]
     return StateBound(world=space.world, ddp=split(megatron_sharded(distributed_optimizer=False)),
+                      pipelined=space.cfp.allowed("fsdp") is not None,
                       sharded=tuple((s, *split(megatron_sharded(distributed_optimizer=True, fsdp=FsdpStrategy(s))))
                                     for s in strategies))
 

@@ -526,9 +526,13 @@ class Space:
         first: Megatron-Core's DDP, ``optim_grads``, ``optim_grads_params`` hybrid-sharded within an NVLink domain
         (where DP x CP spans more than one; not on CPU nor with expert parallelism,
         :func:`~cfp_megatron.base.layout_rules.batch.shard_groups`), then over all of DP x CP; empty without the
-        distributed optimizer, which steps Megatron-FSDP's shards."""
+        distributed optimizer, which steps Megatron-FSDP's shards. Unless ``cfp`` pins or sets the strategies, a
+        pipelined candidate keeps to Megatron-Core's DDP (Megatron-FSDP's gathers repeat for each of the many
+        micro-batches a pipeline needs; docs/planning.md, "Sharded data parallelism")."""
         if not cand.distributed_optimizer:
             return []
+        if cand.pp > 1 and self.cfp.allowed("fsdp") is None:
+            return [(FsdpStrategy.none.value, 0)]  # unpinned, Megatron-FSDP is searched without pipelining
         dp_cp = data_parallel_size(self.world, cand.tp, cand.cp, cand.pp) * cand.cp
         out: list[tuple[str, int]] = []
         for value in self.fsdp_values():
