@@ -277,7 +277,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     cfg = {
         "model": model, "cluster": cluster,
         "parallel": {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "vpp": vp if vp > 1 else None, "sp": sp,
-                     "recompute": recompute, "recompute_modules": modules, "distributed_optimizer": dist_opt,
+                     "recompute": recompute, "recompute_modules": modules, "distributed_optimizer": dist_opt or fsdp,
+                     "fsdp": "optim_grads_params" if fsdp else "none",
                      "overlap_grad_reduce": framework.overlap_grad_reduce and (recipe is None
                                                                                or recipe.overlap_grad_reduce),
                      "tp_comm_overlap": (recipe.tp_comm_overlap if recipe else framework.tp_comm_overlap) and sp,
@@ -308,7 +309,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     layout += " fsdp" if fsdp else ""
     readings = (fabric, schedule, numbers, power)
     layout += "".join(f" {reading.tag}" for reading in readings if reading.tag)
-    options = SimOptions(fsdp=fsdp, measured_layer_only=layer_only, attention=framework.attention,
+    options = SimOptions(measured_layer_only=layer_only, attention=framework.attention,
                          pipeline_scatter_gather=framework.pipeline_scatter_gather)
     return RowPlan(row_id=rid, source=row.get("source", ""), source_detail=row.get("source_detail", ""),
                    model=row.get("model", ""), layout=layout, job=job, options=options, measured_s=measured,

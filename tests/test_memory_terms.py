@@ -114,10 +114,10 @@ def test_the_issues_70b_fsdp_run_fits_its_96_gb_with_sequence_parallel_norms() -
     # it ran on 96 GB H100s. With SP the layers keep their input over TP; without, 80 x 2 GiB of layer inputs.
     common = ["model=llama3_70b", "cluster=h100_nvl", "cluster.nodes=8", "cluster.hbm_gib=96", "parallel.tp=8",
               "parallel.recompute=full", "train.micro_batch_size=16", "train.seq_length=8192",
-              "train.global_batch_size=128", "train.precision=bf16"]
-    fsdp = SimOptions(fsdp=True)
-    with_sp = predict_memory(compose_job([*common, "parallel.sp=true"]), options=fsdp).total_gib
-    without = predict_memory(compose_job([*common, "parallel.sp=false"]), options=fsdp).total_gib
+              "train.global_batch_size=128", "train.precision=bf16", "parallel.distributed_optimizer=true",
+              "parallel.fsdp=optim_grads_params"]
+    with_sp = predict_memory(compose_job([*common, "parallel.sp=true"])).total_gib
+    without = predict_memory(compose_job([*common, "parallel.sp=false"])).total_gib
     assert with_sp < 96 < without
     assert without - with_sp >= 80 * 2 * 7 / 8  # the layer inputs SP divides
 

@@ -111,7 +111,7 @@ def test_bounds_hold_for_moe_with_dense_layers_mtp_and_balanced_splits(seed: int
     # a group's bound (its first and last ranks' layers by kind at their lightest) is at most its candidates'
     for bounded in _groups(space, job, None, options, cache)[0]:
         assert all(bounded.bound <= bound * (1 + 1e-12)
-                   for bound, _, _, _ in _expand(bounded, job, options, _param_bytes(job, options)))
+                   for bound, _, _, _ in _expand(bounded, job, options, _param_bytes(job, space)))
     checked = 0
     for bound, key, weights in order[:: max(len(order) // 120, 1)]:
         try:

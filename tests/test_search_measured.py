@@ -64,10 +64,11 @@ def test_bounds_never_exceed_the_simulated_step_with_measurements(world: int, pr
     job, cfp, db = measured_job(world, profile, cores=cores)
     options = SimOptions()
     cache = CostCache.for_job(job, db, options)
-    groups, _, size = _groups(build_space(job, world, cfp, te_available=False), job, db, options, cache)
+    space = build_space(job, world, cfp, te_available=False)
+    groups, _, size = _groups(space, job, db, options, cache)
     checked = shortened = 0
     for bounded in groups:
-        for bound, _, key, _ in _expand(bounded, job, options, _param_bytes(job, options)):
+        for bound, _, key, _ in _expand(bounded, job, options, _param_bytes(job, space)):
             cand = Candidate.from_key(key)
             try:
                 plan = cand.job(job)
@@ -138,10 +139,11 @@ def test_bounds_hold_where_measurements_time_some_partitions_of_a_synchronising_
     job, cfp, db, world = job_from_config(cfg), cfp_from_config(cfg), _TpOneLayersTimed(), 4
     options = SimOptions()
     cache = CostCache.for_job(job, db, options)
-    groups, _, _ = _groups(build_space(job, world, cfp), job, db, options, cache)
+    space = build_space(job, world, cfp)
+    groups, _, _ = _groups(space, job, db, options, cache)
     priced = set()
     for bounded in groups:
-        for bound, _, key, _ in _expand(bounded, job, options, _param_bytes(job, options)):
+        for bound, _, key, _ in _expand(bounded, job, options, _param_bytes(job, space)):
             plan = Candidate.from_key(key).job(job)
             try:
                 p = simulate(plan, measurements=db, world_size=world, cache=cache)

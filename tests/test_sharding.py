@@ -14,7 +14,6 @@ from cfp_megatron.base.compose import compose_job
 from cfp_megatron.base.config import OptimizerKind, Precision
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.cluster.measured import Collective
-from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.sharding import Sharded, Sharding, StateBytes
 from cfp_megatron.sim.simulate import predict_memory
 
@@ -168,7 +167,10 @@ def test_the_simulators_fsdp_and_deepspeeds_zero3_keep_the_same_states(precision
     keeps its bf16 gradient partition besides the fp32 one Megatron reduces into (2 bytes a parameter over 8)."""
     job = compose_job(["model=llama3_8b", "cluster=dgx_a100", f"train.precision={precision}",
                        "train.global_batch_size=64", "train.seq_length=2048"])
-    fsdp = predict_memory(job, options=SimOptions(fsdp=True), world_size=8)
+    fsdp_job = compose_job(["model=llama3_8b", "cluster=dgx_a100", f"train.precision={precision}",
+                            "train.global_batch_size=64", "train.seq_length=2048",
+                            "parallel.distributed_optimizer=true", "parallel.fsdp=optim_grads_params"])
+    fsdp = predict_memory(fsdp_job, world_size=8)
     plan = zero_plan(job, world=8, zero_stage=3, micro_batch=1, activation_checkpointing=False,
                      offload_optimizer=False, offload_param=False, bucket_elements=50_000_000,
                      precision=Precision(precision))

@@ -122,7 +122,7 @@ def test_first_stage_holds_pp_microbatches() -> None:
 
 def test_fsdp_shards_model_states() -> None:
     ddp = simulate(job(nodes=1, gbs=64)).memory
-    fsdp = simulate(job(nodes=1, gbs=64), options=SimOptions(fsdp=True)).memory
+    fsdp = simulate(job(nodes=1, gbs=64, distributed_optimizer=True, fsdp="optim_grads_params")).memory
     assert fsdp.parameters < ddp.parameters / 4 and fsdp.optimizer_states < ddp.optimizer_states / 4
 
 

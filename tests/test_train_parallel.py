@@ -71,6 +71,12 @@ def _model_overrides(overrides: list[str]) -> list[str]:
 LAYOUTS = [
     pytest.param("gpt_tiny", 2, [], id="gpt-dp2"),
     pytest.param("gpt_tiny", 2, ["parallel.distributed_optimizer=true"], id="gpt-dp2-distopt"),
+    # Megatron-FSDP, ZeRO-3: each layer's weights gathered before its passes, gradients reduce-scattered per
+    # micro-batch (parallel.fsdp); and the distributed optimizer in two instances (HSDP's groups, shards of 1 rank).
+    pytest.param("gpt_tiny", 2, ["parallel.distributed_optimizer=true", "parallel.fsdp=optim_grads_params"],
+                 id="gpt-dp2-fsdp"),
+    pytest.param("gpt_tiny", 2, ["parallel.distributed_optimizer=true", "parallel.dp_shard_size=1"],
+                 id="gpt-dp2-distopt-hybrid"),
     pytest.param("gpt_tiny", 2, ["parallel.tp=2"], id="gpt-tp2"),
     pytest.param("gpt_tiny", 2, ["parallel.tp=2", "parallel.sp=true"], id="gpt-tp2-sp"),
     pytest.param("gpt_tiny", 2, ["parallel.pp=2"], id="gpt-pp2-1f1b"),

@@ -77,7 +77,7 @@ def test_row_defaults_are_documented_choices() -> None:
            "derived_step_time_s": "2.0", "precision": "FP8", "zero_or_fsdp": "FSDP FULL_SHARD"}
     plan = row_plan(row)
     assert plan.job.model.vocab_size == 51200 and plan.job.model.ffn_size == 4096
-    assert plan.job.cluster.nodes == 2 and plan.options.fsdp
+    assert plan.job.cluster.nodes == 2 and plan.job.parallel.fsdp.value == "optim_grads_params"
     assert plan.job.train.precision.value == "bf16" and "without fp8 tensor cores" in " ".join(plan.approximations)
     assert plan.measured_s == 2.0
     assert plan.job.parallel.grad_reduce_in_fp32  # fp32 gradients unless NeMo's or Megatron-Bridge's perf scripts

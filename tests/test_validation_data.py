@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from cfp_megatron.base.compose import CONF_DIR
+from cfp_megatron.base.config import FsdpStrategy
 from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.validate import row_plan
 from cfp_megatron.validation.data import (
@@ -105,11 +106,13 @@ def test_a_framework_entry_in_a_data_file_changes_how_a_blank_column_is_read(tmp
 """)
     row = {**ROW, "framework": "torchtitan"}
     shipped = row_plan(row)
-    assert not shipped.options.fsdp and shipped.job.parallel.grad_reduce_in_fp32
+    assert shipped.job.parallel.fsdp is FsdpStrategy.none and shipped.job.parallel.grad_reduce_in_fp32
     read = row_plan(row, data=load_data(frameworks=frameworks))
-    assert read.options.fsdp and read.job.parallel.sp and not read.job.parallel.grad_reduce_in_fp32
+    assert read.job.parallel.fsdp is FsdpStrategy.optim_grads_params
+    assert read.job.parallel.sp and not read.job.parallel.grad_reduce_in_fp32
     assert " fsdp" in read.layout
-    assert row_plan({**row, "zero_or_fsdp": "DDP"}, data=load_data(frameworks=frameworks)).options.fsdp is False
+    ddp = row_plan({**row, "zero_or_fsdp": "DDP"}, data=load_data(frameworks=frameworks))
+    assert ddp.job.parallel.fsdp is FsdpStrategy.none
 
 
 @pytest.mark.parametrize("model, tied", [("GPT 175B (GPT-3)", True), ("GPT3-5B", True), ("MPT-7b", True),

@@ -11,7 +11,15 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from cfp_megatron.base.config import Fp8Recipe, MlpPartition, Precision, Recompute, build_spec, plain_config
+from cfp_megatron.base.config import (
+    Fp8Recipe,
+    FsdpStrategy,
+    MlpPartition,
+    Precision,
+    Recompute,
+    build_spec,
+    plain_config,
+)
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 
 DEFAULT_PROFILE_BUDGET_S = 240.0
@@ -70,6 +78,9 @@ class SearchConstraints:
     fp8_recipe: list[Fp8Recipe] | None = None
     """The FP8 recipes ``fp8`` in :attr:`precision` stands for (``[tensorwise,mxfp8]``); ``None``: the job's
     ``train.fp8_recipe``."""
+    fsdp: list[FsdpStrategy] | None = None
+    """Allowed Megatron-FSDP strategies (``none``, ``optim_grads``, ``optim_grads_params``); ``null``: the search
+    shards more only where a layout does not fit otherwise (docs/planning.md, "Sharded data parallelism")."""
     tp_within_node: bool = True
     """Keep each TP group inside one NVLink domain: a node, or ``cluster.nvlink_domain_size`` GPUs (72 on an NVL72
     rack). TP's per-layer collectives are too slow across the network."""
@@ -90,7 +101,7 @@ class SearchConstraints:
             if values is not None and (not values or any(int(v) < 1 for v in values)):
                 issues.append(ConfigIssue(key=f"{p}.{name}", value=values, problem="must list positive sizes.",
                                           fix=f"e.g. {p}.{name}=[1,2], or null for any."))
-        for name in ("sp", "recompute", "distributed_optimizer", "precision", "fp8_recipe"):
+        for name in ("sp", "recompute", "distributed_optimizer", "precision", "fp8_recipe", "fsdp"):
             values = getattr(self, name)
             if values is not None and not values:
                 issues.append(ConfigIssue(key=f"{p}.{name}", value=values, problem="allows nothing.",
@@ -106,7 +117,8 @@ class SearchConstraints:
             raise ConfigError(issues)
 
 
-PINNABLE = ("tp", "pp", "vpp", "cp", "ep", "etp", "micro_batch", "sp", "recompute", "distributed_optimizer", "mlp")
+PINNABLE = ("tp", "pp", "vpp", "cp", "ep", "etp", "micro_batch", "sp", "recompute", "distributed_optimizer", "mlp",
+            "fsdp")
 """Knobs ``cfp.<knob>=value`` can pin."""
 
 
@@ -140,6 +152,8 @@ class CfpSpec:
     """Pin the distributed optimizer."""
     mlp: MlpPartition | None = None
     """Pin the partition of the dense MLP."""
+    fsdp: FsdpStrategy | None = None
+    """Pin Megatron-FSDP's sharding strategy (``none``: Megatron-Core's DDP and distributed optimizer)."""
     overlap: bool | None = None
     """The communication overlaps NVIDIA's recipes run on GPUs: data-parallel gradient reduce and parameter gather
     (``parallel.overlap_grad_reduce`` / ``overlap_param_gather``), Transformer Engine's TP overlap

@@ -144,6 +144,23 @@ class CpCommType(enum.Enum):
     """All-to-all inside a node, a point-to-point ring across nodes (hierarchical)."""
 
 
+class FsdpStrategy(enum.Enum):
+    """What Megatron-FSDP shards over the data-parallel ranks (Megatron-Core's ``data_parallel_sharding_strategy``
+    with ``use_megatron_fsdp``)."""
+
+    none = "none"
+    """No Megatron-FSDP: Megatron-Core's own DDP, with the distributed optimizer where
+    ``parallel.distributed_optimizer`` says (Megatron-FSDP's ``no_shard`` does the same)."""
+    optim = "optim"
+    """The optimizer states and fp32 master weights (ZeRO-1): gradients reduce-scattered at the step, the updated
+    weights all-gathered after it."""
+    optim_grads = "optim_grads"
+    """The gradients too (ZeRO-2): each micro-batch's gradients reduce-scattered to their owners."""
+    optim_grads_params = "optim_grads_params"
+    """The weights too (ZeRO-3): each layer's weights all-gathered before its forward and its backward, the next
+    layer's prefetched."""
+
+
 class CudaGraphImpl(enum.Enum):
     """How CUDA graphs capture the step (Megatron-Core's ``cuda_graph_impl``)."""
 
@@ -975,6 +992,15 @@ class ParallelSpec:
     ``recompute_num_layers`` layers of each pipeline chunk (the others keep their activations)."""
     distributed_optimizer: bool = layout_field(False, key="do", megatron="--use-distributed-optimizer")
     """Shard optimizer states over data-parallel ranks (ZeRO-1, Megatron's distributed optimizer)."""
+    fsdp: FsdpStrategy = layout_field(FsdpStrategy.none, key="fsdp", megatron="", optional=True)
+    """Megatron-FSDP and what it shards over the data-parallel ranks (``none``, ``optim``, ``optim_grads``,
+    ``optim_grads_params``; Megatron-Core's ``use_megatron_fsdp`` and ``data_parallel_sharding_strategy``); with
+    ``parallel.distributed_optimizer=true``, whose optimizer steps the shards. ``none``: Megatron-Core's DDP."""
+    dp_shard_size: int | None = layout_field(None, key="dpsh", megatron="", optional=True)
+    """Hybrid sharding (HSDP): data-parallel x context-parallel ranks each shard group spans, the groups replicating
+    their shards and all-reducing the gradient shards across (Megatron-Core's
+    ``num_distributed_optimizer_instances`` = DP x CP / ``dp_shard_size``); with the distributed optimizer or
+    ``parallel.fsdp``. ``None``: one group over all of DP x CP."""
     overlap_grad_reduce: bool = layout_field(False, key="ogr", megatron="--overlap-grad-reduce")
     """Overlap data-parallel gradient reduction with the backward pass."""
     overlap_param_gather: bool = layout_field(False, key="opg", megatron="--overlap-param-gather")
@@ -1028,7 +1054,7 @@ class ParallelSpec:
         issues: list[ConfigIssue] = []
         p = self.PREFIX
         _positive(issues, p, self, "tp", "pp", "vpp", "cp", "ep", "etp", "recompute_num_layers", "first_stage_layers",
-                  "last_stage_layers", "primepar_layers")
+                  "last_stage_layers", "primepar_layers", "dp_shard_size")
         _at_most(issues, p, self, MAX_WORLD_SIZE, "the largest clusters built (about 100k GPUs)", "tp", "pp", "cp",
                  "ep", "etp")
         _at_most(issues, p, self, MAX_LAYERS, "the layers of the largest published models (128)", "vpp",
@@ -1038,7 +1064,10 @@ class ParallelSpec:
                "must name tp, cp, ep, dp and pp once each, separated by '-'.", "use the default tp-cp-ep-dp-pp.")
         issues += rule_issues([*tensor_rules.sequence_parallel_needs_tp(self.sp, self.tp),
                                *batch_rules.param_gather_overlap(self.overlap_param_gather,
-                                                                 self.distributed_optimizer)])
+                                                                 self.distributed_optimizer),
+                               *batch_rules.fsdp_settings(fsdp=self.fsdp.value,
+                                                          distributed_optimizer=self.distributed_optimizer,
+                                                          shard_size=self.dp_shard_size)])
         if self.recompute_modules is not None:
             try:
                 modules = recompute_modules(self.recompute_modules)

@@ -43,7 +43,7 @@ COMMON_KEYS: tuple[KeyGroup, ...] = (
 )
 """The keys ``--help`` lists (any field of a group can be overridden; docs/configuration.md lists them all)."""
 
-_PIN_KNOBS = "tp pp vpp cp ep etp micro_batch sp recompute distributed_optimizer mlp"
+_PIN_KNOBS = "tp pp vpp cp ep etp micro_batch sp recompute distributed_optimizer mlp fsdp"
 """The plan's knobs ``cfp.<knob>`` pins and ``cfp.constraints.<knob>`` restricts."""
 
 

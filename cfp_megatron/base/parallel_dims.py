@@ -182,6 +182,9 @@ class ParallelDims:
         num_microbatches = max(t.global_batch_size // per_step, 1)
         problems += batch.global_batch(t.global_batch_size, t.micro_batch_size, dp)
         problems += batch.microbatch_count(t.global_batch_size, t.micro_batch_size, dp, MAX_MICROBATCHES)
+        problems += batch.fsdp_checkpoints(p.fsdp.value, t.checkpoint_dir)
+        problems += batch.shard_groups(p.dp_shard_size, dp_cp=dp * p.cp, fsdp=p.fsdp.value, on_cpu=c.on_cpu,
+                                       ep=p.ep)
         problems += pipeline.interleaved_microbatches(microbatches=num_microbatches, pp=p.pp, vpp=vpp,
                                                       global_batch=t.global_batch_size, per_step=per_step)
 

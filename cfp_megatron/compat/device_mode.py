@@ -59,6 +59,11 @@ class DeviceRewriteMode(TorchFunctionMode):
             self._backward(first, bound.get("gradient", bound.get("grad_tensors")), bound.get("retain_graph"),
                            bool(bound.get("create_graph", False)), bound.get("inputs"))
             return None
+        if func is torch.device and args and isinstance(args[0], str) and args[0].startswith("cuda:") \
+                and "cuda" in self.sources:
+            # ``torch.device(f"cuda:{torch.cuda.current_device()}")`` (Megatron-FSDP) where the CPU layer answers
+            # the current device with the CPU: the device named is the target.
+            return torch.device(self.target)
         if "device" in kwargs and self._moves(kwargs["device"]):
             kwargs = {**kwargs, "device": self.target}
         if func in (torch.Tensor.to, torch.Tensor.cuda):

@@ -81,6 +81,7 @@ def init_distributed(job: JobSpec, dims: ParallelDims, env: LaunchEnv) -> None:
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.etp,
         order=dims.order,
+        num_distributed_optimizer_instances=optimizer_instances(job, dims),
         distributed_timeout_minutes=job.train.collective_timeout_s / 60,  # a timedelta's minutes: fractions work
     )
     if job.parallel.tp_comm_overlap:
@@ -88,6 +89,13 @@ def init_distributed(job: JobSpec, dims: ParallelDims, env: LaunchEnv) -> None:
     # Megatron's RNG tracker: same seed on TP peers for replicated work, distinct where Megatron wants it.
     torch.manual_seed(job.train.seed)
     model_parallel_cuda_manual_seed(job.train.seed)
+
+
+def optimizer_instances(job: JobSpec, dims: ParallelDims) -> int:
+    """Megatron-Core's ``num_distributed_optimizer_instances``: the hybrid shard groups (``parallel.dp_shard_size``)
+    DP x CP splits into, 1 without hybrid sharding."""
+    shard = job.parallel.dp_shard_size
+    return 1 if shard is None else dims.dp * dims.cp // shard
 
 
 def init_default_group(backend: str, store: dist.Store, rank: int, world: int, timeout: datetime.timedelta,

@@ -59,9 +59,16 @@ def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
 
 
 def _grad_buffers(chunks: Iterable[Any]) -> list[torch.Tensor]:
-    """Megatron DDP's contiguous gradient buffers (``main_grad`` lives in them)."""
+    """Megatron DDP's contiguous gradient buffers (``main_grad`` lives in them), or Megatron-FSDP's (each parameter
+    group's ``main_grad_buffer`` of its ``param_and_grad_buffer``)."""
     found = []
     for chunk in chunks:
+        fsdp = getattr(chunk, "param_and_grad_buffer", None)
+        if fsdp is not None and hasattr(fsdp, "parameter_groups"):  # Megatron-FSDP (its .buffers is nn.Module's)
+            found.extend(group.main_grad_buffer.data for group in fsdp.parameter_groups
+                         if group.main_grad_buffer is not None
+                         and isinstance(getattr(group.main_grad_buffer, "data", None), torch.Tensor))
+            continue
         for buffer in [*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", [])]:
             grad = getattr(buffer, "grad_data", None)
             if isinstance(grad, torch.Tensor):

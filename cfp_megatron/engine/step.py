@@ -21,10 +21,10 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_batch_on_this_cp_rank
 
-from cfp_megatron.base.config import JobSpec, Precision, resolve_precision
+from cfp_megatron.base.config import FsdpStrategy, JobSpec, Precision, resolve_precision
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.compat.optimizer import retain_shard_grads
-from cfp_megatron.engine.distributed import model_groups
+from cfp_megatron.engine.distributed import model_groups, optimizer_instances
 from cfp_megatron.engine.init import layout_independent_init
 from cfp_megatron.engine.model import build_model_chunks
 from cfp_megatron.model.megatron_config import transformer_config
@@ -67,19 +67,22 @@ def build_training(job: JobSpec, dims: ParallelDims, groups: ProcessGroupCollect
     if job.train.layout_independent_init:
         layout_independent_init(chunks, config, job.train.seed)
     p, t = job.parallel, job.train
+    fsdp = p.fsdp is not FsdpStrategy.none
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=p.grad_reduce_in_fp32,
         overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather,
         use_distributed_optimizer=p.distributed_optimizer,
+        use_megatron_fsdp=fsdp,
+        data_parallel_sharding_strategy=p.fsdp.value if fsdp else "no_shard",
+        num_distributed_optimizer_instances=optimizer_instances(job, dims),
         # fp16 relies on the dynamic loss scaler, whose first scales overflow on purpose and skip their steps.
         check_for_nan_in_grad=precision is not Precision.fp16,
     )
     # As Megatron-LM does: bf16/fp16 chunks run inside Float16Module, which casts the inputs of the first stage and
     # the outputs of the last one.
     compute = [Float16Module(config, c) if precision is not Precision.fp32 else c for c in chunks]
-    ddp_chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
-                                          disable_bucketing=i > 0, pg_collection=groups)
+    ddp_chunks = [wrap_data_parallel(config, ddp_config, chunk, disable_bucketing=i > 0, groups=groups)
                   for i, chunk in enumerate(compute)]
     opt_config = OptimizerConfig(
         optimizer=t.optimizer.value, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
@@ -106,6 +109,21 @@ def build_training(job: JobSpec, dims: ParallelDims, groups: ProcessGroupCollect
             config.param_sync_func = config.param_sync_func[0]
     return TrainState(job=job, dims=dims, chunks=chunks, ddp_chunks=ddp_chunks, optimizer=optimizer,
                       scheduler=scheduler, config=config, groups=groups)
+
+
+def wrap_data_parallel(config: Any, ddp_config: DistributedDataParallelConfig, chunk: torch.nn.Module, *,
+                       disable_bucketing: bool, groups: ProcessGroupCollection) -> Any:
+    """``chunk`` in Megatron-Core's DDP, or in Megatron-FSDP's wrapper where the config says ``use_megatron_fsdp``
+    (on this rank's device: the CPU without CUDA, where Megatron-FSDP would name ``cuda:<current device>``)."""
+    if not ddp_config.use_megatron_fsdp:
+        return DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                       disable_bucketing=disable_bucketing, pg_collection=groups)
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+              else torch.device("cpu"))
+    return FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                    disable_bucketing=disable_bucketing, device=device, pg_collection=groups)
 
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:

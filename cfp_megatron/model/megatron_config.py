@@ -103,7 +103,7 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         overlap_p2p_comm=on_gpu and dims.vpp > 1,
         attention_backend=AttnBackend.auto if on_gpu else AttnBackend.local,
     )
-    if p.cuda_graph_impl is not CudaGraphImpl.none and on_gpu:  # CUDA graphs capture CUDA streams only
+    if p.cuda_graph_impl is not CudaGraphImpl.none and on_gpu:  # CUDA graphs capture CUDA streams only (cpu_notes)
         kwargs.update(cuda_graph_impl=p.cuda_graph_impl.value, cuda_graph_scope=list(p.graph_scopes()))
     if p.cpu_offloading_num_layers and on_gpu:  # Transformer Engine's offload context copies over CUDA streams
         kwargs.update(cpu_offloading=True, cpu_offloading_num_layers=p.cpu_offloading_num_layers,
@@ -145,3 +145,14 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         kwargs.pop("kv_channels")
         return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
+
+
+def cpu_notes(job: JobSpec) -> list[str]:
+    """One line for each setting of ``job`` that :func:`transformer_config` leaves out on CPU, where it has no
+    effect: CUDA graphs (``parallel.cuda_graph_impl``) capture CUDA streams."""
+    p = job.parallel
+    if p.cuda_graph_impl is CudaGraphImpl.none:
+        return []
+    scope = f" (scope {p.cuda_graph_scope})" if p.cuda_graph_scope else ""
+    return [f"cfp: parallel.cuda_graph_impl={p.cuda_graph_impl.value}{scope} is ignored on CPU: CUDA graphs capture "
+            "CUDA streams; every kernel is launched as it runs."]

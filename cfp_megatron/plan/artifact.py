@@ -74,6 +74,9 @@ _BACKEND_KEY = "backend"
 """Key of the backend, written after the precision in a DeepSpeed plan's string, before its ZeRO options."""
 
 _SEPARATORS = set(",=:@ \t\n")
+
+_FSDP_ZERO_STAGE = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+"""The ZeRO stage each Megatron-FSDP sharding strategy (``parallel.fsdp``) matches."""
 """Characters a value in the canonical string must not contain."""
 
 
@@ -324,8 +327,11 @@ class Plan:
 
     @property
     def zero_stage(self) -> int:
-        """The ZeRO stage: the DeepSpeed plan's, or 1 for Megatron's distributed optimizer (else 0)."""
-        return self.zero.stage if self.zero is not None else int(self.parallel.distributed_optimizer)
+        """The ZeRO stage: the DeepSpeed plan's, or what Megatron-FSDP's strategy shards (1-3), or 1 for Megatron's
+        distributed optimizer (else 0)."""
+        if self.zero is not None:
+            return self.zero.stage
+        return _FSDP_ZERO_STAGE.get(self.parallel.fsdp.value, int(self.parallel.distributed_optimizer))
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -365,6 +371,8 @@ class Plan:
             parts.append(f"cg={p.cuda_graph_impl.value}" + (f"[{p.cuda_graph_scope}]" if p.cuda_graph_scope else ""))
         if p.cpu_offloading_num_layers:
             parts.append(f"offload={p.cpu_offloading_num_layers}L")
+        parts += [f"fsdp={p.fsdp.value}"] if p.fsdp.value != "none" else []
+        parts += [f"shard{p.dp_shard_size}"] if p.dp_shard_size is not None else []
         return " ".join(parts + (["dopt"] if p.distributed_optimizer else []))
 
     # ------------------------------------------------------------------------------------------------- building

@@ -96,7 +96,32 @@ def megatron_lm_args(plan: Plan, *, num_layers: int | None = None) -> list[str]:
             args += [lk.megatron, str(lk.none_means if value is None else value)]
     args += ["--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size),
              "--seq-length", str(plan.seq_length)]
-    return args + _precision_args(plan)
+    return args + _token_policy_args(plan) + _precision_args(plan)
+
+
+TOKEN_POLICY_KEYS = ("model.moe_expert_capacity_factor", "model.moe_pad_expert_input_to_capacity")
+"""The job inputs that say how a MoE plan's experts take their tokens (dropless, token-drop, padded to capacity):
+the plan was priced for them, so its exports carry them."""
+
+
+def _token_policy(plan: Plan) -> dict[str, Any]:
+    """The MoE token policy of the job the plan was made for (:data:`TOKEN_POLICY_KEYS` of its job inputs); empty
+    for a dense model or a plan without job inputs."""
+    inputs = dict(plan.job_inputs)
+    if not inputs.get("model.num_experts"):
+        return {}
+    return {key: inputs[key] for key in TOKEN_POLICY_KEYS if key in inputs}
+
+
+def _token_policy_args(plan: Plan) -> list[str]:
+    """Megatron-LM's ``--moe-expert-capacity-factor`` (and ``--moe-pad-expert-input-to-capacity``) of a token-drop
+    plan; nothing for a dropless one (Megatron-LM's default)."""
+    policy = _token_policy(plan)
+    factor = policy.get("model.moe_expert_capacity_factor")
+    if factor is None:
+        return []
+    pad = policy.get("model.moe_pad_expert_input_to_capacity")
+    return ["--moe-expert-capacity-factor", str(factor)] + (["--moe-pad-expert-input-to-capacity"] if pad else [])
 
 
 def _pipeline_split_args(plan: Plan, num_layers: int | None) -> list[str]:
@@ -182,6 +207,13 @@ _MEGATRON_RULES: dict[str, Callable[[Plan, int | None], list[str]]] = {
         if plan.parallel.cpu_offloading_num_layers else []),
     "cuda_graph_scope": lambda plan, num_layers: (["--cuda-graph-scope", *plan.parallel.graph_scopes()]
                                                   if plan.parallel.cuda_graph_scope is not None else []),
+    # Megatron-FSDP's switch and its strategy (and the checkpoint format Megatron-LM requires with it).
+    "fsdp": lambda plan, num_layers: (
+        ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", plan.parallel.fsdp.value,
+         "--ckpt-format", "fsdp_dtensor"] if plan.parallel.fsdp.value != "none" else []),
+    "dp_shard_size": lambda plan, num_layers: (
+        ["--num-distributed-optimizer-instances", str(plan.dp * plan.parallel.cp // plan.parallel.dp_shard_size)]
+        if plan.parallel.dp_shard_size is not None else []),
 }
 """How the ParallelSpec fields whose LayoutKey says ``megatron=""`` become Megatron-LM arguments."""
 
@@ -245,8 +277,8 @@ def _hydra_value(value: Any) -> str:
 
 
 def hydra_overrides(plan: Plan) -> list[str]:
-    """The Hydra overrides of :func:`torchrun_command`: presets, cluster size, every ParallelSpec field, batch,
-    sequence length and precision."""
+    """The Hydra overrides of :func:`torchrun_command`: presets, cluster size, every ParallelSpec field, a MoE
+    model's token policy, batch, sequence length and precision."""
     overrides = [f"model={plan.model}", f"cluster={plan.cluster}", f"cluster.nodes={plan.nodes}",
                  f"cluster.gpus_per_node={plan.gpus_per_node}"]
     if isinstance(plan.backend_part, DeepSpeedPart):  # data parallel: its knobs are the backend group's
@@ -258,6 +290,7 @@ def hydra_overrides(plan: Plan) -> list[str]:
     else:
         overrides += [f"parallel.{f.name}={_hydra_value(getattr(plan.parallel, f.name))}"
                       for f in dataclasses.fields(plan.parallel)]
+    overrides += [f"{key}={_hydra_value(value)}" for key, value in _token_policy(plan).items()]
     overrides += [f"train.micro_batch_size={plan.micro_batch_size}",
                   f"train.global_batch_size={plan.global_batch_size}",
                   f"train.seq_length={plan.seq_length}", *plan.number_format.overrides()]

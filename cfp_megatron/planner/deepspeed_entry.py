@@ -33,6 +33,7 @@ _MEGATRON_KNOBS = {
                  "true|false",
     "distributed_optimizer": "pin the ZeRO stage with backend.zero_stage (0: no sharding, 1-3 shard the optimizer "
                              "states)",
+    "fsdp": "pin the ZeRO stage with backend.zero_stage (3 partitions the parameters too)",
 }
 """The ``cfp`` knobs of Megatron-Core's search the ZeRO search does not read, with what to set instead."""
 

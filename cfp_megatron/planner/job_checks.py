@@ -34,6 +34,8 @@ def validate_job(job: JobSpec, world_size: int) -> ParallelDims:
     except ConfigError as err:
         issues.extend(err.issues)
     issues += _rest_issues(job)
+    issues += rule_issues(batch.distributed_optimizer_kind(job.parallel.distributed_optimizer,
+                                                           job.train.optimizer.value))  # Megatron-Core's own
     if dims is not None:
         issues += _mtp_stage_issues(job, dims)
     if issues or dims is None:

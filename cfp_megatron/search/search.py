@@ -28,10 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cfp_megatron.base.cfp_spec import CfpSpec
-from cfp_megatron.base.config import JobSpec, MlpPartition, ParallelSpec, Recompute
+from cfp_megatron.base.config import FsdpStrategy, JobSpec, MlpPartition, ParallelSpec, Recompute
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.layout_rules.batch import fsdp_checkpoints, fsdp_settings
 from cfp_megatron.base.number_format import NumberFormat
-from cfp_megatron.base.parallel_dims import ParallelDims
+from cfp_megatron.base.parallel_dims import ParallelDims, data_parallel_size, expert_data_parallel_size
 from cfp_megatron.base.pipeline_layout import balanced_layout
 from cfp_megatron.base.pipeline_split import chunk_layers
 from cfp_megatron.cluster.measured import Measurements, partition_name, unmeasured_partitions
@@ -63,7 +64,7 @@ from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache, cost_key
 from cfp_megatron.sim.prediction import GIB, MemoryBreakdown, Prediction
 from cfp_megatron.sim.primepar_cost import megatron_twin
-from cfp_megatron.sim.sharding import StateBytes, megatron_sharded
+from cfp_megatron.sim.sharding import Sharded, StateBytes, megatron_sharded
 from cfp_megatron.sim.simulate import predict_memory, prepare_costs, schedule_fixed_s, simulate_unless_slower
 from cfp_megatron.sim.terms import Overlaps
 
@@ -254,8 +255,11 @@ class MegatronSpace:
     """Groups the runtime's validation refused."""
     size: int
     """Candidates in the space."""
-    param_bytes: tuple[float, float]
+    param_bytes: StateBound
     """Bytes per parameter with and without the distributed optimizer (:func:`_param_bytes`)."""
+    sharded_bounds: dict[tuple, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    """Candidate key -> its memory bound in bytes under each Megatron-FSDP strategy the search may set, least sharded
+    first (:func:`_expand`; the queue's own bound is the most sharded one's)."""
 
     @classmethod
     def build(cls, job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements | None,
@@ -265,6 +269,12 @@ class MegatronSpace:
         where it serves this job: :meth:`~cfp_megatron.sim.pass_costs.CostCache.resized`)."""
         options = options or SimOptions()
         space = build_space(job, world, cfp, te_available=te_available, partitions=partitions)
+        if not space.fsdp_values():  # the strategies pinned do not train here (layout_rules.batch)
+            key, value = knob_setting(cfp, "fsdp")
+            pinned = (cfp.allowed("fsdp") or [FsdpStrategy.optim_grads])[0].value
+            why = (fsdp_settings(fsdp=pinned, distributed_optimizer=True, shard_size=None)
+                   + fsdp_checkpoints(pinned, job.train.checkpoint_dir))[0]
+            raise ConfigError(ConfigIssue(key=key, value=value, problem=why.problem, fix=why.fix))
         if measurements is not None:  # PrimePar's MLP only where profiling timed its layer (see Space.primepar)
             timed = frozenset(f.tp for f in space.families if measurements.segment_micro_batches(
                 "dense", partition_name(f.tp, mlp=MlpPartition.primepar)))
@@ -279,7 +289,7 @@ class MegatronSpace:
         groups, invalid_groups, size = _groups(space, job, measurements, options, cache)
         return cls(job=job, world=world, space=space, measurements=measurements, options=options, cache=cache,
                    limit=limit, groups=groups, invalid_groups=invalid_groups, size=size,
-                   param_bytes=_param_bytes(job, options))
+                   param_bytes=_param_bytes(job, space))
 
     def entries(self) -> list[driver.Entry]:
         """Every group, at its bound: groups are expanded when they reach the queue's head, so most never are."""
@@ -287,7 +297,7 @@ class MegatronSpace:
 
     def expand(self, item: int, cut: float) -> list[driver.Entry]:
         """The group's candidates bounded at ``cut`` or less, with their weights' bytes (:func:`_expand`)."""
-        return _expand(self.groups[item], self.job, self.options, self.param_bytes, cut)
+        return _expand(self.groups[item], self.job, self.options, self.param_bytes, cut, self.sharded_bounds)
 
     def _overlaps(self, cand: Candidate, cjob: JobSpec, memory: MemoryBreakdown) -> tuple[
             Candidate, JobSpec, MemoryBreakdown, int]:
@@ -311,6 +321,36 @@ class MegatronSpace:
                 return trial, tjob, tmemory, tries
         return cand, cjob, memory, tries
 
+    def _sharded(self, cand: Candidate, cjob: JobSpec | None, memory: MemoryBreakdown | None,
+                 bounds: tuple[float, ...] | None) -> tuple[Candidate, JobSpec, MemoryBreakdown, int]:
+        """``cand`` with the least data-parallel sharding of :meth:`Space.sharding_ladder
+        <cfp_megatron.search.space.Space.sharding_ladder>` whose memory fits (Megatron-FSDP's only where Megatron-Core's
+        DDP does not fit or the ``cfp`` pins leave it out: each step shards more and communicates more), else the
+        most sharded; its job, memory, and the memory predictions it took. ``memory`` ``None``: the unsharded
+        candidate was not predicted (over on its ``bounds``, the memory bounds under each strategy, which skip a
+        strategy over the limit on its states alone)."""
+        ladder = self.space.sharding_ladder(cand)
+        limit = self.limit
+        fits = memory is not None and (limit is None or memory.total / GIB <= limit)
+        if not ladder or (ladder[0] == (FsdpStrategy.none.value, 0) and fits):
+            return cand, cjob, memory, 0
+        tries = 0
+        over = dict(zip(self.space.fsdp_values(), bounds or (), strict=False))
+        last = ladder[-1]
+        for fsdp, shard in ladder:
+            if fsdp == FsdpStrategy.none.value:
+                continue
+            if limit is not None and over.get(fsdp, 0.0) / GIB > limit and (fsdp, shard) != last:
+                continue  # over on its states alone (a hybrid group keeps more than the full one's bound)
+            cand = dataclasses.replace(cand, fsdp=fsdp, dp_shard=shard)
+            cjob = cand.screened_job(self.job)
+            memory = predict_memory(cjob, self.job.cluster, self.measurements, options=self.options,
+                                    world_size=self.world, cache=self.cache)
+            tries += 1
+            if limit is None or memory.total / GIB <= limit:
+                break
+        return cand, cjob, memory, tries
+
     def evaluate(self, item: tuple, extra: float, kth: float) -> driver.Outcome:
         """The candidate of key ``item`` (``extra``: its heaviest rank's weights in bytes): its weights, its memory
         (block recomputation and PrimePar's layer count chosen to fit, then the overlaps that fit on top), then the
@@ -319,8 +359,12 @@ class MegatronSpace:
         if limit is not None and extra / GIB > limit:  # its weights, gradients and optimizer states alone
             return _OverMemory(item[:_FAMILY_KEY], extra / GIB, 0)  # family_of_key, inlined
         cand = Candidate.from_key(item)
+        bounds = self.sharded_bounds.pop(item, None)
         try:
-            if cand.recompute == BLOCK:
+            if bounds is not None and limit is not None and bounds[0] / GIB > limit and cand.recompute != BLOCK:
+                # the distributed optimizer alone is over on its states: straight to the sharding that may fit
+                cand, cjob, memory, tries = self._sharded(cand, None, None, bounds)
+            elif cand.recompute == BLOCK:
                 cand, memory, tries = _fewest_block_layers(cand, job, limit, self.measurements, self.options,
                                                            self.world, self.cache)
                 cjob = cand.screened_job(job)
@@ -332,7 +376,10 @@ class MegatronSpace:
                     cand, memory, more = _primepar_layers(cand, cjob, memory, job, limit, self.measurements,
                                                           self.options, self.world, self.cache)
                     cjob, tries = cand.screened_job(job), tries + more
-            # After the counts above: the overlaps' buffers go on top of the memory they chose.
+            # After the counts above: the sharding that fits, then the overlaps' buffers on top of its memory.
+            if cand.fsdp == FsdpStrategy.none.value:
+                cand, cjob, memory, more = self._sharded(cand, cjob, memory, bounds)
+                tries += more
             cand, cjob, memory, more = self._overlaps(cand, cjob, memory)
             tries += more
         except ConfigError:
@@ -605,12 +652,14 @@ def _lightest_ends(num_layers: int, pp: int, splits: tuple[tuple[int, int, int, 
     return min(c[0] for c in counts), min(c[-1] for c in counts)
 
 
-def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: tuple[float, float],
-            cut: float = math.inf) -> list[tuple[float, int, tuple, float]]:
+def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: StateBound,
+            cut: float = math.inf, sharded: dict[tuple, tuple[float, ...]] | None = None
+            ) -> list[tuple[float, int, tuple, float]]:
     """Queue entries of the group's candidates whose time bound is ``cut`` or less: ``(time bound, CANDIDATE, key,
     memory bound)``; the memory bound counts what every rank keeps of the weights, gradients and optimizer states of
-    the heaviest pipeline rank's layers whatever its data-parallel size (``param_bytes``: bytes per parameter with
-    and without the distributed optimizer, :func:`_param_bytes`), or those of the first rank's layers with the
+    the heaviest pipeline rank's layers at least (``param_bytes``: bytes per parameter with and without the
+    distributed optimizer at the group's data-parallel size, :func:`_param_bytes`), or those of the first rank's
+    layers with the
     activations its in-flight micro-batches keep at least (:attr:`_Bounded.kept` per layer), whichever is more."""
     m = job.model
     L = m.num_layers
@@ -622,6 +671,7 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: t
     out = []
     kind_s = costs.kind_fb_s if g.head.recompute == BLOCK else costs.kind_s
     kept_bytes = -1.0  # computed for the first candidate the cut leaves
+    per_param = param_bytes.per_param(g.head)
     for split in g.splits:
         vpp = split[0]
         first, middle, last, dense_0, moe_0, dense_n, moe_n, loads, middles = _split_facts(L, pp, split, first_dense)
@@ -640,18 +690,57 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: t
         held -= max(min(job.parallel.cpu_offloading_num_layers, held) - OFFLOAD_RESIDENT_LAYERS, 0)
         activations = kept_bytes * held * in_flight(0, pp, vpp, g.microbatches) / vpp
         out += [(bound, _CANDIDATE, g.head + split + (dopt,),
-                 max(params * param_bytes[not dopt], first_params * param_bytes[not dopt] + activations))
+                 max(params * per_param[not dopt], first_params * per_param[not dopt] + activations))
                 for dopt in g.dopts]
+        if sharded is not None and len(per_param) > 3 and True in g.dopts:  # the bound under each strategy
+            sharded[g.head + split + (True,)] = tuple(max(params * b, first_params * b + activations)
+                                                      for b in per_param[2:])
     return out
 
 
-def _param_bytes(job: JobSpec, options: SimOptions) -> tuple[float, float]:
-    """Bytes per parameter a rank holds whatever its data-parallel size, with the distributed optimizer and without
-    it (:meth:`~cfp_megatron.sim.sharding.StateBytes.replicated`; none under FSDP)."""
+@dataclass(frozen=True, kw_only=True)
+class StateBound:
+    """Bytes per parameter of the weights, gradients and optimizer states a rank keeps at least: without the
+    distributed optimizer, and with it under each Megatron-FSDP strategy the search may set
+    (:meth:`~cfp_megatron.search.space.Space.fsdp_values`, least sharded first): what every rank keeps whatever its
+    data-parallel size (:meth:`~cfp_megatron.sim.sharding.StateBytes.replicated`), and the rest over the largest
+    group it may be sharded over (DP x CP, or the routed experts' expert-DP group)."""
+
+    world: int
+    """Ranks of the search."""
+    ddp: tuple[float, float]
+    """(kept by every rank, sharded) bytes per parameter without the distributed optimizer."""
+    sharded: tuple[tuple[str, float, float], ...]
+    """(strategy, kept by every rank, sharded) bytes per parameter with the distributed optimizer, per strategy."""
+    pipelined: bool = True
+    """Whether the strategies beyond the first apply to pipelined families too
+    (:meth:`~cfp_megatron.search.space.Space.sharding_ladder`); else those keep to the first."""
+
+    def per_param(self, head: tuple) -> tuple[float, ...]:
+        """Bytes per parameter for a group of ``head``'s family: with the distributed optimizer at the most sharding
+        the search may set, without it, then with it under each strategy of :attr:`sharded` (in that order)."""
+        tp, cp, pp, ep, etp = head[:5]
+        widest = max(data_parallel_size(self.world, tp, cp, pp) * cp,
+                     expert_data_parallel_size(self.world, etp, ep, pp), 1)
+        strategies = self.sharded if self.pipelined or pp == 1 else self.sharded[:1]
+        each = tuple(kept + shard / widest for _, kept, shard in strategies)
+        return (each[-1], self.ddp[0] + self.ddp[1] / widest, *each)
+
+
+def _param_bytes(job: JobSpec, space: Space) -> StateBound:
+    """The :class:`StateBound` of ``job``'s states in ``space``."""
     state = StateBytes.megatron(job)
-    sharded, unsharded = (state.replicated(megatron_sharded(distributed_optimizer=dopt, fsdp=options.fsdp))
-                          for dopt in (True, False))
-    return sharded, unsharded
+    total = state.weights + state.gradients + state.main_gradients + state.optimizer_side
+
+    def split(sharded: Sharded) -> tuple[float, float]:
+        kept = state.replicated(sharded)
+        return kept, total - kept
+
+    strategies = space.fsdp_values() or [FsdpStrategy.none.value]
+    return StateBound(world=space.world, ddp=split(megatron_sharded(distributed_optimizer=False)),
+                      pipelined=space.cfp.allowed("fsdp") is not None,
+                      sharded=tuple((s, *split(megatron_sharded(distributed_optimizer=True, fsdp=FsdpStrategy(s))))
+                                    for s in strategies))
 
 
 def _bounds(space: Space, job: JobSpec, measurements: Measurements | None, options: SimOptions,
@@ -660,7 +749,7 @@ def _bounds(space: Space, job: JobSpec, measurements: Measurements | None, optio
     (bound, key) order; the groups the runtime's validation refuses; the number of candidates (what the search's
     queue yields, all at once)."""
     groups, refused, size = _groups(space, job, measurements, options, cache)
-    param_bytes = _param_bytes(job, options)
+    param_bytes = _param_bytes(job, space)
     out = [(bound, key, weights) for g in groups for bound, _, key, weights in _expand(g, job, options, param_bytes)]
     out.sort()
     return out, refused, size

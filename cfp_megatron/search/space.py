@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import (
+    FsdpStrategy,
     JobSpec,
     MlpPartition,
     ModelSpec,
@@ -89,6 +91,11 @@ class Candidate:
     a2a_overlap: bool = False
     """Overlap the expert all-to-all with another micro-batch (``parallel.moe_a2a_overlap``); the search turns it on
     where Megatron-Core runs it (:meth:`Space.a2a_overlap`) and its extra micro-batch in flight fits in memory."""
+    fsdp: str = FsdpStrategy.none.value
+    """Megatron-FSDP's strategy (a :class:`~cfp_megatron.base.config.FsdpStrategy` value, ``parallel.fsdp``), with the
+    distributed optimizer: the search sets the least sharding that fits in memory (:meth:`Space.sharding_ladder`)."""
+    dp_shard: int = 0
+    """With ``fsdp``: ranks of DP x CP one hybrid shard group spans (``parallel.dp_shard_size``; 0: all of them)."""
 
     def key(self) -> tuple:
         """The fields that place it in the space, in order (candidates sort by it; :meth:`from_key` inverts it);
@@ -126,7 +133,8 @@ class Candidate:
                     moe_a2a_overlap=self.a2a_overlap, tp_comm_overlap=self.tp_overlap,
                     overlap_grad_reduce=base.overlap_grad_reduce or self.dp_overlap,
                     **self._recompute(base),
-                    overlap_param_gather=(base.overlap_param_gather or self.dp_overlap) and self.distributed_optimizer)
+                    overlap_param_gather=(base.overlap_param_gather or self.dp_overlap) and self.distributed_optimizer,
+                    fsdp=FsdpStrategy(self.fsdp), dp_shard_size=self.dp_shard or None)
 
     def _recompute(self, base: ParallelSpec) -> dict[str, object]:
         """The recompute fields; a selective candidate recomputes ``base``'s ``recompute_modules`` (the user's)."""
@@ -172,6 +180,8 @@ class Candidate:
         parts += [f"primepar{self.primepar_layers or ''}"] if self.mlp == MlpPartition.primepar.value else []
         parts += [f"mb{self.micro_batch}", f"rc={rc}"]
         parts += ["dopt"] if self.distributed_optimizer else []
+        parts += [f"fsdp={self.fsdp}"] if self.fsdp != FsdpStrategy.none.value else []
+        parts += [f"shard{self.dp_shard}"] if self.dp_shard else []
         parts += ["tpco"] if self.tp_overlap else []
         parts += ["a2ao"] if self.a2a_overlap else []
         return " ".join(parts)
@@ -186,7 +196,8 @@ def _train_with(train: TrainSpec, micro_batch: int) -> TrainSpec:
 
 _KEY_FIELDS = tuple(f.name for f in dataclasses.fields(Candidate) if f.name not in ("recompute_layers",
                                                                                      "primepar_layers", "dp_overlap",
-                                                                                     "tp_overlap", "a2a_overlap"))
+                                                                                     "tp_overlap", "a2a_overlap",
+                                                                                     "fsdp", "dp_shard"))
 
 
 
@@ -236,6 +247,10 @@ class Rejection:
     count: int = 0
     """Plans it rules out (0 where the value never made a family)."""
 
+
+SEARCHED_FSDP = (FsdpStrategy.none, FsdpStrategy.optim_grads, FsdpStrategy.optim_grads_params)
+"""The Megatron-FSDP strategies the search sets, least sharded first (``optim`` is refused; the distributed
+optimizer shards the same states)."""
 
 BLOCK = "block"
 """The candidate recompute value for full recomputation of only some layers per chunk (``recompute_method=block``)."""
@@ -490,15 +505,52 @@ class Space:
         return [v.value for v in values if allowed is None or v in allowed]
 
     def dopt_values(self, family: Family) -> list[bool]:
-        """Distributed-optimizer settings (it changes nothing without data parallelism)."""
+        """Distributed-optimizer settings (it changes nothing without data parallelism; Megatron-FSDP, where the
+        ``cfp`` pins or sets ask for it alone, needs it)."""
         allowed = self.cfp.allowed("distributed_optimizer")
-        return [v for v in (False, True) if not self.dopt_problems(family, v) and (allowed is None or v in allowed)]
+        fsdp_only = FsdpStrategy.none.value not in self.fsdp_values()
+        return [v for v in (False, True) if not self.dopt_problems(family, v) and (allowed is None or v in allowed)
+                and (v or not fsdp_only)]
+
+    def fsdp_values(self) -> list[str]:
+        """The Megatron-FSDP strategies the search may set (``cfp.fsdp`` / ``cfp.constraints.fsdp``, else all it
+        trains; none where the job saves checkpoints, :func:`~cfp_megatron.base.layout_rules.batch.fsdp_checkpoints`),
+        least sharded first; ``optim`` is refused (:func:`~cfp_megatron.base.layout_rules.batch.
+        fsdp_settings`)."""
+        allowed = self.cfp.allowed("fsdp")
+        return [v.value for v in SEARCHED_FSDP if (allowed is None or v in allowed)
+                and not batch.fsdp_checkpoints(v.value, self.job.train.checkpoint_dir)]
+
+    def sharding_ladder(self, cand: Candidate) -> list[tuple[str, int]]:
+        """(strategy, hybrid shard size) settings for ``cand`` in the order the search tries them, least sharded
+        first: Megatron-Core's DDP, ``optim_grads``, ``optim_grads_params`` hybrid-sharded within an NVLink domain
+        (where DP x CP spans more than one; not on CPU nor with expert parallelism,
+        :func:`~cfp_megatron.base.layout_rules.batch.shard_groups`), then over all of DP x CP; empty without the
+        distributed optimizer, which steps Megatron-FSDP's shards. Unless ``cfp`` pins or sets the strategies, a
+        pipelined candidate keeps to Megatron-Core's DDP (Megatron-FSDP's gathers repeat for each of the many
+        micro-batches a pipeline needs; docs/planning.md, "Sharded data parallelism")."""
+        if not cand.distributed_optimizer:
+            return []
+        if cand.pp > 1 and self.cfp.allowed("fsdp") is None:
+            return [(FsdpStrategy.none.value, 0)]  # unpinned, Megatron-FSDP is searched without pipelining
+        dp_cp = data_parallel_size(self.world, cand.tp, cand.cp, cand.pp) * cand.cp
+        out: list[tuple[str, int]] = []
+        for value in self.fsdp_values():
+            if value == FsdpStrategy.optim_grads_params.value and not self.job.cluster.on_cpu and cand.ep == 1:
+                cluster = self.job.cluster
+                domain = cluster.domain_size(cluster.gpus_per_node or self.world, self.world)
+                shard = math.gcd(dp_cp, max(domain // cand.tp, 1))  # TP varies fastest, then CP and DP
+                if 1 < shard < dp_cp:
+                    out.append((value, shard))
+            out.append((value, 0))
+        return out
 
     def dopt_problems(self, family: Family, dopt: bool) -> list[str]:
         """Why the distributed optimizer on (``dopt``) does not fit the family (it shards over data parallelism)."""
         expert_dp = (expert_data_parallel_size(self.world, family.etp, family.ep, family.pp)
                      if self.job.model.is_moe else None)
-        return briefs(batch.sharded_optimizer(dopt, dp=family.dp(self.world), expert_dp=expert_dp))
+        return briefs(batch.sharded_optimizer(dopt, dp=family.dp(self.world), expert_dp=expert_dp)
+                      + batch.distributed_optimizer_kind(dopt, self.job.train.optimizer.value))
 
     def candidates(self, family: Family) -> Iterator[Candidate]:
         """Every candidate of ``family``, in a fixed order."""
@@ -632,7 +684,7 @@ def build_space(job: JobSpec, world: int, cfp: CfpSpec, *, te_available: bool = 
                  options=options)
 
 
-KNOBS = ("tp", "cp", "pp", "ep", "etp", "vpp", "micro_batch", "sp", "recompute", "mlp", "distributed_optimizer")
+KNOBS = ("tp", "cp", "pp", "ep", "etp", "vpp", "micro_batch", "sp", "recompute", "mlp", "distributed_optimizer", "fsdp")
 """The knobs ``cfp`` may pin (``cfp.tp=2``) or restrict to a set (``cfp.constraints.tp=[2,4]``)."""
 
 

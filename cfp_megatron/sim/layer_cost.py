@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cfp_megatron.base.config import Activation, AttentionKernel, AttentionKind, JobSpec, MlpPartition
+from cfp_megatron.base.config import Activation, AttentionKernel, AttentionKind, FsdpStrategy, JobSpec, MlpPartition
 from cfp_megatron.base.flops import attention_params, causal_score_share, mlp_params
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
@@ -178,7 +178,7 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
     fwd_compute = attn_gemm + mlp_gemm + elementwise
     mlp_bwd_gemm = moe_block.gemm_bwd_s if moe_block is not None else 2.0 * mlp_gemm
     bwd_compute = 2.0 * attn_gemm + mlp_bwd_gemm + 2.0 * elementwise
-    if options.fsdp:
+    if job.parallel.fsdp is not FsdpStrategy.none:
         fsdp_fwd, fsdp_bwd = fsdp_comm(job, layout, costs, params=params, elem_bytes=elem_bytes,
                                        forward_window_s=fwd_compute + core_fwd,
                                        backward_window_s=bwd_compute + core_bwd, expert_params=expert_params)

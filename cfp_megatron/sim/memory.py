@@ -14,6 +14,7 @@ from cfp_megatron.base.config import (
     Activation,
     AttentionKernel,
     ClusterSpec,
+    FsdpStrategy,
     JobSpec,
     MlpPartition,
     ModelSpec,
@@ -386,7 +387,7 @@ def stage(job: JobSpec, layout: Layout, options: SimOptions, *, rank: int, layer
     :func:`layout_memory` of the job, built once by a caller that builds several of its stages (``None``: built
     here)."""
     measured = None
-    if measurements is not None and not options.fsdp and not mtp:
+    if measurements is not None and job.parallel.fsdp is FsdpStrategy.none and not mtp:
         measured = measured_activations(job, layout, measurements, rank=rank, layers=layers, moe_layers=moe_layers,
                                         first=first, last=last)
     return Stage(job=job, layout=layout, options=options, rank=rank, layer_params=layer_params,
@@ -402,7 +403,7 @@ class LayoutMemory:
     """Bytes of an element in the plan's compute precision (:func:`~cfp_megatron.sim.kernels.element_bytes`)."""
     sharding: Sharding
     """How the plan's data parallelism keeps its states (:meth:`Sharding.megatron
-    <cfp_megatron.sim.sharding.Sharding.megatron>`; FSDP where ``options.fsdp``)."""
+    <cfp_megatron.sim.sharding.Sharding.megatron>`)."""
     dense: tuple[float, float]
     """:func:`layer_activation_bytes` of a dense layer (kept, kept under full recomputation)."""
     moe: tuple[float, float]
@@ -423,7 +424,7 @@ def layout_memory(job: JobSpec, layout: Layout, options: SimOptions) -> LayoutMe
     block = parallel.recompute is Recompute.full and parallel.recompute_method is RecomputeMethod.block
     zero = (0.0, 0.0)
     return LayoutMemory(
-        elem_bytes=float(element_bytes(job)), sharding=Sharding.megatron(job, layout.dims, fsdp=options.fsdp),
+        elem_bytes=float(element_bytes(job)), sharding=Sharding.megatron(job, layout.dims),
         dense=layer_activation_bytes(job, layout, options, moe=False),
         moe=layer_activation_bytes(job, layout, options, moe=True) if moe else zero,
         megatron=(layer_activation_bytes(megatron_twin(job), layout, options, moe=False)

@@ -13,11 +13,6 @@ from cfp_megatron.base.parallel_dims import attention_kernel_here, transformer_e
 class SimOptions:
     """What the simulator should assume beyond the :class:`~cfp_megatron.base.config.JobSpec`."""
 
-    fsdp: bool = False
-    """Fully sharded data parallelism (ZeRO-3 / PyTorch FSDP FULL_SHARD): parameters, gradients and optimizer states
-    sharded over DP; each layer's parameters all-gathered before its forward and backward, gradients
-    reduce-scattered after its backward, prefetched so they overlap with the neighbouring layer's compute
-    (:meth:`cfp_megatron.sim.sharding.Sharding.megatron`)."""
     attention: AttentionKernel = AttentionKernel.flash
     """How the attention core runs: a fused kernel that stores no ``s x s`` scores (FlashAttention / cuDNN, the
     default: NVIDIA's containers ship Transformer Engine), or Megatron's unfused core with or without its fused

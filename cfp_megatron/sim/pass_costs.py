@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from cfp_megatron.base.config import ClusterSpec, JobSpec, MlpPartition, ParallelSpec, Recompute
+from cfp_megatron.base.config import ClusterSpec, FsdpStrategy, JobSpec, MlpPartition, ParallelSpec, Recompute
 from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Measurements, StepOverheads, partition_name
@@ -80,10 +80,11 @@ class PassCosts:
 
 
 def comm_options(parallel: ParallelSpec) -> tuple[Any, ...]:
-    """The plan's communication options the layer costs read (CP exchange type, expert and TP overlaps), and its CUDA
-    graphs (the host's launches, :attr:`PassCosts.host`)."""
+    """The plan's communication options the layer costs read (CP exchange type, expert and TP overlaps, Megatron-FSDP's
+    strategy and shard group), and its CUDA graphs (the host's launches, :attr:`PassCosts.host`)."""
     return (parallel.cp_comm_type, parallel.tp_comm_overlap, parallel.moe_a2a_overlap,
-            parallel.moe_shared_expert_overlap, parallel.cuda_graph_impl, parallel.cuda_graph_scope)
+            parallel.moe_shared_expert_overlap, parallel.cuda_graph_impl, parallel.cuda_graph_scope, parallel.fsdp,
+            parallel.dp_shard_size)
 
 
 def cost_key(layout: Layout, recompute: Recompute, options: SimOptions,
@@ -95,7 +96,8 @@ def cost_key(layout: Layout, recompute: Recompute, options: SimOptions,
     measurements, as a hashable tuple: equal keys, equal costs. ``sp`` and ``micro_batch`` stand in for the layout's
     own (they do not move groups between nodes: a search places a family once for all of them)."""
     dims = layout.dims
-    fsdp = (dims.dp, layout.dp_per_node) if options.fsdp else ()
+    sharded = any(isinstance(c, FsdpStrategy) and c is not FsdpStrategy.none for c in comm)
+    fsdp = (dims.dp, layout.dp_per_node) if sharded else ()  # the FSDP lane's groups
     return (dims.tp, dims.sp if sp is None else sp, dims.cp, dims.ep, dims.etp,
             layout.micro_batch if micro_batch is None else micro_batch, layout.seq_length, recompute,
             layout.tp_per_node, layout.cp_per_node, layout.ep_per_node, layout.domain_size, fsdp, mlp, comm,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from cfp_megatron.base.config import JobSpec, OptimizerKind
+from cfp_megatron.base.config import FsdpStrategy, JobSpec, OptimizerKind
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.cluster.costs import CollectiveCosts
@@ -43,11 +43,16 @@ class Engine(enum.Enum):
     """DeepSpeed's ZeRO engine."""
 
 
-def megatron_sharded(*, distributed_optimizer: bool, fsdp: bool) -> Sharded:
-    """What Megatron-Core shards: everything under FSDP, the optimizer's states under the distributed optimizer,
-    nothing under DDP."""
-    if fsdp:
-        return Sharded.parameters
+_FSDP_SHARDED = {FsdpStrategy.optim: Sharded.optimizer, FsdpStrategy.optim_grads: Sharded.gradients,
+                 FsdpStrategy.optim_grads_params: Sharded.parameters}
+"""What each Megatron-FSDP sharding strategy shards."""
+
+
+def megatron_sharded(*, distributed_optimizer: bool, fsdp: FsdpStrategy = FsdpStrategy.none) -> Sharded:
+    """What Megatron-Core shards: what Megatron-FSDP's strategy says (``parallel.fsdp``), else the optimizer's states
+    under the distributed optimizer, nothing under DDP."""
+    if fsdp is not FsdpStrategy.none:
+        return _FSDP_SHARDED[fsdp]
     return Sharded.optimizer if distributed_optimizer else Sharded.nothing
 
 
@@ -160,12 +165,17 @@ class Sharding:
                                           fix="use backend.zero_stage=3, or leave the parameters on the device."))
 
     @classmethod
-    def megatron(cls, job: JobSpec, dims: ParallelDims, *, fsdp: bool) -> Sharding:
-        """Megatron-Core's data parallelism for ``job`` laid out as ``dims``: FSDP (``fsdp``: everything sharded),
-        the distributed optimizer (``parallel.distributed_optimizer``: the optimizer's states) or DDP; the dense
-        parameters' states over DP x CP, the routed experts' over the expert-DP group."""
-        return cls(sharded=megatron_sharded(distributed_optimizer=job.parallel.distributed_optimizer, fsdp=fsdp),
-                   state=StateBytes.megatron(job), group=dims.dp * dims.cp, expert_group=dims.expert_dp)
+    def megatron(cls, job: JobSpec, dims: ParallelDims) -> Sharding:
+        """Megatron-Core's data parallelism for ``job`` laid out as ``dims``: Megatron-FSDP's strategy
+        (``parallel.fsdp``), the distributed optimizer (``parallel.distributed_optimizer``: the optimizer's states)
+        or DDP; the dense parameters' states over DP x CP, or over shard groups of ``parallel.dp_shard_size`` of them
+        replicated across the rest (HSDP); the routed experts' over the expert-DP group."""
+        p = job.parallel
+        dp_cp = dims.dp * dims.cp
+        shard = min(p.dp_shard_size or dp_cp, dp_cp)
+        return cls(sharded=megatron_sharded(distributed_optimizer=p.distributed_optimizer, fsdp=p.fsdp),
+                   state=StateBytes.megatron(job), group=shard, expert_group=dims.expert_dp,
+                   replicas=max(dp_cp // shard, 1))
 
     @classmethod
     def zero(cls, *, stage: int, dp: int, elem: float, offload_optimizer: bool = False,
@@ -252,24 +262,28 @@ class Sharding:
 
     def pass_sync_s(self, costs: CollectiveCosts, layer_params: float, *, weight_bytes: float, per_node: int,
                     expert_params: float = 0.0, expert_per_node: int = 1) -> tuple[float, float]:
-        """(gather, scatter) seconds of one layer's collectives around its passes where weights are gathered per
-        pass (zero elsewhere): its ``layer_params`` weights on the rank (``weight_bytes`` an element) all-gathered
-        before each pass, its gradients reduce-scattered after the backward. The dense weights go over the group
-        (``per_node`` ranks of it on a node), the ``expert_params`` of routed experts among them over the expert-DP
-        group (``expert_per_node`` on a node; none where it is one rank): Megatron-FSDP keeps expert parameters in
-        buffers of their own over the expert-DP group, torchtitan shards them over its ``efsdp`` mesh
-        (docs/simulator.md, "Data-parallel sharding"). What the passes leave exposed of them: the data-parallel
-        term's FSDP lane."""
-        if not self.gathers_per_pass:
-            return 0.0, 0.0
+        """(gather, scatter) seconds of one layer's collectives around its passes: its ``layer_params`` weights on
+        the rank (``weight_bytes`` an element) all-gathered before each pass where weights are gathered per pass,
+        its gradients reduce-scattered after the backward where they are reduced per micro-batch (zero elsewhere).
+        The dense weights go over the group (``per_node`` ranks of it on a node), the ``expert_params`` of routed
+        experts among them over the expert-DP group (``expert_per_node`` on a node; none where it is one rank):
+        Megatron-FSDP keeps expert parameters in buffers of their own over the expert-DP group, torchtitan shards
+        them over its ``efsdp`` mesh (docs/simulator.md, "Experts under FSDP"). What the passes leave exposed of
+        them: the data-parallel term's FSDP lane."""
+        gather_s = scatter_s = 0.0
+        per_node = min(per_node, self.group)  # an HSDP shard group of consecutive ranks, inside a node or across
         dense = layer_params - expert_params
-        gather_s = costs.seconds(Collective.all_gather, dense * weight_bytes, self.group, per_node)
-        scatter_s = costs.seconds(Collective.reduce_scatter, dense * self.state.gradients, self.group, per_node)
-        if expert_params > 0 and self._expert_ranks > 1:
-            gather_s += costs.seconds(Collective.all_gather, expert_params * weight_bytes, self._expert_ranks,
-                                      expert_per_node)
-            scatter_s += costs.seconds(Collective.reduce_scatter, expert_params * self.state.gradients,
-                                       self._expert_ranks, expert_per_node)
+        experts = expert_params > 0 and self._expert_ranks > 1
+        if self.gathers_per_pass:
+            gather_s = costs.seconds(Collective.all_gather, dense * weight_bytes, self.group, per_node)
+            if experts:
+                gather_s += costs.seconds(Collective.all_gather, expert_params * weight_bytes, self._expert_ranks,
+                                          expert_per_node)
+        if self.reduces_per_microbatch:
+            scatter_s = costs.seconds(Collective.reduce_scatter, dense * self.state.gradients, self.group, per_node)
+            if experts:
+                scatter_s += costs.seconds(Collective.reduce_scatter, expert_params * self.state.gradients,
+                                           self._expert_ranks, expert_per_node)
         return gather_s, scatter_s
 
     def step_sync_s(self, costs: CollectiveCosts, dense_params: float, expert_params: float, *, grad_bytes: float,
@@ -280,21 +294,24 @@ class Sharding:
         (``per_node``/``expert_per_node`` ranks of it on a node): the all-reduce or reduce-scatter at the
         accumulation boundary and the gather after the step. Where gradients are reduced per micro-batch and
         weights gathered per pass, that happens in the passes (the layer cost's FSDP lane): here only HSDP's
-        all-reduce of each shard across the replicas."""
+        all-reduce of each shard across the replicas (also after the reduce-scatter of a sharded optimizer's
+        instances, Megatron-Core's ``num_distributed_optimizer_instances``)."""
         experts = self._expert_ranks
-        if self.reduces_per_microbatch:
-            if self.replicas == 1:
-                return 0.0, 0.0
+        across_s = 0.0
+        if self.replicas > 1:
             across = max(1, per_node // self.group)  # the shard groups are consecutive ranks
-            return (costs.seconds(Collective.all_reduce, dense_params * grad_bytes / self.group, self.replicas,
-                                  across)
-                    + costs.seconds(Collective.all_reduce, expert_params * grad_bytes / experts, self.replicas,
-                                    across)), 0.0
-        sync_s = (costs.seconds(self.reduce_op, dense_params * grad_bytes, self.group, per_node)
-                  + costs.seconds(self.reduce_op, expert_params * grad_bytes, experts, expert_per_node))
+            across_s = costs.seconds(Collective.all_reduce, dense_params * grad_bytes / self.group, self.replicas,
+                                     across)
+        if self.reduces_per_microbatch:
+            return across_s + (costs.seconds(Collective.all_reduce, expert_params * grad_bytes / experts,
+                                             self.replicas, max(1, per_node // self.group))
+                               if self.replicas > 1 else 0.0), 0.0
+        in_group = min(per_node, self.group)
+        sync_s = (costs.seconds(self.reduce_op, dense_params * grad_bytes, self.group, in_group)
+                  + costs.seconds(self.reduce_op, expert_params * grad_bytes, experts, expert_per_node) + across_s)
         gather_s = 0.0
         if self.gathers_after_step:
-            gather_s = (costs.seconds(Collective.all_gather, dense_params * weight_bytes, self.group, per_node)
+            gather_s = (costs.seconds(Collective.all_gather, dense_params * weight_bytes, self.group, in_group)
                         + costs.seconds(Collective.all_gather, expert_params * weight_bytes, experts,
                                         expert_per_node))
         return sync_s, gather_s

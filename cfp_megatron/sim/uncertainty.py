@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from cfp_megatron.base.config import JobSpec
+from cfp_megatron.base.config import FsdpStrategy, JobSpec
 from cfp_megatron.base.flops import active_matmul_params_per_token
 from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.sim.calibration import generation
@@ -132,7 +132,7 @@ def plan_classes(job: JobSpec, options: SimOptions | None = None) -> tuple[str, 
     classes = ["MoE" if job.model.is_moe else "dense"]
     if job.parallel.cp > 1:
         classes.append("CP")
-    if options.fsdp:
+    if job.parallel.fsdp is not FsdpStrategy.none:
         classes.append("FSDP")
     classes.append(f"GPU {generation(job.cluster)}")
     return tuple(classes)

@@ -18,7 +18,8 @@ _KNOBS = (("tp", "TP"), ("sp", "sequence parallel"), ("pp", "PP"), ("vpp", "virt
           ("balanced", "balanced per-stage layout"),
           ("ep", "EP"), ("etp", "expert TP"), ("micro_batch", "micro-batch"), ("recompute", "recompute"),
           ("recompute_layers", "block-recomputed layers per chunk"), ("mlp", "MLP partition"),
-          ("primepar_layers", "PrimePar layers per chunk (0: all)"), ("distributed_optimizer", "distributed optimizer"))
+          ("primepar_layers", "PrimePar layers per chunk (0: all)"), ("distributed_optimizer", "distributed optimizer"),
+          ("fsdp", "Megatron-FSDP"), ("dp_shard", "hybrid shard group (0: all of DP x CP)"))
 
 
 def ranking_table(result: SearchResult, peak_tflops: float | None) -> Table:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from cfp_megatron.engine.metrics import MetricsLog, StepMetrics
 from cfp_megatron.engine.model import count_parameters
 from cfp_megatron.engine.peak import peak_tflops
 from cfp_megatron.engine.step import TrainState, build_training, train_step
+from cfp_megatron.model.megatron_config import cpu_notes
 from cfp_megatron.plan.check import PlanCheck, log_plan_check
 from cfp_megatron.profile.cluster import profiled_peak
 
@@ -37,6 +39,9 @@ def run_training(job: JobSpec, dims: ParallelDims, env: LaunchEnv, *, start_step
     (:mod:`cfp_megatron.plan.check`)."""
     t = job.train
     log = MetricsLog(metrics_path, enabled=env.rank == 0)
+    if env.rank == 0 and not torch.cuda.is_available():
+        for note in cpu_notes(job):
+            print(note, file=sys.stderr, flush=True)
     state = build_training(job, dims)
     bound_every_group(t.collective_timeout_s)  # the groups made without one (PrimePar's grids)
     precision = resolve_precision(t.precision, torch.cuda.is_available())

@@ -80,3 +80,85 @@ def param_gather_overlap(overlap: bool, distributed_optimizer: bool) -> list[Pro
                     problem="overlapping the parameter all-gather needs the distributed optimizer.",
                     fix="set parallel.distributed_optimizer=true or parallel.overlap_param_gather=false.",
                     brief="the parameter gather overlap needs the distributed optimizer")]
+
+
+def fsdp_settings(*, fsdp: str, distributed_optimizer: bool, shard_size: int | None) -> list[Problem]:
+    """Megatron-FSDP steps its shards with the distributed optimizer, and its ``optim`` strategy is not trained (its
+    gradient norm is not the reference's); hybrid sharding splits a sharded state."""
+    out = []
+    if fsdp == "optim":
+        out.append(Problem(key="parallel.fsdp", value=fsdp,
+                           problem="Megatron-Core 0.16.1's Megatron-FSDP under 'optim' keeps whole gradients on every "
+                                   "rank and counts each rank's copy in the gradient norm (2x the single-rank "
+                                   "reference's on 2 ranks), so gradient clipping differs (docs/simulator.md, "
+                                   "\"Sharded data parallelism\").",
+                           fix="set parallel.fsdp=none with parallel.distributed_optimizer=true (Megatron-Core's "
+                               "distributed optimizer shards the same states), or parallel.fsdp=optim_grads.",
+                           brief="Megatron-FSDP's 'optim' is not trained"))
+    if fsdp != "none" and not distributed_optimizer:
+        out.append(Problem(key="parallel.fsdp", value=fsdp,
+                           problem="Megatron-FSDP's shards are stepped by Megatron-Core's distributed optimizer; "
+                                   "parallel.distributed_optimizer=false.",
+                           fix="set parallel.distributed_optimizer=true, or parallel.fsdp=none.",
+                           brief="Megatron-FSDP needs the distributed optimizer"))
+    if shard_size is not None and fsdp == "none" and not distributed_optimizer:
+        out.append(Problem(key="parallel.dp_shard_size", value=shard_size,
+                           problem="hybrid sharding splits a sharded state into groups; this layout shards nothing "
+                                   "(parallel.distributed_optimizer=false, parallel.fsdp=none).",
+                           fix="set parallel.distributed_optimizer=true (and parallel.fsdp), or "
+                               "parallel.dp_shard_size=null.",
+                           brief="hybrid sharding needs a sharded state"))
+    return out
+
+
+def shard_groups(shard_size: int | None, *, dp_cp: int, fsdp: str, on_cpu: bool, ep: int = 1) -> list[Problem]:
+    """A hybrid shard group is a whole part of DP x CP (Megatron-Core's distributed-optimizer instances);
+    Megatron-FSDP's hybrid sharding does not train as the reference does on CPU, nor shard experts."""
+    if shard_size is not None and fsdp != "none" and ep > 1 and shard_size < dp_cp:
+        return [Problem(key="parallel.dp_shard_size", value=shard_size,
+                        problem=f"Megatron-FSDP's hybrid sharding (parallel.fsdp={fsdp}) builds no expert mesh in "
+                                "Megatron-Core 0.16.1 (mcore_fsdp_adapter._init_dist_index), so experts split over "
+                                f"parallel.ep={ep} would be sharded as dense weights.",
+                        fix="set parallel.dp_shard_size=null (Megatron-FSDP over all of DP x CP), or hybrid-shard "
+                            "with the distributed optimizer alone (parallel.fsdp=none).",
+                        brief="Megatron-FSDP's hybrid sharding has no expert groups")]
+    if shard_size is not None and fsdp != "none" and on_cpu and shard_size < dp_cp:
+        return [Problem(key="parallel.dp_shard_size", value=shard_size,
+                        problem=f"Megatron-FSDP's hybrid sharding (parallel.fsdp={fsdp}) trains away from the "
+                                "single-rank reference on CPU with gloo under Megatron-Core 0.16.1 (2 ranks, shard "
+                                "groups of 1: the loss moves from step 3).",
+                        fix="on CPU set parallel.dp_shard_size=null (one shard group), or hybrid-shard with the "
+                            "distributed optimizer alone (parallel.fsdp=none); on GPUs it runs as planned.",
+                        brief="Megatron-FSDP's hybrid sharding does not run on CPU")]
+    if shard_size is None or (shard_size <= dp_cp and not dp_cp % shard_size):
+        return []
+    return [Problem(key="parallel.dp_shard_size", value=shard_size,
+                    problem=f"does not divide the {dp_cp} data-parallel x context-parallel ranks the states are "
+                            "sharded over.",
+                    fix=f"use a divisor of {dp_cp} (e.g. the GPUs of a node), or parallel.dp_shard_size=null.",
+                    brief=f"does not divide DP x CP = {dp_cp}")]
+
+
+def fsdp_checkpoints(fsdp: str, checkpoint_dir: str | None) -> list[Problem]:
+    """Megatron-FSDP's state is saved only in its own format, which this project's checkpoints do not write."""
+    if fsdp == "none" or checkpoint_dir is None:
+        return []
+    return [Problem(key="parallel.fsdp", value=fsdp,
+                    problem=f"checkpoints (train.checkpoint_dir={checkpoint_dir}) are not saved under Megatron-FSDP: "
+                            "Megatron-Core 0.16.1 saves its state only in the fsdp_dtensor format, not in the "
+                            "resharding dist_checkpointing format this project saves and resumes across layouts.",
+                    fix="set parallel.fsdp=none (cfp.fsdp=none when planning; the distributed optimizer shards the "
+                        "optimizer states), or train.checkpoint_dir=null to train without checkpoints.",
+                    brief="Megatron-FSDP saves no checkpoint here")]
+
+
+def distributed_optimizer_kind(distributed_optimizer: bool, optimizer: str) -> list[Problem]:
+    """Megatron-Core's distributed optimizer steps Adam only (0.16.1: "Only Adam and HybridDeviceOptimizer currently
+    supported, due to checkpointing requirements")."""
+    if not distributed_optimizer or optimizer == "adam":
+        return []
+    return [Problem(key="parallel.distributed_optimizer", value=True,
+                    problem="Megatron-Core's distributed optimizer (and Megatron-FSDP, which it steps) runs Adam "
+                            f"only; train.optimizer={optimizer}.",
+                    fix="set train.optimizer=adam, or parallel.distributed_optimizer=false (and parallel.fsdp=none).",
+                    brief=f"the distributed optimizer runs Adam, not {optimizer}")]

@@ -21,16 +21,17 @@ BUCKET_PARAMS = 40_000_000
 
 def fsdp_comm(job: JobSpec, layout: Layout, costs: CollectiveCosts, *, params: float, elem_bytes: float,
               forward_window_s: float, backward_window_s: float, expert_params: float = 0.0) -> tuple[float, float]:
-    """(forward, backward) seconds of FSDP's communication one layer of ``params`` parameters (on one rank;
-    ``expert_params`` of them routed experts') leaves exposed: its weights gathered before the forward and the
-    backward, its gradients scattered after the backward, the dense ones over DP x CP and the experts' over the
-    expert-DP group (:meth:`~cfp_megatron.sim.sharding.Sharding.pass_sync_s`), beside ``forward_window_s`` /
-    ``backward_window_s`` of the layer's computation (which still takes the SM share it runs on,
-    :func:`~cfp_megatron.sim.terms.overlap.overlapped`); zero without data parallelism."""
+    """(forward, backward) seconds of Megatron-FSDP's communication one layer of ``params`` parameters (on one rank;
+    ``expert_params`` of them routed experts') leaves exposed: under ``optim_grads_params`` its weights gathered
+    before the forward and the backward (the next layer's prefetched), under ``optim_grads`` and
+    ``optim_grads_params`` its gradients scattered after the backward, the dense ones over the shard group and the
+    experts' over the expert-DP group (:meth:`~cfp_megatron.sim.sharding.Sharding.pass_sync_s`), beside
+    ``forward_window_s`` / ``backward_window_s`` of the layer's computation (which still takes the SM share it runs
+    on, :func:`~cfp_megatron.sim.terms.overlap.overlapped`); zero without data parallelism."""
     dims = layout.dims
-    if dims.dp <= 1:
+    if dims.dp * dims.cp <= 1:
         return 0.0, 0.0
-    gather_s, scatter_s = Sharding.megatron(job, dims, fsdp=True).pass_sync_s(
+    gather_s, scatter_s = Sharding.megatron(job, dims).pass_sync_s(
         costs, params, weight_bytes=elem_bytes, per_node=layout.dp_per_node, expert_params=expert_params,
         expert_per_node=layout.edp_per_node)
     return sum(overlapped(gather_s, forward_window_s)), sum(overlapped(gather_s + scatter_s, backward_window_s))
@@ -71,7 +72,7 @@ def step_sync(inputs: StepInputs) -> dict[str, list[float]]:
     job, layout, options, costs, overheads = (inputs.job, inputs.layout, inputs.options, inputs.collectives,
                                               inputs.overheads)
     dims, model = layout.dims, job.model
-    sharding = Sharding.megatron(job, dims, fsdp=options.fsdp)
+    sharding = Sharding.megatron(job, dims)
     overlap = job.parallel.overlap_grad_reduce if options.overlap_grad_reduce is None else options.overlap_grad_reduce
     lanes: dict[str, list[float]] = {"dp_comm_s": [], "embedding_sync_s": [], "token_sync_s": []}
     grad_bytes = grad_element_bytes(job)
