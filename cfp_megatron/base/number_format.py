@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from cfp_megatron.base.compose import group_presets
 from cfp_megatron.base.config import ClusterSpec, Fp4Recipe, Fp8Recipe, Precision, TrainSpec
 from cfp_megatron.base.errors import ConfigIssue
 
@@ -134,8 +135,6 @@ def computes(cluster: ClusterSpec, fmt: NumberFormat) -> bool:
 
 def presets_computing(fmt: NumberFormat) -> list[str]:
     """The cluster presets whose ``number_formats`` list what ``fmt`` needs (``conf/cluster``)."""
-    from cfp_megatron.base.compose import group_presets
-
     return [name for name, values in group_presets("cluster")
             if fmt.needs is None or fmt.needs in (values.get("number_formats") or ())]
 

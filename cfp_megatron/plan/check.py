@@ -24,9 +24,9 @@ from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.engine.metrics import MetricsLog, StepMetrics
 from cfp_megatron.plan.plots import free_path, write_check_png
 from cfp_megatron.profile.cluster import local_measurements
+from cfp_megatron.profile.cpu_use import other_load
 from cfp_megatron.profile.db import ProfileDB, StepCalibration, update_db
 from cfp_megatron.profile.fingerprint import current_fingerprint
-from cfp_megatron.profile.load import other_load
 from cfp_megatron.profile.records import STEP_TOLERANCE, PlanCheckRecord
 from cfp_megatron.sim.options import options_here
 from cfp_megatron.sim.prediction import Prediction

@@ -51,6 +51,7 @@ from cfp_megatron.planner.plan_cli import inputs_fingerprint
 from cfp_megatron.planner.plan_inputs import check_plan_applies, check_typed_before_plan, typed_keys
 from cfp_megatron.profile.cluster import local_measurements
 from cfp_megatron.profile.progress import PREPARE, RoundProgress
+from cfp_megatron.profile.records import RoundStatus
 from cfp_megatron.sim.calibration import identity_warnings
 
 PLAN_DIR = "cfp"
@@ -349,7 +350,6 @@ def _trials(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, console: Any, received: 
 def coverage_lines(outcome: Any, budget_s: float, world: int, overrides: list[str]) -> list[str]:
     """What profiling measured, reused, cut off per round, and (when partial) what is missing and how to complete
     it (``outcome``: :class:`~cfp_megatron.profile.runner.ProfileOutcome` on rank 0)."""
-    from cfp_megatron.profile.records import RoundStatus
     from cfp_megatron.profile.runner import busy_hint, completion_hint, entry_counts
 
     parts = []

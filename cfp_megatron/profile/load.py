@@ -1,7 +1,7 @@
-"""How busy the machine is while profiling or training times something: the CPU time other processes take and a
-reference matmul's speed. Read around every profiling round (:class:`LoadWatch`) and by the plan check
-(:func:`other_load`); the verdict is :attr:`~cfp_megatron.profile.records.MachineLoad.busy` (docs/profiling.md,
-"A busy machine")."""
+"""How busy the machine is while profiling times something: the CPU time other processes take
+(:mod:`cfp_megatron.profile.cpu_use`, which the plan check reads too) and a reference matmul's speed, read around
+every profiling round (:class:`LoadWatch`); the verdict is :attr:`~cfp_megatron.profile.records.MachineLoad.busy`
+(docs/profiling.md, "A busy machine")."""
 
 from __future__ import annotations
 
@@ -16,10 +16,9 @@ import torch.distributed as dist
 
 from cfp_megatron.engine.peak import measure_matmul_tflops
 from cfp_megatron.profile.control import slowest, summed
+from cfp_megatron.profile.cpu_use import cpu_times
 from cfp_megatron.profile.records import MachineLoad, RoundRecord
 
-SAMPLE_S = 0.5
-"""Seconds rank 0 samples the machine's CPU use for :func:`other_load`, while the job's other ranks wait for it."""
 REFERENCE_S = 0.2
 """Seconds every rank runs the reference matmul before a round (all at once, so the reading is the job's own)."""
 REFERENCE_SIZE = {"cpu": 256, "cuda": 4096}
@@ -27,36 +26,6 @@ REFERENCE_SIZE = {"cpu": 256, "cuda": 4096}
 LOAD_ENV = "CFP_PROFILE_LOAD"
 """Test hook: ``quiet`` or ``busy`` makes every reading of :class:`LoadWatch` say so (other work on none or all of
 the cores, no reference matmul), so a test's outcome never depends on the load of the machine it runs on."""
-
-
-def cpu_times() -> tuple[float, float] | None:
-    """(idle, total) seconds of all CPUs since boot from ``/proc/stat``; ``None`` off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [float(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    return (fields[3] + (fields[4] if len(fields) > 4 else 0.0)) / tick, sum(fields) / tick
-
-
-def other_load(ranks_here: int, *, sample_s: float = SAMPLE_S) -> float | None:
-    """Share of this machine's CPUs busy with work other than this job, 0..1 per core: on Linux, rank 0 samples the
-    CPUs' busy time for ``sample_s`` while it idles (the job's other ranks soon wait for it in a collective);
-    elsewhere the 1-minute load average less the ``ranks_here`` ranks of the job, over the cores. ``None`` where
-    neither is known."""
-    cores = os.cpu_count() or 1
-    before = cpu_times()
-    if before is not None:
-        time.sleep(sample_s)
-        after = cpu_times()
-        if after is not None and after[1] > before[1]:
-            return max(1.0 - (after[0] - before[0]) / (after[1] - before[1]), 0.0)
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None
-    return max(load - ranks_here, 0.0) / cores
 
 
 def reference_tflops() -> float:

@@ -418,7 +418,7 @@ class PlanCheckRecord:
     calibrate nothing)."""
     other_load: float | None = None
     """Share of the machine's cores busy with other work than this job right after the checked steps, 0..1
-    (:func:`cfp_megatron.plan.check.other_load`); ``None`` where not known."""
+    (:func:`cfp_megatron.profile.cpu_use.other_load`); ``None`` where not known."""
     repeat_spread: float | None = None
     """Spread of the timed steps: (slowest - fastest) / median; ``None`` with fewer than two."""
     trial: bool = False
