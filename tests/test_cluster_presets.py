@@ -18,7 +18,7 @@ from hydra.errors import ConfigCompositionException
 from cfp_megatron.base.config import ClusterSpec, JobSpec, Network, ParallelSpec, job_from_config
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.base.parallel_dims import ParallelDims
-from cfp_megatron.cluster.costs import NIC_TRANSFER_SHARE, NVLINK_TRANSFER_SHARE, CollectiveCosts, group_placement
+from cfp_megatron.cluster.costs import CollectiveCosts, group_placement
 from cfp_megatron.cluster.fabrics import FABRICS_FILE, FabricDataError, bandwidth_scale, load_fabrics
 from cfp_megatron.cluster.measured import Collective, CollectiveFit, NothingMeasured, Span
 from cfp_megatron.profile.cluster import measured_cluster
@@ -289,28 +289,6 @@ def test_the_fabric_scales_the_network_bandwidth_by_its_share_over_infinibands(n
     assert other.inter.bandwidth_bytes_per_s == pytest.approx(ib.inter.bandwidth_bytes_per_s * scale)
     assert other.intra.bandwidth_bytes_per_s == ib.intra.bandwidth_bytes_per_s  # NVLink is not the fabric
     assert bandwidth_scale(Network(network)) == pytest.approx(scale)
-
-
-def test_nccl_protocol_caps_the_fitted_shares_on_gpus_but_not_the_nvlink_all_reduce() -> None:
-    """On a GPU cluster a fitted share above NCCL's transfer share (370 of 450 GB/s over NVLink, 47 of 50 GB/s per NDR
-    NIC) is capped for the collectives that move bytes over the links; the all-reduce inside a node, reduced in the
-    NVLink switches, keeps the fitted share; a share below the cap, and DeepEP's plain links, are left alone."""
-    h100 = cluster("cluster=dgx_h100", "cluster.nodes=2")
-    full = CollectiveCosts(h100, intra_efficiency=1.0, inter_efficiency=1.0)
-    gb = 1e9
-    line = h100.intra_node_bandwidth_gbps * 1e9
-    assert full.seconds(Collective.all_gather, gb, 8) == pytest.approx(
-        7 * full.transfer_intra.latency_s + 7 / 8 * gb / (line * NVLINK_TRANSFER_SHARE))
-    assert full.seconds(Collective.all_to_all, gb, 8) > gb * 7 / 8 / line
-    assert full.seconds(Collective.all_reduce, gb, 8) == pytest.approx(
-        14 * full.intra.latency_s + 2 * 7 / 8 * gb / line)  # NVLS: the fitted link
-    assert full.transfer_inter.bandwidth_bytes_per_s == pytest.approx(
-        h100.network_bandwidth_gbps * 1e9 * NIC_TRANSFER_SHARE)
-    assert full.intra.bandwidth_bytes_per_s == pytest.approx(line)  # DeepEP reads the plain links
-    below = CollectiveCosts(h100, intra_efficiency=0.7, inter_efficiency=0.7)
-    assert below.transfer_intra == below.intra and below.transfer_inter == below.inter
-    cpu = CollectiveCosts(cluster("cluster=local"), intra_efficiency=1.0, inter_efficiency=1.0)
-    assert cpu.transfer_intra == cpu.intra and cpu.transfer_inter == cpu.inter  # gloo: no NCCL protocol
 
 
 def test_omni_path_slows_cross_node_gradient_sync_beyond_its_line_rate() -> None:

@@ -37,16 +37,6 @@ _DEFAULT_INTRA_GBPS = 100.0
 _DEFAULT_INTER_GBPS = 12.5
 _DEFAULT_LATENCY_US = 10.0
 
-NVLINK_TRANSFER_SHARE = 370.0 / 450.0
-"""The most of NVLink's line rate NCCL moves data at in collectives other than an NVLink SHARP all-reduce (ring
-all-gather and reduce-scatter, all-to-all, send/receive): its protocol overhead takes about 20%, so an H100's 450 GB/s
-per direction gives 370 GB/s of bus bandwidth, while the all-reduce, reduced in the switch (NVLS), reaches about 480
-(NCCL's maintainers, NVIDIA/nccl-tests issue 212, 2024-05-06). A ceiling on a GPU cluster's fitted intra-node share
-for those collectives (docs/simulator.md, "Collective ceilings")."""
-NIC_TRANSFER_SHARE = 47.0 / 50.0
-"""The most of a NIC's line rate NCCL reaches: 46-48 GB/s of a 400 Gb/s (50 GB/s) ConnectX-7 NDR port (NCCL's
-maintainers, NVIDIA/nccl-tests issues 290 and 267, 2025); a ceiling on a GPU cluster's fitted inter-node share."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class Link:
@@ -116,23 +106,15 @@ class CollectiveCosts:
         self.gpus_per_node = cluster.gpus_per_node or 1
         # GPUs that share the fast link: the NVLink domain, a node unless cluster.nvlink_domain_size says otherwise.
         self.domain_size = cluster.domain_size(self.gpus_per_node)
-        intra_line = (cluster.intra_node_bandwidth_gbps or _DEFAULT_INTRA_GBPS) * 1e9
+        intra_bw = (cluster.intra_node_bandwidth_gbps or _DEFAULT_INTRA_GBPS) * 1e9 * intra_efficiency
         # The fitted inter_efficiency holds InfiniBand's share of line rate; another fabric scales it by its own
         # share (cluster/fabrics.yaml: Omni-Path reaches 0.40 of InfiniBand's).
-        inter_line = (cluster.network_bandwidth_gbps or _DEFAULT_INTER_GBPS) * 1e9 * bandwidth_scale(cluster.network)
-        intra_latency_s = (cluster.intra_node_latency_us or _DEFAULT_LATENCY_US) * 1e-6
-        inter_latency_s = (cluster.inter_node_latency_us or _DEFAULT_LATENCY_US) * 1e-6
-        self.intra = Link(latency_s=intra_latency_s, bandwidth_bytes_per_s=intra_line * intra_efficiency)
-        self.inter = Link(latency_s=inter_latency_s, bandwidth_bytes_per_s=inter_line * inter_efficiency)
-        # What NCCL's collectives move at: on a GPU cluster its protocol caps what a fitted share can stand for
-        # (NVLINK_TRANSFER_SHARE, NIC_TRANSFER_SHARE; the intra-node all-reduce, reduced in the NVLink switches,
-        # keeps the fitted link); a CPU cluster's gloo collectives are measured, or priced at the plain shares.
-        # DeepEP's kernels read the plain links with their own measured shares.
-        on_gpu = not cluster.on_cpu
-        self.transfer_intra = Link(latency_s=intra_latency_s, bandwidth_bytes_per_s=intra_line * (
-            min(intra_efficiency, NVLINK_TRANSFER_SHARE) if on_gpu else intra_efficiency))
-        self.transfer_inter = Link(latency_s=inter_latency_s, bandwidth_bytes_per_s=inter_line * (
-            min(inter_efficiency, NIC_TRANSFER_SHARE) if on_gpu else inter_efficiency))
+        inter_bw = ((cluster.network_bandwidth_gbps or _DEFAULT_INTER_GBPS) * 1e9 * inter_efficiency
+                    * bandwidth_scale(cluster.network))
+        self.intra = Link(latency_s=(cluster.intra_node_latency_us or _DEFAULT_LATENCY_US) * 1e-6,
+                          bandwidth_bytes_per_s=intra_bw)
+        self.inter = Link(latency_s=(cluster.inter_node_latency_us or _DEFAULT_LATENCY_US) * 1e-6,
+                          bandwidth_bytes_per_s=inter_bw)
         self._cache: dict[tuple[Collective, int, Span], object] = {}
 
     def _fit(self, op: Collective, size: int, span: Span):
@@ -148,8 +130,7 @@ class CollectiveCosts:
         fit = self._fit(op, size, span)
         if fit is not None:
             return fit.seconds(message_bytes)
-        link = self.transfer_inter if span is Span.inter_node else (
-            self.intra if op is Collective.all_reduce else self.transfer_intra)
+        link = self.intra if span is Span.intra_node else self.inter
         if op is Collective.send_recv:
             steps = 1
         elif op is Collective.all_reduce:
@@ -184,6 +165,5 @@ class CollectiveCosts:
         # all-to-all: the intra-node and inter-node shares move at once over their own links.
         intra_bytes = message_bytes * (k - 1) / size
         inter_bytes = message_bytes * (size - k) / size
-        intra, inter = self.transfer_intra, self.transfer_inter
-        return max(intra.latency_s * (k - 1) + intra_bytes / intra.bandwidth_bytes_per_s,
-                   inter.latency_s * (nodes - 1) + inter_bytes / inter.bandwidth_bytes_per_s)
+        return max(self.intra.latency_s * (k - 1) + intra_bytes / self.intra.bandwidth_bytes_per_s,
+                   self.inter.latency_s * (nodes - 1) + inter_bytes / self.inter.bandwidth_bytes_per_s)
