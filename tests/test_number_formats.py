@@ -18,6 +18,7 @@ from cfp_megatron.base.parallel_dims import ParallelDims, transformer_engine_ava
 from cfp_megatron.model.megatron_config import transformer_config
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.plan.exports import megatron_lm_args, torchrun_command
+from cfp_megatron.search.formats import format_options
 from cfp_megatron.search.search import search
 from cfp_megatron.sim.calibration import efficiency_for
 from cfp_megatron.sim.format_costs import format_cost
@@ -172,3 +173,15 @@ def test_the_search_chooses_a_format_from_the_set_as_the_exhaustive_search_does(
     pinned = dataclasses.replace(job, train=dataclasses.replace(job.train, precision=Precision.fp16))
     with pytest.raises(ConfigError, match="outside cfp.constraints.precision"):
         search(pinned, 8, cfp)
+
+
+def test_the_jobs_own_format_keeps_the_measured_segments_under_precision_auto() -> None:
+    """``train.precision=auto`` (the default) is the format the profile measured in: the search prices it with the
+    measured segments; only another format of a set drops them."""
+    job = _job("dgx_h100")
+    assert job.train.precision is Precision.auto
+    measured = object()  # what profiling measured: only whether there is any matters here
+    assert format_options(job, NumberFormat.of(job.train), measured, None) is None
+    assert format_options(job, NumberFormat(precision=Precision.bf16), measured, None) is None
+    fp8 = format_options(job, NumberFormat(precision=Precision.fp8), measured, None)
+    assert fp8 is not None and fp8.use_measured_segments is False

@@ -84,12 +84,16 @@ def format_options(job: JobSpec, fmt: NumberFormat, measurements: Measurements |
     """The simulator options a format of the set is searched with: as given, except that a format other than the one
     the profile measured (the job's own) is priced without the measured segments (they ran their GEMMs in the
     job's format) but with everything else measured."""
-    own = NumberFormat.of(job.train)
-    if own.precision is Precision.auto:
-        own = NumberFormat(precision=resolve_precision(own.precision, on_gpu=not job.cluster.on_cpu))
-    if measurements is None or fmt == own:
+    if measurements is None or _resolved(job, fmt) == _resolved(job, NumberFormat.of(job.train)):
         return options
     return dataclasses.replace(options or SimOptions(), use_measured_segments=False)
+
+
+def _resolved(job: JobSpec, fmt: NumberFormat) -> NumberFormat:
+    """``fmt`` with ``auto`` resolved as ``job``'s cluster trains it (bf16 on a GPU)."""
+    if fmt.precision is not Precision.auto:
+        return fmt
+    return NumberFormat(precision=resolve_precision(fmt.precision, on_gpu=not job.cluster.on_cpu))
 
 
 def with_format(job: JobSpec, fmt: NumberFormat) -> JobSpec:

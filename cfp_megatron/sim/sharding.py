@@ -276,14 +276,14 @@ class Sharding:
         experts = expert_params > 0 and self._expert_ranks > 1
         if self.gathers_per_pass:
             gather_s = costs.seconds(Collective.all_gather, dense * weight_bytes, self.group, per_node)
-            if experts:
-                gather_s += costs.seconds(Collective.all_gather, expert_params * weight_bytes, self._expert_ranks,
-                                          expert_per_node)
         if self.reduces_per_microbatch:
             scatter_s = costs.seconds(Collective.reduce_scatter, dense * self.state.gradients, self.group, per_node)
-            if experts:
-                scatter_s += costs.seconds(Collective.reduce_scatter, expert_params * self.state.gradients,
-                                           self._expert_ranks, expert_per_node)
+        if experts and self.gathers_per_pass:
+            gather_s += costs.seconds(Collective.all_gather, expert_params * weight_bytes, self._expert_ranks,
+                                      expert_per_node)
+        if experts and self.reduces_per_microbatch:
+            scatter_s += costs.seconds(Collective.reduce_scatter, expert_params * self.state.gradients,
+                                       self._expert_ranks, expert_per_node)
         return gather_s, scatter_s
 
     def step_sync_s(self, costs: CollectiveCosts, dense_params: float, expert_params: float, *, grad_bytes: float,
