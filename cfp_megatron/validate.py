@@ -59,7 +59,10 @@ The same for every row:
   (:func:`~cfp_megatron.validation.plausible.implausible_step_time`), a MoE row without its experts' fields or
   experts' fields without ``moe_experts`` (:func:`~cfp_megatron.validation.rows.experts_cell`), a predicted peak
   memory over :data:`MEMORY_REFUSE_FACTOR` times the GPU's; one above the GPU's
-  memory but within that factor is kept and flagged. Exit status 0 when a row is modelled, 1 when none is, 2 for a
+  memory but within that factor is kept and flagged. A row its own source re-measured
+  (``cfp_megatron/validation/superseded.yaml``, :mod:`~cfp_megatron.validation.superseded`) is predicted and
+  printed with the reason but set apart from the figures and the bands; the MAPE over all modelled rows is printed
+  beside the last line's, which is over the rows kept. Exit status 0 when a row is modelled, 1 when none is, 2 for a
   file it cannot read or write (``--bands``, ``--plot``, ``--json``: written atomically,
   :mod:`cfp_megatron.base.files`).
 """
@@ -129,6 +132,7 @@ from cfp_megatron.validation.rows import (
     where,
     yes_cell,
 )
+from cfp_megatron.validation.superseded import set_apart
 
 __all__ = ["CsvRow", "InputFileError", "RowError", "RowPlan", "RowResult", "check_bands_path", "check_json_path",
            "class_errors", "gpu_preset", "has_step_time", "load_preset", "main", "mape", "predict_rows", "read_rows",
@@ -452,39 +456,49 @@ def _report(args: argparse.Namespace, rows: list[dict]) -> int:
         unread = unread_columns(list(dict.fromkeys(name for row in read for name in row)))
         if unread:
             print(f"note: {path}: column(s) {', '.join(unread)} are not in the runs schema and are not read")
-    results, skipped = predict_rows(rows)
+    modelled, skipped = predict_rows(rows)
     by_id = rows_by_id(rows)
+    superseded = set_apart(modelled, by_id)
+    results = [r for r in modelled if r.plan.row_id not in superseded]
     print(f"{'id':>5}  {'model':<28} {'layout':<52} {'measured s':>11} {'predicted s':>11} {'error':>8} "
           f"{'mem GiB':>8}")
-    for r in results:
+    for r in modelled:
         name = re.sub(r"\s+", " ", r.plan.model)[:28]
         print(f"{r.plan.row_id:>5}  {name:<28} {r.plan.layout:<52} {r.plan.measured_s:>11.4g} "
-              f"{r.predicted_s:>11.4g} {r.error_pct:>+7.1f}% {r.memory_gib:>8.1f}" + (" !" if r.flag else ""))
-    approximated = [r for r in results if r.plan.approximations]
+              f"{r.predicted_s:>11.4g} {r.error_pct:>+7.1f}% {r.memory_gib:>8.1f}" + (" !" if r.flag else "")
+              + (" s" if r.plan.row_id in superseded else ""))
+    approximated = [r for r in modelled if r.plan.approximations]
     if approximated:
         print(f"\nstated columns priced approximately or not understood ({len(approximated)} rows, kept in the "
               "figures):")
         for r in approximated:
             for said in r.plan.approximations:
                 print(f"  {r.plan.row_id:>5}  {said}")
-    flagged = [r for r in results if r.flag]
+    flagged = [r for r in modelled if r.flag]
     if flagged:
         print(f"\nflagged, kept in the figures ({len(flagged)} rows, ! above):")
         for r in flagged:
             name = re.sub(r"\s+", " ", r.plan.model)[:28]
             print(f"  {r.plan.row_id:>5}  {name:<28} {r.flag}")
+    if superseded:
+        print(f"\nsuperseded by their source's re-measurement, set apart from the figures and the bands "
+              f"({len(superseded)} rows, s above; cfp_megatron/validation/superseded.yaml):")
+        for rid, reason in superseded.items():
+            name = re.sub(r"\s+", " ", by_id[rid].get("model", ""))[:28]
+            print(f"  {rid:>5}  {name:<28} {reason}")
     if skipped:
         print(f"\nnot modelled, left out of the figures ({len(skipped)} rows):")
         for row, reason in skipped:
             print(f"  {row.get('id', '?'):>5}  {row.get('model', '')[:28]:<28} {reason}")
     timed = [row for row in rows if has_step_time(row)]
-    print(f"\ncoverage: {len(results)} of {len(timed)} rows with a step time modelled")
-    print("\n".join(memory_failure_lines(results)))
+    print(f"\ncoverage: {len(modelled)} of {len(timed)} rows with a step time modelled")
+    print("\n".join(memory_failure_lines(modelled)))
     print(f"{'class':<12} {'rows':>5} {'MAPE':>7} {'max error':>10}")
     for name, errors in sorted(class_errors(results, by_id).items()):
         print(f"{name:<12} {len(errors):>5} {sum(errors) / len(errors):>6.2f}% {max(errors):>9.1f}%")
     if args.json_path:
-        write_atomic(args.json_path, json.dumps(report(results, skipped, rows), indent=1) + "\n", key="--json")
+        write_atomic(args.json_path, json.dumps(report(modelled, skipped, rows, superseded), indent=1) + "\n",
+                     key="--json")
         print(f"\nreport written to {args.json_path}")
     if not results:
         print(f"\nvalidate: no row could be modelled (the {len(rows)} rows of {', '.join(args.csv)}, each listed "
@@ -501,6 +515,9 @@ def _report(args: argparse.Namespace, rows: list[dict]) -> int:
     if args.plot:
         drawn = write_plot(results, by_id, args.plot)
         print(f"\npredicted vs measured step time drawn to {drawn}")
+    if superseded:
+        print(f"\nMAPE over all {len(modelled)} modelled rows (the {len(superseded)} superseded above included): "
+              f"{mape(modelled):.2f}%; over the rows kept:")
     print(f"\nMAPE {mape(results):.2f}% over {len(results)} rows")
     return 0
 

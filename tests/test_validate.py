@@ -104,10 +104,14 @@ def test_no_file_validates_both_shipped_files_with_coverage_and_each_class(capsy
     timed = sum(1 for path in (CSV, MOE_CSV) for row in read_rows(path)
                 if any((row.get(k) or "").strip() for k in ("step_time_s", "derived_step_time_s",
                                                              "tokens_per_s_per_gpu")))
-    _, modelled = _final(out)
+    _, kept = _final(out)
+    # the rows their source superseded (validation/superseded.yaml) are modelled but left out of the figures
+    apart = re.search(r"^superseded by their source's re-measurement.*\((\d+) rows", out, re.MULTILINE)
+    modelled = kept + (int(apart.group(1)) if apart else 0)
     assert f"coverage: {modelled} of {timed} rows with a step time modelled" in out
+    assert f"MAPE over all {modelled} modelled rows" in out or not apart
     classes = dict(re.findall(r"^(dense|MoE|CP|FSDP)\s+(\d+)\s", out, re.MULTILINE))
-    assert int(classes["dense"]) + int(classes["MoE"]) == modelled and int(classes["MoE"]) > 0
+    assert int(classes["dense"]) + int(classes["MoE"]) == kept and int(classes["MoE"]) > 0
 
 
 def test_deepseek_v3_runs_as_megatron_bridge_lays_it_out() -> None:

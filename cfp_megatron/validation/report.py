@@ -50,10 +50,14 @@ def rows_by_id(rows: list[dict]) -> dict[str, dict]:
     return found
 
 
-def report(results: list[RowResult], skipped: list[tuple[dict, str]], rows: list[dict]) -> dict:
-    """The ``--json`` report: each modelled row (its prediction and flag), each row not modelled with its reason,
-    the coverage, the MAPE per class and over all rows (``None`` when no row was modelled)."""
+def report(results: list[RowResult], skipped: list[tuple[dict, str]], rows: list[dict],
+           superseded: dict[str, str] | None = None) -> dict:
+    """The ``--json`` report: each modelled row (its prediction, flag and, where its source superseded it, why:
+    ``superseded``, row id -> reason), each row not modelled with its reason, the coverage, the MAPE per class and
+    over the rows kept (``None`` when no row was kept), and over all modelled rows (``mape_all``)."""
     by_id = rows_by_id(rows)
+    superseded = superseded or {}
+    kept = [r for r in results if r.plan.row_id not in superseded]
 
     def located(row: dict) -> dict:
         return {"file": str(row.file), "line": row.line} if isinstance(row, CsvRow) else {}
@@ -62,13 +66,15 @@ def report(results: list[RowResult], skipped: list[tuple[dict, str]], rows: list
         "rows": [{"id": r.plan.row_id, **located(by_id.get(r.plan.row_id, {})), "model": r.plan.model,
                   "layout": r.plan.layout, "measured_s": r.plan.measured_s, "predicted_s": r.predicted_s,
                   "error_pct": round(r.error_pct, 3), "memory_gib": round(r.memory_gib, 3), "flag": r.flag or None,
-                  "approximations": list(r.plan.approximations)}
+                  "approximations": list(r.plan.approximations),
+                  "superseded": superseded.get(r.plan.row_id)}
                  for r in results],
         "refused": [{"id": row.get("id"), **located(row), "model": row.get("model"), "reason": reason}
                     for row, reason in skipped],
         "coverage": {"modelled": len(results), "with_step_time": sum(has_step_time(row) for row in rows)},
         "classes": {name: {"rows": len(errors), "mape": round(sum(errors) / len(errors), 3)}
-                    for name, errors in sorted(class_errors(results, by_id).items())},
-        "mape": round(mape(results), 3) if results else None,
+                    for name, errors in sorted(class_errors(kept, by_id).items())},
+        "mape": round(mape(kept), 3) if kept else None,
+        "mape_all": round(mape(results), 3) if results else None,
         "memory_failures": memory_failures(results),
     }
