@@ -17,7 +17,13 @@ from cfp_megatron.sim.kernels import GROUPED_GEMM_FILE, KernelModel, grouped_gem
 from cfp_megatron.sim.layer_cost import LayerCost, layer_cost
 from cfp_megatron.sim.layout import Layout, build_layout
 from cfp_megatron.sim.pass_costs import CostCache, collective_costs
-from cfp_megatron.sim.terms.expert_dispatch import MoeCost, expected_remote_nodes, moe_block_cost
+from cfp_megatron.sim.terms.expert_dispatch import (
+    NCCL_NVLINK_SHARE,
+    MoeCost,
+    all_to_all_costs,
+    expected_remote_nodes,
+    moe_block_cost,
+)
 from cfp_megatron.sim.terms.overlap import COMM_SM_SHARE, overlapped
 from cfp_megatron.validate import load_preset
 
@@ -197,9 +203,29 @@ def test_the_alltoall_dispatcher_exchanges_counts_and_probabilities_too() -> Non
     # The probabilities' all-to-all: with the tokens' two, three all-to-alls of the routed copies a pass.
     _, _, comm = models(job(ep=8), 4 * 8)
     routed = 4096 * 8  # one micro-batch's tokens, each to its top-8 experts (balanced routing)
-    assert a2a.dispatch_s == pytest.approx(2 * comm.seconds(Collective.all_to_all, routed * 4096 * 2.0, 8, 8)
-                                           + comm.seconds(Collective.all_to_all, routed * 4.0, 8, 8))
+    a2a_comm = all_to_all_costs(comm, job(ep=8))  # NCCL's all-to-all at its NVLink ceiling
+    assert a2a.dispatch_s == pytest.approx(2 * a2a_comm.seconds(Collective.all_to_all, routed * 4096 * 2.0, 8, 8)
+                                           + a2a_comm.seconds(Collective.all_to_all, routed * 4.0, 8, 8))
     assert a2a.metadata_s == pytest.approx(comm.seconds(Collective.all_gather, 64 * 8.0 * 8, 8, 8))
+
+
+def test_the_expert_all_to_all_runs_at_nccls_nvlink_ceiling() -> None:
+    """NCCL's all-to-all has no NVLink SHARP path: inside an NVLink domain it moves at most
+    ``NCCL_NVLINK_SHARE`` of the nominal NVLink bandwidth, however high the fitted share (Hopper's is 1.0); a fitted
+    share below the ceiling stands, the network is not capped, and a CPU cluster is left alone."""
+    j = job(ep=8)
+    _, _, comm = models(j, 4 * 8)
+    nominal = j.cluster.intra_node_bandwidth_gbps * 1e9
+    assert comm.intra.bandwidth_bytes_per_s > nominal * NCCL_NVLINK_SHARE  # the fitted share is above the ceiling
+    capped = all_to_all_costs(comm, j)
+    assert capped.intra.bandwidth_bytes_per_s == pytest.approx(nominal * NCCL_NVLINK_SHARE)
+    assert capped.inter == comm.inter and comm.intra.bandwidth_bytes_per_s > nominal * NCCL_NVLINK_SHARE
+    inside = 64e6
+    assert capped.seconds(Collective.all_to_all, inside, 8, 8) > comm.seconds(Collective.all_to_all, inside, 8, 8)
+    low = CollectiveCosts(j.cluster, intra_efficiency=0.5)
+    assert all_to_all_costs(low, j) is low
+    cpu = job(nodes=1, cluster={"name": "local", "device_name": "cpu", "gpus_per_node": 1})
+    assert all_to_all_costs(comm, cpu) is comm
 
 
 def test_token_drop_settings_are_checked_and_reach_megatron_core() -> None:

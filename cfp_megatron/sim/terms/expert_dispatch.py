@@ -6,12 +6,13 @@ docs/simulator.md, "moe_cost.py".
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cfp_megatron.base.config import Activation, JobSpec, TokenDispatcher
 from cfp_megatron.base.flops import mlp_params
-from cfp_megatron.cluster.costs import CollectiveCosts
+from cfp_megatron.cluster.costs import CollectiveCosts, Link
 from cfp_megatron.cluster.measured import Collective
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layout import Layout
@@ -31,6 +32,29 @@ DEEPEP_INTER_SHARE = 0.9
 """Share of the NIC bandwidth DeepEP's normal kernels reach across nodes, counted on de-duplicated tokens (one copy
 per destination node, forwarded over NVLink inside it): 43-58 GB/s at EP16-EP64 on 400 Gb/s (50 GB/s) CX7 rails
 (DeepEP's README); 0.9 is the middle of that range."""
+NCCL_NVLINK_SHARE = 370.0 / 450.0
+"""Share of the nominal per-direction NVLink bandwidth NCCL's all-to-all reaches inside an NVLink domain: NCCL's
+protocol overhead is about 20%, so an H100's 450 GB/s line rate gives about 370 GB/s of bus bandwidth for every
+collective but the all-reduce, which NVLink SHARP accelerates past line rate (~480 GB/s bus bandwidth on 8 GPUs;
+NCCL's maintainer in NVIDIA/nccl-tests issue 212, 2024-05-06). The all-to-all has no SHARP path, so the fitted
+``intra_node_comm`` share (1.0 on Hopper, where all-reduces dominate the calibration rows' communication) is capped
+at this for the expert all-to-all; a fitted share below it stands."""
+
+
+def all_to_all_costs(costs: CollectiveCosts, job: JobSpec) -> CollectiveCosts:
+    """``costs`` with the NVLink share of the modelled all-to-all capped at :data:`NCCL_NVLINK_SHARE` of the
+    cluster's nominal NVLink bandwidth (a GPU cluster stating it; measured collective fits still win)."""
+    nominal = job.cluster.intra_node_bandwidth_gbps
+    if job.cluster.on_cpu or not nominal:
+        return costs
+    ceiling = nominal * 1e9 * NCCL_NVLINK_SHARE
+    if costs.intra.bandwidth_bytes_per_s <= ceiling:
+        return costs
+    capped = copy.copy(costs)
+    capped.intra = Link(latency_s=costs.intra.latency_s, bandwidth_bytes_per_s=ceiling)
+    return capped
+
+
 @dataclass(frozen=True, kw_only=True)
 class MoeCost:
     """One MoE block's work for one micro-batch on one rank (forward pass; the layer cost derives the backward)."""
@@ -204,8 +228,9 @@ def _dispatch_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Colle
             # twice), in the dispatch and in the combine; the dispatch sends each copy's routing probability too
             # (fp32, its own all-to-all in Megatron-Core's MoEAlltoAllTokenDispatcher.token_dispatch, and in the
             # backward pass its gradient).
-            one_way = costs.seconds(Collective.all_to_all, a2a_bytes, ep, layout.ep_per_node)
-            dispatch += one_way + costs.seconds(Collective.all_to_all, routed * PROB_BYTES, ep, layout.ep_per_node)
+            a2a = all_to_all_costs(costs, job)  # NCCL's all-to-all at its NVLink ceiling
+            one_way = a2a.seconds(Collective.all_to_all, a2a_bytes, ep, layout.ep_per_node)
+            dispatch += one_way + a2a.seconds(Collective.all_to_all, routed * PROB_BYTES, ep, layout.ep_per_node)
             combine += one_way
     return dispatch + combine, combine
 
