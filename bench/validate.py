@@ -58,7 +58,9 @@ from cfp_megatron.validate import (  # noqa: E402
 from cfp_megatron.validate import mape as row_mape  # noqa: E402
 from cfp_megatron.validation.bands import held_out_predictions  # noqa: E402
 from cfp_megatron.validation.fit import BOUNDS, MIN_ROWS_FULL_FIT, NEUTRAL, source_of  # noqa: E402
+from cfp_megatron.validation.report import rows_by_id  # noqa: E402
 from cfp_megatron.validation.rows import PUBLISHED_RUNS  # noqa: E402
+from cfp_megatron.validation.superseded import set_apart  # noqa: E402
 
 DEFAULT_CSV = PUBLISHED_RUNS[0]
 def load(csv_path: Path) -> tuple[list[RowPlan], list[tuple[str, str]]]:
@@ -209,7 +211,9 @@ def class_lines(paths: list[Path]) -> list[str]:
     """Coverage and per-class MAPE over ``paths`` as ``python -m cfp_megatron.validate`` computes them, as Markdown;
     then each file alone where there are several."""
     rows = [row for path in paths for row in read_rows(path)]
-    results, _ = predict_rows(rows)
+    modelled, _ = predict_rows(rows)
+    superseded = set_apart(modelled, rows_by_id(rows))  # rows their source re-measured: not in the figures
+    results = [r for r in modelled if r.plan.row_id not in superseded]
     errs_all = [abs(r.error_pct) for r in results]
     table = [["all", str(len(results)), f"{row_mape(results):.2f}%", f"{max(errs_all):.1f}%"]]
     for name, errs in sorted(class_errors(results, {row.get("id", ""): row for row in rows}).items()):
@@ -217,11 +221,13 @@ def class_lines(paths: list[Path]) -> list[str]:
     shipped = [p.resolve() for p in paths] == [p.resolve() for p in PUBLISHED_RUNS]
     files = "" if shipped else " " + " ".join(_shown(p) for p in paths)  # validate reads the shipped runs by default
     lines = [f"Step-time error per class, `python -m cfp_megatron.validate{files}`: "
-             f"{len(results)} of {sum(has_step_time(r) for r in rows)} rows with a step time modelled.", "",
+             f"{len(modelled)} of {sum(has_step_time(r) for r in rows)} rows with a step time modelled"
+             + (f", {len(superseded)} of them superseded by their source and set apart (MAPE over all modelled "
+                f"rows {row_mape(modelled):.2f}%)." if superseded else "."), "",
              *snippet.table(["class", "rows", "MAPE", "max error"], table), ""]
     if len(paths) > 1:
         for path in paths:
-            alone, _ = predict_rows(read_rows(path))
+            alone = [r for r in predict_rows(read_rows(path))[0] if r.plan.row_id not in superseded]
             lines.append(f"- `{path.name}` alone: MAPE {row_mape(alone):.2f}% over {len(alone)} rows.")
         lines.append("")
     return lines
