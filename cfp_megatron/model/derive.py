@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from cfp_megatron.base.config import JobSpec, ModelSpec, TrainSpec
-from cfp_megatron.base.errors import CfpError
+from cfp_megatron.base.errors import CfpError, ConfigError
 from cfp_megatron.base.layout_rules import moe, sequence, tensor
 from cfp_megatron.base.layout_rules.problem import briefs
 from cfp_megatron.model import cache
@@ -200,6 +200,8 @@ def partition_options(job: JobSpec, *, use_cache: bool = True) -> tuple[Partitio
     the declared catalogue, with a warning that says so."""
     try:
         derived = derived_options(job, use_cache=use_cache)
+    except ConfigError:
+        raise  # a setting the capture cannot use (a model.spec that gives no ModuleSpec): the user's to fix
     except CfpError as err:
         warnings.warn(f"cfp: the partition options of model {job.model.name} could not be derived ({err}); the "
                       "declared ones are used (cfp_megatron/model/options.py)", stacklevel=2)

@@ -13,6 +13,7 @@ from cfp_megatron.base.layout_rules.problem import issues as rule_issues
 from cfp_megatron.base.number_format import NumberFormat, format_key, presets_computing
 from cfp_megatron.base.parallel_dims import ParallelDims, transformer_engine_available
 from cfp_megatron.base.pipeline_layout import MTP, layout_stages
+from cfp_megatron.model import layer_spec
 
 
 def hydra_run_dir() -> Path | None:
@@ -118,6 +119,10 @@ def _rest_issues(job: JobSpec) -> list[ConfigIssue]:
             fix="install transformer-engine (GPU), or approximate MLA with multi-head attention: "
                 "model.attention=standard model.kv_channels=192."))
     issues += format_runs_here(job)
+    try:
+        layer_spec.check(job.model)  # model.spec imports and gives a ModuleSpec: said before any process group
+    except ConfigError as err:
+        issues.extend(err.issues)
     if job.data.kind is DataKind.indexed:
         try:
             validate_indexed(job)
