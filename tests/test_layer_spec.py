@@ -1,0 +1,119 @@
+"""``model.spec`` (model/layer_spec.py): what it names is checked before any process group, its identity enters
+the keys that depend on the layers, and the exports carry it (in-process; the training run under a plan is
+tests/test_custom_layer_train.py's)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cfp_megatron.base.cfp_spec import CfpSpec
+from cfp_megatron.base.compose import compose_job
+from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.base.jsonio import json_plain
+from cfp_megatron.model import cache, layer_spec
+from cfp_megatron.plan import Plan, PlanError, megatron_lm_args, torchrun_command
+from cfp_megatron.planner.job_checks import validate_rest
+from cfp_megatron.planner.launch_plan import plan_key
+
+MODULE = '''
+import dataclasses
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from tests.custom_layers import gated_mlp_module
+
+_base = get_gpt_layer_local_spec()
+LAYER = dataclasses.replace(_base, submodules=dataclasses.replace(_base.submodules,
+                                                                  mlp=ModuleSpec(module=gated_mlp_module())))
+
+
+def layer(config):
+    return LAYER
+'''
+"""A user's spec module: a module-level ModuleSpec (``LAYER``, Megatron-LM's ``--spec`` form) and a function."""
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """``my_layers.py`` on ``sys.path`` (imported afresh by each test)."""
+    path = tmp_path / "my_layers.py"
+    path.write_text(MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_layers", None)
+    layer_spec.spec_identity.cache_clear()
+    yield path
+    sys.modules.pop("my_layers", None)
+    layer_spec.spec_identity.cache_clear()
+
+
+def _job(*overrides: str):
+    return compose_job(["model=gpt_tiny", "train.global_batch_size=8", *overrides], typed=True, runs_hydra=False)
+
+
+def test_the_spec_identity_follows_its_structure_and_source(user_module: Path) -> None:
+    """The same path after its module changed is another key (capture, derivation, plan); a model without a spec
+    keeps the keys it had before the field existed."""
+    plain, custom = _job(), _job("model.spec=my_layers:layer")
+    without = json_plain(plain.model)
+    without.pop("spec")
+    assert layer_spec.keyed_model(plain.model) == without  # the keys of every earlier model hold
+    first = layer_spec.spec_identity(custom.model)
+    assert first is not None and first["path"] == "my_layers:layer"
+    assert layer_spec.spec_identity(_job("model.spec=my_layers:LAYER").model) != first  # another object
+
+    def keys(job) -> tuple[str, str]:
+        return (cache.cache_key(cache.job_cache_inputs(job, seq_length=64, micro_batch_size=1)),
+                plan_key(job, 2, CfpSpec()))
+
+    before = keys(custom)
+    assert all(a != b for a, b in zip(before, keys(plain), strict=True))
+    user_module.write_text(MODULE.replace("return LAYER", "return dataclasses.replace(LAYER, params={})"))
+    sys.modules.pop("my_layers", None)
+    layer_spec.spec_identity.cache_clear()
+    assert layer_spec.spec_identity(custom.model)["structure"] != first["structure"]
+    assert all(a != b for a, b in zip(before, keys(custom), strict=True))
+
+
+def test_a_spec_of_a_part_and_not_of_a_layer_is_refused_before_any_group() -> None:
+    import torch.distributed as dist
+
+    job = _job("model.spec=tests.custom_layers:mlp_only_spec")
+    with pytest.raises(ConfigError, match="a ModuleSpec of ThreeProjectionMLP, not of a transformer layer") as err:
+        validate_rest(job)
+    assert err.value.keys == ["model.spec"] and not dist.is_initialized()
+
+
+def test_the_exports_carry_the_spec(user_module: Path) -> None:
+    """Megatron-LM's ``--spec <module> <name>`` for a module-level ModuleSpec; for a function, a PlanError naming
+    model.spec (Megatron-LM uses the object it imports as the spec itself); the torchrun command sets it."""
+    for name, megatron in (("LAYER", ["--spec", "my_layers", "LAYER"]), ("layer", None)):
+        job = _job(f"model.spec=my_layers:{name}")
+        job = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, tp=2))
+        plan = Plan.from_job(job, world_size=2, prediction=None, inputs_fingerprint="")
+        assert dict(plan.job_inputs)["model.spec"] == f"my_layers:{name}"  # plan.json records it
+        assert f"model.spec=my_layers:{name}" in torchrun_command(plan)
+        if megatron is not None:
+            args = megatron_lm_args(plan)
+            assert args[-3:] == megatron and "--tensor-model-parallel-size" in args
+        else:
+            with pytest.raises(PlanError, match="names a function") as err:
+                megatron_lm_args(plan)
+            assert err.value.setting == "model.spec"
+    assert "--spec" not in megatron_lm_args(Plan.from_job(_job(), world_size=1, prediction=None,
+                                                          inputs_fingerprint=""))
+
+
+def test_a_module_level_spec_is_captured_with_its_third_projection(user_module: Path) -> None:
+    """The capture builds what ``model.spec`` names (here the ModuleSpec object): its MLP's three projections."""
+    from cfp_megatron.model.capture import capture_job
+
+    capture = capture_job(_job("model.spec=my_layers:LAYER"), seq_length=16)
+    (kind,) = set(capture.layer_kinds)
+    params = capture.graphs[kind].params
+    assert {"mlp.linear_fc1.weight", "mlp.linear_fc2.weight", "mlp.linear_fc3.weight"} <= set(params), params
