@@ -49,7 +49,7 @@ STANDARD = reference_case("gpt_tiny")
 """gpt_tiny with Megatron-Core's own layers (tests/test_train_parallel.py's reference), for the parameter count."""
 
 
-@pytest.mark.multirank(PLANNED, REFERENCE, STANDARD)
+@pytest.mark.multirank(STANDARD, REFERENCE, PLANNED)  # the custom reference after another case: under its group
 def test_a_custom_layer_kind_is_planned_and_trains_like_the_single_rank_reference(multirank: MultiRankRuns) -> None:
     from cfp_megatron.base.compose import compose_job
     from cfp_megatron.model import derive

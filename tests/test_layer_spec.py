@@ -117,3 +117,26 @@ def test_a_module_level_spec_is_captured_with_its_third_projection(user_module: 
     (kind,) = set(capture.layer_kinds)
     params = capture.graphs[kind].params
     assert {"mlp.linear_fc1.weight", "mlp.linear_fc2.weight", "mlp.linear_fc3.weight"} <= set(params), params
+
+
+def test_under_a_process_group_the_spec_is_checked_as_far_as_it_can_be_and_keeps_its_identity() -> None:
+    """A script that keeps a process group between runs (tests/scripts/multirank_cases.py) has no Megatron state to
+    build a spec on: the check imports it and leaves the build to the trainer; the identity is the one computed
+    before any group (it never builds the spec)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    job = _job("model.spec=tests.custom_layers:custom_layer_spec")
+    layer_spec.spec_identity.cache_clear()
+    before = layer_spec.spec_identity(job.model)
+    layer_spec.spec_identity.cache_clear()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        validate_rest(job)
+        assert layer_spec.spec_identity(job.model) == before
+        with pytest.raises(ConfigError, match="does not import"):
+            validate_rest(_job("model.spec=no_such_layers.specs:gated_mlp_spec"))
+        assert not parallel_state.model_parallel_is_initialized()
+    finally:
+        dist.destroy_process_group()

@@ -157,7 +157,7 @@ def _code_hash() -> str:
 
 
 _CODE = ("model/derive.py", "graph/propagation.py", "graph/strided_rules.py", "graph/blocks.py", "graph/record.py",
-         "model/capture.py", "model/megatron_layers.py", "model/moe_meta.py", "model/mla.py")
+         "model/capture.py", "model/megatron_layers.py", "model/moe_meta.py", "model/mla.py", "model/layer_spec.py")
 """The source files :func:`_code_hash` reads, relative to the package."""
 
 

@@ -63,16 +63,22 @@ def is_spec(value: Any) -> bool:
     return isinstance(value, _spec_types())
 
 
+def _target(value: str) -> Any:
+    """What ``value`` names, where it is a spec or callable (else the :class:`ConfigError`)."""
+    target = load_target(value)
+    if not is_spec(target) and not callable(target):
+        raise _issue(value, f"it names {type(target).__name__} {target!r:.80}, neither a ModuleSpec nor callable.",
+                     f"write {_FORM}.")
+    return target
+
+
 def block_spec(model: ModelSpec, config: Any, *, vp_stage: int | None = None) -> Any:
     """The ``ModuleSpec`` (or ``TransformerBlockSubmodules``) ``model.spec`` gives for ``config``; a
     :class:`ConfigError` naming the key where it is not callable, fails, or returns something else."""
     value = str(model.spec)
-    target = load_target(value)
+    target = _target(value)
     if is_spec(target):
         return _a_layer(value, target)
-    if not callable(target):
-        raise _issue(value, f"it names {type(target).__name__} {target!r:.80}, neither a ModuleSpec nor callable.",
-                     f"write {_FORM}.")
     try:
         takes_vp = "vp_stage" in inspect.signature(target).parameters
     except (TypeError, ValueError):
@@ -106,10 +112,24 @@ def _a_layer(value: str, spec: Any) -> Any:
 
 
 def check(model: ModelSpec) -> None:
-    """Import and build ``model.spec`` once, as the capture builds it (no process group is left behind); the
-    :class:`ConfigError` of :func:`block_spec` where it does not give a spec. Nothing for a model without one."""
-    if model.spec is not None:
-        spec_identity(model)
+    """Import and build ``model.spec`` once for the capture's config (on Megatron's world-1 state on the ``fake``
+    group, none left behind): the :class:`ConfigError` of :func:`block_spec` where it does not give a layer spec.
+    Nothing for a model without one. Under a process group without Megatron's parallel state (a script that keeps one
+    between runs) it is imported but not built: the builder's call reports the same error."""
+    if model.spec is None:
+        return
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from cfp_megatron.base.config import JobSpec
+    from cfp_megatron.model.capture import capture_job_config
+    from cfp_megatron.model.meta_env import megatron_meta_env
+
+    _target(model.spec)
+    if dist.is_initialized() and not parallel_state.model_parallel_is_initialized():
+        return
+    with megatron_meta_env():
+        block_spec(model, capture_job_config(JobSpec(model=model)))
 
 
 def keyed_model(model: ModelSpec) -> dict[str, Any]:
@@ -124,28 +144,48 @@ def keyed_model(model: ModelSpec) -> dict[str, Any]:
 
 @functools.cache
 def spec_identity(model: ModelSpec) -> dict[str, str] | None:
-    """``{"path": model.spec, "structure": <hash>}``: the spec's structure (its repr, addresses dropped) and the
-    source files of the modules it and its classes come from, hashed; ``None`` for a model without one."""
+    """``{"path": model.spec, "structure": <hash>}``, ``None`` for a model without one. The hash covers what the
+    layers are built from besides the model's fields (which every key holds already): a spec object's structure (its
+    repr, addresses dropped) or a function's name, and the source files of the module that defines it, of the user
+    modules it imports names from and of the classes the spec holds (not the installed packages': their versions
+    are in the keys). Read without building the spec, so it is the same before and under any process group."""
     if model.spec is None:
         return None
-    from cfp_megatron.base.config import JobSpec
-    from cfp_megatron.model.capture import capture_job_config
-    from cfp_megatron.model.meta_env import megatron_meta_env
-
-    with megatron_meta_env():
-        spec = block_spec(model, capture_job_config(JobSpec(model=model)))
-    digest = hashlib.sha256(re.sub(r" at 0x[0-9a-fA-F]+", "", repr(spec)).encode())
-    for path in sorted(_user_sources(spec, load_target(model.spec))):
+    target = _target(model.spec)
+    shown = repr(target) if is_spec(target) else json_plain(target)  # a callable by its qualified name
+    digest = hashlib.sha256(re.sub(r" at 0x[0-9a-fA-F]+", "", shown).encode())
+    for path in sorted(_user_sources(target, model.spec.partition(":")[0])):
         digest.update(path.read_bytes())
     return {"path": model.spec, "structure": digest.hexdigest()[:16]}
 
 
-def _user_sources(spec: Any, target: Any) -> set[Path]:
-    """The source files of ``target``'s module and of every class and function ``spec`` holds that is not
-    Megatron-Core's or PyTorch's (their versions are in every key already)."""
-    import dataclasses
+def _user_file(value: Any) -> Path | None:
+    """The source file of the module ``value`` is (or is defined in), where it is a user's (not the standard
+    library's or an installed package's)."""
+    import sysconfig
 
-    found: set[Path] = set()
+    module = value if inspect.ismodule(value) else inspect.getmodule(value)
+    file = getattr(module, "__file__", None)
+    if not file:
+        return None
+    path = Path(file).resolve()
+    installed = {Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "purelib", "platlib")}
+    return None if any(path.is_relative_to(root) for root in installed) else path
+
+
+def _user_sources(target: Any, module_name: str) -> set[Path]:
+    """The user source files :func:`spec_identity` hashes: the defining module's, those of the classes, functions
+    and modules it holds at module level, and those of every class and function a spec object holds."""
+    import dataclasses
+    import sys
+
+    module = sys.modules[module_name]
+    found = {p for p in (_user_file(module),) if p is not None}
+    for value in vars(module).values():
+        if inspect.ismodule(value) or isinstance(value, type) or inspect.isfunction(value):
+            path = _user_file(value)
+            if path is not None:
+                found.add(path)
     seen: set[int] = set()
 
     def visit(value: Any) -> None:
@@ -153,14 +193,10 @@ def _user_sources(spec: Any, target: Any) -> set[Path]:
             return
         seen.add(id(value))
         if isinstance(value, type) or inspect.isfunction(value):
-            module = getattr(value, "__module__", "") or ""
-            if not module.startswith(("megatron.", "torch.")):
-                with_source = inspect.getmodule(value)
-                file = getattr(with_source, "__file__", None)
-                if file:
-                    found.add(Path(file))
-            return
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            path = _user_file(value)
+            if path is not None:
+                found.add(path)
+        elif dataclasses.is_dataclass(value):
             for f in dataclasses.fields(value):
                 visit(getattr(value, f.name))
         elif isinstance(value, dict):
@@ -171,5 +207,4 @@ def _user_sources(spec: Any, target: Any) -> set[Path]:
                 visit(v)
 
     visit(target)
-    visit(spec)
     return found
