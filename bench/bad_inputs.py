@@ -940,7 +940,9 @@ def cases() -> list[Case]:
             ("train-world", 2, ["parallel.tp=3"], "parallel.tp", "cfp-megatron: ConfigError"),
             ("train-plan-garbage", 1, ["+cfp=manual", "cfp.plan_file=/nonexistent/plan.json"], "plan.json",
              None),
-            ("train-spec-mlp-only", 2, ["model.spec=tests.custom_layers:mlp_only_spec"], "model.spec", None)]:
+            ("train-spec-mlp-only", 2, ["model.spec=tests.custom_layers:mlp_only_spec"], "model.spec", None),
+            ("train-spec-pp-whole-block", 2, ["model.spec=tests.custom_layers:whole_model_spec", "parallel.pp=2"],
+             "model.spec", None)]:
         add(Case(id=cid, command="train", what=f"torchrun --nproc_per_node={ranks} launch/train.py "
                  + " ".join(overrides), names=(key,), mode="torchrun", once=once,
                  run=lambda work, r=ranks, o=overrides: torchrun(r, o, work)))

@@ -57,6 +57,14 @@ def mlp_only_spec(config: Any) -> Any:
     return ModuleSpec(module=gated_mlp_module())
 
 
+def whole_model_spec(config: Any) -> Any:
+    """Another mistake: every layer of the model in the block whatever the pipeline stage (bench/bad_inputs.py)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(dataclasses.replace(config, pipeline_model_parallel_size=1),
+                                      use_transformer_engine=False, normalization=config.normalization, pp_rank=0)
+
+
 class PlainThreeProjectionMLP(torch.nn.Module):
     """The same layer in plain PyTorch (the names Megatron's gives its projections), for a check on gloo ranks."""
 

@@ -35,6 +35,12 @@ LAYER = dataclasses.replace(_base, submodules=dataclasses.replace(_base.submodul
 
 def layer(config):
     return LAYER
+
+
+def four_layers(config):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(dataclasses.replace(config, num_layers=4), use_transformer_engine=False)
 '''
 """A user's spec module: a module-level ModuleSpec (``LAYER``, Megatron-LM's ``--spec`` form) and a function."""
 
@@ -87,6 +93,13 @@ def test_a_spec_of_a_part_and_not_of_a_layer_is_refused_before_any_group() -> No
     with pytest.raises(ConfigError, match="a ModuleSpec of ThreeProjectionMLP, not of a transformer layer") as err:
         validate_rest(job)
     assert err.value.keys == ["model.spec"] and not dist.is_initialized()
+
+
+def test_a_block_of_another_layer_count_is_refused(user_module: Path) -> None:
+    """GPTModel builds every layer a block spec lists: a block of 4 for a 6-layer model would train another model."""
+    validate_rest(_job("model.spec=my_layers:four_layers"))  # gpt_tiny has 4
+    with pytest.raises(ConfigError, match="a block of 4 layer specs where this pipeline stage builds 6"):
+        validate_rest(_job("model.spec=my_layers:four_layers", "model.num_layers=6"))
 
 
 def test_the_exports_carry_the_spec(user_module: Path) -> None:

@@ -93,7 +93,23 @@ def block_spec(model: ModelSpec, config: Any, *, vp_stage: int | None = None) ->
     if not is_spec(spec):
         raise _issue(value, f"it returned {type(spec).__name__}, not a ModuleSpec.",
                      "return Megatron-Core's ModuleSpec of the decoder layer (or a TransformerBlockSubmodules).")
-    return _a_layer(value, spec)
+    return _stage_layers(value, _a_layer(value, spec), config, vp_stage)
+
+
+def _stage_layers(value: str, spec: Any, config: Any, vp_stage: int | None) -> Any:
+    """``spec`` where a block spec holds as many layers as this pipeline stage builds (GPTModel builds every layer a
+    block spec lists: more or fewer would train another model without a word); else the error."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if isinstance(spec, TransformerBlockSubmodules):
+        want = get_num_layers_to_build(config, vp_stage=vp_stage)
+        if len(spec.layer_specs) != want:
+            raise _issue(value, f"it gives a block of {len(spec.layer_specs)} layer specs where this pipeline stage "
+                                f"builds {want} (model.num_layers={config.num_layers}).",
+                         "build the block for the config it is given (Megatron-Core's get_gpt_decoder_block_spec("
+                         "config, ..., vp_stage=vp_stage) gives this stage's layers), or return one layer's "
+                         "ModuleSpec.")
+    return spec
 
 
 def _a_layer(value: str, spec: Any) -> Any:
