@@ -684,6 +684,8 @@ def cases() -> list[Case]:
     ]
     for cid, overrides, key in layer_specs:
         add(config_case(cid, overrides, [key]))
+    add(config_case("spec-primepar", ["model.spec=tests.custom_layers:custom_layer_spec", "parallel.tp=4",
+                                      "parallel.mlp=primepar"], ["parallel.mlp"], world=4))
 
     # --- indexed data files ----------------------------------------------------------------------------------
     add(data_case("data-no-path", "data=indexed without data.path", ["data.path"], lambda work: []))

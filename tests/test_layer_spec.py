@@ -173,3 +173,18 @@ def test_megatrons_line_for_a_custom_mlp_is_said_once(caplog: pytest.LogCaptureF
         logger.warning("something else")
     said = [r.getMessage() for r in caplog.records if r.name == logger.name]
     assert said == ["Unknown MLP type: <class 'x'>. Using default kwargs.", "something else"]
+
+
+def test_primepar_is_not_offered_for_a_custom_spec() -> None:
+    """PrimePar's layers replace Megatron-Core's own MLP: the derived options of a model.spec model offer no PrimePar
+    choice to the search (gpt_tiny's own do), and asking for it is refused before any group."""
+    from cfp_megatron.model.derive import partition_options
+
+    def primepar(job) -> bool:
+        return any(o.choice == ("mlp", "primepar") for o in partition_options(job))
+
+    spec = "model.spec=tests.custom_layers:custom_layer_spec"
+    assert primepar(_job("train.precision=fp32")) and not primepar(_job(spec, "train.precision=fp32"))
+    with pytest.raises(ConfigError, match="PrimePar's layers replace Megatron-Core's own MLP") as err:
+        validate_rest(_job(spec, "parallel.tp=4", "parallel.mlp=primepar"))
+    assert err.value.keys == ["parallel.mlp"]

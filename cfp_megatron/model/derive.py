@@ -194,7 +194,8 @@ def derived_options(job: JobSpec, *, use_cache: bool = True) -> tuple[DerivedOpt
 
 
 def partition_options(job: JobSpec, *, use_cache: bool = True) -> tuple[PartitionOption, ...]:
-    """What the search reads: the derived options that Megatron-Core runs (:data:`RUNTIME_LACKS`). A model the
+    """What the search reads: the derived options that Megatron-Core runs (:data:`RUNTIME_LACKS`; no PrimePar for a
+    custom ``model.spec``, whose MLP its layers do not replace). A model the
     capture cannot record on this Megatron-Core (:class:`CaptureError`), or a derivation asked for while a process
     group exists (the probe meshes need the ``fake`` one; the launch derives before it profiles), is planned from
     the declared catalogue, with a warning that says so."""
@@ -206,7 +207,9 @@ def partition_options(job: JobSpec, *, use_cache: bool = True) -> tuple[Partitio
         warnings.warn(f"cfp: the partition options of model {job.model.name} could not be derived ({err}); the "
                       "declared ones are used (cfp_megatron/model/options.py)", stacklevel=2)
         return model_options(job.model)
-    return tuple(o.option() for o in derived if not o.rule.startswith("lacks:"))
+    custom = job.model.spec is not None  # PrimePar's layers replace Megatron-Core's own MLP, not a custom spec's
+    return tuple(o.option() for o in derived if not o.rule.startswith("lacks:")
+                 and not (custom and o.choice == ("mlp", "primepar")))
 
 
 def options_report(job: JobSpec, *, use_cache: bool = True) -> list[dict[str, Any]]:
