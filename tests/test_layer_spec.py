@@ -175,16 +175,20 @@ def test_megatrons_line_for_a_custom_mlp_is_said_once(caplog: pytest.LogCaptureF
     assert said == ["Unknown MLP type: <class 'x'>. Using default kwargs.", "something else"]
 
 
-def test_primepar_is_not_offered_for_a_custom_spec() -> None:
-    """PrimePar's layers replace Megatron-Core's own MLP: the derived options of a model.spec model offer no PrimePar
-    choice to the search (gpt_tiny's own do), and asking for it is refused before any group."""
-    from cfp_megatron.model.derive import partition_options
+def test_primepar_is_not_offered_for_a_custom_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PrimePar's layers replace Megatron-Core's own MLP: a derived PrimePar option of a model.spec model is not
+    offered to the search (a model without one keeps it), and asking for it is refused before any group."""
+    from cfp_megatron.model import derive
 
-    def primepar(job) -> bool:
-        return any(o.choice == ("mlp", "primepar") for o in partition_options(job))
-
+    found = (derive.DerivedOption(part="mlp", name="megatron-1d", knob="tp", choice=None, block="-", communication="-",
+                                  rule="dense_mlp", sizes={"ffn": 256}, kinds=("dense",)),
+             derive.DerivedOption(part="mlp", name="primepar-2d", knob="tp", choice=("mlp", "primepar"), block="-",
+                                  communication="-", rule="primepar",
+                                  sizes={"hidden": 64, "ffn": 256, "moe": False}, kinds=("dense",)))
+    monkeypatch.setattr(derive, "derived_options", lambda job, use_cache=True: found)
     spec = "model.spec=tests.custom_layers:custom_layer_spec"
-    assert primepar(_job("train.precision=fp32")) and not primepar(_job(spec, "train.precision=fp32"))
+    assert [o.name for o in derive.partition_options(_job())] == ["megatron-1d", "primepar-2d"]
+    assert [o.name for o in derive.partition_options(_job(spec))] == ["megatron-1d"]
     with pytest.raises(ConfigError, match="PrimePar's layers replace Megatron-Core's own MLP") as err:
         validate_rest(_job(spec, "parallel.tp=4", "parallel.mlp=primepar"))
     assert err.value.keys == ["parallel.mlp"]
