@@ -671,6 +671,22 @@ def cases() -> list[Case]:
     for cid, overrides, key in names:
         add(config_case(cid, overrides, [key]))
 
+    # --- a custom decoder layer through model.spec: its path, its import, what it names and what it returns -------
+    layer_specs = [
+        ("spec-form", ["model.spec=gated_mlp_spec"], "model.spec"),
+        ("spec-no-module", ["model.spec=no_such_layers.specs:gated_mlp_spec"], "model.spec"),
+        ("spec-no-name", ["model.spec=megatron.core.models.gpt.gpt_layer_specs:gated_mlp_spec"], "model.spec"),
+        ("spec-not-callable", ["model.spec=cfp_megatron.base.config:MAX_LAYERS"], "model.spec"),
+        ("spec-returns-str", ["model.spec=builtins:str"], "model.spec"),
+        ("spec-call-fails", ["model.spec=megatron.core.models.gpt.gpt_layer_specs:get_gpt_decoder_layer_specs"],
+         "model.spec"),
+        ("spec-auto-no-module", ["+cfp=auto", "model.spec=no_such_layers.specs:gated_mlp_spec"], "model.spec"),
+    ]
+    for cid, overrides, key in layer_specs:
+        add(config_case(cid, overrides, [key]))
+    add(config_case("spec-primepar", ["model.spec=tests.custom_layers:custom_layer_spec", "parallel.tp=4",
+                                      "parallel.mlp=primepar"], ["parallel.mlp"], world=4))
+
     # --- indexed data files ----------------------------------------------------------------------------------
     add(data_case("data-no-path", "data=indexed without data.path", ["data.path"], lambda work: []))
     add(data_case("data-missing", "data.path=[/nonexistent/corpus]", ["data.path"],
@@ -703,7 +719,9 @@ def cases() -> list[Case]:
     for cid, args, key in [("plan-model-bogus", ["model=bogus"], "model"),
                            ("plan-tp-text", ["cfp.tp=abc"], "cfp.tp"),
                            ("plan-nodes-huge", ["cluster=dgx_h100", "cluster.nodes=100000000"], "cluster.nodes"),
-                           ("plan-world-text", ["--world", "abc"], "--world")]:
+                           ("plan-world-text", ["--world", "abc"], "--world"),
+            ("plan-spec-no-module", ["cluster=dgx_h100", "model.spec=no_such_layers.specs:gated_mlp_spec"],
+             "model.spec")]:
         add(Case(id=cid, command="plan", what="python -m cfp_megatron.plan " + " ".join(args), names=(key,),
                  mode="subprocess", run=lambda work, a=args: run_process([*plan, *a, "--out", str(work / "plans")],
                                                                        work, 120)))
@@ -923,7 +941,10 @@ def cases() -> list[Case]:
             ("train-model-bogus", 2, ["model=bogus"], "model", None),
             ("train-world", 2, ["parallel.tp=3"], "parallel.tp", "cfp-megatron: ConfigError"),
             ("train-plan-garbage", 1, ["+cfp=manual", "cfp.plan_file=/nonexistent/plan.json"], "plan.json",
-             None)]:
+             None),
+            ("train-spec-mlp-only", 2, ["model.spec=tests.custom_layers:mlp_only_spec"], "model.spec", None),
+            ("train-spec-pp-whole-block", 2, ["model.spec=tests.custom_layers:whole_model_spec", "parallel.pp=2"],
+             "model.spec", None)]:
         add(Case(id=cid, command="train", what=f"torchrun --nproc_per_node={ranks} launch/train.py "
                  + " ".join(overrides), names=(key,), mode="torchrun", once=once,
                  run=lambda work, r=ranks, o=overrides: torchrun(r, o, work)))

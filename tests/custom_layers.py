@@ -36,16 +36,33 @@ def gated_mlp_module() -> type:
     return ThreeProjectionMLP
 
 
-def custom_layer_spec(config: Any, normalization: str | None = None) -> Any:
-    """Megatron-Core's local GPT block spec with every layer's MLP replaced by :func:`gated_mlp_module`'s."""
+def custom_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
+    """Megatron-Core's local GPT block spec (this pipeline stage's layers) with every layer's MLP replaced by
+    :func:`gated_mlp_module`'s: what ``model.spec=tests.custom_layers:custom_layer_spec`` trains."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=normalization)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization,
+                                       vp_stage=vp_stage)
     mlp = ModuleSpec(module=gated_mlp_module())
     layers = [dataclasses.replace(s, submodules=dataclasses.replace(s.submodules, mlp=mlp))
               for s in block.layer_specs]
     return dataclasses.replace(block, layer_specs=layers)
+
+
+def mlp_only_spec(config: Any) -> Any:
+    """A mistake a user makes: the MLP's spec where the decoder layer's is expected (bench/bad_inputs.py)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return ModuleSpec(module=gated_mlp_module())
+
+
+def whole_model_spec(config: Any) -> Any:
+    """Another mistake: every layer of the model in the block whatever the pipeline stage (bench/bad_inputs.py)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(dataclasses.replace(config, pipeline_model_parallel_size=1),
+                                      use_transformer_engine=False, normalization=config.normalization, pp_rank=0)
 
 
 class PlainThreeProjectionMLP(torch.nn.Module):

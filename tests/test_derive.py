@@ -129,7 +129,7 @@ def test_a_layer_kind_never_seen_gets_options_from_its_blocks_and_is_planned() -
 
     def provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> GPTModel:
         config = capture_job_config(job)
-        return GPTModel(config=config, transformer_layer_spec=custom_layer_spec(config, m.normalization.value),
+        return GPTModel(config=config, transformer_layer_spec=custom_layer_spec(config),
                         vocab_size=m.padded_vocab_size, max_sequence_length=m.max_position_embeddings,
                         pre_process=pre_process, post_process=post_process,
                         position_embedding_type=m.position_embedding.value)

@@ -15,6 +15,7 @@ import enum
 import functools
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -355,6 +356,8 @@ MAX_WORLD_SIZE = 2**20
 published runs in ``shared/data`` use at most 6,144. Beyond it the planner's search runs for minutes to hours."""
 MAX_GPUS_PER_NODE = 1024
 """Most GPUs (or CPU processes) per node: NVL72/NVL576 racks are one NVLink domain, but a node stays 4 to 8 GPUs."""
+_SPEC_PATH = r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*"
+"""The form of ``model.spec``: a dotted module path, a colon, a name in it."""
 MAX_LAYERS = 4096
 """Most transformer layers (largest published: 128); 200,000 layers exhaust host memory while capturing the model."""
 MAX_HIDDEN = 2**18
@@ -515,6 +518,11 @@ class ModelSpec:
     """Weight of the MTP losses (their mean over the MTP layers) added to the language-model loss's gradient
     (Megatron-Core's ``mtp_loss_scaling_factor``; DeepSeek-V3 trained with 0.3, then 0.1). The reported loss is the
     language model's alone."""
+    spec: str | None = None
+    """A custom decoder layer through Megatron-Core's ``ModuleSpec``: ``package.module:name``, a module-level
+    ``ModuleSpec`` (as Megatron-LM's ``--spec <module> <name>`` names one) or a function of the ``TransformerConfig``
+    that returns one (``fn(config)``, or ``fn(config, vp_stage=...)``; Megatron-Bridge's ``transformer_layer_spec``);
+    ``None``: Megatron-Core's GPT layer specs. Trained, captured and planned with (docs/analysis.md)."""
 
     def __post_init__(self) -> None:
         issues: list[ConfigIssue] = []
@@ -582,6 +590,11 @@ class ModelSpec:
         _issue(issues, self.window_attn_skip_freq is None or self.window_size is not None,
                f"{p}.window_attn_skip_freq", self.window_attn_skip_freq, "has no effect without a sliding window.",
                f"set {p}.window_size (e.g. 128), or set this to null.")
+        if self.spec is not None:
+            _issue(issues, isinstance(self.spec, str) and re.fullmatch(_SPEC_PATH, self.spec) is not None,
+                   f"{p}.spec", self.spec, "is not a path of the form package.module:name.",
+                   "write the module and the name of its ModuleSpec, or of the function that returns one, with a "
+                   "colon: e.g. model.spec=my_layers.specs:gated_mlp_spec (null for Megatron-Core's own specs).")
         if self.attention is AttentionKind.mla:
             _issue(issues, self.position_embedding is PositionEmbedding.rope, f"{p}.position_embedding",
                    self.position_embedding.value, "multi-latent attention needs rotary embeddings.",

@@ -5,7 +5,8 @@ Megatron-Core warns at import, once per module, that Transformer Engine and Apex
 PyTorch code (seven warnings per process, per rank under torchrun); its ``TransformerConfig`` warns that ``core_attn``
 recompute may be redundant with Transformer Engine's fused attention (which is not in use without TE), and that its
 own default ``cuda_graph_scope="full"`` is deprecated; PyTorch's DTensor logs that gloo has no all-to-all. None of
-them is something the user can act on: :func:`quiet_expected_warnings` filters exactly these (installed before
+them is something the user can act on (a custom MLP's "Unknown MLP type" line, logged per layer built, is let
+through once per process): :func:`quiet_expected_warnings` filters exactly these (installed before
 Megatron-Core is imported) and returns the one line that says what they meant. Every other warning still shows.
 """
 
@@ -57,6 +58,28 @@ class _DropGlooAlltoall(logging.Filter):
         return not str(record.msg).startswith(_GLOO_ALLTOALL)
 
 
+_CUSTOM_MLP = "Unknown MLP type"
+"""Megatron-Core's ``TransformerLayer`` log line for an MLP of a custom spec (``model.spec``), once per layer built."""
+
+_LAYER_LOGGER = "megatron.core.transformer.transformer_layer"
+"""The logger that says it."""
+
+
+class _OnceOnly(logging.Filter):
+    """Lets the first record whose message starts with ``prefix`` through and drops its repeats."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(self.prefix):
+            return True
+        first, self.seen = not self.seen, True
+        return first
+
+
 def missing_kernels() -> list[str]:
     """The optional kernel packages Megatron-Core falls back from here (``Transformer Engine``, ``Apex``)."""
     names = {"transformer_engine": "Transformer Engine", "apex": "Apex"}
@@ -74,6 +97,9 @@ def quiet_expected_warnings(*, distributed: bool = True) -> str | None:
     logger = logging.getLogger(_DTENSOR_LOGGER)
     if not any(isinstance(f, _DropGlooAlltoall) for f in logger.filters):
         logger.addFilter(_DropGlooAlltoall())
+    layers = logging.getLogger(_LAYER_LOGGER)  # a custom MLP's line: once per process, not once per layer built
+    if not any(isinstance(f, _OnceOnly) for f in layers.filters):
+        layers.addFilter(_OnceOnly(_CUSTOM_MLP))
     import torch
 
     missing = missing_kernels()

@@ -1,5 +1,5 @@
-"""Build Megatron-Core ``GPTModel`` chunks for a job on the live process groups: layer specs (PrimePar's MLP where
-the job says), one chunk per virtual pipeline stage."""
+"""Build Megatron-Core ``GPTModel`` chunks for a job on the live process groups: layer specs (``model.spec``'s,
+PrimePar's MLP where the job says), one chunk per virtual pipeline stage."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from cfp_megatron.base.config import JobSpec, MlpPartition
 from cfp_megatron.base.parallel_dims import ParallelDims, transformer_engine_available
 from cfp_megatron.layers.primepar_mlp import with_primepar_mlp
+from cfp_megatron.model.layer_spec import block_spec as layer_spec_of
 
 
 def build_model_chunks(job: JobSpec, config: TransformerConfig, dims: ParallelDims,
@@ -28,8 +29,11 @@ def build_model_chunks(job: JobSpec, config: TransformerConfig, dims: ParallelDi
     chunks: list[GPTModel] = []
     for vp_stage in range(dims.vpp):
         vp = vp_stage if dims.vpp > 1 else None
-        layer_spec = get_gpt_decoder_block_spec(
-            config, use_transformer_engine=use_te, normalization=m.normalization.value, vp_stage=vp)
+        if m.spec is not None:  # the user's ModuleSpec (model.spec), this stage's layers where it takes vp_stage
+            layer_spec = layer_spec_of(m, config, vp_stage=vp)
+        else:
+            layer_spec = get_gpt_decoder_block_spec(
+                config, use_transformer_engine=use_te, normalization=m.normalization.value, vp_stage=vp)
         if job.parallel.mlp is MlpPartition.primepar:  # the dense MLP's fc1/fc2 on PrimePar's 2^k x 2^k square
             layer_spec = with_primepar_mlp(layer_spec, job.parallel.primepar_layers)
         # The MTP layers (None on chunks without them), each of the model's last layer kind (as Megatron-LM's

@@ -30,8 +30,11 @@ def cache_key(inputs: dict[str, Any]) -> str:
 
 def job_cache_inputs(job: JobSpec, *, seq_length: int, micro_batch_size: int,
                      precision: Precision | None = None) -> dict[str, Any]:
-    """What a capture of ``job`` depends on."""
-    return {"model": job.model, "seq_length": seq_length, "micro_batch_size": micro_batch_size,
+    """What a capture of ``job`` depends on (with ``model.spec``, its identity: the path and a hash of the spec's
+    structure and source, :func:`~cfp_megatron.model.layer_spec.spec_identity`)."""
+    from cfp_megatron.model.layer_spec import keyed_model
+
+    return {"model": keyed_model(job.model), "seq_length": seq_length, "micro_batch_size": micro_batch_size,
             "precision": (precision or job.train.precision).value}
 
 

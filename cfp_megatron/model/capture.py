@@ -21,6 +21,7 @@ from cfp_megatron.base.config import ClusterSpec, JobSpec, ParallelSpec, Precisi
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.graph.opgraph import OpGraph, Phase
 from cfp_megatron.model.errors import CaptureError
+from cfp_megatron.model.layer_spec import block_spec
 from cfp_megatron.model.megatron_config import params_dtype, transformer_config
 from cfp_megatron.model.megatron_layers import (
     layer_kind_name,
@@ -132,11 +133,16 @@ def capture_job(job: JobSpec, *, seq_length: int | None = None, micro_batch_size
     """Capture the model of ``job`` (``seq_length`` defaults to ``job.train.seq_length``)."""
     m = job.model
     config = capture_job_config(job, precision=precision)
+    layer_spec = None
+    if m.spec is not None:  # the user's ModuleSpec (model.spec), built for the capture's config
+        with megatron_meta_env():
+            layer_spec = block_spec(m, _prepare_config(config))
     return capture_transformer_config(
         config, vocab_size=m.padded_vocab_size, seq_length=seq_length or job.train.seq_length,
         micro_batch_size=micro_batch_size, name=m.name, normalization=m.normalization.value,
         position_embedding_type=m.position_embedding.value, rotary_base=int(m.rotary_base),
-        max_sequence_length=m.max_position_embeddings, share_embeddings_and_output_weights=m.tie_embeddings)
+        max_sequence_length=m.max_position_embeddings, share_embeddings_and_output_weights=m.tie_embeddings,
+        layer_spec=layer_spec)
 
 
 def _prepare_config(config: Any) -> Any:
@@ -159,18 +165,21 @@ def capture_transformer_config(config: Any, *, vocab_size: int, seq_length: int,
                                name: str = "model", normalization: str | None = None,
                                position_embedding_type: str = "rope", rotary_base: int = 10000,
                                max_sequence_length: int | None = None,
-                               share_embeddings_and_output_weights: bool = False) -> ModelCapture:
-    """Capture the GPT model a user's ``TransformerConfig`` describes (Megatron's local layer specs)."""
+                               share_embeddings_and_output_weights: bool = False,
+                               layer_spec: Any = None) -> ModelCapture:
+    """Capture the GPT model a user's ``TransformerConfig`` describes (Megatron's local layer specs, or
+    ``layer_spec``: a ``ModuleSpec`` of a layer or a ``TransformerBlockSubmodules``, as GPTModel takes them)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, _get_block_submodules
 
     if seq_length <= 0 or micro_batch_size <= 0:
         raise CaptureError(f"seq_length={seq_length} and micro_batch_size={micro_batch_size} must be positive.")
     config = _prepare_config(config)
     with megatron_meta_env():
-        block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=normalization)
+        block = (get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=normalization)
+                 if layer_spec is None else _get_block_submodules(config, layer_spec))
         specs = [local_mla_layer_spec(s) for s in block.layer_specs]
         spec_key = [repr(spec) for spec in specs]
         first_index = _first_positions(spec_key)

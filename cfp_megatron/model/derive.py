@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from cfp_megatron.base.config import JobSpec, ModelSpec, TrainSpec
-from cfp_megatron.base.errors import CfpError
+from cfp_megatron.base.errors import CfpError, ConfigError
 from cfp_megatron.base.layout_rules import moe, sequence, tensor
 from cfp_megatron.base.layout_rules.problem import briefs
 from cfp_megatron.model import cache
@@ -157,7 +157,7 @@ def _code_hash() -> str:
 
 
 _CODE = ("model/derive.py", "graph/propagation.py", "graph/strided_rules.py", "graph/blocks.py", "graph/record.py",
-         "model/capture.py", "model/megatron_layers.py", "model/moe_meta.py", "model/mla.py")
+         "model/capture.py", "model/megatron_layers.py", "model/moe_meta.py", "model/mla.py", "model/layer_spec.py")
 """The source files :func:`_code_hash` reads, relative to the package."""
 
 
@@ -194,17 +194,22 @@ def derived_options(job: JobSpec, *, use_cache: bool = True) -> tuple[DerivedOpt
 
 
 def partition_options(job: JobSpec, *, use_cache: bool = True) -> tuple[PartitionOption, ...]:
-    """What the search reads: the derived options that Megatron-Core runs (:data:`RUNTIME_LACKS`). A model the
+    """What the search reads: the derived options that Megatron-Core runs (:data:`RUNTIME_LACKS`; no PrimePar for a
+    custom ``model.spec``, whose MLP its layers do not replace). A model the
     capture cannot record on this Megatron-Core (:class:`CaptureError`), or a derivation asked for while a process
     group exists (the probe meshes need the ``fake`` one; the launch derives before it profiles), is planned from
     the declared catalogue, with a warning that says so."""
     try:
         derived = derived_options(job, use_cache=use_cache)
+    except ConfigError:
+        raise  # a setting the capture cannot use (a model.spec that gives no ModuleSpec): the user's to fix
     except CfpError as err:
         warnings.warn(f"cfp: the partition options of model {job.model.name} could not be derived ({err}); the "
                       "declared ones are used (cfp_megatron/model/options.py)", stacklevel=2)
         return model_options(job.model)
-    return tuple(o.option() for o in derived if not o.rule.startswith("lacks:"))
+    custom = job.model.spec is not None  # PrimePar's layers replace Megatron-Core's own MLP, not a custom spec's
+    return tuple(o.option() for o in derived if not o.rule.startswith("lacks:")
+                 and not (custom and o.choice == ("mlp", "primepar")))
 
 
 def options_report(job: JobSpec, *, use_cache: bool = True) -> list[dict[str, Any]]:

@@ -62,8 +62,10 @@ def megatron_lm_args(plan: Plan, *, num_layers: int | None = None) -> list[str]:
     gradient precision by the rules below. With interleaving (vpp > 1) and ``num_layers`` (the model's layer count)
     given, the chunking is written as ``--num-layers-per-virtual-pipeline-stage``; without it, or with a first/last
     stage of its own size (``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``), as
-    ``--num-virtual-stages-per-pipeline-rank``. Model shape, data and optimizer arguments are not included. Raises
-    :class:`PlanError` for what Megatron-LM's arguments cannot express (PrimePar layers, a rank order other than
+    ``--num-virtual-stages-per-pipeline-rank``; a custom layer's ``model.spec`` as ``--spec <module> <name>``.
+    Model shape, data and optimizer arguments are not included. Raises
+    :class:`PlanError` for what Megatron-LM's arguments cannot express (PrimePar layers, a ``model.spec`` function, a
+    rank order other than
     tp-cp-ep-dp-pp / tp-cp-ep-pp-dp, layers that do not split evenly).
     """
     p = plan.parallel
@@ -96,7 +98,30 @@ def megatron_lm_args(plan: Plan, *, num_layers: int | None = None) -> list[str]:
             args += [lk.megatron, str(lk.none_means if value is None else value)]
     args += ["--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size),
              "--seq-length", str(plan.seq_length)]
-    return args + _token_policy_args(plan) + _precision_args(plan)
+    return args + _token_policy_args(plan) + _precision_args(plan) + _spec_args(plan)
+
+
+def _custom_spec(plan: Plan) -> str | None:
+    """The ``model.spec`` of the job the plan was made for (its custom decoder layer), ``None`` without one."""
+    return dict(plan.job_inputs).get("model.spec")
+
+
+def _spec_args(plan: Plan) -> list[str]:
+    """Megatron-LM's ``--spec <module> <name>`` of a plan made for a custom layer (``model.spec``): Megatron-LM's
+    ``pretrain_gpt.py`` passes the object it imports as the layer spec itself, so ``model.spec`` must name a
+    ``ModuleSpec`` there; a function of the config has no Megatron-LM argument (:class:`PlanError`)."""
+    value = _custom_spec(plan)
+    if value is None:
+        return []
+    from cfp_megatron.model.layer_spec import is_spec, load_target
+
+    module, _, name = value.partition(":")
+    if not is_spec(load_target(value)):
+        raise PlanError(f"model.spec={value} names a function; Megatron-LM's --spec {module} {name} imports the "
+                        "object it names and uses it as the layer spec itself.",
+                        fix=f"define a module-level ModuleSpec of the layer in {module} and plan with model.spec="
+                            f"{module}:<its name>, or train with the plan's torchrun command.", setting="model.spec")
+    return ["--spec", module, name]
 
 
 TOKEN_POLICY_KEYS = ("model.moe_expert_capacity_factor", "model.moe_pad_expert_input_to_capacity")
@@ -278,7 +303,7 @@ def _hydra_value(value: Any) -> str:
 
 def hydra_overrides(plan: Plan) -> list[str]:
     """The Hydra overrides of :func:`torchrun_command`: presets, cluster size, every ParallelSpec field, a MoE
-    model's token policy, batch, sequence length and precision."""
+    model's token policy, a custom layer's ``model.spec``, batch, sequence length and precision."""
     overrides = [f"model={plan.model}", f"cluster={plan.cluster}", f"cluster.nodes={plan.nodes}",
                  f"cluster.gpus_per_node={plan.gpus_per_node}"]
     if isinstance(plan.backend_part, DeepSpeedPart):  # data parallel: its knobs are the backend group's
@@ -291,6 +316,8 @@ def hydra_overrides(plan: Plan) -> list[str]:
         overrides += [f"parallel.{f.name}={_hydra_value(getattr(plan.parallel, f.name))}"
                       for f in dataclasses.fields(plan.parallel)]
     overrides += [f"{key}={_hydra_value(value)}" for key, value in _token_policy(plan).items()]
+    spec = _custom_spec(plan)
+    overrides += [f"model.spec={spec}"] if spec is not None else []
     overrides += [f"train.micro_batch_size={plan.micro_batch_size}",
                   f"train.global_batch_size={plan.global_batch_size}",
                   f"train.seq_length={plan.seq_length}", *plan.number_format.overrides()]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cfp_megatron.base.config import AttentionKind, DataKind, JobSpec
+from cfp_megatron.base.config import AttentionKind, DataKind, JobSpec, MlpPartition
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.layout_rules import batch
@@ -13,6 +13,7 @@ from cfp_megatron.base.layout_rules.problem import issues as rule_issues
 from cfp_megatron.base.number_format import NumberFormat, format_key, presets_computing
 from cfp_megatron.base.parallel_dims import ParallelDims, transformer_engine_available
 from cfp_megatron.base.pipeline_layout import MTP, layout_stages
+from cfp_megatron.model import layer_spec
 
 
 def hydra_run_dir() -> Path | None:
@@ -118,6 +119,15 @@ def _rest_issues(job: JobSpec) -> list[ConfigIssue]:
             fix="install transformer-engine (GPU), or approximate MLA with multi-head attention: "
                 "model.attention=standard model.kv_channels=192."))
     issues += format_runs_here(job)
+    try:
+        layer_spec.check(job.model)  # model.spec imports and gives a ModuleSpec: said before any process group
+    except ConfigError as err:
+        issues.extend(err.issues)
+    if job.model.spec is not None and job.parallel.mlp is MlpPartition.primepar:
+        issues.append(ConfigIssue(
+            key="parallel.mlp", value="primepar",
+            problem=f"PrimePar's layers replace Megatron-Core's own MLP, and model.spec={job.model.spec} gives the "
+                    "layers of its own.", fix="use parallel.mlp=megatron with model.spec, or leave model.spec out."))
     if job.data.kind is DataKind.indexed:
         try:
             validate_indexed(job)

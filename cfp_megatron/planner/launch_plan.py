@@ -42,6 +42,7 @@ from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.engine.metrics import METRICS_KIND
+from cfp_megatron.model.layer_spec import keyed_model
 from cfp_megatron.plan import Plan, PlanError, load_plan, save_plan
 from cfp_megatron.plan.trial_choice import measured_pick, picked, shortfall, trial_positions
 from cfp_megatron.planner.megatron_launch import MegatronLaunch
@@ -87,7 +88,7 @@ def plan_key(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec | None
     train = {"global_batch_size": t.global_batch_size, "seq_length": t.seq_length,
              "precision": NumberFormat.of(t).name,  # the value itself for 16/32 bits (earlier keys hold)
              "optimizer": t.optimizer.value}  # what the plan depends on; steps, LR, checkpoints and logs do not
-    payload = {"model": json_plain(job.model), "train": train, "cluster": json_plain(job.cluster),
+    payload = {"model": keyed_model(job.model), "train": train, "cluster": json_plain(job.cluster),
                "world": world, "cfp": json_plain(dataclasses.replace(cfp, plan_file=None, top_k=1,
                                                                      check_after_steps=0))}
     if backend is not None and backend.name is not BackendKind.megatron:  # Megatron's keys predate the backends

@@ -34,6 +34,7 @@ from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
 from cfp_megatron.base.files import WriteLocation, check_write_locations
 from cfp_megatron.base.jsonio import json_plain
 from cfp_megatron.base.parallel_dims import transformer_engine_available
+from cfp_megatron.model.layer_spec import keyed_model
 from cfp_megatron.plan import deepspeed_config, load_plan, megatron_lm_args, save_plan, torchrun_command
 from cfp_megatron.plan.errors import PlanError
 from cfp_megatron.plan.exports import check_exports, write_exports
@@ -55,7 +56,7 @@ SEQ_CAP = 8192
 
 def inputs_fingerprint(job: object, measurements_key: str | None) -> str:
     """A hash of what a plan was computed from: the model, cluster and training specs and the measurements used."""
-    payload = {"model": json_plain(job.model), "cluster": json_plain(job.cluster), "train": json_plain(job.train),
+    payload = {"model": keyed_model(job.model), "cluster": json_plain(job.cluster), "train": json_plain(job.train),
                "measurements": measurements_key or "presets"}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from cfp_megatron.base.config import JobSpec, resolve_precision
-from cfp_megatron.base.jsonio import installed_version, json_plain
+from cfp_megatron.base.jsonio import installed_version
 from cfp_megatron.base.number_format import NumberFormat
+from cfp_megatron.model.layer_spec import keyed_model
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,7 +99,7 @@ new model field goes here."""
 def model_key(job: JobSpec, *, on_gpu: bool) -> str:
     """Key of what segment times depend on: model shape, sequence length, precision (an FP8/FP4 job's format with
     its recipe: its segments run their GEMMs in it, so bf16 timings are not reused for it)."""
-    model = json_plain(job.model)
+    model = keyed_model(job.model)  # with model.spec: its identity (the custom layer's structure and source)
     model.pop("mtp_loss_scaling_factor")  # a loss weight times nothing (and profiles from before it keep their key)
     for name, default in KEYED_WHEN_SET.items():
         if model[name] == default:
