@@ -51,6 +51,7 @@ class MegatronBackend:
         peak = target_peak_tflops(job)
         offered = result.preferred
         why = result.choice.reasons if result.choice is not None else ()
+        why += (result.option_reason,) if result.option_reason is not None else ()  # the options chosen from a set
         plans = tuple(Plan.from_job(r.job, world_size=world, prediction=PlanPrediction.of(r.prediction, peak,
                                                                                       error_band(r.job),
                                                                                       r.unmeasured,
