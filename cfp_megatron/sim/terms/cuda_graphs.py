@@ -79,7 +79,7 @@ class CudaGraphs(CostTerm):
     """The captured graphs' static buffers (their saved time is the host term's)."""
 
     name = "cuda_graphs"
-    stores = (MemoryCategory(name="cuda_graph_buffers", label="CUDA graph static buffers"),)
+    stores = (MemoryCategory(name="cuda_graph_buffers", label="CUDA graph static buffers", field="comm_buffers"),)
 
     def memory(self, stage: Stage) -> dict[str, float]:
         """The graphs' static buffers on one rank of ``stage`` (:func:`graph_bytes`)."""
