@@ -25,8 +25,8 @@ MOE = ["model=moe_tiny", "cluster=dgx_h100", "cluster.nodes=1", "train.global_ba
        "train.micro_batch_size=1"]
 SMALL = ["cfp.top_k=3", "cfp.constraints.tp=[1]", "cfp.constraints.pp=[1,2]", "cfp.constraints.ep=[1,4]",
          "cfp.constraints.max_micro_batch=2"]
-SETS = ["cfp.constraints.cuda_graph_impl=[none,transformer_engine]", "cfp.constraints.moe_token_policy=[dropless,drop_pad]",
-        "cfp.constraints.moe_capacity_factor=1.25"]
+SETS = ["cfp.constraints.cuda_graph_impl=[none,transformer_engine]",
+        "cfp.constraints.moe_token_policy=[dropless,drop_pad]", "cfp.constraints.moe_capacity_factor=1.25"]
 
 
 @functools.cache
