@@ -88,14 +88,23 @@ def moe_problems(job: JobSpec, world_size: int) -> list[Problem]:
                                  flex=m.moe_token_dispatcher is TokenDispatcher.flex, on_cpu=c.on_cpu)]
 
 
+def graph_model_problems(job: JobSpec) -> list[Problem]:
+    """The CUDA graph scope of ``job`` against its model, whatever the layout
+    (:func:`cfp_megatron.base.layout_rules.graphs.model_scopes`); none without graphs."""
+    m, p = job.model, job.parallel
+    if p.cuda_graph_impl is CudaGraphImpl.none:
+        return []
+    return graphs.model_scopes(p.graph_scopes(), moe=m.is_moe, dense_layers=has_dense_mlp(m),
+                               drop_pad=m.moe_pad_expert_input_to_capacity,
+                               capacity=m.moe_expert_capacity_factor is not None,
+                               dispatcher=m.moe_token_dispatcher.value)
+
+
 def graph_problems(job: JobSpec) -> list[Problem]:
     """The CUDA graphs of ``job`` against its model and recomputation (:mod:`cfp_megatron.base.layout_rules.graphs`)."""
     m, p = job.model, job.parallel
     scopes = p.graph_scopes()
-    return [*graphs.model_scopes(scopes, moe=m.is_moe, dense_layers=has_dense_mlp(m),
-                                 drop_pad=m.moe_pad_expert_input_to_capacity,
-                                 capacity=m.moe_expert_capacity_factor is not None,
-                                 dispatcher=m.moe_token_dispatcher.value),
+    return [*graph_model_problems(job),
             *graphs.with_recompute(scopes, impl=p.cuda_graph_impl.value, recompute=p.recompute.value,
                                    modules=frozenset(mod.value for mod in p.recomputed_modules),
                                    attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout)]

@@ -13,6 +13,8 @@ from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import CudaGraphImpl, JobSpec, MoeTokenPolicy, Recompute
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.layout_rules import graphs
+from cfp_megatron.base.layout_rules.problem import issues as rule_issues
+from cfp_megatron.base.parallel_dims import graph_model_problems
 from cfp_megatron.search.space import Rejection
 
 GRAPHS_KEY = "cfp.constraints.cuda_graph_impl"
@@ -61,13 +63,18 @@ class PlanOption:
         return job
 
 
-    def narrowed(self, cfp: CfpSpec) -> CfpSpec:
-        """``cfp`` for this combination's search: per-layer CUDA graphs leave full recomputation out of the space
-        (Megatron-Core runs it only in a whole-iteration graph: :func:`~cfp_megatron.base.layout_rules.graphs.
-        with_recompute`); the combination without graphs searches it."""
-        if self.graphs in (None, CudaGraphImpl.none):
+    def narrowed(self, cfp: CfpSpec, job: JobSpec) -> CfpSpec:
+        """``cfp`` for the search of ``job`` under this combination (:meth:`apply`): per-layer CUDA graphs leave
+        full recomputation out of the space (Megatron-Core runs it only in a whole-iteration graph:
+        :func:`~cfp_megatron.base.layout_rules.graphs.with_recompute`); a combination without graphs searches it."""
+        parallel = job.parallel
+        if parallel.cuda_graph_impl is CudaGraphImpl.none or parallel.graph_scopes() == ("full_iteration",):
             return cfp
         kept = [r for r in (cfp.allowed("recompute") or list(Recompute)) if r is not Recompute.full]
+        if not kept:  # the job's own graphs beside a pinned full recomputation
+            raise ConfigError(rule_issues(graphs.with_recompute(parallel.graph_scopes(),
+                                                                impl=parallel.cuda_graph_impl.value,
+                                                                recompute=Recompute.full.value)))
         return dataclasses.replace(cfp, constraints=dataclasses.replace(cfp.constraints, recompute=kept))
 
 
@@ -124,6 +131,10 @@ def plan_options(job: JobSpec, cfp: CfpSpec, *, te_available: bool) -> tuple[lis
     if c.moe_token_policy is not None:
         policies = _policies(job, cfp, left)
     options = [dataclasses.replace(p, graphs=impl) for p in policies for impl in impls]
+    for option in options:  # a scope the model refuses (the job's own, or the user's beside a set): said once, now
+        issues = rule_issues(graph_model_problems(option.apply(job)))
+        if issues:
+            raise ConfigError(issues)
     return options, left
 
 

@@ -225,7 +225,8 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
                 else math.inf
             with driver.gc_paused():
                 fjob = with_format(job, fmt) if cfp.constraints.precision is not None else job
-                space = MegatronSpace.build(choice.apply(fjob), world, choice.narrowed(cfp), measurements=measurements,
+                cjob = choice.apply(fjob)
+                space = MegatronSpace.build(cjob, world, choice.narrowed(cfp, cjob), measurements=measurements,
                                             options=format_options(job, fmt, measurements, options),
                                             te_available=te_available,
                                             cache=cache if len(formats) * len(choices) == 1 else None,

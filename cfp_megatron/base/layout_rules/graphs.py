@@ -64,8 +64,8 @@ def with_recompute(scopes: tuple[str, ...], *, impl: str, recompute: str, module
         return [Problem(key=IMPL_KEY, value=impl,
                         problem="per-layer CUDA graphs do not run with full recomputation (parallel.recompute=full; "
                                 "Megatron-Core: full recompute is only supported with full iteration CUDA graph).",
-                        fix="set parallel.recompute=selective or none, or parallel.cuda_graph_impl=none (or local "
-                            "with parallel.cuda_graph_scope=full_iteration).",
+                        fix="set parallel.recompute (cfp.recompute) to selective or none, or "
+                            "parallel.cuda_graph_impl=none (or local with parallel.cuda_graph_scope=full_iteration).",
                         brief="per-layer CUDA graphs with full recomputation")]
     whole = not scopes
     graphed = {"core_attn": whole or "attn" in scopes, "mlp": whole or "mlp" in scopes,
