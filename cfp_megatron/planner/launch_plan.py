@@ -341,7 +341,8 @@ def _trials(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, console: Any, received: 
     with RoundProgress(enabled=shown) as progress:
         outcome = run_trials(job, plans, calibrations=calibrations, env=env, warmup_steps=cfp.check_warmup_steps,
                              budget_s=float(received["budget_left_s"]), on_gpu=on_gpu,
-                             progress=progress.update if shown else None)
+                             progress=progress.update if shown else None,
+                             policies=cfp.constraints.moe_token_policy)
     pick = measured_pick(outcome.measured)
     if shown:
         predicted = [p.predicted.step_time_s * c if p.predicted is not None else 0.0
