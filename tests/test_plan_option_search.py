@@ -16,7 +16,7 @@ from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.plan.exports import megatron_lm_args, with_searched_token_policy
-from cfp_megatron.search.plan_options import PlanOption, plan_options
+from cfp_megatron.search.plan_options import PlanOption, option_label, plan_options
 from cfp_megatron.search.search import search
 from cfp_megatron.sim.simulate import simulate
 from cfp_megatron.sim.terms.cuda_graphs import graph_buffers
@@ -61,6 +61,7 @@ def test_the_search_chooses_graphs_and_a_token_policy_as_searching_each_alone_do
     assert best.parallel.cuda_graph_impl is CudaGraphImpl.transformer_engine
     assert "moe_token_policy=drop_pad(1.25) chosen from" in bounded.option_reason
     assert "cuda_graph_impl=none moe_token_policy=dropless" in bounded.option_reason
+    assert option_label(best, bounded.option_choices) == " drop_pad cg=transformer_engine"  # the plan's label
 
 
 def test_without_a_set_the_jobs_own_settings_are_searched_alone() -> None:

@@ -192,3 +192,16 @@ def option_reason(outcomes: list[OptionOutcome], chosen: str) -> str:
     return (f"{chosen} chosen from [{', '.join(o.name for o in outcomes)}]"
             + (f": its best plan {at:.4g} s per step" if at is not None else "")
             + (f"; {', '.join(others)}" if others else ""))
+
+
+def option_label(job: JobSpec, options: tuple[PlanOption, ...] | list[PlanOption]) -> str:
+    """What a plan's label adds for the searched options (`` drop_pad cg=local``): the token policy and the graphs
+    of ``job`` where the search chose them from a set (``options``: :attr:`SearchResult.option_choices`), else
+    nothing."""
+    out = ""
+    if any(o.policy is not None for o in options):
+        out += f" {MoeTokenPolicy.of(job.model).value}"
+    if any(o.graphs is not None for o in options) and job.parallel.cuda_graph_impl is not CudaGraphImpl.none:
+        out += f" cg={job.parallel.cuda_graph_impl.value}"
+    return out
+

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from cfp_megatron.base.config import MoeTokenPolicy
 from cfp_megatron.base.number_format import NumberFormat
+from cfp_megatron.search.plan_options import option_label
 from cfp_megatron.search.search import Ranked, SearchResult
 from cfp_megatron.sim.prediction import GIB, mfu
 from cfp_megatron.sim.terms import TERMS, exposed_comm_s
@@ -35,7 +36,8 @@ def ranking_table(result: SearchResult, peak_tflops: float | None) -> Table:
         u = mfu(p, peak_tflops)
         band = error_band(r.job)
         check = mfu_check(r.job)  # "!": above every comparable published run (how far to trust it, below)
-        layout = r.candidate.describe(result.world) + (" [analytical]" if r.unmeasured else "")
+        layout = (r.candidate.describe(result.world) + option_label(r.job, result.option_choices)
+                  + (" [analytical]" if r.unmeasured else ""))
         table.add_row(f"{i}*" if i - 1 == chosen else str(i), layout, f"{p.step_time_s:.3f}",
                       f"{band.pct:.0f}%" if band else "-", f"{p.tokens_per_s_per_gpu:,.0f}",
                       f"{u:.1%}" + (" !" if check and check.above_all(u) else "") if u is not None else "-",
