@@ -183,14 +183,16 @@ def tie_order(job: JobSpec, options: list[PlanOption]) -> tuple[int, bool]:
             job.parallel.cuda_graph_impl is not CudaGraphImpl.none)
 
 
-def option_reason(outcomes: list[OptionOutcome], chosen: str) -> str:
-    """One sentence on the combination the search chose: its best step time against each other's."""
-    best = {o.name: o.best_s for o in outcomes}
+def option_reason(outcomes: list[OptionOutcome], chosen: str, chosen_s: float) -> str:
+    """One sentence on the combination of the plan the search chose (``chosen_s`` its step time): against each other
+    combination's best (and its own best, where the choice ran another of its plans: :mod:`cfp_megatron.search.
+    choice`)."""
     others = [f"{o.name} {o.best_s:.4g} s" if o.best_s is not None else f"{o.name} slower (pruned by the bound)"
               for o in outcomes if o.name != chosen]
-    at = best.get(chosen)
-    return (f"{chosen} chosen from [{', '.join(o.name for o in outcomes)}]"
-            + (f": its best plan {at:.4g} s per step" if at is not None else "")
+    own = next((o.best_s for o in outcomes if o.name == chosen), None)
+    mine = f": the chosen plan {chosen_s:.4g} s per step" + (
+        f" (its fastest {own:.4g} s)" if own is not None and own < chosen_s else "")
+    return (f"{chosen} chosen from [{', '.join(o.name for o in outcomes)}]" + mine
             + (f"; {', '.join(others)}" if others else ""))
 
 

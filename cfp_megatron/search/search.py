@@ -154,7 +154,8 @@ class SearchResult:
         if not self.options or not self.ranked:
             return None
         choices = list(self.option_choices)
-        return option_reason(list(self.options), choices[option_index(self.best.job, choices)].name)
+        return option_reason(list(self.options), choices[option_index(self.best.job, choices)].name,
+                             self.best.prediction.step_time_s)
 
     @property
     def best(self) -> Ranked:
