@@ -8,13 +8,16 @@ a pin outside its set is an error.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from cfp_megatron.base.config import (
+    CudaGraphImpl,
     Fp8Recipe,
     FsdpStrategy,
     MlpPartition,
+    MoeTokenPolicy,
     Precision,
     Recompute,
     build_spec,
@@ -81,6 +84,18 @@ class SearchConstraints:
     fsdp: list[FsdpStrategy] | None = None
     """Allowed Megatron-FSDP strategies (``none``, ``optim_grads``, ``optim_grads_params``); ``null``: the search
     shards more only where a layout does not fit otherwise (docs/planning.md, "Sharded data parallelism")."""
+    cuda_graph_impl: list[CudaGraphImpl] | None = None
+    """CUDA graph implementations the search may choose from (``[none,transformer_engine]``), each with the scope
+    Megatron-Core captures for the plan's layers (docs/planning.md, "CUDA graphs and the MoE token policy"); those
+    that cannot run where the plan trains (a CPU cluster, Transformer Engine missing) are left out, said. ``None``:
+    the job's ``parallel.cuda_graph_impl`` (Megatron's default ``none``)."""
+    moe_token_policy: list[MoeTokenPolicy] | None = None
+    """MoE token policies the search may choose from (``[dropless,drop_pad]``): they change what the model learns,
+    so only those listed are tried. ``None``: the model's own (``model.moe_expert_capacity_factor``,
+    ``model.moe_pad_expert_input_to_capacity``)."""
+    moe_capacity_factor: float | None = None
+    """The capacity factor of ``drop`` and ``drop_pad`` in :attr:`moe_token_policy`; ``None``: the model's
+    ``model.moe_expert_capacity_factor``."""
     tp_within_node: bool = True
     """Keep each TP group inside one NVLink domain: a node, or ``cluster.nvlink_domain_size`` GPUs (72 on an NVL72
     rack). TP's per-layer collectives are too slow across the network."""
@@ -101,11 +116,17 @@ class SearchConstraints:
             if values is not None and (not values or any(int(v) < 1 for v in values)):
                 issues.append(ConfigIssue(key=f"{p}.{name}", value=values, problem="must list positive sizes.",
                                           fix=f"e.g. {p}.{name}=[1,2], or null for any."))
-        for name in ("sp", "recompute", "distributed_optimizer", "precision", "fp8_recipe", "fsdp"):
+        for name in ("sp", "recompute", "distributed_optimizer", "precision", "fp8_recipe", "fsdp", "cuda_graph_impl",
+                     "moe_token_policy"):
             values = getattr(self, name)
             if values is not None and not values:
                 issues.append(ConfigIssue(key=f"{p}.{name}", value=values, problem="allows nothing.",
                                           fix=f"list at least one value, or set {p}.{name}=null."))
+        factor = self.moe_capacity_factor
+        if factor is not None and not (math.isfinite(factor) and factor > 0):
+            issues.append(ConfigIssue(key=f"{p}.moe_capacity_factor", value=factor,
+                                      problem="the expert capacity factor must be a positive number.",
+                                      fix=f"use e.g. {p}.moe_capacity_factor=1.0, or null for the model's own."))
         if not 0.0 <= self.memory_headroom < 1.0:
             issues.append(ConfigIssue(key=f"{p}.memory_headroom", value=self.memory_headroom,
                                       problem="must be at least 0 and below 1 (a share of the GPU's memory).",

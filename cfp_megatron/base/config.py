@@ -173,6 +173,25 @@ class CudaGraphImpl(enum.Enum):
     """Transformer Engine's ``make_graphed_callables`` per layer, over the scopes of ``cuda_graph_scope``."""
 
 
+class MoeTokenPolicy(enum.Enum):
+    """How a MoE layer treats the tokens routed beyond an expert's capacity (``cfp.constraints.moe_token_policy``):
+    Megatron-Core's ``moe_expert_capacity_factor`` and ``moe_pad_expert_input_to_capacity`` as one choice."""
+
+    dropless = "dropless"
+    """Every routed token reaches its experts (no capacity factor)."""
+    drop = "drop"
+    """Tokens beyond each expert's capacity are dropped (a capacity factor, no padding)."""
+    drop_pad = "drop_pad"
+    """Dropped beyond capacity, and each expert's input padded to its capacity (static shapes, no host sync)."""
+
+    @classmethod
+    def of(cls, model: ModelSpec) -> MoeTokenPolicy:
+        """The policy ``model``'s capacity settings set."""
+        if model.moe_expert_capacity_factor is None:
+            return cls.dropless
+        return cls.drop_pad if model.moe_pad_expert_input_to_capacity else cls.drop
+
+
 CUDA_GRAPH_SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "full_iteration")
 """Megatron-Core's ``CudaGraphScope`` names (megatron-core 0.16.1 ``transformer/enums.py``)."""
 

@@ -19,6 +19,7 @@ from cfp_megatron.base.config import (
     AttentionKernel,
     AttentionKind,
     CpCommType,
+    CudaGraphImpl,
     JobSpec,
     MlpPartition,
     ModelSpec,
@@ -28,7 +29,7 @@ from cfp_megatron.base.config import (
     TokenDispatcher,
 )
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
-from cfp_megatron.base.layout_rules import batch, moe, offload, pipeline, recompute, sequence, tensor
+from cfp_megatron.base.layout_rules import batch, graphs, moe, offload, pipeline, recompute, sequence, tensor
 from cfp_megatron.base.layout_rules.problem import Problem
 from cfp_megatron.base.layout_rules.problem import issues as rule_issues
 from cfp_megatron.base.pipeline_layout import layout_stages
@@ -85,6 +86,28 @@ def moe_problems(job: JobSpec, world_size: int) -> list[Problem]:
             *moe.overlaps_on_gpu(a2a_overlap=p.moe_a2a_overlap, shared_overlap=p.moe_shared_expert_overlap,
                                  has_shared=bool(m.moe_shared_expert_intermediate_size), model=m.name,
                                  flex=m.moe_token_dispatcher is TokenDispatcher.flex, on_cpu=c.on_cpu)]
+
+
+def graph_model_problems(job: JobSpec) -> list[Problem]:
+    """The CUDA graph scope of ``job`` against its model, whatever the layout
+    (:func:`cfp_megatron.base.layout_rules.graphs.model_scopes`); none without graphs."""
+    m, p = job.model, job.parallel
+    if p.cuda_graph_impl is CudaGraphImpl.none:
+        return []
+    return graphs.model_scopes(p.graph_scopes(), moe=m.is_moe, dense_layers=has_dense_mlp(m),
+                               drop_pad=m.moe_pad_expert_input_to_capacity,
+                               capacity=m.moe_expert_capacity_factor is not None,
+                               dispatcher=m.moe_token_dispatcher.value)
+
+
+def graph_problems(job: JobSpec) -> list[Problem]:
+    """The CUDA graphs of ``job`` against its model and recomputation (:mod:`cfp_megatron.base.layout_rules.graphs`)."""
+    m, p = job.model, job.parallel
+    scopes = p.graph_scopes()
+    return [*graph_model_problems(job),
+            *graphs.with_recompute(scopes, impl=p.cuda_graph_impl.value, recompute=p.recompute.value,
+                                   modules=frozenset(mod.value for mod in p.recomputed_modules),
+                                   attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout)]
 
 
 def data_parallel_size(world_size: int, tp: int, cp: int, pp: int) -> int:
@@ -214,6 +237,8 @@ class ParallelDims:
                 layout=layout["layout"])) if valid else 0
             problems += recompute.block_layers(p.recompute_num_layers, layers_per_chunk)
         problems += sequence.context_attention(m.attention is AttentionKind.mla, p.cp)
+        if p.cuda_graph_impl is not CudaGraphImpl.none:
+            problems += graph_problems(job)
         if p.cpu_offloading_num_layers:
             problems += offload.within_model(p.cpu_offloading_num_layers, m.num_layers)
             problems += offload.runs(p.cpu_offloading_num_layers, on_cpu=c.on_cpu, te=te)

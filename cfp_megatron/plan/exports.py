@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from cfp_megatron.base.config import (
+    JobSpec,
     MlpPartition,
+    MoeTokenPolicy,
     ParallelSpec,
     Precision,
     Recompute,
@@ -136,6 +138,18 @@ def _token_policy(plan: Plan) -> dict[str, Any]:
     if not inputs.get("model.num_experts"):
         return {}
     return {key: inputs[key] for key in TOKEN_POLICY_KEYS if key in inputs}
+
+
+def with_searched_token_policy(plan: Plan, job: JobSpec, allowed: list[MoeTokenPolicy] | None) -> JobSpec:
+    """``job`` with the MoE token policy ``plan`` was searched for, where the user let the search choose it from
+    ``allowed`` (``cfp.constraints.moe_token_policy``) and it is one of them; else ``job`` as given (a plan for
+    another policy is then refused by :meth:`Plan.apply` as made for another job)."""
+    policy = _token_policy(plan)
+    if allowed is None or not policy or not job.model.is_moe:
+        return job
+    model = dataclasses.replace(job.model, moe_expert_capacity_factor=policy.get(TOKEN_POLICY_KEYS[0]),
+                                moe_pad_expert_input_to_capacity=bool(policy.get(TOKEN_POLICY_KEYS[1])))
+    return dataclasses.replace(job, model=model) if MoeTokenPolicy.of(model) in allowed else job
 
 
 def _token_policy_args(plan: Plan) -> list[str]:

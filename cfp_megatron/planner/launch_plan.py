@@ -44,6 +44,7 @@ from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.engine.metrics import METRICS_KIND
 from cfp_megatron.model.layer_spec import keyed_model
 from cfp_megatron.plan import Plan, PlanError, load_plan, save_plan
+from cfp_megatron.plan.exports import with_searched_token_policy
 from cfp_megatron.plan.trial_choice import measured_pick, picked, shortfall, trial_positions
 from cfp_megatron.planner.megatron_launch import MegatronLaunch
 from cfp_megatron.planner.megatron_launch import check_constraints as check_constraints
@@ -167,8 +168,8 @@ def searched_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Path | No
         if cached is not None:
             plan = load_plan(cached)
             if optimizer_kind is None or plan.parallel.distributed_optimizer == optimizer_kind:
-                return LaunchPlan(plan=plan, job=_apply(plan, job, world, backend=backend), source="cached",
-                                  path=cached)
+                return LaunchPlan(plan=plan, job=_apply(plan, _searched_policy(plan, job, cfp), world,
+                                                        backend=backend), source="cached", path=cached)
     cfp = pinned
     if cfp.plan_file is not None:  # refused now rather than after the profiling budget
         check_write_locations([WriteLocation(key="cfp.plan_file", path=Path(cfp.plan_file), folder=False, new=True)])
@@ -192,7 +193,13 @@ def searched_plan(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, run_dir: Path | No
             write_atomic(folder / f"{INPUTS_INDEX}{keys[-1]}", f"{cached.name}\n", key="hydra.run.dir")
         if cfp.plan_file is not None:
             save_plan(plan, cfp.plan_file)
-    return dataclasses.replace(searched, job=_apply(plan, job, world, backend=backend), path=cached)
+    return dataclasses.replace(searched, job=_apply(plan, _searched_policy(plan, job, cfp), world, backend=backend),
+                               path=cached)
+
+
+def _searched_policy(plan: Plan, job: JobSpec, cfp: CfpSpec) -> JobSpec:
+    """``job`` with the MoE token policy the search chose for ``plan`` from ``cfp.constraints.moe_token_policy``."""
+    return with_searched_token_policy(plan, job, cfp.constraints.moe_token_policy)
 
 
 INPUTS_INDEX = ".inputs-"
@@ -335,7 +342,8 @@ def _trials(job: JobSpec, cfp: CfpSpec, env: LaunchEnv, console: Any, received: 
     with RoundProgress(enabled=shown) as progress:
         outcome = run_trials(job, plans, calibrations=calibrations, env=env, warmup_steps=cfp.check_warmup_steps,
                              budget_s=float(received["budget_left_s"]), on_gpu=on_gpu,
-                             progress=progress.update if shown else None)
+                             progress=progress.update if shown else None,
+                             policies=cfp.constraints.moe_token_policy)
     pick = measured_pick(outcome.measured)
     if shown:
         predicted = [p.predicted.step_time_s * c if p.predicted is not None else 0.0

@@ -37,7 +37,7 @@ from cfp_megatron.base.parallel_dims import transformer_engine_available
 from cfp_megatron.model.layer_spec import keyed_model
 from cfp_megatron.plan import deepspeed_config, load_plan, megatron_lm_args, save_plan, torchrun_command
 from cfp_megatron.plan.errors import PlanError
-from cfp_megatron.plan.exports import check_exports, write_exports
+from cfp_megatron.plan.exports import check_exports, with_searched_token_policy, write_exports
 from cfp_megatron.plan.requirements import plan_requirements
 from cfp_megatron.planner.backends import backend_for
 from cfp_megatron.planner.deepspeed_entry import check_layout
@@ -182,7 +182,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     console.print(f"plan {plan.canonical()}\nhash {plan.plan_hash()}", markup=False)
     console.print(f"reproduce with:\n  {torchrun_command(plan)}", markup=False)
     console.print(f"Megatron-LM: {exports['megatron_args.txt'].strip()}", markup=False)
-    for line in write_plan_pictures(plan, job, world, measurements, target.parent, key=key):
+    pictured = with_searched_token_policy(plan, job, cfp.constraints.moe_token_policy)  # the policy it chose
+    for line in write_plan_pictures(plan, pictured, world, measurements, target.parent, key=key):
         console.print(line, markup=False, soft_wrap=True)
     return 0
 

@@ -40,6 +40,15 @@ from cfp_megatron.model.options import PartitionOption
 from cfp_megatron.search import driver
 from cfp_megatron.search.choice import Choice, choose
 from cfp_megatron.search.formats import FormatOutcome, format_options, format_reason, set_formats, with_format
+from cfp_megatron.search.plan_options import (
+    OptionOutcome,
+    PlanOption,
+    option_index,
+    option_reason,
+    plan_options,
+    searched,
+    tie_order,
+)
 from cfp_megatron.search.space import (
     BLOCK,
     FAMILY_FIELDS,
@@ -133,6 +142,21 @@ class SearchResult:
             return None
         return format_reason(list(self.formats), NumberFormat.of(self.best.job.train).name)
 
+    options: tuple[OptionOutcome, ...] = ()
+    """With a set of CUDA graph implementations or MoE token policies (``cfp.constraints.cuda_graph_impl``,
+    ``moe_token_policy``): each combination searched and its best plan's step time; empty without a set."""
+    option_choices: tuple[PlanOption, ...] = ()
+    """The combinations searched (:func:`~cfp_megatron.search.plan_options.plan_options`); empty without a set."""
+
+    @property
+    def option_reason(self) -> str | None:
+        """Why the chosen plan's CUDA graphs and MoE token policy (``None`` without a set, or without plans)."""
+        if not self.options or not self.ranked:
+            return None
+        choices = list(self.option_choices)
+        return option_reason(list(self.options), choices[option_index(self.best.job, choices)].name,
+                             self.best.prediction.step_time_s)
+
     @property
     def best(self) -> Ranked:
         """The chosen plan (:attr:`choice`: the fastest unless a plan inside its error band rests on more evidence);
@@ -186,35 +210,45 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
     still are, one by one), so :attr:`SearchResult.rejected` may lack it."""
     started = time.perf_counter()
     formats, left_out = set_formats(job, cfp, te_available=te_available)
-    rejected: list[Rejection] = list(left_out)
+    choices, choices_left = plan_options(job, cfp, te_available=te_available)  # CUDA graphs, MoE token policy
+    rejected: list[Rejection] = [*left_out, *choices_left]
     found_all: list[driver.Ranked] = []
     outcomes: list[FormatOutcome] = []
+    option_best: dict[str, float | None] = {}
     size = visited = slower = simulated = checked = over_memory = refused = 0
     over: dict = defaultdict(list)
     limit: float | None = None
+    merged_order = functools.partial(_merged_order, choices=choices)
     for fmt in formats:  # fastest GEMMs first: the later formats start from the k-th best found (driver cutoff)
-        cutoff = found_all[cfp.top_k - 1].step_time_s if len(found_all) >= cfp.top_k and not exhaustive \
-            else math.inf
-        with driver.gc_paused():
-            space = MegatronSpace.build(with_format(job, fmt) if cfp.constraints.precision is not None else job,
-                                        world, cfp, measurements=measurements,
-                                        options=format_options(job, fmt, measurements, options),
-                                        te_available=te_available, cache=cache if len(formats) == 1 else None,
-                                        partitions=partitions)
-            found = driver.run(space, cfp.top_k, exhaustive=exhaustive, cutoff=cutoff)
-        rejected += [r for r in (*space.space.rejected, *space.invalid_groups) if r not in rejected]  # once a set
-        for prefix, sizes in found.over.items():
-            over[prefix] += sizes
-        found_all = sorted([*found_all, *found.ranked], key=_merged_order)[:cfp.top_k]
-        outcomes.append(FormatOutcome(name=fmt.name, best_s=found.ranked[0].step_time_s if found.ranked else None))
-        size += space.size
-        visited += found.visited
-        slower += found.slower
-        simulated += found.simulated
-        checked += found.checked
-        over_memory += found.over_memory
-        refused += found.refused
-        limit = space.limit
+        format_best: float | None = None
+        for choice in choices:  # graphed first: the others start from the k-th best found likewise
+            cutoff = found_all[cfp.top_k - 1].step_time_s if len(found_all) >= cfp.top_k and not exhaustive \
+                else math.inf
+            with driver.gc_paused():
+                fjob = with_format(job, fmt) if cfp.constraints.precision is not None else job
+                cjob = choice.apply(fjob)
+                space = MegatronSpace.build(cjob, world, choice.narrowed(cfp, cjob), measurements=measurements,
+                                            options=format_options(job, fmt, measurements, options),
+                                            te_available=te_available,
+                                            cache=cache if len(formats) * len(choices) == 1 else None,
+                                            partitions=partitions)
+                found = driver.run(space, cfp.top_k, exhaustive=exhaustive, cutoff=cutoff)
+            rejected += [r for r in (*space.space.rejected, *space.invalid_groups) if r not in rejected]  # once
+            for prefix, sizes in found.over.items():
+                over[prefix] += sizes
+            found_all = sorted([*found_all, *found.ranked], key=merged_order)[:cfp.top_k]
+            best_s = found.ranked[0].step_time_s if found.ranked else None
+            format_best = _smaller(format_best, best_s)
+            option_best[choice.name] = _smaller(option_best.get(choice.name), best_s)
+            size += space.size
+            visited += found.visited
+            slower += found.slower
+            simulated += found.simulated
+            checked += found.checked
+            over_memory += found.over_memory
+            refused += found.refused
+            limit = space.limit
+        outcomes.append(FormatOutcome(name=fmt.name, best_s=format_best))
     for prefix, sizes in sorted(over.items()):  # by family, in Family's order
         rejected.append(Rejection(what=_family_label(Family.of_prefix(prefix), world), count=len(sizes),
                                   reason=f"{len(sizes)} plan(s) checked need {min(sizes):.1f} GiB or more per GPU, "
@@ -227,6 +261,8 @@ def search(job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements
                         least_over_gib=min((min(s) for s in over.values() if s), default=None),
                         seconds=time.perf_counter() - started, world=world,
                         formats=tuple(outcomes) if cfp.constraints.precision is not None else (),
+                        options=tuple(OptionOutcome(name=name, best_s=best) for name, best in option_best.items())
+                        if searched(cfp) else (), option_choices=tuple(choices) if searched(cfp) else (),
                         pinned=tuple(knob_setting(cfp, name)[0] for name in KNOBS if cfp.allowed(name) is not None))
 
 
@@ -395,9 +431,15 @@ class MegatronSpace:
                                            unmeasured=_unmeasured(cjob, self.measurements)))
 
 
-def _merged_order(r: driver.Ranked) -> tuple:
-    """The order of the plans of several formats' searches: step time, then the format's name, then the key."""
-    return r.step_time_s, NumberFormat.of(r.result.job.train).name, r.tie
+def _merged_order(r: driver.Ranked, choices: list[PlanOption]) -> tuple:
+    """The order of the plans of several formats' and options' searches: step time, then the format's name, then
+    the options' order on a tie (:func:`~cfp_megatron.search.plan_options.tie_order`), then the key."""
+    return r.step_time_s, NumberFormat.of(r.result.job.train).name, tie_order(r.result.job, choices), r.tie
+
+
+def _smaller(a: float | None, b: float | None) -> float | None:
+    """The smaller of two best step times, either ``None`` (none found)."""
+    return b if a is None else a if b is None else min(a, b)
 
 
 def _unmeasured(job: JobSpec, measurements: Measurements | None) -> tuple[str, ...]:

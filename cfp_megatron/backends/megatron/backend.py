@@ -18,6 +18,7 @@ from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.model.derive import partition_options
 from cfp_megatron.plan.artifact import Plan, PlanPrediction
 from cfp_megatron.plan.check import PlanCheck
+from cfp_megatron.search.plan_options import option_label
 from cfp_megatron.search.search import SearchResult, search
 from cfp_megatron.sim.kernels import target_peak_tflops
 from cfp_megatron.sim.options import options_here
@@ -51,12 +52,14 @@ class MegatronBackend:
         peak = target_peak_tflops(job)
         offered = result.preferred
         why = result.choice.reasons if result.choice is not None else ()
+        why += (result.option_reason,) if result.option_reason is not None else ()  # the options chosen from a set
         plans = tuple(Plan.from_job(r.job, world_size=world, prediction=PlanPrediction.of(r.prediction, peak,
                                                                                       error_band(r.job),
                                                                                       r.unmeasured,
                                                                                       why if i == 0 else ()),
                                     inputs_fingerprint=inputs_fingerprint) for i, r in enumerate(offered))
-        return PlannedSearch(plans=plans, labels=tuple(r.candidate.describe(world) for r in offered),
+        return PlannedSearch(plans=plans, labels=tuple(r.candidate.describe(world)
+                                                       + option_label(r.job, result.option_choices) for r in offered),
                              searched=result.space_size, rejected=tuple((r.what, r.reason) for r in result.rejected),
                              seconds=result.seconds, report=lambda console: print_result(result, peak, console))
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from cfp_megatron.base.config import MoeTokenPolicy
 from cfp_megatron.base.number_format import NumberFormat
+from cfp_megatron.search.plan_options import option_label
 from cfp_megatron.search.search import Ranked, SearchResult
 from cfp_megatron.sim.prediction import GIB, mfu
 from cfp_megatron.sim.terms import TERMS, exposed_comm_s
@@ -34,7 +36,8 @@ def ranking_table(result: SearchResult, peak_tflops: float | None) -> Table:
         u = mfu(p, peak_tflops)
         band = error_band(r.job)
         check = mfu_check(r.job)  # "!": above every comparable published run (how far to trust it, below)
-        layout = r.candidate.describe(result.world) + (" [analytical]" if r.unmeasured else "")
+        layout = (r.candidate.describe(result.world) + option_label(r.job, result.option_choices)
+                  + (" [analytical]" if r.unmeasured else ""))
         table.add_row(f"{i}*" if i - 1 == chosen else str(i), layout, f"{p.step_time_s:.3f}",
                       f"{band.pct:.0f}%" if band else "-", f"{p.tokens_per_s_per_gpu:,.0f}",
                       f"{u:.1%}" + (" !" if check and check.above_all(u) else "") if u is not None else "-",
@@ -104,6 +107,10 @@ def explain(best: Ranked, runner_up: Ranked | None, *, other: str = "runner-up")
     fa, fb = NumberFormat.of(best.job.train).name, NumberFormat.of(runner_up.job.train).name
     if fa != fb:
         lines.append(f"number format: {fa} (chosen) vs {fb} ({other})")
+    for label, of in (("CUDA graphs", lambda j: j.parallel.cuda_graph_impl.value),
+                      ("MoE token policy", lambda j: MoeTokenPolicy.of(j.model).value)):
+        if of(best.job) != of(runner_up.job):
+            lines.append(f"{label}: {of(best.job)} (chosen) vs {of(runner_up.job)} ({other})")
     pa, pb = best.prediction, runner_up.prediction
     gap = pb.step_time_s - pa.step_time_s
     lines.append(f"step time: {pa.step_time_s:.4f} s vs {pb.step_time_s:.4f} s ({abs(gap) / pb.step_time_s:.2%} "
@@ -124,6 +131,8 @@ def choice_lines(result: SearchResult) -> list[str]:
     reasons = list(result.choice.reasons) if result.choice is not None else []
     if result.format_reason is not None:
         reasons.append(result.format_reason)
+    if result.option_reason is not None:
+        reasons.append(result.option_reason)
     if best is not ranked[0]:
         return (["Why this plan and not the fastest (#1)"] + [f"  {r}" for r in reasons]
                 + [f"  {line}" for line in explain(best, ranked[0], other="fastest")])

@@ -24,7 +24,7 @@ from megatron.core import parallel_state
 from rich.table import Table
 
 from cfp_megatron.backends.megatron.trainer import train_one
-from cfp_megatron.base.config import JobSpec
+from cfp_megatron.base.config import JobSpec, MoeTokenPolicy
 from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.base.launch_env import LaunchEnv
@@ -40,6 +40,7 @@ from cfp_megatron.engine.metrics import MetricsLog, StepMetrics
 from cfp_megatron.engine.step import build_training
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.plan.check import PlanCheck, compare, other_load, store
+from cfp_megatron.plan.exports import with_searched_token_policy
 from cfp_megatron.profile.control import Step, run_round
 from cfp_megatron.profile.fingerprint import model_key
 from cfp_megatron.profile.records import PlanCheckRecord, RoundRecord
@@ -62,10 +63,11 @@ class TrialOutcome:
     """What rank 0 has to say (a comparison not stored)."""
 
 
-def trial_job(job: JobSpec, plan: Plan, steps: int) -> JobSpec:
+def trial_job(job: JobSpec, plan: Plan, steps: int, policies: list[MoeTokenPolicy] | None = None) -> JobSpec:
     """``job`` under ``plan`` for a trial of ``steps`` steps that saves nothing: no checkpoint folder, resume, memory
-    step or metrics file; the job's seed and data."""
-    planned = plan.apply(job)
+    step or metrics file; the job's seed and data; the MoE token policy ``plan`` chose from ``policies``
+    (``cfp.constraints.moe_token_policy``: :func:`~cfp_megatron.plan.exports.with_searched_token_policy`)."""
+    planned = plan.apply(with_searched_token_policy(plan, job, policies))
     train = dataclasses.replace(planned.train, steps=steps, checkpoint_dir=None, resume=False, save_interval=0,
                                 memory_step=None, metrics_file=None)
     return dataclasses.replace(planned, train=train)
@@ -73,7 +75,8 @@ def trial_job(job: JobSpec, plan: Plan, steps: int) -> JobSpec:
 
 def run_trials(job: JobSpec, plans: Sequence[Plan], *, calibrations: Sequence[float], env: LaunchEnv,
                warmup_steps: int, budget_s: float, on_gpu: bool,
-               progress: Callable[[str, int, int, str], None] | None = None) -> TrialOutcome:
+               progress: Callable[[str, int, int, str], None] | None = None,
+               policies: list[MoeTokenPolicy] | None = None) -> TrialOutcome:
     """Train each of ``plans`` for ``warmup_steps`` + :data:`TIMED_STEPS` steps within ``budget_s`` seconds (rank
     0's figure) on the live default group (see the module docstring); ``calibrations``: each plan's factor from
     earlier runs, kept in its comparison."""
@@ -82,7 +85,7 @@ def run_trials(job: JobSpec, plans: Sequence[Plan], *, calibrations: Sequence[fl
 
     def trial(index: int) -> list[float]:
         plan = plans[index]
-        planned = trial_job(job, plan, steps)
+        planned = trial_job(job, plan, steps, policies)
         dims = ParallelDims.build(planned, env.world_size)
         destroy_model_parallel_groups()  # the last probe's groups, or the previous trial's
         init_distributed(planned, dims, env)  # the default group is up: Megatron's groups and the seed only

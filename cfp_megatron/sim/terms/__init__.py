@@ -18,6 +18,7 @@ from cfp_megatron.sim.terms.base import (
 )
 from cfp_megatron.sim.terms.compute import Compute
 from cfp_megatron.sim.terms.context_parallel import ContextParallel
+from cfp_megatron.sim.terms.cuda_graphs import CudaGraphs
 from cfp_megatron.sim.terms.data_parallel import DataParallel
 from cfp_megatron.sim.terms.expert_dispatch import ExpertDispatch
 from cfp_megatron.sim.terms.host import HostWork
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from cfp_megatron.sim.prediction import Prediction
 
 TERMS = Registry((Compute(), Recomputation(), TensorParallel(), ContextParallel(), ExpertDispatch(), Pipeline(),
-                  DataParallel(), OptimizerStep(), HostWork(), ActivationOffload()))
+                  DataParallel(), OptimizerStep(), HostWork(), ActivationOffload(), CudaGraphs()))
 """Every cost term, in the order of the breakdown's lanes (and of the plan check's parts) and of the memory
 categories."""
 
