@@ -14,7 +14,7 @@ from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.model.megatron_config import transformer_config
 from cfp_megatron.plan.artifact import Plan
-from cfp_megatron.plan.exports import megatron_lm_args
+from cfp_megatron.plan.exports import megatron_lm_args, torchrun_command
 from cfp_megatron.search.formats import set_formats, with_format
 from cfp_megatron.sim.format_costs import param_gather_element_bytes
 from cfp_megatron.sim.sharding import StateBytes
@@ -64,8 +64,10 @@ def test_fp8_parameters_lower_the_weight_memory_and_halve_the_parameter_gather()
     cached = _job("dgx_h100", "train.precision=fp8", "train.fp8_recipe=tensorwise")
     kept = _job("dgx_h100", "train.precision=fp8", "train.fp8_recipe=tensorwise", "parallel.fp8_param_gather=true")
     a, b = simulate(cached), simulate(kept)
-    # 4 bytes a parameter (bf16 and the cached data and transpose) become 2 (data and transpose)
-    assert b.memory.parameters == pytest.approx(a.memory.parameters / 2)
+    c = simulate(_job("dgx_h100", "train.precision=bf16"))
+    # the TE layers' 4 bytes a parameter (bf16 and the cached data and transpose) become 2 (data and transpose),
+    # as many as bf16 alone holds; the embedding and output layer hold bf16 throughout
+    assert b.memory.parameters == pytest.approx(c.memory.parameters) and b.memory.parameters < a.memory.parameters
     assert b.memory.activations == a.memory.activations and b.memory.gradients == a.memory.gradients
     assert param_gather_element_bytes(cached, 2.0) == 2.0 and param_gather_element_bytes(kept, 2.0) == 1.0
     assert b.time.dp_comm_s < a.time.dp_comm_s
@@ -102,8 +104,9 @@ def test_the_plan_carries_fp8_parameters_to_megatron(recipe: str, extra: list[st
     assert ",fp8pg=" in plan.canonical() and Plan.parse(plan.canonical()) == plan
     assert Plan.from_json(plan.to_json()) == plan and plan.parallel.fp8_param_gather
     args = megatron_lm_args(plan)
-    assert "--fp8-param-gather" in args and all(a in args for a in extra)
-    assert "--reuse-grad-buf-for-mxfp8-param-ag" in args or not extra
+    assert "--fp8-param-gather" in args and ("--reuse-grad-buf-for-mxfp8-param-ag" in args) == bool(extra)
+    assert "parallel.fp8_param_gather=true" in torchrun_command(plan)
+    assert plan.apply(_job("b200", "train.precision=fp8", f"train.fp8_recipe={recipe}")).parallel.fp8_param_gather
     config = transformer_config(job, ParallelDims.build(job, 64), on_gpu=False)
     assert config.fp8_param and config.fp8_recipe == recipe
     assert NumberFormat.of(job.train).param_fields(True) == {"fp8_param_gather": True,
@@ -122,3 +125,13 @@ def test_the_rows_keep_fp8_parameters_as_their_recipes_did() -> None:
     kept = {r.plan.row_id: r.plan.job.parallel.fp8_param_gather for r in results}
     # NeMo 24.07's launcher set no fp8_params; Megatron-Bridge's FP8 precision configs set fp8_param_gather
     assert kept == {"51": False, "81": True, "86": True}
+
+
+def test_the_embedding_and_output_layer_keep_16_bit_weights_and_no_copies() -> None:
+    bf16, fp8 = (_job("dgx_h100", "parallel.pp=1", "cluster.nodes=1", f"train.precision={p}",
+                      "train.global_batch_size=8") for p in ("bf16", "fp8"))
+    a, b = simulate(bf16), simulate(fp8)
+    vocab = 2 * fp8.model.padded_vocab_size * fp8.model.hidden_size / 8  # embedding and (untied) output layer, TP=8
+    decoder = a.memory.parameters / 2 - vocab  # bf16: 2 bytes each (one rank: nothing is sharded)
+    # fp8 adds 2 bytes a parameter for the TE layers' copies, none for the embedding and the output layer
+    assert b.memory.parameters - a.memory.parameters == pytest.approx(2 * decoder, rel=1e-6)

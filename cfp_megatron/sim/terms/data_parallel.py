@@ -156,9 +156,23 @@ class DataParallel(CostTerm):
         """The weights, gradients and optimizer states as the plan's sharding keeps them
         (:class:`~cfp_megatron.sim.sharding.Sharding`), and the whole layers FSDP gathers."""
         sharding = stage.common.sharding
-        states = sharding.memory(rank_params(stage), stage.expert_params)
+        params = rank_params(stage)
+        states = sharding.memory(params, stage.expert_params)
         gathered = 0.0
         if stage.layers and stage.measured is None:
             gathered = sharding.gathered_bytes(stage.layer_params / stage.layers, stage.expert_params / stage.layers)
-        return {"weights": states.weights, "gradients": states.gradients,
+        return {"weights": states.weights - _not_te_weight_excess(stage, params), "gradients": states.gradients,
                 "optimizer_states": states.optimizer_states, "fsdp_buffers": gathered}
+
+
+def _not_te_weight_excess(stage: Stage, params: float) -> float:
+    """Bytes :meth:`Sharding.memory <cfp_megatron.sim.sharding.Sharding.memory>` counts for the rank's embedding,
+    position table, output layer and final norm beyond what they hold: they are not Transformer Engine layers
+    (Megatron-Core's VocabParallelEmbedding and ColumnParallelLinear), so under FP8/FP4 they keep their weights in
+    the compute precision, with no quantised copies and never as FP8 parameters; zero in 16/32 bits."""
+    sharding, elem = stage.common.sharding, stage.common.elem_bytes
+    per_param = sharding.state.weights
+    outside = params - stage.layer_params - stage.layers * stage.common.extra_params
+    if outside <= 0 or per_param <= 0 or per_param == elem:
+        return 0.0
+    return sharding.memory(outside).weights * (1.0 - elem / per_param)
