@@ -645,6 +645,11 @@ def cases() -> list[Case]:
         ("fmt-nvfp4-planned-here", ["+cfp=auto", "train.precision=fp4"], "train.precision"),
         ("fmt-recipe-unread", ["train.precision=bf16", "train.fp8_recipe=tensorwise"], "train.fp8_recipe"),
         ("fmt-deepspeed-fp8", ["backend=deepspeed", "train.precision=fp8"], "train.precision"),
+        ("fp8pg-no-dopt", ["train.precision=fp8", "parallel.fp8_param_gather=true"], "parallel.fp8_param_gather"),
+        ("fp8pg-bf16", ["train.precision=bf16", "parallel.distributed_optimizer=true",
+                        "parallel.fp8_param_gather=true"], "parallel.fp8_param_gather"),
+        ("fp8pg-auto-here", ["parallel.distributed_optimizer=true", "parallel.fp8_param_gather=true"],
+         "parallel.fp8_param_gather"),
         ("enum-lr-schedule", ["train.lr_schedule=step"], "train.lr_schedule"),
         ("model-bogus", ["model=bogus"], "model"),
         ("cluster-bogus", ["cluster=bogus"], "cluster"),
@@ -770,7 +775,10 @@ def cases() -> list[Case]:
             ("plan-token-policy-flex-pad", ["model=moe_tiny", "cluster=dgx_h100", "model.moe_token_dispatcher=flex",
                                             "cfp.constraints.moe_token_policy=[drop_pad]",
                                             "cfp.constraints.moe_capacity_factor=1.0"],
-             "cfp.constraints.moe_token_policy")]:
+             "cfp.constraints.moe_token_policy"),
+            ("plan-fp8pg-auto", ["cluster=dgx_h100", "parallel.distributed_optimizer=true",
+                                 "parallel.fp8_param_gather=true"],
+             ("parallel.fp8_param_gather", "train.precision=fp8"))]:
         add(Case(id=cid, command="plan", what="plan " + " ".join(args), names=key if isinstance(key, tuple) else (key,),
                  run=lambda work, a=args: in_process(lambda: plan_main(a, work), timeout_s=120)))
     add(Case(id="plan-file-garbage", command="plan", what="cfp.plan_file naming an existing file that is not JSON",

@@ -290,6 +290,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                      "cuda_graph_impl": recipe.cuda_graph_impl if recipe else "none",
                      "cuda_graph_scope": recipe.cuda_graph_scope if recipe else None,
                      "recompute_num_layers": 1, "grad_reduce_in_fp32": framework.grad_reduce_in_fp32,
+                     "fp8_param_gather": (dist_opt or fsdp) and number_format.name in framework.fp8_param_gather,
                      "account_for_embedding_in_pipeline_split": counted,
                      "account_for_loss_in_pipeline_split": counted, "pipeline_model_parallel_layout": stages},
         "train": {"global_batch_size": gbs, "micro_batch_size": micro, "seq_length": seq,
@@ -311,6 +312,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     layout += f" {moe_routing(row).tag}" if experts and moe_routing(row).tag else ""
     layout += f" mb{micro} gbs{gbs} {recompute}" + (f"[{job.parallel.recompute_modules}]" if modules else "")
     layout += " fsdp" if fsdp else ""
+    layout += " fp8-params" if job.parallel.fp8_param_gather else ""
     readings = (fabric, schedule, numbers, power)
     layout += "".join(f" {reading.tag}" for reading in readings if reading.tag)
     options = SimOptions(measured_layer_only=layer_only, attention=framework.attention,

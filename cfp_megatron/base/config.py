@@ -1037,6 +1037,11 @@ class ParallelSpec:
     """Overlap data-parallel gradient reduction with the backward pass."""
     overlap_param_gather: bool = layout_field(False, key="opg", megatron="--overlap-param-gather")
     """With the distributed optimizer: overlap the parameter all-gather with the next forward."""
+    fp8_param_gather: bool = layout_field(False, key="fp8pg", megatron="--fp8-param-gather", optional=True)
+    """With ``train.precision=fp8`` and the distributed optimizer or ``parallel.fsdp``: keep the linear layers'
+    weights in FP8 and all-gather them in FP8 (Megatron-Core's ``fp8_param`` and DDP's ``fp8_param_gather``; MXFP8
+    also ``reuse_grad_buf_for_mxfp8_param_ag``, as NVIDIA's FP8 recipes set them): no 16-bit weights and no cached
+    FP8 copies beside them; the fp32 master weights stay (docs/simulator.md, "Number formats")."""
     tp_comm_overlap: bool = layout_field(False, key="tpco", megatron="--tp-comm-overlap", optional=True)
     """Overlap the TP/SP all-gathers and reduce-scatters with the GEMMs beside them (Transformer Engine's
     userbuffers, Megatron-Core's ``tp_comm_overlap``): needs sequence parallelism, a GPU and Transformer Engine; its
@@ -1097,6 +1102,8 @@ class ParallelSpec:
         issues += rule_issues([*tensor_rules.sequence_parallel_needs_tp(self.sp, self.tp),
                                *batch_rules.param_gather_overlap(self.overlap_param_gather,
                                                                  self.distributed_optimizer),
+                               *batch_rules.fp8_param_gather_sharding(self.fp8_param_gather,
+                                                                      self.distributed_optimizer),
                                *batch_rules.fsdp_settings(fsdp=self.fsdp.value,
                                                           distributed_optimizer=self.distributed_optimizer,
                                                           shard_size=self.dp_shard_size)])
@@ -1438,6 +1445,17 @@ class JobSpec:
     """Training run."""
     data: DataSpec = field(default_factory=DataSpec)
     """Training data."""
+
+    def __post_init__(self) -> None:
+        """Raises :class:`ConfigError` for FP8 parameters (``parallel.fp8_param_gather``) in a format that is not
+        FP8 (``auto`` may still choose FP8: the plan drops them where it does not)."""
+        precision = self.train.precision
+        if self.parallel.fp8_param_gather and precision not in (Precision.fp8, Precision.auto):
+            raise ConfigError(ConfigIssue(
+                key="parallel.fp8_param_gather", value=True,
+                problem=f"keeps the parameters in FP8, and train.precision={precision.value} trains in another "
+                        "format (Megatron-Core's fp8_param needs fp8).",
+                fix="add train.precision=fp8 (with its train.fp8_recipe), or set parallel.fp8_param_gather=false."))
 
 
 SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(JobSpec)[f.name] for f in dataclasses.fields(JobSpec)}

@@ -98,6 +98,14 @@ class NumberFormat:
             return {"fp4": "e2m1", "fp4_recipe": self.recipe.value}
         return {}
 
+    def param_fields(self, fp8_param_gather: bool) -> dict[str, bool]:
+        """Megatron-Core's fields that keep the parameters in this format (``parallel.fp8_param_gather``): DDP's and
+        the distributed optimizer's ``fp8_param_gather`` and, for MXFP8, ``reuse_grad_buf_for_mxfp8_param_ag`` (its
+        parameters are gathered in bf16 through the gradient buffer), as NVIDIA's FP8 recipes set them; the
+        ``TransformerConfig`` takes ``fp8_param`` (:meth:`megatron_fields`' companion). False beside another format."""
+        on = fp8_param_gather and isinstance(self.recipe, Fp8Recipe)
+        return {"fp8_param_gather": on, "reuse_grad_buf_for_mxfp8_param_ag": on and self.recipe is Fp8Recipe.mxfp8}
+
     def megatron_args(self) -> list[str]:
         """:meth:`megatron_fields` as Megatron-LM arguments."""
         names = {"fp8": "--fp8-format", "fp8_recipe": "--fp8-recipe", "fp4": "--fp4-format",
@@ -168,3 +176,15 @@ def format_issues(cluster: ClusterSpec, fmt: NumberFormat) -> list[ConfigIssue]:
                 f"(cluster {cluster.name}'s number_formats).",
         fix=f"train in a format it computes ({fix}), or plan on a cluster that computes {fmt.needs} "
             f"({', '.join(f'cluster={o}' for o in others) if others else 'none of the presets does'}).")]
+
+
+def fp8_params_issues(fp8_param_gather: bool, fmt: NumberFormat) -> list[ConfigIssue]:
+    """FP8 parameters (``parallel.fp8_param_gather``) asked for where the run trains in ``fmt`` (``auto``
+    resolved): refused unless ``fmt`` is FP8, which they would be ignored beside."""
+    if not fp8_param_gather or fmt.precision is Precision.fp8:
+        return []
+    return [ConfigIssue(key="parallel.fp8_param_gather", value=True,
+                        problem=f"keeps the parameters in FP8, and the run trains in {fmt.name} "
+                                "(train.precision=auto resolves to it here): they would be ignored.",
+                        fix="add train.precision=fp8 (with its train.fp8_recipe), let the search choose FP8 "
+                            "(cfp.constraints.precision=[bf16,fp8]), or set parallel.fp8_param_gather=false.")]

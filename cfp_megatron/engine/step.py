@@ -22,6 +22,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 from cfp_megatron.base.config import FsdpStrategy, JobSpec, Precision, resolve_precision
+from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.compat.optimizer import retain_shard_grads
 from cfp_megatron.engine.distributed import model_groups, optimizer_instances
@@ -68,7 +69,9 @@ def build_training(job: JobSpec, dims: ParallelDims, groups: ProcessGroupCollect
         layout_independent_init(chunks, config, job.train.seed)
     p, t = job.parallel, job.train
     fsdp = p.fsdp is not FsdpStrategy.none
+    fp8_params = NumberFormat.of(t).param_fields(p.fp8_param_gather)  # parallel.fp8_param_gather
     ddp_config = DistributedDataParallelConfig(
+        **fp8_params,
         grad_reduce_in_fp32=p.grad_reduce_in_fp32,
         overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather,
@@ -89,6 +92,7 @@ def build_training(job: JobSpec, dims: ParallelDims, groups: ProcessGroupCollect
         adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
         bf16=precision is Precision.bf16, fp16=precision is Precision.fp16, params_dtype=config.params_dtype,
         use_distributed_optimizer=p.distributed_optimizer,
+        reuse_grad_buf_for_mxfp8_param_ag=fp8_params["reuse_grad_buf_for_mxfp8_param_ag"],
     )
     # The optimizer reads Megatron's global groups: given explicit ones, Megatron-Core 0.16 refuses the gloo groups its
     # distributed optimizer gathers checkpoint state over (get_megatron_optimizer's use_gloo_process_groups).

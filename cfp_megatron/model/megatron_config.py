@@ -80,6 +80,8 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         # FP8 / FP4 GEMMs through Transformer Engine (fp8 + fp8_recipe, fp4 + fp4_recipe); the job checks refuse
         # them before any process group where Transformer Engine or the GPU lacks the format (job_checks.py).
         **NumberFormat.of(job.train).megatron_fields(),
+        # Parameters kept in FP8 (parallel.fp8_param_gather): Transformer Engine builds them as quantised tensors.
+        fp8_param=NumberFormat.of(job.train).param_fields(job.parallel.fp8_param_gather)["fp8_param_gather"],
         # Per-token loss: the step's loss is (sum of token losses) / (tokens in the global batch) under every layout.
         calculate_per_token_loss=True,
         # CPU initialisation builds full weights and splits them, so TP layouts start alike (and needs no CUDA).

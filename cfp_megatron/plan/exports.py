@@ -223,7 +223,9 @@ def _precision_args(plan: Plan) -> list[str]:
                             fix="train it with the plan's torchrun command (launch/train.py passes it to Megatron-"
                                 "Core's DistributedDataParallelConfig), or plan with parallel.grad_reduce_in_fp32="
                                 "true for Megatron-LM.", setting="parallel.grad_reduce_in_fp32")
-        return ["--bf16", *plan.number_format.megatron_args()]
+        reuse = plan.number_format.param_fields(p.fp8_param_gather)["reuse_grad_buf_for_mxfp8_param_ag"]
+        return ["--bf16", *plan.number_format.megatron_args(),
+                *(["--reuse-grad-buf-for-mxfp8-param-ag"] if reuse else [])]  # MXFP8 parameters (fp8_param_gather)
     if precision is Precision.fp16:
         return ["--fp16"] + (["--accumulate-allreduce-grads-in-fp32"] if p.grad_reduce_in_fp32 else [])
     return []

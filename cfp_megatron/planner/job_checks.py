@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cfp_megatron.base.config import AttentionKind, DataKind, JobSpec, MlpPartition
+from cfp_megatron.base.config import AttentionKind, DataKind, JobSpec, MlpPartition, Precision, resolve_precision
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.layout_rules import batch
 from cfp_megatron.base.layout_rules.problem import issues as rule_issues
-from cfp_megatron.base.number_format import NumberFormat, format_key, presets_computing
+from cfp_megatron.base.number_format import NumberFormat, format_key, fp8_params_issues, presets_computing
 from cfp_megatron.base.parallel_dims import ParallelDims, transformer_engine_available
 from cfp_megatron.base.pipeline_layout import MTP, layout_stages
 from cfp_megatron.model import layer_spec
@@ -128,6 +128,11 @@ def _rest_issues(job: JobSpec) -> list[ConfigIssue]:
             key="parallel.mlp", value="primepar",
             problem=f"PrimePar's layers replace Megatron-Core's own MLP, and model.spec={job.model.spec} gives the "
                     "layers of its own.", fix="use parallel.mlp=megatron with model.spec, or leave model.spec out."))
+    if job.parallel.fp8_param_gather and job.train.precision is Precision.auto:
+        import torch
+
+        resolved = resolve_precision(Precision.auto, on_gpu=torch.cuda.is_available())
+        issues += fp8_params_issues(True, NumberFormat(precision=resolved))
     if job.data.kind is DataKind.indexed:
         try:
             validate_indexed(job)

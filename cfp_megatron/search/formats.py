@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import JobSpec, Precision, resolve_precision
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
-from cfp_megatron.base.number_format import NumberFormat, format_issues
+from cfp_megatron.base.number_format import NumberFormat, format_issues, fp8_params_issues
 from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.search.space import Rejection
 from cfp_megatron.sim.calibration import efficiency_for
@@ -35,6 +35,9 @@ def set_formats(job: JobSpec, cfp: CfpSpec, *, te_available: bool) -> tuple[list
     for this machine). Raises :class:`ConfigError` for a ``train.precision`` outside the set, or a set of which
     nothing is left."""
     if cfp.constraints.precision is None:
+        issues = fp8_params_issues(job.parallel.fp8_param_gather, _resolved(job, NumberFormat.of(job.train)))
+        if issues:
+            raise ConfigError(issues)
         return [NumberFormat.of(job.train)], []
     allowed = list(cfp.constraints.precision)
     if job.train.precision is not Precision.auto:  # a pin, as cfp.<knob> pins within cfp.constraints.<knob>
@@ -97,8 +100,11 @@ def _resolved(job: JobSpec, fmt: NumberFormat) -> NumberFormat:
 
 
 def with_format(job: JobSpec, fmt: NumberFormat) -> JobSpec:
-    """``job`` trained in ``fmt``."""
-    return dataclasses.replace(job, train=dataclasses.replace(job.train, **fmt.train_fields()))
+    """``job`` trained in ``fmt``; FP8 parameters (``parallel.fp8_param_gather``) kept only in an FP8 format."""
+    parallel = job.parallel
+    if parallel.fp8_param_gather and fmt.precision is not Precision.fp8:
+        parallel = dataclasses.replace(parallel, fp8_param_gather=False)
+    return dataclasses.replace(job, parallel=parallel, train=dataclasses.replace(job.train, **fmt.train_fields()))
 
 
 def format_reason(outcomes: list[FormatOutcome], chosen: str) -> str:

@@ -134,6 +134,7 @@ class Candidate:
                     overlap_grad_reduce=base.overlap_grad_reduce or self.dp_overlap,
                     **self._recompute(base),
                     overlap_param_gather=(base.overlap_param_gather or self.dp_overlap) and self.distributed_optimizer,
+                    fp8_param_gather=base.fp8_param_gather and self.distributed_optimizer,
                     fsdp=FsdpStrategy(self.fsdp), dp_shard_size=self.dp_shard or None)
 
     def _recompute(self, base: ParallelSpec) -> dict[str, object]:

@@ -37,10 +37,20 @@ class FormatCost:
     """HBM bytes per element to quantise one GEMM input (0 for 16/32-bit)."""
     saved_input_bytes: float
     """Bytes per element of a linear layer's input kept for its weight gradient."""
-    weight_copy_bytes: float
-    """Bytes per weight element of the quantised weight copies cached for the step."""
+    rowwise_weight_bytes: float
+    """Bytes per weight element of a linear layer's weight quantised for the forward GEMM (data and scales)."""
+    columnwise_weight_bytes: float
+    """Bytes per weight element of its column-wise copy for dgrad (the transpose, or scales along the other axis)."""
     source: str
     """Where the figures come from."""
+    columnwise_shares_rowwise: bool = False
+    """Whether the column-wise usage is the row-wise data itself on GPUs that run FP8 GEMMs in every layout
+    (:func:`non_tn_fp8`)."""
+    param_gather_bytes: float | None = None
+    """With ``parallel.fp8_param_gather``: bytes per parameter element the distributed optimizer's parameter
+    all-gather moves; ``None``: the format has no such setting."""
+    weight_source: str = ""
+    """Where the weight bytes come from."""
 
     @property
     def low(self) -> bool:
@@ -54,15 +64,40 @@ class FormatCost:
         return max(self.cast_bytes - _table()["fp8-delayed"].cast_bytes, 0.0) if self.low else 0.0
 
 
+_TEXT = ("peak", "efficiency", "source", "weight_source")
+"""The text fields of a format's entry (the others are numbers, :attr:`FormatCost.columnwise_shares_rowwise` a
+switch)."""
+
+
+def _field(key: str, value: object) -> object:
+    if key in _TEXT:
+        return value
+    if key == "columnwise_shares_rowwise":
+        if not isinstance(value, bool):
+            raise TypeError(f"{key}={value!r} is not true or false")
+        return value
+    return float(value)  # type: ignore[arg-type]
+
+
 @functools.cache
-def _table(path: Path = FORMATS_FILE) -> dict[str, FormatCost]:
+def _file(path: Path = FORMATS_FILE) -> tuple[dict[str, FormatCost], frozenset[str]]:
     try:
         data = yaml.safe_load(path.read_text())
-        return {name: FormatCost(name=name, **{k: (v if k in ("peak", "efficiency", "source") else float(v))
-                                               for k, v in entry.items()})
-                for name, entry in data["formats"].items()}
+        table = {name: FormatCost(name=name, **{k: _field(k, v) for k, v in entry.items()})
+                 for name, entry in data["formats"].items()}
+        return table, frozenset(str(g) for g in data["non_tn_fp8_generations"])
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as err:
         raise FormatFileError(f"{path}: not a number-formats file ({err})") from None
+
+
+def _table() -> dict[str, FormatCost]:
+    return _file()[0]
+
+
+def non_tn_fp8(cluster: ClusterSpec) -> bool:
+    """Whether ``cluster``'s GPUs run FP8 GEMMs in every operand layout, so that Transformer Engine's per-tensor FP8
+    weights keep no transpose (:data:`FORMATS_FILE`'s ``non_tn_fp8_generations``)."""
+    return cluster.generation in _file()[1]
 
 
 def format_cost(fmt: NumberFormat, cluster: ClusterSpec) -> FormatCost:
@@ -94,3 +129,37 @@ def low_format_cost(job: JobSpec) -> FormatCost | None:
     if job.train.precision not in _LOW:
         return None
     return format_cost(NumberFormat.of(job.train), job.cluster)
+
+
+def quantised_weight_bytes(job: JobSpec) -> float:
+    """Bytes per linear-layer weight element of ``job``'s weights in its FP8/FP4 format, row-wise and column-wise
+    (the column-wise copy left out where it is the row-wise data, :func:`non_tn_fp8`); zero for 16/32 bits."""
+    low = low_format_cost(job)
+    if low is None:
+        return 0.0
+    shared = low.columnwise_shares_rowwise and non_tn_fp8(job.cluster)
+    return low.rowwise_weight_bytes + (0.0 if shared else low.columnwise_weight_bytes)
+
+
+def weight_element_bytes(job: JobSpec, elem: float) -> float:
+    """Bytes per parameter of the weights a rank keeps, for ``elem``-byte compute-precision weights: the weights,
+    plus under FP8/FP4 the quantised copies Transformer Engine keeps for the whole run; with
+    ``parallel.fp8_param_gather`` the quantised weights alone (docs/simulator.md, "Number formats")."""
+    quantised = quantised_weight_bytes(job)
+    return quantised if _fp8_params(job) is not None else elem + quantised
+
+
+def param_gather_element_bytes(job: JobSpec, elem: float) -> float:
+    """Bytes per parameter element the parameter all-gather moves: ``elem`` (the compute precision), or with
+    ``parallel.fp8_param_gather`` the format's ``param_gather_bytes``."""
+    low = _fp8_params(job)
+    return elem if low is None or low.param_gather_bytes is None else low.param_gather_bytes
+
+
+def _fp8_params(job: JobSpec) -> FormatCost | None:
+    """The costs of ``job``'s format where it keeps its parameters in it (``parallel.fp8_param_gather`` with a
+    format that has the setting, FP8's recipes); ``None`` elsewhere (``auto`` that resolves to 16 bits)."""
+    if not job.parallel.fp8_param_gather:
+        return None
+    low = low_format_cost(job)
+    return low if low is not None and low.param_gather_bytes is not None else None

@@ -14,7 +14,7 @@ from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
-from cfp_megatron.sim.format_costs import low_format_cost
+from cfp_megatron.sim.format_costs import weight_element_bytes
 from cfp_megatron.sim.kernels import element_bytes, grad_element_bytes
 
 FP32_BYTES = 4.0
@@ -80,14 +80,13 @@ class StateBytes:
     @classmethod
     def megatron(cls, job: JobSpec) -> StateBytes:
         """Megatron-Core: weights in the compute precision, plus under FP8/FP4 the quantised copies Transformer
-        Engine caches for the step (the format's ``weight_copy_bytes``; all weights are counted, though the router,
+        Engine keeps (or, with ``parallel.fp8_param_gather``, the FP8 weights alone:
+        :func:`~cfp_megatron.sim.format_costs.weight_element_bytes`; all weights are counted, though the router,
         embedding and logits keep none); gradients in Megatron's buffer
         (:func:`~cfp_megatron.sim.kernels.grad_element_bytes`), which the optimizer steps from (its fp32 cast of a
         bf16 buffer at the step is not counted); fp32 master weights with 16-bit weights."""
         elem = float(element_bytes(job))
-        low = low_format_cost(job)
-        copies = low.weight_copy_bytes if low is not None else 0.0
-        return cls(weights=elem + copies, gradients=grad_element_bytes(job), main_gradients=0.0,
+        return cls(weights=weight_element_bytes(job, elem), gradients=grad_element_bytes(job), main_gradients=0.0,
                    master_weights=FP32_BYTES if elem == 2 else 0.0,
                    optimizer_states=optimizer_state_bytes(job.train.optimizer))
 

@@ -85,6 +85,9 @@ class Framework:
     pipeline_scatter_gather: bool = False
     """The exchange between pipeline stages split over TP and all-gathered after it (Megatron-LM before
     Megatron-Core, :attr:`~cfp_megatron.sim.options.SimOptions.pipeline_scatter_gather`)."""
+    fp8_param_gather: tuple[str, ...] = ()
+    """The number formats (:data:`PRECISION_RUNS` names) whose rows kept the parameters in FP8
+    (``parallel.fp8_param_gather``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,7 +230,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             entry.fail(f"has blank={blank!r}; it maps {' or '.join(sorted(BLANK_COLUMNS))} to the text a blank "
                        "column is read as")
         runs = entry.get("runs", dict)
-        optional = {"mtp_layers", "pipeline_scatter_gather"}
+        optional = {"mtp_layers", "pipeline_scatter_gather", "fp8_param_gather"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -237,6 +240,9 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             attention = AttentionKernel(runs["attention"])
         except ValueError:
             entry.fail(f"has attention={runs['attention']!r}; one of {[a.value for a in AttentionKernel]}")
+        fp8_params = runs.get("fp8_param_gather") or []
+        if not isinstance(fp8_params, list) or not set(fp8_params) <= set(PRECISION_RUNS):
+            entry.fail(f"has fp8_param_gather={fp8_params!r}; it lists number formats of {list(PRECISION_RUNS)}")
         mtp = runs.get("mtp_layers") or {}
         if not isinstance(mtp, dict) or not all(isinstance(n, int) and n >= 0 for n in mtp.values()):
             entry.fail(f"has mtp_layers={mtp!r}; it maps a model pattern to a number of layers")
@@ -248,7 +254,8 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
                                  before_year=match.get("before_year")),
             overlap_grad_reduce=bool(runs["overlap_grad_reduce"]), tp_comm_overlap=bool(runs["tp_comm_overlap"]),
             grad_reduce_in_fp32=bool(runs["grad_reduce_in_fp32"]), mtp_layers=tuple(mtp.items()),
-            pipeline_scatter_gather=bool(runs.get("pipeline_scatter_gather", False))))
+            pipeline_scatter_gather=bool(runs.get("pipeline_scatter_gather", False)),
+            fp8_param_gather=tuple(fp8_params)))
     if frameworks[-1].match != FrameworkMatch():
         raise ValidationDataError(f"{path}: the last entry ({frameworks[-1].name!r}) has conditions, so a row of "
                                   "another framework has no reading. Fix: end with an entry of 'match: {}'.")

@@ -82,6 +82,18 @@ def param_gather_overlap(overlap: bool, distributed_optimizer: bool) -> list[Pro
                     brief="the parameter gather overlap needs the distributed optimizer")]
 
 
+def fp8_param_gather_sharding(on: bool, distributed_optimizer: bool) -> list[Problem]:
+    """Parameters kept in FP8 need the distributed optimizer (or Megatron-FSDP, which steps with it), whose fp32
+    shards they are quantised from (Megatron-LM's arguments.py asserts the same)."""
+    if not on or distributed_optimizer:
+        return []
+    return [Problem(key="parallel.fp8_param_gather", value=True,
+                    problem="keeping the parameters in FP8 needs the distributed optimizer (or parallel.fsdp), "
+                            "whose fp32 master shards they are quantised from.",
+                    fix="set parallel.distributed_optimizer=true or parallel.fp8_param_gather=false.",
+                    brief="FP8 parameters need the distributed optimizer")]
+
+
 def fsdp_settings(*, fsdp: str, distributed_optimizer: bool, shard_size: int | None) -> list[Problem]:
     """Megatron-FSDP steps its shards with the distributed optimizer, and its ``optim`` strategy is not trained (its
     gradient norm is not the reference's); hybrid sharding splits a sharded state."""

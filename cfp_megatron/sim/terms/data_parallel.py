@@ -8,6 +8,7 @@ from __future__ import annotations
 from cfp_megatron.base.config import JobSpec, Normalization, PositionEmbedding
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
+from cfp_megatron.sim.format_costs import param_gather_element_bytes
 from cfp_megatron.sim.kernels import grad_element_bytes
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.memory import Stage
@@ -32,8 +33,8 @@ def fsdp_comm(job: JobSpec, layout: Layout, costs: CollectiveCosts, *, params: f
     if dims.dp * dims.cp <= 1:
         return 0.0, 0.0
     gather_s, scatter_s = Sharding.megatron(job, dims).pass_sync_s(
-        costs, params, weight_bytes=elem_bytes, per_node=layout.dp_per_node, expert_params=expert_params,
-        expert_per_node=layout.edp_per_node)
+        costs, params, weight_bytes=param_gather_element_bytes(job, elem_bytes), per_node=layout.dp_per_node,
+        expert_params=expert_params, expert_per_node=layout.edp_per_node)
     return sum(overlapped(gather_s, forward_window_s)), sum(overlapped(gather_s + scatter_s, backward_window_s))
 
 
@@ -76,6 +77,7 @@ def step_sync(inputs: StepInputs) -> dict[str, list[float]]:
     overlap = job.parallel.overlap_grad_reduce if options.overlap_grad_reduce is None else options.overlap_grad_reduce
     lanes: dict[str, list[float]] = {"dp_comm_s": [], "embedding_sync_s": [], "token_sync_s": []}
     grad_bytes = grad_element_bytes(job)
+    gather_bytes = param_gather_element_bytes(job, inputs.kernels.elem)  # FP8 under parallel.fp8_param_gather
     token_count_s = token_count_sync(costs, layout) if overheads is not None else 0.0  # the same on every rank
     # The gradient finalisation as the overheads probes timed it inside a step, over what the collective fits say
     # (1 without probes): collectives in a training step wait for the other ranks and share the cores.
@@ -89,7 +91,7 @@ def step_sync(inputs: StepInputs) -> dict[str, list[float]]:
             continue
         stage_params, expert_params = inputs.params[rank], inputs.expert_params[rank]
         sync_s, gather_s = sharding.step_sync_s(costs, stage_params - expert_params, expert_params,
-                                                grad_bytes=grad_bytes, weight_bytes=inputs.kernels.elem,
+                                                grad_bytes=grad_bytes, weight_bytes=gather_bytes,
                                                 per_node=layout.dp_per_node, expert_per_node=layout.edp_per_node)
         sync_s *= finalize_share
         bucket_share = min(1.0, BUCKET_PARAMS / max(stage_params, 1.0))
@@ -154,9 +156,23 @@ class DataParallel(CostTerm):
         """The weights, gradients and optimizer states as the plan's sharding keeps them
         (:class:`~cfp_megatron.sim.sharding.Sharding`), and the whole layers FSDP gathers."""
         sharding = stage.common.sharding
-        states = sharding.memory(rank_params(stage), stage.expert_params)
+        params = rank_params(stage)
+        states = sharding.memory(params, stage.expert_params)
         gathered = 0.0
         if stage.layers and stage.measured is None:
             gathered = sharding.gathered_bytes(stage.layer_params / stage.layers, stage.expert_params / stage.layers)
-        return {"weights": states.weights, "gradients": states.gradients,
+        return {"weights": states.weights - _not_te_weight_excess(stage, params), "gradients": states.gradients,
                 "optimizer_states": states.optimizer_states, "fsdp_buffers": gathered}
+
+
+def _not_te_weight_excess(stage: Stage, params: float) -> float:
+    """Bytes :meth:`Sharding.memory <cfp_megatron.sim.sharding.Sharding.memory>` counts for the rank's embedding,
+    position table, output layer and final norm beyond what they hold: they are not Transformer Engine layers
+    (Megatron-Core's VocabParallelEmbedding and ColumnParallelLinear), so under FP8/FP4 they keep their weights in
+    the compute precision, with no quantised copies and never as FP8 parameters; zero in 16/32 bits."""
+    sharding, elem = stage.common.sharding, stage.common.elem_bytes
+    per_param = sharding.state.weights
+    outside = params - stage.layer_params - stage.layers * stage.common.extra_params
+    if outside <= 0 or per_param <= 0 or per_param == elem:
+        return 0.0
+    return sharding.memory(outside).weights * (1.0 - elem / per_param)
