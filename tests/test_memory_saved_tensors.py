@@ -79,7 +79,8 @@ def _measured(model: str, recompute: str) -> dict[int, tuple[float, float]]:
                     counts[ptr] = counts.get(ptr, 0) + 1
             kept = sum(size for storages in per_layer for ptr, size in storages.items()
                        if counts[ptr] == 1 or recompute == "full")
-            if recompute == "full":  # the units' rotary table (one [s, 1, 1, head_dim] tensor) is the rank's
+            if recompute == "full" and job.model.position_embedding.value == "rope":
+                # the units' rotary table (one [s, 1, 1, head_dim] fp32 tensor) is the rank's, shared
                 kept -= SEQ * (job.model.kv_channels or job.model.hidden_size // job.model.num_attention_heads) * 4
             recomputed = [sum(saved.get(f"recompute{i}", {}).values()) for i in range(layers)]
             found[micro_batch] = (kept / layers, sum(recomputed) / layers)
@@ -98,7 +99,7 @@ def _predicted(model: str, recompute: str, micro_batch: int) -> tuple[float, flo
 def test_a_layers_kept_activations_match_what_megatron_saves(recompute: str) -> None:
     for micro_batch, (measured, _) in _measured("llama_tiny", recompute).items():
         kept = _predicted("llama_tiny", recompute, micro_batch)[0]
-        assert kept == pytest.approx(measured, rel=0.02), (recompute, micro_batch)
+        assert kept == pytest.approx(measured, rel=0.01), (recompute, micro_batch)
 
 
 def test_full_recomputation_keeps_each_layers_input_and_recomputes_its_whole_activations() -> None:
@@ -106,7 +107,7 @@ def test_full_recomputation_keeps_each_layers_input_and_recomputes_its_whole_act
         _, full, whole = _predicted("llama_tiny", "full", micro_batch)
         assert full == pytest.approx(measured, rel=0.01), micro_batch  # the layer's input, nothing else
         # Its backward pass runs the layer's forward again: the same tensors as without recomputation.
-        assert whole == pytest.approx(recomputed, rel=0.02), micro_batch
+        assert whole == pytest.approx(recomputed, rel=0.01), micro_batch
 
 
 def test_layernorm_and_learned_positions_keep_what_the_model_counts() -> None:
@@ -116,4 +117,4 @@ def test_layernorm_and_learned_positions_keep_what_the_model_counts() -> None:
         measured = _measured("gpt_tiny", recompute)
         for micro_batch in (1, 4):
             kept = _predicted("gpt_tiny", recompute, micro_batch)[0]
-            assert kept == pytest.approx(measured[micro_batch][0], rel=0.03), (recompute, micro_batch)
+            assert kept == pytest.approx(measured[micro_batch][0], rel=0.01), (recompute, micro_batch)

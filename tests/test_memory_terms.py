@@ -52,6 +52,17 @@ def test_the_loss_keeps_its_fp32_softmax_and_one_logit_tensor_beside_it() -> Non
     assert _parts(job)["logits"] == pytest.approx(tokens * job.model.padded_vocab_size * 6.0)
 
 
+def test_transformer_engines_fused_cross_entropy_keeps_the_logits_alone() -> None:
+    # TE's Triton kernel (Megatron-Core's cross_entropy_fusion_impl='te', NVIDIA's performance recipes) reads the
+    # logits in their dtype and writes their gradient over them: no fp32 softmax beside them.
+    assert loss_bytes_per_logit(2.0, te_cross_entropy=True) == 2.0
+    assert loss_bytes_per_logit(2.0, mtp_layers=1, te_cross_entropy=True) == 4.0
+    job = _job("model=llama_tiny", "train.seq_length=512")
+    fused = _parts(job, SimOptions(te_cross_entropy=True))["logits"]
+    assert fused == pytest.approx(512 * job.model.padded_vocab_size * 2.0)
+    assert fused * 3 == pytest.approx(_parts(job)["logits"])
+
+
 def test_a_fully_recomputed_layer_makes_its_scores_again_in_its_backward_pass() -> None:
     # Under full recomputation a layer keeps its input; its backward pass runs its forward again, so the working
     # set is the layer's whole activations, the unfused core's scores included (8.17 GiB tracked on one H200 for

@@ -175,6 +175,9 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
         # multiplies Q and K by: four [s / cp, head_dim] tensors a layer, broadcast over the micro-batch
         # (models/common/embeddings/rope_utils.py, _apply_rotary_pos_emb_bshd).
         kept += 4 * layout.seq_length / dims.cp * head_dim * elem
+    if options.attention is AttentionKernel.torch_softmax and RecomputeModule.core_attn not in modules:
+        # PyTorch's masked_fill keeps the boolean causal mask it applied: one byte an [s / cp, s] position a layer.
+        kept += layout.seq_length / dims.cp * layout.seq_length
     full_recompute_bytes = tokens * hidden * elem * replicated_share  # the layer's input only
     return kept, full_recompute_bytes
 
@@ -215,11 +218,15 @@ casts with ``.float()``, ``calculate_predicted_logits`` and ``calculate_cross_en
 ``save_for_backward(exp_logits, ...)``); its backward turns that buffer into the gradient in place."""
 
 
-def loss_bytes_per_logit(elem_bytes: float, mtp_layers: int = 0) -> float:
+def loss_bytes_per_logit(elem_bytes: float, mtp_layers: int = 0, *, te_cross_entropy: bool = False) -> float:
     """Bytes per logit (``tokens x vocab / tp`` on the loss rank) at the loss's peak: the fp32 softmax of the head
     and of each MTP layer (:data:`LOSS_SOFTMAX_BYTES`), kept until the backward pass, and one logit tensor in the
     compute precision beside one of them (the head's output while the forward casts it, its gradient while the
-    backward casts the fp32 gradient back); in fp32 the cast is the tensor itself, so nothing beside it."""
+    backward casts the fp32 gradient back); in fp32 the cast is the tensor itself, so nothing beside it. Under
+    ``te_cross_entropy`` (Transformer Engine's fused kernel, ``pytorch/triton/cross_entropy.py``: an online softmax
+    over the logits as they are, the gradient written over them in place) each head keeps its logits alone."""
+    if te_cross_entropy:
+        return elem_bytes * (1 + mtp_layers)
     return LOSS_SOFTMAX_BYTES * (1 + mtp_layers) + (elem_bytes if elem_bytes != LOSS_SOFTMAX_BYTES else 0.0)
 
 
@@ -231,7 +238,8 @@ def loss_logit_bytes(stage: Stage) -> float:
         return 0.0
     model, dims = stage.job.model, stage.layout.dims
     return (stage.common.tokens * model.padded_vocab_size / dims.tp
-            * loss_bytes_per_logit(stage.common.elem_bytes, model.mtp_num_layers))
+            * loss_bytes_per_logit(stage.common.elem_bytes, model.mtp_num_layers,
+                                   te_cross_entropy=stage.options.te_cross_entropy))
 
 
 def in_flight(rank: int, pp: int, vpp: int, microbatches: int) -> int:
