@@ -63,6 +63,17 @@ def test_transformer_engines_fused_cross_entropy_keeps_the_logits_alone() -> Non
     assert fused * 3 == pytest.approx(_parts(job)["logits"])
 
 
+def test_tp_buffers_are_sequence_parallelisms_all_gathers() -> None:
+    # Without SP the TP all-reduces run in place (mappings.py, _reduce); with it the column-parallel GEMMs gather
+    # their input into the global memory buffer and a row-parallel backward gathers its output gradient.
+    tp = ["model=llama_tiny", "train.seq_length=512", "parallel.tp=2", "cluster.gpus_per_node=2"]
+    plain = dict(predict_memory(_job(*tp, "parallel.sp=false")).parts)
+    sp_job = _job(*tp, "parallel.sp=true")
+    with_sp = dict(predict_memory(sp_job).parts)
+    assert plain["tp_buffers"] == 0.0
+    assert with_sp["tp_buffers"] == 2 * 512 * sp_job.model.hidden_size * 2
+
+
 def test_a_fully_recomputed_layer_makes_its_scores_again_in_its_backward_pass() -> None:
     # Under full recomputation a layer keeps its input; its backward pass runs its forward again, so the working
     # set is the layer's whole activations, the unfused core's scores included (8.17 GiB tracked on one H200 for
@@ -133,7 +144,8 @@ def test_the_issues_70b_fsdp_run_fits_its_96_gb_with_sequence_parallel_norms() -
     with_sp = predict_memory(compose_job([*common, "parallel.sp=true"])).total_gib
     without = predict_memory(compose_job([*common, "parallel.sp=false"])).total_gib
     assert with_sp < 96 < without
-    assert without - with_sp >= 80 * 2 * 7 / 8  # the layer inputs SP divides
+    # the layer inputs SP divides, less its two all-gather buffers (2 x 131,072 tokens x 8,192 x 2 bytes)
+    assert without - with_sp == pytest.approx(80 * 2 * 7 / 8 - 4)
 
 
 def test_the_allocator_band_is_measured_data_and_a_cpu_has_none() -> None:
