@@ -148,6 +148,20 @@ def test_the_issues_70b_fsdp_run_fits_its_96_gb_with_sequence_parallel_norms() -
     assert without - with_sp == pytest.approx(80 * 2 * 7 / 8 - 4)
 
 
+def test_the_issues_70b_megatron_fsdp_run_fits_its_gb200_as_its_recipe_ran() -> None:
+    # Megatron-Bridge's llama3_70b_pretrain_64gpu_gb200_fp8cs_config: Megatron-FSDP, TP1, 2 x 8k tokens, FP8, 40
+    # layers' activations offloaded, TE's fused cross entropy. Without the offloading 80 layers x 3.4 GiB are kept.
+    job = compose_job(["model=llama3_70b", "cluster=gb200_nvl72", "cluster.nodes=16", "parallel.tp=1",
+                       "parallel.distributed_optimizer=true", "parallel.fsdp=optim_grads_params",
+                       "train.precision=fp8", "train.micro_batch_size=2", "train.seq_length=8192",
+                       "train.global_batch_size=256"])
+    offloaded = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, cpu_offloading_num_layers=40))
+    recipe = SimOptions(te_cross_entropy=True)
+    hbm = job.cluster.hbm_gib
+    assert predict_memory(job, options=recipe).total_gib > hbm
+    assert predict_memory(offloaded, options=recipe).total_gib < predict_memory(offloaded).total_gib < hbm
+
+
 def test_the_allocator_band_is_measured_data_and_a_cpu_has_none() -> None:
     data = json.loads(BAND_FILE.read_text())
     gpu = memory_band(_job("model=llama_tiny").cluster)
