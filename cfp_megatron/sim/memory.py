@@ -461,7 +461,8 @@ def layout_memory(job: JobSpec, layout: Layout, options: SimOptions) -> LayoutMe
     block = parallel.recompute is Recompute.full and parallel.recompute_method is RecomputeMethod.block
     zero = (0.0, 0.0)
     return LayoutMemory(
-        elem_bytes=float(element_bytes(job)), sharding=Sharding.megatron(job, layout.dims),
+        elem_bytes=float(element_bytes(job)),
+        sharding=Sharding.megatron(job, layout.dims, torch_fsdp=options.torch_fsdp),
         dense=layer_activation_bytes(job, layout, options, moe=False),
         moe=layer_activation_bytes(job, layout, options, moe=True) if moe else zero,
         megatron=(layer_activation_bytes(megatron_twin(job), layout, options, moe=False)
