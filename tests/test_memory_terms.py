@@ -17,6 +17,7 @@ from cfp_megatron.search.search import search
 from cfp_megatron.sim.layout import build_layout
 from cfp_megatron.sim.memory import (
     BAND_FILE,
+    NORM_STATISTIC_BYTES,
     MemoryBand,
     layer_activation_bytes,
     loss_bytes_per_logit,
@@ -49,6 +50,28 @@ def test_the_loss_keeps_its_fp32_softmax_and_one_logit_tensor_beside_it() -> Non
     job = _job("model=llama_tiny", "train.seq_length=512")
     tokens = 512
     assert _parts(job)["logits"] == pytest.approx(tokens * job.model.padded_vocab_size * 6.0)
+
+
+def test_transformer_engines_fused_cross_entropy_keeps_the_logits_alone() -> None:
+    # TE's Triton kernel (Megatron-Core's cross_entropy_fusion_impl='te', NVIDIA's performance recipes) reads the
+    # logits in their dtype and writes their gradient over them: no fp32 softmax beside them.
+    assert loss_bytes_per_logit(2.0, te_cross_entropy=True) == 2.0
+    assert loss_bytes_per_logit(2.0, mtp_layers=1, te_cross_entropy=True) == 4.0
+    job = _job("model=llama_tiny", "train.seq_length=512")
+    fused = _parts(job, SimOptions(te_cross_entropy=True))["logits"]
+    assert fused == pytest.approx(512 * job.model.padded_vocab_size * 2.0)
+    assert fused * 3 == pytest.approx(_parts(job)["logits"])
+
+
+def test_tp_buffers_are_sequence_parallelisms_all_gathers() -> None:
+    # Without SP the TP all-reduces run in place (mappings.py, _reduce); with it the column-parallel GEMMs gather
+    # their input into the global memory buffer and a row-parallel backward gathers its output gradient.
+    tp = ["model=llama_tiny", "train.seq_length=512", "parallel.tp=2", "cluster.gpus_per_node=2"]
+    plain = dict(predict_memory(_job(*tp, "parallel.sp=false")).parts)
+    sp_job = _job(*tp, "parallel.sp=true")
+    with_sp = dict(predict_memory(sp_job).parts)
+    assert plain["tp_buffers"] == 0.0
+    assert with_sp["tp_buffers"] == 2 * 512 * sp_job.model.hidden_size * 2
 
 
 def test_a_fully_recomputed_layer_makes_its_scores_again_in_its_backward_pass() -> None:
@@ -105,8 +128,10 @@ def test_activations_are_counted_in_the_compute_precision() -> None:
     bf16 = _job("model=llama_tiny", "train.seq_length=512", "train.precision=bf16")
     fp32 = dataclasses.replace(bf16, train=dataclasses.replace(bf16.train, precision=type(bf16.train.precision).fp32))
     flash = SimOptions(attention=AttentionKernel.flash)
-    assert (layer_activation_bytes(fp32, build_layout(fp32), flash, moe=False)[0]
-            == 2 * layer_activation_bytes(bf16, build_layout(bf16), flash, moe=False)[0])
+    # The norms' statistics (rstd, one a token and RMSNorm) are fp32 in either precision.
+    statistics = 512 * 2 * NORM_STATISTIC_BYTES
+    assert (layer_activation_bytes(fp32, build_layout(fp32), flash, moe=False)[0] - statistics
+            == 2 * (layer_activation_bytes(bf16, build_layout(bf16), flash, moe=False)[0] - statistics))
 
 
 def test_the_issues_70b_fsdp_run_fits_its_96_gb_with_sequence_parallel_norms() -> None:
@@ -119,7 +144,22 @@ def test_the_issues_70b_fsdp_run_fits_its_96_gb_with_sequence_parallel_norms() -
     with_sp = predict_memory(compose_job([*common, "parallel.sp=true"])).total_gib
     without = predict_memory(compose_job([*common, "parallel.sp=false"])).total_gib
     assert with_sp < 96 < without
-    assert without - with_sp >= 80 * 2 * 7 / 8  # the layer inputs SP divides
+    # the layer inputs SP divides, less its two all-gather buffers (2 x 131,072 tokens x 8,192 x 2 bytes)
+    assert without - with_sp == pytest.approx(80 * 2 * 7 / 8 - 4)
+
+
+def test_the_issues_70b_megatron_fsdp_run_fits_its_gb200_as_its_recipe_ran() -> None:
+    # Megatron-Bridge's llama3_70b_pretrain_64gpu_gb200_fp8cs_config: Megatron-FSDP, TP1, 2 x 8k tokens, FP8, 40
+    # layers' activations offloaded, TE's fused cross entropy. Without the offloading 80 layers x 3.4 GiB are kept.
+    job = compose_job(["model=llama3_70b", "cluster=gb200_nvl72", "cluster.nodes=16", "parallel.tp=1",
+                       "parallel.distributed_optimizer=true", "parallel.fsdp=optim_grads_params",
+                       "train.precision=fp8", "train.micro_batch_size=2", "train.seq_length=8192",
+                       "train.global_batch_size=256"])
+    offloaded = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, cpu_offloading_num_layers=40))
+    recipe = SimOptions(te_cross_entropy=True)
+    hbm = job.cluster.hbm_gib
+    assert predict_memory(job, options=recipe).total_gib > hbm
+    assert predict_memory(offloaded, options=recipe).total_gib < predict_memory(offloaded).total_gib < hbm
 
 
 def test_the_allocator_band_is_measured_data_and_a_cpu_has_none() -> None:

@@ -191,3 +191,26 @@ def test_the_bytes_per_parameter_rule_lives_in_one_module() -> None:
              if path.name != "sharding.py"
              for number, line in enumerate(path.read_text().splitlines(), 1) if rule.search(line)]
     assert found == []
+
+
+def test_pytorch_fsdp_keeps_its_fp32_shard_as_the_master_weights() -> None:
+    # PyTorch's FSDP under mixed precision shards the fp32 parameter itself (the master weights) and casts to bf16
+    # only at the all-gather: 16 bytes a parameter over the group (fp32 shard, fp32 gradient, Adam), where
+    # Megatron-FSDP keeps a bf16 shard beside its fp32 master weights (18).
+    from cfp_megatron.base.parallel_dims import ParallelDims
+    from cfp_megatron.sim.options import SimOptions
+
+    job = compose_job(["model=llama3_8b", "cluster=dgx_h100", "cluster.nodes=1", "train.precision=bf16",
+                       "parallel.distributed_optimizer=true", "parallel.fsdp=optim_grads_params",
+                       "train.global_batch_size=16"])
+    dims = ParallelDims.build(job, 8, te_available=False)
+    megatron, torch_fsdp = Sharding.megatron(job, dims), Sharding.megatron(job, dims, torch_fsdp=True)
+    params = 8e9
+    ours, theirs = megatron.memory(params), torch_fsdp.memory(params)
+    assert theirs.weights == 0.0 and ours.weights == pytest.approx(params * 2 / 8)
+    assert (theirs.gradients, theirs.optimizer_states) == (ours.gradients, ours.optimizer_states)
+    assert (theirs.gradients + theirs.optimizer_states) * 8 / params == pytest.approx(16.0)
+    # the layers gathered for the passes are bf16 either way
+    assert torch_fsdp.gathered_bytes(2e8) == megatron.gathered_bytes(2e8)
+    full = dict(predict_memory(job).parts)["weights"]
+    assert full > 0 and dict(predict_memory(job, options=SimOptions(torch_fsdp=True)).parts)["weights"] == 0.0

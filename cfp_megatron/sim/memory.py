@@ -13,12 +13,14 @@ from pathlib import Path
 from cfp_megatron.base.config import (
     Activation,
     AttentionKernel,
+    AttentionKind,
     ClusterSpec,
     FsdpStrategy,
     JobSpec,
     MlpPartition,
     ModelSpec,
     Normalization,
+    PositionEmbedding,
     Recompute,
     RecomputeMethod,
     RecomputeModule,
@@ -68,6 +70,11 @@ def memory_band(cluster: ClusterSpec) -> MemoryBand:
     return MemoryBand(low=1.0, high=1.0) if cluster.on_cpu else _gpu_band()
 
 
+NORM_STATISTIC_BYTES = 4.0
+"""Bytes per token a norm keeps per statistic for its backward pass: the fp32 reciprocal standard deviation (and
+LayerNorm's mean), one value a token (Transformer Engine's fused norms; PyTorch's native_layer_norm and rms_norm)."""
+
+
 def layer_extra_params(job: JobSpec, layout: Layout) -> float:
     """Parameters of one dense layer on one rank that the layer cost's count leaves out: the linear layers' biases
     (QKV and FC1 split over TP, the projection's and FC2's replicated) and, for RMSNorm, minus the norm biases the
@@ -110,13 +117,28 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
     recompute = job.parallel.recompute if recompute is None else recompute
     # Selective recomputation's submodules (parallel.recompute_modules) keep none of what they recompute.
     modules = job.parallel.recomputed_modules if recompute is Recompute.selective else frozenset()
-    # Replicated over TP unless SP: two norm inputs, QKV input, MLP input (the norms' outputs), two dropout masks.
+    # Replicated over TP unless SP: two norm inputs, QKV input, MLP input (the norms' outputs), two dropout masks,
+    # and each norm's fp32 reciprocal deviation per token (rstd; LayerNorm's mean too, as one more): Transformer
+    # Engine's fused norms and PyTorch's native_layer_norm keep (input, mean, rstd), RMSNorm (input, rstd).
     norm_outputs = 0.0 if RecomputeModule.layernorm in modules else (linear_input_bytes + mlp_input_bytes) * hidden
-    per_token = (elem * hidden + elem * hidden + norm_outputs + 2 * hidden_mask * hidden) * replicated_share
+    statistics = NORM_STATISTIC_BYTES * (2 if model.normalization is Normalization.LayerNorm else 1)
+    per_token = (elem * hidden + elem * hidden + norm_outputs + 2 * hidden_mask * hidden
+                 + 2 * statistics) * replicated_share
+    if job.cluster.on_cpu and model.normalization is Normalization.RMSNorm:
+        # PyTorch's RMSNorm on CPU is composite (torch.nn.functional.rms_norm): its weight multiply also keeps the
+        # normalised input, one more hidden tensor a norm (CUDA runs the fused kernel, which keeps input and rstd).
+        per_token += 2 * elem * hidden * replicated_share
     # Split over TP: Q, K, V (MLA's up-projected ones are recomputed with mla_up_proj), attention output. An unfused
     # core (Megatron-Core's DotProductAttention) repeats K and V to every head before its GEMMs, which keep them.
     kv_kept = kv_width if options.flash_attention else max(kv_width, q_width)
     qkv = 0.0 if RecomputeModule.mla_up_proj in modules else elem * (q_width + 2 * kv_kept)
+    if RecomputeModule.core_attn in modules and model.attention is AttentionKind.standard:
+        # The checkpointed core keeps its inputs as they come (tensor_parallel.checkpoint's save_for_backward):
+        # Q, K and V split as views of the QKV projection's output (attention.py, get_query_key_value_tensors:
+        # torch.split), so V, never repeated before the core, keeps that whole output alive; RoPE makes Q and K
+        # anew (out of place) beside it.
+        rotated = q_width + kv_width if model.position_embedding is PositionEmbedding.rope else 0.0
+        qkv = elem * (rotated + q_width + 2 * kv_width)
     per_token += (qkv + linear_input_bytes * q_width) / tp
     if RecomputeModule.core_attn not in modules:  # the core keeps its scores (a fully recomputed layer makes them
         # again in its backward pass: its working set, docs/simulator.md "memory.py")
@@ -146,8 +168,18 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
             per_token -= primepar_stash_saving(tp=tp, tokens=1.0, hidden=hidden, elem=elem, sp=sp)
             per_token += primepar_weight_copies(tp=tp, hidden=hidden, ffn=model.ffn_size, gated=gated,
                                                 elem=elem) / tokens
+    kept = tokens * per_token
+    if (job.cluster.on_cpu and model.position_embedding is PositionEmbedding.rope
+            and model.attention is AttentionKind.standard):
+        # Megatron-Core's unfused RoPE (Transformer Engine's fused kernel is CUDA-only) keeps the cos and sin it
+        # multiplies Q and K by: four [s / cp, head_dim] tensors a layer, broadcast over the micro-batch
+        # (models/common/embeddings/rope_utils.py, _apply_rotary_pos_emb_bshd).
+        kept += 4 * layout.seq_length / dims.cp * head_dim * elem
+    if options.attention is AttentionKernel.torch_softmax and RecomputeModule.core_attn not in modules:
+        # PyTorch's masked_fill keeps the boolean causal mask it applied: one byte an [s / cp, s] position a layer.
+        kept += layout.seq_length / dims.cp * layout.seq_length
     full_recompute_bytes = tokens * hidden * elem * replicated_share  # the layer's input only
-    return tokens * per_token, full_recompute_bytes
+    return kept, full_recompute_bytes
 
 
 def _kept_bytes_per_score(model: ModelSpec, options: SimOptions, elem: float) -> float:
@@ -186,11 +218,15 @@ casts with ``.float()``, ``calculate_predicted_logits`` and ``calculate_cross_en
 ``save_for_backward(exp_logits, ...)``); its backward turns that buffer into the gradient in place."""
 
 
-def loss_bytes_per_logit(elem_bytes: float, mtp_layers: int = 0) -> float:
+def loss_bytes_per_logit(elem_bytes: float, mtp_layers: int = 0, *, te_cross_entropy: bool = False) -> float:
     """Bytes per logit (``tokens x vocab / tp`` on the loss rank) at the loss's peak: the fp32 softmax of the head
     and of each MTP layer (:data:`LOSS_SOFTMAX_BYTES`), kept until the backward pass, and one logit tensor in the
     compute precision beside one of them (the head's output while the forward casts it, its gradient while the
-    backward casts the fp32 gradient back); in fp32 the cast is the tensor itself, so nothing beside it."""
+    backward casts the fp32 gradient back); in fp32 the cast is the tensor itself, so nothing beside it. Under
+    ``te_cross_entropy`` (Transformer Engine's fused kernel, ``pytorch/triton/cross_entropy.py``: an online softmax
+    over the logits as they are, the gradient written over them in place) each head keeps its logits alone."""
+    if te_cross_entropy:
+        return elem_bytes * (1 + mtp_layers)
     return LOSS_SOFTMAX_BYTES * (1 + mtp_layers) + (elem_bytes if elem_bytes != LOSS_SOFTMAX_BYTES else 0.0)
 
 
@@ -202,7 +238,8 @@ def loss_logit_bytes(stage: Stage) -> float:
         return 0.0
     model, dims = stage.job.model, stage.layout.dims
     return (stage.common.tokens * model.padded_vocab_size / dims.tp
-            * loss_bytes_per_logit(stage.common.elem_bytes, model.mtp_num_layers))
+            * loss_bytes_per_logit(stage.common.elem_bytes, model.mtp_num_layers,
+                                   te_cross_entropy=stage.options.te_cross_entropy))
 
 
 def in_flight(rank: int, pp: int, vpp: int, microbatches: int) -> int:
@@ -424,7 +461,8 @@ def layout_memory(job: JobSpec, layout: Layout, options: SimOptions) -> LayoutMe
     block = parallel.recompute is Recompute.full and parallel.recompute_method is RecomputeMethod.block
     zero = (0.0, 0.0)
     return LayoutMemory(
-        elem_bytes=float(element_bytes(job)), sharding=Sharding.megatron(job, layout.dims),
+        elem_bytes=float(element_bytes(job)),
+        sharding=Sharding.megatron(job, layout.dims, torch_fsdp=options.torch_fsdp),
         dense=layer_activation_bytes(job, layout, options, moe=False),
         moe=layer_activation_bytes(job, layout, options, moe=True) if moe else zero,
         megatron=(layer_activation_bytes(megatron_twin(job), layout, options, moe=False)

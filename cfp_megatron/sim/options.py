@@ -39,6 +39,17 @@ class SimOptions:
     ``--scatter-gather-tensors-in-pipeline``, on by default there): each TP rank sends its 1/TP share of the
     activation and the receiving stage all-gathers it over TP. ``False``: Megatron-Core's, where every TP rank sends
     the whole tensor unless sequence parallelism split it (:func:`~cfp_megatron.sim.terms.pipeline.exchange_fit`)."""
+    te_cross_entropy: bool = False
+    """The loss runs Transformer Engine's fused cross entropy (Megatron-Core's ``cross_entropy_loss_fusion`` with
+    ``cross_entropy_fusion_impl='te'``, which NVIDIA's performance recipes set): it keeps the logits in their own
+    dtype and turns them into their gradient in place, no fp32 copy (memory only; :func:`~cfp_megatron.sim.memory.
+    loss_bytes_per_logit`). ``False``: Megatron-Core's default vocab-parallel cross entropy (and its ``native``
+    fusion), which keeps an fp32 softmax beside them, as the runtime trains."""
+    torch_fsdp: bool = False
+    """Sharded weights (``parallel.fsdp=optim_grads_params``) as PyTorch's FSDP keeps them (FSDP1 ``FULL_SHARD``,
+    FSDP2 ``fully_shard``: torchtitan, llm-foundry): the fp32 shard is the parameter and its master weights, with no
+    compute-precision shard beside it (memory only; :attr:`~cfp_megatron.sim.sharding.StateBytes.master_is_shard`).
+    ``False``: Megatron-FSDP's, as the runtime trains."""
     max_schedule_ops: int = 200_000
     """Largest pipeline schedule (ranks x micro-batches x chunks x 2) simulated event by event; larger ones use
     two shorter schedules extrapolated (:func:`cfp_megatron.sim.schedule.run_schedule`)."""

@@ -76,19 +76,26 @@ class StateBytes:
     """fp32 master weights (zero where the weights are their own master); sharded with the optimizer states."""
     optimizer_states: float
     """The optimizer's own states (:func:`optimizer_state_bytes`)."""
+    master_is_shard: bool = False
+    """PyTorch's FSDP (FSDP1 ``FULL_SHARD``, FSDP2 ``fully_shard``) under mixed precision: the rank's shard is the
+    fp32 parameter itself, its master weights; the ``weights`` in compute precision exist only gathered, layer by
+    layer (``MixedPrecision(param_dtype=...)`` casts at the all-gather). Megatron-FSDP keeps a compute-precision shard
+    beside its fp32 master weights (``False``)."""
 
     @classmethod
-    def megatron(cls, job: JobSpec) -> StateBytes:
+    def megatron(cls, job: JobSpec, *, torch_fsdp: bool = False) -> StateBytes:
         """Megatron-Core: weights in the compute precision, plus under FP8/FP4 the quantised copies Transformer
         Engine keeps (or, with ``parallel.fp8_param_gather``, the FP8 weights alone:
         :func:`~cfp_megatron.sim.format_costs.weight_element_bytes`; all weights are counted, though the router,
         embedding and logits keep none); gradients in Megatron's buffer
         (:func:`~cfp_megatron.sim.kernels.grad_element_bytes`), which the optimizer steps from (its fp32 cast of a
-        bf16 buffer at the step is not counted); fp32 master weights with 16-bit weights."""
+        bf16 buffer at the step is not counted); fp32 master weights with 16-bit weights. ``torch_fsdp``: the
+        weights sharded as PyTorch's FSDP shards them (:attr:`master_is_shard`)."""
         elem = float(element_bytes(job))
         return cls(weights=weight_element_bytes(job, elem), gradients=grad_element_bytes(job), main_gradients=0.0,
                    master_weights=FP32_BYTES if elem == 2 else 0.0,
-                   optimizer_states=optimizer_state_bytes(job.train.optimizer))
+                   optimizer_states=optimizer_state_bytes(job.train.optimizer),
+                   master_is_shard=torch_fsdp and elem == 2)
 
     @classmethod
     def deepspeed(cls, *, elem: float, stage: int,
@@ -164,16 +171,17 @@ class Sharding:
                                           fix="use backend.zero_stage=3, or leave the parameters on the device."))
 
     @classmethod
-    def megatron(cls, job: JobSpec, dims: ParallelDims) -> Sharding:
+    def megatron(cls, job: JobSpec, dims: ParallelDims, *, torch_fsdp: bool = False) -> Sharding:
         """Megatron-Core's data parallelism for ``job`` laid out as ``dims``: Megatron-FSDP's strategy
         (``parallel.fsdp``), the distributed optimizer (``parallel.distributed_optimizer``: the optimizer's states)
         or DDP; the dense parameters' states over DP x CP, or over shard groups of ``parallel.dp_shard_size`` of them
-        replicated across the rest (HSDP); the routed experts' over the expert-DP group."""
+        replicated across the rest (HSDP); the routed experts' over the expert-DP group. ``torch_fsdp``: the
+        weights sharded as PyTorch's FSDP shards them (:attr:`StateBytes.master_is_shard`)."""
         p = job.parallel
         dp_cp = dims.dp * dims.cp
         shard = min(p.dp_shard_size or dp_cp, dp_cp)
         return cls(sharded=megatron_sharded(distributed_optimizer=p.distributed_optimizer, fsdp=p.fsdp),
-                   state=StateBytes.megatron(job), group=shard, expert_group=dims.expert_dp,
+                   state=StateBytes.megatron(job, torch_fsdp=torch_fsdp), group=shard, expert_group=dims.expert_dp,
                    replicas=max(dp_cp // shard, 1))
 
     @classmethod
@@ -197,6 +205,8 @@ class Sharding:
         routed experts'), offload moved to the host."""
         state, sharded = self.state, self.sharded
         weights = self._over(params, expert_params, state.weights, sharded >= Sharded.parameters)
+        if state.master_is_shard and sharded >= Sharded.parameters:
+            weights = 0.0  # the shard is the fp32 master, counted with the optimizer's side
         grads = self._over(params, expert_params, state.gradients, sharded >= Sharded.gradients)
         by_optimizer = sharded >= Sharded.optimizer
         if state.main_gradients:

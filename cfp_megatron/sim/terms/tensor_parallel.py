@@ -45,14 +45,17 @@ class TensorParallel(CostTerm):
     stores = (MemoryCategory(name="tp_buffers", label="TP/SP buffers", field="comm_buffers"),)
 
     def memory(self, stage: Stage) -> dict[str, float]:
-        """Two ``[tokens, hidden]`` buffers of the TP collectives, and Transformer Engine's userbuffers under TP
-        communication overlap: about four more (the all-gathered inputs of the QKV and FC1 GEMMs, the
-        reduce-scattered outputs of the projection and FC2), allocated once."""
+        """Under sequence parallelism two ``[tokens, hidden]`` buffers of its all-gathers (Megatron-Core's
+        ``layers.py``: the column-parallel GEMMs gather their input into the global memory buffer, forward and
+        again in the backward pass; a row-parallel GEMM's backward gathers its output gradient into a new tensor);
+        none without it, whose all-reduces run in place (``mappings.py``, ``_reduce``); and Transformer Engine's
+        userbuffers under TP communication overlap: about four more (the all-gathered inputs of the QKV and FC1
+        GEMMs, the reduce-scattered outputs of the projection and FC2), allocated once."""
         buffers = 0.0
         if stage.measured is not None:
             return {"tp_buffers": buffers}
         job, tokens, elem_bytes = stage.job, stage.common.tokens, stage.common.elem_bytes
-        if stage.layout.dims.tp > 1:
+        if stage.layout.dims.tp > 1 and stage.layout.dims.sp:
             buffers += 2 * tokens * job.model.hidden_size * elem_bytes
         if job.parallel.tp_comm_overlap:
             buffers += 4 * tokens * job.model.hidden_size * elem_bytes
