@@ -269,6 +269,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         model["moe_token_dispatcher"] = recipe.dispatcher
         if recipe.recompute_modules and not recompute_raw:
             recompute, modules = "selective", recipe.recompute_modules
+        if recipe.micro_batch and accum and gbs and micro * dp * accum != gbs:
+            micro = recipe.micro_batch  # the row's micro-batch, accumulation and DP contradict its global batch
     # Megatron-Bridge's recipes count the embedding and the loss as layers of the pipeline split where the decoder
     # alone does not split (Qwen3-235B's 94 layers over 8 x 4 chunks: 96 units, 3 per chunk).
     counted = pp > 1 and layers % (pp * vp) != 0 and (layers + 2) % (pp * vp) == 0
@@ -316,7 +318,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     readings = (fabric, schedule, numbers, power)
     layout += "".join(f" {reading.tag}" for reading in readings if reading.tag)
     options = SimOptions(measured_layer_only=layer_only, attention=framework.attention,
-                         pipeline_scatter_gather=framework.pipeline_scatter_gather)
+                         pipeline_scatter_gather=framework.pipeline_scatter_gather,
+                         te_cross_entropy=framework.te_cross_entropy, torch_fsdp=framework.torch_fsdp and fsdp)
     return RowPlan(row_id=rid, source=row.get("source", ""), source_detail=row.get("source_detail", ""),
                    model=row.get("model", ""), layout=layout, job=job, options=options, measured_s=measured,
                    approximations=tuple(reading.approximation for reading in readings if reading.approximation))

@@ -187,7 +187,12 @@ def test_rows_of_a_preset_shape_run_its_architecture_and_the_preset_of_their_con
     assert other.model.attention.value == "mla"  # the architecture is the model's, whatever the preset
     oss = next(r for r in read_rows(CSV) if r["id"] == "79")  # GPT-OSS 120B: 64 heads of 64 channels on 2880
     assert row_plan(oss).job.model.kv_channels == 64 and " as gpt_oss_120b " in row_plan(oss).layout
-    assert row_plan(oss).job.parallel.recompute.value == "none"  # 25.11, micro-batch 4: not the 26.x preset
+    # 25.11: its own preset (v0.2.0): micro-batch 1 with layernorm+moe_act, since the row's MBS 4 x GA 2 x DP 16 is
+    # not its global batch of 512; figures that agree keep the row's micro-batch
+    v011 = row_plan(oss).job
+    assert (v011.parallel.recompute.value, v011.parallel.recompute_modules) == ("selective", "moe_act+layernorm")
+    assert v011.train.micro_batch_size == 1
+    assert row_plan({**oss, "grad_accum": "8"}).job.train.micro_batch_size == 4
     v2_row = {**oss, "source_detail": "26.02 NeMo container", "framework": "Megatron-Bridge / NeMo 26.02",
               "micro_batch": "1", "global_batch_seqs": "1280"}
     v2 = row_plan(v2_row).job.parallel

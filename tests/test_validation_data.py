@@ -60,7 +60,7 @@ def test_the_data_files_ship_with_the_package() -> None:
     ("Megatron-LM (2021)", "Megatron-LM before 2023"), ("Megatron-Core (2022)", "Megatron-LM before 2023"),
     ("Megatron-Bridge / NeMo 26.02", "Megatron-Bridge"), ("NeMo 24.07 (Megatron-Core)", "NeMo"),
     ("Megatron-Core r0.8.0", "Megatron-Core"), ("Megatron-LM (Megatron-Core 0.12)", "Megatron-Core"),
-    ("Megatron-LM", "any other framework"), ("llm-foundry / Composer", "any other framework"),
+    ("Megatron-LM", "any other framework"), ("llm-foundry / Composer", "llm-foundry"),
     ("torchtitan", "torchtitan"), ("", "any other framework"),
 ])
 def test_a_framework_column_finds_its_entry_in_file_order(framework: str, entry: str) -> None:
@@ -77,6 +77,11 @@ def test_the_frameworks_readings_reach_the_plan() -> None:
     assert bridge.sp and bridge.distributed_optimizer and bridge.tp_comm_overlap and not bridge.grad_reduce_in_fp32
     other = row_plan({**ROW, "framework": "llm-foundry / Composer"}).job.parallel
     assert not (other.sp or other.distributed_optimizer or other.tp_comm_overlap) and other.grad_reduce_in_fp32
+    # PyTorch FSDP's fp32 shard is the parameter (memory only), where the row shards; NVIDIA's recipes fuse the loss
+    sharded = {**ROW, "framework": "llm-foundry / Composer", "zero_or_fsdp": "FSDP FULL_SHARD"}
+    assert row_plan(sharded).options.torch_fsdp and not row_plan({**sharded, "zero_or_fsdp": ""}).options.torch_fsdp
+    assert not row_plan(sharded).options.te_cross_entropy
+    assert row_plan({**ROW, "framework": "Megatron-Bridge / NeMo 25.09"}).options.te_cross_entropy
     # torchtitan's TP plan always shards its norms over the sequence (SequenceParallel on attention_norm/ffn_norm)
     titan = row_plan({**ROW, "framework": "torchtitan"}).job.parallel
     assert titan.sp and not (titan.distributed_optimizer or titan.tp_comm_overlap) and titan.grad_reduce_in_fp32
@@ -150,6 +155,9 @@ def test_a_family_entry_in_a_data_file_fills_a_blank_vocabulary(tmp_path: Path) 
     (RECIPES_FILE, "recipes", "  - {name: x, releases: ['26.01', null], model: m, hardware: [b200], layouts: "
      "[{gpus: 8, tp: 1, pp: 1, vp: 1, ep: 8, global_batch: 512}], dispatcher: flex, a2a_overlap: false, "
      "cuda_graph_scope: moe_router, source: s}\n", "without a cuda_graph_impl"),
+    (RECIPES_FILE, "recipes", "  - {name: x, releases: ['26.01', null], model: m, hardware: [b200], layouts: "
+     "[{gpus: 8, tp: 1, pp: 1, vp: 1, ep: 8, global_batch: 512}], dispatcher: flex, a2a_overlap: false, "
+     "micro_batch: 0, source: s}\n", "micro_batch=0"),
     (SCHEDULES_FILE, "schedules", "  - {name: x, words: 'x', runs: zigzag, source: s}\n", "runs='zigzag'"),
     (PRECISIONS_FILE, "precisions", "  - {name: x, words: 'x', runs: fp8}\n", "names no source"),
 ])

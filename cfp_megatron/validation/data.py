@@ -88,6 +88,11 @@ class Framework:
     fp8_param_gather: tuple[str, ...] = ()
     """The number formats (:data:`PRECISION_RUNS` names) whose rows kept the parameters in FP8
     (``parallel.fp8_param_gather``)."""
+    te_cross_entropy: bool = False
+    """Its loss runs Transformer Engine's fused cross entropy (:attr:`~cfp_megatron.sim.options.SimOptions.
+    te_cross_entropy`)."""
+    torch_fsdp: bool = False
+    """Its sharded weights are PyTorch FSDP's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_fsdp`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,6 +155,9 @@ class MoeRecipe:
     """``parallel.cuda_graph_impl``: the preset's ``cuda_graph_impl`` (``none`` where it sets none)."""
     cuda_graph_scope: str | None = None
     """``parallel.cuda_graph_scope``: the preset's ``cuda_graph_scope`` joined by ``+`` (``None``: the whole layer)."""
+    micro_batch: int | None = None
+    """The preset's ``micro_batch_size``, read where the row's own micro-batch, gradient accumulation and DP size
+    contradict its global batch; ``None``: the row's."""
     source: str
     """Where this comes from."""
 
@@ -230,7 +238,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             entry.fail(f"has blank={blank!r}; it maps {' or '.join(sorted(BLANK_COLUMNS))} to the text a blank "
                        "column is read as")
         runs = entry.get("runs", dict)
-        optional = {"mtp_layers", "pipeline_scatter_gather", "fp8_param_gather"}
+        optional = {"mtp_layers", "pipeline_scatter_gather", "fp8_param_gather", "te_cross_entropy", "torch_fsdp"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -255,7 +263,8 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             overlap_grad_reduce=bool(runs["overlap_grad_reduce"]), tp_comm_overlap=bool(runs["tp_comm_overlap"]),
             grad_reduce_in_fp32=bool(runs["grad_reduce_in_fp32"]), mtp_layers=tuple(mtp.items()),
             pipeline_scatter_gather=bool(runs.get("pipeline_scatter_gather", False)),
-            fp8_param_gather=tuple(fp8_params)))
+            fp8_param_gather=tuple(fp8_params), te_cross_entropy=bool(runs.get("te_cross_entropy", False)),
+            torch_fsdp=bool(runs.get("torch_fsdp", False))))
     if frameworks[-1].match != FrameworkMatch():
         raise ValidationDataError(f"{path}: the last entry ({frameworks[-1].name!r}) has conditions, so a row of "
                                   "another framework has no reading. Fix: end with an entry of 'match: {}'.")
@@ -304,7 +313,7 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[MoeRecipe, ...]:
         raise ValidationDataError(f"{path}: names no 'framework:' (a frameworks.yaml entry) whose rows ran these "
                                   "presets. Fix: add it.")
     keys = {"releases", "model", "precision", "hardware", "layouts", "dispatcher", "a2a_overlap", "tp_comm_overlap",
-            "overlap_grad_reduce", "recompute_modules", "cuda_graph_impl", "cuda_graph_scope"}
+            "overlap_grad_reduce", "recompute_modules", "cuda_graph_impl", "cuda_graph_scope", "micro_batch"}
     recipes = []
     for index, raw in enumerate(_entries(path, data, "recipes")):
         entry = _Entry(path, index, raw, keys)
@@ -333,6 +342,9 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[MoeRecipe, ...]:
             entry.fail(f"has cuda_graph_scope={scope!r}: {err}")
         if scope is not None and graphs == "none":
             entry.fail(f"has cuda_graph_scope={scope!r} without a cuda_graph_impl")
+        micro_batch = entry.get("micro_batch", (int, type(None)), None)
+        if micro_batch is not None and (isinstance(micro_batch, bool) or micro_batch < 1):
+            entry.fail(f"has micro_batch={micro_batch!r}; a positive count (the preset's micro_batch_size)")
         recipes.append(MoeRecipe(
             name=raw["name"], source=raw["source"], framework=framework, model=entry.pattern("model"),
             releases=(_release(entry, releases[0]), None if releases[1] is None else _release(entry, releases[1])),
@@ -340,7 +352,7 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[MoeRecipe, ...]:
             layouts=tuple(tuple(lay[k] for k in LAYOUT_KEYS) for lay in layouts), dispatcher=dispatcher,
             a2a_overlap=entry.get("a2a_overlap", bool), tp_comm_overlap=entry.get("tp_comm_overlap", bool, True),
             overlap_grad_reduce=entry.get("overlap_grad_reduce", bool, True), recompute_modules=modules,
-            cuda_graph_impl=graphs, cuda_graph_scope=scope))
+            cuda_graph_impl=graphs, cuda_graph_scope=scope, micro_batch=micro_batch))
     return tuple(recipes)
 
 
