@@ -76,6 +76,17 @@ class OpRecorder(TorchDispatchMode):
         return out
 
 
+class _ForwardTracker(ModuleTracker):
+    """``ModuleTracker`` for a forward pass with no backward after it: the same module names, without the gradient
+    hooks it registers on every module's inputs and outputs to follow the backward pass."""
+
+    def _fw_pre_hook(self, mod: torch.nn.Module, input: Any) -> None:
+        self.parents.add(self._get_mod_name(mod))
+
+    def _fw_post_hook(self, mod: torch.nn.Module, input: Any, output: Any) -> None:
+        self.parents.discard(self._get_mod_name(mod))
+
+
 _FORWARD_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("cfp_forward_only", default=False)
 
 
@@ -97,7 +108,7 @@ def record_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], *, ki
     ``forward`` replaces ``module(*inputs)`` when the call needs more arguments. The default loss sums the first
     output, so the backward pass receives a gradient of ones, as a real loss would send one of the same shape.
     """
-    tracker = ModuleTracker()
+    tracker = _ForwardTracker() if _FORWARD_ONLY.get() else ModuleTracker()
     params = dict(module.named_parameters())
     with tracker, OpRecorder(tracker, params) as recorder:
         input_ids = tuple(recorder.tensor_id(t) for t in inputs)
