@@ -219,7 +219,7 @@ def options_report(job: JobSpec, *, use_cache: bool = True) -> list[dict[str, An
 
 def derive(job: JobSpec) -> tuple[tuple[DerivedOption, ...], dict[str, float]]:
     """Capture ``job``'s model at :data:`PROBE_SEQ` tokens and derive its options (module docstring); the seconds
-    of the capture and of the propagation."""
+    of the imports, the capture and the propagation."""
     start = time.perf_counter()
     with heavy_imports():
         import torch._dynamo  # noqa: F401 - torch's `_disable_dynamo` wrappers (DTensor's dispatch) import it
