@@ -316,7 +316,8 @@ def propagate_op(op: Operator, graph: OpGraph, placements: Mapping[int, Placemen
     kwargs = tree_map(value, op.kwargs)
     comm = CommDebugMode()
     try:
-        with warnings.catch_warnings(), _quiet(), _watch() as watch, strided_rules.strided_costs(), comm:
+        with warnings.catch_warnings(), _quiet(), _watch() as watch, _meta_shapes(), strided_rules.strided_costs(), \
+                comm:
             warnings.simplefilter("ignore")
             out = op.op(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - DTensor raises several types for "no rule"
@@ -351,6 +352,49 @@ def _watch() -> Iterator[_Watch]:
         yield watch
     finally:
         del dispatcher.redistribute_local_args
+
+
+def _meta_tensor_meta(propagator: Any, op_schema: Any) -> Any:
+    """What DTensor's ``_propagate_tensor_meta_non_cached`` gives (the global output's shape, stride and dtype),
+    from the operator run on meta tensors of the global shapes instead of fake ones; DTensor's own way where the
+    operator has no meta kernel. A ``FakeTensorMode`` made per operator (with a stack trace) cost about a third
+    of a replay."""
+    def rebuild(spec: DTensorSpec) -> torch.Tensor:
+        meta = spec.tensor_meta
+        return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+
+    def is_spec(x: Any) -> bool:
+        return isinstance(x, DTensorSpec)
+
+    if op_schema.op is torch.ops.aten.equal.default:  # data dependent: DTensor's own answer (none)
+        return type(propagator)._propagate_tensor_meta_non_cached(propagator, op_schema)
+    try:
+        args = tree_map(lambda x: rebuild(x) if is_spec(x) else x, op_schema.args_schema, is_leaf=is_spec)
+        kwargs = tree_map(lambda x: rebuild(x) if is_spec(x) else x, op_schema.kwargs_schema, is_leaf=is_spec)
+        out = op_schema.op(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - no meta kernel (or data-dependent): DTensor's fake-tensor way
+        return type(propagator)._propagate_tensor_meta_non_cached(propagator, op_schema)
+
+    def tensor_meta(t: Any) -> TensorMeta | None:
+        return TensorMeta(shape=t.shape, stride=t.stride(), dtype=t.dtype) if isinstance(t, torch.Tensor) else None
+
+    if isinstance(out, torch.Tensor):
+        return tensor_meta(out)
+    if isinstance(out, tuple | list):
+        found = [tensor_meta(t) for t in out]
+        return tuple(found) if isinstance(out, tuple) else found
+    return None
+
+
+@contextmanager
+def _meta_shapes() -> Iterator[None]:
+    """DTensor's output metadata from meta tensors while inside (:func:`_meta_tensor_meta`)."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator._propagate_tensor_meta_non_cached = lambda schema: _meta_tensor_meta(propagator, schema)
+    try:
+        yield
+    finally:
+        del propagator._propagate_tensor_meta_non_cached
 
 
 def _redistributed(op: Operator, watch: _Watch) -> dict[int, Placements]:
@@ -417,7 +461,7 @@ class _Replayer:
         return repr((op.name, tree_map(sig, (op.args, op.kwargs)), outputs))
 
     def run(self, op: Operator, placements: Mapping[int, Placements]) -> OpResult:
-        key = (op.index, tuple(placements.get(t, replicate(self.mesh)) for t in op.inputs))
+        key = (id(self.graph), op.index, tuple(placements.get(t, replicate(self.mesh)) for t in op.inputs))
         hit = self.cache.get(key)
         if hit is not None:
             return hit
@@ -456,7 +500,8 @@ def propagate(graph: OpGraph, ops: Sequence[Operator], entry: Mapping[int, Place
     ``param_choice`` fixes some parameters' placements by name; the others are inferred greedily (module docstring).
     Tensors neither given, produced nor parameters (e.g. a mask fed in) are replicated. With ``stop_on_collective``
     the walk ends at the first operator that needs communication. ``cache`` (a dict, shared between calls on the
-    same graph and mesh) saves replaying an operator under input placements already seen.
+    same mesh, for one graph or several alive together) saves replaying an operator under input placements already
+    seen, and one of the same structure in another graph (two layer kinds with the same attention).
 
     Past an operator that needed a collective the walk goes on as DTensor executes: the redistributed copy served that
     operator only, later readers of the same tensor see its original placement again.

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 from torch.utils.module_tracker import ModuleTracker
 from torch.utils.weak import WeakIdKeyDictionary
@@ -24,6 +24,36 @@ from cfp_megatron.graph.opgraph import Operator, OpGraph, Phase, TensorMeta, Ten
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _tensors(x: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in an operator's arguments or results, appended to ``out`` in pytree's order (tuples and lists
+    in order, dicts by insertion): ``tree_flatten`` without its per-node type dispatch, on the recorder's hot path."""
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, tuple | list):
+        for v in x:
+            _tensors(v, out)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _tensors(v, out)
+    return out
+
+
+def _mapped(fn: Callable[[torch.Tensor], Any], x: Any) -> Any:
+    """``tree_map(fn, x)`` for tensors inside plain tuples, lists and dicts; other containers go to ``tree_map``."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    kind = type(x)
+    if kind is tuple:
+        return tuple(_mapped(fn, v) for v in x)
+    if kind is list:
+        return [_mapped(fn, v) for v in x]
+    if kind is dict:
+        return {k: _mapped(fn, v) for k, v in x.items()}
+    if isinstance(x, tuple | list | dict):
+        return tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, x)
+    return x
 
 
 class OpRecorder(TorchDispatchMode):
@@ -59,21 +89,32 @@ class OpRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         index = len(self.operators)
-        flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        flat_in = _tensors(kwargs, _tensors(args, []))
         inputs = tuple(self.tensor_id(t) for t in flat_in)
-        flat_out = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        flat_out = _tensors(out, [])
         outputs = tuple(self.tensor_id(t, producer=index) for t in flat_out)
         rule = flop_registry.get(func._overloadpacket)
         flops = int(rule(*args, **kwargs, out_val=out)) if rule is not None else 0
 
-        def ref(x: Any) -> Any:
-            return TensorRef(id=self.tensor_id(x)) if isinstance(x, torch.Tensor) else x
+        def ref(x: torch.Tensor) -> TensorRef:
+            return TensorRef(id=self.tensor_id(x))
 
         self.operators.append(Operator(
             index=index, op=func, name=str(func), phase=self.phase, module=self._module(),
-            args=tree_map(ref, args), kwargs=tree_map(ref, kwargs), inputs=inputs, outputs=outputs, flops=flops,
+            args=_mapped(ref, args), kwargs=_mapped(ref, kwargs), inputs=inputs, outputs=outputs, flops=flops,
             bytes_read=sum(_nbytes(t) for t in flat_in), bytes_written=sum(_nbytes(t) for t in flat_out)))
         return out
+
+
+class _ForwardTracker(ModuleTracker):
+    """``ModuleTracker`` for a forward pass with no backward after it: the same module names, without the gradient
+    hooks it registers on every module's inputs and outputs to follow the backward pass."""
+
+    def _fw_pre_hook(self, mod: torch.nn.Module, input: Any) -> None:
+        self.parents.add(self._get_mod_name(mod))
+
+    def _fw_post_hook(self, mod: torch.nn.Module, input: Any, output: Any) -> None:
+        self.parents.discard(self._get_mod_name(mod))
 
 
 _FORWARD_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("cfp_forward_only", default=False)
@@ -97,7 +138,7 @@ def record_step(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], *, ki
     ``forward`` replaces ``module(*inputs)`` when the call needs more arguments. The default loss sums the first
     output, so the backward pass receives a gradient of ones, as a real loss would send one of the same shape.
     """
-    tracker = ModuleTracker()
+    tracker = _ForwardTracker() if _FORWARD_ONLY.get() else ModuleTracker()
     params = dict(module.named_parameters())
     with tracker, OpRecorder(tracker, params) as recorder:
         input_ids = tuple(recorder.tensor_id(t) for t in inputs)

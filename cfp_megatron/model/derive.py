@@ -41,6 +41,7 @@ from cfp_megatron.base.config import JobSpec, ModelSpec, TrainSpec
 from cfp_megatron.base.errors import CfpError, ConfigError
 from cfp_megatron.base.layout_rules import moe, sequence, tensor
 from cfp_megatron.base.layout_rules.problem import briefs
+from cfp_megatron.compat.import_cost import collector_paused, heavy_imports
 from cfp_megatron.model import cache
 from cfp_megatron.model.errors import CaptureError
 from cfp_megatron.model.options import LayerPart, PartitionOption, SizeContext, model_options
@@ -223,21 +224,27 @@ def options_report(job: JobSpec, *, use_cache: bool = True) -> list[dict[str, An
 
 def derive(job: JobSpec) -> tuple[tuple[DerivedOption, ...], dict[str, float]]:
     """Capture ``job``'s model at :data:`PROBE_SEQ` tokens and derive its options (module docstring); the seconds
-    of the capture and of the propagation."""
-    from cfp_megatron.graph.record import forward_only
-    from cfp_megatron.model.capture import capture_job
-
+    of the imports, the capture and the propagation."""
     start = time.perf_counter()
-    try:
-        with forward_only():  # the blocks are found over the forward operators
-            capture = capture_job(job, seq_length=_probe_seq(job.model), micro_batch_size=1)
-    except CaptureError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - Megatron-Core's own failures on meta (e.g. an in-place view)
-        raise CaptureError(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from exc
-    captured = time.perf_counter()
-    options = derive_from_graphs(capture.graphs, capture.layer_kinds)
-    return options, {"capture": round(captured - start, 3), "derive": round(time.perf_counter() - captured, 3)}
+    with heavy_imports():
+        import torch._dynamo  # noqa: F401 - torch's `_disable_dynamo` wrappers (DTensor's dispatch) import it
+
+        from cfp_megatron.graph.propagation import fake_mesh  # noqa: F401 - with its DTensor imports
+        from cfp_megatron.graph.record import forward_only
+        from cfp_megatron.model.capture import capture_job
+    imported = time.perf_counter()
+    with collector_paused():  # the capture and the replays make many short-lived objects, few of them cycles
+        try:
+            with forward_only():  # the blocks are found over the forward operators
+                capture = capture_job(job, seq_length=_probe_seq(job.model), micro_batch_size=1)
+        except CaptureError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - Megatron-Core's own failures on meta (e.g. an in-place view)
+            raise CaptureError(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from exc
+        captured = time.perf_counter()
+        options = derive_from_graphs(capture.graphs, capture.layer_kinds)
+    return options, {"imports": round(imported - start, 3), "capture": round(captured - imported, 3),
+                     "derive": round(time.perf_counter() - captured, 3)}
 
 
 def derive_from_graphs(graphs: dict[str, Any], layer_kinds: Sequence[str]) -> tuple[DerivedOption, ...]:
@@ -248,15 +255,17 @@ def derive_from_graphs(graphs: dict[str, Any], layer_kinds: Sequence[str]) -> tu
     decoder = list(dict.fromkeys(layer_kinds))
     experts_somewhere = any(_expert_branches(graphs[k]) for k in decoder)
     with fake_mesh((PROBE,), ("tp",)) as mesh:
+        replays: dict[Any, Any] = {}  # one per mesh: kinds that share operators (the same attention) replay them once
         if "embedding" in graphs:
             found += _embedding(graphs["embedding"], mesh)
         for kind in decoder:
-            found += _tensor_split(graphs[kind], kind, mesh, experts_somewhere)
+            found += _tensor_split(graphs[kind], kind, mesh, experts_somewhere, replays)
         if "head" in graphs:
-            found += _tensor_split(graphs["head"], "head", mesh, experts_somewhere)
+            found += _tensor_split(graphs["head"], "head", mesh, experts_somewhere, replays)
     with fake_mesh((PROBE,), ("cp",)) as mesh:
+        replays = {}
         for kind in decoder:
-            found += _context_split(graphs[kind], kind, mesh)
+            found += _context_split(graphs[kind], kind, mesh, replays)
     with fake_mesh((PROBE,), ("etp",)) as mesh:
         for kind in decoder:
             found += _expert_split(graphs[kind], kind, mesh)
@@ -351,7 +360,7 @@ def _split_str(params: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------------ tensor split
 
 
-def _tp_blocks(graph: Any, ops: Sequence[Any], mesh: Any) -> list[tuple[Any, list[Any], Any]]:
+def _tp_blocks(graph: Any, ops: Sequence[Any], mesh: Any, shared: dict[Any, Any]) -> list[tuple[Any, list[Any], Any]]:
     """The blocks of ``ops`` with a replicated entry: propagated from the entry to the first collective, then again
     from the main activation the collective's operator reads (replicated: the boundary's collective made it so).
     Each block as (its propagation, its results, the boundary's result or ``None`` at the end)."""
@@ -359,7 +368,6 @@ def _tp_blocks(graph: Any, ops: Sequence[Any], mesh: Any) -> list[tuple[Any, lis
     from cfp_megatron.graph.propagation import propagate, replicate
 
     param_only = param_only_ids(graph, ops)
-    shared: dict[Any, Any] = {}
     found = []
     start, entry = 0, graph.inputs[0]
     while start < len(ops):
@@ -377,7 +385,8 @@ def _tp_blocks(graph: Any, ops: Sequence[Any], mesh: Any) -> list[tuple[Any, lis
     return found
 
 
-def _tensor_split(graph: Any, kind: str, mesh: Any, experts_somewhere: bool) -> list[DerivedOption]:
+def _tensor_split(graph: Any, kind: str, mesh: Any, experts_somewhere: bool,
+                  replays: dict[Any, Any]) -> list[DerivedOption]:
     """The TP blocks of one layer kind (or the head): entry Replicate, cut at the collectives the replay meets."""
     from cfp_megatron.graph.propagation import placement_str
 
@@ -386,7 +395,7 @@ def _tensor_split(graph: Any, kind: str, mesh: Any, experts_somewhere: bool) -> 
         return []
     by_index = {o.index: o for o in ops}
     found = []
-    for run, results, nxt in _tp_blocks(graph, ops, mesh):
+    for run, results, nxt in _tp_blocks(graph, ops, mesh, replays):
         if not results:
             continue
         read = {t for r in results for t in by_index[r.index].inputs}
@@ -506,7 +515,7 @@ def _embedding(graph: Any, mesh: Any) -> list[DerivedOption]:
 # ------------------------------------------------------------------------------------------------ context split
 
 
-def _context_split(graph: Any, kind: str, mesh: Any) -> list[DerivedOption]:
+def _context_split(graph: Any, kind: str, mesh: Any, replays: dict[Any, Any]) -> list[DerivedOption]:
     """Entry sharded on the sequence, weights replicated: the attention core's collectives are the boundary."""
     from torch.distributed.tensor import Replicate, Shard
 
@@ -518,7 +527,7 @@ def _context_split(graph: Any, kind: str, mesh: Any) -> list[DerivedOption]:
     from cfp_megatron.graph.propagation import propagate
 
     run = propagate(graph, ops, {entry: (Shard(seq_dim),)}, mesh,
-                    {n: (Replicate(),) for n, pid in graph.params.items()})
+                    {n: (Replicate(),) for n, pid in graph.params.items()}, cache=replays)
     by_index = {o.index: o for o in ops}
     needs = [r for r in run.results if not r.comm_free]
     modules = {by_index[r.index].module for r in needs}
