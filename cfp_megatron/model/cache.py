@@ -18,6 +18,7 @@ from typing import Any
 from cfp_megatron.base.config import JobSpec, Precision
 from cfp_megatron.base.files import CACHE_KEY, cache_dir, write_atomic
 from cfp_megatron.base.jsonio import installed_version, json_plain
+from cfp_megatron.model.layer_spec import keyed_model
 from cfp_megatron.model.summary import SCHEMA_VERSION, CaptureSummary
 
 
@@ -32,8 +33,6 @@ def job_cache_inputs(job: JobSpec, *, seq_length: int, micro_batch_size: int,
                      precision: Precision | None = None) -> dict[str, Any]:
     """What a capture of ``job`` depends on (with ``model.spec``, its identity: the path and a hash of the spec's
     structure and source, :func:`~cfp_megatron.model.layer_spec.spec_identity`)."""
-    from cfp_megatron.model.layer_spec import keyed_model
-
     return {"model": keyed_model(job.model), "seq_length": seq_length, "micro_batch_size": micro_batch_size,
             "precision": (precision or job.train.precision).value}
 

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from cfp_megatron.base.config import ModelSpec
+from cfp_megatron.base.config import JobSpec, ModelSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.jsonio import json_plain
 
@@ -137,7 +137,6 @@ def check(model: ModelSpec) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from cfp_megatron.base.config import JobSpec
     from cfp_megatron.model.capture import capture_job_config
     from cfp_megatron.model.meta_env import megatron_meta_env
 

@@ -37,6 +37,7 @@ from cfp_megatron.base.config import (
     resolve_precision,
 )
 from cfp_megatron.base.files import write_atomic
+from cfp_megatron.model.layer_spec import is_spec, load_target
 from cfp_megatron.plan.artifact import PLAN_FILE_SETTING, Plan
 from cfp_megatron.plan.backend_part import DeepSpeedPart
 from cfp_megatron.plan.errors import PlanError
@@ -115,8 +116,6 @@ def _spec_args(plan: Plan) -> list[str]:
     value = _custom_spec(plan)
     if value is None:
         return []
-    from cfp_megatron.model.layer_spec import is_spec, load_target
-
     module, _, name = value.partition(":")
     if not is_spec(load_target(value)):
         raise PlanError(f"model.spec={value} names a function; Megatron-LM's --spec {module} {name} imports the "
