@@ -24,7 +24,16 @@ from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.search import choice
 from cfp_megatron.search.choice import choose, evidence_of, gain_interval, inside_band, ratio_band
-from cfp_megatron.search.search import Ranked, _bounds, _expand, _fewest_block_layers, _groups, _param_bytes, search
+from cfp_megatron.search.search import (
+    Ranked,
+    _bounds,
+    _expand,
+    _fewest_block_layers,
+    _groups,
+    _overlap_choices,
+    _param_bytes,
+    search,
+)
 from cfp_megatron.search.space import Candidate, build_space
 from cfp_megatron.sim.memory import memory_band
 from cfp_megatron.sim.options import SimOptions
@@ -431,6 +440,29 @@ def test_tp_overlap_is_left_off_where_its_buffers_do_not_fit() -> None:
     tight, tight_cfp = compose_job(*common, f"cluster.hbm_gib={limit}")
     ranked = search(tight, 8, tight_cfp).ranked
     assert ranked and not ranked[0].candidate.tp_overlap and ranked[0].job.parallel.overlap_grad_reduce
+
+
+@pytest.mark.parametrize("model", ["moe_tiny", "llama_tiny"])
+def test_the_overlaps_never_lower_a_plans_memory(model: str) -> None:
+    """The search records a candidate over the limit without trying its overlaps (MegatronSpace.evaluate): that
+    holds only while each overlap costs memory, which this checks on every candidate of a small space that may turn
+    one on."""
+    job, cfp = compose_job(f"model={model}", "cluster=dgx_h100", "cluster.nodes=1", "train.global_batch_size=32",
+                           "train.seq_length=256", "cfp.constraints.max_micro_batch=2")
+    space = build_space(job, 8, cfp)
+    checked = 0
+    for family in space.families:
+        for cand in space.candidates(family):
+            plain = dataclasses.replace(cand, dp_overlap=True)
+            try:
+                base = predict_memory(plain.job(job), job.cluster, world_size=8).total
+            except ConfigError:
+                continue
+            for tp_on, a2a_on in _overlap_choices(space, cand):  # each setting the search tries
+                overlapped = dataclasses.replace(plain, tp_overlap=tp_on, a2a_overlap=a2a_on)
+                assert predict_memory(overlapped.job(job), job.cluster, world_size=8).total >= base, overlapped
+                checked += tp_on or a2a_on
+    assert checked > 10
 
 
 def test_the_search_offers_recomputing_a_moe_models_norms_and_expert_activations() -> None:

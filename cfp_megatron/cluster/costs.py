@@ -116,6 +116,7 @@ class CollectiveCosts:
         self.inter = Link(latency_s=(cluster.inter_node_latency_us or _DEFAULT_LATENCY_US) * 1e-6,
                           bandwidth_bytes_per_s=inter_bw)
         self._cache: dict[tuple[Collective, int, Span], object] = {}
+        self._seconds: dict[tuple[Collective, float, int, int | None], float] = {}  # seconds() by its arguments
 
     def _fit(self, op: Collective, size: int, span: Span):
         key = (op, size, span)
@@ -141,7 +142,16 @@ class CollectiveCosts:
 
     def seconds(self, op: Collective, message_bytes: float, size: int, ranks_per_node: int | None = None) -> float:
         """One collective over ``size`` ranks with ``ranks_per_node`` of them in each NVLink domain (a node unless
-        ``cluster.nvlink_domain_size`` says otherwise; default: as many as fit, i.e. a contiguous group)."""
+        ``cluster.nvlink_domain_size`` says otherwise; default: as many as fit, i.e. a contiguous group); computed
+        once per distinct call (a search prices the same collectives for many plans)."""
+        key = (op, message_bytes, size, ranks_per_node)
+        found = self._seconds.get(key)
+        if found is None:
+            found = self._seconds[key] = self._uncached(op, message_bytes, size, ranks_per_node)
+        return found
+
+    def _uncached(self, op: Collective, message_bytes: float, size: int, ranks_per_node: int | None) -> float:
+        """:meth:`seconds`, computed."""
         if message_bytes <= 0 or (size <= 1 and op is not Collective.send_recv):
             return 0.0
         k = min(size, self.domain_size) if ranks_per_node is None else max(1, min(ranks_per_node, size))

@@ -416,6 +416,9 @@ class MegatronSpace:
             if cand.fsdp == FsdpStrategy.none.value:
                 cand, cjob, memory, more = self._sharded(cand, cjob, memory, bounds)
                 tries += more
+            if limit is not None and memory.total / GIB > limit and not self.space.cfp.overlap:
+                # every overlap costs memory (_overlaps): none of them fits either, and none would be kept
+                return _OverMemory(family_of_key(item), memory.total / GIB, tries)
             cand, cjob, memory, more = self._overlaps(cand, cjob, memory)
             tries += more
         except ConfigError:
@@ -624,6 +627,7 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
     refused: list[Rejection] = []
     by_key: dict[tuple, GroupCosts | None] = {}
     kept: dict[tuple, _KeptBytes] = {}
+    may_overlap: dict[tuple, tuple[bool, bool]] = {}  # (TP overlap, expert overlap) allowed, by what they read
     gpn = job.cluster.gpus_per_node or world
     size = 0
     mlps = {p.value: p for p in MlpPartition}
@@ -645,8 +649,11 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
             granularity, modules = recompute_parts(recompute, job.parallel.recompute_modules)
             ckey = cost_key(placed, granularity, options, mlps[h.mlp], sp=h.sp, micro_batch=h.micro_batch,
                             recompute_modules=modules)
-            overlaps = (space.tp_overlap(tp=h.tp, sp=h.sp),
-                        space.a2a_overlap(ep=h.ep, pp=pp, vpp=None, recompute=recompute))
+            okey = (h.tp, h.sp, h.ep, pp, recompute)
+            overlaps = may_overlap.get(okey)
+            if overlaps is None:  # what they read: the same for many groups
+                overlaps = may_overlap[okey] = (space.tp_overlap(tp=h.tp, sp=h.sp),
+                                                space.a2a_overlap(ep=h.ep, pp=pp, vpp=None, recompute=recompute))
             ckey += overlaps
             if measurements is not None:  # the pipelined probe's term (GroupCosts.fixed_s) depends on the stages too
                 ckey += (pp, placed.pp_intra_node)

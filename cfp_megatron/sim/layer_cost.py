@@ -17,7 +17,7 @@ from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.primepar_cost import MlpCost, ffn_gemms, mlp_activation_elements, primepar_mlp_cost
 from cfp_megatron.sim.terms.context_parallel import chunk_slowdown, cp_cost
 from cfp_megatron.sim.terms.data_parallel import fsdp_comm
-from cfp_megatron.sim.terms.expert_dispatch import expert_comm, moe_block_cost
+from cfp_megatron.sim.terms.expert_dispatch import MoeCost, expert_comm, moe_block_cost
 from cfp_megatron.sim.terms.recompute import selective_recompute
 from cfp_megatron.sim.terms.tensor_parallel import tp_pass_s
 
@@ -95,11 +95,59 @@ class LayerCost:
         return self.forward.total_s + self.backward.total_s + self.recompute.total_s
 
 
+@dataclass(frozen=True, kw_only=True)
+class LayerPasses:
+    """A layer's forward and backward passes and parameters, which its recompute choice does not change, with what
+    its recomputation is priced from (:func:`layer_passes`, :func:`with_recompute`)."""
+
+    forward: PassCost
+    """Forward pass."""
+    backward: PassCost
+    """Backward pass without recomputation."""
+    params: float
+    """Parameters of this layer held by one rank (:attr:`LayerCost.params`)."""
+    expert_params: float
+    """The routed experts' part of ``params``."""
+    ep_alone_s: tuple[float, float]
+    """:attr:`LayerCost.ep_alone_s`."""
+    mlp_gemm_s: float
+    """The MLP's (or the MoE block's) forward GEMM seconds."""
+    moe_block: MoeCost | None
+    """The MoE block's costs (``None`` for a dense layer)."""
+
+
 def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, options: SimOptions,
                *, moe: bool) -> LayerCost:
     """Cost of one dense (``moe=False``) or MoE layer of ``job`` under ``layout``: seconds of its forward, backward
     and recomputation for one micro-batch on one rank (``kernels`` times the kernels, ``costs`` the collectives),
     and its parameters on one rank."""
+    return with_recompute(layer_passes(job, layout, kernels, costs, options, moe=moe), job, layout, kernels)
+
+
+def with_recompute(passes: LayerPasses, job: JobSpec, layout: Layout, kernels: KernelModel) -> LayerCost:
+    """The :class:`LayerCost` of ``passes`` under ``job``'s recompute choice (plans that differ only in it share
+    their passes)."""
+    parallel = job.parallel
+    forward = passes.forward
+    if parallel.recompute.value == "full":
+        recompute = PassCost(compute_s=forward.compute_s, attention_core_s=forward.attention_core_s,
+                             overhead_s=forward.overhead_s, tp_comm_s=forward.tp_comm_s, cp_comm_s=forward.cp_comm_s,
+                             ep_comm_s=forward.ep_comm_s)
+    elif parallel.recompute.value == "selective":
+        rec_compute, rec_core, rec_ep = selective_recompute(job, layout, kernels, moe_block=passes.moe_block,
+                                                            mlp_gemm=passes.mlp_gemm_s,
+                                                            core_fwd_s=forward.attention_core_s,
+                                                            ep_fwd_s=forward.ep_comm_s)
+        recompute = PassCost(compute_s=rec_compute, attention_core_s=rec_core, ep_comm_s=rec_ep)
+    else:
+        recompute = PassCost()
+    return LayerCost(forward=forward, backward=passes.backward, recompute=recompute, params=passes.params,
+                     expert_params=passes.expert_params, ep_alone_s=passes.ep_alone_s)
+
+
+def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, options: SimOptions,
+                 *, moe: bool) -> LayerPasses:
+    """The passes of :func:`layer_cost` without its recomputation (what every recompute choice shares)."""
     model, parallel = job.model, job.parallel
     dims = layout.dims
     tp, cp, sp = dims.tp, dims.cp, dims.sp
@@ -206,17 +254,8 @@ def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
                        cp_comm_s=cp_fwd, ep_comm_s=ep_fwd, fsdp_comm_s=fsdp_fwd)
     backward = PassCost(compute_s=bwd_compute, attention_core_s=core_bwd, overhead_s=overhead, tp_comm_s=tp_bwd,
                         cp_comm_s=cp_bwd, ep_comm_s=ep_bwd, fsdp_comm_s=fsdp_bwd)
-    if parallel.recompute.value == "full":
-        recompute = PassCost(compute_s=fwd_compute, attention_core_s=core_fwd, overhead_s=overhead,
-                             tp_comm_s=tp_fwd, cp_comm_s=cp_fwd, ep_comm_s=ep_fwd)
-    elif parallel.recompute.value == "selective":
-        rec_compute, rec_core, rec_ep = selective_recompute(job, layout, kernels, moe_block=moe_block,
-                                                            mlp_gemm=mlp_gemm, core_fwd_s=core_fwd, ep_fwd_s=ep_fwd)
-        recompute = PassCost(compute_s=rec_compute, attention_core_s=rec_core, ep_comm_s=rec_ep)
-    else:
-        recompute = PassCost()
-    return LayerCost(forward=forward, backward=backward, recompute=recompute, params=params,
-                     expert_params=expert_params, ep_alone_s=ep_alone)
+    return LayerPasses(forward=forward, backward=backward, params=params, expert_params=expert_params,
+                       ep_alone_s=ep_alone, mlp_gemm_s=mlp_gemm, moe_block=moe_block)
 
 
 CROSS_ENTROPY_FP32_FORWARD_BYTES = 32.0

@@ -21,11 +21,13 @@ from cfp_megatron.sim.host_costs import HostCosts, host_costs
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layer_cost import (
     LayerCost,
+    LayerPasses,
     PassCost,
     embedding_cost,
-    layer_cost,
+    layer_passes,
     mtp_projection_cost,
     output_layer_cost,
+    with_recompute,
 )
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.measured_segments import apply_measured, measured_pass
@@ -124,6 +126,8 @@ class CostCache:
     """The collective cost model of that cluster."""
     costs: dict[tuple[Any, ...], PassCosts] = field(default_factory=dict)
     """Pass costs by :func:`cost_key`."""
+    analytical: dict[tuple[Any, ...], AnalyticalParts] = field(default_factory=dict)
+    """What pass costs share across recompute choices, by :func:`analytical_key`."""
     schedules: dict[tuple[Any, ...], ScheduleResult] = field(default_factory=dict)
     """Timed pipeline schedules by their pass durations, send/receive time and micro-batch count."""
     groups: dict[tuple[Any, ...], Any] = field(default_factory=dict)
@@ -136,6 +140,9 @@ class CostCache:
     exchanges: dict[tuple[str, int], Any] = field(default_factory=dict)
     """The pipelined probe of a partition at a micro-batch size against its pricing
     (:class:`~cfp_megatron.sim.simulate.ProbeCalibration`, ``None`` where none can be had), by partition and size."""
+    prepared: tuple[tuple[Any, ...], Any] | None = None
+    """The last plan :func:`~cfp_megatron.sim.simulate.simulate` prepared (its arguments, by identity, and its
+    validated layout and pass costs): a search predicts a candidate's memory, then simulates the same job."""
 
     @classmethod
     def for_job(cls, job: JobSpec, measurements: Measurements | None, options: SimOptions,
@@ -163,25 +170,65 @@ class CostCache:
     def serves(self, job: JobSpec, measurements: Measurements | None, options: SimOptions,
                efficiency: Efficiency) -> bool:
         """Whether ``job`` (under these measurements, options and efficiencies) is a plan this cache was made for."""
-        return (job.cluster is self.job.cluster or job.cluster == self.job.cluster) and job.model == self.job.model \
+        return (job.cluster is self.job.cluster or job.cluster == self.job.cluster) \
+            and (job.model is self.job.model or job.model == self.job.model) \
             and job.train.precision is self.job.train.precision and job.train.fp8_recipe is self.job.train.fp8_recipe \
             and job.train.fp4_recipe is self.job.train.fp4_recipe and measurements is self.measurements \
-            and options == self.options and efficiency == self.efficiency
+            and (options is self.options or options == self.options) \
+            and (efficiency is self.efficiency or efficiency == self.efficiency)
 
 
-def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, options: SimOptions,
-               measurements: Measurements | None) -> PassCosts:
-    """The per-micro-batch costs (seconds) of ``job`` under ``layout`` on one rank (see the module docstring),
-    computed with ``kernels`` and the collective model ``costs``, without :attr:`PassCosts.megatron_dense` (the
-    simulator adds its Megatron twin's dense layer where the plan needs it)."""
+@dataclass(frozen=True, kw_only=True)
+class AnalyticalParts:
+    """The analytical costs of a plan that its recompute choice does not change (plans that differ only in it share
+    them: :func:`analytical_key`)."""
+
+    dense: LayerPasses
+    """One dense decoder layer's passes."""
+    moe: LayerPasses
+    """One MoE decoder layer's passes (the dense one's for a dense model)."""
+    embedding: tuple[PassCost, PassCost]
+    """Forward and backward of the embedding (zero with ``measured_layer_only``)."""
+    head: tuple[PassCost, PassCost]
+    """Forward and backward of the final norm, output layer and loss (zero with ``measured_layer_only``)."""
+    mtp: tuple[PassCost, PassCost, float]
+    """:attr:`PassCosts.mtp_projection` and :attr:`PassCosts.mtp_projection_params`."""
+
+
+def analytical_parts(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts,
+                     options: SimOptions) -> AnalyticalParts:
+    """The :class:`AnalyticalParts` of ``job`` under ``layout``."""
     model = job.model
-    dense = layer_cost(job, layout, kernels, costs, options, moe=False)
-    moe = layer_cost(job, layout, kernels, costs, options, moe=True) if model.is_moe else dense
+    dense = layer_passes(job, layout, kernels, costs, options, moe=False)
+    moe = layer_passes(job, layout, kernels, costs, options, moe=True) if model.is_moe else dense
     if options.measured_layer_only:
         embedding = head = (PassCost(), PassCost())
     else:
         embedding = embedding_cost(job, layout, kernels, costs)
         head = output_layer_cost(job, layout, kernels, costs)
+    mtp = (PassCost(), PassCost(), 0.0)
+    if model.mtp_num_layers and not options.measured_layer_only:
+        mtp = mtp_projection_cost(job, layout, kernels, costs)
+    return AnalyticalParts(dense=dense, moe=moe, embedding=embedding, head=head, mtp=mtp)
+
+
+def analytical_key(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """:func:`cost_key`'s ``key`` less the recompute choice and modules: what :class:`AnalyticalParts` read."""
+    return key[:7] + key[8:-1]
+
+
+def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, options: SimOptions,
+               measurements: Measurements | None, analytical: AnalyticalParts | None = None) -> PassCosts:
+    """The per-micro-batch costs (seconds) of ``job`` under ``layout`` on one rank (see the module docstring),
+    computed with ``kernels`` and the collective model ``costs``, without :attr:`PassCosts.megatron_dense` (the
+    simulator adds its Megatron twin's dense layer where the plan needs it); ``analytical``: its
+    :class:`AnalyticalParts` where another recompute choice of the plan computed them already."""
+    model = job.model
+    if analytical is None:
+        analytical = analytical_parts(job, layout, kernels, costs, options)
+    dense = with_recompute(analytical.dense, job, layout, kernels)
+    moe = with_recompute(analytical.moe, job, layout, kernels) if model.is_moe else dense
+    embedding, head = analytical.embedding, analytical.head
     overheads = None
     analytical_layers = (dense, moe)
     if options.use_measured_segments:
@@ -201,9 +248,7 @@ def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         moe = in_schedule(moe, overheads.layer_s) if model.is_moe else dense
         per_pass = PassCost(overhead_s=overheads.per_microbatch_s / 2)
         embedding, head = _ends_in_schedule(embedding, head, overheads.ends_s)
-    mtp = (PassCost(), PassCost(), 0.0)
-    if model.mtp_num_layers and not options.measured_layer_only:
-        mtp = mtp_projection_cost(job, layout, kernels, costs)
+    mtp = analytical.mtp
     host = None
     if not job.cluster.on_cpu and dense is analytical_layers[0] and moe is analytical_layers[1]:
         # priced apart only where no measured layer time stands in (a probe's timing holds the host's launches)

@@ -23,7 +23,16 @@ from cfp_megatron.sim.layer_cost import LayerCost, PassCost
 from cfp_megatron.sim.layout import Layout, build_layout
 from cfp_megatron.sim.memory import Stage, layout_memory, stage
 from cfp_megatron.sim.options import SimOptions
-from cfp_megatron.sim.pass_costs import CostCache, PassCosts, collective_costs, comm_options, cost_key, pass_costs
+from cfp_megatron.sim.pass_costs import (
+    CostCache,
+    PassCosts,
+    analytical_key,
+    analytical_parts,
+    collective_costs,
+    comm_options,
+    cost_key,
+    pass_costs,
+)
 from cfp_megatron.sim.prediction import GIB, Event, EventKind, MemoryBreakdown, Prediction, TimeBreakdown
 from cfp_megatron.sim.primepar_cost import megatron_twin
 from cfp_megatron.sim.schedule import ScheduleResult, dependency_floors, rank_order, run_schedule
@@ -164,6 +173,22 @@ def _prepare(job: JobSpec, cluster: ClusterSpec | None, measurements: Measuremen
              cache: CostCache | None) -> tuple[JobSpec, Layout, SimOptions, Efficiency, KernelModel, CollectiveCosts,
                                                PassCosts]:
     """The validated layout, the cost models and the pass costs of ``job`` (from ``cache`` where it has them)."""
+    if cache is not None and cache.prepared is not None:
+        args, found = cache.prepared
+        if all(a is b for a, b in zip(args[:5], (job, cluster, measurements, options, efficiency), strict=True)) \
+                and args[-1] == world_size:
+            return found
+    prepared = _prepared(job, cluster, measurements, options, efficiency, world_size, cache)
+    if cache is not None:
+        cache.prepared = ((job, cluster, measurements, options, efficiency, world_size), prepared)
+    return prepared
+
+
+def _prepared(job: JobSpec, cluster: ClusterSpec | None, measurements: Measurements | None,
+              options: SimOptions | None, efficiency: Efficiency | None, world_size: int | None,
+              cache: CostCache | None) -> tuple[JobSpec, Layout, SimOptions, Efficiency, KernelModel,
+                                                CollectiveCosts, PassCosts]:
+    """:func:`_prepare`, computed."""
     cluster = cluster or job.cluster
     if cluster is not job.cluster:
         job = JobSpec(model=job.model, cluster=cluster, parallel=job.parallel, train=job.train, data=job.data)
@@ -184,9 +209,14 @@ def _prepare(job: JobSpec, cluster: ClusterSpec | None, measurements: Measuremen
             return pass_costs(plan, layout, kernels, costs, options, measurements)
         key = cost_key(layout, plan.parallel.recompute, options, plan.parallel.mlp,
                        comm=comm_options(plan.parallel), recompute_modules=plan.parallel.recompute_modules)
-        if key not in cache.costs:
-            cache.costs[key] = pass_costs(plan, layout, kernels, costs, options, measurements)
-        return cache.costs[key]
+        found = cache.costs.get(key)
+        if found is None:  # the analytical parts are shared by the plan's recompute choices
+            shared = analytical_key(key)
+            parts = cache.analytical.get(shared)
+            if parts is None:
+                parts = cache.analytical[shared] = analytical_parts(plan, layout, kernels, costs, options)
+            found = cache.costs[key] = pass_costs(plan, layout, kernels, costs, options, measurements, parts)
+        return found
 
     parts = costs_of(job)
     if job.parallel.primepar_layers is not None:  # the dense layers beyond it run its Megatron twin's
