@@ -24,6 +24,7 @@ Pure Python, no ``torch.distributed``.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from dataclasses import dataclass
@@ -139,6 +140,13 @@ class CollectiveCosts:
         else:
             steps = size - 1
         return steps * link.latency_s + ring_factor(op, size) * message_bytes / link.bandwidth_bytes_per_s
+
+    def with_intra(self, intra: Link) -> CollectiveCosts:
+        """These costs with the NVLink domain's link ``intra`` instead (the timings cached so far are not carried
+        over: they were priced on the other link)."""
+        other = copy.copy(self)
+        other.intra, other._cache, other._seconds = intra, {}, {}
+        return other
 
     def seconds(self, op: Collective, message_bytes: float, size: int, ranks_per_node: int | None = None) -> float:
         """One collective over ``size`` ranks with ``ranks_per_node`` of them in each NVLink domain (a node unless

@@ -6,7 +6,6 @@ docs/simulator.md, "moe_cost.py".
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -50,9 +49,7 @@ def all_to_all_costs(costs: CollectiveCosts, job: JobSpec) -> CollectiveCosts:
     ceiling = nominal * 1e9 * NCCL_NVLINK_SHARE
     if costs.intra.bandwidth_bytes_per_s <= ceiling:
         return costs
-    capped = copy.copy(costs)
-    capped.intra = Link(latency_s=costs.intra.latency_s, bandwidth_bytes_per_s=ceiling)
-    return capped
+    return costs.with_intra(Link(latency_s=costs.intra.latency_s, bandwidth_bytes_per_s=ceiling))
 
 
 @dataclass(frozen=True, kw_only=True)
