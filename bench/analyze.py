@@ -2,8 +2,8 @@
 
 Run: ``python bench/analyze.py [--models llama3_405b deepseek_v3] [--tp 8] [--seq 4096] [--nodes 1]
 [--markdown docs/figures/analyze.md]`` (``--markdown``: also the figures as a snippet for the docs). With
-``--nodes 2`` the job spans two DGX H100 nodes, so the mesh is 2-D (dp x tp) (MoE models then also get EP = TP and
-sequence parallelism, as Megatron needs for MoE with TP). Each case is a fresh
+``--nodes 2`` the job spans two DGX H100 nodes, so the mesh is 2-D (dp x tp) (MoE models then also get EP = TP).
+MoE models with TP get sequence parallelism, as Megatron-Core needs for MoE layers with TP. Each case is a fresh
 ``python -m cfp_megatron.analyze`` process (imports included); "cold" uses an empty cache directory, "cached" runs
 the same command again. Prints figures, asserts nothing. Target: 10 s or less cold, 1 s with a cache.
 
@@ -39,7 +39,9 @@ def _run(model: str, tp: int, seq: int, nodes: int, cache: str, out: str) -> tup
     if nodes > 1:
         cmd += ["cluster=dgx_h100", f"cluster.nodes={nodes}"]
         if model in MOE:
-            cmd += [f"parallel.ep={tp}", "parallel.sp=true"]
+            cmd += [f"parallel.ep={tp}"]
+    if model in MOE and tp > 1:
+        cmd += ["parallel.sp=true"]  # Megatron-Core needs sequence parallelism for MoE layers with TP
     cmd += ["--json", out]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
