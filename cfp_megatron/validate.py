@@ -92,6 +92,7 @@ from cfp_megatron.validation.columns import interconnect_reading, power_reading,
 from cfp_megatron.validation.data import ValidationData, ValidationDataError, load_data
 from cfp_megatron.validation.defaults import (
     SHAPE_FIELDS,
+    apex_adam_states,
     blank_reading,
     family_fields,
     framework_of,
@@ -319,7 +320,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     layout += "".join(f" {reading.tag}" for reading in readings if reading.tag)
     options = SimOptions(measured_layer_only=layer_only, attention=framework.attention,
                          pipeline_scatter_gather=framework.pipeline_scatter_gather,
-                         te_cross_entropy=framework.te_cross_entropy, torch_fsdp=framework.torch_fsdp and fsdp)
+                         te_cross_entropy=framework.te_cross_entropy, torch_fsdp=framework.torch_fsdp and fsdp,
+                         apex_adam=apex_adam_states(row, framework) if dist_opt and not fsdp else None)
     return RowPlan(row_id=rid, source=row.get("source", ""), source_detail=row.get("source_detail", ""),
                    model=row.get("model", ""), layout=layout, job=job, options=options, measured_s=measured,
                    approximations=tuple(reading.approximation for reading in readings if reading.approximation))

@@ -214,3 +214,26 @@ def test_pytorch_fsdp_keeps_its_fp32_shard_as_the_master_weights() -> None:
     assert torch_fsdp.gathered_bytes(2e8) == megatron.gathered_bytes(2e8)
     full = dict(predict_memory(job).parts)["weights"]
     assert full > 0 and dict(predict_memory(job, options=SimOptions(torch_fsdp=True)).parts)["weights"] == 0.0
+
+
+def test_apex_distributed_adam_keeps_remainders_or_bf16_states_instead_of_fp32_master_weights() -> None:
+    # Apex's DistributedFusedAdam over bf16 weights (StateBucket: exp_avg, exp_avg_sq in optim.dtype, an int16
+    # remainder a parameter with store_param_remainders): 2 + 8 bytes a parameter over DP with fp32 states, 4 with
+    # bf16 ones, where Megatron-Core's distributed optimizer keeps 4 + 8; weights and gradients as Megatron-Core's.
+    from cfp_megatron.base.parallel_dims import ParallelDims
+    from cfp_megatron.sim.options import ApexAdamStates
+
+    job = compose_job(["model=llama3_8b", "cluster=dgx_h100", "cluster.nodes=1", "train.precision=bf16",
+                       "parallel.distributed_optimizer=true", "train.global_batch_size=16"])
+    dims = ParallelDims.build(job, 8, te_available=False)
+    params = 8e9
+    megatron = Sharding.megatron(job, dims).memory(params)
+    for states, per_param in ((ApexAdamStates.remainders, 10.0), (ApexAdamStates.bf16, 4.0)):
+        apex = Sharding.megatron(job, dims, apex_adam=states).memory(params)
+        assert apex.optimizer_states * 8 / params == pytest.approx(per_param)
+        assert (apex.weights, apex.gradients) == (megatron.weights, megatron.gradients)
+    assert megatron.optimizer_states * 8 / params == pytest.approx(12.0)
+    fp32 = compose_job(["model=llama3_8b", "cluster=dgx_h100", "cluster.nodes=1", "train.precision=fp32",
+                        "parallel.distributed_optimizer=true", "train.global_batch_size=16"])
+    assert (StateBytes.megatron(fp32, apex_adam=ApexAdamStates.bf16)  # fp32 weights are their own master
+            == StateBytes.megatron(fp32))

@@ -3,6 +3,7 @@ package, and an entry added to a file changes how a row is read without a change
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import tomllib
 from pathlib import Path
@@ -12,6 +13,8 @@ import pytest
 from cfp_megatron.base.compose import CONF_DIR
 from cfp_megatron.base.config import FsdpStrategy
 from cfp_megatron.base.number_format import NumberFormat
+from cfp_megatron.sim.options import ApexAdamStates
+from cfp_megatron.sim.simulate import simulate
 from cfp_megatron.validate import row_plan
 from cfp_megatron.validation.data import (
     DATA_DIR,
@@ -58,7 +61,9 @@ def test_the_data_files_ship_with_the_package() -> None:
 
 @pytest.mark.parametrize("framework, entry", [
     ("Megatron-LM (2021)", "Megatron-LM before 2023"), ("Megatron-Core (2022)", "Megatron-LM before 2023"),
-    ("Megatron-Bridge / NeMo 26.02", "Megatron-Bridge"), ("NeMo 24.07 (Megatron-Core)", "NeMo"),
+    ("Megatron-Bridge / NeMo 26.02", "Megatron-Bridge"),
+    ("NeMo 24.07 (Megatron-Core)", "NeMo 1 (NeMo-Framework-Launcher)"),
+    ("NeMo 24.03.01", "NeMo 1 (NeMo-Framework-Launcher)"), ("NeMo 25.02", "NeMo"),
     ("Megatron-Core r0.8.0", "Megatron-Core"), ("Megatron-LM (Megatron-Core 0.12)", "Megatron-Core"),
     ("Megatron-LM", "any other framework"), ("llm-foundry / Composer", "llm-foundry"),
     ("torchtitan", "torchtitan"), ("", "any other framework"),
@@ -90,6 +95,28 @@ def test_the_frameworks_readings_reach_the_plan() -> None:
     stated = row_plan({**ROW, "framework": "Megatron-Bridge / NeMo 25.09", "sequence_parallel": "no",
                        "zero_or_fsdp": "DDP"}).job.parallel
     assert not (stated.sp or stated.distributed_optimizer)  # a stated column wins over the framework's reading
+
+
+def test_nemo_1s_apex_optimizer_reaches_the_options_and_prices_its_states() -> None:
+    nemo = {**ROW, "framework": "NeMo 24.07 (Megatron-Core)"}
+    plans = {name: row_plan(row) for name, row in (
+        ("remainders", nemo), ("bf16", {**nemo, "model": "Nemotron-4 340B"}),
+        ("megatron", {**nemo, "framework": "Megatron-Core r0.8.0"}))}
+    assert plans["remainders"].options.apex_adam is ApexAdamStates.remainders
+    assert plans["bf16"].options.apex_adam is ApexAdamStates.bf16  # nemotron_340b.yaml's optim.dtype: bf16
+    assert plans["megatron"].options.apex_adam is None
+    assert row_plan({**nemo, "zero_or_fsdp": "DDP"}).options.apex_adam is None  # only the distributed optimizer's
+    base = plans["remainders"]
+    memory = {name: simulate(base.job, options=dataclasses.replace(base.options, apex_adam=plan.options.apex_adam))
+              .memory for name, plan in plans.items()}
+    # Megatron-Core: fp32 master + two fp32 moments (12 B a parameter over DP); Apex with remainders: int16
+    # remainder + fp32 moments (10 B); with bf16 states: two bf16 moments, no master (4 B). Nothing else moves.
+    megatron = memory["megatron"].optimizer_states
+    assert memory["remainders"].optimizer_states == pytest.approx(megatron * 10 / 12)
+    assert memory["bf16"].optimizer_states == pytest.approx(megatron * 4 / 12)
+    for name in ("remainders", "bf16"):
+        assert memory[name].total - memory["megatron"].total == pytest.approx(
+            memory[name].optimizer_states - megatron)
 
 
 def _with_entry(tmp_path: Path, source: Path, key: str, entry: str) -> Path:
@@ -144,6 +171,9 @@ def test_a_family_entry_in_a_data_file_fills_a_blank_vocabulary(tmp_path: Path) 
     (FRAMEWORKS_FILE, "frameworks", "  - {name: x, match: {}, runs: {attention: flash, overlap_grad_reduce: true, "
      "tp_comm_overlap: true, grad_reduce_in_fp32: true}}\n", "entry 1 ('x') names no source"),
     (FRAMEWORKS_FILE, "frameworks", "  - {name: x, match: {}, colour: red, source: s}\n", "unknown key(s) colour"),
+    (FRAMEWORKS_FILE, "frameworks", "  - {name: x, match: {}, runs: {attention: flash, overlap_grad_reduce: true, "
+     "tp_comm_overlap: true, grad_reduce_in_fp32: true, apex_distributed_adam: {'': fp16}}, source: s}\n",
+     "apex_distributed_adam={'': 'fp16'}"),
     (FAMILIES_FILE, "families", "  - {name: x, pattern: '(', source: s}\n", "not a regular expression"),
     (RECIPES_FILE, "recipes", "  - {name: x, releases: ['26.1', null], model: m, hardware: [b200], layouts: "
      "[{gpus: 8, tp: 1, pp: 1, vp: 1, ep: 8, global_batch: 512}], dispatcher: flex, a2a_overlap: false, "

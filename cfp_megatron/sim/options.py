@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from cfp_megatron.base.config import AttentionKernel, ClusterSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import attention_kernel_here, transformer_engine_available
+
+
+class ApexAdamStates(enum.Enum):
+    """How Apex's ``DistributedFusedAdam`` (NeMo 1's ``optim.name=distributed_fused_adam``) keeps the master weights
+    and moments of bf16 weights (:meth:`~cfp_megatron.sim.sharding.StateBytes.megatron`)."""
+
+    remainders = "remainders"
+    """fp32 moments and, beside the bf16 weights, int16 remainders instead of fp32 master weights (``optim.dtype``
+    fp32, NeMo's default: it sets ``store_params=False, store_param_remainders=True``)."""
+    bf16 = "bf16"
+    """bf16 moments and no master copy (``optim.dtype=bf16``: NeMo sets ``store_params=False``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +62,10 @@ class SimOptions:
     FSDP2 ``fully_shard``: torchtitan, llm-foundry): the fp32 shard is the parameter and its master weights, with no
     compute-precision shard beside it (memory only; :attr:`~cfp_megatron.sim.sharding.StateBytes.master_is_shard`).
     ``False``: Megatron-FSDP's, as the runtime trains."""
+    apex_adam: ApexAdamStates | None = None
+    """The distributed optimizer is Apex's ``DistributedFusedAdam`` keeping its states so (memory only;
+    :meth:`~cfp_megatron.sim.sharding.StateBytes.megatron`). ``None``: Megatron-Core's distributed optimizer (fp32
+    master weights and moments), as the runtime trains."""
     max_schedule_ops: int = 200_000
     """Largest pipeline schedule (ranks x micro-batches x chunks x 2) simulated event by event; larger ones use
     two shorter schedules extrapolated (:func:`cfp_megatron.sim.schedule.run_schedule`)."""

@@ -16,9 +16,19 @@ from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
 from cfp_megatron.sim.format_costs import weight_element_bytes
 from cfp_megatron.sim.kernels import element_bytes, grad_element_bytes
+from cfp_megatron.sim.options import ApexAdamStates
 
 FP32_BYTES = 4.0
 """Bytes of an fp32 element: master weights, main gradients."""
+
+# Apex's DistributedFusedAdam (apex/contrib/optimizers/distributed_fused_adam.py, StateBucket.__init__, as of
+# 2024-07): each state bucket's shard holds exp_avg and exp_avg_sq in optim.dtype and, with store_param_remainders,
+# an int16 remainder a parameter (the low 16 bits of the fp32 master; the bf16 weight is its high half); with
+# store_params=False no parameter copy. NeMo 1 (nemo/collections/nlp/models/language_modeling/megatron_base_model.py,
+# setup_optimization at r2.0.0rc1) sets store_params=False and store_param_remainders=True for fp32 states over bf16
+# weights (megatron_amp_O2), store_params=False where the states are bf16 like the weights.
+APEX_ADAM_BYTES = {ApexAdamStates.remainders: (2.0, 2 * FP32_BYTES), ApexAdamStates.bf16: (0.0, 2 * 2.0)}
+"""(master-weight bytes, moment bytes) per parameter of Apex's DistributedFusedAdam over bf16 weights."""
 
 
 class Sharded(enum.IntEnum):
@@ -83,19 +93,22 @@ class StateBytes:
     beside its fp32 master weights (``False``)."""
 
     @classmethod
-    def megatron(cls, job: JobSpec, *, torch_fsdp: bool = False) -> StateBytes:
+    def megatron(cls, job: JobSpec, *, torch_fsdp: bool = False,
+                 apex_adam: ApexAdamStates | None = None) -> StateBytes:
         """Megatron-Core: weights in the compute precision, plus under FP8/FP4 the quantised copies Transformer
         Engine keeps (or, with ``parallel.fp8_param_gather``, the FP8 weights alone:
         :func:`~cfp_megatron.sim.format_costs.weight_element_bytes`; all weights are counted, though the router,
         embedding and logits keep none); gradients in Megatron's buffer
         (:func:`~cfp_megatron.sim.kernels.grad_element_bytes`), which the optimizer steps from (its fp32 cast of a
         bf16 buffer at the step is not counted); fp32 master weights with 16-bit weights. ``torch_fsdp``: the
-        weights sharded as PyTorch's FSDP shards them (:attr:`master_is_shard`)."""
+        weights sharded as PyTorch's FSDP shards them (:attr:`master_is_shard`). ``apex_adam``: Adam over 16-bit
+        weights stepped by Apex's DistributedFusedAdam, its master weights and moments of :data:`APEX_ADAM_BYTES`."""
         elem = float(element_bytes(job))
+        master, states = FP32_BYTES if elem == 2 else 0.0, optimizer_state_bytes(job.train.optimizer)
+        if apex_adam is not None and elem == 2 and job.train.optimizer is OptimizerKind.adam:
+            master, states = APEX_ADAM_BYTES[apex_adam]
         return cls(weights=weight_element_bytes(job, elem), gradients=grad_element_bytes(job), main_gradients=0.0,
-                   master_weights=FP32_BYTES if elem == 2 else 0.0,
-                   optimizer_states=optimizer_state_bytes(job.train.optimizer),
-                   master_is_shard=torch_fsdp and elem == 2)
+                   master_weights=master, optimizer_states=states, master_is_shard=torch_fsdp and elem == 2)
 
     @classmethod
     def deepspeed(cls, *, elem: float, stage: int,
@@ -171,18 +184,20 @@ class Sharding:
                                           fix="use backend.zero_stage=3, or leave the parameters on the device."))
 
     @classmethod
-    def megatron(cls, job: JobSpec, dims: ParallelDims, *, torch_fsdp: bool = False) -> Sharding:
+    def megatron(cls, job: JobSpec, dims: ParallelDims, *, torch_fsdp: bool = False,
+                 apex_adam: ApexAdamStates | None = None) -> Sharding:
         """Megatron-Core's data parallelism for ``job`` laid out as ``dims``: Megatron-FSDP's strategy
         (``parallel.fsdp``), the distributed optimizer (``parallel.distributed_optimizer``: the optimizer's states)
         or DDP; the dense parameters' states over DP x CP, or over shard groups of ``parallel.dp_shard_size`` of them
         replicated across the rest (HSDP); the routed experts' over the expert-DP group. ``torch_fsdp``: the
-        weights sharded as PyTorch's FSDP shards them (:attr:`StateBytes.master_is_shard`)."""
+        weights sharded as PyTorch's FSDP shards them (:attr:`StateBytes.master_is_shard`); ``apex_adam``: the
+        optimizer's states as Apex keeps them (:meth:`StateBytes.megatron`)."""
         p = job.parallel
         dp_cp = dims.dp * dims.cp
         shard = min(p.dp_shard_size or dp_cp, dp_cp)
         return cls(sharded=megatron_sharded(distributed_optimizer=p.distributed_optimizer, fsdp=p.fsdp),
-                   state=StateBytes.megatron(job, torch_fsdp=torch_fsdp), group=shard, expert_group=dims.expert_dp,
-                   replicas=max(dp_cp // shard, 1))
+                   state=StateBytes.megatron(job, torch_fsdp=torch_fsdp, apex_adam=apex_adam), group=shard,
+                   expert_group=dims.expert_dp, replicas=max(dp_cp // shard, 1))
 
     @classmethod
     def zero(cls, *, stage: int, dp: int, elem: float, offload_optimizer: bool = False,

@@ -17,6 +17,7 @@ from yaml import YAMLError
 from cfp_megatron.base.config import AttentionKernel, CudaGraphImpl, cuda_graph_scopes
 from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.number_format import format_names
+from cfp_megatron.sim.options import ApexAdamStates
 
 DATA_DIR = Path(__file__).resolve().parent
 FRAMEWORKS_FILE = DATA_DIR / "frameworks.yaml"
@@ -93,6 +94,10 @@ class Framework:
     te_cross_entropy`)."""
     torch_fsdp: bool = False
     """Its sharded weights are PyTorch FSDP's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_fsdp`)."""
+    apex_adam: tuple[tuple[str, ApexAdamStates], ...] = ()
+    """(pattern on ``model``, how its states are kept) where its distributed optimizer is Apex's
+    DistributedFusedAdam (:attr:`~cfp_megatron.sim.options.SimOptions.apex_adam`); the first match applies, empty:
+    Megatron-Core's."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -238,7 +243,8 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             entry.fail(f"has blank={blank!r}; it maps {' or '.join(sorted(BLANK_COLUMNS))} to the text a blank "
                        "column is read as")
         runs = entry.get("runs", dict)
-        optional = {"mtp_layers", "pipeline_scatter_gather", "fp8_param_gather", "te_cross_entropy", "torch_fsdp"}
+        optional = {"mtp_layers", "pipeline_scatter_gather", "fp8_param_gather", "te_cross_entropy", "torch_fsdp",
+                    "apex_distributed_adam"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -254,6 +260,10 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
         mtp = runs.get("mtp_layers") or {}
         if not isinstance(mtp, dict) or not all(isinstance(n, int) and n >= 0 for n in mtp.values()):
             entry.fail(f"has mtp_layers={mtp!r}; it maps a model pattern to a number of layers")
+        apex = runs.get("apex_distributed_adam") or {}
+        states = {state.value for state in ApexAdamStates}
+        if not isinstance(apex, dict) or not all(isinstance(v, str) and v in states for v in apex.values()):
+            entry.fail(f"has apex_distributed_adam={apex!r}; it maps a model pattern to one of {sorted(states)}")
         contains = match.get("contains", [])
         frameworks.append(Framework(
             name=raw["name"], source=raw["source"], blank=dict(blank), attention=attention,
@@ -264,7 +274,8 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             grad_reduce_in_fp32=bool(runs["grad_reduce_in_fp32"]), mtp_layers=tuple(mtp.items()),
             pipeline_scatter_gather=bool(runs.get("pipeline_scatter_gather", False)),
             fp8_param_gather=tuple(fp8_params), te_cross_entropy=bool(runs.get("te_cross_entropy", False)),
-            torch_fsdp=bool(runs.get("torch_fsdp", False))))
+            torch_fsdp=bool(runs.get("torch_fsdp", False)),
+            apex_adam=tuple((str(pattern), ApexAdamStates(state)) for pattern, state in apex.items())))
     if frameworks[-1].match != FrameworkMatch():
         raise ValidationDataError(f"{path}: the last entry ({frameworks[-1].name!r}) has conditions, so a row of "
                                   "another framework has no reading. Fix: end with an entry of 'match: {}'.")

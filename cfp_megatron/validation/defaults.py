@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 from cfp_megatron.base.compose import group_presets
+from cfp_megatron.sim.options import ApexAdamStates
 from cfp_megatron.validation.data import FAMILY_COLUMNS, Framework, MoeRecipe, ValidationData
 from cfp_megatron.validation.rows import count_cell
 
@@ -24,6 +25,14 @@ def framework_of(row: dict, data: ValidationData) -> Framework:
 def blank_reading(row: dict, column: str, framework: Framework) -> str:
     """The row's ``column``, or where it is blank what ``framework`` reads a blank one as (empty: no reading)."""
     return (row.get(column) or "").strip() or framework.blank.get(column, "")
+
+
+def apex_adam_states(row: dict, framework: Framework) -> ApexAdamStates | None:
+    """How ``framework``'s Apex DistributedFusedAdam keeps the row's ``model``'s optimizer states (``None``: its
+    distributed optimizer is Megatron-Core's)."""
+    model = row.get("model") or ""
+    return next((states for pattern, states in framework.apex_adam if re.search(pattern, model, re.IGNORECASE)),
+                None)
 
 
 def mtp_layers(row: dict, framework: Framework) -> int:
