@@ -58,7 +58,8 @@ class MegatronBackend:
                                     inputs_fingerprint=inputs_fingerprint) for i, r in enumerate(offered))
         return PlannedSearch(plans=plans, labels=tuple(r.candidate.describe(world) for r in offered),
                              searched=result.space_size, rejected=tuple((r.what, r.reason) for r in result.rejected),
-                             seconds=result.seconds, report=lambda console: print_result(result, peak, console))
+                             seconds=result.seconds, report=lambda console: print_result(result, peak, console),
+                             pinned=result.pinned)
 
     def train(self, job: JobSpec, plan: Plan, env: LaunchEnv, backend: BackendSpec, *,
               metrics_path: Path | None, check: PlanCheck | None, resume: Any) -> list[Any]:
