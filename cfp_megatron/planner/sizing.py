@@ -19,6 +19,8 @@ from typing import Protocol
 from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import MAX_WORLD_SIZE, JobSpec
 from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
+from cfp_megatron.model.derive import partition_options
+from cfp_megatron.model.options import PartitionOption
 from cfp_megatron.planner.job_checks import world_issues
 from cfp_megatron.search.search import SearchResult, search
 from cfp_megatron.sim.options import SimOptions
@@ -248,6 +250,15 @@ class Planner:
     """The pass costs the searches share (made by the first)."""
     results: dict[int, SearchResult] = dataclasses.field(default_factory=dict)
     """Each node count's search, kept (a size asked again is not searched again)."""
+    partitions: tuple[PartitionOption, ...] | None = None
+    """The model's partition options as the preflight reads them (:meth:`options`), once."""
+
+    def options(self) -> tuple[PartitionOption, ...]:
+        """The model's derived partition options (:func:`~cfp_megatron.model.derive.partition_options`, cached by
+        model key), read once per planner."""
+        if self.partitions is None:
+            self.partitions = partition_options(self.job)
+        return self.partitions
 
     def issues(self, nodes: int) -> list[ConfigIssue]:
         """What refuses ``nodes`` nodes whatever the layout."""
@@ -260,7 +271,7 @@ class Planner:
             job = resized(self.job, nodes)
             if self.cache is None:
                 self.cache = CostCache.for_job(job, None, SimOptions())
-            self.results[nodes] = search(job, world_of(job), self.cfp, cache=self.cache)
+            self.results[nodes] = search(job, world_of(job), self.cfp, cache=self.cache, partitions=self.options())
         return self.results[nodes]
 
     def fits(self, nodes: int) -> bool:
@@ -358,6 +369,8 @@ def size_all(planners: Sequence[Planner], nodes: Sequence[int], *, tokens: float
         if meanwhile is not None:
             meanwhile()
         return rows
+    for planner in planners:  # read before the fork: the workers share them
+        planner.options()
     ctx = multiprocessing.get_context("fork")
     shares = _Shares(ctx, len(planners), len(nodes))
     results = ctx.Queue()
