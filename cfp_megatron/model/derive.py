@@ -219,6 +219,9 @@ def options_report(job: JobSpec, *, use_cache: bool = True) -> list[dict[str, An
 def derive(job: JobSpec) -> tuple[tuple[DerivedOption, ...], dict[str, float]]:
     """Capture ``job``'s model at :data:`PROBE_SEQ` tokens and derive its options (module docstring); the seconds
     of the capture and of the propagation."""
+    from cfp_megatron.compat.quiet import quiet_expected_warnings, say_once
+
+    say_once(quiet_expected_warnings(distributed=False))  # before Megatron-Core is imported (by the capture)
     from cfp_megatron.graph.record import forward_only
     from cfp_megatron.model.capture import capture_job
 
