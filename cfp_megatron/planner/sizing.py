@@ -6,6 +6,7 @@ range, the smallest size that would (docs/sizing.md)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import multiprocessing
 import multiprocessing.context
@@ -371,6 +372,7 @@ def size_all(planners: Sequence[Planner], nodes: Sequence[int], *, tokens: float
         return rows
     for planner in planners:  # read before the fork: the workers share them
         planner.options()
+    gc.freeze()  # what the workers inherit is never traversed by their collector (nor copied for it)
     ctx = multiprocessing.get_context("fork")
     shares = _Shares(ctx, len(planners), len(nodes))
     results = ctx.Queue()
@@ -400,6 +402,7 @@ def size_all(planners: Sequence[Planner], nodes: Sequence[int], *, tokens: float
             if w.is_alive():
                 w.terminate()
             w.join()
+        gc.unfreeze()
 
 
 class _Shares:
