@@ -17,7 +17,7 @@ from cfp_megatron import cli
 from cfp_megatron.base.cfp_spec import cfp_from_config
 from cfp_megatron.base.compose import compose_config
 from cfp_megatron.base.config import job_from_config
-from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.planner.memory_fit import check_no_plan
 from cfp_megatron.planner.size_cli import deadline_lines, prices, table
 from cfp_megatron.planner.sizing import (
@@ -141,15 +141,17 @@ def test_workers_stay_on_a_kind_and_share_the_last() -> None:
 
 class _Refusing(Planner):
     def search(self, nodes: int) -> SearchResult:
-        raise ConfigError([])
+        raise ConfigError(ConfigIssue(key="cluster.nodes", value=nodes, problem="is refused.", fix="another."))
 
 
 def test_a_worker_s_error_is_raised_here_and_meanwhile_runs(tight: Planner) -> None:
     ran = []
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError) as info:
         size_all([_Refusing(job=tight.job, cfp=tight.cfp)], [1, 2], tokens=1e9, jobs=2,
                  meanwhile=lambda: ran.append(True))
-    assert ran == [True]
+    assert ran == [True] and info.value.keys == ["cluster.nodes"]  # whole, as the worker raised it
+    text = str(info.value)
+    assert text.startswith("1 invalid setting(s):\n  - cluster.nodes=") and "Fix: another." in text
     rows = size_all([tight], [1], tokens=1e9, jobs=1, meanwhile=lambda: ran.append(False))
     assert ran == [True, False] and len(rows) == 1
 
