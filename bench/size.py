@@ -30,6 +30,7 @@ import snippet
 from cfp_megatron.base.cfp_spec import cfp_from_config
 from cfp_megatron.base.compose import compose_config
 from cfp_megatron.base.config import job_from_config
+from cfp_megatron.model.derive import partition_options
 from cfp_megatron.search.search import search
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache
@@ -78,15 +79,16 @@ def sharing() -> tuple[float, float, bool]:
     for kind in KINDS:
         cfg = compose_config(["+cfp=auto", *JOB, f"cluster={kind}"])
         job, cfp = job_from_config(cfg), cfp_from_config(cfg)
+        partitions = partition_options(job)  # what cfp size and the preflight read (derived, cached by model)
         cache = CostCache.for_job(job, None, SimOptions())
         for nodes in NODES:
             sized = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, nodes=nodes))
             world = nodes * job.cluster.gpus_per_node
             t = time.process_time()
-            with_cache = search(sized, world, cfp, cache=cache)
+            with_cache = search(sized, world, cfp, cache=cache, partitions=partitions)
             shared_s += time.process_time() - t
             t = time.process_time()
-            alone = search(sized, world, cfp)
+            alone = search(sized, world, cfp, partitions=partitions)
             alone_s += time.process_time() - t
             same &= [(r.candidate, r.prediction.step_time_s) for r in with_cache.ranked] == \
                 [(r.candidate, r.prediction.step_time_s) for r in alone.ranked]

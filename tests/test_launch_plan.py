@@ -56,6 +56,15 @@ def test_plan_key_follows_inputs_not_the_parallel_section() -> None:
     assert plan_key(job, 4, cfp) != plan_key(job, 4, pinned)
 
 
+def test_plan_key_leaves_trials_out() -> None:
+    """Trials choose among the searched plans at launch (their pick is the plan stored under the key): the key is
+    the same for any ``cfp.trials``, while a setting that shapes the search still changes it."""
+    job, cfp = _compose("model=gpt_tiny")
+    keys = {plan_key(job, 4, _compose("model=gpt_tiny", f"cfp.trials={t}")[1]) for t in ("auto", "0", "1", "3")}
+    assert keys == {plan_key(job, 4, cfp)}
+    assert plan_key(job, 4, _compose("model=gpt_tiny", "cfp.trials=3", "cfp.recompute=full")[1]) not in keys
+
+
 def _events(result: RunResult, kind: str) -> list[dict]:
     return [r for r in result.records if r.get("event") == kind]
 

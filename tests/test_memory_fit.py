@@ -238,6 +238,54 @@ def test_mfu_on_cpu_is_against_the_cpus_measured_peak(monkeypatch: pytest.Monkey
     assert "cfp profile" in source  # measured at each start: the source says how to make it comparable
 
 
+def _zero_no_fit(*overrides: str) -> str:
+    from cfp_megatron.base.backend_spec import backend_from_config
+    from cfp_megatron.planner.deepspeed_memory import check_zero_search_fits
+
+    cfg = compose_config(["backend=deepspeed", "+cfp=auto", *overrides])
+    job = job_from_config(cfg)
+    with pytest.raises(ConfigError) as info:
+        check_zero_search_fits(job, job.cluster.nodes * job.cluster.gpus_per_node, cfp_from_config(cfg),
+                               backend_from_config(cfg), on_gpu=True, figures=(job.cluster, None))
+    return str(info.value)
+
+
+def test_deepspeed_no_fit_without_pins_names_the_fewest_nodes_that_fit() -> None:
+    """Issue Q, deliverable 3: no ZeRO plan of Llama-3 405B on one DGX H100 node, nothing pinned: the error plans
+    more nodes and names the fewest that fit (its plan planned there), and names no pin to relax."""
+    text = _zero_no_fit("model=llama3_405b", "cluster=dgx_h100", "cluster.nodes=1", "train.global_batch_size=1024",
+                        "train.seq_length=4096")
+    assert "The fewest nodes of cluster=dgx_h100 on which one fits: cluster.nodes=2 (16 ranks): zero3" in text
+    assert "size the cluster to cluster.nodes=2 or more" in text
+    assert "remove backend" not in text and "pin" not in text.split("Fix:")[1]
+    few = _zero_no_fit("model=llama3_405b", "cluster=dgx_h100", "cluster.nodes=1", "train.global_batch_size=8")
+    assert "train.global_batch_size=8 has none for more ranks" in few and "cluster.nodes=2" not in few
+
+
+def test_deepspeed_no_fit_with_pins_names_those_pins_only() -> None:
+    text = _zero_no_fit("model=llama3_70b", "cluster=dgx_h100", "cluster.nodes=1", "train.global_batch_size=64",
+                        "train.seq_length=8192", "backend.zero_stage=1", "cfp.micro_batch=1")
+    assert "remove backend.zero_stage, cfp.micro_batch)" in text
+    assert "backend.activation_checkpointing" not in text and "The fewest nodes" not in text
+
+
+def test_deepspeed_search_leaving_nothing_names_its_pins_only_where_there_are_pins() -> None:
+    from cfp_megatron.backends.deepspeed.search import search_zero
+    from cfp_megatron.base.backend_spec import backend_from_config
+
+    def refused(*overrides: str) -> str:
+        cfg = compose_config(["backend=deepspeed", "+cfp=auto", *overrides])
+        with pytest.raises(ConfigError) as info:
+            search_zero(job_from_config(cfg), 2, cfp_from_config(cfg), backend_from_config(cfg))
+        return str(info.value)
+
+    text = refused("cfp.constraints.micro_batch=[3]")
+    assert "relax the cfp pins and constraints (cfp.constraints.micro_batch)" in text
+    assert "none of them divides the 4 sequences per rank" in text
+    bare = refused("cluster.hbm_gib=0.0001")  # nothing pinned, every plan over the memory
+    assert "no cfp pin or constraint is set" in bare and "relax" not in bare and "start more ranks" in bare
+
+
 @cpu_only
 def test_deepspeed_auto_refuses_a_job_that_cannot_fit_before_profiling(host: None, monkeypatch: pytest.MonkeyPatch,
                                                                        tmp_path: Path) -> None:
@@ -262,7 +310,8 @@ def test_deepspeed_auto_refuses_a_job_that_cannot_fit_before_profiling(host: Non
     text = str(info.value)
     assert info.value.keys == ["cluster"] and "no DeepSpeed ZeRO plan of llama3_8b on 2 ranks fits in memory" in text
     assert "needs at least" in text and "each rank has 10.75 GiB (this host's 23.5 GiB" in text
-    assert "backend.zero_stage" in text and "fewer ranks per node" in text and "backend=megatron" in text
+    assert "fewer ranks per node" in text and "backend=megatron" in text
+    assert "backend.zero_stage" not in text and "pinned" not in text  # nothing pinned: no pin to relax
     assert not dist.is_initialized()
     cfg = compose_config(["backend=deepspeed", "+cfp=auto", "model=gpt_tiny"])
     check_zero_search_fits(job_from_config(cfg), 2, cfp_from_config(cfg), backend_from_config(cfg), on_gpu=False)

@@ -17,7 +17,7 @@ from cfp_megatron import cli
 from cfp_megatron.base.cfp_spec import cfp_from_config
 from cfp_megatron.base.compose import compose_config
 from cfp_megatron.base.config import job_from_config
-from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.planner.memory_fit import check_no_plan
 from cfp_megatron.planner.size_cli import deadline_lines, prices, table
 from cfp_megatron.planner.sizing import (
@@ -112,7 +112,48 @@ def test_rows_plan_each_size_with_time_hours_energy_price_and_band(tight: Planne
 def test_forked_planners_give_the_same_rows(tight: Planner) -> None:
     alone = size_all([tight], [1, 2], tokens=1e9)
     forked = size_all([_planner(TIGHT), _planner(TIGHT)], [1, 2], tokens=1e9, jobs=3)  # a fresh pair: searched there
-    assert forked == alone + alone  # in order, each kind's sizes in runs of neighbours
+    assert forked == alone + alone  # in order, whichever worker planned each
+
+
+def test_workers_stay_on_a_kind_and_share_the_last() -> None:
+    """The sizes handed to two workers of three kinds x four sizes: each worker keeps to its kind while it has
+    sizes left, then moves to the kind with the fewest workers and the most left; every size is handed out once,
+    and at most one kind is warmed in both workers."""
+    import multiprocessing
+
+    from cfp_megatron.planner.sizing import _Shares
+
+    shares = _Shares(multiprocessing.get_context("fork"), 3, 4)
+    kinds: list[int | None] = [None, None]
+    warmed: list[set[int]] = [set(), set()]
+    handed = []
+    worker = 0
+    while (task := shares.take(kinds[worker])) is not None:
+        kinds[worker] = task[0]
+        warmed[worker].add(task[0])
+        handed.append(task)
+        worker = 1 - worker if len(handed) % 3 else worker  # uneven speeds: worker 0 takes one more now and then
+    assert sorted(handed) == [(k, i) for k in range(3) for i in range(4)]
+    assert handed[0][0] != handed[1][0]  # the second worker starts on another kind
+    assert len(warmed[0]) + len(warmed[1]) <= 3 + 1  # each kind warmed once, but one at most twice
+    assert [t[1] for t in handed if t[0] == 2] == [0, 1, 2, 3]  # a kind's sizes in order
+
+
+class _Refusing(Planner):
+    def search(self, nodes: int) -> SearchResult:
+        raise ConfigError(ConfigIssue(key="cluster.nodes", value=nodes, problem="is refused.", fix="another."))
+
+
+def test_a_worker_s_error_is_raised_here_and_meanwhile_runs(tight: Planner) -> None:
+    ran = []
+    with pytest.raises(ConfigError) as info:
+        size_all([_Refusing(job=tight.job, cfp=tight.cfp)], [1, 2], tokens=1e9, jobs=2,
+                 meanwhile=lambda: ran.append(True))
+    assert ran == [True] and info.value.keys == ["cluster.nodes"]  # whole, as the worker raised it
+    text = str(info.value)
+    assert text.startswith("1 invalid setting(s):\n  - cluster.nodes=") and "Fix: another." in text
+    rows = size_all([tight], [1], tokens=1e9, jobs=1, meanwhile=lambda: ran.append(False))
+    assert ran == [True, False] and len(rows) == 1
 
 
 def _row(cluster: str, gpus: int, step: float | None) -> Sized:

@@ -22,7 +22,7 @@ from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.plan.check import PlanCheck
-from cfp_megatron.search.search import nothing_left
+from cfp_megatron.search.search import no_plan_fix, nothing_left
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,12 +43,14 @@ class PlannedSearch:
     """Wall time of the search."""
     report: Callable[[Any], None]
     """Prints the backend's own tables (ranking, what was ruled out, why the best wins) to a rich console."""
+    pinned: tuple[str, ...] = ()
+    """The keys of the pins and sets the search kept to (``cfp.tp``, ``backend.zero_stage``)."""
 
     @property
     def best(self) -> Plan:
         """The chosen plan (the first); a :class:`ConfigError` when none fits."""
         if not self.plans:
-            raise nothing_left(list(self.rejected[:8]), "relax the cfp pins and constraints, or add GPUs.")
+            raise nothing_left(list(self.rejected[:8]), no_plan_fix(self.pinned))
         return self.plans[0]
 
 

@@ -168,6 +168,13 @@ def load_config(config: dict[str, Any] | str | Path, *, key: str = "config") -> 
     return data
 
 
+CONFIG_KEYS = {"zero_stage": "zero_optimization.stage", "micro_batch": "train_micro_batch_size_per_gpu",
+               "offload_optimizer": "zero_optimization.offload_optimizer.device",
+               "offload_param": "zero_optimization.offload_param.device"}
+"""The DeepSpeed config key that sets each planned knob (:func:`config_settings`); activation checkpointing has
+none of its own."""
+
+
 def config_settings(base: dict[str, Any]) -> dict[str, Any]:
     """How a DeepSpeed config sets the planned knobs (keys of :data:`PLANNED_KEYS`): a concrete value, ``"auto"``,
     or ``None`` where it says nothing (activation checkpointing has no key of its own: always ``None``)."""

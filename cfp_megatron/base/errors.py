@@ -48,6 +48,10 @@ class ConfigError(CfpError, ValueError):
         lines = [f"{len(self.issues)} invalid setting(s):"] + [f"  - {issue}" for issue in self.issues]
         super().__init__("\n".join(lines))
 
+    def __reduce__(self) -> tuple[type, tuple[list[ConfigIssue]]]:
+        """Pickled as its issues (a worker process hands its error to the parent whole)."""
+        return type(self), (self.issues,)
+
     @property
     def keys(self) -> list[str]:
         """The Hydra keys named by the issues, in order."""

@@ -42,6 +42,7 @@ from cfp_megatron.base.errors import CfpError, ConfigError
 from cfp_megatron.base.layout_rules import moe, sequence, tensor
 from cfp_megatron.base.layout_rules.problem import briefs
 from cfp_megatron.compat.import_cost import collector_paused, heavy_imports
+from cfp_megatron.compat.quiet import quiet_expected_warnings, say_once
 from cfp_megatron.model import cache
 from cfp_megatron.model.errors import CaptureError
 from cfp_megatron.model.options import LayerPart, PartitionOption, SizeContext, model_options
@@ -225,6 +226,7 @@ def options_report(job: JobSpec, *, use_cache: bool = True) -> list[dict[str, An
 def derive(job: JobSpec) -> tuple[tuple[DerivedOption, ...], dict[str, float]]:
     """Capture ``job``'s model at :data:`PROBE_SEQ` tokens and derive its options (module docstring); the seconds
     of the imports, the capture and the propagation."""
+    say_once(quiet_expected_warnings(distributed=False))  # before Megatron-Core is imported (by the capture)
     start = time.perf_counter()
     with heavy_imports():
         import torch._dynamo  # noqa: F401 - torch's `_disable_dynamo` wrappers (DTensor's dispatch) import it

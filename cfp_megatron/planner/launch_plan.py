@@ -83,15 +83,18 @@ class LaunchPlan:
 
 def plan_key(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec | None = None) -> str:
     """What a launch's plan depends on: the model and cluster specs, the global batch, sequence length, precision
-    and optimizer, the world size, the planner's settings and a backend other than Megatron-Core's with its knobs
-    (not the parallel section, which the plan replaces, nor the steps, learning rate, checkpoint and log settings)."""
+    and optimizer, the world size, the planner's settings that shape the search and a backend other than
+    Megatron-Core's with its knobs (not the parallel section, which the plan replaces, nor the steps, learning
+    rate, checkpoint and log settings, nor ``cfp.trials``: trials choose among the searched plans at launch, and
+    their pick is the stored plan; docs/planning.md, "The plan key")."""
     t = job.train
     train = {"global_batch_size": t.global_batch_size, "seq_length": t.seq_length,
              "precision": NumberFormat.of(t).name,  # the value itself for 16/32 bits (earlier keys hold)
              "optimizer": t.optimizer.value}  # what the plan depends on; steps, LR, checkpoints and logs do not
+    settings = json_plain(dataclasses.replace(cfp, plan_file=None, top_k=1, check_after_steps=0))
+    settings.pop("trials", None)  # left out, not normalised: the keys of launches from before trials hold
     payload = {"model": keyed_model(job.model), "train": train, "cluster": json_plain(job.cluster),
-               "world": world, "cfp": json_plain(dataclasses.replace(cfp, plan_file=None, top_k=1,
-                                                                     check_after_steps=0))}
+               "world": world, "cfp": settings}
     if backend is not None and backend.name is not BackendKind.megatron:  # Megatron's keys predate the backends
         payload["backend"] = json_plain(backend)
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]

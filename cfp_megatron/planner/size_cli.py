@@ -34,7 +34,7 @@ from cfp_megatron.base.files import WriteLocation, check_write_locations, write_
 from cfp_megatron.plan.plots import free_path
 from cfp_megatron.planner.plan_cli import planned_config, run_reporting
 from cfp_megatron.planner.preflight import default_lines, defaults_used
-from cfp_megatron.planner.size_picture import write_sizing_png
+from cfp_megatron.planner.size_picture import load_matplotlib, write_sizing_png
 from cfp_megatron.planner.sizing import (
     TOKENS_KEY,
     Beyond,
@@ -206,7 +206,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                   f"{job.train.global_batch_size:,} x {job.train.seq_length:,} tokens) on "
                   f"{', '.join(request.clusters)} at {', '.join(map(str, request.nodes))} nodes", soft_wrap=True,
                   markup=False)
-    rows = size_all(found, request.nodes, tokens=request.tokens, price_of=price.get, jobs=jobs(args.jobs))
+    rows = size_all(found, request.nodes, tokens=request.tokens, price_of=price.get, jobs=jobs(args.jobs),
+                    meanwhile=load_matplotlib)
     front = pareto_front(rows)
     meeting = smallest_meeting(rows, deadline) if deadline is not None else {}
     console.print(table(rows, front, meeting))

@@ -13,15 +13,22 @@ DAY_S = 86400.0
 """Seconds in a day."""
 
 
-def write_sizing_png(rows: Sequence[Sized], front: Sequence[Sized], path: Path, *, title: str,
-                     deadline_s: float | None = None, key: str | None = None) -> Path:
-    """Draw ``rows`` (those with a plan; error bars: the band) to ``path``, ``front`` joined and ringed; written
-    atomically (a refused write is a :class:`~cfp_megatron.base.files.FileWriteError` naming ``key``)."""
+def load_matplotlib() -> object:
+    """matplotlib's pyplot on the Agg backend (imported once; :func:`~cfp_megatron.planner.sizing.size_all` has it
+    imported while the workers plan)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def write_sizing_png(rows: Sequence[Sized], front: Sequence[Sized], path: Path, *, title: str,
+                     deadline_s: float | None = None, key: str | None = None) -> Path:
+    """Draw ``rows`` (those with a plan; error bars: the band) to ``path``, ``front`` joined and ringed; written
+    atomically (a refused write is a :class:`~cfp_megatron.base.files.FileWriteError` naming ``key``)."""
+    plt = load_matplotlib()
     fig, ax = plt.subplots(figsize=(9, 6))
     kinds = list(dict.fromkeys(r.cluster for r in rows if r.time_s is not None))
     colours = plt.get_cmap("tab10")

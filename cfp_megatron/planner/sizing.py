@@ -6,15 +6,22 @@ range, the smallest size that would (docs/sizing.md)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import multiprocessing
+import multiprocessing.context
+import multiprocessing.queues
+import queue
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import MAX_WORLD_SIZE, JobSpec
-from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
+from cfp_megatron.model.derive import partition_options
+from cfp_megatron.model.options import PartitionOption
 from cfp_megatron.planner.job_checks import world_issues
 from cfp_megatron.search.search import SearchResult, search
 from cfp_megatron.sim.options import SimOptions
@@ -244,6 +251,15 @@ class Planner:
     """The pass costs the searches share (made by the first)."""
     results: dict[int, SearchResult] = dataclasses.field(default_factory=dict)
     """Each node count's search, kept (a size asked again is not searched again)."""
+    partitions: tuple[PartitionOption, ...] | None = None
+    """The model's partition options as the preflight reads them (:meth:`options`), once."""
+
+    def options(self) -> tuple[PartitionOption, ...]:
+        """The model's derived partition options (:func:`~cfp_megatron.model.derive.partition_options`, cached by
+        model key), read once per planner."""
+        if self.partitions is None:
+            self.partitions = partition_options(self.job)
+        return self.partitions
 
     def issues(self, nodes: int) -> list[ConfigIssue]:
         """What refuses ``nodes`` nodes whatever the layout."""
@@ -256,7 +272,7 @@ class Planner:
             job = resized(self.job, nodes)
             if self.cache is None:
                 self.cache = CostCache.for_job(job, None, SimOptions())
-            self.results[nodes] = search(job, world_of(job), self.cfp, cache=self.cache)
+            self.results[nodes] = search(job, world_of(job), self.cfp, cache=self.cache, partitions=self.options())
         return self.results[nodes]
 
     def fits(self, nodes: int) -> bool:
@@ -284,7 +300,18 @@ def growth_limit(nodes: int, gpus_per_node: int) -> int:
     return max(min(nodes * GROWTH, MAX_WORLD_SIZE // max(gpus_per_node, 1)), nodes)
 
 
-def smallest_fitting(planner: Planner, above: int, *, limit_nodes: int | None = None) -> int | None:
+class Sizes(Protocol):
+    """Searches of one job at several node counts of its cluster (:class:`Planner`, or another backend's)."""
+
+    job: JobSpec
+    """The job on one node count of the cluster."""
+
+    def fits(self, nodes: int) -> bool:
+        """Whether a plan exists on ``nodes`` nodes."""
+        ...
+
+
+def smallest_fitting(planner: Sizes, above: int, *, limit_nodes: int | None = None) -> int | None:
     """The fewest nodes above ``above`` at which ``planner`` finds a plan: node counts doubled from ``above`` until
     one fits, then the gap to the last that did not bisected; ``None`` where none fits up to ``limit_nodes``
     (default: :func:`growth_limit`). Fitting need not be monotone in the node count (the batch must divide over data
@@ -331,39 +358,99 @@ def size_one(planner: Planner, nodes: int, *, tokens: float, price: float | None
 
 
 def size_all(planners: Sequence[Planner], nodes: Sequence[int], *, tokens: float,
-             price_of: Callable[[str], float | None] = lambda _: None, jobs: int = 1) -> list[Sized]:
-    """Every planner's cluster at every node count in ``nodes``, in order; ``jobs`` processes (forked: each keeps
-    its own copy of the planners' shared costs, and takes runs of one cluster kind so that they serve) where more
-    than one. The rows are the same whatever ``jobs`` (each search is deterministic)."""
+             price_of: Callable[[str], float | None] = lambda _: None, jobs: int = 1,
+             meanwhile: Callable[[], object] | None = None) -> list[Sized]:
+    """Every planner's cluster at every node count in ``nodes``, in order; ``jobs`` forked processes where more than
+    one (:class:`_Shares`: each stays on one kind while it has sizes left, so its copy of that kind's shared costs
+    serves). ``meanwhile`` runs in this process while they plan (after they start). The rows are the same whatever
+    ``jobs`` (each search is deterministic)."""
     tasks = [(i, n) for i in range(len(planners)) for n in nodes]
     if jobs <= 1 or len(tasks) < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        return [_size_task(t, planners, tokens, price_of) for t in tasks]
-    # each kind's sizes in `jobs` runs of neighbours: a worker warms a kind's caches once per run it takes
-    part = max(1, math.ceil(len(nodes) / jobs))
-    runs = [tasks[start:min(start + part, (i + 1) * len(nodes))] for i in range(len(planners))
-            for start in range(i * len(nodes), (i + 1) * len(nodes), part)]
-    global _FORKED
-    _FORKED = (planners, tokens, price_of)
+        rows = [_size_task(t, planners, tokens, price_of) for t in tasks]
+        if meanwhile is not None:
+            meanwhile()
+        return rows
+    for planner in planners:  # read before the fork: the workers share them
+        planner.options()
+    gc.freeze()  # what the workers inherit is never traversed by their collector (nor copied for it)
+    ctx = multiprocessing.get_context("fork")
+    shares = _Shares(ctx, len(planners), len(nodes))
+    results = ctx.Queue()
+    workers = [ctx.Process(target=_worker, args=(shares, results, planners, nodes, tokens, price_of), daemon=True)
+               for _ in range(min(jobs, len(tasks)))]
+    for w in workers:
+        w.start()
     try:
-        with multiprocessing.get_context("fork").Pool(min(jobs, len(runs))) as pool:
-            return [row for done in pool.map(_forked_run, runs, chunksize=1) for row in done]
+        if meanwhile is not None:
+            meanwhile()
+        rows: dict[int, Sized] = {}
+        while len(rows) < len(tasks):
+            try:
+                index, row = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+                if dead:
+                    raise CfpError(f"a sizing worker process ended with exit status {dead[0]} before its sizes were "
+                                   "planned (out of memory?); run cfp size again with --jobs 1") from None
+                continue
+            if isinstance(row, BaseException):
+                raise row
+            rows[index] = row
+        return [rows[i] for i in range(len(tasks))]
     finally:
-        _FORKED = None
+        for w in workers:
+            if w.is_alive():
+                w.terminate()
+            w.join()
+        gc.unfreeze()
 
 
-_FORKED: tuple[Sequence[Planner], float, Callable[[str], float | None]] | None = None
-"""What :func:`size_all`'s forked workers read (set before the fork, never pickled)."""
+class _Shares:
+    """The sizes left of each kind, shared by :func:`size_all`'s workers: a worker takes the next size of the kind it
+    is on while any is left, else moves to the kind with the fewest workers on it and the most sizes left (each
+    kind's caches warmed in as few workers as the balance allows)."""
+
+    def __init__(self, ctx: multiprocessing.context.BaseContext, kinds: int, sizes: int) -> None:
+        self.lock = ctx.Lock()
+        self.taken = ctx.Array("i", kinds, lock=False)
+        """Sizes of each kind handed out."""
+        self.on = ctx.Array("i", kinds, lock=False)
+        """Workers on each kind."""
+        self.sizes = sizes
+
+    def take(self, kind: int | None) -> tuple[int, int] | None:
+        """The next (kind, size index) for a worker on ``kind`` (``None``: none yet); ``None`` when all are taken."""
+        with self.lock:
+            if kind is None or self.taken[kind] >= self.sizes:
+                if kind is not None:
+                    self.on[kind] -= 1
+                left = [k for k in range(len(self.taken)) if self.taken[k] < self.sizes]
+                if not left:
+                    return None
+                kind = min(left, key=lambda k: (self.on[k], self.taken[k] - self.sizes, k))
+                self.on[kind] += 1
+            self.taken[kind] += 1
+            return kind, self.taken[kind] - 1
+
+
+def _worker(shares: _Shares, results: multiprocessing.queues.Queue, planners: Sequence[Planner],
+            nodes: Sequence[int], tokens: float, price_of: Callable[[str], float | None]) -> None:
+    kind = None
+    while (task := shares.take(kind)) is not None:
+        kind, index = task
+        try:
+            row: Sized | BaseException = _size_task((kind, nodes[index]), planners, tokens, price_of)
+        except BaseException as err:  # noqa: BLE001 - handed to the parent, which raises it
+            row = err
+        results.put((kind * len(nodes) + index, row))
+        if isinstance(row, BaseException):
+            return
 
 
 def _size_task(task: tuple[int, int], planners: Sequence[Planner], tokens: float,
                price_of: Callable[[str], float | None]) -> Sized:
     planner = planners[task[0]]
     return size_one(planner, task[1], tokens=tokens, price=price_of(planner.job.cluster.name))
-
-
-def _forked_run(run: list[tuple[int, int]]) -> list[Sized]:
-    planners, tokens, price_of = _FORKED
-    return [_size_task(task, planners, tokens, price_of) for task in run]
 
 
 def smallest_meeting(rows: Sequence[Sized], deadline_s: float) -> dict[str, Sized | None]:

@@ -177,14 +177,18 @@ class SearchResult:
         return self.ranked[first:first + 1] + self.ranked[:first] + self.ranked[first + 1:]
 
 
-def no_plan_fix(pinned: tuple[str, ...]) -> str:
-    """What to change where no layout is left: the pins and sets ``pinned`` (Hydra keys) where there are any."""
+SIZES_FIX = "plan another number of GPUs (cluster.nodes; cfp size compares several)"
+"""The last fix :func:`no_plan_fix` offers without pins, where ``cfp size`` sizes the backend (Megatron-Core's)."""
+
+
+def no_plan_fix(pinned: tuple[str, ...], *, more_gpus: str = SIZES_FIX) -> str:
+    """What to change where no layout is left: the pins and sets ``pinned`` (their keys) where there are any, else
+    what the reasons name, the headroom, or ``more_gpus`` (how this backend takes another number of GPUs)."""
     if pinned:
         return (f"relax the cfp pins and constraints ({', '.join(pinned)}), lower cfp.constraints.memory_headroom, "
                 "or add GPUs.")
     return ("no cfp pin or constraint is set: change what the reasons name (train.global_batch_size, "
-            "train.seq_length, the model's settings), lower cfp.constraints.memory_headroom, or plan another number "
-            "of GPUs (cluster.nodes; cfp size compares several).")
+            f"train.seq_length, the model's settings), lower cfp.constraints.memory_headroom, or {more_gpus}.")
 
 
 def nothing_left(rejected: list[tuple[str, str]], fix: str) -> ConfigError:

@@ -73,7 +73,7 @@ from cfp_megatron.backends.deepspeed.hook_measure import (
 )
 from cfp_megatron.backends.deepspeed.search import rank_zero_plans, ranking_table, zero_candidates
 from cfp_megatron.backends.deepspeed.zero_plan import write_json_file
-from cfp_megatron.base.backend_spec import ZeroSpec
+from cfp_megatron.base.backend_spec import CONFIG_KEYS, ZeroSpec
 from cfp_megatron.base.config import ClusterSpec, ParallelSpec, Recompute
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import LaunchEnv
@@ -194,7 +194,8 @@ def search_hook(request: HookRequest, measured: MeasuredPasses, cluster: Cluster
     return rank_zero_plans(candidates, plan_of, evaluate, hbm_gib=cluster.hbm_gib, headroom=headroom,
                            peak_tflops=None, top_k=top_k, rejected=rejected, subject=f"{name} on {world} ranks",
                            key="config", pins={k: v for k, v in request.pins.items()
-                                               if k != "activation_checkpointing"})
+                                               if k != "activation_checkpointing"},
+                           pinned=tuple(f"config's {CONFIG_KEYS[k]}" for k in request.pins if k in CONFIG_KEYS))
 
 
 def probe_stage_list(request: HookRequest, measured: MeasuredPasses, cluster: ClusterSpec, *, seq_length: int,

@@ -20,13 +20,14 @@ from rich.table import Table
 
 from cfp_megatron.backends.deepspeed.costs import ZERO_SIM_OPTIONS, simulate_zero
 from cfp_megatron.backends.deepspeed.zero_plan import model_job, zero_plan
-from cfp_megatron.base.backend_spec import BackendSpec
+from cfp_megatron.base.backend_spec import CONFIG_KEYS, BackendSpec
 from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import JobSpec, resolve_precision
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.plan.artifact import Plan, PlanPrediction
 from cfp_megatron.search import driver
+from cfp_megatron.search.search import no_plan_fix
 from cfp_megatron.sim.kernels import target_peak_tflops
 from cfp_megatron.sim.pass_costs import CostCache
 from cfp_megatron.sim.prediction import GIB
@@ -73,12 +74,9 @@ def _options(pin: object, values: list) -> list:
     return values if pin is None else [pin]
 
 
-def search_zero(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *,
-                measurements: Measurements | None = None, probes: EngineProbes | None = None,
-                on_gpu: bool = False) -> ZeroSearchResult:
-    """The top ``cfp.top_k`` DeepSpeed plans for ``job`` on ``world`` ranks (module docstring), with the engine's
-    measured costs where ``probes`` has them. Raises a :class:`ConfigError` naming the pins when nothing is left."""
-
+def zero_pins(backend: BackendSpec, cfp: CfpSpec) -> dict[str, Any]:
+    """The knobs fixed by hand (:meth:`~cfp_megatron.base.backend_spec.BackendSpec.pins`, and the micro-batch by
+    ``cfp.micro_batch``); a :class:`ConfigError` where the two micro-batches differ."""
     pins = backend.pins()
     if cfp.micro_batch is not None:
         if "micro_batch" in pins and pins["micro_batch"] != cfp.micro_batch:
@@ -86,6 +84,16 @@ def search_zero(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *,
                                           problem=f"contradicts backend.config_file's micro-batch "
                                                   f"{pins['micro_batch']}.", fix="remove one of the two."))
         pins["micro_batch"] = cfp.micro_batch
+    return pins
+
+
+def search_zero(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *,
+                measurements: Measurements | None = None, probes: EngineProbes | None = None,
+                on_gpu: bool = False) -> ZeroSearchResult:
+    """The top ``cfp.top_k`` DeepSpeed plans for ``job`` on ``world`` ranks (module docstring), with the engine's
+    measured costs where ``probes`` has them. Raises a :class:`ConfigError` naming the pins when nothing is left."""
+
+    pins = zero_pins(backend, cfp)
     t = job.train
     precision = resolve_precision(t.precision, on_gpu or not job.cluster.on_cpu)
     if t.global_batch_size % world:
@@ -106,6 +114,11 @@ def search_zero(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *,
         micro = [m]
     candidates, rejected = zero_candidates(pins, micro, on_cpu=job.cluster.on_cpu,
                                            offload_pins="backend.offload_optimizer/offload_param")
+    if not micro:
+        rejected.append((f"cfp.constraints.micro_batch={list(allowed_mb or ())}", f"none of them divides the "
+                         f"{per_rank} sequences per rank per step (train.global_batch_size={t.global_batch_size} "
+                         f"over {world} ranks) within cfp.constraints.max_micro_batch="
+                         f"{cfp.constraints.max_micro_batch}"))
     cache: list[CostCache] = []
 
     def plan_of(knobs: ZeroKnobs) -> Plan:
@@ -122,7 +135,28 @@ def search_zero(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *,
     return rank_zero_plans(candidates, plan_of, evaluate, hbm_gib=job.cluster.hbm_gib,
                            headroom=cfp.constraints.memory_headroom, peak_tflops=target_peak_tflops(job),
                            top_k=cfp.top_k, rejected=rejected, subject=f"{job.model.name} on {world} ranks",
-                           key="backend", pins=pins)
+                           key="backend", pins=pins, pinned=pin_keys(pins, backend, cfp))
+
+
+ZERO_MORE_GPUS = "start more ranks (cluster.nodes; ZeRO-3 shards the model's states over every rank)"
+"""How the DeepSpeed search's no-plan fix offers another number of GPUs (``cfp size`` does not size ZeRO plans)."""
+
+
+def pin_keys(pins: dict[str, Any], backend: BackendSpec, cfp: CfpSpec) -> tuple[str, ...]:
+    """The settings behind ``pins`` (:meth:`~cfp_megatron.base.backend_spec.BackendSpec.pins` and ``cfp.micro_batch``)
+    and ``cfp.constraints.micro_batch`` where set: ``backend.zero_stage``, ``cfp.micro_batch``, or the
+    ``backend.config_file`` key that fixes the knob."""
+    keys = []
+    for knob in pins:
+        if knob == "micro_batch" and cfp.micro_batch is not None:
+            keys.append("cfp.micro_batch")
+        elif getattr(backend, knob, None) is not None:
+            keys.append(f"backend.{knob}")
+        else:
+            keys.append(f"backend.config_file's {CONFIG_KEYS[knob]}")
+    if cfp.constraints.micro_batch is not None:
+        keys.append("cfp.constraints.micro_batch")
+    return tuple(keys)
 
 
 def zero_candidates(pins: dict[str, Any], micro: list[int], *, on_cpu: bool,
@@ -149,11 +183,13 @@ def zero_candidates(pins: dict[str, Any], micro: list[int], *, on_cpu: bool,
 def rank_zero_plans(candidates: list[ZeroKnobs], plan_of: Callable[[ZeroKnobs], Plan],
                     evaluate: Callable[[Plan], ZeroPredictionResult], *, hbm_gib: float | None,
                     headroom: float, peak_tflops: float | None, top_k: int, rejected: list[tuple[str, str]],
-                    subject: str, key: str, pins: dict[str, Any]) -> ZeroSearchResult:
+                    subject: str, key: str, pins: dict[str, Any],
+                    pinned: tuple[str, ...] = ()) -> ZeroSearchResult:
     """Simulate every candidate (``plan_of`` builds its plan, ``evaluate`` simulates it), drop those over the
     memory limit (``hbm_gib`` GiB less ``headroom``; none when ``hbm_gib`` is ``None``), and rank the rest by step
     time, ties broken by the canonical string. Raises a :class:`ConfigError` under ``key`` naming ``subject`` and
-    the reasons when nothing is left."""
+    the reasons when nothing is left, and the settings that pinned or limited the knobs (``pinned``) where any did
+    (:func:`~cfp_megatron.search.search.no_plan_fix`)."""
     limit = None if hbm_gib is None else hbm_gib * GIB * (1.0 - headroom)
     space = _ZeroSpace(candidates=candidates, plan_of=plan_of, simulate=evaluate, limit=limit,
                        peak_tflops=peak_tflops)
@@ -166,7 +202,7 @@ def rank_zero_plans(candidates: list[ZeroKnobs], plan_of: Callable[[ZeroKnobs], 
     if not found.ranked:
         raise ConfigError([ConfigIssue(key=key, value=pins or "-",
                                        problem=f"no DeepSpeed plan of {subject} fits (the reasons follow).",
-                                       fix="relax the pins, allow offload, lower the micro-batch or add ranks."),
+                                       fix=no_plan_fix(pinned, more_gpus=ZERO_MORE_GPUS)),
                            *[ConfigIssue(key=key, value=what, problem=why, fix="see the problem.")
                              for what, why in rejected]])
     return ZeroSearchResult(ranked=tuple(r.result for r in found.ranked), evaluated=found.visited,

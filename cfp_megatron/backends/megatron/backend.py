@@ -61,7 +61,8 @@ class MegatronBackend:
         return PlannedSearch(plans=plans, labels=tuple(r.candidate.describe(world)
                                                        + option_label(r.job, result.option_choices) for r in offered),
                              searched=result.space_size, rejected=tuple((r.what, r.reason) for r in result.rejected),
-                             seconds=result.seconds, report=lambda console: print_result(result, peak, console))
+                             seconds=result.seconds, report=lambda console: print_result(result, peak, console),
+                             pinned=result.pinned)
 
     def train(self, job: JobSpec, plan: Plan, env: LaunchEnv, backend: BackendSpec, *,
               metrics_path: Path | None, check: PlanCheck | None, resume: Any) -> list[Any]:
