@@ -300,6 +300,9 @@ class MegatronSpace:
     sharded_bounds: dict[tuple, tuple[float, ...]] = dataclasses.field(default_factory=dict)
     """Candidate key -> its memory bound in bytes under each Megatron-FSDP strategy the search may set, least sharded
     first (:func:`_expand`; the queue's own bound is the most sharded one's)."""
+    least_over: dict[tuple, float] = dataclasses.field(default_factory=dict)
+    """Family key -> the least GiB per GPU recorded so far for its candidates over the limit (what its no-fit
+    figure reports at least)."""
 
     @classmethod
     def build(cls, job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements | None,
@@ -391,13 +394,27 @@ class MegatronSpace:
                 break
         return cand, cjob, memory, tries
 
-    def evaluate(self, item: tuple, extra: float, kth: float) -> driver.Outcome:
-        """The candidate of key ``item`` (``extra``: its heaviest rank's weights in bytes): its weights, its memory
+    def _over(self, family: tuple, gib: float, tries: int) -> driver.OverMemory:
+        """The outcome of a candidate of ``family`` over the limit at ``gib`` GiB per GPU (:attr:`least_over`)."""
+        if gib < self.least_over.get(family, math.inf):
+            self.least_over[family] = gib
+        return _OverMemory(family, gib, tries)
+
+    def evaluate(self, item: tuple, extra: tuple[float, float], kth: float) -> driver.Outcome:
+        """The candidate of key ``item`` (``extra``: its memory bounds in bytes, :func:`_expand`): its memory
         (block recomputation and PrimePar's layer count chosen to fit, then the overlaps that fit on top), then the
-        simulator unless slower than ``kth`` seconds."""
+        simulator unless slower than ``kth`` seconds.
+
+        A candidate over the limit on its first bound reports that bound; one over only on its second reports the
+        second where its family already reported as little or less (the family's figure, its least, stays what the
+        memory model would give), else its predicted memory."""
         job, limit = self.job, self.limit
-        if limit is not None and extra / GIB > limit:  # its weights, gradients and optimizer states alone
-            return _OverMemory(item[:_FAMILY_KEY], extra / GIB, 0)  # family_of_key, inlined
+        if limit is not None:
+            weights, by_kind = extra[0] / GIB, extra[1] / GIB
+            if weights > limit:  # its weights, gradients and optimizer states alone
+                return self._over(item[:_FAMILY_KEY], weights, 0)  # family_of_key, inlined
+            if by_kind > limit and by_kind >= self.least_over.get(item[:_FAMILY_KEY], math.inf):
+                return self._over(item[:_FAMILY_KEY], by_kind, 0)
         cand = Candidate.from_key(item)
         bounds = self.sharded_bounds.pop(item, None)
         try:
@@ -422,13 +439,13 @@ class MegatronSpace:
                 tries += more
             if limit is not None and memory.total / GIB > limit and not self.space.cfp.overlap:
                 # every overlap costs memory (_overlaps): none of them fits either, and none would be kept
-                return _OverMemory(family_of_key(item), memory.total / GIB, tries)
+                return self._over(family_of_key(item), memory.total / GIB, tries)
             cand, cjob, memory, more = self._overlaps(cand, cjob, memory)
             tries += more
         except ConfigError:
             return driver.Refused()
         if limit is not None and memory.total / GIB > limit:
-            return _OverMemory(family_of_key(item), memory.total / GIB, tries)
+            return self._over(family_of_key(item), memory.total / GIB, tries)
         prediction = simulate_unless_slower(cjob, kth, job.cluster, self.measurements, options=self.options,
                                             world_size=self.world, cache=self.cache)
         if prediction is None:  # its bound with the exact passes, gradient sync and optimizer exceeds the k-th best
@@ -584,8 +601,8 @@ class _Bounded:
     bound: float
     """The group's bound."""
     kept: _KeptBytes | None = None
-    """Activation bytes one decoder layer keeps per micro-batch on a rank, at least (:func:`_layer_kept_bytes`),
-    computed when the group is first expanded; ``None``: not counted."""
+    """Activation bytes a dense and a MoE decoder layer keep per micro-batch on a rank, at least
+    (:func:`_layer_kept_bytes`), computed when the group is first expanded; ``None``: not counted."""
 
 
 @dataclass(kw_only=True)
@@ -605,13 +622,13 @@ class _KeptBytes:
     """The simulator's options."""
     key: tuple
     """What the bytes depend on (TP, SP, CP, expert TP, micro-batch, recomputation, MLP partition)."""
-    store: dict[tuple, float]
+    store: dict[tuple, tuple[float, float]]
     """The bytes by :attr:`key` that searches of several node counts share
     (:attr:`~cfp_megatron.sim.pass_costs.CostCache.kept_bytes`)."""
-    value: float | None = None
+    value: tuple[float, float] | None = None
     """The bytes, once computed."""
 
-    def __call__(self) -> float:
+    def __call__(self) -> tuple[float, float]:
         if self.value is None:
             self.value = self.store.get(self.key)
         if self.value is None:
@@ -707,13 +724,14 @@ def _lightest_ends(num_layers: int, pp: int, splits: tuple[tuple[int, int, int, 
 
 def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: StateBound,
             cut: float = math.inf, sharded: dict[tuple, tuple[float, ...]] | None = None
-            ) -> list[tuple[float, int, tuple, float]]:
+            ) -> list[tuple[float, int, tuple, tuple[float, float]]]:
     """Queue entries of the group's candidates whose time bound is ``cut`` or less: ``(time bound, CANDIDATE, key,
-    memory bound)``; the memory bound counts what every rank keeps of the weights, gradients and optimizer states of
-    the heaviest pipeline rank's layers at least (``param_bytes``: bytes per parameter with and without the
+    memory bounds)``; the first memory bound counts what every rank keeps of the weights, gradients and optimizer
+    states of the heaviest pipeline rank's layers at least (``param_bytes``: bytes per parameter with and without the
     distributed optimizer at the group's data-parallel size, :func:`_param_bytes`), or those of the first rank's
-    layers with the
-    activations its in-flight micro-batches keep at least (:attr:`_Bounded.kept` per layer), whichever is more."""
+    layers with the activations its in-flight micro-batches keep at least (:attr:`_Bounded.kept`, the lighter
+    kind's per layer), whichever is more; the second is at least the first and counts the first rank's layers each
+    at its own kind's bytes (what the no-fit figures may not record: :meth:`MegatronSpace.evaluate`)."""
     m = job.model
     L = m.num_layers
     moe_model = m.is_moe
@@ -723,8 +741,9 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: S
     layer_s, chunk_s = layer_terms(costs, g.head.recompute == BLOCK)
     out = []
     kind_s = costs.kind_fb_s if g.head.recompute == BLOCK else costs.kind_s
-    kept_bytes = -1.0  # computed for the first candidate the cut leaves
+    kept_bytes: tuple[float, float] | None = None  # computed for the first candidate the cut leaves
     per_param = param_bytes.per_param(g.head)
+    offloading = job.parallel.cpu_offloading_num_layers > 0
     for split in g.splits:
         vpp = split[0]
         first, middle, last, dense_0, moe_0, dense_n, moe_n, loads, middles = _split_facts(L, pp, split, first_dense)
@@ -734,17 +753,22 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: S
                            min([d * kind_s[0] + n * kind_s[1] for d, n in middles]) if middles and moe_model else 0.0)
         if bound > cut:
             continue
-        if kept_bytes < 0:
-            kept_bytes = bounded.kept() if bounded.kept is not None else 0.0
+        if kept_bytes is None:
+            kept_bytes = bounded.kept() if bounded.kept is not None else (0.0, 0.0)
         params = max(d * costs.dense_params + n * costs.moe_params for d, n in loads)
         # The first rank: its layers' weights and the activations of the micro-batches it holds (stage_memory).
         first_params = dense_0 * costs.dense_params + moe_0 * costs.moe_params
         held = dense_0 + moe_0  # less the layers activation offloading keeps on the host (sim/memory.py)
         held -= max(min(job.parallel.cpu_offloading_num_layers, held) - OFFLOAD_RESIDENT_LAYERS, 0)
-        activations = kept_bytes * held * in_flight(0, pp, vpp, g.microbatches) / vpp
-        out += [(bound, _CANDIDATE, g.head + split + (dopt,),
-                 max(params * per_param[not dopt], first_params * per_param[not dopt] + activations))
-                for dopt in g.dopts]
+        per_microbatch = in_flight(0, pp, vpp, g.microbatches) / vpp
+        activations = min(kept_bytes) * held * per_microbatch
+        # each kind's layers at their own bytes (where no layer's activations go to the host)
+        by_kind = activations if offloading else (dense_0 * kept_bytes[0] + moe_0 * kept_bytes[1]) * per_microbatch
+        for dopt in g.dopts:
+            states = per_param[not dopt]
+            weights = max(params * states, first_params * states + activations)
+            out.append((bound, _CANDIDATE, g.head + split + (dopt,),
+                        (weights, max(weights, first_params * states + by_kind))))
         if sharded is not None and len(per_param) > 3 and True in g.dopts:  # the bound under each strategy
             sharded[g.head + split + (True,)] = tuple(max(params * b, first_params * b + activations)
                                                       for b in per_param[2:])
@@ -853,21 +877,22 @@ def _least(loads: set[tuple[int, int]]) -> _Loads:
 
 
 def _layer_kept_bytes(head: GroupHead, placed: Layout, job: JobSpec, measurements: Measurements | None,
-                      options: SimOptions) -> float:
+                      options: SimOptions) -> tuple[float, float]:
     """Activation bytes one decoder layer keeps for its backward pass, per micro-batch on one rank, at least, for
-    the group of ``head`` (its family placed as ``placed``): the lighter layer kind (and under PrimePar also
+    the group of ``head`` (its family placed as ``placed``), a dense layer's and a MoE layer's (a dense model's
+    twice the dense one's), each (and under PrimePar also
     Megatron's MLP, which layers beyond ``primepar_layers`` run) under the group's recomputation (block
     recomputation: a recomputed layer's input), as :func:`~cfp_megatron.sim.memory.layer_activation_bytes` counts
     it. Zero where measured segment memory may replace the model's activations (it is no bound on those)."""
     if measurements is not None and options.use_measured_segments:
-        return 0.0
+        return 0.0, 0.0
     recompute, modules = recompute_parts(head.recompute, job.parallel.recompute_modules)
     try:
         spec = ParallelSpec(tp=head.tp, sp=head.sp, pp=head.pp, cp=head.cp, ep=head.ep, etp=head.etp,
                             recompute=recompute, recompute_modules=modules, mlp=MlpPartition(head.mlp),
                             order=job.parallel.order)
     except ConfigError:
-        return 0.0
+        return 0.0, 0.0
     # Only the sizes the activations read (TP, SP, CP, expert TP, micro-batch): no world or split needed.
     layout = dataclasses.replace(placed, micro_batch=head.micro_batch,
                                  dims=ParallelDims(parallel=spec, world_size=placed.dims.world_size,
@@ -875,8 +900,9 @@ def _layer_kept_bytes(head: GroupHead, placed: Layout, job: JobSpec, measurement
     plan = dataclasses.replace(job, parallel=spec)
     index = 1 if recompute is Recompute.full else 0  # (kept without, kept with full recomputation)
     plans = [plan, megatron_twin(plan)] if spec.mlp is MlpPartition.primepar else [plan]
-    kinds = (False, True) if job.model.is_moe else (False,)
-    return min(layer_activation_bytes(p, layout, options, moe=moe)[index] for p in plans for moe in kinds)
+    dense, moe = (min(layer_activation_bytes(p, layout, options, moe=moe)[index] for p in plans)
+                  for moe in (False, job.model.is_moe))
+    return dense, moe
 
 
 @functools.lru_cache(maxsize=8192)

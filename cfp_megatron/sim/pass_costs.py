@@ -134,9 +134,9 @@ class CostCache:
     """What a search's bound counts for a group of candidates (:class:`~cfp_megatron.sim.bounds.GroupCosts`) by the
     search's group key, for the groups the runtime's validation passed: what searches of several node counts share
     (:meth:`resized`)."""
-    kept_bytes: dict[tuple[Any, ...], float] = field(default_factory=dict)
-    """Activation bytes a decoder layer keeps per micro-batch at least, by what they depend on (the search's memory
-    bound; none of it the node count)."""
+    kept_bytes: dict[tuple[Any, ...], tuple[float, float]] = field(default_factory=dict)
+    """Activation bytes a dense and a MoE decoder layer keep per micro-batch at least, by what they depend on (the
+    search's memory bound; none of it the node count)."""
     exchanges: dict[tuple[str, int], Any] = field(default_factory=dict)
     """The pipelined probe of a partition at a micro-batch size against its pricing
     (:class:`~cfp_megatron.sim.simulate.ProbeCalibration`, ``None`` where none can be had), by partition and size."""
