@@ -17,7 +17,7 @@ from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.plan.exports import megatron_lm_args, with_searched_token_policy
 from cfp_megatron.search.plan_options import PlanOption, option_label, plan_options
-from cfp_megatron.search.search import search
+from cfp_megatron.search.search import SearchResult, search
 from cfp_megatron.sim.simulate import simulate
 from cfp_megatron.sim.terms.cuda_graphs import graph_buffers
 
@@ -39,9 +39,15 @@ def _cfp(*overrides: str) -> CfpSpec:
     return cfp_from_config(compose_config(["+cfp=auto", *SMALL, *overrides]))
 
 
+@functools.cache
+def _searched_sets() -> SearchResult:
+    """moe_tiny searched on 8 ranks over SETS (frozen: the tests that read it share one search)."""
+    return search(_job(), 8, _cfp(*SETS))
+
+
 def test_the_search_chooses_graphs_and_a_token_policy_as_searching_each_alone_does() -> None:
     job, cfp = _job(), _cfp(*SETS)
-    bounded, full = search(job, 8, cfp), search(job, 8, cfp, exhaustive=True)
+    bounded, full = _searched_sets(), search(job, 8, cfp, exhaustive=True)
     assert [r.prediction.step_time_s for r in bounded.ranked] == [r.prediction.step_time_s for r in full.ranked]
     assert [r.candidate for r in bounded.ranked] == [r.candidate for r in full.ranked]
     assert bounded.simulated < full.simulated  # the later combinations start from the k-th best found
@@ -164,7 +170,7 @@ def test_the_token_policy_is_chosen_only_from_the_set_and_refused_where_it_canno
 
 def test_the_chosen_policy_reaches_the_exports_and_the_launch_job_only_where_allowed() -> None:
     job, cfp = _job(), _cfp(*SETS)
-    best = search(job, 8, cfp).best
+    best = _searched_sets().best
     plan = Plan.from_job(best.job, world_size=8, prediction=None, inputs_fingerprint="x")
     args = megatron_lm_args(plan)
     assert args[args.index("--moe-expert-capacity-factor") + 1] == "1.25" and "--cuda-graph-impl" in args

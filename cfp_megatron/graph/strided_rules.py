@@ -163,7 +163,19 @@ def _plain(spec: DTensorSpec, placements: tuple[Any, ...]) -> DTensorSpec:
 
 
 def _priced(original: Callable[[DTensorSpec, DTensorSpec], float]) -> Callable[[DTensorSpec, DTensorSpec], float]:
+    # A cost depends on the two specs' mesh, placements, shard order, shape and dtype, all of which their equality
+    # compares: DTensor's strategy expansion asks for the same pairs again and again (each operator's every
+    # candidate input against every strategy), so each pair is priced once while the context is open.
+    costs: dict[tuple[DTensorSpec, DTensorSpec], float] = {}
+
     def redistribute_cost(current: DTensorSpec, target: DTensorSpec) -> float:
+        key = (current, target)
+        cost = costs.get(key)
+        if cost is None:
+            cost = costs[key] = _cost(current, target)
+        return cost
+
+    def _cost(current: DTensorSpec, target: DTensorSpec) -> float:
         pairs = list(zip(current.placements, target.placements, strict=True))
         if not any(isinstance(p, _StridedShard) for pair in pairs for p in pair):
             return original(current, target)
