@@ -92,13 +92,15 @@ def test_a_plan_json_of_the_previous_schema_still_loads() -> None:
         added = {(section, key): new[section].pop(key) for section, key in ADDED_SINCE_SCHEMA2}
         assert added == {("prediction", "choice"): [], ("parallel", "cuda_graph_impl"): "none",
                          ("parallel", "cuda_graph_scope"): None, ("parallel", "cpu_offloading_num_layers"): 0,
-                         ("parallel", "fsdp"): "none", ("parallel", "dp_shard_size"): None}
+                         ("parallel", "fsdp"): "none", ("parallel", "dp_shard_size"): None,
+                         ("parallel", "fp8_param_gather"): False}
         assert {k: v for k, v in new.items() if k != "content_hash"} \
             == {k: v for k, v in old.items() if k != "content_hash"}
 
 
 ADDED_SINCE_SCHEMA2 = (("prediction", "choice"), ("parallel", "cuda_graph_impl"), ("parallel", "cuda_graph_scope"),
-                       ("parallel", "cpu_offloading_num_layers"), ("parallel", "fsdp"), ("parallel", "dp_shard_size"))
+                       ("parallel", "cpu_offloading_num_layers"), ("parallel", "fsdp"), ("parallel", "dp_shard_size"),
+                       ("parallel", "fp8_param_gather"))
 """plan.json keys added after ``tests/data/plan_schema2.json`` was written (issues N and O), with their defaults on
 load."""
 
