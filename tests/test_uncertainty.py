@@ -55,7 +55,18 @@ def test_a_plan_takes_the_band_of_the_runs_most_like_it() -> None:
     assert band.pct == stored["combinations"]["MoE, GPU hopper"]["pct"]
     cp, _ = compose_job("model=llama_tiny", "cluster=dgx_h100", "parallel.cp=2", "train.seq_length=256")
     assert stored["combinations"].get("dense, CP, GPU hopper", {"rows": 0})["rows"] < MIN_BAND_ROWS
-    assert error_band(cp).basis == "dense, GPU hopper"  # too few CP runs: its kind on its generation
+    # Too few CP runs: its kind on its generation, but never narrower than the CP class's own band (all runs',
+    # borrowed), so a plan with CP never looks better evidenced than the same plan without it.
+    cp_band, no_cp = error_band(cp), error_band(compose_job("model=llama_tiny", "cluster=dgx_h100",
+                                                            "train.seq_length=256")[0])
+    assert cp_band.pct == max(stored["combinations"]["dense, GPU hopper"]["pct"], stored["classes"]["CP"]["pct"])
+    assert cp_band.pct >= no_cp.pct and "CP" in cp_band.borrowed
+    fsdp = ("model=llama_tiny", "cluster=dgx_a100", "parallel.fsdp=optim_grads_params",
+            "parallel.distributed_optimizer=true", "train.seq_length=256")
+    assert stored["combinations"].get("dense, CP, FSDP, GPU ampere", {"rows": 0})["rows"] < MIN_BAND_ROWS
+    with_cp, without = error_band(compose_job(*fsdp, "parallel.cp=2")[0]), error_band(compose_job(*fsdp)[0])
+    assert without.basis == "dense, FSDP, GPU ampere"  # the runs with all its classes
+    assert with_cp.pct >= without.pct  # the FSDP class the kind-on-generation runs leave out still counts
     blackwell, _ = compose_job("model=gpt_tiny", "cluster=b200")  # no run on its generation: the widest of classes
     untested = error_band(blackwell)
     assert untested is not None and untested.untested == ("GPU blackwell",)
