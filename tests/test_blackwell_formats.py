@@ -15,6 +15,7 @@ from cfp_megatron.sim.calibration import efficiency_for
 from cfp_megatron.sim.format_costs import format_cost, step_weight_cast_bytes
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.simulate import simulate
+from cfp_megatron.validate import row_plan
 
 LLAMA_8B = ["model=llama3_8b", "parallel.tp=1", "parallel.pp=1", "parallel.distributed_optimizer=true",
             "train.seq_length=8192", "train.micro_batch_size=2"]
@@ -84,3 +85,22 @@ def test_nvfp4_is_faster_than_mxfp8_and_the_logits_stay_bf16() -> None:
     logits = (16384, 128256, 4096)
     assert k4.gemm(*logits, low_precision=False) == k8.gemm(*logits, low_precision=False)
     assert simulate(nvfp4).step_time_s < simulate(mxfp8).step_time_s
+
+
+def _row(**cells: str) -> dict:
+    """A Llama 3.1 8B row of Megatron-Bridge's Blackwell recipes (a temporary case, not a published run)."""
+    row = {"id": "t1", "model": "Llama 3.1 8B", "layers": "32", "hidden": "4096", "ffn_hidden": "14336",
+           "heads": "32", "kv_heads": "8", "vocab": "128256", "seq_len": "8192", "gpu": "B200", "num_gpus": "64",
+           "framework": "Megatron-Bridge / NeMo 26.02", "tp": "1", "pp": "1", "cp": "1", "micro_batch": "1",
+           "global_batch_seqs": "128", "zero_or_fsdp": "distributed optimizer", "precision": "NVFP4",
+           "step_time_s": "0.5"}
+    return {**row, **cells}
+
+
+def test_megatron_bridge_rows_overlap_the_parameter_gather_as_their_recipes_set_it() -> None:
+    bridge = row_plan(_row())
+    assert bridge.job.parallel.overlap_param_gather and NumberFormat.of(bridge.job.train).name == "fp4-nvfp4"
+    other = row_plan(_row(framework="Megatron-LM"))
+    assert not other.job.parallel.overlap_param_gather
+    assert simulate(bridge.job, options=bridge.options).time.dp_comm_s < simulate(
+        other.job, options=bridge.options).time.dp_comm_s
