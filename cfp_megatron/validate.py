@@ -288,6 +288,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                      "fsdp": "optim_grads_params" if fsdp else "none",
                      "overlap_grad_reduce": framework.overlap_grad_reduce and (recipe is None
                                                                                or recipe.overlap_grad_reduce),
+                     "overlap_param_gather": framework.overlap_param_gather and dist_opt and not fsdp,
                      "tp_comm_overlap": (recipe.tp_comm_overlap if recipe else framework.tp_comm_overlap) and sp,
                      "moe_a2a_overlap": bool(recipe and recipe.a2a_overlap),
                      "cuda_graph_impl": recipe.cuda_graph_impl if recipe else "none",

@@ -77,9 +77,7 @@ def set_formats(job: JobSpec, cfp: CfpSpec, *, te_available: bool) -> tuple[list
 
 def _gemm_rate(job: JobSpec, fmt: NumberFormat) -> float:
     """The achieved rate (TFLOP/s) of a large GEMM in ``fmt`` on the job's cluster: the order formats are searched."""
-    cost = format_cost(fmt, job.cluster)
-    share = getattr(efficiency_for(job.cluster), cost.efficiency)
-    return (job.cluster.clocked_peak_tflops(cost.peak) or 0.0) * share
+    return format_cost(fmt, job.cluster).gemm_tflops(job.cluster, efficiency_for(job.cluster))
 
 
 def format_options(job: JobSpec, fmt: NumberFormat, measurements: Measurements | None,

@@ -12,6 +12,7 @@ import yaml
 from cfp_megatron.base.config import ClusterSpec, JobSpec, Precision
 from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
 from cfp_megatron.base.number_format import NumberFormat, computes, format_issues
+from cfp_megatron.sim.calibration import Efficiency
 
 FORMATS_FILE = Path(__file__).with_name("number_formats.yaml")
 """Each format's costs, with their sources."""
@@ -51,6 +52,28 @@ class FormatCost:
     all-gather moves; ``None``: the format has no such setting."""
     weight_source: str = ""
     """Where the weight bytes come from."""
+    rate_vs_fp8: float | None = None
+    """The most its GEMM kernels reach as a multiple of the per-tensor FP8 kernel's rate (measured); ``None``: its own
+    peak alone bounds them (:meth:`gemm_tflops`)."""
+    weight_cast_bytes: float | None = None
+    """HBM bytes per weight element to quantise a linear layer's weight, both usages, once per step; ``None``:
+    :attr:`cast_bytes`."""
+
+    def gemm_tflops(self, cluster: ClusterSpec, efficiency: Efficiency) -> float:
+        """TFLOP/s its large GEMMs reach on ``cluster`` at the fitted shares ``efficiency`` (at the clock the GPUs run
+        at): its peak times its share, and no more than :attr:`rate_vs_fp8` times the FP8 peak at that share; 0
+        where the cluster states no such peak."""
+        share = getattr(efficiency, self.efficiency)
+        rate = (cluster.clocked_peak_tflops(self.peak) or 0.0) * share
+        if self.rate_vs_fp8 is not None:
+            rate = min(rate, self.rate_vs_fp8 * (cluster.clocked_peak_tflops("fp8") or 0.0) * share)
+        return rate
+
+    @property
+    def step_weight_cast_bytes(self) -> float:
+        """HBM bytes per weight element of its once-per-step weight cast (:attr:`weight_cast_bytes`, else
+        :attr:`cast_bytes`); zero for 16/32 bits."""
+        return (self.cast_bytes if self.weight_cast_bytes is None else self.weight_cast_bytes) if self.low else 0.0
 
     @property
     def low(self) -> bool:
@@ -163,3 +186,26 @@ def _fp8_params(job: JobSpec) -> FormatCost | None:
         return None
     low = low_format_cost(job)
     return low if low is not None and low.param_gather_bytes is not None else None
+
+
+MASTER_WEIGHT_BYTES = 4.0
+"""Bytes of an fp32 master weight the distributed optimizer reads to quantise it into an FP8 parameter."""
+
+
+def step_weight_cast_bytes(job: JobSpec, layer_params: float, shard_params: float) -> float:
+    """HBM bytes of the once-per-step quantisation of a rank's linear-layer weights (``layer_params`` of them,
+    ``shard_params`` in its optimizer shard) in ``job``'s FP8/FP4 format: Transformer Engine's refresh of every
+    cached quantised weight on the step's first micro-batch (:attr:`FormatCost.step_weight_cast_bytes` each), or,
+    with FP8 parameters gathered quantised (``parallel.fp8_param_gather``), the distributed optimizer's cast of its
+    fp32 shard into them (MXFP8's, gathered in bf16, are quantised whole after the gather); less what the fitted
+    ``gemm_fp8`` share holds of it (delayed scaling's refresh of every weight, which the rows it was fitted on ran:
+    :attr:`FormatCost.dense_cast_bytes`' convention), never below zero; zero for 16/32 bits."""
+    low = low_format_cost(job)
+    if low is None:
+        return 0.0
+    params = _fp8_params(job)
+    if params is not None and params.param_gather_bytes is not None and params.param_gather_bytes < 2.0:
+        cast = shard_params * (MASTER_WEIGHT_BYTES + quantised_weight_bytes(job))
+    else:
+        cast = layer_params * low.step_weight_cast_bytes
+    return max(cast - layer_params * _table()["fp8-delayed"].step_weight_cast_bytes, 0.0)

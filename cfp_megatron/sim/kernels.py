@@ -113,8 +113,8 @@ class KernelModel:
             self.gemm_flops_per_s = peak * efficiency.gemm
             self.attn_flops_per_s = peak * efficiency.attention
         self.low = self.format.low
-        self.low_flops_per_s = ((cluster.clocked_peak_tflops(self.format.peak) or 0.0) * 1e12
-                                * getattr(efficiency, self.format.efficiency)) if self.low else self.gemm_flops_per_s
+        self.low_flops_per_s = (self.format.gemm_tflops(cluster, efficiency) * 1e12 if self.low
+                                else self.gemm_flops_per_s)
         self.mem_bytes_per_s = (cluster.hbm_bandwidth_gbps or _FALLBACK_HBM_GBPS) * 1e9 * efficiency.memory
         self.sm_count = cluster.sm_count
         self.on_cpu = cluster.on_cpu

@@ -89,6 +89,8 @@ class TimeBreakdown:
     """The tied word embedding's gradient all-reduce between the first and the last pipeline stage."""
     token_sync_s: float = 0.0
     """The per-token loss's token count: broadcast over the pipeline group, all-reduced over DP x CP."""
+    weight_cast_s: float = 0.0
+    """The linear layers' weights quantised once per step under FP8/FP4 (beyond what the fitted FP8 share holds)."""
     extra: tuple[tuple[str, float], ...] = ()
     """Lanes of cost terms registered beyond these fields (name, seconds)."""
 

@@ -94,7 +94,7 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
     after = _after_lanes(StepInputs(
         job=job, layout=layout, kernels=kernels, collectives=costs, options=options, efficiency=efficiency,
         overheads=overheads, expert_params=tuple(expert_params), backward_s=tuple(sum(row) for row in backward_s),
-        forward_s=tuple(sum(row) for row in forward_s),
+        forward_s=tuple(sum(row) for row in forward_s), layer_params=tuple(layer_params),
         params=tuple(layer_params[rank] + split.vocab_tables[rank] * vocab_params for rank in range(pp))))
     if outside_s:
         # What a pipelined step paid outside its schedule beyond the probes without a pipeline (_pipeline_terms).

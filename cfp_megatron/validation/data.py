@@ -89,6 +89,9 @@ class Framework:
     fp8_param_gather: tuple[str, ...] = ()
     """The number formats (:data:`PRECISION_RUNS` names) whose rows kept the parameters in FP8
     (``parallel.fp8_param_gather``)."""
+    overlap_param_gather: bool = False
+    """Its distributed optimizer's parameter all-gather overlaps the next forward (``parallel.overlap_param_gather``,
+    Megatron-Core's ``overlap_param_gather``)."""
     te_cross_entropy: bool = False
     """Its loss runs Transformer Engine's fused cross entropy (:attr:`~cfp_megatron.sim.options.SimOptions.
     te_cross_entropy`)."""
@@ -244,7 +247,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
                        "column is read as")
         runs = entry.get("runs", dict)
         optional = {"mtp_layers", "pipeline_scatter_gather", "fp8_param_gather", "te_cross_entropy", "torch_fsdp",
-                    "apex_distributed_adam"}
+                    "apex_distributed_adam", "overlap_param_gather"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -275,6 +278,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             pipeline_scatter_gather=bool(runs.get("pipeline_scatter_gather", False)),
             fp8_param_gather=tuple(fp8_params), te_cross_entropy=bool(runs.get("te_cross_entropy", False)),
             torch_fsdp=bool(runs.get("torch_fsdp", False)),
+            overlap_param_gather=bool(runs.get("overlap_param_gather", False)),
             apex_adam=tuple((str(pattern), ApexAdamStates(state)) for pattern, state in apex.items())))
     if frameworks[-1].match != FrameworkMatch():
         raise ValidationDataError(f"{path}: the last entry ({frameworks[-1].name!r}) has conditions, so a row of "

@@ -146,6 +146,9 @@ class StepInputs:
     forward_s: tuple[float, ...] = ()
     """Seconds of one micro-batch's forward passes over each rank's chunks: the window activation offloading's
     copies to the host hide in."""
+    layer_params: tuple[float, ...] = ()
+    """The decoder layers' share of :attr:`params` per pipeline rank: the Transformer Engine layers whose weights a
+    FP8/FP4 format quantises (empty: taken as :attr:`params`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
+from cfp_megatron.sim.format_costs import step_weight_cast_bytes
 from cfp_megatron.sim.sharding import Sharded, Sharding
 from cfp_megatron.sim.terms.base import CostTerm, Lane, LaneKind, Placement, StepInputs
 
@@ -44,14 +45,33 @@ def optimizer_step(inputs: StepInputs) -> list[float]:
     return out
 
 
+def weight_casts(inputs: StepInputs) -> list[float]:
+    """Seconds per pipeline rank of the once-per-step quantisation of its linear layers' weights in the job's
+    FP8/FP4 format (:func:`~cfp_megatron.sim.format_costs.step_weight_cast_bytes`), memory-bound; zero in 16/32 bits
+    and with ``measured_layer_only``."""
+    job, dims = inputs.job, inputs.layout.dims
+    if inputs.options.measured_layer_only:
+        return [0.0] * dims.pp
+    sharding = Sharding.megatron(job, dims)
+    layers = inputs.layer_params or inputs.params
+    return [inputs.kernels.memory(step_weight_cast_bytes(
+        job, layers[rank], sharding.optimizer_params(layers[rank], inputs.expert_params[rank])))
+        for rank in range(dims.pp)]
+
+
 class OptimizerStep(CostTerm):
-    """The optimizer step after the gradient sync (with the gradient norm's all-reduce)."""
+    """The optimizer step after the gradient sync (with the gradient norm's all-reduce), and the step's weight
+    quantisation under FP8/FP4."""
 
     name = "optimizer"
     lanes = (Lane(name="optimizer_s", label="optimizer", part="optimizer", kind=LaneKind.compute,
                   placement=Placement.after, key="optimizer", trace="compute",
-                  style=("optimizer step", "#8172B3", "olive")),)
+                  style=("optimizer step", "#8172B3", "olive")),
+             Lane(name="weight_cast_s", label="weight quantisation (once per step)", part="optimizer",
+                  kind=LaneKind.compute, placement=Placement.after, key="weight_cast", trace="compute",
+                  style=("weight quantisation (FP8/FP4)", "#A38FD0", "olive")))
 
     def after_s(self, inputs: StepInputs) -> dict[str, list[float]]:
-        """The optimizer step per pipeline rank (:func:`optimizer_step`)."""
-        return {"optimizer_s": optimizer_step(inputs)}
+        """The optimizer step and the weight casts per pipeline rank (:func:`optimizer_step`,
+        :func:`weight_casts`)."""
+        return {"optimizer_s": optimizer_step(inputs), "weight_cast_s": weight_casts(inputs)}
