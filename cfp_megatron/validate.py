@@ -34,6 +34,8 @@ The same for every row:
   schedule (``schedules.yaml``) as its model chunks, the precision variant (``precisions.yaml``); what the simulator
   prices only approximately or cannot read is listed per row, and the row stays in the figures.
 * ``sequence_parallel`` with no framework reading: off, except where Megatron-Core requires it (MoE with TP).
+  Stated: off where its first word says no (``no``, ``none``, ``off``, ``false``, ``0``), else on (a cell naming
+  it in words, ``SequenceParallel norms``, states it); ``unknown`` or ``?``: as blank.
   ``zero_or_fsdp``: "distributed optimizer" turns it on; "FSDP"/"ZeRO-3" models fully sharded data parallelism.
 * ``global_batch_seqs`` blank with one layer: a layer-level measurement (one forward and backward of the layer
   alone, no embedding, logits, optimizer or gradient sync).
@@ -243,7 +245,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     sharding = blank_reading(row, "zero_or_fsdp", framework).lower()
     fsdp = "fsdp" in sharding or "zero-3" in sharding or "zero3" in sharding
     dist_opt = "distributed optimizer" in sharding or "zero-1" in sharding
-    sp = yes_cell(blank_reading(row, "sequence_parallel", framework))
+    sp = yes_cell(row.get("sequence_parallel") or "")  # blank or unstated: the framework's reading
+    sp = yes_cell(framework.blank.get("sequence_parallel", "")) if sp is None else sp
     if sp is None:
         sp = bool(experts)  # Megatron-Core requires sequence parallelism for MoE layers with TP
     sp = sp and tp > 1

@@ -303,6 +303,25 @@ def test_megatron_bridge_dense_fsdp_rows_offload_as_their_preset_and_fit() -> No
     assert whole.memory_gib > plan.job.cluster.hbm_gib  # every layer's activations on the GPU: it would not fit
 
 
+def test_torchtitan_70b_tp8_under_full_recomputation_keeps_each_layers_input_split_over_tp() -> None:
+    """torchtitan's Llama 3.1 70B under FSDP2 + TP 8 with its SequenceParallel norms, 16 x 8k tokens a rank, full
+    recomputation: a sequence_parallel cell that names the norms in words states SP on, so each of the 80
+    checkpointed layers keeps only its input split over TP (2 GiB / 8), and the rank fits its 80 GiB; a cell that
+    says no reads off."""
+    from cfp_megatron.sim.simulate import simulate
+
+    row = {**LLAMA3_70B_GB200, "model": "Llama 3.1 70B", "gpu": "H100", "num_gpus": "256", "framework": "torchtitan",
+           "tp": "8", "dp": "32", "zero_or_fsdp": "FSDP2", "micro_batch": "16", "global_batch_seqs": "512",
+           "recompute": "full", "precision": "bf16", "sequence_parallel": "SequenceParallel norms + loss parallel"}
+    plan = row_plan(row)
+    assert plan.job.parallel.sp and row_plan({**row, "sequence_parallel": ""}).job.parallel.sp
+    assert not row_plan({**row, "sequence_parallel": "no"}).job.parallel.sp
+    memory = simulate(plan.job, options=plan.options).memory
+    tokens, hidden = 16 * 8192, 8192
+    assert dict(memory.parts)["layer_activations"] == pytest.approx(80 * tokens * hidden * 2 / 8)
+    assert memory.total_gib <= plan.job.cluster.hbm_gib
+
+
 def test_unreadable_inputs_are_refused_by_name(tmp_path: Path, capsys) -> None:
     header_only = tmp_path / "header.csv"
     header_only.write_text("id,layers,hidden,heads,seq_len,gpu,num_gpus\n")
