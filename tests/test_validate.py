@@ -307,7 +307,7 @@ def test_torchtitan_70b_tp8_under_full_recomputation_keeps_each_layers_input_spl
     """torchtitan's Llama 3.1 70B under FSDP2 + TP 8 with its SequenceParallel norms, 16 x 8k tokens a rank, full
     recomputation: a sequence_parallel cell that names the norms in words states SP on, so each of the 80
     checkpointed layers keeps only its input split over TP (2 GiB / 8), and the rank fits its 80 GiB; a cell that
-    says no reads off."""
+    says no reads off, one that states nothing as blank."""
     from cfp_megatron.sim.simulate import simulate
 
     row = {**LLAMA3_70B_GB200, "model": "Llama 3.1 70B", "gpu": "H100", "num_gpus": "256", "framework": "torchtitan",
@@ -316,6 +316,7 @@ def test_torchtitan_70b_tp8_under_full_recomputation_keeps_each_layers_input_spl
     plan = row_plan(row)
     assert plan.job.parallel.sp and row_plan({**row, "sequence_parallel": ""}).job.parallel.sp
     assert not row_plan({**row, "sequence_parallel": "no"}).job.parallel.sp
+    assert row_plan({**row, "sequence_parallel": "unknown"}).job.parallel.sp  # as blank: torchtitan's TP reading
     memory = simulate(plan.job, options=plan.options).memory
     tokens, hidden = 16 * 8192, 8192
     assert dict(memory.parts)["layer_activations"] == pytest.approx(80 * tokens * hidden * 2 / 8)
