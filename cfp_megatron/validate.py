@@ -18,9 +18,11 @@ What a blank or silent column means depends on what the row ran, and is data wit
 * ``cfp_megatron/validation/model_families.yaml``, by ``model`` / ``arch_source``: a blank ``vocab`` (51,200 for a
   model no family names) and ``kv_heads``, and what no column holds (Nemotron's dropout-free rotary layers, Qwen3's
   128-channel heads, MPT's ALiBi).
-* ``cfp_megatron/validation/recipes.yaml``: Megatron-Bridge's MoE performance presets by container release; a row
+* ``cfp_megatron/validation/recipes.yaml``: Megatron-Bridge's performance presets by container release; a row
   whose release, model, GPU, layout and precision are a preset's runs its dispatcher (``flex`` in the layout column),
-  expert all-to-all overlap (``a2ao``), TP and gradient-reduce overlap and recomputation.
+  expert all-to-all overlap (``a2ao``), TP and gradient-reduce overlap and recomputation; Megatron-Bridge's dense
+  Llama 3 70B presets on GB200, GB300 and B200: their activation offloading (``offload=<n>L``), unless the row
+  states its recomputation.
 
 The same for every row:
 
@@ -32,6 +34,8 @@ The same for every row:
   schedule (``schedules.yaml``) as its model chunks, the precision variant (``precisions.yaml``); what the simulator
   prices only approximately or cannot read is listed per row, and the row stays in the figures.
 * ``sequence_parallel`` with no framework reading: off, except where Megatron-Core requires it (MoE with TP).
+  Stated: off where its first word says no (``no``, ``none``, ``off``, ``false``, ``0``), else on (a cell naming
+  it in words, ``SequenceParallel norms``, states it); ``unknown`` or ``?``: as blank.
   ``zero_or_fsdp``: "distributed optimizer" turns it on; "FSDP"/"ZeRO-3" models fully sharded data parallelism.
 * ``global_batch_seqs`` blank with one layer: a layer-level measurement (one forward and backward of the layer
   alone, no embedding, logits, optimizer or gradient sync).
@@ -96,8 +100,8 @@ from cfp_megatron.validation.defaults import (
     blank_reading,
     family_fields,
     framework_of,
-    moe_recipe,
     mtp_layers,
+    performance_recipe,
     preset_architecture,
 )
 from cfp_megatron.validation.memory_failures import memory_failure_lines
@@ -241,7 +245,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     sharding = blank_reading(row, "zero_or_fsdp", framework).lower()
     fsdp = "fsdp" in sharding or "zero-3" in sharding or "zero3" in sharding
     dist_opt = "distributed optimizer" in sharding or "zero-1" in sharding
-    sp = yes_cell(blank_reading(row, "sequence_parallel", framework))
+    sp = yes_cell(row.get("sequence_parallel") or "")  # blank or unstated: the framework's reading
+    sp = yes_cell(framework.blank.get("sequence_parallel", "")) if sp is None else sp
     if sp is None:
         sp = bool(experts)  # Megatron-Core requires sequence parallelism for MoE layers with TP
     sp = sp and tp > 1
@@ -257,7 +262,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         "hidden_dropout": 0.0 if swiglu else 0.1, "attention_dropout": 0.0 if swiglu else 0.1,
     }
     model.update(family_fields(row, data))  # its vocabulary and KV heads only where the row leaves them blank
-    recipe = moe_recipe(row, framework, preset_name, (gpus, tp, pp, vp, ep, gbs or 0), data) if experts else None
+    recipe = performance_recipe(row, framework, preset_name, (gpus, tp, pp, vp, ep, gbs or 0), data)
     if experts:
         topk = count_cell(row, "moe_topk", 2)
         model.update(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=count_cell(row, "moe_expert_ffn"))
@@ -265,11 +270,14 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         model.update(moe_routing(row).model_fields(flex=bool(recipe and recipe.dispatcher == "flex")))
     architecture, fields = preset_architecture({**row, "vocab": str(model["vocab_size"])}) if experts else ("", {})
     model.update(fields)
-    modules = None
+    modules, offloaded = None, 0
     if recipe:
-        model["moe_token_dispatcher"] = recipe.dispatcher
+        if experts:
+            model["moe_token_dispatcher"] = recipe.dispatcher
         if recipe.recompute_modules and not recompute_raw:
             recompute, modules = "selective", recipe.recompute_modules
+        if not recompute_raw:  # Megatron-Core offloads no activations of a recomputed layer
+            offloaded = recipe.cpu_offloading_num_layers
         if recipe.micro_batch and accum and gbs and micro * dp * accum != gbs:
             micro = recipe.micro_batch  # the row's micro-batch, accumulation and DP contradict its global batch
     # Megatron-Bridge's recipes count the embedding and the loss as layers of the pipeline split where the decoder
@@ -293,7 +301,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                      "moe_a2a_overlap": bool(recipe and recipe.a2a_overlap),
                      "cuda_graph_impl": recipe.cuda_graph_impl if recipe else "none",
                      "cuda_graph_scope": recipe.cuda_graph_scope if recipe else None,
-                     "recompute_num_layers": 1, "grad_reduce_in_fp32": framework.grad_reduce_in_fp32,
+                     "recompute_num_layers": 1, "cpu_offloading_num_layers": offloaded,
+                     "grad_reduce_in_fp32": framework.grad_reduce_in_fp32,
                      "fp8_param_gather": (dist_opt or fsdp) and number_format.name in framework.fp8_param_gather,
                      "account_for_embedding_in_pipeline_split": counted,
                      "account_for_loss_in_pipeline_split": counted, "pipeline_model_parallel_layout": stages},
@@ -315,6 +324,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                    if recipe.cuda_graph_impl != "none" else "")
     layout += f" {moe_routing(row).tag}" if experts and moe_routing(row).tag else ""
     layout += f" mb{micro} gbs{gbs} {recompute}" + (f"[{job.parallel.recompute_modules}]" if modules else "")
+    layout += f" offload={offloaded}L" if offloaded else ""
     layout += " fsdp" if fsdp else ""
     layout += " fp8-params" if job.parallel.fp8_param_gather else ""
     readings = (fabric, schedule, numbers, power)

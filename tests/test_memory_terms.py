@@ -11,7 +11,7 @@ import pytest
 
 from cfp_megatron.base.cfp_spec import cfp_from_config
 from cfp_megatron.base.compose import compose_config, compose_job
-from cfp_megatron.base.config import Recompute
+from cfp_megatron.base.config import Recompute, RecomputeModule
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.search.search import search
 from cfp_megatron.sim.layout import build_layout
@@ -22,6 +22,7 @@ from cfp_megatron.sim.memory import (
     layer_activation_bytes,
     loss_bytes_per_logit,
     memory_band,
+    projection_input_bytes,
 )
 from cfp_megatron.sim.options import AttentionKernel, SimOptions
 from cfp_megatron.sim.prediction import GIB
@@ -148,12 +149,35 @@ def test_the_issues_70b_fsdp_run_fits_its_96_gb_with_sequence_parallel_norms() -
     assert without - with_sp == pytest.approx(80 * 2 * 7 / 8 - 4)
 
 
+def test_the_output_projection_keeps_the_cores_output_as_megatron_core_saves_it() -> None:
+    """Under FP8 current scaling (and FP4) Megatron-Core's linear_proj saves its original bf16 input, the tensor the
+    fused core already keeps (set_save_original_input): 2 bytes an element, not the 1-byte copy; under delayed
+    scaling the projection's FP8 copy sits beside the core's bf16 output (1 + 2), the copy alone where the core is
+    recomputed; in bf16 one tensor."""
+    current = _job("model=llama3_8b", "train.precision=fp8", "train.fp8_recipe=tensorwise")
+    delayed = _job("model=llama3_8b", "train.precision=fp8", "train.fp8_recipe=delayed")
+    bf16 = _job("model=llama3_8b", "train.precision=bf16")
+    flash, none, core = SimOptions(), frozenset(), frozenset({RecomputeModule.core_attn})
+    assert projection_input_bytes(current, flash, none, 1.0) == 2.0
+    assert projection_input_bytes(delayed, flash, none, 1.0) == 3.0
+    assert projection_input_bytes(delayed, flash, core, 1.0) == 1.0
+    assert projection_input_bytes(bf16, flash, none, 2.0) == 2.0
+    # The two FP8 recipes keep every other input alike (1 byte): a layer differs by one byte a core output element.
+    layout = build_layout(delayed)
+    kept = {name: layer_activation_bytes(job, build_layout(job), flash, moe=False)[0]
+            for name, job in (("current", current), ("delayed", delayed))}
+    q_width = delayed.model.num_attention_heads * (delayed.model.hidden_size // delayed.model.num_attention_heads)
+    assert kept["delayed"] - kept["current"] == pytest.approx(layout.micro_batch * layout.seq_length * q_width)
+
+
 def test_the_issues_70b_megatron_fsdp_run_fits_its_gb200_as_its_recipe_ran() -> None:
-    # Megatron-Bridge's llama3_70b_pretrain_64gpu_gb200_fp8cs_config: Megatron-FSDP, TP1, 2 x 8k tokens, FP8, 40
-    # layers' activations offloaded, TE's fused cross entropy. Without the offloading 80 layers x 3.4 GiB are kept.
+    # Megatron-Bridge's llama3_70b_pretrain_64gpu_gb200_fp8cs_config: Megatron-FSDP, TP1, 2 x 8k tokens, FP8 current
+    # scaling with FP8 parameters, 40 layers' activations offloaded, TE's fused cross entropy. Without the offloading
+    # 80 layers x 3.4 GiB are kept.
     job = compose_job(["model=llama3_70b", "cluster=gb200_nvl72", "cluster.nodes=16", "parallel.tp=1",
                        "parallel.distributed_optimizer=true", "parallel.fsdp=optim_grads_params",
-                       "train.precision=fp8", "train.micro_batch_size=2", "train.seq_length=8192",
+                       "train.precision=fp8", "train.fp8_recipe=tensorwise", "parallel.fp8_param_gather=true",
+                       "train.micro_batch_size=2", "train.seq_length=8192",
                        "train.global_batch_size=256"])
     offloaded = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, cpu_offloading_num_layers=40))
     recipe = SimOptions(te_cross_entropy=True)

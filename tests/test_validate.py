@@ -272,6 +272,57 @@ def test_blackwell_moe_rows_run_their_precisions_preset() -> None:
     assert mxfp8.model.moe_token_dispatcher.value == "flex" and mxfp8.parallel.recompute.value == "none"
 
 
+LLAMA3_70B_GB200 = {
+    "id": "x1", "model": "Llama3 70B", "source": "made up for the test", "layers": "80", "hidden": "8192",
+    "ffn_hidden": "28672", "heads": "64", "kv_heads": "8", "vocab": "128256", "seq_len": "8192", "gpu": "GB200",
+    "num_gpus": "64", "framework": "Megatron-Bridge / NeMo 26.02", "tp": "1", "pp": "1", "cp": "1",
+    "zero_or_fsdp": "Megatron-FSDP optim_grads_params", "micro_batch": "2", "global_batch_seqs": "256",
+    "precision": "FP8 current scaling", "step_time_s": "8"}
+"""Megatron-Bridge's Llama 3 70B GB200 FP8 preset as a row states it (placeholder step time)."""
+
+
+def test_megatron_bridge_dense_fsdp_rows_offload_as_their_preset_and_fit() -> None:
+    """A Megatron-Bridge Llama 3 70B row on GB200, GB300 or B200 whose layout is its Megatron-FSDP preset's
+    offloads the preset's layers' activations (recipes.yaml), and so is predicted inside the GPU it ran on; a row
+    stating its recomputation, another layout (the TP 2 x PP 4 MXFP8 preset) or a container before the presets
+    offloads none."""
+    def offloaded(**changes: str) -> int:
+        return row_plan({**LLAMA3_70B_GB200, **changes}).job.parallel.cpu_offloading_num_layers
+
+    assert offloaded() == 40 and offloaded(precision="BF16", micro_batch="1") == 20
+    assert offloaded(gpu="GB300") == 20 and offloaded(gpu="GB300", precision="BF16") == 30
+    assert offloaded(gpu="B200", num_gpus="64") == 5 and offloaded(global_batch_seqs="128") == 40
+    assert offloaded(recompute="full") == 0 and offloaded(precision="FP8 delayed scaling") == 0
+    assert offloaded(tp="2", pp="4", vp="5", precision="MXFP8") == 0
+    assert offloaded(framework="Megatron-Bridge / NeMo 25.07") == 0
+    plan = row_plan(LLAMA3_70B_GB200)
+    assert "offload=40L" in plan.layout
+    (result,), skipped = predict_rows([LLAMA3_70B_GB200])
+    assert not skipped and not result.flag and result.memory_gib <= plan.job.cluster.hbm_gib
+    (whole,), _ = predict_rows([{**LLAMA3_70B_GB200, "framework": "Megatron-Bridge / NeMo 25.07"}])
+    assert whole.memory_gib > plan.job.cluster.hbm_gib  # every layer's activations on the GPU: it would not fit
+
+
+def test_torchtitan_70b_tp8_under_full_recomputation_keeps_each_layers_input_split_over_tp() -> None:
+    """torchtitan's Llama 3.1 70B under FSDP2 + TP 8 with its SequenceParallel norms, 16 x 8k tokens a rank, full
+    recomputation: a sequence_parallel cell that names the norms in words states SP on, so each of the 80
+    checkpointed layers keeps only its input split over TP (2 GiB / 8), and the rank fits its 80 GiB; a cell that
+    says no reads off, one that states nothing as blank."""
+    from cfp_megatron.sim.simulate import simulate
+
+    row = {**LLAMA3_70B_GB200, "model": "Llama 3.1 70B", "gpu": "H100", "num_gpus": "256", "framework": "torchtitan",
+           "tp": "8", "dp": "32", "zero_or_fsdp": "FSDP2", "micro_batch": "16", "global_batch_seqs": "512",
+           "recompute": "full", "precision": "bf16", "sequence_parallel": "SequenceParallel norms + loss parallel"}
+    plan = row_plan(row)
+    assert plan.job.parallel.sp and row_plan({**row, "sequence_parallel": ""}).job.parallel.sp
+    assert not row_plan({**row, "sequence_parallel": "no"}).job.parallel.sp
+    assert row_plan({**row, "sequence_parallel": "unknown"}).job.parallel.sp  # as blank: torchtitan's TP reading
+    memory = simulate(plan.job, options=plan.options).memory
+    tokens, hidden = 16 * 8192, 8192
+    assert dict(memory.parts)["layer_activations"] == pytest.approx(80 * tokens * hidden * 2 / 8)
+    assert memory.total_gib <= plan.job.cluster.hbm_gib
+
+
 def test_unreadable_inputs_are_refused_by_name(tmp_path: Path, capsys) -> None:
     header_only = tmp_path / "header.csv"
     header_only.write_text("id,layers,hidden,heads,seq_len,gpu,num_gpus\n")

@@ -15,12 +15,14 @@ from cfp_megatron.base.config import (
     AttentionKernel,
     AttentionKind,
     ClusterSpec,
+    Fp8Recipe,
     FsdpStrategy,
     JobSpec,
     MlpPartition,
     ModelSpec,
     Normalization,
     PositionEmbedding,
+    Precision,
     Recompute,
     RecomputeMethod,
     RecomputeModule,
@@ -139,7 +141,7 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
         # anew (out of place) beside it.
         rotated = q_width + kv_width if model.position_embedding is PositionEmbedding.rope else 0.0
         qkv = elem * (rotated + q_width + 2 * kv_width)
-    per_token += (qkv + linear_input_bytes * q_width) / tp
+    per_token += (qkv + projection_input_bytes(job, options, modules, linear_input_bytes) * q_width) / tp
     if RecomputeModule.core_attn not in modules:  # the core keeps its scores (a fully recomputed layer makes them
         # again in its backward pass: its working set, docs/simulator.md "memory.py")
         per_token += heads * layout.seq_length * _kept_bytes_per_score(model, options, elem) / tp
@@ -180,6 +182,26 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
         kept += layout.seq_length / dims.cp * layout.seq_length
     full_recompute_bytes = tokens * hidden * elem * replicated_share  # the layer's input only
     return kept, full_recompute_bytes
+
+
+def projection_input_bytes(job: JobSpec, options: SimOptions, modules: frozenset[RecomputeModule],
+                           linear_input_bytes: float) -> float:
+    """Bytes per element of the attention core's output a layer keeps for the output projection's backward pass
+    (``linear_input_bytes``: what a linear layer keeps of its input). Under FP8 with a recipe other than delayed
+    scaling, and under FP4, Megatron-Core makes ``linear_proj`` save its original input (``attention.py`` and
+    ``multi_latent_attention.py``, ``set_save_original_input``: "the output of the fused core_attn is saved by
+    itself"), the tensor a fused core keeps in the compute precision; under delayed scaling the projection keeps its
+    quantised copy beside the fused core's own output (none where the core is recomputed or unfused: Megatron's
+    unfused core needs only its probabilities and V). In 16 or 32 bits the two are one tensor."""
+    cost = low_format_cost(job)
+    if cost is None:
+        return linear_input_bytes
+    elem = float(element_bytes(job))
+    delayed = job.train.precision is Precision.fp8 and job.train.fp8_recipe is Fp8Recipe.delayed
+    if not delayed:
+        return elem
+    core_keeps_output = options.flash_attention and RecomputeModule.core_attn not in modules
+    return linear_input_bytes + (elem if core_keeps_output else 0.0)
 
 
 def _kept_bytes_per_score(model: ModelSpec, options: SimOptions, elem: float) -> float:

@@ -130,9 +130,9 @@ class Families:
 
 
 @dataclass(frozen=True, kw_only=True)
-class MoeRecipe:
-    """The communication settings of one MoE performance preset, for the rows that ran it (a ``recipes.yaml``
-    entry)."""
+class PerformanceRecipe:
+    """The communication settings of one performance preset (MoE, or a dense one that offloads activations), for the
+    rows that ran it (a ``recipes.yaml`` entry)."""
 
     name: str
     """The preset, as a person names it."""
@@ -166,6 +166,9 @@ class MoeRecipe:
     micro_batch: int | None = None
     """The preset's ``micro_batch_size``, read where the row's own micro-batch, gradient accumulation and DP size
     contradict its global batch; ``None``: the row's."""
+    cpu_offloading_num_layers: int = 0
+    """``parallel.cpu_offloading_num_layers``: the layers whose activations the preset offloads to host memory
+    (``cpu_offloading_num_layers``), unless the row states its recomputation; 0: none."""
     source: str
     """Where this comes from."""
 
@@ -315,12 +318,12 @@ def _release(entry: _Entry, value: object) -> tuple[int, int]:
 
 
 LAYOUT_KEYS = ("gpus", "tp", "pp", "vp", "ep", "global_batch")
-"""The keys of a recipe's layout, in :attr:`MoeRecipe.layouts` order."""
+"""The keys of a recipe's layout, in :attr:`PerformanceRecipe.layouts` order."""
 
 
 @lru_cache(maxsize=8)
-def load_recipes(path: Path = RECIPES_FILE) -> tuple[MoeRecipe, ...]:
-    """The MoE presets of ``path`` in match order (read once per path)."""
+def load_recipes(path: Path = RECIPES_FILE) -> tuple[PerformanceRecipe, ...]:
+    """The performance presets of ``path`` in match order (read once per path)."""
     path = Path(path)
     data = _read(path)
     framework = data.get("framework")
@@ -328,7 +331,8 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[MoeRecipe, ...]:
         raise ValidationDataError(f"{path}: names no 'framework:' (a frameworks.yaml entry) whose rows ran these "
                                   "presets. Fix: add it.")
     keys = {"releases", "model", "precision", "hardware", "layouts", "dispatcher", "a2a_overlap", "tp_comm_overlap",
-            "overlap_grad_reduce", "recompute_modules", "cuda_graph_impl", "cuda_graph_scope", "micro_batch"}
+            "overlap_grad_reduce", "recompute_modules", "cuda_graph_impl", "cuda_graph_scope", "micro_batch",
+            "cpu_offloading_num_layers"}
     recipes = []
     for index, raw in enumerate(_entries(path, data, "recipes")):
         entry = _Entry(path, index, raw, keys)
@@ -360,14 +364,18 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[MoeRecipe, ...]:
         micro_batch = entry.get("micro_batch", (int, type(None)), None)
         if micro_batch is not None and (isinstance(micro_batch, bool) or micro_batch < 1):
             entry.fail(f"has micro_batch={micro_batch!r}; a positive count (the preset's micro_batch_size)")
-        recipes.append(MoeRecipe(
+        offloaded = entry.get("cpu_offloading_num_layers", int, 0)
+        if offloaded < 0:
+            entry.fail(f"has cpu_offloading_num_layers={offloaded!r}; a count of layers (0: none)")
+        recipes.append(PerformanceRecipe(
             name=raw["name"], source=raw["source"], framework=framework, model=entry.pattern("model"),
             releases=(_release(entry, releases[0]), None if releases[1] is None else _release(entry, releases[1])),
             precision=entry.pattern("precision", ""), hardware=tuple(hardware),
             layouts=tuple(tuple(lay[k] for k in LAYOUT_KEYS) for lay in layouts), dispatcher=dispatcher,
             a2a_overlap=entry.get("a2a_overlap", bool), tp_comm_overlap=entry.get("tp_comm_overlap", bool, True),
             overlap_grad_reduce=entry.get("overlap_grad_reduce", bool, True), recompute_modules=modules,
-            cuda_graph_impl=graphs, cuda_graph_scope=scope, micro_batch=micro_batch))
+            cuda_graph_impl=graphs, cuda_graph_scope=scope, micro_batch=micro_batch,
+            cpu_offloading_num_layers=offloaded))
     return tuple(recipes)
 
 
@@ -433,7 +441,7 @@ class ValidationData:
     """``frameworks.yaml``."""
     families: Families
     """``model_families.yaml``."""
-    recipes: tuple[MoeRecipe, ...]
+    recipes: tuple[PerformanceRecipe, ...]
     """``recipes.yaml``."""
     schedules: tuple[ColumnEntry, ...]
     """``schedules.yaml``: how a ``pp_schedule`` column reads."""

@@ -1,6 +1,6 @@
 """What a row runs where its columns are blank or silent: its framework's reading (``frameworks.yaml``), its model
-family's (``model_families.yaml``), the MoE preset its framework ran at its release (``recipes.yaml``), all read by
-:mod:`.data`, and the architecture of a model preset of its shape (``conf/model``)."""
+family's (``model_families.yaml``), the performance preset its framework ran at its release (``recipes.yaml``), all
+read by :mod:`.data`, and the architecture of a model preset of its shape (``conf/model``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 
 from cfp_megatron.base.compose import group_presets
 from cfp_megatron.sim.options import ApexAdamStates
-from cfp_megatron.validation.data import FAMILY_COLUMNS, Framework, MoeRecipe, ValidationData
+from cfp_megatron.validation.data import FAMILY_COLUMNS, Framework, PerformanceRecipe, ValidationData
 from cfp_megatron.validation.rows import count_cell
 
 RELEASE = r"\b(\d\d)\.(\d\d)"
@@ -52,11 +52,11 @@ def family_fields(row: dict, data: ValidationData) -> dict[str, object]:
             **{FAMILY_COLUMNS[column]: value for column, value in blank.items() if count_cell(row, column) is None}}
 
 
-def moe_recipe(row: dict, framework: Framework, preset: str, layout: tuple[int, int, int, int, int, int],
-               data: ValidationData) -> MoeRecipe | None:
-    """The MoE preset a row ran, or None: the first of ``recipes.yaml`` of the row's framework whose releases hold the
-    row's container release (:data:`RELEASE`) and whose model, hardware preset, layout (GPUs, TP, PP, VP, EP, global
-    batch) and precision pattern are the row's."""
+def performance_recipe(row: dict, framework: Framework, preset: str, layout: tuple[int, int, int, int, int, int],
+                       data: ValidationData) -> PerformanceRecipe | None:
+    """The performance preset a row ran (MoE, or dense with offloaded activations), or None: the first of
+    ``recipes.yaml`` of the row's framework whose releases hold the row's container release (:data:`RELEASE`) and
+    whose model, hardware preset, layout (GPUs, TP, PP, VP, EP, global batch) and precision pattern are the row's."""
     found = re.search(RELEASE, row.get("source_detail") or row.get("framework") or "")
     if found is None:
         return None

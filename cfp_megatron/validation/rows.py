@@ -235,9 +235,17 @@ def figure_cell(row: dict, key: str) -> float | None:
     return value
 
 
+NO_WORDS = frozenset({"no", "n", "none", "not", "n/a", "na", "false", "off", "0", "disabled", "without", "-"})
+"""First words of a yes/no cell that say no (:func:`yes_cell`)."""
+UNSTATED_WORDS = frozenset({"unknown", "unstated", "?"})
+"""First words of a yes/no cell that state nothing, read as blank."""
+
+
 def yes_cell(raw: str) -> bool | None:
-    """A yes/no cell: ``None`` where blank, else whether it says yes (``y...``, ``true``, ``on``, ``1``)."""
-    raw = raw.strip().lower()
-    if not raw:
+    """A yes/no cell: ``None`` where blank or unstated (``unknown``, ``?``), ``False`` where its first word says no
+    (:data:`NO_WORDS`: ``no``, ``none``, ``off``, ``false``, ``0`` ...), else ``True``: a cell that names the
+    setting in its own words (``SequenceParallel norms``, ``SP``, ``enabled``) states it on."""
+    words = re.findall(r"[a-z0-9/?-]+", raw.strip().lower())
+    if not words or words[0] in UNSTATED_WORDS:
         return None
-    return raw.startswith(("y", "true", "on", "1"))
+    return words[0] not in NO_WORDS
