@@ -427,3 +427,18 @@ def test_flex_dispatch_inside_an_nvl72_domain_runs_at_hybridep_measured_rates() 
     h100 = job(model=flex, ep=8)
     layout, kernels, comm = models(h100, 32)
     assert flex_nvlink_rates(comm, layout.ep_per_node) == (DEEPEP_INTRA_SHARE * comm.intra.bandwidth_bytes_per_s,) * 2
+
+
+def test_alltoall_inside_an_nvl72_rack_stays_on_nvlink_at_nccls_ceiling() -> None:
+    """The alltoall dispatcher at EP 64 on 256 GB200s (64 GPUs a rack): the group is inside one NVLink domain, and
+    its token all-to-all is priced on NVLink at NCCL's all-to-all ceiling (370 / 450 of the 900 GB/s line rate), not
+    over the network."""
+    gb200 = {**load_preset("gb200_nvl72"), "nodes": 64}
+    j = job(nodes=64, cluster=gb200, ep=64, gbs=256)
+    layout, kernels, comm = models(j, 256)
+    assert layout.ep_per_node == 64
+    block = moe_block_cost(j, layout, kernels, comm)
+    link = all_to_all_costs(comm, j).intra
+    assert link.bandwidth_bytes_per_s == pytest.approx(900e9 * NCCL_NVLINK_SHARE)
+    routed = 4096 * MOE["moe_router_topk"] * MOE["hidden_size"] * 2.0
+    assert block.combine_s == pytest.approx(63 * link.latency_s + routed * 63 / 64 / link.bandwidth_bytes_per_s)
