@@ -26,6 +26,7 @@ from cfp_megatron.sim.terms.expert_dispatch import (
     expected_remote_nodes,
     flex_nvlink_rates,
     moe_block_cost,
+    rank_hit_share,
 )
 from cfp_megatron.sim.terms.overlap import COMM_SM_SHARE, overlapped
 from cfp_megatron.validate import load_preset
@@ -409,8 +410,10 @@ def test_on_a_cpu_cluster_each_expert_is_a_plain_gemm() -> None:
 
 def test_flex_dispatch_inside_an_nvl72_domain_runs_at_hybridep_measured_rates() -> None:
     """On GB200 NVL72 an EP group of 64 ranks on 256 GPUs (64 per rack) stays on NVLink, and the flex dispatcher's
-    dispatch and combine are each priced at HybridEP's measured rate for that many ranks (an SM-bound kernel's
-    rate, below DeepEP's share of NVLink 5's 900 GB/s); on H100 the share of its 450 GB/s is lower and stands."""
+    dispatch and combine each move the rows a rank receives (one per token and destination rank, as DeepEP and
+    HybridEP send them and their benchmarks count them) at HybridEP's measured rate for that many ranks (an
+    SM-bound kernel's rate, below DeepEP's share of NVLink 5's 900 GB/s); on H100 the share of its 450 GB/s is lower
+    and stands."""
     gb200 = {**load_preset("gb200_nvl72"), "nodes": 64}
     flex = {"moe_token_dispatcher": "flex"}
     for ep, world, ranks in ((64, 256, 24), (8, 8, 8)):
@@ -420,7 +423,10 @@ def test_flex_dispatch_inside_an_nvl72_domain_runs_at_hybridep_measured_rates() 
         block = moe_block_cost(j, layout, kernels, comm)
         _, dispatch_gbps, combine_gbps = next(row for row in HYBRIDEP_NVLINK_GBPS if row[0] == ranks)
         assert dispatch_gbps * 1e9 < DEEPEP_INTRA_SHARE * comm.intra.bandwidth_bytes_per_s
-        sent = 4096 * MOE["moe_router_topk"] * MOE["hidden_size"] * 2.0 * (ep - 1) / ep  # bf16 copies leaving
+        # the rows a rank receives: one bf16 row per token that has any of its experts (4,096 tokens per rank)
+        hit = 1 - math.comb(64 - 64 // ep, 8) / math.comb(64, 8)  # 64 experts, top-8
+        assert rank_hit_share(64, 64 // ep, 8) == pytest.approx(hit)
+        sent = 4096 * ep * hit * MOE["hidden_size"] * 2.0
         assert block.combine_s == pytest.approx(sent / (combine_gbps * 1e9) + comm.intra.latency_s)
         assert block.dispatch_s - block.combine_s == pytest.approx(sent / (dispatch_gbps * 1e9)
                                                                    + comm.intra.latency_s)

@@ -229,10 +229,11 @@ def _dispatch_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Colle
         elif dispatcher is TokenDispatcher.flex:
             token_bytes = local_tokens * hidden * elem
             rates = flex_nvlink_rates(costs, layout.ep_per_node)
+            experts = model.num_experts or 1
             dispatch += _deepep_s(costs, layout, a2a_bytes, token_bytes, topk=model.moe_router_topk,
-                                  nvlink_bytes_per_s=rates[0])
+                                  nvlink_bytes_per_s=rates[0], num_experts=experts)
             combine += _deepep_s(costs, layout, a2a_bytes, token_bytes, topk=model.moe_router_topk,
-                                 nvlink_bytes_per_s=rates[1])
+                                 nvlink_bytes_per_s=rates[1], num_experts=experts)
         else:
             # alltoall: every routed copy crosses the group (a token going to two experts of one rank is sent
             # twice), in the dispatch and in the combine; the dispatch sends each copy's routing probability too
@@ -271,14 +272,27 @@ def flex_nvlink_rates(costs: CollectiveCosts, ranks: int) -> tuple[float, float]
     return min(shared, measured[1] * 1e9), min(shared, measured[2] * 1e9)
 
 
+def rank_hit_share(num_experts: int, local_experts: int, topk: int) -> float:
+    """Chance that a token's ``topk`` distinct experts, drawn uniformly from ``num_experts``, include one of a rank's
+    ``local_experts``: ``1 - C(E - L, k) / C(E, k)``."""
+    missed = 1.0
+    for i in range(min(topk, num_experts)):
+        missed *= max(num_experts - local_experts - i, 0) / (num_experts - i)
+    return 1.0 - missed
+
+
 def _deepep_s(costs: CollectiveCosts, layout: Layout, routed_bytes: float, token_bytes: float, *,
-              topk: int, nvlink_bytes_per_s: float) -> float:
-    """One DeepEP dispatch (or combine): the NVLink part carries the routed copies for this node's experts at
-    ``nvlink_bytes_per_s`` (:func:`flex_nvlink_rates`), the RDMA part one copy of each token per other node it goes
-    to at DeepEP's measured share."""
+              topk: int, nvlink_bytes_per_s: float, num_experts: int) -> float:
+    """One DeepEP dispatch (or combine): the NVLink part carries the rows a rank receives, one per token that has
+    any of its experts (DeepEP and HybridEP send a token once to each rank it goes to, the receiver expands it per
+    local expert; tokens from other nodes forwarded to it over NVLink), at ``nvlink_bytes_per_s``
+    (:func:`flex_nvlink_rates`; their benchmarks' rates count the same rows, ``recv_x`` / ``dispatched_hidden``); the
+    RDMA part one copy of each token per other node it goes to at DeepEP's measured share. ``routed_bytes``: the
+    routed copies the rank takes (their balance and imbalance); ``token_bytes``: the tokens it sends."""
     ep, per_node = layout.dims.ep, max(layout.ep_per_node, 1)
     nodes = max(1, ep // per_node)
-    intra_bytes = routed_bytes * (per_node - 1) / ep
+    hit = rank_hit_share(num_experts, max(1, num_experts // ep), topk)
+    intra_bytes = routed_bytes * ep * hit / topk  # routed copies, one row per (token, rank) instead of per expert
     intra_s = intra_bytes / nvlink_bytes_per_s + costs.intra.latency_s
     if nodes <= 1:
         return intra_s
