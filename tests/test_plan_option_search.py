@@ -131,6 +131,19 @@ def test_the_graphs_static_buffers_are_counted_per_captured_layer_and_micro_batc
     assert dict(piped.memory.parts)["cuda_graph_buffers"] > buffers / 2  # half the layers, two micro-batches held
 
 
+
+def test_a_full_iteration_graph_keeps_each_micro_batchs_batch_not_per_layer_buffers() -> None:
+    """Megatron-Core's full-iteration graph (``FullCudaGraphWrapper``) captures the forward-backward once: its static
+    inputs are the data loader's batch of every micro-batch, not the per-layer graphs' hidden-state buffers."""
+    whole = simulate(_job("parallel.cuda_graph_impl=local", "parallel.cuda_graph_scope=full_iteration"), world_size=8)
+    per_layer = dict(simulate(_job("parallel.cuda_graph_impl=local"), world_size=8).memory.parts)
+    j = _job()
+    micro_batches = j.train.global_batch_size // j.train.micro_batch_size // 8  # DP 8
+    batch = graph_buffers().batch_bytes * j.train.micro_batch_size * j.train.seq_length * micro_batches
+    assert dict(whole.memory.parts)["cuda_graph_buffers"] == pytest.approx(batch)
+    assert batch < per_layer["cuda_graph_buffers"] / 10
+    assert whole.time.host_s == 0.0  # nothing launched by the host, no dropless wait
+
 def test_graphs_are_left_out_where_they_cannot_run() -> None:
     sets = _cfp("cfp.constraints.cuda_graph_impl=[none,local,transformer_engine]")
     options, left = plan_options(_job(), sets, te_available=False)

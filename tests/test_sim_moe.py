@@ -18,11 +18,15 @@ from cfp_megatron.sim.layer_cost import LayerCost, layer_cost
 from cfp_megatron.sim.layout import Layout, build_layout
 from cfp_megatron.sim.pass_costs import CostCache, collective_costs
 from cfp_megatron.sim.terms.expert_dispatch import (
+    DEEPEP_INTRA_SHARE,
+    HYBRIDEP_NVLINK_GBPS,
     NCCL_NVLINK_SHARE,
     MoeCost,
     all_to_all_costs,
     expected_remote_nodes,
+    flex_nvlink_rates,
     moe_block_cost,
+    rank_hit_share,
 )
 from cfp_megatron.sim.terms.overlap import COMM_SM_SHARE, overlapped
 from cfp_megatron.validate import load_preset
@@ -402,3 +406,45 @@ def test_on_a_cpu_cluster_each_expert_is_a_plain_gemm() -> None:
     cpu = job(nodes=1, cluster={"name": "local", "device_name": "cpu", "gpus_per_node": 8})
     _, kernels, _ = models(cpu, 8)
     assert kernels.grouped_gemm(4, 16, 96, 64) == pytest.approx(4 * kernels.gemm(16, 96, 64))
+
+
+def test_flex_dispatch_inside_an_nvl72_domain_runs_at_hybridep_measured_rates() -> None:
+    """On GB200 NVL72 an EP group of 64 ranks on 256 GPUs (64 per rack) stays on NVLink, and the flex dispatcher's
+    dispatch and combine each move the rows a rank receives (one per token and destination rank, as DeepEP and
+    HybridEP send them and their benchmarks count them) at HybridEP's measured rate for that many ranks (an
+    SM-bound kernel's rate, below DeepEP's share of NVLink 5's 900 GB/s); on H100 the share of its 450 GB/s is lower
+    and stands."""
+    gb200 = {**load_preset("gb200_nvl72"), "nodes": 64}
+    flex = {"moe_token_dispatcher": "flex"}
+    for ep, world, ranks in ((64, 256, 24), (8, 8, 8)):
+        j = job(nodes=world // 4, model=flex, cluster=gb200, ep=ep, gbs=world)
+        layout, kernels, comm = models(j, world)
+        assert layout.ep_per_node == ep  # the whole EP group inside one NVLink domain: no RDMA part
+        block = moe_block_cost(j, layout, kernels, comm)
+        _, dispatch_gbps, combine_gbps = next(row for row in HYBRIDEP_NVLINK_GBPS if row[0] == ranks)
+        assert dispatch_gbps * 1e9 < DEEPEP_INTRA_SHARE * comm.intra.bandwidth_bytes_per_s
+        # the rows a rank receives: one bf16 row per token that has any of its experts (4,096 tokens per rank)
+        hit = 1 - math.comb(64 - 64 // ep, 8) / math.comb(64, 8)  # 64 experts, top-8
+        assert rank_hit_share(64, 64 // ep, 8) == pytest.approx(hit)
+        sent = 4096 * ep * hit * MOE["hidden_size"] * 2.0
+        assert block.combine_s == pytest.approx(sent / (combine_gbps * 1e9) + comm.intra.latency_s)
+        assert block.dispatch_s - block.combine_s == pytest.approx(sent / (dispatch_gbps * 1e9)
+                                                                   + comm.intra.latency_s)
+    h100 = job(model=flex, ep=8)
+    layout, kernels, comm = models(h100, 32)
+    assert flex_nvlink_rates(comm, layout.ep_per_node) == (DEEPEP_INTRA_SHARE * comm.intra.bandwidth_bytes_per_s,) * 2
+
+
+def test_alltoall_inside_an_nvl72_rack_stays_on_nvlink_at_nccls_ceiling() -> None:
+    """The alltoall dispatcher at EP 64 on 256 GB200s (64 GPUs a rack): the group is inside one NVLink domain, and
+    its token all-to-all is priced on NVLink at NCCL's all-to-all ceiling (370 / 450 of the 900 GB/s line rate), not
+    over the network."""
+    gb200 = {**load_preset("gb200_nvl72"), "nodes": 64}
+    j = job(nodes=64, cluster=gb200, ep=64, gbs=256)
+    layout, kernels, comm = models(j, 256)
+    assert layout.ep_per_node == 64
+    block = moe_block_cost(j, layout, kernels, comm)
+    link = all_to_all_costs(comm, j).intra
+    assert link.bandwidth_bytes_per_s == pytest.approx(900e9 * NCCL_NVLINK_SHARE)
+    routed = 4096 * MOE["moe_router_topk"] * MOE["hidden_size"] * 2.0
+    assert block.combine_s == pytest.approx(63 * link.latency_s + routed * 63 / 64 / link.bandwidth_bytes_per_s)

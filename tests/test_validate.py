@@ -241,17 +241,28 @@ def test_each_row_runs_the_architecture_its_reported_flop_rate_counts() -> None:
 
 def test_blackwell_moe_rows_run_their_precisions_preset() -> None:
     """A 26.x Megatron-Bridge row on Blackwell whose layout is one of its presets takes that preset's dispatcher
-    (HybridEP, as ``flex``), overlap and recomputation, which differ by precision; an earlier container or another
-    layout keeps the defaults."""
+    (HybridEP, as ``flex``), overlap, recomputation and CUDA graphs, which differ by precision and release (v0.3.0
+    for 26.02, v0.4.1 for 26.04, v0.5.0 for 26.06); an earlier container or another layout keeps the defaults."""
     base = next(r for r in read_rows(CSV) if r["id"] == "73")  # DeepSeek-V3
     row = {**base, "gpu": "GB200 NVL72", "num_gpus": "256", "tp": "1", "pp": "4", "vp": "4", "ep": "64", "dp": "",
            "global_batch_seqs": "4096", "framework": "Megatron-Bridge / NeMo 26.02",
            "source_detail": "26.02 NeMo container, GB200", "precision": "FP8 current scaling"}
     cs = row_plan(row).job
     assert cs.model.moe_token_dispatcher.value == "flex" and not cs.parallel.moe_a2a_overlap
-    assert cs.parallel.recompute_modules == "mlp" and not cs.parallel.overlap_grad_reduce
-    mx = row_plan({**row, "precision": "MXFP8"}).job
+    # every Blackwell DeepSeek-V3 function of deepseek_llm_pretrain.py overlaps the gradient reduction
+    assert cs.parallel.recompute_modules == "mla_up_proj" and cs.parallel.overlap_grad_reduce
+    assert cs.parallel.graph_scopes() == ("attn", "moe_router", "moe_preprocess")
+    later = {**row, "framework": "Megatron-Bridge / NeMo 26.04", "source_detail": "26.04.01 NeMo container, GB200"}
+    assert row_plan(later).job.parallel.recompute_modules == "mlp"  # v0.4.x: recompute_modules=["mlp"]
+    # MXFP8 ran the FP8 preset up to 26.04; 26.06's overlaps the all-to-all under full-iteration CUDA graphs
+    for release, container in (("26.02", "26.02"), ("26.04", "26.04.01")):
+        early = row_plan({**row, "precision": "MXFP8", "framework": f"Megatron-Bridge / NeMo {release}",
+                          "source_detail": f"{container} NeMo container, GB200"}).job.parallel
+        assert not early.moe_a2a_overlap and early.cuda_graph_impl.value == "transformer_engine"
+    mx = row_plan({**row, "precision": "MXFP8", "framework": "Megatron-Bridge / NeMo 26.06",
+                   "source_detail": "26.06 NeMo container, GB200"}).job
     assert mx.parallel.moe_a2a_overlap and mx.parallel.recompute_modules == "mla_up_proj"
+    assert (mx.parallel.cuda_graph_impl.value, mx.parallel.graph_scopes()) == ("local", ("full_iteration",))
     assert row_plan({**row, "precision": "BF16"}).job.parallel.recompute_modules == "mla_up_proj"
     for other in ({"source_detail": "25.11 NeMo container", "framework": "Megatron-Bridge / NeMo 25.11"},
                   {"global_batch_seqs": "8192"}):
@@ -262,13 +273,22 @@ def test_blackwell_moe_rows_run_their_precisions_preset() -> None:
              "micro_batch": "4", "global_batch_seqs": "512", "framework": "Megatron-Bridge / NeMo 26.02",
              "source_detail": "26.02 NeMo container, B200", "precision": "BF16"}
     assert row_plan(small).job.model.moe_token_dispatcher.value == "flex"
+    for gpu, scopes in (("GB300", ("moe_router", "moe_preprocess")),
+                        ("GB200", ("attn", "moe_router", "moe_preprocess"))):
+        fp8 = row_plan({**small, "gpu": gpu, "precision": "FP8"}).job.parallel
+        assert fp8.cuda_graph_impl.value == "transformer_engine" and fp8.graph_scopes() == scopes
+        mx26 = row_plan({**small, "gpu": gpu, "precision": "MXFP8", "framework": "Megatron-Bridge / NeMo 26.06",
+                         "source_detail": f"26.06 NeMo container, {gpu}"}).job.parallel
+        assert mx26.moe_a2a_overlap and mx26.graph_scopes() == ("full_iteration",)
     oss = {**next(r for r in read_rows(CSV) if r["id"] == "79"), "gpu": "GB200 NVL72", "tp": "1", "pp": "1", "vp": "",
            "ep": "64", "dp": "", "global_batch_seqs": "1280", "framework": "Megatron-Bridge / NeMo 26.02",
            "source_detail": "26.02 NeMo container, GB200", "precision": "BF16"}
-    bf16 = row_plan(oss).job
-    assert bf16.model.moe_token_dispatcher.value == "alltoall" and bf16.parallel.moe_a2a_overlap
+    bf16 = row_plan(oss).job  # 26.02 (v0.3.0): GPT_OSS_120B_GB200_BF16_V2 sets neither HybridEP nor the overlap
+    assert bf16.model.moe_token_dispatcher.value == "alltoall" and not bf16.parallel.moe_a2a_overlap
     assert bf16.parallel.recompute_modules == "moe_act+layernorm"  # Megatron-Core's order
-    mxfp8 = row_plan({**oss, "precision": "MXFP8"}).job
+    oss26 = {**oss, "framework": "Megatron-Bridge / NeMo 26.06", "source_detail": "26.06 NeMo container, GB200"}
+    assert row_plan(oss26).job.parallel.moe_a2a_overlap
+    mxfp8 = row_plan({**oss26, "precision": "MXFP8"}).job
     assert mxfp8.model.moe_token_dispatcher.value == "flex" and mxfp8.parallel.recompute.value == "none"
 
 

@@ -32,6 +32,9 @@ class GraphBuffers:
     """Bytes per element of Transformer Engine's static attention mask ``[micro_batch, 1, seq / cp, seq]``."""
     router_bytes: int
     """Bytes per token and expert of a MoE layer captured up to its router (probabilities and routing map)."""
+    batch_bytes: int
+    """Bytes per token of one micro-batch's data-loader batch, which a full-iteration graph keeps for every
+    micro-batch of the step."""
 
 
 @functools.cache
@@ -40,20 +43,25 @@ def graph_buffers() -> GraphBuffers:
     data = yaml.safe_load(GRAPHS_FILE.read_text())
     return GraphBuffers(hidden_buffers=int(data["hidden_buffers_per_graph"]),
                         mask_bytes=int(data["attention_mask_bytes_per_element"]),
-                        router_bytes=int(data["router_output_bytes_per_token_expert"]))
+                        router_bytes=int(data["router_output_bytes_per_token_expert"]),
+                        batch_bytes=int(data["full_iteration_batch_bytes_per_token"]))
 
 
 def graph_bytes(stage: Stage) -> float:
     """Bytes the captured graphs of one rank of ``stage`` keep beyond eager execution: per captured layer and
     micro-batch in flight (one without pipeline parallelism or the expert overlap), its static hidden-state buffers,
     Transformer Engine's static attention mask where the attention is captured, and a router-scoped MoE layer's
-    router outputs. Zero without CUDA graphs."""
+    router outputs; a full-iteration graph, the data-loader batch of each micro-batch of the step. Zero without CUDA
+    graphs."""
     job = stage.job
     parallel, model = job.parallel, job.model
     if parallel.cuda_graph_impl is CudaGraphImpl.none or not stage.layers:
         return 0.0
     scopes = set(parallel.graph_scopes())
-    whole = not scopes or "full_iteration" in scopes
+    if "full_iteration" in scopes:
+        tokens = stage.layout.micro_batch * stage.layout.seq_length / stage.layout.dims.cp
+        return graph_buffers().batch_bytes * tokens * stage.layout.dims.num_microbatches
+    whole = not scopes
     moe_layers, dense_layers = stage.moe_layers, stage.layers - stage.moe_layers
     attention = whole or "attn" in scopes
     captured_dense = dense_layers if attention or "mlp" in scopes else 0
@@ -65,7 +73,7 @@ def graph_bytes(stage: Stage) -> float:
     buffers = graph_buffers()
     rows = stage.tokens / (dims.tp if dims.sp else 1)
     per_graph = buffers.hidden_buffers * rows * model.hidden_size * stage.common.elem_bytes
-    if attention and parallel.cuda_graph_impl is CudaGraphImpl.transformer_engine and "full_iteration" not in scopes:
+    if attention and parallel.cuda_graph_impl is CudaGraphImpl.transformer_engine:
         seq = stage.layout.seq_length
         per_graph += buffers.mask_bytes * stage.layout.micro_batch * (seq / dims.cp) * seq
     total = (captured_dense + captured_moe) * per_graph

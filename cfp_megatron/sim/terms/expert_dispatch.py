@@ -31,6 +31,15 @@ DEEPEP_INTER_SHARE = 0.9
 """Share of the NIC bandwidth DeepEP's normal kernels reach across nodes, counted on de-duplicated tokens (one copy
 per destination node, forwarded over NVLink inside it): 43-58 GB/s at EP16-EP64 on 400 Gb/s (50 GB/s) CX7 rails
 (DeepEP's README); 0.9 is the middle of that range."""
+HYBRIDEP_NVLINK_GBPS: tuple[tuple[int, float, float], ...] = ((8, 615.78, 519.57), (16, 520.76, 442.51),
+                                                              (24, 502.84, 207.10))
+"""The flex dispatcher's measured rates inside one NVLink domain of NVLink 5 (GB200 NVL72), per GPU and direction:
+(ranks of the EP group in the domain, dispatch of bf16 tokens GB/s, combine GB/s), HybridEP's intranode kernels at 32
+SMs through its Torch API (deepseek-ai/DeepEP pull request 420, "GB200 Performance"; 32 SMs is what Megatron-Bridge's
+performance scripts set for HybridEP, ``utils/overrides.py``: ``moe_hybridep_num_sms = 32``; HybridEP in
+megatron-core 0.16.1 dispatches bf16, ``fused_a2a.py``: no fp8 dispatch). A kernel on a fixed number of SMs reaches
+a rate of its own, not a share of the link: it caps :data:`DEEPEP_INTRA_SHARE` of the nominal bandwidth (binding on
+NVLink 5's 900 GB/s, not on Hopper's 450 GB/s, where the share gives less)."""
 NCCL_NVLINK_SHARE = 370.0 / 450.0
 """Share of the nominal per-direction NVLink bandwidth NCCL's all-to-all reaches inside an NVLink domain: NCCL's
 protocol overhead is about 20%, so an H100's 450 GB/s line rate gives about 370 GB/s of bus bandwidth for every
@@ -218,8 +227,13 @@ def _dispatch_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Colle
             dispatch += costs.seconds(Collective.all_gather, gathered, ep, layout.ep_per_node)
             combine += costs.seconds(Collective.reduce_scatter, gathered, ep, layout.ep_per_node)
         elif dispatcher is TokenDispatcher.flex:
-            one_way = _deepep_s(costs, layout, a2a_bytes, local_tokens * hidden * elem, topk=model.moe_router_topk)
-            dispatch, combine = dispatch + one_way, combine + one_way
+            token_bytes = local_tokens * hidden * elem
+            rates = flex_nvlink_rates(costs, layout.ep_per_node)
+            experts = model.num_experts or 1
+            dispatch += _deepep_s(costs, layout, a2a_bytes, token_bytes, topk=model.moe_router_topk,
+                                  nvlink_bytes_per_s=rates[0], num_experts=experts)
+            combine += _deepep_s(costs, layout, a2a_bytes, token_bytes, topk=model.moe_router_topk,
+                                 nvlink_bytes_per_s=rates[1], num_experts=experts)
         else:
             # alltoall: every routed copy crosses the group (a token going to two experts of one rank is sent
             # twice), in the dispatch and in the combine; the dispatch sends each copy's routing probability too
@@ -246,14 +260,40 @@ def _metadata_s(job: JobSpec, layout: Layout, costs: CollectiveCosts) -> float:
     return costs.seconds(Collective.all_gather, counts, group, min(group, layout.ep_per_node * dims.etp))
 
 
+def flex_nvlink_rates(costs: CollectiveCosts, ranks: int) -> tuple[float, float]:
+    """(dispatch, combine) bytes per second per GPU of the flex dispatcher inside an NVLink domain for an EP group
+    with ``ranks`` ranks there: :data:`DEEPEP_INTRA_SHARE` of the link, capped at :data:`HYBRIDEP_NVLINK_GBPS` of
+    the largest measured group not larger than it (the smallest measured for smaller groups)."""
+    shared = costs.intra.bandwidth_bytes_per_s * DEEPEP_INTRA_SHARE
+    measured = HYBRIDEP_NVLINK_GBPS[0]
+    for row in HYBRIDEP_NVLINK_GBPS:
+        if row[0] <= ranks:
+            measured = row
+    return min(shared, measured[1] * 1e9), min(shared, measured[2] * 1e9)
+
+
+def rank_hit_share(num_experts: int, local_experts: int, topk: int) -> float:
+    """Chance that a token's ``topk`` distinct experts, drawn uniformly from ``num_experts``, include one of a rank's
+    ``local_experts``: ``1 - C(E - L, k) / C(E, k)``."""
+    missed = 1.0
+    for i in range(min(topk, num_experts)):
+        missed *= max(num_experts - local_experts - i, 0) / (num_experts - i)
+    return 1.0 - missed
+
+
 def _deepep_s(costs: CollectiveCosts, layout: Layout, routed_bytes: float, token_bytes: float, *,
-              topk: int) -> float:
-    """One DeepEP dispatch (or combine): the NVLink part carries the routed copies for this node's experts, the
-    RDMA part one copy of each token per other node it goes to, both at DeepEP's measured shares."""
+              topk: int, nvlink_bytes_per_s: float, num_experts: int) -> float:
+    """One DeepEP dispatch (or combine): the NVLink part carries the rows a rank receives, one per token that has
+    any of its experts (DeepEP and HybridEP send a token once to each rank it goes to, the receiver expands it per
+    local expert; tokens from other nodes forwarded to it over NVLink), at ``nvlink_bytes_per_s``
+    (:func:`flex_nvlink_rates`; their benchmarks' rates count the same rows, ``recv_x`` / ``dispatched_hidden``); the
+    RDMA part one copy of each token per other node it goes to at DeepEP's measured share. ``routed_bytes``: the
+    routed copies the rank takes (their balance and imbalance); ``token_bytes``: the tokens it sends."""
     ep, per_node = layout.dims.ep, max(layout.ep_per_node, 1)
     nodes = max(1, ep // per_node)
-    intra_bytes = routed_bytes * (per_node - 1) / ep
-    intra_s = intra_bytes / (costs.intra.bandwidth_bytes_per_s * DEEPEP_INTRA_SHARE) + costs.intra.latency_s
+    hit = rank_hit_share(num_experts, max(1, num_experts // ep), topk)
+    intra_bytes = routed_bytes * ep * hit / topk  # routed copies, one row per (token, rank) instead of per expert
+    intra_s = intra_bytes / nvlink_bytes_per_s + costs.intra.latency_s
     if nodes <= 1:
         return intra_s
     inter_bytes = token_bytes * expected_remote_nodes(topk, nodes)
