@@ -367,7 +367,7 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[MoeRecipe, ...]:
     return tuple(recipes)
 
 
-SCHEDULE_RUNS = ("1f1b", "interleaved", "default")
+SCHEDULE_RUNS = ("1f1b", "interleaved", "default", "gpipe", "zb_h1", "zb_h2")
 """What a ``schedules.yaml`` entry may run as."""
 PRECISION_RUNS = tuple(name for name in format_names() if name != "auto")
 """What a ``precisions.yaml`` entry may run as: a number format (:mod:`cfp_megatron.base.number_format`)."""
