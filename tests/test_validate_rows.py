@@ -360,6 +360,14 @@ def test_the_pp_schedule_column_is_the_jobs_schedule(schedule: str, vp: str, chu
     assert (said in " ".join(plan.approximations)) if said else not plan.approximations
 
 
+@pytest.mark.parametrize("framework, how", [
+    ("Megatron-LM (2021)", "autograd"),  # before its gradient accumulation fusion (frameworks.yaml)
+    ("Megatron-LM (2022)", "fused"), ("NeMo 24.07 (Megatron-Core)", "fused"), ("", "fused"),
+])
+def test_the_framework_says_how_weight_gradients_accumulate(framework: str, how: str) -> None:
+    assert row_plan({**GOOD, "framework": framework}).options.weight_grad_accumulation.value == how
+
+
 def test_a_zero_bubble_row_is_priced_faster_than_its_1f1b_twin_and_gpipe_holds_every_micro_batch() -> None:
     """The schedule column changes the price: ZB-2p below ZB-1p below 1F1B on the same row; GPipe holds the
     activations of all its micro-batches (32 here, 4 stages), 1F1B at most 4."""

@@ -60,7 +60,8 @@ def test_the_data_files_ship_with_the_package() -> None:
 
 
 @pytest.mark.parametrize("framework, entry", [
-    ("Megatron-LM (2021)", "Megatron-LM before 2023"), ("Megatron-Core (2022)", "Megatron-LM before 2023"),
+    ("Megatron-LM (2021)", "Megatron-LM before 2022"), ("Megatron-LM (2022)", "Megatron-LM before 2023"),
+    ("Megatron-Core (2022)", "Megatron-LM before 2023"),
     ("Megatron-Bridge / NeMo 26.02", "Megatron-Bridge"),
     ("NeMo 24.07 (Megatron-Core)", "NeMo 1 (NeMo-Framework-Launcher)"),
     ("NeMo 24.03.01", "NeMo 1 (NeMo-Framework-Launcher)"), ("NeMo 25.02", "NeMo"),

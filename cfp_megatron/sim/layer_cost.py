@@ -13,7 +13,7 @@ from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
 from cfp_megatron.sim.kernels import KernelModel, grad_element_bytes
 from cfp_megatron.sim.layout import Layout
-from cfp_megatron.sim.options import SimOptions
+from cfp_megatron.sim.options import SimOptions, WeightGradAccumulation
 from cfp_megatron.sim.primepar_cost import MlpCost, ffn_gemms, mlp_activation_elements, primepar_mlp_cost
 from cfp_megatron.sim.terms.context_parallel import chunk_slowdown, cp_cost
 from cfp_megatron.sim.terms.data_parallel import fsdp_comm
@@ -255,15 +255,34 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     else:
         tp_fwd = tp_bwd = tp_pass
 
+    # Without gradient-accumulation fusion each micro-batch's weight gradients are added to the step's by a kernel
+    # of their own (docs/simulator.md, "Weight-gradient accumulation").
+    accumulate_s = grad_accumulation_s(job, layout, kernels, options, params)
+    bwd_compute += accumulate_s
     overhead = kernels.eff.layer_overhead_s
     forward = PassCost(compute_s=fwd_compute, attention_core_s=core_fwd, overhead_s=overhead, tp_comm_s=tp_fwd,
                        cp_comm_s=cp_fwd, ep_comm_s=ep_fwd, fsdp_comm_s=fsdp_fwd)
     # the weight-gradient GEMMs: as many FLOPs as the forward's (half of the backward's GEMMs)
     backward = PassCost(compute_s=bwd_compute, attention_core_s=core_bwd, overhead_s=overhead, tp_comm_s=tp_bwd,
                         cp_comm_s=cp_bwd, ep_comm_s=ep_bwd, fsdp_comm_s=fsdp_bwd,
-                        weight_grad_s=attn_gemm + mlp_bwd_gemm / 2)
+                        weight_grad_s=attn_gemm + mlp_bwd_gemm / 2 + accumulate_s)
     return LayerPasses(forward=forward, backward=backward, params=params, expert_params=expert_params,
                        ep_alone_s=ep_alone, mlp_gemm_s=mlp_gemm, moe_block=moe_block)
+
+
+def grad_accumulation_s(job: JobSpec, layout: Layout, kernels: KernelModel, options: SimOptions,
+                        params: float) -> float:
+    """Seconds per micro-batch that adding the weight gradients of ``params`` weights (on one rank) to the step's
+    takes beyond their GEMMs, as ``options.weight_grad_accumulation`` says they are added: none fused; Megatron's
+    hook reads the gradient (compute precision) and the main gradient and writes the main gradient; autograd adds in
+    place in the compute precision (two reads, one write) from the second micro-batch on, averaged per micro-batch."""
+    how = options.weight_grad_accumulation
+    if how is WeightGradAccumulation.main_grad_hook:
+        return kernels.memory(params * (kernels.elem + 2 * grad_element_bytes(job)))
+    if how is WeightGradAccumulation.autograd:
+        microbatches = layout.dims.num_microbatches
+        return kernels.memory(params * 3 * kernels.elem) * (microbatches - 1) / microbatches
+    return 0.0
 
 
 CROSS_ENTROPY_FP32_FORWARD_BYTES = 32.0

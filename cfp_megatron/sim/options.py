@@ -21,6 +21,21 @@ class ApexAdamStates(enum.Enum):
     """bf16 moments and no master copy (``optim.dtype=bf16``: NeMo sets ``store_params=False``)."""
 
 
+class WeightGradAccumulation(enum.Enum):
+    """How a micro-batch's weight gradients are added to the step's (docs/simulator.md, "Weight-gradient
+    accumulation")."""
+
+    fused = "fused"
+    """The weight-gradient GEMM accumulates into the main gradient itself (Megatron's ``gradient_accumulation_fusion``,
+    Megatron-LM's default since 2022, and the runtime's): nothing beyond the GEMM."""
+    main_grad_hook = "main_grad_hook"
+    """Megatron's DDP hook adds each gradient into its main gradient buffer (``main_grad.add_(param.grad)``) every
+    micro-batch: the gradient and the buffer read, the buffer written."""
+    autograd = "autograd"
+    """The gradients accumulate in ``param.grad`` as autograd adds them (PyTorch DDP, or Megatron-LM's local DDP of
+    2021 without contiguous buffers): from the second micro-batch on, an in-place add in the compute precision."""
+
+
 class PipelineSchedule(enum.Enum):
     """The pipeline schedule a run used (docs/simulator.md, "schedule.py"): Megatron-Core's, or one the runtime does
     not train with that published runs state (the validator reads it from their ``pp_schedule``)."""
@@ -81,6 +96,8 @@ class SimOptions:
     """The distributed optimizer is Apex's ``DistributedFusedAdam`` keeping its states so (memory only;
     :meth:`~cfp_megatron.sim.sharding.StateBytes.megatron`). ``None``: Megatron-Core's distributed optimizer (fp32
     master weights and moments), as the runtime trains."""
+    weight_grad_accumulation: WeightGradAccumulation = WeightGradAccumulation.fused
+    """How each micro-batch's weight gradients join the step's (:class:`WeightGradAccumulation`)."""
     pipeline_schedule: PipelineSchedule = PipelineSchedule.megatron
     """The pipeline schedule priced (:class:`PipelineSchedule`); those other than Megatron-Core's run one model chunk
     a rank."""

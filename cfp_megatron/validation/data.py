@@ -17,7 +17,7 @@ from yaml import YAMLError
 from cfp_megatron.base.config import AttentionKernel, CudaGraphImpl, cuda_graph_scopes
 from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.number_format import format_names
-from cfp_megatron.sim.options import ApexAdamStates
+from cfp_megatron.sim.options import ApexAdamStates, WeightGradAccumulation
 
 DATA_DIR = Path(__file__).resolve().parent
 FRAMEWORKS_FILE = DATA_DIR / "frameworks.yaml"
@@ -94,6 +94,9 @@ class Framework:
     te_cross_entropy`)."""
     torch_fsdp: bool = False
     """Its sharded weights are PyTorch FSDP's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_fsdp`)."""
+    weight_grad_accumulation: WeightGradAccumulation = WeightGradAccumulation.fused
+    """How its micro-batches' weight gradients are added to the step's
+    (:attr:`~cfp_megatron.sim.options.SimOptions.weight_grad_accumulation`)."""
     apex_adam: tuple[tuple[str, ApexAdamStates], ...] = ()
     """(pattern on ``model``, how its states are kept) where its distributed optimizer is Apex's
     DistributedFusedAdam (:attr:`~cfp_megatron.sim.options.SimOptions.apex_adam`); the first match applies, empty:
@@ -244,7 +247,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
                        "column is read as")
         runs = entry.get("runs", dict)
         optional = {"mtp_layers", "pipeline_scatter_gather", "fp8_param_gather", "te_cross_entropy", "torch_fsdp",
-                    "apex_distributed_adam"}
+                    "apex_distributed_adam", "weight_grad_accumulation"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -264,6 +267,10 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
         states = {state.value for state in ApexAdamStates}
         if not isinstance(apex, dict) or not all(isinstance(v, str) and v in states for v in apex.values()):
             entry.fail(f"has apex_distributed_adam={apex!r}; it maps a model pattern to one of {sorted(states)}")
+        accumulation = runs.get("weight_grad_accumulation", WeightGradAccumulation.fused.value)
+        if accumulation not in {how.value for how in WeightGradAccumulation}:
+            entry.fail(f"has weight_grad_accumulation={accumulation!r}; one of "
+                       f"{[how.value for how in WeightGradAccumulation]}")
         contains = match.get("contains", [])
         frameworks.append(Framework(
             name=raw["name"], source=raw["source"], blank=dict(blank), attention=attention,
@@ -275,6 +282,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             pipeline_scatter_gather=bool(runs.get("pipeline_scatter_gather", False)),
             fp8_param_gather=tuple(fp8_params), te_cross_entropy=bool(runs.get("te_cross_entropy", False)),
             torch_fsdp=bool(runs.get("torch_fsdp", False)),
+            weight_grad_accumulation=WeightGradAccumulation(accumulation),
             apex_adam=tuple((str(pattern), ApexAdamStates(state)) for pattern, state in apex.items())))
     if frameworks[-1].match != FrameworkMatch():
         raise ValidationDataError(f"{path}: the last entry ({frameworks[-1].name!r}) has conditions, so a row of "
