@@ -330,6 +330,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     readings = (fabric, schedule, numbers, power)
     layout += "".join(f" {reading.tag}" for reading in readings if reading.tag)
     options = SimOptions(measured_layer_only=layer_only, attention=framework.attention,
+                         pipeline_schedule=schedule.schedule,
+                         weight_grad_accumulation=framework.weight_grad_accumulation,
                          pipeline_scatter_gather=framework.pipeline_scatter_gather,
                          te_cross_entropy=framework.te_cross_entropy, torch_fsdp=framework.torch_fsdp and fsdp,
                          apex_adam=apex_adam_states(row, framework) if dist_opt and not fsdp else None)

@@ -13,13 +13,14 @@ import sys
 import pytest
 
 from cfp_megatron.base.config import job_from_config
+from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.cluster.measured import Collective, Span
 from cfp_megatron.sim.calibration import efficiency_for
 from cfp_megatron.sim.host_costs import exchange_sync_s
 from cfp_megatron.sim.kernels import KernelModel
-from cfp_megatron.sim.layer_cost import embedding_cost
+from cfp_megatron.sim.layer_cost import embedding_cost, layer_cost
 from cfp_megatron.sim.layout import build_layout, pp_crossings
-from cfp_megatron.sim.options import SimOptions
+from cfp_megatron.sim.options import PipelineSchedule, SimOptions, WeightGradAccumulation
 from cfp_megatron.sim.pass_costs import collective_costs
 from cfp_megatron.sim.schedule import Exchange, blocking_order, rank_order, run_schedule
 from cfp_megatron.sim.simulate import simulate
@@ -226,3 +227,41 @@ def test_the_embedding_writes_its_whole_weight_gradient_every_micro_batch() -> N
         hidden_bytes = 2048 * 2048 * 2
         tokens_s = kernels.memory(3 * hidden_bytes) + kernels.memory(2 * hidden_bytes)
         assert backward.compute_s - tokens_s == pytest.approx(kernels.memory(51200 / tp * 2048 * (2 * 2 + 2 * 4)))
+
+
+def test_a_zero_bubble_schedule_runs_the_weight_gradients_as_passes_of_their_own() -> None:
+    """Each layer's backward carries its weight-gradient GEMMs (as many FLOPs as the forward's GEMMs), which ZB-H2
+    runs as W passes in the bubbles: faster than Megatron-Core's 1F1B of the same plan; over model chunks it is
+    refused, naming the option (docs/simulator.md, "Zero-bubble schedules")."""
+    plain = job(pp=4)
+    zero_bubble = SimOptions(pipeline_schedule=PipelineSchedule.zb_h2)
+    layer = simulate(plain, with_events=True)
+    assert simulate(plain, options=zero_bubble).step_time_s < layer.step_time_s
+    kernels, costs = models(plain)
+    backward = layer_cost(plain, build_layout(plain), kernels, costs, SimOptions(), moe=False).backward
+    assert 0.3 * backward.compute_s < backward.weight_grad_s < 0.5 * backward.compute_s
+    with pytest.raises(ConfigError, match="sim.pipeline_schedule"):
+        simulate(job(pp=4, vpp=2), options=zero_bubble)
+
+
+@pytest.mark.parametrize("how, bytes_per_weight, first_free", [
+    (WeightGradAccumulation.main_grad_hook, 2 + 2 * 4, False),  # bf16 gradient read, fp32 main gradient read+write
+    (WeightGradAccumulation.autograd, 3 * 2, True),  # param.grad += new, in place, from the second micro-batch on
+])
+def test_unfused_weight_gradients_cost_their_add_every_micro_batch(how: WeightGradAccumulation,
+                                                                   bytes_per_weight: int, first_free: bool) -> None:
+    """Without gradient-accumulation fusion each layer's backward adds its weights' gradients to the step's with a
+    memory-bound kernel of its own, a W pass's part under a zero-bubble schedule (docs/simulator.md,
+    "Weight-gradient accumulation")."""
+    plain = job(pp=4)  # 32 sequences, 8 micro-batches
+    kernels, costs = models(plain)
+    layout = build_layout(plain)
+    fused = layer_cost(plain, layout, kernels, costs, SimOptions(), moe=False)
+    unfused = layer_cost(plain, layout, kernels, costs, SimOptions(weight_grad_accumulation=how), moe=False)
+    microbatches = layout.dims.num_microbatches
+    added_s = kernels.memory(fused.params * bytes_per_weight) * ((microbatches - 1) / microbatches if first_free
+                                                                 else 1.0)
+    assert unfused.backward.compute_s - fused.backward.compute_s == pytest.approx(added_s)
+    assert unfused.backward.weight_grad_s - fused.backward.weight_grad_s == pytest.approx(added_s)
+    assert unfused.forward == fused.forward
+    assert simulate(plain, options=SimOptions(weight_grad_accumulation=how)).step_time_s > simulate(plain).step_time_s

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from cfp_megatron.sim.options import PipelineSchedule
 from cfp_megatron.sim.schedule import rank_order, run_schedule
 
 
@@ -84,3 +85,64 @@ def test_shared_cores_count_each_stages_exchanges_per_micro_batch_and_chunk() ->
     # exchanges at that speed too: 4 forwards (0.5) + 4 backwards (1.0) + 6 exchanges (0.5) on the first stage.
     lone = shared_cores([[1.0]] * 4, [[2.0]] * 4, 1.0, 1, 2.0, False, SimOptions())
     assert lone.end_s[0] == pytest.approx(4 * 0.5 + 4 * 1.0 + 6 * 0.5)
+
+
+# GPipe and the zero-bubble schedules (docs/simulator.md, "Zero-bubble schedules"): forward, input-gradient (B) and
+# weight-gradient (W) passes of one time unit each, as the zero-bubble paper's bubbles assume.
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (3, 7)])
+def test_gpipe_has_1f1bs_bubble_on_equal_stages(pp: int, m: int) -> None:
+    res = run_schedule([[1.0]] * pp, [[2.0]] * pp, 0.0, m, schedule=PipelineSchedule.gpipe, keep_ops=True)
+    assert max(res.end_s) == pytest.approx((m + pp - 1) * 3.0)
+    last = [op for op in res.ops if op.rank == pp - 1]
+    assert all(op.forward for op in last[:m]) and not any(op.forward for op in last[m:])  # every forward first
+
+
+def _zero_bubble(pp: int, m: int, schedule: PipelineSchedule, link: float = 0.0):
+    return run_schedule([[1.0]] * pp, [[2.0]] * pp, link, m, schedule=schedule, weight_s=[1.0] * pp, keep_ops=True)
+
+
+def _held(ops, rank: int) -> int:
+    """Most micro-batches ``rank`` held at once: forwards run whose W (a micro-batch's second backward-side pass)
+    had not."""
+    seen: dict[int, int] = {}
+    held = peak = 0
+    for op in sorted((op for op in ops if op.rank == rank), key=lambda op: op.start_s):
+        if op.forward:
+            held += 1
+        else:
+            seen[op.microbatch] = seen.get(op.microbatch, 0) + 1
+            held -= seen[op.microbatch] == 2
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("pp,m", [(4, 8), (4, 12), (8, 24), (8, 64)])
+def test_zb_h2_leaves_no_bubble_and_holds_at_most_twice_1f1bs(pp: int, m: int) -> None:
+    """ZB-H2 with equal passes: every rank busy from its first pass to its last (the steps tile, the optimizer
+    validated after them), at most 2 pp micro-batches held."""
+    res = _zero_bubble(pp, m, PipelineSchedule.zb_h2)
+    assert max(res.end_s) == pytest.approx(3.0 * m)
+    assert all(_held(res.ops, rank) <= 2 * pp for rank in range(pp))
+    assert len(res.ops) == 3 * pp * m
+
+
+@pytest.mark.parametrize("pp,m", [(4, 8), (8, 24), (16, 48)])
+def test_zb_h1_keeps_1f1bs_memory_and_a_bubble_between_the_papers_and_1f1bs(pp: int, m: int) -> None:
+    """ZB-H1's bubble is (pp - 1)(F + B - W) = pp - 1 passes in the paper's hand-made order; the greedy order under
+    the same memory limit lies between that and 1F1B's 3 (pp - 1), holding no more than 1F1B's first stage."""
+    res = _zero_bubble(pp, m, PipelineSchedule.zb_h1)
+    bubble = max(res.end_s) - 3.0 * m
+    assert pp - 1 <= bubble + 1e-9 < 3 * (pp - 1)
+    assert all(_held(res.ops, rank) <= pp for rank in range(pp))
+
+
+def test_zero_bubble_exchanges_delay_the_schedule() -> None:
+    assert max(_zero_bubble(4, 8, PipelineSchedule.zb_h2, 0.1).end_s) > max(_zero_bubble(4, 8,
+                                                                                         PipelineSchedule.zb_h2).end_s)
+
+
+def test_other_schedules_refuse_chunks_and_blocking() -> None:
+    with pytest.raises(ValueError, match="one chunk per rank"):
+        run_schedule([[1.0, 1.0]] * 2, [[2.0, 2.0]] * 2, 0.0, 4, schedule=PipelineSchedule.zb_h1)

@@ -15,6 +15,7 @@ import pytest
 
 from cfp_megatron.base.config import MAX_LAYERS, MAX_WORLD_SIZE
 from cfp_megatron.base.number_format import NumberFormat
+from cfp_megatron.sim.simulate import simulate
 from cfp_megatron.validate import InputFileError, RowError, main, predict_rows, read_rows, row_plan
 
 FIELDS = ["id", "model", "layers", "hidden", "heads", "seq_len", "gpu", "num_gpus", "tp", "pp", "dp", "micro_batch",
@@ -336,20 +337,47 @@ def test_a_scale_up_only_interconnect_keeps_the_presets_network() -> None:
 PIPELINE = {**GOOD, "layers": "24", "tp": "1", "pp": "4", "dp": "8"}
 
 
-@pytest.mark.parametrize("schedule, vp, chunks, said", [
-    ("interleaved 1F1B (3 stages per rank)", "", 3, ""),  # the chunks the text states, where vp is blank
-    ("interleaved 1F1B (3 stages per rank)", "2", 2, "the vp column 2"),  # the vp column wins, and it is said
-    ("1F1B (non-interleaved)", "", 1, ""),
-    ("GPipe", "", 1, "GPipe (all forward passes, then all backward passes) is priced as 1F1B"),
-    ("ZB-H1", "", 1, "zero-bubble schedule"),
-    ("DualPipe", "", 1, "DualPipe"),
-    ("interleaved", "", 1, "neither it nor the vp column states the chunks"),
-    ("round robin", "", 1, "'round robin' names no schedule"),
+@pytest.mark.parametrize("schedule, vp, chunks, runs, said", [
+    ("interleaved 1F1B (3 stages per rank)", "", 3, "megatron", ""),  # the chunks the text states, where vp is blank
+    ("interleaved 1F1B (3 stages per rank)", "2", 2, "megatron", "the vp column 2"),  # the vp column wins, said
+    ("1F1B (non-interleaved)", "", 1, "megatron", ""),
+    ("GPipe", "", 1, "gpipe", ""),
+    ("ZB-H1", "", 1, "zb_h1", "greedy one under the same memory limit"),
+    ("ZB-1p", "", 1, "zb_h1", "greedy one under the same memory limit"),
+    ("ZB-2p", "", 1, "zb_h2", "greedy one under the same memory limit"),
+    ("zero bubble", "", 1, "zb_h1", "does not say its memory limit"),
+    ("ZB-2p", "2", 2, "megatron", "runs one model chunk a rank but the vp column says 2"),
+    ("ZB-V", "", 1, "megatron", "V-shaped zero-bubble schedules"),
+    ("DualPipe", "", 1, "megatron", "DualPipe"),
+    ("interleaved", "", 1, "megatron", "neither it nor the vp column states the chunks"),
+    ("round robin", "", 1, "megatron", "'round robin' names no schedule"),
 ])
-def test_the_pp_schedule_column_is_the_jobs_schedule(schedule: str, vp: str, chunks: int, said: str) -> None:
+def test_the_pp_schedule_column_is_the_jobs_schedule(schedule: str, vp: str, chunks: int, runs: str,
+                                                     said: str) -> None:
     plan = row_plan({**PIPELINE, "pp_schedule": schedule, "vp": vp})
     assert (plan.job.parallel.vpp or 1) == chunks
+    assert plan.options.pipeline_schedule.value == runs
     assert (said in " ".join(plan.approximations)) if said else not plan.approximations
+
+
+@pytest.mark.parametrize("framework, how", [
+    ("Megatron-LM (2021)", "autograd"),  # before its gradient accumulation fusion (frameworks.yaml)
+    ("Megatron-LM (2022)", "fused"), ("NeMo 24.07 (Megatron-Core)", "fused"), ("", "fused"),
+])
+def test_the_framework_says_how_weight_gradients_accumulate(framework: str, how: str) -> None:
+    assert row_plan({**GOOD, "framework": framework}).options.weight_grad_accumulation.value == how
+
+
+def test_a_zero_bubble_row_is_priced_faster_than_its_1f1b_twin_and_gpipe_holds_every_micro_batch() -> None:
+    """The schedule column changes the price: ZB-2p below ZB-1p below 1F1B on the same row; GPipe holds the
+    activations of all its micro-batches (32 here, 4 stages), 1F1B at most 4."""
+    steps, memory = {}, {}
+    for schedule in ("1F1B", "ZB-1p", "ZB-2p", "GPipe"):
+        plan = row_plan({**PIPELINE, "pp_schedule": schedule})
+        prediction = simulate(plan.job, options=plan.options)
+        steps[schedule], memory[schedule] = prediction.step_time_s, prediction.memory.activations
+    assert steps["ZB-2p"] < steps["ZB-1p"] < steps["1F1B"]
+    assert memory["GPipe"] > 4 * memory["1F1B"]
 
 
 @pytest.mark.parametrize("precision, runs, fp8, said", [

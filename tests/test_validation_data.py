@@ -60,7 +60,8 @@ def test_the_data_files_ship_with_the_package() -> None:
 
 
 @pytest.mark.parametrize("framework, entry", [
-    ("Megatron-LM (2021)", "Megatron-LM before 2023"), ("Megatron-Core (2022)", "Megatron-LM before 2023"),
+    ("Megatron-LM (2021)", "Megatron-LM before 2022"), ("Megatron-LM (2022)", "Megatron-LM before 2023"),
+    ("Megatron-Core (2022)", "Megatron-LM before 2023"),
     ("Megatron-Bridge / NeMo 26.02", "Megatron-Bridge"),
     ("NeMo 24.07 (Megatron-Core)", "NeMo 1 (NeMo-Framework-Launcher)"),
     ("NeMo 24.03.01", "NeMo 1 (NeMo-Framework-Launcher)"), ("NeMo 25.02", "NeMo"),
@@ -174,6 +175,9 @@ def test_a_family_entry_in_a_data_file_fills_a_blank_vocabulary(tmp_path: Path) 
     (FRAMEWORKS_FILE, "frameworks", "  - {name: x, match: {}, runs: {attention: flash, overlap_grad_reduce: true, "
      "tp_comm_overlap: true, grad_reduce_in_fp32: true, apex_distributed_adam: {'': fp16}}, source: s}\n",
      "apex_distributed_adam={'': 'fp16'}"),
+    (FRAMEWORKS_FILE, "frameworks", "  - {name: x, match: {}, runs: {attention: flash, overlap_grad_reduce: true, "
+     "tp_comm_overlap: true, grad_reduce_in_fp32: true, weight_grad_accumulation: lazy}, source: s}\n",
+     "weight_grad_accumulation='lazy'"),
     (FAMILIES_FILE, "families", "  - {name: x, pattern: '(', source: s}\n", "not a regular expression"),
     (RECIPES_FILE, "recipes", "  - {name: x, releases: ['26.1', null], model: m, hardware: [b200], layouts: "
      "[{gpus: 8, tp: 1, pp: 1, vp: 1, ep: 8, global_batch: 512}], dispatcher: flex, a2a_overlap: false, "

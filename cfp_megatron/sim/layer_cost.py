@@ -13,7 +13,7 @@ from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
 from cfp_megatron.sim.kernels import KernelModel, grad_element_bytes
 from cfp_megatron.sim.layout import Layout
-from cfp_megatron.sim.options import SimOptions
+from cfp_megatron.sim.options import SimOptions, WeightGradAccumulation
 from cfp_megatron.sim.primepar_cost import MlpCost, ffn_gemms, mlp_activation_elements, primepar_mlp_cost
 from cfp_megatron.sim.terms.context_parallel import chunk_slowdown, cp_cost
 from cfp_megatron.sim.terms.data_parallel import fsdp_comm
@@ -43,6 +43,10 @@ class PassCost:
     host_s: float = 0.0
     """Host time the GPU work does not cover: launches beyond the pass's GPU time, synchronisations
     (:mod:`cfp_megatron.sim.terms.host`; set per model chunk by the simulator, zero on one layer's cost)."""
+    weight_grad_s: float = 0.0
+    """The part of ``compute_s`` that computes weight gradients (a backward's weight-gradient GEMMs and the
+    embedding's gradient): what a zero-bubble schedule runs as its own W pass (docs/simulator.md, "Zero-bubble
+    schedules"); zero where unknown (a measured pass)."""
 
     @property
     def total_s(self) -> float:
@@ -59,7 +63,8 @@ class PassCost:
         """Component-wise multiple: ``n`` layers of the same kind (a count, may be fractional)."""
         return PassCost(compute_s=n * self.compute_s, attention_core_s=n * self.attention_core_s,
                         overhead_s=n * self.overhead_s, tp_comm_s=n * self.tp_comm_s, cp_comm_s=n * self.cp_comm_s,
-                        ep_comm_s=n * self.ep_comm_s, fsdp_comm_s=n * self.fsdp_comm_s, host_s=n * self.host_s)
+                        ep_comm_s=n * self.ep_comm_s, fsdp_comm_s=n * self.fsdp_comm_s, host_s=n * self.host_s,
+                        weight_grad_s=n * self.weight_grad_s)
 
     def plus(self, other: PassCost) -> PassCost:
         """Component-wise sum."""
@@ -67,7 +72,8 @@ class PassCost:
                         attention_core_s=self.attention_core_s + other.attention_core_s,
                         overhead_s=self.overhead_s + other.overhead_s, tp_comm_s=self.tp_comm_s + other.tp_comm_s,
                         cp_comm_s=self.cp_comm_s + other.cp_comm_s, ep_comm_s=self.ep_comm_s + other.ep_comm_s,
-                        fsdp_comm_s=self.fsdp_comm_s + other.fsdp_comm_s, host_s=self.host_s + other.host_s)
+                        fsdp_comm_s=self.fsdp_comm_s + other.fsdp_comm_s, host_s=self.host_s + other.host_s,
+                        weight_grad_s=self.weight_grad_s + other.weight_grad_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -249,13 +255,34 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     else:
         tp_fwd = tp_bwd = tp_pass
 
+    # Without gradient-accumulation fusion each micro-batch's weight gradients are added to the step's by a kernel
+    # of their own (docs/simulator.md, "Weight-gradient accumulation").
+    accumulate_s = grad_accumulation_s(job, layout, kernels, options, params)
+    bwd_compute += accumulate_s
     overhead = kernels.eff.layer_overhead_s
     forward = PassCost(compute_s=fwd_compute, attention_core_s=core_fwd, overhead_s=overhead, tp_comm_s=tp_fwd,
                        cp_comm_s=cp_fwd, ep_comm_s=ep_fwd, fsdp_comm_s=fsdp_fwd)
+    # the weight-gradient GEMMs: as many FLOPs as the forward's (half of the backward's GEMMs)
     backward = PassCost(compute_s=bwd_compute, attention_core_s=core_bwd, overhead_s=overhead, tp_comm_s=tp_bwd,
-                        cp_comm_s=cp_bwd, ep_comm_s=ep_bwd, fsdp_comm_s=fsdp_bwd)
+                        cp_comm_s=cp_bwd, ep_comm_s=ep_bwd, fsdp_comm_s=fsdp_bwd,
+                        weight_grad_s=attn_gemm + mlp_bwd_gemm / 2 + accumulate_s)
     return LayerPasses(forward=forward, backward=backward, params=params, expert_params=expert_params,
                        ep_alone_s=ep_alone, mlp_gemm_s=mlp_gemm, moe_block=moe_block)
+
+
+def grad_accumulation_s(job: JobSpec, layout: Layout, kernels: KernelModel, options: SimOptions,
+                        params: float) -> float:
+    """Seconds per micro-batch that adding the weight gradients of ``params`` weights (on one rank) to the step's
+    takes beyond their GEMMs, as ``options.weight_grad_accumulation`` says they are added: none fused; Megatron's
+    hook reads the gradient (compute precision) and the main gradient and writes the main gradient; autograd adds in
+    place in the compute precision (two reads, one write) from the second micro-batch on, averaged per micro-batch."""
+    how = options.weight_grad_accumulation
+    if how is WeightGradAccumulation.main_grad_hook:
+        return kernels.memory(params * (kernels.elem + 2 * grad_element_bytes(job)))
+    if how is WeightGradAccumulation.autograd:
+        microbatches = layout.dims.num_microbatches
+        return kernels.memory(params * 3 * kernels.elem) * (microbatches - 1) / microbatches
+    return 0.0
 
 
 CROSS_ENTROPY_FP32_FORWARD_BYTES = 32.0
@@ -295,7 +322,7 @@ def output_layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs:
         gather_s = costs.seconds(Collective.all_gather, tokens * model.hidden_size * kernels.elem, dims.tp,
                                  layout.tp_per_node)
     return (PassCost(compute_s=gemm_s + loss_fwd_s, tp_comm_s=gather_s),
-            PassCost(compute_s=2 * gemm_s + loss_bwd_s, tp_comm_s=gather_s))
+            PassCost(compute_s=2 * gemm_s + loss_bwd_s, tp_comm_s=gather_s, weight_grad_s=gemm_s))
 
 
 def embedding_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts) -> tuple[
@@ -315,9 +342,10 @@ def embedding_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     # the dense gradient written (zero-filled) and read once, the buffer read and written once
     weight_grad_bytes = model.padded_vocab_size / dims.tp * model.hidden_size * (
         2 * kernels.elem + 2 * grad_element_bytes(job))
+    weight_grad_s = kernels.memory(weight_grad_bytes)
     return PassCost(compute_s=kernels.memory(3 * hidden_bytes), tp_comm_s=reduce_s), PassCost(
-        compute_s=kernels.memory(3 * hidden_bytes) + kernels.memory(hidden_bytes * 2)
-        + kernels.memory(weight_grad_bytes))
+        compute_s=kernels.memory(3 * hidden_bytes) + kernels.memory(hidden_bytes * 2) + weight_grad_s,
+        weight_grad_s=weight_grad_s)
 
 
 def mtp_projection_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts) -> tuple[

@@ -34,8 +34,9 @@ from cfp_megatron.sim.format_costs import low_format_cost
 from cfp_megatron.sim.kernels import element_bytes
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.measured_memory import measured_memory, peak_activation_bytes, pipeline_buffers
-from cfp_megatron.sim.options import SimOptions
+from cfp_megatron.sim.options import PipelineSchedule, SimOptions
 from cfp_megatron.sim.primepar_cost import megatron_twin, primepar_stash_saving, primepar_weight_copies
+from cfp_megatron.sim.schedule import zero_bubble_limit
 from cfp_megatron.sim.sharding import Sharding
 
 BAND_FILE = Path(__file__).with_name("memory_band.json")
@@ -264,10 +265,16 @@ def loss_logit_bytes(stage: Stage) -> float:
                                    te_cross_entropy=stage.options.te_cross_entropy))
 
 
-def in_flight(rank: int, pp: int, vpp: int, microbatches: int) -> int:
+def in_flight(rank: int, pp: int, vpp: int, microbatches: int,
+              schedule: PipelineSchedule = PipelineSchedule.megatron) -> int:
     """Model-chunk micro-batches whose activations pipeline rank ``rank`` (of ``pp``, with ``vpp`` chunks each)
-    holds at its peak over a step of ``microbatches`` micro-batches."""
+    holds at its peak over a step of ``microbatches`` micro-batches under ``schedule`` (GPipe: all of them; a
+    zero-bubble one: its memory limit, :func:`~cfp_megatron.sim.schedule.zero_bubble_limit`)."""
     total = microbatches * vpp
+    if schedule is PipelineSchedule.gpipe:
+        return total
+    if schedule is not PipelineSchedule.megatron:
+        return zero_bubble_limit(pp, microbatches, schedule)
     if vpp == 1:
         return min(pp - rank, microbatches)
     warmup = total if microbatches == pp else min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)

@@ -21,6 +21,36 @@ class ApexAdamStates(enum.Enum):
     """bf16 moments and no master copy (``optim.dtype=bf16``: NeMo sets ``store_params=False``)."""
 
 
+class WeightGradAccumulation(enum.Enum):
+    """How a micro-batch's weight gradients are added to the step's (docs/simulator.md, "Weight-gradient
+    accumulation")."""
+
+    fused = "fused"
+    """The weight-gradient GEMM accumulates into the main gradient itself (Megatron's ``gradient_accumulation_fusion``,
+    Megatron-LM's default since 2022, and the runtime's): nothing beyond the GEMM."""
+    main_grad_hook = "main_grad_hook"
+    """Megatron's DDP hook adds each gradient into its main gradient buffer (``main_grad.add_(param.grad)``) every
+    micro-batch: the gradient and the buffer read, the buffer written."""
+    autograd = "autograd"
+    """The gradients accumulate in ``param.grad`` as autograd adds them (PyTorch DDP, or Megatron-LM's local DDP of
+    2021 without contiguous buffers): from the second micro-batch on, an in-place add in the compute precision."""
+
+
+class PipelineSchedule(enum.Enum):
+    """The pipeline schedule a run used (docs/simulator.md, "schedule.py"): Megatron-Core's, or one the runtime does
+    not train with that published runs state (the validator reads it from their ``pp_schedule``)."""
+
+    megatron = "megatron"
+    """Megatron-Core's 1F1B, interleaved over the plan's model chunks where it has several."""
+    gpipe = "gpipe"
+    """GPipe: every micro-batch's forward, then every backward (one chunk a rank); all micro-batches in flight."""
+    zb_h1 = "zb_h1"
+    """Zero bubble with 1F1B's memory (ZB-H1, ZB-1p): the backward split into its input-gradient (B) and
+    weight-gradient (W) passes, W filling the bubbles (one chunk a rank)."""
+    zb_h2 = "zb_h2"
+    """Zero bubble with twice 1F1B's memory (ZB-H2, ZB-2p): more forwards in the warm-up, W filling the rest."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class SimOptions:
     """What the simulator should assume beyond the :class:`~cfp_megatron.base.config.JobSpec`."""
@@ -66,6 +96,11 @@ class SimOptions:
     """The distributed optimizer is Apex's ``DistributedFusedAdam`` keeping its states so (memory only;
     :meth:`~cfp_megatron.sim.sharding.StateBytes.megatron`). ``None``: Megatron-Core's distributed optimizer (fp32
     master weights and moments), as the runtime trains."""
+    weight_grad_accumulation: WeightGradAccumulation = WeightGradAccumulation.fused
+    """How each micro-batch's weight gradients join the step's (:class:`WeightGradAccumulation`)."""
+    pipeline_schedule: PipelineSchedule = PipelineSchedule.megatron
+    """The pipeline schedule priced (:class:`PipelineSchedule`); those other than Megatron-Core's run one model chunk
+    a rank."""
     max_schedule_ops: int = 200_000
     """Largest pipeline schedule (ranks x micro-batches x chunks x 2) simulated event by event; larger ones use
     two shorter schedules extrapolated (:func:`cfp_megatron.sim.schedule.run_schedule`)."""

@@ -24,6 +24,7 @@ from cfp_megatron.sim.layer_cost import (
     LayerPasses,
     PassCost,
     embedding_cost,
+    grad_accumulation_s,
     layer_passes,
     mtp_projection_cost,
     output_layer_cost,
@@ -206,6 +207,11 @@ def analytical_parts(job: JobSpec, layout: Layout, kernels: KernelModel, costs: 
     else:
         embedding = embedding_cost(job, layout, kernels, costs)
         head = output_layer_cost(job, layout, kernels, costs)
+        if layout.dims.pp > 1 or not model.tie_embeddings:
+            # the output layer's own weight (the embedding's cost holds the tied weight's add)
+            accumulate_s = grad_accumulation_s(job, layout, kernels, options,
+                                               model.padded_vocab_size * model.hidden_size / layout.dims.tp)
+            head = (head[0], head[1].plus(PassCost(compute_s=accumulate_s, weight_grad_s=accumulate_s)))
     mtp = (PassCost(), PassCost(), 0.0)
     if model.mtp_num_layers and not options.measured_layer_only:
         mtp = mtp_projection_cost(job, layout, kernels, costs)

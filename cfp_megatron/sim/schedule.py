@@ -1,16 +1,20 @@
 """Pipeline schedules as timed events: 1F1B (PipeDream-Flush) and Megatron's interleaved 1F1B, each rank's passes
 in Megatron-Core's order, timed as a dependency graph (docs/simulator.md, "schedule.py"); the non-interleaved one
-also with its exchanges as Megatron-Core runs them, blocking both stages ("Blocking exchanges")."""
+also with its exchanges as Megatron-Core runs them, blocking both stages ("Blocking exchanges"). Also GPipe and the
+zero-bubble schedules with the backward split into B and W passes ("Zero-bubble schedules")."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import heapq
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from cfp_megatron.base.errors import CfpError
+from cfp_megatron.sim.options import PipelineSchedule
 
 
 class ScheduleError(CfpError, RuntimeError):
@@ -49,13 +53,22 @@ class ScheduleResult:
     """Whether the schedule was run event by event (false: closed form)."""
 
 
+def zero_bubble_limit(pp: int, microbatches: int, schedule: PipelineSchedule) -> int:
+    """Micro-batches a pipeline rank of ``pp`` holds at most under a zero-bubble ``schedule`` (forwards run whose W
+    pass has not), the same on every rank as the zero-bubble runtime's memory limit sets it (its
+    ``--zero-bubble-max-pending-backward`` times a forward's activations): ``pp`` for ZB-H1 / ZB-1p (1F1B's peak),
+    ``2 pp`` for ZB-H2 / ZB-2p; never more than ``microbatches`` (docs/simulator.md, "Zero-bubble schedules")."""
+    return min((2 if schedule is PipelineSchedule.zb_h2 else 1) * pp, microbatches)
+
+
 @functools.lru_cache(maxsize=4096)
-def rank_order(rank: int, pp: int, vpp: int, microbatches: int) -> tuple[tuple[bool, int, int], ...]:
+def rank_order(rank: int, pp: int, vpp: int, microbatches: int, *, all_forward: bool = False
+               ) -> tuple[tuple[bool, int, int], ...]:
     """Megatron-Core's order of passes on pipeline rank ``rank`` of ``pp`` with ``vpp`` model chunks and
     ``microbatches`` micro-batches: ``(is_forward, microbatch, chunk)`` per pass (cached: a search times many plans
-    with the same pipeline shape)."""
+    with the same pipeline shape). ``all_forward`` (one chunk): GPipe's, every forward before the first backward."""
     if vpp == 1:
-        warmup = min(pp - rank - 1, microbatches)
+        warmup = microbatches if all_forward else min(pp - rank - 1, microbatches)
         order = [(True, index, 0) for index in range(warmup)]
         for index in range(microbatches - warmup):
             order.append((True, warmup + index, 0))
@@ -165,7 +178,8 @@ def per_rank_links(p2p_s: float | Sequence[float], pp: int) -> tuple[float, ...]
 
 def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2p_s: float | Sequence[float],
                  microbatches: int, *, blocking: bool = False, call_s: float = 0.0, keep_ops: bool = False,
-                 max_ops: int = 200_000) -> ScheduleResult:
+                 max_ops: int = 200_000, schedule: PipelineSchedule = PipelineSchedule.megatron,
+                 weight_s: Sequence[float] | None = None) -> ScheduleResult:
     """Time the schedule for per-rank, per-chunk pass durations ``forward_s[rank][chunk]`` and
     ``backward_s[rank][chunk]`` (seconds, one micro-batch) over ``microbatches`` micro-batches.
 
@@ -175,26 +189,35 @@ def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2
     without interleaving: each stage waits in every exchange until its neighbour joins it and the transfer ends,
     then ``call_s`` more (:func:`blocking_order`; docs/simulator.md, "Blocking exchanges"); otherwise a transfer
     only delays the pass that needs it. ``keep_ops`` keeps every timed pass. Schedules with more than ``max_ops``
-    passes are extrapolated from two shorter ones (docs/simulator.md, "Long schedules"). Raises
-    :class:`ScheduleError` on a deadlock.
+    passes are extrapolated from two shorter ones (docs/simulator.md, "Long schedules"). ``schedule`` other than
+    Megatron-Core's (one chunk a rank, not blocking): GPipe's order, or a zero-bubble one whose backward of each rank
+    splits into B (``backward_s`` less ``weight_s[rank]``) and W (``weight_s[rank]``, default zero) passes
+    (:func:`_run_zero_bubble`). Raises :class:`ScheduleError` on a deadlock.
     """
     pp, vpp = len(forward_s), len(forward_s[0])
     links = per_rank_links(p2p_s, pp)
     if blocking and vpp != 1:
         raise ValueError("blocking exchanges are timed for the non-interleaved schedule (one chunk per rank)")
+    if schedule is not PipelineSchedule.megatron and (vpp != 1 or blocking):
+        raise ValueError(f"the {schedule.value} schedule is timed with one chunk per rank and no blocking exchanges")
     num_ops = 2 * pp * vpp * microbatches
     busy = tuple(microbatches * (sum(forward_s[rank]) + sum(backward_s[rank])) for rank in range(pp))
     short_microbatches = 4 * pp + microbatches % pp
-    if num_ops > max_ops and not keep_ops and microbatches > short_microbatches + pp:
+    zero_bubble = schedule in (PipelineSchedule.zb_h1, PipelineSchedule.zb_h2)
+    if num_ops > max_ops and not keep_ops and microbatches > short_microbatches + pp and not zero_bubble:
         short = run_schedule(forward_s, backward_s, links, short_microbatches, blocking=blocking, call_s=call_s,
-                             max_ops=num_ops)
+                             max_ops=num_ops, schedule=schedule, weight_s=weight_s)
         longer = run_schedule(forward_s, backward_s, links, short_microbatches + pp, blocking=blocking,
-                              call_s=call_s, max_ops=num_ops)
+                              call_s=call_s, max_ops=num_ops, schedule=schedule, weight_s=weight_s)
         steps = (microbatches - short_microbatches) / pp
         floors = dependency_floors(forward_s, backward_s, busy)
         ends = tuple(max(short_end + steps * (longer_end - short_end), floor)
                      for short_end, longer_end, floor in zip(short.end_s, longer.end_s, floors, strict=True))
         return ScheduleResult(end_s=ends, busy_s=busy, ops=(), simulated=False)
+    if zero_bubble:
+        return _run_zero_bubble([row[0] for row in forward_s], [row[0] for row in backward_s],
+                                list(weight_s) if weight_s is not None else [0.0] * pp, links, microbatches,
+                                (zero_bubble_limit(pp, microbatches, schedule),) * pp, busy, keep_ops)
     if blocking and pp > 1:
         return _run_blocking([row[0] for row in forward_s], [row[0] for row in backward_s], links, microbatches,
                              call_s, busy, keep_ops)
@@ -202,7 +225,8 @@ def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2
     # End of each pass per global stage and micro-batch (-1: not run yet).
     forward_end = [[-1.0] * microbatches for _ in range(num_stages)]
     backward_end = [[-1.0] * microbatches for _ in range(num_stages)]
-    orders = [rank_order(rank, pp, vpp, microbatches) for rank in range(pp)]
+    gpipe = schedule is PipelineSchedule.gpipe
+    orders = [rank_order(rank, pp, vpp, microbatches, all_forward=gpipe) for rank in range(pp)]
     next_pass = [0] * pp  # index in its order of each rank's next pass
     free_s = [0.0] * pp  # when each rank finished its last timed pass
     ops: list[Op] = []
@@ -333,3 +357,71 @@ def _run_blocking(forward_s: list[float], backward_s: list[float], links: tuple[
     if any(index < len(program) for index, program in zip(next_item, programs, strict=True)):
         raise ScheduleError(f"pipeline schedule deadlocked (pp={pp}, blocking, microbatches={microbatches})")
     return ScheduleResult(end_s=tuple(free_s), busy_s=busy, ops=tuple(ops), simulated=True)
+
+
+def _run_zero_bubble(forward_s: list[float], backward_s: list[float], weight_s: list[float], links: tuple[float, ...],
+                     microbatches: int, limits: tuple[int, ...], busy: tuple[float, ...], keep_ops: bool
+                     ) -> ScheduleResult:
+    """:func:`run_schedule` of a zero-bubble schedule, event by event: each rank, whenever it is free, runs the B pass
+    of its oldest micro-batch whose gradient has arrived, else the forward of the next micro-batch where its input
+    has arrived and it holds fewer than ``limits[rank]`` micro-batches (forwards whose W has not run), else a
+    pending W pass (the oldest), else waits for an arrival. A B pass takes ``backward_s - weight_s`` and sends its
+    gradient on at once; W (``weight_s``) only frees the micro-batch. The runtime validates the optimizer step after
+    it instead of synchronising the stages before it, so each rank's next step follows its own last pass and the
+    steps tile: each rank's times are counted from its first pass (its end is its span; docs/simulator.md,
+    "Zero-bubble schedules")."""
+    pp = len(forward_s)
+    b_s = [max(total - weight, 0.0) for total, weight in zip(backward_s, weight_s, strict=True)]
+    forward_end = [[-1.0] * microbatches for _ in range(pp)]
+    b_end = [[-1.0] * microbatches for _ in range(pp)]
+    done_f, done_b, done_w = [0] * pp, [0] * pp, [0] * pp
+    free_s = [0.0] * pp
+    first_s: list[float | None] = [None] * pp
+    ops: list[Op] = []
+    events = [(0.0, rank) for rank in range(pp)]  # (time, rank): the rank may start something then
+    while events:
+        now, rank = heapq.heappop(events)
+        if now < free_s[rank]:  # busy until its own completion, which is an event too
+            continue
+        kind = -1  # 0 forward, 1 B, 2 W
+        if done_b[rank] < done_f[rank]:
+            index = done_b[rank]
+            ready = (forward_end[rank][index] if rank == pp - 1 else
+                     b_end[rank + 1][index] + links[rank] if b_end[rank + 1][index] >= 0 else None)
+            if ready is not None and ready <= now:
+                kind = 1
+        if kind < 0 and done_f[rank] < microbatches and done_f[rank] - done_w[rank] < limits[rank]:
+            index = done_f[rank]
+            ready = (0.0 if rank == 0 else
+                     forward_end[rank - 1][index] + links[rank - 1] if forward_end[rank - 1][index] >= 0 else None)
+            if ready is not None and ready <= now:
+                kind = 0
+        if kind < 0 and done_w[rank] < done_b[rank]:
+            kind = 2
+        if kind < 0:
+            continue  # an arrival wakes it
+        if first_s[rank] is None:
+            first_s[rank] = now
+        counts = (done_f, done_b, done_w)[kind]
+        index = counts[rank]
+        counts[rank] += 1
+        end = now + (forward_s[rank], b_s[rank], weight_s[rank])[kind]
+        free_s[rank] = end
+        heapq.heappush(events, (end, rank))
+        if kind == 0:
+            forward_end[rank][index] = end
+            if rank < pp - 1:
+                heapq.heappush(events, (end + links[rank], rank + 1))
+        elif kind == 1:
+            b_end[rank][index] = end
+            if rank > 0:
+                heapq.heappush(events, (end + links[rank - 1], rank - 1))
+        if keep_ops:  # W is drawn as a backward pass of its micro-batch
+            ops.append(Op(rank=rank, forward=kind == 0, microbatch=index, chunk=0, start_s=now, end_s=end))
+    if any(count < microbatches for count in (*done_f, *done_b, *done_w)):
+        raise ScheduleError(f"pipeline schedule deadlocked (pp={pp}, zero bubble, microbatches={microbatches})")
+    starts = [start or 0.0 for start in first_s]
+    ops = [dataclasses.replace(op, start_s=op.start_s - starts[op.rank], end_s=op.end_s - starts[op.rank])
+           for op in ops]
+    return ScheduleResult(end_s=tuple(end - start for end, start in zip(free_s, starts, strict=True)), busy_s=busy,
+                          ops=tuple(ops), simulated=True)

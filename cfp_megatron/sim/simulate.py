@@ -9,7 +9,7 @@ import typing
 from dataclasses import dataclass
 
 from cfp_megatron.base.config import ClusterSpec, JobSpec, MlpPartition, ParallelSpec
-from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.base.parallel_dims import ParallelDims
@@ -22,7 +22,7 @@ from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layer_cost import LayerCost, PassCost
 from cfp_megatron.sim.layout import Layout, build_layout
 from cfp_megatron.sim.memory import Stage, layout_memory, stage
-from cfp_megatron.sim.options import SimOptions
+from cfp_megatron.sim.options import PipelineSchedule, SimOptions
 from cfp_megatron.sim.pass_costs import (
     CostCache,
     PassCosts,
@@ -101,7 +101,12 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
         after = _outside_corrected(after, outside_s)
     slowdown = measurements.busy_slowdown() if overheads is not None else None
     shared_cores = slowdown is not None and pp > 1
-    if prune_above is not None:
+    schedule_kind = _schedule_kind(options, dims)
+    # A zero-bubble schedule runs each rank's weight gradients as passes of their own (docs/simulator.md,
+    # "Zero-bubble schedules").
+    weight_s = (tuple(row[0].weight_grad_s for row in backward_costs)
+                if schedule_kind in (PipelineSchedule.zb_h1, PipelineSchedule.zb_h2) else None)
+    if prune_above is not None and schedule_kind is PipelineSchedule.megatron:
         # A lower bound on the step without timing the schedule (cfp_megatron.search.search): no schedule ends before
         # its dependencies allow (dependency_floors); with shared cores the mean rank's work bounds every rank.
         busy_s = tuple(dims.num_microbatches * (sum(forward_s[rank]) + sum(backward_s[rank])) for rank in range(pp))
@@ -111,16 +116,16 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
 
     # Megatron-Core's non-interleaved schedule blocks both stages in every exchange and, on a GPU, synchronises
     # after it (docs/simulator.md, "Blocking exchanges"); the interleaved one overlaps them with the passes.
-    blocking = vpp == 1 and pp > 1
+    blocking = vpp == 1 and pp > 1 and schedule_kind is PipelineSchedule.megatron
     call_s = exchange_sync_s() if blocking and not cluster.on_cpu else 0.0
 
     def timed() -> ScheduleResult:
         return _schedule(forward_s, backward_s, p2p_s, dims.num_microbatches, slowdown if shared_cores else None,
-                         with_events, options, blocking=blocking, call_s=call_s)
+                         with_events, options, blocking=blocking, call_s=call_s, weight_s=weight_s)
 
     if cache is not None and not with_events:  # plans that differ only outside the schedule (e.g. the optimizer)
         schedule_key = (tuple(map(tuple, forward_s)), tuple(map(tuple, backward_s)), p2p_s, dims.num_microbatches,
-                        call_s)
+                        call_s, schedule_kind, weight_s)
         schedule = cache.schedules.get(schedule_key)
         if schedule is None:
             schedule = cache.schedules[schedule_key] = timed()
@@ -443,16 +448,33 @@ def _grid_seconds(forward_costs: list[list[PassCost]], backward_costs: list[list
     return forward_s, backward_s
 
 
+def _schedule_kind(options: SimOptions, dims: ParallelDims) -> PipelineSchedule:
+    """The pipeline schedule priced (``options.pipeline_schedule``; Megatron-Core's without a pipeline); raises
+    :class:`ConfigError` for one other than Megatron-Core's over several model chunks a rank."""
+    if dims.pp <= 1:
+        return PipelineSchedule.megatron
+    schedule = options.pipeline_schedule
+    if schedule is not PipelineSchedule.megatron and dims.vpp > 1:
+        raise ConfigError(ConfigIssue(
+            key="sim.pipeline_schedule", value=schedule.value,
+            problem=f"is timed with one model chunk a rank, and the plan has {dims.vpp} (parallel.vpp).",
+            fix="leave parallel.vpp unset (1) for it, or price Megatron-Core's interleaved schedule (megatron)."))
+    return schedule
+
+
 def _schedule(f_s: list[list[float]], b_s: list[list[float]], p2p: float | tuple[float, ...], microbatches: int,
               slowdown: float | None, with_events: bool, options: SimOptions, *, blocking: bool = False,
-              call_s: float = 0.0) -> ScheduleResult:
+              call_s: float = 0.0, weight_s: tuple[float, ...] | None = None) -> ScheduleResult:
     """The timed pipeline schedule: on ranks that share cores (``slowdown``, pipelines only)
     :func:`~cfp_megatron.sim.terms.pipeline.shared_cores_schedule`,
-    otherwise :func:`~cfp_megatron.sim.schedule.run_schedule` (``blocking``, ``call_s``: as it takes them)."""
+    otherwise :func:`~cfp_megatron.sim.schedule.run_schedule` (``blocking``, ``call_s``, ``weight_s`` and
+    ``options.pipeline_schedule``: as it takes them)."""
+    schedule = options.pipeline_schedule if len(f_s) > 1 else PipelineSchedule.megatron
     if slowdown is not None:
-        return shared_cores_schedule(f_s, b_s, p2p, microbatches, slowdown, with_events, options, blocking=blocking)
+        return shared_cores_schedule(f_s, b_s, p2p, microbatches, slowdown, with_events, options, blocking=blocking,
+                                     schedule=schedule, weight_s=weight_s)
     return run_schedule(f_s, b_s, p2p, microbatches, blocking=blocking, call_s=call_s, keep_ops=with_events,
-                        max_ops=options.max_schedule_ops)
+                        max_ops=options.max_schedule_ops, schedule=schedule, weight_s=weight_s)
 
 
 def _pipeline_terms(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts,

@@ -14,6 +14,7 @@ from typing import Any
 from cfp_megatron.base.config import Precision
 from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.cluster.fabrics import Fabric, Fabrics, load_fabrics
+from cfp_megatron.sim.options import PipelineSchedule
 from cfp_megatron.validation.data import ColumnEntry, load_precisions, load_schedules
 from cfp_megatron.validation.rows import power_limit
 
@@ -134,6 +135,8 @@ class ScheduleReading(Reading):
 
     vp: int = 1
     """Model chunks per pipeline rank (1: non-interleaved 1F1B)."""
+    schedule: PipelineSchedule = PipelineSchedule.megatron
+    """The schedule the simulator prices it with (GPipe and the zero-bubble ones: one chunk a rank)."""
 
 
 def schedule_reading(row: dict, pp: int, vp: int | None, entries: tuple[ColumnEntry, ...] | None = None
@@ -166,6 +169,13 @@ def schedule_reading(row: dict, pp: int, vp: int | None, entries: tuple[ColumnEn
     elif entry.runs == "1f1b" and chunks > 1:
         notes.append(f"pp_schedule {text!r} is not interleaved but the vp column says {chunks} chunks a rank: priced "
                      "as interleaved 1F1B over the vp column's chunks")
+    elif entry.runs not in ("1f1b", "interleaved", "default"):  # GPipe, ZB-H1 / ZB-H2: one chunk a rank
+        if chunks > 1:
+            notes.append(f"pp_schedule {text!r} runs one model chunk a rank but the vp column says {chunks}: priced "
+                         "as interleaved 1F1B over the vp column's chunks")
+            return ScheduleReading(vp=chunks, tag=entry.tag, approximation="; ".join(notes))
+        return ScheduleReading(vp=1, tag=entry.tag, schedule=PipelineSchedule(entry.runs),
+                               approximation="; ".join(notes))
     return ScheduleReading(vp=chunks, tag=entry.tag, approximation="; ".join(notes))
 
 

@@ -17,7 +17,7 @@ from yaml import YAMLError
 from cfp_megatron.base.config import AttentionKernel, CudaGraphImpl, cuda_graph_scopes
 from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.number_format import format_names
-from cfp_megatron.sim.options import ApexAdamStates
+from cfp_megatron.sim.options import ApexAdamStates, WeightGradAccumulation
 
 DATA_DIR = Path(__file__).resolve().parent
 FRAMEWORKS_FILE = DATA_DIR / "frameworks.yaml"
@@ -97,6 +97,9 @@ class Framework:
     te_cross_entropy`)."""
     torch_fsdp: bool = False
     """Its sharded weights are PyTorch FSDP's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_fsdp`)."""
+    weight_grad_accumulation: WeightGradAccumulation = WeightGradAccumulation.fused
+    """How its micro-batches' weight gradients are added to the step's
+    (:attr:`~cfp_megatron.sim.options.SimOptions.weight_grad_accumulation`)."""
     apex_adam: tuple[tuple[str, ApexAdamStates], ...] = ()
     """(pattern on ``model``, how its states are kept) where its distributed optimizer is Apex's
     DistributedFusedAdam (:attr:`~cfp_megatron.sim.options.SimOptions.apex_adam`); the first match applies, empty:
@@ -250,7 +253,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
                        "column is read as")
         runs = entry.get("runs", dict)
         optional = {"mtp_layers", "pipeline_scatter_gather", "fp8_param_gather", "te_cross_entropy", "torch_fsdp",
-                    "apex_distributed_adam", "overlap_param_gather"}
+                    "apex_distributed_adam", "overlap_param_gather", "weight_grad_accumulation"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -270,6 +273,10 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
         states = {state.value for state in ApexAdamStates}
         if not isinstance(apex, dict) or not all(isinstance(v, str) and v in states for v in apex.values()):
             entry.fail(f"has apex_distributed_adam={apex!r}; it maps a model pattern to one of {sorted(states)}")
+        accumulation = runs.get("weight_grad_accumulation", WeightGradAccumulation.fused.value)
+        if accumulation not in {how.value for how in WeightGradAccumulation}:
+            entry.fail(f"has weight_grad_accumulation={accumulation!r}; one of "
+                       f"{[how.value for how in WeightGradAccumulation]}")
         contains = match.get("contains", [])
         frameworks.append(Framework(
             name=raw["name"], source=raw["source"], blank=dict(blank), attention=attention,
@@ -282,6 +289,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             fp8_param_gather=tuple(fp8_params), te_cross_entropy=bool(runs.get("te_cross_entropy", False)),
             torch_fsdp=bool(runs.get("torch_fsdp", False)),
             overlap_param_gather=bool(runs.get("overlap_param_gather", False)),
+            weight_grad_accumulation=WeightGradAccumulation(accumulation),
             apex_adam=tuple((str(pattern), ApexAdamStates(state)) for pattern, state in apex.items())))
     if frameworks[-1].match != FrameworkMatch():
         raise ValidationDataError(f"{path}: the last entry ({frameworks[-1].name!r}) has conditions, so a row of "
@@ -379,7 +387,7 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[PerformanceRecipe, ...]:
     return tuple(recipes)
 
 
-SCHEDULE_RUNS = ("1f1b", "interleaved", "default")
+SCHEDULE_RUNS = ("1f1b", "interleaved", "default", "gpipe", "zb_h1", "zb_h2")
 """What a ``schedules.yaml`` entry may run as."""
 PRECISION_RUNS = tuple(name for name in format_names() if name != "auto")
 """What a ``precisions.yaml`` entry may run as: a number format (:mod:`cfp_megatron.base.number_format`)."""

@@ -69,7 +69,8 @@ def graph_bytes(stage: Stage) -> float:
     dims = stage.layout.dims
     per_layer = 1.0
     if dims.pp > 1 or parallel.moe_a2a_overlap:
-        per_layer = in_flight(stage.rank, dims.pp, dims.vpp, dims.num_microbatches) / dims.vpp
+        per_layer = in_flight(stage.rank, dims.pp, dims.vpp, dims.num_microbatches,
+                              stage.options.pipeline_schedule) / dims.vpp
     buffers = graph_buffers()
     rows = stage.tokens / (dims.tp if dims.sp else 1)
     per_graph = buffers.hidden_buffers * rows * model.hidden_size * stage.common.elem_bytes

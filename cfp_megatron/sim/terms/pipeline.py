@@ -13,7 +13,7 @@ from cfp_megatron.cluster.measured import Collective
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.memory import Stage
-from cfp_megatron.sim.options import SimOptions
+from cfp_megatron.sim.options import PipelineSchedule, SimOptions
 from cfp_megatron.sim.schedule import ScheduleResult, per_rank_links, run_schedule
 from cfp_megatron.sim.terms.base import CostTerm, Lane, LaneKind, MemoryCategory, Placement, StepTimes
 
@@ -51,18 +51,22 @@ def exchange_fits(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Col
 
 def shared_cores_schedule(f_s: list[list[float]], b_s: list[list[float]], p2p: float | tuple[float, ...],
                           microbatches: int, slowdown: float, with_events: bool, options: SimOptions, *,
-                          blocking: bool = False) -> ScheduleResult:
+                          blocking: bool = False, schedule: PipelineSchedule = PipelineSchedule.megatron,
+                          weight_s: tuple[float, ...] | None = None) -> ScheduleResult:
     """The pipeline schedule where ranks share fewer cores than there are ranks (CPU): ``f_s`` and ``b_s`` are
     forward and backward seconds per rank and chunk, ``p2p`` the send/receive seconds (one figure, or one per rank
     for its exchange with the next, as :func:`~cfp_megatron.sim.schedule.run_schedule` takes them), ``slowdown``
     how much slower a rank runs with every rank busy than alone, ``blocking`` the non-interleaved schedule's
-    exchanges as Megatron-Core runs them. Why it is bounded the way it is: docs/simulator.md, "Shared cores"."""
+    exchanges as Megatron-Core runs them, ``schedule`` and ``weight_s`` the schedule and its W passes
+    (:func:`~cfp_megatron.sim.schedule.run_schedule`). Why it is bounded the way it is: docs/simulator.md, "Shared
+    cores"."""
     pp = len(f_s)
     links = per_rank_links(p2p, pp)
     alone = run_schedule([[seconds / slowdown for seconds in row] for row in f_s],
                          [[seconds / slowdown for seconds in row] for row in b_s],
                          tuple(seconds / slowdown for seconds in links), microbatches, blocking=blocking,
-                         keep_ops=with_events, max_ops=options.max_schedule_ops)
+                         keep_ops=with_events, max_ops=options.max_schedule_ops, schedule=schedule,
+                         weight_s=None if weight_s is None else tuple(seconds / slowdown for seconds in weight_s))
     busy_s = tuple(microbatches * (sum(fwd_row) + sum(bwd_row)) for fwd_row, bwd_row in zip(f_s, b_s, strict=True))
     # per micro-batch and chunk, an exchange with each neighbour (the one before and the one after)
     exchanges_s = tuple(microbatches * len(f_s[rank]) * (links[rank - 1] + links[rank]) for rank in range(pp))

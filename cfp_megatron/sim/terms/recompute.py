@@ -81,7 +81,7 @@ def layer_activations(stage: Stage) -> float:
     else:
         moe_act = moe_full = 0.0
     dense_layers = layers - moe_layers
-    chunk_microbatches = in_flight(rank, dims.pp, dims.vpp, dims.num_microbatches)
+    chunk_microbatches = in_flight(rank, dims.pp, dims.vpp, dims.num_microbatches, options.pipeline_schedule)
     if parallel.moe_a2a_overlap and moe_layers:  # the combined 1F1B schedule runs one more micro-batch ahead
         chunk_microbatches = min(chunk_microbatches + 1, dims.num_microbatches * dims.vpp)
     held_microbatches = chunk_microbatches / dims.vpp  # whole-rank micro-batches held
