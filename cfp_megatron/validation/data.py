@@ -94,6 +94,12 @@ class Framework:
     te_cross_entropy`)."""
     torch_fsdp: bool = False
     """Its sharded weights are PyTorch FSDP's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_fsdp`)."""
+    torch_fused_adamw: bool = False
+    """Its optimizer steps as PyTorch's fused AdamW (:attr:`~cfp_megatron.sim.options.SimOptions.
+    torch_fused_adamw`)."""
+    moe_layer_syncs: int | None = None
+    """Device-to-host synchronisations of its dropless MoE layers' forward (:attr:`~cfp_megatron.sim.options.
+    SimOptions.moe_layer_syncs`; ``None``: Megatron-Core's)."""
     apex_adam: tuple[tuple[str, ApexAdamStates], ...] = ()
     """(pattern on ``model``, how its states are kept) where its distributed optimizer is Apex's
     DistributedFusedAdam (:attr:`~cfp_megatron.sim.options.SimOptions.apex_adam`); the first match applies, empty:
@@ -244,7 +250,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
                        "column is read as")
         runs = entry.get("runs", dict)
         optional = {"mtp_layers", "pipeline_scatter_gather", "fp8_param_gather", "te_cross_entropy", "torch_fsdp",
-                    "apex_distributed_adam"}
+                    "apex_distributed_adam", "torch_fused_adamw", "moe_layer_syncs"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -264,6 +270,9 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
         states = {state.value for state in ApexAdamStates}
         if not isinstance(apex, dict) or not all(isinstance(v, str) and v in states for v in apex.values()):
             entry.fail(f"has apex_distributed_adam={apex!r}; it maps a model pattern to one of {sorted(states)}")
+        syncs = runs.get("moe_layer_syncs")
+        if syncs is not None and (not isinstance(syncs, int) or isinstance(syncs, bool) or syncs < 0):
+            entry.fail(f"has moe_layer_syncs={syncs!r}; it counts a MoE layer's synchronisations (0 or more)")
         contains = match.get("contains", [])
         frameworks.append(Framework(
             name=raw["name"], source=raw["source"], blank=dict(blank), attention=attention,
@@ -275,6 +284,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             pipeline_scatter_gather=bool(runs.get("pipeline_scatter_gather", False)),
             fp8_param_gather=tuple(fp8_params), te_cross_entropy=bool(runs.get("te_cross_entropy", False)),
             torch_fsdp=bool(runs.get("torch_fsdp", False)),
+            torch_fused_adamw=bool(runs.get("torch_fused_adamw", False)), moe_layer_syncs=syncs,
             apex_adam=tuple((str(pattern), ApexAdamStates(state)) for pattern, state in apex.items())))
     if frameworks[-1].match != FrameworkMatch():
         raise ValidationDataError(f"{path}: the last entry ({frameworks[-1].name!r}) has conditions, so a row of "
