@@ -49,3 +49,18 @@ def test_each_dropless_moe_layer_waits_as_often_as_its_dispatcher_syncs() -> Non
     assert host_costs(job, 16, moe_layer_syncs=0).moe_sync_s == 0.0
     with pytest.raises(ConfigError, match="sim.moe_layer_syncs"):
         SimOptions(moe_layer_syncs=-1)
+
+
+def test_a_blank_micro_batch_is_the_ranks_whole_batch_under_torchtitan() -> None:
+    blank = {**ROW, "micro_batch": ""}  # 64 sequences over DP 32: torchtitan's local_batch_size 2, one micro-batch
+    job = row_plan(blank).job
+    assert job.train.micro_batch_size == 2 and simulate(job).num_microbatches == 1
+    # gathered and scattered once a step, as torchtitan runs it, not once for each of two micro-batches of one
+    one = simulate(job, options=row_plan(blank).options)
+    two = simulate(row_plan({**blank, "micro_batch": "1"}).job, options=row_plan(blank).options)
+    assert two.num_microbatches == 2 and one.time.fsdp_comm_s < two.time.fsdp_comm_s
+    # stated accumulation, a pipeline or another framework keep Megatron's reading of a blank: 1
+    assert row_plan({**blank, "grad_accum": "2", "global_batch_seqs": ""}).job.train.micro_batch_size == 1
+    assert row_plan({**blank, "pp": "2", "ep": "4"}).job.train.micro_batch_size == 1
+    megatron = {**blank, "framework": "Megatron-Core r0.8.0", "zero_or_fsdp": "distributed optimizer"}
+    assert row_plan(megatron).job.train.micro_batch_size == 1

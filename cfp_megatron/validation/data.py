@@ -94,6 +94,9 @@ class Framework:
     te_cross_entropy`)."""
     torch_fsdp: bool = False
     """Its sharded weights are PyTorch FSDP's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_fsdp`)."""
+    rank_batch_micro: bool = False
+    """A blank ``micro_batch`` of its rows, with no ``grad_accum`` and no pipeline, is the rank's whole batch
+    (``global_batch_seqs`` / DP): it accumulates no gradients unless told."""
     torch_fused_adamw: bool = False
     """Its optimizer steps as PyTorch's fused AdamW (:attr:`~cfp_megatron.sim.options.SimOptions.
     torch_fused_adamw`)."""
@@ -250,7 +253,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
                        "column is read as")
         runs = entry.get("runs", dict)
         optional = {"mtp_layers", "pipeline_scatter_gather", "fp8_param_gather", "te_cross_entropy", "torch_fsdp",
-                    "apex_distributed_adam", "torch_fused_adamw", "moe_layer_syncs"}
+                    "apex_distributed_adam", "torch_fused_adamw", "moe_layer_syncs", "rank_batch_micro"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -285,6 +288,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             fp8_param_gather=tuple(fp8_params), te_cross_entropy=bool(runs.get("te_cross_entropy", False)),
             torch_fsdp=bool(runs.get("torch_fsdp", False)),
             torch_fused_adamw=bool(runs.get("torch_fused_adamw", False)), moe_layer_syncs=syncs,
+            rank_batch_micro=bool(runs.get("rank_batch_micro", False)),
             apex_adam=tuple((str(pattern), ApexAdamStates(state)) for pattern, state in apex.items())))
     if frameworks[-1].match != FrameworkMatch():
         raise ValidationDataError(f"{path}: the last entry ({frameworks[-1].name!r}) has conditions, so a row of "
