@@ -26,8 +26,9 @@ The same for every row:
 
 * ``ffn_hidden``: 4 x hidden; ``kv_heads``: one per head (unless the family fixes it). ``dp``: GPUs / (TP x PP x
   CP); ``cp``, ``ep``, ``vp``, ``micro_batch``: 1 (``micro_batch``: the rank's whole batch, global batch / DP, where
-  the framework accumulates no gradients unless told and the row states no ``grad_accum`` nor a pipeline); ``global_batch_seqs``: micro-batch x DP x ``grad_accum`` when that
-  is given. ``recompute``: none. ``precision``: 16-bit (bf16).
+  the framework accumulates no gradients unless told and the row states no ``grad_accum`` nor a pipeline);
+  ``global_batch_seqs``: micro-batch x DP x ``grad_accum`` when that is given. ``recompute``: none.
+  ``precision``: 16-bit (bf16).
 * ``interconnect``, ``pp_schedule``, ``precision`` and a power limit (:mod:`cfp_megatron.validation.columns`): the
   fabric (``cfp_megatron/cluster/fabrics.yaml``: kind, links per node, Gb/s per link) as the row's network, the
   schedule (``schedules.yaml``) as its model chunks, the precision variant (``precisions.yaml``); what the simulator
