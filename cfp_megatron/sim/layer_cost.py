@@ -116,7 +116,7 @@ class LayerPasses:
     moe_block: MoeCost | None
     """The MoE block's costs (``None`` for a dense layer)."""
     fsdp_sync_s: tuple[float, float] = (0.0, 0.0)
-    """(gather, scatter) seconds of FSDP's collectives around the layer (:func:`~cfp_megatron.sim.terms.
+    """(forward, backward) seconds of FSDP's collectives around the layer (:func:`~cfp_megatron.sim.terms.
     data_parallel.fsdp_sync`); the backward's exposed share is priced with the recomputation
     (:func:`with_recompute`), which runs inside the layer's backward."""
     fsdp_beside_experts: bool = False
@@ -150,14 +150,13 @@ def with_recompute(passes: LayerPasses, job: JobSpec, layout: Layout, kernels: K
     else:
         recompute = PassCost()
     backward = passes.backward
-    gather_s, scatter_s = passes.fsdp_sync_s
-    if gather_s + scatter_s > 0:
+    comm_s = passes.fsdp_sync_s[1]
+    if comm_s > 0:
         # The backward's gather (prefetched) and the scatter run beside the layer's whole backward, its
         # recomputation included (the checkpointed layer recomputes inside its own backward).
         window_s = backward.compute_s + backward.attention_core_s + recompute.compute_s + recompute.attention_core_s
         beside_s = backward.ep_comm_s + recompute.ep_comm_s if passes.fsdp_beside_experts else 0.0
-        backward = dataclasses.replace(backward, fsdp_comm_s=fsdp_exposed(gather_s + scatter_s, window_s,
-                                                                          beside_s=beside_s))
+        backward = dataclasses.replace(backward, fsdp_comm_s=fsdp_exposed(comm_s, window_s, beside_s=beside_s))
     return LayerCost(forward=forward, backward=backward, recompute=recompute, params=passes.params,
                      expert_params=passes.expert_params, ep_alone_s=passes.ep_alone_s)
 
@@ -239,13 +238,13 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
 
     # FSDP (the data-parallel term): gather the layer's weights before forward and backward, scatter its gradients
     # after backward.
-    fsdp_gather = fsdp_scatter = 0.0
+    fsdp_fwd_comm = fsdp_bwd_comm = 0.0
     fwd_compute = attn_gemm + mlp_gemm + elementwise
     mlp_bwd_gemm = moe_block.gemm_bwd_s if moe_block is not None else 2.0 * mlp_gemm
     bwd_compute = 2.0 * attn_gemm + mlp_bwd_gemm + 2.0 * elementwise
     if job.parallel.fsdp is not FsdpStrategy.none:
-        fsdp_gather, fsdp_scatter = fsdp_sync(job, layout, costs, params=params, elem_bytes=elem_bytes,
-                                              expert_params=expert_params)
+        fsdp_fwd_comm, fsdp_bwd_comm = fsdp_sync(job, layout, costs, params=params, elem_bytes=elem_bytes,
+                                                 expert_params=expert_params, torch_fsdp=options.torch_fsdp)
 
     ep_fwd = ep_bwd = 0.0
     ep_alone = (0.0, 0.0)
@@ -267,7 +266,7 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
 
     # FSDP's forward gather beside the layer's forward (the backward's: with_recompute).
     beside_experts = moe_block is not None and fsdp_beside_experts(job, layout)
-    fsdp_fwd = fsdp_exposed(fsdp_gather, fwd_compute + core_fwd, beside_s=ep_fwd if beside_experts else 0.0)
+    fsdp_fwd = fsdp_exposed(fsdp_fwd_comm, fwd_compute + core_fwd, beside_s=ep_fwd if beside_experts else 0.0)
     overhead = kernels.eff.layer_overhead_s
     forward = PassCost(compute_s=fwd_compute, attention_core_s=core_fwd, overhead_s=overhead, tp_comm_s=tp_fwd,
                        cp_comm_s=cp_fwd, ep_comm_s=ep_fwd, fsdp_comm_s=fsdp_fwd)
@@ -275,7 +274,7 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
                         cp_comm_s=cp_bwd, ep_comm_s=ep_bwd)
     return LayerPasses(forward=forward, backward=backward, params=params, expert_params=expert_params,
                        ep_alone_s=ep_alone, mlp_gemm_s=mlp_gemm, moe_block=moe_block,
-                       fsdp_sync_s=(fsdp_gather, fsdp_scatter), fsdp_beside_experts=beside_experts)
+                       fsdp_sync_s=(fsdp_fwd_comm, fsdp_bwd_comm), fsdp_beside_experts=beside_experts)
 
 
 CROSS_ENTROPY_FP32_FORWARD_BYTES = 32.0

@@ -21,19 +21,25 @@ BUCKET_PARAMS = 40_000_000
 
 
 def fsdp_sync(job: JobSpec, layout: Layout, costs: CollectiveCosts, *, params: float, elem_bytes: float,
-              expert_params: float = 0.0) -> tuple[float, float]:
-    """(gather, scatter) seconds of FSDP's collectives around one layer of ``params`` parameters on one rank
-    (``expert_params`` of them routed experts'): under ``optim_grads_params`` its weights gathered before the forward
-    and again before the backward, under ``optim_grads`` and ``optim_grads_params`` its gradients scattered after the
-    backward, the dense ones over the shard group and the experts' over the expert-DP group
-    (:meth:`~cfp_megatron.sim.sharding.Sharding.pass_sync_s`); zero without data parallelism. What the passes
-    leave exposed of them: :func:`fsdp_exposed`."""
+              expert_params: float = 0.0, torch_fsdp: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of FSDP's collectives around one layer of ``params`` parameters on one rank
+    (``expert_params`` of them routed experts') in one micro-batch's passes: under ``optim_grads_params`` its
+    weights gathered before the forward and again before the backward, under ``optim_grads`` and
+    ``optim_grads_params`` its gradients scattered after the backward, the dense ones over the shard group and the
+    experts' over the expert-DP group (:meth:`~cfp_megatron.sim.sharding.Sharding.pass_sync_s`); PyTorch's FSDP2
+    under a pipeline (``torch_fsdp``, :attr:`~cfp_megatron.sim.sharding.Sharding.gathers_once`) gathers once a step,
+    a micro-batch's share in each forward, and scatters after the passes (:func:`step_sync`). Zero without data
+    parallelism. What the passes leave exposed of them: :func:`fsdp_exposed`."""
     dims = layout.dims
     if dims.dp * dims.cp <= 1:
         return 0.0, 0.0
-    return Sharding.megatron(job, dims).pass_sync_s(
+    sharding = Sharding.megatron(job, dims, torch_fsdp=torch_fsdp)
+    gather_s, scatter_s = sharding.pass_sync_s(
         costs, params, weight_bytes=param_gather_element_bytes(job, elem_bytes), per_node=layout.dp_per_node,
         expert_params=expert_params, expert_per_node=layout.edp_per_node)
+    if sharding.gathers_once:
+        return gather_s / dims.num_microbatches, 0.0
+    return gather_s, gather_s + scatter_s
 
 
 def fsdp_beside_experts(job: JobSpec, layout: Layout) -> bool:
@@ -95,8 +101,9 @@ def step_sync(inputs: StepInputs) -> dict[str, list[float]]:
     job, layout, options, costs, overheads = (inputs.job, inputs.layout, inputs.options, inputs.collectives,
                                               inputs.overheads)
     dims, model = layout.dims, job.model
-    sharding = Sharding.megatron(job, dims)
+    sharding = Sharding.megatron(job, dims, torch_fsdp=options.torch_fsdp)
     overlap = job.parallel.overlap_grad_reduce if options.overlap_grad_reduce is None else options.overlap_grad_reduce
+    overlap = overlap and not sharding.gathers_once  # FSDP2 under a pipeline reduces after the last backward
     lanes: dict[str, list[float]] = {"dp_comm_s": [], "embedding_sync_s": [], "token_sync_s": []}
     grad_bytes = grad_element_bytes(job)
     gather_bytes = param_gather_element_bytes(job, inputs.kernels.elem)  # FP8 under parallel.fp8_param_gather
@@ -182,7 +189,8 @@ class DataParallel(CostTerm):
         states = sharding.memory(params, stage.expert_params)
         gathered = 0.0
         if stage.layers and stage.measured is None:
-            gathered = sharding.gathered_bytes(stage.layer_params / stage.layers, stage.expert_params / stage.layers)
+            gathered = sharding.gathered_bytes(stage.layer_params / stage.layers, stage.expert_params / stage.layers,
+                                               layers=stage.layers)
         return {"weights": states.weights - _not_te_weight_excess(stage, params), "gradients": states.gradients,
                 "optimizer_states": states.optimizer_states, "fsdp_buffers": gathered}
 
