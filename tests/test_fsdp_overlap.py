@@ -4,6 +4,8 @@ another link (docs/simulator.md, "FSDP beside recomputation and the expert excha
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from cfp_megatron.base.compose import compose_job
@@ -20,6 +22,7 @@ from cfp_megatron.sim.terms.data_parallel import fsdp_beside_experts, fsdp_expos
 from cfp_megatron.sim.terms.overlap import COMM_SM_SHARE
 
 
+@functools.cache  # composing is the slow part; the specs are frozen
 def _job(*overrides: str):
     return compose_job(["model=mixtral_8x7b", "cluster=dgx_h100", "cluster.nodes=8", "parallel.ep=8",
                         "parallel.distributed_optimizer=true", "parallel.fsdp=optim_grads_params",
