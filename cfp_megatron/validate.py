@@ -27,8 +27,10 @@ What a blank or silent column means depends on what the row ran, and is data wit
 The same for every row:
 
 * ``ffn_hidden``: 4 x hidden; ``kv_heads``: one per head (unless the family fixes it). ``dp``: GPUs / (TP x PP x
-  CP); ``cp``, ``ep``, ``vp``, ``micro_batch``: 1; ``global_batch_seqs``: micro-batch x DP x ``grad_accum`` when that
-  is given. ``recompute``: none. ``precision``: 16-bit (bf16).
+  CP); ``cp``, ``ep``, ``vp``, ``micro_batch``: 1 (``micro_batch``: the rank's whole batch, global batch / DP, where
+  the framework accumulates no gradients unless told and the row states no ``grad_accum`` nor a pipeline);
+  ``global_batch_seqs``: micro-batch x DP x ``grad_accum`` when that is given. ``recompute``: none.
+  ``precision``: 16-bit (bf16).
 * ``interconnect``, ``pp_schedule``, ``precision`` and a power limit (:mod:`cfp_megatron.validation.columns`): the
   fabric (``cfp_megatron/cluster/fabrics.yaml``: kind, links per node, Gb/s per link) as the row's network, the
   schedule (``schedules.yaml``) as its model chunks, the precision variant (``precisions.yaml``); what the simulator
@@ -228,6 +230,9 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         gbs = micro * dp * accum
     if gbs is None and not layer_only:
         raise RowError("global_batch_seqs is blank")
+    if (framework.rank_batch_micro and not (row.get("micro_batch") or "").strip() and not accum and pp == 1
+            and gbs and gbs % dp == 0):
+        micro = gbs // dp  # the rank's whole batch is one micro-batch: no accumulation stated, none by default
     tokens_per_gpu = figure_cell(row, "tokens_per_s_per_gpu")
     if not measured and tokens_per_gpu and gbs:
         measured = gbs * seq / (tokens_per_gpu * gpus)
@@ -334,6 +339,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                          weight_grad_accumulation=framework.weight_grad_accumulation,
                          pipeline_scatter_gather=framework.pipeline_scatter_gather,
                          te_cross_entropy=framework.te_cross_entropy, torch_fsdp=framework.torch_fsdp and fsdp,
+                         torch_fused_adamw=framework.torch_fused_adamw, moe_layer_syncs=framework.moe_layer_syncs,
                          apex_adam=apex_adam_states(row, framework) if dist_opt and not fsdp else None)
     return RowPlan(row_id=rid, source=row.get("source", ""), source_detail=row.get("source_detail", ""),
                    model=row.get("model", ""), layout=layout, job=job, options=options, measured_s=measured,

@@ -178,6 +178,8 @@ def test_a_family_entry_in_a_data_file_fills_a_blank_vocabulary(tmp_path: Path) 
     (FRAMEWORKS_FILE, "frameworks", "  - {name: x, match: {}, runs: {attention: flash, overlap_grad_reduce: true, "
      "tp_comm_overlap: true, grad_reduce_in_fp32: true, weight_grad_accumulation: lazy}, source: s}\n",
      "weight_grad_accumulation='lazy'"),
+    (FRAMEWORKS_FILE, "frameworks", "  - {name: x, match: {}, runs: {attention: flash, overlap_grad_reduce: true, "
+     "tp_comm_overlap: true, grad_reduce_in_fp32: true, moe_layer_syncs: -1}, source: s}\n", "moe_layer_syncs=-1"),
     (FAMILIES_FILE, "families", "  - {name: x, pattern: '(', source: s}\n", "not a regular expression"),
     (RECIPES_FILE, "recipes", "  - {name: x, releases: ['26.1', null], model: m, hardware: [b200], layouts: "
      "[{gpus: 8, tp: 1, pp: 1, vp: 1, ep: 8, global_batch: 512}], dispatcher: flex, a2a_overlap: false, "

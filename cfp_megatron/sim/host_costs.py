@@ -203,9 +203,12 @@ def _layer(parts: dict[str, Launches], scope: tuple[str, ...] | None, constants:
     return total
 
 
-def host_costs(job: JobSpec, local_experts: int, *, grouped_gemm: bool = True) -> HostCosts:
+def host_costs(job: JobSpec, local_experts: int, *, grouped_gemm: bool = True,
+               moe_layer_syncs: int | None = None) -> HostCosts:
     """The host's seconds per layer kind and pass of ``job`` with ``local_experts`` routed experts per rank; with
-    ``grouped_gemm`` the experts launch as one grouped GEMM per linear layer, not each expert's kernels."""
+    ``grouped_gemm`` the experts launch as one grouped GEMM per linear layer, not each expert's kernels;
+    ``moe_layer_syncs``: a dropless MoE layer's synchronisations per forward (``None``: ``host.yaml``'s count,
+    Megatron-Core's)."""
     constants, counts = host_constants(), launch_counts()
     model, parallel = job.model, job.parallel
     impl = parallel.cuda_graph_impl
@@ -231,7 +234,8 @@ def host_costs(job: JobSpec, local_experts: int, *, grouped_gemm: bool = True) -
     return HostCosts(dense=seconds(dense), moe=seconds(moe), embedding=seconds(counts.embedding),
                      head=seconds(counts.head), dense_recompute_s=dense.forward * fwd if full else 0.0,
                      moe_recompute_s=moe.forward * fwd if full else 0.0, recompute_syncs=full and syncs,
-                     moe_sync_s=constants.moe_layer_syncs * constants.moe_sync_stall_s if syncs else 0.0)
+                     moe_sync_s=(constants.moe_layer_syncs if moe_layer_syncs is None else moe_layer_syncs)
+                     * constants.moe_sync_stall_s if syncs else 0.0)
 
 
 def step_host_s() -> float:

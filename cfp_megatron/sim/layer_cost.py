@@ -5,6 +5,7 @@ docs/simulator.md, "layer_cost.py".
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from cfp_megatron.base.config import Activation, AttentionKernel, AttentionKind, FsdpStrategy, JobSpec, MlpPartition
@@ -16,7 +17,7 @@ from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.options import SimOptions, WeightGradAccumulation
 from cfp_megatron.sim.primepar_cost import MlpCost, ffn_gemms, mlp_activation_elements, primepar_mlp_cost
 from cfp_megatron.sim.terms.context_parallel import chunk_slowdown, cp_cost
-from cfp_megatron.sim.terms.data_parallel import fsdp_comm
+from cfp_megatron.sim.terms.data_parallel import fsdp_beside_experts, fsdp_exposed, fsdp_sync
 from cfp_megatron.sim.terms.expert_dispatch import MoeCost, expert_comm, moe_block_cost
 from cfp_megatron.sim.terms.recompute import selective_recompute
 from cfp_megatron.sim.terms.tensor_parallel import tp_pass_s
@@ -120,6 +121,13 @@ class LayerPasses:
     """The MLP's (or the MoE block's) forward GEMM seconds."""
     moe_block: MoeCost | None
     """The MoE block's costs (``None`` for a dense layer)."""
+    fsdp_sync_s: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) seconds of FSDP's collectives around the layer (:func:`~cfp_megatron.sim.terms.
+    data_parallel.fsdp_sync`); the backward's exposed share is priced with the recomputation
+    (:func:`with_recompute`), which runs inside the layer's backward."""
+    fsdp_beside_experts: bool = False
+    """Whether FSDP's collectives also hide behind the exposed expert exchange
+    (:func:`~cfp_megatron.sim.terms.data_parallel.fsdp_beside_experts`)."""
 
 
 def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, options: SimOptions,
@@ -147,7 +155,15 @@ def with_recompute(passes: LayerPasses, job: JobSpec, layout: Layout, kernels: K
         recompute = PassCost(compute_s=rec_compute, attention_core_s=rec_core, ep_comm_s=rec_ep)
     else:
         recompute = PassCost()
-    return LayerCost(forward=forward, backward=passes.backward, recompute=recompute, params=passes.params,
+    backward = passes.backward
+    comm_s = passes.fsdp_sync_s[1]
+    if comm_s > 0:
+        # The backward's gather (prefetched) and the scatter run beside the layer's whole backward, its
+        # recomputation included (the checkpointed layer recomputes inside its own backward).
+        window_s = backward.compute_s + backward.attention_core_s + recompute.compute_s + recompute.attention_core_s
+        beside_s = backward.ep_comm_s + recompute.ep_comm_s if passes.fsdp_beside_experts else 0.0
+        backward = dataclasses.replace(backward, fsdp_comm_s=fsdp_exposed(comm_s, window_s, beside_s=beside_s))
+    return LayerCost(forward=forward, backward=backward, recompute=recompute, params=passes.params,
                      expert_params=passes.expert_params, ep_alone_s=passes.ep_alone_s)
 
 
@@ -228,14 +244,13 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
 
     # FSDP (the data-parallel term): gather the layer's weights before forward and backward, scatter its gradients
     # after backward.
-    fsdp_fwd = fsdp_bwd = 0.0
+    fsdp_fwd_comm = fsdp_bwd_comm = 0.0
     fwd_compute = attn_gemm + mlp_gemm + elementwise
     mlp_bwd_gemm = moe_block.gemm_bwd_s if moe_block is not None else 2.0 * mlp_gemm
     bwd_compute = 2.0 * attn_gemm + mlp_bwd_gemm + 2.0 * elementwise
     if job.parallel.fsdp is not FsdpStrategy.none:
-        fsdp_fwd, fsdp_bwd = fsdp_comm(job, layout, costs, params=params, elem_bytes=elem_bytes,
-                                       forward_window_s=fwd_compute + core_fwd,
-                                       backward_window_s=bwd_compute + core_bwd, expert_params=expert_params)
+        fsdp_fwd_comm, fsdp_bwd_comm = fsdp_sync(job, layout, costs, params=params, elem_bytes=elem_bytes,
+                                                 expert_params=expert_params, torch_fsdp=options.torch_fsdp)
 
     ep_fwd = ep_bwd = 0.0
     ep_alone = (0.0, 0.0)
@@ -259,15 +274,18 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     # of their own (docs/simulator.md, "Weight-gradient accumulation").
     accumulate_s = grad_accumulation_s(job, layout, kernels, options, params)
     bwd_compute += accumulate_s
+    # FSDP's forward gather beside the layer's forward (the backward's: with_recompute).
+    beside_experts = moe_block is not None and fsdp_beside_experts(job, layout)
+    fsdp_fwd = fsdp_exposed(fsdp_fwd_comm, fwd_compute + core_fwd, beside_s=ep_fwd if beside_experts else 0.0)
     overhead = kernels.eff.layer_overhead_s
     forward = PassCost(compute_s=fwd_compute, attention_core_s=core_fwd, overhead_s=overhead, tp_comm_s=tp_fwd,
                        cp_comm_s=cp_fwd, ep_comm_s=ep_fwd, fsdp_comm_s=fsdp_fwd)
     # the weight-gradient GEMMs: as many FLOPs as the forward's (half of the backward's GEMMs)
     backward = PassCost(compute_s=bwd_compute, attention_core_s=core_bwd, overhead_s=overhead, tp_comm_s=tp_bwd,
-                        cp_comm_s=cp_bwd, ep_comm_s=ep_bwd, fsdp_comm_s=fsdp_bwd,
-                        weight_grad_s=attn_gemm + mlp_bwd_gemm / 2 + accumulate_s)
+                        cp_comm_s=cp_bwd, ep_comm_s=ep_bwd, weight_grad_s=attn_gemm + mlp_bwd_gemm / 2 + accumulate_s)
     return LayerPasses(forward=forward, backward=backward, params=params, expert_params=expert_params,
-                       ep_alone_s=ep_alone, mlp_gemm_s=mlp_gemm, moe_block=moe_block)
+                       ep_alone_s=ep_alone, mlp_gemm_s=mlp_gemm, moe_block=moe_block,
+                       fsdp_sync_s=(fsdp_fwd_comm, fsdp_bwd_comm), fsdp_beside_experts=beside_experts)
 
 
 def grad_accumulation_s(job: JobSpec, layout: Layout, kernels: KernelModel, options: SimOptions,

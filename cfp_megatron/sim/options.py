@@ -92,6 +92,15 @@ class SimOptions:
     FSDP2 ``fully_shard``: torchtitan, llm-foundry): the fp32 shard is the parameter and its master weights, with no
     compute-precision shard beside it (memory only; :attr:`~cfp_megatron.sim.sharding.StateBytes.master_is_shard`).
     ``False``: Megatron-FSDP's, as the runtime trains."""
+    torch_fused_adamw: bool = False
+    """The optimizer step is PyTorch's fused AdamW over fp32 parameter shards after ``clip_grad_norm_``
+    (torchtitan's default ``implementation="fused"``): its HBM traffic per parameter is
+    :data:`~cfp_megatron.sim.terms.optimizer.TORCH_FUSED_ADAMW_BYTES`, not the fitted
+    ``Efficiency.optimizer_bytes_per_param`` of Megatron-Core's distributed optimizer (the analytical step only).
+    ``False``: Megatron-Core's, as the runtime trains."""
+    moe_layer_syncs: int | None = None
+    """Device-to-host synchronisations in each dropless MoE layer's forward; ``None``: Megatron-Core's
+    (``cfp_megatron/sim/host.yaml``, ``moe_layer_syncs``). torchtitan's all-to-all dispatcher has one."""
     apex_adam: ApexAdamStates | None = None
     """The distributed optimizer is Apex's ``DistributedFusedAdam`` keeping its states so (memory only;
     :meth:`~cfp_megatron.sim.sharding.StateBytes.megatron`). ``None``: Megatron-Core's distributed optimizer (fp32
@@ -116,6 +125,10 @@ class SimOptions:
             raise ConfigError(ConfigIssue(key="sim.moe_routing_imbalance", value=self.moe_routing_imbalance,
                                           problem="must be between 1 (balanced) and 64.",
                                           fix="use 1.0 for forced balance, e.g. 1.2 for aux-loss balancing."))
+        if self.moe_layer_syncs is not None and self.moe_layer_syncs < 0:
+            raise ConfigError(ConfigIssue(key="sim.moe_layer_syncs", value=self.moe_layer_syncs,
+                                          problem="must be zero or more.",
+                                          fix="count the synchronisations of one MoE layer's forward, e.g. 1."))
         if self.max_schedule_ops < 1:
             raise ConfigError(ConfigIssue(key="sim.max_schedule_ops", value=self.max_schedule_ops,
                                           problem="must be positive.", fix="use e.g. 200000."))

@@ -170,6 +170,11 @@ class Sharding:
     optimizer steps on the host."""
     offload_params: bool = False
     """The weights live in host memory, copied to the device at each gather (ZeRO-3 parameter offload)."""
+    gathers_once: bool = False
+    """PyTorch's FSDP2 under a pipeline: each layer's weights gathered once a step and held for every micro-batch
+    (torchtitan's ``reshard_after_forward`` default is off with PP), its gradients reduce-scattered once after the
+    last backward (``torch.distributed.pipelining``'s stage runs every backward with ``set_requires_gradient_sync
+    (False)`` and ``set_reshard_after_backward(False)``, then ``perform_reduce_grad``)."""
 
     def __post_init__(self) -> None:
         """Raises :class:`ConfigError` for a group below one rank or parameter offload of unsharded weights."""
@@ -190,14 +195,16 @@ class Sharding:
         (``parallel.fsdp``), the distributed optimizer (``parallel.distributed_optimizer``: the optimizer's states)
         or DDP; the dense parameters' states over DP x CP, or over shard groups of ``parallel.dp_shard_size`` of them
         replicated across the rest (HSDP); the routed experts' over the expert-DP group. ``torch_fsdp``: the
-        weights sharded as PyTorch's FSDP shards them (:attr:`StateBytes.master_is_shard`); ``apex_adam``: the
+        weights sharded as PyTorch's FSDP shards them (:attr:`StateBytes.master_is_shard`), gathered once a step
+        under a pipeline (:attr:`gathers_once`); ``apex_adam``: the
         optimizer's states as Apex keeps them (:meth:`StateBytes.megatron`)."""
         p = job.parallel
         dp_cp = dims.dp * dims.cp
         shard = min(p.dp_shard_size or dp_cp, dp_cp)
-        return cls(sharded=megatron_sharded(distributed_optimizer=p.distributed_optimizer, fsdp=p.fsdp),
-                   state=StateBytes.megatron(job, torch_fsdp=torch_fsdp, apex_adam=apex_adam), group=shard,
-                   expert_group=dims.expert_dp, replicas=max(dp_cp // shard, 1))
+        sharded = megatron_sharded(distributed_optimizer=p.distributed_optimizer, fsdp=p.fsdp)
+        return cls(sharded=sharded, state=StateBytes.megatron(job, torch_fsdp=torch_fsdp, apex_adam=apex_adam),
+                   group=shard, expert_group=dims.expert_dp, replicas=max(dp_cp // shard, 1),
+                   gathers_once=torch_fsdp and dims.pp > 1 and sharded >= Sharded.parameters)
 
     @classmethod
     def zero(cls, *, stage: int, dp: int, elem: float, offload_optimizer: bool = False,
@@ -246,14 +253,19 @@ class Sharding:
         experts = self._expert_ranks
         return (params - expert_params) / self.group + expert_params / experts
 
-    def gathered_bytes(self, layer_params: float, expert_params: float = 0.0) -> float:
+    def gathered_bytes(self, layer_params: float, expert_params: float = 0.0, *, layers: int = 1) -> float:
         """Bytes of whole layers a rank holds at once where weights are gathered per pass (zero elsewhere): the
         layer computing and the one prefetched, and one layer's gradients before their reduce-scatter, for
         ``layer_params`` parameters a layer on the rank (``expert_params`` of them routed experts', gathered only
-        where the expert-DP group shards them: over one rank they stay whole, counted with the weights)."""
+        where the expert-DP group shards them: over one rank they stay whole, counted with the weights); where
+        they are gathered once a step (:attr:`gathers_once`), all ``layers`` of the stage and their gradients."""
         if not self.gathers_per_pass:
             return 0.0
         gathered = layer_params - (expert_params if self._expert_ranks == 1 else 0.0)
+        if self.gathers_once:
+            # the stage's ``layers`` held whole, with their unsharded gradients accumulated in the reduction's dtype
+            # (FSDPParam.to_accumulated_grad_if_needed)
+            return layers * gathered * (self.state.weights + self.state.gradients)
         return 2 * gathered * self.state.weights + gathered * self.state.gradients
 
     @property
@@ -319,14 +331,15 @@ class Sharding:
         accumulation boundary and the gather after the step. Where gradients are reduced per micro-batch and
         weights gathered per pass, that happens in the passes (the layer cost's FSDP lane): here only HSDP's
         all-reduce of each shard across the replicas (also after the reduce-scatter of a sharded optimizer's
-        instances, Megatron-Core's ``num_distributed_optimizer_instances``)."""
+        instances, Megatron-Core's ``num_distributed_optimizer_instances``). Where weights are gathered once a step
+        (:attr:`gathers_once`) the gradients are reduce-scattered here, once."""
         experts = self._expert_ranks
         across_s = 0.0
         if self.replicas > 1:
             across = max(1, per_node // self.group)  # the shard groups are consecutive ranks
             across_s = costs.seconds(Collective.all_reduce, dense_params * grad_bytes / self.group, self.replicas,
                                      across)
-        if self.reduces_per_microbatch:
+        if self.reduces_per_microbatch and not self.gathers_once:
             return across_s + (costs.seconds(Collective.all_reduce, expert_params * grad_bytes / experts,
                                              self.replicas, max(1, per_node // self.group))
                                if self.replicas > 1 else 0.0), 0.0

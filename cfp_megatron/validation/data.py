@@ -100,6 +100,15 @@ class Framework:
     weight_grad_accumulation: WeightGradAccumulation = WeightGradAccumulation.fused
     """How its micro-batches' weight gradients are added to the step's
     (:attr:`~cfp_megatron.sim.options.SimOptions.weight_grad_accumulation`)."""
+    rank_batch_micro: bool = False
+    """A blank ``micro_batch`` of its rows, with no ``grad_accum`` and no pipeline, is the rank's whole batch
+    (``global_batch_seqs`` / DP): it accumulates no gradients unless told."""
+    torch_fused_adamw: bool = False
+    """Its optimizer steps as PyTorch's fused AdamW (:attr:`~cfp_megatron.sim.options.SimOptions.
+    torch_fused_adamw`)."""
+    moe_layer_syncs: int | None = None
+    """Device-to-host synchronisations of its dropless MoE layers' forward (:attr:`~cfp_megatron.sim.options.
+    SimOptions.moe_layer_syncs`; ``None``: Megatron-Core's)."""
     apex_adam: tuple[tuple[str, ApexAdamStates], ...] = ()
     """(pattern on ``model``, how its states are kept) where its distributed optimizer is Apex's
     DistributedFusedAdam (:attr:`~cfp_megatron.sim.options.SimOptions.apex_adam`); the first match applies, empty:
@@ -253,7 +262,8 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
                        "column is read as")
         runs = entry.get("runs", dict)
         optional = {"mtp_layers", "pipeline_scatter_gather", "fp8_param_gather", "te_cross_entropy", "torch_fsdp",
-                    "apex_distributed_adam", "overlap_param_gather", "weight_grad_accumulation"}
+                    "apex_distributed_adam", "overlap_param_gather", "weight_grad_accumulation", "torch_fused_adamw",
+                    "moe_layer_syncs", "rank_batch_micro"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -277,6 +287,9 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
         if accumulation not in {how.value for how in WeightGradAccumulation}:
             entry.fail(f"has weight_grad_accumulation={accumulation!r}; one of "
                        f"{[how.value for how in WeightGradAccumulation]}")
+        syncs = runs.get("moe_layer_syncs")
+        if syncs is not None and (not isinstance(syncs, int) or isinstance(syncs, bool) or syncs < 0):
+            entry.fail(f"has moe_layer_syncs={syncs!r}; it counts a MoE layer's synchronisations (0 or more)")
         contains = match.get("contains", [])
         frameworks.append(Framework(
             name=raw["name"], source=raw["source"], blank=dict(blank), attention=attention,
@@ -290,6 +303,8 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             torch_fsdp=bool(runs.get("torch_fsdp", False)),
             overlap_param_gather=bool(runs.get("overlap_param_gather", False)),
             weight_grad_accumulation=WeightGradAccumulation(accumulation),
+            torch_fused_adamw=bool(runs.get("torch_fused_adamw", False)), moe_layer_syncs=syncs,
+            rank_batch_micro=bool(runs.get("rank_batch_micro", False)),
             apex_adam=tuple((str(pattern), ApexAdamStates(state)) for pattern, state in apex.items())))
     if frameworks[-1].match != FrameworkMatch():
         raise ValidationDataError(f"{path}: the last entry ({frameworks[-1].name!r}) has conditions, so a row of "

@@ -20,22 +20,50 @@ BUCKET_PARAMS = 40_000_000
 """Megatron DDP's default gradient bucket size in parameters."""
 
 
-def fsdp_comm(job: JobSpec, layout: Layout, costs: CollectiveCosts, *, params: float, elem_bytes: float,
-              forward_window_s: float, backward_window_s: float, expert_params: float = 0.0) -> tuple[float, float]:
-    """(forward, backward) seconds of Megatron-FSDP's communication one layer of ``params`` parameters (on one rank;
-    ``expert_params`` of them routed experts') leaves exposed: under ``optim_grads_params`` its weights gathered
-    before the forward and the backward (the next layer's prefetched), under ``optim_grads`` and
+def fsdp_sync(job: JobSpec, layout: Layout, costs: CollectiveCosts, *, params: float, elem_bytes: float,
+              expert_params: float = 0.0, torch_fsdp: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of FSDP's collectives around one layer of ``params`` parameters on one rank
+    (``expert_params`` of them routed experts') in one micro-batch's passes: under ``optim_grads_params`` its
+    weights gathered before the forward and again before the backward, under ``optim_grads`` and
     ``optim_grads_params`` its gradients scattered after the backward, the dense ones over the shard group and the
-    experts' over the expert-DP group (:meth:`~cfp_megatron.sim.sharding.Sharding.pass_sync_s`), beside
-    ``forward_window_s`` / ``backward_window_s`` of the layer's computation (which still takes the SM share it runs
-    on, :func:`~cfp_megatron.sim.terms.overlap.overlapped`); zero without data parallelism."""
+    experts' over the expert-DP group (:meth:`~cfp_megatron.sim.sharding.Sharding.pass_sync_s`); PyTorch's FSDP2
+    under a pipeline (``torch_fsdp``, :attr:`~cfp_megatron.sim.sharding.Sharding.gathers_once`) gathers once a step,
+    a micro-batch's share in each forward, and scatters after the passes (:func:`step_sync`). Zero without data
+    parallelism. What the passes leave exposed of them: :func:`fsdp_exposed`."""
     dims = layout.dims
     if dims.dp * dims.cp <= 1:
         return 0.0, 0.0
-    gather_s, scatter_s = Sharding.megatron(job, dims).pass_sync_s(
+    sharding = Sharding.megatron(job, dims, torch_fsdp=torch_fsdp)
+    gather_s, scatter_s = sharding.pass_sync_s(
         costs, params, weight_bytes=param_gather_element_bytes(job, elem_bytes), per_node=layout.dp_per_node,
         expert_params=expert_params, expert_per_node=layout.edp_per_node)
-    return sum(overlapped(gather_s, forward_window_s)), sum(overlapped(gather_s + scatter_s, backward_window_s))
+    if sharding.gathers_once:
+        return gather_s / dims.num_microbatches, 0.0
+    return gather_s, gather_s + scatter_s
+
+
+def fsdp_beside_experts(job: JobSpec, layout: Layout) -> bool:
+    """Whether FSDP's collectives and the expert all-to-all run on different links, one inside the NVLink domain
+    and the other across domains (EP inside a node, the expert-DP group one rank per node; or the other way round):
+    then the prefetched gather and the scatter, on their own streams, also go on while the pass waits for the
+    exchange. On the same link they share its bandwidth and hide nothing behind each other."""
+    dims = layout.dims
+    if dims.ep <= 1:
+        return False
+    sharding = Sharding.megatron(job, dims)
+    experts = sharding.expert_group or sharding.group
+    fsdp_crosses = (min(layout.dp_per_node, sharding.group) < sharding.group
+                    or (experts > 1 and layout.edp_per_node < experts))
+    return fsdp_crosses != (layout.ep_per_node < dims.ep)
+
+
+def fsdp_exposed(comm_s: float, window_s: float, *, beside_s: float = 0.0) -> float:
+    """Seconds of ``comm_s`` of FSDP communication a pass leaves on its critical path beside ``window_s`` of the
+    layer's computation (which still loses the SM share it runs on, :func:`~cfp_megatron.sim.terms.overlap.
+    overlapped`) and ``beside_s`` of exposed exchange on another link (:func:`fsdp_beside_experts`), which hides the
+    rest without slowing anything."""
+    exposed, slowdown = overlapped(comm_s, window_s)
+    return max(exposed - beside_s, 0.0) + slowdown
 
 
 def tied_embedding_sync(job: JobSpec, layout: Layout, costs: CollectiveCosts, vocab_params: float, rank: int) -> float:
@@ -73,8 +101,9 @@ def step_sync(inputs: StepInputs) -> dict[str, list[float]]:
     job, layout, options, costs, overheads = (inputs.job, inputs.layout, inputs.options, inputs.collectives,
                                               inputs.overheads)
     dims, model = layout.dims, job.model
-    sharding = Sharding.megatron(job, dims)
+    sharding = Sharding.megatron(job, dims, torch_fsdp=options.torch_fsdp)
     overlap = job.parallel.overlap_grad_reduce if options.overlap_grad_reduce is None else options.overlap_grad_reduce
+    overlap = overlap and not sharding.gathers_once  # FSDP2 under a pipeline reduces after the last backward
     lanes: dict[str, list[float]] = {"dp_comm_s": [], "embedding_sync_s": [], "token_sync_s": []}
     grad_bytes = grad_element_bytes(job)
     gather_bytes = param_gather_element_bytes(job, inputs.kernels.elem)  # FP8 under parallel.fp8_param_gather
@@ -160,7 +189,8 @@ class DataParallel(CostTerm):
         states = sharding.memory(params, stage.expert_params)
         gathered = 0.0
         if stage.layers and stage.measured is None:
-            gathered = sharding.gathered_bytes(stage.layer_params / stage.layers, stage.expert_params / stage.layers)
+            gathered = sharding.gathered_bytes(stage.layer_params / stage.layers, stage.expert_params / stage.layers,
+                                               layers=stage.layers)
         return {"weights": states.weights - _not_te_weight_excess(stage, params), "gradients": states.gradients,
                 "optimizer_states": states.optimizer_states, "fsdp_buffers": gathered}
 

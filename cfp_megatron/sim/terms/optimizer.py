@@ -10,6 +10,12 @@ from cfp_megatron.sim.format_costs import step_weight_cast_bytes
 from cfp_megatron.sim.sharding import Sharded, Sharding
 from cfp_megatron.sim.terms.base import CostTerm, Lane, LaneKind, Placement, StepInputs
 
+TORCH_FUSED_ADAMW_BYTES = 40.0
+"""HBM bytes per parameter of PyTorch's fused AdamW step over fp32 shards with its gradient clipping, counted from
+what runs (torch/optim/adamw.py ``fused=True``, ``_fused_adamw_``; torch/nn/utils/clip_grad.py): the kernel reads
+the parameter, its gradient and both moments and writes the parameter and both moments (7 x 4 bytes);
+``get_total_norm`` reads the gradients (4) and ``clip_grads_with_norm_`` scales them in place (4 + 4)."""
+
 
 def grad_norm_extra(costs: CollectiveCosts, tp: int, pp: int, world: int | None = None) -> float:
     """Seconds the grad-norm all-reduce takes beyond the one over ``tp`` ranks that the measured optimizer step had:
@@ -25,7 +31,8 @@ def grad_norm_extra(costs: CollectiveCosts, tp: int, pp: int, world: int | None 
 def optimizer_step(inputs: StepInputs) -> list[float]:
     """Seconds of the optimizer step per pipeline rank over the parameters whose step the rank runs: the overheads
     probes' fit (base + per parameter) with the gradient norm's wider all-reduce on a profiled cluster, else the
-    memory traffic of the fitted bytes per parameter and the gradient norm's all-reduce."""
+    memory traffic of the fitted bytes per parameter (PyTorch's fused AdamW's own under
+    ``SimOptions.torch_fused_adamw``) and the gradient norm's all-reduce."""
     job, dims, overheads = inputs.job, inputs.layout.dims, inputs.overheads
     sharding = Sharding.megatron(job, dims)
     out = []
@@ -35,7 +42,9 @@ def optimizer_step(inputs: StepInputs) -> list[float]:
             continue
         shard_params = sharding.optimizer_params(inputs.params[rank], inputs.expert_params[rank])
         if overheads is None:  # the HBM traffic, and the gradient norm's all-reduce over its whole group
-            out.append(inputs.kernels.memory(shard_params * inputs.efficiency.optimizer_bytes_per_param)
+            per_param = (TORCH_FUSED_ADAMW_BYTES if inputs.options.torch_fused_adamw
+                         else inputs.efficiency.optimizer_bytes_per_param)
+            out.append(inputs.kernels.memory(shard_params * per_param)
                        + grad_norm_extra(inputs.collectives, 1, dims.tp * dims.pp,
                                          dims.world_size if sharding.sharded is Sharded.optimizer else None))
             continue
