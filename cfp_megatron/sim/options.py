@@ -66,6 +66,14 @@ class SimOptions:
     """The distributed optimizer is Apex's ``DistributedFusedAdam`` keeping its states so (memory only;
     :meth:`~cfp_megatron.sim.sharding.StateBytes.megatron`). ``None``: Megatron-Core's distributed optimizer (fp32
     master weights and moments), as the runtime trains."""
+    deepspeed_engine: bool = False
+    """Data parallelism and the optimizer are DeepSpeed's engine's under its ``PipelineEngine`` (Megatron-DeepSpeed):
+    the gradients all-reduced in the weights' dtype (its ``communication_data_type``) after the last micro-batch;
+    with bf16 weights its ``BF16_Optimizer``, which adds each micro-batch's bf16 gradients into an fp32 buffer every
+    rank keeps whole and, under a sharded optimizer, still all-reduces them whole before each rank steps its share
+    (:meth:`~cfp_megatron.sim.sharding.StateBytes.deepspeed`, :func:`~cfp_megatron.sim.terms.data_parallel.
+    grad_accumulation_s`; docs/validation.md, "Megatron-DeepSpeed"). ``False``: Megatron-Core's DDP and distributed
+    optimizer, as the runtime trains."""
     max_schedule_ops: int = 200_000
     """Largest pipeline schedule (ranks x micro-batches x chunks x 2) simulated event by event; larger ones use
     two shorter schedules extrapolated (:func:`cfp_megatron.sim.schedule.run_schedule`)."""

@@ -89,6 +89,8 @@ class TimeBreakdown:
     """The tied word embedding's gradient all-reduce between the first and the last pipeline stage."""
     token_sync_s: float = 0.0
     """The per-token loss's token count: broadcast over the pipeline group, all-reduced over DP x CP."""
+    grad_accum_s: float = 0.0
+    """DeepSpeed's ``BF16_Optimizer`` adding every micro-batch's gradients into its fp32 buffer."""
     extra: tuple[tuple[str, float], ...] = ()
     """Lanes of cost terms registered beyond these fields (name, seconds)."""
 

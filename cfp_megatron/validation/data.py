@@ -27,7 +27,7 @@ SCHEDULES_FILE = DATA_DIR / "schedules.yaml"
 PRECISIONS_FILE = DATA_DIR / "precisions.yaml"
 VERSION = 1
 """The format version every data file states (``version:``); a file of another version is refused."""
-BLANK_COLUMNS = {"sequence_parallel", "zero_or_fsdp"}
+BLANK_COLUMNS = {"sequence_parallel", "zero_or_fsdp", "recompute"}
 """Columns a framework entry may give a blank reading for (``blank:``)."""
 FAMILY_COLUMNS = {"vocab": "vocab_size", "kv_heads": "num_query_groups"}
 """Columns a model family may fill where blank (``blank:``), and the model field each sets."""
@@ -98,6 +98,12 @@ class Framework:
     """(pattern on ``model``, how its states are kept) where its distributed optimizer is Apex's
     DistributedFusedAdam (:attr:`~cfp_megatron.sim.options.SimOptions.apex_adam`); the first match applies, empty:
     Megatron-Core's."""
+    tie_embeddings: bool = False
+    """Its models share the word embedding with the output layer (``model.tie_embeddings``), whose gradient is
+    all-reduced between the first and the last pipeline stage."""
+    deepspeed_engine: bool = False
+    """Its data parallelism and optimizer are DeepSpeed's engine's (:attr:`~cfp_megatron.sim.options.SimOptions.
+    deepspeed_engine`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,7 +250,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
                        "column is read as")
         runs = entry.get("runs", dict)
         optional = {"mtp_layers", "pipeline_scatter_gather", "fp8_param_gather", "te_cross_entropy", "torch_fsdp",
-                    "apex_distributed_adam"}
+                    "apex_distributed_adam", "tie_embeddings", "deepspeed_engine"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -274,7 +280,8 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             grad_reduce_in_fp32=bool(runs["grad_reduce_in_fp32"]), mtp_layers=tuple(mtp.items()),
             pipeline_scatter_gather=bool(runs.get("pipeline_scatter_gather", False)),
             fp8_param_gather=tuple(fp8_params), te_cross_entropy=bool(runs.get("te_cross_entropy", False)),
-            torch_fsdp=bool(runs.get("torch_fsdp", False)),
+            torch_fsdp=bool(runs.get("torch_fsdp", False)), tie_embeddings=bool(runs.get("tie_embeddings", False)),
+            deepspeed_engine=bool(runs.get("deepspeed_engine", False)),
             apex_adam=tuple((str(pattern), ApexAdamStates(state)) for pattern, state in apex.items())))
     if frameworks[-1].match != FrameworkMatch():
         raise ValidationDataError(f"{path}: the last entry ({frameworks[-1].name!r}) has conditions, so a row of "
