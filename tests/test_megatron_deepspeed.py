@@ -52,7 +52,10 @@ def test_the_row_runs_what_the_pipeline_engine_executes() -> None:
     assert options.attention is AttentionKernel.fused_softmax
     assert plan.job.model.tie_embeddings
     assert not parallel.overlap_grad_reduce and not parallel.tp_comm_overlap
-    assert parallel.distributed_optimizer and parallel.grad_reduce_in_fp32  # blank: BF16_Optimizer's ZeRO-1
+    assert parallel.grad_reduce_in_fp32  # BF16_Optimizer's fp32 buffer
+    assert not parallel.distributed_optimizer  # blank: ZeRO stage 0, as the bigscience scripts configure it...
+    bf16 = Sharding.megatron(plan.job, build_layout(plan.job).dims, deepspeed_engine=True)
+    assert bf16.sharded is Sharded.optimizer  # ...where BF16_Optimizer shards its fp32 states all the same
     assert parallel.recompute is Recompute.full  # blank: the bigscience scripts' --checkpoint-activations
     assert " ds" in plan.layout
     stated = row_plan(_row(recompute="selective", zero_or_fsdp="none", precision="fp16"), data=DATA).job.parallel
@@ -87,26 +90,31 @@ def _priced(plan, monkeypatch):
     return pred, sharding, params, grad_bytes, weight_bytes, sync_s + gather_s
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_the_dp_reduction_is_exposed_after_the_passes_in_the_weights_dtype(precision: str, monkeypatch) -> None:
-    plan = row_plan(_row(precision=precision), data=DATA)
+@pytest.mark.parametrize(("precision", "zero", "reduce", "gathers"), [
+    ("bf16", "", Collective.all_reduce, True),  # BF16_Optimizer: its whole buffer, then the weights gathered
+    ("bf16", "ZeRO-1", Collective.all_reduce, True),
+    ("fp16", "", Collective.all_reduce, False),  # FP16_Optimizer: every rank steps every weight
+    ("fp16", "ZeRO-1", Collective.reduce_scatter, True)])  # the ZeRO-1 optimizer: to the partitions' owners
+def test_the_dp_reduction_is_exposed_after_the_passes_in_the_weights_dtype(precision: str, zero: str, reduce,
+                                                                            gathers: bool, monkeypatch) -> None:
+    plan = row_plan(_row(precision=precision, zero_or_fsdp=zero), data=DATA)
     pred, sharding, params, grad_bytes, weight_bytes, priced = _priced(plan, monkeypatch)
-    # bf16: BF16_Optimizer all-reduces its whole buffer; fp16: the ZeRO-1 optimizer reduce-scatters; both in 2 bytes,
-    # then all-gather the 2-byte weights; none of it hidden by the backward passes, though they are longer.
-    assert sharding.reduce_op is (Collective.all_reduce if precision == "bf16" else Collective.reduce_scatter)
-    assert sharding.gathers_after_step and (grad_bytes, weight_bytes) == (2.0, 2.0)
+    # In 2 bytes, the engine's communication dtype, and none of it hidden by the backward passes, though longer.
+    assert sharding.reduce_op is reduce and sharding.gathers_after_step is gathers
+    assert (grad_bytes, weight_bytes) == (2.0, 2.0)
     layout = build_layout(plan.job)
     costs = collective_costs(plan.job.cluster, None)
-    assert priced == pytest.approx(costs.seconds(sharding.reduce_op, params * 2.0, layout.dims.dp, layout.dp_per_node)
-                                   + costs.seconds(Collective.all_gather, params * 2.0, layout.dims.dp,
-                                                   layout.dp_per_node), rel=1e-9)
+    dp, per_node = layout.dims.dp, layout.dp_per_node
+    assert priced == pytest.approx(costs.seconds(reduce, params * 2.0, dp, per_node) + (
+        costs.seconds(Collective.all_gather, params * 2.0, dp, per_node) if gathers else 0.0), rel=1e-9)
     assert pred.time.backward_compute_s > priced
     assert pred.time.dp_comm_s == pytest.approx(priced, rel=1e-9)
     overlapped = simulate(plan.job, options=SimOptions(deepspeed_engine=True, overlap_grad_reduce=True))
     assert overlapped.time.dp_comm_s < priced  # what overlapping it with the backward would have hidden
     _, megatron, _, megatron_bytes, _, _ = _priced(dataclasses.replace(plan, options=SimOptions()), monkeypatch)
-    if precision == "bf16":  # Megatron-Core's distributed optimizer: an fp32 reduce-scatter of its buffer
-        assert megatron.reduce_op is Collective.reduce_scatter and megatron_bytes == 4.0
+    if precision == "bf16":  # Megatron-Core: its fp32 buffer (a reduce-scatter under its distributed optimizer)
+        assert megatron_bytes == 4.0
+        assert megatron.reduce_op is (Collective.reduce_scatter if zero else Collective.all_reduce)
 
 
 def test_bf16_optimizer_accumulates_every_micro_batch_into_fp32(monkeypatch) -> None:

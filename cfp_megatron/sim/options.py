@@ -70,7 +70,7 @@ class SimOptions:
     """Data parallelism and the optimizer are DeepSpeed's engine's under its ``PipelineEngine`` (Megatron-DeepSpeed):
     the gradients all-reduced in the weights' dtype (its ``communication_data_type``) after the last micro-batch;
     with bf16 weights its ``BF16_Optimizer``, which adds each micro-batch's bf16 gradients into an fp32 buffer every
-    rank keeps whole and, under a sharded optimizer, still all-reduces them whole before each rank steps its share
+    rank keeps whole, all-reduces them whole and each rank steps its share of the fp32 states (at ZeRO stage 0 too)
     (:meth:`~cfp_megatron.sim.sharding.StateBytes.deepspeed`, :func:`~cfp_megatron.sim.terms.data_parallel.
     grad_accumulation_s`; docs/validation.md, "Megatron-DeepSpeed"). ``False``: Megatron-Core's DDP and distributed
     optimizer, as the runtime trains."""

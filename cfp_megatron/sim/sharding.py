@@ -209,13 +209,14 @@ class Sharding:
         replicated across the rest (HSDP); the routed experts' over the expert-DP group. ``torch_fsdp``: the
         weights sharded as PyTorch's FSDP shards them (:attr:`StateBytes.master_is_shard`); ``apex_adam``: the
         optimizer's states as Apex keeps them (:meth:`StateBytes.megatron`). ``deepspeed_engine``: DeepSpeed's engine
-        keeps and reduces them instead (:attr:`~cfp_megatron.sim.options.SimOptions.deepspeed_engine`; its ZeRO-1 where
-        the distributed optimizer is on, ``BF16_Optimizer`` with bf16 weights: :meth:`StateBytes.deepspeed`)."""
+        keeps and reduces them instead (:attr:`~cfp_megatron.sim.options.SimOptions.deepspeed_engine`): with bf16
+        weights its ``BF16_Optimizer``, which shards its fp32 states at ZeRO stage 0 too; otherwise its ZeRO-1 where
+        the distributed optimizer is on (:meth:`StateBytes.deepspeed`)."""
         p = job.parallel
         dp_cp = dims.dp * dims.cp
         if deepspeed_engine and p.fsdp is FsdpStrategy.none:
             bf16 = job.train.precision is Precision.bf16
-            sharded = Sharded.optimizer if p.distributed_optimizer else Sharded.nothing
+            sharded = Sharded.optimizer if bf16 or p.distributed_optimizer else Sharded.nothing
             return cls(sharded=sharded, state=StateBytes.deepspeed(elem=float(element_bytes(job)), stage=sharded,
                                                                    optimizer=job.train.optimizer, bf16_optimizer=bf16),
                        group=dp_cp, expert_group=dims.expert_dp, reduce_whole=bf16)

@@ -26,7 +26,7 @@ def optimizer_step(inputs: StepInputs) -> list[float]:
     probes' fit (base + per parameter) with the gradient norm's wider all-reduce on a profiled cluster, else the
     memory traffic of the fitted bytes per parameter and the gradient norm's all-reduce."""
     job, dims, overheads = inputs.job, inputs.layout.dims, inputs.overheads
-    sharding = Sharding.megatron(job, dims)
+    sharding = Sharding.megatron(job, dims, deepspeed_engine=inputs.options.deepspeed_engine)
     out = []
     for rank in range(dims.pp):
         if inputs.options.measured_layer_only:
