@@ -163,7 +163,7 @@ class DataParallel(CostTerm):
                   placement=Placement.after, key="token_sync", trace="token sync",
                   style=("token-count broadcast and all-reduce", "#A89B6A", "yellow")),
              Lane(name="grad_accum_s", label="fp32 gradient accumulation (DeepSpeed BF16_Optimizer)",
-                  part="DP sync", kind=LaneKind.compute, placement=Placement.after, key="grad_accum",
+                  part="fp32 gradient accumulation", kind=LaneKind.compute, placement=Placement.after, key="grad_accum",
                   trace="compute", style=("BF16_Optimizer gradient accumulation", "#B0A36B", "olive")))
     stores = (MemoryCategory(name="weights", label="weights", field="parameters"),
               MemoryCategory(name="gradients", label="gradients", field="gradients"),
