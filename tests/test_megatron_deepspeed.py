@@ -148,3 +148,19 @@ def test_the_tied_embedding_is_all_reduced_between_the_end_stages(precision: str
     assert pred.time.embedding_sync_s == pytest.approx(costs.seconds(
         Collective.all_reduce, vocab_params * grad_bytes, 2, 1 if crosses else 2), rel=1e-6)
     assert crosses  # the two stages are on two nodes: over Omni-Path
+
+
+@pytest.mark.parametrize("text, links, gbps", [
+    ("4x OPA 100Gb/s per node", 4, 100.0),  # the count is the node's links: no Omni-Path link runs at 25 Gb/s
+    ("Omni-Path 100 Gb/s x4", 4, 100.0),
+    ("4 Omni-Path 100Gb/s links per node", 4, 100.0),
+    ("Jean Zay: 4 Omni-Path 100 Gbit/s NICs per node", 4, 100.0),
+    ("Omni-Path 100Gb/s (4 per node)", 4, 100.0),
+    ("4 Omni-Path links, 400 Gb/s per node", 4, 100.0),  # the node's 400 over its 4 links
+    ("4 × 100 Gb/s Omni-Path", 4, 100.0),
+    ("8 x HDR 200 Gb/s, 1.6 Tb/s per node", 8, 200.0),
+    ("8 RoCE NICs, 3.2 Tbps per node", 8, 400.0),
+])
+def test_the_links_a_node_has_are_read_however_the_row_words_them(text: str, links: int, gbps: float) -> None:
+    cluster = row_plan(_row(interconnect=text), data=DATA).job.cluster
+    assert (cluster.nics_per_node, cluster.nic_gbps) == (links, gbps)
