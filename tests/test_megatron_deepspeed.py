@@ -19,7 +19,7 @@ from cfp_megatron.sim.sharding import Sharded, Sharding, StateBytes
 from cfp_megatron.sim.simulate import simulate
 from cfp_megatron.sim.terms.data_parallel import BF16_ACCUMULATE_BYTES
 from cfp_megatron.validate import row_plan
-from cfp_megatron.validation.data import load_data
+from cfp_megatron.validation.data import FRAMEWORKS_FILE, ValidationDataError, load_data, load_frameworks
 from cfp_megatron.validation.defaults import framework_of
 
 DATA = load_data()
@@ -34,7 +34,8 @@ def _row(**columns: str) -> dict:
 
 
 @pytest.mark.parametrize("framework", ["Megatron-DeepSpeed", "Megatron-DeepSpeed (2022)", "megatron deepspeed",
-                                       "bigscience Megatron-DeepSpeed (BLOOM)", "Meg-DS"])
+                                       "bigscience Megatron-DeepSpeed (BLOOM)", "Meg-DS", "DeepSpeed-Megatron",
+                                       "Megatron-LM + DeepSpeed", "Megatron-LM with DeepSpeed (ZeRO-1)", "MegDS"])
 def test_a_megatron_deepspeed_row_takes_its_own_entry(framework: str) -> None:
     assert framework_of({"framework": framework}, DATA).name == "Megatron-DeepSpeed"
 
@@ -43,6 +44,14 @@ def test_a_megatron_deepspeed_row_takes_its_own_entry(framework: str) -> None:
                                                   ("DeepSpeed", "any other framework")])
 def test_other_frameworks_keep_theirs(framework: str, entry: str) -> None:
     assert framework_of({"framework": framework}, DATA).name == entry
+
+
+def test_a_framework_pattern_that_does_not_compile_is_refused_by_entry(tmp_path) -> None:
+    text = FRAMEWORKS_FILE.read_text().replace("match: {pattern: 'megatron", "match: {pattern: '(megatron", 1)
+    (tmp_path / "frameworks.yaml").write_text(text)
+    refused = r"entry 1 \('Megatron-DeepSpeed'\) has match pattern=.*not a regular"
+    with pytest.raises(ValidationDataError, match=refused):
+        load_frameworks(tmp_path / "frameworks.yaml")
 
 
 def test_the_row_runs_what_the_pipeline_engine_executes() -> None:

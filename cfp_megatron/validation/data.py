@@ -47,6 +47,8 @@ class FrameworkMatch:
     """The column starts with this; empty: any."""
     before_year: int | None = None
     """The column names a year (``20xx``, the first one) before this; ``None``: any year or none."""
+    pattern: str = ""
+    """The column matches this regular expression somewhere (case-insensitive); empty: any."""
 
     def matches(self, framework: str) -> bool:
         """Whether the ``framework`` column ``framework`` meets every condition."""
@@ -54,6 +56,8 @@ class FrameworkMatch:
         if self.contains and not any(part in text for part in self.contains):
             return False
         if self.starts_with and not text.startswith(self.starts_with):
+            return False
+        if self.pattern and not re.search(self.pattern, text, re.IGNORECASE):
             return False
         if self.before_year is not None:
             year = re.search(r"\b(20\d\d)\b", text)
@@ -239,11 +243,16 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
     for index, raw in enumerate(_entries(path, _read(path), "frameworks")):
         entry = _Entry(path, index, raw, {"match", "blank", "runs"})
         match = entry.get("match", dict)
-        if (set(match) - {"contains", "starts_with", "before_year"}
+        if (set(match) - {"contains", "starts_with", "before_year", "pattern"}
                 or not isinstance(match.get("contains", []), list) or not isinstance(match.get("starts_with", ""), str)
                 or not isinstance(match.get("before_year", 0), int)):
             entry.fail(f"has match={match!r}; it gives contains (a list of substrings), starts_with (a prefix), "
-                       "before_year (a year)")
+                       "before_year (a year), pattern (a regular expression)")
+        pattern = match.get("pattern", "")
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as err:
+            entry.fail(f"has match pattern={pattern!r}, not a regular expression ({err})")
         blank = entry.get("blank", dict, {})
         if set(blank) - BLANK_COLUMNS or not all(isinstance(v, str) for v in blank.values()):
             entry.fail(f"has blank={blank!r}; it maps {' or '.join(sorted(BLANK_COLUMNS))} to the text a blank "
@@ -275,7 +284,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             name=raw["name"], source=raw["source"], blank=dict(blank), attention=attention,
             match=FrameworkMatch(contains=tuple(str(c).lower() for c in contains),
                                  starts_with=str(match.get("starts_with", "")).lower(),
-                                 before_year=match.get("before_year")),
+                                 before_year=match.get("before_year"), pattern=pattern),
             overlap_grad_reduce=bool(runs["overlap_grad_reduce"]), tp_comm_overlap=bool(runs["tp_comm_overlap"]),
             grad_reduce_in_fp32=bool(runs["grad_reduce_in_fp32"]), mtp_layers=tuple(mtp.items()),
             pipeline_scatter_gather=bool(runs.get("pipeline_scatter_gather", False)),
