@@ -12,9 +12,10 @@ class (dense, MoE, CP, FSDP; GPU generation), and last ``MAPE <x>% over <n> rows
 What a blank or silent column means depends on what the row ran, and is data with its source, not code
 (:mod:`cfp_megatron.validation.data`, docs/validation.md):
 
-* ``cfp_megatron/validation/frameworks.yaml``, by the ``framework`` column (Megatron-LM before 2023,
-  Megatron-Bridge, NeMo, Megatron-Core, any other): what a blank ``sequence_parallel`` and ``zero_or_fsdp`` mean,
-  the attention kernel, gradient-reduce and TP-communication overlap, the gradients' precision, MTP layers.
+* ``cfp_megatron/validation/frameworks.yaml``, by the ``framework`` column (Megatron-DeepSpeed, Megatron-LM
+  before 2023, Megatron-Bridge, NeMo, Megatron-Core, any other): what a blank ``sequence_parallel``,
+  ``zero_or_fsdp`` and ``recompute`` mean, the attention kernel, gradient-reduce and TP-communication overlap, the
+  gradients' precision, MTP layers, tied embeddings, DeepSpeed's engine (``ds`` in the layout column).
 * ``cfp_megatron/validation/model_families.yaml``, by ``model`` / ``arch_source``: a blank ``vocab`` (51,200 for a
   model no family names) and ``kv_heads``, and what no column holds (Nemotron's dropout-free rotary layers, Qwen3's
   128-channel heads, MPT's ALiBi).
@@ -82,7 +83,7 @@ import sys
 from pathlib import Path
 
 from cfp_megatron.base.compose import CONF_DIR
-from cfp_megatron.base.config import JobSpec, job_from_config
+from cfp_megatron.base.config import JobSpec, Precision, job_from_config
 from cfp_megatron.base.errors import CfpError, ConfigError
 from cfp_megatron.base.files import FileWriteError, write_atomic
 from cfp_megatron.base.number_format import NumberFormat
@@ -242,7 +243,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         gbs = micro * dp
     schedule = schedule_reading(row, pp, count_cell(row, "vp"), data.schedules)
     vp = schedule.vp
-    recompute_raw = (row.get("recompute") or "").strip().lower()
+    recompute_raw = blank_reading(row, "recompute", framework).lower()
     recompute = "full" if recompute_raw.startswith("full") else "selective" if recompute_raw.startswith(
         "selective") else "none"
     numbers = precision_reading(row, cluster, data.precisions)
@@ -262,7 +263,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         "num_attention_heads": heads, "num_query_groups": count_cell(row, "kv_heads"),
         "vocab_size": count_cell(row, "vocab"),
         "make_vocab_size_divisible_by": 128 * tp, "max_position_embeddings": max(seq, 4096),
-        "activation": "swiglu" if swiglu else "gelu", "tie_embeddings": False,
+        "activation": "swiglu" if swiglu else "gelu", "tie_embeddings": framework.tie_embeddings,
         "position_embedding": "rope" if swiglu else "learned_absolute",
         "hidden_dropout": 0.0 if swiglu else 0.1, "attention_dropout": 0.0 if swiglu else 0.1,
     }
@@ -307,7 +308,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                      "cuda_graph_impl": recipe.cuda_graph_impl if recipe else "none",
                      "cuda_graph_scope": recipe.cuda_graph_scope if recipe else None,
                      "recompute_num_layers": 1, "cpu_offloading_num_layers": offloaded,
-                     "grad_reduce_in_fp32": framework.grad_reduce_in_fp32,
+                     "grad_reduce_in_fp32": framework.grad_reduce_in_fp32 and not (
+                         framework.deepspeed_engine and number_format.precision is Precision.fp16),
                      "fp8_param_gather": (dist_opt or fsdp) and number_format.name in framework.fp8_param_gather,
                      "account_for_embedding_in_pipeline_split": counted,
                      "account_for_loss_in_pipeline_split": counted, "pipeline_model_parallel_layout": stages},
@@ -332,6 +334,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     layout += f" offload={offloaded}L" if offloaded else ""
     layout += " fsdp" if fsdp else ""
     layout += " fp8-params" if job.parallel.fp8_param_gather else ""
+    layout += " ds" if framework.deepspeed_engine else ""
     readings = (fabric, schedule, numbers, power)
     layout += "".join(f" {reading.tag}" for reading in readings if reading.tag)
     options = SimOptions(measured_layer_only=layer_only, attention=framework.attention,
@@ -340,6 +343,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                          pipeline_scatter_gather=framework.pipeline_scatter_gather,
                          te_cross_entropy=framework.te_cross_entropy, torch_fsdp=framework.torch_fsdp and fsdp,
                          torch_fused_adamw=framework.torch_fused_adamw, moe_layer_syncs=framework.moe_layer_syncs,
+                         deepspeed_engine=framework.deepspeed_engine,
                          apex_adam=apex_adam_states(row, framework) if dist_opt and not fsdp else None)
     return RowPlan(row_id=rid, source=row.get("source", ""), source_detail=row.get("source_detail", ""),
                    model=row.get("model", ""), layout=layout, job=job, options=options, measured_s=measured,

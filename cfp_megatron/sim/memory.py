@@ -491,7 +491,8 @@ def layout_memory(job: JobSpec, layout: Layout, options: SimOptions) -> LayoutMe
     zero = (0.0, 0.0)
     return LayoutMemory(
         elem_bytes=float(element_bytes(job)),
-        sharding=Sharding.megatron(job, layout.dims, torch_fsdp=options.torch_fsdp, apex_adam=options.apex_adam),
+        sharding=Sharding.megatron(job, layout.dims, torch_fsdp=options.torch_fsdp, apex_adam=options.apex_adam,
+                                   deepspeed_engine=options.deepspeed_engine),
         dense=layer_activation_bytes(job, layout, options, moe=False),
         moe=layer_activation_bytes(job, layout, options, moe=True) if moe else zero,
         megatron=(layer_activation_bytes(megatron_twin(job), layout, options, moe=False)

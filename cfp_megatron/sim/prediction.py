@@ -91,6 +91,8 @@ class TimeBreakdown:
     """The per-token loss's token count: broadcast over the pipeline group, all-reduced over DP x CP."""
     weight_cast_s: float = 0.0
     """The linear layers' weights quantised once per step under FP8/FP4 (beyond what the fitted FP8 share holds)."""
+    grad_accum_s: float = 0.0
+    """DeepSpeed's ``BF16_Optimizer`` adding every micro-batch's gradients into its fp32 buffer."""
     extra: tuple[tuple[str, float], ...] = ()
     """Lanes of cost terms registered beyond these fields (name, seconds)."""
 

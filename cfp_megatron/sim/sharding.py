@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from cfp_megatron.base.config import FsdpStrategy, JobSpec, OptimizerKind
+from cfp_megatron.base.config import FsdpStrategy, JobSpec, OptimizerKind, Precision
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.cluster.costs import CollectiveCosts
@@ -91,6 +91,9 @@ class StateBytes:
     fp32 parameter itself, its master weights; the ``weights`` in compute precision exist only gathered, layer by
     layer (``MixedPrecision(param_dtype=...)`` casts at the all-gather). Megatron-FSDP keeps a compute-precision shard
     beside its fp32 master weights (``False``)."""
+    wire: float | None = None
+    """Bytes per gradient element the data-parallel reduction moves where they differ from :attr:`gradients`
+    (DeepSpeed's engine casts its gradients to its ``communication_data_type``); ``None``: :attr:`gradients`."""
 
     @classmethod
     def megatron(cls, job: JobSpec, *, torch_fsdp: bool = False,
@@ -111,18 +114,29 @@ class StateBytes:
                    master_weights=master, optimizer_states=states, master_is_shard=torch_fsdp and elem == 2)
 
     @classmethod
-    def deepspeed(cls, *, elem: float, stage: int,
-                  optimizer: OptimizerKind = OptimizerKind.adam) -> StateBytes:
+    def deepspeed(cls, *, elem: float, stage: int, optimizer: OptimizerKind = OptimizerKind.adam,
+                  bf16_optimizer: bool = False) -> StateBytes:
         """DeepSpeed's ZeRO engine at ``stage`` with ``elem``-byte weights: gradients reduced in the weights'
         dtype; an fp32 gradient partition and fp32 master weights where the weights are 16-bit, and at stages 1
         and 2 also for fp32 weights (they clone the partition); stage 3 with fp32 weights steps its fp32 partitions
         in place, sub-group by sub-group (``stage3.py``: "we don't need another copy of the weights"). Stage 2 is
         counted as reducing each bucket straight into the fp32 partition (its gradient partition in the weights'
-        dtype, ``elem`` bytes over the group, is not counted: docs/simulator.md, "Data-parallel sharding")."""
+        dtype, ``elem`` bytes over the group, is not counted: docs/simulator.md, "Data-parallel sharding").
+        ``bf16_optimizer``: its ``BF16_Optimizer`` (bf16 weights at stage 0 or 1, ``deepspeed/runtime/
+        bf16_optimizer.py``): each micro-batch's bf16 gradients and the fp32 buffer they are added into, both whole
+        on every rank (it shards only the fp32 master weights and Adam's states), the reduction in bf16."""
+        if bf16_optimizer:
+            return cls(weights=elem, gradients=elem + FP32_BYTES, main_gradients=0.0, master_weights=FP32_BYTES,
+                       optimizer_states=optimizer_state_bytes(optimizer), wire=elem)
         copies = elem != FP32_BYTES or stage in (Sharded.optimizer, Sharded.gradients)
         return cls(weights=elem, gradients=0.0 if stage == Sharded.gradients else elem,
                    main_gradients=FP32_BYTES if copies else 0.0, master_weights=FP32_BYTES if copies else 0.0,
-                   optimizer_states=optimizer_state_bytes(optimizer))
+                   optimizer_states=optimizer_state_bytes(optimizer), wire=elem)
+
+    @property
+    def reduced(self) -> float:
+        """Bytes per gradient element the data-parallel reduction moves (:attr:`wire`)."""
+        return self.gradients if self.wire is None else self.wire
 
     @property
     def optimizer_side(self) -> float:
@@ -175,6 +189,9 @@ class Sharding:
     (torchtitan's ``reshard_after_forward`` default is off with PP), its gradients reduce-scattered once after the
     last backward (``torch.distributed.pipelining``'s stage runs every backward with ``set_requires_gradient_sync
     (False)`` and ``set_reshard_after_backward(False)``, then ``perform_reduce_grad``)."""
+    reduce_whole: bool = False
+    """The gradients are all-reduced whole though the optimizer's states are sharded (DeepSpeed's ``BF16_Optimizer``
+    all-reduces its fp32 buffer, then each rank steps its share)."""
 
     def __post_init__(self) -> None:
         """Raises :class:`ConfigError` for a group below one rank or parameter offload of unsharded weights."""
@@ -190,16 +207,25 @@ class Sharding:
 
     @classmethod
     def megatron(cls, job: JobSpec, dims: ParallelDims, *, torch_fsdp: bool = False,
-                 apex_adam: ApexAdamStates | None = None) -> Sharding:
+                 apex_adam: ApexAdamStates | None = None, deepspeed_engine: bool = False) -> Sharding:
         """Megatron-Core's data parallelism for ``job`` laid out as ``dims``: Megatron-FSDP's strategy
         (``parallel.fsdp``), the distributed optimizer (``parallel.distributed_optimizer``: the optimizer's states)
         or DDP; the dense parameters' states over DP x CP, or over shard groups of ``parallel.dp_shard_size`` of them
         replicated across the rest (HSDP); the routed experts' over the expert-DP group. ``torch_fsdp``: the
         weights sharded as PyTorch's FSDP shards them (:attr:`StateBytes.master_is_shard`), gathered once a step
-        under a pipeline (:attr:`gathers_once`); ``apex_adam``: the
-        optimizer's states as Apex keeps them (:meth:`StateBytes.megatron`)."""
+        under a pipeline (:attr:`gathers_once`); ``apex_adam``: the optimizer's states as Apex keeps them
+        (:meth:`StateBytes.megatron`). ``deepspeed_engine``: DeepSpeed's engine keeps and reduces them instead
+        (:attr:`~cfp_megatron.sim.options.SimOptions.deepspeed_engine`): with bf16 weights its ``BF16_Optimizer``,
+        which shards its fp32 states at ZeRO stage 0 too; otherwise its ZeRO-1 where the distributed optimizer is on
+        (:meth:`StateBytes.deepspeed`)."""
         p = job.parallel
         dp_cp = dims.dp * dims.cp
+        if deepspeed_engine and p.fsdp is FsdpStrategy.none:
+            bf16 = job.train.precision is Precision.bf16
+            sharded = Sharded.optimizer if bf16 or p.distributed_optimizer else Sharded.nothing
+            return cls(sharded=sharded, state=StateBytes.deepspeed(elem=float(element_bytes(job)), stage=sharded,
+                                                                   optimizer=job.train.optimizer, bf16_optimizer=bf16),
+                       group=dp_cp, expert_group=dims.expert_dp, reduce_whole=bf16)
         shard = min(p.dp_shard_size or dp_cp, dp_cp)
         sharded = megatron_sharded(distributed_optimizer=p.distributed_optimizer, fsdp=p.fsdp)
         return cls(sharded=sharded, state=StateBytes.megatron(job, torch_fsdp=torch_fsdp, apex_adam=apex_adam),
@@ -277,7 +303,8 @@ class Sharding:
     def reduce_op(self) -> Collective:
         """How gradients are reduced: all-reduced where every rank keeps them all, else reduce-scattered to the
         shards' owners."""
-        return Collective.all_reduce if self.sharded is Sharded.nothing else Collective.reduce_scatter
+        return (Collective.all_reduce if self.sharded is Sharded.nothing or self.reduce_whole
+                else Collective.reduce_scatter)
 
     @property
     def reduces_per_microbatch(self) -> bool:

@@ -50,15 +50,28 @@ def _gbps(value: str, prefix: str, unit: str | None) -> float:
     return float(value) * (1000.0 if prefix.upper() == "T" else 1.0) * (8.0 if unit == "B" else 1.0)
 
 
+_NODE_WORDS = r"per\s+node|node[\s-]*(?:to[\s-]*)?node|/\s*node|aggregate|total|per\s+(?:server|host|system)"
+"""Words that make a rate the node's (``1600 Gbps ... node-node``, ``400 Gb/s per node``, ``aggregate``)."""
+
+
 def _links_and_rate(text: str, fabric: Fabric) -> tuple[int | None, float | None, float | None]:
-    """(links per node, Gb/s per link, Gb/s per node) that ``text`` states, each ``None`` where it does not. A bare
-    rate above any link of ``fabric`` (EFA's 100 Gb/s, InfiniBand's 800) is the node's; below, one link's."""
+    """(links per node, Gb/s per link, Gb/s per node) that ``text`` states, each ``None`` where it does not. A count
+    times a rate is links of that rate (``4 x 100 Gb/s``, ``100 Gb/s x4``); a count of links said apart from the rate
+    (``4x OPA 100Gb/s``, ``4 Omni-Path 100 Gb/s NICs per node``, ``100 Gb/s (4 per node)``) makes the rate one
+    link's, unless "per node" follows the rate itself and each link could carry its share (``4 OPA links, 400 Gb/s
+    per node``; ``4x OPA 100Gb/s per node`` is 4 links of 100: no Omni-Path link runs at 25). Without a count, a
+    rate said to be the node's is the node's; a bare rate above any link of ``fabric`` (EFA's 100 Gb/s, InfiniBand's
+    800) is the node's, below, one link's."""
     found = re.search(rf"(\d+)\s*[x×*]\s*{_RATE}", text)
     if found:
         return int(found.group(1)), _gbps(*found.group(2, 3, 4)), None
+    found = re.search(rf"{_RATE}\s*[x×*]\s*(\d+)\b", text)
+    if found:
+        return int(found.group(4)), _gbps(*found.group(1, 2, 3)), None
     count = (re.search(r"(\d+)\s*[x×]\s*(?=[A-Za-z])", text)
              or re.search(r"(\d+)\s+(?:[\w/-]+\s+){0,3}?(?:links?|nics?|hcas?|ports?|adapters?|rails?|cards?)\b",
-                          text, re.IGNORECASE))
+                          text, re.IGNORECASE)
+             or re.search(r"\b(\d+)\s*(?:per|/|each)\s*(?:node|server|host)\b", text, re.IGNORECASE))
     links = int(count.group(1)) if count else None
     rate = re.search(_RATE, text)
     if rate is None:
@@ -67,13 +80,18 @@ def _links_and_rate(text: str, fabric: Fabric) -> tuple[int | None, float | None
     after = text[rate.end():rate.end() + 40].lower()
     if re.match(r"\W*(per|a|each|/)\s*(gpu|accelerator)", after):
         return links, None, -gbps  # per GPU: the caller multiplies by the GPUs of a node
-    if re.search(r"per\s+node|node[\s-]*(to[\s-]*)?node|/\s*node|aggregate|total|per\s+(server|host|system)", text,
-                 re.IGNORECASE):
-        return links, None, gbps
-    if links or re.match(r"\W*(per|a|each)\s*(link|port|nic|hca|adapter|rail)", after):
-        return links, gbps, None
     rates = [*fabric.link_gbps.values(), *([fabric.default_link_gbps] if fabric.default_link_gbps else [])]
-    return (links, None, gbps) if gbps > max(rates, default=800.0) else (links, gbps, None)
+    node_said = re.match(rf"\W*(?:{_NODE_WORDS})", after) or re.search(
+        r"aggregate|total|node[\s-]*(?:to[\s-]*)?node", text, re.IGNORECASE)
+    if links:
+        if node_said and gbps / links >= min(rates, default=0.0):
+            return links, None, gbps
+        return links, gbps, None
+    if node_said or re.search(_NODE_WORDS, text, re.IGNORECASE):
+        return None, None, gbps
+    if re.match(r"\W*(per|a|each)\s*(link|port|nic|hca|adapter|rail)", after):
+        return None, gbps, None
+    return (None, None, gbps) if gbps > max(rates, default=800.0) else (None, gbps, None)
 
 
 def interconnect_reading(row: dict, cluster: dict[str, Any], fabrics: Fabrics | None = None) -> Reading:

@@ -27,7 +27,7 @@ SCHEDULES_FILE = DATA_DIR / "schedules.yaml"
 PRECISIONS_FILE = DATA_DIR / "precisions.yaml"
 VERSION = 1
 """The format version every data file states (``version:``); a file of another version is refused."""
-BLANK_COLUMNS = {"sequence_parallel", "zero_or_fsdp"}
+BLANK_COLUMNS = {"sequence_parallel", "zero_or_fsdp", "recompute"}
 """Columns a framework entry may give a blank reading for (``blank:``)."""
 FAMILY_COLUMNS = {"vocab": "vocab_size", "kv_heads": "num_query_groups"}
 """Columns a model family may fill where blank (``blank:``), and the model field each sets."""
@@ -47,6 +47,8 @@ class FrameworkMatch:
     """The column starts with this; empty: any."""
     before_year: int | None = None
     """The column names a year (``20xx``, the first one) before this; ``None``: any year or none."""
+    pattern: str = ""
+    """The column matches this regular expression somewhere (case-insensitive); empty: any."""
 
     def matches(self, framework: str) -> bool:
         """Whether the ``framework`` column ``framework`` meets every condition."""
@@ -54,6 +56,8 @@ class FrameworkMatch:
         if self.contains and not any(part in text for part in self.contains):
             return False
         if self.starts_with and not text.startswith(self.starts_with):
+            return False
+        if self.pattern and not re.search(self.pattern, text, re.IGNORECASE):
             return False
         if self.before_year is not None:
             year = re.search(r"\b(20\d\d)\b", text)
@@ -113,6 +117,12 @@ class Framework:
     """(pattern on ``model``, how its states are kept) where its distributed optimizer is Apex's
     DistributedFusedAdam (:attr:`~cfp_megatron.sim.options.SimOptions.apex_adam`); the first match applies, empty:
     Megatron-Core's."""
+    tie_embeddings: bool = False
+    """Its models share the word embedding with the output layer (``model.tie_embeddings``), whose gradient is
+    all-reduced between the first and the last pipeline stage."""
+    deepspeed_engine: bool = False
+    """Its data parallelism and optimizer are DeepSpeed's engine's (:attr:`~cfp_megatron.sim.options.SimOptions.
+    deepspeed_engine`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -251,11 +261,16 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
     for index, raw in enumerate(_entries(path, _read(path), "frameworks")):
         entry = _Entry(path, index, raw, {"match", "blank", "runs"})
         match = entry.get("match", dict)
-        if (set(match) - {"contains", "starts_with", "before_year"}
+        if (set(match) - {"contains", "starts_with", "before_year", "pattern"}
                 or not isinstance(match.get("contains", []), list) or not isinstance(match.get("starts_with", ""), str)
                 or not isinstance(match.get("before_year", 0), int)):
             entry.fail(f"has match={match!r}; it gives contains (a list of substrings), starts_with (a prefix), "
-                       "before_year (a year)")
+                       "before_year (a year), pattern (a regular expression)")
+        pattern = match.get("pattern", "")
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as err:
+            entry.fail(f"has match pattern={pattern!r}, not a regular expression ({err})")
         blank = entry.get("blank", dict, {})
         if set(blank) - BLANK_COLUMNS or not all(isinstance(v, str) for v in blank.values()):
             entry.fail(f"has blank={blank!r}; it maps {' or '.join(sorted(BLANK_COLUMNS))} to the text a blank "
@@ -263,7 +278,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
         runs = entry.get("runs", dict)
         optional = {"mtp_layers", "pipeline_scatter_gather", "fp8_param_gather", "te_cross_entropy", "torch_fsdp",
                     "apex_distributed_adam", "overlap_param_gather", "weight_grad_accumulation", "torch_fused_adamw",
-                    "moe_layer_syncs", "rank_batch_micro"}
+                    "moe_layer_syncs", "rank_batch_micro", "tie_embeddings", "deepspeed_engine"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -295,12 +310,13 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             name=raw["name"], source=raw["source"], blank=dict(blank), attention=attention,
             match=FrameworkMatch(contains=tuple(str(c).lower() for c in contains),
                                  starts_with=str(match.get("starts_with", "")).lower(),
-                                 before_year=match.get("before_year")),
+                                 before_year=match.get("before_year"), pattern=pattern),
             overlap_grad_reduce=bool(runs["overlap_grad_reduce"]), tp_comm_overlap=bool(runs["tp_comm_overlap"]),
             grad_reduce_in_fp32=bool(runs["grad_reduce_in_fp32"]), mtp_layers=tuple(mtp.items()),
             pipeline_scatter_gather=bool(runs.get("pipeline_scatter_gather", False)),
             fp8_param_gather=tuple(fp8_params), te_cross_entropy=bool(runs.get("te_cross_entropy", False)),
-            torch_fsdp=bool(runs.get("torch_fsdp", False)),
+            torch_fsdp=bool(runs.get("torch_fsdp", False)), tie_embeddings=bool(runs.get("tie_embeddings", False)),
+            deepspeed_engine=bool(runs.get("deepspeed_engine", False)),
             overlap_param_gather=bool(runs.get("overlap_param_gather", False)),
             weight_grad_accumulation=WeightGradAccumulation(accumulation),
             torch_fused_adamw=bool(runs.get("torch_fused_adamw", False)), moe_layer_syncs=syncs,

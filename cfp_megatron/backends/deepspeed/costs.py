@@ -229,7 +229,6 @@ def zero_step(plan: Plan, passes: ZeroPasses, costs: CollectiveCosts, cluster: C
     layers = passes.layers
     dp, per_node = world, dp_per_node
     bucket = float(plan.bucket_elements)
-    grad_bytes = elem  # DeepSpeed reduces gradients in their own dtype
 
     def calls(op: Collective, total_bytes: float, count: float) -> float:
         """``count`` equal calls of ``op`` moving ``total_bytes`` together."""
@@ -238,6 +237,7 @@ def zero_step(plan: Plan, passes: ZeroPasses, costs: CollectiveCosts, cluster: C
         return count * costs.seconds(op, total_bytes / count, dp, per_node)
 
     sharding = zero_sharding(plan)
+    grad_bytes = sharding.state.reduced  # DeepSpeed reduces gradients in their own dtype
     buckets = max(1.0, math.ceil(params / bucket))
     reduction = calls(sharding.reduce_op, params * grad_bytes, buckets)  # every gradient reduced once
     reduce_s = gather_s = offload_s = 0.0

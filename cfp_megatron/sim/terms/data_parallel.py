@@ -5,7 +5,7 @@ weights, gradients and optimizer states each rank keeps, all as the parameterise
 
 from __future__ import annotations
 
-from cfp_megatron.base.config import JobSpec, Normalization, PositionEmbedding
+from cfp_megatron.base.config import JobSpec, Normalization, PositionEmbedding, Precision
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
 from cfp_megatron.sim.format_costs import param_gather_element_bytes
@@ -18,6 +18,11 @@ from cfp_megatron.sim.terms.overlap import overlapped
 
 BUCKET_PARAMS = 40_000_000
 """Megatron DDP's default gradient bucket size in parameters."""
+
+BF16_ACCUMULATE_BYTES = 18.0
+"""HBM bytes per parameter DeepSpeed's ``BF16_Optimizer.update_hp_grads`` moves after every micro-batch's backward
+pass (``hp_grad.add_(lp.grad.to(hp_grad.dtype))``): the cast reads the bf16 gradient (2) and writes an fp32 copy (4),
+the add reads the copy and the fp32 buffer (4 + 4) and writes the buffer (4)."""
 
 
 def fsdp_sync(job: JobSpec, layout: Layout, costs: CollectiveCosts, *, params: float, elem_bytes: float,
@@ -101,11 +106,11 @@ def step_sync(inputs: StepInputs) -> dict[str, list[float]]:
     job, layout, options, costs, overheads = (inputs.job, inputs.layout, inputs.options, inputs.collectives,
                                               inputs.overheads)
     dims, model = layout.dims, job.model
-    sharding = Sharding.megatron(job, dims, torch_fsdp=options.torch_fsdp)
+    sharding = Sharding.megatron(job, dims, torch_fsdp=options.torch_fsdp, deepspeed_engine=options.deepspeed_engine)
     overlap = job.parallel.overlap_grad_reduce if options.overlap_grad_reduce is None else options.overlap_grad_reduce
     overlap = overlap and not sharding.gathers_once  # FSDP2 under a pipeline reduces after the last backward
     lanes: dict[str, list[float]] = {"dp_comm_s": [], "embedding_sync_s": [], "token_sync_s": []}
-    grad_bytes = grad_element_bytes(job)
+    grad_bytes = sharding.state.reduced  # Megatron's buffer (grad_reduce_in_fp32), DeepSpeed's communication dtype
     gather_bytes = param_gather_element_bytes(job, inputs.kernels.elem)  # FP8 under parallel.fp8_param_gather
     token_count_s = token_count_sync(costs, layout) if overheads is not None else 0.0  # the same on every rank
     # The gradient finalisation as the overheads probes timed it inside a step, over what the collective fits say
@@ -132,6 +137,20 @@ def step_sync(inputs: StepInputs) -> dict[str, list[float]]:
         lanes["embedding_sync_s"].append(tied_embedding_sync(job, layout, costs, vocab_params, rank) * finalize_share)
         lanes["token_sync_s"].append(token_count_s)
     return lanes
+
+
+def grad_accumulation_s(inputs: StepInputs) -> list[float]:
+    """Seconds per pipeline rank of DeepSpeed's ``BF16_Optimizer`` adding every micro-batch's bf16 gradients into its
+    fp32 buffer after the backward pass (``update_hp_grads``, :data:`BF16_ACCUMULATE_BYTES` a parameter at HBM speed,
+    on the compute stream: nothing hides it), where the run is DeepSpeed's engine with bf16 weights
+    (:attr:`~cfp_megatron.sim.options.SimOptions.deepspeed_engine`); zero elsewhere (Megatron-Core's gradient
+    accumulation fusion writes the GEMM's output into its fp32 buffer). Priced after the schedule, once per
+    micro-batch: the pipeline's ramp of ``pp - 1`` more backward passes on the slowest rank is not counted."""
+    job, dims = inputs.job, inputs.layout.dims
+    if (not inputs.options.deepspeed_engine or job.train.precision is not Precision.bf16
+            or inputs.options.measured_layer_only):
+        return [0.0] * dims.pp
+    return [dims.num_microbatches * inputs.kernels.memory(params * BF16_ACCUMULATE_BYTES) for params in inputs.params]
 
 
 def rank_params(stage: Stage) -> float:
@@ -171,15 +190,19 @@ class DataParallel(CostTerm):
                   style=("tied-embedding all-reduce (first and last stage)", "#E1A35B", "yellow")),
              Lane(name="token_sync_s", label="token-count syncs", part="token-count sync", kind=LaneKind.comm,
                   placement=Placement.after, key="token_sync", trace="token sync",
-                  style=("token-count broadcast and all-reduce", "#A89B6A", "yellow")))
+                  style=("token-count broadcast and all-reduce", "#A89B6A", "yellow")),
+             Lane(name="grad_accum_s", label="fp32 gradient accumulation (DeepSpeed BF16_Optimizer)",
+                  part="fp32 gradient accumulation", kind=LaneKind.compute, placement=Placement.after, key="grad_accum",
+                  trace="compute", style=("BF16_Optimizer gradient accumulation", "#B0A36B", "olive")))
     stores = (MemoryCategory(name="weights", label="weights", field="parameters"),
               MemoryCategory(name="gradients", label="gradients", field="gradients"),
               MemoryCategory(name="optimizer_states", label="optimizer states", field="optimizer_states"),
               MemoryCategory(name="fsdp_buffers", label="gathered FSDP layers", field="comm_buffers"))
 
     def after_s(self, inputs: StepInputs) -> dict[str, list[float]]:
-        """What the gradient finalisation leaves exposed per pipeline rank, by lane (:func:`step_sync`)."""
-        return step_sync(inputs)
+        """What the gradient finalisation leaves exposed per pipeline rank, by lane (:func:`step_sync`), and
+        DeepSpeed's fp32 gradient accumulation (:func:`grad_accumulation_s`)."""
+        return {**step_sync(inputs), "grad_accum_s": grad_accumulation_s(inputs)}
 
     def memory(self, stage: Stage) -> dict[str, float]:
         """The weights, gradients and optimizer states as the plan's sharding keeps them

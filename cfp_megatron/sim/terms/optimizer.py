@@ -34,7 +34,7 @@ def optimizer_step(inputs: StepInputs) -> list[float]:
     memory traffic of the fitted bytes per parameter (PyTorch's fused AdamW's own under
     ``SimOptions.torch_fused_adamw``) and the gradient norm's all-reduce."""
     job, dims, overheads = inputs.job, inputs.layout.dims, inputs.overheads
-    sharding = Sharding.megatron(job, dims)
+    sharding = Sharding.megatron(job, dims, deepspeed_engine=inputs.options.deepspeed_engine)
     out = []
     for rank in range(dims.pp):
         if inputs.options.measured_layer_only:
