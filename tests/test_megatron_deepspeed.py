@@ -40,7 +40,8 @@ def test_a_megatron_deepspeed_row_takes_its_own_entry(framework: str) -> None:
     assert framework_of({"framework": framework}, DATA).name == "Megatron-DeepSpeed"
 
 
-@pytest.mark.parametrize(("framework", "entry"), [("Megatron-LM (2021)", "Megatron-LM before 2023"),
+@pytest.mark.parametrize(("framework", "entry"), [("Megatron-LM (2022)", "Megatron-LM before 2023"),
+                                                  ("Megatron-LM (2021)", "Megatron-LM before 2022"),
                                                   ("DeepSpeed", "any other framework")])
 def test_other_frameworks_keep_theirs(framework: str, entry: str) -> None:
     assert framework_of({"framework": framework}, DATA).name == entry
