@@ -34,6 +34,14 @@ class WeightGradAccumulation(enum.Enum):
     autograd = "autograd"
     """The gradients accumulate in ``param.grad`` as autograd adds them (PyTorch DDP, or Megatron-LM's local DDP of
     2021 without contiguous buffers): from the second micro-batch on, an in-place add in the compute precision."""
+    bf16_optimizer = "bf16_optimizer"
+    """DeepSpeed's ``BF16_Optimizer`` (its engine with bf16 weights) casts and adds the bf16 gradients into an fp32
+    buffer once the micro-batch's whole backward is done (``update_hp_grads``), not inside each layer's."""
+
+    @property
+    def after_backward(self) -> bool:
+        """Whether the add runs once after the micro-batch's backward, not inside each layer's."""
+        return self is WeightGradAccumulation.bf16_optimizer
 
 
 class PipelineSchedule(enum.Enum):
