@@ -114,7 +114,8 @@ class SimOptions:
     :meth:`~cfp_megatron.sim.sharding.StateBytes.megatron`). ``None``: Megatron-Core's distributed optimizer (fp32
     master weights and moments), as the runtime trains."""
     weight_grad_accumulation: WeightGradAccumulation = WeightGradAccumulation.fused
-    """How each micro-batch's weight gradients join the step's (:class:`WeightGradAccumulation`)."""
+    """How each micro-batch's weight gradients join the step's (:class:`WeightGradAccumulation`); ``bf16_optimizer``
+    wherever ``deepspeed_engine`` runs bf16 weights (:func:`~cfp_megatron.sim.grad_accumulation.accumulation_mode`)."""
     pipeline_schedule: PipelineSchedule = PipelineSchedule.megatron
     """The pipeline schedule priced (:class:`PipelineSchedule`); those other than Megatron-Core's run one model chunk
     a rank."""
@@ -123,8 +124,8 @@ class SimOptions:
     the gradients all-reduced in the weights' dtype (its ``communication_data_type``) after the last micro-batch;
     with bf16 weights its ``BF16_Optimizer``, which adds each micro-batch's bf16 gradients into an fp32 buffer every
     rank keeps whole, all-reduces them whole and each rank steps its share of the fp32 states (at ZeRO stage 0 too)
-    (:meth:`~cfp_megatron.sim.sharding.StateBytes.deepspeed`, :func:`~cfp_megatron.sim.terms.data_parallel.
-    grad_accumulation_s`; docs/validation.md, "Megatron-DeepSpeed"). ``False``: Megatron-Core's DDP and distributed
+    (:meth:`~cfp_megatron.sim.sharding.StateBytes.deepspeed`, :attr:`WeightGradAccumulation.bf16_optimizer`;
+    docs/validation.md, "Megatron-DeepSpeed"). ``False``: Megatron-Core's DDP and distributed
     optimizer, as the runtime trains."""
     max_schedule_ops: int = 200_000
     """Largest pipeline schedule (ranks x micro-batches x chunks x 2) simulated event by event; larger ones use
