@@ -11,13 +11,13 @@ import pytest
 from cfp_megatron.base.config import AttentionKernel, Recompute
 from cfp_megatron.cluster.measured import Collective
 from cfp_megatron.sim.calibration import efficiency_for
+from cfp_megatron.sim.grad_accumulation import accumulation_bytes, accumulation_mode
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layout import build_layout
-from cfp_megatron.sim.options import SimOptions
+from cfp_megatron.sim.options import SimOptions, WeightGradAccumulation
 from cfp_megatron.sim.pass_costs import collective_costs
 from cfp_megatron.sim.sharding import Sharded, Sharding, StateBytes
 from cfp_megatron.sim.simulate import simulate
-from cfp_megatron.sim.terms.data_parallel import BF16_ACCUMULATE_BYTES
 from cfp_megatron.validate import row_plan
 from cfp_megatron.validation.data import FRAMEWORKS_FILE, ValidationDataError, load_data, load_frameworks
 from cfp_megatron.validation.defaults import framework_of
@@ -130,10 +130,11 @@ def test_the_dp_reduction_is_exposed_after_the_passes_in_the_weights_dtype(preci
 def test_bf16_optimizer_accumulates_every_micro_batch_into_fp32(monkeypatch) -> None:
     plan = row_plan(_row(), data=DATA)
     pred, _, params, *_ = _priced(plan, monkeypatch)
+    # update_hp_grads: the cast reads 2 and writes 4, the add reads 4 + 4 and writes 4 bytes a parameter
     kernels = KernelModel(plan.job.cluster, efficiency_for(plan.job.cluster), plan.job.train.precision)
     assert pred.time.grad_accum_s > 0
     assert pred.time.grad_accum_s == pytest.approx(
-        pred.num_microbatches * kernels.memory(params * BF16_ACCUMULATE_BYTES), rel=1e-9)
+        pred.num_microbatches * kernels.memory(params * 18.0), rel=1e-9)
     doubled = simulate(row_plan(_row(global_batch_seqs="128"), data=DATA).job, options=plan.options)
     assert doubled.time.grad_accum_s == pytest.approx(2 * pred.time.grad_accum_s, rel=1e-9)
     fp16 = row_plan(_row(precision="fp16"), data=DATA)
@@ -142,6 +143,28 @@ def test_bf16_optimizer_accumulates_every_micro_batch_into_fp32(monkeypatch) -> 
     megatron = simulate(plan.job, options=SimOptions())
     # bf16 gradients and the whole fp32 buffer (6 bytes), against Megatron-Core's fp32 buffer (4)
     assert pred.memory.gradients == pytest.approx(1.5 * megatron.memory.gradients, rel=1e-9)
+
+
+def test_bf16_optimizer_is_one_way_of_adding_weight_gradients_priced_once() -> None:
+    """DeepSpeed's accumulation is a mode of ``WeightGradAccumulation`` (docs/simulator.md, "Weight-gradient
+    accumulation"): stated or read from ``deepspeed_engine`` with bf16 it prices the same, after the backward and
+    not also inside each layer's."""
+    plan = row_plan(_row(), data=DATA)
+    assert accumulation_mode(plan.job, plan.options) is WeightGradAccumulation.bf16_optimizer
+    assert accumulation_mode(plan.job, SimOptions()) is WeightGradAccumulation.fused
+    fp16 = row_plan(_row(precision="fp16"), data=DATA)
+    assert accumulation_mode(fp16.job, fp16.options) is WeightGradAccumulation.fused  # FP16_Optimizer: none of it
+    stated = SimOptions(weight_grad_accumulation=WeightGradAccumulation.bf16_optimizer)
+    engine, alone = simulate(plan.job, options=plan.options), simulate(plan.job, options=stated)
+    assert alone.time.grad_accum_s == pytest.approx(engine.time.grad_accum_s, rel=1e-12)
+    plain = simulate(plan.job, options=SimOptions())
+    assert alone.time.backward_compute_s == pytest.approx(plain.time.backward_compute_s, rel=1e-12)
+    assert alone.step_time_s == pytest.approx(plain.step_time_s + alone.time.grad_accum_s, rel=1e-9)
+    hook = simulate(plan.job, options=SimOptions(weight_grad_accumulation=WeightGradAccumulation.main_grad_hook))
+    assert hook.time.grad_accum_s == 0.0 and hook.time.backward_compute_s > plain.time.backward_compute_s
+    # 18 bytes against the hook's 2 + 2 x 4, one function pricing both
+    assert accumulation_bytes(plan.job, WeightGradAccumulation.bf16_optimizer, elem=2, microbatches=4) == 18.0
+    assert accumulation_bytes(plan.job, WeightGradAccumulation.main_grad_hook, elem=2, microbatches=4) == 10.0
 
 
 @pytest.mark.parametrize(("precision", "grad_bytes"), [("bf16", 4.0), ("fp16", 2.0)])

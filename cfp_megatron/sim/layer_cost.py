@@ -12,9 +12,10 @@ from cfp_megatron.base.config import Activation, AttentionKernel, AttentionKind,
 from cfp_megatron.base.flops import attention_params, causal_score_share, mlp_params
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
+from cfp_megatron.sim.grad_accumulation import accumulation_bytes, accumulation_mode
 from cfp_megatron.sim.kernels import KernelModel, grad_element_bytes
 from cfp_megatron.sim.layout import Layout
-from cfp_megatron.sim.options import SimOptions, WeightGradAccumulation
+from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.primepar_cost import MlpCost, ffn_gemms, mlp_activation_elements, primepar_mlp_cost
 from cfp_megatron.sim.terms.context_parallel import chunk_slowdown, cp_cost
 from cfp_megatron.sim.terms.data_parallel import fsdp_beside_experts, fsdp_exposed, fsdp_sync
@@ -291,16 +292,14 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
 def grad_accumulation_s(job: JobSpec, layout: Layout, kernels: KernelModel, options: SimOptions,
                         params: float) -> float:
     """Seconds per micro-batch that adding the weight gradients of ``params`` weights (on one rank) to the step's
-    takes beyond their GEMMs, as ``options.weight_grad_accumulation`` says they are added: none fused; Megatron's
-    hook reads the gradient (compute precision) and the main gradient and writes the main gradient; autograd adds in
-    place in the compute precision (two reads, one write) from the second micro-batch on, averaged per micro-batch."""
-    how = options.weight_grad_accumulation
-    if how is WeightGradAccumulation.main_grad_hook:
-        return kernels.memory(params * (kernels.elem + 2 * grad_element_bytes(job)))
-    if how is WeightGradAccumulation.autograd:
-        microbatches = layout.dims.num_microbatches
-        return kernels.memory(params * 3 * kernels.elem) * (microbatches - 1) / microbatches
-    return 0.0
+    takes inside their backward, beyond their GEMMs (:func:`~cfp_megatron.sim.grad_accumulation.accumulation_bytes`
+    a weight at HBM speed); zero where the run adds them after the whole backward
+    (:attr:`~cfp_megatron.sim.options.WeightGradAccumulation.after_backward`: the data-parallel term's)."""
+    how = accumulation_mode(job, options)
+    if how.after_backward:
+        return 0.0
+    return kernels.memory(params * accumulation_bytes(job, how, elem=kernels.elem,
+                                                      microbatches=layout.dims.num_microbatches))
 
 
 CROSS_ENTROPY_FP32_FORWARD_BYTES = 32.0

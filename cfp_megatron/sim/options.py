@@ -34,6 +34,14 @@ class WeightGradAccumulation(enum.Enum):
     autograd = "autograd"
     """The gradients accumulate in ``param.grad`` as autograd adds them (PyTorch DDP, or Megatron-LM's local DDP of
     2021 without contiguous buffers): from the second micro-batch on, an in-place add in the compute precision."""
+    bf16_optimizer = "bf16_optimizer"
+    """DeepSpeed's ``BF16_Optimizer`` (its engine with bf16 weights) casts and adds the bf16 gradients into an fp32
+    buffer once the micro-batch's whole backward is done (``update_hp_grads``), not inside each layer's."""
+
+    @property
+    def after_backward(self) -> bool:
+        """Whether the add runs once after the micro-batch's backward, not inside each layer's."""
+        return self is WeightGradAccumulation.bf16_optimizer
 
 
 class PipelineSchedule(enum.Enum):
@@ -106,7 +114,8 @@ class SimOptions:
     :meth:`~cfp_megatron.sim.sharding.StateBytes.megatron`). ``None``: Megatron-Core's distributed optimizer (fp32
     master weights and moments), as the runtime trains."""
     weight_grad_accumulation: WeightGradAccumulation = WeightGradAccumulation.fused
-    """How each micro-batch's weight gradients join the step's (:class:`WeightGradAccumulation`)."""
+    """How each micro-batch's weight gradients join the step's (:class:`WeightGradAccumulation`); ``bf16_optimizer``
+    wherever ``deepspeed_engine`` runs bf16 weights (:func:`~cfp_megatron.sim.grad_accumulation.accumulation_mode`)."""
     pipeline_schedule: PipelineSchedule = PipelineSchedule.megatron
     """The pipeline schedule priced (:class:`PipelineSchedule`); those other than Megatron-Core's run one model chunk
     a rank."""
@@ -115,8 +124,8 @@ class SimOptions:
     the gradients all-reduced in the weights' dtype (its ``communication_data_type``) after the last micro-batch;
     with bf16 weights its ``BF16_Optimizer``, which adds each micro-batch's bf16 gradients into an fp32 buffer every
     rank keeps whole, all-reduces them whole and each rank steps its share of the fp32 states (at ZeRO stage 0 too)
-    (:meth:`~cfp_megatron.sim.sharding.StateBytes.deepspeed`, :func:`~cfp_megatron.sim.terms.data_parallel.
-    grad_accumulation_s`; docs/validation.md, "Megatron-DeepSpeed"). ``False``: Megatron-Core's DDP and distributed
+    (:meth:`~cfp_megatron.sim.sharding.StateBytes.deepspeed`, :attr:`WeightGradAccumulation.bf16_optimizer`;
+    docs/validation.md, "Megatron-DeepSpeed"). ``False``: Megatron-Core's DDP and distributed
     optimizer, as the runtime trains."""
     max_schedule_ops: int = 200_000
     """Largest pipeline schedule (ranks x micro-batches x chunks x 2) simulated event by event; larger ones use

@@ -5,10 +5,11 @@ weights, gradients and optimizer states each rank keeps, all as the parameterise
 
 from __future__ import annotations
 
-from cfp_megatron.base.config import JobSpec, Normalization, PositionEmbedding, Precision
+from cfp_megatron.base.config import JobSpec, Normalization, PositionEmbedding
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
 from cfp_megatron.sim.format_costs import param_gather_element_bytes
+from cfp_megatron.sim.grad_accumulation import accumulation_bytes, accumulation_mode
 from cfp_megatron.sim.kernels import grad_element_bytes
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.memory import Stage
@@ -18,12 +19,6 @@ from cfp_megatron.sim.terms.overlap import overlapped
 
 BUCKET_PARAMS = 40_000_000
 """Megatron DDP's default gradient bucket size in parameters."""
-
-BF16_ACCUMULATE_BYTES = 18.0
-"""HBM bytes per parameter DeepSpeed's ``BF16_Optimizer.update_hp_grads`` moves after every micro-batch's backward
-pass (``hp_grad.add_(lp.grad.to(hp_grad.dtype))``): the cast reads the bf16 gradient (2) and writes an fp32 copy (4),
-the add reads the copy and the fp32 buffer (4 + 4) and writes the buffer (4)."""
-
 
 def fsdp_sync(job: JobSpec, layout: Layout, costs: CollectiveCosts, *, params: float, elem_bytes: float,
               expert_params: float = 0.0, torch_fsdp: bool = False) -> tuple[float, float]:
@@ -140,17 +135,19 @@ def step_sync(inputs: StepInputs) -> dict[str, list[float]]:
 
 
 def grad_accumulation_s(inputs: StepInputs) -> list[float]:
-    """Seconds per pipeline rank of DeepSpeed's ``BF16_Optimizer`` adding every micro-batch's bf16 gradients into its
-    fp32 buffer after the backward pass (``update_hp_grads``, :data:`BF16_ACCUMULATE_BYTES` a parameter at HBM speed,
-    on the compute stream: nothing hides it), where the run is DeepSpeed's engine with bf16 weights
-    (:attr:`~cfp_megatron.sim.options.SimOptions.deepspeed_engine`); zero elsewhere (Megatron-Core's gradient
-    accumulation fusion writes the GEMM's output into its fp32 buffer). Priced after the schedule, once per
-    micro-batch: the pipeline's ramp of ``pp - 1`` more backward passes on the slowest rank is not counted."""
-    job, dims = inputs.job, inputs.layout.dims
-    if (not inputs.options.deepspeed_engine or job.train.precision is not Precision.bf16
-            or inputs.options.measured_layer_only):
+    """Seconds per pipeline rank of adding every micro-batch's weight gradients to the step's where the run adds them
+    once after the micro-batch's whole backward (:attr:`~cfp_megatron.sim.options.WeightGradAccumulation.
+    after_backward`: DeepSpeed's ``BF16_Optimizer.update_hp_grads``, on the compute stream: nothing hides it), the
+    rank's parameters at :func:`~cfp_megatron.sim.grad_accumulation.accumulation_bytes` each at HBM speed; zero
+    where they are added inside each layer's backward (:func:`~cfp_megatron.sim.layer_cost.grad_accumulation_s`).
+    Priced after the schedule, once per micro-batch: the pipeline's ramp of ``pp - 1`` more backward passes on the
+    slowest rank is not counted."""
+    job, dims, kernels = inputs.job, inputs.layout.dims, inputs.kernels
+    how = accumulation_mode(job, inputs.options)
+    if not how.after_backward or inputs.options.measured_layer_only:
         return [0.0] * dims.pp
-    return [dims.num_microbatches * inputs.kernels.memory(params * BF16_ACCUMULATE_BYTES) for params in inputs.params]
+    per_param = accumulation_bytes(job, how, elem=kernels.elem, microbatches=dims.num_microbatches)
+    return [dims.num_microbatches * kernels.memory(params * per_param) for params in inputs.params]
 
 
 def rank_params(stage: Stage) -> float:
@@ -191,17 +188,18 @@ class DataParallel(CostTerm):
              Lane(name="token_sync_s", label="token-count syncs", part="token-count sync", kind=LaneKind.comm,
                   placement=Placement.after, key="token_sync", trace="token sync",
                   style=("token-count broadcast and all-reduce", "#A89B6A", "yellow")),
-             Lane(name="grad_accum_s", label="fp32 gradient accumulation (DeepSpeed BF16_Optimizer)",
-                  part="fp32 gradient accumulation", kind=LaneKind.compute, placement=Placement.after, key="grad_accum",
-                  trace="compute", style=("BF16_Optimizer gradient accumulation", "#B0A36B", "olive")))
+             Lane(name="grad_accum_s", label="weight-gradient accumulation (after the backward)",
+                  part="weight-gradient accumulation", kind=LaneKind.compute, placement=Placement.after,
+                  key="grad_accum", trace="compute",
+                  style=("weight-gradient accumulation (BF16_Optimizer)", "#B0A36B", "olive")))
     stores = (MemoryCategory(name="weights", label="weights", field="parameters"),
               MemoryCategory(name="gradients", label="gradients", field="gradients"),
               MemoryCategory(name="optimizer_states", label="optimizer states", field="optimizer_states"),
               MemoryCategory(name="fsdp_buffers", label="gathered FSDP layers", field="comm_buffers"))
 
     def after_s(self, inputs: StepInputs) -> dict[str, list[float]]:
-        """What the gradient finalisation leaves exposed per pipeline rank, by lane (:func:`step_sync`), and
-        DeepSpeed's fp32 gradient accumulation (:func:`grad_accumulation_s`)."""
+        """What the gradient finalisation leaves exposed per pipeline rank, by lane (:func:`step_sync`), and the
+        weight-gradient accumulation run after the backward passes (:func:`grad_accumulation_s`)."""
         return {**step_sync(inputs), "grad_accum_s": grad_accumulation_s(inputs)}
 
     def memory(self, stage: Stage) -> dict[str, float]:
