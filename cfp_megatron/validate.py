@@ -141,6 +141,7 @@ from cfp_megatron.validation.rows import (
     yes_cell,
 )
 from cfp_megatron.validation.superseded import set_apart
+from cfp_megatron.validation.sweeps import find_sweeps, sweep_lines
 
 __all__ = ["CsvRow", "InputFileError", "RowError", "RowPlan", "RowResult", "check_bands_path", "check_json_path",
            "class_errors", "gpu_preset", "has_step_time", "load_preset", "main", "mape", "predict_rows", "read_rows",
@@ -526,6 +527,7 @@ def _report(args: argparse.Namespace, rows: list[dict]) -> int:
     print(f"{'class':<12} {'rows':>5} {'MAPE':>7} {'max error':>10}")
     for name, errors in sorted(class_errors(results, by_id).items()):
         print(f"{name:<12} {len(errors):>5} {sum(errors) / len(errors):>6.2f}% {max(errors):>9.1f}%")
+    print("\n".join(sweep_lines(find_sweeps(results, by_id))))
     if args.json_path:
         write_atomic(args.json_path, json.dumps(report(modelled, skipped, rows, superseded), indent=1) + "\n",
                      key="--json")
