@@ -6,7 +6,9 @@ GPUs, parallel layout, measured step time; without a file, those runs themselves
 simulates it on the hardware preset of its GPU, and prints one line per row (id, model, layout, measured, predicted
 step time, error, predicted peak memory), the rows it cannot model with the reason, the coverage (rows modelled of
 the rows with a step time), the MAPE and largest error per
-class (dense, MoE, CP, FSDP; GPU generation), and last ``MAPE <x>% over <n> rows``. The measured step time is
+class (dense, MoE, CP, FSDP; GPU generation), the layout sweeps (one job's rows at several layouts: the pairs
+ordered as measured and the regret of trusting the predicted favourite, :mod:`cfp_megatron.validation.sweeps`), and
+last ``MAPE <x>% over <n> rows``. The measured step time is
 ``step_time_s``, else ``derived_step_time_s``, else global batch x sequence / (``tokens_per_s_per_gpu`` x GPUs).
 
 What a blank or silent column means depends on what the row ran, and is data with its source, not code

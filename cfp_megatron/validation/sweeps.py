@@ -121,7 +121,7 @@ def sweep_lines(sweeps: list[Sweep]) -> list[str]:
     lines = [f"layout sweeps (one job at several layouts; pairs whose measured step times differ by more than "
              f"{TIE_MARGIN:.0%}):"]
     for sweep in sweeps:
-        lines.append(f"  {sweep.name[:34]:<34} rows {', '.join(sweep.rows):<22} {sweep.ordered} of "
+        lines.append(f"  {sweep.name[:44]:<44} rows {', '.join(sweep.rows):<22} {sweep.ordered} of "
                      f"{len(sweep.pairs)} pairs ordered, regret {sweep.regret:.1%}")
         lines += [f"      misordered: {p.faster} faster than {p.slower}, measured "
                   f"{p.measured_gap:+.1%}, predicted {p.predicted_gap:+.1%}" for p in sweep.pairs if not p.ordered]
