@@ -123,3 +123,26 @@ def test_the_cli_prints_the_sweeps_after_the_classes_and_reports_them(tmp_path: 
     assert data["sweeps"]["mean_regret"] == (0.0 if ordered else 0.3)
     assert re.search(rf"^layout sweeps: {int(ordered)} of 1 pairs ordered as measured .* over 1 sweeps;", out,
                      re.MULTILINE)
+
+
+def test_a_superseded_row_is_left_out_of_the_sweeps(tmp_path: Path, monkeypatch, capsys) -> None:
+    from cfp_megatron.validation import superseded
+
+    path = tmp_path / "runs.csv"
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=[*FIELDS, "source_detail"])
+        writer.writeheader()
+        writer.writerows([{**ROW, "source_detail": "24.01"},
+                          {**ROW, "id": "2", "recompute": "full", "step_time_s": "1.3", "source_detail": "24.01"}])
+    entry = tmp_path / "superseded.yaml"
+    monkeypatch.setattr(superseded, "SUPERSEDED_FILE", entry)
+    text = ('version: 1\nsuperseded:\n  - name: GPT 1.3B full\n    row: "2"\n    row_source: Some lab\n'
+            '    figure_column: step_time_s\n    measured: 1.3\n    container: "24.01"\n'
+            '    same: {num_gpus: 8}\n    remeasured: {container: "24.01.01", figure: 1.2}\n'
+            '    where: the page, line 2\n    source: the page\n')
+    entry.write_text(text.replace("row_source: Some lab", "row_source: Another lab"))  # names no row here
+    assert main([str(path)]) == 0
+    assert "over 1 sweeps;" in capsys.readouterr().out
+    entry.write_text(text)
+    assert main([str(path)]) == 0
+    assert "layout sweeps: none" in capsys.readouterr().out
