@@ -12,6 +12,7 @@ import pytest
 
 from cfp_megatron.base.compose import compose_job
 from cfp_megatron.sim.options import SimOptions
+from cfp_megatron.sim.uncertainty import ErrorBand
 from cfp_megatron.validate import main
 from cfp_megatron.validation.results import RowPlan, RowResult
 from cfp_megatron.validation.sweeps import TIE_MARGIN, find_sweeps, sweep_lines, sweep_summary
@@ -80,17 +81,37 @@ def test_one_layout_or_one_row_is_no_sweep_and_a_job_column_splits_jobs(job) -> 
     assert sweep.rows == ("1", "3")
 
 
+def _band(pct: float):
+    return lambda result: ErrorBand(pct=pct, rows=10, classes=("dense", "GPU ampere"))
+
+
+def test_the_band_of_a_pair_is_the_wider_of_its_rows_and_says_whether_the_planner_would_trust_the_gap(job) -> None:
+    results, rows = _runs(job, ("1", "tp8", 1.0, 1.2), ("2", "tp4 pp2", 1.1, 1.0), ("3", "tp2 pp4", 1.5, 1.6))
+    bands = {"1": 5.0, "2": 20.0, "3": 5.0}
+    [sweep] = find_sweeps(results, rows, band_of=lambda r: ErrorBand(pct=bands[r.plan.row_id], rows=10,
+                                                                     classes=("dense",)))
+    by_ids = {(p.faster, p.slower): p for p in sweep.pairs}
+    assert by_ids[("1", "2")].band_pct == 20.0 and by_ids[("1", "2")].inside_band  # predicted 16.7% apart, +-20%
+    assert by_ids[("1", "3")].band_pct == 5.0 and not by_ids[("1", "3")].inside_band  # 33% apart, +-5%
+    [pair] = find_sweeps(results[:2], rows, band_of=lambda r: None)[0].pairs
+    assert pair.band_pct is None and not pair.inside_band  # no band: never inside (as the planner's choice)
+
+
 def test_the_totals_over_sweeps(job) -> None:
     right, rows_right = _runs(job, ("1", "tp8 full", 1.5, 1.6), ("2", "tp8 sp selective", 1.2, 1.25))
     wrong, rows_wrong = _runs(job, ("3", "tp8", 1.0, 1.2), ("4", "tp4 pp2", 1.1, 1.0), num_gpus="16")
     lone, rows_lone = _runs(job, ("5", "tp8", 1.0, 1.0), num_gpus="32")
-    sweeps = find_sweeps(right + wrong + lone, {**rows_right, **rows_wrong, **rows_lone})
+    sweeps = find_sweeps(right + wrong + lone, {**rows_right, **rows_wrong, **rows_lone}, band_of=_band(10.0))
     summary = sweep_summary(sweeps)
     assert (summary["count"], summary["pairs"], summary["ordered"]) == (2, 2, 1)
+    # predicted 28% and 16.7% apart: both outside +-10%, and the misordered pair with them
+    assert (summary["inside_band"], summary["misordered_outside_band"]) == (0, 1)
     assert summary["mean_regret"] == pytest.approx(0.05) and summary["worst_regret"] == pytest.approx(0.1)
     assert [s["rows"] for s in summary["sweeps"]] == [["1", "2"], ["3", "4"]]
     lines = sweep_lines(sweeps)
-    assert "misordered: 3 faster than 4, measured +10.0%, predicted -16.7%" in lines[-2]
+    assert ("misordered: 3 faster than 4, measured +10.0%, predicted -16.7%, outside the ±10% band" in lines[-3])
+    assert lines[-2] == ("  0 of 2 pairs predicted within their band (where the planner lets the evidence choose); "
+                         "misordered outside it: 1")
     assert lines[-1] == ("layout sweeps: 1 of 2 pairs ordered as measured (50%) over 2 sweeps; regret of the "
                          "predicted favourite 5.0% mean, 10.0% worst")
     assert sweep_lines([]) == ["layout sweeps: none (no job is measured at two layouts among the rows kept)"]

@@ -4,8 +4,11 @@ job and what trusting the predicted favourite costs, not each row's error (docs/
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from cfp_megatron.search.choice import inside_band, ratio_band
+from cfp_megatron.sim.uncertainty import ErrorBand, error_band
 from cfp_megatron.validation.results import RowResult
 
 JOB_COLUMNS = ("source", "framework", "model", "arch_type", "layers", "hidden", "ffn_hidden", "heads", "kv_heads",
@@ -31,11 +34,21 @@ class Pair:
     """The slower's measured step time over the faster's, minus 1."""
     predicted_gap: float
     """The slower's predicted step time over the faster's, minus 1 (negative: predicted in the other order)."""
+    band_pct: float | None = None
+    """The band of the two predictions' ratio (:func:`~cfp_megatron.search.choice.ratio_band`, percent); ``None``
+    where a row's is unknown."""
 
     @property
     def ordered(self) -> bool:
         """Whether the prediction orders the pair as measured (a predicted tie does not)."""
         return self.predicted_gap > 0
+
+    @property
+    def inside_band(self) -> bool:
+        """Whether the predicted margin between the two is inside :attr:`band_pct`, where the planner lets the
+        evidence choose rather than the predicted time (:func:`~cfp_megatron.search.choice.inside_band`)."""
+        gap = abs(self.predicted_gap)
+        return inside_band(1.0, 1.0 + gap, self.band_pct)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,10 +75,16 @@ def _cell(row: dict, column: str) -> str:
     return " ".join((row.get(column) or "").split()).lower()
 
 
-def find_sweeps(results: list[RowResult], rows_by_id: dict[str, dict], margin: float = TIE_MARGIN) -> list[Sweep]:
+def _band(result: RowResult) -> ErrorBand | None:
+    return error_band(result.plan.job, result.plan.options)
+
+
+def find_sweeps(results: list[RowResult], rows_by_id: dict[str, dict], margin: float = TIE_MARGIN,
+                band_of: Callable[[RowResult], ErrorBand | None] = _band) -> list[Sweep]:
     """The sweeps among ``results`` (rows modelled and kept): rows alike in :data:`JOB_COLUMNS` whose plans are at
-    least two different layouts (the validator's layout string); each with its pairs outside ``margin`` and its
-    regret. A job measured at one layout, however often, is no sweep."""
+    least two different layouts (the validator's layout string); each with its pairs outside ``margin`` (with the
+    band of their ratio, each row's from ``band_of``: the planner's out-of-sample band by default) and its regret.
+    A job measured at one layout, however often, is no sweep."""
     jobs: dict[tuple[str, ...], list[RowResult]] = {}
     for result in results:
         row = rows_by_id.get(result.plan.row_id, {})
@@ -83,7 +102,8 @@ def find_sweeps(results: list[RowResult], rows_by_id: dict[str, dict], margin: f
                 gap = slow.plan.measured_s / fast.plan.measured_s - 1
                 if gap > margin:
                     pairs.append(Pair(faster=fast.plan.row_id, slower=slow.plan.row_id, measured_gap=gap,
-                                      predicted_gap=slow.predicted_s / fast.predicted_s - 1))
+                                      predicted_gap=slow.predicted_s / fast.predicted_s - 1,
+                                      band_pct=ratio_band(band_of(fast), band_of(slow))))
         best_predicted = min(r.predicted_s for r in members)
         chosen = max(r.plan.measured_s for r in members if r.predicted_s == best_predicted)
         first = rows_by_id.get(members[0].plan.row_id, {})
@@ -95,19 +115,23 @@ def find_sweeps(results: list[RowResult], rows_by_id: dict[str, dict], margin: f
 
 
 def sweep_summary(sweeps: list[Sweep]) -> dict:
-    """The ``--json`` report's ``sweeps``: the tie margin, how many sweeps, pairs and pairs ordered as measured, the
-    mean and worst regret (``None`` without a sweep), and each sweep with its pairs."""
+    """The ``--json`` report's ``sweeps``: the tie margin, how many sweeps, pairs and pairs ordered as measured, how
+    many pairs' predicted margins are inside their band (and of the pairs misordered, how many are not), the mean and
+    worst regret (``None`` without a sweep), and each sweep with its pairs."""
     pairs = [pair for sweep in sweeps for pair in sweep.pairs]
     regrets = [sweep.regret for sweep in sweeps]
     return {
         "tie_margin": TIE_MARGIN, "count": len(sweeps), "pairs": len(pairs),
         "ordered": sum(pair.ordered for pair in pairs),
+        "inside_band": sum(pair.inside_band for pair in pairs),
+        "misordered_outside_band": sum(not pair.ordered and not pair.inside_band for pair in pairs),
         "mean_regret": round(sum(regrets) / len(regrets), 5) if regrets else None,
         "worst_regret": round(max(regrets), 5) if regrets else None,
         "sweeps": [{"name": sweep.name, "rows": list(sweep.rows), "ordered": sweep.ordered,
                     "regret": round(sweep.regret, 5),
                     "pairs": [{"faster": p.faster, "slower": p.slower, "measured_gap": round(p.measured_gap, 5),
-                               "predicted_gap": round(p.predicted_gap, 5), "ordered": p.ordered}
+                               "predicted_gap": round(p.predicted_gap, 5), "ordered": p.ordered,
+                               "band_pct": p.band_pct, "inside_band": p.inside_band}
                               for p in sweep.pairs]}
                    for sweep in sweeps],
     }
@@ -123,13 +147,22 @@ def sweep_lines(sweeps: list[Sweep]) -> list[str]:
     for sweep in sweeps:
         lines.append(f"  {sweep.name[:44]:<44} rows {', '.join(sweep.rows):<22} {sweep.ordered} of "
                      f"{len(sweep.pairs)} pairs ordered, regret {sweep.regret:.1%}")
-        lines += [f"      misordered: {p.faster} faster than {p.slower}, measured "
-                  f"{p.measured_gap:+.1%}, predicted {p.predicted_gap:+.1%}" for p in sweep.pairs if not p.ordered]
+        lines += [f"      misordered: {p.faster} faster than {p.slower}, measured {p.measured_gap:+.1%}, predicted "
+                  f"{p.predicted_gap:+.1%}, " + _band_words(p) for p in sweep.pairs if not p.ordered]
     pairs = [pair for sweep in sweeps for pair in sweep.pairs]
     ordered = sum(pair.ordered for pair in pairs)
     regrets = [sweep.regret for sweep in sweeps]
     share = f" ({ordered / len(pairs):.0%})" if pairs else ""
+    inside = sum(pair.inside_band for pair in pairs)
+    lines.append(f"  {inside} of {len(pairs)} pairs predicted within their band (where the planner lets the evidence "
+                 f"choose); misordered outside it: {sum(not p.ordered and not p.inside_band for p in pairs)}")
     lines.append(f"layout sweeps: {ordered} of {len(pairs)} pairs ordered as measured{share} over {len(sweeps)} "
                  f"sweeps; regret of the predicted favourite {sum(regrets) / len(regrets):.1%} mean, "
                  f"{max(regrets):.1%} worst")
     return lines
+
+
+def _band_words(pair: Pair) -> str:
+    if pair.band_pct is None:
+        return "no band known"
+    return f"{'inside' if pair.inside_band else 'outside'} the ±{pair.band_pct:.0f}% band"
