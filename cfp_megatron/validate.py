@@ -455,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="FILE.png", help="also draw predicted vs measured step time per row "
                         "(log axes, a colour per class with its MAPE, y = x and a +-10%% band) to FILE.png, a new file")
     parser.add_argument("--json", metavar="FILE", dest="json_path", help="also write the report as JSON to FILE: "
-                        "each row's prediction, each row not modelled with its reason, the coverage and the MAPE")
+                        "each row's prediction, each row not modelled with its reason, the coverage, the MAPE and the "
+                        "layout sweeps")
     args = parser.parse_args(argv)
     if not args.csv:
         args.csv = [str(p) for p in PUBLISHED_RUNS]
