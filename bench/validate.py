@@ -8,8 +8,9 @@
     python bench/validate.py --markdown docs/figures/validate.md   # also the figures as a snippet for the docs
 
 Prints MAPE overall, per source, on the Korthikanti et al. Table 5 runs, leave-one-source-out MAPE, and
-``simulate()`` calls per second. With ``--markdown`` it also writes those figures, and the per-class MAPE that
-``python -m cfp_megatron.validate`` prints over ``--classes`` files (both shipped files by default), as a Markdown
+``simulate()`` calls per second. With ``--markdown`` it also writes those figures, and the per-class MAPE and the
+layout sweeps' totals that ``python -m cfp_megatron.validate`` prints over ``--classes`` files (both shipped files by
+default), as a Markdown
 snippet whose first line gives the command, the date and the machine. The fit minimises MAPE per GPU generation
 with Nelder-Mead on log-parameters (scipy), from the same neutral starting point (``NEUTRAL``); it never looks at row
 ids or model names. ``--write`` stores the fit in the efficiencies file the simulator loads
@@ -61,6 +62,7 @@ from cfp_megatron.validation.fit import BOUNDS, MIN_ROWS_FULL_FIT, NEUTRAL, sour
 from cfp_megatron.validation.report import rows_by_id  # noqa: E402
 from cfp_megatron.validation.rows import PUBLISHED_RUNS  # noqa: E402
 from cfp_megatron.validation.superseded import set_apart  # noqa: E402
+from cfp_megatron.validation.sweeps import find_sweeps, sweep_lines  # noqa: E402
 
 DEFAULT_CSV = PUBLISHED_RUNS[0]
 def load(csv_path: Path) -> tuple[list[RowPlan], list[tuple[str, str]]]:
@@ -208,8 +210,8 @@ def speed(plans: list[RowPlan]) -> float:
 
 
 def class_lines(paths: list[Path]) -> list[str]:
-    """Coverage and per-class MAPE over ``paths`` as ``python -m cfp_megatron.validate`` computes them, as Markdown;
-    then each file alone where there are several."""
+    """Coverage, per-class MAPE and the layout sweeps' totals over ``paths`` as ``python -m cfp_megatron.validate``
+    computes them, as Markdown; then each file alone where there are several."""
     rows = [row for path in paths for row in read_rows(path)]
     modelled, _ = predict_rows(rows)
     superseded = set_apart(modelled, rows_by_id(rows))  # rows their source re-measured: not in the figures
@@ -218,13 +220,15 @@ def class_lines(paths: list[Path]) -> list[str]:
     table = [["all", str(len(results)), f"{row_mape(results):.2f}%", f"{max(errs_all):.1f}%"]]
     for name, errs in sorted(class_errors(results, {row.get("id", ""): row for row in rows}).items()):
         table.append([name, str(len(errs)), f"{sum(errs) / len(errs):.2f}%", f"{max(errs):.1f}%"])
+    sweeps = sweep_lines(find_sweeps(results, rows_by_id(rows)))[-1]  # the totals as validate prints them
     shipped = [p.resolve() for p in paths] == [p.resolve() for p in PUBLISHED_RUNS]
     files = "" if shipped else " " + " ".join(_shown(p) for p in paths)  # validate reads the shipped runs by default
     lines = [f"Step-time error per class, `python -m cfp_megatron.validate{files}`: "
              f"{len(modelled)} of {sum(has_step_time(r) for r in rows)} rows with a step time modelled"
              + (f", {len(superseded)} of them superseded by their source and set apart (MAPE over all modelled "
                 f"rows {row_mape(modelled):.2f}%)." if superseded else "."), "",
-             *snippet.table(["class", "rows", "MAPE", "max error"], table), ""]
+             *snippet.table(["class", "rows", "MAPE", "max error"], table), "",
+             sweeps[:1].upper() + sweeps[1:] + ".", ""]
     if len(paths) > 1:
         for path in paths:
             alone = [r for r in predict_rows(read_rows(path))[0] if r.plan.row_id not in superseded]

@@ -6,7 +6,9 @@ GPUs, parallel layout, measured step time; without a file, those runs themselves
 simulates it on the hardware preset of its GPU, and prints one line per row (id, model, layout, measured, predicted
 step time, error, predicted peak memory), the rows it cannot model with the reason, the coverage (rows modelled of
 the rows with a step time), the MAPE and largest error per
-class (dense, MoE, CP, FSDP; GPU generation), and last ``MAPE <x>% over <n> rows``. The measured step time is
+class (dense, MoE, CP, FSDP; GPU generation), the layout sweeps (one job's rows at several layouts: the pairs
+ordered as measured and the regret of trusting the predicted favourite, :mod:`cfp_megatron.validation.sweeps`), and
+last ``MAPE <x>% over <n> rows``. The measured step time is
 ``step_time_s``, else ``derived_step_time_s``, else global batch x sequence / (``tokens_per_s_per_gpu`` x GPUs).
 
 What a blank or silent column means depends on what the row ran, and is data with its source, not code
@@ -141,6 +143,7 @@ from cfp_megatron.validation.rows import (
     yes_cell,
 )
 from cfp_megatron.validation.superseded import set_apart
+from cfp_megatron.validation.sweeps import find_sweeps, sweep_lines
 
 __all__ = ["CsvRow", "InputFileError", "RowError", "RowPlan", "RowResult", "check_bands_path", "check_json_path",
            "class_errors", "gpu_preset", "has_step_time", "load_preset", "main", "mape", "predict_rows", "read_rows",
@@ -452,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="FILE.png", help="also draw predicted vs measured step time per row "
                         "(log axes, a colour per class with its MAPE, y = x and a +-10%% band) to FILE.png, a new file")
     parser.add_argument("--json", metavar="FILE", dest="json_path", help="also write the report as JSON to FILE: "
-                        "each row's prediction, each row not modelled with its reason, the coverage and the MAPE")
+                        "each row's prediction, each row not modelled with its reason, the coverage, the MAPE and the "
+                        "layout sweeps")
     args = parser.parse_args(argv)
     if not args.csv:
         args.csv = [str(p) for p in PUBLISHED_RUNS]
@@ -526,6 +530,7 @@ def _report(args: argparse.Namespace, rows: list[dict]) -> int:
     print(f"{'class':<12} {'rows':>5} {'MAPE':>7} {'max error':>10}")
     for name, errors in sorted(class_errors(results, by_id).items()):
         print(f"{name:<12} {len(errors):>5} {sum(errors) / len(errors):>6.2f}% {max(errors):>9.1f}%")
+    print("\n".join(sweep_lines(find_sweeps(results, by_id))))
     if args.json_path:
         write_atomic(args.json_path, json.dumps(report(modelled, skipped, rows, superseded), indent=1) + "\n",
                      key="--json")

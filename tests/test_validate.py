@@ -112,6 +112,10 @@ def test_no_file_validates_both_shipped_files_with_coverage_and_each_class(capsy
     assert f"MAPE over all {modelled} modelled rows" in out or not apart
     classes = dict(re.findall(r"^(dense|MoE|CP|FSDP)\s+(\d+)\s", out, re.MULTILINE))
     assert int(classes["dense"]) + int(classes["MoE"]) == kept and int(classes["MoE"]) > 0
+    # the layout sweeps (docs/validation.md, "Layout sweeps"): Korthikanti et al.'s full vs selective recomputation
+    # and its single-layer table; Megatron-Bridge's repeated rows are other containers (another job) at one layout
+    sweeps = re.findall(r"^  .* rows ([\d, ]+?)\s+\d+ of \d+ pairs ordered", out, re.MULTILINE)
+    assert sweeps == ["17, 18", "19, 20", "21, 22", "23, 24", "26, 27, 28, 29, 30"]
 
 
 def test_deepseek_v3_runs_as_megatron_bridge_lays_it_out() -> None:

@@ -9,6 +9,7 @@ from cfp_megatron.sim.calibration import generation
 from cfp_megatron.validation.memory_failures import memory_failures
 from cfp_megatron.validation.results import RowResult, mape
 from cfp_megatron.validation.rows import CsvRow, count_cell
+from cfp_megatron.validation.sweeps import find_sweeps, sweep_summary
 
 
 def row_classes(row: dict) -> tuple[str, ...]:
@@ -54,7 +55,8 @@ def report(results: list[RowResult], skipped: list[tuple[dict, str]], rows: list
            superseded: dict[str, str] | None = None) -> dict:
     """The ``--json`` report: each modelled row (its prediction, flag and, where its source superseded it, why:
     ``superseded``, row id -> reason), each row not modelled with its reason, the coverage, the MAPE per class and
-    over the rows kept (``None`` when no row was kept), and over all modelled rows (``mape_all``)."""
+    over the rows kept (``None`` when no row was kept), and over all modelled rows (``mape_all``), the memory
+    failures and the layout sweeps among the rows kept (:mod:`cfp_megatron.validation.sweeps`)."""
     by_id = rows_by_id(rows)
     superseded = superseded or {}
     kept = [r for r in results if r.plan.row_id not in superseded]
@@ -77,4 +79,5 @@ def report(results: list[RowResult], skipped: list[tuple[dict, str]], rows: list
         "mape": round(mape(kept), 3) if kept else None,
         "mape_all": round(mape(results), 3) if results else None,
         "memory_failures": memory_failures(results),
+        "sweeps": sweep_summary(find_sweeps(kept, by_id)),
     }
