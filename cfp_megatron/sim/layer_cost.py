@@ -19,7 +19,7 @@ from cfp_megatron.sim.primepar_cost import MlpCost, ffn_gemms, mlp_activation_el
 from cfp_megatron.sim.terms.context_parallel import chunk_slowdown, cp_cost
 from cfp_megatron.sim.terms.data_parallel import fsdp_beside_experts, fsdp_exposed, fsdp_sync
 from cfp_megatron.sim.terms.expert_dispatch import MoeCost, expert_comm, moe_block_cost
-from cfp_megatron.sim.terms.recompute import selective_recompute
+from cfp_megatron.sim.terms.recompute import op_sac_recompute_s, selective_recompute
 from cfp_megatron.sim.terms.tensor_parallel import tp_pass_s
 
 
@@ -128,6 +128,10 @@ class LayerPasses:
     fsdp_beside_experts: bool = False
     """Whether FSDP's collectives also hide behind the exposed expert exchange
     (:func:`~cfp_megatron.sim.terms.data_parallel.fsdp_beside_experts`)."""
+    op_sac_s: float | None = None
+    """Selective recomputation's compute seconds where it is torchtitan's per-op policy
+    (:attr:`~cfp_megatron.sim.options.SimOptions.torch_op_sac`, :func:`~cfp_megatron.sim.terms.recompute.
+    op_sac_recompute_s`); ``None``: Megatron-Core's modules."""
 
 
 def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, options: SimOptions,
@@ -147,6 +151,8 @@ def with_recompute(passes: LayerPasses, job: JobSpec, layout: Layout, kernels: K
         recompute = PassCost(compute_s=forward.compute_s, attention_core_s=forward.attention_core_s,
                              overhead_s=forward.overhead_s, tp_comm_s=forward.tp_comm_s, cp_comm_s=forward.cp_comm_s,
                              ep_comm_s=forward.ep_comm_s)
+    elif parallel.recompute.value == "selective" and passes.op_sac_s is not None:
+        recompute = PassCost(compute_s=passes.op_sac_s)
     elif parallel.recompute.value == "selective":
         rec_compute, rec_core, rec_ep = selective_recompute(job, layout, kernels, moe_block=passes.moe_block,
                                                             mlp_gemm=passes.mlp_gemm_s,
@@ -283,9 +289,13 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     # the weight-gradient GEMMs: as many FLOPs as the forward's (half of the backward's GEMMs)
     backward = PassCost(compute_s=bwd_compute, attention_core_s=core_bwd, overhead_s=overhead, tp_comm_s=tp_bwd,
                         cp_comm_s=cp_bwd, ep_comm_s=ep_bwd, weight_grad_s=attn_gemm + mlp_bwd_gemm / 2 + accumulate_s)
+    op_sac_s = (op_sac_recompute_s(job, layout, kernels, moe_block=moe_block,
+                                   elementwise_s=elementwise)
+                if options.torch_op_sac else None)
     return LayerPasses(forward=forward, backward=backward, params=params, expert_params=expert_params,
                        ep_alone_s=ep_alone, mlp_gemm_s=mlp_gemm, moe_block=moe_block,
-                       fsdp_sync_s=(fsdp_fwd_comm, fsdp_bwd_comm), fsdp_beside_experts=beside_experts)
+                       fsdp_sync_s=(fsdp_fwd_comm, fsdp_bwd_comm), fsdp_beside_experts=beside_experts,
+                       op_sac_s=op_sac_s)
 
 
 def grad_accumulation_s(job: JobSpec, layout: Layout, kernels: KernelModel, options: SimOptions,

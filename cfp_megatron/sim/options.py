@@ -101,6 +101,11 @@ class SimOptions:
     moe_layer_syncs: int | None = None
     """Device-to-host synchronisations in each dropless MoE layer's forward; ``None``: Megatron-Core's
     (``cfp_megatron/sim/host.yaml``, ``moe_layer_syncs``). torchtitan's all-to-all dispatcher has one."""
+    torch_op_sac: bool = False
+    """Selective recomputation (``parallel.recompute=selective``) is torchtitan's per-op policy (``SelectiveAC``):
+    every second ``mm`` of a block, the routed experts' grouped GEMMs and the element-wise kernels recomputed, the
+    attention core and the all-to-all saved (:func:`~cfp_megatron.sim.terms.recompute.op_sac_recompute_s`; time
+    only). ``False``: Megatron-Core's ``recompute_modules``, as the runtime trains."""
     apex_adam: ApexAdamStates | None = None
     """The distributed optimizer is Apex's ``DistributedFusedAdam`` keeping its states so (memory only;
     :meth:`~cfp_megatron.sim.sharding.StateBytes.megatron`). ``None``: Megatron-Core's distributed optimizer (fp32
