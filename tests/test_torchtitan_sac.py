@@ -19,7 +19,9 @@ from cfp_megatron.sim.layout import build_layout
 from cfp_megatron.sim.memory import layer_activation_bytes
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import collective_costs
+from cfp_megatron.sim.simulate import simulate
 from cfp_megatron.validate import row_plan
+from cfp_megatron.validation.defaults import LAYER_AC_DEFAULT_EVERY, layer_checkpoint_every
 from tests.test_torch_fsdp_moe import ROW
 
 SAC = SimOptions(torch_op_sac=True)
@@ -102,3 +104,31 @@ def test_a_torchtitan_row_reads_selective_as_its_per_op_policy() -> None:
     other = row_plan({**ROW, "recompute": "selective", "framework": "Megatron-Core r0.8.0",
                       "zero_or_fsdp": "distributed optimizer"})
     assert not other.options.torch_op_sac
+
+
+def test_layer_wise_checkpointing_recomputes_every_nth_block_whole() -> None:
+    assert layer_checkpoint_every("selective") is None and layer_checkpoint_every("full") is None
+    assert layer_checkpoint_every("selective (every 3rd layer)") == 3
+    assert layer_checkpoint_every("selective, layer") == LAYER_AC_DEFAULT_EVERY == 2
+    every = row_plan({**ROW, "recompute": "selective (layer, every 2)"})
+    parallel = every.job.parallel
+    # 24 of the 48 blocks recomputed whole, the others keeping their activations, as the block method counts them
+    assert (parallel.recompute.value, parallel.recompute_method.value, parallel.recompute_num_layers) == (
+        "full", "block", 24)
+    full, none = (simulate(row_plan({**ROW, "recompute": r}).job, options=every.options) for r in ("full", "none"))
+    half = simulate(every.job, options=every.options)
+    assert none.time.recompute_s == 0.0
+    assert half.time.recompute_s == pytest.approx(full.time.recompute_s / 2, rel=0.01)
+    assert full.memory.total_gib < half.memory.total_gib < none.memory.total_gib
+
+
+def test_the_blocks_block_recomputation_leaves_out_hide_fsdp_behind_their_backward_alone() -> None:
+    # 64 GPUs, EP 8 in a node, one micro-batch: FSDP's backward collectives outlast a layer's backward
+    row = {**ROW, "num_gpus": "64", "micro_batch": "1", "global_batch_seqs": "64"}
+    every, full, none = (row_plan({**row, "recompute": r}) for r in ("selective (every 2nd layer)", "full", "none"))
+    half_s, full_s, none_s = (simulate(p.job, options=p.options) for p in (every, full, none))
+    # half the layers recompute, and only theirs widen FSDP's window: between the two, not faster than either
+    assert none_s.time.fsdp_comm_s > half_s.time.fsdp_comm_s > full_s.time.fsdp_comm_s
+    assert half_s.time.fsdp_comm_s == pytest.approx((none_s.time.fsdp_comm_s + full_s.time.fsdp_comm_s) / 2,
+                                                    rel=0.02)
+    assert none_s.step_time_s < half_s.step_time_s < full_s.step_time_s

@@ -95,6 +95,9 @@ class LayerCost:
     ep_alone_s: tuple[float, float] = (0.0, 0.0)
     """(forward, backward) seconds of the expert token exchange a pass pays with nothing beside it to hide it
     (what its ``ep_comm_s`` would be without ``moe_a2a_overlap``): the combined 1F1B schedule's unpaired passes."""
+    unrecomputed_backward: PassCost | None = None
+    """The backward pass of a layer that block recomputation leaves out (FSDP's collectives beside its backward
+    alone); ``None``: ``backward``."""
 
     @property
     def total_s(self) -> float:
@@ -161,7 +164,7 @@ def with_recompute(passes: LayerPasses, job: JobSpec, layout: Layout, kernels: K
         recompute = PassCost(compute_s=rec_compute, attention_core_s=rec_core, ep_comm_s=rec_ep)
     else:
         recompute = PassCost()
-    backward = passes.backward
+    backward = unrecomputed = passes.backward
     comm_s = passes.fsdp_sync_s[1]
     if comm_s > 0:
         # The backward's gather (prefetched) and the scatter run beside the layer's whole backward, its
@@ -169,8 +172,13 @@ def with_recompute(passes: LayerPasses, job: JobSpec, layout: Layout, kernels: K
         window_s = backward.compute_s + backward.attention_core_s + recompute.compute_s + recompute.attention_core_s
         beside_s = backward.ep_comm_s + recompute.ep_comm_s if passes.fsdp_beside_experts else 0.0
         backward = dataclasses.replace(backward, fsdp_comm_s=fsdp_exposed(comm_s, window_s, beside_s=beside_s))
+        alone_s = fsdp_exposed(comm_s, unrecomputed.compute_s + unrecomputed.attention_core_s,
+                               beside_s=unrecomputed.ep_comm_s if passes.fsdp_beside_experts else 0.0)
+        unrecomputed = dataclasses.replace(unrecomputed, fsdp_comm_s=alone_s)
+    block = parallel.recompute.value == "full" and parallel.recompute_method.value == "block"
     return LayerCost(forward=forward, backward=backward, recompute=recompute, params=passes.params,
-                     expert_params=passes.expert_params, ep_alone_s=passes.ep_alone_s)
+                     expert_params=passes.expert_params, ep_alone_s=passes.ep_alone_s,
+                     unrecomputed_backward=unrecomputed if block and comm_s > 0 else None)
 
 
 def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, options: SimOptions,
