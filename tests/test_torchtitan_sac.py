@@ -20,6 +20,7 @@ from cfp_megatron.sim.memory import layer_activation_bytes
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import collective_costs
 from cfp_megatron.sim.simulate import simulate
+from cfp_megatron.sim.terms.expert_dispatch import TORCH_COMBINE_BYTES, moe_block_cost
 from cfp_megatron.validate import row_plan
 from cfp_megatron.validation.defaults import LAYER_AC_DEFAULT_EVERY, layer_checkpoint_every
 from tests.test_torch_fsdp_moe import ROW
@@ -132,3 +133,22 @@ def test_the_blocks_block_recomputation_leaves_out_hide_fsdp_behind_their_backwa
     assert half_s.time.fsdp_comm_s == pytest.approx((none_s.time.fsdp_comm_s + full_s.time.fsdp_comm_s) / 2,
                                                     rel=0.02)
     assert none_s.step_time_s < half_s.step_time_s < full_s.step_time_s
+
+
+def test_torchtitans_dispatch_sends_no_probabilities_and_its_combine_scores_in_fp32() -> None:
+    job = _job("mixtral_8x7b", "parallel.ep=8")
+    layout = build_layout(job)
+    efficiency = efficiency_for(job.cluster)
+    kernels = KernelModel(job.cluster, efficiency, NumberFormat.of(job.train))
+    costs = collective_costs(job.cluster, None, efficiency)
+    megatron = moe_block_cost(job, layout, kernels, costs)
+    titan = moe_block_cost(job, layout, kernels, costs, torch_combine=True)
+    # the same token rows cross the group; only the probabilities' all-to-all is gone
+    assert titan.combine_s == pytest.approx(megatron.combine_s)
+    assert 0.0 < megatron.dispatch_s - titan.dispatch_s < 0.2 * megatron.dispatch_s
+    # each routed copy's combine moves TORCH_COMBINE_BYTES a hidden element where the unpermutation moved 2 rows
+    copies = job.model.moe_router_topk * 4096  # the copies the rank's tokens send, balanced
+    extra = titan.elements_per_token - megatron.elements_per_token
+    assert extra * 4096 == pytest.approx(copies * job.model.hidden_size * (TORCH_COMBINE_BYTES / 2 - 2))
+    assert TORCH_COMBINE_BYTES == (2 + 4) + (4 + 4) + (4 + 2) + (2 + 2 + 2)
+    assert row_plan(ROW).options.torch_moe_combine

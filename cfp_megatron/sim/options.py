@@ -106,6 +106,11 @@ class SimOptions:
     every second ``mm`` of a block, the routed experts' grouped GEMMs and the element-wise kernels recomputed, the
     attention core and the all-to-all saved (:func:`~cfp_megatron.sim.terms.recompute.op_sac_recompute_s`; time
     only). ``False``: Megatron-Core's ``recompute_modules``, as the runtime trains."""
+    torch_moe_combine: bool = False
+    """The all-to-all dispatcher is torchtitan's (``AllToAllTokenDispatcher``): the dispatch sends the tokens alone
+    (no routing probabilities' all-to-all), and the combine multiplies the returned rows by their scores in fp32 and
+    scatter-adds them (:data:`~cfp_megatron.sim.terms.expert_dispatch.TORCH_COMBINE_BYTES`). ``False``:
+    Megatron-Core's ``MoEAlltoAllTokenDispatcher``."""
     apex_adam: ApexAdamStates | None = None
     """The distributed optimizer is Apex's ``DistributedFusedAdam`` keeping its states so (memory only;
     :meth:`~cfp_megatron.sim.sharding.StateBytes.megatron`). ``None``: Megatron-Core's distributed optimizer (fp32

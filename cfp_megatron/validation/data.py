@@ -110,6 +110,8 @@ class Framework:
     torch_fused_adamw: bool = False
     """Its optimizer steps as PyTorch's fused AdamW (:attr:`~cfp_megatron.sim.options.SimOptions.
     torch_fused_adamw`)."""
+    torch_moe_combine: bool = False
+    """Its MoE dispatcher is torchtitan's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_moe_combine`)."""
     torch_op_sac: bool = False
     """Its selective recomputation is torchtitan's per-op policy (:attr:`~cfp_megatron.sim.options.SimOptions.
     torch_op_sac`)."""
@@ -281,7 +283,8 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
         runs = entry.get("runs", dict)
         optional = {"mtp_layers", "pipeline_scatter_gather", "fp8_param_gather", "te_cross_entropy", "torch_fsdp",
                     "apex_distributed_adam", "overlap_param_gather", "weight_grad_accumulation", "torch_fused_adamw",
-                    "moe_layer_syncs", "rank_batch_micro", "tie_embeddings", "deepspeed_engine", "torch_op_sac"}
+                    "moe_layer_syncs", "rank_batch_micro", "tie_embeddings", "deepspeed_engine", "torch_op_sac",
+                    "torch_moe_combine"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -324,6 +327,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             weight_grad_accumulation=WeightGradAccumulation(accumulation),
             torch_fused_adamw=bool(runs.get("torch_fused_adamw", False)), moe_layer_syncs=syncs,
             torch_op_sac=bool(runs.get("torch_op_sac", False)),
+            torch_moe_combine=bool(runs.get("torch_moe_combine", False)),
             rank_batch_micro=bool(runs.get("rank_batch_micro", False)),
             apex_adam=tuple((str(pattern), ApexAdamStates(state)) for pattern, state in apex.items())))
     if frameworks[-1].match != FrameworkMatch():
