@@ -353,6 +353,9 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                          te_cross_entropy=framework.te_cross_entropy, torch_fsdp=framework.torch_fsdp and fsdp,
                          torch_fused_adamw=framework.torch_fused_adamw, moe_layer_syncs=framework.moe_layer_syncs,
                          torch_op_sac=framework.torch_op_sac, torch_moe_combine=framework.torch_moe_combine,
+                         eager_torch_loss=framework.eager_loss and not any(
+                             re.search(pattern, row.get("model") or "", re.IGNORECASE)
+                             for pattern in framework.compiled_loss),
                          deepspeed_engine=framework.deepspeed_engine,
                          apex_adam=apex_adam_states(row, framework) if dist_opt and not fsdp else None)
     return RowPlan(row_id=rid, source=row.get("source", ""), source_detail=row.get("source_detail", ""),

@@ -16,7 +16,7 @@ from cfp_megatron.sim.calibration import efficiency_for
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layer_cost import layer_cost
 from cfp_megatron.sim.layout import build_layout
-from cfp_megatron.sim.memory import layer_activation_bytes
+from cfp_megatron.sim.memory import EAGER_TORCH_CE_BYTES, layer_activation_bytes, loss_bytes_per_logit
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import collective_costs
 from cfp_megatron.sim.simulate import simulate
@@ -152,3 +152,16 @@ def test_torchtitans_dispatch_sends_no_probabilities_and_its_combine_scores_in_f
     assert extra * 4096 == pytest.approx(copies * job.model.hidden_size * (TORCH_COMBINE_BYTES / 2 - 2))
     assert TORCH_COMBINE_BYTES == (2 + 4) + (4 + 4) + (4 + 2) + (2 + 2 + 2)
     assert row_plan(ROW).options.torch_moe_combine
+
+
+def test_torchtitans_eager_loss_keeps_twelve_bytes_a_logit_unless_its_recipe_compiles_it() -> None:
+    assert EAGER_TORCH_CE_BYTES == 4 + 4 + 4  # saved log-softmax, nll's gradient, log-softmax's gradient input
+    assert loss_bytes_per_logit(2.0, eager_torch=True) == 12.0 > loss_bytes_per_logit(2.0) == 6.0
+    eager = row_plan(ROW)  # Qwen3-30B-A3B: torchtitan's Qwen3 recipes leave compile off
+    assert eager.options.eager_torch_loss
+    compiled = row_plan({**ROW, "model": "DeepSeek-V3 16B"})  # its recipes compile the loss
+    assert not compiled.options.eager_torch_loss
+    logits = eager.job.train.micro_batch_size * 4096 * eager.job.model.padded_vocab_size
+    grew = (simulate(eager.job, options=eager.options).memory.total_gib
+            - simulate(eager.job, options=dataclasses.replace(eager.options, eager_torch_loss=False)).memory.total_gib)
+    assert grew * 2**30 == pytest.approx(logits * (12.0 - 6.0), rel=0.01)

@@ -289,13 +289,25 @@ casts with ``.float()``, ``calculate_predicted_logits`` and ``calculate_cross_en
 ``save_for_backward(exp_logits, ...)``); its backward turns that buffer into the gradient in place."""
 
 
-def loss_bytes_per_logit(elem_bytes: float, mtp_layers: int = 0, *, te_cross_entropy: bool = False) -> float:
+EAGER_TORCH_CE_BYTES = 12.0
+"""Bytes per logit at the peak of PyTorch's ``cross_entropy`` run eagerly on an fp32 copy of the logits
+(torchtitan's ``components/loss.py``, ``cross_entropy(pred.flatten(0, 1).float(), ...)``, without ``compile``): in
+the backward the saved fp32 log-softmax (4), ``nll_loss``'s fp32 gradient (4) and ``log_softmax``'s fp32 gradient
+input (4) at once; the forward's bf16 logits, fp32 copy and log-softmax (2 + 4 + 4) stay below it. Measured on
+CPU: 12.2 (docs/simulator.md, the memory section)."""
+
+
+def loss_bytes_per_logit(elem_bytes: float, mtp_layers: int = 0, *, te_cross_entropy: bool = False,
+                         eager_torch: bool = False) -> float:
     """Bytes per logit (``tokens x vocab / tp`` on the loss rank) at the loss's peak: the fp32 softmax of the head
     and of each MTP layer (:data:`LOSS_SOFTMAX_BYTES`), kept until the backward pass, and one logit tensor in the
     compute precision beside one of them (the head's output while the forward casts it, its gradient while the
     backward casts the fp32 gradient back); in fp32 the cast is the tensor itself, so nothing beside it. Under
     ``te_cross_entropy`` (Transformer Engine's fused kernel, ``pytorch/triton/cross_entropy.py``: an online softmax
-    over the logits as they are, the gradient written over them in place) each head keeps its logits alone."""
+    over the logits as they are, the gradient written over them in place) each head keeps its logits alone; under
+    ``eager_torch`` PyTorch's eager cross entropy, :data:`EAGER_TORCH_CE_BYTES` a head."""
+    if eager_torch:
+        return EAGER_TORCH_CE_BYTES * (1 + mtp_layers)
     if te_cross_entropy:
         return elem_bytes * (1 + mtp_layers)
     return LOSS_SOFTMAX_BYTES * (1 + mtp_layers) + (elem_bytes if elem_bytes != LOSS_SOFTMAX_BYTES else 0.0)
@@ -310,7 +322,8 @@ def loss_logit_bytes(stage: Stage) -> float:
     model, dims = stage.job.model, stage.layout.dims
     return (stage.common.tokens * model.padded_vocab_size / dims.tp
             * loss_bytes_per_logit(stage.common.elem_bytes, model.mtp_num_layers,
-                                   te_cross_entropy=stage.options.te_cross_entropy))
+                                   te_cross_entropy=stage.options.te_cross_entropy,
+                                   eager_torch=stage.options.eager_torch_loss and dims.tp == 1))
 
 
 def in_flight(rank: int, pp: int, vpp: int, microbatches: int,
