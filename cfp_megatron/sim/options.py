@@ -108,8 +108,9 @@ class SimOptions:
     torch_op_sac: bool = False
     """Selective recomputation (``parallel.recompute=selective``) is torchtitan's per-op policy (``SelectiveAC``):
     every second ``mm`` of a block, the routed experts' grouped GEMMs and the element-wise kernels recomputed, the
-    attention core and the all-to-all saved (:func:`~cfp_megatron.sim.terms.recompute.op_sac_recompute_s`; time
-    only). ``False``: Megatron-Core's ``recompute_modules``, as the runtime trains."""
+    attention core and the all-to-all saved (:func:`~cfp_megatron.sim.terms.recompute.op_sac_recompute_s`; what
+    its layers keep: :func:`~cfp_megatron.sim.memory.op_sac_saved_bytes`). ``False``: Megatron-Core's
+    ``recompute_modules``, as the runtime trains."""
     torch_moe_combine: bool = False
     """The all-to-all dispatcher is torchtitan's (``AllToAllTokenDispatcher``): the dispatch sends the tokens alone
     (no routing probabilities' all-to-all), and the combine multiplies the returned rows by their scores in fp32 and
