@@ -105,6 +105,7 @@ from cfp_megatron.validation.defaults import (
     blank_reading,
     family_fields,
     framework_of,
+    layer_checkpoint_every,
     mtp_layers,
     performance_recipe,
     preset_architecture,
@@ -249,6 +250,12 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     recompute_raw = blank_reading(row, "recompute", framework).lower()
     recompute = "full" if recompute_raw.startswith("full") else "selective" if recompute_raw.startswith(
         "selective") else "none"
+    # Layer-wise selective checkpointing: every Nth block of each chunk recomputed whole, as full recomputation's
+    # block method counts them (the first of each chunk, not every Nth: the same time and memory).
+    every = layer_checkpoint_every(recompute_raw)
+    block_layers = layers // (pp * vp) // every if every else 0
+    if every:
+        recompute = "full" if block_layers else "none"
     numbers = precision_reading(row, cluster, data.precisions)
     number_format = NumberFormat.parse(numbers.number_format)
     sharding = blank_reading(row, "zero_or_fsdp", framework).lower()
@@ -310,7 +317,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                      "moe_a2a_overlap": bool(recipe and recipe.a2a_overlap),
                      "cuda_graph_impl": recipe.cuda_graph_impl if recipe else "none",
                      "cuda_graph_scope": recipe.cuda_graph_scope if recipe else None,
-                     "recompute_num_layers": 1, "cpu_offloading_num_layers": offloaded,
+                     "recompute_num_layers": block_layers or 1,
+                     "recompute_method": "block" if block_layers else "uniform", "cpu_offloading_num_layers": offloaded,
                      "grad_reduce_in_fp32": framework.grad_reduce_in_fp32 and not (
                          framework.deepspeed_engine and number_format.precision is Precision.fp16),
                      "fp8_param_gather": (dist_opt or fsdp) and number_format.name in framework.fp8_param_gather,
@@ -334,6 +342,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                    if recipe.cuda_graph_impl != "none" else "")
     layout += f" {moe_routing(row).tag}" if experts and moe_routing(row).tag else ""
     layout += f" mb{micro} gbs{gbs} {recompute}" + (f"[{job.parallel.recompute_modules}]" if modules else "")
+    layout += f"[{block_layers} of {layers // (pp * vp)} a chunk]" if block_layers else ""
     layout += f" offload={offloaded}L" if offloaded else ""
     layout += " fsdp" if fsdp else ""
     layout += " fp8-params" if job.parallel.fp8_param_gather else ""
@@ -346,6 +355,10 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                          pipeline_scatter_gather=framework.pipeline_scatter_gather,
                          te_cross_entropy=framework.te_cross_entropy, torch_fsdp=framework.torch_fsdp and fsdp,
                          torch_fused_adamw=framework.torch_fused_adamw, moe_layer_syncs=framework.moe_layer_syncs,
+                         torch_op_sac=framework.torch_op_sac, torch_moe_combine=framework.torch_moe_combine,
+                         eager_torch_loss=framework.eager_loss and not any(
+                             re.search(pattern, row.get("model") or "", re.IGNORECASE)
+                             for pattern in framework.compiled_loss),
                          deepspeed_engine=framework.deepspeed_engine,
                          apex_adam=apex_adam_states(row, framework) if dist_opt and not fsdp else None)
     return RowPlan(row_id=rid, source=row.get("source", ""), source_detail=row.get("source_detail", ""),

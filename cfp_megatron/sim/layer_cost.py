@@ -20,7 +20,7 @@ from cfp_megatron.sim.primepar_cost import MlpCost, ffn_gemms, mlp_activation_el
 from cfp_megatron.sim.terms.context_parallel import chunk_slowdown, cp_cost
 from cfp_megatron.sim.terms.data_parallel import fsdp_beside_experts, fsdp_exposed, fsdp_sync
 from cfp_megatron.sim.terms.expert_dispatch import MoeCost, expert_comm, moe_block_cost
-from cfp_megatron.sim.terms.recompute import selective_recompute
+from cfp_megatron.sim.terms.recompute import op_sac_recompute_s, selective_recompute
 from cfp_megatron.sim.terms.tensor_parallel import tp_pass_s
 
 
@@ -96,6 +96,9 @@ class LayerCost:
     ep_alone_s: tuple[float, float] = (0.0, 0.0)
     """(forward, backward) seconds of the expert token exchange a pass pays with nothing beside it to hide it
     (what its ``ep_comm_s`` would be without ``moe_a2a_overlap``): the combined 1F1B schedule's unpaired passes."""
+    unrecomputed_backward: PassCost | None = None
+    """The backward pass of a layer that block recomputation leaves out (FSDP's collectives beside its backward
+    alone); ``None``: ``backward``."""
 
     @property
     def total_s(self) -> float:
@@ -129,6 +132,10 @@ class LayerPasses:
     fsdp_beside_experts: bool = False
     """Whether FSDP's collectives also hide behind the exposed expert exchange
     (:func:`~cfp_megatron.sim.terms.data_parallel.fsdp_beside_experts`)."""
+    op_sac_s: float | None = None
+    """Selective recomputation's compute seconds where it is torchtitan's per-op policy
+    (:attr:`~cfp_megatron.sim.options.SimOptions.torch_op_sac`, :func:`~cfp_megatron.sim.terms.recompute.
+    op_sac_recompute_s`); ``None``: Megatron-Core's modules."""
 
 
 def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, options: SimOptions,
@@ -148,6 +155,8 @@ def with_recompute(passes: LayerPasses, job: JobSpec, layout: Layout, kernels: K
         recompute = PassCost(compute_s=forward.compute_s, attention_core_s=forward.attention_core_s,
                              overhead_s=forward.overhead_s, tp_comm_s=forward.tp_comm_s, cp_comm_s=forward.cp_comm_s,
                              ep_comm_s=forward.ep_comm_s)
+    elif parallel.recompute.value == "selective" and passes.op_sac_s is not None:
+        recompute = PassCost(compute_s=passes.op_sac_s)
     elif parallel.recompute.value == "selective":
         rec_compute, rec_core, rec_ep = selective_recompute(job, layout, kernels, moe_block=passes.moe_block,
                                                             mlp_gemm=passes.mlp_gemm_s,
@@ -156,7 +165,7 @@ def with_recompute(passes: LayerPasses, job: JobSpec, layout: Layout, kernels: K
         recompute = PassCost(compute_s=rec_compute, attention_core_s=rec_core, ep_comm_s=rec_ep)
     else:
         recompute = PassCost()
-    backward = passes.backward
+    backward = unrecomputed = passes.backward
     comm_s = passes.fsdp_sync_s[1]
     if comm_s > 0:
         # The backward's gather (prefetched) and the scatter run beside the layer's whole backward, its
@@ -164,8 +173,13 @@ def with_recompute(passes: LayerPasses, job: JobSpec, layout: Layout, kernels: K
         window_s = backward.compute_s + backward.attention_core_s + recompute.compute_s + recompute.attention_core_s
         beside_s = backward.ep_comm_s + recompute.ep_comm_s if passes.fsdp_beside_experts else 0.0
         backward = dataclasses.replace(backward, fsdp_comm_s=fsdp_exposed(comm_s, window_s, beside_s=beside_s))
+        alone_s = fsdp_exposed(comm_s, unrecomputed.compute_s + unrecomputed.attention_core_s,
+                               beside_s=unrecomputed.ep_comm_s if passes.fsdp_beside_experts else 0.0)
+        unrecomputed = dataclasses.replace(unrecomputed, fsdp_comm_s=alone_s)
+    block = parallel.recompute.value == "full" and parallel.recompute_method.value == "block"
     return LayerCost(forward=forward, backward=backward, recompute=recompute, params=passes.params,
-                     expert_params=passes.expert_params, ep_alone_s=passes.ep_alone_s)
+                     expert_params=passes.expert_params, ep_alone_s=passes.ep_alone_s,
+                     unrecomputed_backward=unrecomputed if block and comm_s > 0 else None)
 
 
 def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, options: SimOptions,
@@ -212,7 +226,8 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     primepar: MlpCost | None = None
     moe_block = None
     if moe:
-        moe_block = moe_block_cost(job, layout, kernels, costs, imbalance=options.moe_routing_imbalance)
+        moe_block = moe_block_cost(job, layout, kernels, costs, imbalance=options.moe_routing_imbalance,
+                                   torch_combine=options.torch_moe_combine)
         mlp_gemm = moe_block.gemm_s
         split_elements += moe_block.elements_per_token
         expert_params = moe_block.expert_params
@@ -284,9 +299,13 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     # the weight-gradient GEMMs: as many FLOPs as the forward's (half of the backward's GEMMs)
     backward = PassCost(compute_s=bwd_compute, attention_core_s=core_bwd, overhead_s=overhead, tp_comm_s=tp_bwd,
                         cp_comm_s=cp_bwd, ep_comm_s=ep_bwd, weight_grad_s=attn_gemm + mlp_bwd_gemm / 2 + accumulate_s)
+    op_sac_s = (op_sac_recompute_s(job, layout, kernels, moe_block=moe_block,
+                                   elementwise_s=elementwise)
+                if options.torch_op_sac else None)
     return LayerPasses(forward=forward, backward=backward, params=params, expert_params=expert_params,
                        ep_alone_s=ep_alone, mlp_gemm_s=mlp_gemm, moe_block=moe_block,
-                       fsdp_sync_s=(fsdp_fwd_comm, fsdp_bwd_comm), fsdp_beside_experts=beside_experts)
+                       fsdp_sync_s=(fsdp_fwd_comm, fsdp_bwd_comm), fsdp_beside_experts=beside_experts,
+                       op_sac_s=op_sac_s)
 
 
 def grad_accumulation_s(job: JobSpec, layout: Layout, kernels: KernelModel, options: SimOptions,

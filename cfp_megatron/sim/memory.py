@@ -93,6 +93,31 @@ def layer_extra_params(job: JobSpec, layout: Layout) -> float:
     return extra
 
 
+def op_sac_gemms(job: JobSpec, layout: Layout, *, moe: bool) -> list[tuple[float, float]]:
+    """The (output, input) widths of one layer's ``mm``/``linear`` calls per token on one rank, in the order
+    torchtitan's blocks run them (attention's projections, then the dense MLP's or the shared expert's; the
+    router's gate and the routed experts' grouped GEMMs are not counted: docs/validation.md, "torchtitan's
+    activation checkpointing")."""
+    model, tp = job.model, layout.dims.tp
+    hidden, heads = model.hidden_size, model.num_attention_heads
+    if model.attention is AttentionKind.mla:
+        qk = model.qk_head_dim + model.qk_pos_emb_head_dim
+        q = ([(model.q_lora_rank, hidden), (heads * qk / tp, model.q_lora_rank)] if model.q_lora_rank
+             else [(heads * qk / tp, hidden)])
+        gemms = q + [(model.kv_lora_rank + model.qk_pos_emb_head_dim, hidden),
+                     (heads * (model.qk_head_dim + model.v_head_dim) / tp, model.kv_lora_rank),
+                     (hidden, heads * model.v_head_dim / tp)]
+    else:
+        head_dim = model.kv_channels or hidden // heads
+        kv = model.query_groups * head_dim / tp
+        gemms = [(heads * head_dim / tp, hidden), (kv, hidden), (kv, hidden), (hidden, heads * head_dim / tp)]
+    width = (model.moe_shared_expert_intermediate_size or 0) if moe else model.ffn_size
+    if width:
+        up = [(width / tp, hidden)] * (2 if model.activation is Activation.swiglu else 1)
+        gemms += up + [(hidden, width / tp)]
+    return gemms
+
+
 def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *, moe: bool,
                            recompute: Recompute | None = None) -> tuple[float, float]:
     """(bytes kept for backward by one layer for one micro-batch on one rank, the same under full recomputation).
@@ -120,6 +145,9 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
     recompute = job.parallel.recompute if recompute is None else recompute
     # Selective recomputation's submodules (parallel.recompute_modules) keep none of what they recompute.
     modules = job.parallel.recomputed_modules if recompute is Recompute.selective else frozenset()
+    full_recompute_bytes = tokens * hidden * elem * replicated_share  # the layer's input only
+    if recompute is Recompute.selective and options.torch_op_sac:
+        return full_recompute_bytes + tokens * op_sac_saved_bytes(job, layout, options, moe=moe), full_recompute_bytes
     # Replicated over TP unless SP: two norm inputs, QKV input, MLP input (the norms' outputs), two dropout masks,
     # and each norm's fp32 reciprocal deviation per token (rstd; LayerNorm's mean too, as one more): Transformer
     # Engine's fused norms and PyTorch's native_layer_norm keep (input, mean, rstd), RMSNorm (input, rstd).
@@ -181,8 +209,28 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
     if options.attention is AttentionKernel.torch_softmax and RecomputeModule.core_attn not in modules:
         # PyTorch's masked_fill keeps the boolean causal mask it applied: one byte an [s / cp, s] position a layer.
         kept += layout.seq_length / dims.cp * layout.seq_length
-    full_recompute_bytes = tokens * hidden * elem * replicated_share  # the layer's input only
     return kept, full_recompute_bytes
+
+
+def op_sac_saved_bytes(job: JobSpec, layout: Layout, options: SimOptions, *, moe: bool) -> float:
+    """Bytes per token one layer keeps beyond its input under torchtitan's per-op selective checkpointing
+    (:attr:`~cfp_megatron.sim.options.SimOptions.torch_op_sac`): the outputs of the first, third, ... ``mm`` of the
+    block (:func:`op_sac_gemms`), SDPA's output and its fp32 log-sum-exp per head, and in a MoE layer the top-k
+    scores and indices and, with EP, the dispatch's and the combine's all-to-all outputs."""
+    model, dims = job.model, layout.dims
+    elem = float(element_bytes(job))
+    heads = model.num_attention_heads
+    v_width = model.v_head_dim if model.attention is AttentionKind.mla else model.kv_channels or (
+        model.hidden_size // heads)
+    kept = elem * sum(n for n, _ in op_sac_gemms(job, layout, moe=moe)[0::2])
+    kept += (elem * heads * v_width + 4.0 * heads) / dims.tp  # the fp32 log-sum-exp a head
+    if moe:
+        topk = model.moe_router_topk
+        kept += topk * (4.0 + 8.0)  # fp32 scores, int64 indices
+        if dims.ep > 1:
+            routed = topk * model.expert_load(options.moe_routing_imbalance)
+            kept += 2.0 * routed * elem * model.hidden_size
+    return kept
 
 
 def projection_input_bytes(job: JobSpec, options: SimOptions, modules: frozenset[RecomputeModule],
@@ -241,13 +289,25 @@ casts with ``.float()``, ``calculate_predicted_logits`` and ``calculate_cross_en
 ``save_for_backward(exp_logits, ...)``); its backward turns that buffer into the gradient in place."""
 
 
-def loss_bytes_per_logit(elem_bytes: float, mtp_layers: int = 0, *, te_cross_entropy: bool = False) -> float:
+EAGER_TORCH_CE_BYTES = 12.0
+"""Bytes per logit at the peak of PyTorch's ``cross_entropy`` run eagerly on an fp32 copy of the logits
+(torchtitan's ``components/loss.py``, ``cross_entropy(pred.flatten(0, 1).float(), ...)``, without ``compile``): in
+the backward the saved fp32 log-softmax (4), ``nll_loss``'s fp32 gradient (4) and ``log_softmax``'s fp32 gradient
+input (4) at once; the forward's bf16 logits, fp32 copy and log-softmax (2 + 4 + 4) stay below it. Measured on
+CPU: 12.2 (docs/simulator.md, the memory section)."""
+
+
+def loss_bytes_per_logit(elem_bytes: float, mtp_layers: int = 0, *, te_cross_entropy: bool = False,
+                         eager_torch: bool = False) -> float:
     """Bytes per logit (``tokens x vocab / tp`` on the loss rank) at the loss's peak: the fp32 softmax of the head
     and of each MTP layer (:data:`LOSS_SOFTMAX_BYTES`), kept until the backward pass, and one logit tensor in the
     compute precision beside one of them (the head's output while the forward casts it, its gradient while the
     backward casts the fp32 gradient back); in fp32 the cast is the tensor itself, so nothing beside it. Under
     ``te_cross_entropy`` (Transformer Engine's fused kernel, ``pytorch/triton/cross_entropy.py``: an online softmax
-    over the logits as they are, the gradient written over them in place) each head keeps its logits alone."""
+    over the logits as they are, the gradient written over them in place) each head keeps its logits alone; under
+    ``eager_torch`` PyTorch's eager cross entropy, :data:`EAGER_TORCH_CE_BYTES` a head."""
+    if eager_torch:
+        return EAGER_TORCH_CE_BYTES * (1 + mtp_layers)
     if te_cross_entropy:
         return elem_bytes * (1 + mtp_layers)
     return LOSS_SOFTMAX_BYTES * (1 + mtp_layers) + (elem_bytes if elem_bytes != LOSS_SOFTMAX_BYTES else 0.0)
@@ -262,7 +322,8 @@ def loss_logit_bytes(stage: Stage) -> float:
     model, dims = stage.job.model, stage.layout.dims
     return (stage.common.tokens * model.padded_vocab_size / dims.tp
             * loss_bytes_per_logit(stage.common.elem_bytes, model.mtp_num_layers,
-                                   te_cross_entropy=stage.options.te_cross_entropy))
+                                   te_cross_entropy=stage.options.te_cross_entropy,
+                                   eager_torch=stage.options.eager_torch_loss and dims.tp == 1))
 
 
 def in_flight(rank: int, pp: int, vpp: int, microbatches: int,

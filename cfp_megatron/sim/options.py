@@ -95,6 +95,10 @@ class SimOptions:
     dtype and turns them into their gradient in place, no fp32 copy (memory only; :func:`~cfp_megatron.sim.memory.
     loss_bytes_per_logit`). ``False``: Megatron-Core's default vocab-parallel cross entropy (and its ``native``
     fusion), which keeps an fp32 softmax beside them, as the runtime trains."""
+    eager_torch_loss: bool = False
+    """Without tensor parallelism the loss is PyTorch's ``cross_entropy`` on an fp32 copy of the logits, run eagerly
+    (torchtitan without ``compile`` of the loss; memory only: :data:`~cfp_megatron.sim.memory.EAGER_TORCH_CE_BYTES`).
+    Under TP its ``loss_parallel`` keeps Megatron-Core's count. ``False``: Megatron-Core's cross entropy."""
     torch_fsdp: bool = False
     """Sharded weights (``parallel.fsdp=optim_grads_params``) as PyTorch's FSDP keeps them (FSDP1 ``FULL_SHARD``,
     FSDP2 ``fully_shard``: torchtitan, llm-foundry): the fp32 shard is the parameter and its master weights, with no
@@ -109,6 +113,17 @@ class SimOptions:
     moe_layer_syncs: int | None = None
     """Device-to-host synchronisations in each dropless MoE layer's forward; ``None``: Megatron-Core's
     (``cfp_megatron/sim/host.yaml``, ``moe_layer_syncs``). torchtitan's all-to-all dispatcher has one."""
+    torch_op_sac: bool = False
+    """Selective recomputation (``parallel.recompute=selective``) is torchtitan's per-op policy (``SelectiveAC``):
+    every second ``mm`` of a block, the routed experts' grouped GEMMs and the element-wise kernels recomputed, the
+    attention core and the all-to-all saved (:func:`~cfp_megatron.sim.terms.recompute.op_sac_recompute_s`; what
+    its layers keep: :func:`~cfp_megatron.sim.memory.op_sac_saved_bytes`). ``False``: Megatron-Core's
+    ``recompute_modules``, as the runtime trains."""
+    torch_moe_combine: bool = False
+    """The all-to-all dispatcher is torchtitan's (``AllToAllTokenDispatcher``): the dispatch sends the tokens alone
+    (no routing probabilities' all-to-all), and the combine multiplies the returned rows by their scores in fp32 and
+    scatter-adds them (:data:`~cfp_megatron.sim.terms.expert_dispatch.TORCH_COMBINE_BYTES`). ``False``:
+    Megatron-Core's ``MoEAlltoAllTokenDispatcher``."""
     apex_adam: ApexAdamStates | None = None
     """The distributed optimizer is Apex's ``DistributedFusedAdam`` keeping its states so (memory only;
     :meth:`~cfp_megatron.sim.sharding.StateBytes.megatron`). ``None``: Megatron-Core's distributed optimizer (fp32

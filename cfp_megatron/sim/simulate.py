@@ -368,6 +368,12 @@ def _peak_stages(job: JobSpec, layout: Layout, options: SimOptions, measurements
                  for rank in ranks)
 
 
+def _backward(cost: LayerCost, recomputed: int, layers: int) -> PassCost:
+    """The backward passes of ``layers`` layers of ``cost``'s kind, ``recomputed`` of them recomputed."""
+    plain = cost.unrecomputed_backward or cost.backward
+    return cost.backward.scaled(recomputed).plus(plain.scaled(layers - recomputed))
+
+
 def _pass_grid(job: JobSpec, dims: ParallelDims, parts: PassCosts
                ) -> tuple[list[list[PassCost]], list[list[PassCost]], list[list[PassCost]]]:
     """Per pipeline rank and model chunk: one micro-batch's forward, backward and recomputation costs."""
@@ -398,10 +404,11 @@ def _pass_grid(job: JobSpec, dims: ParallelDims, parts: PassCosts
             if found is None:
                 fwd_cost = dense.forward.scaled(primepar_layers).plus(
                     megatron_dense.forward.scaled(chunk.dense - primepar_layers)).plus(moe.forward.scaled(chunk.moe))
-                bwd_cost = dense.backward.scaled(primepar_layers).plus(
-                    megatron_dense.backward.scaled(chunk.dense - primepar_layers)).plus(
-                    moe.backward.scaled(chunk.moe))
                 rec_primepar = min(rec_dense, primepar_layers)
+                # Layers the block method leaves out run their backward alone beside FSDP's collectives.
+                bwd_cost = _backward(dense, rec_primepar, primepar_layers).plus(
+                    _backward(megatron_dense, rec_dense - rec_primepar, chunk.dense - primepar_layers)).plus(
+                    _backward(moe, rec_moe, chunk.moe))
                 rec_cost = dense.recompute.scaled(rec_primepar).plus(
                     megatron_dense.recompute.scaled(rec_dense - rec_primepar)).plus(moe.recompute.scaled(rec_moe))
                 if chunk.mtp:

@@ -110,6 +110,16 @@ class Framework:
     torch_fused_adamw: bool = False
     """Its optimizer steps as PyTorch's fused AdamW (:attr:`~cfp_megatron.sim.options.SimOptions.
     torch_fused_adamw`)."""
+    eager_loss: bool = False
+    """Its loss runs eagerly (:attr:`~cfp_megatron.sim.options.SimOptions.eager_torch_loss`), except for the models
+    of ``compiled_loss``."""
+    compiled_loss: tuple[str, ...] = ()
+    """Patterns on ``model`` (case-insensitive) whose recipes compile the loss."""
+    torch_moe_combine: bool = False
+    """Its MoE dispatcher is torchtitan's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_moe_combine`)."""
+    torch_op_sac: bool = False
+    """Its selective recomputation is torchtitan's per-op policy (:attr:`~cfp_megatron.sim.options.SimOptions.
+    torch_op_sac`)."""
     moe_layer_syncs: int | None = None
     """Device-to-host synchronisations of its dropless MoE layers' forward (:attr:`~cfp_megatron.sim.options.
     SimOptions.moe_layer_syncs`; ``None``: Megatron-Core's)."""
@@ -278,7 +288,8 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
         runs = entry.get("runs", dict)
         optional = {"mtp_layers", "pipeline_scatter_gather", "fp8_param_gather", "te_cross_entropy", "torch_fsdp",
                     "apex_distributed_adam", "overlap_param_gather", "weight_grad_accumulation", "torch_fused_adamw",
-                    "moe_layer_syncs", "rank_batch_micro", "tie_embeddings", "deepspeed_engine"}
+                    "moe_layer_syncs", "rank_batch_micro", "tie_embeddings", "deepspeed_engine", "torch_op_sac",
+                    "torch_moe_combine", "eager_loss", "compiled_loss"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -305,6 +316,14 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
         syncs = runs.get("moe_layer_syncs")
         if syncs is not None and (not isinstance(syncs, int) or isinstance(syncs, bool) or syncs < 0):
             entry.fail(f"has moe_layer_syncs={syncs!r}; it counts a MoE layer's synchronisations (0 or more)")
+        compiled = runs.get("compiled_loss") or []
+        if not isinstance(compiled, list) or not all(isinstance(p, str) for p in compiled):
+            entry.fail(f"has compiled_loss={compiled!r}; it lists model patterns")
+        for model_pattern in compiled:
+            try:
+                re.compile(model_pattern)
+            except re.error as err:
+                entry.fail(f"has compiled_loss pattern {model_pattern!r}, not a regular expression ({err})")
         contains = match.get("contains", [])
         frameworks.append(Framework(
             name=raw["name"], source=raw["source"], blank=dict(blank), attention=attention,
@@ -320,6 +339,9 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             overlap_param_gather=bool(runs.get("overlap_param_gather", False)),
             weight_grad_accumulation=WeightGradAccumulation(accumulation),
             torch_fused_adamw=bool(runs.get("torch_fused_adamw", False)), moe_layer_syncs=syncs,
+            torch_op_sac=bool(runs.get("torch_op_sac", False)),
+            torch_moe_combine=bool(runs.get("torch_moe_combine", False)),
+            eager_loss=bool(runs.get("eager_loss", False)), compiled_loss=tuple(compiled),
             rank_batch_micro=bool(runs.get("rank_batch_micro", False)),
             apex_adam=tuple((str(pattern), ApexAdamStates(state)) for pattern, state in apex.items())))
     if frameworks[-1].match != FrameworkMatch():

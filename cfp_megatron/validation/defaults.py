@@ -27,6 +27,22 @@ def blank_reading(row: dict, column: str, framework: Framework) -> str:
     return (row.get(column) or "").strip() or framework.blank.get(column, "")
 
 
+LAYER_AC_DEFAULT_EVERY = 2
+"""The block frequency of layer-wise selective checkpointing a row names without a number: torchtitan's
+``selective_ac_option`` default ("2", torchtitan/config/configs.py before 114151ad, which removed the option)."""
+
+
+def layer_checkpoint_every(recompute: str) -> int | None:
+    """Every how many blocks a ``recompute`` cell's layer-wise selective checkpointing wraps one whole (torchtitan's
+    ``selective_ac_option`` N: blocks N, 2N, ... fully checkpointed, the others keep their activations): a cell
+    starting "selective" that names layers, "every" or the option; ``None``: not layer-wise."""
+    text = recompute.lower()
+    if not text.startswith("selective") or not re.search(r"layer|every|ac_option", text):
+        return None
+    number = re.search(r"(\d+)", text)
+    return int(number.group(1)) if number else LAYER_AC_DEFAULT_EVERY
+
+
 def apex_adam_states(row: dict, framework: Framework) -> ApexAdamStates | None:
     """How ``framework``'s Apex DistributedFusedAdam keeps the row's ``model``'s optimizer states (``None``: its
     distributed optimizer is Megatron-Core's)."""

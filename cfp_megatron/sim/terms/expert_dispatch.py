@@ -108,6 +108,11 @@ MAIN_GRAD_BYTES = 8.0
 """Bytes per weight element an expert's weight-gradient GEMM moves into its gradient: Megatron-Core's
 ``gradient_accumulation_fusion`` (Megatron-LM's default, on with Transformer Engine: ``TEGroupedLinear`` passes it as
 ``fuse_wgrad_accumulation``) accumulates into the fp32 ``main_grad``, a read and a write of 4 bytes."""
+TORCH_COMBINE_BYTES = 26.0
+"""HBM bytes per routed copy and hidden element of torchtitan's combine (``AllToAllTokenDispatcher.combine``,
+``models/common/token_dispatcher.py``), which runs where Megatron-Core's unpermutation does: the returned bf16
+rows cast to fp32 (2 read, 4 written), multiplied by their scores (4 + 4), cast back (4 + 2), and scatter-added into
+the tokens' outputs (``deterministic_scatter_add``: the row read, 2, and the output's read and write, 2 + 2)."""
 PERMUTE_ROW_PASSES = 2.0
 """HBM passes over one hidden-size row per routed copy of one permutation (a gather reads the token's row and
 writes the copy's; the unpermutation reads the copy's row and accumulates it into the token's)."""
@@ -124,11 +129,12 @@ def expected_remote_nodes(topk: int, nodes: int) -> float:
 
 
 def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, *,
-                   imbalance: float = 1.0) -> MoeCost:
+                   imbalance: float = 1.0, torch_combine: bool = False) -> MoeCost:
     """Cost of ``job``'s MoE block under ``layout``, as Megatron-Core runs it: dropless, the rank holding the busiest
     experts processes ``imbalance`` times the balanced share of routed tokens (1.0: forced or perfect balance);
     token-drop, at most the capacity factor times it; padded to capacity, exactly that
-    (:meth:`~cfp_megatron.base.config.ModelSpec.expert_load`)."""
+    (:meth:`~cfp_megatron.base.config.ModelSpec.expert_load`). ``torch_combine``: the all-to-all dispatcher is
+    torchtitan's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_moe_combine`)."""
     model, dims = job.model, layout.dims
     tp, etp, ep, sp = dims.tp, dims.etp, dims.ep, dims.sp
     hidden = model.hidden_size
@@ -163,10 +169,12 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     gemm_s += router_s + shared_s
     gemm_bwd_s += 2.0 * (router_s + shared_s)
     elements = activation + shared_elements + _routing_elements(job, layout, kernels, routed=routed,
+                                                                torch_combine=torch_combine,
                                                                  local_tokens=local_tokens) / tokens
     expert_params = mlp_params(model, expert_ffn) * local_experts / etp
     params = expert_params + mlp_params(model, shared_ffn) / tp + hidden * num_experts
-    dispatch_s, combine_s = _dispatch_s(job, layout, kernels, costs, routed=routed / etp, local_tokens=local_tokens)
+    dispatch_s, combine_s = _dispatch_s(job, layout, kernels, costs, routed=routed / etp, local_tokens=local_tokens,
+                                        probabilities=not torch_combine)
     return MoeCost(gemm_s=gemm_s, gemm_bwd_s=gemm_bwd_s, shared_gemm_s=shared_s, elements_per_token=elements,
                    activation_elements_per_token=activation, shared_elements_per_token=shared_elements,
                    dispatch_s=dispatch_s, combine_s=combine_s,
@@ -175,7 +183,7 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
 
 
 def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, routed: float,
-                      local_tokens: float) -> float:
+                      local_tokens: float, torch_combine: bool = False) -> float:
     """Elements (of the compute precision) the routing moves through HBM on this rank in one forward pass,
     memory-bound kernels counted from what Megatron-Core's ``TopKRouter`` and ``MoEAlltoAllTokenDispatcher`` run:
     the router's element-wise kernels on the ``local_tokens`` it scores (:data:`ROUTER_BYTES_PER_EXPERT`, and the
@@ -184,7 +192,8 @@ def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, rou
     expert and the unsort before the combine (``sort_chunks_by_idxs``); each a gather/scatter of
     :data:`PERMUTE_ROW_PASSES` rows per copy. The flex dispatcher (DeepEP) permutes only what arrives. Under FP8 and
     FP4, the quantisation of each grouped linear's input (the format's ``cast_bytes``,
-    ``cfp_megatron/sim/number_formats.yaml``)."""
+    ``cfp_megatron/sim/number_formats.yaml``). ``torch_combine``: torchtitan's combine
+    (:data:`TORCH_COMBINE_BYTES`) instead of the unpermutation."""
     model, dims = job.model, layout.dims
     num_experts, hidden = model.num_experts or 1, model.hidden_size
     router_bytes = ROUTER_BYTES_PER_EXPERT + (AUX_LOSS_BYTES_PER_EXPERT if model.moe_aux_loss_coeff > 0 else 0.0)
@@ -197,6 +206,8 @@ def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, rou
     else:
         sent = model.moe_router_topk * local_tokens * model.expert_load(1.0)  # copies this rank sends and gets back
         elements += 2 * PERMUTE_ROW_PASSES * sent * hidden  # permutation 1 and the unpermutation
+        if torch_combine:  # torchtitan scores and scatter-adds the copies in fp32 where the unpermutation was
+            elements += sent * hidden * (TORCH_COMBINE_BYTES / kernels.elem - PERMUTE_ROW_PASSES)
         if num_experts // dims.ep > 1:
             elements += 2 * PERMUTE_ROW_PASSES * received * hidden  # permutation 2 and its inverse
     if kernels.low:  # fc1's input (hidden) and fc2's (the expert's FFN share) quantised row by row
@@ -206,10 +217,11 @@ def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, rou
 
 
 def _dispatch_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, *, routed: float,
-                local_tokens: float) -> tuple[float, float]:
+                local_tokens: float, probabilities: bool = True) -> tuple[float, float]:
     """(dispatch and combine, of which the combine) seconds of one pass's token exchange on one rank under the
     model's dispatcher. ``routed``: the token copies this rank sends (and receives) over the EP group;
-    ``local_tokens``: the tokens entering the block."""
+    ``local_tokens``: the tokens entering the block; ``probabilities``: the alltoall dispatcher sends each copy's
+    routing probability (Megatron-Core's; torchtitan's keeps the scores where the token is)."""
     model, dims = job.model, layout.dims
     hidden, elem = model.hidden_size, kernels.elem
     ep, etp = dims.ep, dims.etp
@@ -241,7 +253,9 @@ def _dispatch_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Colle
             # backward pass its gradient).
             a2a = all_to_all_costs(costs, job)  # NCCL's all-to-all at its NVLink ceiling
             one_way = a2a.seconds(Collective.all_to_all, a2a_bytes, ep, layout.ep_per_node)
-            dispatch += one_way + a2a.seconds(Collective.all_to_all, routed * PROB_BYTES, ep, layout.ep_per_node)
+            dispatch += one_way
+            if probabilities:
+                dispatch += a2a.seconds(Collective.all_to_all, routed * PROB_BYTES, ep, layout.ep_per_node)
             combine += one_way
     return dispatch + combine, combine
 

@@ -15,6 +15,7 @@ from cfp_megatron.sim.memory import (
     in_flight,
     loss_logit_bytes,
     offloaded_layers,
+    op_sac_gemms,
     primepar_split,
     recomputed_layers,
     unfused_attention_working_bytes,
@@ -61,6 +62,22 @@ def selective_recompute(job: JobSpec, layout: Layout, kernels: KernelModel, *, m
         gemm_s += kernels.gemm(tokens, heads * (model.qk_head_dim + model.v_head_dim) / tp, model.kv_lora_rank)
     core_s = core_fwd_s if RecomputeModule.core_attn in modules else 0.0
     return gemm_s + kernels.memory(elements * tokens * kernels.elem), core_s, ep_s
+
+
+def op_sac_recompute_s(job: JobSpec, layout: Layout, kernels: KernelModel, *, moe_block: MoeCost | None,
+                       elementwise_s: float) -> float:
+    """The forward work torchtitan's per-op selective activation checkpointing (``SelectiveAC``, ``mode =
+    "selective"`` with ``selective_ac_option = "op"``) repeats in one layer's backward: every second ``mm`` of the
+    block (:func:`op_sac_gemms`; the first, third, ... are saved), the router's gate (force-recomputed), the routed
+    experts' grouped GEMMs (``_grouped_mm`` is not in its save list) and every element-wise kernel
+    (``elementwise_s``); the attention core (SDPA), the all-to-all and the host copy of the token counts are saved,
+    so neither the core nor the exchange nor the synchronisation runs again."""
+    tokens = layout.micro_batch * layout.seq_length / layout.dims.cp
+    gemms = op_sac_gemms(job, layout, moe=moe_block is not None)
+    seconds = sum(kernels.gemm(tokens, n, k) for n, k in gemms[1::2])
+    if moe_block is not None:
+        seconds += moe_block.gemm_s - moe_block.shared_gemm_s
+    return seconds + elementwise_s
 
 
 def layer_activations(stage: Stage) -> float:
