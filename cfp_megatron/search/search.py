@@ -603,6 +603,10 @@ class _Bounded:
     kept: _KeptBytes | None = None
     """Activation bytes a dense and a MoE decoder layer keep per micro-batch on a rank, at least
     (:func:`_layer_kept_bytes`), computed when the group is first expanded; ``None``: not counted."""
+    serial: GroupCosts | None = None
+    """The bound terms of its splits of one chunk per rank where they differ from :attr:`costs` (a pipelined MoE
+    group whose interleaved splits may overlap the expert all-to-all, which Megatron-Core does not under the plain
+    schedule: :meth:`~cfp_megatron.search.space.Space.a2a_overlap`); ``None``: :attr:`costs` for every split."""
 
 
 @dataclass(kw_only=True)
@@ -689,6 +693,8 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
             costs = by_key[ckey]
             if costs is None:
                 continue
+            costs, serial = costs  # pipelined, the all-to-all overlaps under the interleaved schedule only
+            serial = serial if pp > 1 else None
             # what a layer's activations depend on (fewer distinct values than the pass costs' keys)
             akey = (h.tp, h.sp, h.cp, h.etp, h.micro_batch, recompute, h.mlp)
             if akey not in kept:
@@ -697,12 +703,12 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
             ends = (L, L) if pp == 1 or costs.shared_cores else _lightest_ends(L, pp, g.splits)
             busy = (0.0, 0.0)
             # a MoE model's layers by kind (the bound's layer cost is the cheaper kind's)
-            if pp > 1 and not costs.shared_cores and first_dense is not None:
+            if not costs.shared_cores and first_dense is not None:
                 kind_s = costs.kind_fb_s if recompute == BLOCK else costs.kind_s
                 loads = _lightest_end_loads(L, pp, g.splits, first_dense)
                 busy = tuple(min(d * kind_s[0] + n * kind_s[1] for d, n in end) for end in loads)
             bound = group_bound(costs, recompute == BLOCK, g.microbatches, pp, L, *ends, *busy)
-            out.append(_Bounded(group=g, costs=costs, bound=bound, kept=kept[akey]))
+            out.append(_Bounded(group=g, costs=costs, bound=bound, kept=kept[akey], serial=serial))
     return out, refused, size
 
 
@@ -736,16 +742,18 @@ def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: S
     L = m.num_layers
     moe_model = m.is_moe
     first_dense = m.moe_first_dense_layers if moe_model else None
-    g, costs = bounded.group, bounded.costs
+    g, interleaved = bounded.group, bounded.costs
     pp = g.head.pp
-    layer_s, chunk_s = layer_terms(costs, g.head.recompute == BLOCK)
+    block = g.head.recompute == BLOCK
     out = []
-    kind_s = costs.kind_fb_s if g.head.recompute == BLOCK else costs.kind_s
     kept_bytes: tuple[float, float] | None = None  # computed for the first candidate the cut leaves
     per_param = param_bytes.per_param(g.head)
     offloading = job.parallel.cpu_offloading_num_layers > 0
     for split in g.splits:
         vpp = split[0]
+        costs = bounded.serial if vpp == 1 and bounded.serial is not None else interleaved
+        layer_s, chunk_s = layer_terms(costs, block)
+        kind_s = costs.kind_fb_s if block else costs.kind_s
         first, middle, last, dense_0, moe_0, dense_n, moe_n, loads, middles = _split_facts(L, pp, split, first_dense)
         bound = time_bound(costs, layer_s, chunk_s, g.microbatches, pp, vpp, L, first, middle, last,
                            dense_0 * kind_s[0] + moe_0 * kind_s[1], dense_n * kind_s[0] + moe_n * kind_s[1],
@@ -916,10 +924,12 @@ def _stage_layers(num_layers: int, pp: int, vpp: int, first: int, last: int, bal
 
 def _group_costs(cand: Candidate, job: JobSpec, measurements: Measurements | None, options: SimOptions, world: int,
                  cache: CostCache, refused: list[Rejection], *,
-                 may_overlap: tuple[bool, bool] = (False, False)) -> GroupCosts | None:
+                 may_overlap: tuple[bool, bool] = (False, False)) -> tuple[GroupCosts, GroupCosts | None] | None:
     """The costs a group's bound counts (:func:`~cfp_megatron.sim.bounds.group_costs`), from its representative
     ``cand`` (no overlaps); ``may_overlap``: whether its candidates may overlap their TP communication and their
-    expert all-to-all; ``None`` (and a rejection in ``refused``) where the runtime's validation refuses it."""
+    expert all-to-all; with those without the all-to-all's overlap where it may (``None`` where it may not: the
+    costs of a pipelined group's splits of one chunk per rank, :attr:`_Bounded.serial`); ``None`` (and a rejection in
+    ``refused``) where the runtime's validation refuses it."""
     # A valid split for the pass costs (they do not depend on the split): the even one, or the balanced one where
     # the stages do not divide the layers.
     rep = dataclasses.replace(cand, vpp=1, distributed_optimizer=False, first_stage_layers=0, last_stage_layers=0,
@@ -937,5 +947,8 @@ def _group_costs(cand: Candidate, job: JobSpec, measurements: Measurements | Non
         return None
     shared_cores = (measurements is not None and parts.overheads is not None
                     and measurements.busy_slowdown() is not None)
-    return group_costs(parts, Overlaps(tp=cand.tp, tp_comm=may_overlap[0], expert_a2a=may_overlap[1]),
-                       hidden=job.model.hidden_size, shared_cores=shared_cores, fixed_s=fixed_s)
+    def bound_terms(expert_a2a: bool) -> GroupCosts:
+        return group_costs(parts, Overlaps(tp=cand.tp, tp_comm=may_overlap[0], expert_a2a=expert_a2a),
+                           hidden=job.model.hidden_size, shared_cores=shared_cores, fixed_s=fixed_s)
+
+    return bound_terms(may_overlap[1]), bound_terms(False) if may_overlap[1] else None
