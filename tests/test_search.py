@@ -657,12 +657,13 @@ def test_the_layer_kind_memory_bound_leaves_the_no_fit_figures_as_predicted(seed
                            f"train.global_batch_size={rng.choice([16, 32])}", "train.seq_length=256",
                            "cfp.constraints.max_micro_batch=4")
     fast = search(job, gpn, cfp)
-    expand = searching._expand
+    memory_bounds = searching._memory_bounds
 
     def first_bound_only(*args, **kwargs):  # the second bound no tighter than the first: every one predicted
-        return [(bound, kind, key, (extra[0], extra[0])) for bound, kind, key, extra in expand(*args, **kwargs)]
+        first, _, strategies = memory_bounds(*args, **kwargs)
+        return first, first, strategies
 
-    monkeypatch.setattr(searching, "_expand", first_bound_only)
+    monkeypatch.setattr(searching, "_memory_bounds", first_bound_only)
     full = search(job, gpn, cfp)
     assert fast.over_memory == full.over_memory > 0
     assert fast.rejected == full.rejected and fast.least_over_gib == full.least_over_gib
