@@ -35,6 +35,7 @@ from cfp_megatron.search.search import (
     search,
 )
 from cfp_megatron.search.space import Candidate, build_space
+from cfp_megatron.sim.bounds import layer_terms, time_bound
 from cfp_megatron.sim.memory import memory_band
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache
@@ -134,6 +135,40 @@ def test_bounds_hold_for_moe_with_dense_layers_mtp_and_balanced_splits(seed: int
     fast = search(job, gpn, cfp)
     full = search(job, gpn, cfp, exhaustive=True)
     assert [r.candidate for r in fast.ranked] == [r.candidate for r in full.ranked]
+
+
+def test_the_bound_counts_each_layer_kind_without_a_pipeline_and_the_whole_exchange_of_a_plain_schedule() -> None:
+    """Without pipelining the one rank's layers are bounded at their own kind's cost (a MoE layer costs more than a
+    dense one), and a pipelined split of one chunk per rank at its whole expert exchange (Megatron-Core overlaps
+    the all-to-all under the interleaved schedule only): tighter than at the cheaper kind and with the overlap's
+    share hidden, never above the simulated step of the plan with the overlaps it may turn on."""
+    job, cfp = compose_job("model=moe_tiny", "model.num_layers=6", "model.moe_first_dense_layers=1",
+                           "cluster=dgx_h100", "cluster.nodes=1", "cluster.gpus_per_node=4",
+                           "train.global_batch_size=32", "train.seq_length=256", "cfp.ep=2",
+                           "cfp.constraints.max_micro_batch=2")
+    space = build_space(job, 4, cfp)
+    options = SimOptions()
+    cache = CostCache.for_job(job, None, options)
+    param_bytes = _param_bytes(job, space)
+    tighter = {"pp1": 0, "plain": 0}
+    for bounded in _groups(space, job, None, options, cache)[0]:
+        h = bounded.group.head
+        for bound, _, key, _ in _expand(bounded, job, options, param_bytes):
+            cand = Candidate.from_key(key)
+            if h.pp == 1:  # the same bound at the cheaper kind's cost for every layer
+                layer_s, chunk_s = layer_terms(bounded.costs, h.recompute == "block")
+                cheaper = time_bound(bounded.costs, layer_s, chunk_s, bounded.group.microbatches, 1, 1, 6, 6, 6, 6)
+                tighter["pp1"] += bound > cheaper * (1 + 1e-9)
+            elif cand.vpp == 1 and bounded.serial is not None:
+                interleaved = dataclasses.replace(bounded, serial=None)
+                loose = [b for b, _, k, _ in _expand(interleaved, job, options, param_bytes) if k == key][0]
+                tighter["plain"] += bound > loose * (1 + 1e-9)
+            else:
+                continue
+            a2a = h.recompute not in ("full", "block") and (h.pp == 1 or cand.vpp > 1)
+            plan = dataclasses.replace(cand, a2a_overlap=a2a).job(job)
+            assert bound <= simulate(plan, world_size=4, cache=cache).step_time_s * (1 + 1e-12), cand.describe(4)
+    assert tighter["pp1"] > 0 and tighter["plain"] > 0
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -657,12 +692,13 @@ def test_the_layer_kind_memory_bound_leaves_the_no_fit_figures_as_predicted(seed
                            f"train.global_batch_size={rng.choice([16, 32])}", "train.seq_length=256",
                            "cfp.constraints.max_micro_batch=4")
     fast = search(job, gpn, cfp)
-    expand = searching._expand
+    memory_bounds = searching._memory_bounds
 
     def first_bound_only(*args, **kwargs):  # the second bound no tighter than the first: every one predicted
-        return [(bound, kind, key, (extra[0], extra[0])) for bound, kind, key, extra in expand(*args, **kwargs)]
+        first, _, strategies = memory_bounds(*args, **kwargs)
+        return first, first, strategies
 
-    monkeypatch.setattr(searching, "_expand", first_bound_only)
+    monkeypatch.setattr(searching, "_memory_bounds", first_bound_only)
     full = search(job, gpn, cfp)
     assert fast.over_memory == full.over_memory > 0
     assert fast.rejected == full.rejected and fast.least_over_gib == full.least_over_gib

@@ -26,7 +26,7 @@ GROUP, CANDIDATE = 0, 1
 
 Entry = tuple[float, int, Any, Any]
 """``(lower bound on the step time in seconds, GROUP or CANDIDATE, item, extra)``; ``extra`` goes to
-:meth:`SearchSpace.evaluate` (the Megatron space: the bytes of the heaviest rank's weights)."""
+:meth:`SearchSpace.evaluate` (the Megatron space: the group and split of a candidate, whose memory it bounds then)."""
 
 
 class Ranked(NamedTuple):

@@ -297,9 +297,6 @@ class MegatronSpace:
     """Candidates in the space."""
     param_bytes: StateBound
     """Bytes per parameter with and without the distributed optimizer (:func:`_param_bytes`)."""
-    sharded_bounds: dict[tuple, tuple[float, ...]] = dataclasses.field(default_factory=dict)
-    """Candidate key -> its memory bound in bytes under each Megatron-FSDP strategy the search may set, least sharded
-    first (:func:`_expand`; the queue's own bound is the most sharded one's)."""
     least_over: dict[tuple, float] = dataclasses.field(default_factory=dict)
     """Family key -> the least GiB per GPU recorded so far for its candidates over the limit (what its no-fit
     figure reports at least)."""
@@ -339,8 +336,9 @@ class MegatronSpace:
         return [(g.bound, driver.GROUP, i, 0.0) for i, g in enumerate(self.groups)]
 
     def expand(self, item: int, cut: float) -> list[driver.Entry]:
-        """The group's candidates bounded at ``cut`` or less, with their weights' bytes (:func:`_expand`)."""
-        return _expand(self.groups[item], self.job, self.options, self.param_bytes, cut, self.sharded_bounds)
+        """The group's candidates bounded at ``cut`` or less, with the group and their split (:func:`_time_entries`;
+        their memory is bounded when they are evaluated)."""
+        return _time_entries(self.groups[item], self.job, cut, item)
 
     def _overlaps(self, cand: Candidate, cjob: JobSpec, memory: MemoryBreakdown) -> tuple[
             Candidate, JobSpec, MemoryBreakdown, int]:
@@ -400,23 +398,25 @@ class MegatronSpace:
             self.least_over[family] = gib
         return _OverMemory(family, gib, tries)
 
-    def evaluate(self, item: tuple, extra: tuple[float, float], kth: float) -> driver.Outcome:
-        """The candidate of key ``item`` (``extra``: its memory bounds in bytes, :func:`_expand`): its memory
-        (block recomputation and PrimePar's layer count chosen to fit, then the overlaps that fit on top), then the
-        simulator unless slower than ``kth`` seconds.
+    def evaluate(self, item: tuple, extra: tuple[int, tuple[int, int, int, bool]], kth: float) -> driver.Outcome:
+        """The candidate of key ``item`` (``extra``: its group's index and its split, :meth:`expand`): its memory
+        bounds (:func:`_memory_bounds`), its memory (block recomputation and PrimePar's layer count chosen to fit,
+        then the overlaps that fit on top), then the simulator unless slower than ``kth`` seconds.
 
         A candidate over the limit on its first bound reports that bound; one over only on its second reports the
         second where its family already reported as little or less (the family's figure, its least, stays what the
         memory model would give), else its predicted memory."""
         job, limit = self.job, self.limit
+        bounds = None  # the memory bounds under each Megatron-FSDP strategy (with a limit only)
         if limit is not None:
-            weights, by_kind = extra[0] / GIB, extra[1] / GIB
+            weights, by_kind, bounds = _memory_bounds(self.groups[extra[0]], job, self.param_bytes, extra[1],
+                                                      item[-1])
+            weights, by_kind = weights / GIB, by_kind / GIB
             if weights > limit:  # its weights, gradients and optimizer states alone
                 return self._over(item[:_FAMILY_KEY], weights, 0)  # family_of_key, inlined
             if by_kind > limit and by_kind >= self.least_over.get(item[:_FAMILY_KEY], math.inf):
                 return self._over(item[:_FAMILY_KEY], by_kind, 0)
         cand = Candidate.from_key(item)
-        bounds = self.sharded_bounds.pop(item, None)
         try:
             if bounds is not None and limit is not None and bounds[0] / GIB > limit and cand.recompute != BLOCK:
                 # the distributed optimizer alone is over on its states: straight to the sharding that may fit
@@ -603,6 +603,10 @@ class _Bounded:
     kept: _KeptBytes | None = None
     """Activation bytes a dense and a MoE decoder layer keep per micro-batch on a rank, at least
     (:func:`_layer_kept_bytes`), computed when the group is first expanded; ``None``: not counted."""
+    serial: GroupCosts | None = None
+    """The bound terms of its splits of one chunk per rank where they differ from :attr:`costs` (a pipelined MoE
+    group whose interleaved splits may overlap the expert all-to-all, which Megatron-Core does not under the plain
+    schedule: :meth:`~cfp_megatron.search.space.Space.a2a_overlap`); ``None``: :attr:`costs` for every split."""
 
 
 @dataclass(kw_only=True)
@@ -689,6 +693,8 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
             costs = by_key[ckey]
             if costs is None:
                 continue
+            costs, serial = costs  # pipelined, the all-to-all overlaps under the interleaved schedule only
+            serial = serial if pp > 1 else None
             # what a layer's activations depend on (fewer distinct values than the pass costs' keys)
             akey = (h.tp, h.sp, h.cp, h.etp, h.micro_batch, recompute, h.mlp)
             if akey not in kept:
@@ -697,12 +703,12 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
             ends = (L, L) if pp == 1 or costs.shared_cores else _lightest_ends(L, pp, g.splits)
             busy = (0.0, 0.0)
             # a MoE model's layers by kind (the bound's layer cost is the cheaper kind's)
-            if pp > 1 and not costs.shared_cores and first_dense is not None:
+            if not costs.shared_cores and first_dense is not None:
                 kind_s = costs.kind_fb_s if recompute == BLOCK else costs.kind_s
                 loads = _lightest_end_loads(L, pp, g.splits, first_dense)
                 busy = tuple(min(d * kind_s[0] + n * kind_s[1] for d, n in end) for end in loads)
             bound = group_bound(costs, recompute == BLOCK, g.microbatches, pp, L, *ends, *busy)
-            out.append(_Bounded(group=g, costs=costs, bound=bound, kept=kept[akey]))
+            out.append(_Bounded(group=g, costs=costs, bound=bound, kept=kept[akey], serial=serial))
     return out, refused, size
 
 
@@ -725,54 +731,83 @@ def _lightest_ends(num_layers: int, pp: int, splits: tuple[tuple[int, int, int, 
 def _expand(bounded: _Bounded, job: JobSpec, options: SimOptions, param_bytes: StateBound,
             cut: float = math.inf, sharded: dict[tuple, tuple[float, ...]] | None = None
             ) -> list[tuple[float, int, tuple, tuple[float, float]]]:
+    """Queue entries of the group's candidates whose time bound is ``cut`` or less (:func:`_time_entries`) with
+    their memory bounds (:func:`_memory_bounds`): ``(time bound, CANDIDATE, key, memory bounds)``; ``sharded``
+    gets the bounds under each Megatron-FSDP strategy by key. The search itself bounds memory when it takes a
+    candidate from the queue (:meth:`MegatronSpace.evaluate`): most are never taken."""
+    out = []
+    for bound, kind, key, split in _time_entries(bounded, job, cut):
+        weights, by_kind, strategies = _memory_bounds(bounded, job, param_bytes, split, key[-1])
+        out.append((bound, kind, key, (weights, by_kind)))
+        if sharded is not None and strategies is not None:
+            sharded[key] = strategies
+    return out
+
+
+def _time_entries(bounded: _Bounded, job: JobSpec, cut: float = math.inf, extra: object = None
+                  ) -> list[tuple[float, int, tuple, object]]:
     """Queue entries of the group's candidates whose time bound is ``cut`` or less: ``(time bound, CANDIDATE, key,
-    memory bounds)``; the first memory bound counts what every rank keeps of the weights, gradients and optimizer
-    states of the heaviest pipeline rank's layers at least (``param_bytes``: bytes per parameter with and without the
-    distributed optimizer at the group's data-parallel size, :func:`_param_bytes`), or those of the first rank's
-    layers with the activations its in-flight micro-batches keep at least (:attr:`_Bounded.kept`, the lighter
-    kind's per layer), whichever is more; the second is at least the first and counts the first rank's layers each
-    at its own kind's bytes (what the no-fit figures may not record: :meth:`MegatronSpace.evaluate`)."""
+    (extra, split))``, or ``(..., split)`` where ``extra`` is ``None``; the bound is
+    :func:`~cfp_megatron.sim.bounds.time_bound` at the split's stages (:func:`_split_facts`)."""
     m = job.model
     L = m.num_layers
     moe_model = m.is_moe
     first_dense = m.moe_first_dense_layers if moe_model else None
-    g, costs = bounded.group, bounded.costs
+    g, interleaved = bounded.group, bounded.costs
     pp = g.head.pp
-    layer_s, chunk_s = layer_terms(costs, g.head.recompute == BLOCK)
-    out = []
-    kind_s = costs.kind_fb_s if g.head.recompute == BLOCK else costs.kind_s
-    kept_bytes: tuple[float, float] | None = None  # computed for the first candidate the cut leaves
-    per_param = param_bytes.per_param(g.head)
-    offloading = job.parallel.cpu_offloading_num_layers > 0
+    block = g.head.recompute == BLOCK
+    out: list[tuple[float, int, tuple, object]] = []
     for split in g.splits:
         vpp = split[0]
-        first, middle, last, dense_0, moe_0, dense_n, moe_n, loads, middles = _split_facts(L, pp, split, first_dense)
+        costs = bounded.serial if vpp == 1 and bounded.serial is not None else interleaved
+        layer_s, chunk_s = layer_terms(costs, block)
+        kind_s = costs.kind_fb_s if block else costs.kind_s
+        first, middle, last, dense_0, moe_0, dense_n, moe_n, _, middles = _split_facts(L, pp, split, first_dense)
         bound = time_bound(costs, layer_s, chunk_s, g.microbatches, pp, vpp, L, first, middle, last,
                            dense_0 * kind_s[0] + moe_0 * kind_s[1], dense_n * kind_s[0] + moe_n * kind_s[1],
                            # a dense model's layers are of one kind: its middle ranks' count bounds them already
                            min([d * kind_s[0] + n * kind_s[1] for d, n in middles]) if middles and moe_model else 0.0)
         if bound > cut:
             continue
-        if kept_bytes is None:
-            kept_bytes = bounded.kept() if bounded.kept is not None else (0.0, 0.0)
-        params = max(d * costs.dense_params + n * costs.moe_params for d, n in loads)
-        # The first rank: its layers' weights and the activations of the micro-batches it holds (stage_memory).
-        first_params = dense_0 * costs.dense_params + moe_0 * costs.moe_params
-        held = dense_0 + moe_0  # less the layers activation offloading keeps on the host (sim/memory.py)
-        held -= max(min(job.parallel.cpu_offloading_num_layers, held) - OFFLOAD_RESIDENT_LAYERS, 0)
-        per_microbatch = in_flight(0, pp, vpp, g.microbatches) / vpp
-        activations = min(kept_bytes) * held * per_microbatch
-        # each kind's layers at their own bytes (where no layer's activations go to the host)
-        by_kind = activations if offloading else (dense_0 * kept_bytes[0] + moe_0 * kept_bytes[1]) * per_microbatch
+        tag = split if extra is None else (extra, split)
         for dopt in g.dopts:
-            states = per_param[not dopt]
-            weights = max(params * states, first_params * states + activations)
-            out.append((bound, _CANDIDATE, g.head + split + (dopt,),
-                        (weights, max(weights, first_params * states + by_kind))))
-        if sharded is not None and len(per_param) > 3 and True in g.dopts:  # the bound under each strategy
-            sharded[g.head + split + (True,)] = tuple(max(params * b, first_params * b + activations)
-                                                      for b in per_param[2:])
+            out.append((bound, _CANDIDATE, g.head + split + (dopt,), tag))
     return out
+
+
+def _memory_bounds(bounded: _Bounded, job: JobSpec, param_bytes: StateBound, split: tuple[int, int, int, bool],
+                   dopt: bool) -> tuple[float, float, tuple[float, ...] | None]:
+    """Lower bounds on the memory per GPU (bytes) of the group's candidate of ``split`` and distributed optimizer
+    ``dopt``: the first counts what every rank keeps of the weights, gradients and optimizer states of the heaviest
+    pipeline rank's layers at least (``param_bytes``: bytes per parameter with and without the distributed
+    optimizer at the group's data-parallel size, :func:`_param_bytes`), or those of the first rank's layers with the
+    activations its in-flight micro-batches keep at least (:attr:`_Bounded.kept`, the lighter kind's per layer),
+    whichever is more; the second is at least the first and counts the first rank's layers each at its own kind's
+    bytes (what the no-fit figures may not record: :meth:`MegatronSpace.evaluate`); the third, with the distributed
+    optimizer and Megatron-FSDP strategies to set, the first under each (``None`` otherwise)."""
+    m = job.model
+    g, costs = bounded.group, bounded.costs
+    pp, vpp = g.head.pp, split[0]
+    _, _, _, dense_0, moe_0, _, _, loads, _ = _split_facts(m.num_layers, pp, split,
+                                                            m.moe_first_dense_layers if m.is_moe else None)
+    kept_bytes = bounded.kept() if bounded.kept is not None else (0.0, 0.0)
+    per_param = param_bytes.per_param(g.head)
+    params = max(d * costs.dense_params + n * costs.moe_params for d, n in loads)
+    # The first rank: its layers' weights and the activations of the micro-batches it holds (stage_memory).
+    first_params = dense_0 * costs.dense_params + moe_0 * costs.moe_params
+    held = dense_0 + moe_0  # less the layers activation offloading keeps on the host (sim/memory.py)
+    offloaded = job.parallel.cpu_offloading_num_layers
+    held -= max(min(offloaded, held) - OFFLOAD_RESIDENT_LAYERS, 0)
+    per_microbatch = in_flight(0, pp, vpp, g.microbatches) / vpp
+    activations = min(kept_bytes) * held * per_microbatch
+    # each kind's layers at their own bytes (where no layer's activations go to the host)
+    by_kind = activations if offloaded > 0 else (dense_0 * kept_bytes[0] + moe_0 * kept_bytes[1]) * per_microbatch
+    states = per_param[not dopt]
+    weights = max(params * states, first_params * states + activations)
+    strategies = None
+    if dopt and len(per_param) > 3:  # the bound under each strategy
+        strategies = tuple(max(params * b, first_params * b + activations) for b in per_param[2:])
+    return weights, max(weights, first_params * states + by_kind), strategies
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -916,10 +951,12 @@ def _stage_layers(num_layers: int, pp: int, vpp: int, first: int, last: int, bal
 
 def _group_costs(cand: Candidate, job: JobSpec, measurements: Measurements | None, options: SimOptions, world: int,
                  cache: CostCache, refused: list[Rejection], *,
-                 may_overlap: tuple[bool, bool] = (False, False)) -> GroupCosts | None:
+                 may_overlap: tuple[bool, bool] = (False, False)) -> tuple[GroupCosts, GroupCosts | None] | None:
     """The costs a group's bound counts (:func:`~cfp_megatron.sim.bounds.group_costs`), from its representative
     ``cand`` (no overlaps); ``may_overlap``: whether its candidates may overlap their TP communication and their
-    expert all-to-all; ``None`` (and a rejection in ``refused``) where the runtime's validation refuses it."""
+    expert all-to-all; with those without the all-to-all's overlap where it may (``None`` where it may not: the
+    costs of a pipelined group's splits of one chunk per rank, :attr:`_Bounded.serial`); ``None`` (and a rejection in
+    ``refused``) where the runtime's validation refuses it."""
     # A valid split for the pass costs (they do not depend on the split): the even one, or the balanced one where
     # the stages do not divide the layers.
     rep = dataclasses.replace(cand, vpp=1, distributed_optimizer=False, first_stage_layers=0, last_stage_layers=0,
@@ -937,5 +974,8 @@ def _group_costs(cand: Candidate, job: JobSpec, measurements: Measurements | Non
         return None
     shared_cores = (measurements is not None and parts.overheads is not None
                     and measurements.busy_slowdown() is not None)
-    return group_costs(parts, Overlaps(tp=cand.tp, tp_comm=may_overlap[0], expert_a2a=may_overlap[1]),
-                       hidden=job.model.hidden_size, shared_cores=shared_cores, fixed_s=fixed_s)
+    def bound_terms(expert_a2a: bool) -> GroupCosts:
+        return group_costs(parts, Overlaps(tp=cand.tp, tp_comm=may_overlap[0], expert_a2a=expert_a2a),
+                           hidden=job.model.hidden_size, shared_cores=shared_cores, fixed_s=fixed_s)
+
+    return bound_terms(may_overlap[1]), bound_terms(False) if may_overlap[1] else None

@@ -29,8 +29,9 @@ each kind's cost (``m x (dense_r x dense + moe_r x MoE)``), where that is more t
 kind's (a DeepSeek-V3 stage is mostly MoE layers, its first three dense), and so do the last middle rank's, at the
 lightest middle rank's counts (each rank's passes are at least the lightest's). The simulated
 step is the slowest rank's schedule plus its gradient sync and optimizer step, all non-negative, so the bound never
-exceeds it. Without pipelining the one rank runs everything; on a CPU with fewer cores than ranks the simulated
-schedule is bounded below by the mean rank's work only, which the bound then uses. Block recomputation (the search
+exceeds it. Without pipelining the one rank runs everything, its layers counted at each kind's cost too; on a CPU
+with fewer cores than ranks the simulated schedule is bounded below by the mean rank's work only, which the bound
+then uses. Block recomputation (the search
 takes the fewest layers per chunk that fit) counts one recomputed layer per chunk.
 
 With measurements the simulator also adds the pipelined probe's ``fixed_s`` to every rank's schedule (clamped at
@@ -135,8 +136,8 @@ def time_bound(costs: GroupCosts, layer_s: float, chunk_s: float, m: int, pp: in
     # first stage's first chunk and the last stage's last (inlined: the search calls this for every split of every
     # group it expands).
     per_layer, ends = layer_s / vpp, 2 * costs.pass_s
-    if pp == 1:
-        return m * (num_layers * per_layer + chunk_s + ends + costs.embedding_s + costs.head_s)
+    if pp == 1:  # the one rank's layers at their kinds' costs where more than their count at the cheaper one's
+        return m * (max(num_layers * per_layer, first_busy_s) + chunk_s + ends + costs.embedding_s + costs.head_s)
     if costs.shared_cores:
         return max(m * (num_layers / pp * layer_s + vpp * chunk_s + (costs.embedding_s + costs.head_s + 2 * ends) / pp)
                    + costs.fixed_s, 0.0)
@@ -162,7 +163,8 @@ def group_bound(costs: GroupCosts, block: bool, m: int, pp: int, num_layers: int
     layers take per micro-batch at least by their kinds over the group's splits)."""
     layer_s, chunk_s = layer_terms(costs, block)
     if pp == 1 or costs.shared_cores:
-        return time_bound(costs, layer_s, chunk_s, m, pp, 1, num_layers, num_layers, num_layers, num_layers)
+        return time_bound(costs, layer_s, chunk_s, m, pp, 1, num_layers, num_layers, num_layers, num_layers,
+                          first_busy_s)
     per_pass = chunk_s + 2 * costs.pass_s
     return max(m * max(max(lightest_first * layer_s, first_busy_s) + per_pass + costs.embedding_s,
                        max(lightest_last * layer_s, last_busy_s) + per_pass + costs.head_s) + costs.fixed_s, 0.0)
