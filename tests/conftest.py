@@ -4,14 +4,28 @@ layouts checked."""
 from __future__ import annotations
 
 import os
+import sys
 
-import pytest
+# One OpenMP thread in the test process and every process it starts (the gloo spawns, the subprocesses), as the
+# torchrun jobs have already: the tests' models are tiny, and a second thread per process only spins against the
+# others on a 2-core machine (docs/testing.md, "Keeping the suite fast"). Set before torch is first imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # imported by a plugin before this file: its pool is sized already
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-from cfp_megatron.base.config import JobSpec
-from cfp_megatron.base.errors import ConfigError
-from cfp_megatron.profile.load import LOAD_ENV
-from cfp_megatron.search.space import Candidate
-from tests.multirank import MultiRankRuns, run_cases
+import pytest  # noqa: E402
+
+from cfp_megatron.compat.import_cost import import_megatron  # noqa: E402
+
+# Megatron-Core, which most test files import, imported once with its import costs cut (and its heap frozen out of
+# the collector's sight for the whole session: compat/import_cost.py).
+import_megatron()
+
+from cfp_megatron.base.config import JobSpec  # noqa: E402
+from cfp_megatron.base.errors import ConfigError  # noqa: E402
+from cfp_megatron.profile.load import LOAD_ENV  # noqa: E402
+from cfp_megatron.search.space import Candidate  # noqa: E402
+from tests.multirank import MultiRankRuns, run_cases  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
