@@ -15,6 +15,12 @@ if "torch" in sys.modules:  # imported by a plugin before this file: its pool is
 
 import pytest  # noqa: E402
 
+from cfp_megatron.compat.import_cost import import_megatron  # noqa: E402
+
+# Megatron-Core, which most test files import, imported once with its import costs cut (and its heap frozen out of
+# the collector's sight for the whole session: compat/import_cost.py).
+import_megatron()
+
 from cfp_megatron.base.config import JobSpec  # noqa: E402
 from cfp_megatron.base.errors import ConfigError  # noqa: E402
 from cfp_megatron.profile.load import LOAD_ENV  # noqa: E402

@@ -10,6 +10,10 @@ Two costs dominate a cold analysis process besides the work itself (docs/analysi
   and Megatron-Core leave millions of them, all alive as long as the process. :func:`heavy_imports` imports with
   the collector paused and then moves the imported heap out of its sight (``gc.freeze``); :func:`collector_paused`
   keeps it off while a stage makes many short-lived objects.
+
+A launch's ranks (and the profiler's) pay the same at their first import of Megatron-Core, once per process:
+:func:`import_megatron` imports it with these costs cut (torchrun start-up: docs/testing.md, "Keeping the suite
+fast").
 """
 
 from __future__ import annotations
@@ -95,3 +99,12 @@ def heavy_imports() -> Iterator[None]:
     with collector_paused(), deferred_torch_compile():
         yield
         gc.freeze()
+
+
+def import_megatron() -> None:
+    """Megatron-Core, and TorchDynamo (torch's optimizers import it when the first one is made), imported under
+    :func:`heavy_imports`: a rank's import costs less than half the CPU time. Call it where a process is about to
+    import Megatron-Core anyway (after ``quiet_expected_warnings``); nothing new when it is imported already."""
+    with heavy_imports():
+        import megatron.core  # noqa: F401
+        import torch._dynamo  # noqa: F401

@@ -2,7 +2,9 @@
 
 ``dist_checkpointing.save`` (torch_dist format, synchronous or asynchronous) writes through Megatron's
 ``FileSystemWriterAsync``: it forks one writer per bucket, and the first save starts a ``multiprocessing`` Manager
-(a *spawned* interpreter that re-imports the launch script: ~350 MB) whose queue collects the writers' results.
+(a *spawned* interpreter) whose queue collects the writers' results. A spawned interpreter re-imports the
+parent's ``__main__`` script (the launch script: torch, Megatron-Core and Hydra, ~350 MB and seconds of CPU per
+rank), which the Manager's server never uses: :func:`_results_queue` starts it with ``__main__`` hidden.
 When the rank is killed (SIGKILL, OOM killer, torchrun tearing a failed job down), nothing stops that Manager: it is
 reparented to init and lives on. Here the Manager is started by us with ``PR_SET_PDEATHSIG`` (Linux: the kernel
 sends SIGKILL when its parent dies) and every child forked during a save gets the same, so a kill of the rank ends
@@ -18,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,13 +47,26 @@ def _after_fork_in_child() -> None:
         die_with_parent(_state["parent"])
 
 
+@contextlib.contextmanager
+def _main_hidden() -> Iterator[None]:
+    """While inside, ``__main__`` is an empty module: a process spawned then does not run the parent's script's
+    imports (``multiprocessing.spawn`` re-imports the main module's file or module name in the child)."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 def _results_queue() -> Any:
     """A Manager queue whose server process dies with this one (the queue Megatron's writers report to)."""
     if _state["manager"] is None:
         from multiprocessing.managers import SyncManager
 
         manager = SyncManager(ctx=mp.get_context("spawn"))
-        manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+        with _main_hidden():
+            manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
         _state["manager"] = manager
         _state["queue"] = manager.Queue()
     return _state["queue"]

@@ -18,6 +18,7 @@ from cfp_megatron.base.files import WriteLocation, check_write_locations
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import transformer_engine_available
 from cfp_megatron.compat import moe
+from cfp_megatron.compat.import_cost import import_megatron
 from cfp_megatron.engine import checkpoint_lock, rank_watch
 from cfp_megatron.engine.metrics import log_to_run_file
 from cfp_megatron.planner import run_folder
@@ -41,6 +42,7 @@ def train_from_config(cfg: Any) -> list:
 
     from cfp_megatron.compat.cpu import install_if_needed
 
+    import_megatron()  # the checks below import it: with its import costs cut (compat/import_cost.py)
     rank_watch.new_run()
     env = LaunchEnv.read()
     backend = backend_from_config(cfg)

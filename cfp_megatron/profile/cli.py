@@ -16,6 +16,7 @@ from cfp_megatron.base.config_help import config_help
 from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.files import CACHE_KEY, WriteLocation, cache_dir, check_write_locations
 from cfp_megatron.base.launch_env import LaunchEnv
+from cfp_megatron.compat.import_cost import import_megatron
 from cfp_megatron.compat.quiet import quiet_expected_warnings, say_once
 from cfp_megatron.engine import rank_watch
 from cfp_megatron.profile.cluster import describe_cluster, measured_cluster
@@ -50,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rank_watch.tie_to_launcher()  # under torchrun: end with it; Ctrl-C said in one line
     note = quiet_expected_warnings()  # before Megatron-Core is imported (by the runner)
+    import_megatron()  # with its import costs cut (compat/import_cost.py)
     from cfp_megatron.profile.runner import busy_hint, completion_hint, profile_job
 
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")

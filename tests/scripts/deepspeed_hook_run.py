@@ -19,11 +19,14 @@ import weakref
 
 import torch
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-import deepspeed  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from cfp_megatron.compat.import_cost import heavy_imports  # noqa: E402
 
-from cfp_megatron.backends.deepspeed.hook import initialize  # noqa: E402
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+with heavy_imports():  # the hook's Megatron-Core and DeepSpeed, imported with their import costs cut
+    import deepspeed  # noqa: E402
+    import torch.distributed as dist  # noqa: E402
+
+    from cfp_megatron.backends.deepspeed.hook import initialize  # noqa: E402
 
 GLOBAL_BATCH = 8
 """Sequences per optimizer step."""

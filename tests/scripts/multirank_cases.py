@@ -29,9 +29,11 @@ from pathlib import Path
 warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from cfp_megatron.compat.import_cost import import_megatron  # noqa: E402
 from cfp_megatron.compat.quiet import quiet_expected_warnings  # noqa: E402
 
 quiet_expected_warnings()
+import_megatron()  # as a launch imports it (planner.entry.train_from_config): its import costs cut
 
 import torch.distributed as dist  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
