@@ -1,6 +1,6 @@
 """What adding each micro-batch's weight gradients into the step's costs: the way a run adds them and the HBM bytes
 a weight that takes, for the decoder layers' backward (:func:`~cfp_megatron.sim.layer_cost.grad_accumulation_s`) and
-for DeepSpeed's fp32 buffer after it (:func:`~cfp_megatron.sim.terms.data_parallel.grad_accumulation_s`)
+for DeepSpeed's fp32 buffer after it (:func:`~cfp_megatron.sim.terms.data_parallel.after_backward_accumulation_s`)
 (docs/simulator.md, "Weight-gradient accumulation")."""
 
 from __future__ import annotations

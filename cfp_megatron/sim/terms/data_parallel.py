@@ -134,7 +134,7 @@ def step_sync(inputs: StepInputs) -> dict[str, list[float]]:
     return lanes
 
 
-def grad_accumulation_s(inputs: StepInputs) -> list[float]:
+def after_backward_accumulation_s(inputs: StepInputs) -> list[float]:
     """Seconds per pipeline rank of adding every micro-batch's weight gradients to the step's where the run adds them
     once after the micro-batch's whole backward (:attr:`~cfp_megatron.sim.options.WeightGradAccumulation.
     after_backward`: DeepSpeed's ``BF16_Optimizer.update_hp_grads``, on the compute stream: nothing hides it), the
@@ -199,8 +199,8 @@ class DataParallel(CostTerm):
 
     def after_s(self, inputs: StepInputs) -> dict[str, list[float]]:
         """What the gradient finalisation leaves exposed per pipeline rank, by lane (:func:`step_sync`), and the
-        weight-gradient accumulation run after the backward passes (:func:`grad_accumulation_s`)."""
-        return {**step_sync(inputs), "grad_accum_s": grad_accumulation_s(inputs)}
+        weight-gradient accumulation run after the backward passes (:func:`after_backward_accumulation_s`)."""
+        return {**step_sync(inputs), "grad_accum_s": after_backward_accumulation_s(inputs)}
 
     def memory(self, stage: Stage) -> dict[str, float]:
         """The weights, gradients and optimizer states as the plan's sharding keeps them
