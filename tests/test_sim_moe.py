@@ -17,12 +17,12 @@ from cfp_megatron.sim.kernels import GROUPED_GEMM_FILE, KernelModel, grouped_gem
 from cfp_megatron.sim.layer_cost import LayerCost, layer_cost
 from cfp_megatron.sim.layout import Layout, build_layout
 from cfp_megatron.sim.pass_costs import CostCache, collective_costs
+from cfp_megatron.sim.terms import expert_dispatch
 from cfp_megatron.sim.terms.expert_dispatch import (
-    DEEPEP_INTRA_SHARE,
-    HYBRIDEP_NVLINK_GBPS,
-    NCCL_NVLINK_SHARE,
+    DispatchRatesError,
     MoeCost,
     all_to_all_costs,
+    dispatch_rates,
     expected_remote_nodes,
     flex_nvlink_rates,
     moe_block_cost,
@@ -215,15 +215,15 @@ def test_the_alltoall_dispatcher_exchanges_counts_and_probabilities_too() -> Non
 
 def test_the_expert_all_to_all_runs_at_nccls_nvlink_ceiling() -> None:
     """NCCL's all-to-all has no NVLink SHARP path: inside an NVLink domain it moves at most
-    ``NCCL_NVLINK_SHARE`` of the nominal NVLink bandwidth, however high the fitted share (Hopper's is 1.0); a fitted
-    share below the ceiling stands, the network is not capped, and a CPU cluster is left alone."""
+    ``DispatchRates.nccl_nvlink_share`` of the nominal NVLink bandwidth, however high the fitted share (Hopper's is
+    1.0); a fitted share below the ceiling stands, the network is not capped, and a CPU cluster is left alone."""
     j = job(ep=8)
     _, _, comm = models(j, 4 * 8)
-    nominal = j.cluster.intra_node_bandwidth_gbps * 1e9
-    assert comm.intra.bandwidth_bytes_per_s > nominal * NCCL_NVLINK_SHARE  # the fitted share is above the ceiling
+    ceiling = j.cluster.intra_node_bandwidth_gbps * 1e9 * dispatch_rates().nccl_nvlink_share
+    assert comm.intra.bandwidth_bytes_per_s > ceiling  # the fitted share is above the ceiling
     capped = all_to_all_costs(comm, j)
-    assert capped.intra.bandwidth_bytes_per_s == pytest.approx(nominal * NCCL_NVLINK_SHARE)
-    assert capped.inter == comm.inter and comm.intra.bandwidth_bytes_per_s > nominal * NCCL_NVLINK_SHARE
+    assert capped.intra.bandwidth_bytes_per_s == pytest.approx(ceiling)
+    assert capped.inter == comm.inter and comm.intra.bandwidth_bytes_per_s > ceiling
     inside = 64e6
     assert capped.seconds(Collective.all_to_all, inside, 8, 8) > comm.seconds(Collective.all_to_all, inside, 8, 8)
     low = CollectiveCosts(j.cluster, intra_efficiency=0.5)
@@ -421,8 +421,9 @@ def test_flex_dispatch_inside_an_nvl72_domain_runs_at_hybridep_measured_rates() 
         layout, kernels, comm = models(j, world)
         assert layout.ep_per_node == ep  # the whole EP group inside one NVLink domain: no RDMA part
         block = moe_block_cost(j, layout, kernels, comm)
-        _, dispatch_gbps, combine_gbps = next(row for row in HYBRIDEP_NVLINK_GBPS if row[0] == ranks)
-        assert dispatch_gbps * 1e9 < DEEPEP_INTRA_SHARE * comm.intra.bandwidth_bytes_per_s
+        _, dispatch_gbps, combine_gbps = next(row for row in dispatch_rates().hybridep_nvlink_gbps
+                                            if row[0] == ranks)
+        assert dispatch_gbps * 1e9 < dispatch_rates().deepep_intra_share * comm.intra.bandwidth_bytes_per_s
         # the rows a rank receives: one bf16 row per token that has any of its experts (4,096 tokens per rank)
         hit = 1 - math.comb(64 - 64 // ep, 8) / math.comb(64, 8)  # 64 experts, top-8
         assert rank_hit_share(64, 64 // ep, 8) == pytest.approx(hit)
@@ -432,7 +433,8 @@ def test_flex_dispatch_inside_an_nvl72_domain_runs_at_hybridep_measured_rates() 
                                                                    + comm.intra.latency_s)
     h100 = job(model=flex, ep=8)
     layout, kernels, comm = models(h100, 32)
-    assert flex_nvlink_rates(comm, layout.ep_per_node) == (DEEPEP_INTRA_SHARE * comm.intra.bandwidth_bytes_per_s,) * 2
+    share = dispatch_rates().deepep_intra_share
+    assert flex_nvlink_rates(comm, layout.ep_per_node) == (share * comm.intra.bandwidth_bytes_per_s,) * 2
 
 
 def test_alltoall_inside_an_nvl72_rack_stays_on_nvlink_at_nccls_ceiling() -> None:
@@ -445,6 +447,43 @@ def test_alltoall_inside_an_nvl72_rack_stays_on_nvlink_at_nccls_ceiling() -> Non
     assert layout.ep_per_node == 64
     block = moe_block_cost(j, layout, kernels, comm)
     link = all_to_all_costs(comm, j).intra
-    assert link.bandwidth_bytes_per_s == pytest.approx(900e9 * NCCL_NVLINK_SHARE)
+    assert link.bandwidth_bytes_per_s == pytest.approx(900e9 * dispatch_rates().nccl_nvlink_share)
     routed = 4096 * MOE["moe_router_topk"] * MOE["hidden_size"] * 2.0
     assert block.combine_s == pytest.approx(63 * link.latency_s + routed * 63 / 64 / link.bandwidth_bytes_per_s)
+
+
+def test_the_dispatch_rates_come_from_their_data_file() -> None:
+    """The dispatchers' shares and HybridEP's rates are the data file's, its NCCL share the bus rate over the line
+    rate; the file ships with the package."""
+    import yaml
+
+    data = yaml.safe_load(expert_dispatch.RATES_FILE.read_text())
+    rates = dispatch_rates()
+    assert rates.deepep_intra_share == data["deepep_intra_share"]
+    assert rates.deepep_inter_share == data["deepep_inter_share"]
+    assert rates.nccl_nvlink_share == data["nccl_nvlink"]["bus_gbps"] / data["nccl_nvlink"]["line_gbps"]
+    assert [row[0] for row in rates.hybridep_nvlink_gbps] == [row["ranks"] for row in data["hybridep_nvlink"]]
+    assert 0 < rates.nccl_nvlink_share < 1 and 0 < rates.deepep_intra_share < 1
+    assert all(combine <= dispatch for _, dispatch, combine in rates.hybridep_nvlink_gbps)
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    ("deepep_intra_share: 0.77\n", "deepep_inter_share"),
+    ("deepep_intra_share: 0.77\ndeepep_inter_share: 0.9\nnccl_nvlink: {bus_gbps: 370, line_gbps: 450}\n"
+     "hybridep_nvlink: [{ranks: 16, dispatch_gbps: 1, combine_gbps: 1}, {ranks: 8, dispatch_gbps: 1, combine_gbps: 1}]"
+     "\n", "ascending"),
+])
+def test_a_malformed_dispatch_rates_file_is_refused_by_name(tmp_path, monkeypatch: pytest.MonkeyPatch, text: str,
+                                                            named: str) -> None:
+    """A rates file missing a key, or with HybridEP's rows out of order, raises an error naming the file and the
+    fix."""
+    path = tmp_path / "dispatch_rates.yaml"
+    path.write_text(text)
+    monkeypatch.setattr(expert_dispatch, "RATES_FILE", path)
+    dispatch_rates.cache_clear()
+    try:
+        with pytest.raises(DispatchRatesError, match=named) as raised:
+            dispatch_rates()
+        assert str(path) in str(raised.value) and "fix:" in str(raised.value)
+    finally:
+        dispatch_rates.cache_clear()

@@ -6,10 +6,15 @@ docs/simulator.md, "moe_cost.py".
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+import yaml
+
 from cfp_megatron.base.config import Activation, JobSpec, TokenDispatcher
+from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.flops import mlp_params
 from cfp_megatron.cluster.costs import CollectiveCosts, Link
 from cfp_megatron.cluster.measured import Collective
@@ -23,39 +28,60 @@ from cfp_megatron.sim.terms.overlap import COMM_SM_SHARE, overlapped
 if TYPE_CHECKING:
     from cfp_megatron.sim.layer_cost import LayerCost
 
-DEEPEP_INTRA_SHARE = 0.77
-"""Share of the nominal per-direction NVLink bandwidth DeepEP's normal (training) kernels reach inside a node:
-153-158 GB/s for dispatch/combine at EP8 on H800, whose NVLink is 200 GB/s per direction (DeepEP's README,
-"Normal kernels with NVLink and RDMA forwarding")."""
-DEEPEP_INTER_SHARE = 0.9
-"""Share of the NIC bandwidth DeepEP's normal kernels reach across nodes, counted on de-duplicated tokens (one copy
-per destination node, forwarded over NVLink inside it): 43-58 GB/s at EP16-EP64 on 400 Gb/s (50 GB/s) CX7 rails
-(DeepEP's README); 0.9 is the middle of that range."""
-HYBRIDEP_NVLINK_GBPS: tuple[tuple[int, float, float], ...] = ((8, 615.78, 519.57), (16, 520.76, 442.51),
-                                                              (24, 502.84, 207.10))
-"""The flex dispatcher's measured rates inside one NVLink domain of NVLink 5 (GB200 NVL72), per GPU and direction:
-(ranks of the EP group in the domain, dispatch of bf16 tokens GB/s, combine GB/s), HybridEP's intranode kernels at 32
-SMs through its Torch API (deepseek-ai/DeepEP pull request 420, "GB200 Performance"; 32 SMs is what Megatron-Bridge's
-performance scripts set for HybridEP, ``utils/overrides.py``: ``moe_hybridep_num_sms = 32``; HybridEP in
-megatron-core 0.16.1 dispatches bf16, ``fused_a2a.py``: no fp8 dispatch). A kernel on a fixed number of SMs reaches
-a rate of its own, not a share of the link: it caps :data:`DEEPEP_INTRA_SHARE` of the nominal bandwidth (binding on
-NVLink 5's 900 GB/s, not on Hopper's 450 GB/s, where the share gives less)."""
-NCCL_NVLINK_SHARE = 370.0 / 450.0
-"""Share of the nominal per-direction NVLink bandwidth NCCL's all-to-all reaches inside an NVLink domain: NCCL's
-protocol overhead is about 20%, so an H100's 450 GB/s line rate gives about 370 GB/s of bus bandwidth for every
-collective but the all-reduce, which NVLink SHARP accelerates past line rate (~480 GB/s bus bandwidth on 8 GPUs;
-NCCL's maintainer in NVIDIA/nccl-tests issue 212, 2024-05-06). The all-to-all has no SHARP path, so the fitted
-``intra_node_comm`` share (1.0 on Hopper, where all-reduces dominate the calibration rows' communication) is capped
-at this for the expert all-to-all; a fitted share below it stands."""
+RATES_FILE = Path(__file__).resolve().parent.parent / "dispatch_rates.yaml"
+"""The dispatchers' measured shares and rates, with their sources."""
+
+
+class DispatchRatesError(CfpError, ValueError):
+    """A rates file that does not hold what :func:`dispatch_rates` reads; the message names the file and the key."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchRates:
+    """What the token dispatchers' kernels reach on their links (``dispatch_rates.yaml``, with sources)."""
+
+    deepep_intra_share: float
+    """Share of the nominal per-direction NVLink bandwidth DeepEP's normal (training) kernels reach inside a node."""
+    deepep_inter_share: float
+    """Share of the NIC bandwidth DeepEP's normal kernels reach across nodes, counted on de-duplicated tokens (one
+    copy per destination node)."""
+    hybridep_nvlink_gbps: tuple[tuple[int, float, float], ...]
+    """HybridEP's measured rates inside one NVLink domain, per GPU and direction, by ascending group size: (ranks of
+    the EP group in the domain, dispatch GB/s, combine GB/s). They cap :attr:`deepep_intra_share` of the link."""
+    nccl_nvlink_share: float
+    """Share of the nominal per-direction NVLink bandwidth NCCL's all-to-all reaches inside an NVLink domain (its bus
+    bandwidth over the line rate; the all-to-all has no NVLink SHARP path)."""
+
+
+@functools.cache
+def dispatch_rates() -> DispatchRates:
+    """:class:`DispatchRates` from :data:`RATES_FILE`."""
+    data = yaml.safe_load(RATES_FILE.read_text())
+    try:
+        rows = tuple((int(row["ranks"]), float(row["dispatch_gbps"]), float(row["combine_gbps"]))
+                     for row in data["hybridep_nvlink"])
+        nccl = data["nccl_nvlink"]
+        rates = DispatchRates(deepep_intra_share=float(data["deepep_intra_share"]),
+                              deepep_inter_share=float(data["deepep_inter_share"]), hybridep_nvlink_gbps=rows,
+                              nccl_nvlink_share=float(nccl["bus_gbps"]) / float(nccl["line_gbps"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise DispatchRatesError(f"{RATES_FILE}: missing or malformed key ({err!r}); fix: restore the file's "
+                                 "deepep_intra_share, deepep_inter_share, hybridep_nvlink rows (ranks, dispatch_gbps, "
+                                 "combine_gbps) and nccl_nvlink (bus_gbps, line_gbps)") from err
+    if not rows or [row[0] for row in rows] != sorted(row[0] for row in rows):
+        raise DispatchRatesError(f"{RATES_FILE}: hybridep_nvlink has rows at ranks {[row[0] for row in rows]}; fix: "
+                                 "give at least one row, by ascending ranks")
+    return rates
 
 
 def all_to_all_costs(costs: CollectiveCosts, job: JobSpec) -> CollectiveCosts:
-    """``costs`` with the NVLink share of the modelled all-to-all capped at :data:`NCCL_NVLINK_SHARE` of the
-    cluster's nominal NVLink bandwidth (a GPU cluster stating it; measured collective fits still win)."""
+    """``costs`` with the NVLink share of the modelled all-to-all capped at
+    :attr:`DispatchRates.nccl_nvlink_share` of the cluster's nominal NVLink bandwidth (a GPU cluster stating it;
+    measured collective fits still win)."""
     nominal = job.cluster.intra_node_bandwidth_gbps
     if job.cluster.on_cpu or not nominal:
         return costs
-    ceiling = nominal * 1e9 * NCCL_NVLINK_SHARE
+    ceiling = nominal * 1e9 * dispatch_rates().nccl_nvlink_share
     if costs.intra.bandwidth_bytes_per_s <= ceiling:
         return costs
     return costs.with_intra(Link(latency_s=costs.intra.latency_s, bandwidth_bytes_per_s=ceiling))
@@ -276,11 +302,13 @@ def _metadata_s(job: JobSpec, layout: Layout, costs: CollectiveCosts) -> float:
 
 def flex_nvlink_rates(costs: CollectiveCosts, ranks: int) -> tuple[float, float]:
     """(dispatch, combine) bytes per second per GPU of the flex dispatcher inside an NVLink domain for an EP group
-    with ``ranks`` ranks there: :data:`DEEPEP_INTRA_SHARE` of the link, capped at :data:`HYBRIDEP_NVLINK_GBPS` of
-    the largest measured group not larger than it (the smallest measured for smaller groups)."""
-    shared = costs.intra.bandwidth_bytes_per_s * DEEPEP_INTRA_SHARE
-    measured = HYBRIDEP_NVLINK_GBPS[0]
-    for row in HYBRIDEP_NVLINK_GBPS:
+    with ``ranks`` ranks there: :attr:`DispatchRates.deepep_intra_share` of the link, capped at
+    :attr:`DispatchRates.hybridep_nvlink_gbps` of the largest measured group not larger than it (the smallest
+    measured for smaller groups)."""
+    rates = dispatch_rates()
+    shared = costs.intra.bandwidth_bytes_per_s * rates.deepep_intra_share
+    measured = rates.hybridep_nvlink_gbps[0]
+    for row in rates.hybridep_nvlink_gbps:
         if row[0] <= ranks:
             measured = row
     return min(shared, measured[1] * 1e9), min(shared, measured[2] * 1e9)
@@ -311,7 +339,8 @@ def _deepep_s(costs: CollectiveCosts, layout: Layout, routed_bytes: float, token
     if nodes <= 1:
         return intra_s
     inter_bytes = token_bytes * expected_remote_nodes(topk, nodes)
-    inter_s = inter_bytes / (costs.inter.bandwidth_bytes_per_s * DEEPEP_INTER_SHARE) + costs.inter.latency_s
+    inter_bandwidth = costs.inter.bandwidth_bytes_per_s * dispatch_rates().deepep_inter_share
+    inter_s = inter_bytes / inter_bandwidth + costs.inter.latency_s
     return max(intra_s, inter_s)
 
 
