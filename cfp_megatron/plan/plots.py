@@ -9,9 +9,7 @@ from pathlib import Path
 
 from cfp_megatron.base.files import atomic_writer
 from cfp_megatron.profile.records import PlanCheckRecord
-
-GIB = float(1 << 30)
-"""Bytes in a GiB."""
+from cfp_megatron.sim.prediction import GIB
 
 _TIME_COLOURS = {"forward": "#4C72B0", "backward": "#55A868", "per-layer overhead": "#8C8C8C",
                  "TP/CP/EP/FSDP comm": "#C44E52", "pipeline bubble": "#B0B0B0", "DP sync": "#CCB974",

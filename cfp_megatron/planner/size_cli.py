@@ -36,6 +36,7 @@ from cfp_megatron.planner.plan_cli import planned_config, run_reporting
 from cfp_megatron.planner.preflight import default_lines, defaults_used
 from cfp_megatron.planner.size_picture import load_matplotlib, write_sizing_png
 from cfp_megatron.planner.sizing import (
+    DAY_S,
     TOKENS_KEY,
     Beyond,
     Planner,
@@ -49,9 +50,6 @@ from cfp_megatron.planner.sizing import (
     sizing_request,
     smallest_meeting,
 )
-
-DAY_S = 86400.0
-"""Seconds in a day."""
 
 
 def prices(given: Sequence[str], clusters: Sequence[str]) -> dict[str, float]:

@@ -7,10 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cfp_megatron.base.files import atomic_writer
-from cfp_megatron.planner.sizing import Sized
-
-DAY_S = 86400.0
-"""Seconds in a day."""
+from cfp_megatron.planner.sizing import DAY_S, Sized
 
 
 def load_matplotlib() -> object:

@@ -42,7 +42,10 @@ TOKENS_KEY = "train.tokens"
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12, "p": 1e15}
 """Multipliers of a count's suffix (``15T`` tokens)."""
 
-_DURATION = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+DAY_S = 86400.0
+"""Seconds in a day."""
+
+_DURATION = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": DAY_S, "w": 7 * DAY_S}
 """Seconds of a duration's unit (``30d``, ``720h``)."""
 
 

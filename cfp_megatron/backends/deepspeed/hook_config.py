@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from cfp_megatron.base.backend_spec import config_settings
+from cfp_megatron.base.cfp_spec import SearchConstraints
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.plan.artifact import Plan
 
-MAX_MICRO_BATCH = 64
-"""Largest micro-batch the search tries (as ``cfp.constraints.max_micro_batch``)."""
+MAX_MICRO_BATCH: int = SearchConstraints.max_micro_batch
+"""Largest micro-batch the search tries (``cfp.constraints.max_micro_batch``'s default)."""
 
 DEEPSPEED_PERSISTENCE_THRESHOLD = 100_000
 """DeepSpeed's default ``stage3_param_persistence_threshold``: smaller parameters stay whole under ZeRO-3."""

@@ -74,6 +74,7 @@ from cfp_megatron.backends.deepspeed.hook_measure import (
 from cfp_megatron.backends.deepspeed.search import rank_zero_plans, ranking_table, zero_candidates
 from cfp_megatron.backends.deepspeed.zero_plan import write_json_file
 from cfp_megatron.base.backend_spec import CONFIG_KEYS, ZeroSpec
+from cfp_megatron.base.cfp_spec import SearchConstraints
 from cfp_megatron.base.config import ClusterSpec, ParallelSpec, Recompute
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import LaunchEnv
@@ -90,8 +91,8 @@ if TYPE_CHECKING:
     from cfp_megatron.backends.deepspeed.hook_measure import MeasuredPasses
     from cfp_megatron.backends.deepspeed.search import ZeroKnobs, ZeroSearchResult
 
-MEMORY_HEADROOM = 0.1
-"""Share of a GPU's memory left free (as ``cfp.constraints.memory_headroom``)."""
+MEMORY_HEADROOM: float = SearchConstraints.memory_headroom
+"""Share of a GPU's memory left free (``cfp.constraints.memory_headroom``'s default)."""
 
 
 @dataclass(frozen=True, kw_only=True)
