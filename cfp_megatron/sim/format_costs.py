@@ -188,8 +188,9 @@ def _fp8_params(job: JobSpec) -> FormatCost | None:
     return low if low is not None and low.param_gather_bytes is not None else None
 
 
-MASTER_WEIGHT_BYTES = 4.0
-"""Bytes of an fp32 master weight the distributed optimizer reads to quantise it into an FP8 parameter."""
+FP32_BYTES = 4.0
+"""Bytes of an fp32 element: master weights (which the distributed optimizer reads to quantise into FP8
+parameters), main gradients, optimizer moments."""
 
 
 def step_weight_cast_bytes(job: JobSpec, layer_params: float, shard_params: float) -> float:
@@ -205,7 +206,7 @@ def step_weight_cast_bytes(job: JobSpec, layer_params: float, shard_params: floa
         return 0.0
     params = _fp8_params(job)
     if params is not None and params.param_gather_bytes is not None and params.param_gather_bytes < 2.0:
-        cast = shard_params * (MASTER_WEIGHT_BYTES + quantised_weight_bytes(job))
+        cast = shard_params * (FP32_BYTES + quantised_weight_bytes(job))
     else:
         cast = layer_params * low.step_weight_cast_bytes
     return max(cast - layer_params * _table()["fp8-delayed"].step_weight_cast_bytes, 0.0)

@@ -12,10 +12,8 @@ from dataclasses import dataclass
 from cfp_megatron.base.config import JobSpec, MlpPartition, primepar_grid_side
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
+from cfp_megatron.sim.format_costs import FP32_BYTES
 from cfp_megatron.sim.kernels import KernelModel
-
-GRAD_BYTES = 4.0
-"""Bytes per element of the partial weight gradient passed at the last gradient step (fp32 main gradients)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +63,7 @@ def _linear(kernels: KernelModel, costs: CollectiveCosts, n: int, tokens: float,
                                          ring((token_block * in_block + token_block * out_block) * elem_bytes))
     realign_di = (max(ring(token_block * in_block * elem_bytes) - wgrad_gemm, 0.0) if overlap
                   else ring(token_block * in_block * elem_bytes))
-    hand_over = ring(in_block * out_block * GRAD_BYTES)
+    hand_over = ring(in_block * out_block * FP32_BYTES)
     return (fwd_compute, fwd_exposed, dgrad_compute + wgrad_compute,
             dgrad_exposed + wgrad_exposed + realign_di + hand_over)
 

@@ -14,12 +14,9 @@ from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
-from cfp_megatron.sim.format_costs import weight_element_bytes
+from cfp_megatron.sim.format_costs import FP32_BYTES, weight_element_bytes
 from cfp_megatron.sim.kernels import element_bytes, grad_element_bytes
 from cfp_megatron.sim.options import ApexAdamStates
-
-FP32_BYTES = 4.0
-"""Bytes of an fp32 element: master weights, main gradients."""
 
 # Apex's DistributedFusedAdam (apex/contrib/optimizers/distributed_fused_adam.py, StateBucket.__init__, as of
 # 2024-07): each state bucket's shard holds exp_avg and exp_avg_sq in optim.dtype and, with store_param_remainders,

@@ -48,11 +48,12 @@ from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective, Measurements
 from cfp_megatron.plan.artifact import Plan
+from cfp_megatron.sim.format_costs import FP32_BYTES
 from cfp_megatron.sim.layout import build_layout
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache
 from cfp_megatron.sim.prediction import GIB, MemoryBreakdown
-from cfp_megatron.sim.sharding import FP32_BYTES, Sharded, Sharding
+from cfp_megatron.sim.sharding import Sharded, Sharding
 from cfp_megatron.sim.simulate import simulate
 
 if TYPE_CHECKING:
