@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from cfp_megatron.base.errors import CheckpointError
-from cfp_megatron.engine import checkpoint, manifest
+from cfp_megatron.engine import checkpoint, manifest, save_workers
 from tests.launcher import run_train, torchrun_command
 
 
@@ -156,6 +156,27 @@ def test_checkpoint_writers_die_with_the_rank(tmp_path: Path) -> None:
     for pid in alive:  # do not leave them behind if the check fails
         os.kill(pid, signal.SIGKILL)
     assert alive == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_save_managers_queue_carries_results_without_importing_torch() -> None:
+    """The results queue Megatron's writers put into (the Manager of :mod:`cfp_megatron.engine.save_workers`) gives
+    back what was put, says ``queue.Empty`` as a queue does, and its server never loads torch for the items."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    with save_workers.tied_to_this_process():
+        results = filesystem_async._results_queue
+    item = {0: [WriteResult(index=MetadataIndex("layer.weight", offset=None), size_in_bytes=64, storage_data=None)]}
+    results.put(item)
+    assert results.get_nowait() == item
+    with pytest.raises(queue.Empty):
+        results.get_nowait()
+    server = save_workers._state["manager"]._process.pid
+    assert "libtorch" not in Path(f"/proc/{server}/maps").read_text()
 
 
 # --- drills: the real trainer under torchrun ----------------------------------------------------------------------

@@ -775,3 +775,24 @@ def test_a_sliding_window_reaches_megatron_layer_by_layer() -> None:
     with pytest.raises(ConfigError) as err:
         make_job("model.window_attn_skip_freq=2")
     assert "model.window_attn_skip_freq" in str(err.value) and "model.window_size" in str(err.value)
+
+
+def test_one_composition_serves_hydras_run_and_the_job() -> None:
+    """``compose_config(keep_hydra=True)`` keeps Hydra's node (for ``HydraConfig``, as tests/scripts/multirank_cases.py
+    sets it); :func:`without_hydra` of it is the job's config as ``compose_config`` gives it, flags included, and
+    leaves the composed config whole."""
+    from omegaconf import OmegaConf
+
+    from cfp_megatron.base.compose import compose_config, without_hydra
+
+    overrides = ["model=gpt_tiny", "parallel.tp=2", "train.steps=3"]
+    full = compose_config(overrides, keep_hydra=True)
+    assert list(full.hydra.overrides.task) == overrides and full.hydra.runtime.choices.model == "gpt_tiny"
+    job = without_hydra(full)
+    plain = compose_config(overrides)
+    assert "hydra" not in job and "hydra" in full
+    assert OmegaConf.to_container(job) == OmegaConf.to_container(plain)
+    assert OmegaConf.is_struct(job) == OmegaConf.is_struct(plain)
+    assert OmegaConf.get_type(job) is OmegaConf.get_type(plain)
+    with pytest.raises(Exception, match="nonexistent_key"):
+        job.train.nonexistent_key = 1  # still refuses a key the schema lacks

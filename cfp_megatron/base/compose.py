@@ -50,7 +50,8 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 """The project's Hydra config folder."""
 
 
-def compose_config(overrides: Sequence[str], *, typed: bool = False, runs_hydra: bool = True) -> Any:
+def compose_config(overrides: Sequence[str], *, typed: bool = False, runs_hydra: bool = True,
+                   keep_hydra: bool = False) -> Any:
     """The project's Hydra config composed with ``overrides`` (an OmegaConf ``DictConfig``), as the command-line
     tools (``analyze``, ``profile``, ``plan``), ``launch/train.py`` (before Hydra runs) and the tests compose it.
 
@@ -59,7 +60,10 @@ def compose_config(overrides: Sequence[str], *, typed: bool = False, runs_hydra:
     that only composes, where Hydra's run settings would be ignored), then every group
     ``conf/config.yaml`` composes must have an option chosen.
     Whatever Hydra or OmegaConf still refuses (a value of the wrong type...) comes back as one :class:`ConfigError`
-    naming the key, the value and the choices (:func:`hydra_config_error`); never Hydra's traceback."""
+    naming the key, the value and the choices (:func:`hydra_config_error`); never Hydra's traceback.
+    ``keep_hydra``: the config keeps Hydra's own ``hydra`` node (what Hydra's app gives ``HydraConfig``), for a
+    caller that sets up Hydra's run itself and takes the job's config from :func:`without_hydra`: one composition
+    for both."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import open_dict, read_write
@@ -85,9 +89,24 @@ def compose_config(overrides: Sequence[str], *, typed: bool = False, runs_hydra:
     missing = [g for g in default_groups() if choices.get(g) is None]
     if missing:  # whatever removed it (another defaults list...): a job of the schema's built-in values, refused
         raise ConfigError([_group_needed(g, None, "has no option chosen") for g in missing])
+    if keep_hydra:
+        return cfg
     with read_write(cfg), open_dict(cfg):
         del cfg["hydra"]
     return cfg
+
+
+def without_hydra(cfg: Any) -> Any:
+    """A copy of ``cfg`` (a :func:`compose_config` with ``keep_hydra``) less its ``hydra`` node: the config
+    :func:`compose_config` gives without ``keep_hydra``; ``cfg`` itself is left as it is."""
+    import copy
+
+    from omegaconf import open_dict, read_write
+
+    out = copy.deepcopy(cfg)
+    with read_write(out), open_dict(out):
+        del out["hydra"]
+    return out
 
 
 _OVERRIDE_FIX = "write each override as key=value, e.g. train.steps=5 (see docs/configuration.md)."

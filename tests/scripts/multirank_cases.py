@@ -36,12 +36,11 @@ quiet_expected_warnings()
 import_megatron()  # as a launch imports it (planner.entry.train_from_config): its import costs cut
 
 import torch.distributed as dist  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 
-from cfp_megatron.base.compose import CONF_DIR, compose_config  # noqa: E402
+from cfp_megatron.base.compose import compose_config, without_hydra  # noqa: E402
 from cfp_megatron.engine import distributed, peak  # noqa: E402
 from cfp_megatron.engine.rank_watch import tie_to_launcher  # noqa: E402
 from cfp_megatron.planner.entry import train_from_config  # noqa: E402
@@ -51,9 +50,9 @@ def run_case(overrides: list[str], run_dir: str) -> str | None:
     """Train one case with ``run_dir`` as its Hydra run directory (as ``hydra.run.dir`` gives a launch); its error
     (type, message and the traceback's tail) or ``None``."""
     try:
-        cfg = compose_config(overrides)  # checked as a launch checks its command line
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            hydra_cfg = compose("config", overrides=overrides, return_hydra_config=True)
+        # checked as a launch checks its command line, composed once for Hydra's run and the job
+        hydra_cfg = compose_config(overrides, keep_hydra=True)
+        cfg = without_hydra(hydra_cfg)
         with open_dict(hydra_cfg):
             hydra_cfg.hydra.runtime.output_dir = run_dir
         if os.environ.get("RANK", "0") == "0":
