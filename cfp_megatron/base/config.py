@@ -1486,7 +1486,9 @@ class JobSpec:
             raise ConfigError(ConfigIssue(
                 key="parallel.fp8_param_gather", value=True,
                 problem=f"keeps the parameters in FP8, and train.precision={precision.value} trains in another "
-                        "format (Megatron-Core's fp8_param needs fp8).",
+                        "format (Megatron-Core's fp8_param needs fp8"
+                        + ("; NVFP4 parameters gathered in FP4, DDP's fp4_param_gather, come only with Megatron-Core "
+                           "releases after 0.16.1 and are not planned" if precision is Precision.fp4 else "") + ").",
                 fix="add train.precision=fp8 (with its train.fp8_recipe), or set parallel.fp8_param_gather=false."))
 
 
