@@ -19,6 +19,7 @@ from cfp_megatron.model.megatron_config import transformer_config
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.plan.exports import megatron_lm_args, torchrun_command
 from cfp_megatron.search.formats import set_formats, with_format
+from cfp_megatron.search.search import search
 from cfp_megatron.sim.simulate import simulate
 
 LLAMA_70B = ["model=llama3_70b", "cluster=b200", "cluster.nodes=8", "parallel.tp=8", "parallel.sp=true",
@@ -120,3 +121,16 @@ def test_the_plan_carries_end_layers_to_megatron() -> None:
     plain_plan = Plan.from_job(plain, world_size=64, prediction=None, inputs_fingerprint="")
     assert "bf16s" not in plain_plan.canonical() and "--first-last-layers-bf16" not in megatron_lm_args(plain_plan)
     assert not transformer_config(plain, ParallelDims.build(plain, 64), on_gpu=False).first_last_layers_bf16
+
+
+def test_the_search_with_end_layers_finds_what_an_exhaustive_search_finds() -> None:
+    job = compose_job(["model=moe_tiny", "cluster=b200", "cluster.nodes=1", "train.global_batch_size=16",
+                       "train.micro_batch_size=1", "train.precision=fp4", "parallel.num_layers_at_start_in_bf16=1",
+                       "parallel.num_layers_at_end_in_bf16=1"])
+    cfp = cfp_from_config(compose_config(["+cfp=auto", "cfp.top_k=3", "cfp.constraints.tp=[1,2]",
+                                          "cfp.constraints.pp=[1,2]", "cfp.constraints.ep=[1,4]",
+                                          "cfp.constraints.max_micro_batch=2"]))
+    bounded, full = search(job, 8, cfp), search(job, 8, cfp, exhaustive=True)
+    # the bounds hold with the bf16 layers (each layer at least the faster of the format's and bf16's)
+    assert [r.candidate for r in bounded.ranked] == [r.candidate for r in full.ranked]
+    assert all(r.job.parallel.num_layers_at_end_in_bf16 == 1 for r in bounded.ranked)
