@@ -87,3 +87,21 @@ def test_the_preflight_prints_the_options(override: str, capsys: pytest.CaptureF
     said = " ".join(capsys.readouterr().out.split())
     kind = {key: k for key, k, _ in SETTINGS}[override.partition("=")[0]]
     assert "not_an_option" in said and not _listed(said, kind), said
+
+
+@pytest.mark.parametrize(("override", "hint"), [
+    ("train.precision=nvfp4", "nvfp4 is train.precision=fp4 train.fp4_recipe=nvfp4"),
+    ("train.precision=mxfp8", "mxfp8 is train.precision=fp8 train.fp8_recipe=mxfp8"),
+    ("train.precision=fp8-tensorwise", "fp8-tensorwise is train.precision=fp8 train.fp8_recipe=tensorwise"),
+    ("cfp.constraints.precision=[bf16,mxfp8]", "mxfp8 is fp8 with cfp.constraints.fp8_recipe=[mxfp8]"),
+])
+def test_a_format_or_recipe_given_as_the_precision_says_how_to_ask_for_it(
+        override: str, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_main(["+cfp=auto", override]) == 2
+    said = " ".join(capsys.readouterr().out.split())
+    assert hint in said and "[auto, fp32, bf16, fp16, fp8, fp4]" in said, said
+
+
+def test_no_recipe_hint_for_other_values(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_main(["+cfp=auto", "train.precision=int4"]) == 2
+    assert " is train.precision=" not in " ".join(capsys.readouterr().out.split())

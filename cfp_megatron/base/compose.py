@@ -18,7 +18,15 @@ from typing import Any
 
 from cfp_megatron.base.backend_spec import BackendSpec
 from cfp_megatron.base.cfp_spec import CfpSpec
-from cfp_megatron.base.config import JobSchema, JobSpec, home_path, job_from_config, mutable_twin
+from cfp_megatron.base.config import (
+    Fp4Recipe,
+    Fp8Recipe,
+    JobSchema,
+    JobSpec,
+    home_path,
+    job_from_config,
+    mutable_twin,
+)
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import run_id
 
@@ -469,6 +477,26 @@ def _override_value(key: str, overrides: Sequence[str]) -> object:
     return found
 
 
+def _recipe_hint(full_key: str, overrides: Sequence[str]) -> str:
+    """For a ``train.precision`` (or ``cfp.constraints.precision``) value that names a scaling recipe or a format
+    (``mxfp8``, ``nvfp4``, ``fp8-tensorwise``): how to ask for it; else empty."""
+    if full_key != "train.precision" and not full_key.startswith("cfp.constraints.precision"):
+        return ""
+    given = _override_value(re.sub(r"\[\d+\]$", "", full_key), overrides)
+    values = [str(v).strip() for v in (given if isinstance(given, list) else str(given).strip("[]").split(","))]
+    hints = []
+    for value in values:
+        recipe = value.partition("-")[2] if value.partition("-")[0] in ("fp8", "fp4") else value
+        in_set = full_key.startswith("cfp")
+        if recipe in {r.value for r in Fp8Recipe}:
+            hints.append(f"{value} is fp8 with cfp.constraints.fp8_recipe=[{recipe}]" if in_set
+                         else f"{value} is train.precision=fp8 train.fp8_recipe={recipe}")
+        elif recipe in {r.value for r in Fp4Recipe}:
+            hints.append(f"{value} is fp4 with train.fp4_recipe={recipe}" if in_set
+                         else f"{value} is train.precision=fp4 train.fp4_recipe={recipe}")
+    return f" ({'; '.join(hints)})" if hints else ""
+
+
 def hydra_config_error(err: Exception, overrides: Sequence[str]) -> ConfigError:
     """One :class:`ConfigError` for an error Hydra or OmegaConf raised while composing ``overrides``: the key, the
     value the user gave, what is wrong and the choices (the group's options, the group's keys, the enum's values)."""
@@ -514,7 +542,7 @@ def hydra_config_error(err: Exception, overrides: Sequence[str]) -> ConfigError:
         choices = re.search(r"expected one of \[(.*)\]", msg)
         target = re.search(r"converted to (\w+)", msg)
         if choices:
-            fix = f"use one of [{choices.group(1)}]."
+            fix = f"use one of [{choices.group(1)}]{_recipe_hint(full_key, overrides)}."
         elif "is not a ListConfig" in msg:
             fix = f"give {full_key} a list, e.g. {full_key}=[{_override_value(full_key, overrides) or 'a'}]."
         elif target:

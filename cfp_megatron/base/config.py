@@ -1042,6 +1042,13 @@ class ParallelSpec:
     weights in FP8 and all-gather them in FP8 (Megatron-Core's ``fp8_param`` and DDP's ``fp8_param_gather``; MXFP8
     also ``reuse_grad_buf_for_mxfp8_param_ag``, as NVIDIA's FP8 recipes set them): no 16-bit weights and no cached
     FP8 copies beside them; the fp32 master weights stay (docs/simulator.md, "Number formats")."""
+    num_layers_at_start_in_bf16: int = layout_field(0, key="bf16s", megatron="", optional=True)
+    """With ``train.precision=fp8`` (not the ``delayed`` recipe) or ``fp4``: the model's first decoder layers whose
+    GEMMs stay in bf16 (Megatron-Core's ``first_last_layers_bf16`` with ``num_layers_at_start_in_bf16``, as NVIDIA's
+    NVFP4 recipe keeps the stack's ends); 0: none. At most the layers of the first model chunk."""
+    num_layers_at_end_in_bf16: int = layout_field(0, key="bf16e", megatron="", optional=True)
+    """The same for the model's last decoder layers (Megatron-Core's ``num_layers_at_end_in_bf16``); at most the
+    layers of the last model chunk."""
     tp_comm_overlap: bool = layout_field(False, key="tpco", megatron="--tp-comm-overlap", optional=True)
     """Overlap the TP/SP all-gathers and reduce-scatters with the GEMMs beside them (Transformer Engine's
     userbuffers, Megatron-Core's ``tp_comm_overlap``): needs sequence parallelism, a GPU and Transformer Engine; its
@@ -1095,7 +1102,15 @@ class ParallelSpec:
         _at_most(issues, p, self, MAX_WORLD_SIZE, "the largest clusters built (about 100k GPUs)", "tp", "pp", "cp",
                  "ep", "etp")
         _at_most(issues, p, self, MAX_LAYERS, "the layers of the largest published models (128)", "vpp",
-                 "recompute_num_layers", "first_stage_layers", "last_stage_layers", "primepar_layers")
+                 "recompute_num_layers", "first_stage_layers", "last_stage_layers", "primepar_layers",
+                 "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            _issue(issues, getattr(self, name) >= 0, f"{p}.{name}", getattr(self, name),
+                   "counts decoder layers kept in bf16 and must not be negative.",
+                   f"use 0 (none) or more: {p}.{name}=2.")
+            _issue(issues, not getattr(self, name) or self.mlp is not MlpPartition.primepar, f"{p}.{name}",
+                   getattr(self, name), "bf16 layers at the stack's ends are not combined with PrimePar's MLP "
+                   "(parallel.mlp=primepar).", f"set {p}.{name}=0 or parallel.mlp=megatron.")
         dims = self.order.split("-")
         _issue(issues, sorted(dims) == sorted(["tp", "cp", "ep", "dp", "pp"]), f"{p}.order", self.order,
                "must name tp, cp, ep, dp and pp once each, separated by '-'.", "use the default tp-cp-ep-dp-pp.")
@@ -1450,11 +1465,30 @@ class JobSpec:
         """Raises :class:`ConfigError` for FP8 parameters (``parallel.fp8_param_gather``) in a format that is not
         FP8 (``auto`` may still choose FP8: the plan drops them where it does not)."""
         precision = self.train.precision
+        ends = self.parallel.num_layers_at_start_in_bf16 or self.parallel.num_layers_at_end_in_bf16
+        if ends and precision not in (Precision.fp8, Precision.fp4, Precision.auto):
+            raise ConfigError(ConfigIssue(
+                key="parallel.num_layers_at_start_in_bf16", value=self.parallel.num_layers_at_start_in_bf16,
+                problem=f"keeps the stack's first/last layers in bf16 (with parallel.num_layers_at_end_in_bf16="
+                        f"{self.parallel.num_layers_at_end_in_bf16}), and train.precision={precision.value} runs "
+                        "every layer in it already (Megatron-Core's first_last_layers_bf16 acts under fp8 or fp4).",
+                fix="add train.precision=fp8 (a recipe other than delayed) or train.precision=fp4, or set both "
+                    "counts to 0."))
+        if ends and precision is Precision.fp8 and self.train.fp8_recipe is Fp8Recipe.delayed:
+            raise ConfigError(ConfigIssue(
+                key="train.fp8_recipe", value=Fp8Recipe.delayed.value,
+                problem="delayed scaling does not support bf16 layers at the stack's ends (Megatron-Core's "
+                        "TransformerConfig refuses first_last_layers_bf16 with it: the per-layer FP8 context breaks "
+                        "its amax reduction).",
+                fix="use train.fp8_recipe=tensorwise|blockwise|mxfp8, or set parallel.num_layers_at_start_in_bf16=0 "
+                    "and parallel.num_layers_at_end_in_bf16=0."))
         if self.parallel.fp8_param_gather and precision not in (Precision.fp8, Precision.auto):
             raise ConfigError(ConfigIssue(
                 key="parallel.fp8_param_gather", value=True,
                 problem=f"keeps the parameters in FP8, and train.precision={precision.value} trains in another "
-                        "format (Megatron-Core's fp8_param needs fp8).",
+                        "format (Megatron-Core's fp8_param needs fp8"
+                        + ("; NVFP4 parameters gathered in FP4, DDP's fp4_param_gather, come only with Megatron-Core "
+                           "releases after 0.16.1 and are not planned" if precision is Precision.fp4 else "") + ").",
                 fix="add train.precision=fp8 (with its train.fp8_recipe), or set parallel.fp8_param_gather=false."))
 
 

@@ -188,3 +188,26 @@ def fp8_params_issues(fp8_param_gather: bool, fmt: NumberFormat) -> list[ConfigI
                                 "(train.precision=auto resolves to it here): they would be ignored.",
                         fix="add train.precision=fp8 (with its train.fp8_recipe), let the search choose FP8 "
                             "(cfp.constraints.precision=[bf16,fp8]), or set parallel.fp8_param_gather=false.")]
+
+
+def bf16_ends_issues(start: int, end: int, fmt: NumberFormat) -> list[ConfigIssue]:
+    """bf16 layers at the stack's ends (``parallel.num_layers_at_start_in_bf16`` / ``_end_in_bf16``) asked for where
+    the run trains in ``fmt`` (``auto`` resolved): refused unless ``fmt`` runs its GEMMs in FP8 or FP4, and beside
+    delayed scaling (Megatron-Core's ``TransformerConfig`` refuses ``first_last_layers_bf16`` with it)."""
+    if not (start or end):
+        return []
+    if not fmt.low:
+        return [ConfigIssue(key="parallel.num_layers_at_start_in_bf16", value=start,
+                            problem=f"keeps the stack's first/last layers (and parallel.num_layers_at_end_in_bf16="
+                                    f"{end}) in bf16, and the run trains in {fmt.name} (train.precision=auto "
+                                    "resolves to it here): every layer already runs in it.",
+                            fix="add train.precision=fp8 (a recipe other than delayed) or train.precision=fp4, let "
+                                "the search choose one (cfp.constraints.precision=[bf16,fp4]), or set both counts "
+                                "to 0.")]
+    if fmt.recipe is Fp8Recipe.delayed:
+        return [ConfigIssue(key="train.fp8_recipe", value=Fp8Recipe.delayed.value,
+                            problem="delayed scaling does not support bf16 layers at the stack's ends (Megatron-Core's "
+                                    "TransformerConfig refuses first_last_layers_bf16 with it).",
+                            fix="use train.fp8_recipe=tensorwise|blockwise|mxfp8, or set "
+                                "parallel.num_layers_at_start_in_bf16=0 and parallel.num_layers_at_end_in_bf16=0.")]
+    return []

@@ -33,7 +33,7 @@ from cfp_megatron.base.layout_rules import batch, graphs, moe, offload, pipeline
 from cfp_megatron.base.layout_rules.problem import Problem
 from cfp_megatron.base.layout_rules.problem import issues as rule_issues
 from cfp_megatron.base.pipeline_layout import layout_stages
-from cfp_megatron.base.pipeline_split import chunk_layers, max_chunk_count, split_issues
+from cfp_megatron.base.pipeline_split import chunk_layers, job_chunks, max_chunk_count, split_issues
 
 
 def transformer_engine_available() -> bool:
@@ -236,6 +236,18 @@ class ParallelDims:
                 m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers, **accounted,
                 layout=layout["layout"])) if valid else 0
             problems += recompute.block_layers(p.recompute_num_layers, layers_per_chunk)
+        if (p.num_layers_at_start_in_bf16 or p.num_layers_at_end_in_bf16) and not split_issues(
+                m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers, **accounted, **layout):
+            chunks = job_chunks(job)  # the first layers sit in the first chunk, the last in the last one
+            for name, count, chunk in (("num_layers_at_start_in_bf16", p.num_layers_at_start_in_bf16, chunks[0][0]),
+                                       ("num_layers_at_end_in_bf16", p.num_layers_at_end_in_bf16, chunks[-1][-1])):
+                if count > chunk.count:
+                    issues.append(ConfigIssue(
+                        key=f"parallel.{name}", value=count,
+                        problem=f"is more than the {chunk.count} decoder layer(s) of the model chunk that holds "
+                                "them (Megatron-Core allows at most a pipeline stage's layers; the planner prices "
+                                "those of the end chunk).",
+                        fix=f"use parallel.{name}={chunk.count} or less, or fewer pipeline stages/chunks."))
         problems += sequence.context_attention(m.attention is AttentionKind.mla, p.cp)
         if p.cuda_graph_impl is not CudaGraphImpl.none:
             problems += graph_problems(job)

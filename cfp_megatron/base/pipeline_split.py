@@ -59,6 +59,12 @@ class ChunkLayers:
         dense = min(n, self.dense)
         return dense, n - dense
 
+    def trailing(self, n: int) -> tuple[int, int]:
+        """(dense, MoE) layers among the chunk's last ``n`` (its MoE layers come last)."""
+        n = min(n, self.count)
+        moe = min(n, self.moe)
+        return n - moe, moe
+
     def recomputed(self, parallel: ParallelSpec) -> tuple[int, int]:
         """(dense, MoE) layers of the chunk the plan's recomputation covers: all of them, or with the ``block``
         method the first ``recompute_num_layers``."""
@@ -76,6 +82,23 @@ class ChunkLayers:
         if mlp is not MlpPartition.primepar:
             return 0
         return self.leading(self.count if primepar_layers is None else primepar_layers)[0]
+
+
+def bf16_end_layers(chunks: tuple[tuple[ChunkLayers, ...], ...], start: int, end: int
+                    ) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """``[rank][chunk]`` (dense, MoE) decoder layers kept in bf16 by ``start`` layers at the stack's start and ``end``
+    at its end (Megatron-Core's ``num_layers_at_start_in_bf16`` / ``_end_in_bf16``): the first chunk's leading
+    layers and the last chunk's trailing ones (the counts are checked against those chunks,
+    :class:`~cfp_megatron.base.parallel_dims.ParallelDims`)."""
+    out = [[(0, 0)] * len(row) for row in chunks]
+    first, last = chunks[0][0], chunks[-1][-1]
+    out[0][0] = first.leading(start)
+    if last is first:  # one chunk holds both ends
+        tail = first.trailing(min(end, first.count - min(start, first.count)))
+        out[0][0] = (out[0][0][0] + tail[0], out[0][0][1] + tail[1])
+    else:
+        out[-1][-1] = last.trailing(end)
+    return tuple(tuple(row) for row in out)
 
 
 def split_issues(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None,

@@ -82,6 +82,10 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         **NumberFormat.of(job.train).megatron_fields(),
         # Parameters kept in FP8 (parallel.fp8_param_gather): Transformer Engine builds them as quantised tensors.
         fp8_param=NumberFormat.of(job.train).param_fields(job.parallel.fp8_param_gather)["fp8_param_gather"],
+        # The stack's first/last layers in bf16 (parallel.num_layers_at_start_in_bf16 / _end_in_bf16).
+        first_last_layers_bf16=bool(p.num_layers_at_start_in_bf16 or p.num_layers_at_end_in_bf16),
+        num_layers_at_start_in_bf16=p.num_layers_at_start_in_bf16,
+        num_layers_at_end_in_bf16=p.num_layers_at_end_in_bf16,
         # Per-token loss: the step's loss is (sum of token losses) / (tokens in the global batch) under every layout.
         calculate_per_token_loss=True,
         # CPU initialisation builds full weights and splits them, so TP layouts start alike (and needs no CUDA).

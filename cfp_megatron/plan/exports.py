@@ -247,6 +247,13 @@ _MEGATRON_RULES: dict[str, Callable[[Plan, int | None], list[str]]] = {
         if plan.parallel.cpu_offloading_num_layers else []),
     "cuda_graph_scope": lambda plan, num_layers: (["--cuda-graph-scope", *plan.parallel.graph_scopes()]
                                                   if plan.parallel.cuda_graph_scope is not None else []),
+    # Transformer Engine's bf16 layers at the stack's ends: Megatron-LM's switch and both counts (its counts default
+    # to 1 under the switch, so both are written).
+    "num_layers_at_start_in_bf16": lambda plan, num_layers: (
+        ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(plan.parallel.num_layers_at_start_in_bf16),
+         "--num-layers-at-end-in-bf16", str(plan.parallel.num_layers_at_end_in_bf16)]
+        if plan.parallel.num_layers_at_start_in_bf16 or plan.parallel.num_layers_at_end_in_bf16 else []),
+    "num_layers_at_end_in_bf16": lambda plan, num_layers: [],  # written with num_layers_at_start_in_bf16
     # Megatron-FSDP's switch and its strategy (and the checkpoint format Megatron-LM requires with it).
     "fsdp": lambda plan, num_layers: (
         ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", plan.parallel.fsdp.value,

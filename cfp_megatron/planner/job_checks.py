@@ -10,7 +10,13 @@ from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.layout_rules import batch
 from cfp_megatron.base.layout_rules.problem import issues as rule_issues
-from cfp_megatron.base.number_format import NumberFormat, format_key, fp8_params_issues, presets_computing
+from cfp_megatron.base.number_format import (
+    NumberFormat,
+    bf16_ends_issues,
+    format_key,
+    fp8_params_issues,
+    presets_computing,
+)
 from cfp_megatron.base.parallel_dims import ParallelDims, transformer_engine_available
 from cfp_megatron.base.pipeline_layout import MTP, layout_stages
 from cfp_megatron.model import layer_spec
@@ -133,6 +139,13 @@ def _rest_issues(job: JobSpec) -> list[ConfigIssue]:
 
         resolved = resolve_precision(Precision.auto, on_gpu=torch.cuda.is_available())
         issues += fp8_params_issues(True, NumberFormat(precision=resolved))
+    if (job.parallel.num_layers_at_start_in_bf16 or job.parallel.num_layers_at_end_in_bf16) \
+            and job.train.precision is Precision.auto:
+        import torch
+
+        resolved = resolve_precision(Precision.auto, on_gpu=torch.cuda.is_available())
+        issues += bf16_ends_issues(job.parallel.num_layers_at_start_in_bf16, job.parallel.num_layers_at_end_in_bf16,
+                                   NumberFormat(precision=resolved))
     if job.data.kind is DataKind.indexed:
         try:
             validate_indexed(job)

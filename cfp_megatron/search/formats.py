@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import JobSpec, Precision, resolve_precision
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
-from cfp_megatron.base.number_format import NumberFormat, format_issues, fp8_params_issues
+from cfp_megatron.base.number_format import NumberFormat, bf16_ends_issues, format_issues, fp8_params_issues
 from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.search.space import Rejection
 from cfp_megatron.sim.calibration import efficiency_for
@@ -35,7 +35,9 @@ def set_formats(job: JobSpec, cfp: CfpSpec, *, te_available: bool) -> tuple[list
     for this machine). Raises :class:`ConfigError` for a ``train.precision`` outside the set, or a set of which
     nothing is left."""
     if cfp.constraints.precision is None:
-        issues = fp8_params_issues(job.parallel.fp8_param_gather, _resolved(job, NumberFormat.of(job.train)))
+        own = _resolved(job, NumberFormat.of(job.train))
+        issues = fp8_params_issues(job.parallel.fp8_param_gather, own) + bf16_ends_issues(
+            job.parallel.num_layers_at_start_in_bf16, job.parallel.num_layers_at_end_in_bf16, own)
         if issues:
             raise ConfigError(issues)
         return [NumberFormat.of(job.train)], []
@@ -60,6 +62,9 @@ def set_formats(job: JobSpec, cfp: CfpSpec, *, te_available: bool) -> tuple[list
     kept, left = [], []
     for fmt in wanted:
         issues = format_issues(job.cluster, fmt)
+        if not issues and fmt.low:  # bf16 layers at the stack's ends: not with delayed scaling
+            issues = bf16_ends_issues(job.parallel.num_layers_at_start_in_bf16,
+                                      job.parallel.num_layers_at_end_in_bf16, fmt)
         if not issues and fmt.low and not te_available:
             issues = [ConfigIssue(key="train.precision", value=fmt.name, problem="runs only in Transformer Engine's "
                                   "layers, which this machine lacks.", fix="install transformer-engine.")]
@@ -98,10 +103,13 @@ def _resolved(job: JobSpec, fmt: NumberFormat) -> NumberFormat:
 
 
 def with_format(job: JobSpec, fmt: NumberFormat) -> JobSpec:
-    """``job`` trained in ``fmt``; FP8 parameters (``parallel.fp8_param_gather``) kept only in an FP8 format."""
+    """``job`` trained in ``fmt``; FP8 parameters (``parallel.fp8_param_gather``) kept only in an FP8 format, bf16
+    layers at the stack's ends (``parallel.num_layers_at_start_in_bf16`` / ``_end_in_bf16``) only in FP8 or FP4."""
     parallel = job.parallel
     if parallel.fp8_param_gather and fmt.precision is not Precision.fp8:
         parallel = dataclasses.replace(parallel, fp8_param_gather=False)
+    if not fmt.low and (parallel.num_layers_at_start_in_bf16 or parallel.num_layers_at_end_in_bf16):
+        parallel = dataclasses.replace(parallel, num_layers_at_start_in_bf16=0, num_layers_at_end_in_bf16=0)
     return dataclasses.replace(job, parallel=parallel, train=dataclasses.replace(job.train, **fmt.train_fields()))
 
 

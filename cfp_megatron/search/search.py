@@ -67,6 +67,7 @@ from cfp_megatron.search.space import (
     split_stage_counts,
 )
 from cfp_megatron.sim.bounds import GroupCosts, group_bound, group_costs, layer_terms, time_bound
+from cfp_megatron.sim.format_costs import bf16_twin
 from cfp_megatron.sim.layout import Layout, place
 from cfp_megatron.sim.memory import OFFLOAD_RESIDENT_LAYERS, in_flight, layer_activation_bytes, memory_band
 from cfp_megatron.sim.options import SimOptions
@@ -840,13 +841,17 @@ class StateBound:
 
 
 def _param_bytes(job: JobSpec, space: Space) -> StateBound:
-    """The :class:`StateBound` of ``job``'s states in ``space``."""
-    state = StateBytes.megatron(job)
-    total = state.weights + state.gradients + state.main_gradients + state.optimizer_side
+    """The :class:`StateBound` of ``job``'s states in ``space`` (the lesser of its format's and bf16's where it keeps
+    layers in bf16 at the stack's ends: their weights hold no quantised copies)."""
+    states = [StateBytes.megatron(job)]
+    if (job.parallel.num_layers_at_start_in_bf16 or job.parallel.num_layers_at_end_in_bf16) \
+            and NumberFormat.of(job.train).low:
+        states.append(StateBytes.megatron(bf16_twin(job)))
 
     def split(sharded: Sharded) -> tuple[float, float]:
-        kept = state.replicated(sharded)
-        return kept, total - kept
+        kept = [state.replicated(sharded) for state in states]
+        totals = [state.weights + state.gradients + state.main_gradients + state.optimizer_side for state in states]
+        return min(kept), min(total - k for total, k in zip(totals, kept, strict=True))
 
     strategies = space.fsdp_values() or [FsdpStrategy.none.value]
     return StateBound(world=space.world, ddp=split(megatron_sharded(distributed_optimizer=False)),

@@ -93,29 +93,34 @@ def group_costs(parts: PassCosts, overlaps: Overlaps, *, hidden: int, shared_cor
     slack = 2.0 * hidden
     # A PrimePar candidate runs Megatron's MLP on some layers only where PrimePar's layer is the faster
     # (search._primepar_layers): the plan's own dense layer still bounds it.
-    kinds = (parts.dense, parts.moe)
-    # what the bound takes off each kind's (forward + backward, recomputation) seconds
-    hideable, hideable_rec = [0.0, 0.0], [0.0, 0.0]
-    for i, kind in enumerate(kinds):
+    # Layers kept in bf16 at the stack's ends (PassCosts.bf16_ends) bound their kind too: a layer is at least the
+    # faster of the format's and bf16's.
+    kinds = [(parts.dense, False), (parts.moe, True)]
+    if parts.bf16_ends is not None:
+        kinds += [(parts.bf16_ends[0], False), (parts.bf16_ends[1], True)]
+    # per kind: (seconds a layer, forward + backward, recomputation), less what the overlaps can hide of them
+    floors: list[tuple[float, float, float, bool]] = []
+    for kind, moe in kinds:
+        hideable = hideable_rec = 0.0
         for term in TERMS.hiding():  # the others hide nothing
             fb, rec = term.hideable(kind, overlaps)
-            hideable[i] += fb
-            hideable_rec[i] += rec
+            hideable += fb
+            hideable_rec += rec
         for term in TERMS.floored():  # the others set nothing per chunk
-            fb, rec = term.chunk_floor(parts, i == 1, overlaps)
-            hideable[i] -= fb
-            hideable_rec[i] -= rec
+            fb, rec = term.chunk_floor(parts, moe, overlaps)
+            hideable -= fb
+            hideable_rec -= rec
+        floors.append((kind.total_s - hideable - hideable_rec, kind.forward.total_s + kind.backward.total_s - hideable,
+                       kind.recompute.total_s - hideable_rec, moe))
     return GroupCosts(
-        layer_s=min(c.total_s - h - r for c, h, r in zip(kinds, hideable, hideable_rec, strict=True)),
-        fb_s=min(c.forward.total_s + c.backward.total_s - h for c, h in zip(kinds, hideable, strict=True)),
-        recompute_s=min(c.recompute.total_s - r for c, r in zip(kinds, hideable_rec, strict=True)),
+        layer_s=min(f[0] for f in floors), fb_s=min(f[1] for f in floors), recompute_s=min(f[2] for f in floors),
         dense_params=max(parts.dense.params - slack, 0.0),
         moe_params=max(parts.moe.params - slack, 0.0),
         pass_s=parts.per_pass.total_s,
         embedding_s=sum(p.total_s for p in parts.embedding), head_s=sum(p.total_s for p in parts.head),
         shared_cores=shared_cores, fixed_s=fixed_s,
-        kind_s=tuple(c.total_s - h - r for c, h, r in zip(kinds, hideable, hideable_rec, strict=True)),
-        kind_fb_s=tuple(c.forward.total_s + c.backward.total_s - h for c, h in zip(kinds, hideable, strict=True)))
+        kind_s=tuple(min(f[0] for f in floors if f[3] is moe) for moe in (False, True)),
+        kind_fb_s=tuple(min(f[1] for f in floors if f[3] is moe) for moe in (False, True)))
 
 
 def layer_terms(costs: GroupCosts, block: bool) -> tuple[float, float]:

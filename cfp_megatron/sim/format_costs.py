@@ -3,6 +3,7 @@ work before each, and the memory it changes (``number_formats.yaml`` beside this
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,3 +211,12 @@ def step_weight_cast_bytes(job: JobSpec, layer_params: float, shard_params: floa
     else:
         cast = layer_params * low.step_weight_cast_bytes
     return max(cast - layer_params * _table()["fp8-delayed"].step_weight_cast_bytes, 0.0)
+
+
+def bf16_twin(job: JobSpec) -> JobSpec:
+    """``job`` in bf16 throughout: what its layers at the stack's ends cost (``parallel.num_layers_at_start_in_bf16``
+    / ``_end_in_bf16``; their weights are not kept in FP8, so no FP8 parameters)."""
+    parallel = dataclasses.replace(job.parallel, fp8_param_gather=False, num_layers_at_start_in_bf16=0,
+                                   num_layers_at_end_in_bf16=0)
+    bf16 = NumberFormat(precision=Precision.bf16).train_fields()
+    return dataclasses.replace(job, parallel=parallel, train=dataclasses.replace(job.train, **bf16))

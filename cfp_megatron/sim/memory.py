@@ -30,7 +30,7 @@ from cfp_megatron.base.config import (
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.pipeline_split import job_chunks
 from cfp_megatron.cluster.measured import Measurements, SegmentMemory, partition_name
-from cfp_megatron.sim.format_costs import low_format_cost
+from cfp_megatron.sim.format_costs import bf16_twin, low_format_cost
 from cfp_megatron.sim.kernels import element_bytes
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.measured_memory import measured_memory, peak_activation_bytes, pipeline_buffers
@@ -499,6 +499,12 @@ class Stage:
     (:func:`measured_activations`), which stand for the analytical activations and buffers; ``None``: analytical."""
     common: LayoutMemory
     """What every rank of the job and layout shares (:func:`layout_memory`)."""
+    bf16_layers: tuple[int, int] = (0, 0)
+    """(dense, MoE) decoder layers among :attr:`layers` whose GEMMs stay in bf16 under the job's FP8/FP4 format
+    (``parallel.num_layers_at_start_in_bf16`` / ``_end_in_bf16``): they keep bf16 activations and bf16 weights
+    alone (:attr:`LayoutMemory.bf16_ends`)."""
+    bf16_params: float = 0.0
+    """Their parameters on the rank."""
 
     @property
     def tokens(self) -> float:
@@ -508,18 +514,21 @@ class Stage:
 
 def stage(job: JobSpec, layout: Layout, options: SimOptions, *, rank: int, layer_params: float,
           expert_params: float, layers: int, moe_layers: int, first: bool, last: bool,
-          measurements: Measurements | None = None, mtp: int = 0, common: LayoutMemory | None = None) -> Stage:
+          measurements: Measurements | None = None, mtp: int = 0, common: LayoutMemory | None = None,
+          bf16_layers: tuple[int, int] = (0, 0), bf16_params: float = 0.0) -> Stage:
     """The :class:`Stage` of pipeline rank ``rank``; with ``measurements`` that hold its segments' memory under the
     plan's partition, its activations measured (profiling measures neither FSDP nor an MTP layer). ``common``:
     :func:`layout_memory` of the job, built once by a caller that builds several of its stages (``None``: built
-    here)."""
+    here); ``bf16_layers`` / ``bf16_params``: the rank's decoder layers kept in bf16 at the stack's ends
+    (:attr:`Stage.bf16_layers`)."""
     measured = None
     if measurements is not None and job.parallel.fsdp is FsdpStrategy.none and not mtp:
         measured = measured_activations(job, layout, measurements, rank=rank, layers=layers, moe_layers=moe_layers,
                                         first=first, last=last)
     return Stage(job=job, layout=layout, options=options, rank=rank, layer_params=layer_params,
                  expert_params=expert_params, layers=layers, moe_layers=moe_layers, first=first, last=last, mtp=mtp,
-                 measured=measured, common=layout_memory(job, layout, options) if common is None else common)
+                 measured=measured, common=layout_memory(job, layout, options) if common is None else common,
+                 bf16_layers=bf16_layers, bf16_params=bf16_params)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -541,6 +550,9 @@ class LayoutMemory:
     """Bytes a dense and a MoE layer keep without recomputation, for block recomputation (zero without it)."""
     extra_params: float
     """:func:`layer_extra_params` of a layer."""
+    bf16_ends: tuple[tuple[float, float], tuple[float, float]] | None
+    """:attr:`dense` and :attr:`moe` of a layer kept in bf16 at the stack's ends (its bf16 twin,
+    :func:`~cfp_megatron.sim.format_costs.bf16_twin`); ``None`` without such layers or in a 16/32-bit format."""
     tokens: float
     """Tokens of one micro-batch on a rank (its CP share)."""
 
@@ -561,4 +573,8 @@ def layout_memory(job: JobSpec, layout: Layout, options: SimOptions) -> LayoutMe
         kept=(layer_activation_bytes(job, layout, options, moe=False, recompute=Recompute.none)[0],
               layer_activation_bytes(job, layout, options, moe=True, recompute=Recompute.none)[0] if moe else 0.0)
         if block else zero, extra_params=layer_extra_params(job, layout),
+        bf16_ends=((layer_activation_bytes(bf16_twin(job), layout, options, moe=False),
+                    layer_activation_bytes(bf16_twin(job), layout, options, moe=True) if moe else zero)
+                   if (parallel.num_layers_at_start_in_bf16 or parallel.num_layers_at_end_in_bf16)
+                   and low_format_cost(job) is not None else None),
         tokens=layout.micro_batch * layout.seq_length / layout.dims.cp)

@@ -75,6 +75,10 @@ class PassCosts:
     mtp_projection_params: float = 0.0
     """Parameters of those parts on one rank (the projection and the norms; the embedding table is counted where
     the chunk holds one)."""
+    bf16_ends: tuple[LayerCost, LayerCost] | None = None
+    """A dense and a MoE decoder layer (:attr:`dense`, :attr:`moe`) with their GEMMs in bf16: the layers
+    ``parallel.num_layers_at_start_in_bf16`` / ``_end_in_bf16`` keep out of the job's FP8/FP4 format (``None``
+    without them, or in a 16/32-bit format)."""
     host: HostCosts | None = None
     """The host's seconds per layer kind and pass (:func:`~cfp_megatron.sim.host_costs.host_costs`), which the
     simulator sets against each model chunk's GPU time (:mod:`cfp_megatron.sim.terms.host`); ``None`` where the host

@@ -8,15 +8,23 @@ import functools
 import typing
 from dataclasses import dataclass
 
-from cfp_megatron.base.config import ClusterSpec, JobSpec, MlpPartition, ParallelSpec
+from cfp_megatron.base.config import ClusterSpec, JobSpec, MlpPartition, ParallelSpec, Precision
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.base.parallel_dims import ParallelDims
-from cfp_megatron.base.pipeline_split import ChunkLayers, SplitKey, job_chunks, job_split, split_chunks
+from cfp_megatron.base.pipeline_split import (
+    ChunkLayers,
+    SplitKey,
+    bf16_end_layers,
+    job_chunks,
+    job_split,
+    split_chunks,
+)
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Measurements, PipelineProbe, StepOverheads, partition_name
 from cfp_megatron.sim.calibration import Efficiency, efficiency_for
+from cfp_megatron.sim.format_costs import bf16_twin
 from cfp_megatron.sim.host_costs import exchange_sync_s
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layer_cost import LayerCost, PassCost
@@ -224,6 +232,19 @@ def _prepared(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
         return found
 
     parts = costs_of(job)
+    ends_in_bf16 = job.parallel.num_layers_at_start_in_bf16 or job.parallel.num_layers_at_end_in_bf16
+    if ends_in_bf16 and NumberFormat.of(job.train).low:  # the stack's ends run their GEMMs in bf16
+        twin = bf16_twin(job)
+        ends_key = ("bf16_ends", *cost_key(layout, twin.parallel.recompute, options, twin.parallel.mlp,
+                                          comm=comm_options(twin.parallel),
+                                          recompute_modules=twin.parallel.recompute_modules))
+        ends = cache.costs.get(ends_key) if cache is not None else None
+        if ends is None:  # priced without measured segments: they ran their GEMMs in the job's format
+            ends = pass_costs(twin, layout, KernelModel(cluster, efficiency, NumberFormat(precision=Precision.bf16)),
+                              costs, options, None)
+            if cache is not None:
+                cache.costs[ends_key] = ends
+        parts = dataclasses.replace(parts, bf16_ends=(ends.dense, ends.moe))
     if job.parallel.primepar_layers is not None:  # the dense layers beyond it run its Megatron twin's
         parts = dataclasses.replace(parts, megatron_dense=costs_of(megatron_twin(job)).dense)
     return job, layout, options, efficiency, kernels, costs, parts
@@ -280,6 +301,11 @@ class _StageSplit:
     pipeline has more than one stage or the embeddings are untied, and the one an MTP layer on another rank builds
     (Megatron-Core embeds the shifted tokens there; the loss rank's output weight serves it where the embeddings are
     tied)."""
+    bf16_layers: tuple[tuple[int, int], ...] = ()
+    """Per rank: (dense, MoE) decoder layers kept in bf16 at the stack's ends
+    (``parallel.num_layers_at_start_in_bf16`` / ``_end_in_bf16`` under FP8/FP4); empty: none on any rank."""
+    bf16_params: tuple[float, ...] = ()
+    """Their parameters on the rank."""
 
 
 def _stage_split(job: JobSpec, layout: Layout, parts: PassCosts) -> _StageSplit:
@@ -288,9 +314,16 @@ def _stage_split(job: JobSpec, layout: Layout, parts: PassCosts) -> _StageSplit:
     the MTP layers (:func:`_split_of`, from what it reads)."""
     model, parallel = job.model, job.parallel
     megatron_dense = parts.megatron_dense or parts.dense  # the dense layers beyond parallel.primepar_layers
-    return _split_of(job_split(job), parallel.mlp, parallel.primepar_layers, parts.dense.params,
-                     megatron_dense.params, parts.moe.params, parts.moe.params + parts.mtp_projection_params,
-                     parts.moe.expert_params, model.is_moe, model.tie_embeddings)
+    split = _split_of(job_split(job), parallel.mlp, parallel.primepar_layers, parts.dense.params,
+                      megatron_dense.params, parts.moe.params, parts.moe.params + parts.mtp_projection_params,
+                      parts.moe.expert_params, model.is_moe, model.tie_embeddings)
+    if parts.bf16_ends is None:
+        return split
+    per_chunk = bf16_end_layers(job_chunks(job), parallel.num_layers_at_start_in_bf16,
+                                parallel.num_layers_at_end_in_bf16)
+    layers = tuple((sum(d for d, _ in row), sum(m for _, m in row)) for row in per_chunk)
+    return dataclasses.replace(split, bf16_layers=layers,
+                               bf16_params=tuple(d * parts.dense.params + m * parts.moe.params for d, m in layers))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -364,7 +397,9 @@ def _peak_stages(job: JobSpec, layout: Layout, options: SimOptions, measurements
                        first=split.embedding[rank] and not options.measured_layer_only,
                        last=split.loss[rank] and not options.measured_layer_only, mtp=split.mtp[rank],
                        # measured segment memory (CFP), see cfp_megatron.sim.measured_memory
-                       measurements=measurements if options.use_measured_segments else None, common=common)
+                       measurements=measurements if options.use_measured_segments else None, common=common,
+                       bf16_layers=split.bf16_layers[rank] if split.bf16_layers else (0, 0),
+                       bf16_params=split.bf16_params[rank] if split.bf16_params else 0.0)
                  for rank in ranks)
 
 
@@ -389,6 +424,8 @@ def _pass_grid(job: JobSpec, dims: ParallelDims, parts: PassCosts
     backward_costs: list[list[PassCost]] = []
     recompute_costs: list[list[PassCost]] = []
     chunk_costs: dict[tuple, tuple[PassCost, PassCost, PassCost]] = {}  # chunks that hold the same cost the same
+    ends_counts = bf16_end_layers(chunks, job.parallel.num_layers_at_start_in_bf16,
+                                  job.parallel.num_layers_at_end_in_bf16)
     for rank in range(pp):
         fwd_row, bwd_row, rec_row = [], [], []
         for chunk_index in range(vpp):
@@ -399,7 +436,7 @@ def _pass_grid(job: JobSpec, dims: ParallelDims, parts: PassCosts
             # Recomputed layers: all (uniform), or the chunk's first recompute_num_layers (block; dense ones first).
             rec_dense, rec_moe = chunk.recomputed(job.parallel)
             signature = (chunk.dense, chunk.moe, primepar_layers, rec_dense, rec_moe, chunk.mtp, chunk.embedding,
-                         chunk.loss)
+                         chunk.loss, ends_counts[rank][chunk_index])
             found = chunk_costs.get(signature)
             if found is None:
                 fwd_cost = dense.forward.scaled(primepar_layers).plus(
@@ -411,6 +448,16 @@ def _pass_grid(job: JobSpec, dims: ParallelDims, parts: PassCosts
                     _backward(moe, rec_moe, chunk.moe))
                 rec_cost = dense.recompute.scaled(rec_primepar).plus(
                     megatron_dense.recompute.scaled(rec_dense - rec_primepar)).plus(moe.recompute.scaled(rec_moe))
+                if parts.bf16_ends is not None and ends_counts[rank][chunk_index] != (0, 0):
+                    # The stack's first/last layers in bf16 in place of the format's (rec_* counts them leading).
+                    (b_dense, b_moe), (low_dense, low_moe) = parts.bf16_ends, (megatron_dense, moe)
+                    for bf16, low, count, rec in ((b_dense, low_dense, ends_counts[rank][chunk_index][0], rec_dense),
+                                                  (b_moe, low_moe, ends_counts[rank][chunk_index][1], rec_moe)):
+                        rec = min(rec, count)
+                        fwd_cost = fwd_cost.plus(bf16.forward.scaled(count)).plus(low.forward.scaled(-count))
+                        bwd_cost = bwd_cost.plus(_backward(bf16, rec, count)).plus(
+                            _backward(low, rec, count).scaled(-1))
+                        rec_cost = rec_cost.plus(bf16.recompute.scaled(rec)).plus(low.recompute.scaled(-rec))
                 if chunk.mtp:
                     # Each MTP layer: a decoder layer of the model's last kind (recomputed as the chunk's layers
                     # are) and its embedding, norms and projection (docs/simulator.md, "Multi-token prediction").

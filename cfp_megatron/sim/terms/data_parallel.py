@@ -212,8 +212,22 @@ class DataParallel(CostTerm):
         if stage.layers and stage.measured is None:
             gathered = sharding.gathered_bytes(stage.layer_params / stage.layers, stage.expert_params / stage.layers,
                                                layers=stage.layers)
-        return {"weights": states.weights - _not_te_weight_excess(stage, params), "gradients": states.gradients,
+        weights = states.weights - _not_te_weight_excess(stage, params) - _bf16_layer_weight_excess(stage)
+        return {"weights": weights, "gradients": states.gradients,
                 "optimizer_states": states.optimizer_states, "fsdp_buffers": gathered}
+
+
+def _bf16_layer_weight_excess(stage: Stage) -> float:
+    """Bytes :meth:`Sharding.memory <cfp_megatron.sim.sharding.Sharding.memory>` counts for the rank's decoder layers
+    kept in bf16 at the stack's ends beyond what they hold: outside the FP8/FP4 context Transformer Engine keeps no
+    quantised copy of their weights, and Megatron-Core builds them in bf16 also under FP8 parameters
+    (``fp8_utils.get_fp8_context`` and ``fp4_utils.get_fp4_context`` return no quantised context for them, at
+    initialisation too); zero without them."""
+    sharding, elem = stage.common.sharding, stage.common.elem_bytes
+    per_param = sharding.state.weights
+    if stage.bf16_params <= 0 or per_param <= 0 or per_param == elem:
+        return 0.0
+    return sharding.memory(stage.bf16_params).weights * (1.0 - elem / per_param)
 
 
 def _not_te_weight_excess(stage: Stage, params: float) -> float:

@@ -121,6 +121,12 @@ def layer_activations(stage: Stage) -> float:
             resident = min(off_dense + off_moe, OFFLOAD_RESIDENT_LAYERS) * max(dense_act if off_dense else 0.0,
                                                                                moe_act if off_moe else 0.0)
             kept -= off_dense * dense_act + off_moe * moe_act - resident
+    if common.bf16_ends is not None and stage.bf16_layers != (0, 0):
+        # The layers kept in bf16 at the stack's ends keep their bf16 twin's activations in place of the format's.
+        full = parallel.recompute is Recompute.full and parallel.recompute_method is RecomputeMethod.uniform
+        for (bf16_act, bf16_full), (act, full_act), count in zip(common.bf16_ends, (common.dense, common.moe),
+                                                                 stage.bf16_layers, strict=True):
+            kept += count * ((bf16_full - full_act) if full else (bf16_act - act))
     if layers:
         working += unfused_attention_working_bytes(job, layout, options)
     # The backward pass frees the loss's logits (the compute term's) before any layer's backward runs: the working
