@@ -26,6 +26,7 @@ from cfp_megatron.sim.terms.expert_dispatch import (
     expected_remote_nodes,
     flex_nvlink_rates,
     moe_block_cost,
+    quantization_padding_copies,
     rank_hit_share,
 )
 from cfp_megatron.sim.terms.overlap import COMM_SM_SHARE, overlapped
@@ -357,7 +358,30 @@ def test_routing_traffic_is_counted_from_the_kernels_megatron_core_runs() -> Non
     assert elements(moe_aux_loss_coeff=0.01) - base == pytest.approx(64 * 4.0 / 2.0)
     # Top-4 instead of top-8: half the copies through permutation 1/2 and the unpermutation (and the activation).
     assert elements(moe_router_topk=4) < 0.6 * base
-    assert elements(fp8=True) - base == pytest.approx(8 * (4096 + 1536) * 4.0 / 2.0)
+    # FP8: each grouped linear's input quantised, and the experts' rows copied into the padded buffer and back
+    # (dropless: the counts are the routing's, not multiples of 16).
+    assert elements(fp8=True) - base == pytest.approx(8 * (4096 + 1536) * 4.0 / 2.0 + 2 * 2.0 * 8 * 4096)
+
+
+def test_fp8_experts_copy_their_rows_to_the_padded_buffer_unless_already_aligned() -> None:
+    """Megatron-Core's TEGroupedMLP pads each expert's rows to a multiple of 16 (32 for MXFP8/NVFP4) under FP8/FP4
+    by a copy, unless every expert's rows already are one: dropless and unpadded token-drop copy, drop-and-pad copies
+    only where its capacity is not a multiple, HybridEP (flex) pads in its dispatch, 16-bit formats never pad."""
+    def copies(precision: Precision | str = Precision.fp8, tokens: int = 4096, **model) -> bool:
+        j = job(ep=8, model=model)
+        layout, _, _ = models(j, 32)
+        kernels = KernelModel(j.cluster, efficiency_for(j.cluster), precision)
+        return quantization_padding_copies(j, layout, kernels, local_tokens=tokens)
+
+    assert copies()  # dropless alltoall
+    assert copies(moe_expert_capacity_factor=1.0)  # token-drop, unpadded: the routing's counts
+    assert not copies(Precision.bf16)
+    assert not copies(moe_token_dispatcher="flex")
+    padded = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
+    # 4,096 tokens x top-8 over 64 experts: 512 rows from each of 8 ranks, a multiple of 16; 4,100 tokens: 513 x 8.
+    assert not copies(**padded)
+    assert copies(tokens=4100, **padded)
+    assert copies(tokens=4098, **padded) and not copies(tokens=4094, **padded)  # 513 x 8 = 4104; 512 x 8
 
 
 def test_the_validator_reads_token_drop_rows_from_their_notes() -> None:

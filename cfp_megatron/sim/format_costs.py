@@ -59,6 +59,9 @@ class FormatCost:
     weight_cast_bytes: float | None = None
     """HBM bytes per weight element to quantise a linear layer's weight, both usages, once per step; ``None``:
     :attr:`cast_bytes`."""
+    expert_row_align: float = 0.0
+    """Rows each expert's grouped-GEMM input is padded to a multiple of (Megatron-Core's ``Fp8Padding`` before the
+    grouped linears under FP8/FP4); 0: no padding (16/32-bit)."""
 
     def gemm_tflops(self, cluster: ClusterSpec, efficiency: Efficiency) -> float:
         """TFLOP/s its large GEMMs reach on ``cluster`` at the fitted shares ``efficiency`` (at the clock the GPUs run

@@ -7,6 +7,7 @@ docs/simulator.md, "moe_cost.py".
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -239,7 +240,33 @@ def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, rou
     if kernels.low:  # fc1's input (hidden) and fc2's (the expert's FFN share) quantised row by row
         ffn = (model.moe_ffn_hidden_size or model.ffn_size) / dims.etp
         elements += routed * (hidden + ffn) * kernels.format.cast_bytes / kernels.elem
+        if quantization_padding_copies(job, layout, kernels, local_tokens=local_tokens):
+            # Fp8Padding copies the experts' input into the padded buffer, Fp8Unpadding their output back.
+            elements += 2 * PERMUTE_ROW_PASSES * routed * hidden
     return elements
+
+
+def quantization_padding_copies(job: JobSpec, layout: Layout, kernels: KernelModel, *, local_tokens: float) -> bool:
+    """Whether Megatron-Core's ``TEGroupedMLP`` copies the experts' rows into a padded buffer and back in each
+    forward (``Fp8Padding`` / ``Fp8Unpadding``, megatron/core/transformer/moe/experts.py; Transformer Engine's
+    ``fp8_padding.py`` copies unless every local expert's rows are already a multiple of the format's
+    ``expert_row_align``): under FP8/FP4 with the alltoall or all-gather dispatcher, whenever the rows follow the
+    routing (dropless, token-drop without padding: the counts are the routing's, not multiples of 16), and under
+    drop-and-pad where the capacity's rows are not a multiple (``get_capacity`` of this rank's tokens x top-k over
+    the experts, from every rank of the expert TP x EP group). The flex dispatcher's HybridEP backend pads each
+    expert's rows inside its dispatch kernel (``fused_a2a.hybrid_ep_dispatch``'s ``pad_multiple``, set under
+    FP8/FP4 in ``_HybridEPManager.dispatch``), which leaves nothing to copy. Megatron-Core's
+    ``moe_router_padding_for_quantization`` (off by default; not exported by this plugin) would pad the routing map
+    instead."""
+    model = job.model
+    align = kernels.format.expert_row_align
+    if not kernels.low or align <= 0 or model.moe_token_dispatcher is TokenDispatcher.flex:
+        return False
+    factor = model.moe_expert_capacity_factor
+    if factor is None or not model.moe_pad_expert_input_to_capacity:
+        return True
+    capacity = math.ceil(local_tokens * model.moe_router_topk / (model.num_experts or 1) * factor)
+    return (capacity * layout.dims.ep * layout.dims.etp) % align != 0
 
 
 def _dispatch_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, *, routed: float,
