@@ -79,6 +79,9 @@ def test_in_flight_micro_batches_of_1f1b() -> None:
     assert [in_flight(r, 4, 1, 2) for r in range(4)] == [2, 2, 2, 1]
     assert in_flight(0, 1, 1, 8) == 1
     assert in_flight(0, 4, 2, 8) > in_flight(0, 4, 1, 8)
+    # interleaved: Megatron-Core's warm-up, (pp - rank - 1) * 2 + (vpp - 1) * pp chunk micro-batches, and the one
+    # whose forward runs before the first backward (schedules.py, forward_backward_pipelining_with_interleaving)
+    assert [in_flight(r, 4, 2, 8) for r in range(4)] == [11, 9, 7, 5]
 
 
 def _record(kind: str, mb: int, **memory: float) -> SegmentRecord:

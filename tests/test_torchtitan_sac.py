@@ -165,3 +165,29 @@ def test_torchtitans_eager_loss_keeps_twelve_bytes_a_logit_unless_its_recipe_com
     grew = (simulate(eager.job, options=eager.options).memory.total_gib
             - simulate(eager.job, options=dataclasses.replace(eager.options, eager_torch_loss=False)).memory.total_gib)
     assert grew * 2**30 == pytest.approx(logits * (12.0 - 6.0), rel=0.01)
+
+
+def test_under_tp_torchtitans_eager_loss_parallel_keeps_sixteen_bytes_a_logit_of_its_shard() -> None:
+    plan = row_plan({**ROW, "tp": "2", "ep": "4"})
+    assert plan.options.eager_torch_loss and plan.job.parallel.tp == 2
+    logits = plan.job.train.micro_batch_size * 4096 * plan.job.model.padded_vocab_size / 2
+    grew = (simulate(plan.job, options=plan.options).memory.total_gib
+            - simulate(plan.job, options=dataclasses.replace(plan.options, eager_torch_loss=False)).memory.total_gib)
+    assert grew * 2**30 == pytest.approx(logits * (16.0 - 6.0), rel=0.01)
+
+
+def test_torchtitans_selective_keeps_less_than_no_recomputation_where_a_checkpointed_flash_core_keeps_more() -> None:
+    """torchtitan's per-op policy keeps a subset of what the layer keeps; Megatron-Core's checkpointed core under a
+    fused kernel keeps its inputs, RoPE's Q and K and the QKV output V is a view of, where the fused core alone keeps
+    contiguous Q, K and V (Megatron-Core warns that a fused core need not be recomputed: transformer_config.py)."""
+    titan = row_plan({**ROW, "recompute": "selective"})
+    job, options = titan.job, titan.options
+    layout = build_layout(job)
+    none = layer_activation_bytes(job, layout, options, moe=True, recompute=Recompute.none)[0]
+    assert options.flash_attention and options.torch_op_sac
+    assert layer_activation_bytes(job, layout, options, moe=True)[0] < none
+    megatron = layer_activation_bytes(job, layout, dataclasses.replace(options, torch_op_sac=False), moe=True)[0]
+    model = job.model
+    head = model.kv_channels or model.hidden_size // model.num_attention_heads
+    q, kv = model.num_attention_heads * head, model.query_groups * head
+    assert megatron - none == pytest.approx(2 * 4096 * 2 * (q + kv))  # bf16, mb2 x 4096 tokens: rotated Q and K

@@ -297,17 +297,29 @@ input (4) at once; the forward's bf16 logits, fp32 copy and log-softmax (2 + 4 +
 CPU: 12.2 (docs/simulator.md, the memory section)."""
 
 
+EAGER_LOSS_PARALLEL_BYTES = 16.0
+"""Bytes per logit (of the rank's vocabulary shard) at the peak of PyTorch's ``loss_parallel`` cross entropy run
+eagerly on an fp32 copy of the logits (torchtitan under TP without ``compile`` of the loss; ``torch/distributed/
+tensor/parallel/loss.py``): in the backward (``_nll_loss_and_log_softmax_backward``, which differentiates
+``nll_loss`` and ``log_softmax`` at once) the saved fp32 log-softmax (4), the zeroed gradient ``grad_input`` (4),
+``grad_input + exp(x)`` (4) and its product with the loss's gradient (4) at once (``exp(x)`` is freed before the
+product is made); its forward holds the bf16 logits, the fp32 copy, the shifted logits and their exponential
+(2 + 4 + 4 + 4) at most, and torchtitan frees the bf16 logits before the backward pass (``del pred``). Measured on
+CPU (``torch.profiler`` allocation events, one and two gloo ranks): 16.0 (docs/simulator.md, the memory section)."""
+
+
 def loss_bytes_per_logit(elem_bytes: float, mtp_layers: int = 0, *, te_cross_entropy: bool = False,
-                         eager_torch: bool = False) -> float:
+                         eager_torch: bool = False, loss_parallel: bool = False) -> float:
     """Bytes per logit (``tokens x vocab / tp`` on the loss rank) at the loss's peak: the fp32 softmax of the head
     and of each MTP layer (:data:`LOSS_SOFTMAX_BYTES`), kept until the backward pass, and one logit tensor in the
     compute precision beside one of them (the head's output while the forward casts it, its gradient while the
     backward casts the fp32 gradient back); in fp32 the cast is the tensor itself, so nothing beside it. Under
     ``te_cross_entropy`` (Transformer Engine's fused kernel, ``pytorch/triton/cross_entropy.py``: an online softmax
     over the logits as they are, the gradient written over them in place) each head keeps its logits alone; under
-    ``eager_torch`` PyTorch's eager cross entropy, :data:`EAGER_TORCH_CE_BYTES` a head."""
+    ``eager_torch`` PyTorch's eager cross entropy, :data:`EAGER_TORCH_CE_BYTES` a head, or with ``loss_parallel``
+    (the vocabulary split over TP) its ``loss_parallel``'s, :data:`EAGER_LOSS_PARALLEL_BYTES` a head."""
     if eager_torch:
-        return EAGER_TORCH_CE_BYTES * (1 + mtp_layers)
+        return (EAGER_LOSS_PARALLEL_BYTES if loss_parallel else EAGER_TORCH_CE_BYTES) * (1 + mtp_layers)
     if te_cross_entropy:
         return elem_bytes * (1 + mtp_layers)
     return LOSS_SOFTMAX_BYTES * (1 + mtp_layers) + (elem_bytes if elem_bytes != LOSS_SOFTMAX_BYTES else 0.0)
@@ -323,7 +335,7 @@ def loss_logit_bytes(stage: Stage) -> float:
     return (stage.common.tokens * model.padded_vocab_size / dims.tp
             * loss_bytes_per_logit(stage.common.elem_bytes, model.mtp_num_layers,
                                    te_cross_entropy=stage.options.te_cross_entropy,
-                                   eager_torch=stage.options.eager_torch_loss and dims.tp == 1))
+                                   eager_torch=stage.options.eager_torch_loss, loss_parallel=dims.tp > 1))
 
 
 def in_flight(rank: int, pp: int, vpp: int, microbatches: int,

@@ -96,9 +96,10 @@ class SimOptions:
     loss_bytes_per_logit`). ``False``: Megatron-Core's default vocab-parallel cross entropy (and its ``native``
     fusion), which keeps an fp32 softmax beside them, as the runtime trains."""
     eager_torch_loss: bool = False
-    """Without tensor parallelism the loss is PyTorch's ``cross_entropy`` on an fp32 copy of the logits, run eagerly
-    (torchtitan without ``compile`` of the loss; memory only: :data:`~cfp_megatron.sim.memory.EAGER_TORCH_CE_BYTES`).
-    Under TP its ``loss_parallel`` keeps Megatron-Core's count. ``False``: Megatron-Core's cross entropy."""
+    """The loss is PyTorch's ``cross_entropy`` on an fp32 copy of the logits, run eagerly (torchtitan without
+    ``compile`` of the loss; memory only: :data:`~cfp_megatron.sim.memory.EAGER_TORCH_CE_BYTES`), under TP its
+    ``loss_parallel`` (:data:`~cfp_megatron.sim.memory.EAGER_LOSS_PARALLEL_BYTES`). ``False``: Megatron-Core's
+    cross entropy."""
     torch_fsdp: bool = False
     """Sharded weights (``parallel.fsdp=optim_grads_params``) as PyTorch's FSDP keeps them (FSDP1 ``FULL_SHARD``,
     FSDP2 ``fully_shard``: torchtitan, llm-foundry): the fp32 shard is the parameter and its master weights, with no
