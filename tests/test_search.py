@@ -710,3 +710,25 @@ def test_the_layer_kind_memory_bound_leaves_the_no_fit_figures_as_predicted(seed
 
 
 _CHECKS_SAVED: list[int] = []
+
+
+def test_a_shared_job_is_the_checked_job_and_shares_its_parallel_spec() -> None:
+    """``Candidate.shared_job`` (the groups' representatives) builds the checked job: equal to ``Candidate.job``,
+    one ParallelSpec for candidates that differ only in the micro-batch, and the same refusal for a layout the
+    checks refuse (not stored, so refused again)."""
+    job, _ = compose_job("model=llama_tiny", "cluster=dgx_h100", "cluster.nodes=1", "cluster.gpus_per_node=8",
+                         "train.seq_length=256", "train.global_batch_size=16")
+    specs: dict[tuple, object] = {}
+    one = Candidate(tp=2, sp=True, pp=2, cp=1, ep=1, etp=1, micro_batch=1, recompute="selective", vpp=1,
+                    distributed_optimizer=False)
+    two = dataclasses.replace(one, micro_batch=2)
+    a, b = one.shared_job(job, specs), two.shared_job(job, specs)
+    assert a == one.job(job) and b == two.job(job) and a.parallel is b.parallel and len(specs) == 1
+    bad = dataclasses.replace(one, tp=1)  # SP without TP: ParallelSpec's own check
+    for _ in range(2):
+        with pytest.raises(ConfigError) as err:
+            bad.shared_job(job, specs)
+        with pytest.raises(ConfigError) as ref:
+            bad.job(job)
+        assert str(err.value) == str(ref.value)
+    assert len(specs) == 1

@@ -654,6 +654,7 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
     by_key: dict[tuple, GroupCosts | None] = {}
     kept: dict[tuple, _KeptBytes] = {}
     may_overlap: dict[tuple, tuple[bool, bool]] = {}  # (TP overlap, expert overlap) allowed, by what they read
+    specs: dict[tuple, ParallelSpec] = {}  # the representatives' checked ParallelSpec, by their fields
     gpn = job.cluster.gpus_per_node or world
     size = 0
     mlps = {p.value: p for p in MlpPartition}
@@ -687,7 +688,7 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
                 found = cache.groups.get(ckey)
                 if found is None:
                     found = _group_costs(Candidate.from_key(g.head + (1, 0, 0, False, False)), job, measurements,
-                                         options, world, cache, refused, may_overlap=overlaps)
+                                         options, world, cache, refused, may_overlap=overlaps, specs=specs)
                     if found is not None:  # a refusal is this size's: checked again at another
                         cache.groups[ckey] = found
                 by_key[ckey] = found
@@ -956,19 +957,21 @@ def _stage_layers(num_layers: int, pp: int, vpp: int, first: int, last: int, bal
 
 def _group_costs(cand: Candidate, job: JobSpec, measurements: Measurements | None, options: SimOptions, world: int,
                  cache: CostCache, refused: list[Rejection], *,
-                 may_overlap: tuple[bool, bool] = (False, False)) -> tuple[GroupCosts, GroupCosts | None] | None:
+                 may_overlap: tuple[bool, bool] = (False, False), specs: dict[tuple, ParallelSpec] | None = None
+                 ) -> tuple[GroupCosts, GroupCosts | None] | None:
     """The costs a group's bound counts (:func:`~cfp_megatron.sim.bounds.group_costs`), from its representative
     ``cand`` (no overlaps); ``may_overlap``: whether its candidates may overlap their TP communication and their
     expert all-to-all; with those without the all-to-all's overlap where it may (``None`` where it may not: the
     costs of a pipelined group's splits of one chunk per rank, :attr:`_Bounded.serial`); ``None`` (and a rejection in
-    ``refused``) where the runtime's validation refuses it."""
+    ``refused``) where the runtime's validation refuses it; ``specs``: the checked :class:`ParallelSpec` of the
+    representatives built so far (:meth:`~cfp_megatron.search.space.Candidate.shared_job`)."""
     # A valid split for the pass costs (they do not depend on the split): the even one, or the balanced one where
     # the stages do not divide the layers.
     rep = dataclasses.replace(cand, vpp=1, distributed_optimizer=False, first_stage_layers=0, last_stage_layers=0,
                               balanced=job.model.num_layers % cand.pp != 0,
                               recompute=Recompute.full.value if cand.recompute == BLOCK else cand.recompute)
     try:
-        rep_job = rep.job(job)
+        rep_job = rep.job(job) if specs is None else rep.shared_job(job, specs)
         parts = prepare_costs(rep_job, job.cluster, measurements, options=options, world_size=world, cache=cache)
         # what the pipelined probe's calibration adds to every schedule of the group (it too depends on the
         # partition, the micro-batch and where the stages sit only)

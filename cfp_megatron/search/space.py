@@ -152,6 +152,18 @@ class Candidate:
                                                                                     layout=self.layout(job.model)),
                        train=_train_with(job.train, self.micro_batch), data=job.data)
 
+    def shared_job(self, job: JobSpec, specs: dict[tuple, ParallelSpec]) -> JobSpec:
+        """:meth:`job`, its :class:`ParallelSpec` (checked) taken from ``specs`` where an equal one was built from the
+        same ``job`` (the store of one search: many candidates differ from each other only outside it, e.g. in the
+        micro-batch); raises :class:`ConfigError` as :meth:`job` does."""
+        changes = self._changes(job.parallel, self.layout(job.model))
+        key = tuple(changes.items())
+        parallel = specs.get(key)
+        if parallel is None:
+            parallel = specs[key] = ParallelSpec._replaced(job.parallel, **changes)
+        return JobSpec(model=job.model, cluster=job.cluster, parallel=parallel,
+                       train=_train_with(job.train, self.micro_batch), data=job.data)
+
     def screened_job(self, job: JobSpec) -> JobSpec:
         """:meth:`job` for a candidate of the search's own space, equal to it: its :class:`ParallelSpec` built
         without the checks the search's screens already ran (:meth:`ParallelSpec._replaced
