@@ -30,8 +30,9 @@ What a blank or silent column means depends on what the row ran, and is data wit
 The same for every row:
 
 * ``ffn_hidden``: 4 x hidden; ``kv_heads``: one per head (unless the family fixes it). ``dp``: GPUs / (TP x PP x
-  CP); ``cp``, ``ep``, ``vp``, ``micro_batch``: 1 (``micro_batch``: the rank's whole batch, global batch / DP, where
-  the framework accumulates no gradients unless told and the row states no ``grad_accum`` nor a pipeline);
+  CP); ``cp``, ``ep``, ``vp``, ``micro_batch``: 1 (``micro_batch``: what the source's run scripts set where
+  ``validation/micro_batches.yaml`` names them, else the rank's whole batch, global batch / DP, where the framework
+  accumulates no gradients unless told and the row states no ``grad_accum`` nor a pipeline);
   ``global_batch_seqs``: micro-batch x DP x ``grad_accum`` when that is given. ``recompute``: none.
   ``precision``: 16-bit (bf16).
 * ``interconnect``, ``pp_schedule``, ``precision`` and a power limit (:mod:`cfp_megatron.validation.columns`): the
@@ -111,6 +112,7 @@ from cfp_megatron.validation.defaults import (
     preset_architecture,
 )
 from cfp_megatron.validation.memory_failures import memory_failure_lines
+from cfp_megatron.validation.micro_batches import stated_micro_batch
 from cfp_megatron.validation.moe_routing import routing as moe_routing
 from cfp_megatron.validation.outputs import (
     check_bands_path,
@@ -227,7 +229,9 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         cluster["nodes"] = gpus // per_node
     experts = experts_cell(row)
     ep = count_cell(row, "ep", 1) if experts else 1
-    micro = count_cell(row, "micro_batch", 1)
+    micro = count_cell(row, "micro_batch", None)
+    scripted = stated_micro_batch(row) if micro is None else None  # the source's scripts' (micro_batches.yaml)
+    micro = micro or scripted or 1
     gbs = count_cell(row, "global_batch_seqs")
     layer_only = gbs is None and layers == 1
     accum = count_cell(row, "grad_accum")
@@ -235,8 +239,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         gbs = micro * dp * accum
     if gbs is None and not layer_only:
         raise RowError("global_batch_seqs is blank")
-    if (framework.rank_batch_micro and not (row.get("micro_batch") or "").strip() and not accum and pp == 1
-            and gbs and gbs % dp == 0):
+    if (framework.rank_batch_micro and not (row.get("micro_batch") or "").strip() and scripted is None and not accum
+            and pp == 1 and gbs and gbs % dp == 0):
         micro = gbs // dp  # the rank's whole batch is one micro-batch: no accumulation stated, none by default
     tokens_per_gpu = figure_cell(row, "tokens_per_s_per_gpu")
     if not measured and tokens_per_gpu and gbs:
@@ -353,7 +357,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                          pipeline_schedule=schedule.schedule,
                          weight_grad_accumulation=framework.weight_grad_accumulation,
                          pipeline_scatter_gather=framework.pipeline_scatter_gather,
-                         te_cross_entropy=framework.te_cross_entropy, torch_fsdp=framework.torch_fsdp and fsdp,
+                         te_cross_entropy=framework.te_cross_entropy,
+                         async_tp_backward=framework.async_tp_backward, torch_fsdp=framework.torch_fsdp and fsdp,
                          torch_fused_adamw=framework.torch_fused_adamw, moe_layer_syncs=framework.moe_layer_syncs,
                          torch_op_sac=framework.torch_op_sac, torch_moe_combine=framework.torch_moe_combine,
                          eager_torch_loss=framework.eager_loss and not any(

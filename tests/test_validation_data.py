@@ -32,6 +32,7 @@ from cfp_megatron.validation.data import (
     load_schedules,
 )
 from cfp_megatron.validation.defaults import framework_of
+from cfp_megatron.validation.micro_batches import load_micro_batches, stated_micro_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 ROW = {"id": "1", "model": "GPT 1.7B", "layers": "24", "hidden": "2304", "heads": "24", "seq_len": "2048",
@@ -246,3 +247,32 @@ def test_schedule_and_precision_entries_in_a_data_file_change_how_a_column_is_re
     assert read.job.parallel.vpp == 2 and NumberFormat.of(read.job.train).name == "fp8-delayed"
     assert " fp6" in read.layout
     assert read.approximations == ("wave schedule priced as interleaved", "FP6 priced as FP8")
+
+
+def test_the_backward_collectives_overlap_where_the_framework_runs_them_beside_the_gemms() -> None:
+    assert not row_plan({**ROW, "framework": "Megatron-LM (2021)"}).options.async_tp_backward
+    assert row_plan({**ROW, "framework": "Megatron-LM (2022)"}).options.async_tp_backward
+    assert row_plan({**ROW, "framework": "Megatron-Core r0.8.0"}).options.async_tp_backward
+    assert not row_plan({**ROW, "framework": "torchtitan"}).options.async_tp_backward
+
+
+SC21 = "Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM' (SC21)"
+
+
+def test_a_blank_micro_batch_reads_as_the_sources_scripts_set_it() -> None:
+    blank = {**ROW, "source": SC21, "micro_batch": "", "tp": "1"}
+    assert stated_micro_batch(blank) == 16  # examples/sc21/run_table_1.sh: MBS=16 for 1.7B
+    assert row_plan(blank).job.train.micro_batch_size == 16
+    # a stated micro-batch wins; another source's or model's blank stays 1
+    assert row_plan({**blank, "micro_batch": "2"}).job.train.micro_batch_size == 2
+    assert row_plan({**blank, "source": "another paper"}).job.train.micro_batch_size == 1
+    assert stated_micro_batch({**blank, "model": "GPT 174.6B"}) is None
+    assert all(entry.source and entry.micro_batch >= 1 for entry in load_micro_batches())
+
+
+def test_a_micro_batch_entry_without_a_whole_size_is_refused_naming_it(tmp_path: Path) -> None:
+    bad = tmp_path / "micro_batches.yaml"
+    bad.write_text("version: 1\nmicro_batches:\n  - name: broken\n    source_words: x\n    model_words: y\n"
+                   "    micro_batch: 0\n    source: a script somewhere, at some commit\n")
+    with pytest.raises(ValidationDataError, match="broken.*micro_batch=0"):
+        load_micro_batches(bad)

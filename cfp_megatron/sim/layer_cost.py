@@ -21,7 +21,7 @@ from cfp_megatron.sim.terms.context_parallel import chunk_slowdown, cp_cost
 from cfp_megatron.sim.terms.data_parallel import fsdp_beside_experts, fsdp_exposed, fsdp_sync
 from cfp_megatron.sim.terms.expert_dispatch import MoeCost, expert_comm, moe_block_cost
 from cfp_megatron.sim.terms.recompute import op_sac_recompute_s, selective_recompute
-from cfp_megatron.sim.terms.tensor_parallel import tp_pass_s
+from cfp_megatron.sim.terms.tensor_parallel import tp_backward_async_s, tp_pass_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +138,32 @@ class LayerPasses:
     op_sac_recompute_s`); ``None``: Megatron-Core's modules."""
 
 
+FUSED_SOFTMAX_SCORE_ELEMENTS = (4.0, 7.0)
+"""(forward, backward) elements of HBM traffic per attention score of the unfused core with Megatron's fused softmax
+kernel (``FusedScaleMaskSoftmax``, megatron/core/fusions/fused_softmax.py), dropout aside. Forward: the ``baddbmm``
+writes the scores, the kernel reads them and writes the probabilities, the context ``bmm`` reads them. Backward: the
+context ``bmm``'s input gradient is written and its value gradient reads the probabilities, the softmax's backward
+(``scaled_*_softmax_backward``) reads the gradient and the saved probabilities and writes the scores' gradient, which
+the query and key gradients' ``bmm`` each read."""
+TORCH_SOFTMAX_SCORE_ELEMENTS = (16.0, 32.0)
+"""The same without the fused kernel: PyTorch's fp32 softmax also copies the scores to fp32, masks them in place,
+softmaxes and copies back (32 bytes a score in bf16); its backward taken as twice that, as the layer's other
+element-wise kernels."""
+
+
+def unfused_core_bytes(kernel: AttentionKernel, elem: int, *, dropout: bool) -> tuple[float, float, float, float]:
+    """HBM bytes per attention score of the unfused core beyond its GEMMs' FLOPs: the softmax's (forward, backward)
+    (:data:`FUSED_SOFTMAX_SCORE_ELEMENTS`, :data:`TORCH_SOFTMAX_SCORE_ELEMENTS`) and the attention dropout's
+    (forward, backward). The dropout (``torch.nn.Dropout`` on the probabilities, ``attention_dropout > 0``:
+    Megatron's ``CoreAttention``/``DotProductAttention``) is ``at::native_dropout``: it reads the probabilities and
+    writes its output (``elem`` bytes each) and a one-byte mask; its backward reads the gradient and the mask and
+    writes the input's gradient: ``2 elem + 1`` bytes each way."""
+    forward, backward = (TORCH_SOFTMAX_SCORE_ELEMENTS if kernel is AttentionKernel.torch_softmax
+                         else FUSED_SOFTMAX_SCORE_ELEMENTS)
+    mask = 2.0 * elem + 1.0 if dropout else 0.0
+    return forward * elem, backward * elem, mask, mask
+
+
 def layer_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, options: SimOptions,
                *, moe: bool) -> LayerCost:
     """Cost of one dense (``moe=False``) or MoE layer of ``job`` under ``layout``: seconds of its forward, backward
@@ -203,7 +229,8 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
         head_dims = model.num_attention_heads * (model.kv_channels or hidden // model.num_attention_heads)
         kv_width = 2 * model.query_groups * (model.kv_channels or hidden // model.num_attention_heads)
     qkv_width = (attn_params - head_dims * hidden) / hidden  # QKV output columns (attention_params = QKV + projection)
-    attn_gemm = kernels.gemm(tokens, qkv_width / tp, hidden) + kernels.gemm(tokens, hidden, head_dims / tp)
+    qkv_gemm = kernels.gemm(tokens, qkv_width / tp, hidden)
+    attn_gemm = qkv_gemm + kernels.gemm(tokens, hidden, head_dims / tp)
     # Fused (flash) kernels skip the masked upper triangle of causal attention, and the tiles a sliding window does
     # not reach; unfused ones compute all of it.
     core_flops = 4.0 * micro_batch * (seq_length / cp) * seq_length * head_dims / tp * (
@@ -211,16 +238,17 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     # A CP rank's kernel runs on blocks of seq / (2 cp) queries, where it reaches less of its throughput.
     core_fwd = kernels.attention(core_flops) * chunk_slowdown(seq_length, cp)
     core_bwd = core_fwd * (2.5 if options.flash_attention else 2.0)
+    if not options.flash_attention:  # the unfused core's softmax and dropout over the scores (unfused_core_bytes)
+        scores = tokens * model.num_attention_heads * seq_length / tp
+        softmax_fwd, softmax_bwd, dropout_fwd, dropout_bwd = unfused_core_bytes(options.attention, kernels.elem,
+                                                                                 dropout=model.attention_dropout > 0)
+        core_fwd += kernels.memory(scores * (softmax_fwd + dropout_fwd))
+        core_bwd += kernels.memory(scores * (softmax_bwd + dropout_bwd))
 
     # Element-wise traffic per token, in elements: norms, residuals, bias/dropout (replicated unless SP),
     # rotary/bias on QKV and the MLP activation (split over TP).
     replicated_elements = 12.0 * hidden / (tp if sp else 1)
     split_elements = qkv_width / tp
-    if not options.flash_attention:
-        # Scores written, softmaxed, read back: 8 bytes a score with the fused softmax kernel; PyTorch's fp32
-        # softmax also copies to fp32, masks in place, softmaxes and copies back (32 bytes).
-        per_score = 16.0 if options.attention is AttentionKernel.torch_softmax else 4.0
-        split_elements += per_score * model.num_attention_heads * seq_length / tp
     params = attn_params / tp + 4 * hidden
     expert_params = 0.0
     primepar: MlpCost | None = None
@@ -283,6 +311,12 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     if primepar is not None:
         bwd_compute += primepar.backward_compute_s - 2.0 * primepar.forward_compute_s
         tp_fwd, tp_bwd = tp_pass + primepar.forward_comm_s, tp_pass + primepar.backward_comm_s
+    elif options.async_tp_backward and not parallel.tp_comm_overlap:
+        column_gemms = (qkv_gemm,) if tp_ops == 2 else (
+            qkv_gemm, kernels.gemm(tokens, model.ffn_size / tp * (2 if gated else 1), hidden))
+        tp_fwd = tp_pass
+        tp_bwd = tp_backward_async_s(layout, costs, act_bytes=tokens * hidden * elem_bytes,
+                                     column_gemms_s=column_gemms)
     else:
         tp_fwd = tp_bwd = tp_pass
 

@@ -74,6 +74,11 @@ class SimOptions:
     term's launches per local expert, :mod:`cfp_megatron.sim.host_costs`)."""
     overlap_grad_reduce: bool | None = None
     """Overlap the DP gradient reduction with the backward pass; ``None`` follows ``parallel.overlap_grad_reduce``."""
+    async_tp_backward: bool = True
+    """The backward's TP/SP collectives run as Megatron's linear layers run them, beside the weight- and
+    input-gradient GEMMs (:func:`~cfp_megatron.sim.terms.tensor_parallel.tp_backward_async_s`; Megatron-LM's
+    ``async_tensor_model_parallel_allreduce``, megatron-core's ``allreduce_dgrad``); ``False``: each waited for, as
+    the forward's (Megatron-LM before it, 2021)."""
     measured_layer_only: bool = False
     """Time one forward and backward pass of the layers alone (no embedding, logits, optimizer or DP sync): for
     layer-level measurements."""

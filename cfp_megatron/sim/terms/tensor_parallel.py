@@ -35,6 +35,30 @@ def tp_pass_s(layout: Layout, costs: CollectiveCosts, *, act_bytes: float, tp_op
     return tp_pass
 
 
+def tp_backward_async_s(layout: Layout, costs: CollectiveCosts, *, act_bytes: float,
+                        column_gemms_s: tuple[float, ...]) -> float:
+    """Seconds of one layer backward's TP/SP collectives on one rank as Megatron's linear layers run them
+    (megatron/core/tensor_parallel/layers.py, ``LinearWithGradAccumulationAndAsyncCommunication.backward``), for the
+    column-parallel layers whose forward GEMMs take ``column_gemms_s`` (QKV, FC1), each with its row-parallel twin
+    (the projection, FC2). Without SP, a column-parallel layer's input-gradient all-reduce runs asynchronously beside
+    its weight-gradient GEMM (``allreduce_dgrad``); a row-parallel layer's backward has none. Under SP, a
+    row-parallel layer's backward all-gathers its output gradient before its GEMMs (``_ReduceScatterToSequence
+    ParallelRegion.backward``, exposed); a column-parallel layer all-gathers its saved input shard again for its
+    weight gradient beside the input-gradient GEMM, then reduce-scatters the input gradient beside the
+    weight-gradient GEMM. A GEMM covers the collective beside it up to its own time (the dgrad and wgrad GEMMs each
+    do the forward GEMM's FLOPs)."""
+    dims = layout.dims
+    tp = dims.tp
+    if tp <= 1:
+        return 0.0
+    if not dims.sp:
+        all_reduce = costs.seconds(Collective.all_reduce, act_bytes, tp, layout.tp_per_node)
+        return sum(max(all_reduce - gemm_s, 0.0) for gemm_s in column_gemms_s)
+    gather = costs.seconds(Collective.all_gather, act_bytes, tp, layout.tp_per_node)
+    scatter = costs.seconds(Collective.reduce_scatter, act_bytes, tp, layout.tp_per_node)
+    return sum(gather + max(gather - gemm_s, 0.0) + max(scatter - gemm_s, 0.0) for gemm_s in column_gemms_s)
+
+
 class TensorParallel(CostTerm):
     """Tensor- and sequence-parallel collectives the passes wait for."""
 
