@@ -367,7 +367,9 @@ def test_clock_and_power_limits_slow_the_simulated_step() -> None:
         slow = simulate(job)
         assert slow.step_time_s > fast.step_time_s
         assert slow.time.forward_compute_s > fast.time.forward_compute_s
-        assert slow.time.tp_comm_s == pytest.approx(fast.time.tp_comm_s)  # the links are not clocked
+        # The links are not clocked: the TP collectives take as long, and slower gradient GEMMs hide as much or more
+        # of the backward's share that runs beside them, so the exposed TP time does not grow.
+        assert slow.time.tp_comm_s <= fast.time.tp_comm_s * (1 + 1e-9)
     # The kernel model reads the clocked peak; MFU stays against the quoted one.
     eff = efficiency_for(base.cluster)
     k_base = KernelModel(base.cluster, eff, base.train.precision)

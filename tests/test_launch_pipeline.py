@@ -93,14 +93,16 @@ def test_a_plan_json_of_the_previous_schema_still_loads() -> None:
         assert added == {("prediction", "choice"): [], ("parallel", "cuda_graph_impl"): "none",
                          ("parallel", "cuda_graph_scope"): None, ("parallel", "cpu_offloading_num_layers"): 0,
                          ("parallel", "fsdp"): "none", ("parallel", "dp_shard_size"): None,
-                         ("parallel", "fp8_param_gather"): False}
+                         ("parallel", "fp8_param_gather"): False, ("parallel", "num_layers_at_start_in_bf16"): 0,
+                         ("parallel", "num_layers_at_end_in_bf16"): 0}
         assert {k: v for k, v in new.items() if k != "content_hash"} \
             == {k: v for k, v in old.items() if k != "content_hash"}
 
 
 ADDED_SINCE_SCHEMA2 = (("prediction", "choice"), ("parallel", "cuda_graph_impl"), ("parallel", "cuda_graph_scope"),
                        ("parallel", "cpu_offloading_num_layers"), ("parallel", "fsdp"), ("parallel", "dp_shard_size"),
-                       ("parallel", "fp8_param_gather"))
+                       ("parallel", "fp8_param_gather"), ("parallel", "num_layers_at_start_in_bf16"),
+                       ("parallel", "num_layers_at_end_in_bf16"))
 """plan.json keys added after ``tests/data/plan_schema2.json`` was written (issues N and O), with their defaults on
 load."""
 
