@@ -135,7 +135,11 @@ def test_failed_and_slow_rounds_are_recorded_and_the_job_finishes(tmp_path) -> N
     if any(rounds[name]["measured"] for name in ("collectives", "gemm", "segments")):  # a loaded machine: maybe none
         assert "measured on a busy machine: " in said and "-m cfp_megatron.profile model=gpt_tiny" in said
         assert "--force" in said and "rounds on a busy machine" in said
-    assert rounds["collectives"]["status"] == "ok"
+    # The round before the failed one is untouched by it: it ends as its steps or its share of the 12 s allow (the
+    # share is what the set-up before it leaves, so a slow machine may stop it at the budget), never as failed.
+    assert rounds["collectives"]["status"] in {"ok", "timeout"}, rounds["collectives"]
+    if rounds["collectives"]["status"] == "timeout":
+        assert "budget" in rounds["collectives"]["reason"], rounds["collectives"]
     assert rounds["gemm"]["status"] == "failed" and "rank 1" in rounds["gemm"]["reason"]
     assert "injected failure" in rounds["gemm"]["reason"]
     assert rounds["segments"]["status"] == "timeout" and "budget" in rounds["segments"]["reason"]
