@@ -304,8 +304,8 @@ tensor/parallel/loss.py``): in the backward (``_nll_loss_and_log_softmax_backwar
 ``nll_loss`` and ``log_softmax`` at once) the saved fp32 log-softmax (4), the zeroed gradient ``grad_input`` (4),
 ``grad_input + exp(x)`` (4) and its product with the loss's gradient (4) at once (``exp(x)`` is freed before the
 product is made); its forward holds the bf16 logits, the fp32 copy, the shifted logits and their exponential
-(2 + 4 + 4 + 4) at most, and torchtitan frees the bf16 logits before the backward pass (``del pred``). Measured on
-CPU (``torch.profiler`` allocation events, one and two gloo ranks): 16.0 (docs/simulator.md, the memory section)."""
+(2 + 4 + 4 + 4) at most, and torchtitan frees the bf16 logits before the backward pass (``del pred``). The
+measurement that checks it: docs/simulator.md, the memory section."""
 
 
 def loss_bytes_per_logit(elem_bytes: float, mtp_layers: int = 0, *, te_cross_entropy: bool = False,
