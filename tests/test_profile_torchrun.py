@@ -135,8 +135,8 @@ def test_failed_and_slow_rounds_are_recorded_and_the_job_finishes(tmp_path) -> N
     if any(rounds[name]["measured"] for name in ("collectives", "gemm", "segments")):  # a loaded machine: maybe none
         assert "measured on a busy machine: " in said and "-m cfp_megatron.profile model=gpt_tiny" in said
         assert "--force" in said and "rounds on a busy machine" in said
-    # The round before the failed one is untouched by it: it ends as its steps or its share of the 12 s allow (the
-    # share is what the set-up before it leaves, so a slow machine may stop it at the budget), never as failed.
+    # The round without an injected fault ends as its steps or its share of the 12 s allow (the share is what the
+    # set-up before it leaves, so a slow machine may stop it at the budget), never as failed.
     assert rounds["collectives"]["status"] in {"ok", "timeout"}, rounds["collectives"]
     if rounds["collectives"]["status"] == "timeout":
         assert "budget" in rounds["collectives"]["reason"], rounds["collectives"]
