@@ -11,7 +11,7 @@ from cfp_megatron.base.config import ClusterSpec, Precision
 
 def measure_matmul_tflops(dtype: torch.dtype = torch.float32, size: int | None = None, seconds: float = 0.3) -> float:
     """Achieved TFLOP/s of a square matmul on this rank's device, run for about ``seconds``: ``size`` 8192 on a GPU
-    (a 1024 one measured 218 of the 770 TFLOP/s an H200 reaches at 8192), 1024 on a CPU."""
+    (a smaller one falls far short of the GPU's peak: docs/benchmarks.md, "On a GPU"), 1024 on a CPU."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size = size or (8192 if device == "cuda" else 1024)
     a = torch.randn(size, size, dtype=dtype, device=device)
