@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cfp_megatron.backends.deepspeed.costs import ZERO_SIM_OPTIONS, megatron_passes, simulate_zero
+from cfp_megatron.backends.deepspeed.costs import ZERO_SIM_OPTIONS, megatron_passes, simulate_zero, zero3_fetches
 from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes, StageProbe, load_probes
+from cfp_megatron.backends.deepspeed.hook_config import DEEPSPEED_PERSISTENCE_THRESHOLD
 from cfp_megatron.backends.deepspeed.search import search_zero
 from cfp_megatron.backends.deepspeed.zero_plan import ds_config, model_job, write_json_file, zero_plan
 from cfp_megatron.base.backend_spec import BackendKind, BackendSpec, backend_from_config
@@ -21,6 +22,7 @@ from cfp_megatron.base.compose import compose_config, compose_job
 from cfp_megatron.base.config import Precision, job_from_config
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.plan import Plan, PlanError, deepspeed_config, hydra_overrides, megatron_lm_args, torchrun_command
+from cfp_megatron.plan.exports import ZERO3_PERSISTENCE_THRESHOLD
 from cfp_megatron.planner.deepspeed_entry import check_layout, manual_plan
 from cfp_megatron.sim.pass_costs import CostCache
 from cfp_megatron.sim.prediction import GIB
@@ -327,3 +329,22 @@ def test_engine_probes_are_measured_beyond_one_micro_batch_of_passes() -> None:
     passes = megatron_passes(job, plan, None, cluster=job.cluster, cache=cache, single_pass=True)
     whole = passes.forward_s + passes.backward_s + passes.overhead_s
     assert passes.single_pass_s == pytest.approx(whole / 8, rel=0.05)
+
+
+def test_zero3_fetches_follow_the_exported_persistence_threshold() -> None:
+    """The exported ZeRO-3 config's persistence threshold is the one the cost model counts fetches with; linears at
+    or under it are not fetched. The hook's default for a config that sets none is the installed DeepSpeed's."""
+    job = compose_job(["model=gpt_tiny", "train.global_batch_size=16"])
+    zero = deepspeed_config(_plan(job, 2, zero_stage=3, micro_batch=2))["zero_optimization"]
+    threshold = zero["stage3_param_persistence_threshold"]
+    assert threshold == ZERO3_PERSISTENCE_THRESHOLD
+    layers = job.model.num_layers
+    assert zero3_fetches(job.model, 0) == 4 * layers + 2
+    # gpt_tiny's 64 x 64 attention output (4096 elements) stays whole; its QKV and MLP weights are fetched
+    assert zero3_fetches(job.model) == 3 * layers + 2
+    assert zero3_fetches(job.model, 10**9) == 0
+    big = compose_job(["model=llama3_8b"]).model
+    assert zero3_fetches(big) == zero3_fetches(big, DEEPSPEED_PERSISTENCE_THRESHOLD) == 4 * big.num_layers + 2
+    zero_config = pytest.importorskip("deepspeed.runtime.zero.config")
+    default = zero_config.DeepSpeedZeroConfig.model_fields["param_persistence_threshold"].default
+    assert DEEPSPEED_PERSISTENCE_THRESHOLD == int(default)

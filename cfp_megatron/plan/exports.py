@@ -288,6 +288,15 @@ def deepspeed_config(plan: Plan, *, gradient_clipping: float = 1.0) -> dict[str,
     }
 
 
+ZERO3_PERSISTENCE_THRESHOLD = 10_000
+"""``stage3_param_persistence_threshold`` of an exported ZeRO-3 config: parameters of at most this many elements
+stay whole on every rank. Below DeepSpeed's default (100,000, :data:`~cfp_megatron.backends.deepspeed.hook_config.
+DEEPSPEED_PERSISTENCE_THRESHOLD`) so that the linears of small models (``gpt_tiny``'s 64 x 192 QKV weight, 12,288
+elements) are partitioned as the ZeRO-3 memory model counts them; on models of hidden size 1024 and more both keep
+the same parameters whole (norms and biases). The ZeRO-3 cost model counts its fetches with this figure
+(:func:`~cfp_megatron.backends.deepspeed.costs.zero3_fetches`)."""
+
+
 def _zero_section(plan: Plan) -> dict[str, Any]:
     """``zero_optimization``: the stage, and for a DeepSpeed plan its buckets, overlap and offload devices."""
     stage = plan.zero_stage
@@ -298,7 +307,7 @@ def _zero_section(plan: Plan) -> dict[str, Any]:
                             "overlap_comm": stage >= 2, "contiguous_gradients": stage >= 2}
     if stage == 3:
         zero.update({"stage3_prefetch_bucket_size": bucket, "stage3_max_live_parameters": bucket * 2,
-                     "stage3_param_persistence_threshold": 10_000,
+                     "stage3_param_persistence_threshold": ZERO3_PERSISTENCE_THRESHOLD,
                      "offload_param": {"device": "cpu", "pin_memory": True} if plan.offload_param
                      else {"device": "none"}})
     zero["offload_optimizer"] = ({"device": "cpu", "pin_memory": True} if plan.offload_optimizer

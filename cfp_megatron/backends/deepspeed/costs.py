@@ -43,11 +43,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cfp_megatron.backends.deepspeed.zero_plan import model_job
-from cfp_megatron.base.config import ClusterSpec, JobSpec, Recompute
+from cfp_megatron.base.config import Activation, ClusterSpec, JobSpec, ModelSpec, Recompute
 from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective, Measurements
 from cfp_megatron.plan.artifact import Plan
+from cfp_megatron.plan.exports import ZERO3_PERSISTENCE_THRESHOLD
 from cfp_megatron.sim.format_costs import FP32_BYTES
 from cfp_megatron.sim.layout import build_layout
 from cfp_megatron.sim.options import SimOptions
@@ -73,9 +74,21 @@ ZERO_SIM_OPTIONS = SimOptions(overlap_grad_reduce=False)
 """The Megatron simulator's options for a ZeRO plan's passes (its own DP terms are replaced here); a
 :class:`CostCache` for :func:`simulate_zero` is made with them."""
 
-MODULE_FETCHES_PER_LAYER = 4
-"""ZeRO-3 parameter fetches per transformer layer and pass: the QKV, attention-output, FC1 and FC2 linears (norms and
-biases below the persistence threshold stay whole)."""
+
+def zero3_fetches(model: ModelSpec, threshold: int = ZERO3_PERSISTENCE_THRESHOLD) -> int:
+    """ZeRO-3 parameter fetches per pass over a Megatron-Core model: in each transformer layer the QKV,
+    attention-output, FC1 and FC2 linears whose weight holds more than ``threshold`` elements (DeepSpeed's
+    ``stage3_param_persistence_threshold``, the exported plan's by default; norms and biases stay whole), and the
+    embedding and the output layer likewise. The linears' shapes are multi- and grouped-query attention's and a
+    dense MLP's."""
+    heads, groups = model.num_attention_heads, model.query_groups
+    head_dim = model.kv_channels or model.hidden_size // heads
+    h, ffn = model.hidden_size, model.ffn_size
+    gate = 2 if model.activation is Activation.swiglu else 1
+    linears = (h * head_dim * (heads + 2 * groups), head_dim * heads * h, h * ffn * gate, ffn * h)
+    per_layer = sum(1 for n in linears if n > threshold)
+    ends = 2 if model.padded_vocab_size * h > threshold else 0
+    return model.num_layers * per_layer + ends
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,7 +209,7 @@ def megatron_passes(job: JobSpec, plan: Plan, measurements: Measurements | None,
     return ZeroPasses(forward_s=t.forward_compute_s, backward_s=t.backward_compute_s, recompute_s=t.recompute_s,
                       overhead_s=t.overhead_s, optimizer_s=t.optimizer_s,
                       params=base.memory.parameters / elem,  # every parameter on the rank (no model parallelism)
-                      layers=layers, fetches=layers * MODULE_FETCHES_PER_LAYER + 2,  # and the embedding, the head
+                      layers=layers, fetches=zero3_fetches(job.model),
                       activation_bytes=base.memory.activations, comm_buffers_bytes=base.memory.comm_buffers,
                       flops_per_token=training_flops_per_token(job.model, plan.seq_length), single_pass_s=single)
 

@@ -23,7 +23,10 @@ MAX_MICRO_BATCH: int = SearchConstraints.max_micro_batch
 """Largest micro-batch the search tries (``cfp.constraints.max_micro_batch``'s default)."""
 
 DEEPSPEED_PERSISTENCE_THRESHOLD = 100_000
-"""DeepSpeed's default ``stage3_param_persistence_threshold``: smaller parameters stay whole under ZeRO-3."""
+"""DeepSpeed's default ``stage3_param_persistence_threshold`` (``DeepSpeedZeroConfig.param_persistence_threshold``
+in ``deepspeed/runtime/zero/config.py``; tests/test_deepspeed_plan.py checks it against the installed DeepSpeed):
+parameters of at most that many elements stay whole on every rank under ZeRO-3: what a user's config that sets
+none runs with (an exported plan sets its own, :data:`~cfp_megatron.plan.exports.ZERO3_PERSISTENCE_THRESHOLD`)."""
 
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
 """DeepSpeed's default ``reduce_bucket_size`` (used where the config sets none)."""
