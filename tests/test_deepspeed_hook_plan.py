@@ -112,7 +112,9 @@ def test_search_over_measured_passes_keeps_pins_and_fills_the_config() -> None:
     assert zero["stage"] == best.zero_stage and zero["offload_optimizer"] == {"device": "none"}
     assert ("offload_param" in zero) == (best.zero_stage == 3)
     # on a GPU cluster a plan over its memory is left out: 10M parameters at ZeRO-0 need 160 MB of states
-    gpu = ClusterSpec(name="local", nodes=1, gpus_per_node=2, device_name="H100", hbm_gib=0.15)
+    # (with host figures, so that offload is tried: without them the search leaves it out)
+    gpu = ClusterSpec(name="local", nodes=1, gpus_per_node=2, device_name="H100", hbm_gib=0.15, host_link_gbps=64.0,
+                      host_memory_bandwidth_gbps=600.0)
     pinned = plan_request(_auto(zero_optimization={"stage": 0}), 2)
     assert pinned is not None
     with pytest.raises(ConfigError, match="no DeepSpeed plan of m on 2 ranks fits"):
@@ -200,7 +202,9 @@ def test_probe_config_and_stages() -> None:
     assert probe_stage_list(request, _measured(), cpu, **kwargs) == (0, 1, 2, 3)
     pinned = plan_request(_auto(zero_optimization={"stage": 2}), 2)
     assert pinned is not None and probe_stage_list(pinned, _measured(), cpu, **kwargs) == (2,)
-    gpu = ClusterSpec(name="local", nodes=1, gpus_per_node=2, device_name="H100", hbm_gib=0.15)
+    # (with host figures, so that offload is tried: without them the search leaves it out)
+    gpu = ClusterSpec(name="local", nodes=1, gpus_per_node=2, device_name="H100", hbm_gib=0.15, host_link_gbps=64.0,
+                      host_memory_bandwidth_gbps=600.0)
     small = plan_request(_auto(zero_optimization={"stage": "auto", "reduce_bucket_size": 1_000_000}), 2)
     assert small is not None  # 10M parameters: 160 MB of ZeRO-0 states
     assert probe_stage_list(small, _measured(), gpu, **kwargs) == (2, 3)

@@ -348,3 +348,29 @@ def test_zero3_fetches_follow_the_exported_persistence_threshold() -> None:
     zero_config = pytest.importorskip("deepspeed.runtime.zero.config")
     default = zero_config.DeepSpeedZeroConfig.model_fields["param_persistence_threshold"].default
     assert DEEPSPEED_PERSISTENCE_THRESHOLD == int(default)
+
+
+def test_offload_is_priced_from_the_clusters_host_figures_and_refused_without_them() -> None:
+    """ZeRO-Offload's copies run at the preset's host link and CPU Adam at the rank's share of its node's host
+    memory bandwidth; a cluster that states neither leaves offload out of the search, and a pinned offload is a
+    ConfigError naming the missing field."""
+    job = _a100_job("llama3_8b")
+    plan = _plan(job, 8, zero_stage=3, offload_optimizer=True)
+    base = simulate_zero(job, plan)
+    faster = dataclasses.replace(job.cluster, host_link_gbps=2 * job.cluster.host_link_gbps,
+                                 host_memory_bandwidth_gbps=2 * job.cluster.host_memory_bandwidth_gbps)
+    doubled = simulate_zero(job, plan, cluster=faster)
+    assert doubled.time.offload_s == pytest.approx(base.time.offload_s / 2)
+    assert doubled.time.optimizer_s == pytest.approx(base.time.optimizer_s / 2)
+    bare = dataclasses.replace(job.cluster, host_memory_bandwidth_gbps=None)
+    with pytest.raises(ConfigError, match="cluster.host_memory_bandwidth_gbps"):
+        simulate_zero(job, plan, cluster=bare)
+    linkless = dataclasses.replace(job.cluster, host_link_gbps=None)
+    with pytest.raises(ConfigError, match="cluster.host_link_gbps"):
+        simulate_zero(job, _plan(job, 8, zero_stage=3, offload_param=True), cluster=linkless)
+    cfp, backend = cfp_from_config(compose_config([])), backend_from_config(compose_config(["backend=deepspeed"]))
+    result = search_zero(dataclasses.replace(job, cluster=bare), 8, cfp, backend, on_gpu=True)
+    assert not any(r.plan.offload_optimizer for r in result.ranked)
+    assert any(what == "offload_optimizer" and "cluster.host_memory_bandwidth_gbps" in why
+               for what, why in result.rejected)
+    assert result.evaluated < search_zero(job, 8, cfp, backend, on_gpu=True).evaluated  # the preset tries offload

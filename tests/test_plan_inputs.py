@@ -267,8 +267,12 @@ def test_a_plan_is_refused_under_another_backend_or_other_zero_knobs(tmp_path: P
     with pytest.raises(ConfigError, match=says) as info:
         _given(overrides, world)
     assert info.value.keys == [key]
-    held = _given(["+cfp=manual", f"cfp.plan_file={ZERO_PLAN}", "backend=deepspeed", "backend.zero_stage=2"], 4)
+    # the plan offloads the optimizer on CPU ranks, which is priced at the host memory bandwidth the cluster states
+    held = _given(["+cfp=manual", f"cfp.plan_file={ZERO_PLAN}", "backend=deepspeed", "backend.zero_stage=2",
+                   "cluster.host_memory_bandwidth_gbps=20"], 4)
     assert held.plan.zero_stage == 2  # typed with the plan's own value: it holds
+    with pytest.raises(ConfigError, match="cluster.host_memory_bandwidth_gbps=None: is not stated"):
+        _given(["+cfp=manual", f"cfp.plan_file={ZERO_PLAN}", "backend=deepspeed", "backend.zero_stage=2"], 4)
 
 
 def test_a_plan_for_another_cluster_shape_is_refused(tmp_path: Path) -> None:

@@ -742,7 +742,13 @@ class ClusterSpec:
     host_link_gbps: float | None = None
     """Unidirectional bandwidth between one GPU and its host's memory in GB/s (PCIe Gen4/Gen5 x16 on DGX systems,
     NVLink-C2C on Grace superchips): what activation offloading (``parallel.cpu_offloading_num_layers``) copies over.
-    ``None``: not stated; offloading's transfers are then not priced (its memory is)."""
+    ``None``: not stated; offloading's transfers are then not priced (its memory is), and DeepSpeed's ZeRO-Offload
+    is left out of the search (pinned, it is refused)."""
+    host_memory_bandwidth_gbps: float | None = None
+    """CPU memory bandwidth of one node in GB/s, all sockets together (the host CPUs' datasheet figure: memory
+    channels x transfer rate x 8 bytes), shared by the node's ranks: what DeepSpeed's ZeRO-Offload prices its CPU
+    Adam step at, and on CPU ranks its host copies. ``None``: not stated; ZeRO-Offload is then left out of the
+    DeepSpeed search (pinned, it is refused)."""
     rails_per_node: int | None = None
     """Network rails (NICs, each on its own leaf switch) per node; on DGX systems one per GPU, so GPU ``i`` of
     every node shares rail ``i`` and same-index GPUs talk across nodes without crossing the spine. ``None``: one

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 from cfp_megatron.backends.deepspeed.zero_plan import model_job
 from cfp_megatron.base.config import Activation, ClusterSpec, JobSpec, ModelSpec, Recompute
+from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective, Measurements
@@ -60,11 +61,6 @@ from cfp_megatron.sim.simulate import simulate
 if TYPE_CHECKING:
     from cfp_megatron.backends.deepspeed.engine_probe import EngineProbes, StageProbe
 
-HOST_LINK_GBPS = 25.0
-"""Host-device copy bandwidth per GPU in GB/s where the cluster spec gives none (PCIe Gen4 x16, achieved)."""
-
-HOST_MEMORY_GBPS = 40.0
-"""Host memory bandwidth available to one rank's CPU Adam step in GB/s where nothing better is known."""
 
 ADAM_HOST_BYTES_PER_PARAM = 32.0
 """Bytes CPU Adam moves per parameter: fp32 weight, gradient and two moments read, three written, a compute-
@@ -268,7 +264,7 @@ def zero_step(plan: Plan, passes: ZeroPasses, costs: CollectiveCosts, cluster: C
         gather_mb = passes_per_mb * calls(Collective.all_gather, params * elem, fetches)
         reduce_mb = reduction
         if sharding.offload_params:
-            offload_mb = passes_per_mb * _host_copy(params * elem / dp, cluster)
+            offload_mb = passes_per_mb * _host_copy(params * elem / dp, cluster, per_node)
         else:
             offload_mb = 0.0
         if on_cpu:
@@ -282,8 +278,9 @@ def zero_step(plan: Plan, passes: ZeroPasses, costs: CollectiveCosts, cluster: C
     optimizer_s = passes.optimizer_s
     if sharding.offload_optimizer:
         shard = sharding.optimizer_params(params)
-        optimizer_s = shard * ADAM_HOST_BYTES_PER_PARAM / (HOST_MEMORY_GBPS * 1e9)
-        offload_s += _host_copy(shard * FP32_BYTES, cluster) + _host_copy(shard * elem, cluster)
+        optimizer_s = shard * ADAM_HOST_BYTES_PER_PARAM / _host_memory_rate(cluster, per_node)
+        offload_s += (_host_copy(shard * FP32_BYTES, cluster, per_node)
+                      + _host_copy(shard * elem, cluster, per_node))
     engine_s = 0.0
     if probe is not None:
         if passes.single_pass_s is None:
@@ -307,11 +304,38 @@ def _element_bytes(plan: Plan) -> float:
     return 2.0 if plan.precision in ("bf16", "fp16") else 4.0
 
 
-def _host_copy(nbytes: float, cluster: ClusterSpec) -> float:
-    """Seconds to copy ``nbytes`` between host and device memory (a memory copy on CPU ranks)."""
+def offload_unpriced(cluster: ClusterSpec, *, optimizer: bool) -> tuple[str, ...]:
+    """The cluster fields ZeRO-Offload's terms need that ``cluster`` leaves unset, for optimizer offload
+    (``optimizer``) or parameter offload: ``host_link_gbps`` for the copies on GPUs, ``host_memory_bandwidth_gbps``
+    for CPU Adam and for the copies on CPU ranks; empty where it states them."""
+    needed = () if cluster.on_cpu else ("host_link_gbps",)
+    if optimizer or cluster.on_cpu:
+        needed += ("host_memory_bandwidth_gbps",)
+    return tuple(key for key in needed if getattr(cluster, key) is None)
+
+
+def _stated(cluster: ClusterSpec, key: str) -> float:
+    """``cluster.<key>``, a host figure ZeRO-Offload's terms need; a :class:`ConfigError` naming it where unset."""
+    value = getattr(cluster, key)
+    if value is None:
+        raise ConfigError([ConfigIssue(
+            key=f"cluster.{key}", value=None, problem="is not stated, and ZeRO-Offload's host terms need it.",
+            fix=f"set cluster.{key} (its field's docstring says what it is; the DGX presets state it with its "
+                "source), or plan without offload (backend.offload_optimizer=false backend.offload_param=false).")])
+    return float(value)
+
+
+def _host_memory_rate(cluster: ClusterSpec, ranks_per_node: int) -> float:
+    """Bytes per second of host memory one rank's share of its node's CPU memory bandwidth reaches."""
+    return _stated(cluster, "host_memory_bandwidth_gbps") * 1e9 / max(ranks_per_node, 1)
+
+
+def _host_copy(nbytes: float, cluster: ClusterSpec, ranks_per_node: int) -> float:
+    """Seconds to copy ``nbytes`` between host and device memory over one GPU's host link
+    (``cluster.host_link_gbps``); on CPU ranks a memory copy at the rank's share of host memory bandwidth."""
     if cluster.on_cpu:
-        return nbytes / (HOST_MEMORY_GBPS * 1e9)
-    return nbytes / (HOST_LINK_GBPS * 1e9)
+        return nbytes / _host_memory_rate(cluster, ranks_per_node)
+    return nbytes / (_stated(cluster, "host_link_gbps") * 1e9)
 
 
 def zero_sharding(plan: Plan) -> Sharding:

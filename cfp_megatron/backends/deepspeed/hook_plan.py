@@ -181,7 +181,7 @@ def search_hook(request: HookRequest, measured: MeasuredPasses, cluster: Cluster
     world = request.world
     per_node = max(min(local_world, world), 1)
     candidates, rejected = zero_candidates(
-        request.pins, list(request.micro_batches), on_cpu=cluster.on_cpu,
+        request.pins, list(request.micro_batches), cluster=cluster,
         offload_pins='config.zero_optimization.offload_optimizer/offload_param (device "cpu")')
 
     def plan_of(knobs: ZeroKnobs) -> Plan:

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from cfp_megatron.backends.deepspeed.costs import ZERO_SIM_OPTIONS, simulate_zero
+from cfp_megatron.backends.deepspeed.costs import ZERO_SIM_OPTIONS, offload_unpriced, simulate_zero
 from cfp_megatron.backends.deepspeed.zero_plan import model_job, zero_plan
 from cfp_megatron.base.backend_spec import CONFIG_KEYS, BackendSpec
 from cfp_megatron.base.cfp_spec import CfpSpec
-from cfp_megatron.base.config import JobSpec, resolve_precision
+from cfp_megatron.base.config import ClusterSpec, JobSpec, resolve_precision
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.cluster.measured import Measurements
 from cfp_megatron.plan.artifact import Plan, PlanPrediction
@@ -112,7 +112,7 @@ def search_zero(job: JobSpec, world: int, cfp: CfpSpec, backend: BackendSpec, *,
                                                   f"(train.global_batch_size={t.global_batch_size} over {world}).",
                                           fix=f"use a divisor of {per_rank}."))
         micro = [m]
-    candidates, rejected = zero_candidates(pins, micro, on_cpu=job.cluster.on_cpu,
+    candidates, rejected = zero_candidates(pins, micro, cluster=job.cluster,
                                            offload_pins="backend.offload_optimizer/offload_param")
     if not micro:
         rejected.append((f"cfp.constraints.micro_batch={list(allowed_mb or ())}", f"none of them divides the "
@@ -159,21 +159,29 @@ def pin_keys(pins: dict[str, Any], backend: BackendSpec, cfp: CfpSpec) -> tuple[
     return tuple(keys)
 
 
-def zero_candidates(pins: dict[str, Any], micro: list[int], *, on_cpu: bool,
+def zero_candidates(pins: dict[str, Any], micro: list[int], *, cluster: ClusterSpec,
                     offload_pins: str) -> tuple[list[ZeroKnobs], list[tuple[str, str]]]:
     """Every (stage, micro-batch, checkpointing, optimizer offload, parameter offload) the ``pins`` (keys of
     :data:`~cfp_megatron.base.backend_spec.PLANNED_KEYS`) and the ``micro`` sizes leave, in a fixed order;
-    and what was left out, with why. Offload is left out on CPU ranks unless pinned (``offload_pins`` names the
-    settings that pin it)."""
-    offload_choices = [False] if on_cpu else [False, True]
+    and what was left out, with why. Offload is left out unless pinned (``offload_pins`` names the settings that pin
+    it) on CPU ranks, and where ``cluster`` lacks a host figure its terms need
+    (:func:`~cfp_megatron.backends.deepspeed.costs.offload_unpriced`; pinned, its pricing refuses it)."""
+    on_cpu = cluster.on_cpu
     rejected: list[tuple[str, str]] = []
     if on_cpu and ("offload_optimizer" not in pins or "offload_param" not in pins):
         rejected.append(("offload", f"on CPU ranks host and device memory are the same memory; pin "
                                     f"{offload_pins} to run it anyway"))
+    choices = {}
+    for knob, optimizer in (("offload_optimizer", True), ("offload_param", False)):
+        missing = offload_unpriced(cluster, optimizer=optimizer)
+        choices[knob] = [False] if on_cpu or missing else [False, True]
+        if missing and not on_cpu and knob not in pins:
+            rejected.append((knob, f"the cluster states no {' or '.join(f'cluster.{k}' for k in missing)}, which "
+                                   f"its pricing needs; set it to try {knob}"))
     stages = _options(pins.get("zero_stage"), [0, 1, 2, 3])
     ckpts = _options(pins.get("activation_checkpointing"), [False, True])
-    oopts = _options(pins.get("offload_optimizer"), offload_choices)
-    oparams = _options(pins.get("offload_param"), offload_choices)
+    oopts = _options(pins.get("offload_optimizer"), choices["offload_optimizer"])
+    oparams = _options(pins.get("offload_param"), choices["offload_param"])
     candidates = [(stage, mb, ckpt, oopt, oparam)
                   for stage, mb, ckpt, oopt, oparam in itertools.product(stages, micro, ckpts, oopts, oparams)
                   if not (oparam and stage != 3) and not (oopt and stage == 0)]
