@@ -15,12 +15,14 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from cfp_megatron.base.config import ClusterSpec, JobSpec, Network, ParallelSpec, job_from_config
+from cfp_megatron.base.compose import compose_job
+from cfp_megatron.base.config import ClusterSpec, JobSpec, Network, ParallelSpec, Precision, job_from_config
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.cluster.costs import CollectiveCosts, group_placement
 from cfp_megatron.cluster.fabrics import FABRICS_FILE, FabricDataError, bandwidth_scale, load_fabrics
 from cfp_megatron.cluster.measured import Collective, CollectiveFit, NothingMeasured, Span
+from cfp_megatron.cluster.unstated import UNSTATED_FILE, UnstatedDataError, unstated_rates
 from cfp_megatron.profile.cluster import measured_cluster
 from cfp_megatron.sim import simulate
 from cfp_megatron.sim.calibration import FITTED, efficiency_for, generation
@@ -427,3 +429,25 @@ def test_bad_network_rejected_by_specs() -> None:
     with pytest.raises(ConfigError) as info:
         job_from_config({"cluster": {"network": "myrinet"}})
     assert info.value.keys == ["cluster.network"]
+
+
+def test_unstated_figures_come_from_their_data_file_with_sources(tmp_path: Path) -> None:
+    """A cluster that states no peak, memory bandwidth or link figures (the local preset on CPU ranks) is priced
+    at cluster/unstated.yaml's figures; a file without a figure's source is refused by name."""
+    rates = unstated_rates()
+    cluster = compose_job(["cluster=local", "cluster.gpus_per_node=2"]).cluster
+    assert cluster.hbm_bandwidth_gbps is None and cluster.intra_node_bandwidth_gbps is None
+    eff = efficiency_for(cluster)
+    kernels = KernelModel(cluster, eff, Precision.fp32)
+    assert kernels.mem_bytes_per_s == pytest.approx(rates.hbm_bandwidth_gbps * 1e9 * eff.memory)
+    assert kernels.gemm_flops_per_s == pytest.approx(rates.peak_tflops * 1e12 * eff.gemm)
+    costs = CollectiveCosts(cluster)
+    assert costs.intra.bandwidth_bytes_per_s == pytest.approx(rates.intra_node_bandwidth_gbps * 1e9)
+    assert costs.inter.latency_s == pytest.approx(rates.latency_us * 1e-6)
+    text = UNSTATED_FILE.read_text()
+    broken = tmp_path / "unstated.yaml"
+    broken.write_text(text.replace("hbm_bandwidth_gbps:\n  value: 50.0\n  source:",
+                                   "hbm_bandwidth_gbps:\n  value: 50.0\n  where:"))
+    assert broken.read_text() != text
+    with pytest.raises(UnstatedDataError, match="hbm_bandwidth_gbps needs a positive value and its source"):
+        unstated_rates(broken)

@@ -33,10 +33,7 @@ from cfp_megatron.base.config import ClusterSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.cluster.fabrics import bandwidth_scale
 from cfp_megatron.cluster.measured import Collective, Measurements, Span, ring_factor
-
-_DEFAULT_INTRA_GBPS = 100.0
-_DEFAULT_INTER_GBPS = 12.5
-_DEFAULT_LATENCY_US = 10.0
+from cfp_megatron.cluster.unstated import unstated_rates
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,14 +104,15 @@ class CollectiveCosts:
         self.gpus_per_node = cluster.gpus_per_node or 1
         # GPUs that share the fast link: the NVLink domain, a node unless cluster.nvlink_domain_size says otherwise.
         self.domain_size = cluster.domain_size(self.gpus_per_node)
-        intra_bw = (cluster.intra_node_bandwidth_gbps or _DEFAULT_INTRA_GBPS) * 1e9 * intra_efficiency
+        unstated = unstated_rates()  # the figures of a cluster that states none (cluster/unstated.yaml)
+        intra_bw = (cluster.intra_node_bandwidth_gbps or unstated.intra_node_bandwidth_gbps) * 1e9 * intra_efficiency
         # The fitted inter_efficiency holds InfiniBand's share of line rate; another fabric scales it by its own
         # share (cluster/fabrics.yaml: Omni-Path reaches 0.40 of InfiniBand's).
-        inter_bw = ((cluster.network_bandwidth_gbps or _DEFAULT_INTER_GBPS) * 1e9 * inter_efficiency
+        inter_bw = ((cluster.network_bandwidth_gbps or unstated.inter_node_bandwidth_gbps) * 1e9 * inter_efficiency
                     * bandwidth_scale(cluster.network))
-        self.intra = Link(latency_s=(cluster.intra_node_latency_us or _DEFAULT_LATENCY_US) * 1e-6,
+        self.intra = Link(latency_s=(cluster.intra_node_latency_us or unstated.latency_us) * 1e-6,
                           bandwidth_bytes_per_s=intra_bw)
-        self.inter = Link(latency_s=(cluster.inter_node_latency_us or _DEFAULT_LATENCY_US) * 1e-6,
+        self.inter = Link(latency_s=(cluster.inter_node_latency_us or unstated.latency_us) * 1e-6,
                           bandwidth_bytes_per_s=inter_bw)
         self._cache: dict[tuple[Collective, int, Span], object] = {}
         self._seconds: dict[tuple[Collective, float, int, int | None], float] = {}  # seconds() by its arguments

@@ -12,13 +12,10 @@ from pathlib import Path
 from cfp_megatron.base.config import ClusterSpec, JobSpec, Precision, TrainSpec, resolve_precision
 from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.cluster.measured import Measurements
+from cfp_megatron.cluster.unstated import unstated_rates
 from cfp_megatron.sim.calibration import Efficiency
 from cfp_megatron.sim.format_costs import format_cost
 
-_FALLBACK_PEAK_TFLOPS = 1.0
-"""Peak TFLOP/s assumed for a cluster that states none."""
-_FALLBACK_HBM_GBPS = 50.0
-"""Memory bandwidth in GB/s assumed for a cluster that states none."""
 GROUPED_GEMM_FILE = Path(__file__).with_name("grouped_gemm.json")
 """The tile, launch cost and large-size rate of the grouped expert GEMMs, with their sources."""
 
@@ -109,13 +106,14 @@ class KernelModel:
             self.gemm_flops_per_s = measured_peak * 1e12
             self.attn_flops_per_s = measured_peak * 1e12 * efficiency.attention / efficiency.gemm
         else:
-            peak = (nominal or _FALLBACK_PEAK_TFLOPS) * 1e12
+            peak = (nominal or unstated_rates().peak_tflops) * 1e12
             self.gemm_flops_per_s = peak * efficiency.gemm
             self.attn_flops_per_s = peak * efficiency.attention
         self.low = self.format.low
         self.low_flops_per_s = (self.format.gemm_tflops(cluster, efficiency) * 1e12 if self.low
                                 else self.gemm_flops_per_s)
-        self.mem_bytes_per_s = (cluster.hbm_bandwidth_gbps or _FALLBACK_HBM_GBPS) * 1e9 * efficiency.memory
+        memory_gbps = cluster.hbm_bandwidth_gbps or unstated_rates().hbm_bandwidth_gbps  # cluster/unstated.yaml
+        self.mem_bytes_per_s = memory_gbps * 1e9 * efficiency.memory
         self.sm_count = cluster.sm_count
         self.on_cpu = cluster.on_cpu
         self._grouped_cache: dict[tuple[int, float, float, float, bool, float | None], float] = {}
