@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cfp_megatron.sim.options import PipelineSchedule
-from cfp_megatron.sim.schedule import rank_order, run_schedule
+from cfp_megatron.sim.schedule import first_backward, rank_order, run_schedule
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (8, 8), (4, 1), (3, 7)])
@@ -146,3 +146,15 @@ def test_zero_bubble_exchanges_delay_the_schedule() -> None:
 def test_other_schedules_refuse_chunks_and_blocking() -> None:
     with pytest.raises(ValueError, match="one chunk per rank"):
         run_schedule([[1.0, 1.0]] * 2, [[2.0, 2.0]] * 2, 0.0, 4, schedule=PipelineSchedule.zb_h1)
+
+
+@pytest.mark.parametrize("vpp", [1, 2, 3])
+def test_first_backward_is_where_rank_order_puts_it(vpp: int) -> None:
+    """first_backward names the position of each rank's first backward in rank_order (its length without one), over
+    warm-ups shorter than, as long as and longer than the micro-batches."""
+    for pp in (1, 2, 4, 8):
+        for microbatches in (0, 1, 2, pp, pp + 1, 3 * pp):
+            for rank in range(pp):
+                order = rank_order(rank, pp, vpp, microbatches)
+                expected = next((i for i, (forward, _, _) in enumerate(order) if not forward), len(order))
+                assert first_backward(rank, pp, vpp, microbatches) == expected, (rank, pp, vpp, microbatches)

@@ -80,6 +80,8 @@ from cfp_megatron.sim.terms import Overlaps
 
 _CANDIDATE, _OverMemory, _FAMILY_KEY = driver.CANDIDATE, driver.OverMemory, len(FAMILY_FIELDS)
 """The driver's candidate entry kind and over-memory outcome (local names: the search makes hundreds of thousands)."""
+_MISSING = object()
+"""A dictionary lookup's default where ``None`` is a value (a refused group)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -652,6 +654,7 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
     out: list[_Bounded] = []
     refused: list[Rejection] = []
     by_key: dict[tuple, GroupCosts | None] = {}
+    by_fast: dict[tuple, tuple[GroupCosts, GroupCosts | None] | None] = {}  # by_key's values by plain values
     kept: dict[tuple, _KeptBytes] = {}
     may_overlap: dict[tuple, tuple[bool, bool]] = {}  # (TP overlap, expert overlap) allowed, by what they read
     specs: dict[tuple, ParallelSpec] = {}  # the representatives' checked ParallelSpec, by their fields
@@ -673,26 +676,34 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
                                       order=job.parallel.order)
                 dims = ParallelDims(parallel=family, world_size=world, num_microbatches=g.microbatches)
                 placed = place(job, dims, gpn)
-            granularity, modules = recompute_parts(recompute, job.parallel.recompute_modules)
-            ckey = cost_key(placed, granularity, options, mlps[h.mlp], sp=h.sp, micro_batch=h.micro_batch,
-                            recompute_modules=modules)
             okey = (h.tp, h.sp, h.ep, pp, recompute)
             overlaps = may_overlap.get(okey)
             if overlaps is None:  # what they read: the same for many groups
                 overlaps = may_overlap[okey] = (space.tp_overlap(tp=h.tp, sp=h.sp),
                                                 space.a2a_overlap(ep=h.ep, pp=pp, vpp=None, recompute=recompute))
-            ckey += overlaps
+            # What cost_key reads of the group and its family's placement, as plain values (quick to hash): the
+            # full key is built once per distinct one.
+            fkey = (h.tp, h.cp, h.ep, h.etp, h.sp, h.micro_batch, recompute, h.mlp, placed.tp_per_node,
+                    placed.cp_per_node, placed.ep_per_node, placed.domain_size, overlaps)
             if measurements is not None:  # the pipelined probe's term (GroupCosts.fixed_s) depends on the stages too
-                ckey += (pp, placed.pp_intra_node)
-            if ckey not in by_key:  # the bound's costs read the key alone: a search of another size may have them
-                found = cache.groups.get(ckey)
-                if found is None:
-                    found = _group_costs(Candidate.from_key(g.head + (1, 0, 0, False, False)), job, measurements,
-                                         options, world, cache, refused, may_overlap=overlaps, specs=specs)
-                    if found is not None:  # a refusal is this size's: checked again at another
-                        cache.groups[ckey] = found
-                by_key[ckey] = found
-            costs = by_key[ckey]
+                fkey += (pp, placed.pp_intra_node)
+            costs = by_fast.get(fkey, _MISSING)
+            if costs is _MISSING:
+                granularity, modules = recompute_parts(recompute, job.parallel.recompute_modules)
+                ckey = cost_key(placed, granularity, options, mlps[h.mlp], sp=h.sp, micro_batch=h.micro_batch,
+                                recompute_modules=modules) + overlaps
+                if measurements is not None:
+                    ckey += (pp, placed.pp_intra_node)
+                if ckey not in by_key:  # the bound's costs read the key alone: a search of another size may have them
+                    found = cache.groups.get(ckey)
+                    if found is None:
+                        found = _group_costs(Candidate.from_key(g.head + (1, 0, 0, False, False)), job,
+                                             measurements, options, world, cache, refused, may_overlap=overlaps,
+                                             specs=specs)
+                        if found is not None:  # a refusal is this size's: checked again at another
+                            cache.groups[ckey] = found
+                    by_key[ckey] = found
+                costs = by_fast[fkey] = by_key[ckey]
             if costs is None:
                 continue
             costs, serial = costs  # pipelined, the all-to-all overlaps under the interleaved schedule only

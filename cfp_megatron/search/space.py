@@ -589,9 +589,10 @@ class Space:
             splits = tuple(self.pipeline_splits(f, microbatches))
             # where every chunk has one layer, block recomputation is full recomputation
             block = tuple(s for s in splits if max_chunk_layers(num_layers, f.pp, *s) >= 2)
+            mlps = self.mlp_values(f, mb)  # by TP and micro-batch: the same for every SP and recompute value
             for sp in self.sp_values(f):
                 for rc in recomputes:
-                    for mlp in self.mlp_values(f, mb):
+                    for mlp in mlps:
                         head = tuple.__new__(GroupHead, (f.tp, f.cp, f.pp, f.ep, f.etp, sp, mb, rc, mlp))
                         yield Group(head=head, microbatches=microbatches,
                                     splits=block if rc == BLOCK else splits, dopts=dopts)

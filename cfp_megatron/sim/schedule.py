@@ -68,7 +68,7 @@ def rank_order(rank: int, pp: int, vpp: int, microbatches: int, *, all_forward: 
     ``microbatches`` micro-batches: ``(is_forward, microbatch, chunk)`` per pass (cached: a search times many plans
     with the same pipeline shape). ``all_forward`` (one chunk): GPipe's, every forward before the first backward."""
     if vpp == 1:
-        warmup = microbatches if all_forward else min(pp - rank - 1, microbatches)
+        warmup = microbatches if all_forward else _warmup(rank, pp, vpp, microbatches)
         order = [(True, index, 0) for index in range(warmup)]
         for index in range(microbatches - warmup):
             order.append((True, warmup + index, 0))
@@ -76,7 +76,7 @@ def rank_order(rank: int, pp: int, vpp: int, microbatches: int, *, all_forward: 
         order.extend((False, index, 0) for index in range(microbatches - warmup, microbatches))
         return tuple(order)
     total = microbatches * vpp  # (micro-batch, chunk) passes in each direction
-    warmup = total if microbatches == pp else min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+    warmup = _warmup(rank, pp, vpp, microbatches)
 
     # The n-th forward (backward) of the rank: chunks advance every pp micro-batches, in groups of pp x vpp.
     def fwd(nth: int) -> tuple[bool, int, int]:
@@ -91,6 +91,22 @@ def rank_order(rank: int, pp: int, vpp: int, microbatches: int, *, all_forward: 
         order.append(bwd(index))
     order.extend(bwd(nth) for nth in range(total - warmup, total))
     return tuple(order)
+
+
+def _warmup(rank: int, pp: int, vpp: int, microbatches: int) -> int:
+    """Forwards pipeline rank ``rank`` runs before its first backward in :func:`rank_order` (Megatron-Core's warm-up
+    of the 1F1B schedule, plain or interleaved over ``vpp`` chunks)."""
+    if vpp == 1:
+        return min(pp - rank - 1, microbatches)
+    total = microbatches * vpp
+    return total if microbatches == pp else min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+
+
+def first_backward(rank: int, pp: int, vpp: int, microbatches: int) -> int:
+    """The position of pipeline rank ``rank``'s first backward pass in :func:`rank_order` (its length where it has
+    none), without building the order: the warm-up's forwards, then one steady-state forward where any is left."""
+    total, warmup = microbatches * vpp, _warmup(rank, pp, vpp, microbatches)
+    return warmup + 1 if warmup < total else total
 
 
 class Transfer(NamedTuple):

@@ -43,7 +43,7 @@ from cfp_megatron.sim.pass_costs import (
 )
 from cfp_megatron.sim.prediction import GIB, Event, EventKind, MemoryBreakdown, Prediction, TimeBreakdown
 from cfp_megatron.sim.primepar_cost import megatron_twin
-from cfp_megatron.sim.schedule import ScheduleResult, dependency_floors, rank_order, run_schedule
+from cfp_megatron.sim.schedule import ScheduleResult, dependency_floors, first_backward, run_schedule
 from cfp_megatron.sim.terms import TERMS, Placement, StepInputs, StepTimes
 from cfp_megatron.sim.terms.host import with_host
 from cfp_megatron.sim.terms.pipeline import exchange_fit, exchange_fits, shared_cores_schedule
@@ -754,10 +754,9 @@ def _unpaired_exchange(moe: LayerCost, dims: ParallelDims, chunks: tuple[tuple[C
     passes = dims.num_microbatches * dims.vpp  # each direction, per rank
     new_fwd, new_bwd = [], []
     for rank in range(dims.pp):
-        order = rank_order(rank, dims.pp, dims.vpp, dims.num_microbatches)
         # The forwards before the first backward: the plain schedule's warm-up and the first steady-state forward,
         # which the combined schedule runs alone too (its extra micro-batch in flight).
-        unpaired = next((i for i, (is_forward, _, _) in enumerate(order) if not is_forward), len(order))
+        unpaired = first_backward(rank, dims.pp, dims.vpp, dims.num_microbatches)
         share = min(unpaired, passes) / passes
         new_fwd.append([cost.plus(PassCost(ep_comm_s=share * (chunk.moe + chunk.mtp) * extra_fwd))
                         for cost, chunk in zip(forward_costs[rank], chunks[rank], strict=True)])
