@@ -162,17 +162,25 @@ def _plain(spec: DTensorSpec, placements: tuple[Any, ...]) -> DTensorSpec:
     return DTensorSpec(spec.mesh, placements, spec.tensor_meta)
 
 
-def _priced(original: Callable[[DTensorSpec, DTensorSpec], float]) -> Callable[[DTensorSpec, DTensorSpec], float]:
-    # A cost depends on the two specs' mesh, placements, shard order, shape and dtype, all of which their equality
-    # compares: DTensor's strategy expansion asks for the same pairs again and again (each operator's every
-    # candidate input against every strategy), so each pair is priced once while the context is open.
-    costs: dict[tuple[DTensorSpec, DTensorSpec], float] = {}
+_COSTS: dict[tuple[Callable[[DTensorSpec, DTensorSpec], float], DTensorSpec, DTensorSpec], float] = {}
+"""Each priced pair's cost, by the pricing function and the two specs: kept from one :func:`strided_costs` context
+to the next (a cost depends only on the two specs' mesh, placements, shard order, shape and dtype, all of which
+their equality compares), so the operators of a search ask DTensor's pricing for each pair once."""
 
+_MAX_COSTS = 200_000
+"""Entries :data:`_COSTS` holds before it starts again empty."""
+
+
+def _priced(original: Callable[[DTensorSpec, DTensorSpec], float]) -> Callable[[DTensorSpec, DTensorSpec], float]:
+    # DTensor's strategy expansion asks for the same pairs again and again (each operator's every candidate input
+    # against every strategy, and the same operators under every block's candidates): each pair is priced once.
     def redistribute_cost(current: DTensorSpec, target: DTensorSpec) -> float:
-        key = (current, target)
-        cost = costs.get(key)
+        key = (original, current, target)
+        cost = _COSTS.get(key)
         if cost is None:
-            cost = costs[key] = _cost(current, target)
+            if len(_COSTS) >= _MAX_COSTS:
+                _COSTS.clear()
+            cost = _COSTS[key] = _cost(current, target)
         return cost
 
     def _cost(current: DTensorSpec, target: DTensorSpec) -> float:

@@ -235,8 +235,8 @@ def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2
                                 list(weight_s) if weight_s is not None else [0.0] * pp, links, microbatches,
                                 (zero_bubble_limit(pp, microbatches, schedule),) * pp, busy, keep_ops)
     if blocking and pp > 1:
-        return _run_blocking([row[0] for row in forward_s], [row[0] for row in backward_s], links, microbatches,
-                             call_s, busy, keep_ops)
+        return _run_blocking(tuple(row[0] for row in forward_s), tuple(row[0] for row in backward_s), links,
+                             microbatches, call_s, busy, keep_ops)
     num_stages = pp * vpp
     # End of each pass per global stage and micro-batch (-1: not run yet).
     forward_end = [[-1.0] * microbatches for _ in range(num_stages)]
@@ -318,13 +318,15 @@ def _slot(transfer: Transfer, sending: bool, microbatches: int) -> int:
     return ((transfer.boundary * microbatches + transfer.microbatch) * 2 + transfer.activation) * 2 + sending
 
 
-def _run_blocking(forward_s: list[float], backward_s: list[float], links: tuple[float, ...], microbatches: int,
-                  call_s: float, busy: tuple[float, ...], keep_ops: bool) -> ScheduleResult:
+@functools.lru_cache(maxsize=1024)
+def _run_blocking(forward_s: tuple[float, ...], backward_s: tuple[float, ...], links: tuple[float, ...],
+                  microbatches: int, call_s: float, busy: tuple[float, ...], keep_ops: bool) -> ScheduleResult:
     """:func:`run_schedule` of the non-interleaved schedule with blocking exchanges: each rank runs
     :func:`blocking_order`; a transfer ends ``links[boundary]`` after both its sender and its receiver reached the
     exchange that holds it (both directions of an exchange move at once, each over its own direction of the link),
     and an exchange ends when its transfers did, plus ``call_s``. A rank waits only for its neighbours, so after a
-    rank advances only they are tried again."""
+    rank advances only they are tried again. Kept by its arguments (a frozen result): the validator's refits and
+    sensitivities time the same schedule again wherever a changed efficiency leaves its passes as they were."""
     pp = len(forward_s)
     programs = [_blocking_program(rank, pp, microbatches) for rank in range(pp)]
     reached = [-1.0] * (4 * pp * microbatches)  # when each side of each transfer reached its exchange
