@@ -7,6 +7,15 @@ import math
 from cfp_megatron.base.config import Activation, AttentionKind, ModelSpec
 
 
+def dense_linear_weights(m: ModelSpec) -> tuple[int, int, int, int]:
+    """Elements of one layer's QKV, attention-output, FC1 and FC2 weights with multi- or grouped-query attention and
+    a dense MLP of ``m.ffn_size`` (FC1 holds the gate too under SwiGLU)."""
+    h, heads = m.hidden_size, m.num_attention_heads
+    d = m.kv_channels or h // heads
+    fc1 = (2 if m.activation is Activation.swiglu else 1) * h * m.ffn_size
+    return h * d * (heads + 2 * m.query_groups), heads * d * h, fc1, m.ffn_size * h
+
+
 def attention_params(m: ModelSpec) -> int:
     """Matmul parameters of one attention block (no norms, no biases)."""
     h = m.hidden_size
@@ -15,8 +24,8 @@ def attention_params(m: ModelSpec) -> int:
         q = h * m.q_lora_rank + m.q_lora_rank * heads * (qk + rope) if m.q_lora_rank else h * heads * (qk + rope)
         kv = h * (m.kv_lora_rank + rope) + m.kv_lora_rank * heads * (qk + v)
         return q + kv + heads * v * h
-    d = m.kv_channels or h // m.num_attention_heads
-    return h * d * (m.num_attention_heads + 2 * m.query_groups) + m.num_attention_heads * d * h
+    qkv, projection, _, _ = dense_linear_weights(m)
+    return qkv + projection
 
 
 def mlp_params(m: ModelSpec, ffn: int) -> int:

@@ -4,6 +4,7 @@ preset; every GPU preset states its own)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,28 +44,15 @@ def unstated_rates(path: Path = UNSTATED_FILE) -> UnstatedRates:
     figure where one is missing, not a positive number or without its source."""
     data = yaml.safe_load(path.read_text())
     if not isinstance(data, dict) or data.get("version") != VERSION:
-        raise UnstatedDataError(
-            f"{path}: not a version-{VERSION} file of unstated figures; restore it from the package."
-        )
+        raise UnstatedDataError(f"{path}: not a version-{VERSION} file of unstated figures; restore it from the "
+                                "package.")
     values: dict[str, float] = {}
-    for key in (
-        "peak_tflops",
-        "hbm_bandwidth_gbps",
-        "intra_node_bandwidth_gbps",
-        "inter_node_bandwidth_gbps",
-        "latency_us",
-    ):
-        entry = data.get(key)
+    for field in dataclasses.fields(UnstatedRates):
+        entry = data.get(field.name)
         value = entry.get("value") if isinstance(entry, dict) else None
-        if (
-            not isinstance(value, (int, float))
-            or isinstance(value, bool)
-            or value <= 0
-            or not str(entry.get("source") or "").strip()
-        ):
-            raise UnstatedDataError(
-                f"{path}: {key} needs a positive value and its source; write "
-                f"{key}: {{value: <number>, source: <where it comes from>}}."
-            )
-        values[key] = float(value)
+        if (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0
+                or not str(entry.get("source") or "").strip()):
+            raise UnstatedDataError(f"{path}: {field.name} needs a positive value and its source; write "
+                                    f"{field.name}: {{value: <number>, source: <where it comes from>}}.")
+        values[field.name] = float(value)
     return UnstatedRates(**values)

@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cfp_megatron.backends.deepspeed.zero_plan import model_job
-from cfp_megatron.base.config import Activation, ClusterSpec, JobSpec, ModelSpec, Recompute
+from cfp_megatron.base.config import ClusterSpec, JobSpec, ModelSpec, Recompute
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
-from cfp_megatron.base.flops import training_flops_per_token
+from cfp_megatron.base.flops import dense_linear_weights, training_flops_per_token
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective, Measurements
 from cfp_megatron.plan.artifact import Plan
@@ -76,14 +76,9 @@ def zero3_fetches(model: ModelSpec, threshold: int = ZERO3_PERSISTENCE_THRESHOLD
     attention-output, FC1 and FC2 linears whose weight holds more than ``threshold`` elements (DeepSpeed's
     ``stage3_param_persistence_threshold``, the exported plan's by default; norms and biases stay whole), and the
     embedding and the output layer likewise. The linears' shapes are multi- and grouped-query attention's and a
-    dense MLP's."""
-    heads, groups = model.num_attention_heads, model.query_groups
-    head_dim = model.kv_channels or model.hidden_size // heads
-    h, ffn = model.hidden_size, model.ffn_size
-    gate = 2 if model.activation is Activation.swiglu else 1
-    linears = (h * head_dim * (heads + 2 * groups), head_dim * heads * h, h * ffn * gate, ffn * h)
-    per_layer = sum(1 for n in linears if n > threshold)
-    ends = 2 if model.padded_vocab_size * h > threshold else 0
+    dense MLP's (:func:`~cfp_megatron.base.flops.dense_linear_weights`)."""
+    per_layer = sum(1 for n in dense_linear_weights(model) if n > threshold)
+    ends = 2 if model.padded_vocab_size * model.hidden_size > threshold else 0
     return model.num_layers * per_layer + ends
 
 
