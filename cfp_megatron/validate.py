@@ -319,6 +319,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                      "overlap_param_gather": framework.overlap_param_gather and dist_opt and not fsdp,
                      "tp_comm_overlap": (recipe.tp_comm_overlap if recipe else framework.tp_comm_overlap) and sp,
                      "moe_a2a_overlap": bool(recipe and recipe.a2a_overlap),
+                     "moe_flex_dispatcher_backend": (recipe and recipe.flex_backend) or "deepep",
                      "cuda_graph_impl": recipe.cuda_graph_impl if recipe else "none",
                      "cuda_graph_scope": recipe.cuda_graph_scope if recipe else None,
                      "recompute_num_layers": block_layers or 1,
@@ -341,7 +342,9 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     layout += " sp" if sp else ""
     layout += f" as {architecture}" if architecture else ""
     if recipe:
-        layout += (" flex" if recipe.dispatcher == "flex" else "") + (" a2ao" if recipe.a2a_overlap else "")
+        layout += (" flex" + (f"={recipe.flex_backend}" if recipe.flex_backend else "")
+                   if recipe.dispatcher == "flex" else "")
+        layout += " a2ao" if recipe.a2a_overlap else ""
         layout += (f" cg={recipe.cuda_graph_impl}[{recipe.cuda_graph_scope or 'layer'}]"
                    if recipe.cuda_graph_impl != "none" else "")
     layout += f" {moe_routing(row).tag}" if experts and moe_routing(row).tag else ""
@@ -361,6 +364,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                          async_tp_backward=framework.async_tp_backward, torch_fsdp=framework.torch_fsdp and fsdp,
                          torch_fused_adamw=framework.torch_fused_adamw, moe_layer_syncs=framework.moe_layer_syncs,
                          torch_op_sac=framework.torch_op_sac, torch_moe_combine=framework.torch_moe_combine,
+                         flex_backend_unstated=bool(experts and recipe and recipe.dispatcher == "flex"
+                                                    and recipe.flex_backend is None),
                          eager_torch_loss=framework.eager_loss and not any(
                              re.search(pattern, row.get("model") or "", re.IGNORECASE)
                              for pattern in framework.compiled_loss),

@@ -291,8 +291,20 @@ class TokenDispatcher(enum.Enum):
     allgather = "allgather"
     """All-gather of the EP group's tokens, each rank keeping its experts' (reduce-scatter on the way back)."""
     flex = "flex"
-    """DeepEP's fused dispatch/combine kernels (GPU only, needs DeepEP): one copy of a token per destination node
-    over the network, forwarded over NVLink inside it."""
+    """Fused dispatch/combine kernels (GPU only) of ``parallel.moe_flex_dispatcher_backend``: DeepEP or HybridEP,
+    one copy of a token per destination rank inside the NVLink group, per destination node across it."""
+
+
+class FlexBackend(enum.Enum):
+    """The flex dispatcher's kernels (Megatron-Core's ``moe_flex_dispatcher_backend``)."""
+
+    deepep = "deepep"
+    """DeepEP's normal kernels (``deep_ep.Buffer``): NVLink among the GPUs of one host (CUDA IPC), RDMA between
+    hosts; the receiver permutes what arrives by expert. Megatron-Core's default."""
+    hybridep = "hybridep"
+    """HybridEP (``deep_ep.HybridEPBuffer``, DeepEP's ``hybrid-ep`` branch): NVLink over the whole NVLink domain
+    (multi-node NVLink, e.g. GB200 NVL72), RDMA between domains; the permutation by expert, and the padding FP8/FP4
+    need, fused into the dispatch kernel."""
 
 
 class OptimizerKind(enum.Enum):
@@ -1064,6 +1076,12 @@ class ParallelSpec:
     """Overlap the expert all-to-all of one micro-batch with the computation of another (Megatron-Core's
     ``overlap_moe_expert_parallel_comm``, the combined 1F1B schedule: one more micro-batch in flight). Needs EP > 1,
     the alltoall or flex dispatcher, an interleaved schedule when parallel.pp > 1, no full recomputation, and a GPU."""
+    moe_flex_dispatcher_backend: FlexBackend = layout_field(FlexBackend.deepep, key="flexb",
+                                                            megatron="--moe-flex-dispatcher-backend", optional=True)
+    """With ``model.moe_token_dispatcher=flex``: the kernels that exchange the tokens (Megatron-Core's
+    ``moe_flex_dispatcher_backend``): ``deepep`` (DeepEP; NVLink inside a host) or ``hybridep`` (HybridEP; NVLink over
+    the whole NVLink domain, which pays on multi-node NVLink such as GB200 NVL72). Needs DeepEP, built from its
+    ``hybrid-ep`` branch for ``hybridep``, and a GPU."""
     moe_shared_expert_overlap: bool = layout_field(False, key="seo", megatron="--moe-shared-expert-overlap",
                                                    optional=True)
     """Run the shared expert beside the token dispatch and combine (Megatron-Core's ``moe_shared_expert_overlap``;

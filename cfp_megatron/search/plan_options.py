@@ -1,5 +1,6 @@
-"""The plan options a search chooses from a set the user allows: CUDA graphs (``cfp.constraints.cuda_graph_impl``)
-and the MoE token policy (``cfp.constraints.moe_token_policy``). Each combination is searched whole, as each number
+"""The plan options a search chooses from a set the user allows: CUDA graphs (``cfp.constraints.cuda_graph_impl``),
+the MoE token policy (``cfp.constraints.moe_token_policy``) and the flex dispatcher's backend
+(``cfp.constraints.moe_flex_dispatcher_backend``). Each combination is searched whole, as each number
 format is (:mod:`cfp_megatron.search.formats`), so the result is the exhaustive one's; the graphed ones first, whose
 k-th best step time the others then prune with (graphs only remove launches). Without a set the job's own settings
 are the one combination (docs/planning.md, "CUDA graphs and the MoE token policy")."""
@@ -10,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from cfp_megatron.base.cfp_spec import CfpSpec
-from cfp_megatron.base.config import CudaGraphImpl, JobSpec, MoeTokenPolicy, Recompute
+from cfp_megatron.base.config import CudaGraphImpl, FlexBackend, JobSpec, MoeTokenPolicy, Recompute, TokenDispatcher
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.layout_rules import graphs
 from cfp_megatron.base.layout_rules.problem import issues as rule_issues
@@ -20,6 +21,7 @@ from cfp_megatron.search.space import Rejection
 GRAPHS_KEY = "cfp.constraints.cuda_graph_impl"
 POLICY_KEY = "cfp.constraints.moe_token_policy"
 FACTOR_KEY = "cfp.constraints.moe_capacity_factor"
+BACKEND_KEY = "cfp.constraints.moe_flex_dispatcher_backend"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +34,8 @@ class PlanOption:
     """The MoE token policy; ``None``: the model's own (no set)."""
     capacity: float | None = None
     """The capacity factor of a token-drop :attr:`policy`."""
+    backend: FlexBackend | None = None
+    """The flex dispatcher's backend; ``None``: the job's own (no set)."""
 
     @property
     def name(self) -> str:
@@ -40,11 +44,15 @@ class PlanOption:
         if self.policy is not None:
             factor = f"({self.capacity:g})" if self.policy is not MoeTokenPolicy.dropless else ""
             parts.append(f"moe_token_policy={self.policy.value}{factor}")
+        parts += [f"moe_flex_dispatcher_backend={self.backend.value}"] if self.backend is not None else []
         return " ".join(parts) or "the job's own"
 
     def apply(self, job: JobSpec) -> JobSpec:
         """``job`` with this combination's settings (the token policy first: the graphs' scope follows it);
         :class:`ConfigError` where the model refuses the policy."""
+        if self.backend is not None:
+            job = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel,
+                                                                        moe_flex_dispatcher_backend=self.backend))
         if self.policy is not None:
             dropless = self.policy is MoeTokenPolicy.dropless
             model = dataclasses.replace(job.model, moe_expert_capacity_factor=None if dropless else self.capacity,
@@ -92,7 +100,7 @@ class OptionOutcome:
 def searched(cfp: CfpSpec) -> bool:
     """Whether ``cfp`` allows a set of either option."""
     c = cfp.constraints
-    return c.cuda_graph_impl is not None or c.moe_token_policy is not None
+    return c.cuda_graph_impl is not None or c.moe_token_policy is not None or c.moe_flex_dispatcher_backend is not None
 
 
 def plan_options(job: JobSpec, cfp: CfpSpec, *, te_available: bool) -> tuple[list[PlanOption], list[Rejection]]:
@@ -131,11 +139,26 @@ def plan_options(job: JobSpec, cfp: CfpSpec, *, te_available: bool) -> tuple[lis
     if c.moe_token_policy is not None:
         policies = _policies(job, cfp, left)
     options = [dataclasses.replace(p, graphs=impl) for p in policies for impl in impls]
+    if c.moe_flex_dispatcher_backend is not None:
+        options = [dataclasses.replace(o, backend=b) for o in options for b in _backends(job, cfp)]
     for option in options:  # a scope the model refuses (the job's own, or the user's beside a set): said once, now
         issues = rule_issues(graph_model_problems(option.apply(job)))
         if issues:
             raise ConfigError(issues)
     return options, left
+
+
+def _backends(job: JobSpec, cfp: CfpSpec) -> list[FlexBackend]:
+    """The flex backends of the set; :class:`ConfigError` for a job without the flex dispatcher, which runs none."""
+    allowed = list(dict.fromkeys(cfp.constraints.moe_flex_dispatcher_backend or []))
+    m = job.model
+    if not m.is_moe or m.moe_token_dispatcher is not TokenDispatcher.flex:
+        raise ConfigError(ConfigIssue(key=BACKEND_KEY, value=[b.value for b in allowed],
+                                      problem="chooses the flex dispatcher's kernels, and model "
+                                              f"{m.name} runs " + (f"the {m.moe_token_dispatcher.value} dispatcher."
+                                                                   if m.is_moe else "no experts."),
+                                      fix=f"set model.moe_token_dispatcher=flex, or {BACKEND_KEY}=null."))
+    return allowed
 
 
 def _policies(job: JobSpec, cfp: CfpSpec, left: list[Rejection]) -> list[PlanOption]:
@@ -170,8 +193,10 @@ def _policies(job: JobSpec, cfp: CfpSpec, left: list[Rejection]) -> list[PlanOpt
 
 def option_index(job: JobSpec, options: list[PlanOption]) -> int:
     """The index in ``options`` of ``job``'s combination."""
-    policy, impl = MoeTokenPolicy.of(job.model), job.parallel.cuda_graph_impl
-    return next((i for i, o in enumerate(options) if o.policy in (None, policy) and o.graphs in (None, impl)), 0)
+    policy, impl, backend = MoeTokenPolicy.of(job.model), job.parallel.cuda_graph_impl, \
+        job.parallel.moe_flex_dispatcher_backend
+    return next((i for i, o in enumerate(options) if o.policy in (None, policy) and o.graphs in (None, impl)
+                 and o.backend in (None, backend)), 0)
 
 
 def tie_order(job: JobSpec, options: list[PlanOption]) -> tuple[int, bool]:

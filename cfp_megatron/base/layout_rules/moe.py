@@ -127,6 +127,18 @@ def overlaps_on_gpu(*, a2a_overlap: bool, shared_overlap: bool, has_shared: bool
     return found
 
 
+def flex_backend(*, backend: str, dispatcher: str) -> list[Problem]:
+    """A flex ``backend`` away from Megatron-Core's default (``deepep``) needs the flex ``dispatcher``: no other one
+    reads it."""
+    if backend == "deepep" or dispatcher == "flex":
+        return []
+    return [Problem(key="parallel.moe_flex_dispatcher_backend", value=backend,
+                    problem=f"it chooses the flex dispatcher's kernels, and model.moe_token_dispatcher={dispatcher} "
+                            "runs none of them.",
+                    fix="set model.moe_token_dispatcher=flex, or parallel.moe_flex_dispatcher_backend=deepep.",
+                    brief=f"the {dispatcher} dispatcher has no flex backend")]
+
+
 def dense_model(*, model: str, a2a_overlap: bool, shared_overlap: bool, ep: int, etp: int | None) -> list[Problem]:
     """A model without experts has no expert sizes or expert overlaps."""
     found = []
