@@ -294,8 +294,8 @@ def quantization_padding_copies(job: JobSpec, layout: Layout, kernels: KernelMod
     ``expert_row_align``): under FP8/FP4 with the alltoall or all-gather dispatcher or DeepEP, whenever the rows
     follow the routing (dropless, token-drop without padding: the counts are the routing's, not multiples of 16),
     and under drop-and-pad where the capacity's rows are not a multiple (``get_capacity`` of this rank's tokens x
-    top-k over the experts, from every rank of the expert TP x EP group). The flex dispatcher's HybridEP backend pads each
-    expert's rows inside its dispatch kernel (``fused_a2a.hybrid_ep_dispatch``'s ``pad_multiple``, set under
+    top-k over the experts, from every rank of the expert TP x EP group). The flex dispatcher's HybridEP backend pads
+    each expert's rows inside its dispatch kernel (``fused_a2a.hybrid_ep_dispatch``'s ``pad_multiple``, set under
     FP8/FP4 in ``_HybridEPManager.dispatch``), which leaves nothing to copy (``flex``:
     :attr:`FlexKernels.pads_for_quantization`; ``None``: the job's backend's). Megatron-Core's
     ``moe_router_padding_for_quantization`` (off by default; not exported by this plugin) would pad the routing map
