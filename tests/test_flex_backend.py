@@ -71,15 +71,21 @@ def test_the_requirements_name_each_backends_package() -> None:
 
 
 def test_a_missing_backend_package_stops_before_any_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where ``deep_ep`` (or its HybridEP class) is missing, the check names the key, the value and the fix; a CPU
-    cluster is left to the layout rules, which refuse the flex dispatcher there."""
+    """On a GPU where ``deep_ep`` (or its HybridEP class) is missing, the check names the key, the value and the fix;
+    a CPU cluster is left to the layout rules, which refuse the flex dispatcher there."""
     import importlib.util
 
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deep_ep" else object())
     for backend in FlexBackend:
         [issue] = flex_backend_runs_here(_job(FLEX, f"{KEY}={backend.value}"))
         assert (issue.key, issue.value) == (KEY, backend.value) and "install" in issue.fix
     assert flex_backend_runs_here(_job()) == []  # the alltoall dispatcher needs no DeepEP
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert flex_backend_runs_here(_job(FLEX)) == []  # a machine without a GPU plans for another
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cpu = compose_job(["model=moe_tiny", "cluster=local", FLEX, "parallel.ep=2"])
     assert flex_backend_runs_here(cpu) == []
 
@@ -99,3 +105,39 @@ def test_the_search_tries_each_backend_of_the_set() -> None:
         plan_options(_job(), _cfp("cfp.constraints.moe_flex_dispatcher_backend=[hybridep]"), te_available=True)
     assert raised.value.issues[0].key == BACKEND_KEY and FLEX in raised.value.issues[0].fix
     assert dataclasses.replace(options[0], backend=None).name == "the job's own"
+
+
+def test_hybridep_pads_to_capacity_and_deepep_is_refused_by_name() -> None:
+    """Megatron-Core lets HybridEP drop and pad (``_HybridEPManager``) and refuses it with DeepEP; the search's sets
+    keep drop-and-pad with HybridEP and say why not with DeepEP."""
+    padded = [FLEX, "model.moe_expert_capacity_factor=1.0", "model.moe_pad_expert_input_to_capacity=true"]
+    assert _job(*padded, f"{KEY}=hybridep").model.moe_pad_expert_input_to_capacity
+    with pytest.raises(ConfigError) as raised:
+        _job(*padded)
+    issue = raised.value.issues[0]
+    assert issue.key == "model.moe_pad_expert_input_to_capacity" and f"{KEY}=hybridep" in issue.fix
+    sets = ["cfp.constraints.moe_flex_dispatcher_backend=[deepep,hybridep]",
+            "cfp.constraints.moe_token_policy=[dropless,drop_pad]", "cfp.constraints.moe_capacity_factor=1.0"]
+    options, left = plan_options(_job(FLEX), _cfp(FLEX, *sets), te_available=True)
+    assert [(o.policy.value, o.backend.value) for o in options] == [
+        ("dropless", "deepep"), ("dropless", "hybridep"), ("drop_pad", "hybridep")]
+    assert [r.what for r in left] == ["moe_token_policy=drop_pad(1) moe_flex_dispatcher_backend=deepep"]
+    assert "DeepEP" in left[0].reason
+
+
+@pytest.mark.parametrize(("dispatcher", "backend"), [("flex", "nccl"), ("alltoall", "hybridep")])
+def test_a_recipe_states_a_flex_backend_only_with_the_flex_dispatcher(tmp_path, dispatcher: str, backend: str) -> None:
+    """``recipes.yaml``'s ``flex_backend`` is one of the backends, under ``dispatcher: flex``; the shipped file's
+    entries that state one load with it."""
+    import yaml
+
+    from cfp_megatron.validation.data import RECIPES_FILE, ValidationDataError, load_recipes
+
+    assert {r.flex_backend for r in load_recipes() if r.dispatcher == "flex"} == {"deepep", "hybridep", None}
+    data = yaml.safe_load(RECIPES_FILE.read_text())
+    entry = next(e for e in data["recipes"] if e.get("flex_backend"))
+    data["recipes"] = [{**entry, "dispatcher": dispatcher, "flex_backend": backend}]
+    path = tmp_path / "recipes.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValidationDataError, match="flex_backend"):
+        load_recipes(path)

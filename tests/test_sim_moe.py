@@ -492,19 +492,21 @@ def test_deepep_on_nvl72_reaches_over_nvlink_only_inside_a_host() -> None:
     assert unstated.combine_s == pytest.approx(sent / (combine_gbps * 1e9) + comm.intra.latency_s)
 
 
-def test_hybridep_lands_the_rows_by_expert_and_deepep_permutes_them() -> None:
-    """DeepEP's dispatch lands a token once per destination rank and the receiver permutes the copies by local
-    expert and back (two gathers of PERMUTE_ROW_PASSES rows each per received copy); HybridEP's
-    ``dispatch_with_permute`` writes them in place, so its element-wise traffic is smaller by exactly that."""
+def test_hybridep_gathers_the_routing_map_before_each_forward_dispatch() -> None:
+    """HybridEP's metadata preprocessing all-gathers the routing map (one bool per token and expert) over the EP
+    group in every forward dispatch (``HybridEPBuffer.dispatch_with_permute`` without a handle, as Megatron-Core
+    calls it); DeepEP exchanges nothing before its dispatch. Both permute what arrives, by the same rows."""
     flex = {"moe_token_dispatcher": "flex"}
-    per_backend = {}
+    blocks = {}
     for backend in FlexBackend:
         j = job(model=flex, ep=8, moe_flex_dispatcher_backend=backend.value)
         layout, kernels, comm = models(j, 32)
-        per_backend[backend] = moe_block_cost(j, layout, kernels, comm).elements_per_token
-    received = 4096 * MOE["moe_router_topk"]  # routed copies on one rank at EP 8 (balanced), per 4,096 tokens
-    permuted = 2 * expert_dispatch.PERMUTE_ROW_PASSES * received * MOE["hidden_size"] / 4096
-    assert per_backend[FlexBackend.deepep] - per_backend[FlexBackend.hybridep] == pytest.approx(permuted)
+        blocks[backend] = moe_block_cost(j, layout, kernels, comm)
+    assert blocks[FlexBackend.deepep].metadata_s == 0.0
+    gathered = 4096 * MOE["num_experts"] * expert_dispatch.ROUTING_MAP_BYTES * 8
+    assert blocks[FlexBackend.hybridep].metadata_s == pytest.approx(
+        comm.seconds(Collective.all_gather, gathered, 8, layout.ep_per_node))
+    assert blocks[FlexBackend.deepep].elements_per_token == blocks[FlexBackend.hybridep].elements_per_token
 
 
 def test_alltoall_inside_an_nvl72_rack_stays_on_nvlink_at_nccls_ceiling() -> None:

@@ -607,8 +607,7 @@ class ModelSpec:
                    "leave at least one MoE layer, or set model.num_experts=null for a dense model.")
         issues += rule_issues(moe_rules.capacity(factor=self.moe_expert_capacity_factor,
                                                  pad=self.moe_pad_expert_input_to_capacity,
-                                                 is_moe=self.num_experts is not None,
-                                                 dispatcher=self.moe_token_dispatcher.value))
+                                                 is_moe=self.num_experts is not None))
         if self.num_experts is None:
             _issue(issues, self.moe_shared_expert_intermediate_size is None,
                    f"{p}.moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size,
@@ -1487,7 +1486,13 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         """Raises :class:`ConfigError` for FP8 parameters (``parallel.fp8_param_gather``) in a format that is not
-        FP8 (``auto`` may still choose FP8: the plan drops them where it does not)."""
+        FP8 (``auto`` may still choose FP8: the plan drops them where it does not), and for padding to capacity
+        under the flex dispatcher's DeepEP backend."""
+        padding = moe_rules.flex_padding(pad=self.model.moe_pad_expert_input_to_capacity,
+                                         dispatcher=self.model.moe_token_dispatcher.value,
+                                         backend=self.parallel.moe_flex_dispatcher_backend.value)
+        if padding:
+            raise ConfigError(rule_issues(padding))
         precision = self.train.precision
         ends = self.parallel.num_layers_at_start_in_bf16 or self.parallel.num_layers_at_end_in_bf16
         if ends and precision not in (Precision.fp8, Precision.fp4, Precision.auto):

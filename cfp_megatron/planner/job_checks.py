@@ -170,12 +170,16 @@ FLEX_CLASSES = {FlexBackend.deepep: "Buffer", FlexBackend.hybridep: "HybridEPBuf
 
 
 def flex_backend_runs_here(job: JobSpec) -> list[ConfigIssue]:
-    """The flex dispatcher's backend on this machine: a GPU cluster's MoE job with ``model.moe_token_dispatcher=flex``
-    needs ``deep_ep`` with the backend's class (:data:`FLEX_CLASSES`); refused with the key, the value and the fix
-    where it is missing, before Megatron-Core's dispatcher would raise inside the first MoE layer. A CPU cluster
-    refuses the flex dispatcher in the layout checks."""
+    """The flex dispatcher's backend on this machine: on a GPU, a GPU cluster's MoE job with
+    ``model.moe_token_dispatcher=flex`` needs ``deep_ep`` with the backend's class (:data:`FLEX_CLASSES`); refused
+    with the key, the value and the fix where it is missing, before Megatron-Core's dispatcher would raise inside
+    the first MoE layer. A CPU cluster refuses the flex dispatcher in the layout checks; a machine without a GPU
+    (planning for another) is not checked."""
+    import torch
+
     model, backend = job.model, job.parallel.moe_flex_dispatcher_backend
-    if not model.is_moe or model.moe_token_dispatcher is not TokenDispatcher.flex or job.cluster.on_cpu:
+    if (not model.is_moe or model.moe_token_dispatcher is not TokenDispatcher.flex or job.cluster.on_cpu
+            or not torch.cuda.is_available()):
         return []
     name = FLEX_CLASSES[backend]
     try:

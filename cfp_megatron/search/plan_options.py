@@ -48,28 +48,25 @@ class PlanOption:
         return " ".join(parts) or "the job's own"
 
     def apply(self, job: JobSpec) -> JobSpec:
-        """``job`` with this combination's settings (the token policy first: the graphs' scope follows it);
-        :class:`ConfigError` where the model refuses the policy."""
-        if self.backend is not None:
-            job = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel,
-                                                                        moe_flex_dispatcher_backend=self.backend))
+        """``job`` with this combination's settings (the graphs' scope follows the token policy), checked as one
+        job; :class:`ConfigError` where it refuses them (a policy the model does not run, DeepEP's drop-and-pad)."""
+        model, parallel = job.model, job.parallel
         if self.policy is not None:
             dropless = self.policy is MoeTokenPolicy.dropless
-            model = dataclasses.replace(job.model, moe_expert_capacity_factor=None if dropless else self.capacity,
+            model = dataclasses.replace(model, moe_expert_capacity_factor=None if dropless else self.capacity,
                                         moe_pad_expert_input_to_capacity=self.policy is MoeTokenPolicy.drop_pad)
-            job = dataclasses.replace(job, model=model)
+        if self.backend is not None:
+            parallel = dataclasses.replace(parallel, moe_flex_dispatcher_backend=self.backend)
         if self.graphs is not None:
-            parallel = job.parallel
             scope = None
             if self.graphs is not CudaGraphImpl.none:
-                m = job.model
                 scope = parallel.cuda_graph_scope or graphs.searched_scope(
-                    moe=m.is_moe, drop_pad=m.moe_pad_expert_input_to_capacity,
-                    dispatcher=m.moe_token_dispatcher.value)
-            job = dataclasses.replace(job, parallel=dataclasses.replace(parallel, cuda_graph_impl=self.graphs,
-                                                                        cuda_graph_scope=scope))
-        return job
-
+                    moe=model.is_moe, drop_pad=model.moe_pad_expert_input_to_capacity,
+                    dispatcher=model.moe_token_dispatcher.value)
+            parallel = dataclasses.replace(parallel, cuda_graph_impl=self.graphs, cuda_graph_scope=scope)
+        if model is job.model and parallel is job.parallel:
+            return job
+        return dataclasses.replace(job, model=model, parallel=parallel)
 
     def narrowed(self, cfp: CfpSpec, job: JobSpec) -> CfpSpec:
         """``cfp`` for the search of ``job`` under this combination (:meth:`apply`): per-layer CUDA graphs leave
@@ -135,12 +132,23 @@ def plan_options(job: JobSpec, cfp: CfpSpec, *, te_available: bool) -> tuple[lis
                                               f"{r.what}: {r.reason}" for r in left) + ".",
                                           fix="add none or local to the set, or install transformer-engine."))
         impls.sort(key=lambda i: i is CudaGraphImpl.none)  # graphed first: they prune the others
+    backends: list[FlexBackend | None] = [None]
+    if c.moe_flex_dispatcher_backend is not None:
+        backends = list(_backends(job, cfp))
     policies: list[PlanOption] = [PlanOption(graphs=None, policy=None)]
     if c.moe_token_policy is not None:
-        policies = _policies(job, cfp, left)
-    options = [dataclasses.replace(p, graphs=impl) for p in policies for impl in impls]
-    if c.moe_flex_dispatcher_backend is not None:
-        options = [dataclasses.replace(o, backend=b) for o in options for b in _backends(job, cfp)]
+        policies = _policies(job, cfp, left, backends)
+    pairs = []
+    for policy in policies:  # a policy one backend of the set runs and another does not (DeepEP's drop-and-pad)
+        for backend in backends:
+            option = dataclasses.replace(policy, backend=backend)
+            try:
+                option.apply(job)
+            except ConfigError as err:
+                left.append(Rejection(what=option.name, reason=err.issues[0].problem))
+                continue
+            pairs.append(option)
+    options = [dataclasses.replace(p, graphs=impl) for p in pairs for impl in impls]
     for option in options:  # a scope the model refuses (the job's own, or the user's beside a set): said once, now
         issues = rule_issues(graph_model_problems(option.apply(job)))
         if issues:
@@ -161,8 +169,10 @@ def _backends(job: JobSpec, cfp: CfpSpec) -> list[FlexBackend]:
     return allowed
 
 
-def _policies(job: JobSpec, cfp: CfpSpec, left: list[Rejection]) -> list[PlanOption]:
-    """The token policies of the set that the model runs (those it refuses added to ``left``)."""
+def _policies(job: JobSpec, cfp: CfpSpec, left: list[Rejection],
+              backends: list[FlexBackend | None]) -> list[PlanOption]:
+    """The token policies of the set that the model runs under one of the flex ``backends`` at least (``None``: the
+    job's own); those it refuses under each added to ``left``."""
     allowed = [p.value for p in cfp.constraints.moe_token_policy]
     if not job.model.is_moe:
         raise ConfigError(ConfigIssue(key=POLICY_KEY, value=allowed, problem=f"sets how MoE layers drop tokens, "
@@ -178,10 +188,14 @@ def _policies(job: JobSpec, cfp: CfpSpec, left: list[Rejection]) -> list[PlanOpt
                                               f"{POLICY_KEY}=[dropless]."))
         option = PlanOption(graphs=None, policy=policy, capacity=None if policy is MoeTokenPolicy.dropless
                             else factor)
-        try:
-            option.apply(job)
-        except ConfigError as err:
-            left.append(Rejection(what=f"moe_token_policy={policy.value}", reason=err.issues[0].problem))
+        refused = []
+        for backend in backends:
+            try:
+                dataclasses.replace(option, backend=backend).apply(job)
+            except ConfigError as err:
+                refused.append(err.issues[0].problem)
+        if len(refused) == len(backends):
+            left.append(Rejection(what=f"moe_token_policy={policy.value}", reason=refused[0]))
             continue
         kept.append(option)
     if not kept:

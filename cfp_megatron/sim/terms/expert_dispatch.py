@@ -91,9 +91,9 @@ class FlexKernels:
     host_nvlink: bool
     """Whether its NVLink part spans one host only (DeepEP's CUDA IPC buffers), the other ranks of an NVLink domain
     reached over RDMA; else the whole NVLink domain (multi-node NVLink)."""
-    fused_permute: bool
-    """Whether the dispatch kernel lands the rows by local expert (no permutation of what arrives, nor its
-    inverse before the combine)."""
+    gathers_routing_map: bool
+    """Whether each forward dispatch first all-gathers the routing map over the expert TP x EP group
+    (HybridEP's metadata preprocessing, ``HybridEPBuffer.dispatch_with_permute``: one bool per token and expert)."""
     pads_for_quantization: bool
     """Whether the dispatch kernel pads each expert's rows to the FP8/FP4 alignment (no ``Fp8Padding`` copies)."""
 
@@ -105,10 +105,10 @@ def flex_kernels(backend: FlexBackend | None) -> FlexKernels:
     whole NVLink domain, padded in the kernel."""
     rates = dispatch_rates()
     if backend is FlexBackend.hybridep:
-        return FlexKernels(nvlink_gbps=rates.hybridep_nvlink_gbps, host_nvlink=False, fused_permute=True,
+        return FlexKernels(nvlink_gbps=rates.hybridep_nvlink_gbps, host_nvlink=False, gathers_routing_map=True,
                            pads_for_quantization=True)
     return FlexKernels(nvlink_gbps=rates.deepep_nvlink_gbps, host_nvlink=backend is FlexBackend.deepep,
-                       fused_permute=False, pads_for_quantization=backend is None)
+                       gathers_routing_map=False, pads_for_quantization=backend is None)
 
 
 def all_to_all_costs(costs: CollectiveCosts, job: JobSpec) -> CollectiveCosts:
@@ -150,9 +150,9 @@ class MoeCost:
     """Of ``dispatch_s``, the combine's part (the outputs' way back; in the backward pass, the gradient's way out):
     what ``moe_a2a_overlap`` hides behind attention, the dispatch's part behind the experts."""
     metadata_s: float = 0.0
-    """The forward pass's exchange of per-expert token counts before the dispatch (the alltoall dispatcher, with
-    EP or expert TP): an all-gather of one count per expert over the expert TP x EP group, which the dispatch waits
-    for (no overlap)."""
+    """The forward pass's exchange before the dispatch, which the dispatch waits for (no overlap): the alltoall
+    dispatcher's all-gather of one token count per expert over the expert TP x EP group (with EP or expert TP), or
+    HybridEP's all-gather of the routing map over it."""
     params: float
     """Parameters on one rank: local experts, shared expert, router."""
     expert_params: float
@@ -181,6 +181,8 @@ PERMUTE_ROW_PASSES = 2.0
 writes the copy's; the unpermutation reads the copy's row and accumulates it into the token's)."""
 COUNT_BYTES = 8.0
 """Bytes of one token count (int64) in the dispatcher's count exchange."""
+ROUTING_MAP_BYTES = 1.0
+"""Bytes of one routing-map entry (``torch.bool``) in HybridEP's all-gather of the routing map."""
 
 
 def expected_remote_nodes(topk: int, nodes: int) -> float:
@@ -243,7 +245,7 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     return MoeCost(gemm_s=gemm_s, gemm_bwd_s=gemm_bwd_s, shared_gemm_s=shared_s, elements_per_token=elements,
                    activation_elements_per_token=activation, shared_elements_per_token=shared_elements,
                    dispatch_s=dispatch_s, combine_s=combine_s,
-                   metadata_s=_metadata_s(job, layout, costs),
+                   metadata_s=_metadata_s(job, layout, costs, flex=flex, local_tokens=local_tokens),
                    params=params, expert_params=expert_params)
 
 
@@ -255,8 +257,8 @@ def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, rou
     auxiliary loss' read), the first permutation of the copies this rank sends and the unpermutation of those it
     gets back, and, where an expert rank holds several experts, the sort of the ``routed`` rows it receives by
     expert and the unsort before the combine (``sort_chunks_by_idxs``); each a gather/scatter of
-    :data:`PERMUTE_ROW_PASSES` rows per copy. The flex dispatcher's DeepEP permutes only what arrives, HybridEP
-    nothing (``flex``: :attr:`FlexKernels.fused_permute`). Under FP8 and
+    :data:`PERMUTE_ROW_PASSES` rows per copy. The flex dispatcher (DeepEP and HybridEP alike: ``_DeepepManager``'s
+    ``permute``, HybridEP's local permute after its dispatch) permutes only what arrives. Under FP8 and
     FP4, the quantisation of each grouped linear's input (the format's ``cast_bytes``,
     ``cfp_megatron/sim/number_formats.yaml``). ``torch_combine``: torchtitan's combine
     (:data:`TORCH_COMBINE_BYTES`) instead of the unpermutation."""
@@ -266,10 +268,9 @@ def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, rou
     elements = local_tokens * num_experts * router_bytes / kernels.elem
     received = routed / dims.etp  # the rows this rank's experts take, as they arrive
     if model.moe_token_dispatcher is TokenDispatcher.flex:
-        # DeepEP reads the tokens where they are and lands them by source rank: one permutation by local expert
-        # of what arrives, and its inverse (_DeepepManager); HybridEP lands them by expert (dispatch_with_permute).
-        if not flex.fused_permute:
-            elements += 2 * PERMUTE_ROW_PASSES * received * hidden
+        # DeepEP and HybridEP read the tokens where they are and land them by source rank: one permutation by
+        # local expert of what arrives, and its inverse.
+        elements += 2 * PERMUTE_ROW_PASSES * received * hidden
     else:
         sent = model.moe_router_topk * local_tokens * model.expert_load(1.0)  # copies this rank sends and gets back
         elements += 2 * PERMUTE_ROW_PASSES * sent * hidden  # permutation 1 and the unpermutation
@@ -361,18 +362,24 @@ def _dispatch_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Colle
     return dispatch + combine, combine
 
 
-def _metadata_s(job: JobSpec, layout: Layout, costs: CollectiveCosts) -> float:
-    """Seconds of the alltoall dispatcher's count exchange in one forward pass (:attr:`MoeCost.metadata_s`):
+def _metadata_s(job: JobSpec, layout: Layout, costs: CollectiveCosts, *, flex: FlexKernels,
+                local_tokens: float) -> float:
+    """Seconds of the dispatcher's exchange before the dispatch in one forward pass (:attr:`MoeCost.metadata_s`):
     Megatron-Core's ``MoEAlltoAllTokenDispatcher.preprocess`` all-gathers each rank's token count per expert
-    (int64) over the expert TP x EP group to size its all-to-alls; padded to capacity, every split is the capacity
-    and nothing is exchanged."""
+    (int64) over the expert TP x EP group to size its all-to-alls (padded to capacity, every split is the capacity
+    and nothing is exchanged); HybridEP all-gathers the routing map of the ``local_tokens`` entering the block
+    (:data:`ROUTING_MAP_BYTES` per token and expert of the expert TP x EP group) for its metadata preprocessing."""
     dims = layout.dims
     group = dims.ep * dims.etp
+    span = min(group, layout.ep_per_node * dims.etp)
+    if job.model.moe_token_dispatcher is TokenDispatcher.flex and flex.gathers_routing_map and group > 1:
+        routing_map = local_tokens * (job.model.num_experts or 0) * dims.etp * ROUTING_MAP_BYTES * group
+        return costs.seconds(Collective.all_gather, routing_map, group, span)
     if (job.model.moe_token_dispatcher is not TokenDispatcher.alltoall or group <= 1
             or job.model.moe_pad_expert_input_to_capacity):
         return 0.0
     counts = (job.model.num_experts or 0) * COUNT_BYTES * group  # the all-gather's output
-    return costs.seconds(Collective.all_gather, counts, group, min(group, layout.ep_per_node * dims.etp))
+    return costs.seconds(Collective.all_gather, counts, group, span)
 
 
 def flex_nvlink_rates(costs: CollectiveCosts, ranks: int, flex: FlexKernels) -> tuple[float, float]:
