@@ -22,7 +22,8 @@ What a blank or silent column means depends on what the row ran, and is data wit
   model no family names) and ``kv_heads``, and what no column holds (Nemotron's dropout-free rotary layers, Qwen3's
   128-channel heads, MPT's ALiBi).
 * ``cfp_megatron/validation/recipes.yaml``: Megatron-Bridge's performance presets by container release; a row
-  whose release, model, GPU, layout and precision are a preset's runs its dispatcher (``flex`` in the layout column),
+  whose release, model, GPU, layout and precision are a preset's runs its dispatcher (``flex`` in the layout column,
+  ``flex=deepep`` / ``flex=hybridep`` where the preset's source names the backend),
   expert all-to-all overlap (``a2ao``), TP and gradient-reduce overlap and recomputation; Megatron-Bridge's dense
   Llama 3 70B presets on GB200, GB300 and B200: their activation offloading (``offload=<n>L``), unless the row
   states its recomputation.
@@ -287,7 +288,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         topk = count_cell(row, "moe_topk", 2)
         model.update(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=count_cell(row, "moe_expert_ffn"))
         # dropless or token-drop (validation/moe_routing.yaml)
-        model.update(moe_routing(row).model_fields(flex=bool(recipe and recipe.dispatcher == "flex")))
+        model.update(moe_routing(row).model_fields(flex=bool(recipe and recipe.dispatcher == "flex"
+                                                             and recipe.flex_backend != "hybridep")))
     architecture, fields = preset_architecture({**row, "vocab": str(model["vocab_size"])}) if experts else ("", {})
     model.update(fields)
     modules, offloaded = None, 0
