@@ -22,7 +22,8 @@ What a blank or silent column means depends on what the row ran, and is data wit
   model no family names) and ``kv_heads``, and what no column holds (Nemotron's dropout-free rotary layers, Qwen3's
   128-channel heads, MPT's ALiBi).
 * ``cfp_megatron/validation/recipes.yaml``: Megatron-Bridge's performance presets by container release; a row
-  whose release, model, GPU, layout and precision are a preset's runs its dispatcher (``flex`` in the layout column),
+  whose release, model, GPU, layout and precision are a preset's runs its dispatcher (``flex`` in the layout column,
+  ``flex=deepep`` / ``flex=hybridep`` where the preset's source names the backend),
   expert all-to-all overlap (``a2ao``), TP and gradient-reduce overlap and recomputation; Megatron-Bridge's dense
   Llama 3 70B presets on GB200, GB300 and B200: their activation offloading (``offload=<n>L``), unless the row
   states its recomputation.
@@ -287,7 +288,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         topk = count_cell(row, "moe_topk", 2)
         model.update(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=count_cell(row, "moe_expert_ffn"))
         # dropless or token-drop (validation/moe_routing.yaml)
-        model.update(moe_routing(row).model_fields(flex=bool(recipe and recipe.dispatcher == "flex")))
+        model.update(moe_routing(row).model_fields(flex=bool(recipe and recipe.dispatcher == "flex"
+                                                             and recipe.flex_backend != "hybridep")))
     architecture, fields = preset_architecture({**row, "vocab": str(model["vocab_size"])}) if experts else ("", {})
     model.update(fields)
     modules, offloaded = None, 0
@@ -319,6 +321,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                      "overlap_param_gather": framework.overlap_param_gather and dist_opt and not fsdp,
                      "tp_comm_overlap": (recipe.tp_comm_overlap if recipe else framework.tp_comm_overlap) and sp,
                      "moe_a2a_overlap": bool(recipe and recipe.a2a_overlap),
+                     "moe_flex_dispatcher_backend": (recipe and recipe.flex_backend) or "deepep",
                      "cuda_graph_impl": recipe.cuda_graph_impl if recipe else "none",
                      "cuda_graph_scope": recipe.cuda_graph_scope if recipe else None,
                      "recompute_num_layers": block_layers or 1,
@@ -341,7 +344,9 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     layout += " sp" if sp else ""
     layout += f" as {architecture}" if architecture else ""
     if recipe:
-        layout += (" flex" if recipe.dispatcher == "flex" else "") + (" a2ao" if recipe.a2a_overlap else "")
+        layout += (" flex" + (f"={recipe.flex_backend}" if recipe.flex_backend else "")
+                   if recipe.dispatcher == "flex" else "")
+        layout += " a2ao" if recipe.a2a_overlap else ""
         layout += (f" cg={recipe.cuda_graph_impl}[{recipe.cuda_graph_scope or 'layer'}]"
                    if recipe.cuda_graph_impl != "none" else "")
     layout += f" {moe_routing(row).tag}" if experts and moe_routing(row).tag else ""
@@ -361,6 +366,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                          async_tp_backward=framework.async_tp_backward, torch_fsdp=framework.torch_fsdp and fsdp,
                          torch_fused_adamw=framework.torch_fused_adamw, moe_layer_syncs=framework.moe_layer_syncs,
                          torch_op_sac=framework.torch_op_sac, torch_moe_combine=framework.torch_moe_combine,
+                         flex_backend_unstated=bool(experts and recipe and recipe.dispatcher == "flex"
+                                                    and recipe.flex_backend is None),
                          eager_torch_loss=framework.eager_loss and not any(
                              re.search(pattern, row.get("model") or "", re.IGNORECASE)
                              for pattern in framework.compiled_loss),

@@ -52,6 +52,7 @@ SETTINGS = enum_settings(_root_schema())
 def test_the_walk_finds_the_enumerated_settings() -> None:
     keys = {key for key, _, _ in SETTINGS}
     assert {"train.precision", "train.fp8_recipe", "train.fp4_recipe", "cfp.constraints.precision",
+            "parallel.moe_flex_dispatcher_backend", "cfp.constraints.moe_flex_dispatcher_backend",
             "cfp.constraints.cuda_graph_impl", "cfp.constraints.moe_token_policy",
             "cfp.recompute", "parallel.recompute", "model.activation", "backend.name"} <= keys
     assert len(keys) >= 20

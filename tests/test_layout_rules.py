@@ -105,6 +105,13 @@ TABLE = [
                                  on_cpu=True),
      ["parallel.moe_shared_expert_overlap", "parallel.moe_a2a_overlap", "model.moe_token_dispatcher"]),
     (lambda: moe.dense_model(model="m", a2a_overlap=False, shared_overlap=False, ep=2, etp=1), ["parallel.ep"]),
+    (lambda: moe.flex_backend(backend="hybridep", dispatcher="alltoall"), ["parallel.moe_flex_dispatcher_backend"]),
+    (lambda: moe.flex_backend(backend="hybridep", dispatcher="flex"), []),
+    (lambda: moe.flex_backend(backend="deepep", dispatcher="alltoall"), []),  # Megatron-Core's default: no choice
+    (lambda: moe.flex_padding(pad=True, dispatcher="flex", backend="deepep"),
+     ["model.moe_pad_expert_input_to_capacity"]),
+    (lambda: moe.flex_padding(pad=True, dispatcher="flex", backend="hybridep"), []),
+    (lambda: moe.flex_padding(pad=True, dispatcher="alltoall", backend="deepep"), []),
     # recomputation
     (lambda: recompute.settings(recompute="full", modules="moe_act", method="block"), ["parallel.recompute_modules"]),
     (lambda: recompute.settings(recompute="none", modules=None, method="block"), ["parallel.recompute_method"]),

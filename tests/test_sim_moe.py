@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from cfp_megatron.base.config import JobSpec, Precision, job_from_config
+from cfp_megatron.base.config import FlexBackend, JobSpec, Precision, job_from_config
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
@@ -24,6 +24,7 @@ from cfp_megatron.sim.terms.expert_dispatch import (
     all_to_all_costs,
     dispatch_rates,
     expected_remote_nodes,
+    flex_kernels,
     flex_nvlink_rates,
     moe_block_cost,
     quantization_padding_copies,
@@ -366,9 +367,11 @@ def test_routing_traffic_is_counted_from_the_kernels_megatron_core_runs() -> Non
 def test_fp8_experts_copy_their_rows_to_the_padded_buffer_unless_already_aligned() -> None:
     """Megatron-Core's TEGroupedMLP pads each expert's rows to a multiple of 16 (32 for MXFP8/NVFP4) under FP8/FP4
     by a copy, unless every expert's rows already are one: dropless and unpadded token-drop copy, drop-and-pad copies
-    only where its capacity is not a multiple, HybridEP (flex) pads in its dispatch, 16-bit formats never pad."""
-    def copies(precision: Precision | str = Precision.fp8, tokens: int = 4096, **model) -> bool:
-        j = job(ep=8, model=model)
+    only where its capacity is not a multiple, the flex dispatcher's DeepEP lands the routing's counts (copied),
+    HybridEP pads in its dispatch (none), 16-bit formats never pad."""
+    def copies(precision: Precision | str = Precision.fp8, tokens: int = 4096, backend: str = "deepep",
+               **model) -> bool:
+        j = job(ep=8, model=model, moe_flex_dispatcher_backend=backend)
         layout, _, _ = models(j, 32)
         kernels = KernelModel(j.cluster, efficiency_for(j.cluster), precision)
         return quantization_padding_copies(j, layout, kernels, local_tokens=tokens)
@@ -376,7 +379,8 @@ def test_fp8_experts_copy_their_rows_to_the_padded_buffer_unless_already_aligned
     assert copies()  # dropless alltoall
     assert copies(moe_expert_capacity_factor=1.0)  # token-drop, unpadded: the routing's counts
     assert not copies(Precision.bf16)
-    assert not copies(moe_token_dispatcher="flex")
+    assert copies(moe_token_dispatcher="flex")  # DeepEP
+    assert not copies(moe_token_dispatcher="flex", backend="hybridep")
     padded = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
     # 4,096 tokens x top-8 over 64 experts: 512 rows from each of 8 ranks, a multiple of 16; 4,100 tokens: 513 x 8.
     assert not copies(**padded)
@@ -432,16 +436,16 @@ def test_on_a_cpu_cluster_each_expert_is_a_plain_gemm() -> None:
     assert kernels.grouped_gemm(4, 16, 96, 64) == pytest.approx(4 * kernels.gemm(16, 96, 64))
 
 
-def test_flex_dispatch_inside_an_nvl72_domain_runs_at_hybridep_measured_rates() -> None:
-    """On GB200 NVL72 an EP group of 64 ranks on 256 GPUs (64 per rack) stays on NVLink, and the flex dispatcher's
-    dispatch and combine each move the rows a rank receives (one per token and destination rank, as DeepEP and
-    HybridEP send them and their benchmarks count them) at HybridEP's measured rate for that many ranks (an
-    SM-bound kernel's rate, below DeepEP's share of NVLink 5's 900 GB/s); on H100 the share of its 450 GB/s is lower
-    and stands."""
+def test_hybridep_inside_an_nvl72_domain_runs_at_its_measured_rates() -> None:
+    """On GB200 NVL72 an EP group of 64 ranks on 256 GPUs (64 per rack) stays on NVLink under HybridEP (multi-node
+    NVLink), and its dispatch and combine each move the rows a rank receives (one per token and destination rank, as
+    DeepEP and HybridEP send them and their benchmarks count them) at HybridEP's measured rate for that many ranks
+    (an SM-bound kernel's rate, below DeepEP's share of NVLink 5's 900 GB/s); on H100 the share of its 450 GB/s is
+    lower and stands."""
     gb200 = {**load_preset("gb200_nvl72"), "nodes": 64}
     flex = {"moe_token_dispatcher": "flex"}
-    for ep, world, ranks in ((64, 256, 24), (8, 8, 8)):
-        j = job(nodes=world // 4, model=flex, cluster=gb200, ep=ep, gbs=world)
+    for ep, world, ranks in ((64, 256, 36), (8, 8, 8)):
+        j = job(nodes=world // 4, model=flex, cluster=gb200, ep=ep, gbs=world, moe_flex_dispatcher_backend="hybridep")
         layout, kernels, comm = models(j, world)
         assert layout.ep_per_node == ep  # the whole EP group inside one NVLink domain: no RDMA part
         block = moe_block_cost(j, layout, kernels, comm)
@@ -458,7 +462,51 @@ def test_flex_dispatch_inside_an_nvl72_domain_runs_at_hybridep_measured_rates() 
     h100 = job(model=flex, ep=8)
     layout, kernels, comm = models(h100, 32)
     share = dispatch_rates().deepep_intra_share
-    assert flex_nvlink_rates(comm, layout.ep_per_node) == (share * comm.intra.bandwidth_bytes_per_s,) * 2
+    for backend in FlexBackend:
+        assert flex_nvlink_rates(comm, layout.ep_per_node, flex_kernels(backend)) == (
+            share * comm.intra.bandwidth_bytes_per_s,) * 2
+
+
+def test_deepep_on_nvl72_reaches_over_nvlink_only_inside_a_host() -> None:
+    """DeepEP's NVLink buffers (CUDA IPC) span one host: on GB200 NVL72 (4 GPUs a host) an EP group of 64 ranks in
+    one rack sends to the other 15 hosts over RDMA, one copy per destination host, and is slower than HybridEP, whose
+    kernels span the rack; a backend the source does not state (the validator's) keeps DeepEP's rates over the whole
+    domain, whose 24-rank row is its slowest combine."""
+    gb200 = {**load_preset("gb200_nvl72"), "nodes": 64}
+    flex = {"moe_token_dispatcher": "flex"}
+    blocks = {}
+    for backend in FlexBackend:
+        j = job(nodes=64, model=flex, cluster=gb200, ep=64, gbs=256, moe_flex_dispatcher_backend=backend.value)
+        layout, kernels, comm = models(j, 256)
+        assert (layout.ep_per_node, layout.ep_per_host) == (64, 4)
+        blocks[backend] = moe_block_cost(j, layout, kernels, comm)
+    deepep, hybridep = blocks[FlexBackend.deepep], blocks[FlexBackend.hybridep]
+    tokens = 4096 * MOE["hidden_size"] * 2.0
+    rdma = tokens * expected_remote_nodes(MOE["moe_router_topk"], 16) / (
+        comm.inter.bandwidth_bytes_per_s * dispatch_rates().deepep_inter_share) + comm.inter.latency_s
+    assert deepep.combine_s >= rdma - 1e-12 and deepep.combine_s == pytest.approx(rdma)
+    assert deepep.dispatch_s > hybridep.dispatch_s
+    unstated = moe_block_cost(j, layout, kernels, comm, flex_unstated=True)
+    _, _, combine_gbps = dispatch_rates().deepep_nvlink_gbps[-1]
+    sent = 4096 * 64 * rank_hit_share(64, 1, 8) * MOE["hidden_size"] * 2.0
+    assert unstated.combine_s == pytest.approx(sent / (combine_gbps * 1e9) + comm.intra.latency_s)
+
+
+def test_hybridep_gathers_the_routing_map_before_each_forward_dispatch() -> None:
+    """HybridEP's metadata preprocessing all-gathers the routing map (one bool per token and expert) over the EP
+    group in every forward dispatch (``HybridEPBuffer.dispatch_with_permute`` without a handle, as Megatron-Core
+    calls it); DeepEP exchanges nothing before its dispatch. Both permute what arrives, by the same rows."""
+    flex = {"moe_token_dispatcher": "flex"}
+    blocks = {}
+    for backend in FlexBackend:
+        j = job(model=flex, ep=8, moe_flex_dispatcher_backend=backend.value)
+        layout, kernels, comm = models(j, 32)
+        blocks[backend] = moe_block_cost(j, layout, kernels, comm)
+    assert blocks[FlexBackend.deepep].metadata_s == 0.0
+    gathered = 4096 * MOE["num_experts"] * expert_dispatch.ROUTING_MAP_BYTES * 8
+    assert blocks[FlexBackend.hybridep].metadata_s == pytest.approx(
+        comm.seconds(Collective.all_gather, gathered, 8, layout.ep_per_node))
+    assert blocks[FlexBackend.deepep].elements_per_token == blocks[FlexBackend.hybridep].elements_per_token
 
 
 def test_alltoall_inside_an_nvl72_rack_stays_on_nvlink_at_nccls_ceiling() -> None:
@@ -487,15 +535,18 @@ def test_the_dispatch_rates_come_from_their_data_file() -> None:
     assert rates.deepep_inter_share == data["deepep_inter_share"]
     assert rates.nccl_nvlink_share == data["nccl_nvlink"]["bus_gbps"] / data["nccl_nvlink"]["line_gbps"]
     assert [row[0] for row in rates.hybridep_nvlink_gbps] == [row["ranks"] for row in data["hybridep_nvlink"]]
+    assert rates.deepep_nvlink_gbps == tuple((row["ranks"], row["dispatch_gbps"], row["combine_gbps"])
+                                             for row in data["deepep_nvlink"])
     assert 0 < rates.nccl_nvlink_share < 1 and 0 < rates.deepep_intra_share < 1
-    assert all(combine <= dispatch for _, dispatch, combine in rates.hybridep_nvlink_gbps)
+    assert all(combine <= dispatch for _, dispatch, combine in rates.deepep_nvlink_gbps)
 
 
 @pytest.mark.parametrize(("text", "named"), [
     ("deepep_intra_share: 0.77\n", "deepep_inter_share"),
     ("deepep_intra_share: 0.77\ndeepep_inter_share: 0.9\nnccl_nvlink: {bus_gbps: 370, line_gbps: 450}\n"
+     "deepep_nvlink: [{ranks: 8, dispatch_gbps: 1, combine_gbps: 1}]\n"
      "hybridep_nvlink: [{ranks: 16, dispatch_gbps: 1, combine_gbps: 1}, {ranks: 8, dispatch_gbps: 1, combine_gbps: 1}]"
-     "\n", "ascending"),
+     "\n", "hybridep_nvlink has rows at ranks \\[16, 8\\]"),
 ])
 def test_a_malformed_dispatch_rates_file_is_refused_by_name(tmp_path, monkeypatch: pytest.MonkeyPatch, text: str,
                                                             named: str) -> None:

@@ -162,8 +162,10 @@ def test_megatron_bridge_moe_rows_run_the_preset_of_their_container_and_layout()
     small = {**row, "model": "Qwen3_30B_a3B", "num_gpus": "16", "tp": "1", "pp": "1", "vp": "", "ep": "16",
              "dp": "", "global_batch_seqs": "1024", "layers": "48", "hidden": "2048", "heads": "32",
              "moe_expert_ffn": "768"}
-    flex = row_plan(small).job
-    assert flex.model.moe_token_dispatcher.value == "flex" and not flex.parallel.moe_a2a_overlap
+    flex = row_plan(small)
+    assert flex.job.model.moe_token_dispatcher.value == "flex" and not flex.job.parallel.moe_a2a_overlap
+    assert flex.job.parallel.moe_flex_dispatcher_backend.value == "hybridep" and " flex=hybridep" in flex.layout
+    assert not flex.options.flex_backend_unstated
 
 
 def test_megatron_bridge_rows_run_their_releases_cuda_graphs_and_overlaps() -> None:
@@ -180,6 +182,7 @@ def test_megatron_bridge_rows_run_their_releases_cuda_graphs_and_overlaps() -> N
              "precision": "FP8", "notes": ""}
     fp8 = row_plan(small).job
     assert fp8.model.moe_token_dispatcher.value == "flex" and fp8.parallel.moe_a2a_overlap
+    assert fp8.parallel.moe_flex_dispatcher_backend.value == "deepep"  # v0.3.0's moe_flex_dispatcher_backend
     assert fp8.parallel.cuda_graph_impl.value == "none"
     for bf16 in (small, {**small, "pp": "1", "vp": "", "ep": "16", "framework": "Megatron-Bridge / NeMo 26.04",
                          "source_detail": "26.04.01 NeMo container"}):
@@ -199,10 +202,12 @@ def test_rows_of_a_preset_shape_run_its_architecture_and_the_preset_of_their_con
     assert model.attention.value == "mla" and (model.q_lora_rank, model.kv_lora_rank) == (1536, 512)
     assert model.moe_shared_expert_intermediate_size == 2048 and model.moe_first_dense_layers == 3
     assert model.moe_token_dispatcher.value == "flex" and parallel.moe_a2a_overlap
+    assert parallel.moe_flex_dispatcher_backend.value == "deepep" and " flex=deepep" in plan.layout
     assert not parallel.overlap_grad_reduce and " as deepseek_v3 " in plan.layout
     assert parallel.recompute.value == "selective" and parallel.recompute_modules == "mla_up_proj+mlp"
     later = row_plan({**row, "source_detail": "26.02 NeMo container", "framework": "Megatron-Bridge / NeMo 26.02"}).job
     assert later.model.moe_token_dispatcher.value == "flex" and not later.parallel.moe_a2a_overlap
+    assert later.parallel.moe_flex_dispatcher_backend.value == "hybridep"
     other = row_plan({**row, "global_batch_seqs": "4096"}).job
     assert other.model.moe_token_dispatcher.value == "alltoall" and other.parallel.overlap_grad_reduce
     assert other.model.attention.value == "mla"  # the architecture is the model's, whatever the preset

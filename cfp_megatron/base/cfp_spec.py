@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from cfp_megatron.base.config import (
     CudaGraphImpl,
+    FlexBackend,
     Fp8Recipe,
     FsdpStrategy,
     MlpPartition,
@@ -93,6 +94,10 @@ class SearchConstraints:
     """MoE token policies the search may choose from (``[dropless,drop_pad]``): they change what the model learns,
     so only those listed are tried. ``None``: the model's own (``model.moe_expert_capacity_factor``,
     ``model.moe_pad_expert_input_to_capacity``)."""
+    moe_flex_dispatcher_backend: list[FlexBackend] | None = None
+    """Flex dispatcher backends the search may choose from (``[deepep,hybridep]``; ``model.moe_token_dispatcher=flex``
+    only), each searched whole: HybridEP pays where an EP group spans hosts of one NVLink domain (GB200 NVL72).
+    ``None``: the job's ``parallel.moe_flex_dispatcher_backend``."""
     moe_capacity_factor: float | None = None
     """The capacity factor of ``drop`` and ``drop_pad`` in :attr:`moe_token_policy`; ``None``: the model's
     ``model.moe_expert_capacity_factor``."""
@@ -117,7 +122,7 @@ class SearchConstraints:
                 issues.append(ConfigIssue(key=f"{p}.{name}", value=values, problem="must list positive sizes.",
                                           fix=f"e.g. {p}.{name}=[1,2], or null for any."))
         for name in ("sp", "recompute", "distributed_optimizer", "precision", "fp8_recipe", "fsdp", "cuda_graph_impl",
-                     "moe_token_policy"):
+                     "moe_token_policy", "moe_flex_dispatcher_backend"):
             values = getattr(self, name)
             if values is not None and not values:
                 issues.append(ConfigIssue(key=f"{p}.{name}", value=values, problem="allows nothing.",

@@ -291,8 +291,20 @@ class TokenDispatcher(enum.Enum):
     allgather = "allgather"
     """All-gather of the EP group's tokens, each rank keeping its experts' (reduce-scatter on the way back)."""
     flex = "flex"
-    """DeepEP's fused dispatch/combine kernels (GPU only, needs DeepEP): one copy of a token per destination node
-    over the network, forwarded over NVLink inside it."""
+    """Fused dispatch/combine kernels (GPU only) of ``parallel.moe_flex_dispatcher_backend``: DeepEP or HybridEP,
+    one copy of a token per destination rank inside the NVLink group, per destination node across it."""
+
+
+class FlexBackend(enum.Enum):
+    """The flex dispatcher's kernels (Megatron-Core's ``moe_flex_dispatcher_backend``)."""
+
+    deepep = "deepep"
+    """DeepEP's normal kernels (``deep_ep.Buffer``): NVLink among the GPUs of one host (CUDA IPC), RDMA between
+    hosts; the receiver permutes what arrives by expert. Megatron-Core's default."""
+    hybridep = "hybridep"
+    """HybridEP (``deep_ep.HybridEPBuffer``, DeepEP's ``hybrid-ep`` branch): NVLink over the whole NVLink domain
+    (multi-node NVLink, e.g. GB200 NVL72), RDMA between domains; the permutation by expert, and the padding FP8/FP4
+    need, fused into the dispatch kernel."""
 
 
 class OptimizerKind(enum.Enum):
@@ -595,8 +607,7 @@ class ModelSpec:
                    "leave at least one MoE layer, or set model.num_experts=null for a dense model.")
         issues += rule_issues(moe_rules.capacity(factor=self.moe_expert_capacity_factor,
                                                  pad=self.moe_pad_expert_input_to_capacity,
-                                                 is_moe=self.num_experts is not None,
-                                                 dispatcher=self.moe_token_dispatcher.value))
+                                                 is_moe=self.num_experts is not None))
         if self.num_experts is None:
             _issue(issues, self.moe_shared_expert_intermediate_size is None,
                    f"{p}.moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size,
@@ -1064,6 +1075,12 @@ class ParallelSpec:
     """Overlap the expert all-to-all of one micro-batch with the computation of another (Megatron-Core's
     ``overlap_moe_expert_parallel_comm``, the combined 1F1B schedule: one more micro-batch in flight). Needs EP > 1,
     the alltoall or flex dispatcher, an interleaved schedule when parallel.pp > 1, no full recomputation, and a GPU."""
+    moe_flex_dispatcher_backend: FlexBackend = layout_field(FlexBackend.deepep, key="flexb",
+                                                            megatron="--moe-flex-dispatcher-backend", optional=True)
+    """With ``model.moe_token_dispatcher=flex``: the kernels that exchange the tokens (Megatron-Core's
+    ``moe_flex_dispatcher_backend``): ``deepep`` (DeepEP; NVLink inside a host) or ``hybridep`` (HybridEP; NVLink over
+    the whole NVLink domain, which pays on multi-node NVLink such as GB200 NVL72). Needs DeepEP, built from its
+    ``hybrid-ep`` branch for ``hybridep``, and a GPU."""
     moe_shared_expert_overlap: bool = layout_field(False, key="seo", megatron="--moe-shared-expert-overlap",
                                                    optional=True)
     """Run the shared expert beside the token dispatch and combine (Megatron-Core's ``moe_shared_expert_overlap``;
@@ -1469,7 +1486,13 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         """Raises :class:`ConfigError` for FP8 parameters (``parallel.fp8_param_gather``) in a format that is not
-        FP8 (``auto`` may still choose FP8: the plan drops them where it does not)."""
+        FP8 (``auto`` may still choose FP8: the plan drops them where it does not), and for padding to capacity
+        under the flex dispatcher's DeepEP backend."""
+        padding = moe_rules.flex_padding(pad=self.model.moe_pad_expert_input_to_capacity,
+                                         dispatcher=self.model.moe_token_dispatcher.value,
+                                         backend=self.parallel.moe_flex_dispatcher_backend.value)
+        if padding:
+            raise ConfigError(rule_issues(padding))
         precision = self.train.precision
         ends = self.parallel.num_layers_at_start_in_bf16 or self.parallel.num_layers_at_end_in_bf16
         if ends and precision not in (Precision.fp8, Precision.fp4, Precision.auto):

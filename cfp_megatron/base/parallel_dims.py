@@ -74,10 +74,13 @@ def moe_problems(job: JobSpec, world_size: int) -> list[Problem]:
     """The expert sizes and overlaps of ``job`` on ``world_size`` ranks against its model
     (:mod:`cfp_megatron.base.layout_rules.moe`)."""
     m, p, c = job.model, job.parallel, job.cluster
+    backend = moe.flex_backend(backend=p.moe_flex_dispatcher_backend.value,
+                               dispatcher=m.moe_token_dispatcher.value)
     if not m.is_moe:
-        return moe.dense_model(model=m.name, a2a_overlap=p.moe_a2a_overlap, shared_overlap=p.moe_shared_expert_overlap,
-                               ep=p.ep, etp=p.etp)
-    return [*moe.experts(m.num_experts, p.ep), *moe.expert_ffn(m.moe_ffn_hidden_size or m.ffn_size, p.expert_tp),
+        return [*moe.dense_model(model=m.name, a2a_overlap=p.moe_a2a_overlap,
+                                 shared_overlap=p.moe_shared_expert_overlap, ep=p.ep, etp=p.etp), *backend]
+    return [*backend, *moe.experts(m.num_experts, p.ep),
+            *moe.expert_ffn(m.moe_ffn_hidden_size or m.ffn_size, p.expert_tp),
             *moe.shared_expert(m.moe_shared_expert_intermediate_size, p.tp),
             *moe.expert_world(world_size, p.expert_tp, p.ep, p.pp),
             *moe.overlap_dispatcher(overlaps=[name for name in moe.OVERLAPS if getattr(p, name)],

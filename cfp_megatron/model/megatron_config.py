@@ -135,6 +135,7 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
             moe_aux_loss_coeff=m.moe_aux_loss_coeff,
             moe_router_load_balancing_type="aux_loss" if m.moe_aux_loss_coeff > 0 else "none",
             moe_token_dispatcher_type=m.moe_token_dispatcher.value,
+            moe_flex_dispatcher_backend=p.moe_flex_dispatcher_backend.value,
             moe_expert_capacity_factor=m.moe_expert_capacity_factor,
             moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
             moe_grouped_gemm=on_gpu and transformer_engine_available(),

@@ -7,8 +7,26 @@ cluster says up front that, for example, its context parallelism runs only on Tr
 from __future__ import annotations
 
 from cfp_megatron.base.backend_spec import BackendKind
-from cfp_megatron.base.config import AttentionKind, CudaGraphImpl, MlpPartition, ModelSpec, TokenDispatcher
+from cfp_megatron.base.config import (
+    AttentionKind,
+    CudaGraphImpl,
+    FlexBackend,
+    MlpPartition,
+    ModelSpec,
+    TokenDispatcher,
+)
 from cfp_megatron.plan.artifact import Plan
+
+FLEX_NEEDS = {
+    FlexBackend.deepep: "DeepEP (deep_ep.Buffer, github.com/deepseek-ai/DeepEP) and a GPU: model.moe_token_dispatcher="
+                        "flex with parallel.moe_flex_dispatcher_backend=deepep (DeepEP's dispatch/combine kernels)",
+    FlexBackend.hybridep: "HybridEP (deep_ep.HybridEPBuffer, DeepEP's hybrid-ep branch; built with "
+                          "HYBRID_EP_MULTINODE=1 where the EP group leaves an NVLink domain) and a GPU: "
+                          "model.moe_token_dispatcher=flex with parallel.moe_flex_dispatcher_backend=hybridep "
+                          "(HybridEP's dispatch/combine kernels)",
+}
+"""What each flex backend needs (Megatron-Core 0.16.1's ``fused_a2a.py`` imports ``deep_ep.Buffer`` for DeepEP and
+``deep_ep.HybridEPBuffer`` for HybridEP)."""
 
 
 def plan_requirements(plan: Plan, model: ModelSpec) -> tuple[str, ...]:
@@ -31,7 +49,7 @@ def plan_requirements(plan: Plan, model: ModelSpec) -> tuple[str, ...]:
         needs.append("Transformer Engine: model.attention=mla (Megatron-Core runs multi-latent attention only on "
                      "Transformer Engine's attention)")
     if model.is_moe and model.moe_token_dispatcher is TokenDispatcher.flex:
-        needs.append("DeepEP and a GPU: model.moe_token_dispatcher=flex (DeepEP's dispatch/combine kernels)")
+        needs.append(FLEX_NEEDS[p.moe_flex_dispatcher_backend])
     if p.moe_a2a_overlap:
         needs.append("a GPU: parallel.moe_a2a_overlap=true (the expert all-to-all overlap runs on CUDA streams)")
     if p.cuda_graph_impl is CudaGraphImpl.transformer_engine:

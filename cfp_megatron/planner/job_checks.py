@@ -3,9 +3,20 @@ run's files go."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from pathlib import Path
 
-from cfp_megatron.base.config import AttentionKind, DataKind, JobSpec, MlpPartition, Precision, resolve_precision
+from cfp_megatron.base.config import (
+    AttentionKind,
+    DataKind,
+    FlexBackend,
+    JobSpec,
+    MlpPartition,
+    Precision,
+    TokenDispatcher,
+    resolve_precision,
+)
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.layout_rules import batch
@@ -124,7 +135,7 @@ def _rest_issues(job: JobSpec) -> list[ConfigIssue]:
                     "installed.",
             fix="install transformer-engine (GPU), or approximate MLA with multi-head attention: "
                 "model.attention=standard model.kv_channels=192."))
-    issues += format_runs_here(job)
+    issues += format_runs_here(job) + flex_backend_runs_here(job)
     try:
         layer_spec.check(job.model)  # model.spec imports and gives a ModuleSpec: said before any process group
     except ConfigError as err:
@@ -152,6 +163,39 @@ def _rest_issues(job: JobSpec) -> list[ConfigIssue]:
         except ConfigError as err:
             issues.extend(err.issues)
     return issues
+
+
+FLEX_CLASSES = {FlexBackend.deepep: "Buffer", FlexBackend.hybridep: "HybridEPBuffer"}
+"""The ``deep_ep`` class each flex backend runs on (Megatron-Core 0.16.1's ``fused_a2a.py``)."""
+
+
+def flex_backend_runs_here(job: JobSpec) -> list[ConfigIssue]:
+    """The flex dispatcher's backend on this machine: on a GPU, a GPU cluster's MoE job with
+    ``model.moe_token_dispatcher=flex`` needs ``deep_ep`` with the backend's class (:data:`FLEX_CLASSES`); refused
+    with the key, the value and the fix where it is missing, before Megatron-Core's dispatcher would raise inside
+    the first MoE layer. A CPU cluster refuses the flex dispatcher in the layout checks; a machine without a GPU
+    (planning for another) is not checked."""
+    import torch
+
+    model, backend = job.model, job.parallel.moe_flex_dispatcher_backend
+    if (not model.is_moe or model.moe_token_dispatcher is not TokenDispatcher.flex or job.cluster.on_cpu
+            or not torch.cuda.is_available()):
+        return []
+    name = FLEX_CLASSES[backend]
+    try:
+        found = importlib.util.find_spec("deep_ep") is not None and hasattr(importlib.import_module("deep_ep"), name)
+    except ImportError:  # built for another CUDA or torch
+        found = False
+    if found:
+        return []
+    other = next(b for b in FlexBackend if b is not backend)
+    source = ("DeepEP's hybrid-ep branch (github.com/deepseek-ai/DeepEP/tree/hybrid-ep)" if backend is
+              FlexBackend.hybridep else "DeepEP (github.com/deepseek-ai/DeepEP)")
+    return [ConfigIssue(key="parallel.moe_flex_dispatcher_backend", value=backend.value,
+                        problem=f"the flex dispatcher's {backend.value} backend runs deep_ep.{name}, which this "
+                                "machine's Python does not have.",
+                        fix=f"install {source}, or set parallel.moe_flex_dispatcher_backend={other.value} (if its "
+                            "package is installed) or model.moe_token_dispatcher=alltoall.")]
 
 
 _TE_CHECKS: dict[str, str] = {"fp8-delayed": "check_fp8_support", "fp8-tensorwise": "check_fp8_support",

@@ -1,5 +1,6 @@
-"""The plan options a search chooses from a set the user allows: CUDA graphs (``cfp.constraints.cuda_graph_impl``)
-and the MoE token policy (``cfp.constraints.moe_token_policy``). Each combination is searched whole, as each number
+"""The plan options a search chooses from a set the user allows: CUDA graphs (``cfp.constraints.cuda_graph_impl``),
+the MoE token policy (``cfp.constraints.moe_token_policy``) and the flex dispatcher's backend
+(``cfp.constraints.moe_flex_dispatcher_backend``). Each combination is searched whole, as each number
 format is (:mod:`cfp_megatron.search.formats`), so the result is the exhaustive one's; the graphed ones first, whose
 k-th best step time the others then prune with (graphs only remove launches). Without a set the job's own settings
 are the one combination (docs/planning.md, "CUDA graphs and the MoE token policy")."""
@@ -10,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from cfp_megatron.base.cfp_spec import CfpSpec
-from cfp_megatron.base.config import CudaGraphImpl, JobSpec, MoeTokenPolicy, Recompute
+from cfp_megatron.base.config import CudaGraphImpl, FlexBackend, JobSpec, MoeTokenPolicy, Recompute, TokenDispatcher
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.layout_rules import graphs
 from cfp_megatron.base.layout_rules.problem import issues as rule_issues
@@ -20,6 +21,7 @@ from cfp_megatron.search.space import Rejection
 GRAPHS_KEY = "cfp.constraints.cuda_graph_impl"
 POLICY_KEY = "cfp.constraints.moe_token_policy"
 FACTOR_KEY = "cfp.constraints.moe_capacity_factor"
+BACKEND_KEY = "cfp.constraints.moe_flex_dispatcher_backend"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +34,8 @@ class PlanOption:
     """The MoE token policy; ``None``: the model's own (no set)."""
     capacity: float | None = None
     """The capacity factor of a token-drop :attr:`policy`."""
+    backend: FlexBackend | None = None
+    """The flex dispatcher's backend; ``None``: the job's own (no set)."""
 
     @property
     def name(self) -> str:
@@ -40,28 +44,29 @@ class PlanOption:
         if self.policy is not None:
             factor = f"({self.capacity:g})" if self.policy is not MoeTokenPolicy.dropless else ""
             parts.append(f"moe_token_policy={self.policy.value}{factor}")
+        parts += [f"moe_flex_dispatcher_backend={self.backend.value}"] if self.backend is not None else []
         return " ".join(parts) or "the job's own"
 
     def apply(self, job: JobSpec) -> JobSpec:
-        """``job`` with this combination's settings (the token policy first: the graphs' scope follows it);
-        :class:`ConfigError` where the model refuses the policy."""
+        """``job`` with this combination's settings (the graphs' scope follows the token policy), checked as one
+        job; :class:`ConfigError` where it refuses them (a policy the model does not run, DeepEP's drop-and-pad)."""
+        model, parallel = job.model, job.parallel
         if self.policy is not None:
             dropless = self.policy is MoeTokenPolicy.dropless
-            model = dataclasses.replace(job.model, moe_expert_capacity_factor=None if dropless else self.capacity,
+            model = dataclasses.replace(model, moe_expert_capacity_factor=None if dropless else self.capacity,
                                         moe_pad_expert_input_to_capacity=self.policy is MoeTokenPolicy.drop_pad)
-            job = dataclasses.replace(job, model=model)
+        if self.backend is not None:
+            parallel = dataclasses.replace(parallel, moe_flex_dispatcher_backend=self.backend)
         if self.graphs is not None:
-            parallel = job.parallel
             scope = None
             if self.graphs is not CudaGraphImpl.none:
-                m = job.model
                 scope = parallel.cuda_graph_scope or graphs.searched_scope(
-                    moe=m.is_moe, drop_pad=m.moe_pad_expert_input_to_capacity,
-                    dispatcher=m.moe_token_dispatcher.value)
-            job = dataclasses.replace(job, parallel=dataclasses.replace(parallel, cuda_graph_impl=self.graphs,
-                                                                        cuda_graph_scope=scope))
-        return job
-
+                    moe=model.is_moe, drop_pad=model.moe_pad_expert_input_to_capacity,
+                    dispatcher=model.moe_token_dispatcher.value)
+            parallel = dataclasses.replace(parallel, cuda_graph_impl=self.graphs, cuda_graph_scope=scope)
+        if model is job.model and parallel is job.parallel:
+            return job
+        return dataclasses.replace(job, model=model, parallel=parallel)
 
     def narrowed(self, cfp: CfpSpec, job: JobSpec) -> CfpSpec:
         """``cfp`` for the search of ``job`` under this combination (:meth:`apply`): per-layer CUDA graphs leave
@@ -92,7 +97,7 @@ class OptionOutcome:
 def searched(cfp: CfpSpec) -> bool:
     """Whether ``cfp`` allows a set of either option."""
     c = cfp.constraints
-    return c.cuda_graph_impl is not None or c.moe_token_policy is not None
+    return c.cuda_graph_impl is not None or c.moe_token_policy is not None or c.moe_flex_dispatcher_backend is not None
 
 
 def plan_options(job: JobSpec, cfp: CfpSpec, *, te_available: bool) -> tuple[list[PlanOption], list[Rejection]]:
@@ -127,10 +132,23 @@ def plan_options(job: JobSpec, cfp: CfpSpec, *, te_available: bool) -> tuple[lis
                                               f"{r.what}: {r.reason}" for r in left) + ".",
                                           fix="add none or local to the set, or install transformer-engine."))
         impls.sort(key=lambda i: i is CudaGraphImpl.none)  # graphed first: they prune the others
+    backends: list[FlexBackend | None] = [None]
+    if c.moe_flex_dispatcher_backend is not None:
+        backends = list(_backends(job, cfp))
     policies: list[PlanOption] = [PlanOption(graphs=None, policy=None)]
     if c.moe_token_policy is not None:
-        policies = _policies(job, cfp, left)
-    options = [dataclasses.replace(p, graphs=impl) for p in policies for impl in impls]
+        policies = _policies(job, cfp, left, backends)
+    pairs = []
+    for policy in policies:  # a policy one backend of the set runs and another does not (DeepEP's drop-and-pad)
+        for backend in backends:
+            option = dataclasses.replace(policy, backend=backend)
+            try:
+                option.apply(job)
+            except ConfigError as err:
+                left.append(Rejection(what=option.name, reason=err.issues[0].problem))
+                continue
+            pairs.append(option)
+    options = [dataclasses.replace(p, graphs=impl) for p in pairs for impl in impls]
     for option in options:  # a scope the model refuses (the job's own, or the user's beside a set): said once, now
         issues = rule_issues(graph_model_problems(option.apply(job)))
         if issues:
@@ -138,8 +156,23 @@ def plan_options(job: JobSpec, cfp: CfpSpec, *, te_available: bool) -> tuple[lis
     return options, left
 
 
-def _policies(job: JobSpec, cfp: CfpSpec, left: list[Rejection]) -> list[PlanOption]:
-    """The token policies of the set that the model runs (those it refuses added to ``left``)."""
+def _backends(job: JobSpec, cfp: CfpSpec) -> list[FlexBackend]:
+    """The flex backends of the set; :class:`ConfigError` for a job without the flex dispatcher, which runs none."""
+    allowed = list(dict.fromkeys(cfp.constraints.moe_flex_dispatcher_backend or []))
+    m = job.model
+    if not m.is_moe or m.moe_token_dispatcher is not TokenDispatcher.flex:
+        raise ConfigError(ConfigIssue(key=BACKEND_KEY, value=[b.value for b in allowed],
+                                      problem="chooses the flex dispatcher's kernels, and model "
+                                              f"{m.name} runs " + (f"the {m.moe_token_dispatcher.value} dispatcher."
+                                                                   if m.is_moe else "no experts."),
+                                      fix=f"set model.moe_token_dispatcher=flex, or {BACKEND_KEY}=null."))
+    return allowed
+
+
+def _policies(job: JobSpec, cfp: CfpSpec, left: list[Rejection],
+              backends: list[FlexBackend | None]) -> list[PlanOption]:
+    """The token policies of the set that the model runs under one of the flex ``backends`` at least (``None``: the
+    job's own); those it refuses under each added to ``left``."""
     allowed = [p.value for p in cfp.constraints.moe_token_policy]
     if not job.model.is_moe:
         raise ConfigError(ConfigIssue(key=POLICY_KEY, value=allowed, problem=f"sets how MoE layers drop tokens, "
@@ -155,10 +188,14 @@ def _policies(job: JobSpec, cfp: CfpSpec, left: list[Rejection]) -> list[PlanOpt
                                               f"{POLICY_KEY}=[dropless]."))
         option = PlanOption(graphs=None, policy=policy, capacity=None if policy is MoeTokenPolicy.dropless
                             else factor)
-        try:
-            option.apply(job)
-        except ConfigError as err:
-            left.append(Rejection(what=f"moe_token_policy={policy.value}", reason=err.issues[0].problem))
+        refused = []
+        for backend in backends:
+            try:
+                dataclasses.replace(option, backend=backend).apply(job)
+            except ConfigError as err:
+                refused.append(err.issues[0].problem)
+        if len(refused) == len(backends):
+            left.append(Rejection(what=f"moe_token_policy={policy.value}", reason=refused[0]))
             continue
         kept.append(option)
     if not kept:
@@ -170,8 +207,10 @@ def _policies(job: JobSpec, cfp: CfpSpec, left: list[Rejection]) -> list[PlanOpt
 
 def option_index(job: JobSpec, options: list[PlanOption]) -> int:
     """The index in ``options`` of ``job``'s combination."""
-    policy, impl = MoeTokenPolicy.of(job.model), job.parallel.cuda_graph_impl
-    return next((i for i, o in enumerate(options) if o.policy in (None, policy) and o.graphs in (None, impl)), 0)
+    policy, impl, backend = MoeTokenPolicy.of(job.model), job.parallel.cuda_graph_impl, \
+        job.parallel.moe_flex_dispatcher_backend
+    return next((i for i, o in enumerate(options) if o.policy in (None, policy) and o.graphs in (None, impl)
+                 and o.backend in (None, backend)), 0)
 
 
 def tie_order(job: JobSpec, options: list[PlanOption]) -> tuple[int, bool]:

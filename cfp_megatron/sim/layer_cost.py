@@ -255,7 +255,8 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     moe_block = None
     if moe:
         moe_block = moe_block_cost(job, layout, kernels, costs, imbalance=options.moe_routing_imbalance,
-                                   torch_combine=options.torch_moe_combine)
+                                   torch_combine=options.torch_moe_combine,
+                                   flex_unstated=options.flex_backend_unstated)
         mlp_gemm = moe_block.gemm_s
         split_elements += moe_block.elements_per_token
         expert_params = moe_block.expert_params

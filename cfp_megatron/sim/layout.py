@@ -36,6 +36,9 @@ class Layout:
     """Ranks of a CP group in one NVLink domain."""
     ep_per_node: int
     """Ranks of an EP group in one NVLink domain."""
+    ep_per_host: int
+    """Ranks of an EP group on one host (node of ``gpus_per_node``) and NVLink domain: where DeepEP's NVLink buffers
+    reach."""
     dp_per_node: int
     """Ranks of the gradient-reduction group (DP x CP) in one NVLink domain."""
     edp_per_node: int
@@ -101,13 +104,14 @@ def place(job: JobSpec, dims: ParallelDims, gpus_per_node: int) -> Layout:
     tp_per_node = per_domain(dims.tp, dense["tp"])
     cp_per_node = per_domain(dims.cp, dense["cp"])
     ep_per_node = per_domain(dims.ep, expert["ep"])
+    ep_per_host = min(ep_per_node, group_placement(dims.ep, expert["ep"], gpus_per_node))
     # Gradients of dense weights are reduced over DP x CP; with the standard order they form one strided block.
     dpcp_stride = min(dense["cp"], dense["dp"])
     dp_per_node = per_domain(dims.dp * dims.cp, dpcp_stride)
     edp_per_node = per_domain(dims.expert_dp, expert["dp"])
     return Layout(dims=dims, gpus_per_node=gpus_per_node, domain_size=domain, micro_batch=job.train.micro_batch_size,
                   seq_length=job.train.seq_length, tp_per_node=tp_per_node, cp_per_node=cp_per_node,
-                  ep_per_node=ep_per_node, dp_per_node=dp_per_node, edp_per_node=edp_per_node,
+                  ep_per_node=ep_per_node, ep_per_host=ep_per_host, dp_per_node=dp_per_node, edp_per_node=edp_per_node,
                   pp_intra_node=dense["pp"] < domain and dims.pp > 1 and dense["pp"] * 2 <= domain,
                   pp_crossings=pp_crossings(dense["pp"], dims.pp, domain, dims.world_size))
 

@@ -130,6 +130,11 @@ class SimOptions:
     (no routing probabilities' all-to-all), and the combine multiplies the returned rows by their scores in fp32 and
     scatter-adds them (:data:`~cfp_megatron.sim.terms.expert_dispatch.TORCH_COMBINE_BYTES`). ``False``:
     Megatron-Core's ``MoEAlltoAllTokenDispatcher``."""
+    flex_backend_unstated: bool = False
+    """The flex dispatcher's backend is not known (a published run whose source names none): priced with DeepEP's
+    rates and permutation over the whole NVLink domain, padded for FP8/FP4 in the kernel
+    (:func:`~cfp_megatron.sim.terms.expert_dispatch.flex_kernels`). ``False``: ``parallel.moe_flex_dispatcher_backend``
+    as Megatron-Core runs it."""
     apex_adam: ApexAdamStates | None = None
     """The distributed optimizer is Apex's ``DistributedFusedAdam`` keeping its states so (memory only;
     :meth:`~cfp_megatron.sim.sharding.StateBytes.megatron`). ``None``: Megatron-Core's distributed optimizer (fp32

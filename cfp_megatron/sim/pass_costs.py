@@ -87,11 +87,12 @@ class PassCosts:
 
 
 def comm_options(parallel: ParallelSpec) -> tuple[Any, ...]:
-    """The plan's communication options the layer costs read (CP exchange type, expert and TP overlaps, Megatron-FSDP's
-    strategy and shard group), and its CUDA graphs (the host's launches, :attr:`PassCosts.host`)."""
+    """The plan's communication options the layer costs read (CP exchange type, expert and TP overlaps, the flex
+    dispatcher's backend, Megatron-FSDP's strategy and shard group), and its CUDA graphs (the host's launches,
+    :attr:`PassCosts.host`)."""
     return (parallel.cp_comm_type, parallel.tp_comm_overlap, parallel.moe_a2a_overlap,
-            parallel.moe_shared_expert_overlap, parallel.cuda_graph_impl, parallel.cuda_graph_scope, parallel.fsdp,
-            parallel.dp_shard_size)
+            parallel.moe_flex_dispatcher_backend, parallel.moe_shared_expert_overlap, parallel.cuda_graph_impl,
+            parallel.cuda_graph_scope, parallel.fsdp, parallel.dp_shard_size)
 
 
 def cost_key(layout: Layout, recompute: Recompute, options: SimOptions,
@@ -107,7 +108,8 @@ def cost_key(layout: Layout, recompute: Recompute, options: SimOptions,
     fsdp = (dims.dp, layout.dp_per_node) if sharded else ()  # the FSDP lane's groups
     return (dims.tp, dims.sp if sp is None else sp, dims.cp, dims.ep, dims.etp,
             layout.micro_batch if micro_batch is None else micro_batch, layout.seq_length, recompute,
-            layout.tp_per_node, layout.cp_per_node, layout.ep_per_node, layout.domain_size, fsdp, mlp, comm,
+            layout.tp_per_node, layout.cp_per_node, layout.ep_per_node, layout.ep_per_host, layout.domain_size, fsdp,
+            mlp, comm,
             recompute_modules if recompute is Recompute.selective else None)
 
 

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from yaml import YAMLError
 
-from cfp_megatron.base.config import AttentionKernel, CudaGraphImpl, cuda_graph_scopes
+from cfp_megatron.base.config import AttentionKernel, CudaGraphImpl, FlexBackend, cuda_graph_scopes
 from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.number_format import format_names
 from cfp_megatron.sim.options import ApexAdamStates, WeightGradAccumulation
@@ -185,7 +185,11 @@ class PerformanceRecipe:
     layouts: tuple[tuple[int, int, int, int, int, int], ...]
     """(GPUs, TP, PP, VP, EP, global batch) of the preset: a row with another layout ran another configuration."""
     dispatcher: str
-    """``model.moe_token_dispatcher``: ``flex`` (HybridEP or DeepEP, modelled as DeepEP) or ``alltoall``."""
+    """``model.moe_token_dispatcher``: ``flex`` or ``alltoall``."""
+    flex_backend: str | None = None
+    """With ``dispatcher: flex``: ``parallel.moe_flex_dispatcher_backend`` where the preset's source states it
+    (``deepep`` or ``hybridep``); ``None``: unstated, priced as
+    :attr:`~cfp_megatron.sim.options.SimOptions.flex_backend_unstated` says."""
     a2a_overlap: bool
     """``parallel.moe_a2a_overlap``."""
     tp_comm_overlap: bool = True
@@ -397,7 +401,7 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[PerformanceRecipe, ...]:
                                   "presets. Fix: add it.")
     keys = {"releases", "model", "precision", "hardware", "layouts", "dispatcher", "a2a_overlap", "tp_comm_overlap",
             "overlap_grad_reduce", "recompute_modules", "cuda_graph_impl", "cuda_graph_scope", "micro_batch",
-            "cpu_offloading_num_layers"}
+            "cpu_offloading_num_layers", "flex_backend"}
     recipes = []
     for index, raw in enumerate(_entries(path, data, "recipes")):
         entry = _Entry(path, index, raw, keys)
@@ -415,6 +419,10 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[PerformanceRecipe, ...]:
         dispatcher = entry.get("dispatcher", str)
         if dispatcher not in ("alltoall", "flex"):
             entry.fail(f"has dispatcher={dispatcher!r}; alltoall or flex")
+        backend = entry.get("flex_backend", (str, type(None)), None)
+        if backend is not None and (dispatcher != "flex" or backend not in {b.value for b in FlexBackend}):
+            entry.fail(f"has flex_backend={backend!r}; with dispatcher: flex, one of "
+                       f"{', '.join(b.value for b in FlexBackend)}")
         modules = entry.get("recompute_modules", (str, type(None)), None)
         graphs = entry.get("cuda_graph_impl", str, "none")
         if graphs not in {impl.value for impl in CudaGraphImpl}:
@@ -437,6 +445,7 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[PerformanceRecipe, ...]:
             releases=(_release(entry, releases[0]), None if releases[1] is None else _release(entry, releases[1])),
             precision=entry.pattern("precision", ""), hardware=tuple(hardware),
             layouts=tuple(tuple(lay[k] for k in LAYOUT_KEYS) for lay in layouts), dispatcher=dispatcher,
+            flex_backend=backend,
             a2a_overlap=entry.get("a2a_overlap", bool), tp_comm_overlap=entry.get("tp_comm_overlap", bool, True),
             overlap_grad_reduce=entry.get("overlap_grad_reduce", bool, True), recompute_modules=modules,
             cuda_graph_impl=graphs, cuda_graph_scope=scope, micro_batch=micro_batch,

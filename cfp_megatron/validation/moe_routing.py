@@ -33,8 +33,8 @@ class Routing:
     """Where this comes from."""
 
     def model_fields(self, *, flex: bool = False) -> dict[str, Any]:
-        """The ``model.*`` keys it sets. Under the ``flex`` dispatcher (the validator's HybridEP or DeepEP, priced as
-        DeepEP, which Megatron-Core does not let pad) a padded routing keeps its capacity unpadded: the same rows
+        """The ``model.*`` keys it sets. Under ``flex``, the flex dispatcher's DeepEP or a backend the preset does not
+        name (Megatron-Core does not let DeepEP pad), a padded routing keeps its capacity unpadded: the same rows
         under the balanced routing the simulator assumes."""
         return {"moe_expert_capacity_factor": self.capacity_factor,
                 "moe_pad_expert_input_to_capacity": self.pad_to_capacity and not flex}

@@ -127,6 +127,18 @@ def overlaps_on_gpu(*, a2a_overlap: bool, shared_overlap: bool, has_shared: bool
     return found
 
 
+def flex_backend(*, backend: str, dispatcher: str) -> list[Problem]:
+    """A flex ``backend`` away from Megatron-Core's default (``deepep``) needs the flex ``dispatcher``: no other one
+    reads it."""
+    if backend == "deepep" or dispatcher == "flex":
+        return []
+    return [Problem(key="parallel.moe_flex_dispatcher_backend", value=backend,
+                    problem=f"it chooses the flex dispatcher's kernels, and model.moe_token_dispatcher={dispatcher} "
+                            "runs none of them.",
+                    fix="set model.moe_token_dispatcher=flex, or parallel.moe_flex_dispatcher_backend=deepep.",
+                    brief=f"the {dispatcher} dispatcher has no flex backend")]
+
+
 def dense_model(*, model: str, a2a_overlap: bool, shared_overlap: bool, ep: int, etp: int | None) -> list[Problem]:
     """A model without experts has no expert sizes or expert overlaps."""
     found = []
@@ -145,10 +157,9 @@ def dense_model(*, model: str, a2a_overlap: bool, shared_overlap: bool, ep: int,
     return found
 
 
-def capacity(*, factor: float | None, pad: bool, is_moe: bool, dispatcher: str) -> list[Problem]:
+def capacity(*, factor: float | None, pad: bool, is_moe: bool) -> list[Problem]:
     """Token-drop settings (Megatron-Core's ``TransformerConfig.__post_init__``): a capacity ``factor`` is positive
-    and finite, needs experts, and padding to capacity needs a factor and is not run by DeepEP (the flex
-    dispatcher)."""
+    and finite, needs experts, and padding to capacity needs a factor."""
     found = []
     if factor is not None and not (math.isfinite(factor) and factor > 0):
         found.append(Problem(key="model.moe_expert_capacity_factor", value=factor,
@@ -167,10 +178,17 @@ def capacity(*, factor: float | None, pad: bool, is_moe: bool, dispatcher: str) 
                              fix="set model.moe_expert_capacity_factor (e.g. 1.0), or "
                                  "model.moe_pad_expert_input_to_capacity=false.",
                              brief="padding to capacity needs a capacity factor"))
-    if pad and dispatcher == "flex":
-        found.append(Problem(key="model.moe_pad_expert_input_to_capacity", value=True,
-                             problem="the flex dispatcher (DeepEP) does not pad expert inputs to capacity.",
-                             fix="set model.moe_token_dispatcher=alltoall, or "
-                                 "model.moe_pad_expert_input_to_capacity=false.",
-                             brief="DeepEP does not pad to capacity"))
     return found
+
+
+def flex_padding(*, pad: bool, dispatcher: str, backend: str) -> list[Problem]:
+    """Padding to capacity under the flex dispatcher: HybridEP pads (``_HybridEPManager``'s drop-and-pad), DeepEP
+    does not (Megatron-Core's ``TransformerConfig.__post_init__`` refuses it)."""
+    if not pad or dispatcher != "flex" or backend != "deepep":
+        return []
+    return [Problem(key="model.moe_pad_expert_input_to_capacity", value=True,
+                    problem="the flex dispatcher's DeepEP backend does not pad expert inputs to capacity "
+                            "(parallel.moe_flex_dispatcher_backend=deepep).",
+                    fix="set parallel.moe_flex_dispatcher_backend=hybridep (HybridEP pads), "
+                        "model.moe_token_dispatcher=alltoall, or model.moe_pad_expert_input_to_capacity=false.",
+                    brief="DeepEP does not pad to capacity")]

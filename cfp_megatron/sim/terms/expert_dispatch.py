@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from cfp_megatron.base.config import Activation, JobSpec, TokenDispatcher
+from cfp_megatron.base.config import Activation, FlexBackend, JobSpec, TokenDispatcher
 from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.flops import mlp_params
 from cfp_megatron.cluster.costs import CollectiveCosts, Link
@@ -46,9 +46,11 @@ class DispatchRates:
     deepep_inter_share: float
     """Share of the NIC bandwidth DeepEP's normal kernels reach across nodes, counted on de-duplicated tokens (one
     copy per destination node)."""
-    hybridep_nvlink_gbps: tuple[tuple[int, float, float], ...]
-    """HybridEP's measured rates inside one NVLink domain, per GPU and direction, by ascending group size: (ranks of
+    deepep_nvlink_gbps: tuple[tuple[int, float, float], ...]
+    """DeepEP's measured rates inside one NVLink domain, per GPU and direction, by ascending group size: (ranks of
     the EP group in the domain, dispatch GB/s, combine GB/s). They cap :attr:`deepep_intra_share` of the link."""
+    hybridep_nvlink_gbps: tuple[tuple[int, float, float], ...]
+    """HybridEP's, the same way."""
     nccl_nvlink_share: float
     """Share of the nominal per-direction NVLink bandwidth NCCL's all-to-all reaches inside an NVLink domain (its bus
     bandwidth over the line rate; the all-to-all has no NVLink SHARP path)."""
@@ -58,21 +60,55 @@ class DispatchRates:
 def dispatch_rates() -> DispatchRates:
     """:class:`DispatchRates` from :data:`RATES_FILE`."""
     data = yaml.safe_load(RATES_FILE.read_text())
+    tables = ("deepep_nvlink", "hybridep_nvlink")
     try:
-        rows = tuple((int(row["ranks"]), float(row["dispatch_gbps"]), float(row["combine_gbps"]))
-                     for row in data["hybridep_nvlink"])
+        rows = {name: tuple((int(row["ranks"]), float(row["dispatch_gbps"]), float(row["combine_gbps"]))
+                            for row in data[name]) for name in tables}
         nccl = data["nccl_nvlink"]
         rates = DispatchRates(deepep_intra_share=float(data["deepep_intra_share"]),
-                              deepep_inter_share=float(data["deepep_inter_share"]), hybridep_nvlink_gbps=rows,
+                              deepep_inter_share=float(data["deepep_inter_share"]),
+                              deepep_nvlink_gbps=rows["deepep_nvlink"], hybridep_nvlink_gbps=rows["hybridep_nvlink"],
                               nccl_nvlink_share=float(nccl["bus_gbps"]) / float(nccl["line_gbps"]))
     except (KeyError, TypeError, ValueError) as err:
         raise DispatchRatesError(f"{RATES_FILE}: missing or malformed key ({err!r}); fix: restore the file's "
-                                 "deepep_intra_share, deepep_inter_share, hybridep_nvlink rows (ranks, dispatch_gbps, "
-                                 "combine_gbps) and nccl_nvlink (bus_gbps, line_gbps)") from err
-    if not rows or [row[0] for row in rows] != sorted(row[0] for row in rows):
-        raise DispatchRatesError(f"{RATES_FILE}: hybridep_nvlink has rows at ranks {[row[0] for row in rows]}; fix: "
-                                 "give at least one row, by ascending ranks")
+                                 "deepep_intra_share, deepep_inter_share, deepep_nvlink and hybridep_nvlink rows "
+                                 "(ranks, dispatch_gbps, combine_gbps) and nccl_nvlink (bus_gbps, line_gbps)") from err
+    for name in tables:
+        ranks = [row[0] for row in rows[name]]
+        if not ranks or ranks != sorted(ranks):
+            raise DispatchRatesError(f"{RATES_FILE}: {name} has rows at ranks {ranks}; fix: give at least one row, "
+                                     "by ascending ranks")
     return rates
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlexKernels:
+    """How one backend of the flex dispatcher runs, as the term prices it (docs/simulator.md, "moe_cost.py")."""
+
+    nvlink_gbps: tuple[tuple[int, float, float], ...]
+    """Its measured NVLink rates (:class:`DispatchRates`), which cap :attr:`DispatchRates.deepep_intra_share` of
+    the link."""
+    host_nvlink: bool
+    """Whether its NVLink part spans one host only (DeepEP's CUDA IPC buffers), the other ranks of an NVLink domain
+    reached over RDMA; else the whole NVLink domain (multi-node NVLink)."""
+    gathers_routing_map: bool
+    """Whether each forward dispatch first all-gathers the routing map over the expert TP x EP group
+    (HybridEP's metadata preprocessing, ``HybridEPBuffer.dispatch_with_permute``: one bool per token and expert)."""
+    pads_for_quantization: bool
+    """Whether the dispatch kernel pads each expert's rows to the FP8/FP4 alignment (no ``Fp8Padding`` copies)."""
+
+
+def flex_kernels(backend: FlexBackend | None) -> FlexKernels:
+    """The :class:`FlexKernels` of ``backend`` as Megatron-Core 0.16.1 runs it (``_DeepepManager``,
+    ``_HybridEPManager``); ``None``: a flex dispatcher whose backend its source does not state
+    (:attr:`~cfp_megatron.sim.options.SimOptions.flex_backend_unstated`): DeepEP's rates and permutation over the
+    whole NVLink domain, padded in the kernel."""
+    rates = dispatch_rates()
+    if backend is FlexBackend.hybridep:
+        return FlexKernels(nvlink_gbps=rates.hybridep_nvlink_gbps, host_nvlink=False, gathers_routing_map=True,
+                           pads_for_quantization=True)
+    return FlexKernels(nvlink_gbps=rates.deepep_nvlink_gbps, host_nvlink=backend is FlexBackend.deepep,
+                       gathers_routing_map=False, pads_for_quantization=backend is None)
 
 
 def all_to_all_costs(costs: CollectiveCosts, job: JobSpec) -> CollectiveCosts:
@@ -114,9 +150,9 @@ class MoeCost:
     """Of ``dispatch_s``, the combine's part (the outputs' way back; in the backward pass, the gradient's way out):
     what ``moe_a2a_overlap`` hides behind attention, the dispatch's part behind the experts."""
     metadata_s: float = 0.0
-    """The forward pass's exchange of per-expert token counts before the dispatch (the alltoall dispatcher, with
-    EP or expert TP): an all-gather of one count per expert over the expert TP x EP group, which the dispatch waits
-    for (no overlap)."""
+    """The forward pass's exchange before the dispatch, which the dispatch waits for (no overlap): the alltoall
+    dispatcher's all-gather of one token count per expert over the expert TP x EP group (with EP or expert TP), or
+    HybridEP's all-gather of the routing map over it."""
     params: float
     """Parameters on one rank: local experts, shared expert, router."""
     expert_params: float
@@ -145,6 +181,8 @@ PERMUTE_ROW_PASSES = 2.0
 writes the copy's; the unpermutation reads the copy's row and accumulates it into the token's)."""
 COUNT_BYTES = 8.0
 """Bytes of one token count (int64) in the dispatcher's count exchange."""
+ROUTING_MAP_BYTES = 1.0
+"""Bytes of one routing-map entry (``torch.bool``) in HybridEP's all-gather of the routing map."""
 
 
 def expected_remote_nodes(topk: int, nodes: int) -> float:
@@ -156,13 +194,15 @@ def expected_remote_nodes(topk: int, nodes: int) -> float:
 
 
 def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, *,
-                   imbalance: float = 1.0, torch_combine: bool = False) -> MoeCost:
+                   imbalance: float = 1.0, torch_combine: bool = False, flex_unstated: bool = False) -> MoeCost:
     """Cost of ``job``'s MoE block under ``layout``, as Megatron-Core runs it: dropless, the rank holding the busiest
     experts processes ``imbalance`` times the balanced share of routed tokens (1.0: forced or perfect balance);
     token-drop, at most the capacity factor times it; padded to capacity, exactly that
     (:meth:`~cfp_megatron.base.config.ModelSpec.expert_load`). ``torch_combine``: the all-to-all dispatcher is
-    torchtitan's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_moe_combine`)."""
+    torchtitan's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_moe_combine`). ``flex_unstated``: the flex
+    dispatcher's backend is not stated (:attr:`~cfp_megatron.sim.options.SimOptions.flex_backend_unstated`)."""
     model, dims = job.model, layout.dims
+    flex = flex_kernels(None if flex_unstated else job.parallel.moe_flex_dispatcher_backend)
     tp, etp, ep, sp = dims.tp, dims.etp, dims.ep, dims.sp
     hidden = model.hidden_size
     gated = model.activation is Activation.swiglu
@@ -195,29 +235,30 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
         shared_elements = mlp_activation_elements(tp=tp, ffn=shared_ffn, gated=gated)
     gemm_s += router_s + shared_s
     gemm_bwd_s += 2.0 * (router_s + shared_s)
-    elements = activation + shared_elements + _routing_elements(job, layout, kernels, routed=routed,
+    elements = activation + shared_elements + _routing_elements(job, layout, kernels, routed=routed, flex=flex,
                                                                 torch_combine=torch_combine,
-                                                                 local_tokens=local_tokens) / tokens
+                                                                local_tokens=local_tokens) / tokens
     expert_params = mlp_params(model, expert_ffn) * local_experts / etp
     params = expert_params + mlp_params(model, shared_ffn) / tp + hidden * num_experts
     dispatch_s, combine_s = _dispatch_s(job, layout, kernels, costs, routed=routed / etp, local_tokens=local_tokens,
-                                        probabilities=not torch_combine)
+                                        probabilities=not torch_combine, flex=flex)
     return MoeCost(gemm_s=gemm_s, gemm_bwd_s=gemm_bwd_s, shared_gemm_s=shared_s, elements_per_token=elements,
                    activation_elements_per_token=activation, shared_elements_per_token=shared_elements,
                    dispatch_s=dispatch_s, combine_s=combine_s,
-                   metadata_s=_metadata_s(job, layout, costs),
+                   metadata_s=_metadata_s(job, layout, costs, flex=flex, local_tokens=local_tokens),
                    params=params, expert_params=expert_params)
 
 
 def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, routed: float,
-                      local_tokens: float, torch_combine: bool = False) -> float:
+                      local_tokens: float, flex: FlexKernels, torch_combine: bool = False) -> float:
     """Elements (of the compute precision) the routing moves through HBM on this rank in one forward pass,
     memory-bound kernels counted from what Megatron-Core's ``TopKRouter`` and ``MoEAlltoAllTokenDispatcher`` run:
     the router's element-wise kernels on the ``local_tokens`` it scores (:data:`ROUTER_BYTES_PER_EXPERT`, and the
     auxiliary loss' read), the first permutation of the copies this rank sends and the unpermutation of those it
     gets back, and, where an expert rank holds several experts, the sort of the ``routed`` rows it receives by
     expert and the unsort before the combine (``sort_chunks_by_idxs``); each a gather/scatter of
-    :data:`PERMUTE_ROW_PASSES` rows per copy. The flex dispatcher (DeepEP) permutes only what arrives. Under FP8 and
+    :data:`PERMUTE_ROW_PASSES` rows per copy. The flex dispatcher (DeepEP and HybridEP alike: ``_DeepepManager``'s
+    ``permute``, HybridEP's local permute after its dispatch) permutes only what arrives. Under FP8 and
     FP4, the quantisation of each grouped linear's input (the format's ``cast_bytes``,
     ``cfp_megatron/sim/number_formats.yaml``). ``torch_combine``: torchtitan's combine
     (:data:`TORCH_COMBINE_BYTES`) instead of the unpermutation."""
@@ -227,8 +268,8 @@ def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, rou
     elements = local_tokens * num_experts * router_bytes / kernels.elem
     received = routed / dims.etp  # the rows this rank's experts take, as they arrive
     if model.moe_token_dispatcher is TokenDispatcher.flex:
-        # DeepEP reads the tokens where they are and lands them by source rank: one permutation by local expert
-        # of what arrives, and its inverse (MoEFlexTokenDispatcher).
+        # DeepEP and HybridEP read the tokens where they are and land them by source rank: one permutation by
+        # local expert of what arrives, and its inverse.
         elements += 2 * PERMUTE_ROW_PASSES * received * hidden
     else:
         sent = model.moe_router_topk * local_tokens * model.expert_load(1.0)  # copies this rank sends and gets back
@@ -240,28 +281,34 @@ def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, rou
     if kernels.low:  # fc1's input (hidden) and fc2's (the expert's FFN share) quantised row by row
         ffn = (model.moe_ffn_hidden_size or model.ffn_size) / dims.etp
         elements += routed * (hidden + ffn) * kernels.format.cast_bytes / kernels.elem
-        if quantization_padding_copies(job, layout, kernels, local_tokens=local_tokens):
+        if quantization_padding_copies(job, layout, kernels, local_tokens=local_tokens, flex=flex):
             # Fp8Padding copies the experts' input into the padded buffer, Fp8Unpadding their output back.
             elements += 2 * PERMUTE_ROW_PASSES * routed * hidden
     return elements
 
 
-def quantization_padding_copies(job: JobSpec, layout: Layout, kernels: KernelModel, *, local_tokens: float) -> bool:
+def quantization_padding_copies(job: JobSpec, layout: Layout, kernels: KernelModel, *, local_tokens: float,
+                                flex: FlexKernels | None = None) -> bool:
     """Whether Megatron-Core's ``TEGroupedMLP`` copies the experts' rows into a padded buffer and back in each
     forward (``Fp8Padding`` / ``Fp8Unpadding``, megatron/core/transformer/moe/experts.py; Transformer Engine's
     ``fp8_padding.py`` copies unless every local expert's rows are already a multiple of the format's
-    ``expert_row_align``): under FP8/FP4 with the alltoall or all-gather dispatcher, whenever the rows follow the
-    routing (dropless, token-drop without padding: the counts are the routing's, not multiples of 16), and under
-    drop-and-pad where the capacity's rows are not a multiple (``get_capacity`` of this rank's tokens x top-k over
-    the experts, from every rank of the expert TP x EP group). The flex dispatcher's HybridEP backend pads each
-    expert's rows inside its dispatch kernel (``fused_a2a.hybrid_ep_dispatch``'s ``pad_multiple``, set under
-    FP8/FP4 in ``_HybridEPManager.dispatch``), which leaves nothing to copy. Megatron-Core's
+    ``expert_row_align``): under FP8/FP4 with the alltoall or all-gather dispatcher or DeepEP, whenever the rows
+    follow the routing (dropless, token-drop without padding: the counts are the routing's, not multiples of 16),
+    and under drop-and-pad where the capacity's rows are not a multiple (``get_capacity`` of this rank's tokens x
+    top-k over the experts, from every rank of the expert TP x EP group). The flex dispatcher's HybridEP backend pads
+    each expert's rows inside its dispatch kernel (``fused_a2a.hybrid_ep_dispatch``'s ``pad_multiple``, set under
+    FP8/FP4 in ``_HybridEPManager.dispatch``), which leaves nothing to copy (``flex``:
+    :attr:`FlexKernels.pads_for_quantization`; ``None``: the job's backend's). Megatron-Core's
     ``moe_router_padding_for_quantization`` (off by default; not exported by this plugin) would pad the routing map
     instead."""
     model = job.model
     align = kernels.format.expert_row_align
-    if not kernels.low or align <= 0 or model.moe_token_dispatcher is TokenDispatcher.flex:
+    if not kernels.low or align <= 0:
         return False
+    if model.moe_token_dispatcher is TokenDispatcher.flex:
+        if (flex or flex_kernels(job.parallel.moe_flex_dispatcher_backend)).pads_for_quantization:
+            return False
+        return True  # DeepEP lands the routing's counts: TEGroupedMLP pads them
     factor = model.moe_expert_capacity_factor
     if factor is None or not model.moe_pad_expert_input_to_capacity:
         return True
@@ -270,11 +317,12 @@ def quantization_padding_copies(job: JobSpec, layout: Layout, kernels: KernelMod
 
 
 def _dispatch_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, *, routed: float,
-                local_tokens: float, probabilities: bool = True) -> tuple[float, float]:
+                local_tokens: float, flex: FlexKernels, probabilities: bool = True) -> tuple[float, float]:
     """(dispatch and combine, of which the combine) seconds of one pass's token exchange on one rank under the
     model's dispatcher. ``routed``: the token copies this rank sends (and receives) over the EP group;
     ``local_tokens``: the tokens entering the block; ``probabilities``: the alltoall dispatcher sends each copy's
-    routing probability (Megatron-Core's; torchtitan's keeps the scores where the token is)."""
+    routing probability (Megatron-Core's; torchtitan's keeps the scores where the token is); ``flex``: the flex
+    dispatcher's backend."""
     model, dims = job.model, layout.dims
     hidden, elem = model.hidden_size, kernels.elem
     ep, etp = dims.ep, dims.etp
@@ -293,12 +341,13 @@ def _dispatch_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Colle
             combine += costs.seconds(Collective.reduce_scatter, gathered, ep, layout.ep_per_node)
         elif dispatcher is TokenDispatcher.flex:
             token_bytes = local_tokens * hidden * elem
-            rates = flex_nvlink_rates(costs, layout.ep_per_node)
+            per_group = layout.ep_per_host if flex.host_nvlink else layout.ep_per_node
+            rates = flex_nvlink_rates(costs, per_group, flex)
             experts = model.num_experts or 1
             dispatch += _deepep_s(costs, layout, a2a_bytes, token_bytes, topk=model.moe_router_topk,
-                                  nvlink_bytes_per_s=rates[0], num_experts=experts)
+                                  nvlink_bytes_per_s=rates[0], num_experts=experts, per_node=per_group)
             combine += _deepep_s(costs, layout, a2a_bytes, token_bytes, topk=model.moe_router_topk,
-                                 nvlink_bytes_per_s=rates[1], num_experts=experts)
+                                 nvlink_bytes_per_s=rates[1], num_experts=experts, per_node=per_group)
         else:
             # alltoall: every routed copy crosses the group (a token going to two experts of one rank is sent
             # twice), in the dispatch and in the combine; the dispatch sends each copy's routing probability too
@@ -313,29 +362,34 @@ def _dispatch_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Colle
     return dispatch + combine, combine
 
 
-def _metadata_s(job: JobSpec, layout: Layout, costs: CollectiveCosts) -> float:
-    """Seconds of the alltoall dispatcher's count exchange in one forward pass (:attr:`MoeCost.metadata_s`):
+def _metadata_s(job: JobSpec, layout: Layout, costs: CollectiveCosts, *, flex: FlexKernels,
+                local_tokens: float) -> float:
+    """Seconds of the dispatcher's exchange before the dispatch in one forward pass (:attr:`MoeCost.metadata_s`):
     Megatron-Core's ``MoEAlltoAllTokenDispatcher.preprocess`` all-gathers each rank's token count per expert
-    (int64) over the expert TP x EP group to size its all-to-alls; padded to capacity, every split is the capacity
-    and nothing is exchanged."""
+    (int64) over the expert TP x EP group to size its all-to-alls (padded to capacity, every split is the capacity
+    and nothing is exchanged); HybridEP all-gathers the routing map of the ``local_tokens`` entering the block
+    (:data:`ROUTING_MAP_BYTES` per token and expert of the expert TP x EP group) for its metadata preprocessing."""
     dims = layout.dims
     group = dims.ep * dims.etp
+    span = min(group, layout.ep_per_node * dims.etp)
+    if job.model.moe_token_dispatcher is TokenDispatcher.flex and flex.gathers_routing_map and group > 1:
+        routing_map = local_tokens * (job.model.num_experts or 0) * dims.etp * ROUTING_MAP_BYTES * group
+        return costs.seconds(Collective.all_gather, routing_map, group, span)
     if (job.model.moe_token_dispatcher is not TokenDispatcher.alltoall or group <= 1
             or job.model.moe_pad_expert_input_to_capacity):
         return 0.0
     counts = (job.model.num_experts or 0) * COUNT_BYTES * group  # the all-gather's output
-    return costs.seconds(Collective.all_gather, counts, group, min(group, layout.ep_per_node * dims.etp))
+    return costs.seconds(Collective.all_gather, counts, group, span)
 
 
-def flex_nvlink_rates(costs: CollectiveCosts, ranks: int) -> tuple[float, float]:
-    """(dispatch, combine) bytes per second per GPU of the flex dispatcher inside an NVLink domain for an EP group
-    with ``ranks`` ranks there: :attr:`DispatchRates.deepep_intra_share` of the link, capped at
-    :attr:`DispatchRates.hybridep_nvlink_gbps` of the largest measured group not larger than it (the smallest
-    measured for smaller groups)."""
-    rates = dispatch_rates()
-    shared = costs.intra.bandwidth_bytes_per_s * rates.deepep_intra_share
-    measured = rates.hybridep_nvlink_gbps[0]
-    for row in rates.hybridep_nvlink_gbps:
+def flex_nvlink_rates(costs: CollectiveCosts, ranks: int, flex: FlexKernels) -> tuple[float, float]:
+    """(dispatch, combine) bytes per second per GPU of the flex dispatcher's ``flex`` kernels over NVLink for an EP
+    group with ``ranks`` ranks there: :attr:`DispatchRates.deepep_intra_share` of the link, capped at the backend's
+    :attr:`FlexKernels.nvlink_gbps` of the largest measured group not larger than it (the smallest measured for
+    smaller groups)."""
+    shared = costs.intra.bandwidth_bytes_per_s * dispatch_rates().deepep_intra_share
+    measured = flex.nvlink_gbps[0]
+    for row in flex.nvlink_gbps:
         if row[0] <= ranks:
             measured = row
     return min(shared, measured[1] * 1e9), min(shared, measured[2] * 1e9)
@@ -351,14 +405,15 @@ def rank_hit_share(num_experts: int, local_experts: int, topk: int) -> float:
 
 
 def _deepep_s(costs: CollectiveCosts, layout: Layout, routed_bytes: float, token_bytes: float, *,
-              topk: int, nvlink_bytes_per_s: float, num_experts: int) -> float:
+              topk: int, nvlink_bytes_per_s: float, num_experts: int, per_node: int) -> float:
     """One DeepEP dispatch (or combine): the NVLink part carries the rows a rank receives, one per token that has
     any of its experts (DeepEP and HybridEP send a token once to each rank it goes to, the receiver expands it per
     local expert; tokens from other nodes forwarded to it over NVLink), at ``nvlink_bytes_per_s``
     (:func:`flex_nvlink_rates`; their benchmarks' rates count the same rows, ``recv_x`` / ``dispatched_hidden``); the
-    RDMA part one copy of each token per other node it goes to at DeepEP's measured share. ``routed_bytes``: the
-    routed copies the rank takes (their balance and imbalance); ``token_bytes``: the tokens it sends."""
-    ep, per_node = layout.dims.ep, max(layout.ep_per_node, 1)
+    RDMA part one copy of each token per other NVLink group it goes to at DeepEP's measured share. ``routed_bytes``:
+    the routed copies the rank takes (their balance and imbalance); ``token_bytes``: the tokens it sends;
+    ``per_node``: the EP ranks of one NVLink group (a host for DeepEP, the NVLink domain for HybridEP)."""
+    ep, per_node = layout.dims.ep, max(per_node, 1)
     nodes = max(1, ep // per_node)
     hit = rank_hit_share(num_experts, max(1, num_experts // ep), topk)
     intra_bytes = routed_bytes * ep * hit / topk  # routed copies, one row per (token, rank) instead of per expert
