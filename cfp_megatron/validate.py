@@ -14,6 +14,9 @@ last ``MAPE <x>% over <n> rows``. The measured step time is
 What a blank or silent column means depends on what the row ran, and is data with its source, not code
 (:mod:`cfp_megatron.validation.data`, docs/validation.md):
 
+* ``cfp_megatron/validation/source_settings.yaml``, by the row's columns (its source, table and model): what its
+  source states outside its tables (the run scripts it ships), read as the row's blank cells (SC21 Table 1's
+  micro-batches); a cell the row states wins.
 * ``cfp_megatron/validation/frameworks.yaml``, by the ``framework`` column (Megatron-DeepSpeed, Megatron-LM
   before 2023, Megatron-Bridge, NeMo, Megatron-Core, any other): what a blank ``sequence_parallel``,
   ``zero_or_fsdp`` and ``recompute`` mean, the attention kernel, gradient-reduce and TP-communication overlap, the
@@ -30,9 +33,8 @@ What a blank or silent column means depends on what the row ran, and is data wit
 The same for every row:
 
 * ``ffn_hidden``: 4 x hidden; ``kv_heads``: one per head (unless the family fixes it). ``dp``: GPUs / (TP x PP x
-  CP); ``cp``, ``ep``, ``vp``, ``micro_batch``: 1 (``micro_batch``: what the source's run scripts set where
-  ``validation/micro_batches.yaml`` names them, else the rank's whole batch, global batch / DP, where the framework
-  accumulates no gradients unless told and the row states no ``grad_accum`` nor a pipeline);
+  CP); ``cp``, ``ep``, ``vp``, ``micro_batch``: 1 (``micro_batch``: the rank's whole batch, global batch / DP, where the
+  framework accumulates no gradients unless told and the row states no ``grad_accum`` nor a pipeline);
   ``global_batch_seqs``: micro-batch x DP x ``grad_accum`` when that is given. ``recompute``: none.
   ``precision``: 16-bit (bf16).
 * ``interconnect``, ``pp_schedule``, ``precision`` and a power limit (:mod:`cfp_megatron.validation.columns`): the
@@ -110,9 +112,9 @@ from cfp_megatron.validation.defaults import (
     mtp_layers,
     performance_recipe,
     preset_architecture,
+    stated_row,
 )
 from cfp_megatron.validation.memory_failures import memory_failure_lines
-from cfp_megatron.validation.micro_batches import stated_micro_batch
 from cfp_megatron.validation.moe_routing import routing as moe_routing
 from cfp_megatron.validation.outputs import (
     check_bands_path,
@@ -194,6 +196,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     the (tp, pp) to model a row that states only its data-parallel size (:func:`unstated_split`); ``data``: what
     blank columns mean (:mod:`cfp_megatron.validation.data`; the shipped files unless given)."""
     data = data if data is not None else load_data()
+    row = stated_row(row, data)  # the blank cells its source states outside its tables (source_settings.yaml)
     framework = framework_of(row, data)
     rid = (row.get("id") or "?").strip()
     measured = figure_cell(row, "step_time_s") or figure_cell(row, "derived_step_time_s")
@@ -229,9 +232,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         cluster["nodes"] = gpus // per_node
     experts = experts_cell(row)
     ep = count_cell(row, "ep", 1) if experts else 1
-    micro = count_cell(row, "micro_batch", None)
-    scripted = stated_micro_batch(row) if micro is None else None  # the source's scripts' (micro_batches.yaml)
-    micro = micro or scripted or 1
+    micro = count_cell(row, "micro_batch", 1)
     gbs = count_cell(row, "global_batch_seqs")
     layer_only = gbs is None and layers == 1
     accum = count_cell(row, "grad_accum")
@@ -239,7 +240,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         gbs = micro * dp * accum
     if gbs is None and not layer_only:
         raise RowError("global_batch_seqs is blank")
-    if (framework.rank_batch_micro and not (row.get("micro_batch") or "").strip() and scripted is None and not accum
+    if (framework.rank_batch_micro and not (row.get("micro_batch") or "").strip() and not accum
             and pp == 1 and gbs and gbs % dp == 0):
         micro = gbs // dp  # the rank's whole batch is one micro-batch: no accumulation stated, none by default
     tokens_per_gpu = figure_cell(row, "tokens_per_s_per_gpu")

@@ -1,15 +1,35 @@
-"""What a row runs where its columns are blank or silent: its framework's reading (``frameworks.yaml``), its model
-family's (``model_families.yaml``), the performance preset its framework ran at its release (``recipes.yaml``), all
-read by :mod:`.data`, and the architecture of a model preset of its shape (``conf/model``)."""
+"""What a row runs where its columns are blank or silent: what its source states outside its tables
+(``source_settings.yaml``), its framework's reading (``frameworks.yaml``), its model family's
+(``model_families.yaml``), the performance preset its framework ran at its release (``recipes.yaml``), all read by
+:mod:`.data`, and the architecture of a model preset of its shape (``conf/model``)."""
 
 from __future__ import annotations
 
+import copy
 import re
 
 from cfp_megatron.base.compose import group_presets
 from cfp_megatron.sim.options import ApexAdamStates
-from cfp_megatron.validation.data import FAMILY_COLUMNS, Framework, PerformanceRecipe, ValidationData
+from cfp_megatron.validation.data import FAMILY_COLUMNS, Framework, PerformanceRecipe, SourceSetting, ValidationData
 from cfp_megatron.validation.rows import count_cell
+
+
+def source_setting(row: dict, data: ValidationData) -> SourceSetting | None:
+    """The first entry of ``source_settings.yaml`` whose match ``row`` meets; ``None``: none does."""
+    return next((setting for setting in data.settings if setting.matches(row)), None)
+
+
+def stated_row(row: dict, data: ValidationData) -> dict:
+    """``row`` with the blank cells its source states elsewhere filled (:func:`source_setting`; a stated cell wins),
+    a copy of the same type; ``row`` itself where nothing is filled."""
+    setting = source_setting(row, data)
+    cells = {column: text for column, text in (setting.blank.items() if setting else ())
+             if not (row.get(column) or "").strip()}
+    if not cells:
+        return row
+    filled = copy.copy(row)
+    filled.update(cells)
+    return filled
 
 RELEASE = r"\b(\d\d)\.(\d\d)"
 """A container release (``YY.MM``, as NeMo's containers are named) in a row's ``source_detail``, else in its
