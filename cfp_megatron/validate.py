@@ -16,7 +16,8 @@ What a blank or silent column means depends on what the row ran, and is data wit
 
 * ``cfp_megatron/validation/source_settings.yaml``, by the row's columns (its source, table and model): what its
   source states outside its tables (the run scripts it ships), read as the row's blank cells (SC21 Table 1's
-  micro-batches); a cell the row states wins.
+  micro-batches and interleaved chunks, ``vp``) and in place of its framework's readings (SC21's data-parallel
+  implementation and fp16 gradients); a cell the row states wins.
 * ``cfp_megatron/validation/frameworks.yaml``, by the ``framework`` column (Megatron-DeepSpeed, Megatron-LM
   before 2023, Megatron-Bridge, NeMo, Megatron-Core, any other): what a blank ``sequence_parallel``,
   ``zero_or_fsdp`` and ``recompute`` mean, the attention kernel, gradient-reduce and TP-communication overlap, the
@@ -107,11 +108,12 @@ from cfp_megatron.validation.defaults import (
     apex_adam_states,
     blank_reading,
     family_fields,
-    framework_of,
     layer_checkpoint_every,
     mtp_layers,
     performance_recipe,
     preset_architecture,
+    row_framework,
+    source_setting,
     stated_row,
 )
 from cfp_megatron.validation.memory_failures import memory_failure_lines
@@ -196,8 +198,9 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     the (tp, pp) to model a row that states only its data-parallel size (:func:`unstated_split`); ``data``: what
     blank columns mean (:mod:`cfp_megatron.validation.data`; the shipped files unless given)."""
     data = data if data is not None else load_data()
-    row = stated_row(row, data)  # the blank cells its source states outside its tables (source_settings.yaml)
-    framework = framework_of(row, data)
+    setting = source_setting(row, data)  # what its source states outside its tables (source_settings.yaml)
+    row = stated_row(row, data)  # its blank cells filled so
+    framework = row_framework(row, data)
     rid = (row.get("id") or "?").strip()
     measured = figure_cell(row, "step_time_s") or figure_cell(row, "derived_step_time_s")
     preset_name = gpu_preset(row.get("gpu", ""))
@@ -369,7 +372,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                          apex_adam=apex_adam_states(row, framework) if dist_opt and not fsdp else None)
     return RowPlan(row_id=rid, source=row.get("source", ""), source_detail=row.get("source_detail", ""),
                    model=row.get("model", ""), layout=layout, job=job, options=options, measured_s=measured,
-                   approximations=tuple(reading.approximation for reading in readings if reading.approximation))
+                   approximations=tuple(reading.approximation for reading in readings if reading.approximation)
+                   + ((setting.approximation,) if setting and setting.approximation else ()))
 
 
 def unstated_split(row: dict, presets: dict[str, dict]) -> tuple[int, int]:

@@ -34,7 +34,8 @@ from cfp_megatron.validation.data import (
     load_schedules,
     load_source_settings,
 )
-from cfp_megatron.validation.defaults import framework_of, source_setting, stated_row
+from cfp_megatron.validation.defaults import framework_of, row_framework, source_setting, stated_row
+from cfp_megatron.validation.rows import PUBLISHED_RUNS, read_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 ROW = {"id": "1", "model": "GPT 1.7B", "layers": "24", "hidden": "2304", "heads": "24", "seq_len": "2048",
@@ -290,7 +291,46 @@ def test_a_source_setting_fills_only_blank_cells_of_a_copy(tmp_path: Path) -> No
     assert row_plan(row).job.train.micro_batch_size == 1  # the shipped file names no such paper
 
 
+def test_sc21_table_1_runs_as_its_scripts_ran_it() -> None:
+    rows = {row["id"]: row for row in read_rows(PUBLISHED_RUNS[0])}
+    plans = {rid: row_plan(rows[str(rid)]) for rid in (1, 4, 5, 6, 7, 8, 9, 10)}
+    # run_table_1.sh: --num-layers-per-virtual-pipeline-stage 5, 5, 3, 1 on 76B, 145B, 310B, 530B; none on 1T
+    assert {rid: plan.job.parallel.vpp for rid, plan in plans.items()} == {1: None, 4: None, 5: None, 6: 3, 7: 2,
+                                                                        8: 2, 9: 3, 10: None}
+    assert all(f" vp{plans[rid].job.parallel.vpp} " in plans[rid].layout for rid in (6, 7, 8, 9))
+    # --DDP-impl torch (1.7B-18B): its bucketed all-reduce inside the last backward; local (39B-1T): after it
+    assert all(plans[rid].job.parallel.overlap_grad_reduce for rid in (1, 4))
+    assert not any(plans[rid].job.parallel.overlap_grad_reduce for rid in (5, 6, 10))
+    # --fp16 without --accumulate-allreduce-grads-in-fp32: the fp16 .grad reduced as it is
+    assert not any(plan.job.parallel.grad_reduce_in_fp32 for plan in plans.values())
+    assert all("blocks in every exchange" in " ".join(plans[rid].approximations) for rid in (6, 7, 8, 9))
+    assert not any(plans[rid].approximations for rid in (1, 5, 10))
+    # the same rows of another source run as their framework reads them
+    other = row_plan({**rows["6"], "source": "another paper"})
+    assert other.job.parallel.vpp is None and other.job.parallel.grad_reduce_in_fp32
+    assert framework_of(rows["6"], load_data()).grad_reduce_in_fp32  # the framework's own reading is untouched
+
+
+def test_a_source_settings_runs_replace_its_frameworks_reading(tmp_path: Path) -> None:
+    settings = tmp_path / "source_settings.yaml"
+    settings.write_text("version: 1\nsettings:\n  - name: a paper's scripts\n    match: {source: 'a paper'}\n"
+                        "    runs: {overlap_grad_reduce: false, grad_reduce_in_fp32: false}\n"
+                        "    approximation: something it ran that is not modelled\n"
+                        "    source: its run script, at a commit\n")
+    data = load_data(settings=settings)
+    row = {**ROW, "source": "A Paper (2021)", "framework": "Megatron-Core r0.8.0"}
+    assert row_framework(row, data).name == framework_of(row, data).name == "Megatron-Core"
+    plan, plain = row_plan(row, data=data), row_plan(row)
+    assert plain.job.parallel.overlap_grad_reduce and plain.job.parallel.grad_reduce_in_fp32
+    assert not plan.job.parallel.overlap_grad_reduce and not plan.job.parallel.grad_reduce_in_fp32
+    assert plan.approximations == ("something it ran that is not modelled",) and not plain.approximations
+    assert simulate(plan.job, options=plan.options).step_time_s > simulate(plain.job, options=plain.options).step_time_s
+
+
 @pytest.mark.parametrize(("entry", "problem"), [
+    ("    match: {source: x}\n", "neither"),
+    ("    match: {source: x}\n    runs: {overlap_grad_reduce: 1}\n", "runs="),
+    ("    match: {source: x}\n    runs: {attention: flash}\n", "runs="),
     ("    match: {source: x}\n    blank: {micro_batch: 0}\n", "micro_batch=0"),
     ("    match: {source: x}\n    blank: {micro_batch: 2.5}\n", "micro_batch=2.5"),
     ("    match: {source: x}\n    blank: {micro_batches: 2}\n", "micro_batches"),

@@ -5,7 +5,7 @@ file's path (a test's, a user's) in the same format."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -277,7 +277,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
     path = Path(path)
     frameworks = []
     for index, raw in enumerate(_entries(path, _read(path), "frameworks")):
-        entry = _Entry(path, index, raw, {"match", "blank", "runs"})
+        entry = _Entry(path, index, raw, {"match", "blank", "runs", "approximation"})
         match = entry.get("match", dict)
         if (set(match) - {"contains", "starts_with", "before_year", "pattern"}
                 or not isinstance(match.get("contains", []), list) or not isinstance(match.get("starts_with", ""), str)
@@ -514,6 +514,10 @@ class SourceSetting:
     case-insensitive) pairs, every one of which holds (:meth:`matches`)."""
     blank: dict[str, str]
     """Column -> the text a blank cell of it reads as (the row is read as if it stated it)."""
+    runs: dict[str, bool]
+    """:data:`SETTING_RUNS` field -> what the rows ran where no column says, in place of their framework's reading."""
+    approximation: str
+    """What the simulator does not model of what they ran (said for each row it covers); empty: modelled."""
     source: str
     """Where this comes from."""
 
@@ -532,8 +536,8 @@ def _row_match(entry: _Entry) -> tuple[tuple[str, str], ...]:
 
 
 def _blank_cells(entry: _Entry) -> dict[str, str]:
-    blank = entry.get("blank", dict)
-    if not blank or set(blank) - set(COLUMNS):
+    blank = entry.get("blank", dict, {})
+    if set(blank) - set(COLUMNS):
         entry.fail(f"has blank={blank!r}; it maps columns of the runs schema ({', '.join(COLUMNS)}) to what a blank "
                    "cell reads as")
     cells = {}
@@ -549,6 +553,17 @@ def _blank_cells(entry: _Entry) -> dict[str, str]:
     return cells
 
 
+SETTING_RUNS = tuple(field.name for field in fields(Framework) if field.type == "bool")
+"""The :class:`Framework` readings a source setting may state for its rows (``runs:``), each a yes or no."""
+
+
+def _setting_runs(entry: _Entry) -> dict[str, bool]:
+    runs = entry.get("runs", dict, {})
+    if set(runs) - set(SETTING_RUNS) or not all(isinstance(value, bool) for value in runs.values()):
+        entry.fail(f"has runs={runs!r}; it maps {', '.join(SETTING_RUNS)} to true or false")
+    return dict(runs)
+
+
 @lru_cache(maxsize=4)
 def load_source_settings(path: Path = SETTINGS_FILE) -> tuple[SourceSetting, ...]:
     """``source_settings.yaml`` (or another file in its format) in match order; :class:`ValidationDataError` names a
@@ -556,8 +571,12 @@ def load_source_settings(path: Path = SETTINGS_FILE) -> tuple[SourceSetting, ...
     path = Path(path)
     found = []
     for index, raw in enumerate(_entries(path, _read(path), "settings")):
-        entry = _Entry(path, index, raw, {"match", "blank"})
-        found.append(SourceSetting(name=raw["name"], match=_row_match(entry), blank=_blank_cells(entry),
+        entry = _Entry(path, index, raw, {"match", "blank", "runs", "approximation"})
+        blank, runs = _blank_cells(entry), _setting_runs(entry)
+        if not blank and not runs:
+            entry.fail("states neither blank cells nor runs")
+        found.append(SourceSetting(name=raw["name"], match=_row_match(entry), blank=blank, runs=runs,
+                                   approximation=" ".join(entry.get("approximation", str, "").split()),
                                    source=" ".join(raw["source"].split())))
     return tuple(found)
 

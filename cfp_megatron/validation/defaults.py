@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 
 from cfp_megatron.base.compose import group_presets
@@ -40,6 +41,13 @@ def framework_of(row: dict, data: ValidationData) -> Framework:
     """The first framework entry whose match the row's ``framework`` column meets (the last entry meets any)."""
     text = row.get("framework") or ""
     return next((framework for framework in data.frameworks if framework.match.matches(text)), data.frameworks[-1])
+
+
+def row_framework(row: dict, data: ValidationData) -> Framework:
+    """What the row's framework runs (:func:`framework_of`), with what its source states it ran instead
+    (:attr:`~cfp_megatron.validation.data.SourceSetting.runs`)."""
+    framework, setting = framework_of(row, data), source_setting(row, data)
+    return dataclasses.replace(framework, **setting.runs) if setting and setting.runs else framework
 
 
 def blank_reading(row: dict, column: str, framework: Framework) -> str:
