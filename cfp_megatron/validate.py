@@ -199,8 +199,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     blank columns mean (:mod:`cfp_megatron.validation.data`; the shipped files unless given)."""
     data = data if data is not None else load_data()
     setting = source_setting(row, data)  # what its source states outside its tables (source_settings.yaml)
-    row = stated_row(row, data)  # its blank cells filled so
-    framework = row_framework(row, data)
+    row = stated_row(row, setting)  # its blank cells filled so
+    framework = row_framework(row, data, setting)
     rid = (row.get("id") or "?").strip()
     measured = figure_cell(row, "step_time_s") or figure_cell(row, "derived_step_time_s")
     preset_name = gpu_preset(row.get("gpu", ""))

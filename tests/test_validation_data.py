@@ -283,11 +283,11 @@ def test_a_source_setting_fills_only_blank_cells_of_a_copy(tmp_path: Path) -> No
                         "    blank: {micro_batch: 4, recompute: selective}\n    source: its run script, at a commit\n")
     data = load_data(settings=settings)
     row = {**ROW, "source": "A Paper (2021)", "micro_batch": "", "recompute": "full"}
-    filled = stated_row(row, data)
+    filled = stated_row(row, source_setting(row, data))
     assert filled == {**row, "micro_batch": "4"} and row["micro_batch"] == ""  # the row itself is left as read
     plan = row_plan(row, data=data)
     assert plan.job.train.micro_batch_size == 4 and plan.job.parallel.recompute.value == "full"
-    assert stated_row({**row, "model": "GPT 1.7B-ish"}, data) == {**row, "model": "GPT 1.7B-ish"}
+    assert source_setting({**row, "model": "GPT 1.7B-ish"}, data) is None and stated_row(row, None) is row
     assert row_plan(row).job.train.micro_batch_size == 1  # the shipped file names no such paper
 
 
@@ -309,6 +309,8 @@ def test_sc21_table_1_runs_as_its_scripts_ran_it() -> None:
     other = row_plan({**rows["6"], "source": "another paper"})
     assert other.job.parallel.vpp is None and other.job.parallel.grad_reduce_in_fp32
     assert framework_of(rows["6"], load_data()).grad_reduce_in_fp32  # the framework's own reading is untouched
+    filled = stated_row(rows["6"], source_setting(rows["6"], load_data()))
+    assert type(filled) is type(rows["6"]) and filled.line == rows["6"].line and rows["6"]["vp"] == ""
 
 
 def test_a_source_settings_runs_replace_its_frameworks_reading(tmp_path: Path) -> None:
@@ -319,7 +321,10 @@ def test_a_source_settings_runs_replace_its_frameworks_reading(tmp_path: Path) -
                         "    source: its run script, at a commit\n")
     data = load_data(settings=settings)
     row = {**ROW, "source": "A Paper (2021)", "framework": "Megatron-Core r0.8.0"}
-    assert row_framework(row, data).name == framework_of(row, data).name == "Megatron-Core"
+    setting = source_setting(row, data)
+    assert row_framework(row, data, setting).name == framework_of(row, data).name == "Megatron-Core"
+    assert not row_framework(row, data, setting).grad_reduce_in_fp32 and framework_of(row, data).grad_reduce_in_fp32
+    assert row_framework(row, data, None) == framework_of(row, data)
     plan, plain = row_plan(row, data=data), row_plan(row)
     assert plain.job.parallel.overlap_grad_reduce and plain.job.parallel.grad_reduce_in_fp32
     assert not plan.job.parallel.overlap_grad_reduce and not plan.job.parallel.grad_reduce_in_fp32

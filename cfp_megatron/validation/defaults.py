@@ -20,10 +20,9 @@ def source_setting(row: dict, data: ValidationData) -> SourceSetting | None:
     return next((setting for setting in data.settings if setting.matches(row)), None)
 
 
-def stated_row(row: dict, data: ValidationData) -> dict:
-    """``row`` with the blank cells its source states elsewhere filled (:func:`source_setting`; a stated cell wins),
-    a copy of the same type; ``row`` itself where nothing is filled."""
-    setting = source_setting(row, data)
+def stated_row(row: dict, setting: SourceSetting | None) -> dict:
+    """``row`` with the blank cells ``setting`` (its :func:`source_setting`) states filled, a copy of the same type
+    (a stated cell wins); ``row`` itself where nothing is filled."""
     cells = {column: text for column, text in (setting.blank.items() if setting else ())
              if not (row.get(column) or "").strip()}
     if not cells:
@@ -31,6 +30,7 @@ def stated_row(row: dict, data: ValidationData) -> dict:
     filled = copy.copy(row)
     filled.update(cells)
     return filled
+
 
 RELEASE = r"\b(\d\d)\.(\d\d)"
 """A container release (``YY.MM``, as NeMo's containers are named) in a row's ``source_detail``, else in its
@@ -43,10 +43,10 @@ def framework_of(row: dict, data: ValidationData) -> Framework:
     return next((framework for framework in data.frameworks if framework.match.matches(text)), data.frameworks[-1])
 
 
-def row_framework(row: dict, data: ValidationData) -> Framework:
-    """What the row's framework runs (:func:`framework_of`), with what its source states it ran instead
-    (:attr:`~cfp_megatron.validation.data.SourceSetting.runs`)."""
-    framework, setting = framework_of(row, data), source_setting(row, data)
+def row_framework(row: dict, data: ValidationData, setting: SourceSetting | None) -> Framework:
+    """What the row's framework runs (:func:`framework_of`), with what ``setting`` (its :func:`source_setting`)
+    states it ran instead (:attr:`~cfp_megatron.validation.data.SourceSetting.runs`)."""
+    framework = framework_of(row, data)
     return dataclasses.replace(framework, **setting.runs) if setting and setting.runs else framework
 
 
