@@ -361,6 +361,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                          pipeline_schedule=schedule.schedule,
                          weight_grad_accumulation=framework.weight_grad_accumulation,
                          pipeline_scatter_gather=framework.pipeline_scatter_gather,
+                         blocking_interleaved=framework.blocking_interleaved,
                          te_cross_entropy=framework.te_cross_entropy,
                          async_tp_backward=framework.async_tp_backward, torch_fsdp=framework.torch_fsdp and fsdp,
                          torch_fused_adamw=framework.torch_fused_adamw, moe_layer_syncs=framework.moe_layer_syncs,

@@ -92,6 +92,9 @@ class Framework:
     pipeline_scatter_gather: bool = False
     """The exchange between pipeline stages split over TP and all-gathered after it (Megatron-LM before
     Megatron-Core, :attr:`~cfp_megatron.sim.options.SimOptions.pipeline_scatter_gather`)."""
+    blocking_interleaved: bool = False
+    """Its interleaved schedule's exchanges block, with both neighbours each step (Megatron-LM before Megatron-Core,
+    :attr:`~cfp_megatron.sim.options.SimOptions.blocking_interleaved`)."""
     fp8_param_gather: tuple[str, ...] = ()
     """The number formats (:data:`PRECISION_RUNS` names) whose rows kept the parameters in FP8
     (``parallel.fp8_param_gather``)."""
@@ -297,7 +300,8 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
         optional = {"mtp_layers", "pipeline_scatter_gather", "fp8_param_gather", "te_cross_entropy", "torch_fsdp",
                     "apex_distributed_adam", "overlap_param_gather", "weight_grad_accumulation", "torch_fused_adamw",
                     "moe_layer_syncs", "rank_batch_micro", "tie_embeddings", "deepspeed_engine", "torch_op_sac",
-                    "torch_moe_combine", "eager_loss", "compiled_loss", "async_tp_backward"}
+                    "torch_moe_combine", "eager_loss", "compiled_loss", "async_tp_backward",
+                    "blocking_interleaved"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -341,6 +345,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             overlap_grad_reduce=bool(runs["overlap_grad_reduce"]), tp_comm_overlap=bool(runs["tp_comm_overlap"]),
             grad_reduce_in_fp32=bool(runs["grad_reduce_in_fp32"]), mtp_layers=tuple(mtp.items()),
             pipeline_scatter_gather=bool(runs.get("pipeline_scatter_gather", False)),
+            blocking_interleaved=bool(runs.get("blocking_interleaved", False)),
             fp8_param_gather=tuple(fp8_params), te_cross_entropy=bool(runs.get("te_cross_entropy", False)),
             async_tp_backward=bool(runs.get("async_tp_backward", True)),
             torch_fsdp=bool(runs.get("torch_fsdp", False)), tie_embeddings=bool(runs.get("tie_embeddings", False)),
