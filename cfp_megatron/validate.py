@@ -14,6 +14,10 @@ last ``MAPE <x>% over <n> rows``. The measured step time is
 What a blank or silent column means depends on what the row ran, and is data with its source, not code
 (:mod:`cfp_megatron.validation.data`, docs/validation.md):
 
+* ``cfp_megatron/validation/source_settings.yaml``, by the row's columns (its source, table and model): what its
+  source states outside its tables (the run scripts it ships), read as the row's blank cells (SC21 Table 1's
+  micro-batches and interleaved chunks, ``vp``) and in place of its framework's readings (SC21's data-parallel
+  implementation and fp16 gradients); a cell the row states wins.
 * ``cfp_megatron/validation/frameworks.yaml``, by the ``framework`` column (Megatron-DeepSpeed, Megatron-LM
   before 2023, Megatron-Bridge, NeMo, Megatron-Core, any other): what a blank ``sequence_parallel``,
   ``zero_or_fsdp`` and ``recompute`` mean, the attention kernel, gradient-reduce and TP-communication overlap, the
@@ -31,9 +35,8 @@ What a blank or silent column means depends on what the row ran, and is data wit
 The same for every row:
 
 * ``ffn_hidden``: 4 x hidden; ``kv_heads``: one per head (unless the family fixes it). ``dp``: GPUs / (TP x PP x
-  CP); ``cp``, ``ep``, ``vp``, ``micro_batch``: 1 (``micro_batch``: what the source's run scripts set where
-  ``validation/micro_batches.yaml`` names them, else the rank's whole batch, global batch / DP, where the framework
-  accumulates no gradients unless told and the row states no ``grad_accum`` nor a pipeline);
+  CP); ``cp``, ``ep``, ``vp``, ``micro_batch``: 1 (``micro_batch``: the rank's whole batch, global batch / DP, where the
+  framework accumulates no gradients unless told and the row states no ``grad_accum`` nor a pipeline);
   ``global_batch_seqs``: micro-batch x DP x ``grad_accum`` when that is given. ``recompute``: none.
   ``precision``: 16-bit (bf16).
 * ``interconnect``, ``pp_schedule``, ``precision`` and a power limit (:mod:`cfp_megatron.validation.columns`): the
@@ -106,14 +109,15 @@ from cfp_megatron.validation.defaults import (
     apex_adam_states,
     blank_reading,
     family_fields,
-    framework_of,
     layer_checkpoint_every,
     mtp_layers,
     performance_recipe,
     preset_architecture,
+    row_framework,
+    source_setting,
+    stated_row,
 )
 from cfp_megatron.validation.memory_failures import memory_failure_lines
-from cfp_megatron.validation.micro_batches import stated_micro_batch
 from cfp_megatron.validation.moe_routing import routing as moe_routing
 from cfp_megatron.validation.outputs import (
     check_bands_path,
@@ -195,7 +199,9 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     the (tp, pp) to model a row that states only its data-parallel size (:func:`unstated_split`); ``data``: what
     blank columns mean (:mod:`cfp_megatron.validation.data`; the shipped files unless given)."""
     data = data if data is not None else load_data()
-    framework = framework_of(row, data)
+    setting = source_setting(row, data)  # what its source states outside its tables (source_settings.yaml)
+    row = stated_row(row, setting)  # its blank cells filled so
+    framework = row_framework(row, data, setting)
     rid = (row.get("id") or "?").strip()
     measured = figure_cell(row, "step_time_s") or figure_cell(row, "derived_step_time_s")
     preset_name = gpu_preset(row.get("gpu", ""))
@@ -230,9 +236,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         cluster["nodes"] = gpus // per_node
     experts = experts_cell(row)
     ep = count_cell(row, "ep", 1) if experts else 1
-    micro = count_cell(row, "micro_batch", None)
-    scripted = stated_micro_batch(row) if micro is None else None  # the source's scripts' (micro_batches.yaml)
-    micro = micro or scripted or 1
+    micro = count_cell(row, "micro_batch", 1)
     gbs = count_cell(row, "global_batch_seqs")
     layer_only = gbs is None and layers == 1
     accum = count_cell(row, "grad_accum")
@@ -240,7 +244,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         gbs = micro * dp * accum
     if gbs is None and not layer_only:
         raise RowError("global_batch_seqs is blank")
-    if (framework.rank_batch_micro and not (row.get("micro_batch") or "").strip() and scripted is None and not accum
+    if (framework.rank_batch_micro and not (row.get("micro_batch") or "").strip() and not accum
             and pp == 1 and gbs and gbs % dp == 0):
         micro = gbs // dp  # the rank's whole batch is one micro-batch: no accumulation stated, none by default
     tokens_per_gpu = figure_cell(row, "tokens_per_s_per_gpu")
@@ -362,6 +366,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                          pipeline_schedule=schedule.schedule,
                          weight_grad_accumulation=framework.weight_grad_accumulation,
                          pipeline_scatter_gather=framework.pipeline_scatter_gather,
+                         blocking_interleaved=framework.blocking_interleaved,
                          te_cross_entropy=framework.te_cross_entropy,
                          async_tp_backward=framework.async_tp_backward, torch_fsdp=framework.torch_fsdp and fsdp,
                          torch_fused_adamw=framework.torch_fused_adamw, moe_layer_syncs=framework.moe_layer_syncs,
@@ -375,7 +380,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                          apex_adam=apex_adam_states(row, framework) if dist_opt and not fsdp else None)
     return RowPlan(row_id=rid, source=row.get("source", ""), source_detail=row.get("source_detail", ""),
                    model=row.get("model", ""), layout=layout, job=job, options=options, measured_s=measured,
-                   approximations=tuple(reading.approximation for reading in readings if reading.approximation))
+                   approximations=tuple(reading.approximation for reading in readings if reading.approximation)
+                   + ((setting.approximation,) if setting and setting.approximation else ()))
 
 
 def unstated_split(row: dict, presets: dict[str, dict]) -> tuple[int, int]:

@@ -130,7 +130,9 @@ def test_long_blocking_schedules_extrapolate_exactly(pp: int, m: int) -> None:
 
 def test_the_simulator_blocks_and_synchronises_as_megatron_core_runs_each_schedule(monkeypatch) -> None:
     """A GPU plan without interleaving asks for blocking exchanges and the synchronisation after each
-    (batch_p2p_sync); with interleaving (overlap_p2p_comm) neither; on a CPU cluster (gloo) blocking without it."""
+    (batch_p2p_sync); with interleaving (overlap_p2p_comm) neither, unless it prices Megatron-LM's interleaved
+    schedule before Megatron-Core (SimOptions.blocking_interleaved, both, and slower); on a CPU cluster (gloo)
+    blocking without the synchronisation."""
     asked = []
     simulate_module = sys.modules["cfp_megatron.sim.simulate"]
     real = simulate_module.run_schedule
@@ -141,11 +143,14 @@ def test_the_simulator_blocks_and_synchronises_as_megatron_core_runs_each_schedu
 
     monkeypatch.setattr(simulate_module, "run_schedule", spy)
     simulate(job(pp=2))
-    simulate(job(pp=2, vpp=2))
+    asynchronous = simulate(job(pp=2, vpp=2))
     simulate(job(cluster={**A100, "device_name": "cpu"}, pp=2))
+    blocked = simulate(job(pp=2, vpp=2), options=SimOptions(blocking_interleaved=True))
     assert asked[0] == (True, pytest.approx(exchange_sync_s())) and exchange_sync_s() > 0
     assert asked[1] == (False, 0.0)
     assert asked[2] == (True, 0.0)
+    assert asked[3] == (True, pytest.approx(exchange_sync_s()))
+    assert blocked.step_time_s > asynchronous.step_time_s
 
 
 # --- where the exchanges run and what they carry --------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import re
 import tomllib
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from cfp_megatron.validation.data import (
     PRECISIONS_FILE,
     RECIPES_FILE,
     SCHEDULES_FILE,
+    SETTINGS_FILE,
     ValidationDataError,
     load_data,
     load_families,
@@ -30,9 +32,10 @@ from cfp_megatron.validation.data import (
     load_precisions,
     load_recipes,
     load_schedules,
+    load_source_settings,
 )
-from cfp_megatron.validation.defaults import framework_of
-from cfp_megatron.validation.micro_batches import load_micro_batches, stated_micro_batch
+from cfp_megatron.validation.defaults import framework_of, row_framework, source_setting, stated_row
+from cfp_megatron.validation.rows import PUBLISHED_RUNS, read_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 ROW = {"id": "1", "model": "GPT 1.7B", "layers": "24", "hidden": "2304", "heads": "24", "seq_len": "2048",
@@ -44,7 +47,7 @@ ROW = {"id": "1", "model": "GPT 1.7B", "layers": "24", "hidden": "2304", "heads"
 def test_every_entry_of_the_shipped_files_names_its_source() -> None:
     data = load_data()
     families = load_families()
-    entries = [*data.frameworks, families.default, *families.families, *data.recipes]
+    entries = [*data.frameworks, families.default, *families.families, *data.recipes, *data.settings]
     assert (len(data.frameworks), len(families.families), len(data.recipes)) >= (5, 8, 25)
     assert all(entry.name and len(entry.source) > 20 for entry in entries)
     presets = {path.stem for path in (CONF_DIR / "cluster").glob("*.yaml")}
@@ -56,7 +59,8 @@ def test_the_data_files_ship_with_the_package() -> None:
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["cfp_megatron"]
     shipped = [path.relative_to(DATA_DIR.parent).as_posix() for path in DATA_DIR.glob("*.yaml")]
     assert {"validation/frameworks.yaml", "validation/model_families.yaml", "validation/precisions.yaml",
-            "validation/recipes.yaml", "validation/schedules.yaml"} <= set(shipped)
+            "validation/recipes.yaml", "validation/schedules.yaml",
+            SETTINGS_FILE.relative_to(DATA_DIR.parent).as_posix()} <= set(shipped)
     assert all(any(fnmatch.fnmatch(name, glob) for glob in globs) for name in shipped)
 
 
@@ -256,23 +260,102 @@ def test_the_backward_collectives_overlap_where_the_framework_runs_them_beside_t
     assert not row_plan({**ROW, "framework": "torchtitan"}).options.async_tp_backward
 
 
+def test_megatron_lm_before_megatron_core_blocks_in_its_interleaved_exchanges() -> None:
+    """frameworks.yaml: Megatron-LM's p2p_communication of 2021 and 2022 waits for every exchange and synchronises;
+    Megatron-Core's interleaved exchanges are asynchronous (overlap_p2p_comm)."""
+    assert row_plan({**ROW, "framework": "Megatron-LM (2021)"}).options.blocking_interleaved
+    assert row_plan({**ROW, "framework": "Megatron-LM (2022)"}).options.blocking_interleaved
+    assert not row_plan({**ROW, "framework": "Megatron-Core r0.8.0"}).options.blocking_interleaved
+    assert not row_plan({**ROW, "framework": "NeMo 24.07 (Megatron-Core)"}).options.blocking_interleaved
+
+
 SC21 = "Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM' (SC21)"
 
 
 def test_a_blank_micro_batch_reads_as_the_sources_scripts_set_it() -> None:
-    blank = {**ROW, "source": SC21, "micro_batch": "", "tp": "1"}
-    assert stated_micro_batch(blank) == 16  # examples/sc21/run_table_1.sh: MBS=16 for 1.7B
+    blank = {**ROW, "source": SC21, "source_detail": "Table 1 weak scaling", "micro_batch": "", "tp": "1"}
+    data = load_data()
+    assert source_setting(blank, data).blank == {"micro_batch": "16"}  # run_table_1.sh: MBS=16 for 1.7B
     assert row_plan(blank).job.train.micro_batch_size == 16
-    # a stated micro-batch wins; another source's or model's blank stays 1
+    # a stated micro-batch wins; another source's, table's or model's blank stays 1
     assert row_plan({**blank, "micro_batch": "2"}).job.train.micro_batch_size == 2
     assert row_plan({**blank, "source": "another paper"}).job.train.micro_batch_size == 1
-    assert stated_micro_batch({**blank, "model": "GPT 174.6B"}) is None
-    assert all(entry.source and entry.micro_batch >= 1 for entry in load_micro_batches())
+    assert row_plan({**blank, "source_detail": "Table 2"}).job.train.micro_batch_size == 1
+    assert source_setting({**blank, "model": "GPT 174.6B"}, data) is None
+    assert all(setting.source and setting.blank for setting in load_source_settings())
 
 
-def test_a_micro_batch_entry_without_a_whole_size_is_refused_naming_it(tmp_path: Path) -> None:
-    bad = tmp_path / "micro_batches.yaml"
-    bad.write_text("version: 1\nmicro_batches:\n  - name: broken\n    source_words: x\n    model_words: y\n"
-                   "    micro_batch: 0\n    source: a script somewhere, at some commit\n")
-    with pytest.raises(ValidationDataError, match="broken.*micro_batch=0"):
-        load_micro_batches(bad)
+def test_a_source_setting_fills_only_blank_cells_of_a_copy(tmp_path: Path) -> None:
+    settings = tmp_path / "source_settings.yaml"
+    settings.write_text("version: 1\nsettings:\n  - name: a paper's scripts\n"
+                        "    match: {source: 'a paper', model: '^GPT 1\\.7B$'}\n"
+                        "    blank: {micro_batch: 4, recompute: selective}\n    source: its run script, at a commit\n")
+    data = load_data(settings=settings)
+    row = {**ROW, "source": "A Paper (2021)", "micro_batch": "", "recompute": "full"}
+    filled = stated_row(row, source_setting(row, data))
+    assert filled == {**row, "micro_batch": "4"} and row["micro_batch"] == ""  # the row itself is left as read
+    plan = row_plan(row, data=data)
+    assert plan.job.train.micro_batch_size == 4 and plan.job.parallel.recompute.value == "full"
+    assert source_setting({**row, "model": "GPT 1.7B-ish"}, data) is None and stated_row(row, None) is row
+    assert row_plan(row).job.train.micro_batch_size == 1  # the shipped file names no such paper
+
+
+def test_sc21_table_1_runs_as_its_scripts_ran_it() -> None:
+    rows = {row["id"]: row for row in read_rows(PUBLISHED_RUNS[0])}
+    plans = {rid: row_plan(rows[str(rid)]) for rid in (1, 4, 5, 6, 7, 8, 9, 10)}
+    # run_table_1.sh: --num-layers-per-virtual-pipeline-stage 5, 5, 3, 1 on 76B, 145B, 310B, 530B; none on 1T
+    assert {rid: plan.job.parallel.vpp for rid, plan in plans.items()} == {1: None, 4: None, 5: None, 6: 3, 7: 2,
+                                                                        8: 2, 9: 3, 10: None}
+    assert all(f" vp{plans[rid].job.parallel.vpp} " in plans[rid].layout for rid in (6, 7, 8, 9))
+    # --DDP-impl torch (1.7B-18B): its bucketed all-reduce inside the last backward; local (39B-1T): after it
+    assert all(plans[rid].job.parallel.overlap_grad_reduce for rid in (1, 4))
+    assert not any(plans[rid].job.parallel.overlap_grad_reduce for rid in (5, 6, 10))
+    # --fp16 without --accumulate-allreduce-grads-in-fp32: the fp16 .grad reduced as it is
+    assert not any(plan.job.parallel.grad_reduce_in_fp32 for plan in plans.values())
+    # megatron/p2p_communication.py of 2021: every exchange of the interleaved schedule blocks (modelled, so unsaid)
+    assert all(plans[rid].options.blocking_interleaved for rid in (6, 7, 8, 9))
+    assert not any(plans[rid].approximations for rid in (1, 5, 6, 7, 8, 9, 10))
+    # the same rows of another source run as their framework reads them
+    other = row_plan({**rows["6"], "source": "another paper"})
+    assert other.job.parallel.vpp is None and other.job.parallel.grad_reduce_in_fp32
+    assert framework_of(rows["6"], load_data()).grad_reduce_in_fp32  # the framework's own reading is untouched
+    filled = stated_row(rows["6"], source_setting(rows["6"], load_data()))
+    assert type(filled) is type(rows["6"]) and filled.line == rows["6"].line and rows["6"]["vp"] == ""
+
+
+def test_a_source_settings_runs_replace_its_frameworks_reading(tmp_path: Path) -> None:
+    settings = tmp_path / "source_settings.yaml"
+    settings.write_text("version: 1\nsettings:\n  - name: a paper's scripts\n    match: {source: 'a paper'}\n"
+                        "    runs: {overlap_grad_reduce: false, grad_reduce_in_fp32: false}\n"
+                        "    approximation: something it ran that is not modelled\n"
+                        "    source: its run script, at a commit\n")
+    data = load_data(settings=settings)
+    row = {**ROW, "source": "A Paper (2021)", "framework": "Megatron-Core r0.8.0"}
+    setting = source_setting(row, data)
+    assert row_framework(row, data, setting).name == framework_of(row, data).name == "Megatron-Core"
+    assert not row_framework(row, data, setting).grad_reduce_in_fp32 and framework_of(row, data).grad_reduce_in_fp32
+    assert row_framework(row, data, None) == framework_of(row, data)
+    plan, plain = row_plan(row, data=data), row_plan(row)
+    assert plain.job.parallel.overlap_grad_reduce and plain.job.parallel.grad_reduce_in_fp32
+    assert not plan.job.parallel.overlap_grad_reduce and not plan.job.parallel.grad_reduce_in_fp32
+    assert plan.approximations == ("something it ran that is not modelled",) and not plain.approximations
+    assert simulate(plan.job, options=plan.options).step_time_s > simulate(plain.job, options=plain.options).step_time_s
+
+
+@pytest.mark.parametrize(("entry", "problem"), [
+    ("    match: {source: x}\n", "neither"),
+    ("    match: {source: x}\n    runs: {overlap_grad_reduce: 1}\n", "runs="),
+    ("    match: {source: x}\n    runs: {attention: flash}\n", "runs="),
+    ("    match: {source: x}\n    blank: {micro_batch: 0}\n", "micro_batch=0"),
+    ("    match: {source: x}\n    blank: {micro_batch: 2.5}\n", "micro_batch=2.5"),
+    ("    match: {source: x}\n    blank: {micro_batches: 2}\n", "micro_batches"),
+    ("    match: {sauce: x}\n    blank: {micro_batch: 2}\n", "sauce"),
+    ("    match: {}\n    blank: {micro_batch: 2}\n", "match="),
+    ("    match: {model: '(unclosed'}\n    blank: {micro_batch: 2}\n", "not a regular expression"),
+    ("    match: {source: x}\n    blank: {micro_batch: 2}\n    runs_with: y\n", "unknown key"),
+])
+def test_a_malformed_source_setting_is_refused_naming_it(tmp_path: Path, entry: str, problem: str) -> None:
+    bad = tmp_path / "source_settings.yaml"
+    bad.write_text(f"version: 1\nsettings:\n  - name: broken\n{entry}    source: a script somewhere, at some commit\n")
+    with pytest.raises(ValidationDataError, match=f"broken.*{re.escape(problem)}"):
+        load_source_settings(bad)

@@ -63,10 +63,11 @@ def host_constants() -> HostConstants:
 
 
 def exchange_sync_s() -> float:
-    """Seconds each exchange of Megatron-Core's non-interleaved pipeline schedule costs its stage on a GPU beyond
-    the transfer: ``batch_p2p_sync`` (on by default) synchronises the device after every batched send/receive
-    (``P2PCommunicator._communicate``), so the GPU then waits for the synchronisation and for the next pass's
-    first launch (docs/simulator.md, "Blocking exchanges")."""
+    """Seconds each blocking exchange of a pipeline schedule costs its stage on a GPU beyond the transfer:
+    Megatron-Core's non-interleaved schedule synchronises the device after every batched send/receive
+    (``batch_p2p_sync``, on by default: ``P2PCommunicator._communicate``), as Megatron-LM's ``_communicate`` did
+    after every exchange before it, so the GPU then waits for the synchronisation and for the next pass's first
+    launch (docs/simulator.md, "Blocking exchanges")."""
     constants = host_constants()
     return constants.sync_s + constants.forward_launch_s
 

@@ -94,6 +94,13 @@ class SimOptions:
     ``--scatter-gather-tensors-in-pipeline``, on by default there): each TP rank sends its 1/TP share of the
     activation and the receiving stage all-gathers it over TP. ``False``: Megatron-Core's, where every TP rank sends
     the whole tensor unless sequence parallelism split it (:func:`~cfp_megatron.sim.terms.pipeline.exchange_fit`)."""
+    blocking_interleaved: bool = False
+    """The interleaved schedule's exchanges as Megatron-LM ran them before Megatron-Core's ``overlap_p2p_comm``
+    (``megatron/schedules.py`` and ``p2p_communication.py`` until 2023): each step one batched send and receive with
+    both neighbouring stages, waited for, then the device synchronised
+    (:func:`~cfp_megatron.sim.schedule.interleaved_blocking_order`). ``False``: Megatron-Core's, posted
+    asynchronously and waited for by the pass that needs them, as the runtime trains. Without interleaving every
+    exchange blocks either way."""
     te_cross_entropy: bool = False
     """The loss runs Transformer Engine's fused cross entropy (Megatron-Core's ``cross_entropy_loss_fusion`` with
     ``cross_entropy_fusion_impl='te'``, which NVIDIA's performance recipes set): it keeps the logits in their own

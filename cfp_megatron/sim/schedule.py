@@ -1,7 +1,9 @@
 """Pipeline schedules as timed events: 1F1B (PipeDream-Flush) and Megatron's interleaved 1F1B, each rank's passes
 in Megatron-Core's order, timed as a dependency graph (docs/simulator.md, "schedule.py"); the non-interleaved one
-also with its exchanges as Megatron-Core runs them, blocking both stages ("Blocking exchanges"). Also GPipe and the
-zero-bubble schedules with the backward split into B and W passes ("Zero-bubble schedules")."""
+also with its exchanges as Megatron-Core runs them, blocking both stages ("Blocking exchanges"), and the interleaved
+one as Megatron-LM ran it before Megatron-Core, every exchange blocking and with both neighbours at once ("Blocking
+interleaved exchanges"). Also GPipe and the zero-bubble schedules with the backward split into B and W passes
+("Zero-bubble schedules")."""
 
 from __future__ import annotations
 
@@ -113,16 +115,18 @@ class Transfer(NamedTuple):
     """One tensor handed between neighbouring pipeline ranks (a named tuple: a long schedule holds many)."""
 
     activation: bool
-    """A forward activation (rank ``boundary`` to ``boundary + 1``), else a gradient (back)."""
+    """A forward activation (stage ``boundary`` to ``boundary + 1``), else a gradient (back)."""
     boundary: int
-    """The pair of ranks it crosses: ``boundary`` and ``boundary + 1``."""
+    """The pair of stages it crosses: ``boundary`` and ``boundary + 1``, counted over every rank's chunks (chunk
+    ``c`` of rank ``r`` is stage ``c pp + r``; one chunk a rank: the ranks), so over ranks ``boundary mod pp`` and
+    the next one."""
     microbatch: int
     """Micro-batch index."""
 
 
 class Exchange(NamedTuple):
-    """One call of Megatron-Core's ``P2PCommunicator`` in the non-interleaved schedule: its sends and receives,
-    grouped and waited for together."""
+    """One call of the pipeline's send/receive (Megatron-Core's ``P2PCommunicator``, Megatron-LM's
+    ``p2p_communication._communicate`` before it): its sends and receives, grouped and waited for together."""
 
     sends: tuple[Transfer, ...]
     """What the rank sends."""
@@ -172,6 +176,79 @@ def blocking_order(rank: int, pp: int, microbatches: int) -> tuple[tuple[bool, i
     return tuple(order)
 
 
+def interleaved_blocking_order(rank: int, pp: int, vpp: int, microbatches: int
+                               ) -> tuple[tuple[bool, int, int] | Exchange, ...]:
+    """What pipeline rank ``rank`` of ``pp`` runs in Megatron-LM's interleaved 1F1B schedule before Megatron-Core
+    (``forward_backward_pipelining_with_interleaving`` in ``megatron/schedules.py``, 2020-2023) over ``vpp`` model
+    chunks and ``microbatches`` micro-batches, in order: passes as ``(is_forward, microbatch, chunk)`` and every call
+    of ``p2p_communication._communicate``, each with what it sends and receives: ``recv_forward`` first (not on rank
+    0), after each warm-up forward ``send_forward_recv_forward`` (the last one, where a steady state follows,
+    ``send_forward_backward_recv_forward_backward``), after each steady-state forward and backward one
+    ``send_forward_backward_recv_forward_backward`` with both neighbours, ``recv_backward`` (where every pass is in
+    the warm-up, not on the last rank) and after each cool-down backward ``send_backward_recv_backward``; rank 0's
+    neighbour before it is rank ``pp - 1``. Which tensors they receive follows the schedule's own bookkeeping: a
+    chunk's activations and gradients arrive in micro-batch order (docs/simulator.md, "Blocking interleaved
+    exchanges"). Raises ``ValueError`` unless ``microbatches`` is a multiple of ``pp``, as the schedule asserts."""
+    if microbatches % pp:
+        raise ValueError(f"the interleaved schedule runs micro-batches in groups of pp: {microbatches} micro-batches "
+                         f"over pp={pp}")
+    total, group = microbatches * vpp, pp * vpp
+    first, last = rank == 0, rank == pp - 1
+    all_warmup = microbatches == pp
+    warmup = total if all_warmup else min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+    remaining = total - warmup
+    received = {True: [0] * vpp, False: [0] * vpp}  # activations, gradients received so far per chunk
+
+    def chunk(nth: int, forward: bool) -> int:  # get_model_chunk_id
+        found = nth % group // pp
+        return found if forward else vpp - 1 - found
+
+    def microbatch(nth: int) -> int:
+        return nth // group * pp + nth % pp
+
+    def sent(nth: int, forward: bool) -> tuple[Transfer, ...]:  # the output of the nth forward, or input gradient
+        stage = chunk(nth, forward) * pp + rank
+        if forward:
+            return () if stage == group - 1 else (Transfer(True, stage, microbatch(nth)),)
+        return () if stage == 0 else (Transfer(False, stage - 1, microbatch(nth)),)
+
+    def receive(activation: bool, into: int) -> tuple[Transfer, ...]:
+        index = received[activation][into]
+        received[activation][into] += 1
+        return (Transfer(activation, into * pp + rank - (1 if activation else 0), index),)
+
+    order: list[tuple[bool, int, int] | Exchange] = []
+    if not first:  # recv_forward for chunk 0
+        order.append(Exchange((), receive(True, 0)))
+    for nth in range(warmup):
+        order.append((True, microbatch(nth), chunk(nth, True)))
+        recv_prev = not (first and chunk(nth + 1, True) == 0) and nth != total - 1
+        receives = receive(True, chunk(nth + 1, True)) if recv_prev else ()
+        if nth == warmup - 1 and not all_warmup and not last:  # send_forward_backward_recv_forward_backward
+            receives += receive(False, vpp - 1)
+        order.append(Exchange(sent(nth, True), receives))
+    for nth in range(remaining):
+        forward_nth = nth + warmup
+        order.append((True, microbatch(forward_nth), chunk(forward_nth, True)))
+        order.append((False, microbatch(nth), chunk(nth, False)))
+        # the first (last) rank runs pp - 1 passes ahead of the last (first), whose chunk it receives
+        next_forward = chunk(forward_nth - (pp - 1), True) + 1 if first else chunk(forward_nth + 1, True)
+        next_backward = chunk(nth - (pp - 1), False) - 1 if last else chunk(nth + 1, False)
+        recv_prev = not (first and next_forward == vpp) and nth != remaining - 1
+        recv_next = not (last and next_backward == -1)
+        receives = ((receive(True, next_forward) if recv_prev else ())
+                    + (receive(False, next_backward) if recv_next else ()))
+        order.append(Exchange(sent(forward_nth, True) + sent(nth, False), receives))
+    if all_warmup and not last:  # recv_backward for the last chunk
+        order.append(Exchange((), receive(False, vpp - 1)))
+    for nth in range(remaining, total):
+        order.append((False, microbatch(nth), chunk(nth, False)))
+        next_backward = chunk(nth + 1, False)
+        recv_next = not (last and next_backward == vpp - 1) and nth != total - 1
+        order.append(Exchange(sent(nth, False), receive(False, next_backward) if recv_next else ()))
+    return tuple(order)
+
+
 def dependency_floors(forward_s: list[list[float]], backward_s: list[list[float]],
                       busy: tuple[float, ...]) -> list[float]:
     """Seconds before which no schedule of these passes can end, per rank, from the pass seconds
@@ -201,19 +278,19 @@ def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2
 
     ``p2p_s`` is the send/receive time (seconds) between consecutive stages: one figure, or one per rank ``r`` for
     its exchange with rank ``r + 1`` (the last entry: rank ``pp - 1`` with rank 0, which only the interleaved
-    schedule's chunks cross). ``blocking`` (one chunk per rank only) times Megatron-Core's exchanges as it runs them
-    without interleaving: each stage waits in every exchange until its neighbour joins it and the transfer ends,
-    then ``call_s`` more (:func:`blocking_order`; docs/simulator.md, "Blocking exchanges"); otherwise a transfer
-    only delays the pass that needs it. ``keep_ops`` keeps every timed pass. Schedules with more than ``max_ops``
-    passes are extrapolated from two shorter ones (docs/simulator.md, "Long schedules"). ``schedule`` other than
+    schedule's chunks cross). ``blocking`` times every exchange as blocking: each stage waits in it until its
+    neighbours join it and its transfers end, then ``call_s`` more; with one chunk a rank Megatron-Core's exchanges
+    (:func:`blocking_order`; docs/simulator.md, "Blocking exchanges"), over several Megatron-LM's interleaved
+    schedule before Megatron-Core (:func:`interleaved_blocking_order`, "Blocking interleaved exchanges"); otherwise a
+    transfer only delays the pass that needs it (Megatron-Core's interleaved schedule). ``keep_ops`` keeps every
+    timed pass. Schedules with more than ``max_ops`` passes are extrapolated from two shorter ones (docs/simulator.md,
+    "Long schedules"). ``schedule`` other than
     Megatron-Core's (one chunk a rank, not blocking): GPipe's order, or a zero-bubble one whose backward of each rank
     splits into B (``backward_s`` less ``weight_s[rank]``) and W (``weight_s[rank]``, default zero) passes
     (:func:`_run_zero_bubble`). Raises :class:`ScheduleError` on a deadlock.
     """
     pp, vpp = len(forward_s), len(forward_s[0])
     links = per_rank_links(p2p_s, pp)
-    if blocking and vpp != 1:
-        raise ValueError("blocking exchanges are timed for the non-interleaved schedule (one chunk per rank)")
     if schedule is not PipelineSchedule.megatron and (vpp != 1 or blocking):
         raise ValueError(f"the {schedule.value} schedule is timed with one chunk per rank and no blocking exchanges")
     num_ops = 2 * pp * vpp * microbatches
@@ -235,8 +312,8 @@ def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2
                                 list(weight_s) if weight_s is not None else [0.0] * pp, links, microbatches,
                                 (zero_bubble_limit(pp, microbatches, schedule),) * pp, busy, keep_ops)
     if blocking and pp > 1:
-        return _run_blocking(tuple(row[0] for row in forward_s), tuple(row[0] for row in backward_s), links,
-                             microbatches, call_s, busy, keep_ops)
+        return _run_blocking(tuple(map(tuple, forward_s)), tuple(map(tuple, backward_s)), links, microbatches, call_s,
+                             busy, keep_ops)
     num_stages = pp * vpp
     # End of each pass per global stage and micro-batch (-1: not run yet).
     forward_end = [[-1.0] * microbatches for _ in range(num_stages)]
@@ -294,22 +371,32 @@ def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2
 
 
 @functools.lru_cache(maxsize=4096)
-def _blocking_program(rank: int, pp: int, microbatches: int) -> tuple[tuple[int, ...], ...]:
-    """:func:`blocking_order` of ``rank`` as :func:`_run_blocking` walks it: a pass as ``(is_forward, microbatch, -1,
-    -1, -1, -1)``, an exchange (one or two transfers, with one neighbour) as ``(-1, boundary, mine, theirs, mine,
-    theirs)`` with the slots of its transfers' two sides (its own and the neighbour's, :func:`_slot`; -1 where it
-    has one transfer)."""
-    program: list[tuple[int, ...]] = []
-    for item in blocking_order(rank, pp, microbatches):
+def _blocking_program(rank: int, pp: int, vpp: int, microbatches: int) -> tuple[tuple, ...]:
+    """What :func:`_run_blocking` walks on ``rank``: :func:`blocking_order` (one chunk a rank) or
+    :func:`interleaved_blocking_order`, as six numbers an item: a pass as ``(is_forward, microbatch, chunk, -1, -1,
+    -1)``; an exchange over one link (one or two transfers, one chunk a rank) as ``(-1, link, mine, theirs, mine,
+    theirs)`` with the slots of its transfers' two sides (its own and the neighbour's, :func:`_slot`; -1 where it has
+    one transfer); any other as ``(-2, transfers, -1, ...)``, per transfer ``(mine, theirs, link)``. ``link``
+    indexes ``links``."""
+    order = (blocking_order(rank, pp, microbatches) if vpp == 1
+             else interleaved_blocking_order(rank, pp, vpp, microbatches))
+    program: list[tuple] = []
+    for item in order:
         if isinstance(item, Exchange):
-            slots: list[int] = []
-            for sending, transfers in ((True, item.sends), (False, item.receives)):
-                for transfer in transfers:
-                    slots += [_slot(transfer, sending, microbatches), _slot(transfer, not sending, microbatches)]
-            boundary = (item.sends or item.receives)[0].boundary
-            program.append((-1, boundary, *slots, *([-1, -1] if len(slots) == 2 else [])))
+            transfers = [(_slot(transfer, sending, microbatches), _slot(transfer, not sending, microbatches),
+                          transfer.boundary % pp)
+                         for sending, transfers in ((True, item.sends), (False, item.receives))
+                         for transfer in transfers]
+            if len(transfers) == 1:
+                mine, theirs, link = transfers[0]
+                program.append((-1, link, mine, theirs, -1, -1))
+            elif len(transfers) == 2 and transfers[0][2] == transfers[1][2]:
+                (mine, theirs, link), (mine2, theirs2, _) = transfers
+                program.append((-1, link, mine, theirs, mine2, theirs2))
+            else:
+                program.append((-2, tuple(transfers), -1, -1, -1, -1))
         else:
-            program.append((int(item[0]), item[1], -1, -1, -1, -1))
+            program.append((int(item[0]), item[1], item[2] if vpp > 1 else 0, -1, -1, -1))
     return tuple(program)
 
 
@@ -319,17 +406,21 @@ def _slot(transfer: Transfer, sending: bool, microbatches: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _run_blocking(forward_s: tuple[float, ...], backward_s: tuple[float, ...], links: tuple[float, ...],
-                  microbatches: int, call_s: float, busy: tuple[float, ...], keep_ops: bool) -> ScheduleResult:
-    """:func:`run_schedule` of the non-interleaved schedule with blocking exchanges: each rank runs
-    :func:`blocking_order`; a transfer ends ``links[boundary]`` after both its sender and its receiver reached the
-    exchange that holds it (both directions of an exchange move at once, each over its own direction of the link),
-    and an exchange ends when its transfers did, plus ``call_s``. A rank waits only for its neighbours, so after a
-    rank advances only they are tried again. Kept by its arguments (a frozen result): the validator's refits and
-    sensitivities time the same schedule again wherever a changed efficiency leaves its passes as they were."""
-    pp = len(forward_s)
-    programs = [_blocking_program(rank, pp, microbatches) for rank in range(pp)]
-    reached = [-1.0] * (4 * pp * microbatches)  # when each side of each transfer reached its exchange
+def _run_blocking(forward_s: tuple[tuple[float, ...], ...], backward_s: tuple[tuple[float, ...], ...],
+                  links: tuple[float, ...], microbatches: int, call_s: float, busy: tuple[float, ...],
+                  keep_ops: bool) -> ScheduleResult:
+    """:func:`run_schedule` with blocking exchanges: each rank runs :func:`_blocking_program`; a transfer ends
+    ``links[boundary mod pp]`` after both its sender and its receiver reached the exchange that holds it (the
+    transfers of an exchange move at once, each over its own direction of its link), and an exchange ends when its
+    last transfer did (at once where it has none), plus ``call_s``. A rank waits only for its neighbours (over model
+    chunks rank 0 and rank ``pp - 1`` are neighbours too), so after a rank advances only they are tried again. Kept
+    by its arguments (a frozen result): the validator's refits and sensitivities time the same schedule again
+    wherever a changed efficiency leaves its passes as they were."""
+    pp, vpp = len(forward_s), len(forward_s[0])
+    programs = [_blocking_program(rank, pp, vpp, microbatches) for rank in range(pp)]
+    neighbours = [sorted({(rank - 1) % pp, (rank + 1) % pp} - {rank}) if vpp > 1
+                  else [other for other in (rank - 1, rank + 1) if 0 <= other < pp] for rank in range(pp)]
+    reached = [-1.0] * (4 * pp * vpp * microbatches)  # when each side of each transfer reached its exchange
     next_item = [0] * pp
     free_s = [0.0] * pp
     ops: list[Op] = []
@@ -339,12 +430,20 @@ def _run_blocking(forward_s: tuple[float, ...], backward_s: tuple[float, ...], l
         rank = pending.popleft()
         queued[rank] = False
         program = programs[rank]
+        rank_forward_s, rank_backward_s = forward_s[rank], backward_s[rank]
         index = next_item[rank]
         clock_s = free_s[rank]
         length = len(program)
         while index < length:
             kind, value, mine, theirs, mine2, theirs2 = program[index]
-            if kind < 0:
+            if kind >= 0:  # a pass: value is its micro-batch, mine its chunk
+                start_s = clock_s
+                clock_s += rank_forward_s[mine] if kind else rank_backward_s[mine]
+                if keep_ops:
+                    ops.append(Op(rank=rank, forward=bool(kind), microbatch=value, chunk=mine, start_s=start_s,
+                                  end_s=clock_s))
+                index += 1
+            elif kind == -1:  # one link, one or two transfers
                 reached[mine] = clock_s
                 other_s = reached[theirs]
                 if mine2 >= 0:
@@ -358,22 +457,33 @@ def _run_blocking(forward_s: tuple[float, ...], backward_s: tuple[float, ...], l
                     break
                 # both transfers start when the later side arrived: one transfer's time after that
                 clock_s = (clock_s if clock_s > other_s else other_s) + links[value] + call_s
-            else:
-                start_s = clock_s
-                clock_s += forward_s[rank] if kind else backward_s[rank]
-                if keep_ops:
-                    ops.append(Op(rank=rank, forward=bool(kind), microbatch=value, chunk=0, start_s=start_s,
-                                  end_s=clock_s))
-            index += 1
+                index += 1
+            else:  # any transfers, each over its own link: (mine, theirs, link) each
+                for side, _, _ in value:
+                    reached[side] = clock_s
+                end_s = clock_s
+                for _, side, link in value:
+                    other_s = reached[side]
+                    if other_s < 0:
+                        break
+                    other_s = (clock_s if clock_s > other_s else other_s) + links[link]
+                    if other_s > end_s:
+                        end_s = other_s
+                else:
+                    clock_s = end_s + call_s
+                    index += 1
+                    continue
+                break
         if index != next_item[rank]:
             next_item[rank] = index
             free_s[rank] = clock_s
-            for neighbour in (rank - 1, rank + 1):
-                if 0 <= neighbour < pp and not queued[neighbour]:
+            for neighbour in neighbours[rank]:
+                if not queued[neighbour]:
                     pending.append(neighbour)
                     queued[neighbour] = True
     if any(index < len(program) for index, program in zip(next_item, programs, strict=True)):
-        raise ScheduleError(f"pipeline schedule deadlocked (pp={pp}, blocking, microbatches={microbatches})")
+        raise ScheduleError(f"pipeline schedule deadlocked (pp={pp}, vpp={vpp}, blocking, "
+                            f"microbatches={microbatches})")
     return ScheduleResult(end_s=tuple(free_s), busy_s=busy, ops=tuple(ops), simulated=True)
 
 

@@ -123,8 +123,10 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
             return None
 
     # Megatron-Core's non-interleaved schedule blocks both stages in every exchange and, on a GPU, synchronises
-    # after it (docs/simulator.md, "Blocking exchanges"); the interleaved one overlaps them with the passes.
-    blocking = vpp == 1 and pp > 1 and schedule_kind is PipelineSchedule.megatron
+    # after it (docs/simulator.md, "Blocking exchanges"); the interleaved one overlaps them with the passes, where
+    # Megatron-LM's before it blocked too ("Blocking interleaved exchanges").
+    blocking = (pp > 1 and schedule_kind is PipelineSchedule.megatron
+                and (vpp == 1 or options.blocking_interleaved))
     call_s = exchange_sync_s() if blocking and not cluster.on_cpu else 0.0
 
     def timed() -> ScheduleResult:
@@ -133,7 +135,7 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
 
     if cache is not None and not with_events:  # plans that differ only outside the schedule (e.g. the optimizer)
         schedule_key = (tuple(map(tuple, forward_s)), tuple(map(tuple, backward_s)), p2p_s, dims.num_microbatches,
-                        call_s, schedule_kind, weight_s)
+                        blocking, call_s, schedule_kind, weight_s)
         schedule = cache.schedules.get(schedule_key)
         if schedule is None:
             schedule = cache.schedules[schedule_key] = timed()

@@ -1,11 +1,11 @@
 """The validator's data files (``frameworks.yaml``, ``model_families.yaml``, ``recipes.yaml``, ``schedules.yaml``,
-``precisions.yaml`` beside this module), read into typed entries; each loader takes another file's path (a test's, a
-user's) in the same format."""
+``precisions.yaml``, ``source_settings.yaml`` beside this module), read into typed entries; each loader takes another
+file's path (a test's, a user's) in the same format."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ from cfp_megatron.base.config import AttentionKernel, CudaGraphImpl, FlexBackend
 from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.number_format import format_names
 from cfp_megatron.sim.options import ApexAdamStates, WeightGradAccumulation
+from cfp_megatron.validation.rows import COLUMNS, COUNT_COLUMNS, RowError, count_cell
 
 DATA_DIR = Path(__file__).resolve().parent
 FRAMEWORKS_FILE = DATA_DIR / "frameworks.yaml"
@@ -25,6 +26,7 @@ FAMILIES_FILE = DATA_DIR / "model_families.yaml"
 RECIPES_FILE = DATA_DIR / "recipes.yaml"
 SCHEDULES_FILE = DATA_DIR / "schedules.yaml"
 PRECISIONS_FILE = DATA_DIR / "precisions.yaml"
+SETTINGS_FILE = DATA_DIR / "source_settings.yaml"
 VERSION = 1
 """The format version every data file states (``version:``); a file of another version is refused."""
 BLANK_COLUMNS = {"sequence_parallel", "zero_or_fsdp", "recompute"}
@@ -90,6 +92,9 @@ class Framework:
     pipeline_scatter_gather: bool = False
     """The exchange between pipeline stages split over TP and all-gathered after it (Megatron-LM before
     Megatron-Core, :attr:`~cfp_megatron.sim.options.SimOptions.pipeline_scatter_gather`)."""
+    blocking_interleaved: bool = False
+    """Its interleaved schedule's exchanges block, with both neighbours each step (Megatron-LM before Megatron-Core,
+    :attr:`~cfp_megatron.sim.options.SimOptions.blocking_interleaved`)."""
     fp8_param_gather: tuple[str, ...] = ()
     """The number formats (:data:`PRECISION_RUNS` names) whose rows kept the parameters in FP8
     (``parallel.fp8_param_gather``)."""
@@ -255,11 +260,14 @@ class _Entry:
         return value
 
     def pattern(self, key: str, default: object = ...) -> str:
-        value = self.get(key, str, default)
+        return self.regex(key, self.get(key, str, default))
+
+    def regex(self, what: str, value: object) -> str:
+        """``value``, refused unless it is a regular expression (``what`` names it in the message)."""
         try:
             re.compile(value)
-        except re.error as err:
-            self.fail(f"has {key}={value!r}, not a regular expression ({err})")
+        except (re.error, TypeError) as err:
+            self.fail(f"has {what}={value!r}, not a regular expression ({err})")
         return value
 
 
@@ -276,7 +284,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
     path = Path(path)
     frameworks = []
     for index, raw in enumerate(_entries(path, _read(path), "frameworks")):
-        entry = _Entry(path, index, raw, {"match", "blank", "runs"})
+        entry = _Entry(path, index, raw, {"match", "blank", "runs", "approximation"})
         match = entry.get("match", dict)
         if (set(match) - {"contains", "starts_with", "before_year", "pattern"}
                 or not isinstance(match.get("contains", []), list) or not isinstance(match.get("starts_with", ""), str)
@@ -296,7 +304,8 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
         optional = {"mtp_layers", "pipeline_scatter_gather", "fp8_param_gather", "te_cross_entropy", "torch_fsdp",
                     "apex_distributed_adam", "overlap_param_gather", "weight_grad_accumulation", "torch_fused_adamw",
                     "moe_layer_syncs", "rank_batch_micro", "tie_embeddings", "deepspeed_engine", "torch_op_sac",
-                    "torch_moe_combine", "eager_loss", "compiled_loss", "async_tp_backward"}
+                    "torch_moe_combine", "eager_loss", "compiled_loss", "async_tp_backward",
+                    "blocking_interleaved"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -340,6 +349,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             overlap_grad_reduce=bool(runs["overlap_grad_reduce"]), tp_comm_overlap=bool(runs["tp_comm_overlap"]),
             grad_reduce_in_fp32=bool(runs["grad_reduce_in_fp32"]), mtp_layers=tuple(mtp.items()),
             pipeline_scatter_gather=bool(runs.get("pipeline_scatter_gather", False)),
+            blocking_interleaved=bool(runs.get("blocking_interleaved", False)),
             fp8_param_gather=tuple(fp8_params), te_cross_entropy=bool(runs.get("te_cross_entropy", False)),
             async_tp_backward=bool(runs.get("async_tp_backward", True)),
             torch_fsdp=bool(runs.get("torch_fsdp", False)), tie_embeddings=bool(runs.get("tie_embeddings", False)),
@@ -508,8 +518,86 @@ def load_precisions(path: Path = PRECISIONS_FILE) -> tuple[tuple[ColumnEntry, ..
 
 
 @dataclass(frozen=True, kw_only=True)
+class SourceSetting:
+    """What the rows of one source state outside their tables (an entry of ``source_settings.yaml``)."""
+
+    name: str
+    """What the entry covers, as a person names it."""
+    match: tuple[tuple[str, str], ...]
+    """The rows it covers: (column of the runs schema, regular expression its text matches somewhere,
+    case-insensitive) pairs, every one of which holds (:meth:`matches`)."""
+    blank: dict[str, str]
+    """Column -> the text a blank cell of it reads as (the row is read as if it stated it)."""
+    runs: dict[str, bool]
+    """:data:`SETTING_RUNS` field -> what the rows ran where no column says, in place of their framework's reading."""
+    approximation: str
+    """What the simulator does not model of what they ran (said for each row it covers); empty: modelled."""
+    source: str
+    """Where this comes from."""
+
+    def matches(self, row: dict) -> bool:
+        """Whether every column :attr:`match` names of ``row`` matches its pattern (a missing column reads as
+        blank)."""
+        return all(re.search(pattern, (row.get(column) or "").strip(), re.IGNORECASE) for column, pattern in self.match)
+
+
+def _row_match(entry: _Entry) -> tuple[tuple[str, str], ...]:
+    match = entry.get("match", dict)
+    if not match or set(match) - set(COLUMNS):
+        entry.fail(f"has match={match!r}; it maps columns of the runs schema ({', '.join(COLUMNS)}) to regular "
+                   "expressions, at least one")
+    return tuple((column, entry.regex(f"match {column}", pattern)) for column, pattern in match.items())
+
+
+def _blank_cells(entry: _Entry) -> dict[str, str]:
+    blank = entry.get("blank", dict, {})
+    if set(blank) - set(COLUMNS):
+        entry.fail(f"has blank={blank!r}; it maps columns of the runs schema ({', '.join(COLUMNS)}) to what a blank "
+                   "cell reads as")
+    cells = {}
+    for column, value in blank.items():
+        if isinstance(value, bool) or not isinstance(value, int | str) or not str(value).strip():
+            entry.fail(f"has blank {column}={value!r}; a count or the column's text")
+        if column in COUNT_COLUMNS:
+            try:
+                count_cell({column: str(value)}, column)
+            except RowError as err:
+                entry.fail(f"has blank {column}={value!r}: {err}")
+        cells[column] = str(value).strip()
+    return cells
+
+
+SETTING_RUNS = tuple(field.name for field in fields(Framework) if field.type == "bool")
+"""The :class:`Framework` readings a source setting may state for its rows (``runs:``), each a yes or no."""
+
+
+def _setting_runs(entry: _Entry) -> dict[str, bool]:
+    runs = entry.get("runs", dict, {})
+    if set(runs) - set(SETTING_RUNS) or not all(isinstance(value, bool) for value in runs.values()):
+        entry.fail(f"has runs={runs!r}; it maps {', '.join(SETTING_RUNS)} to true or false")
+    return dict(runs)
+
+
+@lru_cache(maxsize=4)
+def load_source_settings(path: Path = SETTINGS_FILE) -> tuple[SourceSetting, ...]:
+    """``source_settings.yaml`` (or another file in its format) in match order; :class:`ValidationDataError` names a
+    malformed entry."""
+    path = Path(path)
+    found = []
+    for index, raw in enumerate(_entries(path, _read(path), "settings")):
+        entry = _Entry(path, index, raw, {"match", "blank", "runs", "approximation"})
+        blank, runs = _blank_cells(entry), _setting_runs(entry)
+        if not blank and not runs:
+            entry.fail("states neither blank cells nor runs")
+        found.append(SourceSetting(name=raw["name"], match=_row_match(entry), blank=blank, runs=runs,
+                                   approximation=" ".join(entry.get("approximation", str, "").split()),
+                                   source=" ".join(raw["source"].split())))
+    return tuple(found)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ValidationData:
-    """Everything the validator reads a row with beyond its columns: the three data files, loaded."""
+    """Everything the validator reads a row with beyond its columns: its data files, loaded."""
 
     frameworks: tuple[Framework, ...]
     """``frameworks.yaml``."""
@@ -521,16 +609,20 @@ class ValidationData:
     """``schedules.yaml``: how a ``pp_schedule`` column reads."""
     precisions: tuple[tuple[ColumnEntry, ...], ColumnEntry]
     """``precisions.yaml``: how a ``precision`` column reads, and the entry a blank one reads as."""
+    settings: tuple[SourceSetting, ...]
+    """``source_settings.yaml``: what rows' sources state outside their tables."""
 
 
 @lru_cache(maxsize=8)
 def load_data(*, frameworks: Path = FRAMEWORKS_FILE, families: Path = FAMILIES_FILE, recipes: Path = RECIPES_FILE,
-              schedules: Path = SCHEDULES_FILE, precisions: Path = PRECISIONS_FILE) -> ValidationData:
+              schedules: Path = SCHEDULES_FILE, precisions: Path = PRECISIONS_FILE,
+              settings: Path = SETTINGS_FILE) -> ValidationData:
     """The data files (the shipped ones unless others are named); a recipe of a framework no entry names is a
     :class:`ValidationDataError`."""
     data = ValidationData(frameworks=load_frameworks(Path(frameworks)), families=load_families(Path(families)),
                           recipes=load_recipes(Path(recipes)), schedules=load_schedules(Path(schedules)),
-                          precisions=load_precisions(Path(precisions)))
+                          precisions=load_precisions(Path(precisions)),
+                          settings=load_source_settings(Path(settings)))
     names = {framework.name for framework in data.frameworks}
     for recipe in data.recipes:
         if recipe.framework not in names:

@@ -1,15 +1,36 @@
-"""What a row runs where its columns are blank or silent: its framework's reading (``frameworks.yaml``), its model
-family's (``model_families.yaml``), the performance preset its framework ran at its release (``recipes.yaml``), all
-read by :mod:`.data`, and the architecture of a model preset of its shape (``conf/model``)."""
+"""What a row runs where its columns are blank or silent: what its source states outside its tables
+(``source_settings.yaml``), its framework's reading (``frameworks.yaml``), its model family's
+(``model_families.yaml``), the performance preset its framework ran at its release (``recipes.yaml``), all read by
+:mod:`.data`, and the architecture of a model preset of its shape (``conf/model``)."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import re
 
 from cfp_megatron.base.compose import group_presets
 from cfp_megatron.sim.options import ApexAdamStates
-from cfp_megatron.validation.data import FAMILY_COLUMNS, Framework, PerformanceRecipe, ValidationData
+from cfp_megatron.validation.data import FAMILY_COLUMNS, Framework, PerformanceRecipe, SourceSetting, ValidationData
 from cfp_megatron.validation.rows import count_cell
+
+
+def source_setting(row: dict, data: ValidationData) -> SourceSetting | None:
+    """The first entry of ``source_settings.yaml`` whose match ``row`` meets; ``None``: none does."""
+    return next((setting for setting in data.settings if setting.matches(row)), None)
+
+
+def stated_row(row: dict, setting: SourceSetting | None) -> dict:
+    """``row`` with the blank cells ``setting`` (its :func:`source_setting`) states filled, a copy of the same type
+    (a stated cell wins); ``row`` itself where nothing is filled."""
+    cells = {column: text for column, text in (setting.blank.items() if setting else ())
+             if not (row.get(column) or "").strip()}
+    if not cells:
+        return row
+    filled = copy.copy(row)
+    filled.update(cells)
+    return filled
+
 
 RELEASE = r"\b(\d\d)\.(\d\d)"
 """A container release (``YY.MM``, as NeMo's containers are named) in a row's ``source_detail``, else in its
@@ -20,6 +41,13 @@ def framework_of(row: dict, data: ValidationData) -> Framework:
     """The first framework entry whose match the row's ``framework`` column meets (the last entry meets any)."""
     text = row.get("framework") or ""
     return next((framework for framework in data.frameworks if framework.match.matches(text)), data.frameworks[-1])
+
+
+def row_framework(row: dict, data: ValidationData, setting: SourceSetting | None) -> Framework:
+    """What the row's framework runs (:func:`framework_of`), with what ``setting`` (its :func:`source_setting`)
+    states it ran instead (:attr:`~cfp_megatron.validation.data.SourceSetting.runs`)."""
+    framework = framework_of(row, data)
+    return dataclasses.replace(framework, **setting.runs) if setting and setting.runs else framework
 
 
 def blank_reading(row: dict, column: str, framework: Framework) -> str:
