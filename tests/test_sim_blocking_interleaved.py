@@ -109,3 +109,20 @@ def test_long_blocking_interleaved_schedules_extrapolate_exactly(pp: int, vpp: i
     short = run_schedule(f, b, 0.05, m, blocking=True, call_s=0.01, max_ops=1)
     assert full.simulated and not short.simulated
     assert short.end_s == pytest.approx(full.end_s, rel=1e-9)
+
+
+
+def test_each_received_share_is_gathered_one_after_the_other_by_hand() -> None:
+    """Megatron-LM's _communicate all-gathers each received scatter/gather share after the synchronisation, one after
+    the other, on the receiving rank alone. The pp 2, vp 2, 4 micro-batch schedule of the first test with exchanges
+    that are all the receiver's gather g (transfers of no time): after each of the 11 pairs each rank gathers what it
+    received (rank 0 | rank 1: 0|1, 1|1, 1|1, 1|1, 1|2, 2|2, 2|1, 1|1, 1|1, 1|1, 1|0; the steady state receives from
+    both neighbours) and the next pair waits for the longer work, or for both gathers where the work is equal (F|F,
+    FB|FB, B|B): 1, 1, 1 (F|FB), 1, 2, 2, 2, 1 (B|FB), 1, 1 = 13 g before the last pair, where rank 1 ends; rank 0
+    then gathers 1 more. With g inside the transfer both ranks pay one g per pair: 11 g."""
+    g = 0.01
+    received = [[len(item.receives) for item in interleaved_blocking_order(rank, 2, 2, 4)
+                 if isinstance(item, Exchange)] for rank in range(2)]
+    assert received == [[0, 1, 1, 1, 1, 2, 2, 1, 1, 1, 1, 0], [1, 1, 1, 1, 2, 2, 1, 1, 1, 1, 0]]
+    assert run_schedule(*EQUAL, g, 4, blocking=True, gather_s=g).end_s == pytest.approx((27 + 14 * g, 25 + 13 * g))
+    assert run_schedule(*EQUAL, g, 4, blocking=True).end_s == pytest.approx((27 + 11 * g, 25 + 11 * g))

@@ -25,7 +25,7 @@ from cfp_megatron.sim.pass_costs import collective_costs
 from cfp_megatron.sim.schedule import Exchange, blocking_order, rank_order, run_schedule
 from cfp_megatron.sim.simulate import simulate
 from cfp_megatron.sim.terms.data_parallel import tied_embedding_sync
-from cfp_megatron.sim.terms.pipeline import exchange_fit, exchange_fits
+from cfp_megatron.sim.terms.pipeline import exchange_fit, exchange_fits, exchange_gather_s
 from cfp_megatron.validate import load_preset
 
 A100 = load_preset("dgx_a100")
@@ -194,6 +194,25 @@ def test_the_message_is_whole_without_sequence_parallelism() -> None:
         costs.flat(Collective.send_recv, message / 2, 2, intra))
     assert exchange_fit(plain, build_layout(plain), kernels, costs, scatter_gather=True) == pytest.approx(
         costs.flat(Collective.send_recv, message / 2, 2, intra) + costs.seconds(Collective.all_gather, message, 2, 2))
+    # the all-gather is the receiver's own part of it; under SP the 1/TP share is the tensor, gathered by no one
+    gather = costs.seconds(Collective.all_gather, message, 2, 2)
+    assert exchange_gather_s(plain, build_layout(plain), kernels, costs, scatter_gather=True) == pytest.approx(gather)
+    assert exchange_gather_s(sp, build_layout(sp), kernels, costs, scatter_gather=True) == 0.0
+    assert exchange_gather_s(plain, build_layout(plain), kernels, costs, scatter_gather=False) == 0.0
+
+
+def test_only_the_receiver_gathers_after_a_blocking_exchange_by_hand() -> None:
+    """pp 2, one micro-batch, forward 1 s, backward 2 s, an exchange of x of which g is the receiver's all-gather
+    after it (Megatron-LM's scatter/gather). Rank 0: F0 (1), send_forward: the transfer ends at 1 + x - g and rank 0,
+    which received nothing, goes on; rank 1 gathers: 1 + x, F0, B0 (4 + x), its send_backward ends at 4 + 2x - g
+    (rank 0 waits in recv_backward), rank 0 gathers (4 + 2x) and runs B0: 6 + 2x. With g inside the transfer both
+    sides pay it: rank 1 ends at 4 + 2x."""
+    x, g = 0.25, 0.1
+    f, b = [[1.0]] * 2, [[2.0]] * 2
+    assert run_schedule(f, b, x, 1, blocking=True, gather_s=g).end_s == pytest.approx((6 + 2 * x, 4 + 2 * x - g))
+    assert run_schedule(f, b, x, 1, blocking=True).end_s == pytest.approx((6 + 2 * x, 4 + 2 * x))
+    # Megatron-Core's delays: the pass that needs the tensor waits for all of it, gathered or not
+    assert run_schedule(f, b, x, 1, gather_s=g).end_s == run_schedule(f, b, x, 1).end_s
 
 
 # --- what the ends of the pipeline pay ------------------------------------------------------------------------------

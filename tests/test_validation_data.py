@@ -261,10 +261,9 @@ def test_the_backward_collectives_overlap_where_the_framework_runs_them_beside_t
 
 
 def test_megatron_lm_before_megatron_core_blocks_in_its_interleaved_exchanges() -> None:
-    """frameworks.yaml: Megatron-LM's p2p_communication of 2021 and 2022 waits for every exchange and synchronises;
+    """frameworks.yaml: Megatron-LM's p2p_communication of 2021 waits for every exchange and synchronises;
     Megatron-Core's interleaved exchanges are asynchronous (overlap_p2p_comm)."""
     assert row_plan({**ROW, "framework": "Megatron-LM (2021)"}).options.blocking_interleaved
-    assert row_plan({**ROW, "framework": "Megatron-LM (2022)"}).options.blocking_interleaved
     assert not row_plan({**ROW, "framework": "Megatron-Core r0.8.0"}).options.blocking_interleaved
     assert not row_plan({**ROW, "framework": "NeMo 24.07 (Megatron-Core)"}).options.blocking_interleaved
 

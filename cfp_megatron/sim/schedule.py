@@ -272,7 +272,7 @@ def per_rank_links(p2p_s: float | Sequence[float], pp: int) -> tuple[float, ...]
 def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2p_s: float | Sequence[float],
                  microbatches: int, *, blocking: bool = False, call_s: float = 0.0, keep_ops: bool = False,
                  max_ops: int = 200_000, schedule: PipelineSchedule = PipelineSchedule.megatron,
-                 weight_s: Sequence[float] | None = None) -> ScheduleResult:
+                 weight_s: Sequence[float] | None = None, gather_s: float = 0.0) -> ScheduleResult:
     """Time the schedule for per-rank, per-chunk pass durations ``forward_s[rank][chunk]`` and
     ``backward_s[rank][chunk]`` (seconds, one micro-batch) over ``microbatches`` micro-batches.
 
@@ -282,7 +282,10 @@ def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2
     neighbours join it and its transfers end, then ``call_s`` more; with one chunk a rank Megatron-Core's exchanges
     (:func:`blocking_order`; docs/simulator.md, "Blocking exchanges"), over several Megatron-LM's interleaved
     schedule before Megatron-Core (:func:`interleaved_blocking_order`, "Blocking interleaved exchanges"); otherwise a
-    transfer only delays the pass that needs it (Megatron-Core's interleaved schedule). ``keep_ops`` keeps every
+    transfer only delays the pass that needs it (Megatron-Core's interleaved schedule). ``gather_s``: the part of
+    each ``p2p_s`` that only the receiver pays after a blocking exchange (Megatron-LM's all-gather of a received
+    scatter/gather share): a blocking transfer lasts ``p2p_s`` less it, and the receiver pays it once per tensor it
+    received, one after the other. ``keep_ops`` keeps every
     timed pass. Schedules with more than ``max_ops`` passes are extrapolated from two shorter ones (docs/simulator.md,
     "Long schedules"). ``schedule`` other than
     Megatron-Core's (one chunk a rank, not blocking): GPipe's order, or a zero-bubble one whose backward of each rank
@@ -299,9 +302,10 @@ def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2
     zero_bubble = schedule in (PipelineSchedule.zb_h1, PipelineSchedule.zb_h2)
     if num_ops > max_ops and not keep_ops and microbatches > short_microbatches + pp and not zero_bubble:
         short = run_schedule(forward_s, backward_s, links, short_microbatches, blocking=blocking, call_s=call_s,
-                             max_ops=num_ops, schedule=schedule, weight_s=weight_s)
+                             max_ops=num_ops, schedule=schedule, weight_s=weight_s, gather_s=gather_s)
         longer = run_schedule(forward_s, backward_s, links, short_microbatches + pp, blocking=blocking,
-                              call_s=call_s, max_ops=num_ops, schedule=schedule, weight_s=weight_s)
+                              call_s=call_s, max_ops=num_ops, schedule=schedule, weight_s=weight_s,
+                              gather_s=gather_s)
         steps = (microbatches - short_microbatches) / pp
         floors = dependency_floors(forward_s, backward_s, busy)
         ends = tuple(max(short_end + steps * (longer_end - short_end), floor)
@@ -312,8 +316,9 @@ def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2
                                 list(weight_s) if weight_s is not None else [0.0] * pp, links, microbatches,
                                 (zero_bubble_limit(pp, microbatches, schedule),) * pp, busy, keep_ops)
     if blocking and pp > 1:
-        return _run_blocking(tuple(map(tuple, forward_s)), tuple(map(tuple, backward_s)), links, microbatches, call_s,
-                             busy, keep_ops)
+        return _run_blocking(tuple(map(tuple, forward_s)), tuple(map(tuple, backward_s)),
+                             tuple(max(link - gather_s, 0.0) for link in links), microbatches, call_s, gather_s, busy,
+                             keep_ops)
     num_stages = pp * vpp
     # End of each pass per global stage and micro-batch (-1: not run yet).
     forward_end = [[-1.0] * microbatches for _ in range(num_stages)]
@@ -373,11 +378,11 @@ def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2
 @functools.lru_cache(maxsize=4096)
 def _blocking_program(rank: int, pp: int, vpp: int, microbatches: int) -> tuple[tuple, ...]:
     """What :func:`_run_blocking` walks on ``rank``: :func:`blocking_order` (one chunk a rank) or
-    :func:`interleaved_blocking_order`, as six numbers an item: a pass as ``(is_forward, microbatch, chunk, -1, -1,
-    -1)``; an exchange over one link (one or two transfers, one chunk a rank) as ``(-1, link, mine, theirs, mine,
-    theirs)`` with the slots of its transfers' two sides (its own and the neighbour's, :func:`_slot`; -1 where it has
-    one transfer); any other as ``(-2, transfers, -1, ...)``, per transfer ``(mine, theirs, link)``. ``link``
-    indexes ``links``."""
+    :func:`interleaved_blocking_order`, as seven numbers an item: a pass as ``(is_forward, microbatch, chunk, -1, -1,
+    -1, 0)``; an exchange over one link (one or two transfers, one chunk a rank) as ``(-1, link, mine, theirs, mine,
+    theirs, received)`` with the slots of its transfers' two sides (its own and the neighbour's, :func:`_slot`; -1
+    where it has one transfer); any other as ``(-2, transfers, -1, -1, -1, -1, received)``, per transfer ``(mine,
+    theirs, link)``. ``link`` indexes ``links``; ``received`` counts the tensors the exchange receives."""
     order = (blocking_order(rank, pp, microbatches) if vpp == 1
              else interleaved_blocking_order(rank, pp, vpp, microbatches))
     program: list[tuple] = []
@@ -387,16 +392,17 @@ def _blocking_program(rank: int, pp: int, vpp: int, microbatches: int) -> tuple[
                           transfer.boundary % pp)
                          for sending, transfers in ((True, item.sends), (False, item.receives))
                          for transfer in transfers]
+            received = len(item.receives)
             if len(transfers) == 1:
                 mine, theirs, link = transfers[0]
-                program.append((-1, link, mine, theirs, -1, -1))
+                program.append((-1, link, mine, theirs, -1, -1, received))
             elif len(transfers) == 2 and transfers[0][2] == transfers[1][2]:
                 (mine, theirs, link), (mine2, theirs2, _) = transfers
-                program.append((-1, link, mine, theirs, mine2, theirs2))
+                program.append((-1, link, mine, theirs, mine2, theirs2, received))
             else:
-                program.append((-2, tuple(transfers), -1, -1, -1, -1))
+                program.append((-2, tuple(transfers), -1, -1, -1, -1, received))
         else:
-            program.append((int(item[0]), item[1], item[2] if vpp > 1 else 0, -1, -1, -1))
+            program.append((int(item[0]), item[1], item[2] if vpp > 1 else 0, -1, -1, -1, 0))
     return tuple(program)
 
 
@@ -407,13 +413,15 @@ def _slot(transfer: Transfer, sending: bool, microbatches: int) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def _run_blocking(forward_s: tuple[tuple[float, ...], ...], backward_s: tuple[tuple[float, ...], ...],
-                  links: tuple[float, ...], microbatches: int, call_s: float, busy: tuple[float, ...],
-                  keep_ops: bool) -> ScheduleResult:
+                  links: tuple[float, ...], microbatches: int, call_s: float, gather_s: float,
+                  busy: tuple[float, ...], keep_ops: bool) -> ScheduleResult:
     """:func:`run_schedule` with blocking exchanges: each rank runs :func:`_blocking_program`; a transfer ends
     ``links[boundary mod pp]`` after both its sender and its receiver reached the exchange that holds it (the
     transfers of an exchange move at once, each over its own direction of its link), and an exchange ends when its
-    last transfer did (at once where it has none), plus ``call_s``. A rank waits only for its neighbours (over model
-    chunks rank 0 and rank ``pp - 1`` are neighbours too), so after a rank advances only they are tried again. Kept
+    last transfer did (at once where it has none), plus ``call_s``, then ``gather_s`` for each tensor it received
+    (the all-gathers after the synchronisation, on the rank's own stream). A rank waits only for its neighbours
+    (over model chunks rank 0 and rank ``pp - 1`` are neighbours too), so after a rank advances only they are tried
+    again. Kept
     by its arguments (a frozen result): the validator's refits and sensitivities time the same schedule again
     wherever a changed efficiency leaves its passes as they were."""
     pp, vpp = len(forward_s), len(forward_s[0])
@@ -435,7 +443,7 @@ def _run_blocking(forward_s: tuple[tuple[float, ...], ...], backward_s: tuple[tu
         clock_s = free_s[rank]
         length = len(program)
         while index < length:
-            kind, value, mine, theirs, mine2, theirs2 = program[index]
+            kind, value, mine, theirs, mine2, theirs2, received = program[index]
             if kind >= 0:  # a pass: value is its micro-batch, mine its chunk
                 start_s = clock_s
                 clock_s += rank_forward_s[mine] if kind else rank_backward_s[mine]
@@ -456,7 +464,7 @@ def _run_blocking(forward_s: tuple[tuple[float, ...], ...], backward_s: tuple[tu
                 if other_s < 0:  # the neighbour has not reached it yet
                     break
                 # both transfers start when the later side arrived: one transfer's time after that
-                clock_s = (clock_s if clock_s > other_s else other_s) + links[value] + call_s
+                clock_s = (clock_s if clock_s > other_s else other_s) + links[value] + call_s + received * gather_s
                 index += 1
             else:  # any transfers, each over its own link: (mine, theirs, link) each
                 for side, _, _ in value:
@@ -470,7 +478,7 @@ def _run_blocking(forward_s: tuple[tuple[float, ...], ...], backward_s: tuple[tu
                     if other_s > end_s:
                         end_s = other_s
                 else:
-                    clock_s = end_s + call_s
+                    clock_s = end_s + call_s + received * gather_s
                     index += 1
                     continue
                 break

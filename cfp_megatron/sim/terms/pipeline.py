@@ -28,12 +28,27 @@ def exchange_fit(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     each TP rank sends its 1/TP share and the receiving stage all-gathers the tensor over TP."""
     dims = layout.dims
     crosses = not layout.pp_intra_node if crosses is None else crosses
-    message = layout.micro_batch * layout.seq_length / dims.cp * job.model.hidden_size * kernels.elem
+    message = _exchanged_bytes(job, layout, kernels)
     split = dims.tp if dims.sp or scatter_gather else 1
     seconds = costs.seconds(Collective.send_recv, message / split, 2, 1 if crosses else 2)
-    if scatter_gather and not dims.sp and dims.tp > 1:
-        seconds += costs.seconds(Collective.all_gather, message, dims.tp, layout.tp_per_node)
-    return seconds
+    return seconds + exchange_gather_s(job, layout, kernels, costs, scatter_gather=scatter_gather)
+
+
+def exchange_gather_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, *,
+                      scatter_gather: bool) -> float:
+    """The part of :func:`exchange_fit` that only the receiving stage pays, after the transfer: under
+    ``scatter_gather`` without sequence parallelism, the all-gather over TP of the received 1/TP shares
+    (``gather_split_1d_tensor`` in Megatron-LM's ``p2p_communication._communicate``, once per received tensor);
+    zero otherwise."""
+    dims = layout.dims
+    if not scatter_gather or dims.sp or dims.tp == 1:
+        return 0.0
+    return costs.seconds(Collective.all_gather, _exchanged_bytes(job, layout, kernels), dims.tp, layout.tp_per_node)
+
+
+def _exchanged_bytes(job: JobSpec, layout: Layout, kernels: KernelModel) -> float:
+    """Bytes of the whole activation one micro-batch hands to the next pipeline stage (before any TP split)."""
+    return layout.micro_batch * layout.seq_length / layout.dims.cp * job.model.hidden_size * kernels.elem
 
 
 def exchange_fits(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts,
@@ -52,12 +67,13 @@ def exchange_fits(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Col
 def shared_cores_schedule(f_s: list[list[float]], b_s: list[list[float]], p2p: float | tuple[float, ...],
                           microbatches: int, slowdown: float, with_events: bool, options: SimOptions, *,
                           blocking: bool = False, schedule: PipelineSchedule = PipelineSchedule.megatron,
-                          weight_s: tuple[float, ...] | None = None) -> ScheduleResult:
+                          weight_s: tuple[float, ...] | None = None, gather_s: float = 0.0) -> ScheduleResult:
     """The pipeline schedule where ranks share fewer cores than there are ranks (CPU): ``f_s`` and ``b_s`` are
     forward and backward seconds per rank and chunk, ``p2p`` the send/receive seconds (one figure, or one per rank
     for its exchange with the next, as :func:`~cfp_megatron.sim.schedule.run_schedule` takes them), ``slowdown``
     how much slower a rank runs with every rank busy than alone, ``blocking`` the non-interleaved schedule's
-    exchanges as Megatron-Core runs them, ``schedule`` and ``weight_s`` the schedule and its W passes
+    exchanges as Megatron-Core runs them, ``schedule``, ``weight_s`` and ``gather_s`` the schedule, its W passes and
+    the receiver's own part of an exchange
     (:func:`~cfp_megatron.sim.schedule.run_schedule`). Why it is bounded the way it is: docs/simulator.md, "Shared
     cores"."""
     pp = len(f_s)
@@ -66,7 +82,8 @@ def shared_cores_schedule(f_s: list[list[float]], b_s: list[list[float]], p2p: f
                          [[seconds / slowdown for seconds in row] for row in b_s],
                          tuple(seconds / slowdown for seconds in links), microbatches, blocking=blocking,
                          keep_ops=with_events, max_ops=options.max_schedule_ops, schedule=schedule,
-                         weight_s=None if weight_s is None else tuple(seconds / slowdown for seconds in weight_s))
+                         weight_s=None if weight_s is None else tuple(seconds / slowdown for seconds in weight_s),
+                         gather_s=gather_s / slowdown)
     busy_s = tuple(microbatches * (sum(fwd_row) + sum(bwd_row)) for fwd_row, bwd_row in zip(f_s, b_s, strict=True))
     # per micro-batch and chunk, an exchange with each neighbour (the one before and the one after)
     exchanges_s = tuple(microbatches * len(f_s[rank]) * (links[rank - 1] + links[rank]) for rank in range(pp))
