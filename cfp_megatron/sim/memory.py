@@ -307,7 +307,8 @@ def sp_gather_working_bytes(job: JobSpec, layout: Layout, options: SimOptions) -
     with Transformer Engine's linears (a flash core: the runtime builds their spec where it imports), each
     column-parallel GEMM gathers its saved input shard again into a new ``[tokens, hidden]`` tensor, in the format
     its weight-gradient GEMM reads, beside the input-gradient GEMM's output (``module/layernorm_linear.py``,
-    ``_LayerNormLinear.backward``: "Overlap input AG with dgrad"), freed after the weight gradient; none under TP
+    ``_LayerNormLinear.backward``: ``ctx.ln_out_needs_gather``, gathered with the input's quantizer beside the
+    dgrad GEMM), freed after the weight gradient; none under TP
     communication overlap, whose userbuffers hold it, nor with the local spec, whose gathers reuse the global buffer
     (:func:`global_buffer_bytes`)."""
     dims = layout.dims
