@@ -100,6 +100,21 @@ def test_a_fully_recomputed_layer_makes_its_scores_again_in_its_backward_pass() 
     assert kept == 1024 * job.model.hidden_size * 2  # the layer's input only
 
 
+def test_tp_comm_overlap_holds_transformer_engines_userbuffers() -> None:
+    # initialize_ub: one [tokens, hidden] buffer per overlapped GEMM name, 6 all-gathers (uint8 under FP8) and 4
+    # reduce-scatters; the backward's re-gather goes through them, so no transient beside them.
+    tp = ["model=llama_tiny", "train.seq_length=512", "parallel.tp=2", "cluster.gpus_per_node=2", "parallel.sp=true",
+          "parallel.tp_comm_overlap=true"]
+    hidden_tokens = 512 * 64
+    for precision, gathered in (("bf16", 2), ("fp8", 1)):
+        job = _job(*tp, f"train.precision={precision}")
+        first = dict(predict_memory(_job(*tp, f"train.precision={precision}", "parallel.pp=2",
+                                         "cluster.gpus_per_node=4", "train.global_batch_size=4"),
+                                    world_size=4).parts)
+        for parts in (dict(predict_memory(job).parts), first):
+            assert parts["tp_buffers"] == hidden_tokens * (2 + 6 * gathered + 4 * 2), precision
+
+
 def test_uniform_recomputation_keeps_one_input_a_group_and_recomputes_the_group_at_once() -> None:
     # transformer_block.py, _checkpointed_forward: "uniform" checkpoints groups of recompute_num_layers layers, each
     # keeping its input alone; a group's backward pass runs all its layers' forward again.
