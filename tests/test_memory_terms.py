@@ -14,6 +14,7 @@ from cfp_megatron.base.compose import compose_config, compose_job
 from cfp_megatron.base.config import Recompute, RecomputeModule
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.search.search import search
+from cfp_megatron.sim.backward_memory import backward_flow_bytes
 from cfp_megatron.sim.layout import build_layout
 from cfp_megatron.sim.memory import (
     BAND_FILE,
@@ -124,8 +125,9 @@ def test_uniform_recomputation_keeps_one_input_a_group_and_recomputes_the_group_
     layer, layer_input = layer_activation_bytes(one, build_layout(one), SimOptions(), moe=False)
     parts_one, parts_two = _parts(one), _parts(two)
     logits = parts_one["logits"]
-    assert parts_one["layer_activations"] == pytest.approx(4 * layer_input + max(layer - logits, 0.0))
-    assert parts_two["layer_activations"] == pytest.approx(2 * layer_input + max(2 * layer - logits, 0.0))
+    flow = backward_flow_bytes(one, build_layout(one), SimOptions(), moe=False)  # one linear's backward at a time
+    assert parts_one["layer_activations"] == pytest.approx(4 * layer_input + max(layer + flow - logits, 0.0))
+    assert parts_two["layer_activations"] == pytest.approx(2 * layer_input + max(2 * layer + flow - logits, 0.0))
 
 
 def test_an_unfused_core_keeps_k_and_v_repeated_to_every_head() -> None:
@@ -151,8 +153,9 @@ def test_the_loss_and_a_layers_backward_working_set_are_not_held_at_once() -> No
     working, kept = layer_activation_bytes(job, layout, options, moe=False)
     layers = job.model.num_layers
     scores = job.model.num_attention_heads * 1024 * 1024 * 4.0  # the fused softmax's bf16 gradient in and out
+    flow = backward_flow_bytes(job, layout, options, moe=False)  # the linears' moments, not the core's
     assert parts["layer_activations"] + parts["logits"] == pytest.approx(
-        layers * kept + max(working + scores, parts["logits"]))
+        layers * kept + max(working + max(scores, flow), parts["logits"]))
 
 
 def test_sequence_parallelism_divides_what_full_recomputation_keeps() -> None:
@@ -185,9 +188,17 @@ def test_the_issues_70b_fsdp_run_fits_its_96_gb_with_sequence_parallel_norms() -
     with_sp = predict_memory(compose_job([*common, "parallel.sp=true"])).total_gib
     without = predict_memory(compose_job([*common, "parallel.sp=false"])).total_gib
     assert with_sp < 96 < without
-    # the layer inputs SP divides, less the global buffer its gathers use (131,072 tokens x 8,192 x 2 bytes); the
-    # gather Transformer Engine's linears make again in a layer's backward pass is under the logits (11.8 GiB)
-    assert without - with_sp == pytest.approx(80 * 2 * 7 / 8 - 2)
+    # the layer inputs SP divides, less the global buffer its gathers use (131,072 tokens x 8,192 x 2 bytes), and
+    # the recomputed layer's backward working set beyond the logits (11.8 GiB) without SP: its activations and its
+    # linears' flowing gradients; with SP it and the gather Transformer Engine's linears make again are under them
+    beyond = []
+    for sp in (True, False):
+        job = compose_job([*common, f"parallel.sp={str(sp).lower()}"])
+        layout, parts = build_layout(job), dict(predict_memory(job).parts)
+        working = layer_activation_bytes(job, layout, SimOptions(), moe=False)[0]
+        beyond.append(max(working + backward_flow_bytes(job, layout, SimOptions(), moe=False) - parts["logits"], 0.0))
+    assert beyond[0] == 0.0 < beyond[1]
+    assert without - with_sp == pytest.approx(80 * 2 * 7 / 8 - 2 + beyond[1] / GIB)
 
 
 def test_the_output_projection_keeps_the_cores_output_as_megatron_core_saves_it() -> None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from cfp_megatron.base.config import Activation, AttentionKind, JobSpec, Recompute, RecomputeMethod, RecomputeModule
 from cfp_megatron.base.pipeline_split import job_chunks
+from cfp_megatron.sim.backward_memory import backward_flow_bytes
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.memory import (
@@ -84,7 +85,8 @@ def op_sac_recompute_s(job: JobSpec, layout: Layout, kernels: KernelModel, *, mo
 def layer_activations(stage: Stage) -> float:
     """Bytes the rank's layers keep for their backward passes over the micro-batches in flight, as the plan's
     recomputation keeps them, plus the working set of the layer in flight (a recomputed layer's whole activations,
-    an unfused attention core's scores) beyond the loss's logits, which are gone before it is made."""
+    an unfused attention core's scores or its linears' flowing gradients) beyond the loss's logits, which are gone
+    before it is made."""
     kept, working = kept_and_working(stage)
     # The backward pass frees the loss's logits (the compute term's) before any layer's backward runs: the working
     # set counts only where it exceeds them.
@@ -146,7 +148,11 @@ def kept_and_working(stage: Stage) -> tuple[float, float]:
                                                                  stage.bf16_layers, strict=True):
             kept += count * ((bf16_full - full_act) if full else (bf16_act - act))
     if layers:
-        working += unfused_attention_working_bytes(job, layout, options)
+        # The backward's moments: the unfused core's scores, or a linear's flowing gradients and weight gradient
+        # (docs/simulator.md, "The backward's flowing gradients"), whichever holds more.
+        flows = [backward_flow_bytes(job, layout, options, moe=moe)
+                 for moe, count in ((False, dense_layers), (True, moe_layers)) if count]
+        working += max(unfused_attention_working_bytes(job, layout, options), *flows)
     return kept * held_microbatches, working
 
 
