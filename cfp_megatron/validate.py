@@ -359,7 +359,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                          pipeline_scatter_gather=framework.pipeline_scatter_gather,
                          te_cross_entropy=framework.te_cross_entropy,
                          async_tp_backward=framework.async_tp_backward,
-                         global_memory_buffer=framework.global_memory_buffer, torch_fsdp=framework.torch_fsdp and fsdp,
+                         global_memory_buffer=framework.global_memory_buffer,
+                         wgrad_placeholder=framework.wgrad_placeholder, torch_fsdp=framework.torch_fsdp and fsdp,
                          torch_fused_adamw=framework.torch_fused_adamw, moe_layer_syncs=framework.moe_layer_syncs,
                          torch_op_sac=framework.torch_op_sac, torch_moe_combine=framework.torch_moe_combine,
                          eager_torch_loss=framework.eager_loss and not any(

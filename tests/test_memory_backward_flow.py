@@ -4,6 +4,8 @@ flowing gradients")."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cfp_megatron.base.compose import compose_job
@@ -95,3 +97,25 @@ def test_transformer_engines_fused_accumulation_holds_one_placeholder_a_weight_s
     parts = dict(predict_memory(job, options=flash, world_size=2).parts)
     assert parts["dummy_wgrads"] == 2 * (layer + head)
     assert dict(predict_memory(job, options=LOCAL, world_size=2).parts)["dummy_wgrads"] == 0.0
+
+
+def test_pytorchs_fsdp_keeps_no_main_grad_and_counts_its_unsharded_gradient_once() -> None:
+    # llm-foundry's and torchtitan's FSDP: autograd makes each layer's whole gradient, the gathered layer's share of
+    # fsdp_buffers; no placeholder, no second weight gradient in the linears' moments.
+    job = _job()
+    torch_fsdp = SimOptions(attention=AttentionKernel.flash, torch_fsdp=True)
+    assert not weight_grad_transient(torch_fsdp, job)
+    assert dummy_wgrad_bytes(job, build_layout(job), torch_fsdp, dense=True, moe=False, head=True) == 0.0
+
+
+def test_megatron_lm_before_2023_returns_no_weight_gradient_when_fused() -> None:
+    # Its layers.py: wgrad_gemm_accum_fp32 into main_grad, then grad_weight = None (no grad_added_to_main_grad);
+    # unfused (autograd) it is the GEMM's output all the same.
+    job = _job()
+    old = SimOptions(attention=AttentionKernel.fused_softmax, wgrad_placeholder=False)
+    assert not weight_grad_transient(old, job)
+    unfused = dataclasses.replace(old, weight_grad_accumulation=WeightGradAccumulation.autograd)
+    assert weight_grad_transient(unfused, job)
+    assert dummy_wgrad_bytes(job, build_layout(job), dataclasses.replace(old, attention=AttentionKernel.flash),
+                             dense=True, moe=False, head=True) == 0.0
+    assert all(m.weight_grad == 0.0 for m in linear_moments(job, build_layout(job), old, moe=False))

@@ -46,14 +46,25 @@ class LinearMoment:
                 - self.freed)
 
 
-def weight_grad_transient(options: SimOptions, job: JobSpec) -> bool:
-    """Whether a linear's backward makes its weight gradient as a new tensor: always, except where Megatron's
-    ``gradient_accumulation_fusion`` writes it into ``main_grad`` (:attr:`WeightGradAccumulation.fused`) and
-    Transformer Engine's linears (a flash core: the runtime builds their spec where it imports) return its cached
-    ``get_dummy_wgrad``; Megatron-Core's local linears without Transformer Engine return ``torch.empty`` of the
-    weight's shape even when fused."""
+def fused_into_main_grad(options: SimOptions, job: JobSpec) -> bool:
+    """Whether the weight-gradient GEMM writes into ``main_grad`` and hands autograd Transformer Engine's cached
+    placeholder: Megatron's ``gradient_accumulation_fusion`` (:attr:`WeightGradAccumulation.fused`) with Transformer
+    Engine's linears (a flash core: the runtime builds their spec where it imports), under Megatron-Core's DDP or
+    FSDP (``grad_added_to_main_grad``: :attr:`~cfp_megatron.sim.options.SimOptions.wgrad_placeholder`; PyTorch's
+    FSDP keeps no ``main_grad``)."""
     fused = accumulation_mode(job, options) is WeightGradAccumulation.fused
-    return not (fused and options.flash_attention)
+    return fused and options.flash_attention and options.wgrad_placeholder and not options.torch_fsdp
+
+
+def weight_grad_transient(options: SimOptions, job: JobSpec) -> bool:
+    """Whether a linear's backward makes its weight gradient as a new tensor beside its flowing gradients: unless
+    :func:`fused_into_main_grad`; Megatron-Core's local linears without Transformer Engine return ``torch.empty``
+    of the weight's shape even when fused, Megatron-LM's before 2023 ``None``
+    (:attr:`~cfp_megatron.sim.options.SimOptions.wgrad_placeholder`). Under PyTorch's FSDP the unsharded gradient
+    is its gathered layer's (``fsdp_buffers``, the data-parallel term's), not counted again."""
+    if options.torch_fsdp or fused_into_main_grad(options, job):
+        return False
+    return accumulation_mode(job, options) is not WeightGradAccumulation.fused or options.wgrad_placeholder
 
 
 def linear_moments(job: JobSpec, layout: Layout, options: SimOptions, *, moe: bool) -> list[LinearMoment]:
@@ -101,9 +112,8 @@ def dummy_wgrad_bytes(job: JobSpec, layout: Layout, options: SimOptions, *, dens
     ``get_dummy_wgrad``: one ``torch.empty`` a weight shape and dtype, kept in ``_dummy_wgrads``; Megatron-Core's own
     output layer asks for it too where Transformer Engine imports, ``tensor_parallel/layers.py``): one tensor for each
     distinct shape among the rank's linears (a dense layer's four with standard attention, the routed experts' two, the
-    output layer's), in the weights' dtype; none where the weight gradient is a temporary
-    (:func:`weight_grad_transient`)."""
-    if weight_grad_transient(options, job):
+    output layer's), in the weights' dtype; none unless :func:`fused_into_main_grad`."""
+    if not fused_into_main_grad(options, job):
         return 0.0
     model, tp = job.model, layout.dims.tp
     hidden = model.hidden_size
