@@ -197,7 +197,7 @@ class DataParallel(CostTerm):
               MemoryCategory(name="gradients", label="gradients", field="gradients"),
               MemoryCategory(name="optimizer_states", label="optimizer states", field="optimizer_states"),
               MemoryCategory(name="fsdp_buffers", label="gathered FSDP layers", field="comm_buffers"),
-              MemoryCategory(name="dummy_wgrads", label="placeholder weight gradients", field="gradients"))
+              MemoryCategory(name="dummy_wgrads", label="placeholder weight gradients", field="comm_buffers"))
 
     def after_s(self, inputs: StepInputs) -> dict[str, list[float]]:
         """What the gradient finalisation leaves exposed per pipeline rank, by lane (:func:`step_sync`), and the
