@@ -368,7 +368,9 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                          pipeline_scatter_gather=framework.pipeline_scatter_gather,
                          blocking_interleaved=framework.blocking_interleaved,
                          te_cross_entropy=framework.te_cross_entropy,
-                         async_tp_backward=framework.async_tp_backward, torch_fsdp=framework.torch_fsdp and fsdp,
+                         async_tp_backward=framework.async_tp_backward,
+                         global_memory_buffer=framework.global_memory_buffer,
+                         wgrad_placeholder=framework.wgrad_placeholder, torch_fsdp=framework.torch_fsdp and fsdp,
                          torch_fused_adamw=framework.torch_fused_adamw, moe_layer_syncs=framework.moe_layer_syncs,
                          torch_op_sac=framework.torch_op_sac, torch_moe_combine=framework.torch_moe_combine,
                          flex_backend_unstated=bool(experts and recipe and recipe.dispatcher == "flex"

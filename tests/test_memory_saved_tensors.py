@@ -13,8 +13,9 @@ from cfp_megatron.base.compose import compose_job
 from cfp_megatron.base.config import AttentionKernel, JobSpec, Recompute
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.sim.layout import build_layout
-from cfp_megatron.sim.memory import layer_activation_bytes
+from cfp_megatron.sim.memory import layer_activation_bytes, stage, unfused_attention_working_bytes
 from cfp_megatron.sim.options import SimOptions
+from cfp_megatron.sim.terms.recompute import kept_and_working
 
 SEQ = 64
 MICRO_BATCHES = (1, 2, 4)
@@ -22,14 +23,14 @@ CPU_OPTIONS = SimOptions(attention=AttentionKernel.torch_softmax)  # the core Me
 """Megatron's unfused core with PyTorch's softmax: what a CPU without Transformer Engine runs."""
 
 
-def _job(model: str, recompute: str, micro_batch: int) -> JobSpec:
+def _job(model: str, recompute: str, micro_batch: int, group: int = 1) -> JobSpec:
     return compose_job([f"model={model}", "model.num_layers=2", "cluster=local", f"parallel.recompute={recompute}",
                         f"train.seq_length={SEQ}", f"train.micro_batch_size={micro_batch}",
-                        f"train.global_batch_size={micro_batch}"])
+                        f"train.global_batch_size={micro_batch}", f"parallel.recompute_num_layers={group}"])
 
 
 @functools.cache
-def _measured(model: str, recompute: str) -> dict[int, tuple[float, float]]:
+def _measured(model: str, recompute: str, group: int = 1) -> dict[int, tuple[float, float]]:
     """Per micro-batch size: (bytes one decoder layer saves in the forward pass, bytes one layer saves while its
     backward pass recomputes it), each the mean over the layers, counted by storage; storages that several layers
     save (the causal mask, the rotary table a checkpointed unit keeps) are shared, once a rank, and left out."""
@@ -40,7 +41,7 @@ def _measured(model: str, recompute: str) -> dict[int, tuple[float, float]]:
 
     found = {}
     with megatron_meta_env():
-        job = _job(model, recompute, 1)
+        job = _job(model, recompute, 1, group)
         dims = ParallelDims.build(job, 1, te_available=False)
         (gpt,) = build_model_chunks(job, transformer_config(job, dims, on_gpu=False), dims, model_groups())
         weights = {p.untyped_storage().data_ptr() for p in gpt.parameters()}
@@ -108,6 +109,21 @@ def test_full_recomputation_keeps_each_layers_input_and_recomputes_its_whole_act
         assert full == pytest.approx(measured, rel=0.01), micro_batch  # the layer's input, nothing else
         # Its backward pass runs the layer's forward again: the same tensors as without recomputation.
         assert whole == pytest.approx(recomputed, rel=0.01), micro_batch
+
+
+def test_uniform_recomputation_in_groups_keeps_one_input_a_group_and_recomputes_the_group_at_once() -> None:
+    # recompute_num_layers=2 (uniform): the one checkpointed group of the 2 layers keeps its input alone; its backward
+    # pass saves both layers' tensors again before differentiating them.
+    for micro_batch, (measured, recomputed) in _measured("llama_tiny", "full", 2).items():
+        job = _job("llama_tiny", "full", micro_batch, 2)
+        layout = build_layout(job, world_size=1)
+        rank = stage(job, layout, CPU_OPTIONS, rank=0, layer_params=0.0, expert_params=0.0, layers=2, moe_layers=0,
+                     first=True, last=True)
+        kept, working = kept_and_working(rank)
+        assert kept == pytest.approx(2 * measured, rel=0.01), micro_batch  # the group's input
+        assert kept == pytest.approx(_predicted("llama_tiny", "full", micro_batch)[1], rel=1e-9)
+        core = unfused_attention_working_bytes(job, layout, CPU_OPTIONS)  # the scores' gradient, not saved
+        assert working - core == pytest.approx(2 * recomputed, rel=0.01), micro_batch
 
 
 def test_layernorm_and_learned_positions_keep_what_the_model_counts() -> None:

@@ -14,6 +14,7 @@ from cfp_megatron.base.compose import compose_config, compose_job
 from cfp_megatron.base.config import Recompute, RecomputeModule
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.search.search import search
+from cfp_megatron.sim.backward_memory import backward_flow_bytes
 from cfp_megatron.sim.layout import build_layout
 from cfp_megatron.sim.memory import (
     BAND_FILE,
@@ -64,15 +65,27 @@ def test_transformer_engines_fused_cross_entropy_keeps_the_logits_alone() -> Non
     assert fused * 3 == pytest.approx(_parts(job)["logits"])
 
 
-def test_tp_buffers_are_sequence_parallelisms_all_gathers() -> None:
-    # Without SP the TP all-reduces run in place (mappings.py, _reduce); with it the column-parallel GEMMs gather
-    # their input into the global memory buffer and a row-parallel backward gathers its output gradient.
+def test_tp_buffers_are_megatrons_global_buffer_and_te_s_gathers_in_the_backward() -> None:
+    # Without SP the TP all-reduces run in place (mappings.py, _reduce) and a flash core asks for no global buffer;
+    # with SP the output layer (and every column-parallel linear of the local spec) gathers its input into the global
+    # buffer, one [tokens, hidden] tensor held for the run; Transformer Engine's linears gather again in a layer's
+    # backward pass, hidden under the loss's logits on the last stage, on top of the activations on the others.
     tp = ["model=llama_tiny", "train.seq_length=512", "parallel.tp=2", "cluster.gpus_per_node=2"]
     plain = dict(predict_memory(_job(*tp, "parallel.sp=false")).parts)
     sp_job = _job(*tp, "parallel.sp=true")
     with_sp = dict(predict_memory(sp_job).parts)
+    gather = 512 * sp_job.model.hidden_size * 2
     assert plain["tp_buffers"] == 0.0
-    assert with_sp["tp_buffers"] == 2 * 512 * sp_job.model.hidden_size * 2
+    assert with_sp["tp_buffers"] == gather
+    pipelined = _job(*tp, "parallel.sp=true", "parallel.pp=2", "cluster.gpus_per_node=4",
+                     "train.global_batch_size=4")
+    first = predict_memory(pipelined, world_size=4)
+    assert first.stage == 0 and dict(first.parts)["tp_buffers"] == 2 * gather
+    # The unfused core's baddbmm input (b x heads / tp x s x s) is the same buffer: the larger of the two requests.
+    unfused = SimOptions(attention=AttentionKernel.fused_softmax)
+    scores = 1 * 4 / 2 * 512 * 512 * 2
+    assert dict(predict_memory(_job(*tp, "parallel.sp=false"), options=unfused).parts)["tp_buffers"] == scores
+    assert dict(predict_memory(sp_job, options=unfused).parts)["tp_buffers"] == max(scores, gather)
 
 
 def test_a_fully_recomputed_layer_makes_its_scores_again_in_its_backward_pass() -> None:
@@ -86,6 +99,35 @@ def test_a_fully_recomputed_layer_makes_its_scores_again_in_its_backward_pass() 
     none = layer_activation_bytes(job, layout, unfused, moe=False, recompute=Recompute.none)[0]
     assert working == none
     assert kept == 1024 * job.model.hidden_size * 2  # the layer's input only
+
+
+def test_tp_comm_overlap_holds_transformer_engines_userbuffers() -> None:
+    # initialize_ub: one [tokens, hidden] buffer per overlapped GEMM name, 6 all-gathers (uint8 under FP8) and 4
+    # reduce-scatters; the backward's re-gather goes through them, so no transient beside them.
+    tp = ["model=llama_tiny", "train.seq_length=512", "parallel.tp=2", "cluster.gpus_per_node=2", "parallel.sp=true",
+          "parallel.tp_comm_overlap=true"]
+    hidden_tokens = 512 * 64
+    for precision, gathered in (("bf16", 2), ("fp8", 1)):
+        job = _job(*tp, f"train.precision={precision}")
+        first = dict(predict_memory(_job(*tp, f"train.precision={precision}", "parallel.pp=2",
+                                         "cluster.gpus_per_node=4", "train.global_batch_size=4"),
+                                    world_size=4).parts)
+        for parts in (dict(predict_memory(job).parts), first):
+            assert parts["tp_buffers"] == hidden_tokens * (2 + 6 * gathered + 4 * 2), precision
+
+
+def test_uniform_recomputation_keeps_one_input_a_group_and_recomputes_the_group_at_once() -> None:
+    # transformer_block.py, _checkpointed_forward: "uniform" checkpoints groups of recompute_num_layers layers, each
+    # keeping its input alone; a group's backward pass runs all its layers' forward again.
+    full = ["model=llama_tiny", "model.num_layers=4", "train.seq_length=1024", "parallel.recompute=full",
+            "parallel.recompute_method=uniform"]
+    one, two = (_job(*full, f"parallel.recompute_num_layers={k}") for k in (1, 2))
+    layer, layer_input = layer_activation_bytes(one, build_layout(one), SimOptions(), moe=False)
+    parts_one, parts_two = _parts(one), _parts(two)
+    logits = parts_one["logits"]
+    flow = backward_flow_bytes(one, build_layout(one), SimOptions(), moe=False)  # one linear's backward at a time
+    assert parts_one["layer_activations"] == pytest.approx(4 * layer_input + max(layer + flow - logits, 0.0))
+    assert parts_two["layer_activations"] == pytest.approx(2 * layer_input + max(2 * layer + flow - logits, 0.0))
 
 
 def test_an_unfused_core_keeps_k_and_v_repeated_to_every_head() -> None:
@@ -111,8 +153,9 @@ def test_the_loss_and_a_layers_backward_working_set_are_not_held_at_once() -> No
     working, kept = layer_activation_bytes(job, layout, options, moe=False)
     layers = job.model.num_layers
     scores = job.model.num_attention_heads * 1024 * 1024 * 4.0  # the fused softmax's bf16 gradient in and out
+    flow = backward_flow_bytes(job, layout, options, moe=False)  # the linears' moments, not the core's
     assert parts["layer_activations"] + parts["logits"] == pytest.approx(
-        layers * kept + max(working + scores, parts["logits"]))
+        layers * kept + max(working + max(scores, flow), parts["logits"]))
 
 
 def test_sequence_parallelism_divides_what_full_recomputation_keeps() -> None:
@@ -145,8 +188,17 @@ def test_the_issues_70b_fsdp_run_fits_its_96_gb_with_sequence_parallel_norms() -
     with_sp = predict_memory(compose_job([*common, "parallel.sp=true"])).total_gib
     without = predict_memory(compose_job([*common, "parallel.sp=false"])).total_gib
     assert with_sp < 96 < without
-    # the layer inputs SP divides, less its two all-gather buffers (2 x 131,072 tokens x 8,192 x 2 bytes)
-    assert without - with_sp == pytest.approx(80 * 2 * 7 / 8 - 4)
+    # the layer inputs SP divides, less the global buffer its gathers use (131,072 tokens x 8,192 x 2 bytes), and
+    # the recomputed layer's backward working set beyond the logits (11.8 GiB) without SP: its activations and its
+    # linears' flowing gradients; with SP it and the gather Transformer Engine's linears make again are under them
+    beyond = []
+    for sp in (True, False):
+        job = compose_job([*common, f"parallel.sp={str(sp).lower()}"])
+        layout, parts = build_layout(job), dict(predict_memory(job).parts)
+        working = layer_activation_bytes(job, layout, SimOptions(), moe=False)[0]
+        beyond.append(max(working + backward_flow_bytes(job, layout, SimOptions(), moe=False) - parts["logits"], 0.0))
+    assert beyond[0] == 0.0 < beyond[1]
+    assert without - with_sp == pytest.approx(80 * 2 * 7 / 8 - 2 + beyond[1] / GIB)
 
 
 def test_the_output_projection_keeps_the_cores_output_as_megatron_core_saves_it() -> None:

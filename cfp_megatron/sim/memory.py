@@ -282,6 +282,43 @@ def unfused_attention_working_bytes(job: JobSpec, layout: Layout, options: SimOp
     return scores * per_score / dims.tp
 
 
+def global_buffer_bytes(job: JobSpec, layout: Layout, options: SimOptions) -> float:
+    """Bytes of Megatron-Core's global memory buffer on one rank (``parallel_state.get_global_memory_buffer``,
+    ``utils.GlobalMemoryBuffer.get_tensor``): one tensor per name and dtype, grown to the largest request and held
+    for the run, which every request of that name reuses. Its ``"mpu"`` tensor in the compute precision serves
+    sequence parallelism's all-gathered linear input, ``[tokens, hidden]`` (``tensor_parallel/layers.py``,
+    ``LinearWithGradAccumulationAndAsyncCommunication``, forward and again in the backward pass for the weight
+    gradient: every column-parallel linear of the local spec, and the output layer, Megatron-Core's own
+    ``ColumnParallelLinear`` under Transformer Engine's spec too) and the unfused core's ``baddbmm`` input,
+    ``[b x heads / tp, s / cp, s]`` (``transformer/dot_product_attention.py``): the larger of the two."""
+    dims = layout.dims
+    if not options.global_memory_buffer:
+        return 0.0
+    tokens = layout.micro_batch * layout.seq_length / dims.cp
+    gather = tokens * job.model.hidden_size if dims.tp > 1 and dims.sp else 0.0
+    scores = 0.0 if options.flash_attention else (
+        layout.micro_batch * job.model.num_attention_heads / dims.tp * layout.seq_length / dims.cp
+        * layout.seq_length)
+    return max(gather, scores) * float(element_bytes(job))
+
+
+def sp_gather_working_bytes(job: JobSpec, layout: Layout, options: SimOptions) -> float:
+    """Bytes a layer's backward pass holds for a moment under sequence parallelism beyond what it keeps, on one rank:
+    with Transformer Engine's linears (a flash core: the runtime builds their spec where it imports), each
+    column-parallel GEMM gathers its saved input shard again into a new ``[tokens, hidden]`` tensor, in the format
+    its weight-gradient GEMM reads, beside the input-gradient GEMM's output (``module/layernorm_linear.py``,
+    ``_LayerNormLinear.backward``: ``ctx.ln_out_needs_gather``, gathered with the input's quantizer beside the
+    dgrad GEMM), freed after the weight gradient; none under TP
+    communication overlap, whose userbuffers hold it, nor with the local spec, whose gathers reuse the global buffer
+    (:func:`global_buffer_bytes`)."""
+    dims = layout.dims
+    if dims.tp <= 1 or not dims.sp or not options.flash_attention or job.parallel.tp_comm_overlap:
+        return 0.0
+    cost = low_format_cost(job)
+    input_bytes = cost.saved_input_bytes if cost is not None else float(element_bytes(job))
+    return layout.micro_batch * layout.seq_length / dims.cp * job.model.hidden_size * input_bytes
+
+
 LOSS_SOFTMAX_BYTES = 4.0
 """Bytes per logit Megatron-Core's vocab-parallel cross entropy keeps from its forward to its backward pass: its fp32
 softmax, made in place in an fp32 copy of the logits (``tensor_parallel/cross_entropy.py``: ``calculate_logits_max``

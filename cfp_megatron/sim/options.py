@@ -79,6 +79,14 @@ class SimOptions:
     input-gradient GEMMs (:func:`~cfp_megatron.sim.terms.tensor_parallel.tp_backward_async_s`; Megatron-LM's
     ``async_tensor_model_parallel_allreduce``, megatron-core's ``allreduce_dgrad``); ``False``: each waited for, as
     the forward's (Megatron-LM before it, 2021)."""
+    global_memory_buffer: bool = True
+    """Megatron's global memory buffer holds sequence parallelism's gathers and the unfused core's score input for
+    the run (:func:`~cfp_megatron.sim.memory.global_buffer_bytes`: Megatron-Core, Megatron-LM since 2022); ``False``:
+    Megatron-LM before it (2021), whose core allocates that input in each layer's pass and frees it at once."""
+    wgrad_placeholder: bool = True
+    """Under ``gradient_accumulation_fusion`` Megatron's linears hand autograd a placeholder of the weight's shape
+    (Megatron-Core: ``grad_added_to_main_grad``, set by its DDP; :func:`~cfp_megatron.sim.backward_memory.
+    weight_grad_transient`); ``False``: ``None`` (Megatron-LM before 2023), no tensor."""
     measured_layer_only: bool = False
     """Time one forward and backward pass of the layers alone (no embedding, logits, optimizer or DP sync): for
     layer-level measurements."""

@@ -104,6 +104,11 @@ class Framework:
     async_tp_backward: bool = True
     """Its linear layers run the backward's TP/SP collectives beside the gradient GEMMs
     (:attr:`~cfp_megatron.sim.options.SimOptions.async_tp_backward`)."""
+    global_memory_buffer: bool = True
+    """Its Megatron holds a global memory buffer (:attr:`~cfp_megatron.sim.options.SimOptions.global_memory_buffer`)."""
+    wgrad_placeholder: bool = True
+    """Its fused linears hand autograd a placeholder weight gradient
+    (:attr:`~cfp_megatron.sim.options.SimOptions.wgrad_placeholder`)."""
     te_cross_entropy: bool = False
     """Its loss runs Transformer Engine's fused cross entropy (:attr:`~cfp_megatron.sim.options.SimOptions.
     te_cross_entropy`)."""
@@ -305,7 +310,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
                     "apex_distributed_adam", "overlap_param_gather", "weight_grad_accumulation", "torch_fused_adamw",
                     "moe_layer_syncs", "rank_batch_micro", "tie_embeddings", "deepspeed_engine", "torch_op_sac",
                     "torch_moe_combine", "eager_loss", "compiled_loss", "async_tp_backward",
-                    "blocking_interleaved"}
+                    "blocking_interleaved", "global_memory_buffer", "wgrad_placeholder"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -352,6 +357,8 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             blocking_interleaved=bool(runs.get("blocking_interleaved", False)),
             fp8_param_gather=tuple(fp8_params), te_cross_entropy=bool(runs.get("te_cross_entropy", False)),
             async_tp_backward=bool(runs.get("async_tp_backward", True)),
+            global_memory_buffer=bool(runs.get("global_memory_buffer", True)),
+            wgrad_placeholder=bool(runs.get("wgrad_placeholder", True)),
             torch_fsdp=bool(runs.get("torch_fsdp", False)), tie_embeddings=bool(runs.get("tie_embeddings", False)),
             deepspeed_engine=bool(runs.get("deepspeed_engine", False)),
             overlap_param_gather=bool(runs.get("overlap_param_gather", False)),

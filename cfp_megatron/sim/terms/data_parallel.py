@@ -8,6 +8,7 @@ from __future__ import annotations
 from cfp_megatron.base.config import JobSpec, Normalization, PositionEmbedding
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
+from cfp_megatron.sim.backward_memory import dummy_wgrad_bytes
 from cfp_megatron.sim.format_costs import param_gather_element_bytes
 from cfp_megatron.sim.grad_accumulation import accumulation_bytes, accumulation_mode
 from cfp_megatron.sim.kernels import grad_element_bytes
@@ -195,7 +196,8 @@ class DataParallel(CostTerm):
     stores = (MemoryCategory(name="weights", label="weights", field="parameters"),
               MemoryCategory(name="gradients", label="gradients", field="gradients"),
               MemoryCategory(name="optimizer_states", label="optimizer states", field="optimizer_states"),
-              MemoryCategory(name="fsdp_buffers", label="gathered FSDP layers", field="comm_buffers"))
+              MemoryCategory(name="fsdp_buffers", label="gathered FSDP layers", field="comm_buffers"),
+              MemoryCategory(name="dummy_wgrads", label="placeholder weight gradients", field="comm_buffers"))
 
     def after_s(self, inputs: StepInputs) -> dict[str, list[float]]:
         """What the gradient finalisation leaves exposed per pipeline rank, by lane (:func:`step_sync`), and the
@@ -204,7 +206,9 @@ class DataParallel(CostTerm):
 
     def memory(self, stage: Stage) -> dict[str, float]:
         """The weights, gradients and optimizer states as the plan's sharding keeps them
-        (:class:`~cfp_megatron.sim.sharding.Sharding`), and the whole layers FSDP gathers."""
+        (:class:`~cfp_megatron.sim.sharding.Sharding`), the whole layers FSDP gathers, and the placeholder weight
+        gradients Transformer Engine's fused accumulation hands autograd
+        (:func:`~cfp_megatron.sim.backward_memory.dummy_wgrad_bytes`)."""
         sharding = stage.common.sharding
         params = rank_params(stage)
         states = sharding.memory(params, stage.expert_params)
@@ -213,8 +217,11 @@ class DataParallel(CostTerm):
             gathered = sharding.gathered_bytes(stage.layer_params / stage.layers, stage.expert_params / stage.layers,
                                                layers=stage.layers)
         weights = states.weights - _not_te_weight_excess(stage, params) - _bf16_layer_weight_excess(stage)
+        dense = stage.layers > stage.moe_layers
+        dummies = dummy_wgrad_bytes(stage.job, stage.layout, stage.options, dense=dense, moe=stage.moe_layers > 0,
+                                    head=stage.last)
         return {"weights": weights, "gradients": states.gradients,
-                "optimizer_states": states.optimizer_states, "fsdp_buffers": gathered}
+                "optimizer_states": states.optimizer_states, "fsdp_buffers": gathered, "dummy_wgrads": dummies}
 
 
 def _bf16_layer_weight_excess(stage: Stage) -> float:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from cfp_megatron.base.config import Activation, AttentionKind, JobSpec, Recompute, RecomputeMethod, RecomputeModule
+from cfp_megatron.base.pipeline_split import job_chunks
+from cfp_megatron.sim.backward_memory import backward_flow_bytes
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.memory import (
@@ -83,7 +85,17 @@ def op_sac_recompute_s(job: JobSpec, layout: Layout, kernels: KernelModel, *, mo
 def layer_activations(stage: Stage) -> float:
     """Bytes the rank's layers keep for their backward passes over the micro-batches in flight, as the plan's
     recomputation keeps them, plus the working set of the layer in flight (a recomputed layer's whole activations,
-    an unfused attention core's scores) beyond the loss's logits, which are gone before it is made."""
+    an unfused attention core's scores or its linears' flowing gradients) beyond the loss's logits, which are gone
+    before it is made."""
+    kept, working = kept_and_working(stage)
+    # The backward pass frees the loss's logits (the compute term's) before any layer's backward runs: the working
+    # set counts only where it exceeds them.
+    return kept + max(working - loss_logit_bytes(stage), 0.0)
+
+
+def kept_and_working(stage: Stage) -> tuple[float, float]:
+    """(bytes the rank's layers keep over the micro-batches in flight, the working set of one layer's backward pass
+    beyond them, before the loss's logits are set against it): :func:`layer_activations`' two parts."""
     job, layout, options, rank = stage.job, stage.layout, stage.options, stage.rank
     dims, parallel = layout.dims, job.parallel
     layers, moe_layers = stage.layers, stage.moe_layers
@@ -113,6 +125,14 @@ def layer_activations(stage: Stage) -> float:
     elif parallel.recompute is Recompute.full:
         kept = plan_dense * dense_full + (dense_layers - plan_dense) * megatron_full + moe_layers * moe_full
         working = max(dense_act, megatron_act, moe_act)
+        # Megatron checkpoints each chunk's layers in groups of recompute_num_layers (uniform), each group keeping
+        # its input alone; its backward pass runs every one of its layers' forward again (docs/simulator.md,
+        # "What full recomputation keeps").
+        unit = max(parallel.recompute_num_layers, 1)
+        counts = [chunk.count for chunk in job_chunks(job)[rank]]
+        if unit > 1 and sum(counts):
+            kept *= sum(-(-count // unit) for count in counts) / sum(counts)
+            working *= min(unit, max(counts))
     else:
         kept = plan_dense * dense_act + (dense_layers - plan_dense) * megatron_act + moe_layers * moe_act
         working = 0.0
@@ -128,11 +148,12 @@ def layer_activations(stage: Stage) -> float:
                                                                  stage.bf16_layers, strict=True):
             kept += count * ((bf16_full - full_act) if full else (bf16_act - act))
     if layers:
-        working += unfused_attention_working_bytes(job, layout, options)
-    # The backward pass frees the loss's logits (the compute term's) before any layer's backward runs: the working
-    # set counts only where it exceeds them.
-    working = max(working - loss_logit_bytes(stage), 0.0)
-    return kept * held_microbatches + working
+        # The backward's moments: the unfused core's scores, or a linear's flowing gradients and weight gradient
+        # (docs/simulator.md, "The backward's flowing gradients"), whichever holds more.
+        flows = [backward_flow_bytes(job, layout, options, moe=moe)
+                 for moe, count in ((False, dense_layers), (True, moe_layers)) if count]
+        working += max(unfused_attention_working_bytes(job, layout, options), *flows)
+    return kept * held_microbatches, working
 
 
 class Recomputation(CostTerm):

@@ -7,8 +7,11 @@ from typing import TYPE_CHECKING
 
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
+from cfp_megatron.sim.format_costs import low_format_cost
 from cfp_megatron.sim.layout import Layout
+from cfp_megatron.sim.memory import global_buffer_bytes, loss_logit_bytes, sp_gather_working_bytes
 from cfp_megatron.sim.terms.base import CostTerm, Lane, LaneKind, MemoryCategory, Overlaps, Placement
+from cfp_megatron.sim.terms.recompute import kept_and_working
 
 if TYPE_CHECKING:
     from cfp_megatron.sim.layer_cost import LayerCost
@@ -59,6 +62,18 @@ def tp_backward_async_s(layout: Layout, costs: CollectiveCosts, *, act_bytes: fl
     return sum(gather + max(gather - gemm_s, 0.0) + max(scatter - gemm_s, 0.0) for gemm_s in column_gemms_s)
 
 
+USERBUFFERS_ALL_GATHER = 6
+"""``[tokens, hidden]`` userbuffers Transformer Engine allocates once for TP communication overlap's all-gathers
+(``module/base.py``, ``initialize_ub``: ``layers_all_gather_overlap``, ``qkv_fprop``, ``qkv_dgrad``, ``proj_dgrad``,
+``fc1_fprop``, ``fc1_dgrad``, ``fc2_dgrad``), one a name, shared by every layer; one byte an element under an FP8
+recipe (``fp8_buf``), else in the compute precision. Newer releases add ``proj_wgrad`` and ``fc2_wgrad``
+(``external``), not counted."""
+
+USERBUFFERS_REDUCE_SCATTER = 4
+"""The same of its reduce-scatters (``layers_reduce_scatter_overlap``: ``proj_fprop``, ``fc2_fprop``, ``qkv_wgrad``,
+``fc1_wgrad``), in the compute precision."""
+
+
 class TensorParallel(CostTerm):
     """Tensor- and sequence-parallel collectives the passes wait for."""
 
@@ -69,20 +84,27 @@ class TensorParallel(CostTerm):
     stores = (MemoryCategory(name="tp_buffers", label="TP/SP buffers", field="comm_buffers"),)
 
     def memory(self, stage: Stage) -> dict[str, float]:
-        """Under sequence parallelism two ``[tokens, hidden]`` buffers of its all-gathers (Megatron-Core's
-        ``layers.py``: the column-parallel GEMMs gather their input into the global memory buffer, forward and
-        again in the backward pass; a row-parallel GEMM's backward gathers its output gradient into a new tensor);
-        none without it, whose all-reduces run in place (``mappings.py``, ``_reduce``); and Transformer Engine's
-        userbuffers under TP communication overlap: about four more (the all-gathered inputs of the QKV and FC1
-        GEMMs, the reduce-scattered outputs of the projection and FC2), allocated once."""
-        buffers = 0.0
+        """Megatron-Core's global memory buffer, held for the run: sequence parallelism's all-gathered linear input
+        or the unfused core's score buffer, one tensor (:func:`~cfp_megatron.sim.memory.global_buffer_bytes`);
+        the gathered input Transformer Engine's linears make again in a layer's backward pass, where that pass is
+        the rank's peak (beyond the loss's logits, which are freed before it:
+        :func:`~cfp_megatron.sim.memory.sp_gather_working_bytes`); none else without SP, whose all-reduces run in
+        place (``mappings.py``, ``_reduce``); and Transformer Engine's userbuffers under TP communication overlap,
+        allocated once (:data:`USERBUFFERS_ALL_GATHER`, :data:`USERBUFFERS_REDUCE_SCATTER`; docs/simulator.md,
+        "Sequence parallelism's buffers")."""
         if stage.measured is not None:
-            return {"tp_buffers": buffers}
-        job, tokens, elem_bytes = stage.job, stage.common.tokens, stage.common.elem_bytes
-        if stage.layout.dims.tp > 1 and stage.layout.dims.sp:
-            buffers += 2 * tokens * job.model.hidden_size * elem_bytes
+            return {"tp_buffers": 0.0}
+        job, layout, options = stage.job, stage.layout, stage.options
+        buffers = global_buffer_bytes(job, layout, options)
+        transient = sp_gather_working_bytes(job, layout, options) if stage.layers else 0.0
+        if transient:
+            working = kept_and_working(stage)[1]
+            logits = loss_logit_bytes(stage)
+            buffers += max(logits, working + transient) - max(logits, working)
         if job.parallel.tp_comm_overlap:
-            buffers += 4 * tokens * job.model.hidden_size * elem_bytes
+            gathered = 1.0 if low_format_cost(job) is not None else stage.common.elem_bytes
+            buffers += stage.common.tokens * job.model.hidden_size * (
+                USERBUFFERS_ALL_GATHER * gathered + USERBUFFERS_REDUCE_SCATTER * stage.common.elem_bytes)
         return {"tp_buffers": buffers}
 
     def hideable(self, layer: LayerCost, overlaps: Overlaps) -> tuple[float, float]:
