@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import pickle
 import time
 from collections.abc import Callable
 
@@ -41,6 +42,17 @@ def _record(build: Callable[[], torch.nn.Module] | None = None, shape: tuple[int
 
 def _whole(blocks: list[ParallelBlock], n: int) -> list[ParallelBlock]:
     return [b for b in blocks if b.start == 0 and b.stop == n]
+
+
+def test_a_recorded_graph_pickles_with_its_operators_by_name():
+    """What the gloo replays send their ranks: the same graph back, each operator's ``OpOverload`` the very one that
+    ran (``aten.mm.default`` and the rest found again in ``torch.ops``)."""
+    graph = _record(_Layer, (2, 16, 32))
+    again = pickle.loads(pickle.dumps(graph))
+    assert again == graph
+    assert all(a.op is b.op for a, b in zip(again.operators, graph.operators, strict=True))
+    names = {o.name for o in again.operators}
+    assert "aten.mm.default" in names and any(not n.endswith(".default") for n in names)  # named overloads too
 
 
 def test_forward_operators_drop_the_loss():
@@ -225,11 +237,11 @@ def test_gloo_check_sees_a_needed_collective(mlp_on_gloo: list[GlooVerification]
 
 
 def _layer_graph() -> OpGraph:
-    """The transformer layer's recorded graph (a picklable builder for the gloo ranks)."""
+    """The transformer layer's recorded graph."""
     return _record(_Layer, (2, 16, 32))
 
 
 def _mlp_graph() -> OpGraph:
-    """The MLP's recorded graph (a picklable builder for the gloo ranks)."""
+    """The MLP's recorded graph."""
     return _record()
 

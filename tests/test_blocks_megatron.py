@@ -17,7 +17,7 @@ from cfp_megatron.graph.blocks import (
 )
 from cfp_megatron.graph.opgraph import OpGraph
 from cfp_megatron.graph.propagation import fake_mesh
-from tests.test_blocks import _layer_graph, _mlp_graph, mlp_2x2
+from tests.test_blocks import _layer_graph, mlp_2x2
 
 pytestmark = pytest.mark.slow
 
@@ -36,17 +36,17 @@ def _graph(model: str, kind: str) -> OpGraph:
 
 
 def llama_dense() -> OpGraph:
-    """Top-level (picklable) graph builder for the gloo ranks."""
+    """LLaMA's dense layer."""
     return _graph("llama_tiny", "dense")
 
 
 def gpt_dense() -> OpGraph:
-    """Top-level (picklable) graph builder for the gloo ranks."""
+    """GPT's dense layer."""
     return _graph("gpt_tiny", "dense")
 
 
 def moe_layer() -> OpGraph:
-    """Top-level (picklable) graph builder for the gloo ranks."""
+    """The MoE layer."""
     return _graph("moe_tiny", "moe")
 
 
@@ -59,10 +59,10 @@ Replays = dict[str, tuple[list[BlockCheck], list[GlooVerification]]]
 """Checks and their results, by graph."""
 
 
-def _layer_checks() -> list[BlockCheck]:
-    """Every candidate of tests/test_blocks.py's transformer layer on 2 ranks, then one non-candidate (the attention
-    block's tensor-parallel candidate entered split on the hidden dimension). The non-candidate goes last: its
-    collectives come after every candidate's."""
+def _layer_checks() -> tuple[OpGraph, list[BlockCheck]]:
+    """tests/test_blocks.py's transformer layer and its checks: every candidate on 2 ranks, then one non-candidate
+    (the attention block's tensor-parallel candidate entered split on the hidden dimension). The non-candidate goes
+    last: its collectives come after every candidate's."""
     graph = _layer_graph()
     ops = forward_operators(graph)
     n2 = next(i for i, o in enumerate(ops) if o.module.endswith("n2"))
@@ -75,23 +75,22 @@ def _layer_checks() -> list[BlockCheck]:
     attention = next(b for b in blocks if b.start == 0 and b.stop == n2)
     assert attention.candidate((Shard(2),)) is None  # the norm needs the whole hidden dimension
     bad = dataclasses.replace(BlockCheck.of(attention, attention.candidate((R,))), placements="S(2)")
-    return [*checks, bad]
+    return graph, [*checks, bad]
 
 
 @pytest.fixture(scope="module")
 def one_dimensional() -> Replays:
     """Every candidate of each Megatron layer on a 1-D mesh of 2 ranks, and :func:`_layer_checks` ("layer"),
     replayed in one gloo spawn (:func:`~cfp_megatron.graph.blocks.verify_graphs_on_gloo`)."""
-    checks = {}
+    graphs, checks = {}, {}
     for name, build in BUILDS.items():
-        graph = build()  # captured before the fake process group (capture makes its own)
+        graphs[name] = build()  # captured before the fake process group (capture makes its own)
         with fake_mesh((2,), ("tp",)) as mesh:
-            blocks = find_blocks(graph, mesh)
+            blocks = find_blocks(graphs[name], mesh)
         checks[name] = [BlockCheck.of(b, c) for b in blocks for c in b.candidates]
-    builds = {**BUILDS, "layer": _layer_graph}
-    checks["layer"] = _layer_checks()
-    results = verify_graphs_on_gloo((2,), [(builds[name], checks[name]) for name in builds])
-    return {name: (checks[name], found) for name, found in zip(builds, results, strict=True)}
+    graphs["layer"], checks["layer"] = _layer_checks()
+    results = verify_graphs_on_gloo((2,), [(graphs[name], checks[name]) for name in graphs])
+    return {name: (checks[name], found) for name, found in zip(graphs, results, strict=True)}
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +106,10 @@ def two_dimensional() -> Replays:
                 o.start == b.start and o.stop > b.stop and any(
                     m.maximal and m.entry == c.entry and all(m.params.get(k) == v for k, v in c.params.items())
                     for m in o.candidates) for o in blocks), (b.start, b.stop, c.entry)
+    mlp_graph, mlp_blocks = mlp_2x2()
     checks = {"llama-dense": [BlockCheck.of(b, c) for b in blocks for c in b.candidates if c.maximal],
-              "mlp": [BlockCheck.of(b, c) for b in mlp_2x2()[1] if b.start == 0 for c in b.candidates if c.maximal]}
-    results = verify_graphs_on_gloo((2, 2), [(llama_dense, checks["llama-dense"]), (_mlp_graph, checks["mlp"])])
+              "mlp": [BlockCheck.of(b, c) for b in mlp_blocks if b.start == 0 for c in b.candidates if c.maximal]}
+    results = verify_graphs_on_gloo((2, 2), [(graph, checks["llama-dense"]), (mlp_graph, checks["mlp"])])
     return {name: (checks[name], found) for name, found in zip(checks, results, strict=True)}
 
 

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import DictConfig
 
-from cfp_megatron.base.compose import register_configs
+from cfp_megatron.base.compose import compose_config, register_configs
 from cfp_megatron.base.config import (
     Activation,
     AttentionKind,
@@ -796,3 +797,14 @@ def test_one_composition_serves_hydras_run_and_the_job() -> None:
     assert OmegaConf.get_type(job) is OmegaConf.get_type(plain)
     with pytest.raises(Exception, match="nonexistent_key"):
         job.train.nonexistent_key = 1  # still refuses a key the schema lacks
+
+
+def test_the_schema_is_stored_once_a_process() -> None:
+    """Every composition registers the configs; the schema already in Hydra's ConfigStore is kept, not converted
+    and stored again, and compositions still check against it."""
+    register_configs()
+    stored = ConfigStore.instance().repo["cfp_schema.yaml"]
+    register_configs()
+    assert ConfigStore.instance().repo["cfp_schema.yaml"] is stored
+    with pytest.raises(ConfigError, match="train.steps"):
+        compose_config(["train.steps=many"])

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from cfp_megatron.backends.deepspeed.engine_probe import load_probes
+from cfp_megatron.compat.deepspeed_import import import_deepspeed
 from cfp_megatron.plan import Plan
 from tests.launcher import RunResult, run_train
 from tests.multirank import TMP, Case, MultiRankRuns, case
@@ -25,6 +26,20 @@ COMMON = ["backend=deepspeed", "model=gpt_tiny", "train.global_batch_size=8", "t
 def _losses(result: RunResult) -> list[float]:
     assert result.returncode == 0, result.output[-4000:]
     return [result.losses[s] for s in sorted(result.losses)]
+
+
+def test_deepspeed_as_the_launch_imports_it_builds_no_shared_memory_all_reduce() -> None:
+    """On the CPU accelerator DeepSpeed's communication backend builds, at its start, a C++ shared-memory all-reduce
+    that only inference calls; imported as the launch imports it, the backend's build step (``build_shm_op``) finds
+    it unavailable and gives ``None`` without compiling anything."""
+    import_deepspeed()
+    # after import_deepspeed: DeepSpeed picks its accelerator when first imported
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.comm.torch import build_shm_op
+
+    if get_accelerator().get_op_builder("ShareMemCommBuilder") is None:
+        pytest.skip("this accelerator has no shared-memory all-reduce")
+    assert build_shm_op() is None
 
 
 REFERENCE = case(1, *COMMON, "backend.zero_stage=0", "train.micro_batch_size=8")

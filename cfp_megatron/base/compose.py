@@ -45,11 +45,14 @@ def _root_schema() -> type:
 
 def register_configs() -> None:
     """Store the schema in Hydra's ConfigStore (``conf/config.yaml`` lists ``cfp_schema`` first in its defaults)
-    and register the ``cfp_run_id`` resolver used by ``hydra.run.dir``."""
+    unless it holds it already (storing converts the schema to a config again, a sixth of a composition), and
+    register the ``cfp_run_id`` resolver used by ``hydra.run.dir``."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    ConfigStore.instance().store(name="cfp_schema", node=_root_schema())
+    store = ConfigStore.instance()
+    if "cfp_schema.yaml" not in store.repo:
+        store.store(name="cfp_schema", node=_root_schema())
     if not OmegaConf.has_resolver("cfp_run_id"):
         OmegaConf.register_new_resolver("cfp_run_id", run_id)
 

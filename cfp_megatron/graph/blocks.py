@@ -433,29 +433,26 @@ class BlockCheck:
                    params={k: placement_str(v) for k, v in candidate.params.items()})
 
 
-def verify_blocks_on_gloo(build_graph: Callable[[], OpGraph], mesh_shape: tuple[int, ...],
+def verify_blocks_on_gloo(graph: OpGraph, mesh_shape: tuple[int, ...],
                           checks: Sequence[BlockCheck]) -> list[GlooVerification]:
     """Replay block candidates' recorded operators on real gloo ranks with CPU DTensors, one process per rank.
 
-    ``build_graph`` (picklable, top-level) records the graph again in each rank (recording is deterministic, so
-    tensor ids match). Each block's external inputs get seeded random values (integers zero); the entry, the
-    parameters and the side inputs are distributed as :func:`find_blocks` placed them; the operators run under
-    :class:`CommDebugMode`; the exit activation's ``full_tensor()`` (the final reduction) is compared with the same
-    operators run on plain tensors.
+    ``graph`` is sent to each rank as recorded here (pickled, each operator by its name). Each block's external
+    inputs get seeded random values (integers zero); the entry, the parameters and the side inputs are distributed
+    as :func:`find_blocks` placed them; the operators run under :class:`CommDebugMode`; the exit activation's
+    ``full_tensor()`` (the final reduction) is compared with the same operators run on plain tensors.
     """
-    return verify_graphs_on_gloo(mesh_shape, [(build_graph, checks)])[0]
+    return verify_graphs_on_gloo(mesh_shape, [(graph, checks)])[0]
 
 
-def verify_graphs_on_gloo(mesh_shape: tuple[int, ...],
-                          graphs: Sequence[tuple[Callable[[], OpGraph], Sequence[BlockCheck]]]
+def verify_graphs_on_gloo(mesh_shape: tuple[int, ...], graphs: Sequence[tuple[OpGraph, Sequence[BlockCheck]]]
                           ) -> list[list[GlooVerification]]:
-    """:func:`verify_blocks_on_gloo` of several graphs (each a picklable builder with its checks) in one spawn of
-    the ranks: one process start-up and one process group for all of them. One list of results per graph, in
-    order."""
+    """:func:`verify_blocks_on_gloo` of several graphs (each with its checks) in one spawn of the ranks: one process
+    start-up and one process group for all of them. One list of results per graph, in order."""
     import torch.multiprocessing as mp
 
     world_size = math.prod(mesh_shape)
-    jobs = [(build, list(checks)) for build, checks in graphs]
+    jobs = [(graph, list(checks)) for graph, checks in graphs]
     with _rank_folder() as tmp:
         mp.spawn(_replay_rank, args=(world_size, tmp, tuple(mesh_shape), jobs), nprocs=world_size, join=True)
         reports = []
@@ -530,16 +527,15 @@ def _replay(ops: Sequence[Operator], values: dict[int, Any], wrap: Callable[[tor
 
 
 def _replay_rank(rank: int, world_size: int, tmp: str, mesh_shape: tuple[int, ...],
-                 jobs: list[tuple[Callable[[], OpGraph], list[BlockCheck]]]) -> None:
+                 jobs: list[tuple[OpGraph, list[BlockCheck]]]) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    graphs = [build_graph() for build_graph, _ in jobs]  # recorded before any process group, as alone
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=rank,
                             world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", mesh_shape)
-        reports = [_replay_checks(graph, checks, mesh) for graph, (_, checks) in zip(graphs, jobs, strict=True)]
+        reports = [_replay_checks(graph, checks, mesh) for graph, checks in jobs]
         write_atomic(os.path.join(tmp, f"rank{rank}.json"), json.dumps(reports), key=TMP_KEY)
         dist.barrier()  # no rank leaves while another still finishes a collective (gloo aborts on a closed peer)
     finally:

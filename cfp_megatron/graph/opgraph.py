@@ -8,8 +8,11 @@ the graph can be replayed, e.g. on DTensors to propagate partitions (:mod:`cfp_m
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+import torch
 
 
 class Phase(enum.Enum):
@@ -79,6 +82,17 @@ class Operator:
     """Bytes of all input tensors."""
     bytes_written: int
     """Bytes of all output tensors."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled with :attr:`op` by its name (an ``OpOverload`` does not pickle), so a recorded graph can be sent
+        to other processes (:func:`cfp_megatron.graph.blocks.verify_graphs_on_gloo`'s ranks)."""
+        return _operator, ({f.name: getattr(self, f.name) for f in fields(self) if f.name != "op"},)
+
+
+def _operator(state: dict[str, Any]) -> Operator:
+    """An unpickled :class:`Operator`: its ``OpOverload`` found again by name (``aten.mm.default`` is
+    ``torch.ops.aten.mm.default``)."""
+    return Operator(op=functools.reduce(getattr, state["name"].split("."), torch.ops), **state)
 
 
 @dataclass(frozen=True, kw_only=True)

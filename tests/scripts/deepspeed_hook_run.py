@@ -12,7 +12,6 @@ Run by tests/test_deepspeed_hook.py in its own processes (DeepSpeed sets process
 
 import gc
 import json
-import os
 import sys
 import time
 import weakref
@@ -21,10 +20,14 @@ import torch
 
 from cfp_megatron.compat.import_cost import heavy_imports  # noqa: E402
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 with heavy_imports():  # the hook's Megatron-Core and DeepSpeed, imported with their import costs cut
-    import deepspeed  # noqa: E402
     import torch.distributed as dist  # noqa: E402
+
+    from cfp_megatron.compat.deepspeed_import import import_deepspeed  # noqa: E402
+
+    # on the CPU accelerator, and without the shared-memory all-reduce only DeepSpeed's inference calls (as the
+    # backend=deepspeed launch imports it)
+    deepspeed = import_deepspeed()
 
     from cfp_megatron.backends.deepspeed.hook import initialize  # noqa: E402
 

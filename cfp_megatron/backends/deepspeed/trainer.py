@@ -13,7 +13,6 @@ mean token loss, as the Megatron backend reports it.
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from cfp_megatron.base.config import JobSpec, Precision
 from cfp_megatron.base.flops import training_flops_per_token
 from cfp_megatron.base.launch_env import LaunchEnv
 from cfp_megatron.base.parallel_dims import ParallelDims
+from cfp_megatron.compat.deepspeed_import import import_deepspeed
 from cfp_megatron.data.batches import build_micro_batches
 from cfp_megatron.engine import rank_watch
 from cfp_megatron.engine.distributed import bound_every_group, model_groups
@@ -38,16 +38,6 @@ from cfp_megatron.model.megatron_config import transformer_config
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.plan.check import PlanCheck, log_plan_check
 from cfp_megatron.profile.cluster import profiled_peak
-
-
-def import_deepspeed() -> Any:
-    """``deepspeed``, on the CPU accelerator when there is no GPU (set before the import, as DeepSpeed reads it
-    then)."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-
-    return deepspeed
 
 
 def build_engine(job: JobSpec, plan: Plan, config: dict[str, Any], dims: ParallelDims) -> tuple[Any, Any]:
