@@ -94,7 +94,8 @@ def test_a_plan_json_of_the_previous_schema_still_loads() -> None:
                          ("parallel", "cuda_graph_scope"): None, ("parallel", "cpu_offloading_num_layers"): 0,
                          ("parallel", "fsdp"): "none", ("parallel", "dp_shard_size"): None,
                          ("parallel", "fp8_param_gather"): False, ("parallel", "num_layers_at_start_in_bf16"): 0,
-                         ("parallel", "num_layers_at_end_in_bf16"): 0}
+                         ("parallel", "num_layers_at_end_in_bf16"): 0,
+                         ("parallel", "moe_flex_dispatcher_backend"): "deepep"}
         assert {k: v for k, v in new.items() if k != "content_hash"} \
             == {k: v for k, v in old.items() if k != "content_hash"}
 
@@ -102,7 +103,7 @@ def test_a_plan_json_of_the_previous_schema_still_loads() -> None:
 ADDED_SINCE_SCHEMA2 = (("prediction", "choice"), ("parallel", "cuda_graph_impl"), ("parallel", "cuda_graph_scope"),
                        ("parallel", "cpu_offloading_num_layers"), ("parallel", "fsdp"), ("parallel", "dp_shard_size"),
                        ("parallel", "fp8_param_gather"), ("parallel", "num_layers_at_start_in_bf16"),
-                       ("parallel", "num_layers_at_end_in_bf16"))
+                       ("parallel", "num_layers_at_end_in_bf16"), ("parallel", "moe_flex_dispatcher_backend"))
 """plan.json keys added after ``tests/data/plan_schema2.json`` was written (issues N and O), with their defaults on
 load."""
 

@@ -23,9 +23,11 @@ LOCAL = SimOptions(attention=AttentionKernel.torch_softmax)  # Megatron-Core's l
 TOKENS, HIDDEN, FFN = 128, 256, 512  # micro-batch 2 x 64 tokens
 
 
-def _job(*overrides: str):
+def _job(*overrides: str, cluster: str = "local"):
+    """llama_tiny on two ranks; ``cluster`` a GPU preset where Transformer Engine's linears are meant (a CPU rank
+    builds the local spec)."""
     return compose_job(["model=llama_tiny", "model.num_layers=2", "model.hidden_size=256", "model.ffn_hidden_size=512",
-                        "cluster=local", "cluster.gpus_per_node=2", "parallel.tp=2", "train.seq_length=64",
+                        f"cluster={cluster}", "cluster.gpus_per_node=2", "parallel.tp=2", "train.seq_length=64",
                         "train.micro_batch_size=2", "train.global_batch_size=2", *overrides])
 
 
@@ -54,7 +56,7 @@ def test_each_linears_moment_holds_its_gradients_as_megatron_cores_backward_make
 def test_the_weight_gradient_is_a_temporary_unless_fused_into_main_grad_by_transformer_engine() -> None:
     # fused + TE's linears: get_dummy_wgrad, cached for the run; fused + the local linears: torch.empty of the
     # weight's shape all the same; any other accumulation: the GEMM's output, added to main_grad or .grad and freed.
-    job = _job()
+    job = _job(cluster="dgx_h100")
     flash = SimOptions(attention=AttentionKernel.flash)
     assert not weight_grad_transient(flash, job)
     assert weight_grad_transient(LOCAL, job)
@@ -70,7 +72,7 @@ def test_a_rank_without_the_loss_holds_the_flow_on_top_of_its_activations() -> N
     # loss's stage it counts only beyond the logits.
     pp = ["parallel.tp=1", "parallel.pp=2", "model.num_layers=4", "train.global_batch_size=4"]
     options = SimOptions(attention=AttentionKernel.flash, weight_grad_accumulation=WeightGradAccumulation.autograd)
-    job = _job(*pp)
+    job = _job(*pp, cluster="dgx_h100")
     first = predict_memory(job, options=options, world_size=2)
     assert first.stage == 0
     flow = backward_flow_bytes(job, build_layout(job), options, moe=False)
@@ -84,7 +86,7 @@ def test_a_rank_without_the_loss_holds_the_flow_on_top_of_its_activations() -> N
 def test_transformer_engines_fused_accumulation_holds_one_placeholder_a_weight_shape() -> None:
     # get_dummy_wgrad caches one torch.empty per (shape, dtype) for the run: a dense layer's QKV, projection, FC1
     # and FC2 shapes on every layer's rank, the output layer's on the loss's; none where the gradient is a temporary.
-    job = _job("parallel.sp=true", "train.precision=bf16")
+    job = _job("parallel.sp=true", "train.precision=bf16", cluster="dgx_h100")
     layout, flash = build_layout(job), SimOptions(attention=AttentionKernel.flash)
     tp = 2
     qkv, fc2 = ((HIDDEN + 2 * 2 * 64) / tp, HIDDEN), (HIDDEN, FFN / tp)
@@ -97,6 +99,10 @@ def test_transformer_engines_fused_accumulation_holds_one_placeholder_a_weight_s
     parts = dict(predict_memory(job, options=flash, world_size=2).parts)
     assert parts["dummy_wgrads"] == 2 * (layer + head)
     assert dict(predict_memory(job, options=LOCAL, world_size=2).parts)["dummy_wgrads"] == 0.0
+    # A CPU rank builds the local spec whatever the options say: no placeholder, the weight gradient a temporary.
+    cpu = _job("parallel.sp=true")
+    assert dummy_wgrad_bytes(cpu, build_layout(cpu), flash, dense=True, moe=False, head=True) == 0.0
+    assert weight_grad_transient(flash, cpu)
 
 
 def test_pytorchs_fsdp_keeps_no_main_grad_and_counts_its_unsharded_gradient_once() -> None:

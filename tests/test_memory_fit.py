@@ -255,8 +255,8 @@ def test_deepspeed_no_fit_without_pins_names_the_fewest_nodes_that_fit() -> None
     more nodes and names the fewest that fit (its plan planned there), and names no pin to relax."""
     text = _zero_no_fit("model=llama3_405b", "cluster=dgx_h100", "cluster.nodes=1", "train.global_batch_size=1024",
                         "train.seq_length=4096")
-    assert "The fewest nodes of cluster=dgx_h100 on which one fits: cluster.nodes=2 (16 ranks): zero3" in text
-    assert "size the cluster to cluster.nodes=2 or more" in text
+    assert "The fewest nodes of cluster=dgx_h100 on which one fits: cluster.nodes=4 (32 ranks): zero3" in text
+    assert "size the cluster to cluster.nodes=4 or more" in text
     assert "remove backend" not in text and "pin" not in text.split("Fix:")[1]
     few = _zero_no_fit("model=llama3_405b", "cluster=dgx_h100", "cluster.nodes=1", "train.global_batch_size=8")
     assert "train.global_batch_size=8 has none for more ranks" in few and "cluster.nodes=2" not in few
