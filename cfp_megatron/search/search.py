@@ -66,7 +66,7 @@ from cfp_megatron.search.space import (
     recompute_parts,
     split_stage_counts,
 )
-from cfp_megatron.sim.bounds import GroupCosts, group_bound, group_costs, layer_terms, time_bound
+from cfp_megatron.sim.bounds import GroupCosts, group_bound, group_costs_pair, layer_terms, time_bound
 from cfp_megatron.sim.format_costs import bf16_twin
 from cfp_megatron.sim.layout import Layout, place
 from cfp_megatron.sim.memory import OFFLOAD_RESIDENT_LAYERS, in_flight, layer_activation_bytes, memory_band
@@ -993,8 +993,5 @@ def _group_costs(cand: Candidate, job: JobSpec, measurements: Measurements | Non
         return None
     shared_cores = (measurements is not None and parts.overheads is not None
                     and measurements.busy_slowdown() is not None)
-    def bound_terms(expert_a2a: bool) -> GroupCosts:
-        return group_costs(parts, Overlaps(tp=cand.tp, tp_comm=may_overlap[0], expert_a2a=expert_a2a),
-                           hidden=job.model.hidden_size, shared_cores=shared_cores, fixed_s=fixed_s)
-
-    return bound_terms(may_overlap[1]), bound_terms(False) if may_overlap[1] else None
+    return group_costs_pair(parts, Overlaps(tp=cand.tp, tp_comm=may_overlap[0], expert_a2a=may_overlap[1]),
+                            hidden=job.model.hidden_size, shared_cores=shared_cores, fixed_s=fixed_s)
