@@ -91,8 +91,9 @@ def moe_problems(job: JobSpec, world_size: int) -> list[Problem]:
 
 def recompute_problems(job: JobSpec, *, te: bool = True) -> list[Problem]:
     """The checks of :meth:`ParallelDims.build` that read the recompute choice (granularity, method, layer count,
-    modules), and only those: a job that passed it and differs from another only there passes it too where these
-    do (a search validates the recompute choices of one layout so; ``tests/test_parallel_dims.py`` checks it)."""
+    modules), and only those: a job that differs from one that passed it only in its recomputation passes it too
+    where these pass (a search validates the recompute choices of one layout so; ``tests/test_layout_rules.py``
+    checks it)."""
     return [*_modules_problems(job, te), *_block_problems(job),
             *(graph_problems(job) if job.parallel.cuda_graph_impl is not CudaGraphImpl.none else [])]
 
