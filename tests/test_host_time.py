@@ -165,6 +165,24 @@ def test_cuda_graphs_remove_the_launches_of_what_they_capture() -> None:
     assert layer.moe[0] > padded.moe[0] == pytest.approx(4 * hc.host_constants().forward_launch_s)
 
 
+def test_the_hosts_costs_are_shared_by_the_plans_that_agree_on_what_they_read() -> None:
+    """The host's costs read the model, the CUDA graphs, whether recomputation is full, whether the MoE layers
+    synchronise and the local experts only: plans that differ elsewhere (TP, SP, the micro-batch) share one
+    computation, and each thing they read still moves them."""
+    base = hc.host_costs(job(TINY_MOE), 8)
+    assert hc.host_costs(job(TINY_MOE, tp=2, sp=True, mb=2), 8) is base
+    assert hc.host_costs(job(TINY_MOE, recompute="selective"), 8) is base
+    full = hc.host_costs(job(TINY_MOE, recompute="full"), 8)
+    assert full.moe_recompute_s > 0 and full.recompute_syncs and base.moe_recompute_s == 0
+    graphed = hc.host_costs(job(TINY_MOE, cuda_graph_impl="transformer_engine", cuda_graph_scope="attn"), 8)
+    assert graphed.dense[0] < base.dense[0]
+    assert hc.host_costs(job(TINY_MOE), 2, grouped_gemm=False).moe[0] < hc.host_costs(
+        job(TINY_MOE), 8, grouped_gemm=False).moe[0]
+    assert hc.host_costs(job(TINY_MOE), 8, moe_layer_syncs=1).moe_sync_s < base.moe_sync_s
+    padded = {**TINY_MOE, "moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
+    assert hc.host_costs(job(padded), 8).moe_sync_s == 0.0 < base.moe_sync_s
+
+
 def test_the_experts_launches_grow_with_the_local_experts_only_without_a_grouped_gemm() -> None:
     looped = SimOptions(grouped_gemm=False)
     few = prepare_costs(job(TINY_MOE, ep=8), options=looped).host

@@ -369,3 +369,65 @@ def test_sharded_optimizer_search() -> None:
     assert space.dopt_values(Family(tp=1, cp=1, pp=1, ep=1, etp=1)) == [False, True]
     assert space.dopt_problems(Family(tp=2, cp=1, pp=1, ep=1, etp=1), True) == [
         batch.sharded_optimizer(True, dp=1)[0].brief]
+
+
+def test_a_layout_valid_without_recomputation_is_valid_with_it_where_the_recompute_checks_pass() -> None:
+    """The search validates one representative of a layout in full and each other recompute choice of it by the
+    checks that read the recompute choice alone (:func:`~cfp_megatron.base.parallel_dims.recompute_problems`),
+    placing it as the first: on random layouts of a dense and a MoE model (CUDA graphs, uneven and interleaved
+    splits, selective modules, uniform and block recomputation) a recompute choice passes ParallelDims.build exactly
+    where those checks pass, and then its layout is the first's with its own ParallelSpec."""
+    import dataclasses
+    import random
+
+    from cfp_megatron.base.config import CudaGraphImpl, ParallelSpec, Recompute, RecomputeMethod
+    from cfp_megatron.base.parallel_dims import recompute_problems
+    from cfp_megatron.sim.layout import build_layout
+
+    rng = random.Random(5)
+    common = ["cluster=dgx_h100", "cluster.nodes=1", "train.global_batch_size=32", "train.seq_length=256"]
+    passed = failed = 0
+    for model in (["model=llama_tiny"], MLA):
+        job = _job([*model, *common])
+        moe_model = job.model.is_moe
+        for _ in range(60):
+            sizes = {"tp": rng.choice((1, 2, 4)), "pp": rng.choice((1, 2, 4)), "cp": rng.choice((1, 1, 2)),
+                     "vpp": rng.choice((None, None, 2)), "first_stage_layers": rng.choice((None, None, 1))}
+            sizes["sp"] = sizes["tp"] > 1 and rng.random() < 0.5
+            if moe_model:
+                sizes["ep"] = rng.choice((1, 2, 4))
+            if rng.random() < 0.3:
+                sizes.update(cuda_graph_impl=CudaGraphImpl.transformer_engine,
+                             cuda_graph_scope=rng.choice((None, "attn")))
+            train = dataclasses.replace(job.train, micro_batch_size=rng.choice((1, 2)))
+            try:
+                plain = dataclasses.replace(job, train=train, parallel=dataclasses.replace(job.parallel, **sizes))
+                first = build_layout(plain, 8)
+            except ConfigError:
+                continue
+            modules = rng.choice(("core_attn", "layernorm", "mla_up_proj", "moe_act+layernorm"))
+            for choice in ({"recompute": Recompute.selective},
+                           {"recompute": Recompute.selective, "recompute_modules": modules},
+                           {"recompute": Recompute.full},
+                           {"recompute": Recompute.full, "recompute_method": RecomputeMethod.block,
+                            "recompute_num_layers": rng.choice((1, 2, 3, 5))}):
+                try:
+                    parallel = dataclasses.replace(plain.parallel, **choice)
+                except ConfigError:
+                    continue
+                assert isinstance(parallel, ParallelSpec)
+                sibling = dataclasses.replace(plain, parallel=parallel)
+                try:
+                    full = build_layout(sibling, 8)
+                except ConfigError:
+                    full = None
+                problems = recompute_problems(sibling)
+                assert (full is None) == bool(problems), (sizes, choice)
+                if full is None:
+                    failed += 1
+                    continue
+                passed += 1
+                placed = dataclasses.replace(first, dims=ParallelDims(
+                    parallel=parallel, world_size=8, num_microbatches=first.dims.num_microbatches))
+                assert placed == full, (sizes, choice)
+    assert passed > 100 and failed > 5, (passed, failed)

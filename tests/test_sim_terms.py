@@ -15,7 +15,7 @@ from cfp_megatron.base.config import job_from_config
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.plan.check import breakdown
 from cfp_megatron.sim import simulate
-from cfp_megatron.sim.bounds import group_costs
+from cfp_megatron.sim.bounds import group_costs, group_costs_pair
 from cfp_megatron.sim.memory import Stage
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import PassCosts
@@ -227,6 +227,33 @@ def test_the_host_terms_bound_stays_below_its_share_in_every_moe_case() -> None:
         covered |= {"combined_1f1b_syncs"} if syncs and "combined_1f1b" in tags else set()
     assert {"dropless", "drop", "pad", "allgather", "dense_layers", "combined_1f1b_syncs", "graphs", "offload",
             "grouped_gemm", "looped_experts", "syncs", "stretch_launches", "recompute_syncs"} <= covered, covered
+
+
+def test_the_pair_of_bound_terms_is_each_overlap_settings_own() -> None:
+    """A group that may overlap the expert all-to-all gets its bound terms with and without that overlap from one
+    pass over its layer kinds (the terms that read no expert overlap counted once): each equals the bound terms of
+    its own setting, to the bit, with the host's syncs (which read both overlaps)."""
+    rng = random.Random(3)
+    paired = 0
+    for model, parallel, overlaps in _layouts(rng, 120):
+        try:
+            parts = prepare_costs(job(model, **parallel))
+        except ConfigError:
+            continue
+        for tp_comm in (False, True):
+            may = dataclasses.replace(overlaps, tp_comm=tp_comm and overlaps.tp > 1)
+            with_a2a, without = group_costs_pair(parts, may, hidden=model["hidden_size"], shared_cores=False,
+                                                 fixed_s=0.25)
+            assert with_a2a == group_costs(parts, may, hidden=model["hidden_size"], shared_cores=False, fixed_s=0.25)
+            if not may.expert_a2a:
+                assert without is None
+                continue
+            plain = dataclasses.replace(may, expert_a2a=False)
+            assert without == group_costs(parts, plain, hidden=model["hidden_size"], shared_cores=False,
+                                          fixed_s=0.25)
+            assert without.layer_s >= with_a2a.layer_s and without.kind_s[1] > with_a2a.kind_s[1]
+            paired += 1
+    assert paired >= 8
 
 
 MEMORY_FIELDS = ("parameters", "gradients", "optimizer_states", "activations", "comm_buffers")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from cfp_megatron.base.config import (
     MAX_MICROBATCHES,
@@ -89,6 +90,51 @@ def moe_problems(job: JobSpec, world_size: int) -> list[Problem]:
             *moe.overlaps_on_gpu(a2a_overlap=p.moe_a2a_overlap, shared_overlap=p.moe_shared_expert_overlap,
                                  has_shared=bool(m.moe_shared_expert_intermediate_size), model=m.name,
                                  flex=m.moe_token_dispatcher is TokenDispatcher.flex, on_cpu=c.on_cpu)]
+
+
+def recompute_problems(job: JobSpec, *, te: bool = True) -> list[Problem]:
+    """The checks of :meth:`ParallelDims.build` that read the recompute choice (granularity, method, layer count,
+    modules), and only those: a job that differs from one that passed it only in its recomputation passes it too
+    where these pass (a search validates the recompute choices of one layout so; ``tests/test_layout_rules.py``
+    checks it)."""
+    return [*_modules_problems(job, te), *_block_problems(job),
+            *(graph_problems(job) if job.parallel.cuda_graph_impl is not CudaGraphImpl.none else [])]
+
+
+def _modules_problems(job: JobSpec, te: bool) -> list[Problem]:
+    """The submodules selective recomputation recomputes, against the model."""
+    p = job.parallel
+    recomputed = p.recomputed_modules
+    if not recomputed:
+        return []
+    return recompute.modules_fit({module.value for module in recomputed}, model_parts(job.model),
+                                 named=p.recompute_modules, shared_overlap=p.moe_shared_expert_overlap, te=te)
+
+
+def _split_arguments(job: JobSpec) -> tuple[dict[str, bool], dict[str, Any]]:
+    """What the split checks read besides the layer and stage counts: whether the embedding and the loss count as
+    layers of the split, and the per-stage layout string and MTP layers."""
+    m, p = job.model, job.parallel
+    accounted = {"embedding": p.account_for_embedding_in_pipeline_split and p.pp > 1,
+                 "loss": p.account_for_loss_in_pipeline_split and p.pp > 1}
+    return accounted, {"layout": p.pipeline_model_parallel_layout if p.pp > 1 else None, "mtp": m.mtp_num_layers}
+
+
+def _block_problems(job: JobSpec) -> list[Problem]:
+    """Full recomputation's layers per model chunk (both methods: uniform's group and block's recomputed layers per
+    chunk) against the split."""
+    m, p = job.model, job.parallel
+    if p.recompute is not Recompute.full:
+        return []
+    vpp = p.virtual_stages
+    accounted, layout = _split_arguments(job)
+    valid = not split_issues(m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers,
+                             **accounted, **layout) and not (layout["layout"] and len(
+                                 layout_stages(layout["layout"])) != p.pp * vpp)
+    layers_per_chunk = max_chunk_count(chunk_layers(
+        m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers, **accounted,
+        layout=layout["layout"])) if valid else 0
+    return recompute.block_layers(p.recompute_num_layers, layers_per_chunk)
 
 
 def graph_model_problems(job: JobSpec) -> list[Problem]:
@@ -190,18 +236,11 @@ class ParallelDims:
               if p.mlp is MlpPartition.primepar else [])])
 
         # Layers against PP x VPP (and the first/last stage's own counts).
-        accounted = {"embedding": p.account_for_embedding_in_pipeline_split and p.pp > 1,
-                     "loss": p.account_for_loss_in_pipeline_split and p.pp > 1}
-        layout = {"layout": p.pipeline_model_parallel_layout if p.pp > 1 else None, "mtp": m.mtp_num_layers}
+        accounted, layout = _split_arguments(job)
         issues += split_issues(m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers, **accounted,
                                **layout)
 
-        problems = moe_problems(job, world_size)
-        recomputed = p.recomputed_modules
-        if recomputed:  # the submodules selective recomputation recomputes, against the model
-            problems += recompute.modules_fit({module.value for module in recomputed}, model_parts(m),
-                                              named=p.recompute_modules, shared_overlap=p.moe_shared_expert_overlap,
-                                              te=te)
+        problems = moe_problems(job, world_size) + _modules_problems(job, te)
 
         # Batch against DP.
         per_step = t.micro_batch_size * dp
@@ -231,14 +270,7 @@ class ParallelDims:
                                                    pp=p.pp, seq=t.seq_length, max_positions=m.max_position_embeddings)
 
         # Options that do not go together.
-        if p.recompute is Recompute.full:  # both methods: uniform's group and block's recomputed layers per chunk
-            valid = not split_issues(m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers,
-                                     **accounted, **layout) and not (layout["layout"] and len(
-                                         layout_stages(layout["layout"])) != p.pp * vpp)
-            layers_per_chunk = max_chunk_count(chunk_layers(
-                m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers, **accounted,
-                layout=layout["layout"])) if valid else 0
-            problems += recompute.block_layers(p.recompute_num_layers, layers_per_chunk)
+        problems += _block_problems(job)
         if (p.num_layers_at_start_in_bf16 or p.num_layers_at_end_in_bf16) and not split_issues(
                 m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers, **accounted, **layout):
             chunks = job_chunks(job)  # the first layers sit in the first chunk, the last in the last one

@@ -32,7 +32,12 @@ from cfp_megatron.base.config import FsdpStrategy, JobSpec, MlpPartition, Parall
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.layout_rules.batch import fsdp_checkpoints, fsdp_settings
 from cfp_megatron.base.number_format import NumberFormat
-from cfp_megatron.base.parallel_dims import ParallelDims, data_parallel_size, expert_data_parallel_size
+from cfp_megatron.base.parallel_dims import (
+    ParallelDims,
+    data_parallel_size,
+    expert_data_parallel_size,
+    recompute_problems,
+)
 from cfp_megatron.base.pipeline_layout import balanced_layout
 from cfp_megatron.base.pipeline_split import chunk_layers
 from cfp_megatron.cluster.measured import Measurements, partition_name, unmeasured_partitions
@@ -66,9 +71,9 @@ from cfp_megatron.search.space import (
     recompute_parts,
     split_stage_counts,
 )
-from cfp_megatron.sim.bounds import GroupCosts, group_bound, group_costs, layer_terms, time_bound
+from cfp_megatron.sim.bounds import GroupCosts, group_bound, group_costs_pair, layer_terms, time_bound
 from cfp_megatron.sim.format_costs import bf16_twin
-from cfp_megatron.sim.layout import Layout, place
+from cfp_megatron.sim.layout import Layout, build_layout, place
 from cfp_megatron.sim.memory import OFFLOAD_RESIDENT_LAYERS, in_flight, layer_activation_bytes, memory_band
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache, cost_key
@@ -658,6 +663,7 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
     kept: dict[tuple, _KeptBytes] = {}
     may_overlap: dict[tuple, tuple[bool, bool]] = {}  # (TP overlap, expert overlap) allowed, by what they read
     specs: dict[tuple, ParallelSpec] = {}  # the representatives' checked ParallelSpec, by their fields
+    layouts: dict[Candidate, Layout] = {}  # their validated layouts, by the representative without recomputation
     gpn = job.cluster.gpus_per_node or world
     size = 0
     mlps = {p.value: p for p in MlpPartition}
@@ -699,7 +705,7 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
                     if found is None:
                         found = _group_costs(Candidate.from_key(g.head + (1, 0, 0, False, False)), job,
                                              measurements, options, world, cache, refused, may_overlap=overlaps,
-                                             specs=specs)
+                                             specs=specs, layouts=layouts)
                         if found is not None:  # a refusal is this size's: checked again at another
                             cache.groups[ckey] = found
                     by_key[ckey] = found
@@ -968,22 +974,35 @@ def _stage_layers(num_layers: int, pp: int, vpp: int, first: int, last: int, bal
 
 def _group_costs(cand: Candidate, job: JobSpec, measurements: Measurements | None, options: SimOptions, world: int,
                  cache: CostCache, refused: list[Rejection], *,
-                 may_overlap: tuple[bool, bool] = (False, False), specs: dict[tuple, ParallelSpec] | None = None
-                 ) -> tuple[GroupCosts, GroupCosts | None] | None:
+                 may_overlap: tuple[bool, bool] = (False, False), specs: dict[tuple, ParallelSpec] | None = None,
+                 layouts: dict[Candidate, Layout] | None = None) -> tuple[GroupCosts, GroupCosts | None] | None:
     """The costs a group's bound counts (:func:`~cfp_megatron.sim.bounds.group_costs`), from its representative
     ``cand`` (no overlaps); ``may_overlap``: whether its candidates may overlap their TP communication and their
     expert all-to-all; with those without the all-to-all's overlap where it may (``None`` where it may not: the
     costs of a pipelined group's splits of one chunk per rank, :attr:`_Bounded.serial`); ``None`` (and a rejection in
     ``refused``) where the runtime's validation refuses it; ``specs``: the checked :class:`ParallelSpec` of the
-    representatives built so far (:meth:`~cfp_megatron.search.space.Candidate.shared_job`)."""
+    representatives built so far (:meth:`~cfp_megatron.search.space.Candidate.shared_job`); ``layouts``: the
+    validated layouts of the representatives so far, by the representative without recomputation (one of another
+    recompute choice is validated by the checks that read the recompute choice alone,
+    :func:`~cfp_megatron.base.parallel_dims.recompute_problems`, and placed as it)."""
     # A valid split for the pass costs (they do not depend on the split): the even one, or the balanced one where
     # the stages do not divide the layers.
     rep = dataclasses.replace(cand, vpp=1, distributed_optimizer=False, first_stage_layers=0, last_stage_layers=0,
                               balanced=job.model.num_layers % cand.pp != 0,
                               recompute=Recompute.full.value if cand.recompute == BLOCK else cand.recompute)
+    free = dataclasses.replace(rep, recompute=Recompute.none.value)
+    sibling = layouts.get(free) if layouts is not None else None
     try:
         rep_job = rep.job(job) if specs is None else rep.shared_job(job, specs)
-        parts = prepare_costs(rep_job, job.cluster, measurements, options=options, world_size=world, cache=cache)
+        if sibling is not None and not recompute_problems(rep_job):
+            layout = dataclasses.replace(sibling, dims=ParallelDims(
+                parallel=rep_job.parallel, world_size=world, num_microbatches=sibling.dims.num_microbatches))
+        else:  # what it reads beyond the recompute choice validated here, or an issue to name in full
+            layout = build_layout(rep_job, world)
+            if layouts is not None and sibling is None:
+                layouts[free] = layout
+        parts = prepare_costs(rep_job, job.cluster, measurements, options=options, world_size=world, cache=cache,
+                              layout=layout)
         # what the pipelined probe's calibration adds to every schedule of the group (it too depends on the
         # partition, the micro-batch and where the stages sit only)
         fixed_s = schedule_fixed_s(rep_job, job.cluster, measurements, options=options, world_size=world, cache=cache)
@@ -993,8 +1012,5 @@ def _group_costs(cand: Candidate, job: JobSpec, measurements: Measurements | Non
         return None
     shared_cores = (measurements is not None and parts.overheads is not None
                     and measurements.busy_slowdown() is not None)
-    def bound_terms(expert_a2a: bool) -> GroupCosts:
-        return group_costs(parts, Overlaps(tp=cand.tp, tp_comm=may_overlap[0], expert_a2a=expert_a2a),
-                           hidden=job.model.hidden_size, shared_cores=shared_cores, fixed_s=fixed_s)
-
-    return bound_terms(may_overlap[1]), bound_terms(False) if may_overlap[1] else None
+    return group_costs_pair(parts, Overlaps(tp=cand.tp, tp_comm=may_overlap[0], expert_a2a=may_overlap[1]),
+                            hidden=job.model.hidden_size, shared_cores=shared_cores, fixed_s=fixed_s)

@@ -89,6 +89,16 @@ def group_costs(parts: PassCosts, overlaps: Overlaps, *, hidden: int, shared_cor
     the model's hidden size;
     ``shared_cores``: whether the simulator may take the shared-cores schedule; ``fixed_s``: what it adds to every
     pipelined schedule (:attr:`GroupCosts.fixed_s`)."""
+    return group_costs_pair(parts, overlaps, hidden=hidden, shared_cores=shared_cores, fixed_s=fixed_s,
+                            without_expert_overlap=False)[0]
+
+
+def group_costs_pair(parts: PassCosts, overlaps: Overlaps, *, hidden: int, shared_cores: bool, fixed_s: float = 0.0,
+                     without_expert_overlap: bool = True) -> tuple[GroupCosts, GroupCosts | None]:
+    """:func:`group_costs` under ``overlaps`` and, where they may overlap the expert all-to-all and
+    ``without_expert_overlap``, under the same without it (``None`` otherwise): a pipelined group's splits of one
+    chunk per rank do not overlap it. The layer kinds' times and the terms that read no expert overlap are counted
+    once for both."""
     # the biases and norms the count leaves out add at least -2 h (cfp_megatron.sim.memory.layer_extra_params)
     slack = 2.0 * hidden
     # A PrimePar candidate runs Megatron's MLP on some layers only where PrimePar's layer is the faster
@@ -98,29 +108,33 @@ def group_costs(parts: PassCosts, overlaps: Overlaps, *, hidden: int, shared_cor
     kinds = [(parts.dense, False), (parts.moe, True)]
     if parts.bf16_ends is not None:
         kinds += [(parts.bf16_ends[0], False), (parts.bf16_ends[1], True)]
-    # per kind: (seconds a layer, forward + backward, recomputation), less what the overlaps can hide of them
-    floors: list[tuple[float, float, float, bool]] = []
+    variants = [overlaps]
+    if without_expert_overlap and overlaps.expert_a2a:
+        variants.append(Overlaps(tp=overlaps.tp, tp_comm=overlaps.tp_comm, expert_a2a=False))
+    # per variant and kind: (seconds a layer, forward + backward, recomputation), less what the overlaps can hide
+    floors: list[list[tuple[float, float, float, bool]]] = [[] for _ in variants]
     for kind, moe in kinds:
-        hideable = hideable_rec = 0.0
-        for term in TERMS.hiding():  # the others hide nothing
-            fb, rec = term.hideable(kind, overlaps)
-            hideable += fb
-            hideable_rec += rec
-        for term in TERMS.floored():  # the others set nothing per chunk
-            fb, rec = term.chunk_floor(parts, moe, overlaps)
-            hideable -= fb
-            hideable_rec -= rec
-        floors.append((kind.total_s - hideable - hideable_rec, kind.forward.total_s + kind.backward.total_s - hideable,
-                       kind.recompute.total_s - hideable_rec, moe))
-    return GroupCosts(
-        layer_s=min(f[0] for f in floors), fb_s=min(f[1] for f in floors), recompute_s=min(f[2] for f in floors),
-        dense_params=max(parts.dense.params - slack, 0.0),
-        moe_params=max(parts.moe.params - slack, 0.0),
-        pass_s=parts.per_pass.total_s,
-        embedding_s=sum(p.total_s for p in parts.embedding), head_s=sum(p.total_s for p in parts.head),
-        shared_cores=shared_cores, fixed_s=fixed_s,
-        kind_s=tuple(min(f[0] for f in floors if f[3] is moe) for moe in (False, True)),
-        kind_fb_s=tuple(min(f[1] for f in floors if f[3] is moe) for moe in (False, True)))
+        fb_s, rec_s = kind.forward.total_s + kind.backward.total_s, kind.recompute.total_s
+        for found, variant in zip(floors, variants, strict=True):
+            hideable = hideable_rec = 0.0
+            for term in TERMS.hiding():  # the others hide nothing
+                fb, rec = term.hideable(kind, variant)
+                hideable += fb
+                hideable_rec += rec
+            for term in TERMS.floored():  # the others set nothing per chunk
+                fb, rec = term.chunk_floor(parts, moe, variant)
+                hideable -= fb
+                hideable_rec -= rec
+            found.append((fb_s + rec_s - hideable - hideable_rec, fb_s - hideable, rec_s - hideable_rec, moe))
+    shared = {"dense_params": max(parts.dense.params - slack, 0.0), "moe_params": max(parts.moe.params - slack, 0.0),
+              "pass_s": parts.per_pass.total_s, "embedding_s": sum(p.total_s for p in parts.embedding),
+              "head_s": sum(p.total_s for p in parts.head), "shared_cores": shared_cores, "fixed_s": fixed_s}
+    out = [GroupCosts(
+        layer_s=min(f[0] for f in found), fb_s=min(f[1] for f in found), recompute_s=min(f[2] for f in found),
+        kind_s=tuple(min(f[0] for f in found if f[3] is moe) for moe in (False, True)),
+        kind_fb_s=tuple(min(f[1] for f in found if f[3] is moe) for moe in (False, True)), **shared)
+        for found in floors]
+    return out[0], out[1] if len(out) > 1 else None
 
 
 def layer_terms(costs: GroupCosts, block: bool) -> tuple[float, float]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from cfp_megatron.base.config import CudaGraphImpl, JobSpec, Recompute
+from cfp_megatron.base.config import CudaGraphImpl, JobSpec, ModelSpec, Recompute, cuda_graph_scopes
 
 HERE = Path(__file__).resolve().parent
 CONSTANTS_FILE = HERE / "host.yaml"
@@ -210,15 +210,24 @@ def host_costs(job: JobSpec, local_experts: int, *, grouped_gemm: bool = True,
     ``grouped_gemm`` the experts launch as one grouped GEMM per linear layer, not each expert's kernels;
     ``moe_layer_syncs``: a dropless MoE layer's synchronisations per forward (``None``: ``host.yaml``'s count,
     Megatron-Core's)."""
+    parallel = job.parallel
+    return _host_costs(job.model, parallel.cuda_graph_impl, parallel.cuda_graph_scope,
+                       parallel.recompute is Recompute.full, moe_syncs(job), local_experts, grouped_gemm,
+                       moe_layer_syncs)
+
+
+@functools.lru_cache(maxsize=1024)
+def _host_costs(model: ModelSpec, impl: CudaGraphImpl, scope_text: str | None, full: bool, syncs: bool,
+                local_experts: int, grouped_gemm: bool, moe_layer_syncs: int | None) -> HostCosts:
+    """:func:`host_costs` from what it reads of the plan (the search prices thousands of layouts that share them):
+    the model, the CUDA graphs (``impl``, ``parallel.cuda_graph_scope``'s text), whether recomputation is full and
+    whether its MoE layers synchronise (:func:`moe_syncs`)."""
     constants, counts = host_constants(), launch_counts()
-    model, parallel = job.model, job.parallel
-    impl = parallel.cuda_graph_impl
-    scope = None if impl is CudaGraphImpl.none else parallel.graph_scopes()
+    scope = None if impl is CudaGraphImpl.none else cuda_graph_scopes(scope_text)
     if scope is not None and "full_iteration" in scope:  # the whole iteration replays as one graph
         zero = (0.0, 0.0)
         return HostCosts(dense=zero, moe=zero, embedding=zero, head=zero, dense_recompute_s=0.0,
                          moe_recompute_s=0.0, recompute_syncs=False, moe_sync_s=0.0)
-    syncs = moe_syncs(job)
     dense = _layer(counts.dense, scope, constants, moe=False, dropless=syncs)
     moe_parts = dict(counts.moe)
     if not grouped_gemm:  # Megatron-Core's SequentialMLP: each local expert's kernels, launched from Python
@@ -231,7 +240,6 @@ def host_costs(job: JobSpec, local_experts: int, *, grouped_gemm: bool = True,
     def seconds(launches: Launches) -> tuple[float, float]:
         return launches.forward * fwd, launches.backward * bwd
 
-    full = parallel.recompute is Recompute.full
     return HostCosts(dense=seconds(dense), moe=seconds(moe), embedding=seconds(counts.embedding),
                      head=seconds(counts.head), dense_recompute_s=dense.forward * fwd if full else 0.0,
                      moe_recompute_s=moe.forward * fwd if full else 0.0, recompute_syncs=full and syncs,

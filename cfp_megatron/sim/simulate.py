@@ -189,15 +189,16 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
 
 def _prepare(job: JobSpec, cluster: ClusterSpec | None, measurements: Measurements | None,
              options: SimOptions | None, efficiency: Efficiency | None, world_size: int | None,
-             cache: CostCache | None) -> tuple[JobSpec, Layout, SimOptions, Efficiency, KernelModel, CollectiveCosts,
-                                               PassCosts]:
-    """The validated layout, the cost models and the pass costs of ``job`` (from ``cache`` where it has them)."""
+             cache: CostCache | None, layout: Layout | None = None
+             ) -> tuple[JobSpec, Layout, SimOptions, Efficiency, KernelModel, CollectiveCosts, PassCosts]:
+    """The validated layout, the cost models and the pass costs of ``job`` (from ``cache`` where it has them;
+    ``layout``: ``job``'s, validated already)."""
     if cache is not None and cache.prepared is not None:
         args, found = cache.prepared
         if all(a is b for a, b in zip(args[:5], (job, cluster, measurements, options, efficiency), strict=True)) \
                 and args[-1] == world_size:
             return found
-    prepared = _prepared(job, cluster, measurements, options, efficiency, world_size, cache)
+    prepared = _prepared(job, cluster, measurements, options, efficiency, world_size, cache, layout)
     if cache is not None:
         cache.prepared = ((job, cluster, measurements, options, efficiency, world_size), prepared)
     return prepared
@@ -205,15 +206,15 @@ def _prepare(job: JobSpec, cluster: ClusterSpec | None, measurements: Measuremen
 
 def _prepared(job: JobSpec, cluster: ClusterSpec | None, measurements: Measurements | None,
               options: SimOptions | None, efficiency: Efficiency | None, world_size: int | None,
-              cache: CostCache | None) -> tuple[JobSpec, Layout, SimOptions, Efficiency, KernelModel,
-                                                CollectiveCosts, PassCosts]:
+              cache: CostCache | None, layout: Layout | None = None
+              ) -> tuple[JobSpec, Layout, SimOptions, Efficiency, KernelModel, CollectiveCosts, PassCosts]:
     """:func:`_prepare`, computed."""
     cluster = cluster or job.cluster
     if cluster is not job.cluster:
         job = JobSpec(model=job.model, cluster=cluster, parallel=job.parallel, train=job.train, data=job.data)
     options = options or SimOptions()
     efficiency = efficiency or efficiency_for(cluster)
-    layout = build_layout(job, world_size)
+    layout = layout or build_layout(job, world_size)
     if cache is None:
         costs = collective_costs(cluster, measurements, efficiency)
         kernels = KernelModel(cluster, efficiency, NumberFormat.of(job.train), measurements=measurements)
@@ -258,10 +259,11 @@ def _prepared(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
 
 def prepare_costs(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Measurements | None = None, *,
                   options: SimOptions | None = None, world_size: int | None = None,
-                  cache: CostCache | None = None) -> PassCosts:
+                  cache: CostCache | None = None, layout: Layout | None = None) -> PassCosts:
     """The per-micro-batch pass costs (seconds per layer kind) :func:`simulate` would use for ``job`` (validated;
-    from ``cache`` where it has them): what a search's lower bound is built from."""
-    return _prepare(job, cluster, measurements, options, None, world_size, cache)[-1]
+    from ``cache`` where it has them): what a search's lower bound is built from. ``layout``: ``job``'s layout,
+    validated already (:func:`~cfp_megatron.sim.layout.build_layout`), which is then not validated again."""
+    return _prepare(job, cluster, measurements, options, None, world_size, cache, layout)[-1]
 
 
 def schedule_fixed_s(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Measurements | None = None, *,
