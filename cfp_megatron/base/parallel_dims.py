@@ -53,6 +53,14 @@ def attention_kernel_here() -> AttentionKernel:
     return AttentionKernel.torch_softmax
 
 
+def gradient_accumulation_fusion_here() -> bool:
+    """Whether the runtime builds Megatron-Core's linears with ``gradient_accumulation_fusion`` (the weight-gradient
+    GEMM writing into ``main_grad``): never, on a GPU too, so its weight gradients join the step's through Megatron's
+    DDP hook (docs/simulator.md, "Weight-gradient accumulation", says why the fusion stays off). Read by
+    :mod:`cfp_megatron.model.megatron_config` and :func:`cfp_megatron.sim.options.options_here`."""
+    return False
+
+
 def sequence_parallel_required(model: ModelSpec, tp: int) -> bool:
     """Whether Megatron-Core requires sequence parallelism for ``model`` under ``tp``-way tensor parallelism
     (:func:`cfp_megatron.base.layout_rules.sequence.sequence_parallel_required`)."""

@@ -21,7 +21,12 @@ from cfp_megatron.base.config import (
     resolve_precision,
 )
 from cfp_megatron.base.number_format import NumberFormat
-from cfp_megatron.base.parallel_dims import ParallelDims, hierarchical_cp_sizes, transformer_engine_available
+from cfp_megatron.base.parallel_dims import (
+    ParallelDims,
+    gradient_accumulation_fusion_here,
+    hierarchical_cp_sizes,
+    transformer_engine_available,
+)
 
 
 def params_dtype(precision: Precision) -> torch.dtype:
@@ -98,7 +103,8 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         masked_softmax_fusion=on_gpu and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None,
         bias_dropout_fusion=on_gpu,
         apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        # Off: the weight gradients join main_grad through Megatron's DDP hook (the predicate says why).
+        gradient_accumulation_fusion=gradient_accumulation_fusion_here(),
         persist_layer_norm=False,
         deallocate_pipeline_outputs=True,
         # gloo matches point-to-point messages by (peer, tag) in posting order, so the batched isend/irecv of the

@@ -7,7 +7,11 @@ from dataclasses import dataclass
 
 from cfp_megatron.base.config import AttentionKernel, ClusterSpec
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
-from cfp_megatron.base.parallel_dims import attention_kernel_here, transformer_engine_available
+from cfp_megatron.base.parallel_dims import (
+    attention_kernel_here,
+    gradient_accumulation_fusion_here,
+    transformer_engine_available,
+)
 
 
 class ApexAdamStates(enum.Enum):
@@ -27,10 +31,12 @@ class WeightGradAccumulation(enum.Enum):
 
     fused = "fused"
     """The weight-gradient GEMM accumulates into the main gradient itself (Megatron's ``gradient_accumulation_fusion``,
-    Megatron-LM's default since 2022, and the runtime's): nothing beyond the GEMM."""
+    Megatron-LM's default since 2022; not the runtime's, which trains with the fusion off): nothing beyond the
+    GEMM."""
     main_grad_hook = "main_grad_hook"
     """Megatron's DDP hook adds each gradient into its main gradient buffer (``main_grad.add_(param.grad)``) every
-    micro-batch: the gradient and the buffer read, the buffer written."""
+    micro-batch (Megatron-Core without the fusion, the runtime's): the gradient and the buffer read, the buffer
+    written."""
     autograd = "autograd"
     """The gradients accumulate in ``param.grad`` as autograd adds them (PyTorch DDP, or Megatron-LM's local DDP of
     2021 without contiguous buffers): from the second micro-batch on, an in-place add in the compute precision."""
@@ -156,7 +162,9 @@ class SimOptions:
     master weights and moments), as the runtime trains."""
     weight_grad_accumulation: WeightGradAccumulation = WeightGradAccumulation.fused
     """How each micro-batch's weight gradients join the step's (:class:`WeightGradAccumulation`); ``bf16_optimizer``
-    wherever ``deepspeed_engine`` runs bf16 weights (:func:`~cfp_megatron.sim.grad_accumulation.accumulation_mode`)."""
+    wherever ``deepspeed_engine`` runs bf16 weights (:func:`~cfp_megatron.sim.grad_accumulation.accumulation_mode`).
+    The default, ``fused``, is Megatron-LM's; a plan for this machine's GPUs prices the runtime's
+    (:func:`options_here`: ``main_grad_hook``, the fusion being off)."""
     pipeline_schedule: PipelineSchedule = PipelineSchedule.megatron
     """The pipeline schedule priced (:class:`PipelineSchedule`); those other than Megatron-Core's run one model chunk
     a rank."""
@@ -192,10 +200,19 @@ class SimOptions:
                                           problem="must be positive.", fix="use e.g. 200000."))
 
 
+def weight_grad_accumulation_here() -> WeightGradAccumulation:
+    """How the runtime adds each micro-batch's weight gradients on a GPU: ``fused`` where it builds the linears with
+    ``gradient_accumulation_fusion`` (:func:`~cfp_megatron.base.parallel_dims.gradient_accumulation_fusion_here`,
+    what :mod:`cfp_megatron.model.megatron_config` sets), else Megatron's DDP hook."""
+    return (WeightGradAccumulation.fused if gradient_accumulation_fusion_here()
+            else WeightGradAccumulation.main_grad_hook)
+
+
 def options_here(cluster: ClusterSpec) -> SimOptions | None:
     """The options of a plan made for this machine from its profile: on a GPU, the attention core the runtime
-    builds here (unfused without Transformer Engine, keeping its scores) and whether its experts run a grouped GEMM;
-    ``None`` (the defaults) on CPU, whose
+    builds here (unfused without Transformer Engine, keeping its scores), whether its experts run a grouped GEMM and
+    how it adds the weight gradients (:func:`weight_grad_accumulation_here`); ``None`` (the defaults) on CPU, whose
     layers are priced from their measured segments."""
     return None if cluster.on_cpu else SimOptions(attention=attention_kernel_here(),
-                                                  grouped_gemm=transformer_engine_available())
+                                                  grouped_gemm=transformer_engine_available(),
+                                                  weight_grad_accumulation=weight_grad_accumulation_here())
