@@ -17,16 +17,21 @@ from cfp_megatron.base.config import (
 )
 from cfp_megatron.plan.artifact import Plan
 
-FLEX_NEEDS = {
-    FlexBackend.deepep: "DeepEP (deep_ep.Buffer, github.com/deepseek-ai/DeepEP) and a GPU: model.moe_token_dispatcher="
-                        "flex with parallel.moe_flex_dispatcher_backend=deepep (DeepEP's dispatch/combine kernels)",
-    FlexBackend.hybridep: "HybridEP (deep_ep.HybridEPBuffer, DeepEP's hybrid-ep branch; built with "
-                          "HYBRID_EP_MULTINODE=1 where the EP group leaves an NVLink domain) and a GPU: "
-                          "model.moe_token_dispatcher=flex with parallel.moe_flex_dispatcher_backend=hybridep "
-                          "(HybridEP's dispatch/combine kernels)",
+FLEX_PACKAGES = {
+    FlexBackend.deepep: ("Buffer", "DeepEP (github.com/deepseek-ai/DeepEP)"),
+    FlexBackend.hybridep: ("HybridEPBuffer", "DeepEP's hybrid-ep branch (github.com/deepseek-ai/DeepEP/tree/hybrid-ep; "
+                                             "built with HYBRID_EP_MULTINODE=1 where the EP group leaves an NVLink "
+                                             "domain)"),
 }
-"""What each flex backend needs (Megatron-Core 0.16.1's ``fused_a2a.py`` imports ``deep_ep.Buffer`` for DeepEP and
-``deep_ep.HybridEPBuffer`` for HybridEP)."""
+"""Per flex backend, the ``deep_ep`` class it runs on and where that comes from (Megatron-Core 0.16.1's
+``fused_a2a.py`` imports ``deep_ep.Buffer`` for DeepEP and ``deep_ep.HybridEPBuffer`` for HybridEP)."""
+
+
+def flex_needs(backend: FlexBackend) -> str:
+    """The requirement line of the flex dispatcher's ``backend`` (:data:`FLEX_PACKAGES`)."""
+    name, source = FLEX_PACKAGES[backend]
+    return (f"deep_ep.{name} from {source} and a GPU: model.moe_token_dispatcher=flex with "
+            f"parallel.moe_flex_dispatcher_backend={backend.value} (its dispatch/combine kernels)")
 
 
 def plan_requirements(plan: Plan, model: ModelSpec) -> tuple[str, ...]:
@@ -49,7 +54,7 @@ def plan_requirements(plan: Plan, model: ModelSpec) -> tuple[str, ...]:
         needs.append("Transformer Engine: model.attention=mla (Megatron-Core runs multi-latent attention only on "
                      "Transformer Engine's attention)")
     if model.is_moe and model.moe_token_dispatcher is TokenDispatcher.flex:
-        needs.append(FLEX_NEEDS[p.moe_flex_dispatcher_backend])
+        needs.append(flex_needs(p.moe_flex_dispatcher_backend))
     if p.moe_a2a_overlap:
         needs.append("a GPU: parallel.moe_a2a_overlap=true (the expert all-to-all overlap runs on CUDA streams)")
     if p.cuda_graph_impl is CudaGraphImpl.transformer_engine:

@@ -31,6 +31,7 @@ from cfp_megatron.base.number_format import (
 from cfp_megatron.base.parallel_dims import ParallelDims, transformer_engine_available
 from cfp_megatron.base.pipeline_layout import MTP, layout_stages
 from cfp_megatron.model import layer_spec
+from cfp_megatron.plan.requirements import FLEX_PACKAGES
 
 
 def hydra_run_dir() -> Path | None:
@@ -165,23 +166,19 @@ def _rest_issues(job: JobSpec) -> list[ConfigIssue]:
     return issues
 
 
-FLEX_CLASSES = {FlexBackend.deepep: "Buffer", FlexBackend.hybridep: "HybridEPBuffer"}
-"""The ``deep_ep`` class each flex backend runs on (Megatron-Core 0.16.1's ``fused_a2a.py``)."""
-
-
 def flex_backend_runs_here(job: JobSpec) -> list[ConfigIssue]:
     """The flex dispatcher's backend on this machine: on a GPU, a GPU cluster's MoE job with
-    ``model.moe_token_dispatcher=flex`` needs ``deep_ep`` with the backend's class (:data:`FLEX_CLASSES`); refused
-    with the key, the value and the fix where it is missing, before Megatron-Core's dispatcher would raise inside
-    the first MoE layer. A CPU cluster refuses the flex dispatcher in the layout checks; a machine without a GPU
-    (planning for another) is not checked."""
+    ``model.moe_token_dispatcher=flex`` needs ``deep_ep`` with the backend's class
+    (:data:`~cfp_megatron.plan.requirements.FLEX_PACKAGES`); refused with the key, the value and the fix where it
+    is missing, before Megatron-Core's dispatcher would raise inside the first MoE layer. A CPU cluster refuses the
+    flex dispatcher in the layout checks; a machine without a GPU (planning for another) is not checked."""
     import torch
 
     model, backend = job.model, job.parallel.moe_flex_dispatcher_backend
     if (not model.is_moe or model.moe_token_dispatcher is not TokenDispatcher.flex or job.cluster.on_cpu
             or not torch.cuda.is_available()):
         return []
-    name = FLEX_CLASSES[backend]
+    name, source = FLEX_PACKAGES[backend]
     try:
         found = importlib.util.find_spec("deep_ep") is not None and hasattr(importlib.import_module("deep_ep"), name)
     except ImportError:  # built for another CUDA or torch
@@ -189,8 +186,6 @@ def flex_backend_runs_here(job: JobSpec) -> list[ConfigIssue]:
     if found:
         return []
     other = next(b for b in FlexBackend if b is not backend)
-    source = ("DeepEP's hybrid-ep branch (github.com/deepseek-ai/DeepEP/tree/hybrid-ep)" if backend is
-              FlexBackend.hybridep else "DeepEP (github.com/deepseek-ai/DeepEP)")
     return [ConfigIssue(key="parallel.moe_flex_dispatcher_backend", value=backend.value,
                         problem=f"the flex dispatcher's {backend.value} backend runs deep_ep.{name}, which this "
                                 "machine's Python does not have.",
