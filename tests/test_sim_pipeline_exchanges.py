@@ -22,10 +22,18 @@ from cfp_megatron.sim.layer_cost import embedding_cost, layer_cost
 from cfp_megatron.sim.layout import build_layout, pp_crossings
 from cfp_megatron.sim.options import PipelineSchedule, SimOptions, WeightGradAccumulation
 from cfp_megatron.sim.pass_costs import collective_costs
-from cfp_megatron.sim.schedule import Exchange, blocking_order, rank_order, run_schedule
+from cfp_megatron.sim.schedule import (
+    Exchange,
+    _blocking_program,
+    blocking_order,
+    interleaved_blocking_order,
+    nic_sharing,
+    rank_order,
+    run_schedule,
+)
 from cfp_megatron.sim.simulate import simulate
 from cfp_megatron.sim.terms.data_parallel import tied_embedding_sync
-from cfp_megatron.sim.terms.pipeline import exchange_fit, exchange_fits, exchange_gather_s
+from cfp_megatron.sim.terms.pipeline import exchange_fit, exchange_fits, exchange_gather_s, exchange_nic_s
 from cfp_megatron.validate import load_preset
 
 A100 = load_preset("dgx_a100")
@@ -152,6 +160,63 @@ def test_the_simulator_blocks_and_synchronises_as_megatron_core_runs_each_schedu
     assert asked[3] == (True, pytest.approx(exchange_sync_s()))
     assert blocked.step_time_s > asynchronous.step_time_s
 
+
+
+def test_interleaved_sends_to_both_neighbours_share_the_nic_by_hand() -> None:
+    """pp 2, vpp 2, four micro-batches, forward 1 s, backward 2 s, free transfers except y on the NIC. Three
+    exchanges of the steady state send to both neighbours at once (rank 0 after F2.c0 / B0.c1, the activation of
+    micro-batch 2 and the gradient of 0; rank 1 after F2.c0 / B0.c0 and after F3.c0 / B1.c0, the second met by rank
+    0's after F3.c0 / B1.c1), the others one tensor each way; the two ranks wait for each other in each, so both end
+    3y later. Where only one link leaves the node, no exchange sends two tensors over it: nothing changes; nor
+    without interleaving, whose exchanges send and receive over one link, opposite directions of a duplex NIC."""
+    y, f, b = 0.1, [[1.0, 1.0]] * 2, [[2.0, 2.0]] * 2
+    free = run_schedule(f, b, 0.0, 4, blocking=True)
+    shared = run_schedule(f, b, 0.0, 4, blocking=True, nic_s=(y, y))
+    assert shared.end_s == pytest.approx(tuple(end + 3 * y for end in free.end_s))
+    assert run_schedule(f, b, 0.0, 4, blocking=True, nic_s=(y, 0.0)).end_s == free.end_s
+    one = [[1.0]] * 2, [[2.0]] * 2
+    assert (run_schedule(*one, 0.25, 4, blocking=True, nic_s=(y, y)).end_s
+            == run_schedule(*one, 0.25, 4, blocking=True).end_s)
+    # Megatron-Core's interleaved schedule (asynchronous) is not walked exchange by exchange: unchanged
+    assert run_schedule(f, b, 0.0, 4, nic_s=(y, y)).end_s == run_schedule(f, b, 0.0, 4).end_s
+
+
+def test_each_side_counts_the_tensors_its_exchange_moves_over_the_nic_each_way() -> None:
+    """The steady-state exchange of rank 0 that sends micro-batch 2's activation and 0's gradient and receives 1's
+    gradient: two sends, one receive; rank 1's matching exchange receives both."""
+    programs = [_blocking_program(rank, 2, 2, 4) for rank in range(2)]
+    counts = nic_sharing(programs, (0.1, 0.1), 4 * 2 * 2 * 4)
+    exchange = next(item for item in interleaved_blocking_order(0, 2, 2, 4)
+                    if isinstance(item, Exchange) and len(item.sends) == 2 and len(item.receives) == 1)
+    position = interleaved_blocking_order(0, 2, 2, 4).index(exchange)
+    _, transfers, *_ = programs[0][position]
+    assert sorted(counts[mine] for mine, _, _, _ in transfers) == [1, 2, 2]
+    assert all(counts[theirs] == 2 for _, theirs, _, sending in transfers if sending)
+    assert nic_sharing(programs, (0.0, 0.0), 4 * 2 * 2 * 4) == (1,) * 64
+
+
+def test_the_nic_share_is_the_bandwidth_part_of_the_pairs_that_leave_a_node() -> None:
+    """16 stages on two DGX A100: pairs 7 -> 8 and 15 -> 0 leave the node, and their transfer spends the message
+    over the NIC's bandwidth on it (no latency); the others move over NVLink."""
+    plan = job(nodes=2, pp=16, gbs=64)
+    kernels, costs = models(plan)
+    nic = exchange_nic_s(plan, build_layout(plan), kernels, costs, SimOptions())
+    message = 2048 * 2048 * 2
+    assert nic[7] == pytest.approx(message / costs.inter.bandwidth_bytes_per_s)
+    assert nic[15] == nic[7] and nic[0] == 0.0 and sum(value > 0 for value in nic) == 2
+    assert nic[7] < exchange_fits(plan, build_layout(plan), kernels, costs, SimOptions())[7]
+
+
+def test_the_2021_interleaved_schedule_pays_for_the_shared_nic(monkeypatch) -> None:
+    """TP 8, PP 2 over two DGX A100, two chunks a rank, Megatron-LM's blocking interleaved schedule: slower with the
+    shared NIC priced than with it free; Megatron-Core's asynchronous schedule is not asked for it."""
+    plan, options = job(nodes=2, tp=8, pp=2, vpp=2), SimOptions(blocking_interleaved=True)
+    priced = simulate(plan, options=options).step_time_s
+    asynchronous = simulate(plan).step_time_s
+    simulate_module = sys.modules["cfp_megatron.sim.simulate"]
+    monkeypatch.setattr(simulate_module, "exchange_nic_s", lambda *args: (0.0, 0.0))
+    assert priced > simulate(plan, options=options).step_time_s
+    assert simulate(plan).step_time_s == asynchronous
 
 # --- where the exchanges run and what they carry --------------------------------------------------------------------
 

@@ -272,7 +272,8 @@ def per_rank_links(p2p_s: float | Sequence[float], pp: int) -> tuple[float, ...]
 def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2p_s: float | Sequence[float],
                  microbatches: int, *, blocking: bool = False, call_s: float = 0.0, keep_ops: bool = False,
                  max_ops: int = 200_000, schedule: PipelineSchedule = PipelineSchedule.megatron,
-                 weight_s: Sequence[float] | None = None, gather_s: float = 0.0) -> ScheduleResult:
+                 weight_s: Sequence[float] | None = None, gather_s: float = 0.0,
+                 nic_s: Sequence[float] | None = None) -> ScheduleResult:
     """Time the schedule for per-rank, per-chunk pass durations ``forward_s[rank][chunk]`` and
     ``backward_s[rank][chunk]`` (seconds, one micro-batch) over ``microbatches`` micro-batches.
 
@@ -285,7 +286,10 @@ def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2
     transfer only delays the pass that needs it (Megatron-Core's interleaved schedule). ``gather_s``: the part of
     each ``p2p_s`` that only the receiver pays after a blocking exchange (Megatron-LM's all-gather of a received
     scatter/gather share): a blocking transfer lasts ``p2p_s`` less it, and the receiver pays it once per tensor it
-    received, one after the other. ``keep_ops`` keeps every
+    received, one after the other. ``nic_s``: per link, the seconds its transfer spends on the sending GPU's NIC
+    (zero where the pair shares an NVLink domain); where a blocking exchange moves ``k`` tensors in one direction
+    over the NIC at once (the interleaved schedule's sends to both neighbours), each of them lasts ``k - 1`` such
+    shares longer (:func:`nic_sharing`; docs/simulator.md, "Exchanges that share a NIC"). ``keep_ops`` keeps every
     timed pass. Schedules with more than ``max_ops`` passes are extrapolated from two shorter ones (docs/simulator.md,
     "Long schedules"). ``schedule`` other than
     Megatron-Core's (one chunk a rank, not blocking): GPipe's order, or a zero-bubble one whose backward of each rank
@@ -302,10 +306,10 @@ def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2
     zero_bubble = schedule in (PipelineSchedule.zb_h1, PipelineSchedule.zb_h2)
     if num_ops > max_ops and not keep_ops and microbatches > short_microbatches + pp and not zero_bubble:
         short = run_schedule(forward_s, backward_s, links, short_microbatches, blocking=blocking, call_s=call_s,
-                             max_ops=num_ops, schedule=schedule, weight_s=weight_s, gather_s=gather_s)
+                             max_ops=num_ops, schedule=schedule, weight_s=weight_s, gather_s=gather_s, nic_s=nic_s)
         longer = run_schedule(forward_s, backward_s, links, short_microbatches + pp, blocking=blocking,
                               call_s=call_s, max_ops=num_ops, schedule=schedule, weight_s=weight_s,
-                              gather_s=gather_s)
+                              gather_s=gather_s, nic_s=nic_s)
         steps = (microbatches - short_microbatches) / pp
         floors = dependency_floors(forward_s, backward_s, busy)
         ends = tuple(max(short_end + steps * (longer_end - short_end), floor)
@@ -318,7 +322,7 @@ def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2
     if blocking and pp > 1:
         return _run_blocking(tuple(map(tuple, forward_s)), tuple(map(tuple, backward_s)),
                              tuple(max(link - gather_s, 0.0) for link in links), microbatches, call_s, gather_s, busy,
-                             keep_ops)
+                             keep_ops, None if nic_s is None else per_rank_links(nic_s, pp))
     num_stages = pp * vpp
     # End of each pass per global stage and micro-batch (-1: not run yet).
     forward_end = [[-1.0] * microbatches for _ in range(num_stages)]
@@ -381,23 +385,24 @@ def _blocking_program(rank: int, pp: int, vpp: int, microbatches: int) -> tuple[
     :func:`interleaved_blocking_order`, as seven numbers an item: a pass as ``(is_forward, microbatch, chunk, -1, -1,
     -1, 0)``; an exchange over one link (one or two transfers, one chunk a rank) as ``(-1, link, mine, theirs, mine,
     theirs, received)`` with the slots of its transfers' two sides (its own and the neighbour's, :func:`_slot`; -1
-    where it has one transfer); any other as ``(-2, transfers, -1, -1, -1, -1, received)``, per transfer ``(mine,
-    theirs, link)``. ``link`` indexes ``links``; ``received`` counts the tensors the exchange receives."""
+    where it has one transfer; two on one link move in opposite directions); any other as ``(-2, transfers, -1, -1,
+    -1, -1, received)``, per transfer ``(mine, theirs, link, sending)``. ``link`` indexes ``links``; ``received``
+    counts the tensors the exchange receives."""
     order = (blocking_order(rank, pp, microbatches) if vpp == 1
              else interleaved_blocking_order(rank, pp, vpp, microbatches))
     program: list[tuple] = []
     for item in order:
         if isinstance(item, Exchange):
             transfers = [(_slot(transfer, sending, microbatches), _slot(transfer, not sending, microbatches),
-                          transfer.boundary % pp)
+                          transfer.boundary % pp, sending)
                          for sending, transfers in ((True, item.sends), (False, item.receives))
                          for transfer in transfers]
             received = len(item.receives)
             if len(transfers) == 1:
-                mine, theirs, link = transfers[0]
+                mine, theirs, link, _ = transfers[0]
                 program.append((-1, link, mine, theirs, -1, -1, received))
             elif len(transfers) == 2 and transfers[0][2] == transfers[1][2]:
-                (mine, theirs, link), (mine2, theirs2, _) = transfers
+                (mine, theirs, link, _), (mine2, theirs2, _, _) = transfers
                 program.append((-1, link, mine, theirs, mine2, theirs2, received))
             else:
                 program.append((-2, tuple(transfers), -1, -1, -1, -1, received))
@@ -411,15 +416,35 @@ def _slot(transfer: Transfer, sending: bool, microbatches: int) -> int:
     return ((transfer.boundary * microbatches + transfer.microbatch) * 2 + transfer.activation) * 2 + sending
 
 
+def nic_sharing(programs: Sequence[tuple[tuple, ...]], nic_s: Sequence[float], slots: int) -> tuple[int, ...]:
+    """Per side of each transfer in :func:`_run_blocking`'s ``programs`` (its slot, :func:`_slot`, of ``slots``):
+    how many tensors the exchange that holds it moves over the NIC in that side's direction at once (its sends, or
+    its receives, over links whose ``nic_s`` is positive); one where it moves only this one or none crosses a NIC.
+    An exchange over one link holds at most one transfer each way (an InfiniBand NIC is full duplex: a send and a
+    receive do not share it), so only the others can count more."""
+    counts = [1] * slots
+    for program in programs:
+        for kind, value, *_ in program:
+            if kind != -2:
+                continue
+            for sending in (True, False):
+                sides = [mine for mine, _, link, way in value if way is sending and nic_s[link] > 0]
+                for side in sides:
+                    counts[side] = len(sides)
+    return tuple(counts)
+
+
 @functools.lru_cache(maxsize=1024)
 def _run_blocking(forward_s: tuple[tuple[float, ...], ...], backward_s: tuple[tuple[float, ...], ...],
                   links: tuple[float, ...], microbatches: int, call_s: float, gather_s: float,
-                  busy: tuple[float, ...], keep_ops: bool) -> ScheduleResult:
+                  busy: tuple[float, ...], keep_ops: bool, nic_s: tuple[float, ...] | None = None) -> ScheduleResult:
     """:func:`run_schedule` with blocking exchanges: each rank runs :func:`_blocking_program`; a transfer ends
     ``links[boundary mod pp]`` after both its sender and its receiver reached the exchange that holds it (the
     transfers of an exchange move at once, each over its own direction of its link), and an exchange ends when its
     last transfer did (at once where it has none), plus ``call_s``, then ``gather_s`` for each tensor it received
-    (the all-gathers after the synchronisation, on the rank's own stream). A rank waits only for its neighbours
+    (the all-gathers after the synchronisation, on the rank's own stream). A transfer whose two sides move ``k``
+    tensors over the NIC in its direction at once (the larger of the sender's and the receiver's
+    :func:`nic_sharing`) lasts ``(k - 1) x nic_s[link]`` longer. A rank waits only for its neighbours
     (over model chunks rank 0 and rank ``pp - 1`` are neighbours too), so after a rank advances only they are tried
     again. Kept
     by its arguments (a frozen result): the validator's refits and sensitivities time the same schedule again
@@ -429,6 +454,8 @@ def _run_blocking(forward_s: tuple[tuple[float, ...], ...], backward_s: tuple[tu
     neighbours = [sorted({(rank - 1) % pp, (rank + 1) % pp} - {rank}) if vpp > 1
                   else [other for other in (rank - 1, rank + 1) if 0 <= other < pp] for rank in range(pp)]
     reached = [-1.0] * (4 * pp * vpp * microbatches)  # when each side of each transfer reached its exchange
+    shared = (nic_sharing(programs, nic_s, len(reached))
+              if nic_s is not None and vpp > 1 and any(seconds > 0 for seconds in nic_s) else None)
     next_item = [0] * pp
     free_s = [0.0] * pp
     ops: list[Op] = []
@@ -465,16 +492,20 @@ def _run_blocking(forward_s: tuple[tuple[float, ...], ...], backward_s: tuple[tu
                     break
                 # both transfers start when the later side arrived: one transfer's time after that
                 clock_s = (clock_s if clock_s > other_s else other_s) + links[value] + call_s + received * gather_s
+                if shared is not None:  # the neighbour's side may move others over its NIC at once
+                    clock_s += (max(shared[theirs], shared[theirs2] if mine2 >= 0 else 1) - 1) * nic_s[value]
                 index += 1
-            else:  # any transfers, each over its own link: (mine, theirs, link) each
-                for side, _, _ in value:
+            else:  # any transfers, each over its own link: (mine, theirs, link, sending) each
+                for side, *_ in value:
                     reached[side] = clock_s
                 end_s = clock_s
-                for _, side, link in value:
-                    other_s = reached[side]
+                for side, other, link, _ in value:
+                    other_s = reached[other]
                     if other_s < 0:
                         break
                     other_s = (clock_s if clock_s > other_s else other_s) + links[link]
+                    if shared is not None:
+                        other_s += (max(shared[side], shared[other]) - 1) * nic_s[link]
                     if other_s > end_s:
                         end_s = other_s
                 else:

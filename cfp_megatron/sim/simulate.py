@@ -46,7 +46,13 @@ from cfp_megatron.sim.primepar_cost import megatron_twin
 from cfp_megatron.sim.schedule import ScheduleResult, dependency_floors, first_backward, run_schedule
 from cfp_megatron.sim.terms import TERMS, Placement, StepInputs, StepTimes
 from cfp_megatron.sim.terms.host import with_host
-from cfp_megatron.sim.terms.pipeline import exchange_fit, exchange_fits, exchange_gather_s, shared_cores_schedule
+from cfp_megatron.sim.terms.pipeline import (
+    exchange_fit,
+    exchange_fits,
+    exchange_gather_s,
+    exchange_nic_s,
+    shared_cores_schedule,
+)
 
 
 def simulate(job: JobSpec, cluster: ClusterSpec | None = None, measurements: Measurements | None = None, *,
@@ -132,14 +138,18 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
     # exchange, on its own (docs/simulator.md, "Blocking interleaved exchanges").
     gather_s = (exchange_gather_s(job, layout, kernels, costs, scatter_gather=options.pipeline_scatter_gather)
                 if blocking else 0.0)
+    # Its steady state sends to both neighbours at once, over one NIC where they sit in other NVLink domains
+    # (docs/simulator.md, "Exchanges that share a NIC").
+    nic_s = exchange_nic_s(job, layout, kernels, costs, options) if blocking and vpp > 1 else None
 
     def timed() -> ScheduleResult:
         return _schedule(forward_s, backward_s, p2p_s, dims.num_microbatches, slowdown if shared_cores else None,
-                         with_events, options, blocking=blocking, call_s=call_s, weight_s=weight_s, gather_s=gather_s)
+                         with_events, options, blocking=blocking, call_s=call_s, weight_s=weight_s, gather_s=gather_s,
+                         nic_s=nic_s)
 
     if cache is not None and not with_events:  # plans that differ only outside the schedule (e.g. the optimizer)
         schedule_key = (tuple(map(tuple, forward_s)), tuple(map(tuple, backward_s)), p2p_s, dims.num_microbatches,
-                        blocking, call_s, schedule_kind, weight_s, gather_s)
+                        blocking, call_s, schedule_kind, weight_s, gather_s, nic_s)
         schedule = cache.schedules.get(schedule_key)
         if schedule is None:
             schedule = cache.schedules[schedule_key] = timed()
@@ -526,18 +536,19 @@ def _schedule_kind(options: SimOptions, dims: ParallelDims) -> PipelineSchedule:
 
 def _schedule(f_s: list[list[float]], b_s: list[list[float]], p2p: float | tuple[float, ...], microbatches: int,
               slowdown: float | None, with_events: bool, options: SimOptions, *, blocking: bool = False,
-              call_s: float = 0.0, weight_s: tuple[float, ...] | None = None, gather_s: float = 0.0
-              ) -> ScheduleResult:
+              call_s: float = 0.0, weight_s: tuple[float, ...] | None = None, gather_s: float = 0.0,
+              nic_s: tuple[float, ...] | None = None) -> ScheduleResult:
     """The timed pipeline schedule: on ranks that share cores (``slowdown``, pipelines only)
     :func:`~cfp_megatron.sim.terms.pipeline.shared_cores_schedule`,
-    otherwise :func:`~cfp_megatron.sim.schedule.run_schedule` (``blocking``, ``call_s``, ``weight_s``, ``gather_s`` and
-    ``options.pipeline_schedule``: as it takes them)."""
+    otherwise :func:`~cfp_megatron.sim.schedule.run_schedule` (``blocking``, ``call_s``, ``weight_s``, ``gather_s``,
+    ``nic_s`` and ``options.pipeline_schedule``: as it takes them; ranks that share cores have no NIC)."""
     schedule = options.pipeline_schedule if len(f_s) > 1 else PipelineSchedule.megatron
     if slowdown is not None:
         return shared_cores_schedule(f_s, b_s, p2p, microbatches, slowdown, with_events, options, blocking=blocking,
                                      schedule=schedule, weight_s=weight_s, gather_s=gather_s)
     return run_schedule(f_s, b_s, p2p, microbatches, blocking=blocking, call_s=call_s, keep_ops=with_events,
-                        max_ops=options.max_schedule_ops, schedule=schedule, weight_s=weight_s, gather_s=gather_s)
+                        max_ops=options.max_schedule_ops, schedule=schedule, weight_s=weight_s, gather_s=gather_s,
+                        nic_s=nic_s)
 
 
 def _pipeline_terms(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts,

@@ -34,6 +34,20 @@ def exchange_fit(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     return seconds + exchange_gather_s(job, layout, kernels, costs, scatter_gather=scatter_gather)
 
 
+def exchange_nic_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts,
+                   options: SimOptions) -> tuple[float, ...]:
+    """Per pipeline rank ``r`` (as :func:`exchange_fits`), the seconds its transfer to rank ``r + 1`` spends on the
+    sending GPU's NIC: the bandwidth part of the send/receive across NVLink domains (what one more byte-for-byte
+    transfer adds, ``t(2m) - t(m)`` of the fit, so a measured fit's own latency stays out), zero where the pair
+    shares a domain (NVLink does not use the NIC). What the blocking schedule adds for each other tensor that
+    leaves the GPU in the same direction at once (docs/simulator.md, "Exchanges that share a NIC")."""
+    dims = layout.dims
+    message = _exchanged_bytes(job, layout, kernels) / (dims.tp if dims.sp or options.pipeline_scatter_gather else 1)
+    crossing = (costs.seconds(Collective.send_recv, 2 * message, 2, 1)
+                - costs.seconds(Collective.send_recv, message, 2, 1))
+    return tuple(max(crossing, 0.0) if crosses else 0.0 for crosses in layout.pair_crossings)
+
+
 def exchange_gather_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, *,
                       scatter_gather: bool) -> float:
     """The part of :func:`exchange_fit` that only the receiving stage pays, after the transfer: under
