@@ -16,7 +16,7 @@ from cfp_megatron.sim.backward_memory import (
     weight_grad_transient,
 )
 from cfp_megatron.sim.layout import build_layout
-from cfp_megatron.sim.options import AttentionKernel, SimOptions, WeightGradAccumulation
+from cfp_megatron.sim.options import AttentionKernel, SimOptions, WeightGradAccumulation, options_here
 from cfp_megatron.sim.simulate import predict_memory
 
 LOCAL = SimOptions(attention=AttentionKernel.torch_softmax)  # Megatron-Core's local spec, as on this CPU
@@ -99,10 +99,12 @@ def test_transformer_engines_fused_accumulation_holds_one_placeholder_a_weight_s
     parts = dict(predict_memory(job, options=flash, world_size=2).parts)
     assert parts["dummy_wgrads"] == 2 * (layer + head)
     assert dict(predict_memory(job, options=LOCAL, world_size=2).parts)["dummy_wgrads"] == 0.0
-    # A CPU rank builds the local spec whatever the options say: no placeholder, the weight gradient a temporary.
+    # A CPU plan prices the local spec through the runtime's options (options_here), not a CPU case here: no
+    # placeholder, the weight gradient a temporary.
     cpu = _job("parallel.sp=true")
-    assert dummy_wgrad_bytes(cpu, build_layout(cpu), flash, dense=True, moe=False, head=True) == 0.0
-    assert weight_grad_transient(flash, cpu)
+    here = options_here(cpu.cluster)
+    assert dummy_wgrad_bytes(cpu, build_layout(cpu), here, dense=True, moe=False, head=True) == 0.0
+    assert weight_grad_transient(here, cpu)
 
 
 def test_pytorchs_fsdp_keeps_no_main_grad_and_counts_its_unsharded_gradient_once() -> None:

@@ -21,6 +21,7 @@ from cfp_megatron.sim.measured_memory import (
     pipeline_buffers,
 )
 from cfp_megatron.sim.memory import in_flight
+from cfp_megatron.sim.options import options_here
 from cfp_megatron.validate import load_preset
 
 FP = Fingerprint(device_name="Test CPU", device_count=4, nodes=1, gpus_per_node=4, backend="gloo", torch="2.13.0",
@@ -133,7 +134,10 @@ def test_measured_segments_replace_the_analytical_activations() -> None:
            _record("head", 1, activation_bytes=1e5, transient_bytes=1e5)]
     db = ProfileDB(fingerprint=FP).merged(segments=seg).for_model("abc")
     job = _tiny()
-    measured = simulate(job, measurements=db, world_size=4).memory
+    # Priced as the planner prices a profiled CPU plan: the options the runtime builds there (no Transformer Engine
+    # placeholders for the weight gradients: comm_buffers stays empty).
+    here = options_here(job.cluster)
+    measured = simulate(job, measurements=db, world_size=4, options=here).memory
     # PP=1: one micro-batch in flight; the peak is at the head's backward; the workspace once.
     assert measured.activations == pytest.approx(1e3 + 4 * 3e5 + 1e5 + 1e5 + 6e4)
     assert measured.comm_buffers == 0.0
@@ -171,4 +175,4 @@ def test_measured_segments_replace_the_analytical_activations() -> None:
     # Its peak: the last layer's backward pass (its larger transient, and the tied embeddings' head gradient).
     assert simulate(selective, measurements=with_selective, world_size=4).memory.activations == pytest.approx(
         1e3 + 4 * 2e5 + 1.5e5 + tied + 6e4)
-    assert simulate(job, measurements=with_selective, world_size=4).memory == measured  # no recomputation: tp1
+    assert simulate(job, measurements=with_selective, world_size=4, options=here).memory == measured  # tp1

@@ -42,15 +42,29 @@ def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def attention_kernel_here() -> AttentionKernel:
-    """How Megatron-Core runs the attention core on this machine's GPU as the runtime builds the model: Transformer
-    Engine's fused attention where it imports (:mod:`cfp_megatron.engine.model`), else Megatron's unfused core, with
-    its fused softmax kernel where that CUDA extension imports (:mod:`cfp_megatron.model.megatron_config`)."""
+def masked_softmax_fusion_here() -> bool:
+    """Whether Megatron's fused masked-softmax CUDA extension imports (Apex's or Megatron's own build)."""
+    return importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
+
+
+def attention_kernel_here(*, on_gpu: bool = True) -> AttentionKernel:
+    """How Megatron-Core runs the attention core on this machine as the runtime builds the model: on a GPU,
+    Transformer Engine's fused attention where it imports (:mod:`cfp_megatron.engine.model`), else Megatron's unfused
+    core, with its fused softmax kernel where that CUDA extension imports (:mod:`cfp_megatron.model.megatron_config`);
+    on CPU the local spec's unfused core with PyTorch's softmax (the fusions are CUDA-only)."""
+    if not on_gpu:
+        return AttentionKernel.torch_softmax
     if transformer_engine_available():
         return AttentionKernel.flash
-    if importlib.util.find_spec("scaled_masked_softmax_cuda") is not None:
+    if masked_softmax_fusion_here():
         return AttentionKernel.fused_softmax
     return AttentionKernel.torch_softmax
+
+
+def grouped_gemm_here(*, on_gpu: bool) -> bool:
+    """Whether the runtime runs the routed experts as one grouped GEMM a linear (Megatron-Core's
+    ``moe_grouped_gemm``): on a GPU where Transformer Engine imports, never on CPU."""
+    return on_gpu and transformer_engine_available()
 
 
 def gradient_accumulation_fusion_here() -> bool:

@@ -3,8 +3,6 @@ MoE and MLA settings, and the fusions this machine can run (used by capture on t
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnBackend
@@ -24,8 +22,9 @@ from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.base.parallel_dims import (
     ParallelDims,
     gradient_accumulation_fusion_here,
+    grouped_gemm_here,
     hierarchical_cp_sizes,
-    transformer_engine_available,
+    masked_softmax_fusion_here,
 )
 
 
@@ -100,7 +99,7 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         # a compiled extension that only Apex or Megatron's own build provides. Megatron fuses GELU with a bias and
         # SwiGLU with or without one (Megatron-LM's --swiglu default), not a bias-free GELU.
         bias_activation_fusion=on_gpu and (m.add_bias_linear or m.activation is Activation.swiglu),
-        masked_softmax_fusion=on_gpu and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None,
+        masked_softmax_fusion=on_gpu and masked_softmax_fusion_here(),
         bias_dropout_fusion=on_gpu,
         apply_rope_fusion=False,
         # Off: the weight gradients join main_grad through Megatron's DDP hook (the predicate says why).
@@ -144,7 +143,7 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
             moe_flex_dispatcher_backend=p.moe_flex_dispatcher_backend.value,
             moe_expert_capacity_factor=m.moe_expert_capacity_factor,
             moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
-            moe_grouped_gemm=on_gpu and transformer_engine_available(),
+            moe_grouped_gemm=grouped_gemm_here(on_gpu=on_gpu),
             moe_router_dtype="fp32",
             moe_shared_expert_overlap=p.moe_shared_expert_overlap,
             overlap_moe_expert_parallel_comm=p.moe_a2a_overlap,

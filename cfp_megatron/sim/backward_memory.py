@@ -51,11 +51,10 @@ def fused_into_main_grad(options: SimOptions, job: JobSpec) -> bool:
     placeholder: Megatron's ``gradient_accumulation_fusion`` (:attr:`WeightGradAccumulation.fused`) with Transformer
     Engine's linears (a flash core: the runtime builds their spec where it imports), under Megatron-Core's DDP or
     FSDP (``grad_added_to_main_grad``: :attr:`~cfp_megatron.sim.options.SimOptions.wgrad_placeholder`; PyTorch's
-    FSDP keeps no ``main_grad``); never on a CPU cluster, whose ranks build Megatron-Core's local spec (Transformer
-    Engine and the fusion's kernel are CUDA-only)."""
+    FSDP keeps no ``main_grad``). A plan for a CPU cluster prices the runtime's options there
+    (:func:`~cfp_megatron.sim.options.options_here`: the local spec's unfused core, the fusion off)."""
     fused = accumulation_mode(job, options) is WeightGradAccumulation.fused
-    return (fused and options.flash_attention and options.wgrad_placeholder and not options.torch_fsdp
-            and not job.cluster.on_cpu)
+    return fused and options.flash_attention and options.wgrad_placeholder and not options.torch_fsdp
 
 
 def weight_grad_transient(options: SimOptions, job: JobSpec) -> bool:

@@ -10,7 +10,7 @@ from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import (
     attention_kernel_here,
     gradient_accumulation_fusion_here,
-    transformer_engine_available,
+    grouped_gemm_here,
 )
 
 
@@ -163,7 +163,7 @@ class SimOptions:
     weight_grad_accumulation: WeightGradAccumulation = WeightGradAccumulation.fused
     """How each micro-batch's weight gradients join the step's (:class:`WeightGradAccumulation`); ``bf16_optimizer``
     wherever ``deepspeed_engine`` runs bf16 weights (:func:`~cfp_megatron.sim.grad_accumulation.accumulation_mode`).
-    The default, ``fused``, is Megatron-LM's; a plan for this machine's GPUs prices the runtime's
+    The default, ``fused``, is Megatron-LM's; a plan for this machine prices the runtime's
     (:func:`options_here`: ``main_grad_hook``, the fusion being off)."""
     pipeline_schedule: PipelineSchedule = PipelineSchedule.megatron
     """The pipeline schedule priced (:class:`PipelineSchedule`); those other than Megatron-Core's run one model chunk
@@ -201,18 +201,20 @@ class SimOptions:
 
 
 def weight_grad_accumulation_here() -> WeightGradAccumulation:
-    """How the runtime adds each micro-batch's weight gradients on a GPU: ``fused`` where it builds the linears with
-    ``gradient_accumulation_fusion`` (:func:`~cfp_megatron.base.parallel_dims.gradient_accumulation_fusion_here`,
-    what :mod:`cfp_megatron.model.megatron_config` sets), else Megatron's DDP hook."""
+    """How the runtime adds each micro-batch's weight gradients, on CPU as on a GPU: ``fused`` where it builds the
+    linears with ``gradient_accumulation_fusion``
+    (:func:`~cfp_megatron.base.parallel_dims.gradient_accumulation_fusion_here`, what
+    :mod:`cfp_megatron.model.megatron_config` sets), else Megatron's DDP hook."""
     return (WeightGradAccumulation.fused if gradient_accumulation_fusion_here()
             else WeightGradAccumulation.main_grad_hook)
 
 
-def options_here(cluster: ClusterSpec) -> SimOptions | None:
-    """The options of a plan made for this machine from its profile: on a GPU, the attention core the runtime
-    builds here (unfused without Transformer Engine, keeping its scores), whether its experts run a grouped GEMM and
-    how it adds the weight gradients (:func:`weight_grad_accumulation_here`); ``None`` (the defaults) on CPU, whose
-    layers are priced from their measured segments."""
-    return None if cluster.on_cpu else SimOptions(attention=attention_kernel_here(),
-                                                  grouped_gemm=transformer_engine_available(),
-                                                  weight_grad_accumulation=weight_grad_accumulation_here())
+def options_here(cluster: ClusterSpec) -> SimOptions:
+    """The options of a plan made for this machine from its profile, as the runtime builds the model here: the
+    attention core (:func:`~cfp_megatron.base.parallel_dims.attention_kernel_here`: on CPU and on a GPU without
+    Transformer Engine Megatron's unfused core, keeping its scores), whether the experts run a grouped GEMM and how
+    the weight gradients are added (:func:`weight_grad_accumulation_here`). On CPU too: its layers' times come from
+    their measured segments, but their memory follows these options."""
+    on_gpu = not cluster.on_cpu
+    return SimOptions(attention=attention_kernel_here(on_gpu=on_gpu), grouped_gemm=grouped_gemm_here(on_gpu=on_gpu),
+                      weight_grad_accumulation=weight_grad_accumulation_here())
