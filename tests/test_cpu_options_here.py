@@ -4,6 +4,8 @@ predicates as ``megatron_config`` (base/parallel_dims.py), with no CPU case in t
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron.core.transformer.enums import AttnBackend
 
 from cfp_megatron.base.compose import compose_job
@@ -11,6 +13,7 @@ from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.model import megatron_config
 from cfp_megatron.sim.backward_memory import linear_moments, weight_grad_transient
 from cfp_megatron.sim.layout import build_layout
+from cfp_megatron.sim.memory import layer_activation_bytes
 from cfp_megatron.sim.options import AttentionKernel, SimOptions, WeightGradAccumulation, options_here
 
 CPU_JOB = ["model=llama_tiny", "model.num_layers=2", "cluster=local", "cluster.gpus_per_node=2", "parallel.tp=2",
@@ -42,3 +45,21 @@ def test_the_weight_gradient_transient_on_cpu_follows_the_options_alone() -> Non
     fused_flash = SimOptions(attention=AttentionKernel.flash)
     assert not weight_grad_transient(fused_flash, job)
     assert all(m.weight_grad == 0.0 for m in linear_moments(job, layout, fused_flash, moe=False))
+
+
+def test_a_plan_for_this_machine_keeps_the_unfused_ropes_cos_and_sin_on_a_gpu_as_on_cpu() -> None:
+    # The runtime builds apply_rope_fusion off everywhere (Megatron-Core's default), so each layer's RoPE keeps its
+    # cos and sin, four [s, head_dim] tensors a layer: priced from options_here, not from the cluster being a CPU.
+    job = compose_job(CPU_JOB)
+    built = megatron_config.transformer_config(job, ParallelDims.build(job, 2), on_gpu=False)
+    assert built.apply_rope_fusion is options_here(job.cluster).rope_fusion is False
+    gpu_job = compose_job(["model=llama3_8b", "cluster=dgx_h100", "cluster.nodes=1", "parallel.tp=8",
+                           "train.seq_length=4096", "train.micro_batch_size=1", "train.global_batch_size=8"])
+    layout = build_layout(gpu_job)
+    here = options_here(gpu_job.cluster)
+    assert here.rope_fusion is False
+    fused = dataclasses.replace(here, rope_fusion=True)
+    unfused_kept = layer_activation_bytes(gpu_job, layout, here, moe=False)[0]
+    fused_kept = layer_activation_bytes(gpu_job, layout, fused, moe=False)[0]
+    head_dim = gpu_job.model.hidden_size // gpu_job.model.num_attention_heads
+    assert unfused_kept - fused_kept == 4 * 4096 * head_dim * 2  # bf16, no CP

@@ -19,7 +19,7 @@ from cfp_megatron.sim.terms.recompute import kept_and_working
 
 SEQ = 64
 MICRO_BATCHES = (1, 2, 4)
-CPU_OPTIONS = SimOptions(attention=AttentionKernel.torch_softmax)  # the core Megatron-Core runs here
+CPU_OPTIONS = SimOptions(attention=AttentionKernel.torch_softmax, rope_fusion=False)  # as Megatron-Core runs here
 """Megatron's unfused core with PyTorch's softmax: what a CPU without Transformer Engine runs."""
 
 

@@ -75,6 +75,14 @@ def gradient_accumulation_fusion_here() -> bool:
     return False
 
 
+def rope_fusion_here() -> bool:
+    """Whether the runtime applies rotary position embeddings with Megatron-Core's fused kernel
+    (``apply_rope_fusion``): never, Megatron-Core's default, so each layer's unfused RoPE keeps the cos and sin it
+    multiplies Q and K by, on a GPU as on CPU. Read by :mod:`cfp_megatron.model.megatron_config` and
+    :func:`cfp_megatron.sim.options.options_here`."""
+    return False
+
+
 def sequence_parallel_required(model: ModelSpec, tp: int) -> bool:
     """Whether Megatron-Core requires sequence parallelism for ``model`` under ``tp``-way tensor parallelism
     (:func:`cfp_megatron.base.layout_rules.sequence.sequence_parallel_required`)."""

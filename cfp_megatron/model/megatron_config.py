@@ -25,6 +25,7 @@ from cfp_megatron.base.parallel_dims import (
     grouped_gemm_here,
     hierarchical_cp_sizes,
     masked_softmax_fusion_here,
+    rope_fusion_here,
 )
 
 
@@ -101,7 +102,7 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         bias_activation_fusion=on_gpu and (m.add_bias_linear or m.activation is Activation.swiglu),
         masked_softmax_fusion=on_gpu and masked_softmax_fusion_here(),
         bias_dropout_fusion=on_gpu,
-        apply_rope_fusion=False,
+        apply_rope_fusion=rope_fusion_here(),
         # Off: the weight gradients join main_grad through Megatron's DDP hook (the predicate says why).
         gradient_accumulation_fusion=gradient_accumulation_fusion_here(),
         persist_layer_norm=False,

@@ -11,6 +11,7 @@ from cfp_megatron.base.parallel_dims import (
     attention_kernel_here,
     gradient_accumulation_fusion_here,
     grouped_gemm_here,
+    rope_fusion_here,
 )
 
 
@@ -165,6 +166,10 @@ class SimOptions:
     wherever ``deepspeed_engine`` runs bf16 weights (:func:`~cfp_megatron.sim.grad_accumulation.accumulation_mode`).
     The default, ``fused``, is Megatron-LM's; a plan for this machine prices the runtime's
     (:func:`options_here`: ``main_grad_hook``, the fusion being off)."""
+    rope_fusion: bool = True
+    """Rotary position embeddings run as one fused kernel that keeps nothing beyond Q and K (Megatron-LM's
+    default); ``False``: Megatron-Core's unfused RoPE, which keeps its cos and sin for the backward pass
+    (:func:`~cfp_megatron.sim.memory.layer_activation_bytes`), as the runtime trains (:func:`options_here`)."""
     pipeline_schedule: PipelineSchedule = PipelineSchedule.megatron
     """The pipeline schedule priced (:class:`PipelineSchedule`); those other than Megatron-Core's run one model chunk
     a rank."""
@@ -213,8 +218,9 @@ def options_here(cluster: ClusterSpec) -> SimOptions:
     """The options of a plan made for this machine from its profile, as the runtime builds the model here: the
     attention core (:func:`~cfp_megatron.base.parallel_dims.attention_kernel_here`: on CPU and on a GPU without
     Transformer Engine Megatron's unfused core, keeping its scores), whether the experts run a grouped GEMM and how
-    the weight gradients are added (:func:`weight_grad_accumulation_here`). On CPU too: its layers' times come from
+    the weight gradients are added (:func:`weight_grad_accumulation_here`) and whether RoPE is fused
+    (:func:`~cfp_megatron.base.parallel_dims.rope_fusion_here`). On CPU too: its layers' times come from
     their measured segments, but their memory follows these options."""
     on_gpu = not cluster.on_cpu
     return SimOptions(attention=attention_kernel_here(on_gpu=on_gpu), grouped_gemm=grouped_gemm_here(on_gpu=on_gpu),
-                      weight_grad_accumulation=weight_grad_accumulation_here())
+                      weight_grad_accumulation=weight_grad_accumulation_here(), rope_fusion=rope_fusion_here())
