@@ -29,12 +29,13 @@ from cfp_megatron.search.search import (
     _bounds,
     _expand,
     _fewest_block_layers,
+    _group_costs,
     _groups,
     _overlap_choices,
     _param_bytes,
     search,
 )
-from cfp_megatron.search.space import Candidate, build_space
+from cfp_megatron.search.space import BLOCK, Candidate, GroupHead, build_space
 from cfp_megatron.sim.bounds import layer_terms, time_bound
 from cfp_megatron.sim.memory import memory_band
 from cfp_megatron.sim.options import SimOptions
@@ -732,3 +733,26 @@ def test_a_shared_job_is_the_checked_job_and_shares_its_parallel_spec() -> None:
             bad.job(job)
         assert str(err.value) == str(ref.value)
     assert len(specs) == 1
+
+
+def test_a_groups_costs_share_the_layout_of_its_recompute_free_representative() -> None:
+    """``_group_costs`` builds the representative from the group's head: the recompute choices of one layout give
+    the same costs sharing the validated layout (stored once, by the key without recomputation) as each alone, block
+    recomputation's are full recomputation's, and a head the checks refuse is named as the group's head."""
+    job, _ = compose_job("model=llama_tiny", "cluster=dgx_h100", "cluster.nodes=1", "cluster.gpus_per_node=8",
+                         "train.seq_length=256", "train.global_batch_size=16")
+    options = SimOptions()
+    head = GroupHead(tp=2, cp=1, pp=2, ep=1, etp=1, sp=True, micro_batch=1, recompute="none", mlp="megatron")
+    choices = ("selective", "none", BLOCK, "full")
+    alone = {rc: _group_costs(head._replace(recompute=rc), job, None, options, 8, CostCache.for_job(job, None, options),
+                              [], specs={}, layouts={}) for rc in choices}
+    layouts: dict[tuple, object] = {}
+    refused: list = []
+    cache = CostCache.for_job(job, None, options)
+    shared = {rc: _group_costs(head._replace(recompute=rc), job, None, options, 8, cache, refused, specs={},
+                               layouts=layouts) for rc in choices}
+    assert None not in shared.values() and shared == alone and shared[BLOCK] == shared["full"]
+    assert list(layouts) == [head + (1, 0, 0, False, False)] and not refused
+    bad = head._replace(tp=1)  # SP without TP: ParallelSpec's own check
+    assert _group_costs(bad, job, None, options, 8, cache, refused, specs={}, layouts=layouts) is None
+    assert [r.what for r in refused] == [Candidate.from_key(bad + (1, 0, 0, False, False)).describe(8).split(" rc=")[0]]

@@ -663,7 +663,7 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
     kept: dict[tuple, _KeptBytes] = {}
     may_overlap: dict[tuple, tuple[bool, bool]] = {}  # (TP overlap, expert overlap) allowed, by what they read
     specs: dict[tuple, ParallelSpec] = {}  # the representatives' checked ParallelSpec, by their fields
-    layouts: dict[Candidate, Layout] = {}  # their validated layouts, by the representative without recomputation
+    layouts: dict[tuple, Layout] = {}  # their validated layouts, by the representative's key without recomputation
     gpn = job.cluster.gpus_per_node or world
     size = 0
     mlps = {p.value: p for p in MlpPartition}
@@ -703,9 +703,8 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
                 if ckey not in by_key:  # the bound's costs read the key alone: a search of another size may have them
                     found = cache.groups.get(ckey)
                     if found is None:
-                        found = _group_costs(Candidate.from_key(g.head + (1, 0, 0, False, False)), job,
-                                             measurements, options, world, cache, refused, may_overlap=overlaps,
-                                             specs=specs, layouts=layouts)
+                        found = _group_costs(h, job, measurements, options, world, cache, refused,
+                                             may_overlap=overlaps, specs=specs, layouts=layouts)
                         if found is not None:  # a refusal is this size's: checked again at another
                             cache.groups[ckey] = found
                     by_key[ckey] = found
@@ -972,25 +971,25 @@ def _stage_layers(num_layers: int, pp: int, vpp: int, first: int, last: int, bal
     return counts[0], min(counts[1:-1]) if pp > 2 else counts[0], counts[-1]
 
 
-def _group_costs(cand: Candidate, job: JobSpec, measurements: Measurements | None, options: SimOptions, world: int,
+def _group_costs(head: GroupHead, job: JobSpec, measurements: Measurements | None, options: SimOptions, world: int,
                  cache: CostCache, refused: list[Rejection], *,
                  may_overlap: tuple[bool, bool] = (False, False), specs: dict[tuple, ParallelSpec] | None = None,
-                 layouts: dict[Candidate, Layout] | None = None) -> tuple[GroupCosts, GroupCosts | None] | None:
-    """The costs a group's bound counts (:func:`~cfp_megatron.sim.bounds.group_costs`), from its representative
-    ``cand`` (no overlaps); ``may_overlap``: whether its candidates may overlap their TP communication and their
-    expert all-to-all; with those without the all-to-all's overlap where it may (``None`` where it may not: the
-    costs of a pipelined group's splits of one chunk per rank, :attr:`_Bounded.serial`); ``None`` (and a rejection in
-    ``refused``) where the runtime's validation refuses it; ``specs``: the checked :class:`ParallelSpec` of the
-    representatives built so far (:meth:`~cfp_megatron.search.space.Candidate.shared_job`); ``layouts``: the
-    validated layouts of the representatives so far, by the representative without recomputation (one of another
-    recompute choice is validated by the checks that read the recompute choice alone,
-    :func:`~cfp_megatron.base.parallel_dims.recompute_problems`, and placed as it)."""
+                 layouts: dict[tuple, Layout] | None = None) -> tuple[GroupCosts, GroupCosts | None] | None:
+    """The costs a group's bound counts (:func:`~cfp_megatron.sim.bounds.group_costs`), from a representative of
+    the group of ``head`` (no overlaps); ``may_overlap``: whether its candidates may overlap their TP communication
+    and their expert all-to-all; with those without the all-to-all's overlap where it may (``None`` where it may not:
+    the costs of a pipelined group's splits of one chunk per rank, :attr:`_Bounded.serial`); ``None`` (and a
+    rejection in ``refused``) where the runtime's validation refuses it; ``specs``: the checked :class:`ParallelSpec`
+    of the representatives built so far (:meth:`~cfp_megatron.search.space.Candidate.shared_job`); ``layouts``: the
+    validated layouts of the representatives so far, by the :meth:`~cfp_megatron.search.space.Candidate.key` of the
+    representative without recomputation (one of another recompute choice is validated by the checks that read the
+    recompute choice alone, :func:`~cfp_megatron.base.parallel_dims.recompute_problems`, and placed as it)."""
     # A valid split for the pass costs (they do not depend on the split): the even one, or the balanced one where
-    # the stages do not divide the layers.
-    rep = dataclasses.replace(cand, vpp=1, distributed_optimizer=False, first_stage_layers=0, last_stage_layers=0,
-                              balanced=job.model.num_layers % cand.pp != 0,
-                              recompute=Recompute.full.value if cand.recompute == BLOCK else cand.recompute)
-    free = dataclasses.replace(rep, recompute=Recompute.none.value)
+    # the stages do not divide the layers; the representative is built from its key (no Candidate to replace).
+    split = (1, 0, 0, job.model.num_layers % head.pp != 0, False)
+    rep = Candidate.from_key(head._replace(recompute=Recompute.full.value if head.recompute == BLOCK
+                                           else head.recompute) + split)
+    free = head._replace(recompute=Recompute.none.value) + split
     sibling = layouts.get(free) if layouts is not None else None
     try:
         rep_job = rep.job(job) if specs is None else rep.shared_job(job, specs)
@@ -1007,10 +1006,11 @@ def _group_costs(cand: Candidate, job: JobSpec, measurements: Measurements | Non
         # partition, the micro-batch and where the stages sit only)
         fixed_s = schedule_fixed_s(rep_job, job.cluster, measurements, options=options, world_size=world, cache=cache)
     except ConfigError as err:
-        refused.append(Rejection(what=cand.describe(world).rsplit(" rc=", 1)[0],
+        named = Candidate.from_key(head + (1, 0, 0, False, False))  # the group's head as the rejections name it
+        refused.append(Rejection(what=named.describe(world).rsplit(" rc=", 1)[0],
                                  reason="; ".join(i.problem for i in err.issues)))
         return None
     shared_cores = (measurements is not None and parts.overheads is not None
                     and measurements.busy_slowdown() is not None)
-    return group_costs_pair(parts, Overlaps(tp=cand.tp, tp_comm=may_overlap[0], expert_a2a=may_overlap[1]),
+    return group_costs_pair(parts, Overlaps(tp=head.tp, tp_comm=may_overlap[0], expert_a2a=may_overlap[1]),
                             hidden=job.model.hidden_size, shared_cores=shared_cores, fixed_s=fixed_s)
