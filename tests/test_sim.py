@@ -101,11 +101,11 @@ def test_unfused_attention_keeps_its_scores_by_kernel() -> None:
 def test_the_attention_kernel_here_follows_what_imports(monkeypatch: pytest.MonkeyPatch) -> None:
     found: set[str] = set()
     monkeypatch.setattr(parallel_dims.importlib.util, "find_spec", lambda name: object() if name in found else None)
-    assert parallel_dims.attention_kernel_here() is AttentionKernel.torch_softmax
+    assert parallel_dims.attention_kernel_here(on_gpu=True) is AttentionKernel.torch_softmax
     found.add("scaled_masked_softmax_cuda")
-    assert parallel_dims.attention_kernel_here() is AttentionKernel.fused_softmax
+    assert parallel_dims.attention_kernel_here(on_gpu=True) is AttentionKernel.fused_softmax
     found.add("transformer_engine")
-    assert parallel_dims.attention_kernel_here() is AttentionKernel.flash
+    assert parallel_dims.attention_kernel_here(on_gpu=True) is AttentionKernel.flash
 
 
 def test_activation_memory_follows_recompute_and_sequence_parallel() -> None:

@@ -47,7 +47,7 @@ def masked_softmax_fusion_here() -> bool:
     return importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
 
 
-def attention_kernel_here(*, on_gpu: bool = True) -> AttentionKernel:
+def attention_kernel_here(*, on_gpu: bool) -> AttentionKernel:
     """How Megatron-Core runs the attention core on this machine as the runtime builds the model: on a GPU,
     Transformer Engine's fused attention where it imports (:mod:`cfp_megatron.engine.model`), else Megatron's unfused
     core, with its fused softmax kernel where that CUDA extension imports (:mod:`cfp_megatron.model.megatron_config`);

@@ -455,7 +455,7 @@ def _run_blocking(forward_s: tuple[tuple[float, ...], ...], backward_s: tuple[tu
                   else [other for other in (rank - 1, rank + 1) if 0 <= other < pp] for rank in range(pp)]
     reached = [-1.0] * (4 * pp * vpp * microbatches)  # when each side of each transfer reached its exchange
     shared = (nic_sharing(programs, nic_s, len(reached))
-              if nic_s is not None and vpp > 1 and any(seconds > 0 for seconds in nic_s) else None)
+              if nic_s is not None and any(seconds > 0 for seconds in nic_s) else None)
     next_item = [0] * pp
     free_s = [0.0] * pp
     ops: list[Op] = []

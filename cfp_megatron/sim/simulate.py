@@ -138,9 +138,9 @@ def _simulate(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
     # exchange, on its own (docs/simulator.md, "Blocking interleaved exchanges").
     gather_s = (exchange_gather_s(job, layout, kernels, costs, scatter_gather=options.pipeline_scatter_gather)
                 if blocking else 0.0)
-    # Its steady state sends to both neighbours at once, over one NIC where they sit in other NVLink domains
-    # (docs/simulator.md, "Exchanges that share a NIC").
-    nic_s = exchange_nic_s(job, layout, kernels, costs, options) if blocking and vpp > 1 else None
+    # Interleaved, its steady state sends to both neighbours at once, over one NIC where they sit in other NVLink
+    # domains (the schedule counts which: docs/simulator.md, "Exchanges that share a NIC").
+    nic_s = exchange_nic_s(job, layout, kernels, costs, options) if blocking else None
 
     def timed() -> ScheduleResult:
         return _schedule(forward_s, backward_s, p2p_s, dims.num_microbatches, slowdown if shared_cores else None,

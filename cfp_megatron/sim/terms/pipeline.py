@@ -26,11 +26,9 @@ def exchange_fit(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     NVLink domains where ``crosses`` (default: where the layout's first pair of stages does). ``scatter_gather``:
     Megatron-LM's exchange before Megatron-Core (:attr:`~cfp_megatron.sim.options.SimOptions.pipeline_scatter_gather`):
     each TP rank sends its 1/TP share and the receiving stage all-gathers the tensor over TP."""
-    dims = layout.dims
     crosses = not layout.pp_intra_node if crosses is None else crosses
-    message = _exchanged_bytes(job, layout, kernels)
-    split = dims.tp if dims.sp or scatter_gather else 1
-    seconds = costs.seconds(Collective.send_recv, message / split, 2, 1 if crosses else 2)
+    seconds = costs.seconds(Collective.send_recv, _sent_bytes(job, layout, kernels, scatter_gather), 2,
+                            1 if crosses else 2)
     return seconds + exchange_gather_s(job, layout, kernels, costs, scatter_gather=scatter_gather)
 
 
@@ -41,8 +39,7 @@ def exchange_nic_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     transfer adds, ``t(2m) - t(m)`` of the fit, so a measured fit's own latency stays out), zero where the pair
     shares a domain (NVLink does not use the NIC). What the blocking schedule adds for each other tensor that
     leaves the GPU in the same direction at once (docs/simulator.md, "Exchanges that share a NIC")."""
-    dims = layout.dims
-    message = _exchanged_bytes(job, layout, kernels) / (dims.tp if dims.sp or options.pipeline_scatter_gather else 1)
+    message = _sent_bytes(job, layout, kernels, options.pipeline_scatter_gather)
     crossing = (costs.seconds(Collective.send_recv, 2 * message, 2, 1)
                 - costs.seconds(Collective.send_recv, message, 2, 1))
     return tuple(max(crossing, 0.0) if crosses else 0.0 for crosses in layout.pair_crossings)
@@ -63,6 +60,13 @@ def exchange_gather_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs:
 def _exchanged_bytes(job: JobSpec, layout: Layout, kernels: KernelModel) -> float:
     """Bytes of the whole activation one micro-batch hands to the next pipeline stage (before any TP split)."""
     return layout.micro_batch * layout.seq_length / layout.dims.cp * job.model.hidden_size * kernels.elem
+
+
+def _sent_bytes(job: JobSpec, layout: Layout, kernels: KernelModel, scatter_gather: bool) -> float:
+    """Bytes each TP rank of a stage sends the next one for a micro-batch: the whole activation, its 1/TP share
+    under sequence parallelism or Megatron-LM's scatter/gather exchange (:func:`exchange_fit`)."""
+    dims = layout.dims
+    return _exchanged_bytes(job, layout, kernels) / (dims.tp if dims.sp or scatter_gather else 1)
 
 
 def exchange_fits(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts,
