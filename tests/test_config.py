@@ -88,7 +88,7 @@ def _norm(m: ModelSpec, width: int) -> int:
 
 
 def _mlp(m: ModelSpec, ffn: int) -> int:
-    gated = m.activation is Activation.swiglu
+    gated = m.activation.gated
     weights = (3 if gated else 2) * m.hidden_size * ffn
     biases = ((2 if gated else 1) * ffn + m.hidden_size) if m.add_bias_linear else 0
     return weights + biases

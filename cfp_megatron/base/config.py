@@ -247,10 +247,20 @@ class Normalization(enum.Enum):
 
 
 class Activation(enum.Enum):
-    """MLP activation; ``swiglu`` is a gated linear unit with SiLU (LLaMA style)."""
+    """MLP activation."""
 
     gelu = "gelu"
+    """GELU, not gated (GPT)."""
     swiglu = "swiglu"
+    """A gated linear unit with SiLU (LLaMA style): ``silu(x1) * x2``."""
+    quick_geglu = "quick_geglu"
+    """GPT-OSS's gated unit: Megatron-Core's ``quick_gelu`` gate (``x1 * sigmoid(1.702 x1)``) times the linear half
+    plus one (``glu_linear_offset=1.0``), optionally clamped first (:attr:`ModelSpec.activation_clamp`)."""
+
+    @property
+    def gated(self) -> bool:
+        """Whether fc1 writes two halves, a gate and a linear part (fc1 twice the FFN width)."""
+        return self is not Activation.gelu
 
 
 class AttentionKind(enum.Enum):
@@ -482,6 +492,10 @@ class ModelSpec:
     """Epsilon of the normalisation layers."""
     activation: Activation = Activation.gelu
     """MLP activation."""
+    activation_clamp: float | None = None
+    """With ``activation=quick_geglu``: clamp fc1's output before the activation, the gate half at most this, the
+    linear half within plus or minus it (Megatron-Core's ``activation_func_clamp_value``; GPT-OSS: 7.0); ``None``: no
+    clamp."""
     add_bias_linear: bool = True
     """Biases in linear layers (GPT yes, LLaMA no)."""
     add_qkv_bias: bool = False
@@ -526,6 +540,9 @@ class ModelSpec:
     """The first this-many layers use a dense MLP instead of MoE (DeepSeek's ``first_k_dense_replace``)."""
     moe_router_score: RouterScore = RouterScore.softmax
     """Router score function."""
+    moe_router_fp32: bool = True
+    """The router's logits, scores and routing probabilities in fp32 (Megatron-Core's ``moe_router_dtype='fp32'``);
+    ``False``: in the compute precision (``moe_router_dtype`` unset, as Megatron-Bridge's GPT-OSS runs)."""
     moe_aux_loss_coeff: float = 0.0
     """Load-balancing auxiliary loss coefficient (0 disables it)."""
     moe_token_dispatcher: TokenDispatcher = TokenDispatcher.alltoall
@@ -577,7 +594,14 @@ class ModelSpec:
                  "max_position_embeddings")
         _at_most(issues, p, self, MAX_EXPERTS, f"{published} (256 experts)", "num_experts", "moe_router_topk")
         _finite(issues, p, self, "rotary_base", "norm_epsilon", "init_method_std", "hidden_dropout",
-                "attention_dropout", "moe_aux_loss_coeff")
+                "attention_dropout", "moe_aux_loss_coeff", "activation_clamp")
+        if self.activation_clamp is not None:
+            _issue(issues, not math.isfinite(self.activation_clamp) or self.activation_clamp > 0,
+                   f"{p}.activation_clamp", self.activation_clamp, "must be positive.", "use e.g. 7.0 (GPT-OSS).")
+            _issue(issues, self.activation is Activation.quick_geglu, f"{p}.activation_clamp", self.activation_clamp,
+                   f"clamps only the quick_geglu activation (model.activation={self.activation.value}: Megatron-Core's "
+                   "fused SwiGLU and GELU ignore it).",
+                   f"set {p}.activation=quick_geglu, or set this to null.")
         _issue(issues, not math.isfinite(self.rotary_base) or self.rotary_base > 0, f"{p}.rotary_base",
                self.rotary_base, "must be positive.", "use e.g. 10000 (500000 for LLaMA 3).")
         _issue(issues, not math.isfinite(self.norm_epsilon) or self.norm_epsilon > 0, f"{p}.norm_epsilon",

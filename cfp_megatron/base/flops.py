@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from cfp_megatron.base.config import Activation, AttentionKind, ModelSpec
+from cfp_megatron.base.config import AttentionKind, ModelSpec
 
 
 def dense_linear_weights(m: ModelSpec) -> tuple[int, int, int, int]:
@@ -12,7 +12,7 @@ def dense_linear_weights(m: ModelSpec) -> tuple[int, int, int, int]:
     a dense MLP of ``m.ffn_size`` (FC1 holds the gate too under SwiGLU)."""
     h, heads = m.hidden_size, m.num_attention_heads
     d = m.kv_channels or h // heads
-    fc1 = (2 if m.activation is Activation.swiglu else 1) * h * m.ffn_size
+    fc1 = (2 if m.activation.gated else 1) * h * m.ffn_size
     return h * d * (heads + 2 * m.query_groups), heads * d * h, fc1, m.ffn_size * h
 
 
@@ -30,7 +30,7 @@ def attention_params(m: ModelSpec) -> int:
 
 def mlp_params(m: ModelSpec, ffn: int) -> int:
     """Matmul parameters of one MLP with hidden size ``ffn``."""
-    return (3 if m.activation is Activation.swiglu else 2) * m.hidden_size * ffn
+    return (3 if m.activation.gated else 2) * m.hidden_size * ffn
 
 
 def active_matmul_params_per_token(m: ModelSpec) -> int:

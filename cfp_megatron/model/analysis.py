@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from cfp_megatron.base.config import Activation, JobSpec
+from cfp_megatron.base.config import JobSpec
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.graph.blocks import find_blocks
 from cfp_megatron.graph.propagation import fake_mesh, placement_str
@@ -112,7 +112,7 @@ def _analyze(job: JobSpec, mesh: MeshSpec, seq: int, micro_batch_size: int, *,
         blocks = {kind: find_blocks(graph, device_mesh) for kind, graph in capture.graphs.items()}
     segmentation = segment_model(capture.sequence, blocks, capture.graphs)
     done = time.perf_counter()
-    gated = job.model.activation is Activation.swiglu
+    gated = job.model.activation.gated
     data = segmentation.to_json()
     for cls_json, cls in zip(data["classes"], segmentation.classes, strict=True):
         for block_json, block in zip(cls_json["blocks"], cls.blocks, strict=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
@@ -27,6 +28,12 @@ from cfp_megatron.base.parallel_dims import (
     masked_softmax_fusion_here,
     rope_fusion_here,
 )
+
+ACTIVATION_FUNCS = {Activation.gelu: F.gelu, Activation.swiglu: F.silu, Activation.quick_geglu: quick_gelu}
+"""Megatron-Core's ``activation_func`` of each activation (the gated ones with ``gated_linear_unit``)."""
+QUICK_GEGLU_LINEAR_OFFSET = 1.0
+"""What quick GEGLU adds to the linear half before gating (Megatron-Core's ``glu_linear_offset``; GPT-OSS's
+``(up + 1)``, Megatron-Bridge's ``GPTOSSProvider``)."""
 
 
 def params_dtype(precision: Precision) -> torch.dtype:
@@ -68,8 +75,10 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         tp_comm_overlap=p.tp_comm_overlap,
         normalization=m.normalization.value,
         layernorm_epsilon=m.norm_epsilon,
-        gated_linear_unit=m.activation is Activation.swiglu,
-        activation_func=F.silu if m.activation is Activation.swiglu else F.gelu,
+        gated_linear_unit=m.activation.gated,
+        activation_func=ACTIVATION_FUNCS[m.activation],
+        glu_linear_offset=QUICK_GEGLU_LINEAR_OFFSET if m.activation is Activation.quick_geglu else 0.0,
+        activation_func_clamp_value=m.activation_clamp,
         add_bias_linear=m.add_bias_linear,
         add_qkv_bias=m.add_qkv_bias,
         qk_layernorm=m.qk_layernorm,
@@ -98,10 +107,12 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
         perform_initialization=True,
         # Fusions: the bias/activation and bias/dropout ones are TorchScript (CUDA only); the masked-softmax one is
         # a compiled extension that only Apex or Megatron's own build provides. Megatron fuses GELU with a bias and
-        # SwiGLU with or without one (Megatron-LM's --swiglu default), not a bias-free GELU.
-        bias_activation_fusion=on_gpu and (m.add_bias_linear or m.activation is Activation.swiglu),
+        # SwiGLU or quick GEGLU with or without one (Megatron-LM's --swiglu default), not a bias-free GELU.
+        bias_activation_fusion=on_gpu and (m.add_bias_linear or m.activation.gated),
         masked_softmax_fusion=on_gpu and masked_softmax_fusion_here(),
-        bias_dropout_fusion=on_gpu,
+        # TEGroupedMLP refuses it for experts with biases (its fc2 bias is added per expert, not by the
+        # bias-dropout-add), as Megatron-Bridge's GPT-OSS sets it off.
+        bias_dropout_fusion=on_gpu and not (m.is_moe and m.add_bias_linear and grouped_gemm_here(on_gpu=on_gpu)),
         apply_rope_fusion=rope_fusion_here(),
         # Off: the weight gradients join main_grad through Megatron's DDP hook (the predicate says why).
         gradient_accumulation_fusion=gradient_accumulation_fusion_here(),
@@ -145,7 +156,7 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
             moe_expert_capacity_factor=m.moe_expert_capacity_factor,
             moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
             moe_grouped_gemm=grouped_gemm_here(on_gpu=on_gpu),
-            moe_router_dtype="fp32",
+            moe_router_dtype="fp32" if m.moe_router_fp32 else None,
             moe_shared_expert_overlap=p.moe_shared_expert_overlap,
             overlap_moe_expert_parallel_comm=p.moe_a2a_overlap,
         )

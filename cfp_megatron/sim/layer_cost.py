@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from cfp_megatron.base.config import Activation, AttentionKernel, AttentionKind, FsdpStrategy, JobSpec, MlpPartition
+from cfp_megatron.base.config import AttentionKernel, AttentionKind, FsdpStrategy, JobSpec, MlpPartition
 from cfp_megatron.base.flops import attention_params, causal_score_share, mlp_params
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
@@ -218,7 +218,7 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     elem_bytes = kernels.elem
     hidden = model.hidden_size
     tokens = micro_batch * seq_length / cp
-    gated = model.activation is Activation.swiglu
+    gated = model.activation.gated
 
     # Attention.
     attn_params = attention_params(model)

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cfp_megatron.base.config import (
-    Activation,
     AttentionKernel,
     AttentionKind,
     ClusterSpec,
@@ -88,7 +87,7 @@ def layer_extra_params(job: JobSpec, layout: Layout) -> float:
     if model.add_bias_linear and not model.is_moe:
         head_dim = model.kv_channels or hidden // model.num_attention_heads
         qkv_width = head_dim * (model.num_attention_heads + 2 * model.query_groups)
-        fc1_width = model.ffn_size * (2 if model.activation is Activation.swiglu else 1)
+        fc1_width = model.ffn_size * (2 if model.activation.gated else 1)
         extra += (qkv_width + fc1_width) / tp + 2 * hidden
     return extra
 
@@ -113,7 +112,7 @@ def op_sac_gemms(job: JobSpec, layout: Layout, *, moe: bool) -> list[tuple[float
         gemms = [(heads * head_dim / tp, hidden), (kv, hidden), (kv, hidden), (hidden, heads * head_dim / tp)]
     width = (model.moe_shared_expert_intermediate_size or 0) if moe else model.ffn_size
     if width:
-        up = [(width / tp, hidden)] * (2 if model.activation is Activation.swiglu else 1)
+        up = [(width / tp, hidden)] * (2 if model.activation.gated else 1)
         gemms += up + [(hidden, width / tp)]
     return gemms
 
@@ -174,7 +173,7 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
     if RecomputeModule.core_attn not in modules:  # the core keeps its scores (a fully recomputed layer makes them
         # again in its backward pass: its working set, docs/simulator.md "memory.py")
         per_token += heads * layout.seq_length * _kept_bytes_per_score(model, options, elem) / tp
-    gated = model.activation is Activation.swiglu
+    gated = model.activation.gated
     if moe:
         expert_ffn = model.moe_ffn_hidden_size or model.ffn_size
         # Token copies per local token on the busiest expert rank.

@@ -117,7 +117,8 @@ def performance_recipe(row: dict, framework: Framework, preset: str, layout: tup
 
 ARCHITECTURE_FIELDS = ("kv_channels", "attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                        "v_head_dim", "moe_shared_expert_intermediate_size", "moe_first_dense_layers",
-                       "moe_router_score", "window_size", "window_attn_skip_freq")
+                       "moe_router_score", "window_size", "window_attn_skip_freq", "activation", "activation_clamp",
+                       "add_bias_linear", "moe_router_fp32")
 """Model fields the CSV schema has no column for, taken from a model preset of the same shape
 (:func:`preset_architecture`)."""
 SHAPE_FIELDS = (("layers", "num_layers"), ("hidden", "hidden_size"), ("heads", "num_attention_heads"),
@@ -129,8 +130,9 @@ SHAPE_FIELDS = (("layers", "num_layers"), ("hidden", "hidden_size"), ("heads", "
 def preset_architecture(row: dict) -> tuple[str, dict]:
     """The name and :data:`ARCHITECTURE_FIELDS` of the model preset (``conf/model``) whose shape
     (:data:`SHAPE_FIELDS`) is the row's, or ``("", {})``: DeepSeek-V3's multi-head latent attention, shared expert,
-    dense first layers and sigmoid router, GPT-OSS's 64-channel heads (4096 wide on a 2880 hidden size), which their
-    rows name in ``arch_source`` but no column states."""
+    dense first layers, sigmoid router and bias-free linears, GPT-OSS's 64-channel heads (4096 wide on a 2880 hidden
+    size), clamped quick GEGLU, biases and bf16 router, which their rows name in ``arch_source`` but no column
+    states."""
     for name, preset in group_presets("model"):
         if all(count_cell(row, column) == preset.get(key) for column, key in SHAPE_FIELDS):
             return name, {key: preset[key] for key in ARCHITECTURE_FIELDS if key in preset}

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from cfp_megatron.base.config import Activation, FlexBackend, JobSpec, TokenDispatcher
+from cfp_megatron.base.config import FlexBackend, JobSpec, TokenDispatcher
 from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.flops import mlp_params
 from cfp_megatron.cluster.costs import CollectiveCosts, Link
@@ -205,7 +205,7 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     flex = flex_kernels(None if flex_unstated else job.parallel.moe_flex_dispatcher_backend)
     tp, etp, ep, sp = dims.tp, dims.etp, dims.ep, dims.sp
     hidden = model.hidden_size
-    gated = model.activation is Activation.swiglu
+    gated = model.activation.gated
     tokens = layout.micro_batch * layout.seq_length / dims.cp  # one micro-batch's tokens on one CP rank
     local_tokens = tokens / tp if sp else tokens  # what enters the block on this rank
     expert_ffn = model.moe_ffn_hidden_size or model.ffn_size

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cfp_megatron.base.config import Activation, AttentionKind, JobSpec, Recompute, RecomputeMethod, RecomputeModule
+from cfp_megatron.base.config import AttentionKind, JobSpec, Recompute, RecomputeMethod, RecomputeModule
 from cfp_megatron.base.pipeline_split import job_chunks
 from cfp_megatron.sim.backward_memory import backward_flow_bytes
 from cfp_megatron.sim.kernels import KernelModel
@@ -38,7 +38,7 @@ def selective_recompute(job: JobSpec, layout: Layout, kernels: KernelModel, *, m
     core, expert exchange) seconds."""
     model, dims = job.model, layout.dims
     modules = job.parallel.recomputed_modules
-    tp, hidden, gated = dims.tp, model.hidden_size, model.activation is Activation.swiglu
+    tp, hidden, gated = dims.tp, model.hidden_size, model.activation.gated
     tokens = layout.micro_batch * layout.seq_length / dims.cp
     elements = gemm_s = ep_s = 0.0  # elements: per token
     if RecomputeModule.layernorm in modules:  # two norms, each reading and writing the hidden state
