@@ -256,7 +256,7 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     if moe:
         moe_block = moe_block_cost(job, layout, kernels, costs, imbalance=options.moe_routing_imbalance,
                                    torch_combine=options.torch_moe_combine,
-                                   flex_unstated=options.flex_backend_unstated)
+                                   flex_unstated=options.flex_backend_unstated, grouped_gemm=options.grouped_gemm)
         mlp_gemm = moe_block.gemm_s
         split_elements += moe_block.elements_per_token
         expert_params = moe_block.expert_params
@@ -276,6 +276,9 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
             mlp_gemm = primepar.forward_compute_s
             tp_ops = 2  # attention's all-reduce per pass; the MLP adds its exposed ring and all-gather below
     elementwise = kernels.memory((replicated_elements + split_elements) * tokens * elem_bytes)
+    # The experts' PyTorch ops beside their fused kernels (clamp, per-expert fc2 bias), forward and backward.
+    unfused_fwd, unfused_bwd = ((kernels.memory(nbytes * tokens) for nbytes in moe_block.unfused_bytes_per_token)
+                                if moe_block is not None else (0.0, 0.0))
 
     # TP / SP collectives (the tensor-parallel term), less what the GEMMs hide under TP communication overlap.
     tp_pass = tp_pass_s(layout, costs, act_bytes=tokens * hidden * elem_bytes, tp_ops=tp_ops,
@@ -290,9 +293,9 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     # FSDP (the data-parallel term): gather the layer's weights before forward and backward, scatter its gradients
     # after backward.
     fsdp_fwd_comm = fsdp_bwd_comm = 0.0
-    fwd_compute = attn_gemm + mlp_gemm + elementwise
+    fwd_compute = attn_gemm + mlp_gemm + elementwise + unfused_fwd
     mlp_bwd_gemm = moe_block.gemm_bwd_s if moe_block is not None else 2.0 * mlp_gemm
-    bwd_compute = 2.0 * attn_gemm + mlp_bwd_gemm + 2.0 * elementwise
+    bwd_compute = 2.0 * attn_gemm + mlp_bwd_gemm + 2.0 * elementwise + unfused_bwd
     if job.parallel.fsdp is not FsdpStrategy.none:
         fsdp_fwd_comm, fsdp_bwd_comm = fsdp_sync(job, layout, costs, params=params, elem_bytes=elem_bytes,
                                                  expert_params=expert_params, torch_fsdp=options.torch_fsdp)
@@ -304,7 +307,8 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
         # The experts' share of the layer's computation (their GEMMs and element-wise traffic); the rest is the
         # attention side (attention, norms, router): the two windows moe_a2a_overlap hides the exchange behind.
         moe_elementwise = kernels.memory(moe_block.elements_per_token * tokens * elem_bytes)
-        mlp_fwd, mlp_bwd = mlp_gemm + moe_elementwise, mlp_bwd_gemm + 2.0 * moe_elementwise
+        mlp_fwd = mlp_gemm + moe_elementwise + unfused_fwd
+        mlp_bwd = mlp_bwd_gemm + 2.0 * moe_elementwise + unfused_bwd
         ep_fwd, ep_bwd = expert_comm(job, moe_block, attention_s=(fwd_compute + core_fwd - mlp_fwd,
                                                                   bwd_compute + core_bwd - mlp_bwd),
                                      experts_s=(mlp_fwd, mlp_bwd))

@@ -180,6 +180,11 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
         routed = model.moe_router_topk * dims.etp / tp * model.expert_load(options.moe_routing_imbalance)
         whole = RecomputeModule.moe in modules  # the block keeps only its input (the norm's output, above)
         act_output = 0.0 if RecomputeModule.moe_act in modules else linear_input_bytes * expert_ffn / dims.etp
+        if model.activation_clamp is not None and RecomputeModule.moe_act not in modules:
+            # The clamp before the fused quick GEGLU keeps fc1's output for its comparisons, beside the clamped
+            # copy the activation keeps (fused_bias_geglu.weighted_bias_quick_geglu_impl); moe_act's checkpoint
+            # keeps fc1's output alone.
+            act_output += elem * expert_ffn * 2 / dims.etp
         if not whole:
             per_token += routed * (linear_input_bytes * hidden + elem * expert_ffn * (2 if gated else 1) / dims.etp
                                    + act_output)

@@ -144,6 +144,14 @@ class MoeCost:
     """Of ``elements_per_token``, the routed experts' activation function's (what ``moe_act`` recomputes)."""
     shared_elements_per_token: float = 0.0
     """Of ``elements_per_token``, the shared expert's activation's (recomputed with ``shared_experts``)."""
+    unfused_bytes_per_token: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) HBM bytes per token of the micro-batch on this rank of the routed experts' PyTorch
+    element-wise ops beside their fused kernels, whose backward is not twice their forward as ``elements_per_token``
+    takes it: the clamp before the activation (:func:`clamp_bytes`) and the fc2 bias added per expert
+    (:func:`expert_bias_bytes`)."""
+    recomputed_bytes_per_token: float = 0.0
+    """Of the forward's ``unfused_bytes_per_token``, the clamp's: what ``moe_act`` recomputes with the activation
+    (the fc2 bias is added after fc2, outside it)."""
     dispatch_s: float
     """Communication of one pass (dispatch and combine), seconds, before any overlap."""
     combine_s: float = 0.0
@@ -159,14 +167,29 @@ class MoeCost:
     """Of ``params``, the routed experts' (reduced over the expert-data-parallel group)."""
 
 
-PROB_BYTES = 4.0
-"""Bytes of one routed copy's probability (the router's fp32 probabilities, ``moe_router_dtype=fp32``)."""
-ROUTER_BYTES_PER_EXPERT = 17.0
-"""HBM bytes per token and expert of the router's element-wise kernels in one forward pass, unfused
-(Megatron-Core's ``TopKRouter.routing``): the score function reads the fp32 logits and writes the scores (4 + 4),
-top-k reads them (4) and writes the dense fp32 probabilities and the boolean routing map (4 + 1)."""
-AUX_LOSS_BYTES_PER_EXPERT = 4.0
-"""The load-balancing loss' extra read of the fp32 scores per token and expert (``moe_aux_loss_coeff > 0``)."""
+FP32_BYTES = 4.0
+"""Bytes of an fp32 element: the router's logits, scores and probabilities under ``moe_router_dtype='fp32'``."""
+ROUTER_SCORE_PASSES = 4.0
+"""Passes per token and expert over the router's ``[tokens, experts]`` scores (in the router's dtype,
+:func:`router_bytes`) of its element-wise kernels in one forward pass, unfused (Megatron-Core's
+``TopKRouter.routing``): the score function reads the logits and writes the scores (2), top-k reads them (1) and
+writes the dense probabilities (1), beside the boolean routing map (:data:`ROUTING_MAP_BYTES`)."""
+AUX_LOSS_SCORE_PASSES = 1.0
+"""The load-balancing loss' extra read of the scores per token and expert (``moe_aux_loss_coeff > 0``)."""
+CLAMP_FORWARD_PASSES = 4.0
+"""Passes over fc1's output (``[rows, 2 ffn]`` in the compute precision) of the clamp Megatron-Core runs in PyTorch
+before the fused quick-GEGLU kernel (``weighted_bias_quick_geglu_impl``, megatron/core/fusions/fused_bias_geglu.py):
+``x_glu.clamp(max=v)`` and ``x_linear.clamp(-v, v)`` each read and write their half (1 + 1), ``torch.cat`` reads
+both and writes the whole (2)."""
+CLAMP_BACKWARD_PASSES = 5.5
+"""The same in its backward (autograd's ``clamp_backward``: a comparison of the saved half, ``where(mask, grad,
+0)``): the gate half's ``<=`` reads it (0.5) and its ``where`` reads the gradient and writes its own (1); the
+linear half's ``>=`` and ``<=`` read it (1) and its ``where`` reads and writes (1); the gradient of ``chunk`` is a
+``cat`` of the halves' gradients (2)."""
+CLAMP_MASK_BYTES = 4.0
+"""Bytes per element of fc1's output of the clamp's boolean masks in its backward (one byte per element of a half
+each comparison writes and each read back): the gate half's mask written and read (1), the linear half's two
+written, combined by ``logical_and_`` (read 2, written 1) and read by its ``where`` (3)."""
 MAIN_GRAD_BYTES = 8.0
 """Bytes per weight element an expert's weight-gradient GEMM moves into its gradient: Megatron-Core's
 ``gradient_accumulation_fusion`` (Megatron-LM's default, on with Transformer Engine: ``TEGroupedLinear`` passes it as
@@ -182,7 +205,51 @@ writes the copy's; the unpermutation reads the copy's row and accumulates it int
 COUNT_BYTES = 8.0
 """Bytes of one token count (int64) in the dispatcher's count exchange."""
 ROUTING_MAP_BYTES = 1.0
-"""Bytes of one routing-map entry (``torch.bool``) in HybridEP's all-gather of the routing map."""
+"""Bytes of one routing-map entry (``torch.bool``): the router writes one per token and expert, HybridEP all-gathers
+them."""
+
+
+def router_bytes(job: JobSpec, elem: float) -> float:
+    """Bytes of one of the router's scores: fp32 with :attr:`~cfp_megatron.base.config.ModelSpec.moe_router_fp32`,
+    else the compute precision's ``elem`` (Megatron-Core's ``TopKRouter.gating`` computes the logits in
+    ``moe_router_dtype``, or in the input's dtype where it is unset, and ``topk_routing_with_score_function`` keeps
+    their dtype: ``softmax(..., dtype=torch.float32).type_as(logits)``)."""
+    return FP32_BYTES if job.model.moe_router_fp32 else float(elem)
+
+
+def probability_bytes(job: JobSpec, elem: float) -> float:
+    """Bytes of one routed copy's probability as the experts get it: the router's (:func:`router_bytes`), but fp32
+    under the flex dispatcher, whose DeepEP and HybridEP managers cast them (``token_dispatcher.py``: "DeepEP only
+    supports float32 probs", "HybridEP only supports float32 probs")."""
+    if job.model.moe_token_dispatcher is TokenDispatcher.flex:
+        return FP32_BYTES
+    return router_bytes(job, elem)
+
+
+def clamp_bytes(elem: float) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per element of fc1's output (``[rows, 2 ffn]``) of the activation's clamp
+    (:attr:`~cfp_megatron.base.config.ModelSpec.activation_clamp`) in ``elem``-byte elements:
+    :data:`CLAMP_FORWARD_PASSES`, and :data:`CLAMP_BACKWARD_PASSES` plus :data:`CLAMP_MASK_BYTES`."""
+    return CLAMP_FORWARD_PASSES * elem, CLAMP_BACKWARD_PASSES * elem + CLAMP_MASK_BYTES
+
+
+def expert_bias_bytes(elem: float, prob: float, *, grouped_gemm: bool) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per element of fc2's output (``[rows, hidden]``) of the fc2 bias Megatron-Core's
+    experts add per expert, scaled by each row's probability, outside the GEMM (megatron/core/transformer/moe/
+    experts.py, 0.16.1), with ``elem``-byte activations and ``prob``-byte probabilities (:func:`probability_bytes`);
+    ``b x p`` and its sum come out in the wider dtype ``w``. ``grouped_gemm``: ``TEGroupedMLP._apply_bias`` splits
+    the rows by expert, writes ``b x p`` (w), adds it to the rows (read elem + w, write w), concatenates the sums
+    (w + w) and casts them back (w + elem where ``w > elem``); backward, the cast's gradient (elem + w, where
+    ``w > elem``), per expert the rows' gradient cast back (w + elem, the same), the bias' and the probabilities'
+    gradients (a product read and written and a sum read, 3w each), and the ``split``'s gradient, a ``cat`` of the
+    rows' (elem + elem). Else ``SequentialMLP`` runs each expert's ``MLP``, whose ``output += output_bias x
+    per_token_scale`` writes ``b x p`` (w) and adds it in place (read elem + w, write elem); backward, the
+    gradient cast to w (elem + w, where ``w > elem``) and the two products and sums (3w each)."""
+    wide = max(elem, prob)
+    cast = wide + elem if wide > elem else 0.0
+    if grouped_gemm:
+        return 5.0 * wide + elem + cast, 2.0 * cast + 6.0 * wide + 2.0 * elem
+    return 2.0 * wide + 2.0 * elem, cast + 6.0 * wide
 
 
 def expected_remote_nodes(topk: int, nodes: int) -> float:
@@ -194,13 +261,16 @@ def expected_remote_nodes(topk: int, nodes: int) -> float:
 
 
 def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, *,
-                   imbalance: float = 1.0, torch_combine: bool = False, flex_unstated: bool = False) -> MoeCost:
+                   imbalance: float = 1.0, torch_combine: bool = False, flex_unstated: bool = False,
+                   grouped_gemm: bool = True) -> MoeCost:
     """Cost of ``job``'s MoE block under ``layout``, as Megatron-Core runs it: dropless, the rank holding the busiest
     experts processes ``imbalance`` times the balanced share of routed tokens (1.0: forced or perfect balance);
     token-drop, at most the capacity factor times it; padded to capacity, exactly that
     (:meth:`~cfp_megatron.base.config.ModelSpec.expert_load`). ``torch_combine``: the all-to-all dispatcher is
     torchtitan's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_moe_combine`). ``flex_unstated``: the flex
-    dispatcher's backend is not stated (:attr:`~cfp_megatron.sim.options.SimOptions.flex_backend_unstated`)."""
+    dispatcher's backend is not stated (:attr:`~cfp_megatron.sim.options.SimOptions.flex_backend_unstated`).
+    ``grouped_gemm``: the experts are ``TEGroupedMLP`` (:attr:`~cfp_megatron.sim.options.SimOptions.grouped_gemm`),
+    else ``SequentialMLP``, which add a biased model's fc2 bias differently (:func:`expert_bias_bytes`)."""
     model, dims = job.model, layout.dims
     flex = flex_kernels(None if flex_unstated else job.parallel.moe_flex_dispatcher_backend)
     tp, etp, ep, sp = dims.tp, dims.etp, dims.ep, dims.sp
@@ -238,12 +308,19 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     elements = activation + shared_elements + _routing_elements(job, layout, kernels, routed=routed, flex=flex,
                                                                 torch_combine=torch_combine,
                                                                 local_tokens=local_tokens) / tokens
+    # The routed experts' PyTorch element-wise ops beside their fused kernels, per token of the micro-batch.
+    clamp = clamp_bytes(kernels.elem) if model.activation_clamp is not None else (0.0, 0.0)
+    bias = (expert_bias_bytes(kernels.elem, probability_bytes(job, kernels.elem), grouped_gemm=grouped_gemm)
+            if model.add_bias_linear else (0.0, 0.0))
+    fc1_out, fc2_out = routed / tokens * width, routed / tokens * hidden  # elements per token of the micro-batch
+    unfused = (fc1_out * clamp[0] + fc2_out * bias[0], fc1_out * clamp[1] + fc2_out * bias[1])
     expert_params = mlp_params(model, expert_ffn) * local_experts / etp
     params = expert_params + mlp_params(model, shared_ffn) / tp + hidden * num_experts
     dispatch_s, combine_s = _dispatch_s(job, layout, kernels, costs, routed=routed / etp, local_tokens=local_tokens,
                                         probabilities=not torch_combine, flex=flex)
     return MoeCost(gemm_s=gemm_s, gemm_bwd_s=gemm_bwd_s, shared_gemm_s=shared_s, elements_per_token=elements,
                    activation_elements_per_token=activation, shared_elements_per_token=shared_elements,
+                   unfused_bytes_per_token=unfused, recomputed_bytes_per_token=fc1_out * clamp[0],
                    dispatch_s=dispatch_s, combine_s=combine_s,
                    metadata_s=_metadata_s(job, layout, costs, flex=flex, local_tokens=local_tokens),
                    params=params, expert_params=expert_params)
@@ -253,7 +330,7 @@ def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, rou
                       local_tokens: float, flex: FlexKernels, torch_combine: bool = False) -> float:
     """Elements (of the compute precision) the routing moves through HBM on this rank in one forward pass,
     memory-bound kernels counted from what Megatron-Core's ``TopKRouter`` and ``MoEAlltoAllTokenDispatcher`` run:
-    the router's element-wise kernels on the ``local_tokens`` it scores (:data:`ROUTER_BYTES_PER_EXPERT`, and the
+    the router's element-wise kernels on the ``local_tokens`` it scores (:data:`ROUTER_SCORE_PASSES`, and the
     auxiliary loss' read), the first permutation of the copies this rank sends and the unpermutation of those it
     gets back, and, where an expert rank holds several experts, the sort of the ``routed`` rows it receives by
     expert and the unsort before the combine (``sort_chunks_by_idxs``); each a gather/scatter of
@@ -264,8 +341,9 @@ def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, rou
     (:data:`TORCH_COMBINE_BYTES`) instead of the unpermutation."""
     model, dims = job.model, layout.dims
     num_experts, hidden = model.num_experts or 1, model.hidden_size
-    router_bytes = ROUTER_BYTES_PER_EXPERT + (AUX_LOSS_BYTES_PER_EXPERT if model.moe_aux_loss_coeff > 0 else 0.0)
-    elements = local_tokens * num_experts * router_bytes / kernels.elem
+    passes = ROUTER_SCORE_PASSES + (AUX_LOSS_SCORE_PASSES if model.moe_aux_loss_coeff > 0 else 0.0)
+    per_expert = passes * router_bytes(job, kernels.elem) + ROUTING_MAP_BYTES
+    elements = local_tokens * num_experts * per_expert / kernels.elem
     received = routed / dims.etp  # the rows this rank's experts take, as they arrive
     if model.moe_token_dispatcher is TokenDispatcher.flex:
         # DeepEP and HybridEP read the tokens where they are and land them by source rank: one permutation by
@@ -351,13 +429,14 @@ def _dispatch_s(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Colle
         else:
             # alltoall: every routed copy crosses the group (a token going to two experts of one rank is sent
             # twice), in the dispatch and in the combine; the dispatch sends each copy's routing probability too
-            # (fp32, its own all-to-all in Megatron-Core's MoEAlltoAllTokenDispatcher.token_dispatch, and in the
-            # backward pass its gradient).
+            # (probability_bytes each, its own all-to-all in Megatron-Core's MoEAlltoAllTokenDispatcher.token_dispatch,
+            # and in the backward pass its gradient).
             a2a = all_to_all_costs(costs, job)  # NCCL's all-to-all at its NVLink ceiling
             one_way = a2a.seconds(Collective.all_to_all, a2a_bytes, ep, layout.ep_per_node)
             dispatch += one_way
             if probabilities:
-                dispatch += a2a.seconds(Collective.all_to_all, routed * PROB_BYTES, ep, layout.ep_per_node)
+                dispatch += a2a.seconds(Collective.all_to_all, routed * probability_bytes(job, elem), ep,
+                                        layout.ep_per_node)
             combine += one_way
     return dispatch + combine, combine
 

@@ -40,17 +40,19 @@ def selective_recompute(job: JobSpec, layout: Layout, kernels: KernelModel, *, m
     modules = job.parallel.recomputed_modules
     tp, hidden, gated = dims.tp, model.hidden_size, model.activation.gated
     tokens = layout.micro_batch * layout.seq_length / dims.cp
-    elements = gemm_s = ep_s = 0.0  # elements: per token
+    elements = gemm_s = ep_s = unfused = 0.0  # elements and unfused (bytes): per token
     if RecomputeModule.layernorm in modules:  # two norms, each reading and writing the hidden state
         elements += 4.0 * hidden / (tp if dims.sp else 1)
     if moe_block is not None:
         if RecomputeModule.moe in modules:
             gemm_s += moe_block.gemm_s
             elements += moe_block.elements_per_token
+            unfused += moe_block.unfused_bytes_per_token[0]
             ep_s += ep_fwd_s
         else:
             if RecomputeModule.moe_act in modules:
                 elements += moe_block.activation_elements_per_token
+                unfused += moe_block.recomputed_bytes_per_token
             if RecomputeModule.shared_experts in modules:
                 gemm_s += moe_block.shared_gemm_s
                 elements += moe_block.shared_elements_per_token
@@ -63,7 +65,7 @@ def selective_recompute(job: JobSpec, layout: Layout, kernels: KernelModel, *, m
                                model.q_lora_rank or hidden)
         gemm_s += kernels.gemm(tokens, heads * (model.qk_head_dim + model.v_head_dim) / tp, model.kv_lora_rank)
     core_s = core_fwd_s if RecomputeModule.core_attn in modules else 0.0
-    return gemm_s + kernels.memory(elements * tokens * kernels.elem), core_s, ep_s
+    return gemm_s + kernels.memory((elements * kernels.elem + unfused) * tokens), core_s, ep_s
 
 
 def op_sac_recompute_s(job: JobSpec, layout: Layout, kernels: KernelModel, *, moe_block: MoeCost | None,
