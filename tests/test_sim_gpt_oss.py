@@ -184,3 +184,15 @@ def test_the_validators_moe_rows_read_the_biases_activation_and_router_their_sou
     for rid in ("73", "74", "80"):  # DeepSeek-V3, Qwen3 30B-A3B (both files)
         model = row_plan(rows[rid]).job.model
         assert not model.add_bias_linear and model.activation is Activation.swiglu and model.moe_router_fp32
+
+
+@pytest.mark.parametrize(("change", "named"), [({"num_experts": None}, "a dense model"),
+                                               ({"moe_first_dense_layers": 1}, "its dense first layers"),
+                                               ({"moe_shared_expert_intermediate_size": 64}, "its shared expert")])
+def test_quick_geglu_is_refused_where_a_dense_mlp_would_run_it(change: dict, named: str) -> None:
+    """Megatron-Core's MLP.forward fuses quick GEGLU only with per-token scales (the routed experts'): a dense MLP or
+    shared expert raises under bias_activation_fusion, which GPU runs set."""
+    with pytest.raises(ConfigError) as err:
+        job(change)
+    assert "model.activation" in str(err.value) and named in str(err.value)
+    assert job().model.activation is Activation.quick_geglu  # routed experts alone: accepted

@@ -255,7 +255,8 @@ class Activation(enum.Enum):
     """A gated linear unit with SiLU (LLaMA style): ``silu(x1) * x2``."""
     quick_geglu = "quick_geglu"
     """GPT-OSS's gated unit: Megatron-Core's ``quick_gelu`` gate (``x1 * sigmoid(1.702 x1)``) times the linear half
-    plus one (``glu_linear_offset=1.0``), optionally clamped first (:attr:`ModelSpec.activation_clamp`)."""
+    plus one (``glu_linear_offset=1.0``), optionally clamped first (:attr:`ModelSpec.activation_clamp`); in
+    routed experts only (Megatron-Core fuses it only with their per-token probabilities)."""
 
     @property
     def gated(self) -> bool:
@@ -602,6 +603,15 @@ class ModelSpec:
                    f"clamps only the quick_geglu activation (model.activation={self.activation.value}: Megatron-Core's "
                    "fused SwiGLU and GELU ignore it).",
                    f"set {p}.activation=quick_geglu, or set this to null.")
+        if self.activation is Activation.quick_geglu:
+            dense = ("a dense model" if self.num_experts is None else "its dense first layers"
+                     if self.moe_first_dense_layers else "its shared expert"
+                     if self.moe_shared_expert_intermediate_size else None)
+            _issue(issues, dense is None, f"{p}.activation", self.activation.value,
+                   f"runs only in routed experts, not in {dense}: Megatron-Core's MLP fuses quick GEGLU only with the "
+                   "experts' per-token probabilities and raises 'Only support fusion of gelu and swiglu' for a dense "
+                   "MLP or shared expert under bias_activation_fusion, which GPU runs set.",
+                   f"use {p}.activation=swiglu, or a MoE model without dense layers or shared experts (as GPT-OSS).")
         _issue(issues, not math.isfinite(self.rotary_base) or self.rotary_base > 0, f"{p}.rotary_base",
                self.rotary_base, "must be positive.", "use e.g. 10000 (500000 for LLaMA 3).")
         _issue(issues, not math.isfinite(self.norm_epsilon) or self.norm_epsilon > 0, f"{p}.norm_epsilon",
