@@ -375,15 +375,19 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                          torch_op_sac=framework.torch_op_sac, torch_moe_combine=framework.torch_moe_combine,
                          flex_backend_unstated=bool(experts and recipe and recipe.dispatcher == "flex"
                                                     and recipe.flex_backend is None),
-                         eager_torch_loss=framework.eager_loss and not any(
-                             re.search(pattern, row.get("model") or "", re.IGNORECASE)
-                             for pattern in framework.compiled_loss),
+                         eager_torch_loss=framework.eager_loss and not _model_matches(row, framework.compiled_loss),
+                         rope_fusion=not _model_matches(row, framework.unfused_rope),
                          deepspeed_engine=framework.deepspeed_engine,
                          apex_adam=apex_adam_states(row, framework) if dist_opt and not fsdp else None)
     return RowPlan(row_id=rid, source=row.get("source", ""), source_detail=row.get("source_detail", ""),
                    model=row.get("model", ""), layout=layout, job=job, options=options, measured_s=measured,
                    approximations=tuple(reading.approximation for reading in readings if reading.approximation)
                    + ((setting.approximation,) if setting and setting.approximation else ()))
+
+
+def _model_matches(row: dict, patterns: tuple[str, ...]) -> bool:
+    """Whether the row's ``model`` matches one of ``patterns`` (case-insensitive)."""
+    return any(re.search(pattern, row.get("model") or "", re.IGNORECASE) for pattern in patterns)
 
 
 def unstated_split(row: dict, presets: dict[str, dict]) -> tuple[int, int]:

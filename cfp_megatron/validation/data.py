@@ -128,6 +128,9 @@ class Framework:
     of ``compiled_loss``."""
     compiled_loss: tuple[str, ...] = ()
     """Patterns on ``model`` (case-insensitive) whose recipes compile the loss."""
+    unfused_rope: tuple[str, ...] = ()
+    """Patterns on ``model`` (case-insensitive) whose RoPE it runs unfused (:attr:`~cfp_megatron.sim.options.
+    SimOptions.rope_fusion` off)."""
     torch_moe_combine: bool = False
     """Its MoE dispatcher is torchtitan's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_moe_combine`)."""
     torch_op_sac: bool = False
@@ -276,6 +279,19 @@ class _Entry:
         return value
 
 
+def _model_patterns(entry: _Entry, runs: dict[str, Any], key: str) -> tuple[str, ...]:
+    """The model patterns (regular expressions) a framework entry's ``runs.<key>`` lists."""
+    patterns = runs.get(key) or []
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        entry.fail(f"has {key}={patterns!r}; it lists model patterns")
+    for model_pattern in patterns:
+        try:
+            re.compile(model_pattern)
+        except re.error as err:
+            entry.fail(f"has {key} pattern {model_pattern!r}, not a regular expression ({err})")
+    return tuple(patterns)
+
+
 def _entries(path: Path, data: dict[str, Any], key: str) -> list[Any]:
     entries = data.get(key)
     if not isinstance(entries, list) or not entries:
@@ -309,7 +325,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
         optional = {"mtp_layers", "pipeline_scatter_gather", "fp8_param_gather", "te_cross_entropy", "torch_fsdp",
                     "apex_distributed_adam", "overlap_param_gather", "weight_grad_accumulation", "torch_fused_adamw",
                     "moe_layer_syncs", "rank_batch_micro", "tie_embeddings", "deepspeed_engine", "torch_op_sac",
-                    "torch_moe_combine", "eager_loss", "compiled_loss", "async_tp_backward",
+                    "torch_moe_combine", "eager_loss", "compiled_loss", "unfused_rope", "async_tp_backward",
                     "blocking_interleaved", "global_memory_buffer", "wgrad_placeholder"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
@@ -337,14 +353,8 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
         syncs = runs.get("moe_layer_syncs")
         if syncs is not None and (not isinstance(syncs, int) or isinstance(syncs, bool) or syncs < 0):
             entry.fail(f"has moe_layer_syncs={syncs!r}; it counts a MoE layer's synchronisations (0 or more)")
-        compiled = runs.get("compiled_loss") or []
-        if not isinstance(compiled, list) or not all(isinstance(p, str) for p in compiled):
-            entry.fail(f"has compiled_loss={compiled!r}; it lists model patterns")
-        for model_pattern in compiled:
-            try:
-                re.compile(model_pattern)
-            except re.error as err:
-                entry.fail(f"has compiled_loss pattern {model_pattern!r}, not a regular expression ({err})")
+        compiled = _model_patterns(entry, runs, "compiled_loss")
+        unfused_rope = _model_patterns(entry, runs, "unfused_rope")
         contains = match.get("contains", [])
         frameworks.append(Framework(
             name=raw["name"], source=raw["source"], blank=dict(blank), attention=attention,
@@ -366,7 +376,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             torch_fused_adamw=bool(runs.get("torch_fused_adamw", False)), moe_layer_syncs=syncs,
             torch_op_sac=bool(runs.get("torch_op_sac", False)),
             torch_moe_combine=bool(runs.get("torch_moe_combine", False)),
-            eager_loss=bool(runs.get("eager_loss", False)), compiled_loss=tuple(compiled),
+            eager_loss=bool(runs.get("eager_loss", False)), compiled_loss=compiled, unfused_rope=unfused_rope,
             rank_batch_micro=bool(runs.get("rank_batch_micro", False)),
             apex_adam=tuple((str(pattern), ApexAdamStates(state)) for pattern, state in apex.items())))
     if frameworks[-1].match != FrameworkMatch():
