@@ -21,6 +21,7 @@ from cfp_megatron.base.flops import attention_params, causal_score_share, mlp_pa
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
 from cfp_megatron.sim.grad_accumulation import accumulation_bytes, accumulation_mode
+from cfp_megatron.sim.host_costs import expert_scalar_kernels_s
 from cfp_megatron.sim.kernels import KernelModel, grad_element_bytes
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.options import SimOptions
@@ -287,10 +288,14 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     expert_params = 0.0
     primepar: MlpCost | None = None
     moe_block = None
+    scalar_fwd = scalar_bwd = 0.0  # the experts' per-expert single-thread quantisation kernels (GPU floor)
     if moe:
         moe_block = moe_block_cost(job, layout, kernels, costs, imbalance=options.moe_routing_imbalance,
                                    torch_combine=options.torch_moe_combine,
                                    flex_unstated=options.flex_backend_unstated)
+        if options.grouped_gemm and not job.cluster.on_cpu:  # Transformer Engine's grouped linears
+            scalar_fwd, scalar_bwd = expert_scalar_kernels_s(max(1, (model.num_experts or 1) // dims.ep),
+                                                             kernels.format.expert_scalar_kernels)
         mlp_gemm = moe_block.gemm_s
         split_elements += moe_block.elements_per_token
         expert_params = moe_block.expert_params
@@ -324,9 +329,9 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     # FSDP (the data-parallel term): gather the layer's weights before forward and backward, scatter its gradients
     # after backward.
     fsdp_fwd_comm = fsdp_bwd_comm = 0.0
-    fwd_compute = attn_gemm + mlp_gemm + elementwise
+    fwd_compute = attn_gemm + mlp_gemm + elementwise + scalar_fwd
     mlp_bwd_gemm = moe_block.gemm_bwd_s if moe_block is not None else 2.0 * mlp_gemm
-    bwd_compute = 2.0 * attn_gemm + mlp_bwd_gemm + 2.0 * elementwise
+    bwd_compute = 2.0 * attn_gemm + mlp_bwd_gemm + 2.0 * elementwise + scalar_bwd
     if job.parallel.fsdp is not FsdpStrategy.none:
         fsdp_fwd_comm, fsdp_bwd_comm = fsdp_sync(job, layout, costs, params=params, elem_bytes=elem_bytes,
                                                  expert_params=expert_params, torch_fsdp=options.torch_fsdp)
@@ -338,7 +343,8 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
         # The experts' share of the layer's computation (their GEMMs and element-wise traffic); the rest is the
         # attention side (attention, norms, router): the two windows moe_a2a_overlap hides the exchange behind.
         moe_elementwise = kernels.memory(moe_block.elements_per_token * tokens * elem_bytes)
-        mlp_fwd, mlp_bwd = mlp_gemm + moe_elementwise, mlp_bwd_gemm + 2.0 * moe_elementwise
+        mlp_fwd = mlp_gemm + moe_elementwise + scalar_fwd
+        mlp_bwd = mlp_bwd_gemm + 2.0 * moe_elementwise + scalar_bwd
         ep_fwd, ep_bwd = expert_comm(job, moe_block, attention_s=(fwd_compute + core_fwd - mlp_fwd,
                                                                   bwd_compute + core_bwd - mlp_bwd),
                                      experts_s=(mlp_fwd, mlp_bwd))
