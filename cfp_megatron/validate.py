@@ -102,7 +102,13 @@ from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.simulate import simulate
 from cfp_megatron.sim.uncertainty import BAND_QUANTILE
 from cfp_megatron.validation.bands import band_table, sources_problem
-from cfp_megatron.validation.columns import interconnect_reading, power_reading, precision_reading, schedule_reading
+from cfp_megatron.validation.columns import (
+    interconnect_reading,
+    power_reading,
+    precision_reading,
+    preset_precision,
+    schedule_reading,
+)
 from cfp_megatron.validation.data import ValidationData, ValidationDataError, load_data
 from cfp_megatron.validation.defaults import (
     SHAPE_FIELDS,
@@ -288,6 +294,9 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     }
     model.update(family_fields(row, data))  # its vocabulary and KV heads only where the row leaves them blank
     recipe = performance_recipe(row, framework, preset_name, (gpus, tp, pp, vp, ep, gbs or 0), data)
+    if recipe and recipe.fp8_format:  # the FP8 recipe its preset ran, where the row names none
+        numbers = preset_precision(numbers, recipe.fp8_format, data.precisions)
+        number_format = NumberFormat.parse(numbers.number_format)
     if experts:
         topk = count_cell(row, "moe_topk", 2)
         model.update(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=count_cell(row, "moe_expert_ffn"))

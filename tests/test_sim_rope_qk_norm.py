@@ -69,3 +69,15 @@ def test_the_validator_runs_gpt_oss_rope_unfused_and_qwen3_with_its_qk_norms() -
     assert qwen.options.rope_fusion and qwen.job.model.qk_layernorm
     deepseek = row_plan(_row("73"))  # DeepSeek-V3's YaRN runs Megatron-Core's fused MLA RoPE kernels
     assert deepseek.options.rope_fusion and not deepseek.options.unfused_rope(deepseek.job.model)
+
+
+def test_megatron_bridges_later_fp8_presets_ran_current_scaling() -> None:
+    """From 25.11 Megatron-Bridge's performance scripts offer no delayed scaling: a row of a preset whose FP8 is
+    current scaling (recipes.yaml fp8_format) that says plain FP8 is priced so; 25.09's presets (delayed by default)
+    and a row that names its recipe keep the precision column's reading."""
+    for rid in ("86", "90", "91", "93"):
+        assert row_plan(_row(rid)).job.train.fp8_recipe.value == "tensorwise", rid
+    assert row_plan(_row("74")).job.train.fp8_recipe.value == "delayed"  # 25.09, drop-and-pad
+    named = row_plan({**_row("90"), "precision": "FP8 delayed scaling"})
+    assert named.job.train.fp8_recipe.value == "delayed" and "fp8-cs" not in named.layout
+    assert "fp8-cs" in row_plan(_row("90")).layout

@@ -221,6 +221,9 @@ class PerformanceRecipe:
     cpu_offloading_num_layers: int = 0
     """``parallel.cpu_offloading_num_layers``: the layers whose activations the preset offloads to host memory
     (``cpu_offloading_num_layers``), unless the row states its recomputation; 0: none."""
+    fp8_format: str | None = None
+    """The number format (:attr:`~cfp_megatron.base.number_format.NumberFormat.name`, ``fp8-tensorwise``) the preset
+    ran where the row's precision says FP8 without its recipe; ``None``: the precision column's reading."""
     source: str
     """Where this comes from."""
 
@@ -428,7 +431,7 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[PerformanceRecipe, ...]:
                                   "presets. Fix: add it.")
     keys = {"releases", "model", "precision", "hardware", "layouts", "dispatcher", "a2a_overlap", "tp_comm_overlap",
             "overlap_grad_reduce", "recompute_modules", "cuda_graph_impl", "cuda_graph_scope", "micro_batch",
-            "cpu_offloading_num_layers", "flex_backend"}
+            "cpu_offloading_num_layers", "flex_backend", "fp8_format"}
     recipes = []
     for index, raw in enumerate(_entries(path, data, "recipes")):
         entry = _Entry(path, index, raw, keys)
@@ -467,6 +470,10 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[PerformanceRecipe, ...]:
         offloaded = entry.get("cpu_offloading_num_layers", int, 0)
         if offloaded < 0:
             entry.fail(f"has cpu_offloading_num_layers={offloaded!r}; a count of layers (0: none)")
+        fp8_format = entry.get("fp8_format", (str, type(None)), None)
+        if fp8_format is not None and (not fp8_format.startswith("fp8-") or fp8_format not in format_names()):
+            entry.fail(f"has fp8_format={fp8_format!r}; an FP8 number format, one of "
+                       f"{', '.join(n for n in format_names() if n.startswith('fp8-'))}")
         recipes.append(PerformanceRecipe(
             name=raw["name"], source=raw["source"], framework=framework, model=entry.pattern("model"),
             releases=(_release(entry, releases[0]), None if releases[1] is None else _release(entry, releases[1])),
@@ -476,7 +483,7 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[PerformanceRecipe, ...]:
             a2a_overlap=entry.get("a2a_overlap", bool), tp_comm_overlap=entry.get("tp_comm_overlap", bool, True),
             overlap_grad_reduce=entry.get("overlap_grad_reduce", bool, True), recompute_modules=modules,
             cuda_graph_impl=graphs, cuda_graph_scope=scope, micro_batch=micro_batch,
-            cpu_offloading_num_layers=offloaded))
+            cpu_offloading_num_layers=offloaded, fp8_format=fp8_format))
     return tuple(recipes)
 
 
