@@ -102,7 +102,13 @@ from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.simulate import simulate
 from cfp_megatron.sim.uncertainty import BAND_QUANTILE
 from cfp_megatron.validation.bands import band_table, sources_problem
-from cfp_megatron.validation.columns import interconnect_reading, power_reading, precision_reading, schedule_reading
+from cfp_megatron.validation.columns import (
+    interconnect_reading,
+    power_reading,
+    precision_reading,
+    preset_precision,
+    schedule_reading,
+)
 from cfp_megatron.validation.data import ValidationData, ValidationDataError, load_data
 from cfp_megatron.validation.defaults import (
     SHAPE_FIELDS,
@@ -288,6 +294,9 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     }
     model.update(family_fields(row, data))  # its vocabulary and KV heads only where the row leaves them blank
     recipe = performance_recipe(row, framework, preset_name, (gpus, tp, pp, vp, ep, gbs or 0), data)
+    if recipe and recipe.fp8_format:  # the FP8 recipe its preset ran, where the row names none
+        numbers = preset_precision(numbers, recipe.fp8_format, data.precisions)
+        number_format = NumberFormat.parse(numbers.number_format)
     if experts:
         topk = count_cell(row, "moe_topk", 2)
         model.update(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=count_cell(row, "moe_expert_ffn"))
@@ -375,15 +384,19 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                          torch_op_sac=framework.torch_op_sac, torch_moe_combine=framework.torch_moe_combine,
                          flex_backend_unstated=bool(experts and recipe and recipe.dispatcher == "flex"
                                                     and recipe.flex_backend is None),
-                         eager_torch_loss=framework.eager_loss and not any(
-                             re.search(pattern, row.get("model") or "", re.IGNORECASE)
-                             for pattern in framework.compiled_loss),
+                         eager_torch_loss=framework.eager_loss and not _model_matches(row, framework.compiled_loss),
+                         rope_fusion=not _model_matches(row, framework.unfused_rope),
                          deepspeed_engine=framework.deepspeed_engine,
                          apex_adam=apex_adam_states(row, framework) if dist_opt and not fsdp else None)
     return RowPlan(row_id=rid, source=row.get("source", ""), source_detail=row.get("source_detail", ""),
                    model=row.get("model", ""), layout=layout, job=job, options=options, measured_s=measured,
                    approximations=tuple(reading.approximation for reading in readings if reading.approximation)
                    + ((setting.approximation,) if setting and setting.approximation else ()))
+
+
+def _model_matches(row: dict, patterns: tuple[str, ...]) -> bool:
+    """Whether the row's ``model`` matches one of ``patterns`` (case-insensitive)."""
+    return any(re.search(pattern, row.get("model") or "", re.IGNORECASE) for pattern in patterns)
 
 
 def unstated_split(row: dict, presets: dict[str, dict]) -> tuple[int, int]:

@@ -16,11 +16,16 @@ import torch
 
 from cfp_megatron.base.config import CudaGraphImpl, ParallelSpec, job_from_config
 from cfp_megatron.base.errors import ConfigError
+from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.plan.exports import megatron_lm_args
 from cfp_megatron.sim import host_costs as hc
-from cfp_megatron.sim.layer_cost import PassCost
+from cfp_megatron.sim.calibration import efficiency_for
+from cfp_megatron.sim.kernels import KernelModel
+from cfp_megatron.sim.layer_cost import PassCost, layer_cost
+from cfp_megatron.sim.layout import build_layout
 from cfp_megatron.sim.options import SimOptions
+from cfp_megatron.sim.pass_costs import collective_costs
 from cfp_megatron.sim.simulate import prepare_costs, simulate
 from cfp_megatron.sim.terms import TERMS, LaneKind, Placement
 from cfp_megatron.sim.terms.host import with_host
@@ -183,13 +188,36 @@ def test_the_hosts_costs_are_shared_by_the_plans_that_agree_on_what_they_read() 
     assert hc.host_costs(job(padded), 8).moe_sync_s == 0.0 < base.moe_sync_s
 
 
-def test_the_experts_launches_grow_with_the_local_experts_only_without_a_grouped_gemm() -> None:
+def test_the_experts_python_launches_grow_with_the_local_experts_only_without_a_grouped_gemm() -> None:
     looped = SimOptions(grouped_gemm=False)
     few = prepare_costs(job(TINY_MOE, ep=8), options=looped).host
     many = prepare_costs(job(TINY_MOE, ep=1), options=looped).host
     per_expert = hc.launch_counts().per_local_expert.forward * hc.host_constants().forward_launch_s
     assert many.moe[0] - few.moe[0] == pytest.approx(7 * per_expert)
-    assert prepare_costs(job(TINY_MOE, ep=1)).host.moe == prepare_costs(job(TINY_MOE, ep=8)).host.moe
+    # Transformer Engine's grouped linears launch a cuBLAS GEMM an expert from C++ (2 forward, 4 backward)
+    grouped_few, grouped_many = (prepare_costs(job(TINY_MOE, ep=ep)).host for ep in (8, 1))
+    cpp = hc.host_constants().backward_launch_s
+    assert grouped_many.moe[0] - grouped_few.moe[0] == pytest.approx(7 * 2 * cpp)
+    assert grouped_many.moe[1] - grouped_few.moe[1] == pytest.approx(7 * 4 * cpp)
+
+
+def test_fp8_current_scaling_quantises_each_expert_in_four_kernels() -> None:
+    # Float8CurrentScalingQuantizer::quantize_impl: zero the amax, reduce it, the scale from it, the cast
+    assert hc.grouped_linear_launches(16, 4.0) == hc.Launches(forward=16 * (2 + 2 * 4), backward=16 * (4 + 2 * 4))
+    assert hc.grouped_linear_launches(16, 0.0) == hc.Launches(forward=32, backward=64)  # delayed: one fused cast
+    fp8 = {"precision": "fp8"}
+    delayed, current = (job_from_config({"model": TINY_MOE, "cluster": {**H100, "nodes": 1}, "parallel": {},
+                                         "train": {"global_batch_size": 16, "micro_batch_size": 1,
+                                                   "seq_length": 512, **fp8, "fp8_recipe": recipe}})
+                        for recipe in ("delayed", "tensorwise"))
+    a, b = prepare_costs(delayed).host, prepare_costs(current).host
+    cpp = hc.host_constants().backward_launch_s
+    assert b.moe[0] - a.moe[0] == pytest.approx(8 * 2 * 4 * cpp)  # 8 local experts, 2 quantised inputs
+    assert b.moe[1] - a.moe[1] == pytest.approx(8 * 2 * 4 * cpp)  # and 2 output gradients
+    # two of the four are single-thread kernels, each a launch's floor on the GPU
+    floor = hc.host_constants().kernel_floor_s
+    assert floor == pytest.approx(0.89e-6)
+    assert hc.expert_scalar_kernels_s(8, 2.0) == pytest.approx((2 * 8 * 2 * floor, 2 * 8 * 2 * floor))
 
 
 @pytest.mark.parametrize(("parallel", "problem"), [
@@ -293,14 +321,34 @@ def test_the_bench_writes_counts_the_host_term_reads(tmp_path: Path, monkeypatch
     assert dataclasses.is_dataclass(counts)
 
 
-def test_a_grouped_gemm_launches_its_experts_once_a_loop_launches_each() -> None:
-    """Where the experts run one grouped GEMM per linear layer (Transformer Engine's, ``moe_grouped_gemm``) their
-    launches do not grow with the local experts; Megatron-Core's SequentialMLP launches each expert's kernels."""
+def test_a_grouped_gemm_launches_its_experts_from_cpp_a_loop_from_python() -> None:
+    """Where the experts run Transformer Engine's grouped linears (``moe_grouped_gemm``) their per-expert launches
+    are its C++ loop's (a cuBLAS GEMM an expert, at the C++ launch's cost); Megatron-Core's SequentialMLP launches
+    each expert's kernels from Python."""
     moe = job(TINY_MOE)
     per_expert = hc.launch_counts().per_local_expert
     grouped = hc.host_costs(moe, local_experts=8)
     looped = hc.host_costs(moe, local_experts=8, grouped_gemm=False)
     constants = hc.host_constants()
-    assert hc.host_costs(moe, local_experts=2).moe == grouped.moe
-    assert looped.moe[0] - grouped.moe[0] == pytest.approx(8 * per_expert.forward * constants.forward_launch_s)
-    assert looped.moe[1] - grouped.moe[1] == pytest.approx(8 * per_expert.backward * constants.backward_launch_s)
+    cpp = constants.backward_launch_s
+    few = hc.host_costs(moe, local_experts=2)
+    assert (grouped.moe[0] - few.moe[0], grouped.moe[1] - few.moe[1]) == pytest.approx((6 * 2 * cpp, 6 * 4 * cpp))
+    assert looped.moe[0] - (grouped.moe[0] - 8 * 2 * cpp) == pytest.approx(
+        8 * per_expert.forward * constants.forward_launch_s)
+    assert looped.moe[1] - (grouped.moe[1] - 8 * 4 * cpp) == pytest.approx(
+        8 * per_expert.backward * constants.backward_launch_s)
+
+
+def test_the_experts_single_thread_quantisation_kernels_cost_the_gpu_a_launch_floor_each() -> None:
+    current = job_from_config({"model": TINY_MOE, "cluster": {**H100, "nodes": 1}, "parallel": {"ep": 2},
+                               "train": {"global_batch_size": 16, "micro_batch_size": 1, "seq_length": 512,
+                                         "precision": "fp8", "fp8_recipe": "tensorwise"}})
+    layout, costs = build_layout(current), collective_costs(current.cluster, None)
+    kernels = KernelModel(current.cluster, efficiency_for(current.cluster), NumberFormat.of(current.train))
+    assert kernels.format.expert_scalar_kernels == 2.0
+    priced = layer_cost(current, layout, kernels, costs, SimOptions(), moe=True)
+    kernels.format = dataclasses.replace(kernels.format, expert_scalar_kernels=0.0)
+    without = layer_cost(current, layout, kernels, costs, SimOptions(), moe=True)
+    each = 4 * 2 * 2 * hc.host_constants().kernel_floor_s  # 4 local experts, 2 kernels, 2 tensors a pass
+    assert priced.forward.compute_s - without.forward.compute_s == pytest.approx(each)
+    assert priced.backward.compute_s - without.backward.compute_s == pytest.approx(each)

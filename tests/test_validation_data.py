@@ -202,6 +202,9 @@ def test_a_family_entry_in_a_data_file_fills_a_blank_vocabulary(tmp_path: Path) 
     (RECIPES_FILE, "recipes", "  - {name: x, releases: ['26.01', null], model: m, hardware: [b200], layouts: "
      "[{gpus: 8, tp: 1, pp: 1, vp: 1, ep: 1, global_batch: 512}], dispatcher: alltoall, a2a_overlap: false, "
      "cpu_offloading_num_layers: -2, source: s}\n", "cpu_offloading_num_layers=-2"),
+    (RECIPES_FILE, "recipes", "  - {name: x, releases: ['26.01', null], model: m, hardware: [b200], layouts: "
+     "[{gpus: 8, tp: 1, pp: 1, vp: 1, ep: 1, global_batch: 512}], dispatcher: alltoall, a2a_overlap: false, "
+     "fp8_format: bf16, source: s}\n", "fp8_format='bf16'"),
     (SCHEDULES_FILE, "schedules", "  - {name: x, words: 'x', runs: zigzag, source: s}\n", "runs='zigzag'"),
     (PRECISIONS_FILE, "precisions", "  - {name: x, words: 'x', runs: fp8}\n", "names no source"),
 ])

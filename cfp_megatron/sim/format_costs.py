@@ -62,6 +62,11 @@ class FormatCost:
     expert_row_align: float = 0.0
     """Rows each expert's grouped-GEMM input is padded to a multiple of (Megatron-Core's ``Fp8Padding`` before the
     grouped linears under FP8/FP4); 0: no padding (16/32-bit)."""
+    expert_cast_launches: float = 0.0
+    """Kernels Transformer Engine launches per local expert to quantise one grouped linear's input (0: one fused
+    cast for all experts, delayed scaling's, or none)."""
+    expert_scalar_kernels: float = 0.0
+    """Of :attr:`expert_cast_launches`, the single-thread kernels whose GPU time is a launch's floor."""
 
     def gemm_tflops(self, cluster: ClusterSpec, efficiency: Efficiency) -> float:
         """TFLOP/s its large GEMMs reach on ``cluster`` at the fitted shares ``efficiency`` (at the clock the GPUs run

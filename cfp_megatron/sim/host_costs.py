@@ -48,6 +48,8 @@ class HostConstants:
     """Synchronisations per step outside the passes."""
     graph_launches_per_region: int
     """Launches one CUDA graph replay costs per captured region and pass."""
+    kernel_floor_s: float
+    """GPU seconds of a kernel that does next to nothing, launched back to back (a single-thread kernel's cost)."""
 
 
 @functools.cache
@@ -59,7 +61,8 @@ def host_constants() -> HostConstants:
                          sync_s=float(data["sync_us"]) * 1e-6,
                          moe_sync_stall_s=float(data["moe_sync_stall_us"]) * 1e-6,
                          moe_layer_syncs=int(data["moe_layer_syncs"]), step_syncs=int(data["step_syncs"]),
-                         graph_launches_per_region=int(data["graph_launches_per_region"]))
+                         graph_launches_per_region=int(data["graph_launches_per_region"]),
+                         kernel_floor_s=float(data["kernel_floor_us"]) * 1e-6)
 
 
 def exchange_sync_s() -> float:
@@ -88,6 +91,32 @@ class Launches:
     def times(self, n: float) -> Launches:
         """``n`` of them."""
         return Launches(forward=n * self.forward, backward=n * self.backward)
+
+
+GROUPED_GEMMS = (2, 4)
+"""(forward, backward) grouped GEMMs of a routed expert MLP: fc1 and fc2; each one's data gradient and weight
+gradient (Transformer Engine's ``GroupedLinear``, two per MoE layer)."""
+GROUPED_QUANTISED = (2, 2)
+"""(forward, backward) grouped-linear tensors quantised per pass under FP8/FP4: fc1's and fc2's inputs; the output
+gradients of fc2 and fc1 (their inputs' column-wise copies are kept from the forward)."""
+
+
+def grouped_linear_launches(local_experts: int, expert_cast_launches: float) -> Launches:
+    """The kernels Transformer Engine's grouped linears launch per pass from C++ loops over ``local_experts``
+    experts: one cuBLAS GEMM an expert per grouped GEMM (``general_grouped_gemm``: ``nvte_multi_stream_cublas_gemm``
+    over 4 streams, its default path on Hopper, :data:`GROUPED_GEMMS`) and ``expert_cast_launches`` an expert per
+    quantised tensor (:attr:`~cfp_megatron.sim.format_costs.FormatCost.expert_cast_launches`,
+    :data:`GROUPED_QUANTISED`)."""
+    return Launches(forward=local_experts * (GROUPED_GEMMS[0] + GROUPED_QUANTISED[0] * expert_cast_launches),
+                    backward=local_experts * (GROUPED_GEMMS[1] + GROUPED_QUANTISED[1] * expert_cast_launches))
+
+
+def expert_scalar_kernels_s(local_experts: int, expert_scalar_kernels: float) -> tuple[float, float]:
+    """(forward, backward) GPU seconds of the single-thread kernels a format's per-expert quantisation runs
+    (:attr:`~cfp_megatron.sim.format_costs.FormatCost.expert_scalar_kernels` an expert per quantised tensor,
+    :data:`GROUPED_QUANTISED`), each at ``kernel_floor_us`` (``host.yaml``)."""
+    each = host_constants().kernel_floor_s * local_experts * expert_scalar_kernels
+    return GROUPED_QUANTISED[0] * each, GROUPED_QUANTISED[1] * each
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,20 +234,22 @@ def _layer(parts: dict[str, Launches], scope: tuple[str, ...] | None, constants:
 
 
 def host_costs(job: JobSpec, local_experts: int, *, grouped_gemm: bool = True,
-               moe_layer_syncs: int | None = None) -> HostCosts:
+               moe_layer_syncs: int | None = None, expert_cast_launches: float = 0.0) -> HostCosts:
     """The host's seconds per layer kind and pass of ``job`` with ``local_experts`` routed experts per rank; with
-    ``grouped_gemm`` the experts launch as one grouped GEMM per linear layer, not each expert's kernels;
+    ``grouped_gemm`` the experts run Transformer Engine's grouped linears (:func:`grouped_linear_launches`, with
+    ``expert_cast_launches`` per expert and quantised tensor: the format's), not each expert's Python kernels;
     ``moe_layer_syncs``: a dropless MoE layer's synchronisations per forward (``None``: ``host.yaml``'s count,
     Megatron-Core's)."""
     parallel = job.parallel
     return _host_costs(job.model, parallel.cuda_graph_impl, parallel.cuda_graph_scope,
                        parallel.recompute is Recompute.full, moe_syncs(job), local_experts, grouped_gemm,
-                       moe_layer_syncs)
+                       moe_layer_syncs, expert_cast_launches)
 
 
 @functools.lru_cache(maxsize=1024)
 def _host_costs(model: ModelSpec, impl: CudaGraphImpl, scope_text: str | None, full: bool, syncs: bool,
-                local_experts: int, grouped_gemm: bool, moe_layer_syncs: int | None) -> HostCosts:
+                local_experts: int, grouped_gemm: bool, moe_layer_syncs: int | None,
+                expert_cast_launches: float) -> HostCosts:
     """:func:`host_costs` from what it reads of the plan (the search prices thousands of layouts that share them):
     the model, the CUDA graphs (``impl``, ``parallel.cuda_graph_scope``'s text), whether recomputation is full and
     whether its MoE layers synchronise (:func:`moe_syncs`)."""
@@ -240,9 +271,15 @@ def _host_costs(model: ModelSpec, impl: CudaGraphImpl, scope_text: str | None, f
     def seconds(launches: Launches) -> tuple[float, float]:
         return launches.forward * fwd, launches.backward * bwd
 
-    return HostCosts(dense=seconds(dense), moe=seconds(moe), embedding=seconds(counts.embedding),
+    moe_s = seconds(moe)
+    if model.is_moe and grouped_gemm and not (scope is not None and _graphed(scope, "experts", moe=True,
+                                                                              dropless=syncs)):
+        # Transformer Engine's C++ loops over the experts, at the C++ launch's cost in both passes
+        te = grouped_linear_launches(local_experts, expert_cast_launches)
+        moe_s = (moe_s[0] + te.forward * bwd, moe_s[1] + te.backward * bwd)
+    return HostCosts(dense=seconds(dense), moe=moe_s, embedding=seconds(counts.embedding),
                      head=seconds(counts.head), dense_recompute_s=dense.forward * fwd if full else 0.0,
-                     moe_recompute_s=moe.forward * fwd if full else 0.0, recompute_syncs=full and syncs,
+                     moe_recompute_s=moe_s[0] if full else 0.0, recompute_syncs=full and syncs,
                      moe_sync_s=(constants.moe_layer_syncs if moe_layer_syncs is None else moe_layer_syncs)
                      * constants.moe_sync_stall_s if syncs else 0.0)
 

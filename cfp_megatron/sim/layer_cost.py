@@ -8,11 +8,19 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from cfp_megatron.base.config import AttentionKernel, AttentionKind, FsdpStrategy, JobSpec, MlpPartition
+from cfp_megatron.base.config import (
+    AttentionKernel,
+    AttentionKind,
+    FsdpStrategy,
+    JobSpec,
+    MlpPartition,
+    ModelSpec,
+)
 from cfp_megatron.base.flops import attention_params, causal_score_share, mlp_params
 from cfp_megatron.cluster.costs import CollectiveCosts
 from cfp_megatron.cluster.measured import Collective
 from cfp_megatron.sim.grad_accumulation import accumulation_bytes, accumulation_mode
+from cfp_megatron.sim.host_costs import expert_scalar_kernels_s
 from cfp_megatron.sim.kernels import KernelModel, grad_element_bytes
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.options import SimOptions
@@ -151,6 +159,32 @@ softmaxes and copies back (32 bytes a score in bf16); its backward taken as twic
 element-wise kernels."""
 
 
+UNFUSED_ROPE_PASSES = 10.0
+"""Element passes over Q and K (their rotary channels) that Megatron-Core's unfused RoPE makes beyond the fused
+kernel's one read and one write (``rope_utils._apply_rotary_pos_emb_bshd``, ``t * cos + _rotate_half(t) * sin``
+then ``torch.cat((t, t_pass))``): ``_rotate_half``'s negation (half read, half written) and ``torch.cat`` (2), the
+two multiplies (2 each), the add (3) and the final ``cat`` (2): 12 passes, less the fused kernel's 2."""
+QK_NORM_PASSES = 2.0
+"""Element passes over Q and K of the per-head query and key norms (``qk_layernorm``: Megatron-Core's
+``q_layernorm`` / ``k_layernorm``, Transformer Engine's ``RMSNorm`` on ``[s, b, heads, head_dim]``): one kernel
+that reads its input and writes its output."""
+
+
+def qk_elementwise_elements(model: ModelSpec, options: SimOptions) -> float:
+    """Forward element-wise elements per token over all heads (before the TP split) that the queries and keys add
+    beyond the layer's fused kernels: the unfused RoPE's passes (:meth:`SimOptions.unfused_rope`,
+    :data:`UNFUSED_ROPE_PASSES`; MLA: the rotary channels only) and the QK norms' (:data:`QK_NORM_PASSES`,
+    standard attention; MLA's latent norms are not counted)."""
+    if model.attention is AttentionKind.mla:
+        rotated = (model.num_attention_heads + 1) * model.qk_pos_emb_head_dim
+        normed = 0.0
+    else:
+        head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
+        rotated = normed = (model.num_attention_heads + model.query_groups) * head_dim
+    return (UNFUSED_ROPE_PASSES * rotated * options.unfused_rope(model)
+            + QK_NORM_PASSES * normed * model.qk_layernorm)
+
+
 def unfused_core_bytes(kernel: AttentionKernel, elem: int, *, dropout: bool) -> tuple[float, float, float, float]:
     """HBM bytes per attention score of the unfused core beyond its GEMMs' FLOPs: the softmax's (forward, backward)
     (:data:`FUSED_SOFTMAX_SCORE_ELEMENTS`, :data:`TORCH_SOFTMAX_SCORE_ELEMENTS`) and the attention dropout's
@@ -248,15 +282,19 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     # Element-wise traffic per token, in elements: norms, residuals, bias/dropout (replicated unless SP),
     # rotary/bias on QKV and the MLP activation (split over TP).
     replicated_elements = 12.0 * hidden / (tp if sp else 1)
-    split_elements = qkv_width / tp
+    split_elements = (qkv_width + qk_elementwise_elements(model, options)) / tp
     params = attn_params / tp + 4 * hidden
     expert_params = 0.0
     primepar: MlpCost | None = None
     moe_block = None
+    scalar_fwd = scalar_bwd = 0.0  # the experts' per-expert single-thread quantisation kernels (GPU floor)
     if moe:
         moe_block = moe_block_cost(job, layout, kernels, costs, imbalance=options.moe_routing_imbalance,
                                    torch_combine=options.torch_moe_combine,
                                    flex_unstated=options.flex_backend_unstated, grouped_gemm=options.grouped_gemm)
+        if options.grouped_gemm and not job.cluster.on_cpu:  # Transformer Engine's grouped linears
+            scalar_fwd, scalar_bwd = expert_scalar_kernels_s(max(1, (model.num_experts or 1) // dims.ep),
+                                                             kernels.format.expert_scalar_kernels)
         mlp_gemm = moe_block.gemm_s
         split_elements += moe_block.elements_per_token
         expert_params = moe_block.expert_params
@@ -293,9 +331,9 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     # FSDP (the data-parallel term): gather the layer's weights before forward and backward, scatter its gradients
     # after backward.
     fsdp_fwd_comm = fsdp_bwd_comm = 0.0
-    fwd_compute = attn_gemm + mlp_gemm + elementwise + unfused_fwd
+    fwd_compute = attn_gemm + mlp_gemm + elementwise + unfused_fwd + scalar_fwd
     mlp_bwd_gemm = moe_block.gemm_bwd_s if moe_block is not None else 2.0 * mlp_gemm
-    bwd_compute = 2.0 * attn_gemm + mlp_bwd_gemm + 2.0 * elementwise + unfused_bwd
+    bwd_compute = 2.0 * attn_gemm + mlp_bwd_gemm + 2.0 * elementwise + unfused_bwd + scalar_bwd
     if job.parallel.fsdp is not FsdpStrategy.none:
         fsdp_fwd_comm, fsdp_bwd_comm = fsdp_sync(job, layout, costs, params=params, elem_bytes=elem_bytes,
                                                  expert_params=expert_params, torch_fsdp=options.torch_fsdp)
@@ -307,8 +345,8 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
         # The experts' share of the layer's computation (their GEMMs and element-wise traffic); the rest is the
         # attention side (attention, norms, router): the two windows moe_a2a_overlap hides the exchange behind.
         moe_elementwise = kernels.memory(moe_block.elements_per_token * tokens * elem_bytes)
-        mlp_fwd = mlp_gemm + moe_elementwise + unfused_fwd
-        mlp_bwd = mlp_bwd_gemm + 2.0 * moe_elementwise + unfused_bwd
+        mlp_fwd = mlp_gemm + moe_elementwise + unfused_fwd + scalar_fwd
+        mlp_bwd = mlp_bwd_gemm + 2.0 * moe_elementwise + unfused_bwd + scalar_bwd
         ep_fwd, ep_bwd = expert_comm(job, moe_block, attention_s=(fwd_compute + core_fwd - mlp_fwd,
                                                                   bwd_compute + core_bwd - mlp_bwd),
                                      experts_s=(mlp_fwd, mlp_bwd))

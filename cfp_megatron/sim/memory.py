@@ -204,8 +204,7 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
             per_token += primepar_weight_copies(tp=tp, hidden=hidden, ffn=model.ffn_size, gated=gated,
                                                 elem=elem) / tokens
     kept = tokens * per_token
-    if (not options.rope_fusion and model.position_embedding is PositionEmbedding.rope
-            and model.attention is AttentionKind.standard):
+    if options.unfused_rope(model) and model.attention is AttentionKind.standard:
         # Megatron-Core's unfused RoPE (SimOptions.rope_fusion off, as the runtime builds it) keeps the cos and sin it
         # multiplies Q and K by: four [s / cp, head_dim] tensors a layer, broadcast over the micro-batch
         # (models/common/embeddings/rope_utils.py, _apply_rotary_pos_emb_bshd).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from cfp_megatron.base.config import AttentionKernel, ClusterSpec
+from cfp_megatron.base.config import AttentionKernel, ClusterSpec, ModelSpec, PositionEmbedding
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import (
     attention_kernel_here,
@@ -168,8 +168,10 @@ class SimOptions:
     (:func:`options_here`: ``main_grad_hook``, the fusion being off)."""
     rope_fusion: bool = True
     """Rotary position embeddings run as one fused kernel that keeps nothing beyond Q and K (Megatron-LM's
-    default); ``False``: Megatron-Core's unfused RoPE, which keeps its cos and sin for the backward pass
-    (:func:`~cfp_megatron.sim.memory.layer_activation_bytes`), as the runtime trains (:func:`options_here`)."""
+    default); ``False``: Megatron-Core's unfused RoPE (:meth:`unfused_rope`), which keeps its cos and sin for the
+    backward pass (:func:`~cfp_megatron.sim.memory.layer_activation_bytes`) and makes more element-wise passes over
+    Q and K (:data:`~cfp_megatron.sim.layer_cost.UNFUSED_ROPE_PASSES`), as the runtime trains (:func:`options_here`)
+    and as Megatron-Core runs a YaRN embedding whose scale Transformer Engine's fused kernel lacks."""
     pipeline_schedule: PipelineSchedule = PipelineSchedule.megatron
     """The pipeline schedule priced (:class:`PipelineSchedule`); those other than Megatron-Core's run one model chunk
     a rank."""
@@ -184,6 +186,11 @@ class SimOptions:
     max_schedule_ops: int = 200_000
     """Largest pipeline schedule (ranks x micro-batches x chunks x 2) simulated event by event; larger ones use
     two shorter schedules extrapolated (:func:`cfp_megatron.sim.schedule.run_schedule`)."""
+
+    def unfused_rope(self, model: ModelSpec) -> bool:
+        """Whether ``model``'s rotary embedding runs Megatron-Core's unfused path (``rope_fusion`` off; a model
+        without RoPE has none)."""
+        return not self.rope_fusion and model.position_embedding is PositionEmbedding.rope
 
     @property
     def flash_attention(self) -> bool:

@@ -7,6 +7,7 @@ place in the figures; the report lists the sentence). The words each column is r
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -235,6 +236,23 @@ def precision_reading(row: dict, cluster: dict[str, Any], entries: tuple[tuple[C
         fmt = NumberFormat(precision=Precision.bf16)
     tag = entry.tag or ("fp8" if fmt.precision is Precision.fp8 else "")
     return PrecisionReading(number_format=fmt.name, variant=entry.name, tag=tag, approximation="; ".join(notes))
+
+
+PLAIN_FP8 = "FP8"
+"""``precisions.yaml``'s entry for an FP8 that names no scaling recipe."""
+
+
+def preset_precision(reading: PrecisionReading, fp8_format: str | None,
+                     entries: tuple[tuple[ColumnEntry, ...], ColumnEntry] | None = None) -> PrecisionReading:
+    """``reading`` where the row's performance preset ran its plain FP8 (:data:`PLAIN_FP8`) in ``fp8_format``
+    (``recipes.yaml``): that format, named and tagged as the ``precisions.yaml`` entry that runs it; any other
+    reading (a recipe the row names, no preset's format, FP8 priced as bf16 on a GPU without it) as it is."""
+    if fp8_format is None or reading.variant != PLAIN_FP8 or not reading.number_format.startswith("fp8-"):
+        return reading
+    listed, _ = entries if entries is not None else load_precisions()
+    entry = next((e for e in listed if e.runs == fp8_format), None)
+    return dataclasses.replace(reading, number_format=fp8_format, variant=entry.name if entry else fp8_format,
+                               tag=(entry.tag if entry else "") or "fp8")
 
 
 # ---------------------------------------------------------------------------------------------------------------

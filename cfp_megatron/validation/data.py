@@ -128,6 +128,9 @@ class Framework:
     of ``compiled_loss``."""
     compiled_loss: tuple[str, ...] = ()
     """Patterns on ``model`` (case-insensitive) whose recipes compile the loss."""
+    unfused_rope: tuple[str, ...] = ()
+    """Patterns on ``model`` (case-insensitive) whose RoPE it runs unfused (:attr:`~cfp_megatron.sim.options.
+    SimOptions.rope_fusion` off)."""
     torch_moe_combine: bool = False
     """Its MoE dispatcher is torchtitan's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_moe_combine`)."""
     torch_op_sac: bool = False
@@ -218,6 +221,9 @@ class PerformanceRecipe:
     cpu_offloading_num_layers: int = 0
     """``parallel.cpu_offloading_num_layers``: the layers whose activations the preset offloads to host memory
     (``cpu_offloading_num_layers``), unless the row states its recomputation; 0: none."""
+    fp8_format: str | None = None
+    """The number format (:attr:`~cfp_megatron.base.number_format.NumberFormat.name`, ``fp8-tensorwise``) the preset
+    ran where the row's precision says FP8 without its recipe; ``None``: the precision column's reading."""
     source: str
     """Where this comes from."""
 
@@ -276,6 +282,19 @@ class _Entry:
         return value
 
 
+def _model_patterns(entry: _Entry, runs: dict[str, Any], key: str) -> tuple[str, ...]:
+    """The model patterns (regular expressions) a framework entry's ``runs.<key>`` lists."""
+    patterns = runs.get(key) or []
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        entry.fail(f"has {key}={patterns!r}; it lists model patterns")
+    for model_pattern in patterns:
+        try:
+            re.compile(model_pattern)
+        except re.error as err:
+            entry.fail(f"has {key} pattern {model_pattern!r}, not a regular expression ({err})")
+    return tuple(patterns)
+
+
 def _entries(path: Path, data: dict[str, Any], key: str) -> list[Any]:
     entries = data.get(key)
     if not isinstance(entries, list) or not entries:
@@ -309,7 +328,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
         optional = {"mtp_layers", "pipeline_scatter_gather", "fp8_param_gather", "te_cross_entropy", "torch_fsdp",
                     "apex_distributed_adam", "overlap_param_gather", "weight_grad_accumulation", "torch_fused_adamw",
                     "moe_layer_syncs", "rank_batch_micro", "tie_embeddings", "deepspeed_engine", "torch_op_sac",
-                    "torch_moe_combine", "eager_loss", "compiled_loss", "async_tp_backward",
+                    "torch_moe_combine", "eager_loss", "compiled_loss", "unfused_rope", "async_tp_backward",
                     "blocking_interleaved", "global_memory_buffer", "wgrad_placeholder"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
@@ -337,14 +356,8 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
         syncs = runs.get("moe_layer_syncs")
         if syncs is not None and (not isinstance(syncs, int) or isinstance(syncs, bool) or syncs < 0):
             entry.fail(f"has moe_layer_syncs={syncs!r}; it counts a MoE layer's synchronisations (0 or more)")
-        compiled = runs.get("compiled_loss") or []
-        if not isinstance(compiled, list) or not all(isinstance(p, str) for p in compiled):
-            entry.fail(f"has compiled_loss={compiled!r}; it lists model patterns")
-        for model_pattern in compiled:
-            try:
-                re.compile(model_pattern)
-            except re.error as err:
-                entry.fail(f"has compiled_loss pattern {model_pattern!r}, not a regular expression ({err})")
+        compiled = _model_patterns(entry, runs, "compiled_loss")
+        unfused_rope = _model_patterns(entry, runs, "unfused_rope")
         contains = match.get("contains", [])
         frameworks.append(Framework(
             name=raw["name"], source=raw["source"], blank=dict(blank), attention=attention,
@@ -366,7 +379,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             torch_fused_adamw=bool(runs.get("torch_fused_adamw", False)), moe_layer_syncs=syncs,
             torch_op_sac=bool(runs.get("torch_op_sac", False)),
             torch_moe_combine=bool(runs.get("torch_moe_combine", False)),
-            eager_loss=bool(runs.get("eager_loss", False)), compiled_loss=tuple(compiled),
+            eager_loss=bool(runs.get("eager_loss", False)), compiled_loss=compiled, unfused_rope=unfused_rope,
             rank_batch_micro=bool(runs.get("rank_batch_micro", False)),
             apex_adam=tuple((str(pattern), ApexAdamStates(state)) for pattern, state in apex.items())))
     if frameworks[-1].match != FrameworkMatch():
@@ -418,7 +431,7 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[PerformanceRecipe, ...]:
                                   "presets. Fix: add it.")
     keys = {"releases", "model", "precision", "hardware", "layouts", "dispatcher", "a2a_overlap", "tp_comm_overlap",
             "overlap_grad_reduce", "recompute_modules", "cuda_graph_impl", "cuda_graph_scope", "micro_batch",
-            "cpu_offloading_num_layers", "flex_backend"}
+            "cpu_offloading_num_layers", "flex_backend", "fp8_format"}
     recipes = []
     for index, raw in enumerate(_entries(path, data, "recipes")):
         entry = _Entry(path, index, raw, keys)
@@ -457,6 +470,10 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[PerformanceRecipe, ...]:
         offloaded = entry.get("cpu_offloading_num_layers", int, 0)
         if offloaded < 0:
             entry.fail(f"has cpu_offloading_num_layers={offloaded!r}; a count of layers (0: none)")
+        fp8_format = entry.get("fp8_format", (str, type(None)), None)
+        if fp8_format is not None and (not fp8_format.startswith("fp8-") or fp8_format not in format_names()):
+            entry.fail(f"has fp8_format={fp8_format!r}; an FP8 number format, one of "
+                       f"{', '.join(n for n in format_names() if n.startswith('fp8-'))}")
         recipes.append(PerformanceRecipe(
             name=raw["name"], source=raw["source"], framework=framework, model=entry.pattern("model"),
             releases=(_release(entry, releases[0]), None if releases[1] is None else _release(entry, releases[1])),
@@ -466,7 +483,7 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[PerformanceRecipe, ...]:
             a2a_overlap=entry.get("a2a_overlap", bool), tp_comm_overlap=entry.get("tp_comm_overlap", bool, True),
             overlap_grad_reduce=entry.get("overlap_grad_reduce", bool, True), recompute_modules=modules,
             cuda_graph_impl=graphs, cuda_graph_scope=scope, micro_batch=micro_batch,
-            cpu_offloading_num_layers=offloaded))
+            cpu_offloading_num_layers=offloaded, fp8_format=fp8_format))
     return tuple(recipes)
 
 
