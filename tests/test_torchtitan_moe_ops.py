@@ -7,13 +7,22 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.sim.calibration import efficiency_for
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layout import build_layout
 from cfp_megatron.sim.pass_costs import collective_costs
-from cfp_megatron.sim.terms.expert_dispatch import expert_bias_bytes, moe_block_cost, probability_bytes
+from cfp_megatron.sim.terms.expert_dispatch import (
+    MAIN_GRAD_BYTES,
+    expert_bias_bytes,
+    moe_block_cost,
+    probability_bytes,
+    torch_dispatch_bytes,
+)
 from cfp_megatron.validate import row_plan
 
 DSV3_16B = {"id": "t16", "model": "DeepSeek-V3 16B", "arch_type": "moe", "layers": "27", "hidden": "2048",
@@ -64,3 +73,119 @@ def test_deepseek_v3_and_llama_4_rows_have_no_biases_so_no_expert_bias_is_priced
 def test_llama_4s_blank_vocabulary_and_kv_heads_are_its_configs() -> None:
     model = row_plan(SCOUT).job.model
     assert (model.vocab_size, model.num_query_groups) == (202048, 8)
+
+
+T, K, D, E = 64, 4, 256, 8
+"""A small case: tokens, top-k, hidden size (rows of D elements are what is counted), experts."""
+
+
+class RowBytes(TorchDispatchMode):
+    """HBM bytes of the ``[rows, D]`` tensors each aten op reads and writes, as the CUDA kernels move them: a gather
+    (``index``, ``gather``) reads one source row per row it writes; ``index_put`` writes the rows it is given (with
+    ``accumulate``, reads and writes them: autograd's ``index_backward`` runs ``_index_put_impl_`` in place outside a
+    dispatch mode, functional inside one); the out-of-place ``scatter_add`` copies its input, reads its source
+    and reads and writes the rows it adds into; a factory writes its output (``new_empty`` nothing); any other op
+    reads its inputs and writes its outputs. Index and score columns are left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+
+        def rows(*tensors: object) -> int:
+            return sum(t.numel() * t.element_size() for t in tree_flatten(tensors)[0]
+                       if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[-1] == D)
+
+        if name in ("index", "gather"):
+            self.bytes += 2 * rows(out)
+        elif name in ("index_put", "index_put_"):
+            accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+            self.bytes += (3 if accumulate else 2) * rows(args[2])
+        elif name == "scatter_add":
+            self.bytes += 2 * rows(args[0]) + 3 * rows(args[3])
+        elif name in ("zeros_like", "new_zeros", "ones_like"):
+            self.bytes += rows(out)
+        elif name not in ("view", "_unsafe_view", "expand", "reshape", "new_empty", "empty_like", "detach", "t",
+                          "alias", "select", "slice", "unsqueeze", "squeeze", "lift_fresh"):
+            self.bytes += rows(args, kwargs, out)
+        return out
+
+
+def torchtitan_dispatch(x_TD: torch.Tensor, topk_scores_TK: torch.Tensor, topk_expert_ids_TK: torch.Tensor,
+                        permuted_indices: torch.Tensor, ep: bool) -> torch.Tensor:
+    """torchtitan's ``AllToAllTokenDispatcher`` around the experts (models/common/token_dispatcher.py at b5bcd76c:
+    ``_local_reorder``, ``_permute``'s gather, ``_unpermute`` and ``combine``, their lines copied), the all-to-alls
+    and the experts left out (identities here); ``deterministic_scatter_add`` is ``scatter_add``
+    (ops/scatter_add.py), whose backward is the ``gather`` autograd gives it."""
+    token_indices_experts_sorted_N = torch.argsort(topk_expert_ids_TK.view(-1), stable=True)
+    topk_scores_experts_sorted_N = topk_scores_TK.view(-1)[token_indices_experts_sorted_N]
+    token_indices_experts_sorted_N = token_indices_experts_sorted_N // K
+    routed_input_ND = x_TD[token_indices_experts_sorted_N]
+    routed_output_RD = routed_input_ND
+    if ep:
+        routed_input_RD = routed_input_ND[permuted_indices, :]  # _permute
+        out_unpermuted_RD = routed_input_RD.new_empty(routed_input_ND.shape)  # _unpermute
+        out_unpermuted_RD[permuted_indices, :] = routed_input_RD
+        routed_output_RD = out_unpermuted_RD
+    out_TD = torch.zeros_like(x_TD)
+    routed_output_RD = (routed_output_RD.to(torch.float32)
+                        * topk_scores_experts_sorted_N.reshape(-1, 1)).to(routed_output_RD.dtype)
+    return out_TD.scatter_add(0, token_indices_experts_sorted_N.reshape(-1, 1).expand(-1, D), routed_output_RD)
+
+
+@pytest.mark.parametrize("ep", [True, False], ids=["ep", "no-ep"])
+def test_torchtitans_dispatcher_moves_the_counted_bytes_forward_and_backward(ep: bool) -> None:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(T, D, dtype=torch.bfloat16, requires_grad=True)
+    scores = torch.rand(T, K, generator=generator, requires_grad=True)
+    ids = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)])
+    permuted = torch.randperm(T * K, generator=generator)
+    forward, backward = RowBytes(), RowBytes()
+    with forward:
+        out = torchtitan_dispatch(x, scores, ids, permuted, ep)
+    grad = torch.ones_like(out)
+    with backward:
+        torch.autograd.grad(out, [x, scores], grad)
+    counted = torch_dispatch_bytes(2.0)
+    for moved, i in ((forward.bytes, 0), (backward.bytes, 1)):
+        expected = T * K * D * (counted.sent[i] + (counted.received[i] if ep else 0.0)) + T * D * counted.token[i]
+        assert moved == expected
+    assert (counted.sent, counted.received, counted.token) == ((30.0, 46.0), (8.0, 12.0), (6.0, 2.0))
+
+
+def test_torchtitans_dispatcher_is_priced_with_its_counted_backward_not_twice_its_forward() -> None:
+    """DeepSeek-V3 16B's block on 8 H100 at EP 8 (6 copies a token, one rank's tokens all local): the permutations
+    leave the elements priced twice in the backward; the counted bytes take their place."""
+    job, _, _, titan = block(DSV3_16B)
+    _, _, _, megatron = block(DSV3_16B, torch_combine=False)
+    hidden, topk = job.model.hidden_size, job.model.moe_router_topk
+    # Megatron-Core's permutation 1 and unpermutation, and the sort by local expert and its inverse: 2 rows each
+    assert megatron.elements_per_token - titan.elements_per_token == pytest.approx(4 * 2 * topk * hidden)
+    # per token: 6 copies sent, 6 received, and the token itself
+    assert titan.unfused_bytes_per_token == pytest.approx((hidden * (6 * 30 + 6 * 8 + 6),
+                                                           hidden * (6 * 46 + 6 * 12 + 2)))
+    assert megatron.unfused_bytes_per_token == (0.0, 0.0)
+
+
+def test_torchtitans_experts_write_their_weight_gradients_once_in_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch._grouped_mm``'s weight gradient is a fresh bf16 tensor (FSDP2 casts and reduces it after the
+    backward); Megatron-Core's ``TEGroupedLinear`` accumulates into the fp32 ``main_grad`` (8 bytes)."""
+    seen: dict[bool, list[float | None]] = {}
+    for titan in (True, False):
+        calls: list[float | None] = []
+        original = KernelModel.grouped_gemm
+
+        def record(self, *args, out_bytes=None, _calls=calls, _original=original, **kwargs):
+            _calls.append(out_bytes)
+            return _original(self, *args, out_bytes=out_bytes, **kwargs)
+
+        monkeypatch.setattr(KernelModel, "grouped_gemm", record)
+        block(DSV3_16B, torch_combine=titan)
+        monkeypatch.setattr(KernelModel, "grouped_gemm", original)
+        seen[titan] = calls
+    assert seen[True] == [None] * 6
+    assert seen[False] == [None, None, None, MAIN_GRAD_BYTES, None, MAIN_GRAD_BYTES]

@@ -20,7 +20,7 @@ from cfp_megatron.sim.memory import EAGER_TORCH_CE_BYTES, layer_activation_bytes
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import collective_costs
 from cfp_megatron.sim.simulate import simulate
-from cfp_megatron.sim.terms.expert_dispatch import TORCH_COMBINE_BYTES, moe_block_cost
+from cfp_megatron.sim.terms.expert_dispatch import moe_block_cost, torch_dispatch_bytes
 from cfp_megatron.validate import row_plan
 from cfp_megatron.validation.defaults import LAYER_AC_DEFAULT_EVERY, layer_checkpoint_every
 from tests.test_torch_fsdp_moe import ROW
@@ -146,11 +146,10 @@ def test_torchtitans_dispatch_sends_no_probabilities_and_its_combine_scores_in_f
     # the same token rows cross the group; only the probabilities' all-to-all is gone
     assert titan.combine_s == pytest.approx(megatron.combine_s)
     assert 0.0 < megatron.dispatch_s - titan.dispatch_s < 0.2 * megatron.dispatch_s
-    # each routed copy's combine moves TORCH_COMBINE_BYTES a hidden element where the unpermutation moved 2 rows
-    copies = job.model.moe_router_topk * 4096  # the copies the rank's tokens send, balanced
-    extra = titan.elements_per_token - megatron.elements_per_token
-    assert extra * 4096 == pytest.approx(copies * job.model.hidden_size * (TORCH_COMBINE_BYTES / 2 - 2))
-    assert TORCH_COMBINE_BYTES == (2 + 4) + (4 + 4) + (4 + 2) + (2 + 2 + 2)
+    # each copy a rank's tokens send is gathered (2 + 2 bytes a hidden element), and its combine casts it to fp32,
+    # scores it, casts it back and scatter-adds it where Megatron-Core's unpermutation moved 2 rows
+    assert torch_dispatch_bytes(2.0).sent[0] == (2 + 2) + (2 + 4) + (4 + 4) + (4 + 2) + (2 + 2 + 2)
+    assert titan.unfused_bytes_per_token[0] > megatron.unfused_bytes_per_token[0] == 0.0
     assert row_plan(ROW).options.torch_moe_combine
 
 

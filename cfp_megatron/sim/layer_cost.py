@@ -376,8 +376,9 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     # the weight-gradient GEMMs: as many FLOPs as the forward's (half of the backward's GEMMs)
     backward = PassCost(compute_s=bwd_compute, attention_core_s=core_bwd, overhead_s=overhead, tp_comm_s=tp_bwd,
                         cp_comm_s=cp_bwd, ep_comm_s=ep_bwd, weight_grad_s=attn_gemm + mlp_bwd_gemm / 2 + accumulate_s)
+    # torchtitan's per-op policy re-runs every element-wise op, its dispatcher's and the experts' unfused ones too.
     op_sac_s = (op_sac_recompute_s(job, layout, kernels, moe_block=moe_block,
-                                   elementwise_s=elementwise)
+                                   elementwise_s=elementwise + unfused_fwd)
                 if options.torch_op_sac else None)
     return LayerPasses(forward=forward, backward=backward, params=params, expert_params=expert_params,
                        ep_alone_s=ep_alone, mlp_gemm_s=mlp_gemm, moe_block=moe_block,

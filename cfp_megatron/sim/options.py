@@ -148,10 +148,11 @@ class SimOptions:
     its layers keep: :func:`~cfp_megatron.sim.memory.op_sac_saved_bytes`). ``False``: Megatron-Core's
     ``recompute_modules``, as the runtime trains."""
     torch_moe_combine: bool = False
-    """The all-to-all dispatcher is torchtitan's (``AllToAllTokenDispatcher``): the dispatch sends the tokens alone
-    (no routing probabilities' all-to-all), and the combine multiplies the returned rows by their scores in fp32 and
-    scatter-adds them (:data:`~cfp_megatron.sim.terms.expert_dispatch.TORCH_COMBINE_BYTES`). ``False``:
-    Megatron-Core's ``MoEAlltoAllTokenDispatcher``."""
+    """The MoE layer is torchtitan's: its ``AllToAllTokenDispatcher`` sends the tokens alone (no routing
+    probabilities' all-to-all), gathers and scatters the rows and combines them by their scores in fp32, each op's
+    bytes counted forward and backward (:func:`~cfp_megatron.sim.terms.expert_dispatch.torch_dispatch_bytes`), and
+    its ``GroupedExperts`` write their weight gradients once in bf16 (``torch._grouped_mm``). ``False``:
+    Megatron-Core's ``MoEAlltoAllTokenDispatcher`` and ``TEGroupedMLP``."""
     flex_backend_unstated: bool = False
     """The flex dispatcher's backend is not known (a published run whose source names none): priced with DeepEP's
     rates and permutation over the whole NVLink domain, padded for FP8/FP4 in the kernel

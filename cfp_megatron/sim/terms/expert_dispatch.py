@@ -133,7 +133,8 @@ class MoeCost:
     router, the shared expert."""
     gemm_bwd_s: float = 0.0
     """Backward GEMM seconds of the same: each grouped linear's data gradient and weight gradient (the latter a
-    reduction over the expert's rows, tiled over its weight), twice the forward for the router and shared expert."""
+    reduction over the expert's rows, tiled over its weight, accumulated into fp32 main gradients under
+    Megatron-Core, written in bf16 under torchtitan), twice the forward for the router and shared expert."""
     shared_gemm_s: float
     """Of ``gemm_s``, the shared expert's (what ``moe_shared_expert_overlap`` runs beside the dispatch)."""
     elements_per_token: float
@@ -147,8 +148,9 @@ class MoeCost:
     unfused_bytes_per_token: tuple[float, float] = (0.0, 0.0)
     """(forward, backward) HBM bytes per token of the micro-batch on this rank of the routed experts' PyTorch
     element-wise ops beside their fused kernels, whose backward is not twice their forward as ``elements_per_token``
-    takes it: the clamp before the activation (:func:`clamp_bytes`) and the fc2 bias added per expert
-    (:func:`expert_bias_bytes`)."""
+    takes it: the clamp before the activation (:func:`clamp_bytes`), the fc2 bias added per expert
+    (:func:`expert_bias_bytes`) and torchtitan's dispatcher's gathers, scatters and fp32 combine
+    (:func:`torch_dispatch_bytes`)."""
     recomputed_bytes_per_token: float = 0.0
     """Of the forward's ``unfused_bytes_per_token``, the clamp's: what ``moe_act`` recomputes with the activation
     (the fc2 bias is added after fc2, outside it)."""
@@ -194,11 +196,40 @@ MAIN_GRAD_BYTES = 8.0
 """Bytes per weight element an expert's weight-gradient GEMM moves into its gradient: Megatron-Core's
 ``gradient_accumulation_fusion`` (Megatron-LM's default, on with Transformer Engine: ``TEGroupedLinear`` passes it as
 ``fuse_wgrad_accumulation``) accumulates into the fp32 ``main_grad``, a read and a write of 4 bytes."""
-TORCH_COMBINE_BYTES = 26.0
-"""HBM bytes per routed copy and hidden element of torchtitan's combine (``AllToAllTokenDispatcher.combine``,
-``models/common/token_dispatcher.py``), which runs where Megatron-Core's unpermutation does: the returned bf16
-rows cast to fp32 (2 read, 4 written), multiplied by their scores (4 + 4), cast back (4 + 2), and scatter-added into
-the tokens' outputs (``deterministic_scatter_add``: the row read, 2, and the output's read and write, 2 + 2)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchDispatchBytes:
+    """(forward, backward) HBM bytes per hidden element of torchtitan's ``AllToAllTokenDispatcher``
+    (``models/common/token_dispatcher.py``) around its experts, counted op by op (:func:`torch_dispatch_bytes`)."""
+
+    sent: tuple[float, float]
+    """Per routed copy of this rank's tokens: ``_local_reorder``'s gather (``x_TD[indices]``) and the combine's
+    score multiply in fp32 and ``deterministic_scatter_add``."""
+    received: tuple[float, float]
+    """Per routed copy this rank's experts receive, with EP only: ``_permute``'s gather and ``_unpermute``'s
+    ``index_put_``."""
+    token: tuple[float, float]
+    """Per token entering the block: the combine's ``zeros_like`` output and the out-of-place ``scatter_add``'s copy
+    of it (forward); the reorder gather's zeroed input gradient (backward)."""
+
+
+def torch_dispatch_bytes(elem: float) -> TorchDispatchBytes:
+    """torchtitan's dispatcher's bytes per hidden element with ``elem``-byte activations (fp32 scores, ``f``):
+    forward, a gather reads and writes a row (2 elem), the casts read one dtype and write the other (elem + f), the
+    multiply reads and writes fp32 (2 f; the scores are a column), the scatter-add reads its source row and
+    reads and writes the output row it adds into (3 elem); backward, the scatter-add's gradient is a gather
+    (2 elem), each cast's a cast back (elem + f), the multiply's the gradient times the score (2 f) and the score's
+    gradient (the gradient times the saved fp32 input, then its row sum: 4 f), a gather's an ``index_put_`` with
+    ``accumulate`` into a zeroed buffer (the source row read, the destination row read and written: 3 elem, the
+    buffer's zeroing per row of it)."""
+    f = FP32_BYTES
+    return TorchDispatchBytes(sent=(2 * elem + (elem + f) + 2 * f + (f + elem) + 3 * elem,
+                                    2 * elem + (elem + f) + 2 * f + 4 * f + (f + elem) + 3 * elem),
+                              received=(2 * elem + 2 * elem, 2 * elem + (elem + 3 * elem)),
+                              token=(elem + 2 * elem, elem))
+
+
 PERMUTE_ROW_PASSES = 2.0
 """HBM passes over one hidden-size row per routed copy of one permutation (a gather reads the token's row and
 writes the copy's; the unpermutation reads the copy's row and accumulates it into the token's)."""
@@ -266,8 +297,10 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     """Cost of ``job``'s MoE block under ``layout``, as Megatron-Core runs it: dropless, the rank holding the busiest
     experts processes ``imbalance`` times the balanced share of routed tokens (1.0: forced or perfect balance);
     token-drop, at most the capacity factor times it; padded to capacity, exactly that
-    (:meth:`~cfp_megatron.base.config.ModelSpec.expert_load`). ``torch_combine``: the all-to-all dispatcher is
-    torchtitan's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_moe_combine`). ``flex_unstated``: the flex
+    (:meth:`~cfp_megatron.base.config.ModelSpec.expert_load`). ``torch_combine``: the MoE layer is torchtitan's
+    (:attr:`~cfp_megatron.sim.options.SimOptions.torch_moe_combine`): its dispatcher's element-wise work counted
+    forward and backward (:func:`torch_dispatch_bytes`, in ``unfused_bytes_per_token``), its experts' weight
+    gradients written once in bf16. ``flex_unstated``: the flex
     dispatcher's backend is not stated (:attr:`~cfp_megatron.sim.options.SimOptions.flex_backend_unstated`).
     ``grouped_gemm``: the experts are ``TEGroupedMLP`` (:attr:`~cfp_megatron.sim.options.SimOptions.grouped_gemm`),
     else ``SequentialMLP``, which add a biased model's fc2 bias differently (:func:`expert_bias_bytes`)."""
@@ -292,10 +325,12 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     gemm_s = fc1 + fc2
     # Backward: fc1's and fc2's data gradients (rows x hidden, rows x ffn) and weight gradients (each weight's
     # tiles, reduced over the expert's rows, accumulated into the fp32 main gradients).
+    # torchtitan's torch._grouped_mm writes each weight gradient once in bf16 (FSDP2 reduces it after the backward).
+    wgrad_bytes = None if torch_combine else MAIN_GRAD_BYTES
     gemm_bwd_s = (kernels.grouped_gemm(local_experts, per_expert, hidden, width)
-                  + kernels.grouped_gemm(local_experts, width, hidden, per_expert, out_bytes=MAIN_GRAD_BYTES)
+                  + kernels.grouped_gemm(local_experts, width, hidden, per_expert, out_bytes=wgrad_bytes)
                   + kernels.grouped_gemm(local_experts, per_expert, ffn, hidden)
-                  + kernels.grouped_gemm(local_experts, hidden, ffn, per_expert, out_bytes=MAIN_GRAD_BYTES))
+                  + kernels.grouped_gemm(local_experts, hidden, ffn, per_expert, out_bytes=wgrad_bytes))
     router_s = kernels.gemm(local_tokens, num_experts, hidden, low_precision=False)  # fp32 logits
     activation = routed / tokens * mlp_activation_elements(tp=etp, ffn=expert_ffn, gated=gated)
     shared_ffn = model.moe_shared_expert_intermediate_size or 0
@@ -314,6 +349,9 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
             if model.add_bias_linear else (0.0, 0.0))
     fc1_out, fc2_out = routed / tokens * width, routed / tokens * hidden  # elements per token of the micro-batch
     unfused = (fc1_out * clamp[0] + fc2_out * bias[0], fc1_out * clamp[1] + fc2_out * bias[1])
+    if torch_combine and model.moe_token_dispatcher is TokenDispatcher.alltoall:
+        unfused = tuple(u + d for u, d in zip(unfused, _torch_dispatch_per_token(
+            job, layout, kernels, routed=routed, local_tokens=local_tokens, tokens=tokens), strict=True))
     expert_params = mlp_params(model, expert_ffn) * local_experts / etp
     params = expert_params + mlp_params(model, shared_ffn) / tp + hidden * num_experts
     dispatch_s, combine_s = _dispatch_s(job, layout, kernels, costs, routed=routed / etp, local_tokens=local_tokens,
@@ -324,6 +362,19 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
                    dispatch_s=dispatch_s, combine_s=combine_s,
                    metadata_s=_metadata_s(job, layout, costs, flex=flex, local_tokens=local_tokens),
                    params=params, expert_params=expert_params)
+
+
+def _torch_dispatch_per_token(job: JobSpec, layout: Layout, kernels: KernelModel, *, routed: float,
+                              local_tokens: float, tokens: float) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per token of the micro-batch of torchtitan's dispatcher around the experts
+    (:func:`torch_dispatch_bytes`): the copies this rank's ``local_tokens`` send, those its experts receive
+    (``routed``, over EP alone), and its tokens."""
+    model, dims = job.model, layout.dims
+    counted = torch_dispatch_bytes(kernels.elem)
+    sent = model.moe_router_topk * local_tokens * model.expert_load(1.0)
+    received = routed / dims.etp if dims.ep > 1 else 0.0  # without EP, LocalTokenDispatcher: no _permute
+    return tuple(model.hidden_size * (sent * counted.sent[i] + received * counted.received[i]
+                                      + local_tokens * counted.token[i]) / tokens for i in (0, 1))
 
 
 def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, routed: float,
@@ -337,8 +388,9 @@ def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, rou
     :data:`PERMUTE_ROW_PASSES` rows per copy. The flex dispatcher (DeepEP and HybridEP alike: ``_DeepepManager``'s
     ``permute``, HybridEP's local permute after its dispatch) permutes only what arrives. Under FP8 and
     FP4, the quantisation of each grouped linear's input (the format's ``cast_bytes``,
-    ``cfp_megatron/sim/number_formats.yaml``). ``torch_combine``: torchtitan's combine
-    (:data:`TORCH_COMBINE_BYTES`) instead of the unpermutation."""
+    ``cfp_megatron/sim/number_formats.yaml``). ``torch_combine``: torchtitan's dispatcher, whose permutations and
+    combine are counted forward and backward apart (:func:`torch_dispatch_bytes`, :func:`moe_block_cost`), not
+    here."""
     model, dims = job.model, layout.dims
     num_experts, hidden = model.num_experts or 1, model.hidden_size
     passes = ROUTER_SCORE_PASSES + (AUX_LOSS_SCORE_PASSES if model.moe_aux_loss_coeff > 0 else 0.0)
@@ -349,11 +401,10 @@ def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, rou
         # DeepEP and HybridEP read the tokens where they are and land them by source rank: one permutation by
         # local expert of what arrives, and its inverse.
         elements += 2 * PERMUTE_ROW_PASSES * received * hidden
-    else:
+    elif not (torch_combine and model.moe_token_dispatcher is TokenDispatcher.alltoall):
+        # (torchtitan's dispatcher: its counted bytes, torch_dispatch_bytes, not elements)
         sent = model.moe_router_topk * local_tokens * model.expert_load(1.0)  # copies this rank sends and gets back
         elements += 2 * PERMUTE_ROW_PASSES * sent * hidden  # permutation 1 and the unpermutation
-        if torch_combine:  # torchtitan scores and scatter-adds the copies in fp32 where the unpermutation was
-            elements += sent * hidden * (TORCH_COMBINE_BYTES / kernels.elem - PERMUTE_ROW_PASSES)
         if num_experts // dims.ep > 1:
             elements += 2 * PERMUTE_ROW_PASSES * received * hidden  # permutation 2 and its inverse
     if kernels.low:  # fc1's input (hidden) and fc2's (the expert's FFN share) quantised row by row
