@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from cfp_megatron.base.number_format import NumberFormat
+from cfp_megatron.sim import layer_cost
 from cfp_megatron.sim.calibration import efficiency_for
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layout import build_layout
@@ -189,3 +190,30 @@ def test_torchtitans_experts_write_their_weight_gradients_once_in_bf16(monkeypat
         seen[titan] = calls
     assert seen[True] == [None] * 6
     assert seen[False] == [None, None, None, MAIN_GRAD_BYTES, None, MAIN_GRAD_BYTES]
+
+
+@pytest.mark.parametrize(("precision", "padding_rows"), [("BF16", 0), ("FP8", 4)])
+def test_torchtitans_fp8_experts_pad_in_their_permutation_without_transformer_engines_copies(
+        precision: str, padding_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under FP8 Megatron-Core's ``TEGroupedMLP`` copies the experts' rows into a padded buffer and back (2 rows each
+    way a copy) and runs its per-expert quantisation kernels; torchtitan's ``TorchAOTokenDispatcher`` pads inside
+    its permutation and torchao quantises the grouped operands whole: neither is priced for it."""
+    row = {**DSV3_16B, "precision": precision}
+    job, _, _, titan = block(row)
+    _, _, _, megatron = block(row, torch_combine=False)
+    hidden, topk = job.model.hidden_size, job.model.moe_router_topk
+    assert megatron.elements_per_token - titan.elements_per_token == pytest.approx(
+        (8 + padding_rows) * topk * hidden)
+    scalar_calls: list[int] = []
+    monkeypatch.setattr(layer_cost, "expert_scalar_kernels_s",
+                        lambda experts, kernels: scalar_calls.append(experts) or (0.0, 0.0))
+    plan = row_plan(row)
+    layout = build_layout(plan.job)
+    eff = efficiency_for(plan.job.cluster)
+    kernels = KernelModel(plan.job.cluster, eff, NumberFormat.of(plan.job.train))
+    costs = collective_costs(plan.job.cluster, None, eff)
+    layer_cost.layer_passes(plan.job, layout, kernels, costs, plan.options, moe=True)
+    assert scalar_calls == []
+    layer_cost.layer_passes(plan.job, layout, kernels, costs, dataclasses.replace(plan.options,
+                                                                                  torch_moe_combine=False), moe=True)
+    assert scalar_calls == [8]

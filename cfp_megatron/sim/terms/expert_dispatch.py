@@ -390,7 +390,7 @@ def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, rou
     FP4, the quantisation of each grouped linear's input (the format's ``cast_bytes``,
     ``cfp_megatron/sim/number_formats.yaml``). ``torch_combine``: torchtitan's dispatcher, whose permutations and
     combine are counted forward and backward apart (:func:`torch_dispatch_bytes`, :func:`moe_block_cost`), not
-    here."""
+    here, and whose FP8/FP4 permutation pads the rows in place (no ``Fp8Padding`` copies)."""
     model, dims = job.model, layout.dims
     num_experts, hidden = model.num_experts or 1, model.hidden_size
     passes = ROUTER_SCORE_PASSES + (AUX_LOSS_SCORE_PASSES if model.moe_aux_loss_coeff > 0 else 0.0)
@@ -410,7 +410,9 @@ def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, rou
     if kernels.low:  # fc1's input (hidden) and fc2's (the expert's FFN share) quantised row by row
         ffn = (model.moe_ffn_hidden_size or model.ffn_size) / dims.etp
         elements += routed * (hidden + ffn) * kernels.format.cast_bytes / kernels.elem
-        if quantization_padding_copies(job, layout, kernels, local_tokens=local_tokens, flex=flex):
+        # torchtitan pads each expert's rows inside its permutation (TorchAOTokenDispatcher's permute_and_pad)
+        if not torch_combine and quantization_padding_copies(job, layout, kernels, local_tokens=local_tokens,
+                                                             flex=flex):
             # Fp8Padding copies the experts' input into the padded buffer, Fp8Unpadding their output back.
             elements += 2 * PERMUTE_ROW_PASSES * routed * hidden
     return elements
