@@ -132,7 +132,7 @@ class Framework:
     """Patterns on ``model`` (case-insensitive) whose RoPE it runs unfused (:attr:`~cfp_megatron.sim.options.
     SimOptions.rope_fusion` off)."""
     torch_moe_combine: bool = False
-    """Its MoE dispatcher is torchtitan's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_moe_combine`)."""
+    """Its MoE layer is torchtitan's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_moe_combine`)."""
     torch_op_sac: bool = False
     """Its selective recomputation is torchtitan's per-op policy (:attr:`~cfp_megatron.sim.options.SimOptions.
     torch_op_sac`)."""
