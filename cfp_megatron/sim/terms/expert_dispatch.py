@@ -324,8 +324,8 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     fc2 = kernels.grouped_gemm(local_experts, per_expert, hidden, ffn)
     gemm_s = fc1 + fc2
     # Backward: fc1's and fc2's data gradients (rows x hidden, rows x ffn) and weight gradients (each weight's
-    # tiles, reduced over the expert's rows, accumulated into the fp32 main gradients).
-    # torchtitan's torch._grouped_mm writes each weight gradient once in bf16 (FSDP2 reduces it after the backward).
+    # tiles, reduced over the expert's rows, accumulated into Megatron-Core's fp32 main gradients; torchtitan's
+    # torch._grouped_mm writes each once in bf16, which FSDP2 reduces after the backward).
     wgrad_bytes = None if torch_combine else MAIN_GRAD_BYTES
     gemm_bwd_s = (kernels.grouped_gemm(local_experts, per_expert, hidden, width)
                   + kernels.grouped_gemm(local_experts, width, hidden, per_expert, out_bytes=wgrad_bytes)
