@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import time
 from typing import Any
 
 import pytest
@@ -13,12 +15,14 @@ import pytest
 from cfp_megatron.base.compose import compose_job
 from cfp_megatron.base.config import JobSpec
 from cfp_megatron.base.jsonio import json_plain
+from cfp_megatron.profile import runner
 from cfp_megatron.profile.control import Step, StepResult, run_round, select_steps
-from cfp_megatron.profile.db import ProfileDB
+from cfp_megatron.profile.db import ProfileDB, store_db
 from cfp_megatron.profile.fingerprint import Fingerprint, model_key
 from cfp_megatron.profile.records import RoundRecord, RoundStatus, overhead_entry
 from cfp_megatron.profile.runner import ROUNDS, _coverage, _merge, round_entries, round_steps, rounds_needed
 from cfp_megatron.profile.segments import MEMORY_SUFFIX, micro_batches
+from tests.spawned_rounds import oom_on_one_rank
 
 FP = Fingerprint(device_name="Test CPU", device_count=4, nodes=1, gpus_per_node=4, backend="gloo", torch="2.13.0",
                  megatron_core="0.16.1", cpu_cores=2)
@@ -68,6 +72,32 @@ def _run(db: ProfileDB | None, job: JobSpec, *, share: float) -> tuple[ProfileDB
         done.append(record)
     merged = _merge(db or ProfileDB(fingerprint=FP), job, plan, results, done)
     return ProfileDB.from_json(merged.to_json()), _coverage(plan, done)  # through JSON, as stored
+
+
+def test_the_analysis_runs_for_the_tp_sizes_this_run_measures(job: JobSpec, tmp_path: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's plan analyses the model only under the TP sizes whose segment entries the run measures: every size
+    from an empty cache, TP=2 alone for a profile lacking only TP=2's segments, none for a complete one."""
+    monkeypatch.setenv("CFP_CACHE_DIR", str(tmp_path))
+    analysed: list[int] = []
+    monkeypatch.setattr(runner, "analysis_classes", lambda job, tp: analysed.append(tp) or {})
+
+    def plan() -> dict[str, Any]:
+        analysed.clear()
+        return runner._plan_on_rank0(job, FP, WORLD, force=False, on_gpu=False, started=time.perf_counter())
+
+    first = plan()
+    assert analysed == [1, 2, 4] and first["records"][0]["steps_planned"] == 3
+    complete, _ = _run(None, job, share=1.0)
+    without_tp2 = ProfileDB.from_json({**complete.to_json(), "segments": [
+        r.to_json() for r in complete.segments if not r.partition.startswith("tp2")]})
+    store_db(without_tp2)
+    lacking = plan()
+    assert set(lacking["rounds"]) == {"segments", "recompute"} and all(
+        re.search(r" tp2[ -]", entry) for name in lacking["rounds"] for entry in lacking["rounds"][name])
+    assert analysed == [2] and lacking["records"][0]["steps_done"] == 1
+    store_db(complete, base=without_tp2)
+    assert plan()["rounds"] == {} and analysed == []
 
 
 def test_select_steps_keeps_the_set_up_steps_of_what_it_keeps() -> None:
@@ -253,38 +283,12 @@ def test_entries_out_of_memory_are_not_retried(job: JobSpec) -> None:
     assert plain.missing_entries("overheads", key, planned["overheads"]) == list(too_big)
 
 
-def _oom_on_one_rank(rank: int, world: int, tmp: str) -> None:
-    """One of two gloo ranks runs out of memory in one step: both record it and go on together."""
-    import json
-
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
-    try:
-        def big() -> list[float]:
-            if rank == 1:
-                raise torch.OutOfMemoryError("CUDA out of memory (rank 1 only)")
-            return [1.0]
-
-        steps = [Step(label="build a", run=list),
-                 Step(label="a mbs=1", run=lambda: [float(rank + 1)], entry="a mbs=1", needs="build a"),
-                 Step(label="a mbs=8", run=big, entry="a mbs=8", needs="build a"),
-                 Step(label="a mbs=2", run=lambda: [2.0], entry="a mbs=2", needs="build a")]
-        results, record = run_round("segments", steps, seconds=60.0)
-        with open(f"{tmp}/rank{rank}.json", "w") as fh:
-            json.dump({"status": record.status.value, "over_memory": list(record.over_memory),
-                       "results": [[r.label, list(r.values)] for r in results]}, fh)
-    finally:
-        dist.destroy_process_group()
-
-
 def test_a_step_out_of_memory_on_one_rank_is_recorded_by_every_rank(tmp_path: Any) -> None:
     import json
 
     import torch.multiprocessing as mp
 
-    mp.spawn(_oom_on_one_rank, args=(2, str(tmp_path)), nprocs=2)
+    mp.spawn(oom_on_one_rank, args=(2, str(tmp_path)), nprocs=2)
     seen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert seen[0] == seen[1]  # the same steps, the same record, on both ranks
     assert seen[0]["status"] == "ok" and seen[0]["over_memory"] == ["a mbs=8"]

@@ -36,13 +36,64 @@ def only_db(cache: Path) -> dict:
     return json.loads(files[0].read_text())
 
 
+SMALL_JOB = ["model=gpt_tiny", "model.num_layers=2", "train.global_batch_size=2"]
+"""The job the fill-and-reuse test profiles: two layers and a global batch of 2 (micro-batch sizes 1 and 2, the
+job's and its double: fewer entries than the preset's, each probe the same)."""
+
+
+def missing(rounds: list[dict]) -> dict[str, list[str]]:
+    """Per round, the entries its newest record says the profile still lacks (rounds lacking none left out)."""
+    latest = {r["name"]: r for r in rounds if r["name"] != "analysis" and "missing" in r}
+    return {name: r["missing"] for name, r in latest.items() if r["missing"]}
+
+
 def test_profile_fills_the_db_and_a_second_run_reuses_it(tmp_path) -> None:
     cache = tmp_path / "cache"
-    first = run_profile(2, ["model=gpt_tiny", "cluster=local", "--budget", "12"], cache)
+    first = run_profile(2, [*SMALL_JOB, "cluster=local", "--budget", "12"], cache)
     out = first.stdout + first.stderr
     assert first.returncode == 0, out[-4000:]
-    db = only_db(cache)
+    assert "ProfileDB:" in out and "Collectives" in out
+    db = only_db(cache)  # the first run has ended: its rounds are all recorded
     assert db["fingerprint"]["device_count"] == 2 and db["fingerprint"]["backend"] == "gloo"
+    # Each timing step is followed by its memory step: a round the budget cut may leave only the last timing
+    # without its memory (a loaded machine gets that far in 12 s or not); a round that ended leaves none.
+    segments_round = [r for r in db["rounds"] if r["name"] == "segments"]
+    unmeasured = [s for s in db["segments"] if s["activation_bytes"] is None and not s["partition"].endswith(
+        ("-selective", "-full"))]
+    assert len(unmeasured) <= (0 if segments_round and segments_round[-1]["status"] == "ok" else 1), (
+        segments_round, unmeasured)
+    # The first run's 12 s leave rounds unfinished (at least the recompute round, which runs on what the others
+    # leave): each round's record names the entries still missing, and each next run measures only those (and the
+    # analysis its records are named by), reusing the rest, until none is; a run after that measures nothing.
+    left = missing(db["rounds"])
+    assert left, db["rounds"]
+    assert any(r.get("measured") for r in db["rounds"]), db["rounds"]  # and measured some
+    reused = 0
+    for _ in range(6):  # a loaded machine may need several runs of 90 s
+        if not left:
+            break
+        # one timed repeat per probe (cfp.profile_repeats): the same entries, measured in fewer runs
+        again = run_profile(2, [*SMALL_JOB, "--budget", "90", "--repeats", "1"], cache)
+        assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+        new = only_db(cache)["rounds"][len(db["rounds"]):]
+        assert new and {r["name"] for r in new} <= {"analysis", "collective-fits"} | set(left), (left, new)
+        for r in new:
+            if r["name"] in left:  # only what was missing was measured, what was there reused
+                assert set(r["measured"]) <= set(left[r["name"]]), r
+                assert len(r["measured"]) + len(r["missing"]) <= len(left[r["name"]]), r
+                reused += r["reused"]
+        db = only_db(cache)
+        now = missing(db["rounds"])
+        assert sum(map(len, now.values())) < sum(map(len, left.values())), (left, now)  # it moved on
+        left = now
+    assert not left, left
+    assert reused > 0  # the first run's entries were not measured again
+    second = run_profile(2, [*SMALL_JOB, "--budget", "12"], cache)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
+    assert "reused (nothing measured)" in second.stdout
+    # Every round of every run has ended: the complete profile, as the last run left it (nothing measured, nothing
+    # written).
+    assert only_db(cache) == db
     fits = {(c["op"], c["group_size"], c["span"]): c for c in db["collectives"]}
     for op in Collective:
         fit = fits[(op.value, 2, "intra_node")]
@@ -51,48 +102,10 @@ def test_profile_fills_the_db_and_a_second_run_reuses_it(tmp_path) -> None:
     kinds = {s["kind"] for s in db["segments"]}
     assert {"embedding", "dense", "head"} <= kinds, kinds
     assert all(s["forward_s"] > 0 and s["backward_s"] > 0 for s in db["segments"])
-    # Each timing step is followed by its memory step: a round the budget cut may leave only the last timing
-    # without its memory (a loaded machine gets that far in 12 s or not); a round that ended leaves none.
-    segments_round = next(r for r in db["rounds"] if r["name"] == "segments")
-    unmeasured = [s for s in db["segments"] if s["activation_bytes"] is None and not s["partition"].endswith(
-        ("-selective", "-full"))]
-    assert len(unmeasured) <= (0 if segments_round["status"] == "ok" else 1), (segments_round, unmeasured)
     dense_memory = [s["activation_bytes"] for s in db["segments"] if s["kind"] == "dense"]
     assert any(b is not None and b > 0 for b in dense_memory), dense_memory  # measured with times
     assert {s["partition"] for s in db["segments"]} <= {
         f"tp{tp}{sp}{rc}" for tp, sp in ((1, ""), (2, ""), (2, "-sp")) for rc in ("", "-selective", "-full")}
-    assert "ProfileDB:" in out and "Collectives" in out
-
-    # The first run's 12 s leave rounds unfinished (at least the recompute round, which runs on what the others
-    # leave): each round's record names the entries still missing, and each next run measures only those (and the
-    # analysis its records are named by) until none is; a run after that measures nothing.
-    def missing(rounds: list[dict]) -> dict[str, list[str]]:
-        latest = {r["name"]: r for r in rounds if r["name"] != "analysis" and "missing" in r}
-        return {name: r["missing"] for name, r in latest.items() if r["missing"]}
-
-    left = missing(db["rounds"])
-    assert left, db["rounds"]
-    for _ in range(6):  # a loaded machine may need several runs of 90 s
-        if not left:
-            break
-        # one timed repeat per probe (cfp.profile_repeats): the same entries, measured in fewer runs
-        again = run_profile(2, ["model=gpt_tiny", "--budget", "90", "--repeats", "1"], cache)
-        assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
-        new = only_db(cache)["rounds"][len(db["rounds"]):]
-        assert new and {r["name"] for r in new} <= {"analysis", "collective-fits"} | set(left), (left, new)
-        for r in new:
-            if r["name"] in left:  # only what was missing was measured
-                assert set(r["measured"]) <= set(left[r["name"]]), r
-                assert len(r["measured"]) + len(r["missing"]) <= len(left[r["name"]]), r
-        db = only_db(cache)
-        now = missing(db["rounds"])
-        assert sum(map(len, now.values())) < sum(map(len, left.values())), (left, now)  # it moved on
-        left = now
-    assert not left, left
-    second = run_profile(2, ["model=gpt_tiny", "--budget", "12"], cache)
-    assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
-    assert "reused (nothing measured)" in second.stdout
-    assert only_db(cache)["rounds"] == db["rounds"]  # nothing measured, nothing written
 
 
 def test_recomputation_is_profiled_as_its_own_partitions(tmp_path) -> None:

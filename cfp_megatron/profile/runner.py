@@ -62,6 +62,9 @@ SHARES = {"collectives": 0.3, "gemm": 0.1, "segments": 0.35, "overheads": 0.25}
 """Share of the remaining budget each round gets when it starts (what an earlier round leaves rolls over). A round
 without a share (``recompute``) runs on what the others leave."""
 
+CLASSED_ROUNDS = ("segments", "recompute")
+"""Rounds that time segment probes (:func:`~cfp_megatron.profile.segments.segment_steps`), whose records are named
+by the model analysis' segment classes of the probes' TP sizes."""
 ORDERED_ROUNDS = ("segments", "overheads", "recompute")
 """Rounds whose entries are measured in the order the search needs them (:func:`prioritized`): their steps build one
 probe per partition, so any order of partitions costs the same. The collectives keep their own order (the smallest
@@ -144,7 +147,7 @@ def round_steps(name: str, job: JobSpec, world: int, *, on_gpu: bool, device: to
         dtypes = ["fp32"] if not on_gpu else list(dict.fromkeys([precision, "fp32"]))
         return (*gemm_steps(dtypes, on_gpu=on_gpu, device=device, repeats=repeats), None)
     cases, _ = segment_cases(job, world)
-    if name in ("segments", "recompute"):
+    if name in CLASSED_ROUNDS:
         run = cases if name == "segments" else [case for rc in (Recompute.selective, Recompute.full)
                                                 for case in segment_cases(job, world, rc)[0]]
         count = repeats or SEGMENT_REPEATS["gpu" if on_gpu else "cpu"]
@@ -194,6 +197,17 @@ def prioritized(entries: Sequence[str], priority: Sequence[str]) -> list[str]:
     return sorted(entries, key=rank)  # stable
 
 
+def entry_tps(job: JobSpec, world: int, *, on_gpu: bool, entries: Mapping[str, Sequence[str]]) -> list[int]:
+    """The TP sizes whose probes measure ``entries`` (per round) of the :data:`CLASSED_ROUNDS`: the TP sizes this
+    run's records need the analysis' classes of (:func:`~cfp_megatron.profile.segments.segment_records`)."""
+    tps: set[int] = set()
+    for name in CLASSED_ROUNDS:
+        if entries.get(name):
+            _, meaning, _ = round_steps(name, job, world, on_gpu=on_gpu, device=torch.device("cpu"))
+            tps |= {meaning[entry][0] for entry in entries[name]}
+    return sorted(tps)
+
+
 def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on_gpu: bool,
                    started: float, priority: Callable[[], Sequence[str]] | None = None) -> dict[str, Any]:
     notes: list[str] = []
@@ -203,9 +217,8 @@ def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on
         notes.append(f"the stored ProfileDB was not used and will be replaced: {err}")
         db = None
     key = model_key(job, on_gpu=on_gpu)
-    cases, skipped = segment_cases(job, world)
+    _, skipped = segment_cases(job, world)
     notes += [f"segments: left out {s}" for s in skipped]
-    tps = sorted({c.tp for c in cases})  # PrimePar's MLP is a second case of its TP size
     planned = round_entries(job, world, on_gpu=on_gpu)
     rounds = rounds_needed(db, key, planned, force=force)
     # what was measured on a busy machine: measured again if the machine is quiet once the ranks are up (_retry_busy)
@@ -218,7 +231,9 @@ def _plan_on_rank0(job: JobSpec, fp: Fingerprint, world: int, *, force: bool, on
                          for name, entries in found.items()} for found in (rounds, busy))
     classes: dict[int, dict[str, dict[str, Any]]] = {}
     records: list[dict[str, Any]] = []
-    if {"segments", "recompute"} & (set(rounds) | set(busy)):  # only these name their records by the analysis' classes
+    tps = entry_tps(job, world, on_gpu=on_gpu, entries={name: [*rounds.get(name, ()), *busy.get(name, ())]
+                                                        for name in CLASSED_ROUNDS})
+    if tps:  # only what this run measures is named by the analysis' classes
         began = time.perf_counter()
         try:
             for tp in tps:
