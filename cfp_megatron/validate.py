@@ -98,7 +98,7 @@ from cfp_megatron.base.parallel_dims import data_parallel_size
 from cfp_megatron.base.pipeline_layout import balanced_layout
 from cfp_megatron.cluster.presets import known_gpus, preset_for_gpu
 from cfp_megatron.sim.calibration import generation
-from cfp_megatron.sim.options import SimOptions
+from cfp_megatron.sim.options import SimOptions, WeightGradAccumulation
 from cfp_megatron.sim.simulate import simulate
 from cfp_megatron.sim.uncertainty import BAND_QUANTILE
 from cfp_megatron.validation.bands import band_table, sources_problem
@@ -373,7 +373,11 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     layout += "".join(f" {reading.tag}" for reading in readings if reading.tag)
     options = SimOptions(measured_layer_only=layer_only, attention=framework.attention,
                          pipeline_schedule=schedule.schedule,
-                         weight_grad_accumulation=framework.weight_grad_accumulation,
+                         weight_grad_accumulation=(WeightGradAccumulation.main_grad_hook
+                                                   if recipe and not recipe.gradient_accumulation_fusion
+                                                   else framework.weight_grad_accumulation),
+                         fsdp_double_buffer=bool(recipe and recipe.fsdp_double_buffer),
+                         fsdp_unit_size=recipe.fsdp_unit_size if recipe else None,
                          pipeline_scatter_gather=framework.pipeline_scatter_gather,
                          blocking_interleaved=framework.blocking_interleaved,
                          te_cross_entropy=framework.te_cross_entropy,

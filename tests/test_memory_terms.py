@@ -25,7 +25,7 @@ from cfp_megatron.sim.memory import (
     memory_band,
     projection_input_bytes,
 )
-from cfp_megatron.sim.options import AttentionKernel, SimOptions
+from cfp_megatron.sim.options import AttentionKernel, SimOptions, WeightGradAccumulation
 from cfp_megatron.sim.prediction import GIB
 from cfp_megatron.sim.simulate import predict_memory
 from cfp_megatron.validation.memory_failures import memory_failure_lines, memory_failures
@@ -224,18 +224,26 @@ def test_the_output_projection_keeps_the_cores_output_as_megatron_core_saves_it(
 
 def test_the_issues_70b_megatron_fsdp_run_fits_its_gb200_as_its_recipe_ran() -> None:
     # Megatron-Bridge's llama3_70b_pretrain_64gpu_gb200_fp8cs_config: Megatron-FSDP, TP1, 2 x 8k tokens, FP8 current
-    # scaling with FP8 parameters, 40 layers' activations offloaded, TE's fused cross entropy. Without the offloading
-    # 80 layers x 3.4 GiB are kept.
+    # scaling with FP8 parameters, bf16 gradient reduction, 40 layers' activations offloaded, TE's fused cross
+    # entropy, gradient_accumulation_fusion off, Megatron-FSDP's double buffer and an 800M-parameter unit. Without the
+    # offloading 80 layers x 3.4 GiB are kept.
     job = compose_job(["model=llama3_70b", "cluster=gb200_nvl72", "cluster.nodes=16", "parallel.tp=1",
                        "parallel.distributed_optimizer=true", "parallel.fsdp=optim_grads_params",
                        "train.precision=fp8", "train.fp8_recipe=tensorwise", "parallel.fp8_param_gather=true",
-                       "train.micro_batch_size=2", "train.seq_length=8192",
+                       "parallel.grad_reduce_in_fp32=false", "train.micro_batch_size=2", "train.seq_length=8192",
                        "train.global_batch_size=256"])
     offloaded = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, cpu_offloading_num_layers=40))
-    recipe = SimOptions(te_cross_entropy=True)
+    recipe = SimOptions(te_cross_entropy=True, weight_grad_accumulation=WeightGradAccumulation.main_grad_hook,
+                        fsdp_double_buffer=True, fsdp_unit_size=800_000_000)
     hbm = job.cluster.hbm_gib
     assert predict_memory(job, options=recipe).total_gib > hbm
-    assert predict_memory(offloaded, options=recipe).total_gib < predict_memory(offloaded).total_gib < hbm
+    ran = predict_memory(offloaded, options=recipe)
+    assert ran.total_gib < hbm
+    # Megatron-FSDP's defaults (no double buffer, a unit of twice a layer) hold four layers' bf16 gradients beside two
+    # layers' FP8 weights, the recipe's double buffer two of each; and the fusion's placeholders only with the fusion
+    default = dict(predict_memory(offloaded, options=SimOptions(te_cross_entropy=True)).parts)
+    assert default["fsdp_buffers"] / dict(ran.parts)["fsdp_buffers"] == pytest.approx((2 * 1 + 4 * 2) / (2 * 1 + 2 * 2))
+    assert dict(ran.parts)["dummy_wgrads"] == 0.0 < default["dummy_wgrads"]
 
 
 def test_the_allocator_band_is_measured_data_and_a_cpu_has_none() -> None:

@@ -349,6 +349,32 @@ def test_megatron_bridge_dense_fsdp_rows_offload_as_their_preset_and_fit() -> No
     assert whole.memory_gib > plan.job.cluster.hbm_gib  # every layer's activations on the GPU: it would not fit
 
 
+def test_megatron_bridge_fsdp_presets_run_their_fsdp_buffers_and_no_fusion_from_25_11() -> None:
+    """From v0.2.0 (25.11) Megatron-Bridge's Llama 3 70B Megatron-FSDP presets set gradient_accumulation_fusion off,
+    fsdp_double_buffer and an 800M-parameter communication unit (recipes.yaml); 25.09 ran the fusion and the double
+    buffer alone. Without the fusion Transformer Engine hands autograd the weight gradient itself, so no placeholder
+    is held (3.55 GiB with it: one tensor of each linear's shape and the output layer's, bf16), and the double buffer
+    holds two layers' gradients where Megatron-FSDP's default queue holds four."""
+    from cfp_megatron.sim.options import WeightGradAccumulation
+    from cfp_megatron.sim.simulate import simulate
+
+    plan = row_plan(LLAMA3_70B_GB200)  # 26.02
+    assert plan.options.weight_grad_accumulation is WeightGradAccumulation.main_grad_hook
+    assert plan.options.fsdp_double_buffer and plan.options.fsdp_unit_size == 800_000_000
+    early = row_plan({**LLAMA3_70B_GB200, "framework": "Megatron-Bridge / NeMo 25.09"})
+    assert early.options.weight_grad_accumulation is WeightGradAccumulation.fused
+    assert early.options.fsdp_double_buffer and early.options.fsdp_unit_size is None
+    before = row_plan({**LLAMA3_70B_GB200, "framework": "Megatron-Bridge / NeMo 25.07"})  # no preset
+    assert not before.options.fsdp_double_buffer and before.options.fsdp_unit_size is None
+    parts = {name: dict(simulate(p.job, options=p.options).memory.parts) for name, p in
+             (("ran", plan), ("early", early), ("before", before))}
+    hidden, vocab = 8192, 128256
+    shapes = hidden * (vocab + (8192 + 2 * 1024) + 8192 + 2 * 28672 + 28672)  # output layer, QKV, proj, FC1, FC2
+    assert parts["ran"]["dummy_wgrads"] == 0.0 and parts["early"]["dummy_wgrads"] == pytest.approx(shapes * 2)
+    # two layers' FP8 weights and two layers' bf16 gradients (double buffer); four layers' gradients by default
+    assert parts["before"]["fsdp_buffers"] / parts["ran"]["fsdp_buffers"] == pytest.approx((2 + 4 * 2) / (2 + 2 * 2))
+
+
 def test_torchtitan_70b_tp8_under_full_recomputation_keeps_each_layers_input_split_over_tp() -> None:
     """torchtitan's Llama 3.1 70B under FSDP2 + TP 8 with its SequenceParallel norms, 16 x 8k tokens a rank, full
     recomputation: a sequence_parallel cell that names the norms in words states SP on, so each of the 80

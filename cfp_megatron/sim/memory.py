@@ -36,7 +36,7 @@ from cfp_megatron.sim.measured_memory import measured_memory, peak_activation_by
 from cfp_megatron.sim.options import PipelineSchedule, SimOptions
 from cfp_megatron.sim.primepar_cost import megatron_twin, primepar_stash_saving, primepar_weight_copies
 from cfp_megatron.sim.schedule import zero_bubble_limit
-from cfp_megatron.sim.sharding import Sharding
+from cfp_megatron.sim.sharding import FsdpBuffers, Sharding
 
 BAND_FILE = Path(__file__).with_name("memory_band.json")
 """The allocator's band on the predicted memory of a GPU rank, measured (its ``source`` and ``measured``)."""
@@ -617,7 +617,9 @@ def layout_memory(job: JobSpec, layout: Layout, options: SimOptions) -> LayoutMe
     return LayoutMemory(
         elem_bytes=float(element_bytes(job)),
         sharding=Sharding.megatron(job, layout.dims, torch_fsdp=options.torch_fsdp, apex_adam=options.apex_adam,
-                                   deepspeed_engine=options.deepspeed_engine),
+                                   deepspeed_engine=options.deepspeed_engine,
+                                   fsdp_buffers=FsdpBuffers(unit_size=options.fsdp_unit_size,
+                                                            double_buffer=options.fsdp_double_buffer)),
         dense=layer_activation_bytes(job, layout, options, moe=False),
         moe=layer_activation_bytes(job, layout, options, moe=True) if moe else zero,
         megatron=(layer_activation_bytes(megatron_twin(job), layout, options, moe=False)

@@ -7,6 +7,7 @@ optimizer states, and the gradient sync and parameter gather a step pays for the
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from cfp_megatron.base.config import FsdpStrategy, JobSpec, OptimizerKind, Precision
@@ -147,6 +148,43 @@ class StateBytes:
         return kept + (0.0 if sharded >= Sharded.optimizer else self.main_gradients + self.optimizer_side)
 
 
+MEGATRON_FSDP_MIN_UNIT = 1_000_000_000
+"""Megatron-FSDP's least default communication unit, in parameters (megatron_fsdp.py, ``MegatronFSDP.__init__``:
+``suggested_communication_unit_size`` unset is twice the mean FSDP unit's parameters, capped below at 10^9)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FsdpBuffers:
+    """How many whole layers Megatron-FSDP (megatron-core 0.16.1, ``megatron_fsdp/param_and_grad_buffer.py``) holds
+    unsharded at once, from its all-gather prefetch and its reduce-scatter queue (docs/simulator.md, "What FSDP holds
+    unsharded")."""
+
+    unit_size: int | None = None
+    """``suggested_communication_unit_size`` in parameters; ``None``: the default (twice a layer's parameters, at
+    least :data:`MEGATRON_FSDP_MIN_UNIT`)."""
+    double_buffer: bool = False
+    """``fsdp_double_buffer``: two fixed buffers each for the gathered weights and the unsharded gradients (its
+    ``FixedPoolAllocator``, ``size=2``), which cap both at two layers."""
+
+    def layers(self, layer_params: float, layers: int | None = None) -> tuple[int, int]:
+        """(layers of weights gathered, layers of unsharded gradients) at a layer's backward pass, for layers of
+        ``layer_params`` parameters on the rank (``layers`` of them on the stage; ``None``: no bound).
+        ``AllGatherPipeline.all_gather_params`` adds the next layers to the gather while what it prefetched is below
+        half the unit;
+        ``GradReducePipeline.reduce_gradients`` pops (waits for and frees) the oldest queued reduce-scatter only
+        while the queue holds more than a unit, then queues this layer's: so the queue keeps ``unit // layer``
+        layers, one more once queued, besides the layer whose gradients are being made. The double buffer's
+        ``_enforce_double_buffer_limit`` keeps two layers of each."""
+        if layer_params <= 0:
+            return 0, 0
+        unit = self.unit_size if self.unit_size is not None else max(MEGATRON_FSDP_MIN_UNIT, 2 * layer_params)
+        prefetched = max(1, math.ceil(unit // 2 / layer_params))
+        weights, grads = 1 + prefetched, int(unit // layer_params) + 2
+        if self.double_buffer:
+            weights, grads = min(weights, 2), min(grads, 2)
+        return (weights, grads) if layers is None else (min(weights, layers), min(grads, layers))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StateMemory:
     """One rank's bytes of each state category."""
@@ -189,6 +227,9 @@ class Sharding:
     reduce_whole: bool = False
     """The gradients are all-reduced whole though the optimizer's states are sharded (DeepSpeed's ``BF16_Optimizer``
     all-reduces its fp32 buffer, then each rank steps its share)."""
+    megatron_fsdp: FsdpBuffers | None = None
+    """Megatron-FSDP's buffers where it shards the weights (:meth:`gathered_bytes` counts its prefetch and queue);
+    ``None``: PyTorch's FSDP2 rule, the layer computing and the one prefetched, one layer's gradients."""
 
     def __post_init__(self) -> None:
         """Raises :class:`ConfigError` for a group below one rank or parameter offload of unsharded weights."""
@@ -204,7 +245,8 @@ class Sharding:
 
     @classmethod
     def megatron(cls, job: JobSpec, dims: ParallelDims, *, torch_fsdp: bool = False,
-                 apex_adam: ApexAdamStates | None = None, deepspeed_engine: bool = False) -> Sharding:
+                 apex_adam: ApexAdamStates | None = None, deepspeed_engine: bool = False,
+                 fsdp_buffers: FsdpBuffers | None = None) -> Sharding:
         """Megatron-Core's data parallelism for ``job`` laid out as ``dims``: Megatron-FSDP's strategy
         (``parallel.fsdp``), the distributed optimizer (``parallel.distributed_optimizer``: the optimizer's states)
         or DDP; the dense parameters' states over DP x CP, or over shard groups of ``parallel.dp_shard_size`` of them
@@ -214,7 +256,8 @@ class Sharding:
         (:meth:`StateBytes.megatron`). ``deepspeed_engine``: DeepSpeed's engine keeps and reduces them instead
         (:attr:`~cfp_megatron.sim.options.SimOptions.deepspeed_engine`): with bf16 weights its ``BF16_Optimizer``,
         which shards its fp32 states at ZeRO stage 0 too; otherwise its ZeRO-1 where the distributed optimizer is on
-        (:meth:`StateBytes.deepspeed`)."""
+        (:meth:`StateBytes.deepspeed`). ``fsdp_buffers``: Megatron-FSDP's communication unit and double buffer as
+        the run set them (``None``: its defaults), where it shards the weights and ``torch_fsdp`` is off."""
         p = job.parallel
         dp_cp = dims.dp * dims.cp
         if deepspeed_engine and p.fsdp is FsdpStrategy.none:
@@ -227,7 +270,9 @@ class Sharding:
         sharded = megatron_sharded(distributed_optimizer=p.distributed_optimizer, fsdp=p.fsdp)
         return cls(sharded=sharded, state=StateBytes.megatron(job, torch_fsdp=torch_fsdp, apex_adam=apex_adam),
                    group=shard, expert_group=dims.expert_dp, replicas=max(dp_cp // shard, 1),
-                   gathers_once=torch_fsdp and dims.pp > 1 and sharded >= Sharded.parameters)
+                   gathers_once=torch_fsdp and dims.pp > 1 and sharded >= Sharded.parameters,
+                   megatron_fsdp=(fsdp_buffers or FsdpBuffers()) if sharded >= Sharded.parameters and not torch_fsdp
+                   else None)
 
     @classmethod
     def zero(cls, *, stage: int, dp: int, elem: float, offload_optimizer: bool = False,
@@ -276,20 +321,23 @@ class Sharding:
         experts = self._expert_ranks
         return (params - expert_params) / self.group + expert_params / experts
 
-    def gathered_bytes(self, layer_params: float, expert_params: float = 0.0, *, layers: int = 1) -> float:
+    def gathered_bytes(self, layer_params: float, expert_params: float = 0.0, *, layers: int | None = None) -> float:
         """Bytes of whole layers a rank holds at once where weights are gathered per pass (zero elsewhere): the
-        layer computing and the one prefetched, and one layer's gradients before their reduce-scatter, for
+        layer computing and the one prefetched, and one layer's gradients before their reduce-scatter (under
+        Megatron-FSDP as many as its prefetch and reduce-scatter queue keep, :meth:`FsdpBuffers.layers`), for
         ``layer_params`` parameters a layer on the rank (``expert_params`` of them routed experts', gathered only
         where the expert-DP group shards them: over one rank they stay whole, counted with the weights); where
-        they are gathered once a step (:attr:`gathers_once`), all ``layers`` of the stage and their gradients."""
+        they are gathered once a step (:attr:`gathers_once`), all ``layers`` of the stage (one where not given) and
+        their gradients."""
         if not self.gathers_per_pass:
             return 0.0
         gathered = layer_params - (expert_params if self._expert_ranks == 1 else 0.0)
         if self.gathers_once:
             # the stage's ``layers`` held whole, with their unsharded gradients accumulated in the reduction's dtype
             # (FSDPParam.to_accumulated_grad_if_needed)
-            return layers * gathered * (self.state.weights + self.state.gradients)
-        return 2 * gathered * self.state.weights + gathered * self.state.gradients
+            return (layers or 1) * gathered * (self.state.weights + self.state.gradients)
+        weights, grads = (2, 1) if self.megatron_fsdp is None else self.megatron_fsdp.layers(layer_params, layers)
+        return weights * gathered * self.state.weights + grads * gathered * self.state.gradients
 
     @property
     def _expert_ranks(self) -> int:
