@@ -104,6 +104,7 @@ from cfp_megatron.sim.uncertainty import BAND_QUANTILE
 from cfp_megatron.validation.bands import band_table, sources_problem
 from cfp_megatron.validation.columns import (
     interconnect_reading,
+    memory_reading,
     power_reading,
     precision_reading,
     preset_precision,
@@ -216,7 +217,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         presets[preset_name] = load_preset(preset_name)
     cluster = dict(presets[preset_name])
     fabric, power = interconnect_reading(row, cluster), power_reading(row, cluster)
-    cluster.update({**fabric.cluster, **power.cluster})
+    memory = memory_reading(row, cluster)
+    cluster.update({**fabric.cluster, **power.cluster, **memory.cluster})
     gpus = count_cell(row, "num_gpus")
     if not gpus:
         raise RowError("num_gpus is blank")
@@ -369,7 +371,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     layout += " fsdp" if fsdp else ""
     layout += " fp8-params" if job.parallel.fp8_param_gather else ""
     layout += " ds" if framework.deepspeed_engine else ""
-    readings = (fabric, schedule, numbers, power)
+    readings = (fabric, schedule, numbers, power, memory)
     layout += "".join(f" {reading.tag}" for reading in readings if reading.tag)
     options = SimOptions(measured_layer_only=layer_only, attention=framework.attention,
                          pipeline_schedule=schedule.schedule,

@@ -395,6 +395,19 @@ def test_torchtitan_70b_tp8_under_full_recomputation_keeps_each_layers_input_spl
     assert memory.total_gib <= plan.job.cluster.hbm_gib
 
 
+def test_a_gpu_column_stating_its_memory_is_the_memory_the_run_fit_in() -> None:
+    """torchtitan's Grand Teton H100s have 96 GB (HBM2e): a row saying so is judged against 96, not the 80 GB SXM
+    preset its alias finds; a figure equal to the preset's, or to a whole node's (8 x 40 GB), keeps the preset's."""
+    row = {**LLAMA3_70B_GB200, "model": "Llama 3.1 70B", "gpu": "H100 96GB HBM2e", "num_gpus": "256",
+           "framework": "torchtitan", "tp": "8", "dp": "32", "zero_or_fsdp": "FSDP2", "micro_batch": "16",
+           "global_batch_seqs": "512", "recompute": "full", "precision": "bf16"}
+    plan = row_plan(row)
+    assert plan.job.cluster.name == "dgx_h100" and plan.job.cluster.hbm_gib == 96.0 and "96GB" in plan.layout
+    assert row_plan({**row, "gpu": "H100-SXM5-80GB"}).job.cluster.hbm_gib == 80.0
+    assert row_plan({**row, "gpu": "DGX A100 320GB"}).job.cluster.hbm_gib == 40.0
+    assert row_plan({**row, "gpu": "H100"}).job.cluster.hbm_gib == 80.0
+
+
 def test_unreadable_inputs_are_refused_by_name(tmp_path: Path, capsys) -> None:
     header_only = tmp_path / "header.csv"
     header_only.write_text("id,layers,hidden,heads,seq_len,gpu,num_gpus\n")
