@@ -210,9 +210,10 @@ def test_pytorch_fsdp_keeps_its_fp32_shard_as_the_master_weights() -> None:
     assert theirs.weights == 0.0 and ours.weights == pytest.approx(params * 2 / 8)
     assert (theirs.gradients, theirs.optimizer_states) == (ours.gradients, ours.optimizer_states)
     assert (theirs.gradients + theirs.optimizer_states) * 8 / params == pytest.approx(16.0)
-    # the layers gathered for the passes are bf16 either way; FSDP2 holds two of them and one layer's fp32 gradients,
-    # Megatron-FSDP as many as its default unit (10^9 parameters) prefetches and queues: 4 and 7 (FsdpBuffers)
-    assert torch_fsdp.gathered_bytes(2e8) == pytest.approx(2e8 * (2 * 2 + 4))
+    # the layers gathered for the passes are bf16 either way; FSDP2 holds two of them, one layer's reduce-scatter
+    # input in fp32 and the next layer's unsharded gradient in bf16 (foreach_reduce), Megatron-FSDP as many as its
+    # default unit (10^9 parameters) prefetches and queues: 4 and 7 (FsdpBuffers)
+    assert torch_fsdp.gathered_bytes(2e8) == pytest.approx(2e8 * (2 * 2 + 4 + 2))
     assert megatron.gathered_bytes(2e8) == pytest.approx(2e8 * (4 * 2 + 7 * 4))
     full = dict(predict_memory(job).parts)["weights"]
     assert full > 0 and dict(predict_memory(job, options=SimOptions(torch_fsdp=True)).parts)["weights"] == 0.0

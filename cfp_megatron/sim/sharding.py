@@ -230,6 +230,10 @@ class Sharding:
     megatron_fsdp: FsdpBuffers | None = None
     """Megatron-FSDP's buffers where it shards the weights (:meth:`gathered_bytes` counts its prefetch and queue);
     ``None``: PyTorch's FSDP2 rule, the layer computing and the one prefetched, one layer's gradients."""
+    unsharded_grad_bytes: float = 0.0
+    """PyTorch's FSDP2: bytes per parameter of the unsharded gradient autograd makes in the compute precision, held
+    beside the previous layer's reduce-scatter input (in the reduction's dtype, :attr:`StateBytes.gradients`) until
+    its own is copied in (``foreach_reduce``; ``reduce_scatter_max_input_buffers`` 1); zero elsewhere."""
 
     def __post_init__(self) -> None:
         """Raises :class:`ConfigError` for a group below one rank or parameter offload of unsharded weights."""
@@ -272,7 +276,9 @@ class Sharding:
                    group=shard, expert_group=dims.expert_dp, replicas=max(dp_cp // shard, 1),
                    gathers_once=torch_fsdp and dims.pp > 1 and sharded >= Sharded.parameters,
                    megatron_fsdp=(fsdp_buffers or FsdpBuffers()) if sharded >= Sharded.parameters and not torch_fsdp
-                   else None)
+                   else None,
+                   unsharded_grad_bytes=float(element_bytes(job)) if torch_fsdp and sharded >= Sharded.parameters
+                   else 0.0)
 
     @classmethod
     def zero(cls, *, stage: int, dp: int, elem: float, offload_optimizer: bool = False,
@@ -336,7 +342,9 @@ class Sharding:
             # the stage's ``layers`` held whole, with their unsharded gradients accumulated in the reduction's dtype
             # (FSDPParam.to_accumulated_grad_if_needed)
             return (layers or 1) * gathered * (self.state.weights + self.state.gradients)
-        weights, grads = (2, 1) if self.megatron_fsdp is None else self.megatron_fsdp.layers(layer_params, layers)
+        if self.megatron_fsdp is None:  # FSDP2: one layer's gradients in each of the two dtypes
+            return gathered * (2 * self.state.weights + self.state.gradients + self.unsharded_grad_bytes)
+        weights, grads = self.megatron_fsdp.layers(layer_params, layers)
         return weights * gathered * self.state.weights + grads * gathered * self.state.gradients
 
     @property
