@@ -121,6 +121,7 @@ from cfp_megatron.validation.defaults import (
     performance_recipe,
     preset_architecture,
     row_framework,
+    row_release,
     source_setting,
     stated_row,
 )
@@ -380,6 +381,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                                                    else framework.weight_grad_accumulation),
                          fsdp_double_buffer=bool(recipe and recipe.fsdp_double_buffer),
                          fsdp_unit_size=recipe.fsdp_unit_size if recipe else None,
+                         offload_v1=bool(offloaded and recipe and recipe.offload_v1_until
+                                         and (row_release(row) or (0, 0)) <= recipe.offload_v1_until),
                          pipeline_scatter_gather=framework.pipeline_scatter_gather,
                          blocking_interleaved=framework.blocking_interleaved,
                          te_cross_entropy=framework.te_cross_entropy,

@@ -364,7 +364,12 @@ def test_megatron_bridge_fsdp_presets_run_their_fsdp_buffers_and_no_fusion_from_
     early = row_plan({**LLAMA3_70B_GB200, "framework": "Megatron-Bridge / NeMo 25.09"})
     assert early.options.weight_grad_accumulation is WeightGradAccumulation.fused
     assert early.options.fsdp_double_buffer and early.options.fsdp_unit_size is None
+    # Transformer Engine 2.10 (26.02 runs 2.12) made OffloadSynchronizer the default offload handler; 25.09 and
+    # 25.11 ran 2.7 and 2.9, whose handler has the last offloaded layer back beside the last layer's passes
+    assert not plan.options.offload_v1 and early.options.offload_v1
+    assert row_plan({**LLAMA3_70B_GB200, "framework": "Megatron-Bridge / NeMo 25.11"}).options.offload_v1
     before = row_plan({**LLAMA3_70B_GB200, "framework": "Megatron-Bridge / NeMo 25.07"})  # no preset
+    assert not before.options.offload_v1
     assert not before.options.fsdp_double_buffer and before.options.fsdp_unit_size is None
     parts = {name: dict(simulate(p.job, options=p.options).memory.parts) for name, p in
              (("ran", plan), ("early", early), ("before", before))}

@@ -405,10 +405,16 @@ def recomputed_layers(job: JobSpec, *, rank: int) -> tuple[int, int]:
     return sum(dense for dense, _ in per_chunk), sum(moe for _, moe in per_chunk)
 
 
-OFFLOAD_RESIDENT_LAYERS = 2
-"""Offloaded layers whose activations are on the GPU at once at most: the one whose copy to the host is in flight
-while the next layer computes (forward), and the one reloaded for the layer being differentiated beside the
-prefetched next one (backward: Transformer Engine's offload handler reloads one group ahead)."""
+def offload_resident_bytes(options: SimOptions, dense_act: float, moe_act: float, off_moe: int) -> float:
+    """Bytes of offloaded activations on the GPU beside the last layer's passes (not beside the loss's logits, and
+    none beside the rest at the peak): Transformer Engine's handler before 2.10 (:attr:`~cfp_megatron.sim.options.
+    SimOptions.offload_v1`) frees the last offloaded layer's copy at the last layer's commit and reloads it at the
+    first backward commit, one layer (``moe_act`` where the offloaded layers reach a MoE one, ``off_moe`` > 0, else
+    ``dense_act``); TE 2.10's ``OffloadSynchronizer`` finishes each offload and starts each reload so that the rank
+    holds the other layers' activations alone (docs/simulator.md, "Activation offloading")."""
+    if not options.offload_v1:
+        return 0.0
+    return moe_act if off_moe else dense_act
 
 
 def offloaded_layers(job: JobSpec, layers: int) -> tuple[int, int]:

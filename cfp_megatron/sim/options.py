@@ -132,6 +132,12 @@ class SimOptions:
     FSDP2 ``fully_shard``: torchtitan, llm-foundry): the fp32 shard is the parameter and its master weights, with no
     compute-precision shard beside it (memory only; :attr:`~cfp_megatron.sim.sharding.StateBytes.master_is_shard`).
     ``False``: Megatron-FSDP's, as the runtime trains."""
+    offload_v1: bool = False
+    """Activation offloading (``parallel.cpu_offloading_num_layers``) runs Transformer Engine's handler before 2.10
+    (``AsyncDoubleBufferGroupOffloadHandler``; ``cpu_offload_v1.py`` with ``NVTE_CPU_OFFLOAD_V1=1`` from 2.10): its
+    last offloaded layer is on the GPU beside the last layer's passes (memory only,
+    :func:`~cfp_megatron.sim.memory.offload_resident_bytes`). ``False``: TE 2.10's ``OffloadSynchronizer``, the
+    default of the Transformer Engine the runtime installs."""
     fsdp_unit_size: int | None = None
     """Megatron-FSDP's ``suggested_communication_unit_size`` (parameters) where the run set one: its reduce-scatter
     queue keeps that many parameters' unsharded gradients and its all-gather prefetches half as many

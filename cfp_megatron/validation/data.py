@@ -233,6 +233,9 @@ class PerformanceRecipe:
     fsdp_unit_size: int | None = None
     """The preset's ``ddp.suggested_communication_unit_size`` (:attr:`~cfp_megatron.sim.options.SimOptions.
     fsdp_unit_size`); ``None``: unset."""
+    offload_v1_until: tuple[int, int] | None = None
+    """The last container (year, month) whose Transformer Engine offloads with its handler before 2.10
+    (:attr:`~cfp_megatron.sim.options.SimOptions.offload_v1` for rows up to it); ``None``: none does."""
     source: str
     """Where this comes from."""
 
@@ -441,7 +444,7 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[PerformanceRecipe, ...]:
     keys = {"releases", "model", "precision", "hardware", "layouts", "dispatcher", "a2a_overlap", "tp_comm_overlap",
             "overlap_grad_reduce", "recompute_modules", "cuda_graph_impl", "cuda_graph_scope", "micro_batch",
             "cpu_offloading_num_layers", "flex_backend", "fp8_format", "gradient_accumulation_fusion",
-            "fsdp_double_buffer", "fsdp_unit_size"}
+            "fsdp_double_buffer", "fsdp_unit_size", "offload_v1_until"}
     recipes = []
     for index, raw in enumerate(_entries(path, data, "recipes")):
         entry = _Entry(path, index, raw, keys)
@@ -499,7 +502,9 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[PerformanceRecipe, ...]:
             cuda_graph_impl=graphs, cuda_graph_scope=scope, micro_batch=micro_batch,
             cpu_offloading_num_layers=offloaded, fp8_format=fp8_format,
             gradient_accumulation_fusion=entry.get("gradient_accumulation_fusion", bool, True),
-            fsdp_double_buffer=entry.get("fsdp_double_buffer", bool, False), fsdp_unit_size=unit))
+            fsdp_double_buffer=entry.get("fsdp_double_buffer", bool, False), fsdp_unit_size=unit,
+            offload_v1_until=(_release(entry, raw["offload_v1_until"]) if raw.get("offload_v1_until") is not None
+                              else None)))
     return tuple(recipes)
 
 
