@@ -266,3 +266,18 @@ def test_megatron_fsdp_holds_what_its_prefetch_and_reduce_scatter_queue_keep() -
     dims = ParallelDims.build(job, 8, te_available=False)
     assert Sharding.megatron(job, dims).megatron_fsdp == FsdpBuffers()
     assert Sharding.megatron(job, dims, torch_fsdp=True).megatron_fsdp is None
+
+
+def test_pytorch_fsdp_under_fp8_gathers_its_weights_in_bf16_with_no_quantised_copy() -> None:
+    """torchao's float8 linears (torchtitan) cast the gathered bf16 weight inside each matmul and save the
+    high-precision weight and input for the backward (``matmul_with_hp_or_float8_args``), so FSDP2's gathered
+    layers are 2 bytes a parameter; Megatron-Core's Transformer Engine layers keep FP8 copies beside them."""
+    from cfp_megatron.base.parallel_dims import ParallelDims
+
+    job = compose_job(["model=llama3_8b", "cluster=dgx_h100", "cluster.nodes=1", "train.precision=fp8",
+                       "parallel.distributed_optimizer=true", "parallel.fsdp=optim_grads_params",
+                       "train.global_batch_size=16"])
+    dims = ParallelDims.build(job, 8, te_available=False)
+    torch_fsdp, megatron = Sharding.megatron(job, dims, torch_fsdp=True), Sharding.megatron(job, dims)
+    assert torch_fsdp.state.weights == 2.0 and megatron.state.weights > 2.0
+    assert torch_fsdp.gathered_bytes(2e8) == pytest.approx(2e8 * (2 * 2 + 4 + 2))

@@ -108,7 +108,11 @@ class StateBytes:
         master, states = FP32_BYTES if elem == 2 else 0.0, optimizer_state_bytes(job.train.optimizer)
         if apex_adam is not None and elem == 2 and job.train.optimizer is OptimizerKind.adam:
             master, states = APEX_ADAM_BYTES[apex_adam]
-        return cls(weights=weight_element_bytes(job, elem), gradients=grad_element_bytes(job), main_gradients=0.0,
+        # PyTorch's FSDP gathers its weights in the compute precision and keeps no quantised copy: torchao's float8
+        # linears cast the gathered weight in each matmul and save the high-precision one (Transformer Engine's
+        # cached FP8 copies are Megatron-Core's)
+        weights = elem if torch_fsdp else weight_element_bytes(job, elem)
+        return cls(weights=weights, gradients=grad_element_bytes(job), main_gradients=0.0,
                    master_weights=master, optimizer_states=states, master_is_shard=torch_fsdp and elem == 2)
 
     @classmethod
