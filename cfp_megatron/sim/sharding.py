@@ -332,24 +332,42 @@ class Sharding:
         return (params - expert_params) / self.group + expert_params / experts
 
     def gathered_bytes(self, layer_params: float, expert_params: float = 0.0, *, layers: int | None = None) -> float:
-        """Bytes of whole layers a rank holds at once where weights are gathered per pass (zero elsewhere): the
-        layer computing and the one prefetched, and one layer's gradients before their reduce-scatter (under
-        Megatron-FSDP as many as its prefetch and reduce-scatter queue keep, :meth:`FsdpBuffers.layers`), for
-        ``layer_params`` parameters a layer on the rank (``expert_params`` of them routed experts', gathered only
-        where the expert-DP group shards them: over one rank they stay whole, counted with the weights); where
-        they are gathered once a step (:attr:`gathers_once`), all ``layers`` of the stage (one where not given) and
-        their gradients."""
+        """Bytes of whole layers' weights a rank holds at once where weights are gathered per pass (zero elsewhere):
+        the layer computing and the one prefetched (under Megatron-FSDP as many as its prefetch gathers,
+        :meth:`FsdpBuffers.layers`), for ``layer_params`` parameters a layer on the rank (``expert_params`` of them
+        routed experts', gathered only where the expert-DP group shards them: over one rank they stay whole, counted
+        with the weights); where they are gathered once a step (:attr:`gathers_once`), all ``layers`` of the stage
+        (one where not given) with their unsharded gradients, held through every pass. The gradients made per pass
+        are :meth:`backward_grad_bytes`."""
         if not self.gathers_per_pass:
             return 0.0
-        gathered = layer_params - (expert_params if self._expert_ranks == 1 else 0.0)
+        gathered = self._gathered(layer_params, expert_params)
         if self.gathers_once:
             # the stage's ``layers`` held whole, with their unsharded gradients accumulated in the reduction's dtype
             # (FSDPParam.to_accumulated_grad_if_needed)
             return (layers or 1) * gathered * (self.state.weights + self.state.gradients)
-        if self.megatron_fsdp is None:  # FSDP2: one layer's gradients in each of the two dtypes
-            return gathered * (2 * self.state.weights + self.state.gradients + self.unsharded_grad_bytes)
-        weights, grads = self.megatron_fsdp.layers(layer_params, layers)
-        return weights * gathered * self.state.weights + grads * gathered * self.state.gradients
+        weights = 2 if self.megatron_fsdp is None else self.megatron_fsdp.layers(layer_params, layers)[0]
+        return weights * gathered * self.state.weights
+
+    def backward_grad_bytes(self, layer_params: float, expert_params: float = 0.0, *, layers: int | None = None,
+                            freed_per_layer: float = 0.0) -> float:
+        """Bytes of unsharded gradients a rank holds at once in a backward pass where weights are gathered per pass
+        (zero elsewhere, and where they are gathered once a step: :meth:`gathered_bytes`): they exist only from a
+        layer's backward on, so they are the backward's working set, not beside the loss's logits. PyTorch's FSDP2
+        holds one layer's in each of two dtypes; Megatron-FSDP the layer's being made and those its reduce-scatter
+        queue keeps (:meth:`FsdpBuffers.layers`), each queued layer's backward having freed ``freed_per_layer``
+        bytes of its activations first, so the queue adds only what a layer's gradients exceed them by."""
+        if not self.gathers_per_pass or self.gathers_once:
+            return 0.0
+        layer = self._gathered(layer_params, expert_params) * (self.state.gradients + self.unsharded_grad_bytes)
+        if self.megatron_fsdp is None:
+            return layer
+        grads = self.megatron_fsdp.layers(layer_params, layers)[1]
+        return layer + max(grads - 1, 0) * max(layer - freed_per_layer, 0.0)
+
+    def _gathered(self, layer_params: float, expert_params: float) -> float:
+        """Parameters of a layer a gather makes whole (the experts' not where one rank holds them)."""
+        return layer_params - (expert_params if self._expert_ranks == 1 else 0.0)
 
     @property
     def _expert_ranks(self) -> int:

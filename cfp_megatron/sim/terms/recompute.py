@@ -155,6 +155,13 @@ def kept_and_working(stage: Stage) -> tuple[float, float]:
         flows = [backward_flow_bytes(job, layout, options, moe=moe)
                  for moe, count in ((False, dense_layers), (True, moe_layers)) if count]
         working += max(unfused_attention_working_bytes(job, layout, options), *flows)
+        # FSDP's unsharded gradients exist from a layer's backward on; each layer whose gradients its reduce-scatter
+        # queue keeps has freed its activations first (none while offloaded layers are reloaded in their place).
+        kinds = (dense_full, moe_full) if parallel.recompute is Recompute.full else (dense_act, moe_act)
+        freed = 0.0 if offloaded_layers(job, layers) != (0, 0) else min(
+            kind for kind, count in zip(kinds, (dense_layers, moe_layers), strict=True) if count)
+        working += common.sharding.backward_grad_bytes(stage.layer_params / layers, stage.expert_params / layers,
+                                                       layers=layers, freed_per_layer=freed)
     return kept * held_microbatches, working + resident
 
 
