@@ -98,12 +98,13 @@ from cfp_megatron.base.parallel_dims import data_parallel_size
 from cfp_megatron.base.pipeline_layout import balanced_layout
 from cfp_megatron.cluster.presets import known_gpus, preset_for_gpu
 from cfp_megatron.sim.calibration import generation
-from cfp_megatron.sim.options import SimOptions
+from cfp_megatron.sim.options import SimOptions, WeightGradAccumulation
 from cfp_megatron.sim.simulate import simulate
 from cfp_megatron.sim.uncertainty import BAND_QUANTILE
 from cfp_megatron.validation.bands import band_table, sources_problem
 from cfp_megatron.validation.columns import (
     interconnect_reading,
+    memory_reading,
     power_reading,
     precision_reading,
     preset_precision,
@@ -120,6 +121,7 @@ from cfp_megatron.validation.defaults import (
     performance_recipe,
     preset_architecture,
     row_framework,
+    row_release,
     source_setting,
     stated_row,
 )
@@ -216,7 +218,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
         presets[preset_name] = load_preset(preset_name)
     cluster = dict(presets[preset_name])
     fabric, power = interconnect_reading(row, cluster), power_reading(row, cluster)
-    cluster.update({**fabric.cluster, **power.cluster})
+    memory = memory_reading(row, cluster)
+    cluster.update({**fabric.cluster, **power.cluster, **memory.cluster})
     gpus = count_cell(row, "num_gpus")
     if not gpus:
         raise RowError("num_gpus is blank")
@@ -369,11 +372,17 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     layout += " fsdp" if fsdp else ""
     layout += " fp8-params" if job.parallel.fp8_param_gather else ""
     layout += " ds" if framework.deepspeed_engine else ""
-    readings = (fabric, schedule, numbers, power)
+    readings = (fabric, schedule, numbers, power, memory)
     layout += "".join(f" {reading.tag}" for reading in readings if reading.tag)
     options = SimOptions(measured_layer_only=layer_only, attention=framework.attention,
                          pipeline_schedule=schedule.schedule,
-                         weight_grad_accumulation=framework.weight_grad_accumulation,
+                         weight_grad_accumulation=(WeightGradAccumulation.main_grad_hook
+                                                   if recipe and not recipe.gradient_accumulation_fusion
+                                                   else framework.weight_grad_accumulation),
+                         fsdp_double_buffer=bool(recipe and recipe.fsdp_double_buffer),
+                         fsdp_unit_size=recipe.fsdp_unit_size if recipe else None,
+                         offload_v1=bool(offloaded and recipe and recipe.offload_v1_until
+                                         and (row_release(row) or (0, 0)) <= recipe.offload_v1_until),
                          pipeline_scatter_gather=framework.pipeline_scatter_gather,
                          blocking_interleaved=framework.blocking_interleaved,
                          te_cross_entropy=framework.te_cross_entropy,

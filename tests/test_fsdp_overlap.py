@@ -106,4 +106,8 @@ def test_pytorch_fsdp2_under_a_pipeline_holds_its_stages_layers_whole() -> None:
     layer, experts = 1e9, 0.5e9  # the experts sharded over their expert-DP group (4 ranks here)
     # 16 layers' bf16 weights and fp32 gradients (FSDP2 accumulates the unsharded gradient in its reduce dtype)
     assert torch.gathered_bytes(layer, experts, layers=16) == pytest.approx(16 * layer * (2 + 4))
-    assert megatron.gathered_bytes(layer, experts, layers=16) == pytest.approx(layer * (2 * 2 + 4))
+    # Megatron-FSDP's default unit (twice a layer) prefetches one layer and, in the backward, queues two layers'
+    # gradients besides the one being made and the one just queued (FsdpBuffers.layers)
+    assert megatron.gathered_bytes(layer, experts, layers=16) == pytest.approx(layer * 2 * 2)
+    assert megatron.backward_grad_bytes(layer, experts, layers=16) == pytest.approx(layer * 4 * 4)
+    assert torch.backward_grad_bytes(layer, experts, layers=16) == 0.0  # held through the passes, gathered_bytes

@@ -25,8 +25,9 @@ from cfp_megatron.sim.memory import (
     memory_band,
     projection_input_bytes,
 )
-from cfp_megatron.sim.options import AttentionKernel, SimOptions
+from cfp_megatron.sim.options import AttentionKernel, SimOptions, WeightGradAccumulation
 from cfp_megatron.sim.prediction import GIB
+from cfp_megatron.sim.sharding import Sharding
 from cfp_megatron.sim.simulate import predict_memory
 from cfp_megatron.validation.memory_failures import memory_failure_lines, memory_failures
 from cfp_megatron.validation.results import RowPlan, RowResult
@@ -191,12 +192,18 @@ def test_the_issues_70b_fsdp_run_fits_its_96_gb_with_sequence_parallel_norms() -
     # the layer inputs SP divides, less the global buffer its gathers use (131,072 tokens x 8,192 x 2 bytes), and
     # the recomputed layer's backward working set beyond the logits (11.8 GiB) without SP: its activations and its
     # linears' flowing gradients; with SP it and the gather Transformer Engine's linears make again are under them
+    # and Megatron-FSDP's unsharded gradients in that backward (its default unit queues 11 layers of 107 M
+    # parameters on a TP rank, each beyond the input its backward freed)
     beyond = []
+    layer_params = 855_638_016 / 8 + 4 * 8192  # QKV, projection, FC1, FC2 over TP; the norms as the layer cost counts
     for sp in (True, False):
         job = compose_job([*common, f"parallel.sp={str(sp).lower()}"])
         layout, parts = build_layout(job), dict(predict_memory(job).parts)
         working = layer_activation_bytes(job, layout, SimOptions(), moe=False)[0]
-        beyond.append(max(working + backward_flow_bytes(job, layout, SimOptions(), moe=False) - parts["logits"], 0.0))
+        grads = Sharding.megatron(job, layout.dims).backward_grad_bytes(
+            layer_params, layers=80, freed_per_layer=16 * 8192 * 8192 * 2 / (8 if sp else 1))
+        flows = backward_flow_bytes(job, layout, SimOptions(), moe=False)
+        beyond.append(max(working + flows + grads - parts["logits"], 0.0))
     assert beyond[0] == 0.0 < beyond[1]
     assert without - with_sp == pytest.approx(80 * 2 * 7 / 8 - 2 + beyond[1] / GIB)
 
@@ -224,18 +231,28 @@ def test_the_output_projection_keeps_the_cores_output_as_megatron_core_saves_it(
 
 def test_the_issues_70b_megatron_fsdp_run_fits_its_gb200_as_its_recipe_ran() -> None:
     # Megatron-Bridge's llama3_70b_pretrain_64gpu_gb200_fp8cs_config: Megatron-FSDP, TP1, 2 x 8k tokens, FP8 current
-    # scaling with FP8 parameters, 40 layers' activations offloaded, TE's fused cross entropy. Without the offloading
-    # 80 layers x 3.4 GiB are kept.
+    # scaling with FP8 parameters, bf16 gradient reduction, 40 layers' activations offloaded, TE's fused cross
+    # entropy, gradient_accumulation_fusion off, Megatron-FSDP's double buffer and an 800M-parameter unit. Without the
+    # offloading 80 layers x 3.4 GiB are kept.
     job = compose_job(["model=llama3_70b", "cluster=gb200_nvl72", "cluster.nodes=16", "parallel.tp=1",
                        "parallel.distributed_optimizer=true", "parallel.fsdp=optim_grads_params",
                        "train.precision=fp8", "train.fp8_recipe=tensorwise", "parallel.fp8_param_gather=true",
-                       "train.micro_batch_size=2", "train.seq_length=8192",
+                       "parallel.grad_reduce_in_fp32=false", "train.micro_batch_size=2", "train.seq_length=8192",
                        "train.global_batch_size=256"])
     offloaded = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, cpu_offloading_num_layers=40))
-    recipe = SimOptions(te_cross_entropy=True)
+    recipe = SimOptions(te_cross_entropy=True, weight_grad_accumulation=WeightGradAccumulation.main_grad_hook,
+                        fsdp_double_buffer=True, fsdp_unit_size=800_000_000)
     hbm = job.cluster.hbm_gib
     assert predict_memory(job, options=recipe).total_gib > hbm
-    assert predict_memory(offloaded, options=recipe).total_gib < predict_memory(offloaded).total_gib < hbm
+    ran = predict_memory(offloaded, options=recipe)
+    assert ran.total_gib < hbm
+    # Megatron-FSDP's defaults (no double buffer, a unit of twice a layer) queue four layers' bf16 gradients in the
+    # backward where the recipe's double buffer holds two (each beside two layers' FP8 weights); the fusion's
+    # placeholders only with the fusion
+    default = predict_memory(offloaded, options=SimOptions(te_cross_entropy=True))
+    assert dict(default.parts)["fsdp_buffers"] == dict(ran.parts)["fsdp_buffers"]
+    assert dict(ran.parts)["dummy_wgrads"] == 0.0 < dict(default.parts)["dummy_wgrads"]
+    assert default.total_gib > ran.total_gib
 
 
 def test_the_allocator_band_is_measured_data_and_a_cpu_has_none() -> None:

@@ -12,7 +12,8 @@ from cfp_megatron.model.megatron_config import transformer_config
 from cfp_megatron.plan.artifact import Plan
 from cfp_megatron.plan.exports import megatron_lm_args
 from cfp_megatron.plan.requirements import plan_requirements
-from cfp_megatron.sim.memory import OFFLOAD_RESIDENT_LAYERS, offloaded_layers
+from cfp_megatron.sim.memory import offloaded_layers
+from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.simulate import simulate
 from cfp_megatron.sim.terms.offload import exposed_copy_s
 from cfp_megatron.validate import load_preset
@@ -74,18 +75,26 @@ def test_offloaded_layers_are_the_first_ones() -> None:
     assert offloaded_layers(job(), 6) == (0, 0)
 
 
-def _layer_activations(**parallel) -> float:
-    return dict(simulate(job(**parallel)).memory.parts)["layer_activations"]
+def _layer_activations(options: SimOptions | None = None, **parallel) -> float:
+    return dict(simulate(job(**parallel), options=options).memory.parts)["layer_activations"]
 
 
-def test_offloaded_layers_leave_the_gpu_but_the_copy_and_prefetch_buffers() -> None:
+def test_offloaded_layers_leave_the_gpu_as_transformer_engines_handlers_free_them() -> None:
+    """TE 2.10's OffloadSynchronizer finishes layer i's offload at layer N - n + i's forward and starts its reload at
+    layer N - 1 - n + i's backward, so each offloaded layer frees its whole kept activations at the peak; TE's
+    handler before 2.10 frees the last offloaded layer at the last layer's commit and reloads it at the first
+    backward commit: one layer back beside the last layer's passes, not beside the loss's logits."""
+    from cfp_megatron.sim.layout import build_layout
+    from cfp_megatron.sim.memory import layer_activation_bytes
+
     none = _layer_activations()
-    # Offloading no more layers than the buffers hold frees nothing; each layer beyond frees one layer's activations.
-    assert _layer_activations(cpu_offloading_num_layers=OFFLOAD_RESIDENT_LAYERS) == pytest.approx(none)
-    one = none - _layer_activations(cpu_offloading_num_layers=OFFLOAD_RESIDENT_LAYERS + 1)
-    assert one > 0
-    assert none - _layer_activations(cpu_offloading_num_layers=5) == pytest.approx((5 - OFFLOAD_RESIDENT_LAYERS) * one)
-    assert one == pytest.approx(none / TINY["num_layers"], rel=0.05)  # about one layer's share (working sets aside)
+    plain = job()
+    per_layer = layer_activation_bytes(plain, build_layout(plain), SimOptions(), moe=False)[0]
+    for count in (1, 2, 5):
+        assert none - _layer_activations(cpu_offloading_num_layers=count) == pytest.approx(count * per_layer)
+    old = _layer_activations(SimOptions(offload_v1=True), cpu_offloading_num_layers=5)
+    new = _layer_activations(cpu_offloading_num_layers=5)
+    assert new < old <= new + per_layer  # the layer back beside the last layer's backward, against the logits
 
 
 def test_a_copy_is_exposed_only_beyond_the_layer_it_hides_behind() -> None:

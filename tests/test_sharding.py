@@ -14,7 +14,7 @@ from cfp_megatron.base.compose import compose_job
 from cfp_megatron.base.config import OptimizerKind, Precision
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.cluster.measured import Collective
-from cfp_megatron.sim.sharding import Sharded, Sharding, StateBytes
+from cfp_megatron.sim.sharding import FsdpBuffers, Sharded, Sharding, StateBytes
 from cfp_megatron.sim.simulate import predict_memory
 
 P = 1e9
@@ -138,8 +138,10 @@ def test_fsdp_gathers_experts_over_the_expert_group_and_keeps_them_whole_over_on
     assert whole.pass_sync_s(Costs(), layer, weight_bytes=2.0, per_node=8, expert_params=experts) == (1.0, 1.0)
     assert [call[1] for call in calls] == [0.25 * P * 2.0, 0.25 * P * 4.0]  # the dense part alone
     # what a rank holds gathered at once: the dense part where the experts stay whole, the whole layer elsewhere
-    assert whole.gathered_bytes(layer, experts) == pytest.approx(0.25 * P * (2 * 2.0 + 4.0))
-    assert over_two.gathered_bytes(layer, experts) == pytest.approx(P * (2 * 2.0 + 4.0))
+    assert whole.gathered_bytes(layer, experts) == pytest.approx(0.25 * P * 2 * 2.0)
+    assert over_two.gathered_bytes(layer, experts) == pytest.approx(P * 2 * 2.0)
+    assert whole.backward_grad_bytes(layer, experts) == pytest.approx(0.25 * P * 4.0)  # and in the backward
+    assert over_two.backward_grad_bytes(layer, experts) == pytest.approx(P * 4.0)
     assert whole.memory(layer, experts).weights == pytest.approx(0.25 * P * 2.0 / 8 + experts * 2.0)
 
 
@@ -210,8 +212,13 @@ def test_pytorch_fsdp_keeps_its_fp32_shard_as_the_master_weights() -> None:
     assert theirs.weights == 0.0 and ours.weights == pytest.approx(params * 2 / 8)
     assert (theirs.gradients, theirs.optimizer_states) == (ours.gradients, ours.optimizer_states)
     assert (theirs.gradients + theirs.optimizer_states) * 8 / params == pytest.approx(16.0)
-    # the layers gathered for the passes are bf16 either way
-    assert torch_fsdp.gathered_bytes(2e8) == megatron.gathered_bytes(2e8)
+    # the layers gathered for the passes are bf16 either way; FSDP2 holds two of them and, in a backward pass, one
+    # layer's reduce-scatter input in fp32 beside the next layer's unsharded gradient in bf16 (foreach_reduce);
+    # Megatron-FSDP as many as its default unit (10^9 parameters) prefetches and queues: 4 and 7 (FsdpBuffers)
+    assert torch_fsdp.gathered_bytes(2e8) == pytest.approx(2e8 * 2 * 2)
+    assert torch_fsdp.backward_grad_bytes(2e8) == pytest.approx(2e8 * (4 + 2))
+    assert megatron.gathered_bytes(2e8) == pytest.approx(2e8 * 4 * 2)
+    assert megatron.backward_grad_bytes(2e8) == pytest.approx(2e8 * 7 * 4)
     full = dict(predict_memory(job).parts)["weights"]
     assert full > 0 and dict(predict_memory(job, options=SimOptions(torch_fsdp=True)).parts)["weights"] == 0.0
 
@@ -237,3 +244,50 @@ def test_apex_distributed_adam_keeps_remainders_or_bf16_states_instead_of_fp32_m
                         "parallel.distributed_optimizer=true", "train.global_batch_size=16"])
     assert (StateBytes.megatron(fp32, apex_adam=ApexAdamStates.bf16)  # fp32 weights are their own master
             == StateBytes.megatron(fp32))
+
+
+def test_megatron_fsdp_holds_what_its_prefetch_and_reduce_scatter_queue_keep() -> None:
+    """Megatron-FSDP (megatron-core 0.16.1) gathers the next layers while what it prefetched is below half its
+    communication unit, and frees a queued reduce-scatter's unsharded gradients only once the queue holds more than a
+    unit: with the default unit (twice a layer, at least 10^9 parameters) a 2e8-parameter layer is gathered with the
+    next 3 (4 layers' weights) and 7 layers' gradients are held (5 queued, the one just queued, the one being made);
+    a 10^9 one with the next (2) and 4; the double buffer keeps two of each; Megatron-Bridge's 800M unit on Llama 3
+    70B's 855M-parameter layers also two."""
+    assert FsdpBuffers().layers(2e8) == (4, 7)
+    assert FsdpBuffers().layers(1e9) == (2, 4)
+    assert FsdpBuffers(double_buffer=True).layers(2e8) == (2, 2)
+    assert FsdpBuffers(unit_size=800_000_000).layers(855e6) == (2, 2)
+    assert FsdpBuffers().layers(2e8, layers=3) == (3, 3)  # a stage of three layers holds no more
+    state = _megatron_bytes("bf16")  # bf16 weights, fp32 gradients
+    megatron = Sharding(sharded=Sharded.parameters, state=state, group=8, megatron_fsdp=FsdpBuffers())
+    fsdp2 = Sharding(sharded=Sharded.parameters, state=state, group=8)
+    assert megatron.gathered_bytes(2e8, layers=32) == pytest.approx(4 * 2e8 * 2)
+    assert fsdp2.gathered_bytes(2e8, layers=32) == pytest.approx(2 * 2e8 * 2)
+    # the gradients exist in the backward only: one layer's, and each queued layer's beyond the activations its
+    # backward freed (0.5 GB here of a layer's 0.8 GB of fp32 gradients)
+    assert megatron.backward_grad_bytes(2e8, layers=32) == pytest.approx(7 * 2e8 * 4)
+    assert megatron.backward_grad_bytes(2e8, layers=32, freed_per_layer=5e8) == pytest.approx(8e8 + 6 * 3e8)
+    assert megatron.backward_grad_bytes(2e8, layers=32, freed_per_layer=1e9) == pytest.approx(8e8)
+    assert fsdp2.backward_grad_bytes(2e8, layers=32) == pytest.approx(2e8 * 4)
+    # the plan's Megatron-FSDP is the runtime's, with its defaults; PyTorch's FSDP keeps the FSDP2 rule
+    job = compose_job(["model=llama3_8b", "cluster=dgx_h100", "cluster.nodes=1", "parallel.distributed_optimizer=true",
+                       "parallel.fsdp=optim_grads_params", "train.global_batch_size=16"])
+    from cfp_megatron.base.parallel_dims import ParallelDims
+    dims = ParallelDims.build(job, 8, te_available=False)
+    assert Sharding.megatron(job, dims).megatron_fsdp == FsdpBuffers()
+    assert Sharding.megatron(job, dims, torch_fsdp=True).megatron_fsdp is None
+
+
+def test_pytorch_fsdp_under_fp8_gathers_its_weights_in_bf16_with_no_quantised_copy() -> None:
+    """torchao's float8 linears (torchtitan) cast the gathered bf16 weight inside each matmul and save the
+    high-precision weight and input for the backward (``matmul_with_hp_or_float8_args``), so FSDP2's gathered
+    layers are 2 bytes a parameter; Megatron-Core's Transformer Engine layers keep FP8 copies beside them."""
+    from cfp_megatron.base.parallel_dims import ParallelDims
+
+    job = compose_job(["model=llama3_8b", "cluster=dgx_h100", "cluster.nodes=1", "train.precision=fp8",
+                       "parallel.distributed_optimizer=true", "parallel.fsdp=optim_grads_params",
+                       "train.global_batch_size=16"])
+    dims = ParallelDims.build(job, 8, te_available=False)
+    torch_fsdp, megatron = Sharding.megatron(job, dims, torch_fsdp=True), Sharding.megatron(job, dims)
+    assert torch_fsdp.state.weights == 2.0 and megatron.state.weights > 2.0
+    assert torch_fsdp.gathered_bytes(2e8) == pytest.approx(2e8 * 2 * 2)

@@ -349,6 +349,40 @@ def test_megatron_bridge_dense_fsdp_rows_offload_as_their_preset_and_fit() -> No
     assert whole.memory_gib > plan.job.cluster.hbm_gib  # every layer's activations on the GPU: it would not fit
 
 
+def test_megatron_bridge_fsdp_presets_run_their_fsdp_buffers_and_no_fusion_from_25_11() -> None:
+    """From v0.2.0 (25.11) Megatron-Bridge's Llama 3 70B Megatron-FSDP presets set gradient_accumulation_fusion off,
+    fsdp_double_buffer and an 800M-parameter communication unit (recipes.yaml); 25.09 ran the fusion and the double
+    buffer alone. Without the fusion Transformer Engine hands autograd the weight gradient itself, so no placeholder
+    is held (3.55 GiB with it: one tensor of each linear's shape and the output layer's, bf16), and the double buffer
+    holds two layers' gradients where Megatron-FSDP's default queue holds four."""
+    from cfp_megatron.sim.options import WeightGradAccumulation
+    from cfp_megatron.sim.simulate import simulate
+
+    plan = row_plan(LLAMA3_70B_GB200)  # 26.02
+    assert plan.options.weight_grad_accumulation is WeightGradAccumulation.main_grad_hook
+    assert plan.options.fsdp_double_buffer and plan.options.fsdp_unit_size == 800_000_000
+    early = row_plan({**LLAMA3_70B_GB200, "framework": "Megatron-Bridge / NeMo 25.09"})
+    assert early.options.weight_grad_accumulation is WeightGradAccumulation.fused
+    assert early.options.fsdp_double_buffer and early.options.fsdp_unit_size is None
+    # Transformer Engine 2.10 (26.02 runs 2.12) made OffloadSynchronizer the default offload handler; 25.09 and
+    # 25.11 ran 2.7 and 2.9, whose handler has the last offloaded layer back beside the last layer's passes
+    assert not plan.options.offload_v1 and early.options.offload_v1
+    assert row_plan({**LLAMA3_70B_GB200, "framework": "Megatron-Bridge / NeMo 25.11"}).options.offload_v1
+    before = row_plan({**LLAMA3_70B_GB200, "framework": "Megatron-Bridge / NeMo 25.07"})  # no preset
+    assert not before.options.offload_v1
+    assert not before.options.fsdp_double_buffer and before.options.fsdp_unit_size is None
+    parts = {name: dict(simulate(p.job, options=p.options).memory.parts) for name, p in
+             (("ran", plan), ("early", early), ("before", before))}
+    hidden, vocab = 8192, 128256
+    shapes = hidden * (vocab + (8192 + 2 * 1024) + 8192 + 2 * 28672 + 28672)  # output layer, QKV, proj, FC1, FC2
+    assert parts["ran"]["dummy_wgrads"] == 0.0 and parts["early"]["dummy_wgrads"] == pytest.approx(shapes * 2)
+    # two layers' FP8 weights either way (their gradients are the backward's, in its working set), and the modules
+    # outside Megatron-FSDP's units, gathered in bf16 and never released: the embedding, the output layer, the norm
+    outside = 2 * vocab * hidden + 2 * hidden  # the final norm as the row reads it (LayerNorm: weight and bias)
+    assert parts["before"]["fsdp_buffers"] == parts["ran"]["fsdp_buffers"] == pytest.approx(
+        2 * 855_670_784 * 1.0 + outside * 2.0)
+
+
 def test_torchtitan_70b_tp8_under_full_recomputation_keeps_each_layers_input_split_over_tp() -> None:
     """torchtitan's Llama 3.1 70B under FSDP2 + TP 8 with its SequenceParallel norms, 16 x 8k tokens a rank, full
     recomputation: a sequence_parallel cell that names the norms in words states SP on, so each of the 80
@@ -367,6 +401,19 @@ def test_torchtitan_70b_tp8_under_full_recomputation_keeps_each_layers_input_spl
     tokens, hidden = 16 * 8192, 8192
     assert dict(memory.parts)["layer_activations"] == pytest.approx(80 * tokens * hidden * 2 / 8)
     assert memory.total_gib <= plan.job.cluster.hbm_gib
+
+
+def test_a_gpu_column_stating_its_memory_is_the_memory_the_run_fit_in() -> None:
+    """torchtitan's Grand Teton H100s have 96 GB (HBM2e): a row saying so is judged against 96, not the 80 GB SXM
+    preset its alias finds; a figure equal to the preset's, or to a whole node's (8 x 40 GB), keeps the preset's."""
+    row = {**LLAMA3_70B_GB200, "model": "Llama 3.1 70B", "gpu": "H100 96GB HBM2e", "num_gpus": "256",
+           "framework": "torchtitan", "tp": "8", "dp": "32", "zero_or_fsdp": "FSDP2", "micro_batch": "16",
+           "global_batch_seqs": "512", "recompute": "full", "precision": "bf16"}
+    plan = row_plan(row)
+    assert plan.job.cluster.name == "dgx_h100" and plan.job.cluster.hbm_gib == 96.0 and "96GB" in plan.layout
+    assert row_plan({**row, "gpu": "H100-SXM5-80GB"}).job.cluster.hbm_gib == 80.0
+    assert row_plan({**row, "gpu": "DGX A100 320GB"}).job.cluster.hbm_gib == 40.0
+    assert row_plan({**row, "gpu": "H100"}).job.cluster.hbm_gib == 80.0
 
 
 def test_unreadable_inputs_are_refused_by_name(tmp_path: Path, capsys) -> None:

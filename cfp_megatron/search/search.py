@@ -74,7 +74,7 @@ from cfp_megatron.search.space import (
 from cfp_megatron.sim.bounds import GroupCosts, group_bound, group_costs_pair, layer_terms, time_bound
 from cfp_megatron.sim.format_costs import bf16_twin
 from cfp_megatron.sim.layout import Layout, build_layout, place
-from cfp_megatron.sim.memory import OFFLOAD_RESIDENT_LAYERS, in_flight, layer_activation_bytes, memory_band
+from cfp_megatron.sim.memory import in_flight, layer_activation_bytes, memory_band
 from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.pass_costs import CostCache, cost_key
 from cfp_megatron.sim.prediction import GIB, MemoryBreakdown, Prediction
@@ -815,7 +815,7 @@ def _memory_bounds(bounded: _Bounded, job: JobSpec, param_bytes: StateBound, spl
     first_params = dense_0 * costs.dense_params + moe_0 * costs.moe_params
     held = dense_0 + moe_0  # less the layers activation offloading keeps on the host (sim/memory.py)
     offloaded = job.parallel.cpu_offloading_num_layers
-    held -= max(min(offloaded, held) - OFFLOAD_RESIDENT_LAYERS, 0)
+    held -= min(offloaded, held)  # none of theirs beside the others at the peak (sim/memory.py)
     per_microbatch = in_flight(0, pp, vpp, g.microbatches) / vpp
     activations = min(kept_bytes) * held * per_microbatch
     # each kind's layers at their own bytes (where no layer's activations go to the host)

@@ -36,7 +36,7 @@ from cfp_megatron.sim.measured_memory import measured_memory, peak_activation_by
 from cfp_megatron.sim.options import PipelineSchedule, SimOptions
 from cfp_megatron.sim.primepar_cost import megatron_twin, primepar_stash_saving, primepar_weight_copies
 from cfp_megatron.sim.schedule import zero_bubble_limit
-from cfp_megatron.sim.sharding import Sharding
+from cfp_megatron.sim.sharding import FsdpBuffers, Sharding
 
 BAND_FILE = Path(__file__).with_name("memory_band.json")
 """The allocator's band on the predicted memory of a GPU rank, measured (its ``source`` and ``measured``)."""
@@ -405,10 +405,16 @@ def recomputed_layers(job: JobSpec, *, rank: int) -> tuple[int, int]:
     return sum(dense for dense, _ in per_chunk), sum(moe for _, moe in per_chunk)
 
 
-OFFLOAD_RESIDENT_LAYERS = 2
-"""Offloaded layers whose activations are on the GPU at once at most: the one whose copy to the host is in flight
-while the next layer computes (forward), and the one reloaded for the layer being differentiated beside the
-prefetched next one (backward: Transformer Engine's offload handler reloads one group ahead)."""
+def offload_resident_bytes(options: SimOptions, dense_act: float, moe_act: float, off_moe: int) -> float:
+    """Bytes of offloaded activations on the GPU beside the last layer's passes (not beside the loss's logits, and
+    none beside the rest at the peak): Transformer Engine's handler before 2.10 (:attr:`~cfp_megatron.sim.options.
+    SimOptions.offload_v1`) frees the last offloaded layer's copy at the last layer's commit and reloads it at the
+    first backward commit, one layer (``moe_act`` where the offloaded layers reach a MoE one, ``off_moe`` > 0, else
+    ``dense_act``); TE 2.10's ``OffloadSynchronizer`` finishes each offload and starts each reload so that the rank
+    holds the other layers' activations alone (docs/simulator.md, "Activation offloading")."""
+    if not options.offload_v1:
+        return 0.0
+    return moe_act if off_moe else dense_act
 
 
 def offloaded_layers(job: JobSpec, layers: int) -> tuple[int, int]:
@@ -617,7 +623,9 @@ def layout_memory(job: JobSpec, layout: Layout, options: SimOptions) -> LayoutMe
     return LayoutMemory(
         elem_bytes=float(element_bytes(job)),
         sharding=Sharding.megatron(job, layout.dims, torch_fsdp=options.torch_fsdp, apex_adam=options.apex_adam,
-                                   deepspeed_engine=options.deepspeed_engine),
+                                   deepspeed_engine=options.deepspeed_engine,
+                                   fsdp_buffers=FsdpBuffers(unit_size=options.fsdp_unit_size,
+                                                            double_buffer=options.fsdp_double_buffer)),
         dense=layer_activation_bytes(job, layout, options, moe=False),
         moe=layer_activation_bytes(job, layout, options, moe=True) if moe else zero,
         megatron=(layer_activation_bytes(megatron_twin(job), layout, options, moe=False)

@@ -132,6 +132,21 @@ class SimOptions:
     FSDP2 ``fully_shard``: torchtitan, llm-foundry): the fp32 shard is the parameter and its master weights, with no
     compute-precision shard beside it (memory only; :attr:`~cfp_megatron.sim.sharding.StateBytes.master_is_shard`).
     ``False``: Megatron-FSDP's, as the runtime trains."""
+    offload_v1: bool = False
+    """Activation offloading (``parallel.cpu_offloading_num_layers``) runs Transformer Engine's handler before 2.10
+    (``AsyncDoubleBufferGroupOffloadHandler``; ``cpu_offload_v1.py`` with ``NVTE_CPU_OFFLOAD_V1=1`` from 2.10): its
+    last offloaded layer is on the GPU beside the last layer's passes (memory only,
+    :func:`~cfp_megatron.sim.memory.offload_resident_bytes`). ``False``: TE 2.10's ``OffloadSynchronizer``, the
+    default of the Transformer Engine the runtime installs."""
+    fsdp_unit_size: int | None = None
+    """Megatron-FSDP's ``suggested_communication_unit_size`` (parameters) where the run set one: its reduce-scatter
+    queue keeps that many parameters' unsharded gradients and its all-gather prefetches half as many
+    (:class:`~cfp_megatron.sim.sharding.FsdpBuffers`; memory only). ``None``: Megatron-FSDP's default, twice a
+    layer's parameters and at least 10^9, as the runtime trains."""
+    fsdp_double_buffer: bool = False
+    """Megatron-FSDP's ``fsdp_double_buffer``: two persistent buffers for the gathered weights and two for the
+    unsharded gradients, so at most two layers of each at once (memory only). ``False``: its default, as the runtime
+    trains."""
     torch_fused_adamw: bool = False
     """The optimizer step is PyTorch's fused AdamW over fp32 parameter shards after ``clip_grad_norm_``
     (torchtitan's default ``implementation="fused"``): its HBM traffic per parameter is
@@ -199,7 +214,8 @@ class SimOptions:
         return self.attention is AttentionKernel.flash
 
     def __post_init__(self) -> None:
-        """Raises :class:`ConfigError` for a ``max_schedule_ops`` below 1."""
+        """Raises :class:`ConfigError` for an imbalance outside 1-64, negative syncs, a non-positive FSDP unit size or a
+        ``max_schedule_ops`` below 1."""
         if not 1.0 <= self.moe_routing_imbalance <= 64.0:
             raise ConfigError(ConfigIssue(key="sim.moe_routing_imbalance", value=self.moe_routing_imbalance,
                                           problem="must be between 1 (balanced) and 64.",
@@ -208,6 +224,10 @@ class SimOptions:
             raise ConfigError(ConfigIssue(key="sim.moe_layer_syncs", value=self.moe_layer_syncs,
                                           problem="must be zero or more.",
                                           fix="count the synchronisations of one MoE layer's forward, e.g. 1."))
+        if self.fsdp_unit_size is not None and self.fsdp_unit_size < 1:
+            raise ConfigError(ConfigIssue(key="sim.fsdp_unit_size", value=self.fsdp_unit_size,
+                                          problem="must be a positive number of parameters.",
+                                          fix="give Megatron-FSDP's suggested_communication_unit_size, or None."))
         if self.max_schedule_ops < 1:
             raise ConfigError(ConfigIssue(key="sim.max_schedule_ops", value=self.max_schedule_ops,
                                           problem="must be positive.", fix="use e.g. 200000."))

@@ -7,6 +7,7 @@ optimizer states, and the gradient sync and parameter gather a step pays for the
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from cfp_megatron.base.config import FsdpStrategy, JobSpec, OptimizerKind, Precision
@@ -107,7 +108,11 @@ class StateBytes:
         master, states = FP32_BYTES if elem == 2 else 0.0, optimizer_state_bytes(job.train.optimizer)
         if apex_adam is not None and elem == 2 and job.train.optimizer is OptimizerKind.adam:
             master, states = APEX_ADAM_BYTES[apex_adam]
-        return cls(weights=weight_element_bytes(job, elem), gradients=grad_element_bytes(job), main_gradients=0.0,
+        # PyTorch's FSDP gathers its weights in the compute precision and keeps no quantised copy: torchao's float8
+        # linears cast the gathered weight in each matmul and save the high-precision one (Transformer Engine's
+        # cached FP8 copies are Megatron-Core's)
+        weights = elem if torch_fsdp else weight_element_bytes(job, elem)
+        return cls(weights=weights, gradients=grad_element_bytes(job), main_gradients=0.0,
                    master_weights=master, optimizer_states=states, master_is_shard=torch_fsdp and elem == 2)
 
     @classmethod
@@ -145,6 +150,43 @@ class StateBytes:
         kept = 0.0 if sharded >= Sharded.parameters else self.weights
         kept += 0.0 if sharded >= Sharded.gradients else self.gradients
         return kept + (0.0 if sharded >= Sharded.optimizer else self.main_gradients + self.optimizer_side)
+
+
+MEGATRON_FSDP_MIN_UNIT = 1_000_000_000
+"""Megatron-FSDP's least default communication unit, in parameters (megatron_fsdp.py, ``MegatronFSDP.__init__``:
+``suggested_communication_unit_size`` unset is twice the mean FSDP unit's parameters, capped below at 10^9)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FsdpBuffers:
+    """How many whole layers Megatron-FSDP (megatron-core 0.16.1, ``megatron_fsdp/param_and_grad_buffer.py``) holds
+    unsharded at once, from its all-gather prefetch and its reduce-scatter queue (docs/simulator.md, "What FSDP holds
+    unsharded")."""
+
+    unit_size: int | None = None
+    """``suggested_communication_unit_size`` in parameters; ``None``: the default (twice a layer's parameters, at
+    least :data:`MEGATRON_FSDP_MIN_UNIT`)."""
+    double_buffer: bool = False
+    """``fsdp_double_buffer``: two fixed buffers each for the gathered weights and the unsharded gradients (its
+    ``FixedPoolAllocator``, ``size=2``), which cap both at two layers."""
+
+    def layers(self, layer_params: float, layers: int | None = None) -> tuple[int, int]:
+        """(layers of weights gathered, layers of unsharded gradients) at a layer's backward pass, for layers of
+        ``layer_params`` parameters on the rank (``layers`` of them on the stage; ``None``: no bound).
+        ``AllGatherPipeline.all_gather_params`` adds the next layers to the gather while what it prefetched is below
+        half the unit;
+        ``GradReducePipeline.reduce_gradients`` pops (waits for and frees) the oldest queued reduce-scatter only
+        while the queue holds more than a unit, then queues this layer's: so the queue keeps ``unit // layer``
+        layers, one more once queued, besides the layer whose gradients are being made. The double buffer's
+        ``_enforce_double_buffer_limit`` keeps two layers of each."""
+        if layer_params <= 0:
+            return 0, 0
+        unit = self.unit_size if self.unit_size is not None else max(MEGATRON_FSDP_MIN_UNIT, 2 * layer_params)
+        prefetched = max(1, math.ceil(unit // 2 / layer_params))
+        weights, grads = 1 + prefetched, int(unit // layer_params) + 2
+        if self.double_buffer:
+            weights, grads = min(weights, 2), min(grads, 2)
+        return (weights, grads) if layers is None else (min(weights, layers), min(grads, layers))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -189,6 +231,13 @@ class Sharding:
     reduce_whole: bool = False
     """The gradients are all-reduced whole though the optimizer's states are sharded (DeepSpeed's ``BF16_Optimizer``
     all-reduces its fp32 buffer, then each rank steps its share)."""
+    megatron_fsdp: FsdpBuffers | None = None
+    """Megatron-FSDP's buffers where it shards the weights (:meth:`gathered_bytes` counts its prefetch and queue);
+    ``None``: PyTorch's FSDP2 rule, the layer computing and the one prefetched, one layer's gradients."""
+    unsharded_grad_bytes: float = 0.0
+    """PyTorch's FSDP2: bytes per parameter of the unsharded gradient autograd makes in the compute precision, held
+    beside the previous layer's reduce-scatter input (in the reduction's dtype, :attr:`StateBytes.gradients`) until
+    its own is copied in (``foreach_reduce``; ``reduce_scatter_max_input_buffers`` 1); zero elsewhere."""
 
     def __post_init__(self) -> None:
         """Raises :class:`ConfigError` for a group below one rank or parameter offload of unsharded weights."""
@@ -204,7 +253,8 @@ class Sharding:
 
     @classmethod
     def megatron(cls, job: JobSpec, dims: ParallelDims, *, torch_fsdp: bool = False,
-                 apex_adam: ApexAdamStates | None = None, deepspeed_engine: bool = False) -> Sharding:
+                 apex_adam: ApexAdamStates | None = None, deepspeed_engine: bool = False,
+                 fsdp_buffers: FsdpBuffers | None = None) -> Sharding:
         """Megatron-Core's data parallelism for ``job`` laid out as ``dims``: Megatron-FSDP's strategy
         (``parallel.fsdp``), the distributed optimizer (``parallel.distributed_optimizer``: the optimizer's states)
         or DDP; the dense parameters' states over DP x CP, or over shard groups of ``parallel.dp_shard_size`` of them
@@ -214,7 +264,8 @@ class Sharding:
         (:meth:`StateBytes.megatron`). ``deepspeed_engine``: DeepSpeed's engine keeps and reduces them instead
         (:attr:`~cfp_megatron.sim.options.SimOptions.deepspeed_engine`): with bf16 weights its ``BF16_Optimizer``,
         which shards its fp32 states at ZeRO stage 0 too; otherwise its ZeRO-1 where the distributed optimizer is on
-        (:meth:`StateBytes.deepspeed`)."""
+        (:meth:`StateBytes.deepspeed`). ``fsdp_buffers``: Megatron-FSDP's communication unit and double buffer as
+        the run set them (``None``: its defaults), where it shards the weights and ``torch_fsdp`` is off."""
         p = job.parallel
         dp_cp = dims.dp * dims.cp
         if deepspeed_engine and p.fsdp is FsdpStrategy.none:
@@ -227,7 +278,11 @@ class Sharding:
         sharded = megatron_sharded(distributed_optimizer=p.distributed_optimizer, fsdp=p.fsdp)
         return cls(sharded=sharded, state=StateBytes.megatron(job, torch_fsdp=torch_fsdp, apex_adam=apex_adam),
                    group=shard, expert_group=dims.expert_dp, replicas=max(dp_cp // shard, 1),
-                   gathers_once=torch_fsdp and dims.pp > 1 and sharded >= Sharded.parameters)
+                   gathers_once=torch_fsdp and dims.pp > 1 and sharded >= Sharded.parameters,
+                   megatron_fsdp=(fsdp_buffers or FsdpBuffers()) if sharded >= Sharded.parameters and not torch_fsdp
+                   else None,
+                   unsharded_grad_bytes=float(element_bytes(job)) if torch_fsdp and sharded >= Sharded.parameters
+                   else 0.0)
 
     @classmethod
     def zero(cls, *, stage: int, dp: int, elem: float, offload_optimizer: bool = False,
@@ -276,20 +331,43 @@ class Sharding:
         experts = self._expert_ranks
         return (params - expert_params) / self.group + expert_params / experts
 
-    def gathered_bytes(self, layer_params: float, expert_params: float = 0.0, *, layers: int = 1) -> float:
-        """Bytes of whole layers a rank holds at once where weights are gathered per pass (zero elsewhere): the
-        layer computing and the one prefetched, and one layer's gradients before their reduce-scatter, for
-        ``layer_params`` parameters a layer on the rank (``expert_params`` of them routed experts', gathered only
-        where the expert-DP group shards them: over one rank they stay whole, counted with the weights); where
-        they are gathered once a step (:attr:`gathers_once`), all ``layers`` of the stage and their gradients."""
+    def gathered_bytes(self, layer_params: float, expert_params: float = 0.0, *, layers: int | None = None) -> float:
+        """Bytes of whole layers' weights a rank holds at once where weights are gathered per pass (zero elsewhere):
+        the layer computing and the one prefetched (under Megatron-FSDP as many as its prefetch gathers,
+        :meth:`FsdpBuffers.layers`), for ``layer_params`` parameters a layer on the rank (``expert_params`` of them
+        routed experts', gathered only where the expert-DP group shards them: over one rank they stay whole, counted
+        with the weights); where they are gathered once a step (:attr:`gathers_once`), all ``layers`` of the stage
+        (one where not given) with their unsharded gradients, held through every pass. The gradients made per pass
+        are :meth:`backward_grad_bytes`."""
         if not self.gathers_per_pass:
             return 0.0
-        gathered = layer_params - (expert_params if self._expert_ranks == 1 else 0.0)
+        gathered = self._gathered(layer_params, expert_params)
         if self.gathers_once:
             # the stage's ``layers`` held whole, with their unsharded gradients accumulated in the reduction's dtype
             # (FSDPParam.to_accumulated_grad_if_needed)
-            return layers * gathered * (self.state.weights + self.state.gradients)
-        return 2 * gathered * self.state.weights + gathered * self.state.gradients
+            return (layers or 1) * gathered * (self.state.weights + self.state.gradients)
+        weights = 2 if self.megatron_fsdp is None else self.megatron_fsdp.layers(layer_params, layers)[0]
+        return weights * gathered * self.state.weights
+
+    def backward_grad_bytes(self, layer_params: float, expert_params: float = 0.0, *, layers: int | None = None,
+                            freed_per_layer: float = 0.0) -> float:
+        """Bytes of unsharded gradients a rank holds at once in a backward pass where weights are gathered per pass
+        (zero elsewhere, and where they are gathered once a step: :meth:`gathered_bytes`): they exist only from a
+        layer's backward on, so they are the backward's working set, not beside the loss's logits. PyTorch's FSDP2
+        holds one layer's in each of two dtypes; Megatron-FSDP the layer's being made and those its reduce-scatter
+        queue keeps (:meth:`FsdpBuffers.layers`), each queued layer's backward having freed ``freed_per_layer``
+        bytes of its activations first, so the queue adds only what a layer's gradients exceed them by."""
+        if not self.gathers_per_pass or self.gathers_once:
+            return 0.0
+        layer = self._gathered(layer_params, expert_params) * (self.state.gradients + self.unsharded_grad_bytes)
+        if self.megatron_fsdp is None:
+            return layer
+        grads = self.megatron_fsdp.layers(layer_params, layers)[1]
+        return layer + max(grads - 1, 0) * max(layer - freed_per_layer, 0.0)
+
+    def _gathered(self, layer_params: float, expert_params: float) -> float:
+        """Parameters of a layer a gather makes whole (the experts' not where one rank holds them)."""
+        return layer_params - (expert_params if self._expert_ranks == 1 else 0.0)
 
     @property
     def _expert_ranks(self) -> int:

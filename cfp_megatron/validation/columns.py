@@ -259,6 +259,25 @@ def preset_precision(reading: PrecisionReading, fp8_format: str | None,
 # power
 
 
+_GPU_MEMORY = r"(?<![\w.])(\d+(?:\.\d+)?)\s*GB(?![\w])"
+"""A memory size in the ``gpu`` column: ``96GB``, ``94 GB``, ``H100-SXM5-80GB`` (not ``GB200``)."""
+
+
+def memory_reading(row: dict, cluster: dict[str, Any]) -> Reading:
+    """The GPU memory the row's ``gpu`` column states (``H100 96GB HBM2e``) where it is not its preset's, as
+    ``cluster.hbm_gib`` (the presets hold the datasheet's GB figure there): the memory a run fit in, against which
+    validate's memory failures are judged. A figure of the whole node (``DGX A100 320GB``: the preset's memory times
+    its GPUs per node) or none keeps the preset's."""
+    found = re.findall(_GPU_MEMORY, row.get("gpu") or "")
+    hbm, gpus = cluster.get("hbm_gib"), cluster.get("gpus_per_node") or 1
+    if len(found) != 1 or not hbm:
+        return Reading()
+    stated = float(found[0])
+    if abs(stated - hbm) < 1.0 or abs(stated - hbm * gpus) < 1.0:
+        return Reading()
+    return Reading(cluster={"hbm_gib": stated}, tag=f"{stated:g}GB")
+
+
 def power_reading(row: dict, cluster: dict[str, Any]) -> Reading:
     """A power limit the row states (:func:`~cfp_megatron.validation.rows.power_limit`) below its preset's TDP, as
     ``cluster.power_limit_w``: the compute peaks scale by ``(P / TDP)^(1/3)`` (``ClusterSpec.clock_scale``), the

@@ -224,6 +224,18 @@ class PerformanceRecipe:
     fp8_format: str | None = None
     """The number format (:attr:`~cfp_megatron.base.number_format.NumberFormat.name`, ``fp8-tensorwise``) the preset
     ran where the row's precision says FP8 without its recipe; ``None``: the precision column's reading."""
+    gradient_accumulation_fusion: bool = True
+    """The preset's ``gradient_accumulation_fusion``; ``False``: each weight gradient is a new tensor added into the
+    main gradient by a hook (:attr:`~cfp_megatron.sim.options.WeightGradAccumulation.main_grad_hook`), no
+    placeholder."""
+    fsdp_double_buffer: bool = False
+    """The preset's ``ddp.fsdp_double_buffer`` (:attr:`~cfp_megatron.sim.options.SimOptions.fsdp_double_buffer`)."""
+    fsdp_unit_size: int | None = None
+    """The preset's ``ddp.suggested_communication_unit_size`` (:attr:`~cfp_megatron.sim.options.SimOptions.
+    fsdp_unit_size`); ``None``: unset."""
+    offload_v1_until: tuple[int, int] | None = None
+    """The last container (year, month) whose Transformer Engine offloads with its handler before 2.10
+    (:attr:`~cfp_megatron.sim.options.SimOptions.offload_v1` for rows up to it); ``None``: none does."""
     source: str
     """Where this comes from."""
 
@@ -431,7 +443,8 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[PerformanceRecipe, ...]:
                                   "presets. Fix: add it.")
     keys = {"releases", "model", "precision", "hardware", "layouts", "dispatcher", "a2a_overlap", "tp_comm_overlap",
             "overlap_grad_reduce", "recompute_modules", "cuda_graph_impl", "cuda_graph_scope", "micro_batch",
-            "cpu_offloading_num_layers", "flex_backend", "fp8_format"}
+            "cpu_offloading_num_layers", "flex_backend", "fp8_format", "gradient_accumulation_fusion",
+            "fsdp_double_buffer", "fsdp_unit_size", "offload_v1_until"}
     recipes = []
     for index, raw in enumerate(_entries(path, data, "recipes")):
         entry = _Entry(path, index, raw, keys)
@@ -474,6 +487,10 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[PerformanceRecipe, ...]:
         if fp8_format is not None and (not fp8_format.startswith("fp8-") or fp8_format not in format_names()):
             entry.fail(f"has fp8_format={fp8_format!r}; an FP8 number format, one of "
                        f"{', '.join(n for n in format_names() if n.startswith('fp8-'))}")
+        unit = entry.get("fsdp_unit_size", (int, type(None)), None)
+        if unit is not None and (isinstance(unit, bool) or unit < 1):
+            entry.fail(f"has fsdp_unit_size={unit!r}; a positive count of parameters "
+                       "(suggested_communication_unit_size)")
         recipes.append(PerformanceRecipe(
             name=raw["name"], source=raw["source"], framework=framework, model=entry.pattern("model"),
             releases=(_release(entry, releases[0]), None if releases[1] is None else _release(entry, releases[1])),
@@ -483,7 +500,11 @@ def load_recipes(path: Path = RECIPES_FILE) -> tuple[PerformanceRecipe, ...]:
             a2a_overlap=entry.get("a2a_overlap", bool), tp_comm_overlap=entry.get("tp_comm_overlap", bool, True),
             overlap_grad_reduce=entry.get("overlap_grad_reduce", bool, True), recompute_modules=modules,
             cuda_graph_impl=graphs, cuda_graph_scope=scope, micro_batch=micro_batch,
-            cpu_offloading_num_layers=offloaded, fp8_format=fp8_format))
+            cpu_offloading_num_layers=offloaded, fp8_format=fp8_format,
+            gradient_accumulation_fusion=entry.get("gradient_accumulation_fusion", bool, True),
+            fsdp_double_buffer=entry.get("fsdp_double_buffer", bool, False), fsdp_unit_size=unit,
+            offload_v1_until=(_release(entry, raw["offload_v1_until"]) if raw.get("offload_v1_until") is not None
+                              else None)))
     return tuple(recipes)
 
 

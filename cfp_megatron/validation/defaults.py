@@ -96,15 +96,20 @@ def family_fields(row: dict, data: ValidationData) -> dict[str, object]:
             **{FAMILY_COLUMNS[column]: value for column, value in blank.items() if count_cell(row, column) is None}}
 
 
+def row_release(row: dict) -> tuple[int, int] | None:
+    """The container release (year, month) a row names (:data:`RELEASE`), or None."""
+    found = re.search(RELEASE, row.get("source_detail") or row.get("framework") or "")
+    return None if found is None else (int(found.group(1)), int(found.group(2)))
+
+
 def performance_recipe(row: dict, framework: Framework, preset: str, layout: tuple[int, int, int, int, int, int],
                        data: ValidationData) -> PerformanceRecipe | None:
     """The performance preset a row ran (MoE, or dense with offloaded activations), or None: the first of
     ``recipes.yaml`` of the row's framework whose releases hold the row's container release (:data:`RELEASE`) and
     whose model, hardware preset, layout (GPUs, TP, PP, VP, EP, global batch) and precision pattern are the row's."""
-    found = re.search(RELEASE, row.get("source_detail") or row.get("framework") or "")
-    if found is None:
+    release = row_release(row)
+    if release is None:
         return None
-    release = (int(found.group(1)), int(found.group(2)))
     for recipe in data.recipes:
         first, last = recipe.releases
         if (recipe.framework == framework.name and preset in recipe.hardware and layout in recipe.layouts

@@ -216,6 +216,11 @@ class DataParallel(CostTerm):
         if stage.layers and stage.measured is None:
             gathered = sharding.gathered_bytes(stage.layer_params / stage.layers, stage.expert_params / stage.layers,
                                                layers=stage.layers)
+        if sharding.megatron_fsdp is not None and sharding.gathers_per_pass:
+            # Megatron-FSDP's units are the decoder layers; the modules outside them (the embedding, the output
+            # layer, the final norm) are gathered in their forward and never released (megatron_fsdp.py registers
+            # no post-forward release for them), in the compute precision
+            gathered += _outside_layers(stage, params) * stage.common.elem_bytes
         weights = states.weights - _not_te_weight_excess(stage, params) - _bf16_layer_weight_excess(stage)
         dense = stage.layers > stage.moe_layers
         dummies = dummy_wgrad_bytes(stage.job, stage.layout, stage.options, dense=dense, moe=stage.moe_layers > 0,
@@ -244,7 +249,13 @@ def _not_te_weight_excess(stage: Stage, params: float) -> float:
     the compute precision, with no quantised copies and never as FP8 parameters; zero in 16/32 bits."""
     sharding, elem = stage.common.sharding, stage.common.elem_bytes
     per_param = sharding.state.weights
-    outside = params - stage.layer_params - stage.layers * stage.common.extra_params
+    outside = _outside_layers(stage, params)
     if outside <= 0 or per_param <= 0 or per_param == elem:
         return 0.0
     return sharding.memory(outside).weights * (1.0 - elem / per_param)
+
+
+def _outside_layers(stage: Stage, params: float) -> float:
+    """Parameters of the rank's ``params`` outside its decoder layers: the embedding, the position table, the output
+    layer and the final norm where it holds them."""
+    return max(params - stage.layer_params - stage.layers * stage.common.extra_params, 0.0)

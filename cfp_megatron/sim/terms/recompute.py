@@ -12,10 +12,10 @@ from cfp_megatron.sim.backward_memory import backward_flow_bytes
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.memory import (
-    OFFLOAD_RESIDENT_LAYERS,
     Stage,
     in_flight,
     loss_logit_bytes,
+    offload_resident_bytes,
     offloaded_layers,
     op_sac_gemms,
     primepar_split,
@@ -116,6 +116,7 @@ def kept_and_working(stage: Stage) -> tuple[float, float]:
     if parallel.moe_a2a_overlap and moe_layers:  # the combined 1F1B schedule runs one more micro-batch ahead
         chunk_microbatches = min(chunk_microbatches + 1, dims.num_microbatches * dims.vpp)
     held_microbatches = chunk_microbatches / dims.vpp  # whole-rank micro-batches held
+    resident = 0.0  # offloaded activations back on the GPU beside the last layer's passes
     if parallel.recompute is Recompute.full and parallel.recompute_method is RecomputeMethod.block:
         # The recomputed layers keep their input; the others keep what they would without recomputation.
         rec_dense, rec_moe = recomputed_layers(job, rank=rank)
@@ -139,10 +140,9 @@ def kept_and_working(stage: Stage) -> tuple[float, float]:
         kept = plan_dense * dense_act + (dense_layers - plan_dense) * megatron_act + moe_layers * moe_act
         working = 0.0
         off_dense, off_moe = offloaded_layers(job, layers)
-        if off_dense or off_moe:  # their activations wait in host memory; a few offloaded layers' stay resident
-            resident = min(off_dense + off_moe, OFFLOAD_RESIDENT_LAYERS) * max(dense_act if off_dense else 0.0,
-                                                                               moe_act if off_moe else 0.0)
-            kept -= off_dense * dense_act + off_moe * moe_act - resident
+        if off_dense or off_moe:  # their activations wait in host memory; one may be back beside the last layer's
+            kept -= off_dense * dense_act + off_moe * moe_act
+            resident = offload_resident_bytes(options, dense_act, moe_act, off_moe)
     if common.bf16_ends is not None and stage.bf16_layers != (0, 0):
         # The layers kept in bf16 at the stack's ends keep their bf16 twin's activations in place of the format's.
         full = parallel.recompute is Recompute.full and parallel.recompute_method is RecomputeMethod.uniform
@@ -155,7 +155,14 @@ def kept_and_working(stage: Stage) -> tuple[float, float]:
         flows = [backward_flow_bytes(job, layout, options, moe=moe)
                  for moe, count in ((False, dense_layers), (True, moe_layers)) if count]
         working += max(unfused_attention_working_bytes(job, layout, options), *flows)
-    return kept * held_microbatches, working
+        # FSDP's unsharded gradients exist from a layer's backward on; each layer whose gradients its reduce-scatter
+        # queue keeps has freed its activations first (none while offloaded layers are reloaded in their place).
+        kinds = (dense_full, moe_full) if parallel.recompute is Recompute.full else (dense_act, moe_act)
+        freed = 0.0 if offloaded_layers(job, layers) != (0, 0) else min(
+            kind for kind, count in zip(kinds, (dense_layers, moe_layers), strict=True) if count)
+        working += common.sharding.backward_grad_bytes(stage.layer_params / layers, stage.expert_params / layers,
+                                                       layers=layers, freed_per_layer=freed)
+    return kept * held_microbatches, working + resident
 
 
 class Recomputation(CostTerm):
