@@ -57,3 +57,42 @@ def test_counts_and_ties() -> None:
     assert [r.result for r in found.ranked] == ["a", "b"]  # equal times: the tie key decides
     assert (found.visited, found.simulated, found.over_memory, found.refused) == (4, 2, 1, 1)
     assert dict(found.over) == {"x": [99.0]}
+
+
+
+_PAUSE_CHECK = """
+import gc, weakref
+from cfp_megatron.search import driver
+
+class Node:
+    pass
+
+with driver.gc_paused():
+    assert not gc.isenabled()
+    with driver.gc_paused():  # nested: the outer pause's to end
+        pass
+    assert not gc.isenabled()
+    kept = [(i, [i]) for i in range(10_000)]
+    cycle = Node()
+    cycle.self = cycle
+    gone = weakref.ref(cycle)
+    del cycle
+    before = [generation["collections"] for generation in gc.get_stats()]
+made = [[] for _ in range(10)]  # containers made after: a collection due would run here
+after = [generation["collections"] for generation in gc.get_stats()]
+assert after == before  # no collection over what the pause made as it ends
+assert any(o is kept for o in gc.get_objects(generation=2))  # in the oldest generation
+assert gc.isenabled() and gc.get_freeze_count() == 0
+gc.collect()
+assert gone() is None
+print("ok")
+"""
+
+
+def test_the_collector_pause_ends_with_the_collector_on_and_the_pauses_garbage_still_collectable() -> None:
+    # in a fresh process: this one may hold frozen objects (gc.freeze), which the pause leaves alone
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _PAUSE_CHECK], capture_output=True, text=True, check=False)
+    assert run.stdout.strip() == "ok", run.stderr

@@ -127,3 +127,18 @@ def test_megatron_lm_before_2023_returns_no_weight_gradient_when_fused() -> None
     assert dummy_wgrad_bytes(job, build_layout(job), dataclasses.replace(old, attention=AttentionKernel.flash),
                              dense=True, moe=False, head=True) == 0.0
     assert all(m.weight_grad == 0.0 for m in linear_moments(job, build_layout(job), old, moe=False))
+
+
+@pytest.mark.parametrize("model", ["llama_tiny", "moe_tiny"])
+def test_the_plans_shared_memory_holds_each_layer_kinds_moments_as_computed_per_rank(model: str) -> None:
+    # layout_memory prices the moments once per plan; they are every rank's, computed again here.
+    from cfp_megatron.sim.memory import layout_memory, unfused_attention_working_bytes
+
+    job = _job() if model == "llama_tiny" else compose_job([f"model={model}", "cluster=local",
+                                                             "cluster.gpus_per_node=2"])
+    layout = build_layout(job)
+    for options in (LOCAL, SimOptions(attention=AttentionKernel.flash)):
+        common = layout_memory(job, layout, options)
+        assert common.flows == (backward_flow_bytes(job, layout, options, moe=False),
+                                backward_flow_bytes(job, layout, options, moe=True) if job.model.is_moe else 0.0)
+        assert common.unfused_working == unfused_attention_working_bytes(job, layout, options)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from cfp_megatron.base.data_blend import Blend, read_blend
+from cfp_megatron.base.enums import IdentityEnum
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.layout_rules import batch as batch_rules
 from cfp_megatron.base.layout_rules import moe as moe_rules
@@ -33,7 +34,7 @@ from cfp_megatron.base.layout_rules.tensor import primepar_grid_side as primepar
 from cfp_megatron.base.pipeline_layout import layout_issues
 
 
-class Precision(enum.Enum):
+class Precision(IdentityEnum):
     """Number format of the training run: of parameters and activations, and of the linear layers' GEMMs
     (docs/configuration.md, "Number formats")."""
 
@@ -53,7 +54,7 @@ class Precision(enum.Enum):
     scaled as ``train.fp4_recipe`` says (Megatron-Core's ``fp4``)."""
 
 
-class Fp8Recipe(enum.Enum):
+class Fp8Recipe(IdentityEnum):
     """How Transformer Engine scales FP8 tensors (Megatron-Core's ``fp8_recipe``)."""
 
     delayed = "delayed"
@@ -66,7 +67,7 @@ class Fp8Recipe(enum.Enum):
     """An E8M0 scale per 32 elements, computed by the tensor cores (``MXFP8BlockScaling``; Blackwell)."""
 
 
-class Fp4Recipe(enum.Enum):
+class Fp4Recipe(IdentityEnum):
     """How Transformer Engine scales FP4 tensors (Megatron-Core's ``fp4_recipe``)."""
 
     nvfp4 = "nvfp4"
@@ -74,7 +75,7 @@ class Fp4Recipe(enum.Enum):
     (``NVFP4BlockScaling``; Blackwell)."""
 
 
-class Recompute(enum.Enum):
+class Recompute(IdentityEnum):
     """Activation recomputation (Megatron's ``recompute_granularity``)."""
 
     none = "none"
@@ -82,7 +83,7 @@ class Recompute(enum.Enum):
     full = "full"
 
 
-class RecomputeModule(enum.Enum):
+class RecomputeModule(IdentityEnum):
     """A submodule Megatron-Core's selective recomputation can recompute (``recompute_modules``)."""
 
     core_attn = "core_attn"
@@ -131,7 +132,7 @@ def _canonical_modules(text: str) -> str:
     return RECOMPUTE_SEPARATOR.join(m.value for m in recompute_modules(text))
 
 
-class CpCommType(enum.Enum):
+class CpCommType(IdentityEnum):
     """How context-parallel attention exchanges keys and values (Megatron-Core's ``cp_comm_type``, Transformer
     Engine's implementations)."""
 
@@ -145,7 +146,7 @@ class CpCommType(enum.Enum):
     """All-to-all inside a node, a point-to-point ring across nodes (hierarchical)."""
 
 
-class FsdpStrategy(enum.Enum):
+class FsdpStrategy(IdentityEnum):
     """What Megatron-FSDP shards over the data-parallel ranks (Megatron-Core's ``data_parallel_sharding_strategy``
     with ``use_megatron_fsdp``)."""
 
@@ -162,7 +163,7 @@ class FsdpStrategy(enum.Enum):
     layer's prefetched."""
 
 
-class CudaGraphImpl(enum.Enum):
+class CudaGraphImpl(IdentityEnum):
     """How CUDA graphs capture the step (Megatron-Core's ``cuda_graph_impl``)."""
 
     none = "none"
@@ -173,7 +174,7 @@ class CudaGraphImpl(enum.Enum):
     """Transformer Engine's ``make_graphed_callables`` per layer, over the scopes of ``cuda_graph_scope``."""
 
 
-class MoeTokenPolicy(enum.Enum):
+class MoeTokenPolicy(IdentityEnum):
     """How a MoE layer treats the tokens routed beyond an expert's capacity (``cfp.constraints.moe_token_policy``):
     Megatron-Core's ``moe_expert_capacity_factor`` and ``moe_pad_expert_input_to_capacity`` as one choice."""
 
@@ -208,7 +209,7 @@ def cuda_graph_scopes(text: str | None) -> tuple[str, ...]:
     return names
 
 
-class RecomputeMethod(enum.Enum):
+class RecomputeMethod(IdentityEnum):
     """Which layers full recomputation covers (Megatron's ``recompute_method``)."""
 
     uniform = "uniform"
@@ -218,7 +219,7 @@ class RecomputeMethod(enum.Enum):
     chunk's other layers keep their activations."""
 
 
-class MlpPartition(enum.Enum):
+class MlpPartition(IdentityEnum):
     """How the dense MLP's two linear layers are split over the tensor-parallel group."""
 
     megatron = "megatron"
@@ -231,7 +232,7 @@ class MlpPartition(enum.Enum):
     under sequence parallelism) and its output all-gathered (then cut to this rank's sequence shard under it)."""
 
 
-class PositionEmbedding(enum.Enum):
+class PositionEmbedding(IdentityEnum):
     """How token positions enter the model (Megatron's ``position_embedding_type``)."""
 
     learned_absolute = "learned_absolute"
@@ -239,14 +240,14 @@ class PositionEmbedding(enum.Enum):
     none = "none"
 
 
-class Normalization(enum.Enum):
+class Normalization(IdentityEnum):
     """Layer normalisation kind."""
 
     LayerNorm = "LayerNorm"
     RMSNorm = "RMSNorm"
 
 
-class Activation(enum.Enum):
+class Activation(IdentityEnum):
     """MLP activation."""
 
     gelu = "gelu"
@@ -264,7 +265,7 @@ class Activation(enum.Enum):
         return self is not Activation.gelu
 
 
-class AttentionKind(enum.Enum):
+class AttentionKind(IdentityEnum):
     """Self-attention variant."""
 
     standard = "standard"
@@ -273,7 +274,7 @@ class AttentionKind(enum.Enum):
     """Multi-latent attention (DeepSeek-V2/V3), Megatron-Core's ``MLASelfAttention``."""
 
 
-class AttentionKernel(enum.Enum):
+class AttentionKernel(IdentityEnum):
     """How the attention core runs, which decides what it keeps for the backward pass and what it reads and writes."""
 
     flash = "flash"
@@ -287,14 +288,14 @@ class AttentionKernel(enum.Enum):
     (``attention_softmax_in_fp32``) keeps its fp32 output, and the context GEMM keeps the bf16 copy."""
 
 
-class RouterScore(enum.Enum):
+class RouterScore(IdentityEnum):
     """MoE router score function."""
 
     softmax = "softmax"
     sigmoid = "sigmoid"
 
 
-class TokenDispatcher(enum.Enum):
+class TokenDispatcher(IdentityEnum):
     """MoE token dispatcher (Megatron's ``moe_token_dispatcher_type``)."""
 
     alltoall = "alltoall"
@@ -306,7 +307,7 @@ class TokenDispatcher(enum.Enum):
     one copy of a token per destination rank inside the NVLink group, per destination node across it."""
 
 
-class FlexBackend(enum.Enum):
+class FlexBackend(IdentityEnum):
     """The flex dispatcher's kernels (Megatron-Core's ``moe_flex_dispatcher_backend``)."""
 
     deepep = "deepep"
@@ -318,14 +319,14 @@ class FlexBackend(enum.Enum):
     need, fused into the dispatch kernel."""
 
 
-class OptimizerKind(enum.Enum):
+class OptimizerKind(IdentityEnum):
     """Optimizer; both come from ``megatron.core.optimizer``."""
 
     adam = "adam"
     sgd = "sgd"
 
 
-class LRSchedule(enum.Enum):
+class LRSchedule(IdentityEnum):
     """Learning-rate decay after warm-up (``megatron.core.optimizer_param_scheduler``)."""
 
     constant = "constant"
@@ -333,7 +334,7 @@ class LRSchedule(enum.Enum):
     cosine = "cosine"
 
 
-class DataKind(enum.Enum):
+class DataKind(IdentityEnum):
     """Where training tokens come from."""
 
     synthetic = "synthetic"
@@ -342,7 +343,7 @@ class DataKind(enum.Enum):
     """Megatron's indexed dataset (``.bin``/``.idx``) read by ``megatron.core.datasets.GPTDataset``."""
 
 
-class TokenizerKind(enum.Enum):
+class TokenizerKind(IdentityEnum):
     """Tokenizer used by the indexed dataset and its preprocessing tool."""
 
     byte = "byte"
@@ -351,7 +352,7 @@ class TokenizerKind(enum.Enum):
     """A local ``tokenizer.json`` read with the ``tokenizers`` package."""
 
 
-class Backend(enum.Enum):
+class Backend(IdentityEnum):
     """torch.distributed backend."""
 
     auto = "auto"
@@ -361,7 +362,7 @@ class Backend(enum.Enum):
     gloo = "gloo"
 
 
-class Network(enum.Enum):
+class Network(IdentityEnum):
     """Scale-out fabric between NVLink domains (``cluster.network``)."""
 
     infiniband = "infiniband"

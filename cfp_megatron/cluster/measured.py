@@ -8,14 +8,14 @@ cluster. Everything here is plain data: no ``torch.distributed``.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Protocol
 
 from cfp_megatron.base.config import MlpPartition, Recompute, RecomputeModule
+from cfp_megatron.base.enums import IdentityEnum
 
 
-class Collective(enum.Enum):
+class Collective(IdentityEnum):
     """Collectives the search can produce."""
 
     all_reduce = "all_reduce"
@@ -25,7 +25,7 @@ class Collective(enum.Enum):
     send_recv = "send_recv"
 
 
-class Span(enum.Enum):
+class Span(IdentityEnum):
     """Where a group's ranks sit."""
 
     intra_node = "intra_node"

@@ -29,6 +29,7 @@ from cfp_megatron.base.config import (
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.pipeline_split import job_chunks
 from cfp_megatron.cluster.measured import Measurements, SegmentMemory, partition_name
+from cfp_megatron.sim.backward_memory import backward_flow_bytes
 from cfp_megatron.sim.format_costs import bf16_twin, low_format_cost
 from cfp_megatron.sim.kernels import element_bytes
 from cfp_megatron.sim.layout import Layout
@@ -613,6 +614,11 @@ class LayoutMemory:
     :func:`~cfp_megatron.sim.format_costs.bf16_twin`); ``None`` without such layers or in a 16/32-bit format."""
     tokens: float
     """Tokens of one micro-batch on a rank (its CP share)."""
+    flows: tuple[float, float]
+    """:func:`~cfp_megatron.sim.backward_memory.backward_flow_bytes` of a dense and of a MoE layer (zero for a dense
+    model): the largest of a layer's backward moments."""
+    unfused_working: float
+    """:func:`unfused_attention_working_bytes` of a layer."""
 
 
 def layout_memory(job: JobSpec, layout: Layout, options: SimOptions) -> LayoutMemory:
@@ -637,4 +643,7 @@ def layout_memory(job: JobSpec, layout: Layout, options: SimOptions) -> LayoutMe
                     layer_activation_bytes(bf16_twin(job), layout, options, moe=True) if moe else zero)
                    if (parallel.num_layers_at_start_in_bf16 or parallel.num_layers_at_end_in_bf16)
                    and low_format_cost(job) is not None else None),
-        tokens=layout.micro_batch * layout.seq_length / layout.dims.cp)
+        tokens=layout.micro_batch * layout.seq_length / layout.dims.cp,
+        flows=(backward_flow_bytes(job, layout, options, moe=False),
+               backward_flow_bytes(job, layout, options, moe=True) if moe else 0.0),
+        unfused_working=unfused_attention_working_bytes(job, layout, options))

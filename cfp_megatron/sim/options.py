@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from cfp_megatron.base.config import AttentionKernel, ClusterSpec, ModelSpec, PositionEmbedding
+from cfp_megatron.base.enums import IdentityEnum
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import (
     attention_kernel_here,
@@ -15,7 +15,7 @@ from cfp_megatron.base.parallel_dims import (
 )
 
 
-class ApexAdamStates(enum.Enum):
+class ApexAdamStates(IdentityEnum):
     """How Apex's ``DistributedFusedAdam`` (NeMo 1's ``optim.name=distributed_fused_adam``) keeps the master weights
     and moments of bf16 weights (:meth:`~cfp_megatron.sim.sharding.StateBytes.megatron`)."""
 
@@ -26,7 +26,7 @@ class ApexAdamStates(enum.Enum):
     """bf16 moments and no master copy (``optim.dtype=bf16``: NeMo sets ``store_params=False``)."""
 
 
-class WeightGradAccumulation(enum.Enum):
+class WeightGradAccumulation(IdentityEnum):
     """How a micro-batch's weight gradients are added to the step's (docs/simulator.md, "Weight-gradient
     accumulation")."""
 
@@ -51,7 +51,7 @@ class WeightGradAccumulation(enum.Enum):
         return self is WeightGradAccumulation.bf16_optimizer
 
 
-class PipelineSchedule(enum.Enum):
+class PipelineSchedule(IdentityEnum):
     """The pipeline schedule a run used (docs/simulator.md, "schedule.py"): Megatron-Core's, or one the runtime does
     not train with that published runs state (the validator reads it from their ``pp_schedule``)."""
 

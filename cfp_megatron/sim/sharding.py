@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from cfp_megatron.base.config import FsdpStrategy, JobSpec, OptimizerKind, Precision
+from cfp_megatron.base.enums import IdentityEnum
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import ParallelDims
 from cfp_megatron.cluster.costs import CollectiveCosts
@@ -42,7 +43,7 @@ class Sharded(enum.IntEnum):
     """ZeRO-3, FSDP, HSDP: the weights too, gathered layer by layer before each pass that uses them."""
 
 
-class Engine(enum.Enum):
+class Engine(IdentityEnum):
     """Whose implementation keeps the states (they differ in which fp32 copies they make)."""
 
     megatron = "megatron"

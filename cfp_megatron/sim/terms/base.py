@@ -6,11 +6,11 @@ breakdown, its timeline, the plan check, the search report and the search's boun
 from __future__ import annotations
 
 import contextlib
-import enum
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from cfp_megatron.base.enums import IdentityEnum
 from cfp_megatron.sim.prediction import MemoryBreakdown
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from cfp_megatron.sim.pass_costs import PassCosts
 
 
-class LaneKind(enum.Enum):
+class LaneKind(IdentityEnum):
     """What a lane's seconds are."""
 
     compute = "compute"
@@ -39,7 +39,7 @@ class LaneKind(enum.Enum):
     """Host-side time the GPU work does not cover (launches, synchronisations)."""
 
 
-class Placement(enum.Enum):
+class Placement(IdentityEnum):
     """Where a lane's time sits in the step."""
 
     in_pass = "in_pass"

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 from cfp_megatron.base.config import AttentionKind, JobSpec, Recompute, RecomputeMethod, RecomputeModule
 from cfp_megatron.base.pipeline_split import job_chunks
-from cfp_megatron.sim.backward_memory import backward_flow_bytes
 from cfp_megatron.sim.kernels import KernelModel
 from cfp_megatron.sim.layout import Layout
 from cfp_megatron.sim.memory import (
@@ -20,7 +19,6 @@ from cfp_megatron.sim.memory import (
     op_sac_gemms,
     primepar_split,
     recomputed_layers,
-    unfused_attention_working_bytes,
 )
 from cfp_megatron.sim.primepar_cost import mlp_activation_elements
 from cfp_megatron.sim.terms.base import CostTerm, Lane, LaneKind, MemoryCategory, Overlaps, Placement, StepTimes
@@ -152,9 +150,8 @@ def kept_and_working(stage: Stage) -> tuple[float, float]:
     if layers:
         # The backward's moments: the unfused core's scores, or a linear's flowing gradients and weight gradient
         # (docs/simulator.md, "The backward's flowing gradients"), whichever holds more.
-        flows = [backward_flow_bytes(job, layout, options, moe=moe)
-                 for moe, count in ((False, dense_layers), (True, moe_layers)) if count]
-        working += max(unfused_attention_working_bytes(job, layout, options), *flows)
+        flows = [flow for flow, count in zip(common.flows, (dense_layers, moe_layers), strict=True) if count]
+        working += max(common.unfused_working, *flows)
         # FSDP's unsharded gradients exist from a layer's backward on; each layer whose gradients its reduce-scatter
         # queue keeps has freed its activations first (none while offloaded layers are reloaded in their place).
         kinds = (dense_full, moe_full) if parallel.recompute is Recompute.full else (dense_act, moe_act)
