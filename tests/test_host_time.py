@@ -352,3 +352,24 @@ def test_the_experts_single_thread_quantisation_kernels_cost_the_gpu_a_launch_fl
     each = 4 * 2 * 2 * hc.host_constants().kernel_floor_s  # 4 local experts, 2 kernels, 2 tensors a pass
     assert priced.forward.compute_s - without.forward.compute_s == pytest.approx(each)
     assert priced.backward.compute_s - without.backward.compute_s == pytest.approx(each)
+
+
+def test_torchtitans_experts_pay_none_of_transformer_engines_per_expert_kernels() -> None:
+    # SimOptions.te_grouped_experts: torchtitan's GroupedExperts run one torch._grouped_mm a linear, quantised by
+    # torchao, so neither the host's per-expert launches nor the single-thread kernels' GPU floor apply
+    current = job_from_config({"model": TINY_MOE, "cluster": {**H100, "nodes": 1}, "parallel": {},
+                               "train": {"global_batch_size": 16, "micro_batch_size": 1, "seq_length": 512,
+                                         "precision": "fp8", "fp8_recipe": "tensorwise"}})
+    assert SimOptions().te_grouped_experts and not SimOptions(torch_moe_combine=True).te_grouped_experts
+    assert not SimOptions(grouped_gemm=False).te_grouped_experts
+    te, titan = (prepare_costs(current, options=SimOptions(torch_moe_combine=titan)).host for titan in (False, True))
+    cpp = hc.host_constants().backward_launch_s
+    loops = hc.grouped_linear_launches(8, 4.0)  # 8 local experts, current scaling's 4 kernels a quantised tensor
+    assert te.moe[0] - titan.moe[0] == pytest.approx(loops.forward * cpp)
+    assert te.moe[1] - titan.moe[1] == pytest.approx(loops.backward * cpp)
+    layout, costs = build_layout(current), collective_costs(current.cluster, None)
+    kernels = KernelModel(current.cluster, efficiency_for(current.cluster), NumberFormat.of(current.train))
+    titan_layer = layer_cost(current, layout, kernels, costs, SimOptions(torch_moe_combine=True), moe=True)
+    kernels.format = dataclasses.replace(kernels.format, expert_scalar_kernels=0.0)
+    unfloored = layer_cost(current, layout, kernels, costs, SimOptions(torch_moe_combine=True), moe=True)
+    assert titan_layer.forward.compute_s == unfloored.forward.compute_s

@@ -165,11 +165,11 @@ def destroy_model_parallel_groups() -> None:
     registered with torch.distributed, each with its threads and connections (communicators under NCCL). Megatron
     lists every group this rank joined in ``parallel_state._global_process_group_list``; those still registered are
     destroyed here (a local operation, no collective). Needed where groups are rebuilt in one process (profiling
-    builds them for every probe: left alive they slowed the later probes by a third on a CPU with fewer cores than
-    ranks); at the end of a job ``dist.destroy_process_group()`` destroys every group anyway. A destroyed gloo group
+    builds them for every probe: left alive they slow the later probes on a CPU with fewer cores than ranks); at the
+    end of a job ``dist.destroy_process_group()`` destroys every group anyway. A destroyed gloo group
     keeps its threads (two workers and a TCP loop) until the Python object goes, and the old model, DDP buffers and
-    optimizer that hold it sit in reference cycles: a garbage collection ends them here (without it a profiling run
-    held 220 threads per rank by its last probes instead of 64, and timed those probes about 10% slower)."""
+    optimizer that hold it sit in reference cycles: a garbage collection ends them here (the threads it saved, measured:
+    docs/validation.md)."""
     groups = [g for g in (parallel_state._global_process_group_list or ()) if g is not None]
     parallel_state.destroy_model_parallel()
     registered = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}

@@ -118,9 +118,9 @@ def run(space: SearchSpace, top_k: int, *, exhaustive: bool = False, cutoff: flo
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused inside: a search allocates hundreds of thousands of short-lived
-    tuples and few cycles, and the collector's passes over them cost 10-15% of its time. What the pause leaves alive
-    ends in the oldest generation, for the next full collection, without a young collection over it first (unless
-    objects are frozen already: ``gc.freeze``, theirs to unfreeze)."""
+    tuples and few cycles, and the collector's passes over them are pure overhead (docs/benchmarks.md). What the
+    pause leaves alive ends in the oldest generation, for the next full collection, without a young collection over
+    it first (unless objects are frozen already: ``gc.freeze``, theirs to unfreeze)."""
     enabled = gc.isenabled()
     if not enabled:  # paused already (a search inside another's pause)
         yield

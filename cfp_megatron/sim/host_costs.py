@@ -233,22 +233,24 @@ def _layer(parts: dict[str, Launches], scope: tuple[str, ...] | None, constants:
     return total
 
 
-def host_costs(job: JobSpec, local_experts: int, *, grouped_gemm: bool = True,
+def host_costs(job: JobSpec, local_experts: int, *, grouped_gemm: bool = True, te_experts: bool = True,
                moe_layer_syncs: int | None = None, expert_cast_launches: float = 0.0) -> HostCosts:
     """The host's seconds per layer kind and pass of ``job`` with ``local_experts`` routed experts per rank; with
-    ``grouped_gemm`` the experts run Transformer Engine's grouped linears (:func:`grouped_linear_launches`, with
-    ``expert_cast_launches`` per expert and quantised tensor: the format's), not each expert's Python kernels;
+    ``grouped_gemm`` the experts run grouped GEMMs, not each expert's Python kernels, and with ``te_experts`` too
+    (:attr:`~cfp_megatron.sim.options.SimOptions.te_grouped_experts`) as Transformer Engine's grouped linears, whose
+    C++ loops launch per expert (:func:`grouped_linear_launches`, with ``expert_cast_launches`` per expert and
+    quantised tensor: the format's);
     ``moe_layer_syncs``: a dropless MoE layer's synchronisations per forward (``None``: ``host.yaml``'s count,
     Megatron-Core's)."""
     parallel = job.parallel
     return _host_costs(job.model, parallel.cuda_graph_impl, parallel.cuda_graph_scope,
-                       parallel.recompute is Recompute.full, moe_syncs(job), local_experts, grouped_gemm,
-                       moe_layer_syncs, expert_cast_launches)
+                       parallel.recompute is Recompute.full, moe_syncs(job), local_experts,
+                       grouped_gemm and te_experts, grouped_gemm, moe_layer_syncs, expert_cast_launches)
 
 
 @functools.lru_cache(maxsize=1024)
 def _host_costs(model: ModelSpec, impl: CudaGraphImpl, scope_text: str | None, full: bool, syncs: bool,
-                local_experts: int, grouped_gemm: bool, moe_layer_syncs: int | None,
+                local_experts: int, te_loops: bool, grouped_gemm: bool, moe_layer_syncs: int | None,
                 expert_cast_launches: float) -> HostCosts:
     """:func:`host_costs` from what it reads of the plan (the search prices thousands of layouts that share them):
     the model, the CUDA graphs (``impl``, ``parallel.cuda_graph_scope``'s text), whether recomputation is full and
@@ -272,7 +274,7 @@ def _host_costs(model: ModelSpec, impl: CudaGraphImpl, scope_text: str | None, f
         return launches.forward * fwd, launches.backward * bwd
 
     moe_s = seconds(moe)
-    if model.is_moe and grouped_gemm and not (scope is not None and _graphed(scope, "experts", moe=True,
+    if model.is_moe and te_loops and not (scope is not None and _graphed(scope, "experts", moe=True,
                                                                               dropless=syncs)):
         # Transformer Engine's C++ loops over the experts, at the C++ launch's cost in both passes
         te = grouped_linear_launches(local_experts, expert_cast_launches)

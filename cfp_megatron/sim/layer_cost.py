@@ -292,8 +292,7 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
         moe_block = moe_block_cost(job, layout, kernels, costs, imbalance=options.moe_routing_imbalance,
                                    torch_combine=options.torch_moe_combine,
                                    flex_unstated=options.flex_backend_unstated, grouped_gemm=options.grouped_gemm)
-        # Transformer Engine's grouped linears (torchtitan's experts quantise with torchao, no per-expert kernels)
-        if options.grouped_gemm and not job.cluster.on_cpu and not options.torch_moe_combine:
+        if options.te_grouped_experts:  # Transformer Engine's per-expert quantisation kernels
             scalar_fwd, scalar_bwd = expert_scalar_kernels_s(max(1, (model.num_experts or 1) // dims.ep),
                                                              kernels.format.expert_scalar_kernels)
         mlp_gemm = moe_block.gemm_s

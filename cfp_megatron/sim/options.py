@@ -209,6 +209,13 @@ class SimOptions:
         return not self.rope_fusion and model.position_embedding is PositionEmbedding.rope
 
     @property
+    def te_grouped_experts(self) -> bool:
+        """Whether the routed experts are Transformer Engine's grouped linears (Megatron-Core's ``TEGroupedMLP``),
+        whose C++ loops launch per-expert GEMMs and quantisation kernels: grouped GEMMs, and not torchtitan's experts
+        (one ``torch._grouped_mm`` a linear, quantised by torchao: :attr:`torch_moe_combine`)."""
+        return self.grouped_gemm and not self.torch_moe_combine
+
+    @property
     def flash_attention(self) -> bool:
         """Whether the attention core is a fused kernel that keeps no scores."""
         return self.attention is AttentionKernel.flash

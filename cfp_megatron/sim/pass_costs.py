@@ -265,7 +265,8 @@ def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
     if not job.cluster.on_cpu and dense is analytical_layers[0] and moe is analytical_layers[1]:
         # priced apart only where no measured layer time stands in (a probe's timing holds the host's launches)
         host = host_costs(job, local_experts=(model.num_experts or 1) // layout.dims.ep,
-                          grouped_gemm=options.grouped_gemm, moe_layer_syncs=options.moe_layer_syncs,
+                          grouped_gemm=options.grouped_gemm, te_experts=options.te_grouped_experts,
+                          moe_layer_syncs=options.moe_layer_syncs,
                           expert_cast_launches=kernels.format.expert_cast_launches)
     return PassCosts(dense=dense, megatron_dense=None, moe=moe, embedding=embedding, head=head, per_pass=per_pass,
                      overheads=overheads, mtp_projection=mtp[:2], mtp_projection_params=mtp[2], host=host)

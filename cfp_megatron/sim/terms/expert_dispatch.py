@@ -349,7 +349,7 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
             if model.add_bias_linear else (0.0, 0.0))
     fc1_out, fc2_out = routed / tokens * width, routed / tokens * hidden  # elements per token of the micro-batch
     unfused = (fc1_out * clamp[0] + fc2_out * bias[0], fc1_out * clamp[1] + fc2_out * bias[1])
-    if torch_combine and model.moe_token_dispatcher is TokenDispatcher.alltoall:
+    if _torch_alltoall(job, torch_combine):
         unfused = tuple(u + d for u, d in zip(unfused, _torch_dispatch_per_token(
             job, layout, kernels, routed=routed, local_tokens=local_tokens, tokens=tokens), strict=True))
     expert_params = mlp_params(model, expert_ffn) * local_experts / etp
@@ -364,6 +364,17 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
                    params=params, expert_params=expert_params)
 
 
+def _sent_copies(job: JobSpec, local_tokens: float) -> float:
+    """Routed copies of this rank's ``local_tokens`` it sends and gets back (top-k each, at the balanced load)."""
+    return job.model.moe_router_topk * local_tokens * job.model.expert_load(1.0)
+
+
+def _torch_alltoall(job: JobSpec, torch_combine: bool) -> bool:
+    """Whether the all-to-all dispatcher is torchtitan's (``torch_combine``), whose permutations and combine are
+    counted in bytes forward and backward (:func:`torch_dispatch_bytes`), not in the routing's elements."""
+    return torch_combine and job.model.moe_token_dispatcher is TokenDispatcher.alltoall
+
+
 def _torch_dispatch_per_token(job: JobSpec, layout: Layout, kernels: KernelModel, *, routed: float,
                               local_tokens: float, tokens: float) -> tuple[float, float]:
     """(forward, backward) HBM bytes per token of the micro-batch of torchtitan's dispatcher around the experts
@@ -371,7 +382,7 @@ def _torch_dispatch_per_token(job: JobSpec, layout: Layout, kernels: KernelModel
     (``routed``, over EP alone), and its tokens."""
     model, dims = job.model, layout.dims
     counted = torch_dispatch_bytes(kernels.elem)
-    sent = model.moe_router_topk * local_tokens * model.expert_load(1.0)
+    sent = _sent_copies(job, local_tokens)
     received = routed / dims.etp if dims.ep > 1 else 0.0  # without EP, LocalTokenDispatcher: no _permute
     return tuple(model.hidden_size * (sent * counted.sent[i] + received * counted.received[i]
                                       + local_tokens * counted.token[i]) / tokens for i in (0, 1))
@@ -401,9 +412,8 @@ def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, rou
         # DeepEP and HybridEP read the tokens where they are and land them by source rank: one permutation by
         # local expert of what arrives, and its inverse.
         elements += 2 * PERMUTE_ROW_PASSES * received * hidden
-    elif not (torch_combine and model.moe_token_dispatcher is TokenDispatcher.alltoall):
-        # (torchtitan's dispatcher: its counted bytes, torch_dispatch_bytes, not elements)
-        sent = model.moe_router_topk * local_tokens * model.expert_load(1.0)  # copies this rank sends and gets back
+    elif not _torch_alltoall(job, torch_combine):
+        sent = _sent_copies(job, local_tokens)
         elements += 2 * PERMUTE_ROW_PASSES * sent * hidden  # permutation 1 and the unpermutation
         if num_experts // dims.ep > 1:
             elements += 2 * PERMUTE_ROW_PASSES * received * hidden  # permutation 2 and its inverse

@@ -115,6 +115,7 @@ def kept_and_working(stage: Stage) -> tuple[float, float]:
         chunk_microbatches = min(chunk_microbatches + 1, dims.num_microbatches * dims.vpp)
     held_microbatches = chunk_microbatches / dims.vpp  # whole-rank micro-batches held
     resident = 0.0  # offloaded activations back on the GPU beside the last layer's passes
+    off_dense, off_moe = offloaded_layers(job, layers)
     if parallel.recompute is Recompute.full and parallel.recompute_method is RecomputeMethod.block:
         # The recomputed layers keep their input; the others keep what they would without recomputation.
         rec_dense, rec_moe = recomputed_layers(job, rank=rank)
@@ -137,7 +138,6 @@ def kept_and_working(stage: Stage) -> tuple[float, float]:
     else:
         kept = plan_dense * dense_act + (dense_layers - plan_dense) * megatron_act + moe_layers * moe_act
         working = 0.0
-        off_dense, off_moe = offloaded_layers(job, layers)
         if off_dense or off_moe:  # their activations wait in host memory; one may be back beside the last layer's
             kept -= off_dense * dense_act + off_moe * moe_act
             resident = offload_resident_bytes(options, dense_act, moe_act, off_moe)
@@ -155,7 +155,7 @@ def kept_and_working(stage: Stage) -> tuple[float, float]:
         # FSDP's unsharded gradients exist from a layer's backward on; each layer whose gradients its reduce-scatter
         # queue keeps has freed its activations first (none while offloaded layers are reloaded in their place).
         kinds = (dense_full, moe_full) if parallel.recompute is Recompute.full else (dense_act, moe_act)
-        freed = 0.0 if offloaded_layers(job, layers) != (0, 0) else min(
+        freed = 0.0 if off_dense or off_moe else min(
             kind for kind, count in zip(kinds, (dense_layers, moe_layers), strict=True) if count)
         working += common.sharding.backward_grad_bytes(stage.layer_params / layers, stage.expert_params / layers,
                                                        layers=layers, freed_per_layer=freed)
