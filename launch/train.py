@@ -24,6 +24,7 @@ from cfp_megatron.compat.quiet import quiet_expected_warnings, say_once  # noqa:
 _EXPECTED_NOTE = quiet_expected_warnings()
 
 from cfp_megatron.base.compose import register_configs  # noqa: E402
+from cfp_megatron.base.cuda_env import set_runtime_env  # noqa: E402
 from cfp_megatron.engine.rank_watch import tie_to_launcher  # noqa: E402
 from cfp_megatron.planner.entry import check_run_dir_arg, main_with_errors  # noqa: E402
 from cfp_megatron.planner.hydra_args import check_command_line  # noqa: E402
@@ -39,8 +40,7 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     tie_to_launcher()  # under torchrun: end with it (kill -9 leaves no orphan); Ctrl-C said in one line
-    # Megatron's TP/SP overlap relies on one CUDA work queue (as its own launch scripts set); harmless on CPU.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    set_runtime_env()  # one CUDA work queue, expandable segments, where the user set neither; before CUDA starts
     say_once(_EXPECTED_NOTE)
     # Hydra's composition errors (a typo, ~model, cfp.tp without +cfp=...) once per node, exit 2, before Hydra runs
     check_command_line(sys.argv[1:])

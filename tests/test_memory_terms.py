@@ -12,6 +12,7 @@ import pytest
 from cfp_megatron.base.cfp_spec import cfp_from_config
 from cfp_megatron.base.compose import compose_config, compose_job
 from cfp_megatron.base.config import Recompute, RecomputeModule
+from cfp_megatron.base.cuda_env import ALLOC_CONF_VARS
 from cfp_megatron.base.errors import ConfigError
 from cfp_megatron.search.search import search
 from cfp_megatron.sim.backward_memory import backward_flow_bytes
@@ -257,22 +258,45 @@ def test_the_issues_70b_megatron_fsdp_run_fits_its_gb200_as_its_recipe_ran() -> 
 
 def test_the_allocator_band_is_measured_data_and_a_cpu_has_none() -> None:
     data = json.loads(BAND_FILE.read_text())
-    gpu = memory_band(_job("model=llama_tiny").cluster)
-    assert (gpu.low, gpu.high) == (data["low"], data["high"])
-    assert 1.0 <= gpu.low <= gpu.high
-    assert gpu.high == max(data["measured"]["default_allocator"]["reserved_over_allocated"])
+    cluster = _job("model=llama_tiny").cluster
+    measured = {"default": "default_allocator", "expandable_segments": "expandable_segments"}
+    for setting, expandable in (("default", False), ("expandable_segments", True)):
+        gpu = memory_band(cluster, expandable_segments=expandable)
+        assert (gpu.low, gpu.high) == (data["low"], data["high"][setting])
+        assert 1.0 <= gpu.low <= gpu.high
+        assert gpu.high == max(data["measured"][measured[setting]]["reserved_over_allocated"])
+    assert memory_band(cluster, expandable_segments=True).high < memory_band(cluster, expandable_segments=False).high
     assert memory_band(compose_job(["model=llama_tiny"]).cluster) == MemoryBand(low=1.0, high=1.0)
     with pytest.raises(ConfigError, match="low <= high"):
         MemoryBand(low=1.2, high=1.1)
 
 
-def test_the_search_fits_the_predictions_upper_band() -> None:
+def test_the_band_follows_the_allocator_the_ranks_will_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = _job("model=llama_tiny").cluster
+    for var in ALLOC_CONF_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert memory_band(cluster) == memory_band(cluster, expandable_segments=True)  # what the runtime sets
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # the user's: PyTorch's allocator as it comes
+    assert memory_band(cluster) == memory_band(cluster, expandable_segments=False)
+
+
+@pytest.mark.parametrize(("conf", "binds"), [("", "band"), (None, "headroom")])
+def test_the_search_fits_the_predictions_upper_band(monkeypatch: pytest.MonkeyPatch, conf: str | None,
+                                                    binds: str) -> None:
+    for var in ALLOC_CONF_VARS:
+        monkeypatch.delenv(var, raising=False)
+    if conf is not None:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
     cfg = compose_config([*H100, "model=llama_tiny", "+cfp=auto", "cfp.constraints.memory_headroom=0.1"])
     job = compose_job([*H100, "model=llama_tiny"])
     result = search(job, 1, cfp_from_config(cfg))
     high = memory_band(job.cluster).high
-    assert high > 1 / 0.9  # the band leaves less than the headroom: it applies
-    assert result.memory_limit_gib == pytest.approx(job.cluster.hbm_gib / high)
+    if binds == "band":  # the default allocator's band leaves less than the headroom: it applies
+        assert high > 1 / 0.9
+        assert result.memory_limit_gib == pytest.approx(job.cluster.hbm_gib / high)
+    else:  # expandable segments hold less than the headroom reserves
+        assert high < 1 / 0.9
+        assert result.memory_limit_gib == pytest.approx(job.cluster.hbm_gib * 0.9)
     assert all(r.prediction.memory.total_gib <= result.memory_limit_gib for r in result.ranked)
 
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -13,6 +12,7 @@ from pathlib import Path
 from cfp_megatron.base.cfp_spec import DEFAULT_PROFILE_BUDGET_S
 from cfp_megatron.base.compose import compose_job
 from cfp_megatron.base.config_help import config_help
+from cfp_megatron.base.cuda_env import set_runtime_env
 from cfp_megatron.base.errors import CfpError
 from cfp_megatron.base.files import CACHE_KEY, WriteLocation, cache_dir, check_write_locations
 from cfp_megatron.base.launch_env import LaunchEnv
@@ -50,12 +50,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Profile, print the summary and the DB path on rank 0; exit status 2 on a user error."""
 
     rank_watch.tie_to_launcher()  # under torchrun: end with it; Ctrl-C said in one line
+    set_runtime_env()  # before CUDA starts
     note = quiet_expected_warnings()  # before Megatron-Core is imported (by the runner)
     import_megatron()  # with its import costs cut (compat/import_cost.py)
     from cfp_megatron.profile.runner import busy_hint, completion_hint, profile_job
 
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     args = parse_args(argv)
     say_once(note)
     from rich.console import Console

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from cfp_megatron.base import cuda_env
 from cfp_megatron.base.config import (
     AttentionKernel,
     AttentionKind,
@@ -61,16 +62,21 @@ class MemoryBand:
 
 
 @functools.cache
-def _gpu_band() -> MemoryBand:
+def _gpu_band(setting: str) -> MemoryBand:
     with BAND_FILE.open() as fh:
         data = json.load(fh)
-    return MemoryBand(low=float(data["low"]), high=float(data["high"]))
+    return MemoryBand(low=float(data["low"]), high=float(data["high"][setting]))
 
 
-def memory_band(cluster: ClusterSpec) -> MemoryBand:
-    """The allocator's band for a rank of ``cluster``: the measured caching allocator's on a GPU, none (1, 1) on a CPU
-    cluster, whose ranks allocate with the C library (docs/simulator.md, "Allocator band")."""
-    return MemoryBand(low=1.0, high=1.0) if cluster.on_cpu else _gpu_band()
+def memory_band(cluster: ClusterSpec, *, expandable_segments: bool | None = None) -> MemoryBand:
+    """The allocator's band for a rank of ``cluster``: the caching allocator's on a GPU, measured with and without
+    ``expandable_segments`` (``None``: as this process's environment would start a rank,
+    :func:`~cfp_megatron.base.cuda_env.expandable_segments`); none (1, 1) on a CPU cluster, whose ranks allocate
+    with the C library (docs/simulator.md, "Allocator band")."""
+    if cluster.on_cpu:
+        return MemoryBand(low=1.0, high=1.0)
+    expandable = cuda_env.expandable_segments() if expandable_segments is None else expandable_segments
+    return _gpu_band("expandable_segments" if expandable else "default")
 
 
 NORM_STATISTIC_BYTES = 4.0

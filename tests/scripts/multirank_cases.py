@@ -32,6 +32,7 @@ from pathlib import Path
 warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from cfp_megatron.base.cuda_env import set_runtime_env  # noqa: E402
 from cfp_megatron.compat.import_cost import import_megatron  # noqa: E402
 from cfp_megatron.compat.quiet import quiet_expected_warnings  # noqa: E402
 
@@ -86,7 +87,7 @@ def files_under(overrides: list[str]) -> list[str]:
 
 def main(cases_file: str, results_file: str) -> None:
     """Run every case of ``cases_file`` in order; rank 0 writes ``results_file`` after each."""
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    set_runtime_env()  # as launch/train.py sets it
     # The peak FLOP/s for MFU (0.3 s of matmuls per rank) is this machine's: measured by the first case, read by
     # the others.
     peak.measure_matmul_tflops = functools.cache(peak.measure_matmul_tflops)
