@@ -363,10 +363,16 @@ def test_torchtitans_experts_pay_none_of_transformer_engines_per_expert_kernels(
     assert SimOptions().te_grouped_experts and not SimOptions(torch_moe_combine=True).te_grouped_experts
     assert not SimOptions(grouped_gemm=False).te_grouped_experts
     te, titan = (prepare_costs(current, options=SimOptions(torch_moe_combine=titan)).host for titan in (False, True))
-    cpp = hc.host_constants().backward_launch_s
+    constants, experts = hc.host_constants(), hc.launch_counts().moe["experts"]
+    cpp = constants.backward_launch_s
     loops = hc.grouped_linear_launches(8, 4.0)  # 8 local experts, current scaling's 4 kernels a quantised tensor
-    assert te.moe[0] - titan.moe[0] == pytest.approx(loops.forward * cpp)
-    assert te.moe[1] - titan.moe[1] == pytest.approx(loops.backward * cpp)
+    # torchtitan's own: its GroupedExperts' operators in place of the counted experts', and each grouped GEMM's
+    # preparation kernel (tests/test_torchtitan_experts_counted.py)
+    own = ((hc.TORCH_EXPERT_OPS.forward - experts.forward) * constants.forward_launch_s
+           + hc.TORCH_GROUPED_MMS[0] * cpp,
+           (hc.TORCH_EXPERT_OPS.backward - experts.backward) * cpp + hc.TORCH_GROUPED_MMS[1] * cpp)
+    assert te.moe[0] - titan.moe[0] == pytest.approx(loops.forward * cpp - own[0])
+    assert te.moe[1] - titan.moe[1] == pytest.approx(loops.backward * cpp - own[1])
     layout, costs = build_layout(current), collective_costs(current.cluster, None)
     kernels = KernelModel(current.cluster, efficiency_for(current.cluster), NumberFormat.of(current.train))
     titan_layer = layer_cost(current, layout, kernels, costs, SimOptions(torch_moe_combine=True), moe=True)

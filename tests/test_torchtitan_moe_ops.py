@@ -53,7 +53,8 @@ def block(row: dict, model_change: dict | None = None, **change):
     layout = build_layout(job)
     return job, layout, kernels, moe_block_cost(
         job, layout, kernels, collective_costs(cluster, None, eff), imbalance=options.moe_routing_imbalance,
-        **{"torch_combine": options.torch_moe_combine, "grouped_gemm": options.grouped_gemm, **change})
+        **{"torch_combine": options.torch_moe_combine, "grouped_gemm": options.grouped_gemm,
+           "torch_swiglu": options.torch_swiglu_experts(job.model), **change})
 
 
 @pytest.mark.parametrize("row", [DSV3_16B, SCOUT], ids=["deepseek-v3-16b", "llama-4-scout"])
@@ -161,8 +162,8 @@ def test_torchtitans_dispatcher_moves_the_counted_bytes_forward_and_backward(ep:
 def test_torchtitans_dispatcher_is_priced_with_its_counted_backward_not_twice_its_forward() -> None:
     """DeepSeek-V3 16B's block on 8 H100 at EP 8 (6 copies a token, one rank's tokens all local): the permutations
     leave the elements priced twice in the backward; the counted bytes take their place."""
-    job, _, _, titan = block(DSV3_16B)
-    _, _, _, megatron = block(DSV3_16B, torch_combine=False)
+    job, _, _, titan = block(DSV3_16B, torch_swiglu=False)  # the experts' SwiGLU apart (below)
+    _, _, _, megatron = block(DSV3_16B, torch_combine=False, torch_swiglu=False)
     hidden, topk = job.model.hidden_size, job.model.moe_router_topk
     # Megatron-Core's permutation 1 and unpermutation, and the sort by local expert and its inverse: 2 rows each
     assert megatron.elements_per_token - titan.elements_per_token == pytest.approx(4 * 2 * topk * hidden)
@@ -199,8 +200,8 @@ def test_torchtitans_fp8_experts_pad_in_their_permutation_without_transformer_en
     way a copy) and runs its per-expert quantisation kernels; torchtitan's ``TorchAOTokenDispatcher`` pads inside
     its permutation and torchao quantises the grouped operands whole: neither is priced for it."""
     row = {**DSV3_16B, "precision": precision}
-    job, _, _, titan = block(row)
-    _, _, _, megatron = block(row, torch_combine=False)
+    job, _, _, titan = block(row, torch_swiglu=False)
+    _, _, _, megatron = block(row, torch_combine=False, torch_swiglu=False)
     hidden, topk = job.model.hidden_size, job.model.moe_router_topk
     assert megatron.elements_per_token - titan.elements_per_token == pytest.approx(
         (8 + padding_rows) * topk * hidden)

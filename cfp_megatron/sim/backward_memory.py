@@ -57,6 +57,20 @@ def fused_into_main_grad(options: SimOptions, job: JobSpec) -> bool:
     return fused and options.flash_attention and options.wgrad_placeholder and not options.torch_fsdp
 
 
+def saved_input_bytes(job: JobSpec, options: SimOptions) -> float:
+    """Bytes per element of an input a linear layer keeps for its weight gradient: the compute precision's, or
+    under FP8/FP4 Transformer Engine's quantised copy that its weight-gradient GEMM reads (the format's
+    ``saved_input_bytes``, ``cfp_megatron/sim/number_formats.yaml``); torchao's linears
+    (:attr:`~cfp_megatron.sim.options.SimOptions.torchao_low_precision`) keep the high-precision input
+    (pytorch/ao 36027d82 ``torchao/float8/float8_linear.py`` line 45, ``matmul_with_hp_or_float8_args``:
+    ``ctx.save_for_backward(input_hp, weight_hp_t)``; the grouped MMs ``prototype/moe_training/fp8_grouped_mm.py``
+    and ``mxfp8_grouped_mm.py`` save the bf16 ``padded_A`` / ``padded_input_act``)."""
+    cost = low_format_cost(job)
+    if cost is None or options.torchao_low_precision:
+        return float(element_bytes(job))
+    return cost.saved_input_bytes
+
+
 def weight_grad_transient(options: SimOptions, job: JobSpec) -> bool:
     """Whether a linear's backward makes its weight gradient as a new tensor beside its flowing gradients: unless
     :func:`fused_into_main_grad`; Megatron-Core's local linears without Transformer Engine return ``torch.empty``
@@ -91,8 +105,7 @@ def linear_moments(job: JobSpec, layout: Layout, options: SimOptions, *, moe: bo
     qkv, projection, fc1, fc2 = (weight / hidden / tp for weight in dense_linear_weights(model))
     moments = []
     if not moe:
-        cost = low_format_cost(job)
-        fc2_input = (cost.saved_input_bytes if cost is not None else float(element_bytes(job))) / element_bytes(job)
+        fc2_input = saved_input_bytes(job, options) / element_bytes(job)
         moments += [row(fc2), column(fc1, freed=tokens * (fc2 * fc2_input + fc1))]
     if model.attention is AttentionKind.standard:
         moments += [row(projection), column(qkv, freed=0.0)]

@@ -101,6 +101,18 @@ GROUPED_QUANTISED = (2, 2)
 gradients of fc2 and fc1 (their inputs' column-wise copies are kept from the forward)."""
 
 
+TORCH_EXPERT_OPS = Launches(forward=6, backward=10)
+"""Operators torchtitan's ``GroupedExperts`` dispatch per pass (pytorch/torchtitan b5bcd76c, ``models/common/
+moe.py``; counted with a ``TorchDispatchMode``): forward the offsets' ``cumsum``, w1's, w3's and w2's
+``torch._grouped_mm``, ``silu`` and the multiply; backward each grouped GEMM's data and weight gradient (6), the
+multiply's two gradients, ``silu_backward`` and the ``add`` of the input's two gradients. Each is one launch from
+Python, in place of Megatron-Core's experts' in ``kernel_launches.json``."""
+TORCH_GROUPED_MMS = (3, 6)
+"""(forward, backward) ``torch._grouped_mm`` calls of the same, each of which launches a second kernel from C++
+before its CUTLASS GEMM (pytorch/pytorch ``aten/src/ATen/native/cuda/GroupMM.cu``,
+``bf16bf16_grouped_gemm_impl_sm90_sm100``: ``prepare_grouped_gemm_data`` fills the groups' pointers and shapes)."""
+
+
 def grouped_linear_launches(local_experts: int, expert_cast_launches: float) -> Launches:
     """The kernels Transformer Engine's grouped linears launch per pass from C++ loops over ``local_experts``
     experts: one cuBLAS GEMM an expert per grouped GEMM (``general_grouped_gemm``: ``nvte_multi_stream_cublas_gemm``
@@ -234,24 +246,28 @@ def _layer(parts: dict[str, Launches], scope: tuple[str, ...] | None, constants:
 
 
 def host_costs(job: JobSpec, local_experts: int, *, grouped_gemm: bool = True, te_experts: bool = True,
-               moe_layer_syncs: int | None = None, expert_cast_launches: float = 0.0) -> HostCosts:
+               torch_experts: bool = False, moe_layer_syncs: int | None = None,
+               expert_cast_launches: float = 0.0) -> HostCosts:
     """The host's seconds per layer kind and pass of ``job`` with ``local_experts`` routed experts per rank; with
     ``grouped_gemm`` the experts run grouped GEMMs, not each expert's Python kernels, and with ``te_experts`` too
     (:attr:`~cfp_megatron.sim.options.SimOptions.te_grouped_experts`) as Transformer Engine's grouped linears, whose
     C++ loops launch per expert (:func:`grouped_linear_launches`, with ``expert_cast_launches`` per expert and
-    quantised tensor: the format's);
+    quantised tensor: the format's); with ``torch_experts`` they are torchtitan's ``GroupedExperts``
+    (:meth:`~cfp_megatron.sim.options.SimOptions.torch_swiglu_experts`: :data:`TORCH_EXPERT_OPS` from Python and
+    :data:`TORCH_GROUPED_MMS` from C++);
     ``moe_layer_syncs``: a dropless MoE layer's synchronisations per forward (``None``: ``host.yaml``'s count,
     Megatron-Core's)."""
     parallel = job.parallel
     return _host_costs(job.model, parallel.cuda_graph_impl, parallel.cuda_graph_scope,
                        parallel.recompute is Recompute.full, moe_syncs(job), local_experts,
-                       grouped_gemm and te_experts, grouped_gemm, moe_layer_syncs, expert_cast_launches)
+                       grouped_gemm and te_experts, grouped_gemm, torch_experts, moe_layer_syncs,
+                       expert_cast_launches)
 
 
 @functools.lru_cache(maxsize=1024)
 def _host_costs(model: ModelSpec, impl: CudaGraphImpl, scope_text: str | None, full: bool, syncs: bool,
-                local_experts: int, te_loops: bool, grouped_gemm: bool, moe_layer_syncs: int | None,
-                expert_cast_launches: float) -> HostCosts:
+                local_experts: int, te_loops: bool, grouped_gemm: bool, torch_experts: bool,
+                moe_layer_syncs: int | None, expert_cast_launches: float) -> HostCosts:
     """:func:`host_costs` from what it reads of the plan (the search prices thousands of layouts that share them):
     the model, the CUDA graphs (``impl``, ``parallel.cuda_graph_scope``'s text), whether recomputation is full and
     whether its MoE layers synchronise (:func:`moe_syncs`)."""
@@ -263,7 +279,9 @@ def _host_costs(model: ModelSpec, impl: CudaGraphImpl, scope_text: str | None, f
                          moe_recompute_s=0.0, recompute_syncs=False, moe_sync_s=0.0)
     dense = _layer(counts.dense, scope, constants, moe=False, dropless=syncs)
     moe_parts = dict(counts.moe)
-    if not grouped_gemm:  # Megatron-Core's SequentialMLP: each local expert's kernels, launched from Python
+    if torch_experts:  # torchtitan's GroupedExperts in place of Megatron-Core's
+        moe_parts["experts"] = TORCH_EXPERT_OPS
+    elif not grouped_gemm:  # Megatron-Core's SequentialMLP: each local expert's kernels, launched from Python
         moe_parts["experts"] = counts.moe["experts"].plus(counts.per_local_expert.times(local_experts))
     if model.moe_shared_expert_intermediate_size:  # a shared expert runs a dense MLP's kernels
         moe_parts["shared_expert"] = counts.dense["mlp"]
@@ -279,6 +297,10 @@ def _host_costs(model: ModelSpec, impl: CudaGraphImpl, scope_text: str | None, f
         # Transformer Engine's C++ loops over the experts, at the C++ launch's cost in both passes
         te = grouped_linear_launches(local_experts, expert_cast_launches)
         moe_s = (moe_s[0] + te.forward * bwd, moe_s[1] + te.backward * bwd)
+    if model.is_moe and torch_experts and not (scope is not None and _graphed(scope, "experts", moe=True,
+                                                                                 dropless=syncs)):
+        # each grouped GEMM's preparation kernel, at the C++ launch's cost
+        moe_s = (moe_s[0] + TORCH_GROUPED_MMS[0] * bwd, moe_s[1] + TORCH_GROUPED_MMS[1] * bwd)
     return HostCosts(dense=seconds(dense), moe=moe_s, embedding=seconds(counts.embedding),
                      head=seconds(counts.head), dense_recompute_s=dense.forward * fwd if full else 0.0,
                      moe_recompute_s=moe_s[0] if full else 0.0, recompute_syncs=full and syncs,

@@ -291,7 +291,8 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     if moe:
         moe_block = moe_block_cost(job, layout, kernels, costs, imbalance=options.moe_routing_imbalance,
                                    torch_combine=options.torch_moe_combine,
-                                   flex_unstated=options.flex_backend_unstated, grouped_gemm=options.grouped_gemm)
+                                   flex_unstated=options.flex_backend_unstated, grouped_gemm=options.grouped_gemm,
+                                   torch_swiglu=options.torch_swiglu_experts(model))
         if options.te_grouped_experts:  # Transformer Engine's per-expert quantisation kernels
             scalar_fwd, scalar_bwd = expert_scalar_kernels_s(max(1, (model.num_experts or 1) // dims.ep),
                                                              kernels.format.expert_scalar_kernels)

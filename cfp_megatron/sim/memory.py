@@ -30,7 +30,7 @@ from cfp_megatron.base.config import (
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.pipeline_split import job_chunks
 from cfp_megatron.cluster.measured import Measurements, SegmentMemory, partition_name
-from cfp_megatron.sim.backward_memory import backward_flow_bytes
+from cfp_megatron.sim.backward_memory import backward_flow_bytes, saved_input_bytes
 from cfp_megatron.sim.format_costs import bf16_twin, low_format_cost
 from cfp_megatron.sim.kernels import element_bytes
 from cfp_megatron.sim.layout import Layout
@@ -124,6 +124,14 @@ def op_sac_gemms(job: JobSpec, layout: Layout, *, moe: bool) -> list[tuple[float
     return gemms
 
 
+TORCH_SWIGLU_SAVED_FFN = 4.0
+"""Tensors of the experts' FFN width (``[rows, ffn]``, compute precision) autograd keeps through torchtitan's
+``GroupedExperts`` (pytorch/torchtitan b5bcd76c, ``models/common/moe.py``; counted with
+``torch.autograd.graph.saved_tensors_hooks``): ``silu``'s input (``x @ w1``), the multiply's two (``silu``'s output
+and ``x @ w3``) and w2's grouped GEMM's input; beside them one copy of the experts' input, which both w1's and
+w3's grouped GEMM keep. Megatron-Core's fused SwiGLU keeps fc1's output (two halves) and fc2's input: three."""
+
+
 def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *, moe: bool,
                            recompute: Recompute | None = None) -> tuple[float, float]:
     """(bytes kept for backward by one layer for one micro-batch on one rank, the same under full recomputation).
@@ -141,11 +149,9 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
     hidden_mask = 1.0 if model.hidden_dropout > 0 else 0.0
     primepar = not moe and job.parallel.mlp is MlpPartition.primepar and tp > 1
     elem = float(element_bytes(job))  # an activation element in the compute precision (bf16: 2, fp32: 4)
-    # Bytes per element of an input a linear layer keeps for its weight gradient: Transformer Engine's FP8 and FP4
-    # layers keep the quantised copy their weight-gradient GEMM reads (PrimePar's MLP and the MoE router run in
-    # bf16): the format's saved_input_bytes (cfp_megatron/sim/number_formats.yaml).
-    cost = low_format_cost(job)
-    linear_input_bytes = cost.saved_input_bytes if cost is not None else elem
+    # Bytes per element of an input a linear layer keeps for its weight gradient (PrimePar's MLP and the MoE router
+    # run in bf16).
+    linear_input_bytes = saved_input_bytes(job, options)
     # A dense TE fc1 keeps its fused norm's output; the router reads bf16.
     mlp_input_bytes = elem if moe or primepar else linear_input_bytes
     recompute = job.parallel.recompute if recompute is None else recompute
@@ -192,9 +198,12 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
             # copy the activation keeps (fused_bias_geglu.weighted_bias_quick_geglu_impl); moe_act's checkpoint
             # keeps fc1's output alone.
             act_output += elem * expert_ffn * 2 / dims.etp
+        if options.torch_swiglu_experts(model):  # torchtitan's GroupedExperts (moe_act is Megatron-Core's)
+            ffn_kept = TORCH_SWIGLU_SAVED_FFN * elem * expert_ffn / dims.etp
+        else:  # fc1's output and the activation's
+            ffn_kept = elem * expert_ffn * (2 if gated else 1) / dims.etp + act_output
         if not whole:
-            per_token += routed * (linear_input_bytes * hidden + elem * expert_ffn * (2 if gated else 1) / dims.etp
-                                   + act_output)
+            per_token += routed * (linear_input_bytes * hidden + ffn_kept)
         shared_ffn = model.moe_shared_expert_intermediate_size or 0
         if not (whole or RecomputeModule.shared_experts in modules):
             per_token += (elem * shared_ffn * (2 if gated else 1) + linear_input_bytes * shared_ffn) / tp
@@ -252,8 +261,7 @@ def projection_input_bytes(job: JobSpec, options: SimOptions, modules: frozenset
     itself"), the tensor a fused core keeps in the compute precision; under delayed scaling the projection keeps its
     quantised copy beside the fused core's own output (none where the core is recomputed or unfused: Megatron's
     unfused core needs only its probabilities and V). In 16 or 32 bits the two are one tensor."""
-    cost = low_format_cost(job)
-    if cost is None:
+    if low_format_cost(job) is None or options.torchao_low_precision:  # the core's output is the saved input
         return linear_input_bytes
     elem = float(element_bytes(job))
     delayed = job.train.precision is Precision.fp8 and job.train.fp8_recipe is Fp8Recipe.delayed

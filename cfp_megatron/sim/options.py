@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cfp_megatron.base.config import AttentionKernel, ClusterSpec, ModelSpec, PositionEmbedding
+from cfp_megatron.base.config import Activation, AttentionKernel, ClusterSpec, ModelSpec, PositionEmbedding
 from cfp_megatron.base.enums import IdentityEnum
 from cfp_megatron.base.errors import ConfigError, ConfigIssue
 from cfp_megatron.base.parallel_dims import (
@@ -168,6 +168,11 @@ class SimOptions:
     bytes counted forward and backward (:func:`~cfp_megatron.sim.terms.expert_dispatch.torch_dispatch_bytes`), and
     its ``GroupedExperts`` write their weight gradients once in bf16 (``torch._grouped_mm``). ``False``:
     Megatron-Core's ``MoEAlltoAllTokenDispatcher`` and ``TEGroupedMLP``."""
+    torchao_low_precision: bool = False
+    """FP8/FP4 linears and grouped expert GEMMs are torchao's (``Float8Linear``, its scaled grouped MMs), which keep
+    their high-precision input for the backward and quantise it again there (memory:
+    :func:`~cfp_megatron.sim.memory.saved_input_bytes`). ``False``: Transformer Engine's, which keep the quantised
+    copy their weight gradient reads."""
     flex_backend_unstated: bool = False
     """The flex dispatcher's backend is not known (a published run whose source names none): priced with DeepEP's
     rates and permutation over the whole NVLink domain, padded for FP8/FP4 in the kernel
@@ -214,6 +219,13 @@ class SimOptions:
         whose C++ loops launch per-expert GEMMs and quantisation kernels: grouped GEMMs, and not torchtitan's experts
         (one ``torch._grouped_mm`` a linear, quantised by torchao: :attr:`torch_moe_combine`)."""
         return self.grouped_gemm and not self.torch_moe_combine
+
+    def torch_swiglu_experts(self, model: ModelSpec) -> bool:
+        """Whether ``model``'s routed experts are torchtitan's ``GroupedExperts`` (:attr:`torch_moe_combine`) on a
+        SwiGLU model: w1 and w3 two grouped GEMMs, ``silu(x @ w1) * (x @ w3)`` unfused
+        (:func:`~cfp_megatron.sim.terms.expert_dispatch.torch_swiglu_bytes`). torchtitan's GPT-OSS experts are
+        another module, priced as Megatron-Core's."""
+        return self.torch_moe_combine and model.activation is Activation.swiglu
 
     @property
     def flash_attention(self) -> bool:

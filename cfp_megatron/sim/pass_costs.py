@@ -266,6 +266,7 @@ def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         # priced apart only where no measured layer time stands in (a probe's timing holds the host's launches)
         host = host_costs(job, local_experts=(model.num_experts or 1) // layout.dims.ep,
                           grouped_gemm=options.grouped_gemm, te_experts=options.te_grouped_experts,
+                          torch_experts=options.torch_swiglu_experts(model),
                           moe_layer_syncs=options.moe_layer_syncs,
                           expert_cast_launches=kernels.format.expert_cast_launches)
     return PassCosts(dense=dense, megatron_dense=None, moe=moe, embedding=embedding, head=head, per_pass=per_pass,

@@ -133,6 +133,8 @@ class Framework:
     SimOptions.rope_fusion` off)."""
     torch_moe_combine: bool = False
     """Its MoE layer is torchtitan's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_moe_combine`)."""
+    torchao_low_precision: bool = False
+    """Its FP8/FP4 linears are torchao's (:attr:`~cfp_megatron.sim.options.SimOptions.torchao_low_precision`)."""
     torch_op_sac: bool = False
     """Its selective recomputation is torchtitan's per-op policy (:attr:`~cfp_megatron.sim.options.SimOptions.
     torch_op_sac`)."""
@@ -341,7 +343,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
                     "apex_distributed_adam", "overlap_param_gather", "weight_grad_accumulation", "torch_fused_adamw",
                     "moe_layer_syncs", "rank_batch_micro", "tie_embeddings", "deepspeed_engine", "torch_op_sac",
                     "torch_moe_combine", "eager_loss", "compiled_loss", "unfused_rope", "async_tp_backward",
-                    "blocking_interleaved", "global_memory_buffer", "wgrad_placeholder"}
+                    "blocking_interleaved", "global_memory_buffer", "wgrad_placeholder", "torchao_low_precision"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -391,6 +393,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             torch_fused_adamw=bool(runs.get("torch_fused_adamw", False)), moe_layer_syncs=syncs,
             torch_op_sac=bool(runs.get("torch_op_sac", False)),
             torch_moe_combine=bool(runs.get("torch_moe_combine", False)),
+            torchao_low_precision=bool(runs.get("torchao_low_precision", False)),
             eager_loss=bool(runs.get("eager_loss", False)), compiled_loss=compiled, unfused_rope=unfused_rope,
             rank_batch_micro=bool(runs.get("rank_batch_micro", False)),
             apex_adam=tuple((str(pattern), ApexAdamStates(state)) for pattern, state in apex.items())))

@@ -142,18 +142,19 @@ class MoeCost:
     function, top-k and auxiliary loss, the permutations (:data:`PERMUTE_ROW_PASSES`), the experts' and shared
     expert's activations."""
     activation_elements_per_token: float = 0.0
-    """Of ``elements_per_token``, the routed experts' activation function's (what ``moe_act`` recomputes)."""
+    """Of ``elements_per_token``, the routed experts' fused activation function's (what ``moe_act`` recomputes;
+    torchtitan's unfused one is in ``unfused_bytes_per_token``)."""
     shared_elements_per_token: float = 0.0
     """Of ``elements_per_token``, the shared expert's activation's (recomputed with ``shared_experts``)."""
     unfused_bytes_per_token: tuple[float, float] = (0.0, 0.0)
     """(forward, backward) HBM bytes per token of the micro-batch on this rank of the routed experts' PyTorch
     element-wise ops beside their fused kernels, whose backward is not twice their forward as ``elements_per_token``
     takes it: the clamp before the activation (:func:`clamp_bytes`), the fc2 bias added per expert
-    (:func:`expert_bias_bytes`) and torchtitan's dispatcher's gathers, scatters and fp32 combine
-    (:func:`torch_dispatch_bytes`)."""
+    (:func:`expert_bias_bytes`), torchtitan's dispatcher's gathers, scatters and fp32 combine
+    (:func:`torch_dispatch_bytes`) and its experts' unfused SwiGLU (:func:`torch_swiglu_bytes`)."""
     recomputed_bytes_per_token: float = 0.0
-    """Of the forward's ``unfused_bytes_per_token``, the clamp's: what ``moe_act`` recomputes with the activation
-    (the fc2 bias is added after fc2, outside it)."""
+    """Of the forward's ``unfused_bytes_per_token``, the clamp's or torchtitan's SwiGLU's: what ``moe_act``
+    recomputes with the activation (the fc2 bias is added after fc2, outside it)."""
     dispatch_s: float
     """Communication of one pass (dispatch and combine), seconds, before any overlap."""
     combine_s: float = 0.0
@@ -230,6 +231,27 @@ def torch_dispatch_bytes(elem: float) -> TorchDispatchBytes:
                               token=(elem + 2 * elem, elem))
 
 
+@dataclass(frozen=True, kw_only=True)
+class TorchSwigluBytes:
+    """(forward, backward) HBM bytes of torchtitan's ``GroupedExperts`` around their grouped GEMMs
+    (``models/common/moe.py``), counted op by op (:func:`torch_swiglu_bytes`)."""
+
+    ffn: tuple[float, float]
+    """Per element of the experts' FFN width (``[rows, ffn]``): ``silu`` and the multiply, and their gradients."""
+    hidden: tuple[float, float]
+    """Per element of the experts' input (``[rows, hidden]``): the sum of the input's two gradients (backward)."""
+
+
+def torch_swiglu_bytes(elem: float) -> TorchSwigluBytes:
+    """torchtitan's ``h = F.silu(x @ w1) * (x @ w3)`` with ``elem``-byte activations (pytorch/torchtitan b5bcd76c,
+    ``GroupedExperts.forward``, w1 and w3 two ``torch._grouped_mm``): forward, ``silu`` reads and writes (2 elem)
+    and the multiply reads two and writes one (3 elem); backward, the multiply's two gradients (3 elem each) and
+    ``silu_backward`` (reads the gradient and the saved input, writes: 3 elem), and autograd's ``add`` of the two
+    grouped GEMMs' gradients of ``x`` (3 elem a hidden element). Megatron-Core's fused SwiGLU is 3 elem and twice
+    that (:func:`~cfp_megatron.sim.primepar_cost.mlp_activation_elements`)."""
+    return TorchSwigluBytes(ffn=(5.0 * elem, 9.0 * elem), hidden=(0.0, 3.0 * elem))
+
+
 PERMUTE_ROW_PASSES = 2.0
 """HBM passes over one hidden-size row per routed copy of one permutation (a gather reads the token's row and
 writes the copy's; the unpermutation reads the copy's row and accumulates it into the token's)."""
@@ -293,7 +315,7 @@ def expected_remote_nodes(topk: int, nodes: int) -> float:
 
 def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, *,
                    imbalance: float = 1.0, torch_combine: bool = False, flex_unstated: bool = False,
-                   grouped_gemm: bool = True) -> MoeCost:
+                   grouped_gemm: bool = True, torch_swiglu: bool = False) -> MoeCost:
     """Cost of ``job``'s MoE block under ``layout``, as Megatron-Core runs it: dropless, the rank holding the busiest
     experts processes ``imbalance`` times the balanced share of routed tokens (1.0: forced or perfect balance);
     token-drop, at most the capacity factor times it; padded to capacity, exactly that
@@ -303,7 +325,10 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     gradients written once in bf16. ``flex_unstated``: the flex
     dispatcher's backend is not stated (:attr:`~cfp_megatron.sim.options.SimOptions.flex_backend_unstated`).
     ``grouped_gemm``: the experts are ``TEGroupedMLP`` (:attr:`~cfp_megatron.sim.options.SimOptions.grouped_gemm`),
-    else ``SequentialMLP``, which add a biased model's fc2 bias differently (:func:`expert_bias_bytes`)."""
+    else ``SequentialMLP``, which add a biased model's fc2 bias differently (:func:`expert_bias_bytes`).
+    ``torch_swiglu``: the experts are torchtitan's (:meth:`~cfp_megatron.sim.options.SimOptions.torch_swiglu_experts`):
+    w1 and w3 two grouped GEMMs of the FFN width each (two launches, two reads of the input), the SwiGLU unfused
+    (:func:`torch_swiglu_bytes`, in ``unfused_bytes_per_token``)."""
     model, dims = job.model, layout.dims
     flex = flex_kernels(None if flex_unstated else job.parallel.moe_flex_dispatcher_backend)
     tp, etp, ep, sp = dims.tp, dims.etp, dims.ep, dims.sp
@@ -320,19 +345,24 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     per_expert = routed / local_experts
     ffn = expert_ffn / etp
     width = ffn * (2 if gated else 1)
-    fc1 = kernels.grouped_gemm(local_experts, per_expert, width, hidden)
+    # fc1 as one grouped GEMM of the gated width (Megatron-Core), or torchtitan's w1 and w3 apart
+    fc1_gemms, fc1_width = (2, ffn) if torch_swiglu else (1, width)
+    fc1 = fc1_gemms * kernels.grouped_gemm(local_experts, per_expert, fc1_width, hidden)
     fc2 = kernels.grouped_gemm(local_experts, per_expert, hidden, ffn)
     gemm_s = fc1 + fc2
     # Backward: fc1's and fc2's data gradients (rows x hidden, rows x ffn) and weight gradients (each weight's
     # tiles, reduced over the expert's rows, accumulated into Megatron-Core's fp32 main gradients; torchtitan's
     # torch._grouped_mm writes each once in bf16, which FSDP2 reduces after the backward).
     wgrad_bytes = None if torch_combine else MAIN_GRAD_BYTES
-    gemm_bwd_s = (kernels.grouped_gemm(local_experts, per_expert, hidden, width)
-                  + kernels.grouped_gemm(local_experts, width, hidden, per_expert, out_bytes=wgrad_bytes)
+    gemm_bwd_s = (fc1_gemms * (kernels.grouped_gemm(local_experts, per_expert, hidden, fc1_width)
+                               + kernels.grouped_gemm(local_experts, fc1_width, hidden, per_expert,
+                                                      out_bytes=wgrad_bytes))
                   + kernels.grouped_gemm(local_experts, per_expert, ffn, hidden)
                   + kernels.grouped_gemm(local_experts, hidden, ffn, per_expert, out_bytes=wgrad_bytes))
     router_s = kernels.gemm(local_tokens, num_experts, hidden, low_precision=False)  # fp32 logits
-    activation = routed / tokens * mlp_activation_elements(tp=etp, ffn=expert_ffn, gated=gated)
+    # Megatron-Core's fused activation in elements; torchtitan's unfused SwiGLU in bytes (below)
+    activation = 0.0 if torch_swiglu else routed / tokens * mlp_activation_elements(tp=etp, ffn=expert_ffn,
+                                                                                    gated=gated)
     shared_ffn = model.moe_shared_expert_intermediate_size or 0
     shared_s = shared_elements = 0.0
     if shared_ffn:
@@ -349,6 +379,13 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
             if model.add_bias_linear else (0.0, 0.0))
     fc1_out, fc2_out = routed / tokens * width, routed / tokens * hidden  # elements per token of the micro-batch
     unfused = (fc1_out * clamp[0] + fc2_out * bias[0], fc1_out * clamp[1] + fc2_out * bias[1])
+    recomputed = fc1_out * clamp[0]  # what moe_act runs again: the clamp, or torchtitan's SwiGLU
+    if torch_swiglu:
+        swiglu = torch_swiglu_bytes(kernels.elem)
+        per_token = tuple(routed / tokens * (ffn * f + hidden * h)
+                          for f, h in zip(swiglu.ffn, swiglu.hidden, strict=True))
+        unfused = (unfused[0] + per_token[0], unfused[1] + per_token[1])
+        recomputed += per_token[0]
     if _torch_alltoall(job, torch_combine):
         unfused = tuple(u + d for u, d in zip(unfused, _torch_dispatch_per_token(
             job, layout, kernels, routed=routed, local_tokens=local_tokens, tokens=tokens), strict=True))
@@ -358,7 +395,7 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
                                         probabilities=not torch_combine, flex=flex)
     return MoeCost(gemm_s=gemm_s, gemm_bwd_s=gemm_bwd_s, shared_gemm_s=shared_s, elements_per_token=elements,
                    activation_elements_per_token=activation, shared_elements_per_token=shared_elements,
-                   unfused_bytes_per_token=unfused, recomputed_bytes_per_token=fc1_out * clamp[0],
+                   unfused_bytes_per_token=unfused, recomputed_bytes_per_token=recomputed,
                    dispatch_s=dispatch_s, combine_s=combine_s,
                    metadata_s=_metadata_s(job, layout, costs, flex=flex, local_tokens=local_tokens),
                    params=params, expert_params=expert_params)
