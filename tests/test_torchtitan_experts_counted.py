@@ -14,12 +14,17 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.sim import host_costs as hc
 from cfp_megatron.sim.backward_memory import saved_input_bytes
+from cfp_megatron.sim.calibration import efficiency_for
 from cfp_megatron.sim.format_costs import low_format_cost
 from cfp_megatron.sim.kernels import KernelModel
+from cfp_megatron.sim.layer_cost import layer_passes
 from cfp_megatron.sim.layout import build_layout
 from cfp_megatron.sim.memory import TORCH_SWIGLU_SAVED_FFN, layer_activation_bytes
+from cfp_megatron.sim.pass_costs import collective_costs
+from cfp_megatron.sim.simulate import prepare_costs
 from cfp_megatron.sim.terms.expert_dispatch import torch_swiglu_bytes
 from cfp_megatron.validate import row_plan
 from tests.test_sim_expert_ops_counted import MOVES_NOTHING, ByteCount
@@ -188,3 +193,21 @@ def test_a_torchtitan_fp8_row_saves_its_linears_inputs_in_bf16() -> None:
     assert kept(fp8) == pytest.approx(kept({**fp8, "precision": "BF16"}))
     assert kept(fp8, torchao_low_precision=False) < kept(fp8)
 
+
+
+def test_a_torchtitan_rows_plan_prices_its_experts_so_in_the_layer_and_on_the_host() -> None:
+    """The row's options reach the layer cost and the host term (``SimOptions.torch_swiglu_experts``)."""
+    plan = row_plan(DSV3_16B)
+    job, options = plan.job, plan.options
+    fused = dataclasses.replace(options, torch_moe_combine=False)
+    assert options.torch_swiglu_experts(job.model) and not fused.torch_swiglu_experts(job.model)
+    layout = build_layout(job)
+    eff = efficiency_for(job.cluster)
+    kernels = KernelModel(job.cluster, eff, NumberFormat.of(job.train))
+    costs = collective_costs(job.cluster, None, eff)
+    _, _, _, titan_block = block(DSV3_16B)
+    passes = layer_passes(job, layout, kernels, costs, options, moe=True)
+    assert passes.moe_block.unfused_bytes_per_token == titan_block.unfused_bytes_per_token
+    host = prepare_costs(job, options=options).host
+    assert host.moe == hc.host_costs(job, 64 // layout.dims.ep, te_experts=False, torch_experts=True,
+                                     moe_layer_syncs=options.moe_layer_syncs).moe
