@@ -308,6 +308,8 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                                                              and recipe.flex_backend != "hybridep")))
     architecture, fields = preset_architecture({**row, "vocab": str(model["vocab_size"])}) if experts else ("", {})
     model.update(fields)
+    if experts:  # the router as its framework's recipes run it (frameworks.yaml router_fusion)
+        model["moe_router_fusion"] = _model_matches(row, framework.router_fusion)
     modules, offloaded = None, 0
     if recipe:
         if experts:

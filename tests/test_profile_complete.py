@@ -301,7 +301,8 @@ def test_a_model_without_a_sliding_window_keeps_the_profile_key_it_had_before_wi
     job = compose_job([])
     model = json_plain(job.model)
     for name in ("mtp_loss_scaling_factor", "window_size", "window_attn_skip_freq", "moe_expert_capacity_factor",
-                 "moe_pad_expert_input_to_capacity", "activation_clamp", "moe_router_fp32", "spec"):
+                 "moe_pad_expert_input_to_capacity", "activation_clamp", "moe_router_fp32", "moe_router_fusion",
+                 "spec"):
         model.pop(name)
     before = hashlib.sha256(json.dumps({"model": model, "seq_length": job.train.seq_length, "precision": "fp32"},
                                        sort_keys=True).encode()).hexdigest()[:16]

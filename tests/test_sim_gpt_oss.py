@@ -173,7 +173,8 @@ def test_a_clamp_needs_quick_geglu_and_enters_the_profile_key_only_when_set() ->
 
 def test_the_validators_moe_rows_read_the_biases_activation_and_router_their_sources_state() -> None:
     """GPT-OSS's rows take its preset's clamped quick GEGLU, biases and bf16 router; DeepSeek-V3's (its preset) and
-    Qwen3's (model_families.yaml) rows have no biases, so no per-expert fc2 bias is priced for them."""
+    Qwen3's (model_families.yaml) rows have no biases, so no per-expert fc2 bias is priced for them; DeepSeek-V3's
+    router runs in fp32, Qwen3's in bf16 (model_families.yaml)."""
     from cfp_megatron.validate import read_rows, row_plan
     from cfp_megatron.validation.rows import PUBLISHED_RUNS
 
@@ -181,9 +182,10 @@ def test_the_validators_moe_rows_read_the_biases_activation_and_router_their_sou
     oss = row_plan(rows["79"]).job.model
     assert (oss.activation, oss.activation_clamp, oss.add_bias_linear, oss.moe_router_fp32) == (
         Activation.quick_geglu, 7.0, True, False)
-    for rid in ("73", "74", "80"):  # DeepSeek-V3, Qwen3 30B-A3B (both files)
+    for rid, fp32 in (("73", True), ("74", False), ("80", False)):  # DeepSeek-V3, Qwen3 30B-A3B (both files)
         model = row_plan(rows[rid]).job.model
-        assert not model.add_bias_linear and model.activation is Activation.swiglu and model.moe_router_fp32
+        assert not model.add_bias_linear and model.activation is Activation.swiglu
+        assert model.moe_router_fp32 is fp32
 
 
 @pytest.mark.parametrize(("change", "named"), [({"num_experts": None}, "a dense model"),

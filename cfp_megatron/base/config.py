@@ -544,7 +544,12 @@ class ModelSpec:
     """Router score function."""
     moe_router_fp32: bool = True
     """The router's logits, scores and routing probabilities in fp32 (Megatron-Core's ``moe_router_dtype='fp32'``);
-    ``False``: in the compute precision (``moe_router_dtype`` unset, as Megatron-Bridge's GPT-OSS runs)."""
+    ``False``: in the compute precision (``moe_router_dtype`` unset, as Megatron-Bridge's GPT-OSS and Qwen3 run)."""
+    moe_router_fusion: bool = False
+    """The router's score function, top-k and auxiliary loss as Transformer Engine's fused kernels (Megatron-Core's
+    ``moe_router_fusion``, which Megatron-Bridge's performance recipes set): one kernel a pass for each, not
+    PyTorch's element-wise ops (:func:`~cfp_megatron.sim.terms.expert_dispatch.fused_router_bytes`). Runs only where
+    Transformer Engine is installed, on a GPU; left out on CPU with a note. ``False``: Megatron-Core's default."""
     moe_aux_loss_coeff: float = 0.0
     """Load-balancing auxiliary loss coefficient (0 disables it)."""
     moe_token_dispatcher: TokenDispatcher = TokenDispatcher.alltoall

@@ -67,6 +67,14 @@ def grouped_gemm_here(*, on_gpu: bool) -> bool:
     return on_gpu and transformer_engine_available()
 
 
+def router_fusion_here(*, on_gpu: bool) -> bool:
+    """Whether the runtime can run a MoE router with Megatron-Core's ``moe_router_fusion`` (Transformer Engine's
+    fused top-k and auxiliary-loss kernels, which Megatron-Core raises for without it): on a GPU where Transformer
+    Engine imports, never on CPU. Read by :mod:`cfp_megatron.model.megatron_config` and
+    :func:`cfp_megatron.sim.options.options_here`."""
+    return on_gpu and transformer_engine_available()
+
+
 def gradient_accumulation_fusion_here() -> bool:
     """Whether the runtime builds Megatron-Core's linears with ``gradient_accumulation_fusion`` (the weight-gradient
     GEMM writing into ``main_grad``): never, on a GPU too, so its weight gradients join the step's through Megatron's

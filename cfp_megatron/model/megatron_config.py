@@ -27,6 +27,7 @@ from cfp_megatron.base.parallel_dims import (
     hierarchical_cp_sizes,
     masked_softmax_fusion_here,
     rope_fusion_here,
+    router_fusion_here,
 )
 
 ACTIVATION_FUNCS = {Activation.gelu: F.gelu, Activation.swiglu: F.silu, Activation.quick_geglu: quick_gelu}
@@ -157,6 +158,8 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
             moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
             moe_grouped_gemm=grouped_gemm_here(on_gpu=on_gpu),
             moe_router_dtype="fp32" if m.moe_router_fp32 else None,
+            # Transformer Engine's fused router kernels: Megatron-Core raises for them without it (cpu_notes).
+            moe_router_fusion=m.moe_router_fusion and router_fusion_here(on_gpu=on_gpu),
             moe_shared_expert_overlap=p.moe_shared_expert_overlap,
             overlap_moe_expert_parallel_comm=p.moe_a2a_overlap,
         )
@@ -173,10 +176,14 @@ def transformer_config(job: JobSpec, dims: ParallelDims, *, on_gpu: bool) -> Tra
 
 def cpu_notes(job: JobSpec) -> list[str]:
     """One line for each setting of ``job`` that :func:`transformer_config` leaves out on CPU, where it has no
-    effect: CUDA graphs (``parallel.cuda_graph_impl``) capture CUDA streams."""
-    p = job.parallel
-    if p.cuda_graph_impl is CudaGraphImpl.none:
-        return []
-    scope = f" (scope {p.cuda_graph_scope})" if p.cuda_graph_scope else ""
-    return [f"cfp: parallel.cuda_graph_impl={p.cuda_graph_impl.value}{scope} is ignored on CPU: CUDA graphs capture "
-            "CUDA streams; every kernel is launched as it runs."]
+    effect: CUDA graphs (``parallel.cuda_graph_impl``) capture CUDA streams; the fused router
+    (``model.moe_router_fusion``) is Transformer Engine's CUDA kernels."""
+    p, notes = job.parallel, []
+    if p.cuda_graph_impl is not CudaGraphImpl.none:
+        scope = f" (scope {p.cuda_graph_scope})" if p.cuda_graph_scope else ""
+        notes.append(f"cfp: parallel.cuda_graph_impl={p.cuda_graph_impl.value}{scope} is ignored on CPU: CUDA graphs "
+                     "capture CUDA streams; every kernel is launched as it runs.")
+    if job.model.is_moe and job.model.moe_router_fusion:
+        notes.append("cfp: model.moe_router_fusion=true is ignored on CPU: Transformer Engine's fused router kernels "
+                     "run on a GPU; the router runs Megatron-Core's PyTorch ops.")
+    return notes

@@ -91,7 +91,8 @@ def current_fingerprint(*, world_size: int, nodes: int, backend: str) -> Fingerp
 
 KEYED_WHEN_SET: dict[str, object] = {"window_size": None, "window_attn_skip_freq": None,
                                      "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False,
-                                     "activation_clamp": None, "moe_router_fp32": True}
+                                     "activation_clamp": None, "moe_router_fp32": True,
+                                     "moe_router_fusion": False}
 """Model fields added after profiles were stored, with their defaults: they enter :func:`model_key` only when set
 to something else, so a model that does not use them keeps the key (and the profile) it had before they existed. A
 new model field goes here."""

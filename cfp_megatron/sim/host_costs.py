@@ -111,6 +111,33 @@ TORCH_GROUPED_MMS = (3, 6)
 """(forward, backward) ``torch._grouped_mm`` calls of the same, each of which launches a second kernel from C++
 before its CUTLASS GEMM (pytorch/pytorch ``aten/src/ATen/native/cuda/GroupMM.cu``,
 ``bf16bf16_grouped_gemm_impl_sm90_sm100``: ``prepare_grouped_gemm_data`` fills the groups' pointers and shapes)."""
+UNFUSED_ROUTER_OPS = Launches(forward=26, backward=17)
+"""Operators the counted MoE layer's router dispatches per pass (``kernel_launches.json``'s Mixtral 8x7B: fp32
+softmax router, top-2, with the load-balancing loss, at TP 1; the counts' forward part ``router`` is these 26),
+without ``moe_router_fusion``, as Megatron-Core 0.16.1 runs it (transformer/moe/router.py, moe_utils.py; counted
+under ``TorchDispatchMode``, views left out: tests/test_sim_fused_router.py). Forward: the gating's two casts and
+GEMM (3); ``topk_routing_with_score_function``'s top-k, softmax, two ``zeros_like``, two ``scatter`` and the casts
+to int and bool (8); ``compute_routing_scores_for_aux_loss``'s softmax, top-k, ``zeros_like``, casts and scatter
+(6); the token counts' sum (1); ``switch_load_balancing_loss_func``'s sum, product, sum and scale (4); the loss
+tracker's division, add and copy, and the per-token scale (4). Backward: ``MoEAuxLossAutoScaler``'s ``ones_like``
+and scale, the per-token scale's, the loss' scale's and product's gradients (5), the scores' softmax backward (1),
+the scatter's gather, the softmax backward and the top-k's zeroed scatter (4), the logits' two gradients added (1),
+the gating's casts and two GEMMs (6)."""
+FUSED_ROUTER_OPS = Launches(forward=11, backward=13)
+"""The same router's under ``moe_router_fusion`` (Megatron-Core 0.16.1 calling Transformer Engine's
+transformer_engine/pytorch/router.py, one kernel a call): forward, the gating (3), the fused top-k (1), the fused
+aux-loss scores (1), the token counts' sum (1), the fused loss (1), the tracker and the per-token scale (4);
+backward, the auto-scaler's and the per-token scale's (3), the fused loss', scores' and top-k's backward (3), the
+logits' gradients added (1) and the gating's (6)."""
+
+
+def router_launches(counted: Launches, *, fused: bool) -> Launches:
+    """The router's launches per pass: ``counted`` (its share of the counted layer's), scaled per pass by
+    :data:`FUSED_ROUTER_OPS` over :data:`UNFUSED_ROUTER_OPS` where it runs fused."""
+    if not fused:
+        return counted
+    return Launches(forward=counted.forward * FUSED_ROUTER_OPS.forward / UNFUSED_ROUTER_OPS.forward,
+                    backward=counted.backward * FUSED_ROUTER_OPS.backward / UNFUSED_ROUTER_OPS.backward)
 
 
 def grouped_linear_launches(local_experts: int, expert_cast_launches: float) -> Launches:
@@ -247,7 +274,7 @@ def _layer(parts: dict[str, Launches], scope: tuple[str, ...] | None, constants:
 
 def host_costs(job: JobSpec, local_experts: int, *, grouped_gemm: bool = True, te_experts: bool = True,
                torch_experts: bool = False, moe_layer_syncs: int | None = None,
-               expert_cast_launches: float = 0.0) -> HostCosts:
+               expert_cast_launches: float = 0.0, fused_router: bool = False) -> HostCosts:
     """The host's seconds per layer kind and pass of ``job`` with ``local_experts`` routed experts per rank; with
     ``grouped_gemm`` the experts run grouped GEMMs, not each expert's Python kernels, and with ``te_experts`` too
     (:attr:`~cfp_megatron.sim.options.SimOptions.te_grouped_experts`) as Transformer Engine's grouped linears, whose
@@ -256,18 +283,19 @@ def host_costs(job: JobSpec, local_experts: int, *, grouped_gemm: bool = True, t
     (:meth:`~cfp_megatron.sim.options.SimOptions.torch_swiglu_experts`: :data:`TORCH_EXPERT_OPS` from Python and
     :data:`TORCH_GROUPED_MMS` from C++);
     ``moe_layer_syncs``: a dropless MoE layer's synchronisations per forward (``None``: ``host.yaml``'s count,
-    Megatron-Core's)."""
+    Megatron-Core's); ``fused_router``: the router runs Transformer Engine's fused kernels
+    (:meth:`~cfp_megatron.sim.options.SimOptions.fused_router`, :func:`router_launches`)."""
     parallel = job.parallel
     return _host_costs(job.model, parallel.cuda_graph_impl, parallel.cuda_graph_scope,
                        parallel.recompute is Recompute.full, moe_syncs(job), local_experts,
                        grouped_gemm and te_experts, grouped_gemm, torch_experts, moe_layer_syncs,
-                       expert_cast_launches)
+                       expert_cast_launches, fused_router)
 
 
 @functools.lru_cache(maxsize=1024)
 def _host_costs(model: ModelSpec, impl: CudaGraphImpl, scope_text: str | None, full: bool, syncs: bool,
                 local_experts: int, te_loops: bool, grouped_gemm: bool, torch_experts: bool,
-                moe_layer_syncs: int | None, expert_cast_launches: float) -> HostCosts:
+                moe_layer_syncs: int | None, expert_cast_launches: float, fused_router: bool) -> HostCosts:
     """:func:`host_costs` from what it reads of the plan (the search prices thousands of layouts that share them):
     the model, the CUDA graphs (``impl``, ``parallel.cuda_graph_scope``'s text), whether recomputation is full and
     whether its MoE layers synchronise (:func:`moe_syncs`)."""
@@ -279,6 +307,7 @@ def _host_costs(model: ModelSpec, impl: CudaGraphImpl, scope_text: str | None, f
                          moe_recompute_s=0.0, recompute_syncs=False, moe_sync_s=0.0)
     dense = _layer(counts.dense, scope, constants, moe=False, dropless=syncs)
     moe_parts = dict(counts.moe)
+    moe_parts["router"] = router_launches(counts.moe["router"], fused=fused_router)
     if torch_experts:  # torchtitan's GroupedExperts in place of Megatron-Core's
         moe_parts["experts"] = TORCH_EXPERT_OPS
     elif not grouped_gemm:  # Megatron-Core's SequentialMLP: each local expert's kernels, launched from Python

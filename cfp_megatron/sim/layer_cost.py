@@ -292,7 +292,8 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
         moe_block = moe_block_cost(job, layout, kernels, costs, imbalance=options.moe_routing_imbalance,
                                    torch_combine=options.torch_moe_combine,
                                    flex_unstated=options.flex_backend_unstated, grouped_gemm=options.grouped_gemm,
-                                   torch_swiglu=options.torch_swiglu_experts(model))
+                                   torch_swiglu=options.torch_swiglu_experts(model),
+                                   fused_router=options.fused_router(model))
         if options.te_grouped_experts:  # Transformer Engine's per-expert quantisation kernels
             scalar_fwd, scalar_bwd = expert_scalar_kernels_s(max(1, (model.num_experts or 1) // dims.ep),
                                                              kernels.format.expert_scalar_kernels)
@@ -315,8 +316,11 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
             mlp_gemm = primepar.forward_compute_s
             tp_ops = 2  # attention's all-reduce per pass; the MLP adds its exposed ring and all-gather below
     elementwise = kernels.memory((replicated_elements + split_elements) * tokens * elem_bytes)
-    # The experts' PyTorch ops beside their fused kernels (clamp, per-expert fc2 bias), forward and backward.
-    unfused_fwd, unfused_bwd = ((kernels.memory(nbytes * tokens) for nbytes in moe_block.unfused_bytes_per_token)
+    # The experts' PyTorch ops beside their fused kernels (clamp, per-expert fc2 bias) and Transformer Engine's
+    # fused router, forward and backward.
+    unfused_fwd, unfused_bwd = ((kernels.memory((nbytes + router) * tokens) for nbytes, router
+                                 in zip(moe_block.unfused_bytes_per_token, moe_block.router_bytes_per_token,
+                                        strict=True))
                                 if moe_block is not None else (0.0, 0.0))
 
     # TP / SP collectives (the tensor-parallel term), less what the GEMMs hide under TP communication overlap.

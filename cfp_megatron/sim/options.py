@@ -12,6 +12,7 @@ from cfp_megatron.base.parallel_dims import (
     gradient_accumulation_fusion_here,
     grouped_gemm_here,
     rope_fusion_here,
+    router_fusion_here,
 )
 
 
@@ -193,6 +194,11 @@ class SimOptions:
     backward pass (:func:`~cfp_megatron.sim.memory.layer_activation_bytes`) and makes more element-wise passes over
     Q and K (:data:`~cfp_megatron.sim.layer_cost.UNFUSED_ROPE_PASSES`), as the runtime trains (:func:`options_here`)
     and as Megatron-Core runs a YaRN embedding whose scale Transformer Engine's fused kernel lacks."""
+    router_fusion: bool = True
+    """A MoE model that sets :attr:`~cfp_megatron.base.config.ModelSpec.moe_router_fusion` runs Transformer Engine's
+    fused router (:meth:`fused_router`); ``False``: Transformer Engine is missing where it trains, so Megatron-Core's
+    PyTorch router runs instead (:func:`options_here` on CPU,
+    :func:`~cfp_megatron.base.parallel_dims.router_fusion_here`)."""
     pipeline_schedule: PipelineSchedule = PipelineSchedule.megatron
     """The pipeline schedule priced (:class:`PipelineSchedule`); those other than Megatron-Core's run one model chunk
     a rank."""
@@ -212,6 +218,12 @@ class SimOptions:
         """Whether ``model``'s rotary embedding runs Megatron-Core's unfused path (``rope_fusion`` off; a model
         without RoPE has none)."""
         return not self.rope_fusion and model.position_embedding is PositionEmbedding.rope
+
+    def fused_router(self, model: ModelSpec) -> bool:
+        """Whether ``model``'s router runs Transformer Engine's fused top-k and auxiliary-loss kernels
+        (:attr:`~cfp_megatron.base.config.ModelSpec.moe_router_fusion` where :attr:`router_fusion` lets it), not
+        in torchtitan's MoE layer (:attr:`torch_moe_combine`), whose router is its own."""
+        return self.router_fusion and model.is_moe and model.moe_router_fusion and not self.torch_moe_combine
 
     @property
     def te_grouped_experts(self) -> bool:
@@ -266,8 +278,10 @@ def options_here(cluster: ClusterSpec) -> SimOptions:
     attention core (:func:`~cfp_megatron.base.parallel_dims.attention_kernel_here`: on CPU and on a GPU without
     Transformer Engine Megatron's unfused core, keeping its scores), whether the experts run a grouped GEMM and how
     the weight gradients are added (:func:`weight_grad_accumulation_here`) and whether RoPE is fused
-    (:func:`~cfp_megatron.base.parallel_dims.rope_fusion_here`). On CPU too: its layers' times come from
+    (:func:`~cfp_megatron.base.parallel_dims.rope_fusion_here`) and whether a router asking for it runs fused
+    (:func:`~cfp_megatron.base.parallel_dims.router_fusion_here`). On CPU too: its layers' times come from
     their measured segments, but their memory follows these options."""
     on_gpu = not cluster.on_cpu
     return SimOptions(attention=attention_kernel_here(on_gpu=on_gpu), grouped_gemm=grouped_gemm_here(on_gpu=on_gpu),
-                      weight_grad_accumulation=weight_grad_accumulation_here(), rope_fusion=rope_fusion_here())
+                      weight_grad_accumulation=weight_grad_accumulation_here(), rope_fusion=rope_fusion_here(),
+                      router_fusion=router_fusion_here(on_gpu=on_gpu))

@@ -268,7 +268,8 @@ def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
                           grouped_gemm=options.grouped_gemm, te_experts=options.te_grouped_experts,
                           torch_experts=options.torch_swiglu_experts(model),
                           moe_layer_syncs=options.moe_layer_syncs,
-                          expert_cast_launches=kernels.format.expert_cast_launches)
+                          expert_cast_launches=kernels.format.expert_cast_launches,
+                          fused_router=options.fused_router(model))
     return PassCosts(dense=dense, megatron_dense=None, moe=moe, embedding=embedding, head=head, per_pass=per_pass,
                      overheads=overheads, mtp_projection=mtp[:2], mtp_projection_params=mtp[2], host=host)
 

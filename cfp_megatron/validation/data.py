@@ -131,6 +131,9 @@ class Framework:
     unfused_rope: tuple[str, ...] = ()
     """Patterns on ``model`` (case-insensitive) whose RoPE it runs unfused (:attr:`~cfp_megatron.sim.options.
     SimOptions.rope_fusion` off)."""
+    router_fusion: tuple[str, ...] = ()
+    """Patterns on ``model`` (case-insensitive) whose MoE router it runs as Transformer Engine's fused kernels
+    (:attr:`~cfp_megatron.base.config.ModelSpec.moe_router_fusion`)."""
     torch_moe_combine: bool = False
     """Its MoE layer is torchtitan's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_moe_combine`)."""
     torchao_low_precision: bool = False
@@ -343,7 +346,8 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
                     "apex_distributed_adam", "overlap_param_gather", "weight_grad_accumulation", "torch_fused_adamw",
                     "moe_layer_syncs", "rank_batch_micro", "tie_embeddings", "deepspeed_engine", "torch_op_sac",
                     "torch_moe_combine", "eager_loss", "compiled_loss", "unfused_rope", "async_tp_backward",
-                    "blocking_interleaved", "global_memory_buffer", "wgrad_placeholder", "torchao_low_precision"}
+                    "blocking_interleaved", "global_memory_buffer", "wgrad_placeholder", "torchao_low_precision",
+                    "router_fusion"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -372,6 +376,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             entry.fail(f"has moe_layer_syncs={syncs!r}; it counts a MoE layer's synchronisations (0 or more)")
         compiled = _model_patterns(entry, runs, "compiled_loss")
         unfused_rope = _model_patterns(entry, runs, "unfused_rope")
+        router_fusion = _model_patterns(entry, runs, "router_fusion")
         contains = match.get("contains", [])
         frameworks.append(Framework(
             name=raw["name"], source=raw["source"], blank=dict(blank), attention=attention,
@@ -395,6 +400,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             torch_moe_combine=bool(runs.get("torch_moe_combine", False)),
             torchao_low_precision=bool(runs.get("torchao_low_precision", False)),
             eager_loss=bool(runs.get("eager_loss", False)), compiled_loss=compiled, unfused_rope=unfused_rope,
+            router_fusion=router_fusion,
             rank_batch_micro=bool(runs.get("rank_batch_micro", False)),
             apex_adam=tuple((str(pattern), ApexAdamStates(state)) for pattern, state in apex.items())))
     if frameworks[-1].match != FrameworkMatch():

@@ -152,6 +152,10 @@ class MoeCost:
     takes it: the clamp before the activation (:func:`clamp_bytes`), the fc2 bias added per expert
     (:func:`expert_bias_bytes`), torchtitan's dispatcher's gathers, scatters and fp32 combine
     (:func:`torch_dispatch_bytes`) and its experts' unfused SwiGLU (:func:`torch_swiglu_bytes`)."""
+    router_bytes_per_token: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) HBM bytes per token of the micro-batch of Transformer Engine's fused router on the tokens
+    this rank scores (:func:`fused_router_bytes`; what ``moe`` recomputation repeats of it: the forward's); zero
+    unfused, where the router's passes are among ``elements_per_token``."""
     recomputed_bytes_per_token: float = 0.0
     """Of the forward's ``unfused_bytes_per_token``, the clamp's or torchtitan's SwiGLU's: what ``moe_act``
     recomputes with the activation (the fc2 bias is added after fc2, outside it)."""
@@ -179,6 +183,28 @@ ROUTER_SCORE_PASSES = 4.0
 writes the dense probabilities (1), beside the boolean routing map (:data:`ROUTING_MAP_BYTES`)."""
 AUX_LOSS_SCORE_PASSES = 1.0
 """The load-balancing loss' extra read of the scores per token and expert (``moe_aux_loss_coeff > 0``)."""
+FUSED_TOPK_PASSES = (3.0, 3.0)
+"""(forward, backward) passes per token and expert over the router's ``[tokens, experts]`` tensors (in the
+router's dtype, :func:`router_bytes`) of Transformer Engine's fused top-k (``fused_topk_with_score_function``,
+Megatron-Core's ``moe_router_fusion``), counted from its kernels (transformer_engine/common/fused_router/
+fused_topk_with_score_function.cu, the same global accesses at v2.7, v2.9 and v2.12): the forward reads the logits
+once and writes the dense probabilities and the score function's output it keeps for the backward
+(``intermediate_output``), each row zeroed in the lines its top-k entries then fill (3); the backward reads the
+probabilities' gradient and that output and writes the logits' gradient (3)."""
+FUSED_TOPK_MAP_BYTES = (1.0, 1.0)
+"""(forward, backward) bytes per token and expert of the fused top-k's boolean routing map: written by its forward,
+read by its backward (fused_topk_with_score_function.cu)."""
+FUSED_AUX_LOSS_PASSES = (4.0, 7.0)
+"""(forward, backward) passes per token and expert the load-balancing loss adds under ``moe_router_fusion``
+(``moe_aux_loss_coeff > 0``), counted from Transformer Engine's kernels as :data:`FUSED_TOPK_PASSES`: forward,
+``fused_compute_score_for_moe_aux_loss`` reads the logits and writes the scores and its intermediate output
+(fused_score_for_moe_aux_loss.cu, 3) and ``fused_moe_aux_loss`` reads the scores (fused_moe_aux_loss.cu, 1);
+backward, the loss's kernel writes the scores' gradient (1), the scores' kernel reads it and its intermediate output
+and writes the logits' gradient (3), and autograd adds that to the top-k's (read 2, written 1)."""
+FUSED_AUX_LOSS_MAP_BYTES = (2.0, 0.0)
+"""(forward, backward) bytes per token and expert of the loss's own routing map: written by
+``fused_compute_score_for_moe_aux_loss`` and read by ``routing_map.sum(dim=0)`` (Megatron-Core's
+``get_tokens_per_expert_and_token_count``, transformer/moe/moe_utils.py); its backward has none."""
 CLAMP_FORWARD_PASSES = 4.0
 """Passes over fc1's output (``[rows, 2 ffn]`` in the compute precision) of the clamp Megatron-Core runs in PyTorch
 before the fused quick-GEGLU kernel (``weighted_bias_quick_geglu_impl``, megatron/core/fusions/fused_bias_geglu.py):
@@ -270,6 +296,22 @@ def router_bytes(job: JobSpec, elem: float) -> float:
     return FP32_BYTES if job.model.moe_router_fp32 else float(elem)
 
 
+def fused_router_bytes(job: JobSpec, elem: float) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per token and expert of the router's element-wise work under
+    ``moe_router_fusion`` (:attr:`~cfp_megatron.base.config.ModelSpec.moe_router_fusion`), in the router's dtype
+    (:func:`router_bytes`) with ``elem``-byte activations: the fused top-k (:data:`FUSED_TOPK_PASSES`,
+    :data:`FUSED_TOPK_MAP_BYTES`) and, with the load-balancing loss, its fused kernels
+    (:data:`FUSED_AUX_LOSS_PASSES`, :data:`FUSED_AUX_LOSS_MAP_BYTES`)."""
+    score = router_bytes(job, elem)
+    aux = 1.0 if job.model.moe_aux_loss_coeff > 0 else 0.0
+
+    def one(i: int) -> float:
+        return (FUSED_TOPK_PASSES[i] * score + FUSED_TOPK_MAP_BYTES[i]
+                + aux * (FUSED_AUX_LOSS_PASSES[i] * score + FUSED_AUX_LOSS_MAP_BYTES[i]))
+
+    return one(0), one(1)
+
+
 def probability_bytes(job: JobSpec, elem: float) -> float:
     """Bytes of one routed copy's probability as the experts get it: the router's (:func:`router_bytes`), but fp32
     under the flex dispatcher, whose DeepEP and HybridEP managers cast them (``token_dispatcher.py``: "DeepEP only
@@ -315,7 +357,8 @@ def expected_remote_nodes(topk: int, nodes: int) -> float:
 
 def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, *,
                    imbalance: float = 1.0, torch_combine: bool = False, flex_unstated: bool = False,
-                   grouped_gemm: bool = True, torch_swiglu: bool = False) -> MoeCost:
+                   grouped_gemm: bool = True, torch_swiglu: bool = False,
+                   fused_router: bool = False) -> MoeCost:
     """Cost of ``job``'s MoE block under ``layout``, as Megatron-Core runs it: dropless, the rank holding the busiest
     experts processes ``imbalance`` times the balanced share of routed tokens (1.0: forced or perfect balance);
     token-drop, at most the capacity factor times it; padded to capacity, exactly that
@@ -328,7 +371,10 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     else ``SequentialMLP``, which add a biased model's fc2 bias differently (:func:`expert_bias_bytes`).
     ``torch_swiglu``: the experts are torchtitan's (:meth:`~cfp_megatron.sim.options.SimOptions.torch_swiglu_experts`):
     w1 and w3 two grouped GEMMs of the FFN width each (two launches, two reads of the input), the SwiGLU unfused
-    (:func:`torch_swiglu_bytes`, in ``unfused_bytes_per_token``)."""
+    (:func:`torch_swiglu_bytes`, in ``unfused_bytes_per_token``).
+    ``fused_router``: the router runs Transformer Engine's fused kernels
+    (:meth:`~cfp_megatron.sim.options.SimOptions.fused_router`), counted forward and backward
+    (:func:`fused_router_bytes`, in ``router_bytes_per_token``), not in the routing's elements."""
     model, dims = job.model, layout.dims
     flex = flex_kernels(None if flex_unstated else job.parallel.moe_flex_dispatcher_backend)
     tp, etp, ep, sp = dims.tp, dims.etp, dims.ep, dims.sp
@@ -371,8 +417,11 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     gemm_s += router_s + shared_s
     gemm_bwd_s += 2.0 * (router_s + shared_s)
     elements = activation + shared_elements + _routing_elements(job, layout, kernels, routed=routed, flex=flex,
-                                                                torch_combine=torch_combine,
-                                                                local_tokens=local_tokens) / tokens
+                                                                torch_combine=torch_combine, local_tokens=local_tokens,
+                                                                fused_router=fused_router) / tokens
+    scored = local_tokens * num_experts / tokens  # the router's [tokens, experts] entries per token of the batch
+    fwd_bytes, bwd_bytes = fused_router_bytes(job, kernels.elem) if fused_router else (0.0, 0.0)
+    router = (scored * fwd_bytes, scored * bwd_bytes)
     # The routed experts' PyTorch element-wise ops beside their fused kernels, per token of the micro-batch.
     clamp = clamp_bytes(kernels.elem) if model.activation_clamp is not None else (0.0, 0.0)
     bias = (expert_bias_bytes(kernels.elem, probability_bytes(job, kernels.elem), grouped_gemm=grouped_gemm)
@@ -395,7 +444,8 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
                                         probabilities=not torch_combine, flex=flex)
     return MoeCost(gemm_s=gemm_s, gemm_bwd_s=gemm_bwd_s, shared_gemm_s=shared_s, elements_per_token=elements,
                    activation_elements_per_token=activation, shared_elements_per_token=shared_elements,
-                   unfused_bytes_per_token=unfused, recomputed_bytes_per_token=recomputed,
+                   unfused_bytes_per_token=unfused, router_bytes_per_token=router,
+                   recomputed_bytes_per_token=recomputed,
                    dispatch_s=dispatch_s, combine_s=combine_s,
                    metadata_s=_metadata_s(job, layout, costs, flex=flex, local_tokens=local_tokens),
                    params=params, expert_params=expert_params)
@@ -426,7 +476,8 @@ def _torch_dispatch_per_token(job: JobSpec, layout: Layout, kernels: KernelModel
 
 
 def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, routed: float,
-                      local_tokens: float, flex: FlexKernels, torch_combine: bool = False) -> float:
+                      local_tokens: float, flex: FlexKernels, torch_combine: bool = False,
+                      fused_router: bool = False) -> float:
     """Elements (of the compute precision) the routing moves through HBM on this rank in one forward pass,
     memory-bound kernels counted from what Megatron-Core's ``TopKRouter`` and ``MoEAlltoAllTokenDispatcher`` run:
     the router's element-wise kernels on the ``local_tokens`` it scores (:data:`ROUTER_SCORE_PASSES`, and the
@@ -438,12 +489,15 @@ def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, rou
     FP4, the quantisation of each grouped linear's input (the format's ``cast_bytes``,
     ``cfp_megatron/sim/number_formats.yaml``). ``torch_combine``: torchtitan's dispatcher, whose permutations and
     combine are counted forward and backward apart (:func:`torch_dispatch_bytes`, :func:`moe_block_cost`), not
-    here, and whose FP8/FP4 permutation pads the rows in place (no ``Fp8Padding`` copies)."""
+    here, and whose FP8/FP4 permutation pads the rows in place (no ``Fp8Padding`` copies). ``fused_router``:
+    Transformer Engine's fused router, counted apart (:func:`fused_router_bytes`), not here."""
     model, dims = job.model, layout.dims
     num_experts, hidden = model.num_experts or 1, model.hidden_size
-    passes = ROUTER_SCORE_PASSES + (AUX_LOSS_SCORE_PASSES if model.moe_aux_loss_coeff > 0 else 0.0)
-    per_expert = passes * router_bytes(job, kernels.elem) + ROUTING_MAP_BYTES
-    elements = local_tokens * num_experts * per_expert / kernels.elem
+    elements = 0.0
+    if not fused_router:
+        passes = ROUTER_SCORE_PASSES + (AUX_LOSS_SCORE_PASSES if model.moe_aux_loss_coeff > 0 else 0.0)
+        per_expert = passes * router_bytes(job, kernels.elem) + ROUTING_MAP_BYTES
+        elements = local_tokens * num_experts * per_expert / kernels.elem
     received = routed / dims.etp  # the rows this rank's experts take, as they arrive
     if model.moe_token_dispatcher is TokenDispatcher.flex:
         # DeepEP and HybridEP read the tokens where they are and land them by source rank: one permutation by

@@ -45,7 +45,7 @@ def selective_recompute(job: JobSpec, layout: Layout, kernels: KernelModel, *, m
         if RecomputeModule.moe in modules:
             gemm_s += moe_block.gemm_s
             elements += moe_block.elements_per_token
-            unfused += moe_block.unfused_bytes_per_token[0]
+            unfused += moe_block.unfused_bytes_per_token[0] + moe_block.router_bytes_per_token[0]
             ep_s += ep_fwd_s
         else:
             if RecomputeModule.moe_act in modules:
