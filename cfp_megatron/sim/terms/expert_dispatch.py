@@ -139,8 +139,8 @@ class MoeCost:
     """Of ``gemm_s``, the shared expert's (what ``moe_shared_expert_overlap`` runs beside the dispatch)."""
     elements_per_token: float
     """Element-wise HBM traffic per token of the micro-batch and pass on this rank, in elements: the router's score
-    function, top-k and auxiliary loss, the permutations (:data:`PERMUTE_ROW_PASSES`), the experts' and shared
-    expert's activations."""
+    function, top-k and auxiliary loss (unfused; fused: ``router_bytes_per_token``), the permutations
+    (:data:`PERMUTE_ROW_PASSES`), the experts' and shared expert's activations."""
     activation_elements_per_token: float = 0.0
     """Of ``elements_per_token``, the routed experts' fused activation function's (what ``moe_act`` recomputes;
     torchtitan's unfused one is in ``unfused_bytes_per_token``)."""
