@@ -394,6 +394,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                          torch_fused_adamw=framework.torch_fused_adamw, moe_layer_syncs=framework.moe_layer_syncs,
                          torch_op_sac=framework.torch_op_sac, torch_moe_combine=framework.torch_moe_combine,
                          torchao_low_precision=framework.torchao_low_precision,
+                         torch_swiglu=framework.torch_swiglu, dtensor_tp=framework.dtensor_tp,
                          flex_backend_unstated=bool(experts and recipe and recipe.dispatcher == "flex"
                                                     and recipe.flex_backend is None),
                          eager_torch_loss=framework.eager_loss and not _model_matches(row, framework.compiled_loss),

@@ -362,7 +362,8 @@ def test_torchtitans_experts_pay_none_of_transformer_engines_per_expert_kernels(
                                          "precision": "fp8", "fp8_recipe": "tensorwise"}})
     assert SimOptions().te_grouped_experts and not SimOptions(torch_moe_combine=True).te_grouped_experts
     assert not SimOptions(grouped_gemm=False).te_grouped_experts
-    te, titan = (prepare_costs(current, options=SimOptions(torch_moe_combine=titan)).host for titan in (False, True))
+    te, titan = (prepare_costs(current, options=SimOptions(torch_moe_combine=titan, torch_swiglu=titan)).host
+                 for titan in (False, True))
     constants, experts = hc.host_constants(), hc.launch_counts().moe["experts"]
     cpp = constants.backward_launch_s
     loops = hc.grouped_linear_launches(8, 4.0)  # 8 local experts, current scaling's 4 kernels a quantised tensor
@@ -375,7 +376,8 @@ def test_torchtitans_experts_pay_none_of_transformer_engines_per_expert_kernels(
     assert te.moe[1] - titan.moe[1] == pytest.approx(loops.backward * cpp - own[1])
     layout, costs = build_layout(current), collective_costs(current.cluster, None)
     kernels = KernelModel(current.cluster, efficiency_for(current.cluster), NumberFormat.of(current.train))
-    titan_layer = layer_cost(current, layout, kernels, costs, SimOptions(torch_moe_combine=True), moe=True)
+    titan_options = SimOptions(torch_moe_combine=True, torch_swiglu=True)
+    titan_layer = layer_cost(current, layout, kernels, costs, titan_options, moe=True)
     kernels.format = dataclasses.replace(kernels.format, expert_scalar_kernels=0.0)
-    unfloored = layer_cost(current, layout, kernels, costs, SimOptions(torch_moe_combine=True), moe=True)
+    unfloored = layer_cost(current, layout, kernels, costs, titan_options, moe=True)
     assert titan_layer.forward.compute_s == unfloored.forward.compute_s

@@ -50,11 +50,15 @@ def grouped_experts() -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Ten
     return forward, x_RD, [w1_EFD, w2_EDF, w3_EFD]
 
 
+GEMMS = {"mm", "addmm", "bmm", "_grouped_mm"}
+"""Aten GEMMs (priced by ``KernelModel.gemm`` and ``grouped_gemm``, not as element-wise bytes)."""
+
+
 class ElementwiseBytes(ByteCount):
-    """:class:`ByteCount` without the grouped GEMMs (priced by ``KernelModel.grouped_gemm``)."""
+    """:class:`ByteCount` without the GEMMs (:data:`GEMMS`)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ == "_grouped_mm":
+        if func.overloadpacket.__name__ in GEMMS:
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
@@ -74,9 +78,14 @@ class OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def passes(mode: type[TorchDispatchMode]) -> tuple[TorchDispatchMode, TorchDispatchMode]:
-    """``mode`` over the experts' forward and over their backward (input and weight gradients)."""
-    forward_fn, x, weights = grouped_experts()
+Module = Callable[[], tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, list[torch.Tensor]]]
+"""A builder of a forward, its input and its weights (:func:`grouped_experts`)."""
+
+
+def passes(mode: type[TorchDispatchMode], build: Module = grouped_experts
+           ) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+    """``mode`` over ``build``'s forward and over its backward (input and weight gradients)."""
+    forward_fn, x, weights = build()
     forward, backward = mode(), mode()
     with forward:
         out = forward_fn(x)
@@ -100,9 +109,10 @@ def test_torchtitans_experts_launch_the_counted_kernels() -> None:
     assert (forward.grouped, backward.grouped) == hc.TORCH_GROUPED_MMS
 
 
-def test_torchtitans_experts_keep_the_counted_tensors() -> None:
-    """One copy of the input (w1's and w3's grouped GEMMs save the same tensor) and four of the FFN width."""
-    forward_fn, x, weights = grouped_experts()
+def saved_bytes(forward_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                weights: list[torch.Tensor]) -> int:
+    """Bytes of the distinct floating-point tensors (storages) autograd saves running ``forward_fn(x)``, the
+    weights left out."""
     params = {w.untyped_storage().data_ptr() for w in weights}
     saved: dict[int, int] = {}
 
@@ -114,7 +124,12 @@ def test_torchtitans_experts_keep_the_counted_tensors() -> None:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         forward_fn(x)
-    assert sum(saved.values()) == ROWS * (HIDDEN + TORCH_SWIGLU_SAVED_FFN * FFN) * 2
+    return sum(saved.values())
+
+
+def test_torchtitans_experts_keep_the_counted_tensors() -> None:
+    """One copy of the input (w1's and w3's grouped GEMMs save the same tensor) and four of the FFN width."""
+    assert saved_bytes(*grouped_experts()) == ROWS * (HIDDEN + TORCH_SWIGLU_SAVED_FFN * FFN) * 2
 
 
 def test_torchtitans_experts_run_w1_and_w3_as_two_grouped_gemms(monkeypatch: pytest.MonkeyPatch) -> None:

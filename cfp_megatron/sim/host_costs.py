@@ -107,6 +107,13 @@ moe.py``; counted with a ``TorchDispatchMode``): forward the offsets' ``cumsum``
 ``torch._grouped_mm``, ``silu`` and the multiply; backward each grouped GEMM's data and weight gradient (6), the
 multiply's two gradients, ``silu_backward`` and the ``add`` of the input's two gradients. Each is one launch from
 Python, in place of Megatron-Core's experts' in ``kernel_launches.json``."""
+TORCH_FEED_FORWARD_EXTRA = Launches(forward=1, backward=2)
+"""Operators torchtitan's ``FeedForward`` dispatches per pass (pytorch/torchtitan b5bcd76c, ``models/common/
+feed_forward.py``, ``w2(F.silu(w1(x)) * w3(x))``; counted with a ``TorchDispatchMode``: 5 forward, 10 backward)
+beyond the same SwiGLU with w1 and w3 one linear of twice the width, chunked (the counted MLP's one fc1): forward
+w3's GEMM; backward its data and weight gradients and autograd's ``add`` of the input's two gradients, less the
+chunk's ``cat`` of the halves' gradients. Each is one launch from Python, added to ``kernel_launches.json``'s
+dense MLP and shared expert."""
 TORCH_GROUPED_MMS = (3, 6)
 """(forward, backward) ``torch._grouped_mm`` calls of the same, each of which launches a second kernel from C++
 before its CUTLASS GEMM (pytorch/pytorch ``aten/src/ATen/native/cuda/GroupMM.cu``,
@@ -273,7 +280,7 @@ def _layer(parts: dict[str, Launches], scope: tuple[str, ...] | None, constants:
 
 
 def host_costs(job: JobSpec, local_experts: int, *, grouped_gemm: bool = True, te_experts: bool = True,
-               torch_experts: bool = False, moe_layer_syncs: int | None = None,
+               torch_experts: bool = False, torch_mlp: bool = False, moe_layer_syncs: int | None = None,
                expert_cast_launches: float = 0.0, fused_router: bool = False) -> HostCosts:
     """The host's seconds per layer kind and pass of ``job`` with ``local_experts`` routed experts per rank; with
     ``grouped_gemm`` the experts run grouped GEMMs, not each expert's Python kernels, and with ``te_experts`` too
@@ -281,20 +288,21 @@ def host_costs(job: JobSpec, local_experts: int, *, grouped_gemm: bool = True, t
     C++ loops launch per expert (:func:`grouped_linear_launches`, with ``expert_cast_launches`` per expert and
     quantised tensor: the format's); with ``torch_experts`` they are torchtitan's ``GroupedExperts``
     (:meth:`~cfp_megatron.sim.options.SimOptions.torch_swiglu_experts`: :data:`TORCH_EXPERT_OPS` from Python and
-    :data:`TORCH_GROUPED_MMS` from C++);
+    :data:`TORCH_GROUPED_MMS` from C++); with ``torch_mlp`` the dense MLP and the shared expert are torchtitan's
+    ``FeedForward`` (:meth:`~cfp_megatron.sim.options.SimOptions.torch_swiglu_mlp`, :data:`TORCH_FEED_FORWARD_EXTRA`);
     ``moe_layer_syncs``: a dropless MoE layer's synchronisations per forward (``None``: ``host.yaml``'s count,
     Megatron-Core's); ``fused_router``: the router runs Transformer Engine's fused kernels
     (:meth:`~cfp_megatron.sim.options.SimOptions.fused_router`, :func:`router_launches`)."""
     parallel = job.parallel
     return _host_costs(job.model, parallel.cuda_graph_impl, parallel.cuda_graph_scope,
                        parallel.recompute is Recompute.full, moe_syncs(job), local_experts,
-                       grouped_gemm and te_experts, grouped_gemm, torch_experts, moe_layer_syncs,
+                       grouped_gemm and te_experts, grouped_gemm, torch_experts, torch_mlp, moe_layer_syncs,
                        expert_cast_launches, fused_router)
 
 
 @functools.lru_cache(maxsize=1024)
 def _host_costs(model: ModelSpec, impl: CudaGraphImpl, scope_text: str | None, full: bool, syncs: bool,
-                local_experts: int, te_loops: bool, grouped_gemm: bool, torch_experts: bool,
+                local_experts: int, te_loops: bool, grouped_gemm: bool, torch_experts: bool, torch_mlp: bool,
                 moe_layer_syncs: int | None, expert_cast_launches: float, fused_router: bool) -> HostCosts:
     """:func:`host_costs` from what it reads of the plan (the search prices thousands of layouts that share them):
     the model, the CUDA graphs (``impl``, ``parallel.cuda_graph_scope``'s text), whether recomputation is full and
@@ -305,7 +313,8 @@ def _host_costs(model: ModelSpec, impl: CudaGraphImpl, scope_text: str | None, f
         zero = (0.0, 0.0)
         return HostCosts(dense=zero, moe=zero, embedding=zero, head=zero, dense_recompute_s=0.0,
                          moe_recompute_s=0.0, recompute_syncs=False, moe_sync_s=0.0)
-    dense = _layer(counts.dense, scope, constants, moe=False, dropless=syncs)
+    mlp = counts.dense["mlp"].plus(TORCH_FEED_FORWARD_EXTRA) if torch_mlp else counts.dense["mlp"]
+    dense = _layer({**counts.dense, "mlp": mlp}, scope, constants, moe=False, dropless=syncs)
     moe_parts = dict(counts.moe)
     moe_parts["router"] = router_launches(counts.moe["router"], fused=fused_router)
     if torch_experts:  # torchtitan's GroupedExperts in place of Megatron-Core's
@@ -313,7 +322,7 @@ def _host_costs(model: ModelSpec, impl: CudaGraphImpl, scope_text: str | None, f
     elif not grouped_gemm:  # Megatron-Core's SequentialMLP: each local expert's kernels, launched from Python
         moe_parts["experts"] = counts.moe["experts"].plus(counts.per_local_expert.times(local_experts))
     if model.moe_shared_expert_intermediate_size:  # a shared expert runs a dense MLP's kernels
-        moe_parts["shared_expert"] = counts.dense["mlp"]
+        moe_parts["shared_expert"] = mlp
     moe = _layer(moe_parts, scope, constants, moe=True, dropless=syncs) if model.is_moe else dense
     fwd, bwd = constants.forward_launch_s, constants.backward_launch_s
 

@@ -27,7 +27,7 @@ from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.primepar_cost import MlpCost, ffn_gemms, mlp_activation_elements, primepar_mlp_cost
 from cfp_megatron.sim.terms.context_parallel import chunk_slowdown, cp_cost
 from cfp_megatron.sim.terms.data_parallel import fsdp_beside_experts, fsdp_exposed, fsdp_sync
-from cfp_megatron.sim.terms.expert_dispatch import MoeCost, expert_comm, moe_block_cost
+from cfp_megatron.sim.terms.expert_dispatch import MoeCost, expert_comm, moe_block_cost, torch_swiglu_bytes
 from cfp_megatron.sim.terms.recompute import op_sac_recompute_s, selective_recompute
 from cfp_megatron.sim.terms.tensor_parallel import tp_backward_async_s, tp_pass_s
 
@@ -144,6 +144,12 @@ class LayerPasses:
     """Selective recomputation's compute seconds where it is torchtitan's per-op policy
     (:attr:`~cfp_megatron.sim.options.SimOptions.torch_op_sac`, :func:`~cfp_megatron.sim.terms.recompute.
     op_sac_recompute_s`); ``None``: Megatron-Core's modules."""
+    op_sac_tp_s: float = 0.0
+    """The TP all-gathers torchtitan's per-op policy runs again with its recomputation: under sequence parallelism
+    with DTensor's plan (:attr:`~cfp_megatron.sim.options.SimOptions.dtensor_tp`) each column-wise block's input
+    is gathered anew, as its save list holds ``reduce_scatter_tensor`` and ``all_to_all_single`` but not
+    ``all_gather_into_tensor`` (pytorch/torchtitan b5bcd76c, ``distributed/activation_checkpoint.py``,
+    ``_get_default_save_ops``)."""
 
 
 FUSED_SOFTMAX_SCORE_ELEMENTS = (4.0, 7.0)
@@ -216,7 +222,7 @@ def with_recompute(passes: LayerPasses, job: JobSpec, layout: Layout, kernels: K
                              overhead_s=forward.overhead_s, tp_comm_s=forward.tp_comm_s, cp_comm_s=forward.cp_comm_s,
                              ep_comm_s=forward.ep_comm_s)
     elif parallel.recompute.value == "selective" and passes.op_sac_s is not None:
-        recompute = PassCost(compute_s=passes.op_sac_s)
+        recompute = PassCost(compute_s=passes.op_sac_s, tp_comm_s=passes.op_sac_tp_s)
     elif parallel.recompute.value == "selective":
         rec_compute, rec_core, rec_ep = selective_recompute(job, layout, kernels, moe_block=passes.moe_block,
                                                             mlp_gemm=passes.mlp_gemm_s,
@@ -287,13 +293,15 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     expert_params = 0.0
     primepar: MlpCost | None = None
     moe_block = None
+    unfused = (0.0, 0.0)  # (forward, backward) bytes per token of PyTorch element-wise ops beside fused kernels
     scalar_fwd = scalar_bwd = 0.0  # the experts' per-expert single-thread quantisation kernels (GPU floor)
     if moe:
         moe_block = moe_block_cost(job, layout, kernels, costs, imbalance=options.moe_routing_imbalance,
                                    torch_combine=options.torch_moe_combine,
                                    flex_unstated=options.flex_backend_unstated, grouped_gemm=options.grouped_gemm,
                                    torch_swiglu=options.torch_swiglu_experts(model),
-                                   fused_router=options.fused_router(model))
+                                   fused_router=options.fused_router(model),
+                                   torch_shared_expert=options.torch_swiglu_mlp(model))
         if options.te_grouped_experts:  # Transformer Engine's per-expert quantisation kernels
             scalar_fwd, scalar_bwd = expert_scalar_kernels_s(max(1, (model.num_experts or 1) // dims.ep),
                                                              kernels.format.expert_scalar_kernels)
@@ -305,8 +313,12 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     else:
         # The split GEMMs and the activation as sim.primepar_cost.megatron_mlp_cost has them (its all-reduce is
         # counted with attention's below).
-        mlp_gemm = ffn_gemms(kernels, tokens, hidden, model.ffn_size / tp, gated)
-        split_elements += mlp_activation_elements(tp=tp, ffn=model.ffn_size, gated=gated)
+        torch_mlp = options.torch_swiglu_mlp(model)  # torchtitan's FeedForward: w1 and w3 apart, SwiGLU unfused
+        mlp_gemm = ffn_gemms(kernels, tokens, hidden, model.ffn_size / tp, gated, split_gate=torch_mlp)
+        if torch_mlp:
+            unfused = torch_swiglu_bytes(elem_bytes).per_row(model.ffn_size / tp, hidden)
+        else:
+            split_elements += mlp_activation_elements(tp=tp, ffn=model.ffn_size, gated=gated)
         params += mlp_params(model, model.ffn_size) / tp
         tp_ops = 4
         if parallel.mlp is MlpPartition.primepar and tp > 1:  # the MLP's own GEMMs and communication (primepar_cost)
@@ -316,12 +328,12 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
             mlp_gemm = primepar.forward_compute_s
             tp_ops = 2  # attention's all-reduce per pass; the MLP adds its exposed ring and all-gather below
     elementwise = kernels.memory((replicated_elements + split_elements) * tokens * elem_bytes)
-    # The experts' PyTorch ops beside their fused kernels (clamp, per-expert fc2 bias) and Transformer Engine's
-    # fused router, forward and backward.
-    unfused_fwd, unfused_bwd = ((kernels.memory((nbytes + router) * tokens) for nbytes, router
-                                 in zip(moe_block.unfused_bytes_per_token, moe_block.router_bytes_per_token,
-                                        strict=True))
-                                if moe_block is not None else (0.0, 0.0))
+    # PyTorch ops beside the fused kernels (the experts' clamp, per-expert fc2 bias, torchtitan's dispatcher and
+    # SwiGLU; torchtitan's FeedForward's SwiGLU) and Transformer Engine's fused router, forward and backward.
+    if moe_block is not None:
+        unfused = tuple(nbytes + router for nbytes, router in zip(moe_block.unfused_bytes_per_token,
+                                                                 moe_block.router_bytes_per_token, strict=True))
+    unfused_fwd, unfused_bwd = (kernels.memory(nbytes * tokens) for nbytes in unfused)
 
     # TP / SP collectives (the tensor-parallel term), less what the GEMMs hide under TP communication overlap.
     tp_pass = tp_pass_s(layout, costs, act_bytes=tokens * hidden * elem_bytes, tp_ops=tp_ops,
@@ -385,10 +397,13 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     op_sac_s = (op_sac_recompute_s(job, layout, kernels, moe_block=moe_block,
                                    elementwise_s=elementwise + unfused_fwd)
                 if options.torch_op_sac else None)
+    op_sac_tp_s = ((tp_ops // 2) * costs.seconds(Collective.all_gather, tokens * hidden * elem_bytes, tp,
+                                                  layout.tp_per_node)
+                   if options.torch_op_sac and options.dtensor_tp and tp > 1 and sp else 0.0)
     return LayerPasses(forward=forward, backward=backward, params=params, expert_params=expert_params,
                        ep_alone_s=ep_alone, mlp_gemm_s=mlp_gemm, moe_block=moe_block,
                        fsdp_sync_s=(fsdp_fwd_comm, fsdp_bwd_comm), fsdp_beside_experts=beside_experts,
-                       op_sac_s=op_sac_s)
+                       op_sac_s=op_sac_s, op_sac_tp_s=op_sac_tp_s)
 
 
 def grad_accumulation_s(job: JobSpec, layout: Layout, kernels: KernelModel, options: SimOptions,

@@ -125,11 +125,29 @@ def op_sac_gemms(job: JobSpec, layout: Layout, *, moe: bool) -> list[tuple[float
 
 
 TORCH_SWIGLU_SAVED_FFN = 4.0
-"""Tensors of the experts' FFN width (``[rows, ffn]``, compute precision) autograd keeps through torchtitan's
-``GroupedExperts`` (pytorch/torchtitan b5bcd76c, ``models/common/moe.py``; counted with
-``torch.autograd.graph.saved_tensors_hooks``): ``silu``'s input (``x @ w1``), the multiply's two (``silu``'s output
-and ``x @ w3``) and w2's grouped GEMM's input; beside them one copy of the experts' input, which both w1's and
-w3's grouped GEMM keep. Megatron-Core's fused SwiGLU keeps fc1's output (two halves) and fc2's input: three."""
+"""Tensors of the FFN width (``[rows, ffn]``) autograd keeps through torchtitan's ``GroupedExperts``
+(pytorch/torchtitan b5bcd76c, ``models/common/moe.py``) and its ``FeedForward`` (``models/common/feed_forward.py``,
+the dense MLP and the shared experts; counted with ``torch.autograd.graph.saved_tensors_hooks``): ``silu``'s input
+(``x @ w1``), the multiply's two (``silu``'s output and ``x @ w3``) and w2's input; beside them one copy of the
+input, which both w1 and w3 keep. Megatron-Core's fused SwiGLU keeps fc1's output (two halves) and fc2's input:
+three."""
+
+
+def torch_swiglu_kept_bytes(elem: float, down_input_bytes: float) -> float:
+    """Bytes a row keeps per FFN element through torchtitan's SwiGLU: :data:`TORCH_SWIGLU_SAVED_FFN` tensors, three
+    in the compute precision (``elem``) and w2's input at ``down_input_bytes`` (what its linear saves:
+    :func:`~cfp_megatron.sim.backward_memory.saved_input_bytes`)."""
+    return (TORCH_SWIGLU_SAVED_FFN - 1) * elem + down_input_bytes
+
+
+def sp_gathered_kept(layout: Layout, options: SimOptions) -> bool:
+    """Whether the column-wise linears keep their sequence-parallel input whole, as gathered: under TP with SP and
+    DTensor's plan (:attr:`~cfp_megatron.sim.options.SimOptions.dtensor_tp`). torchtitan's ``FeedForward`` and
+    attention redistribute the norm's ``Shard`` output to ``Replicate`` at their input (pytorch/torchtitan
+    b5bcd76c, ``models/common/decoder_sharding.py``, ``set_dense_ffn_sharding`` and ``set_gqa_attention_sharding``:
+    ``in_dst_shardings`` ``tp=spmd.R``), and w1 and w3 (wq, wk and wv) save that gathered tensor for their weight
+    gradients; the gather's backward is a reduce-scatter of the gradient, so nothing is gathered again."""
+    return options.dtensor_tp and layout.dims.tp > 1 and layout.dims.sp
 
 
 def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *, moe: bool,
@@ -163,10 +181,14 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
     # Replicated over TP unless SP: two norm inputs, QKV input, MLP input (the norms' outputs), two dropout masks,
     # and each norm's fp32 reciprocal deviation per token (rstd; LayerNorm's mean too, as one more): Transformer
     # Engine's fused norms and PyTorch's native_layer_norm keep (input, mean, rstd), RMSNorm (input, rstd).
-    norm_outputs = 0.0 if RecomputeModule.layernorm in modules else (linear_input_bytes + mlp_input_bytes) * hidden
+    qkv_input, mlp_input = ((0.0, 0.0) if RecomputeModule.layernorm in modules
+                            else (linear_input_bytes * hidden, mlp_input_bytes * hidden))
+    # DTensor's plan keeps QKV's input whole as gathered, and the dense MLP's (a MoE router reads its shard)
+    gathered = sp_gathered_kept(layout, options)
     statistics = NORM_STATISTIC_BYTES * (2 if model.normalization is Normalization.LayerNorm else 1)
-    per_token = (elem * hidden + elem * hidden + norm_outputs + 2 * hidden_mask * hidden
-                 + 2 * statistics) * replicated_share
+    per_token = ((elem * hidden + elem * hidden + 2 * hidden_mask * hidden + 2 * statistics) * replicated_share
+                 + qkv_input * (1.0 if gathered else replicated_share)
+                 + mlp_input * (1.0 if gathered and not moe else replicated_share))
     if job.cluster.on_cpu and model.normalization is Normalization.RMSNorm:
         # PyTorch's RMSNorm on CPU is composite (torch.nn.functional.rms_norm): its weight multiply also keeps the
         # normalised input, one more hidden tensor a norm (CUDA runs the fused kernel, which keeps input and rstd).
@@ -199,18 +221,26 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
             # keeps fc1's output alone.
             act_output += elem * expert_ffn * 2 / dims.etp
         if options.torch_swiglu_experts(model):  # torchtitan's GroupedExperts (moe_act is Megatron-Core's)
-            ffn_kept = TORCH_SWIGLU_SAVED_FFN * elem * expert_ffn / dims.etp
+            ffn_kept = torch_swiglu_kept_bytes(elem, linear_input_bytes) * expert_ffn / dims.etp
         else:  # fc1's output and the activation's
             ffn_kept = elem * expert_ffn * (2 if gated else 1) / dims.etp + act_output
         if not whole:
             per_token += routed * (linear_input_bytes * hidden + ffn_kept)
         shared_ffn = model.moe_shared_expert_intermediate_size or 0
-        if not (whole or RecomputeModule.shared_experts in modules):
-            per_token += (elem * shared_ffn * (2 if gated else 1) + linear_input_bytes * shared_ffn) / tp
+        if shared_ffn and not (whole or RecomputeModule.shared_experts in modules):
+            if options.torch_swiglu_mlp(model):  # torchtitan's FeedForward
+                per_token += torch_swiglu_kept_bytes(elem, linear_input_bytes) * shared_ffn / tp
+            else:
+                per_token += (elem * shared_ffn * (2 if gated else 1) + linear_input_bytes * shared_ffn) / tp
+            if gathered:  # its input gathered whole beside the router's shard
+                per_token += linear_input_bytes * hidden
     elif RecomputeModule.mlp not in modules:  # a recomputed dense MLP keeps only its input (the norm's output)
         fc2_input_bytes = elem if primepar else linear_input_bytes
-        per_token += (elem * model.ffn_size * (2 if gated else 1) + fc2_input_bytes * model.ffn_size) / tp
-        if gated and job.cluster.on_cpu:
+        if options.torch_swiglu_mlp(model):  # torchtitan's FeedForward
+            per_token += torch_swiglu_kept_bytes(elem, fc2_input_bytes) * model.ffn_size / tp
+        else:
+            per_token += (elem * model.ffn_size * (2 if gated else 1) + fc2_input_bytes * model.ffn_size) / tp
+        if gated and job.cluster.on_cpu and not options.torch_swiglu_mlp(model):
             # Unfused SwiGLU (the fusion is CUDA-only): it also keeps SiLU's output and the linear half it multiplies.
             per_token += 2 * elem * model.ffn_size / tp
         if primepar:
@@ -328,13 +358,12 @@ def sp_gather_working_bytes(job: JobSpec, layout: Layout, options: SimOptions) -
     ``_LayerNormLinear.backward``: ``ctx.ln_out_needs_gather``, gathered with the input's quantizer beside the
     dgrad GEMM), freed after the weight gradient; none under TP
     communication overlap, whose userbuffers hold it, nor with the local spec, whose gathers reuse the global buffer
-    (:func:`global_buffer_bytes`)."""
+    (:func:`global_buffer_bytes`), nor with DTensor's, which keep the gathered input (:func:`sp_gathered_kept`)."""
     dims = layout.dims
-    if dims.tp <= 1 or not dims.sp or not options.flash_attention or job.parallel.tp_comm_overlap:
+    if (dims.tp <= 1 or not dims.sp or not options.flash_attention or job.parallel.tp_comm_overlap
+            or sp_gathered_kept(layout, options)):
         return 0.0
-    cost = low_format_cost(job)
-    input_bytes = cost.saved_input_bytes if cost is not None else float(element_bytes(job))
-    return layout.micro_batch * layout.seq_length / dims.cp * job.model.hidden_size * input_bytes
+    return layout.micro_batch * layout.seq_length / dims.cp * job.model.hidden_size * saved_input_bytes(job, options)
 
 
 LOSS_SOFTMAX_BYTES = 4.0

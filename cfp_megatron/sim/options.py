@@ -169,6 +169,19 @@ class SimOptions:
     bytes counted forward and backward (:func:`~cfp_megatron.sim.terms.expert_dispatch.torch_dispatch_bytes`), and
     its ``GroupedExperts`` write their weight gradients once in bf16 (``torch._grouped_mm``). ``False``:
     Megatron-Core's ``MoEAlltoAllTokenDispatcher`` and ``TEGroupedMLP``."""
+    torch_swiglu: bool = False
+    """A SwiGLU model's MLPs are torchtitan's modules: its ``FeedForward`` (the dense MLP and the MoE layer's shared
+    experts, ``w2(F.silu(w1(x)) * w3(x))``) and, in its MoE layer (:attr:`torch_moe_combine`), its
+    ``GroupedExperts``: w1 and w3 two GEMMs, ``silu`` and the multiply unfused
+    (:func:`~cfp_megatron.sim.terms.expert_dispatch.torch_swiglu_bytes`), what autograd keeps
+    (:data:`~cfp_megatron.sim.memory.TORCH_SWIGLU_SAVED_FFN`) and their launches (:mod:`~cfp_megatron.sim.
+    host_costs`). ``False``: Megatron-Core's one fc1 GEMM and fused SwiGLU."""
+    dtensor_tp: bool = False
+    """Tensor parallelism is torchtitan's DTensor plan (``SequenceParallel`` norms, the block's input redistributed
+    to ``Replicate`` before its column-wise linears): under sequence parallelism the all-gathered input is the
+    tensor autograd keeps for the linears' weight gradients, whole, and no backward gathers it again (memory:
+    :func:`~cfp_megatron.sim.memory.sp_gathered_kept`). ``False``: Transformer Engine's linears, which keep their
+    ``1 / tp`` shard and gather it again in the backward."""
     torchao_low_precision: bool = False
     """FP8/FP4 linears and grouped expert GEMMs are torchao's (``Float8Linear``, its scaled grouped MMs), which keep
     their high-precision input for the backward and quantise it again there (memory:
@@ -232,12 +245,16 @@ class SimOptions:
         (one ``torch._grouped_mm`` a linear, quantised by torchao: :attr:`torch_moe_combine`)."""
         return self.grouped_gemm and not self.torch_moe_combine
 
+    def torch_swiglu_mlp(self, model: ModelSpec) -> bool:
+        """Whether ``model``'s dense MLP and shared experts are torchtitan's ``FeedForward`` (:attr:`torch_swiglu` on a
+        SwiGLU model): w1 and w3 two linears, ``silu(w1(x)) * w3(x)`` unfused."""
+        return self.torch_swiglu and model.activation is Activation.swiglu
+
     def torch_swiglu_experts(self, model: ModelSpec) -> bool:
-        """Whether ``model``'s routed experts are torchtitan's ``GroupedExperts`` (:attr:`torch_moe_combine`) on a
-        SwiGLU model: w1 and w3 two grouped GEMMs, ``silu(x @ w1) * (x @ w3)`` unfused
-        (:func:`~cfp_megatron.sim.terms.expert_dispatch.torch_swiglu_bytes`). torchtitan's GPT-OSS experts are
-        another module, priced as Megatron-Core's."""
-        return self.torch_moe_combine and model.activation is Activation.swiglu
+        """Whether ``model``'s routed experts are torchtitan's ``GroupedExperts`` (:meth:`torch_swiglu_mlp` in
+        torchtitan's MoE layer, :attr:`torch_moe_combine`): w1 and w3 two grouped GEMMs, ``silu(x @ w1) * (x @ w3)``
+        unfused. torchtitan's GPT-OSS experts are another module, priced as Megatron-Core's."""
+        return self.torch_moe_combine and self.torch_swiglu_mlp(model)
 
     @property
     def flash_attention(self) -> bool:

@@ -92,11 +92,15 @@ def primepar_mlp_cost(kernels: KernelModel, costs: CollectiveCosts, *, tp: int, 
                    backward_comm_s=fc1[3] + fc2[3] + permute_s + gather_s + reshard_s)
 
 
-def ffn_gemms(kernels: KernelModel, tokens: float, hidden: int, ffn: float, gated: bool) -> float:
+def ffn_gemms(kernels: KernelModel, tokens: float, hidden: int, ffn: float, gated: bool, *,
+              split_gate: bool = False) -> float:
     """Forward GEMM seconds of one MLP's two linears on one rank under Megatron's split: fc1
     ``[tokens, hidden] @ [hidden, ffn]`` (twice ``ffn`` wide for a gated unit) and fc2 ``[tokens, ffn] @ [ffn,
-    hidden]``, with ``ffn`` this rank's share (``ffn / tp``, or ``/ etp`` for experts)."""
-    return kernels.gemm(tokens, ffn * (2 if gated else 1), hidden) + kernels.gemm(tokens, hidden, ffn)
+    hidden]``, with ``ffn`` this rank's share (``ffn / tp``, or ``/ etp`` for experts); ``split_gate``: a gated
+    unit's halves as two GEMMs ``ffn`` wide (torchtitan's ``FeedForward``, w1 and w3 each reading the input)."""
+    up = (2 * kernels.gemm(tokens, ffn, hidden) if gated and split_gate
+          else kernels.gemm(tokens, ffn * (2 if gated else 1), hidden))
+    return up + kernels.gemm(tokens, hidden, ffn)
 
 
 def mlp_activation_elements(*, tp: int, ffn: int, gated: bool) -> float:

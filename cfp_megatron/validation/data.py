@@ -138,6 +138,11 @@ class Framework:
     """Its MoE layer is torchtitan's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_moe_combine`)."""
     torchao_low_precision: bool = False
     """Its FP8/FP4 linears are torchao's (:attr:`~cfp_megatron.sim.options.SimOptions.torchao_low_precision`)."""
+    torch_swiglu: bool = False
+    """Its SwiGLU MLPs are torchtitan's (:attr:`~cfp_megatron.sim.options.SimOptions.torch_swiglu`)."""
+    dtensor_tp: bool = False
+    """Its tensor parallelism is torchtitan's DTensor plan (:attr:`~cfp_megatron.sim.options.SimOptions.
+    dtensor_tp`)."""
     torch_op_sac: bool = False
     """Its selective recomputation is torchtitan's per-op policy (:attr:`~cfp_megatron.sim.options.SimOptions.
     torch_op_sac`)."""
@@ -347,7 +352,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
                     "moe_layer_syncs", "rank_batch_micro", "tie_embeddings", "deepspeed_engine", "torch_op_sac",
                     "torch_moe_combine", "eager_loss", "compiled_loss", "unfused_rope", "async_tp_backward",
                     "blocking_interleaved", "global_memory_buffer", "wgrad_placeholder", "torchao_low_precision",
-                    "router_fusion"}
+                    "router_fusion", "torch_swiglu", "dtensor_tp"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -399,6 +404,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             torch_op_sac=bool(runs.get("torch_op_sac", False)),
             torch_moe_combine=bool(runs.get("torch_moe_combine", False)),
             torchao_low_precision=bool(runs.get("torchao_low_precision", False)),
+            torch_swiglu=bool(runs.get("torch_swiglu", False)), dtensor_tp=bool(runs.get("dtensor_tp", False)),
             eager_loss=bool(runs.get("eager_loss", False)), compiled_loss=compiled, unfused_rope=unfused_rope,
             router_fusion=router_fusion,
             rank_batch_micro=bool(runs.get("rank_batch_micro", False)),

@@ -151,7 +151,7 @@ class MoeCost:
     element-wise ops beside their fused kernels, whose backward is not twice their forward as ``elements_per_token``
     takes it: the clamp before the activation (:func:`clamp_bytes`), the fc2 bias added per expert
     (:func:`expert_bias_bytes`), torchtitan's dispatcher's gathers, scatters and fp32 combine
-    (:func:`torch_dispatch_bytes`) and its experts' unfused SwiGLU (:func:`torch_swiglu_bytes`)."""
+    (:func:`torch_dispatch_bytes`) and its routed and shared experts' unfused SwiGLU (:func:`torch_swiglu_bytes`)."""
     router_bytes_per_token: tuple[float, float] = (0.0, 0.0)
     """(forward, backward) HBM bytes per token of the micro-batch of Transformer Engine's fused router on the tokens
     this rank scores (:func:`fused_router_bytes`; what ``moe`` recomputation repeats of it: the forward's); zero
@@ -260,21 +260,29 @@ def torch_dispatch_bytes(elem: float) -> TorchDispatchBytes:
 @dataclass(frozen=True, kw_only=True)
 class TorchSwigluBytes:
     """(forward, backward) HBM bytes of torchtitan's ``GroupedExperts`` around their grouped GEMMs
-    (``models/common/moe.py``), counted op by op (:func:`torch_swiglu_bytes`)."""
+    (``models/common/moe.py``) and of its ``FeedForward`` around its linears, counted op by op
+    (:func:`torch_swiglu_bytes`)."""
 
     ffn: tuple[float, float]
     """Per element of the experts' FFN width (``[rows, ffn]``): ``silu`` and the multiply, and their gradients."""
     hidden: tuple[float, float]
     """Per element of the experts' input (``[rows, hidden]``): the sum of the input's two gradients (backward)."""
 
+    def per_row(self, ffn: float, hidden: float) -> tuple[float, float]:
+        """(forward, backward) bytes a row of ``ffn`` FFN elements (this rank's share) and ``hidden`` input
+        elements."""
+        return self.ffn[0] * ffn + self.hidden[0] * hidden, self.ffn[1] * ffn + self.hidden[1] * hidden
+
 
 def torch_swiglu_bytes(elem: float) -> TorchSwigluBytes:
     """torchtitan's ``h = F.silu(x @ w1) * (x @ w3)`` with ``elem``-byte activations (pytorch/torchtitan b5bcd76c,
-    ``GroupedExperts.forward``, w1 and w3 two ``torch._grouped_mm``): forward, ``silu`` reads and writes (2 elem)
-    and the multiply reads two and writes one (3 elem); backward, the multiply's two gradients (3 elem each) and
-    ``silu_backward`` (reads the gradient and the saved input, writes: 3 elem), and autograd's ``add`` of the two
-    grouped GEMMs' gradients of ``x`` (3 elem a hidden element). Megatron-Core's fused SwiGLU is 3 elem and twice
-    that (:func:`~cfp_megatron.sim.primepar_cost.mlp_activation_elements`)."""
+    ``GroupedExperts.forward``, w1 and w3 two ``torch._grouped_mm``; ``models/common/feed_forward.py``
+    ``FeedForward.forward``, ``w2(F.silu(w1(x)) * w3(x))``, w1 and w3 two linears, the dense MLP's and the shared
+    experts'): forward, ``silu`` reads and writes (2 elem) and the multiply reads two and writes one (3 elem);
+    backward, the multiply's two gradients (3 elem each) and ``silu_backward`` (reads the gradient and the saved
+    input, writes: 3 elem), and autograd's ``add`` of the two GEMMs' gradients of ``x`` (3 elem a hidden element).
+    Megatron-Core's fused SwiGLU is 3 elem and twice that (:func:`~cfp_megatron.sim.primepar_cost.
+    mlp_activation_elements`)."""
     return TorchSwigluBytes(ffn=(5.0 * elem, 9.0 * elem), hidden=(0.0, 3.0 * elem))
 
 
@@ -358,7 +366,7 @@ def expected_remote_nodes(topk: int, nodes: int) -> float:
 def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, *,
                    imbalance: float = 1.0, torch_combine: bool = False, flex_unstated: bool = False,
                    grouped_gemm: bool = True, torch_swiglu: bool = False,
-                   fused_router: bool = False) -> MoeCost:
+                   fused_router: bool = False, torch_shared_expert: bool = False) -> MoeCost:
     """Cost of ``job``'s MoE block under ``layout``, as Megatron-Core runs it: dropless, the rank holding the busiest
     experts processes ``imbalance`` times the balanced share of routed tokens (1.0: forced or perfect balance);
     token-drop, at most the capacity factor times it; padded to capacity, exactly that
@@ -374,7 +382,9 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     (:func:`torch_swiglu_bytes`, in ``unfused_bytes_per_token``).
     ``fused_router``: the router runs Transformer Engine's fused kernels
     (:meth:`~cfp_megatron.sim.options.SimOptions.fused_router`), counted forward and backward
-    (:func:`fused_router_bytes`, in ``router_bytes_per_token``), not in the routing's elements."""
+    (:func:`fused_router_bytes`, in ``router_bytes_per_token``), not in the routing's elements; ``torch_shared_expert``: the shared experts are
+    torchtitan's ``FeedForward`` (:meth:`~cfp_megatron.sim.options.SimOptions.torch_swiglu_mlp`), the same two
+    GEMMs and unfused SwiGLU over every token."""
     model, dims = job.model, layout.dims
     flex = flex_kernels(None if flex_unstated else job.parallel.moe_flex_dispatcher_backend)
     tp, etp, ep, sp = dims.tp, dims.etp, dims.ep, dims.sp
@@ -411,9 +421,13 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
                                                                                     gated=gated)
     shared_ffn = model.moe_shared_expert_intermediate_size or 0
     shared_s = shared_elements = 0.0
+    shared_unfused = (0.0, 0.0)
     if shared_ffn:
-        shared_s = ffn_gemms(kernels, tokens, hidden, shared_ffn / tp, gated)
-        shared_elements = mlp_activation_elements(tp=tp, ffn=shared_ffn, gated=gated)
+        shared_s = ffn_gemms(kernels, tokens, hidden, shared_ffn / tp, gated, split_gate=torch_shared_expert)
+        if torch_shared_expert:  # torchtitan's FeedForward: its unfused SwiGLU in bytes (below)
+            shared_unfused = torch_swiglu_bytes(kernels.elem).per_row(shared_ffn / tp, hidden)
+        else:
+            shared_elements = mlp_activation_elements(tp=tp, ffn=shared_ffn, gated=gated)
     gemm_s += router_s + shared_s
     gemm_bwd_s += 2.0 * (router_s + shared_s)
     elements = activation + shared_elements + _routing_elements(job, layout, kernels, routed=routed, flex=flex,
@@ -427,12 +441,11 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     bias = (expert_bias_bytes(kernels.elem, probability_bytes(job, kernels.elem), grouped_gemm=grouped_gemm)
             if model.add_bias_linear else (0.0, 0.0))
     fc1_out, fc2_out = routed / tokens * width, routed / tokens * hidden  # elements per token of the micro-batch
-    unfused = (fc1_out * clamp[0] + fc2_out * bias[0], fc1_out * clamp[1] + fc2_out * bias[1])
+    unfused = (fc1_out * clamp[0] + fc2_out * bias[0] + shared_unfused[0],
+               fc1_out * clamp[1] + fc2_out * bias[1] + shared_unfused[1])
     recomputed = fc1_out * clamp[0]  # what moe_act runs again: the clamp, or torchtitan's SwiGLU
     if torch_swiglu:
-        swiglu = torch_swiglu_bytes(kernels.elem)
-        per_token = tuple(routed / tokens * (ffn * f + hidden * h)
-                          for f, h in zip(swiglu.ffn, swiglu.hidden, strict=True))
+        per_token = tuple(routed / tokens * b for b in torch_swiglu_bytes(kernels.elem).per_row(ffn, hidden))
         unfused = (unfused[0] + per_token[0], unfused[1] + per_token[1])
         recomputed += per_token[0]
     if _torch_alltoall(job, torch_combine):
