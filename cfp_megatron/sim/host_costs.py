@@ -107,6 +107,15 @@ moe.py``; counted with a ``TorchDispatchMode``): forward the offsets' ``cumsum``
 ``torch._grouped_mm``, ``silu`` and the multiply; backward each grouped GEMM's data and weight gradient (6), the
 multiply's two gradients, ``silu_backward`` and the ``add`` of the input's two gradients. Each is one launch from
 Python, in place of Megatron-Core's experts' in ``kernel_launches.json``."""
+TORCH_GPT_OSS_EXPERT_OPS = Launches(forward=22, backward=27)
+"""Operators torchtitan's GPT-OSS experts dispatch per pass (pytorch/torchtitan b5bcd76c, ``models/gpt_oss/moe.py``,
+``GptOssGroupedExperts.forward``; counted with a ``TorchDispatchMode``): forward the offsets, the tail slack and
+each bias's ``cat``, ``repeat_interleave`` and ``index_select``, the two grouped GEMMs, the bias adds and the
+clamped SwiGLU's seven; backward the GEMMs' four gradients and the rest's autograd. One launch each from Python,
+in place of Megatron-Core's experts' in ``kernel_launches.json``."""
+TORCH_GPT_OSS_GROUPED_MMS = (2, 4)
+"""(forward, backward) ``torch._grouped_mm`` calls of the same (each with its preparation kernel:
+:data:`TORCH_GROUPED_MMS`)."""
 TORCH_FEED_FORWARD_EXTRA = Launches(forward=1, backward=2)
 """Operators torchtitan's ``FeedForward`` dispatches per pass (pytorch/torchtitan b5bcd76c, ``models/common/
 feed_forward.py``, ``w2(F.silu(w1(x)) * w3(x))``; counted with a ``TorchDispatchMode``: 5 forward, 10 backward)
@@ -280,15 +289,18 @@ def _layer(parts: dict[str, Launches], scope: tuple[str, ...] | None, constants:
 
 
 def host_costs(job: JobSpec, local_experts: int, *, grouped_gemm: bool = True, te_experts: bool = True,
-               torch_experts: bool = False, torch_mlp: bool = False, moe_layer_syncs: int | None = None,
-               expert_cast_launches: float = 0.0, fused_router: bool = False) -> HostCosts:
+               torch_experts: bool = False, torch_gpt_oss: bool = False, torch_mlp: bool = False,
+               moe_layer_syncs: int | None = None, expert_cast_launches: float = 0.0,
+               fused_router: bool = False) -> HostCosts:
     """The host's seconds per layer kind and pass of ``job`` with ``local_experts`` routed experts per rank; with
     ``grouped_gemm`` the experts run grouped GEMMs, not each expert's Python kernels, and with ``te_experts`` too
     (:attr:`~cfp_megatron.sim.options.SimOptions.te_grouped_experts`) as Transformer Engine's grouped linears, whose
     C++ loops launch per expert (:func:`grouped_linear_launches`, with ``expert_cast_launches`` per expert and
     quantised tensor: the format's); with ``torch_experts`` they are torchtitan's ``GroupedExperts``
     (:meth:`~cfp_megatron.sim.options.SimOptions.torch_swiglu_experts`: :data:`TORCH_EXPERT_OPS` from Python and
-    :data:`TORCH_GROUPED_MMS` from C++); with ``torch_mlp`` the dense MLP and the shared expert are torchtitan's
+    :data:`TORCH_GROUPED_MMS` from C++), with ``torch_gpt_oss`` its GPT-OSS experts
+    (:meth:`~cfp_megatron.sim.options.SimOptions.torch_gpt_oss_experts`: :data:`TORCH_GPT_OSS_EXPERT_OPS`,
+    :data:`TORCH_GPT_OSS_GROUPED_MMS`); with ``torch_mlp`` the dense MLP and the shared expert are torchtitan's
     ``FeedForward`` (:meth:`~cfp_megatron.sim.options.SimOptions.torch_swiglu_mlp`, :data:`TORCH_FEED_FORWARD_EXTRA`);
     ``moe_layer_syncs``: a dropless MoE layer's synchronisations per forward (``None``: ``host.yaml``'s count,
     Megatron-Core's); ``fused_router``: the router runs Transformer Engine's fused kernels
@@ -296,13 +308,16 @@ def host_costs(job: JobSpec, local_experts: int, *, grouped_gemm: bool = True, t
     parallel = job.parallel
     return _host_costs(job.model, parallel.cuda_graph_impl, parallel.cuda_graph_scope,
                        parallel.recompute is Recompute.full, moe_syncs(job), local_experts,
-                       grouped_gemm and te_experts, grouped_gemm, torch_experts, torch_mlp, moe_layer_syncs,
-                       expert_cast_launches, fused_router)
+                       grouped_gemm and te_experts, grouped_gemm,
+                       (TORCH_EXPERT_OPS, TORCH_GROUPED_MMS) if torch_experts
+                       else (TORCH_GPT_OSS_EXPERT_OPS, TORCH_GPT_OSS_GROUPED_MMS) if torch_gpt_oss else None,
+                       torch_mlp, moe_layer_syncs, expert_cast_launches, fused_router)
 
 
 @functools.lru_cache(maxsize=1024)
 def _host_costs(model: ModelSpec, impl: CudaGraphImpl, scope_text: str | None, full: bool, syncs: bool,
-                local_experts: int, te_loops: bool, grouped_gemm: bool, torch_experts: bool, torch_mlp: bool,
+                local_experts: int, te_loops: bool, grouped_gemm: bool,
+                torch_experts: tuple[Launches, tuple[int, int]] | None, torch_mlp: bool,
                 moe_layer_syncs: int | None, expert_cast_launches: float, fused_router: bool) -> HostCosts:
     """:func:`host_costs` from what it reads of the plan (the search prices thousands of layouts that share them):
     the model, the CUDA graphs (``impl``, ``parallel.cuda_graph_scope``'s text), whether recomputation is full and
@@ -317,8 +332,8 @@ def _host_costs(model: ModelSpec, impl: CudaGraphImpl, scope_text: str | None, f
     dense = _layer({**counts.dense, "mlp": mlp}, scope, constants, moe=False, dropless=syncs)
     moe_parts = dict(counts.moe)
     moe_parts["router"] = router_launches(counts.moe["router"], fused=fused_router)
-    if torch_experts:  # torchtitan's GroupedExperts in place of Megatron-Core's
-        moe_parts["experts"] = TORCH_EXPERT_OPS
+    if torch_experts is not None:  # torchtitan's experts' operators and grouped GEMMs in place of Megatron-Core's
+        moe_parts["experts"] = torch_experts[0]
     elif not grouped_gemm:  # Megatron-Core's SequentialMLP: each local expert's kernels, launched from Python
         moe_parts["experts"] = counts.moe["experts"].plus(counts.per_local_expert.times(local_experts))
     if model.moe_shared_expert_intermediate_size:  # a shared expert runs a dense MLP's kernels
@@ -335,10 +350,11 @@ def _host_costs(model: ModelSpec, impl: CudaGraphImpl, scope_text: str | None, f
         # Transformer Engine's C++ loops over the experts, at the C++ launch's cost in both passes
         te = grouped_linear_launches(local_experts, expert_cast_launches)
         moe_s = (moe_s[0] + te.forward * bwd, moe_s[1] + te.backward * bwd)
-    if model.is_moe and torch_experts and not (scope is not None and _graphed(scope, "experts", moe=True,
-                                                                                 dropless=syncs)):
+    if model.is_moe and torch_experts is not None and not (
+            scope is not None and _graphed(scope, "experts", moe=True, dropless=syncs)):
         # each grouped GEMM's preparation kernel, at the C++ launch's cost
-        moe_s = (moe_s[0] + TORCH_GROUPED_MMS[0] * bwd, moe_s[1] + TORCH_GROUPED_MMS[1] * bwd)
+        grouped = torch_experts[1]
+        moe_s = (moe_s[0] + grouped[0] * bwd, moe_s[1] + grouped[1] * bwd)
     return HostCosts(dense=seconds(dense), moe=moe_s, embedding=seconds(counts.embedding),
                      head=seconds(counts.head), dense_recompute_s=dense.forward * fwd if full else 0.0,
                      moe_recompute_s=moe_s[0] if full else 0.0, recompute_syncs=full and syncs,

@@ -301,6 +301,7 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
                                    flex_unstated=options.flex_backend_unstated, grouped_gemm=options.grouped_gemm,
                                    torch_swiglu=options.torch_swiglu_experts(model),
                                    fused_router=options.fused_router(model),
+                                   torch_gpt_oss=options.torch_gpt_oss_experts(model),
                                    torch_shared_expert=options.torch_swiglu_mlp(model))
         if options.te_grouped_experts:  # Transformer Engine's per-expert quantisation kernels
             scalar_fwd, scalar_bwd = expert_scalar_kernels_s(max(1, (model.num_experts or 1) // dims.ep),

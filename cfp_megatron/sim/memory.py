@@ -133,11 +133,18 @@ input, which both w1 and w3 keep. Megatron-Core's fused SwiGLU keeps fc1's outpu
 three."""
 
 
-def torch_swiglu_kept_bytes(elem: float, down_input_bytes: float) -> float:
-    """Bytes a row keeps per FFN element through torchtitan's SwiGLU: :data:`TORCH_SWIGLU_SAVED_FFN` tensors, three
-    in the compute precision (``elem``) and w2's input at ``down_input_bytes`` (what its linear saves:
-    :func:`~cfp_megatron.sim.backward_memory.saved_input_bytes`)."""
-    return (TORCH_SWIGLU_SAVED_FFN - 1) * elem + down_input_bytes
+TORCH_GPT_OSS_SAVED_FFN = 7.0
+"""FFN-width (``[rows, ffn]``) tensors autograd keeps through torchtitan's ``GptOssGroupedExperts`` (pytorch/torchtitan
+b5bcd76c, ``models/gpt_oss/moe.py``; counted with ``torch.autograd.graph.saved_tensors_hooks``): mlp1's biased
+output (``[rows, 2 ffn]``, two; both clamps keep a strided half of it), the clamped gate and linear halves,
+``sigmoid``'s output, the gate's product and mlp2's input; beside them the input once."""
+
+
+def torch_swiglu_kept_bytes(elem: float, down_input_bytes: float, *, saved: float = TORCH_SWIGLU_SAVED_FFN) -> float:
+    """Bytes a row keeps per FFN element through torchtitan's SwiGLU: ``saved`` tensors (:data:`TORCH_SWIGLU_SAVED_FFN`,
+    GPT-OSS's :data:`TORCH_GPT_OSS_SAVED_FFN`), all in the compute precision (``elem``) but w2's input, at
+    ``down_input_bytes`` (what its linear saves: :func:`~cfp_megatron.sim.backward_memory.saved_input_bytes`)."""
+    return (saved - 1) * elem + down_input_bytes
 
 
 def sp_gathered_kept(layout: Layout, options: SimOptions) -> bool:
@@ -222,6 +229,9 @@ def layer_activation_bytes(job: JobSpec, layout: Layout, options: SimOptions, *,
             act_output += elem * expert_ffn * 2 / dims.etp
         if options.torch_swiglu_experts(model):  # torchtitan's GroupedExperts (moe_act is Megatron-Core's)
             ffn_kept = torch_swiglu_kept_bytes(elem, linear_input_bytes) * expert_ffn / dims.etp
+        elif options.torch_gpt_oss_experts(model):  # torchtitan's GptOssGroupedExperts
+            ffn_kept = (torch_swiglu_kept_bytes(elem, linear_input_bytes, saved=TORCH_GPT_OSS_SAVED_FFN)
+                        * expert_ffn / dims.etp)
         else:  # fc1's output and the activation's
             ffn_kept = elem * expert_ffn * (2 if gated else 1) / dims.etp + act_output
         if not whole:

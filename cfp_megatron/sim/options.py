@@ -253,8 +253,15 @@ class SimOptions:
     def torch_swiglu_experts(self, model: ModelSpec) -> bool:
         """Whether ``model``'s routed experts are torchtitan's ``GroupedExperts`` (:meth:`torch_swiglu_mlp` in
         torchtitan's MoE layer, :attr:`torch_moe_combine`): w1 and w3 two grouped GEMMs, ``silu(x @ w1) * (x @ w3)``
-        unfused. torchtitan's GPT-OSS experts are another module, priced as Megatron-Core's."""
+        unfused (GPT-OSS's: :meth:`torch_gpt_oss_experts`)."""
         return self.torch_moe_combine and self.torch_swiglu_mlp(model)
+
+    def torch_gpt_oss_experts(self, model: ModelSpec) -> bool:
+        """Whether ``model``'s routed experts are torchtitan's ``GptOssGroupedExperts`` (its modules,
+        :attr:`torch_swiglu`, in its MoE layer, :attr:`torch_moe_combine`, on GPT-OSS's clamped quick GEGLU): mlp1
+        one grouped GEMM, its bias, the clamped SwiGLU and mlp2's bias unfused
+        (:func:`~cfp_megatron.sim.terms.expert_dispatch.torch_gpt_oss_bytes`)."""
+        return self.torch_moe_combine and self.torch_swiglu and model.activation is Activation.quick_geglu
 
     @property
     def flash_attention(self) -> bool:

@@ -267,6 +267,7 @@ def pass_costs(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Collec
         host = host_costs(job, local_experts=(model.num_experts or 1) // layout.dims.ep,
                           grouped_gemm=options.grouped_gemm, te_experts=options.te_grouped_experts,
                           torch_experts=options.torch_swiglu_experts(model),
+                          torch_gpt_oss=options.torch_gpt_oss_experts(model),
                           torch_mlp=options.torch_swiglu_mlp(model),
                           moe_layer_syncs=options.moe_layer_syncs,
                           expert_cast_launches=kernels.format.expert_cast_launches,

@@ -286,6 +286,20 @@ def torch_swiglu_bytes(elem: float) -> TorchSwigluBytes:
     return TorchSwigluBytes(ffn=(5.0 * elem, 9.0 * elem), hidden=(0.0, 3.0 * elem))
 
 
+def torch_gpt_oss_bytes(elem: float) -> TorchSwigluBytes:
+    """torchtitan's GPT-OSS experts around their two grouped GEMMs with ``elem``-byte activations (pytorch/torchtitan
+    b5bcd76c, ``models/gpt_oss/moe.py``, ``GptOssGroupedExperts.forward`` and ``swiglu``; counted op by op), per
+    element of the FFN width (half mlp1's interleaved ``[rows, 2 ffn]``) and of the hidden size: forward, mlp1's
+    bias expanded per row (``repeat_interleave``'s ``index_select``, 2 elem) and added (6), the two strided clamps
+    (2 each), ``alpha * x``, ``sigmoid`` (2 each), the multiply (3) and ``addcmul`` (4): 23 elem; mlp2's bias
+    expanded and added, 4 a hidden element. Backward, autograd's gradients of the same (``addcmul``'s and the
+    multiplies', ``sigmoid_backward``, the gate's two sums, the clamps' ``where``, ``slice_backward``'s two
+    zero-filled ``[rows, 2 ffn]`` tensors and their sum, mlp1's bias gradient's ``index_add``): 48 elem and 8
+    bytes of boolean masks; mlp2's bias gradient reads the rows' gradient once, 1 a hidden element. Megatron-Core's
+    fused quick GEGLU with its clamp (:func:`clamp_bytes`) and fc2 bias (:func:`expert_bias_bytes`) in its place."""
+    return TorchSwigluBytes(ffn=(23.0 * elem, 48.0 * elem + 8.0), hidden=(4.0 * elem, 1.0 * elem))
+
+
 PERMUTE_ROW_PASSES = 2.0
 """HBM passes over one hidden-size row per routed copy of one permutation (a gather reads the token's row and
 writes the copy's; the unpermutation reads the copy's row and accumulates it into the token's)."""
@@ -365,7 +379,7 @@ def expected_remote_nodes(topk: int, nodes: int) -> float:
 
 def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, *,
                    imbalance: float = 1.0, torch_combine: bool = False, flex_unstated: bool = False,
-                   grouped_gemm: bool = True, torch_swiglu: bool = False,
+                   grouped_gemm: bool = True, torch_swiglu: bool = False, torch_gpt_oss: bool = False,
                    fused_router: bool = False, torch_shared_expert: bool = False) -> MoeCost:
     """Cost of ``job``'s MoE block under ``layout``, as Megatron-Core runs it: dropless, the rank holding the busiest
     experts processes ``imbalance`` times the balanced share of routed tokens (1.0: forced or perfect balance);
@@ -379,12 +393,14 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     else ``SequentialMLP``, which add a biased model's fc2 bias differently (:func:`expert_bias_bytes`).
     ``torch_swiglu``: the experts are torchtitan's (:meth:`~cfp_megatron.sim.options.SimOptions.torch_swiglu_experts`):
     w1 and w3 two grouped GEMMs of the FFN width each (two launches, two reads of the input), the SwiGLU unfused
-    (:func:`torch_swiglu_bytes`, in ``unfused_bytes_per_token``).
-    ``fused_router``: the router runs Transformer Engine's fused kernels
-    (:meth:`~cfp_megatron.sim.options.SimOptions.fused_router`), counted forward and backward
-    (:func:`fused_router_bytes`, in ``router_bytes_per_token``), not in the routing's elements; ``torch_shared_expert``: the shared experts are
-    torchtitan's ``FeedForward`` (:meth:`~cfp_megatron.sim.options.SimOptions.torch_swiglu_mlp`), the same two
-    GEMMs and unfused SwiGLU over every token."""
+    (:func:`torch_swiglu_bytes`, in ``unfused_bytes_per_token``); ``torch_gpt_oss``: they are torchtitan's GPT-OSS
+    experts (:meth:`~cfp_megatron.sim.options.SimOptions.torch_gpt_oss_experts`): mlp1 one grouped GEMM, its bias,
+    the clamped SwiGLU and mlp2's bias unfused (:func:`torch_gpt_oss_bytes`). ``fused_router``: the router runs
+    Transformer Engine's fused kernels (:meth:`~cfp_megatron.sim.options.SimOptions.fused_router`), counted forward
+    and backward (:func:`fused_router_bytes`, in ``router_bytes_per_token``), not in the routing's elements.
+    ``torch_shared_expert``: the shared experts are torchtitan's ``FeedForward``
+    (:meth:`~cfp_megatron.sim.options.SimOptions.torch_swiglu_mlp`), the
+    same two GEMMs and unfused SwiGLU over every token."""
     model, dims = job.model, layout.dims
     flex = flex_kernels(None if flex_unstated else job.parallel.moe_flex_dispatcher_backend)
     tp, etp, ep, sp = dims.tp, dims.etp, dims.ep, dims.sp
@@ -416,8 +432,10 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
                   + kernels.grouped_gemm(local_experts, per_expert, ffn, hidden)
                   + kernels.grouped_gemm(local_experts, hidden, ffn, per_expert, out_bytes=wgrad_bytes))
     router_s = kernels.gemm(local_tokens, num_experts, hidden, low_precision=False)  # fp32 logits
-    # Megatron-Core's fused activation in elements; torchtitan's unfused SwiGLU in bytes (below)
-    activation = 0.0 if torch_swiglu else routed / tokens * mlp_activation_elements(tp=etp, ffn=expert_ffn,
+    # Megatron-Core's fused activation in elements; torchtitan's unfused ones in bytes (below)
+    torch_experts = (torch_swiglu_bytes(kernels.elem) if torch_swiglu
+                     else torch_gpt_oss_bytes(kernels.elem) if torch_gpt_oss else None)
+    activation = 0.0 if torch_experts else routed / tokens * mlp_activation_elements(tp=etp, ffn=expert_ffn,
                                                                                     gated=gated)
     shared_ffn = model.moe_shared_expert_intermediate_size or 0
     shared_s = shared_elements = 0.0
@@ -437,15 +455,15 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     fwd_bytes, bwd_bytes = fused_router_bytes(job, kernels.elem) if fused_router else (0.0, 0.0)
     router = (scored * fwd_bytes, scored * bwd_bytes)
     # The routed experts' PyTorch element-wise ops beside their fused kernels, per token of the micro-batch.
-    clamp = clamp_bytes(kernels.elem) if model.activation_clamp is not None else (0.0, 0.0)
+    clamp = clamp_bytes(kernels.elem) if model.activation_clamp is not None and not torch_gpt_oss else (0.0, 0.0)
     bias = (expert_bias_bytes(kernels.elem, probability_bytes(job, kernels.elem), grouped_gemm=grouped_gemm)
-            if model.add_bias_linear else (0.0, 0.0))
+            if model.add_bias_linear and not torch_gpt_oss else (0.0, 0.0))
     fc1_out, fc2_out = routed / tokens * width, routed / tokens * hidden  # elements per token of the micro-batch
     unfused = (fc1_out * clamp[0] + fc2_out * bias[0] + shared_unfused[0],
                fc1_out * clamp[1] + fc2_out * bias[1] + shared_unfused[1])
-    recomputed = fc1_out * clamp[0]  # what moe_act runs again: the clamp, or torchtitan's SwiGLU
-    if torch_swiglu:
-        per_token = tuple(routed / tokens * b for b in torch_swiglu_bytes(kernels.elem).per_row(ffn, hidden))
+    recomputed = fc1_out * clamp[0]  # what moe_act runs again: the clamp, or torchtitan's activation
+    if torch_experts is not None:
+        per_token = tuple(routed / tokens * b for b in torch_experts.per_row(ffn, hidden))
         unfused = (unfused[0] + per_token[0], unfused[1] + per_token[1])
         recomputed += per_token[0]
     if _torch_alltoall(job, torch_combine):
