@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from cfp_megatron.sim.options import PipelineSchedule
@@ -158,3 +160,64 @@ def test_first_backward_is_where_rank_order_puts_it(vpp: int) -> None:
                 order = rank_order(rank, pp, vpp, microbatches)
                 expected = next((i for i, (forward, _, _) in enumerate(order) if not forward), len(order))
                 assert first_backward(rank, pp, vpp, microbatches) == expected, (rank, pp, vpp, microbatches)
+
+
+def _reference_run(forward_s, backward_s, links, microbatches, gpipe):
+    """The non-blocking schedule as timed pass by pass over per-stage tables (what ``run_schedule`` computes)."""
+    pp, vpp = len(forward_s), len(forward_s[0])
+    num_stages = pp * vpp
+    forward_end = [[-1.0] * microbatches for _ in range(num_stages)]
+    backward_end = [[-1.0] * microbatches for _ in range(num_stages)]
+    orders = [rank_order(rank, pp, vpp, microbatches, all_forward=gpipe) for rank in range(pp)]
+    next_pass, free_s, ops = [0] * pp, [0.0] * pp, []
+    remaining = sum(len(order) for order in orders)
+    while remaining:
+        for rank in range(pp):
+            order, index, clock_s = orders[rank], next_pass[rank], free_s[rank]
+            while index < len(order):
+                is_fwd, microbatch, chunk = order[index]
+                stage = chunk * pp + rank
+                if is_fwd:
+                    if stage == 0:
+                        ready_s = 0.0
+                    elif forward_end[stage - 1][microbatch] < 0:
+                        break
+                    else:
+                        ready_s = forward_end[stage - 1][microbatch] + links[(stage - 1) % pp]
+                    clock_s = max(clock_s, ready_s) + forward_s[rank][chunk]
+                    forward_end[stage][microbatch] = clock_s
+                else:
+                    if stage == num_stages - 1:
+                        ready_s = forward_end[stage][microbatch]
+                    elif backward_end[stage + 1][microbatch] < 0:
+                        break
+                    else:
+                        ready_s = backward_end[stage + 1][microbatch] + links[stage % pp]
+                    clock_s = max(clock_s, ready_s) + backward_s[rank][chunk]
+                    backward_end[stage][microbatch] = clock_s
+                ops.append((rank, is_fwd, microbatch, chunk, clock_s))
+                index += 1
+            remaining -= index - next_pass[rank]
+            next_pass[rank], free_s[rank] = index, clock_s
+    return tuple(free_s), ops
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_schedule_loop_times_every_pass_as_the_per_stage_tables_do(seed: int) -> None:
+    """``run_schedule``'s loop over its pass programs (``_pass_program``) gives every rank's end and every pass's
+    end to the bit of the same schedule timed over per-stage tables, interleaved or not, GPipe's too, one link
+    time or one per rank."""
+    rng = random.Random(seed)
+    pp, vpp = rng.choice([2, 3, 4]), rng.choice([1, 2, 3])
+    microbatches = pp * rng.choice([1, 2, 3]) if vpp > 1 else rng.choice([1, 3, 5, 8])
+    gpipe = vpp == 1 and rng.random() < 0.3
+    forward_s = [[rng.uniform(0.1, 2.0) for _ in range(vpp)] for _ in range(pp)]
+    backward_s = [[rng.uniform(0.1, 4.0) for _ in range(vpp)] for _ in range(pp)]
+    links = tuple(rng.uniform(0.0, 0.5) for _ in range(pp))
+    found = run_schedule(forward_s, backward_s, links, microbatches, keep_ops=True,
+                         schedule=PipelineSchedule.gpipe if gpipe else PipelineSchedule.megatron)
+    ends, ops = _reference_run(forward_s, backward_s, links, microbatches, gpipe)
+    assert found.end_s == ends
+    assert [(op.rank, op.forward, op.microbatch, op.chunk, op.end_s) for op in found.ops] == ops
+    assert run_schedule(forward_s, backward_s, links, microbatches,
+                        schedule=PipelineSchedule.gpipe if gpipe else PipelineSchedule.megatron).end_s == ends

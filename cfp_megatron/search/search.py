@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from cfp_megatron.base.cfp_spec import CfpSpec
 from cfp_megatron.base.config import FsdpStrategy, JobSpec, MlpPartition, ParallelSpec, Recompute
-from cfp_megatron.base.errors import ConfigError, ConfigIssue
+from cfp_megatron.base.errors import CfpError, ConfigError, ConfigIssue
 from cfp_megatron.base.layout_rules.batch import fsdp_checkpoints, fsdp_settings
 from cfp_megatron.base.number_format import NumberFormat
 from cfp_megatron.base.parallel_dims import (
@@ -71,12 +71,19 @@ from cfp_megatron.search.space import (
     recompute_parts,
     split_stage_counts,
 )
-from cfp_megatron.sim.bounds import GroupCosts, group_bound, group_costs_pair, layer_terms, time_bound
+from cfp_megatron.sim.bounds import (
+    GroupCosts,
+    group_bound,
+    group_costs_pair,
+    layer_terms,
+    paired_costs,
+    time_bound,
+)
 from cfp_megatron.sim.format_costs import bf16_twin
 from cfp_megatron.sim.layout import Layout, build_layout, place
 from cfp_megatron.sim.memory import in_flight, layer_activation_bytes, memory_band
 from cfp_megatron.sim.options import SimOptions
-from cfp_megatron.sim.pass_costs import CostCache, cost_key
+from cfp_megatron.sim.pass_costs import CostCache, PassCosts, cost_key
 from cfp_megatron.sim.prediction import GIB, MemoryBreakdown, Prediction
 from cfp_megatron.sim.primepar_cost import megatron_twin
 from cfp_megatron.sim.sharding import Sharded, StateBytes, megatron_sharded
@@ -308,6 +315,9 @@ class MegatronSpace:
     least_over: dict[tuple, float] = dataclasses.field(default_factory=dict)
     """Family key -> the least GiB per GPU recorded so far for its candidates over the limit (what its no-fit
     figure reports at least)."""
+    pending: list[_Deferred] = dataclasses.field(default_factory=list)
+    """Groups validated but not costed yet, under their siblings' bound (:class:`_Deferred`); their queue entries'
+    items are ``-1 - index``."""
 
     @classmethod
     def build(cls, job: JobSpec, world: int, cfp: CfpSpec, *, measurements: Measurements | None,
@@ -334,19 +344,28 @@ class MegatronSpace:
             # in the GPU's memory: two reserves for one thing (the headroom names fragmentation), the larger applies
             limit = job.cluster.hbm_gib * min(1.0 - cfp.constraints.memory_headroom,
                                               1.0 / memory_band(job.cluster).high)
-        groups, invalid_groups, size = _groups(space, job, measurements, options, cache)
+        pending: list[_Deferred] = []
+        groups, invalid_groups, size = _groups(space, job, measurements, options, cache, pending)
         return cls(job=job, world=world, space=space, measurements=measurements, options=options, cache=cache,
                    limit=limit, groups=groups, invalid_groups=invalid_groups, size=size,
-                   param_bytes=_param_bytes(job, space))
+                   param_bytes=_param_bytes(job, space), pending=[d for d in pending if d.groups])
 
     def entries(self) -> list[driver.Entry]:
-        """Every group, at its bound: groups are expanded when they reach the queue's head, so most never are."""
-        return [(g.bound, driver.GROUP, i, 0.0) for i, g in enumerate(self.groups)]
+        """Every group, at its bound, and every deferred set of groups at the least of their siblings' bounds:
+        groups are expanded when they reach the queue's head, so most never are."""
+        return [*((g.bound, driver.GROUP, i, 0.0) for i, g in enumerate(self.groups)),
+                *((d.bound, driver.GROUP, -1 - i, 0.0) for i, d in enumerate(self.pending))]
 
     def expand(self, item: int, cut: float) -> list[driver.Entry]:
         """The group's candidates bounded at ``cut`` or less, with the group and their split (:func:`_time_entries`;
-        their memory is bounded when they are evaluated)."""
-        return _time_entries(self.groups[item], self.job, cut, item)
+        their memory is bounded when they are evaluated); for a deferred set (``item`` below zero), its groups
+        bounded at ``cut`` or less, costed now (at their siblings' bound or above: the queue's order holds)."""
+        if item >= 0:
+            return _time_entries(self.groups[item], self.job, cut, item)
+        start = len(self.groups)
+        self.pending[-1 - item].resolve(self.groups)
+        return [(self.groups[i].bound, driver.GROUP, i, 0.0) for i in range(start, len(self.groups))
+                if self.groups[i].bound <= cut]
 
     def _overlaps(self, cand: Candidate, cjob: JobSpec, memory: MemoryBreakdown) -> tuple[
             Candidate, JobSpec, MemoryBreakdown, int]:
@@ -448,6 +467,11 @@ class MegatronSpace:
             if limit is not None and memory.total / GIB > limit and not self.space.cfp.overlap:
                 # every overlap costs memory (_overlaps): none of them fits either, and none would be kept
                 return self._over(family_of_key(item), memory.total / GIB, tries)
+            bounded = self.groups[extra[0]]
+            if (bounded.paired is not None and (cand.pp == 1 or cand.vpp > 1) and not self.space.cfp.overlap
+                    and _fitting_bound(bounded, job, extra[1]) > kth):
+                # it fits, and whichever of its overlaps fits it is slower than the k-th best
+                return driver.Slower(checked=tries)
             cand, cjob, memory, more = self._overlaps(cand, cjob, memory)
             tries += more
         except ConfigError:
@@ -615,6 +639,10 @@ class _Bounded:
     """The bound terms of its splits of one chunk per rank where they differ from :attr:`costs` (a pipelined MoE
     group whose interleaved splits may overlap the expert all-to-all, which Megatron-Core does not under the plain
     schedule: :meth:`~cfp_megatron.search.space.Space.a2a_overlap`); ``None``: :attr:`costs` for every split."""
+    paired: tuple[_Paired, GroupCosts] | None = None
+    """Where its candidates may turn the expert overlap on (without measurements): the bound terms of those that do
+    (:func:`~cfp_megatron.sim.bounds.paired_costs`) and of those that do not; what :meth:`MegatronSpace.evaluate`
+    bounds a candidate by once it fits, before trying its overlaps (:func:`_fitting_bound`)."""
 
 
 @dataclass(kw_only=True)
@@ -650,16 +678,20 @@ class _KeptBytes:
 
 
 def _groups(space: Space, job: JobSpec, measurements: Measurements | None, options: SimOptions,
-            cache: CostCache) -> tuple[list[_Bounded], list[Rejection], int]:
+            cache: CostCache, pending: list[_Deferred] | None = None) -> tuple[list[_Bounded], list[Rejection], int]:
     """The candidate groups of ``space`` with their bounds, the groups the runtime's validation refuses, and the
-    number of candidates."""
+    number of candidates. With ``pending`` (a list), the groups with recomputation whose pass costs no group
+    computed yet are validated but not costed where their sibling without recomputation bounds them
+    (:class:`_Deferred`, appended to it; without measurements only): the search costs them when that bound reaches
+    its queue's head."""
     world = space.world
     L = job.model.num_layers
     first_dense = job.model.moe_first_dense_layers if job.model.is_moe else None
+    defer = pending is not None and measurements is None
     out: list[_Bounded] = []
     refused: list[Rejection] = []
     by_key: dict[tuple, GroupCosts | None] = {}
-    by_fast: dict[tuple, tuple[GroupCosts, GroupCosts | None] | None] = {}  # by_key's values by plain values
+    by_fast: dict[tuple, _Costs | None] = {}  # by_key's values by plain values
     kept: dict[tuple, _KeptBytes] = {}
     may_overlap: dict[tuple, tuple[bool, bool]] = {}  # (TP overlap, expert overlap) allowed, by what they read
     specs: dict[tuple, ParallelSpec] = {}  # the representatives' checked ParallelSpec, by their fields
@@ -669,6 +701,7 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
     mlps = {p.value: p for p in MlpPartition}
     for fam in space.families:
         placed: Layout | None = None
+        siblings: dict[tuple, tuple[float, tuple[bool, bool]]] = {}  # (mb, SP, MLP) -> its bound, overlaps without rc
         for g in space.groups(fam):
             size += g.size
             if not g.size:
@@ -693,6 +726,9 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
                     placed.cp_per_node, placed.ep_per_node, placed.domain_size, overlaps)
             if measurements is not None:  # the pipelined probe's term (GroupCosts.fixed_s) depends on the stages too
                 fkey += (pp, placed.pp_intra_node)
+            # where its sibling without recomputation bounds it (the same passes, only recomputation added)
+            sibling = siblings.get((h.micro_batch, h.sp, h.mlp)) if defer and recompute != _NO_RECOMPUTE else None
+            lower = sibling[0] * (1.0 - SIBLING_MARGIN) if sibling is not None and sibling[1] == overlaps else None
             costs = by_fast.get(fkey, _MISSING)
             if costs is _MISSING:
                 granularity, modules = recompute_parts(recompute, job.parallel.recompute_modules)
@@ -702,7 +738,14 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
                     ckey += (pp, placed.pp_intra_node)
                 if ckey not in by_key:  # the bound's costs read the key alone: a search of another size may have them
                     found = cache.groups.get(ckey)
-                    if found is None:
+                    if found is None and lower is not None and pending is not None:
+                        # validated now (a refusal is named in order), costed when its bound reaches the head
+                        rep = _representative(h, job, world, refused, specs=specs, layouts=layouts, place=False)
+                        if rep is not None:
+                            found = _Deferred(head=h, rep_job=rep[0], layout=rep[1], key=ckey, overlaps=overlaps,
+                                              job=job, options=options, world=world, cache=cache, refused=refused)
+                            pending.append(found)
+                    elif found is None:
                         found = _group_costs(h, job, measurements, options, world, cache, refused,
                                              may_overlap=overlaps, specs=specs, layouts=layouts)
                         if found is not None:  # a refusal is this size's: checked again at another
@@ -711,23 +754,133 @@ def _groups(space: Space, job: JobSpec, measurements: Measurements | None, optio
                 costs = by_fast[fkey] = by_key[ckey]
             if costs is None:
                 continue
-            costs, serial = costs  # pipelined, the all-to-all overlaps under the interleaved schedule only
-            serial = serial if pp > 1 else None
             # what a layer's activations depend on (fewer distinct values than the pass costs' keys)
             akey = (h.tp, h.sp, h.cp, h.etp, h.micro_batch, recompute, h.mlp)
             if akey not in kept:
                 kept[akey] = _KeptBytes(head=h, placed=placed, job=job, measurements=measurements, options=options,
                                         key=akey, store=cache.kept_bytes)
-            ends = (L, L) if pp == 1 or costs.shared_cores else _lightest_ends(L, pp, g.splits)
-            busy = (0.0, 0.0)
-            # a MoE model's layers by kind (the bound's layer cost is the cheaper kind's)
-            if not costs.shared_cores and first_dense is not None:
-                kind_s = costs.kind_fb_s if recompute == BLOCK else costs.kind_s
-                loads = _lightest_end_loads(L, pp, g.splits, first_dense)
-                busy = tuple(min(d * kind_s[0] + n * kind_s[1] for d, n in end) for end in loads)
-            bound = group_bound(costs, recompute == BLOCK, g.microbatches, pp, L, *ends, *busy)
-            out.append(_Bounded(group=g, costs=costs, bound=bound, kept=kept[akey], serial=serial))
+            if isinstance(costs, _Deferred):
+                if costs.value is None and lower is not None:
+                    costs.add(g, kept[akey], lower)
+                    continue
+                costs = costs.resolve(out)  # needed now: its deferred groups are bounded too
+                if costs is None:
+                    continue
+            bounded = _bounded(g, costs, kept[akey], L, first_dense)
+            if recompute == _NO_RECOMPUTE:
+                siblings[(h.micro_batch, h.sp, h.mlp)] = (bounded.bound, overlaps)
+            out.append(bounded)
     return out, refused, size
+
+
+_Costs = tuple[GroupCosts, GroupCosts | None, "_Paired | None"]
+"""A group's bound terms (:func:`_group_costs`): under the overlaps its candidates may turn on, without the expert
+overlap where they may turn it on, and for those that turn it on (:func:`~cfp_megatron.sim.bounds.paired_costs`,
+without measurements; else ``None``)."""
+
+_NO_RECOMPUTE = Recompute.none.value
+"""A group head's recompute value without recomputation."""
+
+SIBLING_MARGIN = 1e-9
+"""What a deferred group's bound takes off its sibling's (:class:`_Deferred`): far more than the rounding of the few
+additions that make a layer's seconds, which may put the two a unit in the last place the wrong way round."""
+
+
+def _bounded(g: Group, costs: _Costs, kept: _KeptBytes, num_layers: int,
+             first_dense: int | None) -> _Bounded:
+    """``g`` with its bound from its group's costs (:func:`~cfp_megatron.sim.bounds.group_bound`); ``first_dense``:
+    a MoE model's dense layers in front (``None`` for a dense model)."""
+    L, pp, block = num_layers, g.head.pp, g.head.recompute == BLOCK
+    found, serial, paired = costs  # pipelined, the all-to-all overlaps under the interleaved schedule only
+    ends = (L, L) if pp == 1 or found.shared_cores else _lightest_ends(L, pp, g.splits)
+    busy = (0.0, 0.0)
+    # a MoE model's layers by kind (the bound's layer cost is the cheaper kind's)
+    if not found.shared_cores and first_dense is not None:
+        kind_s = found.kind_fb_s if block else found.kind_s
+        loads = _lightest_end_loads(L, pp, g.splits, first_dense)
+        busy = tuple(min(d * kind_s[0] + n * kind_s[1] for d, n in end) for end in loads)
+    bound = group_bound(found, block, g.microbatches, pp, L, *ends, *busy)
+    return _Bounded(group=g, costs=found, bound=bound, kept=kept, serial=serial if pp > 1 else None,
+                    paired=None if paired is None or serial is None else (paired, serial))
+
+
+@dataclass(kw_only=True)
+class _Deferred:
+    """The groups with recomputation that share one cost key no group costed yet, validated, with a lower bound on
+    their bounds from their siblings without recomputation (:func:`_groups`), costed when it reaches the queue's
+    head (:meth:`MegatronSpace.expand`).
+
+    Why the sibling's bound holds (without measurements, where the representatives run no Megatron-FSDP): both
+    representatives share their layer passes (:class:`~cfp_megatron.sim.pass_costs.AnalyticalParts`), embedding,
+    head and per-pass cost; recomputation keeps each layer kind's forward and backward as they are
+    (:func:`~cfp_megatron.sim.layer_cost.with_recompute`) and adds a recompute pass of fields at zero or above. Of
+    :func:`~cfp_megatron.sim.bounds.group_costs_pair`'s terms per kind, the forward and backward less what the
+    same overlaps hide plus the host's floor are the same; the recompute pass adds its seconds less the TP overlap's
+    share of its TP communication (at most those seconds) plus the host's recomputed syncs (at zero or above). So
+    the layer kinds' seconds, with and without the recompute pass, are at least the sibling's seconds with it (which
+    has none), and :func:`~cfp_megatron.sim.bounds.group_bound` grows with each of them: a group's bound is at least
+    its sibling's (same family, micro-batch, SP and MLP, so the same micro-batches and splits; block recomputation
+    keeps a subset of the splits, whose lightest stages and ranks are at least the whole set's), less
+    :data:`SIBLING_MARGIN` for rounding. Groups whose sibling may turn on other overlaps are not deferred."""
+
+    head: GroupHead
+    """The first such group's head (what its costs are computed from)."""
+    rep_job: JobSpec
+    """Its representative's job, validated."""
+    layout: Layout | Callable[[], Layout]
+    """Its representative's layout, or what places it (:func:`_representative`)."""
+    key: tuple
+    """The cost key (:attr:`~cfp_megatron.sim.pass_costs.CostCache.groups`' key)."""
+    overlaps: tuple[bool, bool]
+    """Whether its candidates may overlap their TP communication and their expert all-to-all."""
+    job: JobSpec
+    """The searched job."""
+    options: SimOptions
+    """The simulator's options."""
+    world: int
+    """Ranks."""
+    cache: CostCache
+    """The search's costs."""
+    refused: list[Rejection]
+    """The space's refused groups (where its costs could not be computed)."""
+    groups: list[tuple[Group, _KeptBytes]] = dataclasses.field(default_factory=list)
+    """The groups waiting for its costs, with their activation bytes."""
+    bound: float = math.inf
+    """The least of its groups' lower bounds."""
+    value: _Costs | None = None
+    """Its costs, once computed (after which no group waits)."""
+    failed: bool = False
+    """Whether computing its costs was refused."""
+
+    def add(self, g: Group, kept: _KeptBytes, lower: float) -> None:
+        """Let ``g`` wait for the costs, its bound at least ``lower``."""
+        self.groups.append((g, kept))
+        self.bound = min(self.bound, lower)
+
+    def resolve(self, out: list[_Bounded]) -> _Costs | None:
+        """Its costs (``None`` where refused), computed once; the groups that waited appended to ``out``, bounded."""
+        if self.value is None and not self.failed:
+            layout = self.layout() if callable(self.layout) else self.layout
+            found = _representative_costs(self.head, self.rep_job, layout, self.job, None, self.options,
+                                          self.world, self.cache, self.refused, self.overlaps)
+            self.failed = found is None
+            if found is not None:
+                self.value = self.cache.groups[self.key] = found
+                L, m = self.job.model.num_layers, self.job.model
+                first_dense = m.moe_first_dense_layers if m.is_moe else None
+                for g, kept in self.groups:
+                    bounded = _bounded(g, found, kept, L, first_dense)
+                    if bounded.bound < self.bound:
+                        raise SearchBoundError(f"group {g.head} bounded at {bounded.bound} s, below its "
+                                               f"sibling's bound {self.bound} s")
+                    out.append(bounded)
+            self.groups = []
+        return self.value
+
+
+class SearchBoundError(CfpError, RuntimeError):
+    """A deferred group's bound came out below the bound it waited under (:class:`_Deferred`): the search's order
+    would no longer be its exhaustive search's."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -791,6 +944,31 @@ def _time_entries(bounded: _Bounded, job: JobSpec, cut: float = math.inf, extra:
         for dopt in g.dopts:
             out.append((bound, _CANDIDATE, g.head + split + (dopt,), tag))
     return out
+
+
+def _split_bound(costs: GroupCosts, g: Group, split: tuple[int, int, int, bool], job: JobSpec) -> float:
+    """:func:`~cfp_megatron.sim.bounds.time_bound` of the group's candidate of ``split`` under ``costs``, as
+    :func:`_time_entries` bounds it."""
+    m = job.model
+    L, pp, block = m.num_layers, g.head.pp, g.head.recompute == BLOCK
+    layer_s, chunk_s = layer_terms(costs, block)
+    kind_s = costs.kind_fb_s if block else costs.kind_s
+    first, middle, last, dense_0, moe_0, dense_n, moe_n, _, middles = _split_facts(
+        L, pp, split, m.moe_first_dense_layers if m.is_moe else None)
+    return time_bound(costs, layer_s, chunk_s, g.microbatches, pp, split[0], L, first, middle, last,
+                      dense_0 * kind_s[0] + moe_0 * kind_s[1], dense_n * kind_s[0] + moe_n * kind_s[1],
+                      min([d * kind_s[0] + n * kind_s[1] for d, n in middles]) if middles and m.is_moe else 0.0)
+
+
+def _fitting_bound(bounded: _Bounded, job: JobSpec, split: tuple[int, int, int, bool]) -> float:
+    """A lower bound on the step time of the group's candidate of ``split`` (one without a pipeline, or
+    interleaved) whether it turns the expert overlap on or not (:attr:`_Bounded.paired`): the lesser of the two
+    bounds. Tighter than its queue bound, which takes the share any overlap leaves of the expert exchange; the
+    search takes it once the candidate is known to fit (a candidate over memory is recorded as such)."""
+    if bounded.paired is None:
+        return 0.0
+    paired, alone = bounded.paired
+    return min(_split_bound(paired(), bounded.group, split, job), _split_bound(alone, bounded.group, split, job))
 
 
 def _memory_bounds(bounded: _Bounded, job: JobSpec, param_bytes: StateBound, split: tuple[int, int, int, bool],
@@ -974,7 +1152,7 @@ def _stage_layers(num_layers: int, pp: int, vpp: int, first: int, last: int, bal
 def _group_costs(head: GroupHead, job: JobSpec, measurements: Measurements | None, options: SimOptions, world: int,
                  cache: CostCache, refused: list[Rejection], *,
                  may_overlap: tuple[bool, bool] = (False, False), specs: dict[tuple, ParallelSpec] | None = None,
-                 layouts: dict[tuple, Layout] | None = None) -> tuple[GroupCosts, GroupCosts | None] | None:
+                 layouts: dict[tuple, Layout] | None = None) -> _Costs | None:
     """The costs a group's bound counts (:func:`~cfp_megatron.sim.bounds.group_costs`), from a representative of
     the group of ``head`` (no overlaps); ``may_overlap``: whether its candidates may overlap their TP communication
     and their expert all-to-all; with those without the all-to-all's overlap where it may (``None`` where it may not:
@@ -986,6 +1164,28 @@ def _group_costs(head: GroupHead, job: JobSpec, measurements: Measurements | Non
     recompute choice alone, :func:`~cfp_megatron.base.parallel_dims.recompute_problems`, and placed as it)."""
     # A valid split for the pass costs (they do not depend on the split): the even one, or the balanced one where
     # the stages do not divide the layers; the representative is built from its key (no Candidate to replace).
+    rep = _representative(head, job, world, refused, specs=specs, layouts=layouts)
+    if rep is None:
+        return None
+    rep_job, layout = rep
+    return _representative_costs(head, rep_job, layout() if callable(layout) else layout, job, measurements,
+                                 options, world, cache, refused, may_overlap)
+
+
+def _refusal(head: GroupHead, world: int, err: ConfigError) -> Rejection:
+    """The rejection of the group of ``head`` that the runtime's validation refuses with ``err``."""
+    named = Candidate.from_key(head + (1, 0, 0, False, False))  # the group's head as the rejections name it
+    return Rejection(what=named.describe(world).rsplit(" rc=", 1)[0], reason="; ".join(i.problem for i in err.issues))
+
+
+def _representative(head: GroupHead, job: JobSpec, world: int, refused: list[Rejection], *,
+                    specs: dict[tuple, ParallelSpec] | None = None, layouts: dict[tuple, Layout] | None = None,
+                    place: bool = True) -> tuple[JobSpec, Layout | Callable[[], Layout]] | None:
+    """The job and validated layout of the representative of the group of ``head`` (:func:`_group_costs`);
+    ``None`` (and a rejection in ``refused``) where the runtime's validation refuses it. ``place`` false: the
+    layout may come as a function that places it (as its sibling without recomputation), for later."""
+    # A valid split for the pass costs (they do not depend on the split): the even one, or the balanced one where
+    # the stages do not divide the layers; the representative is built from its key (no Candidate to replace).
     split = (1, 0, 0, job.model.num_layers % head.pp != 0, False)
     rep = Candidate.from_key(head._replace(recompute=Recompute.full.value if head.recompute == BLOCK
                                            else head.recompute) + split)
@@ -994,23 +1194,70 @@ def _group_costs(head: GroupHead, job: JobSpec, measurements: Measurements | Non
     try:
         rep_job = rep.job(job) if specs is None else rep.shared_job(job, specs)
         if sibling is not None and not recompute_problems(rep_job):
-            layout = dataclasses.replace(sibling, dims=ParallelDims(
-                parallel=rep_job.parallel, world_size=world, num_microbatches=sibling.dims.num_microbatches))
-        else:  # what it reads beyond the recompute choice validated here, or an issue to name in full
-            layout = build_layout(rep_job, world)
-            if layouts is not None and sibling is None:
-                layouts[free] = layout
+            placed = functools.partial(_placed_as, sibling, rep_job, world)
+            return rep_job, placed() if place else placed
+        # what it reads beyond the recompute choice validated here, or an issue to name in full
+        layout = build_layout(rep_job, world)
+        if layouts is not None and sibling is None:
+            layouts[free] = layout
+    except ConfigError as err:
+        refused.append(_refusal(head, world, err))
+        return None
+    return rep_job, layout
+
+
+def _placed_as(sibling: Layout, rep_job: JobSpec, world: int) -> Layout:
+    """``rep_job``'s layout, placed as its validated ``sibling`` (the same layout under another recompute choice)."""
+    return dataclasses.replace(sibling, dims=ParallelDims(parallel=rep_job.parallel, world_size=world,
+                                                          num_microbatches=sibling.dims.num_microbatches))
+
+
+def _representative_costs(head: GroupHead, rep_job: JobSpec, layout: Layout, job: JobSpec,
+                          measurements: Measurements | None, options: SimOptions, world: int, cache: CostCache,
+                          refused: list[Rejection], may_overlap: tuple[bool, bool]
+                          ) -> _Costs | None:
+    """:func:`_group_costs` of the representative ``rep_job`` placed as ``layout`` (:func:`_representative`)."""
+    try:
         parts = prepare_costs(rep_job, job.cluster, measurements, options=options, world_size=world, cache=cache,
                               layout=layout)
         # what the pipelined probe's calibration adds to every schedule of the group (it too depends on the
         # partition, the micro-batch and where the stages sit only)
         fixed_s = schedule_fixed_s(rep_job, job.cluster, measurements, options=options, world_size=world, cache=cache)
     except ConfigError as err:
-        named = Candidate.from_key(head + (1, 0, 0, False, False))  # the group's head as the rejections name it
-        refused.append(Rejection(what=named.describe(world).rsplit(" rc=", 1)[0],
-                                 reason="; ".join(i.problem for i in err.issues)))
+        refused.append(_refusal(head, world, err))
         return None
     shared_cores = (measurements is not None and parts.overheads is not None
                     and measurements.busy_slowdown() is not None)
-    return group_costs_pair(parts, Overlaps(tp=head.tp, tp_comm=may_overlap[0], expert_a2a=may_overlap[1]),
-                            hidden=job.model.hidden_size, shared_cores=shared_cores, fixed_s=fixed_s)
+    overlaps = Overlaps(tp=head.tp, tp_comm=may_overlap[0], expert_a2a=may_overlap[1])
+    found, serial = group_costs_pair(parts, overlaps, hidden=job.model.hidden_size, shared_cores=shared_cores,
+                                     fixed_s=fixed_s)
+    paired = None
+    if serial is not None and measurements is None:  # the candidates that turn the expert overlap on, apart
+        paired = _Paired(parts=parts, overlaps=overlaps, hidden=job.model.hidden_size, shared_cores=shared_cores,
+                         fixed_s=fixed_s)
+    return found, serial, paired
+
+
+@dataclass(kw_only=True)
+class _Paired:
+    """:func:`~cfp_megatron.sim.bounds.paired_costs` of a group's representative, computed when a candidate of the
+    group first fits (few do)."""
+
+    parts: PassCosts
+    """The representative's pass costs."""
+    overlaps: Overlaps
+    """What the group's candidates may turn on."""
+    hidden: int
+    """The model's hidden size."""
+    shared_cores: bool
+    """Whether the simulator may take the shared-cores schedule."""
+    fixed_s: float
+    """What the simulator adds to every pipelined schedule."""
+    value: GroupCosts | None = None
+    """The costs, once computed."""
+
+    def __call__(self) -> GroupCosts:
+        if self.value is None:
+            self.value = paired_costs(self.parts, self.overlaps, hidden=self.hidden, shared_cores=self.shared_cores,
+                                      fixed_s=self.fixed_s)
+        return self.value

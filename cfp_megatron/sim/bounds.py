@@ -43,8 +43,10 @@ least ``max(schedule + fixed_s, 0)`` plus its after-schedule lanes.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from cfp_megatron.sim.layer_cost import LayerCost
 from cfp_megatron.sim.pass_costs import PassCosts
 from cfp_megatron.sim.terms import TERMS, Overlaps
 
@@ -94,11 +96,13 @@ def group_costs(parts: PassCosts, overlaps: Overlaps, *, hidden: int, shared_cor
 
 
 def group_costs_pair(parts: PassCosts, overlaps: Overlaps, *, hidden: int, shared_cores: bool, fixed_s: float = 0.0,
-                     without_expert_overlap: bool = True) -> tuple[GroupCosts, GroupCosts | None]:
+                     without_expert_overlap: bool = True, floor_overlaps: Overlaps | None = None
+                     ) -> tuple[GroupCosts, GroupCosts | None]:
     """:func:`group_costs` under ``overlaps`` and, where they may overlap the expert all-to-all and
     ``without_expert_overlap``, under the same without it (``None`` otherwise): a pipelined group's splits of one
     chunk per rank do not overlap it. The layer kinds' times and the terms that read no expert overlap are counted
-    once for both."""
+    once for both. ``floor_overlaps``: the overlaps the per-chunk floors read in place of each variant's
+    (:func:`paired_costs`)."""
     # the biases and norms the count leaves out add at least -2 h (cfp_megatron.sim.memory.layer_extra_params)
     slack = 2.0 * hidden
     # A PrimePar candidate runs Megatron's MLP on some layers only where PrimePar's layer is the faster
@@ -122,7 +126,7 @@ def group_costs_pair(parts: PassCosts, overlaps: Overlaps, *, hidden: int, share
                 hideable += fb
                 hideable_rec += rec
             for term in TERMS.floored():  # the others set nothing per chunk
-                fb, rec = term.chunk_floor(parts, moe, variant)
+                fb, rec = term.chunk_floor(parts, moe, floor_overlaps or variant)
                 hideable -= fb
                 hideable_rec -= rec
             found.append((fb_s + rec_s - hideable - hideable_rec, fb_s - hideable, rec_s - hideable_rec, moe))
@@ -135,6 +139,36 @@ def group_costs_pair(parts: PassCosts, overlaps: Overlaps, *, hidden: int, share
         kind_fb_s=tuple(min(f[1] for f in found if f[3] is moe) for moe in (False, True)), **shared)
         for found in floors]
     return out[0], out[1] if len(out) > 1 else None
+
+
+def paired_costs(parts: PassCosts, overlaps: Overlaps, *, hidden: int, shared_cores: bool,
+                 fixed_s: float = 0.0) -> GroupCosts:
+    """:func:`group_costs` for the candidates that turn ``moe_a2a_overlap`` on (``overlaps``: what they may turn on
+    besides), their expert exchange at what the combined 1F1B schedule leaves of it in a paired pass instead of the
+    share any overlap leaves: a bound tighter than :func:`group_costs`' under the expert overlap.
+
+    Why it holds for such a candidate (without measurements): its layer passes are the representative's but for
+    its TP and expert communication; its expert exchange is the representative's block beside the same attention
+    and expert windows (:func:`~cfp_megatron.sim.terms.expert_dispatch.paired_exchange`, which is
+    :attr:`~cfp_megatron.sim.layer_cost.LayerCost.ep_paired_s`), and the passes the schedule cannot pair pay more
+    (``simulate._unpaired_exchange``); its recomputation's exchange is at zero or above (counted at zero here); what
+    the TP overlap and the host add or hide is :func:`group_costs`' own under ``overlaps`` less the expert overlap
+    (the host's floor: its syncs only where an overlap may shorten the MoE forward)."""
+    def paired(cost: LayerCost) -> LayerCost:
+        if cost.ep_paired_s == (0.0, 0.0) and not cost.forward.ep_comm_s:
+            return cost  # a dense layer
+        return dataclasses.replace(
+            cost, forward=dataclasses.replace(cost.forward, ep_comm_s=cost.ep_paired_s[0]),
+            backward=dataclasses.replace(cost.backward, ep_comm_s=cost.ep_paired_s[1]),
+            recompute=dataclasses.replace(cost.recompute, ep_comm_s=0.0))
+
+    ends = None if parts.bf16_ends is None else (parts.bf16_ends[0], paired(parts.bf16_ends[1]))
+    found = dataclasses.replace(parts, moe=paired(parts.moe), bf16_ends=ends)
+    expert_free = Overlaps(tp=overlaps.tp, tp_comm=overlaps.tp_comm, expert_a2a=False)
+    # the host's floor as under the expert overlap: its syncs only (no overlap may shorten the forward further)
+    floor = Overlaps(tp=overlaps.tp, tp_comm=True, expert_a2a=False) if overlaps.expert_a2a else expert_free
+    return group_costs_pair(found, expert_free, hidden=hidden, shared_cores=shared_cores, fixed_s=fixed_s,
+                            without_expert_overlap=False, floor_overlaps=floor)[0]
 
 
 def layer_terms(costs: GroupCosts, block: bool) -> tuple[float, float]:

@@ -27,7 +27,13 @@ from cfp_megatron.sim.options import SimOptions
 from cfp_megatron.sim.primepar_cost import MlpCost, ffn_gemms, mlp_activation_elements, primepar_mlp_cost
 from cfp_megatron.sim.terms.context_parallel import chunk_slowdown, cp_cost
 from cfp_megatron.sim.terms.data_parallel import fsdp_beside_experts, fsdp_exposed, fsdp_sync
-from cfp_megatron.sim.terms.expert_dispatch import MoeCost, expert_comm, moe_block_cost, torch_swiglu_bytes
+from cfp_megatron.sim.terms.expert_dispatch import (
+    MoeCost,
+    expert_comm,
+    moe_block_cost,
+    paired_exchange,
+    torch_swiglu_bytes,
+)
 from cfp_megatron.sim.terms.recompute import op_sac_recompute_s, selective_recompute
 from cfp_megatron.sim.terms.tensor_parallel import tp_backward_async_s, tp_pass_s
 
@@ -107,6 +113,10 @@ class LayerCost:
     unrecomputed_backward: PassCost | None = None
     """The backward pass of a layer that block recomputation leaves out (FSDP's collectives beside its backward
     alone); ``None``: ``backward``."""
+    ep_paired_s: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) seconds of the expert token exchange a pass pays under ``moe_a2a_overlap``'s combined
+    1F1B schedule, paired with another micro-batch's pass, whatever the plan sets
+    (:func:`~cfp_megatron.sim.terms.expert_dispatch.paired_exchange`; zero for a dense layer)."""
 
     @property
     def total_s(self) -> float:
@@ -140,6 +150,8 @@ class LayerPasses:
     fsdp_beside_experts: bool = False
     """Whether FSDP's collectives also hide behind the exposed expert exchange
     (:func:`~cfp_megatron.sim.terms.data_parallel.fsdp_beside_experts`)."""
+    ep_paired_s: tuple[float, float] = (0.0, 0.0)
+    """:attr:`LayerCost.ep_paired_s`."""
     op_sac_s: float | None = None
     """Selective recomputation's compute seconds where it is torchtitan's per-op policy
     (:attr:`~cfp_megatron.sim.options.SimOptions.torch_op_sac`, :func:`~cfp_megatron.sim.terms.recompute.
@@ -245,7 +257,8 @@ def with_recompute(passes: LayerPasses, job: JobSpec, layout: Layout, kernels: K
     block = parallel.recompute.value == "full" and parallel.recompute_method.value == "block"
     return LayerCost(forward=forward, backward=backward, recompute=recompute, params=passes.params,
                      expert_params=passes.expert_params, ep_alone_s=passes.ep_alone_s,
-                     unrecomputed_backward=unrecomputed if block and comm_s > 0 else None)
+                     unrecomputed_backward=unrecomputed if block and comm_s > 0 else None,
+                     ep_paired_s=passes.ep_paired_s)
 
 
 def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: CollectiveCosts, options: SimOptions,
@@ -357,7 +370,7 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
                                                  expert_params=expert_params, torch_fsdp=options.torch_fsdp)
 
     ep_fwd = ep_bwd = 0.0
-    ep_alone = (0.0, 0.0)
+    ep_alone = ep_paired = (0.0, 0.0)
     if moe_block is not None:
         ep_alone = (moe_block.metadata_s + moe_block.dispatch_s, moe_block.dispatch_s)
         # The experts' share of the layer's computation (their GEMMs and element-wise traffic); the rest is the
@@ -365,9 +378,10 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
         moe_elementwise = kernels.memory(moe_block.elements_per_token * tokens * elem_bytes)
         mlp_fwd = mlp_gemm + moe_elementwise + unfused_fwd + scalar_fwd
         mlp_bwd = mlp_bwd_gemm + 2.0 * moe_elementwise + unfused_bwd + scalar_bwd
-        ep_fwd, ep_bwd = expert_comm(job, moe_block, attention_s=(fwd_compute + core_fwd - mlp_fwd,
-                                                                  bwd_compute + core_bwd - mlp_bwd),
-                                     experts_s=(mlp_fwd, mlp_bwd))
+        windows = {"attention_s": (fwd_compute + core_fwd - mlp_fwd, bwd_compute + core_bwd - mlp_bwd),
+                   "experts_s": (mlp_fwd, mlp_bwd)}
+        ep_fwd, ep_bwd = expert_comm(job, moe_block, **windows)
+        ep_paired = paired_exchange(moe_block, **windows)
 
     if primepar is not None:
         bwd_compute += primepar.backward_compute_s - 2.0 * primepar.forward_compute_s
@@ -402,7 +416,7 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
                                                   layout.tp_per_node)
                    if options.torch_op_sac and options.dtensor_tp and tp > 1 and sp else 0.0)
     return LayerPasses(forward=forward, backward=backward, params=params, expert_params=expert_params,
-                       ep_alone_s=ep_alone, mlp_gemm_s=mlp_gemm, moe_block=moe_block,
+                       ep_alone_s=ep_alone, ep_paired_s=ep_paired, mlp_gemm_s=mlp_gemm, moe_block=moe_block,
                        fsdp_sync_s=(fsdp_fwd_comm, fsdp_bwd_comm), fsdp_beside_experts=beside_experts,
                        op_sac_s=op_sac_s, op_sac_tp_s=op_sac_tp_s)
 

@@ -323,49 +323,36 @@ def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2
         return _run_blocking(tuple(map(tuple, forward_s)), tuple(map(tuple, backward_s)),
                              tuple(max(link - gather_s, 0.0) for link in links), microbatches, call_s, gather_s, busy,
                              keep_ops, None if nic_s is None else per_rank_links(nic_s, pp))
-    num_stages = pp * vpp
-    # End of each pass per global stage and micro-batch (-1: not run yet).
-    forward_end = [[-1.0] * microbatches for _ in range(num_stages)]
-    backward_end = [[-1.0] * microbatches for _ in range(num_stages)]
     gpipe = schedule is PipelineSchedule.gpipe
-    orders = [rank_order(rank, pp, vpp, microbatches, all_forward=gpipe) for rank in range(pp)]
+    # Each pass as indices into one array of pass ends (-1: not run yet; a cell at 0.0 stands for the first stage's
+    # input), its link's and its own seconds (_pass_program: what it waits for, per rank).
+    ends = [-1.0] * (2 * pp * vpp * microbatches) + [0.0]
+    seconds = [(*forward_s[rank], *backward_s[rank]) for rank in range(pp)]
+    links_or_none = (*links, 0.0)
+    programs = [_pass_program(rank, pp, vpp, microbatches, gpipe) for rank in range(pp)]
     next_pass = [0] * pp  # index in its order of each rank's next pass
     free_s = [0.0] * pp  # when each rank finished its last timed pass
     ops: list[Op] = []
-    remaining = sum(len(order) for order in orders)
+    remaining = sum(len(program) for program in programs)
     while remaining:
         progressed = False
         for rank in range(pp):
-            order = orders[rank]
+            program = programs[rank]
             index = next_pass[rank]
             clock_s = free_s[rank]
-            rank_forward_s, rank_backward_s = forward_s[rank], backward_s[rank]
-            while index < len(order):
-                is_fwd, microbatch, chunk = order[index]
-                stage = chunk * pp + rank
-                if is_fwd:
-                    if stage == 0:
-                        ready_s = 0.0
-                    else:
-                        dep_end_s = forward_end[stage - 1][microbatch]
-                        if dep_end_s < 0:
-                            break
-                        ready_s = dep_end_s + links[(stage - 1) % pp]
-                    start_s = clock_s if clock_s > ready_s else ready_s
-                    clock_s = start_s + rank_forward_s[chunk]
-                    forward_end[stage][microbatch] = clock_s
-                else:
-                    if stage == num_stages - 1:
-                        ready_s = forward_end[stage][microbatch]
-                    else:
-                        dep_end_s = backward_end[stage + 1][microbatch]
-                        if dep_end_s < 0:
-                            break
-                        ready_s = dep_end_s + links[stage % pp]
-                    start_s = clock_s if clock_s > ready_s else ready_s
-                    clock_s = start_s + rank_backward_s[chunk]
-                    backward_end[stage][microbatch] = clock_s
+            rank_s = seconds[rank]
+            count = len(program)
+            while index < count:
+                dep, link, out, own = program[index]
+                dep_end_s = ends[dep]
+                if dep_end_s < 0:
+                    break
+                ready_s = dep_end_s + links_or_none[link]  # + 0.0 (exact) where the pass waits for no link
+                start_s = clock_s if clock_s > ready_s else ready_s
+                clock_s = start_s + rank_s[own]
+                ends[out] = clock_s
                 if keep_ops:
+                    is_fwd, microbatch, chunk = rank_order(rank, pp, vpp, microbatches, all_forward=gpipe)[index]
                     ops.append(Op(rank=rank, forward=is_fwd, microbatch=microbatch, chunk=chunk, start_s=start_s,
                                   end_s=clock_s))
                 index += 1
@@ -377,6 +364,31 @@ def run_schedule(forward_s: list[list[float]], backward_s: list[list[float]], p2
         if not progressed:
             raise ScheduleError(f"pipeline schedule deadlocked (pp={pp}, vpp={vpp}, microbatches={microbatches})")
     return ScheduleResult(end_s=tuple(free_s), busy_s=busy, ops=tuple(ops), simulated=True)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pass_program(rank: int, pp: int, vpp: int, microbatches: int,
+                  gpipe: bool) -> tuple[tuple[int, int, int, int], ...]:
+    """:func:`rank_order` on ``rank`` as :func:`run_schedule`'s non-blocking loop walks it: per pass, the index of
+    the pass end it waits for (a forward: the previous stage's forward of its micro-batch, the first stage's input
+    cell at zero for the first stage; a backward: the next stage's backward, its own stage's forward on the last
+    stage), of the link that end crosses (``pp``: none), of its own end, and of its seconds among the rank's
+    (forwards by chunk, then backwards)."""
+    num_stages = pp * vpp
+    backward = num_stages * microbatches  # the backward ends follow the forward ones
+    first_input = 2 * backward  # the cell at 0.0
+    program = []
+    for is_fwd, microbatch, chunk in rank_order(rank, pp, vpp, microbatches, all_forward=gpipe):
+        stage = chunk * pp + rank
+        if is_fwd:
+            dep, link = ((first_input, pp) if stage == 0
+                         else ((stage - 1) * microbatches + microbatch, (stage - 1) % pp))
+            program.append((dep, link, stage * microbatches + microbatch, chunk))
+        else:
+            dep, link = ((stage * microbatches + microbatch, pp) if stage == num_stages - 1
+                         else (backward + (stage + 1) * microbatches + microbatch, stage % pp))
+            program.append((dep, link, backward + stage * microbatches + microbatch, vpp + chunk))
+    return tuple(program)
 
 
 @functools.lru_cache(maxsize=4096)

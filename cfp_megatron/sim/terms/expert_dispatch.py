@@ -702,15 +702,22 @@ def expert_comm(job: JobSpec, block: MoeCost, *, attention_s: tuple[float, float
     the forward experts, the forward combine beside the backward attention. ``moe_shared_expert_overlap`` hides the
     exchange behind the shared expert (twice as long backward)."""
     parallel = job.parallel
-    dispatch = block.dispatch_s - block.combine_s
     if parallel.moe_a2a_overlap:
-        fwd = [overlapped(dispatch, experts_s[1]), overlapped(block.combine_s, attention_s[1])]
-        bwd = [overlapped(block.combine_s, attention_s[0]), overlapped(dispatch, experts_s[0])]
-    elif parallel.moe_shared_expert_overlap:
+        return paired_exchange(block, attention_s=attention_s, experts_s=experts_s)
+    if parallel.moe_shared_expert_overlap:
         fwd = [overlapped(block.dispatch_s, block.shared_gemm_s)]
         bwd = [overlapped(block.dispatch_s, 2.0 * block.shared_gemm_s)]
     else:  # nothing beside it: LayerCost.ep_alone_s
         return block.metadata_s + block.dispatch_s, block.dispatch_s
+    return block.metadata_s + sum(a + b for a, b in fwd), sum(a + b for a, b in bwd)
+
+
+def paired_exchange(block: MoeCost, *, attention_s: tuple[float, float],
+                    experts_s: tuple[float, float]) -> tuple[float, float]:
+    """:func:`expert_comm` under ``moe_a2a_overlap`` (its combined 1F1B layer schedule), whatever the plan sets."""
+    dispatch = block.dispatch_s - block.combine_s
+    fwd = [overlapped(dispatch, experts_s[1]), overlapped(block.combine_s, attention_s[1])]
+    bwd = [overlapped(block.combine_s, attention_s[0]), overlapped(dispatch, experts_s[0])]
     return block.metadata_s + sum(a + b for a, b in fwd), sum(a + b for a, b in bwd)
 
 
