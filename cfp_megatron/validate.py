@@ -110,7 +110,7 @@ from cfp_megatron.validation.columns import (
     preset_precision,
     schedule_reading,
 )
-from cfp_megatron.validation.data import ValidationData, ValidationDataError, load_data
+from cfp_megatron.validation.data import Framework, ValidationData, ValidationDataError, load_data
 from cfp_megatron.validation.defaults import (
     SHAPE_FIELDS,
     apex_adam_states,
@@ -210,6 +210,7 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
     setting = source_setting(row, data)  # what its source states outside its tables (source_settings.yaml)
     row = stated_row(row, setting)  # its blank cells filled so
     framework = row_framework(row, data, setting)
+    compiled = runs_compiled(row, framework)
     rid = (row.get("id") or "?").strip()
     measured = figure_cell(row, "step_time_s") or figure_cell(row, "derived_step_time_s")
     preset_name = gpu_preset(row.get("gpu", ""))
@@ -394,10 +395,11 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                          torch_fused_adamw=framework.torch_fused_adamw, moe_layer_syncs=framework.moe_layer_syncs,
                          torch_op_sac=framework.torch_op_sac, torch_moe_combine=framework.torch_moe_combine,
                          torchao_low_precision=framework.torchao_low_precision,
-                         torch_swiglu=framework.torch_swiglu, dtensor_tp=framework.dtensor_tp,
+                         torch_swiglu=framework.torch_swiglu and not compiled, dtensor_tp=framework.dtensor_tp,
                          flex_backend_unstated=bool(experts and recipe and recipe.dispatcher == "flex"
                                                     and recipe.flex_backend is None),
-                         eager_torch_loss=framework.eager_loss and not _model_matches(row, framework.compiled_loss),
+                         eager_torch_loss=framework.eager_loss and not compiled
+                         and not _model_matches(row, framework.compiled_loss),
                          rope_fusion=not _model_matches(row, framework.unfused_rope),
                          deepspeed_engine=framework.deepspeed_engine,
                          apex_adam=apex_adam_states(row, framework) if dist_opt and not fsdp else None)
@@ -405,6 +407,15 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                    model=row.get("model", ""), layout=layout, job=job, options=options, measured_s=measured,
                    approximations=tuple(reading.approximation for reading in readings if reading.approximation)
                    + ((setting.approximation,) if setting and setting.approximation else ()))
+
+
+def runs_compiled(row: dict, framework: Framework) -> bool:
+    """Whether the row's model ran under ``torch.compile``: its recipe compiles it
+    (:attr:`~cfp_megatron.validation.data.Framework.compiled_model`), or its notes or framework say so
+    (:attr:`~cfp_megatron.validation.data.Framework.compiled_notes`)."""
+    words = framework.compiled_notes
+    stated = f"{row.get('notes') or ''} {row.get('framework') or ''}"
+    return _model_matches(row, framework.compiled_model) or bool(words and re.search(words, stated, re.IGNORECASE))
 
 
 def _model_matches(row: dict, patterns: tuple[str, ...]) -> bool:

@@ -229,3 +229,18 @@ def test_a_torchtitan_dense_rows_plan_prices_its_feed_forward_in_the_layer_and_o
     assert host.dense == hc.host_costs(job, 1, te_experts=False, torch_mlp=True,
                                        moe_layer_syncs=options.moe_layer_syncs).dense
     assert host.dense != hc.host_costs(job, 1).dense
+
+
+def test_a_compiled_torchtitan_model_runs_its_swiglu_fused_and_its_loss_compiled() -> None:
+    """torch.compile fuses FeedForward's silu and multiply (Inductor): a row whose recipe compiles the model (Llama 3
+    405B's) or whose notes say it ran compiled is priced with the fused SwiGLU and a compiled loss; an eager row is
+    not; its DTensor TP reading stays."""
+    eager = row_plan(LLAMA3_8B).options
+    assert eager.torch_swiglu and eager.eager_torch_loss
+    stated = row_plan({**LLAMA3_8B, "notes": "torch.compile on, FP8 rowwise"}).options
+    recipe = row_plan({**LLAMA3_70B, "model": "Llama 3.1 405B", "layers": "126", "hidden": "16384",
+                       "ffn_hidden": "53248", "heads": "128", "num_gpus": "512", "pp": "8"}).options
+    for options in (stated, recipe):
+        assert not options.torch_swiglu and not options.eager_torch_loss and options.dtensor_tp
+    assert row_plan({**LLAMA3_8B, "notes": "compiled model, bf16"}).options.torch_swiglu is False
+    assert row_plan({**LLAMA3_8B, "notes": "compile time excluded"}).options.torch_swiglu  # not a statement of it

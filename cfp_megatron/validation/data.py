@@ -128,6 +128,12 @@ class Framework:
     of ``compiled_loss``."""
     compiled_loss: tuple[str, ...] = ()
     """Patterns on ``model`` (case-insensitive) whose recipes compile the loss."""
+    compiled_model: tuple[str, ...] = ()
+    """Patterns on ``model`` (case-insensitive) whose recipes compile the model and the loss (``torch.compile``:
+    Inductor fuses the element-wise chains, so :attr:`torch_swiglu`'s SwiGLU runs as one kernel)."""
+    compiled_notes: str | None = None
+    """A pattern (case-insensitive) on a row's ``notes`` and ``framework`` that says it ran compiled, as
+    :attr:`compiled_model` reads; ``None``: no row says so."""
     unfused_rope: tuple[str, ...] = ()
     """Patterns on ``model`` (case-insensitive) whose RoPE it runs unfused (:attr:`~cfp_megatron.sim.options.
     SimOptions.rope_fusion` off)."""
@@ -352,7 +358,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
                     "moe_layer_syncs", "rank_batch_micro", "tie_embeddings", "deepspeed_engine", "torch_op_sac",
                     "torch_moe_combine", "eager_loss", "compiled_loss", "unfused_rope", "async_tp_backward",
                     "blocking_interleaved", "global_memory_buffer", "wgrad_placeholder", "torchao_low_precision",
-                    "router_fusion", "torch_swiglu", "dtensor_tp"}
+                    "router_fusion", "torch_swiglu", "dtensor_tp", "compiled_model", "compiled_notes"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -380,6 +386,15 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
         if syncs is not None and (not isinstance(syncs, int) or isinstance(syncs, bool) or syncs < 0):
             entry.fail(f"has moe_layer_syncs={syncs!r}; it counts a MoE layer's synchronisations (0 or more)")
         compiled = _model_patterns(entry, runs, "compiled_loss")
+        compiled_model = _model_patterns(entry, runs, "compiled_model")
+        compiled_notes = runs.get("compiled_notes")
+        if compiled_notes is not None:
+            if not isinstance(compiled_notes, str):
+                entry.fail(f"has compiled_notes={compiled_notes!r}; it is one regular expression")
+            try:
+                re.compile(compiled_notes)
+            except re.error as err:
+                entry.fail(f"has compiled_notes {compiled_notes!r}, not a regular expression ({err})")
         unfused_rope = _model_patterns(entry, runs, "unfused_rope")
         router_fusion = _model_patterns(entry, runs, "router_fusion")
         contains = match.get("contains", [])
@@ -406,7 +421,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             torchao_low_precision=bool(runs.get("torchao_low_precision", False)),
             torch_swiglu=bool(runs.get("torch_swiglu", False)), dtensor_tp=bool(runs.get("dtensor_tp", False)),
             eager_loss=bool(runs.get("eager_loss", False)), compiled_loss=compiled, unfused_rope=unfused_rope,
-            router_fusion=router_fusion,
+            compiled_model=compiled_model, compiled_notes=compiled_notes, router_fusion=router_fusion,
             rank_batch_micro=bool(runs.get("rank_batch_micro", False)),
             apex_adam=tuple((str(pattern), ApexAdamStates(state)) for pattern, state in apex.items())))
     if frameworks[-1].match != FrameworkMatch():
