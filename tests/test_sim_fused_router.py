@@ -17,11 +17,9 @@ from cfp_megatron.sim import host_costs as hc
 from cfp_megatron.sim.layer_cost import layer_cost
 from cfp_megatron.sim.options import options_here
 from cfp_megatron.sim.terms.expert_dispatch import (
-    AUX_LOSS_SCORE_PASSES,
-    ROUTER_SCORE_PASSES,
-    ROUTING_MAP_BYTES,
     fused_router_bytes,
     moe_block_cost,
+    unfused_router_bytes,
 )
 from tests.test_sim_moe import H100, models
 
@@ -49,16 +47,17 @@ def bytes_per_pass(j: JobSpec, fused: bool) -> tuple[float, float]:
 
 def test_the_fused_router_moves_its_counted_bytes_below_the_unfused_routers() -> None:
     """Forward: the logits read once, the probabilities and the kept scores written, the routing map's byte (3d + 1
-    an entry); backward the same (3d + 1), where the unfused router's four passes are twice over in its backward."""
+    an entry); backward the same (3d + 1), where the unfused router's PyTorch ops move 6d + 17 forward and 3d back
+    (:func:`unfused_router_bytes`): the fused router's forward and its step are cheaper, its backward reads the map."""
     for router_fp32, d in ((True, 4.0), (False, 2.0)):
         j = job({"moe_router_fp32": router_fp32})
         assert fused_router_bytes(j, 2.0) == (3 * d + 1, 3 * d + 1)
+        assert unfused_router_bytes(j, 2.0) == (6 * d + 17, 3 * d)
         unfused, fused = bytes_per_pass(j, False), bytes_per_pass(j, True)
         entries = SMALL["num_experts"]  # router entries per token
-        unfused_router = ROUTER_SCORE_PASSES * d + ROUTING_MAP_BYTES
-        assert unfused[0] - fused[0] == pytest.approx(entries * (unfused_router - (3 * d + 1)))
-        assert unfused[1] - fused[1] == pytest.approx(entries * (2 * unfused_router - (3 * d + 1)))
-        assert fused[0] < unfused[0] and fused[1] < unfused[1]
+        for i in (0, 1):
+            assert unfused[i] - fused[i] == pytest.approx(entries * (unfused_router_bytes(j, 2.0)[i] - (3 * d + 1)))
+        assert fused[0] < unfused[0] and sum(fused) < sum(unfused)
 
 
 def test_the_fused_auxiliary_loss_adds_its_kernels_bytes_forward_and_backward() -> None:
@@ -67,7 +66,8 @@ def test_the_fused_auxiliary_loss_adds_its_kernels_bytes_forward_and_backward() 
     plain, aux = job({"moe_router_fp32": True}), job({"moe_router_fp32": True, "moe_aux_loss_coeff": 0.01})
     assert fused_router_bytes(aux, 2.0)[0] - fused_router_bytes(plain, 2.0)[0] == 4 * 4.0 + 2.0
     assert fused_router_bytes(aux, 2.0)[1] - fused_router_bytes(plain, 2.0)[1] == 7 * 4.0
-    assert AUX_LOSS_SCORE_PASSES == 1.0  # the unfused router's aux loss keeps its single read
+    # unfused, the loss' PyTorch ops move more: its fp32 scores and its own int32 routing map
+    assert sum(fused_router_bytes(aux, 2.0)) < sum(unfused_router_bytes(aux, 2.0))
 
 
 def test_the_layer_prices_the_router_fused_only_where_the_run_fuses_it() -> None:
@@ -75,9 +75,10 @@ def test_the_layer_prices_the_router_fused_only_where_the_run_fuses_it() -> None
     layout, kernels, comm = models(unfused, 1)
     base = layer_cost(unfused, layout, kernels, comm, SimOptions(), moe=True)
     quick = layer_cost(fused, layout, kernels, comm, SimOptions(), moe=True)
-    assert quick.forward.compute_s < base.forward.compute_s and quick.backward.compute_s < base.backward.compute_s
+    assert quick.forward.compute_s < base.forward.compute_s  # its backward reads the map the unfused one has not
+    assert quick.forward.compute_s + quick.backward.compute_s < base.forward.compute_s + base.backward.compute_s
     d = 4.0  # fp32 router
-    saved = SMALL["num_experts"] * TOKENS * (ROUTER_SCORE_PASSES * d + ROUTING_MAP_BYTES - (3 * d + 1))
+    saved = SMALL["num_experts"] * TOKENS * (unfused_router_bytes(unfused, 2.0)[0] - (3 * d + 1))
     assert base.forward.compute_s - quick.forward.compute_s == pytest.approx(kernels.memory(saved))
     # Without Transformer Engine where it trains, and in torchtitan's MoE layer, the router is PyTorch's.
     for options in (SimOptions(router_fusion=False), SimOptions(torch_moe_combine=True)):
@@ -90,6 +91,57 @@ def test_the_layer_prices_the_router_fused_only_where_the_run_fuses_it() -> None
                     for m in (None, {"moe_router_fusion": True}))
     assert base.forward.compute_s - quick.forward.compute_s == pytest.approx(
         plain.recompute.compute_s - quick.recompute.compute_s)
+
+
+@pytest.mark.parametrize("router_fp32", [True, False])
+@pytest.mark.parametrize("aux", [False, True])
+def test_the_unfused_routers_bytes_are_those_megatron_cores_ops_move(router_fp32: bool, aux: bool,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """:func:`unfused_router_bytes` counted again: Megatron-Core 0.16.1's router functions (softmax top-2, with and
+    without the load-balancing loss, fp32 or bf16 logits) under ``TorchDispatchMode``, each op's ``[tokens,
+    experts]`` tensors it reads and writes: views move nothing, an allocation only writes, a broadcast input (stride
+    0) and a ``gather``'s source are read only where indexed (the top-k's ``[tokens, topk]``, left out)."""
+    import torch
+    from megatron.core.transformer.moe import moe_utils as mu
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from tests.test_sim_expert_ops_counted import MOVES_NOTHING
+
+    tokens, experts, topk = 256, 64, 2
+    writes_only = {"zeros_like", "new_zeros", "zeros", "ones_like"}
+
+    class Moved(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name in MOVES_NOTHING:
+                return out
+            reads = [] if name in writes_only or name == "gather" else tree_flatten((args, kwargs))[0]
+            for t in [*reads, *tree_flatten(out)[0]]:
+                if isinstance(t, torch.Tensor) and t.numel() == tokens * experts and 0 not in t.stride():
+                    self.bytes += t.numel() * t.element_size()
+            return out
+
+    monkeypatch.setattr(mu.MoEAuxLossAutoScaler, "main_loss_backward_scale", torch.ones(()))
+    logits = torch.randn(tokens, experts, dtype=torch.float32 if router_fp32 else torch.bfloat16,
+                         requires_grad=True)
+    with Moved() as forward:
+        probs, _ = mu.topk_routing_with_score_function(logits, topk, score_function="softmax")
+        if aux:
+            aux_map, scores = mu.compute_routing_scores_for_aux_loss(logits, topk, "softmax")
+            loss = mu.switch_load_balancing_loss_func(scores, aux_map.sum(dim=0), tokens, topk, experts, 0.01)
+            probs = mu.MoEAuxLossAutoScaler.apply(probs, loss * tokens)
+    grad = torch.randn_like(probs)
+    with Moved() as backward:
+        torch.autograd.grad(probs, [logits], grad)
+    j = job({"moe_router_fp32": router_fp32, "moe_aux_loss_coeff": 0.01 if aux else 0.0})
+    entries = tokens * experts
+    assert (forward.bytes / entries, backward.bytes / entries) == unfused_router_bytes(j, 2.0)
 
 
 def test_the_unfused_routers_operators_are_those_megatron_core_dispatches(monkeypatch: pytest.MonkeyPatch) -> None:

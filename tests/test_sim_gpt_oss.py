@@ -98,13 +98,15 @@ def test_the_grouped_gemm_option_not_the_cluster_picks_the_bias_path() -> None:
 
 
 def test_a_bf16_router_moves_half_the_bytes_of_its_scores_and_probabilities() -> None:
-    """The router's four passes over its [tokens, experts] scores (and the routing map's byte) and the dispatched
-    probabilities in bf16 without moe_router_dtype='fp32'; DeepEP and HybridEP cast the probabilities to fp32."""
+    """The router's passes over its [tokens, experts] scores (6 forward, 3 backward, beside the routing map's bytes)
+    and the dispatched probabilities in bf16 without moe_router_dtype='fp32'; DeepEP and HybridEP cast the
+    probabilities to fp32."""
     fp32, bf16 = job(), job({"moe_router_fp32": False})
     layout, kernels, comm = models(fp32, 1)
-    gap = (moe_block_cost(fp32, layout, kernels, comm).elements_per_token
-           - moe_block_cost(bf16, layout, kernels, comm).elements_per_token)
-    assert gap == pytest.approx(8 * 4 * (4.0 - 2.0) / 2.0)  # 8 experts, 4 passes, 4 bytes less 2, in bf16 elements
+    gap = tuple(a - b for a, b in zip(moe_block_cost(fp32, layout, kernels, comm).router_bytes_per_token,
+                                      moe_block_cost(bf16, layout, kernels, comm).router_bytes_per_token,
+                                      strict=True))
+    assert gap == pytest.approx((8 * 6 * (4.0 - 2.0), 8 * 3 * (4.0 - 2.0)))  # 8 experts, 4 bytes a score less 2
     assert (probability_bytes(fp32, 2), probability_bytes(bf16, 2)) == (4.0, 2.0)
     assert probability_bytes(job({"moe_router_fp32": False, "moe_token_dispatcher": "flex"}), 2) == 4.0
     fp32_ep, bf16_ep = job(gpus=2, ep=2), job({"moe_router_fp32": False}, gpus=2, ep=2)

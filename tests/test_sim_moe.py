@@ -347,16 +347,27 @@ def test_which_dispatchers_wait_for_the_token_counts_on_the_host() -> None:
 def test_routing_traffic_is_counted_from_the_kernels_megatron_core_runs() -> None:
     """The router's element-wise kernels grow with the experts (and the auxiliary loss reads the scores again), the
     permutations with the routed copies, and FP8 adds the quantisation of each grouped linear's input."""
-    def elements(**model) -> float:
+    def block(**model) -> MoeCost:
         fp8 = model.pop("fp8", False)
         j = job(ep=8, model=model)
         layout, _, comm = models(j, 32)
         kernels = KernelModel(j.cluster, efficiency_for(j.cluster), Precision.fp8 if fp8 else j.train.precision)
-        return moe_block_cost(j, layout, kernels, comm).elements_per_token
+        return moe_block_cost(j, layout, kernels, comm)
+
+    def elements(**model) -> float:
+        return block(**model).elements_per_token
+
+    def router(**model) -> tuple[float, float]:
+        return block(**model).router_bytes_per_token
 
     base = elements()
-    assert elements(num_experts=128) - base == pytest.approx(64 * 17.0 / 2.0)  # 64 more experts' router bytes
-    assert elements(moe_aux_loss_coeff=0.01) - base == pytest.approx(64 * 4.0 / 2.0)
+    # The router's bytes (fp32 scores here) grow with the experts: 64 more experts' 6d + 17 forward, 3d backward;
+    # the auxiliary loss adds its fp32 scores' passes and its own routing map (unfused_router_bytes).
+    assert elements(num_experts=128) == pytest.approx(base)
+    assert tuple(b - a for a, b in zip(router(), router(num_experts=128), strict=True)) == pytest.approx(
+        (64 * (6 * 4.0 + 17.0), 64 * 3 * 4.0))
+    assert tuple(b - a for a, b in zip(router(), router(moe_aux_loss_coeff=0.01), strict=True)) == pytest.approx(
+        (64 * (2 * 4.0 + 4 * 4.0 + 18.0), 64 * (3 * 4.0 + 2 * 4.0)))
     # Top-4 instead of top-8: half the copies through permutation 1/2 and the unpermutation (and the activation).
     assert elements(moe_router_topk=4) < 0.6 * base
     # FP8: each grouped linear's input quantised, and the experts' rows copied into the padded buffer and back

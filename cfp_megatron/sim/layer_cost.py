@@ -343,10 +343,12 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
             tp_ops = 2  # attention's all-reduce per pass; the MLP adds its exposed ring and all-gather below
     elementwise = kernels.memory((replicated_elements + split_elements) * tokens * elem_bytes)
     # PyTorch ops beside the fused kernels (the experts' clamp, per-expert fc2 bias, torchtitan's dispatcher and
-    # SwiGLU; torchtitan's FeedForward's SwiGLU) and Transformer Engine's fused router, forward and backward.
+    # SwiGLU; torchtitan's FeedForward's SwiGLU), forward and backward; and the router's element-wise work, on the
+    # attention side of moe_a2a_overlap's windows (below).
+    router_fwd = router_bwd = 0.0
     if moe_block is not None:
-        unfused = tuple(nbytes + router for nbytes, router in zip(moe_block.unfused_bytes_per_token,
-                                                                 moe_block.router_bytes_per_token, strict=True))
+        unfused = moe_block.unfused_bytes_per_token
+        router_fwd, router_bwd = (kernels.memory(nbytes * tokens) for nbytes in moe_block.router_bytes_per_token)
     unfused_fwd, unfused_bwd = (kernels.memory(nbytes * tokens) for nbytes in unfused)
 
     # TP / SP collectives (the tensor-parallel term), less what the GEMMs hide under TP communication overlap.
@@ -362,9 +364,9 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
     # FSDP (the data-parallel term): gather the layer's weights before forward and backward, scatter its gradients
     # after backward.
     fsdp_fwd_comm = fsdp_bwd_comm = 0.0
-    fwd_compute = attn_gemm + mlp_gemm + elementwise + unfused_fwd + scalar_fwd
+    fwd_compute = attn_gemm + mlp_gemm + elementwise + unfused_fwd + router_fwd + scalar_fwd
     mlp_bwd_gemm = moe_block.gemm_bwd_s if moe_block is not None else 2.0 * mlp_gemm
-    bwd_compute = 2.0 * attn_gemm + mlp_bwd_gemm + 2.0 * elementwise + unfused_bwd + scalar_bwd
+    bwd_compute = 2.0 * attn_gemm + mlp_bwd_gemm + 2.0 * elementwise + unfused_bwd + router_bwd + scalar_bwd
     if job.parallel.fsdp is not FsdpStrategy.none:
         fsdp_fwd_comm, fsdp_bwd_comm = fsdp_sync(job, layout, costs, params=params, elem_bytes=elem_bytes,
                                                  expert_params=expert_params, torch_fsdp=options.torch_fsdp)
@@ -410,7 +412,7 @@ def layer_passes(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Coll
                         cp_comm_s=cp_bwd, ep_comm_s=ep_bwd, weight_grad_s=attn_gemm + mlp_bwd_gemm / 2 + accumulate_s)
     # torchtitan's per-op policy re-runs every element-wise op, its dispatcher's and the experts' unfused ones too.
     op_sac_s = (op_sac_recompute_s(job, layout, kernels, moe_block=moe_block,
-                                   elementwise_s=elementwise + unfused_fwd)
+                                   elementwise_s=elementwise + unfused_fwd + router_fwd)
                 if options.torch_op_sac else None)
     op_sac_tp_s = ((tp_ops // 2) * costs.seconds(Collective.all_gather, tokens * hidden * elem_bytes, tp,
                                                   layout.tp_per_node)

@@ -153,9 +153,9 @@ class MoeCost:
     (:func:`expert_bias_bytes`), torchtitan's dispatcher's gathers, scatters and fp32 combine
     (:func:`torch_dispatch_bytes`) and its routed and shared experts' unfused SwiGLU (:func:`torch_swiglu_bytes`)."""
     router_bytes_per_token: tuple[float, float] = (0.0, 0.0)
-    """(forward, backward) HBM bytes per token of the micro-batch of Transformer Engine's fused router on the tokens
-    this rank scores (:func:`fused_router_bytes`; what ``moe`` recomputation repeats of it: the forward's); zero
-    unfused, where the router's passes are among ``elements_per_token``."""
+    """(forward, backward) HBM bytes per token of the micro-batch of the router's element-wise work on the tokens
+    this rank scores: Transformer Engine's fused kernels (:func:`fused_router_bytes`) or Megatron-Core's PyTorch ops
+    (:func:`unfused_router_bytes`); what ``moe`` recomputation repeats of it: the forward's."""
     recomputed_bytes_per_token: float = 0.0
     """Of the forward's ``unfused_bytes_per_token``, the clamp's or torchtitan's SwiGLU's: what ``moe_act``
     recomputes with the activation (the fc2 bias is added after fc2, outside it)."""
@@ -176,13 +176,29 @@ class MoeCost:
 
 FP32_BYTES = 4.0
 """Bytes of an fp32 element: the router's logits, scores and probabilities under ``moe_router_dtype='fp32'``."""
-ROUTER_SCORE_PASSES = 4.0
-"""Passes per token and expert over the router's ``[tokens, experts]`` scores (in the router's dtype,
-:func:`router_bytes`) of its element-wise kernels in one forward pass, unfused (Megatron-Core's
-``TopKRouter.routing``): the score function reads the logits and writes the scores (2), top-k reads them (1) and
-writes the dense probabilities (1), beside the boolean routing map (:data:`ROUTING_MAP_BYTES`)."""
-AUX_LOSS_SCORE_PASSES = 1.0
-"""The load-balancing loss' extra read of the scores per token and expert (``moe_aux_loss_coeff > 0``)."""
+UNFUSED_TOPK_PASSES = (6.0, 3.0)
+"""(forward, backward) passes per token and expert over the router's ``[tokens, experts]`` tensors in its dtype
+(:func:`router_bytes`) of Megatron-Core 0.16.1's unfused ``topk_routing_with_score_function`` (transformer/moe/
+moe_utils.py, softmax scores): forward, ``torch.topk`` reads the logits (1), ``zeros_like(logits).scatter`` writes
+the zeros and copies them into the dense probabilities (3), and the routing map's ``zeros_like(logits).int()``
+writes zeros and reads them (2); backward, the top-k's gradient is a ``new_zeros`` filled by ``scatter`` (3). The
+top-k's own ``[tokens, topk]`` tensors are left out."""
+UNFUSED_TOPK_MAP_BYTES = (17.0, 0.0)
+"""(forward, backward) bytes per token and expert of the same routing map: the int32 copy written (4), its
+``scatter`` (read 4, written 4) and ``.bool()`` (read 4, written 1)."""
+UNFUSED_AUX_LOSS_PASSES = (2.0, 3.0)
+"""(forward, backward) passes per token and expert in the router's dtype the load-balancing loss adds, unfused
+(``moe_aux_loss_coeff > 0``: ``compute_routing_scores_for_aux_loss`` and ``switch_load_balancing_loss_func``):
+forward, its own map's ``zeros_like(logits).int()`` (2); backward, autograd's add of its gradient to the top-k's
+(read 2, written 1)."""
+UNFUSED_AUX_LOSS_FP32_PASSES = (4.0, 2.0)
+"""The same loss' passes over its fp32 scores (``torch.softmax(logits, dtype=torch.float32)``): forward, the softmax
+(read and written, 2), ``torch.topk`` (1) and the scores' sum over tokens (1); backward, the softmax's backward
+reads its output and writes the gradient (2; the incoming gradient is the sum's, broadcast). Where the router's
+dtype is not fp32, the cast to fp32 adds a read in its dtype and an fp32 write, and its backward the reverse."""
+UNFUSED_AUX_LOSS_MAP_BYTES = (18.0, 0.0)
+"""(forward, backward) bytes per token and expert of that loss' routing map: as :data:`UNFUSED_TOPK_MAP_BYTES` (17)
+and its sum over tokens (1)."""
 FUSED_TOPK_PASSES = (3.0, 3.0)
 """(forward, backward) passes per token and expert over the router's ``[tokens, experts]`` tensors (in the
 router's dtype, :func:`router_bytes`) of Transformer Engine's fused top-k (``fused_topk_with_score_function``,
@@ -334,6 +350,24 @@ def fused_router_bytes(job: JobSpec, elem: float) -> tuple[float, float]:
     return one(0), one(1)
 
 
+def unfused_router_bytes(job: JobSpec, elem: float) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per token and expert of the router's element-wise work without
+    ``moe_router_fusion``, in the router's dtype (:func:`router_bytes`) with ``elem``-byte activations, counted from
+    Megatron-Core 0.16.1's PyTorch ops (tests/test_sim_fused_router.py counts them again): the top-k
+    (:data:`UNFUSED_TOPK_PASSES`, :data:`UNFUSED_TOPK_MAP_BYTES`) and, with the load-balancing loss,
+    :data:`UNFUSED_AUX_LOSS_PASSES`, :data:`UNFUSED_AUX_LOSS_FP32_PASSES` and :data:`UNFUSED_AUX_LOSS_MAP_BYTES`."""
+    score = router_bytes(job, elem)
+    aux = job.model.moe_aux_loss_coeff > 0
+    cast = score + FP32_BYTES if aux and score != FP32_BYTES else 0.0  # the aux loss' softmax casts to fp32
+
+    def one(i: int) -> float:
+        loss = (UNFUSED_AUX_LOSS_PASSES[i] * score + UNFUSED_AUX_LOSS_FP32_PASSES[i] * FP32_BYTES
+                + UNFUSED_AUX_LOSS_MAP_BYTES[i] + cast) if aux else 0.0
+        return UNFUSED_TOPK_PASSES[i] * score + UNFUSED_TOPK_MAP_BYTES[i] + loss
+
+    return one(0), one(1)
+
+
 def probability_bytes(job: JobSpec, elem: float) -> float:
     """Bytes of one routed copy's probability as the experts get it: the router's (:func:`router_bytes`), but fp32
     under the flex dispatcher, whose DeepEP and HybridEP managers cast them (``token_dispatcher.py``: "DeepEP only
@@ -397,7 +431,8 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     experts (:meth:`~cfp_megatron.sim.options.SimOptions.torch_gpt_oss_experts`): mlp1 one grouped GEMM, its bias,
     the clamped SwiGLU and mlp2's bias unfused (:func:`torch_gpt_oss_bytes`). ``fused_router``: the router runs
     Transformer Engine's fused kernels (:meth:`~cfp_megatron.sim.options.SimOptions.fused_router`), counted forward
-    and backward (:func:`fused_router_bytes`, in ``router_bytes_per_token``), not in the routing's elements.
+    and backward (:func:`fused_router_bytes`, in ``router_bytes_per_token``), else its PyTorch ops
+    (:func:`unfused_router_bytes`).
     ``torch_shared_expert``: the shared experts are torchtitan's ``FeedForward``
     (:meth:`~cfp_megatron.sim.options.SimOptions.torch_swiglu_mlp`), the
     same two GEMMs and unfused SwiGLU over every token."""
@@ -449,10 +484,10 @@ def moe_block_cost(job: JobSpec, layout: Layout, kernels: KernelModel, costs: Co
     gemm_s += router_s + shared_s
     gemm_bwd_s += 2.0 * (router_s + shared_s)
     elements = activation + shared_elements + _routing_elements(job, layout, kernels, routed=routed, flex=flex,
-                                                                torch_combine=torch_combine, local_tokens=local_tokens,
-                                                                fused_router=fused_router) / tokens
+                                                                torch_combine=torch_combine,
+                                                                local_tokens=local_tokens) / tokens
     scored = local_tokens * num_experts / tokens  # the router's [tokens, experts] entries per token of the batch
-    fwd_bytes, bwd_bytes = fused_router_bytes(job, kernels.elem) if fused_router else (0.0, 0.0)
+    fwd_bytes, bwd_bytes = (fused_router_bytes if fused_router else unfused_router_bytes)(job, kernels.elem)
     router = (scored * fwd_bytes, scored * bwd_bytes)
     # The routed experts' PyTorch element-wise ops beside their fused kernels, per token of the micro-batch.
     clamp = clamp_bytes(kernels.elem) if model.activation_clamp is not None and not torch_gpt_oss else (0.0, 0.0)
@@ -507,12 +542,10 @@ def _torch_dispatch_per_token(job: JobSpec, layout: Layout, kernels: KernelModel
 
 
 def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, routed: float,
-                      local_tokens: float, flex: FlexKernels, torch_combine: bool = False,
-                      fused_router: bool = False) -> float:
+                      local_tokens: float, flex: FlexKernels, torch_combine: bool = False) -> float:
     """Elements (of the compute precision) the routing moves through HBM on this rank in one forward pass,
     memory-bound kernels counted from what Megatron-Core's ``TopKRouter`` and ``MoEAlltoAllTokenDispatcher`` run:
-    the router's element-wise kernels on the ``local_tokens`` it scores (:data:`ROUTER_SCORE_PASSES`, and the
-    auxiliary loss' read), the first permutation of the copies this rank sends and the unpermutation of those it
+    the first permutation of the copies this rank sends and the unpermutation of those it
     gets back, and, where an expert rank holds several experts, the sort of the ``routed`` rows it receives by
     expert and the unsort before the combine (``sort_chunks_by_idxs``); each a gather/scatter of
     :data:`PERMUTE_ROW_PASSES` rows per copy. The flex dispatcher (DeepEP and HybridEP alike: ``_DeepepManager``'s
@@ -520,15 +553,12 @@ def _routing_elements(job: JobSpec, layout: Layout, kernels: KernelModel, *, rou
     FP4, the quantisation of each grouped linear's input (the format's ``cast_bytes``,
     ``cfp_megatron/sim/number_formats.yaml``). ``torch_combine``: torchtitan's dispatcher, whose permutations and
     combine are counted forward and backward apart (:func:`torch_dispatch_bytes`, :func:`moe_block_cost`), not
-    here, and whose FP8/FP4 permutation pads the rows in place (no ``Fp8Padding`` copies). ``fused_router``:
-    Transformer Engine's fused router, counted apart (:func:`fused_router_bytes`), not here."""
+    here, and whose FP8/FP4 permutation pads the rows in place (no ``Fp8Padding`` copies). The router's own
+    element-wise work is counted apart, forward and backward (:func:`fused_router_bytes`,
+    :func:`unfused_router_bytes`)."""
     model, dims = job.model, layout.dims
     num_experts, hidden = model.num_experts or 1, model.hidden_size
     elements = 0.0
-    if not fused_router:
-        passes = ROUTER_SCORE_PASSES + (AUX_LOSS_SCORE_PASSES if model.moe_aux_loss_coeff > 0 else 0.0)
-        per_expert = passes * router_bytes(job, kernels.elem) + ROUTING_MAP_BYTES
-        elements = local_tokens * num_experts * per_expert / kernels.elem
     received = routed / dims.etp  # the rows this rank's experts take, as they arrive
     if model.moe_token_dispatcher is TokenDispatcher.flex:
         # DeepEP and HybridEP read the tokens where they are and land them by source rank: one permutation by
