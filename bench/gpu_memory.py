@@ -40,6 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from cfp_megatron.base.cuda_env import alloc_conf, set_runtime_env  # noqa: E402
 from cfp_megatron.sim.prediction import MemoryBreakdown  # noqa: E402
 
 PREDICTED_CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "comm_buffers", "other")
@@ -196,13 +197,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="JSON file of the results (written after each case)")
     parser.add_argument("--cluster", default="auto", help="auto (the GPU's preset), a preset name, or local")
     args = parser.parse_args()
+    set_runtime_env()  # the allocator the runtime trains with (expandable segments unless set), before CUDA starts
     on_gpu = torch.cuda.is_available()
     capacity = float(torch.cuda.get_device_properties(0).total_memory) if on_gpu else 0.0
     if args.cluster == "auto":
         args.cluster = preset_for(torch.cuda.get_device_name(0), capacity) if on_gpu else "local"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     where = f"{torch.cuda.get_device_name(0)}, {capacity / 2**30:.1f} GiB" if on_gpu else "CPU"
-    print(f"{args.model}, seq {args.seq}, one rank on {where}; predicted on cluster={args.cluster}")
+    print(f"{args.model}, seq {args.seq}, one rank on {where}; predicted on cluster={args.cluster}; "
+          f"PYTORCH_CUDA_ALLOC_CONF={alloc_conf()!r}")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if args.cluster == "local":  # measured on this machine first: its ProfileDB in CFP_CACHE_DIR
@@ -216,7 +219,7 @@ def main() -> None:
     start_process_group()
     unit, scale = ("GiB", 2**30) if on_gpu else ("MiB", 2**20)
     result: dict = {"device": where, "model": args.model, "seq": args.seq, "cluster": args.cluster,
-                    "torch": torch.__version__, "cases": []}
+                    "torch": torch.__version__, "alloc_conf": alloc_conf(), "cases": []}
     print(f"{'recompute':<10} {'mb':>3} {'layers':>6} {'pred ' + unit:>9} {'cuda max ' + unit:>13} {'error':>7} "
           f"{'reserved ' + unit:>13} {'tracked ' + unit:>12} {'error':>7}")
     cuda_err, tracked_err = [], []

@@ -4,7 +4,8 @@
 # goes; a part that fails or times out does not stop the next:
 #   1. bench/gpu_ops.py        -> $OUT/ops.json       GEMM (BF16, FP8), attention, grouped GEMM, launch cost (~60 s)
 #   2. bench/kernel_launches.py -> $OUT/launches.json  kernels per layer and pass (when the file exists)
-#   3. bench/gpu_memory.py     -> $OUT/memory.json    predicted vs measured memory, 9 cases in one process
+#   3. bench/gpu_memory.py     -> $OUT/memory.json    predicted vs measured memory, 9 cases in one process, with
+#      the runtime's allocator (expandable segments, cfp_megatron/base/cuda_env.py) unless PYTORCH_CUDA_ALLOC_CONF is set
 #   4. a one-GPU `+cfp=auto` run (profiler's CUDA path, plan, train, plan_check) -> $OUT/outputs.tgz; off by default
 #   5. the same run in FP8 (train.precision=fp8, FP8_RECIPE: Megatron-Core's fp8_recipe, default tensorwise): its
 #      plan_check is predicted vs measured for an FP8 plan where Transformer Engine is installed; without it, the
