@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from cfp_megatron.base.config import ClusterSpec, FsdpStrategy, JobSpec, MlpPartition, ParallelSpec, Recompute
 from cfp_megatron.base.number_format import NumberFormat
@@ -147,6 +147,12 @@ class CostCache:
     exchanges: dict[tuple[str, int], Any] = field(default_factory=dict)
     """The pipelined probe of a partition at a micro-batch size against its pricing
     (:class:`~cfp_megatron.sim.simulate.ProbeCalibration`, ``None`` where none can be had), by partition and size."""
+    layer_params: dict[tuple[Any, ...], LayerParams] = field(default_factory=dict)
+    """The parameters of the pass costs computed so far, by :func:`params_key` (what a memory prediction reads of
+    them: :func:`~cfp_megatron.sim.simulate.predict_memory`)."""
+    laid_out: tuple[JobSpec, int | None, Layout] | None = None
+    """The last plan a memory prediction validated and laid out without pricing its passes (the job, by identity,
+    its world size and its layout): the simulator reads the layout from it when it simulates the same job."""
     prepared: tuple[tuple[Any, ...], Any] | None = None
     """The last plan :func:`~cfp_megatron.sim.simulate.simulate` prepared (its arguments, by identity, and its
     validated layout and pass costs): a search predicts a candidate's memory, then simulates the same job."""
@@ -222,6 +228,33 @@ def analytical_parts(job: JobSpec, layout: Layout, kernels: KernelModel, costs: 
     if model.mtp_num_layers and not options.measured_layer_only:
         mtp = mtp_projection_cost(job, layout, kernels, costs)
     return AnalyticalParts(dense=dense, moe=moe, embedding=embedding, head=head, mtp=mtp)
+
+
+class LayerParams(NamedTuple):
+    """Parameters on one rank of :class:`PassCosts`' layers: what a memory prediction reads of them."""
+
+    dense: float
+    """One dense decoder layer's (:attr:`PassCosts.dense`)."""
+    moe: float
+    """One MoE decoder layer's (:attr:`PassCosts.moe`)."""
+    moe_experts: float
+    """Its routed experts' share."""
+    mtp_projection: float
+    """:attr:`PassCosts.mtp_projection_params`."""
+
+    @classmethod
+    def of(cls, parts: PassCosts) -> LayerParams:
+        """Those of ``parts``."""
+        return cls(dense=parts.dense.params, moe=parts.moe.params, moe_experts=parts.moe.expert_params,
+                   mtp_projection=parts.mtp_projection_params)
+
+
+def params_key(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """:func:`cost_key`'s ``key`` less the recompute choice and modules, the FSDP lane's groups and the
+    communication options: what a layer's parameters on a rank read (its TP, expert and expert-TP sizes and its MLP
+    partition, :func:`~cfp_megatron.sim.layer_cost.layer_passes`; the rest is kept to match whole layouts), so plans
+    of one layout that differ only in those share their :class:`LayerParams`."""
+    return key[:7] + key[8:13] + key[14:15]
 
 
 def analytical_key(key: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -33,12 +33,14 @@ from cfp_megatron.sim.memory import Stage, layout_memory, stage
 from cfp_megatron.sim.options import PipelineSchedule, SimOptions
 from cfp_megatron.sim.pass_costs import (
     CostCache,
+    LayerParams,
     PassCosts,
     analytical_key,
     analytical_parts,
     collective_costs,
     comm_options,
     cost_key,
+    params_key,
     pass_costs,
 )
 from cfp_megatron.sim.prediction import GIB, Event, EventKind, MemoryBreakdown, Prediction, TimeBreakdown
@@ -224,6 +226,9 @@ def _prepared(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
         job = JobSpec(model=job.model, cluster=cluster, parallel=job.parallel, train=job.train, data=job.data)
     options = options or SimOptions()
     efficiency = efficiency or efficiency_for(cluster)
+    if layout is None and cache is not None and cache.laid_out is not None and cache.laid_out[0] is job \
+            and cache.laid_out[1] == world_size:
+        layout = cache.laid_out[2]  # validated by the memory prediction just before
     layout = layout or build_layout(job, world_size)
     if cache is None:
         costs = collective_costs(cluster, measurements, efficiency)
@@ -246,6 +251,7 @@ def _prepared(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
             if parts is None:
                 parts = cache.analytical[shared] = analytical_parts(plan, layout, kernels, costs, options)
             found = cache.costs[key] = pass_costs(plan, layout, kernels, costs, options, measurements, parts)
+            cache.layer_params[params_key(key)] = LayerParams.of(found)
         return found
 
     parts = costs_of(job)
@@ -294,9 +300,53 @@ def predict_memory(job: JobSpec, cluster: ClusterSpec | None = None, measurement
                    cache: CostCache | None = None) -> MemoryBreakdown:
     """Peak memory per rank (bytes) of the most loaded pipeline stage of ``job``: what :func:`simulate` reports as
     ``memory``, without timing the schedule (a search checks memory first)."""
+    if cache is not None:  # parameters from pass costs of the same layout under other communication options
+        found = _params_split(job, cluster, measurements, options, world_size, cache)
+        if found is not None:
+            plan, layout, plan_options, split = found
+            return _peak_memory(plan, layout, plan_options, measurements, split)
     job, layout, options, _, _, _, parts = _prepare(job, cluster, measurements, options, None, world_size, cache)
     split = _stage_split(job, layout, parts)
     return _peak_memory(job, layout, options, measurements, split)
+
+
+def _params_split(job: JobSpec, cluster: ClusterSpec | None, measurements: Measurements | None,
+                  options: SimOptions | None, world_size: int | None, cache: CostCache
+                  ) -> tuple[JobSpec, Layout, SimOptions, _StageSplit] | None:
+    """``job`` validated and laid out, its options, and its :func:`_stage_split` from the :class:`LayerParams` of
+    pass costs ``cache`` holds for its layout (:func:`params_key`), without pricing its own passes: ``None`` where
+    the cache holds none, or holds ``job``'s prepared already (:func:`_prepare` then serves it). A layer's
+    parameters on a rank read its layout and MLP partition, not its recompute choice, communication options or
+    FSDP groups, which is all the key leaves out; the layout is validated as :func:`_prepared` validates it."""
+    prepared = cache.prepared
+    if prepared is not None and prepared[0][0] is job:
+        return None
+    cluster = cluster or job.cluster
+    if cluster is not job.cluster:
+        return None
+    options = options or SimOptions()
+    if not cache.serves(job, measurements, options, efficiency_for(cluster)):
+        return None  # _prepared refuses it
+    parallel = job.parallel
+    layout = build_layout(job, world_size)
+    cache.laid_out = (job, world_size, layout)
+    key = cost_key(layout, parallel.recompute, options, parallel.mlp, comm=comm_options(parallel),
+                   recompute_modules=parallel.recompute_modules)
+    params = cache.layer_params.get(params_key(key))
+    if params is None:
+        return None
+    megatron = params.dense
+    if parallel.primepar_layers is not None:  # the dense layers beyond it: its Megatron twin's
+        twin = megatron_twin(job).parallel
+        twin_key = cost_key(layout, twin.recompute, options, twin.mlp, comm=comm_options(twin),
+                            recompute_modules=twin.recompute_modules)
+        twin_params = cache.layer_params.get(params_key(twin_key))
+        if twin_params is None:
+            return None
+        megatron = twin_params.dense
+    bf16_ends = bool(parallel.num_layers_at_start_in_bf16 or parallel.num_layers_at_end_in_bf16) \
+        and NumberFormat.of(job.train).low
+    return job, layout, options, _split_from(job, params, megatron, bool(bf16_ends))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,18 +380,25 @@ def _stage_split(job: JobSpec, layout: Layout, parts: PassCosts) -> _StageSplit:
     """Per pipeline rank: decoder-layer parameters on one rank (MTP layers' included), the routed experts' share of
     them, MoE layers and layers, over the rank's model chunks, and what the rank holds of the embedding, the loss and
     the MTP layers (:func:`_split_of`, from what it reads)."""
-    model, parallel = job.model, job.parallel
     megatron_dense = parts.megatron_dense or parts.dense  # the dense layers beyond parallel.primepar_layers
-    split = _split_of(job_split(job), parallel.mlp, parallel.primepar_layers, parts.dense.params,
-                      megatron_dense.params, parts.moe.params, parts.moe.params + parts.mtp_projection_params,
-                      parts.moe.expert_params, model.is_moe, model.tie_embeddings)
-    if parts.bf16_ends is None:
+    return _split_from(job, LayerParams.of(parts), megatron_dense.params, parts.bf16_ends is not None)
+
+
+def _split_from(job: JobSpec, params: LayerParams, megatron_params: float, bf16_ends: bool) -> _StageSplit:
+    """:func:`_stage_split` from the layers' parameters ``params`` (``megatron_params``: a dense layer's under
+    Megatron's MLP, for the layers beyond ``parallel.primepar_layers``), with layers kept in bf16 at the stack's
+    ends or not (``bf16_ends``)."""
+    model, parallel = job.model, job.parallel
+    split = _split_of(job_split(job), parallel.mlp, parallel.primepar_layers, params.dense,
+                      megatron_params, params.moe, params.moe + params.mtp_projection,
+                      params.moe_experts, model.is_moe, model.tie_embeddings)
+    if not bf16_ends:
         return split
     per_chunk = bf16_end_layers(job_chunks(job), parallel.num_layers_at_start_in_bf16,
                                 parallel.num_layers_at_end_in_bf16)
     layers = tuple((sum(d for d, _ in row), sum(m for _, m in row)) for row in per_chunk)
     return dataclasses.replace(split, bf16_layers=layers,
-                               bf16_params=tuple(d * parts.dense.params + m * parts.moe.params for d, m in layers))
+                               bf16_params=tuple(d * params.dense + m * params.moe for d, m in layers))
 
 
 @functools.lru_cache(maxsize=4096)
