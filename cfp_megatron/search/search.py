@@ -924,25 +924,27 @@ def _time_entries(bounded: _Bounded, job: JobSpec, cut: float = math.inf, extra:
     L = m.num_layers
     moe_model = m.is_moe
     first_dense = m.moe_first_dense_layers if moe_model else None
-    g, interleaved = bounded.group, bounded.costs
-    pp = g.head.pp
-    block = g.head.recompute == BLOCK
+    g, interleaved, serial = bounded.group, bounded.costs, bounded.serial
+    head, dopts, microbatches = g.head, g.dopts, g.microbatches
+    pp = head.pp
+    block = head.recompute == BLOCK
+    # each costs' terms, looked up once (the splits of one chunk per rank may take the serial costs)
+    terms = {id(c): (c, *layer_terms(c, block), c.kind_fb_s if block else c.kind_s)
+             for c in (interleaved, serial) if c is not None}
     out: list[tuple[float, int, tuple, object]] = []
     for split in g.splits:
         vpp = split[0]
-        costs = bounded.serial if vpp == 1 and bounded.serial is not None else interleaved
-        layer_s, chunk_s = layer_terms(costs, block)
-        kind_s = costs.kind_fb_s if block else costs.kind_s
+        costs, layer_s, chunk_s, kind_s = terms[id(serial if vpp == 1 and serial is not None else interleaved)]
         first, middle, last, dense_0, moe_0, dense_n, moe_n, _, middles = _split_facts(L, pp, split, first_dense)
-        bound = time_bound(costs, layer_s, chunk_s, g.microbatches, pp, vpp, L, first, middle, last,
+        bound = time_bound(costs, layer_s, chunk_s, microbatches, pp, vpp, L, first, middle, last,
                            dense_0 * kind_s[0] + moe_0 * kind_s[1], dense_n * kind_s[0] + moe_n * kind_s[1],
                            # a dense model's layers are of one kind: its middle ranks' count bounds them already
                            min([d * kind_s[0] + n * kind_s[1] for d, n in middles]) if middles and moe_model else 0.0)
         if bound > cut:
             continue
         tag = split if extra is None else (extra, split)
-        for dopt in g.dopts:
-            out.append((bound, _CANDIDATE, g.head + split + (dopt,), tag))
+        prefix = head + split
+        out.extend([(bound, _CANDIDATE, prefix + (dopt,), tag) for dopt in dopts])
     return out
 
 
@@ -1023,11 +1025,20 @@ class StateBound:
     pipelined: bool = True
     """Whether the strategies beyond the first apply to pipelined families too
     (:meth:`~cfp_megatron.search.space.Space.sharding_ladder`); else those keep to the first."""
+    by_family: dict[tuple, tuple[float, ...]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    """:meth:`per_param` by family (its head's first five fields), once computed."""
 
     def per_param(self, head: tuple) -> tuple[float, ...]:
         """Bytes per parameter for a group of ``head``'s family: with the distributed optimizer at the most sharding
         the search may set, without it, then with it under each strategy of :attr:`sharded` (in that order)."""
-        tp, cp, pp, ep, etp = head[:5]
+        family = head[:5]
+        found = self.by_family.get(family)
+        if found is None:
+            found = self.by_family[family] = self._per_param(*family)
+        return found
+
+    def _per_param(self, tp: int, cp: int, pp: int, ep: int, etp: int) -> tuple[float, ...]:
+        """:meth:`per_param` of a family, computed."""
         widest = max(data_parallel_size(self.world, tp, cp, pp) * cp,
                      expert_data_parallel_size(self.world, etp, ep, pp), 1)
         strategies = self.sharded if self.pipelined or pp == 1 else self.sharded[:1]
