@@ -798,7 +798,8 @@ def _bounded(g: Group, costs: _Costs, kept: _KeptBytes, num_layers: int,
     if not found.shared_cores and first_dense is not None:
         kind_s = found.kind_fb_s if block else found.kind_s
         loads = _lightest_end_loads(L, pp, g.splits, first_dense)
-        busy = tuple(min(d * kind_s[0] + n * kind_s[1] for d, n in end) for end in loads)
+        k0, k1 = kind_s
+        busy = (min([d * k0 + n * k1 for d, n in loads[0]]), min([d * k0 + n * k1 for d, n in loads[1]]))
     bound = group_bound(found, block, g.microbatches, pp, L, *ends, *busy)
     return _Bounded(group=g, costs=found, bound=bound, kept=kept, serial=serial if pp > 1 else None,
                     paired=None if paired is None or serial is None else (paired, serial))
