@@ -309,8 +309,12 @@ def row_plan(row: dict, presets: dict[str, dict] | None = None, *, split: tuple[
                                                              and recipe.flex_backend != "hybridep")))
     architecture, fields = preset_architecture({**row, "vocab": str(model["vocab_size"])}) if experts else ("", {})
     model.update(fields)
-    if experts:  # the router as its framework's recipes run it (frameworks.yaml router_fusion)
+    if experts:  # the router and its loss as its framework's recipes run them (frameworks.yaml)
         model["moe_router_fusion"] = _model_matches(row, framework.router_fusion)
+        coefficient = next((c for pattern, c in framework.load_balancing_loss
+                            if re.search(pattern, row.get("model") or "", re.IGNORECASE)), None)
+        if coefficient is not None:
+            model["moe_aux_loss_coeff"] = coefficient
     modules, offloaded = None, 0
     if recipe:
         if experts:

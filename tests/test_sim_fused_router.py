@@ -216,6 +216,19 @@ def test_the_validators_megatron_bridge_moe_rows_run_the_router_fused_and_qwen3s
     assert not dense.is_moe and not dense.moe_router_fusion
 
 
+def test_the_bridge_rows_train_with_their_providers_load_balancing_loss() -> None:
+    """frameworks.yaml's load_balancing_loss: Megatron-Bridge's Qwen3 (aux_loss) and DeepSeek-V3 (seq_aux_loss)
+    providers train with one, GPT-OSS's sets none; a torchtitan row of the same model keeps its family's (none)."""
+    from cfp_megatron.validate import read_rows, row_plan
+    from cfp_megatron.validation.rows import PUBLISHED_RUNS
+
+    rows = {r["id"]: r for path in PUBLISHED_RUNS for r in read_rows(path)}
+    for rid, coefficient in (("73", 0.001), ("74", 0.001), ("91", 0.001), ("79", 0.0)):
+        assert row_plan(rows[rid]).job.model.moe_aux_loss_coeff == coefficient, rid
+    titan = {**rows["73"], "framework": "torchtitan", "source": "", "source_detail": "", "notes": ""}
+    assert row_plan(titan).job.model.moe_aux_loss_coeff == 0.0
+
+
 def test_the_field_reaches_megatron_core_only_with_transformer_engine_and_is_noted_on_cpu(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from cfp_megatron.model import megatron_config

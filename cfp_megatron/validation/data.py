@@ -137,6 +137,10 @@ class Framework:
     unfused_rope: tuple[str, ...] = ()
     """Patterns on ``model`` (case-insensitive) whose RoPE it runs unfused (:attr:`~cfp_megatron.sim.options.
     SimOptions.rope_fusion` off)."""
+    load_balancing_loss: tuple[tuple[str, float], ...] = ()
+    """(pattern on ``model``, ``moe_aux_loss_coeff``) of the MoE models its recipes train with a load-balancing loss
+    (:attr:`~cfp_megatron.base.config.ModelSpec.moe_aux_loss_coeff`); the first match applies, none: the model
+    family's."""
     router_fusion: tuple[str, ...] = ()
     """Patterns on ``model`` (case-insensitive) whose MoE router it runs as Transformer Engine's fused kernels
     (:attr:`~cfp_megatron.base.config.ModelSpec.moe_router_fusion`)."""
@@ -358,7 +362,8 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
                     "moe_layer_syncs", "rank_batch_micro", "tie_embeddings", "deepspeed_engine", "torch_op_sac",
                     "torch_moe_combine", "eager_loss", "compiled_loss", "unfused_rope", "async_tp_backward",
                     "blocking_interleaved", "global_memory_buffer", "wgrad_placeholder", "torchao_low_precision",
-                    "router_fusion", "torch_swiglu", "dtensor_tp", "compiled_model", "compiled_notes"}
+                    "router_fusion", "torch_swiglu", "dtensor_tp", "compiled_model", "compiled_notes",
+                    "load_balancing_loss"}
         known = {"attention", "overlap_grad_reduce", "tp_comm_overlap", "grad_reduce_in_fp32"} | optional
         if set(runs) - known or not known - optional <= set(runs):
             entry.fail(f"has runs keys {sorted(runs)}; it states {', '.join(sorted(known - optional))} "
@@ -374,6 +379,10 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
         mtp = runs.get("mtp_layers") or {}
         if not isinstance(mtp, dict) or not all(isinstance(n, int) and n >= 0 for n in mtp.values()):
             entry.fail(f"has mtp_layers={mtp!r}; it maps a model pattern to a number of layers")
+        balancing = runs.get("load_balancing_loss") or {}
+        if not isinstance(balancing, dict) or not all(
+                isinstance(c, int | float) and not isinstance(c, bool) and c > 0 for c in balancing.values()):
+            entry.fail(f"has load_balancing_loss={balancing!r}; it maps a model pattern to a coefficient above 0")
         apex = runs.get("apex_distributed_adam") or {}
         states = {state.value for state in ApexAdamStates}
         if not isinstance(apex, dict) or not all(isinstance(v, str) and v in states for v in apex.values()):
@@ -422,6 +431,7 @@ def load_frameworks(path: Path = FRAMEWORKS_FILE) -> tuple[Framework, ...]:
             torch_swiglu=bool(runs.get("torch_swiglu", False)), dtensor_tp=bool(runs.get("dtensor_tp", False)),
             eager_loss=bool(runs.get("eager_loss", False)), compiled_loss=compiled, unfused_rope=unfused_rope,
             compiled_model=compiled_model, compiled_notes=compiled_notes, router_fusion=router_fusion,
+            load_balancing_loss=tuple((str(pattern), float(c)) for pattern, c in balancing.items()),
             rank_batch_micro=bool(runs.get("rank_batch_micro", False)),
             apex_adam=tuple((str(pattern), ApexAdamStates(state)) for pattern, state in apex.items())))
     if frameworks[-1].match != FrameworkMatch():
