@@ -113,6 +113,13 @@ def cost_key(layout: Layout, recompute: Recompute, options: SimOptions,
             recompute_modules if recompute is Recompute.selective else None)
 
 
+def plan_cost_key(layout: Layout, parallel: ParallelSpec, options: SimOptions) -> tuple[Any, ...]:
+    """:func:`cost_key` of a plan laid out as ``layout`` with ``parallel``'s recompute choice and modules, MLP
+    partition and communication options."""
+    return cost_key(layout, parallel.recompute, options, parallel.mlp, comm=comm_options(parallel),
+                    recompute_modules=parallel.recompute_modules)
+
+
 @dataclass(kw_only=True)
 class CostCache:
     """Cost models, pass costs and timed schedules shared by the plans of one search: one model, cluster,

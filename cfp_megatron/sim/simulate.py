@@ -38,10 +38,9 @@ from cfp_megatron.sim.pass_costs import (
     analytical_key,
     analytical_parts,
     collective_costs,
-    comm_options,
-    cost_key,
     params_key,
     pass_costs,
+    plan_cost_key,
 )
 from cfp_megatron.sim.prediction import GIB, Event, EventKind, MemoryBreakdown, Prediction, TimeBreakdown
 from cfp_megatron.sim.primepar_cost import megatron_twin
@@ -242,8 +241,7 @@ def _prepared(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
     def costs_of(plan: JobSpec) -> PassCosts:
         if cache is None:
             return pass_costs(plan, layout, kernels, costs, options, measurements)
-        key = cost_key(layout, plan.parallel.recompute, options, plan.parallel.mlp,
-                       comm=comm_options(plan.parallel), recompute_modules=plan.parallel.recompute_modules)
+        key = plan_cost_key(layout, plan.parallel, options)
         found = cache.costs.get(key)
         if found is None:  # the analytical parts are shared by the plan's recompute choices
             shared = analytical_key(key)
@@ -258,9 +256,7 @@ def _prepared(job: JobSpec, cluster: ClusterSpec | None, measurements: Measureme
     ends_in_bf16 = job.parallel.num_layers_at_start_in_bf16 or job.parallel.num_layers_at_end_in_bf16
     if ends_in_bf16 and NumberFormat.of(job.train).low:  # the stack's ends run their GEMMs in bf16
         twin = bf16_twin(job)
-        ends_key = ("bf16_ends", *cost_key(layout, twin.parallel.recompute, options, twin.parallel.mlp,
-                                          comm=comm_options(twin.parallel),
-                                          recompute_modules=twin.parallel.recompute_modules))
+        ends_key = ("bf16_ends", *plan_cost_key(layout, twin.parallel, options))
         ends = cache.costs.get(ends_key) if cache is not None else None
         if ends is None:  # priced without measured segments: they ran their GEMMs in the job's format
             ends = pass_costs(twin, layout, KernelModel(cluster, efficiency, NumberFormat(precision=Precision.bf16)),
@@ -330,20 +326,15 @@ def _params_split(job: JobSpec, cluster: ClusterSpec | None, measurements: Measu
     parallel = job.parallel
     layout = build_layout(job, world_size)
     cache.laid_out = (job, world_size, layout)
-    key = cost_key(layout, parallel.recompute, options, parallel.mlp, comm=comm_options(parallel),
-                   recompute_modules=parallel.recompute_modules)
-    params = cache.layer_params.get(params_key(key))
+    params = cache.layer_params.get(params_key(plan_cost_key(layout, parallel, options)))
     if params is None:
         return None
     megatron = params.dense
     if parallel.primepar_layers is not None:  # the dense layers beyond it: its Megatron twin's
-        twin = megatron_twin(job).parallel
-        twin_key = cost_key(layout, twin.recompute, options, twin.mlp, comm=comm_options(twin),
-                            recompute_modules=twin.recompute_modules)
-        twin_params = cache.layer_params.get(params_key(twin_key))
-        if twin_params is None:
+        twin = cache.layer_params.get(params_key(plan_cost_key(layout, megatron_twin(job).parallel, options)))
+        if twin is None:
             return None
-        megatron = twin_params.dense
+        megatron = twin.dense
     bf16_ends = bool(parallel.num_layers_at_start_in_bf16 or parallel.num_layers_at_end_in_bf16) \
         and NumberFormat.of(job.train).low
     return job, layout, options, _split_from(job, params, megatron, bool(bf16_ends))
